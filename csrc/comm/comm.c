@@ -1,0 +1,388 @@
+/*
+ * The communicator dispatcher: argument checks (once, at the boundary, naming
+ * the operation and the argument), the one-thread-at-a-time guard, the failed
+ * state, statistics, and the error context "<op> on rank r of n: ...".
+ */
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm_impl.h"
+
+const char *tp_redop_name(tp_redop_t op) {
+  switch (op) {
+    case TP_SUM: return "sum";
+    case TP_PROD: return "prod";
+    case TP_MIN: return "min";
+    case TP_MAX: return "max";
+    case TP_AVG: return "avg";
+    default: return "invalid";
+  }
+}
+
+const char *tp_coll_name(tp_coll_kind_t kind) {
+  static const char *names[TP_COLL_NUM] = {
+      "none",   "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+      "barrier", "split",     "alloc",      "send",           "recv",      "sendrecv"};
+  return ((unsigned)kind < TP_COLL_NUM) ? names[kind] : "unknown";
+}
+
+static double env_timeout(void) {
+  const char *s = getenv("TPCORE_TIMEOUT");
+  if (s && *s) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end != s && v > 0) return v;
+  }
+  return 300.0;
+}
+
+tp_status_t tp_comm_alloc_common(struct tp_comm **out, int world, int rank, const char *job_id,
+                                 double timeout_s, int spin_us) {
+  struct tp_comm *c = calloc(1, sizeof *c);
+  if (!c) return tp_set_error(TP_ERR_NOMEM, "out of memory allocating a communicator");
+  c->rank = rank;
+  c->size = world;
+  c->timeout_s = timeout_s > 0 ? timeout_s : env_timeout();
+  c->spin_us = spin_us;
+  snprintf(c->job_id, sizeof c->job_id, "%s", job_id);
+  atomic_init(&c->busy, 0);
+  atomic_init(&c->failed, 0);
+  *out = c;
+  return TP_SUCCESS;
+}
+
+void tp_comm_mark_failed(struct tp_comm *c, tp_status_t st, const char *msg) {
+  int expect = 0;
+  if (atomic_compare_exchange_strong(&c->failed, &expect, 2)) {
+    c->fail_status = st;
+    snprintf(c->fail_msg, sizeof c->fail_msg, "%s", msg);
+    atomic_store(&c->failed, 1);
+  }
+}
+
+static int valid_job_id(const char *s) {
+  size_t n = strlen(s);
+  if (n == 0 || n > TP_JOB_ID_MAX) return 0;
+  for (size_t i = 0; i < n; i++)
+    if (!(isalnum((unsigned char)s[i]) || s[i] == '_' || s[i] == '-')) return 0;
+  return 1;
+}
+
+tp_status_t tp_comm_init_rank(tp_comm_t *out, int world, int rank, const tp_comm_config_t *cfg) {
+  tp_clear_error();
+  if (!out) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_init_rank: comm pointer is NULL");
+  *out = NULL;
+  tp_comm_config_t dflt = TP_COMM_CONFIG_INITIALIZER;
+  if (!cfg) cfg = &dflt;
+  if (cfg->size < offsetof(tp_comm_config_t, spin_us) + sizeof(int) ||
+      cfg->version / 10000 != TP_VERSION_MAJOR)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "comm_init_rank: config was built for another tpcore version "
+                        "(size %zu, version %u; this library is %d); use TP_COMM_CONFIG_INITIALIZER",
+                        cfg->size, cfg->version, TP_VERSION);
+  if (world < 1 || world > 1024)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "comm_init_rank: world size must be in 1..1024, got %d", world);
+  if (rank < 0 || rank >= world)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "comm_init_rank: rank must be in 0..%d (world size %d), got %d",
+                        world - 1, world, rank);
+  const char *job = cfg->job_id;
+  if (!job || !valid_job_id(job))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "comm_init_rank: job_id must be 1..%d characters of [A-Za-z0-9_-], got '%s'",
+                        TP_JOB_ID_MAX, job ? job : "(null)");
+  const char *backend = cfg->backend ? cfg->backend : "shm";
+  if (strcmp(backend, "shm") != 0)
+    return tp_set_error(TP_ERR_UNSUPPORTED,
+                        "comm_init_rank: backend '%s' is not available in this build (available: shm)",
+                        backend);
+  struct tp_comm *c;
+  TP_CHECK(tp_comm_alloc_common(&c, world, rank, job, cfg->timeout_s, cfg->spin_us));
+  tp_status_t st = tp_shm_comm_init(c, "w");
+  if (st != TP_SUCCESS) {
+    free(c);
+    return st;
+  }
+  *out = c;
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_comm_destroy(tp_comm_t c) {
+  if (!c) return TP_SUCCESS;
+  if (c->ops && c->ops->destroy) c->ops->destroy(c);
+  free(c);
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_comm_abort(tp_comm_t c, const char *reason) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_abort: comm is NULL");
+  char msg[1024];
+  snprintf(msg, sizeof msg, "rank %d aborted the communicator: %s", c->rank,
+           reason && *reason ? reason : "(no reason given)");
+  if (c->ops && c->ops->abort) c->ops->abort(c, reason ? reason : "");
+  tp_comm_mark_failed(c, TP_ERR_ABORTED, msg);
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_comm_get_async_error(tp_comm_t c, tp_status_t *err) {
+  if (!c || !err) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_get_async_error: NULL argument");
+  *err = atomic_load(&c->failed) == 1 ? c->fail_status : TP_SUCCESS;
+  return TP_SUCCESS;
+}
+
+#define GETTER(NAME, TYPE, EXPR)                                                         \
+  tp_status_t NAME(tp_comm_t c, TYPE *v) {                                               \
+    if (!c || !v) return tp_set_error(TP_ERR_INVALID_ARGUMENT, #NAME ": NULL argument"); \
+    *v = (EXPR);                                                                         \
+    return TP_SUCCESS;                                                                   \
+  }
+GETTER(tp_comm_rank, int, c->rank)
+GETTER(tp_comm_size, int, c->size)
+GETTER(tp_comm_backend, const char *, c->ops->name)
+GETTER(tp_comm_timeout, double, c->timeout_s)
+GETTER(tp_comm_get_stats, tp_comm_stats_t, c->stats)
+
+tp_status_t tp_comm_set_timeout(tp_comm_t c, double s) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_set_timeout: comm is NULL");
+  if (!(s > 0)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_set_timeout: timeout must be > 0 seconds, got %g", s);
+  c->timeout_s = s;
+  return TP_SUCCESS;
+}
+
+/* ---- the guarded call --------------------------------------------------- */
+
+static tp_status_t enter(tp_comm_t c, const char *op) {
+  tp_clear_error();
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", op);
+  if (atomic_load(&c->failed) == 1)
+    return tp_set_error(c->fail_status == TP_ERR_MISMATCH ? TP_ERR_MISMATCH : TP_ERR_ABORTED,
+                        "%s on rank %d of %d: the communicator failed earlier and cannot be used: %s",
+                        op, c->rank, c->size, c->fail_msg);
+  int expect = 0;
+  if (!atomic_compare_exchange_strong(&c->busy, &expect, 1))
+    return tp_set_error(TP_ERR_INVALID_USAGE,
+                        "%s on rank %d: the communicator is in use by another thread; "
+                        "a communicator serves one thread at a time", op, c->rank);
+  return TP_SUCCESS;
+}
+
+static tp_status_t leave(tp_comm_t c, const char *op, tp_status_t st, double t0, size_t bytes) {
+  atomic_store(&c->busy, 0);
+  if (st == TP_SUCCESS) {
+    c->stats.collectives++;
+    c->stats.bytes += bytes;
+    c->stats.seconds += tp_now() - t0;
+    return st;
+  }
+  if (st == TP_ERR_TIMEOUT || st == TP_ERR_REMOTE || st == TP_ERR_MISMATCH ||
+      st == TP_ERR_ABORTED || st == TP_ERR_SYSTEM || st == TP_ERR_INTERNAL) {
+    /* The ranks no longer agree on where they are: nothing after this is safe. */
+    tp_comm_mark_failed(c, st, tp_last_error());
+  }
+  (void)op;
+  return st;
+}
+
+static tp_status_t check_common(tp_comm_t c, const char *op, const void *send, const void *recv,
+                                size_t count, tp_dtype_t dtype, int need_send, int need_recv) {
+  if ((unsigned)dtype >= TP_NUM_DTYPES)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: invalid dtype %d", op, (int)dtype);
+  if (count > ((size_t)1 << 60) / tp_dtype_size(dtype))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: count %zu is too large", op, count);
+  if (count && need_send && !send)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: send buffer is NULL", op, c->rank);
+  if (count && need_recv && !recv)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: recv buffer is NULL", op, c->rank);
+  return TP_SUCCESS;
+}
+
+static tp_status_t check_op(const char *op, tp_redop_t r) {
+  if ((unsigned)r >= TP_NUM_REDOPS)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: invalid reduction op %d (expected sum, prod, min, max or avg)", op, (int)r);
+  return TP_SUCCESS;
+}
+
+static tp_status_t check_root(tp_comm_t c, const char *op, int root, const char *what) {
+  if (root < 0 || root >= c->size)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s : invalid %s %d (world size %d)", op, what,
+                        root, c->size);
+  return TP_SUCCESS;
+}
+
+static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes) {
+  const char *op = tp_coll_name(a->kind);
+  TP_CHECK(enter(c, op));
+  double t0 = tp_now();
+  tp_status_t st = c->ops->collective(c, a);
+  return leave(c, op, st, t0, bytes);
+}
+
+tp_status_t tp_all_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype,
+                          tp_redop_t op, tp_comm_t c) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "all_reduce: communicator is NULL");
+  TP_CHECK(check_common(c, "all_reduce", send, recv, count, dtype, 1, 1));
+  TP_CHECK(check_op("all_reduce", op));
+  tp_coll_args_t a = {TP_COLL_ALL_REDUCE, send, recv, count, NULL, count, dtype, op, 0};
+  return run_coll(c, &a, count * tp_dtype_size(dtype));
+}
+
+static tp_status_t gather_scatter_v(tp_coll_kind_t kind, const void *send, void *recv,
+                                    const size_t *counts, tp_dtype_t dtype, tp_redop_t op,
+                                    tp_comm_t c) {
+  const char *name = tp_coll_name(kind);
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", name);
+  if (!counts) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: counts is NULL", name);
+  size_t total = 0;
+  for (int p = 0; p < c->size; p++) total += counts[p];
+  size_t mine = counts[c->rank];
+  TP_CHECK(check_common(c, name, send, recv, total, dtype, 0, 0));
+  if (kind == TP_COLL_ALL_GATHER) {
+    if (mine && !send) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: send buffer is NULL", name, c->rank);
+    if (total && !recv) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: recv buffer is NULL", name, c->rank);
+  } else {
+    TP_CHECK(check_op(name, op));
+    if (total && !send) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: send buffer is NULL", name, c->rank);
+    if (mine && !recv) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: recv buffer is NULL", name, c->rank);
+  }
+  tp_coll_args_t a = {kind, send, recv, mine, counts, total, dtype, op, 0};
+  return run_coll(c, &a, total * tp_dtype_size(dtype));
+}
+
+static tp_status_t equal_counts(tp_coll_kind_t kind, const void *send, void *recv, size_t count,
+                                tp_dtype_t dtype, tp_redop_t op, tp_comm_t c) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", tp_coll_name(kind));
+  size_t stackbuf[64] = {0};
+  size_t *counts = c->size <= 64 ? stackbuf : malloc(sizeof(size_t) * (size_t)c->size);
+  if (!counts) return tp_set_error(TP_ERR_NOMEM, "out of memory");
+  for (int p = 0; p < c->size; p++) counts[p] = count;
+  tp_status_t st = gather_scatter_v(kind, send, recv, counts, dtype, op, c);
+  if (counts != stackbuf) free(counts);
+  return st;
+}
+
+tp_status_t tp_all_gather(const void *send, void *recv, size_t sendcount, tp_dtype_t dtype,
+                          tp_comm_t c) {
+  return equal_counts(TP_COLL_ALL_GATHER, send, recv, sendcount, dtype, TP_SUM, c);
+}
+tp_status_t tp_all_gather_v(const void *send, void *recv, const size_t *counts, tp_dtype_t dtype,
+                            tp_comm_t c) {
+  return gather_scatter_v(TP_COLL_ALL_GATHER, send, recv, counts, dtype, TP_SUM, c);
+}
+tp_status_t tp_reduce_scatter(const void *send, void *recv, size_t recvcount, tp_dtype_t dtype,
+                              tp_redop_t op, tp_comm_t c) {
+  return equal_counts(TP_COLL_REDUCE_SCATTER, send, recv, recvcount, dtype, op, c);
+}
+tp_status_t tp_reduce_scatter_v(const void *send, void *recv, const size_t *counts,
+                                tp_dtype_t dtype, tp_redop_t op, tp_comm_t c) {
+  return gather_scatter_v(TP_COLL_REDUCE_SCATTER, send, recv, counts, dtype, op, c);
+}
+
+tp_status_t tp_broadcast(const void *send, void *recv, size_t count, tp_dtype_t dtype, int root,
+                         tp_comm_t c) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "broadcast: communicator is NULL");
+  TP_CHECK(check_root(c, "broadcast", root, "root"));
+  TP_CHECK(check_common(c, "broadcast", send, recv, count, dtype, c->rank == root, 1));
+  tp_coll_args_t a = {TP_COLL_BROADCAST, send, recv, count, NULL, count, dtype, TP_SUM, root};
+  return run_coll(c, &a, count * tp_dtype_size(dtype));
+}
+
+tp_status_t tp_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype, tp_redop_t op,
+                      int root, tp_comm_t c) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "reduce: communicator is NULL");
+  TP_CHECK(check_root(c, "reduce", root, "root"));
+  TP_CHECK(check_op("reduce", op));
+  TP_CHECK(check_common(c, "reduce", send, recv, count, dtype, 1, c->rank == root));
+  tp_coll_args_t a = {TP_COLL_REDUCE, send, recv, count, NULL, count, dtype, op, root};
+  return run_coll(c, &a, count * tp_dtype_size(dtype));
+}
+
+tp_status_t tp_barrier(tp_comm_t c) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "barrier: communicator is NULL");
+  tp_coll_args_t a = {TP_COLL_BARRIER, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0};
+  return run_coll(c, &a, 0);
+}
+
+static tp_status_t check_peer(tp_comm_t c, const char *op, int peer, const char *what) {
+  TP_CHECK(check_root(c, op, peer, what));
+  if (peer == c->rank)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s : %s %d is this rank itself; use a local copy (or sendrecv)", op, what, peer);
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "send: communicator is NULL");
+  TP_CHECK(check_peer(c, "send", peer, "peer"));
+  TP_CHECK(check_common(c, "send", buf, NULL, count, dtype, 1, 0));
+  TP_CHECK(enter(c, "send"));
+  double t0 = tp_now();
+  tp_status_t st = c->ops->send(c, buf, count, dtype, peer);
+  return leave(c, "send", st, t0, count * tp_dtype_size(dtype));
+}
+
+tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "recv: communicator is NULL");
+  TP_CHECK(check_peer(c, "recv", peer, "peer"));
+  TP_CHECK(check_common(c, "recv", NULL, buf, count, dtype, 0, 1));
+  TP_CHECK(enter(c, "recv"));
+  double t0 = tp_now();
+  tp_status_t st = c->ops->recv(c, buf, count, dtype, peer);
+  return leave(c, "recv", st, t0, count * tp_dtype_size(dtype));
+}
+
+tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
+                        size_t recvcount, int src, tp_dtype_t dtype, tp_comm_t c) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "sendrecv: communicator is NULL");
+  TP_CHECK(check_root(c, "sendrecv", dst, "dst"));
+  TP_CHECK(check_root(c, "sendrecv", src, "src"));
+  TP_CHECK(check_common(c, "sendrecv", sendbuf, NULL, sendcount, dtype, 1, 0));
+  TP_CHECK(check_common(c, "sendrecv", NULL, recvbuf, recvcount, dtype, 0, 1));
+  if ((dst == c->rank) != (src == c->rank))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "sendrecv on rank %d: dst %d and src %d must both be this rank or both other ranks",
+                        c->rank, dst, src);
+  size_t es = tp_dtype_size(dtype);
+  if (dst == c->rank) {
+    if (sendcount != recvcount)
+      return tp_set_error(TP_ERR_MISMATCH,
+                          "sendrecv on rank %d: sends %zu %s to itself but expects %zu",
+                          c->rank, sendcount, tp_dtype_name(dtype), recvcount);
+    if (sendcount) memmove(recvbuf, sendbuf, sendcount * es);
+    return TP_SUCCESS;
+  }
+  TP_CHECK(enter(c, "sendrecv"));
+  double t0 = tp_now();
+  tp_status_t st = c->ops->sendrecv(c, sendbuf, sendcount, dst, recvbuf, recvcount, src, dtype);
+  return leave(c, "sendrecv", st, t0, (sendcount + recvcount) * es);
+}
+
+tp_status_t tp_comm_split(tp_comm_t c, int color, int key, tp_comm_t *newcomm) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "split: communicator is NULL");
+  if (!newcomm) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "split: newcomm pointer is NULL");
+  *newcomm = NULL;
+  if (color < 0 && color != TP_SPLIT_NOCOLOR)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "split: color must be >= 0 or TP_SPLIT_NOCOLOR (-1), got %d", color);
+  TP_CHECK(enter(c, "split"));
+  double t0 = tp_now();
+  tp_status_t st = c->ops->split(c, color, key, newcomm);
+  return leave(c, "split", st, t0, 0);
+}
+
+tp_status_t tp_comm_mem_alloc(tp_comm_t c, size_t nbytes, void **ptr, tp_mem_t *handle) {
+  if (!c || !ptr || !handle) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mem_alloc: NULL argument");
+  *ptr = NULL;
+  *handle = NULL;
+  if (!c->ops->mem_alloc)
+    return tp_set_error(TP_ERR_UNSUPPORTED, "mem_alloc: backend %s has no registered memory", c->ops->name);
+  if (nbytes > ((size_t)1 << 46))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mem_alloc: %zu bytes is too large", nbytes);
+  TP_CHECK(enter(c, "alloc"));
+  double t0 = tp_now();
+  tp_status_t st = c->ops->mem_alloc(c, nbytes, ptr, handle);
+  return leave(c, "alloc", st, t0, 0);
+}

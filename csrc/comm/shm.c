@@ -1,0 +1,1422 @@
+/*
+ * The shared-memory backend ("shm"): ranks of one host exchange data through a
+ * POSIX shared-memory segment per communicator.
+ *
+ * Segment layout (all offsets cache-line aligned):
+ *   shm_header_t                     magic, world, abort state
+ *   rank_slot_t[world]               per rank: step counter (a futex word),
+ *                                    collective headers (double buffered), pid,
+ *                                    what the rank is doing (for timeout messages)
+ *   chan_t[world * world]            point-to-point channel src -> dst
+ *   staging[world][2][stage_bytes]   per rank, two alternating staging buffers
+ *   p2p data[world*world][NBUF][p2p_chunk]
+ *
+ * Synchronisation.  Every rank owns a monotone 32-bit step counter.  "arrive"
+ * publishes step+1 (release); "wait_all" waits until every peer's counter has
+ * reached this rank's.  A collective is a sequence of rounds; each round writes
+ * the rank's own staging buffer (index round & 1), arrives, waits for all, and
+ * reads peers' buffers only before its next arrive.  A buffer is written again
+ * two rounds later, after a wait that proves every peer has finished reading it.
+ * Waits spin briefly when there are at least as many cores as ranks, then sleep
+ * on the futex (with more ranks than cores they sleep at once).  While asleep a
+ * waiter wakes every 20 ms to look at the abort flag, the peer's liveness
+ * (/proc start time, so a reused pid is not mistaken for the peer) and its
+ * deadline.
+ *
+ * Data paths.  all_reduce splits each round's chunk into one part per rank; rank
+ * r reduces part r (in rank order, so every rank gets the same bits) and the
+ * parts are copied back out.  When every rank's buffer lies at the same offset
+ * of the same registered allocation (tp_comm_mem_alloc) the copies in and out
+ * are skipped: a rank reads peers' inputs and writes peers' outputs in place.
+ * Small messages take a one-round path: each rank stages its whole input and
+ * reduces all of them.
+ *
+ * Lifetime.  Rank 0 creates the segment (0600, O_EXCL, space reserved with
+ * posix_fallocate so a full /dev/shm is an error rather than a SIGBUS), the
+ * others attach, and once all have attached rank 0 unlinks the name: from then
+ * on nothing is left in /dev/shm whatever happens to the processes.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "comm_impl.h"
+#include "reduce_impl.h"
+
+#define CL 64
+#define SHM_MAGIC 0x3153484d52435054ULL /* "TPCRMSH1" */
+#define SHM_VERSION 1
+#define P2P_NBUF 2
+#define ALIGN_UP(x, a) (((x) + (a) - 1) / (a) * (a))
+
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+typedef struct {
+  uint32_t seq;
+  int32_t kind;
+  int32_t dtype;
+  int32_t op;
+  int32_t root;
+  int32_t color;
+  int32_t key;
+  int32_t pad;
+  uint64_t count; /* this rank's count (its part for gather / scatter) */
+  uint64_t total;
+  int64_t send_region, send_off; /* registered location, -1 if none */
+  int64_t recv_region, recv_off;
+} coll_hdr_t;
+
+typedef struct {
+  _Alignas(CL) _Atomic uint32_t step;
+  _Atomic uint32_t waiters;
+  _Atomic int32_t closed;
+  _Atomic int32_t status; /* result of this rank's part of a collective setup step */
+  _Alignas(CL) int32_t pid;
+  uint64_t starttime;
+  _Atomic int32_t act_kind; /* what the rank is doing now (TP_COLL_NONE: nothing) */
+  _Atomic uint32_t act_seq;
+  _Atomic int32_t act_peer;
+  _Atomic uint32_t last_seq;
+  coll_hdr_t hdr[2];
+} rank_slot_t;
+
+typedef struct {
+  uint32_t msg; /* message number on this channel */
+  int32_t dtype;
+  uint64_t count;
+  uint32_t chunk, nchunks;
+  uint64_t nbytes;
+} p2p_hdr_t;
+
+typedef struct {
+  _Alignas(CL) _Atomic uint32_t sent;
+  _Atomic uint32_t sent_waiters;
+  _Alignas(CL) _Atomic uint32_t acked;
+  _Atomic uint32_t acked_waiters;
+  _Alignas(CL) p2p_hdr_t hdr[P2P_NBUF];
+} chan_t;
+
+typedef struct {
+  uint64_t magic;
+  uint32_t version;
+  int32_t world;
+  uint64_t total_size;
+  uint64_t stage_bytes;
+  uint64_t p2p_chunk;
+  int32_t creator_pid;
+  _Alignas(CL) _Atomic int32_t attached;
+  _Alignas(CL) _Atomic int32_t abort_state; /* 0 none, 1 being written, 2 published */
+  int32_t abort_rank;
+  char abort_msg[768];
+} shm_header_t;
+
+struct tp_mem {
+  _Atomic int refs;
+  void *base;
+  size_t maplen;
+  size_t slot;
+  int64_t id;
+  int rank;
+  void *ptr;
+  size_t nbytes;
+  struct shm_ctx *owner; /* NULL once the communicator is gone */
+  struct tp_mem *next;
+};
+
+typedef struct shm_ctx {
+  struct tp_comm *comm;
+  char name[256];
+  char comm_id[128];
+  char *base;
+  size_t size;
+  shm_header_t *hdr;
+  rank_slot_t *slots;
+  chan_t *chans;
+  char *stage;
+  char *p2pdata;
+  size_t stage_bytes;
+  size_t p2p_chunk;
+  size_t small_bytes;
+  size_t nt_bytes;
+  uint32_t step;
+  uint32_t seq;
+  uint32_t round;
+  uint32_t nsplit;
+  int64_t nmem;
+  int spin_iters;
+  uint32_t *p2p_sent;  /* chunks sent to peer p        */
+  uint32_t *p2p_recvd; /* chunks received from peer p  */
+  uint32_t *p2p_msg_s;
+  uint32_t *p2p_msg_r;
+  struct tp_mem *regions;
+  pthread_mutex_t regions_lock; /* regions may be released from another thread */
+  double last_liveness;
+} shm_ctx;
+
+/* ---------------------------------------------------------------- helpers */
+
+static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
+  return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
+}
+
+static void post(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t v) {
+  atomic_store_explicit(word, v, memory_order_seq_cst);
+  if (atomic_load_explicit(waiters, memory_order_seq_cst))
+    futex(word, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+static inline int reached(uint32_t v, uint32_t target) { return (int32_t)(v - target) >= 0; }
+
+static size_t env_size(const char *name, size_t dflt) {
+  const char *s = getenv(name);
+  if (!s || !*s) return dflt;
+  char *end;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (end == s) return dflt;
+  if (*end == 'k' || *end == 'K') v <<= 10;
+  else if (*end == 'm' || *end == 'M') v <<= 20;
+  return (size_t)v;
+}
+
+static uint64_t fnv1a(const char *s) {
+  uint64_t h = 1469598103934665603ULL;
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ULL;
+  return h;
+}
+
+/* Process start time from /proc/<pid>/stat (field 22), 0 if unavailable. */
+static uint64_t proc_starttime(int pid, char *state) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = '\0';
+  char *p = strrchr(buf, ')');
+  if (!p || p[1] != ' ') return 0;
+  p += 2;
+  if (state) *state = *p;
+  for (int field = 3; field < 22 && p; field++) {
+    p = strchr(p, ' ');
+    if (p) p++;
+  }
+  return p ? strtoull(p, NULL, 10) : 0;
+}
+
+/* 1 if the process recorded in the slot is gone (exited, zombie, or pid reused). */
+static int peer_dead(const rank_slot_t *s) {
+  int pid = s->pid;
+  if (pid <= 0) return 0;
+  char state = '?';
+  uint64_t st = proc_starttime(pid, &state);
+  if (st == 0) {
+    if (kill(pid, 0) == 0 || errno == EPERM) return 0;
+    return errno == ESRCH;
+  }
+  if (state == 'Z' || state == 'X') return 1;
+  return s->starttime && st != s->starttime;
+}
+
+static void describe_activity(const shm_ctx *c, int p, char *buf, size_t n) {
+  const rank_slot_t *s = &c->slots[p];
+  int kind = atomic_load(&s->act_kind);
+  if (kind == TP_COLL_NONE) {
+    snprintf(buf, n, "rank %d is not inside any call (its last collective was #%u)", p,
+             atomic_load(&s->last_seq));
+  } else if (kind == TP_COLL_SEND || kind == TP_COLL_RECV || kind == TP_COLL_SENDRECV) {
+    snprintf(buf, n, "rank %d is in %s with peer %d", p, tp_coll_name((tp_coll_kind_t)kind),
+             atomic_load(&s->act_peer));
+  } else {
+    snprintf(buf, n, "rank %d is in %s #%u", p, tp_coll_name((tp_coll_kind_t)kind),
+             atomic_load(&s->act_seq));
+  }
+}
+
+static void set_activity(shm_ctx *c, int kind, uint32_t seq, int peer) {
+  rank_slot_t *s = &c->slots[c->comm->rank];
+  atomic_store_explicit(&s->act_seq, seq, memory_order_relaxed);
+  atomic_store_explicit(&s->act_peer, peer, memory_order_relaxed);
+  atomic_store_explicit(&s->act_kind, kind, memory_order_relaxed);
+}
+
+static void publish_abort(shm_ctx *c, int rank, const char *msg) {
+  int32_t expect = 0;
+  if (atomic_compare_exchange_strong(&c->hdr->abort_state, &expect, 1)) {
+    c->hdr->abort_rank = rank;
+    snprintf(c->hdr->abort_msg, sizeof c->hdr->abort_msg, "%s", msg);
+    atomic_store(&c->hdr->abort_state, 2);
+  }
+  /* Wake everybody who sleeps on any counter of this segment. */
+  for (int p = 0; p < c->comm->size; p++) futex(&c->slots[p].step, FUTEX_WAKE, INT_MAX, NULL);
+  for (int i = 0; i < c->comm->size * c->comm->size; i++) {
+    futex(&c->chans[i].sent, FUTEX_WAKE, INT_MAX, NULL);
+    futex(&c->chans[i].acked, FUTEX_WAKE, INT_MAX, NULL);
+  }
+}
+
+static tp_status_t abort_error(shm_ctx *c) {
+  for (int i = 0; i < 1000 && atomic_load(&c->hdr->abort_state) == 1; i++) sched_yield();
+  return tp_set_error(TP_ERR_REMOTE, "%s", c->hdr->abort_msg);
+}
+
+/* Wait until *word reaches target.  `peer` is the rank that moves the word;
+ * `what` names the wait for messages.  max_wait > 0 bounds this call (returns
+ * TP_IN_PROGRESS when it runs out), else the communicator's timeout applies. */
+static tp_status_t wait_word(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_t *waiters,
+                             uint32_t target, int peer, const char *what, double max_wait) {
+  if (reached(atomic_load_explicit(word, memory_order_acquire), target)) return TP_SUCCESS;
+  for (int i = 0; i < c->spin_iters; i++) {
+    cpu_relax();
+    if (reached(atomic_load_explicit(word, memory_order_acquire), target)) return TP_SUCCESS;
+  }
+  double t0 = tp_now();
+  double deadline = t0 + (max_wait > 0 ? max_wait : c->comm->timeout_s);
+  rank_slot_t *ps = &c->slots[peer];
+  for (;;) {
+    if (atomic_load(&c->hdr->abort_state)) return abort_error(c);
+    atomic_fetch_add(waiters, 1);
+    uint32_t cur = atomic_load(word);
+    if (!reached(cur, target)) {
+      struct timespec ts = {0, 20 * 1000 * 1000};
+      futex(word, FUTEX_WAIT, cur, &ts);
+    }
+    atomic_fetch_sub(waiters, 1);
+    if (reached(atomic_load_explicit(word, memory_order_acquire), target)) return TP_SUCCESS;
+    if (atomic_load(&c->hdr->abort_state)) return abort_error(c);
+    double now = tp_now();
+    if (atomic_load(&ps->closed)) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "rank %d closed the communicator while rank %d waited for it in %s",
+               peer, c->comm->rank, what);
+      publish_abort(c, peer, msg);
+      return tp_set_error(TP_ERR_REMOTE, "%s", msg);
+    }
+    if (now - c->last_liveness > 0.05) {
+      c->last_liveness = now;
+      if (peer_dead(ps)) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "rank %d (pid %d) died while rank %d waited for it in %s", peer,
+                 ps->pid, c->comm->rank, what);
+        publish_abort(c, peer, msg);
+        return tp_set_error(TP_ERR_REMOTE, "%s", msg);
+      }
+    }
+    if (now >= deadline) {
+      if (max_wait > 0) return TP_IN_PROGRESS;
+      char act[160];
+      describe_activity(c, peer, act, sizeof act);
+      return tp_set_error(TP_ERR_TIMEOUT,
+                          "%s on rank %d: timed out after %.1f s waiting for rank %d (%s)", what,
+                          c->comm->rank, now - t0, peer, act);
+    }
+  }
+}
+
+static inline void arrive(shm_ctx *c) {
+  rank_slot_t *me = &c->slots[c->comm->rank];
+  c->step++;
+  post(&me->step, &me->waiters, c->step);
+}
+
+static tp_status_t wait_all(shm_ctx *c, const char *what) {
+  int n = c->comm->size, r = c->comm->rank;
+  for (int i = 1; i < n; i++) {
+    int p = (r + i) % n;
+    TP_CHECK(wait_word(c, &c->slots[p].step, &c->slots[p].waiters, c->step, p, what, 0));
+  }
+  return TP_SUCCESS;
+}
+
+static tp_status_t sync_all(shm_ctx *c, const char *what) {
+  arrive(c);
+  return wait_all(c, what);
+}
+
+static inline char *stage_buf(shm_ctx *c, int rank, unsigned b) {
+  return c->stage + ((size_t)rank * 2 + (b & 1u)) * c->stage_bytes;
+}
+
+/* ---------------------------------------------------------------- headers */
+
+static void describe_hdr(const coll_hdr_t *h, char *buf, size_t n) {
+  const char *kind = tp_coll_name((tp_coll_kind_t)h->kind);
+  const char *dt = tp_dtype_name((tp_dtype_t)h->dtype);
+  unsigned long long cnt = (unsigned long long)h->count;
+  switch (h->kind) {
+    case TP_COLL_ALL_REDUCE:
+      snprintf(buf, n, "%s(%s) of %llu %s", kind, tp_redop_name((tp_redop_t)h->op), cnt, dt);
+      break;
+    case TP_COLL_REDUCE:
+      snprintf(buf, n, "%s(%s, root %d) of %llu %s", kind, tp_redop_name((tp_redop_t)h->op),
+               h->root, cnt, dt);
+      break;
+    case TP_COLL_BROADCAST:
+      snprintf(buf, n, "%s(root %d) of %llu %s", kind, h->root, cnt, dt);
+      break;
+    case TP_COLL_ALL_GATHER:
+      snprintf(buf, n, "%s of %llu %s (%llu in all)", kind, cnt, dt,
+               (unsigned long long)h->total);
+      break;
+    case TP_COLL_REDUCE_SCATTER:
+      snprintf(buf, n, "%s(%s) of %llu %s (receiving %llu)", kind,
+               tp_redop_name((tp_redop_t)h->op), (unsigned long long)h->total, dt, cnt);
+      break;
+    case TP_COLL_ALLOC:
+      snprintf(buf, n, "alloc of %llu bytes", cnt);
+      break;
+    default:
+      snprintf(buf, n, "%s", kind);
+  }
+}
+
+static int hdr_matches(const coll_hdr_t *a, const coll_hdr_t *b, const tp_coll_args_t *args,
+                       int peer) {
+  if (a->seq != b->seq || a->kind != b->kind) return 0;
+  switch (a->kind) {
+    case TP_COLL_ALL_REDUCE:
+    case TP_COLL_REDUCE:
+    case TP_COLL_BROADCAST:
+      return a->dtype == b->dtype && a->count == b->count && a->op == b->op && a->root == b->root;
+    case TP_COLL_ALL_GATHER:
+    case TP_COLL_REDUCE_SCATTER:
+      return a->dtype == b->dtype && a->op == b->op && a->total == b->total &&
+             b->count == args->counts[peer];
+    case TP_COLL_ALLOC:
+      return a->count == b->count;
+    default:
+      return 1;
+  }
+}
+
+static void post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key,
+                     int64_t sreg, int64_t soff, int64_t rreg, int64_t roff) {
+  coll_hdr_t *h = &c->slots[c->comm->rank].hdr[c->seq & 1];
+  h->seq = c->seq;
+  h->kind = a->kind;
+  h->dtype = a->dtype;
+  h->op = (a->kind == TP_COLL_ALL_REDUCE || a->kind == TP_COLL_REDUCE ||
+           a->kind == TP_COLL_REDUCE_SCATTER) ? (int32_t)a->op : 0;
+  h->root = (a->kind == TP_COLL_BROADCAST || a->kind == TP_COLL_REDUCE) ? a->root : 0;
+  h->color = color;
+  h->key = key;
+  h->count = a->count;
+  h->total = a->total;
+  h->send_region = sreg;
+  h->send_off = soff;
+  h->recv_region = rreg;
+  h->recv_off = roff;
+}
+
+/* After the first wait of a collective: every peer's header must match. */
+static tp_status_t check_hdrs(shm_ctx *c, const tp_coll_args_t *a) {
+  int n = c->comm->size, r = c->comm->rank;
+  const coll_hdr_t *mine = &c->slots[r].hdr[c->seq & 1];
+  for (int i = 1; i < n; i++) {
+    int p = (r + i) % n;
+    const coll_hdr_t *h = &c->slots[p].hdr[c->seq & 1];
+    if (!hdr_matches(mine, h, a, p)) {
+      char da[192], db[192];
+      describe_hdr(h, da, sizeof da);
+      describe_hdr(mine, db, sizeof db);
+      char msg[600];
+      if (h->seq != mine->seq)
+        snprintf(msg, sizeof msg, "collective mismatch: rank %d is at collective #%u (%s), rank %d at #%u (%s)",
+                 p, h->seq, da, r, mine->seq, db);
+      else
+        snprintf(msg, sizeof msg, "collective mismatch at #%u: rank %d called %s, rank %d %s",
+                 mine->seq, p, da, r, db);
+      return tp_set_error(TP_ERR_MISMATCH, "%s", msg);
+    }
+  }
+  return TP_SUCCESS;
+}
+
+/* ------------------------------------------------------ registered memory */
+
+static int64_t find_region(shm_ctx *c, const void *p, size_t nbytes, int64_t *off) {
+  if (!p || !c->regions) return -1;
+  int64_t id = -1;
+  pthread_mutex_lock(&c->regions_lock);
+  for (struct tp_mem *m = c->regions; m; m = m->next) {
+    const char *lo = (const char *)m->ptr;
+    if ((const char *)p >= lo && (const char *)p + nbytes <= lo + m->nbytes) {
+      *off = (const char *)p - lo;
+      id = m->id;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&c->regions_lock);
+  return id;
+}
+
+static struct tp_mem *region_by_id(shm_ctx *c, int64_t id) {
+  struct tp_mem *found = NULL;
+  pthread_mutex_lock(&c->regions_lock);
+  for (struct tp_mem *m = c->regions; m; m = m->next)
+    if (m->id == id) {
+      found = m;
+      break;
+    }
+  pthread_mutex_unlock(&c->regions_lock);
+  return found;
+}
+
+/* Pointer to rank p's copy of (region, offset). */
+static inline char *peer_ptr(const struct tp_mem *m, int p, int64_t off) {
+  return (char *)m->base + (size_t)p * m->slot + (size_t)off;
+}
+
+/* 1 if every rank posted the same registered region and offset for the field. */
+static int all_registered(shm_ctx *c, int recv_side, struct tp_mem **m, int64_t *off) {
+  int n = c->comm->size;
+  const coll_hdr_t *h0 = &c->slots[0].hdr[c->seq & 1];
+  int64_t reg = recv_side ? h0->recv_region : h0->send_region;
+  int64_t o = recv_side ? h0->recv_off : h0->send_off;
+  if (reg < 0) return 0;
+  for (int p = 1; p < n; p++) {
+    const coll_hdr_t *h = &c->slots[p].hdr[c->seq & 1];
+    if ((recv_side ? h->recv_region : h->send_region) != reg ||
+        (recv_side ? h->recv_off : h->send_off) != o)
+      return 0;
+  }
+  *m = region_by_id(c, reg);
+  *off = o;
+  return *m != NULL;
+}
+
+/* ------------------------------------------------------------ collectives */
+
+/* Split [0, count) into n parts whose starts are cache-line aligned. */
+static inline size_t part_lo(size_t count, int n, int p, size_t es) {
+  size_t unit = CL / es;
+  size_t units = (count + unit - 1) / unit;
+  size_t lo = (units * (size_t)p / (size_t)n) * unit;
+  return lo < count ? lo : count;
+}
+
+/* Did any rank post a registered send buffer?  (All ranks compute the same.) */
+static int any_send_registered(shm_ctx *c) {
+  for (int p = 0; p < c->comm->size; p++)
+    if (c->slots[p].hdr[c->seq & 1].send_region >= 0) return 1;
+  return 0;
+}
+
+static void stage_parts(shm_ctx *c, unsigned b, const char *send, size_t off, size_t m,
+                        size_t es, int nt) {
+  int n = c->comm->size, r = c->comm->rank;
+  char *st = stage_buf(c, r, b);
+  for (int p = 0; p < n; p++) {
+    if (p == r) continue;
+    size_t lo = part_lo(m, n, p, es), hi = part_lo(m, n, p + 1, es);
+    tp_copy(st + lo * es, send + (off + lo) * es, (hi - lo) * es, nt);
+  }
+}
+
+/*
+ * all_reduce and reduce.  Per chunk of the message: stage the parts the peers
+ * reduce, sync, reduce my part in rank order into my output and my staging
+ * buffer, sync, copy the other parts out.  The header sync doubles as the first
+ * chunk's staging sync.  Registered buffers skip the staging on either side.
+ */
+static tp_status_t all_reduce_like(shm_ctx *c, const tp_coll_args_t *a, const char *what) {
+  int n = c->comm->size, r = c->comm->rank;
+  int is_reduce = a->kind == TP_COLL_REDUCE;
+  int writes_out = !is_reduce || r == a->root;
+  size_t es = tp_dtype_size(a->dtype), cnt = a->count, nbytes = cnt * es;
+  const char *send = (const char *)a->send;
+  char *recv = (char *)a->recv;
+  int nt = nbytes >= c->nt_bytes;
+  const void *srcs[1024];
+
+  int64_t soff = 0, roff = 0;
+  int64_t sreg = find_region(c, send, nbytes, &soff);
+  int64_t rreg = writes_out && !is_reduce ? find_region(c, recv, nbytes, &roff) : -1;
+  post_hdr(c, a, 0, 0, sreg, soff, rreg, roff);
+
+  if (nbytes <= c->small_bytes) {
+    unsigned b = c->round++;
+    memcpy(stage_buf(c, r, b), send, nbytes);
+    TP_CHECK(sync_all(c, what));
+    TP_CHECK(check_hdrs(c, a));
+    if (writes_out) {
+      for (int p = 0; p < n; p++) srcs[p] = stage_buf(c, p, b);
+      tp_reduce_n(recv, NULL, srcs, n, cnt, a->dtype, a->op);
+    }
+    return TP_SUCCESS;
+  }
+
+  size_t chunk = c->stage_bytes / es;
+  unsigned b = c->round++;
+  int prestaged = sreg < 0;
+  if (prestaged) stage_parts(c, b, send, 0, cnt < chunk ? cnt : chunk, es, nt);
+  TP_CHECK(sync_all(c, what));
+  TP_CHECK(check_hdrs(c, a));
+  struct tp_mem *sm = NULL, *rm = NULL;
+  int src_direct = all_registered(c, 0, &sm, &soff);
+  int dst_direct = !is_reduce && all_registered(c, 1, &rm, &roff);
+  if (src_direct || dst_direct) c->comm->stats.zero_copy++;
+  if (src_direct && dst_direct) chunk = cnt;
+  if (!src_direct && any_send_registered(c)) {
+    /* Mixed: some ranks skipped staging, expecting the in-place path. */
+    if (!prestaged) stage_parts(c, b, send, 0, cnt < chunk ? cnt : chunk, es, nt);
+    TP_CHECK(sync_all(c, what));
+  }
+  for (size_t off = 0; off < cnt; off += chunk) {
+    size_t m = cnt - off < chunk ? cnt - off : chunk;
+    if (off > 0) {
+      b = c->round++;
+      if (!src_direct) {
+        stage_parts(c, b, send, off, m, es, nt);
+        TP_CHECK(sync_all(c, what));
+      }
+    }
+    size_t mylo = part_lo(m, n, r, es), myhi = part_lo(m, n, r + 1, es), mine = myhi - mylo;
+    for (int p = 0; p < n; p++) {
+      if (src_direct) srcs[p] = peer_ptr(sm, p, soff) + (off + mylo) * es;
+      else if (p == r) srcs[p] = send + (off + mylo) * es;
+      else srcs[p] = stage_buf(c, p, b) + mylo * es;
+    }
+    if (dst_direct) {
+      /* Reduce a cache-sized block into my output, then copy it to the peers'. */
+      size_t blk = 16384 / es;
+      const void *s2[1024];
+      for (size_t o = 0; o < mine; o += blk) {
+        size_t k = mine - o < blk ? mine - o : blk;
+        for (int p = 0; p < n; p++) s2[p] = (const char *)srcs[p] + o * es;
+        size_t at = (off + mylo + o) * es;
+        char *dst = peer_ptr(rm, r, roff) + at;
+        tp_reduce_n(dst, n == 2 ? peer_ptr(rm, 1 - r, roff) + at : NULL, s2, n, k, a->dtype, a->op);
+        if (n > 2)
+          for (int i = 1; i < n; i++) memcpy(peer_ptr(rm, (r + i) % n, roff) + at, dst, k * es);
+      }
+    } else if (writes_out) {
+      tp_reduce_n(recv + (off + mylo) * es, is_reduce ? NULL : stage_buf(c, r, b) + mylo * es,
+                  srcs, n, mine, a->dtype, a->op);
+    } else {
+      tp_reduce_n(stage_buf(c, r, b) + mylo * es, NULL, srcs, n, mine, a->dtype, a->op);
+    }
+    TP_CHECK(sync_all(c, what));
+    if (!dst_direct && writes_out) {
+      for (int i = 1; i < n; i++) {
+        int p = (r + i) % n;
+        size_t lo = part_lo(m, n, p, es), hi = part_lo(m, n, p + 1, es);
+        memcpy(recv + (off + lo) * es, stage_buf(c, p, b) + lo * es, (hi - lo) * es);
+      }
+    }
+  }
+  return TP_SUCCESS;
+}
+
+/* all_gather (counts may differ by rank).  The header sync carries the first
+ * chunk; a registered source is read in place. */
+static tp_status_t all_gather(shm_ctx *c, const tp_coll_args_t *a, const char *what) {
+  int n = c->comm->size, r = c->comm->rank;
+  size_t es = tp_dtype_size(a->dtype);
+  const size_t *counts = a->counts;
+  size_t displ[1025];
+  displ[0] = 0;
+  size_t cmax = 0;
+  for (int p = 0; p < n; p++) {
+    displ[p + 1] = displ[p] + counts[p];
+    cmax = counts[p] > cmax ? counts[p] : cmax;
+  }
+  const char *send = (const char *)a->send;
+  char *recv = (char *)a->recv;
+  size_t mybytes = counts[r] * es;
+  int64_t soff = 0;
+  int64_t sreg = find_region(c, send, mybytes, &soff);
+  post_hdr(c, a, 0, 0, sreg, soff, -1, 0);
+  size_t chunk = c->stage_bytes / es;
+  int nt = cmax * es * (size_t)n >= c->nt_bytes;
+  unsigned b = c->round++;
+  int prestaged = sreg < 0;
+  if (prestaged) tp_copy(stage_buf(c, r, b), send, (counts[r] < chunk ? counts[r] : chunk) * es, nt);
+  char *own = recv + displ[r] * es;
+  if (own != send) memmove(own, send, mybytes);
+  TP_CHECK(sync_all(c, what));
+  TP_CHECK(check_hdrs(c, a));
+  /* Registered source: the same region on every rank (offsets may differ). */
+  const coll_hdr_t *h0 = &c->slots[0].hdr[c->seq & 1];
+  struct tp_mem *sm = h0->send_region >= 0 ? region_by_id(c, h0->send_region) : NULL;
+  for (int p = 1; p < n && sm; p++)
+    if (c->slots[p].hdr[c->seq & 1].send_region != h0->send_region) sm = NULL;
+  if (sm) {
+    c->comm->stats.zero_copy++;
+    for (int i = 1; i < n; i++) {
+      int p = (r + i) % n;
+      memcpy(recv + displ[p] * es, peer_ptr(sm, p, c->slots[p].hdr[c->seq & 1].send_off),
+             counts[p] * es);
+    }
+    return sync_all(c, what); /* peers may not touch their inputs before we are done */
+  }
+  if (any_send_registered(c)) {
+    if (!prestaged) tp_copy(stage_buf(c, r, b), send, (counts[r] < chunk ? counts[r] : chunk) * es, nt);
+    TP_CHECK(sync_all(c, what));
+  }
+  for (size_t off = 0; off < cmax || off == 0; off += chunk) {
+    if (off > 0) {
+      b = c->round++;
+      if (off < counts[r]) {
+        size_t m = counts[r] - off < chunk ? counts[r] - off : chunk;
+        tp_copy(stage_buf(c, r, b), send + off * es, m * es, nt);
+      }
+      TP_CHECK(sync_all(c, what));
+    }
+    for (int i = 1; i < n; i++) {
+      int p = (r + i) % n;
+      if (off >= counts[p]) continue;
+      size_t m = counts[p] - off < chunk ? counts[p] - off : chunk;
+      memcpy(recv + (displ[p] + off) * es, stage_buf(c, p, b), m * es);
+    }
+    if (cmax == 0) break;
+  }
+  return TP_SUCCESS;
+}
+
+static void stage_rs(shm_ctx *c, unsigned b, const char *send, const size_t *counts,
+                     const size_t *displ, size_t off, size_t cp, size_t es, int nt) {
+  int n = c->comm->size, r = c->comm->rank;
+  char *st = stage_buf(c, r, b);
+  for (int p = 0; p < n; p++) {
+    if (p == r || off >= counts[p]) continue;
+    size_t m = counts[p] - off < cp ? counts[p] - off : cp;
+    tp_copy(st + (size_t)p * cp * es, send + (displ[p] + off) * es, m * es, nt);
+  }
+}
+
+/* reduce_scatter (counts may differ by rank): per round each rank stages a
+ * piece of every other rank's block, syncs, and reduces its own block's piece. */
+static tp_status_t reduce_scatter(shm_ctx *c, const tp_coll_args_t *a, const char *what) {
+  int n = c->comm->size, r = c->comm->rank;
+  size_t es = tp_dtype_size(a->dtype);
+  const size_t *counts = a->counts;
+  size_t displ[1025];
+  displ[0] = 0;
+  size_t cmax = 0;
+  for (int p = 0; p < n; p++) {
+    displ[p + 1] = displ[p] + counts[p];
+    cmax = counts[p] > cmax ? counts[p] : cmax;
+  }
+  const char *send = (const char *)a->send;
+  char *recv = (char *)a->recv;
+  const void *srcs[1024];
+  int64_t soff = 0;
+  int64_t sreg = find_region(c, send, a->total * es, &soff);
+  post_hdr(c, a, 0, 0, sreg, soff, -1, 0);
+  size_t cp = c->stage_bytes / ((size_t)n * es); /* elements per destination per round */
+  cp = cp / (CL / es) * (CL / es);
+  if (cp == 0) cp = 1;
+  int nt = a->total * es >= c->nt_bytes;
+  unsigned b = c->round++;
+  int prestaged = sreg < 0;
+  if (prestaged) stage_rs(c, b, send, counts, displ, 0, cp, es, nt);
+  TP_CHECK(sync_all(c, what));
+  TP_CHECK(check_hdrs(c, a));
+  struct tp_mem *sm = NULL;
+  if (all_registered(c, 0, &sm, &soff)) {
+    c->comm->stats.zero_copy++;
+    for (int p = 0; p < n; p++) srcs[p] = peer_ptr(sm, p, soff) + displ[r] * es;
+    tp_reduce_n(recv, NULL, srcs, n, counts[r], a->dtype, a->op);
+    return sync_all(c, what);
+  }
+  if (any_send_registered(c)) {
+    if (!prestaged) stage_rs(c, b, send, counts, displ, 0, cp, es, nt);
+    TP_CHECK(sync_all(c, what));
+  }
+  for (size_t off = 0; off < cmax; off += cp) {
+    if (off > 0) {
+      b = c->round++;
+      stage_rs(c, b, send, counts, displ, off, cp, es, nt);
+      TP_CHECK(sync_all(c, what));
+    }
+    if (off < counts[r]) {
+      size_t m = counts[r] - off < cp ? counts[r] - off : cp;
+      for (int p = 0; p < n; p++)
+        srcs[p] = p == r ? send + (displ[r] + off) * es : stage_buf(c, p, b) + (size_t)r * cp * es;
+      tp_reduce_n(recv + off * es, NULL, srcs, n, m, a->dtype, a->op);
+    }
+  }
+  return TP_SUCCESS;
+}
+
+/* broadcast: the root stages chunks (or is read in place when registered). */
+static tp_status_t broadcast(shm_ctx *c, const tp_coll_args_t *a, const char *what) {
+  int r = c->comm->rank, root = a->root;
+  size_t es = tp_dtype_size(a->dtype), cnt = a->count, nbytes = cnt * es;
+  const char *send = (const char *)a->send;
+  char *recv = (char *)a->recv;
+  int64_t soff = 0;
+  int64_t sreg = r == root ? find_region(c, send, nbytes, &soff) : -1;
+  post_hdr(c, a, 0, 0, sreg, soff, -1, 0);
+  size_t chunk = c->stage_bytes / es;
+  int nt = nbytes >= c->nt_bytes;
+  unsigned b = c->round++;
+  if (r == root) {
+    if (sreg < 0) tp_copy(stage_buf(c, root, b), send, (cnt < chunk ? cnt : chunk) * es, nt);
+    if (recv != send) memmove(recv, send, nbytes);
+  }
+  TP_CHECK(sync_all(c, what));
+  TP_CHECK(check_hdrs(c, a));
+  const coll_hdr_t *rh = &c->slots[root].hdr[c->seq & 1];
+  struct tp_mem *sm = rh->send_region >= 0 ? region_by_id(c, rh->send_region) : NULL;
+  if (sm) {
+    c->comm->stats.zero_copy++;
+    if (r != root) memcpy(recv, peer_ptr(sm, root, rh->send_off), nbytes);
+    return sync_all(c, what);
+  }
+  for (size_t off = 0; off < cnt; off += chunk) {
+    size_t m = cnt - off < chunk ? cnt - off : chunk;
+    if (off > 0) {
+      b = c->round++;
+      if (r == root) tp_copy(stage_buf(c, root, b), send + off * es, m * es, nt);
+      TP_CHECK(sync_all(c, what));
+    }
+    if (r != root) memcpy(recv + off * es, stage_buf(c, root, b), m * es);
+  }
+  return TP_SUCCESS;
+}
+
+static tp_status_t shm_collective(struct tp_comm *comm, const tp_coll_args_t *a) {
+  shm_ctx *c = comm->impl;
+  char what[48];
+  c->seq++;
+  snprintf(what, sizeof what, "%s #%u", tp_coll_name(a->kind), c->seq);
+  set_activity(c, a->kind, c->seq, -1);
+  tp_status_t st;
+  switch (a->kind) {
+    case TP_COLL_ALL_REDUCE:
+    case TP_COLL_REDUCE: st = all_reduce_like(c, a, what); break;
+    case TP_COLL_ALL_GATHER: st = all_gather(c, a, what); break;
+    case TP_COLL_REDUCE_SCATTER: st = reduce_scatter(c, a, what); break;
+    case TP_COLL_BROADCAST: st = broadcast(c, a, what); break;
+    case TP_COLL_BARRIER:
+      post_hdr(c, a, 0, 0, -1, 0, -1, 0);
+      st = sync_all(c, what);
+      if (st == TP_SUCCESS) st = check_hdrs(c, a);
+      break;
+    default: st = tp_set_error(TP_ERR_INTERNAL, "shm: unknown collective %d", a->kind);
+  }
+  atomic_store(&c->slots[comm->rank].last_seq, c->seq);
+  set_activity(c, TP_COLL_NONE, c->seq, -1);
+  if (st == TP_ERR_MISMATCH || st == TP_ERR_TIMEOUT) {
+    /* Make sure no peer waits on us for the rest of a collective it thinks matched. */
+    char msg[768];
+    snprintf(msg, sizeof msg, "rank %d failed: %s", comm->rank, tp_last_error());
+    publish_abort(c, comm->rank, msg);
+  }
+  return st;
+}
+
+/* ----------------------------------------------------------- point to point */
+
+static inline chan_t *chan(shm_ctx *c, int src, int dst) {
+  return &c->chans[(size_t)src * c->comm->size + dst];
+}
+static inline char *chan_buf(shm_ctx *c, int src, int dst, unsigned slot) {
+  return c->p2pdata + (((size_t)src * c->comm->size + dst) * P2P_NBUF + slot) * c->p2p_chunk;
+}
+
+typedef struct {
+  const char *buf;
+  size_t nbytes, count;
+  tp_dtype_t dtype;
+  int peer;
+  uint32_t msg, nchunks, done;
+} p2p_op;
+
+static void p2p_init(shm_ctx *c, p2p_op *o, const void *buf, size_t count, tp_dtype_t dt, int peer,
+                     uint32_t msg) {
+  o->buf = buf;
+  o->count = count;
+  o->dtype = dt;
+  o->nbytes = count * tp_dtype_size(dt);
+  o->peer = peer;
+  o->msg = msg;
+  o->nchunks = (uint32_t)(o->nbytes ? (o->nbytes + c->p2p_chunk - 1) / c->p2p_chunk : 1);
+  o->done = 0;
+}
+
+/* One step of a send; max_wait as in wait_word. */
+static tp_status_t send_step(shm_ctx *c, p2p_op *o, double max_wait, const char *what) {
+  int r = c->comm->rank;
+  chan_t *ch = chan(c, r, o->peer);
+  uint32_t k = c->p2p_sent[o->peer];
+  if (k >= P2P_NBUF)
+    TP_CHECK(wait_word(c, &ch->acked, &ch->acked_waiters, k - P2P_NBUF + 1, o->peer, what, max_wait));
+  unsigned slot = k % P2P_NBUF;
+  size_t off = (size_t)o->done * c->p2p_chunk;
+  size_t m = o->nbytes - off < c->p2p_chunk ? o->nbytes - off : c->p2p_chunk;
+  p2p_hdr_t *h = &ch->hdr[slot];
+  h->msg = o->msg;
+  h->dtype = o->dtype;
+  h->count = o->count;
+  h->chunk = o->done;
+  h->nchunks = o->nchunks;
+  h->nbytes = m;
+  if (m) memcpy(chan_buf(c, r, o->peer, slot), o->buf + off, m);
+  c->p2p_sent[o->peer] = k + 1;
+  post(&ch->sent, &ch->sent_waiters, k + 1);
+  o->done++;
+  return TP_SUCCESS;
+}
+
+static tp_status_t recv_step(shm_ctx *c, p2p_op *o, double max_wait, const char *what) {
+  int r = c->comm->rank;
+  chan_t *ch = chan(c, o->peer, r);
+  uint32_t k = c->p2p_recvd[o->peer];
+  TP_CHECK(wait_word(c, &ch->sent, &ch->sent_waiters, k + 1, o->peer, what, max_wait));
+  unsigned slot = k % P2P_NBUF;
+  const p2p_hdr_t *h = &ch->hdr[slot];
+  if (h->msg != o->msg || h->dtype != (int32_t)o->dtype || h->count != o->count ||
+      h->chunk != o->done) {
+    char msg[512];
+    snprintf(msg, sizeof msg,
+             "point-to-point mismatch: rank %d sent %llu %s (message #%u) but rank %d expected "
+             "%llu %s (message #%u)",
+             o->peer, (unsigned long long)h->count, tp_dtype_name((tp_dtype_t)h->dtype), h->msg, r,
+             (unsigned long long)o->count, tp_dtype_name(o->dtype), o->msg);
+    publish_abort(c, r, msg);
+    return tp_set_error(TP_ERR_MISMATCH, "%s", msg);
+  }
+  size_t off = (size_t)o->done * c->p2p_chunk;
+  if (h->nbytes) memcpy((char *)o->buf + off, chan_buf(c, o->peer, r, slot), h->nbytes);
+  c->p2p_recvd[o->peer] = k + 1;
+  post(&ch->acked, &ch->acked_waiters, k + 1);
+  o->done++;
+  return TP_SUCCESS;
+}
+
+static tp_status_t shm_send(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dt,
+                            int peer) {
+  shm_ctx *c = comm->impl;
+  p2p_op o;
+  char what[64];
+  p2p_init(c, &o, buf, count, dt, peer, ++c->p2p_msg_s[peer]);
+  snprintf(what, sizeof what, "send to rank %d", peer);
+  set_activity(c, TP_COLL_SEND, o.msg, peer);
+  tp_status_t st = TP_SUCCESS;
+  while (st == TP_SUCCESS && o.done < o.nchunks) st = send_step(c, &o, 0, what);
+  set_activity(c, TP_COLL_NONE, c->seq, -1);
+  return st;
+}
+
+static tp_status_t shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt,
+                            int peer) {
+  shm_ctx *c = comm->impl;
+  p2p_op o;
+  char what[64];
+  p2p_init(c, &o, buf, count, dt, peer, ++c->p2p_msg_r[peer]);
+  snprintf(what, sizeof what, "recv from rank %d", peer);
+  set_activity(c, TP_COLL_RECV, o.msg, peer);
+  tp_status_t st = TP_SUCCESS;
+  while (st == TP_SUCCESS && o.done < o.nchunks) st = recv_step(c, &o, 0, what);
+  set_activity(c, TP_COLL_NONE, c->seq, -1);
+  return st;
+}
+
+static tp_status_t shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst,
+                                void *rbuf, size_t rcount, int src, tp_dtype_t dt) {
+  shm_ctx *c = comm->impl;
+  p2p_op so, ro;
+  char what[96];
+  p2p_init(c, &so, sbuf, scount, dt, dst, ++c->p2p_msg_s[dst]);
+  p2p_init(c, &ro, rbuf, rcount, dt, src, ++c->p2p_msg_r[src]);
+  snprintf(what, sizeof what, "sendrecv (to rank %d, from rank %d)", dst, src);
+  set_activity(c, TP_COLL_SENDRECV, so.msg, dst);
+  double t0 = tp_now();
+  tp_status_t st = TP_SUCCESS;
+  while (so.done < so.nchunks || ro.done < ro.nchunks) {
+    int progressed = 0;
+    if (so.done < so.nchunks) {
+      st = send_step(c, &so, 0.002, what);
+      if (st == TP_SUCCESS) progressed = 1;
+      else if (st != TP_IN_PROGRESS) break;
+    }
+    if (ro.done < ro.nchunks) {
+      st = recv_step(c, &ro, 0.002, what);
+      if (st == TP_SUCCESS) progressed = 1;
+      else if (st != TP_IN_PROGRESS) break;
+    }
+    st = TP_SUCCESS;
+    if (progressed) t0 = tp_now();
+    else if (tp_now() - t0 > comm->timeout_s) {
+      char act[160];
+      describe_activity(c, ro.done < ro.nchunks ? src : dst, act, sizeof act);
+      st = tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d: timed out after %.1f s (%s)", what,
+                        comm->rank, comm->timeout_s, act);
+      break;
+    }
+  }
+  set_activity(c, TP_COLL_NONE, c->seq, -1);
+  return st;
+}
+
+/* --------------------------------------------------------- segment set-up */
+
+static size_t layout(int world, size_t stage, size_t p2p, size_t *o_slots, size_t *o_chans,
+                     size_t *o_stage, size_t *o_p2p) {
+  size_t off = ALIGN_UP(sizeof(shm_header_t), 4096);
+  *o_slots = off;
+  off += ALIGN_UP(sizeof(rank_slot_t) * (size_t)world, 4096);
+  *o_chans = off;
+  off += ALIGN_UP(sizeof(chan_t) * (size_t)world * (size_t)world, 4096);
+  *o_stage = off;
+  off += (size_t)world * 2 * stage;
+  *o_p2p = off;
+  off += world > 1 ? (size_t)world * (size_t)world * P2P_NBUF * p2p : 0;
+  return ALIGN_UP(off, 4096);
+}
+
+static tp_status_t sys_error(const char *what, const char *name, int err) {
+  if (err == ENOSPC || err == ENOMEM)
+    return tp_set_error(TP_ERR_NOMEM,
+                        "%s %s: no space left in shared memory (/dev/shm is full or too small: %s)",
+                        what, name, strerror(err));
+  return tp_set_error(TP_ERR_SYSTEM, "%s %s: %s", what, name, strerror(err));
+}
+
+/* Create a segment of `size` bytes, mode 0600, reserved up front. */
+static tp_status_t seg_create(const char *name, size_t size, void **base) {
+  int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0 && errno == EEXIST) {
+    /* A segment of a job that died during its set-up: reclaim it if its
+     * creator is gone, else refuse. */
+    int ofd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
+    int stale = 1;
+    if (ofd >= 0) {
+      struct stat sb;
+      if (fstat(ofd, &sb) == 0 && (size_t)sb.st_size >= sizeof(shm_header_t)) {
+        shm_header_t *h = mmap(NULL, sizeof *h, PROT_READ, MAP_SHARED, ofd, 0);
+        if (h != MAP_FAILED) {
+          rank_slot_t probe = {0};
+          probe.pid = h->creator_pid;
+          stale = h->magic != SHM_MAGIC || peer_dead(&probe);
+          munmap(h, sizeof *h);
+        }
+      }
+      close(ofd);
+    }
+    if (!stale)
+      return tp_set_error(TP_ERR_INVALID_USAGE,
+                          "shared-memory segment %s already exists and its creator is alive: "
+                          "two jobs use the same job id", name);
+    shm_unlink(name);
+    fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  }
+  if (fd < 0) return sys_error("cannot create shared-memory segment", name, errno);
+  int err = 0;
+  if (ftruncate(fd, (off_t)size) != 0) err = errno;
+  if (!err) err = posix_fallocate(fd, 0, (off_t)size);
+  if (err == EINVAL || err == EOPNOTSUPP) err = 0; /* file system without fallocate */
+  void *p = MAP_FAILED;
+  if (!err) {
+    p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) err = errno;
+  }
+  close(fd);
+  if (err) {
+    shm_unlink(name);
+    return sys_error("cannot size shared-memory segment", name, err);
+  }
+  *base = p;
+  return TP_SUCCESS;
+}
+
+/* Open a segment another rank creates, waiting for it up to the deadline. */
+static tp_status_t seg_attach(const char *name, size_t size, void **base, double deadline,
+                              int creator, int rank, int *gone) {
+  *gone = 0;
+  for (;;) {
+    int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+    if (fd >= 0) {
+      struct stat sb;
+      if (fstat(fd, &sb) == 0 && (size_t)sb.st_size == size) {
+        void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (p == MAP_FAILED) return sys_error("cannot map shared-memory segment", name, errno);
+        *base = p;
+        return TP_SUCCESS;
+      }
+      close(fd);
+    } else if (errno != ENOENT) {
+      return sys_error("cannot open shared-memory segment", name, errno);
+    }
+    if (tp_now() > deadline) {
+      *gone = 1;
+      return tp_set_error(TP_ERR_TIMEOUT,
+                          "rank %d timed out waiting for rank %d to create shared-memory segment %s "
+                          "(did rank %d start, with the same job id and world size?)",
+                          rank, creator, name, creator);
+    }
+    usleep(1000);
+  }
+}
+
+static void free_ctx(shm_ctx *c) {
+  if (!c) return;
+  pthread_mutex_destroy(&c->regions_lock);
+  free(c->p2p_sent);
+  free(c->p2p_recvd);
+  free(c->p2p_msg_s);
+  free(c->p2p_msg_r);
+  free(c);
+}
+
+static void shm_destroy(struct tp_comm *comm);
+static void shm_abort(struct tp_comm *comm, const char *reason);
+static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp_comm **out);
+static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr, tp_mem_t *h);
+
+static const tp_backend_ops shm_ops = {
+    .name = "shm",
+    .collective = shm_collective,
+    .send = shm_send,
+    .recv = shm_recv,
+    .sendrecv = shm_sendrecv,
+    .split = shm_split,
+    .mem_alloc = shm_mem_alloc,
+    .abort = shm_abort,
+    .destroy = shm_destroy,
+};
+
+int tp_comm_is_shm(tp_comm_t comm) { return comm && comm->ops == &shm_ops; }
+
+static int online_cores(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
+  int world = comm->size, rank = comm->rank;
+  shm_ctx *c = calloc(1, sizeof *c);
+  if (!c) return tp_set_error(TP_ERR_NOMEM, "out of memory");
+  c->comm = comm;
+  pthread_mutex_init(&c->regions_lock, NULL);
+  snprintf(c->comm_id, sizeof c->comm_id, "%s", comm_id);
+  snprintf(c->name, sizeof c->name, "/tpcore_%s_%016llx", comm->job_id,
+           (unsigned long long)fnv1a(comm_id));
+  c->stage_bytes = ALIGN_UP(env_size("TPCORE_SHM_CHUNK", (size_t)1 << 20), 4096);
+  if (c->stage_bytes < 65536) c->stage_bytes = 65536;
+  c->p2p_chunk = ALIGN_UP(env_size("TPCORE_SHM_P2P_CHUNK", (size_t)256 << 10), 4096);
+  c->small_bytes = env_size("TPCORE_SHM_SMALL", (size_t)32 << 10);
+  if (c->small_bytes > c->stage_bytes) c->small_bytes = c->stage_bytes;
+  c->nt_bytes = env_size("TPCORE_SHM_NT_BYTES", (size_t)64 << 20);
+  int spin_us = comm->spin_us;
+  if (spin_us < 0) spin_us = world <= online_cores() ? 50 : 0;
+  c->spin_iters = spin_us * 20; /* a pause is ~10-50 ns */
+  c->p2p_sent = calloc((size_t)world, sizeof(uint32_t));
+  c->p2p_recvd = calloc((size_t)world, sizeof(uint32_t));
+  c->p2p_msg_s = calloc((size_t)world, sizeof(uint32_t));
+  c->p2p_msg_r = calloc((size_t)world, sizeof(uint32_t));
+  if (!c->p2p_sent || !c->p2p_recvd || !c->p2p_msg_s || !c->p2p_msg_r) {
+    free_ctx(c);
+    return tp_set_error(TP_ERR_NOMEM, "out of memory");
+  }
+  size_t o_slots, o_chans, o_stage, o_p2p;
+  size_t size = layout(world, c->stage_bytes, c->p2p_chunk, &o_slots, &o_chans, &o_stage, &o_p2p);
+  double deadline = tp_now() + comm->timeout_s;
+  void *base = NULL;
+  tp_status_t st;
+  if (rank == 0) {
+    st = seg_create(c->name, size, &base);
+    if (st != TP_SUCCESS) {
+      free_ctx(c);
+      return st;
+    }
+    shm_header_t *h = base;
+    h->world = world;
+    h->total_size = size;
+    h->stage_bytes = c->stage_bytes;
+    h->p2p_chunk = c->p2p_chunk;
+    h->creator_pid = getpid();
+    h->version = SHM_VERSION;
+    atomic_store(&((shm_header_t *)base)->attached, 0);
+    __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
+  } else {
+    int gone;
+    st = seg_attach(c->name, size, &base, deadline, 0, rank, &gone);
+    if (st != TP_SUCCESS) {
+      free_ctx(c);
+      return st;
+    }
+    shm_header_t *h = base;
+    while (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHM_MAGIC && tp_now() < deadline)
+      usleep(100);
+    if (h->magic != SHM_MAGIC || h->version != SHM_VERSION || h->world != world ||
+        h->stage_bytes != c->stage_bytes || h->p2p_chunk != c->p2p_chunk) {
+      munmap(base, size);
+      free_ctx(c);
+      return tp_set_error(TP_ERR_INVALID_USAGE,
+                          "rank %d: shared-memory segment %s was set up differently by rank 0 "
+                          "(world %d vs %d here, or different TPCORE_SHM_* settings)",
+                          rank, c->name, h->world, world);
+    }
+  }
+  c->base = base;
+  c->size = size;
+  c->hdr = base;
+  c->slots = (rank_slot_t *)(c->base + o_slots);
+  c->chans = (chan_t *)(c->base + o_chans);
+  c->stage = c->base + o_stage;
+  c->p2pdata = c->base + o_p2p;
+  rank_slot_t *me = &c->slots[rank];
+  me->pid = getpid();
+  me->starttime = proc_starttime(me->pid, NULL);
+  atomic_store(&me->act_kind, TP_COLL_NONE);
+  atomic_fetch_add(&c->hdr->attached, 1);
+  comm->impl = c;
+  comm->ops = &shm_ops;
+  /* Wait for everyone to attach; then the name can go. */
+  for (;;) {
+    int n = atomic_load(&c->hdr->attached);
+    if (n >= world) break;
+    if (atomic_load(&c->hdr->abort_state)) {
+      st = abort_error(c);
+      goto fail;
+    }
+    if (tp_now() > deadline) {
+      char missing[256] = "";
+      size_t len = 0;
+      for (int p = 0; p < world && len < sizeof missing - 16; p++)
+        if (c->slots[p].pid == 0) len += snprintf(missing + len, sizeof missing - len, "%s%d", len ? ", " : "", p);
+      st = tp_set_error(TP_ERR_TIMEOUT,
+                        "rank %d timed out after %.1f s waiting for rank(s) %s to join the "
+                        "communicator (%d of %d joined)",
+                        rank, comm->timeout_s, missing, n, world);
+      goto fail;
+    }
+    for (int p = 0; p < world; p++) {
+      if (p != rank && c->slots[p].pid && peer_dead(&c->slots[p])) {
+        st = tp_set_error(TP_ERR_REMOTE, "rank %d (pid %d) died while the communicator was being set up",
+                          p, c->slots[p].pid);
+        goto fail;
+      }
+    }
+    usleep(world <= online_cores() ? 50 : 500);
+  }
+  if (rank == 0) shm_unlink(c->name);
+  return TP_SUCCESS;
+fail:
+  if (rank == 0) shm_unlink(c->name);
+  munmap(c->base, c->size);
+  free_ctx(c);
+  comm->impl = NULL;
+  comm->ops = NULL;
+  return st;
+}
+
+static void shm_abort(struct tp_comm *comm, const char *reason) {
+  shm_ctx *c = comm->impl;
+  if (!c) return;
+  char msg[768];
+  snprintf(msg, sizeof msg, "rank %d aborted the communicator: %s", comm->rank,
+           reason && *reason ? reason : "(no reason given)");
+  publish_abort(c, comm->rank, msg);
+}
+
+static void shm_destroy(struct tp_comm *comm) {
+  shm_ctx *c = comm->impl;
+  if (!c) return;
+  rank_slot_t *me = &c->slots[comm->rank];
+  atomic_store(&me->closed, 1);
+  futex(&me->step, FUTEX_WAKE, INT_MAX, NULL);
+  for (int p = 0; p < comm->size; p++) {
+    futex(&chan(c, comm->rank, p)->sent, FUTEX_WAKE, INT_MAX, NULL);
+    futex(&chan(c, p, comm->rank)->acked, FUTEX_WAKE, INT_MAX, NULL);
+  }
+  pthread_mutex_lock(&c->regions_lock);
+  struct tp_mem *m = c->regions;
+  c->regions = NULL;
+  pthread_mutex_unlock(&c->regions_lock);
+  while (m) {
+    struct tp_mem *next = m->next;
+    m->owner = NULL;
+    m->next = NULL;
+    tp_mem_release(m);
+    m = next;
+  }
+  munmap(c->base, c->size);
+  free_ctx(c);
+  comm->impl = NULL;
+}
+
+/* -------------------------------------------------------------- split */
+
+static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp_comm **out) {
+  shm_ctx *c = comm->impl;
+  int n = comm->size, r = comm->rank;
+  char what[48];
+  c->seq++;
+  snprintf(what, sizeof what, "split #%u", c->seq);
+  set_activity(c, TP_COLL_SPLIT, c->seq, -1);
+  tp_coll_args_t a = {TP_COLL_SPLIT, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0};
+  post_hdr(c, &a, color, key, -1, 0, -1, 0);
+  tp_status_t st = sync_all(c, what);
+  if (st == TP_SUCCESS) st = check_hdrs(c, &a);
+  unsigned nsplit = c->nsplit++;
+  int newsize = 0, newrank = 0;
+  if (st == TP_SUCCESS && color != TP_SPLIT_NOCOLOR) {
+    for (int p = 0; p < n; p++) {
+      const coll_hdr_t *h = &c->slots[p].hdr[c->seq & 1];
+      if (h->color != color) continue;
+      newsize++;
+      if (h->key < key || (h->key == key && p < r)) newrank++;
+    }
+  }
+  /* Everyone has read the headers before anyone can overwrite them. */
+  if (st == TP_SUCCESS) st = sync_all(c, what);
+  atomic_store(&c->slots[r].last_seq, c->seq);
+  set_activity(c, TP_COLL_NONE, c->seq, -1);
+  if (st != TP_SUCCESS || color == TP_SPLIT_NOCOLOR) return st;
+  struct tp_comm *nc;
+  TP_CHECK(tp_comm_alloc_common(&nc, newsize, newrank, comm->job_id, comm->timeout_s,
+                                comm->spin_us));
+  char id[64];
+  snprintf(id, sizeof id, "%016llx.%u.%d", (unsigned long long)fnv1a(c->comm_id), nsplit, color);
+  st = tp_shm_comm_init(nc, id);
+  if (st != TP_SUCCESS) {
+    tp_error_prefix("split (color %d) on rank %d", color, r);
+    free(nc);
+    return st;
+  }
+  *out = nc;
+  return TP_SUCCESS;
+}
+
+/* ------------------------------------------------------- registered memory */
+
+void tp_mem_release(tp_mem_t m) {
+  if (!m) return;
+  shm_ctx *c = m->owner;
+  if (c) { /* still registered: unlink from the communicator's list */
+    int found = 0;
+    pthread_mutex_lock(&c->regions_lock);
+    struct tp_mem **pp = &c->regions;
+    while (*pp && *pp != m) pp = &(*pp)->next;
+    if (*pp) {
+      *pp = m->next;
+      m->owner = NULL;
+      m->next = NULL;
+      found = 1;
+    }
+    pthread_mutex_unlock(&c->regions_lock);
+    if (found && atomic_fetch_sub(&m->refs, 1) == 1) goto unmap;
+  }
+  if (atomic_fetch_sub(&m->refs, 1) != 1) return;
+unmap:
+  munmap(m->base, m->maplen);
+  free(m);
+}
+
+static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr, tp_mem_t *out) {
+  shm_ctx *c = comm->impl;
+  int n = comm->size, r = comm->rank;
+  char what[48];
+  c->seq++;
+  snprintf(what, sizeof what, "alloc #%u", c->seq);
+  set_activity(c, TP_COLL_ALLOC, c->seq, -1);
+  tp_coll_args_t a = {TP_COLL_ALLOC, NULL, NULL, nbytes, NULL, nbytes, TP_UINT8, TP_SUM, 0};
+  post_hdr(c, &a, 0, 0, -1, 0, -1, 0);
+  tp_status_t st = sync_all(c, what);
+  if (st == TP_SUCCESS) st = check_hdrs(c, &a);
+  if (st != TP_SUCCESS) goto done;
+  int64_t id = c->nmem++;
+  size_t slot = ALIGN_UP(nbytes ? nbytes : 1, 4096);
+  size_t maplen = slot * (size_t)n;
+  char name[300];
+  snprintf(name, sizeof name, "%s_m%lld", c->name, (long long)id);
+  void *base = NULL;
+  tp_status_t mine = TP_SUCCESS;
+  char myerr[512] = "";
+  rank_slot_t *ms = &c->slots[r];
+  if (r == 0) {
+    mine = seg_create(name, maplen, &base);
+    if (mine != TP_SUCCESS) snprintf(myerr, sizeof myerr, "%s", tp_last_error());
+    atomic_store(&ms->status, (int32_t)mine);
+    st = sync_all(c, what); /* created (or failed) */
+  } else {
+    arrive(c);
+    st = wait_word(c, &c->slots[0].step, &c->slots[0].waiters, c->step, 0, what, 0);
+    if (st == TP_SUCCESS && atomic_load(&c->slots[0].status) == TP_SUCCESS) {
+      int gone;
+      mine = seg_attach(name, maplen, &base, tp_now() + comm->timeout_s, 0, r, &gone);
+      if (mine != TP_SUCCESS) snprintf(myerr, sizeof myerr, "%s", tp_last_error());
+    } else if (st == TP_SUCCESS) {
+      mine = TP_ERR_NOMEM;
+      snprintf(myerr, sizeof myerr, "rank 0 could not create the shared buffer");
+    }
+    atomic_store(&ms->status, (int32_t)mine);
+    if (st == TP_SUCCESS) st = wait_all(c, what);
+  }
+  if (st == TP_SUCCESS) st = sync_all(c, what); /* everyone attached (or failed) */
+  if (r == 0) shm_unlink(name);
+  if (st != TP_SUCCESS) {
+    if (base) munmap(base, maplen);
+    goto done;
+  }
+  int bad = -1;
+  for (int p = 0; p < n && bad < 0; p++)
+    if (atomic_load(&c->slots[p].status) != TP_SUCCESS) bad = p;
+  /* Statuses are read; one more round before anyone may overwrite them. */
+  st = sync_all(c, what);
+  if (st != TP_SUCCESS) {
+    if (base) munmap(base, maplen);
+    goto done;
+  }
+  if (bad >= 0) {
+    if (base) munmap(base, maplen);
+    if (bad == r) st = tp_set_error(TP_ERR_NOMEM, "alloc of %zu bytes on rank %d: %s", nbytes, r, myerr);
+    else st = tp_set_error(TP_ERR_NOMEM, "alloc of %zu bytes failed on rank %d", nbytes, bad);
+    goto done;
+  }
+  struct tp_mem *m = calloc(1, sizeof *m);
+  if (!m) {
+    munmap(base, maplen);
+    st = tp_set_error(TP_ERR_NOMEM, "out of memory");
+    goto done;
+  }
+  atomic_init(&m->refs, 2); /* the communicator's and the caller's */
+  m->base = base;
+  m->maplen = maplen;
+  m->slot = slot;
+  m->id = id;
+  m->rank = r;
+  m->ptr = (char *)base + (size_t)r * slot;
+  m->nbytes = nbytes;
+  m->owner = c;
+  pthread_mutex_lock(&c->regions_lock);
+  m->next = c->regions;
+  c->regions = m;
+  pthread_mutex_unlock(&c->regions_lock);
+  *ptr = m->ptr;
+  *out = m;
+done:
+  atomic_store(&c->slots[r].last_seq, c->seq);
+  set_activity(c, TP_COLL_NONE, c->seq, -1);
+  return st;
+}

@@ -1,0 +1,132 @@
+/*
+ * tpcore communicators: one interface, several backends (shm today; nccl and mpi
+ * plug in behind the same table).
+ *
+ * Semantics follow NCCL: every rank of a communicator calls the same collectives
+ * in the same order with matching dtype, op, root and counts.  Each collective
+ * carries a header (sequence number, op, dtype, count, root) so that a mismatch
+ * is reported on every rank as TP_ERR_MISMATCH, naming both sides, instead of
+ * corrupting data.  Every wait has a timeout; a rank that aborts or dies makes
+ * the others fail promptly with TP_ERR_REMOTE naming it.
+ *
+ * Buffers are host memory, contiguous, with `count` elements of `dtype`.  send
+ * and recv may be the same pointer (in place).  A communicator is used by one
+ * thread at a time.
+ */
+#ifndef TPCORE_COMM_H
+#define TPCORE_COMM_H
+
+#include "tpcore/tpcore.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tp_comm *tp_comm_t;
+typedef struct tp_mem *tp_mem_t;
+
+typedef enum {
+  TP_SUM = 0,
+  TP_PROD = 1,
+  TP_MIN = 2,
+  TP_MAX = 3,
+  TP_AVG = 4, /* sum / world size; integers divide truncating toward zero */
+  TP_NUM_REDOPS = 5
+} tp_redop_t;
+
+TP_API const char *tp_redop_name(tp_redop_t op);
+
+#define TP_SPLIT_NOCOLOR (-1)
+#define TP_JOB_ID_MAX 64
+
+typedef struct {
+  size_t size;          /* sizeof(tp_comm_config_t): lets the struct grow      */
+  unsigned version;     /* TP_VERSION                                          */
+  const char *backend;  /* "shm" (default when NULL)                           */
+  const char *job_id;   /* names the job's shared resources: [A-Za-z0-9_-]{1,64} */
+  double timeout_s;     /* every wait; <= 0: TPCORE_TIMEOUT or 300 s           */
+  int spin_us;          /* busy-wait before sleeping; < 0: automatic           */
+} tp_comm_config_t;
+
+#define TP_COMM_CONFIG_INITIALIZER \
+  { sizeof(tp_comm_config_t), TP_VERSION, NULL, NULL, -1.0, -1 }
+
+/* Collective over the `world` ranks that name the same job_id: each calls it
+ * with its own rank.  Returns when all have joined, or TP_ERR_TIMEOUT naming
+ * the ranks that did not arrive. */
+TP_API tp_status_t tp_comm_init_rank(tp_comm_t *comm, int world, int rank,
+                                     const tp_comm_config_t *config);
+/* Releases everything this rank holds.  Not collective. NULL is accepted. */
+TP_API tp_status_t tp_comm_destroy(tp_comm_t comm);
+/* Marks the communicator failed on every rank (they raise TP_ERR_REMOTE naming
+ * this rank and `reason`), then behaves like a destroyed one for this rank's
+ * collectives.  Safe to call from another thread. */
+TP_API tp_status_t tp_comm_abort(tp_comm_t comm, const char *reason);
+/* TP_SUCCESS, or the error that made the communicator unusable. */
+TP_API tp_status_t tp_comm_get_async_error(tp_comm_t comm, tp_status_t *error);
+
+TP_API tp_status_t tp_comm_rank(tp_comm_t comm, int *rank);
+TP_API tp_status_t tp_comm_size(tp_comm_t comm, int *size);
+TP_API tp_status_t tp_comm_backend(tp_comm_t comm, const char **name);
+TP_API tp_status_t tp_comm_timeout(tp_comm_t comm, double *seconds);
+TP_API tp_status_t tp_comm_set_timeout(tp_comm_t comm, double seconds);
+
+/* Collectives. */
+TP_API tp_status_t tp_all_reduce(const void *send, void *recv, size_t count,
+                                 tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm);
+/* recv holds size * sendcount elements, rank p's at p * sendcount. */
+TP_API tp_status_t tp_all_gather(const void *send, void *recv, size_t sendcount,
+                                 tp_dtype_t dtype, tp_comm_t comm);
+/* Uneven form: rank p contributes counts[p] elements, placed at the sum of the
+ * counts before it.  counts has `size` entries and is the same on every rank. */
+TP_API tp_status_t tp_all_gather_v(const void *send, void *recv, const size_t *counts,
+                                   tp_dtype_t dtype, tp_comm_t comm);
+/* send holds size * recvcount elements; rank p receives block p, reduced. */
+TP_API tp_status_t tp_reduce_scatter(const void *send, void *recv, size_t recvcount,
+                                     tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm);
+TP_API tp_status_t tp_reduce_scatter_v(const void *send, void *recv, const size_t *counts,
+                                       tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm);
+/* send is read on root only; recv is written on every rank. */
+TP_API tp_status_t tp_broadcast(const void *send, void *recv, size_t count,
+                                tp_dtype_t dtype, int root, tp_comm_t comm);
+/* recv is written on root only (may be NULL elsewhere). */
+TP_API tp_status_t tp_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype,
+                             tp_redop_t op, int root, tp_comm_t comm);
+TP_API tp_status_t tp_barrier(tp_comm_t comm);
+
+/* Point to point.  A send of up to the backend's eager size returns at once;
+ * a larger one returns when the receiver has taken all but the last chunks. */
+TP_API tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer,
+                           tp_comm_t comm);
+TP_API tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer,
+                           tp_comm_t comm);
+/* Sends to `dst` and receives from `src` at the same time (no deadlock in rings). */
+TP_API tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
+                               size_t recvcount, int src, tp_dtype_t dtype, tp_comm_t comm);
+
+/* Collective: ranks with the same color form a new communicator, ordered by
+ * (key, parent rank).  TP_SPLIT_NOCOLOR gives *newcomm = NULL. */
+TP_API tp_status_t tp_comm_split(tp_comm_t comm, int color, int key, tp_comm_t *newcomm);
+
+/* Registered memory (NCCL's user-buffer registration).  Collective: every rank
+ * asks for the same nbytes and gets a buffer in memory the ranks share;
+ * collectives whose buffers all lie at the same offset of the same allocation
+ * on every rank read and write peers' memory in place, without staging copies.
+ * The buffer stays valid until tp_mem_release, even after tp_comm_destroy. */
+TP_API tp_status_t tp_comm_mem_alloc(tp_comm_t comm, size_t nbytes, void **ptr,
+                                     tp_mem_t *handle);
+TP_API void tp_mem_release(tp_mem_t handle);
+
+/* Statistics of this rank on this communicator since init. */
+typedef struct {
+  uint64_t collectives;   /* collective calls completed                  */
+  uint64_t bytes;         /* payload bytes of those calls (this rank's)  */
+  uint64_t zero_copy;     /* calls that took the registered-memory path  */
+  double seconds;         /* time spent inside collectives and p2p       */
+} tp_comm_stats_t;
+TP_API tp_status_t tp_comm_get_stats(tp_comm_t comm, tp_comm_stats_t *stats);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TPCORE_COMM_H */

@@ -1,0 +1,103 @@
+/*
+ * tpcore public C API: status codes, dtypes, tensor view, version.
+ *
+ * This header (and the others in include/tpcore/) never includes Python or CUDA
+ * headers: a C program can link the core with nothing else.
+ *
+ * Conventions (after NCCL): every public call returns a tp_status_t; outputs go
+ * through pointers.  On failure the calling thread's last-error buffer holds one
+ * sentence naming the operation, the argument or rank involved, and the cause
+ * (tp_last_error()).  Library code never exits or aborts the process.
+ */
+#ifndef TPCORE_TPCORE_H
+#define TPCORE_TPCORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define TP_API __attribute__((visibility("default")))
+#else
+#define TP_API
+#endif
+
+#define TP_VERSION_MAJOR 0
+#define TP_VERSION_MINOR 1
+#define TP_VERSION_PATCH 0
+#define TP_VERSION (TP_VERSION_MAJOR * 10000 + TP_VERSION_MINOR * 100 + TP_VERSION_PATCH)
+
+/* Closed set of results; values are append-only. */
+typedef enum {
+  TP_SUCCESS = 0,
+  TP_ERR_INVALID_ARGUMENT = 1, /* a bad pointer, size, dtype, op, root, peer ...        */
+  TP_ERR_INVALID_USAGE = 2,    /* a call that is wrong in this state (closed comm, ...)  */
+  TP_ERR_SYSTEM = 3,           /* an OS call failed (shm_open, mmap, ...)               */
+  TP_ERR_TIMEOUT = 4,          /* a wait ran past the communicator's timeout            */
+  TP_ERR_REMOTE = 5,           /* another rank failed, aborted or died                  */
+  TP_ERR_MISMATCH = 6,         /* ranks called different collectives / counts / dtypes  */
+  TP_ERR_ABORTED = 7,          /* this communicator was aborted earlier                 */
+  TP_ERR_NOMEM = 8,            /* an allocation failed                                  */
+  TP_ERR_UNSUPPORTED = 9,      /* not available in this build or on this backend       */
+  TP_ERR_INTERNAL = 10,        /* a bug in tpcore: please report it                     */
+  TP_IN_PROGRESS = 11          /* an asynchronous operation has not finished yet         */
+} tp_status_t;
+
+TP_API const char *tp_status_name(tp_status_t status);
+/* The sentence that describes the calling thread's last failure ("" if none). */
+TP_API const char *tp_last_error(void);
+/* The status recorded with that sentence. */
+TP_API tp_status_t tp_last_status(void);
+
+/* Element types; values are append-only. float16/bfloat16 are reduced in float32. */
+typedef enum {
+  TP_FLOAT32 = 0,
+  TP_FLOAT64 = 1,
+  TP_FLOAT16 = 2,
+  TP_BFLOAT16 = 3,
+  TP_INT8 = 4,
+  TP_UINT8 = 5,
+  TP_INT32 = 6,
+  TP_INT64 = 7,
+  TP_NUM_DTYPES = 8
+} tp_dtype_t;
+
+TP_API size_t tp_dtype_size(tp_dtype_t dtype);       /* 0 for an invalid dtype        */
+TP_API const char *tp_dtype_name(tp_dtype_t dtype);  /* "float32", ..., "invalid"     */
+TP_API int tp_dtype_from_name(const char *name, tp_dtype_t *dtype); /* 1 if known      */
+
+/* float16 / bfloat16 <-> float32 conversions (round to nearest even). */
+TP_API float tp_half_to_float(uint16_t h);
+TP_API uint16_t tp_float_to_half(float f);
+TP_API float tp_bf16_to_float(uint16_t b);
+TP_API uint16_t tp_float_to_bf16(float f);
+
+typedef enum { TP_DEVICE_CPU = 0, TP_DEVICE_CUDA = 1 } tp_device_t;
+
+#define TP_MAX_DIMS 8
+
+/* A strided view of memory owned elsewhere: the currency between the extension,
+ * layers, kernels and communicators.  Strides are in elements. */
+typedef struct {
+  void *data;
+  tp_dtype_t dtype;
+  int ndim;
+  int64_t shape[TP_MAX_DIMS];
+  int64_t strides[TP_MAX_DIMS];
+  tp_device_t device;
+  int device_id;
+} tp_tensor;
+
+TP_API int64_t tp_tensor_numel(const tp_tensor *t);
+TP_API int tp_tensor_is_contiguous(const tp_tensor *t);
+
+/* Monotonic clock in seconds. */
+TP_API double tp_now(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TPCORE_TPCORE_H */

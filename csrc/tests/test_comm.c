@@ -1,0 +1,347 @@
+/*
+ * C-level tests of the communicator, without Python: each world size 1..4 is
+ * run as forked processes on one job id; every rank checks its results against
+ * a reference it computes itself in double precision from the same
+ * deterministic inputs every rank can generate.  Exit status 0 = all passed.
+ * Prints one line per case and "N passed, N failed" at the end.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tpcore/comm.h"
+
+static int g_fail = 0;
+static char g_job[64];
+
+#define EXPECT(cond, ...)                                               \
+  do {                                                                  \
+    if (!(cond)) {                                                      \
+      fprintf(stderr, "  rank check failed at %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                                     \
+      fprintf(stderr, "\n");                                            \
+      g_fail++;                                                         \
+    }                                                                   \
+  } while (0)
+
+#define OK(call)                                                        \
+  do {                                                                  \
+    tp_status_t st_ = (call);                                           \
+    if (st_ != TP_SUCCESS) {                                            \
+      fprintf(stderr, "  %s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call, \
+              tp_status_name(st_), tp_last_error());                    \
+      g_fail++;                                                         \
+      return;                                                           \
+    }                                                                   \
+  } while (0)
+
+/* Deterministic input value of element i on rank r for case `seed`: small
+ * integers / 4, exact in every float type, non-zero. */
+static double val(int seed, int r, size_t i) {
+  uint64_t x = (uint64_t)seed * 0x9E3779B97F4A7C15ULL + (uint64_t)r * 0xBF58476D1CE4E5B9ULL + i * 0x94D049BB133111EBULL;
+  x ^= x >> 31; x *= 0xD6E8FEB86969D7DULL; x ^= x >> 29;
+  int v = (int)(x % 15) - 7;
+  if (v == 0) v = 3;
+  return v / 4.0;
+}
+static int is_float(tp_dtype_t d) { return d <= TP_BFLOAT16; }
+static double ival(tp_dtype_t d, int seed, int r, size_t i) {
+  double v = val(seed, r, i);
+  if (is_float(d)) return v;
+  v *= 4;
+  if (d == TP_UINT8) v = fabs(v) + 1;
+  return v;
+}
+
+static void store(void *buf, tp_dtype_t d, size_t i, double v) {
+  switch (d) {
+    case TP_FLOAT32: ((float *)buf)[i] = (float)v; break;
+    case TP_FLOAT64: ((double *)buf)[i] = v; break;
+    case TP_FLOAT16: ((uint16_t *)buf)[i] = tp_float_to_half((float)v); break;
+    case TP_BFLOAT16: ((uint16_t *)buf)[i] = tp_float_to_bf16((float)v); break;
+    case TP_INT8: ((int8_t *)buf)[i] = (int8_t)v; break;
+    case TP_UINT8: ((uint8_t *)buf)[i] = (uint8_t)v; break;
+    case TP_INT32: ((int32_t *)buf)[i] = (int32_t)v; break;
+    case TP_INT64: ((int64_t *)buf)[i] = (int64_t)v; break;
+    default: break;
+  }
+}
+static double load(const void *buf, tp_dtype_t d, size_t i) {
+  switch (d) {
+    case TP_FLOAT32: return ((const float *)buf)[i];
+    case TP_FLOAT64: return ((const double *)buf)[i];
+    case TP_FLOAT16: return tp_half_to_float(((const uint16_t *)buf)[i]);
+    case TP_BFLOAT16: return tp_bf16_to_float(((const uint16_t *)buf)[i]);
+    case TP_INT8: return ((const int8_t *)buf)[i];
+    case TP_UINT8: return ((const uint8_t *)buf)[i];
+    case TP_INT32: return ((const int32_t *)buf)[i];
+    case TP_INT64: return (double)((const int64_t *)buf)[i];
+    default: return NAN;
+  }
+}
+
+/* Reference reduction of element i over ranks, with the dtype's wrap for ints. */
+static double ref_reduce(tp_dtype_t d, tp_redop_t op, int seed, int n, size_t i) {
+  double acc = ival(d, seed, 0, i);
+  for (int r = 1; r < n; r++) {
+    double v = ival(d, seed, r, i);
+    switch (op) {
+      case TP_SUM: case TP_AVG: acc += v; break;
+      case TP_PROD: acc *= v; break;
+      case TP_MIN: acc = v < acc ? v : acc; break;
+      case TP_MAX: acc = v > acc ? v : acc; break;
+      default: break;
+    }
+  }
+  if (op == TP_AVG) acc = is_float(d) ? acc / n : trunc(acc / n);
+  if (d == TP_INT8) acc = (double)(int8_t)(int64_t)acc;
+  if (d == TP_UINT8) acc = (double)(uint8_t)(int64_t)acc;
+  return acc;
+}
+
+static int close_enough(tp_dtype_t d, double got, double want) {
+  double tol = d == TP_FLOAT16 || d == TP_BFLOAT16 ? 1e-2 : d == TP_FLOAT32 ? 1e-6 : 1e-12;
+  if (!is_float(d)) return got == want;
+  return fabs(got - want) <= tol * (1 + fabs(want));
+}
+
+static const size_t sizes[] = {0, 1, 7, 1021, 300007};
+
+static void test_all_reduce(tp_comm_t c, int n, int r) {
+  for (int d = 0; d < TP_NUM_DTYPES; d++) {
+    for (int op = 0; op < TP_NUM_REDOPS; op++) {
+      for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
+        size_t cnt = sizes[si];
+        if (cnt > 2000 && !(op == TP_SUM || op == TP_MAX)) continue;
+        size_t es = tp_dtype_size((tp_dtype_t)d);
+        char *x = malloc(cnt * es + 1), *y = malloc(cnt * es + 1);
+        int seed = d * 100 + op * 10 + (int)si;
+        for (size_t i = 0; i < cnt; i++) store(x, (tp_dtype_t)d, i, ival((tp_dtype_t)d, seed, r, i));
+        for (int inplace = 0; inplace < 2; inplace++) {
+          void *out = inplace ? x : y;
+          if (inplace == 1)
+            for (size_t i = 0; i < cnt; i++) store(x, (tp_dtype_t)d, i, ival((tp_dtype_t)d, seed, r, i));
+          OK(tp_all_reduce(x, out, cnt, (tp_dtype_t)d, (tp_redop_t)op, c));
+          size_t bad = 0;
+          for (size_t i = 0; i < cnt; i++)
+            if (!close_enough((tp_dtype_t)d, load(out, (tp_dtype_t)d, i),
+                              ref_reduce((tp_dtype_t)d, (tp_redop_t)op, seed, n, i))) bad++;
+          EXPECT(bad == 0, "all_reduce %s %s count %zu inplace %d: %zu wrong", tp_dtype_name((tp_dtype_t)d),
+                 tp_redop_name((tp_redop_t)op), cnt, inplace, bad);
+        }
+        free(x);
+        free(y);
+      }
+    }
+  }
+}
+
+static void test_gather_scatter(tp_comm_t c, int n, int r) {
+  tp_dtype_t d = TP_FLOAT32;
+  for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
+    size_t base = sizes[si];
+    size_t counts[4], displ[5] = {0}, total = 0;
+    for (int p = 0; p < n; p++) {
+      counts[p] = base + (size_t)p * (base % 5); /* uneven when base % 5 != 0 */
+      displ[p + 1] = displ[p] + counts[p];
+      total += counts[p];
+    }
+    float *x = malloc(total * 4 + 4), *y = malloc(total * 4 + 4);
+    /* all_gather_v */
+    for (size_t i = 0; i < counts[r]; i++) x[i] = (float)val(7, r, i);
+    OK(tp_all_gather_v(x, y, counts, d, c));
+    size_t bad = 0;
+    for (int p = 0; p < n; p++)
+      for (size_t i = 0; i < counts[p]; i++) bad += y[displ[p] + i] != (float)val(7, p, i);
+    EXPECT(bad == 0, "all_gather_v base %zu: %zu wrong", base, bad);
+    /* reduce_scatter_v */
+    for (size_t i = 0; i < total; i++) x[i] = (float)val(8, r, i);
+    OK(tp_reduce_scatter_v(x, y, counts, d, TP_SUM, c));
+    bad = 0;
+    for (size_t i = 0; i < counts[r]; i++) {
+      double want = 0;
+      for (int p = 0; p < n; p++) want += val(8, p, displ[r] + i);
+      bad += !close_enough(d, y[i], want);
+    }
+    EXPECT(bad == 0, "reduce_scatter_v base %zu: %zu wrong", base, bad);
+    /* broadcast and reduce from every root */
+    for (int root = 0; root < n; root++) {
+      for (size_t i = 0; i < total; i++) x[i] = (float)val(9 + root, r, i);
+      OK(tp_broadcast(x, x, total, d, root, c));
+      bad = 0;
+      for (size_t i = 0; i < total; i++) bad += x[i] != (float)val(9 + root, root, i);
+      EXPECT(bad == 0, "broadcast root %d count %zu: %zu wrong", root, total, bad);
+      for (size_t i = 0; i < total; i++) x[i] = (float)val(20 + root, r, i);
+      OK(tp_reduce(x, y, total, d, TP_MAX, root, c));
+      if (r == root) {
+        bad = 0;
+        for (size_t i = 0; i < total; i++) bad += y[i] != (float)ref_reduce(d, TP_MAX, 20 + root, n, i);
+        EXPECT(bad == 0, "reduce root %d count %zu: %zu wrong", root, total, bad);
+      }
+    }
+    free(x);
+    free(y);
+  }
+  OK(tp_barrier(c));
+}
+
+static void test_p2p_split_registered(tp_comm_t c, int n, int r) {
+  /* Ring with sendrecv, message larger than the eager size. */
+  size_t cnt = 200003;
+  double *x = malloc(cnt * 8), *y = malloc(cnt * 8);
+  for (size_t i = 0; i < cnt; i++) x[i] = val(30, r, i);
+  OK(tp_sendrecv(x, cnt, (r + 1) % n, y, cnt, (r + n - 1) % n, TP_FLOAT64, c));
+  size_t bad = 0;
+  for (size_t i = 0; i < cnt; i++) bad += y[i] != val(30, (r + n - 1) % n, i);
+  EXPECT(bad == 0, "sendrecv ring: %zu wrong", bad);
+  /* Plain send / recv, ordered to avoid deadlock. */
+  if (n > 1) {
+    if (r == 0) {
+      OK(tp_send(x, 1000, TP_FLOAT64, 1, c));
+    } else if (r == 1) {
+      OK(tp_recv(y, 1000, TP_FLOAT64, 0, c));
+      bad = 0;
+      for (size_t i = 0; i < 1000; i++) bad += y[i] != val(30, 0, i);
+      EXPECT(bad == 0, "send/recv: %zu wrong", bad);
+    }
+  }
+  free(x);
+  free(y);
+  /* Split by parity; reverse order by key. */
+  tp_comm_t sub = NULL;
+  OK(tp_comm_split(c, r % 2, -r, &sub));
+  int sr, ss;
+  OK(tp_comm_rank(sub, &sr));
+  OK(tp_comm_size(sub, &ss));
+  EXPECT(ss == (n + 1 - r % 2) / 2, "split size %d", ss);
+  int32_t v = r, sum = 0;
+  OK(tp_all_reduce(&v, &sum, 1, TP_INT32, TP_SUM, sub));
+  int32_t want = 0;
+  for (int p = r % 2; p < n; p += 2) want += p;
+  EXPECT(sum == want, "split all_reduce %d != %d", sum, want);
+  tp_comm_destroy(sub);
+  tp_comm_t none = (tp_comm_t)1;
+  OK(tp_comm_split(c, r == 0 ? 0 : TP_SPLIT_NOCOLOR, 0, &none));
+  EXPECT((r == 0) == (none != NULL), "nocolor split");
+  tp_comm_destroy(none);
+  /* Registered memory: in-place all_reduce and all_gather read peers in place. */
+  size_t rc = 1 << 20;
+  float *buf;
+  tp_mem_t h;
+  OK(tp_comm_mem_alloc(c, rc * 4 * (size_t)n, (void **)&buf, &h));
+  for (size_t i = 0; i < rc; i++) buf[i] = (float)val(40, r, i);
+  OK(tp_all_reduce(buf, buf, rc, TP_FLOAT32, TP_SUM, c));
+  bad = 0;
+  for (size_t i = 0; i < rc; i++) bad += !close_enough(TP_FLOAT32, buf[i], ref_reduce(TP_FLOAT32, TP_SUM, 40, n, i));
+  EXPECT(bad == 0, "registered all_reduce: %zu wrong", bad);
+  for (size_t i = 0; i < rc; i++) buf[r * rc + i] = (float)val(41, r, i);
+  OK(tp_all_gather(buf + r * rc, buf, rc, TP_FLOAT32, c));
+  bad = 0;
+  for (int p = 0; p < n; p++)
+    for (size_t i = 0; i < rc; i++) bad += buf[p * rc + i] != (float)val(41, p, i);
+  EXPECT(bad == 0, "registered all_gather: %zu wrong", bad);
+  tp_comm_stats_t stats;
+  OK(tp_comm_get_stats(c, &stats));
+  EXPECT(n == 1 || stats.zero_copy >= 2, "registered path not taken (%llu)", (unsigned long long)stats.zero_copy);
+  tp_mem_release(h);
+}
+
+static void test_errors(tp_comm_t c, int n, int r) {
+  float x[16] = {0};
+  /* Bad arguments fail locally and leave the communicator usable. */
+  EXPECT(tp_all_reduce(x, x, 4, (tp_dtype_t)99, TP_SUM, c) == TP_ERR_INVALID_ARGUMENT, "bad dtype");
+  EXPECT(tp_all_reduce(x, x, 4, TP_FLOAT32, (tp_redop_t)9, c) == TP_ERR_INVALID_ARGUMENT, "bad op");
+  EXPECT(tp_broadcast(x, x, 4, TP_FLOAT32, n, c) == TP_ERR_INVALID_ARGUMENT, "bad root");
+  EXPECT(strstr(tp_last_error(), "invalid root") != NULL, "message: %s", tp_last_error());
+  EXPECT(tp_all_reduce(NULL, x, 4, TP_FLOAT32, TP_SUM, c) == TP_ERR_INVALID_ARGUMENT, "null send");
+  OK(tp_barrier(c));
+  if (n < 2) return;
+  /* Mismatch: rank 0 all_reduce of 16, the others all_gather: everybody fails. */
+  tp_status_t st = r == 0 ? tp_all_reduce(x, x, 16, TP_FLOAT32, TP_SUM, c)
+                          : tp_all_gather(x, x + 8, 8 / n, TP_FLOAT32, c);
+  EXPECT(st == TP_ERR_MISMATCH || st == TP_ERR_REMOTE, "mismatch gave %s", tp_status_name(st));
+  EXPECT(strstr(tp_last_error(), "all_gather") && strstr(tp_last_error(), "all_reduce"),
+         "mismatch message names both: %s", tp_last_error());
+  /* The communicator is now unusable, with a clear error. */
+  st = tp_barrier(c);
+  EXPECT(st != TP_SUCCESS, "barrier after mismatch succeeded");
+}
+
+static void run_rank(int n, int r, int which) {
+  tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
+  char job[80];
+  snprintf(job, sizeof job, "%s_%d_%d", g_job, n, which);
+  cfg.job_id = job;
+  cfg.timeout_s = 30;
+  tp_comm_t c;
+  OK(tp_comm_init_rank(&c, n, r, &cfg));
+  switch (which) {
+    case 0: test_all_reduce(c, n, r); break;
+    case 1: test_gather_scatter(c, n, r); break;
+    case 2: test_p2p_split_registered(c, n, r); break;
+    case 3: test_errors(c, n, r); break;
+    case 4: { /* a rank that dies: the others fail fast, naming it */
+      if (n < 2) break;
+      if (r == n - 1) _exit(0); /* dies without closing */
+      double t0 = tp_now();
+      float x = 1;
+      tp_status_t st = tp_all_reduce(&x, &x, 1, TP_FLOAT32, TP_SUM, c);
+      EXPECT(st == TP_ERR_REMOTE, "dead peer gave %s", tp_status_name(st));
+      char want[32];
+      snprintf(want, sizeof want, "rank %d", n - 1);
+      EXPECT(strstr(tp_last_error(), want) != NULL, "names the dead rank: %s", tp_last_error());
+      EXPECT(tp_now() - t0 < 5, "took %.1f s", tp_now() - t0);
+      break;
+    }
+    case 5: { /* a rank that never calls: timeout names it */
+      if (n < 2) break;
+      tp_comm_set_timeout(c, 0.5);
+      if (r == n - 1) { usleep(1500 * 1000); break; }
+      float x = 1;
+      tp_status_t st = tp_all_reduce(&x, &x, 1, TP_FLOAT32, TP_SUM, c);
+      EXPECT(st == TP_ERR_TIMEOUT || st == TP_ERR_REMOTE, "missing peer gave %s", tp_status_name(st));
+      break;
+    }
+  }
+  tp_comm_destroy(c);
+}
+
+static const char *case_names[] = {"all_reduce", "gather_scatter_bcast_reduce", "p2p_split_registered",
+                                   "errors", "dead_rank", "missing_rank"};
+
+int main(void) {
+  snprintf(g_job, sizeof g_job, "ctest%d", (int)getpid());
+  int passed = 0, failed = 0;
+  for (int which = 0; which < 6; which++) {
+    for (int n = 1; n <= 4; n++) {
+      pid_t pids[4];
+      for (int r = 0; r < n; r++) {
+        pids[r] = fork();
+        if (pids[r] == 0) {
+          alarm(120);
+          run_rank(n, r, which);
+          _exit(g_fail ? 1 : 0);
+        }
+      }
+      int ok = 1;
+      for (int r = 0; r < n; r++) {
+        int status;
+        waitpid(pids[r], &status, 0);
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ok = 0;
+      }
+      printf("%-30s world %d: %s\n", case_names[which], n, ok ? "ok" : "FAILED");
+      fflush(stdout);
+      ok ? passed++ : failed++;
+    }
+  }
+  printf("%d passed, %d failed\n", passed, failed);
+  return failed ? 1 : 0;
+}
