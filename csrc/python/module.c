@@ -1,0 +1,765 @@
+/*
+ * tpcore._C: the thin CPython face of the C core.  Argument parsing, NumPy
+ * array checks (dtype, contiguity, alignment, writability, sizes), status ->
+ * exception mapping, and the GIL released around every blocking call.  No math
+ * and no communication logic live here.  The only files of the project that
+ * include Python.h or NumPy headers are in this folder.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#define NPY_NO_DEPRECATED_API NPY_1_20_API_VERSION
+#include <numpy/arrayobject.h>
+
+#include <string.h>
+
+#include "tpcore/comm.h"
+
+/* ------------------------------------------------------------ module state */
+
+typedef struct {
+  PyObject *CommError;
+  PyObject *CommTimeout;
+  PyTypeObject *CommType;
+  PyTypeObject *SharedBufferType;
+} module_state;
+
+static struct PyModuleDef tpcore_module;
+
+static module_state *state_of_type(PyTypeObject *t) {
+  PyObject *m = PyType_GetModuleByDef(t, &tpcore_module);
+  return m ? (module_state *)PyModule_GetState(m) : NULL;
+}
+
+/* Raise the exception that matches a tp_status_t, with the core's sentence. */
+static PyObject *raise_status(module_state *st, tp_status_t s, const char *op) {
+  const char *msg = tp_last_error();
+  if (!msg || !*msg) msg = tp_status_name(s);
+  PyObject *type;
+  switch (s) {
+    case TP_ERR_INVALID_ARGUMENT: type = PyExc_ValueError; break;
+    case TP_ERR_NOMEM: type = PyExc_MemoryError; break;
+    case TP_ERR_TIMEOUT: type = st->CommTimeout; break;
+    default: type = st->CommError; break;
+  }
+  PyObject *text = PyUnicode_FromString(msg);
+  if (!text) return NULL;
+  PyObject *exc = PyObject_CallOneArg(type, text);
+  Py_DECREF(text);
+  if (!exc) return NULL;
+  if (PyObject_IsSubclass(type, st->CommError) == 1) {
+    PyObject *code = PyUnicode_FromString(tp_status_name(s));
+    PyObject *remote = PyBool_FromLong(s == TP_ERR_REMOTE);
+    if (!code || !remote || PyObject_SetAttrString(exc, "code", code) < 0 ||
+        PyObject_SetAttrString(exc, "peer_failure", remote) < 0) {
+      Py_XDECREF(code);
+      Py_XDECREF(remote);
+      Py_DECREF(exc);
+      return NULL;
+    }
+    Py_DECREF(code);
+    Py_DECREF(remote);
+  }
+  (void)op;
+  PyErr_SetObject(type, exc);
+  Py_DECREF(exc);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ arrays */
+
+static int dtype_of(PyArray_Descr *d, tp_dtype_t *out) {
+  char kind = d->kind;
+  int size = (int)PyDataType_ELSIZE(d);
+  if (d->byteorder == '>') return 0;
+  if (kind == 'f' && size == 4) *out = TP_FLOAT32;
+  else if (kind == 'f' && size == 8) *out = TP_FLOAT64;
+  else if (kind == 'f' && size == 2) *out = TP_FLOAT16;
+  else if (kind == 'i' && size == 1) *out = TP_INT8;
+  else if (kind == 'u' && size == 1) *out = TP_UINT8;
+  else if (kind == 'i' && size == 4) *out = TP_INT32;
+  else if (kind == 'i' && size == 8) *out = TP_INT64;
+  else if (size == 2 && d->typeobj && strcmp(d->typeobj->tp_name, "bfloat16") == 0) *out = TP_BFLOAT16;
+  else return 0;
+  return 1;
+}
+
+typedef struct {
+  void *data;
+  size_t count;
+  tp_dtype_t dtype;
+} buf_t;
+
+/* Checks that obj is a NumPy array this op can use; fills b.  `writable`: the
+ * op writes into it.  Errors name the op and the argument. */
+static int get_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t *b) {
+  if (!PyArray_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a NumPy array (or a CPU tensor with __dlpack__), got %s",
+                 op, arg, Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  PyArrayObject *a = (PyArrayObject *)obj;
+  PyArray_Descr *d = PyArray_DESCR(a);
+  if (!dtype_of(d, &b->dtype)) {
+    PyObject *s = PyObject_Str((PyObject *)d);
+    PyErr_Format(PyExc_TypeError,
+                 "%s: %s has dtype %s; expected one of float32, float64, float16, bfloat16, int8, "
+                 "uint8, int32, int64 (native byte order)", op, arg, s ? PyUnicode_AsUTF8(s) : "?");
+    Py_XDECREF(s);
+    return -1;
+  }
+  if (!PyArray_IS_C_CONTIGUOUS(a)) {
+    PyObject *strides = PyObject_GetAttrString(obj, "strides");
+    PyObject *shape = PyObject_GetAttrString(obj, "shape");
+    PyObject *s1 = strides ? PyObject_Str(strides) : NULL, *s2 = shape ? PyObject_Str(shape) : NULL;
+    PyErr_Format(PyExc_ValueError,
+                 "%s: %s must be C-contiguous, got shape %s with strides %s; pass "
+                 "numpy.ascontiguousarray(%s)", op, arg, s2 ? PyUnicode_AsUTF8(s2) : "?",
+                 s1 ? PyUnicode_AsUTF8(s1) : "?", arg);
+    Py_XDECREF(strides); Py_XDECREF(shape); Py_XDECREF(s1); Py_XDECREF(s2);
+    return -1;
+  }
+  if (!PyArray_ISALIGNED(a)) {
+    PyErr_Format(PyExc_ValueError, "%s: %s is not aligned to its element size", op, arg);
+    return -1;
+  }
+  if (writable && !PyArray_ISWRITEABLE(a)) {
+    PyErr_Format(PyExc_ValueError, "%s: %s is read-only but the operation writes into it", op, arg);
+    return -1;
+  }
+  b->data = PyArray_DATA(a);
+  b->count = (size_t)PyArray_SIZE(a);
+  return 0;
+}
+
+static int same_dtype(const char *op, const char *a, const buf_t *x, const char *b, const buf_t *y) {
+  if (x->dtype != y->dtype) {
+    PyErr_Format(PyExc_TypeError, "%s: %s has dtype %s but %s has dtype %s; they must match", op, b,
+                 tp_dtype_name(y->dtype), a, tp_dtype_name(x->dtype));
+    return -1;
+  }
+  return 0;
+}
+
+static int parse_op(PyObject *o, const char *op, tp_redop_t *out) {
+  static const char *names[] = {"sum", "prod", "min", "max", "avg"};
+  if (PyUnicode_Check(o)) {
+    const char *s = PyUnicode_AsUTF8(o);
+    if (!s) return -1;
+    for (int i = 0; i < TP_NUM_REDOPS; i++)
+      if (strcmp(s, names[i]) == 0) {
+        *out = (tp_redop_t)i;
+        return 0;
+      }
+    if (strcmp(s, "mean") == 0) { *out = TP_AVG; return 0; }
+    PyErr_Format(PyExc_ValueError, "%s: op must be one of 'sum', 'prod', 'min', 'max', 'avg', got '%s'", op, s);
+    return -1;
+  }
+  PyErr_Format(PyExc_TypeError, "%s: op must be a string ('sum', 'prod', 'min', 'max', 'avg'), got %s", op,
+               Py_TYPE(o)->tp_name);
+  return -1;
+}
+
+/* ------------------------------------------------------------ SharedBuffer */
+
+typedef struct {
+  PyObject_HEAD
+  tp_mem_t mem;
+  void *ptr;
+  Py_ssize_t nbytes;
+  Py_ssize_t exports;
+} SharedBuffer;
+
+static int sb_getbuffer(PyObject *self, Py_buffer *view, int flags) {
+  SharedBuffer *b = (SharedBuffer *)self;
+  if (!b->mem) {
+    PyErr_SetString(PyExc_ValueError, "shared buffer was released");
+    return -1;
+  }
+  if (PyBuffer_FillInfo(view, self, b->ptr, b->nbytes, 0, flags) < 0) return -1;
+  b->exports++;
+  return 0;
+}
+
+static void sb_releasebuffer(PyObject *self, Py_buffer *view) {
+  (void)view;
+  ((SharedBuffer *)self)->exports--;
+}
+
+static void sb_dealloc(PyObject *self) {
+  SharedBuffer *b = (SharedBuffer *)self;
+  PyTypeObject *tp = Py_TYPE(self);
+  if (b->mem) tp_mem_release(b->mem);
+  tp->tp_free(self);
+  Py_DECREF(tp);
+}
+
+static PyObject *sb_address(PyObject *self, void *closure) {
+  (void)closure;
+  return PyLong_FromVoidPtr(((SharedBuffer *)self)->ptr);
+}
+
+static PyGetSetDef sb_getset[] = {
+    {"address", sb_address, NULL, "address of this rank's buffer", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot sb_slots[] = {
+    {Py_tp_dealloc, sb_dealloc},
+    {Py_tp_getset, sb_getset},
+    {Py_bf_getbuffer, sb_getbuffer},
+    {Py_bf_releasebuffer, sb_releasebuffer},
+    {Py_tp_doc, "Memory shared with the peers of a communicator (registered); "
+                "exposes the buffer protocol."},
+    {0, NULL},
+};
+
+static PyType_Spec sb_spec = {
+    .name = "tpcore._C.SharedBuffer",
+    .basicsize = sizeof(SharedBuffer),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = sb_slots,
+};
+
+/* -------------------------------------------------------------------- Comm */
+
+typedef struct {
+  PyObject_HEAD
+  tp_comm_t comm;
+} CommObject;
+
+static module_state *cstate(PyObject *self) { return state_of_type(Py_TYPE(self)); }
+
+static int live(CommObject *self, const char *op) {
+  if (!self->comm) {
+    module_state *st = cstate((PyObject *)self);
+    PyErr_Format(st ? st->CommError : PyExc_RuntimeError, "%s: the communicator is closed", op);
+    return 0;
+  }
+  return 1;
+}
+
+#define CALL_NOGIL(st, expr)       \
+  do {                             \
+    Py_BEGIN_ALLOW_THREADS st = (expr); \
+    Py_END_ALLOW_THREADS           \
+  } while (0)
+
+static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"world_size", "rank", "job_id", "timeout", "backend", "spin_us", NULL};
+  int world, rank, spin_us = -1;
+  const char *job, *backend = "shm";
+  double timeout = -1;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iis|dsi:Comm", kwlist, &world, &rank, &job, &timeout,
+                                   &backend, &spin_us))
+    return NULL;
+  module_state *st = state_of_type(type);
+  if (!st) return NULL;
+  CommObject *self = (CommObject *)type->tp_alloc(type, 0);
+  if (!self) return NULL;
+  tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
+  cfg.job_id = job;
+  cfg.timeout_s = timeout;
+  cfg.backend = backend;
+  cfg.spin_us = spin_us;
+  tp_status_t s;
+  CALL_NOGIL(s, tp_comm_init_rank(&self->comm, world, rank, &cfg));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(self);
+    return raise_status(st, s, "init");
+  }
+  return (PyObject *)self;
+}
+
+static void comm_dealloc(PyObject *o) {
+  CommObject *self = (CommObject *)o;
+  PyTypeObject *tp = Py_TYPE(o);
+  if (self->comm) {
+    tp_comm_t c = self->comm;
+    self->comm = NULL;
+    tp_comm_destroy(c);
+  }
+  tp->tp_free(o);
+  Py_DECREF(tp);
+}
+
+static PyObject *comm_close(PyObject *o, PyObject *unused) {
+  CommObject *self = (CommObject *)o;
+  if (self->comm) {
+    tp_comm_t c = self->comm;
+    self->comm = NULL;
+    Py_BEGIN_ALLOW_THREADS tp_comm_destroy(c);
+    Py_END_ALLOW_THREADS
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *comm_abort(PyObject *o, PyObject *args) {
+  CommObject *self = (CommObject *)o;
+  const char *reason = "";
+  if (!PyArg_ParseTuple(args, "|s:abort", &reason)) return NULL;
+  if (self->comm) tp_comm_abort(self->comm, reason);
+  Py_RETURN_NONE;
+}
+
+/* all_reduce(x, out, op) */
+static PyObject *comm_all_reduce(PyObject *o, PyObject *const *args, Py_ssize_t n) {
+  CommObject *self = (CommObject *)o;
+  PyObject *x, *out, *opo;
+  if (n != 3) {
+    PyErr_SetString(PyExc_TypeError, "all_reduce(x, out, op) takes 3 positional arguments");
+    return NULL;
+  }
+  x = args[0]; out = args[1]; opo = args[2];
+  if (!live(self, "all_reduce")) return NULL;
+  buf_t bx, bo;
+  tp_redop_t op;
+  if (get_buf(x, "all_reduce", "x", 0, &bx) < 0 || get_buf(out, "all_reduce", "out", 1, &bo) < 0 ||
+      same_dtype("all_reduce", "x", &bx, "out", &bo) < 0 || parse_op(opo, "all_reduce", &op) < 0)
+    return NULL;
+  if (bx.count != bo.count) {
+    PyErr_Format(PyExc_ValueError, "all_reduce: out has %zu elements but x has %zu; they must match",
+                 bo.count, bx.count);
+    return NULL;
+  }
+  tp_status_t s;
+  CALL_NOGIL(s, tp_all_reduce(bx.data, bo.data, bx.count, bx.dtype, op, self->comm));
+  if (s != TP_SUCCESS) return raise_status(cstate(o), s, "all_reduce");
+  Py_INCREF(out);
+  return out;
+}
+
+/* Reads an optional per-rank count sequence into counts (size entries). */
+static int parse_counts(PyObject *obj, int size, size_t *counts, const char *op) {
+  PyObject *seq = PySequence_Fast(obj, "counts must be a sequence of ints");
+  if (!seq) return -1;
+  if (PySequence_Fast_GET_SIZE(seq) != size) {
+    PyErr_Format(PyExc_ValueError, "%s: counts has %zd entries, expected one per rank (%d)", op,
+                 PySequence_Fast_GET_SIZE(seq), size);
+    Py_DECREF(seq);
+    return -1;
+  }
+  for (int i = 0; i < size; i++) {
+    long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (v == -1 && PyErr_Occurred()) {
+      Py_DECREF(seq);
+      return -1;
+    }
+    if (v < 0) {
+      PyErr_Format(PyExc_ValueError, "%s: counts[%d] is negative (%lld)", op, i, v);
+      Py_DECREF(seq);
+      return -1;
+    }
+    counts[i] = (size_t)v;
+  }
+  Py_DECREF(seq);
+  return 0;
+}
+
+/* all_gather(x, out, counts=None) and reduce_scatter(x, out, op, counts=None) */
+static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
+  CommObject *self = (CommObject *)o;
+  const char *name = scatter ? "reduce_scatter" : "all_gather";
+  PyObject *x, *out, *opo = NULL, *counts_obj = Py_None;
+  if (scatter ? !PyArg_ParseTuple(args, "OOO|O:reduce_scatter", &x, &out, &opo, &counts_obj)
+              : !PyArg_ParseTuple(args, "OO|O:all_gather", &x, &out, &counts_obj))
+    return NULL;
+  if (!live(self, name)) return NULL;
+  buf_t bx, bo;
+  tp_redop_t op = TP_SUM;
+  if (get_buf(x, name, "x", 0, &bx) < 0 || get_buf(out, name, "out", 1, &bo) < 0 ||
+      same_dtype(name, "x", &bx, "out", &bo) < 0 || (opo && parse_op(opo, name, &op) < 0))
+    return NULL;
+  int size, rank;
+  tp_comm_size(self->comm, &size);
+  tp_comm_rank(self->comm, &rank);
+  size_t *counts = PyMem_Malloc(sizeof(size_t) * (size_t)size);
+  if (!counts) return PyErr_NoMemory();
+  size_t total = 0;
+  if (counts_obj != Py_None) {
+    if (parse_counts(counts_obj, size, counts, name) < 0) goto fail;
+  } else {
+    size_t whole = scatter ? bx.count : bo.count, part = scatter ? bo.count : bx.count;
+    (void)whole;
+    for (int p = 0; p < size; p++) counts[p] = part;
+  }
+  for (int p = 0; p < size; p++) total += counts[p];
+  if (!scatter) {
+    if (bx.count != counts[rank]) {
+      PyErr_Format(PyExc_ValueError, "all_gather: x has %zu elements but counts[%d] is %zu", bx.count,
+                   rank, counts[rank]);
+      goto fail;
+    }
+    if (bo.count != total) {
+      PyErr_Format(PyExc_ValueError,
+                   "all_gather: out has %zu elements, expected %zu (the ranks' parts together)",
+                   bo.count, total);
+      goto fail;
+    }
+  } else {
+    if (bx.count != total) {
+      PyErr_Format(PyExc_ValueError,
+                   "reduce_scatter: x has %zu elements, expected %zu (the ranks' parts together)",
+                   bx.count, total);
+      goto fail;
+    }
+    if (bo.count != counts[rank]) {
+      PyErr_Format(PyExc_ValueError, "reduce_scatter: out has %zu elements but this rank's part is %zu",
+                   bo.count, counts[rank]);
+      goto fail;
+    }
+  }
+  tp_status_t s;
+  if (scatter)
+    CALL_NOGIL(s, tp_reduce_scatter_v(bx.data, bo.data, counts, bx.dtype, op, self->comm));
+  else
+    CALL_NOGIL(s, tp_all_gather_v(bx.data, bo.data, counts, bx.dtype, self->comm));
+  PyMem_Free(counts);
+  if (s != TP_SUCCESS) return raise_status(cstate(o), s, name);
+  Py_INCREF(out);
+  return out;
+fail:
+  PyMem_Free(counts);
+  return NULL;
+}
+
+static PyObject *comm_all_gather(PyObject *o, PyObject *args) { return gather_scatter(o, args, 0); }
+static PyObject *comm_reduce_scatter(PyObject *o, PyObject *args) { return gather_scatter(o, args, 1); }
+
+/* broadcast(x, out, root) */
+static PyObject *comm_broadcast(PyObject *o, PyObject *args) {
+  CommObject *self = (CommObject *)o;
+  PyObject *x, *out;
+  int root;
+  if (!PyArg_ParseTuple(args, "OOi:broadcast", &x, &out, &root)) return NULL;
+  if (!live(self, "broadcast")) return NULL;
+  buf_t bx, bo;
+  if (get_buf(x, "broadcast", "x", 0, &bx) < 0 || get_buf(out, "broadcast", "out", 1, &bo) < 0 ||
+      same_dtype("broadcast", "x", &bx, "out", &bo) < 0)
+    return NULL;
+  if (bx.count != bo.count) {
+    PyErr_Format(PyExc_ValueError, "broadcast: out has %zu elements but x has %zu", bo.count, bx.count);
+    return NULL;
+  }
+  tp_status_t s;
+  CALL_NOGIL(s, tp_broadcast(bx.data, bo.data, bx.count, bx.dtype, root, self->comm));
+  if (s != TP_SUCCESS) return raise_status(cstate(o), s, "broadcast");
+  Py_INCREF(out);
+  return out;
+}
+
+/* reduce(x, out, op, root) */
+static PyObject *comm_reduce(PyObject *o, PyObject *args) {
+  CommObject *self = (CommObject *)o;
+  PyObject *x, *out, *opo;
+  int root;
+  if (!PyArg_ParseTuple(args, "OOOi:reduce", &x, &out, &opo, &root)) return NULL;
+  if (!live(self, "reduce")) return NULL;
+  buf_t bx, bo;
+  tp_redop_t op;
+  if (get_buf(x, "reduce", "x", 0, &bx) < 0 || get_buf(out, "reduce", "out", 1, &bo) < 0 ||
+      same_dtype("reduce", "x", &bx, "out", &bo) < 0 || parse_op(opo, "reduce", &op) < 0)
+    return NULL;
+  if (bx.count != bo.count) {
+    PyErr_Format(PyExc_ValueError, "reduce: out has %zu elements but x has %zu", bo.count, bx.count);
+    return NULL;
+  }
+  tp_status_t s;
+  CALL_NOGIL(s, tp_reduce(bx.data, bo.data, bx.count, bx.dtype, op, root, self->comm));
+  if (s != TP_SUCCESS) return raise_status(cstate(o), s, "reduce");
+  Py_INCREF(out);
+  return out;
+}
+
+static PyObject *comm_send(PyObject *o, PyObject *args) {
+  CommObject *self = (CommObject *)o;
+  PyObject *x;
+  int peer;
+  if (!PyArg_ParseTuple(args, "Oi:send", &x, &peer)) return NULL;
+  if (!live(self, "send")) return NULL;
+  buf_t b;
+  if (get_buf(x, "send", "x", 0, &b) < 0) return NULL;
+  tp_status_t s;
+  CALL_NOGIL(s, tp_send(b.data, b.count, b.dtype, peer, self->comm));
+  if (s != TP_SUCCESS) return raise_status(cstate(o), s, "send");
+  Py_RETURN_NONE;
+}
+
+static PyObject *comm_recv(PyObject *o, PyObject *args) {
+  CommObject *self = (CommObject *)o;
+  PyObject *x;
+  int peer;
+  if (!PyArg_ParseTuple(args, "Oi:recv", &x, &peer)) return NULL;
+  if (!live(self, "recv")) return NULL;
+  buf_t b;
+  if (get_buf(x, "recv", "x", 1, &b) < 0) return NULL;
+  tp_status_t s;
+  CALL_NOGIL(s, tp_recv(b.data, b.count, b.dtype, peer, self->comm));
+  if (s != TP_SUCCESS) return raise_status(cstate(o), s, "recv");
+  Py_INCREF(x);
+  return x;
+}
+
+static PyObject *comm_sendrecv(PyObject *o, PyObject *args) {
+  CommObject *self = (CommObject *)o;
+  PyObject *x, *out;
+  int dst, src;
+  if (!PyArg_ParseTuple(args, "OiOi:sendrecv", &x, &dst, &out, &src)) return NULL;
+  if (!live(self, "sendrecv")) return NULL;
+  buf_t bx, bo;
+  if (get_buf(x, "sendrecv", "x", 0, &bx) < 0 || get_buf(out, "sendrecv", "out", 1, &bo) < 0 ||
+      same_dtype("sendrecv", "x", &bx, "out", &bo) < 0)
+    return NULL;
+  tp_status_t s;
+  CALL_NOGIL(s, tp_sendrecv(bx.data, bx.count, dst, bo.data, bo.count, src, bx.dtype, self->comm));
+  if (s != TP_SUCCESS) return raise_status(cstate(o), s, "sendrecv");
+  Py_INCREF(out);
+  return out;
+}
+
+static PyObject *comm_barrier(PyObject *o, PyObject *unused) {
+  CommObject *self = (CommObject *)o;
+  if (!live(self, "barrier")) return NULL;
+  tp_status_t s;
+  CALL_NOGIL(s, tp_barrier(self->comm));
+  if (s != TP_SUCCESS) return raise_status(cstate(o), s, "barrier");
+  Py_RETURN_NONE;
+}
+
+static PyObject *comm_split(PyObject *o, PyObject *args) {
+  CommObject *self = (CommObject *)o;
+  int color, key;
+  if (!PyArg_ParseTuple(args, "ii:split", &color, &key)) return NULL;
+  if (!live(self, "split")) return NULL;
+  module_state *st = cstate(o);
+  tp_comm_t nc = NULL;
+  tp_status_t s;
+  CALL_NOGIL(s, tp_comm_split(self->comm, color, key, &nc));
+  if (s != TP_SUCCESS) return raise_status(st, s, "split");
+  if (!nc) Py_RETURN_NONE;
+  CommObject *res = (CommObject *)st->CommType->tp_alloc(st->CommType, 0);
+  if (!res) {
+    tp_comm_destroy(nc);
+    return NULL;
+  }
+  res->comm = nc;
+  return (PyObject *)res;
+}
+
+static PyObject *comm_alloc(PyObject *o, PyObject *args) {
+  CommObject *self = (CommObject *)o;
+  Py_ssize_t nbytes;
+  if (!PyArg_ParseTuple(args, "n:alloc", &nbytes)) return NULL;
+  if (!live(self, "alloc")) return NULL;
+  if (nbytes < 0) {
+    PyErr_Format(PyExc_ValueError, "alloc: nbytes must be >= 0, got %zd", nbytes);
+    return NULL;
+  }
+  module_state *st = cstate(o);
+  void *ptr;
+  tp_mem_t mem;
+  tp_status_t s;
+  CALL_NOGIL(s, tp_comm_mem_alloc(self->comm, (size_t)nbytes, &ptr, &mem));
+  if (s != TP_SUCCESS) return raise_status(st, s, "alloc");
+  SharedBuffer *b = (SharedBuffer *)st->SharedBufferType->tp_alloc(st->SharedBufferType, 0);
+  if (!b) {
+    tp_mem_release(mem);
+    return NULL;
+  }
+  b->mem = mem;
+  b->ptr = ptr;
+  b->nbytes = nbytes;
+  return (PyObject *)b;
+}
+
+static PyObject *comm_stats(PyObject *o, PyObject *unused) {
+  CommObject *self = (CommObject *)o;
+  if (!live(self, "stats")) return NULL;
+  tp_comm_stats_t s;
+  tp_comm_get_stats(self->comm, &s);
+  return Py_BuildValue("{s:K,s:K,s:K,s:d}", "calls", (unsigned long long)s.collectives, "bytes",
+                       (unsigned long long)s.bytes, "zero_copy", (unsigned long long)s.zero_copy,
+                       "seconds", s.seconds);
+}
+
+static PyObject *comm_get_int(PyObject *o, void *which) {
+  CommObject *self = (CommObject *)o;
+  if (!live(self, "rank/size")) return NULL;
+  int v;
+  if (which) tp_comm_size(self->comm, &v);
+  else tp_comm_rank(self->comm, &v);
+  return PyLong_FromLong(v);
+}
+
+static PyObject *comm_get_backend(PyObject *o, void *closure) {
+  CommObject *self = (CommObject *)o;
+  if (!live(self, "backend")) return NULL;
+  const char *name;
+  tp_comm_backend(self->comm, &name);
+  return PyUnicode_FromString(name);
+}
+
+static PyObject *comm_get_timeout(PyObject *o, void *closure) {
+  CommObject *self = (CommObject *)o;
+  if (!live(self, "timeout")) return NULL;
+  double t;
+  tp_comm_timeout(self->comm, &t);
+  return PyFloat_FromDouble(t);
+}
+
+static int comm_set_timeout(PyObject *o, PyObject *v, void *closure) {
+  CommObject *self = (CommObject *)o;
+  if (!v) {
+    PyErr_SetString(PyExc_AttributeError, "cannot delete timeout");
+    return -1;
+  }
+  if (!live(self, "timeout")) return -1;
+  double t = PyFloat_AsDouble(v);
+  if (t == -1 && PyErr_Occurred()) return -1;
+  if (tp_comm_set_timeout(self->comm, t) != TP_SUCCESS) {
+    PyErr_Format(PyExc_ValueError, "timeout must be > 0 seconds, got %g", t);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *comm_get_closed(PyObject *o, void *closure) {
+  return PyBool_FromLong(((CommObject *)o)->comm == NULL);
+}
+
+static PyObject *comm_get_error(PyObject *o, void *closure) {
+  CommObject *self = (CommObject *)o;
+  if (!self->comm) Py_RETURN_NONE;
+  tp_status_t e;
+  tp_comm_get_async_error(self->comm, &e);
+  if (e == TP_SUCCESS) Py_RETURN_NONE;
+  return PyUnicode_FromString(tp_status_name(e));
+}
+
+static PyMethodDef comm_methods[] = {
+    {"all_reduce", (PyCFunction)(void (*)(void))comm_all_reduce, METH_FASTCALL,
+     "all_reduce(x, out, op): out = op over ranks of x (out may be x)"},
+    {"all_gather", comm_all_gather, METH_VARARGS, "all_gather(x, out, counts=None)"},
+    {"reduce_scatter", comm_reduce_scatter, METH_VARARGS, "reduce_scatter(x, out, op, counts=None)"},
+    {"broadcast", comm_broadcast, METH_VARARGS, "broadcast(x, out, root)"},
+    {"reduce", comm_reduce, METH_VARARGS, "reduce(x, out, op, root)"},
+    {"send", comm_send, METH_VARARGS, "send(x, peer)"},
+    {"recv", comm_recv, METH_VARARGS, "recv(x, peer): fills x"},
+    {"sendrecv", comm_sendrecv, METH_VARARGS, "sendrecv(x, dst, out, src)"},
+    {"barrier", comm_barrier, METH_NOARGS, "barrier()"},
+    {"split", comm_split, METH_VARARGS, "split(color, key) -> Comm or None"},
+    {"alloc", comm_alloc, METH_VARARGS, "alloc(nbytes) -> SharedBuffer (collective)"},
+    {"abort", comm_abort, METH_VARARGS, "abort(reason=''): fail the communicator on every rank"},
+    {"close", comm_close, METH_NOARGS, "close(): release this rank's resources"},
+    {"stats", comm_stats, METH_NOARGS, "stats() -> dict"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef comm_getset[] = {
+    {"rank", comm_get_int, NULL, "this rank", NULL},
+    {"size", comm_get_int, NULL, "number of ranks", (void *)1},
+    {"backend", comm_get_backend, NULL, "backend name", NULL},
+    {"timeout", comm_get_timeout, comm_set_timeout, "seconds every wait may take", NULL},
+    {"closed", comm_get_closed, NULL, "True after close()", NULL},
+    {"error", comm_get_error, NULL, "None, or the error that made the communicator unusable", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot comm_slots[] = {
+    {Py_tp_new, comm_new},
+    {Py_tp_dealloc, comm_dealloc},
+    {Py_tp_methods, comm_methods},
+    {Py_tp_getset, comm_getset},
+    {Py_tp_doc, "Comm(world_size, rank, job_id, timeout=-1, backend='shm', spin_us=-1): "
+                "a communicator of the C core.  Use tpcore.init / tpcore.spawn instead."},
+    {0, NULL},
+};
+
+static PyType_Spec comm_spec = {
+    .name = "tpcore._C.Comm",
+    .basicsize = sizeof(CommObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .slots = comm_slots,
+};
+
+/* ------------------------------------------------------------------ module */
+
+static PyObject *build_info(PyObject *m, PyObject *unused) {
+  return Py_BuildValue("{s:s,s:[s],s:s,s:s}", "version", TPCORE_VERSION_STR, "backends", "shm",
+                       "sanitize", TPCORE_SANITIZE_STR, "build", TPCORE_BUILD_STR);
+}
+
+static PyMethodDef module_methods[] = {
+    {"build_info", build_info, METH_NOARGS, "what this build contains"},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *m) {
+  module_state *st = PyModule_GetState(m);
+  st->CommError = PyErr_NewExceptionWithDoc(
+      "tpcore.CommError",
+      "A collective failed: a peer failed, aborted, died or called a different collective. "
+      "Attributes: code (status name), peer_failure (True when another rank caused it).",
+      PyExc_RuntimeError, NULL);
+  if (!st->CommError) return -1;
+  PyObject *bases = PyTuple_Pack(2, st->CommError, PyExc_TimeoutError);
+  if (!bases) return -1;
+  st->CommTimeout = PyErr_NewExceptionWithDoc(
+      "tpcore.CommTimeout", "A wait ran past the communicator's timeout; names the rank waited for.",
+      bases, NULL);
+  Py_DECREF(bases);
+  if (!st->CommTimeout) return -1;
+  st->CommType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &comm_spec, NULL);
+  if (!st->CommType) return -1;
+  st->SharedBufferType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &sb_spec, NULL);
+  if (!st->SharedBufferType) return -1;
+  if (PyModule_AddObjectRef(m, "CommError", st->CommError) < 0 ||
+      PyModule_AddObjectRef(m, "CommTimeout", st->CommTimeout) < 0 ||
+      PyModule_AddObjectRef(m, "Comm", (PyObject *)st->CommType) < 0 ||
+      PyModule_AddObjectRef(m, "SharedBuffer", (PyObject *)st->SharedBufferType) < 0)
+    return -1;
+  return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+  module_state *st = PyModule_GetState(m);
+  if (st) {
+    Py_VISIT(st->CommError);
+    Py_VISIT(st->CommTimeout);
+    Py_VISIT(st->CommType);
+    Py_VISIT(st->SharedBufferType);
+  }
+  return 0;
+}
+
+static int module_clear(PyObject *m) {
+  module_state *st = PyModule_GetState(m);
+  if (st) {
+    Py_CLEAR(st->CommError);
+    Py_CLEAR(st->CommTimeout);
+    Py_CLEAR(st->CommType);
+    Py_CLEAR(st->SharedBufferType);
+  }
+  return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef tpcore_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tpcore._C",
+    .m_doc = "C core of tpcore (communicators; layers in later versions).",
+    .m_size = sizeof(module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  import_array();
+  return PyModuleDef_Init(&tpcore_module);
+}

@@ -1,0 +1,53 @@
+"""tpcore: tensor parallelism with a C core.
+
+    import tpcore
+    comm = tpcore.init()                       # the world communicator of this job
+    comm.all_reduce(x)                         # in place, sum over ranks
+    tpcore.spawn(fn, 4)                        # fn(comm) on 4 local ranks (scripts, pytest, Jupyter)
+
+Launch a script on N ranks:  python -m tpcore.launch -n N script.py
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from . import _C, _env
+from .comm import Comm, CommError, CommTimeout
+from .spawn import RankExitedError, spawn
+
+__version__ = "0.1.0"
+__all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "build_info",
+           "__version__"]
+
+_BACKENDS = ("auto", "shm")
+
+
+def build_info() -> dict:
+    """What this build of the C core contains (backends, sanitizers, ...)."""
+    return _C.build_info()
+
+
+def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Optional[int] = None) -> Comm:
+    """The world communicator of this job, from the environment.
+
+    Reads what `python -m tpcore.launch` and `tpcore.spawn` set, or torchrun's
+    RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT, Open
+    MPI's OMPI_COMM_WORLD_* or Slurm's SLURM_*; with none of them, a job of one
+    rank.  Blocks until every rank has joined.
+
+    backend  "auto" or "shm" (shared memory among the ranks of one host).
+    timeout  seconds any one wait may take before CommTimeout (default: the
+             TPCORE_TIMEOUT variable, else 300).
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"init: backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r} "
+                         f"(nccl and mpi are not built into this version)")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"init: timeout must be > 0 seconds, got {timeout!r}")
+    info = _env.detect()
+    if info.local_world_size != info.world_size:
+        raise CommError(f"init: the {info.world_size} ranks span several hosts ({info.local_world_size} on "
+                        f"this one, from {info.source} variables); the shm backend needs all ranks on one host")
+    c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), "shm",
+                -1 if spin_us is None else int(spin_us))
+    return Comm(c, info.local_rank, info.local_world_size)

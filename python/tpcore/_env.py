@@ -1,0 +1,97 @@
+"""Where this process stands in a job, read from the environment.
+
+Understood, in this order: tpcore's own launcher and spawn (TPCORE_JOB_ID with
+RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE), torchrun (the same four plus
+MASTER_ADDR/MASTER_PORT and TORCHELASTIC_RUN_ID), Open MPI (OMPI_COMM_WORLD_*)
+and Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...).  No variables: a
+job of one rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    job_id: str
+    source: str  # "tpcore", "torchrun", "openmpi", "slurm" or "single"
+
+
+def _int(env, name):
+    v = env.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {v!r}") from None
+
+
+def _safe_id(text: str) -> str:
+    """A job id the C core accepts ([A-Za-z0-9_-]{1,64}), stable for the same text."""
+    clean = re.sub(r"[^A-Za-z0-9_-]", "_", text)
+    if 0 < len(clean) <= 40:
+        return clean
+    return hashlib.sha1(text.encode()).hexdigest()[:24]
+
+
+def detect(env=None) -> JobInfo:
+    env = os.environ if env is None else env
+    job = env.get("TPCORE_JOB_ID")
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    if rank is not None and world is not None:
+        local_rank = _int(env, "LOCAL_RANK")
+        local_world = _int(env, "LOCAL_WORLD_SIZE")
+        if local_rank is None:
+            local_rank = rank
+        if local_world is None:
+            local_world = world
+        if job:
+            source = "tpcore"
+        else:
+            source = "torchrun"
+            addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+            run_id = env.get("TORCHELASTIC_RUN_ID", "")
+            if not (addr and port) and world > 1:
+                raise ValueError(
+                    "RANK and WORLD_SIZE are set but neither TPCORE_JOB_ID nor MASTER_ADDR/MASTER_PORT: "
+                    "cannot tell which job this rank belongs to (use python -m tpcore.launch, or set "
+                    "TPCORE_JOB_ID to the same value on every rank)")
+            job = "tr_" + _safe_id(f"{addr}:{port}:{run_id}")
+        return _checked(JobInfo(rank, world, local_rank, local_world, _safe_id(job), source))
+    orank, oworld = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+    if orank is not None and oworld is not None:
+        lr = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+        lw = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+        ns = env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid") or env.get("OMPI_MCA_orte_hnp_uri", "")
+        job = job or "mpi_" + _safe_id(ns or "default")
+        return _checked(JobInfo(orank, oworld, orank if lr is None else lr, oworld if lw is None else lw,
+                                _safe_id(job), "openmpi"))
+    srank, sworld = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+    if srank is not None and sworld is not None:
+        lr = _int(env, "SLURM_LOCALID")
+        per_node = env.get("SLURM_TASKS_PER_NODE", "")
+        m = re.match(r"(\d+)", per_node)
+        lw = int(m.group(1)) if m else sworld
+        job = job or "slurm_" + _safe_id(f"{env.get('SLURM_JOB_ID', '0')}_{env.get('SLURM_STEP_ID', '0')}")
+        return _checked(JobInfo(srank, sworld, srank if lr is None else lr, lw, _safe_id(job), "slurm"))
+    return JobInfo(0, 1, 0, 1, _safe_id(job) if job else "solo_" + secrets.token_hex(8), "single")
+
+
+def _checked(info: JobInfo) -> JobInfo:
+    if info.world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {info.world_size} (from {info.source} variables)")
+    if not 0 <= info.rank < info.world_size:
+        raise ValueError(f"rank {info.rank} is outside 0..{info.world_size - 1} (from {info.source} variables)")
+    if not 0 <= info.local_rank < max(info.local_world_size, 1):
+        raise ValueError(f"local rank {info.local_rank} is outside 0..{info.local_world_size - 1} "
+                         f"(from {info.source} variables)")
+    return info

@@ -1,0 +1,306 @@
+"""The Python face of a communicator.
+
+`Comm` wraps the C communicator (`tpcore._C.Comm`) with NumPy conveniences:
+arrays of any shape, `axis=` for gather and scatter, new output arrays, DLPack
+inputs.  All data movement and arithmetic happen in C with the GIL released.
+
+Semantics follow NCCL / torch.distributed: every rank calls the same
+collectives in the same order with matching shapes and dtypes; a mismatch
+raises `tpcore.CommError` on every rank, naming both sides.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import _C
+
+CommError = _C.CommError
+CommTimeout = _C.CommTimeout
+
+_OPS = ("sum", "prod", "min", "max", "avg")
+
+
+def as_array(x, name: str, op: str) -> np.ndarray:
+    """x as a NumPy array sharing its memory: NumPy arrays as they are, any CPU
+    object with __dlpack__ (a PyTorch CPU tensor, ...) through NumPy's DLPack
+    import.  Anything else is a TypeError naming the argument."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        dev = None
+        if hasattr(x, "__dlpack_device__"):
+            try:
+                dev = tuple(x.__dlpack_device__())
+            except Exception:  # noqa: BLE001 - a producer's own failure: report below
+                dev = None
+        if dev is not None and int(dev[0]) not in (1, 3):  # kDLCPU, kDLCUDAHost
+            raise TypeError(f"{op}: {name} lives on DLPack device {dev}; the shm backend needs CPU memory")
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, TypeError, RuntimeError, ValueError) as e:
+            raise TypeError(f"{op}: {name} could not be imported through DLPack: {e}") from e
+    raise TypeError(f"{op}: {name} must be a NumPy array or a CPU tensor with __dlpack__, "
+                    f"got {type(x).__name__}")
+
+
+def _check_op(op, name):
+    if not isinstance(op, str) or op not in _OPS and op != "mean":
+        raise ValueError(f"{name}: op must be one of {', '.join(repr(o) for o in _OPS)}, got {op!r}")
+
+
+def _norm_axis(axis, ndim, name):
+    if not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{name}: axis must be an int, got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}: axis {axis} is out of range for an array of {ndim} dimensions")
+    return int(axis) % ndim
+
+
+class Comm:
+    """A communicator over `size` ranks; this process is `rank`.
+
+    Obtain one from `tpcore.init()` or inside `tpcore.spawn(fn, n)`.  Usable as
+    a context manager (closes on exit)."""
+
+    def __init__(self, ccomm: "_C.Comm", local_rank: Optional[int] = None,
+                 local_size: Optional[int] = None):
+        self._c = ccomm
+        self._local_rank = ccomm.rank if local_rank is None else local_rank
+        self._local_size = ccomm.size if local_size is None else local_size
+
+    # -- properties -------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._c.rank
+
+    @property
+    def size(self) -> int:
+        return self._c.size
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._local_size
+
+    @property
+    def backend(self) -> str:
+        return self._c.backend
+
+    @property
+    def timeout(self) -> float:
+        return self._c.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._c.timeout = seconds
+
+    @property
+    def closed(self) -> bool:
+        return self._c.closed
+
+    def __repr__(self):
+        if self._c.closed:
+            return "<tpcore.Comm closed>"
+        return f"<tpcore.Comm rank {self.rank} of {self.size}, backend {self.backend!r}>"
+
+    # -- collectives ------------------------------------------------------
+    def all_reduce(self, x, op: str = "sum", out=None):
+        """Reduce x over all ranks with op (sum, prod, min, max, avg).  In place
+        on x (returns x) unless out is given (returns out)."""
+        a = as_array(x, "x", "all_reduce")
+        o = a if out is None else as_array(out, "out", "all_reduce")
+        if o.shape != a.shape:
+            raise ValueError(f"all_reduce: out has shape {o.shape} but x has shape {a.shape}")
+        self._c.all_reduce(a, o, op)
+        return x if out is None else out
+
+    def all_gather(self, x, axis: int = 0, sizes: Optional[Sequence[int]] = None, out=None):
+        """The ranks' x concatenated along axis, in rank order (a new array, or
+        out).  sizes: each rank's length along axis when they differ."""
+        a = as_array(x, "x", "all_gather")
+        if a.ndim == 0:
+            a = a.reshape(1)
+        ax = _norm_axis(axis, a.ndim, "all_gather")
+        sizes = self._sizes(sizes, a.shape[ax], "all_gather", "x")
+        total = sum(sizes)
+        moved = a if ax == 0 else np.ascontiguousarray(np.moveaxis(a, ax, 0))
+        inner = math.prod(moved.shape[1:])
+        gshape = (total,) + moved.shape[1:]
+        if ax == 0 and out is not None:
+            res = as_array(out, "out", "all_gather")
+            if res.shape != gshape:
+                raise ValueError(f"all_gather: out has shape {res.shape}, expected {gshape}")
+        else:
+            res = np.empty(gshape, dtype=a.dtype)
+        counts = [s * inner for s in sizes]
+        self._c.all_gather(moved, res, counts)
+        if ax == 0:
+            return out if out is not None else res
+        res = np.moveaxis(res, 0, ax)
+        if out is not None:
+            o = as_array(out, "out", "all_gather")
+            if o.shape != res.shape:
+                raise ValueError(f"all_gather: out has shape {o.shape}, expected {res.shape}")
+            o[...] = res
+            return out
+        return np.ascontiguousarray(res)
+
+    def reduce_scatter(self, x, op: str = "sum", axis: int = 0, sizes: Optional[Sequence[int]] = None,
+                       out=None):
+        """Reduce x over ranks and return this rank's block along axis (a new
+        array, or out).  x's length along axis must split evenly over the ranks,
+        or sizes gives each rank's block length."""
+        a = as_array(x, "x", "reduce_scatter")
+        _check_op(op, "reduce_scatter")
+        if a.ndim == 0:
+            raise ValueError("reduce_scatter: x must have at least one dimension")
+        ax = _norm_axis(axis, a.ndim, "reduce_scatter")
+        n = a.shape[ax]
+        if sizes is None:
+            if n % self.size:
+                raise ValueError(f"reduce_scatter: x has length {n} along axis {ax}, which does not split "
+                                 f"evenly over {self.size} ranks; pass sizes=")
+            sizes = [n // self.size] * self.size
+        else:
+            sizes = self._sizes(sizes, None, "reduce_scatter", None)
+            if sum(sizes) != n:
+                raise ValueError(f"reduce_scatter: sizes add up to {sum(sizes)} but x has length {n} "
+                                 f"along axis {ax}")
+        moved = a if ax == 0 else np.ascontiguousarray(np.moveaxis(a, ax, 0))
+        inner = math.prod(moved.shape[1:])
+        oshape = (sizes[self.rank],) + moved.shape[1:]
+        if out is not None and ax == 0:
+            res = as_array(out, "out", "reduce_scatter")
+            if res.shape != oshape:
+                raise ValueError(f"reduce_scatter: out has shape {res.shape}, expected {oshape}")
+        else:
+            res = np.empty(oshape, dtype=a.dtype)
+        self._c.reduce_scatter(moved, res, op, [s * inner for s in sizes])
+        if ax == 0:
+            return out if out is not None else res
+        res = np.moveaxis(res, 0, ax)
+        if out is not None:
+            o = as_array(out, "out", "reduce_scatter")
+            if o.shape != res.shape:
+                raise ValueError(f"reduce_scatter: out has shape {o.shape}, expected {res.shape}")
+            o[...] = res
+            return out
+        return np.ascontiguousarray(res)
+
+    def broadcast(self, x, root: int = 0, out=None):
+        """Root's x to every rank: in place on x (returns x), or into out."""
+        a = as_array(x, "x", "broadcast")
+        self._check_rank(root, "broadcast", "root")
+        o = a if out is None else as_array(out, "out", "broadcast")
+        if o.shape != a.shape:
+            raise ValueError(f"broadcast: out has shape {o.shape} but x has shape {a.shape}")
+        self._c.broadcast(a, o, root)
+        return x if out is None else out
+
+    def reduce(self, x, root: int = 0, op: str = "sum", out=None):
+        """Reduce x over ranks onto root: in place on root's x (other ranks' x is
+        left as it was), or into out on root.  Returns x (or out)."""
+        a = as_array(x, "x", "reduce")
+        self._check_rank(root, "reduce", "root")
+        o = a if out is None else as_array(out, "out", "reduce")
+        if o.shape != a.shape:
+            raise ValueError(f"reduce: out has shape {o.shape} but x has shape {a.shape}")
+        self._c.reduce(a, o, op, root)
+        return x if out is None else out
+
+    def send(self, x, peer: int) -> None:
+        """Send x to peer (matched by peer's recv of the same count and dtype).
+        Returns once the data is copied out, at most a few chunks ahead of the
+        receiver; use sendrecv for rings and exchanges."""
+        self._check_rank(peer, "send", "peer")
+        self._c.send(as_array(x, "x", "send"), peer)
+
+    def recv(self, x, peer: int):
+        """Receive into x from peer; returns x."""
+        self._check_rank(peer, "recv", "peer")
+        self._c.recv(as_array(x, "x", "recv"), peer)
+        return x
+
+    def sendrecv(self, x, dst: int, out, src: int):
+        """Send x to dst and receive out from src at the same time; returns out."""
+        self._check_rank(dst, "sendrecv", "dst")
+        self._check_rank(src, "sendrecv", "src")
+        self._c.sendrecv(as_array(x, "x", "sendrecv"), dst, as_array(out, "out", "sendrecv"), src)
+        return out
+
+    def barrier(self) -> None:
+        self._c.barrier()
+
+    def split(self, color: Optional[int], key: Optional[int] = None) -> Optional["Comm"]:
+        """Collective: ranks that pass the same color form a new communicator,
+        ordered by (key, rank).  color=None (or -1) takes no part and gets None."""
+        if color is None:
+            color = -1
+        if not isinstance(color, (int, np.integer)) or color < -1:
+            raise ValueError(f"split: color must be an int >= 0, or None, got {color!r}")
+        key = self.rank if key is None else int(key)
+        sub = self._c.split(int(color), key)
+        return None if sub is None else Comm(sub)
+
+    def alloc(self, shape, dtype="float32") -> np.ndarray:
+        """Collective: a zero-filled array in memory shared with the peers
+        (registered, as NCCL's user-buffer registration).  Collectives whose
+        arrays lie at the same place in the same allocation on every rank read
+        and write peers' memory in place.  Every rank asks for the same shape
+        and dtype."""
+        dt = np.dtype(dtype)
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"alloc: shape {shape} has a negative dimension")
+        n = math.prod(shape)
+        buf = self._c.alloc(n * dt.itemsize)
+        return np.frombuffer(buf, dtype=dt, count=n).reshape(shape)
+
+    def stats(self) -> dict:
+        """Calls, payload bytes, registered-path calls and seconds spent in
+        communication by this rank since init."""
+        return self._c.stats()
+
+    def abort(self, reason: str = "") -> None:
+        """Fail the communicator on every rank: their pending and future calls
+        raise CommError naming this rank and reason."""
+        self._c.abort(str(reason))
+
+    def close(self) -> None:
+        """Release this rank's resources (not collective).  Peers still waiting
+        on this rank fail with CommError."""
+        self._c.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        if et is not None and not self._c.closed:
+            self._c.abort(f"{et.__name__}: {ev}")
+        self.close()
+
+    # -- helpers ------------------------------------------------------------
+    def _check_rank(self, r, op, what):
+        if not isinstance(r, (int, np.integer)):
+            raise TypeError(f"{op}: {what} must be an int, got {type(r).__name__}")
+        if not 0 <= r < self.size:
+            raise ValueError(f"{op}: invalid {what} {r} (world size {self.size})")
+
+    def _sizes(self, sizes, mine, op, arg):
+        if sizes is None:
+            return [mine] * self.size
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != self.size:
+            raise ValueError(f"{op}: sizes has {len(sizes)} entries, expected one per rank ({self.size})")
+        if any(s < 0 for s in sizes):
+            raise ValueError(f"{op}: sizes must be >= 0, got {sizes}")
+        if mine is not None and sizes[self.rank] != mine:
+            raise ValueError(f"{op}: sizes[{self.rank}] is {sizes[self.rank]} but {arg} has length {mine} "
+                             f"along the axis")
+        return sizes

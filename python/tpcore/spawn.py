@@ -1,0 +1,279 @@
+"""Run a function on N local ranks: tpcore.spawn(fn, world_size, ...).
+
+Works from scripts, pytest and Jupyter.  Each rank is a process that gets a
+communicator and calls fn(comm, *args, **kwargs).  Return values come back in
+rank order.  If a rank raises, the others are stopped and the exception is
+raised here, with the rank and its traceback in the message; if a rank dies
+(killed, os._exit), RankExitedError says which and how.  Output the ranks
+print from Python is relayed here line by line, prefixed with the rank, so it
+shows in a notebook too.  Nothing is left behind: no process, no /dev/shm name.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import multiprocessing as mp
+import os
+import pickle
+import secrets
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import wait
+from typing import Any, Callable, Optional, Sequence
+
+from . import _cleanup
+from .comm import CommError, CommTimeout
+
+
+class RankExitedError(RuntimeError):
+    """A rank process ended without reporting a result (killed, os._exit, crash)."""
+
+    def __init__(self, message, rank=None, exitcode=None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+class _RelayStream(io.TextIOBase):
+    """sys.stdout / sys.stderr of a rank: whole lines go to the parent."""
+
+    def __init__(self, send, rank, name):
+        self._send, self._rank, self._name, self._buf = send, rank, name, ""
+
+    def writable(self):
+        return True
+
+    def write(self, s):
+        self._buf += s
+        if "\n" in self._buf:
+            head, self._buf = self._buf.rsplit("\n", 1)
+            self._send(("out", self._rank, self._name, head + "\n"))
+        return len(s)
+
+    def flush(self):
+        if self._buf:
+            self._send(("out", self._rank, self._name, self._buf))
+            self._buf = ""
+
+
+def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_pid, relay):
+    _cleanup.die_with_parent()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    lock = threading.Lock()
+
+    def send(msg):
+        with lock:
+            conn.send(msg)
+
+    if relay:
+        sys.stdout = _RelayStream(send, rank, "stdout")
+        sys.stderr = _RelayStream(send, rank, "stderr")
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "TPCORE_JOB_ID": job})
+    from . import init  # late: the child may be a fresh interpreter
+
+    comm = None
+    code = 0
+    try:
+        comm = init(backend=backend, timeout=timeout)
+        result = fn(comm, *args, **(kwargs or {}))
+        if relay:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        try:
+            payload = pickle.dumps(result)
+        except Exception as e:  # noqa: BLE001
+            raise TypeError(f"the return value of rank {rank} cannot be pickled: {e}") from e
+        send(("ok", rank, payload))
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
+        code = 1
+        tb = traceback.format_exc()
+        try:
+            if relay:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            try:
+                blob = pickle.dumps(e)
+                pickle.loads(blob)
+            except Exception:  # noqa: BLE001
+                blob = None
+            send(("err", rank, blob, type(e).__name__, str(e), tb))
+        except Exception:  # noqa: BLE001 - parent gone: nothing else to do
+            pass
+        if comm is not None and not comm.closed:
+            comm.abort(f"{type(e).__name__}: {e}")
+    finally:
+        try:
+            if comm is not None:
+                comm.close()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            conn.close()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+def _rebuild(rank, blob, tname, text, tb):
+    """The rank's exception, with its rank and traceback in the message."""
+    msg = f"rank {rank} raised {tname}: {text}\n\n--- traceback on rank {rank} ---\n{tb.rstrip()}"
+    exc = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if isinstance(exc, BaseException):
+        try:
+            new = copy.copy(exc)
+            new.args = (msg,)
+            new.__traceback__ = None
+            new.rank = rank
+            return new
+        except Exception:  # noqa: BLE001
+            pass
+    new = RankExitedError(msg, rank=rank)
+    return new
+
+
+def _stop(procs, grace):
+    for p in procs:
+        if p.is_alive():
+            try:
+                p.terminate()
+            except Exception:  # noqa: BLE001
+                pass
+    t_end = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, t_end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _default_method():
+    methods = mp.get_all_start_methods()
+    return "fork" if "fork" in methods else "spawn"
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: Optional[dict] = None,
+          backend: str = "shm", timeout: Optional[float] = None, deadline: Optional[float] = None,
+          start_method: Optional[str] = None, relay_output: bool = True, grace: float = 3.0) -> list:
+    """Run fn(comm, *args, **kwargs) on world_size local ranks; return their
+    results in rank order.
+
+    timeout   seconds any one wait of the communicator may take (default:
+              TPCORE_TIMEOUT or 300).
+    deadline  seconds the whole run may take; past it the ranks are stopped
+              and CommTimeout names the ones still running.  None: no limit.
+    start_method  "fork" (default on Linux: works with functions defined in
+              a notebook or a test), "forkserver" or "spawn" (fn must then be
+              importable).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
+    if not callable(fn):
+        raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
+    if deadline is not None and deadline <= 0:
+        raise ValueError(f"spawn: deadline must be > 0 seconds, got {deadline}")
+    ctx = mp.get_context(start_method or _default_method())
+    job = "sp" + secrets.token_hex(8)
+    procs, conns = [], []
+    results: dict = {}
+    errors: list = []  # (time, rank, exception)
+    died: dict = {}
+    t0 = time.monotonic()
+    try:
+        for r in range(world_size):
+            rd, wr = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, name=f"tpcore-rank{r}",
+                            args=(fn, r, world_size, job, backend, timeout, tuple(args), kwargs, wr,
+                                  os.getpid(), relay_output))
+            p.start()
+            wr.close()
+            procs.append(p)
+            conns.append(rd)
+        open_conns = {c: r for r, c in enumerate(conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+        exited: dict = {}  # rank -> monotonic time its process ended
+        first_error_at = None
+
+        def decided(r):
+            return r in results or any(e[1] == r for e in errors)
+
+        while not all(decided(r) for r in range(world_size)):
+            now = time.monotonic()
+            if first_error_at is not None and now - first_error_at > grace:
+                break
+            if deadline is not None and now - t0 > deadline:
+                running = [r for r in range(world_size) if procs[r].is_alive()]
+                raise CommTimeout(f"spawn: deadline of {deadline} s passed; ranks {running} were still "
+                                  f"running and were stopped")
+            waitables = list(open_conns) + [s for s, r in sentinels.items() if r not in exited]
+            for obj in wait(waitables, timeout=0.1):
+                if obj in sentinels:
+                    exited[sentinels[obj]] = time.monotonic()
+                    continue
+                r = open_conns[obj]
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):
+                    del open_conns[obj]
+                    continue
+                if msg[0] == "out":
+                    stream = sys.stdout if msg[2] == "stdout" else sys.stderr
+                    for line in msg[3].splitlines(keepends=True):
+                        stream.write(f"[rank{r}] {line}")
+                    stream.flush()
+                elif msg[0] == "ok":
+                    results[r] = pickle.loads(msg[2])
+                elif msg[0] == "err":
+                    errors.append((time.monotonic(), r, _rebuild(r, *msg[2:])))
+                    first_error_at = first_error_at or time.monotonic()
+            # A rank whose process ended and whose pipe is drained, with no word: it died.
+            for r, t_exit in exited.items():
+                if decided(r) or (conns[r] in open_conns and time.monotonic() - t_exit < 1.0):
+                    continue
+                p = procs[r]
+                p.join(1)
+                code = p.exitcode
+                if code is not None and code < 0:
+                    how = f"was killed by signal {signal.Signals(-code).name}"
+                else:
+                    how = f"exited with code {code}"
+                errors.append((time.monotonic(), r, RankExitedError(
+                    f"rank {r} (pid {p.pid}) {how} without returning or raising", rank=r, exitcode=code)))
+                first_error_at = first_error_at or time.monotonic()
+        if errors:
+            raise _pick_error(errors)
+        missing = [r for r in range(world_size) if r not in results]
+        if missing:
+            raise RankExitedError(f"ranks {missing} ended without a result")
+        return [results[r] for r in range(world_size)]
+    finally:
+        _stop(procs, grace)
+        for c in conns:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001
+                pass
+        _cleanup.remove_shm(job)
+
+
+def _pick_error(errors):
+    """The root cause: the first error that is not a rank's reaction to a
+    peer's failure."""
+    def secondary(e):
+        return (isinstance(e, CommError) and getattr(e, "peer_failure", False)) or (
+            isinstance(e, CommError) and "aborted the communicator" in str(e))
+    errors.sort(key=lambda t: t[0])
+    for _, _, e in errors:
+        if not secondary(e):
+            return e
+    return errors[0][2]
