@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import _C, _env
+from . import _C, _env, _excepthook
 from .comm import Comm, CommError, CommTimeout
 from .spawn import RankExitedError, spawn
 
@@ -50,4 +50,6 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
                         f"this one, from {info.source} variables); the shm backend needs all ranks on one host")
     c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), "shm",
                 -1 if spin_us is None else int(spin_us))
-    return Comm(c, info.local_rank, info.local_world_size)
+    comm = Comm(c, info.local_rank, info.local_world_size)
+    _excepthook.track(comm)
+    return comm

@@ -1,0 +1,206 @@
+"""python -m tpcore.launch -n N [options] script.py args...   (or -m module args...)
+
+Starts N ranks of one job on this host, one process each, with the variables
+tpcore.init() reads (and torchrun's: RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).  Every output line is prefixed
+with its rank.  When a rank exits non-zero or is killed, the others are
+stopped (SIGTERM, then SIGKILL after --grace seconds) and the launcher exits
+with that rank's code (128 + signal for a signal).  Ctrl-C stops all ranks.
+Ranks die with the launcher (PR_SET_PDEATHSIG), so none is ever orphaned.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from . import _cleanup
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m tpcore.launch",
+        description="Run a script or module on N local ranks of one tpcore job.")
+    p.add_argument("-n", "--nproc", type=int, default=None,
+                   help="number of ranks (default: TPCORE_NPROC, else 2)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds any one communicator wait may take (sets TPCORE_TIMEOUT)")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
+    p.add_argument("-m", dest="module", default=None, help="run a module as a script, like python -m")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="script and its arguments")
+    ns = p.parse_args(argv)
+    if ns.nproc is None:
+        ns.nproc = int(os.environ.get("TPCORE_NPROC", "2"))
+    if ns.nproc < 1:
+        p.error(f"-n must be >= 1, got {ns.nproc}")
+    if ns.module is None and not ns.args:
+        p.error("give a script (or -m module) to run")
+    if ns.timeout is not None and ns.timeout <= 0:
+        p.error(f"--timeout must be > 0, got {ns.timeout}")
+    return ns
+
+
+def _pump(stream, out, prefix, lock):
+    """Copy lines from a rank's pipe to our stream, prefixed."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace")
+        if not line.endswith("\n"):
+            line += "\n"
+        with lock:
+            out.write(prefix + line)
+            out.flush()
+    stream.close()
+
+
+def _stop_all(procs, grace):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    end = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def run(argv=None) -> int:
+    ns = _parse(sys.argv[1:] if argv is None else argv)
+    n = ns.nproc
+    job = "ln" + secrets.token_hex(8)
+    if ns.module is not None:
+        cmd = [sys.executable, "-u", "-m", ns.module] + ns.args
+    else:
+        cmd = [sys.executable, "-u"] + ns.args
+    base = dict(os.environ)
+    base.update({"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "TPCORE_JOB_ID": job,
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1"})
+    if ns.timeout is not None:
+        base["TPCORE_TIMEOUT"] = str(ns.timeout)
+    procs = []
+    stopping = {"signal": None}
+    errdir = tempfile.mkdtemp(prefix="tpcore-launch-")
+
+    def on_signal(signum, frame):
+        stopping["signal"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        # All processes first, then the reader threads (preexec_fn and threads do not mix).
+        for r in range(n):
+            env = dict(base, RANK=str(r), LOCAL_RANK=str(r),
+                       TPCORE_ERROR_FILE=os.path.join(errdir, f"rank{r}.json"))
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          stdin=subprocess.DEVNULL, preexec_fn=_cleanup.die_with_parent))
+        lock = threading.Lock()
+        threads = []
+        for r, p in enumerate(procs):
+            prefix = "" if ns.no_prefix else f"[rank{r}]: "
+            for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                t = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
+                t.start()
+                threads.append(t)
+        failed = None  # (rank, returncode)
+        seen = {}  # rank -> order in which its exit was noticed
+        while True:
+            if stopping["signal"] is not None:
+                sys.stderr.write(f"tpcore.launch: got {signal.Signals(stopping['signal']).name}; stopping all ranks\n")
+                _stop_all(procs, ns.grace)
+                for t in threads:
+                    t.join(2)
+                return 128 + stopping["signal"]
+            codes = [p.poll() for p in procs]
+            for r, c in enumerate(codes):
+                if c is not None and r not in seen:
+                    seen[r] = len(seen)
+            if failed is None and any(c not in (None, 0) for c in codes):
+                failed = _blame(procs, seen, errdir)
+            if failed is not None:
+                r, c = failed
+                how = f"was killed by signal {signal.Signals(-c).name}" if c < 0 else f"exited with code {c}"
+                running = [i for i, p in enumerate(procs) if p.poll() is None]
+                if running:
+                    sys.stderr.write(f"tpcore.launch: rank {r} {how}; stopping ranks {running}\n")
+                else:
+                    sys.stderr.write(f"tpcore.launch: rank {r} {how}\n")
+                _stop_all(procs, ns.grace)
+                for t in threads:
+                    t.join(2)
+                return 128 - c if c < 0 else c
+            if all(c == 0 for c in codes):
+                for t in threads:
+                    t.join(5)
+                return 0
+            time.sleep(0.005)
+    finally:
+        _stop_all(procs, 0.5)
+        for s, h in old.items():
+            signal.signal(s, h)
+        _cleanup.remove_shm(job)
+        for name in os.listdir(errdir):
+            os.unlink(os.path.join(errdir, name))
+        os.rmdir(errdir)
+
+
+def _blame(procs, seen, errdir, window=1.0):
+    """(rank, code) of the rank whose failure came first.  Ranks that failed
+    because a peer failed say so in their error file; a rank that was killed,
+    or exited non-zero for its own reasons, is a root cause.  Waits up to
+    `window` seconds for the other ranks' records."""
+    end = time.monotonic() + window
+    while time.monotonic() < end and any(p.poll() is None for p in procs):
+        for r, p in enumerate(procs):
+            if p.poll() is not None and r not in seen:
+                seen[r] = len(seen)
+        time.sleep(0.01)
+    for r, p in enumerate(procs):
+        if p.poll() is not None and r not in seen:
+            seen[r] = len(seen)
+    cands = []
+    for r, p in enumerate(procs):
+        c = p.poll()
+        if c in (None, 0):
+            continue
+        rec = None
+        try:
+            with open(os.path.join(errdir, f"rank{r}.json")) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            pass
+        secondary = bool(rec and rec.get("peer_failure"))
+        when = rec["time"] if rec else float("inf")
+        cands.append((secondary, when, seen.get(r, 1 << 30), r, c))
+    cands.sort()
+    _, _, _, r, c = cands[0]
+    return r, c
+
+
+def main():
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()
