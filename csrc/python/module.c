@@ -68,6 +68,13 @@ static PyObject *raise_status(module_state *st, tp_status_t s, const char *op) {
 
 /* ------------------------------------------------------------------ arrays */
 
+/* ml_dtypes' bfloat16 (and any other extension dtype of that name). */
+static int is_bfloat16(PyArray_Descr *d) {
+  if (PyDataType_ELSIZE(d) != 2 || !d->typeobj) return 0;
+  const char *name = d->typeobj->tp_name, *dot = strrchr(name, '.');
+  return strcmp(dot ? dot + 1 : name, "bfloat16") == 0;
+}
+
 static int dtype_of(PyArray_Descr *d, tp_dtype_t *out) {
   char kind = d->kind;
   int size = (int)PyDataType_ELSIZE(d);
@@ -79,7 +86,7 @@ static int dtype_of(PyArray_Descr *d, tp_dtype_t *out) {
   else if (kind == 'u' && size == 1) *out = TP_UINT8;
   else if (kind == 'i' && size == 4) *out = TP_INT32;
   else if (kind == 'i' && size == 8) *out = TP_INT64;
-  else if (size == 2 && d->typeobj && strcmp(d->typeobj->tp_name, "bfloat16") == 0) *out = TP_BFLOAT16;
+  else if (is_bfloat16(d)) *out = TP_BFLOAT16;
   else return 0;
   return 1;
 }

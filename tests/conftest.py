@@ -1,0 +1,121 @@
+"""Shared helpers for the tests.
+
+Every multi-rank test runs through tpcore.spawn with a deadline, so a hang
+fails that test instead of the CI job.  After every test, no tpcore segment may
+remain in /dev/shm and no child process may remain alive."""
+import glob
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+
+import tpcore
+
+WORLDS = [1, 2, 3, 4]
+DEADLINE = float(os.environ.get("TPCORE_TEST_DEADLINE", "120"))
+
+
+def run(fn, n, *args, deadline=DEADLINE, **kw):
+    """fn(comm, *args) on n ranks; the list of results in rank order."""
+    return tpcore.spawn(fn, n, args=args, deadline=deadline, **kw)
+
+
+def leftover_segments():
+    return sorted(glob.glob("/dev/shm/tpcore_*"))
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before = set(leftover_segments())
+    yield
+    after = set(leftover_segments()) - before
+    assert not after, f"shared-memory segments left behind: {sorted(after)}"
+    kids = multiprocessing.active_children()
+    assert not kids, f"child processes left running: {kids}"
+
+
+def rng_for(seed, rank):
+    return np.random.default_rng([seed, rank])
+
+
+try:
+    import ml_dtypes  # noqa: F401
+
+    BF16 = np.dtype("bfloat16")
+except ImportError:  # the test extra brings it; without it bfloat16 cases are skipped
+    BF16 = None
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        if BF16 is None:
+            pytest.skip("ml_dtypes is not installed (pip install '.[test]')")
+        return BF16
+    return np.dtype(name)
+
+
+def make_input(name, op, seed, rank, shape):
+    """Fresh random, non-zero values of the dtype, drawn from (seed, rank), so
+    that every rank can regenerate every other rank's input."""
+    g = rng_for(seed, rank)
+    if name in ("float32", "float64", "float16", "bfloat16"):
+        if op == "prod":
+            v = g.uniform(0.5, 1.5, shape)
+        else:
+            v = g.standard_normal(shape) * 3
+            v[v == 0] = 1.0
+        return v.astype(np_dtype(name))
+    lo, hi = {"int8": (-100, 100), "uint8": (0, 256), "int32": (-10**6, 10**6),
+              "int64": (-10**12, 10**12)}[name]
+    if op == "prod":
+        lo, hi = (-9, 10) if name != "uint8" else (1, 10)
+    v = g.integers(lo, hi, shape)
+    if name != "uint8":
+        v[v == 0] = 1
+    return v.astype(np_dtype(name))
+
+
+def reference(name, op, arrays):
+    """The reduction over ranks in float64 (floats) or exact integers, with
+    NumPy's wrap-around for the dtype."""
+    n = len(arrays)
+    if name in ("float32", "float64", "float16", "bfloat16"):
+        xs = [a.astype(np.float64) for a in arrays]
+        if op in ("sum", "avg"):
+            r = np.sum(xs, axis=0)
+            return r / n if op == "avg" else r
+        if op == "prod":
+            return np.prod(xs, axis=0)
+        return (np.min if op == "min" else np.max)(xs, axis=0)
+    xs = [a.astype(np.int64) for a in arrays]
+    if op == "avg":
+        s = np.sum([x.astype(object) for x in xs], axis=0) if name == "int64" else np.sum(xs, axis=0)
+        q = np.array([int(abs(v)) // n * (1 if v >= 0 else -1) for v in np.ravel(s)], dtype=np.int64)
+        return q.reshape(np.shape(s)).astype(np_dtype(name))
+    if op == "sum":
+        r = np.zeros_like(xs[0], dtype=np.uint64)
+        for x in xs:
+            r = r + x.astype(np.uint64)
+        return r.astype(np.int64).astype(np_dtype(name))
+    if op == "prod":
+        r = np.ones_like(xs[0], dtype=np.uint64)
+        for x in xs:
+            r = r * x.astype(np.uint64)
+        return r.astype(np.int64).astype(np_dtype(name))
+    return (np.min if op == "min" else np.max)(xs, axis=0).astype(np_dtype(name))
+
+
+TOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def mismatches(name, got, ref, scale=1.0):
+    """Number of elements outside abs + rel * |ref| (exact for integers)."""
+    got = np.asarray(got)
+    if name in TOL:
+        g = got.astype(np.float64)
+        tol = TOL[name] * (scale + np.abs(ref))
+        return int(np.count_nonzero(~(np.abs(g - ref) <= tol)))
+    return int(np.count_nonzero(got != ref))
