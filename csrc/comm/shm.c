@@ -128,6 +128,7 @@ typedef struct {
   _Alignas(CL) _Atomic int32_t attached;
   _Alignas(CL) _Atomic int32_t abort_state; /* 0 none, 1 being written, 2 published */
   int32_t abort_rank;
+  int32_t abort_status; /* tp_status_t the peers report: timeout, mismatch or remote */
   char abort_msg[768];
 } shm_header_t;
 
@@ -262,10 +263,11 @@ static void set_activity(shm_ctx *c, int kind, uint32_t seq, int peer) {
   atomic_store_explicit(&s->act_kind, kind, memory_order_relaxed);
 }
 
-static void publish_abort(shm_ctx *c, int rank, const char *msg) {
+static void publish_abort_status(shm_ctx *c, int rank, const char *msg, tp_status_t st) {
   int32_t expect = 0;
   if (atomic_compare_exchange_strong(&c->hdr->abort_state, &expect, 1)) {
     c->hdr->abort_rank = rank;
+    c->hdr->abort_status = (int32_t)st;
     snprintf(c->hdr->abort_msg, sizeof c->hdr->abort_msg, "%s", msg);
     atomic_store(&c->hdr->abort_state, 2);
   }
@@ -277,9 +279,18 @@ static void publish_abort(shm_ctx *c, int rank, const char *msg) {
   }
 }
 
+static void publish_abort(shm_ctx *c, int rank, const char *msg) {
+  publish_abort_status(c, rank, msg, TP_ERR_REMOTE);
+}
+
+/* The error a rank reports when another rank aborted the communicator: a
+ * timeout or mismatch keeps its kind (every rank would have seen the same),
+ * anything else is a remote failure. */
 static tp_status_t abort_error(shm_ctx *c) {
   for (int i = 0; i < 1000 && atomic_load(&c->hdr->abort_state) == 1; i++) sched_yield();
-  return tp_set_error(TP_ERR_REMOTE, "%s", c->hdr->abort_msg);
+  tp_status_t st = (tp_status_t)c->hdr->abort_status;
+  if (st != TP_ERR_TIMEOUT && st != TP_ERR_MISMATCH) st = TP_ERR_REMOTE;
+  return tp_set_error(st, "%s", c->hdr->abort_msg);
 }
 
 /* Wait until *word reaches target.  `peer` is the rank that moves the word;
@@ -825,7 +836,7 @@ static tp_status_t shm_collective(struct tp_comm *comm, const tp_coll_args_t *a)
     /* Make sure no peer waits on us for the rest of a collective it thinks matched. */
     char msg[768];
     snprintf(msg, sizeof msg, "rank %d failed: %s", comm->rank, tp_last_error());
-    publish_abort(c, comm->rank, msg);
+    publish_abort_status(c, comm->rank, msg, st);
   }
   return st;
 }
@@ -898,7 +909,7 @@ static tp_status_t recv_step(shm_ctx *c, p2p_op *o, double max_wait, const char 
              "%llu %s (message #%u)",
              o->peer, (unsigned long long)h->count, tp_dtype_name((tp_dtype_t)h->dtype), h->msg, r,
              (unsigned long long)o->count, tp_dtype_name(o->dtype), o->msg);
-    publish_abort(c, r, msg);
+    publish_abort_status(c, r, msg, TP_ERR_MISMATCH);
     return tp_set_error(TP_ERR_MISMATCH, "%s", msg);
   }
   size_t off = (size_t)o->done * c->p2p_chunk;
@@ -907,6 +918,17 @@ static tp_status_t recv_step(shm_ctx *c, p2p_op *o, double max_wait, const char 
   post(&ch->acked, &ch->acked_waiters, k + 1);
   o->done++;
   return TP_SUCCESS;
+}
+
+/* A point-to-point wait that timed out leaves the peers out of step: fail them too. */
+static tp_status_t p2p_done(shm_ctx *c, tp_status_t st) {
+  if (st == TP_ERR_TIMEOUT) {
+    char msg[768];
+    snprintf(msg, sizeof msg, "rank %d failed: %s", c->comm->rank, tp_last_error());
+    publish_abort_status(c, c->comm->rank, msg, st);
+  }
+  set_activity(c, TP_COLL_NONE, c->seq, -1);
+  return st;
 }
 
 static tp_status_t shm_send(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dt,
@@ -919,8 +941,7 @@ static tp_status_t shm_send(struct tp_comm *comm, const void *buf, size_t count,
   set_activity(c, TP_COLL_SEND, o.msg, peer);
   tp_status_t st = TP_SUCCESS;
   while (st == TP_SUCCESS && o.done < o.nchunks) st = send_step(c, &o, 0, what);
-  set_activity(c, TP_COLL_NONE, c->seq, -1);
-  return st;
+  return p2p_done(c, st);
 }
 
 static tp_status_t shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt,
@@ -933,8 +954,7 @@ static tp_status_t shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dt
   set_activity(c, TP_COLL_RECV, o.msg, peer);
   tp_status_t st = TP_SUCCESS;
   while (st == TP_SUCCESS && o.done < o.nchunks) st = recv_step(c, &o, 0, what);
-  set_activity(c, TP_COLL_NONE, c->seq, -1);
-  return st;
+  return p2p_done(c, st);
 }
 
 static tp_status_t shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst,
@@ -970,8 +990,7 @@ static tp_status_t shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t s
       break;
     }
   }
-  set_activity(c, TP_COLL_NONE, c->seq, -1);
-  return st;
+  return p2p_done(c, st);
 }
 
 /* --------------------------------------------------------- segment set-up */
