@@ -1,0 +1,210 @@
+"""Collectives benchmark: tpcore against memcpy, torch.distributed/gloo and MPI.
+
+    python -m tpcore.bench collectives -n 2                # 8 B .. 256 MiB, all ops, both modes
+    python -m tpcore.bench collectives -n 2 --quick        # small and short (CI smoke test)
+    python benchmarks/collectives.py -n 4 --ops all_reduce --json out.json --plot out.png
+
+For each op and size the table shows, as nccl-tests does:
+
+  size     bytes: the buffer of all_reduce and broadcast, the OUTPUT of
+           all_gather (each rank contributes size/n), the INPUT of
+           reduce_scatter (each rank receives size/n)
+  count    elements of that buffer
+  type     the dtype
+  time     mean microseconds per call (per rank the mean over the timed
+           iterations; reported: the max over ranks, since a collective is
+           done when its slowest rank is)
+  algbw    size / time, GB/s (10^9 bytes per second)
+  busbw    algbw * 2(n-1)/n for all_reduce, * (n-1)/n for all_gather and
+           reduce_scatter, * 1 for broadcast: the bandwidth per link that
+           an optimal algorithm needs, comparable across ops and rank counts
+           (0 for n = 1)
+  #wrong   elements that differ from a NumPy reference in a check after
+           the timing (summed over ranks): every rank fills its input with
+           f(rank, i) = rank + 1 + i % 5, runs the op once and compares the
+           result with what it computes itself
+  iters    timed calls
+  memcpy   single-thread np.copyto bandwidth at the same size, measured in
+           the same run: the reference for what one core can move
+
+Method.  Every op runs in place (NCCL's in-place mode; root 0 for broadcast,
+sum for the reductions).  Before EACH timed call every rank rewrites its input
+from a prepared source (np.copyto) and the ranks pass a barrier; neither is
+timed: only the call itself, with time.perf_counter_ns.  Warm-up calls come
+first; rank 0 times one whole iteration and picks the iteration count so a
+size takes about --target-time seconds (at least 3, at most --max-iters), and
+every rank uses that count.  Modes: "private" arrays are ordinary NumPy
+arrays; "registered" arrays are views of one comm.alloc() allocation at the
+same offset on every rank, so tpcore can take its zero-copy path (the JSON
+records which calls did).
+
+The sizes are min, min*factor, ... up to max, plus max itself and the
+summary's reference sizes (4 KiB, 1 MiB, 16 MiB, 64 MiB) where they fall
+between min and max.
+
+Peers (optional, skipped with a note when missing): torch.distributed with
+gloo and mpi4py over mpirun run the same loop on the same number of ranks;
+see tpcore.bench._peers.  The summary compares all_reduce at the reference
+sizes and lists every op and size where tpcore (private arrays) is slower
+than a peer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import _report
+from ._peers import PEERS, availability, run_peers
+from ._sweep import MODES, OPS, Plan, Progress, combine, env_info, memcpy_reference, parse_bytes, size_list
+
+SUMMARY_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+QUICK_MAX_BYTES = 4 << 20
+
+
+def _csv(choices, what):
+    def parse(text):
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        if items == ["all"]:
+            return list(choices)
+        bad = [s for s in items if s not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list of "
+                                             f"{', '.join(choices)} (or all), got {text!r}")
+        return items
+    return parse
+
+
+def _bytes(text):
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _iters(text):
+    if text == "auto":
+        return None
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"--iters must be 'auto' or an int >= 1, got {text!r}")
+    return v
+
+
+def _peers(text):
+    if text in ("auto", "none"):
+        return text
+    return _csv(PEERS, "--peers")(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--nranks", type=int, default=2, help="ranks (local processes), default 2")
+    p.add_argument("--ops", type=_csv(OPS, "--ops"), default=list(OPS),
+                   help=f"comma-separated, default all: {','.join(OPS)}")
+    p.add_argument("--min-bytes", type=_bytes, default=8, help="smallest size (8, 4K, 1M...), default 8")
+    p.add_argument("--max-bytes", type=_bytes, default=None,
+                   help=f"largest size, default 256M (--quick: {QUICK_MAX_BYTES >> 20}M)")
+    p.add_argument("--factor", type=int, default=4, help="size multiplier between rows, default 4")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="default float32")
+    p.add_argument("--iters", type=_iters, default=None, metavar="auto|N",
+                   help="timed calls per size; auto (default) aims at --target-time per size")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up calls per size, default 2 (--quick: 1)")
+    p.add_argument("--target-time", type=float, default=None,
+                   help="auto iterations: seconds of timed calls per size, default 0.3 (--quick: 0.02)")
+    p.add_argument("--max-iters", type=int, default=None, help="auto iterations cap, default 1000 (--quick: 50)")
+    p.add_argument("--mode", type=_csv(MODES, "--mode"), default=None,
+                   help="private,registered (default both)")
+    p.add_argument("--no-registered", dest="registered", action="store_false", default=True,
+                   help="private arrays only (same as --mode private)")
+    p.add_argument("--peers", type=_peers, default="auto",
+                   help="auto (default: every peer that is installed), none, or a list of gloo,mpi")
+    p.add_argument("--mpirun", default="mpirun", help="mpirun command for the MPI peer")
+    p.add_argument("--mpi-args", default="", help="extra mpirun arguments, e.g. '--bind-to none'")
+    p.add_argument("--json", metavar="FILE", help="write environment, configuration and all rows as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot busbw vs size (needs matplotlib)")
+    p.add_argument("--quick", action="store_true",
+                   help="small and short: max 4 MiB unless --max-bytes, fewer iterations")
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness check")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress on stderr")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds any one implementation's run may take, default 3600")
+
+
+def make_plan(args) -> Plan:
+    max_bytes = args.max_bytes if args.max_bytes is not None else (QUICK_MAX_BYTES if args.quick else 256 << 20)
+    sizes = size_list(args.min_bytes, max_bytes, args.factor)
+    extra = {max_bytes} | {s for s in SUMMARY_SIZES if args.min_bytes <= s <= max_bytes}
+    sizes = sorted(set(sizes) | extra)
+    modes = args.mode or (list(MODES) if args.registered else ["private"])
+    if not args.registered and args.mode and "registered" in args.mode:
+        raise SystemExit("--no-registered contradicts --mode registered")
+    return Plan(ops=args.ops, sizes=sizes, dtype=args.dtype, modes=modes, iters=args.iters,
+                warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
+                target_s=args.target_time if args.target_time is not None else (0.02 if args.quick else 0.3),
+                min_iters=3, max_iters=args.max_iters if args.max_iters is not None else (50 if args.quick else 1000),
+                check=args.check)
+
+
+def run(args) -> int:
+    if args.nranks < 1:
+        raise SystemExit(f"-n must be >= 1, got {args.nranks}")
+    import tpcore
+
+    from ._tpcore import rank_main
+
+    try:
+        plan = make_plan(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    peer_names = [] if args.peers == "none" else (list(PEERS) if args.peers == "auto" else args.peers)
+    env = env_info()
+    _report.print_header(env, args, plan, peer_names, mpirun=args.mpirun)
+    progress = Progress(args.progress)
+    t_start = time.perf_counter()
+
+    memcpy = memcpy_reference(plan.sizes, plan, progress)
+
+    t0 = time.perf_counter()
+    per_rank = tpcore.spawn(rank_main, args.nranks, args=(plan.to_json(), args.progress), deadline=args.timeout)
+    rows = combine("tpcore", args.nranks, plan.dtype, per_rank)
+    progress.done(f"[bench] tpcore: {time.perf_counter() - t0:.1f} s")
+
+    peers = run_peers(peer_names, args.nranks, plan, args.timeout, args.progress, args.mpirun, args.mpi_args)
+    for p in peers:
+        if p.rows is not None:
+            rows += p.rows
+            progress.done(f"[bench] {p.name}: {p.info.get('seconds', '?')} s")
+        else:
+            progress.done(f"[bench] {p.name}: {p.note}")
+
+    _report.print_tables(rows, memcpy, plan, args.nranks, peers)
+    summary = _report.print_summary(rows, memcpy, plan, args.nranks, peers, SUMMARY_SIZES)
+    elapsed = time.perf_counter() - t_start
+    print(f"# total time {elapsed:.1f} s")
+
+    if args.json:
+        doc = {"env": env, "argv": sys.argv, "plan": plan.to_json(), "nranks": args.nranks,
+               "memcpy": memcpy, "rows": rows, "summary": summary, "seconds": round(elapsed, 1),
+               "peers": {p.name: {"measured": p.rows is not None, "note": p.note, "info": p.info} for p in peers}}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"# wrote {args.json}")
+    if args.plot:
+        _report.plot(args.plot, rows, memcpy, plan, args.nranks, env)
+    bad = [r for r in rows if r["impl"] == "tpcore" and r.get("wrong")]
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tpcore.bench collectives", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+__all__ = ["add_arguments", "run", "main", "availability"]

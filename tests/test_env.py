@@ -1,0 +1,74 @@
+"""tpcore.init's reading of the environment: launcher/spawn, torchrun, Open
+MPI, Slurm, and a single process."""
+import pytest
+
+from tpcore import _env
+
+
+def test_single_process():
+    info = _env.detect({})
+    assert (info.rank, info.world_size, info.source) == (0, 1, "single")
+
+
+def test_tpcore_launcher():
+    info = _env.detect({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
+                        "TPCORE_JOB_ID": "ln0123"})
+    assert (info.rank, info.world_size, info.local_rank, info.job_id, info.source) == (2, 4, 2, "ln0123", "tpcore")
+
+
+def test_torchrun():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "abc"}
+    a, b = _env.detect(env), _env.detect(dict(env, RANK="0", LOCAL_RANK="0"))
+    assert a.source == "torchrun" and a.job_id == b.job_id  # every rank derives the same job
+    assert a.job_id != _env.detect(dict(env, MASTER_PORT="29501")).job_id
+
+
+def test_torchrun_without_master_is_an_error():
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        _env.detect({"RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_openmpi():
+    info = _env.detect({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                        "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                        "PMIX_NAMESPACE": "prterun-host-1234@1"})
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 4, 1, 2)
+    assert info.source == "openmpi"
+    assert all(ch.isalnum() or ch in "_-" for ch in info.job_id)
+
+
+def test_slurm():
+    info = _env.detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                        "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "991", "SLURM_STEP_ID": "0"})
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (5, 8, 1, 4)
+    assert info.job_id == "slurm_991_0"
+
+
+@pytest.mark.parametrize("env,msg", [
+    ({"RANK": "4", "WORLD_SIZE": "4", "TPCORE_JOB_ID": "j"}, "outside"),
+    ({"RANK": "x", "WORLD_SIZE": "4", "TPCORE_JOB_ID": "j"}, "RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "0", "TPCORE_JOB_ID": "j"}, "world size"),
+])
+def test_bad_values(env, msg):
+    with pytest.raises(ValueError, match=msg):
+        _env.detect(env)
+
+
+def test_init_refuses_ranks_on_several_hosts(monkeypatch):
+    import tpcore
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TPCORE_JOB_ID", "multihost")
+    with pytest.raises(tpcore.CommError, match="one host"):
+        tpcore.init()
+
+
+def test_single_process_init_works():
+    import numpy as np
+    import tpcore
+    with tpcore.init() as comm:
+        x = np.arange(4.0)
+        comm.all_reduce(x)
+        assert comm.size == 1 and list(x) == [0, 1, 2, 3] and comm.backend == "shm"

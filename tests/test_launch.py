@@ -1,0 +1,173 @@
+"""python -m tpcore.launch: rank-prefixed output, exit codes, fail-fast
+stopping of the other ranks, Ctrl-C, no orphans, no /dev/shm leftovers."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+LAUNCH = [sys.executable, "-m", "tpcore.launch"]
+
+
+def script(tmp_path, body, name="job.py"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return str(p)
+
+
+def launch(args, timeout=60, **kw):
+    return subprocess.run(LAUNCH + args, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def alive(pids):
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[-1][0] != "Z":
+                    out.append(pid)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+GOOD = """
+import sys, numpy as np, tpcore
+comm = tpcore.init()
+x = np.full(5, comm.rank + 1.0)
+comm.all_reduce(x)
+print(f"rank={comm.rank} size={comm.size} local={comm.local_rank} sum={x[0]:g} args={sys.argv[1:]}")
+"""
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_runs_every_rank_with_prefix(tmp_path, n):
+    r = launch(["-n", str(n), script(tmp_path, GOOD), "a", "--flag"])
+    assert r.returncode == 0, r.stderr
+    want = n * (n + 1) / 2
+    for k in range(n):
+        assert f"[rank{k}]: rank={k} size={n} local={k} sum={want:g} args=['a', '--flag']" in r.stdout
+
+
+def test_module_mode_and_timeout_variable(tmp_path):
+    (tmp_path / "mymod.py").write_text("import os, tpcore\nc = tpcore.init()\n"
+                                       "print('timeout', c.timeout, os.environ['TPCORE_TIMEOUT'])\n")
+    r = launch(["-n", "2", "--timeout", "7.5", "-m", "mymod"], cwd=tmp_path,
+               env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("timeout 7.5 7.5") == 2
+
+
+FAIL = """
+import sys, time, numpy as np, tpcore
+comm = tpcore.init()
+comm.barrier()
+if comm.rank == 1:
+    raise SystemExit(3)
+for _ in range(100000):
+    comm.all_reduce(np.ones(10))
+"""
+
+
+def test_failing_rank_stops_the_others(tmp_path):
+    t0 = time.monotonic()
+    r = launch(["-n", "3", script(tmp_path, FAIL)])
+    assert time.monotonic() - t0 < 30
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "rank 1 exited with code 3" in r.stderr
+
+
+RAISE = """
+import numpy as np, tpcore
+comm = tpcore.init()
+if comm.rank == 2:
+    raise RuntimeError("broken on purpose")
+comm.all_reduce(np.ones(10))
+"""
+
+
+def test_exception_blames_the_raising_rank(tmp_path):
+    r = launch(["-n", "4", script(tmp_path, RAISE)])
+    assert r.returncode == 1
+    assert "tpcore.launch: rank 2 exited with code 1" in r.stderr
+    assert "[rank2]: RuntimeError: broken on purpose" in r.stderr
+    # the peers' errors name the cause
+    assert "broken on purpose" in r.stderr.split("[rank0]:", 1)[-1] or "rank 2" in r.stderr
+
+
+KILLED = """
+import os, signal, numpy as np, tpcore
+comm = tpcore.init()
+comm.barrier()
+if comm.rank == 0:
+    os.kill(os.getpid(), signal.SIGKILL)
+comm.all_reduce(np.ones(10))
+"""
+
+
+def test_killed_rank(tmp_path):
+    r = launch(["-n", "3", script(tmp_path, KILLED)])
+    assert r.returncode == 128 + signal.SIGKILL
+    assert "rank 0 was killed by signal SIGKILL" in r.stderr
+
+
+HANG = """
+import os, time, tpcore
+comm = tpcore.init()
+print("pid", os.getpid(), flush=True)
+time.sleep(300)
+"""
+
+
+def test_ctrl_c_stops_all_and_leaves_no_orphans(tmp_path):
+    p = subprocess.Popen(LAUNCH + ["-n", "3", "--grace", "2", script(tmp_path, HANG)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = []
+    deadline = time.monotonic() + 30
+    while len(pids) < 3 and time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if "pid" in line:
+            pids.append(int(line.split()[-1]))
+    assert len(pids) == 3
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    assert "stopping all ranks" in err
+    time.sleep(0.2)
+    assert alive(pids) == []
+
+
+def test_killing_the_launcher_kills_the_ranks(tmp_path):
+    p = subprocess.Popen(LAUNCH + ["-n", "2", script(tmp_path, HANG)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    pids = []
+    deadline = time.monotonic() + 30
+    while len(pids) < 2 and time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if "pid" in line:
+            pids.append(int(line.split()[-1]))
+    p.kill()
+    p.wait()
+    end = time.monotonic() + 10
+    while alive(pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert alive(pids) == []
+
+
+def test_usage_errors():
+    r = launch(["-n", "0", "x.py"])
+    assert r.returncode == 2 and "-n must be >= 1" in r.stderr
+    r = launch(["-n", "2"])
+    assert r.returncode == 2 and "script" in r.stderr
+
+
+def test_console_script_is_installed():
+    import shutil
+    exe = shutil.which("tpcore-launch")
+    if exe is None:
+        pytest.skip("tpcore-launch is not on PATH (package not installed with pip)")
+    r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "-n" in r.stdout
