@@ -1144,7 +1144,8 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
   c->p2p_chunk = ALIGN_UP(env_size("TPCORE_SHM_P2P_CHUNK", (size_t)256 << 10), 4096);
   c->small_bytes = env_size("TPCORE_SHM_SMALL", (size_t)32 << 10);
   if (c->small_bytes > c->stage_bytes) c->small_bytes = c->stage_bytes;
-  c->nt_bytes = env_size("TPCORE_SHM_NT_BYTES", (size_t)64 << 20);
+  /* Non-temporal stores measured slower on these machines at every size: opt-in. */
+  c->nt_bytes = env_size("TPCORE_SHM_NT_BYTES", SIZE_MAX);
   int spin_us = comm->spin_us;
   if (spin_us < 0) spin_us = world <= online_cores() ? 50 : 0;
   c->spin_iters = spin_us * 20; /* a pause is ~10-50 ns */

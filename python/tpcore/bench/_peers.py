@@ -31,7 +31,7 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import List, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -269,19 +269,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_peers(names: List[str], n: int, plan: Plan, timeout: float, progress: bool, mpirun: str,
-              mpi_args: str) -> List[PeerResult]:
-    out = []
-    for name in names:
-        why = availability(name, mpirun)
-        if why:
-            out.append(PeerResult(name, note=f"not available: {why}"))
-            continue
-        t0 = time.perf_counter()
-        if name == "gloo":
-            res = run_gloo(n, plan, timeout, progress)
-        else:
-            res = run_mpi(n, plan, timeout, progress, mpirun, mpi_args)
-        res.info["seconds"] = round(time.perf_counter() - t0, 1)
-        out.append(res)
-    return out
+def run_peer(name: str, n: int, plan: Plan, timeout: float, progress: bool, mpirun: str = "mpirun",
+             mpi_args: str = "") -> PeerResult:
+    """Measure one peer; a PeerResult with rows=None and a note when it is not
+    available or fails."""
+    why = availability(name, mpirun)
+    if why:
+        return PeerResult(name, note=f"not available: {why}")
+    t0 = time.perf_counter()
+    if name == "gloo":
+        res = run_gloo(n, plan, timeout, progress)
+    else:
+        res = run_mpi(n, plan, timeout, progress, mpirun, mpi_args)
+    res.info["seconds"] = round(time.perf_counter() - t0, 1)
+    return res

@@ -332,9 +332,11 @@ def memcpy_reference(sizes: List[int], plan: Plan, progress: Optional[Progress] 
     dst[:] = 0  # touch both (page faults are not part of a copy)
     rows = []
     perf = time.perf_counter_ns
+    if progress:
+        progress.status(f"[bench] memcpy reference: {human_bytes(sizes[0])} .. {human_bytes(top)}", important=True)
     for nb in sizes:
         if progress:
-            progress.status(f"[bench] memcpy {human_bytes(nb)}", important=nb == sizes[0])
+            progress.status(f"[bench] memcpy {human_bytes(nb)}")
         s, d = src[:nb], dst[:nb]
         t_iter = 0.0
         for _ in range(max(1, plan.warmup)):

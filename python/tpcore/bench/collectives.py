@@ -56,7 +56,7 @@ import sys
 import time
 
 from . import _report
-from ._peers import PEERS, availability, run_peers
+from ._peers import PEERS, availability, run_peer
 from ._sweep import MODES, OPS, Plan, Progress, combine, env_info, memcpy_reference, parse_bytes, size_list
 
 SUMMARY_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
@@ -174,8 +174,10 @@ def run(args) -> int:
     rows = combine("tpcore", args.nranks, plan.dtype, per_rank)
     progress.done(f"[bench] tpcore: {time.perf_counter() - t0:.1f} s")
 
-    peers = run_peers(peer_names, args.nranks, plan, args.timeout, args.progress, args.mpirun, args.mpi_args)
-    for p in peers:
+    peers = []
+    for name in peer_names:
+        p = run_peer(name, args.nranks, plan, args.timeout, args.progress, args.mpirun, args.mpi_args)
+        peers.append(p)
         if p.rows is not None:
             rows += p.rows
             progress.done(f"[bench] {p.name}: {p.info.get('seconds', '?')} s")

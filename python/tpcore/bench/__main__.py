@@ -1,0 +1,40 @@
+"""python -m tpcore.bench SUBCOMMAND [options]; see tpcore.bench."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import SUBCOMMANDS
+from . import __doc__ as _DOC
+
+DEFAULT = "collectives"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Options without a subcommand go to the default one: `python -m tpcore.bench -n 4`.
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv.insert(0, DEFAULT)
+    parser = argparse.ArgumentParser(prog="python -m tpcore.bench", description=_DOC,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
+    for name, modname in SUBCOMMANDS.items():
+        mod = importlib.import_module(f"{__package__}.{modname}")
+        p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0], description=mod.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(run=mod.run)
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
