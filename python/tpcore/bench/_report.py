@@ -44,6 +44,10 @@ def print_header(env: dict, args, plan, peer_names: List[str], mpirun: str) -> N
       f"modes {', '.join(plan.modes)}\n")
     w(f"#  sizes {human_bytes(plan.sizes[0])} .. {human_bytes(plan.sizes[-1])} ({len(plan.sizes)} sizes, "
       f"x{args.factor}); iterations {iters}; {plan.warmup} warm-up\n")
+    load = env.get("loadavg")
+    if load:
+        w(f"#  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start (other work on the machine "
+          f"disturbs the numbers)\n")
     w("#  time: per call, input rewritten + barrier before each call (untimed); per rank the mean, "
       "reported the max over ranks\n")
     if peer_names:
@@ -234,7 +238,7 @@ def print_summary(rows: List[dict], memcpy: List[dict], plan, n: int, peers, ref
     return summary
 
 
-def plot(path: str, rows: List[dict], memcpy: List[dict], plan, n: int, env: dict) -> bool:
+def plot(path: str, rows: List[dict], memcpy: List[dict], plan, n: int, env: dict, factor: int) -> bool:
     """busbw vs size (log x), one panel per op; the memcpy line in each."""
     try:
         import matplotlib
@@ -246,6 +250,7 @@ def plot(path: str, rows: List[dict], memcpy: List[dict], plan, n: int, env: dic
         return False
     idx = _index(rows)
     ops = plan.ops
+    geometric = {plan.sizes[0] * factor ** k for k in range(64)}
     ncols = 2 if len(ops) > 1 else 1
     nrows = (len(ops) + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.2 * nrows), squeeze=False)
@@ -261,7 +266,7 @@ def plot(path: str, rows: List[dict], memcpy: List[dict], plan, n: int, env: dic
         ax.plot([r["bytes"] for r in memcpy], [r["algbw"] for r in memcpy], color="k", linestyle=":",
                 label="memcpy (1 thread)")
         ax.set_xscale("log", base=2)
-        ticks = [s for s in plan.sizes if math.log(s, 4).is_integer() or s == plan.sizes[-1]] or plan.sizes
+        ticks = [s for s in plan.sizes if s in geometric or s == plan.sizes[-1]]
         ax.set_xticks(ticks)
         ax.set_xticklabels([human_bytes(s).replace(" ", "") for s in ticks], rotation=45, fontsize=8)
         ax.set_title(f"{op} (n={n}, {plan.dtype})")

@@ -402,6 +402,10 @@ def env_info() -> dict:
         info["tpcore_build"] = tpcore.build_info()
     except Exception as e:  # noqa: BLE001 - the header still prints
         info["tpcore"] = f"unavailable ({e})"
+    try:
+        info["loadavg"] = list(os.getloadavg())
+    except OSError:
+        info["loadavg"] = None
     for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
         info[k] = os.environ.get(k)
     info["env"] = {k: v for k, v in sorted(os.environ.items())

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -190,16 +191,25 @@ def run(args) -> int:
     print(f"# total time {elapsed:.1f} s")
 
     if args.json:
-        doc = {"env": env, "argv": sys.argv, "plan": plan.to_json(), "nranks": args.nranks,
+        env["loadavg_end"] = _loadavg()
+        options = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+        doc = {"env": env, "argv": sys.argv, "options": options, "plan": plan.to_json(), "nranks": args.nranks,
                "memcpy": memcpy, "rows": rows, "summary": summary, "seconds": round(elapsed, 1),
                "peers": {p.name: {"measured": p.rows is not None, "note": p.note, "info": p.info} for p in peers}}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"# wrote {args.json}")
     if args.plot:
-        _report.plot(args.plot, rows, memcpy, plan, args.nranks, env)
+        _report.plot(args.plot, rows, memcpy, plan, args.nranks, env, args.factor)
     bad = [r for r in rows if r["impl"] == "tpcore" and r.get("wrong")]
     return 1 if bad else 0
+
+
+def _loadavg():
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
 
 
 def main(argv=None) -> int:
