@@ -35,6 +35,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import _cleanup
 from ._sweep import Case, Impl, Plan, Progress, combine, sweep
 
 PEERS = ("gloo", "mpi")
@@ -71,7 +72,7 @@ def _peer_plan(plan: Plan) -> Plan:
 
 # --------------------------------------------------------------------- gloo
 
-_TORCH_DTYPES = ("float32", "float64", "float16", "int8", "uint8", "int32", "int64")
+_TORCH_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 
 
 class GlooImpl(Impl):
@@ -114,7 +115,10 @@ class GlooImpl(Impl):
     def case(self, op: str, mode: str, count: int, dtype: np.dtype) -> Case:
         dist, r, n = self.dist, self.rank, self.size
         buf = np.zeros(count, dtype=dtype)
-        t = self.torch.from_numpy(buf)  # shares buf's memory
+        if dtype.name == "bfloat16":  # ml_dtypes' bfloat16: share the bits through int16
+            t = self.torch.from_numpy(buf.view(np.int16)).view(self.torch.bfloat16)
+        else:
+            t = self.torch.from_numpy(buf)  # shares buf's memory
         if op == "all_reduce":
             return Case(buf, buf, lambda: dist.all_reduce(t))
         if op == "broadcast":
@@ -132,6 +136,7 @@ def _gloo_worker(rank: int, n: int, port: int, plan_json: dict, conn, progress: 
     """One gloo rank (a multiprocessing "spawn" child)."""
     dist = None
     try:
+        _cleanup.die_with_parent()  # never outlive the benchmark
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -207,8 +212,9 @@ def run_gloo(n: int, plan: Plan, timeout: float, progress: bool) -> PeerResult:
         rows = combine("gloo", n, plan.dtype, [results[r] for r in range(n)])
         return PeerResult("gloo", rows=rows, info=info)
     finally:
+        finished = len(results) == n  # else: failed, timed out or interrupted; stop the ranks now
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            p.join(timeout=5 if finished else 0.2)
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -235,8 +241,10 @@ def run_mpi(n: int, plan: Plan, timeout: float, progress: bool, mpirun: str = "m
                sys.executable, "-m", "tpcore.bench._mpi_peer", plan_file, out_file,
                "--progress" if progress else "--no-progress"]
         # The ranks' stdout goes to our stderr: our stdout carries only the tables.
+        # Own session (so we can stop mpirun and its ranks as a group); SIGTERM
+        # to mpirun if we die, which makes it stop its ranks.
         proc = subprocess.Popen(cmd, stdout=sys.stderr.fileno(), stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=lambda: _cleanup.die_with_parent(signal.SIGTERM))
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -23,6 +23,7 @@ when its slowest rank is).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -156,7 +157,7 @@ class Progress:
         if not self.enabled:
             return
         if self.tty:
-            cols = 120
+            cols = shutil.get_terminal_size((120, 24)).columns - 1
             self.stream.write("\r\033[K" + text[:cols])
             self._dirty = True
         elif important:

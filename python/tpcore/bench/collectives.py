@@ -53,12 +53,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 from . import _report
-from ._peers import PEERS, availability, run_peer
-from ._sweep import MODES, OPS, Plan, Progress, combine, env_info, memcpy_reference, parse_bytes, size_list
+from ._peers import PEERS, run_peer
+from ._sweep import (MODES, OPS, Plan, Progress, combine, env_info, memcpy_reference, numpy_dtype, parse_bytes,
+                     size_list)
 
 SUMMARY_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
@@ -125,7 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", type=_peers, default="auto",
                    help="auto (default: every peer that is installed), none, or a list of gloo,mpi")
     p.add_argument("--mpirun", default="mpirun", help="mpirun command for the MPI peer")
-    p.add_argument("--mpi-args", default="", help="extra mpirun arguments, e.g. '--bind-to none'")
+    p.add_argument("--mpi-args", default="", help="extra mpirun arguments, e.g. --mpi-args='--bind-to none'")
     p.add_argument("--json", metavar="FILE", help="write environment, configuration and all rows as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw vs size (needs matplotlib)")
     p.add_argument("--quick", action="store_true",
@@ -137,13 +140,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_plan(args) -> Plan:
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.target_time is not None and not args.target_time > 0:
+        raise ValueError(f"--target-time must be > 0 seconds, got {args.target_time}")
+    if args.max_iters is not None and args.max_iters < 3:
+        raise ValueError(f"--max-iters must be >= 3, got {args.max_iters}")
     max_bytes = args.max_bytes if args.max_bytes is not None else (QUICK_MAX_BYTES if args.quick else 256 << 20)
     sizes = size_list(args.min_bytes, max_bytes, args.factor)
     extra = {max_bytes} | {s for s in SUMMARY_SIZES if args.min_bytes <= s <= max_bytes}
     sizes = sorted(set(sizes) | extra)
-    modes = args.mode or (list(MODES) if args.registered else ["private"])
     if not args.registered and args.mode and "registered" in args.mode:
-        raise SystemExit("--no-registered contradicts --mode registered")
+        raise ValueError("--no-registered contradicts --mode registered")
+    modes = args.mode or (list(MODES) if args.registered else ["private"])
     return Plan(ops=args.ops, sizes=sizes, dtype=args.dtype, modes=modes, iters=args.iters,
                 warmup=args.warmup if args.warmup is not None else (1 if args.quick else 2),
                 target_s=args.target_time if args.target_time is not None else (0.02 if args.quick else 0.3),
@@ -151,7 +160,13 @@ def make_plan(args) -> Plan:
                 check=args.check)
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the cleanup of ranks and peers
+
+
 def run(args) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     if args.nranks < 1:
         raise SystemExit(f"-n must be >= 1, got {args.nranks}")
     import tpcore
@@ -162,6 +177,7 @@ def run(args) -> int:
         plan = make_plan(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    numpy_dtype(plan.dtype)  # a missing ml_dtypes (bfloat16) stops here, not in every rank
     peer_names = [] if args.peers == "none" else (list(PEERS) if args.peers == "auto" else args.peers)
     env = env_info()
     _report.print_header(env, args, plan, peer_names, mpirun=args.mpirun)
@@ -219,4 +235,4 @@ def main(argv=None) -> int:
     return run(p.parse_args(argv))
 
 
-__all__ = ["add_arguments", "run", "main", "availability"]
+__all__ = ["add_arguments", "run", "main"]
