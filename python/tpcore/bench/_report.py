@@ -187,7 +187,22 @@ def print_summary(rows: List[dict], memcpy: List[dict], plan, n: int, peers, ref
                      for e in summary["all_reduce"] if e["size"] >= (16 << 20)
                      and e.get("registered busbw / memcpy") is not None]
             if parts:
-                w(f"#  registered all_reduce busbw / memcpy bandwidth: {', '.join(parts)}\n")
+                w(f"#  registered all_reduce busbw / memcpy bandwidth at the same size: {', '.join(parts)}\n")
+                # memcpy need not be monotone in size (glibc switches to non-temporal
+                # stores above a threshold derived from the cache size): also show the
+                # ratio against the best large-size memcpy of this run.
+                big = [r for r in memcpy if r["nominal"] >= (16 << 20)]
+                if big:
+                    best = max(big, key=lambda r: r["algbw"])
+                    alt = []
+                    for e in summary["all_reduce"]:
+                        reg = e.get("tpcore registered")
+                        if e["size"] >= (16 << 20) and reg:
+                            alt.append(f"{human_bytes(e['size'])} {reg['busbw'] / best['algbw']:.2f}x")
+                            e["registered busbw / best large memcpy"] = reg["busbw"] / best["algbw"]
+                    summary["best_large_memcpy"] = {"size": best["nominal"], "gbs": best["algbw"]}
+                    w(f"#  ... and against the best memcpy at >= 16 MiB ({best['algbw']:.2f} GB/s at "
+                      f"{human_bytes(best['nominal'])}): {', '.join(alt)}\n")
     elif "all_reduce" not in plan.ops:
         w("#  (all_reduce was not measured)\n")
     else:
