@@ -157,6 +157,11 @@ def test_killing_the_launcher_kills_the_ranks(tmp_path):
     assert alive(pids) == []
 
 
+def test_no_files_left_behind():
+    import glob
+    assert glob.glob("/tmp/tpcore-*") == [] and glob.glob("/dev/shm/tpcore_*") == []
+
+
 def test_usage_errors():
     r = launch(["-n", "0", "x.py"])
     assert r.returncode == 2 and "-n must be >= 1" in r.stderr

@@ -170,6 +170,8 @@ typedef struct shm_ctx {
   uint32_t *p2p_recvd; /* chunks received from peer p  */
   uint32_t *p2p_msg_s;
   uint32_t *p2p_msg_r;
+  int cur_kind;      /* the call in progress, for error messages (formatted lazily) */
+  uint32_t cur_seq;
   struct tp_mem *regions;
   pthread_mutex_t regions_lock; /* regions may be released from another thread */
   double last_liveness;
@@ -296,8 +298,15 @@ static tp_status_t abort_error(shm_ctx *c) {
 /* Wait until *word reaches target.  `peer` is the rank that moves the word;
  * `what` names the wait for messages.  max_wait > 0 bounds this call (returns
  * TP_IN_PROGRESS when it runs out), else the communicator's timeout applies. */
+/* `what` names the wait in messages; NULL: the collective in progress. */
+static const char *what_text(const shm_ctx *c, const char *what, char *buf, size_t n) {
+  if (what) return what;
+  snprintf(buf, n, "%s #%u", tp_coll_name((tp_coll_kind_t)c->cur_kind), c->cur_seq);
+  return buf;
+}
+
 static tp_status_t wait_word(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_t *waiters,
-                             uint32_t target, int peer, const char *what, double max_wait) {
+                             uint32_t target, int peer, const char *what_, double max_wait) {
   if (reached(atomic_load_explicit(word, memory_order_acquire), target)) return TP_SUCCESS;
   for (int i = 0; i < c->spin_iters; i++) {
     cpu_relax();
@@ -318,6 +327,8 @@ static tp_status_t wait_word(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_
     if (reached(atomic_load_explicit(word, memory_order_acquire), target)) return TP_SUCCESS;
     if (atomic_load(&c->hdr->abort_state)) return abort_error(c);
     double now = tp_now();
+    char wbuf[64];
+    const char *what = what_text(c, what_, wbuf, sizeof wbuf);
     if (atomic_load(&ps->closed)) {
       char msg[512];
       snprintf(msg, sizeof msg, "rank %d closed the communicator while rank %d waited for it in %s",
@@ -810,11 +821,22 @@ static tp_status_t broadcast(shm_ctx *c, const tp_coll_args_t *a, const char *wh
   return TP_SUCCESS;
 }
 
+/* One rank alone: every collective is a local copy (or nothing). */
+static tp_status_t solo_collective(const tp_coll_args_t *a) {
+  size_t es = tp_dtype_size(a->dtype);
+  if (a->kind == TP_COLL_BARRIER) return TP_SUCCESS;
+  size_t n = a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_REDUCE_SCATTER ? a->total : a->count;
+  if (a->recv && a->send && a->recv != a->send) memmove(a->recv, a->send, n * es);
+  return TP_SUCCESS;
+}
+
 static tp_status_t shm_collective(struct tp_comm *comm, const tp_coll_args_t *a) {
   shm_ctx *c = comm->impl;
-  char what[48];
+  const char *what = NULL; /* formatted only if an error needs it */
   c->seq++;
-  snprintf(what, sizeof what, "%s #%u", tp_coll_name(a->kind), c->seq);
+  if (comm->size == 1) return solo_collective(a);
+  c->cur_kind = a->kind;
+  c->cur_seq = c->seq;
   set_activity(c, a->kind, c->seq, -1);
   tp_status_t st;
   switch (a->kind) {

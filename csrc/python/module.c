@@ -131,7 +131,12 @@ static int get_buf(PyObject *obj, const char *op, const char *arg, int writable,
     return -1;
   }
   if (writable && !PyArray_ISWRITEABLE(a)) {
-    PyErr_Format(PyExc_ValueError, "%s: %s is read-only but the operation writes into it", op, arg);
+    if (strcmp(arg, "x") == 0)
+      PyErr_Format(PyExc_ValueError,
+                   "%s: x is read-only, but the in-place operation writes into it; pass out= to get "
+                   "the result elsewhere", op);
+    else
+      PyErr_Format(PyExc_ValueError, "%s: %s is read-only but the operation writes into it", op, arg);
     return -1;
   }
   b->data = PyArray_DATA(a);
@@ -321,7 +326,7 @@ static PyObject *comm_all_reduce(PyObject *o, PyObject *const *args, Py_ssize_t 
   if (!live(self, "all_reduce")) return NULL;
   buf_t bx, bo;
   tp_redop_t op;
-  if (get_buf(x, "all_reduce", "x", 0, &bx) < 0 || get_buf(out, "all_reduce", "out", 1, &bo) < 0 ||
+  if (get_buf(x, "all_reduce", "x", 0, &bx) < 0 || get_buf(out, "all_reduce", out == x ? "x" : "out", 1, &bo) < 0 ||
       same_dtype("all_reduce", "x", &bx, "out", &bo) < 0 || parse_op(opo, "all_reduce", &op) < 0)
     return NULL;
   if (bx.count != bo.count) {
@@ -441,7 +446,7 @@ static PyObject *comm_broadcast(PyObject *o, PyObject *args) {
   if (!PyArg_ParseTuple(args, "OOi:broadcast", &x, &out, &root)) return NULL;
   if (!live(self, "broadcast")) return NULL;
   buf_t bx, bo;
-  if (get_buf(x, "broadcast", "x", 0, &bx) < 0 || get_buf(out, "broadcast", "out", 1, &bo) < 0 ||
+  if (get_buf(x, "broadcast", "x", 0, &bx) < 0 || get_buf(out, "broadcast", out == x ? "x" : "out", 1, &bo) < 0 ||
       same_dtype("broadcast", "x", &bx, "out", &bo) < 0)
     return NULL;
   if (bx.count != bo.count) {
@@ -464,7 +469,7 @@ static PyObject *comm_reduce(PyObject *o, PyObject *args) {
   if (!live(self, "reduce")) return NULL;
   buf_t bx, bo;
   tp_redop_t op;
-  if (get_buf(x, "reduce", "x", 0, &bx) < 0 || get_buf(out, "reduce", "out", 1, &bo) < 0 ||
+  if (get_buf(x, "reduce", "x", 0, &bx) < 0 || get_buf(out, "reduce", out == x ? "x" : "out", 1, &bo) < 0 ||
       same_dtype("reduce", "x", &bx, "out", &bo) < 0 || parse_op(opo, "reduce", &op) < 0)
     return NULL;
   if (bx.count != bo.count) {

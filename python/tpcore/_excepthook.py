@@ -5,7 +5,10 @@ the exception's text, so that peers fail at once with a message naming this
 rank and the cause rather than a bare "closed", and (2) when the launcher asks
 for it (TPCORE_ERROR_FILE), writes a small JSON record with a timestamp, so the
 launcher can tell the rank that failed first from the ranks that failed in
-reaction (torchrun's error files do the same)."""
+reaction (torchrun's error files do the same).  The record goes down a pipe
+the launcher passes as file descriptor TPCORE_ERROR_FD: one write of less
+than PIPE_BUF bytes, so records never interleave, and nothing is left on disk
+even when the launcher itself is killed."""
 from __future__ import annotations
 
 import json
@@ -38,13 +41,14 @@ def track(comm) -> None:
 
 
 def record(exc: BaseException) -> None:
-    path = os.environ.get("TPCORE_ERROR_FILE")
-    if not path:
+    fd = os.environ.get("TPCORE_ERROR_FD")
+    rank = os.environ.get("RANK")
+    if not fd or rank is None:
         return
+    info = {"rank": int(rank), "time": time.time(), "type": type(exc).__name__, "message": str(exc)[:1500],
+            "peer_failure": bool(getattr(exc, "peer_failure", False))}
+    line = (json.dumps(info) + "\n").encode()[:4000]
     try:
-        info = {"time": time.time(), "type": type(exc).__name__, "message": str(exc)[:2000],
-                "peer_failure": bool(getattr(exc, "peer_failure", False))}
-        with open(path, "w") as f:
-            json.dump(info, f)
-    except OSError:
+        os.write(int(fd), line)
+    except (OSError, ValueError):
         pass

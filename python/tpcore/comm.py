@@ -46,12 +46,6 @@ def as_array(x, name: str, op: str) -> np.ndarray:
                     f"got {type(x).__name__}")
 
 
-def _writable_in_place(a, op):
-    if not a.flags.writeable:
-        raise ValueError(f"{op}: x is read-only, but the in-place operation writes into it; "
-                         f"pass out= to get the result elsewhere")
-
-
 def _check_op(op, name):
     if not isinstance(op, str) or op not in _OPS and op != "mean":
         raise ValueError(f"{name}: op must be one of {', '.join(repr(o) for o in _OPS)}, got {op!r}")
@@ -119,9 +113,10 @@ class Comm:
     def all_reduce(self, x, op: str = "sum", out=None):
         """Reduce x over all ranks with op (sum, prod, min, max, avg).  In place
         on x (returns x) unless out is given (returns out)."""
+        if out is None and type(x) is np.ndarray:  # the common case, kept short
+            self._c.all_reduce(x, x, op)
+            return x
         a = as_array(x, "x", "all_reduce")
-        if out is None:
-            _writable_in_place(a, "all_reduce")
         o = a if out is None else as_array(out, "out", "all_reduce")
         if o.shape != a.shape:
             raise ValueError(f"all_reduce: out has shape {o.shape} but x has shape {a.shape}")
@@ -205,8 +200,6 @@ class Comm:
         """Root's x to every rank: in place on x (returns x), or into out."""
         a = as_array(x, "x", "broadcast")
         self._check_rank(root, "broadcast", "root")
-        if out is None:
-            _writable_in_place(a, "broadcast")
         o = a if out is None else as_array(out, "out", "broadcast")
         if o.shape != a.shape:
             raise ValueError(f"broadcast: out has shape {o.shape} but x has shape {a.shape}")
@@ -218,8 +211,6 @@ class Comm:
         left as it was), or into out on root.  Returns x (or out)."""
         a = as_array(x, "x", "reduce")
         self._check_rank(root, "reduce", "root")
-        if out is None:
-            _writable_in_place(a, "reduce")
         o = a if out is None else as_array(out, "out", "reduce")
         if o.shape != a.shape:
             raise ValueError(f"reduce: out has shape {o.shape} but x has shape {a.shape}")

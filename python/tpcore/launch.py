@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -102,7 +101,8 @@ def run(argv=None) -> int:
         base["TPCORE_TIMEOUT"] = str(ns.timeout)
     procs = []
     stopping = {"signal": None}
-    errdir = tempfile.mkdtemp(prefix="tpcore-launch-")
+    err_r, err_w = os.pipe()  # ranks report uncaught exceptions here (see _excepthook)
+    os.set_blocking(err_r, False)
 
     def on_signal(signum, frame):
         stopping["signal"] = signum
@@ -111,10 +111,12 @@ def run(argv=None) -> int:
     try:
         # All processes first, then the reader threads (preexec_fn and threads do not mix).
         for r in range(n):
-            env = dict(base, RANK=str(r), LOCAL_RANK=str(r),
-                       TPCORE_ERROR_FILE=os.path.join(errdir, f"rank{r}.json"))
+            env = dict(base, RANK=str(r), LOCAL_RANK=str(r), TPCORE_ERROR_FD=str(err_w))
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          stdin=subprocess.DEVNULL, preexec_fn=_cleanup.die_with_parent))
+                                          stdin=subprocess.DEVNULL, pass_fds=(err_w,),
+                                          preexec_fn=_cleanup.die_with_parent))
+        os.close(err_w)
+        err_w = -1
         lock = threading.Lock()
         threads = []
         for r, p in enumerate(procs):
@@ -137,7 +139,7 @@ def run(argv=None) -> int:
                 if c is not None and r not in seen:
                     seen[r] = len(seen)
             if failed is None and any(c not in (None, 0) for c in codes):
-                failed = _blame(procs, seen, errdir)
+                failed = _blame(procs, seen, err_r)
             if failed is not None:
                 r, c = failed
                 how = f"was killed by signal {signal.Signals(-c).name}" if c < 0 else f"exited with code {c}"
@@ -160,16 +162,37 @@ def run(argv=None) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         _cleanup.remove_shm(job)
-        for name in os.listdir(errdir):
-            os.unlink(os.path.join(errdir, name))
-        os.rmdir(errdir)
+        os.close(err_r)
+        if err_w >= 0:
+            os.close(err_w)
 
 
-def _blame(procs, seen, errdir, window=1.0):
+def _read_records(fd) -> dict:
+    """rank -> the error record it wrote down the pipe (see _excepthook)."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    recs = {}
+    for line in data.splitlines():
+        try:
+            rec = json.loads(line)
+            recs.setdefault(int(rec["rank"]), rec)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return recs
+
+
+def _blame(procs, seen, err_fd, window=1.0):
     """(rank, code) of the rank whose failure came first.  Ranks that failed
-    because a peer failed say so in their error file; a rank that was killed,
-    or exited non-zero for its own reasons, is a root cause.  Waits up to
-    `window` seconds for the other ranks' records."""
+    because a peer failed say so in their error record; a rank that was
+    killed, or exited non-zero for its own reasons, is a root cause.  Waits up
+    to `window` seconds for the other ranks to end and report."""
     end = time.monotonic() + window
     while time.monotonic() < end and any(p.poll() is None for p in procs):
         for r, p in enumerate(procs):
@@ -179,17 +202,13 @@ def _blame(procs, seen, errdir, window=1.0):
     for r, p in enumerate(procs):
         if p.poll() is not None and r not in seen:
             seen[r] = len(seen)
+    records = _read_records(err_fd)
     cands = []
     for r, p in enumerate(procs):
         c = p.poll()
         if c in (None, 0):
             continue
-        rec = None
-        try:
-            with open(os.path.join(errdir, f"rank{r}.json")) as f:
-                rec = json.load(f)
-        except (OSError, ValueError):
-            pass
+        rec = records.get(r)
         secondary = bool(rec and rec.get("peer_failure"))
         when = rec["time"] if rec else float("inf")
         cands.append((secondary, when, seen.get(r, 1 << 30), r, c))
