@@ -333,3 +333,24 @@ def _scalar_and_shapes(comm):
 def test_shapes_kept_and_scalars():
     for r, (g, shape, s) in enumerate(run(_scalar_and_shapes, 3)):
         assert g == [1.0, 2.0, 3.0] and shape == (2, 3, 4) and s == 24.0
+
+
+@pytest.mark.parametrize("path", ["single-copy", "staged"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_both_private_paths(world, path, monkeypatch):
+    """Large private arrays go through the kernel's single-copy transfer when
+    the ranks may read each other's memory, else through staging; sizes pick
+    one by default, so force each everywhere."""
+    if path == "single-copy":
+        monkeypatch.setenv("TPCORE_SHM_CMA_BYTES", "0")
+    else:
+        monkeypatch.setenv("TPCORE_SHM_CMA", "0")
+    for r, (bad, _) in enumerate(run(_all_reduce_case, world, "float32", [1, 997, 65537, 300_007],
+                                     ["sum", "max"], 71)):
+        assert not bad, f"rank {r}: {bad}"
+    for r, bad in enumerate(run(_gather_case, world, "int32", 72)):
+        assert not bad, f"rank {r}: {bad}"
+    for r, bad in enumerate(run(_scatter_case, world, "float64", ["sum"], 73)):
+        assert not bad, f"rank {r}: {bad}"
+    for r, bad in enumerate(run(_bcast_reduce_case, world, "float32", 74)):
+        assert not bad, f"rank {r}: {bad}"

@@ -68,17 +68,18 @@ class Comm:
     def __init__(self, ccomm: "_C.Comm", local_rank: Optional[int] = None,
                  local_size: Optional[int] = None):
         self._c = ccomm
+        self._rank, self._size = ccomm.rank, ccomm.size  # fixed for a communicator's life
         self._local_rank = ccomm.rank if local_rank is None else local_rank
         self._local_size = ccomm.size if local_size is None else local_size
 
     # -- properties -------------------------------------------------------
     @property
     def rank(self) -> int:
-        return self._c.rank
+        return self._rank
 
     @property
     def size(self) -> int:
-        return self._c.size
+        return self._size
 
     @property
     def local_rank(self) -> int:
@@ -126,6 +127,10 @@ class Comm:
     def all_gather(self, x, axis: int = 0, sizes: Optional[Sequence[int]] = None, out=None):
         """The ranks' x concatenated along axis, in rank order (a new array, or
         out).  sizes: each rank's length along axis when they differ."""
+        if type(x) is np.ndarray and axis == 0 and sizes is None and out is None and x.ndim:
+            res = np.empty((x.shape[0] * self._size,) + x.shape[1:], dtype=x.dtype)
+            self._c.all_gather(x, res)  # the common case, kept short
+            return res
         a = as_array(x, "x", "all_gather")
         if a.ndim == 0:
             a = a.reshape(1)
@@ -159,6 +164,11 @@ class Comm:
         """Reduce x over ranks and return this rank's block along axis (a new
         array, or out).  x's length along axis must split evenly over the ranks,
         or sizes gives each rank's block length."""
+        if (type(x) is np.ndarray and axis == 0 and sizes is None and out is None and x.ndim
+                and x.shape[0] % self._size == 0):
+            res = np.empty((x.shape[0] // self._size,) + x.shape[1:], dtype=x.dtype)
+            self._c.reduce_scatter(x, res, op)  # the common case, kept short
+            return res
         a = as_array(x, "x", "reduce_scatter")
         _check_op(op, "reduce_scatter")
         if a.ndim == 0:
