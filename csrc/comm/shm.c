@@ -1281,13 +1281,15 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
    * lines dirty in the peer's cache at ~10 GB/s, so the two pull phases of all_reduce
    * and reduce_scatter beat staging only from a few MiB; one-copy gathers win from 64 KiB. */
   c->cma_bytes[TP_COLL_ALL_GATHER] = c->cma_bytes[TP_COLL_BROADCAST] = (size_t)64 << 10;
-  c->cma_bytes[TP_COLL_ALL_REDUCE] = (size_t)4 << 20;
+  c->cma_bytes[TP_COLL_ALL_REDUCE] = (size_t)2 << 20;
   c->cma_bytes[TP_COLL_REDUCE_SCATTER] = (size_t)2 << 20;
   if (getenv("TPCORE_SHM_CMA_BYTES"))
     for (int k = 0; k < TP_COLL_NUM; k++) c->cma_bytes[k] = env_size("TPCORE_SHM_CMA_BYTES", 0);
   c->scratch_blk = ALIGN_UP(env_size("TPCORE_SHM_CMA_BLOCK", (size_t)128 << 10), 4096);
   int spin_us = comm->spin_us;
-  if (spin_us < 0) spin_us = world <= online_cores() ? 50 : 0;
+  /* With a core per rank, spinning costs nothing but that core; 1 ms covers a peer's
+   * copy of a few MiB (a futex sleep and wake-up adds 10-40 us, measured). */
+  if (spin_us < 0) spin_us = (int)env_size("TPCORE_SPIN_US", world <= online_cores() ? 1000 : 0);
   c->spin_iters = spin_us * 20; /* a pause is ~10-50 ns */
   /* Measured with 3-4 ranks on 2 cores: a 100 us yield phase takes a barrier from ~25 us
    * (futex sleep and wake-up) to ~2 us; busy spinning would steal the waited-for rank's core. */

@@ -127,10 +127,12 @@ class Comm:
     def all_gather(self, x, axis: int = 0, sizes: Optional[Sequence[int]] = None, out=None):
         """The ranks' x concatenated along axis, in rank order (a new array, or
         out).  sizes: each rank's length along axis when they differ."""
-        if type(x) is np.ndarray and axis == 0 and sizes is None and out is None and x.ndim:
-            res = np.empty((x.shape[0] * self._size,) + x.shape[1:], dtype=x.dtype)
-            self._c.all_gather(x, res)  # the common case, kept short
-            return res
+        if type(x) is np.ndarray and axis == 0 and sizes is None and x.ndim:  # the common case
+            shape = (x.shape[0] * self._size,) + x.shape[1:]
+            res = np.empty(shape, dtype=x.dtype) if out is None else out
+            if type(res) is np.ndarray and res.shape == shape:  # else: the full checks below
+                self._c.all_gather(x, res)
+                return res
         a = as_array(x, "x", "all_gather")
         if a.ndim == 0:
             a = a.reshape(1)
@@ -164,11 +166,12 @@ class Comm:
         """Reduce x over ranks and return this rank's block along axis (a new
         array, or out).  x's length along axis must split evenly over the ranks,
         or sizes gives each rank's block length."""
-        if (type(x) is np.ndarray and axis == 0 and sizes is None and out is None and x.ndim
-                and x.shape[0] % self._size == 0):
-            res = np.empty((x.shape[0] // self._size,) + x.shape[1:], dtype=x.dtype)
-            self._c.reduce_scatter(x, res, op)  # the common case, kept short
-            return res
+        if type(x) is np.ndarray and axis == 0 and sizes is None and x.ndim and x.shape[0] % self._size == 0:
+            shape = (x.shape[0] // self._size,) + x.shape[1:]  # the common case
+            res = np.empty(shape, dtype=x.dtype) if out is None else out
+            if type(res) is np.ndarray and res.shape == shape:  # else: the full checks below
+                self._c.reduce_scatter(x, res, op)
+                return res
         a = as_array(x, "x", "reduce_scatter")
         _check_op(op, "reduce_scatter")
         if a.ndim == 0:
