@@ -377,16 +377,47 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
               : !PyArg_ParseTuple(args, "OO|O:all_gather", &x, &out, &counts_obj))
     return NULL;
   if (!live(self, name)) return NULL;
-  buf_t bx, bo;
-  tp_redop_t op = TP_SUM;
-  if (get_buf(x, name, "x", 0, &bx) < 0 || get_buf(out, name, "out", 1, &bo) < 0 ||
-      same_dtype(name, "x", &bx, "out", &bo) < 0 || (opo && parse_op(opo, name, &op) < 0))
-    return NULL;
   int size, rank;
   tp_comm_size(self->comm, &size);
   tp_comm_rank(self->comm, &rank);
+  PyObject *made = NULL; /* out=None with equal counts: a new array, (size * n, ...) or (n / size, ...) */
+  if (out == Py_None) {
+    if (counts_obj != Py_None || !PyArray_Check(x) || PyArray_NDIM((PyArrayObject *)x) < 1) {
+      PyErr_Format(PyExc_ValueError, "%s: out=None needs an array x of at least one dimension and no counts", name);
+      return NULL;
+    }
+    PyArrayObject *xa = (PyArrayObject *)x;
+    npy_intp dims[NPY_MAXDIMS];
+    int nd = PyArray_NDIM(xa);
+    memcpy(dims, PyArray_DIMS(xa), sizeof(npy_intp) * (size_t)nd);
+    if (scatter) {
+      if (dims[0] % size) {
+        PyErr_Format(PyExc_ValueError, "reduce_scatter: x has length %zd along axis 0, which does not split "
+                     "evenly over %d ranks", (Py_ssize_t)dims[0], size);
+        return NULL;
+      }
+      dims[0] /= size;
+    } else {
+      dims[0] *= size;
+    }
+    PyArray_Descr *d = PyArray_DESCR(xa);
+    Py_INCREF(d);
+    made = PyArray_NewFromDescr(&PyArray_Type, d, nd, dims, NULL, NULL, 0, NULL);
+    if (!made) return NULL;
+    out = made;
+  }
+  buf_t bx, bo;
+  tp_redop_t op = TP_SUM;
+  if (get_buf(x, name, "x", 0, &bx) < 0 || get_buf(out, name, "out", 1, &bo) < 0 ||
+      same_dtype(name, "x", &bx, "out", &bo) < 0 || (opo && parse_op(opo, name, &op) < 0)) {
+    Py_XDECREF(made);
+    return NULL;
+  }
   size_t *counts = PyMem_Malloc(sizeof(size_t) * (size_t)size);
-  if (!counts) return PyErr_NoMemory();
+  if (!counts) {
+    Py_XDECREF(made);
+    return PyErr_NoMemory();
+  }
   size_t total = 0;
   if (counts_obj != Py_None) {
     if (parse_counts(counts_obj, size, counts, name) < 0) goto fail;
@@ -427,11 +458,15 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
   else
     CALL_NOGIL(s, tp_all_gather_v(bx.data, bo.data, counts, bx.dtype, self->comm));
   PyMem_Free(counts);
-  if (s != TP_SUCCESS) return raise_status(cstate(o), s, name);
-  Py_INCREF(out);
+  if (s != TP_SUCCESS) {
+    Py_XDECREF(made);
+    return raise_status(cstate(o), s, name);
+  }
+  if (!made) Py_INCREF(out);
   return out;
 fail:
   PyMem_Free(counts);
+  Py_XDECREF(made);
   return NULL;
 }
 
@@ -651,8 +686,10 @@ static PyObject *comm_get_error(PyObject *o, void *closure) {
 static PyMethodDef comm_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))comm_all_reduce, METH_FASTCALL,
      "all_reduce(x, out, op): out = op over ranks of x (out may be x)"},
-    {"all_gather", comm_all_gather, METH_VARARGS, "all_gather(x, out, counts=None)"},
-    {"reduce_scatter", comm_reduce_scatter, METH_VARARGS, "reduce_scatter(x, out, op, counts=None)"},
+    {"all_gather", comm_all_gather, METH_VARARGS,
+     "all_gather(x, out, counts=None): out=None allocates (size * len(x), ...)"},
+    {"reduce_scatter", comm_reduce_scatter, METH_VARARGS,
+     "reduce_scatter(x, out, op, counts=None): out=None allocates (len(x) / size, ...)"},
     {"broadcast", comm_broadcast, METH_VARARGS, "broadcast(x, out, root)"},
     {"reduce", comm_reduce, METH_VARARGS, "reduce(x, out, op, root)"},
     {"send", comm_send, METH_VARARGS, "send(x, peer)"},

@@ -128,11 +128,10 @@ class Comm:
         """The ranks' x concatenated along axis, in rank order (a new array, or
         out).  sizes: each rank's length along axis when they differ."""
         if type(x) is np.ndarray and axis == 0 and sizes is None and x.ndim:  # the common case
-            shape = (x.shape[0] * self._size,) + x.shape[1:]
-            res = np.empty(shape, dtype=x.dtype) if out is None else out
-            if type(res) is np.ndarray and res.shape == shape:  # else: the full checks below
-                self._c.all_gather(x, res)
-                return res
+            if out is None:
+                return self._c.all_gather(x, None)
+            if type(out) is np.ndarray and out.shape == (x.shape[0] * self._size,) + x.shape[1:]:
+                return self._c.all_gather(x, out)
         a = as_array(x, "x", "all_gather")
         if a.ndim == 0:
             a = a.reshape(1)
@@ -167,11 +166,10 @@ class Comm:
         array, or out).  x's length along axis must split evenly over the ranks,
         or sizes gives each rank's block length."""
         if type(x) is np.ndarray and axis == 0 and sizes is None and x.ndim and x.shape[0] % self._size == 0:
-            shape = (x.shape[0] // self._size,) + x.shape[1:]  # the common case
-            res = np.empty(shape, dtype=x.dtype) if out is None else out
-            if type(res) is np.ndarray and res.shape == shape:  # else: the full checks below
-                self._c.reduce_scatter(x, res, op)
-                return res
+            if out is None:  # the common case
+                return self._c.reduce_scatter(x, None, op)
+            if type(out) is np.ndarray and out.shape == (x.shape[0] // self._size,) + x.shape[1:]:
+                return self._c.reduce_scatter(x, out, op)
         a = as_array(x, "x", "reduce_scatter")
         _check_op(op, "reduce_scatter")
         if a.ndim == 0:
@@ -211,6 +209,9 @@ class Comm:
 
     def broadcast(self, x, root: int = 0, out=None):
         """Root's x to every rank: in place on x (returns x), or into out."""
+        if out is None and type(x) is np.ndarray:  # the common case; C checks root
+            self._c.broadcast(x, x, root)
+            return x
         a = as_array(x, "x", "broadcast")
         self._check_rank(root, "broadcast", "root")
         o = a if out is None else as_array(out, "out", "broadcast")

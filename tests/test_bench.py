@@ -1,0 +1,22 @@
+"""The collectives benchmark runs end to end (quick mode, no peers), prints
+the nccl-tests columns and writes JSON whose correctness column is all zero."""
+import json
+import subprocess
+import sys
+
+
+def test_collectives_benchmark_quick(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "collectives", "-n", "2", "--quick",
+                        "--peers", "none", "--no-progress", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for col in ("size", "count", "type", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"):
+        assert col in r.stdout
+    data = json.loads(out.read_text())
+    rows = [row for row in data["rows"] if row["impl"] == "tpcore"]
+    assert {row["op"] for row in rows} >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    assert {row["mode"] for row in rows} == {"private", "registered"}
+    assert all(row["wrong"] == 0 for row in rows)
+    assert all(row["time_us"] > 0 for row in rows)
+    assert data["memcpy"], "the memcpy reference line is missing"
