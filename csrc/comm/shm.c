@@ -742,6 +742,17 @@ static tp_status_t all_reduce_like(shm_ctx *c, const tp_coll_args_t *a, const ch
   return TP_SUCCESS;
 }
 
+/* displ[p] = where rank p's block starts (displ[n] = total); returns the largest count. */
+static size_t displacements(const size_t *counts, int n, size_t *displ) {
+  size_t cmax = 0;
+  displ[0] = 0;
+  for (int p = 0; p < n; p++) {
+    displ[p + 1] = displ[p] + counts[p];
+    cmax = counts[p] > cmax ? counts[p] : cmax;
+  }
+  return cmax;
+}
+
 /* all_gather (counts may differ by rank).  The header sync carries the first
  * chunk; a registered source is read in place. */
 static tp_status_t all_gather(shm_ctx *c, const tp_coll_args_t *a, const char *what) {
@@ -749,12 +760,7 @@ static tp_status_t all_gather(shm_ctx *c, const tp_coll_args_t *a, const char *w
   size_t es = tp_dtype_size(a->dtype);
   const size_t *counts = a->counts;
   size_t displ[1025];
-  displ[0] = 0;
-  size_t cmax = 0;
-  for (int p = 0; p < n; p++) {
-    displ[p + 1] = displ[p] + counts[p];
-    cmax = counts[p] > cmax ? counts[p] : cmax;
-  }
+  size_t cmax = displacements(counts, n, displ);
   const char *send = (const char *)a->send;
   char *recv = (char *)a->recv;
   size_t mybytes = counts[r] * es;
@@ -834,12 +840,7 @@ static tp_status_t reduce_scatter(shm_ctx *c, const tp_coll_args_t *a, const cha
   size_t es = tp_dtype_size(a->dtype);
   const size_t *counts = a->counts;
   size_t displ[1025];
-  displ[0] = 0;
-  size_t cmax = 0;
-  for (int p = 0; p < n; p++) {
-    displ[p + 1] = displ[p] + counts[p];
-    cmax = counts[p] > cmax ? counts[p] : cmax;
-  }
+  size_t cmax = displacements(counts, n, displ);
   const char *send = (const char *)a->send;
   char *recv = (char *)a->recv;
   const void *srcs[1024];
