@@ -94,8 +94,9 @@ def test_exception_blames_the_raising_rank(tmp_path):
     assert r.returncode == 1
     assert "tpcore.launch: rank 2 exited with code 1" in r.stderr
     assert "[rank2]: RuntimeError: broken on purpose" in r.stderr
-    # the peers' errors name the cause
-    assert "broken on purpose" in r.stderr.split("[rank0]:", 1)[-1] or "rank 2" in r.stderr
+    # the peers fail in reaction, naming rank 2 and the cause
+    peer_lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[rank0]:") and "CommError" in ln]
+    assert peer_lines and "rank 2" in peer_lines[-1] and "broken on purpose" in peer_lines[-1], r.stderr
 
 
 KILLED = """
@@ -159,7 +160,8 @@ def test_killing_the_launcher_kills_the_ranks(tmp_path):
 
 def test_no_files_left_behind():
     import glob
-    assert glob.glob("/tmp/tpcore-*") == [] and glob.glob("/dev/shm/tpcore_*") == []
+    # launcher jobs are named tpcore_ln<hex>; the launches above must have left none
+    assert glob.glob("/tmp/tpcore-*") == [] and glob.glob("/dev/shm/tpcore_ln*") == []
 
 
 def test_usage_errors():

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "comm_impl.h"
 
@@ -112,6 +113,11 @@ tp_status_t tp_comm_init_rank(tp_comm_t *out, int world, int rank, const tp_comm
 
 tp_status_t tp_comm_destroy(tp_comm_t c) {
   if (!c) return TP_SUCCESS;
+  if (atomic_load(&c->busy)) {
+    /* Another thread is inside a call: fail it on every rank, then wait for it to leave. */
+    tp_comm_abort(c, "the communicator was destroyed while a call was in progress");
+    while (atomic_load(&c->busy)) usleep(1000);
+  }
   if (c->ops && c->ops->destroy) c->ops->destroy(c);
   free(c);
   return TP_SUCCESS;
@@ -199,6 +205,19 @@ static tp_status_t check_common(tp_comm_t c, const char *op, const void *send, c
   return TP_SUCCESS;
 }
 
+/* send [s, s+sn) and recv [r, r+rn) may be the same buffer (in place) or disjoint;
+ * a partial overlap would be read while it is written. */
+static tp_status_t check_overlap(const char *op, const void *s, size_t sn, const void *r, size_t rn,
+                                 const void *allowed_send) {
+  if (!s || !r || !sn || !rn || s == allowed_send) return TP_SUCCESS;
+  const char *a = s, *b = r;
+  if (a < b + rn && b < a + sn)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: x and out overlap without being the same buffer (x at %p, %zu bytes; out at %p, "
+                        "%zu bytes); use the in-place form or separate buffers", op, s, sn, r, rn);
+  return TP_SUCCESS;
+}
+
 static tp_status_t check_op(const char *op, tp_redop_t r) {
   if ((unsigned)r >= TP_NUM_REDOPS)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
@@ -226,6 +245,8 @@ tp_status_t tp_all_reduce(const void *send, void *recv, size_t count, tp_dtype_t
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "all_reduce: communicator is NULL");
   TP_CHECK(check_common(c, "all_reduce", send, recv, count, dtype, 1, 1));
   TP_CHECK(check_op("all_reduce", op));
+  size_t nb = count * tp_dtype_size(dtype);
+  TP_CHECK(check_overlap("all_reduce", send, nb, recv, nb, recv));
   tp_coll_args_t a = {TP_COLL_ALL_REDUCE, send, recv, count, NULL, count, dtype, op, 0};
   return run_coll(c, &a, count * tp_dtype_size(dtype));
 }
@@ -236,10 +257,23 @@ static tp_status_t gather_scatter_v(tp_coll_kind_t kind, const void *send, void 
   const char *name = tp_coll_name(kind);
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", name);
   if (!counts) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: counts is NULL", name);
-  size_t total = 0;
-  for (int p = 0; p < c->size; p++) total += counts[p];
+  if ((unsigned)dtype >= TP_NUM_DTYPES)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: invalid dtype %d", name, (int)dtype);
+  size_t es = tp_dtype_size(dtype), limit = ((size_t)1 << 60) / es, total = 0;
+  for (int p = 0; p < c->size; p++) {
+    if (counts[p] > limit - total)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: counts add up past %zu elements (counts[%d] = %zu)",
+                          name, limit, p, counts[p]);
+    total += counts[p];
+  }
   size_t mine = counts[c->rank];
   TP_CHECK(check_common(c, name, send, recv, total, dtype, 0, 0));
+  size_t before = 0;
+  for (int p = 0; p < c->rank; p++) before += counts[p];
+  if (kind == TP_COLL_ALL_GATHER)  /* in place: x is this rank's block of out */
+    TP_CHECK(check_overlap(name, send, mine * es, recv, total * es, recv ? (const char *)recv + before * es : NULL));
+  else  /* in place: out is this rank's block of x */
+    TP_CHECK(check_overlap(name, recv, mine * es, send, total * es, send ? (const char *)send + before * es : NULL));
   if (kind == TP_COLL_ALL_GATHER) {
     if (mine && !send) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: send buffer is NULL", name, c->rank);
     if (total && !recv) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: recv buffer is NULL", name, c->rank);
@@ -286,6 +320,8 @@ tp_status_t tp_broadcast(const void *send, void *recv, size_t count, tp_dtype_t 
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "broadcast: communicator is NULL");
   TP_CHECK(check_root(c, "broadcast", root, "root"));
   TP_CHECK(check_common(c, "broadcast", send, recv, count, dtype, c->rank == root, 1));
+  if (c->rank == root)
+    TP_CHECK(check_overlap("broadcast", send, count * tp_dtype_size(dtype), recv, count * tp_dtype_size(dtype), recv));
   tp_coll_args_t a = {TP_COLL_BROADCAST, send, recv, count, NULL, count, dtype, TP_SUM, root};
   return run_coll(c, &a, count * tp_dtype_size(dtype));
 }
@@ -296,6 +332,8 @@ tp_status_t tp_reduce(const void *send, void *recv, size_t count, tp_dtype_t dty
   TP_CHECK(check_root(c, "reduce", root, "root"));
   TP_CHECK(check_op("reduce", op));
   TP_CHECK(check_common(c, "reduce", send, recv, count, dtype, 1, c->rank == root));
+  if (c->rank == root)
+    TP_CHECK(check_overlap("reduce", send, count * tp_dtype_size(dtype), recv, count * tp_dtype_size(dtype), recv));
   tp_coll_args_t a = {TP_COLL_REDUCE, send, recv, count, NULL, count, dtype, op, root};
   return run_coll(c, &a, count * tp_dtype_size(dtype));
 }
@@ -348,7 +386,7 @@ tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *re
   size_t es = tp_dtype_size(dtype);
   if (dst == c->rank) {
     if (sendcount != recvcount)
-      return tp_set_error(TP_ERR_MISMATCH,
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                           "sendrecv on rank %d: sends %zu %s to itself but expects %zu",
                           c->rank, sendcount, tp_dtype_name(dtype), recvcount);
     if (sendcount) memmove(recvbuf, sendbuf, sendcount * es);

@@ -87,6 +87,7 @@ typedef struct {
   int64_t send_region, send_off; /* registered location, -1 if none */
   int64_t recv_region, recv_off;
   uint64_t send_addr, recv_addr;  /* this rank's buffers in its own address space (CMA) */
+  uint64_t counts_hash;           /* all_gather / reduce_scatter: the per-rank counts */
 } coll_hdr_t;
 
 typedef struct {
@@ -129,6 +130,8 @@ typedef struct {
   uint64_t stage_bytes;
   uint64_t p2p_chunk;
   int32_t creator_pid;
+  /* Rank 0's settings, adopted by every rank: they choose data paths, which must agree. */
+  uint64_t small_bytes, nt_bytes, scratch_blk, cma_bytes[TP_COLL_NUM];
   _Alignas(CL) _Atomic int32_t attached;
   _Alignas(CL) _Atomic int32_t abort_state; /* 0 none, 1 being written, 2 published */
   int32_t abort_rank;
@@ -442,7 +445,7 @@ static int hdr_matches(const coll_hdr_t *a, const coll_hdr_t *b, const tp_coll_a
     case TP_COLL_ALL_GATHER:
     case TP_COLL_REDUCE_SCATTER:
       return a->dtype == b->dtype && a->op == b->op && a->total == b->total &&
-             b->count == args->counts[peer];
+             b->count == args->counts[peer] && a->counts_hash == b->counts_hash;
     case TP_COLL_ALLOC:
       return a->count == b->count;
     default:
@@ -469,6 +472,12 @@ static void post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key,
   h->recv_off = roff;
   h->send_addr = (uint64_t)(uintptr_t)a->send;
   h->recv_addr = (uint64_t)(uintptr_t)a->recv;
+  h->counts_hash = 0;
+  if (a->counts) {
+    uint64_t x = 1469598103934665603ULL;
+    for (int p = 0; p < c->comm->size; p++) x = (x ^ (uint64_t)a->counts[p]) * 1099511628211ULL;
+    h->counts_hash = x;
+  }
 }
 
 static inline const coll_hdr_t *peer_hdr(const shm_ctx *c, int p) {
@@ -544,6 +553,12 @@ static tp_status_t check_hdrs(shm_ctx *c, const tp_coll_args_t *a) {
       if (h->seq != mine->seq)
         snprintf(msg, sizeof msg, "collective mismatch: rank %d is at collective #%u (%s), rank %d at #%u (%s)",
                  p, h->seq, da, r, mine->seq, db);
+      else if (h->kind == mine->kind && h->counts_hash != mine->counts_hash &&
+               (h->kind == TP_COLL_ALL_GATHER || h->kind == TP_COLL_REDUCE_SCATTER))
+        snprintf(msg, sizeof msg, "collective mismatch at #%u: ranks %d and %d passed different per-rank "
+                 "counts to %s (rank %d says rank %d has %llu elements; rank %d has %llu)", mine->seq, p, r,
+                 tp_coll_name((tp_coll_kind_t)h->kind), r, p, (unsigned long long)a->counts[p], p,
+                 (unsigned long long)h->count);
       else
         snprintf(msg, sizeof msg, "collective mismatch at #%u: rank %d called %s, rank %d %s",
                  mine->seq, p, da, r, db);
@@ -657,7 +672,7 @@ static tp_status_t all_reduce_like(shm_ctx *c, const tp_coll_args_t *a, const ch
 
   if (nbytes <= c->small_bytes) {
     unsigned b = c->round++;
-    memcpy(stage_buf(c, r, b), send, nbytes);
+    if (nbytes) memcpy(stage_buf(c, r, b), send, nbytes);
     TP_CHECK(sync_all(c, what));
     TP_CHECK(check_hdrs(c, a));
     if (writes_out) {
@@ -774,7 +789,7 @@ static tp_status_t all_gather(shm_ctx *c, const tp_coll_args_t *a, const char *w
   int prestaged = sreg < 0 && !cma;
   if (prestaged) tp_copy(stage_buf(c, r, b), send, (counts[r] < chunk ? counts[r] : chunk) * es, nt);
   char *own = recv + displ[r] * es;
-  if (own != send) memmove(own, send, mybytes);
+  if (own != send && mybytes) memmove(own, send, mybytes);
   TP_CHECK(sync_all(c, what));
   TP_CHECK(check_hdrs(c, a));
   /* Registered source: the same region on every rank (offsets may differ). */
@@ -894,29 +909,43 @@ static tp_status_t broadcast(shm_ctx *c, const tp_coll_args_t *a, const char *wh
   size_t es = tp_dtype_size(a->dtype), cnt = a->count, nbytes = cnt * es;
   const char *send = (const char *)a->send;
   char *recv = (char *)a->recv;
-  int64_t soff = 0;
+  int64_t soff = 0, roff = 0;
   int64_t sreg = r == root ? find_region(c, send, nbytes, &soff) : -1;
-  post_hdr(c, a, 0, 0, sreg, soff, -1, 0);
+  int64_t rreg = find_region(c, recv, nbytes, &roff);
+  post_hdr(c, a, 0, 0, sreg, soff, rreg, roff);
   size_t chunk = c->stage_bytes / es;
   int nt = nbytes >= c->nt_bytes;
   unsigned b = c->round++;
   int cma = c->use_cma && nbytes >= c->cma_bytes[TP_COLL_BROADCAST];
   if (r == root) {
     if (sreg < 0 && !cma) tp_copy(stage_buf(c, root, b), send, (cnt < chunk ? cnt : chunk) * es, nt);
-    if (recv != send) memmove(recv, send, nbytes);
+    if (recv != send && nbytes) memmove(recv, send, nbytes);
   }
   TP_CHECK(sync_all(c, what));
   TP_CHECK(check_hdrs(c, a));
   const coll_hdr_t *rh = &c->slots[root].hdr[c->seq & 1];
-  struct tp_mem *sm = rh->send_region >= 0 ? region_by_id(c, rh->send_region) : NULL;
+  /* In place from the root's registered array only if every rank's output lies in the
+   * same allocation: that proves every rank still holds it (a rank may have released
+   * its handle, and must then take the same path as the others). */
+  struct tp_mem *sm = NULL;
+  if (rh->send_region >= 0) {
+    int all = 1;
+    for (int p = 0; p < c->comm->size; p++) all &= peer_hdr(c, p)->recv_region == rh->send_region;
+    if (all) sm = region_by_id(c, rh->send_region);
+  }
   if (sm) {
     c->comm->stats.zero_copy++;
-    if (r != root) memcpy(recv, peer_ptr(sm, root, rh->send_off), nbytes);
+    if (r != root && nbytes) memcpy(recv, peer_ptr(sm, root, rh->send_off), nbytes);
     return sync_all(c, what);
   }
   if (cma) {
     if (r != root) TP_CHECK(cma_read(c, root, recv, rh->send_addr, nbytes));
     return sync_all(c, what);
+  }
+  if (rh->send_region >= 0) {
+    /* The root skipped staging expecting the in-place path, which not every rank can take. */
+    if (r == root) tp_copy(stage_buf(c, root, b), send, (cnt < chunk ? cnt : chunk) * es, nt);
+    TP_CHECK(sync_all(c, what));
   }
   for (size_t off = 0; off < cnt; off += chunk) {
     size_t m = cnt - off < chunk ? cnt - off : chunk;
@@ -935,7 +964,7 @@ static tp_status_t solo_collective(const tp_coll_args_t *a) {
   size_t es = tp_dtype_size(a->dtype);
   if (a->kind == TP_COLL_BARRIER) return TP_SUCCESS;
   size_t n = a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_REDUCE_SCATTER ? a->total : a->count;
-  if (a->recv && a->send && a->recv != a->send) memmove(a->recv, a->send, n * es);
+  if (n && a->recv && a->send && a->recv != a->send) memmove(a->recv, a->send, n * es);
   return TP_SUCCESS;
 }
 
@@ -963,7 +992,7 @@ static tp_status_t shm_collective(struct tp_comm *comm, const tp_coll_args_t *a)
   }
   atomic_store(&c->slots[comm->rank].last_seq, c->seq);
   set_activity(c, TP_COLL_NONE, c->seq, -1);
-  if (st == TP_ERR_MISMATCH || st == TP_ERR_TIMEOUT) {
+  if (st != TP_SUCCESS) {
     /* Make sure no peer waits on us for the rest of a collective it thinks matched. */
     char msg[768];
     snprintf(msg, sizeof msg, "rank %d failed: %s", comm->rank, tp_last_error());
@@ -1262,6 +1291,75 @@ static int online_cores(void) {
   return n > 0 ? (int)n : 1;
 }
 
+/* Join the segment rank 0 creates: wait for it (up to the deadline), never join a
+ * stale one (creator gone, or already full), adopt rank 0's settings, and check that
+ * the layout they give is the segment's size. */
+static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline, void **base,
+                               size_t *size, size_t *o_slots, size_t *o_chans, size_t *o_stage,
+                               size_t *o_p2p) {
+  const char *why = "it does not exist yet";
+  for (;; usleep(1000)) {
+    if (tp_now() > deadline)
+      return tp_set_error(TP_ERR_TIMEOUT,
+                          "rank %d timed out waiting for rank 0 to create shared-memory segment %s (%s; "
+                          "did rank 0 start, with the same job id and world size?)", rank, c->name, why);
+    int fd = shm_open(c->name, O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0) {
+      if (errno != ENOENT) return sys_error("cannot open shared-memory segment", c->name, errno);
+      continue;
+    }
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < sizeof(shm_header_t)) {
+      close(fd);
+      why = "it is still being sized";
+      continue;
+    }
+    shm_header_t *h = mmap(NULL, sizeof *h, PROT_READ, MAP_SHARED, fd, 0);
+    if (h == MAP_FAILED) {
+      int err = errno;
+      close(fd);
+      return sys_error("cannot map shared-memory segment", c->name, err);
+    }
+    int ready = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC;
+    rank_slot_t probe = {0};
+    probe.pid = ready ? h->creator_pid : 0;
+    if (!ready || atomic_load(&h->attached) >= world || peer_dead(&probe)) {
+      why = !ready ? "it is not initialised yet" : "the segment found belongs to a job that ended";
+      munmap(h, sizeof *h);
+      close(fd);
+      continue;
+    }
+    if (h->version != SHM_VERSION || h->world != world) {
+      tp_status_t st = tp_set_error(TP_ERR_INVALID_USAGE,
+                                    "rank %d: shared-memory segment %s was set up by rank 0 for world size %d "
+                                    "(version %u), but this rank has world size %d (version %d)",
+                                    rank, c->name, h->world, h->version, world, SHM_VERSION);
+      munmap(h, sizeof *h);
+      close(fd);
+      return st;
+    }
+    c->stage_bytes = h->stage_bytes;
+    c->p2p_chunk = h->p2p_chunk;
+    c->small_bytes = h->small_bytes;
+    c->nt_bytes = h->nt_bytes;
+    c->scratch_blk = h->scratch_blk;
+    memcpy(c->cma_bytes, h->cma_bytes, sizeof c->cma_bytes);
+    munmap(h, sizeof *h);
+    *size = layout(world, c->stage_bytes, c->p2p_chunk, o_slots, o_chans, o_stage, o_p2p);
+    if (*size != (size_t)sb.st_size) {
+      close(fd);
+      return tp_set_error(TP_ERR_INTERNAL, "rank %d: shared-memory segment %s has %lld bytes, expected %zu",
+                          rank, c->name, (long long)sb.st_size, *size);
+    }
+    void *p = mmap(NULL, *size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int err = errno;
+    close(fd);
+    if (p == MAP_FAILED) return sys_error("cannot map shared-memory segment", c->name, err);
+    *base = p;
+    return TP_SUCCESS;
+  }
+}
+
 tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
   int world = comm->size, rank = comm->rank;
   shm_ctx *c = calloc(1, sizeof *c);
@@ -1273,7 +1371,10 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
            (unsigned long long)fnv1a(comm_id));
   c->stage_bytes = ALIGN_UP(env_size("TPCORE_SHM_CHUNK", (size_t)1 << 20), 4096);
   if (c->stage_bytes < 65536) c->stage_bytes = 65536;
-  c->p2p_chunk = ALIGN_UP(env_size("TPCORE_SHM_P2P_CHUNK", (size_t)256 << 10), 4096);
+  /* The channels take world^2 * 2 chunks: keep them to ~8 MiB for large worlds. */
+  size_t p2p_dflt = ((size_t)4 << 20) / ((size_t)world * (size_t)world);
+  p2p_dflt = p2p_dflt > ((size_t)256 << 10) ? ((size_t)256 << 10) : p2p_dflt < 16384 ? 16384 : p2p_dflt;
+  c->p2p_chunk = ALIGN_UP(env_size("TPCORE_SHM_P2P_CHUNK", p2p_dflt), 4096);
   c->small_bytes = env_size("TPCORE_SHM_SMALL", (size_t)32 << 10);
   if (c->small_bytes > c->stage_bytes) c->small_bytes = c->stage_bytes;
   /* Non-temporal stores measured slower on these machines at every size: opt-in. */
@@ -1319,28 +1420,19 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
     h->total_size = size;
     h->stage_bytes = c->stage_bytes;
     h->p2p_chunk = c->p2p_chunk;
+    h->small_bytes = c->small_bytes;
+    h->nt_bytes = c->nt_bytes;
+    h->scratch_blk = c->scratch_blk;
+    memcpy(h->cma_bytes, c->cma_bytes, sizeof h->cma_bytes);
     h->creator_pid = getpid();
     h->version = SHM_VERSION;
     atomic_store(&((shm_header_t *)base)->attached, 0);
     __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
   } else {
-    int gone;
-    st = seg_attach(c->name, size, &base, deadline, 0, rank, &gone);
+    st = attach_main(c, world, rank, deadline, &base, &size, &o_slots, &o_chans, &o_stage, &o_p2p);
     if (st != TP_SUCCESS) {
       free_ctx(c);
       return st;
-    }
-    shm_header_t *h = base;
-    while (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHM_MAGIC && tp_now() < deadline)
-      usleep(100);
-    if (h->magic != SHM_MAGIC || h->version != SHM_VERSION || h->world != world ||
-        h->stage_bytes != c->stage_bytes || h->p2p_chunk != c->p2p_chunk) {
-      munmap(base, size);
-      free_ctx(c);
-      return tp_set_error(TP_ERR_INVALID_USAGE,
-                          "rank %d: shared-memory segment %s was set up differently by rank 0 "
-                          "(world %d vs %d here, or different TPCORE_SHM_* settings)",
-                          rank, c->name, h->world, world);
     }
   }
   c->base = base;
@@ -1404,6 +1496,7 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
   if (st != TP_SUCCESS) goto fail;
   c->use_cma = 1;
   for (int p = 0; p < world; p++) c->use_cma &= atomic_load(&c->slots[p].cma_ok) != 0;
+  comm->stats.single_copy = c->use_cma;
   if (c->use_cma) {
     c->scratch = malloc((size_t)(world - 1) * c->scratch_blk);
     if (!c->scratch) c->use_cma = 0; /* every rank must agree: fail instead */

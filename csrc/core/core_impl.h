@@ -21,7 +21,7 @@ tp_status_t tp_set_error(tp_status_t status, const char *fmt, ...) TP_PRINTF(2, 
 void tp_error_prefix(const char *fmt, ...) TP_PRINTF(1, 2);
 void tp_clear_error(void);
 
-/* Propagate a failing status, recording where it passed (debug builds print it). */
+/* Propagate a failing status (the sentence was recorded where it arose). */
 #define TP_CHECK(call)                                  \
   do {                                                  \
     tp_status_t tp_st_ = (call);                        \

@@ -238,6 +238,8 @@ static PyType_Spec sb_spec = {
 typedef struct {
   PyObject_HEAD
   tp_comm_t comm;
+  Py_ssize_t inflight; /* calls running with the GIL released (counted under the GIL) */
+  tp_comm_t closing;   /* closed by one thread while another's call was running */
 } CommObject;
 
 static module_state *cstate(PyObject *self) { return state_of_type(Py_TYPE(self)); }
@@ -255,6 +257,27 @@ static int live(CommObject *self, const char *op) {
   do {                             \
     Py_BEGIN_ALLOW_THREADS st = (expr); \
     Py_END_ALLOW_THREADS           \
+  } while (0)
+
+/* A call on the communicator with the GIL released.  close() from another thread
+ * meanwhile aborts the call and the communicator is destroyed when the last
+ * running call has returned (never under it). */
+static void comm_leave(CommObject *self) {
+  if (--self->inflight == 0 && self->closing) {
+    tp_comm_t z = self->closing;
+    self->closing = NULL;
+    Py_BEGIN_ALLOW_THREADS tp_comm_destroy(z);
+    Py_END_ALLOW_THREADS
+  }
+}
+
+#define COMM_CALL(self, st, expr)           \
+  do {                                      \
+    tp_comm_t c_ = (self)->comm;            \
+    (self)->inflight++;                     \
+    Py_BEGIN_ALLOW_THREADS st = (expr);     \
+    Py_END_ALLOW_THREADS                    \
+    comm_leave(self);                       \
   } while (0)
 
 static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
@@ -286,6 +309,10 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 static void comm_dealloc(PyObject *o) {
   CommObject *self = (CommObject *)o;
   PyTypeObject *tp = Py_TYPE(o);
+  if (self->closing) {
+    tp_comm_destroy(self->closing);
+    self->closing = NULL;
+  }
   if (self->comm) {
     tp_comm_t c = self->comm;
     self->comm = NULL;
@@ -300,8 +327,14 @@ static PyObject *comm_close(PyObject *o, PyObject *unused) {
   if (self->comm) {
     tp_comm_t c = self->comm;
     self->comm = NULL;
-    Py_BEGIN_ALLOW_THREADS tp_comm_destroy(c);
-    Py_END_ALLOW_THREADS
+    if (self->inflight) {
+      /* another thread is inside a call: fail it; the last one out destroys */
+      tp_comm_abort(c, "the communicator was closed by another thread during a call");
+      self->closing = c;
+    } else {
+      Py_BEGIN_ALLOW_THREADS tp_comm_destroy(c);
+      Py_END_ALLOW_THREADS
+    }
   }
   Py_RETURN_NONE;
 }
@@ -335,7 +368,7 @@ static PyObject *comm_all_reduce(PyObject *o, PyObject *const *args, Py_ssize_t 
     return NULL;
   }
   tp_status_t s;
-  CALL_NOGIL(s, tp_all_reduce(bx.data, bo.data, bx.count, bx.dtype, op, self->comm));
+  COMM_CALL(self, s, tp_all_reduce(bx.data, bo.data, bx.count, bx.dtype, op, c_));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "all_reduce");
   Py_INCREF(out);
   return out;
@@ -454,9 +487,9 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
   }
   tp_status_t s;
   if (scatter)
-    CALL_NOGIL(s, tp_reduce_scatter_v(bx.data, bo.data, counts, bx.dtype, op, self->comm));
+    COMM_CALL(self, s, tp_reduce_scatter_v(bx.data, bo.data, counts, bx.dtype, op, c_));
   else
-    CALL_NOGIL(s, tp_all_gather_v(bx.data, bo.data, counts, bx.dtype, self->comm));
+    COMM_CALL(self, s, tp_all_gather_v(bx.data, bo.data, counts, bx.dtype, c_));
   PyMem_Free(counts);
   if (s != TP_SUCCESS) {
     Py_XDECREF(made);
@@ -489,7 +522,7 @@ static PyObject *comm_broadcast(PyObject *o, PyObject *args) {
     return NULL;
   }
   tp_status_t s;
-  CALL_NOGIL(s, tp_broadcast(bx.data, bo.data, bx.count, bx.dtype, root, self->comm));
+  COMM_CALL(self, s, tp_broadcast(bx.data, bo.data, bx.count, bx.dtype, root, c_));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "broadcast");
   Py_INCREF(out);
   return out;
@@ -512,7 +545,7 @@ static PyObject *comm_reduce(PyObject *o, PyObject *args) {
     return NULL;
   }
   tp_status_t s;
-  CALL_NOGIL(s, tp_reduce(bx.data, bo.data, bx.count, bx.dtype, op, root, self->comm));
+  COMM_CALL(self, s, tp_reduce(bx.data, bo.data, bx.count, bx.dtype, op, root, c_));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "reduce");
   Py_INCREF(out);
   return out;
@@ -527,7 +560,7 @@ static PyObject *comm_send(PyObject *o, PyObject *args) {
   buf_t b;
   if (get_buf(x, "send", "x", 0, &b) < 0) return NULL;
   tp_status_t s;
-  CALL_NOGIL(s, tp_send(b.data, b.count, b.dtype, peer, self->comm));
+  COMM_CALL(self, s, tp_send(b.data, b.count, b.dtype, peer, c_));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "send");
   Py_RETURN_NONE;
 }
@@ -541,7 +574,7 @@ static PyObject *comm_recv(PyObject *o, PyObject *args) {
   buf_t b;
   if (get_buf(x, "recv", "x", 1, &b) < 0) return NULL;
   tp_status_t s;
-  CALL_NOGIL(s, tp_recv(b.data, b.count, b.dtype, peer, self->comm));
+  COMM_CALL(self, s, tp_recv(b.data, b.count, b.dtype, peer, c_));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "recv");
   Py_INCREF(x);
   return x;
@@ -558,7 +591,7 @@ static PyObject *comm_sendrecv(PyObject *o, PyObject *args) {
       same_dtype("sendrecv", "x", &bx, "out", &bo) < 0)
     return NULL;
   tp_status_t s;
-  CALL_NOGIL(s, tp_sendrecv(bx.data, bx.count, dst, bo.data, bo.count, src, bx.dtype, self->comm));
+  COMM_CALL(self, s, tp_sendrecv(bx.data, bx.count, dst, bo.data, bo.count, src, bx.dtype, c_));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "sendrecv");
   Py_INCREF(out);
   return out;
@@ -568,7 +601,7 @@ static PyObject *comm_barrier(PyObject *o, PyObject *unused) {
   CommObject *self = (CommObject *)o;
   if (!live(self, "barrier")) return NULL;
   tp_status_t s;
-  CALL_NOGIL(s, tp_barrier(self->comm));
+  COMM_CALL(self, s, tp_barrier(c_));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "barrier");
   Py_RETURN_NONE;
 }
@@ -581,7 +614,7 @@ static PyObject *comm_split(PyObject *o, PyObject *args) {
   module_state *st = cstate(o);
   tp_comm_t nc = NULL;
   tp_status_t s;
-  CALL_NOGIL(s, tp_comm_split(self->comm, color, key, &nc));
+  COMM_CALL(self, s, tp_comm_split(c_, color, key, &nc));
   if (s != TP_SUCCESS) return raise_status(st, s, "split");
   if (!nc) Py_RETURN_NONE;
   CommObject *res = (CommObject *)st->CommType->tp_alloc(st->CommType, 0);
@@ -606,7 +639,7 @@ static PyObject *comm_alloc(PyObject *o, PyObject *args) {
   void *ptr;
   tp_mem_t mem;
   tp_status_t s;
-  CALL_NOGIL(s, tp_comm_mem_alloc(self->comm, (size_t)nbytes, &ptr, &mem));
+  COMM_CALL(self, s, tp_comm_mem_alloc(c_, (size_t)nbytes, &ptr, &mem));
   if (s != TP_SUCCESS) return raise_status(st, s, "alloc");
   SharedBuffer *b = (SharedBuffer *)st->SharedBufferType->tp_alloc(st->SharedBufferType, 0);
   if (!b) {
@@ -624,9 +657,9 @@ static PyObject *comm_stats(PyObject *o, PyObject *unused) {
   if (!live(self, "stats")) return NULL;
   tp_comm_stats_t s;
   tp_comm_get_stats(self->comm, &s);
-  return Py_BuildValue("{s:K,s:K,s:K,s:d}", "calls", (unsigned long long)s.collectives, "bytes",
+  return Py_BuildValue("{s:K,s:K,s:K,s:d,s:O}", "calls", (unsigned long long)s.collectives, "bytes",
                        (unsigned long long)s.bytes, "zero_copy", (unsigned long long)s.zero_copy,
-                       "seconds", s.seconds);
+                       "seconds", s.seconds, "single_copy", s.single_copy ? Py_True : Py_False);
 }
 
 static PyObject *comm_get_int(PyObject *o, void *which) {
@@ -664,7 +697,9 @@ static int comm_set_timeout(PyObject *o, PyObject *v, void *closure) {
   double t = PyFloat_AsDouble(v);
   if (t == -1 && PyErr_Occurred()) return -1;
   if (tp_comm_set_timeout(self->comm, t) != TP_SUCCESS) {
-    PyErr_Format(PyExc_ValueError, "timeout must be > 0 seconds, got %g", t);
+    char buf[64];
+    snprintf(buf, sizeof buf, "%g", t);
+    PyErr_Format(PyExc_ValueError, "timeout must be > 0 seconds, got %s", buf);
     return -1;
   }
   return 0;

@@ -262,6 +262,12 @@ static void test_errors(tp_comm_t c, int n, int r) {
   EXPECT(tp_broadcast(x, x, 4, TP_FLOAT32, n, c) == TP_ERR_INVALID_ARGUMENT, "bad root");
   EXPECT(strstr(tp_last_error(), "invalid root") != NULL, "message: %s", tp_last_error());
   EXPECT(tp_all_reduce(NULL, x, 4, TP_FLOAT32, TP_SUM, c) == TP_ERR_INVALID_ARGUMENT, "null send");
+  EXPECT(tp_all_reduce(x, x + 1, 4, TP_FLOAT32, TP_SUM, c) == TP_ERR_INVALID_ARGUMENT, "partial overlap");
+  /* Zero elements: NULL buffers are fine (and must not reach memcpy). */
+  OK(tp_all_reduce(NULL, NULL, 0, TP_FLOAT32, TP_SUM, c));
+  OK(tp_broadcast(NULL, NULL, 0, TP_INT8, 0, c));
+  OK(tp_all_gather(NULL, NULL, 0, TP_FLOAT64, c));
+  OK(tp_reduce_scatter(NULL, NULL, 0, TP_FLOAT64, TP_MAX, c));
   OK(tp_barrier(c));
   if (n < 2) return;
   /* Mismatch: rank 0 all_reduce of 16, the others all_gather: everybody fails. */

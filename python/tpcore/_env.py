@@ -59,7 +59,8 @@ def detect(env=None) -> JobInfo:
         else:
             source = "torchrun"
             addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-            run_id = env.get("TORCHELASTIC_RUN_ID", "")
+            # a restarted job must not meet the previous attempt's shared memory
+            run_id = env.get("TORCHELASTIC_RUN_ID", "") + ":" + env.get("TORCHELASTIC_RESTART_COUNT", "0")
             if not (addr and port) and world > 1:
                 raise ValueError(
                     "RANK and WORLD_SIZE are set but neither TPCORE_JOB_ID nor MASTER_ADDR/MASTER_PORT: "

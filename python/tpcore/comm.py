@@ -11,6 +11,7 @@ raises `tpcore.CommError` on every rank, naming both sides.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional, Sequence
 
 import numpy as np
@@ -209,8 +210,8 @@ class Comm:
 
     def broadcast(self, x, root: int = 0, out=None):
         """Root's x to every rank: in place on x (returns x), or into out."""
-        if out is None and type(x) is np.ndarray:  # the common case; C checks root
-            self._c.broadcast(x, x, root)
+        if out is None and type(x) is np.ndarray and type(root) is int and 0 <= root < self._size:
+            self._c.broadcast(x, x, root)  # the common case
             return x
         a = as_array(x, "x", "broadcast")
         self._check_rank(root, "broadcast", "root")
@@ -259,10 +260,12 @@ class Comm:
         ordered by (key, rank).  color=None (or -1) takes no part and gets None."""
         if color is None:
             color = -1
-        if not isinstance(color, (int, np.integer)) or color < -1:
-            raise ValueError(f"split: color must be an int >= 0, or None, got {color!r}")
-        key = self.rank if key is None else int(key)
-        sub = self._c.split(int(color), key)
+        if not isinstance(color, (int, np.integer)) or isinstance(color, bool) or not -1 <= color < 2**31:
+            raise ValueError(f"split: color must be an int in 0..2**31-1, or None, got {color!r}")
+        key = self.rank if key is None else key
+        if not isinstance(key, (int, np.integer)) or isinstance(key, bool) or not -2**31 <= key < 2**31:
+            raise ValueError(f"split: key must be a 32-bit int, got {key!r}")
+        sub = self._c.split(int(color), int(key))
         return None if sub is None else Comm(sub)
 
     def alloc(self, shape, dtype="float32") -> np.ndarray:
@@ -304,7 +307,7 @@ class Comm:
 
     # -- helpers ------------------------------------------------------------
     def _check_rank(self, r, op, what):
-        if not isinstance(r, (int, np.integer)):
+        if not isinstance(r, (int, np.integer)) or isinstance(r, bool):
             raise TypeError(f"{op}: {what} must be an int, got {type(r).__name__}")
         if not 0 <= r < self.size:
             raise ValueError(f"{op}: invalid {what} {r} (world size {self.size})")
@@ -312,7 +315,10 @@ class Comm:
     def _sizes(self, sizes, mine, op, arg):
         if sizes is None:
             return [mine] * self.size
-        sizes = [int(s) for s in sizes]
+        try:
+            sizes = [operator.index(s) for s in sizes]
+        except TypeError:
+            raise TypeError(f"{op}: sizes must be a sequence of ints, got {sizes!r}") from None
         if len(sizes) != self.size:
             raise ValueError(f"{op}: sizes has {len(sizes)} entries, expected one per rank ({self.size})")
         if any(s < 0 for s in sizes):

@@ -61,7 +61,9 @@ class _RelayStream(io.TextIOBase):
 
 def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_pid, relay):
     _cleanup.die_with_parent()
-    if os.getppid() != parent_pid:
+    try:  # the parent may have died before PR_SET_PDEATHSIG took effect
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
         os._exit(1)
     lock = threading.Lock()
 
@@ -134,11 +136,16 @@ def _rebuild(rank, blob, tname, text, tb):
             new.args = (msg,)
             new.__traceback__ = None
             new.rank = rank
-            return new
+            if f"rank {rank} raised" in str(new):
+                return new
         except Exception:  # noqa: BLE001
             pass
-    new = RankExitedError(msg, rank=rank)
-    return new
+        # An exception whose message does not come from args (its own __str__): keep
+        # it as it is and attach the rank and its traceback as a note (shown with it).
+        exc.rank = rank
+        exc.add_note(msg)
+        return exc
+    return RankExitedError(msg, rank=rank)
 
 
 def _stop(procs, grace):

@@ -123,6 +123,7 @@ typedef struct {
   uint64_t bytes;         /* payload bytes of those calls (this rank's)  */
   uint64_t zero_copy;     /* calls that took the registered-memory path  */
   double seconds;         /* time spent inside collectives and p2p       */
+  int single_copy;        /* large private arrays move in one (kernel) copy */
 } tp_comm_stats_t;
 TP_API tp_status_t tp_comm_get_stats(tp_comm_t comm, tp_comm_stats_t *stats);
 
