@@ -13,7 +13,20 @@ BUILD ?= build
 CFLAGS := $(CFLAGS_BASE) -O3 -g
 LDFLAGS :=
 endif
-LIBS := -lpthread -lrt -lm
+# BLAS: the scipy-openblas32 wheel's OpenBLAS when Python has it (pip install '.[test]'),
+# else a system CBLAS through pkg-config (BLAS=system forces that).
+ifneq ($(BLAS),system)
+SOB_DIR := $(shell python3 -c "import scipy_openblas32 as s; print(s.get_lib_dir())" 2>/dev/null)
+endif
+ifneq ($(SOB_DIR),)
+BLAS_CFLAGS := -DTP_BLAS_SCIPY_OPENBLAS=1 -I$(shell python3 -c "import scipy_openblas32 as s; print(s.get_include_dir())")
+BLAS_LIBS := -L$(SOB_DIR) -lscipy_openblas -Wl,-rpath,$(SOB_DIR)
+else
+BLAS_CFLAGS := $(shell pkg-config --cflags openblas 2>/dev/null || pkg-config --cflags cblas)
+BLAS_LIBS := $(shell pkg-config --libs openblas 2>/dev/null || pkg-config --libs cblas)
+endif
+CFLAGS += $(BLAS_CFLAGS)
+LIBS := $(BLAS_LIBS) -lpthread -lrt -lm
 
 CORE_SRC := $(wildcard csrc/core/*.c) $(wildcard csrc/comm/*.c) $(wildcard csrc/kernels/cpu/*.c) $(wildcard csrc/layers/*.c)
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))

@@ -4,6 +4,8 @@ setuptools Extension (as msgspec does it).
 Switches (environment variables):
   TPCORE_SANITIZE=address,undefined   build with sanitizers (-O1 -g)
   TPCORE_DEBUG=1                      -O0 -g
+  TPCORE_BLAS=system                  link a system CBLAS found by pkg-config (openblas, cblas)
+                                      instead of vendoring the scipy-openblas32 wheel's OpenBLAS
 The build prints what it detected.
 """
 import glob
@@ -37,6 +39,35 @@ def detect_mpi():
     return shutil.which("mpicc")
 
 
+def blas_config():
+    """Compile and link settings for BLAS, and the library file to vendor (or None).
+
+    Default: the OpenBLAS of the scipy-openblas32 wheel, a pinned build dependency.
+    Its library is copied into the package (tpcore/.libs) and found through an
+    $ORIGIN rpath: that wheel asks not to be a run-time dependency of projects
+    other than NumPy and SciPy, but welcomes being vendored.  Its symbols carry a
+    scipy_ prefix, so they never clash with NumPy's own OpenBLAS."""
+    mode = os.environ.get("TPCORE_BLAS", "bundled").strip().lower()
+    if mode == "system":
+        for name in ("openblas", "cblas", "blas-openblas"):
+            if subprocess.run(["pkg-config", "--exists", name]).returncode == 0:
+                cflags = subprocess.check_output(["pkg-config", "--cflags", name], text=True).split()
+                libs = subprocess.check_output(["pkg-config", "--libs", name], text=True).split()
+                return {"cflags": cflags, "libs": libs, "macros": [], "vendor": None,
+                        "info": f"system {name} via pkg-config ({' '.join(libs)})"}
+        raise SystemExit("TPCORE_BLAS=system: pkg-config finds none of openblas, cblas, blas-openblas "
+                         "(on Debian: apt-get install libopenblas-dev pkg-config)")
+    if mode not in ("bundled", ""):
+        raise SystemExit(f"TPCORE_BLAS must be 'system' or unset, got {mode!r}")
+    import scipy_openblas32 as sob
+
+    lib = os.path.join(sob.get_lib_dir(), sob.get_library(fullname=True))
+    return {"cflags": [f"-I{sob.get_include_dir()}"],
+            "libs": [f"-L{sob.get_lib_dir()}", f"-l{sob.get_library()}", "-Wl,-rpath,$ORIGIN/.libs"],
+            "macros": [("TP_BLAS_SCIPY_OPENBLAS", "1")], "vendor": lib,
+            "info": f"OpenBLAS from scipy-openblas32 {sob.__version__}, vendored as tpcore/.libs/{os.path.basename(lib)}"}
+
+
 class BuildExt(build_ext):
     def build_extensions(self):
         sanitize = os.environ.get("TPCORE_SANITIZE", "").strip()
@@ -47,6 +78,8 @@ class BuildExt(build_ext):
             f"mpi: {'mpicc found, backend not built yet' if detect_mpi() else 'not found'}")
         log(f"cuda: {nvcc or 'not found'} (CUDA kernels are not part of this version)")
         log(f"sanitizers: {sanitize or 'off'}; debug: {'on' if debug else 'off'}")
+        blas = blas_config()
+        log(f"BLAS: {blas['info']}")
         for ext in self.extensions:
             args = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-D_GNU_SOURCE",
                     "-fvisibility=hidden"]
@@ -58,14 +91,24 @@ class BuildExt(build_ext):
                 args += ["-O0", "-g"]
             else:
                 args += ["-O3"]
-            ext.extra_compile_args = args
-            ext.extra_link_args = link
+            ext.extra_compile_args = args + blas["cflags"]
+            ext.extra_link_args = link + blas["libs"]
+            ext.define_macros += blas["macros"]
             ext.define_macros += [
                 ("TPCORE_VERSION_STR", f'"{VERSION}"'),
                 ("TPCORE_SANITIZE_STR", f'"{sanitize}"'),
                 ("TPCORE_BUILD_STR", '"debug"' if debug else '"release"'),
             ]
         super().build_extensions()
+        if blas["vendor"]:
+            dirs = {os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), ".libs")
+                    for ext in self.extensions}
+            if getattr(self, "editable_mode", False) or self.inplace:
+                dirs.add(os.path.join(HERE, "python", "tpcore", ".libs"))  # next to the in-tree extension
+            for libs_dir in sorted(dirs):
+                os.makedirs(libs_dir, exist_ok=True)
+                shutil.copy2(blas["vendor"], libs_dir)
+                log(f"vendored {os.path.basename(blas['vendor'])} into {libs_dir}")
 
 
 def numpy_include():

@@ -1,5 +1,7 @@
 """tpcore.init's reading of the environment: launcher/spawn, torchrun, Open
 MPI, Slurm, and a single process."""
+import os
+
 import pytest
 
 from tpcore import _env
@@ -72,3 +74,16 @@ def test_single_process_init_works():
         x = np.arange(4.0)
         comm.all_reduce(x)
         assert comm.size == 1 and list(x) == [0, 1, 2, 3] and comm.backend == "shm"
+
+
+def test_blas_is_linked_and_threads_follow_local_ranks(monkeypatch):
+    import tpcore
+    assert "OpenBLAS" in tpcore.build_info()["blas"] or "CBLAS" in tpcore.build_info()["blas"]
+    cores = len(os.sched_getaffinity(0))
+    got = tpcore.spawn(lambda c: tpcore.get_num_threads(), 2, deadline=60)
+    if "OpenBLAS" in tpcore.build_info()["blas"]:
+        assert got == [max(1, cores // 2)] * 2
+        monkeypatch.setenv("TPCORE_NUM_THREADS", "1")
+        assert tpcore.spawn(lambda c: tpcore.get_num_threads(), 1, deadline=60) == [1]
+    with pytest.raises(ValueError, match="n must be"):
+        tpcore.set_num_threads(0)

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "tpcore/comm.h"
+#include "tpcore/kernels.h"
 
 /* ------------------------------------------------------------ module state */
 
@@ -769,12 +770,27 @@ static PyType_Spec comm_spec = {
 /* ------------------------------------------------------------------ module */
 
 static PyObject *build_info(PyObject *m, PyObject *unused) {
-  return Py_BuildValue("{s:s,s:[s],s:s,s:s}", "version", TPCORE_VERSION_STR, "backends", "shm",
-                       "sanitize", TPCORE_SANITIZE_STR, "build", TPCORE_BUILD_STR);
+  return Py_BuildValue("{s:s,s:[s],s:s,s:s,s:s}", "version", TPCORE_VERSION_STR, "backends", "shm",
+                       "sanitize", TPCORE_SANITIZE_STR, "build", TPCORE_BUILD_STR, "blas", tp_blas_info());
 }
+
+static PyObject *set_num_threads(PyObject *m, PyObject *arg) {
+  long n = PyLong_AsLong(arg);
+  if (n == -1 && PyErr_Occurred()) return NULL;
+  if (n < 1 || n > 4096) {
+    PyErr_Format(PyExc_ValueError, "set_num_threads: n must be in 1..4096, got %ld", n);
+    return NULL;
+  }
+  tp_set_num_threads((int)n);
+  Py_RETURN_NONE;
+}
+
+static PyObject *get_num_threads(PyObject *m, PyObject *unused) { return PyLong_FromLong(tp_get_num_threads()); }
 
 static PyMethodDef module_methods[] = {
     {"build_info", build_info, METH_NOARGS, "what this build contains"},
+    {"set_num_threads", set_num_threads, METH_O, "set_num_threads(n): BLAS threads of this process"},
+    {"get_num_threads", get_num_threads, METH_NOARGS, "BLAS threads of this process"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,6 +9,7 @@ Launch a script on N ranks:  python -m tpcore.launch -n N script.py
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from . import _C, _env, _excepthook
@@ -17,7 +18,7 @@ from .spawn import RankExitedError, spawn
 
 __version__ = "0.1.0"
 __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "build_info",
-           "__version__"]
+           "set_num_threads", "get_num_threads", "__version__"]
 
 _BACKENDS = ("auto", "shm")
 
@@ -25,6 +26,30 @@ _BACKENDS = ("auto", "shm")
 def build_info() -> dict:
     """What this build of the C core contains (backends, sanitizers, ...)."""
     return _C.build_info()
+
+
+def set_num_threads(n: int) -> None:
+    """BLAS threads of this process (default after init: cores / local ranks, or
+    TPCORE_NUM_THREADS), so that N local ranks never oversubscribe the machine."""
+    _C.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    return _C.get_num_threads()
+
+
+def _default_threads(local_ranks: int) -> int:
+    env = os.environ.get("TPCORE_NUM_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"TPCORE_NUM_THREADS must be an integer, got {env!r}") from None
+        if n < 1:
+            raise ValueError(f"TPCORE_NUM_THREADS must be >= 1, got {n}")
+        return n
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_ranks))
 
 
 def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Optional[int] = None) -> Comm:
@@ -52,4 +77,5 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
                 -1 if spin_us is None else int(spin_us))
     comm = Comm(c, info.local_rank, info.local_world_size)
     _excepthook.track(comm)
+    _C.set_num_threads(_default_threads(info.local_world_size))
     return comm

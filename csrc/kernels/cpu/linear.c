@@ -1,0 +1,78 @@
+/* Linear layer kernels on a local shard: the GEMMs go through BLAS; the bias and
+ * its gradient are simple loops the compiler vectorizes. */
+#include <stdio.h>
+#include <string.h>
+
+#include "../blas_impl.h"
+#include "tpcore/kernels.h"
+
+const char *tp_blas_info(void) {
+#if defined(TP_BLAS_SCIPY_OPENBLAS)
+  static char buf[256];
+  if (!buf[0]) {
+    const char *cfg = TP_BLAS(openblas_get_config)();
+    const char *core = TP_BLAS(openblas_get_corename)();
+    snprintf(buf, sizeof buf, "scipy-openblas32 (vendored; %s; core %s)", cfg, core);
+  }
+  return buf;
+#elif defined(TP_BLAS_IS_OPENBLAS)
+  return "system OpenBLAS (pkg-config)";
+#else
+  return "system CBLAS (pkg-config)";
+#endif
+}
+
+static int default_threads = -1;
+
+void tp_set_num_threads(int n) {
+#if defined(TP_BLAS_IS_OPENBLAS)
+  if (default_threads < 0) default_threads = TP_BLAS(openblas_get_num_threads)();
+  TP_BLAS(openblas_set_num_threads)(n < 1 ? default_threads : n);
+#else
+  (void)n;
+#endif
+}
+
+int tp_get_num_threads(void) {
+#if defined(TP_BLAS_IS_OPENBLAS)
+  return TP_BLAS(openblas_get_num_threads)();
+#else
+  return 1;
+#endif
+}
+
+void tp_linear_forward(float *y, const float *x, const float *w, const float *b, int64_t M, int64_t K,
+                       int64_t N) {
+  if (M == 0 || N == 0) return;
+  float beta = 0.0f;
+  if (b) {
+    for (int64_t m = 0; m < M; m++) memcpy(y + m * N, b, (size_t)N * sizeof(float));
+    beta = 1.0f;
+  }
+  if (K == 0) {
+    if (!b) memset(y, 0, (size_t)(M * N) * sizeof(float));
+    return;
+  }
+  TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)M, (blasint)N, (blasint)K, 1.0f, x,
+                       (blasint)K, w, (blasint)K, beta, y, (blasint)N);
+}
+
+void tp_linear_backward(float *dx, float *dw, float *db, const float *dy, const float *x, const float *w,
+                        int64_t M, int64_t K, int64_t N, int accumulate_dx) {
+  if (dx && M && K) {
+    if (N == 0) {
+      if (!accumulate_dx) memset(dx, 0, (size_t)(M * K) * sizeof(float));
+    } else {
+      TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)M, (blasint)K, (blasint)N, 1.0f,
+                           dy, (blasint)N, w, (blasint)K, accumulate_dx ? 1.0f : 0.0f, dx, (blasint)K);
+    }
+  }
+  if (dw && N && K && M)
+    TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)N, (blasint)K, (blasint)M, 1.0f, dy,
+                         (blasint)N, x, (blasint)K, 1.0f, dw, (blasint)K);
+  if (db)
+    for (int64_t m = 0; m < M; m++) {
+      const float *row = dy + m * N;
+      for (int64_t n = 0; n < N; n++) db[n] += row[n];
+    }
+}
