@@ -15,6 +15,7 @@
 
 #include "tpcore/comm.h"
 #include "tpcore/kernels.h"
+#include "tpcore/layers.h"
 
 /* ------------------------------------------------------------ module state */
 
@@ -23,6 +24,7 @@ typedef struct {
   PyObject *CommTimeout;
   PyTypeObject *CommType;
   PyTypeObject *SharedBufferType;
+  PyTypeObject *LinearType;
 } module_state;
 
 static struct PyModuleDef tpcore_module;
@@ -767,6 +769,214 @@ static PyType_Spec comm_spec = {
     .slots = comm_slots,
 };
 
+/* ------------------------------------------------------------ ParallelLinear */
+
+typedef struct {
+  PyObject_HEAD
+  tp_parallel_linear_t L;
+  CommObject *comm; /* kept alive; calls go through its in-flight accounting */
+  tp_linear_info_t info;
+} LinearObject;
+
+static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"comm", "kind", "in_features", "out_features", "bias", "gather_output",
+                           "input_is_parallel", "partition", "seed", NULL};
+  PyObject *commo, *part = Py_None;
+  const char *kind;
+  long long in_f, out_f;
+  int bias = 1, gather = 0, inpar = 1;
+  unsigned long long seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsLL|pppOK:ParallelLinear", kwlist, &commo, &kind, &in_f, &out_f,
+                                   &bias, &gather, &inpar, &part, &seed))
+    return NULL;
+  module_state *st = state_of_type(type);
+  if (!st) return NULL;
+  if (!PyObject_TypeCheck(commo, st->CommType)) {
+    PyErr_Format(PyExc_TypeError, "ParallelLinear: comm must be a tpcore communicator, got %s", Py_TYPE(commo)->tp_name);
+    return NULL;
+  }
+  CommObject *co = (CommObject *)commo;
+  if (!live(co, "ParallelLinear")) return NULL;
+  tp_linear_config_t cfg = TP_LINEAR_CONFIG_INITIALIZER;
+  if (strcmp(kind, "column") == 0) cfg.kind = TP_COLUMN_PARALLEL;
+  else if (strcmp(kind, "row") == 0) cfg.kind = TP_ROW_PARALLEL;
+  else {
+    PyErr_Format(PyExc_ValueError, "ParallelLinear: kind must be 'column' or 'row', got '%s'", kind);
+    return NULL;
+  }
+  cfg.in_features = in_f;
+  cfg.out_features = out_f;
+  cfg.bias = bias;
+  cfg.gather_output = gather;
+  cfg.input_is_parallel = inpar;
+  cfg.seed = seed;
+  int size;
+  tp_comm_size(co->comm, &size);
+  int64_t *sizes = NULL;
+  if (part != Py_None) {
+    PyObject *seq = PySequence_Fast(part, "partition must be a sequence of ints");
+    if (!seq) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != size) {
+      PyErr_Format(PyExc_ValueError, "partition has %zd entries, expected one per rank (%d)",
+                   PySequence_Fast_GET_SIZE(seq), size);
+      Py_DECREF(seq);
+      return NULL;
+    }
+    sizes = PyMem_Malloc(sizeof(int64_t) * (size_t)size);
+    if (!sizes) {
+      Py_DECREF(seq);
+      return PyErr_NoMemory();
+    }
+    for (int p = 0; p < size; p++) {
+      long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, p));
+      if (v == -1 && PyErr_Occurred()) {
+        Py_DECREF(seq);
+        PyMem_Free(sizes);
+        return NULL;
+      }
+      sizes[p] = v;
+    }
+    Py_DECREF(seq);
+    cfg.partition = sizes;
+  }
+  LinearObject *self = (LinearObject *)type->tp_alloc(type, 0);
+  if (!self) {
+    PyMem_Free(sizes);
+    return NULL;
+  }
+  tp_status_t s;
+  COMM_CALL(co, s, tp_parallel_linear_create(&self->L, c_, &cfg));
+  PyMem_Free(sizes);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(self);
+    return raise_status(st, s, "ParallelLinear");
+  }
+  tp_parallel_linear_info(self->L, &self->info);
+  Py_INCREF(co);
+  self->comm = co;
+  return (PyObject *)self;
+}
+
+static void lin_dealloc(PyObject *o) {
+  LinearObject *self = (LinearObject *)o;
+  PyTypeObject *tp = Py_TYPE(o);
+  tp_parallel_linear_destroy(self->L);
+  Py_XDECREF(self->comm);
+  tp->tp_free(o);
+  Py_DECREF(tp);
+}
+
+/* x as a float32 2-D C-contiguous array with `cols` columns; rows out. */
+static int lin_arg(PyObject *x, const char *op, const char *arg, int64_t cols, int64_t *rows) {
+  buf_t b;
+  if (get_buf(x, op, arg, 0, &b) < 0) return -1;
+  PyArrayObject *a = (PyArrayObject *)x;
+  if (b.dtype != TP_FLOAT32) {
+    PyErr_Format(PyExc_TypeError, "%s: %s has dtype %s; expected float32", op, arg, tp_dtype_name(b.dtype));
+    return -1;
+  }
+  if (PyArray_NDIM(a) != 2 || PyArray_DIM(a, 1) != cols) {
+    PyErr_Format(PyExc_ValueError, "%s: %s must have shape (rows, %lld), got %d dimensions with last %lld", op, arg,
+                 (long long)cols, PyArray_NDIM(a), PyArray_NDIM(a) ? (long long)PyArray_DIM(a, PyArray_NDIM(a) - 1) : 0LL);
+    return -1;
+  }
+  *rows = PyArray_DIM(a, 0);
+  return 0;
+}
+
+static PyObject *lin_run(PyObject *o, PyObject *x, int backward) {
+  LinearObject *self = (LinearObject *)o;
+  const char *op = backward ? "backward" : "forward";
+  if (!live(self->comm, op)) return NULL;
+  int64_t in_cols = backward ? self->info.y_cols : self->info.x_cols;
+  int64_t out_cols = backward ? self->info.x_cols : self->info.y_cols;
+  int64_t M;
+  if (lin_arg(x, op, backward ? "dy" : "x", in_cols, &M) < 0) return NULL;
+  npy_intp dims[2] = {(npy_intp)M, (npy_intp)out_cols};
+  PyObject *y = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+  if (!y) return NULL;
+  const float *xp = PyArray_DATA((PyArrayObject *)x);
+  float *yp = PyArray_DATA((PyArrayObject *)y);
+  tp_status_t s;
+  CommObject *co = self->comm;
+  if (backward)
+    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_backward(self->L, yp, xp, M)));
+  else
+    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_forward(self->L, yp, xp, M)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(y);
+    if (s == TP_ERR_INVALID_USAGE && backward) {
+      PyErr_SetString(PyExc_RuntimeError, tp_last_error());
+      return NULL;
+    }
+    return raise_status(cstate((PyObject *)co), s, op);
+  }
+  return y;
+}
+
+static PyObject *lin_forward(PyObject *o, PyObject *x) { return lin_run(o, x, 0); }
+static PyObject *lin_backward(PyObject *o, PyObject *dy) { return lin_run(o, dy, 1); }
+
+/* A NumPy view of a C-owned array that keeps the layer alive. */
+static PyObject *lin_view(LinearObject *self, float *p, int nd, int64_t d0, int64_t d1) {
+  if (!p) Py_RETURN_NONE;
+  npy_intp dims[2] = {(npy_intp)d0, (npy_intp)d1};
+  PyObject *a = PyArray_SimpleNewFromData(nd, dims, NPY_FLOAT32, p);
+  if (!a) return NULL;
+  Py_INCREF(self);
+  if (PyArray_SetBaseObject((PyArrayObject *)a, (PyObject *)self) < 0) {
+    Py_DECREF(a);
+    return NULL;
+  }
+  return a;
+}
+
+static PyObject *lin_get(PyObject *o, void *which) {
+  LinearObject *self = (LinearObject *)o;
+  tp_linear_info_t *i = &self->info;
+  switch ((intptr_t)which) {
+    case 0: return lin_view(self, i->weight, 2, i->weight_rows, i->weight_cols);
+    case 1: return lin_view(self, i->bias, 1, i->bias_len, 0);
+    case 2: return lin_view(self, i->grad_weight, 2, i->weight_rows, i->weight_cols);
+    case 3: return lin_view(self, i->grad_bias, 1, i->bias_len, 0);
+    default:
+      return Py_BuildValue("{s:L,s:L,s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local,
+                           "x_cols", (long long)i->x_cols, "y_cols", (long long)i->y_cols);
+  }
+}
+
+static PyGetSetDef lin_getset[] = {
+    {"weight", lin_get, NULL, "this rank's weight shard (a view)", (void *)0},
+    {"bias", lin_get, NULL, "this rank's bias (a view), or None", (void *)1},
+    {"grad_weight", lin_get, NULL, "gradient of the weight shard (a view)", (void *)2},
+    {"grad_bias", lin_get, NULL, "gradient of the bias (a view), or None", (void *)3},
+    {"shard", lin_get, NULL, "offset/local of the split dimension, input/output columns", (void *)4},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef lin_methods[] = {
+    {"forward", lin_forward, METH_O, "forward(x[M, x_cols]) -> y[M, y_cols]"},
+    {"backward", lin_backward, METH_O, "backward(dy[M, y_cols]) -> dx[M, x_cols]; accumulates grads"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot lin_slots[] = {
+    {Py_tp_new, lin_new},
+    {Py_tp_dealloc, lin_dealloc},
+    {Py_tp_methods, lin_methods},
+    {Py_tp_getset, lin_getset},
+    {Py_tp_doc, "ParallelLinear(comm, kind, in_features, out_features, bias=True, gather_output=False, "
+                "input_is_parallel=True, partition=None, seed=0): use tpcore.ColumnParallelLinear / RowParallelLinear"},
+    {0, NULL},
+};
+
+static PyType_Spec lin_spec = {
+    .name = "tpcore._C.ParallelLinear",
+    .basicsize = sizeof(LinearObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = lin_slots,
+};
+
 /* ------------------------------------------------------------------ module */
 
 static PyObject *build_info(PyObject *m, PyObject *unused) {
@@ -813,10 +1023,13 @@ static int module_exec(PyObject *m) {
   if (!st->CommType) return -1;
   st->SharedBufferType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &sb_spec, NULL);
   if (!st->SharedBufferType) return -1;
+  st->LinearType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &lin_spec, NULL);
+  if (!st->LinearType) return -1;
   if (PyModule_AddObjectRef(m, "CommError", st->CommError) < 0 ||
       PyModule_AddObjectRef(m, "CommTimeout", st->CommTimeout) < 0 ||
       PyModule_AddObjectRef(m, "Comm", (PyObject *)st->CommType) < 0 ||
-      PyModule_AddObjectRef(m, "SharedBuffer", (PyObject *)st->SharedBufferType) < 0)
+      PyModule_AddObjectRef(m, "SharedBuffer", (PyObject *)st->SharedBufferType) < 0 ||
+      PyModule_AddObjectRef(m, "ParallelLinear", (PyObject *)st->LinearType) < 0)
     return -1;
   return 0;
 }
@@ -828,6 +1041,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->CommTimeout);
     Py_VISIT(st->CommType);
     Py_VISIT(st->SharedBufferType);
+    Py_VISIT(st->LinearType);
   }
   return 0;
 }
@@ -839,6 +1053,7 @@ static int module_clear(PyObject *m) {
     Py_CLEAR(st->CommTimeout);
     Py_CLEAR(st->CommType);
     Py_CLEAR(st->SharedBufferType);
+    Py_CLEAR(st->LinearType);
   }
   return 0;
 }

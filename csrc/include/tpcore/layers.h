@@ -1,0 +1,69 @@
+/*
+ * Tensor-parallel layers (Megatron semantics), float32.  M = rows (tokens).
+ *
+ * Column parallel: W (out x in) split along out; rank r holds rows
+ *   [offset, offset + local) of W and of b.  forward: y_r = x W_r^T + b_r, then
+ *   (gather_output) all-gather along the last dimension.  backward: dx = sum over
+ *   ranks of dy_r W_r (all-reduce: the conjugate of the identity at the entry).
+ * Row parallel: W split along in; rank r holds columns [offset, offset + local).
+ *   forward: y = all-reduce(x_r W_r^T) + b, bias added once after the reduce
+ *   (x_r is this rank's slice of x: given as is when input_is_parallel, else cut
+ *   from the full x).  backward: dx_r = dy W_r (all-gathered when the input was
+ *   not parallel); the all-reduce's conjugate is the identity.
+ * Backward accumulates into grad_weight / grad_bias and needs the last forward.
+ * The layers keep their collective buffers in the communicator's registered
+ * memory, so their all-reduce / all-gather take the zero-copy path.
+ * Initialisation: W and b ~ U(-1/sqrt(in), 1/sqrt(in)) (PyTorch nn.Linear),
+ * drawn per element of the full tensor from (seed, tensor, index): a layer has
+ * the same logical weights at every world size and partition.
+ */
+#ifndef TPCORE_LAYERS_H
+#define TPCORE_LAYERS_H
+
+#include "tpcore/comm.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tp_parallel_linear *tp_parallel_linear_t;
+
+typedef enum { TP_COLUMN_PARALLEL = 0, TP_ROW_PARALLEL = 1 } tp_parallel_kind_t;
+
+typedef struct {
+  size_t size;                 /* sizeof(tp_linear_config_t) */
+  tp_parallel_kind_t kind;
+  int64_t in_features, out_features;
+  int bias;                    /* 1: with bias                                    */
+  int gather_output;           /* column: all-gather the output                   */
+  int input_is_parallel;       /* row: x arrives already split                     */
+  const int64_t *partition;    /* world sizes of the split dimension; NULL: even   */
+  uint64_t seed;
+} tp_linear_config_t;
+
+#define TP_LINEAR_CONFIG_INITIALIZER \
+  { sizeof(tp_linear_config_t), TP_COLUMN_PARALLEL, 0, 0, 1, 0, 1, NULL, 0 }
+
+typedef struct {
+  float *weight, *bias, *grad_weight, *grad_bias; /* this rank's shard (bias NULL if none) */
+  int64_t weight_rows, weight_cols, bias_len;
+  int64_t offset, local;       /* this rank's slice of the split dimension */
+  int64_t x_cols, y_cols;      /* columns of forward's input and output on this rank */
+} tp_linear_info_t;
+
+/* Collective over comm (every rank, same config but for its own rank). */
+TP_API tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
+                                             const tp_linear_config_t *cfg);
+TP_API void tp_parallel_linear_destroy(tp_parallel_linear_t layer);
+TP_API tp_status_t tp_parallel_linear_info(tp_parallel_linear_t layer, tp_linear_info_t *info);
+/* y[M, y_cols] from x[M, x_cols].  Collective when the layer communicates. */
+TP_API tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t layer, float *y, const float *x,
+                                              int64_t M);
+/* dx[M, x_cols] from dy[M, y_cols], for the last forward's input; accumulates grads. */
+TP_API tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t layer, float *dx, const float *dy,
+                                               int64_t M);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,283 @@
+/* Column- and row-parallel linear layers: kernels (BLAS GEMMs) + collectives. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../comm/comm_impl.h"
+#include "tpcore/kernels.h"
+#include "tpcore/layers.h"
+
+typedef struct {
+  void *ptr;
+  tp_mem_t mem;
+  size_t cap;
+} reg_buf;
+
+struct tp_parallel_linear {
+  tp_comm_t comm;
+  tp_linear_config_t cfg;
+  int rank, world;
+  int64_t *part, *offs; /* split-dimension sizes and offsets, world entries */
+  int64_t off, loc;     /* this rank's slice */
+  float *w, *b, *dw, *db;
+  int64_t wr, wc;       /* weight shard rows x cols */
+  float *xsave;         /* last forward's input (this rank's columns), M x x_local */
+  int64_t xsave_m, xsave_cap;
+  reg_buf out_buf;      /* row: partial outputs to all-reduce; column: gathered blocks */
+  reg_buf grad_buf;     /* column: dx partials to all-reduce; row: dx blocks to gather */
+};
+
+/* splitmix64 of (seed, tensor, index) -> uniform in [-bound, bound). */
+static float init_value(uint64_t seed, uint64_t tensor, uint64_t index, float bound) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ULL ^ (tensor + 1) * 0xD1B54A32D192ED03ULL ^ index * 0x94D049BB133111EBULL;
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  double u = (double)(z >> 11) * (1.0 / 9007199254740992.0); /* [0, 1) */
+  return (float)((2.0 * u - 1.0) * bound);
+}
+
+static tp_status_t ensure_reg(tp_parallel_linear_t L, reg_buf *rb, size_t nbytes) {
+  /* Collective: every rank asks for the same size (M and the shapes agree). */
+  if (rb->cap >= nbytes && rb->ptr) return TP_SUCCESS;
+  if (rb->mem) tp_mem_release(rb->mem);
+  rb->mem = NULL;
+  rb->ptr = NULL;
+  size_t cap = nbytes < 4096 ? 4096 : nbytes + nbytes / 2;
+  TP_CHECK(tp_comm_mem_alloc(L->comm, cap, &rb->ptr, &rb->mem));
+  rb->cap = cap;
+  return TP_SUCCESS;
+}
+
+static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M, int64_t cols,
+                              int64_t col0, int64_t stride) {
+  int64_t need = M * L->wc;
+  if (need > L->xsave_cap) {
+    float *p = realloc(L->xsave, (size_t)(need ? need : 1) * sizeof(float));
+    if (!p) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory saving the input (%lld floats)", (long long)need);
+    L->xsave = p;
+    L->xsave_cap = need;
+  }
+  if (cols == stride)
+    memcpy(L->xsave, x, (size_t)need * sizeof(float));
+  else
+    for (int64_t m = 0; m < M; m++) memcpy(L->xsave + m * cols, x + m * stride + col0, (size_t)cols * sizeof(float));
+  L->xsave_m = M;
+  return TP_SUCCESS;
+}
+
+void tp_parallel_linear_destroy(tp_parallel_linear_t L) {
+  if (!L) return;
+  if (L->out_buf.mem) tp_mem_release(L->out_buf.mem);
+  if (L->grad_buf.mem) tp_mem_release(L->grad_buf.mem);
+  free(L->part);
+  free(L->offs);
+  free(L->w);
+  free(L->b);
+  free(L->dw);
+  free(L->db);
+  free(L->xsave);
+  free(L);
+}
+
+tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm, const tp_linear_config_t *cfg) {
+  if (!out || !comm || !cfg) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: NULL argument");
+  *out = NULL;
+  if (cfg->size != sizeof(tp_linear_config_t))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: config built for another tpcore version");
+  if (cfg->in_features < 1 || cfg->out_features < 1)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: in_features and out_features must be >= 1, got %lld and %lld",
+                        (long long)cfg->in_features, (long long)cfg->out_features);
+  if (cfg->kind != TP_COLUMN_PARALLEL && cfg->kind != TP_ROW_PARALLEL)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: kind must be column or row parallel");
+  tp_parallel_linear_t L = calloc(1, sizeof *L);
+  if (!L) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
+  L->comm = comm;
+  L->cfg = *cfg;
+  L->cfg.partition = NULL;
+  tp_comm_rank(comm, &L->rank);
+  tp_comm_size(comm, &L->world);
+  int n = L->world;
+  int col = cfg->kind == TP_COLUMN_PARALLEL;
+  int64_t dim = col ? cfg->out_features : cfg->in_features;
+  L->part = calloc((size_t)n, sizeof(int64_t));
+  L->offs = calloc((size_t)n + 1, sizeof(int64_t));
+  if (!L->part || !L->offs) {
+    tp_parallel_linear_destroy(L);
+    return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
+  }
+  int64_t sum = 0;
+  for (int p = 0; p < n; p++) {
+    int64_t v = cfg->partition ? cfg->partition[p] : dim / n + (p < dim % n);
+    if (v < 0) {
+      tp_parallel_linear_destroy(L);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: partition[%d] is negative (%lld)", p, (long long)v);
+    }
+    L->part[p] = v;
+    L->offs[p] = sum;
+    sum += v;
+  }
+  L->offs[n] = sum;
+  if (sum != dim) {
+    tp_parallel_linear_destroy(L);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "linear: the partition sums to %lld but the split dimension (%s_features) is %lld",
+                        (long long)sum, col ? "out" : "in", (long long)dim);
+  }
+  L->off = L->offs[L->rank];
+  L->loc = L->part[L->rank];
+  int64_t K = cfg->in_features, N = cfg->out_features;
+  L->wr = col ? L->loc : N;
+  L->wc = col ? K : L->loc;
+  int64_t blen = cfg->bias ? (col ? L->loc : N) : 0;
+  size_t wn = (size_t)(L->wr * L->wc);
+  L->w = malloc((wn ? wn : 1) * sizeof(float));
+  L->dw = calloc(wn ? wn : 1, sizeof(float));
+  if (cfg->bias) {
+    L->b = malloc((size_t)(blen ? blen : 1) * sizeof(float));
+    L->db = calloc((size_t)(blen ? blen : 1), sizeof(float));
+  }
+  if (!L->w || !L->dw || (cfg->bias && (!L->b || !L->db))) {
+    tp_parallel_linear_destroy(L);
+    return tp_set_error(TP_ERR_NOMEM, "linear: out of memory for the weight shard (%zu floats)", wn);
+  }
+  float bound = 1.0f / sqrtf((float)K);
+  for (int64_t i = 0; i < L->wr; i++)
+    for (int64_t j = 0; j < L->wc; j++) {
+      uint64_t full = col ? (uint64_t)((L->off + i) * K + j) : (uint64_t)(i * K + L->off + j);
+      L->w[i * L->wc + j] = init_value(cfg->seed, 0, full, bound);
+    }
+  for (int64_t i = 0; i < blen; i++) L->b[i] = init_value(cfg->seed, 1, (uint64_t)(col ? L->off + i : i), bound);
+  *out = L;
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_parallel_linear_info(tp_parallel_linear_t L, tp_linear_info_t *info) {
+  if (!L || !info) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: NULL argument");
+  int col = L->cfg.kind == TP_COLUMN_PARALLEL;
+  info->weight = L->w;
+  info->bias = L->b;
+  info->grad_weight = L->dw;
+  info->grad_bias = L->db;
+  info->weight_rows = L->wr;
+  info->weight_cols = L->wc;
+  info->bias_len = L->cfg.bias ? (col ? L->loc : L->cfg.out_features) : 0;
+  info->offset = L->off;
+  info->local = L->loc;
+  info->x_cols = col ? L->cfg.in_features : (L->cfg.input_is_parallel ? L->loc : L->cfg.in_features);
+  info->y_cols = col ? (L->cfg.gather_output ? L->cfg.out_features : L->loc) : L->cfg.out_features;
+  return TP_SUCCESS;
+}
+
+/* out[M, total] from rank-major blocks blk[p] = [M, part[p]] (the all-gather layout). */
+static void blocks_to_columns(float *out, const float *blocks, const int64_t *part, const int64_t *offs, int n,
+                              int64_t M, int64_t total) {
+  for (int p = 0; p < n; p++) {
+    const float *src = blocks + offs[p] * M;
+    for (int64_t m = 0; m < M; m++)
+      memcpy(out + m * total + offs[p], src + m * part[p], (size_t)part[p] * sizeof(float));
+  }
+}
+
+static size_t *block_counts(tp_parallel_linear_t L, int64_t M) {
+  size_t *c = malloc(sizeof(size_t) * (size_t)L->world);
+  if (c)
+    for (int p = 0; p < L->world; p++) c[p] = (size_t)(L->part[p] * M);
+  return c;
+}
+
+tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, float *y, const float *x, int64_t M) {
+  if (!L || (M && (!x || !y))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear forward: NULL argument");
+  if (M < 0) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear forward: negative row count %lld", (long long)M);
+  int64_t K = L->cfg.in_features, N = L->cfg.out_features;
+  if (L->cfg.kind == TP_COLUMN_PARALLEL) {
+    TP_CHECK(save_input(L, x, M, K, 0, K));
+    if (!L->cfg.gather_output || L->world == 1) {
+      tp_linear_forward(y, x, L->w, L->b, M, K, L->loc);
+      return TP_SUCCESS;
+    }
+    /* GEMM straight into my block of the registered gather buffer: the all-gather is in place. */
+    TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
+    float *g = L->out_buf.ptr;
+    tp_linear_forward(g + L->off * M, x, L->w, L->b, M, K, L->loc);
+    size_t *counts = block_counts(L, M);
+    if (!counts) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
+    tp_status_t st = tp_all_gather_v(g + L->off * M, g, counts, TP_FLOAT32, L->comm);
+    free(counts);
+    TP_CHECK(st);
+    blocks_to_columns(y, g, L->part, L->offs, L->world, M, N);
+    return TP_SUCCESS;
+  }
+  /* Row parallel. */
+  int64_t xcols = L->cfg.input_is_parallel ? L->loc : K;
+  TP_CHECK(save_input(L, x, M, L->loc, L->cfg.input_is_parallel ? 0 : L->off, xcols));
+  if (L->world == 1) {
+    tp_linear_forward(y, L->xsave, L->w, L->b, M, L->loc, N);
+    return TP_SUCCESS;
+  }
+  TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
+  float *r = L->out_buf.ptr;
+  tp_linear_forward(r, L->xsave, L->w, NULL, M, L->loc, N);
+  TP_CHECK(tp_all_reduce(r, r, (size_t)(M * N), TP_FLOAT32, TP_SUM, L->comm));
+  if (L->b) {
+    for (int64_t m = 0; m < M; m++) {
+      const float *src = r + m * N;
+      float *dst = y + m * N;
+      for (int64_t j = 0; j < N; j++) dst[j] = src[j] + L->b[j];
+    }
+  } else {
+    memcpy(y, r, (size_t)(M * N) * sizeof(float));
+  }
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M) {
+  if (!L || (M && (!dy || !dx))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: NULL argument");
+  if (L->xsave_m < 0 || !L->xsave)
+    return tp_set_error(TP_ERR_INVALID_USAGE, "linear backward: called before forward");
+  if (M != L->xsave_m)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: dy has %lld rows but the last forward had %lld",
+                        (long long)M, (long long)L->xsave_m);
+  int64_t K = L->cfg.in_features, N = L->cfg.out_features;
+  if (L->cfg.kind == TP_COLUMN_PARALLEL) {
+    const float *dyr = dy;
+    float *tmp = NULL;
+    if (L->cfg.gather_output && L->world > 1) { /* my columns of the full dy */
+      int64_t nel = M * L->loc;
+      tmp = malloc((size_t)(nel > 0 ? nel : 1) * sizeof(float));
+      if (!tmp) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
+      for (int64_t m = 0; m < M; m++) memcpy(tmp + m * L->loc, dy + m * N + L->off, (size_t)L->loc * sizeof(float));
+      dyr = tmp;
+    }
+    if (L->world == 1) {
+      tp_linear_backward(dx, L->dw, L->db, dyr, L->xsave, L->w, M, K, L->loc, 0);
+      free(tmp);
+      return TP_SUCCESS;
+    }
+    tp_status_t st = ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float));
+    if (st == TP_SUCCESS) {
+      float *d = L->grad_buf.ptr;
+      tp_linear_backward(d, L->dw, L->db, dyr, L->xsave, L->w, M, K, L->loc, 0);
+      st = tp_all_reduce(d, d, (size_t)(M * K), TP_FLOAT32, TP_SUM, L->comm);
+      if (st == TP_SUCCESS) memcpy(dx, d, (size_t)(M * K) * sizeof(float));
+    }
+    free(tmp);
+    return st;
+  }
+  /* Row parallel: dy is the full gradient on every rank. */
+  if (L->cfg.input_is_parallel || L->world == 1) {
+    tp_linear_backward(dx, L->dw, L->db, dy, L->xsave, L->w, M, L->loc, N, 0);
+    return TP_SUCCESS;
+  }
+  TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
+  float *g = L->grad_buf.ptr;
+  tp_linear_backward(g + L->off * M, L->dw, L->db, dy, L->xsave, L->w, M, L->loc, N, 0);
+  size_t *counts = block_counts(L, M);
+  if (!counts) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
+  tp_status_t st = tp_all_gather_v(g + L->off * M, g, counts, TP_FLOAT32, L->comm);
+  free(counts);
+  TP_CHECK(st);
+  blocks_to_columns(dx, g, L->part, L->offs, L->world, M, K);
+  return TP_SUCCESS;
+}

@@ -1,0 +1,221 @@
+"""Tensor-parallel layers (Megatron semantics) over the C core.
+
+Weight convention is PyTorch's nn.Linear: W has shape (out_features,
+in_features) and y = x @ W.T + b, for x of shape (..., in_features).
+
+ColumnParallelLinear splits W along out: rank r holds rows [offset, offset +
+local) of W and b; its output is its columns of y, or all of y with
+gather_output=True.  Backward all-reduces the input gradient.
+RowParallelLinear splits W along in: rank r holds columns [offset, offset +
+local); the partial outputs are all-reduced and the bias is added once after
+the reduce.  With input_is_parallel=True, x arrives as this rank's columns
+(the output of a ColumnParallelLinear without gather); otherwise the rank cuts
+its columns from the full x and backward all-gathers the input gradient.
+
+All math and communication run in C (BLAS GEMMs, GIL released).  Parameters
+live in C memory; .weight, .bias, .grad_weight, .grad_bias are NumPy views of
+it (no copies).  Layers built with the same seed hold the same logical weights
+at every world size and partition.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _C
+from .comm import Comm
+
+
+def partition(n: int, world: int, weights: Optional[Sequence[float]] = None, align: int = 1) -> List[Tuple[int, int]]:
+    """(offset, size) of each rank's slice of a dimension of length n.
+
+    Even by default (the first n % world ranks get one more unit); weights (e.g.
+    measured device speeds or memory) give slices proportional to them, for
+    mismatched devices; align keeps every slice a whole number of units (heads,
+    GEMM-friendly multiples), n must then be a multiple of align."""
+    n, world, align = operator.index(n), operator.index(world), operator.index(align)
+    if n < 0 or world < 1 or align < 1:
+        raise ValueError(f"partition: need n >= 0, world >= 1, align >= 1; got n={n}, world={world}, align={align}")
+    if n % align:
+        raise ValueError(f"partition: n={n} is not a multiple of align={align}")
+    units = n // align
+    if weights is None:
+        counts = [units // world + (1 if r < units % world else 0) for r in range(world)]
+    else:
+        w = [float(x) for x in weights]
+        if len(w) != world or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+            raise ValueError(f"partition: weights must be {world} finite non-negative numbers with a positive sum, "
+                             f"got {list(weights)}")
+        total = sum(w)
+        exact = [units * x / total for x in w]
+        counts = [int(math.floor(e)) for e in exact]
+        # hand the remaining units to the largest remainders (ties: lower rank)
+        for r in sorted(range(world), key=lambda r: (-(exact[r] - counts[r]), r))[: units - sum(counts)]:
+            counts[r] += 1
+    out, off = [], 0
+    for c in counts:
+        out.append((off, c * align))
+        off += c * align
+    return out
+
+
+def _sizes(part, dim, world, what):
+    if part is None:
+        return None
+    part = list(part)
+    if part and isinstance(part[0], (tuple, list)):
+        sizes = [operator.index(s) for _, s in part]
+    else:
+        sizes = [operator.index(s) for s in part]
+    if len(sizes) != world:
+        raise ValueError(f"partition has {len(sizes)} entries, expected one per rank ({world})")
+    if any(s < 0 for s in sizes) or sum(sizes) != dim:
+        raise ValueError(f"partition {sizes} must be non-negative and sum to {what}={dim} (sums to {sum(sizes)})")
+    return sizes
+
+
+class _ParallelLinear:
+    _kind = ""
+
+    def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True,
+                 gather_output: bool = False, input_is_parallel: bool = True, partition=None,
+                 dtype="float32", seed: int = 0):
+        if not isinstance(comm, Comm):
+            raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
+        if np.dtype(dtype) != np.float32:
+            raise ValueError(f"{type(self).__name__}: dtype {np.dtype(dtype)} is not supported yet; use float32")
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be an int >= 1, got {v!r}")
+        split = out_features if self._kind == "column" else in_features
+        sizes = _sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features")
+        self.comm = comm
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self._c = _C.ParallelLinear(comm._c, self._kind, self.in_features, self.out_features, bool(bias),
+                                    bool(gather_output), bool(input_is_parallel), sizes, int(seed))
+        shard = self._c.shard
+        self.offset, self.local = shard["offset"], shard["local"]
+        self._x_cols, self._y_cols = shard["x_cols"], shard["y_cols"]
+        self.partition = comm.all_gather(np.array([[self.offset, self.local]], dtype=np.int64)).tolist()
+
+    # parameters: views of C memory
+    @property
+    def weight(self) -> np.ndarray:
+        return self._c.weight
+
+    @property
+    def bias(self) -> Optional[np.ndarray]:
+        return self._c.bias
+
+    @property
+    def grad_weight(self) -> np.ndarray:
+        return self._c.grad_weight
+
+    @property
+    def grad_bias(self) -> Optional[np.ndarray]:
+        return self._c.grad_bias
+
+    def parameters(self):
+        """(param, grad) pairs of this rank's shard, for optimizers."""
+        pairs = [(self.weight, self.grad_weight)]
+        if self.bias is not None:
+            pairs.append((self.bias, self.grad_bias))
+        return pairs
+
+    def zero_grad(self) -> None:
+        self.grad_weight[...] = 0
+        if self.grad_bias is not None:
+            self.grad_bias[...] = 0
+
+    def _rows(self, x, name, cols):
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{type(self).__name__}: {name} must be a NumPy array, got {type(x).__name__}")
+        if x.dtype != np.float32:
+            raise TypeError(f"{type(self).__name__}: {name} has dtype {x.dtype}; expected float32")
+        if x.ndim < 1 or x.shape[-1] != cols:
+            raise ValueError(f"{type(self).__name__}: {name} must have shape (..., {cols}), got {x.shape}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{type(self).__name__}: {name} must be C-contiguous; pass np.ascontiguousarray({name})")
+        return x.reshape(-1, cols), x.shape[:-1]
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        x2, lead = self._rows(x, "x", self._x_cols)
+        return self._c.forward(x2).reshape(lead + (self._y_cols,))
+
+    __call__ = forward
+
+    def backward(self, dy: np.ndarray) -> np.ndarray:
+        """Input gradient for the last forward; accumulates grad_weight / grad_bias."""
+        dy2, lead = self._rows(dy, "dy", self._y_cols)
+        return self._c.backward(dy2).reshape(lead + (self._x_cols,))
+
+    def __repr__(self):
+        return (f"{type(self).__name__}({self.in_features}, {self.out_features}, rank {self.comm.rank} holds "
+                f"{self.offset}:{self.offset + self.local})")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x @ W.T + b with W split along out_features (see the module doc)."""
+
+    _kind = "column"
+
+    def __init__(self, in_features, out_features, comm, bias=True, gather_output=False, partition=None,
+                 dtype="float32", seed=0):
+        super().__init__(in_features, out_features, comm, bias=bias, gather_output=gather_output,
+                         partition=partition, dtype=dtype, seed=seed)
+
+    def load_full(self, W: np.ndarray, b: Optional[np.ndarray] = None) -> None:
+        """Keep this rank's rows of the full W (out, in) and b (out,)."""
+        W = np.asarray(W)
+        if W.shape != (self.out_features, self.in_features):
+            raise ValueError(f"load_full: W must have shape {(self.out_features, self.in_features)}, got {W.shape}")
+        self.weight[...] = W[self.offset:self.offset + self.local]
+        if b is not None or self.bias is not None:
+            _load_bias(self, b, slice(self.offset, self.offset + self.local))
+
+    def gather_full(self) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """The full (W, b), rebuilt from every rank's shard (collective)."""
+        sizes = [s for _, s in self.partition]
+        W = self.comm.all_gather(np.ascontiguousarray(self.weight), sizes=sizes)
+        b = None if self.bias is None else self.comm.all_gather(np.ascontiguousarray(self.bias), sizes=sizes)
+        return W, b
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = x @ W.T + b with W split along in_features (see the module doc)."""
+
+    _kind = "row"
+
+    def __init__(self, in_features, out_features, comm, bias=True, input_is_parallel=True, partition=None,
+                 dtype="float32", seed=0):
+        super().__init__(in_features, out_features, comm, bias=bias, input_is_parallel=input_is_parallel,
+                         partition=partition, dtype=dtype, seed=seed)
+
+    def load_full(self, W: np.ndarray, b: Optional[np.ndarray] = None) -> None:
+        """Keep this rank's columns of the full W (out, in), and the full b (out,)."""
+        W = np.asarray(W)
+        if W.shape != (self.out_features, self.in_features):
+            raise ValueError(f"load_full: W must have shape {(self.out_features, self.in_features)}, got {W.shape}")
+        self.weight[...] = W[:, self.offset:self.offset + self.local]
+        if b is not None or self.bias is not None:
+            _load_bias(self, b, slice(0, self.out_features))
+
+    def gather_full(self) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        sizes = [s for _, s in self.partition]
+        W = self.comm.all_gather(np.ascontiguousarray(self.weight), axis=1, sizes=sizes)
+        b = None if self.bias is None else self.bias.copy()
+        return W, b
+
+
+def _load_bias(layer, b, sl):
+    if layer.bias is None:
+        raise ValueError("load_full: this layer has no bias, but b was given")
+    if b is None:
+        raise ValueError("load_full: this layer has a bias; pass b")
+    b = np.asarray(b)
+    if b.shape != (layer.out_features,):
+        raise ValueError(f"load_full: b must have shape {(layer.out_features,)}, got {b.shape}")
+    layer.bias[...] = b[sl]
