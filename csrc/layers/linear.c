@@ -22,6 +22,7 @@ struct tp_parallel_linear {
   float *w, *b, *dw, *db;
   int64_t wr, wc;       /* weight shard rows x cols */
   float *xsave;         /* last forward's input (this rank's columns), M x x_local */
+  /* xsave_m: rows of the last forward, -1 before the first */
   int64_t xsave_m, xsave_cap;
   reg_buf out_buf;      /* row: partial outputs to all-reduce; column: gathered blocks */
   reg_buf grad_buf;     /* column: dx partials to all-reduce; row: dx blocks to gather */
@@ -94,6 +95,7 @@ tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
   tp_parallel_linear_t L = calloc(1, sizeof *L);
   if (!L) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
   L->comm = comm;
+  L->xsave_m = -1;
   L->cfg = *cfg;
   L->cfg.partition = NULL;
   tp_comm_rank(comm, &L->rank);
@@ -234,7 +236,7 @@ tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, float *y, const f
 
 tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M) {
   if (!L || (M && (!dy || !dx))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: NULL argument");
-  if (L->xsave_m < 0 || !L->xsave)
+  if (L->xsave_m < 0)
     return tp_set_error(TP_ERR_INVALID_USAGE, "linear backward: called before forward");
   if (M != L->xsave_m)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: dy has %lld rows but the last forward had %lld",

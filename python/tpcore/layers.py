@@ -139,7 +139,8 @@ class _ParallelLinear:
             raise ValueError(f"{type(self).__name__}: {name} must have shape (..., {cols}), got {x.shape}")
         if not x.flags.c_contiguous:
             raise ValueError(f"{type(self).__name__}: {name} must be C-contiguous; pass np.ascontiguousarray({name})")
-        return x.reshape(-1, cols), x.shape[:-1]
+        lead = x.shape[:-1]
+        return x.reshape(math.prod(lead), cols), lead  # explicit rows: a shard may have 0 columns
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         x2, lead = self._rows(x, "x", self._x_cols)

@@ -1,0 +1,196 @@
+"""Column- and row-parallel linear layers against float64 NumPy references
+written here: forward and backward (input gradient, weight and bias gradients)
+at world sizes 1-4, even and uneven partitions, odd sizes, with and without
+bias, gather_output and input_is_parallel both ways; seeded initialisation
+identical at every world size; finite differences; bad inputs."""
+import numpy as np
+import pytest
+
+import tpcore
+from conftest import WORLDS, rng_for, run
+
+IN, OUT, ROWS = 37, 53, 11
+
+
+def _part(kind, world, uneven):
+    dim = OUT if kind == "column" else IN
+    if not uneven:
+        return None
+    # uneven and one rank may hold nothing: weights 1, 3, 0, 2, ...
+    return tpcore.partition(dim, world, weights=[(1, 3, 0, 2)[r % 4] + (world == 1) for r in range(world)])
+
+
+def _ref(kind, x, W, b, dy, flags, part, rank):
+    """float64 reference: full forward/backward, then this rank's view of it."""
+    x64, W64, dy64 = x.astype(np.float64), W.astype(np.float64), dy.astype(np.float64)
+    y = x64 @ W64.T + (b if b is not None else 0)
+    dx = dy64 @ W64
+    dW = dy64.reshape(-1, W.shape[0]).T @ x64.reshape(-1, W.shape[1])
+    db = dy64.reshape(-1, W.shape[0]).sum(0)
+    off, loc = part[rank]
+    if kind == "column":
+        y_out = y if flags["gather_output"] else y[..., off:off + loc]
+        return y_out, dx, dW[off:off + loc], (db[off:off + loc] if b is not None else None)
+    dx_out = dx[..., off:off + loc] if flags["input_is_parallel"] else dx
+    return y, dx_out, dW[:, off:off + loc], db if b is not None else None
+
+
+def _layer_case(comm, kind, flags, uneven, use_bias, seed):
+    n, r = comm.size, comm.rank
+    part = _part(kind, n, uneven)
+    cls = tpcore.ColumnParallelLinear if kind == "column" else tpcore.RowParallelLinear
+    kw = {"gather_output": flags["gather_output"]} if kind == "column" else {"input_is_parallel": flags["input_is_parallel"]}
+    layer = cls(IN, OUT, comm, bias=use_bias, partition=part, seed=seed, **kw)
+    g = rng_for(seed, 0)  # the same full tensors on every rank
+    W = g.standard_normal((OUT, IN)).astype(np.float32)
+    b = g.standard_normal(OUT).astype(np.float32) if use_bias else None
+    x = g.standard_normal((2, ROWS, IN)).astype(np.float32)  # leading dims are kept
+    dy_full = g.standard_normal((2, ROWS, OUT)).astype(np.float32)
+    layer.load_full(W, b)
+    part = [tuple(p) for p in layer.partition]
+    off, loc = part[r]
+    x_in = np.ascontiguousarray(x[..., off:off + loc]) if kind == "row" and flags["input_is_parallel"] else x
+    y = layer(x_in)
+    ry, rdx, rdW, rdb = _ref(kind, x, W, b, dy_full, flags, part, r)
+    dy = np.ascontiguousarray(dy_full[..., off:off + loc]) if kind == "column" and not flags["gather_output"] else dy_full
+    layer.zero_grad()
+    dx = layer.backward(dy)
+    dx2 = layer.backward(dy)  # gradients accumulate
+    bad = []
+
+    def close(name, got, want, tol=2e-4):
+        got = np.asarray(got, np.float64)
+        if got.shape != np.shape(want) or not np.all(np.abs(got - want) <= tol * (1 + np.abs(want))):
+            bad.append((name, got.shape, np.shape(want),
+                        float(np.max(np.abs(got - want))) if got.shape == np.shape(want) else None))
+
+    close("y", y, ry)
+    close("dx", dx, rdx)
+    close("dx again", dx2, rdx)
+    close("grad_weight", layer.grad_weight, 2 * rdW)
+    if use_bias:
+        close("grad_bias", layer.grad_bias, 2 * rdb)
+    # the full weights come back from the shards
+    Wf, bf = layer.gather_full()
+    close("gather_full W", Wf, W, 0)
+    if use_bias:
+        close("gather_full b", bf, b, 0)
+    return bad
+
+
+FLAGS = [{"gather_output": False, "input_is_parallel": True}, {"gather_output": True, "input_is_parallel": False}]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("flags", FLAGS, ids=["plain", "gather-or-full-input"])
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+@pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "nobias"])
+def test_parallel_linear_matches_float64_reference(world, kind, flags, uneven, use_bias):
+    for r, bad in enumerate(run(_layer_case, world, kind, flags, uneven, use_bias, 100 + world)):
+        assert not bad, f"rank {r}: {bad}"
+
+
+def _init_case(comm, kind, uneven):
+    part = _part(kind, comm.size, uneven)
+    cls = tpcore.ColumnParallelLinear if kind == "column" else tpcore.RowParallelLinear
+    layer = cls(IN, OUT, comm, partition=part, seed=7)
+    W, b = layer.gather_full()
+    return W, b
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_seeded_init_is_the_same_at_every_world_size(kind):
+    W1, b1 = run(_init_case, 1, kind, False)[0]
+    bound = 1 / np.sqrt(IN)
+    assert np.all(np.abs(W1) <= bound) and np.all(np.abs(b1) <= bound)
+    assert abs(W1.mean()) < 0.02 and W1.std() > bound / 2  # U(-bound, bound): std = bound / sqrt(3)
+    for world in (2, 3, 4):
+        for uneven in (False, True):
+            for W, b in run(_init_case, world, kind, uneven):
+                assert np.array_equal(W, W1) and np.array_equal(b, b1)
+    W_other, _ = run(_init_case, 1, kind, False)[0]
+    assert np.array_equal(W_other, W1)
+
+
+def _fd_case(comm):
+    """Finite differences of L = sum(r * MLP(x)) through column -> row."""
+    col = tpcore.ColumnParallelLinear(6, 10, comm, seed=1)
+    row = tpcore.RowParallelLinear(10, 4, comm, seed=2)
+    g = rng_for(9, 0)
+    x = g.standard_normal((3, 6)).astype(np.float32)
+    rw = g.standard_normal((3, 4)).astype(np.float32)
+
+    def loss(xv):
+        return float(np.sum(rw.astype(np.float64) * row(col(xv))))
+
+    loss(x)
+    dx = col.backward(row.backward(rw))
+    eps, worst = 1e-2, 0.0
+    for i in range(3):
+        for j in range(6):
+            xp, xm = x.copy(), x.copy()
+            xp[i, j] += eps
+            xm[i, j] -= eps
+            num = (loss(xp) - loss(xm)) / (2 * eps)
+            worst = max(worst, abs(num - dx[i, j]) / (1e-3 + abs(num)))
+    return worst
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_finite_difference_gradient(world):
+    for worst in run(_fd_case, world):
+        assert worst < 1e-2, worst
+
+
+def _bad_inputs(comm):
+    col = tpcore.ColumnParallelLinear(8, 6, comm)
+    errs = []
+    cases = [
+        (lambda: col(np.ones((2, 7), np.float32)), ValueError, "(..., 8)"),
+        (lambda: col(np.ones((2, 8), np.float64)), TypeError, "float32"),
+        (lambda: col(np.ones((8, 2), np.float32).T), ValueError, "contiguous"),
+        (lambda: col([1.0] * 8), TypeError, "NumPy"),
+        (lambda: tpcore.ColumnParallelLinear(8, 6, comm, partition=[1] * comm.size), ValueError, "sum to"),
+        (lambda: tpcore.RowParallelLinear(0, 6, comm), ValueError, "in_features"),
+        (lambda: tpcore.ColumnParallelLinear(8, 6, comm, dtype="float16"), ValueError, "float32"),
+        (lambda: col.load_full(np.ones((6, 9))), ValueError, "shape"),
+    ]
+    fresh = tpcore.RowParallelLinear(8, 6, comm)
+    cases.append((lambda: fresh.backward(np.ones((2, 6), np.float32)), RuntimeError, "before forward"))
+    for call, etype, word in cases:
+        try:
+            call()
+            errs.append(f"no error ({word})")
+        except etype as e:
+            if word not in str(e):
+                errs.append(f"{etype.__name__} without '{word}': {e}")
+        except Exception as e:  # noqa: BLE001
+            errs.append(f"{type(e).__name__} instead of {etype.__name__}: {e}")
+    col(np.ones((2, 8), np.float32))
+    try:
+        col.backward(np.ones((3, 6 if comm.size == 1 else col.local), np.float32))
+        errs.append("backward with other rows: no error")
+    except ValueError as e:
+        if "rows" not in str(e):
+            errs.append(str(e))
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bad_inputs(world):
+    for r, errs in enumerate(run(_bad_inputs, world)):
+        assert not errs, f"rank {r}: {errs}"
+
+
+def test_partition():
+    assert tpcore.partition(10, 3) == [(0, 4), (4, 3), (7, 3)]
+    assert tpcore.partition(12, 5, align=3) == [(0, 3), (3, 3), (6, 3), (9, 3), (12, 0)]
+    assert tpcore.partition(100, 2, weights=[3, 1]) == [(0, 75), (75, 25)]
+    p = tpcore.partition(1001, 4, weights=[1.7, 1, 1, 0.3])
+    assert sum(s for _, s in p) == 1001 and p[0][1] > p[1][1] > p[3][1]
+    assert [o for o, _ in p] == [0, p[0][1], p[0][1] + p[1][1], p[0][1] + p[1][1] + p[2][1]]
+    with pytest.raises(ValueError):
+        tpcore.partition(10, 3, align=4)
+    with pytest.raises(ValueError):
+        tpcore.partition(10, 2, weights=[1, -1])
