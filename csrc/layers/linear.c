@@ -130,9 +130,14 @@ tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
   L->off = L->offs[L->rank];
   L->loc = L->part[L->rank];
   int64_t K = cfg->in_features, N = cfg->out_features;
-  L->wr = col ? L->loc : N;
+  if (cfg->gated && (!col || cfg->gather_output)) {
+    tp_parallel_linear_destroy(L);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: gated is for column-parallel layers without gather_output");
+  }
+  int g = cfg->gated ? 2 : 1;
+  L->wr = col ? g * L->loc : N;
   L->wc = col ? K : L->loc;
-  int64_t blen = cfg->bias ? (col ? L->loc : N) : 0;
+  int64_t blen = cfg->bias ? (col ? g * L->loc : N) : 0;
   size_t wn = (size_t)(L->wr * L->wc);
   L->w = malloc((wn ? wn : 1) * sizeof(float));
   L->dw = calloc(wn ? wn : 1, sizeof(float));
@@ -145,12 +150,18 @@ tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
     return tp_set_error(TP_ERR_NOMEM, "linear: out of memory for the weight shard (%zu floats)", wn);
   }
   float bound = 1.0f / sqrtf((float)K);
-  for (int64_t i = 0; i < L->wr; i++)
+  for (int64_t i = 0; i < L->wr; i++) {
+    /* row of the full weight: gated shards hold gate rows then up rows (up starts at N) */
+    int64_t frow = !col ? i : i < L->loc ? L->off + i : N + L->off + (i - L->loc);
     for (int64_t j = 0; j < L->wc; j++) {
-      uint64_t full = col ? (uint64_t)((L->off + i) * K + j) : (uint64_t)(i * K + L->off + j);
+      uint64_t full = col ? (uint64_t)(frow * K + j) : (uint64_t)(i * K + L->off + j);
       L->w[i * L->wc + j] = init_value(cfg->seed, 0, full, bound);
     }
-  for (int64_t i = 0; i < blen; i++) L->b[i] = init_value(cfg->seed, 1, (uint64_t)(col ? L->off + i : i), bound);
+  }
+  for (int64_t i = 0; i < blen; i++) {
+    int64_t frow = !col ? i : i < L->loc ? L->off + i : N + L->off + (i - L->loc);
+    L->b[i] = init_value(cfg->seed, 1, (uint64_t)frow, bound);
+  }
   *out = L;
   return TP_SUCCESS;
 }
@@ -164,11 +175,11 @@ tp_status_t tp_parallel_linear_info(tp_parallel_linear_t L, tp_linear_info_t *in
   info->grad_bias = L->db;
   info->weight_rows = L->wr;
   info->weight_cols = L->wc;
-  info->bias_len = L->cfg.bias ? (col ? L->loc : L->cfg.out_features) : 0;
+  info->bias_len = L->cfg.bias ? (col ? L->wr : L->cfg.out_features) : 0;
   info->offset = L->off;
   info->local = L->loc;
   info->x_cols = col ? L->cfg.in_features : (L->cfg.input_is_parallel ? L->loc : L->cfg.in_features);
-  info->y_cols = col ? (L->cfg.gather_output ? L->cfg.out_features : L->loc) : L->cfg.out_features;
+  info->y_cols = col ? (L->cfg.gather_output ? L->cfg.out_features : L->wr) : L->cfg.out_features;
   return TP_SUCCESS;
 }
 
@@ -196,7 +207,7 @@ tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, float *y, const f
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
     TP_CHECK(save_input(L, x, M, K, 0, K));
     if (!L->cfg.gather_output || L->world == 1) {
-      tp_linear_forward(y, x, L->w, L->b, M, K, L->loc);
+      tp_linear_forward(y, x, L->w, L->b, M, K, L->wr);
       return TP_SUCCESS;
     }
     /* GEMM straight into my block of the registered gather buffer: the all-gather is in place. */
@@ -253,14 +264,14 @@ tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, float *dx, const
       dyr = tmp;
     }
     if (L->world == 1) {
-      tp_linear_backward(dx, L->dw, L->db, dyr, L->xsave, L->w, M, K, L->loc, 0);
+      tp_linear_backward(dx, L->dw, L->db, dyr, L->xsave, L->w, M, K, L->wr, 0);
       free(tmp);
       return TP_SUCCESS;
     }
     tp_status_t st = ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float));
     if (st == TP_SUCCESS) {
       float *d = L->grad_buf.ptr;
-      tp_linear_backward(d, L->dw, L->db, dyr, L->xsave, L->w, M, K, L->loc, 0);
+      tp_linear_backward(d, L->dw, L->db, dyr, L->xsave, L->w, M, K, L->wr, 0);
       st = tp_all_reduce(d, d, (size_t)(M * K), TP_FLOAT32, TP_SUM, L->comm);
       if (st == TP_SUCCESS) memcpy(dx, d, (size_t)(M * K) * sizeof(float));
     }

@@ -780,14 +780,14 @@ typedef struct {
 
 static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "kind", "in_features", "out_features", "bias", "gather_output",
-                           "input_is_parallel", "partition", "seed", NULL};
+                           "input_is_parallel", "partition", "seed", "gated", NULL};
   PyObject *commo, *part = Py_None;
   const char *kind;
   long long in_f, out_f;
-  int bias = 1, gather = 0, inpar = 1;
+  int bias = 1, gather = 0, inpar = 1, gated = 0;
   unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsLL|pppOK:ParallelLinear", kwlist, &commo, &kind, &in_f, &out_f,
-                                   &bias, &gather, &inpar, &part, &seed))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsLL|pppOKp:ParallelLinear", kwlist, &commo, &kind, &in_f, &out_f,
+                                   &bias, &gather, &inpar, &part, &seed, &gated))
     return NULL;
   module_state *st = state_of_type(type);
   if (!st) return NULL;
@@ -810,6 +810,7 @@ static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.gather_output = gather;
   cfg.input_is_parallel = inpar;
   cfg.seed = seed;
+  cfg.gated = gated;
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *sizes = NULL;
@@ -997,10 +998,128 @@ static PyObject *set_num_threads(PyObject *m, PyObject *arg) {
 
 static PyObject *get_num_threads(PyObject *m, PyObject *unused) { return PyLong_FromLong(tp_get_num_threads()); }
 
+static int parse_act(const char *name, tp_activation_t *act) {
+  static const char *names[] = {"gelu", "gelu_tanh", "silu", "relu", "swiglu"};
+  for (int i = 0; i < 5; i++)
+    if (strcmp(name, names[i]) == 0) {
+      *act = (tp_activation_t)i;
+      return 0;
+    }
+  PyErr_Format(PyExc_ValueError, "activation must be one of 'gelu', 'gelu_tanh', 'silu', 'relu', 'swiglu', got '%s'",
+               name);
+  return -1;
+}
+
+/* act_forward(name, h[M, F or 2F]) -> out[M, F]; act_backward(name, h, dout[M, F]) -> dh */
+static PyObject *act_call(PyObject *args, int backward) {
+  const char *name;
+  PyObject *h, *dout = NULL;
+  if (backward ? !PyArg_ParseTuple(args, "sOO:act_backward", &name, &h, &dout)
+               : !PyArg_ParseTuple(args, "sO:act_forward", &name, &h))
+    return NULL;
+  tp_activation_t act;
+  if (parse_act(name, &act) < 0) return NULL;
+  const char *op = backward ? "act_backward" : "act_forward";
+  buf_t bh, bd;
+  if (get_buf(h, op, "h", 0, &bh) < 0) return NULL;
+  if (bh.dtype != TP_FLOAT32 || PyArray_NDIM((PyArrayObject *)h) != 2) {
+    PyErr_Format(PyExc_TypeError, "%s: h must be a 2-D float32 array", op);
+    return NULL;
+  }
+  npy_intp M = PyArray_DIM((PyArrayObject *)h, 0), C = PyArray_DIM((PyArrayObject *)h, 1);
+  npy_intp F = act == TP_ACT_SWIGLU ? C / 2 : C;
+  if (act == TP_ACT_SWIGLU && C % 2) {
+    PyErr_Format(PyExc_ValueError, "%s: swiglu needs an even number of columns [gate | up], got %zd", op, (Py_ssize_t)C);
+    return NULL;
+  }
+  if (backward) {
+    if (get_buf(dout, op, "dout", 0, &bd) < 0) return NULL;
+    if (bd.dtype != TP_FLOAT32 || bd.count != (size_t)(M * F)) {
+      PyErr_Format(PyExc_ValueError, "%s: dout must be float32 with %zd x %zd elements", op, (Py_ssize_t)M, (Py_ssize_t)F);
+      return NULL;
+    }
+  }
+  npy_intp dims[2] = {M, backward ? C : F};
+  PyObject *out = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+  if (!out) return NULL;
+  float *o = PyArray_DATA((PyArrayObject *)out);
+  Py_BEGIN_ALLOW_THREADS
+  if (backward) tp_act_backward(o, bh.data, bd.data, M, F, act);
+  else tp_act_forward(o, bh.data, M, F, act);
+  Py_END_ALLOW_THREADS
+  return out;
+}
+
+/* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step) and
+ * sgd_step(p, g, buf_or_None, lr, momentum, weight_decay, first): in place. */
+static int same_f32(PyObject *o, const char *op, const char *arg, size_t n, int writable, float **p) {
+  buf_t b;
+  if (get_buf(o, op, arg, writable, &b) < 0) return -1;
+  if (b.dtype != TP_FLOAT32 || b.count != n) {
+    PyErr_Format(PyExc_ValueError, "%s: %s must be float32 with %zu elements (like p), got %s with %zu", op, arg, n,
+                 tp_dtype_name(b.dtype), b.count);
+    return -1;
+  }
+  *p = b.data;
+  return 0;
+}
+
+static PyObject *adamw_step(PyObject *mod, PyObject *args) {
+  PyObject *po, *go, *mo, *vo;
+  float lr, b1, b2, eps, wd;
+  long long step;
+  if (!PyArg_ParseTuple(args, "OOOOfffffL:adamw_step", &po, &go, &mo, &vo, &lr, &b1, &b2, &eps, &wd, &step))
+    return NULL;
+  buf_t bp;
+  float *p, *g, *m, *v;
+  if (get_buf(po, "adamw_step", "p", 1, &bp) < 0) return NULL;
+  if (bp.dtype != TP_FLOAT32) {
+    PyErr_Format(PyExc_TypeError, "adamw_step: p must be float32, got %s", tp_dtype_name(bp.dtype));
+    return NULL;
+  }
+  p = bp.data;
+  if (same_f32(go, "adamw_step", "g", bp.count, 0, &g) < 0 || same_f32(mo, "adamw_step", "m", bp.count, 1, &m) < 0 ||
+      same_f32(vo, "adamw_step", "v", bp.count, 1, &v) < 0)
+    return NULL;
+  if (step < 1) {
+    PyErr_Format(PyExc_ValueError, "adamw_step: step counts from 1, got %lld", step);
+    return NULL;
+  }
+  Py_BEGIN_ALLOW_THREADS tp_adamw_step(p, g, m, v, (int64_t)bp.count, lr, b1, b2, eps, wd, step);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+static PyObject *sgd_step(PyObject *mod, PyObject *args) {
+  PyObject *po, *go, *bo;
+  float lr, mom, wd;
+  int first;
+  if (!PyArg_ParseTuple(args, "OOOfffp:sgd_step", &po, &go, &bo, &lr, &mom, &wd, &first)) return NULL;
+  buf_t bp;
+  float *g, *buf = NULL;
+  if (get_buf(po, "sgd_step", "p", 1, &bp) < 0) return NULL;
+  if (bp.dtype != TP_FLOAT32) {
+    PyErr_Format(PyExc_TypeError, "sgd_step: p must be float32, got %s", tp_dtype_name(bp.dtype));
+    return NULL;
+  }
+  if (same_f32(go, "sgd_step", "g", bp.count, 0, &g) < 0) return NULL;
+  if (bo != Py_None && same_f32(bo, "sgd_step", "buf", bp.count, 1, &buf) < 0) return NULL;
+  Py_BEGIN_ALLOW_THREADS tp_sgd_step(bp.data, g, buf, (int64_t)bp.count, lr, mom, wd, first);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+static PyObject *act_forward(PyObject *m, PyObject *args) { return act_call(args, 0); }
+static PyObject *act_backward(PyObject *m, PyObject *args) { return act_call(args, 1); }
+
 static PyMethodDef module_methods[] = {
     {"build_info", build_info, METH_NOARGS, "what this build contains"},
     {"set_num_threads", set_num_threads, METH_O, "set_num_threads(n): BLAS threads of this process"},
     {"get_num_threads", get_num_threads, METH_NOARGS, "BLAS threads of this process"},
+    {"act_forward", act_forward, METH_VARARGS, "act_forward(name, h) -> act(h)"},
+    {"adamw_step", adamw_step, METH_VARARGS, "adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)"},
+    {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(p, g, buf, lr, momentum, weight_decay, first)"},
+    {"act_backward", act_backward, METH_VARARGS, "act_backward(name, h, dout) -> dh"},
     {NULL, NULL, 0, NULL},
 };
 

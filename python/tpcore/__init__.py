@@ -14,12 +14,13 @@ from typing import Optional
 
 from . import _C, _env, _excepthook
 from .comm import Comm, CommError, CommTimeout
-from .layers import ColumnParallelLinear, RowParallelLinear, partition
+from . import optim
+from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, partition
 from .spawn import RankExitedError, spawn
 
 __version__ = "0.1.0"
 __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "build_info",
-           "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "partition",
+           "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "partition", "optim",
            "__version__"]
 
 _BACKENDS = ("auto", "shm")

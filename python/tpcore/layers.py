@@ -82,7 +82,7 @@ class _ParallelLinear:
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True,
                  gather_output: bool = False, input_is_parallel: bool = True, partition=None,
-                 dtype="float32", seed: int = 0):
+                 dtype="float32", seed: int = 0, gated: bool = False):
         if not isinstance(comm, Comm):
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
         if np.dtype(dtype) != np.float32:
@@ -94,8 +94,9 @@ class _ParallelLinear:
         sizes = _sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features")
         self.comm = comm
         self.in_features, self.out_features = int(in_features), int(out_features)
+        self.gated = bool(gated)
         self._c = _C.ParallelLinear(comm._c, self._kind, self.in_features, self.out_features, bool(bias),
-                                    bool(gather_output), bool(input_is_parallel), sizes, int(seed))
+                                    bool(gather_output), bool(input_is_parallel), sizes, int(seed), self.gated)
         shard = self._c.shard
         self.offset, self.local = shard["offset"], shard["local"]
         self._x_cols, self._y_cols = shard["x_cols"], shard["y_cols"]
@@ -164,24 +165,41 @@ class ColumnParallelLinear(_ParallelLinear):
     _kind = "column"
 
     def __init__(self, in_features, out_features, comm, bias=True, gather_output=False, partition=None,
-                 dtype="float32", seed=0):
+                 dtype="float32", seed=0, gated=False):
+        """gated=True: the full weight is [W_gate; W_up] of shape (2 out, in); a rank
+        holds its gate rows and its up rows and outputs [gate_r | up_r] from one GEMM
+        (for SwiGLU)."""
         super().__init__(in_features, out_features, comm, bias=bias, gather_output=gather_output,
-                         partition=partition, dtype=dtype, seed=seed)
+                         partition=partition, dtype=dtype, seed=seed, gated=gated)
+
+    def _rows_of_full(self):
+        lo, hi = self.offset, self.offset + self.local
+        if not self.gated:
+            return np.arange(lo, hi)
+        return np.concatenate([np.arange(lo, hi), self.out_features + np.arange(lo, hi)])
 
     def load_full(self, W: np.ndarray, b: Optional[np.ndarray] = None) -> None:
-        """Keep this rank's rows of the full W (out, in) and b (out,)."""
+        """Keep this rank's rows of the full W (out, in) — (2 out, in) when gated — and b."""
         W = np.asarray(W)
-        if W.shape != (self.out_features, self.in_features):
-            raise ValueError(f"load_full: W must have shape {(self.out_features, self.in_features)}, got {W.shape}")
-        self.weight[...] = W[self.offset:self.offset + self.local]
+        rows = (2 if self.gated else 1) * self.out_features
+        if W.shape != (rows, self.in_features):
+            raise ValueError(f"load_full: W must have shape {(rows, self.in_features)}, got {W.shape}")
+        idx = self._rows_of_full()
+        self.weight[...] = W[idx]
         if b is not None or self.bias is not None:
-            _load_bias(self, b, slice(self.offset, self.offset + self.local))
+            _load_bias(self, b, idx, rows)
 
     def gather_full(self) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """The full (W, b), rebuilt from every rank's shard (collective)."""
-        sizes = [s for _, s in self.partition]
+        g = 2 if self.gated else 1
+        sizes = [g * s for _, s in self.partition]
         W = self.comm.all_gather(np.ascontiguousarray(self.weight), sizes=sizes)
         b = None if self.bias is None else self.comm.all_gather(np.ascontiguousarray(self.bias), sizes=sizes)
+        if self.gated:  # rank-major [gate_r; up_r] blocks -> [all gates; all ups]
+            order = np.concatenate([np.arange(g * o, g * o + s) for o, s in self.partition] +
+                                   [np.arange(g * o + s, g * o + 2 * s) for o, s in self.partition])
+            W = W[order]
+            b = None if b is None else b[order]
         return W, b
 
 
@@ -202,7 +220,7 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError(f"load_full: W must have shape {(self.out_features, self.in_features)}, got {W.shape}")
         self.weight[...] = W[:, self.offset:self.offset + self.local]
         if b is not None or self.bias is not None:
-            _load_bias(self, b, slice(0, self.out_features))
+            _load_bias(self, b, slice(0, self.out_features), self.out_features)
 
     def gather_full(self) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         sizes = [s for _, s in self.partition]
@@ -211,12 +229,62 @@ class RowParallelLinear(_ParallelLinear):
         return W, b
 
 
-def _load_bias(layer, b, sl):
+def _load_bias(layer, b, sel, n):
     if layer.bias is None:
         raise ValueError("load_full: this layer has no bias, but b was given")
     if b is None:
         raise ValueError("load_full: this layer has a bias; pass b")
     b = np.asarray(b)
-    if b.shape != (layer.out_features,):
-        raise ValueError(f"load_full: b must have shape {(layer.out_features,)}, got {b.shape}")
-    layer.bias[...] = b[sl]
+    if b.shape != (n,):
+        raise ValueError(f"load_full: b must have shape {(n,)}, got {b.shape}")
+    layer.bias[...] = b[sel]
+
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "swiglu")
+
+
+class ParallelMLP:
+    """Transformer MLP split over ranks (Megatron): a column-parallel fc1, the
+    activation on this rank's columns, a row-parallel fc2 with input_is_parallel.
+    Exactly one all-reduce in forward (after fc2) and one in backward (fc1's input
+    gradient).  activation="swiglu" makes fc1 gated: [gate; up] of shape
+    (2 ffn_hidden, hidden), both projections of a rank in one GEMM, and
+    y = fc2(silu(gate) * up).  partition splits ffn_hidden."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, comm: Comm, activation: str = "gelu", bias: bool = True,
+                 partition=None, dtype="float32", seed: int = 0):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"ParallelMLP: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                             f"got {activation!r}")
+        self.activation = activation
+        self.comm = comm
+        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, comm, bias=bias, partition=partition, dtype=dtype,
+                                        seed=seed, gated=activation == "swiglu")
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, comm, bias=bias, input_is_parallel=True,
+                                     partition=partition, dtype=dtype, seed=seed + 1)
+        self._h = None
+
+    def parameters(self):
+        return self.fc1.parameters() + self.fc2.parameters()
+
+    def zero_grad(self):
+        self.fc1.zero_grad()
+        self.fc2.zero_grad()
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        h = self.fc1(x)
+        lead = h.shape[:-1]
+        h2 = h.reshape(math.prod(lead), h.shape[-1])
+        a = _C.act_forward(self.activation, h2)
+        self._h = h2
+        return self.fc2(a.reshape(lead + (a.shape[-1],)))
+
+    __call__ = forward
+
+    def backward(self, dy: np.ndarray) -> np.ndarray:
+        if self._h is None:
+            raise RuntimeError("ParallelMLP.backward: called before forward")
+        da = self.fc2.backward(dy)
+        lead = da.shape[:-1]
+        dh = _C.act_backward(self.activation, self._h, np.ascontiguousarray(da.reshape(self._h.shape[0], -1)))
+        return self.fc1.backward(dh.reshape(lead + (dh.shape[-1],)))

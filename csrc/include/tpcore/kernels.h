@@ -29,6 +29,27 @@ TP_API void tp_linear_forward(float *y, const float *x, const float *w, const fl
 TP_API void tp_linear_backward(float *dx, float *dw, float *db, const float *dy, const float *x,
                                const float *w, int64_t M, int64_t K, int64_t N, int accumulate_dx);
 
+typedef enum {
+  TP_ACT_GELU = 0,      /* 0.5 x (1 + erf(x / sqrt 2)) */
+  TP_ACT_GELU_TANH = 1, /* the tanh approximation (GPT-2) */
+  TP_ACT_SILU = 2,
+  TP_ACT_RELU = 3,
+  TP_ACT_SWIGLU = 4     /* gated: h[M, 2F] = [gate | up] per row -> out[M, F] */
+} tp_activation_t;
+
+/* out[M, F] = act(h); h is [M, F], or [M, 2F] for SwiGLU. */
+TP_API void tp_act_forward(float *out, const float *h, int64_t M, int64_t F, tp_activation_t act);
+/* dh (shaped like h) from h and dout[M, F]. */
+TP_API void tp_act_backward(float *dh, const float *h, const float *dout, int64_t M, int64_t F,
+                            tp_activation_t act);
+
+/* Optimizer steps on n elements in place (formulas in optim.c; step counts from 1). */
+TP_API void tp_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
+                          float beta2, float eps, float weight_decay, int64_t step);
+/* buf may be NULL (no momentum); first: the first step (buf = g). */
+TP_API void tp_sgd_step(float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
+                        float weight_decay, int first);
+
 #ifdef __cplusplus
 }
 #endif

@@ -39,10 +39,13 @@ typedef struct {
   int input_is_parallel;       /* row: x arrives already split                     */
   const int64_t *partition;    /* world sizes of the split dimension; NULL: even   */
   uint64_t seed;
+  int gated;                   /* column: W is [gate; up] (2 * out_features rows); a rank
+                                  holds its gate rows and its up rows and outputs
+                                  [gate_r | up_r] per row, from one GEMM (SwiGLU)      */
 } tp_linear_config_t;
 
 #define TP_LINEAR_CONFIG_INITIALIZER \
-  { sizeof(tp_linear_config_t), TP_COLUMN_PARALLEL, 0, 0, 1, 0, 1, NULL, 0 }
+  { sizeof(tp_linear_config_t), TP_COLUMN_PARALLEL, 0, 0, 1, 0, 1, NULL, 0, 0 }
 
 typedef struct {
   float *weight, *bias, *grad_weight, *grad_bias; /* this rank's shard (bias NULL if none) */
