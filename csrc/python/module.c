@@ -1109,6 +1109,120 @@ static PyObject *sgd_step(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* Vocab-parallel kernels.  Arrays are checked here; the Python layer composes them
+ * with the collectives. */
+static int f32_2d(PyObject *o, const char *op, const char *arg, int writable, int64_t *rows, int64_t *cols, float **p) {
+  buf_t b;
+  if (get_buf(o, op, arg, writable, &b) < 0) return -1;
+  PyArrayObject *a = (PyArrayObject *)o;
+  if (b.dtype != TP_FLOAT32 || PyArray_NDIM(a) != 2) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a 2-D float32 array", op, arg);
+    return -1;
+  }
+  *rows = PyArray_DIM(a, 0);
+  *cols = PyArray_DIM(a, 1);
+  *p = b.data;
+  return 0;
+}
+
+static int i64_1d(PyObject *o, const char *op, const char *arg, int64_t n, const int64_t **p) {
+  buf_t b;
+  if (get_buf(o, op, arg, 0, &b) < 0) return -1;
+  if (b.dtype != TP_INT64 || (int64_t)b.count != n) {
+    PyErr_Format(PyExc_ValueError, "%s: %s must be int64 with %lld elements", op, arg, (long long)n);
+    return -1;
+  }
+  *p = b.data;
+  return 0;
+}
+
+/* embedding(op, tokens[M], table[V, C], lo, out_or_dout[M, C]): op "forward" fills out, "backward" adds into table */
+static PyObject *embedding_kernel(PyObject *mod, PyObject *args) {
+  const char *op;
+  PyObject *to, *tab, *io;
+  long long lo;
+  if (!PyArg_ParseTuple(args, "sOOLO:embedding", &op, &to, &tab, &lo, &io)) return NULL;
+  int fwd = strcmp(op, "forward") == 0;
+  int64_t V, C, M, C2;
+  float *table, *x;
+  const int64_t *tok;
+  if (f32_2d(tab, "embedding", "table", !fwd, &V, &C, &table) < 0 || f32_2d(io, "embedding", "out", fwd, &M, &C2, &x) < 0 ||
+      i64_1d(to, "embedding", "tokens", M, &tok) < 0)
+    return NULL;
+  if (C2 != C) {
+    PyErr_Format(PyExc_ValueError, "embedding: out has %lld columns, the table %lld", (long long)C2, (long long)C);
+    return NULL;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  if (fwd) tp_embedding_forward(x, tok, table, M, lo, V, C);
+  else tp_embedding_backward(table, tok, x, M, lo, V, C);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+/* xent(op, logits[M, V], ...) : "max" -> rowmax[M]; "sums" (gmax, targets, lo) -> sums[2M];
+ * "backward" (gmax, sumexp, targets, lo, scale) -> dlogits[M, V] */
+static PyObject *xent_kernel(PyObject *mod, PyObject *args) {
+  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  if (n < 2) {
+    PyErr_SetString(PyExc_TypeError, "xent(op, logits, ...)");
+    return NULL;
+  }
+  const char *op = PyUnicode_AsUTF8(PyTuple_GET_ITEM(args, 0));
+  if (!op) return NULL;
+  int64_t M, V;
+  float *logits;
+  if (f32_2d(PyTuple_GET_ITEM(args, 1), "xent", "logits", 0, &M, &V, &logits) < 0) return NULL;
+  npy_intp dims[2] = {(npy_intp)M, (npy_intp)V};
+  if (strcmp(op, "max") == 0) {
+    PyObject *out = PyArray_SimpleNew(1, dims, NPY_FLOAT32);
+    if (!out) return NULL;
+    float *o = PyArray_DATA((PyArrayObject *)out);
+    Py_BEGIN_ALLOW_THREADS tp_xent_row_max(o, logits, M, V);
+    Py_END_ALLOW_THREADS
+    return out;
+  }
+  PyObject *gmo, *to, *so = NULL;
+  long long lo;
+  float scale = 1.0f;
+  int sums = strcmp(op, "sums") == 0;
+  if (sums ? !PyArg_ParseTuple(args, "sOOOL:xent", &op, &gmo, &gmo, &to, &lo)
+           : !PyArg_ParseTuple(args, "sOOOOLf:xent", &op, &gmo, &gmo, &so, &to, &lo, &scale))
+    return NULL;
+  float *gmax, *sumexp = NULL;
+  const int64_t *tg;
+  buf_t bg, bs;
+  if (get_buf(gmo, "xent", "gmax", 0, &bg) < 0) return NULL;
+  if (bg.dtype != TP_FLOAT32 || (int64_t)bg.count != M) {
+    PyErr_SetString(PyExc_ValueError, "xent: gmax must be float32 with one entry per row");
+    return NULL;
+  }
+  gmax = bg.data;
+  if (so) {
+    if (get_buf(so, "xent", "sumexp", 0, &bs) < 0) return NULL;
+    if (bs.dtype != TP_FLOAT32 || (int64_t)bs.count < M) {
+      PyErr_SetString(PyExc_ValueError, "xent: sumexp must be float32 with one entry per row");
+      return NULL;
+    }
+    sumexp = bs.data;
+  }
+  if (i64_1d(to, "xent", "targets", M, &tg) < 0) return NULL;
+  PyObject *out;
+  if (sums) {
+    npy_intp d1[1] = {2 * (npy_intp)M};
+    out = PyArray_SimpleNew(1, d1, NPY_FLOAT32);
+  } else {
+    out = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+  }
+  if (!out) return NULL;
+  float *o = PyArray_DATA((PyArrayObject *)out);
+  Py_BEGIN_ALLOW_THREADS
+  if (sums) tp_xent_row_sums(o, logits, gmax, tg, M, lo, V);
+  else tp_xent_backward(o, logits, gmax, sumexp, tg, M, lo, V, scale);
+  Py_END_ALLOW_THREADS
+  return out;
+}
+
 static PyObject *act_forward(PyObject *m, PyObject *args) { return act_call(args, 0); }
 static PyObject *act_backward(PyObject *m, PyObject *args) { return act_call(args, 1); }
 
@@ -1117,6 +1231,8 @@ static PyMethodDef module_methods[] = {
     {"set_num_threads", set_num_threads, METH_O, "set_num_threads(n): BLAS threads of this process"},
     {"get_num_threads", get_num_threads, METH_NOARGS, "BLAS threads of this process"},
     {"act_forward", act_forward, METH_VARARGS, "act_forward(name, h) -> act(h)"},
+    {"embedding", embedding_kernel, METH_VARARGS, "embedding(op, tokens, table, lo, out_or_dout)"},
+    {"xent", xent_kernel, METH_VARARGS, "xent(op, logits, ...): vocab-parallel cross-entropy pieces"},
     {"adamw_step", adamw_step, METH_VARARGS, "adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)"},
     {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(p, g, buf, lr, momentum, weight_decay, first)"},
     {"act_backward", act_backward, METH_VARARGS, "act_backward(name, h, dout) -> dh"},

@@ -43,6 +43,20 @@ TP_API void tp_act_forward(float *out, const float *h, int64_t M, int64_t F, tp_
 TP_API void tp_act_backward(float *dh, const float *h, const float *dout, int64_t M, int64_t F,
                             tp_activation_t act);
 
+/* Vocab-parallel pieces on a shard [lo, lo + V) of the vocabulary; C = embedding width.
+ * Embedding rows of tokens outside the shard are zero (an all-reduce completes them). */
+TP_API void tp_embedding_forward(float *out, const int64_t *tokens, const float *table, int64_t M,
+                                 int64_t lo, int64_t V, int64_t C);
+TP_API void tp_embedding_backward(float *dtable, const int64_t *tokens, const float *dout, int64_t M,
+                                  int64_t lo, int64_t V, int64_t C);
+/* Cross-entropy: rowmax[M] of the shard; sums[2M] = (sum_j exp(l - gmax), target logit or 0);
+ * dlogits = (softmax - onehot(target)) * scale. */
+TP_API void tp_xent_row_max(float *rowmax, const float *logits, int64_t M, int64_t V);
+TP_API void tp_xent_row_sums(float *sums, const float *logits, const float *gmax, const int64_t *targets,
+                             int64_t M, int64_t lo, int64_t V);
+TP_API void tp_xent_backward(float *dlogits, const float *logits, const float *gmax, const float *sumexp,
+                             const int64_t *targets, int64_t M, int64_t lo, int64_t V, float scale);
+
 /* Optimizer steps on n elements in place (formulas in optim.c; step counts from 1). */
 TP_API void tp_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
                           float beta2, float eps, float weight_decay, int64_t step);
