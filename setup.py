@@ -109,6 +109,17 @@ class BuildExt(build_ext):
                 os.makedirs(libs_dir, exist_ok=True)
                 shutil.copy2(blas["vendor"], libs_dir)
                 log(f"vendored {os.path.basename(blas['vendor'])} into {libs_dir}")
+            self._vendored = blas["vendor"]
+
+    def copy_extensions_to_source(self):
+        # `build_ext --inplace` builds in build/ and copies the extension next to the
+        # sources afterwards: the vendored library must follow it.
+        super().copy_extensions_to_source()
+        vendored = getattr(self, "_vendored", None)
+        if vendored:
+            libs_dir = os.path.join(HERE, "python", "tpcore", ".libs")
+            os.makedirs(libs_dir, exist_ok=True)
+            shutil.copy2(vendored, libs_dir)
 
 
 def numpy_include():

@@ -54,6 +54,10 @@ static tp_status_t ensure_reg(tp_parallel_linear_t L, reg_buf *rb, size_t nbytes
 static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M, int64_t cols,
                               int64_t col0, int64_t stride) {
   int64_t need = M * L->wc;
+  if (need == 0) { /* an empty shard or no rows: nothing to keep */
+    L->xsave_m = M;
+    return TP_SUCCESS;
+  }
   if (need > L->xsave_cap) {
     float *p = realloc(L->xsave, (size_t)(need ? need : 1) * sizeof(float));
     if (!p) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory saving the input (%lld floats)", (long long)need);
