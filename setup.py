@@ -53,18 +53,29 @@ def blas_config():
             if subprocess.run(["pkg-config", "--exists", name]).returncode == 0:
                 cflags = subprocess.check_output(["pkg-config", "--cflags", name], text=True).split()
                 libs = subprocess.check_output(["pkg-config", "--libs", name], text=True).split()
-                return {"cflags": cflags, "libs": libs, "macros": [], "vendor": None,
+                return {"cflags": cflags, "libs": libs, "macros": [], "vendor": None, "license": None,
                         "info": f"system {name} via pkg-config ({' '.join(libs)})"}
         raise SystemExit("TPCORE_BLAS=system: pkg-config finds none of openblas, cblas, blas-openblas "
                          "(on Debian: apt-get install libopenblas-dev pkg-config)")
     if mode not in ("bundled", ""):
         raise SystemExit(f"TPCORE_BLAS must be 'system' or unset, got {mode!r}")
-    import scipy_openblas32 as sob
+    try:
+        import scipy_openblas32 as sob
+    except ImportError:
+        raise SystemExit("tpcore needs the scipy-openblas32 wheel to build (a pinned build requirement in "
+                         "pyproject.toml; with --no-build-isolation install it first: pip install "
+                         "scipy-openblas32==0.3.34.481.3), or TPCORE_BLAS=system") from None
 
     lib = os.path.join(sob.get_lib_dir(), sob.get_library(fullname=True))
+    lic = None
+    try:  # OpenBLAS's BSD license travels with the vendored library
+        from importlib.metadata import files
+        lic = next((str(f.locate()) for f in files("scipy-openblas32") or [] if f.name.startswith("LICENSE")), None)
+    except Exception:  # noqa: BLE001
+        lic = None
     return {"cflags": [f"-I{sob.get_include_dir()}"],
             "libs": [f"-L{sob.get_lib_dir()}", f"-l{sob.get_library()}", "-Wl,-rpath,$ORIGIN/.libs"],
-            "macros": [("TP_BLAS_SCIPY_OPENBLAS", "1")], "vendor": lib,
+            "macros": [("TP_BLAS_SCIPY_OPENBLAS", "1")], "vendor": lib, "license": lic,
             "info": f"OpenBLAS from scipy-openblas32 {sob.__version__}, vendored as tpcore/.libs/{os.path.basename(lib)}"}
 
 
@@ -106,10 +117,9 @@ class BuildExt(build_ext):
             if getattr(self, "editable_mode", False) or self.inplace:
                 dirs.add(os.path.join(HERE, "python", "tpcore", ".libs"))  # next to the in-tree extension
             for libs_dir in sorted(dirs):
-                os.makedirs(libs_dir, exist_ok=True)
-                shutil.copy2(blas["vendor"], libs_dir)
+                _vendor_into(libs_dir, blas)
                 log(f"vendored {os.path.basename(blas['vendor'])} into {libs_dir}")
-            self._vendored = blas["vendor"]
+            self._vendored = blas
 
     def copy_extensions_to_source(self):
         # `build_ext --inplace` builds in build/ and copies the extension next to the
@@ -117,9 +127,14 @@ class BuildExt(build_ext):
         super().copy_extensions_to_source()
         vendored = getattr(self, "_vendored", None)
         if vendored:
-            libs_dir = os.path.join(HERE, "python", "tpcore", ".libs")
-            os.makedirs(libs_dir, exist_ok=True)
-            shutil.copy2(vendored, libs_dir)
+            _vendor_into(os.path.join(HERE, "python", "tpcore", ".libs"), vendored)
+
+
+def _vendor_into(libs_dir, blas):
+    os.makedirs(libs_dir, exist_ok=True)
+    shutil.copy2(blas["vendor"], libs_dir)
+    if blas.get("license"):
+        shutil.copy2(blas["license"], os.path.join(libs_dir, "LICENSE.scipy-openblas32.txt"))
 
 
 def numpy_include():

@@ -47,7 +47,10 @@ def _layer_case(comm, kind, flags, uneven, use_bias, seed):
     x = g.standard_normal((2, ROWS, IN)).astype(np.float32)  # leading dims are kept
     dy_full = g.standard_normal((2, ROWS, OUT)).astype(np.float32)
     layer.load_full(W, b)
+    asked = part
     part = [tuple(p) for p in layer.partition]
+    if asked is not None:  # the layer really uses the partition it was given
+        assert part == [tuple(p) for p in asked], (part, asked)
     off, loc = part[r]
     x_in = np.ascontiguousarray(x[..., off:off + loc]) if kind == "row" and flags["input_is_parallel"] else x
     y = layer(x_in)
@@ -194,3 +197,34 @@ def test_partition():
         tpcore.partition(10, 3, align=4)
     with pytest.raises(ValueError):
         tpcore.partition(10, 2, weights=[1, -1])
+
+
+def _disagreeing_partitions(comm):
+    part = [3, 1] if comm.rank == 0 else [2, 2]
+    try:
+        tpcore.RowParallelLinear(4, 1, comm, partition=part)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_disagree_on_the_partition_fail_on_every_rank():
+    for msg in run(_disagreeing_partitions, 2):
+        assert "disagree on the partition" in msg, msg
+
+
+def _too_large(comm):
+    errs = []
+    for make in (lambda: tpcore.ColumnParallelLinear(2**32, 8, comm), lambda: tpcore.RowParallelLinear(8, 2**31, comm),
+                 lambda: tpcore.ColumnParallelLinear(2**20, 2**21, comm)):
+        try:
+            make()
+            errs.append("no error")
+        except (ValueError, MemoryError) as e:
+            if not any(w in str(e) for w in ("at most", "too large", "memory")):
+                errs.append(str(e))
+    return errs
+
+
+def test_layers_too_large_for_blas_or_memory_are_refused():
+    assert run(_too_large, 1) == [[]]

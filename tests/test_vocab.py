@@ -61,6 +61,7 @@ def _xent_case(comm, uneven, reduction):
         else tpcore.partition(VOCAB, comm.size)
     g = rng_for(11, 0)
     logits = (g.standard_normal((2, 9, VOCAB)) * 4).astype(np.float32)
+    logits[1] += 1e4  # large logits: only a max-subtracted softmax survives
     targets = g.integers(0, VOCAB, (2, 9))
     off, loc = part[comm.rank]
     shard = np.ascontiguousarray(logits[..., off:off + loc])  # this rank never sees the rest
@@ -73,11 +74,12 @@ def _xent_case(comm, uneven, reduction):
     mx = l64.max(-1, keepdims=True)
     lse = np.log(np.exp(l64 - mx).sum(-1)) + mx[..., 0]
     per = lse - np.take_along_axis(l64, targets[..., None], -1)[..., 0]
-    ref_loss = per if reduction == "none" else per.mean()
+    ref_loss = per if reduction == "none" else per.mean() if reduction == "mean" else per.sum()
     p = np.exp(l64 - lse[..., None])
     onehot = np.zeros_like(p)
     np.put_along_axis(onehot, targets[..., None], 1.0, -1)
-    scale = (np.asarray(dloss)[..., None] if reduction == "none" else dloss / per.size)
+    scale = (np.asarray(dloss)[..., None] if reduction == "none" else
+             dloss / per.size if reduction == "mean" else dloss)
     ref_d = ((p - onehot) * scale)[..., off:off + loc]
     return bool(np.allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)), bool(np.allclose(dshard, ref_d, rtol=1e-4, atol=1e-6)), \
         float(tpcore.vocab_parallel_cross_entropy(shard, targets, comm))
@@ -85,9 +87,38 @@ def _xent_case(comm, uneven, reduction):
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_vocab_parallel_cross_entropy(world, uneven, reduction):
     res = run(_xent_case, world, uneven, reduction)
     for r, (ok_loss, ok_grad, mean) in enumerate(res):
         assert ok_loss and ok_grad, f"rank {r}: loss {ok_loss} grad {ok_grad}"
     assert len({m for _, _, m in res}) == 1  # every rank gets the same loss
+
+
+def _before_forward(comm):
+    errs = []
+    for call in (lambda: tpcore.VocabParallelCrossEntropy(comm).backward(),
+                 lambda: tpcore.ParallelMLP(8, 16, comm).backward(np.ones((2, 8), np.float32)),
+                 lambda: tpcore.VocabParallelEmbedding(10, 4, comm).backward(np.ones((2, 4), np.float32))):
+        try:
+            call()
+            errs.append("no error")
+        except RuntimeError as e:
+            if "before forward" not in str(e):
+                errs.append(str(e))
+    xent = tpcore.VocabParallelCrossEntropy(comm)
+    shard = np.zeros((3, 5), np.float32) + comm.rank
+    for bad, etype in ((np.array([0, 1, 5 * comm.size]), ValueError), (np.array([0.5, 1, 2]), TypeError),
+                       (np.array([0, 1]), ValueError)):
+        try:
+            xent(shard, bad)
+            errs.append("no error for bad targets")
+        except etype:
+            pass
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_backward_before_forward_and_bad_targets(world):
+    for r, errs in enumerate(run(_before_forward, world)):
+        assert not errs, f"rank {r}: {errs}"

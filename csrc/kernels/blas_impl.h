@@ -17,4 +17,12 @@
 #endif
 #endif
 
+/* The integer type of the CBLAS interface: OpenBLAS's blasint (int32 in these
+ * builds), plain int for other CBLAS headers. */
+#if defined(TP_BLAS_IS_OPENBLAS)
+typedef blasint tp_blasint;
+#else
+typedef int tp_blasint;
+#endif
+
 #endif

@@ -1,4 +1,5 @@
 /* Column- and row-parallel linear layers: kernels (BLAS GEMMs) + collectives. */
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -139,10 +140,22 @@ tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: gated is for column-parallel layers without gather_output");
   }
   int g = cfg->gated ? 2 : 1;
+  /* GEMM dimensions go to BLAS as 32-bit ints; the shard must also fit in memory. */
+  if (K > INT_MAX || g * N > INT_MAX) {
+    tp_parallel_linear_destroy(L);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: in_features %lld and (gated) out_features %lld must be at "
+                        "most %d (BLAS uses 32-bit dimensions)", (long long)K, (long long)(g * N), INT_MAX);
+  }
   L->wr = col ? g * L->loc : N;
   L->wc = col ? K : L->loc;
   int64_t blen = cfg->bias ? (col ? g * L->loc : N) : 0;
-  size_t wn = (size_t)(L->wr * L->wc);
+  int64_t wn64;
+  if (__builtin_mul_overflow(L->wr, L->wc, &wn64) || wn64 > ((int64_t)1 << 40)) {
+    tp_parallel_linear_destroy(L);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: a weight shard of %lld x %lld is too large",
+                        (long long)L->wr, (long long)L->wc);
+  }
+  size_t wn = (size_t)wn64;
   L->w = malloc((wn ? wn : 1) * sizeof(float));
   L->dw = calloc(wn ? wn : 1, sizeof(float));
   if (cfg->bias) {
@@ -204,9 +217,37 @@ static size_t *block_counts(tp_parallel_linear_t L, int64_t M) {
   return c;
 }
 
+static tp_status_t check_rows(tp_parallel_linear_t L, int64_t M, const char *op) {
+  int64_t widest = L->cfg.in_features > L->cfg.out_features ? L->cfg.in_features : L->cfg.out_features, n;
+  if (M < 0 || M > INT_MAX || __builtin_mul_overflow(M, 2 * widest, &n) || n > ((int64_t)1 << 40))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear %s: %lld rows is out of range (at most %d, and rows x "
+                        "features must fit in memory)", op, (long long)M, INT_MAX);
+  return TP_SUCCESS;
+}
+
+/* A failure on this rank before a collective would leave the peers waiting for it:
+ * abort the communicator so that they fail at once, naming this rank. */
+static tp_status_t fail_local(tp_parallel_linear_t L, tp_status_t st) {
+  if (st == TP_ERR_NOMEM || st == TP_ERR_INTERNAL) tp_comm_abort(L->comm, tp_last_error());
+  return st;
+}
+
+static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x, int64_t M);
+static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M);
+
 tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, float *y, const float *x, int64_t M) {
   if (!L || (M && (!x || !y))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear forward: NULL argument");
-  if (M < 0) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear forward: negative row count %lld", (long long)M);
+  TP_CHECK(check_rows(L, M, "forward"));
+  return fail_local(L, forward_impl(L, y, x, M));
+}
+
+tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M) {
+  if (!L || (M && (!dy || !dx))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: NULL argument");
+  TP_CHECK(check_rows(L, M, "backward"));
+  return fail_local(L, backward_impl(L, dx, dy, M));
+}
+
+static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x, int64_t M) {
   int64_t K = L->cfg.in_features, N = L->cfg.out_features;
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
     TP_CHECK(save_input(L, x, M, K, 0, K));
@@ -249,8 +290,7 @@ tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, float *y, const f
   return TP_SUCCESS;
 }
 
-tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M) {
-  if (!L || (M && (!dy || !dx))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: NULL argument");
+static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M) {
   if (L->xsave_m < 0)
     return tp_set_error(TP_ERR_INVALID_USAGE, "linear backward: called before forward");
   if (M != L->xsave_m)

@@ -22,7 +22,7 @@ from typing import Dict, Iterator, Tuple
 
 import numpy as np
 
-from .comm import Comm
+from .comm import Comm, CommError
 from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from .vocab import VocabParallelEmbedding
 
@@ -137,6 +137,21 @@ def shard_path(path: str, rank: int, world: int) -> str:
     return f"{stem}.rank{rank}-of-{world}{suffix}"
 
 
+def _collective(fn):
+    """A failure on one rank (a full disk, a missing file) aborts the communicator,
+    so that the other ranks fail at once instead of waiting in the barrier."""
+    def wrapper(model, path, comm, sharded=False):
+        try:
+            return fn(model, path, comm, sharded)
+        except Exception as e:
+            if not isinstance(e, CommError) and not comm.closed:
+                comm.abort(f"{fn.__name__}({path!r}) failed on rank {comm.rank}: {type(e).__name__}: {e}")
+            raise
+    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+    return wrapper
+
+
+@_collective
 def save(model, path: str, comm: Comm, sharded: bool = False) -> None:
     """Collective.  Full tensors (written by rank 0) or one file per rank."""
     _format(path)
@@ -159,6 +174,7 @@ def save(model, path: str, comm: Comm, sharded: bool = False) -> None:
     comm.barrier()  # the files are complete when save returns on any rank
 
 
+@_collective
 def load(model, path: str, comm: Comm, sharded: bool = False) -> None:
     """Load full tensors (any world size: each rank keeps its slice) or this
     rank's shard file (the same world size and partition it was saved with)."""

@@ -62,6 +62,22 @@ def partition(n: int, world: int, weights: Optional[Sequence[float]] = None, ali
     return out
 
 
+def check_partition(comm: Comm, offset: int, local: int, dim: int, who: str):
+    """Every rank's (offset, size), gathered; raises on every rank (they all see the
+    same data) unless the slices tile [0, dim) in rank order: ranks that were given
+    different partitions would otherwise compute wrong results without an error."""
+    part = comm.all_gather(np.array([[offset, local]], dtype=np.int64)).tolist()
+    expect = 0
+    for r, (o, s) in enumerate(part):
+        if o != expect or s < 0:
+            raise ValueError(f"{who}: the ranks disagree on the partition: rank {r} holds [{o}, {o + s}) but the "
+                             f"slices before it end at {expect} (gathered: {part}); pass the same partition everywhere")
+        expect = o + s
+    if expect != dim:
+        raise ValueError(f"{who}: the ranks' slices cover {expect} of {dim} (gathered: {part})")
+    return part
+
+
 def _sizes(part, dim, world, what):
     if part is None:
         return None
@@ -100,7 +116,7 @@ class _ParallelLinear:
         shard = self._c.shard
         self.offset, self.local = shard["offset"], shard["local"]
         self._x_cols, self._y_cols = shard["x_cols"], shard["y_cols"]
-        self.partition = comm.all_gather(np.array([[self.offset, self.local]], dtype=np.int64)).tolist()
+        self.partition = check_partition(comm, self.offset, self.local, split, type(self).__name__)
 
     # parameters: views of C memory
     @property

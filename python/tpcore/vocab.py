@@ -9,7 +9,8 @@ vocab_parallel_cross_entropy takes each rank's shard of the logits (the
 output of a column-parallel LM head without gather) and computes the softmax
 cross-entropy of the full vocabulary without any rank holding the full
 logits: a max all-reduce, then one all-reduce of the packed (sum of exp,
-target logit) per row.  Its backward gives this rank's shard of dlogits.
+target logit) per row (plus a small all-gather of the shard widths when
+vocab_offset is not given).  Its backward gives this rank's shard of dlogits.
 The vocabulary need not divide by the world size.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 from . import _C
 from .comm import Comm
-from .layers import _sizes
+from .layers import _sizes, check_partition
 
 
 def _tokens(tokens, vocab, name="tokens"):
@@ -49,8 +50,8 @@ class VocabParallelEmbedding:
             n, w = self.num_embeddings, comm.size
             sizes = [n // w + (1 if r < n % w else 0) for r in range(w)]
         offs = [sum(sizes[:r]) for r in range(comm.size)]
-        self.partition = [[o, s] for o, s in zip(offs, sizes)]
         self.offset, self.local = offs[comm.rank], sizes[comm.rank]
+        self.partition = check_partition(comm, self.offset, self.local, self.num_embeddings, "VocabParallelEmbedding")
         # N(0, 1) like torch.nn.Embedding, drawn per full row so every world size agrees
         self.weight = np.empty((self.local, self.embedding_dim), np.float32)
         for i in range(self.local):

@@ -53,8 +53,8 @@ void tp_linear_forward(float *y, const float *x, const float *w, const float *b,
     if (!b) memset(y, 0, (size_t)(M * N) * sizeof(float));
     return;
   }
-  TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)M, (blasint)N, (blasint)K, 1.0f, x,
-                       (blasint)K, w, (blasint)K, beta, y, (blasint)N);
+  TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, (tp_blasint)M, (tp_blasint)N, (tp_blasint)K, 1.0f, x,
+                       (tp_blasint)K, w, (tp_blasint)K, beta, y, (tp_blasint)N);
 }
 
 void tp_linear_backward(float *dx, float *dw, float *db, const float *dy, const float *x, const float *w,
@@ -63,13 +63,13 @@ void tp_linear_backward(float *dx, float *dw, float *db, const float *dy, const 
     if (N == 0) {
       if (!accumulate_dx) memset(dx, 0, (size_t)(M * K) * sizeof(float));
     } else {
-      TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)M, (blasint)K, (blasint)N, 1.0f,
-                           dy, (blasint)N, w, (blasint)K, accumulate_dx ? 1.0f : 0.0f, dx, (blasint)K);
+      TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasNoTrans, (tp_blasint)M, (tp_blasint)K, (tp_blasint)N, 1.0f,
+                           dy, (tp_blasint)N, w, (tp_blasint)K, accumulate_dx ? 1.0f : 0.0f, dx, (tp_blasint)K);
     }
   }
   if (dw && N && K && M)
-    TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasTrans, CblasNoTrans, (blasint)N, (blasint)K, (blasint)M, 1.0f, dy,
-                         (blasint)N, x, (blasint)K, 1.0f, dw, (blasint)K);
+    TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasTrans, CblasNoTrans, (tp_blasint)N, (tp_blasint)K, (tp_blasint)M, 1.0f, dy,
+                         (tp_blasint)N, x, (tp_blasint)K, 1.0f, dw, (tp_blasint)K);
   if (db)
     for (int64_t m = 0; m < M; m++) {
       const float *row = dy + m * N;
