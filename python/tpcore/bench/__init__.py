@@ -1,14 +1,17 @@
 """Benchmarks of tpcore.
 
     python -m tpcore.bench collectives [options]    collectives vs memcpy, gloo and MPI
+    python -m tpcore.bench layers [options]         ParallelMLP vs NumPy GEMMs and torch/gloo
 
 `python -m tpcore.bench --help` lists the subcommands; each has its own
 --help.  Optional extras: matplotlib for --plot (pip install 'tpcore[bench]'),
-torch for the gloo peer, mpi4py + Open MPI for the MPI peer.  Nothing here is
-imported by `import tpcore`.
+torch for the gloo peers, mpi4py + Open MPI for the MPI peer, threadpoolctl
+(layers: NumPy's BLAS threads set to tpcore's).  Nothing here is imported by
+`import tpcore`.
 """
 
 # subcommand -> module in this package with add_arguments(parser), run(args) and a docstring
 SUBCOMMANDS = {
     "collectives": "collectives",
+    "layers": "layers",
 }
