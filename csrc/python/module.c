@@ -885,17 +885,29 @@ static int lin_arg(PyObject *x, const char *op, const char *arg, int64_t cols, i
   return 0;
 }
 
-static PyObject *lin_run(PyObject *o, PyObject *x, int backward) {
+static PyObject *lin_run(PyObject *o, PyObject *x, PyObject *out, int backward) {
   LinearObject *self = (LinearObject *)o;
   const char *op = backward ? "backward" : "forward";
   if (!live(self->comm, op)) return NULL;
   int64_t in_cols = backward ? self->info.y_cols : self->info.x_cols;
   int64_t out_cols = backward ? self->info.x_cols : self->info.y_cols;
-  int64_t M;
+  int64_t M, Mo;
   if (lin_arg(x, op, backward ? "dy" : "x", in_cols, &M) < 0) return NULL;
-  npy_intp dims[2] = {(npy_intp)M, (npy_intp)out_cols};
-  PyObject *y = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
-  if (!y) return NULL;
+  PyObject *y;
+  if (out && out != Py_None) { /* a workspace the caller reuses across steps */
+    buf_t bo;
+    if (lin_arg(out, op, "out", out_cols, &Mo) < 0 || get_buf(out, op, "out", 1, &bo) < 0) return NULL;
+    if (Mo != M) {
+      PyErr_Format(PyExc_ValueError, "%s: out has %lld rows, the input %lld", op, (long long)Mo, (long long)M);
+      return NULL;
+    }
+    Py_INCREF(out);
+    y = out;
+  } else {
+    npy_intp dims[2] = {(npy_intp)M, (npy_intp)out_cols};
+    y = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    if (!y) return NULL;
+  }
   const float *xp = PyArray_DATA((PyArrayObject *)x);
   float *yp = PyArray_DATA((PyArrayObject *)y);
   tp_status_t s;
@@ -915,8 +927,13 @@ static PyObject *lin_run(PyObject *o, PyObject *x, int backward) {
   return y;
 }
 
-static PyObject *lin_forward(PyObject *o, PyObject *x) { return lin_run(o, x, 0); }
-static PyObject *lin_backward(PyObject *o, PyObject *dy) { return lin_run(o, dy, 1); }
+static PyObject *lin_call(PyObject *o, PyObject *args, int backward) {
+  PyObject *x, *out = Py_None;
+  if (!PyArg_ParseTuple(args, backward ? "O|O:backward" : "O|O:forward", &x, &out)) return NULL;
+  return lin_run(o, x, out, backward);
+}
+static PyObject *lin_forward(PyObject *o, PyObject *args) { return lin_call(o, args, 0); }
+static PyObject *lin_backward(PyObject *o, PyObject *args) { return lin_call(o, args, 1); }
 
 /* A NumPy view of a C-owned array that keeps the layer alive. */
 static PyObject *lin_view(LinearObject *self, float *p, int nd, int64_t d0, int64_t d1) {
@@ -956,8 +973,8 @@ static PyGetSetDef lin_getset[] = {
 };
 
 static PyMethodDef lin_methods[] = {
-    {"forward", lin_forward, METH_O, "forward(x[M, x_cols]) -> y[M, y_cols]"},
-    {"backward", lin_backward, METH_O, "backward(dy[M, y_cols]) -> dx[M, x_cols]; accumulates grads"},
+    {"forward", lin_forward, METH_VARARGS, "forward(x[M, x_cols], out=None) -> y[M, y_cols]"},
+    {"backward", lin_backward, METH_VARARGS, "backward(dy[M, y_cols], out=None) -> dx[M, x_cols]; accumulates grads"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1013,9 +1030,9 @@ static int parse_act(const char *name, tp_activation_t *act) {
 /* act_forward(name, h[M, F or 2F]) -> out[M, F]; act_backward(name, h, dout[M, F]) -> dh */
 static PyObject *act_call(PyObject *args, int backward) {
   const char *name;
-  PyObject *h, *dout = NULL;
-  if (backward ? !PyArg_ParseTuple(args, "sOO:act_backward", &name, &h, &dout)
-               : !PyArg_ParseTuple(args, "sO:act_forward", &name, &h))
+  PyObject *h, *dout = NULL, *outo = Py_None;
+  if (backward ? !PyArg_ParseTuple(args, "sOO|O:act_backward", &name, &h, &dout, &outo)
+               : !PyArg_ParseTuple(args, "sO|O:act_forward", &name, &h, &outo))
     return NULL;
   tp_activation_t act;
   if (parse_act(name, &act) < 0) return NULL;
@@ -1040,8 +1057,21 @@ static PyObject *act_call(PyObject *args, int backward) {
     }
   }
   npy_intp dims[2] = {M, backward ? C : F};
-  PyObject *out = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
-  if (!out) return NULL;
+  PyObject *out;
+  if (outo != Py_None) { /* a workspace reused across steps */
+    buf_t bo;
+    if (get_buf(outo, op, "out", 1, &bo) < 0) return NULL;
+    if (bo.dtype != TP_FLOAT32 || bo.count != (size_t)(dims[0] * dims[1])) {
+      PyErr_Format(PyExc_ValueError, "%s: out must be float32 with %zd x %zd elements", op, (Py_ssize_t)dims[0],
+                   (Py_ssize_t)dims[1]);
+      return NULL;
+    }
+    Py_INCREF(outo);
+    out = outo;
+  } else {
+    out = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    if (!out) return NULL;
+  }
   float *o = PyArray_DATA((PyArrayObject *)out);
   Py_BEGIN_ALLOW_THREADS
   if (backward) tp_act_backward(o, bh.data, bd.data, M, F, act);
