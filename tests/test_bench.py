@@ -20,3 +20,13 @@ def test_collectives_benchmark_quick(tmp_path):
     assert all(row["wrong"] == 0 for row in rows)
     assert all(row["time_us"] > 0 for row in rows)
     assert data["memcpy"], "the memcpy reference line is missing"
+
+
+def test_layers_benchmark_quick(tmp_path):
+    out = tmp_path / "layers.json"
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "layers", "--quick", "--peers", "none",
+                        "--no-progress", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "float64 check" in r.stdout and "-> OK" in r.stdout.split("float64 check")[1].splitlines()[0]
+    data = json.loads(out.read_text())
+    assert data, "empty JSON"

@@ -77,6 +77,7 @@ from typing import List, Optional
 import numpy as np
 
 from .. import _cleanup
+from .collectives import _iters  # the same --iters parser
 from ._sweep import Progress, env_info
 
 PEERS = ("gloo",)
@@ -96,18 +97,6 @@ def _ints(what):
             raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list of ints >= 1, got {text!r}")
         return vals
     return parse
-
-
-def _iters(text):
-    if text == "auto":
-        return None
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"--iters must be 'auto' or an int >= 1, got {text!r}")
-    return v
 
 
 def _peers(text):
