@@ -32,7 +32,7 @@ CORE_SRC := $(wildcard csrc/core/*.c) $(wildcard csrc/comm/*.c) $(wildcard csrc/
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))
 HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h)
 
-all: $(BUILD)/libtpcore.a $(BUILD)/test_comm
+all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers
 
 $(BUILD)/obj/%.o: csrc/%.c $(HDRS)
 	@mkdir -p $(dir $@)
@@ -44,8 +44,12 @@ $(BUILD)/libtpcore.a: $(CORE_OBJ)
 $(BUILD)/test_comm: csrc/tests/test_comm.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
+$(BUILD)/test_layers: csrc/tests/test_layers.c $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+
 test: all
 	./$(BUILD)/test_comm
+	./$(BUILD)/test_layers
 
 clean:
 	rm -rf build build-san

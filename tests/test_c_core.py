@@ -1,5 +1,6 @@
 """The C core without Python: build it with make (plain, and under ASan +
-UBSan) and run its C tests of the communicator at world sizes 1-4.  Also checks
+UBSan) and run its C tests of the communicator at world sizes 1-4 and of the
+parallel MLP at world sizes 1-3.  Also checks
 the layering rule: only csrc/python includes Python.h or NumPy headers."""
 import os
 import pathlib
@@ -15,28 +16,31 @@ def build_and_run(tmp_path, sanitize):
     if shutil.which("make") is None or shutil.which("cc") is None:
         pytest.skip("make or a C compiler is missing")
     build = tmp_path / ("san" if sanitize else "plain")
-    args = ["make", "-s", "-C", str(ROOT), f"BUILD={build}", f"{build}/test_comm"]
+    args = ["make", "-s", "-C", str(ROOT), f"BUILD={build}", f"{build}/test_comm", f"{build}/test_layers"]
     if sanitize:
         args.insert(1, "SANITIZE=1")
     r = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
-    r = subprocess.run([str(build / "test_comm")], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "0 failed" in r.stdout
-    assert "ERROR: AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr
-    return r.stdout
+    out = ""
+    for exe in ("test_comm", "test_layers"):
+        r = subprocess.run([str(build / exe)], capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "0 failed" in r.stdout
+        assert "ERROR: AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr
+        out += r.stdout
+    return out
 
 
 def test_c_core(tmp_path):
     out = build_and_run(tmp_path, sanitize=False)
-    assert "24 passed" in out
+    assert "24 passed" in out and "3 passed" in out
 
 
 def test_c_core_under_asan_ubsan(tmp_path):
     out = build_and_run(tmp_path, sanitize=True)
-    assert "24 passed" in out
+    assert "24 passed" in out and "3 passed" in out
 
 
 def test_python_headers_only_in_the_extension():

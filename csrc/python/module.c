@@ -25,6 +25,7 @@ typedef struct {
   PyTypeObject *CommType;
   PyTypeObject *SharedBufferType;
   PyTypeObject *LinearType;
+  PyTypeObject *MLPType;
 } module_state;
 
 static struct PyModuleDef tpcore_module;
@@ -776,6 +777,7 @@ typedef struct {
   tp_parallel_linear_t L;
   CommObject *comm; /* kept alive; calls go through its in-flight accounting */
   tp_linear_info_t info;
+  PyObject *owner;  /* an MLP that owns L (then L is not destroyed here) */
 } LinearObject;
 
 static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
@@ -861,7 +863,8 @@ static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 static void lin_dealloc(PyObject *o) {
   LinearObject *self = (LinearObject *)o;
   PyTypeObject *tp = Py_TYPE(o);
-  tp_parallel_linear_destroy(self->L);
+  if (self->owner) Py_DECREF(self->owner);
+  else tp_parallel_linear_destroy(self->L);
   Py_XDECREF(self->comm);
   tp->tp_free(o);
   Py_DECREF(tp);
@@ -993,6 +996,186 @@ static PyType_Spec lin_spec = {
     .basicsize = sizeof(LinearObject),
     .flags = Py_TPFLAGS_DEFAULT,
     .slots = lin_slots,
+};
+
+/* ---------------------------------------------------------------- ParallelMLP */
+
+static int parse_act(const char *name, tp_activation_t *act);
+
+typedef struct {
+  PyObject_HEAD
+  tp_parallel_mlp_t M;
+  CommObject *comm;
+  int64_t hidden;
+} MLPObject;
+
+static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"comm", "hidden", "ffn_hidden", "activation", "bias", "partition", "seed", NULL};
+  PyObject *commo, *part = Py_None;
+  const char *actname;
+  long long hidden, ffn;
+  int bias = 1;
+  unsigned long long seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OLLs|pOK:ParallelMLP", kwlist, &commo, &hidden, &ffn, &actname, &bias,
+                                   &part, &seed))
+    return NULL;
+  module_state *st = state_of_type(type);
+  if (!st) return NULL;
+  if (!PyObject_TypeCheck(commo, st->CommType)) {
+    PyErr_Format(PyExc_TypeError, "ParallelMLP: comm must be a tpcore communicator, got %s", Py_TYPE(commo)->tp_name);
+    return NULL;
+  }
+  CommObject *co = (CommObject *)commo;
+  if (!live(co, "ParallelMLP")) return NULL;
+  tp_mlp_config_t cfg = TP_MLP_CONFIG_INITIALIZER;
+  if (parse_act(actname, &cfg.activation) < 0) return NULL;
+  cfg.hidden = hidden;
+  cfg.ffn_hidden = ffn;
+  cfg.bias = bias;
+  cfg.seed = seed;
+  int size;
+  tp_comm_size(co->comm, &size);
+  int64_t *sizes = NULL;
+  if (part != Py_None) {
+    PyObject *seq = PySequence_Fast(part, "partition must be a sequence of ints");
+    if (!seq) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != size) {
+      PyErr_Format(PyExc_ValueError, "partition has %zd entries, expected one per rank (%d)",
+                   PySequence_Fast_GET_SIZE(seq), size);
+      Py_DECREF(seq);
+      return NULL;
+    }
+    sizes = PyMem_Malloc(sizeof(int64_t) * (size_t)size);
+    if (!sizes) {
+      Py_DECREF(seq);
+      return PyErr_NoMemory();
+    }
+    for (int p = 0; p < size; p++) {
+      sizes[p] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, p));
+      if (sizes[p] == -1 && PyErr_Occurred()) {
+        Py_DECREF(seq);
+        PyMem_Free(sizes);
+        return NULL;
+      }
+    }
+    Py_DECREF(seq);
+    cfg.partition = sizes;
+  }
+  MLPObject *self = (MLPObject *)type->tp_alloc(type, 0);
+  if (!self) {
+    PyMem_Free(sizes);
+    return NULL;
+  }
+  tp_status_t s;
+  COMM_CALL(co, s, tp_parallel_mlp_create(&self->M, c_, &cfg));
+  PyMem_Free(sizes);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(self);
+    return raise_status(st, s, "ParallelMLP");
+  }
+  Py_INCREF(co);
+  self->comm = co;
+  self->hidden = hidden;
+  return (PyObject *)self;
+}
+
+static void mlp_dealloc(PyObject *o) {
+  MLPObject *self = (MLPObject *)o;
+  PyTypeObject *tp = Py_TYPE(o);
+  tp_parallel_mlp_destroy(self->M);
+  Py_XDECREF(self->comm);
+  tp->tp_free(o);
+  Py_DECREF(tp);
+}
+
+static PyObject *mlp_call(PyObject *o, PyObject *args, int backward) {
+  MLPObject *self = (MLPObject *)o;
+  const char *op = backward ? "backward" : "forward";
+  PyObject *x, *out = Py_None;
+  if (!PyArg_ParseTuple(args, backward ? "O|O:backward" : "O|O:forward", &x, &out)) return NULL;
+  if (!live(self->comm, op)) return NULL;
+  int64_t M, Mo;
+  if (lin_arg(x, op, backward ? "dy" : "x", self->hidden, &M) < 0) return NULL;
+  PyObject *y;
+  if (out != Py_None) {
+    buf_t bo;
+    if (lin_arg(out, op, "out", self->hidden, &Mo) < 0 || get_buf(out, op, "out", 1, &bo) < 0) return NULL;
+    if (Mo != M) {
+      PyErr_Format(PyExc_ValueError, "%s: out has %lld rows, the input %lld", op, (long long)Mo, (long long)M);
+      return NULL;
+    }
+    Py_INCREF(out);
+    y = out;
+  } else {
+    npy_intp dims[2] = {(npy_intp)M, (npy_intp)self->hidden};
+    y = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    if (!y) return NULL;
+  }
+  const float *xp = PyArray_DATA((PyArrayObject *)x);
+  float *yp = PyArray_DATA((PyArrayObject *)y);
+  tp_status_t s;
+  CommObject *co = self->comm;
+  if (backward)
+    COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_backward(self->M, yp, xp, M)));
+  else
+    COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_forward(self->M, yp, xp, M)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(y);
+    if (s == TP_ERR_INVALID_USAGE && backward) {
+      PyErr_SetString(PyExc_RuntimeError, tp_last_error());
+      return NULL;
+    }
+    return raise_status(cstate((PyObject *)co), s, op);
+  }
+  return y;
+}
+
+static PyObject *mlp_forward(PyObject *o, PyObject *args) { return mlp_call(o, args, 0); }
+static PyObject *mlp_backward(PyObject *o, PyObject *args) { return mlp_call(o, args, 1); }
+
+/* fc1 / fc2 as ParallelLinear objects that borrow the MLP's layers. */
+static PyObject *mlp_layer(PyObject *o, void *which) {
+  MLPObject *self = (MLPObject *)o;
+  module_state *st = state_of_type(Py_TYPE(o));
+  if (!st) return NULL;
+  LinearObject *l = (LinearObject *)st->LinearType->tp_alloc(st->LinearType, 0);
+  if (!l) return NULL;
+  l->L = tp_parallel_mlp_layer(self->M, (int)(intptr_t)which);
+  tp_parallel_linear_info(l->L, &l->info);
+  Py_INCREF(self->comm);
+  l->comm = self->comm;
+  Py_INCREF(o);
+  l->owner = o;
+  return (PyObject *)l;
+}
+
+static PyGetSetDef mlp_getset[] = {
+    {"fc1", mlp_layer, NULL, "the column-parallel fc1 (a view of the MLP's layer)", (void *)0},
+    {"fc2", mlp_layer, NULL, "the row-parallel fc2 (a view of the MLP's layer)", (void *)1},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef mlp_methods[] = {
+    {"forward", mlp_forward, METH_VARARGS, "forward(x[M, hidden], out=None) -> y[M, hidden]"},
+    {"backward", mlp_backward, METH_VARARGS, "backward(dy[M, hidden], out=None) -> dx[M, hidden]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot mlp_slots[] = {
+    {Py_tp_new, mlp_new},
+    {Py_tp_dealloc, mlp_dealloc},
+    {Py_tp_methods, mlp_methods},
+    {Py_tp_getset, mlp_getset},
+    {Py_tp_doc, "ParallelMLP(comm, hidden, ffn_hidden, activation, bias=True, partition=None, seed=0): "
+                "use tpcore.ParallelMLP"},
+    {0, NULL},
+};
+
+static PyType_Spec mlp_spec = {
+    .name = "tpcore._C.ParallelMLP",
+    .basicsize = sizeof(MLPObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = mlp_slots,
 };
 
 /* ------------------------------------------------------------------ module */
@@ -1290,11 +1473,14 @@ static int module_exec(PyObject *m) {
   if (!st->SharedBufferType) return -1;
   st->LinearType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &lin_spec, NULL);
   if (!st->LinearType) return -1;
+  st->MLPType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &mlp_spec, NULL);
+  if (!st->MLPType) return -1;
   if (PyModule_AddObjectRef(m, "CommError", st->CommError) < 0 ||
       PyModule_AddObjectRef(m, "CommTimeout", st->CommTimeout) < 0 ||
       PyModule_AddObjectRef(m, "Comm", (PyObject *)st->CommType) < 0 ||
       PyModule_AddObjectRef(m, "SharedBuffer", (PyObject *)st->SharedBufferType) < 0 ||
-      PyModule_AddObjectRef(m, "ParallelLinear", (PyObject *)st->LinearType) < 0)
+      PyModule_AddObjectRef(m, "ParallelLinear", (PyObject *)st->LinearType) < 0 ||
+      PyModule_AddObjectRef(m, "ParallelMLP", (PyObject *)st->MLPType) < 0)
     return -1;
   return 0;
 }
@@ -1307,6 +1493,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->CommType);
     Py_VISIT(st->SharedBufferType);
     Py_VISIT(st->LinearType);
+    Py_VISIT(st->MLPType);
   }
   return 0;
 }
@@ -1319,6 +1506,7 @@ static int module_clear(PyObject *m) {
     Py_CLEAR(st->CommType);
     Py_CLEAR(st->SharedBufferType);
     Py_CLEAR(st->LinearType);
+    Py_CLEAR(st->MLPType);
   }
   return 0;
 }

@@ -118,6 +118,18 @@ class _ParallelLinear:
         self._x_cols, self._y_cols = shard["x_cols"], shard["y_cols"]
         self.partition = check_partition(comm, self.offset, self.local, split, type(self).__name__)
 
+    @classmethod
+    def _adopt(cls, cobj, comm: Comm, in_features: int, out_features: int, gated: bool):
+        """A Python face for a C layer owned by another object (an MLP's fc1/fc2)."""
+        self = cls.__new__(cls)
+        self.comm, self.in_features, self.out_features, self.gated, self._c = comm, in_features, out_features, gated, cobj
+        shard = cobj.shard
+        self.offset, self.local = shard["offset"], shard["local"]
+        self._x_cols, self._y_cols = shard["x_cols"], shard["y_cols"]
+        split = out_features if cls._kind == "column" else in_features
+        self.partition = check_partition(comm, self.offset, self.local, split, cls.__name__)
+        return self
+
     # parameters: views of C memory
     @property
     def weight(self) -> np.ndarray:
@@ -265,21 +277,27 @@ class ParallelMLP:
     Exactly one all-reduce in forward (after fc2) and one in backward (fc1's input
     gradient).  activation="swiglu" makes fc1 gated: [gate; up] of shape
     (2 ffn_hidden, hidden), both projections of a rank in one GEMM, and
-    y = fc2(silu(gate) * up).  partition splits ffn_hidden."""
+    y = fc2(silu(gate) * up).  partition splits ffn_hidden.  The whole step is one
+    C call each way (csrc/layers/mlp.c), with its workspaces reused across steps;
+    fc1 and fc2 are views of its layers (weights, grads, load_full, gather_full)."""
 
     def __init__(self, hidden: int, ffn_hidden: int, comm: Comm, activation: str = "gelu", bias: bool = True,
                  partition=None, dtype="float32", seed: int = 0):
         if activation not in ACTIVATIONS:
             raise ValueError(f"ParallelMLP: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
                              f"got {activation!r}")
-        self.activation = activation
-        self.comm = comm
-        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, comm, bias=bias, partition=partition, dtype=dtype,
-                                        seed=seed, gated=activation == "swiglu")
-        self.fc2 = RowParallelLinear(ffn_hidden, hidden, comm, bias=bias, input_is_parallel=True,
-                                     partition=partition, dtype=dtype, seed=seed + 1)
-        self._h = None
-        self._ws, self._ws_rows = None, 0
+        if not isinstance(comm, Comm):
+            raise TypeError(f"ParallelMLP: comm must be a tpcore.Comm, got {type(comm).__name__}")
+        if np.dtype(dtype) != np.float32:
+            raise ValueError(f"ParallelMLP: dtype {np.dtype(dtype)} is not supported yet; use float32")
+        for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ParallelMLP: {name} must be an int >= 1, got {v!r}")
+        sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden")
+        self.activation, self.comm, self.hidden = activation, comm, int(hidden)
+        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, int(seed))
+        self.fc1 = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden), activation == "swiglu")
+        self.fc2 = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False)
 
     def parameters(self):
         return self.fc1.parameters() + self.fc2.parameters()
@@ -288,36 +306,12 @@ class ParallelMLP:
         self.fc1.zero_grad()
         self.fc2.zero_grad()
 
-    def _workspace(self, M):
-        """h, a, da, dh for M rows, allocated once and reused while M fits (fresh
-        pages cost a fault each: ~10 us per 4 KiB on the machines we measured)."""
-        if self._ws is None or self._ws_rows < M:
-            f1, f = self.fc1._y_cols, self.fc2._x_cols
-            cap = max(M, 1)
-            self._ws = [np.empty((cap, f1), np.float32), np.empty((cap, f), np.float32),
-                        np.empty((cap, f), np.float32), np.empty((cap, f1), np.float32)]
-            self._ws_rows = cap
-        return [w[:M] for w in self._ws]
-
     def forward(self, x: np.ndarray) -> np.ndarray:
-        x2, lead = self.fc1._rows(x, "x", self.fc1._x_cols)
-        M = x2.shape[0]
-        h, a, _, _ = self._workspace(M)
-        self.fc1._c.forward(x2, h)
-        _C.act_forward(self.activation, h, a)
-        self._h, self._lead = h, lead
-        return self.fc2._c.forward(a).reshape(lead + (self.fc2._y_cols,))
+        x2, lead = self.fc1._rows(x, "x", self.hidden)
+        return self._c.forward(x2).reshape(lead + (self.hidden,))
 
     __call__ = forward
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
-        if self._h is None:
-            raise RuntimeError("ParallelMLP.backward: called before forward")
-        dy2, lead = self.fc2._rows(dy, "dy", self.fc2._y_cols)
-        h = self._h
-        if dy2.shape[0] != h.shape[0]:
-            raise ValueError(f"ParallelMLP.backward: dy has {dy2.shape[0]} rows, the last forward had {h.shape[0]}")
-        _, _, da, dh = self._workspace(h.shape[0])
-        self.fc2._c.backward(dy2, da)
-        _C.act_backward(self.activation, h, da, dh)
-        return self.fc1._c.backward(dh).reshape(lead + (self.fc1._x_cols,))
+        dy2, lead = self.fc2._rows(dy, "dy", self.hidden)
+        return self._c.backward(dy2).reshape(lead + (self.hidden,))

@@ -21,6 +21,7 @@
 #define TPCORE_LAYERS_H
 
 #include "tpcore/comm.h"
+#include "tpcore/kernels.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -65,6 +66,33 @@ TP_API tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t layer, float 
 /* dx[M, x_cols] from dy[M, y_cols], for the last forward's input; accumulates grads. */
 TP_API tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t layer, float *dx, const float *dy,
                                                int64_t M);
+
+/* The Transformer MLP split over ranks: column-parallel fc1 (gated for SwiGLU), the
+ * activation on this rank's columns, row-parallel fc2 (input_is_parallel).  One
+ * all-reduce in forward (fc2's) and one in backward (fc1's input gradient).
+ * partition splits ffn_hidden; fc1 is seeded with seed, fc2 with seed + 1.
+ * Activations and their gradients live in workspaces reused across steps. */
+typedef struct tp_parallel_mlp *tp_parallel_mlp_t;
+
+typedef struct {
+  size_t size; /* sizeof(tp_mlp_config_t) */
+  int64_t hidden, ffn_hidden;
+  tp_activation_t activation;
+  int bias;
+  const int64_t *partition;
+  uint64_t seed;
+} tp_mlp_config_t;
+
+#define TP_MLP_CONFIG_INITIALIZER { sizeof(tp_mlp_config_t), 0, 0, TP_ACT_GELU, 1, NULL, 0 }
+
+TP_API tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const tp_mlp_config_t *cfg);
+TP_API void tp_parallel_mlp_destroy(tp_parallel_mlp_t mlp);
+/* The two linear layers (owned by the MLP). */
+TP_API tp_parallel_linear_t tp_parallel_mlp_layer(tp_parallel_mlp_t mlp, int which);
+/* y[M, hidden] from x[M, hidden] (replicated on every rank). */
+TP_API tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t mlp, float *y, const float *x, int64_t M);
+/* dx[M, hidden] from dy[M, hidden] for the last forward; accumulates the layers' grads. */
+TP_API tp_status_t tp_parallel_mlp_backward(tp_parallel_mlp_t mlp, float *dx, const float *dy, int64_t M);
 
 #ifdef __cplusplus
 }
