@@ -770,6 +770,68 @@ static PyType_Spec comm_spec = {
     .slots = comm_slots,
 };
 
+/* ------------------------------------------------- shared by the layer types */
+
+/* partition=None or a sequence of `size` ints -> *sizes (PyMem, NULL for None). */
+static int parse_partition(PyObject *part, int size, int64_t **sizes) {
+  *sizes = NULL;
+  if (part == Py_None) return 0;
+  PyObject *seq = PySequence_Fast(part, "partition must be a sequence of ints");
+  if (!seq) return -1;
+  if (PySequence_Fast_GET_SIZE(seq) != size) {
+    PyErr_Format(PyExc_ValueError, "partition has %zd entries, expected one per rank (%d)",
+                 PySequence_Fast_GET_SIZE(seq), size);
+    Py_DECREF(seq);
+    return -1;
+  }
+  int64_t *v = PyMem_Malloc(sizeof(int64_t) * (size_t)size);
+  if (!v) {
+    Py_DECREF(seq);
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (int p = 0; p < size; p++) {
+    v[p] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, p));
+    if (v[p] == -1 && PyErr_Occurred()) {
+      Py_DECREF(seq);
+      PyMem_Free(v);
+      return -1;
+    }
+  }
+  Py_DECREF(seq);
+  *sizes = v;
+  return 0;
+}
+
+/* The output of a layer call: the caller's `out` workspace (checked: float32,
+ * (M, cols), writable) or a new array.  A new reference, or NULL. */
+static int lin_arg(PyObject *x, const char *op, const char *arg, int64_t cols, int64_t *rows);
+
+static PyObject *layer_output(PyObject *out, const char *op, int64_t M, int64_t cols) {
+  if (out && out != Py_None) {
+    int64_t Mo;
+    buf_t bo;
+    if (lin_arg(out, op, "out", cols, &Mo) < 0 || get_buf(out, op, "out", 1, &bo) < 0) return NULL;
+    if (Mo != M) {
+      PyErr_Format(PyExc_ValueError, "%s: out has %lld rows, the input %lld", op, (long long)Mo, (long long)M);
+      return NULL;
+    }
+    Py_INCREF(out);
+    return out;
+  }
+  npy_intp dims[2] = {(npy_intp)M, (npy_intp)cols};
+  return PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+}
+
+/* A failed layer call: backward before forward is a RuntimeError, the rest as statuses. */
+static PyObject *layer_error(CommObject *co, tp_status_t s, const char *op, int backward) {
+  if (s == TP_ERR_INVALID_USAGE && backward) {
+    PyErr_SetString(PyExc_RuntimeError, tp_last_error());
+    return NULL;
+  }
+  return raise_status(cstate((PyObject *)co), s, op);
+}
+
 /* ------------------------------------------------------------ ParallelLinear */
 
 typedef struct {
@@ -815,33 +877,9 @@ static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.gated = gated;
   int size;
   tp_comm_size(co->comm, &size);
-  int64_t *sizes = NULL;
-  if (part != Py_None) {
-    PyObject *seq = PySequence_Fast(part, "partition must be a sequence of ints");
-    if (!seq) return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) != size) {
-      PyErr_Format(PyExc_ValueError, "partition has %zd entries, expected one per rank (%d)",
-                   PySequence_Fast_GET_SIZE(seq), size);
-      Py_DECREF(seq);
-      return NULL;
-    }
-    sizes = PyMem_Malloc(sizeof(int64_t) * (size_t)size);
-    if (!sizes) {
-      Py_DECREF(seq);
-      return PyErr_NoMemory();
-    }
-    for (int p = 0; p < size; p++) {
-      long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, p));
-      if (v == -1 && PyErr_Occurred()) {
-        Py_DECREF(seq);
-        PyMem_Free(sizes);
-        return NULL;
-      }
-      sizes[p] = v;
-    }
-    Py_DECREF(seq);
-    cfg.partition = sizes;
-  }
+  int64_t *sizes;
+  if (parse_partition(part, size, &sizes) < 0) return NULL;
+  cfg.partition = sizes;
   LinearObject *self = (LinearObject *)type->tp_alloc(type, 0);
   if (!self) {
     PyMem_Free(sizes);
@@ -894,23 +932,10 @@ static PyObject *lin_run(PyObject *o, PyObject *x, PyObject *out, int backward) 
   if (!live(self->comm, op)) return NULL;
   int64_t in_cols = backward ? self->info.y_cols : self->info.x_cols;
   int64_t out_cols = backward ? self->info.x_cols : self->info.y_cols;
-  int64_t M, Mo;
+  int64_t M;
   if (lin_arg(x, op, backward ? "dy" : "x", in_cols, &M) < 0) return NULL;
-  PyObject *y;
-  if (out && out != Py_None) { /* a workspace the caller reuses across steps */
-    buf_t bo;
-    if (lin_arg(out, op, "out", out_cols, &Mo) < 0 || get_buf(out, op, "out", 1, &bo) < 0) return NULL;
-    if (Mo != M) {
-      PyErr_Format(PyExc_ValueError, "%s: out has %lld rows, the input %lld", op, (long long)Mo, (long long)M);
-      return NULL;
-    }
-    Py_INCREF(out);
-    y = out;
-  } else {
-    npy_intp dims[2] = {(npy_intp)M, (npy_intp)out_cols};
-    y = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
-    if (!y) return NULL;
-  }
+  PyObject *y = layer_output(out, op, M, out_cols);
+  if (!y) return NULL;
   const float *xp = PyArray_DATA((PyArrayObject *)x);
   float *yp = PyArray_DATA((PyArrayObject *)y);
   tp_status_t s;
@@ -921,11 +946,7 @@ static PyObject *lin_run(PyObject *o, PyObject *x, PyObject *out, int backward) 
     COMM_CALL(co, s, ((void)c_, tp_parallel_linear_forward(self->L, yp, xp, M)));
   if (s != TP_SUCCESS) {
     Py_DECREF(y);
-    if (s == TP_ERR_INVALID_USAGE && backward) {
-      PyErr_SetString(PyExc_RuntimeError, tp_last_error());
-      return NULL;
-    }
-    return raise_status(cstate((PyObject *)co), s, op);
+    return layer_error(co, s, op, backward);
   }
   return y;
 }
@@ -1035,32 +1056,9 @@ static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.seed = seed;
   int size;
   tp_comm_size(co->comm, &size);
-  int64_t *sizes = NULL;
-  if (part != Py_None) {
-    PyObject *seq = PySequence_Fast(part, "partition must be a sequence of ints");
-    if (!seq) return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) != size) {
-      PyErr_Format(PyExc_ValueError, "partition has %zd entries, expected one per rank (%d)",
-                   PySequence_Fast_GET_SIZE(seq), size);
-      Py_DECREF(seq);
-      return NULL;
-    }
-    sizes = PyMem_Malloc(sizeof(int64_t) * (size_t)size);
-    if (!sizes) {
-      Py_DECREF(seq);
-      return PyErr_NoMemory();
-    }
-    for (int p = 0; p < size; p++) {
-      sizes[p] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, p));
-      if (sizes[p] == -1 && PyErr_Occurred()) {
-        Py_DECREF(seq);
-        PyMem_Free(sizes);
-        return NULL;
-      }
-    }
-    Py_DECREF(seq);
-    cfg.partition = sizes;
-  }
+  int64_t *sizes;
+  if (parse_partition(part, size, &sizes) < 0) return NULL;
+  cfg.partition = sizes;
   MLPObject *self = (MLPObject *)type->tp_alloc(type, 0);
   if (!self) {
     PyMem_Free(sizes);
@@ -1094,23 +1092,10 @@ static PyObject *mlp_call(PyObject *o, PyObject *args, int backward) {
   PyObject *x, *out = Py_None;
   if (!PyArg_ParseTuple(args, backward ? "O|O:backward" : "O|O:forward", &x, &out)) return NULL;
   if (!live(self->comm, op)) return NULL;
-  int64_t M, Mo;
+  int64_t M;
   if (lin_arg(x, op, backward ? "dy" : "x", self->hidden, &M) < 0) return NULL;
-  PyObject *y;
-  if (out != Py_None) {
-    buf_t bo;
-    if (lin_arg(out, op, "out", self->hidden, &Mo) < 0 || get_buf(out, op, "out", 1, &bo) < 0) return NULL;
-    if (Mo != M) {
-      PyErr_Format(PyExc_ValueError, "%s: out has %lld rows, the input %lld", op, (long long)Mo, (long long)M);
-      return NULL;
-    }
-    Py_INCREF(out);
-    y = out;
-  } else {
-    npy_intp dims[2] = {(npy_intp)M, (npy_intp)self->hidden};
-    y = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
-    if (!y) return NULL;
-  }
+  PyObject *y = layer_output(out, op, M, self->hidden);
+  if (!y) return NULL;
   const float *xp = PyArray_DATA((PyArrayObject *)x);
   float *yp = PyArray_DATA((PyArrayObject *)y);
   tp_status_t s;
@@ -1121,11 +1106,7 @@ static PyObject *mlp_call(PyObject *o, PyObject *args, int backward) {
     COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_forward(self->M, yp, xp, M)));
   if (s != TP_SUCCESS) {
     Py_DECREF(y);
-    if (s == TP_ERR_INVALID_USAGE && backward) {
-      PyErr_SetString(PyExc_RuntimeError, tp_last_error());
-      return NULL;
-    }
-    return raise_status(cstate((PyObject *)co), s, op);
+    return layer_error(co, s, op, backward);
   }
   return y;
 }
