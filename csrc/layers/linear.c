@@ -210,11 +210,17 @@ static void blocks_to_columns(float *out, const float *blocks, const int64_t *pa
   }
 }
 
-static size_t *block_counts(tp_parallel_linear_t L, int64_t M) {
-  size_t *c = malloc(sizeof(size_t) * (size_t)L->world);
-  if (c)
-    for (int p = 0; p < L->world; p++) c[p] = (size_t)(L->part[p] * M);
-  return c;
+/* The registered buffer g holds this rank's [M, local] block at its rank-major place:
+ * all-gather the blocks in place (zero-copy), then lay them out as out[M, total]. */
+static tp_status_t gather_columns(tp_parallel_linear_t L, float *out, float *g, int64_t M, int64_t total) {
+  size_t *counts = malloc(sizeof(size_t) * (size_t)L->world);
+  if (!counts) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
+  for (int p = 0; p < L->world; p++) counts[p] = (size_t)(L->part[p] * M);
+  tp_status_t st = tp_all_gather_v(g + L->off * M, g, counts, TP_FLOAT32, L->comm);
+  free(counts);
+  TP_CHECK(st);
+  blocks_to_columns(out, g, L->part, L->offs, L->world, M, total);
+  return TP_SUCCESS;
 }
 
 static tp_status_t check_rows(tp_parallel_linear_t L, int64_t M, const char *op) {
@@ -259,13 +265,7 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
     TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
     float *g = L->out_buf.ptr;
     tp_linear_forward(g + L->off * M, x, L->w, L->b, M, K, L->loc);
-    size_t *counts = block_counts(L, M);
-    if (!counts) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
-    tp_status_t st = tp_all_gather_v(g + L->off * M, g, counts, TP_FLOAT32, L->comm);
-    free(counts);
-    TP_CHECK(st);
-    blocks_to_columns(y, g, L->part, L->offs, L->world, M, N);
-    return TP_SUCCESS;
+    return gather_columns(L, y, g, M, N);
   }
   /* Row parallel. */
   int64_t xcols = L->cfg.input_is_parallel ? L->loc : K;
@@ -330,11 +330,5 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
   TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
   float *g = L->grad_buf.ptr;
   tp_linear_backward(g + L->off * M, L->dw, L->db, dy, L->xsave, L->w, M, L->loc, N, 0);
-  size_t *counts = block_counts(L, M);
-  if (!counts) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
-  tp_status_t st = tp_all_gather_v(g + L->off * M, g, counts, TP_FLOAT32, L->comm);
-  free(counts);
-  TP_CHECK(st);
-  blocks_to_columns(dx, g, L->part, L->offs, L->world, M, K);
-  return TP_SUCCESS;
+  return gather_columns(L, dx, g, M, K);
 }
