@@ -30,7 +30,7 @@ LIBS := $(BLAS_LIBS) -lpthread -lrt -lm
 
 CORE_SRC := $(wildcard csrc/core/*.c) $(wildcard csrc/comm/*.c) $(wildcard csrc/kernels/cpu/*.c) $(wildcard csrc/layers/*.c)
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))
-HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h)
+HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h)
 
 all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers
 

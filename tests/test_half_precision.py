@@ -59,3 +59,55 @@ def test_sum_rounding_matches_reference_casts(dtype, world):
         same = (got.view(np.uint16) == want.view(np.uint16)) | (
             np.isnan(got.astype(np.float32)) & np.isnan(want.astype(np.float32)))
         assert same.all(), f"rank {r}: {np.count_nonzero(~same)} differ, e.g. {got[~same][:5]} vs {want[~same][:5]}"
+
+
+def _half_layers(comm, dtype):
+    """Layers take float16 / bfloat16 activations and checkpoints (compute is
+    float32); outputs and input gradients come back in the input's dtype."""
+    import tpcore
+    dt = np.dtype(np.float16) if dtype == "float16" else BF16
+    g = np.random.default_rng([31, 0])
+    W = g.standard_normal((12, 9)).astype(dt)           # a half-precision checkpoint tensor
+    b = g.standard_normal(12).astype(dt)
+    x = g.standard_normal((5, 9)).astype(dt)
+    dy = g.standard_normal((5, 12)).astype(dt)
+    col = tpcore.ColumnParallelLinear(9, 12, comm, gather_output=True)
+    col.load_full(W, b)
+    y, dx = col(x), col.backward(dy)
+    # float64 reference from the same half values
+    W64, b64, x64, dy64 = (a.astype(np.float64) for a in (W, b, x, dy))
+    y_ref, dx_ref = x64 @ W64.T + b64, dy64 @ W64
+    off, loc = col.offset, col.local
+    gw_ref = (dy64.T @ x64)[off:off + loc]
+    mlp = tpcore.ParallelMLP(9, 20, comm, activation="swiglu", seed=2)
+    ym = mlp(x)
+    ym32 = mlp(x.astype(np.float32))
+    emb = tpcore.VocabParallelEmbedding(30, 9, comm)
+    emb(np.array([1, 29, 3]))
+    emb.zero_grad()
+    emb.backward(np.ones((3, 9), dt))
+    errs = []
+    try:
+        tpcore.RowParallelLinear(9, 12, comm, dtype=dtype)
+        errs.append("dtype=half parameters accepted silently")
+    except ValueError as e:
+        if "float32" not in str(e):
+            errs.append(str(e))
+    tol = 1e-2 if dtype == "float16" else 6e-2
+    return (y.dtype == dt and dx.dtype == dt and ym.dtype == dt,
+            bool(np.allclose(y.astype(np.float64), y_ref, rtol=tol, atol=tol)),
+            bool(np.allclose(dx.astype(np.float64), dx_ref, rtol=tol, atol=tol)),
+            bool(np.allclose(col.grad_weight, gw_ref, rtol=1e-5, atol=1e-5)),   # grads stay float32
+            bool(np.array_equal(ym, ym32.astype(dt))),
+            float(emb.grad_weight.sum()) == 9.0 * sum(emb.offset <= t < emb.offset + emb.local for t in (1, 29, 3)),
+            errs)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_layers_accept_half_precision_activations_and_checkpoints(dtype, world):
+    if dtype == "bfloat16" and BF16 is None:
+        pytest.skip("ml_dtypes missing")
+    for r, res in enumerate(run(_half_layers, world, dtype)):
+        *flags, errs = res
+        assert all(flags) and not errs, f"rank {r}: {flags} {errs}"

@@ -122,3 +122,109 @@ def _before_forward(comm):
 def test_backward_before_forward_and_bad_targets(world):
     for r, errs in enumerate(run(_before_forward, world)):
         assert not errs, f"rank {r}: {errs}"
+
+
+def _xent_ignore_case(comm, ignore_index):
+    part = tpcore.partition(VOCAB, comm.size, weights=[1 + r for r in range(comm.size)])
+    g = rng_for(21, 0)
+    logits = (g.standard_normal((4, 7, VOCAB)) * 3).astype(np.float32)
+    targets = g.integers(0, VOCAB, (4, 7))
+    targets[0, :3] = ignore_index
+    targets[2, 5] = ignore_index
+    off, loc = part[comm.rank]
+    shard = np.ascontiguousarray(logits[..., off:off + loc])
+    xent = tpcore.VocabParallelCrossEntropy(comm, ignore_index=ignore_index)
+    loss = xent(shard, targets)
+    d = xent.backward(1.3)
+    keep = targets != ignore_index
+    l64 = logits.astype(np.float64)
+    mx = l64.max(-1, keepdims=True)
+    lse = np.log(np.exp(l64 - mx).sum(-1)) + mx[..., 0]
+    safe_t = np.where(keep, targets, 0)
+    per = lse - np.take_along_axis(l64, safe_t[..., None], -1)[..., 0]
+    ref = per[keep].mean()
+    p = np.exp(l64 - lse[..., None])
+    onehot = np.zeros_like(p)
+    np.put_along_axis(onehot, safe_t[..., None], 1.0, -1)
+    ref_d = ((p - onehot) * keep[..., None] * (1.3 / keep.sum()))[..., off:off + loc]
+    per_none = xent(shard, targets, reduction="none")
+    return (abs(loss - ref) <= 1e-5 * abs(ref), bool(np.allclose(d, ref_d, rtol=1e-4, atol=1e-7)),
+            bool(np.all(per_none[~keep] == 0)), bool(np.allclose(per_none[keep], per[keep], rtol=1e-5)))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("ignore_index", [-100, 7], ids=["default", "a-real-token-id"])
+def test_cross_entropy_ignore_index(world, ignore_index):
+    """Rows whose target is ignore_index add no loss and no gradient; the mean is
+    over the other rows (torch.nn.functional.cross_entropy semantics)."""
+    for r, res in enumerate(run(_xent_ignore_case, world, ignore_index)):
+        assert all(res), f"rank {r}: loss, grad, none-zero, none-values = {res}"
+
+
+def _xent_mismatch(comm):
+    shard = rng_for(3, comm.rank).standard_normal((4, 6)).astype(np.float32)
+    targets = np.array([1, 2, 3, 4 + (comm.rank == comm.size - 1)])  # the last rank disagrees
+    try:
+        tpcore.vocab_parallel_cross_entropy(shard, targets, comm)
+        err = "no error"
+    except ValueError as e:
+        err = str(e)
+    # the communicator is still usable: every rank failed the same way, at the same point
+    ok_after = float(comm.all_reduce(np.ones(1, np.float32))[0]) == comm.size
+    return err, ok_after
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cross_entropy_targets_differ_across_ranks(world):
+    for r, (err, ok_after) in enumerate(run(_xent_mismatch, world)):
+        assert "different targets" in err and ok_after, f"rank {r}: {err!r}, usable after: {ok_after}"
+
+
+def _xent_shape_errors(comm):
+    xent = tpcore.VocabParallelCrossEntropy(comm)
+    shard = rng_for(4, comm.rank).standard_normal((3, 5)).astype(np.float32)
+    out = []
+    for args, etype in (((shard.astype(np.float64), [0, 1, 2]), TypeError),
+                        ((shard[:, ::2], [0, 1, 2]), ValueError),       # not C-contiguous
+                        ((shard, np.zeros((3, 1), np.int64)), ValueError),
+                        ((shard, [0, 1, -1]), ValueError)):             # negative, not the ignore_index
+        try:
+            xent(*args)
+            out.append(f"no error for {etype.__name__}")
+        except etype as e:
+            if not str(e):
+                out.append("empty message")
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_cross_entropy_bad_inputs(world):
+    for r, errs in enumerate(run(_xent_shape_errors, world)):
+        assert not errs, f"rank {r}: {errs}"
+
+
+def _big_vocab(comm):
+    """A 50k vocabulary at the LM-head scale; loss and gradient against float64."""
+    V, M = 50_257, 24
+    part = tpcore.partition(V, comm.size)
+    g = rng_for(8, 0)
+    logits = (g.standard_normal((M, V)) * 2).astype(np.float32)
+    targets = g.integers(0, V, M)
+    off, loc = part[comm.rank]
+    xent = tpcore.VocabParallelCrossEntropy(comm)
+    loss = xent(np.ascontiguousarray(logits[:, off:off + loc]), targets)
+    d = xent.backward()
+    l64 = logits.astype(np.float64)
+    lse = np.log(np.exp(l64 - l64.max(1, keepdims=True)).sum(1)) + l64.max(1)
+    ref = (lse - l64[np.arange(M), targets]).mean()
+    onehot = np.zeros((M, loc))
+    inside = (targets >= off) & (targets < off + loc)
+    onehot[np.arange(M)[inside], (targets - off)[inside]] = 1.0
+    ref_d = (np.exp(l64[:, off:off + loc] - lse[:, None]) - onehot) / M
+    return abs(loss - ref) <= 2e-6 * abs(ref), float(np.abs(d - ref_d).max())
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_cross_entropy_large_vocabulary(world):
+    for r, (ok, err) in enumerate(run(_big_vocab, world)):
+        assert ok and err < 1e-8, f"rank {r}: loss ok {ok}, max |dlogits error| {err}"

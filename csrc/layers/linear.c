@@ -4,15 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../comm/comm_impl.h"
+#include "layers_impl.h"
 #include "tpcore/kernels.h"
 #include "tpcore/layers.h"
-
-typedef struct {
-  void *ptr;
-  tp_mem_t mem;
-  size_t cap;
-} reg_buf;
 
 struct tp_parallel_linear {
   tp_comm_t comm;
@@ -22,40 +16,31 @@ struct tp_parallel_linear {
   int64_t off, loc;     /* this rank's slice */
   float *w, *b, *dw, *db;
   int64_t wr, wc;       /* weight shard rows x cols */
-  float *xsave;         /* last forward's input (this rank's columns), M x x_local */
+  float *xsave;         /* a copy of the last forward's input (this rank's columns), M x x_local */
+  const float *xin;     /* the input backward uses: xsave, or the caller's x when borrowed */
+  int borrow;           /* this forward may keep a pointer to x instead of a copy */
+  float *dytmp;         /* column backward with gather_output: this rank's columns of dy */
+  int64_t dytmp_cap;
   /* xsave_m: rows of the last forward, -1 before the first */
   int64_t xsave_m, xsave_cap;
   reg_buf out_buf;      /* row: partial outputs to all-reduce; column: gathered blocks */
   reg_buf grad_buf;     /* column: dx partials to all-reduce; row: dx blocks to gather */
 };
 
-/* splitmix64 of (seed, tensor, index) -> uniform in [-bound, bound). */
+/* uniform in [-bound, bound) for element `index` of tensor `tensor` (0 weight, 1 bias) */
 static float init_value(uint64_t seed, uint64_t tensor, uint64_t index, float bound) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ULL ^ (tensor + 1) * 0xD1B54A32D192ED03ULL ^ index * 0x94D049BB133111EBULL;
-  z += 0x9E3779B97F4A7C15ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  z ^= z >> 31;
-  double u = (double)(z >> 11) * (1.0 / 9007199254740992.0); /* [0, 1) */
-  return (float)((2.0 * u - 1.0) * bound);
+  return (float)((2.0 * tp_uniform01(seed, tensor, index) - 1.0) * bound);
 }
 
 static tp_status_t ensure_reg(tp_parallel_linear_t L, reg_buf *rb, size_t nbytes) {
-  /* Collective: every rank asks for the same size (M and the shapes agree). */
-  if (rb->cap >= nbytes && rb->ptr) return TP_SUCCESS;
-  if (rb->mem) tp_mem_release(rb->mem);
-  rb->mem = NULL;
-  rb->ptr = NULL;
-  size_t cap = nbytes < 4096 ? 4096 : nbytes + nbytes / 2;
-  TP_CHECK(tp_comm_mem_alloc(L->comm, cap, &rb->ptr, &rb->mem));
-  rb->cap = cap;
-  return TP_SUCCESS;
+  return tp_reg_ensure(L->comm, rb, nbytes);
 }
 
 static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M, int64_t cols,
                               int64_t col0, int64_t stride) {
   int64_t need = M * L->wc;
-  if (need == 0) { /* an empty shard or no rows: nothing to keep */
+  if (need == 0 || (L->borrow && cols == stride)) { /* nothing to keep, or x outlives the step */
+    L->xin = x;
     L->xsave_m = M;
     return TP_SUCCESS;
   }
@@ -69,14 +54,15 @@ static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M,
     memcpy(L->xsave, x, (size_t)need * sizeof(float));
   else
     for (int64_t m = 0; m < M; m++) memcpy(L->xsave + m * cols, x + m * stride + col0, (size_t)cols * sizeof(float));
+  L->xin = L->xsave;
   L->xsave_m = M;
   return TP_SUCCESS;
 }
 
 void tp_parallel_linear_destroy(tp_parallel_linear_t L) {
   if (!L) return;
-  if (L->out_buf.mem) tp_mem_release(L->out_buf.mem);
-  if (L->grad_buf.mem) tp_mem_release(L->grad_buf.mem);
+  tp_reg_release(&L->out_buf);
+  tp_reg_release(&L->grad_buf);
   free(L->part);
   free(L->offs);
   free(L->w);
@@ -84,6 +70,7 @@ void tp_parallel_linear_destroy(tp_parallel_linear_t L) {
   free(L->dw);
   free(L->db);
   free(L->xsave);
+  free(L->dytmp);
   free(L);
 }
 
@@ -247,6 +234,13 @@ tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, float *y, const f
   return fail_local(L, forward_impl(L, y, x, M));
 }
 
+tp_status_t tp_parallel_linear_forward_borrow(tp_parallel_linear_t L, float *y, const float *x, int64_t M) {
+  L->borrow = 1;
+  tp_status_t st = tp_parallel_linear_forward(L, y, x, M);
+  L->borrow = 0;
+  return st;
+}
+
 tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M) {
   if (!L || (M && (!dy || !dx))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: NULL argument");
   TP_CHECK(check_rows(L, M, "backward"));
@@ -271,12 +265,12 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
   int64_t xcols = L->cfg.input_is_parallel ? L->loc : K;
   TP_CHECK(save_input(L, x, M, L->loc, L->cfg.input_is_parallel ? 0 : L->off, xcols));
   if (L->world == 1) {
-    tp_linear_forward(y, L->xsave, L->w, L->b, M, L->loc, N);
+    tp_linear_forward(y, L->xin, L->w, L->b, M, L->loc, N);
     return TP_SUCCESS;
   }
   TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
   float *r = L->out_buf.ptr;
-  tp_linear_forward(r, L->xsave, L->w, NULL, M, L->loc, N);
+  tp_linear_forward(r, L->xin, L->w, NULL, M, L->loc, N);
   TP_CHECK(tp_all_reduce(r, r, (size_t)(M * N), TP_FLOAT32, TP_SUM, L->comm));
   if (L->b) {
     for (int64_t m = 0; m < M; m++) {
@@ -299,36 +293,29 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
   int64_t K = L->cfg.in_features, N = L->cfg.out_features;
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
     const float *dyr = dy;
-    float *tmp = NULL;
     if (L->cfg.gather_output && L->world > 1) { /* my columns of the full dy */
-      int64_t nel = M * L->loc;
-      tmp = malloc((size_t)(nel > 0 ? nel : 1) * sizeof(float));
-      if (!tmp) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
-      for (int64_t m = 0; m < M; m++) memcpy(tmp + m * L->loc, dy + m * N + L->off, (size_t)L->loc * sizeof(float));
-      dyr = tmp;
+      TP_CHECK(tp_grow((void **)&L->dytmp, &L->dytmp_cap, M * L->loc, sizeof(float), "linear backward"));
+      for (int64_t m = 0; m < M; m++) memcpy(L->dytmp + m * L->loc, dy + m * N + L->off, (size_t)L->loc * sizeof(float));
+      dyr = L->dytmp;
     }
     if (L->world == 1) {
-      tp_linear_backward(dx, L->dw, L->db, dyr, L->xsave, L->w, M, K, L->wr, 0);
-      free(tmp);
+      tp_linear_backward(dx, L->dw, L->db, dyr, L->xin, L->w, M, K, L->wr, 0);
       return TP_SUCCESS;
     }
-    tp_status_t st = ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float));
-    if (st == TP_SUCCESS) {
-      float *d = L->grad_buf.ptr;
-      tp_linear_backward(d, L->dw, L->db, dyr, L->xsave, L->w, M, K, L->wr, 0);
-      st = tp_all_reduce(d, d, (size_t)(M * K), TP_FLOAT32, TP_SUM, L->comm);
-      if (st == TP_SUCCESS) memcpy(dx, d, (size_t)(M * K) * sizeof(float));
-    }
-    free(tmp);
-    return st;
+    TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
+    float *d = L->grad_buf.ptr;
+    tp_linear_backward(d, L->dw, L->db, dyr, L->xin, L->w, M, K, L->wr, 0);
+    TP_CHECK(tp_all_reduce(d, d, (size_t)(M * K), TP_FLOAT32, TP_SUM, L->comm));
+    memcpy(dx, d, (size_t)(M * K) * sizeof(float));
+    return TP_SUCCESS;
   }
   /* Row parallel: dy is the full gradient on every rank. */
   if (L->cfg.input_is_parallel || L->world == 1) {
-    tp_linear_backward(dx, L->dw, L->db, dy, L->xsave, L->w, M, L->loc, N, 0);
+    tp_linear_backward(dx, L->dw, L->db, dy, L->xin, L->w, M, L->loc, N, 0);
     return TP_SUCCESS;
   }
   TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
   float *g = L->grad_buf.ptr;
-  tp_linear_backward(g + L->off * M, L->dw, L->db, dy, L->xsave, L->w, M, L->loc, N, 0);
+  tp_linear_backward(g + L->off * M, L->dw, L->db, dy, L->xin, L->w, M, L->loc, N, 0);
   return gather_columns(L, dx, g, M, K);
 }

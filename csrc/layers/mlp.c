@@ -1,8 +1,7 @@
 /* The parallel MLP: fc1 (column) -> activation -> fc2 (row), workspaces reused. */
 #include <stdlib.h>
 
-#include "../core/core_impl.h"
-#include "tpcore/layers.h"
+#include "layers_impl.h"
 
 struct tp_parallel_mlp {
   tp_comm_t comm;
@@ -107,7 +106,7 @@ tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t m, float *y, const float *
   }
   TP_CHECK(tp_parallel_linear_forward(m->fc1, m->h, x, M));
   tp_act_forward(m->a, m->h, M, m->f, m->act);
-  TP_CHECK(tp_parallel_linear_forward(m->fc2, y, m->a, M));
+  TP_CHECK(tp_parallel_linear_forward_borrow(m->fc2, y, m->a, M)); /* a lives until backward */
   m->last_m = M;
   return TP_SUCCESS;
 }

@@ -26,6 +26,8 @@ typedef struct {
   PyTypeObject *SharedBufferType;
   PyTypeObject *LinearType;
   PyTypeObject *MLPType;
+  PyTypeObject *EmbeddingType;
+  PyTypeObject *XentType;
 } module_state;
 
 static struct PyModuleDef tpcore_module;
@@ -959,14 +961,14 @@ static PyObject *lin_call(PyObject *o, PyObject *args, int backward) {
 static PyObject *lin_forward(PyObject *o, PyObject *args) { return lin_call(o, args, 0); }
 static PyObject *lin_backward(PyObject *o, PyObject *args) { return lin_call(o, args, 1); }
 
-/* A NumPy view of a C-owned array that keeps the layer alive. */
-static PyObject *lin_view(LinearObject *self, float *p, int nd, int64_t d0, int64_t d1) {
+/* A NumPy view of a C-owned array that keeps its owner (a layer object) alive. */
+static PyObject *owned_view(PyObject *self, float *p, int nd, int64_t d0, int64_t d1) {
   if (!p) Py_RETURN_NONE;
   npy_intp dims[2] = {(npy_intp)d0, (npy_intp)d1};
   PyObject *a = PyArray_SimpleNewFromData(nd, dims, NPY_FLOAT32, p);
   if (!a) return NULL;
   Py_INCREF(self);
-  if (PyArray_SetBaseObject((PyArrayObject *)a, (PyObject *)self) < 0) {
+  if (PyArray_SetBaseObject((PyArrayObject *)a, self) < 0) {
     Py_DECREF(a);
     return NULL;
   }
@@ -977,10 +979,10 @@ static PyObject *lin_get(PyObject *o, void *which) {
   LinearObject *self = (LinearObject *)o;
   tp_linear_info_t *i = &self->info;
   switch ((intptr_t)which) {
-    case 0: return lin_view(self, i->weight, 2, i->weight_rows, i->weight_cols);
-    case 1: return lin_view(self, i->bias, 1, i->bias_len, 0);
-    case 2: return lin_view(self, i->grad_weight, 2, i->weight_rows, i->weight_cols);
-    case 3: return lin_view(self, i->grad_bias, 1, i->bias_len, 0);
+    case 0: return owned_view(o, i->weight, 2, i->weight_rows, i->weight_cols);
+    case 1: return owned_view(o, i->bias, 1, i->bias_len, 0);
+    case 2: return owned_view(o, i->grad_weight, 2, i->weight_rows, i->weight_cols);
+    case 3: return owned_view(o, i->grad_bias, 1, i->bias_len, 0);
     default:
       return Py_BuildValue("{s:L,s:L,s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local,
                            "x_cols", (long long)i->x_cols, "y_cols", (long long)i->y_cols);
@@ -1303,119 +1305,288 @@ static PyObject *sgd_step(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* Vocab-parallel kernels.  Arrays are checked here; the Python layer composes them
- * with the collectives. */
-static int f32_2d(PyObject *o, const char *op, const char *arg, int writable, int64_t *rows, int64_t *cols, float **p) {
+/* ------------------------------------------------------ VocabParallelEmbedding */
+
+typedef struct {
+  PyObject_HEAD
+  tp_vocab_embedding_t E;
+  CommObject *comm;
+  tp_embedding_info_t info;
+} EmbeddingObject;
+
+static CommObject *layer_comm(module_state *st, PyObject *commo, const char *who) {
+  if (!st) return NULL;
+  if (!PyObject_TypeCheck(commo, st->CommType)) {
+    PyErr_Format(PyExc_TypeError, "%s: comm must be a tpcore communicator, got %s", who, Py_TYPE(commo)->tp_name);
+    return NULL;
+  }
+  return live((CommObject *)commo, who) ? (CommObject *)commo : NULL;
+}
+
+static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"comm", "num_embeddings", "embedding_dim", "partition", "seed", NULL};
+  PyObject *commo, *part = Py_None;
+  long long n, dim;
+  unsigned long long seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|OK:VocabParallelEmbedding", kwlist, &commo, &n, &dim, &part, &seed))
+    return NULL;
+  module_state *st = state_of_type(type);
+  CommObject *co = layer_comm(st, commo, "VocabParallelEmbedding");
+  if (!co) return NULL;
+  tp_embedding_config_t cfg = TP_EMBEDDING_CONFIG_INITIALIZER;
+  cfg.num_embeddings = n;
+  cfg.embedding_dim = dim;
+  cfg.seed = seed;
+  int size;
+  tp_comm_size(co->comm, &size);
+  int64_t *sizes;
+  if (parse_partition(part, size, &sizes) < 0) return NULL;
+  cfg.partition = sizes;
+  EmbeddingObject *self = (EmbeddingObject *)type->tp_alloc(type, 0);
+  if (!self) {
+    PyMem_Free(sizes);
+    return NULL;
+  }
+  tp_status_t s;
+  COMM_CALL(co, s, tp_vocab_embedding_create(&self->E, c_, &cfg));
+  PyMem_Free(sizes);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(self);
+    return raise_status(st, s, "VocabParallelEmbedding");
+  }
+  tp_vocab_embedding_info(self->E, &self->info);
+  Py_INCREF(co);
+  self->comm = co;
+  return (PyObject *)self;
+}
+
+static void emb_dealloc(PyObject *o) {
+  EmbeddingObject *self = (EmbeddingObject *)o;
+  PyTypeObject *tp = Py_TYPE(o);
+  tp_vocab_embedding_destroy(self->E);
+  Py_XDECREF(self->comm);
+  tp->tp_free(o);
+  Py_DECREF(tp);
+}
+
+/* tokens: a 1-D C-contiguous int64 array; its length out. */
+static int tokens_arg(PyObject *t, const char *op, const char *arg, int64_t *n) {
   buf_t b;
-  if (get_buf(o, op, arg, writable, &b) < 0) return -1;
-  PyArrayObject *a = (PyArrayObject *)o;
-  if (b.dtype != TP_FLOAT32 || PyArray_NDIM(a) != 2) {
-    PyErr_Format(PyExc_TypeError, "%s: %s must be a 2-D float32 array", op, arg);
+  if (get_buf(t, op, arg, 0, &b) < 0) return -1;
+  if (b.dtype != TP_INT64 || PyArray_NDIM((PyArrayObject *)t) != 1) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a 1-D int64 array", op, arg);
     return -1;
   }
-  *rows = PyArray_DIM(a, 0);
-  *cols = PyArray_DIM(a, 1);
-  *p = b.data;
+  *n = (int64_t)b.count;
   return 0;
 }
 
-static int i64_1d(PyObject *o, const char *op, const char *arg, int64_t n, const int64_t **p) {
-  buf_t b;
-  if (get_buf(o, op, arg, 0, &b) < 0) return -1;
-  if (b.dtype != TP_INT64 || (int64_t)b.count != n) {
-    PyErr_Format(PyExc_ValueError, "%s: %s must be int64 with %lld elements", op, arg, (long long)n);
-    return -1;
+static PyObject *emb_forward(PyObject *o, PyObject *args) {
+  EmbeddingObject *self = (EmbeddingObject *)o;
+  PyObject *to, *out = Py_None;
+  if (!PyArg_ParseTuple(args, "O|O:forward", &to, &out)) return NULL;
+  if (!live(self->comm, "forward")) return NULL;
+  int64_t M;
+  if (tokens_arg(to, "embedding forward", "tokens", &M) < 0) return NULL;
+  PyObject *y = layer_output(out, "embedding forward", M, self->info.dim);
+  if (!y) return NULL;
+  const int64_t *tp = PyArray_DATA((PyArrayObject *)to);
+  float *yp = PyArray_DATA((PyArrayObject *)y);
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_embedding_forward(self->E, yp, tp, M)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(y);
+    return layer_error(self->comm, s, "embedding forward", 0);
   }
-  *p = b.data;
-  return 0;
+  return y;
 }
 
-/* embedding(op, tokens[M], table[V, C], lo, out_or_dout[M, C]): op "forward" fills out, "backward" adds into table */
-static PyObject *embedding_kernel(PyObject *mod, PyObject *args) {
-  const char *op;
-  PyObject *to, *tab, *io;
-  long long lo;
-  if (!PyArg_ParseTuple(args, "sOOLO:embedding", &op, &to, &tab, &lo, &io)) return NULL;
-  int fwd = strcmp(op, "forward") == 0;
-  int64_t V, C, M, C2;
-  float *table, *x;
-  const int64_t *tok;
-  if (f32_2d(tab, "embedding", "table", !fwd, &V, &C, &table) < 0 || f32_2d(io, "embedding", "out", fwd, &M, &C2, &x) < 0 ||
-      i64_1d(to, "embedding", "tokens", M, &tok) < 0)
-    return NULL;
-  if (C2 != C) {
-    PyErr_Format(PyExc_ValueError, "embedding: out has %lld columns, the table %lld", (long long)C2, (long long)C);
-    return NULL;
-  }
-  Py_BEGIN_ALLOW_THREADS
-  if (fwd) tp_embedding_forward(x, tok, table, M, lo, V, C);
-  else tp_embedding_backward(table, tok, x, M, lo, V, C);
-  Py_END_ALLOW_THREADS
+static PyObject *emb_backward(PyObject *o, PyObject *dy) {
+  EmbeddingObject *self = (EmbeddingObject *)o;
+  if (!live(self->comm, "backward")) return NULL;
+  int64_t M;
+  if (lin_arg(dy, "embedding backward", "dy", self->info.dim, &M) < 0) return NULL;
+  const float *dp = PyArray_DATA((PyArrayObject *)dy);
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_embedding_backward(self->E, dp, M)));
+  if (s != TP_SUCCESS) return layer_error(self->comm, s, "embedding backward", 1);
   Py_RETURN_NONE;
 }
 
-/* xent(op, logits[M, V], ...) : "max" -> rowmax[M]; "sums" (gmax, targets, lo) -> sums[2M];
- * "backward" (gmax, sumexp, targets, lo, scale) -> dlogits[M, V] */
-static PyObject *xent_kernel(PyObject *mod, PyObject *args) {
-  Py_ssize_t n = PyTuple_GET_SIZE(args);
-  if (n < 2) {
-    PyErr_SetString(PyExc_TypeError, "xent(op, logits, ...)");
-    return NULL;
+static PyObject *emb_get(PyObject *o, void *which) {
+  EmbeddingObject *self = (EmbeddingObject *)o;
+  tp_embedding_info_t *i = &self->info;
+  switch ((intptr_t)which) {
+    case 0: return owned_view(o, i->weight, 2, i->local, i->dim);
+    case 1: return owned_view(o, i->grad_weight, 2, i->local, i->dim);
+    default: return Py_BuildValue("{s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local);
   }
-  const char *op = PyUnicode_AsUTF8(PyTuple_GET_ITEM(args, 0));
-  if (!op) return NULL;
+}
+
+static PyGetSetDef emb_getset[] = {
+    {"weight", emb_get, NULL, "this rank's rows of the table (a view)", (void *)0},
+    {"grad_weight", emb_get, NULL, "their gradient (a view)", (void *)1},
+    {"shard", emb_get, NULL, "offset/local of this rank's vocabulary slice", (void *)2},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef emb_methods[] = {
+    {"forward", emb_forward, METH_VARARGS, "forward(tokens[M] int64, out=None) -> y[M, dim] (collective)"},
+    {"backward", emb_backward, METH_O, "backward(dy[M, dim]): accumulates grad_weight"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot emb_slots[] = {
+    {Py_tp_new, emb_new},
+    {Py_tp_dealloc, emb_dealloc},
+    {Py_tp_methods, emb_methods},
+    {Py_tp_getset, emb_getset},
+    {Py_tp_doc, "VocabEmbedding(comm, num_embeddings, embedding_dim, partition=None, seed=0): "
+                "use tpcore.VocabParallelEmbedding"},
+    {0, NULL},
+};
+
+static PyType_Spec emb_spec = {
+    .name = "tpcore._C.VocabEmbedding",
+    .basicsize = sizeof(EmbeddingObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = emb_slots,
+};
+
+/* --------------------------------------------------------- VocabCrossEntropy */
+
+typedef struct {
+  PyObject_HEAD
+  tp_vocab_xent_t X;
+  CommObject *comm;
+  PyObject *logits; /* the last forward's logits, kept alive for backward */
   int64_t M, V;
-  float *logits;
-  if (f32_2d(PyTuple_GET_ITEM(args, 1), "xent", "logits", 0, &M, &V, &logits) < 0) return NULL;
-  npy_intp dims[2] = {(npy_intp)M, (npy_intp)V};
-  if (strcmp(op, "max") == 0) {
-    PyObject *out = PyArray_SimpleNew(1, dims, NPY_FLOAT32);
-    if (!out) return NULL;
-    float *o = PyArray_DATA((PyArrayObject *)out);
-    Py_BEGIN_ALLOW_THREADS tp_xent_row_max(o, logits, M, V);
-    Py_END_ALLOW_THREADS
-    return out;
+} XentObject;
+
+static PyObject *xent_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"comm", NULL};
+  PyObject *commo;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O:VocabCrossEntropy", kwlist, &commo)) return NULL;
+  module_state *st = state_of_type(type);
+  CommObject *co = layer_comm(st, commo, "VocabParallelCrossEntropy");
+  if (!co) return NULL;
+  XentObject *self = (XentObject *)type->tp_alloc(type, 0);
+  if (!self) return NULL;
+  tp_status_t s = tp_vocab_xent_create(&self->X, co->comm);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(self);
+    return raise_status(st, s, "VocabParallelCrossEntropy");
   }
-  PyObject *gmo, *to, *so = NULL;
-  long long lo;
+  Py_INCREF(co);
+  self->comm = co;
+  return (PyObject *)self;
+}
+
+static void xent_dealloc(PyObject *o) {
+  XentObject *self = (XentObject *)o;
+  PyTypeObject *tp = Py_TYPE(o);
+  tp_vocab_xent_destroy(self->X);
+  Py_XDECREF(self->logits);
+  Py_XDECREF(self->comm);
+  tp->tp_free(o);
+  Py_DECREF(tp);
+}
+
+/* forward(logits[M, V], targets[M], vocab_offset=-1, ignore_index=-100) -> (losses[M], valid, vocab) */
+static PyObject *xent_forward(PyObject *o, PyObject *args) {
+  XentObject *self = (XentObject *)o;
+  PyObject *lo_, *to;
+  long long off = -1, ignore = -100;
+  if (!PyArg_ParseTuple(args, "OO|LL:forward", &lo_, &to, &off, &ignore)) return NULL;
+  if (!live(self->comm, "forward")) return NULL;
+  buf_t b;
+  if (get_buf(lo_, "cross-entropy", "logits", 0, &b) < 0) return NULL;
+  if (b.dtype != TP_FLOAT32 || PyArray_NDIM((PyArrayObject *)lo_) != 2) {
+    PyErr_SetString(PyExc_TypeError, "cross-entropy: logits must be a 2-D float32 array (rows, shard width)");
+    return NULL;
+  }
+  int64_t M = PyArray_DIM((PyArrayObject *)lo_, 0), V = PyArray_DIM((PyArrayObject *)lo_, 1), Mt;
+  if (tokens_arg(to, "cross-entropy", "targets", &Mt) < 0) return NULL;
+  if (Mt != M) {
+    PyErr_Format(PyExc_ValueError, "cross-entropy: %lld targets for %lld rows of logits", (long long)Mt, (long long)M);
+    return NULL;
+  }
+  npy_intp d[1] = {(npy_intp)M};
+  PyObject *losses = PyArray_SimpleNew(1, d, NPY_FLOAT32);
+  if (!losses) return NULL;
+  float *lp = PyArray_DATA((PyArrayObject *)losses);
+  const float *xp = b.data;
+  const int64_t *tp = PyArray_DATA((PyArrayObject *)to);
+  int64_t valid = 0, vocab = 0;
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_forward(self->X, lp, xp, tp, M, V, off, ignore, &valid, &vocab)));
+  Py_CLEAR(self->logits);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(losses);
+    return layer_error(self->comm, s, "cross-entropy forward", 0);
+  }
+  Py_INCREF(lo_);
+  self->logits = lo_;
+  self->M = M;
+  self->V = V;
+  return Py_BuildValue("NLL", losses, (long long)valid, (long long)vocab);
+}
+
+/* backward(dloss=None, scale=1.0, out=None) -> dlogits[M, V] */
+static PyObject *xent_backward(PyObject *o, PyObject *args) {
+  XentObject *self = (XentObject *)o;
+  PyObject *dlo = Py_None, *out = Py_None;
   float scale = 1.0f;
-  int sums = strcmp(op, "sums") == 0;
-  if (sums ? !PyArg_ParseTuple(args, "sOOOL:xent", &op, &gmo, &gmo, &to, &lo)
-           : !PyArg_ParseTuple(args, "sOOOOLf:xent", &op, &gmo, &gmo, &so, &to, &lo, &scale))
-    return NULL;
-  float *gmax, *sumexp = NULL;
-  const int64_t *tg;
-  buf_t bg, bs;
-  if (get_buf(gmo, "xent", "gmax", 0, &bg) < 0) return NULL;
-  if (bg.dtype != TP_FLOAT32 || (int64_t)bg.count != M) {
-    PyErr_SetString(PyExc_ValueError, "xent: gmax must be float32 with one entry per row");
+  if (!PyArg_ParseTuple(args, "|OfO:backward", &dlo, &scale, &out)) return NULL;
+  if (!live(self->comm, "backward")) return NULL;
+  if (!self->logits) {
+    PyErr_SetString(PyExc_RuntimeError, "cross-entropy backward: called before forward");
     return NULL;
   }
-  gmax = bg.data;
-  if (so) {
-    if (get_buf(so, "xent", "sumexp", 0, &bs) < 0) return NULL;
-    if (bs.dtype != TP_FLOAT32 || (int64_t)bs.count < M) {
-      PyErr_SetString(PyExc_ValueError, "xent: sumexp must be float32 with one entry per row");
+  const float *dl = NULL;
+  if (dlo != Py_None) {
+    buf_t b;
+    if (get_buf(dlo, "cross-entropy backward", "dloss", 0, &b) < 0) return NULL;
+    if (b.dtype != TP_FLOAT32 || (int64_t)b.count != self->M) {
+      PyErr_Format(PyExc_ValueError, "cross-entropy backward: dloss must be float32 with one entry per row (%lld)",
+                   (long long)self->M);
       return NULL;
     }
-    sumexp = bs.data;
+    dl = b.data;
   }
-  if (i64_1d(to, "xent", "targets", M, &tg) < 0) return NULL;
-  PyObject *out;
-  if (sums) {
-    npy_intp d1[1] = {2 * (npy_intp)M};
-    out = PyArray_SimpleNew(1, d1, NPY_FLOAT32);
-  } else {
-    out = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+  PyObject *d = layer_output(out, "cross-entropy backward", self->M, self->V);
+  if (!d) return NULL;
+  float *dp = PyArray_DATA((PyArrayObject *)d);
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_backward(self->X, dp, dl, scale)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(d);
+    return layer_error(self->comm, s, "cross-entropy backward", 1);
   }
-  if (!out) return NULL;
-  float *o = PyArray_DATA((PyArrayObject *)out);
-  Py_BEGIN_ALLOW_THREADS
-  if (sums) tp_xent_row_sums(o, logits, gmax, tg, M, lo, V);
-  else tp_xent_backward(o, logits, gmax, sumexp, tg, M, lo, V, scale);
-  Py_END_ALLOW_THREADS
-  return out;
+  return d;
 }
+
+static PyMethodDef xent_methods[] = {
+    {"forward", xent_forward, METH_VARARGS,
+     "forward(logits[M, V], targets[M] int64, vocab_offset=-1, ignore_index=-100) -> (losses[M], valid, vocab)"},
+    {"backward", xent_backward, METH_VARARGS, "backward(dloss=None, scale=1.0, out=None) -> dlogits[M, V]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot xent_slots[] = {
+    {Py_tp_new, xent_new},
+    {Py_tp_dealloc, xent_dealloc},
+    {Py_tp_methods, xent_methods},
+    {Py_tp_doc, "VocabCrossEntropy(comm): use tpcore.VocabParallelCrossEntropy"},
+    {0, NULL},
+};
+
+static PyType_Spec xent_spec = {
+    .name = "tpcore._C.VocabCrossEntropy",
+    .basicsize = sizeof(XentObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = xent_slots,
+};
 
 static PyObject *act_forward(PyObject *m, PyObject *args) { return act_call(args, 0); }
 static PyObject *act_backward(PyObject *m, PyObject *args) { return act_call(args, 1); }
@@ -1425,8 +1596,6 @@ static PyMethodDef module_methods[] = {
     {"set_num_threads", set_num_threads, METH_O, "set_num_threads(n): BLAS threads of this process"},
     {"get_num_threads", get_num_threads, METH_NOARGS, "BLAS threads of this process"},
     {"act_forward", act_forward, METH_VARARGS, "act_forward(name, h) -> act(h)"},
-    {"embedding", embedding_kernel, METH_VARARGS, "embedding(op, tokens, table, lo, out_or_dout)"},
-    {"xent", xent_kernel, METH_VARARGS, "xent(op, logits, ...): vocab-parallel cross-entropy pieces"},
     {"adamw_step", adamw_step, METH_VARARGS, "adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)"},
     {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(p, g, buf, lr, momentum, weight_decay, first)"},
     {"act_backward", act_backward, METH_VARARGS, "act_backward(name, h, dout) -> dh"},
@@ -1456,12 +1625,18 @@ static int module_exec(PyObject *m) {
   if (!st->LinearType) return -1;
   st->MLPType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &mlp_spec, NULL);
   if (!st->MLPType) return -1;
+  st->EmbeddingType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &emb_spec, NULL);
+  if (!st->EmbeddingType) return -1;
+  st->XentType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &xent_spec, NULL);
+  if (!st->XentType) return -1;
   if (PyModule_AddObjectRef(m, "CommError", st->CommError) < 0 ||
       PyModule_AddObjectRef(m, "CommTimeout", st->CommTimeout) < 0 ||
       PyModule_AddObjectRef(m, "Comm", (PyObject *)st->CommType) < 0 ||
       PyModule_AddObjectRef(m, "SharedBuffer", (PyObject *)st->SharedBufferType) < 0 ||
       PyModule_AddObjectRef(m, "ParallelLinear", (PyObject *)st->LinearType) < 0 ||
-      PyModule_AddObjectRef(m, "ParallelMLP", (PyObject *)st->MLPType) < 0)
+      PyModule_AddObjectRef(m, "ParallelMLP", (PyObject *)st->MLPType) < 0 ||
+      PyModule_AddObjectRef(m, "VocabEmbedding", (PyObject *)st->EmbeddingType) < 0 ||
+      PyModule_AddObjectRef(m, "VocabCrossEntropy", (PyObject *)st->XentType) < 0)
     return -1;
   return 0;
 }
@@ -1475,6 +1650,8 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->SharedBufferType);
     Py_VISIT(st->LinearType);
     Py_VISIT(st->MLPType);
+    Py_VISIT(st->EmbeddingType);
+    Py_VISIT(st->XentType);
   }
   return 0;
 }
@@ -1488,6 +1665,8 @@ static int module_clear(PyObject *m) {
     Py_CLEAR(st->SharedBufferType);
     Py_CLEAR(st->LinearType);
     Py_CLEAR(st->MLPType);
+    Py_CLEAR(st->EmbeddingType);
+    Py_CLEAR(st->XentType);
   }
   return 0;
 }
@@ -1500,7 +1679,7 @@ static PyModuleDef_Slot module_slots[] = {
 static struct PyModuleDef tpcore_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "tpcore._C",
-    .m_doc = "C core of tpcore (communicators; layers in later versions).",
+    .m_doc = "C core of tpcore: communicators, tensor-parallel layers, kernels.",
     .m_size = sizeof(module_state),
     .m_methods = module_methods,
     .m_slots = module_slots,

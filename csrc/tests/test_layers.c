@@ -1,8 +1,10 @@
 /*
- * C-level test of the parallel MLP (column fc1 -> GELU -> row fc2), without
- * Python: world sizes 1-3, forward and input gradient against a double
- * reference computed here from the same deterministic full weights, which each
- * rank writes into its own shard.  Prints "N passed, N failed".
+ * C-level tests of the layers without Python, world sizes 1-3: the parallel MLP
+ * (column fc1 -> GELU -> row fc2), forward and input gradient, and the
+ * vocab-parallel embedding + cross-entropy (a vocabulary of 13 split unevenly,
+ * an ignored row), against double references computed here from the same
+ * deterministic full tensors, which each rank writes into its own shard.
+ * Prints "N passed, N failed".
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -79,25 +81,105 @@ static int run_rank(int n, int r, const char *job) {
   return bad ? 1 : 0;
 }
 
+enum { VOC = 13, DIM = 4, T = 6, IGNORE = -100 };
+
+static double tab(int v, int c) { return sin(0.3 * v + 1.1 * c) * 2.0; }     /* full table [VOC][DIM] */
+static double logit(int m, int v) { return cos(0.7 * m + 0.45 * v) * 3.0 + 1e3 * (m == 2); } /* [T][VOC] */
+static const int64_t tokens[T] = {0, 12, 5, 5, 7, 1};
+static const int64_t targets[T] = {3, 12, IGNORE, 0, 6, 11};
+
+/* Embedding forward/backward and cross-entropy value/gradient on rank r of n. */
+static int run_vocab(int n, int r, const char *job) {
+  tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
+  cc.job_id = job;
+  cc.timeout_s = 30;
+  tp_comm_t comm;
+  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  int64_t part[3] = {0, 0, 0}, lo = 0;
+  for (int p = 0; p < n; p++) part[p] = p == n - 1 ? VOC - (n - 1) * 3 : 3; /* 13 = 3 + 3 + 7 at world 3 */
+  for (int p = 0; p < r; p++) lo += part[p];
+  tp_embedding_config_t ec = TP_EMBEDDING_CONFIG_INITIALIZER;
+  ec.num_embeddings = VOC;
+  ec.embedding_dim = DIM;
+  ec.partition = part;
+  tp_vocab_embedding_t emb;
+  tp_vocab_xent_t xent;
+  if (tp_vocab_embedding_create(&emb, comm, &ec) != TP_SUCCESS || tp_vocab_xent_create(&xent, comm) != TP_SUCCESS)
+    return fprintf(stderr, "create: %s\n", tp_last_error()), 1;
+  tp_embedding_info_t ei;
+  tp_vocab_embedding_info(emb, &ei);
+  int bad = ei.offset != lo || ei.local != part[r];
+  for (int v = 0; v < ei.local; v++)
+    for (int c = 0; c < DIM; c++) ei.weight[v * DIM + c] = (float)tab((int)lo + v, c);
+  float y[T * DIM], dy[T * DIM];
+  if (tp_vocab_embedding_forward(emb, y, tokens, T) != TP_SUCCESS) return fprintf(stderr, "emb: %s\n", tp_last_error()), 1;
+  for (int m = 0; m < T; m++)
+    for (int c = 0; c < DIM; c++) {
+      bad += y[m * DIM + c] != (float)tab((int)tokens[m], c); /* a lookup is exact */
+      dy[m * DIM + c] = (float)(0.1 * m - 0.2 * c);
+    }
+  if (tp_vocab_embedding_backward(emb, dy, T) != TP_SUCCESS) return fprintf(stderr, "emb bwd: %s\n", tp_last_error()), 1;
+  for (int v = 0; v < ei.local; v++)
+    for (int c = 0; c < DIM; c++) {
+      double g = 0;
+      for (int m = 0; m < T; m++) g += tokens[m] == lo + v ? 0.1 * m - 0.2 * c : 0.0;
+      bad += fabs(ei.grad_weight[v * DIM + c] - g) > 1e-6;
+    }
+  /* cross-entropy over this rank's logits shard */
+  int V = (int)part[r];
+  float *lg = malloc(sizeof(float) * T * (V ? V : 1)), *dl = malloc(sizeof(float) * T * (V ? V : 1)), losses[T];
+  for (int m = 0; m < T; m++)
+    for (int v = 0; v < V; v++) lg[m * V + v] = (float)logit(m, (int)lo + v);
+  int64_t valid = 0, vocab = 0;
+  if (tp_vocab_xent_forward(xent, losses, lg, targets, T, V, -1, IGNORE, &valid, &vocab) != TP_SUCCESS ||
+      tp_vocab_xent_backward(xent, dl, NULL, 0.5f) != TP_SUCCESS)
+    return fprintf(stderr, "xent: %s\n", tp_last_error()), 1;
+  bad += valid != T - 1 || vocab != VOC;
+  for (int m = 0; m < T; m++) {
+    double mx = -1e300, s = 0;
+    for (int v = 0; v < VOC; v++) mx = fmax(mx, logit(m, v));
+    for (int v = 0; v < VOC; v++) s += exp(logit(m, v) - mx);
+    int ign = targets[m] == IGNORE;
+    double ref = ign ? 0.0 : log(s) + mx - logit(m, (int)targets[m]);
+    bad += fabs(losses[m] - ref) > 1e-5 * (1 + fabs(ref));
+    for (int v = 0; v < V; v++) {
+      double p = exp(logit(m, (int)lo + v) - mx) / s, g = ign ? 0.0 : 0.5 * (p - (targets[m] == lo + v));
+      bad += fabs(dl[m * V + v] - g) > 1e-6;
+    }
+  }
+  free(lg);
+  free(dl);
+  tp_vocab_xent_destroy(xent);
+  tp_vocab_embedding_destroy(emb);
+  tp_comm_destroy(comm);
+  if (bad) fprintf(stderr, "vocab rank %d of %d: %d values off\n", r, n, bad);
+  return bad ? 1 : 0;
+}
+
+static int run_world(int n, int (*fn)(int, int, const char *), const char *name) {
+  char job[64];
+  snprintf(job, sizeof job, "clayers%d_%s_%d", (int)getpid(), name, n);
+  pid_t pids[3];
+  for (int r = 0; r < n; r++)
+    if ((pids[r] = fork()) == 0) {
+      alarm(60);
+      _exit(fn(n, r, job));
+    }
+  int ok = 1;
+  for (int r = 0; r < n; r++) {
+    int st;
+    waitpid(pids[r], &st, 0);
+    ok &= WIFEXITED(st) && WEXITSTATUS(st) == 0;
+  }
+  printf("%s world %d: %s\n", name, n, ok ? "ok" : "FAILED");
+  return ok;
+}
+
 int main(void) {
   int passed = 0, failed = 0;
   for (int n = 1; n <= 3; n++) {
-    char job[64];
-    snprintf(job, sizeof job, "clayers%d_%d", (int)getpid(), n);
-    pid_t pids[3];
-    for (int r = 0; r < n; r++)
-      if ((pids[r] = fork()) == 0) {
-        alarm(60);
-        _exit(run_rank(n, r, job));
-      }
-    int ok = 1;
-    for (int r = 0; r < n; r++) {
-      int st;
-      waitpid(pids[r], &st, 0);
-      ok &= WIFEXITED(st) && WEXITSTATUS(st) == 0;
-    }
-    printf("parallel MLP (gelu) world %d: %s\n", n, ok ? "ok" : "FAILED");
-    ok ? passed++ : failed++;
+    run_world(n, run_rank, "mlp") ? passed++ : failed++;
+    run_world(n, run_vocab, "vocab") ? passed++ : failed++;
   }
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;

@@ -78,6 +78,44 @@ def check_partition(comm: Comm, offset: int, local: int, dim: int, who: str):
     return part
 
 
+def _is_half(dt: np.dtype) -> bool:
+    return dt == np.float16 or dt.name == "bfloat16"
+
+
+def check_param_dtype(dtype, who: str) -> None:
+    """Parameters are float32 (the compute type); half precision enters as activations and checkpoints."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name == "float32":
+        return
+    if name in ("float16", "bfloat16"):
+        raise ValueError(f"{who}: parameters are kept in float32 (compute is float32); dtype={name} parameters are "
+                         f"not supported. float16/bfloat16 inputs and checkpoints are accepted and converted")
+    raise ValueError(f"{who}: dtype {name} is not supported; parameters are float32")
+
+
+def as_float32(x, name: str, who: str) -> np.ndarray:
+    """x as the float32 C-contiguous array the C layers take: float32 as is (it must
+    be C-contiguous), float16 / bfloat16 converted (compute is float32)."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{who}: {name} must be a NumPy array, got {type(x).__name__}")
+    if x.dtype == np.float32:
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{who}: {name} must be C-contiguous; pass np.ascontiguousarray({name})")
+        return x
+    if _is_half(x.dtype):
+        return np.ascontiguousarray(x, dtype=np.float32)
+    raise TypeError(f"{who}: {name} has dtype {x.dtype}; expected float32 (float16 and bfloat16 are converted)")
+
+
+def float_param(a, who: str) -> np.ndarray:
+    """A full tensor handed to load_full: any float dtype (float16 / bfloat16 from
+    checkpoints included); it is converted to float32 on assignment."""
+    a = np.asarray(a)
+    if a.dtype.kind != "f" and not _is_half(a.dtype):
+        raise TypeError(f"{who}: expected a floating-point array, got {a.dtype}")
+    return a
+
+
 def _sizes(part, dim, world, what):
     if part is None:
         return None
@@ -93,6 +131,10 @@ def _sizes(part, dim, world, what):
     return sizes
 
 
+def _back(y: np.ndarray, dt) -> np.ndarray:
+    return y if dt is None else y.astype(dt)
+
+
 class _ParallelLinear:
     _kind = ""
 
@@ -101,8 +143,7 @@ class _ParallelLinear:
                  dtype="float32", seed: int = 0, gated: bool = False):
         if not isinstance(comm, Comm):
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
-        if np.dtype(dtype) != np.float32:
-            raise ValueError(f"{type(self).__name__}: dtype {np.dtype(dtype)} is not supported yet; use float32")
+        check_param_dtype(dtype, type(self).__name__)
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{type(self).__name__}: {name} must be an int >= 1, got {v!r}")
@@ -160,27 +201,26 @@ class _ParallelLinear:
             self.grad_bias[...] = 0
 
     def _rows(self, x, name, cols):
-        if not isinstance(x, np.ndarray):
-            raise TypeError(f"{type(self).__name__}: {name} must be a NumPy array, got {type(x).__name__}")
-        if x.dtype != np.float32:
-            raise TypeError(f"{type(self).__name__}: {name} has dtype {x.dtype}; expected float32")
-        if x.ndim < 1 or x.shape[-1] != cols:
-            raise ValueError(f"{type(self).__name__}: {name} must have shape (..., {cols}), got {x.shape}")
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{type(self).__name__}: {name} must be C-contiguous; pass np.ascontiguousarray({name})")
-        lead = x.shape[:-1]
-        return x.reshape(math.prod(lead), cols), lead  # explicit rows: a shard may have 0 columns
+        """x as float32 rows (M, cols), its leading shape, and the dtype to give the
+        result back in (None for float32; float16/bfloat16 inputs get outputs of
+        their own dtype, computed in float32)."""
+        who = type(self).__name__
+        x32 = as_float32(x, name, who)
+        if x32.ndim < 1 or x32.shape[-1] != cols:
+            raise ValueError(f"{who}: {name} must have shape (..., {cols}), got {x.shape}")
+        lead = x32.shape[:-1]
+        return x32.reshape(math.prod(lead), cols), lead, (None if x32 is x else x.dtype)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        x2, lead = self._rows(x, "x", self._x_cols)
-        return self._c.forward(x2).reshape(lead + (self._y_cols,))
+        x2, lead, dt = self._rows(x, "x", self._x_cols)
+        return _back(self._c.forward(x2).reshape(lead + (self._y_cols,)), dt)
 
     __call__ = forward
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
         """Input gradient for the last forward; accumulates grad_weight / grad_bias."""
-        dy2, lead = self._rows(dy, "dy", self._y_cols)
-        return self._c.backward(dy2).reshape(lead + (self._x_cols,))
+        dy2, lead, dt = self._rows(dy, "dy", self._y_cols)
+        return _back(self._c.backward(dy2).reshape(lead + (self._x_cols,)), dt)
 
     def __repr__(self):
         return (f"{type(self).__name__}({self.in_features}, {self.out_features}, rank {self.comm.rank} holds "
@@ -213,7 +253,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if W.shape != (rows, self.in_features):
             raise ValueError(f"load_full: W must have shape {(rows, self.in_features)}, got {W.shape}")
         idx = self._rows_of_full()
-        self.weight[...] = W[idx]
+        self.weight[...] = float_param(W[idx], "load_full")
         if b is not None or self.bias is not None:
             _load_bias(self, b, idx, rows)
 
@@ -246,7 +286,7 @@ class RowParallelLinear(_ParallelLinear):
         W = np.asarray(W)
         if W.shape != (self.out_features, self.in_features):
             raise ValueError(f"load_full: W must have shape {(self.out_features, self.in_features)}, got {W.shape}")
-        self.weight[...] = W[:, self.offset:self.offset + self.local]
+        self.weight[...] = float_param(W[:, self.offset:self.offset + self.local], "load_full")
         if b is not None or self.bias is not None:
             _load_bias(self, b, slice(0, self.out_features), self.out_features)
 
@@ -265,7 +305,7 @@ def _load_bias(layer, b, sel, n):
     b = np.asarray(b)
     if b.shape != (n,):
         raise ValueError(f"load_full: b must have shape {(n,)}, got {b.shape}")
-    layer.bias[...] = b[sel]
+    layer.bias[...] = float_param(b[sel], "load_full")
 
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "swiglu")
@@ -288,8 +328,7 @@ class ParallelMLP:
                              f"got {activation!r}")
         if not isinstance(comm, Comm):
             raise TypeError(f"ParallelMLP: comm must be a tpcore.Comm, got {type(comm).__name__}")
-        if np.dtype(dtype) != np.float32:
-            raise ValueError(f"ParallelMLP: dtype {np.dtype(dtype)} is not supported yet; use float32")
+        check_param_dtype(dtype, "ParallelMLP")
         for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ParallelMLP: {name} must be an int >= 1, got {v!r}")
@@ -307,11 +346,11 @@ class ParallelMLP:
         self.fc2.zero_grad()
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        x2, lead = self.fc1._rows(x, "x", self.hidden)
-        return self._c.forward(x2).reshape(lead + (self.hidden,))
+        x2, lead, dt = self.fc1._rows(x, "x", self.hidden)
+        return _back(self._c.forward(x2).reshape(lead + (self.hidden,)), dt)
 
     __call__ = forward
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
-        dy2, lead = self.fc2._rows(dy, "dy", self.hidden)
-        return self._c.backward(dy2).reshape(lead + (self.hidden,))
+        dy2, lead, dt = self.fc2._rows(dy, "dy", self.hidden)
+        return _back(self._c.backward(dy2).reshape(lead + (self.hidden,)), dt)

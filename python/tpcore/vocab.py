@@ -22,44 +22,48 @@ import numpy as np
 
 from . import _C
 from .comm import Comm
-from .layers import _sizes, check_partition
+from .layers import _sizes, as_float32, check_param_dtype, check_partition, float_param
 
 
-def _tokens(tokens, vocab, name="tokens"):
+def _tokens(tokens, name="tokens"):
+    """Integer ids as a C-contiguous int64 array (the range is checked in C)."""
     t = np.asarray(tokens)
     if t.dtype.kind not in "iu":
         raise TypeError(f"{name} must be integers, got {t.dtype}")
-    t = np.ascontiguousarray(t, dtype=np.int64)
-    if t.size and (t.min() < 0 or t.max() >= vocab):
-        raise ValueError(f"{name} must be in 0..{vocab - 1}, got values from {t.min()} to {t.max()}")
-    return t
+    return np.ascontiguousarray(t, dtype=np.int64)
 
 
 class VocabParallelEmbedding:
-    """Embedding table split along the vocabulary; output replicated on every rank."""
+    """Embedding table split along the vocabulary; output replicated on every rank.
+
+    A thin face of the C layer (csrc/layers/vocab.c): weight / grad_weight are
+    views of this rank's rows [offset, offset + local); forward is one C call (a
+    lookup and one all-reduce in registered memory).  Initialisation N(0, 1) per
+    element of the full table from `seed`: the same logical table at every world
+    size and partition."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, partition=None, seed: int = 0,
                  dtype="float32"):
-        if np.dtype(dtype) != np.float32:
-            raise ValueError(f"VocabParallelEmbedding: dtype {np.dtype(dtype)} is not supported yet; use float32")
-        if num_embeddings < 1 or embedding_dim < 1:
-            raise ValueError("VocabParallelEmbedding: num_embeddings and embedding_dim must be >= 1")
+        if not isinstance(comm, Comm):
+            raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
+        check_param_dtype(dtype, "VocabParallelEmbedding")
+        for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"VocabParallelEmbedding: {name} must be an int >= 1, got {v!r}")
         self.comm, self.num_embeddings, self.embedding_dim = comm, int(num_embeddings), int(embedding_dim)
         sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings")
-        if sizes is None:
-            n, w = self.num_embeddings, comm.size
-            sizes = [n // w + (1 if r < n % w else 0) for r in range(w)]
-        offs = [sum(sizes[:r]) for r in range(comm.size)]
-        self.offset, self.local = offs[comm.rank], sizes[comm.rank]
+        self._c = _C.VocabEmbedding(comm._c, self.num_embeddings, self.embedding_dim, sizes, int(seed))
+        shard = self._c.shard
+        self.offset, self.local = shard["offset"], shard["local"]
         self.partition = check_partition(comm, self.offset, self.local, self.num_embeddings, "VocabParallelEmbedding")
-        # N(0, 1) like torch.nn.Embedding, drawn per full row so every world size agrees
-        self.weight = np.empty((self.local, self.embedding_dim), np.float32)
-        for i in range(self.local):
-            g = np.random.default_rng([seed, 0x656D62, self.offset + i])
-            self.weight[i] = g.standard_normal(self.embedding_dim)
-        self.grad_weight = np.zeros_like(self.weight)
-        self._tok = None
-        self._buf = None
+
+    @property
+    def weight(self) -> np.ndarray:
+        return self._c.weight
+
+    @property
+    def grad_weight(self) -> np.ndarray:
+        return self._c.grad_weight
 
     def parameters(self):
         return [(self.weight, self.grad_weight)]
@@ -67,77 +71,76 @@ class VocabParallelEmbedding:
     def zero_grad(self):
         self.grad_weight[...] = 0
 
-    def _reg(self, n):
-        if self._buf is None or self._buf.size < n:  # collective: every rank has the same n
-            self._buf = self.comm.alloc((max(n, 1024) * 3 // 2,), np.float32)
-        return self._buf[:n]
-
     def forward(self, tokens) -> np.ndarray:
-        t = _tokens(tokens, self.num_embeddings)
-        flat = t.reshape(-1)
-        M, C = flat.size, self.embedding_dim
-        out = self._reg(M * C).reshape(M, C) if self.comm.size > 1 else np.empty((M, C), np.float32)
-        _C.embedding("forward", flat, self.weight, self.offset, out)
-        if self.comm.size > 1:
-            self.comm.all_reduce(out)  # registered: in place, zero-copy
-        self._tok = flat
-        return out.reshape(t.shape + (C,)).copy()
+        """(..., embedding_dim) float32 rows of the full table for integer tokens (...)."""
+        t = _tokens(tokens)
+        return self._c.forward(t.reshape(-1)).reshape(t.shape + (self.embedding_dim,))
 
     __call__ = forward
 
     def backward(self, dout) -> None:
-        if self._tok is None:
-            raise RuntimeError("VocabParallelEmbedding.backward: called before forward")
-        d = np.ascontiguousarray(dout, dtype=np.float32).reshape(-1, self.embedding_dim)
-        if d.shape[0] != self._tok.size:
-            raise ValueError(f"backward: dout has {d.shape[0]} rows, the last forward had {self._tok.size} tokens")
-        _C.embedding("backward", self._tok, self.grad_weight, self.offset, d)
+        """Accumulate grad_weight from the output gradient of the last forward."""
+        d = as_float32(dout, "dout", "VocabParallelEmbedding")
+        if d.ndim < 1 or d.shape[-1] != self.embedding_dim:
+            raise ValueError(f"VocabParallelEmbedding: dout must have shape (..., {self.embedding_dim}), got {d.shape}")
+        self._c.backward(d.reshape(-1, self.embedding_dim))
 
     def load_full(self, table: np.ndarray) -> None:
+        """Keep this rank's rows of the full table (any float dtype, converted)."""
         table = np.asarray(table)
         if table.shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"load_full: table must have shape {(self.num_embeddings, self.embedding_dim)}, "
                              f"got {table.shape}")
-        self.weight[...] = table[self.offset:self.offset + self.local]
+        self.weight[...] = float_param(table[self.offset:self.offset + self.local], "load_full")
 
     def gather_full(self) -> np.ndarray:
         return self.comm.all_gather(np.ascontiguousarray(self.weight), sizes=[s for _, s in self.partition])
 
+    def __repr__(self):
+        return (f"VocabParallelEmbedding({self.num_embeddings}, {self.embedding_dim}, rank {self.comm.rank} holds "
+                f"{self.offset}:{self.offset + self.local})")
+
 
 class VocabParallelCrossEntropy:
-    """loss = xent(logits_shard, targets); dlogits_shard = xent.backward(dloss)."""
+    """loss = xent(logits_shard, targets); dlogits_shard = xent.backward(dloss).
 
-    def __init__(self, comm: Comm):
-        self.comm = comm
+    Rows whose target equals ignore_index (default -100, like torch) have no loss
+    and no gradient; "mean" averages over the other rows.  The logits passed to
+    forward are kept (not copied) until the next forward: do not modify them
+    before backward."""
+
+    def __init__(self, comm: Comm, ignore_index: int = -100):
+        if not isinstance(comm, Comm):
+            raise TypeError(f"VocabParallelCrossEntropy: comm must be a tpcore.Comm, got {type(comm).__name__}")
+        self.comm, self.ignore_index = comm, int(ignore_index)
+        self._c = _C.VocabCrossEntropy(comm._c)
         self._ctx = None
 
     def forward(self, logits_shard: np.ndarray, targets, vocab_offset: Optional[int] = None,
                 reduction: str = "mean"):
-        if not isinstance(logits_shard, np.ndarray) or logits_shard.dtype != np.float32:
-            raise TypeError("vocab_parallel_cross_entropy: logits_shard must be a float32 NumPy array")
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-        V = logits_shard.shape[-1]
-        lead = logits_shard.shape[:-1]
+        if not isinstance(logits_shard, np.ndarray):
+            raise TypeError(f"vocab_parallel_cross_entropy: logits_shard must be a NumPy array, got "
+                            f"{type(logits_shard).__name__}")
+        logits = as_float32(logits_shard, "logits_shard", "vocab_parallel_cross_entropy")
+        if logits.ndim < 1:
+            raise ValueError("vocab_parallel_cross_entropy: logits_shard must have a vocabulary dimension")
+        V, lead = logits.shape[-1], logits.shape[:-1]
         M = math.prod(lead)
-        widths = self.comm.all_gather(np.array([V], np.int64))
-        if vocab_offset is None:
-            vocab_offset = int(widths[:self.comm.rank].sum())
-        t = _tokens(targets, int(widths.sum()), "targets")
+        t = _tokens(targets, "targets")
         if t.shape != lead:
             raise ValueError(f"targets must have shape {lead} (the logits' leading dims), got {t.shape}")
-        logits = np.ascontiguousarray(logits_shard).reshape(M, V)
-        t = t.reshape(M)
-        gmax = _C.xent("max", logits)
-        self.comm.all_reduce(gmax, op="max")
-        sums = _C.xent("sums", logits, gmax, t, vocab_offset)
-        self.comm.all_reduce(sums)
-        sumexp, tlogit = sums[:M], sums[M:]
-        losses = np.log(sumexp.astype(np.float64)) + gmax - tlogit
-        self._ctx = (logits, gmax, np.ascontiguousarray(sumexp), t, vocab_offset, lead, reduction, M)
+        self._ctx = None
+        losses, valid, vocab = self._c.forward(logits.reshape(M, V), t.reshape(M),
+                                               -1 if vocab_offset is None else int(vocab_offset), self.ignore_index)
+        self._ctx = (lead, reduction, M, V, valid)
         if reduction == "none":
             return losses.reshape(lead)
-        return float(losses.mean() if reduction == "mean" else losses.sum())
+        total = float(losses.sum(dtype=np.float64))
+        if reduction == "sum":
+            return total
+        return total / valid if valid else float("nan")
 
     __call__ = forward
 
@@ -145,17 +148,18 @@ class VocabParallelCrossEntropy:
         """This rank's shard of dlogits for the last forward (no communication)."""
         if self._ctx is None:
             raise RuntimeError("vocab_parallel_cross_entropy backward: called before forward")
-        logits, gmax, sumexp, t, off, lead, reduction, M = self._ctx
+        lead, reduction, M, V, valid = self._ctx
         if reduction == "none":
-            d = np.asarray(dloss, np.float32).reshape(M)
-            out = _C.xent("backward", logits, gmax, sumexp, t, off, 1.0)
-            return (out * d[:, None]).reshape(lead + (logits.shape[1],))
-        scale = float(dloss) / (M if reduction == "mean" else 1)
-        return _C.xent("backward", logits, gmax, sumexp, t, off, scale).reshape(lead + (logits.shape[1],))
+            d = np.ascontiguousarray(np.asarray(dloss, np.float32).reshape(M)) if np.ndim(dloss) else None
+            scale = float(dloss) if d is None else 1.0
+            return self._c.backward(d, scale).reshape(lead + (V,))
+        scale = float(dloss) / (max(valid, 1) if reduction == "mean" else 1)
+        return self._c.backward(None, scale).reshape(lead + (V,))
 
 
 def vocab_parallel_cross_entropy(logits_shard, targets, comm: Comm, vocab_offset: Optional[int] = None,
-                                 reduction: str = "mean"):
-    """Mean softmax cross-entropy of the full vocabulary from each rank's logits
-    shard.  For the backward, use VocabParallelCrossEntropy(comm)."""
-    return VocabParallelCrossEntropy(comm).forward(logits_shard, targets, vocab_offset, reduction)
+                                 reduction: str = "mean", ignore_index: int = -100):
+    """Softmax cross-entropy of the full vocabulary from each rank's logits shard
+    (mean over the rows not ignored, by default).  For the backward, use
+    VocabParallelCrossEntropy(comm)."""
+    return VocabParallelCrossEntropy(comm, ignore_index).forward(logits_shard, targets, vocab_offset, reduction)

@@ -50,12 +50,14 @@ TP_API void tp_embedding_forward(float *out, const int64_t *tokens, const float 
 TP_API void tp_embedding_backward(float *dtable, const int64_t *tokens, const float *dout, int64_t M,
                                   int64_t lo, int64_t V, int64_t C);
 /* Cross-entropy: rowmax[M] of the shard; sums[2M] = (sum_j exp(l - gmax), target logit or 0);
- * dlogits = (softmax - onehot(target)) * scale. */
+ * dlogits = (softmax - onehot(target)) * scale * row_scale[m] (row_scale may be NULL).
+ * A negative target (an ignored row) has no target logit and no one-hot entry. */
 TP_API void tp_xent_row_max(float *rowmax, const float *logits, int64_t M, int64_t V);
 TP_API void tp_xent_row_sums(float *sums, const float *logits, const float *gmax, const int64_t *targets,
                              int64_t M, int64_t lo, int64_t V);
 TP_API void tp_xent_backward(float *dlogits, const float *logits, const float *gmax, const float *sumexp,
-                             const int64_t *targets, int64_t M, int64_t lo, int64_t V, float scale);
+                             const int64_t *targets, const float *row_scale, float scale, int64_t M,
+                             int64_t lo, int64_t V);
 
 /* Optimizer steps on n elements in place (formulas in optim.c; step counts from 1). */
 TP_API void tp_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,

@@ -94,6 +94,57 @@ TP_API tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t mlp, float *y, cons
 /* dx[M, hidden] from dy[M, hidden] for the last forward; accumulates the layers' grads. */
 TP_API tp_status_t tp_parallel_mlp_backward(tp_parallel_mlp_t mlp, float *dx, const float *dy, int64_t M);
 
+/* Vocab-parallel embedding (Megatron): the table (num_embeddings x dim) split along
+ * the vocabulary; rank r holds rows [offset, offset + local).  forward looks up the
+ * tokens this rank owns, zeros the others and all-reduces (in registered memory),
+ * so every rank gets the full [M, dim] output.  backward scatter-adds the
+ * (replicated) output gradient into this rank's rows.  Initialisation N(0, 1)
+ * (torch.nn.Embedding), per element of the full table from (seed, index). */
+typedef struct tp_vocab_embedding *tp_vocab_embedding_t;
+
+typedef struct {
+  size_t size; /* sizeof(tp_embedding_config_t) */
+  int64_t num_embeddings, embedding_dim;
+  const int64_t *partition; /* world sizes of the vocabulary split; NULL: even */
+  uint64_t seed;
+} tp_embedding_config_t;
+
+#define TP_EMBEDDING_CONFIG_INITIALIZER { sizeof(tp_embedding_config_t), 0, 0, NULL, 0 }
+
+typedef struct {
+  float *weight, *grad_weight; /* [local, dim] */
+  int64_t offset, local, dim, num_embeddings;
+} tp_embedding_info_t;
+
+TP_API tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
+                                             const tp_embedding_config_t *cfg);
+TP_API void tp_vocab_embedding_destroy(tp_vocab_embedding_t emb);
+TP_API tp_status_t tp_vocab_embedding_info(tp_vocab_embedding_t emb, tp_embedding_info_t *info);
+/* y[M, dim] for tokens[M] in [0, num_embeddings) (the same on every rank).  Collective. */
+TP_API tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t emb, float *y, const int64_t *tokens, int64_t M);
+/* grad_weight += scatter of dy[M, dim] onto the last forward's tokens.  Local. */
+TP_API tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t emb, const float *dy, int64_t M);
+
+/* Vocab-parallel softmax cross-entropy (Megatron): each rank holds the logits of its
+ * vocabulary shard [lo, lo + V); no rank holds the full logits.  forward: one max
+ * all-reduce (row maxima, the shard widths and a check that every rank got the same
+ * targets, packed together), then one sum all-reduce of (sum of exp, target logit)
+ * per row.  Rows whose target equals ignore_index have loss 0 and no gradient.
+ * backward needs no communication: dlogits = (softmax - onehot) * scale * dloss[m].
+ * The logits passed to forward must stay alive and unchanged until backward. */
+typedef struct tp_vocab_xent *tp_vocab_xent_t;
+
+TP_API tp_status_t tp_vocab_xent_create(tp_vocab_xent_t *out, tp_comm_t comm);
+TP_API void tp_vocab_xent_destroy(tp_vocab_xent_t xent);
+/* losses[M] from logits[M, V] and targets[M] (global ids).  vocab_offset < 0: the
+ * shards lie in rank order (lo = the widths of the lower ranks).  *valid (may be
+ * NULL) = rows not ignored; *vocab (may be NULL) = the full vocabulary size. */
+TP_API tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t xent, float *losses, const float *logits,
+                                         const int64_t *targets, int64_t M, int64_t V, int64_t vocab_offset,
+                                         int64_t ignore_index, int64_t *valid, int64_t *vocab);
+/* dlogits[M, V] for the last forward; dloss[M] per row (NULL: all 1) times scale. */
+TP_API tp_status_t tp_vocab_xent_backward(tp_vocab_xent_t xent, float *dlogits, const float *dloss, float scale);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,50 +2,11 @@
  * forward's input h and the output gradient and writes dh.
  * SwiGLU works on a fused [M, 2F] input whose first F columns of each row are
  * the gate and the next F the up projection: out = silu(gate) * up. */
-/* These kernels never rely on floating-point traps: let GCC turn the selects in
- * fexp/ferf into blends so that every loop vectorizes (measured: 17 loops). */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("no-trapping-math")
-#endif
-
-#include <math.h>
-#include <stdint.h>
-
+#include "parallel.h"
+#include "vmath.h"
 #include "tpcore/kernels.h"
 
-#define SQRT_2_OVER_PI 0.7978845608028654f
-#define INV_SQRT_2 0.7071067811865476f
-#define INV_SQRT_2PI 0.3989422804014327f
-
-/* Branch-free exp and erf that the compiler vectorizes (the libm calls it cannot
- * vectorize made GELU ~19% of an MLP step).  exp: x = k ln2 + r with |r| <= ln2/2
- * (Cody-Waite split of ln2), a degree-6 polynomial for e^r, 2^k put into the
- * exponent bits; relative error ~1e-7 on [-87, 88].  erf: Abramowitz & Stegun
- * 7.1.26, |error| <= 1.5e-7. */
-static inline float fexp(float x) {
-  x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-  float kf = (x * 1.44269504089f + 12582912.0f) - 12582912.0f; /* round to nearest */
-  float r = x - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
-  float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.008333334f +
-            r * 0.0013888889f)))));
-  union { int32_t i; float f; } u;
-  u.i = ((int32_t)kf + 127) << 23;
-  return p * u.f;
-}
-
-static inline float ferf(float x) {
-  float ax = x < 0.0f ? -x : x;
-  float t = 1.0f / (1.0f + 0.3275911f * ax);
-  float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
-  float y = 1.0f - poly * fexp(-ax * ax);
-  return x < 0.0f ? -y : y;
-}
-
-static inline float ftanh(float x) { return 1.0f - 2.0f / (fexp(2.0f * x) + 1.0f); }
-
-static inline float sigmoidf(float x) { return 1.0f / (1.0f + fexp(-x)); }
-
-void tp_act_forward(float *out, const float *h, int64_t M, int64_t F, tp_activation_t act) {
+static void act_forward_rows(float *out, const float *h, int64_t M, int64_t F, tp_activation_t act) {
   size_t n = (size_t)(M * F);
   switch (act) {
     case TP_ACT_GELU:
@@ -73,7 +34,8 @@ void tp_act_forward(float *out, const float *h, int64_t M, int64_t F, tp_activat
   }
 }
 
-void tp_act_backward(float *dh, const float *h, const float *dout, int64_t M, int64_t F, tp_activation_t act) {
+static void act_backward_rows(float *dh, const float *h, const float *dout, int64_t M, int64_t F,
+                              tp_activation_t act) {
   size_t n = (size_t)(M * F);
   switch (act) {
     case TP_ACT_GELU:
@@ -114,4 +76,34 @@ void tp_act_backward(float *dh, const float *h, const float *dout, int64_t M, in
       }
       break;
   }
+}
+
+/* The public kernels split the rows over this rank's threads (see parallel.h). */
+typedef struct {
+  float *out;
+  const float *h, *dout;
+  int64_t F;
+  tp_activation_t act;
+} act_args;
+
+static void act_forward_chunk(void *ctx, int64_t lo, int64_t hi) {
+  const act_args *a = ctx;
+  int64_t hw = a->act == TP_ACT_SWIGLU ? 2 * a->F : a->F;
+  act_forward_rows(a->out + lo * a->F, a->h + lo * hw, hi - lo, a->F, a->act);
+}
+
+static void act_backward_chunk(void *ctx, int64_t lo, int64_t hi) {
+  const act_args *a = ctx;
+  int64_t hw = a->act == TP_ACT_SWIGLU ? 2 * a->F : a->F;
+  act_backward_rows(a->out + lo * hw, a->h + lo * hw, a->dout + lo * a->F, hi - lo, a->F, a->act);
+}
+
+void tp_act_forward(float *out, const float *h, int64_t M, int64_t F, tp_activation_t act) {
+  act_args a = {out, h, NULL, F, act};
+  tp_parallel_rows(M, F, act_forward_chunk, &a);
+}
+
+void tp_act_backward(float *dh, const float *h, const float *dout, int64_t M, int64_t F, tp_activation_t act) {
+  act_args a = {dh, h, dout, F, act};
+  tp_parallel_rows(M, F, act_backward_chunk, &a);
 }

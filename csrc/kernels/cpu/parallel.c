@@ -1,0 +1,47 @@
+/* tp_parallel_rows: short-lived pthreads, started per call.  A call worth
+ * splitting costs milliseconds (>= 256K element operations per extra thread),
+ * so starting a thread (~20 us) is noise, and nothing keeps spinning between
+ * calls to compete with the BLAS threads or the peers' ranks. */
+#include <pthread.h>
+
+#include "parallel.h"
+#include "tpcore/kernels.h"
+
+enum { MIN_WORK_PER_THREAD = 1 << 18, MAX_THREADS = 64 };
+
+typedef struct {
+  tp_rows_fn fn;
+  void *ctx;
+  int64_t lo, hi;
+} chunk_t;
+
+static void *run_chunk(void *arg) {
+  chunk_t *c = arg;
+  c->fn(c->ctx, c->lo, c->hi);
+  return NULL;
+}
+
+void tp_parallel_rows(int64_t rows, int64_t work_per_row, tp_rows_fn fn, void *ctx) {
+  if (rows <= 0) return;
+  int64_t work = rows * (work_per_row > 0 ? work_per_row : 1);
+  int64_t t = tp_get_num_threads();
+  if (t > work / MIN_WORK_PER_THREAD) t = work / MIN_WORK_PER_THREAD;
+  if (t > rows) t = rows;
+  if (t > MAX_THREADS) t = MAX_THREADS;
+  if (t <= 1) {
+    fn(ctx, 0, rows);
+    return;
+  }
+  chunk_t c[MAX_THREADS];
+  pthread_t th[MAX_THREADS];
+  int started[MAX_THREADS] = {0};
+  for (int64_t i = 0; i < t; i++) {
+    c[i] = (chunk_t){fn, ctx, rows * i / t, rows * (i + 1) / t};
+    if (i > 0) started[i] = pthread_create(&th[i], NULL, run_chunk, &c[i]) == 0;
+  }
+  fn(ctx, c[0].lo, c[0].hi);
+  for (int64_t i = 1; i < t; i++) {
+    if (started[i]) pthread_join(th[i], NULL);
+    else fn(ctx, c[i].lo, c[i].hi); /* no thread to be had: do it here */
+  }
+}

@@ -1,0 +1,55 @@
+/* Private helpers shared by the layers. */
+#ifndef TPCORE_LAYERS_IMPL_H
+#define TPCORE_LAYERS_IMPL_H
+
+#include <stddef.h>
+#include <stdlib.h>
+
+#include "../comm/comm_impl.h"
+#include "tpcore/layers.h"
+
+/* A buffer in the communicator's registered memory, grown on demand: collectives
+ * on it take the zero-copy path. */
+typedef struct {
+  void *ptr;
+  tp_mem_t mem;
+  size_t cap;
+} reg_buf;
+
+/* Collective: every rank asks for the same size (M and the shapes agree). */
+static inline tp_status_t tp_reg_ensure(tp_comm_t comm, reg_buf *rb, size_t nbytes) {
+  if (rb->cap >= nbytes && rb->ptr) return TP_SUCCESS;
+  if (rb->mem) tp_mem_release(rb->mem);
+  rb->mem = NULL;
+  rb->ptr = NULL;
+  rb->cap = 0;
+  size_t cap = nbytes < 4096 ? 4096 : nbytes + nbytes / 2;
+  TP_CHECK(tp_comm_mem_alloc(comm, cap, &rb->ptr, &rb->mem));
+  rb->cap = cap;
+  return TP_SUCCESS;
+}
+
+static inline void tp_reg_release(reg_buf *rb) {
+  if (rb->mem) tp_mem_release(rb->mem);
+  rb->mem = NULL;
+  rb->ptr = NULL;
+  rb->cap = 0;
+}
+
+/* Grow a malloc'd array to hold n elements of `elem` bytes (contents not kept). */
+static inline tp_status_t tp_grow(void **p, int64_t *cap, int64_t n, size_t elem, const char *what) {
+  if (n <= *cap && *p) return TP_SUCCESS;
+  void *q = malloc((size_t)(n > 0 ? n : 1) * elem);
+  if (!q) return tp_set_error(TP_ERR_NOMEM, "%s: out of memory for %lld elements", what, (long long)n);
+  free(*p);
+  *p = q;
+  *cap = n;
+  return TP_SUCCESS;
+}
+
+/* forward that keeps a pointer to x (when contiguous) instead of a copy for the
+ * backward: for inputs that the caller keeps alive and unchanged until then (the
+ * MLP's activation workspace). */
+tp_status_t tp_parallel_linear_forward_borrow(tp_parallel_linear_t L, float *y, const float *x, int64_t M);
+
+#endif

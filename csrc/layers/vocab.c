@@ -1,0 +1,299 @@
+/* Vocab-parallel embedding and softmax cross-entropy (see tpcore/layers.h). */
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "layers_impl.h"
+#include "tpcore/kernels.h"
+#include "tpcore/layers.h"
+
+/* The vocabulary split: sizes from `partition` (or even), checked to sum to n. */
+static tp_status_t split(const int64_t *partition, int world, int rank, int64_t n, const char *who, int64_t *off,
+                         int64_t *loc) {
+  int64_t sum = 0;
+  for (int p = 0; p < world; p++) {
+    int64_t v = partition ? partition[p] : n / world + (p < n % world);
+    if (v < 0) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: partition[%d] is negative (%lld)", who, p, (long long)v);
+    if (p == rank) {
+      *off = sum;
+      *loc = v;
+    }
+    sum += v;
+  }
+  if (sum != n)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: the partition sums to %lld but the vocabulary has %lld entries",
+                        who, (long long)sum, (long long)n);
+  return TP_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ embedding */
+
+struct tp_vocab_embedding {
+  tp_comm_t comm;
+  int world;
+  int64_t n, C, off, loc;
+  float *w, *dw;
+  int64_t *tok, tok_cap, last_m; /* the last forward's tokens; last_m -1 before the first */
+  reg_buf buf;
+};
+
+void tp_vocab_embedding_destroy(tp_vocab_embedding_t E) {
+  if (!E) return;
+  tp_reg_release(&E->buf);
+  free(E->w);
+  free(E->dw);
+  free(E->tok);
+  free(E);
+}
+
+tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm, const tp_embedding_config_t *cfg) {
+  if (!out || !comm || !cfg) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: NULL argument");
+  *out = NULL;
+  if (cfg->size != sizeof(tp_embedding_config_t))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: config built for another tpcore version");
+  if (cfg->num_embeddings < 1 || cfg->embedding_dim < 1)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: num_embeddings and embedding_dim must be >= 1, got %lld "
+                        "and %lld", (long long)cfg->num_embeddings, (long long)cfg->embedding_dim);
+  int rank, world;
+  tp_comm_rank(comm, &rank);
+  tp_comm_size(comm, &world);
+  int64_t off = 0, loc = 0, nel;
+  TP_CHECK(split(cfg->partition, world, rank, cfg->num_embeddings, "embedding", &off, &loc));
+  if (__builtin_mul_overflow(loc, cfg->embedding_dim, &nel) || nel > ((int64_t)1 << 40))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: a table shard of %lld x %lld is too large",
+                        (long long)loc, (long long)cfg->embedding_dim);
+  tp_vocab_embedding_t E = calloc(1, sizeof *E);
+  if (!E) return tp_set_error(TP_ERR_NOMEM, "embedding: out of memory");
+  E->comm = comm;
+  E->world = world;
+  E->n = cfg->num_embeddings;
+  E->C = cfg->embedding_dim;
+  E->off = off;
+  E->loc = loc;
+  E->last_m = -1;
+  E->w = malloc((size_t)(nel ? nel : 1) * sizeof(float));
+  E->dw = calloc((size_t)(nel ? nel : 1), sizeof(float));
+  if (!E->w || !E->dw) {
+    tp_vocab_embedding_destroy(E);
+    return tp_set_error(TP_ERR_NOMEM, "embedding: out of memory for the table shard (%lld floats)", (long long)nel);
+  }
+  /* N(0, 1) by Box-Muller on two counter-based uniforms per element of the full table. */
+  uint64_t base = (uint64_t)off * (uint64_t)E->C;
+  for (int64_t i = 0; i < nel; i++) {
+    uint64_t idx = base + (uint64_t)i;
+    double u1 = tp_uniform01(cfg->seed, 2, 2 * idx), u2 = tp_uniform01(cfg->seed, 2, 2 * idx + 1);
+    E->w[i] = (float)(sqrt(-2.0 * log1p(-u1)) * cos(6.283185307179586 * u2));
+  }
+  *out = E;
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_vocab_embedding_info(tp_vocab_embedding_t E, tp_embedding_info_t *info) {
+  if (!E || !info) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: NULL argument");
+  info->weight = E->w;
+  info->grad_weight = E->dw;
+  info->offset = E->off;
+  info->local = E->loc;
+  info->dim = E->C;
+  info->num_embeddings = E->n;
+  return TP_SUCCESS;
+}
+
+static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int64_t *tokens, int64_t M) {
+  for (int64_t m = 0; m < M; m++)
+    if (tokens[m] < 0 || tokens[m] >= E->n)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: token %lld (position %lld) is out of range "
+                          "0..%lld", (long long)tokens[m], (long long)m, (long long)(E->n - 1));
+  /* Local failures before the collective abort the communicator (the peers would wait). */
+  tp_status_t st = tp_grow((void **)&E->tok, &E->tok_cap, M, sizeof(int64_t), "embedding forward");
+  if (st != TP_SUCCESS) {
+    tp_comm_abort(E->comm, tp_last_error());
+    return st;
+  }
+  if (M) memcpy(E->tok, tokens, (size_t)M * sizeof(int64_t));
+  E->last_m = M;
+  if (E->world == 1) {
+    tp_embedding_forward(y, tokens, E->w, M, E->off, E->loc, E->C);
+    return TP_SUCCESS;
+  }
+  size_t nbytes = (size_t)(M * E->C) * sizeof(float);
+  TP_CHECK(tp_reg_ensure(E->comm, &E->buf, nbytes));
+  float *r = E->buf.ptr;
+  tp_embedding_forward(r, tokens, E->w, M, E->off, E->loc, E->C);
+  TP_CHECK(tp_all_reduce(r, r, (size_t)(M * E->C), TP_FLOAT32, TP_SUM, E->comm));
+  memcpy(y, r, nbytes);
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t E, float *y, const int64_t *tokens, int64_t M) {
+  if (!E || (M && (!y || !tokens))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: NULL argument");
+  int64_t nel;
+  if (M < 0 || __builtin_mul_overflow(M, E->C, &nel) || nel > ((int64_t)1 << 40))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: %lld tokens is out of range", (long long)M);
+  return embedding_forward(E, y, tokens, M);
+}
+
+tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t E, const float *dy, int64_t M) {
+  if (!E || (M && !dy)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding backward: NULL argument");
+  if (E->last_m < 0) return tp_set_error(TP_ERR_INVALID_USAGE, "embedding backward: called before forward");
+  if (M != E->last_m)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding backward: dy has %lld rows, the last forward had %lld "
+                        "tokens", (long long)M, (long long)E->last_m);
+  tp_embedding_backward(E->dw, E->tok, dy, M, E->off, E->loc, E->C);
+  return TP_SUCCESS;
+}
+
+/* -------------------------------------------------------------- cross-entropy */
+
+struct tp_vocab_xent {
+  tp_comm_t comm;
+  int rank, world;
+  reg_buf buf;             /* [M + world + 2 maxima | 2M sums] */
+  float *gmax, *sumexp, *rs, *s2; /* s2: 2M sums at world 1 */
+  int64_t *tg, cap;        /* targets of the last forward, -1 where ignored */
+  const float *logits;     /* the last forward's logits (the caller keeps them) */
+  int64_t last_m, V, lo;   /* last_m -1 before the first forward */
+};
+
+tp_status_t tp_vocab_xent_create(tp_vocab_xent_t *out, tp_comm_t comm) {
+  if (!out || !comm) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: NULL argument");
+  tp_vocab_xent_t X = calloc(1, sizeof *X);
+  if (!X) return tp_set_error(TP_ERR_NOMEM, "cross-entropy: out of memory");
+  X->comm = comm;
+  tp_comm_rank(comm, &X->rank);
+  tp_comm_size(comm, &X->world);
+  X->last_m = -1;
+  *out = X;
+  return TP_SUCCESS;
+}
+
+void tp_vocab_xent_destroy(tp_vocab_xent_t X) {
+  if (!X) return;
+  tp_reg_release(&X->buf);
+  free(X->gmax);
+  free(X->sumexp);
+  free(X->rs);
+  free(X->s2);
+  free(X->tg);
+  free(X);
+}
+
+static tp_status_t xent_workspace(tp_vocab_xent_t X, int64_t M) {
+  if (M <= X->cap && X->gmax) return TP_SUCCESS;
+  float *a = malloc((size_t)(M ? M : 1) * sizeof(float)), *b = malloc((size_t)(M ? M : 1) * sizeof(float));
+  float *c = malloc((size_t)(M ? M : 1) * sizeof(float)), *d = malloc((size_t)(M ? 2 * M : 1) * sizeof(float));
+  int64_t *t = malloc((size_t)(M ? M : 1) * sizeof(int64_t));
+  if (!a || !b || !c || !d || !t) {
+    free(a), free(b), free(c), free(d), free(t);
+    return tp_set_error(TP_ERR_NOMEM, "cross-entropy: out of memory for %lld rows", (long long)M);
+  }
+  free(X->gmax), free(X->sumexp), free(X->rs), free(X->s2), free(X->tg);
+  X->gmax = a, X->sumexp = b, X->rs = c, X->s2 = d, X->tg = t;
+  X->cap = M;
+  return TP_SUCCESS;
+}
+
+/* A 24-bit fingerprint of the targets (exact in float32): max(h) == -max(-h) over
+ * the ranks iff every rank hashed the same targets. */
+static float targets_hash(const int64_t *t, int64_t M) {
+  uint64_t h = 0xcbf29ce484222325ULL ^ (uint64_t)M;
+  for (int64_t m = 0; m < M; m++) h = (h ^ (uint64_t)t[m]) * 0x100000001b3ULL;
+  h ^= h >> 29;
+  return (float)(h & 0xFFFFFF);
+}
+
+static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *logits, const int64_t *targets,
+                                int64_t M, int64_t V, int64_t vocab_offset, int64_t ignore_index, int64_t *valid,
+                                int64_t *vocab) {
+  int n = X->world;
+  tp_status_t st = xent_workspace(X, M);
+  if (st == TP_SUCCESS && n > 1) st = tp_reg_ensure(X->comm, &X->buf, (size_t)(3 * M + n + 2) * sizeof(float));
+  if (st != TP_SUCCESS) {
+    if (st == TP_ERR_NOMEM) tp_comm_abort(X->comm, tp_last_error());
+    return st;
+  }
+  X->last_m = -1;
+  int64_t lo = vocab_offset, total = V;
+  float *mx = n > 1 ? (float *)X->buf.ptr : X->gmax;
+  tp_xent_row_max(mx, logits, M, V);
+  if (n > 1) {
+    /* One max all-reduce: row maxima, every rank's width, the targets' fingerprint. */
+    for (int p = 0; p < n; p++) mx[M + p] = p == X->rank ? (float)V : -1.0f;
+    float h = targets_hash(targets, M);
+    mx[M + n] = h;
+    mx[M + n + 1] = -h;
+    TP_CHECK(tp_all_reduce(mx, mx, (size_t)(M + n + 2), TP_FLOAT32, TP_MAX, X->comm));
+    if (mx[M + n] != -mx[M + n + 1])
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: the ranks passed different targets (every rank "
+                          "needs the same targets for its logits shard)");
+    total = 0;
+    int64_t below = 0;
+    for (int p = 0; p < n; p++) {
+      int64_t w = (int64_t)mx[M + p];
+      if (p < X->rank) below += w;
+      total += w;
+    }
+    if (lo < 0) lo = below;
+    memcpy(X->gmax, mx, (size_t)M * sizeof(float));
+  } else if (lo < 0) {
+    lo = 0;
+  }
+  if (vocab_offset >= 0 && lo + V > total)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: vocab_offset %lld + shard width %lld exceeds the "
+                        "vocabulary (%lld)", (long long)lo, (long long)V, (long long)total);
+  if (n == 1 && vocab_offset >= 0) total = lo + V;
+  int64_t nvalid = 0;
+  for (int64_t m = 0; m < M; m++) {
+    int64_t t = targets[m];
+    if (t == ignore_index) {
+      X->tg[m] = -1;
+      continue;
+    }
+    if (t < 0 || t >= total)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: target %lld (row %lld) is out of range 0..%lld",
+                          (long long)t, (long long)m, (long long)(total - 1));
+    X->tg[m] = t;
+    nvalid++;
+  }
+  /* (sum of exp, target logit) per row */
+  float *sums = n > 1 ? (float *)X->buf.ptr + M + n + 2 : X->s2;
+  tp_xent_row_sums(sums, logits, X->gmax, X->tg, M, lo, V);
+  if (n > 1) TP_CHECK(tp_all_reduce(sums, sums, (size_t)(2 * M), TP_FLOAT32, TP_SUM, X->comm));
+  memcpy(X->sumexp, sums, (size_t)M * sizeof(float));
+  const float *tl = sums + M;
+  for (int64_t m = 0; m < M; m++)
+    losses[m] = X->tg[m] < 0 ? 0.0f : (float)(log((double)X->sumexp[m]) + (double)X->gmax[m] - (double)tl[m]);
+  X->logits = logits;
+  X->last_m = M;
+  X->V = V;
+  X->lo = lo;
+  if (valid) *valid = nvalid;
+  if (vocab) *vocab = total;
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t X, float *losses, const float *logits, const int64_t *targets,
+                                  int64_t M, int64_t V, int64_t vocab_offset, int64_t ignore_index, int64_t *valid,
+                                  int64_t *vocab) {
+  if (!X || (M && (!losses || !targets || (V && !logits))))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: NULL argument");
+  int64_t nel;
+  if (M < 0 || V < 0 || __builtin_mul_overflow(M, V, &nel) || nel > ((int64_t)1 << 40) || M > INT_MAX / 4)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: %lld rows x %lld columns is out of range",
+                        (long long)M, (long long)V);
+  if (V > (1 << 24))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: a shard of %lld vocabulary entries is wider "
+                        "than 2^24", (long long)V);
+  return xent_forward(X, losses, logits, targets, M, V, vocab_offset, ignore_index, valid, vocab);
+}
+
+tp_status_t tp_vocab_xent_backward(tp_vocab_xent_t X, float *dlogits, const float *dloss, float scale) {
+  if (!X) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy backward: NULL argument");
+  if (X->last_m < 0) return tp_set_error(TP_ERR_INVALID_USAGE, "cross-entropy backward: called before forward");
+  int64_t M = X->last_m;
+  if (M && X->V && !dlogits) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy backward: NULL argument");
+  for (int64_t m = 0; m < M; m++) X->rs[m] = X->tg[m] < 0 ? 0.0f : dloss ? dloss[m] : 1.0f;
+  tp_xent_backward(dlogits, X->logits, X->gmax, X->sumexp, X->tg, X->rs, scale, M, X->lo, X->V);
+  return TP_SUCCESS;
+}
