@@ -47,9 +47,14 @@ static inline tp_status_t tp_grow(void **p, int64_t *cap, int64_t n, size_t elem
   return TP_SUCCESS;
 }
 
-/* forward that keeps a pointer to x (when contiguous) instead of a copy for the
- * backward: for inputs that the caller keeps alive and unchanged until then (the
- * MLP's activation workspace). */
-tp_status_t tp_parallel_linear_forward_borrow(tp_parallel_linear_t L, float *y, const float *x, int64_t M);
+/* Calls of the linear layers for the fused blocks:
+ * TP_LIN_BORROW_INPUT  forward keeps a pointer to x (when contiguous) instead of a
+ *                      copy for the backward: x must stay alive and unchanged until
+ *                      then (the MLP's activation workspace);
+ * TP_LIN_SKIP_BIAS     the caller adds the bias (forward) and accumulates its
+ *                      gradient (backward) itself, fused with the activation. */
+enum { TP_LIN_BORROW_INPUT = 1, TP_LIN_SKIP_BIAS = 2 };
+tp_status_t tp_parallel_linear_forward_ex(tp_parallel_linear_t L, float *y, const float *x, int64_t M, int flags);
+tp_status_t tp_parallel_linear_backward_ex(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M, int flags);
 
 #endif

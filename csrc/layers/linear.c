@@ -18,7 +18,7 @@ struct tp_parallel_linear {
   int64_t wr, wc;       /* weight shard rows x cols */
   float *xsave;         /* a copy of the last forward's input (this rank's columns), M x x_local */
   const float *xin;     /* the input backward uses: xsave, or the caller's x when borrowed */
-  int borrow;           /* this forward may keep a pointer to x instead of a copy */
+  int flags;            /* TP_LIN_* of the call in progress (layers_impl.h) */
   float *dytmp;         /* column backward with gather_output: this rank's columns of dy */
   int64_t dytmp_cap;
   /* xsave_m: rows of the last forward, -1 before the first */
@@ -39,7 +39,7 @@ static tp_status_t ensure_reg(tp_parallel_linear_t L, reg_buf *rb, size_t nbytes
 static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M, int64_t cols,
                               int64_t col0, int64_t stride) {
   int64_t need = M * L->wc;
-  if (need == 0 || (L->borrow && cols == stride)) { /* nothing to keep, or x outlives the step */
+  if (need == 0 || ((L->flags & TP_LIN_BORROW_INPUT) && cols == stride)) { /* nothing to keep, or x outlives the step */
     L->xin = x;
     L->xsave_m = M;
     return TP_SUCCESS;
@@ -234,10 +234,17 @@ tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, float *y, const f
   return fail_local(L, forward_impl(L, y, x, M));
 }
 
-tp_status_t tp_parallel_linear_forward_borrow(tp_parallel_linear_t L, float *y, const float *x, int64_t M) {
-  L->borrow = 1;
+tp_status_t tp_parallel_linear_forward_ex(tp_parallel_linear_t L, float *y, const float *x, int64_t M, int flags) {
+  L->flags = flags;
   tp_status_t st = tp_parallel_linear_forward(L, y, x, M);
-  L->borrow = 0;
+  L->flags = 0;
+  return st;
+}
+
+tp_status_t tp_parallel_linear_backward_ex(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M, int flags) {
+  L->flags = flags;
+  tp_status_t st = tp_parallel_linear_backward(L, dx, dy, M);
+  L->flags = 0;
   return st;
 }
 
@@ -249,34 +256,35 @@ tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, float *dx, const
 
 static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x, int64_t M) {
   int64_t K = L->cfg.in_features, N = L->cfg.out_features;
+  const float *b = (L->flags & TP_LIN_SKIP_BIAS) ? NULL : L->b;
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
     TP_CHECK(save_input(L, x, M, K, 0, K));
     if (!L->cfg.gather_output || L->world == 1) {
-      tp_linear_forward(y, x, L->w, L->b, M, K, L->wr);
+      tp_linear_forward(y, x, L->w, b, M, K, L->wr);
       return TP_SUCCESS;
     }
     /* GEMM straight into my block of the registered gather buffer: the all-gather is in place. */
     TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
     float *g = L->out_buf.ptr;
-    tp_linear_forward(g + L->off * M, x, L->w, L->b, M, K, L->loc);
+    tp_linear_forward(g + L->off * M, x, L->w, b, M, K, L->loc);
     return gather_columns(L, y, g, M, N);
   }
   /* Row parallel. */
   int64_t xcols = L->cfg.input_is_parallel ? L->loc : K;
   TP_CHECK(save_input(L, x, M, L->loc, L->cfg.input_is_parallel ? 0 : L->off, xcols));
   if (L->world == 1) {
-    tp_linear_forward(y, L->xin, L->w, L->b, M, L->loc, N);
+    tp_linear_forward(y, L->xin, L->w, b, M, L->loc, N);
     return TP_SUCCESS;
   }
   TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
   float *r = L->out_buf.ptr;
   tp_linear_forward(r, L->xin, L->w, NULL, M, L->loc, N);
   TP_CHECK(tp_all_reduce(r, r, (size_t)(M * N), TP_FLOAT32, TP_SUM, L->comm));
-  if (L->b) {
+  if (b) {
     for (int64_t m = 0; m < M; m++) {
       const float *src = r + m * N;
       float *dst = y + m * N;
-      for (int64_t j = 0; j < N; j++) dst[j] = src[j] + L->b[j];
+      for (int64_t j = 0; j < N; j++) dst[j] = src[j] + b[j];
     }
   } else {
     memcpy(y, r, (size_t)(M * N) * sizeof(float));
@@ -291,6 +299,7 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: dy has %lld rows but the last forward had %lld",
                         (long long)M, (long long)L->xsave_m);
   int64_t K = L->cfg.in_features, N = L->cfg.out_features;
+  float *db = (L->flags & TP_LIN_SKIP_BIAS) ? NULL : L->db;
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
     const float *dyr = dy;
     if (L->cfg.gather_output && L->world > 1) { /* my columns of the full dy */
@@ -299,23 +308,23 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
       dyr = L->dytmp;
     }
     if (L->world == 1) {
-      tp_linear_backward(dx, L->dw, L->db, dyr, L->xin, L->w, M, K, L->wr, 0);
+      tp_linear_backward(dx, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, 0);
       return TP_SUCCESS;
     }
     TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
     float *d = L->grad_buf.ptr;
-    tp_linear_backward(d, L->dw, L->db, dyr, L->xin, L->w, M, K, L->wr, 0);
+    tp_linear_backward(d, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, 0);
     TP_CHECK(tp_all_reduce(d, d, (size_t)(M * K), TP_FLOAT32, TP_SUM, L->comm));
     memcpy(dx, d, (size_t)(M * K) * sizeof(float));
     return TP_SUCCESS;
   }
   /* Row parallel: dy is the full gradient on every rank. */
   if (L->cfg.input_is_parallel || L->world == 1) {
-    tp_linear_backward(dx, L->dw, L->db, dy, L->xin, L->w, M, L->loc, N, 0);
+    tp_linear_backward(dx, L->dw, db, dy, L->xin, L->w, M, L->loc, N, 0);
     return TP_SUCCESS;
   }
   TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
   float *g = L->grad_buf.ptr;
-  tp_linear_backward(g + L->off * M, L->dw, L->db, dy, L->xin, L->w, M, L->loc, N, 0);
+  tp_linear_backward(g + L->off * M, L->dw, db, dy, L->xin, L->w, M, L->loc, N, 0);
   return gather_columns(L, dx, g, M, K);
 }

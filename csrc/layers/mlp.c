@@ -104,9 +104,12 @@ tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t m, float *y, const float *
     tp_comm_abort(m->comm, tp_last_error());
     return st;
   }
-  TP_CHECK(tp_parallel_linear_forward(m->fc1, m->h, x, M));
-  tp_act_forward(m->a, m->h, M, m->f, m->act);
-  TP_CHECK(tp_parallel_linear_forward_borrow(m->fc2, y, m->a, M)); /* a lives until backward */
+  /* fc1 without its bias, then h += b1 and a = act(h) in one pass over h */
+  TP_CHECK(tp_parallel_linear_forward_ex(m->fc1, m->h, x, M, TP_LIN_SKIP_BIAS));
+  tp_linear_info_t i1;
+  tp_parallel_linear_info(m->fc1, &i1);
+  tp_bias_act_forward(m->a, m->h, i1.bias, M, m->f, m->act);
+  TP_CHECK(tp_parallel_linear_forward_ex(m->fc2, y, m->a, M, TP_LIN_BORROW_INPUT)); /* a lives until backward */
   m->last_m = M;
   return TP_SUCCESS;
 }
@@ -118,6 +121,13 @@ tp_status_t tp_parallel_mlp_backward(tp_parallel_mlp_t m, float *dx, const float
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp backward: dy has %lld rows but the last forward had %lld",
                         (long long)M, (long long)m->last_m);
   TP_CHECK(tp_parallel_linear_backward(m->fc2, m->da, dy, M));
-  tp_act_backward(m->dh, m->h, m->da, M, m->f, m->act);
-  return tp_parallel_linear_backward(m->fc1, dx, m->dh, M);
+  /* dh, and fc1's bias gradient from the same pass */
+  tp_linear_info_t i1;
+  tp_parallel_linear_info(m->fc1, &i1);
+  if (tp_bias_act_backward(m->dh, i1.grad_bias, m->h, m->da, M, m->f, m->act) != 0) {
+    tp_set_error(TP_ERR_NOMEM, "mlp backward: out of memory");
+    tp_comm_abort(m->comm, tp_last_error()); /* the peers would wait in fc1's all-reduce */
+    return TP_ERR_NOMEM;
+  }
+  return tp_parallel_linear_backward_ex(m->fc1, dx, m->dh, M, TP_LIN_SKIP_BIAS);
 }

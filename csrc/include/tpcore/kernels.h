@@ -43,6 +43,13 @@ TP_API void tp_act_forward(float *out, const float *h, int64_t M, int64_t F, tp_
 TP_API void tp_act_backward(float *dh, const float *h, const float *dout, int64_t M, int64_t F,
                             tp_activation_t act);
 
+/* Fused for the MLP: h[M, hw] += b[hw] (b may be NULL; hw = F, or 2F for SwiGLU) and
+ * out = act(h), in one pass; backward: dh as tp_act_backward, and db[hw] += the column
+ * sums of dh (db may be NULL).  Returns 0, or -1 when out of memory (nothing done). */
+TP_API void tp_bias_act_forward(float *out, float *h, const float *b, int64_t M, int64_t F, tp_activation_t act);
+TP_API int tp_bias_act_backward(float *dh, float *db, const float *h, const float *dout, int64_t M, int64_t F,
+                                tp_activation_t act);
+
 /* Vocab-parallel pieces on a shard [lo, lo + V) of the vocabulary; C = embedding width.
  * Embedding rows of tokens outside the shard are zero (an all-reduce completes them). */
 TP_API void tp_embedding_forward(float *out, const int64_t *tokens, const float *table, int64_t M,

@@ -39,7 +39,7 @@ void tp_xent_row_max(float *rowmax, const float *logits, int64_t M, int64_t V) {
 
 /* exp(l - mx) over a row with the vectorized fexp; float partial sums in 8 lanes,
  * added in double (a row of 10^5 terms keeps ~1e-7 relative accuracy). */
-static double row_sumexp(const float *l, int64_t V, float mx) {
+TP_VECTOR_CLONES static double row_sumexp(const float *l, int64_t V, float mx) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   double s = 0.0;
   int64_t j = 0;
@@ -63,7 +63,8 @@ typedef struct {
   float scale;
 } xent_args;
 
-static void row_sums_chunk(void *ctx, int64_t m0, int64_t m1) {
+static void row_sums_chunk(void *ctx, int64_t m0, int64_t m1, int chunk) {
+  (void)chunk;
   const xent_args *a = ctx;
   float *sums = a->out;
   const float *logits = a->logits, *gmax = a->gmax;
@@ -83,7 +84,8 @@ void tp_xent_row_sums(float *sums, const float *logits, const float *gmax, const
   tp_parallel_rows(M, V, row_sums_chunk, &a);
 }
 
-static void backward_chunk(void *ctx, int64_t m0, int64_t m1) {
+TP_VECTOR_CLONES static void backward_chunk(void *ctx, int64_t m0, int64_t m1, int chunk) {
+  (void)chunk;
   const xent_args *a = ctx;
   float *dlogits = a->out;
   const float *logits = a->logits, *gmax = a->gmax, *sumexp = a->sumexp, *row_scale = a->row_scale;

@@ -7,11 +7,16 @@
 
 #include <stdint.h>
 
-typedef void (*tp_rows_fn)(void *ctx, int64_t lo, int64_t hi);
+/* chunk: 0 .. chunks - 1, in row order (for per-chunk partial results). */
+typedef void (*tp_rows_fn)(void *ctx, int64_t lo, int64_t hi, int chunk);
 
-/* fn(ctx, lo, hi) over [0, rows) in contiguous chunks, one per thread; serial when
- * the work (rows x work_per_row element operations) is too small to pay for a
- * thread (~20 us to start and join). */
+/* How many chunks (threads) tp_parallel_rows would use: 1 when the work (rows x
+ * work_per_row element operations) is too small to pay for a thread (~20 us to
+ * start and join), else up to this rank's thread count. */
+int tp_parallel_plan(int64_t rows, int64_t work_per_row);
+/* fn(ctx, lo, hi, chunk) over [0, rows) in `chunks` contiguous chunks, one per thread. */
+void tp_parallel_run(int chunks, int64_t rows, tp_rows_fn fn, void *ctx);
+/* tp_parallel_run(tp_parallel_plan(rows, work_per_row), rows, fn, ctx) */
 void tp_parallel_rows(int64_t rows, int64_t work_per_row, tp_rows_fn fn, void *ctx);
 
 #endif

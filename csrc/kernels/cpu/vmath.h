@@ -11,6 +11,17 @@
 #include <math.h>
 #include <stdint.h>
 
+/* The package is built for the baseline x86-64 (SSE2, 4 floats per instruction);
+ * the hot element-wise loops are compiled again for AVX2 and AVX-512F and
+ * picked at load time for the CPU at hand (GCC function multiversioning, an ifunc).  ISA names, not arch=: with
+ * arch=haswell GCC 12 did not vectorize the loops that call fexp at all. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    !defined(TP_NO_CLONES) && !defined(__SANITIZE_ADDRESS__)
+#define TP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define TP_VECTOR_CLONES
+#endif
+
 #define SQRT_2_OVER_PI 0.7978845608028654f
 #define INV_SQRT_2 0.7071067811865476f
 #define INV_SQRT_2PI 0.3989422804014327f
