@@ -774,6 +774,16 @@ static PyType_Spec comm_spec = {
 
 /* ------------------------------------------------- shared by the layer types */
 
+/* comm as a live communicator object of this module, or NULL with an exception. */
+static CommObject *layer_comm(module_state *st, PyObject *commo, const char *who) {
+  if (!st) return NULL;
+  if (!PyObject_TypeCheck(commo, st->CommType)) {
+    PyErr_Format(PyExc_TypeError, "%s: comm must be a tpcore communicator, got %s", who, Py_TYPE(commo)->tp_name);
+    return NULL;
+  }
+  return live((CommObject *)commo, who) ? (CommObject *)commo : NULL;
+}
+
 /* partition=None or a sequence of `size` ints -> *sizes (PyMem, NULL for None). */
 static int parse_partition(PyObject *part, int size, int64_t **sizes) {
   *sizes = NULL;
@@ -856,13 +866,8 @@ static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                                    &bias, &gather, &inpar, &part, &seed, &gated))
     return NULL;
   module_state *st = state_of_type(type);
-  if (!st) return NULL;
-  if (!PyObject_TypeCheck(commo, st->CommType)) {
-    PyErr_Format(PyExc_TypeError, "ParallelLinear: comm must be a tpcore communicator, got %s", Py_TYPE(commo)->tp_name);
-    return NULL;
-  }
-  CommObject *co = (CommObject *)commo;
-  if (!live(co, "ParallelLinear")) return NULL;
+  CommObject *co = layer_comm(st, commo, "ParallelLinear");
+  if (!co) return NULL;
   tp_linear_config_t cfg = TP_LINEAR_CONFIG_INITIALIZER;
   if (strcmp(kind, "column") == 0) cfg.kind = TP_COLUMN_PARALLEL;
   else if (strcmp(kind, "row") == 0) cfg.kind = TP_ROW_PARALLEL;
@@ -1043,13 +1048,8 @@ static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                                    &part, &seed))
     return NULL;
   module_state *st = state_of_type(type);
-  if (!st) return NULL;
-  if (!PyObject_TypeCheck(commo, st->CommType)) {
-    PyErr_Format(PyExc_TypeError, "ParallelMLP: comm must be a tpcore communicator, got %s", Py_TYPE(commo)->tp_name);
-    return NULL;
-  }
-  CommObject *co = (CommObject *)commo;
-  if (!live(co, "ParallelMLP")) return NULL;
+  CommObject *co = layer_comm(st, commo, "ParallelMLP");
+  if (!co) return NULL;
   tp_mlp_config_t cfg = TP_MLP_CONFIG_INITIALIZER;
   if (parse_act(actname, &cfg.activation) < 0) return NULL;
   cfg.hidden = hidden;
@@ -1313,15 +1313,6 @@ typedef struct {
   CommObject *comm;
   tp_embedding_info_t info;
 } EmbeddingObject;
-
-static CommObject *layer_comm(module_state *st, PyObject *commo, const char *who) {
-  if (!st) return NULL;
-  if (!PyObject_TypeCheck(commo, st->CommType)) {
-    PyErr_Format(PyExc_TypeError, "%s: comm must be a tpcore communicator, got %s", who, Py_TYPE(commo)->tp_name);
-    return NULL;
-  }
-  return live((CommObject *)commo, who) ? (CommObject *)commo : NULL;
-}
 
 static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "num_embeddings", "embedding_dim", "partition", "seed", NULL};
