@@ -28,6 +28,7 @@ typedef struct {
   PyTypeObject *MLPType;
   PyTypeObject *EmbeddingType;
   PyTypeObject *XentType;
+  PyTypeObject *BlockType;
 } module_state;
 
 static struct PyModuleDef tpcore_module;
@@ -1579,6 +1580,220 @@ static PyType_Spec xent_spec = {
     .slots = xent_slots,
 };
 
+/* ------------------------------------------------------------ TransformerBlock */
+
+typedef struct {
+  PyObject_HEAD
+  tp_block_t K;
+  CommObject *comm;
+  int64_t C;
+} BlockObject;
+
+static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"comm", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "norm", "eps", "activation",
+                           "pre_norm", "bias", "causal", "rope_theta", "head_partition", "ffn_partition", "seed", NULL};
+  PyObject *commo, *hpart = Py_None, *fpart = Py_None;
+  long long C, H, Hk, D, F;
+  const char *norm = "layernorm", *act = "gelu";
+  float eps = 1e-5f, theta = 0.0f;
+  int pre = 1, bias = 1, causal = 1;
+  unsigned long long seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OLLLLL|sfspppfOOK:TransformerBlock", kwlist, &commo, &C, &H, &Hk, &D, &F,
+                                   &norm, &eps, &act, &pre, &bias, &causal, &theta, &hpart, &fpart, &seed))
+    return NULL;
+  module_state *st = state_of_type(type);
+  CommObject *co = layer_comm(st, commo, "TransformerBlock");
+  if (!co) return NULL;
+  tp_block_config_t cfg = TP_BLOCK_CONFIG_INITIALIZER;
+  cfg.hidden = C, cfg.heads = H, cfg.kv_heads = Hk, cfg.head_dim = D, cfg.ffn_hidden = F;
+  if (strcmp(norm, "layernorm") == 0) cfg.norm = TP_NORM_LAYER;
+  else if (strcmp(norm, "rmsnorm") == 0) cfg.norm = TP_NORM_RMS;
+  else {
+    PyErr_Format(PyExc_ValueError, "TransformerBlock: norm must be 'layernorm' or 'rmsnorm', got '%s'", norm);
+    return NULL;
+  }
+  if (parse_act(act, &cfg.activation) < 0) return NULL;
+  cfg.eps = eps, cfg.pre_norm = pre, cfg.bias = bias, cfg.causal = causal, cfg.rope_theta = theta, cfg.seed = seed;
+  int size;
+  tp_comm_size(co->comm, &size);
+  int64_t *hs = NULL, *fs = NULL;
+  if (parse_partition(hpart, size, &hs) < 0 || parse_partition(fpart, size, &fs) < 0) {
+    PyMem_Free(hs);
+    return NULL;
+  }
+  cfg.head_partition = hs, cfg.ffn_partition = fs;
+  BlockObject *self = (BlockObject *)type->tp_alloc(type, 0);
+  if (!self) {
+    PyMem_Free(hs), PyMem_Free(fs);
+    return NULL;
+  }
+  tp_status_t s;
+  COMM_CALL(co, s, tp_block_create(&self->K, c_, &cfg));
+  PyMem_Free(hs), PyMem_Free(fs);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(self);
+    return raise_status(st, s, "TransformerBlock");
+  }
+  Py_INCREF(co);
+  self->comm = co;
+  self->C = C;
+  return (PyObject *)self;
+}
+
+static void blk_dealloc(PyObject *o) {
+  BlockObject *self = (BlockObject *)o;
+  PyTypeObject *tp = Py_TYPE(o);
+  tp_block_destroy(self->K);
+  Py_XDECREF(self->comm);
+  tp->tp_free(o);
+  Py_DECREF(tp);
+}
+
+/* forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) */
+static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"x", "B", "T", "pos0", "key_mask", "use_cache", "need_backward", "out", NULL};
+  BlockObject *self = (BlockObject *)o;
+  PyObject *x, *po = Py_None, *mo = Py_None, *out = Py_None;
+  long long B, T;
+  int use_cache = 0, need_backward = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|OOppO:forward", kwlist, &x, &B, &T, &po, &mo, &use_cache,
+                                   &need_backward, &out))
+    return NULL;
+  if (!live(self->comm, "forward")) return NULL;
+  int64_t M;
+  if (lin_arg(x, "block forward", "x", self->C, &M) < 0) return NULL;
+  if (B < 0 || T < 0 || M != B * T) {
+    PyErr_Format(PyExc_ValueError, "block forward: x has %lld rows, not B * T = %lld x %lld", (long long)M,
+                 (long long)B, (long long)T);
+    return NULL;
+  }
+  tp_block_batch_t bt = {B, T, NULL, NULL, use_cache, need_backward};
+  if (po != Py_None) {
+    int64_t n;
+    if (tokens_arg(po, "block forward", "pos0", &n) < 0) return NULL;
+    if (n != B) {
+      PyErr_Format(PyExc_ValueError, "block forward: pos0 needs %lld entries, got %lld", (long long)B, (long long)n);
+      return NULL;
+    }
+    bt.pos0 = PyArray_DATA((PyArrayObject *)po);
+  }
+  if (mo != Py_None) {
+    buf_t b;
+    if (get_buf(mo, "block forward", "key_mask", 0, &b) < 0) return NULL;
+    if (b.dtype != TP_UINT8 || (int64_t)b.count != M) {
+      PyErr_Format(PyExc_ValueError, "block forward: key_mask must be uint8 with B * T = %lld entries", (long long)M);
+      return NULL;
+    }
+    bt.key_mask = b.data;
+  }
+  PyObject *y = layer_output(out, "block forward", M, self->C);
+  if (!y) return NULL;
+  const float *xp = PyArray_DATA((PyArrayObject *)x);
+  float *yp = PyArray_DATA((PyArrayObject *)y);
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_block_forward(self->K, yp, xp, &bt)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(y);
+    if (s == TP_ERR_INVALID_USAGE) {
+      PyErr_SetString(PyExc_ValueError, tp_last_error());
+      return NULL;
+    }
+    return layer_error(self->comm, s, "block forward", 0);
+  }
+  return y;
+}
+
+static PyObject *blk_backward(PyObject *o, PyObject *args) {
+  BlockObject *self = (BlockObject *)o;
+  PyObject *dy, *out = Py_None;
+  if (!PyArg_ParseTuple(args, "O|O:backward", &dy, &out)) return NULL;
+  if (!live(self->comm, "backward")) return NULL;
+  int64_t M;
+  if (lin_arg(dy, "block backward", "dy", self->C, &M) < 0) return NULL;
+  tp_block_info_t bi;
+  tp_block_info(self->K, &bi);
+  PyObject *dx = layer_output(out, "block backward", M, self->C);
+  if (!dx) return NULL;
+  const float *dp = PyArray_DATA((PyArrayObject *)dy);
+  float *xp = PyArray_DATA((PyArrayObject *)dx);
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_block_backward(self->K, xp, dp)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(dx);
+    return layer_error(self->comm, s, "block backward", 1);
+  }
+  return dx;
+}
+
+static PyObject *blk_cache(PyObject *o, PyObject *args) {
+  BlockObject *self = (BlockObject *)o;
+  long long batch, len;
+  if (!PyArg_ParseTuple(args, "LL:cache", &batch, &len)) return NULL;
+  tp_status_t s = tp_block_cache(self->K, batch, len);
+  if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "cache");
+  Py_RETURN_NONE;
+}
+
+/* {name: (param view, grad view)} of this rank's shard */
+static PyObject *blk_params(PyObject *o, PyObject *unused) {
+  tp_param_t p[32];
+  int n = tp_block_params(((BlockObject *)o)->K, p, 32);
+  PyObject *d = PyDict_New();
+  if (!d) return NULL;
+  for (int i = 0; i < n && i < 32; i++) {
+    int nd = p[i].cols ? 2 : 1;
+    PyObject *a = owned_view(o, p[i].data, nd, p[i].rows, p[i].cols), *g = owned_view(o, p[i].grad, nd, p[i].rows, p[i].cols);
+    PyObject *t = (a && g) ? PyTuple_Pack(2, a, g) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(g);
+    if (!t || PyDict_SetItemString(d, p[i].name, t) < 0) {
+      Py_XDECREF(t);
+      Py_DECREF(d);
+      return NULL;
+    }
+    Py_DECREF(t);
+  }
+  return d;
+}
+
+static PyObject *blk_info(PyObject *o, void *unused) {
+  tp_block_info_t i;
+  tp_block_info(((BlockObject *)o)->K, &i);
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:O}", "q0", (long long)i.q0, "nq", (long long)i.nq, "k0",
+                       (long long)i.k0, "nk", (long long)i.nk, "cache_batch", (long long)i.cache_batch, "cache_len",
+                       (long long)i.cache_len, "kv_replicated", i.kv_replicated ? Py_True : Py_False);
+}
+
+static PyGetSetDef blk_getset[] = {
+    {"info", blk_info, NULL, "this rank's heads and the KV cache's capacity", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef blk_methods[] = {
+    {"forward", (PyCFunction)(void (*)(void))blk_forward, METH_VARARGS | METH_KEYWORDS,
+     "forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) -> y"},
+    {"backward", blk_backward, METH_VARARGS, "backward(dy[B*T, C], out=None) -> dx; accumulates the gradients"},
+    {"cache", blk_cache, METH_VARARGS, "cache(batch, max_len): (re)allocate the KV cache"},
+    {"params", blk_params, METH_NOARGS, "{name: (param, grad)} views of this rank's shard"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot blk_slots[] = {
+    {Py_tp_new, blk_new},
+    {Py_tp_dealloc, blk_dealloc},
+    {Py_tp_methods, blk_methods},
+    {Py_tp_getset, blk_getset},
+    {Py_tp_doc, "TransformerBlock(comm, hidden, heads, kv_heads, head_dim, ffn_hidden, ...): use tpcore.TransformerBlock"},
+    {0, NULL},
+};
+
+static PyType_Spec blk_spec = {
+    .name = "tpcore._C.TransformerBlock",
+    .basicsize = sizeof(BlockObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = blk_slots,
+};
+
 static PyObject *act_forward(PyObject *m, PyObject *args) { return act_call(args, 0); }
 static PyObject *act_backward(PyObject *m, PyObject *args) { return act_call(args, 1); }
 
@@ -1620,6 +1835,8 @@ static int module_exec(PyObject *m) {
   if (!st->EmbeddingType) return -1;
   st->XentType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &xent_spec, NULL);
   if (!st->XentType) return -1;
+  st->BlockType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &blk_spec, NULL);
+  if (!st->BlockType) return -1;
   if (PyModule_AddObjectRef(m, "CommError", st->CommError) < 0 ||
       PyModule_AddObjectRef(m, "CommTimeout", st->CommTimeout) < 0 ||
       PyModule_AddObjectRef(m, "Comm", (PyObject *)st->CommType) < 0 ||
@@ -1627,7 +1844,8 @@ static int module_exec(PyObject *m) {
       PyModule_AddObjectRef(m, "ParallelLinear", (PyObject *)st->LinearType) < 0 ||
       PyModule_AddObjectRef(m, "ParallelMLP", (PyObject *)st->MLPType) < 0 ||
       PyModule_AddObjectRef(m, "VocabEmbedding", (PyObject *)st->EmbeddingType) < 0 ||
-      PyModule_AddObjectRef(m, "VocabCrossEntropy", (PyObject *)st->XentType) < 0)
+      PyModule_AddObjectRef(m, "VocabCrossEntropy", (PyObject *)st->XentType) < 0 ||
+      PyModule_AddObjectRef(m, "TransformerBlock", (PyObject *)st->BlockType) < 0)
     return -1;
   return 0;
 }
@@ -1643,6 +1861,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->MLPType);
     Py_VISIT(st->EmbeddingType);
     Py_VISIT(st->XentType);
+    Py_VISIT(st->BlockType);
   }
   return 0;
 }
@@ -1658,6 +1877,7 @@ static int module_clear(PyObject *m) {
     Py_CLEAR(st->MLPType);
     Py_CLEAR(st->EmbeddingType);
     Py_CLEAR(st->XentType);
+    Py_CLEAR(st->BlockType);
   }
   return 0;
 }

@@ -66,6 +66,48 @@ TP_API void tp_xent_backward(float *dlogits, const float *logits, const float *g
                              const int64_t *targets, const float *row_scale, float scale, int64_t M,
                              int64_t lo, int64_t V);
 
+/* Norms over the last dimension C (norm.c has the formulas).  Forward keeps the row
+ * statistics (mean may be NULL for RMSNorm) for backward; backward overwrites dx and
+ * accumulates dw (and db when not NULL). */
+TP_API void tp_layernorm_forward(float *y, float *mean, float *rstd, const float *x, const float *w,
+                                 const float *b, int64_t M, int64_t C, float eps);
+TP_API void tp_layernorm_backward(float *dx, float *dw, float *db, const float *dy, const float *x,
+                                  const float *w, const float *mean, const float *rstd, int64_t M, int64_t C);
+TP_API void tp_rmsnorm_forward(float *y, float *rstd, const float *x, const float *w, int64_t M, int64_t C,
+                               float eps);
+TP_API void tp_rmsnorm_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
+                                const float *rstd, int64_t M, int64_t C);
+/* Rotary embedding in place on `heads` heads of D (even) values at the start of each of
+ * `rows` rows (row stride ld), row m at position pos[m]; inverse turns back (backward). */
+TP_API void tp_rope_apply(float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D, const int64_t *pos,
+                          float theta, int inverse);
+
+/* Attention on a rank's heads (attention.c has the formulas).  Rows of q and o are
+ * b * Tq + i; keys/values of sequence b start at k/v + b * kv_bstride, one row per key. */
+typedef struct {
+  int64_t B, Tq, Tk, Hq, Hk, D;  /* sequences, queries and keys per sequence, heads, head size */
+  const float *q;                /* query head h of row r at q + r * q_ld + h * D      */
+  int64_t q_ld;
+  const float *k, *v;            /* key/value head g of key j of sequence b at
+                                    k + b * kv_bstride + j * kv_ld + g * D              */
+  int64_t kv_ld, kv_bstride;
+  float *o;                      /* output head h of row r at o + r * o_ld + h * D      */
+  int64_t o_ld;
+  const int64_t *q_pos;          /* [B] position of each sequence's first query (NULL: 0) */
+  const int64_t *k_len;          /* [B] keys that exist (NULL: Tk)                        */
+  const uint8_t *key_mask;       /* [B, Tk] 1 = a key to attend to (NULL: all)            */
+  int causal;
+  float scale;
+  float *probs;                  /* [B, Hq, Tq, Tk] softmax kept for backward, or NULL     */
+} tp_attention_args;
+
+/* 0, or -1 when out of memory (nothing written). */
+TP_API int tp_attention_forward(const tp_attention_args *args);
+/* dq (layout of q), dk, dv (layout of k, v; overwritten) from dout (layout of o), using
+ * the probs of forward.  0, or -1 (no probs, or out of memory). */
+TP_API int tp_attention_backward(const tp_attention_args *args, float *dq, float *dk, float *dv,
+                                 const float *dout);
+
 /* Optimizer steps on n elements in place (formulas in optim.c; step counts from 1). */
 TP_API void tp_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
                           float beta2, float eps, float weight_decay, int64_t step);

@@ -145,6 +145,74 @@ TP_API tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t xent, float *losses, co
 /* dlogits[M, V] for the last forward; dloss[M] per row (NULL: all 1) times scale. */
 TP_API tp_status_t tp_vocab_xent_backward(tp_vocab_xent_t xent, float *dlogits, const float *dloss, float scale);
 
+/* A Transformer block split over ranks (Megatron): attention with the heads split
+ * (fused QKV: one column-parallel GEMM; output projection row-parallel) and the
+ * parallel MLP, with residuals and norms.  pre_norm: x + attn(norm1(x)), then
+ * + mlp(norm2(.)) (GPT-2, Llama); otherwise norm1(x + attn(x)), norm2(. + mlp(.))
+ * (BERT).  Exactly one all-reduce after attention and one after the MLP in forward,
+ * and their mirrors (at the QKV and fc1 inputs) in backward.
+ * Heads: rank r holds query heads [q0, q0 + nq) (head_partition: whole heads per rank,
+ * any sizes); grouped-query attention (kv_heads < heads, heads % kv_heads == 0): a rank
+ * holds the KV heads its query heads use, so a KV head is split with its group, or
+ * replicated on every rank that needs it (then backward sums that head's weight
+ * gradients over those ranks: one more all-reduce, only in that layout).
+ * Full-tensor layouts (what load/gather use): qkv weight rows [Q (heads*D) | K (kv*D) |
+ * V (kv*D)] x hidden; out weight hidden x heads*D.  The shard holds rows [its Q heads |
+ * its K heads | its V heads]. */
+typedef struct tp_block *tp_block_t;
+
+typedef enum { TP_NORM_LAYER = 0, TP_NORM_RMS = 1 } tp_norm_t;
+
+typedef struct {
+  size_t size;                     /* sizeof(tp_block_config_t) */
+  int64_t hidden, heads, kv_heads, head_dim, ffn_hidden;
+  tp_norm_t norm;
+  float eps;
+  tp_activation_t activation;
+  int pre_norm;
+  int bias;                        /* biases of the QKV, output and MLP projections */
+  int causal;
+  float rope_theta;                /* > 0: rotary positions on Q and K */
+  const int64_t *head_partition;   /* query heads per rank; NULL: even (whole heads) */
+  const int64_t *ffn_partition;    /* MLP columns per rank; NULL: even */
+  uint64_t seed;
+} tp_block_config_t;
+
+#define TP_BLOCK_CONFIG_INITIALIZER \
+  { sizeof(tp_block_config_t), 0, 0, 0, 0, 0, TP_NORM_LAYER, 1e-5f, TP_ACT_GELU, 1, 1, 1, 0.0f, NULL, NULL, 0 }
+
+typedef struct {
+  int64_t B, T;                    /* rows of x = B * T (B sequences of T tokens)            */
+  const int64_t *pos0;             /* [B] position of each sequence's first token (NULL: 0)  */
+  const uint8_t *key_mask;         /* [B, T] 1 = a token to attend to (NULL: all); no cache   */
+  int use_cache;                   /* K/V go to the cache at pos0[b] + t, attention over it  */
+  int need_backward;               /* keep what backward needs                               */
+} tp_block_batch_t;
+
+typedef struct {
+  const char *name;                /* "norm1.weight", "attn.qkv.weight", "mlp.fc1.bias", ...  */
+  float *data, *grad;
+  int64_t rows, cols;              /* cols 0: a vector of rows entries */
+} tp_param_t;
+
+typedef struct {
+  int64_t q0, nq, k0, nk;          /* this rank's query heads and KV heads */
+  int64_t cache_batch, cache_len;  /* KV cache capacity (0 before tp_block_cache) */
+  int kv_replicated;               /* some KV head lives on more than one rank */
+} tp_block_info_t;
+
+TP_API tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_config_t *cfg);
+TP_API void tp_block_destroy(tp_block_t blk);
+TP_API tp_status_t tp_block_info(tp_block_t blk, tp_block_info_t *info);
+/* The parameters of this rank's shard: up to max entries written; returns how many exist. */
+TP_API int tp_block_params(tp_block_t blk, tp_param_t *out, int max);
+/* (Re)allocate the KV cache for batch sequences of up to max_len tokens (contents reset). */
+TP_API tp_status_t tp_block_cache(tp_block_t blk, int64_t batch, int64_t max_len);
+/* y[B*T, hidden] from x[B*T, hidden].  Collective. */
+TP_API tp_status_t tp_block_forward(tp_block_t blk, float *y, const float *x, const tp_block_batch_t *batch);
+/* dx from dy for the last forward (need_backward); accumulates the gradients.  Collective. */
+TP_API tp_status_t tp_block_backward(tp_block_t blk, float *dx, const float *dy);
+
 #ifdef __cplusplus
 }
 #endif
