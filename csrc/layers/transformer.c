@@ -170,18 +170,18 @@ int tp_block_params(tp_block_t k, tp_param_t *out, int max) {
   tp_parallel_linear_info(tp_parallel_mlp_layer(k->mlp, 0), &f1);
   tp_parallel_linear_info(tp_parallel_mlp_layer(k->mlp, 1), &f2);
   tp_param_t all[] = {
-      {"norm1.weight", k->n1w, k->dn1w, k->C, 0},
-      {"norm1.bias", k->n1b, k->dn1b, k->C, 0},
-      {"attn.qkv.weight", k->wqkv, k->dwqkv, k->W, k->C},
-      {"attn.qkv.bias", k->bqkv, k->dbqkv, k->W, 0},
-      {"attn.out.weight", k->wo, k->dwo, k->C, k->A},
-      {"attn.out.bias", k->bo, k->dbo, k->C, 0},
-      {"norm2.weight", k->n2w, k->dn2w, k->C, 0},
-      {"norm2.bias", k->n2b, k->dn2b, k->C, 0},
-      {"mlp.fc1.weight", f1.weight, f1.grad_weight, f1.weight_rows, f1.weight_cols},
-      {"mlp.fc1.bias", f1.bias, f1.grad_bias, f1.bias_len, 0},
-      {"mlp.fc2.weight", f2.weight, f2.grad_weight, f2.weight_rows, f2.weight_cols},
-      {"mlp.fc2.bias", f2.bias, f2.grad_bias, f2.bias_len, 0},
+      {"norm1.weight", k->n1w, k->dn1w, 1, k->C, 0},
+      {"norm1.bias", k->n1b, k->dn1b, 1, k->C, 0},
+      {"attn.qkv.weight", k->wqkv, k->dwqkv, 2, k->W, k->C},
+      {"attn.qkv.bias", k->bqkv, k->dbqkv, 1, k->W, 0},
+      {"attn.out.weight", k->wo, k->dwo, 2, k->C, k->A},
+      {"attn.out.bias", k->bo, k->dbo, 1, k->C, 0},
+      {"norm2.weight", k->n2w, k->dn2w, 1, k->C, 0},
+      {"norm2.bias", k->n2b, k->dn2b, 1, k->C, 0},
+      {"mlp.fc1.weight", f1.weight, f1.grad_weight, 2, f1.weight_rows, f1.weight_cols},
+      {"mlp.fc1.bias", f1.bias, f1.grad_bias, 1, f1.bias_len, 0},
+      {"mlp.fc2.weight", f2.weight, f2.grad_weight, 2, f2.weight_rows, f2.weight_cols},
+      {"mlp.fc2.bias", f2.bias, f2.grad_bias, 1, f2.bias_len, 0},
   };
   int n = 0;
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {

@@ -1741,7 +1741,7 @@ static PyObject *blk_params(PyObject *o, PyObject *unused) {
   PyObject *d = PyDict_New();
   if (!d) return NULL;
   for (int i = 0; i < n && i < 32; i++) {
-    int nd = p[i].cols ? 2 : 1;
+    int nd = p[i].ndim;
     PyObject *a = owned_view(o, p[i].data, nd, p[i].rows, p[i].cols), *g = owned_view(o, p[i].grad, nd, p[i].rows, p[i].cols);
     PyObject *t = (a && g) ? PyTuple_Pack(2, a, g) : NULL;
     Py_XDECREF(a);

@@ -192,7 +192,8 @@ typedef struct {
 typedef struct {
   const char *name;                /* "norm1.weight", "attn.qkv.weight", "mlp.fc1.bias", ...  */
   float *data, *grad;
-  int64_t rows, cols;              /* cols 0: a vector of rows entries */
+  int ndim;                        /* 1: a vector of rows entries; 2: rows x cols */
+  int64_t rows, cols;
 } tp_param_t;
 
 typedef struct {

@@ -1,0 +1,84 @@
+"""A float64 NumPy Transformer written for the tests from the formulas (never the
+code under test): norms, rotary positions, masked softmax attention with grouped
+KV heads, the MLPs, pre- and post-norm blocks."""
+import math
+
+import numpy as np
+
+_erf = np.vectorize(math.erf)
+
+
+def act(name, h):
+    if name == "gelu":
+        return 0.5 * h * (1 + _erf(h / math.sqrt(2)))
+    if name == "gelu_tanh":
+        return 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    if name == "silu":
+        return h / (1 + np.exp(-h))
+    if name == "relu":
+        return np.maximum(h, 0)
+    F = h.shape[-1] // 2
+    g, u = h[..., :F], h[..., F:]
+    return g / (1 + np.exp(-g)) * u
+
+
+def norm(cfg, x, w, b):
+    if cfg.norm == "rmsnorm":
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.eps) * w
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + cfg.eps) * w + (0 if b is None else b)
+
+
+def rope(x, pos, theta):
+    """x (B, T, heads, D) at positions pos (B, T): the rotate-half form."""
+    D = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
+    ang = pos[..., None].astype(np.float64) * inv            # (B, T, D/2)
+    c, s = np.cos(ang)[:, :, None, :], np.sin(ang)[:, :, None, :]
+    a, b = x[..., :D // 2], x[..., D // 2:]
+    return np.concatenate([a * c - b * s, b * c + a * s], -1)
+
+
+def attention(cfg, p, u, pos, key_mask=None):
+    B, T, C = u.shape
+    H, Hk, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+    bias = lambda n: p.get(n, 0)  # noqa: E731
+    q = (u @ p["attn.q.weight"].T + bias("attn.q.bias")).reshape(B, T, H, D)
+    k = (u @ p["attn.k.weight"].T + bias("attn.k.bias")).reshape(B, T, Hk, D)
+    v = (u @ p["attn.v.weight"].T + bias("attn.v.bias")).reshape(B, T, Hk, D)
+    if cfg.positions == "rope":
+        q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+    k = np.repeat(k, H // Hk, axis=2)
+    v = np.repeat(v, H // Hk, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(D)
+    allowed = np.ones((B, 1, T, T), bool)
+    if cfg.causal:
+        allowed &= pos[:, None, :, None] >= pos[:, None, None, :]
+    if key_mask is not None:
+        allowed &= key_mask.astype(bool)[:, None, None, :]
+    s = np.where(allowed, s, -np.inf)
+    mx = s.max(-1, keepdims=True)
+    e = np.where(allowed, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0.0)
+    den = e.sum(-1, keepdims=True)
+    prob = np.where(den > 0, e / np.where(den > 0, den, 1), 0.0)
+    o = np.einsum("bhij,bjhd->bihd", prob, v).reshape(B, T, H * D)
+    return o @ p["attn.out.weight"].T + bias("attn.out.bias")
+
+
+def mlp(cfg, p, u):
+    h = u @ p["mlp.fc1.weight"].T + p.get("mlp.fc1.bias", 0)
+    return act(cfg.activation, h) @ p["mlp.fc2.weight"].T + p.get("mlp.fc2.bias", 0)
+
+
+def block(cfg, p, x, pos=None, key_mask=None):
+    """x (B, T, C) float64 -> y; pos (B, T) positions (default 0..T-1)."""
+    B, T, _ = x.shape
+    if pos is None:
+        pos = np.broadcast_to(np.arange(T), (B, T))
+    n1b, n2b = p.get("norm1.bias"), p.get("norm2.bias")
+    if cfg.pre_norm:
+        h1 = x + attention(cfg, p, norm(cfg, x, p["norm1.weight"], n1b), pos, key_mask)
+        return h1 + mlp(cfg, p, norm(cfg, h1, p["norm2.weight"], n2b))
+    h1 = norm(cfg, x + attention(cfg, p, x, pos, key_mask), p["norm1.weight"], n1b)
+    return norm(cfg, h1 + mlp(cfg, p, h1), p["norm2.weight"], n2b)

@@ -1,0 +1,153 @@
+"""The tensor-parallel Transformer block against the float64 NumPy reference in
+reference_transformer.py: forward values, and every gradient (input and each
+parameter tensor) through directional derivatives of the reference, at world
+sizes 1-4 with even and uneven whole-head partitions, GPT-2-, Llama- (RoPE,
+RMSNorm, SwiGLU, grouped-query attention) and BERT-style (post-norm,
+bidirectional, padding mask) blocks; the KV cache against full recompute."""
+import numpy as np
+import pytest
+
+import tpcore
+import reference_transformer as ref
+from conftest import WORLDS, rng_for, run
+
+CONFIGS = {
+    "gpt2": dict(hidden=24, heads=6, ffn_hidden=40, norm="layernorm", activation="gelu_tanh", positions="none",
+                 causal=True, pre_norm=True, bias=True),
+    "llama_gqa": dict(hidden=24, heads=6, kv_heads=2, head_dim=6, ffn_hidden=36, norm="rmsnorm", activation="swiglu",
+                      positions="rope", rope_theta=500.0, causal=True, pre_norm=True, bias=False, eps=1e-6),
+    "bert": dict(hidden=20, heads=5, ffn_hidden=33, norm="layernorm", activation="gelu", positions="none",
+                 causal=False, pre_norm=False, bias=True, eps=1e-12),
+}
+
+
+def _params(block, g):
+    P = {}
+    for name, shape in block.full_shapes().items():
+        if name.startswith("norm") and name.endswith("weight"):
+            P[name] = (1 + 0.3 * g.standard_normal(shape)).astype(np.float32)
+        else:
+            P[name] = (g.standard_normal(shape) * (0.3 if name.endswith("weight") else 0.2)).astype(np.float32)
+    return P
+
+
+def _block_case(comm, name, uneven, masked):
+    cfg = tpcore.Config(vocab_size=10, **CONFIGS[name])
+    hp = tpcore.transformer.head_partition(cfg, comm.size, weights=[1 + 2 * (r % 2) for r in range(comm.size)]) \
+        if uneven else None
+    blk = tpcore.TransformerBlock(cfg, comm, seed=4, head_partition=hp)
+    g = rng_for(31, 0)  # the same full tensors and inputs on every rank
+    P = _params(blk, g)
+    blk.load_full(P)
+    B, T = 2, 6
+    x = g.standard_normal((B, T, cfg.hidden)).astype(np.float32)
+    R = g.standard_normal((B, T, cfg.hidden))
+    mask = None
+    if masked:
+        mask = np.ones((B, T), np.uint8)
+        mask[1, 4:] = 0  # the second sequence is padded
+    y = blk(x, key_mask=mask)
+    dx = blk.backward(R.astype(np.float32))
+    grads = blk.gather_full(grads=True)
+    full = blk.gather_full()
+    P64 = {k: v.astype(np.float64) for k, v in P.items()}
+    x64 = x.astype(np.float64)
+
+    def loss(xx, pp):
+        return float((ref.block(cfg, pp, xx, key_mask=mask) * R).sum())
+
+    y_ref = ref.block(cfg, P64, x64, key_mask=mask)
+    errs = []
+    if not np.allclose(y, y_ref, rtol=1e-4, atol=1e-4):
+        errs.append(f"y off by {np.abs(y - y_ref).max():.2e}")
+    if any(not np.array_equal(full[k], P[k]) for k in P):
+        errs.append("gather_full does not give back the loaded tensors")
+    eps = 1e-6
+    V = g.standard_normal(x.shape)
+    fd = (loss(x64 + eps * V, P64) - loss(x64 - eps * V, P64)) / (2 * eps)
+    an = float((dx.astype(np.float64) * V).sum())
+    if abs(fd - an) > 1e-4 * (1 + abs(fd)):
+        errs.append(f"dx: directional {an:.6g} vs finite difference {fd:.6g}")
+    for k in P:
+        Vk = g.standard_normal(P[k].shape)
+        pp, pm = dict(P64), dict(P64)
+        pp[k] = P64[k] + eps * Vk
+        pm[k] = P64[k] - eps * Vk
+        fd = (loss(x64, pp) - loss(x64, pm)) / (2 * eps)
+        an = float((grads[k].astype(np.float64) * Vk).sum())
+        if abs(fd - an) > 1e-4 * (1 + abs(fd)):
+            errs.append(f"d{k}: directional {an:.6g} vs finite difference {fd:.6g}")
+    return errs, (blk.q0, blk.nq, blk.k0, blk.nk, blk.kv_replicated)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name,uneven,masked", [("gpt2", False, False), ("gpt2", True, True),
+                                                ("llama_gqa", False, False), ("llama_gqa", True, False),
+                                                ("bert", False, True), ("bert", True, True)])
+def test_block_forward_backward(world, name, uneven, masked):
+    res = run(_block_case, world, name, uneven, masked)
+    for r, (errs, heads) in enumerate(res):
+        assert not errs, f"rank {r} (heads {heads}): {errs}"
+    assert sum(h[1] for _, h in res) == CONFIGS[name]["heads"]
+
+
+def test_twelve_heads_on_five_ranks():
+    cfg = tpcore.Config(vocab_size=10, hidden=24, heads=12, ffn_hidden=30, positions="none")
+    assert tpcore.transformer.head_partition(cfg, 5) == [3, 3, 2, 2, 2]
+
+    def case(comm):
+        blk = tpcore.TransformerBlock(cfg, comm, seed=1)
+        x = rng_for(2, 0).standard_normal((1, 3, 24)).astype(np.float32)
+        return blk.nq, blk(x)
+
+    res = run(case, 5)
+    assert [n for n, _ in res] == [3, 3, 2, 2, 2]
+    assert all(np.array_equal(y, res[0][1]) for _, y in res)
+
+
+def _init_case(comm, name):
+    cfg = tpcore.Config(vocab_size=10, **CONFIGS[name])
+    return tpcore.TransformerBlock(cfg, comm, seed=9).gather_full()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_seeded_block_is_the_same_at_every_world_size(name):
+    want = run(_init_case, 1, name)[0]
+    for world in (2, 3, 4):
+        for got in run(_init_case, world, name):
+            assert all(np.array_equal(got[k], want[k]) for k in want), f"world {world}"
+
+
+def _cache_case(comm, name):
+    cfg = tpcore.Config(vocab_size=10, **CONFIGS[name])
+    blk = tpcore.TransformerBlock(cfg, comm, seed=5)
+    g = rng_for(8, 0)
+    B, T = 2, 7
+    x = g.standard_normal((B, T, cfg.hidden)).astype(np.float32)
+    full = blk(x, need_backward=False)
+    blk.cache(B, 10)
+    out = np.zeros_like(full)
+    out[:, :4] = blk(np.ascontiguousarray(x[:, :4]), use_cache=True, need_backward=False)             # prefill 4 tokens
+    for t in range(4, T):                                                      # then one token at a time
+        out[:, t:t + 1] = blk(np.ascontiguousarray(x[:, t:t + 1]), pos0=[t, t], use_cache=True, need_backward=False)
+    # sequences of their own lengths: sequence 1 continues after 3 tokens (its 4th slot is overwritten)
+    x1 = x.copy()
+    x1[1, 3] = g.standard_normal(cfg.hidden)
+    step = blk(np.stack([x[0:1, 4], x1[1:2, 3]]).reshape(2, 1, -1), pos0=[4, 3], use_cache=True, need_backward=False)
+    ref1 = blk(np.ascontiguousarray(x1[1:2, :4]), need_backward=False)[0, 3]
+    errs = []
+    try:
+        blk(np.ascontiguousarray(x[:, :2]), pos0=[9, 0], use_cache=True, need_backward=False)
+        errs.append("no error past the cache")
+    except ValueError as e:
+        if "past the KV cache" not in str(e):
+            errs.append(str(e))
+    return (float(np.abs(out - full).max()), float(np.abs(step[1, 0] - ref1).max()),
+            float(np.abs(step[0, 0] - full[0, 4]).max()), errs)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_kv_cache_decode_equals_full_recompute(world, name):
+    for r, (e_full, e_len, e_again, errs) in enumerate(run(_cache_case, world, name)):
+        assert e_full < 1e-5 and e_len < 1e-5 and e_again < 1e-5 and not errs, (r, e_full, e_len, e_again, errs)
