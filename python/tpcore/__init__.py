@@ -19,13 +19,14 @@ from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, partit
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from .checkpoint import load, save
 from .transformer import Config, TransformerBlock
+from . import models
 from .spawn import RankExitedError, spawn
 
 __version__ = "0.1.0"
 __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "build_info",
            "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "partition", "optim",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
-           "save", "load", "Config", "TransformerBlock",
+           "save", "load", "Config", "TransformerBlock", "models",
            "__version__"]
 
 _BACKENDS = ("auto", "shm")

@@ -54,8 +54,36 @@ def write_safetensors(path: str, tensors: Dict[str, np.ndarray], metadata: Dict[
     os.replace(tmp, path)
 
 
+class BF16View:
+    """A bfloat16 tensor of a memory-mapped file (NumPy has no bfloat16): indexing
+    reads only the selected elements and gives them as float32."""
+
+    def __init__(self, raw: np.ndarray):
+        self._raw = raw  # uint16 bit patterns
+        self.shape, self.ndim, self.dtype_name = raw.shape, raw.ndim, "bfloat16"
+
+    def __getitem__(self, key) -> np.ndarray:
+        bits = np.asarray(self._raw[key], dtype=np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def __array__(self, dtype=None, copy=None):
+        a = self[...]
+        return a if dtype is None else a.astype(dtype)
+
+
+def to_float32(a) -> np.ndarray:
+    """Any float tensor (NumPy, memory-mapped, bfloat16 view, ml_dtypes) as float32."""
+    if isinstance(a, BF16View):
+        return a[...]
+    a = np.asarray(a)
+    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+        raise TypeError(f"expected a floating-point tensor, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
 def read_safetensors(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
-    """Every tensor of the file, memory-mapped (read-only), and its metadata."""
+    """Every tensor of the file, memory-mapped (read-only: nothing is read until a
+    tensor is indexed), and its metadata.  BF16 tensors come as BF16View."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -69,7 +97,8 @@ def read_safetensors(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
     meta = header.pop("__metadata__", {}) or {}
     out = {}
     for name, info in header.items():
-        dt = _ST_DTYPES.get(info["dtype"])
+        bf16 = info["dtype"] == "BF16"
+        dt = np.uint16 if bf16 else _ST_DTYPES.get(info["dtype"])
         if dt is None:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
         b0, b1 = info["data_offsets"]
@@ -77,6 +106,8 @@ def read_safetensors(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
         if not 0 <= b0 <= b1 <= mm.size or (b1 - b0) != int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize:
             raise ValueError(f"{path}: tensor {name!r} has inconsistent offsets {info['data_offsets']} for shape {shape}")
         out[name] = mm[b0:b1].view(np.dtype(dt).newbyteorder("<")).reshape(shape)
+        if bf16:
+            out[name] = BF16View(out[name])
     return out, meta
 
 

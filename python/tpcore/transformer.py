@@ -33,7 +33,8 @@ import numpy as np
 
 from . import _C
 from .comm import Comm
-from .layers import _sizes, as_float32, check_partition, float_param, partition
+from .checkpoint import to_float32
+from .layers import _sizes, as_float32, check_partition, partition
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -219,8 +220,8 @@ class TransformerBlock:
         return {k: shapes[k] for k in self._slices()}
 
     def load_full(self, tensors: Dict[str, np.ndarray], strict: bool = True) -> None:
-        """Keep this rank's slices of full tensors (names in the module doc; any float dtype).
-        A tensor may also be a callable (rows_or_index, cols) -> array, to read only a slice."""
+        """Keep this rank's slices of full tensors (names in the module doc; any float dtype,
+        memory-mapped arrays and lazy views included: only this rank's slices are read)."""
         shapes = self.full_shapes()
         if strict:
             missing = sorted(set(shapes) - set(tensors))
@@ -230,20 +231,18 @@ class TransformerBlock:
         for name, (local, rows, cut) in self._slices().items():
             if name not in tensors:
                 continue
-            t = tensors[name]
-            if callable(t):
-                part = t(cut)
-            else:
+            t = tensors[name]  # an array, a memory-mapped array or a lazy view (hf.View): only the cut is read
+            if not hasattr(t, "shape"):
                 t = np.asarray(t)
-                if t.shape != shapes[name]:
-                    raise ValueError(f"TransformerBlock.load_full: {name} has shape {t.shape}, expected {shapes[name]}")
-                part = t[cut]
+            if tuple(t.shape) != shapes[name]:
+                raise ValueError(f"TransformerBlock.load_full: {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
             dst = self._p[local][0][rows]
-            part = np.asarray(part)
-            if part.shape != dst.shape:
-                raise ValueError(f"TransformerBlock.load_full: {name}: slice has shape {part.shape}, "
+            part = t[cut]
+            part = np.asarray(part) if isinstance(part, np.ndarray) else part
+            if tuple(np.shape(part)) != dst.shape:
+                raise ValueError(f"TransformerBlock.load_full: {name}: slice has shape {np.shape(part)}, "
                                  f"expected {dst.shape}")
-            self._p[local][0][rows] = float_param(part, "load_full")
+            self._p[local][0][rows] = to_float32(part)
 
     def gather_full(self, grads: bool = False) -> Dict[str, np.ndarray]:
         """The full tensors (or their gradients) rebuilt from every rank (collective)."""

@@ -1,0 +1,219 @@
+"""Hugging Face checkpoints (GPT-2, Llama family, BERT) into tpcore models.
+
+Each rank memory-maps the *.safetensors files (tpcore's own reader: nothing is
+read until indexed, and bfloat16 works without torch or ml_dtypes) and copies
+only its slices: its rows of the vocabulary, its heads' rows of Q/K/V, its
+columns of the output and fc2 projections, its rows of fc1.  A rank's memory
+grows by about its shard, not by the model.  Names are mapped to tpcore's
+(transformer.TransformerBlock's docstring); GPT-2's Conv1D weights are stored
+(in, out) and its c_attn fuses [q | k | v] along out: the views below transpose
+and cut them lazily.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Dict
+
+import numpy as np
+
+from .checkpoint import read_safetensors, to_float32
+from .comm import Comm
+from .transformer import Config
+
+
+def _shift(k, off):
+    if isinstance(k, slice):
+        if k.step not in (None, 1):
+            raise ValueError("strided slices are not supported")
+        return slice(off + (k.start or 0), None if k.stop is None else off + k.stop)
+    if isinstance(k, (int, np.integer)):
+        return off + int(k)
+    return np.asarray(k) + off
+
+
+class View:
+    """full = base[off:off + n] (or, transposed, base[:, off:off + n].T), read lazily:
+    indexing reads only the selected part of the memory-mapped base."""
+
+    def __init__(self, base, off: int = 0, n: int = None, transpose: bool = False):
+        self.base, self.off, self.t = base, int(off), bool(transpose)
+        bs = tuple(base.shape)
+        if transpose:
+            n = bs[1] - off if n is None else n
+            self.shape = (n, bs[0])
+        else:
+            n = bs[0] - off if n is None else n
+            self.shape = (n,) + bs[1:]
+        self.n = n
+
+    def __getitem__(self, key) -> np.ndarray:
+        if key is Ellipsis:
+            key = slice(None)
+        key = key if isinstance(key, tuple) else (key,)
+        first = key[0]
+        if isinstance(first, slice) and first.stop is None:
+            first = slice(first.start, self.n)
+        r = _shift(first, self.off)
+        if self.t:
+            c = key[1] if len(key) > 1 else slice(None)
+            return np.ascontiguousarray(to_float32(self.base[c, r]).T)
+        return to_float32(self.base[(r,) + tuple(key[1:])])
+
+
+def _open(path: str) -> Dict[str, object]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    out = {}
+    for f in files:
+        t, _ = read_safetensors(f)
+        out.update(t)
+    return out
+
+
+def _strip(tensors, prefixes):
+    out = {}
+    for k, v in tensors.items():
+        for p in prefixes:
+            if k.startswith(p):
+                k = k[len(p):]
+                break
+        out[k] = v
+    return out
+
+
+def gpt2_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
+    t = _strip(t, ("transformer.",))
+    C = cfg.hidden
+    sd = {"wte.weight": t["wte.weight"], "wpe.weight": t["wpe.weight"],
+          "final_norm.weight": t["ln_f.weight"], "final_norm.bias": t["ln_f.bias"]}
+    for i in range(cfg.layers):
+        p, q = f"h.{i}.", f"blocks.{i}."
+        sd[q + "norm1.weight"], sd[q + "norm1.bias"] = t[p + "ln_1.weight"], t[p + "ln_1.bias"]
+        sd[q + "norm2.weight"], sd[q + "norm2.bias"] = t[p + "ln_2.weight"], t[p + "ln_2.bias"]
+        w, b = t[p + "attn.c_attn.weight"], t[p + "attn.c_attn.bias"]     # (C, 3C) and (3C,)
+        for j, nm in enumerate("qkv"):
+            sd[q + f"attn.{nm}.weight"] = View(w, j * C, C, transpose=True)
+            sd[q + f"attn.{nm}.bias"] = View(b, j * C, C)
+        sd[q + "attn.out.weight"] = View(t[p + "attn.c_proj.weight"], transpose=True)
+        sd[q + "attn.out.bias"] = t[p + "attn.c_proj.bias"]
+        sd[q + "mlp.fc1.weight"] = View(t[p + "mlp.c_fc.weight"], transpose=True)
+        sd[q + "mlp.fc1.bias"] = t[p + "mlp.c_fc.bias"]
+        sd[q + "mlp.fc2.weight"] = View(t[p + "mlp.c_proj.weight"], transpose=True)
+        sd[q + "mlp.fc2.bias"] = t[p + "mlp.c_proj.bias"]
+    if not cfg.tie_embeddings:
+        sd["lm_head.weight"] = t["lm_head.weight"]
+    return sd
+
+
+class _Stack:
+    """[gate; up] stacked along rows, read lazily (SwiGLU's fc1)."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+        self.shape = (a.shape[0] + b.shape[0],) + tuple(a.shape[1:])
+
+    def __getitem__(self, key):
+        if key is Ellipsis:
+            key = slice(None)
+        rows = np.arange(self.shape[0])[key if not isinstance(key, tuple) else key[0]]
+        n = self.a.shape[0]
+        top, bot = rows[rows < n], rows[rows >= n] - n
+        parts = []
+        for src, idx in ((self.a, top), (self.b, bot)):
+            if idx.size:
+                if np.all(np.diff(idx) == 1):
+                    parts.append(to_float32(src[int(idx[0]):int(idx[-1]) + 1]))
+                else:
+                    parts.append(to_float32(src[idx]))
+        return np.concatenate(parts) if parts else np.zeros((0,) + self.shape[1:], np.float32)
+
+
+def llama_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
+    t = _strip(t, ("model.",))
+    sd = {"wte.weight": t["embed_tokens.weight"], "final_norm.weight": t["norm.weight"]}
+    for i in range(cfg.layers):
+        p, q = f"layers.{i}.", f"blocks.{i}."
+        sd[q + "norm1.weight"] = t[p + "input_layernorm.weight"]
+        sd[q + "norm2.weight"] = t[p + "post_attention_layernorm.weight"]
+        for nm in "qkv":
+            sd[q + f"attn.{nm}.weight"] = t[p + f"self_attn.{nm}_proj.weight"]
+            if cfg.bias:
+                sd[q + f"attn.{nm}.bias"] = t[p + f"self_attn.{nm}_proj.bias"]
+        sd[q + "attn.out.weight"] = t[p + "self_attn.o_proj.weight"]
+        sd[q + "mlp.fc1.weight"] = _Stack(t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"])
+        sd[q + "mlp.fc2.weight"] = t[p + "mlp.down_proj.weight"]
+    if not cfg.tie_embeddings:
+        sd["lm_head.weight"] = t["lm_head.weight"] if "lm_head.weight" in t else t["embed_tokens.weight"]
+    return sd
+
+
+def bert_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
+    t = _strip(t, ("bert.",))
+    t = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
+         for k, v in t.items()}
+    e = "embeddings."
+    sd = {"wte.weight": t[e + "word_embeddings.weight"], "wpe.weight": t[e + "position_embeddings.weight"],
+          "tte.weight": t[e + "token_type_embeddings.weight"],
+          "emb_norm.weight": t[e + "LayerNorm.weight"], "emb_norm.bias": t[e + "LayerNorm.bias"]}
+    for i in range(cfg.layers):
+        p, q = f"encoder.layer.{i}.", f"blocks.{i}."
+        for nm, hf in (("q", "query"), ("k", "key"), ("v", "value")):
+            sd[q + f"attn.{nm}.weight"] = t[p + f"attention.self.{hf}.weight"]
+            sd[q + f"attn.{nm}.bias"] = t[p + f"attention.self.{hf}.bias"]
+        sd[q + "attn.out.weight"] = t[p + "attention.output.dense.weight"]
+        sd[q + "attn.out.bias"] = t[p + "attention.output.dense.bias"]
+        sd[q + "norm1.weight"] = t[p + "attention.output.LayerNorm.weight"]
+        sd[q + "norm1.bias"] = t[p + "attention.output.LayerNorm.bias"]
+        sd[q + "mlp.fc1.weight"] = t[p + "intermediate.dense.weight"]
+        sd[q + "mlp.fc1.bias"] = t[p + "intermediate.dense.bias"]
+        sd[q + "mlp.fc2.weight"] = t[p + "output.dense.weight"]
+        sd[q + "mlp.fc2.bias"] = t[p + "output.dense.bias"]
+        sd[q + "norm2.weight"] = t[p + "output.LayerNorm.weight"]
+        sd[q + "norm2.bias"] = t[p + "output.LayerNorm.bias"]
+    return sd
+
+
+def load(path: str, comm: Comm, partition=None, progress: bool = True):
+    from .models import TransformerLM
+    own = os.path.join(path, "tpcore_config.json")
+    if os.path.exists(own):
+        with open(own) as f:
+            cfg = Config(**json.load(f))
+        model = TransformerLM(cfg, comm, partition=partition)
+        shards = sorted(glob.glob(os.path.join(path, "model.rank*-of-*.safetensors")))
+        full = os.path.join(path, "model.safetensors")
+        if os.path.exists(full):
+            t, _ = read_safetensors(full)
+            model.load_state_dict_full(t, progress=progress)
+        elif shards:
+            mine = os.path.join(path, f"model.rank{comm.rank}-of-{comm.size}.safetensors")
+            if not os.path.exists(mine):
+                raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
+                                 f"save it with sharded=False to reshard")
+            t, _ = read_safetensors(mine)
+            params = model.parameters()
+            for i, (p, _) in enumerate(params):
+                src = t.get(f"param.{i}")
+                if src is None or tuple(src.shape) != p.shape:
+                    raise ValueError(f"{mine}: parameter {i} is missing or has another shape (another layout)")
+                p[...] = to_float32(src)
+        else:
+            raise FileNotFoundError(f"{path}: no model.safetensors")
+        return model
+    cfg = Config.from_hf(path)
+    t = _open(path)
+    names = {"gpt2": gpt2_names, "llama": llama_names, "bert": bert_names}[cfg.model_type]
+    try:
+        sd = names(t, cfg)
+    except KeyError as e:
+        raise KeyError(f"{path}: the checkpoint has no tensor {e} (expected {cfg.model_type} names)") from None
+    model = TransformerLM(cfg, comm, partition=partition)
+    model.load_state_dict_full(sd, progress=progress)
+    del t, sd
+    return model
+
+
+__all__ = ["load", "View", "gpt2_names", "llama_names", "bert_names"]
