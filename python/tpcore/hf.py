@@ -140,8 +140,6 @@ def llama_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
         sd[q + "norm2.weight"] = t[p + "post_attention_layernorm.weight"]
         for nm in "qkv":
             sd[q + f"attn.{nm}.weight"] = t[p + f"self_attn.{nm}_proj.weight"]
-            if cfg.bias:
-                sd[q + f"attn.{nm}.bias"] = t[p + f"self_attn.{nm}_proj.bias"]
         sd[q + "attn.out.weight"] = t[p + "self_attn.o_proj.weight"]
         sd[q + "mlp.fc1.weight"] = _Stack(t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"])
         sd[q + "mlp.fc2.weight"] = t[p + "mlp.down_proj.weight"]
@@ -213,6 +211,11 @@ def load(path: str, comm: Comm, partition=None, progress: bool = True):
     model = TransformerLM(cfg, comm, partition=partition)
     model.load_state_dict_full(sd, progress=progress)
     del t, sd
+    gc_path = os.path.join(path, "generation_config.json")
+    if os.path.exists(gc_path):
+        with open(gc_path) as f:
+            g = json.load(f)
+        model.generation_config = {k: g[k] for k in ("eos_token_id", "pad_token_id") if g.get(k) is not None}
     return model
 
 

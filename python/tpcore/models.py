@@ -223,12 +223,27 @@ class TransformerLM:
 
     # ------------------------------------------------------------- generation
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
-                 seed: int = 0, eos_token_id: Optional[int] = None):
+                 seed: int = 0, eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None):
         """Batched prefill, then KV-cache decoding.  prompts: (B, T) ints, or a list of
         sequences of their own lengths.  Greedy (temperature 0) gives the same tokens at
-        every world size.  Returns (B, T + max_new_tokens) int64 when the prompts have one
-        length, else a list of 1-D arrays."""
+        every world size.  A sequence that emits eos_token_id is finished: pad_token_id
+        fills the rest (both default to the checkpoint's generation_config.json, as in
+        Hugging Face; pass eos_token_id=-1 to never stop).  Returns (B, T + new) int64 when
+        the prompts have one length, else a list of 1-D arrays."""
         cfg = self.config
+        gen = getattr(self, "generation_config", {}) or {}
+        if eos_token_id is None:
+            eos_token_id = gen.get("eos_token_id")
+        if isinstance(eos_token_id, (list, tuple)):
+            eos_token_id = eos_token_id[0] if eos_token_id else None
+        if eos_token_id is not None and not 0 <= int(eos_token_id) < cfg.vocab_size:
+            eos_token_id = None  # outside the vocabulary (e.g. GPT-2's 50256 in a small test model): never emitted
+        if pad_token_id is None:
+            pad_token_id = gen.get("pad_token_id")
+            if pad_token_id is None:
+                pad_token_id = 0 if eos_token_id is None else eos_token_id
+            if isinstance(pad_token_id, (list, tuple)):
+                pad_token_id = pad_token_id[0]
         if not cfg.causal:
             raise ValueError("generate: needs a causal (decoder) model")
         seqs = [np.asarray(p, np.int64).reshape(-1) for p in (prompts if not isinstance(prompts, np.ndarray) or
@@ -253,7 +268,7 @@ class TransformerLM:
             logits = self._gather_logits(self._logits_shard(np.ascontiguousarray(last)))   # (B, V) on every rank
             nxt = self._sample(logits, temperature, top_k, rng)
             if eos_token_id is not None:
-                nxt = np.where(done, eos_token_id, nxt)
+                nxt = np.where(done, pad_token_id, nxt)
                 done |= nxt == eos_token_id
             for b in range(B):
                 out[b].append(int(nxt[b]))

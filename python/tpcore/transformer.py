@@ -87,7 +87,7 @@ class Config:
 
     @classmethod
     def from_hf(cls, path: str) -> "Config":
-        """The config.json of a Hugging Face GPT-2, Llama (Mistral, Qwen2-style) or BERT checkpoint."""
+        """The config.json of a Hugging Face GPT-2, Llama (or Mistral) or BERT checkpoint."""
         p = os.path.join(path, "config.json") if os.path.isdir(path) else path
         with open(p) as f:
             c = json.load(f)
@@ -103,18 +103,23 @@ class Config:
                        eps=c.get("layer_norm_epsilon", 1e-5), activation=_hf_act(act), positions="learned",
                        max_positions=c.get("n_positions", 1024), causal=True, pre_norm=True, bias=True,
                        tie_embeddings=c.get("tie_word_embeddings", True), model_type="gpt2")
-        if mt in ("llama", "mistral", "qwen2"):
-            if c.get("rope_scaling"):
-                raise ValueError(f"Config.from_hf: rope_scaling {c['rope_scaling']} is not supported")
+        if mt in ("llama", "mistral"):
+            rp = c.get("rope_parameters") or {}
+            scaling = c.get("rope_scaling") or ({} if rp.get("rope_type", "default") == "default" else rp)
+            if scaling:
+                raise ValueError(f"Config.from_hf: rope scaling {scaling} is not supported")
+            theta = c.get("rope_theta") or rp.get("rope_theta") or 10000.0
             act = c.get("hidden_act", "silu")
             if act != "silu":
                 raise ValueError(f"Config.from_hf: Llama with hidden_act {act!r} is not supported (silu only)")
+            if c.get("attention_bias") or c.get("mlp_bias"):
+                raise ValueError("Config.from_hf: Llama with attention_bias / mlp_bias is not supported")
             return cls(vocab_size=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
                        heads=c["num_attention_heads"], kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
                        ffn_hidden=c["intermediate_size"], head_dim=c.get("head_dim"), norm="rmsnorm",
                        eps=c.get("rms_norm_eps", 1e-6), activation="swiglu", positions="rope",
-                       max_positions=c.get("max_position_embeddings", 2048), rope_theta=c.get("rope_theta", 10000.0),
-                       causal=True, pre_norm=True, bias=bool(c.get("attention_bias", False)),
+                       max_positions=c.get("max_position_embeddings", 2048), rope_theta=float(theta),
+                       causal=True, pre_norm=True, bias=False,
                        tie_embeddings=c.get("tie_word_embeddings", False), model_type="llama")
         if mt == "bert":
             return cls(vocab_size=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
@@ -123,7 +128,7 @@ class Config:
                        positions="learned", max_positions=c.get("max_position_embeddings", 512), causal=False,
                        pre_norm=False, bias=True, tie_embeddings=True, type_vocab_size=c.get("type_vocab_size", 2),
                        final_norm=False, embedding_norm=True, model_type="bert")
-        raise ValueError(f"Config.from_hf: model_type {mt!r} is not supported (gpt2, llama, mistral, qwen2, bert)")
+        raise ValueError(f"Config.from_hf: model_type {mt!r} is not supported (gpt2, llama, mistral, bert)")
 
 
 def _hf_act(name: str) -> str:
