@@ -1794,6 +1794,82 @@ static PyType_Spec blk_spec = {
     .slots = blk_slots,
 };
 
+/* norm_forward(kind, x[M, C], w[C], b[C] or None, eps) -> (y, mean, rstd);
+ * norm_backward(kind, dy, x, w, mean, rstd, dw, db or None) -> dx (dw, db accumulate) */
+static int norm_kind(const char *k) {
+  if (strcmp(k, "layernorm") == 0) return 0;
+  if (strcmp(k, "rmsnorm") == 0) return 1;
+  PyErr_Format(PyExc_ValueError, "norm must be 'layernorm' or 'rmsnorm', got '%s'", k);
+  return -1;
+}
+
+static PyObject *norm_forward(PyObject *mod, PyObject *args) {
+  const char *kind;
+  PyObject *xo, *wo, *bo;
+  float eps;
+  if (!PyArg_ParseTuple(args, "sOOOf:norm_forward", &kind, &xo, &wo, &bo, &eps)) return NULL;
+  int rms = norm_kind(kind);
+  if (rms < 0) return NULL;
+  int64_t C;
+  buf_t bx;
+  if (get_buf(xo, "norm", "x", 0, &bx) < 0) return NULL;
+  if (bx.dtype != TP_FLOAT32 || PyArray_NDIM((PyArrayObject *)xo) != 2) {
+    PyErr_SetString(PyExc_TypeError, "norm: x must be a 2-D float32 array");
+    return NULL;
+  }
+  int64_t M = PyArray_DIM((PyArrayObject *)xo, 0);
+  C = PyArray_DIM((PyArrayObject *)xo, 1);
+  float *w, *b = NULL;
+  if (same_f32(wo, "norm", "w", (size_t)C, 0, &w) < 0) return NULL;
+  if (bo != Py_None && same_f32(bo, "norm", "b", (size_t)C, 0, &b) < 0) return NULL;
+  npy_intp d2[2] = {(npy_intp)M, (npy_intp)C}, d1[1] = {(npy_intp)M};
+  PyObject *y = PyArray_SimpleNew(2, d2, NPY_FLOAT32), *mu = PyArray_SimpleNew(1, d1, NPY_FLOAT32),
+           *rs = PyArray_SimpleNew(1, d1, NPY_FLOAT32);
+  if (!y || !mu || !rs) {
+    Py_XDECREF(y), Py_XDECREF(mu), Py_XDECREF(rs);
+    return NULL;
+  }
+  float *yp = PyArray_DATA((PyArrayObject *)y), *mp = PyArray_DATA((PyArrayObject *)mu),
+        *rp = PyArray_DATA((PyArrayObject *)rs);
+  const float *xp = bx.data;
+  Py_BEGIN_ALLOW_THREADS
+  if (rms) tp_rmsnorm_forward(yp, rp, xp, w, M, C, eps);
+  else tp_layernorm_forward(yp, mp, rp, xp, w, b, M, C, eps);
+  Py_END_ALLOW_THREADS
+  return Py_BuildValue("NNN", y, mu, rs);
+}
+
+static PyObject *norm_backward(PyObject *mod, PyObject *args) {
+  const char *kind;
+  PyObject *dyo, *xo, *wo, *mo, *ro, *dwo, *dbo;
+  if (!PyArg_ParseTuple(args, "sOOOOOOO:norm_backward", &kind, &dyo, &xo, &wo, &mo, &ro, &dwo, &dbo)) return NULL;
+  int rms = norm_kind(kind);
+  if (rms < 0) return NULL;
+  buf_t bx;
+  if (get_buf(xo, "norm", "x", 0, &bx) < 0) return NULL;
+  if (bx.dtype != TP_FLOAT32 || PyArray_NDIM((PyArrayObject *)xo) != 2) {
+    PyErr_SetString(PyExc_TypeError, "norm: x must be a 2-D float32 array");
+    return NULL;
+  }
+  int64_t M = PyArray_DIM((PyArrayObject *)xo, 0), C = PyArray_DIM((PyArrayObject *)xo, 1);
+  float *dy, *w, *mu, *rs, *dw, *db = NULL;
+  if (same_f32(dyo, "norm", "dy", (size_t)(M * C), 0, &dy) < 0 || same_f32(wo, "norm", "w", (size_t)C, 0, &w) < 0 ||
+      same_f32(mo, "norm", "mean", (size_t)M, 0, &mu) < 0 || same_f32(ro, "norm", "rstd", (size_t)M, 0, &rs) < 0 ||
+      same_f32(dwo, "norm", "dw", (size_t)C, 1, &dw) < 0 ||
+      (dbo != Py_None && same_f32(dbo, "norm", "db", (size_t)C, 1, &db) < 0))
+    return NULL;
+  npy_intp d2[2] = {(npy_intp)M, (npy_intp)C};
+  PyObject *dx = PyArray_SimpleNew(2, d2, NPY_FLOAT32);
+  if (!dx) return NULL;
+  float *dxp = PyArray_DATA((PyArrayObject *)dx);
+  const float *xp = bx.data;
+  Py_BEGIN_ALLOW_THREADS
+  if (rms) tp_rmsnorm_backward(dxp, dw, dy, xp, w, rs, M, C);
+  else tp_layernorm_backward(dxp, dw, db, dy, xp, w, mu, rs, M, C);
+  Py_END_ALLOW_THREADS
+  return dx;
+}
+
 static PyObject *act_forward(PyObject *m, PyObject *args) { return act_call(args, 0); }
 static PyObject *act_backward(PyObject *m, PyObject *args) { return act_call(args, 1); }
 
@@ -1805,6 +1881,9 @@ static PyMethodDef module_methods[] = {
     {"adamw_step", adamw_step, METH_VARARGS, "adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)"},
     {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(p, g, buf, lr, momentum, weight_decay, first)"},
     {"act_backward", act_backward, METH_VARARGS, "act_backward(name, h, dout) -> dh"},
+    {"norm_forward", norm_forward, METH_VARARGS, "norm_forward(kind, x, w, b, eps) -> (y, mean, rstd)"},
+    {"norm_backward", norm_backward, METH_VARARGS,
+     "norm_backward(kind, dy, x, w, mean, rstd, dw, db) -> dx; dw and db accumulate"},
     {NULL, NULL, 0, NULL},
 };
 
