@@ -30,3 +30,26 @@ def test_layers_benchmark_quick(tmp_path):
     assert "float64 check" in r.stdout and "-> OK" in r.stdout.split("float64 check")[1].splitlines()[0]
     data = json.loads(out.read_text())
     assert data, "empty JSON"
+
+
+def test_decode_benchmark_quick(tmp_path):
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "decode", "--quick", "--peers", "none",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "greedy tokens identical at every world size: yes" in r.stdout, r.stdout
+    data = json.loads(out.read_text())
+    assert [row["n"] for row in data["rows"]] == [1, 2]
+    for row in data["rows"]:
+        assert row["same_tokens"] and row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["rss_mb"] > 0
+    one, two = data["rows"]
+    assert abs(two["param_mb"] / one["param_mb"] - 0.5) < 0.05  # parameters split in two (replicated norms aside)
+
+
+def test_demo_main_job(tmp_path):
+    """The README's main job: collectives then the transformer, checked against 1 rank."""
+    r = subprocess.run([sys.executable, "-m", "tpcore.launch", "-n", "3", "-m", "tpcore.demo", "--iters", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "all correct" in r.stdout
+    assert "greedy tokens at 3 rank(s) equal the 1-rank run: yes" in r.stdout, r.stdout[-3000:]

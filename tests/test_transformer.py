@@ -151,3 +151,40 @@ def _cache_case(comm, name):
 def test_kv_cache_decode_equals_full_recompute(world, name):
     for r, (e_full, e_len, e_again, errs) in enumerate(run(_cache_case, world, name)):
         assert e_full < 1e-5 and e_len < 1e-5 and e_again < 1e-5 and not errs, (r, e_full, e_len, e_again, errs)
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_norm_kernels(kind):
+    """LayerNorm / RMSNorm forward against float64, backward by directional derivatives."""
+    from tpcore import _C
+
+    class C:
+        norm, eps = kind, 1e-5
+
+    g = rng_for(40, 0)
+    x = (g.standard_normal((9, 37)) * 2 + 0.5).astype(np.float32)
+    w = (1 + 0.3 * g.standard_normal(37)).astype(np.float32)
+    b = (0.2 * g.standard_normal(37)).astype(np.float32) if kind == "layernorm" else None
+    y, mu, rs = _C.norm_forward(kind, x, w, b, 1e-5)
+    want = ref.norm(C, x.astype(np.float64), w.astype(np.float64), None if b is None else b.astype(np.float64))
+    assert np.allclose(y, want, rtol=1e-5, atol=1e-5)
+    dy = g.standard_normal(x.shape)
+    dw = np.zeros(37, np.float32)
+    db = None if b is None else np.zeros(37, np.float32)
+    dx = _C.norm_backward(kind, dy.astype(np.float32), x, w, mu, rs, dw, db)
+
+    def loss(xx, ww, bb):
+        return float((ref.norm(C, xx, ww, bb) * dy).sum())
+
+    x64, w64, b64 = x.astype(np.float64), w.astype(np.float64), None if b is None else b.astype(np.float64)
+    eps = 1e-6
+    for got, which in ((dx, 0), (dw, 1), (db, 2)):
+        if got is None:
+            continue
+        args = [x64, w64, b64]
+        V = g.standard_normal(args[which].shape)
+        plus, minus = list(args), list(args)
+        plus[which] = args[which] + eps * V
+        minus[which] = args[which] - eps * V
+        fd = (loss(*plus) - loss(*minus)) / (2 * eps)
+        assert abs(float((got * V).sum()) - fd) < 1e-4 * (1 + abs(fd)), (which, float((got * V).sum()), fd)

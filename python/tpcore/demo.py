@@ -1,12 +1,20 @@
-"""The main job: collectives across the ranks of one host, checked and timed.
+"""The main job: a tensor-parallel transformer generating on N CPU ranks, and the
+collectives under it, checked and timed.
 
     python -m tpcore.launch -n 2 -m tpcore.demo          (or: python -m tpcore.demo -n 2)
+    python -m tpcore.demo -n 4 --checkpoint DIR          (a Hugging Face GPT-2 / Llama checkpoint)
 
-Every rank fills its buffers with its own random values; each collective's
-result is checked against a NumPy reference that each rank computes from every
-rank's regenerated inputs; rank 0 prints what was done and how fast, for
-ordinary (private) arrays and for arrays in registered shared memory.  Later
-versions grow this into a tensor-parallel transformer generating text.
+Part 1, collectives: every rank fills its buffers with its own random values;
+each result is checked against a NumPy reference computed from every rank's
+regenerated inputs; rank 0 prints what was done and how fast, for ordinary
+(private) arrays and for arrays in registered shared memory.
+Part 2, transformer: a GPT-2-style model (random weights from a seed, or
+--checkpoint) split over the ranks (heads, MLP columns, vocabulary) generates
+greedily for a batch of prompts: batched prefill into the KV cache, then
+decoding.  Rank 0 first runs the same model alone (a one-rank communicator
+split off the job) as the reference: the N-rank tokens must equal it.  Printed:
+tokens, time to first token, decode tokens/s at 1 and N ranks, and per rank its
+heads, parameter bytes, peak resident memory and time in collectives.
 """
 from __future__ import annotations
 
@@ -115,22 +123,119 @@ def _print(rows, n):
     return total_bad
 
 
+DEMO_MODEL = dict(vocab_size=8192, hidden=384, layers=6, heads=6, ffn_hidden=1536, max_positions=256,
+                  activation="gelu_tanh", positions="learned", model_type="gpt2")
+
+
+def _generate(model, prompts, new):
+    """Greedy generation with timing: (tokens, ttft s, decode s)."""
+    B, T = prompts.shape
+    model.cache(B, T + new)
+    t0 = time.perf_counter()
+    h = model.forward(prompts, pos0=np.zeros(B, np.int64), use_cache=True)
+    tok = model._gather_logits(model._logits_shard(np.ascontiguousarray(h[:, -1]))).argmax(-1).astype(np.int64)
+    ttft = time.perf_counter() - t0
+    out, cur = [tok], np.full(B, T, np.int64)
+    t1 = time.perf_counter()
+    for _ in range(new - 1):
+        h = model.forward(tok.reshape(B, 1), pos0=cur, use_cache=True)
+        tok = model._gather_logits(model._logits_shard(np.ascontiguousarray(h[:, 0]))).argmax(-1).astype(np.int64)
+        out.append(tok)
+        cur += 1
+    return np.stack(out, 1), ttft, time.perf_counter() - t1
+
+
+def _load(comm, checkpoint, seed):
+    if checkpoint:
+        return tpcore.models.from_pretrained(checkpoint, comm, progress=False)
+    return tpcore.models.TransformerLM(tpcore.Config(**DEMO_MODEL), comm, seed=seed)
+
+
+def transformer_demo(comm, checkpoint=None, batch=2, prompt=24, new=16, seed=0) -> dict:
+    """Part 2 on every rank; returns rank 0's report (others return theirs too)."""
+    import resource
+    n, r = comm.size, comm.rank
+    vocab = tpcore.Config.from_hf(checkpoint).vocab_size if checkpoint else DEMO_MODEL["vocab_size"]
+    prompts = np.random.default_rng(seed).integers(0, vocab, (batch, prompt)).astype(np.int64)
+    # the reference: the same model on rank 0 alone (a one-rank communicator split off the job)
+    solo = comm.split(0 if r == 0 else 1, r)
+    ref = None
+    if r == 0:
+        m1 = _load(solo, checkpoint, seed)
+        _generate(m1, prompts[:, :4], 2)  # warm-up
+        ref = _generate(m1, prompts, new)
+        del m1
+    solo.close()
+    comm.barrier()
+    model = _load(comm, checkpoint, seed)
+    _generate(model, prompts[:, :4], 2)  # warm-up
+    comm.barrier()
+    s0 = comm.stats()
+    toks, ttft, dec = _generate(model, prompts, new)
+    s1 = comm.stats()
+    blk = model.blocks[0]
+    mine = np.array([blk.q0, blk.nq, model.param_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                     (s1["seconds"] - s0["seconds"]) * 1e6, s1["calls"] - s0["calls"], ttft * 1e6, dec * 1e6],
+                    np.float64)
+    per_rank = comm.all_gather(mine).reshape(n, -1)
+    same = np.array([1 if r != 0 or np.array_equal(toks, ref[0]) else 0], np.int64)
+    comm.all_reduce(same, op="min")
+    rep = {"tokens": toks, "per_rank": per_rank, "same": bool(same[0]), "n": n, "batch": batch, "prompt": prompt,
+           "new": new, "model": checkpoint or "GPT-2-style, %d layers, hidden %d, %d heads, vocab %d (random, seed %d)"
+           % (DEMO_MODEL["layers"], DEMO_MODEL["hidden"], DEMO_MODEL["heads"], DEMO_MODEL["vocab_size"], seed)}
+    if ref is not None:
+        rep["ref_ttft"], rep["ref_decode"] = ref[1], ref[2]
+    return rep
+
+
+def _print_transformer(rep):
+    n, B, new = rep["n"], rep["batch"], rep["new"]
+    pr = rep["per_rank"]
+    ttft, dec = pr[:, 6].max() / 1e6, pr[:, 7].max() / 1e6
+    print()
+    print(f"tensor-parallel transformer: {rep['model']}")
+    print(f"batch {B} x prompt {rep['prompt']} tokens, {new} new tokens each, greedy, KV cache")
+    for b in range(B):
+        print(f"  sequence {b}: ... {' '.join(str(int(t)) for t in rep['tokens'][b])}")
+    print(f"{'ranks':>6} {'TTFT ms':>9} {'decode tok/s':>13} {'ms/token':>9}")
+    print(f"{1:>6} {rep['ref_ttft'] * 1e3:>9.1f} {B * (new - 1) / rep['ref_decode']:>13.1f} "
+          f"{rep['ref_decode'] / (new - 1) * 1e3:>9.2f}")
+    print(f"{n:>6} {ttft * 1e3:>9.1f} {B * (new - 1) / dec:>13.1f} {dec / (new - 1) * 1e3:>9.2f}")
+    print(f"{'rank':>6} {'heads':>9} {'params MB':>10} {'peak RSS MB':>12} {'comm ms':>8} {'calls':>6} {'comm%':>6}")
+    for r in range(n):
+        q0, nq, pb, rss, cus, calls, tt, dd = pr[r]
+        print(f"{r:>6} {int(q0):>4}-{int(q0 + nq) - 1:<4} {pb / 1e6:>10.2f} {rss / 1e6:>12.0f} {cus / 1e3:>8.1f} "
+              f"{int(calls):>6} {100 * cus / (tt + dd):>5.1f}%")
+    print(f"greedy tokens at {n} rank(s) equal the 1-rank run: {'yes' if rep['same'] else 'NO'}")
+    return 0 if rep["same"] else 1
+
+
+def _job(comm, iters, checkpoint, skip_collectives):
+    rows = [] if skip_collectives else demo(comm, iters)
+    rep = transformer_demo(comm, checkpoint)
+    return rows, rep
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tpcore.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("-n", type=int, default=None,
                    help="ranks to spawn when not started by the launcher (default 2)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--checkpoint", default=None, help="a Hugging Face GPT-2 or Llama checkpoint directory")
+    p.add_argument("--no-collectives", action="store_true", help="skip part 1")
     a = p.parse_args(argv)
     if "TPCORE_JOB_ID" in os.environ or "RANK" in os.environ:
         with tpcore.init() as comm:
-            rows = demo(comm, a.iters)
-            bad = _print(rows, comm.size) if comm.rank == 0 else 0
+            rows, rep = _job(comm, a.iters, a.checkpoint, a.no_collectives)
+            bad = 0
+            if comm.rank == 0:
+                bad = (_print(rows, comm.size) if rows else 0) + _print_transformer(rep)
             print(f"rank {comm.rank}: pid {os.getpid()}, {comm.stats()['calls']} calls, "
                   f"{comm.stats()['seconds'] * 1e3:.1f} ms in communication", file=sys.stderr)
     else:
         n = a.n or 2
-        rows = tpcore.spawn(demo, n, args=(a.iters,), deadline=600)[0]
-        bad = _print(rows, n)
+        rows, rep = tpcore.spawn(_job, n, args=(a.iters, a.checkpoint, a.no_collectives), deadline=1200)[0]
+        bad = (_print(rows, n) if rows else 0) + _print_transformer(rep)
     sys.exit(1 if bad else 0)
 
 

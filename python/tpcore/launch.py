@@ -43,7 +43,25 @@ def _parse(argv):
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     p.add_argument("-m", dest="module", default=None, help="run a module as a script, like python -m")
     p.add_argument("args", nargs=argparse.REMAINDER, help="script and its arguments")
+    # Everything after the module name (or the script) belongs to it, options included
+    # (`-m tpcore.demo --iters 2`): argparse alone would take `--iters` as the launcher's.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    takes_value = {"-n", "--nproc", "--timeout", "--grace"}
+    i, tail = 0, []
+    while i < len(argv):
+        a = argv[i]
+        if a == "-m":
+            tail, argv = argv[i + 2:], argv[:i + 2]
+            break
+        if a in takes_value:
+            i += 2
+            continue
+        if a == "--" or not a.startswith("-"):
+            tail, argv = argv[i + (a == "--"):], argv[:i]
+            break
+        i += 1
     ns = p.parse_args(argv)
+    ns.args = list(ns.args) + tail
     if ns.nproc is None:
         ns.nproc = int(os.environ.get("TPCORE_NPROC", "2"))
     if ns.nproc < 1:

@@ -2,6 +2,7 @@
 
     python -m tpcore.bench collectives [options]    collectives vs memcpy, gloo and MPI
     python -m tpcore.bench layers [options]         ParallelMLP vs NumPy GEMMs and torch/gloo
+    python -m tpcore.bench decode [options]         a transformer's prefill/decode at 1, 2, 4 ranks vs torch
 
 `python -m tpcore.bench --help` lists the subcommands; each has its own
 --help.  Optional extras: matplotlib for --plot (pip install 'tpcore[bench]'),
@@ -14,4 +15,5 @@ torch for the gloo peers, mpi4py + Open MPI for the MPI peer, threadpoolctl
 SUBCOMMANDS = {
     "collectives": "collectives",
     "layers": "layers",
+    "decode": "decode",
 }
