@@ -11,6 +11,7 @@
 #define NPY_NO_DEPRECATED_API NPY_1_20_API_VERSION
 #include <numpy/arrayobject.h>
 
+#include <limits.h>
 #include <string.h>
 
 #include "tpcore/comm.h"
@@ -1794,6 +1795,64 @@ static PyType_Spec blk_spec = {
     .slots = blk_slots,
 };
 
+/* linear_forward(x[M, K], w[N, K], b[N] or None, out=None) -> y[M, N] = x w^T + b (tpcore's BLAS);
+ * linear_backward(dy[M, N], x[M, K], w[N, K], dw[N, K] or None, dx_out=None) -> dx (dw accumulates) */
+static int f32_matrix(PyObject *o, const char *op, const char *arg, int writable, int64_t *r, int64_t *c, float **p) {
+  buf_t b;
+  if (get_buf(o, op, arg, writable, &b) < 0) return -1;
+  if (b.dtype != TP_FLOAT32 || PyArray_NDIM((PyArrayObject *)o) != 2) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a 2-D float32 array", op, arg);
+    return -1;
+  }
+  *r = PyArray_DIM((PyArrayObject *)o, 0);
+  *c = PyArray_DIM((PyArrayObject *)o, 1);
+  *p = b.data;
+  return 0;
+}
+
+static PyObject *linear_forward_k(PyObject *mod, PyObject *args) {
+  PyObject *xo, *wo, *bo = Py_None, *out = Py_None;
+  if (!PyArg_ParseTuple(args, "OO|OO:linear_forward", &xo, &wo, &bo, &out)) return NULL;
+  int64_t M, K, N, K2;
+  float *x, *w, *b = NULL;
+  if (f32_matrix(xo, "linear_forward", "x", 0, &M, &K, &x) < 0 || f32_matrix(wo, "linear_forward", "w", 0, &N, &K2, &w) < 0)
+    return NULL;
+  if (K2 != K || M > INT_MAX || N > INT_MAX || K > INT_MAX) {
+    PyErr_Format(PyExc_ValueError, "linear_forward: x is (%lld, %lld) but w is (%lld, %lld)", (long long)M,
+                 (long long)K, (long long)N, (long long)K2);
+    return NULL;
+  }
+  if (bo != Py_None && same_f32(bo, "linear_forward", "b", (size_t)N, 0, &b) < 0) return NULL;
+  PyObject *y = layer_output(out, "linear_forward", M, N);
+  if (!y) return NULL;
+  float *yp = PyArray_DATA((PyArrayObject *)y);
+  Py_BEGIN_ALLOW_THREADS tp_linear_forward(yp, x, w, b, M, K, N);
+  Py_END_ALLOW_THREADS
+  return y;
+}
+
+static PyObject *linear_backward_k(PyObject *mod, PyObject *args) {
+  PyObject *dyo, *xo, *wo, *dwo = Py_None, *out = Py_None;
+  if (!PyArg_ParseTuple(args, "OOO|OO:linear_backward", &dyo, &xo, &wo, &dwo, &out)) return NULL;
+  int64_t M, N, M2, K, N2, K2;
+  float *dy, *x, *w, *dw = NULL;
+  if (f32_matrix(dyo, "linear_backward", "dy", 0, &M, &N, &dy) < 0 ||
+      f32_matrix(xo, "linear_backward", "x", 0, &M2, &K, &x) < 0 ||
+      f32_matrix(wo, "linear_backward", "w", 0, &N2, &K2, &w) < 0)
+    return NULL;
+  if (M2 != M || N2 != N || K2 != K || M > INT_MAX || N > INT_MAX || K > INT_MAX) {
+    PyErr_SetString(PyExc_ValueError, "linear_backward: dy (M, N), x (M, K) and w (N, K) do not agree");
+    return NULL;
+  }
+  if (dwo != Py_None && same_f32(dwo, "linear_backward", "dw", (size_t)(N * K), 1, &dw) < 0) return NULL;
+  PyObject *dx = layer_output(out, "linear_backward", M, K);
+  if (!dx) return NULL;
+  float *dxp = PyArray_DATA((PyArrayObject *)dx);
+  Py_BEGIN_ALLOW_THREADS tp_linear_backward(dxp, dw, NULL, dy, x, w, M, K, N, 0);
+  Py_END_ALLOW_THREADS
+  return dx;
+}
+
 /* norm_forward(kind, x[M, C], w[C], b[C] or None, eps) -> (y, mean, rstd);
  * norm_backward(kind, dy, x, w, mean, rstd, dw, db or None) -> dx (dw, db accumulate) */
 static int norm_kind(const char *k) {
@@ -1881,6 +1940,9 @@ static PyMethodDef module_methods[] = {
     {"adamw_step", adamw_step, METH_VARARGS, "adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)"},
     {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(p, g, buf, lr, momentum, weight_decay, first)"},
     {"act_backward", act_backward, METH_VARARGS, "act_backward(name, h, dout) -> dh"},
+    {"linear_forward", linear_forward_k, METH_VARARGS, "linear_forward(x, w, b=None, out=None) -> x @ w.T + b"},
+    {"linear_backward", linear_backward_k, METH_VARARGS,
+     "linear_backward(dy, x, w, dw=None, out=None) -> dy @ w; dw += dy.T @ x"},
     {"norm_forward", norm_forward, METH_VARARGS, "norm_forward(kind, x, w, b, eps) -> (y, mean, rstd)"},
     {"norm_backward", norm_backward, METH_VARARGS,
      "norm_backward(kind, dy, x, w, mean, rstd, dw, db) -> dx; dw and db accumulate"},

@@ -160,8 +160,10 @@ class TransformerLM:
         return self.forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
 
     def _logits_shard(self, h2):
-        W = self._head_weight()
-        return np.matmul(h2, W.T) if self.lm_head is None else self.lm_head.forward(h2)
+        # tpcore's BLAS in C (GIL released): NumPy's own BLAS threads would spin after each call
+        # and compete with tpcore's for the cores
+        h2 = np.ascontiguousarray(h2, np.float32)
+        return _C.linear_forward(h2, self.wte.weight) if self.lm_head is None else self.lm_head.forward(h2)
 
     def _gather_logits(self, shard):
         return self.comm.all_gather(np.ascontiguousarray(shard), axis=-1, sizes=[s for _, s in self.vocab_partition])
@@ -197,9 +199,7 @@ class TransformerLM:
         dshard = ctx["xent"].backward(dloss)
         h2 = ctx["h2"]
         if self.lm_head is None:
-            W = self.wte.weight
-            self.wte.grad_weight[...] += dshard.T @ h2
-            dh = np.ascontiguousarray(dshard @ W)
+            dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight)
             if comm.size > 1:
                 comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
         else:

@@ -53,6 +53,14 @@ void tp_linear_forward(float *y, const float *x, const float *w, const float *b,
     if (!b) memset(y, 0, (size_t)(M * N) * sizeof(float));
     return;
   }
+  if (M <= 2) {
+    /* One or two rows (decoding): GEMV reads W once per row; GEMM would first pack all of W
+     * (measured 2.5-3x slower for a 768 x 2304 weight at M = 1). */
+    for (int64_t m = 0; m < M; m++)
+      TP_BLAS(cblas_sgemv)(CblasRowMajor, CblasNoTrans, (tp_blasint)N, (tp_blasint)K, 1.0f, w, (tp_blasint)K,
+                           x + m * K, 1, beta, y + m * N, 1);
+    return;
+  }
   TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, (tp_blasint)M, (tp_blasint)N, (tp_blasint)K, 1.0f, x,
                        (tp_blasint)K, w, (tp_blasint)K, beta, y, (tp_blasint)N);
 }
