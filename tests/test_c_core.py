@@ -1,6 +1,7 @@
 """The C core without Python: build it with make (plain, and under ASan +
 UBSan) and run its C tests of the communicator at world sizes 1-4 and of the
-parallel MLP and the vocab-parallel embedding + cross-entropy at world sizes
+parallel MLP, the vocab-parallel embedding + cross-entropy and the Transformer
+block (forward, backward, KV cache; equal at every world size) at world sizes
 1-3.  Also checks
 the layering rule: only csrc/python includes Python.h or NumPy headers."""
 import os
@@ -36,12 +37,12 @@ def build_and_run(tmp_path, sanitize):
 
 def test_c_core(tmp_path):
     out = build_and_run(tmp_path, sanitize=False)
-    assert "24 passed" in out and "6 passed" in out
+    assert "24 passed" in out and "10 passed" in out
 
 
 def test_c_core_under_asan_ubsan(tmp_path):
     out = build_and_run(tmp_path, sanitize=True)
-    assert "24 passed" in out and "6 passed" in out
+    assert "24 passed" in out and "10 passed" in out
 
 
 def test_python_headers_only_in_the_extension():

@@ -31,11 +31,23 @@ def _params(block, g):
     return P
 
 
-def _block_case(comm, name, uneven, masked):
+def _reference(cfg, attention_only):
+    if not attention_only:
+        return ref.block
+
+    def attn(cfg, p, x, key_mask=None):
+        B, T, _ = x.shape
+        return ref.attention(cfg, p, x, np.broadcast_to(np.arange(T), (B, T)), key_mask)
+    return attn
+
+
+def _block_case(comm, name, uneven, masked, attention_only=False):
     cfg = tpcore.Config(vocab_size=10, **CONFIGS[name])
     hp = tpcore.transformer.head_partition(cfg, comm.size, weights=[1 + 2 * (r % 2) for r in range(comm.size)]) \
         if uneven else None
-    blk = tpcore.TransformerBlock(cfg, comm, seed=4, head_partition=hp)
+    cls = tpcore.ParallelAttention if attention_only else tpcore.TransformerBlock
+    blk = cls(cfg, comm, seed=4, head_partition=hp)
+    reference = _reference(cfg, attention_only)
     g = rng_for(31, 0)  # the same full tensors and inputs on every rank
     P = _params(blk, g)
     blk.load_full(P)
@@ -54,9 +66,9 @@ def _block_case(comm, name, uneven, masked):
     x64 = x.astype(np.float64)
 
     def loss(xx, pp):
-        return float((ref.block(cfg, pp, xx, key_mask=mask) * R).sum())
+        return float((reference(cfg, pp, xx, key_mask=mask) * R).sum())
 
-    y_ref = ref.block(cfg, P64, x64, key_mask=mask)
+    y_ref = reference(cfg, P64, x64, key_mask=mask)
     errs = []
     if not np.allclose(y, y_ref, rtol=1e-4, atol=1e-4):
         errs.append(f"y off by {np.abs(y - y_ref).max():.2e}")
@@ -89,6 +101,15 @@ def test_block_forward_backward(world, name, uneven, masked):
     for r, (errs, heads) in enumerate(res):
         assert not errs, f"rank {r} (heads {heads}): {errs}"
     assert sum(h[1] for _, h in res) == CONFIGS[name]["heads"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name,uneven,masked", [("gpt2", True, False), ("llama_gqa", True, False),
+                                                ("bert", False, True)])
+def test_parallel_attention_alone(world, name, uneven, masked):
+    res = run(_block_case, world, name, uneven, masked, True)
+    for r, (errs, heads) in enumerate(res):
+        assert not errs, f"rank {r} (heads {heads}): {errs}"
 
 
 def test_twelve_heads_on_five_ranks():

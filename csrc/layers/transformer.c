@@ -67,7 +67,7 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   if (cfg->size != sizeof(tp_block_config_t))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: config built for another tpcore version");
   int64_t C = cfg->hidden, H = cfg->heads, Hk = cfg->kv_heads ? cfg->kv_heads : cfg->heads, D = cfg->head_dim;
-  if (C < 1 || H < 1 || D < 1 || cfg->ffn_hidden < 1)
+  if (C < 1 || H < 1 || D < 1 || (cfg->ffn_hidden < 1 && !cfg->attention_only))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: hidden, heads, head_dim and ffn_hidden must be >= 1");
   if (Hk < 1 || Hk > H || H % Hk)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: heads (%lld) must be a multiple of kv_heads (%lld)",
@@ -139,6 +139,10 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
     if (b) k->bo[i] = uinit(cfg->seed, 13, (uint64_t)i, bo);
     k->n1w[i] = k->n2w[i] = 1.0f;
   }
+  if (cfg->attention_only) { /* ParallelAttention: no MLP */
+    *out = k;
+    return TP_SUCCESS;
+  }
   tp_mlp_config_t mc = TP_MLP_CONFIG_INITIALIZER;
   mc.hidden = C;
   mc.ffn_hidden = cfg->ffn_hidden;
@@ -167,8 +171,12 @@ tp_status_t tp_block_info(tp_block_t k, tp_block_info_t *info) {
 int tp_block_params(tp_block_t k, tp_param_t *out, int max) {
   if (!k) return 0;
   tp_linear_info_t f1, f2;
-  tp_parallel_linear_info(tp_parallel_mlp_layer(k->mlp, 0), &f1);
-  tp_parallel_linear_info(tp_parallel_mlp_layer(k->mlp, 1), &f2);
+  memset(&f1, 0, sizeof f1);
+  memset(&f2, 0, sizeof f2);
+  if (k->mlp) {
+    tp_parallel_linear_info(tp_parallel_mlp_layer(k->mlp, 0), &f1);
+    tp_parallel_linear_info(tp_parallel_mlp_layer(k->mlp, 1), &f2);
+  }
   tp_param_t all[] = {
       {"norm1.weight", k->n1w, k->dn1w, 1, k->C, 0},
       {"norm1.bias", k->n1b, k->dn1b, 1, k->C, 0},
@@ -185,7 +193,7 @@ int tp_block_params(tp_block_t k, tp_param_t *out, int max) {
   };
   int n = 0;
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
-    if (!all[i].data) continue;
+    if (!all[i].data || (k->cfg.attention_only && strncmp(all[i].name, "attn.", 5) != 0)) continue;
     if (n < max) out[n] = all[i];
     n++;
   }
@@ -400,7 +408,10 @@ tp_status_t tp_block_forward(tp_block_t k, float *y, const float *x, const tp_bl
   memcpy(k->xs, x, (size_t)(M * C) * sizeof(float));
   TP_CHECK(tp_reg_ensure(k->comm, &k->red, (size_t)(M * C) * sizeof(float)));
   float *r = k->red.ptr;
-  if (k->cfg.pre_norm) {
+  if (k->cfg.attention_only) {
+    TP_CHECK(attention_forward(k, r, k->xs, bt->use_cache, bt->need_backward));
+    memcpy(y, r, (size_t)(M * C) * sizeof(float));
+  } else if (k->cfg.pre_norm) {
     norm_fwd(k, k->n1, k->mean1, k->rstd1, k->xs, k->n1w, k->n1b, M);
     TP_CHECK(attention_forward(k, r, k->n1, bt->use_cache, bt->need_backward));
     add_rows(k->h1, k->xs, r, M * C);
@@ -498,6 +509,10 @@ tp_status_t tp_block_backward(tp_block_t k, float *dx, const float *dy) {
   if (!k->ready) return tp_set_error(TP_ERR_INVALID_USAGE, "block backward: called before forward (with need_backward)");
   int64_t M = k->B * k->T, C = k->C;
   if (M && (!dx || !dy)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block backward: NULL argument");
+  if (k->cfg.attention_only) {
+    memcpy(k->dt, dy, (size_t)(M * C) * sizeof(float));
+    return attention_backward(k, dx, k->dt, k->xs);
+  }
   if (k->cfg.pre_norm) {
     TP_CHECK(tp_parallel_mlp_backward(k->mlp, k->dn, dy, M));                       /* d norm2 out */
     norm_bwd(k, k->dt, k->dn2w, k->dn2b, k->dn, k->h1, k->n2w, k->mean2, k->rstd2, M);

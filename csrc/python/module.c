@@ -1592,15 +1592,17 @@ typedef struct {
 
 static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "norm", "eps", "activation",
-                           "pre_norm", "bias", "causal", "rope_theta", "head_partition", "ffn_partition", "seed", NULL};
+                           "pre_norm", "bias", "causal", "rope_theta", "head_partition", "ffn_partition", "seed",
+                           "attention_only", NULL};
   PyObject *commo, *hpart = Py_None, *fpart = Py_None;
   long long C, H, Hk, D, F;
   const char *norm = "layernorm", *act = "gelu";
   float eps = 1e-5f, theta = 0.0f;
-  int pre = 1, bias = 1, causal = 1;
+  int pre = 1, bias = 1, causal = 1, attn_only = 0;
   unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OLLLLL|sfspppfOOK:TransformerBlock", kwlist, &commo, &C, &H, &Hk, &D, &F,
-                                   &norm, &eps, &act, &pre, &bias, &causal, &theta, &hpart, &fpart, &seed))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OLLLLL|sfspppfOOKp:TransformerBlock", kwlist, &commo, &C, &H, &Hk, &D,
+                                   &F, &norm, &eps, &act, &pre, &bias, &causal, &theta, &hpart, &fpart, &seed,
+                                   &attn_only))
     return NULL;
   module_state *st = state_of_type(type);
   CommObject *co = layer_comm(st, commo, "TransformerBlock");
@@ -1615,6 +1617,7 @@ static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   }
   if (parse_act(act, &cfg.activation) < 0) return NULL;
   cfg.eps = eps, cfg.pre_norm = pre, cfg.bias = bias, cfg.causal = causal, cfg.rope_theta = theta, cfg.seed = seed;
+  cfg.attention_only = attn_only;
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *hs = NULL, *fs = NULL;

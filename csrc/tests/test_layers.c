@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -156,6 +158,57 @@ static int run_vocab(int n, int r, const char *job) {
   return bad ? 1 : 0;
 }
 
+/* The Transformer block (Llama-like: RMSNorm, RoPE, GQA, SwiGLU) at world 1-3: forward,
+ * backward and a KV-cache decode step; rank 0 leaves y, dx and the decode output in shared
+ * memory and main() checks that every world size gives the same numbers.  Run under ASan
+ * too, this covers the block's workspaces, the cache and the replicated-KV gradient path. */
+enum { BC = 12, BH = 4, BKV = 2, BD = 4, BF = 20, BB = 2, BT = 5 };
+static float *block_out; /* [3 worlds][2 * BB*BT*BC + BB*BC] */
+
+static int run_block(int n, int r, const char *job) {
+  tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
+  cc.job_id = job;
+  cc.timeout_s = 30;
+  tp_comm_t comm;
+  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  tp_block_config_t cfg = TP_BLOCK_CONFIG_INITIALIZER;
+  cfg.hidden = BC, cfg.heads = BH, cfg.kv_heads = BKV, cfg.head_dim = BD, cfg.ffn_hidden = BF;
+  cfg.norm = TP_NORM_RMS, cfg.activation = TP_ACT_SWIGLU, cfg.bias = 0, cfg.rope_theta = 100.0f, cfg.seed = 3;
+  tp_block_t blk;
+  if (tp_block_create(&blk, comm, &cfg) != TP_SUCCESS) return fprintf(stderr, "block: %s\n", tp_last_error()), 1;
+  enum { NX = BB * BT * BC };
+  float x[NX], y[NX], dy[NX], dx[NX], xs[BB * BC], ys[BB * BC];
+  for (int i = 0; i < NX; i++) x[i] = (float)sin(0.37 * i), dy[i] = (float)cos(0.11 * i);
+  tp_block_batch_t bt = {BB, BT, NULL, NULL, 0, 1};
+  int bad = tp_block_forward(blk, y, x, &bt) != TP_SUCCESS || tp_block_backward(blk, dx, dy) != TP_SUCCESS;
+  /* decode: cache the first BT - 1 tokens, then the last one at its position */
+  int64_t pos[BB] = {BT - 1, BT - 1};
+  float xp[BB * (BT - 1) * BC];
+  for (int b = 0; b < BB; b++)
+    for (int t = 0; t < BT; t++)
+      for (int c = 0; c < BC; c++) {
+        float v = x[(b * BT + t) * BC + c];
+        if (t < BT - 1) xp[(b * (BT - 1) + t) * BC + c] = v;
+        else xs[b * BC + c] = v;
+      }
+  float yp[BB * (BT - 1) * BC];
+  tp_block_batch_t pre = {BB, BT - 1, NULL, NULL, 1, 0}, dec = {BB, 1, pos, NULL, 1, 0};
+  bad += tp_block_cache(blk, BB, BT + 2) != TP_SUCCESS || tp_block_forward(blk, yp, xp, &pre) != TP_SUCCESS ||
+         tp_block_forward(blk, ys, xs, &dec) != TP_SUCCESS;
+  for (int b = 0; b < BB; b++) /* the decoded last token equals the full forward's */
+    for (int c = 0; c < BC; c++) bad += fabsf(ys[b * BC + c] - y[(b * BT + BT - 1) * BC + c]) > 1e-5f;
+  if (bad) fprintf(stderr, "block rank %d of %d: %s\n", r, n, tp_last_error());
+  if (r == 0) {
+    float *o = block_out + (n - 1) * (2 * NX + BB * BC);
+    memcpy(o, y, sizeof y);
+    memcpy(o + NX, dx, sizeof dx);
+    memcpy(o + 2 * NX, ys, sizeof ys);
+  }
+  tp_block_destroy(blk);
+  tp_comm_destroy(comm);
+  return bad ? 1 : 0;
+}
+
 static int run_world(int n, int (*fn)(int, int, const char *), const char *name) {
   char job[64];
   snprintf(job, sizeof job, "clayers%d_%s_%d", (int)getpid(), name, n);
@@ -177,10 +230,20 @@ static int run_world(int n, int (*fn)(int, int, const char *), const char *name)
 
 int main(void) {
   int passed = 0, failed = 0;
+  size_t per = 2 * BB * BT * BC + BB * BC;
+  block_out = mmap(NULL, 3 * per * sizeof(float), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (block_out == MAP_FAILED) return perror("mmap"), 1;
   for (int n = 1; n <= 3; n++) {
     run_world(n, run_rank, "mlp") ? passed++ : failed++;
     run_world(n, run_vocab, "vocab") ? passed++ : failed++;
+    run_world(n, run_block, "block") ? passed++ : failed++;
   }
+  int same = 1;
+  for (int n = 2; n <= 3; n++)
+    for (size_t i = 0; i < per; i++) same &= fabsf(block_out[(n - 1) * per + i] - block_out[i]) <= 1e-5f * (1 + fabsf(block_out[i]));
+  printf("block: the same y, dx and decode output at world 1, 2, 3: %s\n", same ? "ok" : "FAILED");
+  same ? passed++ : failed++;
+  munmap(block_out, 3 * per * sizeof(float));
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }

@@ -18,7 +18,7 @@ from . import optim
 from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, partition
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from .checkpoint import load, save
-from .transformer import Config, TransformerBlock
+from .transformer import Config, ParallelAttention, TransformerBlock
 from . import models
 from .spawn import RankExitedError, spawn
 
@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "build_info",
            "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "partition", "optim",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
-           "save", "load", "Config", "TransformerBlock", "models",
+           "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
            "__version__"]
 
 _BACKENDS = ("auto", "shm")

@@ -147,6 +147,8 @@ def head_partition(cfg: Config, world: int, weights: Optional[Sequence[float]] =
 class TransformerBlock:
     """One Transformer block split over the ranks of comm (see the module doc)."""
 
+    _attention_only = False
+
     def __init__(self, config: Config, comm: Comm, seed: int = 0, head_partition: Optional[Sequence[int]] = None,
                  ffn_partition=None):
         if not isinstance(comm, Comm):
@@ -159,15 +161,15 @@ class TransformerBlock:
                                       norm=cfg.norm, eps=float(cfg.eps), activation=cfg.activation,
                                       pre_norm=cfg.pre_norm, bias=cfg.bias, causal=cfg.causal,
                                       rope_theta=float(cfg.rope_theta) if cfg.positions == "rope" else 0.0,
-                                      head_partition=hp, ffn_partition=fp, seed=int(seed))
+                                      head_partition=hp, ffn_partition=fp, seed=int(seed),
+                                      attention_only=self._attention_only)
         info = self._c.info
         self.q0, self.nq, self.k0, self.nk = info["q0"], info["nq"], info["k0"], info["nk"]
         self.kv_replicated = info["kv_replicated"]
         self.head_partition = check_partition(comm, self.q0, self.nq, cfg.heads, "TransformerBlock heads")
         self._p = self._c.params()
-        f1 = self._p["mlp.fc1.weight"][0]
         g = 2 if cfg.activation == "swiglu" else 1
-        self.ffn_local = f1.shape[0] // g
+        self.ffn_local = self._p["mlp.fc1.weight"][0].shape[0] // g if "mlp.fc1.weight" in self._p else 0
         offs = comm.all_gather(np.array([self.ffn_local], np.int64))
         self.ffn_offset = int(offs[:comm.rank].sum())
         self.ffn_partition = [(int(offs[:r].sum()), int(offs[r])) for r in range(comm.size)]
@@ -323,4 +325,19 @@ class TransformerBlock:
 
     def __repr__(self):
         return (f"TransformerBlock(hidden={self.config.hidden}, heads {self.q0}:{self.q0 + self.nq} and kv heads "
+                f"{self.k0}:{self.k0 + self.nk} on rank {self.comm.rank})")
+
+
+class ParallelAttention(TransformerBlock):
+    """Attention alone, heads split over the ranks (Megatron): fused QKV projection
+    (column-parallel), rotary positions when config.positions == "rope", causal or
+    bidirectional softmax attention with a padding mask, grouped-query heads, a KV
+    cache, and the row-parallel output projection: y = attn(x) with one all-reduce in
+    forward and one (at the QKV input) in backward.  No norms, MLP or residual (those
+    are TransformerBlock's).  Parameters: attn.q/k/v/out weights (and biases)."""
+
+    _attention_only = True
+
+    def __repr__(self):
+        return (f"ParallelAttention(hidden={self.config.hidden}, heads {self.q0}:{self.q0 + self.nq} and kv heads "
                 f"{self.k0}:{self.k0 + self.nk} on rank {self.comm.rank})")

@@ -176,10 +176,11 @@ typedef struct {
   const int64_t *head_partition;   /* query heads per rank; NULL: even (whole heads) */
   const int64_t *ffn_partition;    /* MLP columns per rank; NULL: even */
   uint64_t seed;
+  int attention_only;              /* ParallelAttention: y = attn(x), no norms, MLP or residual */
 } tp_block_config_t;
 
 #define TP_BLOCK_CONFIG_INITIALIZER \
-  { sizeof(tp_block_config_t), 0, 0, 0, 0, 0, TP_NORM_LAYER, 1e-5f, TP_ACT_GELU, 1, 1, 1, 0.0f, NULL, NULL, 0 }
+  { sizeof(tp_block_config_t), 0, 0, 0, 0, 0, TP_NORM_LAYER, 1e-5f, TP_ACT_GELU, 1, 1, 1, 0.0f, NULL, NULL, 0, 0 }
 
 typedef struct {
   int64_t B, T;                    /* rows of x = B * T (B sequences of T tokens)            */
