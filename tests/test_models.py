@@ -352,3 +352,71 @@ def test_config_from_hf_dicts():
     assert (b.causal, b.pre_norm, b.embedding_norm, b.final_norm) == (False, False, True, False)
     with pytest.raises(ValueError, match="not supported"):
         tpcore.Config.from_hf_dict({"model_type": "t5"})
+
+
+def test_lazy_views_index_like_numpy():
+    from tpcore.hf import View, _Stack
+    base = np.arange(6 * 10, dtype=np.float32).reshape(6, 10)
+    keys = [slice(None), slice(1, 3), slice(1, 10), slice(-2, None), slice(None, -1), -1, 2, np.array([3, 0, 2]),
+            np.array([True, False, True, False]), (slice(None), slice(1, 3)), (2, 3), (np.array([1, 2]), 0), Ellipsis]
+    for view, full in ((View(base, 4, 4, transpose=True), base[:, 4:8].T), (View(base, 2, 4), base[2:6])):
+        for k in keys:
+            assert np.array_equal(view[k], full[k]), (k, view[k], full[k])
+    a, b = base[:3], base[3:]
+    st, full = _Stack(a, b), base
+    for k in keys[:8] + [np.array([4, 1, 5]), (slice(None), slice(1, 3)), (-1, 2)]:
+        assert np.array_equal(st[k], full[k]), k
+
+
+def _stops(comm):
+    cfg = tpcore.Config(**GPT2)
+    model = tpcore.models.TransformerLM(cfg, comm, seed=21)
+    prompt = [3, 1, 4, 1, 5]
+    free = model.generate(prompt, max_new_tokens=6, eos_token_id=-1)[0]  # a flat list is one prompt
+    stop = int(free[len(prompt) + 1])
+    # several eos ids (Llama 3 Instruct has three), one outside the vocabulary: any stops the sequence
+    got = model.generate([prompt], max_new_tokens=6, eos_token_id=[10 ** 6, stop], pad_token_id=0)[0]
+    return free.tolist(), got.tolist(), stop
+
+
+def test_generate_stops_on_any_eos_id():
+    free, got, stop = run(_stops, 2)[0]
+    first = free.index(stop, 5)
+    assert got[:first + 1] == free[:first + 1] and all(t == 0 for t in got[first + 1:]), (free, got)
+
+
+def _bad_backward(comm):
+    cfg = tpcore.Config(**GPT2)
+    blk = tpcore.TransformerBlock(cfg, comm)
+    blk(rng_for(1, 0).standard_normal((2, 5, cfg.hidden)).astype(np.float32))
+    try:
+        blk.backward(np.ones((1, 1, cfg.hidden), np.float32))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_block_backward_checks_rows():
+    for msg in run(_bad_backward, 2):
+        assert "rows" in msg and "10" in msg, msg
+
+
+def test_sliding_window_and_explicit_default_rope():
+    base = {"model_type": "mistral", "vocab_size": 50, "hidden_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 24, "sliding_window": 6,
+            "rope_scaling": {"rope_type": "default"}}
+    cfg = tpcore.Config.from_hf_dict(base)
+    assert cfg.sliding_window == 6 and cfg.positions == "rope"
+
+    def case(comm):
+        model = tpcore.models.TransformerLM(cfg, comm)
+        model.logits(np.zeros((1, 6), np.int64))  # within the window: exact
+        try:
+            model.logits(np.zeros((1, 7), np.int64))
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    assert "sliding-window" in run(case, 1)[0]
+    with pytest.raises(ValueError, match="scaling"):
+        tpcore.Config.from_hf_dict(dict(base, rope_scaling={"rope_type": "llama3", "factor": 8.0}))

@@ -354,7 +354,11 @@ static tp_status_t attention_forward(tp_block_t k, float *r, const float *in, in
       }
       h = hend;
     }
-    if (rc) return tp_set_error(TP_ERR_NOMEM, "block: out of memory in attention");
+    if (rc) {
+      tp_set_error(TP_ERR_NOMEM, "block: out of memory in attention");
+      tp_comm_abort(k->comm, tp_last_error()); /* the peers would wait in the all-reduce */
+      return TP_ERR_NOMEM;
+    }
   }
   /* row-parallel output projection: partial sums all-reduced in registered memory, bias once after */
   tp_linear_forward(r, k->ao, k->wo, NULL, M, k->A, k->C);
@@ -459,7 +463,11 @@ static tp_status_t attention_backward(tp_block_t k, float *din, const float *dr,
       }
       h = hend;
     }
-    if (rc) return tp_set_error(TP_ERR_NOMEM, "block backward: out of memory in attention");
+    if (rc) {
+      tp_set_error(TP_ERR_NOMEM, "block backward: out of memory in attention");
+      tp_comm_abort(k->comm, tp_last_error());
+      return TP_ERR_NOMEM;
+    }
     if (k->cfg.rope_theta > 0) tp_rope_apply(k->dqkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 1);
   }
   /* KV heads replicated on several ranks: their weight gradients are sums over those ranks;
@@ -467,7 +475,11 @@ static tp_status_t attention_backward(tp_block_t k, float *din, const float *dr,
   int64_t kvw = 2 * k->nk * D, kvoff = k->nq * D;
   if (k->kv_replicated) {
     if (!k->kvsnap) k->kvsnap = falloc(kvw * (C + 1), 0);
-    if (!k->kvsnap) return tp_set_error(TP_ERR_NOMEM, "block backward: out of memory");
+    if (!k->kvsnap) {
+      tp_set_error(TP_ERR_NOMEM, "block backward: out of memory");
+      tp_comm_abort(k->comm, tp_last_error());
+      return TP_ERR_NOMEM;
+    }
     memcpy(k->kvsnap, k->dwqkv + kvoff * C, (size_t)(kvw * C) * sizeof(float));
     if (k->dbqkv) memcpy(k->kvsnap + kvw * C, k->dbqkv + kvoff, (size_t)kvw * sizeof(float));
   }
@@ -504,10 +516,13 @@ static tp_status_t attention_backward(tp_block_t k, float *din, const float *dr,
   return TP_SUCCESS;
 }
 
-tp_status_t tp_block_backward(tp_block_t k, float *dx, const float *dy) {
+tp_status_t tp_block_backward(tp_block_t k, float *dx, const float *dy, int64_t rows) {
   if (!k) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block backward: NULL argument");
   if (!k->ready) return tp_set_error(TP_ERR_INVALID_USAGE, "block backward: called before forward (with need_backward)");
   int64_t M = k->B * k->T, C = k->C;
+  if (rows != M)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block backward: dy has %lld rows but the last forward had %lld "
+                        "(B * T = %lld x %lld)", (long long)rows, (long long)M, (long long)k->B, (long long)k->T);
   if (M && (!dx || !dy)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block backward: NULL argument");
   if (k->cfg.attention_only) {
     memcpy(k->dt, dy, (size_t)(M * C) * sizeof(float));

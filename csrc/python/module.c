@@ -1714,14 +1714,12 @@ static PyObject *blk_backward(PyObject *o, PyObject *args) {
   if (!live(self->comm, "backward")) return NULL;
   int64_t M;
   if (lin_arg(dy, "block backward", "dy", self->C, &M) < 0) return NULL;
-  tp_block_info_t bi;
-  tp_block_info(self->K, &bi);
   PyObject *dx = layer_output(out, "block backward", M, self->C);
   if (!dx) return NULL;
   const float *dp = PyArray_DATA((PyArrayObject *)dy);
   float *xp = PyArray_DATA((PyArrayObject *)dx);
   tp_status_t s;
-  COMM_CALL(self->comm, s, ((void)c_, tp_block_backward(self->K, xp, dp)));
+  COMM_CALL(self->comm, s, ((void)c_, tp_block_backward(self->K, xp, dp, M)));
   if (s != TP_SUCCESS) {
     Py_DECREF(dx);
     return layer_error(self->comm, s, "block backward", 1);

@@ -180,7 +180,8 @@ static int run_block(int n, int r, const char *job) {
   float x[NX], y[NX], dy[NX], dx[NX], xs[BB * BC], ys[BB * BC];
   for (int i = 0; i < NX; i++) x[i] = (float)sin(0.37 * i), dy[i] = (float)cos(0.11 * i);
   tp_block_batch_t bt = {BB, BT, NULL, NULL, 0, 1};
-  int bad = tp_block_forward(blk, y, x, &bt) != TP_SUCCESS || tp_block_backward(blk, dx, dy) != TP_SUCCESS;
+  int bad = tp_block_forward(blk, y, x, &bt) != TP_SUCCESS || tp_block_backward(blk, dx, dy, BB * BT) != TP_SUCCESS;
+  bad += tp_block_backward(blk, dx, dy, 1) != TP_ERR_INVALID_ARGUMENT; /* rows must match the forward */
   /* decode: cache the first BT - 1 tokens, then the last one at its position */
   int64_t pos[BB] = {BT - 1, BT - 1};
   float xp[BB * (BT - 1) * BC];

@@ -23,19 +23,30 @@ from .comm import Comm
 from .transformer import Config
 
 
-def _shift(k, off):
-    if isinstance(k, slice):
-        if k.step not in (None, 1):
-            raise ValueError("strided slices are not supported")
-        return slice(off + (k.start or 0), None if k.stop is None else off + k.stop)
-    if isinstance(k, (int, np.integer)):
-        return off + int(k)
-    return np.asarray(k) + off
+def _rows(key, n):
+    """The row part of an index into an n-row tensor, as NumPy would resolve it (negative
+    indices, clamped slices, boolean masks): (index for the base rows, is_scalar, rest)."""
+    if key is Ellipsis:
+        key = ()
+    key = key if isinstance(key, tuple) else (key,)
+    if key and key[0] is Ellipsis:
+        key = (slice(None),) + key[1:]
+    first = key[0] if key else slice(None)
+    rows = np.arange(n)[first]
+    return rows, np.ndim(rows) == 0, key[1:]
+
+
+def _as_base_index(rows, off):
+    rows = np.atleast_1d(rows) + off
+    if rows.size and np.all(np.diff(rows) == 1):
+        return slice(int(rows[0]), int(rows[-1]) + 1)  # a contiguous run: a plain (cheap) slice of the map
+    return rows
 
 
 class View:
     """full = base[off:off + n] (or, transposed, base[:, off:off + n].T), read lazily:
-    indexing reads only the selected part of the memory-mapped base."""
+    indexing reads only the selected part of the memory-mapped base and follows NumPy's
+    indexing rules for the first axis (negative indices, clamped slices, masks)."""
 
     def __init__(self, base, off: int = 0, n: int = None, transpose: bool = False):
         self.base, self.off, self.t = base, int(off), bool(transpose)
@@ -47,19 +58,22 @@ class View:
             n = bs[0] - off if n is None else n
             self.shape = (n,) + bs[1:]
         self.n = n
+        if not 0 <= self.off <= self.off + n <= (bs[1] if transpose else bs[0]):
+            raise ValueError(f"checkpoint tensor of shape {bs} has no rows {off}:{off + n}"
+                             f"{' (after transposing)' if transpose else ''}: its shape does not match the config")
 
     def __getitem__(self, key) -> np.ndarray:
-        if key is Ellipsis:
-            key = slice(None)
-        key = key if isinstance(key, tuple) else (key,)
-        first = key[0]
-        if isinstance(first, slice) and first.stop is None:
-            first = slice(first.start, self.n)
-        r = _shift(first, self.off)
+        rows, scalar, rest = _rows(key, self.n)
+        r = _as_base_index(rows, self.off)
         if self.t:
-            c = key[1] if len(key) > 1 else slice(None)
-            return np.ascontiguousarray(to_float32(self.base[c, r]).T)
-        return to_float32(self.base[(r,) + tuple(key[1:])])
+            c = rest[0] if rest else slice(None)
+            out = to_float32(self.base[c, r])
+            out = np.ascontiguousarray(out.T) if out.ndim == 2 else out
+            if len(rest) > 1:
+                raise IndexError("View: too many indices")
+        else:
+            out = to_float32(self.base[(r,) + tuple(rest)])
+        return out[0] if scalar else out
 
 
 def _open(path: str) -> Dict[str, object]:
@@ -116,19 +130,18 @@ class _Stack:
         self.shape = (a.shape[0] + b.shape[0],) + tuple(a.shape[1:])
 
     def __getitem__(self, key):
-        if key is Ellipsis:
-            key = slice(None)
-        rows = np.arange(self.shape[0])[key if not isinstance(key, tuple) else key[0]]
+        rows, scalar, rest = _rows(key, self.shape[0])
+        rows = np.atleast_1d(rows)
         n = self.a.shape[0]
-        top, bot = rows[rows < n], rows[rows >= n] - n
         parts = []
-        for src, idx in ((self.a, top), (self.b, bot)):
+        for src, idx in ((self.a, rows[rows < n]), (self.b, rows[rows >= n] - n)):
             if idx.size:
-                if np.all(np.diff(idx) == 1):
-                    parts.append(to_float32(src[int(idx[0]):int(idx[-1]) + 1]))
-                else:
-                    parts.append(to_float32(src[idx]))
-        return np.concatenate(parts) if parts else np.zeros((0,) + self.shape[1:], np.float32)
+                parts.append(to_float32(src[_as_base_index(idx, 0)]))
+        out = np.concatenate(parts) if parts else np.zeros((0,) + self.shape[1:], np.float32)
+        if len(parts) == 2 and not np.all(np.diff(rows) >= 0):  # rows out of order across the halves
+            out = np.concatenate([to_float32(self.a[i:i + 1] if i < n else self.b[i - n:i - n + 1]) for i in rows])
+        out = out[(slice(None),) + tuple(rest)] if rest else out
+        return out[0] if scalar else out
 
 
 def llama_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:

@@ -144,6 +144,10 @@ class TransformerLM:
         B, T = tokens.shape
         p0 = np.zeros(B, np.int64) if pos0 is None else np.ascontiguousarray(pos0, np.int64).reshape(B)
         pos = p0[:, None] + np.arange(T)[None, :]
+        sw = getattr(self.config, "sliding_window", None)
+        if sw and B and T and int(pos.max()) >= sw:
+            raise ValueError(f"position {int(pos.max())} needs sliding-window attention (window {sw}), which tpcore "
+                             f"does not implement: sequences up to {sw} tokens are exact")
         mask = None if attention_mask is None else np.ascontiguousarray(np.asarray(attention_mask).reshape(B, T) != 0,
                                                                        np.uint8)
         h = self._embed(tokens, pos, token_type_ids)
@@ -234,20 +238,24 @@ class TransformerLM:
         gen = getattr(self, "generation_config", {}) or {}
         if eos_token_id is None:
             eos_token_id = gen.get("eos_token_id")
-        if isinstance(eos_token_id, (list, tuple)):
-            eos_token_id = eos_token_id[0] if eos_token_id else None
-        if eos_token_id is not None and not 0 <= int(eos_token_id) < cfg.vocab_size:
-            eos_token_id = None  # outside the vocabulary (e.g. GPT-2's 50256 in a small test model): never emitted
+        # one id or several (Llama 3 Instruct stops on any of three); ids outside the vocabulary
+        # (e.g. GPT-2's 50256 in a small test model) can never be emitted
+        eos_ids = [] if eos_token_id is None else [int(e) for e in np.atleast_1d(eos_token_id)]
+        eos_ids = [e for e in eos_ids if 0 <= e < cfg.vocab_size]
         if pad_token_id is None:
             pad_token_id = gen.get("pad_token_id")
             if pad_token_id is None:
-                pad_token_id = 0 if eos_token_id is None else eos_token_id
-            if isinstance(pad_token_id, (list, tuple)):
-                pad_token_id = pad_token_id[0]
+                pad_token_id = eos_ids[0] if eos_ids else 0
+        pad_token_id = int(np.atleast_1d(pad_token_id)[0])
         if not cfg.causal:
             raise ValueError("generate: needs a causal (decoder) model")
-        seqs = [np.asarray(p, np.int64).reshape(-1) for p in (prompts if not isinstance(prompts, np.ndarray) or
-                                                               prompts.ndim == 2 else [prompts])]
+        if isinstance(prompts, np.ndarray):
+            batch = list(prompts) if prompts.ndim == 2 else [prompts]
+        elif len(prompts) and all(isinstance(t, (int, np.integer)) for t in prompts):
+            batch = [prompts]  # one flat prompt
+        else:
+            batch = list(prompts)
+        seqs = [np.asarray(p, np.int64).reshape(-1) for p in batch]
         if not seqs or any(s.size == 0 for s in seqs):
             raise ValueError("generate: every prompt needs at least one token")
         B, lens = len(seqs), np.array([s.size for s in seqs], np.int64)
@@ -267,12 +275,12 @@ class TransformerLM:
         for step in range(int(max_new_tokens)):
             logits = self._gather_logits(self._logits_shard(np.ascontiguousarray(last)))   # (B, V) on every rank
             nxt = self._sample(logits, temperature, top_k, rng)
-            if eos_token_id is not None:
+            if eos_ids:
                 nxt = np.where(done, pad_token_id, nxt)
-                done |= nxt == eos_token_id
+                done |= np.isin(nxt, eos_ids)
             for b in range(B):
                 out[b].append(int(nxt[b]))
-            if step == max_new_tokens - 1 or (eos_token_id is not None and done.all()):
+            if step == max_new_tokens - 1 or (eos_ids and done.all()):
                 break
             h = self.forward(nxt.reshape(B, 1), pos0=cur, use_cache=True)
             last = h[:, 0]

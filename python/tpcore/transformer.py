@@ -63,6 +63,7 @@ class Config:
     type_vocab_size: int = 0                # BERT token types (0: none)
     final_norm: bool = True                 # a norm after the last block (pre-norm models)
     embedding_norm: bool = False            # a norm after the embeddings (BERT)
+    sliding_window: Optional[int] = None    # Mistral: longer sequences are refused (not implemented)
     model_type: str = "gpt2"
 
     def __post_init__(self):
@@ -105,7 +106,9 @@ class Config:
                        tie_embeddings=c.get("tie_word_embeddings", True), model_type="gpt2")
         if mt in ("llama", "mistral"):
             rp = c.get("rope_parameters") or {}
-            scaling = c.get("rope_scaling") or ({} if rp.get("rope_type", "default") == "default" else rp)
+            scaling = c.get("rope_scaling") or rp
+            if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+                scaling = {}  # plain RoPE written out explicitly
             if scaling:
                 raise ValueError(f"Config.from_hf: rope scaling {scaling} is not supported")
             theta = c.get("rope_theta") or rp.get("rope_theta") or 10000.0
@@ -120,7 +123,8 @@ class Config:
                        eps=c.get("rms_norm_eps", 1e-6), activation="swiglu", positions="rope",
                        max_positions=c.get("max_position_embeddings", 2048), rope_theta=float(theta),
                        causal=True, pre_norm=True, bias=False,
-                       tie_embeddings=c.get("tie_word_embeddings", False), model_type="llama")
+                       tie_embeddings=c.get("tie_word_embeddings", False),
+                       sliding_window=c.get("sliding_window") or None, model_type="llama")
         if mt == "bert":
             return cls(vocab_size=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
                        heads=c["num_attention_heads"], ffn_hidden=c["intermediate_size"], norm="layernorm",
@@ -320,6 +324,8 @@ class TransformerBlock:
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
         d = as_float32(dy, "dy", "TransformerBlock")
+        if d.ndim < 1 or d.shape[-1] != self.config.hidden:
+            raise ValueError(f"TransformerBlock: dy must have shape (B, T, {self.config.hidden}), got {d.shape}")
         shape = d.shape
         return self._c.backward(d.reshape(-1, self.config.hidden)).reshape(shape)
 

@@ -212,8 +212,9 @@ TP_API int tp_block_params(tp_block_t blk, tp_param_t *out, int max);
 TP_API tp_status_t tp_block_cache(tp_block_t blk, int64_t batch, int64_t max_len);
 /* y[B*T, hidden] from x[B*T, hidden].  Collective. */
 TP_API tp_status_t tp_block_forward(tp_block_t blk, float *y, const float *x, const tp_block_batch_t *batch);
-/* dx from dy for the last forward (need_backward); accumulates the gradients.  Collective. */
-TP_API tp_status_t tp_block_backward(tp_block_t blk, float *dx, const float *dy);
+/* dx[M, hidden] from dy[M, hidden] for the last forward (need_backward; M must be its B * T);
+ * accumulates the gradients.  Collective. */
+TP_API tp_status_t tp_block_backward(tp_block_t blk, float *dx, const float *dy, int64_t M);
 
 #ifdef __cplusplus
 }
