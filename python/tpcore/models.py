@@ -163,11 +163,21 @@ class TransformerLM:
         """(B, T, hidden) hidden states (BERT's last_hidden_state)."""
         return self.forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
 
-    def _logits_shard(self, h2):
+    def _logits_shard(self, h2, reuse: bool = False):
         # tpcore's BLAS in C (GIL released): NumPy's own BLAS threads would spin after each call
-        # and compete with tpcore's for the cores
+        # and compete with tpcore's for the cores.  reuse: write into a buffer kept across training
+        # steps (the logits shard is the largest activation; a fresh one costs page faults each step)
         h2 = np.ascontiguousarray(h2, np.float32)
-        return _C.linear_forward(h2, self.wte.weight) if self.lm_head is None else self.lm_head.forward(h2)
+        out = None
+        if reuse:
+            shape = (h2.shape[0], self.vocab_partition[self.comm.rank][1])
+            buf = getattr(self, "_logits_buf", None)
+            if buf is None or buf.shape != shape:
+                buf = self._logits_buf = np.empty(shape, np.float32)
+            out = buf
+        if self.lm_head is None:
+            return _C.linear_forward(h2, self.wte.weight, None, out)
+        return self.lm_head._c.forward(h2, out)
 
     def _gather_logits(self, shard):
         return self.comm.all_gather(np.ascontiguousarray(shard), axis=-1, sizes=[s for _, s in self.vocab_partition])
@@ -184,14 +194,14 @@ class TransformerLM:
         h = self.forward(tokens, attention_mask=attention_mask, need_backward=True)
         B, T, C = h.shape
         h2 = np.ascontiguousarray(h.reshape(B * T, C))
-        shard = np.ascontiguousarray(self._logits_shard(h2))
+        shard = self._logits_shard(h2, reuse=True)
         xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
         targets = np.asarray(targets)
         if targets.shape != (B, T):
             raise ValueError(f"targets must have shape {(B, T)}, got {targets.shape}")
         lo = self.vocab_partition[self.comm.rank][0]
         value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
-        self._ctx.update(xent=xent, h2=h2)
+        self._ctx.update(xent=xent, h2=h2, xent_logits=shard)
         return value
 
     def backward(self, dloss: float = 1.0) -> None:
@@ -200,7 +210,7 @@ class TransformerLM:
             raise RuntimeError("TransformerLM.backward: call loss() first")
         ctx, comm = self._ctx, self.comm
         B, T = ctx["B"], ctx["T"]
-        dshard = ctx["xent"].backward(dloss)
+        dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
         h2 = ctx["h2"]
         if self.lm_head is None:
             dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight)

@@ -144,17 +144,20 @@ class VocabParallelCrossEntropy:
 
     __call__ = forward
 
-    def backward(self, dloss=1.0) -> np.ndarray:
-        """This rank's shard of dlogits for the last forward (no communication)."""
+    def backward(self, dloss=1.0, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """This rank's shard of dlogits for the last forward (no communication).  out: a
+        float32 array of the logits' shape to write into; it may be the logits themselves
+        (each element is read before it is written), saving a buffer the size of the shard."""
         if self._ctx is None:
             raise RuntimeError("vocab_parallel_cross_entropy backward: called before forward")
         lead, reduction, M, V, valid = self._ctx
+        o = None if out is None else out.reshape(M, V)
         if reduction == "none":
             d = np.ascontiguousarray(np.asarray(dloss, np.float32).reshape(M)) if np.ndim(dloss) else None
             scale = float(dloss) if d is None else 1.0
-            return self._c.backward(d, scale).reshape(lead + (V,))
+            return self._c.backward(d, scale, o).reshape(lead + (V,))
         scale = float(dloss) / (max(valid, 1) if reduction == "mean" else 1)
-        return self._c.backward(None, scale).reshape(lead + (V,))
+        return self._c.backward(None, scale, o).reshape(lead + (V,))
 
 
 def vocab_parallel_cross_entropy(logits_shard, targets, comm: Comm, vocab_offset: Optional[int] = None,
