@@ -298,6 +298,7 @@ static tp_attention_args attn_args(tp_block_t k, int use_cache) {
   a.o = k->ao, a.o_ld = k->A;
   a.causal = k->cfg.causal;
   a.scale = 1.0f / sqrtf((float)k->D);
+  a.group = k->group, a.q_head0 = k->q0, a.k_head0 = k->k0; /* a rank's heads may start mid-group */
   if (use_cache) {
     a.k = k->kc, a.v = k->vc, a.kv_ld = k->nk * k->D, a.kv_bstride = k->clen * k->nk * k->D, a.Tk = k->clen;
     a.q_pos = k->pos0, a.k_len = k->klen;
@@ -327,34 +328,8 @@ static tp_status_t attention_forward(tp_block_t k, float *r, const float *in, in
   }
   if (k->nq) {
     tp_attention_args a = attn_args(k, use_cache);
-    /* runs of query heads that share a KV head: local query head h is global q0 + h, its KV
-     * head global (q0 + h) / group, local minus k0 (a rank's heads may start mid-group) */
-    int rc = 0;
-    int64_t h = 0;
-    while (h < k->nq && rc == 0) {
-      int64_t g = (k->q0 + h) / k->group - k->k0, hend = h;
-      while (hend < k->nq && (k->q0 + hend) / k->group - k->k0 == g) hend++;
-      tp_attention_args s = a;
-      s.Hq = hend - h, s.Hk = 1;
-      s.q = a.q + h * D, s.o = a.o + h * D, s.k = a.k + g * D, s.v = a.v + g * D;
-      if (keep) {
-        /* probs are [B, nq, T, T]; a slice of heads is not contiguous per sequence: one call per sequence */
-        for (int64_t b = 0; b < k->B && rc == 0; b++) {
-          tp_attention_args t1 = s;
-          t1.B = 1;
-          t1.q = s.q + b * k->T * a.q_ld, t1.o = s.o + b * k->T * a.o_ld;
-          t1.k = s.k + b * a.kv_bstride, t1.v = s.v + b * a.kv_bstride;
-          t1.q_pos = a.q_pos ? a.q_pos + b : NULL, t1.k_len = a.k_len ? a.k_len + b : NULL;
-          t1.key_mask = a.key_mask ? a.key_mask + b * a.Tk : NULL;
-          t1.probs = k->probs + (b * k->nq + h) * k->T * k->T;
-          rc = tp_attention_forward(&t1);
-        }
-      } else {
-        rc = tp_attention_forward(&s);
-      }
-      h = hend;
-    }
-    if (rc) {
+    a.probs = keep ? k->probs : NULL;
+    if (tp_attention_forward(&a)) {
       tp_set_error(TP_ERR_NOMEM, "block: out of memory in attention");
       tp_comm_abort(k->comm, tp_last_error()); /* the peers would wait in the all-reduce */
       return TP_ERR_NOMEM;
@@ -444,26 +419,8 @@ static tp_status_t attention_backward(tp_block_t k, float *din, const float *dr,
   tp_linear_backward(k->dao, k->dwo, NULL, dr, k->ao, k->wo, M, k->A, C, 0);
   if (k->nq) {
     tp_attention_args a = attn_args(k, 0);
-    int64_t h = 0;
-    int rc = 0;
-    while (h < k->nq && rc == 0) {
-      int64_t g = (k->q0 + h) / k->group - k->k0, hend = h;
-      while (hend < k->nq && (k->q0 + hend) / k->group - k->k0 == g) hend++;
-      for (int64_t b = 0; b < k->B && rc == 0; b++) {
-        tp_attention_args t1 = a;
-        t1.B = 1, t1.Hq = hend - h, t1.Hk = 1;
-        t1.q = a.q + b * k->T * a.q_ld + h * D, t1.o = a.o + b * k->T * a.o_ld + h * D;
-        t1.k = a.k + b * a.kv_bstride + g * D, t1.v = a.v + b * a.kv_bstride + g * D;
-        t1.key_mask = a.key_mask ? a.key_mask + b * a.Tk : NULL;
-        t1.probs = k->probs + (b * k->nq + h) * k->T * k->T;
-        /* dK/dV of a KV head are sums over its query heads: accumulate over the head runs */
-        float *dq = k->dqkv + b * k->T * k->W + h * D;
-        float *dk = k->dqkv + b * k->T * k->W + (k->nq + g) * D, *dv = k->dqkv + b * k->T * k->W + (k->nq + k->nk + g) * D;
-        rc = tp_attention_backward(&t1, dq, dk, dv, k->dao + b * k->T * k->A + h * D);
-      }
-      h = hend;
-    }
-    if (rc) {
+    a.probs = k->probs;
+    if (tp_attention_backward(&a, k->dqkv, k->dqkv + k->nq * D, k->dqkv + (k->nq + k->nk) * D, k->dao)) {
       tp_set_error(TP_ERR_NOMEM, "block backward: out of memory in attention");
       tp_comm_abort(k->comm, tp_last_error());
       return TP_ERR_NOMEM;

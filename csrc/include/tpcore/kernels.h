@@ -99,9 +99,15 @@ typedef struct {
   int causal;
   float scale;
   float *probs;                  /* [B, Hq, Tq, Tk] softmax kept for backward, or NULL     */
+  /* Grouped-query mapping (all 0: query head h uses KV head h / (Hq / Hk)).  Otherwise local
+   * query head h is global q_head0 + h and uses local KV head (q_head0 + h) / group - k_head0:
+   * a rank's heads may start in the middle of a group. */
+  int64_t group, q_head0, k_head0;
 } tp_attention_args;
 
-/* 0, or -1 when out of memory (nothing written). */
+/* 0, or -1 when out of memory (nothing written).  The (sequence, KV head) pairs are split over
+ * the rank's threads; causal queries go in blocks of 64 rows, each block's GEMMs only over
+ * the keys it can see. */
 TP_API int tp_attention_forward(const tp_attention_args *args);
 /* dq (layout of q), dk, dv (layout of k, v; overwritten) from dout (layout of o), using
  * the probs of forward.  0, or -1 (no probs, or out of memory). */

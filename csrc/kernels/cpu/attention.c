@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "../blas_impl.h"
+#include "parallel.h"
 #include "vmath.h"
 #include "tpcore/kernels.h"
 
@@ -57,34 +58,81 @@ TP_VECTOR_CLONES static void softmax_row(float *s, int64_t n, int64_t width, con
   if (width > n) memset(s + n, 0, (size_t)(width - n) * sizeof(float));
 }
 
-int tp_attention_forward(const tp_attention_args *a) {
-  int64_t group = a->Hq / a->Hk, Tq = a->Tq, Tk = a->Tk, D = a->D;
-  float *scratch = NULL;
-  if (!a->probs && Tq * Tk > 0) {
-    scratch = malloc((size_t)(Tq * Tk) * sizeof(float));
-    if (!scratch) return -1;
+enum { QBLOCK = 64 }; /* query rows per GEMM block: causal blocks only see keys up to their last row */
+
+/* The query heads [*h0, *h1) that use local KV head g. */
+static void heads_of(const tp_attention_args *a, int64_t g, int64_t *h0, int64_t *h1) {
+  if (!a->group) {
+    int64_t per = a->Hq / a->Hk;
+    *h0 = g * per, *h1 = (g + 1) * per;
+    return;
   }
-  for (int64_t b = 0; b < a->B; b++) {
-    int64_t kmax = key_limit(a, b, Tq - 1); /* the last query sees the most keys */
+  int64_t lo = (a->k_head0 + g) * a->group - a->q_head0, hi = lo + a->group;
+  *h0 = lo < 0 ? 0 : lo;
+  *h1 = hi > a->Hq ? a->Hq : hi;
+}
+
+typedef struct {
+  const tp_attention_args *a;
+  float *dq, *dk, *dv;
+  const float *dout;
+  int failed[64];
+} attn_job;
+
+/* Forward of the pairs (b, g) = items [lo, hi). */
+static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
+  attn_job *job = ctx;
+  const tp_attention_args *a = job->a;
+  int64_t Tq = a->Tq, Tk = a->Tk, D = a->D;
+  float *scratch = NULL;
+  if (!a->probs && Tq * Tk > 0 && !(scratch = malloc((size_t)(Tq * Tk) * sizeof(float)))) {
+    job->failed[chunk] = 1;
+    return;
+  }
+  for (int64_t it = lo; it < hi; it++) {
+    int64_t b = it / a->Hk, g = it % a->Hk, h0, h1;
+    heads_of(a, g, &h0, &h1);
     const uint8_t *keep = a->key_mask ? a->key_mask + b * Tk : NULL;
-    for (int64_t h = 0; h < a->Hq; h++) {
-      int64_t g = h / group;
+    const float *K = a->k + b * a->kv_bstride + g * D, *V = a->v + b * a->kv_bstride + g * D;
+    for (int64_t h = h0; h < h1; h++) {
       float *S = a->probs ? a->probs + (b * a->Hq + h) * Tq * Tk : scratch;
       const float *Q = a->q + b * Tq * a->q_ld + h * D;
-      const float *K = a->k + b * a->kv_bstride + g * D, *V = a->v + b * a->kv_bstride + g * D;
       float *O = a->o + b * Tq * a->o_ld + h * D;
-      if (kmax == 0) {
-        memset(S, 0, (size_t)(Tq * Tk) * sizeof(float));
-        for (int64_t i = 0; i < Tq; i++) memset(O + i * a->o_ld, 0, (size_t)D * sizeof(float));
-        continue;
+      for (int64_t i0 = 0; i0 < Tq; i0 += QBLOCK) {
+        int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK, kmax = key_limit(a, b, i0 + n - 1);
+        float *Sb = S + i0 * Tk;
+        if (kmax == 0) {
+          memset(Sb, 0, (size_t)(n * Tk) * sizeof(float));
+          for (int64_t i = 0; i < n; i++) memset(O + (i0 + i) * a->o_ld, 0, (size_t)D * sizeof(float));
+          continue;
+        }
+        gemm(0, 1, n, kmax, D, a->scale, Q + i0 * a->q_ld, a->q_ld, K, a->kv_ld, 0.0f, Sb, Tk);
+        for (int64_t i = 0; i < n; i++) softmax_row(Sb + i * Tk, key_limit(a, b, i0 + i), Tk, keep);
+        gemm(0, 0, n, D, kmax, 1.0f, Sb, Tk, V, a->kv_ld, 0.0f, O + i0 * a->o_ld, a->o_ld);
       }
-      gemm(0, 1, Tq, kmax, D, a->scale, Q, a->q_ld, K, a->kv_ld, 0.0f, S, Tk);
-      for (int64_t i = 0; i < Tq; i++) softmax_row(S + i * Tk, key_limit(a, b, i), Tk, keep);
-      gemm(0, 0, Tq, D, kmax, 1.0f, S, Tk, V, a->kv_ld, 0.0f, O, a->o_ld);
     }
   }
   free(scratch);
+}
+
+/* Split the (sequence, KV head) pairs over the rank's threads, BLAS single-threaded inside. */
+static int run_items(attn_job *job, tp_rows_fn fn) {
+  const tp_attention_args *a = job->a;
+  int64_t items = a->B * a->Hk;
+  int t = tp_parallel_plan(items, a->Tq * a->Tk * a->D * (a->Hq / (a->Hk ? a->Hk : 1) + 1));
+  if (t > 64) t = 64;
+  memset(job->failed, 0, sizeof job->failed);
+  int prev = t > 1 ? tp_blas_single_thread_begin() : 0;
+  tp_parallel_run(t, items, fn, job);
+  if (t > 1) tp_blas_single_thread_end(prev);
+  for (int i = 0; i < t; i++)
+    if (job->failed[i]) return -1;
   return 0;
+}
+
+int tp_attention_forward(const tp_attention_args *a) {
+  attn_job job = {a, NULL, NULL, NULL, NULL, {0}};
+  return run_items(&job, forward_items);
 }
 
 TP_VECTOR_CLONES static void softmax_grad_row(float *dp, const float *p, int64_t n, float scale) {
@@ -94,37 +142,49 @@ TP_VECTOR_CLONES static void softmax_grad_row(float *dp, const float *p, int64_t
   for (int64_t j = 0; j < n; j++) dp[j] = p[j] * (dp[j] - d) * scale;
 }
 
-int tp_attention_backward(const tp_attention_args *a, float *dq, float *dk, float *dv, const float *dout) {
-  int64_t group = a->Hq / a->Hk, Tq = a->Tq, Tk = a->Tk, D = a->D;
-  if (!a->probs) return -1;
-  float *dP = malloc((size_t)(Tq * Tk > 0 ? Tq * Tk : 1) * sizeof(float));
-  if (!dP) return -1;
-  for (int64_t b = 0; b < a->B; b++) {
-    int64_t kmax = key_limit(a, b, Tq - 1);
-    for (int64_t g = 0; g < a->Hk; g++) /* dK, dV of this sequence's keys are sums over the group */
-      for (int64_t j = 0; j < Tk; j++) {
-        memset(dk + b * a->kv_bstride + j * a->kv_ld + g * D, 0, (size_t)D * sizeof(float));
-        memset(dv + b * a->kv_bstride + j * a->kv_ld + g * D, 0, (size_t)D * sizeof(float));
-      }
-    for (int64_t h = 0; h < a->Hq; h++) {
-      int64_t g = h / group;
+static void backward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
+  attn_job *job = ctx;
+  const tp_attention_args *a = job->a;
+  int64_t Tq = a->Tq, Tk = a->Tk, D = a->D;
+  float *dP = malloc((size_t)(QBLOCK * (Tk > 0 ? Tk : 1)) * sizeof(float));
+  if (!dP) {
+    job->failed[chunk] = 1;
+    return;
+  }
+  for (int64_t it = lo; it < hi; it++) {
+    int64_t b = it / a->Hk, g = it % a->Hk, h0, h1;
+    heads_of(a, g, &h0, &h1);
+    const float *K = a->k + b * a->kv_bstride + g * D, *V = a->v + b * a->kv_bstride + g * D;
+    float *dK = job->dk + b * a->kv_bstride + g * D, *dV = job->dv + b * a->kv_bstride + g * D;
+    for (int64_t j = 0; j < Tk; j++) { /* dK, dV of this KV head are sums over its query heads */
+      memset(dK + j * a->kv_ld, 0, (size_t)D * sizeof(float));
+      memset(dV + j * a->kv_ld, 0, (size_t)D * sizeof(float));
+    }
+    for (int64_t h = h0; h < h1; h++) {
       const float *P = a->probs + (b * a->Hq + h) * Tq * Tk;
       const float *Q = a->q + b * Tq * a->q_ld + h * D;
-      const float *K = a->k + b * a->kv_bstride + g * D, *V = a->v + b * a->kv_bstride + g * D;
-      const float *dO = dout + b * Tq * a->o_ld + h * D;
-      float *dQ = dq + b * Tq * a->q_ld + h * D;
-      float *dK = dk + b * a->kv_bstride + g * D, *dV = dv + b * a->kv_bstride + g * D;
-      if (kmax == 0) {
-        for (int64_t i = 0; i < Tq; i++) memset(dQ + i * a->q_ld, 0, (size_t)D * sizeof(float));
-        continue;
+      const float *dO = job->dout + b * Tq * a->o_ld + h * D;
+      float *dQ = job->dq + b * Tq * a->q_ld + h * D;
+      for (int64_t i0 = 0; i0 < Tq; i0 += QBLOCK) {
+        int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK, kmax = key_limit(a, b, i0 + n - 1);
+        const float *Pb = P + i0 * Tk;
+        if (kmax == 0) {
+          for (int64_t i = 0; i < n; i++) memset(dQ + (i0 + i) * a->q_ld, 0, (size_t)D * sizeof(float));
+          continue;
+        }
+        gemm(0, 1, n, kmax, D, 1.0f, dO + i0 * a->o_ld, a->o_ld, V, a->kv_ld, 0.0f, dP, Tk);   /* dP = dO V^T  */
+        gemm(1, 0, kmax, D, n, 1.0f, Pb, Tk, dO + i0 * a->o_ld, a->o_ld, 1.0f, dV, a->kv_ld); /* dV += P^T dO */
+        for (int64_t i = 0; i < n; i++) softmax_grad_row(dP + i * Tk, Pb + i * Tk, kmax, a->scale);
+        gemm(0, 0, n, D, kmax, 1.0f, dP, Tk, K, a->kv_ld, 0.0f, dQ + i0 * a->q_ld, a->q_ld);   /* dQ = dS K    */
+        gemm(1, 0, kmax, D, n, 1.0f, dP, Tk, Q + i0 * a->q_ld, a->q_ld, 1.0f, dK, a->kv_ld);  /* dK += dS^T Q */
       }
-      gemm(0, 1, Tq, kmax, D, 1.0f, dO, a->o_ld, V, a->kv_ld, 0.0f, dP, Tk);        /* dP = dO V^T   */
-      gemm(1, 0, kmax, D, Tq, 1.0f, P, Tk, dO, a->o_ld, 1.0f, dV, a->kv_ld);        /* dV += P^T dO  */
-      for (int64_t i = 0; i < Tq; i++) softmax_grad_row(dP + i * Tk, P + i * Tk, kmax, a->scale);
-      gemm(0, 0, Tq, D, kmax, 1.0f, dP, Tk, K, a->kv_ld, 0.0f, dQ, a->q_ld);        /* dQ = dS K     */
-      gemm(1, 0, kmax, D, Tq, 1.0f, dP, Tk, Q, a->q_ld, 1.0f, dK, a->kv_ld);        /* dK += dS^T Q  */
     }
   }
   free(dP);
-  return 0;
+}
+
+int tp_attention_backward(const tp_attention_args *a, float *dq, float *dk, float *dv, const float *dout) {
+  if (!a->probs) return -1;
+  attn_job job = {a, dq, dk, dv, dout, {0}};
+  return run_items(&job, backward_items);
 }

@@ -33,6 +33,24 @@ void tp_set_num_threads(int n) {
 #endif
 }
 
+int tp_blas_single_thread_begin(void) {
+#if defined(TP_BLAS_IS_OPENBLAS)
+  int prev = TP_BLAS(openblas_get_num_threads)();
+  if (prev > 1) TP_BLAS(openblas_set_num_threads)(1);
+  return prev;
+#else
+  return 1;
+#endif
+}
+
+void tp_blas_single_thread_end(int prev) {
+#if defined(TP_BLAS_IS_OPENBLAS)
+  if (prev > 1) TP_BLAS(openblas_set_num_threads)(prev);
+#else
+  (void)prev;
+#endif
+}
+
 int tp_get_num_threads(void) {
 #if defined(TP_BLAS_IS_OPENBLAS)
   return TP_BLAS(openblas_get_num_threads)();

@@ -19,4 +19,10 @@ void tp_parallel_run(int chunks, int64_t rows, tp_rows_fn fn, void *ctx);
 /* tp_parallel_run(tp_parallel_plan(rows, work_per_row), rows, fn, ctx) */
 void tp_parallel_rows(int64_t rows, int64_t work_per_row, tp_rows_fn fn, void *ctx);
 
+/* Around a tp_parallel_run whose chunks call BLAS themselves: BLAS runs single-threaded
+ * inside each chunk (the chunks are the parallelism), then gets its thread count back.
+ * (The communicator serves one thread at a time, so nothing else calls BLAS meanwhile.) */
+int tp_blas_single_thread_begin(void);
+void tp_blas_single_thread_end(int prev);
+
 #endif
