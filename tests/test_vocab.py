@@ -228,3 +228,17 @@ def _big_vocab(comm):
 def test_cross_entropy_large_vocabulary(world):
     for r, (ok, err) in enumerate(run(_big_vocab, world)):
         assert ok and err < 1e-8, f"rank {r}: loss ok {ok}, max |dlogits error| {err}"
+
+
+def _odd_init(comm, uneven):
+    part = tpcore.partition(101, comm.size, weights=[1 + r for r in range(comm.size)]) if uneven else None
+    return tpcore.VocabParallelEmbedding(101, 7, comm, partition=part, seed=4).gather_full()
+
+
+def test_embedding_init_with_odd_width_and_shards_starting_mid_pair():
+    """Elements are drawn in Box-Muller pairs; with 7 columns, shards start at odd elements."""
+    ref = run(_odd_init, 1, False)[0]
+    assert abs(ref.mean()) < 0.1 and abs(ref.std() - 1) < 0.1  # N(0, 1), like torch.nn.Embedding
+    for world in (2, 3):
+        for uneven in (False, True):
+            assert all(np.array_equal(t, ref) for t in run(_odd_init, world, uneven))

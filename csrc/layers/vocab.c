@@ -78,12 +78,21 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
     tp_vocab_embedding_destroy(E);
     return tp_set_error(TP_ERR_NOMEM, "embedding: out of memory for the table shard (%lld floats)", (long long)nel);
   }
-  /* N(0, 1) by Box-Muller on two counter-based uniforms per element of the full table. */
+  /* N(0, 1) by Box-Muller: elements 2p and 2p + 1 of the full table are the cosine and sine
+   * halves of pair p, drawn from two counter-based uniforms of p (a shard that starts or ends
+   * mid-pair draws the whole pair and keeps its half): the same table at any partition. */
   uint64_t base = (uint64_t)off * (uint64_t)E->C;
-  for (int64_t i = 0; i < nel; i++) {
-    uint64_t idx = base + (uint64_t)i;
-    double u1 = tp_uniform01(cfg->seed, 2, 2 * idx), u2 = tp_uniform01(cfg->seed, 2, 2 * idx + 1);
-    E->w[i] = (float)(sqrt(-2.0 * log1p(-u1)) * cos(6.283185307179586 * u2));
+  for (int64_t i = 0; i < nel;) {
+    uint64_t idx = base + (uint64_t)i, p = idx / 2;
+    double u1 = tp_uniform01(cfg->seed, 2, 2 * p), u2 = tp_uniform01(cfg->seed, 2, 2 * p + 1);
+    double r = sqrt(-2.0 * log1p(-u1)), a = 6.283185307179586 * u2;
+    double z0 = r * cos(a), z1 = r * sin(a);
+    if (idx % 2 == 0) {
+      E->w[i++] = (float)z0;
+      if (i < nel) E->w[i++] = (float)z1;
+    } else {
+      E->w[i++] = (float)z1;
+    }
   }
   *out = E;
   return TP_SUCCESS;
