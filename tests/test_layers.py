@@ -228,3 +228,38 @@ def _too_large(comm):
 
 def test_layers_too_large_for_blas_or_memory_are_refused():
     assert run(_too_large, 1) == [[]]
+
+
+class _DLPackOnly:
+    """A foreign tensor: only the DLPack protocol (what torch.Tensor and jax.Array offer)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def _dlpack_case(comm):
+    lin = tpcore.ColumnParallelLinear(8, 6, comm, gather_output=True, seed=2)
+    x = rng_for(3, 0).standard_normal((4, 8)).astype(np.float32)
+    y_np = lin(x)
+    y_dl = lin(_DLPackOnly(x))
+    dx = lin.backward(_DLPackOnly(np.ones_like(y_np)))
+    mlp = tpcore.ParallelMLP(8, 12, comm)
+    same_mlp = np.array_equal(mlp(_DLPackOnly(x)), mlp(x))
+    try:
+        lin(object())
+        err = "no error"
+    except TypeError as e:
+        err = str(e)
+    return bool(np.array_equal(y_np, y_dl)), dx.shape, same_mlp, err
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_layers_take_any_dlpack_tensor(world):
+    for r, (same, dxs, same_mlp, err) in enumerate(run(_dlpack_case, world)):
+        assert same and same_mlp and dxs == (4, 8) and "__dlpack__" in err, (r, same, dxs, same_mlp, err)

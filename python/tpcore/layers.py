@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C
-from .comm import Comm
+from .comm import Comm, as_array
 
 
 def partition(n: int, world: int, weights: Optional[Sequence[float]] = None, align: int = 1) -> List[Tuple[int, int]]:
@@ -94,10 +94,14 @@ def check_param_dtype(dtype, who: str) -> None:
 
 
 def as_float32(x, name: str, who: str) -> np.ndarray:
-    """x as the float32 C-contiguous array the C layers take: float32 as is (it must
-    be C-contiguous), float16 / bfloat16 converted (compute is float32)."""
+    """x as the float32 C-contiguous array the C layers take: a NumPy array or any CPU
+    tensor with __dlpack__ (PyTorch, JAX, ...; imported without a copy); float32 as is
+    (it must be C-contiguous), float16 / bfloat16 converted (compute is float32)."""
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{who}: {name} must be a NumPy array, got {type(x).__name__}")
+        if not hasattr(x, "__dlpack__"):
+            raise TypeError(f"{who}: {name} must be a NumPy array or a CPU tensor with __dlpack__, "
+                            f"got {type(x).__name__}")
+        x = as_array(x, name, who)
     if x.dtype == np.float32:
         if not x.flags.c_contiguous:
             raise ValueError(f"{who}: {name} must be C-contiguous; pass np.ascontiguousarray({name})")
@@ -205,11 +209,12 @@ class _ParallelLinear:
         result back in (None for float32; float16/bfloat16 inputs get outputs of
         their own dtype, computed in float32)."""
         who = type(self).__name__
-        x32 = as_float32(x, name, who)
+        src = x if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__") else as_array(x, name, who)
+        x32 = as_float32(src, name, who)
         if x32.ndim < 1 or x32.shape[-1] != cols:
-            raise ValueError(f"{who}: {name} must have shape (..., {cols}), got {x.shape}")
+            raise ValueError(f"{who}: {name} must have shape (..., {cols}), got {x32.shape}")
         lead = x32.shape[:-1]
-        return x32.reshape(math.prod(lead), cols), lead, (None if x32 is x else x.dtype)
+        return x32.reshape(math.prod(lead), cols), lead, (None if src.dtype == np.float32 else src.dtype)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         x2, lead, dt = self._rows(x, "x", self._x_cols)
