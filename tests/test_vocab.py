@@ -242,3 +242,46 @@ def test_embedding_init_with_odd_width_and_shards_starting_mid_pair():
     for world in (2, 3):
         for uneven in (False, True):
             assert all(np.array_equal(t, ref) for t in run(_odd_init, world, uneven))
+
+
+def _bad_layouts(comm):
+    g = rng_for(9, comm.rank)
+    shard = g.standard_normal((3, 4)).astype(np.float32)
+    targets = np.array([0, 5, 4 * comm.size - 1])
+    xent = tpcore.VocabParallelCrossEntropy(comm)
+    out = []
+    cases = (
+        ("offset past the vocabulary on one rank", dict(vocab_offset=100 if comm.rank == 0 else 4 * comm.rank)),
+        ("offset on some ranks only", dict(vocab_offset=0 if comm.rank == 0 else None)),
+        ("overlapping offsets", dict(vocab_offset=0)),
+    )
+    for what, kw in cases:
+        try:
+            xent(shard, targets, **kw)
+            out.append(f"{what}: no error")
+        except ValueError as e:
+            if "vocab_offset" not in str(e):
+                out.append(f"{what}: {e}")
+    other = tpcore.VocabParallelCrossEntropy(comm, ignore_index=-100 if comm.rank else 5)
+    try:
+        other(shard, targets)
+        out.append("different ignore_index: no error")
+    except ValueError as e:
+        if "ignore_index" not in str(e):
+            out.append(str(e))
+    good = xent(shard, targets, vocab_offset=4 * comm.rank)  # an explicit, correct layout
+    try:
+        xent.backward(out=np.zeros((3, 8), np.float32)[:, :4])
+        out.append("non-contiguous out accepted")
+    except ValueError:
+        pass
+    usable = float(comm.all_reduce(np.ones(1, np.float32))[0]) == comm.size
+    return out, good, usable
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cross_entropy_layout_errors_fail_every_rank_alike(world):
+    res = run(_bad_layouts, world)
+    for r, (errs, good, usable) in enumerate(res):
+        assert not errs and usable, (r, errs, usable)
+    assert len({good for _, good, _ in res}) == 1

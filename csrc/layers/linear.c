@@ -255,6 +255,7 @@ tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, float *dx, const
 }
 
 static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x, int64_t M) {
+  L->xsave_m = -1; /* set again once this forward's input is kept (copied or borrowed) */
   int64_t K = L->cfg.in_features, N = L->cfg.out_features;
   const float *b = (L->flags & TP_LIN_SKIP_BIAS) ? NULL : L->b;
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {

@@ -97,6 +97,7 @@ static tp_status_t workspace(tp_parallel_mlp_t m, int64_t M) {
 tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t m, float *y, const float *x, int64_t M) {
   if (!m || (M && (!x || !y))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp forward: NULL argument");
   if (M < 0) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp forward: negative row count");
+  m->last_m = -1; /* a failed forward leaves no backward over freed or half-written workspaces */
   /* A workspace failure happens before any collective, on this rank only: the peers
    * would wait in fc2's all-reduce, so fail them too (through the layer's comm). */
   tp_status_t st = workspace(m, M);

@@ -110,6 +110,7 @@ tp_status_t tp_vocab_embedding_info(tp_vocab_embedding_t E, tp_embedding_info_t 
 }
 
 static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int64_t *tokens, int64_t M) {
+  E->last_m = -1; /* until this forward's tokens are kept */
   for (int64_t m = 0; m < M; m++)
     if (tokens[m] < 0 || tokens[m] >= E->n)
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: token %lld (position %lld) is out of range "
@@ -203,10 +204,10 @@ static tp_status_t xent_workspace(tp_vocab_xent_t X, int64_t M) {
   return TP_SUCCESS;
 }
 
-/* A 24-bit fingerprint of the targets (exact in float32): max(h) == -max(-h) over
+/* A 24-bit fingerprint of the targets and ignore_index (exact in float32): max(h) == -max(-h) over
  * the ranks iff every rank hashed the same targets. */
-static float targets_hash(const int64_t *t, int64_t M) {
-  uint64_t h = 0xcbf29ce484222325ULL ^ (uint64_t)M;
+static float targets_hash(const int64_t *t, int64_t M, int64_t ignore_index) {
+  uint64_t h = (0xcbf29ce484222325ULL ^ (uint64_t)M) * 0x100000001b3ULL ^ (uint64_t)ignore_index;
   for (int64_t m = 0; m < M; m++) h = (h ^ (uint64_t)t[m]) * 0x100000001b3ULL;
   h ^= h >> 29;
   return (float)(h & 0xFFFFFF);
@@ -216,42 +217,67 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
                                 int64_t M, int64_t V, int64_t vocab_offset, int64_t ignore_index, int64_t *valid,
                                 int64_t *vocab) {
   int n = X->world;
+  X->last_m = -1; /* until this forward succeeds: no backward over half-written workspaces */
   tp_status_t st = xent_workspace(X, M);
-  if (st == TP_SUCCESS && n > 1) st = tp_reg_ensure(X->comm, &X->buf, (size_t)(3 * M + n + 2) * sizeof(float));
+  if (st == TP_SUCCESS && n > 1) st = tp_reg_ensure(X->comm, &X->buf, (size_t)(3 * M + 2 * n + 2) * sizeof(float));
   if (st != TP_SUCCESS) {
     if (st == TP_ERR_NOMEM) tp_comm_abort(X->comm, tp_last_error());
     return st;
   }
-  X->last_m = -1;
   int64_t lo = vocab_offset, total = V;
   float *mx = n > 1 ? (float *)X->buf.ptr : X->gmax;
   tp_xent_row_max(mx, logits, M, V);
   if (n > 1) {
-    /* One max all-reduce: row maxima, every rank's width, the targets' fingerprint. */
-    for (int p = 0; p < n; p++) mx[M + p] = p == X->rank ? (float)V : -1.0f;
-    float h = targets_hash(targets, M);
-    mx[M + n] = h;
-    mx[M + n + 1] = -h;
-    TP_CHECK(tp_all_reduce(mx, mx, (size_t)(M + n + 2), TP_FLOAT32, TP_MAX, X->comm));
-    if (mx[M + n] != -mx[M + n + 1])
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: the ranks passed different targets (every rank "
-                          "needs the same targets for its logits shard)");
+    /* One max all-reduce: row maxima, every rank's width and given offset (-1: none), and a
+     * fingerprint of (targets, ignore_index).  Everything after it is decided from the same
+     * numbers on every rank, so a bad layout or mismatched targets fail every rank alike
+     * (and the communicator stays in step).  Widths and offsets are exact up to 2^24. */
+    float *wid = mx + M, *offs = mx + M + n, *fp = mx + M + 2 * n;
+    for (int p = 0; p < n; p++) wid[p] = offs[p] = -1.0f;
+    wid[X->rank] = (float)V;
+    offs[X->rank] = vocab_offset < 0 ? -1.0f : vocab_offset > (1 << 24) ? (float)(1 << 25) : (float)vocab_offset;
+    float h = targets_hash(targets, M, ignore_index);
+    fp[0] = h;
+    fp[1] = -h;
+    TP_CHECK(tp_all_reduce(mx, mx, (size_t)(M + 2 * n + 2), TP_FLOAT32, TP_MAX, X->comm));
+    if (fp[0] != -fp[1])
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: the ranks passed different targets or ignore_index "
+                          "(every rank needs the same targets for its logits shard)");
     total = 0;
-    int64_t below = 0;
+    int64_t below = 0, given = 0;
     for (int p = 0; p < n; p++) {
-      int64_t w = (int64_t)mx[M + p];
+      int64_t w = (int64_t)wid[p];
       if (p < X->rank) below += w;
       total += w;
+      given += offs[p] >= 0;
     }
-    if (lo < 0) lo = below;
+    if (given != 0 && given != n)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: vocab_offset was given on %lld of %d ranks (give "
+                          "it on every rank or on none)", (long long)given, n);
+    if (given) { /* the shards must tile [0, total): sort by offset, then they must abut */
+      int64_t covered = 0;
+      for (int step = 0; step < n; step++) {
+        int q = -1;
+        for (int p = 0; p < n; p++)
+          if ((int64_t)offs[p] == covered && wid[p] > 0 && (q < 0)) q = p;
+        if (q < 0) break;
+        covered += (int64_t)wid[q];
+      }
+      int empty_ok = 1;
+      for (int p = 0; p < n; p++)
+        if (wid[p] == 0 && (offs[p] < 0 || (int64_t)offs[p] > total)) empty_ok = 0;
+      if (covered != total || !empty_ok)
+        return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: the ranks' vocab_offset and shard widths do not "
+                            "tile the vocabulary [0, %lld) (this rank: offset %lld, width %lld)", (long long)total,
+                            (long long)vocab_offset, (long long)V);
+    } else {
+      lo = below;
+    }
     memcpy(X->gmax, mx, (size_t)M * sizeof(float));
-  } else if (lo < 0) {
-    lo = 0;
+  } else {
+    lo = lo < 0 ? 0 : lo;
+    total = lo + V;
   }
-  if (vocab_offset >= 0 && lo + V > total)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: vocab_offset %lld + shard width %lld exceeds the "
-                        "vocabulary (%lld)", (long long)lo, (long long)V, (long long)total);
-  if (n == 1 && vocab_offset >= 0) total = lo + V;
   int64_t nvalid = 0;
   for (int64_t m = 0; m < M; m++) {
     int64_t t = targets[m];

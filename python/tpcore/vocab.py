@@ -132,6 +132,8 @@ class VocabParallelCrossEntropy:
         if t.shape != lead:
             raise ValueError(f"targets must have shape {lead} (the logits' leading dims), got {t.shape}")
         self._ctx = None
+        if vocab_offset is not None and int(vocab_offset) < 0:
+            raise ValueError(f"vocab_offset must be >= 0 (or None: the shards lie in rank order), got {vocab_offset}")
         losses, valid, vocab = self._c.forward(logits.reshape(M, V), t.reshape(M),
                                                -1 if vocab_offset is None else int(vocab_offset), self.ignore_index)
         self._ctx = (lead, reduction, M, V, valid)
@@ -151,7 +153,13 @@ class VocabParallelCrossEntropy:
         if self._ctx is None:
             raise RuntimeError("vocab_parallel_cross_entropy backward: called before forward")
         lead, reduction, M, V, valid = self._ctx
-        o = None if out is None else out.reshape(M, V)
+        o = None
+        if out is not None:
+            if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.flags.c_contiguous
+                    and out.flags.writeable and out.size == M * V):
+                raise ValueError(f"backward: out must be a writable C-contiguous float32 array of {M * V} elements "
+                                 f"(the logits' shape)")
+            o = out.reshape(M, V)
         if reduction == "none":
             d = np.ascontiguousarray(np.asarray(dloss, np.float32).reshape(M)) if np.ndim(dloss) else None
             scale = float(dloss) if d is None else 1.0

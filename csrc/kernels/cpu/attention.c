@@ -84,8 +84,8 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
   attn_job *job = ctx;
   const tp_attention_args *a = job->a;
   int64_t Tq = a->Tq, Tk = a->Tk, D = a->D;
-  float *scratch = NULL;
-  if (!a->probs && Tq * Tk > 0 && !(scratch = malloc((size_t)(Tq * Tk) * sizeof(float)))) {
+  float *scratch = NULL; /* without probs to keep: one block of scores at a time */
+  if (!a->probs && Tq * Tk > 0 && !(scratch = malloc((size_t)(QBLOCK * Tk) * sizeof(float)))) {
     job->failed[chunk] = 1;
     return;
   }
@@ -95,14 +95,14 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
     const uint8_t *keep = a->key_mask ? a->key_mask + b * Tk : NULL;
     const float *K = a->k + b * a->kv_bstride + g * D, *V = a->v + b * a->kv_bstride + g * D;
     for (int64_t h = h0; h < h1; h++) {
-      float *S = a->probs ? a->probs + (b * a->Hq + h) * Tq * Tk : scratch;
+      float *S = a->probs ? a->probs + (b * a->Hq + h) * Tq * Tk : NULL;
       const float *Q = a->q + b * Tq * a->q_ld + h * D;
       float *O = a->o + b * Tq * a->o_ld + h * D;
       for (int64_t i0 = 0; i0 < Tq; i0 += QBLOCK) {
         int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK, kmax = key_limit(a, b, i0 + n - 1);
-        float *Sb = S + i0 * Tk;
+        float *Sb = S ? S + i0 * Tk : scratch;
         if (kmax == 0) {
-          memset(Sb, 0, (size_t)(n * Tk) * sizeof(float));
+          if (Sb && Tk) memset(Sb, 0, (size_t)(n * Tk) * sizeof(float));
           for (int64_t i = 0; i < n; i++) memset(O + (i0 + i) * a->o_ld, 0, (size_t)D * sizeof(float));
           continue;
         }
