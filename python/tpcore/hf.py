@@ -187,6 +187,81 @@ def bert_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
     return sd
 
 
+def to_hf(cfg: Config, sd: Dict[str, np.ndarray]):
+    """tpcore's full tensors -> (Hugging Face tensors, config.json dict) for cfg.model_type:
+    the inverse of gpt2_names / llama_names / bert_names (GPT-2's Conv1D weights transposed
+    back and c_attn fused again; Llama's gate/up split)."""
+    out = {}
+    L = cfg.layers
+    if cfg.model_type == "gpt2":
+        out["transformer.wte.weight"], out["transformer.wpe.weight"] = sd["wte.weight"], sd["wpe.weight"]
+        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["final_norm.weight"], sd["final_norm.bias"]
+        for i in range(L):
+            p, q = f"transformer.h.{i}.", f"blocks.{i}."
+            out[p + "ln_1.weight"], out[p + "ln_1.bias"] = sd[q + "norm1.weight"], sd[q + "norm1.bias"]
+            out[p + "ln_2.weight"], out[p + "ln_2.bias"] = sd[q + "norm2.weight"], sd[q + "norm2.bias"]
+            out[p + "attn.c_attn.weight"] = np.concatenate([sd[q + f"attn.{n}.weight"] for n in "qkv"]).T
+            out[p + "attn.c_attn.bias"] = np.concatenate([sd[q + f"attn.{n}.bias"] for n in "qkv"])
+            out[p + "attn.c_proj.weight"], out[p + "attn.c_proj.bias"] = sd[q + "attn.out.weight"].T, sd[q + "attn.out.bias"]
+            out[p + "mlp.c_fc.weight"], out[p + "mlp.c_fc.bias"] = sd[q + "mlp.fc1.weight"].T, sd[q + "mlp.fc1.bias"]
+            out[p + "mlp.c_proj.weight"], out[p + "mlp.c_proj.bias"] = sd[q + "mlp.fc2.weight"].T, sd[q + "mlp.fc2.bias"]
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = sd["lm_head.weight"]
+        conf = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
+                "n_embd": cfg.hidden, "n_layer": L, "n_head": cfg.heads, "n_positions": cfg.max_positions,
+                "n_inner": cfg.ffn_hidden, "layer_norm_epsilon": cfg.eps, "tie_word_embeddings": cfg.tie_embeddings,
+                "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
+                                        "silu": "silu"}[cfg.activation]}
+    elif cfg.model_type == "llama":
+        F = cfg.ffn_hidden
+        out["model.embed_tokens.weight"], out["model.norm.weight"] = sd["wte.weight"], sd["final_norm.weight"]
+        for i in range(L):
+            p, q = f"model.layers.{i}.", f"blocks.{i}."
+            out[p + "input_layernorm.weight"] = sd[q + "norm1.weight"]
+            out[p + "post_attention_layernorm.weight"] = sd[q + "norm2.weight"]
+            for n in "qkv":
+                out[p + f"self_attn.{n}_proj.weight"] = sd[q + f"attn.{n}.weight"]
+            out[p + "self_attn.o_proj.weight"] = sd[q + "attn.out.weight"]
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = sd[q + "mlp.fc1.weight"][:F], \
+                sd[q + "mlp.fc1.weight"][F:]
+            out[p + "mlp.down_proj.weight"] = sd[q + "mlp.fc2.weight"]
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = sd["lm_head.weight"]
+        conf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.hidden, "num_hidden_layers": L, "num_attention_heads": cfg.heads,
+                "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "intermediate_size": F,
+                "rms_norm_eps": cfg.eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_positions,
+                "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+                "mlp_bias": False}
+    elif cfg.model_type == "bert":
+        e = "embeddings."
+        out[e + "word_embeddings.weight"], out[e + "position_embeddings.weight"] = sd["wte.weight"], sd["wpe.weight"]
+        out[e + "token_type_embeddings.weight"] = sd["tte.weight"]
+        out[e + "LayerNorm.weight"], out[e + "LayerNorm.bias"] = sd["emb_norm.weight"], sd["emb_norm.bias"]
+        for i in range(L):
+            p, q = f"encoder.layer.{i}.", f"blocks.{i}."
+            for n, h in (("q", "query"), ("k", "key"), ("v", "value")):
+                out[p + f"attention.self.{h}.weight"] = sd[q + f"attn.{n}.weight"]
+                out[p + f"attention.self.{h}.bias"] = sd[q + f"attn.{n}.bias"]
+            out[p + "attention.output.dense.weight"] = sd[q + "attn.out.weight"]
+            out[p + "attention.output.dense.bias"] = sd[q + "attn.out.bias"]
+            out[p + "attention.output.LayerNorm.weight"] = sd[q + "norm1.weight"]
+            out[p + "attention.output.LayerNorm.bias"] = sd[q + "norm1.bias"]
+            out[p + "intermediate.dense.weight"], out[p + "intermediate.dense.bias"] = sd[q + "mlp.fc1.weight"], \
+                sd[q + "mlp.fc1.bias"]
+            out[p + "output.dense.weight"], out[p + "output.dense.bias"] = sd[q + "mlp.fc2.weight"], sd[q + "mlp.fc2.bias"]
+            out[p + "output.LayerNorm.weight"], out[p + "output.LayerNorm.bias"] = sd[q + "norm2.weight"], \
+                sd[q + "norm2.bias"]
+        conf = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.hidden, "num_hidden_layers": L, "num_attention_heads": cfg.heads,
+                "intermediate_size": cfg.ffn_hidden, "max_position_embeddings": cfg.max_positions,
+                "type_vocab_size": cfg.type_vocab_size, "layer_norm_eps": cfg.eps,
+                "hidden_act": {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[cfg.activation]}
+    else:
+        raise ValueError(f"to_hf: model_type {cfg.model_type!r} has no Hugging Face layout here")
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, conf
+
+
 def load(path: str, comm: Comm, partition=None, progress: bool = True):
     from .models import TransformerLM
     own = os.path.join(path, "tpcore_config.json")
@@ -232,4 +307,4 @@ def load(path: str, comm: Comm, partition=None, progress: bool = True):
     return model
 
 
-__all__ = ["load", "View", "gpt2_names", "llama_names", "bert_names"]
+__all__ = ["load", "to_hf", "View", "gpt2_names", "llama_names", "bert_names"]

@@ -367,13 +367,27 @@ class TransformerLM:
                 raise ValueError(f"checkpoint: lm_head.weight has shape {tuple(W.shape)}")
             self.lm_head.weight[...] = _f32(W[lo:lo + n])
 
-    def save_pretrained(self, path: str, sharded: bool = False) -> None:
-        """config.json + model.safetensors (full, rank 0 writes; loadable at any world size) or
-        one file per rank (sharded: model.rank<r>-of-<n>.safetensors, the same layout only)."""
+    def save_pretrained(self, path: str, sharded: bool = False, hf: bool = False) -> None:
+        """tpcore_config.json + model.safetensors (full, rank 0 writes; loadable at any world
+        size) or one file per rank (sharded: model.rank<r>-of-<n>.safetensors, the same layout
+        only).  hf=True: full tensors under Hugging Face's names with its config.json, for
+        transformers' from_pretrained (GPT-2, Llama, BERT)."""
         from .checkpoint import write_safetensors
         import dataclasses
         import json
         comm = self.comm
+        if hf:
+            if sharded:
+                raise ValueError("save_pretrained: hf=True writes one consolidated file (sharded=False)")
+            from .hf import to_hf
+            tensors, conf = to_hf(self.config, self.state_dict_full())
+            if comm.rank == 0:
+                os.makedirs(path, exist_ok=True)
+                write_safetensors(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
+                with open(os.path.join(path, "config.json"), "w") as f:
+                    json.dump(conf, f, indent=1)
+            comm.barrier()
+            return
         if comm.rank == 0:
             os.makedirs(path, exist_ok=True)
             with open(os.path.join(path, "tpcore_config.json"), "w") as f:

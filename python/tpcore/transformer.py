@@ -98,6 +98,10 @@ class Config:
     def from_hf_dict(cls, c: dict) -> "Config":
         mt = c.get("model_type", "")
         if mt == "gpt2":
+            if c.get("scale_attn_by_inverse_layer_idx") or c.get("reorder_and_upcast_attn") or \
+                    c.get("scale_attn_weights") is False:
+                raise ValueError("Config.from_hf: GPT-2 with scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn "
+                                 "or without scale_attn_weights is not supported")
             act = c.get("activation_function", "gelu_new")
             return cls(vocab_size=c["vocab_size"], hidden=c["n_embd"], layers=c["n_layer"], heads=c["n_head"],
                        ffn_hidden=c.get("n_inner") or 4 * c["n_embd"], norm="layernorm",
