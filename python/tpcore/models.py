@@ -17,17 +17,16 @@ final norm are replicated (small).  Blocks are one C call each.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
-from typing import List, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
 from . import _C
 from .comm import Comm
-from .layers import ColumnParallelLinear, as_float32, partition
+from .layers import ColumnParallelLinear
 from .transformer import Config, TransformerBlock, head_partition
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 

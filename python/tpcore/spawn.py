@@ -194,7 +194,6 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
     procs, conns = [], []
     results: dict = {}
     errors: list = []  # (time, rank, exception)
-    died: dict = {}
     t0 = time.monotonic()
     try:
         for r in range(world_size):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from typing import Dict, Optional, Sequence
 
@@ -283,8 +282,7 @@ class TransformerBlock:
                 g = 2 if cfg.activation == "swiglu" else 1
                 blocks = comm.all_gather(mine, sizes=[g * s for _, s in self.ffn_partition])
                 if g == 2:
-                    parts, o = [], 0
-                    gates, ups = [], []
+                    o, gates, ups = 0, [], []
                     for _, s in self.ffn_partition:
                         gates.append(blocks[o:o + s])
                         ups.append(blocks[o + s:o + 2 * s])

@@ -14,6 +14,7 @@ of the output and reduce_scatter's output the rank's block of the input.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import multiprocessing as mp
@@ -132,22 +133,25 @@ class GlooImpl(Impl):
         raise ValueError(f"unknown op {op!r}")
 
 
-def _gloo_worker(rank: int, n: int, port: int, plan_json: dict, conn, progress: bool) -> None:
-    """One gloo rank (a multiprocessing "spawn" child)."""
+@contextlib.contextmanager
+def gloo_rank(rank: int, n: int, port: int, conn, threads: int, timeout_s: float = 300.0):
+    """The life of one torch.distributed (gloo) rank in a multiprocessing "spawn" child:
+    rendezvous on 127.0.0.1:port, torch with `threads` threads, yields (torch, dist); the body
+    sends ("ok", rows, info) on conn.  Any exception goes to the parent as ("err", traceback)
+    instead; the process group is always torn down and conn closed."""
     dist = None
     try:
         _cleanup.die_with_parent()  # never outlive the benchmark
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning)
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=300))
-        plan = Plan.from_json(plan_json)
-        rows = sweep(GlooImpl(dist, torch, plan), plan, Progress(progress))
-        conn.send(("ok", rows, {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}))
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=timeout_s))
+        yield torch, dist
     except BaseException:  # noqa: BLE001 - everything goes to the parent
         try:
             conn.send(("err", traceback.format_exc()))
@@ -162,26 +166,17 @@ def _gloo_worker(rank: int, n: int, port: int, plan_json: dict, conn, progress: 
         conn.close()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_gloo(n: int, plan: Plan, timeout: float, progress: bool) -> PeerResult:
-    if plan.dtype not in _TORCH_DTYPES:
-        return PeerResult("gloo", note=f"dtype {plan.dtype} is not measured with gloo "
-                                       f"(supported here: {', '.join(_TORCH_DTYPES)})")
+def run_ranks(n: int, target, args: tuple, timeout: float, name: str):
+    """Start target(rank, n, port, *args, conn) in n "spawn" processes and collect each rank's
+    ("ok", rows, info).  Returns (rows per rank, info of the last, None) or (None, {}, note)
+    when a rank failed, died or the run passed `timeout`; no process outlives the call."""
     ctx = mp.get_context("spawn")
     port = _free_port()
-    pplan = _peer_plan(plan).to_json()
-    procs, conns = [], []
-    results, errors = {}, {}
-    info = {}
+    procs, conns, results, errors, info = [], [], {}, {}, {}
     try:
         for r in range(n):
             rd, wr = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_gloo_worker, args=(r, n, port, pplan, wr, progress), name=f"gloo-rank{r}")
+            p = ctx.Process(target=target, args=(r, n, port, *args, wr), name=f"{name}-rank{r}")
             p.start()
             wr.close()
             procs.append(p)
@@ -191,7 +186,7 @@ def run_gloo(n: int, plan: Plan, timeout: float, progress: bool) -> PeerResult:
         while pending and not errors:
             left = t_end - time.monotonic()
             if left <= 0:
-                return PeerResult("gloo", note=f"gloo run did not finish within {timeout:.0f} s; stopped")
+                return None, {}, f"{name} run did not finish within {timeout:.0f} s; stopped"
             for c in wait(list(pending), timeout=min(left, 1.0)):
                 r = pending.pop(c)
                 try:
@@ -200,17 +195,15 @@ def run_gloo(n: int, plan: Plan, timeout: float, progress: bool) -> PeerResult:
                     errors[r] = f"rank {r} exited (code {procs[r].exitcode}) without a result"
                     continue
                 if msg[0] == "ok":
-                    results[r] = msg[1]
-                    info = msg[2]
+                    results[r], info = msg[1], msg[2]
                 else:
                     errors[r] = msg[1]
         if errors:
             r, tb = sorted(errors.items())[0]
             last = tb.strip().splitlines()[-1] if tb.strip() else "?"
-            print(f"[bench] gloo rank {r} failed:\n{tb}", file=sys.stderr)
-            return PeerResult("gloo", note=f"gloo run failed on rank {r}: {last}")
-        rows = combine("gloo", n, plan.dtype, [results[r] for r in range(n)])
-        return PeerResult("gloo", rows=rows, info=info)
+            print(f"[bench] {name} rank {r} failed:\n{tb}", file=sys.stderr)
+            return None, {}, f"{name} run failed on rank {r}: {last}"
+        return [results[r] for r in range(n)], info, None
     finally:
         finished = len(results) == n  # else: failed, timed out or interrupted; stop the ranks now
         for p in procs:
@@ -224,6 +217,30 @@ def run_gloo(n: int, plan: Plan, timeout: float, progress: bool) -> PeerResult:
                 p.join(5)
         for c in conns:
             c.close()
+
+
+def _gloo_worker(rank: int, n: int, port: int, plan_json: dict, progress: bool, conn) -> None:
+    """One gloo rank of the collectives sweep."""
+    with gloo_rank(rank, n, port, conn, threads=1) as (torch, dist):
+        plan = Plan.from_json(plan_json)
+        rows = sweep(GlooImpl(dist, torch, plan), plan, Progress(progress))
+        conn.send(("ok", rows, {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_gloo(n: int, plan: Plan, timeout: float, progress: bool) -> PeerResult:
+    if plan.dtype not in _TORCH_DTYPES:
+        return PeerResult("gloo", note=f"dtype {plan.dtype} is not measured with gloo "
+                                       f"(supported here: {', '.join(_TORCH_DTYPES)})")
+    per_rank, info, note = run_ranks(n, _gloo_worker, (_peer_plan(plan).to_json(), progress), timeout, "gloo")
+    if per_rank is None:
+        return PeerResult("gloo", note=note)
+    return PeerResult("gloo", rows=combine("gloo", n, plan.dtype, per_rank), info=info)
 
 
 # ---------------------------------------------------------------------- MPI

@@ -31,7 +31,6 @@ import json
 import os
 import resource
 import time
-from typing import List
 
 import numpy as np
 
@@ -242,11 +241,9 @@ def run(args) -> int:
               f"{kb_tok:>7.1f} {row['param_mb']:>9.1f} {row['rss_mb']:>7.0f} {'yes' if same else 'NO':>4}")
     peer = None
     if args.peers == "auto":
-        try:
-            import torch  # noqa: F401
-            have_torch = True
-        except ImportError:
-            have_torch = False
+        import importlib.util
+        have_torch = importlib.util.find_spec("torch") is not None
+        if not have_torch:
             print("# torch peer: skipped (torch is not installed)")
         if have_torch:
             def full(comm):

@@ -62,21 +62,15 @@ import importlib.metadata
 import importlib.util
 import json
 import math
-import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
-import warnings
-from datetime import timedelta
-from multiprocessing.connection import wait
 from typing import List, Optional
 
 import numpy as np
 
-from .. import _cleanup
 from .collectives import _iters  # the same --iters parser
 from ._sweep import Progress, env_info
 
@@ -339,19 +333,11 @@ def _tpcore_rank(comm, plan: dict) -> list:
 
 def _torch_worker(rank: int, n: int, port: int, plan: dict, iters: list, threads: int, conn) -> None:
     """One gloo rank (a multiprocessing "spawn" child): all shapes."""
-    dist = None
-    try:
-        _cleanup.die_with_parent()
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=UserWarning)
-        import torch
-        import torch.distributed as dist
+    from ._peers import gloo_rank
+
+    with gloo_rank(rank, n, port, conn, threads, timeout_s=600) as (torch, dist):
         import torch.nn.functional as F
 
-        torch.set_num_threads(threads)
-        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=600))
         progress = Progress(plan["progress"] and rank == 0)
         comm_t = [0.0]
 
@@ -454,71 +440,14 @@ def _torch_worker(rank: int, n: int, port: int, plan: dict, iters: list, threads
         except Exception:  # noqa: BLE001
             pass
         conn.send(("ok", rows, info))
-    except BaseException:  # noqa: BLE001 - everything goes to the parent
-        try:
-            conn.send(("err", traceback.format_exc()))
-        except Exception:  # noqa: BLE001
-            pass
-    finally:
-        try:
-            if dist is not None and dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-        conn.close()
 
 
 def _run_torch(n: int, plan: dict, iters: list, threads: int, timeout: float):
     """(per-rank rows, info) or (None, note)."""
-    from ._peers import _free_port
+    from ._peers import run_ranks
 
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs, conns, results, errors, info = [], [], {}, {}, {}
-    try:
-        for r in range(n):
-            rd, wr = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_torch_worker, args=(r, n, port, plan, iters, threads, wr),
-                            name=f"layers-torch-rank{r}")
-            p.start()
-            wr.close()
-            procs.append(p)
-            conns.append(rd)
-        pending = {c: r for r, c in enumerate(conns)}
-        t_end = time.monotonic() + timeout
-        while pending and not errors:
-            left = t_end - time.monotonic()
-            if left <= 0:
-                return None, f"torch run at n={n} did not finish within {timeout:.0f} s; stopped"
-            for c in wait(list(pending), timeout=min(left, 1.0)):
-                r = pending.pop(c)
-                try:
-                    msg = c.recv()
-                except EOFError:
-                    errors[r] = f"rank {r} exited (code {procs[r].exitcode}) without a result"
-                    continue
-                if msg[0] == "ok":
-                    results[r], info = msg[1], msg[2]
-                else:
-                    errors[r] = msg[1]
-        if errors:
-            r, tb = sorted(errors.items())[0]
-            print(f"[layers] torch rank {r} failed:\n{tb}", file=sys.stderr)
-            return None, f"torch run failed on rank {r}: {tb.strip().splitlines()[-1] if tb.strip() else '?'}"
-        return [results[r] for r in range(n)], info
-    finally:
-        done = len(results) == n
-        for p in procs:
-            p.join(timeout=5 if done else 0.2)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for c in conns:
-            c.close()
+    per_rank, info, note = run_ranks(n, _torch_worker, (plan, iters, threads), timeout, "torch")
+    return (per_rank, info) if per_rank is not None else (None, note)
 
 
 # ------------------------------------------------------------- combination
