@@ -52,6 +52,19 @@ def no_leaks():
     assert not kids, f"child processes left running: {kids}"
 
 
+class DLPackOnly:
+    """A foreign CPU tensor that speaks only DLPack (what torch.Tensor and jax.Array offer)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
 def rng_for(seed, rank):
     return np.random.default_rng([seed, rank])
 

@@ -6,7 +6,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import DTYPES, WORLDS, make_input, mismatches, np_dtype, reference, rng_for, run
+from conftest import DLPackOnly, DTYPES, WORLDS, make_input, mismatches, np_dtype, reference, rng_for, run
 
 OPS = ["sum", "prod", "min", "max", "avg"]
 # 0, 1, small primes, around the one-round threshold (32 KiB), and a few MiB past the 1 MiB chunk.
@@ -282,25 +282,12 @@ def test_registered_memory(world):
         assert not bad, f"rank {r}: {bad}"
 
 
-class _DLPackOnly:
-    """A CPU tensor that speaks only DLPack (as a PyTorch CPU tensor does)."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kw):
-        return self._a.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
-
-
 def _dlpack_case(comm):
     base = np.arange(10, dtype=np.float32) * (comm.rank + 1)
-    t = _DLPackOnly(base)
+    t = DLPackOnly(base)
     res = comm.all_reduce(t)
     ok = res is t and np.allclose(base, np.arange(10) * sum(range(1, comm.size + 1)))
-    g = comm.all_gather(_DLPackOnly(np.full(3, comm.rank, dtype=np.int64)))
+    g = comm.all_gather(DLPackOnly(np.full(3, comm.rank, dtype=np.int64)))
     return ok and list(g) == [p for p in range(comm.size) for _ in range(3)]
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from conftest import WORLDS, rng_for, run
+from conftest import DLPackOnly, WORLDS, rng_for, run
 
 IN, OUT, ROWS = 37, 53, 11
 
@@ -230,27 +230,14 @@ def test_layers_too_large_for_blas_or_memory_are_refused():
     assert run(_too_large, 1) == [[]]
 
 
-class _DLPackOnly:
-    """A foreign tensor: only the DLPack protocol (what torch.Tensor and jax.Array offer)."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kw):
-        return self._a.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
-
-
 def _dlpack_case(comm):
     lin = tpcore.ColumnParallelLinear(8, 6, comm, gather_output=True, seed=2)
     x = rng_for(3, 0).standard_normal((4, 8)).astype(np.float32)
     y_np = lin(x)
-    y_dl = lin(_DLPackOnly(x))
-    dx = lin.backward(_DLPackOnly(np.ones_like(y_np)))
+    y_dl = lin(DLPackOnly(x))
+    dx = lin.backward(DLPackOnly(np.ones_like(y_np)))
     mlp = tpcore.ParallelMLP(8, 12, comm)
-    same_mlp = np.array_equal(mlp(_DLPackOnly(x)), mlp(x))
+    same_mlp = np.array_equal(mlp(DLPackOnly(x)), mlp(x))
     try:
         lin(object())
         err = "no error"

@@ -786,6 +786,28 @@ static CommObject *layer_comm(module_state *st, PyObject *commo, const char *who
   return live((CommObject *)commo, who) ? (CommObject *)commo : NULL;
 }
 
+/* The end of a layer constructor, given the C create call's status: on failure the
+ * half-built object goes and the status is raised (NULL); on success the object keeps the
+ * communicator it calls through alive. */
+static PyObject *layer_made(PyObject *self, CommObject **slot, CommObject *co, tp_status_t s, module_state *st,
+                            const char *name) {
+  if (s != TP_SUCCESS) {
+    Py_DECREF(self);
+    return raise_status(st, s, name);
+  }
+  Py_INCREF(co);
+  *slot = co;
+  return self;
+}
+
+/* The end of a layer's dealloc, after its C object is destroyed. */
+static void layer_free(PyObject *o, CommObject *comm) {
+  PyTypeObject *tp = Py_TYPE(o);
+  Py_XDECREF(comm);
+  tp->tp_free(o);
+  Py_DECREF(tp);
+}
+
 /* partition=None or a sequence of `size` ints -> *sizes (PyMem, NULL for None). */
 static int parse_partition(PyObject *part, int size, int64_t **sizes) {
   *sizes = NULL;
@@ -897,24 +919,16 @@ static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   tp_status_t s;
   COMM_CALL(co, s, tp_parallel_linear_create(&self->L, c_, &cfg));
   PyMem_Free(sizes);
-  if (s != TP_SUCCESS) {
-    Py_DECREF(self);
-    return raise_status(st, s, "ParallelLinear");
-  }
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "ParallelLinear")) return NULL;
   tp_parallel_linear_info(self->L, &self->info);
-  Py_INCREF(co);
-  self->comm = co;
   return (PyObject *)self;
 }
 
 static void lin_dealloc(PyObject *o) {
   LinearObject *self = (LinearObject *)o;
-  PyTypeObject *tp = Py_TYPE(o);
   if (self->owner) Py_DECREF(self->owner);
   else tp_parallel_linear_destroy(self->L);
-  Py_XDECREF(self->comm);
-  tp->tp_free(o);
-  Py_DECREF(tp);
+  layer_free(o, self->comm);
 }
 
 /* x as a float32 2-D C-contiguous array with `cols` columns; rows out. */
@@ -1071,23 +1085,15 @@ static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   tp_status_t s;
   COMM_CALL(co, s, tp_parallel_mlp_create(&self->M, c_, &cfg));
   PyMem_Free(sizes);
-  if (s != TP_SUCCESS) {
-    Py_DECREF(self);
-    return raise_status(st, s, "ParallelMLP");
-  }
-  Py_INCREF(co);
-  self->comm = co;
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "ParallelMLP")) return NULL;
   self->hidden = hidden;
   return (PyObject *)self;
 }
 
 static void mlp_dealloc(PyObject *o) {
   MLPObject *self = (MLPObject *)o;
-  PyTypeObject *tp = Py_TYPE(o);
   tp_parallel_mlp_destroy(self->M);
-  Py_XDECREF(self->comm);
-  tp->tp_free(o);
-  Py_DECREF(tp);
+  layer_free(o, self->comm);
 }
 
 static PyObject *mlp_call(PyObject *o, PyObject *args, int backward) {
@@ -1343,23 +1349,15 @@ static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   tp_status_t s;
   COMM_CALL(co, s, tp_vocab_embedding_create(&self->E, c_, &cfg));
   PyMem_Free(sizes);
-  if (s != TP_SUCCESS) {
-    Py_DECREF(self);
-    return raise_status(st, s, "VocabParallelEmbedding");
-  }
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "VocabParallelEmbedding")) return NULL;
   tp_vocab_embedding_info(self->E, &self->info);
-  Py_INCREF(co);
-  self->comm = co;
   return (PyObject *)self;
 }
 
 static void emb_dealloc(PyObject *o) {
   EmbeddingObject *self = (EmbeddingObject *)o;
-  PyTypeObject *tp = Py_TYPE(o);
   tp_vocab_embedding_destroy(self->E);
-  Py_XDECREF(self->comm);
-  tp->tp_free(o);
-  Py_DECREF(tp);
+  layer_free(o, self->comm);
 }
 
 /* tokens: a 1-D C-contiguous int64 array; its length out. */
@@ -1466,23 +1464,15 @@ static PyObject *xent_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   XentObject *self = (XentObject *)type->tp_alloc(type, 0);
   if (!self) return NULL;
   tp_status_t s = tp_vocab_xent_create(&self->X, co->comm);
-  if (s != TP_SUCCESS) {
-    Py_DECREF(self);
-    return raise_status(st, s, "VocabParallelCrossEntropy");
-  }
-  Py_INCREF(co);
-  self->comm = co;
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "VocabParallelCrossEntropy")) return NULL;
   return (PyObject *)self;
 }
 
 static void xent_dealloc(PyObject *o) {
   XentObject *self = (XentObject *)o;
-  PyTypeObject *tp = Py_TYPE(o);
   tp_vocab_xent_destroy(self->X);
   Py_XDECREF(self->logits);
-  Py_XDECREF(self->comm);
-  tp->tp_free(o);
-  Py_DECREF(tp);
+  layer_free(o, self->comm);
 }
 
 /* forward(logits[M, V], targets[M], vocab_offset=-1, ignore_index=-100) -> (losses[M], valid, vocab) */
@@ -1634,23 +1624,15 @@ static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   tp_status_t s;
   COMM_CALL(co, s, tp_block_create(&self->K, c_, &cfg));
   PyMem_Free(hs), PyMem_Free(fs);
-  if (s != TP_SUCCESS) {
-    Py_DECREF(self);
-    return raise_status(st, s, "TransformerBlock");
-  }
-  Py_INCREF(co);
-  self->comm = co;
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "TransformerBlock")) return NULL;
   self->C = C;
   return (PyObject *)self;
 }
 
 static void blk_dealloc(PyObject *o) {
   BlockObject *self = (BlockObject *)o;
-  PyTypeObject *tp = Py_TYPE(o);
   tp_block_destroy(self->K);
-  Py_XDECREF(self->comm);
-  tp->tp_free(o);
-  Py_DECREF(tp);
+  layer_free(o, self->comm);
 }
 
 /* forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) */
