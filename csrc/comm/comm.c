@@ -102,7 +102,7 @@ tp_status_t tp_comm_init_rank(tp_comm_t *out, int world, int rank, const tp_comm
                         backend);
   struct tp_comm *c;
   TP_CHECK(tp_comm_alloc_common(&c, world, rank, job, cfg->timeout_s, cfg->spin_us));
-  tp_status_t st = tp_shm_comm_init(c, "w");
+  tp_status_t st = tp_shm_comm_init(c, "w", 1);
   if (st != TP_SUCCESS) {
     free(c);
     return st;

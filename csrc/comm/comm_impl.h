@@ -86,7 +86,9 @@ tp_status_t tp_comm_alloc_common(struct tp_comm **out, int world, int rank, cons
 void tp_comm_mark_failed(struct tp_comm *comm, tp_status_t status, const char *msg);
 
 /* Backend constructors. */
-tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id);
+/* world_comm: a job's world communicator (its name is the job's claim on its id,
+ * kept while the job lives); else a split, whose name is random. */
+tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int world_comm);
 int tp_comm_is_shm(tp_comm_t comm);
 
 #endif

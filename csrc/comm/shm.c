@@ -50,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -58,10 +59,11 @@
 
 #include "comm_impl.h"
 #include "reduce_impl.h"
+#include "shm_seg.h"
 
 #define CL 64
 #define SHM_MAGIC 0x3153484d52435054ULL /* "TPCRMSH1" */
-#define SHM_VERSION 1
+#define SHM_VERSION 2
 #define P2P_NBUF 2
 #define ALIGN_UP(x, a) (((x) + (a) - 1) / (a) * (a))
 
@@ -95,7 +97,7 @@ typedef struct {
   _Atomic uint32_t waiters;
   _Atomic int32_t closed;
   _Atomic int32_t status; /* result of this rank's part of a collective setup step */
-  _Alignas(CL) int32_t pid;
+  _Alignas(CL) _Atomic int32_t pid; /* claimed once (compare-and-swap from 0): a second claimant is another job */
   uint64_t starttime;
   uint64_t cma_probe;   /* address of a private word peers read to test CMA */
   _Atomic int32_t cma_ok; /* this rank can read every peer with process_vm_readv */
@@ -130,6 +132,8 @@ typedef struct {
   uint64_t stage_bytes;
   uint64_t p2p_chunk;
   int32_t creator_pid;
+  uint64_t creator_start; /* the creator's /proc start time: a reused pid is not it */
+  uint64_t token;         /* random: names of this communicator's other segments and splits */
   /* Rank 0's settings, adopted by every rank: they choose data paths, which must agree. */
   uint64_t small_bytes, nt_bytes, scratch_blk, cma_bytes[TP_COLL_NUM];
   _Alignas(CL) _Atomic int32_t attached;
@@ -156,6 +160,9 @@ typedef struct shm_ctx {
   struct tp_comm *comm;
   char name[256];
   char comm_id[128];
+  int keep_name;  /* a world communicator: the name stays (locked) while the job lives */
+  int lock_fd;    /* holds this rank's lock on the segment (-1: none) */
+  uint64_t token; /* rank 0's random token (see shm_header_t) */
   char *base;
   size_t size;
   shm_header_t *hdr;
@@ -1169,89 +1176,63 @@ static size_t layout(int world, size_t stage, size_t p2p, size_t *o_slots, size_
   return ALIGN_UP(off, 4096);
 }
 
-static tp_status_t sys_error(const char *what, const char *name, int err) {
-  if (err == ENOSPC || err == ENOMEM)
-    return tp_set_error(TP_ERR_NOMEM,
-                        "%s %s: no space left in shared memory (/dev/shm is full or too small: %s)",
-                        what, name, strerror(err));
-  return tp_set_error(TP_ERR_SYSTEM, "%s %s: %s", what, name, strerror(err));
+/* Random bits for names nobody may predict. */
+static uint64_t random_token(void) {
+  uint64_t t = 0;
+  if (getrandom(&t, sizeof t, 0) == (ssize_t)sizeof t && t) return t;
+  return (uint64_t)tp_now() * 0x9E3779B97F4A7C15ULL ^ (uint64_t)getpid() << 32 ^ (uint64_t)(uintptr_t)&t;
 }
 
-/* Create a segment of `size` bytes, mode 0600, reserved up front. */
-static tp_status_t seg_create(const char *name, size_t size, void **base) {
-  int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0 && errno == EEXIST) {
-    /* A segment of a job that died during its set-up: reclaim it if its
-     * creator is gone, else refuse. */
-    int ofd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
-    int stale = 1;
-    if (ofd >= 0) {
-      struct stat sb;
-      if (fstat(ofd, &sb) == 0 && (size_t)sb.st_size >= sizeof(shm_header_t)) {
-        shm_header_t *h = mmap(NULL, sizeof *h, PROT_READ, MAP_SHARED, ofd, 0);
-        if (h != MAP_FAILED) {
-          rank_slot_t probe = {0};
-          probe.pid = h->creator_pid;
-          stale = h->magic != SHM_MAGIC || peer_dead(&probe);
-          munmap(h, sizeof *h);
-        }
-      }
-      close(ofd);
-    }
-    if (!stale)
-      return tp_set_error(TP_ERR_INVALID_USAGE,
-                          "shared-memory segment %s already exists and its creator is alive: "
-                          "two jobs use the same job id", name);
-    shm_unlink(name);
-    fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+/* Why two jobs meet in one segment, and what to do about it. */
+#define COLLISION_ADVICE                                                                       \
+  "; both jobs stop. Give each job a job id of its own: python -m tpcore.launch and "          \
+  "tpcore.spawn do; with torchrun-style variables set TPCORE_JOB_ID, or another MASTER_PORT"
+
+/* Rank 0 found its segment's name taken.  A name no process locks is left from a
+ * job that died: remove it (*retry).  A live one belongs to another job with the
+ * same id: tell that job (both stop) and fail. */
+static tp_status_t name_taken(shm_ctx *c, int *retry) {
+  int fd;
+  size_t nb = 0;
+  *retry = 0;
+  TP_CHECK(tp_seg_open(c->name, &fd, &nb)); /* another user's or a loosened one: an error */
+  if (fd < 0) {
+    *retry = 1; /* gone meanwhile */
+    return TP_SUCCESS;
   }
-  if (fd < 0) return sys_error("cannot create shared-memory segment", name, errno);
-  int err = 0;
-  if (ftruncate(fd, (off_t)size) != 0) err = errno;
-  if (!err) err = posix_fallocate(fd, 0, (off_t)size);
-  if (err == EINVAL || err == EOPNOTSUPP) err = 0; /* file system without fallocate */
-  void *p = MAP_FAILED;
-  if (!err) {
-    p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) err = errno;
+  if (!tp_seg_in_use(fd)) {
+    if (tp_seg_same(c->name, fd)) shm_unlink(c->name);
+    close(fd);
+    *retry = 1;
+    return TP_SUCCESS;
   }
+  char msg[768];
+  shm_header_t *h = nb >= sizeof *h ? mmap(NULL, sizeof *h, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                                    : MAP_FAILED;
   close(fd);
-  if (err) {
-    shm_unlink(name);
-    return sys_error("cannot size shared-memory segment", name, err);
+  int ready = h != MAP_FAILED && __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC;
+  if (ready && h->creator_pid == getpid()) {
+    munmap(h, sizeof *h);
+    return tp_set_error(TP_ERR_INVALID_USAGE,
+                        "this process already has a communicator of job '%s' (shared-memory segment %s): "
+                        "close it before making another, or use another TPCORE_JOB_ID",
+                        c->comm->job_id, c->name);
   }
-  *base = p;
-  return TP_SUCCESS;
-}
-
-/* Open a segment another rank creates, waiting for it up to the deadline. */
-static tp_status_t seg_attach(const char *name, size_t size, void **base, double deadline,
-                              int creator, int rank, int *gone) {
-  *gone = 0;
-  for (;;) {
-    int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
-    if (fd >= 0) {
-      struct stat sb;
-      if (fstat(fd, &sb) == 0 && (size_t)sb.st_size == size) {
-        void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        close(fd);
-        if (p == MAP_FAILED) return sys_error("cannot map shared-memory segment", name, errno);
-        *base = p;
-        return TP_SUCCESS;
-      }
-      close(fd);
-    } else if (errno != ENOENT) {
-      return sys_error("cannot open shared-memory segment", name, errno);
+  snprintf(msg, sizeof msg,
+           "job id '%s' is used by two jobs at once: rank 0 of a second job (pid %d) found the "
+           "running job's shared-memory segment %s (created by pid %d)" COLLISION_ADVICE,
+           c->comm->job_id, (int)getpid(), c->name, ready ? h->creator_pid : -1);
+  if (ready) { /* the other job's ranks look at this flag at least every 20 ms */
+    int32_t expect = 0;
+    if (atomic_compare_exchange_strong(&h->abort_state, &expect, 1)) {
+      h->abort_rank = 0;
+      h->abort_status = (int32_t)TP_ERR_INVALID_USAGE;
+      snprintf(h->abort_msg, sizeof h->abort_msg, "%s", msg);
+      atomic_store(&h->abort_state, 2);
     }
-    if (tp_now() > deadline) {
-      *gone = 1;
-      return tp_set_error(TP_ERR_TIMEOUT,
-                          "rank %d timed out waiting for rank %d to create shared-memory segment %s "
-                          "(did rank %d start, with the same job id and world size?)",
-                          rank, creator, name, creator);
-    }
-    usleep(1000);
   }
+  if (h != MAP_FAILED) munmap(h, sizeof *h);
+  return tp_set_error(TP_ERR_INVALID_USAGE, "%s", msg);
 }
 
 static void free_ctx(shm_ctx *c) {
@@ -1292,8 +1273,9 @@ static int online_cores(void) {
 }
 
 /* Join the segment rank 0 creates: wait for it (up to the deadline), never join a
- * stale one (creator gone, or already full), adopt rank 0's settings, and check that
- * the layout they give is the segment's size. */
+ * stale one (its creator gone) or one of another user, adopt rank 0's settings,
+ * check that the layout they give is the segment's size, and take this rank's
+ * lock on it (c->lock_fd). */
 static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline, void **base,
                                size_t *size, size_t *o_slots, size_t *o_chans, size_t *o_stage,
                                size_t *o_p2p) {
@@ -1303,13 +1285,11 @@ static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline,
       return tp_set_error(TP_ERR_TIMEOUT,
                           "rank %d timed out waiting for rank 0 to create shared-memory segment %s (%s; "
                           "did rank 0 start, with the same job id and world size?)", rank, c->name, why);
-    int fd = shm_open(c->name, O_RDWR | O_CLOEXEC, 0);
-    if (fd < 0) {
-      if (errno != ENOENT) return sys_error("cannot open shared-memory segment", c->name, errno);
-      continue;
-    }
-    struct stat sb;
-    if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < sizeof(shm_header_t)) {
+    int fd;
+    size_t nb = 0;
+    TP_CHECK(tp_seg_open(c->name, &fd, &nb)); /* another user's or a loosened one: never joined */
+    if (fd < 0) continue;
+    if (nb < sizeof(shm_header_t)) {
       close(fd);
       why = "it is still being sized";
       continue;
@@ -1318,12 +1298,15 @@ static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline,
     if (h == MAP_FAILED) {
       int err = errno;
       close(fd);
-      return sys_error("cannot map shared-memory segment", c->name, err);
+      return tp_seg_sys_error("cannot map shared-memory segment", c->name, err);
     }
     int ready = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC;
     rank_slot_t probe = {0};
-    probe.pid = ready ? h->creator_pid : 0;
-    if (!ready || atomic_load(&h->attached) >= world || peer_dead(&probe)) {
+    if (ready) {
+      probe.pid = h->creator_pid;
+      probe.starttime = h->creator_start;
+    }
+    if (!ready || peer_dead(&probe)) {
       why = !ready ? "it is not initialised yet" : "the segment found belongs to a job that ended";
       munmap(h, sizeof *h);
       close(fd);
@@ -1343,28 +1326,38 @@ static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline,
     c->small_bytes = h->small_bytes;
     c->nt_bytes = h->nt_bytes;
     c->scratch_blk = h->scratch_blk;
+    c->token = h->token;
     memcpy(c->cma_bytes, h->cma_bytes, sizeof c->cma_bytes);
     munmap(h, sizeof *h);
-    *size = layout(world, c->stage_bytes, c->p2p_chunk, o_slots, o_chans, o_stage, o_p2p);
-    if (*size != (size_t)sb.st_size) {
+    if (!tp_seg_lock(c->name, fd)) { /* removed after we opened it: look again */
       close(fd);
-      return tp_set_error(TP_ERR_INTERNAL, "rank %d: shared-memory segment %s has %lld bytes, expected %zu",
-                          rank, c->name, (long long)sb.st_size, *size);
+      continue;
+    }
+    *size = layout(world, c->stage_bytes, c->p2p_chunk, o_slots, o_chans, o_stage, o_p2p);
+    if (*size != nb) {
+      close(fd);
+      return tp_set_error(TP_ERR_INTERNAL, "rank %d: shared-memory segment %s has %zu bytes, expected %zu",
+                          rank, c->name, nb, *size);
     }
     void *p = mmap(NULL, *size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int err = errno;
-    close(fd);
-    if (p == MAP_FAILED) return sys_error("cannot map shared-memory segment", c->name, err);
+    if (p == MAP_FAILED) {
+      int err = errno;
+      close(fd);
+      return tp_seg_sys_error("cannot map shared-memory segment", c->name, err);
+    }
+    c->lock_fd = fd;
     *base = p;
     return TP_SUCCESS;
   }
 }
 
-tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
+tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int world_comm) {
   int world = comm->size, rank = comm->rank;
   shm_ctx *c = calloc(1, sizeof *c);
   if (!c) return tp_set_error(TP_ERR_NOMEM, "out of memory");
   c->comm = comm;
+  c->keep_name = world_comm;
+  c->lock_fd = -1;
   pthread_mutex_init(&c->regions_lock, NULL);
   snprintf(c->comm_id, sizeof c->comm_id, "%s", comm_id);
   snprintf(c->name, sizeof c->name, "/tpcore_%s_%016llx", comm->job_id,
@@ -1410,7 +1403,20 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
   void *base = NULL;
   tp_status_t st;
   if (rank == 0) {
-    st = seg_create(c->name, size, &base);
+    /* The user's names that no live process locks are left from jobs that died
+     * (SIGKILL during set-up, or a world communicator's name): remove them. */
+    if (world_comm) tp_seg_sweep(TP_SEG_PREFIX);
+    for (int attempt = 0;; attempt++) {
+      int exists = 0, retry = 0;
+      st = tp_seg_create(c->name, size, &base, &c->lock_fd, &exists);
+      if (!exists) break;
+      st = name_taken(c, &retry);
+      if (st == TP_SUCCESS && !retry) st = tp_set_error(TP_ERR_INTERNAL, "segment %s: no decision", c->name);
+      if (st == TP_SUCCESS && attempt >= 8)
+        st = tp_set_error(TP_ERR_SYSTEM, "cannot create shared-memory segment %s: its name keeps coming back",
+                          c->name);
+      if (st != TP_SUCCESS) break;
+    }
     if (st != TP_SUCCESS) {
       free_ctx(c);
       return st;
@@ -1425,6 +1431,8 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
     h->scratch_blk = c->scratch_blk;
     memcpy(h->cma_bytes, c->cma_bytes, sizeof h->cma_bytes);
     h->creator_pid = getpid();
+    h->creator_start = proc_starttime(getpid(), NULL);
+    h->token = c->token = random_token();
     h->version = SHM_VERSION;
     atomic_store(&((shm_header_t *)base)->attached, 0);
     __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
@@ -1443,8 +1451,23 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
   c->stage = c->base + o_stage;
   c->p2pdata = c->base + o_p2p;
   rank_slot_t *me = &c->slots[rank];
-  me->pid = getpid();
-  me->starttime = proc_starttime(me->pid, NULL);
+  /* Each place is claimed once.  A second claimant is a rank of another job that
+   * has the same job id (two torchrun-style jobs on one address and port): both
+   * jobs stop, rather than compute with each other's ranks. */
+  int32_t holder = 0;
+  uint64_t my_start = proc_starttime(getpid(), NULL);
+  if (!atomic_compare_exchange_strong(&me->pid, &holder, (int32_t)getpid())) {
+    char msg[768];
+    snprintf(msg, sizeof msg,
+             "job id '%s' is used by two jobs at once: rank %d's place in shared-memory segment %s "
+             "was already taken by pid %d when pid %d arrived" COLLISION_ADVICE,
+             comm->job_id, rank, c->name, (int)holder, (int)getpid());
+    c->comm = comm;
+    publish_abort_status(c, rank, msg, TP_ERR_INVALID_USAGE);
+    st = tp_set_error(TP_ERR_INVALID_USAGE, "%s", msg);
+    goto fail_unclaimed;
+  }
+  me->starttime = my_start;
   c->cma_magic = 0x54504d4100000000ULL | (uint64_t)rank;
   me->cma_probe = (uint64_t)(uintptr_t)&c->cma_magic;
   atomic_store(&me->act_kind, TP_COLL_NONE);
@@ -1479,7 +1502,11 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
     }
     usleep(world <= online_cores() ? 50 : 500);
   }
-  if (rank == 0) shm_unlink(c->name);
+  if (!c->keep_name) { /* a split's name: nobody else can know it, and everyone is in */
+    if (rank == 0 && tp_seg_same(c->name, c->lock_fd)) shm_unlink(c->name);
+    close(c->lock_fd);
+    c->lock_fd = -1;
+  }
   /* Single-copy transfers need every rank to be able to read every other's memory
    * (same user, and ptrace rules such as Yama's allowing it): test it once. */
   int cma_ok = world > 1 && env_size("TPCORE_SHM_CMA", 1) != 0;
@@ -1507,7 +1534,8 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id) {
   }
   return TP_SUCCESS;
 fail:
-  if (rank == 0) shm_unlink(c->name);
+fail_unclaimed:
+  tp_seg_leave(c->name, c->lock_fd); /* the last one out removes the name */
   munmap(c->base, c->size);
   free_ctx(c);
   comm->impl = NULL;
@@ -1546,6 +1574,7 @@ static void shm_destroy(struct tp_comm *comm) {
     m = next;
   }
   munmap(c->base, c->size);
+  tp_seg_leave(c->name, c->lock_fd); /* the last one out removes a world communicator's name */
   free_ctx(c);
   comm->impl = NULL;
 }
@@ -1581,9 +1610,11 @@ static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp
   struct tp_comm *nc;
   TP_CHECK(tp_comm_alloc_common(&nc, newsize, newrank, comm->job_id, comm->timeout_s,
                                 comm->spin_us));
-  char id[64];
-  snprintf(id, sizeof id, "%016llx.%u.%d", (unsigned long long)fnv1a(c->comm_id), nsplit, color);
-  st = tp_shm_comm_init(nc, id);
+  char id[96];
+  /* Rank 0's random token makes the split's name unpredictable to anyone outside the job. */
+  snprintf(id, sizeof id, "%016llx%016llx.%u.%d", (unsigned long long)c->token,
+           (unsigned long long)fnv1a(c->comm_id), nsplit, color);
+  st = tp_shm_comm_init(nc, id, 0);
   if (st != TP_SUCCESS) {
     tp_error_prefix("split (color %d) on rank %d", color, r);
     free(nc);
@@ -1618,6 +1649,24 @@ unmap:
   free(m);
 }
 
+/* Map a registered buffer rank 0 has created: exactly its size, this user's, 0600. */
+static tp_status_t attach_region(const char *name, size_t size, void **base) {
+  int fd;
+  size_t nb = 0;
+  TP_CHECK(tp_seg_open(name, &fd, &nb));
+  if (fd < 0) return tp_set_error(TP_ERR_SYSTEM, "shared-memory segment %s is gone", name);
+  if (nb != size) {
+    close(fd);
+    return tp_set_error(TP_ERR_SYSTEM, "shared-memory segment %s has %zu bytes, expected %zu", name, nb, size);
+  }
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int err = errno;
+  close(fd);
+  if (p == MAP_FAILED) return tp_seg_sys_error("cannot map shared-memory segment", name, err);
+  *base = p;
+  return TP_SUCCESS;
+}
+
 static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr, tp_mem_t *out) {
   shm_ctx *c = comm->impl;
   int n = comm->size, r = comm->rank;
@@ -1634,13 +1683,18 @@ static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr
   size_t slot = ALIGN_UP(nbytes ? nbytes : 1, 4096);
   size_t maplen = slot * (size_t)n;
   char name[300];
-  snprintf(name, sizeof name, "%s_m%lld", c->name, (long long)id);
+  /* Not predictable (the token is rank 0's random number, known only through the
+   * job's own segment): nobody can create the name first. */
+  snprintf(name, sizeof name, "%s_%016llx_m%lld", c->name, (unsigned long long)c->token, (long long)id);
   void *base = NULL;
+  int lock_fd = -1;
   tp_status_t mine = TP_SUCCESS;
   char myerr[512] = "";
   rank_slot_t *ms = &c->slots[r];
   if (r == 0) {
-    mine = seg_create(name, maplen, &base);
+    int exists = 0;
+    mine = tp_seg_create(name, maplen, &base, &lock_fd, &exists);
+    if (exists) mine = tp_set_error(TP_ERR_INVALID_USAGE, "shared-memory name %s exists already", name);
     if (mine != TP_SUCCESS) snprintf(myerr, sizeof myerr, "%s", tp_last_error());
     atomic_store(&ms->status, (int32_t)mine);
     st = sync_all(c, what); /* created (or failed) */
@@ -1648,8 +1702,7 @@ static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr
     arrive(c);
     st = wait_word(c, &c->slots[0].step, &c->slots[0].waiters, c->step, 0, what, 0);
     if (st == TP_SUCCESS && atomic_load(&c->slots[0].status) == TP_SUCCESS) {
-      int gone;
-      mine = seg_attach(name, maplen, &base, tp_now() + comm->timeout_s, 0, r, &gone);
+      mine = attach_region(name, maplen, &base);
       if (mine != TP_SUCCESS) snprintf(myerr, sizeof myerr, "%s", tp_last_error());
     } else if (st == TP_SUCCESS) {
       mine = TP_ERR_NOMEM;
@@ -1659,7 +1712,10 @@ static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr
     if (st == TP_SUCCESS) st = wait_all(c, what);
   }
   if (st == TP_SUCCESS) st = sync_all(c, what); /* everyone attached (or failed) */
-  if (r == 0) shm_unlink(name);
+  if (lock_fd >= 0) { /* rank 0: everyone is in (or failed); the name can go */
+    if (tp_seg_same(name, lock_fd)) shm_unlink(name);
+    close(lock_fd);
+  }
   if (st != TP_SUCCESS) {
     if (base) munmap(base, maplen);
     goto done;

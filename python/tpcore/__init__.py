@@ -10,6 +10,7 @@ Launch a script on N ranks:  python -m tpcore.launch -n N script.py
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional
 
 # Idle OpenBLAS worker threads spin for 2^28 cycles (~0.1 s) after each call before they
@@ -74,6 +75,23 @@ def _default_threads(local_ranks: int) -> int:
     return max(1, cores // max(1, local_ranks))
 
 
+def _settle(comm, info) -> None:
+    """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand are all that names
+    the job: a second job started at the same moment with the same values would
+    meet this one.  A rank of it that arrives finds its place taken and stops
+    both jobs (the C core checks every claim); wait a moment for such a rank
+    before computing anything.  TPCORE_SETTLE_S sets the wait (default 1 s, 0
+    to skip); set TPCORE_JOB_ID to a unique value to need none."""
+    try:
+        wait = float(os.environ.get("TPCORE_SETTLE_S", "1.0"))
+    except ValueError:
+        raise ValueError(f"TPCORE_SETTLE_S must be a number of seconds, got "
+                         f"{os.environ['TPCORE_SETTLE_S']!r}") from None
+    if wait > 0:
+        time.sleep(wait)
+        comm.barrier()
+
+
 def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Optional[int] = None) -> Comm:
     """The world communicator of this job, from the environment.
 
@@ -98,6 +116,8 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
     c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), "shm",
                 -1 if spin_us is None else int(spin_us))
     comm = Comm(c, info.local_rank, info.local_world_size)
+    if not info.unique and info.world_size > 1:
+        _settle(comm, info)
     _excepthook.track(comm)
     _C.set_num_threads(_default_threads(info.local_world_size))
     return comm

@@ -1,29 +1,117 @@
-"""Removal of a job's shared-memory names and process-lifetime helpers."""
+"""Removal of dead jobs' shared-memory names, the launcher's janitor, and
+process-lifetime helpers.
+
+The rule (the C core's too, csrc/comm/shm_seg.c): a tpcore segment is in use
+while some process holds a flock on it (its creator from creation until the
+name goes; every rank of a world communicator for the communicator's life).
+Locks go with their processes, even under SIGKILL, so a name of this user's
+that nobody locks belongs to a job that died and may be removed.  Names of
+other users are never touched, and nothing here raises on them.
+
+This file imports only the standard library: the janitor runs it as a script
+(``python -I -S _cleanup.py --janitor JOB``) without importing tpcore.
+"""
 from __future__ import annotations
 
 import ctypes
-import glob
+import fcntl
 import os
 import signal
+import stat
+import subprocess
+import sys
 
 SHM_DIR = "/dev/shm"
+PREFIX = "tpcore_"
 
 
-def shm_segments(job_id: str):
-    """Names in /dev/shm that belong to the job (normally none: the C core
-    unlinks each segment as soon as every rank has mapped it)."""
-    return glob.glob(os.path.join(SHM_DIR, f"tpcore_{job_id}_*"))
+def shm_segments(job_id: str = "") -> list:
+    """This user's names in /dev/shm of the job (all tpcore jobs when job_id is empty)."""
+    prefix = PREFIX + (f"{job_id}_" if job_id else "")
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            out.append(path)
+    return out
 
 
-def remove_shm(job_id: str) -> list:
+def _unused(path: str) -> bool:
+    """Whether no process locks the segment (it belongs to a job that ended)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        a, b = os.fstat(fd), os.lstat(path)
+        return a.st_uid == os.geteuid() and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_shm(job_id: str = "", dry_run: bool = False) -> list:
+    """Remove this user's tpcore names of the job (all jobs when job_id is
+    empty) that no live process uses; the list of those removed (or, with
+    dry_run, that would be).  Never raises."""
     removed = []
     for path in shm_segments(job_id):
         try:
-            os.unlink(path)
+            if not _unused(path):
+                continue
+            if not dry_run:
+                os.unlink(path)
             removed.append(path)
-        except FileNotFoundError:
+        except OSError:
             pass
     return removed
+
+
+def start_janitor(job_id: str):
+    """A process outside the caller's process group that removes the job's
+    names once every holder of the returned pipe end has exited, however
+    (SIGKILL of the whole group included).  Pass the fd to every rank
+    (pass_fds) and close it when done; returns (fd, process) or (None, None)."""
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), "--janitor", job_id],
+                                stdin=r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                close_fds=True, start_new_session=True)
+    except OSError:
+        os.close(w)
+        return None, None
+    finally:
+        os.close(r)
+    return w, proc
+
+
+def _janitor(job_id: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is for the job
+    try:
+        while os.read(0, 4096):
+            pass
+    except OSError:
+        pass
+    # Every holder is gone; ranks that were not its children may still be
+    # exiting with their locks: look again for a while.
+    import time
+    for _ in range(200):
+        remove_shm(job_id)
+        if not shm_segments(job_id):
+            return
+        time.sleep(0.05)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -35,3 +123,7 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: nothing to do
         pass
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--janitor":
+    _janitor(sys.argv[2])

@@ -23,6 +23,15 @@ class JobInfo:
     local_world_size: int
     job_id: str
     source: str  # "tpcore", "torchrun", "openmpi", "slurm" or "single"
+    # False when nothing but MASTER_ADDR:MASTER_PORT tells this job from another
+    # (RANK/WORLD_SIZE set by hand): init then waits a moment for a second job
+    # with the same id to show itself (see tpcore.init).
+    unique: bool = True
+
+
+# Job ids of batch schedulers, in the environment of every task of a job.
+_SCHEDULER_IDS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "JOB_ID",
+                  "COBALT_JOBID")
 
 
 def _int(env, name):
@@ -59,14 +68,20 @@ def detect(env=None) -> JobInfo:
         else:
             source = "torchrun"
             addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-            # a restarted job must not meet the previous attempt's shared memory
+            # A restarted job must not meet the previous attempt's shared memory, and a
+            # scheduler's job id tells two jobs on one address and port apart.
             run_id = env.get("TORCHELASTIC_RUN_ID", "") + ":" + env.get("TORCHELASTIC_RESTART_COUNT", "0")
+            sched = [env.get(k, "") for k in _SCHEDULER_IDS]
+            run_id += ":" + ":".join(sched)
+            # Under torchrun its agent holds MASTER_PORT for the job; a scheduler's id is unique.
+            unique = bool("TORCHELASTIC_RUN_ID" in env or any(sched))
             if not (addr and port) and world > 1:
                 raise ValueError(
                     "RANK and WORLD_SIZE are set but neither TPCORE_JOB_ID nor MASTER_ADDR/MASTER_PORT: "
                     "cannot tell which job this rank belongs to (use python -m tpcore.launch, or set "
                     "TPCORE_JOB_ID to the same value on every rank)")
             job = "tr_" + _safe_id(f"{addr}:{port}:{run_id}")
+            return _checked(JobInfo(rank, world, local_rank, local_world, _safe_id(job), source, unique))
         return _checked(JobInfo(rank, world, local_rank, local_world, _safe_id(job), source))
     orank, oworld = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
     if orank is not None and oworld is not None:

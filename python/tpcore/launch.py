@@ -119,6 +119,10 @@ def run(argv=None) -> int:
         base["TPCORE_TIMEOUT"] = str(ns.timeout)
     procs = []
     stopping = {"signal": None}
+    # Removes the job's shared-memory names once the launcher and every rank are
+    # gone, however they go (SIGKILL of the whole process group included).
+    life_w, janitor = _cleanup.start_janitor(job)
+    life = (life_w,) if life_w is not None else ()
     err_r, err_w = os.pipe()  # ranks report uncaught exceptions here (see _excepthook)
     os.set_blocking(err_r, False)
 
@@ -131,7 +135,7 @@ def run(argv=None) -> int:
         for r in range(n):
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), TPCORE_ERROR_FD=str(err_w))
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          stdin=subprocess.DEVNULL, pass_fds=(err_w,),
+                                          stdin=subprocess.DEVNULL, pass_fds=(err_w,) + life,
                                           preexec_fn=_cleanup.die_with_parent))
         os.close(err_w)
         err_w = -1
@@ -180,6 +184,12 @@ def run(argv=None) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         _cleanup.remove_shm(job)
+        if life_w is not None:
+            os.close(life_w)
+            try:
+                janitor.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
         os.close(err_r)
         if err_w >= 0:
             os.close(err_w)
