@@ -9,6 +9,8 @@ Switches (environment variables):
 The build prints what it detected.
 """
 import glob
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -79,10 +81,39 @@ def blas_config():
             "info": f"OpenBLAS from scipy-openblas32 {sob.__version__}, vendored as tpcore/.libs/{os.path.basename(lib)}"}
 
 
+def build_config():
+    """What decides the machine code: objects of one configuration are never
+    linked or reused by another (build/ is shared by `pip install .` runs)."""
+    return {
+        "sanitize": os.environ.get("TPCORE_SANITIZE", "").strip(),
+        "debug": os.environ.get("TPCORE_DEBUG", "") not in ("", "0"),
+        "blas": os.environ.get("TPCORE_BLAS", "bundled").strip().lower() or "bundled",
+        **{k: os.environ.get(k, "") for k in ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS")},
+    }
+
+
 class BuildExt(build_ext):
+    def _separate_configs(self, cfg):
+        """A build directory per configuration, and a full rebuild whenever the
+        extension in build_lib came from another one (setuptools would otherwise
+        keep an up-to-date-looking extension of the previous configuration)."""
+        tag = hashlib.sha1(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:10]
+        stamp = os.path.join(self.build_temp, "last-config.json")  # what build_lib's extension was built as
+        self.build_temp = os.path.join(self.build_temp, f"cfg-{tag}")
+        try:
+            with open(stamp) as f:
+                previous = json.load(f)
+        except (OSError, ValueError):
+            previous = None
+        if previous != cfg:
+            self.force = True
+            log(f"build configuration {tag}: {'changed' if previous else 'new'}; rebuilding from source")
+        return stamp
+
     def build_extensions(self):
-        sanitize = os.environ.get("TPCORE_SANITIZE", "").strip()
-        debug = os.environ.get("TPCORE_DEBUG", "") not in ("", "0")
+        cfg = build_config()
+        stamp = self._separate_configs(cfg)
+        sanitize, debug = cfg["sanitize"], cfg["debug"]
         nvcc, nccl = detect_cuda()
         log(f"compiler: {self.compiler.compiler_so[0] if hasattr(self.compiler, 'compiler_so') else '?'}")
         log(f"backends: shm (always); nccl: {'headers found, backend not built yet' if nccl else 'not found'}; "
@@ -111,6 +142,9 @@ class BuildExt(build_ext):
                 ("TPCORE_BUILD_STR", '"debug"' if debug else '"release"'),
             ]
         super().build_extensions()
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        with open(stamp, "w") as f:
+            json.dump(cfg, f)
         if blas["vendor"]:
             dirs = {os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), ".libs")
                     for ext in self.extensions}
@@ -155,6 +189,7 @@ setup(
             "tpcore._C",
             sources=sources(),
             include_dirs=["csrc/include", numpy_include()],
+            depends=sorted(glob.glob("csrc/**/*.h", recursive=True)),
             libraries=["rt", "pthread", "m"],
         )
     ],

@@ -315,6 +315,14 @@ static tp_status_t abort_error(shm_ctx *c) {
   return tp_set_error(st, "%s", c->hdr->abort_msg);
 }
 
+/* An abort published while this rank was not waiting (a rank of another job with
+ * the same id stops this one) fails the next call, even one whose peers all arrive. */
+#define RETURN_IF_ABORTED(c)                                                          \
+  do {                                                                                \
+    if (TP_UNLIKELY(atomic_load_explicit(&(c)->hdr->abort_state, memory_order_acquire))) \
+      return abort_error(c);                                                          \
+  } while (0)
+
 /* Wait until *word reaches target.  `peer` is the rank that moves the word;
  * `what` names the wait for messages.  max_wait > 0 bounds this call (returns
  * TP_IN_PROGRESS when it runs out), else the communicator's timeout applies. */
@@ -977,6 +985,7 @@ static tp_status_t solo_collective(const tp_coll_args_t *a) {
 
 static tp_status_t shm_collective(struct tp_comm *comm, const tp_coll_args_t *a) {
   shm_ctx *c = comm->impl;
+  RETURN_IF_ABORTED(c);
   const char *what = NULL; /* formatted only if an error needs it */
   c->seq++;
   if (comm->size == 1) return solo_collective(a);
@@ -1102,6 +1111,7 @@ static tp_status_t shm_send(struct tp_comm *comm, const void *buf, size_t count,
                             int peer) {
   shm_ctx *c = comm->impl;
   p2p_op o;
+  RETURN_IF_ABORTED(c);
   char what[64];
   p2p_init(c, &o, buf, count, dt, peer, ++c->p2p_msg_s[peer]);
   snprintf(what, sizeof what, "send to rank %d", peer);
@@ -1115,6 +1125,7 @@ static tp_status_t shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dt
                             int peer) {
   shm_ctx *c = comm->impl;
   p2p_op o;
+  RETURN_IF_ABORTED(c);
   char what[64];
   p2p_init(c, &o, buf, count, dt, peer, ++c->p2p_msg_r[peer]);
   snprintf(what, sizeof what, "recv from rank %d", peer);
@@ -1127,6 +1138,7 @@ static tp_status_t shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dt
 static tp_status_t shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst,
                                 void *rbuf, size_t rcount, int src, tp_dtype_t dt) {
   shm_ctx *c = comm->impl;
+  RETURN_IF_ABORTED(c);
   p2p_op so, ro;
   char what[96];
   p2p_init(c, &so, sbuf, scount, dt, dst, ++c->p2p_msg_s[dst]);
@@ -1583,6 +1595,7 @@ static void shm_destroy(struct tp_comm *comm) {
 
 static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp_comm **out) {
   shm_ctx *c = comm->impl;
+  RETURN_IF_ABORTED(c);
   int n = comm->size, r = comm->rank;
   char what[48];
   c->seq++;
@@ -1669,6 +1682,7 @@ static tp_status_t attach_region(const char *name, size_t size, void **base) {
 
 static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr, tp_mem_t *out) {
   shm_ctx *c = comm->impl;
+  RETURN_IF_ABORTED(c);
   int n = comm->size, r = comm->rank;
   char what[48];
   c->seq++;

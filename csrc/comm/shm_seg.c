@@ -181,7 +181,9 @@ int tp_seg_sweep(const char *prefix) {
     int f = openat(dfd, e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (f < 0) continue; /* gone, or another user's */
     struct stat a, b;
-    if (fstat(f, &a) == 0 && S_ISREG(a.st_mode) && a.st_uid == me && flock(f, LOCK_EX | LOCK_NB) == 0 &&
+    /* Only what tpcore makes (this user's, 0600): anything else is left for a person to look at. */
+    if (fstat(f, &a) == 0 && S_ISREG(a.st_mode) && a.st_uid == me && (a.st_mode & 07777) == 0600 &&
+        flock(f, LOCK_EX | LOCK_NB) == 0 &&
         fstatat(dfd, e->d_name, &b, AT_SYMLINK_NOFOLLOW) == 0 && a.st_dev == b.st_dev &&
         a.st_ino == b.st_ino && unlinkat(dfd, e->d_name, 0) == 0)
       removed++;

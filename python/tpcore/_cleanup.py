@@ -47,7 +47,8 @@ def shm_segments(job_id: str = "") -> list:
 
 
 def _unused(path: str) -> bool:
-    """Whether no process locks the segment (it belongs to a job that ended)."""
+    """Whether no process locks the segment (it belongs to a job that ended).
+    Only what tpcore makes counts (mode 0600): anything else is left alone."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -55,7 +56,8 @@ def _unused(path: str) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         a, b = os.fstat(fd), os.lstat(path)
-        return a.st_uid == os.geteuid() and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        return (a.st_uid == os.geteuid() and stat.S_IMODE(a.st_mode) == 0o600
+                and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino))
     except OSError:
         return False
     finally:
