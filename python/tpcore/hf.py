@@ -436,7 +436,6 @@ def check_against_config(path: str, cfg: Config, kind: str, source: str, headers
     CheckpointError; anything else (BERT's pooler and pre-training heads, classifier
     heads) is unused, with a warning, as transformers does.  headers: {name: (file,
     TensorInfo)}."""
-    req, opt = expected_shapes(cfg, kind)
     layers = _LABELS[kind].get("layers", "layers")
     found = {}
     for name, (fn, info) in headers.items():
@@ -450,6 +449,14 @@ def check_against_config(path: str, cfg: Config, kind: str, source: str, headers
         if k in found:
             raise bad(fn, f"tensor {name!r}", "one tensor per name", f"both it and {found[k][0]!r} (as {k!r})")
         found[k] = (name, fn, info)
+    # a layer count past the file's first missing layer is refused before the expected
+    # tensors are listed (their number grows with the count the config claims)
+    present = {int(m.group(1)) for m in map(_LAYER[kind].match, found) if m}
+    gap = next(i for i in range(len(present) + 1) if i not in present)
+    if gap < cfg.layers:
+        raise bad(path, f"layer {gap}", f"its tensors ({layers}={cfg.layers} as {source} says)",
+                  f"no tensor of layer {gap} in the checkpoint (it holds {len(present)} layers)")
+    req, opt = expected_shapes(cfg, kind)
 
     def check(k, dims):
         name, fn, info = found[k]
@@ -525,8 +532,10 @@ def _check_own_shards(path: str, cfg: Config, source: str, world: int) -> None:
     float dtype, and together at least as many values as cfg's full tensors hold (every
     value of the model is on some rank), so a config that claims more than the files
     hold is refused."""
-    req, _ = expected_shapes(cfg, "tpcore")
-    need = sum(math.prod(v for v, _ in dims) for dims in req.values())
+    req, _ = expected_shapes(dataclasses.replace(cfg, layers=1), "tpcore")   # a layer's tensors, not L layers'
+    sizes = {k: math.prod(v for v, _ in dims) for k, dims in req.items()}
+    per_layer = sum(n for k, n in sizes.items() if k.startswith("blocks.0."))
+    need = sum(sizes.values()) + (cfg.layers - 1) * per_layer
     total = 0
     for r in range(world):
         fn = os.path.join(path, f"model.rank{r}-of-{world}.safetensors")
@@ -577,7 +586,7 @@ def load(path: str, comm: Comm, partition=None, progress: bool = True):
         full = os.path.join(path, "model.safetensors")
         if os.path.exists(full):
             header, _, _ = read_safetensors_header(full)
-            check_against_config(path, cfg, "tpcore", own, {k: (full, v) for k, v in header.items()})
+            check_against_config(path, cfg, "tpcore", "tpcore_config.json", {k: (full, v) for k, v in header.items()})
             model = TransformerLM(cfg, comm, partition=partition)
             t, _ = read_safetensors(full)
             model.load_state_dict_full(t, progress=progress)
@@ -598,7 +607,7 @@ def load(path: str, comm: Comm, partition=None, progress: bool = True):
             raise FileNotFoundError(f"{path}: no model.safetensors")
         return model
     cfg = Config.from_hf(path)
-    check_against_config(path, cfg, cfg.model_type, os.path.join(path, "config.json"), _headers(path),
+    check_against_config(path, cfg, cfg.model_type, "config.json", _headers(path),
                          warn=comm.rank == 0)
     gen = _generation_config(path)
     t = _open(path)
