@@ -57,7 +57,7 @@ def _short(v, n: int = 80) -> str:
 
 def bad(path, field, expected, found) -> CheckpointError:
     """CheckpointError "<path>: <field>: expected <expected>, found <found>" (found: a
-    string as it is, another value as its repr, both cut at 80 characters)."""
+    string as it is, another value as its repr cut at 80 characters)."""
     found_s = found if isinstance(found, str) else _short(found)
     return CheckpointError(f"{path}: {field}: expected {expected}, found {found_s}",
                            path=str(path), field=field, expected=expected, found=found)
@@ -243,7 +243,7 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, TensorInfo], Dict[str,
             raise bad(path, f"{where} data_offsets", "[begin, end], integers with 0 <= begin <= end", _type(offs))
         nbytes = math.prod(shape) * np.dtype(_ST_READ[dt]).itemsize
         if offs[1] - offs[0] != nbytes:
-            raise bad(path, f"{where} data_offsets", f"{nbytes} bytes (shape {shape} x {dt})",
+            raise bad(path, f"{where} data_offsets", f"{nbytes} bytes (shape {_short(shape)} x {dt})",
                       f"{offs} ({offs[1] - offs[0]} bytes)")
         if offs[1] > data:
             raise bad(path, f"{where} data_offsets", f"an end within the {data} bytes of data the file holds",

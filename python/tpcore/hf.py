@@ -4,7 +4,14 @@ Each rank memory-maps the *.safetensors files (tpcore's own reader: nothing is
 read until indexed, and bfloat16 works without torch or ml_dtypes) and copies
 only its slices: its rows of the vocabulary, its heads' rows of Q/K/V, its
 columns of the output and fc2 projections, its rows of fc1.  A rank's memory
-grows by about its shard, not by the model.  Names are mapped to tpcore's
+grows by about its shard, not by the model.
+
+Before anything is allocated, every file is checked: config.json's fields (types,
+ranges, consistency), each safetensors header (the format's rules), the index
+json of a sharded checkpoint, and the config against the tensors' shapes
+(check_against_config): a corrupt file or a config whose sizes the files do not
+hold raises tpcore.CheckpointError naming the file, the tensor or field, what was
+expected and what was found.  Names are mapped to tpcore's
 (transformer.TransformerBlock's docstring); GPT-2's Conv1D weights are stored
 (in, out) and its c_attn fuses [q | k | v] along out: the views below transpose
 and cut them lazily.
@@ -132,12 +139,12 @@ def _headers(path: str):
     return out
 
 
-def _open(path: str) -> Dict[str, object]:
-    """Every tensor of a Hugging Face checkpoint folder, memory-mapped (headers checked)."""
-    _headers(path)
-    files, _, _ = _index_files(path)
+def _open(path: str, headers=None) -> Dict[str, object]:
+    """Every tensor of a Hugging Face checkpoint folder, memory-mapped (headers checked;
+    headers: _headers(path) when the caller has it)."""
+    headers = _headers(path) if headers is None else headers
     out = {}
-    for f in files:
+    for f in sorted({fn for fn, _ in headers.values()}):
         t, _ = read_safetensors(f)
         out.update(t)
     return out
@@ -607,10 +614,10 @@ def load(path: str, comm: Comm, partition=None, progress: bool = True):
             raise FileNotFoundError(f"{path}: no model.safetensors")
         return model
     cfg = Config.from_hf(path)
-    check_against_config(path, cfg, cfg.model_type, "config.json", _headers(path),
-                         warn=comm.rank == 0)
+    headers = _headers(path)
+    check_against_config(path, cfg, cfg.model_type, "config.json", headers, warn=comm.rank == 0)
     gen = _generation_config(path)
-    t = _open(path)
+    t = _open(path, headers)
     names = {"gpt2": gpt2_names, "llama": llama_names, "bert": bert_names}[cfg.model_type]
     try:
         sd = names(t, cfg)
