@@ -6,6 +6,11 @@
     tpcore.spawn(fn, 4)                        # fn(comm) on 4 local ranks (scripts, pytest, Jupyter)
 
 Launch a script on N ranks:  python -m tpcore.launch -n N script.py
+
+Errors: CommError / CommTimeout (communication), RankExitedError (spawn), and
+CheckpointError (a ValueError) for every corrupt or inconsistent checkpoint file
+(safetensors, config.json, index, .npz), naming the file, the tensor or field,
+what was expected and what was found.
 """
 from __future__ import annotations
 
@@ -31,13 +36,13 @@ from .comm import Comm, CommError, CommTimeout
 from . import optim
 from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, partition
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, vocab_parallel_cross_entropy
-from .checkpoint import load, save
+from .checkpoint import CheckpointError, load, save
 from .transformer import Config, ParallelAttention, TransformerBlock
 from . import models
 from .spawn import RankExitedError, spawn
 
 __version__ = "0.1.0"
-__all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "build_info",
+__all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "CheckpointError", "build_info",
            "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "partition", "optim",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",

@@ -4,21 +4,32 @@ Each rank memory-maps the *.safetensors files (tpcore's own reader: nothing is
 read until indexed, and bfloat16 works without torch or ml_dtypes) and copies
 only its slices: its rows of the vocabulary, its heads' rows of Q/K/V, its
 columns of the output and fc2 projections, its rows of fc1.  A rank's memory
-grows by about its shard, not by the model.  Names are mapped to tpcore's
+grows by about its shard, not by the model.
+
+Before anything is allocated, every file is checked: config.json's fields (types,
+ranges, consistency), each safetensors header (the format's rules), the index
+json of a sharded checkpoint, and the config against the tensors' shapes
+(check_against_config): a corrupt file or a config whose sizes the files do not
+hold raises tpcore.CheckpointError naming the file, the tensor or field, what was
+expected and what was found.  Names are mapped to tpcore's
 (transformer.TransformerBlock's docstring); GPT-2's Conv1D weights are stored
 (in, out) and its c_attn fuses [q | k | v] along out: the views below transpose
 and cut them lazily.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
-import json
+import math
 import os
+import re
+import warnings
 from typing import Dict
 
 import numpy as np
 
-from .checkpoint import read_safetensors, to_float32
+from .checkpoint import (CheckpointError, ConfigFields, _type, bad, check_tensors, is_int, read_json_object,
+                         read_safetensors, read_safetensors_header, to_float32)
 from .comm import Comm
 from .transformer import Config
 
@@ -76,12 +87,64 @@ class View:
         return out[0] if scalar else out
 
 
-def _open(path: str) -> Dict[str, object]:
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
+def _index_files(path: str):
+    """The safetensors files of a Hugging Face checkpoint folder, with the tensor -> file
+    map of its *.safetensors.index.json when it has one (checked: an object whose
+    weight_map names plain files of the folder).  Without an index: every *.safetensors."""
+    idx = os.path.join(path, "model.safetensors.index.json")
+    found = sorted(glob.glob(os.path.join(path, "*.safetensors.index.json")))
+    if not os.path.exists(idx):
+        if len(found) > 1:
+            raise bad(path, "index", "one *.safetensors.index.json", f"{len(found)}: "
+                      f"{[os.path.basename(f) for f in found]}")
+        idx = found[0] if found else None
+    if idx is None:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors files")
+        return files, None, None
+    f = ConfigFields(read_json_object(idx), idx)
+    wm = f.get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        raise f.fail("weight_map", "an object of tensor name -> file name", _type(wm))
+    for name, fn in wm.items():
+        if not (isinstance(fn, str) and fn and fn == os.path.basename(fn) and fn not in (".", "..")
+                and fn.endswith(".safetensors")):
+            raise f.fail(f"weight_map[{name!r}]", "the name of a .safetensors file in the folder", _type(fn))
+        if not os.path.isfile(os.path.join(path, fn)):
+            raise f.fail(f"weight_map[{name!r}]", "an existing file of the folder", f"{fn!r}, which is missing")
+    return [os.path.join(path, fn) for fn in sorted(set(wm.values()))], wm, idx
+
+
+def _headers(path: str):
+    """{tensor name: (file, TensorInfo)} over every file of the checkpoint, headers checked
+    (no tensor data read): a name in two files, or a file and its index disagreeing, is a
+    CheckpointError."""
+    files, wm, idx = _index_files(path)
     out = {}
-    for f in files:
+    for fn in files:
+        header, _, _ = read_safetensors_header(fn)
+        for name, info in header.items():
+            if name in out:
+                raise bad(fn, f"tensor {name!r}", "each tensor in one file", f"it also in {out[name][0]}")
+            if wm is not None and wm.get(name) != os.path.basename(fn):
+                raise bad(idx, f"weight_map[{name!r}]", f"{os.path.basename(fn)!r} (the file that holds it)",
+                          _type(wm.get(name)) if name in wm else "no entry")
+            out[name] = (fn, info)
+    if wm is not None:
+        for name, fn in wm.items():
+            if name not in out:
+                raise bad(os.path.join(path, fn), f"tensor {name!r}", f"the tensor (as {os.path.basename(idx)} says)",
+                          "no such tensor")
+    return out
+
+
+def _open(path: str, headers=None) -> Dict[str, object]:
+    """Every tensor of a Hugging Face checkpoint folder, memory-mapped (headers checked;
+    headers: _headers(path) when the caller has it)."""
+    headers = _headers(path) if headers is None else headers
+    out = {}
+    for f in sorted({fn for fn, _ in headers.values()}):
         t, _ = read_safetensors(f)
         out.update(t)
     return out
@@ -262,16 +325,276 @@ def to_hf(cfg: Config, sd: Dict[str, np.ndarray]):
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, conf
 
 
+# Checking a checkpoint against its config before anything is allocated ---------------
+_PREFIXES = {"gpt2": ("transformer.",), "llama": ("model.",), "bert": ("bert.",), "tpcore": ()}
+_LAYER = {"gpt2": re.compile(r"h\.(\d+)\."), "llama": re.compile(r"layers\.(\d+)\."),
+          "bert": re.compile(r"encoder\.layer\.(\d+)\."), "tpcore": re.compile(r"blocks\.(\d+)\.")}
+# buffers that transformers writes into some checkpoints and ignores on loading
+# (_keys_to_ignore_on_load_unexpected): causal masks, rotary frequencies, position ids
+_BUFFERS = {"gpt2": re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$"),
+            "llama": re.compile(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$"),
+            "bert": re.compile(r"embeddings\.(position_ids|token_type_ids)$"), "tpcore": re.compile(r"(?!)")}
+# Config attribute -> the config file's field that sets it (for messages)
+_LABELS = {"gpt2": dict(vocab_size="vocab_size", hidden="n_embd", layers="n_layer", heads="n_head", kv_heads="n_head",
+                        head_dim="(n_embd/n_head)", ffn_hidden="n_inner", max_positions="n_positions"),
+           "llama": dict(vocab_size="vocab_size", hidden="hidden_size", layers="num_hidden_layers",
+                         heads="num_attention_heads", kv_heads="num_key_value_heads", head_dim="head_dim",
+                         ffn_hidden="intermediate_size", max_positions="max_position_embeddings"),
+           "bert": dict(vocab_size="vocab_size", hidden="hidden_size", layers="num_hidden_layers",
+                        heads="num_attention_heads", kv_heads="num_attention_heads",
+                        head_dim="(hidden_size/num_attention_heads)", ffn_hidden="intermediate_size",
+                        max_positions="max_position_embeddings", type_vocab_size="type_vocab_size"),
+           "tpcore": {}}
+
+
+def expected_shapes(cfg: Config, kind: str):
+    """The tensors a checkpoint of cfg must hold, as (required, optional): {name: dims},
+    each dim a (size, "config_field") pair; names without the checkpoint's prefix
+    ("transformer.", "model.", "bert."); kind: "gpt2", "llama", "bert" (Hugging Face
+    names) or "tpcore" (tpcore's names, as save_pretrained writes them)."""
+    lab = _LABELS[kind]
+
+    def d(attr, k=1):
+        name = lab.get(attr, attr)
+        return (k * getattr(cfg, attr), f"{k}*{name}" if k != 1 else name)
+
+    def prod(a, b):
+        return (getattr(cfg, a) * getattr(cfg, b), f"{lab.get(a, a)}*{lab.get(b, b)}")
+    V, C, F, P, L = d("vocab_size"), d("hidden"), d("ffn_hidden"), d("max_positions"), cfg.layers
+    Q, KV = prod("heads", "head_dim"), prod("kv_heads", "head_dim")
+    req, opt = {}, {}
+    if kind == "gpt2":
+        req.update({"wte.weight": (V, C), "wpe.weight": (P, C), "ln_f.weight": (C,), "ln_f.bias": (C,)})
+        for i in range(L):
+            p = f"h.{i}."
+            for n in ("ln_1", "ln_2"):
+                req[p + n + ".weight"] = req[p + n + ".bias"] = (C,)
+            req.update({p + "attn.c_attn.weight": (C, d("hidden", 3)), p + "attn.c_attn.bias": (d("hidden", 3),),
+                        p + "attn.c_proj.weight": (C, C), p + "attn.c_proj.bias": (C,),
+                        p + "mlp.c_fc.weight": (C, F), p + "mlp.c_fc.bias": (F,),
+                        p + "mlp.c_proj.weight": (F, C), p + "mlp.c_proj.bias": (C,)})
+        (opt if cfg.tie_embeddings else req)["lm_head.weight"] = (V, C)
+    elif kind == "llama":
+        req.update({"embed_tokens.weight": (V, C), "norm.weight": (C,)})
+        for i in range(L):
+            p = f"layers.{i}."
+            req.update({p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+                        p + "self_attn.q_proj.weight": (Q, C), p + "self_attn.k_proj.weight": (KV, C),
+                        p + "self_attn.v_proj.weight": (KV, C), p + "self_attn.o_proj.weight": (C, Q),
+                        p + "mlp.gate_proj.weight": (F, C), p + "mlp.up_proj.weight": (F, C),
+                        p + "mlp.down_proj.weight": (C, F)})
+        opt["lm_head.weight"] = (V, C)   # untied without it: the embedding (as before)
+    elif kind == "bert":
+        e = "embeddings."
+        req.update({e + "word_embeddings.weight": (V, C), e + "position_embeddings.weight": (P, C),
+                    e + "token_type_embeddings.weight": (d("type_vocab_size"), C),
+                    e + "LayerNorm.weight": (C,), e + "LayerNorm.bias": (C,)})
+        for i in range(L):
+            p = f"encoder.layer.{i}."
+            for n in ("query", "key", "value"):
+                req[p + f"attention.self.{n}.weight"], req[p + f"attention.self.{n}.bias"] = (C, C), (C,)
+            for n in ("attention.output.LayerNorm", "output.LayerNorm"):
+                req[p + n + ".weight"] = req[p + n + ".bias"] = (C,)
+            req.update({p + "attention.output.dense.weight": (C, C), p + "attention.output.dense.bias": (C,),
+                        p + "intermediate.dense.weight": (F, C), p + "intermediate.dense.bias": (F,),
+                        p + "output.dense.weight": (C, F), p + "output.dense.bias": (C,)})
+    else:   # tpcore's own names (TransformerLM.state_dict_full)
+        ln = cfg.norm == "layernorm"
+        g = 2 if cfg.activation == "swiglu" else 1
+
+        def norm(name):
+            req[name + ".weight"] = (C,)
+            if ln:
+                req[name + ".bias"] = (C,)
+        req["wte.weight"] = (V, C)
+        if cfg.positions == "learned":
+            req["wpe.weight"] = (P, C)
+        if cfg.type_vocab_size:
+            req["tte.weight"] = (d("type_vocab_size"), C)
+        if cfg.embedding_norm:
+            norm("emb_norm")
+        for i in range(L):
+            p = f"blocks.{i}."
+            norm(p + "norm1")
+            norm(p + "norm2")
+            req.update({p + "attn.q.weight": (Q, C), p + "attn.k.weight": (KV, C), p + "attn.v.weight": (KV, C),
+                        p + "attn.out.weight": (C, Q), p + "mlp.fc1.weight": (d("ffn_hidden", g), C),
+                        p + "mlp.fc2.weight": (C, F)})
+            if cfg.bias:
+                req.update({p + "attn.q.bias": (Q,), p + "attn.k.bias": (KV,), p + "attn.v.bias": (KV,),
+                            p + "attn.out.bias": (C,), p + "mlp.fc1.bias": (d("ffn_hidden", g),),
+                            p + "mlp.fc2.bias": (C,)})
+        if cfg.final_norm and cfg.pre_norm:
+            norm("final_norm")
+        if not cfg.tie_embeddings:
+            req["lm_head.weight"] = (V, C)
+    return req, opt
+
+
+def _dims(dims) -> str:
+    return "(" + ", ".join(f"{lab}={v}" for v, lab in dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def check_against_config(path: str, cfg: Config, kind: str, source: str, headers, warn: bool = True) -> None:
+    """Every tensor cfg needs must be in the checkpoint with exactly the shape cfg implies
+    and a float dtype; only the headers are read.  Extra tensors: transformers' harmless
+    buffers are ignored; a tensor of a layer past cfg.layers, or one inside a layer that
+    tpcore has no place for (a feature the config does not declare, e.g. biases), is a
+    CheckpointError; anything else (BERT's pooler and pre-training heads, classifier
+    heads) is unused, with a warning, as transformers does.  headers: {name: (file,
+    TensorInfo)}."""
+    layers = _LABELS[kind].get("layers", "layers")
+    found = {}
+    for name, (fn, info) in headers.items():
+        k = name
+        for p in _PREFIXES[kind]:
+            if k.startswith(p):
+                k = k[len(p):]
+                break
+        if kind == "bert":
+            k = k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if k in found:
+            raise bad(fn, f"tensor {name!r}", "one tensor per name", f"both it and {found[k][0]!r} (as {k!r})")
+        found[k] = (name, fn, info)
+    # a layer count past the file's first missing layer is refused before the expected
+    # tensors are listed (their number grows with the count the config claims)
+    present = {int(m.group(1)) for m in map(_LAYER[kind].match, found) if m}
+    gap = next(i for i in range(len(present) + 1) if i not in present)
+    if gap < cfg.layers:
+        raise bad(path, f"layer {gap}", f"its tensors ({layers}={cfg.layers} as {source} says)",
+                  f"no tensor of layer {gap} in the checkpoint (it holds {len(present)} layers)")
+    req, opt = expected_shapes(cfg, kind)
+
+    def check(k, dims):
+        name, fn, info = found[k]
+        want = tuple(v for v, _ in dims)
+        if info.shape != want:
+            raise bad(fn, f"tensor {name!r}", f"shape {_dims(dims)} as {source} says", f"shape {info.shape}")
+        if not info.floating:
+            raise bad(fn, f"tensor {name!r} dtype", "a floating-point dtype (F16, BF16, F32, F64)", info.dtype)
+    for k, dims in req.items():
+        if k not in found:
+            m = _LAYER[kind].match(k)
+            why = f"layer {m.group(1)} of {layers}={cfg.layers}" if m else f"a {cfg.model_type} model"
+            raise bad(path, f"tensor {k!r}", f"a tensor of shape {_dims(dims)} ({why}, as {source} says)",
+                      "no such tensor in the checkpoint")
+        check(k, dims)
+    unused = []
+    for k, (name, fn, info) in found.items():
+        if k in req:
+            continue
+        if k in opt:
+            check(k, opt[k])
+            continue
+        if _BUFFERS[kind].match(k):
+            continue
+        m = _LAYER[kind].match(k)
+        if m and int(m.group(1)) >= cfg.layers:
+            raise bad(fn, f"tensor {name!r}", f"layers 0 to {cfg.layers - 1} ({layers}={cfg.layers} as {source} says)",
+                      f"a tensor of layer {m.group(1)}")
+        if m or kind == "tpcore":
+            raise bad(fn, f"tensor {name!r}", f"only the tensors of the model {source} describes",
+                      "a tensor tpcore has no place for (a feature the config does not declare?)")
+        unused.append(name)
+    if unused and warn:
+        warnings.warn(f"{path}: {len(unused)} tensor(s) of the checkpoint are not used by tpcore's {kind} model "
+                      f"and were ignored: {', '.join(sorted(unused)[:8])}{' ...' if len(unused) > 8 else ''}",
+                      stacklevel=3)
+
+
+def _own_config(p: str) -> Config:
+    """tpcore_config.json (save_pretrained): an object of Config's fields, each checked."""
+    from .layers import ACTIVATIONS
+    from .transformer import NORMS, POSITIONS
+    d = read_json_object(p)
+    f = ConfigFields(d, p)
+    fields = {x.name for x in dataclasses.fields(Config)}
+    kw = {}
+    for k in d:
+        if k not in fields:
+            raise f.fail(k, f"one of Config's fields ({', '.join(sorted(fields))})", "an unknown field")
+        if k in ("vocab_size", "hidden", "layers", "heads", "max_positions"):
+            kw[k] = f.int(k)
+        elif k in ("kv_heads", "ffn_hidden", "head_dim", "sliding_window"):
+            kw[k] = f.int(k, null=True)
+        elif k == "type_vocab_size":
+            kw[k] = f.int(k, lo=0)
+        elif k in ("eps", "rope_theta"):
+            kw[k] = f.num(k)
+        elif k in ("norm", "activation", "positions"):
+            kw[k] = f.str(k, choices={"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS}[k])
+        elif k == "model_type":
+            kw[k] = f.str(k)
+        else:
+            kw[k] = f.bool(k)
+    try:
+        return Config(**kw)
+    except ValueError as e:
+        raise bad(p, "config", "a consistent configuration", str(e)) from e
+
+
+def _check_own_shards(path: str, cfg: Config, source: str, world: int) -> None:
+    """The shard files of a sharded save_pretrained checkpoint, before allocating: every
+    rank's file exists with its rank and world in the metadata, tensors param.<i> of a
+    float dtype, and together at least as many values as cfg's full tensors hold (every
+    value of the model is on some rank), so a config that claims more than the files
+    hold is refused."""
+    req, _ = expected_shapes(dataclasses.replace(cfg, layers=1), "tpcore")   # a layer's tensors, not L layers'
+    sizes = {k: math.prod(v for v, _ in dims) for k, dims in req.items()}
+    per_layer = sum(n for k, n in sizes.items() if k.startswith("blocks.0."))
+    need = sum(sizes.values()) + (cfg.layers - 1) * per_layer
+    total = 0
+    for r in range(world):
+        fn = os.path.join(path, f"model.rank{r}-of-{world}.safetensors")
+        if not os.path.exists(fn):
+            raise bad(fn, "file", f"rank {r}'s shard of a {world}-rank checkpoint", "no such file")
+        header, meta, _ = read_safetensors_header(fn)
+        for k, want in (("world", str(world)), ("rank", str(r))):
+            if k in meta and meta[k] != want:
+                raise bad(fn, f"__metadata__[{k!r}]", repr(want), repr(meta[k]))
+        for name, info in header.items():
+            if not re.fullmatch(r"param\.(0|[1-9][0-9]*)", name):
+                raise bad(fn, f"tensor {name!r}", "tensors named param.<i>", "another name")
+            if not info.floating:
+                raise bad(fn, f"tensor {name!r} dtype", "a floating-point dtype", info.dtype)
+            total += math.prod(info.shape)
+    if total < need:
+        raise bad(source, "sizes", f"a model the {world} shard files can hold ({total} values)",
+                  f"sizes that need {need} values (vocab_size={cfg.vocab_size}, hidden={cfg.hidden}, "
+                  f"layers={cfg.layers}, max_positions={cfg.max_positions}, ...)")
+
+
+def _generation_config(path: str) -> dict:
+    p = os.path.join(path, "generation_config.json")
+    if not os.path.exists(p):
+        return {}
+    f = ConfigFields(read_json_object(p), p)
+    out = {}
+    for k in ("eos_token_id", "pad_token_id"):
+        v = f.get(k, None)
+        if v is None:
+            continue
+        ids = v if isinstance(v, list) and k == "eos_token_id" else [v]
+        if not ids or not all(is_int(x) and x >= 0 for x in ids):
+            raise f.fail(k, "a non-negative integer" + (" or a list of them" if k == "eos_token_id" else ""), _type(v))
+        out[k] = v
+    return out
+
+
 def load(path: str, comm: Comm, partition=None, progress: bool = True):
+    """A checkpoint folder: tpcore's own (tpcore_config.json) or Hugging Face's
+    (config.json).  The config and every file header are checked against each other
+    before the model is allocated (CheckpointError otherwise)."""
     from .models import TransformerLM
     own = os.path.join(path, "tpcore_config.json")
     if os.path.exists(own):
-        with open(own) as f:
-            cfg = Config(**json.load(f))
-        model = TransformerLM(cfg, comm, partition=partition)
+        cfg = _own_config(own)
         shards = sorted(glob.glob(os.path.join(path, "model.rank*-of-*.safetensors")))
         full = os.path.join(path, "model.safetensors")
         if os.path.exists(full):
+            header, _, _ = read_safetensors_header(full)
+            check_against_config(path, cfg, "tpcore", "tpcore_config.json", {k: (full, v) for k, v in header.items()})
+            model = TransformerLM(cfg, comm, partition=partition)
             t, _ = read_safetensors(full)
             model.load_state_dict_full(t, progress=progress)
         elif shards:
@@ -279,18 +602,22 @@ def load(path: str, comm: Comm, partition=None, progress: bool = True):
             if not os.path.exists(mine):
                 raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
                                  f"save it with sharded=False to reshard")
+            _check_own_shards(path, cfg, own, comm.size)
+            model = TransformerLM(cfg, comm, partition=partition)
             t, _ = read_safetensors(mine)
             params = model.parameters()
+            check_tensors(mine, t, {f"param.{i}": p.shape for i, (p, _) in enumerate(params)},
+                          "this rank's shard of the model (another partition?)")
             for i, (p, _) in enumerate(params):
-                src = t.get(f"param.{i}")
-                if src is None or tuple(src.shape) != p.shape:
-                    raise ValueError(f"{mine}: parameter {i} is missing or has another shape (another layout)")
-                p[...] = to_float32(src)
+                p[...] = to_float32(t[f"param.{i}"])
         else:
             raise FileNotFoundError(f"{path}: no model.safetensors")
         return model
     cfg = Config.from_hf(path)
-    t = _open(path)
+    headers = _headers(path)
+    check_against_config(path, cfg, cfg.model_type, "config.json", headers, warn=comm.rank == 0)
+    gen = _generation_config(path)
+    t = _open(path, headers)
     names = {"gpt2": gpt2_names, "llama": llama_names, "bert": bert_names}[cfg.model_type]
     try:
         sd = names(t, cfg)
@@ -299,12 +626,9 @@ def load(path: str, comm: Comm, partition=None, progress: bool = True):
     model = TransformerLM(cfg, comm, partition=partition)
     model.load_state_dict_full(sd, progress=progress)
     del t, sd
-    gc_path = os.path.join(path, "generation_config.json")
-    if os.path.exists(gc_path):
-        with open(gc_path) as f:
-            g = json.load(f)
-        model.generation_config = {k: g[k] for k in ("eos_token_id", "pad_token_id") if g.get(k) is not None}
+    model.generation_config = gen
     return model
 
 
-__all__ = ["load", "to_hf", "View", "gpt2_names", "llama_names", "bert_names"]
+__all__ = ["load", "to_hf", "View", "gpt2_names", "llama_names", "bert_names", "expected_shapes",
+           "check_against_config", "CheckpointError"]

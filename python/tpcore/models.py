@@ -448,6 +448,8 @@ class _Progress:
 
 def from_pretrained(path: str, comm: Comm, partition=None, progress: bool = True) -> TransformerLM:
     """A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors) or one
-    saved by save_pretrained; each rank reads only its slices (memory-mapped)."""
+    saved by save_pretrained; each rank reads only its slices (memory-mapped).  The config
+    and the files' headers are checked against each other first: a corrupt or inconsistent
+    file raises tpcore.CheckpointError (a ValueError) before the model is allocated."""
     from . import hf
     return hf.load(path, comm, partition=partition, progress=progress)

@@ -24,7 +24,6 @@ Full-tensor names (``load_full`` / ``gather_full``), Hugging Face's shapes:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Dict, Optional, Sequence
 
@@ -87,63 +86,90 @@ class Config:
 
     @classmethod
     def from_hf(cls, path: str) -> "Config":
-        """The config.json of a Hugging Face GPT-2, Llama (or Mistral) or BERT checkpoint."""
+        """The config.json of a Hugging Face GPT-2, Llama (or Mistral) or BERT checkpoint.
+        A malformed file or field raises tpcore.CheckpointError naming it."""
+        from .checkpoint import read_json_object
         p = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        with open(p) as f:
-            c = json.load(f)
-        return cls.from_hf_dict(c)
+        return cls.from_hf_dict(read_json_object(p), source=p)
 
     @classmethod
-    def from_hf_dict(cls, c: dict) -> "Config":
-        mt = c.get("model_type", "")
+    def from_hf_dict(cls, c: dict, source: str = "config.json") -> "Config":
+        """Every field is checked (type, range, consistency) before use: a bad one raises
+        tpcore.CheckpointError (a ValueError) naming source, the field, what was expected
+        and what was found."""
+        from .checkpoint import _MISSING, ConfigFields, CheckpointError, bad
+        f = ConfigFields(c, source)
+        mt = f.str("model_type", _MISSING, ("gpt2", "llama", "mistral", "bert"), " (other model types are not supported)")
+
+        def heads_divide(hidden_key, heads_key):
+            C, H = f.int(hidden_key), f.int(heads_key)
+            if C % H:
+                raise f.fail(heads_key, f"a divisor of {hidden_key} ({C})", H)
+            return C, H
         if mt == "gpt2":
-            if c.get("scale_attn_by_inverse_layer_idx") or c.get("reorder_and_upcast_attn") or \
-                    c.get("scale_attn_weights") is False:
-                raise ValueError("Config.from_hf: GPT-2 with scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn "
-                                 "or without scale_attn_weights is not supported")
-            act = c.get("activation_function", "gelu_new")
-            return cls(vocab_size=c["vocab_size"], hidden=c["n_embd"], layers=c["n_layer"], heads=c["n_head"],
-                       ffn_hidden=c.get("n_inner") or 4 * c["n_embd"], norm="layernorm",
-                       eps=c.get("layer_norm_epsilon", 1e-5), activation=_hf_act(act), positions="learned",
-                       max_positions=c.get("n_positions", 1024), causal=True, pre_norm=True, bias=True,
-                       tie_embeddings=c.get("tie_word_embeddings", True), model_type="gpt2")
-        if mt in ("llama", "mistral"):
-            rp = c.get("rope_parameters") or {}
-            scaling = c.get("rope_scaling") or rp
-            if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            for key, want in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
+                              ("scale_attn_weights", True)):
+                if f.bool(key, want) != want:
+                    raise f.fail(key, f"{str(want).lower()} (GPT-2 with {key}={str(not want).lower()} is not "
+                                 f"supported)", f.get(key))
+            C, H = heads_divide("n_embd", "n_head")
+            kw = dict(vocab_size=f.int("vocab_size"), hidden=C, layers=f.int("n_layer"), heads=H,
+                      ffn_hidden=f.int("n_inner", None, null=True) or 4 * C, norm="layernorm",
+                      eps=f.num("layer_norm_epsilon", 1e-5),
+                      activation=_hf_act(f.str("activation_function", "gelu_new", tuple(_HF_ACTS))),
+                      positions="learned", max_positions=f.int("n_positions", 1024), causal=True, pre_norm=True,
+                      bias=True, tie_embeddings=f.bool("tie_word_embeddings", True), model_type="gpt2")
+        elif mt in ("llama", "mistral"):
+            rp = f.obj("rope_parameters")
+            scaling = f.obj("rope_scaling") or rp
+            if scaling.get("rope_type", scaling.get("type", "default")) == "default":
                 scaling = {}  # plain RoPE written out explicitly
             if scaling:
-                raise ValueError(f"Config.from_hf: rope scaling {scaling} is not supported")
-            theta = c.get("rope_theta") or rp.get("rope_theta") or 10000.0
-            act = c.get("hidden_act", "silu")
-            if act != "silu":
-                raise ValueError(f"Config.from_hf: Llama with hidden_act {act!r} is not supported (silu only)")
-            if c.get("attention_bias") or c.get("mlp_bias"):
-                raise ValueError("Config.from_hf: Llama with attention_bias / mlp_bias is not supported")
-            return cls(vocab_size=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
-                       heads=c["num_attention_heads"], kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-                       ffn_hidden=c["intermediate_size"], head_dim=c.get("head_dim"), norm="rmsnorm",
-                       eps=c.get("rms_norm_eps", 1e-6), activation="swiglu", positions="rope",
-                       max_positions=c.get("max_position_embeddings", 2048), rope_theta=float(theta),
-                       causal=True, pre_norm=True, bias=False,
-                       tie_embeddings=c.get("tie_word_embeddings", False),
-                       sliding_window=c.get("sliding_window") or None, model_type="llama")
-        if mt == "bert":
-            return cls(vocab_size=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
-                       heads=c["num_attention_heads"], ffn_hidden=c["intermediate_size"], norm="layernorm",
-                       eps=c.get("layer_norm_eps", 1e-12), activation=_hf_act(c.get("hidden_act", "gelu")),
-                       positions="learned", max_positions=c.get("max_position_embeddings", 512), causal=False,
-                       pre_norm=False, bias=True, tie_embeddings=True, type_vocab_size=c.get("type_vocab_size", 2),
-                       final_norm=False, embedding_norm=True, model_type="bert")
-        raise ValueError(f"Config.from_hf: model_type {mt!r} is not supported (gpt2, llama, mistral, bert)")
+                raise f.fail("rope_scaling" if f.obj("rope_scaling") else "rope_parameters",
+                             "plain RoPE (rope scaling is not supported)", scaling)
+            theta = f.num("rope_theta", None) if f.get("rope_theta", None) is not None else \
+                ConfigFields(rp, f"{source} rope_parameters").num("rope_theta", 10000.0)
+            f.str("hidden_act", "silu", ("silu",), " (Llama with another activation is not supported)")
+            for key in ("attention_bias", "mlp_bias"):
+                if f.bool(key, False):
+                    raise f.fail(key, "false (Llama with biases is not supported)", True)
+            head_dim = f.int("head_dim", None, null=True)
+            C, H = (f.int("hidden_size"), f.int("num_attention_heads")) if head_dim else \
+                heads_divide("hidden_size", "num_attention_heads")
+            kv = f.int("num_key_value_heads", None, null=True) or H
+            if H % kv:
+                raise f.fail("num_key_value_heads", f"a divisor of num_attention_heads ({H})", kv)
+            kw = dict(vocab_size=f.int("vocab_size"), hidden=C, layers=f.int("num_hidden_layers"), heads=H,
+                      kv_heads=kv, ffn_hidden=f.int("intermediate_size"), head_dim=head_dim, norm="rmsnorm",
+                      eps=f.num("rms_norm_eps", 1e-6), activation="swiglu", positions="rope",
+                      max_positions=f.int("max_position_embeddings", 2048), rope_theta=theta,
+                      causal=True, pre_norm=True, bias=False, tie_embeddings=f.bool("tie_word_embeddings", False),
+                      sliding_window=f.int("sliding_window", None, lo=0, null=True) or None, model_type="llama")
+        else:  # bert
+            C, H = heads_divide("hidden_size", "num_attention_heads")
+            f.str("position_embedding_type", "absolute", ("absolute",), " (relative positions are not supported)")
+            kw = dict(vocab_size=f.int("vocab_size"), hidden=C, layers=f.int("num_hidden_layers"), heads=H,
+                      ffn_hidden=f.int("intermediate_size"), norm="layernorm", eps=f.num("layer_norm_eps", 1e-12),
+                      activation=_hf_act(f.str("hidden_act", "gelu", tuple(_HF_ACTS))), positions="learned",
+                      max_positions=f.int("max_position_embeddings", 512), causal=False, pre_norm=False, bias=True,
+                      tie_embeddings=True, type_vocab_size=f.int("type_vocab_size", 2), final_norm=False,
+                      embedding_norm=True, model_type="bert")
+        try:
+            return cls(**kw)
+        except ValueError as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise bad(source, "config", "a consistent configuration", str(e)) from e
+
+
+_HF_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
+            "relu": "relu", "silu": "silu", "swish": "silu"}
 
 
 def _hf_act(name: str) -> str:
-    table = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
-             "relu": "relu", "silu": "silu", "swish": "silu"}
-    if name not in table:
+    if name not in _HF_ACTS:
         raise ValueError(f"activation {name!r} is not supported")
-    return table[name]
+    return _HF_ACTS[name]
 
 
 def head_partition(cfg: Config, world: int, weights: Optional[Sequence[float]] = None) -> list:
