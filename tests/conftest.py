@@ -27,8 +27,8 @@ def leftover_segments():
 
 
 def _mapped_by_live_process(path):
-    """Whether some running process maps the segment (another tpcore job on this machine
-    between creating its segment and unlinking it, once all its ranks attached)."""
+    """Whether some running process maps the segment (another tpcore job on this machine:
+    its world communicator's name lives as long as the job)."""
     for maps in glob.glob("/proc/[0-9]*/maps"):
         try:
             with open(maps) as f:

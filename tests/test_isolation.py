@@ -179,8 +179,89 @@ def test_scheduler_job_ids_tell_jobs_apart():
     a = _env.detect(dict(base, SLURM_JOB_ID="11"))
     b = _env.detect(dict(base, SLURM_JOB_ID="12"))
     bare = _env.detect(base)
-    assert a.job_id != b.job_id and a.unique and b.unique
-    assert not bare.unique and bare.job_id not in (a.job_id, b.job_id)
+    assert len({a.job_id, b.job_id, bare.job_id}) == 3
+    # Two jobs started by hand inside one allocation share its id: still settle.
+    assert not a.unique and not b.unique and not bare.unique
+    assert _env.detect(dict(base, TORCHELASTIC_RUN_ID="none")).unique  # torchrun's agent holds the port
+
+
+REINIT = r'''
+import os, time, numpy as np, tpcore
+for i in range(4):
+    c = tpcore.init(timeout=20)
+    x = np.array([1.0 + i])
+    c.all_reduce(x)
+    assert x[0] == 2 * (1.0 + i), x
+    if c.rank == int(os.environ["T_SLOW"]):
+        time.sleep(0.3)  # its peer is already making the next communicator
+    c.close()
+print("OK", flush=True)
+'''
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_close_and_init_again_with_the_same_id(slow):
+    job = f"iso{os.getpid()}r{slow}{random.randrange(1 << 30)}"
+    procs = [subprocess.Popen([sys.executable, "-c", REINIT], env=_env(RANK=r, WORLD_SIZE=2, TPCORE_JOB_ID=job,
+                                                                          T_SLOW=slow),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             for r in range(2)]
+    for p in procs:
+        code, out = _finish(p)
+        assert code == 0 and "OK" in out, out
+
+
+def test_single_rank_jobs_may_share_an_id():
+    job = f"iso{os.getpid()}s{random.randrange(1 << 30)}"
+    hold = f"/tmp/tpcore-hold-{os.getpid()}-{_port()}"
+    try:
+        procs = [_start(TPCORE_JOB_ID=job, T_VALUE=5, T_HOLD=hold) for _ in range(3)]
+        for p in procs:
+            assert _wait_line(p, "SUM").split()[1] == "5.0"
+        open(hold, "w").close()
+        for p in procs:
+            code, out = _finish(p)
+            assert code == 0 and "AFTER" in out, out
+    finally:
+        if os.path.exists(hold):
+            os.unlink(hold)
+
+
+FORKS = r'''
+import os, sys, time, numpy as np, tpcore
+c = tpcore.init(timeout=20)
+c.barrier()
+if os.fork() == 0:  # a worker the rank forks (a DataLoader worker, say), outliving it
+    time.sleep(30)
+    os._exit(0)
+print("READY", flush=True)
+time.sleep(60)
+'''
+
+
+def test_a_forked_child_does_not_keep_a_dead_job_alive():
+    job = f"iso{os.getpid()}f{random.randrange(1 << 30)}"
+    procs = [subprocess.Popen([sys.executable, "-c", FORKS], env=_env(RANK=r, WORLD_SIZE=2, TPCORE_JOB_ID=job),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                              start_new_session=True)
+             for r in range(2)]
+    try:
+        for p in procs:
+            _wait_line(p, "READY")
+        for p in procs:
+            p.kill()  # the ranks die; their forked children live on
+            p.wait()
+        # The same job id starts again at once: the dead job's name is not held by the children.
+        nxt = [_start(RANK=r, WORLD_SIZE=2, TPCORE_JOB_ID=job, T_VALUE=r) for r in range(2)]
+        for p in nxt:
+            code, out = _finish(p)
+            assert code == 0 and "SUM 1.0" in out, out
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 # ----------------------------------------------------------------- item 6
@@ -219,23 +300,54 @@ def test_loosened_segment_is_refused():
 
 # ----------------------------------------------------------------- item 7
 
+ATTACKER = r'''
+import os, re, sys, time
+job, end = sys.argv[1], time.monotonic() + float(sys.argv[2])
+made = set()
+pat = re.compile(r"^(tpcore_" + re.escape(job) + r"_.*_m)(\d+)$")
+while time.monotonic() < end:
+    for name in os.listdir("/dev/shm"):
+        if not name.startswith("tpcore_" + job + "_"):
+            continue
+        m = pat.match(name)
+        guesses = [name + f"_m{i}" for i in range(4)]  # registered memory of a world name
+        if m:  # the next ones after a registered buffer seen
+            guesses += [m.group(1) + str(int(m.group(2)) + k) for k in range(1, 4)]
+        for g in guesses:
+            if g not in made:
+                made.add(g)
+                try:
+                    os.close(os.open("/dev/shm/" + g, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+                except OSError:
+                    pass
+    time.sleep(0.0005)
+print(len(made))
+'''
+
+
 @needs_root
-def test_registered_memory_names_cannot_be_taken_first_and_cleanup_never_raises():
+def test_another_user_watching_dev_shm_cannot_take_registered_memory_names():
+    """Another user lists /dev/shm while a job allocates registered memory and
+    creates every name it could guess from what it sees; the job goes on."""
     job = f"iso{os.getpid()}z{random.randrange(1 << 30)}"
-    world = _world_segment(job)
-    squat = [f"{world}_m{i}" for i in range(4)] + [f"/dev/shm/tpcore_{job}_squat"]
-    code = "".join(f"fd = os.open({p!r}, os.O_CREAT | os.O_RDWR, 0o600)\nos.close(fd)\n" for p in squat)
-    _as_nobody(code)
+    pre = f"import os\nos.setgroups([])\nos.setgid({NOBODY})\nos.setuid({NOBODY})\n"
+    attacker = subprocess.Popen([sys.executable, "-I", "-c", pre + ATTACKER, job, "20"], stdout=subprocess.PIPE,
+                                text=True)
     try:
-        procs = [_start(RANK=r, WORLD_SIZE=3, TPCORE_JOB_ID=job, T_VALUE=r, T_ALLOCS=4) for r in range(3)]
+        time.sleep(0.3)
+        procs = [_start(RANK=r, WORLD_SIZE=3, TPCORE_JOB_ID=job, T_VALUE=r, T_ALLOCS=25) for r in range(3)]
         for p in procs:
             rc, out = _finish(p)
             assert rc == 0 and "SUM 3.0" in out, out
-        assert _cleanup.remove_shm(job) == []  # the squatter's files are not ours: untouched, no error
-        assert all(os.stat(p).st_uid == NOBODY for p in squat)
     finally:
-        for p in squat:
-            os.unlink(p)
+        attacker.kill()
+        attacker.wait()
+        squat = [os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if n.startswith(f"tpcore_{job}_")]
+    assert squat, "the attacker saw no name: the test did not test anything"
+    assert _cleanup.remove_shm(job) == []  # the squatter's files are not ours: untouched, no error
+    assert all(os.stat(p).st_uid == NOBODY for p in squat)
+    for p in squat:
+        os.unlink(p)
 
 
 # ----------------------------------------------------------------- item 8

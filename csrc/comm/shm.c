@@ -32,9 +32,14 @@
  * reduces all of them.
  *
  * Lifetime.  Rank 0 creates the segment (0600, O_EXCL, space reserved with
- * posix_fallocate so a full /dev/shm is an error rather than a SIGBUS), the
- * others attach, and once all have attached rank 0 unlinks the name: from then
- * on nothing is left in /dev/shm whatever happens to the processes.
+ * posix_fallocate so a full /dev/shm is an error rather than a SIGBUS) and the
+ * others attach (shm_seg.c: only this user's 0600 segments, liveness by flock).
+ * A world communicator's name stays, locked by every rank, while the job lives:
+ * it is the job's claim on its id, and each rank claims its place once, so a
+ * second job with the same id stops both instead of mixing with them.  The last
+ * rank to close removes it; a dead job's name is removed by the next start's
+ * sweep.  A split's or a registered buffer's name is random and goes as soon as
+ * every rank has mapped it.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -49,6 +54,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -90,6 +96,7 @@ typedef struct {
   int64_t recv_region, recv_off;
   uint64_t send_addr, recv_addr;  /* this rank's buffers in its own address space (CMA) */
   uint64_t counts_hash;           /* all_gather / reduce_scatter: the per-rank counts */
+  uint64_t nonce;                 /* split / alloc: rank 0's fresh random number names what it creates */
 } coll_hdr_t;
 
 typedef struct {
@@ -133,11 +140,11 @@ typedef struct {
   uint64_t p2p_chunk;
   int32_t creator_pid;
   uint64_t creator_start; /* the creator's /proc start time: a reused pid is not it */
-  uint64_t token;         /* random: names of this communicator's other segments and splits */
   /* Rank 0's settings, adopted by every rank: they choose data paths, which must agree. */
   uint64_t small_bytes, nt_bytes, scratch_blk, cma_bytes[TP_COLL_NUM];
   _Alignas(CL) _Atomic int32_t attached;
   _Alignas(CL) _Atomic int32_t abort_state; /* 0 none, 1 being written, 2 published */
+  _Atomic int32_t closing; /* a rank closed (or failed to set up) the communicator: it is ending */
   int32_t abort_rank;
   int32_t abort_status; /* tp_status_t the peers report: timeout, mismatch or remote */
   char abort_msg[768];
@@ -162,7 +169,6 @@ typedef struct shm_ctx {
   char comm_id[128];
   int keep_name;  /* a world communicator: the name stays (locked) while the job lives */
   int lock_fd;    /* holds this rank's lock on the segment (-1: none) */
-  uint64_t token; /* rank 0's random token (see shm_header_t) */
   char *base;
   size_t size;
   shm_header_t *hdr;
@@ -488,6 +494,7 @@ static void post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key,
   h->send_addr = (uint64_t)(uintptr_t)a->send;
   h->recv_addr = (uint64_t)(uintptr_t)a->recv;
   h->counts_hash = 0;
+  h->nonce = 0;
   if (a->counts) {
     uint64_t x = 1469598103934665603ULL;
     for (int p = 0; p < c->comm->size; p++) x = (x ^ (uint64_t)a->counts[p]) * 1099511628211ULL;
@@ -1201,9 +1208,10 @@ static uint64_t random_token(void) {
   "tpcore.spawn do; with torchrun-style variables set TPCORE_JOB_ID, or another MASTER_PORT"
 
 /* Rank 0 found its segment's name taken.  A name no process locks is left from a
- * job that died: remove it (*retry).  A live one belongs to another job with the
- * same id: tell that job (both stop) and fail. */
-static tp_status_t name_taken(shm_ctx *c, int *retry) {
+ * job that died: remove it (*retry).  A communicator of this id being closed: wait
+ * for its last rank to leave, which removes the name (*retry).  Any other live one
+ * belongs to another job with the same id: tell that job (both stop) and fail. */
+static tp_status_t name_taken(shm_ctx *c, double deadline, int *retry) {
   int fd;
   size_t nb = 0;
   *retry = 0;
@@ -1212,29 +1220,40 @@ static tp_status_t name_taken(shm_ctx *c, int *retry) {
     *retry = 1; /* gone meanwhile */
     return TP_SUCCESS;
   }
-  if (!tp_seg_in_use(fd)) {
+  if (flock(fd, LOCK_EX | LOCK_NB) == 0) { /* held through the check and the unlink */
     if (tp_seg_same(c->name, fd)) shm_unlink(c->name);
     close(fd);
     *retry = 1;
     return TP_SUCCESS;
   }
-  char msg[768];
   shm_header_t *h = nb >= sizeof *h ? mmap(NULL, sizeof *h, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                                     : MAP_FAILED;
   close(fd);
   int ready = h != MAP_FAILED && __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC;
-  if (ready && h->creator_pid == getpid()) {
+  if (ready && (atomic_load(&h->closing) || atomic_load(&h->abort_state))) {
+    munmap(h, sizeof *h);
+    if (tp_now() > deadline)
+      return tp_set_error(TP_ERR_TIMEOUT,
+                          "rank 0 timed out waiting for the previous communicator of job '%s' to be "
+                          "closed by all its ranks (shared-memory segment %s is still in use)",
+                          c->comm->job_id, c->name);
+    usleep(1000);
+    *retry = 1;
+    return TP_SUCCESS;
+  }
+  if (ready && h->creator_pid == getpid() && h->creator_start == proc_starttime(getpid(), NULL)) {
     munmap(h, sizeof *h);
     return tp_set_error(TP_ERR_INVALID_USAGE,
                         "this process already has a communicator of job '%s' (shared-memory segment %s): "
                         "close it before making another, or use another TPCORE_JOB_ID",
                         c->comm->job_id, c->name);
   }
+  char msg[768];
   snprintf(msg, sizeof msg,
            "job id '%s' is used by two jobs at once: rank 0 of a second job (pid %d) found the "
            "running job's shared-memory segment %s (created by pid %d)" COLLISION_ADVICE,
            c->comm->job_id, (int)getpid(), c->name, ready ? h->creator_pid : -1);
-  if (ready) { /* the other job's ranks look at this flag at least every 20 ms */
+  if (ready) { /* the other job's ranks see it at their next call or within 20 ms of waiting */
     int32_t expect = 0;
     if (atomic_compare_exchange_strong(&h->abort_state, &expect, 1)) {
       h->abort_rank = 0;
@@ -1318,8 +1337,11 @@ static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline,
       probe.pid = h->creator_pid;
       probe.starttime = h->creator_start;
     }
-    if (!ready || peer_dead(&probe)) {
-      why = !ready ? "it is not initialised yet" : "the segment found belongs to a job that ended";
+    int ending = ready && (atomic_load(&h->closing) || atomic_load(&h->abort_state));
+    if (!ready || ending || peer_dead(&probe)) {
+      why = !ready ? "it is not initialised yet"
+            : ending ? "the segment found belongs to a communicator being closed"
+                     : "the segment found belongs to a job that ended";
       munmap(h, sizeof *h);
       close(fd);
       continue;
@@ -1338,7 +1360,6 @@ static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline,
     c->small_bytes = h->small_bytes;
     c->nt_bytes = h->nt_bytes;
     c->scratch_blk = h->scratch_blk;
-    c->token = h->token;
     memcpy(c->cma_bytes, h->cma_bytes, sizeof c->cma_bytes);
     munmap(h, sizeof *h);
     if (!tp_seg_lock(c->name, fd)) { /* removed after we opened it: look again */
@@ -1347,14 +1368,14 @@ static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline,
     }
     *size = layout(world, c->stage_bytes, c->p2p_chunk, o_slots, o_chans, o_stage, o_p2p);
     if (*size != nb) {
-      close(fd);
+      tp_seg_close(fd);
       return tp_set_error(TP_ERR_INTERNAL, "rank %d: shared-memory segment %s has %zu bytes, expected %zu",
                           rank, c->name, nb, *size);
     }
-    void *p = mmap(NULL, *size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void *p = tp_seg_map(fd, *size);
     if (p == MAP_FAILED) {
       int err = errno;
-      close(fd);
+      tp_seg_close(fd);
       return tp_seg_sys_error("cannot map shared-memory segment", c->name, err);
     }
     c->lock_fd = fd;
@@ -1368,7 +1389,8 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
   shm_ctx *c = calloc(1, sizeof *c);
   if (!c) return tp_set_error(TP_ERR_NOMEM, "out of memory");
   c->comm = comm;
-  c->keep_name = world_comm;
+  /* A world of one rank has no one to mix with: its name goes at once like a split's. */
+  c->keep_name = world_comm && world > 1;
   c->lock_fd = -1;
   pthread_mutex_init(&c->regions_lock, NULL);
   snprintf(c->comm_id, sizeof c->comm_id, "%s", comm_id);
@@ -1418,14 +1440,14 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
     /* The user's names that no live process locks are left from jobs that died
      * (SIGKILL during set-up, or a world communicator's name): remove them. */
     if (world_comm) tp_seg_sweep(TP_SEG_PREFIX);
-    for (int attempt = 0;; attempt++) {
+    for (;;) {
       int exists = 0, retry = 0;
       st = tp_seg_create(c->name, size, &base, &c->lock_fd, &exists);
       if (!exists) break;
-      st = name_taken(c, &retry);
+      st = name_taken(c, deadline, &retry);
       if (st == TP_SUCCESS && !retry) st = tp_set_error(TP_ERR_INTERNAL, "segment %s: no decision", c->name);
-      if (st == TP_SUCCESS && attempt >= 8)
-        st = tp_set_error(TP_ERR_SYSTEM, "cannot create shared-memory segment %s: its name keeps coming back",
+      if (st == TP_SUCCESS && tp_now() > deadline)
+        st = tp_set_error(TP_ERR_TIMEOUT, "cannot create shared-memory segment %s: its name keeps coming back",
                           c->name);
       if (st != TP_SUCCESS) break;
     }
@@ -1444,7 +1466,6 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
     memcpy(h->cma_bytes, c->cma_bytes, sizeof h->cma_bytes);
     h->creator_pid = getpid();
     h->creator_start = proc_starttime(getpid(), NULL);
-    h->token = c->token = random_token();
     h->version = SHM_VERSION;
     atomic_store(&((shm_header_t *)base)->attached, 0);
     __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
@@ -1516,7 +1537,7 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
   }
   if (!c->keep_name) { /* a split's name: nobody else can know it, and everyone is in */
     if (rank == 0 && tp_seg_same(c->name, c->lock_fd)) shm_unlink(c->name);
-    close(c->lock_fd);
+    tp_seg_close(c->lock_fd);
     c->lock_fd = -1;
   }
   /* Single-copy transfers need every rank to be able to read every other's memory
@@ -1546,6 +1567,7 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
   }
   return TP_SUCCESS;
 fail:
+  atomic_store(&c->hdr->closing, 1);
 fail_unclaimed:
   tp_seg_leave(c->name, c->lock_fd); /* the last one out removes the name */
   munmap(c->base, c->size);
@@ -1569,6 +1591,7 @@ static void shm_destroy(struct tp_comm *comm) {
   if (!c) return;
   rank_slot_t *me = &c->slots[comm->rank];
   atomic_store(&me->closed, 1);
+  atomic_store(&c->hdr->closing, 1); /* a new communicator of this id waits for this one to go */
   futex(&me->step, FUTEX_WAKE, INT_MAX, NULL);
   for (int p = 0; p < comm->size; p++) {
     futex(&chan(c, comm->rank, p)->sent, FUTEX_WAKE, INT_MAX, NULL);
@@ -1603,9 +1626,11 @@ static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp
   set_activity(c, TP_COLL_SPLIT, c->seq, -1);
   tp_coll_args_t a = {TP_COLL_SPLIT, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0};
   post_hdr(c, &a, color, key, -1, 0, -1, 0);
+  if (r == 0) c->slots[0].hdr[c->seq & 1].nonce = random_token();
   tp_status_t st = sync_all(c, what);
   if (st == TP_SUCCESS) st = check_hdrs(c, &a);
   unsigned nsplit = c->nsplit++;
+  uint64_t nonce = c->slots[0].hdr[c->seq & 1].nonce;
   int newsize = 0, newrank = 0;
   if (st == TP_SUCCESS && color != TP_SPLIT_NOCOLOR) {
     for (int p = 0; p < n; p++) {
@@ -1624,8 +1649,9 @@ static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp
   TP_CHECK(tp_comm_alloc_common(&nc, newsize, newrank, comm->job_id, comm->timeout_s,
                                 comm->spin_us));
   char id[96];
-  /* Rank 0's random token makes the split's name unpredictable to anyone outside the job. */
-  snprintf(id, sizeof id, "%016llx%016llx.%u.%d", (unsigned long long)c->token,
+  /* A fresh random number of rank 0's, published through the job's own segment just
+   * before the new segments are made, keeps their names unpredictable. */
+  snprintf(id, sizeof id, "%016llx.%016llx.%u.%d", (unsigned long long)nonce,
            (unsigned long long)fnv1a(c->comm_id), nsplit, color);
   st = tp_shm_comm_init(nc, id, 0);
   if (st != TP_SUCCESS) {
@@ -1690,6 +1716,7 @@ static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr
   set_activity(c, TP_COLL_ALLOC, c->seq, -1);
   tp_coll_args_t a = {TP_COLL_ALLOC, NULL, NULL, nbytes, NULL, nbytes, TP_UINT8, TP_SUM, 0};
   post_hdr(c, &a, 0, 0, -1, 0, -1, 0);
+  if (r == 0) c->slots[0].hdr[c->seq & 1].nonce = random_token();
   tp_status_t st = sync_all(c, what);
   if (st == TP_SUCCESS) st = check_hdrs(c, &a);
   if (st != TP_SUCCESS) goto done;
@@ -1697,9 +1724,10 @@ static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr
   size_t slot = ALIGN_UP(nbytes ? nbytes : 1, 4096);
   size_t maplen = slot * (size_t)n;
   char name[300];
-  /* Not predictable (the token is rank 0's random number, known only through the
-   * job's own segment): nobody can create the name first. */
-  snprintf(name, sizeof name, "%s_%016llx_m%lld", c->name, (unsigned long long)c->token, (long long)id);
+  /* Not predictable: a fresh random number of rank 0's, published through the job's
+   * own segment just before the name is made, so nobody can create it first. */
+  snprintf(name, sizeof name, "%s_%016llx_m%lld", c->name,
+           (unsigned long long)c->slots[0].hdr[c->seq & 1].nonce, (long long)id);
   void *base = NULL;
   int lock_fd = -1;
   tp_status_t mine = TP_SUCCESS;
@@ -1708,7 +1736,14 @@ static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr
   if (r == 0) {
     int exists = 0;
     mine = tp_seg_create(name, maplen, &base, &lock_fd, &exists);
-    if (exists) mine = tp_set_error(TP_ERR_INVALID_USAGE, "shared-memory name %s exists already", name);
+    if (exists) { /* name the owner when it is someone else's */
+      int ofd;
+      size_t onb;
+      mine = tp_seg_open(name, &ofd, &onb);
+      if (ofd >= 0) close(ofd);
+      if (mine == TP_SUCCESS)
+        mine = tp_set_error(TP_ERR_INVALID_USAGE, "shared-memory name %s exists already", name);
+    }
     if (mine != TP_SUCCESS) snprintf(myerr, sizeof myerr, "%s", tp_last_error());
     atomic_store(&ms->status, (int32_t)mine);
     st = sync_all(c, what); /* created (or failed) */
@@ -1728,7 +1763,7 @@ static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr
   if (st == TP_SUCCESS) st = sync_all(c, what); /* everyone attached (or failed) */
   if (lock_fd >= 0) { /* rank 0: everyone is in (or failed); the name can go */
     if (tp_seg_same(name, lock_fd)) shm_unlink(name);
-    close(lock_fd);
+    tp_seg_close(lock_fd);
   }
   if (st != TP_SUCCESS) {
     if (base) munmap(base, maplen);

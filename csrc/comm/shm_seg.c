@@ -10,7 +10,9 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <pwd.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/file.h>
@@ -73,21 +75,77 @@ int tp_seg_same(const char *name, int fd) {
   return a.st_dev == b.st_dev && a.st_ino == b.st_ino;
 }
 
-int tp_seg_in_use(int fd) {
-  /* A lock through another open file description conflicts with ours even in
-   * this process, so the file is opened anew to ask. */
-  char path[64];
-  snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-  int probe = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (probe < 0) return 1; /* cannot tell: treat as in use */
-  int busy = flock(probe, LOCK_EX | LOCK_NB) != 0;
-  close(probe);
-  return busy;
+/* Locked fds of this process, closed in the child after fork(). */
+static pthread_mutex_t locked_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t locked_once = PTHREAD_ONCE_INIT;
+static int *locked;
+static size_t n_locked, cap_locked;
+
+static void fork_prepare(void) { pthread_mutex_lock(&locked_mu); }
+static void fork_parent(void) { pthread_mutex_unlock(&locked_mu); }
+static void fork_child(void) {
+  /* /dev/null takes each number's place rather than a plain close: the child's copies of
+   * the communicators still hold these numbers, and must not close a file reusing one. */
+  int nul = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  for (size_t i = 0; i < n_locked; i++) {
+    if (nul >= 0) dup3(nul, locked[i], O_CLOEXEC);
+    else close(locked[i]);
+  }
+  if (nul >= 0) close(nul);
+  pthread_mutex_unlock(&locked_mu);
+}
+static void register_fork(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
+
+static int track(int fd) {
+  pthread_once(&locked_once, register_fork);
+  pthread_mutex_lock(&locked_mu);
+  int ok = 1;
+  if (n_locked == cap_locked) {
+    size_t cap = cap_locked ? 2 * cap_locked : 16;
+    int *p = realloc(locked, cap * sizeof *p);
+    if (p) {
+      locked = p;
+      cap_locked = cap;
+    } else {
+      ok = 0;
+    }
+  }
+  if (ok) locked[n_locked++] = fd;
+  pthread_mutex_unlock(&locked_mu);
+  return ok;
+}
+
+void tp_seg_close(int fd) {
+  if (fd < 0) return;
+  pthread_mutex_lock(&locked_mu);
+  for (size_t i = 0; i < n_locked; i++)
+    if (locked[i] == fd) {
+      locked[i] = locked[--n_locked];
+      break;
+    }
+  close(fd); /* under the mutex: a fork in between must not see a reused number */
+  pthread_mutex_unlock(&locked_mu);
 }
 
 int tp_seg_lock(const char *name, int fd) {
   if (flock(fd, LOCK_SH) != 0) return 0;
-  return tp_seg_same(name, fd);
+  return tp_seg_same(name, fd) && track(fd);
+}
+
+void *tp_seg_map(int fd, size_t size) {
+  /* A mapping keeps its open file description alive, and with it any lock taken
+   * through it, for as long as the mapping lives -- in forked children too.  So
+   * the segment is mapped through a description of its own, never the locked one. */
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+  int f = open(path, O_RDWR | O_CLOEXEC);
+  if (f < 0) f = fcntl(fd, F_DUPFD_CLOEXEC, 0); /* no /proc: the same description (lock kept by mappings) */
+  if (f < 0) return MAP_FAILED;
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+  int err = errno;
+  close(f);
+  errno = err;
+  return p;
 }
 
 tp_status_t tp_seg_open(const char *name, int *fd, size_t *nbytes) {
@@ -147,12 +205,12 @@ tp_status_t tp_seg_create(const char *name, size_t size, void **base, int *fd, i
     if (err == EINVAL || err == EOPNOTSUPP) err = 0; /* file system without fallocate */
     void *p = MAP_FAILED;
     if (!err) {
-      p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+      p = tp_seg_map(f, size);
       if (p == MAP_FAILED) err = errno;
     }
     if (err) {
       if (tp_seg_same(name, f)) shm_unlink(name);
-      close(f);
+      tp_seg_close(f);
       return tp_seg_sys_error("cannot size shared-memory segment", name, err);
     }
     *base = p;
@@ -166,7 +224,7 @@ void tp_seg_leave(const char *name, int fd) {
   flock(fd, LOCK_UN);
   /* Whoever leaves last finds no other lock and removes the name. */
   if (flock(fd, LOCK_EX | LOCK_NB) == 0 && tp_seg_same(name, fd)) shm_unlink(name);
-  close(fd);
+  tp_seg_close(fd);
 }
 
 int tp_seg_sweep(const char *prefix) {

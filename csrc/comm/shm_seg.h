@@ -31,10 +31,15 @@ tp_status_t tp_seg_create(const char *name, size_t size, void **base, int *fd, i
  * that does not exist gives TP_SUCCESS with *fd = -1.  *nbytes: its size. */
 tp_status_t tp_seg_open(const char *name, int *fd, size_t *nbytes);
 
-/* 1 if some open file description holds a lock on the file. */
-int tp_seg_in_use(int fd);
-/* Take a shared lock and check that `name` still refers to fd's file: 1 on success. */
+/* Take a shared lock and check that `name` still refers to fd's file: 1 on success.
+ * A locked fd is closed in children made by fork(): a rank's child (a DataLoader
+ * worker, a multiprocessing fork) must not keep the rank's segment alive. */
 int tp_seg_lock(const char *name, int fd);
+/* Map a locked segment read-write through a description of its own (the lock's
+ * must not outlive the lock holder in a mapping a forked child inherits). */
+void *tp_seg_map(int fd, size_t size);
+/* Close a locked fd (tp_seg_create's, or one tp_seg_lock succeeded on). */
+void tp_seg_close(int fd);
 /* 1 if `name` refers to fd's file. */
 int tp_seg_same(const char *name, int fd);
 

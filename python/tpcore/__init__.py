@@ -31,7 +31,7 @@ try:
 finally:
     if _blas_timeout:
         del os.environ["OPENBLAS_THREAD_TIMEOUT"]
-from . import _env, _excepthook
+from . import _cleanup, _env, _excepthook
 from .comm import Comm, CommError, CommTimeout
 from . import optim
 from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, partition
@@ -40,6 +40,8 @@ from .checkpoint import CheckpointError, load, save
 from .transformer import Config, ParallelAttention, TransformerBlock
 from . import models
 from .spawn import RankExitedError, spawn
+
+_cleanup.forget_life_fd_in_children()
 
 __version__ = "0.1.0"
 __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "CheckpointError", "build_info",
@@ -80,21 +82,23 @@ def _default_threads(local_ranks: int) -> int:
     return max(1, cores // max(1, local_ranks))
 
 
-def _settle(comm, info) -> None:
+def _settle_seconds(info) -> float:
     """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand are all that names
     the job: a second job started at the same moment with the same values would
     meet this one.  A rank of it that arrives finds its place taken and stops
-    both jobs (the C core checks every claim); wait a moment for such a rank
-    before computing anything.  TPCORE_SETTLE_S sets the wait (default 1 s, 0
-    to skip); set TPCORE_JOB_ID to a unique value to need none."""
+    both jobs (the C core checks every claim); init waits this long for such a
+    rank before computing anything.  TPCORE_SETTLE_S sets it (default 1 s, 0 to
+    skip); a unique TPCORE_JOB_ID needs none."""
+    if info.unique or info.world_size == 1:
+        return 0.0
+    text = os.environ.get("TPCORE_SETTLE_S", "1.0")
     try:
-        wait = float(os.environ.get("TPCORE_SETTLE_S", "1.0"))
+        wait = float(text)
     except ValueError:
-        raise ValueError(f"TPCORE_SETTLE_S must be a number of seconds, got "
-                         f"{os.environ['TPCORE_SETTLE_S']!r}") from None
-    if wait > 0:
-        time.sleep(wait)
-        comm.barrier()
+        wait = float("nan")
+    if not wait >= 0 or wait == float("inf"):
+        raise ValueError(f"TPCORE_SETTLE_S must be a number of seconds >= 0, got {text!r}")
+    return wait
 
 
 def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Optional[int] = None) -> Comm:
@@ -118,11 +122,17 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
     if info.local_world_size != info.world_size:
         raise CommError(f"init: the {info.world_size} ranks span several hosts ({info.local_world_size} on "
                         f"this one, from {info.source} variables); the shm backend needs all ranks on one host")
+    settle = _settle_seconds(info)
     c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), "shm",
                 -1 if spin_us is None else int(spin_us))
     comm = Comm(c, info.local_rank, info.local_world_size)
-    if not info.unique and info.world_size > 1:
-        _settle(comm, info)
+    if settle > 0:
+        try:
+            time.sleep(settle)
+            comm.barrier()
+        except BaseException:
+            comm.close()
+            raise
     _excepthook.track(comm)
     _C.set_num_threads(_default_threads(info.local_world_size))
     return comm

@@ -46,18 +46,26 @@ def shm_segments(job_id: str = "") -> list:
     return out
 
 
-def _unused(path: str) -> bool:
-    """Whether no process locks the segment (it belongs to a job that ended).
-    Only what tpcore makes counts (mode 0600): anything else is left alone."""
+def _remove_if_unused(path: str, dry_run: bool) -> bool:
+    """Remove the name if no process locks the segment (it belongs to a job that
+    ended), holding the lock through the check and the unlink so that a job
+    that takes it meanwhile keeps its name.  Only what tpcore makes counts (this
+    user's, mode 0600): anything else is left alone."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:
+        a = os.fstat(fd)
+        if a.st_uid != os.geteuid() or stat.S_IMODE(a.st_mode) != 0o600 or not stat.S_ISREG(a.st_mode):
+            return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        a, b = os.fstat(fd), os.lstat(path)
-        return (a.st_uid == os.geteuid() and stat.S_IMODE(a.st_mode) == 0o600
-                and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino))
+        b = os.lstat(path)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+            return False
+        if not dry_run:
+            os.unlink(path)
+        return True
     except OSError:
         return False
     finally:
@@ -68,17 +76,7 @@ def remove_shm(job_id: str = "", dry_run: bool = False) -> list:
     """Remove this user's tpcore names of the job (all jobs when job_id is
     empty) that no live process uses; the list of those removed (or, with
     dry_run, that would be).  Never raises."""
-    removed = []
-    for path in shm_segments(job_id):
-        try:
-            if not _unused(path):
-                continue
-            if not dry_run:
-                os.unlink(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
+    return [path for path in shm_segments(job_id) if _remove_if_unused(path, dry_run)]
 
 
 def start_janitor(job_id: str):
@@ -114,6 +112,28 @@ def _janitor(job_id: str) -> None:
         if not shm_segments(job_id):
             return
         time.sleep(0.05)
+
+
+LIFE_FD_VAR = "TPCORE_LIFE_FD"
+
+
+def forget_life_fd_in_children() -> None:
+    """A rank holds the launcher's janitor pipe (TPCORE_LIFE_FD) while it lives;
+    processes it forks (DataLoader workers, multiprocessing) must not keep the
+    janitor waiting after the rank is gone."""
+    try:
+        fd = int(os.environ.get(LIFE_FD_VAR, ""))
+    except ValueError:
+        return
+
+    def child():
+        try:
+            nul = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(nul, fd, inheritable=False)
+            os.close(nul)
+        except OSError:
+            pass
+    os.register_at_fork(after_in_child=child)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

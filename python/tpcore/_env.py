@@ -73,8 +73,9 @@ def detect(env=None) -> JobInfo:
             run_id = env.get("TORCHELASTIC_RUN_ID", "") + ":" + env.get("TORCHELASTIC_RESTART_COUNT", "0")
             sched = [env.get(k, "") for k in _SCHEDULER_IDS]
             run_id += ":" + ":".join(sched)
-            # Under torchrun its agent holds MASTER_PORT for the job; a scheduler's id is unique.
-            unique = bool("TORCHELASTIC_RUN_ID" in env or any(sched))
+            # Under torchrun its agent holds MASTER_PORT for the job.  A scheduler's id tells
+            # allocations apart, but not two jobs started by hand inside one allocation.
+            unique = "TORCHELASTIC_RUN_ID" in env
             if not (addr and port) and world > 1:
                 raise ValueError(
                     "RANK and WORLD_SIZE are set but neither TPCORE_JOB_ID nor MASTER_ADDR/MASTER_PORT: "

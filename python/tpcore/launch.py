@@ -134,6 +134,8 @@ def run(argv=None) -> int:
         # All processes first, then the reader threads (preexec_fn and threads do not mix).
         for r in range(n):
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), TPCORE_ERROR_FD=str(err_w))
+            if life_w is not None:
+                env[_cleanup.LIFE_FD_VAR] = str(life_w)
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           stdin=subprocess.DEVNULL, pass_fds=(err_w,) + life,
                                           preexec_fn=_cleanup.die_with_parent))
