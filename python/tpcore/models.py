@@ -544,8 +544,8 @@ def _check_vocab(t: np.ndarray, n: int, who: str, name: str, what: str = "vocab_
     """Every id of t in [0, n), or a ValueError naming the first one outside."""
     if t.size and (int(t.min()) < 0 or int(t.max()) >= n):
         at = tuple(int(i) for i in np.argwhere((t < 0) | (t >= n))[0])
-        raise ValueError(f"{who}: {name} must be in [0, {what}={n}), got {int(t[at])} at index "
-                         f"{at if len(at) != 1 else at[0]}")
+        raise ValueError(f"{who}: {name} holds {int(t[at])} at index {at if len(at) != 1 else at[0]}, out of range "
+                         f"[0, {what}={n})")
 
 
 def _f32(a) -> np.ndarray:

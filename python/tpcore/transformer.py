@@ -338,6 +338,7 @@ class TransformerBlock:
         max_len = int_arg(max_len, f"{type(self).__name__}.cache", "max_len", lo=0)
         self._c.cache(batch, max_len)
         self._filled = np.zeros(batch, np.int64)  # tokens cached per sequence (a forward may not skip past them)
+        self._cache_len = max_len
 
     def forward(self, x: np.ndarray, pos0=None, key_mask=None, use_cache: bool = False,
                 need_backward: bool = True, _agreed: bool = False) -> np.ndarray:
@@ -378,8 +379,8 @@ class TransformerBlock:
         filled = getattr(self, "_filled", None)
         if filled is None:
             raise ValueError(f"{who}: use_cache=True needs a KV cache: call cache(batch, max_len) first")
-        if B > filled.size:
-            return  # the C layer names the cache's batch
+        if B > filled.size or (p is not None and B and int(p.max()) + T > self._cache_len):
+            return  # the C layer names the cache's batch or length
         if p is not None and (p > filled[:B]).any():
             b = int(np.argmax(p > filled[:B]))
             raise ValueError(f"{who}: pos0[{b}] = {int(p[b])} skips past the {int(filled[b])} tokens cached for "
