@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
-import struct
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -114,6 +113,9 @@ def int_array(a, who: str, name: str) -> np.ndarray:
     """An integer NumPy array (not bool, not float, not strings), as int64 (C-contiguous)."""
     if isinstance(a, (str, bytes)):
         raise TypeError(f"{who}: {name} must be integers, got {shown(a)}")
+    if not isinstance(a, np.ndarray) and hasattr(a, "__dlpack__") and not hasattr(a, "__array__"):
+        from .comm import as_array  # a DLPack-only tensor (JAX, ...): imported without a copy
+        a = as_array(a, name, who)
     try:
         t = np.asarray(a)
     except (ValueError, TypeError) as e:  # ragged nesting
@@ -130,50 +132,61 @@ def int_array(a, who: str, name: str) -> np.ndarray:
 # ----------------------------------------------------------------- across ranks
 
 def fingerprint(*parts) -> int:
-    """A 64-bit fingerprint (signed, to fit an int64) of arrays, ints and floats: the same
+    """A 64-bit fingerprint (signed, to fit an int64) of arrays, ints, floats and None: the same
     value in every process (not Python's hash(), which is salted per process)."""
-    h = hashlib.blake2b(digest_size=8)
+    out = []
     for p in parts:
         if isinstance(p, np.ndarray):
-            h.update(struct.pack("<q", p.ndim) + struct.pack(f"<{p.ndim}q", *p.shape))
-            h.update(p.dtype.str.encode() + b"|")
-            h.update(np.ascontiguousarray(p).tobytes())
+            out.append(f"a{p.shape}{p.dtype.str}".encode())
+            out.append(p.tobytes())
         elif isinstance(p, float):
-            h.update(b"f" + struct.pack("<d", p))
+            out.append(b"f" + p.hex().encode())
         elif p is None:
-            h.update(b"n")
+            out.append(b"n")
         else:
-            h.update(b"i" + int(p).to_bytes(16, "little", signed=True))
-    return int.from_bytes(h.digest(), "little", signed=True)
+            out.append(b"i%d" % int(p))
+    return int.from_bytes(hashlib.blake2b(b"|".join(out), digest_size=8).digest(), "little", signed=True)
 
 
-def agree(comm, who: str, checks: Sequence[Tuple[str, int, Optional[object]]], error: Optional[BaseException] = None):
+def agree(comm, who: str, checks: Sequence[Tuple[str, object, Optional[object]]],
+          error: Optional[BaseException] = None):
     """Collective: every rank passes the same number of checks, each (what, value, shown):
-    `what` reads "<what> across ranks" ("the prompts differ", "pos0 differs"), `value` an
-    int64 (a fingerprint, or the value itself), `shown` a function giving the value for the
-    message, or None for fingerprints.  `error`: this rank's own refusal of its arguments
-    (its checks are then ignored).  One small all-gather; every rank decides from the same
-    gathered numbers, so all raise (ValueError, or this rank's own error) or none does, and
-    the communicator stays in step."""
+    `what` reads "<what> across ranks" ("the prompts differ", "pos0 differs"); `value` a tuple
+    of parts to fingerprint (arrays, ints, floats, None), or, with `shown` (a function giving
+    it for the message), one int64 value compared as is.  `error`: this rank's own refusal of
+    its arguments (its checks are then ignored).  One all-gather of two int64 (a refusal flag
+    and one fingerprint of everything); only when they differ, a second one of the per-check
+    values, to name what differs.  Every rank decides from the same gathered numbers, so all
+    raise (ValueError, or this rank's own error) or none does, and the communicator stays in
+    step."""
     n = comm.size
     if n == 1:
         if error is not None:
             raise error
         return
-    vec = np.zeros(1 + len(checks), np.int64)
-    vec[0] = error is not None
     if error is None:
-        vec[1:] = [np.int64(c[1]) for c in checks]
-    g = comm.all_gather(vec).reshape(n, 1 + len(checks))
+        parts = []
+        for _, v, _ in checks:
+            parts.extend(v if isinstance(v, tuple) else (v,))
+            parts.append(-1 - len(parts))  # a separator: where one check's parts end
+        fp = fingerprint(*parts)
+    else:
+        fp = 0
+    g = comm.all_gather(np.array([error is not None, fp], np.int64)).tolist()
     if error is not None:
         raise error
-    refused = [r for r in range(n) if g[r, 0]]
+    refused = [r for r in range(n) if g[2 * r]]
     if refused:
         raise ValueError(f"{who}: rank{'s' if len(refused) > 1 else ''} {', '.join(map(str, refused))} refused "
                          f"{'their' if len(refused) > 1 else 'its'} arguments (see the error there); every rank "
                          f"must pass the same valid arguments")
-    for j, (what, _, show) in enumerate(checks, start=1):
-        col = g[:, j]
+    if all(g[2 * r + 1] == fp for r in range(n)):
+        return
+    # every rank saw the same difference, so all take this path: which check differs?
+    values = np.array([fingerprint(*v) if isinstance(v, tuple) else v for _, v, _ in checks], np.int64)
+    every = comm.all_gather(values).reshape(n, len(checks))
+    for j, (what, _, show) in enumerate(checks):
+        col = every[:, j]
         diff = np.nonzero(col != col[0])[0]
         if diff.size:
             r = int(diff[0])
@@ -182,3 +195,4 @@ def agree(comm, who: str, checks: Sequence[Tuple[str, int, Optional[object]]], e
                 detail = f"rank 0 passed {show(int(col[0]))}, rank {r} passed {show(int(col[r]))}"
             raise ValueError(f"{who}: {what} across ranks ({detail}); every rank must pass the same arguments "
                              f"(tensor parallelism: the ranks compute one model together)")
+    raise ValueError(f"{who}: the arguments differ across ranks; every rank must pass the same arguments")

@@ -251,7 +251,10 @@ class Comm:
     def recv(self, x, peer: int):
         """Receive into x from peer; returns x."""
         self._check_rank(peer, "recv", "peer")
-        self._c.recv(as_array(x, "x", "recv"), peer)
+        a = as_array(x, "x", "recv")
+        if not a.flags.writeable:
+            raise ValueError("recv: x is read-only, but recv writes the received data into it")
+        self._c.recv(a, peer)
         return x
 
     def sendrecv(self, x, dst: int, out, src: int):

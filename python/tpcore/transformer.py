@@ -31,7 +31,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from . import _C
-from ._args import agree, bool_arg, fingerprint, int_arg, int_array, real_arg, shown
+from ._args import agree, bool_arg, int_arg, int_array, real_arg, shown
 from .comm import Comm
 from .checkpoint import to_float32
 from .layers import ACTIVATIONS, _sizes, as_float32, check_partition, partition
@@ -366,9 +366,10 @@ class TransformerBlock:
                 raise
             err = e
         if checked:
-            agree(self.comm, f"{who}.forward", [("pos0 differs", 0 if err else fingerprint(p), None),
-                                                ("the batch shape (B, T) differs", 0 if err else fingerprint(B, T), None),
-                                                ("use_cache differs", int(bool(use_cache)), None)], err)
+            ok = err is None
+            agree(self.comm, f"{who}.forward", [("the batch shape (B, T) differs", (B, T) if ok else (), None),
+                                                ("pos0 differs", (p,) if ok else (), None),
+                                                ("use_cache differs", (bool(use_cache),) if ok else (), None)], err)
         y = self._c.forward(x32.reshape(B * T, C), B, T, pos0=p, key_mask=m, use_cache=use_cache,
                             need_backward=need_backward)
         if use_cache:
