@@ -129,6 +129,15 @@ def int_array(a, who: str, name: str) -> np.ndarray:
     return np.ascontiguousarray(t, dtype=np.int64)
 
 
+def minmax(a: np.ndarray) -> Tuple[int, int]:
+    """(min, max) of a non-empty integer array; small arrays (a decode step's) through Python
+    lists, a few times faster than NumPy's reductions at that size."""
+    if a.size <= 64:
+        v = a.ravel().tolist()
+        return min(v), max(v)
+    return int(a.min()), int(a.max())
+
+
 # ----------------------------------------------------------------- across ranks
 
 def fingerprint(*parts) -> int:

@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from . import _C
-from ._args import agree, bool_arg, int_arg, int_array, is_int, real_arg, seed_arg, shown
+from ._args import agree, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .layers import ColumnParallelLinear
 from .transformer import Config, TransformerBlock, head_partition, mask_array, positions
@@ -153,7 +153,7 @@ class TransformerLM:
         bool_arg(need_backward, who, "need_backward")
         p0 = None if pos0 is None else positions(pos0, B, who)
         pos = (np.zeros(B, np.int64) if p0 is None else p0)[:, None] + np.arange(T)[None, :]
-        last = int(pos.max())
+        last = (0 if p0 is None else minmax(p0)[1]) + T - 1
         if cfg.positions == "learned" and last >= cfg.max_positions:
             raise ValueError(f"{who}: position {last} is past max_positions ({cfg.max_positions})")
         sw = cfg.sliding_window
@@ -542,7 +542,8 @@ def _result(out):
 
 def _check_vocab(t: np.ndarray, n: int, who: str, name: str, what: str = "vocab_size") -> None:
     """Every id of t in [0, n), or a ValueError naming the first one outside."""
-    if t.size and (int(t.min()) < 0 or int(t.max()) >= n):
+    lo, hi = minmax(t) if t.size else (0, 0)
+    if lo < 0 or hi >= n:
         at = tuple(int(i) for i in np.argwhere((t < 0) | (t >= n))[0])
         raise ValueError(f"{who}: {name} holds {int(t[at])} at index {at if len(at) != 1 else at[0]}, out of range "
                          f"[0, {what}={n})")

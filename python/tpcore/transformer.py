@@ -31,7 +31,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from . import _C
-from ._args import agree, bool_arg, int_arg, int_array, real_arg, shown
+from ._args import agree, bool_arg, int_arg, int_array, minmax, real_arg, shown
 from .comm import Comm
 from .checkpoint import to_float32
 from .layers import ACTIVATIONS, _sizes, as_float32, check_partition, partition
@@ -346,9 +346,16 @@ class TransformerBlock:
         token (decoding), key_mask (B, T) of tokens to attend to (padding).  With pos0 or
         use_cache, the ranks check that they passed the same pos0, B, T and use_cache (one small
         all-gather; a mismatch raises ValueError on every rank)."""
+        if _agreed:  # from TransformerLM.forward, which checked every argument and that the ranks agree
+            B, T, C = x.shape
+            y = self._c.forward(x.reshape(B * T, C), B, T, pos0=pos0, key_mask=None if key_mask is None else
+                                key_mask.reshape(-1), use_cache=use_cache, need_backward=need_backward)
+            if use_cache:
+                self._filled[:B] = T if pos0 is None else pos0 + T
+            return y.reshape(B, T, C)
         who = type(self).__name__
         cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused below)
-        checked = (pos0 is not None or cached) and not _agreed and self.comm.size > 1
+        checked = (pos0 is not None or cached) and self.comm.size > 1
         err = None
         try:
             x32 = as_float32(x, "x", who)
@@ -380,12 +387,15 @@ class TransformerBlock:
         filled = getattr(self, "_filled", None)
         if filled is None:
             raise ValueError(f"{who}: use_cache=True needs a KV cache: call cache(batch, max_len) first")
-        if B > filled.size or (p is not None and B and int(p.max()) + T > self._cache_len):
+        if p is None or not B:
+            return
+        if B > filled.size or minmax(p)[1] + T > self._cache_len:
             return  # the C layer names the cache's batch or length
-        if p is not None and (p > filled[:B]).any():
-            b = int(np.argmax(p > filled[:B]))
-            raise ValueError(f"{who}: pos0[{b}] = {int(p[b])} skips past the {int(filled[b])} tokens cached for "
-                             f"sequence {b}; a cached forward continues a sequence (pos0 <= its cached length)")
+        pl, fl = p.tolist(), filled[:B].tolist()
+        for b in range(B):
+            if pl[b] > fl[b]:
+                raise ValueError(f"{who}: pos0[{b}] = {pl[b]} skips past the {fl[b]} tokens cached for sequence {b}; "
+                                 f"a cached forward continues a sequence (pos0 <= its cached length)")
 
     __call__ = forward
 
@@ -408,7 +418,7 @@ def positions(pos0, B: int, who: str) -> np.ndarray:
         p = np.full(B, int(p), np.int64)
     if p.shape != (B,):
         raise ValueError(f"{who}: pos0 must have one position per sequence, shape ({B},), got shape {p.shape}")
-    if B and int(p.min()) < 0:
+    if B and minmax(p)[0] < 0:
         raise ValueError(f"{who}: pos0 must be >= 0, got {int(p.min())} (sequence {int(np.argmin(p))})")
     return p
 
