@@ -166,9 +166,8 @@ class _ParallelLinear:
         if not isinstance(comm, Comm):
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, type(self).__name__)
-        for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{type(self).__name__}: {name} must be an int >= 1, got {v!r}")
+        in_features = int_arg(in_features, type(self).__name__, "in_features", lo=1)
+        out_features = int_arg(out_features, type(self).__name__, "out_features", lo=1)
         for name, v in (("bias", bias), ("gather_output", gather_output), ("input_is_parallel", input_is_parallel),
                         ("gated", gated)):
             bool_arg(v, type(self).__name__, name)
@@ -350,16 +349,15 @@ class ParallelMLP:
 
     def __init__(self, hidden: int, ffn_hidden: int, comm: Comm, activation: str = "gelu", bias: bool = True,
                  partition=None, dtype="float32", seed: int = 0):
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"ParallelMLP: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
-                             f"got {activation!r}")
+        if not isinstance(activation, str) or activation not in ACTIVATIONS:
+            raise (ValueError if isinstance(activation, str) else TypeError)(
+                f"ParallelMLP: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {shown(activation)}")
         if not isinstance(comm, Comm):
             raise TypeError(f"ParallelMLP: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "ParallelMLP")
         bool_arg(bias, "ParallelMLP", "bias")
-        for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ParallelMLP: {name} must be an int >= 1, got {v!r}")
+        hidden = int_arg(hidden, "ParallelMLP", "hidden", lo=1)
+        ffn_hidden = int_arg(ffn_hidden, "ParallelMLP", "ffn_hidden", lo=1)
         sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden", "ParallelMLP: partition")
         self.activation, self.comm, self.hidden = activation, comm, int(hidden)
         self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, int(seed))

@@ -45,9 +45,8 @@ class VocabParallelEmbedding:
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "VocabParallelEmbedding")
-        for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"VocabParallelEmbedding: {name} must be an int >= 1, got {v!r}")
+        num_embeddings = int_arg(num_embeddings, "VocabParallelEmbedding", "num_embeddings", lo=1)
+        embedding_dim = int_arg(embedding_dim, "VocabParallelEmbedding", "embedding_dim", lo=1)
         self.comm, self.num_embeddings, self.embedding_dim = comm, int(num_embeddings), int(embedding_dim)
         sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings",
                        "VocabParallelEmbedding: partition")
