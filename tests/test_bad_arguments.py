@@ -50,6 +50,8 @@ def _local_cases(comm):
     tok = np.array([[1, 2, 3, 4]])
     x = np.ones(8, np.float32)
     lg = np.zeros((3, 5), np.float32)
+    mutated = tpcore.Config(**TINY)
+    mutated.eps = -1.0  # a Config is mutable: the layers check it again
     cases = [
         # item 11: unclear messages
         (lambda: comm.all_reduce(JunkDevice()), TypeError, ["x", "__dlpack_device__", "pair of integers", "'cpu'"]),
@@ -120,7 +122,16 @@ def _local_cases(comm):
         (lambda: model.generate(tok, eos_token_id=1.5), TypeError, ["eos_token_id", "1.5"]),
         (lambda: model.generate(tok, eos_token_id=3, pad_token_id=-5), ValueError, ["pad_token_id", "-5"]),
         (lambda: model.loss(tok, np.ones((1, 4))), TypeError, ["targets", "float64"]),
+        (lambda: model.forward(tok, attention_mask=np.array([["a"] * 4])), TypeError, ["attention_mask", "dtype"]),
+        (lambda: tpcore.ColumnParallelLinear(True, 4, comm), TypeError, ["in_features", "bool"]),
+        (lambda: tpcore.ParallelMLP(8, 16, comm, activation=None), TypeError, ["activation", "None"]),
+        (lambda: tpcore.TransformerBlock(mutated, comm), ValueError, ["eps", "-1"]),
+        (lambda: tpcore.init(spin_us=-5), ValueError, ["spin_us", "-5"]),
+        (lambda: tpcore.init(timeout="soon"), TypeError, ["timeout", "'soon'"]),
     ]
+    if comm.size > 1:
+        cases.append((lambda: comm.recv(np.frombuffer(bytes(16), np.float32), (comm.rank + 1) % comm.size),
+                      ValueError, ["recv", "read-only"]))
     problems = _check(cases)
     model.cache(1, 8)
     problems += _check([(lambda: model.forward(tok, pos0=[3], use_cache=True), ValueError,
@@ -142,6 +153,15 @@ def _local_cases(comm):
 def test_bad_arguments_name_argument_expected_and_got(world):
     for r, problems in enumerate(run(_local_cases, world)):
         assert not problems, f"rank {r}: " + "; ".join(problems)
+
+
+def test_spawn_arguments_checked_before_any_rank_starts():
+    with pytest.raises(ValueError, match="world_size.*True"):
+        tpcore.spawn(_usable, True)
+    with pytest.raises(ValueError, match="timeout.*-1"):
+        tpcore.spawn(_usable, 1, timeout=-1)
+    with pytest.raises(TypeError, match="args"):
+        tpcore.spawn(_usable, 1, args=5)
 
 
 # ------------------------------------------------------------------ across ranks
