@@ -61,7 +61,8 @@ def build_info() -> dict:
 def set_num_threads(n: int) -> None:
     """BLAS threads of this process (default after init: cores / local ranks, or
     TPCORE_NUM_THREADS), so that N local ranks never oversubscribe the machine."""
-    _C.set_num_threads(int(n))
+    from ._args import int_arg
+    _C.set_num_threads(int_arg(n, "set_num_threads", "n", lo=1))
 
 
 def get_num_threads() -> int:
@@ -116,8 +117,11 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
     if backend not in _BACKENDS:
         raise ValueError(f"init: backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r} "
                          f"(nccl and mpi are not built into this version)")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"init: timeout must be > 0 seconds, got {timeout!r}")
+    from ._args import int_arg, real_arg
+    if timeout is not None:
+        timeout = real_arg(timeout, "init", "timeout", lo=0, lo_open=True, finite=False)
+    if spin_us is not None:
+        spin_us = int_arg(spin_us, "init", "spin_us", lo=0, hi=10**6)
     info = _env.detect()
     if info.local_world_size != info.world_size:
         raise CommError(f"init: the {info.world_size} ranks span several hosts ({info.local_world_size} on "

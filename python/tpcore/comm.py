@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import _C
+from ._args import is_int, real_arg, shown
 
 CommError = _C.CommError
 CommTimeout = _C.CommTimeout
@@ -37,6 +38,9 @@ def as_array(x, name: str, op: str) -> np.ndarray:
                 dev = tuple(x.__dlpack_device__())
             except Exception:  # noqa: BLE001 - a producer's own failure: report below
                 dev = None
+            if dev is not None and (len(dev) != 2 or not all(is_int(d) for d in dev)):
+                raise TypeError(f"{op}: {name}.__dlpack_device__() must return a (device_type, device_id) pair of "
+                                f"integers, got {shown(dev)}")
         if dev is not None and int(dev[0]) not in (1, 3):  # kDLCPU, kDLCUDAHost
             raise TypeError(f"{op}: {name} lives on DLPack device {dev}; the shm backend needs CPU memory")
         try:
@@ -53,11 +57,29 @@ def _check_op(op, name):
 
 
 def _norm_axis(axis, ndim, name):
-    if not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"{name}: axis must be an int, got {type(axis).__name__}")
+    if not is_int(axis):
+        raise TypeError(f"{name}: axis must be an int, got {shown(axis)}")
     if not -ndim <= axis < ndim:
         raise ValueError(f"{name}: axis {axis} is out of range for an array of {ndim} dimensions")
     return int(axis) % ndim
+
+
+def _unmoved(shape, ax):
+    """The shape of np.moveaxis(array of shape, 0, ax)."""
+    return tuple(shape[1:ax + 1]) + (shape[0],) + tuple(shape[ax + 1:])
+
+
+def _out_array(out, a, shape, name):
+    """out= of a gather or scatter, checked before the collective runs (a copy along another
+    axis must not fail, or silently cast, after the data moved): shape, dtype, writable."""
+    o = as_array(out, "out", name)
+    if o.shape != shape:
+        raise ValueError(f"{name}: out has shape {o.shape}, expected {shape}")
+    if o.dtype != a.dtype:
+        raise TypeError(f"{name}: out has dtype {o.dtype} but x has dtype {a.dtype}; they must match")
+    if not o.flags.writeable:
+        raise ValueError(f"{name}: out is read-only but the operation writes into it")
+    return o
 
 
 class Comm:
@@ -100,7 +122,7 @@ class Comm:
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
-        self._c.timeout = seconds
+        self._c.timeout = real_arg(seconds, "Comm", "timeout", lo=0, lo_open=True, finite=False)
 
     @property
     def closed(self) -> bool:
@@ -128,7 +150,7 @@ class Comm:
     def all_gather(self, x, axis: int = 0, sizes: Optional[Sequence[int]] = None, out=None):
         """The ranks' x concatenated along axis, in rank order (a new array, or
         out).  sizes: each rank's length along axis when they differ."""
-        if type(x) is np.ndarray and axis == 0 and sizes is None and x.ndim:  # the common case
+        if type(x) is np.ndarray and type(axis) is int and axis == 0 and sizes is None and x.ndim:  # common
             if out is None:
                 return self._c.all_gather(x, None)
             if type(out) is np.ndarray and out.shape == (x.shape[0] * self._size,) + x.shape[1:]:
@@ -142,21 +164,14 @@ class Comm:
         moved = a if ax == 0 else np.ascontiguousarray(np.moveaxis(a, ax, 0))
         inner = math.prod(moved.shape[1:])
         gshape = (total,) + moved.shape[1:]
-        if ax == 0 and out is not None:
-            res = as_array(out, "out", "all_gather")
-            if res.shape != gshape:
-                raise ValueError(f"all_gather: out has shape {res.shape}, expected {gshape}")
-        else:
-            res = np.empty(gshape, dtype=a.dtype)
+        o = None if out is None else _out_array(out, a, _unmoved(gshape, ax), "all_gather")
+        res = o if ax == 0 and o is not None else np.empty(gshape, dtype=a.dtype)
         counts = [s * inner for s in sizes]
         self._c.all_gather(moved, res, counts)
         if ax == 0:
             return out if out is not None else res
         res = np.moveaxis(res, 0, ax)
-        if out is not None:
-            o = as_array(out, "out", "all_gather")
-            if o.shape != res.shape:
-                raise ValueError(f"all_gather: out has shape {o.shape}, expected {res.shape}")
+        if o is not None:
             o[...] = res
             return out
         return np.ascontiguousarray(res)
@@ -166,7 +181,8 @@ class Comm:
         """Reduce x over ranks and return this rank's block along axis (a new
         array, or out).  x's length along axis must split evenly over the ranks,
         or sizes gives each rank's block length."""
-        if type(x) is np.ndarray and axis == 0 and sizes is None and x.ndim and x.shape[0] % self._size == 0:
+        if type(x) is np.ndarray and type(axis) is int and axis == 0 and sizes is None and x.ndim and \
+                x.shape[0] % self._size == 0:
             if out is None:  # the common case
                 return self._c.reduce_scatter(x, None, op)
             if type(out) is np.ndarray and out.shape == (x.shape[0] // self._size,) + x.shape[1:]:
@@ -190,20 +206,13 @@ class Comm:
         moved = a if ax == 0 else np.ascontiguousarray(np.moveaxis(a, ax, 0))
         inner = math.prod(moved.shape[1:])
         oshape = (sizes[self.rank],) + moved.shape[1:]
-        if out is not None and ax == 0:
-            res = as_array(out, "out", "reduce_scatter")
-            if res.shape != oshape:
-                raise ValueError(f"reduce_scatter: out has shape {res.shape}, expected {oshape}")
-        else:
-            res = np.empty(oshape, dtype=a.dtype)
+        o = None if out is None else _out_array(out, a, _unmoved(oshape, ax), "reduce_scatter")
+        res = o if ax == 0 and o is not None else np.empty(oshape, dtype=a.dtype)
         self._c.reduce_scatter(moved, res, op, [s * inner for s in sizes])
         if ax == 0:
             return out if out is not None else res
         res = np.moveaxis(res, 0, ax)
-        if out is not None:
-            o = as_array(out, "out", "reduce_scatter")
-            if o.shape != res.shape:
-                raise ValueError(f"reduce_scatter: out has shape {o.shape}, expected {res.shape}")
+        if o is not None:
             o[...] = res
             return out
         return np.ascontiguousarray(res)
@@ -242,7 +251,10 @@ class Comm:
     def recv(self, x, peer: int):
         """Receive into x from peer; returns x."""
         self._check_rank(peer, "recv", "peer")
-        self._c.recv(as_array(x, "x", "recv"), peer)
+        a = as_array(x, "x", "recv")
+        if not a.flags.writeable:
+            raise ValueError("recv: x is read-only, but recv writes the received data into it")
+        self._c.recv(a, peer)
         return x
 
     def sendrecv(self, x, dst: int, out, src: int):
@@ -260,11 +272,11 @@ class Comm:
         ordered by (key, rank).  color=None (or -1) takes no part and gets None."""
         if color is None:
             color = -1
-        if not isinstance(color, (int, np.integer)) or isinstance(color, bool) or not -1 <= color < 2**31:
-            raise ValueError(f"split: color must be an int in 0..2**31-1, or None, got {color!r}")
+        if not is_int(color) or not -1 <= color < 2**31:
+            raise ValueError(f"split: color must be an int in 0..2**31-1, or None, got {shown(color)}")
         key = self.rank if key is None else key
-        if not isinstance(key, (int, np.integer)) or isinstance(key, bool) or not -2**31 <= key < 2**31:
-            raise ValueError(f"split: key must be a 32-bit int, got {key!r}")
+        if not is_int(key) or not -2**31 <= key < 2**31:
+            raise ValueError(f"split: key must be a 32-bit int, got {shown(key)}")
         sub = self._c.split(int(color), int(key))
         return None if sub is None else Comm(sub)
 
@@ -274,11 +286,23 @@ class Comm:
         arrays lie at the same place in the same allocation on every rank read
         and write peers' memory in place.  Every rank asks for the same shape
         and dtype."""
-        dt = np.dtype(dtype)
-        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"alloc: dtype must be a NumPy dtype (e.g. 'float32'), got {shown(dtype)}") from None
+        if dt.hasobject or dt.itemsize == 0:
+            raise TypeError(f"alloc: dtype {dt} cannot live in shared memory; use a numeric dtype")
+        if is_int(shape):
+            shape = (shape,)
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or \
+                not all(is_int(d) for d in shape):
+            raise TypeError(f"alloc: shape must be an int or a sequence of ints, got {shown(shape)}")
+        shape = tuple(int(d) for d in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"alloc: shape {shape} has a negative dimension")
         n = math.prod(shape)
+        if n * dt.itemsize >= 2 ** 62:
+            raise ValueError(f"alloc: shape {shape} of {dt} is {n * dt.itemsize} bytes, too large")
         buf = self._c.alloc(n * dt.itemsize)
         return np.frombuffer(buf, dtype=dt, count=n).reshape(shape)
 
@@ -307,18 +331,20 @@ class Comm:
 
     # -- helpers ------------------------------------------------------------
     def _check_rank(self, r, op, what):
-        if not isinstance(r, (int, np.integer)) or isinstance(r, bool):
-            raise TypeError(f"{op}: {what} must be an int, got {type(r).__name__}")
+        if not is_int(r):
+            raise TypeError(f"{op}: {what} must be an int, got {shown(r)}")
         if not 0 <= r < self.size:
             raise ValueError(f"{op}: invalid {what} {r} (world size {self.size})")
 
     def _sizes(self, sizes, mine, op, arg):
         if sizes is None:
             return [mine] * self.size
-        try:
-            sizes = [operator.index(s) for s in sizes]
-        except TypeError:
-            raise TypeError(f"{op}: sizes must be a sequence of ints, got {sizes!r}") from None
+        if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+            raise TypeError(f"{op}: sizes must be a sequence of ints, got {shown(sizes)}")
+        sizes = list(sizes)
+        if not all(is_int(s) for s in sizes):
+            raise TypeError(f"{op}: sizes must be a sequence of ints, got {sizes!r}")
+        sizes = [operator.index(s) for s in sizes]
         if len(sizes) != self.size:
             raise ValueError(f"{op}: sizes has {len(sizes)} entries, expected one per rank ({self.size})")
         if any(s < 0 for s in sizes):

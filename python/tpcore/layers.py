@@ -20,12 +20,12 @@ at every world size and partition.
 from __future__ import annotations
 
 import math
-import operator
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import _C
+from ._args import bool_arg, int_arg, is_int, shown
 from .comm import Comm, as_array
 
 
@@ -36,15 +36,19 @@ def partition(n: int, world: int, weights: Optional[Sequence[float]] = None, ali
     measured device speeds or memory) give slices proportional to them, for
     mismatched devices; align keeps every slice a whole number of units (heads,
     GEMM-friendly multiples), n must then be a multiple of align."""
-    n, world, align = operator.index(n), operator.index(world), operator.index(align)
-    if n < 0 or world < 1 or align < 1:
-        raise ValueError(f"partition: need n >= 0, world >= 1, align >= 1; got n={n}, world={world}, align={align}")
+    n = int_arg(n, "partition", "n", lo=0)
+    world = int_arg(world, "partition", "world", lo=1)
+    align = int_arg(align, "partition", "align", lo=1)
     if n % align:
         raise ValueError(f"partition: n={n} is not a multiple of align={align}")
     units = n // align
     if weights is None:
         counts = [units // world + (1 if r < units % world else 0) for r in range(world)]
     else:
+        if isinstance(weights, (str, bytes)) or not hasattr(weights, "__iter__") or \
+                not all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+                        for x in weights):
+            raise TypeError(f"partition: weights must be a sequence of {world} numbers, got {shown(weights)}")
         w = [float(x) for x in weights]
         if len(w) != world or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
             raise ValueError(f"partition: weights must be {world} finite non-negative numbers with a positive sum, "
@@ -120,18 +124,32 @@ def float_param(a, who: str) -> np.ndarray:
     return a
 
 
-def _sizes(part, dim, world, what):
+def _sizes(part, dim, world, what, who="partition"):
+    """Each rank's size from a partition given as sizes or as tpcore.partition()'s (offset, size)
+    pairs (whose offsets must then be the running sums of the sizes)."""
     if part is None:
         return None
+    want = f"{who} must be a list of {world} sizes (one per rank) or tpcore.partition()'s (offset, size) pairs"
+    if isinstance(part, (str, bytes, dict)) or not hasattr(part, "__iter__"):
+        raise TypeError(f"{want}, got {shown(part)}")
     part = list(part)
-    if part and isinstance(part[0], (tuple, list)):
-        sizes = [operator.index(s) for _, s in part]
-    else:
-        sizes = [operator.index(s) for s in part]
+    pairs = bool(part) and all(isinstance(p, (tuple, list)) for p in part)
+    if pairs and not all(len(p) == 2 for p in part) or not pairs and any(isinstance(p, (tuple, list)) for p in part):
+        raise TypeError(f"{want}, got {shown(part)}")
+    flat = [x for p in part for x in p] if pairs else part
+    if not all(is_int(x) for x in flat):
+        raise TypeError(f"{want}, got {shown(part)}")
+    sizes = [int(p[1]) for p in part] if pairs else [int(p) for p in part]
     if len(sizes) != world:
-        raise ValueError(f"partition has {len(sizes)} entries, expected one per rank ({world})")
+        raise ValueError(f"{who} has {len(sizes)} entries, expected one per rank ({world})")
     if any(s < 0 for s in sizes) or sum(sizes) != dim:
-        raise ValueError(f"partition {sizes} must be non-negative and sum to {what}={dim} (sums to {sum(sizes)})")
+        raise ValueError(f"{who} {sizes} must be non-negative and sum to {what}={dim} (sums to {sum(sizes)})")
+    if pairs:
+        offsets = [int(p[0]) for p in part]
+        expect = [sum(sizes[:r]) for r in range(world)]
+        if offsets != expect:
+            raise ValueError(f"{who}: the (offset, size) pairs {[tuple(p) for p in part]} do not tile [0, {dim}) in "
+                             f"rank order (offsets {offsets}, expected {expect})")
     return sizes
 
 
@@ -148,11 +166,14 @@ class _ParallelLinear:
         if not isinstance(comm, Comm):
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, type(self).__name__)
-        for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{type(self).__name__}: {name} must be an int >= 1, got {v!r}")
+        in_features = int_arg(in_features, type(self).__name__, "in_features", lo=1)
+        out_features = int_arg(out_features, type(self).__name__, "out_features", lo=1)
+        for name, v in (("bias", bias), ("gather_output", gather_output), ("input_is_parallel", input_is_parallel),
+                        ("gated", gated)):
+            bool_arg(v, type(self).__name__, name)
         split = out_features if self._kind == "column" else in_features
-        sizes = _sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features")
+        sizes = _sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features",
+                       f"{type(self).__name__}: partition")
         self.comm = comm
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.gated = bool(gated)
@@ -328,16 +349,16 @@ class ParallelMLP:
 
     def __init__(self, hidden: int, ffn_hidden: int, comm: Comm, activation: str = "gelu", bias: bool = True,
                  partition=None, dtype="float32", seed: int = 0):
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"ParallelMLP: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
-                             f"got {activation!r}")
+        if not isinstance(activation, str) or activation not in ACTIVATIONS:
+            raise (ValueError if isinstance(activation, str) else TypeError)(
+                f"ParallelMLP: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {shown(activation)}")
         if not isinstance(comm, Comm):
             raise TypeError(f"ParallelMLP: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "ParallelMLP")
-        for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ParallelMLP: {name} must be an int >= 1, got {v!r}")
-        sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden")
+        bool_arg(bias, "ParallelMLP", "bias")
+        hidden = int_arg(hidden, "ParallelMLP", "hidden", lo=1)
+        ffn_hidden = int_arg(ffn_hidden, "ParallelMLP", "ffn_hidden", lo=1)
+        sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden", "ParallelMLP: partition")
         self.activation, self.comm, self.hidden = activation, comm, int(hidden)
         self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, int(seed))
         self.fc1 = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden), activation == "swiglu")

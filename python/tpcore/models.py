@@ -25,9 +25,10 @@ from typing import Optional
 import numpy as np
 
 from . import _C
+from ._args import agree, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .layers import ColumnParallelLinear
-from .transformer import Config, TransformerBlock, head_partition
+from .transformer import Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 __all__ = ["Config", "TransformerLM", "from_pretrained", "head_partition"]
@@ -69,8 +70,11 @@ class TransformerLM:
                  vocab_partition=None):
         if not isinstance(comm, Comm):
             raise TypeError(f"TransformerLM: comm must be a tpcore.Comm, got {type(comm).__name__}")
-        cfg = self.config = config
-        self.comm, self.seed = comm, int(seed)
+        if not isinstance(config, Config):
+            raise TypeError(f"TransformerLM: config must be a tpcore.Config, got {type(config).__name__}")
+        cfg = self.config = config.validate()
+        self.comm, self.seed = comm, seed_arg(seed, "TransformerLM")
+        seed = self.seed
         C = cfg.hidden
         self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed)
         self.wte.weight[...] *= 0.02  # GPT-2 / BERT initialisation scale (N(0, 0.02))
@@ -80,14 +84,15 @@ class TransformerLM:
         self.tte = _normal(seed, 2, (cfg.type_vocab_size, C), 0.02) if cfg.type_vocab_size else None
         self.tte_grad = None if self.tte is None else np.zeros_like(self.tte)
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps) if cfg.embedding_norm else None
-        self.blocks = [TransformerBlock(cfg, comm, seed=seed + 1000 * (i + 1), head_partition=partition,
+        self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
                                         ffn_partition=ffn_partition) for i in range(cfg.layers)]
         self.final_norm = _Norm(cfg.norm, C, cfg.eps) if cfg.final_norm and cfg.pre_norm else None
         if cfg.tie_embeddings:
             self.lm_head = None
         else:
             self.lm_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
-                                                partition=[s for _, s in self.vocab_partition], seed=seed + 7)
+                                                partition=[s for _, s in self.vocab_partition],
+                                                seed=(seed + 7) % 2 ** 64)
         self._ctx = None
 
     # ------------------------------------------------------------- parameters
@@ -113,6 +118,9 @@ class TransformerLM:
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def cache(self, batch: int, max_len: int) -> None:
+        """(Re)allocate every block's KV cache: batch sequences of up to max_len tokens."""
+        batch = int_arg(batch, "TransformerLM.cache", "batch", lo=0)
+        max_len = int_arg(max_len, "TransformerLM.cache", "max_len", lo=0)
         for b in self.blocks:
             b.cache(batch, max_len)
 
@@ -121,41 +129,84 @@ class TransformerLM:
         B, T = tokens.shape
         h = self.wte(tokens)                                  # (B, T, C), all-reduced
         if self.wpe is not None:
-            if pos.max(initial=0) >= self.config.max_positions:
-                raise ValueError(f"position {int(pos.max())} is past max_positions ({self.config.max_positions})")
             h += self.wpe[pos]
         if self.tte is not None:
-            tt = np.zeros((B, T), np.int64) if token_type_ids is None else np.asarray(token_type_ids, np.int64)
+            tt = np.zeros((B, T), np.int64) if token_type_ids is None else token_type_ids
             h += self.tte[tt]
         if self.emb_norm is not None:
             h = self.emb_norm.forward(h.reshape(B * T, -1)).reshape(B, T, -1)
         return h
 
-    def forward(self, tokens, pos0=None, attention_mask=None, token_type_ids=None, use_cache: bool = False,
-                need_backward: bool = False) -> np.ndarray:
-        """Hidden states (B, T, hidden) after the last block (and the final norm)."""
-        tokens = np.asarray(tokens)
+    def _inputs(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who):
+        """The forward's arguments checked and converted: tokens (B, T) int64 in the vocabulary,
+        pos0 (B,) or None, positions (B, T), the mask (B, T) uint8 or None, token types or None."""
+        cfg = self.config
+        tokens = int_array(tokens, who, "tokens")
         if tokens.ndim != 2:
-            raise ValueError(f"tokens must have shape (batch, time), got {tokens.shape}")
-        if tokens.dtype.kind not in "iu":
-            raise TypeError(f"tokens must be integers, got {tokens.dtype}")
-        tokens = np.ascontiguousarray(tokens, np.int64)
+            raise ValueError(f"{who}: tokens must have shape (batch, time), got {tokens.shape}")
         B, T = tokens.shape
-        p0 = np.zeros(B, np.int64) if pos0 is None else np.ascontiguousarray(pos0, np.int64).reshape(B)
-        pos = p0[:, None] + np.arange(T)[None, :]
-        sw = getattr(self.config, "sliding_window", None)
-        if sw and B and T and int(pos.max()) >= sw:
-            raise ValueError(f"position {int(pos.max())} needs sliding-window attention (window {sw}), which tpcore "
+        if B == 0 or T == 0:
+            raise ValueError(f"{who}: tokens must hold at least one sequence of at least one token, got shape "
+                             f"{tokens.shape}")
+        _check_vocab(tokens, cfg.vocab_size, who, "tokens")
+        bool_arg(use_cache, who, "use_cache")
+        bool_arg(need_backward, who, "need_backward")
+        p0 = None if pos0 is None else positions(pos0, B, who)
+        pos = (np.zeros(B, np.int64) if p0 is None else p0)[:, None] + np.arange(T)[None, :]
+        last = (0 if p0 is None else minmax(p0)[1]) + T - 1
+        if cfg.positions == "learned" and last >= cfg.max_positions:
+            raise ValueError(f"{who}: position {last} is past max_positions ({cfg.max_positions})")
+        sw = cfg.sliding_window
+        if sw and last >= sw:
+            raise ValueError(f"{who}: position {last} needs sliding-window attention (window {sw}), which tpcore "
                              f"does not implement: sequences up to {sw} tokens are exact")
-        mask = None if attention_mask is None else np.ascontiguousarray(np.asarray(attention_mask).reshape(B, T) != 0,
-                                                                       np.uint8)
-        h = self._embed(tokens, pos, token_type_ids)
+        mask = None if attention_mask is None else mask_array(attention_mask, B, T, who, "attention_mask")
+        tt = None
+        if token_type_ids is not None:
+            if self.tte is None:
+                raise ValueError(f"{who}: token_type_ids given, but this model has no token types "
+                                 f"(type_vocab_size=0)")
+            tt = int_array(token_type_ids, who, "token_type_ids")
+            if tt.shape != (B, T):
+                raise ValueError(f"{who}: token_type_ids must have shape (B, T) = {(B, T)}, got {tt.shape}")
+            _check_vocab(tt, cfg.type_vocab_size, who, "token_type_ids", "type_vocab_size")
+        if use_cache:
+            self.blocks[0]._check_cache(np.zeros(B, np.int64) if p0 is None else p0, B, T, who)
+        return tokens, p0, pos, mask, tt
+
+    def forward(self, tokens, pos0=None, attention_mask=None, token_type_ids=None, use_cache: bool = False,
+                need_backward: bool = False, _agreed: bool = False) -> np.ndarray:
+        """Hidden states (B, T, hidden) after the last block (and the final norm).  With pos0 or
+        use_cache (decoding), the ranks check that they passed the same tokens, pos0, mask and
+        use_cache (one small all-gather per call; ValueError on every rank if not)."""
+        who = "TransformerLM"
+        cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused)
+        checked = (pos0 is not None or cached) and not _agreed and self.comm.size > 1
+        err = None
+        try:
+            tokens, p0, pos, mask, tt = self._inputs(tokens, pos0, attention_mask, token_type_ids, use_cache,
+                                                     need_backward, who)
+        except (TypeError, ValueError) as e:
+            if not checked:
+                raise
+            err = e
+        if checked:
+            ok = err is None
+            agree(self.comm, f"{who}.forward", [
+                ("the batch shape (B, T) differs", tokens.shape if ok else (), None),
+                ("pos0 differs", (p0,) if ok else (), None),
+                ("the tokens differ", (tokens,) if ok else (), None),
+                ("attention_mask differs", (mask,) if ok else (), None),
+                ("use_cache differs", (bool(use_cache),) if ok else (), None)], err)
+        B, T = tokens.shape
+        h = self._embed(tokens, pos, tt)
+        bp0 = p0 if p0 is not None else (np.zeros(B, np.int64) if use_cache else None)
         for blk in self.blocks:
-            h = blk.forward(h, pos0=p0 if use_cache or pos0 is not None else None, key_mask=mask,
-                            use_cache=use_cache, need_backward=need_backward)
+            h = blk.forward(h, pos0=bp0, key_mask=mask, use_cache=use_cache, need_backward=need_backward,
+                            _agreed=True)
         if self.final_norm is not None:
             h = self.final_norm.forward(h.reshape(B * T, -1)).reshape(B, T, -1)
-        self._ctx = dict(tokens=tokens, pos=pos, token_type_ids=token_type_ids, B=B, T=T) if need_backward else None
+        self._ctx = dict(tokens=tokens, pos=pos, token_type_ids=tt, B=B, T=T) if need_backward else None
         return h
 
     def encode(self, tokens, attention_mask=None, token_type_ids=None) -> np.ndarray:
@@ -195,9 +246,9 @@ class TransformerLM:
         h2 = np.ascontiguousarray(h.reshape(B * T, C))
         shard = self._logits_shard(h2, reuse=True)
         xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
-        targets = np.asarray(targets)
+        targets = int_array(targets, "TransformerLM.loss", "targets")
         if targets.shape != (B, T):
-            raise ValueError(f"targets must have shape {(B, T)}, got {targets.shape}")
+            raise ValueError(f"TransformerLM.loss: targets must have shape {(B, T)}, got {targets.shape}")
         lo = self.vocab_partition[self.comm.rank][0]
         value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
         self._ctx.update(xent=xent, h2=h2, xent_logits=shard)
@@ -239,49 +290,98 @@ class TransformerLM:
                  seed: int = 0, eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None):
         """Batched prefill, then KV-cache decoding.  prompts: (B, T) ints, or a list of
         sequences of their own lengths.  Greedy (temperature 0) gives the same tokens at
-        every world size.  A sequence that emits eos_token_id is finished: pad_token_id
-        fills the rest (both default to the checkpoint's generation_config.json, as in
-        Hugging Face; pass eos_token_id=-1 to never stop).  Returns (B, T + new) int64 when
-        the prompts have one length, else a list of 1-D arrays."""
-        cfg = self.config
+        every world size; temperature > 0 samples (top_k: only from the k largest logits,
+        None or 0: from all), drawing from `seed` (an integer in [0, 2**64)).  A sequence that
+        emits eos_token_id is finished: pad_token_id fills the rest (both default to the
+        checkpoint's generation_config.json, as in Hugging Face; pass eos_token_id=-1 to never
+        stop).  Every rank must pass the same arguments: one small all-gather at entry checks
+        it (ValueError on every rank if not).  Returns (B, T + new) int64 when the prompts have
+        one length, else a list of 1-D arrays."""
+        err = None
+        try:
+            args = self._generate_args(prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
+        except (TypeError, ValueError) as e:
+            err = e
+        if self.comm.size > 1:
+            ok = err is None
+            seqs, max_new, temp, top_k, seed, eos_ids, pad = args if ok else (None,) * 7
+            signed = (lambda v: v - 2 ** 64 if v >= 2 ** 63 else v)
+            agree(self.comm, "generate", [
+                ("the prompts differ", tuple(seqs) if ok else (), None),
+                ("max_new_tokens differs", max_new if ok else 0, str),
+                ("temperature differs", (temp,) if ok else (), None),
+                ("top_k differs", top_k if ok else 0, lambda v: "None" if v == 0 else str(v)),
+                ("seed differs", signed(seed) if ok else 0, lambda v: str(v % 2 ** 64)),
+                ("eos_token_id differs", (np.array(eos_ids, np.int64),) if ok else (), None),
+                ("pad_token_id differs", pad if ok else 0, str)], err)
+        elif err is not None:
+            raise err
+        return self._generate(*args)
+
+    def _generate_args(self, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id):
+        """generate's arguments checked: (prompts as 1-D int64 arrays, max_new_tokens, temperature,
+        top_k (0: none), seed, eos ids in the vocabulary, pad id)."""
+        cfg, who = self.config, "generate"
+        if not cfg.causal:
+            raise ValueError("generate: needs a causal (decoder) model")
+        max_new = int_arg(max_new_tokens, who, "max_new_tokens", lo=0)
+        temp = real_arg(temperature, who, "temperature", lo=0)
+        if top_k is None:
+            top_k = 0
+        else:
+            top_k = int_arg(top_k, who, "top_k", lo=0, hi=cfg.vocab_size,
+                            expected=f"an integer in [1, vocab_size={cfg.vocab_size}] (or None or 0: no top-k "
+                                     f"filtering)")
+        seed = seed_arg(seed, who)
+        seqs = _prompts(prompts, who)
+        for b, q in enumerate(seqs):
+            _check_vocab(q, cfg.vocab_size, who, f"prompt {b}")
         gen = getattr(self, "generation_config", {}) or {}
         if eos_token_id is None:
             eos_token_id = gen.get("eos_token_id")
         # one id or several (Llama 3 Instruct stops on any of three); ids outside the vocabulary
-        # (e.g. GPT-2's 50256 in a small test model) can never be emitted
-        eos_ids = [] if eos_token_id is None else [int(e) for e in np.atleast_1d(eos_token_id)]
-        eos_ids = [e for e in eos_ids if 0 <= e < cfg.vocab_size]
+        # (e.g. GPT-2's 50256 in a small test model, or -1: never stop) can never be emitted
+        if eos_token_id is None:
+            eos = []
+        elif isinstance(eos_token_id, np.ndarray):
+            eos = list(eos_token_id.reshape(-1))
+        else:
+            eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+        if not all(is_int(e) for e in eos):
+            raise TypeError(f"generate: eos_token_id must be an integer, a list of integers or None, got "
+                            f"{shown(eos_token_id)}")
+        eos_ids = [int(e) for e in eos if 0 <= e < cfg.vocab_size]
         if pad_token_id is None:
             pad_token_id = gen.get("pad_token_id")
             if pad_token_id is None:
                 pad_token_id = eos_ids[0] if eos_ids else 0
-        pad_token_id = int(np.atleast_1d(pad_token_id)[0])
-        if not cfg.causal:
-            raise ValueError("generate: needs a causal (decoder) model")
-        if isinstance(prompts, np.ndarray):
-            batch = list(prompts) if prompts.ndim == 2 else [prompts]
-        elif len(prompts) and all(isinstance(t, (int, np.integer)) for t in prompts):
-            batch = [prompts]  # one flat prompt
-        else:
-            batch = list(prompts)
-        seqs = [np.asarray(p, np.int64).reshape(-1) for p in batch]
-        if not seqs or any(s.size == 0 for s in seqs):
-            raise ValueError("generate: every prompt needs at least one token")
+        if isinstance(pad_token_id, (list, tuple)) and len(pad_token_id) == 1:
+            pad_token_id = pad_token_id[0]
+        pad = int_arg(pad_token_id, who, "pad_token_id")
+        if eos_ids and not 0 <= pad < cfg.vocab_size:  # a finished sequence is fed pad tokens
+            raise ValueError(f"generate: pad_token_id must be in [0, vocab_size={cfg.vocab_size}), got {pad}")
+        longest = max(q.size for q in seqs)
+        if cfg.positions == "learned" and longest + max_new > cfg.max_positions:
+            raise ValueError(f"generate: {longest + max_new} tokens (the longest prompt, {longest}, plus "
+                             f"max_new_tokens={max_new}) exceed max_positions ({cfg.max_positions})")
+        return seqs, max_new, temp, top_k, seed, eos_ids, pad
+
+    def _generate(self, seqs, max_new_tokens, temperature, top_k, seed, eos_ids, pad_token_id):
         B, lens = len(seqs), np.array([s.size for s in seqs], np.int64)
-        total = int(lens.max()) + int(max_new_tokens)
-        if cfg.positions == "learned" and total > cfg.max_positions:
-            raise ValueError(f"generate: {total} tokens exceed max_positions ({cfg.max_positions})")
+        total = int(lens.max()) + max_new_tokens
         self.cache(B, total)
         padded = np.zeros((B, int(lens.max())), np.int64)
         for b, s in enumerate(seqs):
             padded[b, :s.size] = s
         rng = np.random.default_rng(seed)
-        h = self.forward(padded, pos0=np.zeros(B, np.int64), use_cache=True)   # right padding is causal-safe
-        last = h[np.arange(B), lens - 1]                                         # (B, C)
         out = [list(s) for s in seqs]
+        if max_new_tokens == 0:
+            return _result(out)
+        h = self.forward(padded, pos0=np.zeros(B, np.int64), use_cache=True, _agreed=True)   # right padding: causal
+        last = h[np.arange(B), lens - 1]                                                      # (B, C)
         cur = lens.copy()
         done = np.zeros(B, bool)
-        for step in range(int(max_new_tokens)):
+        for step in range(max_new_tokens):
             logits = self._gather_logits(self._logits_shard(np.ascontiguousarray(last)))   # (B, V) on every rank
             nxt = self._sample(logits, temperature, top_k, rng)
             if eos_ids:
@@ -291,13 +391,10 @@ class TransformerLM:
                 out[b].append(int(nxt[b]))
             if step == max_new_tokens - 1 or (eos_ids and done.all()):
                 break
-            h = self.forward(nxt.reshape(B, 1), pos0=cur, use_cache=True)
+            h = self.forward(nxt.reshape(B, 1), pos0=cur, use_cache=True, _agreed=True)
             last = h[:, 0]
             cur = cur + 1
-        res = [np.array(o, np.int64) for o in out]
-        if len(set(r.size for r in res)) == 1:
-            return np.stack(res)
-        return res
+        return _result(out)
 
     @staticmethod
     def _sample(logits, temperature, top_k, rng):
@@ -408,6 +505,48 @@ class TransformerLM:
         c = self.config
         return (f"TransformerLM({c.model_type}: {c.layers} layers, hidden {c.hidden}, heads {c.heads}/{c.kv_heads}, "
                 f"vocab {c.vocab_size}; rank {self.comm.rank} of {self.comm.size})")
+
+
+def _prompts(prompts, who: str) -> list:
+    """generate's prompts as a list of non-empty 1-D int64 arrays: a (B, T) integer array, one
+    flat sequence of ids, or a list of sequences of their own lengths."""
+    want = "a (B, T) integer array, one sequence of token ids, or a list of such sequences"
+    if isinstance(prompts, (str, bytes)) or prompts is None or is_int(prompts) or \
+            not (isinstance(prompts, np.ndarray) or hasattr(prompts, "__len__") or hasattr(prompts, "__dlpack__")):
+        raise TypeError(f"{who}: prompts must be {want}, got {shown(prompts)}")
+    if not isinstance(prompts, (list, tuple)):
+        a = int_array(prompts, who, "prompts")
+        if a.ndim not in (1, 2):
+            raise ValueError(f"{who}: prompts must be {want}, got an array of shape {a.shape}")
+        batch = list(a) if a.ndim == 2 else [a]
+    elif len(prompts) and all(is_int(t) for t in prompts):
+        batch = [prompts]  # one flat prompt
+    else:
+        batch = list(prompts)
+    seqs = []
+    for b, p in enumerate(batch):
+        q = int_array(p, who, f"prompt {b}")
+        if q.ndim != 1:
+            raise ValueError(f"{who}: prompts must be {want}; prompt {b} has shape {q.shape}")
+        seqs.append(q)
+    if not seqs or any(q.size == 0 for q in seqs):
+        raise ValueError(f"{who}: every prompt needs at least one token (got {len(seqs)} prompts of lengths "
+                         f"{[q.size for q in seqs]})")
+    return seqs
+
+
+def _result(out):
+    res = [np.array(o, np.int64) for o in out]
+    return np.stack(res) if len(set(r.size for r in res)) == 1 else res
+
+
+def _check_vocab(t: np.ndarray, n: int, who: str, name: str, what: str = "vocab_size") -> None:
+    """Every id of t in [0, n), or a ValueError naming the first one outside."""
+    lo, hi = minmax(t) if t.size else (0, 0)
+    if lo < 0 or hi >= n:
+        at = tuple(int(i) for i in np.argwhere((t < 0) | (t >= n))[0])
+        raise ValueError(f"{who}: {name} holds {int(t[at])} at index {at if len(at) != 1 else at[0]}, out of range "
+                         f"[0, {what}={n})")
 
 
 def _f32(a) -> np.ndarray:

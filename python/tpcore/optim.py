@@ -13,31 +13,54 @@ from __future__ import annotations
 import numpy as np
 
 from . import _C
+from ._args import real_arg, shown
 
 
-def _pairs(params):
+def _pairs(params, who):
+    """(param, grad) pairs from a module, a list of modules and/or pairs; each param a writable
+    C-contiguous float32 array with a grad of its shape, none listed twice."""
+    if hasattr(params, "parameters"):
+        params = [params]
+    if isinstance(params, (str, bytes, dict, np.ndarray)) or not hasattr(params, "__iter__"):
+        raise TypeError(f"{who}: params must be a module (with .parameters()) or a list of modules and "
+                        f"(param, grad) NumPy array pairs, got {shown(params)}")
     out = []
     for p in params:
         if hasattr(p, "parameters"):
-            out.extend(_pairs(p.parameters()))
-        else:
-            param, grad = p
-            if not (isinstance(param, np.ndarray) and isinstance(grad, np.ndarray)):
-                raise TypeError("optimizer: params must be (param, grad) NumPy array pairs or modules")
-            if param.dtype != np.float32 or grad.shape != param.shape:
-                raise ValueError(f"optimizer: param must be float32 with a grad of its shape, got "
-                                 f"{param.dtype} {param.shape} and {grad.shape}")
-            out.append((param, grad))
+            out.extend(_pairs(p.parameters(), who))
+            continue
+        if not (isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(a, np.ndarray) for a in p)):
+            raise TypeError(f"{who}: params must be (param, grad) NumPy array pairs or modules, got {shown(p)}")
+        param, grad = p
+        if param.dtype != np.float32 or grad.dtype != np.float32 or grad.shape != param.shape:
+            raise ValueError(f"{who}: param must be float32 with a float32 grad of its shape, got "
+                             f"{param.dtype} {param.shape} and {grad.dtype} {grad.shape}")
+        if not (param.flags.c_contiguous and grad.flags.c_contiguous and param.flags.writeable):
+            raise ValueError(f"{who}: param {len(out)} (shape {param.shape}) and its grad must be C-contiguous and "
+                             f"the param writable")
+        out.append((param, grad))
+    seen = {}
+    for i, (param, _) in enumerate(out):
+        at = param.__array_interface__["data"][0]
+        if param.size and at in seen:
+            raise ValueError(f"{who}: params {seen[at]} and {i} are the same array; each parameter may be listed "
+                             f"once (it would be updated twice per step)")
+        seen[at] = i
+    if not out:
+        raise ValueError(f"{who}: params is empty; there is nothing to optimize")
     return out
 
 
 class AdamW:
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
-        if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0 or weight_decay < 0:
-            raise ValueError(f"AdamW: need lr > 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; got lr={lr}, "
-                             f"betas={betas}, eps={eps}, weight_decay={weight_decay}")
-        self.params = _pairs(params)
-        self.lr, self.betas, self.eps, self.weight_decay = float(lr), tuple(map(float, betas)), float(eps), float(weight_decay)
+        lr = real_arg(lr, "AdamW", "lr", lo=0, lo_open=True)
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise TypeError(f"AdamW: betas must be a pair of numbers in [0, 1), got {shown(betas)}")
+        betas = tuple(real_arg(b, "AdamW", f"betas[{i}]", lo=0, hi=1, hi_open=True) for i, b in enumerate(betas))
+        eps = real_arg(eps, "AdamW", "eps", lo=0, lo_open=True)
+        weight_decay = real_arg(weight_decay, "AdamW", "weight_decay", lo=0)
+        self.params = _pairs(params, "AdamW")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.state = [(np.zeros_like(p), np.zeros_like(p)) for p, _ in self.params]
         self.t = 0
 
@@ -49,10 +72,11 @@ class AdamW:
 
 class SGD:
     def __init__(self, params, lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0):
-        if not lr > 0 or momentum < 0 or weight_decay < 0:
-            raise ValueError(f"SGD: need lr > 0, momentum >= 0, weight_decay >= 0; got {lr}, {momentum}, {weight_decay}")
-        self.params = _pairs(params)
-        self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
+        lr = real_arg(lr, "SGD", "lr", lo=0, lo_open=True)
+        momentum = real_arg(momentum, "SGD", "momentum", lo=0)
+        weight_decay = real_arg(weight_decay, "SGD", "weight_decay", lo=0)
+        self.params = _pairs(params, "SGD")
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.bufs = [np.zeros_like(p) if momentum else None for p, _ in self.params]
         self.t = 0
 

@@ -183,12 +183,18 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
               a notebook or a test), "forkserver" or "spawn" (fn must then be
               importable).
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
     if not callable(fn):
         raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
-    if deadline is not None and deadline <= 0:
-        raise ValueError(f"spawn: deadline must be > 0 seconds, got {deadline}")
+    from ._args import real_arg, shown
+    if deadline is not None:
+        real_arg(deadline, "spawn", "deadline", lo=0, lo_open=True, finite=False)
+    if timeout is not None:  # each rank's init() checks it too: refuse it here, once, before any rank starts
+        real_arg(timeout, "spawn", "timeout", lo=0, lo_open=True, finite=False)
+    if isinstance(args, (str, bytes)) or not hasattr(args, "__iter__") or not (kwargs is None or isinstance(kwargs, dict)):
+        raise TypeError(f"spawn: args must be a tuple (or list) and kwargs a dict or None, got {shown(args)} and "
+                        f"{shown(kwargs)}")
     ctx = mp.get_context(start_method or _default_method())
     job = "sp" + secrets.token_hex(8)
     procs, conns = [], []

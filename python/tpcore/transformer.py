@@ -30,9 +30,10 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from . import _C
+from ._args import agree, bool_arg, int_arg, int_array, minmax, real_arg, shown
 from .comm import Comm
 from .checkpoint import to_float32
-from .layers import _sizes, as_float32, check_partition, partition
+from .layers import ACTIVATIONS, _sizes, as_float32, check_partition, partition
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -65,6 +66,12 @@ class Config:
     model_type: str = "gpt2"
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden", "layers", "heads"):
+            setattr(self, name, int_arg(getattr(self, name), "Config", name, lo=1))
+        for name in ("kv_heads", "ffn_hidden", "head_dim"):  # None: derived below
+            if getattr(self, name) is not None:
+                setattr(self, name, int_arg(getattr(self, name), "Config", name, lo=1,
+                                            expected="an integer >= 1 (or None: derived)"))
         if self.kv_heads is None:
             self.kv_heads = self.heads
         if self.ffn_hidden is None:
@@ -78,11 +85,30 @@ class Config:
             raise ValueError(f"Config: norm must be one of {NORMS}, got {self.norm!r}")
         if self.positions not in POSITIONS:
             raise ValueError(f"Config: positions must be one of {POSITIONS}, got {self.positions!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"Config: activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.heads % self.kv_heads:
             raise ValueError(f"Config: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "head_dim"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"Config: {name} must be >= 1, got {getattr(self, name)}")
+        self.max_positions = int_arg(self.max_positions, "Config", "max_positions", lo=1)
+        self.type_vocab_size = int_arg(self.type_vocab_size, "Config", "type_vocab_size", lo=0)
+        if self.sliding_window is not None:
+            self.sliding_window = int_arg(self.sliding_window, "Config", "sliding_window", lo=1,
+                                          expected="an integer >= 1 (or None: no window)")
+        # eps >= 0 as torch's LayerNorm takes it: a negative eps gives NaN for rows of small variance
+        self.eps = real_arg(self.eps, "Config", "eps", lo=0)
+        if self.positions == "rope":
+            self.rope_theta = real_arg(self.rope_theta, "Config", "rope_theta", lo=0, lo_open=True)
+            if self.head_dim % 2:
+                raise ValueError(f"Config: rotary positions need an even head_dim, got {self.head_dim}")
+        for name in ("causal", "pre_norm", "bias", "tie_embeddings", "final_norm", "embedding_norm"):
+            setattr(self, name, bool_arg(getattr(self, name), "Config", name))
+        if not isinstance(self.model_type, str):
+            raise TypeError(f"Config: model_type must be a string, got {shown(self.model_type)}")
+
+    def validate(self) -> "Config":
+        """Check the fields again (a Config is mutable: cfg.eps = -1 after construction)."""
+        self.__post_init__()
+        return self
 
     @classmethod
     def from_hf(cls, path: str) -> "Config":
@@ -186,10 +212,12 @@ class TransformerBlock:
                  ffn_partition=None):
         if not isinstance(comm, Comm):
             raise TypeError(f"TransformerBlock: comm must be a tpcore.Comm, got {type(comm).__name__}")
-        cfg = config
+        if not isinstance(config, Config):
+            raise TypeError(f"{type(self).__name__}: config must be a tpcore.Config, got {type(config).__name__}")
+        cfg = config.validate()
         self.config, self.comm = cfg, comm
-        hp = _sizes(head_partition, cfg.heads, comm.size, "heads")
-        fp = _sizes(ffn_partition, cfg.ffn_hidden, comm.size, "ffn_hidden")
+        hp = _sizes(head_partition, cfg.heads, comm.size, "heads", f"{type(self).__name__}: head_partition")
+        fp = _sizes(ffn_partition, cfg.ffn_hidden, comm.size, "ffn_hidden", f"{type(self).__name__}: ffn_partition")
         self._c = _C.TransformerBlock(comm._c, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden,
                                       norm=cfg.norm, eps=float(cfg.eps), activation=cfg.activation,
                                       pre_norm=cfg.pre_norm, bias=cfg.bias, causal=cfg.causal,
@@ -332,21 +360,68 @@ class TransformerBlock:
     # ---------------------------------------------------------------- compute
     def cache(self, batch: int, max_len: int) -> None:
         """(Re)allocate the KV cache: batch sequences of up to max_len tokens (this rank's KV heads)."""
-        self._c.cache(int(batch), int(max_len))
+        batch = int_arg(batch, f"{type(self).__name__}.cache", "batch", lo=0)
+        max_len = int_arg(max_len, f"{type(self).__name__}.cache", "max_len", lo=0)
+        self._c.cache(batch, max_len)
+        self._filled = np.zeros(batch, np.int64)  # tokens cached per sequence (a forward may not skip past them)
+        self._cache_len = max_len
 
     def forward(self, x: np.ndarray, pos0=None, key_mask=None, use_cache: bool = False,
-                need_backward: bool = True) -> np.ndarray:
+                need_backward: bool = True, _agreed: bool = False) -> np.ndarray:
         """y (B, T, hidden) from x (B, T, hidden); pos0[B] the position of each sequence's first
-        token (decoding), key_mask (B, T) of tokens to attend to (padding)."""
-        x32 = as_float32(x, "x", "TransformerBlock")
-        if x32.ndim != 3 or x32.shape[-1] != self.config.hidden:
-            raise ValueError(f"TransformerBlock: x must have shape (B, T, {self.config.hidden}), got {x.shape}")
-        B, T, C = x32.shape
-        p = None if pos0 is None else np.ascontiguousarray(pos0, dtype=np.int64).reshape(B)
-        m = None if key_mask is None else np.ascontiguousarray(np.asarray(key_mask).reshape(B, T) != 0, np.uint8).reshape(-1)
+        token (decoding), key_mask (B, T) of tokens to attend to (padding).  With pos0 or
+        use_cache, the ranks check that they passed the same pos0, B, T and use_cache (one small
+        all-gather; a mismatch raises ValueError on every rank)."""
+        if _agreed:  # from TransformerLM.forward, which checked every argument and that the ranks agree
+            B, T, C = x.shape
+            y = self._c.forward(x.reshape(B * T, C), B, T, pos0=pos0, key_mask=None if key_mask is None else
+                                key_mask.reshape(-1), use_cache=use_cache, need_backward=need_backward)
+            if use_cache:
+                self._filled[:B] = T if pos0 is None else pos0 + T
+            return y.reshape(B, T, C)
+        who = type(self).__name__
+        cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused below)
+        checked = (pos0 is not None or cached) and self.comm.size > 1
+        err = None
+        try:
+            x32 = as_float32(x, "x", who)
+            if x32.ndim != 3 or x32.shape[-1] != self.config.hidden:
+                raise ValueError(f"{who}: x must have shape (B, T, {self.config.hidden}), got {x32.shape}")
+            B, T, C = x32.shape
+            bool_arg(use_cache, who, "use_cache")
+            bool_arg(need_backward, who, "need_backward")
+            p = None if pos0 is None else positions(pos0, B, who)
+            m = None if key_mask is None else mask_array(key_mask, B, T, who, "key_mask").reshape(-1)
+            if use_cache:
+                self._check_cache(p, B, T, who)
+        except (TypeError, ValueError) as e:
+            if not checked:
+                raise
+            err = e
+        if checked:
+            ok = err is None
+            agree(self.comm, f"{who}.forward", [("the batch shape (B, T) differs", (B, T) if ok else (), None),
+                                                ("pos0 differs", (p,) if ok else (), None),
+                                                ("use_cache differs", (bool(use_cache),) if ok else (), None)], err)
         y = self._c.forward(x32.reshape(B * T, C), B, T, pos0=p, key_mask=m, use_cache=use_cache,
                             need_backward=need_backward)
+        if use_cache:
+            self._filled[:B] = T if p is None else p + T
         return y.reshape(B, T, C)
+
+    def _check_cache(self, p, B, T, who):
+        filled = getattr(self, "_filled", None)
+        if filled is None:
+            raise ValueError(f"{who}: use_cache=True needs a KV cache: call cache(batch, max_len) first")
+        if p is None or not B:
+            return
+        if B > filled.size or minmax(p)[1] + T > self._cache_len:
+            return  # the C layer names the cache's batch or length
+        pl, fl = p.tolist(), filled[:B].tolist()
+        for b in range(B):
+            if pl[b] > fl[b]:
+                raise ValueError(f"{who}: pos0[{b}] = {pl[b]} skips past the {fl[b]} tokens cached for sequence {b}; "
+                                 f"a cached forward continues a sequence (pos0 <= its cached length)")
 
     __call__ = forward
 
@@ -360,6 +435,28 @@ class TransformerBlock:
     def __repr__(self):
         return (f"TransformerBlock(hidden={self.config.hidden}, heads {self.q0}:{self.q0 + self.nq} and kv heads "
                 f"{self.k0}:{self.k0 + self.nk} on rank {self.comm.rank})")
+
+
+def positions(pos0, B: int, who: str) -> np.ndarray:
+    """pos0 as B non-negative int64 positions (an integer applies to every sequence)."""
+    p = int_array(pos0, who, "pos0")
+    if p.ndim == 0:
+        p = np.full(B, int(p), np.int64)
+    if p.shape != (B,):
+        raise ValueError(f"{who}: pos0 must have one position per sequence, shape ({B},), got shape {p.shape}")
+    if B and minmax(p)[0] < 0:
+        raise ValueError(f"{who}: pos0 must be >= 0, got {int(p.min())} (sequence {int(np.argmin(p))})")
+    return p
+
+
+def mask_array(mask, B: int, T: int, who: str, name: str) -> np.ndarray:
+    """A (B, T) mask of bools or numbers (non-zero: attend) as uint8 (C-contiguous)."""
+    m = np.asarray(mask)
+    if m.dtype.kind not in "biuf":
+        raise TypeError(f"{who}: {name} must be a (B, T) array of bools or 0/1 numbers, got dtype {m.dtype}")
+    if m.shape != (B, T):
+        raise ValueError(f"{who}: {name} must have shape (B, T) = {(B, T)}, got {m.shape}")
+    return np.ascontiguousarray(m != 0, np.uint8)
 
 
 class ParallelAttention(TransformerBlock):

@@ -21,16 +21,14 @@ from typing import Optional
 import numpy as np
 
 from . import _C
+from ._args import int_arg, int_array, real_arg
 from .comm import Comm
 from .layers import _sizes, as_float32, check_param_dtype, check_partition, float_param
 
 
-def _tokens(tokens, name="tokens"):
+def _tokens(tokens, name="tokens", who="VocabParallelEmbedding"):
     """Integer ids as a C-contiguous int64 array (the range is checked in C)."""
-    t = np.asarray(tokens)
-    if t.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be integers, got {t.dtype}")
-    return np.ascontiguousarray(t, dtype=np.int64)
+    return int_array(tokens, who, name)
 
 
 class VocabParallelEmbedding:
@@ -47,11 +45,11 @@ class VocabParallelEmbedding:
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "VocabParallelEmbedding")
-        for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"VocabParallelEmbedding: {name} must be an int >= 1, got {v!r}")
+        num_embeddings = int_arg(num_embeddings, "VocabParallelEmbedding", "num_embeddings", lo=1)
+        embedding_dim = int_arg(embedding_dim, "VocabParallelEmbedding", "embedding_dim", lo=1)
         self.comm, self.num_embeddings, self.embedding_dim = comm, int(num_embeddings), int(embedding_dim)
-        sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings")
+        sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings",
+                       "VocabParallelEmbedding: partition")
         self._c = _C.VocabEmbedding(comm._c, self.num_embeddings, self.embedding_dim, sizes, int(seed))
         shard = self._c.shard
         self.offset, self.local = shard["offset"], shard["local"]
@@ -112,14 +110,17 @@ class VocabParallelCrossEntropy:
     def __init__(self, comm: Comm, ignore_index: int = -100):
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelCrossEntropy: comm must be a tpcore.Comm, got {type(comm).__name__}")
-        self.comm, self.ignore_index = comm, int(ignore_index)
+        self.comm = comm
+        self.ignore_index = int_arg(ignore_index, "VocabParallelCrossEntropy", "ignore_index",
+                                    lo=-2 ** 63, hi=2 ** 63 - 1, expected="an integer (int64)")
         self._c = _C.VocabCrossEntropy(comm._c)
         self._ctx = None
 
     def forward(self, logits_shard: np.ndarray, targets, vocab_offset: Optional[int] = None,
                 reduction: str = "mean"):
         if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+            raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got "
+                             f"{reduction!r}")
         if not isinstance(logits_shard, np.ndarray):
             raise TypeError(f"vocab_parallel_cross_entropy: logits_shard must be a NumPy array, got "
                             f"{type(logits_shard).__name__}")
@@ -128,12 +129,17 @@ class VocabParallelCrossEntropy:
             raise ValueError("vocab_parallel_cross_entropy: logits_shard must have a vocabulary dimension")
         V, lead = logits.shape[-1], logits.shape[:-1]
         M = math.prod(lead)
-        t = _tokens(targets, "targets")
+        t = _tokens(targets, "targets", "vocab_parallel_cross_entropy")
         if t.shape != lead:
-            raise ValueError(f"targets must have shape {lead} (the logits' leading dims), got {t.shape}")
+            raise ValueError(f"vocab_parallel_cross_entropy: targets must have shape {lead} (the logits' leading "
+                             f"dims), got {t.shape}")
         self._ctx = None
-        if vocab_offset is not None and int(vocab_offset) < 0:
-            raise ValueError(f"vocab_offset must be >= 0 (or None: the shards lie in rank order), got {vocab_offset}")
+        if vocab_offset is not None:
+            vocab_offset = int_arg(vocab_offset, "vocab_parallel_cross_entropy", "vocab_offset", lo=0,
+                                   expected="an integer >= 0 (or None: the shards lie in rank order)")
+            if self.comm.size == 1 and vocab_offset != 0:
+                raise ValueError(f"vocab_parallel_cross_entropy: vocab_offset must be 0 (or None) on one rank, whose "
+                                 f"shard is the whole vocabulary; got {vocab_offset}")
         losses, valid, vocab = self._c.forward(logits.reshape(M, V), t.reshape(M),
                                                -1 if vocab_offset is None else int(vocab_offset), self.ignore_index)
         self._ctx = (lead, reduction, M, V, valid)
@@ -160,11 +166,23 @@ class VocabParallelCrossEntropy:
                 raise ValueError(f"backward: out must be a writable C-contiguous float32 array of {M * V} elements "
                                  f"(the logits' shape)")
             o = out.reshape(M, V)
+        who = "vocab_parallel_cross_entropy backward"
+        if reduction == "none" and np.ndim(dloss):
+            d = np.asarray(dloss)
+            if d.dtype.kind not in "fiu" or d.dtype == np.bool_:
+                raise TypeError(f"{who}: dloss must be a number or an array of the losses' shape {lead}, got dtype "
+                                f"{d.dtype}")
+            if d.shape != lead and d.shape != (M,):
+                raise ValueError(f"{who}: dloss must be a number or an array of the losses' shape {lead}, got shape "
+                                 f"{d.shape}")
+            d = np.ascontiguousarray(d, np.float32).reshape(M)
+            return self._c.backward(d, 1.0, o).reshape(lead + (V,))
+        if isinstance(dloss, np.ndarray) and dloss.size == 1:
+            dloss = dloss.reshape(()).item()  # a 1-element array
+        dloss = real_arg(dloss, who, "dloss")
         if reduction == "none":
-            d = np.ascontiguousarray(np.asarray(dloss, np.float32).reshape(M)) if np.ndim(dloss) else None
-            scale = float(dloss) if d is None else 1.0
-            return self._c.backward(d, scale, o).reshape(lead + (V,))
-        scale = float(dloss) / (max(valid, 1) if reduction == "mean" else 1)
+            return self._c.backward(None, dloss, o).reshape(lead + (V,))
+        scale = dloss / (max(valid, 1) if reduction == "mean" else 1)
         return self._c.backward(None, scale, o).reshape(lead + (V,))
 
 
