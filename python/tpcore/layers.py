@@ -78,6 +78,16 @@ def check_partition(comm: Comm, offset: int, local: int, dim: int, who: str):
     return part
 
 
+def check_seed(seed, who: str) -> int:
+    """A seed as an int: seeds are integers in [0, 2**64) everywhere (TypeError / ValueError naming seed)."""
+    if isinstance(seed, bool) or not hasattr(type(seed), "__index__"):
+        raise TypeError(f"{who}: seed must be an integer in [0, 2**64), got {type(seed).__name__}")
+    s = operator.index(seed)
+    if not 0 <= s < 2**64:
+        raise ValueError(f"{who}: seed must be an integer in [0, 2**64), got {s}")
+    return s
+
+
 def _is_half(dt: np.dtype) -> bool:
     return dt == np.float16 or dt.name == "bfloat16"
 
@@ -148,6 +158,7 @@ class _ParallelLinear:
         if not isinstance(comm, Comm):
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, type(self).__name__)
+        seed = check_seed(seed, type(self).__name__)
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{type(self).__name__}: {name} must be an int >= 1, got {v!r}")
@@ -157,7 +168,7 @@ class _ParallelLinear:
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.gated = bool(gated)
         self._c = _C.ParallelLinear(comm._c, self._kind, self.in_features, self.out_features, bool(bias),
-                                    bool(gather_output), bool(input_is_parallel), sizes, int(seed), self.gated)
+                                    bool(gather_output), bool(input_is_parallel), sizes, seed, self.gated)
         shard = self._c.shard
         self.offset, self.local = shard["offset"], shard["local"]
         self._x_cols, self._y_cols = shard["x_cols"], shard["y_cols"]
@@ -334,12 +345,13 @@ class ParallelMLP:
         if not isinstance(comm, Comm):
             raise TypeError(f"ParallelMLP: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "ParallelMLP")
+        seed = check_seed(seed, "ParallelMLP")
         for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ParallelMLP: {name} must be an int >= 1, got {v!r}")
         sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden")
         self.activation, self.comm, self.hidden = activation, comm, int(hidden)
-        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, int(seed))
+        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed)
         self.fc1 = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden), activation == "swiglu")
         self.fc2 = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False)
 

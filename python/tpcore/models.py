@@ -26,8 +26,8 @@ import numpy as np
 
 from . import _C
 from .comm import Comm
-from .layers import ColumnParallelLinear
-from .transformer import Config, TransformerBlock, head_partition
+from .layers import ColumnParallelLinear, check_seed
+from .transformer import Config, TransformerBlock, head_partition, positions0
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 __all__ = ["Config", "TransformerLM", "from_pretrained", "head_partition"]
@@ -70,7 +70,8 @@ class TransformerLM:
         if not isinstance(comm, Comm):
             raise TypeError(f"TransformerLM: comm must be a tpcore.Comm, got {type(comm).__name__}")
         cfg = self.config = config
-        self.comm, self.seed = comm, int(seed)
+        self.comm, self.seed = comm, check_seed(seed, "TransformerLM")
+        seed = self.seed  # derived seeds below wrap modulo 2**64, as in C
         C = cfg.hidden
         self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed)
         self.wte.weight[...] *= 0.02  # GPT-2 / BERT initialisation scale (N(0, 0.02))
@@ -80,14 +81,14 @@ class TransformerLM:
         self.tte = _normal(seed, 2, (cfg.type_vocab_size, C), 0.02) if cfg.type_vocab_size else None
         self.tte_grad = None if self.tte is None else np.zeros_like(self.tte)
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps) if cfg.embedding_norm else None
-        self.blocks = [TransformerBlock(cfg, comm, seed=seed + 1000 * (i + 1), head_partition=partition,
+        self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2**64, head_partition=partition,
                                         ffn_partition=ffn_partition) for i in range(cfg.layers)]
         self.final_norm = _Norm(cfg.norm, C, cfg.eps) if cfg.final_norm and cfg.pre_norm else None
         if cfg.tie_embeddings:
             self.lm_head = None
         else:
             self.lm_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
-                                                partition=[s for _, s in self.vocab_partition], seed=seed + 7)
+                                                partition=[s for _, s in self.vocab_partition], seed=(seed + 7) % 2**64)
         self._ctx = None
 
     # ------------------------------------------------------------- parameters
@@ -141,7 +142,7 @@ class TransformerLM:
             raise TypeError(f"tokens must be integers, got {tokens.dtype}")
         tokens = np.ascontiguousarray(tokens, np.int64)
         B, T = tokens.shape
-        p0 = np.zeros(B, np.int64) if pos0 is None else np.ascontiguousarray(pos0, np.int64).reshape(B)
+        p0 = np.zeros(B, np.int64) if pos0 is None else positions0(pos0, B, T, "TransformerLM.forward")
         pos = p0[:, None] + np.arange(T)[None, :]
         sw = getattr(self.config, "sliding_window", None)
         if sw and B and T and int(pos.max()) >= sw:

@@ -33,7 +33,7 @@ import numpy as np
 from . import _C
 from .comm import Comm
 from .checkpoint import to_float32
-from .layers import _sizes, as_float32, check_partition, partition
+from .layers import _sizes, as_float32, check_partition, check_seed, partition
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -146,6 +146,24 @@ def _hf_act(name: str) -> str:
     return table[name]
 
 
+def positions0(pos0, B: int, T: int, who: str) -> np.ndarray:
+    """pos0 as B int64 first positions: integers (TypeError otherwise) with pos0 >= 0 and
+    pos0 + T representable (ValueError); the KV cache's end is checked in C."""
+    a = np.asarray(pos0)
+    if a.dtype == object:  # Python ints past int64
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in a.flat):
+            raise TypeError(f"{who}: pos0 must be integers, got {a.dtype}")
+    elif a.dtype.kind not in "iu":
+        raise TypeError(f"{who}: pos0 must be integers, got {a.dtype}")
+    if a.size != B:
+        raise ValueError(f"{who}: pos0 must have one entry per sequence (B = {B}), got shape {a.shape}")
+    if B and int(a.min()) < 0:
+        raise ValueError(f"{who}: pos0 must be >= 0, got {int(a.min())}")
+    if B and int(a.max()) > 2**63 - 1 - T:
+        raise ValueError(f"{who}: pos0 + T must be at most 2**63 - 1 (T = {T}), got pos0 = {int(a.max())}")
+    return np.ascontiguousarray(a.reshape(B), dtype=np.int64)
+
+
 def head_partition(cfg: Config, world: int, weights: Optional[Sequence[float]] = None) -> list:
     """Query heads per rank, in whole heads (weights for mismatched devices)."""
     return [s for _, s in partition(cfg.heads, world, weights=weights)]
@@ -168,7 +186,7 @@ class TransformerBlock:
                                       norm=cfg.norm, eps=float(cfg.eps), activation=cfg.activation,
                                       pre_norm=cfg.pre_norm, bias=cfg.bias, causal=cfg.causal,
                                       rope_theta=float(cfg.rope_theta) if cfg.positions == "rope" else 0.0,
-                                      head_partition=hp, ffn_partition=fp, seed=int(seed),
+                                      head_partition=hp, ffn_partition=fp, seed=check_seed(seed, "TransformerBlock"),
                                       attention_only=self._attention_only)
         info = self._c.info
         self.q0, self.nq, self.k0, self.nk = info["q0"], info["nq"], info["k0"], info["nk"]
@@ -306,7 +324,7 @@ class TransformerBlock:
     # ---------------------------------------------------------------- compute
     def cache(self, batch: int, max_len: int) -> None:
         """(Re)allocate the KV cache: batch sequences of up to max_len tokens (this rank's KV heads)."""
-        self._c.cache(int(batch), int(max_len))
+        self._c.cache(batch, max_len)  # integers in [1, 2**31 - 1] whose K/V fit (checked in C)
 
     def forward(self, x: np.ndarray, pos0=None, key_mask=None, use_cache: bool = False,
                 need_backward: bool = True) -> np.ndarray:
@@ -316,7 +334,7 @@ class TransformerBlock:
         if x32.ndim != 3 or x32.shape[-1] != self.config.hidden:
             raise ValueError(f"TransformerBlock: x must have shape (B, T, {self.config.hidden}), got {x.shape}")
         B, T, C = x32.shape
-        p = None if pos0 is None else np.ascontiguousarray(pos0, dtype=np.int64).reshape(B)
+        p = None if pos0 is None else positions0(pos0, B, T, "TransformerBlock")
         m = None if key_mask is None else np.ascontiguousarray(np.asarray(key_mask).reshape(B, T) != 0, np.uint8).reshape(-1)
         y = self._c.forward(x32.reshape(B * T, C), B, T, pos0=p, key_mask=m, use_cache=use_cache,
                             need_backward=need_backward)
