@@ -134,8 +134,9 @@ tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
   /* GEMM dimensions go to BLAS as 32-bit ints; the shard must also fit in memory. */
   if (K > INT_MAX || N > INT_MAX / g) {
     tp_parallel_linear_destroy(L);
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: in_features %lld and (gated) out_features %lld must be at "
-                        "most %d (BLAS uses 32-bit dimensions)", (long long)K, (long long)N * g, INT_MAX);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: in_features %lld and %sout_features %lld must be at most "
+                        "%d (BLAS uses 32-bit dimensions)", (long long)K, g == 2 ? "2 x (gated) " : "", (long long)N,
+                        INT_MAX);
   }
   L->wr = col ? g * L->loc : N;
   L->wc = col ? K : L->loc;

@@ -799,7 +799,9 @@ static int int_arg(PyObject *o, const char *op, const char *name, long long lo, 
     return -1;
   }
   if (overflow || v < lo || v > hi) {
-    PyErr_Format(PyExc_ValueError, "%s: %s must be an integer in %s, got %S", op, name, range, i);
+    int low = overflow ? overflow < 0 : v < lo;
+    PyErr_Format(PyExc_ValueError, "%s: %s must be at %s %lld (an integer in %s), got %S", op, name,
+                 low ? "least" : "most", low ? lo : hi, range, i);
     Py_DECREF(i);
     return -1;
   }
