@@ -438,8 +438,10 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
         return NULL;
       }
       dims[0] /= size;
-    } else {
-      dims[0] *= size;
+    } else if (__builtin_mul_overflow(dims[0], (npy_intp)size, &dims[0])) {
+      PyErr_Format(PyExc_ValueError, "all_gather: x has length %zd along axis 0; %d ranks of it overflow a size",
+                   (Py_ssize_t)PyArray_DIM(xa, 0), size);
+      return NULL;
     }
     PyArray_Descr *d = PyArray_DESCR(xa);
     Py_INCREF(d);
@@ -467,7 +469,11 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
     (void)whole;
     for (int p = 0; p < size; p++) counts[p] = part;
   }
-  for (int p = 0; p < size; p++) total += counts[p];
+  for (int p = 0; p < size; p++)
+    if (__builtin_add_overflow(total, counts[p], &total)) {
+      PyErr_Format(PyExc_ValueError, "%s: counts add up past 2**64 elements", name);
+      goto fail;
+    }
   if (!scatter) {
     if (bx.count != counts[rank]) {
       PyErr_Format(PyExc_ValueError, "all_gather: x has %zu elements but counts[%d] is %zu", bx.count,
@@ -880,13 +886,14 @@ static int parse_partition(PyObject *part, int size, int64_t **sizes) {
     PyErr_NoMemory();
     return -1;
   }
-  for (int p = 0; p < size; p++) {
-    v[p] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, p));
-    if (v[p] == -1 && PyErr_Occurred()) {
+  for (int p = 0; p < size; p++) { /* any int64 here; the layer says which sizes it takes */
+    long long e;
+    if (int_arg(PySequence_Fast_GET_ITEM(seq, p), "partition", "an entry", LLONG_MIN, LLONG_MAX, &e) < 0) {
       Py_DECREF(seq);
       PyMem_Free(v);
       return -1;
     }
+    v[p] = e;
   }
   Py_DECREF(seq);
   *sizes = v;
