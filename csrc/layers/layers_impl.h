@@ -42,7 +42,8 @@ static inline tp_status_t tp_grow(void **p, int64_t *cap, int64_t n, size_t elem
   if (n <= *cap && *p) return TP_SUCCESS;
   size_t nbytes;
   if (!tp_mul_size((size_t)(n > 0 ? n : 1), elem, &nbytes))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %lld elements of %zu bytes overflow a size", what, (long long)n, elem);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %lld elements of %zu bytes overflow a size", what,
+                        (long long)n, elem);
   void *q = malloc(nbytes);
   if (!q) return tp_set_error(TP_ERR_NOMEM, "%s: out of memory for %lld elements", what, (long long)n);
   free(*p);

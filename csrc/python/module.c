@@ -1729,7 +1729,8 @@ static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
   if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOppO:forward", kwlist, &x, &B_o, &T_o, &po, &mo, &use_cache,
                                    &need_backward, &out))
     return NULL;
-  if (int_arg(B_o, "block forward", "B", 0, LLONG_MAX, &B) < 0 || int_arg(T_o, "block forward", "T", 0, LLONG_MAX, &T) < 0)
+  if (int_arg(B_o, "block forward", "B", 0, LLONG_MAX, &B) < 0 ||
+      int_arg(T_o, "block forward", "T", 0, LLONG_MAX, &T) < 0)
     return NULL;
   if (!live(self->comm, "forward")) return NULL;
   int64_t M;

@@ -88,6 +88,16 @@ def check_seed(seed, who: str) -> int:
     return s
 
 
+def check_size(v, name: str, who: str) -> int:
+    """A layer dimension as an int >= 1: TypeError for a non-integer, ValueError below 1 (the
+    upper bounds, 2**31 - 1 for GEMM dimensions, are checked in C with the same wording)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{who}: {name} must be an integer >= 1, got {type(v).__name__}")
+    if v < 1:
+        raise ValueError(f"{who}: {name} must be an integer >= 1, got {v}")
+    return int(v)
+
+
 def _is_half(dt: np.dtype) -> bool:
     return dt == np.float16 or dt.name == "bfloat16"
 
@@ -159,9 +169,8 @@ class _ParallelLinear:
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, type(self).__name__)
         seed = check_seed(seed, type(self).__name__)
-        for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{type(self).__name__}: {name} must be an int >= 1, got {v!r}")
+        in_features = check_size(in_features, "in_features", type(self).__name__)
+        out_features = check_size(out_features, "out_features", type(self).__name__)
         split = out_features if self._kind == "column" else in_features
         sizes = _sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features")
         self.comm = comm
@@ -346,9 +355,8 @@ class ParallelMLP:
             raise TypeError(f"ParallelMLP: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "ParallelMLP")
         seed = check_seed(seed, "ParallelMLP")
-        for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ParallelMLP: {name} must be an int >= 1, got {v!r}")
+        hidden = check_size(hidden, "hidden", "ParallelMLP")
+        ffn_hidden = check_size(ffn_hidden, "ffn_hidden", "ParallelMLP")
         sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden")
         self.activation, self.comm, self.hidden = activation, comm, int(hidden)
         self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed)

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _C
 from .comm import Comm
-from .layers import _sizes, as_float32, check_param_dtype, check_partition, check_seed, float_param
+from .layers import _sizes, as_float32, check_param_dtype, check_partition, check_seed, check_size, float_param
 
 
 def _tokens(tokens, name="tokens"):
@@ -48,9 +48,8 @@ class VocabParallelEmbedding:
             raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "VocabParallelEmbedding")
         seed = check_seed(seed, "VocabParallelEmbedding")
-        for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"VocabParallelEmbedding: {name} must be an int >= 1, got {v!r}")
+        num_embeddings = check_size(num_embeddings, "num_embeddings", "VocabParallelEmbedding")
+        embedding_dim = check_size(embedding_dim, "embedding_dim", "VocabParallelEmbedding")
         self.comm, self.num_embeddings, self.embedding_dim = comm, int(num_embeddings), int(embedding_dim)
         sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings")
         self._c = _C.VocabEmbedding(comm._c, self.num_embeddings, self.embedding_dim, sizes, seed)
