@@ -98,6 +98,30 @@ def check_size(v, name: str, who: str) -> int:
     return int(v)
 
 
+def as_int64(values, name: str, who: str) -> np.ndarray:
+    """Integer values (any integer dtype, Python ints, an empty sequence) as a C-contiguous
+    int64 array: TypeError for non-integers, ValueError for a value outside int64 (never
+    a silent wrap-around)."""
+    a = np.asarray(values)
+    if a.size == 0 and not isinstance(values, np.ndarray):
+        return np.zeros(a.shape, np.int64)  # [] is float64 to NumPy
+    if a.dtype.kind == "f" and isinstance(values, (list, tuple)):
+        a = np.array(values, dtype=object)  # e.g. [2**63, -1]: ints NumPy could only hold as floats
+    if a.dtype == object:  # Python ints past int64, or anything else
+        bad = [v for v in a.flat if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
+        if bad:
+            raise TypeError(f"{who}: {name} must be integers, got {type(bad[0]).__name__}")
+        out = [int(v) for v in a.flat if not -2**63 <= int(v) < 2**63]
+        if out:
+            raise ValueError(f"{who}: {name} must be in the int64 range [-2**63, 2**63), got {out[0]}")
+    elif a.dtype.kind == "u":
+        if a.size and int(a.max()) >= 2**63:
+            raise ValueError(f"{who}: {name} must be in the int64 range [-2**63, 2**63), got {int(a.max())}")
+    elif a.dtype.kind != "i":
+        raise TypeError(f"{who}: {name} must be integers, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
 def _is_half(dt: np.dtype) -> bool:
     return dt == np.float16 or dt.name == "bfloat16"
 

@@ -149,10 +149,11 @@ def _hf_act(name: str) -> str:
 def positions0(pos0, B: int, T: int, who: str) -> np.ndarray:
     """pos0 as B int64 first positions: integers (TypeError otherwise) with pos0 >= 0 and
     pos0 + T representable (ValueError); the KV cache's end is checked in C."""
-    a = np.asarray(pos0)
-    if a.dtype == object:  # Python ints past int64
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in a.flat):
-            raise TypeError(f"{who}: pos0 must be integers, got {a.dtype}")
+    a = np.array(pos0, dtype=object) if isinstance(pos0, (list, tuple)) else np.asarray(pos0)
+    if a.dtype == object:  # Python ints (past int64 too), or anything else
+        bad = [v for v in a.flat if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
+        if bad:
+            raise TypeError(f"{who}: pos0 must be integers, got {type(bad[0]).__name__}")
     elif a.dtype.kind not in "iu":
         raise TypeError(f"{who}: pos0 must be integers, got {a.dtype}")
     if a.size != B:
@@ -161,7 +162,7 @@ def positions0(pos0, B: int, T: int, who: str) -> np.ndarray:
         raise ValueError(f"{who}: pos0 must be >= 0, got {int(a.min())}")
     if B and int(a.max()) > 2**63 - 1 - T:
         raise ValueError(f"{who}: pos0 + T must be at most 2**63 - 1 (T = {T}), got pos0 = {int(a.max())}")
-    return np.ascontiguousarray(a.reshape(B), dtype=np.int64)
+    return np.ascontiguousarray(a.reshape(B), dtype=np.int64)  # in range: checked above
 
 
 def head_partition(cfg: Config, world: int, weights: Optional[Sequence[float]] = None) -> list:

@@ -16,21 +16,20 @@ The vocabulary need not divide by the world size.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import numpy as np
 
 from . import _C
 from .comm import Comm
-from .layers import _sizes, as_float32, check_param_dtype, check_partition, check_seed, check_size, float_param
+from .layers import (_sizes, as_float32, as_int64, check_param_dtype, check_partition, check_seed, check_size,
+                     float_param)
 
 
 def _tokens(tokens, name="tokens"):
-    """Integer ids as a C-contiguous int64 array (the range is checked in C)."""
-    t = np.asarray(tokens)
-    if t.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be integers, got {t.dtype}")
-    return np.ascontiguousarray(t, dtype=np.int64)
+    """Integer ids as a C-contiguous int64 array (the vocabulary range is checked in C)."""
+    return as_int64(tokens, name, "vocab")
 
 
 class VocabParallelEmbedding:
@@ -112,7 +111,10 @@ class VocabParallelCrossEntropy:
     def __init__(self, comm: Comm, ignore_index: int = -100):
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelCrossEntropy: comm must be a tpcore.Comm, got {type(comm).__name__}")
-        self.comm, self.ignore_index = comm, int(ignore_index)
+        if isinstance(ignore_index, bool) or not hasattr(type(ignore_index), "__index__"):
+            raise TypeError(f"VocabParallelCrossEntropy: ignore_index must be an integer, got "
+                            f"{type(ignore_index).__name__}")
+        self.comm, self.ignore_index = comm, operator.index(ignore_index)  # int64 range: checked in C
         self._c = _C.VocabCrossEntropy(comm._c)
         self._ctx = None
 
@@ -132,8 +134,13 @@ class VocabParallelCrossEntropy:
         if t.shape != lead:
             raise ValueError(f"targets must have shape {lead} (the logits' leading dims), got {t.shape}")
         self._ctx = None
-        if vocab_offset is not None and int(vocab_offset) < 0:
-            raise ValueError(f"vocab_offset must be >= 0 (or None: the shards lie in rank order), got {vocab_offset}")
+        if vocab_offset is not None:
+            if isinstance(vocab_offset, bool) or not hasattr(type(vocab_offset), "__index__"):
+                raise TypeError(f"vocab_offset must be an integer or None, got {type(vocab_offset).__name__}")
+            vocab_offset = operator.index(vocab_offset)
+            if vocab_offset < 0:
+                raise ValueError(f"vocab_offset must be >= 0 (or None: the shards lie in rank order), "
+                                 f"got {vocab_offset}")
         losses, valid, vocab = self._c.forward(logits.reshape(M, V), t.reshape(M),
                                                -1 if vocab_offset is None else int(vocab_offset), self.ignore_index)
         self._ctx = (lead, reduction, M, V, valid)
