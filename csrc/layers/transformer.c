@@ -396,7 +396,7 @@ static tp_status_t check_batch(tp_block_t k, const tp_block_batch_t *bt) {
     if (bt->B && bt->T > k->clen)
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: T = %lld tokens reach past the KV cache's "
                           "max_len %lld", (long long)bt->T, (long long)k->clen);
-    for (int64_t b = 0; b < bt->B; b++) {
+    for (int64_t b = 0; b < (bt->pos0 ? bt->B : bt->B > 0); b++) { /* without pos0: every sequence at 0 */
       int64_t p = bt->pos0 ? bt->pos0[b] : 0; /* >= 0, checked above */
       if (p > k->clen - bt->T)
         return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: pos0[%lld] = %lld with T = %lld tokens reaches "
@@ -412,6 +412,7 @@ tp_status_t tp_block_forward(tp_block_t k, float *y, const float *x, const tp_bl
   if (!k || !bt || (bt->B > 0 && bt->T > 0 && (!x || !y))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: NULL argument");
   TP_CHECK(check_batch(k, bt));
   int64_t B = bt->B, T = bt->T, M = B * T, C = k->C;
+  if (M == 0) B = T = 0; /* an empty batch (2^40 sequences of 0 tokens ...) needs no per-sequence workspace */
   k->ready = 0;
   tp_status_t st = workspaces(k, M, B, T, bt->need_backward);
   if (st != TP_SUCCESS) {

@@ -129,7 +129,7 @@ class TransformerLM:
             tt = np.zeros((B, T), np.int64) if token_type_ids is None else np.asarray(token_type_ids, np.int64)
             h += self.tte[tt]
         if self.emb_norm is not None:
-            h = self.emb_norm.forward(h.reshape(B * T, -1)).reshape(B, T, -1)
+            h = self.emb_norm.forward(h.reshape(B * T, h.shape[-1])).reshape(h.shape)
         return h
 
     def forward(self, tokens, pos0=None, attention_mask=None, token_type_ids=None, use_cache: bool = False,
@@ -155,7 +155,7 @@ class TransformerLM:
             h = blk.forward(h, pos0=p0 if use_cache or pos0 is not None else None, key_mask=mask,
                             use_cache=use_cache, need_backward=need_backward)
         if self.final_norm is not None:
-            h = self.final_norm.forward(h.reshape(B * T, -1)).reshape(B, T, -1)
+            h = self.final_norm.forward(h.reshape(B * T, h.shape[-1])).reshape(h.shape)
         self._ctx = dict(tokens=tokens, pos=pos, token_type_ids=token_type_ids, B=B, T=T) if need_backward else None
         return h
 
@@ -186,7 +186,7 @@ class TransformerLM:
         """(B, T, vocab) float32 logits, the full vocabulary on every rank."""
         h = self.forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
         B, T, C = h.shape
-        return self._gather_logits(self._logits_shard(h.reshape(B * T, C))).reshape(B, T, -1)
+        return self._gather_logits(self._logits_shard(h.reshape(B * T, C))).reshape(B, T, self.config.vocab_size)
 
     def loss(self, tokens, targets, attention_mask=None, ignore_index: int = -100) -> float:
         """Mean cross-entropy of next-token targets (B, T) over the full vocabulary, from the
@@ -220,10 +220,10 @@ class TransformerLM:
             dh = self.lm_head.backward(dshard)
         if self.final_norm is not None:
             dh = self.final_norm.backward(dh)
-        dh = dh.reshape(B, T, -1)
+        dh = dh.reshape(B, T, self.config.hidden)
         for blk in reversed(self.blocks):
             dh = blk.backward(dh)
-        dh2 = dh.reshape(B * T, -1)
+        dh2 = dh.reshape(B * T, self.config.hidden)
         if self.emb_norm is not None:
             dh2 = self.emb_norm.backward(dh2)
         if self.wpe is not None:
