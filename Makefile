@@ -48,8 +48,8 @@ $(BUILD)/test_layers: csrc/tests/test_layers.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
 test: all
-	$(BUILD)/test_comm
-	$(BUILD)/test_layers
+	$(abspath $(BUILD))/test_comm
+	$(abspath $(BUILD))/test_layers
 
 clean:
 	rm -rf build build-san

@@ -2,6 +2,8 @@
 #ifndef TPCORE_CORE_IMPL_H
 #define TPCORE_CORE_IMPL_H
 
+#include <string.h>
+
 #include "tpcore/tpcore.h"
 
 #if defined(__GNUC__)
@@ -39,6 +41,43 @@ static inline double tp_uniform01(uint64_t seed, uint64_t tensor, uint64_t index
   z ^= z >> 31;
   return (double)(z >> 11) * (1.0 / 9007199254740992.0);
 }
+
+/* Checked size arithmetic: every size, count or offset that comes from a caller is
+ * multiplied and added through these before it is used.  Each returns 1 and stores
+ * the result, or returns 0 on overflow (or a negative operand for the int64 forms). */
+static inline int tp_mul_size(size_t a, size_t b, size_t *out) { return !__builtin_mul_overflow(a, b, out); }
+static inline int tp_add_size(size_t a, size_t b, size_t *out) { return !__builtin_add_overflow(a, b, out); }
+static inline int tp_mul_count(int64_t a, int64_t b, int64_t *out) {
+  return a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, out);
+}
+static inline int tp_add_count(int64_t a, int64_t b, int64_t *out) {
+  return a >= 0 && b >= 0 && !__builtin_add_overflow(a, b, out);
+}
+
+/* The most elements one buffer of a layer may have (4 TiB of float32): a larger shard,
+ * workspace or cache is refused as an argument error before any allocation is tried. */
+#define TP_MAX_NUMEL ((int64_t)1 << 40)
+
+/* a * b (* c) as an element count in [0, TP_MAX_NUMEL]; 0 when negative or larger. */
+static inline int tp_numel2(int64_t a, int64_t b, int64_t *out) {
+  return tp_mul_count(a, b, out) && *out <= TP_MAX_NUMEL;
+}
+static inline int tp_numel3(int64_t a, int64_t b, int64_t c, int64_t *out) {
+  int64_t ab;
+  return tp_mul_count(a, b, &ab) && tp_mul_count(ab, c, out) && *out <= TP_MAX_NUMEL;
+}
+
+/* memcpy / memset that accept a NULL pointer with a zero length (an empty batch). */
+#define TP_COPY(dst, src, nbytes)                              \
+  do {                                                         \
+    size_t tp_n_ = (nbytes);                                   \
+    if (tp_n_) memcpy((dst), (src), tp_n_);                    \
+  } while (0)
+#define TP_ZERO(dst, nbytes)                                   \
+  do {                                                         \
+    size_t tp_n_ = (nbytes);                                   \
+    if (tp_n_) memset((dst), 0, tp_n_);                        \
+  } while (0)
 
 #define TP_CHECK_GOTO(call, st, label)                   \
   do {                                                   \

@@ -81,7 +81,8 @@ uint16_t tp_float_to_half(float f) {
 
 int64_t tp_tensor_numel(const tp_tensor *t) {
   int64_t n = 1;
-  for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+  for (int i = 0; i < t->ndim; i++)
+    if (!tp_mul_count(n, t->shape[i], &n)) return -1; /* a negative dimension, or past int64 */
   return n;
 }
 
@@ -89,7 +90,7 @@ int tp_tensor_is_contiguous(const tp_tensor *t) {
   int64_t expect = 1;
   for (int i = t->ndim - 1; i >= 0; i--) {
     if (t->shape[i] != 1 && t->strides[i] != expect) return 0;
-    expect *= t->shape[i];
+    if (!tp_mul_count(expect, t->shape[i], &expect)) return 0; /* no such tensor */
   }
   return 1;
 }

@@ -23,7 +23,8 @@ static inline tp_status_t tp_reg_ensure(tp_comm_t comm, reg_buf *rb, size_t nbyt
   rb->mem = NULL;
   rb->ptr = NULL;
   rb->cap = 0;
-  size_t cap = nbytes < 4096 ? 4096 : nbytes + nbytes / 2;
+  size_t cap = 4096;
+  if (nbytes > cap && !tp_add_size(nbytes, nbytes / 2, &cap)) cap = nbytes;
   TP_CHECK(tp_comm_mem_alloc(comm, cap, &rb->ptr, &rb->mem));
   rb->cap = cap;
   return TP_SUCCESS;
@@ -39,7 +40,11 @@ static inline void tp_reg_release(reg_buf *rb) {
 /* Grow a malloc'd array to hold n elements of `elem` bytes (contents not kept). */
 static inline tp_status_t tp_grow(void **p, int64_t *cap, int64_t n, size_t elem, const char *what) {
   if (n <= *cap && *p) return TP_SUCCESS;
-  void *q = malloc((size_t)(n > 0 ? n : 1) * elem);
+  size_t nbytes;
+  if (!tp_mul_size((size_t)(n > 0 ? n : 1), elem, &nbytes))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %lld elements of %zu bytes overflow a size", what,
+                        (long long)n, elem);
+  void *q = malloc(nbytes);
   if (!q) return tp_set_error(TP_ERR_NOMEM, "%s: out of memory for %lld elements", what, (long long)n);
   free(*p);
   *p = q;

@@ -110,7 +110,11 @@ tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
     }
     L->part[p] = v;
     L->offs[p] = sum;
-    sum += v;
+    if (!tp_add_count(sum, v, &sum)) {
+      tp_parallel_linear_destroy(L);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: the partition sums past 2^63 - 1 (partition[%d] = %lld)",
+                          p, (long long)v);
+    }
   }
   L->offs[n] = sum;
   if (sum != dim) {
@@ -128,19 +132,22 @@ tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
   }
   int g = cfg->gated ? 2 : 1;
   /* GEMM dimensions go to BLAS as 32-bit ints; the shard must also fit in memory. */
-  if (K > INT_MAX || g * N > INT_MAX) {
+  if (K > INT_MAX || N > INT_MAX / g) {
     tp_parallel_linear_destroy(L);
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: in_features %lld and (gated) out_features %lld must be at "
-                        "most %d (BLAS uses 32-bit dimensions)", (long long)K, (long long)(g * N), INT_MAX);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: in_features %lld and %sout_features %lld must be at most "
+                        "%d (BLAS uses 32-bit dimensions)", (long long)K, g == 2 ? "2 x (gated) " : "", (long long)N,
+                        INT_MAX);
   }
   L->wr = col ? g * L->loc : N;
   L->wc = col ? K : L->loc;
   int64_t blen = cfg->bias ? (col ? g * L->loc : N) : 0;
   int64_t wn64;
-  if (__builtin_mul_overflow(L->wr, L->wc, &wn64) || wn64 > ((int64_t)1 << 40)) {
+  if (!tp_numel2(L->wr, L->wc, &wn64)) { /* the message first: it reads the layer's fields */
+    tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: a weight shard of %lld x %lld (in_features %lld, out_features "
+                 "%lld) is too large: at most 2^40 elements per shard", (long long)L->wr, (long long)L->wc,
+                 (long long)K, (long long)N);
     tp_parallel_linear_destroy(L);
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: a weight shard of %lld x %lld is too large",
-                        (long long)L->wr, (long long)L->wc);
+    return TP_ERR_INVALID_ARGUMENT;
   }
   size_t wn = (size_t)wn64;
   L->w = malloc((wn ? wn : 1) * sizeof(float));
@@ -212,7 +219,7 @@ static tp_status_t gather_columns(tp_parallel_linear_t L, float *out, float *g, 
 
 static tp_status_t check_rows(tp_parallel_linear_t L, int64_t M, const char *op) {
   int64_t widest = L->cfg.in_features > L->cfg.out_features ? L->cfg.in_features : L->cfg.out_features, n;
-  if (M < 0 || M > INT_MAX || __builtin_mul_overflow(M, 2 * widest, &n) || n > ((int64_t)1 << 40))
+  if (M < 0 || M > INT_MAX || !tp_numel2(M, 2 * widest, &n))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear %s: %lld rows is out of range (at most %d, and rows x "
                         "features must fit in memory)", op, (long long)M, INT_MAX);
   return TP_SUCCESS;
@@ -288,7 +295,7 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
       for (int64_t j = 0; j < N; j++) dst[j] = src[j] + b[j];
     }
   } else {
-    memcpy(y, r, (size_t)(M * N) * sizeof(float));
+    TP_COPY(y, r, (size_t)(M * N) * sizeof(float));
   }
   return TP_SUCCESS;
 }
@@ -316,7 +323,7 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
     float *d = L->grad_buf.ptr;
     tp_linear_backward(d, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, 0);
     TP_CHECK(tp_all_reduce(d, d, (size_t)(M * K), TP_FLOAT32, TP_SUM, L->comm));
-    memcpy(dx, d, (size_t)(M * K) * sizeof(float));
+    TP_COPY(dx, d, (size_t)(M * K) * sizeof(float));
     return TP_SUCCESS;
   }
   /* Row parallel: dy is the full gradient on every rank. */

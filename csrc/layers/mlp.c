@@ -1,4 +1,5 @@
 /* The parallel MLP: fc1 (column) -> activation -> fc2 (row), workspaces reused. */
+#include <limits.h>
 #include <stdlib.h>
 
 #include "layers_impl.h"
@@ -70,8 +71,10 @@ tp_parallel_linear_t tp_parallel_mlp_layer(tp_parallel_mlp_t m, int which) {
   return !m ? NULL : which == 0 ? m->fc1 : m->fc2;
 }
 
+/* Workspaces for M rows (M checked by the caller); allocated even for M = 0, so that
+ * no kernel or copy ever sees a NULL workspace. */
 static tp_status_t workspace(tp_parallel_mlp_t m, int64_t M) {
-  if (M <= m->cap) return TP_SUCCESS;
+  if (M <= m->cap && m->h) return TP_SUCCESS;
   float *p[4] = {NULL, NULL, NULL, NULL};
   int64_t cols[4] = {m->f1, m->f, m->f, m->f1};
   for (int i = 0; i < 4; i++) {
@@ -96,7 +99,10 @@ static tp_status_t workspace(tp_parallel_mlp_t m, int64_t M) {
 
 tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t m, float *y, const float *x, int64_t M) {
   if (!m || (M && (!x || !y))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp forward: NULL argument");
-  if (M < 0) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp forward: negative row count");
+  int64_t n;
+  if (M < 0 || M > INT_MAX || !tp_numel2(M, m->f1 > m->f ? m->f1 : m->f, &n))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp forward: %lld rows is out of range (0 to %d, and rows x "
+                        "ffn columns (%lld) at most 2^40)", (long long)M, INT_MAX, (long long)m->f1);
   m->last_m = -1; /* a failed forward leaves no backward over freed or half-written workspaces */
   /* A workspace failure happens before any collective, on this rank only: the peers
    * would wait in fc2's all-reduce, so fail them too (through the layer's comm). */

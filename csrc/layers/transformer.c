@@ -76,8 +76,18 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: rotary positions need an even head_dim, got %lld", (long long)D);
   if ((unsigned)cfg->norm > TP_NORM_RMS || (unsigned)cfg->activation > TP_ACT_SWIGLU)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: unknown norm or activation");
-  if (C > INT_MAX / 4 || (H + 2 * Hk) * D > INT_MAX / 4)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: dimensions too large for 32-bit BLAS");
+  /* GEMM dimensions go to BLAS as 32-bit ints: hidden and the QKV width (heads + 2 kv_heads) x head_dim */
+  int64_t qkv_w;
+  if (C > INT_MAX / 4 || H > INT_MAX / 4 || Hk > INT_MAX / 4 || D > INT_MAX / 4 ||
+      !tp_mul_count(H + 2 * Hk, D, &qkv_w) || qkv_w > INT_MAX / 4)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: hidden (%lld) and (heads + 2 kv_heads) x head_dim ((%lld + "
+                        "2 x %lld) x %lld) must each be at most %d (BLAS uses 32-bit dimensions)", (long long)C,
+                        (long long)H, (long long)Hk, (long long)D, INT_MAX / 4);
+  int64_t wel;
+  if (!tp_numel2(qkv_w, C, &wel))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: the QKV weight of %lld x %lld (hidden %lld, heads %lld, "
+                        "kv_heads %lld, head_dim %lld) is too large: at most 2^40 elements", (long long)qkv_w,
+                        (long long)C, (long long)C, (long long)H, (long long)Hk, (long long)D);
   tp_block_t k = calloc(1, sizeof *k);
   if (!k) return tp_set_error(TP_ERR_NOMEM, "block: out of memory");
   k->comm = comm;
@@ -90,9 +100,10 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   int64_t sum = 0, prev_end = -1;
   for (int p = 0; p < k->world; p++) {
     int64_t n = cfg->head_partition ? cfg->head_partition[p] : H / k->world + (p < H % k->world);
-    if (n < 0) {
+    if (n < 0 || n > H - sum) {
       tp_block_destroy(k);
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: head_partition[%d] is negative", p);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: head_partition[%d] = %lld is %s", p, (long long)n,
+                          n < 0 ? "negative" : "more than the heads left for it (the partition must sum to heads)");
     }
     if (n > 0) {
       int64_t kb = sum / k->group, ke = (sum + n - 1) / k->group + 1;
@@ -122,7 +133,8 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   if (!k->wqkv || !k->dwqkv || !k->wo || !k->dwo || (b && (!k->bqkv || !k->dbqkv || !k->bo || !k->dbo)) ||
       !k->n1w || !k->dn1w || !k->n2w || !k->dn2w || (nb && (!k->n1b || !k->dn1b || !k->n2b || !k->dn2b))) {
     tp_block_destroy(k);
-    return tp_set_error(TP_ERR_NOMEM, "block: out of memory for the parameters");
+    return tp_set_error(TP_ERR_NOMEM, "block: out of memory for the parameters (a QKV shard of %lld x %lld floats)",
+                        (long long)k->W, (long long)C);
   }
   /* nn.Linear-style init from (seed, tensor, index of the full tensor): the same logical
    * block at every world size and head partition */
@@ -201,16 +213,21 @@ int tp_block_params(tp_block_t k, tp_param_t *out, int max) {
 }
 
 tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
-  if (!k || batch < 0 || max_len < 0) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: bad arguments");
+  if (!k) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: NULL argument");
+  /* max_len is the leading dimension of the attention's score GEMMs: a 32-bit int */
+  if (batch < 1 || batch > INT_MAX || max_len < 1 || max_len > INT_MAX)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: batch and max_len must be in [1, %d], got batch %lld "
+                        "and max_len %lld", INT_MAX, (long long)batch, (long long)max_len);
   int64_t n;
-  if (__builtin_mul_overflow(batch * max_len, k->nk * k->D, &n) || n > ((int64_t)1 << 38))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: %lld x %lld is too large", (long long)batch,
-                        (long long)max_len);
+  if (!tp_numel3(batch, max_len, k->nk * k->D, &n))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: batch %lld x max_len %lld x %lld K/V values per "
+                        "token is too large: at most 2^40 elements", (long long)batch, (long long)max_len,
+                        (long long)(k->nk * k->D));
   float *kc = falloc(n, 1), *vc = falloc(n, 1);
   if (!kc || !vc) {
     free(kc), free(vc);
-    return tp_set_error(TP_ERR_NOMEM, "block cache: out of memory for %lld x %lld tokens", (long long)batch,
-                        (long long)max_len);
+    return tp_set_error(TP_ERR_NOMEM, "block cache: out of memory for batch %lld x max_len %lld tokens (2 x %lld "
+                        "floats)", (long long)batch, (long long)max_len, (long long)n);
   }
   free(k->kc), free(k->vc);
   k->kc = kc, k->vc = vc, k->cb = batch, k->clen = max_len;
@@ -219,7 +236,8 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
 
 /* Workspaces for M rows; probs for B x nq x T x T when backward may follow. */
 static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int probs) {
-  if (M > k->cap) {
+  /* allocated (at least one element) even for an empty batch: no copy or kernel ever gets NULL */
+  if (M > k->cap || !k->xs) {
     int64_t C = k->C;
     float **bufs[] = {&k->xs, &k->s1, &k->h1, &k->s2, &k->n1, &k->n2, &k->mo, &k->dn, &k->dh, &k->dt,
                       &k->qkv, &k->dqkv, &k->ao, &k->dao, &k->mean1, &k->rstd1, &k->mean2, &k->rstd2};
@@ -233,25 +251,25 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
       }
     }
     free(k->pos);
-    k->pos = malloc((size_t)M * sizeof(int64_t));
+    k->pos = malloc((size_t)(M ? M : 1) * sizeof(int64_t));
     if (!k->pos) {
       k->cap = 0;
       return tp_set_error(TP_ERR_NOMEM, "block: out of memory");
     }
     k->cap = M;
   }
-  if (B > k->bcap) {
+  if (B > k->bcap || !k->pos0) {
     free(k->pos0), free(k->klen);
-    k->pos0 = malloc((size_t)B * sizeof(int64_t)), k->klen = malloc((size_t)B * sizeof(int64_t));
+    k->pos0 = malloc((size_t)(B ? B : 1) * sizeof(int64_t)), k->klen = malloc((size_t)(B ? B : 1) * sizeof(int64_t));
     if (!k->pos0 || !k->klen) {
       k->bcap = 0;
       return tp_set_error(TP_ERR_NOMEM, "block: out of memory");
     }
     k->bcap = B;
   }
-  if (M > k->mask_cap) {
+  if (M > k->mask_cap || !k->mask) {
     free(k->mask);
-    k->mask = malloc((size_t)M);
+    k->mask = malloc((size_t)(M ? M : 1));
     if (!k->mask) {
       k->mask_cap = 0;
       return tp_set_error(TP_ERR_NOMEM, "block: out of memory");
@@ -259,8 +277,8 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
     k->mask_cap = M;
   }
   if (probs) {
-    int64_t np = B * k->nq * T * T;
-    if (np > k->probs_cap) {
+    int64_t np = B * k->nq * T * T; /* bounded by check_batch */
+    if (np > k->probs_cap || !k->probs) {
       free(k->probs);
       k->probs = falloc(np, 0);
       if (!k->probs) {
@@ -344,10 +362,29 @@ static tp_status_t attention_forward(tp_block_t k, float *r, const float *in, in
   return TP_SUCCESS;
 }
 
+/* Every size and position of a forward, before anything is allocated or written: rows
+ * B x T at most INT_MAX (BLAS), their activations and the kept attention probabilities
+ * (B x heads x T x T) at most 2^40 elements, positions pos0[b] >= 0 with pos0[b] + T
+ * representable, and inside the KV cache ([0, max_len - T]) when it is used. */
 static tp_status_t check_batch(tp_block_t k, const tp_block_batch_t *bt) {
-  if (bt->B < 0 || bt->T < 0 || (bt->B && bt->T && bt->B > INT_MAX / bt->T))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: bad batch shape %lld x %lld", (long long)bt->B,
-                        (long long)bt->T);
+  int64_t M, n;
+  if (bt->B < 0 || bt->T < 0 || !tp_mul_count(bt->B, bt->T, &M) || M > INT_MAX || !tp_numel2(M, k->W + k->C, &n))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: a batch of B = %lld sequences of T = %lld tokens is "
+                        "out of range (B, T >= 0, B x T at most %d rows and 2^40 activations)", (long long)bt->B,
+                        (long long)bt->T, INT_MAX);
+  if (bt->need_backward && !tp_numel3(M, k->nq, bt->T, &n))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: keeping the attention probabilities for backward "
+                        "needs B x heads x T x T = %lld x %lld x %lld x %lld floats, more than 2^40",
+                        (long long)bt->B, (long long)k->nq, (long long)bt->T, (long long)bt->T);
+  for (int64_t b = 0; bt->pos0 && b < bt->B; b++) {
+    int64_t p = bt->pos0[b];
+    if (p < 0)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: pos0 must be >= 0, got pos0[%lld] = %lld",
+                          (long long)b, (long long)p);
+    if (p > INT64_MAX - bt->T)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: pos0[%lld] = %lld + T = %lld overflows the "
+                          "positions (at most 2^63 - 1 - T)", (long long)b, (long long)p, (long long)bt->T);
+  }
   if (bt->use_cache) {
     if (!k->cfg.causal)
       return tp_set_error(TP_ERR_INVALID_USAGE, "block forward: a KV cache needs causal attention");
@@ -356,11 +393,16 @@ static tp_status_t check_batch(tp_block_t k, const tp_block_batch_t *bt) {
     if (bt->B > k->cb)
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: batch %lld exceeds the cache's %lld sequences",
                           (long long)bt->B, (long long)k->cb);
-    for (int64_t b = 0; b < bt->B; b++) {
-      int64_t p = bt->pos0 ? bt->pos0[b] : 0;
-      if (p < 0 || p + bt->T > k->clen)
-        return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: sequence %lld would reach position %lld, past "
-                            "the KV cache's %lld", (long long)b, (long long)(p + bt->T), (long long)k->clen);
+    if (bt->B && bt->T > k->clen)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: T = %lld tokens reach past the KV cache's "
+                          "max_len %lld", (long long)bt->T, (long long)k->clen);
+    for (int64_t b = 0; b < (bt->pos0 ? bt->B : bt->B > 0); b++) { /* without pos0: every sequence at 0 */
+      int64_t p = bt->pos0 ? bt->pos0[b] : 0; /* >= 0, checked above */
+      if (p > k->clen - bt->T)
+        return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: pos0[%lld] = %lld with T = %lld tokens reaches "
+                            "past the KV cache's max_len %lld: pos0 must be in [0, max_len - T] = [0, %lld]",
+                            (long long)b, (long long)p, (long long)bt->T, (long long)k->clen,
+                            (long long)(k->clen - bt->T));
     }
   }
   return TP_SUCCESS;
@@ -370,6 +412,7 @@ tp_status_t tp_block_forward(tp_block_t k, float *y, const float *x, const tp_bl
   if (!k || !bt || (bt->B > 0 && bt->T > 0 && (!x || !y))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: NULL argument");
   TP_CHECK(check_batch(k, bt));
   int64_t B = bt->B, T = bt->T, M = B * T, C = k->C;
+  if (M == 0) B = T = 0; /* an empty batch (2^40 sequences of 0 tokens ...) needs no per-sequence workspace */
   k->ready = 0;
   tp_status_t st = workspaces(k, M, B, T, bt->need_backward);
   if (st != TP_SUCCESS) {
@@ -383,13 +426,13 @@ tp_status_t tp_block_forward(tp_block_t k, float *y, const float *x, const tp_bl
     for (int64_t t = 0; t < T; t++) k->pos[b * T + t] = k->pos0[b] + t;
   }
   k->have_mask = bt->key_mask != NULL;
-  if (k->have_mask) memcpy(k->mask, bt->key_mask, (size_t)M);
-  memcpy(k->xs, x, (size_t)(M * C) * sizeof(float));
+  if (k->have_mask) TP_COPY(k->mask, bt->key_mask, (size_t)M);
+  TP_COPY(k->xs, x, (size_t)(M * C) * sizeof(float));
   TP_CHECK(tp_reg_ensure(k->comm, &k->red, (size_t)(M * C) * sizeof(float)));
   float *r = k->red.ptr;
   if (k->cfg.attention_only) {
     TP_CHECK(attention_forward(k, r, k->xs, bt->use_cache, bt->need_backward));
-    memcpy(y, r, (size_t)(M * C) * sizeof(float));
+    TP_COPY(y, r, (size_t)(M * C) * sizeof(float));
   } else if (k->cfg.pre_norm) {
     norm_fwd(k, k->n1, k->mean1, k->rstd1, k->xs, k->n1w, k->n1b, M);
     TP_CHECK(attention_forward(k, r, k->n1, bt->use_cache, bt->need_backward));
@@ -443,7 +486,7 @@ static tp_status_t attention_backward(tp_block_t k, float *din, const float *dr,
   float *r = k->red.ptr;
   tp_linear_backward(r, k->dwqkv, k->dbqkv, k->dqkv, in, k->wqkv, M, C, k->W, 0);
   if (k->world > 1) TP_CHECK(tp_all_reduce(r, r, (size_t)(M * C), TP_FLOAT32, TP_SUM, k->comm));
-  memcpy(din, r, (size_t)(M * C) * sizeof(float));
+  TP_COPY(din, r, (size_t)(M * C) * sizeof(float));
   if (k->kv_replicated) {
     /* full layout: [K weights Hk*D*C | V weights | K bias Hk*D | V bias] */
     int64_t HkD = k->Hk * D, n = 2 * HkD * (C + 1);
@@ -482,7 +525,7 @@ tp_status_t tp_block_backward(tp_block_t k, float *dx, const float *dy, int64_t 
                         "(B * T = %lld x %lld)", (long long)rows, (long long)M, (long long)k->B, (long long)k->T);
   if (M && (!dx || !dy)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block backward: NULL argument");
   if (k->cfg.attention_only) {
-    memcpy(k->dt, dy, (size_t)(M * C) * sizeof(float));
+    TP_COPY(k->dt, dy, (size_t)(M * C) * sizeof(float));
     return attention_backward(k, dx, k->dt, k->xs);
   }
   if (k->cfg.pre_norm) {

@@ -19,7 +19,9 @@ static tp_status_t split(const int64_t *partition, int world, int rank, int64_t 
       *off = sum;
       *loc = v;
     }
-    sum += v;
+    if (!tp_add_count(sum, v, &sum))
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: the partition sums past 2^63 - 1 (partition[%d] = %lld)", who,
+                          p, (long long)v);
   }
   if (sum != n)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: the partition sums to %lld but the vocabulary has %lld entries",
@@ -60,9 +62,10 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   tp_comm_size(comm, &world);
   int64_t off = 0, loc = 0, nel;
   TP_CHECK(split(cfg->partition, world, rank, cfg->num_embeddings, "embedding", &off, &loc));
-  if (__builtin_mul_overflow(loc, cfg->embedding_dim, &nel) || nel > ((int64_t)1 << 40))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: a table shard of %lld x %lld is too large",
-                        (long long)loc, (long long)cfg->embedding_dim);
+  if (!tp_numel2(loc, cfg->embedding_dim, &nel))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: a table shard of %lld x %lld (num_embeddings %lld, "
+                        "embedding_dim %lld) is too large: at most 2^40 elements per shard", (long long)loc,
+                        (long long)cfg->embedding_dim, (long long)cfg->num_embeddings, (long long)cfg->embedding_dim);
   tp_vocab_embedding_t E = calloc(1, sizeof *E);
   if (!E) return tp_set_error(TP_ERR_NOMEM, "embedding: out of memory");
   E->comm = comm;
@@ -132,15 +135,16 @@ static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int
   float *r = E->buf.ptr;
   tp_embedding_forward(r, tokens, E->w, M, E->off, E->loc, E->C);
   TP_CHECK(tp_all_reduce(r, r, (size_t)(M * E->C), TP_FLOAT32, TP_SUM, E->comm));
-  memcpy(y, r, nbytes);
+  TP_COPY(y, r, nbytes);
   return TP_SUCCESS;
 }
 
 tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t E, float *y, const int64_t *tokens, int64_t M) {
   if (!E || (M && (!y || !tokens))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: NULL argument");
   int64_t nel;
-  if (M < 0 || __builtin_mul_overflow(M, E->C, &nel) || nel > ((int64_t)1 << 40))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: %lld tokens is out of range", (long long)M);
+  if (M < 0 || !tp_numel2(M, E->C, &nel))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: %lld tokens is out of range (0 to 2^40 / "
+                        "embedding_dim %lld)", (long long)M, (long long)E->C);
   return embedding_forward(E, y, tokens, M);
 }
 
@@ -314,9 +318,12 @@ tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t X, float *losses, const float 
   if (!X || (M && (!losses || !targets || (V && !logits))))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: NULL argument");
   int64_t nel;
-  if (M < 0 || V < 0 || __builtin_mul_overflow(M, V, &nel) || nel > ((int64_t)1 << 40) || M > INT_MAX / 4)
+  if (M < 0 || V < 0 || !tp_numel2(M, V, &nel) || M > INT_MAX / 4)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: %lld rows x %lld columns is out of range",
                         (long long)M, (long long)V);
+  if (vocab_offset > INT64_MAX - V) /* lo + V must not overflow */
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: vocab_offset must be at most 2^63 - 1 - "
+                        "the shard width %lld, got %lld", (long long)V, (long long)vocab_offset);
   if (V > (1 << 24))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: a shard of %lld vocabulary entries is wider "
                         "than 2^24", (long long)V);

@@ -438,8 +438,10 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
         return NULL;
       }
       dims[0] /= size;
-    } else {
-      dims[0] *= size;
+    } else if (__builtin_mul_overflow(dims[0], (npy_intp)size, &dims[0])) {
+      PyErr_Format(PyExc_ValueError, "all_gather: x has length %zd along axis 0; %d ranks of it overflow a size",
+                   (Py_ssize_t)PyArray_DIM(xa, 0), size);
+      return NULL;
     }
     PyArray_Descr *d = PyArray_DESCR(xa);
     Py_INCREF(d);
@@ -467,7 +469,11 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
     (void)whole;
     for (int p = 0; p < size; p++) counts[p] = part;
   }
-  for (int p = 0; p < size; p++) total += counts[p];
+  for (int p = 0; p < size; p++)
+    if (__builtin_add_overflow(total, counts[p], &total)) {
+      PyErr_Format(PyExc_ValueError, "%s: counts add up past 2**64 elements", name);
+      goto fail;
+    }
   if (!scatter) {
     if (bx.count != counts[rank]) {
       PyErr_Format(PyExc_ValueError, "all_gather: x has %zu elements but counts[%d] is %zu", bx.count,
@@ -776,6 +782,60 @@ static PyType_Spec comm_spec = {
 
 /* ------------------------------------------------- shared by the layer types */
 
+/* An integer argument (an int or anything with __index__; not a float or a bool) in
+ * [lo, hi]: TypeError or ValueError naming the op, the argument, the range and what came.
+ * seed_arg: a seed, an integer in [0, 2**64). */
+static PyObject *index_of(PyObject *o, const char *op, const char *name, const char *range) {
+  if (PyBool_Check(o) || !PyIndex_Check(o)) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be an integer in %s, got %s", op, name, range, Py_TYPE(o)->tp_name);
+    return NULL;
+  }
+  return PyNumber_Index(o);
+}
+
+static int int_arg(PyObject *o, const char *op, const char *name, long long lo, long long hi, long long *out) {
+  char range[64];
+  snprintf(range, sizeof range, "[%lld, %lld]", lo, hi);
+  PyObject *i = index_of(o, op, name, range);
+  if (!i) return -1;
+  int overflow;
+  long long v = PyLong_AsLongLongAndOverflow(i, &overflow);
+  if (v == -1 && PyErr_Occurred()) {
+    Py_DECREF(i);
+    return -1;
+  }
+  if (overflow || v < lo || v > hi) {
+    int low = overflow ? overflow < 0 : v < lo;
+    PyErr_Format(PyExc_ValueError, "%s: %s must be at %s %lld (an integer in %s), got %S", op, name,
+                 low ? "least" : "most", low ? lo : hi, range, i);
+    Py_DECREF(i);
+    return -1;
+  }
+  Py_DECREF(i);
+  *out = v;
+  return 0;
+}
+
+static int seed_arg(PyObject *o, const char *op, uint64_t *out) {
+  PyObject *i = index_of(o, op, "seed", "[0, 2**64)");
+  if (!i) return -1;
+  unsigned long long v = PyLong_AsUnsignedLongLong(i); /* OverflowError when negative or >= 2**64 */
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_ValueError, "%s: seed must be an integer in [0, 2**64), got %S", op, i);
+    }
+    Py_DECREF(i);
+    return -1;
+  }
+  Py_DECREF(i);
+  *out = v;
+  return 0;
+}
+
+/* A layer dimension: BLAS takes 32-bit ints. */
+#define DIM_MAX ((long long)INT_MAX)
+
 /* comm as a live communicator object of this module, or NULL with an exception. */
 static CommObject *layer_comm(module_state *st, PyObject *commo, const char *who) {
   if (!st) return NULL;
@@ -826,13 +886,14 @@ static int parse_partition(PyObject *part, int size, int64_t **sizes) {
     PyErr_NoMemory();
     return -1;
   }
-  for (int p = 0; p < size; p++) {
-    v[p] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, p));
-    if (v[p] == -1 && PyErr_Occurred()) {
+  for (int p = 0; p < size; p++) { /* any int64 here; the layer says which sizes it takes */
+    long long e;
+    if (int_arg(PySequence_Fast_GET_ITEM(seq, p), "partition", "an entry", LLONG_MIN, LLONG_MAX, &e) < 0) {
       Py_DECREF(seq);
       PyMem_Free(v);
       return -1;
     }
+    v[p] = e;
   }
   Py_DECREF(seq);
   *sizes = v;
@@ -881,13 +942,17 @@ typedef struct {
 static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "kind", "in_features", "out_features", "bias", "gather_output",
                            "input_is_parallel", "partition", "seed", "gated", NULL};
-  PyObject *commo, *part = Py_None;
+  PyObject *commo, *part = Py_None, *in_o, *out_o, *seed_o = NULL;
   const char *kind;
   long long in_f, out_f;
   int bias = 1, gather = 0, inpar = 1, gated = 0;
-  unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsLL|pppOKp:ParallelLinear", kwlist, &commo, &kind, &in_f, &out_f,
-                                   &bias, &gather, &inpar, &part, &seed, &gated))
+  uint64_t seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsOO|pppOOp:ParallelLinear", kwlist, &commo, &kind, &in_o, &out_o,
+                                   &bias, &gather, &inpar, &part, &seed_o, &gated))
+    return NULL;
+  if (int_arg(in_o, "ParallelLinear", "in_features", 1, DIM_MAX, &in_f) < 0 ||
+      int_arg(out_o, "ParallelLinear", "out_features", 1, DIM_MAX, &out_f) < 0 ||
+      (seed_o && seed_arg(seed_o, "ParallelLinear", &seed) < 0))
     return NULL;
   module_state *st = state_of_type(type);
   CommObject *co = layer_comm(st, commo, "ParallelLinear");
@@ -1055,13 +1120,17 @@ typedef struct {
 
 static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "hidden", "ffn_hidden", "activation", "bias", "partition", "seed", NULL};
-  PyObject *commo, *part = Py_None;
+  PyObject *commo, *part = Py_None, *hidden_o, *ffn_o, *seed_o = NULL;
   const char *actname;
   long long hidden, ffn;
   int bias = 1;
-  unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OLLs|pOK:ParallelMLP", kwlist, &commo, &hidden, &ffn, &actname, &bias,
-                                   &part, &seed))
+  uint64_t seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOs|pOO:ParallelMLP", kwlist, &commo, &hidden_o, &ffn_o, &actname,
+                                   &bias, &part, &seed_o))
+    return NULL;
+  if (int_arg(hidden_o, "ParallelMLP", "hidden", 1, DIM_MAX, &hidden) < 0 ||
+      int_arg(ffn_o, "ParallelMLP", "ffn_hidden", 1, DIM_MAX, &ffn) < 0 ||
+      (seed_o && seed_arg(seed_o, "ParallelMLP", &seed) < 0))
     return NULL;
   module_state *st = state_of_type(type);
   CommObject *co = layer_comm(st, commo, "ParallelMLP");
@@ -1324,10 +1393,15 @@ typedef struct {
 
 static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "num_embeddings", "embedding_dim", "partition", "seed", NULL};
-  PyObject *commo, *part = Py_None;
+  PyObject *commo, *part = Py_None, *n_o, *dim_o, *seed_o = NULL;
   long long n, dim;
-  unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|OK:VocabParallelEmbedding", kwlist, &commo, &n, &dim, &part, &seed))
+  uint64_t seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OO:VocabParallelEmbedding", kwlist, &commo, &n_o, &dim_o, &part,
+                                   &seed_o))
+    return NULL;
+  if (int_arg(n_o, "VocabParallelEmbedding", "num_embeddings", 1, LLONG_MAX, &n) < 0 ||
+      int_arg(dim_o, "VocabParallelEmbedding", "embedding_dim", 1, LLONG_MAX, &dim) < 0 ||
+      (seed_o && seed_arg(seed_o, "VocabParallelEmbedding", &seed) < 0))
     return NULL;
   module_state *st = state_of_type(type);
   CommObject *co = layer_comm(st, commo, "VocabParallelEmbedding");
@@ -1478,9 +1552,12 @@ static void xent_dealloc(PyObject *o) {
 /* forward(logits[M, V], targets[M], vocab_offset=-1, ignore_index=-100) -> (losses[M], valid, vocab) */
 static PyObject *xent_forward(PyObject *o, PyObject *args) {
   XentObject *self = (XentObject *)o;
-  PyObject *lo_, *to;
+  PyObject *lo_, *to, *off_o = NULL, *ignore_o = NULL;
   long long off = -1, ignore = -100;
-  if (!PyArg_ParseTuple(args, "OO|LL:forward", &lo_, &to, &off, &ignore)) return NULL;
+  if (!PyArg_ParseTuple(args, "OO|OO:forward", &lo_, &to, &off_o, &ignore_o)) return NULL;
+  if ((off_o && int_arg(off_o, "cross-entropy", "vocab_offset", -1, LLONG_MAX, &off) < 0) ||
+      (ignore_o && int_arg(ignore_o, "cross-entropy", "ignore_index", LLONG_MIN, LLONG_MAX, &ignore) < 0))
+    return NULL;
   if (!live(self->comm, "forward")) return NULL;
   buf_t b;
   if (get_buf(lo_, "cross-entropy", "logits", 0, &b) < 0) return NULL;
@@ -1584,16 +1661,23 @@ static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "norm", "eps", "activation",
                            "pre_norm", "bias", "causal", "rope_theta", "head_partition", "ffn_partition", "seed",
                            "attention_only", NULL};
-  PyObject *commo, *hpart = Py_None, *fpart = Py_None;
-  long long C, H, Hk, D, F;
+  PyObject *commo, *hpart = Py_None, *fpart = Py_None, *dim_o[5], *seed_o = NULL;
+  long long dims[5]; /* hidden, heads, kv_heads (0: = heads), head_dim, ffn_hidden */
+  static const char *dim_names[5] = {"hidden", "heads", "kv_heads", "head_dim", "ffn_hidden"};
   const char *norm = "layernorm", *act = "gelu";
   float eps = 1e-5f, theta = 0.0f;
   int pre = 1, bias = 1, causal = 1, attn_only = 0;
-  unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OLLLLL|sfspppfOOKp:TransformerBlock", kwlist, &commo, &C, &H, &Hk, &D,
-                                   &F, &norm, &eps, &act, &pre, &bias, &causal, &theta, &hpart, &fpart, &seed,
-                                   &attn_only))
+  uint64_t seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|sfspppfOOOp:TransformerBlock", kwlist, &commo, &dim_o[0],
+                                   &dim_o[1], &dim_o[2], &dim_o[3], &dim_o[4], &norm, &eps, &act, &pre, &bias, &causal,
+                                   &theta, &hpart, &fpart, &seed_o, &attn_only))
     return NULL;
+  for (int i = 0; i < 5; i++)
+    if (int_arg(dim_o[i], "TransformerBlock", dim_names[i], i == 2 || (i == 4 && attn_only) ? 0 : 1, DIM_MAX,
+                &dims[i]) < 0)
+      return NULL;
+  if (seed_o && seed_arg(seed_o, "TransformerBlock", &seed) < 0) return NULL;
+  long long C = dims[0], H = dims[1], Hk = dims[2], D = dims[3], F = dims[4];
   module_state *st = state_of_type(type);
   CommObject *co = layer_comm(st, commo, "TransformerBlock");
   if (!co) return NULL;
@@ -1639,16 +1723,19 @@ static void blk_dealloc(PyObject *o) {
 static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"x", "B", "T", "pos0", "key_mask", "use_cache", "need_backward", "out", NULL};
   BlockObject *self = (BlockObject *)o;
-  PyObject *x, *po = Py_None, *mo = Py_None, *out = Py_None;
-  long long B, T;
+  PyObject *x, *po = Py_None, *mo = Py_None, *out = Py_None, *B_o, *T_o;
+  long long B, T, BT;
   int use_cache = 0, need_backward = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OLL|OOppO:forward", kwlist, &x, &B, &T, &po, &mo, &use_cache,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOppO:forward", kwlist, &x, &B_o, &T_o, &po, &mo, &use_cache,
                                    &need_backward, &out))
+    return NULL;
+  if (int_arg(B_o, "block forward", "B", 0, LLONG_MAX, &B) < 0 ||
+      int_arg(T_o, "block forward", "T", 0, LLONG_MAX, &T) < 0)
     return NULL;
   if (!live(self->comm, "forward")) return NULL;
   int64_t M;
   if (lin_arg(x, "block forward", "x", self->C, &M) < 0) return NULL;
-  if (B < 0 || T < 0 || M != B * T) {
+  if (__builtin_mul_overflow(B, T, &BT) || M != BT) {
     PyErr_Format(PyExc_ValueError, "block forward: x has %lld rows, not B * T = %lld x %lld", (long long)M,
                  (long long)B, (long long)T);
     return NULL;
@@ -1711,8 +1798,12 @@ static PyObject *blk_backward(PyObject *o, PyObject *args) {
 
 static PyObject *blk_cache(PyObject *o, PyObject *args) {
   BlockObject *self = (BlockObject *)o;
+  PyObject *batch_o, *len_o;
   long long batch, len;
-  if (!PyArg_ParseTuple(args, "LL:cache", &batch, &len)) return NULL;
+  if (!PyArg_ParseTuple(args, "OO:cache", &batch_o, &len_o)) return NULL;
+  if (int_arg(batch_o, "TransformerBlock.cache", "batch", 1, DIM_MAX, &batch) < 0 ||
+      int_arg(len_o, "TransformerBlock.cache", "max_len", 1, DIM_MAX, &len) < 0)
+    return NULL;
   tp_status_t s = tp_block_cache(self->K, batch, len);
   if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "cache");
   Py_RETURN_NONE;

@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #endif
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -210,6 +211,117 @@ static int run_block(int n, int r, const char *job) {
   return bad ? 1 : 0;
 }
 
+/* Sizes and positions at the edges (issue 8): every call is refused with INVALID_ARGUMENT and a
+ * sentence naming the argument, or succeeds on an empty batch; never a write out of bounds
+ * (ASan), a signed overflow or a NULL to memcpy (UBSan), or a read of a freed layer. */
+#define EXPECT(call, st, word)                                                                       \
+  do {                                                                                               \
+    tp_status_t got_ = (call);                                                                       \
+    if (got_ != (st) || ((st) != TP_SUCCESS && !strstr(tp_last_error(), (word)))) {                 \
+      fprintf(stderr, "sizes rank %d line %d: %s -> %s (%s), expected %s with '%s'\n", r, __LINE__, #call, \
+              tp_status_name(got_), tp_last_error(), tp_status_name(st), (word));                   \
+      bad++;                                                                                         \
+    }                                                                                                \
+  } while (0)
+
+static int run_sizes(int n, int r, const char *job) {
+  tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
+  cc.job_id = job;
+  cc.timeout_s = 30;
+  tp_comm_t comm;
+  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  int bad = 0;
+  const int64_t big = INT64_MAX;
+  /* linear: a shard too large is refused with its sizes (the message was read from the freed layer) */
+  tp_linear_config_t lc = TP_LINEAR_CONFIG_INITIALIZER;
+  tp_parallel_linear_t lin = NULL;
+  lc.in_features = (int64_t)1 << 30, lc.out_features = (int64_t)1 << 30;
+  EXPECT(tp_parallel_linear_create(&lin, comm, &lc), TP_ERR_INVALID_ARGUMENT, "too large");
+  lc.out_features = big, lc.gated = 1;
+  EXPECT(tp_parallel_linear_create(&lin, comm, &lc), TP_ERR_INVALID_ARGUMENT, "at most");
+  int64_t huge_part[2] = {big, big};
+  lc.in_features = 4, lc.out_features = 4, lc.gated = 0, lc.partition = huge_part;
+  if (n == 2) EXPECT(tp_parallel_linear_create(&lin, comm, &lc), TP_ERR_INVALID_ARGUMENT, "partition");
+  tp_embedding_config_t ec = TP_EMBEDDING_CONFIG_INITIALIZER;
+  tp_vocab_embedding_t emb = NULL;
+  ec.num_embeddings = 4, ec.embedding_dim = 2, ec.partition = huge_part;
+  if (n == 2) EXPECT(tp_vocab_embedding_create(&emb, comm, &ec), TP_ERR_INVALID_ARGUMENT, "partition");
+  /* block: dimensions whose products overflow */
+  tp_block_config_t cfg = TP_BLOCK_CONFIG_INITIALIZER;
+  tp_block_t blk = NULL;
+  cfg.hidden = 8, cfg.heads = big, cfg.kv_heads = 1, cfg.head_dim = big, cfg.ffn_hidden = 8;
+  EXPECT(tp_block_create(&blk, comm, &cfg), TP_ERR_INVALID_ARGUMENT, "head_dim");
+  int64_t hp[2] = {big, 2 - big};
+  cfg.heads = 2, cfg.kv_heads = 2, cfg.head_dim = 2, cfg.head_partition = hp;
+  if (n == 2) EXPECT(tp_block_create(&blk, comm, &cfg), TP_ERR_INVALID_ARGUMENT, "head_partition");
+  cfg.head_partition = NULL, cfg.rope_theta = 100.0f;
+  cfg.heads = 2 * n; /* nq = 2 heads of D = 2 on every rank */
+  if (tp_block_create(&blk, comm, &cfg) != TP_SUCCESS) return fprintf(stderr, "block: %s\n", tp_last_error()), 1;
+  /* the KV cache: batch x max_len x K/V width must not wrap (2^58 x 64 x 4 wrapped to 0) */
+  EXPECT(tp_block_cache(blk, (int64_t)1 << 58, 64), TP_ERR_INVALID_ARGUMENT, "batch");
+  EXPECT(tp_block_cache(blk, (int64_t)1 << 40, (int64_t)1 << 40), TP_ERR_INVALID_ARGUMENT, "max_len");
+  EXPECT(tp_block_cache(blk, INT32_MAX, INT32_MAX), TP_ERR_INVALID_ARGUMENT, "too large");
+  EXPECT(tp_block_cache(blk, 0, 8), TP_ERR_INVALID_ARGUMENT, "batch");
+  EXPECT(tp_block_cache(blk, 1, -1), TP_ERR_INVALID_ARGUMENT, "max_len");
+  EXPECT(tp_block_cache(blk, 2, 8), TP_SUCCESS, "");
+  /* positions: pos0 + T must not wrap past the cache's end (2^63 - 1 + 2 wrapped negative) */
+  float x[2 * 3 * 8], y[2 * 3 * 8];
+  for (int i = 0; i < 2 * 3 * 8; i++) x[i] = (float)sin(0.3 * i);
+  int64_t pos[2] = {big - 1, 0};
+  tp_block_batch_t bt = {2, 2, pos, NULL, 1, 0};
+  EXPECT(tp_block_forward(blk, y, x, &bt), TP_ERR_INVALID_ARGUMENT, "pos0");
+  pos[0] = -3;
+  EXPECT(tp_block_forward(blk, y, x, &bt), TP_ERR_INVALID_ARGUMENT, ">= 0");
+  pos[0] = 7;
+  EXPECT(tp_block_forward(blk, y, x, &bt), TP_ERR_INVALID_ARGUMENT, "past the KV cache");
+  pos[0] = 6, pos[1] = 6; /* the last two slots */
+  EXPECT(tp_block_forward(blk, y, x, &bt), TP_SUCCESS, "");
+  tp_block_batch_t nc = {1, 3, pos, NULL, 0, 0};
+  pos[0] = big - 2;
+  EXPECT(tp_block_forward(blk, y, x, &nc), TP_ERR_INVALID_ARGUMENT, "pos0");
+  tp_block_batch_t many = {1, 1 << 20, NULL, NULL, 0, 1}; /* probabilities of 2^20 x 2^20 x 2 heads */
+  EXPECT(tp_block_forward(blk, y, x, &many), TP_ERR_INVALID_ARGUMENT, "B x heads x T x T");
+  tp_block_batch_t rows = {(int64_t)1 << 32, (int64_t)1 << 32, NULL, NULL, 0, 0};
+  EXPECT(tp_block_forward(blk, y, x, &rows), TP_ERR_INVALID_ARGUMENT, "out of range");
+  /* empty batches: empty in, empty out, NULL pointers included (the collectives still run) */
+  tp_block_batch_t e1 = {0, 3, NULL, NULL, 0, 1}, e2 = {2, 0, NULL, NULL, 0, 1}, e3 = {0, 0, NULL, NULL, 1, 0};
+  EXPECT(tp_block_forward(blk, NULL, NULL, &e1), TP_SUCCESS, "");
+  EXPECT(tp_block_backward(blk, NULL, NULL, 0), TP_SUCCESS, "");
+  EXPECT(tp_block_forward(blk, NULL, NULL, &e2), TP_SUCCESS, "");
+  EXPECT(tp_block_backward(blk, NULL, NULL, 0), TP_SUCCESS, "");
+  EXPECT(tp_block_forward(blk, NULL, NULL, &e3), TP_SUCCESS, "");
+  tp_block_destroy(blk);
+  tp_mlp_config_t mc = TP_MLP_CONFIG_INITIALIZER;
+  tp_parallel_mlp_t mlp;
+  mc.hidden = 3, mc.ffn_hidden = 5;
+  if (tp_parallel_mlp_create(&mlp, comm, &mc) != TP_SUCCESS) return fprintf(stderr, "mlp: %s\n", tp_last_error()), 1;
+  EXPECT(tp_parallel_mlp_forward(mlp, NULL, NULL, 0), TP_SUCCESS, "");
+  EXPECT(tp_parallel_mlp_backward(mlp, NULL, NULL, 0), TP_SUCCESS, "");
+  EXPECT(tp_parallel_mlp_forward(mlp, y, x, big), TP_ERR_INVALID_ARGUMENT, "rows");
+  tp_parallel_mlp_destroy(mlp);
+  lc.partition = NULL, lc.kind = TP_ROW_PARALLEL, lc.input_is_parallel = 0;
+  if (tp_parallel_linear_create(&lin, comm, &lc) != TP_SUCCESS) return fprintf(stderr, "lin: %s\n", tp_last_error()), 1;
+  EXPECT(tp_parallel_linear_forward(lin, NULL, NULL, 0), TP_SUCCESS, "");
+  EXPECT(tp_parallel_linear_backward(lin, NULL, NULL, 0), TP_SUCCESS, "");
+  tp_parallel_linear_destroy(lin);
+  ec.partition = NULL;
+  tp_vocab_xent_t xent;
+  if (tp_vocab_embedding_create(&emb, comm, &ec) != TP_SUCCESS || tp_vocab_xent_create(&xent, comm) != TP_SUCCESS)
+    return fprintf(stderr, "vocab: %s\n", tp_last_error()), 1;
+  EXPECT(tp_vocab_embedding_forward(emb, NULL, NULL, 0), TP_SUCCESS, "");
+  EXPECT(tp_vocab_embedding_backward(emb, NULL, 0), TP_SUCCESS, "");
+  EXPECT(tp_vocab_xent_forward(xent, NULL, NULL, NULL, 0, 2, -1, -100, NULL, NULL), TP_SUCCESS, "");
+  EXPECT(tp_vocab_xent_backward(xent, NULL, NULL, 1.0f), TP_SUCCESS, "");
+  float lg[2] = {0.5f, 1.0f}, loss[1];
+  int64_t tg[1] = {1};
+  if (n == 1) EXPECT(tp_vocab_xent_forward(xent, loss, lg, tg, 1, 2, big, -100, NULL, NULL), TP_ERR_INVALID_ARGUMENT,
+                     "vocab_offset");
+  tp_vocab_xent_destroy(xent);
+  tp_vocab_embedding_destroy(emb);
+  tp_comm_destroy(comm);
+  return bad ? 1 : 0;
+}
+
 static int run_world(int n, int (*fn)(int, int, const char *), const char *name) {
   char job[64];
   snprintf(job, sizeof job, "clayers%d_%s_%d", (int)getpid(), name, n);
@@ -238,6 +350,7 @@ int main(void) {
     run_world(n, run_rank, "mlp") ? passed++ : failed++;
     run_world(n, run_vocab, "vocab") ? passed++ : failed++;
     run_world(n, run_block, "block") ? passed++ : failed++;
+    if (n <= 2) run_world(n, run_sizes, "sizes") ? passed++ : failed++;
   }
   int same = 1;
   for (int n = 2; n <= 3; n++)

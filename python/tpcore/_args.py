@@ -122,6 +122,18 @@ def int_array(a, who: str, name: str) -> np.ndarray:
         raise ValueError(f"{who}: {name} could not be read as an array of integers: {e}") from None
     if t.size == 0 and not isinstance(a, np.ndarray) and t.dtype == np.float64:
         t = t.astype(np.int64)  # [] or [[]]: NumPy's default dtype for an empty list is float64
+    if t.dtype.kind == "f" and isinstance(a, (list, tuple)):
+        o = np.array(a, dtype=object)  # e.g. [2**63, -1]: ints NumPy could only hold as floats
+        if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in o.flat):
+            t = o
+    if t.dtype == object:  # Python ints (past int64 too), or anything else
+        bad = [v for v in t.flat if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
+        if bad:
+            raise TypeError(f"{who}: {name} must be integers, got {shown(bad[0])}")
+        out = [int(v) for v in t.flat if not -2 ** 63 <= int(v) < 2 ** 63]
+        if out:
+            raise ValueError(f"{who}: {name} must be in the int64 range [-2**63, 2**63), got {out[0]}")
+        return np.ascontiguousarray(t, dtype=np.int64)
     if t.dtype.kind not in "iu" or t.dtype == np.bool_:
         raise TypeError(f"{who}: {name} must be integers, got dtype {t.dtype}")
     if t.dtype == np.uint64 and t.size and int(t.max()) > np.iinfo(np.int64).max:

@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C
-from ._args import bool_arg, int_arg, is_int, shown
+from ._args import bool_arg, int_arg, is_int, seed_arg, shown
 from .comm import Comm, as_array
 
 
@@ -166,6 +166,7 @@ class _ParallelLinear:
         if not isinstance(comm, Comm):
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, type(self).__name__)
+        seed = seed_arg(seed, type(self).__name__)
         in_features = int_arg(in_features, type(self).__name__, "in_features", lo=1)
         out_features = int_arg(out_features, type(self).__name__, "out_features", lo=1)
         for name, v in (("bias", bias), ("gather_output", gather_output), ("input_is_parallel", input_is_parallel),
@@ -178,7 +179,7 @@ class _ParallelLinear:
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.gated = bool(gated)
         self._c = _C.ParallelLinear(comm._c, self._kind, self.in_features, self.out_features, bool(bias),
-                                    bool(gather_output), bool(input_is_parallel), sizes, int(seed), self.gated)
+                                    bool(gather_output), bool(input_is_parallel), sizes, seed, self.gated)
         shard = self._c.shard
         self.offset, self.local = shard["offset"], shard["local"]
         self._x_cols, self._y_cols = shard["x_cols"], shard["y_cols"]
@@ -356,11 +357,12 @@ class ParallelMLP:
             raise TypeError(f"ParallelMLP: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "ParallelMLP")
         bool_arg(bias, "ParallelMLP", "bias")
+        seed = seed_arg(seed, "ParallelMLP")
         hidden = int_arg(hidden, "ParallelMLP", "hidden", lo=1)
         ffn_hidden = int_arg(ffn_hidden, "ParallelMLP", "ffn_hidden", lo=1)
         sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden", "ParallelMLP: partition")
         self.activation, self.comm, self.hidden = activation, comm, int(hidden)
-        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, int(seed))
+        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed)
         self.fc1 = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden), activation == "swiglu")
         self.fc2 = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False)
 

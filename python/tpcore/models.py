@@ -134,7 +134,7 @@ class TransformerLM:
             tt = np.zeros((B, T), np.int64) if token_type_ids is None else token_type_ids
             h += self.tte[tt]
         if self.emb_norm is not None:
-            h = self.emb_norm.forward(h.reshape(B * T, -1)).reshape(B, T, -1)
+            h = self.emb_norm.forward(h.reshape(B * T, h.shape[-1])).reshape(h.shape)
         return h
 
     def _inputs(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who):
@@ -144,16 +144,13 @@ class TransformerLM:
         tokens = int_array(tokens, who, "tokens")
         if tokens.ndim != 2:
             raise ValueError(f"{who}: tokens must have shape (batch, time), got {tokens.shape}")
-        B, T = tokens.shape
-        if B == 0 or T == 0:
-            raise ValueError(f"{who}: tokens must hold at least one sequence of at least one token, got shape "
-                             f"{tokens.shape}")
+        B, T = tokens.shape  # an empty batch gives an empty result, as in torch
         _check_vocab(tokens, cfg.vocab_size, who, "tokens")
         bool_arg(use_cache, who, "use_cache")
         bool_arg(need_backward, who, "need_backward")
         p0 = None if pos0 is None else positions(pos0, B, who)
         pos = (np.zeros(B, np.int64) if p0 is None else p0)[:, None] + np.arange(T)[None, :]
-        last = (0 if p0 is None else minmax(p0)[1]) + T - 1
+        last = (0 if p0 is None or not B else minmax(p0)[1]) + T - 1
         if cfg.positions == "learned" and last >= cfg.max_positions:
             raise ValueError(f"{who}: position {last} is past max_positions ({cfg.max_positions})")
         sw = cfg.sliding_window
@@ -205,7 +202,7 @@ class TransformerLM:
             h = blk.forward(h, pos0=bp0, key_mask=mask, use_cache=use_cache, need_backward=need_backward,
                             _agreed=True)
         if self.final_norm is not None:
-            h = self.final_norm.forward(h.reshape(B * T, -1)).reshape(B, T, -1)
+            h = self.final_norm.forward(h.reshape(B * T, h.shape[-1])).reshape(h.shape)
         self._ctx = dict(tokens=tokens, pos=pos, token_type_ids=tt, B=B, T=T) if need_backward else None
         return h
 
@@ -236,7 +233,7 @@ class TransformerLM:
         """(B, T, vocab) float32 logits, the full vocabulary on every rank."""
         h = self.forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
         B, T, C = h.shape
-        return self._gather_logits(self._logits_shard(h.reshape(B * T, C))).reshape(B, T, -1)
+        return self._gather_logits(self._logits_shard(h.reshape(B * T, C))).reshape(B, T, self.config.vocab_size)
 
     def loss(self, tokens, targets, attention_mask=None, ignore_index: int = -100) -> float:
         """Mean cross-entropy of next-token targets (B, T) over the full vocabulary, from the
@@ -270,10 +267,10 @@ class TransformerLM:
             dh = self.lm_head.backward(dshard)
         if self.final_norm is not None:
             dh = self.final_norm.backward(dh)
-        dh = dh.reshape(B, T, -1)
+        dh = dh.reshape(B, T, self.config.hidden)
         for blk in reversed(self.blocks):
             dh = blk.backward(dh)
-        dh2 = dh.reshape(B * T, -1)
+        dh2 = dh.reshape(B * T, self.config.hidden)
         if self.emb_norm is not None:
             dh2 = self.emb_norm.backward(dh2)
         if self.wpe is not None:

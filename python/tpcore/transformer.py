@@ -30,7 +30,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from . import _C
-from ._args import agree, bool_arg, int_arg, int_array, minmax, real_arg, shown
+from ._args import agree, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import to_float32
 from .layers import ACTIVATIONS, _sizes, as_float32, check_partition, partition
@@ -222,7 +222,7 @@ class TransformerBlock:
                                       norm=cfg.norm, eps=float(cfg.eps), activation=cfg.activation,
                                       pre_norm=cfg.pre_norm, bias=cfg.bias, causal=cfg.causal,
                                       rope_theta=float(cfg.rope_theta) if cfg.positions == "rope" else 0.0,
-                                      head_partition=hp, ffn_partition=fp, seed=int(seed),
+                                      head_partition=hp, ffn_partition=fp, seed=seed_arg(seed, "TransformerBlock"),
                                       attention_only=self._attention_only)
         info = self._c.info
         self.q0, self.nq, self.k0, self.nk = info["q0"], info["nq"], info["k0"], info["nk"]
@@ -413,7 +413,7 @@ class TransformerBlock:
         filled = getattr(self, "_filled", None)
         if filled is None:
             raise ValueError(f"{who}: use_cache=True needs a KV cache: call cache(batch, max_len) first")
-        if p is None or not B:
+        if p is None or not B or not T:  # an empty forward writes and reads nothing
             return
         if B > filled.size or minmax(p)[1] + T > self._cache_len:
             return  # the C layer names the cache's batch or length

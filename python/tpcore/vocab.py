@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from . import _C
-from ._args import int_arg, int_array, real_arg
+from ._args import int_arg, int_array, real_arg, seed_arg
 from .comm import Comm
 from .layers import _sizes, as_float32, check_param_dtype, check_partition, float_param
 
@@ -45,12 +45,13 @@ class VocabParallelEmbedding:
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "VocabParallelEmbedding")
+        seed = seed_arg(seed, "VocabParallelEmbedding")
         num_embeddings = int_arg(num_embeddings, "VocabParallelEmbedding", "num_embeddings", lo=1)
         embedding_dim = int_arg(embedding_dim, "VocabParallelEmbedding", "embedding_dim", lo=1)
         self.comm, self.num_embeddings, self.embedding_dim = comm, int(num_embeddings), int(embedding_dim)
         sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings",
                        "VocabParallelEmbedding: partition")
-        self._c = _C.VocabEmbedding(comm._c, self.num_embeddings, self.embedding_dim, sizes, int(seed))
+        self._c = _C.VocabEmbedding(comm._c, self.num_embeddings, self.embedding_dim, sizes, seed)
         shard = self._c.shard
         self.offset, self.local = shard["offset"], shard["local"]
         self.partition = check_partition(comm, self.offset, self.local, self.num_embeddings, "VocabParallelEmbedding")

@@ -91,7 +91,7 @@ typedef struct {
   int device_id;
 } tp_tensor;
 
-TP_API int64_t tp_tensor_numel(const tp_tensor *t);
+TP_API int64_t tp_tensor_numel(const tp_tensor *t); /* -1: a negative dimension, or past int64 */
 TP_API int tp_tensor_is_contiguous(const tp_tensor *t);
 
 /* Monotonic clock in seconds. */

@@ -118,8 +118,14 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
 /* Split the (sequence, KV head) pairs over the rank's threads, BLAS single-threaded inside. */
 static int run_items(attn_job *job, tp_rows_fn fn) {
   const tp_attention_args *a = job->a;
-  int64_t items = a->B * a->Hk;
-  int t = tp_parallel_plan(items, a->Tq * a->Tk * a->D * (a->Hq / (a->Hk ? a->Hk : 1) + 1));
+  int64_t items = a->B * a->Hk, work = 1; /* work per item, saturated (a long cache times a long prefill) */
+  const int64_t f[4] = {a->Tq, a->Tk, a->D, a->Hq / (a->Hk ? a->Hk : 1) + 1};
+  for (int i = 0; i < 4; i++)
+    if (__builtin_mul_overflow(work, f[i], &work)) {
+      work = INT64_MAX;
+      break;
+    }
+  int t = tp_parallel_plan(items, work);
   if (t > 64) t = 64;
   memset(job->failed, 0, sizeof job->failed);
   int prev = t > 1 ? tp_blas_single_thread_begin() : 0;

@@ -24,7 +24,8 @@ static void *run_chunk(void *arg) {
 
 int tp_parallel_plan(int64_t rows, int64_t work_per_row) {
   if (rows <= 0) return 1;
-  int64_t work = rows * (work_per_row > 0 ? work_per_row : 1);
+  int64_t work; /* saturates: only compared with the per-thread minimum */
+  if (__builtin_mul_overflow(rows, work_per_row > 0 ? work_per_row : 1, &work)) work = INT64_MAX;
   int64_t t = tp_get_num_threads();
   if (t > work / MIN_WORK_PER_THREAD) t = work / MIN_WORK_PER_THREAD;
   if (t > rows) t = rows;
