@@ -127,7 +127,8 @@ class BuildExt(build_ext):
                     "-fvisibility=hidden"]
             link = []
             if sanitize:
-                args += ["-O1", "-g", "-fno-omit-frame-pointer", f"-fsanitize={sanitize}"]
+                args += ["-O1", "-g", "-fno-omit-frame-pointer", f"-fsanitize={sanitize}",
+                         "-fno-sanitize-recover=all"]  # a finding stops the process, as the Makefile's
                 link += [f"-fsanitize={sanitize}"]
             elif debug:
                 args += ["-O0", "-g"]

@@ -65,7 +65,8 @@ def sanitized(tmp_path_factory):
     pkg = os.path.join(lib, "tpcore")
     shutil.copytree(os.path.join(ROOT, "python", "tpcore"), pkg, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("_C*.so", ".libs", "__pycache__"))
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+    # allocator_may_return_null: a refused huge allocation is a MemoryError, as without ASan.
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", LD_PRELOAD=f"{asan} {ubsan}",
                TPCORE_UNDER_SANITIZER="1")
     return {"lib": lib, "env": env, "log": log, "plain_so": plain_so}
@@ -83,8 +84,9 @@ def test_suite_under_asan_ubsan(sanitized):
         files = ["tests"]
     else:
         names = which.split() if which else DEFAULT_TESTS
-        files = [os.path.join("tests", n) for n in names if os.path.exists(os.path.join(ROOT, "tests", n))]
-    assert files, "no test files to run under the sanitizers"
+        files = [os.path.join("tests", n) for n in names]
+        missing = [f for f in files if not os.path.exists(os.path.join(ROOT, f))]
+        assert not missing, f"test files to run under the sanitizers are missing: {missing}"
     env = dict(sanitized["env"], PYTHONPATH=sanitized["lib"])
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
