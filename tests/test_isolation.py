@@ -106,42 +106,23 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="creating files as ano
 
 # ----------------------------------------------------------------- item 5
 
-def test_second_job_rank0_stops_both_jobs():
+@pytest.mark.parametrize("intruder, says", [
+    (0, ["used by two jobs at once", "rank 0 of a second job", "TPCORE_JOB_ID"]),  # finds the running segment
+    (1, ["used by two jobs at once", "rank 1's place", "already taken by pid"]),   # finds its place taken
+])
+def test_a_rank_of_a_second_job_stops_both_jobs(intruder, says):
     port, hold = _port(), f"/tmp/tpcore-hold-{os.getpid()}-{_port()}"
     common = dict(WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TPCORE_SETTLE_S=0, T_HOLD=hold)
     a = [_start(RANK=r, T_VALUE=100 + r, **common) for r in range(2)]
     try:
         for p in a:
             assert _wait_line(p, "SUM").split()[1] == "201.0"
-        b0 = _start(RANK=0, T_VALUE=200, **common)
-        code, out = _finish(b0)
-        assert code == 3 and "used by two jobs at once" in out and "TPCORE_JOB_ID" in out, out
-        open(hold, "w").close()
+        code, out = _finish(_start(RANK=intruder, T_VALUE=200 + intruder, **common))
+        assert code == 3 and all(w in out for w in says), out
+        open(hold, "w").close()  # the running job's next call fails
         for p in a:
             code, out = _finish(p)
-            assert code == 3 and "used by two jobs at once" in out, out
-    finally:
-        for p in a:
-            p.kill()
-            p.wait()
-        if os.path.exists(hold):
-            os.unlink(hold)
-
-
-def test_second_claimant_of_a_rank_stops_both_jobs():
-    port, hold = _port(), f"/tmp/tpcore-hold-{os.getpid()}-{_port()}"
-    common = dict(WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TPCORE_SETTLE_S=0, T_HOLD=hold)
-    a = [_start(RANK=r, T_VALUE=100 + r, **common) for r in range(2)]
-    try:
-        for p in a:
-            assert _wait_line(p, "SUM").split()[1] == "201.0"
-        x = _start(RANK=1, T_VALUE=201, **common)
-        code, out = _finish(x)
-        assert code == 3 and "rank 1's place" in out and "already taken by pid" in out, out
-        open(hold, "w").close()
-        for p in a:
-            code, out = _finish(p)
-            assert code == 3 and "used by two jobs at once" in out, out
+            assert code == 3 and "used by two jobs at once" in out and "AFTER" not in out, out
     finally:
         for p in a:
             p.kill()
