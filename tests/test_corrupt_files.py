@@ -5,7 +5,6 @@ a config whose sizes the files do not hold must be refused before the model is
 allocated (a few MB at most, measured)."""
 import json
 import os
-import resource
 import shutil
 import struct
 import subprocess

@@ -201,3 +201,75 @@ def _rank(comm):
 def test_spawn_forkserver_and_spawn_methods():
     assert tpcore.spawn(_rank, 2, start_method="forkserver", deadline=120) == [0, 1]
     assert tpcore.spawn(_rank, 2, start_method="spawn", deadline=120) == [0, 1]
+
+
+# ---- issue 8 review: an error on one rank only must never leave the others waiting
+
+def _gen_one_rank_huge(comm):
+    cfg = tpcore.Config(vocab_size=23, hidden=8, layers=1, heads=2, max_positions=16)
+    model = tpcore.models.TransformerLM(cfg, comm, seed=3)
+    mine = 2 ** 63 if comm.rank == 0 else 1  # past int64 on one rank only
+    try:
+        model.generate([[1, 2, 3]], max_new_tokens=mine)
+        return "no error"
+    except (TypeError, ValueError) as e:
+        err = str(e)
+    x = np.full(3, comm.rank + 1.0)
+    comm.all_reduce(x)  # the communicator is still in step
+    return err, list(x)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_generate_arguments_past_int64_on_one_rank_fail_every_rank(world):
+    want = float(world * (world + 1) // 2)
+    for r, res in enumerate(run(_gen_one_rank_huge, world)):
+        assert res != "no error", r
+        err, x = res
+        assert "max_new_tokens" in err or "refused" in err, (r, err)
+        assert x == [want] * 3
+
+
+def _xent_offset_past_int64(comm):
+    x = tpcore.VocabParallelCrossEntropy(comm)
+    logits = np.random.default_rng(comm.rank).standard_normal((2, 3)).astype(np.float32)
+    offset = 3 * comm.rank if comm.rank != comm.size - 1 else 2 ** 63 - 2
+    try:
+        x(logits, np.array([0, 1]), vocab_offset=offset)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cross_entropy_offset_past_int64_on_one_rank_fails_every_rank(world):
+    for r, err in enumerate(run(_xent_offset_past_int64, world)):
+        assert err != "no error" and "vocab_offset" in err, (r, err)
+
+
+def _sharded_other_partition(comm, path):
+    cfg = tpcore.Config(vocab_size=19, hidden=16, layers=1, heads=4, max_positions=8)
+    tpcore.models.TransformerLM(cfg, comm, partition=[2, 1, 1]).save_pretrained(path, sharded=True)
+    comm.barrier()
+    try:
+        tpcore.models.from_pretrained(path, comm, partition=[1, 2, 1], progress=False)
+        return "loaded"
+    except (ValueError, tpcore.CommError) as e:
+        return type(e).__name__
+
+
+def test_sharded_checkpoint_of_another_partition_fails_every_rank(tmp_path):
+    out = run(_sharded_other_partition, 3, str(tmp_path / "ck"))
+    assert "loaded" not in out, out
+
+
+def test_block_out_of_memory_message_does_not_read_the_freed_block():
+    """Formatted after the block was freed (heap-use-after-free under ASan; this file runs
+    under ASan+UBSan in tests/test_sanitized.py)."""
+    def job(comm):
+        try:
+            tpcore._C.TransformerBlock(comm._c, 2 ** 29 - 1, 1024, 512, 1, 1)
+        except MemoryError as e:
+            return str(e)
+        return "no error"
+    [msg] = run(job, 1)
+    assert "out of memory" in msg and "2048 x 536870911" in msg, msg

@@ -132,9 +132,10 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   k->n2b = nb ? falloc(C, 1) : NULL, k->dn2b = nb ? falloc(C, 1) : NULL;
   if (!k->wqkv || !k->dwqkv || !k->wo || !k->dwo || (b && (!k->bqkv || !k->dbqkv || !k->bo || !k->dbo)) ||
       !k->n1w || !k->dn1w || !k->n2w || !k->dn2w || (nb && (!k->n1b || !k->dn1b || !k->n2b || !k->dn2b))) {
-    tp_block_destroy(k);
-    return tp_set_error(TP_ERR_NOMEM, "block: out of memory for the parameters (a QKV shard of %lld x %lld floats)",
-                        (long long)k->W, (long long)C);
+    tp_status_t st = tp_set_error(TP_ERR_NOMEM, "block: out of memory for the parameters (a QKV shard of %lld x "
+                                  "%lld floats)", (long long)k->W, (long long)C);
+    tp_block_destroy(k); /* after the message: it reads k */
+    return st;
   }
   /* nn.Linear-style init from (seed, tensor, index of the full tensor): the same logical
    * block at every world size and head partition */

@@ -321,7 +321,9 @@ tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t X, float *losses, const float 
   if (M < 0 || V < 0 || !tp_numel2(M, V, &nel) || M > INT_MAX / 4)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: %lld rows x %lld columns is out of range",
                         (long long)M, (long long)V);
-  if (vocab_offset > INT64_MAX - V) /* lo + V must not overflow */
+  /* lo + V must not overflow where it is computed (one rank).  With several ranks the
+   * offsets are checked together, so that a bad one fails every rank alike. */
+  if (X->world == 1 && vocab_offset > INT64_MAX - V)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: vocab_offset must be at most 2^63 - 1 - "
                         "the shard width %lld, got %lld", (long long)V, (long long)vocab_offset);
   if (V > (1 << 24))

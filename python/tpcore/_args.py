@@ -95,20 +95,6 @@ def real_arg(v, who: str, name: str, lo: Optional[float] = None, lo_open: bool =
     return f
 
 
-def int_list(v, who: str, name: str, lo: Optional[int] = 0) -> list:
-    """A sequence of integers (not bools, not floats), each >= lo."""
-    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__") or isinstance(v, dict):
-        raise TypeError(f"{who}: {name} must be a sequence of integers, got {shown(v)}")
-    items = list(v)
-    bad = [x for x in items if not is_int(x)]
-    if bad:
-        raise TypeError(f"{who}: {name} must be a sequence of integers, got {shown(bad[0])} in {shown(v)}")
-    items = [int(x) for x in items]
-    if lo is not None and any(x < lo for x in items):
-        raise ValueError(f"{who}: {name} must be integers >= {lo}, got {items}")
-    return items
-
-
 def int_array(a, who: str, name: str) -> np.ndarray:
     """An integer NumPy array (not bool, not float, not strings), as int64 (C-contiguous)."""
     if isinstance(a, (str, bytes)):
@@ -204,7 +190,9 @@ def agree(comm, who: str, checks: Sequence[Tuple[str, object, Optional[object]]]
     if all(g[2 * r + 1] == fp for r in range(n)):
         return
     # every rank saw the same difference, so all take this path: which check differs?
-    values = np.array([fingerprint(*v) if isinstance(v, tuple) else v for _, v, _ in checks], np.int64)
+    # (a plain value outside int64 is fingerprinted too: this step must not fail on one rank only)
+    values = np.array([v if is_int(v) and -2 ** 63 <= v < 2 ** 63 else
+                       fingerprint(*v) if isinstance(v, tuple) else fingerprint(v) for _, v, _ in checks], np.int64)
     every = comm.all_gather(values).reshape(n, len(checks))
     for j, (what, _, show) in enumerate(checks):
         col = every[:, j]

@@ -15,6 +15,8 @@ partition recorded, and loads only into the same layout.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 import os
@@ -491,16 +493,26 @@ def shard_path(path: str, rank: int, world: int) -> str:
 
 
 def _collective(fn):
-    """A failure on one rank (a full disk, a missing file) aborts the communicator,
-    so that the other ranks fail at once instead of waiting in the barrier."""
-    def wrapper(model, path, comm, sharded=False):
+    """A failure on one rank (a full disk, a missing file, a shard of another
+    partition) aborts the communicator, so that the other ranks fail at once
+    instead of waiting in a collective, and a barrier at the end lets a rank
+    return only when every rank succeeded (fn takes `path` and `comm` arguments)."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        bound = sig.bind(*args, **kw).arguments
+        comm, path = bound["comm"], bound["path"]
+        many = isinstance(comm, Comm) and comm.size > 1
         try:
-            return fn(model, path, comm, sharded)
+            out = fn(*args, **kw)
         except Exception as e:
-            if not isinstance(e, CommError) and not comm.closed:
+            if many and not isinstance(e, CommError) and not comm.closed:
                 comm.abort(f"{fn.__name__}({path!r}) failed on rank {comm.rank}: {type(e).__name__}: {e}")
             raise
-    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+        if many:
+            comm.barrier()  # done only if every rank is: one that failed has aborted the communicator
+        return out
     return wrapper
 
 

@@ -28,7 +28,7 @@ from typing import Dict
 
 import numpy as np
 
-from .checkpoint import (CheckpointError, ConfigFields, _type, bad, check_tensors, is_int, read_json_object,
+from .checkpoint import (CheckpointError, ConfigFields, _collective, _type, bad, check_tensors, is_int, read_json_object,
                          read_safetensors, read_safetensors_header, to_float32)
 from .comm import Comm
 from .transformer import Config
@@ -520,7 +520,7 @@ def _own_config(p: str) -> Config:
         elif k == "type_vocab_size":
             kw[k] = f.int(k, lo=0)
         elif k in ("eps", "rope_theta"):
-            kw[k] = f.num(k)
+            kw[k] = f.num(k, positive=False)  # the value rules are Config's (below), written once
         elif k in ("norm", "activation", "positions"):
             kw[k] = f.str(k, choices={"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS}[k])
         elif k == "model_type":
@@ -529,7 +529,7 @@ def _own_config(p: str) -> Config:
             kw[k] = f.bool(k)
     try:
         return Config(**kw)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise bad(p, "config", "a consistent configuration", str(e)) from e
 
 
@@ -581,6 +581,7 @@ def _generation_config(path: str) -> dict:
     return out
 
 
+@_collective
 def load(path: str, comm: Comm, partition=None, progress: bool = True):
     """A checkpoint folder: tpcore's own (tpcore_config.json) or Hugging Face's
     (config.json).  The config and every file header are checked against each other

@@ -119,8 +119,8 @@ class TransformerLM:
 
     def cache(self, batch: int, max_len: int) -> None:
         """(Re)allocate every block's KV cache: batch sequences of up to max_len tokens."""
-        batch = int_arg(batch, "TransformerLM.cache", "batch", lo=0)
-        max_len = int_arg(max_len, "TransformerLM.cache", "max_len", lo=0)
+        batch = int_arg(batch, "TransformerLM.cache", "batch", lo=1, hi=2 ** 31 - 1)
+        max_len = int_arg(max_len, "TransformerLM.cache", "max_len", lo=1, hi=2 ** 31 - 1)
         for b in self.blocks:
             b.cache(batch, max_len)
 
@@ -150,7 +150,7 @@ class TransformerLM:
         bool_arg(need_backward, who, "need_backward")
         p0 = None if pos0 is None else positions(pos0, B, who)
         pos = (np.zeros(B, np.int64) if p0 is None else p0)[:, None] + np.arange(T)[None, :]
-        last = (0 if p0 is None or not B else minmax(p0)[1]) + T - 1
+        last = (0 if p0 is None or not B else minmax(p0)[1]) + T - 1 if B and T else -1  # -1: no positions
         if cfg.positions == "learned" and last >= cfg.max_positions:
             raise ValueError(f"{who}: position {last} is past max_positions ({cfg.max_positions})")
         sw = cfg.sliding_window
@@ -321,7 +321,7 @@ class TransformerLM:
         cfg, who = self.config, "generate"
         if not cfg.causal:
             raise ValueError("generate: needs a causal (decoder) model")
-        max_new = int_arg(max_new_tokens, who, "max_new_tokens", lo=0)
+        max_new = int_arg(max_new_tokens, who, "max_new_tokens", lo=0, hi=2 ** 31 - 1)
         temp = real_arg(temperature, who, "temperature", lo=0)
         if top_k is None:
             top_k = 0

@@ -360,8 +360,8 @@ class TransformerBlock:
     # ---------------------------------------------------------------- compute
     def cache(self, batch: int, max_len: int) -> None:
         """(Re)allocate the KV cache: batch sequences of up to max_len tokens (this rank's KV heads)."""
-        batch = int_arg(batch, f"{type(self).__name__}.cache", "batch", lo=0)
-        max_len = int_arg(max_len, f"{type(self).__name__}.cache", "max_len", lo=0)
+        batch = int_arg(batch, f"{type(self).__name__}.cache", "batch", lo=1, hi=2 ** 31 - 1)
+        max_len = int_arg(max_len, f"{type(self).__name__}.cache", "max_len", lo=1, hi=2 ** 31 - 1)
         self._c.cache(batch, max_len)
         self._filled = np.zeros(batch, np.int64)  # tokens cached per sequence (a forward may not skip past them)
         self._cache_len = max_len

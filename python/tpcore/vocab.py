@@ -141,6 +141,9 @@ class VocabParallelCrossEntropy:
             if self.comm.size == 1 and vocab_offset != 0:
                 raise ValueError(f"vocab_parallel_cross_entropy: vocab_offset must be 0 (or None) on one rank, whose "
                                  f"shard is the whole vocabulary; got {vocab_offset}")
+            # Past int64 only on this rank: the layout check all ranks do together refuses it on
+            # every rank (an error here would leave the others waiting in the collective).
+            vocab_offset = min(vocab_offset, 2 ** 63 - 1)
         losses, valid, vocab = self._c.forward(logits.reshape(M, V), t.reshape(M),
                                                -1 if vocab_offset is None else int(vocab_offset), self.ignore_index)
         self._ctx = (lead, reduction, M, V, valid)
