@@ -241,3 +241,28 @@ def test_same_arguments_pass_and_sample_alike():
     one = run(_decode_agrees, 1)[0]
     for got in run(_decode_agrees, 2):
         assert [g.tolist() for g in got] == [g.tolist() for g in one]
+
+
+def _block_masks_differ(comm):
+    cfg = tpcore.Config(vocab_size=11, hidden=8, layers=1, heads=2, max_positions=8)
+    blk = tpcore.TransformerBlock(cfg, comm, seed=1)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    mask = np.ones((2, 3), np.uint8)
+    mask[1, comm.rank % 3] = 0  # a different padding mask on each rank
+    try:
+        blk.forward(x, pos0=[0, 0], key_mask=mask)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_block_key_masks_differing_across_ranks_fail_every_rank():
+    for r, err in enumerate(run(_block_masks_differ, 2)):
+        assert "key_mask differs across ranks" in err, (r, err)
+
+
+def test_hand_set_job_ids_settle_and_random_ones_do_not():
+    from tpcore import _env
+    base = {"RANK": "0", "WORLD_SIZE": "2", "TPCORE_JOB_ID": "mine"}
+    assert not _env.detect(base).unique
+    assert _env.detect(dict(base, TPCORE_JOB_RANDOM="1")).unique

@@ -769,3 +769,29 @@ def test_expected_shapes_match_the_models_own_tensors(comm):
         req, opt = expected_shapes(cfg, "tpcore")
         assert not opt and {k: tuple(v.shape) for k, v in sd.items()} == \
             {k: tuple(x for x, _ in dims) for k, dims in req.items()}, cfg
+
+
+def _load(comm, path):
+    try:
+        tpcore.models.from_pretrained(path, comm, progress=False)
+        return "loaded"
+    except CheckpointError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("name, kind", [("config.json", "device"), ("config.json", "FIFO"),
+                                        ("model.safetensors", "FIFO"), ("model.safetensors", "directory")])
+def test_special_files_are_refused_without_reading_them(tmp_path, name, kind):
+    """/dev/zero as config.json read forever (24 GB before the OOM killer); a FIFO blocked open() for good."""
+    d = tmp_path / "ck"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures", "gpt2"), d)
+    os.unlink(d / name)
+    if kind == "device":
+        os.symlink("/dev/zero", d / name)
+    elif kind == "FIFO":
+        os.mkfifo(d / name)
+    else:
+        os.mkdir(d / name)
+    from conftest import run
+    [msg] = run(_load, 1, str(d), deadline=60)
+    assert name in msg and "a regular file" in msg and f"a {kind}" in msg, msg

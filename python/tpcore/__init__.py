@@ -84,12 +84,13 @@ def _default_threads(local_ranks: int) -> int:
 
 
 def _settle_seconds(info) -> float:
-    """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand are all that names
-    the job: a second job started at the same moment with the same values would
-    meet this one.  A rank of it that arrives finds its place taken and stops
-    both jobs (the C core checks every claim); init waits this long for such a
-    rank before computing anything.  TPCORE_SETTLE_S sets it (default 1 s, 0 to
-    skip); a unique TPCORE_JOB_ID needs none."""
+    """A job id set by hand (TPCORE_JOB_ID, or one derived from RANK/WORLD_SIZE/
+    MASTER_ADDR/MASTER_PORT) may be shared by a second job started at the same
+    moment, which would meet this one.  A rank of it that arrives finds its place
+    taken and stops both jobs (the C core checks every claim); init waits this
+    long for such a rank before computing anything.  TPCORE_SETTLE_S sets it
+    (default 1 s, 0 to skip).  The random ids of python -m tpcore.launch and
+    tpcore.spawn need none, nor torchrun's (its agent holds MASTER_PORT)."""
     if info.unique or info.world_size == 1:
         return 0.0
     text = os.environ.get("TPCORE_SETTLE_S", "1.0")

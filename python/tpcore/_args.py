@@ -119,12 +119,12 @@ def int_array(a, who: str, name: str) -> np.ndarray:
         out = [int(v) for v in t.flat if not -2 ** 63 <= int(v) < 2 ** 63]
         if out:
             raise ValueError(f"{who}: {name} must be in the int64 range [-2**63, 2**63), got {out[0]}")
-        return np.ascontiguousarray(t, dtype=np.int64)
+        return np.require(t, np.int64, "C")  # (ascontiguousarray would make a 0-d array 1-d)
     if t.dtype.kind not in "iu" or t.dtype == np.bool_:
         raise TypeError(f"{who}: {name} must be integers, got dtype {t.dtype}")
     if t.dtype == np.uint64 and t.size and int(t.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{who}: {name} holds {int(t.max())}, past the int64 range")
-    return np.ascontiguousarray(t, dtype=np.int64)
+    return np.require(t, np.int64, "C")  # (ascontiguousarray would make a 0-d array 1-d)
 
 
 def minmax(a: np.ndarray) -> Tuple[int, int]:

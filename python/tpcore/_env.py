@@ -65,6 +65,10 @@ def detect(env=None) -> JobInfo:
             local_world = world
         if job:
             source = "tpcore"
+            # The launcher's and spawn's ids are random; one set by hand may be shared by
+            # two jobs started together, so init settles (see tpcore.init).
+            return _checked(JobInfo(rank, world, local_rank, local_world, _safe_id(job), source,
+                                    env.get("TPCORE_JOB_RANDOM") == "1"))
         else:
             source = "torchrun"
             addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
@@ -83,7 +87,6 @@ def detect(env=None) -> JobInfo:
                     "TPCORE_JOB_ID to the same value on every rank)")
             job = "tr_" + _safe_id(f"{addr}:{port}:{run_id}")
             return _checked(JobInfo(rank, world, local_rank, local_world, _safe_id(job), source, unique))
-        return _checked(JobInfo(rank, world, local_rank, local_world, _safe_id(job), source))
     orank, oworld = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
     if orank is not None and oworld is not None:
         lr = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")

@@ -20,6 +20,7 @@ import inspect
 import json
 import math
 import os
+import stat
 import struct
 import zipfile
 from typing import Dict, Iterator, Tuple
@@ -102,13 +103,30 @@ def parse_json(raw: bytes, path, field: str = "JSON"):
         raise bad(path, field, "valid JSON", str(e)) from e
 
 
+def regular_file(path: str) -> int:
+    """The size of `path`, which must be a regular file (a symlink to one is fine): a
+    directory, a FIFO (open would block) or a device (/dev/zero: endless) is refused."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise bad(path, "file", "a readable regular file", f"{type(e).__name__}: {e.strerror}") from e
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
+                "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+        raise bad(path, "file", "a regular file", kind)
+    return st.st_size
+
+
 def read_json_object(path: str, max_bytes: int = 64 << 20) -> dict:
     """A small JSON file (config.json and the like) that must hold one object."""
-    size = os.path.getsize(path)
+    size = regular_file(path)
     if size > max_bytes:
         raise bad(path, "file size", f"at most {max_bytes} bytes for a JSON file", f"{size} bytes")
     with open(path, "rb") as f:
-        obj = parse_json(f.read(), path)
+        data = f.read(size + 1)  # bounded even if the file grows meanwhile (size <= max_bytes)
+    if len(data) > max_bytes:
+        raise bad(path, "file size", f"at most {max_bytes} bytes for a JSON file", "more")
+    obj = parse_json(data, path)
     if not isinstance(obj, dict):
         raise bad(path, "top level", "a JSON object", _type(obj))
     return obj
@@ -199,7 +217,7 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, TensorInfo], Dict[str,
     shape of non-negative integers and data_offsets [begin, end] with shape x itemsize =
     end - begin, the tensors' byte ranges in order without overlaps or holes and exactly
     covering the data section up to the end of the file.  Else CheckpointError."""
-    size = os.path.getsize(path)
+    size = regular_file(path)
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -379,6 +397,8 @@ def read_npz(path: str) -> Dict[str, np.ndarray]:
     """Every array of a .npz archive, checked before it is read: a zip of .npy members
     only, no pickled objects, each member's .npy header consistent with the member's
     size (a header that lies about its shape allocates nothing).  Else CheckpointError."""
+    if os.path.exists(path):
+        regular_file(path)
     try:
         zf = zipfile.ZipFile(path)
     except FileNotFoundError:

@@ -113,7 +113,7 @@ def run(argv=None) -> int:
     else:
         cmd = [sys.executable, "-u"] + ns.args
     base = dict(os.environ)
-    base.update({"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "TPCORE_JOB_ID": job,
+    base.update({"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "TPCORE_JOB_ID": job, "TPCORE_JOB_RANDOM": "1",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1"})
     if ns.timeout is not None:
         base["TPCORE_TIMEOUT"] = str(ns.timeout)

@@ -75,7 +75,8 @@ def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_p
         sys.stdout = _RelayStream(send, rank, "stdout")
         sys.stderr = _RelayStream(send, rank, "stderr")
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "TPCORE_JOB_ID": job})
+                       "LOCAL_WORLD_SIZE": str(world), "TPCORE_JOB_ID": job,
+                       "TPCORE_JOB_RANDOM": "1"})
     from . import init  # late: the child may be a fresh interpreter
 
     comm = None

@@ -402,6 +402,7 @@ class TransformerBlock:
             ok = err is None
             agree(self.comm, f"{who}.forward", [("the batch shape (B, T) differs", (B, T) if ok else (), None),
                                                 ("pos0 differs", (p,) if ok else (), None),
+                                                ("key_mask differs", (m,) if ok else (), None),
                                                 ("use_cache differs", (bool(use_cache),) if ok else (), None)], err)
         y = self._c.forward(x32.reshape(B * T, C), B, T, pos0=p, key_mask=m, use_cache=use_cache,
                             need_backward=need_backward)
