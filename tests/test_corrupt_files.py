@@ -771,7 +771,7 @@ def test_expected_shapes_match_the_models_own_tensors(comm):
             {k: tuple(x for x, _ in dims) for k, dims in req.items()}, cfg
 
 
-def _load(comm, path):
+def _load_special(comm, path):
     try:
         tpcore.models.from_pretrained(path, comm, progress=False)
         return "loaded"
@@ -793,5 +793,5 @@ def test_special_files_are_refused_without_reading_them(tmp_path, name, kind):
     else:
         os.mkdir(d / name)
     from conftest import run
-    [msg] = run(_load, 1, str(d), deadline=60)
+    [msg] = run(_load_special, 1, str(d), deadline=60)
     assert name in msg and "a regular file" in msg and f"a {kind}" in msg, msg
