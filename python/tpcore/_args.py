@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -137,6 +137,21 @@ def minmax(a: np.ndarray) -> Tuple[int, int]:
 
 
 # ----------------------------------------------------------------- across ranks
+
+def agreed(comm, who: str, enabled: bool, convert: Callable[[], tuple],
+           checks: Callable[[tuple], Sequence[Tuple[str, tuple]]]) -> tuple:
+    """convert()'s values, which every rank agreed on when `enabled` (and world > 1):
+    checks(values) gives the (what, parts) pairs to compare (see agree).  A rank whose
+    convert() raised TypeError/ValueError raises it; the others say that it refused."""
+    if not enabled or comm.size == 1:
+        return convert()
+    try:
+        values, err = convert(), None
+    except (TypeError, ValueError) as e:
+        values, err = None, e
+    agree(comm, who, [] if err is not None else [(what, parts, None) for what, parts in checks(values)], err)
+    return values
+
 
 def fingerprint(*parts) -> int:
     """A 64-bit fingerprint (signed, to fit an int64) of arrays, ints, floats and None: the same

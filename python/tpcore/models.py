@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from . import _C
-from ._args import agree, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
+from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .layers import ColumnParallelLinear
 from .transformer import Config, TransformerBlock, head_partition, mask_array, positions
@@ -178,23 +178,12 @@ class TransformerLM:
         use_cache (one small all-gather per call; ValueError on every rank if not)."""
         who = "TransformerLM"
         cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused)
-        checked = (pos0 is not None or cached) and not _agreed and self.comm.size > 1
-        err = None
-        try:
-            tokens, p0, pos, mask, tt = self._inputs(tokens, pos0, attention_mask, token_type_ids, use_cache,
-                                                     need_backward, who)
-        except (TypeError, ValueError) as e:
-            if not checked:
-                raise
-            err = e
-        if checked:
-            ok = err is None
-            agree(self.comm, f"{who}.forward", [
-                ("the batch shape (B, T) differs", tokens.shape if ok else (), None),
-                ("pos0 differs", (p0,) if ok else (), None),
-                ("the tokens differ", (tokens,) if ok else (), None),
-                ("attention_mask differs", (mask,) if ok else (), None),
-                ("use_cache differs", (bool(use_cache),) if ok else (), None)], err)
+        tokens, p0, pos, mask, tt = agreed(
+            self.comm, f"{who}.forward", (pos0 is not None or cached) and not _agreed,
+            lambda: self._inputs(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who),
+            lambda v: [("the batch shape (B, T) differs", v[0].shape), ("pos0 differs", (v[1],)),
+                       ("the tokens differ", (v[0],)), ("attention_mask differs", (v[3],)),
+                       ("use_cache differs", (bool(use_cache),))])
         B, T = tokens.shape
         h = self._embed(tokens, pos, tt)
         bp0 = p0 if p0 is not None else (np.zeros(B, np.int64) if use_cache else None)

@@ -30,7 +30,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from . import _C
-from ._args import agree, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
+from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import to_float32
 from .layers import ACTIVATIONS, _sizes, as_float32, check_partition, partition
@@ -381,29 +381,24 @@ class TransformerBlock:
             return y.reshape(B, T, C)
         who = type(self).__name__
         cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused below)
-        checked = (pos0 is not None or cached) and self.comm.size > 1
-        err = None
-        try:
+
+        def inputs():
             x32 = as_float32(x, "x", who)
             if x32.ndim != 3 or x32.shape[-1] != self.config.hidden:
                 raise ValueError(f"{who}: x must have shape (B, T, {self.config.hidden}), got {x32.shape}")
-            B, T, C = x32.shape
+            B, T, _ = x32.shape
             bool_arg(use_cache, who, "use_cache")
             bool_arg(need_backward, who, "need_backward")
             p = None if pos0 is None else positions(pos0, B, who)
             m = None if key_mask is None else mask_array(key_mask, B, T, who, "key_mask").reshape(-1)
             if use_cache:
                 self._check_cache(p, B, T, who)
-        except (TypeError, ValueError) as e:
-            if not checked:
-                raise
-            err = e
-        if checked:
-            ok = err is None
-            agree(self.comm, f"{who}.forward", [("the batch shape (B, T) differs", (B, T) if ok else (), None),
-                                                ("pos0 differs", (p,) if ok else (), None),
-                                                ("key_mask differs", (m,) if ok else (), None),
-                                                ("use_cache differs", (bool(use_cache),) if ok else (), None)], err)
+            return x32, p, m
+
+        x32, p, m = agreed(self.comm, f"{who}.forward", pos0 is not None or cached, inputs,
+                           lambda v: [("the batch shape (B, T) differs", v[0].shape[:2]), ("pos0 differs", (v[1],)),
+                                      ("key_mask differs", (v[2],)), ("use_cache differs", (bool(use_cache),))])
+        B, T, C = x32.shape
         y = self._c.forward(x32.reshape(B * T, C), B, T, pos0=p, key_mask=m, use_cache=use_cache,
                             need_backward=need_backward)
         if use_cache:
