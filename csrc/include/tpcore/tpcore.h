@@ -75,7 +75,16 @@ TP_API uint16_t tp_float_to_half(float f);
 TP_API float tp_bf16_to_float(uint16_t b);
 TP_API uint16_t tp_float_to_bf16(float f);
 
-typedef enum { TP_DEVICE_CPU = 0, TP_DEVICE_CUDA = 1 } tp_device_t;
+/* Where memory lives.  Values are append-only; TP_NUM_DEVICE_TYPES bounds the device table. */
+typedef enum { TP_DEVICE_CPU = 0, TP_DEVICE_CUDA = 1, TP_NUM_DEVICE_TYPES = 2 } tp_device_t;
+
+TP_API const char *tp_device_name(tp_device_t device); /* "cpu", "cuda", "invalid" */
+
+/* An ordered queue of work on one device (a cudaStream_t on CUDA), after NCCL's
+ * ncclAllReduce(..., stream).  Every collective, kernel and layer call takes one.
+ * NULL is the device's default stream; on the CPU every call is synchronous and
+ * NULL is the only stream: the call has finished when it returns. */
+typedef struct tp_stream *tp_stream_t;
 
 #define TP_MAX_DIMS 8
 
@@ -93,6 +102,30 @@ typedef struct {
 
 TP_API int64_t tp_tensor_numel(const tp_tensor *t); /* -1: a negative dimension, or past int64 */
 TP_API int tp_tensor_is_contiguous(const tp_tensor *t);
+
+/* A C-contiguous view of host memory: tp_tensor_2d(x, TP_FLOAT32, M, K). */
+static inline tp_tensor tp_tensor_nd(void *data, tp_dtype_t dtype, int ndim, const int64_t *shape) {
+  tp_tensor t;
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = ndim < 0 ? 0 : (ndim > TP_MAX_DIMS ? TP_MAX_DIMS : ndim);
+  t.device = TP_DEVICE_CPU;
+  t.device_id = 0;
+  int64_t stride = 1;
+  for (int i = TP_MAX_DIMS - 1; i >= 0; i--) {
+    t.shape[i] = i < t.ndim ? shape[i] : 0;
+    t.strides[i] = i < t.ndim ? stride : 0;
+    if (i < t.ndim) stride *= shape[i] > 0 ? shape[i] : 1;
+  }
+  return t;
+}
+static inline tp_tensor tp_tensor_1d(void *data, tp_dtype_t dtype, int64_t n) {
+  return tp_tensor_nd(data, dtype, 1, &n);
+}
+static inline tp_tensor tp_tensor_2d(void *data, tp_dtype_t dtype, int64_t rows, int64_t cols) {
+  int64_t shape[2] = {rows, cols};
+  return tp_tensor_nd(data, dtype, 2, shape);
+}
 
 /* Monotonic clock in seconds. */
 TP_API double tp_now(void);

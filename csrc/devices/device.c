@@ -1,0 +1,122 @@
+/* The device registry: one line per device type.  A device is a file that fills a
+ * tp_device_ops (cpu.c; cuda.c in CUDA builds) plus its line here. */
+#include <stdio.h>
+
+#include "device_impl.h"
+
+#ifdef TP_WITH_CUDA
+extern const tp_device_ops tp_cuda_device_ops;
+#endif
+
+static const tp_device_ops *const registry[TP_NUM_DEVICE_TYPES] = {
+    [TP_DEVICE_CPU] = &tp_cpu_device_ops,
+#ifdef TP_WITH_CUDA
+    [TP_DEVICE_CUDA] = &tp_cuda_device_ops,
+#endif
+};
+
+const char *tp_device_name(tp_device_t d) {
+  switch (d) {
+    case TP_DEVICE_CPU: return "cpu";
+    case TP_DEVICE_CUDA: return "cuda";
+    default: return "invalid";
+  }
+}
+
+const tp_device_ops *tp_device_ops_of(tp_device_t d) {
+  if ((unsigned)d >= TP_NUM_DEVICE_TYPES) return NULL;
+  const tp_device_ops *ops = registry[d];
+  return ops && ops->available() ? ops : NULL;
+}
+
+int tp_device_available(tp_device_t d) { return tp_device_ops_of(d) != NULL; }
+
+static tp_status_t need(tp_device_t d, const char *op, const tp_device_ops **out) {
+  *out = tp_device_ops_of(d);
+  if (*out) return TP_SUCCESS;
+  if ((unsigned)d >= TP_NUM_DEVICE_TYPES)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: device type %d is not a tp_device_t", op, (int)d);
+  if (!registry[d])
+    return tp_set_error(TP_ERR_UNSUPPORTED, "%s: this build of tpcore has no %s support", op, tp_device_name(d));
+  return tp_set_error(TP_ERR_UNSUPPORTED, "%s: no %s device is available in this process", op, tp_device_name(d));
+}
+
+tp_status_t tp_device_alloc(tp_device_t d, int id, size_t nbytes, void **ptr) {
+  if (!ptr) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_alloc: ptr is NULL");
+  *ptr = NULL;
+  const tp_device_ops *ops;
+  TP_CHECK(need(d, "device_alloc", &ops));
+  return ops->alloc(id, nbytes ? nbytes : 1, ptr);
+}
+
+void tp_device_free(tp_device_t d, int id, void *ptr) {
+  if (!ptr || (unsigned)d >= TP_NUM_DEVICE_TYPES || !registry[d]) return;
+  registry[d]->free(id, ptr);
+}
+
+/* The table that performs a copy between dst_device and src_device: the non-host side's. */
+static tp_status_t copy_ops(tp_device_t dd, tp_device_t sd, const tp_device_ops **ops) {
+  if (dd != TP_DEVICE_CPU && sd != TP_DEVICE_CPU && dd != sd)
+    return tp_set_error(TP_ERR_UNSUPPORTED, "device_copy: no copy between %s and %s memory", tp_device_name(dd),
+                        tp_device_name(sd));
+  return need(dd != TP_DEVICE_CPU ? dd : sd, "device_copy", ops);
+}
+
+tp_status_t tp_device_copy(tp_device_t dd, void *dst, tp_device_t sd, const void *src, size_t nbytes,
+                           tp_stream_t stream) {
+  if (!nbytes) return TP_SUCCESS;
+  if (!dst || !src) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy: NULL buffer for %zu bytes", nbytes);
+  const tp_device_ops *ops;
+  TP_CHECK(copy_ops(dd, sd, &ops));
+  return ops->copy(dst, dd == TP_DEVICE_CPU, src, sd == TP_DEVICE_CPU, nbytes, stream);
+}
+
+tp_status_t tp_device_copy_2d(tp_device_t dd, void *dst, size_t dpitch, tp_device_t sd, const void *src,
+                              size_t spitch, size_t width, size_t rows, tp_stream_t stream) {
+  if (!width || !rows) return TP_SUCCESS;
+  if (!dst || !src) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy_2d: NULL buffer");
+  if (dpitch < width || spitch < width)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy_2d: pitches %zu and %zu are below the width %zu",
+                        dpitch, spitch, width);
+  const tp_device_ops *ops;
+  TP_CHECK(copy_ops(dd, sd, &ops));
+  return ops->copy_2d(dst, dpitch, dd == TP_DEVICE_CPU, src, spitch, sd == TP_DEVICE_CPU, width, rows, stream);
+}
+
+tp_status_t tp_device_memset(tp_device_t d, void *dst, int value, size_t nbytes, tp_stream_t stream) {
+  if (!nbytes) return TP_SUCCESS;
+  if (!dst) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_memset: NULL buffer for %zu bytes", nbytes);
+  const tp_device_ops *ops;
+  TP_CHECK(need(d, "device_memset", &ops));
+  return ops->memset(dst, value, nbytes, stream);
+}
+
+tp_status_t tp_device_sync(tp_device_t d, int id, tp_stream_t stream) {
+  const tp_device_ops *ops;
+  TP_CHECK(need(d, "device_sync", &ops));
+  return ops->sync(id, stream);
+}
+
+void tp_pointer_device(const void *ptr, tp_device_t *device, int *device_id) {
+  tp_device_t d = TP_DEVICE_CPU;
+  int id = 0;
+  for (int i = 0; ptr && i < TP_NUM_DEVICE_TYPES; i++) {
+    const tp_device_ops *ops = registry[i];
+    int did = 0;
+    if (ops && ops->owns && ops->available() && ops->owns(ptr, &did)) {
+      d = (tp_device_t)i;
+      id = did;
+      break;
+    }
+  }
+  if (device) *device = d;
+  if (device_id) *device_id = id;
+}
+
+tp_status_t tp_check_device(const char *op, const char *arg, const tp_tensor *t, tp_device_t device, int device_id) {
+  if (t->device == device && (device == TP_DEVICE_CPU || t->device_id == device_id)) return TP_SUCCESS;
+  char want[32], got[32];
+  snprintf(want, sizeof want, device == TP_DEVICE_CPU ? "%s" : "%s:%d", tp_device_name(device), device_id);
+  snprintf(got, sizeof got, t->device == TP_DEVICE_CPU ? "%s" : "%s:%d", tp_device_name(t->device), t->device_id);
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s is %s memory, but this call runs on %s", op, arg, got, want);
+}
