@@ -1,0 +1,225 @@
+/*
+ * block.c: the TransformerBlock type (tpcore._C.TransformerBlock): norm,
+ * tensor-parallel attention (heads split across ranks, an optional KV cache) and
+ * the parallel MLP, forward and backward; its parameters as views.
+ */
+#include "ext.h"
+
+typedef struct {
+  PyObject_HEAD
+  tp_block_t K;
+  CommObject *comm;
+  int64_t C;
+} BlockObject;
+
+static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"comm", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "norm", "eps", "activation",
+                           "pre_norm", "bias", "causal", "rope_theta", "head_partition", "ffn_partition", "seed",
+                           "attention_only", NULL};
+  PyObject *commo, *hpart = Py_None, *fpart = Py_None, *dim_o[5], *seed_o = NULL;
+  long long dims[5]; /* hidden, heads, kv_heads (0: = heads), head_dim, ffn_hidden */
+  static const char *dim_names[5] = {"hidden", "heads", "kv_heads", "head_dim", "ffn_hidden"};
+  const char *norm = "layernorm", *act = "gelu";
+  float eps = 1e-5f, theta = 0.0f;
+  int pre = 1, bias = 1, causal = 1, attn_only = 0;
+  uint64_t seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|sfspppfOOOp:TransformerBlock", kwlist, &commo, &dim_o[0],
+                                   &dim_o[1], &dim_o[2], &dim_o[3], &dim_o[4], &norm, &eps, &act, &pre, &bias, &causal,
+                                   &theta, &hpart, &fpart, &seed_o, &attn_only))
+    return NULL;
+  for (int i = 0; i < 5; i++)
+    if (int_arg(dim_o[i], "TransformerBlock", dim_names[i], i == 2 || (i == 4 && attn_only) ? 0 : 1, DIM_MAX,
+                &dims[i]) < 0)
+      return NULL;
+  if (seed_o && seed_arg(seed_o, "TransformerBlock", &seed) < 0) return NULL;
+  long long C = dims[0], H = dims[1], Hk = dims[2], D = dims[3], F = dims[4];
+  module_state *st = state_of_type(type);
+  CommObject *co = layer_comm(st, commo, "TransformerBlock");
+  if (!co) return NULL;
+  tp_block_config_t cfg = TP_BLOCK_CONFIG_INITIALIZER;
+  cfg.hidden = C, cfg.heads = H, cfg.kv_heads = Hk, cfg.head_dim = D, cfg.ffn_hidden = F;
+  if (strcmp(norm, "layernorm") == 0) cfg.norm = TP_NORM_LAYER;
+  else if (strcmp(norm, "rmsnorm") == 0) cfg.norm = TP_NORM_RMS;
+  else {
+    PyErr_Format(PyExc_ValueError, "TransformerBlock: norm must be 'layernorm' or 'rmsnorm', got '%s'", norm);
+    return NULL;
+  }
+  if (parse_act(act, &cfg.activation) < 0) return NULL;
+  cfg.eps = eps, cfg.pre_norm = pre, cfg.bias = bias, cfg.causal = causal, cfg.rope_theta = theta, cfg.seed = seed;
+  cfg.attention_only = attn_only;
+  int size;
+  tp_comm_size(co->comm, &size);
+  int64_t *hs = NULL, *fs = NULL;
+  if (parse_partition(hpart, size, &hs) < 0 || parse_partition(fpart, size, &fs) < 0) {
+    PyMem_Free(hs);
+    return NULL;
+  }
+  cfg.head_partition = hs, cfg.ffn_partition = fs;
+  BlockObject *self = (BlockObject *)type->tp_alloc(type, 0);
+  if (!self) {
+    PyMem_Free(hs), PyMem_Free(fs);
+    return NULL;
+  }
+  tp_status_t s;
+  COMM_CALL(co, s, tp_block_create(&self->K, c_, &cfg));
+  PyMem_Free(hs), PyMem_Free(fs);
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "TransformerBlock")) return NULL;
+  self->C = C;
+  return (PyObject *)self;
+}
+
+static void blk_dealloc(PyObject *o) {
+  BlockObject *self = (BlockObject *)o;
+  tp_block_destroy(self->K);
+  layer_free(o, self->comm);
+}
+
+/* forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) */
+static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"x", "B", "T", "pos0", "key_mask", "use_cache", "need_backward", "out", NULL};
+  BlockObject *self = (BlockObject *)o;
+  PyObject *x, *po = Py_None, *mo = Py_None, *out = Py_None, *B_o, *T_o;
+  long long B, T, BT;
+  int use_cache = 0, need_backward = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOppO:forward", kwlist, &x, &B_o, &T_o, &po, &mo, &use_cache,
+                                   &need_backward, &out))
+    return NULL;
+  if (int_arg(B_o, "block forward", "B", 0, LLONG_MAX, &B) < 0 ||
+      int_arg(T_o, "block forward", "T", 0, LLONG_MAX, &T) < 0)
+    return NULL;
+  if (!live(self->comm, "forward")) return NULL;
+  int64_t M;
+  if (matrix_arg(x, "block forward", "x", self->C, &M) < 0) return NULL;
+  if (__builtin_mul_overflow(B, T, &BT) || M != BT) {
+    PyErr_Format(PyExc_ValueError, "block forward: x has %lld rows, not B * T = %lld x %lld", (long long)M,
+                 (long long)B, (long long)T);
+    return NULL;
+  }
+  tp_block_batch_t bt = {B, T, NULL, NULL, use_cache, need_backward};
+  if (po != Py_None) {
+    int64_t n;
+    if (tokens_arg(po, "block forward", "pos0", &n) < 0) return NULL;
+    if (n != B) {
+      PyErr_Format(PyExc_ValueError, "block forward: pos0 needs %lld entries, got %lld", (long long)B, (long long)n);
+      return NULL;
+    }
+    bt.pos0 = PyArray_DATA((PyArrayObject *)po);
+  }
+  if (mo != Py_None) {
+    buf_t b;
+    if (get_buf(mo, "block forward", "key_mask", 0, &b) < 0) return NULL;
+    if (b.dtype != TP_UINT8 || (int64_t)b.count != M) {
+      PyErr_Format(PyExc_ValueError, "block forward: key_mask must be uint8 with B * T = %lld entries", (long long)M);
+      return NULL;
+    }
+    bt.key_mask = b.data;
+  }
+  PyObject *y = layer_output(out, "block forward", M, self->C);
+  if (!y) return NULL;
+  const float *xp = PyArray_DATA((PyArrayObject *)x);
+  float *yp = PyArray_DATA((PyArrayObject *)y);
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_block_forward(self->K, yp, xp, &bt)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(y);
+    if (s == TP_ERR_INVALID_USAGE) {
+      PyErr_SetString(PyExc_ValueError, tp_last_error());
+      return NULL;
+    }
+    return layer_error(self->comm, s, "block forward", 0);
+  }
+  return y;
+}
+
+static PyObject *blk_backward(PyObject *o, PyObject *args) {
+  BlockObject *self = (BlockObject *)o;
+  PyObject *dy, *out = Py_None;
+  if (!PyArg_ParseTuple(args, "O|O:backward", &dy, &out)) return NULL;
+  if (!live(self->comm, "backward")) return NULL;
+  int64_t M;
+  if (matrix_arg(dy, "block backward", "dy", self->C, &M) < 0) return NULL;
+  PyObject *dx = layer_output(out, "block backward", M, self->C);
+  if (!dx) return NULL;
+  const float *dp = PyArray_DATA((PyArrayObject *)dy);
+  float *xp = PyArray_DATA((PyArrayObject *)dx);
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_block_backward(self->K, xp, dp, M)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(dx);
+    return layer_error(self->comm, s, "block backward", 1);
+  }
+  return dx;
+}
+
+static PyObject *blk_cache(PyObject *o, PyObject *args) {
+  BlockObject *self = (BlockObject *)o;
+  PyObject *batch_o, *len_o;
+  long long batch, len;
+  if (!PyArg_ParseTuple(args, "OO:cache", &batch_o, &len_o)) return NULL;
+  if (int_arg(batch_o, "TransformerBlock.cache", "batch", 1, DIM_MAX, &batch) < 0 ||
+      int_arg(len_o, "TransformerBlock.cache", "max_len", 1, DIM_MAX, &len) < 0)
+    return NULL;
+  tp_status_t s = tp_block_cache(self->K, batch, len);
+  if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "cache");
+  Py_RETURN_NONE;
+}
+
+/* {name: (param view, grad view)} of this rank's shard */
+static PyObject *blk_params(PyObject *o, PyObject *unused) {
+  tp_param_t p[32];
+  int n = tp_block_params(((BlockObject *)o)->K, p, 32);
+  PyObject *d = PyDict_New();
+  if (!d) return NULL;
+  for (int i = 0; i < n && i < 32; i++) {
+    int nd = p[i].ndim;
+    PyObject *a = owned_view(o, p[i].data, nd, p[i].rows, p[i].cols), *g = owned_view(o, p[i].grad, nd, p[i].rows, p[i].cols);
+    PyObject *t = (a && g) ? PyTuple_Pack(2, a, g) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(g);
+    if (!t || PyDict_SetItemString(d, p[i].name, t) < 0) {
+      Py_XDECREF(t);
+      Py_DECREF(d);
+      return NULL;
+    }
+    Py_DECREF(t);
+  }
+  return d;
+}
+
+static PyObject *blk_info(PyObject *o, void *unused) {
+  tp_block_info_t i;
+  tp_block_info(((BlockObject *)o)->K, &i);
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:O}", "q0", (long long)i.q0, "nq", (long long)i.nq, "k0",
+                       (long long)i.k0, "nk", (long long)i.nk, "cache_batch", (long long)i.cache_batch, "cache_len",
+                       (long long)i.cache_len, "kv_replicated", i.kv_replicated ? Py_True : Py_False);
+}
+
+static PyGetSetDef blk_getset[] = {
+    {"info", blk_info, NULL, "this rank's heads and the KV cache's capacity", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef blk_methods[] = {
+    {"forward", (PyCFunction)(void (*)(void))blk_forward, METH_VARARGS | METH_KEYWORDS,
+     "forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) -> y"},
+    {"backward", blk_backward, METH_VARARGS, "backward(dy[B*T, C], out=None) -> dx; accumulates the gradients"},
+    {"cache", blk_cache, METH_VARARGS, "cache(batch, max_len): (re)allocate the KV cache"},
+    {"params", blk_params, METH_NOARGS, "{name: (param, grad)} views of this rank's shard"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot blk_slots[] = {
+    {Py_tp_new, blk_new},
+    {Py_tp_dealloc, blk_dealloc},
+    {Py_tp_methods, blk_methods},
+    {Py_tp_getset, blk_getset},
+    {Py_tp_doc, "TransformerBlock(comm, hidden, heads, kv_heads, head_dim, ffn_hidden, ...): use tpcore.TransformerBlock"},
+    {0, NULL},
+};
+
+PyType_Spec blk_spec = {
+    .name = "tpcore._C.TransformerBlock",
+    .basicsize = sizeof(BlockObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = blk_slots,
+};

@@ -1,0 +1,192 @@
+/*
+ * ext.h: the private header of tpcore._C, the thin CPython face of the C core.
+ * What the extension's files share, and nothing else:
+ *   - the NumPy C API set up for several files (one PY_ARRAY_UNIQUE_SYMBOL;
+ *     import_array() runs only in module.c, which defines TPCORE_EXT_IMPORT_ARRAY
+ *     before including this header; every other file gets NO_IMPORT_ARRAY),
+ *   - the module state and how an object finds it (module.c),
+ *   - status -> exception mapping (errors.c),
+ *   - NumPy array import/export: checks, tp_tensor views, owned views (arrays.c),
+ *   - the communicator object and the macro that calls through it with the GIL
+ *     released (comm.c),
+ *   - helpers shared by the layer types: argument parsing, output arrays, errors
+ *     (layer_common.c),
+ *   - the type specs and method tables each file exports to module.c.
+ * No math and no communication logic live in the extension.  The only files of
+ * the project that include Python.h or NumPy headers are in this folder.
+ */
+#ifndef TPCORE_PYTHON_EXT_H
+#define TPCORE_PYTHON_EXT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define NPY_NO_DEPRECATED_API NPY_1_20_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL tpcore_ext_ARRAY_API
+#ifndef TPCORE_EXT_IMPORT_ARRAY
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "tpcore/comm.h"
+#include "tpcore/kernels.h"
+#include "tpcore/layers.h"
+
+/* ------------------------------------------------------ module state (module.c) */
+
+typedef struct {
+  PyObject *CommError;
+  PyObject *CommTimeout;
+  PyTypeObject *CommType;
+  PyTypeObject *SharedBufferType;
+  PyTypeObject *LinearType;
+  PyTypeObject *MLPType;
+  PyTypeObject *EmbeddingType;
+  PyTypeObject *XentType;
+  PyTypeObject *BlockType;
+} module_state;
+
+extern struct PyModuleDef tpcore_module;
+
+static inline module_state *state_of_type(PyTypeObject *t) {
+  PyObject *m = PyType_GetModuleByDef(t, &tpcore_module);
+  return m ? (module_state *)PyModule_GetState(m) : NULL;
+}
+
+/* ------------------------------------------------------------------ errors.c */
+
+/* Raise the exception that matches a tp_status_t, with the core's sentence; NULL. */
+PyObject *raise_status(module_state *st, tp_status_t s, const char *op);
+
+/* ------------------------------------------------------------------ arrays.c */
+
+typedef struct {
+  void *data;
+  size_t count;
+  tp_dtype_t dtype;
+} buf_t;
+
+/* Checks that obj is a NumPy array this op can use (known dtype, C-contiguous,
+ * aligned, writable when `writable`); fills b.  Errors name the op and the argument. */
+int get_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t *b);
+
+/* get_buf's checks, then a tp_tensor view of obj (device CPU, C-contiguous strides). */
+int get_tensor(PyObject *obj, const char *op, const char *arg, int writable, tp_tensor *t);
+
+/* The tp_tensor view of an array already checked by get_buf (dtype from b). */
+static inline tp_tensor array_tensor(PyObject *obj, const buf_t *b) {
+  PyArrayObject *a = (PyArrayObject *)obj;
+  int64_t shape[TP_MAX_DIMS];
+  int nd = PyArray_NDIM(a);
+  for (int i = 0; i < nd && i < TP_MAX_DIMS; i++) shape[i] = (int64_t)PyArray_DIM(a, i);
+  return tp_tensor_nd(b->data, b->dtype, nd, shape);
+}
+
+/* x as a float32 2-D C-contiguous array with `cols` columns; rows out. */
+int matrix_arg(PyObject *x, const char *op, const char *arg, int64_t cols, int64_t *rows);
+
+/* tokens: a 1-D C-contiguous int64 array; its length out. */
+int tokens_arg(PyObject *t, const char *op, const char *arg, int64_t *n);
+
+/* A NumPy float32 view of a C-owned array that keeps its owner (a layer object)
+ * alive; None for p == NULL. */
+PyObject *owned_view(PyObject *self, float *p, int nd, int64_t d0, int64_t d1);
+
+/* -------------------------------------------------------------------- comm.c */
+
+typedef struct {
+  PyObject_HEAD
+  tp_comm_t comm;
+  Py_ssize_t inflight; /* calls running with the GIL released (counted under the GIL) */
+  tp_comm_t closing;   /* closed by one thread while another's call was running */
+} CommObject;
+
+extern PyType_Spec comm_spec, sb_spec;
+
+static inline module_state *cstate(PyObject *self) { return state_of_type(Py_TYPE(self)); }
+
+/* 1 if the communicator is open; else 0 with CommError "<op>: the communicator is closed". */
+static inline int live(CommObject *self, const char *op) {
+  if (!self->comm) {
+    module_state *st = cstate((PyObject *)self);
+    PyErr_Format(st ? st->CommError : PyExc_RuntimeError, "%s: the communicator is closed", op);
+    return 0;
+  }
+  return 1;
+}
+
+#define CALL_NOGIL(st, expr)       \
+  do {                             \
+    Py_BEGIN_ALLOW_THREADS st = (expr); \
+    Py_END_ALLOW_THREADS           \
+  } while (0)
+
+/* A call on the communicator with the GIL released.  close() from another thread
+ * meanwhile aborts the call and the communicator is destroyed when the last
+ * running call has returned (never under it). */
+static inline void comm_leave(CommObject *self) {
+  if (--self->inflight == 0 && self->closing) {
+    tp_comm_t z = self->closing;
+    self->closing = NULL;
+    Py_BEGIN_ALLOW_THREADS tp_comm_destroy(z);
+    Py_END_ALLOW_THREADS
+  }
+}
+
+/* st = expr, run with the GIL released; expr may name the communicator as c_. */
+#define COMM_CALL(self, st, expr)           \
+  do {                                      \
+    tp_comm_t c_ = (self)->comm;            \
+    (self)->inflight++;                     \
+    Py_BEGIN_ALLOW_THREADS st = (expr);     \
+    Py_END_ALLOW_THREADS                    \
+    comm_leave(self);                       \
+  } while (0)
+
+/* ------------------------------------------------------------ layer_common.c */
+
+/* A layer dimension: BLAS takes 32-bit ints. */
+#define DIM_MAX ((long long)INT_MAX)
+
+/* An integer argument (an int or anything with __index__; not a float or a bool) in
+ * [lo, hi]: TypeError or ValueError naming the op, the argument, the range and what came. */
+int int_arg(PyObject *o, const char *op, const char *name, long long lo, long long hi, long long *out);
+/* A seed: an integer in [0, 2**64). */
+int seed_arg(PyObject *o, const char *op, uint64_t *out);
+/* partition=None or a sequence of `size` ints -> *sizes (PyMem, NULL for None). */
+int parse_partition(PyObject *part, int size, int64_t **sizes);
+/* An activation name -> tp_activation_t; ValueError listing the names. */
+int parse_act(const char *name, tp_activation_t *act);
+
+/* comm as a live communicator object of this module, or NULL with an exception. */
+CommObject *layer_comm(module_state *st, PyObject *commo, const char *who);
+/* The end of a layer constructor (see layer_common.c). */
+PyObject *layer_made(PyObject *self, CommObject **slot, CommObject *co, tp_status_t s, module_state *st,
+                     const char *name);
+/* The end of a layer's dealloc, after its C object is destroyed. */
+void layer_free(PyObject *o, CommObject *comm);
+/* The output of a layer call: the caller's `out` workspace (checked: float32,
+ * (M, cols), writable) or a new array.  A new reference, or NULL. */
+PyObject *layer_output(PyObject *out, const char *op, int64_t M, int64_t cols);
+/* A failed layer call: backward before forward is a RuntimeError, the rest as statuses. */
+PyObject *layer_error(CommObject *co, tp_status_t s, const char *op, int backward);
+
+/* ------------------------------------------------------ the layer types' files */
+
+extern PyType_Spec lin_spec;              /* linear.c */
+extern PyType_Spec mlp_spec;              /* mlp.c */
+extern PyType_Spec emb_spec, xent_spec;   /* vocab.c */
+extern PyType_Spec blk_spec;              /* block.c */
+
+/* A ParallelLinear object that borrows L (owned by `owner`, e.g. an MLP, kept alive). */
+PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner);
+
+/* ----------------------------------------------------------------- kernels.c */
+
+extern PyMethodDef kernel_methods[]; /* added to the module by module.c */
+
+#endif /* TPCORE_PYTHON_EXT_H */

@@ -1,0 +1,258 @@
+/*
+ * kernels.c: the core's kernels exposed to Python as module functions, for tests
+ * and for the pure-Python model code: linear_forward/backward (tpcore's BLAS),
+ * norm_forward/backward (layernorm, rmsnorm), act_forward/backward, and the
+ * optimizer steps adamw_step and sgd_step (in place).  Each checks its arrays
+ * and runs the kernel with the GIL released.
+ */
+#include "ext.h"
+
+/* o as a 2-D float32 array: its rows, columns and data. */
+static int f32_matrix(PyObject *o, const char *op, const char *arg, int writable, int64_t *r, int64_t *c, float **p) {
+  buf_t b;
+  if (get_buf(o, op, arg, writable, &b) < 0) return -1;
+  if (b.dtype != TP_FLOAT32 || PyArray_NDIM((PyArrayObject *)o) != 2) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a 2-D float32 array", op, arg);
+    return -1;
+  }
+  *r = PyArray_DIM((PyArrayObject *)o, 0);
+  *c = PyArray_DIM((PyArrayObject *)o, 1);
+  *p = b.data;
+  return 0;
+}
+
+/* o as float32 with n elements (like p). */
+static int same_f32(PyObject *o, const char *op, const char *arg, size_t n, int writable, float **p) {
+  buf_t b;
+  if (get_buf(o, op, arg, writable, &b) < 0) return -1;
+  if (b.dtype != TP_FLOAT32 || b.count != n) {
+    PyErr_Format(PyExc_ValueError, "%s: %s must be float32 with %zu elements (like p), got %s with %zu", op, arg, n,
+                 tp_dtype_name(b.dtype), b.count);
+    return -1;
+  }
+  *p = b.data;
+  return 0;
+}
+
+/* act_forward(name, h[M, F or 2F]) -> out[M, F]; act_backward(name, h, dout[M, F]) -> dh */
+static PyObject *act_call(PyObject *args, int backward) {
+  const char *name;
+  PyObject *h, *dout = NULL, *outo = Py_None;
+  if (backward ? !PyArg_ParseTuple(args, "sOO|O:act_backward", &name, &h, &dout, &outo)
+               : !PyArg_ParseTuple(args, "sO|O:act_forward", &name, &h, &outo))
+    return NULL;
+  tp_activation_t act;
+  if (parse_act(name, &act) < 0) return NULL;
+  const char *op = backward ? "act_backward" : "act_forward";
+  buf_t bd;
+  int64_t M, C;
+  float *hp;
+  if (f32_matrix(h, op, "h", 0, &M, &C, &hp) < 0) return NULL;
+  int64_t F = act == TP_ACT_SWIGLU ? C / 2 : C;
+  if (act == TP_ACT_SWIGLU && C % 2) {
+    PyErr_Format(PyExc_ValueError, "%s: swiglu needs an even number of columns [gate | up], got %zd", op, (Py_ssize_t)C);
+    return NULL;
+  }
+  if (backward) {
+    if (get_buf(dout, op, "dout", 0, &bd) < 0) return NULL;
+    if (bd.dtype != TP_FLOAT32 || bd.count != (size_t)(M * F)) {
+      PyErr_Format(PyExc_ValueError, "%s: dout must be float32 with %zd x %zd elements", op, (Py_ssize_t)M, (Py_ssize_t)F);
+      return NULL;
+    }
+  }
+  npy_intp dims[2] = {(npy_intp)M, (npy_intp)(backward ? C : F)};
+  PyObject *out;
+  if (outo != Py_None) { /* a workspace reused across steps */
+    buf_t bo;
+    if (get_buf(outo, op, "out", 1, &bo) < 0) return NULL;
+    if (bo.dtype != TP_FLOAT32 || bo.count != (size_t)(dims[0] * dims[1])) {
+      PyErr_Format(PyExc_ValueError, "%s: out must be float32 with %zd x %zd elements", op, (Py_ssize_t)dims[0],
+                   (Py_ssize_t)dims[1]);
+      return NULL;
+    }
+    Py_INCREF(outo);
+    out = outo;
+  } else {
+    out = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    if (!out) return NULL;
+  }
+  float *o = PyArray_DATA((PyArrayObject *)out);
+  Py_BEGIN_ALLOW_THREADS
+  if (backward) tp_act_backward(o, hp, bd.data, M, F, act);
+  else tp_act_forward(o, hp, M, F, act);
+  Py_END_ALLOW_THREADS
+  return out;
+}
+
+static PyObject *act_forward(PyObject *m, PyObject *args) { return act_call(args, 0); }
+static PyObject *act_backward(PyObject *m, PyObject *args) { return act_call(args, 1); }
+
+/* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step) and
+ * sgd_step(p, g, buf_or_None, lr, momentum, weight_decay, first): in place. */
+static PyObject *adamw_step(PyObject *mod, PyObject *args) {
+  PyObject *po, *go, *mo, *vo;
+  float lr, b1, b2, eps, wd;
+  long long step;
+  if (!PyArg_ParseTuple(args, "OOOOfffffL:adamw_step", &po, &go, &mo, &vo, &lr, &b1, &b2, &eps, &wd, &step))
+    return NULL;
+  buf_t bp;
+  float *p, *g, *m, *v;
+  if (get_buf(po, "adamw_step", "p", 1, &bp) < 0) return NULL;
+  if (bp.dtype != TP_FLOAT32) {
+    PyErr_Format(PyExc_TypeError, "adamw_step: p must be float32, got %s", tp_dtype_name(bp.dtype));
+    return NULL;
+  }
+  p = bp.data;
+  if (same_f32(go, "adamw_step", "g", bp.count, 0, &g) < 0 || same_f32(mo, "adamw_step", "m", bp.count, 1, &m) < 0 ||
+      same_f32(vo, "adamw_step", "v", bp.count, 1, &v) < 0)
+    return NULL;
+  if (step < 1) {
+    PyErr_Format(PyExc_ValueError, "adamw_step: step counts from 1, got %lld", step);
+    return NULL;
+  }
+  Py_BEGIN_ALLOW_THREADS tp_adamw_step(p, g, m, v, (int64_t)bp.count, lr, b1, b2, eps, wd, step);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+static PyObject *sgd_step(PyObject *mod, PyObject *args) {
+  PyObject *po, *go, *bo;
+  float lr, mom, wd;
+  int first;
+  if (!PyArg_ParseTuple(args, "OOOfffp:sgd_step", &po, &go, &bo, &lr, &mom, &wd, &first)) return NULL;
+  buf_t bp;
+  float *g, *buf = NULL;
+  if (get_buf(po, "sgd_step", "p", 1, &bp) < 0) return NULL;
+  if (bp.dtype != TP_FLOAT32) {
+    PyErr_Format(PyExc_TypeError, "sgd_step: p must be float32, got %s", tp_dtype_name(bp.dtype));
+    return NULL;
+  }
+  if (same_f32(go, "sgd_step", "g", bp.count, 0, &g) < 0) return NULL;
+  if (bo != Py_None && same_f32(bo, "sgd_step", "buf", bp.count, 1, &buf) < 0) return NULL;
+  Py_BEGIN_ALLOW_THREADS tp_sgd_step(bp.data, g, buf, (int64_t)bp.count, lr, mom, wd, first);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+/* linear_forward(x[M, K], w[N, K], b[N] or None, out=None) -> y[M, N] = x w^T + b (tpcore's BLAS);
+ * linear_backward(dy[M, N], x[M, K], w[N, K], dw[N, K] or None, dx_out=None) -> dx (dw accumulates) */
+static PyObject *linear_forward_k(PyObject *mod, PyObject *args) {
+  PyObject *xo, *wo, *bo = Py_None, *out = Py_None;
+  if (!PyArg_ParseTuple(args, "OO|OO:linear_forward", &xo, &wo, &bo, &out)) return NULL;
+  int64_t M, K, N, K2;
+  float *x, *w, *b = NULL;
+  if (f32_matrix(xo, "linear_forward", "x", 0, &M, &K, &x) < 0 || f32_matrix(wo, "linear_forward", "w", 0, &N, &K2, &w) < 0)
+    return NULL;
+  if (K2 != K || M > INT_MAX || N > INT_MAX || K > INT_MAX) {
+    PyErr_Format(PyExc_ValueError, "linear_forward: x is (%lld, %lld) but w is (%lld, %lld)", (long long)M,
+                 (long long)K, (long long)N, (long long)K2);
+    return NULL;
+  }
+  if (bo != Py_None && same_f32(bo, "linear_forward", "b", (size_t)N, 0, &b) < 0) return NULL;
+  PyObject *y = layer_output(out, "linear_forward", M, N);
+  if (!y) return NULL;
+  float *yp = PyArray_DATA((PyArrayObject *)y);
+  Py_BEGIN_ALLOW_THREADS tp_linear_forward(yp, x, w, b, M, K, N);
+  Py_END_ALLOW_THREADS
+  return y;
+}
+
+static PyObject *linear_backward_k(PyObject *mod, PyObject *args) {
+  PyObject *dyo, *xo, *wo, *dwo = Py_None, *out = Py_None;
+  if (!PyArg_ParseTuple(args, "OOO|OO:linear_backward", &dyo, &xo, &wo, &dwo, &out)) return NULL;
+  int64_t M, N, M2, K, N2, K2;
+  float *dy, *x, *w, *dw = NULL;
+  if (f32_matrix(dyo, "linear_backward", "dy", 0, &M, &N, &dy) < 0 ||
+      f32_matrix(xo, "linear_backward", "x", 0, &M2, &K, &x) < 0 ||
+      f32_matrix(wo, "linear_backward", "w", 0, &N2, &K2, &w) < 0)
+    return NULL;
+  if (M2 != M || N2 != N || K2 != K || M > INT_MAX || N > INT_MAX || K > INT_MAX) {
+    PyErr_SetString(PyExc_ValueError, "linear_backward: dy (M, N), x (M, K) and w (N, K) do not agree");
+    return NULL;
+  }
+  if (dwo != Py_None && same_f32(dwo, "linear_backward", "dw", (size_t)(N * K), 1, &dw) < 0) return NULL;
+  PyObject *dx = layer_output(out, "linear_backward", M, K);
+  if (!dx) return NULL;
+  float *dxp = PyArray_DATA((PyArrayObject *)dx);
+  Py_BEGIN_ALLOW_THREADS tp_linear_backward(dxp, dw, NULL, dy, x, w, M, K, N, 0);
+  Py_END_ALLOW_THREADS
+  return dx;
+}
+
+/* norm_forward(kind, x[M, C], w[C], b[C] or None, eps) -> (y, mean, rstd);
+ * norm_backward(kind, dy, x, w, mean, rstd, dw, db or None) -> dx (dw, db accumulate) */
+static int norm_kind(const char *k) {
+  if (strcmp(k, "layernorm") == 0) return 0;
+  if (strcmp(k, "rmsnorm") == 0) return 1;
+  PyErr_Format(PyExc_ValueError, "norm must be 'layernorm' or 'rmsnorm', got '%s'", k);
+  return -1;
+}
+
+static PyObject *norm_forward(PyObject *mod, PyObject *args) {
+  const char *kind;
+  PyObject *xo, *wo, *bo;
+  float eps;
+  if (!PyArg_ParseTuple(args, "sOOOf:norm_forward", &kind, &xo, &wo, &bo, &eps)) return NULL;
+  int rms = norm_kind(kind);
+  if (rms < 0) return NULL;
+  int64_t M, C;
+  float *xp;
+  if (f32_matrix(xo, "norm", "x", 0, &M, &C, &xp) < 0) return NULL;
+  float *w, *b = NULL;
+  if (same_f32(wo, "norm", "w", (size_t)C, 0, &w) < 0) return NULL;
+  if (bo != Py_None && same_f32(bo, "norm", "b", (size_t)C, 0, &b) < 0) return NULL;
+  npy_intp d2[2] = {(npy_intp)M, (npy_intp)C}, d1[1] = {(npy_intp)M};
+  PyObject *y = PyArray_SimpleNew(2, d2, NPY_FLOAT32), *mu = PyArray_SimpleNew(1, d1, NPY_FLOAT32),
+           *rs = PyArray_SimpleNew(1, d1, NPY_FLOAT32);
+  if (!y || !mu || !rs) {
+    Py_XDECREF(y), Py_XDECREF(mu), Py_XDECREF(rs);
+    return NULL;
+  }
+  float *yp = PyArray_DATA((PyArrayObject *)y), *mp = PyArray_DATA((PyArrayObject *)mu),
+        *rp = PyArray_DATA((PyArrayObject *)rs);
+  Py_BEGIN_ALLOW_THREADS
+  if (rms) tp_rmsnorm_forward(yp, rp, xp, w, M, C, eps);
+  else tp_layernorm_forward(yp, mp, rp, xp, w, b, M, C, eps);
+  Py_END_ALLOW_THREADS
+  return Py_BuildValue("NNN", y, mu, rs);
+}
+
+static PyObject *norm_backward(PyObject *mod, PyObject *args) {
+  const char *kind;
+  PyObject *dyo, *xo, *wo, *mo, *ro, *dwo, *dbo;
+  if (!PyArg_ParseTuple(args, "sOOOOOOO:norm_backward", &kind, &dyo, &xo, &wo, &mo, &ro, &dwo, &dbo)) return NULL;
+  int rms = norm_kind(kind);
+  if (rms < 0) return NULL;
+  int64_t M, C;
+  float *xp;
+  if (f32_matrix(xo, "norm", "x", 0, &M, &C, &xp) < 0) return NULL;
+  float *dy, *w, *mu, *rs, *dw, *db = NULL;
+  if (same_f32(dyo, "norm", "dy", (size_t)(M * C), 0, &dy) < 0 || same_f32(wo, "norm", "w", (size_t)C, 0, &w) < 0 ||
+      same_f32(mo, "norm", "mean", (size_t)M, 0, &mu) < 0 || same_f32(ro, "norm", "rstd", (size_t)M, 0, &rs) < 0 ||
+      same_f32(dwo, "norm", "dw", (size_t)C, 1, &dw) < 0 ||
+      (dbo != Py_None && same_f32(dbo, "norm", "db", (size_t)C, 1, &db) < 0))
+    return NULL;
+  npy_intp d2[2] = {(npy_intp)M, (npy_intp)C};
+  PyObject *dx = PyArray_SimpleNew(2, d2, NPY_FLOAT32);
+  if (!dx) return NULL;
+  float *dxp = PyArray_DATA((PyArrayObject *)dx);
+  Py_BEGIN_ALLOW_THREADS
+  if (rms) tp_rmsnorm_backward(dxp, dw, dy, xp, w, rs, M, C);
+  else tp_layernorm_backward(dxp, dw, db, dy, xp, w, mu, rs, M, C);
+  Py_END_ALLOW_THREADS
+  return dx;
+}
+
+PyMethodDef kernel_methods[] = {
+    {"act_forward", act_forward, METH_VARARGS, "act_forward(name, h) -> act(h)"},
+    {"adamw_step", adamw_step, METH_VARARGS, "adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)"},
+    {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(p, g, buf, lr, momentum, weight_decay, first)"},
+    {"act_backward", act_backward, METH_VARARGS, "act_backward(name, h, dout) -> dh"},
+    {"linear_forward", linear_forward_k, METH_VARARGS, "linear_forward(x, w, b=None, out=None) -> x @ w.T + b"},
+    {"linear_backward", linear_backward_k, METH_VARARGS,
+     "linear_backward(dy, x, w, dw=None, out=None) -> dy @ w; dw += dy.T @ x"},
+    {"norm_forward", norm_forward, METH_VARARGS, "norm_forward(kind, x, w, b, eps) -> (y, mean, rstd)"},
+    {"norm_backward", norm_backward, METH_VARARGS,
+     "norm_backward(kind, dy, x, w, mean, rstd, dw, db) -> dx; dw and db accumulate"},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,163 @@
+/*
+ * linear.c: the ParallelLinear type (tpcore._C.ParallelLinear), a column- or
+ * row-parallel linear layer of the C core: constructor, forward/backward, and
+ * views of its weight, bias and gradients.  linear_borrowed makes one that views
+ * a layer owned by another object (an MLP's fc1/fc2).
+ */
+#include "ext.h"
+
+typedef struct {
+  PyObject_HEAD
+  tp_parallel_linear_t L;
+  CommObject *comm; /* kept alive; calls go through its in-flight accounting */
+  tp_linear_info_t info;
+  PyObject *owner;  /* an MLP that owns L (then L is not destroyed here) */
+} LinearObject;
+
+static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"comm", "kind", "in_features", "out_features", "bias", "gather_output",
+                           "input_is_parallel", "partition", "seed", "gated", NULL};
+  PyObject *commo, *part = Py_None, *in_o, *out_o, *seed_o = NULL;
+  const char *kind;
+  long long in_f, out_f;
+  int bias = 1, gather = 0, inpar = 1, gated = 0;
+  uint64_t seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsOO|pppOOp:ParallelLinear", kwlist, &commo, &kind, &in_o, &out_o,
+                                   &bias, &gather, &inpar, &part, &seed_o, &gated))
+    return NULL;
+  if (int_arg(in_o, "ParallelLinear", "in_features", 1, DIM_MAX, &in_f) < 0 ||
+      int_arg(out_o, "ParallelLinear", "out_features", 1, DIM_MAX, &out_f) < 0 ||
+      (seed_o && seed_arg(seed_o, "ParallelLinear", &seed) < 0))
+    return NULL;
+  module_state *st = state_of_type(type);
+  CommObject *co = layer_comm(st, commo, "ParallelLinear");
+  if (!co) return NULL;
+  tp_linear_config_t cfg = TP_LINEAR_CONFIG_INITIALIZER;
+  if (strcmp(kind, "column") == 0) cfg.kind = TP_COLUMN_PARALLEL;
+  else if (strcmp(kind, "row") == 0) cfg.kind = TP_ROW_PARALLEL;
+  else {
+    PyErr_Format(PyExc_ValueError, "ParallelLinear: kind must be 'column' or 'row', got '%s'", kind);
+    return NULL;
+  }
+  cfg.in_features = in_f;
+  cfg.out_features = out_f;
+  cfg.bias = bias;
+  cfg.gather_output = gather;
+  cfg.input_is_parallel = inpar;
+  cfg.seed = seed;
+  cfg.gated = gated;
+  int size;
+  tp_comm_size(co->comm, &size);
+  int64_t *sizes;
+  if (parse_partition(part, size, &sizes) < 0) return NULL;
+  cfg.partition = sizes;
+  LinearObject *self = (LinearObject *)type->tp_alloc(type, 0);
+  if (!self) {
+    PyMem_Free(sizes);
+    return NULL;
+  }
+  tp_status_t s;
+  COMM_CALL(co, s, tp_parallel_linear_create(&self->L, c_, &cfg));
+  PyMem_Free(sizes);
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "ParallelLinear")) return NULL;
+  tp_parallel_linear_info(self->L, &self->info);
+  return (PyObject *)self;
+}
+
+static void lin_dealloc(PyObject *o) {
+  LinearObject *self = (LinearObject *)o;
+  if (self->owner) Py_DECREF(self->owner);
+  else tp_parallel_linear_destroy(self->L);
+  layer_free(o, self->comm);
+}
+
+static PyObject *lin_run(PyObject *o, PyObject *x, PyObject *out, int backward) {
+  LinearObject *self = (LinearObject *)o;
+  const char *op = backward ? "backward" : "forward";
+  if (!live(self->comm, op)) return NULL;
+  int64_t in_cols = backward ? self->info.y_cols : self->info.x_cols;
+  int64_t out_cols = backward ? self->info.x_cols : self->info.y_cols;
+  int64_t M;
+  if (matrix_arg(x, op, backward ? "dy" : "x", in_cols, &M) < 0) return NULL;
+  PyObject *y = layer_output(out, op, M, out_cols);
+  if (!y) return NULL;
+  const float *xp = PyArray_DATA((PyArrayObject *)x);
+  float *yp = PyArray_DATA((PyArrayObject *)y);
+  tp_status_t s;
+  CommObject *co = self->comm;
+  if (backward)
+    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_backward(self->L, yp, xp, M)));
+  else
+    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_forward(self->L, yp, xp, M)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(y);
+    return layer_error(co, s, op, backward);
+  }
+  return y;
+}
+
+static PyObject *lin_call(PyObject *o, PyObject *args, int backward) {
+  PyObject *x, *out = Py_None;
+  if (!PyArg_ParseTuple(args, backward ? "O|O:backward" : "O|O:forward", &x, &out)) return NULL;
+  return lin_run(o, x, out, backward);
+}
+static PyObject *lin_forward(PyObject *o, PyObject *args) { return lin_call(o, args, 0); }
+static PyObject *lin_backward(PyObject *o, PyObject *args) { return lin_call(o, args, 1); }
+
+static PyObject *lin_get(PyObject *o, void *which) {
+  LinearObject *self = (LinearObject *)o;
+  tp_linear_info_t *i = &self->info;
+  switch ((intptr_t)which) {
+    case 0: return owned_view(o, i->weight, 2, i->weight_rows, i->weight_cols);
+    case 1: return owned_view(o, i->bias, 1, i->bias_len, 0);
+    case 2: return owned_view(o, i->grad_weight, 2, i->weight_rows, i->weight_cols);
+    case 3: return owned_view(o, i->grad_bias, 1, i->bias_len, 0);
+    default:
+      return Py_BuildValue("{s:L,s:L,s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local,
+                           "x_cols", (long long)i->x_cols, "y_cols", (long long)i->y_cols);
+  }
+}
+
+static PyGetSetDef lin_getset[] = {
+    {"weight", lin_get, NULL, "this rank's weight shard (a view)", (void *)0},
+    {"bias", lin_get, NULL, "this rank's bias (a view), or None", (void *)1},
+    {"grad_weight", lin_get, NULL, "gradient of the weight shard (a view)", (void *)2},
+    {"grad_bias", lin_get, NULL, "gradient of the bias (a view), or None", (void *)3},
+    {"shard", lin_get, NULL, "offset/local of the split dimension, input/output columns", (void *)4},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef lin_methods[] = {
+    {"forward", lin_forward, METH_VARARGS, "forward(x[M, x_cols], out=None) -> y[M, y_cols]"},
+    {"backward", lin_backward, METH_VARARGS, "backward(dy[M, y_cols], out=None) -> dx[M, x_cols]; accumulates grads"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot lin_slots[] = {
+    {Py_tp_new, lin_new},
+    {Py_tp_dealloc, lin_dealloc},
+    {Py_tp_methods, lin_methods},
+    {Py_tp_getset, lin_getset},
+    {Py_tp_doc, "ParallelLinear(comm, kind, in_features, out_features, bias=True, gather_output=False, "
+                "input_is_parallel=True, partition=None, seed=0): use tpcore.ColumnParallelLinear / RowParallelLinear"},
+    {0, NULL},
+};
+
+PyType_Spec lin_spec = {
+    .name = "tpcore._C.ParallelLinear",
+    .basicsize = sizeof(LinearObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = lin_slots,
+};
+
+PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner) {
+  LinearObject *l = (LinearObject *)st->LinearType->tp_alloc(st->LinearType, 0);
+  if (!l) return NULL;
+  l->L = L;
+  tp_parallel_linear_info(l->L, &l->info);
+  Py_INCREF(comm);
+  l->comm = comm;
+  Py_INCREF(owner);
+  l->owner = owner;
+  return (PyObject *)l;
+}

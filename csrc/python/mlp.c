@@ -1,0 +1,125 @@
+/*
+ * mlp.c: the ParallelMLP type (tpcore._C.ParallelMLP): fc1 column-parallel, the
+ * activation, fc2 row-parallel, one all-reduce per forward; fc1 and fc2 are also
+ * reachable as ParallelLinear views (linear_borrowed).
+ */
+#include "ext.h"
+
+typedef struct {
+  PyObject_HEAD
+  tp_parallel_mlp_t M;
+  CommObject *comm;
+  int64_t hidden;
+} MLPObject;
+
+static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"comm", "hidden", "ffn_hidden", "activation", "bias", "partition", "seed", NULL};
+  PyObject *commo, *part = Py_None, *hidden_o, *ffn_o, *seed_o = NULL;
+  const char *actname;
+  long long hidden, ffn;
+  int bias = 1;
+  uint64_t seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOs|pOO:ParallelMLP", kwlist, &commo, &hidden_o, &ffn_o, &actname,
+                                   &bias, &part, &seed_o))
+    return NULL;
+  if (int_arg(hidden_o, "ParallelMLP", "hidden", 1, DIM_MAX, &hidden) < 0 ||
+      int_arg(ffn_o, "ParallelMLP", "ffn_hidden", 1, DIM_MAX, &ffn) < 0 ||
+      (seed_o && seed_arg(seed_o, "ParallelMLP", &seed) < 0))
+    return NULL;
+  module_state *st = state_of_type(type);
+  CommObject *co = layer_comm(st, commo, "ParallelMLP");
+  if (!co) return NULL;
+  tp_mlp_config_t cfg = TP_MLP_CONFIG_INITIALIZER;
+  if (parse_act(actname, &cfg.activation) < 0) return NULL;
+  cfg.hidden = hidden;
+  cfg.ffn_hidden = ffn;
+  cfg.bias = bias;
+  cfg.seed = seed;
+  int size;
+  tp_comm_size(co->comm, &size);
+  int64_t *sizes;
+  if (parse_partition(part, size, &sizes) < 0) return NULL;
+  cfg.partition = sizes;
+  MLPObject *self = (MLPObject *)type->tp_alloc(type, 0);
+  if (!self) {
+    PyMem_Free(sizes);
+    return NULL;
+  }
+  tp_status_t s;
+  COMM_CALL(co, s, tp_parallel_mlp_create(&self->M, c_, &cfg));
+  PyMem_Free(sizes);
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "ParallelMLP")) return NULL;
+  self->hidden = hidden;
+  return (PyObject *)self;
+}
+
+static void mlp_dealloc(PyObject *o) {
+  MLPObject *self = (MLPObject *)o;
+  tp_parallel_mlp_destroy(self->M);
+  layer_free(o, self->comm);
+}
+
+static PyObject *mlp_call(PyObject *o, PyObject *args, int backward) {
+  MLPObject *self = (MLPObject *)o;
+  const char *op = backward ? "backward" : "forward";
+  PyObject *x, *out = Py_None;
+  if (!PyArg_ParseTuple(args, backward ? "O|O:backward" : "O|O:forward", &x, &out)) return NULL;
+  if (!live(self->comm, op)) return NULL;
+  int64_t M;
+  if (matrix_arg(x, op, backward ? "dy" : "x", self->hidden, &M) < 0) return NULL;
+  PyObject *y = layer_output(out, op, M, self->hidden);
+  if (!y) return NULL;
+  const float *xp = PyArray_DATA((PyArrayObject *)x);
+  float *yp = PyArray_DATA((PyArrayObject *)y);
+  tp_status_t s;
+  CommObject *co = self->comm;
+  if (backward)
+    COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_backward(self->M, yp, xp, M)));
+  else
+    COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_forward(self->M, yp, xp, M)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(y);
+    return layer_error(co, s, op, backward);
+  }
+  return y;
+}
+
+static PyObject *mlp_forward(PyObject *o, PyObject *args) { return mlp_call(o, args, 0); }
+static PyObject *mlp_backward(PyObject *o, PyObject *args) { return mlp_call(o, args, 1); }
+
+/* fc1 / fc2 as ParallelLinear objects that borrow the MLP's layers. */
+static PyObject *mlp_layer(PyObject *o, void *which) {
+  MLPObject *self = (MLPObject *)o;
+  module_state *st = state_of_type(Py_TYPE(o));
+  if (!st) return NULL;
+  return linear_borrowed(st, tp_parallel_mlp_layer(self->M, (int)(intptr_t)which), self->comm, o);
+}
+
+static PyGetSetDef mlp_getset[] = {
+    {"fc1", mlp_layer, NULL, "the column-parallel fc1 (a view of the MLP's layer)", (void *)0},
+    {"fc2", mlp_layer, NULL, "the row-parallel fc2 (a view of the MLP's layer)", (void *)1},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef mlp_methods[] = {
+    {"forward", mlp_forward, METH_VARARGS, "forward(x[M, hidden], out=None) -> y[M, hidden]"},
+    {"backward", mlp_backward, METH_VARARGS, "backward(dy[M, hidden], out=None) -> dx[M, hidden]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot mlp_slots[] = {
+    {Py_tp_new, mlp_new},
+    {Py_tp_dealloc, mlp_dealloc},
+    {Py_tp_methods, mlp_methods},
+    {Py_tp_getset, mlp_getset},
+    {Py_tp_doc, "ParallelMLP(comm, hidden, ffn_hidden, activation, bias=True, partition=None, seed=0): "
+                "use tpcore.ParallelMLP"},
+    {0, NULL},
+};
+
+PyType_Spec mlp_spec = {
+    .name = "tpcore._C.ParallelMLP",
+    .basicsize = sizeof(MLPObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = mlp_slots,
+};

@@ -1,0 +1,261 @@
+/*
+ * vocab.c: the vocabulary-parallel pair.  VocabEmbedding (tpcore._C.VocabEmbedding):
+ * each rank holds a slice of the table's rows; forward looks tokens up and
+ * all-reduces.  VocabCrossEntropy (tpcore._C.VocabCrossEntropy): the loss over
+ * logits whose vocabulary is split across ranks, without gathering them.
+ */
+#include "ext.h"
+
+/* ------------------------------------------------------ VocabParallelEmbedding */
+
+typedef struct {
+  PyObject_HEAD
+  tp_vocab_embedding_t E;
+  CommObject *comm;
+  tp_embedding_info_t info;
+} EmbeddingObject;
+
+static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"comm", "num_embeddings", "embedding_dim", "partition", "seed", NULL};
+  PyObject *commo, *part = Py_None, *n_o, *dim_o, *seed_o = NULL;
+  long long n, dim;
+  uint64_t seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OO:VocabParallelEmbedding", kwlist, &commo, &n_o, &dim_o, &part,
+                                   &seed_o))
+    return NULL;
+  if (int_arg(n_o, "VocabParallelEmbedding", "num_embeddings", 1, LLONG_MAX, &n) < 0 ||
+      int_arg(dim_o, "VocabParallelEmbedding", "embedding_dim", 1, LLONG_MAX, &dim) < 0 ||
+      (seed_o && seed_arg(seed_o, "VocabParallelEmbedding", &seed) < 0))
+    return NULL;
+  module_state *st = state_of_type(type);
+  CommObject *co = layer_comm(st, commo, "VocabParallelEmbedding");
+  if (!co) return NULL;
+  tp_embedding_config_t cfg = TP_EMBEDDING_CONFIG_INITIALIZER;
+  cfg.num_embeddings = n;
+  cfg.embedding_dim = dim;
+  cfg.seed = seed;
+  int size;
+  tp_comm_size(co->comm, &size);
+  int64_t *sizes;
+  if (parse_partition(part, size, &sizes) < 0) return NULL;
+  cfg.partition = sizes;
+  EmbeddingObject *self = (EmbeddingObject *)type->tp_alloc(type, 0);
+  if (!self) {
+    PyMem_Free(sizes);
+    return NULL;
+  }
+  tp_status_t s;
+  COMM_CALL(co, s, tp_vocab_embedding_create(&self->E, c_, &cfg));
+  PyMem_Free(sizes);
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "VocabParallelEmbedding")) return NULL;
+  tp_vocab_embedding_info(self->E, &self->info);
+  return (PyObject *)self;
+}
+
+static void emb_dealloc(PyObject *o) {
+  EmbeddingObject *self = (EmbeddingObject *)o;
+  tp_vocab_embedding_destroy(self->E);
+  layer_free(o, self->comm);
+}
+
+static PyObject *emb_forward(PyObject *o, PyObject *args) {
+  EmbeddingObject *self = (EmbeddingObject *)o;
+  PyObject *to, *out = Py_None;
+  if (!PyArg_ParseTuple(args, "O|O:forward", &to, &out)) return NULL;
+  if (!live(self->comm, "forward")) return NULL;
+  int64_t M;
+  if (tokens_arg(to, "embedding forward", "tokens", &M) < 0) return NULL;
+  PyObject *y = layer_output(out, "embedding forward", M, self->info.dim);
+  if (!y) return NULL;
+  const int64_t *tp = PyArray_DATA((PyArrayObject *)to);
+  float *yp = PyArray_DATA((PyArrayObject *)y);
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_embedding_forward(self->E, yp, tp, M)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(y);
+    return layer_error(self->comm, s, "embedding forward", 0);
+  }
+  return y;
+}
+
+static PyObject *emb_backward(PyObject *o, PyObject *dy) {
+  EmbeddingObject *self = (EmbeddingObject *)o;
+  if (!live(self->comm, "backward")) return NULL;
+  int64_t M;
+  if (matrix_arg(dy, "embedding backward", "dy", self->info.dim, &M) < 0) return NULL;
+  const float *dp = PyArray_DATA((PyArrayObject *)dy);
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_embedding_backward(self->E, dp, M)));
+  if (s != TP_SUCCESS) return layer_error(self->comm, s, "embedding backward", 1);
+  Py_RETURN_NONE;
+}
+
+static PyObject *emb_get(PyObject *o, void *which) {
+  EmbeddingObject *self = (EmbeddingObject *)o;
+  tp_embedding_info_t *i = &self->info;
+  switch ((intptr_t)which) {
+    case 0: return owned_view(o, i->weight, 2, i->local, i->dim);
+    case 1: return owned_view(o, i->grad_weight, 2, i->local, i->dim);
+    default: return Py_BuildValue("{s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local);
+  }
+}
+
+static PyGetSetDef emb_getset[] = {
+    {"weight", emb_get, NULL, "this rank's rows of the table (a view)", (void *)0},
+    {"grad_weight", emb_get, NULL, "their gradient (a view)", (void *)1},
+    {"shard", emb_get, NULL, "offset/local of this rank's vocabulary slice", (void *)2},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef emb_methods[] = {
+    {"forward", emb_forward, METH_VARARGS, "forward(tokens[M] int64, out=None) -> y[M, dim] (collective)"},
+    {"backward", emb_backward, METH_O, "backward(dy[M, dim]): accumulates grad_weight"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot emb_slots[] = {
+    {Py_tp_new, emb_new},
+    {Py_tp_dealloc, emb_dealloc},
+    {Py_tp_methods, emb_methods},
+    {Py_tp_getset, emb_getset},
+    {Py_tp_doc, "VocabEmbedding(comm, num_embeddings, embedding_dim, partition=None, seed=0): "
+                "use tpcore.VocabParallelEmbedding"},
+    {0, NULL},
+};
+
+PyType_Spec emb_spec = {
+    .name = "tpcore._C.VocabEmbedding",
+    .basicsize = sizeof(EmbeddingObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = emb_slots,
+};
+
+/* --------------------------------------------------------- VocabCrossEntropy */
+
+typedef struct {
+  PyObject_HEAD
+  tp_vocab_xent_t X;
+  CommObject *comm;
+  PyObject *logits; /* the last forward's logits, kept alive for backward */
+  int64_t M, V;
+} XentObject;
+
+static PyObject *xent_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"comm", NULL};
+  PyObject *commo;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O:VocabCrossEntropy", kwlist, &commo)) return NULL;
+  module_state *st = state_of_type(type);
+  CommObject *co = layer_comm(st, commo, "VocabParallelCrossEntropy");
+  if (!co) return NULL;
+  XentObject *self = (XentObject *)type->tp_alloc(type, 0);
+  if (!self) return NULL;
+  tp_status_t s = tp_vocab_xent_create(&self->X, co->comm);
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "VocabParallelCrossEntropy")) return NULL;
+  return (PyObject *)self;
+}
+
+static void xent_dealloc(PyObject *o) {
+  XentObject *self = (XentObject *)o;
+  tp_vocab_xent_destroy(self->X);
+  Py_XDECREF(self->logits);
+  layer_free(o, self->comm);
+}
+
+/* forward(logits[M, V], targets[M], vocab_offset=-1, ignore_index=-100) -> (losses[M], valid, vocab) */
+static PyObject *xent_forward(PyObject *o, PyObject *args) {
+  XentObject *self = (XentObject *)o;
+  PyObject *lo_, *to, *off_o = NULL, *ignore_o = NULL;
+  long long off = -1, ignore = -100;
+  if (!PyArg_ParseTuple(args, "OO|OO:forward", &lo_, &to, &off_o, &ignore_o)) return NULL;
+  if ((off_o && int_arg(off_o, "cross-entropy", "vocab_offset", -1, LLONG_MAX, &off) < 0) ||
+      (ignore_o && int_arg(ignore_o, "cross-entropy", "ignore_index", LLONG_MIN, LLONG_MAX, &ignore) < 0))
+    return NULL;
+  if (!live(self->comm, "forward")) return NULL;
+  buf_t b;
+  if (get_buf(lo_, "cross-entropy", "logits", 0, &b) < 0) return NULL;
+  if (b.dtype != TP_FLOAT32 || PyArray_NDIM((PyArrayObject *)lo_) != 2) {
+    PyErr_SetString(PyExc_TypeError, "cross-entropy: logits must be a 2-D float32 array (rows, shard width)");
+    return NULL;
+  }
+  int64_t M = PyArray_DIM((PyArrayObject *)lo_, 0), V = PyArray_DIM((PyArrayObject *)lo_, 1), Mt;
+  if (tokens_arg(to, "cross-entropy", "targets", &Mt) < 0) return NULL;
+  if (Mt != M) {
+    PyErr_Format(PyExc_ValueError, "cross-entropy: %lld targets for %lld rows of logits", (long long)Mt, (long long)M);
+    return NULL;
+  }
+  npy_intp d[1] = {(npy_intp)M};
+  PyObject *losses = PyArray_SimpleNew(1, d, NPY_FLOAT32);
+  if (!losses) return NULL;
+  float *lp = PyArray_DATA((PyArrayObject *)losses);
+  const float *xp = b.data;
+  const int64_t *tp = PyArray_DATA((PyArrayObject *)to);
+  int64_t valid = 0, vocab = 0;
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_forward(self->X, lp, xp, tp, M, V, off, ignore, &valid, &vocab)));
+  Py_CLEAR(self->logits);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(losses);
+    return layer_error(self->comm, s, "cross-entropy forward", 0);
+  }
+  Py_INCREF(lo_);
+  self->logits = lo_;
+  self->M = M;
+  self->V = V;
+  return Py_BuildValue("NLL", losses, (long long)valid, (long long)vocab);
+}
+
+/* backward(dloss=None, scale=1.0, out=None) -> dlogits[M, V] */
+static PyObject *xent_backward(PyObject *o, PyObject *args) {
+  XentObject *self = (XentObject *)o;
+  PyObject *dlo = Py_None, *out = Py_None;
+  float scale = 1.0f;
+  if (!PyArg_ParseTuple(args, "|OfO:backward", &dlo, &scale, &out)) return NULL;
+  if (!live(self->comm, "backward")) return NULL;
+  if (!self->logits) {
+    PyErr_SetString(PyExc_RuntimeError, "cross-entropy backward: called before forward");
+    return NULL;
+  }
+  const float *dl = NULL;
+  if (dlo != Py_None) {
+    buf_t b;
+    if (get_buf(dlo, "cross-entropy backward", "dloss", 0, &b) < 0) return NULL;
+    if (b.dtype != TP_FLOAT32 || (int64_t)b.count != self->M) {
+      PyErr_Format(PyExc_ValueError, "cross-entropy backward: dloss must be float32 with one entry per row (%lld)",
+                   (long long)self->M);
+      return NULL;
+    }
+    dl = b.data;
+  }
+  PyObject *d = layer_output(out, "cross-entropy backward", self->M, self->V);
+  if (!d) return NULL;
+  float *dp = PyArray_DATA((PyArrayObject *)d);
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_backward(self->X, dp, dl, scale)));
+  if (s != TP_SUCCESS) {
+    Py_DECREF(d);
+    return layer_error(self->comm, s, "cross-entropy backward", 1);
+  }
+  return d;
+}
+
+static PyMethodDef xent_methods[] = {
+    {"forward", xent_forward, METH_VARARGS,
+     "forward(logits[M, V], targets[M] int64, vocab_offset=-1, ignore_index=-100) -> (losses[M], valid, vocab)"},
+    {"backward", xent_backward, METH_VARARGS, "backward(dloss=None, scale=1.0, out=None) -> dlogits[M, V]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot xent_slots[] = {
+    {Py_tp_new, xent_new},
+    {Py_tp_dealloc, xent_dealloc},
+    {Py_tp_methods, xent_methods},
+    {Py_tp_doc, "VocabCrossEntropy(comm): use tpcore.VocabParallelCrossEntropy"},
+    {0, NULL},
+};
+
+PyType_Spec xent_spec = {
+    .name = "tpcore._C.VocabCrossEntropy",
+    .basicsize = sizeof(XentObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = xent_slots,
+};
