@@ -43,7 +43,7 @@ from .spawn import RankExitedError, spawn
 
 _cleanup.forget_life_fd_in_children()
 
-__version__ = "0.1.0"
+__version__: str = _C.build_info()["version"]  # one source: TP_VERSION_* of tpcore.h, via setup.py
 __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "CheckpointError", "build_info",
            "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "partition", "optim",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
