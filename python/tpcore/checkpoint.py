@@ -27,6 +27,7 @@ from typing import Dict, Iterator, Tuple
 
 import numpy as np
 
+from ._array import asarray
 from .comm import Comm, CommError
 from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from .vocab import VocabParallelEmbedding
@@ -329,7 +330,7 @@ def to_float32(a) -> np.ndarray:
     """Any float tensor (NumPy, memory-mapped, bfloat16 view, ml_dtypes) as float32."""
     if isinstance(a, BF16View):
         return a[...]
-    a = np.asarray(a)
+    a = asarray(a, "a tensor", "checkpoint")
     if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
         raise TypeError(f"expected a floating-point tensor, got {a.dtype}")
     return np.ascontiguousarray(a, dtype=np.float32)

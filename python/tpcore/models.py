@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 
 from . import _C
+from ._array import asarray
 from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .layers import ColumnParallelLinear
@@ -425,7 +426,10 @@ class TransformerLM:
         def take(name):
             if name not in sd:
                 raise KeyError(f"checkpoint: missing tensor {name!r}")
-            return sd[name]
+            t = sd[name]  # an array, a memory-mapped array or a lazy view: only the rank's slices are read
+            if not isinstance(t, np.ndarray) and hasattr(t, "__dlpack__"):  # another library's tensor
+                t = asarray(t, name, "TransformerLM.load_state_dict_full")  # device checked, no copy
+            return t
 
         _load_embedding(self.wte, take("wte.weight"))
         if self.wpe is not None:

@@ -30,6 +30,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from . import _C
+from ._array import asarray
 from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import to_float32
@@ -300,8 +301,8 @@ class TransformerBlock:
             if name not in tensors:
                 continue
             t = tensors[name]  # an array, a memory-mapped array or a lazy view (hf.View): only the cut is read
-            if not hasattr(t, "shape"):
-                t = np.asarray(t)
+            if not hasattr(t, "shape") or (not isinstance(t, np.ndarray) and hasattr(t, "__dlpack__")):
+                t = asarray(t, name, f"{type(self).__name__}.load_full")
             if tuple(t.shape) != shapes[name]:
                 raise ValueError(f"TransformerBlock.load_full: {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
             dst = self._p[local][0][rows]
@@ -447,7 +448,7 @@ def positions(pos0, B: int, who: str) -> np.ndarray:
 
 def mask_array(mask, B: int, T: int, who: str, name: str) -> np.ndarray:
     """A (B, T) mask of bools or numbers (non-zero: attend) as uint8 (C-contiguous)."""
-    m = np.asarray(mask)
+    m = asarray(mask, name, who)
     if m.dtype.kind not in "biuf":
         raise TypeError(f"{who}: {name} must be a (B, T) array of bools or 0/1 numbers, got dtype {m.dtype}")
     if m.shape != (B, T):
