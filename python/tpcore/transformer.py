@@ -33,7 +33,7 @@ from . import _C
 from ._array import asarray
 from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
-from .checkpoint import to_float32
+from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
 from .layers import ACTIVATIONS, _sizes, as_float32, check_partition, partition
 
 NORMS = ("layernorm", "rmsnorm")
@@ -115,7 +115,6 @@ class Config:
     def from_hf(cls, path: str) -> "Config":
         """The config.json of a Hugging Face GPT-2, Llama (or Mistral) or BERT checkpoint.
         A malformed file or field raises tpcore.CheckpointError naming it."""
-        from .checkpoint import read_json_object
         p = os.path.join(path, "config.json") if os.path.isdir(path) else path
         return cls.from_hf_dict(read_json_object(p), source=p)
 
@@ -124,7 +123,6 @@ class Config:
         """Every field is checked (type, range, consistency) before use: a bad one raises
         tpcore.CheckpointError (a ValueError) naming source, the field, what was expected
         and what was found."""
-        from .checkpoint import _MISSING, ConfigFields, CheckpointError, bad
         f = ConfigFields(c, source)
         mt = f.str("model_type", _MISSING, ("gpt2", "llama", "mistral", "bert"), " (other model types are not supported)")
 
