@@ -47,7 +47,8 @@ def test_version_has_one_source():
     assert _setup_py()["version"] == want
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
         text = f.read()
-    assert re.search(r'^dynamic\s*=\s*\[[^\]]*"version"', text, re.M), "pyproject.toml must take the version from setup.py"
+    assert re.search(r'^dynamic\s*=\s*\[[^\]]*"version"', text, re.M), \
+        "pyproject.toml must take the version from setup.py"
     assert not re.search(r"^version\s*=", text, re.M), "pyproject.toml must not write the version a second time"
 
 
@@ -73,3 +74,5 @@ def test_source_list_is_read_by_both():
         assert re.search(r"^include csrc/sources\.mk$", f.read(), re.M)
     with open(os.path.join(ROOT, "setup.py")) as f:
         assert "sources.mk" in f.read()
+    with open(os.path.join(ROOT, "MANIFEST.in")) as f:  # an sdist must carry it: setup.py reads it
+        assert re.search(r"^recursive-include csrc .*\*\.mk", f.read(), re.M)

@@ -6,7 +6,6 @@ import io
 import re
 import subprocess
 import sys
-import textwrap
 
 from conftest import run
 from tpcore._relay import Console
@@ -36,7 +35,9 @@ def progress(rank):
     sys.stdout.write("tail without a newline")
     sys.stdout.flush()
 '''
-exec(CHILD)
+_NS: dict = {}
+exec(CHILD, _NS)
+progress = _NS["progress"]
 
 BAR = re.compile(r"loading \[#{15}\.{15}\] 1/2 blocks \d+\.\ds$|loading \[#{30}\] 2/2 blocks \d+\.\ds$")
 

@@ -2,7 +2,8 @@
 
 `Comm` wraps the C communicator (`tpcore._C.Comm`) with NumPy conveniences:
 arrays of any shape, `axis=` for gather and scatter, new output arrays, DLPack
-inputs (_array.py: a tensor on another device is refused by name).  All data movement and arithmetic happen in C with the GIL released.
+inputs (_array.py: a tensor on another device is refused by name).  All data
+movement and arithmetic happen in C with the GIL released.
 
 Semantics follow NCCL / torch.distributed: every rank calls the same
 collectives in the same order with matching shapes and dtypes; a mismatch

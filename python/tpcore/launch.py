@@ -151,7 +151,8 @@ def run(argv=None) -> int:
         seen = {}  # rank -> order in which its exit was noticed
         while True:
             if stopping["signal"] is not None:
-                console.write(sys.stderr, f"tpcore.launch: got {signal.Signals(stopping['signal']).name}; stopping all ranks\n")
+                console.write(sys.stderr, f"tpcore.launch: got {signal.Signals(stopping['signal']).name}; "
+                                          f"stopping all ranks\n")
                 _stop_all(procs, ns.grace)
                 for t in threads:
                     t.join(2)

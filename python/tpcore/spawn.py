@@ -7,7 +7,8 @@ raised here, with the rank and its traceback in the message; if a rank dies
 (killed, os._exit), RankExitedError says which and how.  Output the ranks
 print from Python is relayed here line by line, prefixed with the rank, so it
 shows in a notebook too (_relay.py: a carriage-return progress line is one line
-per update, or one line drawn in place on a terminal, with one prefix).  Nothing is left behind: no process, no /dev/shm name.
+per update, or one line drawn in place on a terminal, with one prefix).  Nothing
+is left behind: no process, no /dev/shm name.
 """
 from __future__ import annotations
 
