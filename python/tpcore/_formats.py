@@ -32,6 +32,7 @@ import numpy as np
 
 from ._array import asarray
 
+# safetensors and strict JSON ----------------------------------------------------------
 _ST_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64, "I32": np.int32,
               "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
               "BOOL": np.bool_}
@@ -352,6 +353,7 @@ def read_safetensors(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
     return out, meta
 
 
+# NumPy .npz and the files of tpcore.save ----------------------------------------------
 def read_npz(path: str) -> Dict[str, np.ndarray]:
     """Every array of a .npz archive, checked before it is read: a zip of .npy members
     only, no pickled objects, each member's .npy header consistent with the member's
@@ -462,6 +464,7 @@ def read_tensors_file(path):
     return tensors, _meta_json(path, meta.get("tpcore", "{}"), "__metadata__['tpcore']")
 
 
+# A Hugging Face checkpoint folder: its safetensors files and index -------------------
 def index_files(path: str):
     """The safetensors files of a Hugging Face checkpoint folder, with the tensor -> file
     map of its *.safetensors.index.json when it has one (checked: an object whose

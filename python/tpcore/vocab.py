@@ -167,6 +167,7 @@ class VocabParallelCrossEntropy:
         lead, reduction, M, V, valid = self._ctx
         o = None
         if out is not None:
+            check_host(out, "out", "vocab_parallel_cross_entropy backward")
             if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.flags.c_contiguous
                     and out.flags.writeable and out.size == M * V):
                 raise ValueError(f"backward: out must be a writable C-contiguous float32 array of {M * V} elements "
