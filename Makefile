@@ -28,7 +28,9 @@ endif
 CFLAGS += $(BLAS_CFLAGS)
 LIBS := $(BLAS_LIBS) -lpthread -lrt -lm
 
-CORE_SRC := $(wildcard csrc/core/*.c) $(wildcard csrc/devices/*.c) $(wildcard csrc/comm/*.c) $(wildcard csrc/kernels/cpu/*.c) $(wildcard csrc/layers/*.c)
+# The source directories: csrc/sources.mk, shared with setup.py.
+include csrc/sources.mk
+CORE_SRC := $(sort $(foreach d,$(TP_CORE_DIRS),$(wildcard $(d)/*.c)))
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))
 HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h)
 
@@ -54,4 +56,8 @@ test: all
 clean:
 	rm -rf build build-san
 
-.PHONY: all test clean
+# The C core's sources, one per line (tests/test_build.py compares setup.py's list with it).
+print-core-sources:
+	@printf '%s\n' $(CORE_SRC)
+
+.PHONY: all test clean print-core-sources

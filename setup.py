@@ -12,6 +12,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,41 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VERSION = "0.1.0"
+
+
+def read_version(header=os.path.join(HERE, "csrc", "include", "tpcore", "tpcore.h")):
+    """The version, from its one source: TP_VERSION_MAJOR/MINOR/PATCH of the public C header
+    (pyproject.toml declares it dynamic; tpcore.__version__ is the extension's build_info)."""
+    with open(header) as f:
+        text = f.read()
+    parts = []
+    for name in ("MAJOR", "MINOR", "PATCH"):
+        m = re.search(rf"^#define\s+TP_VERSION_{name}\s+(\d+)\s*$", text, re.M)
+        if not m:
+            raise SystemExit(f"{header}: no '#define TP_VERSION_{name} <number>' line")
+        parts.append(m.group(1))
+    return ".".join(parts)
+
+
+def read_source_dirs(path=os.path.join(HERE, "csrc", "sources.mk")):
+    """{variable: [directories]} of csrc/sources.mk, the source list the Makefile includes."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)\s*:?=\s*(.*)", line)
+            if not m:
+                raise SystemExit(f"{path}: cannot read {line!r} (plain 'NAME := dir dir ...' lines only)")
+            out[m.group(1)] = m.group(2).split()
+    for key in ("TP_CORE_DIRS", "TP_PYTHON_DIRS"):
+        if key not in out:
+            raise SystemExit(f"{path}: no {key} line")
+    return out
+
+
+VERSION = read_version()
 
 
 def log(msg):
@@ -178,13 +213,14 @@ def numpy_include():
 
 
 def sources():
-    files = []
-    for sub in ("core", "devices", "comm", "kernels/cpu", "layers", "python"):
-        files += sorted(glob.glob(os.path.join("csrc", sub, "*.c")))
-    return files
+    """The C core's files and the extension's: every *.c of the directories of csrc/sources.mk."""
+    dirs = read_source_dirs()
+    core = sorted(f for d in dirs["TP_CORE_DIRS"] for f in glob.glob(os.path.join(d, "*.c")))
+    return core + sorted(f for d in dirs["TP_PYTHON_DIRS"] for f in glob.glob(os.path.join(d, "*.c")))
 
 
 setup(
+    version=VERSION,
     ext_modules=[
         Extension(
             "tpcore._C",

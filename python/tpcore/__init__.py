@@ -43,7 +43,7 @@ from .spawn import RankExitedError, spawn
 
 _cleanup.forget_life_fd_in_children()
 
-__version__ = "0.1.0"
+__version__: str = _C.build_info()["version"]  # one source: TP_VERSION_* of tpcore.h, via setup.py
 __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "CheckpointError", "build_info",
            "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "partition", "optim",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
@@ -54,8 +54,13 @@ _BACKENDS = ("auto", "shm")
 
 
 def build_info() -> dict:
-    """What this build of the C core contains (backends, sanitizers, ...)."""
-    return _C.build_info()
+    """What this build of the C core contains: version, backends, devices (those whose
+    tensors tpcore takes; "cpu" always), sanitizers, BLAS."""
+    info = _C.build_info()
+    if "devices" not in info:  # an extension that does not list them has the CPU only
+        from ._array import build_devices
+        info["devices"] = list(build_devices())
+    return info
 
 
 def set_num_threads(n: int) -> None:

@@ -13,6 +13,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._array import asarray
+
 SEED_RULE = "an integer in [0, 2**64)"
 
 
@@ -99,9 +101,8 @@ def int_array(a, who: str, name: str) -> np.ndarray:
     """An integer NumPy array (not bool, not float, not strings), as int64 (C-contiguous)."""
     if isinstance(a, (str, bytes)):
         raise TypeError(f"{who}: {name} must be integers, got {shown(a)}")
-    if not isinstance(a, np.ndarray) and hasattr(a, "__dlpack__") and not hasattr(a, "__array__"):
-        from .comm import as_array  # a DLPack-only tensor (JAX, ...): imported without a copy
-        a = as_array(a, name, who)
+    if not isinstance(a, np.ndarray) and hasattr(a, "__dlpack__"):
+        a = asarray(a, name, who)  # its device checked; a DLPack-only tensor imported without a copy
     try:
         t = np.asarray(a)
     except (ValueError, TypeError) as e:  # ragged nesting

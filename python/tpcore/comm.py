@@ -2,7 +2,8 @@
 
 `Comm` wraps the C communicator (`tpcore._C.Comm`) with NumPy conveniences:
 arrays of any shape, `axis=` for gather and scatter, new output arrays, DLPack
-inputs.  All data movement and arithmetic happen in C with the GIL released.
+inputs (_array.py: a tensor on another device is refused by name).  All data
+movement and arithmetic happen in C with the GIL released.
 
 Semantics follow NCCL / torch.distributed: every rank calls the same
 collectives in the same order with matching shapes and dtypes; a mismatch
@@ -18,37 +19,12 @@ import numpy as np
 
 from . import _C
 from ._args import is_int, real_arg, shown
+from ._array import as_array  # noqa: F401  (also tpcore.comm.as_array, as before)
 
 CommError = _C.CommError
 CommTimeout = _C.CommTimeout
 
 _OPS = ("sum", "prod", "min", "max", "avg")
-
-
-def as_array(x, name: str, op: str) -> np.ndarray:
-    """x as a NumPy array sharing its memory: NumPy arrays as they are, any CPU
-    object with __dlpack__ (a PyTorch CPU tensor, ...) through NumPy's DLPack
-    import.  Anything else is a TypeError naming the argument."""
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "__dlpack__"):
-        dev = None
-        if hasattr(x, "__dlpack_device__"):
-            try:
-                dev = tuple(x.__dlpack_device__())
-            except Exception:  # noqa: BLE001 - a producer's own failure: report below
-                dev = None
-            if dev is not None and (len(dev) != 2 or not all(is_int(d) for d in dev)):
-                raise TypeError(f"{op}: {name}.__dlpack_device__() must return a (device_type, device_id) pair of "
-                                f"integers, got {shown(dev)}")
-        if dev is not None and int(dev[0]) not in (1, 3):  # kDLCPU, kDLCUDAHost
-            raise TypeError(f"{op}: {name} lives on DLPack device {dev}; the shm backend needs CPU memory")
-        try:
-            return np.from_dlpack(x)
-        except (BufferError, TypeError, RuntimeError, ValueError) as e:
-            raise TypeError(f"{op}: {name} could not be imported through DLPack: {e}") from e
-    raise TypeError(f"{op}: {name} must be a NumPy array or a CPU tensor with __dlpack__, "
-                    f"got {type(x).__name__}")
 
 
 def _check_op(op, name):

@@ -1,37 +1,34 @@
-"""Hugging Face checkpoints (GPT-2, Llama family, BERT) into tpcore models.
+"""Hugging Face checkpoints (GPT-2, Llama family, BERT): what their tensors and config
+are in tpcore's terms, both ways.
 
-Each rank memory-maps the *.safetensors files (tpcore's own reader: nothing is
-read until indexed, and bfloat16 works without torch or ml_dtypes) and copies
-only its slices: its rows of the vocabulary, its heads' rows of Q/K/V, its
-columns of the output and fc2 projections, its rows of fc1.  A rank's memory
-grows by about its shard, not by the model.
+One name map per architecture (name_map: a list of Entry) says which Hugging Face
+tensors hold which tpcore tensors; from_hf reads it one way (a checkpoint's tensors
+-> tpcore's full tensors, as lazy views: GPT-2's Conv1D weights are stored (in, out)
+and its c_attn fuses [q | k | v] along out, Llama's gate_proj and up_proj stack into
+tpcore's fc1) and to_hf the other (save_pretrained(hf=True)).  Loading reads only a
+rank's slices of the memory-mapped files: its rows of the vocabulary, its heads' rows
+of Q/K/V, its columns of the output and fc2 projections, its rows of fc1.
 
-Before anything is allocated, every file is checked: config.json's fields (types,
-ranges, consistency), each safetensors header (the format's rules), the index
-json of a sharded checkpoint, and the config against the tensors' shapes
-(check_against_config): a corrupt file or a config whose sizes the files do not
-hold raises tpcore.CheckpointError naming the file, the tensor or field, what was
-expected and what was found.  Names are mapped to tpcore's
-(transformer.TransformerBlock's docstring); GPT-2's Conv1D weights are stored
-(in, out) and its c_attn fuses [q | k | v] along out: the views below transpose
-and cut them lazily.
+Before anything is allocated, the config is checked against the files' headers
+(expected_shapes, check_against_config): a config whose sizes the files do not hold
+raises tpcore.CheckpointError naming the file, the tensor or field, what was
+expected and what was found.  The file formats (safetensors, the index of a sharded
+checkpoint, JSON) are _formats.py's; loading a folder into a model is
+tpcore.models.from_pretrained's (this module never imports tpcore.models).
 """
 from __future__ import annotations
 
 import dataclasses
-import glob
-import math
-import os
 import re
 import warnings
-from typing import Dict
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from .checkpoint import (CheckpointError, ConfigFields, _collective, _type, bad, check_tensors, is_int, read_json_object,
-                         read_safetensors, read_safetensors_header, to_float32)
-from .comm import Comm
+from ._formats import CheckpointError, bad, open_tensors, to_float32
 from .transformer import Config
+
+_open = open_tensors  # every tensor of a checkpoint folder, memory-mapped (the tests' old name)
 
 
 def _rows(key, n):
@@ -87,104 +84,6 @@ class View:
         return out[0] if scalar else out
 
 
-def _index_files(path: str):
-    """The safetensors files of a Hugging Face checkpoint folder, with the tensor -> file
-    map of its *.safetensors.index.json when it has one (checked: an object whose
-    weight_map names plain files of the folder).  Without an index: every *.safetensors."""
-    idx = os.path.join(path, "model.safetensors.index.json")
-    found = sorted(glob.glob(os.path.join(path, "*.safetensors.index.json")))
-    if not os.path.exists(idx):
-        if len(found) > 1:
-            raise bad(path, "index", "one *.safetensors.index.json", f"{len(found)}: "
-                      f"{[os.path.basename(f) for f in found]}")
-        idx = found[0] if found else None
-    if idx is None:
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"{path}: no *.safetensors files")
-        return files, None, None
-    f = ConfigFields(read_json_object(idx), idx)
-    wm = f.get("weight_map")
-    if not isinstance(wm, dict) or not wm:
-        raise f.fail("weight_map", "an object of tensor name -> file name", _type(wm))
-    for name, fn in wm.items():
-        if not (isinstance(fn, str) and fn and fn == os.path.basename(fn) and fn not in (".", "..")
-                and fn.endswith(".safetensors")):
-            raise f.fail(f"weight_map[{name!r}]", "the name of a .safetensors file in the folder", _type(fn))
-        if not os.path.isfile(os.path.join(path, fn)):
-            raise f.fail(f"weight_map[{name!r}]", "an existing file of the folder", f"{fn!r}, which is missing")
-    return [os.path.join(path, fn) for fn in sorted(set(wm.values()))], wm, idx
-
-
-def _headers(path: str):
-    """{tensor name: (file, TensorInfo)} over every file of the checkpoint, headers checked
-    (no tensor data read): a name in two files, or a file and its index disagreeing, is a
-    CheckpointError."""
-    files, wm, idx = _index_files(path)
-    out = {}
-    for fn in files:
-        header, _, _ = read_safetensors_header(fn)
-        for name, info in header.items():
-            if name in out:
-                raise bad(fn, f"tensor {name!r}", "each tensor in one file", f"it also in {out[name][0]}")
-            if wm is not None and wm.get(name) != os.path.basename(fn):
-                raise bad(idx, f"weight_map[{name!r}]", f"{os.path.basename(fn)!r} (the file that holds it)",
-                          _type(wm.get(name)) if name in wm else "no entry")
-            out[name] = (fn, info)
-    if wm is not None:
-        for name, fn in wm.items():
-            if name not in out:
-                raise bad(os.path.join(path, fn), f"tensor {name!r}", f"the tensor (as {os.path.basename(idx)} says)",
-                          "no such tensor")
-    return out
-
-
-def _open(path: str, headers=None) -> Dict[str, object]:
-    """Every tensor of a Hugging Face checkpoint folder, memory-mapped (headers checked;
-    headers: _headers(path) when the caller has it)."""
-    headers = _headers(path) if headers is None else headers
-    out = {}
-    for f in sorted({fn for fn, _ in headers.values()}):
-        t, _ = read_safetensors(f)
-        out.update(t)
-    return out
-
-
-def _strip(tensors, prefixes):
-    out = {}
-    for k, v in tensors.items():
-        for p in prefixes:
-            if k.startswith(p):
-                k = k[len(p):]
-                break
-        out[k] = v
-    return out
-
-
-def gpt2_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
-    t = _strip(t, ("transformer.",))
-    C = cfg.hidden
-    sd = {"wte.weight": t["wte.weight"], "wpe.weight": t["wpe.weight"],
-          "final_norm.weight": t["ln_f.weight"], "final_norm.bias": t["ln_f.bias"]}
-    for i in range(cfg.layers):
-        p, q = f"h.{i}.", f"blocks.{i}."
-        sd[q + "norm1.weight"], sd[q + "norm1.bias"] = t[p + "ln_1.weight"], t[p + "ln_1.bias"]
-        sd[q + "norm2.weight"], sd[q + "norm2.bias"] = t[p + "ln_2.weight"], t[p + "ln_2.bias"]
-        w, b = t[p + "attn.c_attn.weight"], t[p + "attn.c_attn.bias"]     # (C, 3C) and (3C,)
-        for j, nm in enumerate("qkv"):
-            sd[q + f"attn.{nm}.weight"] = View(w, j * C, C, transpose=True)
-            sd[q + f"attn.{nm}.bias"] = View(b, j * C, C)
-        sd[q + "attn.out.weight"] = View(t[p + "attn.c_proj.weight"], transpose=True)
-        sd[q + "attn.out.bias"] = t[p + "attn.c_proj.bias"]
-        sd[q + "mlp.fc1.weight"] = View(t[p + "mlp.c_fc.weight"], transpose=True)
-        sd[q + "mlp.fc1.bias"] = t[p + "mlp.c_fc.bias"]
-        sd[q + "mlp.fc2.weight"] = View(t[p + "mlp.c_proj.weight"], transpose=True)
-        sd[q + "mlp.fc2.bias"] = t[p + "mlp.c_proj.bias"]
-    if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = t["lm_head.weight"]
-    return sd
-
-
 class _Stack:
     """[gate; up] stacked along rows, read lazily (SwiGLU's fc1)."""
 
@@ -207,126 +106,194 @@ class _Stack:
         return out[0] if scalar else out
 
 
-def llama_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
-    t = _strip(t, ("model.",))
-    sd = {"wte.weight": t["embed_tokens.weight"], "final_norm.weight": t["norm.weight"]}
+# The name maps: one per architecture, read both ways -----------------------------------
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """tpcore's tensors `ours` and the Hugging Face tensors `theirs` (names without the
+    checkpoint's prefix) that hold the same numbers: ours stacked along their first axis
+    equal theirs stacked along their first axis, each of theirs transposed first when
+    `transpose` (GPT-2's Conv1D weights are stored (in, out)).  Several of ours: one of
+    theirs cut (GPT-2's c_attn into q, k, v); several of theirs: stacked into one of ours
+    (Llama's gate_proj and up_proj into fc1).  fallback: the Hugging Face tensor to load
+    from when theirs is absent (an untied Llama without lm_head.weight: the embedding)."""
+    ours: Tuple[str, ...]
+    theirs: Tuple[str, ...]
+    transpose: bool = False
+    fallback: Optional[str] = None
+
+
+def _e(ours: Union[str, tuple], theirs: Union[str, tuple], transpose=False, fallback=None) -> Entry:
+    return Entry((ours,) if isinstance(ours, str) else tuple(ours),
+                 (theirs,) if isinstance(theirs, str) else tuple(theirs), transpose, fallback)
+
+
+def _gpt2_map(cfg: Config) -> List[Entry]:
+    m = [_e("wte.weight", "wte.weight"), _e("wpe.weight", "wpe.weight"),
+         _e("final_norm.weight", "ln_f.weight"), _e("final_norm.bias", "ln_f.bias")]
+    for i in range(cfg.layers):
+        p, q = f"h.{i}.", f"blocks.{i}."
+        for w in ("weight", "bias"):
+            m += [_e(q + f"norm1.{w}", p + f"ln_1.{w}"), _e(q + f"norm2.{w}", p + f"ln_2.{w}")]
+        m += [_e([q + f"attn.{n}.weight" for n in "qkv"], p + "attn.c_attn.weight", transpose=True),
+              _e([q + f"attn.{n}.bias" for n in "qkv"], p + "attn.c_attn.bias"),
+              _e(q + "attn.out.weight", p + "attn.c_proj.weight", transpose=True),
+              _e(q + "attn.out.bias", p + "attn.c_proj.bias"),
+              _e(q + "mlp.fc1.weight", p + "mlp.c_fc.weight", transpose=True),
+              _e(q + "mlp.fc1.bias", p + "mlp.c_fc.bias"),
+              _e(q + "mlp.fc2.weight", p + "mlp.c_proj.weight", transpose=True),
+              _e(q + "mlp.fc2.bias", p + "mlp.c_proj.bias")]
+    if not cfg.tie_embeddings:
+        m.append(_e("lm_head.weight", "lm_head.weight"))
+    return m
+
+
+def _llama_map(cfg: Config) -> List[Entry]:
+    m = [_e("wte.weight", "embed_tokens.weight"), _e("final_norm.weight", "norm.weight")]
     for i in range(cfg.layers):
         p, q = f"layers.{i}.", f"blocks.{i}."
-        sd[q + "norm1.weight"] = t[p + "input_layernorm.weight"]
-        sd[q + "norm2.weight"] = t[p + "post_attention_layernorm.weight"]
-        for nm in "qkv":
-            sd[q + f"attn.{nm}.weight"] = t[p + f"self_attn.{nm}_proj.weight"]
-        sd[q + "attn.out.weight"] = t[p + "self_attn.o_proj.weight"]
-        sd[q + "mlp.fc1.weight"] = _Stack(t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"])
-        sd[q + "mlp.fc2.weight"] = t[p + "mlp.down_proj.weight"]
+        m += [_e(q + "norm1.weight", p + "input_layernorm.weight"),
+              _e(q + "norm2.weight", p + "post_attention_layernorm.weight")]
+        m += [_e(q + f"attn.{n}.weight", p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        m += [_e(q + "attn.out.weight", p + "self_attn.o_proj.weight"),
+              _e(q + "mlp.fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+              _e(q + "mlp.fc2.weight", p + "mlp.down_proj.weight")]
     if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = t["lm_head.weight"] if "lm_head.weight" in t else t["embed_tokens.weight"]
+        m.append(_e("lm_head.weight", "lm_head.weight", fallback="embed_tokens.weight"))
+    return m
+
+
+def _bert_map(cfg: Config) -> List[Entry]:
+    e = "embeddings."
+    m = [_e("wte.weight", e + "word_embeddings.weight"), _e("wpe.weight", e + "position_embeddings.weight"),
+         _e("tte.weight", e + "token_type_embeddings.weight"),
+         _e("emb_norm.weight", e + "LayerNorm.weight"), _e("emb_norm.bias", e + "LayerNorm.bias")]
+    for i in range(cfg.layers):
+        p, q = f"encoder.layer.{i}.", f"blocks.{i}."
+        for w in ("weight", "bias"):
+            m += [_e(q + f"attn.{n}.{w}", p + f"attention.self.{h}.{w}")
+                  for n, h in (("q", "query"), ("k", "key"), ("v", "value"))]
+            m += [_e(q + f"attn.out.{w}", p + f"attention.output.dense.{w}"),
+                  _e(q + f"norm1.{w}", p + f"attention.output.LayerNorm.{w}"),
+                  _e(q + f"mlp.fc1.{w}", p + f"intermediate.dense.{w}"),
+                  _e(q + f"mlp.fc2.{w}", p + f"output.dense.{w}"),
+                  _e(q + f"norm2.{w}", p + f"output.LayerNorm.{w}")]
+    return m
+
+
+NAME_MAPS = {"gpt2": _gpt2_map, "llama": _llama_map, "bert": _bert_map}
+# the prefix a checkpoint's names may carry (stripped when loading) and the one save_pretrained(hf=True)
+# writes (as transformers' GPT2LMHeadModel, LlamaForCausalLM and BertModel do; lm_head.* has none)
+_PREFIXES = {"gpt2": ("transformer.",), "llama": ("model.",), "bert": ("bert.",), "tpcore": ()}
+_SAVE_PREFIX = {"gpt2": "transformer.", "llama": "model.", "bert": ""}
+
+
+def name_map(cfg: Config, kind: Optional[str] = None) -> List[Entry]:
+    """The entries of cfg's architecture (kind: "gpt2", "llama" or "bert"; default
+    cfg.model_type) for cfg's number of layers and tied or untied head."""
+    kind = cfg.model_type if kind is None else kind
+    if kind not in NAME_MAPS:
+        raise ValueError(f"model_type {kind!r} has no Hugging Face layout here")
+    return NAME_MAPS[kind](cfg)
+
+
+def map_name(name: str, kind: str) -> str:
+    """A checkpoint's tensor name as the name maps write it: its prefix ("transformer.",
+    "model.", "bert.") taken off, and BERT's old LayerNorm.gamma/beta read as weight/bias."""
+    for p in _PREFIXES[kind]:
+        if name.startswith(p):
+            name = name[len(p):]
+            break
+    if kind == "bert":
+        name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+    return name
+
+
+def _hf_name(name: str, kind: str) -> str:
+    return name if name.startswith("lm_head.") else _SAVE_PREFIX[kind] + name
+
+
+def _rows_of(shapes, name: str, transpose: bool) -> int:
+    return shapes[name][1 if transpose else 0]
+
+
+def from_hf(t: Dict[str, object], cfg: Config, kind: Optional[str] = None) -> Dict[str, object]:
+    """A Hugging Face checkpoint's tensors (memory-mapped arrays) -> tpcore's full tensors
+    (tpcore names), as lazy views where a tensor is transposed, cut or stacked.  A tensor
+    the map needs and the checkpoint lacks is a KeyError naming it."""
+    kind = cfg.model_type if kind is None else kind
+    t = {map_name(k, kind): v for k, v in t.items()}
+    ours_shapes = {k: tuple(v for v, _ in dims) for k, dims in expected_shapes(cfg, "tpcore")[0].items()}
+    sd = {}
+    for e in name_map(cfg, kind):
+        src = [t[n] if n in t or e.fallback is None else t[e.fallback] for n in e.theirs]
+        if len(e.ours) > 1:  # one of theirs, cut along its rows (after transposing)
+            off = 0
+            for o in e.ours:
+                n = ours_shapes[o][0]
+                sd[o] = View(src[0], off, n, transpose=e.transpose)
+                off += n
+            continue
+        parts = [View(a, transpose=True) for a in src] if e.transpose else src
+        sd[e.ours[0]] = parts[0] if len(parts) == 1 else _Stack(*parts)
     return sd
+
+
+def gpt2_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
+    return from_hf(t, cfg, "gpt2")
+
+
+def llama_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
+    return from_hf(t, cfg, "llama")
 
 
 def bert_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
-    t = _strip(t, ("bert.",))
-    t = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
-         for k, v in t.items()}
-    e = "embeddings."
-    sd = {"wte.weight": t[e + "word_embeddings.weight"], "wpe.weight": t[e + "position_embeddings.weight"],
-          "tte.weight": t[e + "token_type_embeddings.weight"],
-          "emb_norm.weight": t[e + "LayerNorm.weight"], "emb_norm.bias": t[e + "LayerNorm.bias"]}
-    for i in range(cfg.layers):
-        p, q = f"encoder.layer.{i}.", f"blocks.{i}."
-        for nm, hf in (("q", "query"), ("k", "key"), ("v", "value")):
-            sd[q + f"attn.{nm}.weight"] = t[p + f"attention.self.{hf}.weight"]
-            sd[q + f"attn.{nm}.bias"] = t[p + f"attention.self.{hf}.bias"]
-        sd[q + "attn.out.weight"] = t[p + "attention.output.dense.weight"]
-        sd[q + "attn.out.bias"] = t[p + "attention.output.dense.bias"]
-        sd[q + "norm1.weight"] = t[p + "attention.output.LayerNorm.weight"]
-        sd[q + "norm1.bias"] = t[p + "attention.output.LayerNorm.bias"]
-        sd[q + "mlp.fc1.weight"] = t[p + "intermediate.dense.weight"]
-        sd[q + "mlp.fc1.bias"] = t[p + "intermediate.dense.bias"]
-        sd[q + "mlp.fc2.weight"] = t[p + "output.dense.weight"]
-        sd[q + "mlp.fc2.bias"] = t[p + "output.dense.bias"]
-        sd[q + "norm2.weight"] = t[p + "output.LayerNorm.weight"]
-        sd[q + "norm2.bias"] = t[p + "output.LayerNorm.bias"]
-    return sd
+    return from_hf(t, cfg, "bert")
 
 
 def to_hf(cfg: Config, sd: Dict[str, np.ndarray]):
     """tpcore's full tensors -> (Hugging Face tensors, config.json dict) for cfg.model_type:
-    the inverse of gpt2_names / llama_names / bert_names (GPT-2's Conv1D weights transposed
-    back and c_attn fused again; Llama's gate/up split)."""
+    the name map read the other way (GPT-2's Conv1D weights transposed back and c_attn
+    fused again; Llama's fc1 split into gate_proj and up_proj)."""
+    kind = cfg.model_type
+    if kind not in NAME_MAPS:
+        raise ValueError(f"to_hf: model_type {kind!r} has no Hugging Face layout here")
+    req, opt = expected_shapes(cfg, kind)
+    theirs_shapes = {k: tuple(v for v, _ in dims) for k, dims in {**opt, **req}.items()}
     out = {}
+    for e in name_map(cfg, kind):
+        full = np.concatenate([sd[o] for o in e.ours]) if len(e.ours) > 1 else sd[e.ours[0]]
+        if len(e.theirs) > 1:
+            cuts = np.cumsum([_rows_of(theirs_shapes, n, e.transpose) for n in e.theirs])[:-1]
+            parts = np.split(full, cuts)
+        else:
+            parts = [full]
+        for n, a in zip(e.theirs, parts):
+            out[_hf_name(n, kind)] = a.T if e.transpose else a
     L = cfg.layers
-    if cfg.model_type == "gpt2":
-        out["transformer.wte.weight"], out["transformer.wpe.weight"] = sd["wte.weight"], sd["wpe.weight"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["final_norm.weight"], sd["final_norm.bias"]
-        for i in range(L):
-            p, q = f"transformer.h.{i}.", f"blocks.{i}."
-            out[p + "ln_1.weight"], out[p + "ln_1.bias"] = sd[q + "norm1.weight"], sd[q + "norm1.bias"]
-            out[p + "ln_2.weight"], out[p + "ln_2.bias"] = sd[q + "norm2.weight"], sd[q + "norm2.bias"]
-            out[p + "attn.c_attn.weight"] = np.concatenate([sd[q + f"attn.{n}.weight"] for n in "qkv"]).T
-            out[p + "attn.c_attn.bias"] = np.concatenate([sd[q + f"attn.{n}.bias"] for n in "qkv"])
-            out[p + "attn.c_proj.weight"], out[p + "attn.c_proj.bias"] = sd[q + "attn.out.weight"].T, sd[q + "attn.out.bias"]
-            out[p + "mlp.c_fc.weight"], out[p + "mlp.c_fc.bias"] = sd[q + "mlp.fc1.weight"].T, sd[q + "mlp.fc1.bias"]
-            out[p + "mlp.c_proj.weight"], out[p + "mlp.c_proj.bias"] = sd[q + "mlp.fc2.weight"].T, sd[q + "mlp.fc2.bias"]
-        if not cfg.tie_embeddings:
-            out["lm_head.weight"] = sd["lm_head.weight"]
+    if kind == "gpt2":
         conf = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
                 "n_embd": cfg.hidden, "n_layer": L, "n_head": cfg.heads, "n_positions": cfg.max_positions,
                 "n_inner": cfg.ffn_hidden, "layer_norm_epsilon": cfg.eps, "tie_word_embeddings": cfg.tie_embeddings,
                 "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
                                         "silu": "silu"}[cfg.activation]}
-    elif cfg.model_type == "llama":
+    elif kind == "llama":
         F = cfg.ffn_hidden
-        out["model.embed_tokens.weight"], out["model.norm.weight"] = sd["wte.weight"], sd["final_norm.weight"]
-        for i in range(L):
-            p, q = f"model.layers.{i}.", f"blocks.{i}."
-            out[p + "input_layernorm.weight"] = sd[q + "norm1.weight"]
-            out[p + "post_attention_layernorm.weight"] = sd[q + "norm2.weight"]
-            for n in "qkv":
-                out[p + f"self_attn.{n}_proj.weight"] = sd[q + f"attn.{n}.weight"]
-            out[p + "self_attn.o_proj.weight"] = sd[q + "attn.out.weight"]
-            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = sd[q + "mlp.fc1.weight"][:F], \
-                sd[q + "mlp.fc1.weight"][F:]
-            out[p + "mlp.down_proj.weight"] = sd[q + "mlp.fc2.weight"]
-        if not cfg.tie_embeddings:
-            out["lm_head.weight"] = sd["lm_head.weight"]
         conf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.hidden, "num_hidden_layers": L, "num_attention_heads": cfg.heads,
                 "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "intermediate_size": F,
                 "rms_norm_eps": cfg.eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_positions,
                 "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
                 "mlp_bias": False}
-    elif cfg.model_type == "bert":
-        e = "embeddings."
-        out[e + "word_embeddings.weight"], out[e + "position_embeddings.weight"] = sd["wte.weight"], sd["wpe.weight"]
-        out[e + "token_type_embeddings.weight"] = sd["tte.weight"]
-        out[e + "LayerNorm.weight"], out[e + "LayerNorm.bias"] = sd["emb_norm.weight"], sd["emb_norm.bias"]
-        for i in range(L):
-            p, q = f"encoder.layer.{i}.", f"blocks.{i}."
-            for n, h in (("q", "query"), ("k", "key"), ("v", "value")):
-                out[p + f"attention.self.{h}.weight"] = sd[q + f"attn.{n}.weight"]
-                out[p + f"attention.self.{h}.bias"] = sd[q + f"attn.{n}.bias"]
-            out[p + "attention.output.dense.weight"] = sd[q + "attn.out.weight"]
-            out[p + "attention.output.dense.bias"] = sd[q + "attn.out.bias"]
-            out[p + "attention.output.LayerNorm.weight"] = sd[q + "norm1.weight"]
-            out[p + "attention.output.LayerNorm.bias"] = sd[q + "norm1.bias"]
-            out[p + "intermediate.dense.weight"], out[p + "intermediate.dense.bias"] = sd[q + "mlp.fc1.weight"], \
-                sd[q + "mlp.fc1.bias"]
-            out[p + "output.dense.weight"], out[p + "output.dense.bias"] = sd[q + "mlp.fc2.weight"], sd[q + "mlp.fc2.bias"]
-            out[p + "output.LayerNorm.weight"], out[p + "output.LayerNorm.bias"] = sd[q + "norm2.weight"], \
-                sd[q + "norm2.bias"]
+    else:
         conf = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.hidden, "num_hidden_layers": L, "num_attention_heads": cfg.heads,
                 "intermediate_size": cfg.ffn_hidden, "max_position_embeddings": cfg.max_positions,
                 "type_vocab_size": cfg.type_vocab_size, "layer_norm_eps": cfg.eps,
                 "hidden_act": {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[cfg.activation]}
-    else:
-        raise ValueError(f"to_hf: model_type {cfg.model_type!r} has no Hugging Face layout here")
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, conf
 
 
 # Checking a checkpoint against its config before anything is allocated ---------------
-_PREFIXES = {"gpt2": ("transformer.",), "llama": ("model.",), "bert": ("bert.",), "tpcore": ()}
 _LAYER = {"gpt2": re.compile(r"h\.(\d+)\."), "llama": re.compile(r"layers\.(\d+)\."),
           "bert": re.compile(r"encoder\.layer\.(\d+)\."), "tpcore": re.compile(r"blocks\.(\d+)\.")}
 # buffers that transformers writes into some checkpoints and ignores on loading
@@ -446,13 +413,7 @@ def check_against_config(path: str, cfg: Config, kind: str, source: str, headers
     layers = _LABELS[kind].get("layers", "layers")
     found = {}
     for name, (fn, info) in headers.items():
-        k = name
-        for p in _PREFIXES[kind]:
-            if k.startswith(p):
-                k = k[len(p):]
-                break
-        if kind == "bert":
-            k = k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        k = map_name(name, kind)
         if k in found:
             raise bad(fn, f"tensor {name!r}", "one tensor per name", f"both it and {found[k][0]!r} (as {k!r})")
         found[k] = (name, fn, info)
@@ -502,134 +463,5 @@ def check_against_config(path: str, cfg: Config, kind: str, source: str, headers
                       stacklevel=3)
 
 
-def _own_config(p: str) -> Config:
-    """tpcore_config.json (save_pretrained): an object of Config's fields, each checked."""
-    from .layers import ACTIVATIONS
-    from .transformer import NORMS, POSITIONS
-    d = read_json_object(p)
-    f = ConfigFields(d, p)
-    fields = {x.name for x in dataclasses.fields(Config)}
-    kw = {}
-    for k in d:
-        if k not in fields:
-            raise f.fail(k, f"one of Config's fields ({', '.join(sorted(fields))})", "an unknown field")
-        if k in ("vocab_size", "hidden", "layers", "heads", "max_positions"):
-            kw[k] = f.int(k)
-        elif k in ("kv_heads", "ffn_hidden", "head_dim", "sliding_window"):
-            kw[k] = f.int(k, null=True)
-        elif k == "type_vocab_size":
-            kw[k] = f.int(k, lo=0)
-        elif k in ("eps", "rope_theta"):
-            kw[k] = f.num(k, positive=False)  # the value rules are Config's (below), written once
-        elif k in ("norm", "activation", "positions"):
-            kw[k] = f.str(k, choices={"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS}[k])
-        elif k == "model_type":
-            kw[k] = f.str(k)
-        else:
-            kw[k] = f.bool(k)
-    try:
-        return Config(**kw)
-    except (TypeError, ValueError) as e:
-        raise bad(p, "config", "a consistent configuration", str(e)) from e
-
-
-def _check_own_shards(path: str, cfg: Config, source: str, world: int) -> None:
-    """The shard files of a sharded save_pretrained checkpoint, before allocating: every
-    rank's file exists with its rank and world in the metadata, tensors param.<i> of a
-    float dtype, and together at least as many values as cfg's full tensors hold (every
-    value of the model is on some rank), so a config that claims more than the files
-    hold is refused."""
-    req, _ = expected_shapes(dataclasses.replace(cfg, layers=1), "tpcore")   # a layer's tensors, not L layers'
-    sizes = {k: math.prod(v for v, _ in dims) for k, dims in req.items()}
-    per_layer = sum(n for k, n in sizes.items() if k.startswith("blocks.0."))
-    need = sum(sizes.values()) + (cfg.layers - 1) * per_layer
-    total = 0
-    for r in range(world):
-        fn = os.path.join(path, f"model.rank{r}-of-{world}.safetensors")
-        if not os.path.exists(fn):
-            raise bad(fn, "file", f"rank {r}'s shard of a {world}-rank checkpoint", "no such file")
-        header, meta, _ = read_safetensors_header(fn)
-        for k, want in (("world", str(world)), ("rank", str(r))):
-            if k in meta and meta[k] != want:
-                raise bad(fn, f"__metadata__[{k!r}]", repr(want), repr(meta[k]))
-        for name, info in header.items():
-            if not re.fullmatch(r"param\.(0|[1-9][0-9]*)", name):
-                raise bad(fn, f"tensor {name!r}", "tensors named param.<i>", "another name")
-            if not info.floating:
-                raise bad(fn, f"tensor {name!r} dtype", "a floating-point dtype", info.dtype)
-            total += math.prod(info.shape)
-    if total < need:
-        raise bad(source, "sizes", f"a model the {world} shard files can hold ({total} values)",
-                  f"sizes that need {need} values (vocab_size={cfg.vocab_size}, hidden={cfg.hidden}, "
-                  f"layers={cfg.layers}, max_positions={cfg.max_positions}, ...)")
-
-
-def _generation_config(path: str) -> dict:
-    p = os.path.join(path, "generation_config.json")
-    if not os.path.exists(p):
-        return {}
-    f = ConfigFields(read_json_object(p), p)
-    out = {}
-    for k in ("eos_token_id", "pad_token_id"):
-        v = f.get(k, None)
-        if v is None:
-            continue
-        ids = v if isinstance(v, list) and k == "eos_token_id" else [v]
-        if not ids or not all(is_int(x) and x >= 0 for x in ids):
-            raise f.fail(k, "a non-negative integer" + (" or a list of them" if k == "eos_token_id" else ""), _type(v))
-        out[k] = v
-    return out
-
-
-@_collective
-def load(path: str, comm: Comm, partition=None, progress: bool = True):
-    """A checkpoint folder: tpcore's own (tpcore_config.json) or Hugging Face's
-    (config.json).  The config and every file header are checked against each other
-    before the model is allocated (CheckpointError otherwise)."""
-    from .models import TransformerLM
-    own = os.path.join(path, "tpcore_config.json")
-    if os.path.exists(own):
-        cfg = _own_config(own)
-        shards = sorted(glob.glob(os.path.join(path, "model.rank*-of-*.safetensors")))
-        full = os.path.join(path, "model.safetensors")
-        if os.path.exists(full):
-            header, _, _ = read_safetensors_header(full)
-            check_against_config(path, cfg, "tpcore", "tpcore_config.json", {k: (full, v) for k, v in header.items()})
-            model = TransformerLM(cfg, comm, partition=partition)
-            t, _ = read_safetensors(full)
-            model.load_state_dict_full(t, progress=progress)
-        elif shards:
-            mine = os.path.join(path, f"model.rank{comm.rank}-of-{comm.size}.safetensors")
-            if not os.path.exists(mine):
-                raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
-                                 f"save it with sharded=False to reshard")
-            _check_own_shards(path, cfg, own, comm.size)
-            model = TransformerLM(cfg, comm, partition=partition)
-            t, _ = read_safetensors(mine)
-            params = model.parameters()
-            check_tensors(mine, t, {f"param.{i}": p.shape for i, (p, _) in enumerate(params)},
-                          "this rank's shard of the model (another partition?)")
-            for i, (p, _) in enumerate(params):
-                p[...] = to_float32(t[f"param.{i}"])
-        else:
-            raise FileNotFoundError(f"{path}: no model.safetensors")
-        return model
-    cfg = Config.from_hf(path)
-    headers = _headers(path)
-    check_against_config(path, cfg, cfg.model_type, "config.json", headers, warn=comm.rank == 0)
-    gen = _generation_config(path)
-    t = _open(path, headers)
-    names = {"gpt2": gpt2_names, "llama": llama_names, "bert": bert_names}[cfg.model_type]
-    try:
-        sd = names(t, cfg)
-    except KeyError as e:
-        raise KeyError(f"{path}: the checkpoint has no tensor {e} (expected {cfg.model_type} names)") from None
-    model = TransformerLM(cfg, comm, partition=partition)
-    model.load_state_dict_full(sd, progress=progress)
-    del t, sd
-    model.generation_config = gen
-    return model
-
-
-__all__ = ["load", "to_hf", "View", "gpt2_names", "llama_names", "bert_names", "expected_shapes",
-           "check_against_config", "CheckpointError"]
+__all__ = ["Entry", "NAME_MAPS", "name_map", "map_name", "from_hf", "to_hf", "View", "gpt2_names", "llama_names",
+           "bert_names", "expected_shapes", "check_against_config", "CheckpointError"]

@@ -22,6 +22,7 @@ import threading
 import time
 
 from . import _cleanup
+from ._relay import Console, pump
 
 
 def _free_port() -> int:
@@ -73,16 +74,12 @@ def _parse(argv):
     return ns
 
 
-def _pump(stream, out, prefix, lock):
-    """Copy lines from a rank's pipe to our stream, prefixed."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", "replace")
-        if not line.endswith("\n"):
-            line += "\n"
-        with lock:
-            out.write(prefix + line)
-            out.flush()
-    stream.close()
+def _pump(stream, relay):
+    """A rank's pipe into its relay (prefixed lines) until the rank closes it."""
+    try:
+        pump(stream.fileno(), relay)
+    finally:
+        stream.close()
 
 
 def _stop_all(procs, grace):
@@ -141,19 +138,21 @@ def run(argv=None) -> int:
                                           preexec_fn=_cleanup.die_with_parent))
         os.close(err_w)
         err_w = -1
-        lock = threading.Lock()
+        console = Console()  # the ranks' lines, one prefix each (_relay.py: "\r" progress lines too)
         threads = []
         for r, p in enumerate(procs):
             prefix = "" if ns.no_prefix else f"[rank{r}]: "
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
+                relay = console.relay(lambda out=out: out, prefix)
+                t = threading.Thread(target=_pump, args=(stream, relay), daemon=True)
                 t.start()
                 threads.append(t)
         failed = None  # (rank, returncode)
         seen = {}  # rank -> order in which its exit was noticed
         while True:
             if stopping["signal"] is not None:
-                sys.stderr.write(f"tpcore.launch: got {signal.Signals(stopping['signal']).name}; stopping all ranks\n")
+                console.write(sys.stderr, f"tpcore.launch: got {signal.Signals(stopping['signal']).name}; "
+                                          f"stopping all ranks\n")
                 _stop_all(procs, ns.grace)
                 for t in threads:
                     t.join(2)
@@ -169,9 +168,9 @@ def run(argv=None) -> int:
                 how = f"was killed by signal {signal.Signals(-c).name}" if c < 0 else f"exited with code {c}"
                 running = [i for i, p in enumerate(procs) if p.poll() is None]
                 if running:
-                    sys.stderr.write(f"tpcore.launch: rank {r} {how}; stopping ranks {running}\n")
+                    console.write(sys.stderr, f"tpcore.launch: rank {r} {how}; stopping ranks {running}\n")
                 else:
-                    sys.stderr.write(f"tpcore.launch: rank {r} {how}\n")
+                    console.write(sys.stderr, f"tpcore.launch: rank {r} {how}\n")
                 _stop_all(procs, ns.grace)
                 for t in threads:
                     t.join(2)

@@ -26,7 +26,8 @@ import numpy as np
 
 from . import _C
 from ._args import bool_arg, int_arg, is_int, seed_arg, shown
-from .comm import Comm, as_array
+from ._array import as_array, asarray
+from .comm import Comm
 
 
 def partition(n: int, world: int, weights: Optional[Sequence[float]] = None, align: int = 1) -> List[Tuple[int, int]]:
@@ -275,7 +276,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def load_full(self, W: np.ndarray, b: Optional[np.ndarray] = None) -> None:
         """Keep this rank's rows of the full W (out, in) — (2 out, in) when gated — and b."""
-        W = np.asarray(W)
+        W = asarray(W, "W", f"{type(self).__name__}.load_full")
         rows = (2 if self.gated else 1) * self.out_features
         if W.shape != (rows, self.in_features):
             raise ValueError(f"load_full: W must have shape {(rows, self.in_features)}, got {W.shape}")
@@ -310,7 +311,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def load_full(self, W: np.ndarray, b: Optional[np.ndarray] = None) -> None:
         """Keep this rank's columns of the full W (out, in), and the full b (out,)."""
-        W = np.asarray(W)
+        W = asarray(W, "W", f"{type(self).__name__}.load_full")
         if W.shape != (self.out_features, self.in_features):
             raise ValueError(f"load_full: W must have shape {(self.out_features, self.in_features)}, got {W.shape}")
         self.weight[...] = float_param(W[:, self.offset:self.offset + self.local], "load_full")
@@ -329,7 +330,7 @@ def _load_bias(layer, b, sel, n):
         raise ValueError("load_full: this layer has no bias, but b was given")
     if b is None:
         raise ValueError("load_full: this layer has a bias; pass b")
-    b = np.asarray(b)
+    b = asarray(b, "b", f"{type(layer).__name__}.load_full")
     if b.shape != (n,):
         raise ValueError(f"load_full: b must have shape {(n,)}, got {b.shape}")
     layer.bias[...] = float_param(b[sel], "load_full")

@@ -17,6 +17,8 @@ final norm are replicated (small).  Blocks are one C call each.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import sys
 import time
@@ -25,10 +27,14 @@ from typing import Optional
 import numpy as np
 
 from . import _C
+from . import _formats as fmt
+from . import hf as _hf
+from ._array import asarray
 from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
-from .layers import ColumnParallelLinear
-from .transformer import Config, TransformerBlock, head_partition, mask_array, positions
+from .checkpoint import _collective
+from .layers import ACTIVATIONS, ColumnParallelLinear
+from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 __all__ = ["Config", "TransformerLM", "from_pretrained", "head_partition"]
@@ -425,7 +431,10 @@ class TransformerLM:
         def take(name):
             if name not in sd:
                 raise KeyError(f"checkpoint: missing tensor {name!r}")
-            return sd[name]
+            t = sd[name]  # an array, a memory-mapped array or a lazy view: only the rank's slices are read
+            if not isinstance(t, np.ndarray) and hasattr(t, "__dlpack__"):  # another library's tensor
+                t = asarray(t, name, "TransformerLM.load_state_dict_full")  # device checked, no copy
+            return t
 
         _load_embedding(self.wte, take("wte.weight"))
         if self.wpe is not None:
@@ -454,37 +463,27 @@ class TransformerLM:
         size) or one file per rank (sharded: model.rank<r>-of-<n>.safetensors, the same layout
         only).  hf=True: full tensors under Hugging Face's names with its config.json, for
         transformers' from_pretrained (GPT-2, Llama, BERT)."""
-        from .checkpoint import write_safetensors
-        import dataclasses
-        import json
         comm = self.comm
         if hf:
             if sharded:
                 raise ValueError("save_pretrained: hf=True writes one consolidated file (sharded=False)")
-            from .hf import to_hf
-            tensors, conf = to_hf(self.config, self.state_dict_full())
+            tensors, conf = _hf.to_hf(self.config, self.state_dict_full())
             if comm.rank == 0:
                 os.makedirs(path, exist_ok=True)
-                write_safetensors(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
-                with open(os.path.join(path, "config.json"), "w") as f:
-                    json.dump(conf, f, indent=1)
+                fmt.write_safetensors(os.path.join(path, fmt.MODEL_FILE), tensors, {"format": "pt"})
+                fmt.write_json(os.path.join(path, fmt.HF_CONFIG), conf)
             comm.barrier()
             return
         if comm.rank == 0:
             os.makedirs(path, exist_ok=True)
-            with open(os.path.join(path, "tpcore_config.json"), "w") as f:
-                json.dump(dataclasses.asdict(self.config), f, indent=1)
+            fmt.write_own_config(path, self.config)
         comm.barrier()
         if sharded:
-            tensors = {}
-            for i, (p, _) in enumerate(self.parameters()):
-                tensors[f"param.{i}"] = np.ascontiguousarray(p)
-            write_safetensors(os.path.join(path, f"model.rank{comm.rank}-of-{comm.size}.safetensors"), tensors,
-                              {"format": "tpcore-sharded", "world": str(comm.size), "rank": str(comm.rank)})
+            fmt.write_own_shard(path, comm.rank, comm.size, [p for p, _ in self.parameters()])
         else:
             sd = self.state_dict_full()
             if comm.rank == 0:
-                write_safetensors(os.path.join(path, "model.safetensors"), sd, {"format": "tpcore"})
+                fmt.write_safetensors(os.path.join(path, fmt.MODEL_FILE), sd, {"format": "tpcore"})
         comm.barrier()
 
     def __repr__(self):
@@ -536,8 +535,7 @@ def _check_vocab(t: np.ndarray, n: int, who: str, name: str, what: str = "vocab_
 
 
 def _f32(a) -> np.ndarray:
-    from .checkpoint import to_float32
-    return to_float32(a)
+    return fmt.to_float32(a)
 
 
 def _assign(dst, src, name):
@@ -571,10 +569,73 @@ class _Progress:
             sys.stderr.write("\n")
 
 
+@_collective
 def from_pretrained(path: str, comm: Comm, partition=None, progress: bool = True) -> TransformerLM:
     """A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors) or one
     saved by save_pretrained; each rank reads only its slices (memory-mapped).  The config
     and the files' headers are checked against each other first: a corrupt or inconsistent
-    file raises tpcore.CheckpointError (a ValueError) before the model is allocated."""
-    from . import hf
-    return hf.load(path, comm, partition=partition, progress=progress)
+    file raises tpcore.CheckpointError (a ValueError) before the model is allocated.
+    Collective: a rank that fails stops the others."""
+    own = os.path.join(path, fmt.OWN_CONFIG)
+    if os.path.exists(own):
+        return _load_own(path, own, comm, partition, progress)
+    cfg = Config.from_hf(path)
+    headers = fmt.read_headers(path)
+    _hf.check_against_config(path, cfg, cfg.model_type, fmt.HF_CONFIG, headers, warn=comm.rank == 0)
+    gen = fmt.read_generation_config(path)
+    t = fmt.open_tensors(path, headers)
+    try:
+        sd = _hf.from_hf(t, cfg)
+    except KeyError as e:
+        raise KeyError(f"{path}: the checkpoint has no tensor {e} (expected {cfg.model_type} names)") from None
+    model = TransformerLM(cfg, comm, partition=partition)
+    model.load_state_dict_full(sd, progress=progress)
+    del t, sd
+    model.generation_config = gen
+    return model
+
+
+def _load_own(path: str, own: str, comm: Comm, partition, progress: bool) -> TransformerLM:
+    """A folder of save_pretrained: tpcore_config.json with model.safetensors (full tensors in
+    tpcore's names, any world size) or the shard files of the same world size."""
+    cfg = fmt.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
+    full = os.path.join(path, fmt.MODEL_FILE)
+    if os.path.exists(full):
+        header, _, _ = fmt.read_safetensors_header(full)
+        _hf.check_against_config(path, cfg, "tpcore", fmt.OWN_CONFIG, {k: (full, v) for k, v in header.items()})
+        model = TransformerLM(cfg, comm, partition=partition)
+        t, _ = fmt.read_safetensors(full)
+        model.load_state_dict_full(t, progress=progress)
+        return model
+    shards = fmt.own_shard_files(path)
+    if not shards:
+        raise FileNotFoundError(f"{path}: no model.safetensors")
+    mine = fmt.own_shard_file(path, comm.rank, comm.size)
+    if not os.path.exists(mine):
+        raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
+                         f"save it with sharded=False to reshard")
+    _check_own_shards(path, cfg, own, comm.size)
+    model = TransformerLM(cfg, comm, partition=partition)
+    t, _ = fmt.read_safetensors(mine)
+    params = model.parameters()
+    fmt.check_tensors(mine, t, {f"param.{i}": p.shape for i, (p, _) in enumerate(params)},
+                      "this rank's shard of the model (another partition?)")
+    for i, (p, _) in enumerate(params):
+        p[...] = fmt.to_float32(t[f"param.{i}"])
+    return model
+
+
+def _check_own_shards(path: str, cfg: Config, source: str, world: int) -> None:
+    """The shard files of a sharded save_pretrained checkpoint, before allocating: each file
+    checked (fmt.count_own_shards), and together at least as many values as cfg's full
+    tensors hold (every value of the model is on some rank), so a config that claims more
+    than the files hold is refused."""
+    req, _ = _hf.expected_shapes(dataclasses.replace(cfg, layers=1), "tpcore")   # a layer's tensors, not L layers'
+    sizes = {k: math.prod(v for v, _ in dims) for k, dims in req.items()}
+    per_layer = sum(n for k, n in sizes.items() if k.startswith("blocks.0."))
+    need = sum(sizes.values()) + (cfg.layers - 1) * per_layer
+    total = fmt.count_own_shards(path, world)
+    if total < need:
+        raise fmt.bad(source, "sizes", f"a model the {world} shard files can hold ({total} values)",
+                      f"sizes that need {need} values (vocab_size={cfg.vocab_size}, hidden={cfg.hidden}, "
+                      f"layers={cfg.layers}, max_positions={cfg.max_positions}, ...)")

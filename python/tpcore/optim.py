@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _C
 from ._args import real_arg, shown
+from ._array import check_host
 
 
 def _pairs(params, who):
@@ -29,6 +30,9 @@ def _pairs(params, who):
         if hasattr(p, "parameters"):
             out.extend(_pairs(p.parameters(), who))
             continue
+        if isinstance(p, (tuple, list)) and len(p) == 2:
+            for a, what in zip(p, ("param", "grad")):
+                check_host(a, what, who)  # a tensor on a device: say so, not "not a NumPy array"
         if not (isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(a, np.ndarray) for a in p)):
             raise TypeError(f"{who}: params must be (param, grad) NumPy array pairs or modules, got {shown(p)}")
         param, grad = p

@@ -6,7 +6,9 @@ rank order.  If a rank raises, the others are stopped and the exception is
 raised here, with the rank and its traceback in the message; if a rank dies
 (killed, os._exit), RankExitedError says which and how.  Output the ranks
 print from Python is relayed here line by line, prefixed with the rank, so it
-shows in a notebook too.  Nothing is left behind: no process, no /dev/shm name.
+shows in a notebook too (_relay.py: a carriage-return progress line is one line
+per update, or one line drawn in place on a terminal, with one prefix).  Nothing
+is left behind: no process, no /dev/shm name.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Optional, Sequence
 
 from . import _cleanup
+from ._relay import Console
 from .comm import CommError, CommTimeout
 
 
@@ -38,7 +41,8 @@ class RankExitedError(RuntimeError):
 
 
 class _RelayStream(io.TextIOBase):
-    """sys.stdout / sys.stderr of a rank: whole lines go to the parent."""
+    """sys.stdout / sys.stderr of a rank: text up to its last line end ("\n" or "\r")
+    goes to the parent, the rest on flush; the parent cuts it into lines (_relay)."""
 
     def __init__(self, send, rank, name):
         self._send, self._rank, self._name, self._buf = send, rank, name, ""
@@ -48,9 +52,10 @@ class _RelayStream(io.TextIOBase):
 
     def write(self, s):
         self._buf += s
-        if "\n" in self._buf:
-            head, self._buf = self._buf.rsplit("\n", 1)
-            self._send(("out", self._rank, self._name, head + "\n"))
+        cut = max(self._buf.rfind("\n"), self._buf.rfind("\r")) + 1
+        if cut:
+            head, self._buf = self._buf[:cut], self._buf[cut:]
+            self._send(("out", self._rank, self._name, head))
         return len(s)
 
     def flush(self):
@@ -201,6 +206,8 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
     procs, conns = [], []
     results: dict = {}
     errors: list = []  # (time, rank, exception)
+    console = Console()
+    relays: dict = {}  # (rank, "stdout" | "stderr") -> LineRelay
     t0 = time.monotonic()
     try:
         for r in range(world_size):
@@ -240,10 +247,11 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
                     del open_conns[obj]
                     continue
                 if msg[0] == "out":
-                    stream = sys.stdout if msg[2] == "stdout" else sys.stderr
-                    for line in msg[3].splitlines(keepends=True):
-                        stream.write(f"[rank{r}] {line}")
-                    stream.flush()
+                    key = (r, "stdout" if msg[2] == "stdout" else "stderr")
+                    if key not in relays:
+                        relays[key] = console.relay(
+                            (lambda: sys.stdout) if key[1] == "stdout" else (lambda: sys.stderr), f"[rank{r}] ")
+                    relays[key].feed(msg[3])
                 elif msg[0] == "ok":
                     results[r] = pickle.loads(msg[2])
                 elif msg[0] == "err":
@@ -270,6 +278,11 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
             raise RankExitedError(f"ranks {missing} ended without a result")
         return [results[r] for r in range(world_size)]
     finally:
+        for relay in relays.values():  # a rank's unfinished last line
+            try:
+                relay.close()
+            except Exception:  # noqa: BLE001 - a closed stream must not hide the result
+                pass
         _stop(procs, grace)
         for c in conns:
             try:

@@ -30,9 +30,10 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from . import _C
+from ._array import asarray
 from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
-from .checkpoint import to_float32
+from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
 from .layers import ACTIVATIONS, _sizes, as_float32, check_partition, partition
 
 NORMS = ("layernorm", "rmsnorm")
@@ -114,7 +115,6 @@ class Config:
     def from_hf(cls, path: str) -> "Config":
         """The config.json of a Hugging Face GPT-2, Llama (or Mistral) or BERT checkpoint.
         A malformed file or field raises tpcore.CheckpointError naming it."""
-        from .checkpoint import read_json_object
         p = os.path.join(path, "config.json") if os.path.isdir(path) else path
         return cls.from_hf_dict(read_json_object(p), source=p)
 
@@ -123,7 +123,6 @@ class Config:
         """Every field is checked (type, range, consistency) before use: a bad one raises
         tpcore.CheckpointError (a ValueError) naming source, the field, what was expected
         and what was found."""
-        from .checkpoint import _MISSING, ConfigFields, CheckpointError, bad
         f = ConfigFields(c, source)
         mt = f.str("model_type", _MISSING, ("gpt2", "llama", "mistral", "bert"), " (other model types are not supported)")
 
@@ -300,8 +299,8 @@ class TransformerBlock:
             if name not in tensors:
                 continue
             t = tensors[name]  # an array, a memory-mapped array or a lazy view (hf.View): only the cut is read
-            if not hasattr(t, "shape"):
-                t = np.asarray(t)
+            if not hasattr(t, "shape") or (not isinstance(t, np.ndarray) and hasattr(t, "__dlpack__")):
+                t = asarray(t, name, f"{type(self).__name__}.load_full")
             if tuple(t.shape) != shapes[name]:
                 raise ValueError(f"TransformerBlock.load_full: {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
             dst = self._p[local][0][rows]
@@ -447,7 +446,7 @@ def positions(pos0, B: int, who: str) -> np.ndarray:
 
 def mask_array(mask, B: int, T: int, who: str, name: str) -> np.ndarray:
     """A (B, T) mask of bools or numbers (non-zero: attend) as uint8 (C-contiguous)."""
-    m = np.asarray(mask)
+    m = asarray(mask, name, who)
     if m.dtype.kind not in "biuf":
         raise TypeError(f"{who}: {name} must be a (B, T) array of bools or 0/1 numbers, got dtype {m.dtype}")
     if m.shape != (B, T):

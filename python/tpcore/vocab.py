@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _C
 from ._args import int_arg, int_array, real_arg, seed_arg
+from ._array import asarray, check_host
 from .comm import Comm
 from .layers import _sizes, as_float32, check_param_dtype, check_partition, float_param
 
@@ -86,7 +87,7 @@ class VocabParallelEmbedding:
 
     def load_full(self, table: np.ndarray) -> None:
         """Keep this rank's rows of the full table (any float dtype, converted)."""
-        table = np.asarray(table)
+        table = asarray(table, "table", "VocabParallelEmbedding.load_full")
         if table.shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"load_full: table must have shape {(self.num_embeddings, self.embedding_dim)}, "
                              f"got {table.shape}")
@@ -122,6 +123,7 @@ class VocabParallelCrossEntropy:
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got "
                              f"{reduction!r}")
+        check_host(logits_shard, "logits_shard", "vocab_parallel_cross_entropy")  # a device tensor: say so
         if not isinstance(logits_shard, np.ndarray):
             raise TypeError(f"vocab_parallel_cross_entropy: logits_shard must be a NumPy array, got "
                             f"{type(logits_shard).__name__}")
@@ -165,14 +167,17 @@ class VocabParallelCrossEntropy:
         lead, reduction, M, V, valid = self._ctx
         o = None
         if out is not None:
+            check_host(out, "out", "vocab_parallel_cross_entropy backward")
             if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.flags.c_contiguous
                     and out.flags.writeable and out.size == M * V):
                 raise ValueError(f"backward: out must be a writable C-contiguous float32 array of {M * V} elements "
                                  f"(the logits' shape)")
             o = out.reshape(M, V)
         who = "vocab_parallel_cross_entropy backward"
+        if not isinstance(dloss, np.ndarray) and hasattr(dloss, "__dlpack__"):
+            dloss = asarray(dloss, "dloss", who)  # its device checked
         if reduction == "none" and np.ndim(dloss):
-            d = np.asarray(dloss)
+            d = asarray(dloss, "dloss", who)
             if d.dtype.kind not in "fiu" or d.dtype == np.bool_:
                 raise TypeError(f"{who}: dloss must be a number or an array of the losses' shape {lead}, got dtype "
                                 f"{d.dtype}")

@@ -1,0 +1,7 @@
+# The one list of the C sources, read by the Makefile (`include`) and by setup.py (parsed:
+# plain `NAME := words` lines; '#' comments).  A directory's *.c files are all compiled, so a
+# new file in a listed directory needs no edit; a new directory is one word here.
+#   TP_CORE_DIRS     the C core (libtpcore.a, usable from C without Python)
+#   TP_PYTHON_DIRS   the CPython extension's own files (setup.py only)
+TP_CORE_DIRS := csrc/core csrc/devices csrc/comm csrc/kernels/cpu csrc/layers
+TP_PYTHON_DIRS := csrc/python

@@ -1,0 +1,123 @@
+"""Array import: the one place where tpcore's Python face turns what a caller passed
+(a NumPy array, a tensor of another library through DLPack, a list) into the NumPy
+array the C core reads.  Every entry point that takes arrays comes here: the
+collectives (comm.py), the layers, TransformerBlock, the models and the loading of
+parameters (load_full, load_state_dict_full).
+
+- A NumPy array passes as it is.
+- An object with __dlpack__ (a PyTorch, JAX, CuPy ... tensor) has its device read
+  first (__dlpack_device__): host memory (CPU, and the pinned or managed host memory
+  of CUDA and ROCm) is imported through NumPy's DLPack import, without a copy; a
+  tensor on another device is a TypeError naming the operation, the argument and the
+  device, and saying what this build supports (tpcore.build_info()["devices"]),
+  instead of a failure deep in NumPy or in the producer.
+- Anything else: `as_array` refuses it (the collectives and layers take arrays
+  only); `asarray` hands it to np.asarray (lists of numbers, memory-mapped and lazy
+  checkpoint tensors).
+
+This module imports nothing of tpcore but the extension (the argument helpers of
+_args import it)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+
+from . import _C
+
+# DLPack's DLDeviceType codes (dlpack.h) and the names tpcore gives them in messages
+DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi",
+                  10: "rocm", 11: "rocm_host", 12: "ext_dev", 13: "cuda_managed", 14: "oneapi", 15: "webgpu",
+                  16: "hexagon", 17: "maia"}
+# what a message calls a tensor of that device ("a CUDA tensor") and the support a build would need
+_KINDS = {2: "CUDA", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI", 10: "ROCm", 12: "extension-device",
+          14: "oneAPI", 15: "WebGPU", 16: "Hexagon", 17: "MAIA"}
+# memory the CPU reads and writes directly: NumPy imports it, tpcore's host code uses it
+HOST_DEVICES = frozenset((1, 3, 11, 13))
+
+
+def build_devices() -> Tuple[str, ...]:
+    """The devices this build of the C core has ("cpu" always)."""
+    devs = _C.build_info().get("devices") or ("cpu",)
+    return tuple(str(d) for d in devs)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _shown(v) -> str:
+    r = repr(v)
+    return (r if len(r) <= 60 else r[:57] + "...") + ("" if type(v) is int else f" ({type(v).__name__})")
+
+
+def dlpack_device(x, name: str, op: str) -> Optional[Tuple[int, int]]:
+    """(device_type, device_id) of a DLPack producer, or None when it does not say
+    (no __dlpack_device__, or one that fails: the import below reports the producer's
+    own error).  A malformed answer is a TypeError."""
+    get = getattr(x, "__dlpack_device__", None)
+    if get is None:
+        return None
+    try:
+        dev = tuple(get())
+    except Exception:  # noqa: BLE001 - a producer's own failure: np.from_dlpack reports it
+        return None
+    if len(dev) != 2 or not all(_is_int(d) for d in dev):
+        raise TypeError(f"{op}: {name}.__dlpack_device__() must return a (device_type, device_id) pair of "
+                        f"integers, got {_shown(dev)}")
+    return int(dev[0]), int(dev[1])
+
+
+def device_text(dev: Tuple[int, int]) -> str:
+    """'cuda:0' for (2, 0); 'dlpack-device-42:0' for a code DLPack does not define."""
+    return f"{DLPACK_DEVICES.get(dev[0], f'dlpack-device-{dev[0]}')}:{dev[1]}"
+
+
+def check_host(x, name: str, op: str) -> None:
+    """A TypeError unless x lives in host memory (x without __dlpack__ is host data)."""
+    if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__"):
+        return
+    dev = dlpack_device(x, name, op)
+    if dev is None or dev[0] in HOST_DEVICES:
+        return
+    kind = _KINDS.get(dev[0], DLPACK_DEVICES.get(dev[0], f"DLPack device type {dev[0]}"))
+    short = DLPACK_DEVICES.get(dev[0], "")
+    devices = build_devices()
+    if short in devices:  # a build with that device: the Python layers still take host arrays
+        raise TypeError(f"{op}: {name} is a {kind} tensor (DLPack device {device_text(dev)}); {op} takes host "
+                        f"(CPU) arrays in this version; copy it to the host first")
+    raise TypeError(f"{op}: {name} is a {kind} tensor (DLPack device {device_text(dev)}); this build of tpcore "
+                    f"has no {kind} support (tpcore.build_info() lists the devices: {', '.join(devices)})")
+
+
+def _from_dlpack(x, name: str, op: str) -> np.ndarray:
+    check_host(x, name, op)
+    try:
+        return np.from_dlpack(x)
+    except (BufferError, TypeError, RuntimeError, ValueError, AttributeError) as e:
+        raise TypeError(f"{op}: {name} could not be imported through DLPack: {type(e).__name__}: {e}") from e
+
+
+def as_array(x, name: str, op: str) -> np.ndarray:
+    """x as a NumPy array sharing its memory: a NumPy array as it is, a host tensor with
+    __dlpack__ through DLPack (no copy).  A tensor on another device, or anything that is
+    not an array, is a TypeError naming op and the argument."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        return _from_dlpack(x, name, op)
+    raise TypeError(f"{op}: {name} must be a NumPy array or a CPU tensor with __dlpack__, "
+                    f"got {type(x).__name__}")
+
+
+def asarray(x, name: str, op: str, dtype=None) -> np.ndarray:
+    """as_array for arguments that may also be lists or other array-likes (np.asarray):
+    a DLPack tensor still has its device checked first; a host one with __array__ is read
+    through it as before (a bfloat16 JAX array, which NumPy's DLPack import refuses),
+    one without through DLPack (no copy)."""
+    if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
+        if hasattr(x, "__array__"):
+            check_host(x, name, op)
+        else:
+            x = _from_dlpack(x, name, op)
+    return np.asarray(x) if dtype is None else np.asarray(x, dtype=dtype)
