@@ -150,7 +150,10 @@ typedef struct {
   char abort_msg[768];
 } shm_header_t;
 
-struct tp_mem {
+/* A registered buffer: the common handle header first (its release is
+ * shm_mem_release), then shm's part. */
+typedef struct shm_mem {
+  struct tp_mem hdr;
   _Atomic int refs;
   void *base;
   size_t maplen;
@@ -160,8 +163,8 @@ struct tp_mem {
   void *ptr;
   size_t nbytes;
   struct shm_ctx *owner; /* NULL once the communicator is gone */
-  struct tp_mem *next;
-};
+  struct shm_mem *next;
+} shm_mem;
 
 typedef struct shm_ctx {
   struct tp_comm *comm;
@@ -198,7 +201,7 @@ typedef struct shm_ctx {
   uint32_t *p2p_msg_r;
   int cur_kind;      /* the call in progress, for error messages (formatted lazily) */
   uint32_t cur_seq;
-  struct tp_mem *regions;
+  shm_mem *regions;
   pthread_mutex_t regions_lock; /* regions may be released from another thread */
   double last_liveness;
 } shm_ctx;
@@ -596,7 +599,7 @@ static int64_t find_region(shm_ctx *c, const void *p, size_t nbytes, int64_t *of
   if (!p || !c->regions) return -1;
   int64_t id = -1;
   pthread_mutex_lock(&c->regions_lock);
-  for (struct tp_mem *m = c->regions; m; m = m->next) {
+  for (shm_mem *m = c->regions; m; m = m->next) {
     const char *lo = (const char *)m->ptr;
     if ((const char *)p >= lo && (const char *)p + nbytes <= lo + m->nbytes) {
       *off = (const char *)p - lo;
@@ -608,10 +611,10 @@ static int64_t find_region(shm_ctx *c, const void *p, size_t nbytes, int64_t *of
   return id;
 }
 
-static struct tp_mem *region_by_id(shm_ctx *c, int64_t id) {
-  struct tp_mem *found = NULL;
+static shm_mem *region_by_id(shm_ctx *c, int64_t id) {
+  shm_mem *found = NULL;
   pthread_mutex_lock(&c->regions_lock);
-  for (struct tp_mem *m = c->regions; m; m = m->next)
+  for (shm_mem *m = c->regions; m; m = m->next)
     if (m->id == id) {
       found = m;
       break;
@@ -621,12 +624,12 @@ static struct tp_mem *region_by_id(shm_ctx *c, int64_t id) {
 }
 
 /* Pointer to rank p's copy of (region, offset). */
-static inline char *peer_ptr(const struct tp_mem *m, int p, int64_t off) {
+static inline char *peer_ptr(const shm_mem *m, int p, int64_t off) {
   return (char *)m->base + (size_t)p * m->slot + (size_t)off;
 }
 
 /* 1 if every rank posted the same registered region and offset for the field. */
-static int all_registered(shm_ctx *c, int recv_side, struct tp_mem **m, int64_t *off) {
+static int all_registered(shm_ctx *c, int recv_side, shm_mem **m, int64_t *off) {
   int n = c->comm->size;
   const coll_hdr_t *h0 = &c->slots[0].hdr[c->seq & 1];
   int64_t reg = recv_side ? h0->recv_region : h0->send_region;
@@ -711,7 +714,7 @@ static tp_status_t all_reduce_like(shm_ctx *c, const tp_coll_args_t *a, const ch
   if (prestaged) stage_parts(c, b, send, 0, cnt < chunk ? cnt : chunk, es, nt);
   TP_CHECK(sync_all(c, what));
   TP_CHECK(check_hdrs(c, a));
-  struct tp_mem *sm = NULL, *rm = NULL;
+  shm_mem *sm = NULL, *rm = NULL;
   int src_direct = all_registered(c, 0, &sm, &soff);
   int dst_direct = !is_reduce && all_registered(c, 1, &rm, &roff);
   if (src_direct || dst_direct) c->comm->stats.zero_copy++;
@@ -816,7 +819,7 @@ static tp_status_t all_gather(shm_ctx *c, const tp_coll_args_t *a, const char *w
   TP_CHECK(check_hdrs(c, a));
   /* Registered source: the same region on every rank (offsets may differ). */
   const coll_hdr_t *h0 = &c->slots[0].hdr[c->seq & 1];
-  struct tp_mem *sm = h0->send_region >= 0 ? region_by_id(c, h0->send_region) : NULL;
+  shm_mem *sm = h0->send_region >= 0 ? region_by_id(c, h0->send_region) : NULL;
   for (int p = 1; p < n && sm; p++)
     if (c->slots[p].hdr[c->seq & 1].send_region != h0->send_region) sm = NULL;
   if (sm) {
@@ -894,7 +897,7 @@ static tp_status_t reduce_scatter(shm_ctx *c, const tp_coll_args_t *a, const cha
   if (prestaged) stage_rs(c, b, send, counts, displ, 0, cp, es, nt);
   TP_CHECK(sync_all(c, what));
   TP_CHECK(check_hdrs(c, a));
-  struct tp_mem *sm = NULL;
+  shm_mem *sm = NULL;
   if (all_registered(c, 0, &sm, &soff)) {
     c->comm->stats.zero_copy++;
     for (int p = 0; p < n; p++) srcs[p] = peer_ptr(sm, p, soff) + displ[r] * es;
@@ -949,7 +952,7 @@ static tp_status_t broadcast(shm_ctx *c, const tp_coll_args_t *a, const char *wh
   /* In place from the root's registered array only if every rank's output lies in the
    * same allocation: that proves every rank still holds it (a rank may have released
    * its handle, and must then take the same path as the others). */
-  struct tp_mem *sm = NULL;
+  shm_mem *sm = NULL;
   if (rh->send_region >= 0) {
     int all = 1;
     for (int p = 0; p < c->comm->size; p++) all &= peer_hdr(c, p)->recv_region == rh->send_region;
@@ -1115,7 +1118,7 @@ static tp_status_t p2p_done(shm_ctx *c, tp_status_t st) {
 }
 
 static tp_status_t shm_send(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dt,
-                            int peer) {
+                            int peer, tp_stream_t stream) {
   shm_ctx *c = comm->impl;
   p2p_op o;
   RETURN_IF_ABORTED(c);
@@ -1129,7 +1132,7 @@ static tp_status_t shm_send(struct tp_comm *comm, const void *buf, size_t count,
 }
 
 static tp_status_t shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt,
-                            int peer) {
+                            int peer, tp_stream_t stream) {
   shm_ctx *c = comm->impl;
   p2p_op o;
   RETURN_IF_ABORTED(c);
@@ -1143,7 +1146,8 @@ static tp_status_t shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dt
 }
 
 static tp_status_t shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst,
-                                void *rbuf, size_t rcount, int src, tp_dtype_t dt) {
+                                void *rbuf, size_t rcount, int src, tp_dtype_t dt,
+                                tp_stream_t stream) {
   shm_ctx *c = comm->impl;
   RETURN_IF_ABORTED(c);
   p2p_op so, ro;
@@ -1282,19 +1286,25 @@ static void shm_abort(struct tp_comm *comm, const char *reason);
 static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp_comm **out);
 static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr, tp_mem_t *h);
 
+static void shm_stats(struct tp_comm *comm, tp_comm_stats_t *stats) {
+  const shm_ctx *c = comm->impl;
+  stats->single_copy = c ? c->use_cma : 0;
+}
+
 static const tp_backend_ops shm_ops = {
     .name = "shm",
+    .devices = 1u << TP_DEVICE_CPU,
+    .streams = 0,
     .collective = shm_collective,
     .send = shm_send,
     .recv = shm_recv,
     .sendrecv = shm_sendrecv,
     .split = shm_split,
     .mem_alloc = shm_mem_alloc,
+    .stats = shm_stats,
     .abort = shm_abort,
     .destroy = shm_destroy,
 };
-
-int tp_comm_is_shm(tp_comm_t comm) { return comm && comm->ops == &shm_ops; }
 
 static int online_cores(void) {
   cpu_set_t set;
@@ -1556,7 +1566,6 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
   if (st != TP_SUCCESS) goto fail;
   c->use_cma = 1;
   for (int p = 0; p < world; p++) c->use_cma &= atomic_load(&c->slots[p].cma_ok) != 0;
-  comm->stats.single_copy = c->use_cma;
   if (c->use_cma) {
     c->scratch = malloc((size_t)(world - 1) * c->scratch_blk);
     if (!c->scratch) c->use_cma = 0; /* every rank must agree: fail instead */
@@ -1598,14 +1607,14 @@ static void shm_destroy(struct tp_comm *comm) {
     futex(&chan(c, p, comm->rank)->acked, FUTEX_WAKE, INT_MAX, NULL);
   }
   pthread_mutex_lock(&c->regions_lock);
-  struct tp_mem *m = c->regions;
+  shm_mem *m = c->regions;
   c->regions = NULL;
   pthread_mutex_unlock(&c->regions_lock);
   while (m) {
-    struct tp_mem *next = m->next;
+    shm_mem *next = m->next;
     m->owner = NULL;
     m->next = NULL;
-    tp_mem_release(m);
+    m->hdr.release(&m->hdr);
     m = next;
   }
   munmap(c->base, c->size);
@@ -1624,7 +1633,7 @@ static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp
   c->seq++;
   snprintf(what, sizeof what, "split #%u", c->seq);
   set_activity(c, TP_COLL_SPLIT, c->seq, -1);
-  tp_coll_args_t a = {TP_COLL_SPLIT, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0};
+  tp_coll_args_t a = {TP_COLL_SPLIT, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0, NULL};
   post_hdr(c, &a, color, key, -1, 0, -1, 0);
   if (r == 0) c->slots[0].hdr[c->seq & 1].nonce = random_token();
   tp_status_t st = sync_all(c, what);
@@ -1665,13 +1674,15 @@ static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp
 
 /* ------------------------------------------------------- registered memory */
 
-void tp_mem_release(tp_mem_t m) {
-  if (!m) return;
+/* The handle's release (tp_mem_release): one reference is the caller's, one the
+ * communicator's; the mapping goes with the last. */
+static void shm_mem_release(struct tp_mem *h) {
+  shm_mem *m = (shm_mem *)h;
   shm_ctx *c = m->owner;
   if (c) { /* still registered: unlink from the communicator's list */
     int found = 0;
     pthread_mutex_lock(&c->regions_lock);
-    struct tp_mem **pp = &c->regions;
+    shm_mem **pp = &c->regions;
     while (*pp && *pp != m) pp = &(*pp)->next;
     if (*pp) {
       *pp = m->next;
@@ -1714,7 +1725,7 @@ static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr
   c->seq++;
   snprintf(what, sizeof what, "alloc #%u", c->seq);
   set_activity(c, TP_COLL_ALLOC, c->seq, -1);
-  tp_coll_args_t a = {TP_COLL_ALLOC, NULL, NULL, nbytes, NULL, nbytes, TP_UINT8, TP_SUM, 0};
+  tp_coll_args_t a = {TP_COLL_ALLOC, NULL, NULL, nbytes, NULL, nbytes, TP_UINT8, TP_SUM, 0, NULL};
   post_hdr(c, &a, 0, 0, -1, 0, -1, 0);
   if (r == 0) c->slots[0].hdr[c->seq & 1].nonce = random_token();
   tp_status_t st = sync_all(c, what);
@@ -1784,12 +1795,13 @@ static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr
     else st = tp_set_error(TP_ERR_NOMEM, "alloc of %zu bytes failed on rank %d", nbytes, bad);
     goto done;
   }
-  struct tp_mem *m = calloc(1, sizeof *m);
+  shm_mem *m = calloc(1, sizeof *m);
   if (!m) {
     munmap(base, maplen);
     st = tp_set_error(TP_ERR_NOMEM, "out of memory");
     goto done;
   }
+  m->hdr.release = shm_mem_release;
   atomic_init(&m->refs, 2); /* the communicator's and the caller's */
   m->base = base;
   m->maplen = maplen;
@@ -1804,7 +1816,7 @@ static tp_status_t shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr
   c->regions = m;
   pthread_mutex_unlock(&c->regions_lock);
   *ptr = m->ptr;
-  *out = m;
+  *out = &m->hdr;
 done:
   atomic_store(&c->slots[r].last_seq, c->seq);
   set_activity(c, TP_COLL_NONE, c->seq, -1);
