@@ -166,8 +166,14 @@ typedef struct shm_ctx {
   uint64_t cma_magic;   /* the word peers read at init */
   char *scratch;        /* (world - 1) blocks of scratch_blk bytes for CMA reductions */
   size_t scratch_blk;
-  int spin_iters;
-  double yield_s; /* then sched_yield for this long before sleeping */
+  /* Waits (shm_wait.c). */
+  int adaptive;    /* 0: spin_us was given (config or TPCORE_SPIN_US): fixed spin */
+  int spin_iters;  /* fixed spin: pause iterations before sleeping */
+  double spin_s;   /* adaptive: the full spin budget on a machine with a core per rank */
+  double yield_s;  /* then sched_yield for this long before sleeping (more ranks than cores) */
+  double contended_until; /* adaptive: until then, waits spin briefly and sleep */
+  double hold_s;          /* how long a contention noticed now holds (doubles while it lasts) */
+  uint64_t contentions;   /* times contention was noticed (for tests and debugging) */
   uint32_t *p2p_sent;  /* chunks sent to peer p        */
   uint32_t *p2p_recvd; /* chunks received from peer p  */
   uint32_t *p2p_msg_s;

@@ -5,10 +5,41 @@
  * notices a peer that closed the communicator or died (its /proc start time,
  * so a reused pid is not mistaken for it).
  *
- * Waits spin briefly when there are at least as many cores as ranks, then sleep
- * on the futex (with more ranks than cores they yield for a while, then sleep).
+ * How a wait spends its time.  A futex sleep and wake-up costs 10-40 us, so with
+ * a core per rank a wait spins: a 4 KiB all_reduce takes ~2 us spinning, and a
+ * spin of up to 1 ms covers a peer's copy of a few MiB.  But a spin only pays
+ * while the peer is on a core: when more processes want the cores than there
+ * are (other jobs, `yes > /dev/null`), the peer we wait for is often queued
+ * behind them, and every millisecond spun is one it could have run; measured
+ * with 2 ranks on 2 cores and 6 busy processes: 581 us per 4 KiB all_reduce
+ * spinning against 3.5 us sleeping at once (2.1 us on a quiet machine).
+ * Waking a sleeper is cheap there: the scheduler runs a task that slept ahead
+ * of the busy ones.
+ *
+ * So the default wait adapts (after Open MPI's yield-when-idle and the
+ * adaptive mutexes of glibc), deciding from what this rank sees of its own core:
+ *   - Spin (pause loop) up to the budget (1 ms), reading the clock every 64
+ *     pauses.  A gap of more than 30 us between two readings means this rank
+ *     was taken off its core: the core is contended.
+ *   - 50 us into a spin, and every 200 us after, a probe: one sched_yield(),
+ *     timed.  On a core nobody else wants it returns in about a microsecond
+ *     and the spin goes on; if it took more than 30 us another process ran on
+ *     this core: contended.  Waits shorter than 50 us (quiet all_reduce
+ *     latency) never probe, so the quiet path is the plain spin it was.
+ *   - Contended: this wait goes to sleep on the futex at once, and so do the
+ *     communicator's waits for a hold time (no spin: measured under that load,
+ *     sleeping at once gave 3.5 us per call, close to the quiet figure).  The hold starts at
+ *     20 ms and doubles, up to 1 s, each time contention is seen again soon
+ *     after the last hold ended; so on a machine that stays busy the probing
+ *     wait (which may lose a time slice) comes once a second, and on a machine
+ *     that turns quiet the full spin is back within a second.
+ * With more ranks than cores the ranks compete with each other: no spin, a
+ * sched_yield loop of 100 us (TPCORE_YIELD_US) that hands the core to the rank
+ * waited for, then the futex.  An explicit spin time (config spin_us >= 0 or
+ * TPCORE_SPIN_US) turns the adaptation off: spin that long, then sleep.
+ *
  * While asleep a waiter wakes every 20 ms to look at the abort flag, the peer's
- * liveness and its deadline.
+ * liveness and its deadline, so every wait keeps its timeout and error.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -113,19 +144,70 @@ static const char *what_text(const shm_ctx *c, const char *what, char *buf, size
   return buf;
 }
 
+#define PROBE_FIRST_S 50e-6     /* first sched_yield probe of a spin */
+#define PROBE_EVERY_S 200e-6    /* later probes */
+#define OFF_CORE_S 30e-6        /* a gap this long: another process had the core */
+#define HOLD_MIN_S 0.02
+#define HOLD_MAX_S 1.0
+
+#define REACHED(w, t) reached(atomic_load_explicit((w), memory_order_acquire), (t))
+
+static void note_contention(shm_ctx *c, double now) {
+  /* Seen again soon after the last hold ended: the load persists, hold longer. */
+  c->hold_s = now - c->contended_until < c->hold_s ? (2 * c->hold_s < HOLD_MAX_S ? 2 * c->hold_s : HOLD_MAX_S) : HOLD_MIN_S;
+  c->contended_until = now + c->hold_s;
+  c->contentions++;
+}
+
+/* The adaptive spin: 1 when the word was reached, 0 when the wait should sleep. */
+static int spin_adaptive(shm_ctx *c, _Atomic uint32_t *word, uint32_t target, double t0) {
+  if (t0 < c->contended_until) return 0; /* contended: sleep at once */
+  double last = t0, probe = t0 + PROBE_FIRST_S, end = t0 + c->spin_s;
+  for (;;) {
+    for (int i = 0; i < 64; i++) {
+      cpu_relax();
+      if (REACHED(word, target)) return 1;
+    }
+    double now = tp_now();
+    if (now - last > OFF_CORE_S) {
+      note_contention(c, now);
+      return REACHED(word, target);
+    }
+    if (now >= end) return 0;
+    if (now >= probe) {
+      sched_yield();
+      double after = tp_now();
+      if (after - now > OFF_CORE_S) {
+        note_contention(c, after);
+        return REACHED(word, target);
+      }
+      probe = after + PROBE_EVERY_S;
+      now = after;
+    }
+    last = now;
+  }
+}
+
 tp_status_t tp_shm_wait_slow(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_t *waiters,
                              uint32_t target, int peer, const char *what_, double max_wait) {
-  if (reached(atomic_load_explicit(word, memory_order_acquire), target)) return TP_SUCCESS;
-  for (int i = 0; i < c->spin_iters; i++) {
-    cpu_relax();
-    if (reached(atomic_load_explicit(word, memory_order_acquire), target)) return TP_SUCCESS;
+  if (REACHED(word, target)) return TP_SUCCESS;
+  double t0;
+  if (c->adaptive) {
+    t0 = tp_now();
+    if (c->spin_s > 0 && spin_adaptive(c, word, target, t0)) return TP_SUCCESS;
+  } else {
+    for (int i = 0; i < c->spin_iters; i++) {
+      cpu_relax();
+      if (REACHED(word, target)) return TP_SUCCESS;
+    }
+    t0 = tp_now();
   }
-  double t0 = tp_now();
   if (c->yield_s > 0) {
     /* More ranks than cores: hand the core to the rank we wait for. */
-    while (tp_now() - t0 < c->yield_s) {
+    double y0 = tp_now();
+    while (tp_now() - y0 < c->yield_s) {
       sched_yield();
-      if (reached(atomic_load_explicit(word, memory_order_acquire), target)) return TP_SUCCESS;
+      if (REACHED(word, target)) return TP_SUCCESS;
     }
   }
   double deadline = t0 + (max_wait > 0 ? max_wait : c->comm->timeout_s);
@@ -173,12 +255,16 @@ tp_status_t tp_shm_wait_slow(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_
 }
 
 void tp_shm_wait_setup(shm_ctx *c) {
-  int world = c->comm->size, spin_us = c->comm->spin_us;
-  /* With a core per rank, spinning costs nothing but that core; 1 ms covers a peer's
-   * copy of a few MiB (a futex sleep and wake-up adds 10-40 us, measured). */
-  if (spin_us < 0) spin_us = (int)tp_shm_env_size("TPCORE_SPIN_US", world <= tp_shm_online_cores() ? 1000 : 0);
-  c->spin_iters = spin_us * 20; /* a pause is ~10-50 ns */
+  int world = c->comm->size, spin_us = c->comm->spin_us, cores = tp_shm_online_cores();
+  const char *env = getenv("TPCORE_SPIN_US");
+  if (spin_us < 0 && env && *env) spin_us = (int)tp_shm_env_size("TPCORE_SPIN_US", 0);
+  /* Given: spin that long (a pause is ~10-50 ns), then sleep.  Else adapt (above). */
+  c->adaptive = spin_us < 0;
+  c->spin_iters = spin_us > 0 ? spin_us * 20 : 0;
+  c->spin_s = world <= cores ? 1e-3 : 0;
+  c->hold_s = HOLD_MIN_S;
+  c->contended_until = 0;
   /* Measured with 3-4 ranks on 2 cores: a 100 us yield phase takes a barrier from ~25 us
    * (futex sleep and wake-up) to ~2 us; busy spinning would steal the waited-for rank's core. */
-  c->yield_s = world > tp_shm_online_cores() ? (double)tp_shm_env_size("TPCORE_YIELD_US", 100) * 1e-6 : 0;
+  c->yield_s = world > cores ? (double)tp_shm_env_size("TPCORE_YIELD_US", 100) * 1e-6 : 0;
 }
