@@ -333,12 +333,43 @@ static void test_registered_off(int n, int r, const char *job) {
          "unknown backend: %s", tp_last_error());
 }
 
+/* The waits in each of their modes give the same results: the adaptive default
+ * (short and long waits: a rank that arrives late makes the others spin past the
+ * first probe, or sleep), a fixed spin (config spin_us), and no spin
+ * (TPCORE_SPIN_US=0). */
+static void test_wait_modes(int n, int r, const char *job) {
+  for (int mode = 0; mode < 3; mode++) {
+    tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
+    char id[96];
+    snprintf(id, sizeof id, "%s_m%d", job, mode);
+    cfg.job_id = id;
+    cfg.timeout_s = 30;
+    if (mode == 1) cfg.spin_us = 20;
+    if (mode == 2) setenv("TPCORE_SPIN_US", "0", 1);
+    tp_comm_t c;
+    OK(tp_comm_init_rank(&c, n, r, &cfg));
+    unsetenv("TPCORE_SPIN_US");
+    for (int i = 0; i < 300; i++) {
+      if (n > 1 && r == i % n && i % 7 == 0) usleep(i % 2 ? 100 : 3000); /* a late rank */
+      int32_t v = r + i, sum = 0;
+      OK(tp_all_reduce(&v, &sum, 1, TP_INT32, TP_SUM, c, NULL));
+      EXPECT(sum == n * i + n * (n - 1) / 2, "mode %d call %d: %d", mode, i, sum);
+    }
+    OK(tp_barrier(c, NULL));
+    tp_comm_destroy(c);
+  }
+}
+
 static void run_rank(int n, int r, int which) {
   tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
   char job[80];
   snprintf(job, sizeof job, "%s_%d_%d", g_job, n, which);
   if (which == 6) {
     test_registered_off(n, r, job);
+    return;
+  }
+  if (which == 7) {
+    test_wait_modes(n, r, job);
     return;
   }
   cfg.job_id = job;
@@ -377,12 +408,12 @@ static void run_rank(int n, int r, int which) {
 }
 
 static const char *case_names[] = {"all_reduce", "gather_scatter_bcast_reduce", "p2p_split_registered",
-                                   "errors", "dead_rank", "missing_rank", "registered_memory_off"};
+                                   "errors", "dead_rank", "missing_rank", "registered_memory_off", "wait_modes"};
 
 int main(void) {
   snprintf(g_job, sizeof g_job, "ctest%d", (int)getpid());
   int passed = 0, failed = 0;
-  for (int which = 0; which < 7; which++) {
+  for (int which = 0; which < 8; which++) {
     for (int n = 1; n <= 4; n++) {
       pid_t pids[4];
       for (int r = 0; r < n; r++) {
