@@ -41,6 +41,7 @@ $(BUILD)/obj/%.o: csrc/%.c $(HDRS)
 	$(CC) $(CFLAGS) -c $< -o $@
 
 $(BUILD)/libtpcore.a: $(CORE_OBJ)
+	rm -f $@
 	ar rcs $@ $^
 
 $(BUILD)/test_comm: csrc/tests/test_comm.c $(BUILD)/libtpcore.a

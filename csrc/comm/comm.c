@@ -1,7 +1,12 @@
 /*
  * The communicator dispatcher: argument checks (once, at the boundary, naming
- * the operation and the argument), the one-thread-at-a-time guard, the failed
- * state, statistics, and the error context "<op> on rank r of n: ...".
+ * the operation and the argument: counts, dtypes, ops, roots, overlaps, the
+ * device of every buffer against the backend's `devices`, the stream against
+ * its `streams`), the one-thread-at-a-time guard, the failed state,
+ * statistics, and the error context "<op> on rank r of n: ...".  It names no
+ * backend: init looks config->backend up in the registry (backends.c), and
+ * everything backend-specific (registered memory and its release, stats) goes
+ * through the backend's table.
  */
 #include <ctype.h>
 #include <stdio.h>
@@ -10,6 +15,7 @@
 #include <unistd.h>
 
 #include "comm_impl.h"
+#include "tpcore/device.h"
 
 const char *tp_redop_name(tp_redop_t op) {
   switch (op) {
@@ -47,6 +53,7 @@ tp_status_t tp_comm_alloc_common(struct tp_comm **out, int world, int rank, cons
   c->size = world;
   c->timeout_s = timeout_s > 0 ? timeout_s : env_timeout();
   c->spin_us = spin_us;
+  c->registered_memory = 1;
   snprintf(c->job_id, sizeof c->job_id, "%s", job_id);
   atomic_init(&c->busy, 0);
   atomic_init(&c->failed, 0);
@@ -95,14 +102,24 @@ tp_status_t tp_comm_init_rank(tp_comm_t *out, int world, int rank, const tp_comm
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                         "comm_init_rank: job_id must be 1..%d characters of [A-Za-z0-9_-], got '%s'",
                         TP_JOB_ID_MAX, job ? job : "(null)");
-  const char *backend = cfg->backend ? cfg->backend : "shm";
-  if (strcmp(backend, "shm") != 0)
+  const tp_backend_entry *be = tp_backend_find(cfg->backend);
+  if (!be) {
+    char known[256];
+    tp_backend_names(known, sizeof known);
     return tp_set_error(TP_ERR_UNSUPPORTED,
-                        "comm_init_rank: backend '%s' is not available in this build (available: shm)",
-                        backend);
+                        "comm_init_rank: backend '%s' is not available in this build (available: %s)",
+                        cfg->backend, known);
+  }
+  int regmem = cfg->size >= offsetof(tp_comm_config_t, registered_memory) + sizeof(int)
+                   ? cfg->registered_memory : -1;
+  if (regmem < 0) {
+    const char *e = getenv("TPCORE_REGISTERED_MEMORY");
+    regmem = !(e && strcmp(e, "0") == 0);
+  }
   struct tp_comm *c;
   TP_CHECK(tp_comm_alloc_common(&c, world, rank, job, cfg->timeout_s, cfg->spin_us));
-  tp_status_t st = tp_shm_comm_init(c, "w", 1);
+  c->registered_memory = regmem != 0;
+  tp_status_t st = be->init(c, "w", 1);
   if (st != TP_SUCCESS) {
     free(c);
     return st;
@@ -149,7 +166,14 @@ GETTER(tp_comm_rank, int, c->rank)
 GETTER(tp_comm_size, int, c->size)
 GETTER(tp_comm_backend, const char *, c->ops->name)
 GETTER(tp_comm_timeout, double, c->timeout_s)
-GETTER(tp_comm_get_stats, tp_comm_stats_t, c->stats)
+GETTER(tp_comm_devices, unsigned, c->ops->devices)
+
+tp_status_t tp_comm_get_stats(tp_comm_t c, tp_comm_stats_t *v) {
+  if (!c || !v) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "tp_comm_get_stats: NULL argument");
+  *v = c->stats;
+  if (c->ops && c->ops->stats) c->ops->stats(c, v);
+  return TP_SUCCESS;
+}
 
 tp_status_t tp_comm_set_timeout(tp_comm_t c, double s) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_set_timeout: comm is NULL");
@@ -232,8 +256,42 @@ static tp_status_t check_root(tp_comm_t c, const char *op, int root, const char 
   return TP_SUCCESS;
 }
 
-static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes) {
+/* A host backend runs the call now and has no stream to queue it on. */
+static tp_status_t check_stream(tp_comm_t c, const char *op, tp_stream_t stream) {
+  if (stream && !c->ops->streams)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: backend %s runs on the host and takes no stream; pass NULL", op,
+                        c->ops->name);
+  return TP_SUCCESS;
+}
+
+/* The buffer `arg` of `op` must lie on a device the backend takes. */
+static tp_status_t check_device(tp_comm_t c, const char *op, const char *arg, const void *p) {
+  if (!p) return TP_SUCCESS;
+  tp_device_t d;
+  int id;
+  tp_pointer_device(p, &d, &id);
+  unsigned mask = c->ops->devices;
+  if ((unsigned)d < 32 && (mask & (1u << d))) return TP_SUCCESS;
+  char takes[96] = "";
+  size_t len = 0;
+  for (int t = 0; t < TP_NUM_DEVICE_TYPES && len < sizeof takes; t++)
+    if (mask & (1u << t))
+      len += (size_t)snprintf(takes + len, sizeof takes - len, "%s%s", len ? " or " : "",
+                              tp_device_name((tp_device_t)t));
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                      "%s on rank %d: %s is %s:%d memory, but backend %s takes %s memory only", op,
+                      c->rank, arg, tp_device_name(d), id, c->ops->name, takes);
+}
+
+/* used_send / used_recv: 1 when this rank's part reads send / writes recv. */
+static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes, tp_stream_t stream,
+                            int used_send, int used_recv) {
   const char *op = tp_coll_name(a->kind);
+  TP_CHECK(check_stream(c, op, stream));
+  a->stream = stream;
+  if (used_send) TP_CHECK(check_device(c, op, "send buffer", a->send));
+  if (used_recv) TP_CHECK(check_device(c, op, "recv buffer", a->recv));
   TP_CHECK(enter(c, op));
   double t0 = tp_now();
   tp_status_t st = c->ops->collective(c, a);
@@ -241,19 +299,19 @@ static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes) {
 }
 
 tp_status_t tp_all_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype,
-                          tp_redop_t op, tp_comm_t c) {
+                          tp_redop_t op, tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "all_reduce: communicator is NULL");
   TP_CHECK(check_common(c, "all_reduce", send, recv, count, dtype, 1, 1));
   TP_CHECK(check_op("all_reduce", op));
   size_t nb = count * tp_dtype_size(dtype);
   TP_CHECK(check_overlap("all_reduce", send, nb, recv, nb, recv));
-  tp_coll_args_t a = {TP_COLL_ALL_REDUCE, send, recv, count, NULL, count, dtype, op, 0};
-  return run_coll(c, &a, count * tp_dtype_size(dtype));
+  tp_coll_args_t a = {TP_COLL_ALL_REDUCE, send, recv, count, NULL, count, dtype, op, 0, NULL};
+  return run_coll(c, &a, count * tp_dtype_size(dtype), stream, count > 0, count > 0);
 }
 
 static tp_status_t gather_scatter_v(tp_coll_kind_t kind, const void *send, void *recv,
                                     const size_t *counts, tp_dtype_t dtype, tp_redop_t op,
-                                    tp_comm_t c) {
+                                    tp_comm_t c, tp_stream_t stream) {
   const char *name = tp_coll_name(kind);
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", name);
   if (!counts) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: counts is NULL", name);
@@ -282,66 +340,68 @@ static tp_status_t gather_scatter_v(tp_coll_kind_t kind, const void *send, void 
     if (total && !send) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: send buffer is NULL", name, c->rank);
     if (mine && !recv) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: recv buffer is NULL", name, c->rank);
   }
-  tp_coll_args_t a = {kind, send, recv, mine, counts, total, dtype, op, 0};
-  return run_coll(c, &a, total * tp_dtype_size(dtype));
+  tp_coll_args_t a = {kind, send, recv, mine, counts, total, dtype, op, 0, NULL};
+  int gather = kind == TP_COLL_ALL_GATHER;
+  return run_coll(c, &a, total * tp_dtype_size(dtype), stream, (gather ? mine : total) > 0,
+                  (gather ? total : mine) > 0);
 }
 
 static tp_status_t equal_counts(tp_coll_kind_t kind, const void *send, void *recv, size_t count,
-                                tp_dtype_t dtype, tp_redop_t op, tp_comm_t c) {
+                                tp_dtype_t dtype, tp_redop_t op, tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", tp_coll_name(kind));
   size_t stackbuf[64] = {0};
   size_t *counts = c->size <= 64 ? stackbuf : malloc(sizeof(size_t) * (size_t)c->size);
   if (!counts) return tp_set_error(TP_ERR_NOMEM, "out of memory");
   for (int p = 0; p < c->size; p++) counts[p] = count;
-  tp_status_t st = gather_scatter_v(kind, send, recv, counts, dtype, op, c);
+  tp_status_t st = gather_scatter_v(kind, send, recv, counts, dtype, op, c, stream);
   if (counts != stackbuf) free(counts);
   return st;
 }
 
 tp_status_t tp_all_gather(const void *send, void *recv, size_t sendcount, tp_dtype_t dtype,
-                          tp_comm_t c) {
-  return equal_counts(TP_COLL_ALL_GATHER, send, recv, sendcount, dtype, TP_SUM, c);
+                          tp_comm_t c, tp_stream_t stream) {
+  return equal_counts(TP_COLL_ALL_GATHER, send, recv, sendcount, dtype, TP_SUM, c, stream);
 }
 tp_status_t tp_all_gather_v(const void *send, void *recv, const size_t *counts, tp_dtype_t dtype,
-                            tp_comm_t c) {
-  return gather_scatter_v(TP_COLL_ALL_GATHER, send, recv, counts, dtype, TP_SUM, c);
+                            tp_comm_t c, tp_stream_t stream) {
+  return gather_scatter_v(TP_COLL_ALL_GATHER, send, recv, counts, dtype, TP_SUM, c, stream);
 }
 tp_status_t tp_reduce_scatter(const void *send, void *recv, size_t recvcount, tp_dtype_t dtype,
-                              tp_redop_t op, tp_comm_t c) {
-  return equal_counts(TP_COLL_REDUCE_SCATTER, send, recv, recvcount, dtype, op, c);
+                              tp_redop_t op, tp_comm_t c, tp_stream_t stream) {
+  return equal_counts(TP_COLL_REDUCE_SCATTER, send, recv, recvcount, dtype, op, c, stream);
 }
 tp_status_t tp_reduce_scatter_v(const void *send, void *recv, const size_t *counts,
-                                tp_dtype_t dtype, tp_redop_t op, tp_comm_t c) {
-  return gather_scatter_v(TP_COLL_REDUCE_SCATTER, send, recv, counts, dtype, op, c);
+                                tp_dtype_t dtype, tp_redop_t op, tp_comm_t c, tp_stream_t stream) {
+  return gather_scatter_v(TP_COLL_REDUCE_SCATTER, send, recv, counts, dtype, op, c, stream);
 }
 
 tp_status_t tp_broadcast(const void *send, void *recv, size_t count, tp_dtype_t dtype, int root,
-                         tp_comm_t c) {
+                         tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "broadcast: communicator is NULL");
   TP_CHECK(check_root(c, "broadcast", root, "root"));
   TP_CHECK(check_common(c, "broadcast", send, recv, count, dtype, c->rank == root, 1));
   if (c->rank == root)
     TP_CHECK(check_overlap("broadcast", send, count * tp_dtype_size(dtype), recv, count * tp_dtype_size(dtype), recv));
-  tp_coll_args_t a = {TP_COLL_BROADCAST, send, recv, count, NULL, count, dtype, TP_SUM, root};
-  return run_coll(c, &a, count * tp_dtype_size(dtype));
+  tp_coll_args_t a = {TP_COLL_BROADCAST, send, recv, count, NULL, count, dtype, TP_SUM, root, NULL};
+  return run_coll(c, &a, count * tp_dtype_size(dtype), stream, count && c->rank == root, count > 0);
 }
 
 tp_status_t tp_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype, tp_redop_t op,
-                      int root, tp_comm_t c) {
+                      int root, tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "reduce: communicator is NULL");
   TP_CHECK(check_root(c, "reduce", root, "root"));
   TP_CHECK(check_op("reduce", op));
   TP_CHECK(check_common(c, "reduce", send, recv, count, dtype, 1, c->rank == root));
   if (c->rank == root)
     TP_CHECK(check_overlap("reduce", send, count * tp_dtype_size(dtype), recv, count * tp_dtype_size(dtype), recv));
-  tp_coll_args_t a = {TP_COLL_REDUCE, send, recv, count, NULL, count, dtype, op, root};
-  return run_coll(c, &a, count * tp_dtype_size(dtype));
+  tp_coll_args_t a = {TP_COLL_REDUCE, send, recv, count, NULL, count, dtype, op, root, NULL};
+  return run_coll(c, &a, count * tp_dtype_size(dtype), stream, count > 0, count && c->rank == root);
 }
 
-tp_status_t tp_barrier(tp_comm_t c) {
+tp_status_t tp_barrier(tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "barrier: communicator is NULL");
-  tp_coll_args_t a = {TP_COLL_BARRIER, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0};
-  return run_coll(c, &a, 0);
+  tp_coll_args_t a = {TP_COLL_BARRIER, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0, NULL};
+  return run_coll(c, &a, 0, stream, 0, 0);
 }
 
 static tp_status_t check_peer(tp_comm_t c, const char *op, int peer, const char *what) {
@@ -352,28 +412,35 @@ static tp_status_t check_peer(tp_comm_t c, const char *op, int peer, const char 
   return TP_SUCCESS;
 }
 
-tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c) {
+tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c,
+                    tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "send: communicator is NULL");
   TP_CHECK(check_peer(c, "send", peer, "peer"));
   TP_CHECK(check_common(c, "send", buf, NULL, count, dtype, 1, 0));
+  TP_CHECK(check_stream(c, "send", stream));
+  if (count) TP_CHECK(check_device(c, "send", "buffer", buf));
   TP_CHECK(enter(c, "send"));
   double t0 = tp_now();
-  tp_status_t st = c->ops->send(c, buf, count, dtype, peer);
+  tp_status_t st = c->ops->send(c, buf, count, dtype, peer, stream);
   return leave(c, "send", st, t0, count * tp_dtype_size(dtype));
 }
 
-tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c) {
+tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c,
+                    tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "recv: communicator is NULL");
   TP_CHECK(check_peer(c, "recv", peer, "peer"));
   TP_CHECK(check_common(c, "recv", NULL, buf, count, dtype, 0, 1));
+  TP_CHECK(check_stream(c, "recv", stream));
+  if (count) TP_CHECK(check_device(c, "recv", "buffer", buf));
   TP_CHECK(enter(c, "recv"));
   double t0 = tp_now();
-  tp_status_t st = c->ops->recv(c, buf, count, dtype, peer);
+  tp_status_t st = c->ops->recv(c, buf, count, dtype, peer, stream);
   return leave(c, "recv", st, t0, count * tp_dtype_size(dtype));
 }
 
 tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
-                        size_t recvcount, int src, tp_dtype_t dtype, tp_comm_t c) {
+                        size_t recvcount, int src, tp_dtype_t dtype, tp_comm_t c,
+                        tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "sendrecv: communicator is NULL");
   TP_CHECK(check_root(c, "sendrecv", dst, "dst"));
   TP_CHECK(check_root(c, "sendrecv", src, "src"));
@@ -383,6 +450,9 @@ tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *re
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                         "sendrecv on rank %d: dst %d and src %d must both be this rank or both other ranks",
                         c->rank, dst, src);
+  TP_CHECK(check_stream(c, "sendrecv", stream));
+  if (sendcount) TP_CHECK(check_device(c, "sendrecv", "send buffer", sendbuf));
+  if (recvcount) TP_CHECK(check_device(c, "sendrecv", "recv buffer", recvbuf));
   size_t es = tp_dtype_size(dtype);
   if (dst == c->rank) {
     if (sendcount != recvcount)
@@ -394,7 +464,7 @@ tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *re
   }
   TP_CHECK(enter(c, "sendrecv"));
   double t0 = tp_now();
-  tp_status_t st = c->ops->sendrecv(c, sendbuf, sendcount, dst, recvbuf, recvcount, src, dtype);
+  tp_status_t st = c->ops->sendrecv(c, sendbuf, sendcount, dst, recvbuf, recvcount, src, dtype, stream);
   return leave(c, "sendrecv", st, t0, (sendcount + recvcount) * es);
 }
 
@@ -408,6 +478,7 @@ tp_status_t tp_comm_split(tp_comm_t c, int color, int key, tp_comm_t *newcomm) {
   TP_CHECK(enter(c, "split"));
   double t0 = tp_now();
   tp_status_t st = c->ops->split(c, color, key, newcomm);
+  if (st == TP_SUCCESS && *newcomm) (*newcomm)->registered_memory = c->registered_memory;
   return leave(c, "split", st, t0, 0);
 }
 
@@ -417,10 +488,19 @@ tp_status_t tp_comm_mem_alloc(tp_comm_t c, size_t nbytes, void **ptr, tp_mem_t *
   *handle = NULL;
   if (!c->ops->mem_alloc)
     return tp_set_error(TP_ERR_UNSUPPORTED, "mem_alloc: backend %s has no registered memory", c->ops->name);
+  if (!c->registered_memory)
+    return tp_set_error(TP_ERR_UNSUPPORTED,
+                        "mem_alloc: registered memory is turned off for this communicator "
+                        "(TPCORE_REGISTERED_MEMORY=0 or config.registered_memory = 0); use plain "
+                        "device memory");
   if (nbytes > ((size_t)1 << 46))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mem_alloc: %zu bytes is too large", nbytes);
   TP_CHECK(enter(c, "alloc"));
   double t0 = tp_now();
   tp_status_t st = c->ops->mem_alloc(c, nbytes, ptr, handle);
   return leave(c, "alloc", st, t0, 0);
+}
+
+void tp_mem_release(tp_mem_t m) {
+  if (m && m->release) m->release(m);
 }

@@ -1,8 +1,10 @@
 /*
- * Private side of the communicator interface: the backend table and the common
- * communicator struct.  A backend is one file (shm.c, later nccl.c, mpi.c) that
- * fills a tp_backend_ops; the dispatcher in comm.c validates every argument once
- * and the backends trust their inputs.
+ * Private side of the communicator interface: the backend table, the registry's
+ * entry and the common communicator struct.  A backend is a few files (shm_*.c,
+ * later nccl.c, mpi.c) that fill a tp_backend_ops, plus one line in backends.c;
+ * the dispatcher in comm.c names no backend, validates every argument once
+ * (including the device of each buffer against the table's `devices` and the
+ * stream against `streams`), and the backends trust their inputs.
  */
 #ifndef TPCORE_COMM_IMPL_H
 #define TPCORE_COMM_IMPL_H
@@ -43,26 +45,55 @@ typedef struct {
   tp_dtype_t dtype;
   tp_redop_t op;
   int root;
+  tp_stream_t stream; /* NULL unless the backend has streams (ops->streams) */
 } tp_coll_args_t;
 
 struct tp_comm;
 
+/* A registered buffer's handle starts with this header; the backend that made it
+ * sets `release` (called once, by tp_mem_release) and extends the struct. */
+struct tp_mem {
+  void (*release)(struct tp_mem *mem);
+};
+
 typedef struct {
   const char *name;
+  /* Device types its buffers may live on: bit (1u << tp_device_t). */
+  unsigned devices;
+  /* 1: work is queued on the caller's stream; 0: runs on the host, synchronously,
+   * and takes NULL only (the dispatcher rejects any other stream). */
+  int streams;
   tp_status_t (*collective)(struct tp_comm *comm, const tp_coll_args_t *args);
   tp_status_t (*send)(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dtype,
-                      int peer);
+                      int peer, tp_stream_t stream);
   tp_status_t (*recv)(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dtype,
-                      int peer);
+                      int peer, tp_stream_t stream);
   tp_status_t (*sendrecv)(struct tp_comm *comm, const void *sendbuf, size_t sendcount, int dst,
-                          void *recvbuf, size_t recvcount, int src, tp_dtype_t dtype);
+                          void *recvbuf, size_t recvcount, int src, tp_dtype_t dtype,
+                          tp_stream_t stream);
   tp_status_t (*split)(struct tp_comm *comm, int color, int key, struct tp_comm **out);
-  /* Optional (NULL: TP_ERR_UNSUPPORTED). */
+  /* Optional (NULL: TP_ERR_UNSUPPORTED; callers fall back to plain device memory). */
   tp_status_t (*mem_alloc)(struct tp_comm *comm, size_t nbytes, void **ptr, tp_mem_t *handle);
+  /* Optional: fills the backend's fields of the statistics (single_copy). */
+  void (*stats)(struct tp_comm *comm, tp_comm_stats_t *stats);
   /* Tell the peers that this rank failed; must be safe from any thread. */
   void (*abort)(struct tp_comm *comm, const char *reason);
   void (*destroy)(struct tp_comm *comm);
 } tp_backend_ops;
+
+/* One line of the registry (backends.c).  init fills comm->ops and comm->impl.
+ * world_comm: a job's world communicator (its name is the job's claim on its id,
+ * kept while the job lives); else a split's, named by comm_id. */
+typedef struct {
+  const char *name;
+  tp_status_t (*init)(struct tp_comm *comm, const char *comm_id, int world_comm);
+} tp_backend_entry;
+
+/* The entry named `name`; NULL name: the default (the registry's first line).
+ * NULL when unknown. */
+const tp_backend_entry *tp_backend_find(const char *name);
+/* "shm, nccl": the known names, for messages. */
+void tp_backend_names(char *buf, size_t n);
 
 struct tp_comm {
   const tp_backend_ops *ops;
@@ -71,6 +102,7 @@ struct tp_comm {
   int size;
   double timeout_s;
   int spin_us;
+  int registered_memory; /* 0: tp_comm_mem_alloc declines (TPCORE_REGISTERED_MEMORY=0) */
   char job_id[TP_JOB_ID_MAX + 1];
   atomic_int busy;              /* a call is in progress (one thread at a time) */
   atomic_int failed;            /* 1 once a fatal error was seen                */
@@ -85,10 +117,5 @@ tp_status_t tp_comm_alloc_common(struct tp_comm **out, int world, int rank, cons
 /* Records a fatal error: later calls fail at once with the same sentence. */
 void tp_comm_mark_failed(struct tp_comm *comm, tp_status_t status, const char *msg);
 
-/* Backend constructors. */
-/* world_comm: a job's world communicator (its name is the job's claim on its id,
- * kept while the job lives); else a split, whose name is random. */
-tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int world_comm);
-int tp_comm_is_shm(tp_comm_t comm);
 
 #endif

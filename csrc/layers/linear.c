@@ -210,7 +210,7 @@ static tp_status_t gather_columns(tp_parallel_linear_t L, float *out, float *g, 
   size_t *counts = malloc(sizeof(size_t) * (size_t)L->world);
   if (!counts) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
   for (int p = 0; p < L->world; p++) counts[p] = (size_t)(L->part[p] * M);
-  tp_status_t st = tp_all_gather_v(g + L->off * M, g, counts, TP_FLOAT32, L->comm);
+  tp_status_t st = tp_all_gather_v(g + L->off * M, g, counts, TP_FLOAT32, L->comm, NULL);
   free(counts);
   TP_CHECK(st);
   blocks_to_columns(out, g, L->part, L->offs, L->world, M, total);
@@ -287,7 +287,7 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
   TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
   float *r = L->out_buf.ptr;
   tp_linear_forward(r, L->xin, L->w, NULL, M, L->loc, N);
-  TP_CHECK(tp_all_reduce(r, r, (size_t)(M * N), TP_FLOAT32, TP_SUM, L->comm));
+  TP_CHECK(tp_all_reduce(r, r, (size_t)(M * N), TP_FLOAT32, TP_SUM, L->comm, NULL));
   if (b) {
     for (int64_t m = 0; m < M; m++) {
       const float *src = r + m * N;
@@ -322,7 +322,7 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
     TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
     float *d = L->grad_buf.ptr;
     tp_linear_backward(d, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, 0);
-    TP_CHECK(tp_all_reduce(d, d, (size_t)(M * K), TP_FLOAT32, TP_SUM, L->comm));
+    TP_CHECK(tp_all_reduce(d, d, (size_t)(M * K), TP_FLOAT32, TP_SUM, L->comm, NULL));
     TP_COPY(dx, d, (size_t)(M * K) * sizeof(float));
     return TP_SUCCESS;
   }

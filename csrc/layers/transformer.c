@@ -356,7 +356,7 @@ static tp_status_t attention_forward(tp_block_t k, float *r, const float *in, in
   }
   /* row-parallel output projection: partial sums all-reduced in registered memory, bias once after */
   tp_linear_forward(r, k->ao, k->wo, NULL, M, k->A, k->C);
-  if (k->world > 1) TP_CHECK(tp_all_reduce(r, r, (size_t)(M * k->C), TP_FLOAT32, TP_SUM, k->comm));
+  if (k->world > 1) TP_CHECK(tp_all_reduce(r, r, (size_t)(M * k->C), TP_FLOAT32, TP_SUM, k->comm, NULL));
   if (k->bo)
     for (int64_t m = 0; m < M; m++)
       for (int64_t c = 0; c < k->C; c++) r[m * k->C + c] += k->bo[c];
@@ -486,7 +486,7 @@ static tp_status_t attention_backward(tp_block_t k, float *din, const float *dr,
   }
   float *r = k->red.ptr;
   tp_linear_backward(r, k->dwqkv, k->dbqkv, k->dqkv, in, k->wqkv, M, C, k->W, 0);
-  if (k->world > 1) TP_CHECK(tp_all_reduce(r, r, (size_t)(M * C), TP_FLOAT32, TP_SUM, k->comm));
+  if (k->world > 1) TP_CHECK(tp_all_reduce(r, r, (size_t)(M * C), TP_FLOAT32, TP_SUM, k->comm, NULL));
   TP_COPY(din, r, (size_t)(M * C) * sizeof(float));
   if (k->kv_replicated) {
     /* full layout: [K weights Hk*D*C | V weights | K bias Hk*D | V bias] */
@@ -504,7 +504,7 @@ static tp_status_t attention_backward(tp_block_t k, float *din, const float *dr,
           g[2 * HkD * C + kv * HkD + k0d + i] = k->dbqkv[kvoff + kv * nkd + i] - k->kvsnap[kvw * C + kv * nkd + i];
       }
     }
-    TP_CHECK(tp_all_reduce(g, g, (size_t)n, TP_FLOAT32, TP_SUM, k->comm));
+    TP_CHECK(tp_all_reduce(g, g, (size_t)n, TP_FLOAT32, TP_SUM, k->comm, NULL));
     for (int kv = 0; kv < 2; kv++)
       for (int64_t i = 0; i < nkd; i++) {
         float *cur = k->dwqkv + (kvoff + kv * nkd + i) * C, *old = k->kvsnap + (kv * nkd + i) * C;

@@ -134,7 +134,7 @@ static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int
   TP_CHECK(tp_reg_ensure(E->comm, &E->buf, nbytes));
   float *r = E->buf.ptr;
   tp_embedding_forward(r, tokens, E->w, M, E->off, E->loc, E->C);
-  TP_CHECK(tp_all_reduce(r, r, (size_t)(M * E->C), TP_FLOAT32, TP_SUM, E->comm));
+  TP_CHECK(tp_all_reduce(r, r, (size_t)(M * E->C), TP_FLOAT32, TP_SUM, E->comm, NULL));
   TP_COPY(y, r, nbytes);
   return TP_SUCCESS;
 }
@@ -243,7 +243,7 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
     float h = targets_hash(targets, M, ignore_index);
     fp[0] = h;
     fp[1] = -h;
-    TP_CHECK(tp_all_reduce(mx, mx, (size_t)(M + 2 * n + 2), TP_FLOAT32, TP_MAX, X->comm));
+    TP_CHECK(tp_all_reduce(mx, mx, (size_t)(M + 2 * n + 2), TP_FLOAT32, TP_MAX, X->comm, NULL));
     if (fp[0] != -fp[1])
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: the ranks passed different targets or ignore_index "
                           "(every rank needs the same targets for its logits shard)");
@@ -298,7 +298,7 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
   /* (sum of exp, target logit) per row */
   float *sums = n > 1 ? (float *)X->buf.ptr + M + n + 2 : X->s2;
   tp_xent_row_sums(sums, logits, X->gmax, X->tg, M, lo, V);
-  if (n > 1) TP_CHECK(tp_all_reduce(sums, sums, (size_t)(2 * M), TP_FLOAT32, TP_SUM, X->comm));
+  if (n > 1) TP_CHECK(tp_all_reduce(sums, sums, (size_t)(2 * M), TP_FLOAT32, TP_SUM, X->comm, NULL));
   memcpy(X->sumexp, sums, (size_t)M * sizeof(float));
   const float *tl = sums + M;
   for (int64_t m = 0; m < M; m++)

@@ -188,7 +188,7 @@ static PyObject *comm_all_reduce(PyObject *o, PyObject *const *args, Py_ssize_t 
     return NULL;
   }
   tp_status_t s;
-  COMM_CALL(self, s, tp_all_reduce(bx.data, bo.data, bx.count, bx.dtype, op, c_));
+  COMM_CALL(self, s, tp_all_reduce(bx.data, bo.data, bx.count, bx.dtype, op, c_, NULL));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "all_reduce");
   Py_INCREF(out);
   return out;
@@ -313,9 +313,9 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
   }
   tp_status_t s;
   if (scatter)
-    COMM_CALL(self, s, tp_reduce_scatter_v(bx.data, bo.data, counts, bx.dtype, op, c_));
+    COMM_CALL(self, s, tp_reduce_scatter_v(bx.data, bo.data, counts, bx.dtype, op, c_, NULL));
   else
-    COMM_CALL(self, s, tp_all_gather_v(bx.data, bo.data, counts, bx.dtype, c_));
+    COMM_CALL(self, s, tp_all_gather_v(bx.data, bo.data, counts, bx.dtype, c_, NULL));
   PyMem_Free(counts);
   if (s != TP_SUCCESS) {
     Py_XDECREF(made);
@@ -348,7 +348,7 @@ static PyObject *comm_broadcast(PyObject *o, PyObject *args) {
     return NULL;
   }
   tp_status_t s;
-  COMM_CALL(self, s, tp_broadcast(bx.data, bo.data, bx.count, bx.dtype, root, c_));
+  COMM_CALL(self, s, tp_broadcast(bx.data, bo.data, bx.count, bx.dtype, root, c_, NULL));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "broadcast");
   Py_INCREF(out);
   return out;
@@ -371,7 +371,7 @@ static PyObject *comm_reduce(PyObject *o, PyObject *args) {
     return NULL;
   }
   tp_status_t s;
-  COMM_CALL(self, s, tp_reduce(bx.data, bo.data, bx.count, bx.dtype, op, root, c_));
+  COMM_CALL(self, s, tp_reduce(bx.data, bo.data, bx.count, bx.dtype, op, root, c_, NULL));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "reduce");
   Py_INCREF(out);
   return out;
@@ -386,7 +386,7 @@ static PyObject *comm_send(PyObject *o, PyObject *args) {
   buf_t b;
   if (get_buf(x, "send", "x", 0, &b) < 0) return NULL;
   tp_status_t s;
-  COMM_CALL(self, s, tp_send(b.data, b.count, b.dtype, peer, c_));
+  COMM_CALL(self, s, tp_send(b.data, b.count, b.dtype, peer, c_, NULL));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "send");
   Py_RETURN_NONE;
 }
@@ -400,7 +400,7 @@ static PyObject *comm_recv(PyObject *o, PyObject *args) {
   buf_t b;
   if (get_buf(x, "recv", "x", 1, &b) < 0) return NULL;
   tp_status_t s;
-  COMM_CALL(self, s, tp_recv(b.data, b.count, b.dtype, peer, c_));
+  COMM_CALL(self, s, tp_recv(b.data, b.count, b.dtype, peer, c_, NULL));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "recv");
   Py_INCREF(x);
   return x;
@@ -417,7 +417,7 @@ static PyObject *comm_sendrecv(PyObject *o, PyObject *args) {
       same_dtype("sendrecv", "x", &bx, "out", &bo) < 0)
     return NULL;
   tp_status_t s;
-  COMM_CALL(self, s, tp_sendrecv(bx.data, bx.count, dst, bo.data, bo.count, src, bx.dtype, c_));
+  COMM_CALL(self, s, tp_sendrecv(bx.data, bx.count, dst, bo.data, bo.count, src, bx.dtype, c_, NULL));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "sendrecv");
   Py_INCREF(out);
   return out;
@@ -427,7 +427,7 @@ static PyObject *comm_barrier(PyObject *o, PyObject *unused) {
   CommObject *self = (CommObject *)o;
   if (!live(self, "barrier")) return NULL;
   tp_status_t s;
-  COMM_CALL(self, s, tp_barrier(c_));
+  COMM_CALL(self, s, tp_barrier(c_, NULL));
   if (s != TP_SUCCESS) return raise_status(cstate(o), s, "barrier");
   Py_RETURN_NONE;
 }

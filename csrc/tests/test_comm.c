@@ -129,7 +129,7 @@ static void test_all_reduce(tp_comm_t c, int n, int r) {
           void *out = inplace ? x : y;
           if (inplace == 1)
             for (size_t i = 0; i < cnt; i++) store(x, (tp_dtype_t)d, i, ival((tp_dtype_t)d, seed, r, i));
-          OK(tp_all_reduce(x, out, cnt, (tp_dtype_t)d, (tp_redop_t)op, c));
+          OK(tp_all_reduce(x, out, cnt, (tp_dtype_t)d, (tp_redop_t)op, c, NULL));
           size_t bad = 0;
           for (size_t i = 0; i < cnt; i++)
             if (!close_enough((tp_dtype_t)d, load(out, (tp_dtype_t)d, i),
@@ -157,14 +157,14 @@ static void test_gather_scatter(tp_comm_t c, int n, int r) {
     float *x = malloc(total * 4 + 4), *y = malloc(total * 4 + 4);
     /* all_gather_v */
     for (size_t i = 0; i < counts[r]; i++) x[i] = (float)val(7, r, i);
-    OK(tp_all_gather_v(x, y, counts, d, c));
+    OK(tp_all_gather_v(x, y, counts, d, c, NULL));
     size_t bad = 0;
     for (int p = 0; p < n; p++)
       for (size_t i = 0; i < counts[p]; i++) bad += y[displ[p] + i] != (float)val(7, p, i);
     EXPECT(bad == 0, "all_gather_v base %zu: %zu wrong", base, bad);
     /* reduce_scatter_v */
     for (size_t i = 0; i < total; i++) x[i] = (float)val(8, r, i);
-    OK(tp_reduce_scatter_v(x, y, counts, d, TP_SUM, c));
+    OK(tp_reduce_scatter_v(x, y, counts, d, TP_SUM, c, NULL));
     bad = 0;
     for (size_t i = 0; i < counts[r]; i++) {
       double want = 0;
@@ -175,12 +175,12 @@ static void test_gather_scatter(tp_comm_t c, int n, int r) {
     /* broadcast and reduce from every root */
     for (int root = 0; root < n; root++) {
       for (size_t i = 0; i < total; i++) x[i] = (float)val(9 + root, r, i);
-      OK(tp_broadcast(x, x, total, d, root, c));
+      OK(tp_broadcast(x, x, total, d, root, c, NULL));
       bad = 0;
       for (size_t i = 0; i < total; i++) bad += x[i] != (float)val(9 + root, root, i);
       EXPECT(bad == 0, "broadcast root %d count %zu: %zu wrong", root, total, bad);
       for (size_t i = 0; i < total; i++) x[i] = (float)val(20 + root, r, i);
-      OK(tp_reduce(x, y, total, d, TP_MAX, root, c));
+      OK(tp_reduce(x, y, total, d, TP_MAX, root, c, NULL));
       if (r == root) {
         bad = 0;
         for (size_t i = 0; i < total; i++) bad += y[i] != (float)ref_reduce(d, TP_MAX, 20 + root, n, i);
@@ -190,7 +190,7 @@ static void test_gather_scatter(tp_comm_t c, int n, int r) {
     free(x);
     free(y);
   }
-  OK(tp_barrier(c));
+  OK(tp_barrier(c, NULL));
 }
 
 static void test_p2p_split_registered(tp_comm_t c, int n, int r) {
@@ -198,16 +198,16 @@ static void test_p2p_split_registered(tp_comm_t c, int n, int r) {
   size_t cnt = 200003;
   double *x = malloc(cnt * 8), *y = malloc(cnt * 8);
   for (size_t i = 0; i < cnt; i++) x[i] = val(30, r, i);
-  OK(tp_sendrecv(x, cnt, (r + 1) % n, y, cnt, (r + n - 1) % n, TP_FLOAT64, c));
+  OK(tp_sendrecv(x, cnt, (r + 1) % n, y, cnt, (r + n - 1) % n, TP_FLOAT64, c, NULL));
   size_t bad = 0;
   for (size_t i = 0; i < cnt; i++) bad += y[i] != val(30, (r + n - 1) % n, i);
   EXPECT(bad == 0, "sendrecv ring: %zu wrong", bad);
   /* Plain send / recv, ordered to avoid deadlock. */
   if (n > 1) {
     if (r == 0) {
-      OK(tp_send(x, 1000, TP_FLOAT64, 1, c));
+      OK(tp_send(x, 1000, TP_FLOAT64, 1, c, NULL));
     } else if (r == 1) {
-      OK(tp_recv(y, 1000, TP_FLOAT64, 0, c));
+      OK(tp_recv(y, 1000, TP_FLOAT64, 0, c, NULL));
       bad = 0;
       for (size_t i = 0; i < 1000; i++) bad += y[i] != val(30, 0, i);
       EXPECT(bad == 0, "send/recv: %zu wrong", bad);
@@ -223,7 +223,7 @@ static void test_p2p_split_registered(tp_comm_t c, int n, int r) {
   OK(tp_comm_size(sub, &ss));
   EXPECT(ss == (n + 1 - r % 2) / 2, "split size %d", ss);
   int32_t v = r, sum = 0;
-  OK(tp_all_reduce(&v, &sum, 1, TP_INT32, TP_SUM, sub));
+  OK(tp_all_reduce(&v, &sum, 1, TP_INT32, TP_SUM, sub, NULL));
   int32_t want = 0;
   for (int p = r % 2; p < n; p += 2) want += p;
   EXPECT(sum == want, "split all_reduce %d != %d", sum, want);
@@ -238,12 +238,12 @@ static void test_p2p_split_registered(tp_comm_t c, int n, int r) {
   tp_mem_t h;
   OK(tp_comm_mem_alloc(c, rc * 4 * (size_t)n, (void **)&buf, &h));
   for (size_t i = 0; i < rc; i++) buf[i] = (float)val(40, r, i);
-  OK(tp_all_reduce(buf, buf, rc, TP_FLOAT32, TP_SUM, c));
+  OK(tp_all_reduce(buf, buf, rc, TP_FLOAT32, TP_SUM, c, NULL));
   bad = 0;
   for (size_t i = 0; i < rc; i++) bad += !close_enough(TP_FLOAT32, buf[i], ref_reduce(TP_FLOAT32, TP_SUM, 40, n, i));
   EXPECT(bad == 0, "registered all_reduce: %zu wrong", bad);
   for (size_t i = 0; i < rc; i++) buf[r * rc + i] = (float)val(41, r, i);
-  OK(tp_all_gather(buf + r * rc, buf, rc, TP_FLOAT32, c));
+  OK(tp_all_gather(buf + r * rc, buf, rc, TP_FLOAT32, c, NULL));
   bad = 0;
   for (int p = 0; p < n; p++)
     for (size_t i = 0; i < rc; i++) bad += buf[p * rc + i] != (float)val(41, p, i);
@@ -257,34 +257,121 @@ static void test_p2p_split_registered(tp_comm_t c, int n, int r) {
 static void test_errors(tp_comm_t c, int n, int r) {
   float x[16] = {0};
   /* Bad arguments fail locally and leave the communicator usable. */
-  EXPECT(tp_all_reduce(x, x, 4, (tp_dtype_t)99, TP_SUM, c) == TP_ERR_INVALID_ARGUMENT, "bad dtype");
-  EXPECT(tp_all_reduce(x, x, 4, TP_FLOAT32, (tp_redop_t)9, c) == TP_ERR_INVALID_ARGUMENT, "bad op");
-  EXPECT(tp_broadcast(x, x, 4, TP_FLOAT32, n, c) == TP_ERR_INVALID_ARGUMENT, "bad root");
+  EXPECT(tp_all_reduce(x, x, 4, (tp_dtype_t)99, TP_SUM, c, NULL) == TP_ERR_INVALID_ARGUMENT, "bad dtype");
+  EXPECT(tp_all_reduce(x, x, 4, TP_FLOAT32, (tp_redop_t)9, c, NULL) == TP_ERR_INVALID_ARGUMENT, "bad op");
+  EXPECT(tp_broadcast(x, x, 4, TP_FLOAT32, n, c, NULL) == TP_ERR_INVALID_ARGUMENT, "bad root");
   EXPECT(strstr(tp_last_error(), "invalid root") != NULL, "message: %s", tp_last_error());
-  EXPECT(tp_all_reduce(NULL, x, 4, TP_FLOAT32, TP_SUM, c) == TP_ERR_INVALID_ARGUMENT, "null send");
-  EXPECT(tp_all_reduce(x, x + 1, 4, TP_FLOAT32, TP_SUM, c) == TP_ERR_INVALID_ARGUMENT, "partial overlap");
+  EXPECT(tp_all_reduce(NULL, x, 4, TP_FLOAT32, TP_SUM, c, NULL) == TP_ERR_INVALID_ARGUMENT, "null send");
+  EXPECT(tp_all_reduce(x, x + 1, 4, TP_FLOAT32, TP_SUM, c, NULL) == TP_ERR_INVALID_ARGUMENT, "partial overlap");
   /* Zero elements: NULL buffers are fine (and must not reach memcpy). */
-  OK(tp_all_reduce(NULL, NULL, 0, TP_FLOAT32, TP_SUM, c));
-  OK(tp_broadcast(NULL, NULL, 0, TP_INT8, 0, c));
-  OK(tp_all_gather(NULL, NULL, 0, TP_FLOAT64, c));
-  OK(tp_reduce_scatter(NULL, NULL, 0, TP_FLOAT64, TP_MAX, c));
-  OK(tp_barrier(c));
+  OK(tp_all_reduce(NULL, NULL, 0, TP_FLOAT32, TP_SUM, c, NULL));
+  OK(tp_broadcast(NULL, NULL, 0, TP_INT8, 0, c, NULL));
+  OK(tp_all_gather(NULL, NULL, 0, TP_FLOAT64, c, NULL));
+  OK(tp_reduce_scatter(NULL, NULL, 0, TP_FLOAT64, TP_MAX, c, NULL));
+  OK(tp_barrier(c, NULL));
+  /* A host backend takes no stream: a clear argument error, before any rank waits. */
+  tp_stream_t fake = (tp_stream_t)(void *)x;
+  EXPECT(tp_all_reduce(x, x, 4, TP_FLOAT32, TP_SUM, c, fake) == TP_ERR_INVALID_ARGUMENT, "stream");
+  EXPECT(strstr(tp_last_error(), "all_reduce: backend shm runs on the host and takes no stream; pass NULL"),
+         "stream message: %s", tp_last_error());
+  EXPECT(tp_barrier(c, fake) == TP_ERR_INVALID_ARGUMENT, "barrier stream");
+  EXPECT(tp_sendrecv(x, 1, r, x + 8, 1, r, TP_FLOAT32, c, fake) == TP_ERR_INVALID_ARGUMENT, "sendrecv stream");
+  if (n > 1)
+    EXPECT(tp_send(x, 1, TP_FLOAT32, (r + 1) % n, c, fake) == TP_ERR_INVALID_ARGUMENT && strstr(tp_last_error(), "send:"),
+           "send stream: %s", tp_last_error());
+  unsigned mask = 0;
+  OK(tp_comm_devices(c, &mask));
+  EXPECT(mask == (1u << TP_DEVICE_CPU), "devices mask %#x", mask);
+  OK(tp_barrier(c, NULL)); /* still usable */
   if (n < 2) return;
   /* Mismatch: rank 0 all_reduce of 16, the others all_gather: everybody fails. */
-  tp_status_t st = r == 0 ? tp_all_reduce(x, x, 16, TP_FLOAT32, TP_SUM, c)
-                          : tp_all_gather(x, x + 8, 8 / n, TP_FLOAT32, c);
+  tp_status_t st = r == 0 ? tp_all_reduce(x, x, 16, TP_FLOAT32, TP_SUM, c, NULL)
+                          : tp_all_gather(x, x + 8, 8 / n, TP_FLOAT32, c, NULL);
   EXPECT(st == TP_ERR_MISMATCH || st == TP_ERR_REMOTE, "mismatch gave %s", tp_status_name(st));
   EXPECT(strstr(tp_last_error(), "all_gather") && strstr(tp_last_error(), "all_reduce"),
          "mismatch message names both: %s", tp_last_error());
   /* The communicator is now unusable, with a clear error. */
-  st = tp_barrier(c);
+  st = tp_barrier(c, NULL);
   EXPECT(st != TP_SUCCESS, "barrier after mismatch succeeded");
+}
+
+/* Registered memory turned off (config field or TPCORE_REGISTERED_MEMORY=0):
+ * mem_alloc declines with TP_ERR_UNSUPPORTED, on splits too; collectives work. */
+static void test_registered_off(int n, int r, const char *job) {
+  tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
+  cfg.job_id = job;
+  cfg.timeout_s = 30;
+  cfg.registered_memory = 0;
+  tp_comm_t c;
+  OK(tp_comm_init_rank(&c, n, r, &cfg));
+  void *p = (void *)1;
+  tp_mem_t h = (tp_mem_t)1;
+  EXPECT(tp_comm_mem_alloc(c, 4096, &p, &h) == TP_ERR_UNSUPPORTED && !p && !h, "declined");
+  EXPECT(strstr(tp_last_error(), "registered memory is turned off"), "message: %s", tp_last_error());
+  tp_comm_t sub = NULL;
+  OK(tp_comm_split(c, 0, r, &sub));
+  EXPECT(tp_comm_mem_alloc(sub, 4096, &p, &h) == TP_ERR_UNSUPPORTED, "split declines too");
+  tp_comm_destroy(sub);
+  float x = 1;
+  OK(tp_all_reduce(&x, &x, 1, TP_FLOAT32, TP_SUM, c, NULL));
+  EXPECT(x == n, "all_reduce %g", x);
+  tp_comm_destroy(c);
+  /* The environment variable does the same when the config leaves it unset. */
+  char job2[96];
+  snprintf(job2, sizeof job2, "%s_env", job);
+  cfg = (tp_comm_config_t)TP_COMM_CONFIG_INITIALIZER;
+  cfg.job_id = job2;
+  cfg.timeout_s = 30;
+  setenv("TPCORE_REGISTERED_MEMORY", "0", 1);
+  OK(tp_comm_init_rank(&c, n, r, &cfg));
+  unsetenv("TPCORE_REGISTERED_MEMORY");
+  EXPECT(tp_comm_mem_alloc(c, 4096, &p, &h) == TP_ERR_UNSUPPORTED, "env declines");
+  tp_comm_destroy(c);
+  /* An unknown backend names the known ones. */
+  cfg.backend = "carrier-pigeon";
+  EXPECT(tp_comm_init_rank(&c, n, r, &cfg) == TP_ERR_UNSUPPORTED && strstr(tp_last_error(), "available: shm"),
+         "unknown backend: %s", tp_last_error());
+}
+
+/* The waits in each of their modes give the same results: the adaptive default
+ * (short and long waits: a rank that arrives late makes the others spin past the
+ * first probe, or sleep), a fixed spin (config spin_us), and no spin
+ * (TPCORE_SPIN_US=0). */
+static void test_wait_modes(int n, int r, const char *job) {
+  for (int mode = 0; mode < 3; mode++) {
+    tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
+    char id[96];
+    snprintf(id, sizeof id, "%s_m%d", job, mode);
+    cfg.job_id = id;
+    cfg.timeout_s = 30;
+    if (mode == 1) cfg.spin_us = 20;
+    if (mode == 2) setenv("TPCORE_SPIN_US", "0", 1);
+    tp_comm_t c;
+    OK(tp_comm_init_rank(&c, n, r, &cfg));
+    unsetenv("TPCORE_SPIN_US");
+    for (int i = 0; i < 300; i++) {
+      if (n > 1 && r == i % n && i % 7 == 0) usleep(i % 2 ? 100 : 3000); /* a late rank */
+      int32_t v = r + i, sum = 0;
+      OK(tp_all_reduce(&v, &sum, 1, TP_INT32, TP_SUM, c, NULL));
+      EXPECT(sum == n * i + n * (n - 1) / 2, "mode %d call %d: %d", mode, i, sum);
+    }
+    OK(tp_barrier(c, NULL));
+    tp_comm_destroy(c);
+  }
 }
 
 static void run_rank(int n, int r, int which) {
   tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
   char job[80];
   snprintf(job, sizeof job, "%s_%d_%d", g_job, n, which);
+  if (which == 6) {
+    test_registered_off(n, r, job);
+    return;
+  }
+  if (which == 7) {
+    test_wait_modes(n, r, job);
+    return;
+  }
   cfg.job_id = job;
   cfg.timeout_s = 30;
   tp_comm_t c;
@@ -299,7 +386,7 @@ static void run_rank(int n, int r, int which) {
       if (r == n - 1) _exit(0); /* dies without closing */
       double t0 = tp_now();
       float x = 1;
-      tp_status_t st = tp_all_reduce(&x, &x, 1, TP_FLOAT32, TP_SUM, c);
+      tp_status_t st = tp_all_reduce(&x, &x, 1, TP_FLOAT32, TP_SUM, c, NULL);
       EXPECT(st == TP_ERR_REMOTE, "dead peer gave %s", tp_status_name(st));
       char want[32];
       snprintf(want, sizeof want, "rank %d", n - 1);
@@ -312,7 +399,7 @@ static void run_rank(int n, int r, int which) {
       tp_comm_set_timeout(c, 0.5);
       if (r == n - 1) { usleep(1500 * 1000); break; }
       float x = 1;
-      tp_status_t st = tp_all_reduce(&x, &x, 1, TP_FLOAT32, TP_SUM, c);
+      tp_status_t st = tp_all_reduce(&x, &x, 1, TP_FLOAT32, TP_SUM, c, NULL);
       EXPECT(st == TP_ERR_TIMEOUT || st == TP_ERR_REMOTE, "missing peer gave %s", tp_status_name(st));
       break;
     }
@@ -321,12 +408,12 @@ static void run_rank(int n, int r, int which) {
 }
 
 static const char *case_names[] = {"all_reduce", "gather_scatter_bcast_reduce", "p2p_split_registered",
-                                   "errors", "dead_rank", "missing_rank"};
+                                   "errors", "dead_rank", "missing_rank", "registered_memory_off", "wait_modes"};
 
 int main(void) {
   snprintf(g_job, sizeof g_job, "ctest%d", (int)getpid());
   int passed = 0, failed = 0;
-  for (int which = 0; which < 6; which++) {
+  for (int which = 0; which < 8; which++) {
     for (int n = 1; n <= 4; n++) {
       pid_t pids[4];
       for (int r = 0; r < n; r++) {

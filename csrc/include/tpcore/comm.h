@@ -9,9 +9,14 @@
  * corrupting data.  Every wait has a timeout; a rank that aborts or dies makes
  * the others fail promptly with TP_ERR_REMOTE naming it.
  *
- * Buffers are host memory, contiguous, with `count` elements of `dtype`.  send
- * and recv may be the same pointer (in place).  A communicator is used by one
- * thread at a time.
+ * Buffers are contiguous, with `count` elements of `dtype`, on a device the
+ * backend takes (tp_comm_devices: host memory for shm).  send and recv may be
+ * the same pointer (in place).  A communicator is used by one thread at a time.
+ *
+ * Streams (NCCL's order: the stream is the last argument).  A backend that
+ * queues work on a device stream (nccl) runs the call on `stream` and returns
+ * once it is queued; a host backend (shm) runs it synchronously and takes
+ * NULL only: a stream passed to it is an argument error, not silently ignored.
  */
 #ifndef TPCORE_COMM_H
 #define TPCORE_COMM_H
@@ -45,11 +50,14 @@ typedef struct {
   const char *backend;  /* "shm" (default when NULL)                           */
   const char *job_id;   /* names the job's shared resources: [A-Za-z0-9_-]{1,64} */
   double timeout_s;     /* every wait; <= 0: TPCORE_TIMEOUT or 300 s           */
-  int spin_us;          /* busy-wait before sleeping; < 0: automatic           */
+  int spin_us;          /* busy-wait before yielding; < 0: automatic (adaptive) */
+  /* Registered memory (tp_comm_mem_alloc): 1 on, 0 declined for any backend,
+   * < 0: TPCORE_REGISTERED_MEMORY (0 declines), else on. */
+  int registered_memory;
 } tp_comm_config_t;
 
 #define TP_COMM_CONFIG_INITIALIZER \
-  { sizeof(tp_comm_config_t), TP_VERSION, NULL, NULL, -1.0, -1 }
+  { sizeof(tp_comm_config_t), TP_VERSION, NULL, NULL, -1.0, -1, -1 }
 
 /* Collective over the `world` ranks that name the same job_id: each calls it
  * with its own rank.  Returns when all have joined, or TP_ERR_TIMEOUT naming
@@ -70,39 +78,43 @@ TP_API tp_status_t tp_comm_size(tp_comm_t comm, int *size);
 TP_API tp_status_t tp_comm_backend(tp_comm_t comm, const char **name);
 TP_API tp_status_t tp_comm_timeout(tp_comm_t comm, double *seconds);
 TP_API tp_status_t tp_comm_set_timeout(tp_comm_t comm, double seconds);
+/* The device types this communicator's buffers may live on: bit (1u << t) for
+ * each tp_device_t t (shm: 1u << TP_DEVICE_CPU).  Collectives reject a buffer
+ * on any other device with TP_ERR_INVALID_ARGUMENT. */
+TP_API tp_status_t tp_comm_devices(tp_comm_t comm, unsigned *mask);
 
 /* Collectives. */
 TP_API tp_status_t tp_all_reduce(const void *send, void *recv, size_t count,
-                                 tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm);
+                                 tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm, tp_stream_t stream);
 /* recv holds size * sendcount elements, rank p's at p * sendcount. */
 TP_API tp_status_t tp_all_gather(const void *send, void *recv, size_t sendcount,
-                                 tp_dtype_t dtype, tp_comm_t comm);
+                                 tp_dtype_t dtype, tp_comm_t comm, tp_stream_t stream);
 /* Uneven form: rank p contributes counts[p] elements, placed at the sum of the
  * counts before it.  counts has `size` entries and is the same on every rank. */
 TP_API tp_status_t tp_all_gather_v(const void *send, void *recv, const size_t *counts,
-                                   tp_dtype_t dtype, tp_comm_t comm);
+                                   tp_dtype_t dtype, tp_comm_t comm, tp_stream_t stream);
 /* send holds size * recvcount elements; rank p receives block p, reduced. */
 TP_API tp_status_t tp_reduce_scatter(const void *send, void *recv, size_t recvcount,
-                                     tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm);
+                                     tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm, tp_stream_t stream);
 TP_API tp_status_t tp_reduce_scatter_v(const void *send, void *recv, const size_t *counts,
-                                       tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm);
+                                       tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm, tp_stream_t stream);
 /* send is read on root only; recv is written on every rank. */
 TP_API tp_status_t tp_broadcast(const void *send, void *recv, size_t count,
-                                tp_dtype_t dtype, int root, tp_comm_t comm);
+                                tp_dtype_t dtype, int root, tp_comm_t comm, tp_stream_t stream);
 /* recv is written on root only (may be NULL elsewhere). */
 TP_API tp_status_t tp_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype,
-                             tp_redop_t op, int root, tp_comm_t comm);
-TP_API tp_status_t tp_barrier(tp_comm_t comm);
+                             tp_redop_t op, int root, tp_comm_t comm, tp_stream_t stream);
+TP_API tp_status_t tp_barrier(tp_comm_t comm, tp_stream_t stream);
 
 /* Point to point.  A send of up to the backend's eager size returns at once;
  * a larger one returns when the receiver has taken all but the last chunks. */
 TP_API tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer,
-                           tp_comm_t comm);
+                           tp_comm_t comm, tp_stream_t stream);
 TP_API tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer,
-                           tp_comm_t comm);
+                           tp_comm_t comm, tp_stream_t stream);
 /* Sends to `dst` and receives from `src` at the same time (no deadlock in rings). */
 TP_API tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
-                               size_t recvcount, int src, tp_dtype_t dtype, tp_comm_t comm);
+                               size_t recvcount, int src, tp_dtype_t dtype, tp_comm_t comm, tp_stream_t stream);
 
 /* Collective: ranks with the same color form a new communicator, ordered by
  * (key, parent rank).  TP_SPLIT_NOCOLOR gives *newcomm = NULL. */
@@ -112,7 +124,10 @@ TP_API tp_status_t tp_comm_split(tp_comm_t comm, int color, int key, tp_comm_t *
  * asks for the same nbytes and gets a buffer in memory the ranks share;
  * collectives whose buffers all lie at the same offset of the same allocation
  * on every rank read and write peers' memory in place, without staging copies.
- * The buffer stays valid until tp_mem_release, even after tp_comm_destroy. */
+ * The buffer stays valid until tp_mem_release, even after tp_comm_destroy.
+ * TP_ERR_UNSUPPORTED when the backend has none or registered memory is turned
+ * off (config.registered_memory = 0 or TPCORE_REGISTERED_MEMORY=0): callers
+ * then use plain device memory. */
 TP_API tp_status_t tp_comm_mem_alloc(tp_comm_t comm, size_t nbytes, void **ptr,
                                      tp_mem_t *handle);
 TP_API void tp_mem_release(tp_mem_t handle);
@@ -123,7 +138,7 @@ typedef struct {
   uint64_t bytes;         /* payload bytes of those calls (this rank's)  */
   uint64_t zero_copy;     /* calls that took the registered-memory path  */
   double seconds;         /* time spent inside collectives and p2p       */
-  int single_copy;        /* large private arrays move in one (kernel) copy */
+  int single_copy;        /* large private arrays move in one (kernel) copy (backend stat) */
 } tp_comm_stats_t;
 TP_API tp_status_t tp_comm_get_stats(tp_comm_t comm, tp_comm_stats_t *stats);
 

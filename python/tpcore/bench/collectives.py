@@ -42,6 +42,13 @@ The sizes are min, min*factor, ... up to max, plus max itself and the
 summary's reference sizes (4 KiB, 1 MiB, 16 MiB, 64 MiB) where they fall
 between min and max.
 
+Busy machine.  --background-load N starts N processes that only spin (one
+Python loop each) for the whole run, beside the ranks, and stops them at the
+end, on an error or on Ctrl-C / SIGTERM (each also exits by itself within
+about 0.1 s of the benchmark's process going away).  The header and the line
+above the tables state the load.  With more runnable processes than cores,
+tpcore's waits stop spinning and sleep (see csrc/comm/shm_wait.c).
+
 Peers (optional, skipped with a note when missing): torch.distributed with
 gloo and mpi4py over mpirun run the same loop on the same number of ranks;
 see tpcore.bench._peers.  The summary compares all_reduce at the reference
@@ -54,9 +61,11 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from typing import List
 
 from . import _report
 from ._peers import PEERS, run_peer
@@ -137,6 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress on stderr")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds any one implementation's run may take, default 3600")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="run N busy (spinning) processes beside the ranks for the whole run, default 0")
 
 
 def make_plan(args) -> Plan:
@@ -160,6 +171,59 @@ def make_plan(args) -> Plan:
                 check=args.check)
 
 
+# A busy process: spins, and leaves by itself once its parent (the benchmark) is gone.
+_BUSY_CODE = ("import os, sys\n"
+              "parent = int(sys.argv[1])\n"
+              "while os.getppid() == parent:\n"
+              "    for _ in range(200000):\n"
+              "        pass\n")
+BUSY_MARKER = "tpcore-bench-background-load"
+
+
+class BackgroundLoad:
+    """N processes that spin for as long as the `with` block runs; always stopped at its end."""
+
+    def __init__(self, n: int):
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"--background-load must be an int >= 0, got {n!r}")
+        self.n = n
+        self.procs: List[subprocess.Popen] = []
+
+    def __enter__(self) -> "BackgroundLoad":
+        try:
+            for _ in range(self.n):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-c", _BUSY_CODE, str(os.getpid()), BUSY_MARKER],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def pids(self) -> List[int]:
+        return [p.pid for p in self.procs]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - a killed process always goes
+                pass
+        self.procs = []
+
+    def describe(self) -> str:
+        if not self.n:
+            return "none"
+        return f"{self.n} busy process{'es' if self.n != 1 else ''} spinning beside the ranks for the whole run"
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the cleanup of ranks and peers
 
@@ -173,6 +237,8 @@ def run(args) -> int:
 
     from ._tpcore import rank_main
 
+    if args.background_load < 0:
+        raise SystemExit(f"--background-load must be >= 0, got {args.background_load}")
     try:
         plan = make_plan(args)
     except ValueError as e:
@@ -180,7 +246,13 @@ def run(args) -> int:
     numpy_dtype(plan.dtype)  # a missing ml_dtypes (bfloat16) stops here, not in every rank
     peer_names = [] if args.peers == "none" else (list(PEERS) if args.peers == "auto" else args.peers)
     env = env_info()
+    with BackgroundLoad(args.background_load) as load:
+        return _run_loaded(args, plan, peer_names, env, load, rank_main, tpcore)
+
+
+def _run_loaded(args, plan, peer_names, env, load, rank_main, tpcore) -> int:
     _report.print_header(env, args, plan, peer_names, mpirun=args.mpirun)
+    print(f"#  background load: {load.describe()}")
     progress = Progress(args.progress)
     t_start = time.perf_counter()
 
@@ -201,6 +273,8 @@ def run(args) -> int:
         else:
             progress.done(f"[bench] {p.name}: {p.note}")
 
+    if load.n:
+        print(f"# background load during these tables: {load.describe()}")
     _report.print_tables(rows, memcpy, plan, args.nranks, peers)
     summary = _report.print_summary(rows, memcpy, plan, args.nranks, peers, SUMMARY_SIZES)
     elapsed = time.perf_counter() - t_start
@@ -208,6 +282,7 @@ def run(args) -> int:
 
     if args.json:
         env["loadavg_end"] = _loadavg()
+        env["background_load"] = load.n
         options = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
         doc = {"env": env, "argv": sys.argv, "options": options, "plan": plan.to_json(), "nranks": args.nranks,
                "memcpy": memcpy, "rows": rows, "summary": summary, "seconds": round(elapsed, 1),
@@ -235,4 +310,4 @@ def main(argv=None) -> int:
     return run(p.parse_args(argv))
 
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run", "main", "BackgroundLoad"]

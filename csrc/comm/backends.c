@@ -1,0 +1,35 @@
+/*
+ * The registry of communicator backends: one line per backend (its name and its
+ * constructor).  The first line is the default (config->backend == NULL).
+ * Adding a backend is its files plus one line here, behind its build switch:
+ *
+ *   #ifdef TP_WITH_NCCL
+ *       {"nccl", tp_nccl_comm_init},
+ *   #endif
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "comm_impl.h"
+
+tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int world_comm);
+
+static const tp_backend_entry backends[] = {
+    {"shm", tp_shm_comm_init},
+};
+
+#define NUM_BACKENDS (sizeof backends / sizeof backends[0])
+
+const tp_backend_entry *tp_backend_find(const char *name) {
+  if (!name) return &backends[0];
+  for (size_t i = 0; i < NUM_BACKENDS; i++)
+    if (strcmp(backends[i].name, name) == 0) return &backends[i];
+  return NULL;
+}
+
+void tp_backend_names(char *buf, size_t n) {
+  size_t len = 0;
+  if (n) buf[0] = '\0';
+  for (size_t i = 0; i < NUM_BACKENDS && len < n; i++)
+    len += (size_t)snprintf(buf + len, n - len, "%s%s", i ? ", " : "", backends[i].name);
+}
