@@ -28,7 +28,7 @@ endif
 CFLAGS += $(BLAS_CFLAGS)
 LIBS := $(BLAS_LIBS) -lpthread -lrt -lm
 
-CORE_SRC := $(wildcard csrc/core/*.c) $(wildcard csrc/devices/*.c) $(wildcard csrc/comm/*.c) $(wildcard csrc/kernels/cpu/*.c) $(wildcard csrc/layers/*.c)
+CORE_SRC := $(wildcard csrc/core/*.c) $(wildcard csrc/devices/*.c) $(wildcard csrc/comm/*.c) $(wildcard csrc/kernels/*.c) $(wildcard csrc/kernels/cpu/*.c) $(wildcard csrc/layers/*.c)
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))
 HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h)
 
