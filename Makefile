@@ -48,7 +48,7 @@ $(BUILD)/test_layers: csrc/tests/test_layers.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
 # The kernel parity harness: every entry of every kernel table against references.
-KTEST_SRC := csrc/tests/test_kernels.c csrc/tests/test_kernels_nn.c csrc/tests/test_kernels_attn.c
+KTEST_SRC := $(wildcard csrc/tests/test_kernels*.c)
 
 $(BUILD)/test_kernels: $(KTEST_SRC) csrc/tests/test_kernels.h $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $(KTEST_SRC) -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)

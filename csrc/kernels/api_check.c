@@ -67,9 +67,12 @@ tp_status_t tp_karg(tp_kcall *c, const char *name, const tp_tensor *t, int optio
                     const int64_t *shape) {
   if (!t) return optional ? TP_SUCCESS : tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s is NULL", c->op, name);
   TP_CHECK(common(c, name, t, dt, ndim, shape));
-  if (!tp_tensor_is_contiguous(t))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must be contiguous (C order), got strides that are not",
-                        c->op, name);
+  if (!tp_tensor_is_contiguous(t)) {
+    char st[128];
+    shape_str(st, sizeof st, t->ndim, t->strides, 0);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must be contiguous (C order), got strides %s", c->op, name,
+                        st);
+  }
   return TP_SUCCESS;
 }
 

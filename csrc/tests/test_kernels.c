@@ -638,6 +638,8 @@ static const parity_case cases[] = {
     {"init_normal", case_init_normal}, {"adamw_step", case_adamw_step}, {"sgd_step", case_sgd_step},
 };
 
+void run_api_tests(int *passed, int *failed); /* test_kernels_api.c */
+
 #define ENTRY_NAME_(n) #n,
 static const char *const entries[] = {TP_KERNEL_ENTRIES(ENTRY_NAME_)};
 
@@ -678,6 +680,8 @@ int main(int argc, char **argv) {
       case_failed ? failed++ : passed++;
     }
   }
+  if (!only) run_api_tests(&passed, &failed);
+  release();
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }

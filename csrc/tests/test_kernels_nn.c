@@ -176,7 +176,7 @@ void case_bias_act_backward(void) {
         size_t need = mode ? K->bias_act_backward_workspace(M, F, (tp_activation_t)a) : 0;
         if (mode == 2 && M > 0) need = (size_t)hw * sizeof(float);
         void *ws = need ? dmem(need) : NULL;
-        float *ddh = dmem((size_t)(M * hw) * 4), *ddb = DPUTF(db, hw), *got = hmem((size_t)(M * hw) * 4 + 4);
+        float *ddh = dmem((size_t)(M * hw) * 4), *ddb = DPUTF(db, hw), *got = hmem((size_t)((M + 1) * hw) * 4 + 4);
         ok("bias_act_backward", K->bias_act_backward(NULL, ddh, mode ? ddb : NULL, DPUTF(h, M * hw),
                                                      DPUTF(dout, M * F), M, F, (tp_activation_t)a, ws, need));
         GETF(got, ddh, M * hw);
@@ -221,7 +221,7 @@ static void norm_forward_case(int rms) {
           my[m * C + j] = (fabs(x[m * C + j]) + fabs(mu[m])) * rs[m] * fabs(w[j]) + fabs(ry[m * C + j]);
         }
       float *dy = dmem((size_t)(M * C) * 4), *dmu = dmem((size_t)M * 4), *drs = dmem((size_t)M * 4);
-      float *got = hmem((size_t)(M * C) * 4 + 4), *dx = DPUTF(x, M * C), *dw = DPUTF(w, C);
+      float *got = hmem((size_t)((M + 1) * C) * 4 + 4), *dx = DPUTF(x, M * C), *dw = DPUTF(w, C);
       if (rms) ok("rmsnorm_forward", K->rmsnorm_forward(NULL, dy, opt ? drs : NULL, dx, dw, M, C, eps));
       else ok("layernorm_forward", K->layernorm_forward(NULL, dy, opt ? dmu : NULL, opt ? drs : NULL, dx, dw,
                                                           opt ? DPUTF(b, C) : NULL, M, C, eps));
@@ -264,7 +264,7 @@ static void norm_backward_case(int rms) {
         }
       }
       float *ddx = dmem((size_t)(M * C) * 4), *ddw = DPUTF(dw, C), *ddb = DPUTF(db, C);
-      float *got = hmem((size_t)(M * C) * 4 + 4);
+      float *got = hmem((size_t)((M + 1) * C) * 4 + 4);
       if (rms) ok("rmsnorm_backward", K->rmsnorm_backward(NULL, ddx, ddw, DPUTF(dy, M * C), DPUTF(x, M * C),
                                                           DPUTF(w, C), DPUTF(rs, M), M, C));
       else ok("layernorm_backward", K->layernorm_backward(NULL, ddx, ddw, with_db ? ddb : NULL, DPUTF(dy, M * C),
