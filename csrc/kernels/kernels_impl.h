@@ -3,7 +3,13 @@
  * interface.  Every data touch of a layer or block is a call through it: the layers
  * keep the algorithm and the collectives and never read or write a float themselves.
  * A device is a file that fills a tp_kernel_ops (cpu/table.c; cuda/table.c later) plus
- * its line in registry.c.
+ * its line in registry.c; csrc/tests/test_kernels runs every entry of every registered
+ * table against its references, so a new device is checked with no new test code.
+ * A new kernel: its field below (documented), its name in TP_KERNEL_ENTRIES (the static
+ * assert counts them), tp_cpu_<name> in a cpu/ file (cpu_impl.h declares it and
+ * cpu/table.c lists it from TP_KERNEL_ENTRIES), and a parity case in
+ * csrc/tests/test_kernels*.c (the harness and tests/test_kernels.py fail an entry
+ * without one); a public tensor wrapper in api*.c when it is useful outside the layers.
  *
  * Conventions of every entry (llm.c style):
  *   - the first argument is the stream (NULL: the device's default; CPU: ignored, every
