@@ -3,5 +3,5 @@
 # new file in a listed directory needs no edit; a new directory is one word here.
 #   TP_CORE_DIRS     the C core (libtpcore.a, usable from C without Python)
 #   TP_PYTHON_DIRS   the CPython extension's own files (setup.py only)
-TP_CORE_DIRS := csrc/core csrc/devices csrc/comm csrc/kernels/cpu csrc/layers
+TP_CORE_DIRS := csrc/core csrc/devices csrc/comm csrc/kernels csrc/kernels/cpu csrc/layers
 TP_PYTHON_DIRS := csrc/python

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "../comm/comm_impl.h"
+#include "../kernels/kernels_legacy.h"
 #include "tpcore/layers.h"
 
 /* A buffer in the communicator's registered memory, grown on demand: collectives

@@ -268,25 +268,25 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
     TP_CHECK(save_input(L, x, M, K, 0, K));
     if (!L->cfg.gather_output || L->world == 1) {
-      tp_linear_forward(y, x, L->w, b, M, K, L->wr);
+      tp_legacy_linear_forward(y, x, L->w, b, M, K, L->wr);
       return TP_SUCCESS;
     }
     /* GEMM straight into my block of the registered gather buffer: the all-gather is in place. */
     TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
     float *g = L->out_buf.ptr;
-    tp_linear_forward(g + L->off * M, x, L->w, b, M, K, L->loc);
+    tp_legacy_linear_forward(g + L->off * M, x, L->w, b, M, K, L->loc);
     return gather_columns(L, y, g, M, N);
   }
   /* Row parallel. */
   int64_t xcols = L->cfg.input_is_parallel ? L->loc : K;
   TP_CHECK(save_input(L, x, M, L->loc, L->cfg.input_is_parallel ? 0 : L->off, xcols));
   if (L->world == 1) {
-    tp_linear_forward(y, L->xin, L->w, b, M, L->loc, N);
+    tp_legacy_linear_forward(y, L->xin, L->w, b, M, L->loc, N);
     return TP_SUCCESS;
   }
   TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
   float *r = L->out_buf.ptr;
-  tp_linear_forward(r, L->xin, L->w, NULL, M, L->loc, N);
+  tp_legacy_linear_forward(r, L->xin, L->w, NULL, M, L->loc, N);
   TP_CHECK(tp_all_reduce(r, r, (size_t)(M * N), TP_FLOAT32, TP_SUM, L->comm, NULL));
   if (b) {
     for (int64_t m = 0; m < M; m++) {
@@ -316,23 +316,23 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
       dyr = L->dytmp;
     }
     if (L->world == 1) {
-      tp_linear_backward(dx, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, 0);
+      tp_legacy_linear_backward(dx, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, 0);
       return TP_SUCCESS;
     }
     TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
     float *d = L->grad_buf.ptr;
-    tp_linear_backward(d, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, 0);
+    tp_legacy_linear_backward(d, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, 0);
     TP_CHECK(tp_all_reduce(d, d, (size_t)(M * K), TP_FLOAT32, TP_SUM, L->comm, NULL));
     TP_COPY(dx, d, (size_t)(M * K) * sizeof(float));
     return TP_SUCCESS;
   }
   /* Row parallel: dy is the full gradient on every rank. */
   if (L->cfg.input_is_parallel || L->world == 1) {
-    tp_linear_backward(dx, L->dw, db, dy, L->xin, L->w, M, L->loc, N, 0);
+    tp_legacy_linear_backward(dx, L->dw, db, dy, L->xin, L->w, M, L->loc, N, 0);
     return TP_SUCCESS;
   }
   TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
   float *g = L->grad_buf.ptr;
-  tp_linear_backward(g + L->off * M, L->dw, db, dy, L->xin, L->w, M, L->loc, N, 0);
+  tp_legacy_linear_backward(g + L->off * M, L->dw, db, dy, L->xin, L->w, M, L->loc, N, 0);
   return gather_columns(L, dx, g, M, K);
 }

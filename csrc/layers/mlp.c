@@ -115,7 +115,7 @@ tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t m, float *y, const float *
   TP_CHECK(tp_parallel_linear_forward_ex(m->fc1, m->h, x, M, TP_LIN_SKIP_BIAS));
   tp_linear_info_t i1;
   tp_parallel_linear_info(m->fc1, &i1);
-  tp_bias_act_forward(m->a, m->h, i1.bias, M, m->f, m->act);
+  tp_legacy_bias_act_forward(m->a, m->h, i1.bias, M, m->f, m->act);
   TP_CHECK(tp_parallel_linear_forward_ex(m->fc2, y, m->a, M, TP_LIN_BORROW_INPUT)); /* a lives until backward */
   m->last_m = M;
   return TP_SUCCESS;
@@ -131,7 +131,7 @@ tp_status_t tp_parallel_mlp_backward(tp_parallel_mlp_t m, float *dx, const float
   /* dh, and fc1's bias gradient from the same pass */
   tp_linear_info_t i1;
   tp_parallel_linear_info(m->fc1, &i1);
-  if (tp_bias_act_backward(m->dh, i1.grad_bias, m->h, m->da, M, m->f, m->act) != 0) {
+  if (tp_legacy_bias_act_backward(m->dh, i1.grad_bias, m->h, m->da, M, m->f, m->act) != 0) {
     tp_set_error(TP_ERR_NOMEM, "mlp backward: out of memory");
     tp_comm_abort(m->comm, tp_last_error()); /* the peers would wait in fc1's all-reduce */
     return TP_ERR_NOMEM;

@@ -299,14 +299,14 @@ static void add_rows(float *y, const float *a, const float *b, int64_t n) {
 
 static void norm_fwd(tp_block_t k, float *y, float *mean, float *rstd, const float *x, const float *w,
                      const float *b, int64_t M) {
-  if (k->cfg.norm == TP_NORM_RMS) tp_rmsnorm_forward(y, rstd, x, w, M, k->C, k->cfg.eps);
-  else tp_layernorm_forward(y, mean, rstd, x, w, b, M, k->C, k->cfg.eps);
+  if (k->cfg.norm == TP_NORM_RMS) tp_legacy_rmsnorm_forward(y, rstd, x, w, M, k->C, k->cfg.eps);
+  else tp_legacy_layernorm_forward(y, mean, rstd, x, w, b, M, k->C, k->cfg.eps);
 }
 
 static void norm_bwd(tp_block_t k, float *dx, float *dw, float *db, const float *dy, const float *x, const float *w,
                      const float *mean, const float *rstd, int64_t M) {
-  if (k->cfg.norm == TP_NORM_RMS) tp_rmsnorm_backward(dx, dw, dy, x, w, rstd, M, k->C);
-  else tp_layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, M, k->C);
+  if (k->cfg.norm == TP_NORM_RMS) tp_legacy_rmsnorm_backward(dx, dw, dy, x, w, rstd, M, k->C);
+  else tp_legacy_layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, M, k->C);
 }
 
 static tp_attention_args attn_args(tp_block_t k, int use_cache) {
@@ -332,9 +332,9 @@ static tp_attention_args attn_args(tp_block_t k, int use_cache) {
 /* attention on this rank's heads of in[M, C]; the all-reduced projection (+ bias) lands in r[M, C] */
 static tp_status_t attention_forward(tp_block_t k, float *r, const float *in, int use_cache, int keep) {
   int64_t M = k->B * k->T, D = k->D;
-  tp_linear_forward(k->qkv, in, k->wqkv, k->bqkv, M, k->C, k->W);
+  tp_legacy_linear_forward(k->qkv, in, k->wqkv, k->bqkv, M, k->C, k->W);
   if (k->cfg.rope_theta > 0 && k->nq)
-    tp_rope_apply(k->qkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 0); /* Q and K heads are adjacent */
+    tp_legacy_rope_apply(k->qkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 0); /* Q and K heads are adjacent */
   if (use_cache) {
     int64_t kw = k->nk * D;
     for (int64_t b = 0; b < k->B; b++)
@@ -348,14 +348,14 @@ static tp_status_t attention_forward(tp_block_t k, float *r, const float *in, in
   if (k->nq) {
     tp_attention_args a = attn_args(k, use_cache);
     a.probs = keep ? k->probs : NULL;
-    if (tp_attention_forward(&a)) {
+    if (tp_legacy_attention_forward(&a)) {
       tp_set_error(TP_ERR_NOMEM, "block: out of memory in attention");
       tp_comm_abort(k->comm, tp_last_error()); /* the peers would wait in the all-reduce */
       return TP_ERR_NOMEM;
     }
   }
   /* row-parallel output projection: partial sums all-reduced in registered memory, bias once after */
-  tp_linear_forward(r, k->ao, k->wo, NULL, M, k->A, k->C);
+  tp_legacy_linear_forward(r, k->ao, k->wo, NULL, M, k->A, k->C);
   if (k->world > 1) TP_CHECK(tp_all_reduce(r, r, (size_t)(M * k->C), TP_FLOAT32, TP_SUM, k->comm, NULL));
   if (k->bo)
     for (int64_t m = 0; m < M; m++)
@@ -460,16 +460,16 @@ static tp_status_t attention_backward(tp_block_t k, float *din, const float *dr,
   if (k->dbo)
     for (int64_t m = 0; m < M; m++)
       for (int64_t c = 0; c < C; c++) k->dbo[c] += dr[m * C + c];
-  tp_linear_backward(k->dao, k->dwo, NULL, dr, k->ao, k->wo, M, k->A, C, 0);
+  tp_legacy_linear_backward(k->dao, k->dwo, NULL, dr, k->ao, k->wo, M, k->A, C, 0);
   if (k->nq) {
     tp_attention_args a = attn_args(k, 0);
     a.probs = k->probs;
-    if (tp_attention_backward(&a, k->dqkv, k->dqkv + k->nq * D, k->dqkv + (k->nq + k->nk) * D, k->dao)) {
+    if (tp_legacy_attention_backward(&a, k->dqkv, k->dqkv + k->nq * D, k->dqkv + (k->nq + k->nk) * D, k->dao)) {
       tp_set_error(TP_ERR_NOMEM, "block backward: out of memory in attention");
       tp_comm_abort(k->comm, tp_last_error());
       return TP_ERR_NOMEM;
     }
-    if (k->cfg.rope_theta > 0) tp_rope_apply(k->dqkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 1);
+    if (k->cfg.rope_theta > 0) tp_legacy_rope_apply(k->dqkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 1);
   }
   /* KV heads replicated on several ranks: their weight gradients are sums over those ranks;
    * keep this step's share aside (snapshot) to add the all-reduced sums instead */
@@ -485,7 +485,7 @@ static tp_status_t attention_backward(tp_block_t k, float *din, const float *dr,
     if (k->dbqkv) memcpy(k->kvsnap + kvw * C, k->dbqkv + kvoff, (size_t)kvw * sizeof(float));
   }
   float *r = k->red.ptr;
-  tp_linear_backward(r, k->dwqkv, k->dbqkv, k->dqkv, in, k->wqkv, M, C, k->W, 0);
+  tp_legacy_linear_backward(r, k->dwqkv, k->dbqkv, k->dqkv, in, k->wqkv, M, C, k->W, 0);
   if (k->world > 1) TP_CHECK(tp_all_reduce(r, r, (size_t)(M * C), TP_FLOAT32, TP_SUM, k->comm, NULL));
   TP_COPY(din, r, (size_t)(M * C) * sizeof(float));
   if (k->kv_replicated) {

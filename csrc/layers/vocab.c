@@ -127,13 +127,13 @@ static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int
   if (M) memcpy(E->tok, tokens, (size_t)M * sizeof(int64_t));
   E->last_m = M;
   if (E->world == 1) {
-    tp_embedding_forward(y, tokens, E->w, M, E->off, E->loc, E->C);
+    tp_legacy_embedding_forward(y, tokens, E->w, M, E->off, E->loc, E->C);
     return TP_SUCCESS;
   }
   size_t nbytes = (size_t)(M * E->C) * sizeof(float);
   TP_CHECK(tp_reg_ensure(E->comm, &E->buf, nbytes));
   float *r = E->buf.ptr;
-  tp_embedding_forward(r, tokens, E->w, M, E->off, E->loc, E->C);
+  tp_legacy_embedding_forward(r, tokens, E->w, M, E->off, E->loc, E->C);
   TP_CHECK(tp_all_reduce(r, r, (size_t)(M * E->C), TP_FLOAT32, TP_SUM, E->comm, NULL));
   TP_COPY(y, r, nbytes);
   return TP_SUCCESS;
@@ -154,7 +154,7 @@ tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t E, const float *dy,
   if (M != E->last_m)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding backward: dy has %lld rows, the last forward had %lld "
                         "tokens", (long long)M, (long long)E->last_m);
-  tp_embedding_backward(E->dw, E->tok, dy, M, E->off, E->loc, E->C);
+  tp_legacy_embedding_backward(E->dw, E->tok, dy, M, E->off, E->loc, E->C);
   return TP_SUCCESS;
 }
 
@@ -230,7 +230,7 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
   }
   int64_t lo = vocab_offset, total = V;
   float *mx = n > 1 ? (float *)X->buf.ptr : X->gmax;
-  tp_xent_row_max(mx, logits, M, V);
+  tp_legacy_xent_row_max(mx, logits, M, V);
   if (n > 1) {
     /* One max all-reduce: row maxima, every rank's width and given offset (-1: none), and a
      * fingerprint of (targets, ignore_index).  Everything after it is decided from the same
@@ -297,7 +297,7 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
   }
   /* (sum of exp, target logit) per row */
   float *sums = n > 1 ? (float *)X->buf.ptr + M + n + 2 : X->s2;
-  tp_xent_row_sums(sums, logits, X->gmax, X->tg, M, lo, V);
+  tp_legacy_xent_row_sums(sums, logits, X->gmax, X->tg, M, lo, V);
   if (n > 1) TP_CHECK(tp_all_reduce(sums, sums, (size_t)(2 * M), TP_FLOAT32, TP_SUM, X->comm, NULL));
   memcpy(X->sumexp, sums, (size_t)M * sizeof(float));
   const float *tl = sums + M;
@@ -338,6 +338,6 @@ tp_status_t tp_vocab_xent_backward(tp_vocab_xent_t X, float *dlogits, const floa
   int64_t M = X->last_m;
   if (M && X->V && !dlogits) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy backward: NULL argument");
   for (int64_t m = 0; m < M; m++) X->rs[m] = X->tg[m] < 0 ? 0.0f : dloss ? dloss[m] : 1.0f;
-  tp_xent_backward(dlogits, X->logits, X->gmax, X->sumexp, X->tg, X->rs, scale, M, X->lo, X->V);
+  tp_legacy_xent_backward(dlogits, X->logits, X->gmax, X->sumexp, X->tg, X->rs, scale, M, X->lo, X->V);
   return TP_SUCCESS;
 }
