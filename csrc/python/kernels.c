@@ -5,7 +5,19 @@
  * optimizer steps adamw_step and sgd_step (in place).  Each checks its arrays
  * and runs the kernel with the GIL released.
  */
+#define TPCORE_NO_LEGACY_KERNELS 1
 #include "ext.h"
+
+#define F32 TP_FLOAT32
+#define T1(p, n) tp_tensor_1d((void *)(p), F32, (n))
+#define T2(p, r, c) tp_tensor_2d((void *)(p), F32, (r), (c))
+
+/* A kernel's status after the arrays were checked here: only a bug (or an allocation) fails. */
+static PyObject *kernel_done(PyObject *mod, tp_status_t s, const char *op, PyObject *result) {
+  if (s == TP_SUCCESS) return result;
+  Py_XDECREF(result);
+  return raise_status((module_state *)PyModule_GetState(mod), s, op);
+}
 
 /* o as a 2-D float32 array: its rows, columns and data. */
 static int f32_matrix(PyObject *o, const char *op, const char *arg, int writable, int64_t *r, int64_t *c, float **p) {
@@ -35,7 +47,7 @@ static int same_f32(PyObject *o, const char *op, const char *arg, size_t n, int 
 }
 
 /* act_forward(name, h[M, F or 2F]) -> out[M, F]; act_backward(name, h, dout[M, F]) -> dh */
-static PyObject *act_call(PyObject *args, int backward) {
+static PyObject *act_call(PyObject *mod, PyObject *args, int backward) {
   const char *name;
   PyObject *h, *dout = NULL, *outo = Py_None;
   if (backward ? !PyArg_ParseTuple(args, "sOO|O:act_backward", &name, &h, &dout, &outo)
@@ -77,15 +89,16 @@ static PyObject *act_call(PyObject *args, int backward) {
     if (!out) return NULL;
   }
   float *o = PyArray_DATA((PyArrayObject *)out);
+  tp_tensor th = T2(hp, M, C), to = T2(o, M, backward ? C : F), tdo = T2(backward ? bd.data : NULL, M, F);
+  tp_status_t s;
   Py_BEGIN_ALLOW_THREADS
-  if (backward) tp_act_backward(o, hp, bd.data, M, F, act);
-  else tp_act_forward(o, hp, M, F, act);
+  s = backward ? tp_act_backward(NULL, &to, &th, &tdo, act) : tp_act_forward(NULL, &to, &th, act);
   Py_END_ALLOW_THREADS
-  return out;
+  return kernel_done(mod, s, op, out);
 }
 
-static PyObject *act_forward(PyObject *m, PyObject *args) { return act_call(args, 0); }
-static PyObject *act_backward(PyObject *m, PyObject *args) { return act_call(args, 1); }
+static PyObject *act_forward(PyObject *m, PyObject *args) { return act_call(m, args, 0); }
+static PyObject *act_backward(PyObject *m, PyObject *args) { return act_call(m, args, 1); }
 
 /* adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step) and
  * sgd_step(p, g, buf_or_None, lr, momentum, weight_decay, first): in place. */
@@ -110,9 +123,13 @@ static PyObject *adamw_step(PyObject *mod, PyObject *args) {
     PyErr_Format(PyExc_ValueError, "adamw_step: step counts from 1, got %lld", step);
     return NULL;
   }
-  Py_BEGIN_ALLOW_THREADS tp_adamw_step(p, g, m, v, (int64_t)bp.count, lr, b1, b2, eps, wd, step);
+  int64_t n = (int64_t)bp.count;
+  tp_tensor tp = T1(p, n), tg = T1(g, n), tm = T1(m, n), tv = T1(v, n);
+  tp_status_t s;
+  Py_BEGIN_ALLOW_THREADS s = tp_adamw_step(NULL, &tp, &tg, &tm, &tv, lr, b1, b2, eps, wd, step);
   Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
+  Py_INCREF(Py_None);
+  return kernel_done(mod, s, "adamw_step", Py_None);
 }
 
 static PyObject *sgd_step(PyObject *mod, PyObject *args) {
@@ -129,9 +146,13 @@ static PyObject *sgd_step(PyObject *mod, PyObject *args) {
   }
   if (same_f32(go, "sgd_step", "g", bp.count, 0, &g) < 0) return NULL;
   if (bo != Py_None && same_f32(bo, "sgd_step", "buf", bp.count, 1, &buf) < 0) return NULL;
-  Py_BEGIN_ALLOW_THREADS tp_sgd_step(bp.data, g, buf, (int64_t)bp.count, lr, mom, wd, first);
+  int64_t n = (int64_t)bp.count;
+  tp_tensor tp = T1(bp.data, n), tg = T1(g, n), tb = T1(buf, n);
+  tp_status_t s;
+  Py_BEGIN_ALLOW_THREADS s = tp_sgd_step(NULL, &tp, &tg, buf ? &tb : NULL, lr, mom, wd, first);
   Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
+  Py_INCREF(Py_None);
+  return kernel_done(mod, s, "sgd_step", Py_None);
 }
 
 /* linear_forward(x[M, K], w[N, K], b[N] or None, out=None) -> y[M, N] = x w^T + b (tpcore's BLAS);
@@ -152,9 +173,11 @@ static PyObject *linear_forward_k(PyObject *mod, PyObject *args) {
   PyObject *y = layer_output(out, "linear_forward", M, N);
   if (!y) return NULL;
   float *yp = PyArray_DATA((PyArrayObject *)y);
-  Py_BEGIN_ALLOW_THREADS tp_linear_forward(yp, x, w, b, M, K, N);
+  tp_tensor ty = T2(yp, M, N), tx = T2(x, M, K), tw = T2(w, N, K), tb = T1(b, N);
+  tp_status_t s;
+  Py_BEGIN_ALLOW_THREADS s = tp_linear_forward(NULL, &ty, &tx, &tw, b ? &tb : NULL);
   Py_END_ALLOW_THREADS
-  return y;
+  return kernel_done(mod, s, "linear_forward", y);
 }
 
 static PyObject *linear_backward_k(PyObject *mod, PyObject *args) {
@@ -174,9 +197,11 @@ static PyObject *linear_backward_k(PyObject *mod, PyObject *args) {
   PyObject *dx = layer_output(out, "linear_backward", M, K);
   if (!dx) return NULL;
   float *dxp = PyArray_DATA((PyArrayObject *)dx);
-  Py_BEGIN_ALLOW_THREADS tp_linear_backward(dxp, dw, NULL, dy, x, w, M, K, N, 0);
+  tp_tensor tdx = T2(dxp, M, K), tdw = T2(dw, N, K), tdy = T2(dy, M, N), tx = T2(x, M, K), tw = T2(w, N, K);
+  tp_status_t s;
+  Py_BEGIN_ALLOW_THREADS s = tp_linear_backward(NULL, &tdx, dw ? &tdw : NULL, NULL, &tdy, &tx, &tw, 0);
   Py_END_ALLOW_THREADS
-  return dx;
+  return kernel_done(mod, s, "linear_backward", dx);
 }
 
 /* norm_forward(kind, x[M, C], w[C], b[C] or None, eps) -> (y, mean, rstd);
@@ -210,11 +235,13 @@ static PyObject *norm_forward(PyObject *mod, PyObject *args) {
   }
   float *yp = PyArray_DATA((PyArrayObject *)y), *mp = PyArray_DATA((PyArrayObject *)mu),
         *rp = PyArray_DATA((PyArrayObject *)rs);
+  tp_tensor ty = T2(yp, M, C), tm = T1(mp, M), tr = T1(rp, M), tx = T2(xp, M, C), tw = T1(w, C), tb = T1(b, C);
+  tp_status_t s;
   Py_BEGIN_ALLOW_THREADS
-  if (rms) tp_rmsnorm_forward(yp, rp, xp, w, M, C, eps);
-  else tp_layernorm_forward(yp, mp, rp, xp, w, b, M, C, eps);
+  s = rms ? tp_rmsnorm_forward(NULL, &ty, &tr, &tx, &tw, eps)
+          : tp_layernorm_forward(NULL, &ty, &tm, &tr, &tx, &tw, b ? &tb : NULL, eps);
   Py_END_ALLOW_THREADS
-  return Py_BuildValue("NNN", y, mu, rs);
+  return kernel_done(mod, s, "norm_forward", Py_BuildValue("NNN", y, mu, rs));
 }
 
 static PyObject *norm_backward(PyObject *mod, PyObject *args) {
@@ -236,11 +263,14 @@ static PyObject *norm_backward(PyObject *mod, PyObject *args) {
   PyObject *dx = PyArray_SimpleNew(2, d2, NPY_FLOAT32);
   if (!dx) return NULL;
   float *dxp = PyArray_DATA((PyArrayObject *)dx);
+  tp_tensor tdx = T2(dxp, M, C), tdw = T1(dw, C), tdb = T1(db, C), tdy = T2(dy, M, C), tx = T2(xp, M, C),
+            tw = T1(w, C), tm = T1(mu, M), tr = T1(rs, M);
+  tp_status_t s;
   Py_BEGIN_ALLOW_THREADS
-  if (rms) tp_rmsnorm_backward(dxp, dw, dy, xp, w, rs, M, C);
-  else tp_layernorm_backward(dxp, dw, db, dy, xp, w, mu, rs, M, C);
+  s = rms ? tp_rmsnorm_backward(NULL, &tdx, &tdw, &tdy, &tx, &tw, &tr)
+          : tp_layernorm_backward(NULL, &tdx, &tdw, db ? &tdb : NULL, &tdy, &tx, &tw, &tm, &tr);
   Py_END_ALLOW_THREADS
-  return dx;
+  return kernel_done(mod, s, "norm_backward", dx);
 }
 
 PyMethodDef kernel_methods[] = {
