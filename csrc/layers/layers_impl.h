@@ -62,6 +62,10 @@ static inline void tp_reg_release(reg_buf *rb) {
   rb->cap = 0;
 }
 
+/* Test-only hook (csrc/tests/test_layers.c): when set, the layers take the branch of a
+ * backend that declines registered memory (TP_ERR_UNSUPPORTED) without asking it. */
+extern int tp_layers_test_decline_registered;
+
 /* Collective: every rank asks for the same size (M and the shapes agree). */
 static inline tp_status_t tp_reg_ensure(tp_comm_t comm, reg_buf *rb, size_t nbytes, tp_device_t device,
                                         int device_id) {
@@ -72,7 +76,9 @@ static inline tp_status_t tp_reg_ensure(tp_comm_t comm, reg_buf *rb, size_t nbyt
   rb->device = device;
   rb->device_id = device_id;
   if (!rb->plain && device == TP_DEVICE_CPU) {
-    tp_status_t st = tp_comm_mem_alloc(comm, cap, &rb->ptr, &rb->mem);
+    tp_status_t st = tp_layers_test_decline_registered
+                         ? tp_set_error(TP_ERR_UNSUPPORTED, "test: registered memory declined")
+                         : tp_comm_mem_alloc(comm, cap, &rb->ptr, &rb->mem);
     if (st == TP_SUCCESS) {
       rb->cap = cap;
       return TP_SUCCESS;

@@ -5,6 +5,8 @@
 #include "block_impl.h"
 #include "layer_kernels.h"
 
+int tp_layers_test_decline_registered = 0;
+
 struct tp_parallel_linear {
   tp_comm_t comm;
   tp_linear_config_t cfg;

@@ -27,6 +27,37 @@
 
 enum { H = 7, F = 11, R = 5 };
 
+/* The registered-memory fallback (issue 9): with TPCORE_REGISTERED_MEMORY=0 the backend
+ * declines tp_comm_mem_alloc (TP_ERR_UNSUPPORTED) and the layers must go on in plain
+ * device memory with the same numbers.  A backend that still grants it (before that mode
+ * exists) is declined through the layers' test hook instead.  With TPCORE_SHM_SMALL=0
+ * (no eager path for small messages) each rank then checks that no collective took the
+ * zero-copy path (plain memory was used), and a registered run that some did. */
+extern int tp_layers_test_decline_registered;
+static int plain_mode, check_zero_copy;
+
+static void enter_mode(tp_comm_t comm) {
+  if (!plain_mode) return;
+  void *p;
+  tp_mem_t h;
+  tp_status_t st = tp_comm_mem_alloc(comm, 64, &p, &h);
+  if (st == TP_SUCCESS) {
+    tp_mem_release(h);
+    tp_layers_test_decline_registered = 1;
+  }
+}
+
+static int check_mode(tp_comm_t comm, int n) {
+  tp_comm_stats_t s;
+  if (n < 2 || !check_zero_copy || tp_comm_get_stats(comm, &s) != TP_SUCCESS) return 0;
+  if (plain_mode ? s.zero_copy != 0 : s.zero_copy == 0) {
+    fprintf(stderr, "%s mode: %llu zero-copy collectives\n", plain_mode ? "plain" : "registered",
+            (unsigned long long)s.zero_copy);
+    return 1;
+  }
+  return 0;
+}
+
 static double w1(int i, int j) { return sin(0.37 * i + 0.11 * j + 0.5) * 0.4; }  /* W1 [F][H] */
 static double b1(int i) { return cos(0.7 * i) * 0.3; }
 static double w2(int i, int j) { return cos(0.23 * i - 0.19 * j + 0.1) * 0.4; }  /* W2 [H][F] */
@@ -42,6 +73,7 @@ static int run_rank(int n, int r, const char *job) {
   cc.timeout_s = 30;
   tp_comm_t comm;
   if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  enter_mode(comm);
   tp_mlp_config_t cfg = TP_MLP_CONFIG_INITIALIZER;
   cfg.hidden = H;
   cfg.ffn_hidden = F;
@@ -84,6 +116,7 @@ static int run_rank(int n, int r, const char *job) {
       }
     }
   }
+  bad += check_mode(comm, n);
   tp_parallel_mlp_destroy(mlp);
   tp_comm_destroy(comm);
   if (bad) fprintf(stderr, "rank %d of %d: %d values off\n", r, n, bad);
@@ -104,6 +137,7 @@ static int run_vocab(int n, int r, const char *job) {
   cc.timeout_s = 30;
   tp_comm_t comm;
   if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  enter_mode(comm);
   int64_t part[3] = {0, 0, 0}, lo = 0;
   for (int p = 0; p < n; p++) part[p] = p == n - 1 ? VOC - (n - 1) * 3 : 3; /* 13 = 3 + 3 + 7 at world 3 */
   for (int p = 0; p < r; p++) lo += part[p];
@@ -159,6 +193,7 @@ static int run_vocab(int n, int r, const char *job) {
   }
   free(lg);
   free(dl);
+  bad += check_mode(comm, n);
   tp_vocab_xent_destroy(xent);
   tp_vocab_embedding_destroy(emb);
   tp_comm_destroy(comm);
@@ -179,6 +214,7 @@ static int run_block(int n, int r, const char *job) {
   cc.timeout_s = 30;
   tp_comm_t comm;
   if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  enter_mode(comm);
   tp_block_config_t cfg = TP_BLOCK_CONFIG_INITIALIZER;
   cfg.hidden = BC, cfg.heads = BH, cfg.kv_heads = BKV, cfg.head_dim = BD, cfg.ffn_hidden = BF;
   cfg.norm = TP_NORM_RMS, cfg.activation = TP_ACT_SWIGLU, cfg.bias = 0, cfg.rope_theta = 100.0f, cfg.seed = 3;
@@ -208,9 +244,10 @@ static int run_block(int n, int r, const char *job) {
          tp_block_forward(blk, F2(ys, BB, BC), F2(xs, BB, BC), &dec, NULL) != TP_SUCCESS;
   for (int b = 0; b < BB; b++) /* the decoded last token equals the full forward's */
     for (int c = 0; c < BC; c++) bad += fabsf(ys[b * BC + c] - y[(b * BT + BT - 1) * BC + c]) > 1e-5f;
+  bad += check_mode(comm, n);
   if (bad) fprintf(stderr, "block rank %d of %d: %s\n", r, n, tp_last_error());
   if (r == 0) {
-    float *o = block_out + (n - 1) * (2 * NX + BB * BC);
+    float *o = block_out + (plain_mode * 3 + n - 1) * (2 * NX + BB * BC);
     memcpy(o, y, sizeof y);
     memcpy(o + NX, dx, sizeof dx);
     memcpy(o + 2 * NX, ys, sizeof ys);
@@ -361,6 +398,38 @@ static int run_sizes(int n, int r, const char *job) {
   return bad ? 1 : 0;
 }
 
+/* tp_partition: the cases of tests/test_layers.py::test_partition, and its errors. */
+#define PCHK(failed)                                                    \
+  do {                                                                  \
+    if (failed) fprintf(stderr, "partition line %d failed\n", __LINE__), bad++; \
+  } while (0)
+
+static int run_partition(void) {
+  int bad = 0;
+  int64_t s[8], o[9];
+  const int64_t e1[] = {4, 3, 3}, e2[] = {3, 3, 3, 3, 0}, e3[] = {75, 25};
+  PCHK(tp_partition(10, 3, NULL, 1, s, o) != TP_SUCCESS || memcmp(s, e1, sizeof e1) || o[1] != 4 || o[3] != 10);
+  PCHK(tp_partition(12, 5, NULL, 3, s, o) != TP_SUCCESS || memcmp(s, e2, sizeof e2) || o[3] != 9 || o[4] != 12 || o[5] != 12);
+  double w3[] = {3, 1}, w4[] = {1.7, 1, 1, 0.3}, wneg[] = {1, -1};
+  PCHK(tp_partition(100, 2, w3, 1, s, o) != TP_SUCCESS || memcmp(s, e3, sizeof e3));
+  PCHK(tp_partition(1001, 4, w4, 1, s, o) != TP_SUCCESS || o[4] != 1001 || !(s[0] > s[1] && s[1] > s[3]));
+  PCHK(tp_partition(10, 3, NULL, 4, s, o) != TP_ERR_INVALID_ARGUMENT ||
+         strcmp(tp_last_error(), "partition: n=10 is not a multiple of align=4") != 0);
+  PCHK(tp_partition(10, 2, wneg, 1, s, o) != TP_ERR_INVALID_ARGUMENT ||
+         strcmp(tp_last_error(), "partition: weights must be 2 finite non-negative numbers with a positive sum, got "
+                                 "[1.0, -1.0]") != 0);
+  PCHK(tp_partition(-1, 2, NULL, 1, s, o) != TP_ERR_INVALID_ARGUMENT ||
+         strcmp(tp_last_error(), "partition: n must be an integer >= 0, got -1") != 0);
+  /* given sizes: checked, offsets written */
+  const int64_t given[] = {2, 0, 5};
+  PCHK(tp_partition_sizes(7, 3, given, s, o, "t: partition", "n") != TP_SUCCESS || o[2] != 2 || o[3] != 7);
+  PCHK(tp_partition_sizes(8, 3, given, s, o, "t: partition", "n") != TP_ERR_INVALID_ARGUMENT ||
+         strcmp(tp_last_error(), "t: partition sums to 7 but n is 8") != 0);
+  if (bad) fprintf(stderr, "partition: %d checks failed (%s)\n", bad, tp_last_error());
+  printf("partition: %s\n", bad ? "FAILED" : "ok");
+  return !bad;
+}
+
 static int run_world(int n, int (*fn)(int, int, const char *), const char *name) {
   char job[64];
   snprintf(job, sizeof job, "clayers%d_%s_%d", (int)getpid(), name, n);
@@ -383,8 +452,9 @@ static int run_world(int n, int (*fn)(int, int, const char *), const char *name)
 int main(void) {
   int passed = 0, failed = 0;
   size_t per = 2 * BB * BT * BC + BB * BC;
-  block_out = mmap(NULL, 3 * per * sizeof(float), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  block_out = mmap(NULL, 6 * per * sizeof(float), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (block_out == MAP_FAILED) return perror("mmap"), 1;
+  run_partition() ? passed++ : failed++;
   for (int n = 1; n <= 3; n++) {
     run_world(n, run_rank, "mlp") ? passed++ : failed++;
     run_world(n, run_vocab, "vocab") ? passed++ : failed++;
@@ -396,7 +466,28 @@ int main(void) {
     for (size_t i = 0; i < per; i++) same &= fabsf(block_out[(n - 1) * per + i] - block_out[i]) <= 1e-5f * (1 + fabsf(block_out[i]));
   printf("block: the same y, dx and decode output at world 1, 2, 3: %s\n", same ? "ok" : "FAILED");
   same ? passed++ : failed++;
-  munmap(block_out, 3 * per * sizeof(float));
+  /* the same again in plain memory (the registered-memory fallback) at world 2 and 3 */
+  setenv("TPCORE_SHM_SMALL", "0", 1);
+  check_zero_copy = 1;
+  run_world(2, run_block, "zero_copy_block") ? passed++ : failed++; /* registered: zero-copy collectives */
+  setenv("TPCORE_REGISTERED_MEMORY", "0", 1);
+  plain_mode = 1;
+  for (int n = 2; n <= 3; n++) {
+    run_world(n, run_rank, "plain_mlp") ? passed++ : failed++;
+    run_world(n, run_vocab, "plain_vocab") ? passed++ : failed++;
+    run_world(n, run_block, "plain_block") ? passed++ : failed++;
+  }
+  unsetenv("TPCORE_REGISTERED_MEMORY");
+  unsetenv("TPCORE_SHM_SMALL");
+  same = 1;
+  for (int n = 2; n <= 3; n++)
+    for (size_t i = 0; i < per; i++) {
+      float a = block_out[(3 + n - 1) * per + i], b = block_out[(n - 1) * per + i];
+      same &= fabsf(a - b) <= 1e-6f * (1 + fabsf(b));
+    }
+  printf("block: plain memory gives the registered run's numbers at world 2, 3: %s\n", same ? "ok" : "FAILED");
+  same ? passed++ : failed++;
+  munmap(block_out, 6 * per * sizeof(float));
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
