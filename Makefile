@@ -1,5 +1,5 @@
 # The C core without Python: libtpcore.a and the C tests.
-#   make                 build/libtpcore.a and build/test_comm
+#   make                 build/libtpcore.a and the C tests (test_comm, test_layers, test_kernels)
 #   make SANITIZE=1      the same under ASan + UBSan (in build-san/)
 #   make test            run the C tests (world sizes 1-4)
 CC ?= cc
@@ -28,11 +28,11 @@ endif
 CFLAGS += $(BLAS_CFLAGS)
 LIBS := $(BLAS_LIBS) -lpthread -lrt -lm
 
-CORE_SRC := $(wildcard csrc/core/*.c) $(wildcard csrc/devices/*.c) $(wildcard csrc/comm/*.c) $(wildcard csrc/kernels/cpu/*.c) $(wildcard csrc/layers/*.c)
+CORE_SRC := $(wildcard csrc/core/*.c) $(wildcard csrc/devices/*.c) $(wildcard csrc/comm/*.c) $(wildcard csrc/kernels/*.c) $(wildcard csrc/kernels/cpu/*.c) $(wildcard csrc/layers/*.c)
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))
 HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h)
 
-all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers
+all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_kernels
 
 $(BUILD)/obj/%.o: csrc/%.c $(HDRS)
 	@mkdir -p $(dir $@)
@@ -47,9 +47,16 @@ $(BUILD)/test_comm: csrc/tests/test_comm.c $(BUILD)/libtpcore.a
 $(BUILD)/test_layers: csrc/tests/test_layers.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
+# The kernel parity harness: every entry of every kernel table against references.
+KTEST_SRC := csrc/tests/test_kernels.c csrc/tests/test_kernels_nn.c csrc/tests/test_kernels_attn.c
+
+$(BUILD)/test_kernels: $(KTEST_SRC) csrc/tests/test_kernels.h $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $(KTEST_SRC) -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+
 test: all
 	$(abspath $(BUILD))/test_comm
 	$(abspath $(BUILD))/test_layers
+	$(abspath $(BUILD))/test_kernels
 
 clean:
 	rm -rf build build-san

@@ -179,7 +179,7 @@ def numpy_include():
 
 def sources():
     files = []
-    for sub in ("core", "devices", "comm", "kernels/cpu", "layers", "python"):
+    for sub in ("core", "devices", "comm", "kernels", "kernels/cpu", "layers", "python"):
         files += sorted(glob.glob(os.path.join("csrc", sub, "*.c")))
     return files
 

@@ -31,23 +31,23 @@ size_t tp_block_attention_workspace(tp_block_t k, int64_t B, int64_t T, int use_
   if (!k->nq || !B || !T) return 0;
   tp_attention_args a = attn_args(k, B, T, use_cache);
   a.probs = need_backward ? (float *)k : NULL; /* sizes only: whether probs are kept */
-  size_t f = lk_attention_workspace(k->dev, &a, 0), b = need_backward ? lk_attention_workspace(k->dev, &a, 1) : 0;
+  size_t f = lk_attention_workspace(&k->lk, &a, 0), b = need_backward ? lk_attention_workspace(&k->lk, &a, 1) : 0;
   return f > b ? f : b;
 }
 
 tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in, int use_cache, int keep,
                                        tp_stream_t stream) {
   int64_t M = k->B * k->T, D = k->D;
-  TP_CHECK(lk_linear_forward(k->dev, k->qkv, in, k->wqkv, k->bqkv, M, k->C, k->W, stream));
+  TP_CHECK(lk_linear_forward(&k->lk, k->qkv, in, k->wqkv, k->bqkv, M, k->C, k->W, stream));
   if (k->cfg.rope_theta > 0 && k->nq) /* Q and K heads are adjacent */
-    TP_CHECK(lk_rope(k->dev, k->qkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 0, stream));
+    TP_CHECK(lk_rope(&k->lk, k->qkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 0, stream));
   if (use_cache && k->nk)
-    TP_CHECK(lk_kv_cache_write(k->dev, k->kc, k->vc, k->qkv + k->nq * D, k->qkv + (k->nq + k->nk) * D, k->W, k->pos0,
+    TP_CHECK(lk_kv_cache_write(&k->lk, k->kc, k->vc, k->qkv + k->nq * D, k->qkv + (k->nq + k->nk) * D, k->W, k->pos0,
                                k->B, k->T, k->clen, k->nk * D, stream));
   if (k->nq) {
     tp_attention_args a = attn_args(k, k->B, k->T, use_cache);
     a.probs = keep ? k->probs : NULL;
-    tp_status_t st = lk_attention_forward(k->dev, &a, k->attn_ws, k->attn_ws_bytes, stream);
+    tp_status_t st = lk_attention_forward(&k->lk, &a, k->attn_ws, k->attn_ws_bytes, stream);
     if (st != TP_SUCCESS) {
       tp_error_prefix("block: attention");
       tp_comm_abort(k->comm, tp_last_error()); /* the peers would wait in the all-reduce */
@@ -111,8 +111,8 @@ tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt) {
  * Hk*D | V bias] and the heads' gradients become snapshot + summed delta. */
 static tp_status_t kv_snapshot(tp_block_t k, tp_stream_t stream) {
   int64_t C = k->C, kvw = 2 * k->nk * k->D, kvoff = k->nq * k->D;
-  TP_CHECK(lk_copy(k->dev, k->kvsnap, k->dwqkv + kvoff * C, (size_t)(kvw * C) * sizeof(float), stream));
-  if (k->dbqkv) TP_CHECK(lk_copy(k->dev, k->kvsnap + kvw * C, k->dbqkv + kvoff, (size_t)kvw * sizeof(float), stream));
+  TP_CHECK(lk_copy(&k->lk, k->kvsnap, k->dwqkv + kvoff * C, (size_t)(kvw * C) * sizeof(float), stream));
+  if (k->dbqkv) TP_CHECK(lk_copy(&k->lk, k->kvsnap + kvw * C, k->dbqkv + kvoff, (size_t)kvw * sizeof(float), stream));
   return TP_SUCCESS;
 }
 
@@ -121,20 +121,20 @@ static tp_status_t kv_grad_sum(tp_block_t k, tp_stream_t stream) {
   int64_t HkD = k->Hk * D, n = 2 * HkD * (C + 1), nkd = k->nk * D, k0d = k->k0 * D;
   TP_CHECK(tp_reg_ensure(k->comm, &k->kvred, (size_t)n * sizeof(float), k->dev, k->dev_id));
   float *g = k->kvred.ptr;
-  TP_CHECK(lk_zero(k->dev, g, (size_t)n * sizeof(float), stream));
+  TP_CHECK(lk_zero(&k->lk, g, (size_t)n * sizeof(float), stream));
   for (int kv = 0; kv < 2; kv++) { /* this rank's heads: nkd rows of C, contiguous in both layouts */
     float *cur = k->dwqkv + (kvoff + kv * nkd) * C, *old = k->kvsnap + kv * nkd * C;
-    TP_CHECK(lk_sub(k->dev, g + kv * HkD * C + k0d * C, cur, old, nkd * C, stream));
+    TP_CHECK(lk_sub(&k->lk, g + kv * HkD * C + k0d * C, cur, old, nkd * C, stream));
     if (k->dbqkv)
-      TP_CHECK(lk_sub(k->dev, g + 2 * HkD * C + kv * HkD + k0d, k->dbqkv + kvoff + kv * nkd,
+      TP_CHECK(lk_sub(&k->lk, g + 2 * HkD * C + kv * HkD + k0d, k->dbqkv + kvoff + kv * nkd,
                       k->kvsnap + kvw * C + kv * nkd, nkd, stream));
   }
   TP_CHECK(tp_layer_all_reduce(g, (size_t)n, TP_SUM, k->comm, stream));
   for (int kv = 0; kv < 2; kv++) {
     float *cur = k->dwqkv + (kvoff + kv * nkd) * C, *old = k->kvsnap + kv * nkd * C;
-    TP_CHECK(lk_add(k->dev, cur, old, g + kv * HkD * C + k0d * C, nkd * C, stream));
+    TP_CHECK(lk_add(&k->lk, cur, old, g + kv * HkD * C + k0d * C, nkd * C, stream));
     if (k->dbqkv)
-      TP_CHECK(lk_add(k->dev, k->dbqkv + kvoff + kv * nkd, k->kvsnap + kvw * C + kv * nkd,
+      TP_CHECK(lk_add(&k->lk, k->dbqkv + kvoff + kv * nkd, k->kvsnap + kvw * C + kv * nkd,
                       g + 2 * HkD * C + kv * HkD + k0d, nkd, stream));
   }
   return TP_SUCCESS;
@@ -148,7 +148,7 @@ tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *d
   if (k->nq) {
     tp_attention_args a = attn_args(k, k->B, k->T, 0);
     a.probs = k->probs;
-    tp_status_t st = lk_attention_backward(k->dev, &a, k->dqkv, k->dqkv + k->nq * D, k->dqkv + (k->nq + k->nk) * D,
+    tp_status_t st = lk_attention_backward(&k->lk, &a, k->dqkv, k->dqkv + k->nq * D, k->dqkv + (k->nq + k->nk) * D,
                                            k->dao, k->attn_ws, k->attn_ws_bytes, stream);
     if (st != TP_SUCCESS) {
       tp_error_prefix("block backward: attention");
@@ -156,13 +156,13 @@ tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *d
       return st;
     }
     if (k->cfg.rope_theta > 0)
-      TP_CHECK(lk_rope(k->dev, k->dqkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 1, stream));
+      TP_CHECK(lk_rope(&k->lk, k->dqkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 1, stream));
   }
   if (k->kv_replicated) TP_CHECK(kv_snapshot(k, stream));
   float *r = k->red.ptr;
-  TP_CHECK(lk_linear_backward(k->dev, r, k->dwqkv, k->dbqkv, k->dqkv, in, k->wqkv, M, C, k->W, stream));
+  TP_CHECK(lk_linear_backward(&k->lk, r, k->dwqkv, k->dbqkv, k->dqkv, in, k->wqkv, M, C, k->W, stream));
   if (k->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * C), TP_SUM, k->comm, stream));
-  TP_CHECK(lk_copy(k->dev, din, r, (size_t)(M * C) * sizeof(float), stream));
+  TP_CHECK(lk_copy(&k->lk, din, r, (size_t)(M * C) * sizeof(float), stream));
   if (k->kv_replicated) TP_CHECK(kv_grad_sum(k, stream));
   return TP_SUCCESS;
 }

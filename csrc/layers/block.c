@@ -58,23 +58,19 @@ static tp_status_t make_params(tp_block_t k) {
     float *s = tp_arena_take_n(&k->params, n[i], sizeof(float));
     *p[i] = (i % 2 == 0 || (i < 4 ? b : nb)) ? s : NULL; /* biases only when the config has them */
   }
-  char *host;
-  TP_CHECK(tp_params_stage(&k->params, &host));
-  float bq = 1.0f / sqrtf((float)C), *hw = TP_STAGED(host, &k->params, k->wqkv);
-  float *hb = b ? TP_STAGED(host, &k->params, k->bqkv) : NULL;
-  for (int64_t i = 0; i < W; i++) {
-    int64_t nqd = k->nq * D, nkd = k->nk * D;
-    int64_t frow = i < nqd ? k->q0 * D + i : i < nqd + nkd ? H * D + k->k0 * D + (i - nqd)
-                                                            : (H + Hk) * D + k->k0 * D + (i - nqd - nkd);
-    for (int64_t j = 0; j < C; j++) {
-      float u = (float)((2.0 * tp_uniform01(k->cfg.seed, 10, (uint64_t)(frow * C + j)) - 1.0) * bq);
-      hw[i * C + j] = u;
-    }
-    if (hb) hb[i] = (float)((2.0 * tp_uniform01(k->cfg.seed, 11, (uint64_t)frow) - 1.0) * bq);
+  TP_CHECK(lk_zero(&k->lk, k->params.base, k->params.cap, NULL));
+  /* the shard's rows [its Q heads | its K heads | its V heads]: three runs of whole rows of
+   * the full [Q | K | V] weight (tensor 10) and bias (11) */
+  float bq = 1.0f / sqrtf((float)C);
+  int64_t row0[3] = {k->q0 * D, H * D + k->k0 * D, (H + Hk) * D + k->k0 * D}, rows[3] = {k->nq * D, k->nk * D, k->nk * D};
+  int64_t at = 0;
+  for (int p = 0; p < 3; at += rows[p], p++) {
+    TP_CHECK(lk_init_uniform(&k->lk, k->wqkv + at * C, rows[p] * C, k->cfg.seed, 10, (uint64_t)(row0[p] * C), bq, NULL));
+    if (b) TP_CHECK(lk_init_uniform(&k->lk, k->bqkv + at, rows[p], k->cfg.seed, 11, (uint64_t)row0[p], bq, NULL));
   }
-  float *h1 = TP_STAGED(host, &k->params, k->n1w), *h2 = TP_STAGED(host, &k->params, k->n2w);
-  for (int64_t i = 0; i < C; i++) h1[i] = h2[i] = 1.0f;
-  return tp_params_commit(&k->params, host);
+  TP_CHECK(lk_fill(&k->lk, k->n1w, 1.0f, C, NULL));
+  TP_CHECK(lk_fill(&k->lk, k->n2w, 1.0f, C, NULL));
+  return tp_device_sync(k->dev, k->dev_id, NULL);
 }
 
 tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_config_t *cfg) {
@@ -99,10 +95,15 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   tp_arena_init(&k->params, k->dev, k->dev_id);
   tp_arena_init(&k->ws, k->dev, k->dev_id);
   tp_arena_init(&k->cache, k->dev, k->dev_id);
+  tp_status_t st = tp_lk_init(&k->lk, "block", k->dev, k->dev_id);
+  if (st != TP_SUCCESS) {
+    tp_block_destroy(k);
+    return st;
+  }
   int64_t C = cfg->hidden, H = cfg->heads, Hk = cfg->kv_heads ? cfg->kv_heads : cfg->heads, D = cfg->head_dim;
   k->C = C, k->D = D, k->H = H, k->Hk = Hk, k->group = H / Hk;
   /* whole query heads per rank; the KV heads their groups use */
-  tp_status_t st = tp_partition_sizes(H, world, cfg->head_partition, k->out_part, hoff, "block: head_partition",
+  st = tp_partition_sizes(H, world, cfg->head_partition, k->out_part, hoff, "block: head_partition",
                                       "heads");
   if (st != TP_SUCCESS) {
     tp_block_destroy(k);
@@ -216,7 +217,7 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
   tp_arena_release(&k->cache);
   k->kc = k->vc = NULL, k->cb = k->clen = 0;
   tp_status_t st = tp_arena_reserve(&k->cache, total, "block cache");
-  if (st == TP_SUCCESS) st = lk_zero(k->dev, k->cache.base, total, NULL);
+  if (st == TP_SUCCESS) st = lk_zero(&k->lk, k->cache.base, total, NULL);
   if (st != TP_SUCCESS) {
     tp_arena_release(&k->cache);
     return tp_set_error(TP_ERR_NOMEM, "block cache: out of memory for batch %lld x max_len %lld tokens (2 x %lld "
@@ -261,22 +262,22 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
 
 static tp_status_t norm_fwd(tp_block_t k, float *y, float *mean, float *rstd, const float *x, const float *w,
                             const float *b, int64_t M, tp_stream_t s) {
-  if (k->cfg.norm == TP_NORM_RMS) return lk_rmsnorm_forward(k->dev, y, rstd, x, w, M, k->C, k->cfg.eps, s);
-  return lk_layernorm_forward(k->dev, y, mean, rstd, x, w, b, M, k->C, k->cfg.eps, s);
+  if (k->cfg.norm == TP_NORM_RMS) return lk_rmsnorm_forward(&k->lk, y, rstd, x, w, M, k->C, k->cfg.eps, s);
+  return lk_layernorm_forward(&k->lk, y, mean, rstd, x, w, b, M, k->C, k->cfg.eps, s);
 }
 
 static tp_status_t norm_bwd(tp_block_t k, float *dx, float *dw, float *db, const float *dy, const float *x,
                             const float *w, const float *mean, const float *rstd, int64_t M, tp_stream_t s) {
-  if (k->cfg.norm == TP_NORM_RMS) return lk_rmsnorm_backward(k->dev, dx, dw, dy, x, w, rstd, M, k->C, s);
-  return lk_layernorm_backward(k->dev, dx, dw, db, dy, x, w, mean, rstd, M, k->C, s);
+  if (k->cfg.norm == TP_NORM_RMS) return lk_rmsnorm_backward(&k->lk, dx, dw, dy, x, w, rstd, M, k->C, s);
+  return lk_layernorm_backward(&k->lk, dx, dw, db, dy, x, w, mean, rstd, M, k->C, s);
 }
 
 /* The metadata of the batch onto the device: pos0 (host, or 0), then the positions of every
  * row and the keys per sequence from it; the key mask. */
 static tp_status_t batch_metadata(tp_block_t k, const tp_block_batch_t *bt, int64_t B, int64_t T, tp_stream_t s) {
   if (bt->pos0) TP_CHECK(tp_device_copy(k->dev, k->pos0, TP_DEVICE_CPU, bt->pos0, (size_t)B * sizeof(int64_t), s));
-  else TP_CHECK(lk_zero(k->dev, k->pos0, (size_t)B * sizeof(int64_t), s));
-  TP_CHECK(lk_positions(k->dev, k->pos, k->klen, k->pos0, B, T, s));
+  else TP_CHECK(lk_zero(&k->lk, k->pos0, (size_t)B * sizeof(int64_t), s));
+  TP_CHECK(lk_positions(&k->lk, k->pos, k->klen, k->pos0, B, T, s));
   k->have_mask = bt->key_mask != NULL;
   if (k->have_mask) TP_CHECK(tp_device_copy(k->dev, k->mask, TP_DEVICE_CPU, bt->key_mask, (size_t)(B * T), s));
   return TP_SUCCESS;
@@ -294,25 +295,25 @@ static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp
   }
   k->B = B, k->T = T;
   TP_CHECK(batch_metadata(k, bt, B, T, s));
-  TP_CHECK(lk_copy(k->dev, k->xs, x, nb, s));
+  TP_CHECK(lk_copy(&k->lk, k->xs, x, nb, s));
   TP_CHECK(tp_reg_ensure(k->comm, &k->red, nb, k->dev, k->dev_id)); /* backward's QKV input gradient */
   float *r;
   if (k->cfg.attention_only) {
     TP_CHECK(tp_block_attention_forward(k, &r, k->xs, bt->use_cache, bt->need_backward, s));
-    TP_CHECK(lk_copy(k->dev, y, r, nb, s));
+    TP_CHECK(lk_copy(&k->lk, y, r, nb, s));
   } else if (k->cfg.pre_norm) {
     TP_CHECK(norm_fwd(k, k->n1, k->mean1, k->rstd1, k->xs, k->n1w, k->n1b, M, s));
     TP_CHECK(tp_block_attention_forward(k, &r, k->n1, bt->use_cache, bt->need_backward, s));
-    TP_CHECK(lk_add(k->dev, k->h1, k->xs, r, M * C, s));
+    TP_CHECK(lk_add(&k->lk, k->h1, k->xs, r, M * C, s));
     TP_CHECK(norm_fwd(k, k->n2, k->mean2, k->rstd2, k->h1, k->n2w, k->n2b, M, s));
     TP_CHECK(tp_parallel_mlp_forward_raw(k->mlp, k->mo, k->n2, M, s));
-    TP_CHECK(lk_add(k->dev, y, k->h1, k->mo, M * C, s));
+    TP_CHECK(lk_add(&k->lk, y, k->h1, k->mo, M * C, s));
   } else {
     TP_CHECK(tp_block_attention_forward(k, &r, k->xs, bt->use_cache, bt->need_backward, s));
-    TP_CHECK(lk_add(k->dev, k->s1, k->xs, r, M * C, s));
+    TP_CHECK(lk_add(&k->lk, k->s1, k->xs, r, M * C, s));
     TP_CHECK(norm_fwd(k, k->h1, k->mean1, k->rstd1, k->s1, k->n1w, k->n1b, M, s));
     TP_CHECK(tp_parallel_mlp_forward_raw(k->mlp, k->mo, k->h1, M, s));
-    TP_CHECK(lk_add(k->dev, k->s2, k->h1, k->mo, M * C, s));
+    TP_CHECK(lk_add(&k->lk, k->s2, k->h1, k->mo, M * C, s));
     TP_CHECK(norm_fwd(k, y, k->mean2, k->rstd2, k->s2, k->n2w, k->n2b, M, s));
   }
   k->ready = bt->need_backward;
@@ -332,23 +333,23 @@ tp_status_t tp_block_forward(tp_block_t k, const tp_tensor *y, const tp_tensor *
 static tp_status_t backward_impl(tp_block_t k, float *dx, const float *dy, tp_stream_t s) {
   int64_t M = k->B * k->T, C = k->C;
   if (k->cfg.attention_only) {
-    TP_CHECK(lk_copy(k->dev, k->dt, dy, (size_t)(M * C) * sizeof(float), s));
+    TP_CHECK(lk_copy(&k->lk, k->dt, dy, (size_t)(M * C) * sizeof(float), s));
     return tp_block_attention_backward(k, dx, k->dt, k->xs, s);
   }
   if (k->cfg.pre_norm) {
     TP_CHECK(tp_parallel_mlp_backward_raw(k->mlp, k->dn, dy, M, s));                        /* d norm2 out */
     TP_CHECK(norm_bwd(k, k->dt, k->dn2w, k->dn2b, k->dn, k->h1, k->n2w, k->mean2, k->rstd2, M, s));
-    TP_CHECK(lk_add(k->dev, k->dh, dy, k->dt, M * C, s));                                   /* d h1 */
+    TP_CHECK(lk_add(&k->lk, k->dh, dy, k->dt, M * C, s));                                   /* d h1 */
     TP_CHECK(tp_block_attention_backward(k, k->dn, k->dh, k->n1, s));                       /* d norm1 out */
     TP_CHECK(norm_bwd(k, k->dt, k->dn1w, k->dn1b, k->dn, k->xs, k->n1w, k->mean1, k->rstd1, M, s));
-    return lk_add(k->dev, dx, k->dh, k->dt, M * C, s);
+    return lk_add(&k->lk, dx, k->dh, k->dt, M * C, s);
   }
   TP_CHECK(norm_bwd(k, k->dt, k->dn2w, k->dn2b, dy, k->s2, k->n2w, k->mean2, k->rstd2, M, s));   /* d s2 */
   TP_CHECK(tp_parallel_mlp_backward_raw(k->mlp, k->dn, k->dt, M, s));
-  TP_CHECK(lk_add(k->dev, k->dh, k->dt, k->dn, M * C, s));                                     /* d h1 */
+  TP_CHECK(lk_add(&k->lk, k->dh, k->dt, k->dn, M * C, s));                                     /* d h1 */
   TP_CHECK(norm_bwd(k, k->dt, k->dn1w, k->dn1b, k->dh, k->s1, k->n1w, k->mean1, k->rstd1, M, s)); /* d s1 */
   TP_CHECK(tp_block_attention_backward(k, k->dn, k->dt, k->xs, s));
-  return lk_add(k->dev, dx, k->dt, k->dn, M * C, s);
+  return lk_add(&k->lk, dx, k->dt, k->dn, M * C, s);
 }
 
 tp_status_t tp_block_backward(tp_block_t k, const tp_tensor *dx, const tp_tensor *dy, tp_stream_t stream) {

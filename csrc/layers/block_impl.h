@@ -4,7 +4,7 @@
 #ifndef TPCORE_BLOCK_IMPL_H
 #define TPCORE_BLOCK_IMPL_H
 
-#include "layers_impl.h"
+#include "layer_kernels.h"
 
 struct tp_block {
   tp_comm_t comm;
@@ -12,6 +12,7 @@ struct tp_block {
   int rank, world;
   tp_device_t dev;
   int dev_id;
+  tp_lk lk;                         /* the device's kernels */
   int64_t C, D, H, Hk, group, q0, nq, k0, nk, W, A; /* W: qkv shard width, A: attention output width */
   int kv_replicated;
   int64_t *out_part;                /* [world] attention output columns per rank (nq x D; in the handle) */

@@ -1,263 +1,215 @@
 /*
  * The layers' data touches, one inline call each: every read or write of a layer's
  * (device) data goes through here, so that the layers themselves keep only the
- * algorithm and the collectives.  Copies and fills go through the device table
- * (tp_device_copy / copy_2d / memset); the arithmetic goes to the kernels.
- * `dev` is the layer's device; every pointer lives there.
+ * algorithm and the collectives and never dereference a data pointer.  Copies and
+ * fills go through the device table (tp_device_copy / copy_2d / memset), the
+ * arithmetic and the checks that read data through the layer's kernel table
+ * (csrc/kernels/kernels_impl.h); a check's result is read back once.
+ * Every pointer lives on the layer's device (tp_lk.dev).
  */
 #ifndef TPCORE_LAYER_KERNELS_H
 #define TPCORE_LAYER_KERNELS_H
 
-#include <math.h>
-
+#include "../kernels/kernels_impl.h"
 #include "layers_impl.h"
-#include "tpcore/kernels.h"
+
+/* A layer's device and its kernel table, fixed at create. */
+typedef struct {
+  tp_device_t dev;
+  int id;
+  const tp_kernel_ops *k;
+} tp_lk;
+
+static inline tp_status_t tp_lk_init(tp_lk *c, const char *op, tp_device_t dev, int id) {
+  c->dev = dev;
+  c->id = id;
+  c->k = tp_kernels_of(dev);
+  if (!c->k)
+    return tp_set_error(TP_ERR_UNSUPPORTED, "%s: this build of tpcore has no kernels for %s", op, tp_device_name(dev));
+  return TP_SUCCESS;
+}
 
 /* ------------------------------------------------------------- copies, fills */
 
-static inline tp_status_t lk_copy(tp_device_t dev, void *dst, const void *src, size_t nbytes, tp_stream_t s) {
-  return tp_device_copy(dev, dst, dev, src, nbytes, s);
+static inline tp_status_t lk_copy(const tp_lk *c, void *dst, const void *src, size_t nbytes, tp_stream_t s) {
+  return tp_device_copy(c->dev, dst, c->dev, src, nbytes, s);
 }
 /* rows x cols floats: dst row r at dst + r * dld, src row r at src + r * sld (elements). */
-static inline tp_status_t lk_copy_rows(tp_device_t dev, float *dst, int64_t dld, const float *src, int64_t sld,
+static inline tp_status_t lk_copy_rows(const tp_lk *c, float *dst, int64_t dld, const float *src, int64_t sld,
                                        int64_t rows, int64_t cols, tp_stream_t s) {
   if (rows <= 0 || cols <= 0) return TP_SUCCESS;
-  return tp_device_copy_2d(dev, dst, (size_t)dld * sizeof(float), dev, src, (size_t)sld * sizeof(float),
+  return tp_device_copy_2d(c->dev, dst, (size_t)dld * sizeof(float), c->dev, src, (size_t)sld * sizeof(float),
                            (size_t)cols * sizeof(float), (size_t)rows, s);
 }
-static inline tp_status_t lk_zero(tp_device_t dev, void *dst, size_t nbytes, tp_stream_t s) {
-  return tp_device_memset(dev, dst, 0, nbytes, s);
+static inline tp_status_t lk_zero(const tp_lk *c, void *dst, size_t nbytes, tp_stream_t s) {
+  return tp_device_memset(c->dev, dst, 0, nbytes, s);
+}
+/* n int64 of device memory into host memory, the stream waited for: a check's result. */
+static inline tp_status_t lk_read_i64(const tp_lk *c, int64_t *host, const int64_t *src, int64_t n, tp_stream_t s) {
+  TP_CHECK(tp_device_copy(TP_DEVICE_CPU, host, c->dev, src, (size_t)n * sizeof(int64_t), s));
+  return tp_device_sync(c->dev, c->id, s);
+}
+static inline tp_status_t lk_fill(const tp_lk *c, float *y, float value, int64_t n, tp_stream_t s) {
+  return n > 0 ? c->k->fill(s, y, value, n) : TP_SUCCESS;
+}
+static inline tp_status_t lk_init_uniform(const tp_lk *c, float *y, int64_t n, uint64_t seed, uint64_t tensor,
+                                          uint64_t index0, float bound, tp_stream_t s) {
+  return n > 0 ? c->k->init_uniform(s, y, n, seed, tensor, index0, bound) : TP_SUCCESS;
+}
+static inline tp_status_t lk_init_normal(const tp_lk *c, float *y, int64_t n, uint64_t seed, uint64_t tensor,
+                                         uint64_t index0, tp_stream_t s) {
+  return n > 0 ? c->k->init_normal(s, y, n, seed, tensor, index0) : TP_SUCCESS;
 }
 
-/* ------------------------------------------------------------------- kernels */
+/* ------------------------------------------------------------------- linear */
 
-static inline tp_status_t lk_linear_forward(tp_device_t dev, float *y, const float *x, const float *w, const float *b,
+static inline tp_status_t lk_linear_forward(const tp_lk *c, float *y, const float *x, const float *w, const float *b,
                                             int64_t M, int64_t K, int64_t N, tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_linear_forward(y, x, w, b, M, K, N);
-  return TP_SUCCESS;
+  return c->k->linear_forward(s, y, x, w, b, M, K, N);
 }
-/* dx may be NULL (no input gradient); accumulate: dx += instead of = */
-static inline tp_status_t lk_linear_backward_acc(tp_device_t dev, float *dx, float *dw, float *db, const float *dy,
-                                                 const float *x, const float *w, int64_t M, int64_t K, int64_t N,
-                                                 int accumulate, tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_linear_backward(dx, dw, db, dy, x, w, M, K, N, accumulate);
-  return TP_SUCCESS;
-}
-static inline tp_status_t lk_linear_backward(tp_device_t dev, float *dx, float *dw, float *db, const float *dy,
+static inline tp_status_t lk_linear_backward(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
                                              const float *x, const float *w, int64_t M, int64_t K, int64_t N,
                                              tp_stream_t s) {
-  return lk_linear_backward_acc(dev, dx, dw, db, dy, x, w, M, K, N, 0, s);
+  return c->k->linear_backward(s, dx, dw, db, dy, x, w, M, K, N, 0);
 }
-
-/* y[M, N] = r + b per row (b NULL: a copy of r). */
-static inline tp_status_t lk_add_bias_rows(tp_device_t dev, float *y, const float *r, const float *b, int64_t M,
+/* y[M, N] = r + b per row (b NULL: a copy of r; y may be r). */
+static inline tp_status_t lk_add_bias_rows(const tp_lk *c, float *y, const float *r, const float *b, int64_t M,
                                            int64_t N, tp_stream_t s) {
-  if (!b) return lk_copy(dev, y, r, (size_t)(M * N) * sizeof(float), s);
-  for (int64_t m = 0; m < M; m++) {
-    const float *src = r + m * N;
-    float *dst = y + m * N;
-    for (int64_t j = 0; j < N; j++) dst[j] = src[j] + b[j];
-  }
-  return TP_SUCCESS;
+  if (!b) return lk_copy(c, y, r, (size_t)(M * N) * sizeof(float), s);
+  return M > 0 && N > 0 ? c->k->add_bias(s, y, r, b, M, N) : TP_SUCCESS;
 }
-/* y[n] = a + b */
-static inline tp_status_t lk_add(tp_device_t dev, float *y, const float *a, const float *b, int64_t n, tp_stream_t s) {
-  (void)dev, (void)s;
-  for (int64_t i = 0; i < n; i++) y[i] = a[i] + b[i];
-  return TP_SUCCESS;
+/* y[n] = a + b, y[n] = a - b (y may alias a or b) */
+static inline tp_status_t lk_add(const tp_lk *c, float *y, const float *a, const float *b, int64_t n, tp_stream_t s) {
+  return n > 0 ? c->k->add(s, y, a, b, n) : TP_SUCCESS;
+}
+static inline tp_status_t lk_sub(const tp_lk *c, float *y, const float *a, const float *b, int64_t n, tp_stream_t s) {
+  return n > 0 ? c->k->sub(s, y, a, b, n) : TP_SUCCESS;
 }
 
-/* y[n] = a - b */
-static inline tp_status_t lk_sub(tp_device_t dev, float *y, const float *a, const float *b, int64_t n, tp_stream_t s) {
-  (void)dev, (void)s;
-  for (int64_t i = 0; i < n; i++) y[i] = a[i] - b[i];
-  return TP_SUCCESS;
+static inline tp_status_t lk_bias_act_forward(const tp_lk *c, float *out, float *h, const float *b, int64_t M,
+                                              int64_t F, tp_activation_t act, tp_stream_t s) {
+  return c->k->bias_act_forward(s, out, h, b, M, F, act);
+}
+static inline size_t lk_bias_act_backward_workspace(const tp_lk *c, int64_t M, int64_t F, tp_activation_t act) {
+  return c->k->bias_act_backward_workspace(M, F, act);
+}
+static inline tp_status_t lk_bias_act_backward(const tp_lk *c, float *dh, float *db, const float *h,
+                                               const float *dout, int64_t M, int64_t F, tp_activation_t act,
+                                               void *ws, size_t wsb, tp_stream_t s) {
+  return c->k->bias_act_backward(s, dh, db, h, dout, M, F, act, ws, wsb);
 }
 
 /* ------------------------------------------------------- norms, RoPE, attention */
 
-static inline tp_status_t lk_layernorm_forward(tp_device_t dev, float *y, float *mean, float *rstd, const float *x,
+static inline tp_status_t lk_layernorm_forward(const tp_lk *c, float *y, float *mean, float *rstd, const float *x,
                                                const float *w, const float *b, int64_t M, int64_t C, float eps,
                                                tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_layernorm_forward(y, mean, rstd, x, w, b, M, C, eps);
-  return TP_SUCCESS;
+  return c->k->layernorm_forward(s, y, mean, rstd, x, w, b, M, C, eps);
 }
-static inline tp_status_t lk_layernorm_backward(tp_device_t dev, float *dx, float *dw, float *db, const float *dy,
+static inline tp_status_t lk_layernorm_backward(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
                                                 const float *x, const float *w, const float *mean, const float *rstd,
                                                 int64_t M, int64_t C, tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, M, C);
-  return TP_SUCCESS;
+  return c->k->layernorm_backward(s, dx, dw, db, dy, x, w, mean, rstd, M, C);
 }
-static inline tp_status_t lk_rmsnorm_forward(tp_device_t dev, float *y, float *rstd, const float *x, const float *w,
+static inline tp_status_t lk_rmsnorm_forward(const tp_lk *c, float *y, float *rstd, const float *x, const float *w,
                                              int64_t M, int64_t C, float eps, tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_rmsnorm_forward(y, rstd, x, w, M, C, eps);
-  return TP_SUCCESS;
+  return c->k->rmsnorm_forward(s, y, rstd, x, w, M, C, eps);
 }
-static inline tp_status_t lk_rmsnorm_backward(tp_device_t dev, float *dx, float *dw, const float *dy, const float *x,
+static inline tp_status_t lk_rmsnorm_backward(const tp_lk *c, float *dx, float *dw, const float *dy, const float *x,
                                               const float *w, const float *rstd, int64_t M, int64_t C, tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_rmsnorm_backward(dx, dw, dy, x, w, rstd, M, C);
-  return TP_SUCCESS;
+  return c->k->rmsnorm_backward(s, dx, dw, dy, x, w, rstd, M, C);
 }
-static inline tp_status_t lk_rope(tp_device_t dev, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D,
+static inline tp_status_t lk_rope(const tp_lk *c, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D,
                                   const int64_t *pos, float theta, int inverse, tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_rope_apply(x, rows, ld, heads, D, pos, theta, inverse);
-  return TP_SUCCESS;
+  return rows > 0 ? c->k->rope(s, x, rows, ld, heads, D, pos, theta, inverse) : TP_SUCCESS;
 }
 /* pos[b * T + t] = pos0[b] + t, klen[b] = pos0[b] + T */
-static inline tp_status_t lk_positions(tp_device_t dev, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B,
+static inline tp_status_t lk_positions(const tp_lk *c, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B,
                                        int64_t T, tp_stream_t s) {
-  (void)dev, (void)s;
-  for (int64_t b = 0; b < B; b++) {
-    klen[b] = pos0[b] + T;
-    for (int64_t t = 0; t < T; t++) pos[b * T + t] = pos0[b] + t;
-  }
-  return TP_SUCCESS;
+  return B > 0 ? c->k->positions(s, pos, klen, pos0, B, T) : TP_SUCCESS;
 }
 /* K/V rows of a step into the cache at pos0[b] + t (width floats each). */
-static inline tp_status_t lk_kv_cache_write(tp_device_t dev, float *kc, float *vc, const float *k, const float *v,
+static inline tp_status_t lk_kv_cache_write(const tp_lk *c, float *kc, float *vc, const float *k, const float *v,
                                             int64_t ld, const int64_t *pos0, int64_t B, int64_t T, int64_t max_len,
                                             int64_t width, tp_stream_t s) {
-  for (int64_t b = 0; b < B; b++) {
-    int64_t at = (b * max_len + pos0[b]) * width;
-    TP_CHECK(lk_copy_rows(dev, kc + at, width, k + b * T * ld, ld, T, width, s));
-    TP_CHECK(lk_copy_rows(dev, vc + at, width, v + b * T * ld, ld, T, width, s));
-  }
-  return TP_SUCCESS;
+  return B > 0 && T > 0 && width > 0 ? c->k->kv_cache_write(s, kc, vc, k, v, ld, pos0, B, T, max_len, width)
+                                     : TP_SUCCESS;
 }
-static inline size_t lk_attention_workspace(tp_device_t dev, const tp_attention_args *a, int backward) {
-  (void)dev, (void)a, (void)backward;
-  return 0;
+static inline size_t lk_attention_workspace(const tp_lk *c, const tp_attention_args *a, int backward) {
+  return c->k->attention_workspace(a, backward);
 }
-static inline tp_status_t lk_attention_forward(tp_device_t dev, const tp_attention_args *a, void *ws, size_t wsb,
+static inline tp_status_t lk_attention_forward(const tp_lk *c, const tp_attention_args *a, void *ws, size_t wsb,
                                                tp_stream_t s) {
-  (void)dev, (void)ws, (void)wsb, (void)s;
-  if (tp_attention_forward(a)) return tp_set_error(TP_ERR_NOMEM, "out of memory");
-  return TP_SUCCESS;
+  return c->k->attention_forward(s, a, ws, wsb);
 }
-static inline tp_status_t lk_attention_backward(tp_device_t dev, const tp_attention_args *a, float *dq, float *dk,
+static inline tp_status_t lk_attention_backward(const tp_lk *c, const tp_attention_args *a, float *dq, float *dk,
                                                 float *dv, const float *dout, void *ws, size_t wsb, tp_stream_t s) {
-  (void)dev, (void)ws, (void)wsb, (void)s;
-  if (tp_attention_backward(a, dq, dk, dv, dout)) return tp_set_error(TP_ERR_NOMEM, "out of memory");
-  return TP_SUCCESS;
-}
-
-static inline tp_status_t lk_bias_act_forward(tp_device_t dev, float *out, float *h, const float *b, int64_t M,
-                                              int64_t F, tp_activation_t act, tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_bias_act_forward(out, h, b, M, F, act);
-  return TP_SUCCESS;
-}
-static inline tp_status_t lk_bias_act_backward(tp_device_t dev, float *dh, float *db, const float *h,
-                                               const float *dout, int64_t M, int64_t F, tp_activation_t act,
-                                               tp_stream_t s) {
-  (void)dev, (void)s;
-  if (tp_bias_act_backward(dh, db, h, dout, M, F, act) != 0)
-    return tp_set_error(TP_ERR_NOMEM, "out of memory");
-  return TP_SUCCESS;
+  return c->k->attention_backward(s, a, dq, dk, dv, dout, ws, wsb);
 }
 
 /* ------------------------------------------------------------- vocab pieces */
 
-/* The first id outside [lo, hi): bad[0] = its index (-1: none), bad[1] = its value.
- * flag: two int64 of device scratch the check writes, read back once. */
-static inline tp_status_t lk_find_out_of_range(tp_device_t dev, int64_t *flag, int64_t bad[2], const int64_t *ids,
+/* The first id outside [lo, hi): bad[0] = its index (-1: none), bad[1] = its value.  flag:
+ * one int64 of device scratch the check writes, read back once (and the bad id after it). */
+static inline tp_status_t lk_find_out_of_range(const tp_lk *c, int64_t *flag, int64_t bad[2], const int64_t *ids,
                                                int64_t M, int64_t lo, int64_t hi, tp_stream_t s) {
-  (void)dev, (void)flag, (void)s;
   bad[0] = -1, bad[1] = 0;
-  for (int64_t m = 0; m < M; m++)
-    if (ids[m] < lo || ids[m] >= hi) {
-      bad[0] = m, bad[1] = ids[m];
-      break;
-    }
+  if (M <= 0) return TP_SUCCESS;
+  TP_CHECK(c->k->check_range(s, flag, ids, M, lo, hi));
+  TP_CHECK(lk_read_i64(c, bad, flag, 1, s));
+  if (bad[0] >= 0) TP_CHECK(lk_read_i64(c, bad + 1, ids + bad[0], 1, s));
   return TP_SUCCESS;
 }
-static inline tp_status_t lk_embedding_forward(tp_device_t dev, float *out, const int64_t *tokens, const float *table,
+static inline tp_status_t lk_embedding_forward(const tp_lk *c, float *out, const int64_t *tokens, const float *table,
                                                int64_t M, int64_t lo, int64_t V, int64_t C, tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_embedding_forward(out, tokens, table, M, lo, V, C);
-  return TP_SUCCESS;
+  return M > 0 ? c->k->embedding_forward(s, out, tokens, table, M, lo, V, C) : TP_SUCCESS;
 }
-static inline tp_status_t lk_embedding_backward(tp_device_t dev, float *dtable, const int64_t *tokens,
+static inline tp_status_t lk_embedding_backward(const tp_lk *c, float *dtable, const int64_t *tokens,
                                                 const float *dout, int64_t M, int64_t lo, int64_t V, int64_t C,
                                                 tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_embedding_backward(dtable, tokens, dout, M, lo, V, C);
-  return TP_SUCCESS;
+  return M > 0 ? c->k->embedding_backward(s, dtable, tokens, dout, M, lo, V, C) : TP_SUCCESS;
 }
-
-/* A 24-bit fingerprint of the targets and ignore_index (exact in float32): max(h) == -max(-h)
- * over the ranks iff every rank hashed the same targets.  Read back into *h. */
-static inline tp_status_t lk_targets_hash(tp_device_t dev, float *h, int64_t *flag, const int64_t *t, int64_t M,
+/* fp[0] = the 24-bit fingerprint of (targets, ignore_index), fp[1] = -fp[0] (device memory) */
+static inline tp_status_t lk_targets_hash(const tp_lk *c, float *fp, const int64_t *t, int64_t M,
                                           int64_t ignore_index, tp_stream_t s) {
-  (void)dev, (void)flag, (void)s;
-  uint64_t x = (0xcbf29ce484222325ULL ^ (uint64_t)M) * 0x100000001b3ULL ^ (uint64_t)ignore_index;
-  for (int64_t m = 0; m < M; m++) x = (x ^ (uint64_t)t[m]) * 0x100000001b3ULL;
-  x ^= x >> 29;
-  *h = (float)(x & 0xFFFFFF);
-  return TP_SUCCESS;
+  return c->k->xent_targets_hash(s, fp, t, M, ignore_index);
 }
 /* tg[m] = targets[m], or -1 where it equals ignore_index; res = [first row whose target is
- * outside [0, total) (-1: none), its target, rows not ignored] (read back once). */
-static inline tp_status_t lk_xent_targets(tp_device_t dev, int64_t *tg, int64_t *flag, int64_t res[3],
+ * outside [0, total) (-1: none), its target, rows not ignored] (flag: 2 int64 of device
+ * scratch, read back once). */
+static inline tp_status_t lk_xent_targets(const tp_lk *c, int64_t *tg, int64_t *flag, int64_t res[3],
                                           const int64_t *targets, int64_t M, int64_t ignore_index, int64_t total,
                                           tp_stream_t s) {
-  (void)dev, (void)flag, (void)s;
   res[0] = -1, res[1] = 0, res[2] = 0;
-  for (int64_t m = 0; m < M; m++) {
-    int64_t t = targets[m];
-    if (t == ignore_index) {
-      tg[m] = -1;
-      continue;
-    }
-    if (t < 0 || t >= total) {
-      res[0] = m, res[1] = t;
-      return TP_SUCCESS;
-    }
-    tg[m] = t;
-    res[2]++;
-  }
+  if (M <= 0) return TP_SUCCESS;
+  int64_t r[2];
+  TP_CHECK(c->k->xent_targets(s, tg, flag, targets, M, ignore_index, total));
+  TP_CHECK(lk_read_i64(c, r, flag, 2, s));
+  res[0] = r[0], res[2] = r[1];
+  if (r[0] >= 0) TP_CHECK(lk_read_i64(c, res + 1, targets + r[0], 1, s));
   return TP_SUCCESS;
 }
-static inline tp_status_t lk_xent_row_max(tp_device_t dev, float *rowmax, const float *logits, int64_t M, int64_t V,
+static inline tp_status_t lk_xent_row_max(const tp_lk *c, float *rowmax, const float *logits, int64_t M, int64_t V,
                                           tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_xent_row_max(rowmax, logits, M, V);
-  return TP_SUCCESS;
+  return M > 0 ? c->k->xent_row_max(s, rowmax, logits, M, V) : TP_SUCCESS;
 }
-static inline tp_status_t lk_xent_row_sums(tp_device_t dev, float *sums, const float *logits, const float *gmax,
+static inline tp_status_t lk_xent_row_sums(const tp_lk *c, float *sums, const float *logits, const float *gmax,
                                            const int64_t *tg, int64_t M, int64_t lo, int64_t V, tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_xent_row_sums(sums, logits, gmax, tg, M, lo, V);
-  return TP_SUCCESS;
+  return M > 0 ? c->k->xent_row_sums(s, sums, logits, gmax, tg, M, lo, V) : TP_SUCCESS;
 }
-/* losses[m] = log(sumexp) + gmax - target logit, 0 on ignored rows (tg < 0). */
-static inline tp_status_t lk_xent_losses(tp_device_t dev, float *losses, const float *sumexp, const float *gmax,
+static inline tp_status_t lk_xent_losses(const tp_lk *c, float *losses, const float *sumexp, const float *gmax,
                                          const float *tl, const int64_t *tg, int64_t M, tp_stream_t s) {
-  (void)dev, (void)s;
-  for (int64_t m = 0; m < M; m++)
-    losses[m] = tg[m] < 0 ? 0.0f : (float)(log((double)sumexp[m]) + (double)gmax[m] - (double)tl[m]);
-  return TP_SUCCESS;
+  return M > 0 ? c->k->xent_loss(s, losses, sumexp, gmax, tl, tg, M) : TP_SUCCESS;
 }
-/* rs[m] = 0 on ignored rows, else dloss[m] (dloss NULL: 1). */
-static inline tp_status_t lk_xent_row_scale(tp_device_t dev, float *rs, const int64_t *tg, const float *dloss,
+static inline tp_status_t lk_xent_row_scale(const tp_lk *c, float *rs, const int64_t *tg, const float *dloss,
                                             int64_t M, tp_stream_t s) {
-  (void)dev, (void)s;
-  for (int64_t m = 0; m < M; m++) rs[m] = tg[m] < 0 ? 0.0f : dloss ? dloss[m] : 1.0f;
-  return TP_SUCCESS;
+  return M > 0 ? c->k->xent_row_scale(s, rs, tg, dloss, M) : TP_SUCCESS;
 }
-static inline tp_status_t lk_xent_backward(tp_device_t dev, float *dlogits, const float *logits, const float *gmax,
+static inline tp_status_t lk_xent_backward(const tp_lk *c, float *dlogits, const float *logits, const float *gmax,
                                            const float *sumexp, const int64_t *tg, const float *rs, float scale,
                                            int64_t M, int64_t lo, int64_t V, tp_stream_t s) {
-  (void)dev, (void)s;
-  tp_xent_backward(dlogits, logits, gmax, sumexp, tg, rs, scale, M, lo, V);
-  return TP_SUCCESS;
+  return M > 0 && V > 0 ? c->k->xent_backward(s, dlogits, logits, gmax, sumexp, tg, rs, scale, M, lo, V)
+                        : TP_SUCCESS;
 }
 
 #endif

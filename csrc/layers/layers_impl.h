@@ -180,29 +180,8 @@ tp_status_t tp_parallel_mlp_forward_raw(tp_parallel_mlp_t m, float *y, const flo
 tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const float *dy, int64_t M,
                                          tp_stream_t stream);
 
-/* The parameters of a layer: one device allocation (an arena reserved once) carved
- * into weights, biases and their gradients.  Initial values are drawn on the host:
- * straight into the allocation on a host device, else into a zeroed host copy that
- * goes over in one tp_device_copy (create time only).  *host is where to write. */
-static inline tp_status_t tp_params_stage(tp_arena_t *p, char **host) {
-  if (p->device == TP_DEVICE_CPU) {
-    *host = p->base;
-    return tp_device_memset(p->device, p->base, 0, p->cap, NULL);
-  }
-  void *h;
-  TP_CHECK(tp_device_alloc(TP_DEVICE_CPU, 0, p->cap, &h));
-  memset(h, 0, p->cap); /* host staging */
-  *host = h;
-  return TP_SUCCESS;
-}
-static inline tp_status_t tp_params_commit(tp_arena_t *p, char *host) {
-  if (host == p->base) return TP_SUCCESS;
-  tp_status_t st = tp_device_copy(p->device, p->base, TP_DEVICE_CPU, host, p->cap, NULL);
-  if (st == TP_SUCCESS) st = tp_device_sync(p->device, p->device_id, NULL);
-  tp_device_free(TP_DEVICE_CPU, 0, host);
-  return st;
-}
-/* The host view of a parameter slice while staging. */
-#define TP_STAGED(host, arena, ptr) ((float *)((host) + ((const char *)(ptr) - (arena)->base)))
+/* The parameters of a layer: one device allocation (an arena reserved once) carved into
+ * weights, biases and their gradients, zeroed, then drawn by the kernel table's seeded
+ * init entries on the device. */
 
 #endif

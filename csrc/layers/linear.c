@@ -13,6 +13,7 @@ struct tp_parallel_linear {
   int rank, world;
   tp_device_t dev;
   int dev_id;
+  tp_lk lk;             /* the device's kernels */
   int64_t *part, *offs; /* split-dimension sizes and offsets (world, world + 1 entries; in the handle) */
   size_t *counts;       /* all-gather counts of the current call (world entries; in the handle) */
   int64_t off, loc;     /* this rank's slice */
@@ -28,11 +29,6 @@ struct tp_parallel_linear {
   reg_buf out_buf;      /* row: partial outputs to all-reduce; column: gathered blocks */
   reg_buf grad_buf;     /* column: dx partials to all-reduce; row: dx blocks to gather */
 };
-
-/* uniform in [-bound, bound) for element `index` of tensor `tensor` (0 weight, 1 bias) */
-static float init_value(uint64_t seed, uint64_t tensor, uint64_t index, float bound) {
-  return (float)((2.0 * tp_uniform01(seed, tensor, index) - 1.0) * bound);
-}
 
 static tp_status_t ensure_reg(tp_parallel_linear_t L, reg_buf *rb, size_t nbytes) {
   return tp_reg_ensure(L->comm, rb, nbytes, L->dev, L->dev_id);
@@ -60,10 +56,34 @@ static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M,
     L->xsave_m = M;
     return TP_SUCCESS;
   }
-  TP_CHECK(lk_copy_rows(L->dev, L->xsave, cols, x + col0, stride, M, cols, stream));
+  TP_CHECK(lk_copy_rows(&L->lk, L->xsave, cols, x + col0, stride, M, cols, stream));
   L->xin = L->xsave;
   L->xsave_m = M;
   return TP_SUCCESS;
+}
+
+/* Zeroed gradients; W and b ~ U(-1/sqrt(in), 1/sqrt(in)) from (seed, tensor id, index of the
+ * full tensor), drawn on the device in runs of consecutive full-tensor elements. */
+static tp_status_t init_params(tp_parallel_linear_t L, uint64_t weight_id, uint64_t bias_id) {
+  int col = L->cfg.kind == TP_COLUMN_PARALLEL, g = L->cfg.gated ? 2 : 1;
+  int64_t K = L->cfg.in_features, N = L->cfg.out_features;
+  uint64_t seed = L->cfg.seed;
+  float bound = 1.0f / sqrtf((float)K);
+  TP_CHECK(lk_zero(&L->lk, L->params.base, L->params.cap, NULL));
+  if (col) { /* whole rows: the gate rows [off, off + loc), then (gated) the up rows from N + off */
+    for (int h = 0; h < g; h++) {
+      int64_t frow = h * N + L->off;
+      TP_CHECK(lk_init_uniform(&L->lk, L->w + h * L->loc * K, L->loc * K, seed, weight_id, (uint64_t)(frow * K), bound,
+                               NULL));
+      if (L->b) TP_CHECK(lk_init_uniform(&L->lk, L->b + h * L->loc, L->loc, seed, bias_id, (uint64_t)frow, bound, NULL));
+    }
+  } else { /* columns [off, off + loc) of every row */
+    for (int64_t i = 0; i < N; i++)
+      TP_CHECK(lk_init_uniform(&L->lk, L->w + i * L->loc, L->loc, seed, weight_id, (uint64_t)(i * K + L->off), bound,
+                               NULL));
+    if (L->b) TP_CHECK(lk_init_uniform(&L->lk, L->b, N, seed, bias_id, 0, bound, NULL));
+  }
+  return tp_device_sync(L->dev, L->dev_id, NULL);
 }
 
 void tp_parallel_linear_destroy(tp_parallel_linear_t L) {
@@ -113,7 +133,8 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   tp_arena_init(&L->ws, L->dev, L->dev_id);
   int col = cfg->kind == TP_COLUMN_PARALLEL;
   int64_t dim = col ? cfg->out_features : cfg->in_features;
-  tp_status_t st = tp_partition_sizes(dim, n, cfg->partition, L->part, L->offs, "linear: partition",
+  tp_status_t st = tp_lk_init(&L->lk, "linear", L->dev, L->dev_id);
+  if (st == TP_SUCCESS) st = tp_partition_sizes(dim, n, cfg->partition, L->part, L->offs, "linear: partition",
                                       col ? "the split dimension (out_features)" : "the split dimension (in_features)");
   if (st != TP_SUCCESS) {
     tp_parallel_linear_destroy(L);
@@ -151,37 +172,14 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   tp_arena_add_n(&total, wn, sizeof(float));
   tp_arena_add_n(&total, blen, sizeof(float));
   tp_arena_add_n(&total, blen, sizeof(float));
-  char *host = NULL;
   st = tp_arena_reserve(&L->params, total, "linear: parameters");
   if (st == TP_SUCCESS) {
     L->w = tp_arena_take_n(&L->params, wn, sizeof(float));
     L->dw = tp_arena_take_n(&L->params, wn, sizeof(float));
     L->b = cfg->bias ? tp_arena_take_n(&L->params, blen, sizeof(float)) : NULL;
     L->db = cfg->bias ? tp_arena_take_n(&L->params, blen, sizeof(float)) : NULL;
-    st = tp_params_stage(&L->params, &host);
+    st = init_params(L, weight_id, bias_id);
   }
-  if (st != TP_SUCCESS) {
-    tp_parallel_linear_destroy(L);
-    return st;
-  }
-  float bound = 1.0f / sqrtf((float)K);
-  float *hw = TP_STAGED(host, &L->params, L->w);
-  for (int64_t i = 0; i < L->wr; i++) {
-    /* row of the full weight: gated shards hold gate rows then up rows (up starts at N) */
-    int64_t frow = !col ? i : i < L->loc ? L->off + i : N + L->off + (i - L->loc);
-    for (int64_t j = 0; j < L->wc; j++) {
-      uint64_t full = col ? (uint64_t)(frow * K + j) : (uint64_t)(i * K + L->off + j);
-      hw[i * L->wc + j] = init_value(cfg->seed, weight_id, full, bound);
-    }
-  }
-  if (cfg->bias) {
-    float *hb = TP_STAGED(host, &L->params, L->b);
-    for (int64_t i = 0; i < blen; i++) {
-      int64_t frow = !col ? i : i < L->loc ? L->off + i : N + L->off + (i - L->loc);
-      hb[i] = init_value(cfg->seed, bias_id, (uint64_t)frow, bound);
-    }
-  }
-  st = tp_params_commit(&L->params, host);
   if (st != TP_SUCCESS) {
     tp_parallel_linear_destroy(L);
     return st;
@@ -215,7 +213,7 @@ static tp_status_t gather_columns(tp_parallel_linear_t L, float *out, float *g, 
   for (int p = 0; p < L->world; p++) L->counts[p] = (size_t)(L->part[p] * M);
   TP_CHECK(tp_layer_all_gather_v(g + L->off * M, g, L->counts, L->comm, stream));
   for (int p = 0; p < L->world; p++)
-    TP_CHECK(lk_copy_rows(L->dev, out + L->offs[p], total, g + L->offs[p] * M, L->part[p], M, L->part[p], stream));
+    TP_CHECK(lk_copy_rows(&L->lk, out + L->offs[p], total, g + L->offs[p] * M, L->part[p], M, L->part[p], stream));
   return TP_SUCCESS;
 }
 
@@ -285,23 +283,23 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
   const float *b = (L->flags & TP_LIN_SKIP_BIAS) ? NULL : L->b;
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
     TP_CHECK(save_input(L, x, M, K, 0, K, stream));
-    if (!L->cfg.gather_output || L->world == 1) return lk_linear_forward(L->dev, y, x, L->w, b, M, K, L->wr, stream);
+    if (!L->cfg.gather_output || L->world == 1) return lk_linear_forward(&L->lk, y, x, L->w, b, M, K, L->wr, stream);
     /* GEMM straight into my block of the registered gather buffer: the all-gather is in place. */
     TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
     float *g = L->out_buf.ptr;
-    TP_CHECK(lk_linear_forward(L->dev, g + L->off * M, x, L->w, b, M, K, L->loc, stream));
+    TP_CHECK(lk_linear_forward(&L->lk, g + L->off * M, x, L->w, b, M, K, L->loc, stream));
     return gather_columns(L, y, g, M, N, stream);
   }
   /* Row parallel. */
   int64_t xcols = L->cfg.input_is_parallel ? L->loc : K;
   TP_CHECK(save_input(L, x, M, L->loc, L->cfg.input_is_parallel ? 0 : L->off, xcols, stream));
-  if (L->world == 1) return lk_linear_forward(L->dev, y, L->xin, L->w, b, M, L->loc, N, stream);
+  if (L->world == 1) return lk_linear_forward(&L->lk, y, L->xin, L->w, b, M, L->loc, N, stream);
   TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
   float *r = L->out_buf.ptr;
-  TP_CHECK(lk_linear_forward(L->dev, r, L->xin, L->w, NULL, M, L->loc, N, stream));
+  TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, L->w, NULL, M, L->loc, N, stream));
   TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, stream));
   /* y = r + b (the bias once, after the reduce), or a copy of r */
-  return lk_add_bias_rows(L->dev, y, r, b, M, N, stream);
+  return lk_add_bias_rows(&L->lk, y, r, b, M, N, stream);
 }
 
 static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M, tp_stream_t stream) {
@@ -315,22 +313,22 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
     const float *dyr = dy;
     if (L->cfg.gather_output && L->world > 1) { /* my columns of the full dy */
-      TP_CHECK(lk_copy_rows(L->dev, L->dytmp, L->loc, dy + L->off, N, M, L->loc, stream));
+      TP_CHECK(lk_copy_rows(&L->lk, L->dytmp, L->loc, dy + L->off, N, M, L->loc, stream));
       dyr = L->dytmp;
     }
-    if (L->world == 1) return lk_linear_backward(L->dev, dx, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, stream);
+    if (L->world == 1) return lk_linear_backward(&L->lk, dx, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, stream);
     TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
     float *d = L->grad_buf.ptr;
-    TP_CHECK(lk_linear_backward(L->dev, d, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, stream));
+    TP_CHECK(lk_linear_backward(&L->lk, d, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, stream));
     TP_CHECK(tp_layer_all_reduce(d, (size_t)(M * K), TP_SUM, L->comm, stream));
-    return lk_copy(L->dev, dx, d, (size_t)(M * K) * sizeof(float), stream);
+    return lk_copy(&L->lk, dx, d, (size_t)(M * K) * sizeof(float), stream);
   }
   /* Row parallel: dy is the full gradient on every rank. */
   if (L->cfg.input_is_parallel || L->world == 1)
-    return lk_linear_backward(L->dev, dx, L->dw, db, dy, L->xin, L->w, M, L->loc, N, stream);
+    return lk_linear_backward(&L->lk, dx, L->dw, db, dy, L->xin, L->w, M, L->loc, N, stream);
   TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
   float *g = L->grad_buf.ptr;
-  TP_CHECK(lk_linear_backward(L->dev, g + L->off * M, L->dw, db, dy, L->xin, L->w, M, L->loc, N, stream));
+  TP_CHECK(lk_linear_backward(&L->lk, g + L->off * M, L->dw, db, dy, L->xin, L->w, M, L->loc, N, stream));
   return gather_columns(L, dx, g, M, K, stream);
 }
 
@@ -347,9 +345,9 @@ tp_status_t tp_parallel_linear_forward_inbuf(tp_parallel_linear_t L, float **y, 
   L->flags = 0;
   TP_CHECK(fail_local(L, st));
   float *r = L->out_buf.ptr;
-  TP_CHECK(lk_linear_forward(L->dev, r, L->xin, L->w, NULL, M, L->loc, N, stream));
+  TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, L->w, NULL, M, L->loc, N, stream));
   if (L->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, stream));
-  if (L->b) TP_CHECK(lk_add_bias_rows(L->dev, r, r, L->b, M, N, stream)); /* in place, once, after the reduce */
+  if (L->b) TP_CHECK(lk_add_bias_rows(&L->lk, r, r, L->b, M, N, stream)); /* in place, once, after the reduce */
   *y = r;
   return TP_SUCCESS;
 }

@@ -10,10 +10,13 @@ struct tp_parallel_mlp {
   tp_activation_t act;
   tp_device_t dev;
   int dev_id;
+  tp_lk lk;            /* the device's kernels */
   int64_t C;           /* hidden */
   int64_t f1, f;       /* fc1 output columns on this rank (2 * local when gated), activation columns */
   tp_arena_t ws;       /* h, a, da, dh for the last forward's rows */
   float *h, *a, *da, *dh;
+  void *bws;           /* the bias + activation backward's scratch */
+  size_t bws_bytes;
   int64_t last_m;      /* rows of the last forward (-1: none yet) */
 };
 
@@ -42,6 +45,11 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   m->dev_id = cfg->device_id;
   m->C = cfg->hidden;
   tp_arena_init(&m->ws, m->dev, m->dev_id);
+  tp_status_t st = tp_lk_init(&m->lk, "mlp", m->dev, m->dev_id);
+  if (st != TP_SUCCESS) {
+    tp_parallel_mlp_destroy(m);
+    return st;
+  }
   tp_linear_config_t c1 = TP_LINEAR_CONFIG_INITIALIZER, c2 = TP_LINEAR_CONFIG_INITIALIZER;
   c1.kind = TP_COLUMN_PARALLEL;
   c1.in_features = cfg->hidden;
@@ -61,7 +69,7 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   c2.seed = cfg->seed + 1;
   c2.device = cfg->device;
   c2.device_id = cfg->device_id;
-  tp_status_t st = tp_parallel_linear_create(&m->fc1, comm, &c1);
+  st = tp_parallel_linear_create(&m->fc1, comm, &c1);
   if (st == TP_SUCCESS) st = tp_parallel_linear_create(&m->fc2, comm, &c2);
   if (st != TP_SUCCESS) {
     tp_error_prefix("mlp");
@@ -86,12 +94,18 @@ static tp_status_t workspace(tp_parallel_mlp_t m, int64_t M) {
   size_t total = 0;
   int ok = tp_arena_add_n(&total, M * m->f1, sizeof(float)) && tp_arena_add_n(&total, M * m->f, sizeof(float)) &&
            tp_arena_add_n(&total, M * m->f, sizeof(float)) && tp_arena_add_n(&total, M * m->f1, sizeof(float));
+  tp_linear_info_t i1;
+  tp_parallel_linear_info(m->fc1, &i1);
+  size_t bws = i1.grad_bias ? lk_bias_act_backward_workspace(&m->lk, M, m->f, m->act) : 0;
+  ok = ok && tp_arena_add(&total, bws);
   if (!ok) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: %lld rows overflow a workspace size", (long long)M);
   TP_CHECK(tp_arena_reserve(&m->ws, total, "mlp"));
   m->h = tp_arena_take_n(&m->ws, M * m->f1, sizeof(float));
   m->a = tp_arena_take_n(&m->ws, M * m->f, sizeof(float));
   m->da = tp_arena_take_n(&m->ws, M * m->f, sizeof(float));
   m->dh = tp_arena_take_n(&m->ws, M * m->f1, sizeof(float));
+  m->bws = tp_arena_take(&m->ws, bws);
+  m->bws_bytes = bws;
   return TP_SUCCESS;
 }
 
@@ -117,7 +131,7 @@ tp_status_t tp_parallel_mlp_forward_raw(tp_parallel_mlp_t m, float *y, const flo
   TP_CHECK(tp_parallel_linear_forward_ex(m->fc1, m->h, x, M, TP_LIN_SKIP_BIAS, stream));
   tp_linear_info_t i1;
   tp_parallel_linear_info(m->fc1, &i1);
-  TP_CHECK(lk_bias_act_forward(m->dev, m->a, m->h, i1.bias, M, m->f, m->act, stream));
+  TP_CHECK(lk_bias_act_forward(&m->lk, m->a, m->h, i1.bias, M, m->f, m->act, stream));
   TP_CHECK(tp_parallel_linear_forward_ex(m->fc2, y, m->a, M, TP_LIN_BORROW_INPUT, stream)); /* a lives until backward */
   m->last_m = M;
   return TP_SUCCESS;
@@ -133,7 +147,8 @@ tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const f
   /* dh, and fc1's bias gradient from the same pass */
   tp_linear_info_t i1;
   tp_parallel_linear_info(m->fc1, &i1);
-  tp_status_t st = lk_bias_act_backward(m->dev, m->dh, i1.grad_bias, m->h, m->da, M, m->f, m->act, stream);
+  tp_status_t st = lk_bias_act_backward(&m->lk, m->dh, i1.grad_bias, m->h, m->da, M, m->f, m->act, m->bws,
+                                        m->bws_bytes, stream);
   if (st != TP_SUCCESS) {
     tp_error_prefix("mlp backward");
     tp_comm_abort(m->comm, tp_last_error()); /* the peers would wait in fc1's all-reduce */

@@ -12,6 +12,7 @@ struct tp_vocab_embedding {
   int world;
   tp_device_t dev;
   int dev_id;
+  tp_lk lk;              /* the device's kernels */
   int64_t n, C, off, loc;
   float *w, *dw;
   tp_arena_t params;     /* w, dw */
@@ -45,7 +46,8 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   size_t hbytes = sizeof *E + (size_t)(world + 1) * sizeof(int64_t);
   TP_CHECK(tp_host_zalloc(hbytes, (void **)&E, "embedding"));
   int64_t *offs = (int64_t *)(E + 1), nel;
-  tp_status_t st = tp_partition_sizes(cfg->num_embeddings, world, cfg->partition, NULL, offs, "embedding: partition",
+  tp_status_t st = tp_lk_init(&E->lk, "embedding", cfg->device, cfg->device_id);
+  if (st == TP_SUCCESS) st = tp_partition_sizes(cfg->num_embeddings, world, cfg->partition, NULL, offs, "embedding: partition",
                                       "the vocabulary size (num_embeddings)");
   if (st != TP_SUCCESS) {
     tp_host_free(E);
@@ -72,35 +74,17 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   size_t total = 0;
   tp_arena_add_n(&total, nel, sizeof(float));
   tp_arena_add_n(&total, nel, sizeof(float));
-  char *host = NULL;
   st = tp_arena_reserve(&E->params, total, "embedding: table");
   if (st == TP_SUCCESS) {
     E->w = tp_arena_take_n(&E->params, nel, sizeof(float));
     E->dw = tp_arena_take_n(&E->params, nel, sizeof(float));
-    st = tp_params_stage(&E->params, &host);
-  }
-  if (st != TP_SUCCESS) {
-    tp_vocab_embedding_destroy(E);
-    return st;
+    st = lk_zero(&E->lk, E->params.base, E->params.cap, NULL);
   }
   /* N(0, 1) by Box-Muller: elements 2p and 2p + 1 of the full table are the cosine and sine
    * halves of pair p, drawn from two counter-based uniforms of p (a shard that starts or ends
    * mid-pair draws the whole pair and keeps its half): the same table at any partition. */
-  float *hw = TP_STAGED(host, &E->params, E->w);
-  uint64_t base = (uint64_t)off * (uint64_t)E->C;
-  for (int64_t i = 0; i < nel;) {
-    uint64_t idx = base + (uint64_t)i, p = idx / 2;
-    double u1 = tp_uniform01(cfg->seed, 2, 2 * p), u2 = tp_uniform01(cfg->seed, 2, 2 * p + 1);
-    double r = sqrt(-2.0 * log1p(-u1)), a = 6.283185307179586 * u2;
-    double z0 = r * cos(a), z1 = r * sin(a);
-    if (idx % 2 == 0) {
-      hw[i++] = (float)z0;
-      if (i < nel) hw[i++] = (float)z1;
-    } else {
-      hw[i++] = (float)z1;
-    }
-  }
-  st = tp_params_commit(&E->params, host);
+  if (st == TP_SUCCESS) st = lk_init_normal(&E->lk, E->w, nel, cfg->seed, 2, (uint64_t)off * (uint64_t)E->C, NULL);
+  if (st == TP_SUCCESS) st = tp_device_sync(E->dev, E->dev_id, NULL);
   if (st != TP_SUCCESS) {
     tp_vocab_embedding_destroy(E);
     return st;
@@ -135,19 +119,19 @@ static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int
   E->tok = tp_arena_take_n(&E->ws, M, sizeof(int64_t));
   E->flag = tp_arena_take_n(&E->ws, 2, sizeof(int64_t));
   int64_t bad[2];
-  TP_CHECK(lk_find_out_of_range(E->dev, E->flag, bad, tokens, M, 0, E->n, stream));
+  TP_CHECK(lk_find_out_of_range(&E->lk, E->flag, bad, tokens, M, 0, E->n, stream));
   if (bad[0] >= 0)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: token %lld (position %lld) is out of range "
                         "0..%lld", (long long)bad[1], (long long)bad[0], (long long)(E->n - 1));
-  TP_CHECK(lk_copy(E->dev, E->tok, tokens, (size_t)M * sizeof(int64_t), stream));
+  TP_CHECK(lk_copy(&E->lk, E->tok, tokens, (size_t)M * sizeof(int64_t), stream));
   E->last_m = M;
-  if (E->world == 1) return lk_embedding_forward(E->dev, y, tokens, E->w, M, E->off, E->loc, E->C, stream);
+  if (E->world == 1) return lk_embedding_forward(&E->lk, y, tokens, E->w, M, E->off, E->loc, E->C, stream);
   size_t nbytes = (size_t)(M * E->C) * sizeof(float);
   TP_CHECK(tp_reg_ensure(E->comm, &E->buf, nbytes, E->dev, E->dev_id));
   float *r = E->buf.ptr;
-  TP_CHECK(lk_embedding_forward(E->dev, r, tokens, E->w, M, E->off, E->loc, E->C, stream));
+  TP_CHECK(lk_embedding_forward(&E->lk, r, tokens, E->w, M, E->off, E->loc, E->C, stream));
   TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * E->C), TP_SUM, E->comm, stream));
-  return lk_copy(E->dev, y, r, nbytes, stream);
+  return lk_copy(&E->lk, y, r, nbytes, stream);
 }
 
 tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t E, const tp_tensor *y, const tp_tensor *tokens,
@@ -170,7 +154,7 @@ tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t E, const tp_tensor 
   if (M != E->last_m)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding backward: dy has %lld rows, the last forward had %lld "
                         "tokens", (long long)M, (long long)E->last_m);
-  return lk_embedding_backward(E->dev, E->dw, E->tok, dy->data, M, E->off, E->loc, E->C, stream);
+  return lk_embedding_backward(&E->lk, E->dw, E->tok, dy->data, M, E->off, E->loc, E->C, stream);
 }
 
 /* -------------------------------------------------------------- cross-entropy */
@@ -180,11 +164,12 @@ struct tp_vocab_xent {
   int rank, world;
   tp_device_t dev;
   int dev_id;
+  tp_lk lk;                /* the device's kernels */
   reg_buf buf;             /* [M row maxima | world widths | world offsets | 2 fingerprints | 2M sums] */
   tp_arena_t ws;
   float *gmax, *sumexp, *rs, *s2; /* s2: 2M sums at world 1 */
   int64_t *tg;             /* targets of the last forward, -1 where ignored */
-  int64_t *flag;           /* [first bad row, its target, valid rows] from the target check */
+  int64_t *flag;           /* [first bad row, valid rows] from the target check */
   float *meta;             /* host: the 2 world + 2 metadata values of the max all-reduce (in the handle) */
   const float *logits;     /* the last forward's logits (the caller keeps them) */
   int64_t last_m, V, lo;   /* last_m -1 before the first forward */
@@ -210,6 +195,11 @@ tp_status_t tp_vocab_xent_create(tp_vocab_xent_t *out, tp_comm_t comm, const tp_
   X->dev_id = cfg->device_id;
   tp_arena_init(&X->ws, X->dev, X->dev_id);
   X->last_m = -1;
+  tp_status_t st = tp_lk_init(&X->lk, "cross-entropy", X->dev, X->dev_id);
+  if (st != TP_SUCCESS) {
+    tp_vocab_xent_destroy(X);
+    return st;
+  }
   *out = X;
   return TP_SUCCESS;
 }
@@ -253,7 +243,7 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
   }
   int64_t lo = vocab_offset, total = V;
   float *mx = n > 1 ? (float *)X->buf.ptr : X->gmax;
-  TP_CHECK(lk_xent_row_max(X->dev, mx, logits, M, V, stream));
+  TP_CHECK(lk_xent_row_max(&X->lk, mx, logits, M, V, stream));
   if (n > 1) {
     /* One max all-reduce: row maxima, every rank's width and given offset (-1: none), and a
      * fingerprint of (targets, ignore_index).  Everything after it is decided from the same
@@ -264,14 +254,10 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
     for (int p = 0; p < n; p++) wid[p] = offs[p] = -1.0f;
     wid[X->rank] = (float)V;
     offs[X->rank] = vocab_offset < 0 ? -1.0f : vocab_offset > (1 << 24) ? (float)(1 << 25) : (float)vocab_offset;
-    float h;
-    TP_CHECK(lk_targets_hash(X->dev, &h, X->flag, targets, M, ignore_index, stream));
-    fp[0] = h;
-    fp[1] = -h;
-    size_t mbytes = (size_t)(2 * n + 2) * sizeof(float);
-    TP_CHECK(tp_device_copy(X->dev, mx + M, TP_DEVICE_CPU, X->meta, mbytes, stream));
+    TP_CHECK(tp_device_copy(X->dev, mx + M, TP_DEVICE_CPU, X->meta, (size_t)(2 * n) * sizeof(float), stream));
+    TP_CHECK(lk_targets_hash(&X->lk, mx + M + 2 * n, targets, M, ignore_index, stream)); /* fp on the device */
     TP_CHECK(tp_layer_all_reduce(mx, (size_t)(M + 2 * n + 2), TP_MAX, X->comm, stream));
-    TP_CHECK(tp_device_copy(TP_DEVICE_CPU, X->meta, X->dev, mx + M, mbytes, stream));
+    TP_CHECK(tp_device_copy(TP_DEVICE_CPU, X->meta, X->dev, mx + M, (size_t)(2 * n + 2) * sizeof(float), stream));
     TP_CHECK(tp_device_sync(X->dev, X->dev_id, stream));
     if (fp[0] != -fp[1])
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: the ranks passed different targets or ignore_index "
@@ -306,23 +292,23 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
     } else {
       lo = below;
     }
-    TP_CHECK(lk_copy(X->dev, X->gmax, mx, (size_t)M * sizeof(float), stream));
+    TP_CHECK(lk_copy(&X->lk, X->gmax, mx, (size_t)M * sizeof(float), stream));
   } else {
     lo = lo < 0 ? 0 : lo;
     total = lo + V;
   }
   /* targets -> tg (-1 where ignored), checked against [0, total): one flag read back */
   int64_t res[3];
-  TP_CHECK(lk_xent_targets(X->dev, X->tg, X->flag, res, targets, M, ignore_index, total, stream));
+  TP_CHECK(lk_xent_targets(&X->lk, X->tg, X->flag, res, targets, M, ignore_index, total, stream));
   if (res[0] >= 0)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: target %lld (row %lld) is out of range 0..%lld",
                         (long long)res[1], (long long)res[0], (long long)(total - 1));
   /* (sum of exp, target logit) per row */
   float *sums = n > 1 ? (float *)X->buf.ptr + M + n + 2 : X->s2;
-  TP_CHECK(lk_xent_row_sums(X->dev, sums, logits, X->gmax, X->tg, M, lo, V, stream));
+  TP_CHECK(lk_xent_row_sums(&X->lk, sums, logits, X->gmax, X->tg, M, lo, V, stream));
   if (n > 1) TP_CHECK(tp_layer_all_reduce(sums, (size_t)(2 * M), TP_SUM, X->comm, stream));
-  TP_CHECK(lk_copy(X->dev, X->sumexp, sums, (size_t)M * sizeof(float), stream));
-  TP_CHECK(lk_xent_losses(X->dev, losses, X->sumexp, X->gmax, sums + M, X->tg, M, stream));
+  TP_CHECK(lk_copy(&X->lk, X->sumexp, sums, (size_t)M * sizeof(float), stream));
+  TP_CHECK(lk_xent_losses(&X->lk, losses, X->sumexp, X->gmax, sums + M, X->tg, M, stream));
   X->logits = logits;
   X->last_m = M;
   X->V = V;
@@ -368,7 +354,7 @@ tp_status_t tp_vocab_xent_backward(tp_vocab_xent_t X, const tp_tensor *dlogits, 
   const char *op = "cross-entropy backward";
   TP_CHECK(tp_check_matrix(op, "dlogits", dlogits, TP_FLOAT32, M, X->V, X->dev, X->dev_id, NULL));
   if (dloss) TP_CHECK(tp_check_vector(op, "dloss", dloss, TP_FLOAT32, M, X->dev, X->dev_id, NULL));
-  TP_CHECK(lk_xent_row_scale(X->dev, X->rs, X->tg, dloss ? dloss->data : NULL, M, stream));
-  return lk_xent_backward(X->dev, dlogits->data, X->logits, X->gmax, X->sumexp, X->tg, X->rs, scale, M, X->lo, X->V,
+  TP_CHECK(lk_xent_row_scale(&X->lk, X->rs, X->tg, dloss ? dloss->data : NULL, M, stream));
+  return lk_xent_backward(&X->lk, dlogits->data, X->logits, X->gmax, X->sumexp, X->tg, X->rs, scale, M, X->lo, X->V,
                           stream);
 }

@@ -1,10 +1,21 @@
 /*
- * tpcore CPU kernels on local shards, float32 compute.  Shape letters (llm.c
- * style): M rows (tokens: batch x time flattened), K input features, N output
- * features.  Weights follow PyTorch's nn.Linear: W has shape (N, K) and
- * y = x W^T + b.  Kernels come in <op>_forward / <op>_backward pairs, output
- * arguments first; backward kernels accumulate into parameter gradients.
- * GEMMs go through BLAS (see tp_blas_info).
+ * tpcore kernels on local shards: a tensor API over the per-device kernel tables.
+ *
+ * Every kernel takes the stream first (NULL: the device's default; on the CPU every call
+ * has finished when it returns) and tp_tensor views (data, dtype, shape, strides,
+ * device), validates them (dtype, ndim, shapes that agree, the layout it supports, one
+ * device for all its tensors) and runs the entry of that device's kernel table.  A bad
+ * argument fails with TP_ERR_INVALID_ARGUMENT and a sentence naming the kernel and the
+ * argument (tp_last_error()); a device this build or process lacks, TP_ERR_UNSUPPORTED.
+ * Tensors are float32 (indices int64) and C-contiguous unless a kernel says otherwise.
+ *
+ * Shape letters (llm.c style): M rows (tokens: batch x time flattened), K input
+ * features, N output features.  Weights follow PyTorch's nn.Linear: W has shape (N, K)
+ * and y = x W^T + b.  Kernels come in <op>_forward / <op>_backward pairs, outputs first;
+ * backward kernels accumulate into parameter gradients.  GEMMs go through BLAS on the
+ * CPU (see tp_blas_info).  Kernels never allocate: those that need scratch take a
+ * workspace (any contiguous tensor on the device, of at least the bytes the matching
+ * *_workspace_size call returns; NULL when that is 0), allocated once and reused.
  */
 #ifndef TPCORE_KERNELS_H
 #define TPCORE_KERNELS_H
@@ -21,14 +32,6 @@ TP_API const char *tp_blas_info(void);
 TP_API void tp_set_num_threads(int n);
 TP_API int tp_get_num_threads(void);
 
-/* y[M,N] = x[M,K] W[N,K]^T (+ b[N] if b), overwriting y. */
-TP_API void tp_linear_forward(float *y, const float *x, const float *w, const float *b, int64_t M,
-                              int64_t K, int64_t N);
-/* dx[M,K] = dy[M,N] W[N,K] (added to dx if accumulate_dx; skipped if dx is NULL);
- * dw[N,K] += dy^T x; db[N] += sum over rows of dy (if db). */
-TP_API void tp_linear_backward(float *dx, float *dw, float *db, const float *dy, const float *x,
-                               const float *w, int64_t M, int64_t K, int64_t N, int accumulate_dx);
-
 typedef enum {
   TP_ACT_GELU = 0,      /* 0.5 x (1 + erf(x / sqrt 2)) */
   TP_ACT_GELU_TANH = 1, /* the tanh approximation (GPT-2) */
@@ -37,53 +40,11 @@ typedef enum {
   TP_ACT_SWIGLU = 4     /* gated: h[M, 2F] = [gate | up] per row -> out[M, F] */
 } tp_activation_t;
 
-/* out[M, F] = act(h); h is [M, F], or [M, 2F] for SwiGLU. */
-TP_API void tp_act_forward(float *out, const float *h, int64_t M, int64_t F, tp_activation_t act);
-/* dh (shaped like h) from h and dout[M, F]. */
-TP_API void tp_act_backward(float *dh, const float *h, const float *dout, int64_t M, int64_t F,
-                            tp_activation_t act);
-
-/* Fused for the MLP: h[M, hw] += b[hw] (b may be NULL; hw = F, or 2F for SwiGLU) and
- * out = act(h), in one pass; backward: dh as tp_act_backward, and db[hw] += the column
- * sums of dh (db may be NULL).  Returns 0, or -1 when out of memory (nothing done). */
-TP_API void tp_bias_act_forward(float *out, float *h, const float *b, int64_t M, int64_t F, tp_activation_t act);
-TP_API int tp_bias_act_backward(float *dh, float *db, const float *h, const float *dout, int64_t M, int64_t F,
-                                tp_activation_t act);
-
-/* Vocab-parallel pieces on a shard [lo, lo + V) of the vocabulary; C = embedding width.
- * Embedding rows of tokens outside the shard are zero (an all-reduce completes them). */
-TP_API void tp_embedding_forward(float *out, const int64_t *tokens, const float *table, int64_t M,
-                                 int64_t lo, int64_t V, int64_t C);
-TP_API void tp_embedding_backward(float *dtable, const int64_t *tokens, const float *dout, int64_t M,
-                                  int64_t lo, int64_t V, int64_t C);
-/* Cross-entropy: rowmax[M] of the shard; sums[2M] = (sum_j exp(l - gmax), target logit or 0);
- * dlogits = (softmax - onehot(target)) * scale * row_scale[m] (row_scale may be NULL).
- * A negative target (an ignored row) has no target logit and no one-hot entry. */
-TP_API void tp_xent_row_max(float *rowmax, const float *logits, int64_t M, int64_t V);
-TP_API void tp_xent_row_sums(float *sums, const float *logits, const float *gmax, const int64_t *targets,
-                             int64_t M, int64_t lo, int64_t V);
-TP_API void tp_xent_backward(float *dlogits, const float *logits, const float *gmax, const float *sumexp,
-                             const int64_t *targets, const float *row_scale, float scale, int64_t M,
-                             int64_t lo, int64_t V);
-
-/* Norms over the last dimension C (norm.c has the formulas).  Forward keeps the row
- * statistics (mean may be NULL for RMSNorm) for backward; backward overwrites dx and
- * accumulates dw (and db when not NULL). */
-TP_API void tp_layernorm_forward(float *y, float *mean, float *rstd, const float *x, const float *w,
-                                 const float *b, int64_t M, int64_t C, float eps);
-TP_API void tp_layernorm_backward(float *dx, float *dw, float *db, const float *dy, const float *x,
-                                  const float *w, const float *mean, const float *rstd, int64_t M, int64_t C);
-TP_API void tp_rmsnorm_forward(float *y, float *rstd, const float *x, const float *w, int64_t M, int64_t C,
-                               float eps);
-TP_API void tp_rmsnorm_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
-                                const float *rstd, int64_t M, int64_t C);
-/* Rotary embedding in place on `heads` heads of D (even) values at the start of each of
- * `rows` rows (row stride ld), row m at position pos[m]; inverse turns back (backward). */
-TP_API void tp_rope_apply(float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D, const int64_t *pos,
-                          float theta, int inverse);
-
-/* Attention on a rank's heads (attention.c has the formulas).  Rows of q and o are
- * b * Tq + i; keys/values of sequence b start at k/v + b * kv_bstride, one row per key. */
+/* Attention on a rank's heads (cpu/attention.c has the formulas).  Rows of q and o are
+ * b * Tq + i; keys/values of sequence b start at k/v + b * kv_bstride, one row per key.
+ * Pointers are memory of `device`.  Decoding is tp_attention_forward with k, v the KV
+ * cache (kv_bstride = max_len x row), q_pos the position of each sequence's first new
+ * query and k_len = q_pos + Tq. */
 typedef struct {
   int64_t B, Tq, Tk, Hq, Hk, D;  /* sequences, queries and keys per sequence, heads, head size */
   const float *q;                /* query head h of row r at q + r * q_ld + h * D      */
@@ -103,23 +64,133 @@ typedef struct {
    * query head h is global q_head0 + h and uses local KV head (q_head0 + h) / group - k_head0:
    * a rank's heads may start in the middle of a group. */
   int64_t group, q_head0, k_head0;
+  tp_device_t device;            /* where every pointer above lives (0: the CPU)          */
+  int device_id;
 } tp_attention_args;
 
-/* 0, or -1 when out of memory (nothing written).  The (sequence, KV head) pairs are split over
- * the rank's threads; causal queries go in blocks of 64 rows, each block's GEMMs only over
- * the keys it can see. */
-TP_API int tp_attention_forward(const tp_attention_args *args);
-/* dq (layout of q), dk, dv (layout of k, v; overwritten) from dout (layout of o), using
- * the probs of forward.  0, or -1 (no probs, or out of memory). */
-TP_API int tp_attention_backward(const tp_attention_args *args, float *dq, float *dk, float *dv,
-                                 const float *dout);
+/* ------------------------------------------------------------------ linear */
+/* y[M,N] = x[M,K] w[N,K]^T (+ b[N] if b), overwriting y.  M, K, N <= INT_MAX. */
+TP_API tp_status_t tp_linear_forward(tp_stream_t stream, const tp_tensor *y, const tp_tensor *x, const tp_tensor *w,
+                                     const tp_tensor *b);
+/* dx[M,K] = dy[M,N] w[N,K] (added to dx if accumulate_dx; skipped if dx is NULL);
+ * dw[N,K] += dy^T x (if dw); db[N] += sum over rows of dy (if db). */
+TP_API tp_status_t tp_linear_backward(tp_stream_t stream, const tp_tensor *dx, const tp_tensor *dw,
+                                      const tp_tensor *db, const tp_tensor *dy, const tp_tensor *x,
+                                      const tp_tensor *w, int accumulate_dx);
 
-/* Optimizer steps on n elements in place (formulas in optim.c; step counts from 1). */
-TP_API void tp_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
-                          float beta2, float eps, float weight_decay, int64_t step);
+/* ------------------------------------------------------------- activations */
+/* out[M,F] = act(h); h is [M,F], or [M,2F] for SwiGLU. */
+TP_API tp_status_t tp_act_forward(tp_stream_t stream, const tp_tensor *out, const tp_tensor *h, tp_activation_t act);
+/* dh (shaped like h) from h and dout[M,F], overwriting dh. */
+TP_API tp_status_t tp_act_backward(tp_stream_t stream, const tp_tensor *dh, const tp_tensor *h,
+                                   const tp_tensor *dout, tp_activation_t act);
+/* Fused for the MLP: h[M,hw] += b[hw] (b may be NULL; hw = F, or 2F for SwiGLU) and
+ * out[M,F] = act(h), in one pass; backward: dh as tp_act_backward, and db[hw] += the
+ * column sums of dh (db may be NULL) through the workspace. */
+TP_API tp_status_t tp_bias_act_forward(tp_stream_t stream, const tp_tensor *out, const tp_tensor *h,
+                                       const tp_tensor *b, tp_activation_t act);
+TP_API tp_status_t tp_bias_act_backward_workspace_size(tp_device_t device, int64_t M, int64_t F, tp_activation_t act,
+                                                       size_t *nbytes);
+TP_API tp_status_t tp_bias_act_backward(tp_stream_t stream, const tp_tensor *dh, const tp_tensor *db,
+                                        const tp_tensor *h, const tp_tensor *dout, tp_activation_t act,
+                                        const tp_tensor *workspace);
+
+/* ---------------------------------------------------------- vocab-parallel */
+/* On a shard [lo, lo + V) of the vocabulary; C = embedding width.  out[M,C] rows of
+ * tokens (int64 [M]) outside the shard are zero (an all-reduce completes them); the
+ * backward adds dout rows into dtable[V,C] for the shard's tokens. */
+TP_API tp_status_t tp_embedding_forward(tp_stream_t stream, const tp_tensor *out, const tp_tensor *tokens,
+                                        const tp_tensor *table, int64_t lo);
+TP_API tp_status_t tp_embedding_backward(tp_stream_t stream, const tp_tensor *dtable, const tp_tensor *tokens,
+                                         const tp_tensor *dout, int64_t lo);
+/* Cross-entropy on logits[M,V] of the shard at lo: rowmax[M]; sums[2M] = (sum_j exp(l -
+ * gmax) for each row, then the target logit or 0 for each row); dlogits = (softmax -
+ * onehot(target)) * scale * row_scale[m] (row_scale may be NULL).  targets are int64 [M];
+ * a negative target (an ignored row) has no target logit and no one-hot entry. */
+TP_API tp_status_t tp_xent_row_max(tp_stream_t stream, const tp_tensor *rowmax, const tp_tensor *logits);
+TP_API tp_status_t tp_xent_row_sums(tp_stream_t stream, const tp_tensor *sums, const tp_tensor *logits,
+                                    const tp_tensor *gmax, const tp_tensor *targets, int64_t lo);
+TP_API tp_status_t tp_xent_backward(tp_stream_t stream, const tp_tensor *dlogits, const tp_tensor *logits,
+                                    const tp_tensor *gmax, const tp_tensor *sumexp, const tp_tensor *targets,
+                                    const tp_tensor *row_scale, float scale, int64_t lo);
+
+/* ------------------------------------------------------------------- norms */
+/* Over the last dimension C of x[M,C] (cpu/norm.c has the formulas).  Forward keeps the
+ * row statistics mean[M] (may be NULL; RMSNorm has none) and rstd[M] (may be NULL) for
+ * backward; backward overwrites dx and accumulates dw (and db when not NULL). */
+TP_API tp_status_t tp_layernorm_forward(tp_stream_t stream, const tp_tensor *y, const tp_tensor *mean,
+                                        const tp_tensor *rstd, const tp_tensor *x, const tp_tensor *w,
+                                        const tp_tensor *b, float eps);
+TP_API tp_status_t tp_layernorm_backward(tp_stream_t stream, const tp_tensor *dx, const tp_tensor *dw,
+                                         const tp_tensor *db, const tp_tensor *dy, const tp_tensor *x,
+                                         const tp_tensor *w, const tp_tensor *mean, const tp_tensor *rstd);
+TP_API tp_status_t tp_rmsnorm_forward(tp_stream_t stream, const tp_tensor *y, const tp_tensor *rstd,
+                                      const tp_tensor *x, const tp_tensor *w, float eps);
+TP_API tp_status_t tp_rmsnorm_backward(tp_stream_t stream, const tp_tensor *dx, const tp_tensor *dw,
+                                       const tp_tensor *dy, const tp_tensor *x, const tp_tensor *w,
+                                       const tp_tensor *rstd);
+/* Rotary embedding in place on x [rows, heads * D] (row stride >= heads * D allowed, the
+ * last dimension contiguous: the Q and K heads at the start of a fused QKV row), row m
+ * at position pos[m] (int64 [rows]); D even; inverse turns back (backward). */
+TP_API tp_status_t tp_rope_apply(tp_stream_t stream, const tp_tensor *x, const tp_tensor *pos, int64_t heads,
+                                 int64_t D, float theta, int inverse);
+
+/* --------------------------------------------------------------- attention */
+/* Bytes of workspace forward (backward = 0) or backward needs for these arguments. */
+TP_API tp_status_t tp_attention_workspace_size(const tp_attention_args *args, int backward, size_t *nbytes);
+/* args->o overwritten (and args->probs when not NULL).  The (sequence, KV head) pairs are
+ * split over the rank's threads; causal queries go in blocks of 64 rows, each block's
+ * GEMMs only over the keys it can see. */
+TP_API tp_status_t tp_attention_forward(tp_stream_t stream, const tp_attention_args *args,
+                                        const tp_tensor *workspace);
+/* dq (layout of q), dk, dv (layout of k, v; overwritten) from dout (layout of o), using
+ * the probs of forward (required). */
+TP_API tp_status_t tp_attention_backward(tp_stream_t stream, const tp_attention_args *args, float *dq, float *dk,
+                                         float *dv, const float *dout, const tp_tensor *workspace);
+
+/* -------------------------------------------------------------- optimizers */
+/* In place on p and its state, all float32 contiguous with p's element count (formulas
+ * in cpu/optim.c; step counts from 1). */
+TP_API tp_status_t tp_adamw_step(tp_stream_t stream, const tp_tensor *p, const tp_tensor *g, const tp_tensor *m,
+                                 const tp_tensor *v, float lr, float beta1, float beta2, float eps,
+                                 float weight_decay, int64_t step);
 /* buf may be NULL (no momentum); first: the first step (buf = g). */
-TP_API void tp_sgd_step(float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
-                        float weight_decay, int first);
+TP_API tp_status_t tp_sgd_step(tp_stream_t stream, const tp_tensor *p, const tp_tensor *g, const tp_tensor *buf,
+                               float lr, float momentum, float weight_decay, int first);
+
+/* Transitional, until the extension calls the tensor API above: csrc/python still
+ * calls the float* CPU kernels by their old names; inside a file that included
+ * Python.h those names are the old CPU functions (csrc/kernels/cpu/legacy.c).  Remove
+ * with legacy.c once csrc/python is adapted. */
+#if defined(Py_PYTHON_H) && !defined(TPCORE_NO_LEGACY_KERNELS)
+void tp_legacy_linear_forward(float *y, const float *x, const float *w, const float *b, int64_t M, int64_t K,
+                              int64_t N);
+void tp_legacy_linear_backward(float *dx, float *dw, float *db, const float *dy, const float *x, const float *w,
+                               int64_t M, int64_t K, int64_t N, int accumulate_dx);
+void tp_legacy_act_forward(float *out, const float *h, int64_t M, int64_t F, tp_activation_t act);
+void tp_legacy_act_backward(float *dh, const float *h, const float *dout, int64_t M, int64_t F, tp_activation_t act);
+void tp_legacy_layernorm_forward(float *y, float *mean, float *rstd, const float *x, const float *w, const float *b,
+                                 int64_t M, int64_t C, float eps);
+void tp_legacy_layernorm_backward(float *dx, float *dw, float *db, const float *dy, const float *x, const float *w,
+                                  const float *mean, const float *rstd, int64_t M, int64_t C);
+void tp_legacy_rmsnorm_forward(float *y, float *rstd, const float *x, const float *w, int64_t M, int64_t C, float eps);
+void tp_legacy_rmsnorm_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
+                                const float *rstd, int64_t M, int64_t C);
+void tp_legacy_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1, float beta2,
+                          float eps, float weight_decay, int64_t step);
+void tp_legacy_sgd_step(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float weight_decay,
+                        int first);
+#define tp_linear_forward tp_legacy_linear_forward
+#define tp_linear_backward tp_legacy_linear_backward
+#define tp_act_forward tp_legacy_act_forward
+#define tp_act_backward tp_legacy_act_backward
+#define tp_layernorm_forward tp_legacy_layernorm_forward
+#define tp_layernorm_backward tp_legacy_layernorm_backward
+#define tp_rmsnorm_forward tp_legacy_rmsnorm_forward
+#define tp_rmsnorm_backward tp_legacy_rmsnorm_backward
+#define tp_adamw_step tp_legacy_adamw_step
+#define tp_sgd_step tp_legacy_sgd_step
+#endif
 
 #ifdef __cplusplus
 }

@@ -2,11 +2,11 @@
  * forward's input h and the output gradient and writes dh.
  * SwiGLU works on a fused [M, 2F] input whose first F columns of each row are
  * the gate and the next F the up projection: out = silu(gate) * up. */
-#include <stdlib.h>
+#include <string.h>
 
 #include "parallel.h"
 #include "vmath.h"
-#include "tpcore/kernels.h"
+#include "cpu_impl.h"
 
 /* One function per loop, each compiled for every vector width (vmath.h): GCC
  * vectorizes a loop on its own more reliably than the same loop as one case of a
@@ -122,36 +122,58 @@ static void act_backward_chunk(void *ctx, int64_t lo, int64_t hi, int chunk) {
   }
 }
 
-void tp_act_forward(float *out, const float *h, int64_t M, int64_t F, tp_activation_t act) {
+tp_status_t tp_cpu_act_forward(tp_stream_t s, float *out, const float *h, int64_t M, int64_t F, tp_activation_t act) {
+  (void)s;
   act_args a = {out, NULL, NULL, NULL, h, NULL, NULL, F, act == TP_ACT_SWIGLU ? 2 * F : F, act};
   tp_parallel_rows(M, F, act_forward_chunk, &a);
+  return TP_SUCCESS;
 }
 
-void tp_act_backward(float *dh, const float *h, const float *dout, int64_t M, int64_t F, tp_activation_t act) {
+tp_status_t tp_cpu_act_backward(tp_stream_t s, float *dh, const float *h, const float *dout, int64_t M, int64_t F,
+                                tp_activation_t act) {
+  (void)s;
   act_args a = {dh, NULL, NULL, NULL, h, dout, NULL, F, act == TP_ACT_SWIGLU ? 2 * F : F, act};
   tp_parallel_rows(M, F, act_backward_chunk, &a);
+  return TP_SUCCESS;
 }
 
-void tp_bias_act_forward(float *out, float *h, const float *b, int64_t M, int64_t F, tp_activation_t act) {
+tp_status_t tp_cpu_bias_act_forward(tp_stream_t s, float *out, float *h, const float *b, int64_t M, int64_t F,
+                                    tp_activation_t act) {
+  (void)s;
   act_args a = {out, h, NULL, NULL, h, NULL, b, F, act == TP_ACT_SWIGLU ? 2 * F : F, act};
   tp_parallel_rows(M, F, act_forward_chunk, &a);
+  return TP_SUCCESS;
 }
 
-int tp_bias_act_backward(float *dh, float *db, const float *h, const float *dout, int64_t M, int64_t F,
-                         tp_activation_t act) {
+/* One row of partial column sums per chunk (thread), as many chunks as the rank's
+ * threads would use now: the caller asks once and reuses the workspace. */
+size_t tp_cpu_bias_act_backward_workspace(int64_t M, int64_t F, tp_activation_t act) {
+  int64_t hw = act == TP_ACT_SWIGLU ? 2 * F : F;
+  if (M <= 0) return 0;
+  size_t n;
+  if (!tp_mul_size((size_t)tp_parallel_plan(M, F), (size_t)(hw ? hw : 1) * sizeof(float), &n)) return SIZE_MAX;
+  return n;
+}
+
+tp_status_t tp_cpu_bias_act_backward(tp_stream_t s, float *dh, float *db, const float *h, const float *dout, int64_t M,
+                                     int64_t F, tp_activation_t act, void *workspace, size_t workspace_bytes) {
+  (void)s;
   int64_t hw = act == TP_ACT_SWIGLU ? 2 * F : F;
   int t = tp_parallel_plan(M, F);
   float *partial = NULL;
   if (db && M > 0) {
-    partial = calloc((size_t)t * (size_t)(hw ? hw : 1), sizeof(float));
-    if (!partial) return -1;
+    size_t row = (size_t)(hw ? hw : 1) * sizeof(float), fit = workspace ? workspace_bytes / row : 0;
+    if (fit < 1)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "bias_act_backward: the workspace of %zu bytes is below one row "
+                          "of partial sums (%zu bytes)", workspace ? workspace_bytes : 0, row);
+    if ((size_t)t > fit) t = (int)fit; /* fewer threads, the same sums for the same (threads, workspace) */
+    partial = workspace;
+    memset(partial, 0, (size_t)t * row);
   }
   act_args a = {dh, NULL, partial ? db : NULL, partial, h, dout, NULL, F, hw, act};
   tp_parallel_run(t, M, act_backward_chunk, &a);
-  if (partial) { /* chunks in row order: the same sums for the same thread count */
+  if (partial) /* chunks in row order: the same sums for the same thread count */
     for (int c = 0; c < t; c++)
       for (int64_t j = 0; j < hw; j++) db[j] += partial[(int64_t)c * hw + j];
-    free(partial);
-  }
-  return 0;
+  return TP_SUCCESS;
 }

@@ -10,15 +10,16 @@
  * Tk' = the keys any query of b can see, so a decode step over a long cache and a
  * causal prefill touch only what they need.  Backward (P saved by forward):
  *   dP = dO V^T;  dS = P * (dP - rowsum(dP * P)) * scale;
- *   dQ = dS K;  dK += dS^T Q;  dV += P^T dO   (summed over the heads of a group) */
+ *   dQ = dS K;  dK += dS^T Q;  dV += P^T dO   (summed over the heads of a group)
+ * Scratch (a block of scores without probs, a block of dP in backward) comes from the
+ * caller's workspace, one slice per thread: tp_cpu_attention_workspace says how much. */
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "../blas_impl.h"
 #include "parallel.h"
 #include "vmath.h"
-#include "tpcore/kernels.h"
+#include "cpu_impl.h"
 
 static void gemm(int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                  const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
@@ -76,7 +77,8 @@ typedef struct {
   const tp_attention_args *a;
   float *dq, *dk, *dv;
   const float *dout;
-  int failed[64];
+  float *ws;      /* workspace: chunk c uses ws + c * slice */
+  int64_t slice;  /* floats per chunk (0: none needed) */
 } attn_job;
 
 /* Forward of the pairs (b, g) = items [lo, hi). */
@@ -84,11 +86,8 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
   attn_job *job = ctx;
   const tp_attention_args *a = job->a;
   int64_t Tq = a->Tq, Tk = a->Tk, D = a->D;
-  float *scratch = NULL; /* without probs to keep: one block of scores at a time */
-  if (!a->probs && Tq * Tk > 0 && !(scratch = malloc((size_t)(QBLOCK * Tk) * sizeof(float)))) {
-    job->failed[chunk] = 1;
-    return;
-  }
+  /* without probs to keep: one block of scores at a time */
+  float *scratch = job->slice ? job->ws + (int64_t)chunk * job->slice : NULL;
   for (int64_t it = lo; it < hi; it++) {
     int64_t b = it / a->Hk, g = it % a->Hk, h0, h1;
     heads_of(a, g, &h0, &h1);
@@ -112,12 +111,10 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
       }
     }
   }
-  free(scratch);
 }
 
-/* Split the (sequence, KV head) pairs over the rank's threads, BLAS single-threaded inside. */
-static int run_items(attn_job *job, tp_rows_fn fn) {
-  const tp_attention_args *a = job->a;
+/* How many chunks (threads) the (sequence, KV head) pairs are split into. */
+static int plan_items(const tp_attention_args *a) {
   int64_t items = a->B * a->Hk, work = 1; /* work per item, saturated (a long cache times a long prefill) */
   const int64_t f[4] = {a->Tq, a->Tk, a->D, a->Hq / (a->Hk ? a->Hk : 1) + 1};
   for (int i = 0; i < 4; i++)
@@ -126,19 +123,52 @@ static int run_items(attn_job *job, tp_rows_fn fn) {
       break;
     }
   int t = tp_parallel_plan(items, work);
-  if (t > 64) t = 64;
-  memset(job->failed, 0, sizeof job->failed);
+  return t > 64 ? 64 : t;
+}
+
+/* Floats of scratch one chunk needs: a block of QBLOCK rows of scores (forward without
+ * probs) or of dP (backward). */
+static int64_t slice_of(const tp_attention_args *a, int backward) {
+  if (backward) return (int64_t)QBLOCK * (a->Tk > 0 ? a->Tk : 1);
+  return !a->probs && a->Tq * a->Tk > 0 ? (int64_t)QBLOCK * a->Tk : 0;
+}
+
+size_t tp_cpu_attention_workspace(const tp_attention_args *a, int backward) {
+  int64_t slice = slice_of(a, backward);
+  if (!slice || a->B * a->Hk == 0) return 0;
+  size_t n;
+  if (!tp_mul_size((size_t)plan_items(a), (size_t)slice * sizeof(float), &n)) return SIZE_MAX;
+  return n;
+}
+
+/* Split the (sequence, KV head) pairs over the rank's threads, BLAS single-threaded inside;
+ * no more chunks than the workspace has slices for. */
+static tp_status_t run_items(attn_job *job, int backward, void *ws, size_t ws_bytes, tp_rows_fn fn) {
+  const tp_attention_args *a = job->a;
+  int64_t items = a->B * a->Hk;
+  if (items == 0) return TP_SUCCESS;
+  int t = plan_items(a);
+  job->slice = slice_of(a, backward);
+  job->ws = ws;
+  if (job->slice) {
+    size_t fit = ws ? ws_bytes / ((size_t)job->slice * sizeof(float)) : 0;
+    if (fit < 1)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "attention_%s: the workspace of %zu bytes is below one block of "
+                          "scores (%zu bytes; ask attention_workspace)", backward ? "backward" : "forward",
+                          ws ? ws_bytes : 0, (size_t)job->slice * sizeof(float));
+    if ((size_t)t > fit) t = (int)fit;
+  }
   int prev = t > 1 ? tp_blas_single_thread_begin() : 0;
   tp_parallel_run(t, items, fn, job);
   if (t > 1) tp_blas_single_thread_end(prev);
-  for (int i = 0; i < t; i++)
-    if (job->failed[i]) return -1;
-  return 0;
+  return TP_SUCCESS;
 }
 
-int tp_attention_forward(const tp_attention_args *a) {
-  attn_job job = {a, NULL, NULL, NULL, NULL, {0}};
-  return run_items(&job, forward_items);
+tp_status_t tp_cpu_attention_forward(tp_stream_t s, const tp_attention_args *a, void *workspace,
+                                     size_t workspace_bytes) {
+  (void)s;
+  attn_job job = {a, NULL, NULL, NULL, NULL, NULL, 0};
+  return run_items(&job, 0, workspace, workspace_bytes, forward_items);
 }
 
 TP_VECTOR_CLONES static void softmax_grad_row(float *dp, const float *p, int64_t n, float scale) {
@@ -152,11 +182,7 @@ static void backward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
   attn_job *job = ctx;
   const tp_attention_args *a = job->a;
   int64_t Tq = a->Tq, Tk = a->Tk, D = a->D;
-  float *dP = malloc((size_t)(QBLOCK * (Tk > 0 ? Tk : 1)) * sizeof(float));
-  if (!dP) {
-    job->failed[chunk] = 1;
-    return;
-  }
+  float *dP = job->ws + (int64_t)chunk * job->slice;
   for (int64_t it = lo; it < hi; it++) {
     int64_t b = it / a->Hk, g = it % a->Hk, h0, h1;
     heads_of(a, g, &h0, &h1);
@@ -186,11 +212,13 @@ static void backward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
       }
     }
   }
-  free(dP);
 }
 
-int tp_attention_backward(const tp_attention_args *a, float *dq, float *dk, float *dv, const float *dout) {
-  if (!a->probs) return -1;
-  attn_job job = {a, dq, dk, dv, dout, {0}};
-  return run_items(&job, backward_items);
+tp_status_t tp_cpu_attention_backward(tp_stream_t s, const tp_attention_args *a, float *dq, float *dk, float *dv,
+                                      const float *dout, void *workspace, size_t workspace_bytes) {
+  (void)s;
+  if (!a->probs)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "attention_backward: no probs (forward must keep them)");
+  attn_job job = {a, dq, dk, dv, dout, NULL, 0};
+  return run_items(&job, 1, workspace, workspace_bytes, backward_items);
 }

@@ -6,19 +6,22 @@
 
 #include "parallel.h"
 #include "vmath.h"
-#include "tpcore/kernels.h"
+#include "cpu_impl.h"
 
-void tp_embedding_forward(float *out, const int64_t *tokens, const float *table, int64_t M, int64_t lo, int64_t V,
-                          int64_t C) {
+tp_status_t tp_cpu_embedding_forward(tp_stream_t s, float *out, const int64_t *tokens, const float *table, int64_t M,
+                                     int64_t lo, int64_t V, int64_t C) {
+  (void)s;
   for (int64_t m = 0; m < M; m++) {
     int64_t t = tokens[m] - lo;
     if (t >= 0 && t < V) memcpy(out + m * C, table + t * C, (size_t)C * sizeof(float));
     else memset(out + m * C, 0, (size_t)C * sizeof(float));
   }
+  return TP_SUCCESS;
 }
 
-void tp_embedding_backward(float *dtable, const int64_t *tokens, const float *dout, int64_t M, int64_t lo, int64_t V,
-                           int64_t C) {
+tp_status_t tp_cpu_embedding_backward(tp_stream_t s, float *dtable, const int64_t *tokens, const float *dout, int64_t M,
+                                      int64_t lo, int64_t V, int64_t C) {
+  (void)s;
   for (int64_t m = 0; m < M; m++) {
     int64_t t = tokens[m] - lo;
     if (t < 0 || t >= V) continue;
@@ -26,15 +29,18 @@ void tp_embedding_backward(float *dtable, const int64_t *tokens, const float *do
     const float *d = dout + m * C;
     for (int64_t c = 0; c < C; c++) row[c] += d[c];
   }
+  return TP_SUCCESS;
 }
 
-void tp_xent_row_max(float *rowmax, const float *logits, int64_t M, int64_t V) {
+tp_status_t tp_cpu_xent_row_max(tp_stream_t s, float *rowmax, const float *logits, int64_t M, int64_t V) {
+  (void)s;
   for (int64_t m = 0; m < M; m++) {
     const float *l = logits + m * V;
     float mx = -INFINITY;
     for (int64_t j = 0; j < V; j++) mx = l[j] > mx ? l[j] : mx;
     rowmax[m] = mx;
   }
+  return TP_SUCCESS;
 }
 
 /* exp(l - mx) over a row with the vectorized fexp; float partial sums in 8 lanes,
@@ -78,10 +84,12 @@ static void row_sums_chunk(void *ctx, int64_t m0, int64_t m1, int chunk) {
   }
 }
 
-void tp_xent_row_sums(float *sums, const float *logits, const float *gmax, const int64_t *targets, int64_t M,
-                      int64_t lo, int64_t V) {
+tp_status_t tp_cpu_xent_row_sums(tp_stream_t s, float *sums, const float *logits, const float *gmax,
+                                 const int64_t *targets, int64_t M, int64_t lo, int64_t V) {
+  (void)s;
   xent_args a = {sums, logits, gmax, NULL, NULL, targets, M, lo, V, 0.0f};
   tp_parallel_rows(M, V, row_sums_chunk, &a);
+  return TP_SUCCESS;
 }
 
 TP_VECTOR_CLONES static void backward_chunk(void *ctx, int64_t m0, int64_t m1, int chunk) {
@@ -103,9 +111,11 @@ TP_VECTOR_CLONES static void backward_chunk(void *ctx, int64_t m0, int64_t m1, i
   }
 }
 
-void tp_xent_backward(float *dlogits, const float *logits, const float *gmax, const float *sumexp,
-                      const int64_t *targets, const float *row_scale, float scale, int64_t M, int64_t lo,
-                      int64_t V) {
+tp_status_t tp_cpu_xent_backward(tp_stream_t s, float *dlogits, const float *logits, const float *gmax,
+                                 const float *sumexp, const int64_t *targets, const float *row_scale, float scale,
+                                 int64_t M, int64_t lo, int64_t V) {
+  (void)s;
   xent_args a = {dlogits, logits, gmax, sumexp, row_scale, targets, M, lo, V, scale};
   tp_parallel_rows(M, V, backward_chunk, &a);
+  return TP_SUCCESS;
 }

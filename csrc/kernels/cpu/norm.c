@@ -13,10 +13,11 @@
 
 #include "parallel.h"
 #include "vmath.h"
-#include "tpcore/kernels.h"
+#include "cpu_impl.h"
 
-void tp_layernorm_forward(float *y, float *mean, float *rstd, const float *x, const float *w, const float *b,
-                          int64_t M, int64_t C, float eps) {
+tp_status_t tp_cpu_layernorm_forward(tp_stream_t s, float *y, float *mean, float *rstd, const float *x, const float *w,
+                                     const float *b, int64_t M, int64_t C, float eps) {
+  (void)s;
   for (int64_t m = 0; m < M; m++) {
     const float *xr = x + m * C;
     double s = 0.0, ss = 0.0;
@@ -35,10 +36,12 @@ void tp_layernorm_forward(float *y, float *mean, float *rstd, const float *x, co
     if (mean) mean[m] = mf;
     if (rstd) rstd[m] = r;
   }
+  return TP_SUCCESS;
 }
 
-void tp_layernorm_backward(float *dx, float *dw, float *db, const float *dy, const float *x, const float *w,
-                           const float *mean, const float *rstd, int64_t M, int64_t C) {
+tp_status_t tp_cpu_layernorm_backward(tp_stream_t s, float *dx, float *dw, float *db, const float *dy, const float *x,
+                                      const float *w, const float *mean, const float *rstd, int64_t M, int64_t C) {
+  (void)s;
   for (int64_t m = 0; m < M; m++) {
     const float *xr = x + m * C, *dr = dy + m * C;
     float mu = mean[m], r = rstd[m];
@@ -57,9 +60,12 @@ void tp_layernorm_backward(float *dx, float *dw, float *db, const float *dy, con
       o[c] = r * (dr[c] * w[c] - mg - xh * mgx);
     }
   }
+  return TP_SUCCESS;
 }
 
-void tp_rmsnorm_forward(float *y, float *rstd, const float *x, const float *w, int64_t M, int64_t C, float eps) {
+tp_status_t tp_cpu_rmsnorm_forward(tp_stream_t s, float *y, float *rstd, const float *x, const float *w, int64_t M,
+                                   int64_t C, float eps) {
+  (void)s;
   for (int64_t m = 0; m < M; m++) {
     const float *xr = x + m * C;
     double ss = 0.0;
@@ -69,10 +75,12 @@ void tp_rmsnorm_forward(float *y, float *rstd, const float *x, const float *w, i
     for (int64_t c = 0; c < C; c++) yr[c] = xr[c] * r * w[c];
     if (rstd) rstd[m] = r;
   }
+  return TP_SUCCESS;
 }
 
-void tp_rmsnorm_backward(float *dx, float *dw, const float *dy, const float *x, const float *w, const float *rstd,
-                         int64_t M, int64_t C) {
+tp_status_t tp_cpu_rmsnorm_backward(tp_stream_t s, float *dx, float *dw, const float *dy, const float *x,
+                                    const float *w, const float *rstd, int64_t M, int64_t C) {
+  (void)s;
   for (int64_t m = 0; m < M; m++) {
     const float *xr = x + m * C, *dr = dy + m * C;
     float r = rstd[m];
@@ -85,10 +93,12 @@ void tp_rmsnorm_backward(float *dx, float *dw, const float *dy, const float *x, 
     float *o = dx + m * C;
     for (int64_t c = 0; c < C; c++) o[c] = r * dr[c] * w[c] - xr[c] * k;
   }
+  return TP_SUCCESS;
 }
 
-void tp_rope_apply(float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D, const int64_t *pos, float theta,
-                   int inverse) {
+tp_status_t tp_cpu_rope(tp_stream_t s, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D, const int64_t *pos,
+                        float theta, int inverse) {
+  (void)s;
   int64_t half = D / 2;
   for (int64_t m = 0; m < rows; m++) {
     float p = (float)pos[m];
@@ -107,4 +117,5 @@ void tp_rope_apply(float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D,
       }
     }
   }
+  return TP_SUCCESS;
 }

@@ -6,10 +6,11 @@
  *   g += wd p;  buf = momentum buf + g (buf = g at the first step);  p -= lr buf */
 #include <math.h>
 
-#include "tpcore/kernels.h"
+#include "cpu_impl.h"
 
-void tp_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1, float beta2,
-                   float eps, float weight_decay, int64_t step) {
+tp_status_t tp_cpu_adamw_step(tp_stream_t s, float *p, const float *g, float *m, float *v, int64_t n, float lr,
+                              float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+  (void)s;
   double bc1 = 1.0 - pow((double)beta1, (double)step), bc2 = 1.0 - pow((double)beta2, (double)step);
   float step_size = (float)(lr / bc1), inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
   float decay = 1.0f - lr * weight_decay;
@@ -21,10 +22,12 @@ void tp_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, floa
     v[i] = vi;
     p[i] = p[i] * decay - step_size * mi / (sqrtf(vi) * inv_sqrt_bc2 + eps);
   }
+  return TP_SUCCESS;
 }
 
-void tp_sgd_step(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float weight_decay,
-                 int first) {
+tp_status_t tp_cpu_sgd_step(tp_stream_t s, float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
+                            float weight_decay, int first) {
+  (void)s;
   for (int64_t i = 0; i < n; i++) {
     float gi = g[i] + weight_decay * p[i];
     if (buf) {
@@ -33,4 +36,5 @@ void tp_sgd_step(float *p, const float *g, float *buf, int64_t n, float lr, floa
     }
     p[i] -= lr * gi;
   }
+  return TP_SUCCESS;
 }

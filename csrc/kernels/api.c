@@ -1,0 +1,287 @@
+/* The public tensor API of tpcore/kernels.h: check the views, then run the entry of
+ * the kernel table of their device (one pointer call; no copies, no allocation). */
+#include <limits.h>
+
+#include "api_impl.h"
+
+#define F32 TP_FLOAT32
+#define I64 TP_INT64
+#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
+
+static tp_status_t check_act(tp_kcall *c, tp_activation_t act) {
+  if ((unsigned)act > TP_ACT_SWIGLU)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: act is %d, not a tp_activation_t", c->op, (int)act);
+  return TP_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ linear */
+
+tp_status_t tp_linear_forward(tp_stream_t s, const tp_tensor *y, const tp_tensor *x, const tp_tensor *w,
+                              const tp_tensor *b) {
+  tp_kcall c = {"linear_forward", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "x", x, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  int64_t M = x->shape[0], K = x->shape[1];
+  TP_CHECK(tp_karg(&c, "w", w, 0, F32, 2, SHAPE(TP_ANY, K)));
+  int64_t N = w->shape[0];
+  TP_CHECK(tp_karg(&c, "b", b, 1, F32, 1, SHAPE(N)));
+  TP_CHECK(tp_karg(&c, "y", y, 0, F32, 2, SHAPE(M, N)));
+  TP_CHECK(tp_kblas_dim(&c, "M (rows of x)", M));
+  TP_CHECK(tp_kblas_dim(&c, "K (columns of x)", K));
+  TP_CHECK(tp_kblas_dim(&c, "N (rows of w)", N));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->linear_forward(s, y->data, x->data, w->data, b ? b->data : NULL, M, K, N);
+}
+
+tp_status_t tp_linear_backward(tp_stream_t s, const tp_tensor *dx, const tp_tensor *dw, const tp_tensor *db,
+                               const tp_tensor *dy, const tp_tensor *x, const tp_tensor *w, int accumulate_dx) {
+  tp_kcall c = {"linear_backward", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "dy", dy, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  int64_t M = dy->shape[0], N = dy->shape[1];
+  TP_CHECK(tp_karg(&c, "w", w, 0, F32, 2, SHAPE(N, TP_ANY)));
+  int64_t K = w->shape[1];
+  TP_CHECK(tp_karg(&c, "x", x, 0, F32, 2, SHAPE(M, K)));
+  TP_CHECK(tp_karg(&c, "dx", dx, 1, F32, 2, SHAPE(M, K)));
+  TP_CHECK(tp_karg(&c, "dw", dw, 1, F32, 2, SHAPE(N, K)));
+  TP_CHECK(tp_karg(&c, "db", db, 1, F32, 1, SHAPE(N)));
+  TP_CHECK(tp_kblas_dim(&c, "M (rows of dy)", M));
+  TP_CHECK(tp_kblas_dim(&c, "K (columns of x)", K));
+  TP_CHECK(tp_kblas_dim(&c, "N (columns of dy)", N));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->linear_backward(s, dx ? dx->data : NULL, dw ? dw->data : NULL, db ? db->data : NULL, dy->data, x->data,
+                            w->data, M, K, N, accumulate_dx);
+}
+
+/* ------------------------------------------------------------- activations */
+
+/* h[M, hw] (hw = F, or 2F even for SwiGLU): M and F. */
+static tp_status_t act_input(tp_kcall *c, const char *name, const tp_tensor *h, tp_activation_t act, int64_t *M,
+                             int64_t *F) {
+  TP_CHECK(check_act(c, act));
+  TP_CHECK(tp_karg(c, name, h, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  *M = h->shape[0];
+  *F = h->shape[1];
+  if (act == TP_ACT_SWIGLU) {
+    if (*F % 2)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must have an even number of columns for swiglu ([gate | "
+                          "up]), got %lld", c->op, name, (long long)*F);
+    *F /= 2;
+  }
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_act_forward(tp_stream_t s, const tp_tensor *out, const tp_tensor *h, tp_activation_t act) {
+  tp_kcall c = {"act_forward", TP_DEVICE_CPU, 0, 0};
+  int64_t M, F;
+  TP_CHECK(act_input(&c, "h", h, act, &M, &F));
+  TP_CHECK(tp_karg(&c, "out", out, 0, F32, 2, SHAPE(M, F)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->act_forward(s, out->data, h->data, M, F, act);
+}
+
+tp_status_t tp_act_backward(tp_stream_t s, const tp_tensor *dh, const tp_tensor *h, const tp_tensor *dout,
+                            tp_activation_t act) {
+  tp_kcall c = {"act_backward", TP_DEVICE_CPU, 0, 0};
+  int64_t M, F;
+  TP_CHECK(act_input(&c, "h", h, act, &M, &F));
+  TP_CHECK(tp_karg(&c, "dout", dout, 0, F32, 2, SHAPE(M, F)));
+  TP_CHECK(tp_karg(&c, "dh", dh, 0, F32, 2, SHAPE(M, h->shape[1])));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->act_backward(s, dh->data, h->data, dout->data, M, F, act);
+}
+
+tp_status_t tp_bias_act_forward(tp_stream_t s, const tp_tensor *out, const tp_tensor *h, const tp_tensor *b,
+                                tp_activation_t act) {
+  tp_kcall c = {"bias_act_forward", TP_DEVICE_CPU, 0, 0};
+  int64_t M, F;
+  TP_CHECK(act_input(&c, "h", h, act, &M, &F));
+  TP_CHECK(tp_karg(&c, "b", b, 1, F32, 1, SHAPE(h->shape[1])));
+  TP_CHECK(tp_karg(&c, "out", out, 0, F32, 2, SHAPE(M, F)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->bias_act_forward(s, out->data, h->data, b ? b->data : NULL, M, F, act);
+}
+
+tp_status_t tp_bias_act_backward_workspace_size(tp_device_t device, int64_t M, int64_t F, tp_activation_t act,
+                                                size_t *nbytes) {
+  tp_kcall c = {"bias_act_backward_workspace_size", TP_DEVICE_CPU, 0, 0};
+  if (!nbytes) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: nbytes is NULL", c.op);
+  *nbytes = 0;
+  TP_CHECK(check_act(&c, act));
+  int64_t n;
+  if (M < 0 || F < 0 || !tp_numel3(M, F, 2, &n))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: M = %lld and F = %lld must be >= 0 with M x 2F at most 2^40",
+                        c.op, (long long)M, (long long)F);
+  TP_CHECK(tp_kdevice(&c, "device", device, 0));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  *nbytes = k->bias_act_backward_workspace(M, F, act);
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_bias_act_backward(tp_stream_t s, const tp_tensor *dh, const tp_tensor *db, const tp_tensor *h,
+                                 const tp_tensor *dout, tp_activation_t act, const tp_tensor *workspace) {
+  tp_kcall c = {"bias_act_backward", TP_DEVICE_CPU, 0, 0};
+  int64_t M, F;
+  TP_CHECK(act_input(&c, "h", h, act, &M, &F));
+  TP_CHECK(tp_karg(&c, "dout", dout, 0, F32, 2, SHAPE(M, F)));
+  TP_CHECK(tp_karg(&c, "dh", dh, 0, F32, 2, SHAPE(M, h->shape[1])));
+  TP_CHECK(tp_karg(&c, "db", db, 1, F32, 1, SHAPE(h->shape[1])));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  void *ws;
+  size_t wsb, need = db && M > 0 ? (size_t)(h->shape[1] ? h->shape[1] : 1) * sizeof(float) : 0; /* one row at least */
+  TP_CHECK(tp_kworkspace(&c, workspace, need, &ws, &wsb));
+  return k->bias_act_backward(s, dh->data, db ? db->data : NULL, h->data, dout->data, M, F, act, ws, wsb);
+}
+
+/* ---------------------------------------------------------- vocab-parallel */
+
+tp_status_t tp_embedding_forward(tp_stream_t s, const tp_tensor *out, const tp_tensor *tokens, const tp_tensor *table,
+                                 int64_t lo) {
+  tp_kcall c = {"embedding_forward", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "table", table, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  TP_CHECK(tp_karg(&c, "tokens", tokens, 0, I64, 1, SHAPE(TP_ANY)));
+  int64_t V = table->shape[0], C = table->shape[1], M = tokens->shape[0];
+  TP_CHECK(tp_karg(&c, "out", out, 0, F32, 2, SHAPE(M, C)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->embedding_forward(s, out->data, tokens->data, table->data, M, lo, V, C);
+}
+
+tp_status_t tp_embedding_backward(tp_stream_t s, const tp_tensor *dtable, const tp_tensor *tokens,
+                                  const tp_tensor *dout, int64_t lo) {
+  tp_kcall c = {"embedding_backward", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "dtable", dtable, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  TP_CHECK(tp_karg(&c, "tokens", tokens, 0, I64, 1, SHAPE(TP_ANY)));
+  int64_t V = dtable->shape[0], C = dtable->shape[1], M = tokens->shape[0];
+  TP_CHECK(tp_karg(&c, "dout", dout, 0, F32, 2, SHAPE(M, C)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->embedding_backward(s, dtable->data, tokens->data, dout->data, M, lo, V, C);
+}
+
+tp_status_t tp_xent_row_max(tp_stream_t s, const tp_tensor *rowmax, const tp_tensor *logits) {
+  tp_kcall c = {"xent_row_max", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "logits", logits, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  TP_CHECK(tp_karg(&c, "rowmax", rowmax, 0, F32, 1, SHAPE(logits->shape[0])));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->xent_row_max(s, rowmax->data, logits->data, logits->shape[0], logits->shape[1]);
+}
+
+tp_status_t tp_xent_row_sums(tp_stream_t s, const tp_tensor *sums, const tp_tensor *logits, const tp_tensor *gmax,
+                             const tp_tensor *targets, int64_t lo) {
+  tp_kcall c = {"xent_row_sums", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "logits", logits, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  int64_t M = logits->shape[0], V = logits->shape[1];
+  TP_CHECK(tp_karg(&c, "gmax", gmax, 0, F32, 1, SHAPE(M)));
+  TP_CHECK(tp_karg(&c, "targets", targets, 0, I64, 1, SHAPE(M)));
+  TP_CHECK(tp_karg(&c, "sums", sums, 0, F32, 1, SHAPE(2 * M)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->xent_row_sums(s, sums->data, logits->data, gmax->data, targets->data, M, lo, V);
+}
+
+tp_status_t tp_xent_backward(tp_stream_t s, const tp_tensor *dlogits, const tp_tensor *logits, const tp_tensor *gmax,
+                             const tp_tensor *sumexp, const tp_tensor *targets, const tp_tensor *row_scale,
+                             float scale, int64_t lo) {
+  tp_kcall c = {"xent_backward", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "logits", logits, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  int64_t M = logits->shape[0], V = logits->shape[1];
+  TP_CHECK(tp_karg(&c, "gmax", gmax, 0, F32, 1, SHAPE(M)));
+  TP_CHECK(tp_karg(&c, "sumexp", sumexp, 0, F32, 1, SHAPE(M)));
+  TP_CHECK(tp_karg(&c, "targets", targets, 0, I64, 1, SHAPE(M)));
+  TP_CHECK(tp_karg(&c, "row_scale", row_scale, 1, F32, 1, SHAPE(M)));
+  TP_CHECK(tp_karg(&c, "dlogits", dlogits, 0, F32, 2, SHAPE(M, V)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->xent_backward(s, dlogits->data, logits->data, gmax->data, sumexp->data, targets->data,
+                          row_scale ? row_scale->data : NULL, scale, M, lo, V);
+}
+
+/* ------------------------------------------------------------------- norms */
+
+tp_status_t tp_layernorm_forward(tp_stream_t s, const tp_tensor *y, const tp_tensor *mean, const tp_tensor *rstd,
+                                 const tp_tensor *x, const tp_tensor *w, const tp_tensor *b, float eps) {
+  tp_kcall c = {"layernorm_forward", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "x", x, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  int64_t M = x->shape[0], C = x->shape[1];
+  TP_CHECK(tp_karg(&c, "w", w, 0, F32, 1, SHAPE(C)));
+  TP_CHECK(tp_karg(&c, "b", b, 1, F32, 1, SHAPE(C)));
+  TP_CHECK(tp_karg(&c, "y", y, 0, F32, 2, SHAPE(M, C)));
+  TP_CHECK(tp_karg(&c, "mean", mean, 1, F32, 1, SHAPE(M)));
+  TP_CHECK(tp_karg(&c, "rstd", rstd, 1, F32, 1, SHAPE(M)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->layernorm_forward(s, y->data, mean ? mean->data : NULL, rstd ? rstd->data : NULL, x->data, w->data,
+                              b ? b->data : NULL, M, C, eps);
+}
+
+tp_status_t tp_layernorm_backward(tp_stream_t s, const tp_tensor *dx, const tp_tensor *dw, const tp_tensor *db,
+                                  const tp_tensor *dy, const tp_tensor *x, const tp_tensor *w, const tp_tensor *mean,
+                                  const tp_tensor *rstd) {
+  tp_kcall c = {"layernorm_backward", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "x", x, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  int64_t M = x->shape[0], C = x->shape[1];
+  TP_CHECK(tp_karg(&c, "dy", dy, 0, F32, 2, SHAPE(M, C)));
+  TP_CHECK(tp_karg(&c, "w", w, 0, F32, 1, SHAPE(C)));
+  TP_CHECK(tp_karg(&c, "mean", mean, 0, F32, 1, SHAPE(M)));
+  TP_CHECK(tp_karg(&c, "rstd", rstd, 0, F32, 1, SHAPE(M)));
+  TP_CHECK(tp_karg(&c, "dx", dx, 0, F32, 2, SHAPE(M, C)));
+  TP_CHECK(tp_karg(&c, "dw", dw, 0, F32, 1, SHAPE(C)));
+  TP_CHECK(tp_karg(&c, "db", db, 1, F32, 1, SHAPE(C)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->layernorm_backward(s, dx->data, dw->data, db ? db->data : NULL, dy->data, x->data, w->data, mean->data,
+                               rstd->data, M, C);
+}
+
+tp_status_t tp_rmsnorm_forward(tp_stream_t s, const tp_tensor *y, const tp_tensor *rstd, const tp_tensor *x,
+                               const tp_tensor *w, float eps) {
+  tp_kcall c = {"rmsnorm_forward", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "x", x, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  int64_t M = x->shape[0], C = x->shape[1];
+  TP_CHECK(tp_karg(&c, "w", w, 0, F32, 1, SHAPE(C)));
+  TP_CHECK(tp_karg(&c, "y", y, 0, F32, 2, SHAPE(M, C)));
+  TP_CHECK(tp_karg(&c, "rstd", rstd, 1, F32, 1, SHAPE(M)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->rmsnorm_forward(s, y->data, rstd ? rstd->data : NULL, x->data, w->data, M, C, eps);
+}
+
+tp_status_t tp_rmsnorm_backward(tp_stream_t s, const tp_tensor *dx, const tp_tensor *dw, const tp_tensor *dy,
+                                const tp_tensor *x, const tp_tensor *w, const tp_tensor *rstd) {
+  tp_kcall c = {"rmsnorm_backward", TP_DEVICE_CPU, 0, 0};
+  TP_CHECK(tp_karg(&c, "x", x, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  int64_t M = x->shape[0], C = x->shape[1];
+  TP_CHECK(tp_karg(&c, "dy", dy, 0, F32, 2, SHAPE(M, C)));
+  TP_CHECK(tp_karg(&c, "w", w, 0, F32, 1, SHAPE(C)));
+  TP_CHECK(tp_karg(&c, "rstd", rstd, 0, F32, 1, SHAPE(M)));
+  TP_CHECK(tp_karg(&c, "dx", dx, 0, F32, 2, SHAPE(M, C)));
+  TP_CHECK(tp_karg(&c, "dw", dw, 0, F32, 1, SHAPE(C)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  return k->rmsnorm_backward(s, dx->data, dw->data, dy->data, x->data, w->data, rstd->data, M, C);
+}
+
+tp_status_t tp_rope_apply(tp_stream_t s, const tp_tensor *x, const tp_tensor *pos, int64_t heads, int64_t D,
+                          float theta, int inverse) {
+  tp_kcall c = {"rope_apply", TP_DEVICE_CPU, 0, 0};
+  int64_t width;
+  if (heads < 0 || D < 0 || D % 2 || !tp_mul_count(heads, D, &width))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: heads (%lld) must be >= 0 and D (%lld) even and >= 0", c.op,
+                        (long long)heads, (long long)D);
+  if (!(theta > 0.0f))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: theta must be > 0, got %g", c.op, (double)theta);
+  TP_CHECK(tp_karg_rows(&c, "x", x, F32, TP_ANY, width));
+  int64_t rows = x->shape[0];
+  TP_CHECK(tp_karg(&c, "pos", pos, 0, I64, 1, SHAPE(rows)));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, &k));
+  int64_t ld = rows > 1 ? x->strides[0] : width;
+  return k->rope(s, x->data, rows, ld, heads, D, pos->data, theta, inverse);
+}

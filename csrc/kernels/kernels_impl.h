@@ -1,0 +1,222 @@
+/*
+ * The kernel table (private): one tp_kernel_ops per device, after ggml's backend
+ * interface.  Every data touch of a layer or block is a call through it: the layers
+ * keep the algorithm and the collectives and never read or write a float themselves.
+ * A device is a file that fills a tp_kernel_ops (cpu/table.c; cuda/table.c later) plus
+ * its line in registry.c.
+ *
+ * Conventions of every entry (llm.c style):
+ *   - the first argument is the stream (NULL: the device's default; CPU: ignored, every
+ *     call has finished when it returns);
+ *   - pointers are raw memory of the table's device, sizes and leading dimensions are
+ *     counts of elements, all validated by the caller (the public tensor API in
+ *     include/tpcore/kernels.h, or a layer): the entries do not check them again;
+ *   - an entry returns tp_status_t, so a device can report a launch failure; the CPU
+ *     entries always succeed (a too small workspace is the one caller error they see);
+ *   - no entry allocates: scratch comes in through a workspace pointer whose size the
+ *     caller asked the matching *_workspace entry for, once, and reuses;
+ *   - outputs come first; "overwrites" and "accumulates (+=)" below say which;
+ *   - float32 data, int64 indices (tokens, targets, positions); row-major.
+ * Shape letters: M rows (tokens), K input features, N output features, C a row's width,
+ * F activation width, V a vocabulary shard's width, n a flat element count.
+ *
+ * Which layer code maps to which entry (csrc/layers today):
+ *   linear.c    GEMMs, GEMV decode path                 linear_forward, linear_backward
+ *               row-parallel y = all_reduced + b         add_bias
+ *               save_input (column slice of x), dy's
+ *               columns, blocks_to_columns               tp_device_copy_2d (device.h), no entry
+ *               weight / bias init                       init_uniform (one call per row run)
+ *   mlp.c       h += b1, a = act(h) / dh, db1            bias_act_forward, bias_act_backward
+ *   vocab.c     token range check                        check_range (result read back once)
+ *               embedding rows / table gradient          embedding_forward, embedding_backward
+ *               table init (Box-Muller)                  init_normal
+ *               row maxima, sums, backward               xent_row_max, xent_row_sums, xent_backward
+ *               targets fingerprint                      xent_targets_hash
+ *               ignore_index + target range check        xent_targets (result read back once)
+ *               losses[m] = log(sumexp) + max - target   xent_loss
+ *               rs[m] = ignored ? 0 : dloss or 1         xent_row_scale
+ *               memcpy of maxima/sums, tokens kept       tp_device_copy (device.h)
+ *   transformer norms                                    layernorm_*, rmsnorm_*
+ *               RoPE forward / inverse                   rope
+ *               positions pos[], klen[] from pos0[]      positions
+ *               pos0 range checks                        check_range
+ *               K/V rows into the cache                  kv_cache_write
+ *               attention (training, prefill, decode)    attention_forward, attention_backward
+ *               r += bo, dbo += colsum(dr)               add_bias, bias_grad
+ *               residual adds y = a + b, y += a          add (y may alias a or b)
+ *               KV-gradient shuffle: delta = cur - snap, sub, then (all-reduce) add
+ *               cur = snap + sum (snapshot: device_copy)
+ *               parameter init, norm weights = 1         init_uniform, fill
+ *   optimizers  (python/tpcore and the extension)        adamw_step, sgd_step
+ *   scaling of a gradient / loss                         scale
+ */
+#ifndef TPCORE_KERNELS_IMPL_H
+#define TPCORE_KERNELS_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../core/core_impl.h"
+#include "tpcore/kernels.h"
+
+typedef struct tp_kernel_ops {
+  tp_device_t device;
+  const char *name; /* "cpu", "cuda" */
+
+  /* ---- GEMM and the linear layer ------------------------------------------------ */
+  /* C[M,N] = alpha op(A) op(B) + beta C (op: transpose when trans_*), row-major with
+   * leading dimensions lda/ldb/ldc; M, N, K, ld* <= INT_MAX.  beta = 0 overwrites C. */
+  tp_status_t (*gemm)(tp_stream_t s, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                      const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+  /* y[M,N] = x[M,K] w[N,K]^T (+ b[N] when b): overwrites y (K = 0: y = b or 0). */
+  tp_status_t (*linear_forward)(tp_stream_t s, float *y, const float *x, const float *w, const float *b, int64_t M,
+                                int64_t K, int64_t N);
+  /* dx[M,K] = dy[M,N] w[N,K] (overwrites, or accumulates when accumulate_dx; skipped when dx
+   * is NULL); dw[N,K] += dy^T x (skipped when NULL); db[N] += column sums of dy (when db). */
+  tp_status_t (*linear_backward)(tp_stream_t s, float *dx, float *dw, float *db, const float *dy, const float *x,
+                                 const float *w, int64_t M, int64_t K, int64_t N, int accumulate_dx);
+  /* y[M,N] = x[M,N] + b[N] on every row (the row broadcast); y may be x. */
+  tp_status_t (*add_bias)(tp_stream_t s, float *y, const float *x, const float *b, int64_t M, int64_t N);
+  /* db[N] += sum over the M rows of dy[M,N] (a bias gradient), rows in order. */
+  tp_status_t (*bias_grad)(tp_stream_t s, float *db, const float *dy, int64_t M, int64_t N);
+
+  /* ---- activations (tp_activation_t; SwiGLU reads h[M,2F] = [gate | up]) ---------- */
+  /* out[M,F] = act(h): overwrites out. */
+  tp_status_t (*act_forward)(tp_stream_t s, float *out, const float *h, int64_t M, int64_t F, tp_activation_t act);
+  /* dh (shaped like h) = act'(h) * dout[M,F]: overwrites dh. */
+  tp_status_t (*act_backward)(tp_stream_t s, float *dh, const float *h, const float *dout, int64_t M, int64_t F,
+                              tp_activation_t act);
+  /* h += b (h[M,hw], hw = F or 2F for SwiGLU; b may be NULL: no add), then out = act(h),
+   * a row at a time: h is updated in place, out overwritten. */
+  tp_status_t (*bias_act_forward)(tp_stream_t s, float *out, float *h, const float *b, int64_t M, int64_t F,
+                                  tp_activation_t act);
+  /* Bytes of workspace bias_act_backward wants for these sizes with db (0 without db). */
+  size_t (*bias_act_backward_workspace)(int64_t M, int64_t F, tp_activation_t act);
+  /* dh as act_backward (overwrites), and db[hw] += the column sums of dh when db is not
+   * NULL, through per-thread partial sums in the workspace (a smaller workspace, at
+   * least hw floats, is correct and uses fewer threads; less: TP_ERR_INVALID_ARGUMENT). */
+  tp_status_t (*bias_act_backward)(tp_stream_t s, float *dh, float *db, const float *h, const float *dout, int64_t M,
+                                   int64_t F, tp_activation_t act, void *workspace, size_t workspace_bytes);
+
+  /* ---- norms over the last dimension C, rotary embedding ------------------------- */
+  /* y[M,C] overwritten; mean[M] and rstd[M] (each may be NULL) overwritten; b may be NULL. */
+  tp_status_t (*layernorm_forward)(tp_stream_t s, float *y, float *mean, float *rstd, const float *x, const float *w,
+                                   const float *b, int64_t M, int64_t C, float eps);
+  /* dx[M,C] overwritten; dw[C] += and db[C] += (db may be NULL). */
+  tp_status_t (*layernorm_backward)(tp_stream_t s, float *dx, float *dw, float *db, const float *dy, const float *x,
+                                    const float *w, const float *mean, const float *rstd, int64_t M, int64_t C);
+  tp_status_t (*rmsnorm_forward)(tp_stream_t s, float *y, float *rstd, const float *x, const float *w, int64_t M,
+                                 int64_t C, float eps);
+  /* dx[M,C] overwritten; dw[C] +=. */
+  tp_status_t (*rmsnorm_backward)(tp_stream_t s, float *dx, float *dw, const float *dy, const float *x,
+                                  const float *w, const float *rstd, int64_t M, int64_t C);
+  /* In place on `heads` heads of D (even) values at the start of each of `rows` rows of
+   * stride ld; row m at position pos[m]; inverse turns back (backward). */
+  tp_status_t (*rope)(tp_stream_t s, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D, const int64_t *pos,
+                      float theta, int inverse);
+
+  /* ---- attention (tp_attention_args in tpcore/kernels.h has the layouts) ---------- */
+  /* Bytes of workspace for forward (backward = 0; 0 when probs are kept) or backward. */
+  size_t (*attention_workspace)(const tp_attention_args *a, int backward);
+  /* a->o overwritten (and a->probs when not NULL).  Decode is this call too: T new
+   * queries (Tq) over the KV cache (k, v = the cache, kv_bstride = max_len x row,
+   * q_pos[b] = the position of the first new query, k_len[b] = q_pos[b] + Tq, causal). */
+  tp_status_t (*attention_forward)(tp_stream_t s, const tp_attention_args *a, void *workspace,
+                                   size_t workspace_bytes);
+  /* dq (layout of q), dk, dv (layout of k, v) overwritten, from dout (layout of o) and
+   * a->probs (required, kept by forward). */
+  tp_status_t (*attention_backward)(tp_stream_t s, const tp_attention_args *a, float *dq, float *dk, float *dv,
+                                    const float *dout, void *workspace, size_t workspace_bytes);
+  /* The KV-cache write of a decode/prefill step: for b < B, t < T,
+   *   kcache[(b * max_len + pos0[b] + t) * width + c] = k[(b * T + t) * ld + c], same for v,
+   * c < width (pos0[b] + T <= max_len, checked by the caller with check_range). */
+  tp_status_t (*kv_cache_write)(tp_stream_t s, float *kcache, float *vcache, const float *k, const float *v,
+                                int64_t ld, const int64_t *pos0, int64_t B, int64_t T, int64_t max_len,
+                                int64_t width);
+  /* pos[b * T + t] = pos0[b] + t and klen[b] = pos0[b] + T (overwritten; klen may be NULL). */
+  tp_status_t (*positions)(tp_stream_t s, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B, int64_t T);
+
+  /* ---- vocab-parallel embedding and cross-entropy (shard [lo, lo + V)) ------------ */
+  /* out[M,C] overwritten: row of table[V,C] for tokens in the shard, zero otherwise. */
+  tp_status_t (*embedding_forward)(tp_stream_t s, float *out, const int64_t *tokens, const float *table, int64_t M,
+                                   int64_t lo, int64_t V, int64_t C);
+  /* dtable[V,C] += dout rows of the shard's tokens (in row order). */
+  tp_status_t (*embedding_backward)(tp_stream_t s, float *dtable, const int64_t *tokens, const float *dout, int64_t M,
+                                    int64_t lo, int64_t V, int64_t C);
+  /* rowmax[M] = max of each row of logits[M,V] (-inf for V = 0): overwritten. */
+  tp_status_t (*xent_row_max)(tp_stream_t s, float *rowmax, const float *logits, int64_t M, int64_t V);
+  /* sums[0..M) = sum_j exp(l[m,j] - gmax[m]); sums[M..2M) = the target logit when the target
+   * (>= 0) is in the shard, else 0: overwritten. */
+  tp_status_t (*xent_row_sums)(tp_stream_t s, float *sums, const float *logits, const float *gmax,
+                               const int64_t *targets, int64_t M, int64_t lo, int64_t V);
+  /* losses[m] = targets[m] < 0 ? 0 : log(sumexp[m]) + gmax[m] - target_logit[m] (in double). */
+  tp_status_t (*xent_loss)(tp_stream_t s, float *losses, const float *sumexp, const float *gmax,
+                           const float *target_logit, const int64_t *targets, int64_t M);
+  /* row_scale[m] = targets[m] < 0 ? 0 : dloss ? dloss[m] : 1 (dloss may be NULL). */
+  tp_status_t (*xent_row_scale)(tp_stream_t s, float *row_scale, const int64_t *targets, const float *dloss,
+                                int64_t M);
+  /* dlogits[M,V] = (softmax - onehot(target)) * scale * row_scale[m] (row_scale may be
+   * NULL): overwritten; a negative target has no one-hot entry. */
+  tp_status_t (*xent_backward)(tp_stream_t s, float *dlogits, const float *logits, const float *gmax,
+                               const float *sumexp, const int64_t *targets, const float *row_scale, float scale,
+                               int64_t M, int64_t lo, int64_t V);
+  /* The layer's target pass: out[m] = -1 where targets[m] == ignore_index, else targets[m];
+   * result[0] = the first m whose (not ignored) target is outside [0, vocab), or -1;
+   * result[1] = the number of targets not ignored.  result is device memory the caller
+   * reads back once (tp_device_copy); out is valid only when result[0] is -1. */
+  tp_status_t (*xent_targets)(tp_stream_t s, int64_t *out, int64_t *result, const int64_t *targets, int64_t M,
+                              int64_t ignore_index, int64_t vocab);
+  /* fp[0] = a 24-bit fingerprint of (M, ignore_index, targets) as a float, fp[1] = -fp[0]
+   * (a max all-reduce of fp says whether every rank passed the same targets). */
+  tp_status_t (*xent_targets_hash)(tp_stream_t s, float *fp, const int64_t *targets, int64_t M, int64_t ignore_index);
+  /* result[0] = the first i with x[i] < lo or x[i] >= hi, or -1 (token ids, positions). */
+  tp_status_t (*check_range)(tp_stream_t s, int64_t *result, const int64_t *x, int64_t n, int64_t lo, int64_t hi);
+
+  /* ---- element-wise on flat arrays ------------------------------------------------- */
+  /* y[n] = a + b (residual adds; y may be a or b: y += a is add(y, y, a)). */
+  tp_status_t (*add)(tp_stream_t s, float *y, const float *a, const float *b, int64_t n);
+  /* y[n] = a - b (y may be a or b). */
+  tp_status_t (*sub)(tp_stream_t s, float *y, const float *a, const float *b, int64_t n);
+  /* y[n] = alpha * x (y may be x). */
+  tp_status_t (*scale)(tp_stream_t s, float *y, const float *x, float alpha, int64_t n);
+  /* y[n] = value. */
+  tp_status_t (*fill)(tp_stream_t s, float *y, float value, int64_t n);
+  /* y[i] = (2 u - 1) * bound, u = tp_uniform01(seed, tensor, index0 + i): seeded init. */
+  tp_status_t (*init_uniform)(tp_stream_t s, float *y, int64_t n, uint64_t seed, uint64_t tensor, uint64_t index0,
+                              float bound);
+  /* y[i] = element index0 + i of a N(0,1) tensor: elements 2p, 2p + 1 are the cosine and
+   * sine halves of a Box-Muller pair drawn from tp_uniform01(seed, tensor, 2p and 2p + 1). */
+  tp_status_t (*init_normal)(tp_stream_t s, float *y, int64_t n, uint64_t seed, uint64_t tensor, uint64_t index0);
+
+  /* ---- optimizer steps, in place on n elements (formulas in cpu/optim.c) ---------- */
+  tp_status_t (*adamw_step)(tp_stream_t s, float *p, const float *g, float *m, float *v, int64_t n, float lr,
+                            float beta1, float beta2, float eps, float weight_decay, int64_t step);
+  /* buf may be NULL (no momentum); first: the first step (buf = g). */
+  tp_status_t (*sgd_step)(tp_stream_t s, float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
+                          float weight_decay, int first);
+} tp_kernel_ops;
+
+/* Every entry, in struct order (the parity harness lists and checks them; a new entry
+ * without its line here fails the static assert below). */
+#define TP_KERNEL_ENTRIES(X)                                                                                       \
+  X(gemm) X(linear_forward) X(linear_backward) X(add_bias) X(bias_grad) X(act_forward) X(act_backward)             \
+  X(bias_act_forward) X(bias_act_backward_workspace) X(bias_act_backward) X(layernorm_forward)                     \
+  X(layernorm_backward) X(rmsnorm_forward) X(rmsnorm_backward) X(rope) X(attention_workspace)                      \
+  X(attention_forward) X(attention_backward) X(kv_cache_write) X(positions) X(embedding_forward)                   \
+  X(embedding_backward) X(xent_row_max) X(xent_row_sums) X(xent_loss) X(xent_row_scale) X(xent_backward)           \
+  X(xent_targets) X(xent_targets_hash) X(check_range) X(add) X(sub) X(scale) X(fill) X(init_uniform)              \
+  X(init_normal) X(adamw_step) X(sgd_step)
+
+#define TP_KERNEL_COUNT_ONE_(name) +1
+enum { TP_KERNEL_NUM_ENTRIES = 0 TP_KERNEL_ENTRIES(TP_KERNEL_COUNT_ONE_) };
+_Static_assert(sizeof(tp_kernel_ops) ==
+                   offsetof(tp_kernel_ops, gemm) + TP_KERNEL_NUM_ENTRIES * sizeof(void (*)(void)),
+               "TP_KERNEL_ENTRIES must list every entry of tp_kernel_ops");
+
+/* The kernel table of a device type, or NULL when this build or process has none
+ * (registry.c: one line per device). */
+const tp_kernel_ops *tp_kernels_of(tp_device_t device);
+
+extern const tp_kernel_ops tp_cpu_kernel_ops;
+
+#endif

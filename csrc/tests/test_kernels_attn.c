@@ -1,0 +1,236 @@
+/* Parity cases of the attention entries: training layouts (fused QKV rows, padded
+ * leading dimensions, key masks, causal, grouped-query heads, a rank's heads starting
+ * mid-group) and decoding over a KV cache (q_pos, k_len), against a double reference. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "test_kernels.h"
+
+typedef struct {
+  int64_t B, Tq, Tk, Hq, Hk, D, group, q_head0, k_head0;
+  int causal, mask, decode; /* decode: q_pos/k_len of a cache; mask: a random key mask */
+} acfg;
+
+static const acfg AC[] = {
+    {2, 67, 67, 4, 2, 6, 0, 0, 0, 1, 1, 0},  /* causal training over two query blocks, masked keys, GQA */
+    {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0},    /* the smallest */
+    {3, 5, 5, 3, 3, 5, 0, 0, 0, 0, 0, 0},    /* non-causal, MHA */
+    {2, 9, 9, 4, 2, 4, 3, 2, 0, 1, 1, 0},    /* heads 2..5 of 6 in groups of 3: starts mid-group */
+    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1},   /* decode: 2 new tokens per sequence over a cache of 13 */
+    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1},  /* a prefill continuing at position 10 */
+    {0, 4, 4, 2, 2, 2, 0, 0, 0, 1, 0, 0},    /* no sequences */
+    {2, 0, 0, 2, 1, 2, 0, 0, 0, 1, 0, 0},    /* no tokens */
+};
+#define NAC (sizeof AC / sizeof AC[0])
+
+typedef struct { /* host copies of one case's inputs and the args that point at them */
+  tp_attention_args a;
+  float *qkv, *kc, *vc, *o;
+  int64_t *qpos, *klen;
+  uint8_t *mask;
+  int64_t W, nqkv, nkv, no;
+} ainst;
+
+static int64_t kv_head(const tp_attention_args *a, int64_t h) {
+  return a->group ? (a->q_head0 + h) / a->group - a->k_head0 : h / (a->Hq / a->Hk);
+}
+
+static int visible(const tp_attention_args *a, int64_t b, int64_t i, int64_t j) {
+  int64_t n = a->k_len ? a->k_len[b] : a->Tk;
+  if (j >= n || j >= a->Tk) return 0;
+  if (a->key_mask && !a->key_mask[b * a->Tk + j]) return 0;
+  return !a->causal || j <= (a->q_pos ? a->q_pos[b] : 0) + i;
+}
+
+static void make(const acfg *c, ainst *x) {
+  memset(x, 0, sizeof *x);
+  tp_attention_args *a = &x->a;
+  a->B = c->B, a->Tq = c->Tq, a->Tk = c->Tk, a->Hq = c->Hq, a->Hk = c->Hk, a->D = c->D;
+  a->group = c->group, a->q_head0 = c->q_head0, a->k_head0 = c->k_head0, a->causal = c->causal;
+  a->scale = (float)(1.0 / sqrt((double)c->D));
+  a->device = DEV;
+  x->W = (c->Hq + 2 * c->Hk) * c->D + 1; /* a fused QKV row, padded */
+  x->nqkv = c->B * c->Tq * x->W + 1;
+  x->qkv = rnd(x->nqkv, -1, 1);
+  a->q_ld = x->W, a->o_ld = c->Hq * c->D + 2;
+  x->no = c->B * c->Tq * a->o_ld + 1;
+  x->o = rnd(x->no, -1, 1);
+  if (c->decode) { /* a cache [B, Tk, Hk D]; sequence b's queries start at q_pos[b] */
+    a->kv_ld = c->Hk * c->D, a->kv_bstride = c->Tk * a->kv_ld;
+    x->nkv = c->B * a->kv_bstride + 1;
+    x->kc = rnd(x->nkv, -1, 1), x->vc = rnd(x->nkv, -1, 1);
+    x->qpos = hmem((size_t)c->B * 8 + 8), x->klen = hmem((size_t)c->B * 8 + 8);
+    for (int64_t b = 0; b < c->B; b++) {
+      x->qpos[b] = c->Tk == 13 ? (int64_t[]){0, 5, 11}[b % 3] : c->Tk - c->Tq;
+      x->klen[b] = x->qpos[b] + c->Tq;
+    }
+  } else {
+    a->kv_ld = x->W, a->kv_bstride = c->Tq * x->W;
+  }
+  if (c->mask) {
+    x->mask = hmem((size_t)(c->B * c->Tk) + 1);
+    for (int64_t i = 0; i < c->B * c->Tk; i++) x->mask[i] = rnd_int(0, 10) != 0;
+    for (int64_t j = 0; j < 3 && j < c->Tk && c->B > 1; j++) x->mask[c->Tk + j] = 0; /* rows that see no key */
+  }
+}
+
+/* Device copies of the inputs, pointed at by *d (a copy of x->a). */
+static void to_device(const ainst *x, tp_attention_args *d, float **dqkv, float **dkc, float **dvc) {
+  *d = x->a;
+  *dqkv = DPUTF(x->qkv, x->nqkv);
+  d->q = *dqkv;
+  d->o = DPUTF(x->o, x->no);
+  if (x->kc) {
+    *dkc = DPUTF(x->kc, x->nkv), *dvc = DPUTF(x->vc, x->nkv);
+    d->k = *dkc, d->v = *dvc;
+    d->q_pos = DPUTI(x->qpos, x->a.B), d->k_len = DPUTI(x->klen, x->a.B);
+  } else {
+    *dkc = *dvc = NULL;
+    d->k = *dqkv + x->a.Hq * x->a.D, d->v = *dqkv + (x->a.Hq + x->a.Hk) * x->a.D;
+  }
+  if (x->mask) d->key_mask = dput(x->mask, (size_t)(x->a.B * x->a.Tk));
+}
+
+/* Host pointers of the same layout, for the reference. */
+static tp_attention_args host_args(const ainst *x) {
+  tp_attention_args a = x->a;
+  a.q = x->qkv, a.o = x->o;
+  a.k = x->kc ? x->kc : x->qkv + a.Hq * a.D;
+  a.v = x->vc ? x->vc : x->qkv + (a.Hq + a.Hk) * a.D;
+  a.q_pos = x->qpos, a.k_len = x->klen, a.key_mask = x->mask;
+  return a;
+}
+
+#define QAT(a, b, i, h) ((a)->q + ((b) * (a)->Tq + (i)) * (a)->q_ld + (h) * (a)->D)
+#define KAT(a, p, b, j, g) ((p) + (b) * (a)->kv_bstride + (j) * (a)->kv_ld + (g) * (a)->D)
+
+/* P [B, Hq, Tq, Tk] and O (layout of o, other elements as in o) in double; mo: O's tolerance scale. */
+static void reference_forward(const tp_attention_args *a, const float *o0, int64_t no, double *P, double *O,
+                              double *mo) {
+  for (int64_t i = 0; i < no; i++) O[i] = o0[i], mo[i] = 0;
+  for (int64_t b = 0; b < a->B; b++)
+    for (int64_t h = 0; h < a->Hq; h++)
+      for (int64_t i = 0; i < a->Tq; i++) {
+        int64_t g = kv_head(a, h);
+        double *p = P + ((b * a->Hq + h) * a->Tq + i) * a->Tk, mx = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < a->Tk; j++) {
+          p[j] = -INFINITY;
+          if (!visible(a, b, i, j)) continue;
+          double s = 0;
+          for (int64_t d = 0; d < a->D; d++) s += (double)QAT(a, b, i, h)[d] * KAT(a, a->k, b, j, g)[d];
+          p[j] = s * a->scale, mx = fmax(mx, p[j]);
+        }
+        for (int64_t j = 0; j < a->Tk; j++) sum += p[j] == -INFINITY ? 0 : exp(p[j] - mx);
+        for (int64_t j = 0; j < a->Tk; j++) p[j] = p[j] == -INFINITY ? 0 : exp(p[j] - mx) / sum;
+        double *orow = O + (b * a->Tq + i) * a->o_ld + h * a->D, *mrow = mo + (b * a->Tq + i) * a->o_ld + h * a->D;
+        for (int64_t d = 0; d < a->D; d++) {
+          orow[d] = 0, mrow[d] = 1;
+          for (int64_t j = 0; j < a->Tk; j++) orow[d] += p[j] * KAT(a, a->v, b, j, g)[d];
+        }
+      }
+}
+
+void case_attention_workspace(void) {
+  for (size_t c = 0; c < NAC; c++) {
+    ainst x;
+    make(&AC[c], &x);
+    for (int bwd = 0; bwd < 2; bwd++) {
+      size_t n = K->attention_workspace(&x.a, bwd);
+      if (x.a.B == 0 && n) fail("case %zu: no sequences need no workspace, got %zu bytes", c, n);
+      if (n == SIZE_MAX) fail("case %zu: workspace size overflowed", c);
+    }
+  }
+}
+
+void case_attention_forward(void) {
+  for (size_t c = 0; c < NAC; c++)
+    for (int mode = 0; mode < 3; mode++) { /* probs kept; no probs (scratch); no probs, a one-block workspace */
+      ainst x;
+      make(&AC[c], &x);
+      tp_attention_args ha = host_args(&x), d;
+      int64_t np = x.a.B * x.a.Hq * x.a.Tq * x.a.Tk;
+      double *P = dz(np + 1), *O = dz(x.no), *mo = dz(x.no);
+      reference_forward(&ha, x.o, x.no, P, O, mo);
+      float *dqkv, *dkc, *dvc, *dp = mode ? NULL : dmem((size_t)np * 4);
+      to_device(&x, &d, &dqkv, &dkc, &dvc);
+      d.probs = dp;
+      size_t need = K->attention_workspace(&d, 0);
+      if (mode == 2 && need) need = (size_t)(64 * (d.Tk ? d.Tk : 1)) * sizeof(float); /* the CPU's block */
+      if (mode == 2 && DEV != TP_DEVICE_CPU) need = K->attention_workspace(&d, 0);
+      void *ws = need ? dmem(need) : NULL;
+      ok("attention_forward", K->attention_forward(NULL, &d, ws, need));
+      float *got = hmem((size_t)(x.no > np ? x.no : np) * 4 + 4);
+      GETF(got, d.o, x.no);
+      /* scores: a D-term dot (<= (D + 2) u D scale), softmax with fexp (1e-7) and a float sum
+       * over <= 80 keys: P within ~3e-6 relative; O = P V within ~1e-5 of |V| <= 1 */
+      expect("o", got, O, x.no, 2e-5, 0, mo);
+      if (dp) {
+        GETF(got, dp, np);
+        expect("probs", got, P, np, 1e-5, 0, NULL);
+      }
+    }
+}
+
+void case_attention_backward(void) {
+  for (size_t c = 0; c < NAC; c++)
+    for (int mode = 0; mode < 2; mode++) { /* the asked workspace; one block of dP */
+      if (AC[c].decode) continue; /* no backward through a cache */
+      ainst x;
+      make(&AC[c], &x);
+      tp_attention_args ha = host_args(&x), d;
+      const tp_attention_args *a = &ha;
+      int64_t np = a->B * a->Hq * a->Tq * a->Tk, D = a->D;
+      double *P = dz(np + 1), *O = dz(x.no), *mo = dz(x.no);
+      reference_forward(&ha, x.o, x.no, P, O, mo);
+      float *pf = hmem((size_t)np * 4 + 4), *dout = rnd(x.no, -1, 1);
+      for (int64_t i = 0; i < np; i++) pf[i] = (float)P[i]; /* the probs a forward kept */
+      /* dq, dk, dv in the layout of q, k, v (the fused rows): start from garbage, so that the
+       * columns the kernel must not touch are checked too */
+      float *g0 = rnd(x.nqkv, -1, 1);
+      double *R = dz(x.nqkv), *mg = dz(x.nqkv);
+      for (int64_t i = 0; i < x.nqkv; i++) R[i] = g0[i], mg[i] = 0;
+      for (int64_t b = 0; b < a->B; b++) /* dK, dV of the keys are overwritten: zero them first */
+        for (int64_t j = 0; j < a->Tk; j++)
+          for (int64_t e = 0; e < 2 * a->Hk * D; e++) R[(b * a->Tk + j) * x.W + a->Hq * D + e] = 0;
+      for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->Hq; h++) {
+          int64_t g = kv_head(a, h), qo = h * D, ko = a->Hq * D + g * D, vo = (a->Hq + a->Hk) * D + g * D;
+          for (int64_t i = 0; i < a->Tq; i++) {
+            const double *p = P + ((b * a->Hq + h) * a->Tq + i) * a->Tk;
+            const float *dO = dout + (b * a->Tq + i) * a->o_ld + h * D;
+            double *dp = dz(a->Tk + 1), dot = 0, adot = 0;
+            for (int64_t j = 0; j < a->Tk; j++) {
+              for (int64_t d2 = 0; d2 < D; d2++) dp[j] += (double)dO[d2] * KAT(a, a->v, b, j, g)[d2];
+              dot += dp[j] * p[j], adot += fabs(dp[j]) * p[j];
+            }
+            int64_t qi = (b * a->Tq + i) * x.W;
+            if (!a->Tk) for (int64_t d2 = 0; d2 < D; d2++) R[qi + qo + d2] = 0;
+            for (int64_t j = 0; j < a->Tk; j++) {
+              double ds = p[j] * (dp[j] - dot) * a->scale, ms = p[j] * (fabs(dp[j]) + adot) * a->scale;
+              int64_t kj = (b * a->Tk + j) * x.W;
+              for (int64_t d2 = 0; d2 < D; d2++) {
+                if (j == 0) R[qi + qo + d2] = 0;
+                R[qi + qo + d2] += ds * KAT(a, a->k, b, j, g)[d2], mg[qi + qo + d2] += ms;
+                R[kj + ko + d2] += ds * QAT(a, b, i, h)[d2], mg[kj + ko + d2] += ms;
+                R[kj + vo + d2] += p[j] * dO[d2], mg[kj + vo + d2] += p[j];
+              }
+            }
+          }
+        }
+      float *dqkv, *dkc, *dvc;
+      to_device(&x, &d, &dqkv, &dkc, &dvc);
+      d.probs = DPUTF(pf, np);
+      float *dg = DPUTF(g0, x.nqkv);
+      size_t need = K->attention_workspace(&d, 1);
+      if (mode == 1 && need && DEV == TP_DEVICE_CPU) need = (size_t)(64 * (d.Tk ? d.Tk : 1)) * sizeof(float);
+      void *ws = need ? dmem(need) : NULL;
+      ok("attention_backward", K->attention_backward(NULL, &d, dg, dg + a->Hq * D, dg + (a->Hq + a->Hk) * D,
+                                                     DPUTF(dout, x.no), ws, need));
+      float *got = hmem((size_t)x.nqkv * 4);
+      GETF(got, dg, x.nqkv);
+      for (int64_t i = 0; i < x.nqkv; i++) mg[i] += 0.05; /* a floor: float rounding of terms near 0 */
+      /* dP (a D-term dot) and the row dot in float: ~(D + Tk) u relative; dS, then sums over
+       * keys (dq) or queries x heads (dk, dv) of terms bounded by mg: 2e-5 mg covers both */
+      expect("dqkv", got, R, x.nqkv, 2e-5, 0, mg);
+    }
+}
