@@ -355,7 +355,10 @@ static int run_sizes(int n, int r, const char *job) {
   if (tp_parallel_mlp_create(&mlp, comm, &mc) != TP_SUCCESS) return fprintf(stderr, "mlp: %s\n", tp_last_error()), 1;
   EXPECT(tp_parallel_mlp_forward(mlp, F2(NULL, 0, 3), F2(NULL, 0, 3), NULL), TP_SUCCESS, "");
   EXPECT(tp_parallel_mlp_backward(mlp, F2(NULL, 0, 3), F2(NULL, 0, 3), NULL), TP_SUCCESS, "");
-  EXPECT(tp_parallel_mlp_forward(mlp, F2(y, big, 3), F2(x, big, 3), NULL), TP_ERR_INVALID_ARGUMENT, "rows");
+  tp_tensor yb = tp_tensor_2d(y, TP_FLOAT32, 1, 3), xb = tp_tensor_2d(x, TP_FLOAT32, 1, 3);
+  yb.shape[0] = xb.shape[0] = big; /* a view of 2^63 - 1 rows (tp_tensor_2d's strides would overflow) */
+  yb.strides[0] = xb.strides[0] = 3;
+  EXPECT(tp_parallel_mlp_forward(mlp, &yb, &xb, NULL), TP_ERR_INVALID_ARGUMENT, "rows");
   EXPECT(tp_parallel_mlp_forward(mlp, F2(y, 2, 3), F2(x, 2, 4), NULL), TP_ERR_INVALID_ARGUMENT, "mlp forward: x");
   tp_parallel_mlp_destroy(mlp);
   lc.partition = NULL, lc.kind = TP_ROW_PARALLEL, lc.input_is_parallel = 0;
