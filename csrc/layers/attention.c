@@ -30,7 +30,8 @@ static tp_attention_args attn_args(tp_block_t k, int64_t B, int64_t T, int use_c
 size_t tp_block_attention_workspace(tp_block_t k, int64_t B, int64_t T, int use_cache, int need_backward) {
   if (!k->nq || !B || !T) return 0;
   tp_attention_args a = attn_args(k, B, T, use_cache);
-  a.probs = need_backward ? (float *)k : NULL; /* sizes only: whether probs are kept */
+  static float kept; /* sizes only: a non-NULL probs says that forward keeps them */
+  a.probs = need_backward ? &kept : NULL;
   size_t f = lk_attention_workspace(&k->lk, &a, 0), b = need_backward ? lk_attention_workspace(&k->lk, &a, 1) : 0;
   return f > b ? f : b;
 }

@@ -12,7 +12,9 @@
  *   not parallel); the all-reduce's conjugate is the identity.
  * Backward accumulates into grad_weight / grad_bias and needs the last forward.
  * The layers keep their collective buffers in the communicator's registered
- * memory, so their all-reduce / all-gather take the zero-copy path.
+ * memory, so their all-reduce / all-gather take the zero-copy path; on a backend
+ * without it (tp_comm_mem_alloc says TP_ERR_UNSUPPORTED, e.g. shm with
+ * TPCORE_REGISTERED_MEMORY=0) they use plain device memory instead.
  * Initialisation: W and b ~ U(-1/sqrt(in), 1/sqrt(in)) (PyTorch nn.Linear),
  * drawn per element of the full tensor from (seed, tensor, index): a layer has
  * the same logical weights at every world size and partition.
