@@ -395,6 +395,16 @@ static int run_sizes(int n, int r, const char *job) {
   tp_vocab_xent_t x2 = NULL;
   xc.device = TP_DEVICE_CUDA; /* this build has no CUDA: refused at create, naming the device */
   EXPECT(tp_vocab_xent_create(&x2, comm, &xc), TP_ERR_UNSUPPORTED, "device cuda is not available");
+  tp_linear_config_t dc = TP_LINEAR_CONFIG_INITIALIZER;
+  tp_parallel_linear_t l2 = NULL;
+  dc.in_features = dc.out_features = 4, dc.device_id = 3;
+  EXPECT(tp_parallel_linear_create(&l2, comm, &dc), TP_ERR_INVALID_ARGUMENT, "linear: device_id 3 is out of range");
+  dc.device_id = 0, dc.device = (tp_device_t)7;
+  EXPECT(tp_parallel_linear_create(&l2, comm, &dc), TP_ERR_INVALID_ARGUMENT, "not a tp_device_t");
+  tp_block_config_t bc = TP_BLOCK_CONFIG_INITIALIZER;
+  tp_block_t b2 = NULL;
+  bc.hidden = 4, bc.heads = 2, bc.head_dim = 2, bc.ffn_hidden = 4, bc.device = TP_DEVICE_CUDA;
+  EXPECT(tp_block_create(&b2, comm, &bc), TP_ERR_UNSUPPORTED, "block: device cuda");
   tp_vocab_xent_destroy(xent);
   tp_vocab_embedding_destroy(emb);
   tp_comm_destroy(comm);
