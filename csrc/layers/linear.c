@@ -1,80 +1,105 @@
 /* Column- and row-parallel linear layers: kernels (BLAS GEMMs) + collectives. */
 #include <limits.h>
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "layers_impl.h"
-#include "tpcore/kernels.h"
-#include "tpcore/layers.h"
+#include "block_impl.h"
+#include "layer_kernels.h"
+
 
 struct tp_parallel_linear {
   tp_comm_t comm;
   tp_linear_config_t cfg;
   int rank, world;
-  int64_t *part, *offs; /* split-dimension sizes and offsets, world entries */
+  tp_device_t dev;
+  int dev_id;
+  tp_lk lk;             /* the device's kernels */
+  int64_t *part, *offs; /* split-dimension sizes and offsets (world, world + 1 entries; in the handle) */
+  size_t *counts;       /* all-gather counts of the current call (world entries; in the handle) */
   int64_t off, loc;     /* this rank's slice */
   float *w, *b, *dw, *db;
   int64_t wr, wc;       /* weight shard rows x cols */
+  tp_arena_t params;    /* w, b, dw, db: one allocation */
+  tp_arena_t ws;        /* xsave and dytmp, carved per forward */
   float *xsave;         /* a copy of the last forward's input (this rank's columns), M x x_local */
   const float *xin;     /* the input backward uses: xsave, or the caller's x when borrowed */
-  int flags;            /* TP_LIN_* of the call in progress (layers_impl.h) */
   float *dytmp;         /* column backward with gather_output: this rank's columns of dy */
-  int64_t dytmp_cap;
-  /* xsave_m: rows of the last forward, -1 before the first */
-  int64_t xsave_m, xsave_cap;
+  int flags;            /* TP_LIN_* of the call in progress (layers_impl.h) */
+  int64_t xsave_m;      /* rows of the last forward, -1 before the first */
   reg_buf out_buf;      /* row: partial outputs to all-reduce; column: gathered blocks */
   reg_buf grad_buf;     /* column: dx partials to all-reduce; row: dx blocks to gather */
 };
 
-/* uniform in [-bound, bound) for element `index` of tensor `tensor` (0 weight, 1 bias) */
-static float init_value(uint64_t seed, uint64_t tensor, uint64_t index, float bound) {
-  return (float)((2.0 * tp_uniform01(seed, tensor, index) - 1.0) * bound);
-}
-
 static tp_status_t ensure_reg(tp_parallel_linear_t L, reg_buf *rb, size_t nbytes) {
-  return tp_reg_ensure(L->comm, rb, nbytes);
+  return tp_reg_ensure(L->comm, rb, nbytes, L->dev, L->dev_id);
 }
 
-static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M, int64_t cols,
-                              int64_t col0, int64_t stride) {
-  int64_t need = M * L->wc;
-  if (need == 0 || ((L->flags & TP_LIN_BORROW_INPUT) && cols == stride)) { /* nothing to keep, or x outlives the step */
+/* This forward's workspaces: the saved input (unless borrowed) and backward's dy columns. */
+static tp_status_t workspace(tp_parallel_linear_t L, int64_t M, int borrow) {
+  int col = L->cfg.kind == TP_COLUMN_PARALLEL;
+  int64_t nx = borrow ? 0 : M * L->wc, nd = col && L->cfg.gather_output && L->world > 1 ? M * L->loc : 0;
+  size_t total = 0;
+  if (!tp_arena_add_n(&total, nx, sizeof(float)) || !tp_arena_add_n(&total, nd, sizeof(float)))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: %lld rows overflow a workspace size", (long long)M);
+  TP_CHECK(tp_arena_reserve(&L->ws, total, "linear"));
+  L->xsave = tp_arena_take_n(&L->ws, nx, sizeof(float));
+  L->dytmp = tp_arena_take_n(&L->ws, nd, sizeof(float));
+  return TP_SUCCESS;
+}
+
+static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M, int64_t cols, int64_t col0,
+                              int64_t stride, tp_stream_t stream) {
+  int borrow = M * L->wc == 0 || ((L->flags & TP_LIN_BORROW_INPUT) && cols == stride);
+  TP_CHECK(workspace(L, M, borrow));
+  if (borrow) { /* nothing to keep, or x outlives the step */
     L->xin = x;
     L->xsave_m = M;
     return TP_SUCCESS;
   }
-  if (need > L->xsave_cap) {
-    float *p = realloc(L->xsave, (size_t)(need ? need : 1) * sizeof(float));
-    if (!p) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory saving the input (%lld floats)", (long long)need);
-    L->xsave = p;
-    L->xsave_cap = need;
-  }
-  if (cols == stride)
-    memcpy(L->xsave, x, (size_t)need * sizeof(float));
-  else
-    for (int64_t m = 0; m < M; m++) memcpy(L->xsave + m * cols, x + m * stride + col0, (size_t)cols * sizeof(float));
+  TP_CHECK(lk_copy_rows(&L->lk, L->xsave, cols, x + col0, stride, M, cols, stream));
   L->xin = L->xsave;
   L->xsave_m = M;
   return TP_SUCCESS;
+}
+
+/* Zeroed gradients; W and b ~ U(-1/sqrt(in), 1/sqrt(in)) from (seed, tensor id, index of the
+ * full tensor), drawn on the device in runs of consecutive full-tensor elements. */
+static tp_status_t init_params(tp_parallel_linear_t L, uint64_t weight_id, uint64_t bias_id) {
+  int col = L->cfg.kind == TP_COLUMN_PARALLEL, g = L->cfg.gated ? 2 : 1;
+  int64_t K = L->cfg.in_features, N = L->cfg.out_features;
+  uint64_t seed = L->cfg.seed;
+  float bound = 1.0f / sqrtf((float)K);
+  TP_CHECK(lk_zero(&L->lk, L->params.base, L->params.cap, NULL));
+  if (col) { /* whole rows: the gate rows [off, off + loc), then (gated) the up rows from N + off */
+    for (int h = 0; h < g; h++) {
+      int64_t frow = h * N + L->off;
+      TP_CHECK(lk_init_uniform(&L->lk, L->w + h * L->loc * K, L->loc * K, seed, weight_id, (uint64_t)(frow * K), bound,
+                               NULL));
+      if (L->b) TP_CHECK(lk_init_uniform(&L->lk, L->b + h * L->loc, L->loc, seed, bias_id, (uint64_t)frow, bound, NULL));
+    }
+  } else { /* columns [off, off + loc) of every row */
+    for (int64_t i = 0; i < N; i++)
+      TP_CHECK(lk_init_uniform(&L->lk, L->w + i * L->loc, L->loc, seed, weight_id, (uint64_t)(i * K + L->off), bound,
+                               NULL));
+    if (L->b) TP_CHECK(lk_init_uniform(&L->lk, L->b, N, seed, bias_id, 0, bound, NULL));
+  }
+  return tp_device_sync(L->dev, L->dev_id, NULL);
 }
 
 void tp_parallel_linear_destroy(tp_parallel_linear_t L) {
   if (!L) return;
   tp_reg_release(&L->out_buf);
   tp_reg_release(&L->grad_buf);
-  free(L->part);
-  free(L->offs);
-  free(L->w);
-  free(L->b);
-  free(L->dw);
-  free(L->db);
-  free(L->xsave);
-  free(L->dytmp);
-  free(L);
+  tp_arena_release(&L->params);
+  tp_arena_release(&L->ws);
+  tp_host_free(L);
 }
 
 tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm, const tp_linear_config_t *cfg) {
+  return tp_parallel_linear_create_ids(out, comm, cfg, 0, 1);
+}
+
+tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t comm, const tp_linear_config_t *cfg,
+                                          uint64_t weight_id, uint64_t bias_id) {
   if (!out || !comm || !cfg) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: NULL argument");
   *out = NULL;
   if (cfg->size != sizeof(tp_linear_config_t))
@@ -84,44 +109,35 @@ tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
                         (long long)cfg->in_features, (long long)cfg->out_features);
   if (cfg->kind != TP_COLUMN_PARALLEL && cfg->kind != TP_ROW_PARALLEL)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: kind must be column or row parallel");
-  tp_parallel_linear_t L = calloc(1, sizeof *L);
-  if (!L) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
+  TP_CHECK(tp_layer_device("linear", cfg->device, cfg->device_id));
+  int rank, n;
+  tp_comm_rank(comm, &rank);
+  tp_comm_size(comm, &n);
+  /* the handle and its per-rank arrays: one host allocation */
+  size_t hbytes = sizeof(struct tp_parallel_linear) + (size_t)(2 * n + 1) * sizeof(int64_t) + (size_t)n * sizeof(size_t);
+  tp_parallel_linear_t L;
+  TP_CHECK(tp_host_zalloc(hbytes, (void **)&L, "linear"));
+  L->part = (int64_t *)(L + 1);
+  L->offs = L->part + n;
+  L->counts = (size_t *)(L->offs + n + 1);
   L->comm = comm;
   L->xsave_m = -1;
   L->cfg = *cfg;
   L->cfg.partition = NULL;
-  tp_comm_rank(comm, &L->rank);
-  tp_comm_size(comm, &L->world);
-  int n = L->world;
+  L->rank = rank;
+  L->world = n;
+  L->dev = cfg->device;
+  L->dev_id = cfg->device_id;
+  tp_arena_init(&L->params, L->dev, L->dev_id);
+  tp_arena_init(&L->ws, L->dev, L->dev_id);
   int col = cfg->kind == TP_COLUMN_PARALLEL;
   int64_t dim = col ? cfg->out_features : cfg->in_features;
-  L->part = calloc((size_t)n, sizeof(int64_t));
-  L->offs = calloc((size_t)n + 1, sizeof(int64_t));
-  if (!L->part || !L->offs) {
+  tp_status_t st = tp_lk_init(&L->lk, "linear", L->dev, L->dev_id);
+  if (st == TP_SUCCESS) st = tp_partition_sizes(dim, n, cfg->partition, L->part, L->offs, "linear: partition",
+                                      col ? "the split dimension (out_features)" : "the split dimension (in_features)");
+  if (st != TP_SUCCESS) {
     tp_parallel_linear_destroy(L);
-    return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
-  }
-  int64_t sum = 0;
-  for (int p = 0; p < n; p++) {
-    int64_t v = cfg->partition ? cfg->partition[p] : dim / n + (p < dim % n);
-    if (v < 0) {
-      tp_parallel_linear_destroy(L);
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: partition[%d] is negative (%lld)", p, (long long)v);
-    }
-    L->part[p] = v;
-    L->offs[p] = sum;
-    if (!tp_add_count(sum, v, &sum)) {
-      tp_parallel_linear_destroy(L);
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: the partition sums past 2^63 - 1 (partition[%d] = %lld)",
-                          p, (long long)v);
-    }
-  }
-  L->offs[n] = sum;
-  if (sum != dim) {
-    tp_parallel_linear_destroy(L);
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "linear: the partition sums to %lld but the split dimension (%s_features) is %lld",
-                        (long long)sum, col ? "out" : "in", (long long)dim);
+    return st;
   }
   L->off = L->offs[L->rank];
   L->loc = L->part[L->rank];
@@ -141,37 +157,31 @@ tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
   L->wr = col ? g * L->loc : N;
   L->wc = col ? K : L->loc;
   int64_t blen = cfg->bias ? (col ? g * L->loc : N) : 0;
-  int64_t wn64;
-  if (!tp_numel2(L->wr, L->wc, &wn64)) { /* the message first: it reads the layer's fields */
+  int64_t wn;
+  if (!tp_numel2(L->wr, L->wc, &wn)) { /* the message first: it reads the layer's fields */
     tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: a weight shard of %lld x %lld (in_features %lld, out_features "
                  "%lld) is too large: at most 2^40 elements per shard", (long long)L->wr, (long long)L->wc,
                  (long long)K, (long long)N);
     tp_parallel_linear_destroy(L);
     return TP_ERR_INVALID_ARGUMENT;
   }
-  size_t wn = (size_t)wn64;
-  L->w = malloc((wn ? wn : 1) * sizeof(float));
-  L->dw = calloc(wn ? wn : 1, sizeof(float));
-  if (cfg->bias) {
-    L->b = malloc((size_t)(blen ? blen : 1) * sizeof(float));
-    L->db = calloc((size_t)(blen ? blen : 1), sizeof(float));
+  /* w, dw, b, db: one allocation (sizes bounded by 2^40 elements above) */
+  size_t total = 0;
+  tp_arena_add_n(&total, wn, sizeof(float));
+  tp_arena_add_n(&total, wn, sizeof(float));
+  tp_arena_add_n(&total, blen, sizeof(float));
+  tp_arena_add_n(&total, blen, sizeof(float));
+  st = tp_arena_reserve(&L->params, total, "linear: parameters");
+  if (st == TP_SUCCESS) {
+    L->w = tp_arena_take_n(&L->params, wn, sizeof(float));
+    L->dw = tp_arena_take_n(&L->params, wn, sizeof(float));
+    L->b = cfg->bias ? tp_arena_take_n(&L->params, blen, sizeof(float)) : NULL;
+    L->db = cfg->bias ? tp_arena_take_n(&L->params, blen, sizeof(float)) : NULL;
+    st = init_params(L, weight_id, bias_id);
   }
-  if (!L->w || !L->dw || (cfg->bias && (!L->b || !L->db))) {
+  if (st != TP_SUCCESS) {
     tp_parallel_linear_destroy(L);
-    return tp_set_error(TP_ERR_NOMEM, "linear: out of memory for the weight shard (%zu floats)", wn);
-  }
-  float bound = 1.0f / sqrtf((float)K);
-  for (int64_t i = 0; i < L->wr; i++) {
-    /* row of the full weight: gated shards hold gate rows then up rows (up starts at N) */
-    int64_t frow = !col ? i : i < L->loc ? L->off + i : N + L->off + (i - L->loc);
-    for (int64_t j = 0; j < L->wc; j++) {
-      uint64_t full = col ? (uint64_t)(frow * K + j) : (uint64_t)(i * K + L->off + j);
-      L->w[i * L->wc + j] = init_value(cfg->seed, 0, full, bound);
-    }
-  }
-  for (int64_t i = 0; i < blen; i++) {
-    int64_t frow = !col ? i : i < L->loc ? L->off + i : N + L->off + (i - L->loc);
-    L->b[i] = init_value(cfg->seed, 1, (uint64_t)frow, bound);
+    return st;
   }
   *out = L;
   return TP_SUCCESS;
@@ -194,26 +204,15 @@ tp_status_t tp_parallel_linear_info(tp_parallel_linear_t L, tp_linear_info_t *in
   return TP_SUCCESS;
 }
 
-/* out[M, total] from rank-major blocks blk[p] = [M, part[p]] (the all-gather layout). */
-static void blocks_to_columns(float *out, const float *blocks, const int64_t *part, const int64_t *offs, int n,
-                              int64_t M, int64_t total) {
-  for (int p = 0; p < n; p++) {
-    const float *src = blocks + offs[p] * M;
-    for (int64_t m = 0; m < M; m++)
-      memcpy(out + m * total + offs[p], src + m * part[p], (size_t)part[p] * sizeof(float));
-  }
-}
-
 /* The registered buffer g holds this rank's [M, local] block at its rank-major place:
- * all-gather the blocks in place (zero-copy), then lay them out as out[M, total]. */
-static tp_status_t gather_columns(tp_parallel_linear_t L, float *out, float *g, int64_t M, int64_t total) {
-  size_t *counts = malloc(sizeof(size_t) * (size_t)L->world);
-  if (!counts) return tp_set_error(TP_ERR_NOMEM, "linear: out of memory");
-  for (int p = 0; p < L->world; p++) counts[p] = (size_t)(L->part[p] * M);
-  tp_status_t st = tp_all_gather_v(g + L->off * M, g, counts, TP_FLOAT32, L->comm, NULL);
-  free(counts);
-  TP_CHECK(st);
-  blocks_to_columns(out, g, L->part, L->offs, L->world, M, total);
+ * all-gather the blocks in place (zero-copy), then lay them out as out[M, total]
+ * (block p = [M, part[p]] goes to columns [offs[p], offs[p] + part[p]): one 2-D copy each). */
+static tp_status_t gather_columns(tp_parallel_linear_t L, float *out, float *g, int64_t M, int64_t total,
+                                  tp_stream_t stream) {
+  for (int p = 0; p < L->world; p++) L->counts[p] = (size_t)(L->part[p] * M);
+  TP_CHECK(tp_layer_all_gather_v(g + L->off * M, g, L->counts, L->comm, stream));
+  for (int p = 0; p < L->world; p++)
+    TP_CHECK(lk_copy_rows(&L->lk, out + L->offs[p], total, g + L->offs[p] * M, L->part[p], M, L->part[p], stream));
   return TP_SUCCESS;
 }
 
@@ -232,75 +231,77 @@ static tp_status_t fail_local(tp_parallel_linear_t L, tp_status_t st) {
   return st;
 }
 
-static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x, int64_t M);
-static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M);
+static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x, int64_t M, tp_stream_t stream);
+static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M, tp_stream_t stream);
 
-tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, float *y, const float *x, int64_t M) {
-  if (!L || (M && (!x || !y))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear forward: NULL argument");
+tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, const tp_tensor *y, const tp_tensor *x,
+                                       tp_stream_t stream) {
+  if (!L || !x || !y) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear forward: NULL argument");
+  tp_linear_info_t i;
+  tp_parallel_linear_info(L, &i);
+  int64_t M = 0;
+  TP_CHECK(tp_check_matrix("linear forward", "x", x, TP_FLOAT32, -1, i.x_cols, L->dev, L->dev_id, &M));
   TP_CHECK(check_rows(L, M, "forward"));
-  return fail_local(L, forward_impl(L, y, x, M));
+  TP_CHECK(tp_check_matrix("linear forward", "y", y, TP_FLOAT32, M, i.y_cols, L->dev, L->dev_id, NULL));
+  return fail_local(L, forward_impl(L, y->data, x->data, M, stream));
 }
 
-tp_status_t tp_parallel_linear_forward_ex(tp_parallel_linear_t L, float *y, const float *x, int64_t M, int flags) {
-  L->flags = flags;
-  tp_status_t st = tp_parallel_linear_forward(L, y, x, M);
-  L->flags = 0;
-  return st;
-}
-
-tp_status_t tp_parallel_linear_backward_ex(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M, int flags) {
-  L->flags = flags;
-  tp_status_t st = tp_parallel_linear_backward(L, dx, dy, M);
-  L->flags = 0;
-  return st;
-}
-
-tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M) {
-  if (!L || (M && (!dy || !dx))) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: NULL argument");
+tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, const tp_tensor *dx, const tp_tensor *dy,
+                                        tp_stream_t stream) {
+  if (!L || !dx || !dy) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: NULL argument");
+  tp_linear_info_t i;
+  tp_parallel_linear_info(L, &i);
+  int64_t M = 0;
+  TP_CHECK(tp_check_matrix("linear backward", "dy", dy, TP_FLOAT32, -1, i.y_cols, L->dev, L->dev_id, &M));
   TP_CHECK(check_rows(L, M, "backward"));
-  return fail_local(L, backward_impl(L, dx, dy, M));
+  TP_CHECK(tp_check_matrix("linear backward", "dx", dx, TP_FLOAT32, M, i.x_cols, L->dev, L->dev_id, NULL));
+  return fail_local(L, backward_impl(L, dx->data, dy->data, M, stream));
 }
 
-static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x, int64_t M) {
+tp_status_t tp_parallel_linear_forward_ex(tp_parallel_linear_t L, float *y, const float *x, int64_t M, int flags,
+                                          tp_stream_t stream) {
+  TP_CHECK(check_rows(L, M, "forward"));
+  L->flags = flags;
+  tp_status_t st = fail_local(L, forward_impl(L, y, x, M, stream));
+  L->flags = 0;
+  return st;
+}
+
+tp_status_t tp_parallel_linear_backward_ex(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M, int flags,
+                                           tp_stream_t stream) {
+  TP_CHECK(check_rows(L, M, "backward"));
+  L->flags = flags;
+  tp_status_t st = fail_local(L, backward_impl(L, dx, dy, M, stream));
+  L->flags = 0;
+  return st;
+}
+
+static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x, int64_t M, tp_stream_t stream) {
   L->xsave_m = -1; /* set again once this forward's input is kept (copied or borrowed) */
   int64_t K = L->cfg.in_features, N = L->cfg.out_features;
   const float *b = (L->flags & TP_LIN_SKIP_BIAS) ? NULL : L->b;
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
-    TP_CHECK(save_input(L, x, M, K, 0, K));
-    if (!L->cfg.gather_output || L->world == 1) {
-      tp_legacy_linear_forward(y, x, L->w, b, M, K, L->wr);
-      return TP_SUCCESS;
-    }
+    TP_CHECK(save_input(L, x, M, K, 0, K, stream));
+    if (!L->cfg.gather_output || L->world == 1) return lk_linear_forward(&L->lk, y, x, L->w, b, M, K, L->wr, stream);
     /* GEMM straight into my block of the registered gather buffer: the all-gather is in place. */
     TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
     float *g = L->out_buf.ptr;
-    tp_legacy_linear_forward(g + L->off * M, x, L->w, b, M, K, L->loc);
-    return gather_columns(L, y, g, M, N);
+    TP_CHECK(lk_linear_forward(&L->lk, g + L->off * M, x, L->w, b, M, K, L->loc, stream));
+    return gather_columns(L, y, g, M, N, stream);
   }
   /* Row parallel. */
   int64_t xcols = L->cfg.input_is_parallel ? L->loc : K;
-  TP_CHECK(save_input(L, x, M, L->loc, L->cfg.input_is_parallel ? 0 : L->off, xcols));
-  if (L->world == 1) {
-    tp_legacy_linear_forward(y, L->xin, L->w, b, M, L->loc, N);
-    return TP_SUCCESS;
-  }
+  TP_CHECK(save_input(L, x, M, L->loc, L->cfg.input_is_parallel ? 0 : L->off, xcols, stream));
+  if (L->world == 1) return lk_linear_forward(&L->lk, y, L->xin, L->w, b, M, L->loc, N, stream);
   TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
   float *r = L->out_buf.ptr;
-  tp_legacy_linear_forward(r, L->xin, L->w, NULL, M, L->loc, N);
-  TP_CHECK(tp_all_reduce(r, r, (size_t)(M * N), TP_FLOAT32, TP_SUM, L->comm, NULL));
-  if (b) {
-    for (int64_t m = 0; m < M; m++) {
-      const float *src = r + m * N;
-      float *dst = y + m * N;
-      for (int64_t j = 0; j < N; j++) dst[j] = src[j] + b[j];
-    }
-  } else {
-    TP_COPY(y, r, (size_t)(M * N) * sizeof(float));
-  }
-  return TP_SUCCESS;
+  TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, L->w, NULL, M, L->loc, N, stream));
+  TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, stream));
+  /* y = r + b (the bias once, after the reduce), or a copy of r */
+  return lk_add_bias_rows(&L->lk, y, r, b, M, N, stream);
 }
 
-static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M) {
+static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M, tp_stream_t stream) {
   if (L->xsave_m < 0)
     return tp_set_error(TP_ERR_INVALID_USAGE, "linear backward: called before forward");
   if (M != L->xsave_m)
@@ -311,28 +312,41 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
     const float *dyr = dy;
     if (L->cfg.gather_output && L->world > 1) { /* my columns of the full dy */
-      TP_CHECK(tp_grow((void **)&L->dytmp, &L->dytmp_cap, M * L->loc, sizeof(float), "linear backward"));
-      for (int64_t m = 0; m < M; m++) memcpy(L->dytmp + m * L->loc, dy + m * N + L->off, (size_t)L->loc * sizeof(float));
+      TP_CHECK(lk_copy_rows(&L->lk, L->dytmp, L->loc, dy + L->off, N, M, L->loc, stream));
       dyr = L->dytmp;
     }
-    if (L->world == 1) {
-      tp_legacy_linear_backward(dx, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, 0);
-      return TP_SUCCESS;
-    }
+    if (L->world == 1) return lk_linear_backward(&L->lk, dx, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, stream);
     TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
     float *d = L->grad_buf.ptr;
-    tp_legacy_linear_backward(d, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, 0);
-    TP_CHECK(tp_all_reduce(d, d, (size_t)(M * K), TP_FLOAT32, TP_SUM, L->comm, NULL));
-    TP_COPY(dx, d, (size_t)(M * K) * sizeof(float));
-    return TP_SUCCESS;
+    TP_CHECK(lk_linear_backward(&L->lk, d, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, stream));
+    TP_CHECK(tp_layer_all_reduce(d, (size_t)(M * K), TP_SUM, L->comm, stream));
+    return lk_copy(&L->lk, dx, d, (size_t)(M * K) * sizeof(float), stream);
   }
   /* Row parallel: dy is the full gradient on every rank. */
-  if (L->cfg.input_is_parallel || L->world == 1) {
-    tp_legacy_linear_backward(dx, L->dw, db, dy, L->xin, L->w, M, L->loc, N, 0);
-    return TP_SUCCESS;
-  }
+  if (L->cfg.input_is_parallel || L->world == 1)
+    return lk_linear_backward(&L->lk, dx, L->dw, db, dy, L->xin, L->w, M, L->loc, N, stream);
   TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
   float *g = L->grad_buf.ptr;
-  tp_legacy_linear_backward(g + L->off * M, L->dw, db, dy, L->xin, L->w, M, L->loc, N, 0);
-  return gather_columns(L, dx, g, M, K);
+  TP_CHECK(lk_linear_backward(&L->lk, g + L->off * M, L->dw, db, dy, L->xin, L->w, M, L->loc, N, stream));
+  return gather_columns(L, dx, g, M, K, stream);
+}
+
+tp_status_t tp_parallel_linear_forward_inbuf(tp_parallel_linear_t L, float **y, const float *x, int64_t M, int flags,
+                                             tp_stream_t stream) {
+  TP_CHECK(check_rows(L, M, "forward"));
+  if (L->cfg.kind != TP_ROW_PARALLEL || !L->cfg.input_is_parallel)
+    return tp_set_error(TP_ERR_INTERNAL, "linear: an in-buffer forward needs a row-parallel layer with a parallel input");
+  L->flags = flags;
+  L->xsave_m = -1;
+  int64_t N = L->cfg.out_features;
+  tp_status_t st = save_input(L, x, M, L->loc, 0, L->loc, stream);
+  if (st == TP_SUCCESS) st = ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float));
+  L->flags = 0;
+  TP_CHECK(fail_local(L, st));
+  float *r = L->out_buf.ptr;
+  TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, L->w, NULL, M, L->loc, N, stream));
+  if (L->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, stream));
+  if (L->b) TP_CHECK(lk_add_bias_rows(&L->lk, r, r, L->b, M, N, stream)); /* in place, once, after the reduce */
+  *y = r;
+  return TP_SUCCESS;
 }

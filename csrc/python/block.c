@@ -119,7 +119,8 @@ static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
   const float *xp = PyArray_DATA((PyArrayObject *)x);
   float *yp = PyArray_DATA((PyArrayObject *)y);
   tp_status_t s;
-  COMM_CALL(self->comm, s, ((void)c_, tp_block_forward(self->K, yp, xp, &bt)));
+  tp_tensor tx = tp_tensor_2d((void *)xp, TP_FLOAT32, M, self->C), ty = tp_tensor_2d(yp, TP_FLOAT32, M, self->C);
+  COMM_CALL(self->comm, s, ((void)c_, tp_block_forward(self->K, &ty, &tx, &bt, NULL)));
   if (s != TP_SUCCESS) {
     Py_DECREF(y);
     if (s == TP_ERR_INVALID_USAGE) {
@@ -143,7 +144,8 @@ static PyObject *blk_backward(PyObject *o, PyObject *args) {
   const float *dp = PyArray_DATA((PyArrayObject *)dy);
   float *xp = PyArray_DATA((PyArrayObject *)dx);
   tp_status_t s;
-  COMM_CALL(self->comm, s, ((void)c_, tp_block_backward(self->K, xp, dp, M)));
+  tp_tensor tdy = tp_tensor_2d((void *)dp, TP_FLOAT32, M, self->C), tdx = tp_tensor_2d(xp, TP_FLOAT32, M, self->C);
+  COMM_CALL(self->comm, s, ((void)c_, tp_block_backward(self->K, &tdx, &tdy, NULL)));
   if (s != TP_SUCCESS) {
     Py_DECREF(dx);
     return layer_error(self->comm, s, "block backward", 1);

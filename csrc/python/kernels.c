@@ -5,7 +5,6 @@
  * optimizer steps adamw_step and sgd_step (in place).  Each checks its arrays
  * and runs the kernel with the GIL released.
  */
-#define TPCORE_NO_LEGACY_KERNELS 1
 #include "ext.h"
 
 #define F32 TP_FLOAT32

@@ -85,10 +85,11 @@ static PyObject *lin_run(PyObject *o, PyObject *x, PyObject *out, int backward) 
   float *yp = PyArray_DATA((PyArrayObject *)y);
   tp_status_t s;
   CommObject *co = self->comm;
+  tp_tensor tx = tp_tensor_2d((void *)xp, TP_FLOAT32, M, in_cols), ty = tp_tensor_2d(yp, TP_FLOAT32, M, out_cols);
   if (backward)
-    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_backward(self->L, yp, xp, M)));
+    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_backward(self->L, &ty, &tx, NULL)));
   else
-    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_forward(self->L, yp, xp, M)));
+    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_forward(self->L, &ty, &tx, NULL)));
   if (s != TP_SUCCESS) {
     Py_DECREF(y);
     return layer_error(co, s, op, backward);

@@ -73,10 +73,11 @@ static PyObject *mlp_call(PyObject *o, PyObject *args, int backward) {
   float *yp = PyArray_DATA((PyArrayObject *)y);
   tp_status_t s;
   CommObject *co = self->comm;
+  tp_tensor tx = tp_tensor_2d((void *)xp, TP_FLOAT32, M, self->hidden), ty = tp_tensor_2d(yp, TP_FLOAT32, M, self->hidden);
   if (backward)
-    COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_backward(self->M, yp, xp, M)));
+    COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_backward(self->M, &ty, &tx, NULL)));
   else
-    COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_forward(self->M, yp, xp, M)));
+    COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_forward(self->M, &ty, &tx, NULL)));
   if (s != TP_SUCCESS) {
     Py_DECREF(y);
     return layer_error(co, s, op, backward);

@@ -70,7 +70,8 @@ static PyObject *emb_forward(PyObject *o, PyObject *args) {
   const int64_t *tp = PyArray_DATA((PyArrayObject *)to);
   float *yp = PyArray_DATA((PyArrayObject *)y);
   tp_status_t s;
-  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_embedding_forward(self->E, yp, tp, M)));
+  tp_tensor ty = tp_tensor_2d(yp, TP_FLOAT32, M, self->info.dim), tt = tp_tensor_1d((void *)tp, TP_INT64, M);
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_embedding_forward(self->E, &ty, &tt, NULL)));
   if (s != TP_SUCCESS) {
     Py_DECREF(y);
     return layer_error(self->comm, s, "embedding forward", 0);
@@ -85,7 +86,8 @@ static PyObject *emb_backward(PyObject *o, PyObject *dy) {
   if (matrix_arg(dy, "embedding backward", "dy", self->info.dim, &M) < 0) return NULL;
   const float *dp = PyArray_DATA((PyArrayObject *)dy);
   tp_status_t s;
-  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_embedding_backward(self->E, dp, M)));
+  tp_tensor td = tp_tensor_2d((void *)dp, TP_FLOAT32, M, self->info.dim);
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_embedding_backward(self->E, &td, NULL)));
   if (s != TP_SUCCESS) return layer_error(self->comm, s, "embedding backward", 1);
   Py_RETURN_NONE;
 }
@@ -149,7 +151,7 @@ static PyObject *xent_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   if (!co) return NULL;
   XentObject *self = (XentObject *)type->tp_alloc(type, 0);
   if (!self) return NULL;
-  tp_status_t s = tp_vocab_xent_create(&self->X, co->comm);
+  tp_status_t s = tp_vocab_xent_create(&self->X, co->comm, NULL);
   if (!layer_made((PyObject *)self, &self->comm, co, s, st, "VocabParallelCrossEntropy")) return NULL;
   return (PyObject *)self;
 }
@@ -191,7 +193,9 @@ static PyObject *xent_forward(PyObject *o, PyObject *args) {
   const int64_t *tp = PyArray_DATA((PyArrayObject *)to);
   int64_t valid = 0, vocab = 0;
   tp_status_t s;
-  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_forward(self->X, lp, xp, tp, M, V, off, ignore, &valid, &vocab)));
+  tp_tensor tl = tp_tensor_1d(lp, TP_FLOAT32, M), tx = tp_tensor_2d((void *)xp, TP_FLOAT32, M, V),
+            tt = tp_tensor_1d((void *)tp, TP_INT64, M);
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_forward(self->X, &tl, &tx, &tt, off, ignore, &valid, &vocab, NULL)));
   Py_CLEAR(self->logits);
   if (s != TP_SUCCESS) {
     Py_DECREF(losses);
@@ -230,7 +234,8 @@ static PyObject *xent_backward(PyObject *o, PyObject *args) {
   if (!d) return NULL;
   float *dp = PyArray_DATA((PyArrayObject *)d);
   tp_status_t s;
-  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_backward(self->X, dp, dl, scale)));
+  tp_tensor td = tp_tensor_2d(dp, TP_FLOAT32, self->M, self->V), tl = tp_tensor_1d((void *)dl, TP_FLOAT32, self->M);
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_backward(self->X, &td, dl ? &tl : NULL, scale, NULL)));
   if (s != TP_SUCCESS) {
     Py_DECREF(d);
     return layer_error(self->comm, s, "cross-entropy backward", 1);

@@ -20,7 +20,42 @@
 
 #include "tpcore/layers.h"
 
+/* tensor views of test arrays (host, C-contiguous) */
+#define F2(p, r, c) ((tp_tensor[]){tp_tensor_2d((void *)(p), TP_FLOAT32, (r), (c))})
+#define F1(p, n) ((tp_tensor[]){tp_tensor_1d((void *)(p), TP_FLOAT32, (n))})
+#define I1(p, n) ((tp_tensor[]){tp_tensor_1d((void *)(p), TP_INT64, (n))})
+
 enum { H = 7, F = 11, R = 5 };
+
+/* The registered-memory fallback (issue 9): with TPCORE_REGISTERED_MEMORY=0 the backend
+ * declines tp_comm_mem_alloc (TP_ERR_UNSUPPORTED) and the layers must go on in plain
+ * device memory with the same numbers.  With TPCORE_SHM_SMALL=0
+ * (no eager path for small messages) each rank then checks that no collective took the
+ * zero-copy path (plain memory was used), and a registered run that some did. */
+static int plain_mode, check_zero_copy;
+
+static void enter_mode(tp_comm_t comm) {
+  if (!plain_mode) return;
+  void *p;
+  tp_mem_t h;
+  tp_status_t st = tp_comm_mem_alloc(comm, 64, &p, &h);
+  if (st == TP_SUCCESS) { /* the backend must decline in this mode */
+    tp_mem_release(h);
+    fprintf(stderr, "plain mode: tp_comm_mem_alloc succeeded with TPCORE_REGISTERED_MEMORY=0\n");
+    exit(1);
+  }
+}
+
+static int check_mode(tp_comm_t comm, int n) {
+  tp_comm_stats_t s;
+  if (n < 2 || !check_zero_copy || tp_comm_get_stats(comm, &s) != TP_SUCCESS) return 0;
+  if (plain_mode ? s.zero_copy != 0 : s.zero_copy == 0) {
+    fprintf(stderr, "%s mode: %llu zero-copy collectives\n", plain_mode ? "plain" : "registered",
+            (unsigned long long)s.zero_copy);
+    return 1;
+  }
+  return 0;
+}
 
 static double w1(int i, int j) { return sin(0.37 * i + 0.11 * j + 0.5) * 0.4; }  /* W1 [F][H] */
 static double b1(int i) { return cos(0.7 * i) * 0.3; }
@@ -37,6 +72,7 @@ static int run_rank(int n, int r, const char *job) {
   cc.timeout_s = 30;
   tp_comm_t comm;
   if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  enter_mode(comm);
   tp_mlp_config_t cfg = TP_MLP_CONFIG_INITIALIZER;
   cfg.hidden = H;
   cfg.ffn_hidden = F;
@@ -59,7 +95,8 @@ static int run_rank(int n, int r, const char *job) {
     for (int j = 0; j < H; j++) x[m * H + j] = (float)xin(m, j), dy[m * H + j] = (float)dyv(m, j);
   int bad = 0;
   for (int step = 0; step < 2; step++) { /* the second step reuses the workspaces */
-    if (tp_parallel_mlp_forward(mlp, y, x, R) != TP_SUCCESS || tp_parallel_mlp_backward(mlp, dx, dy, R) != TP_SUCCESS)
+    if (tp_parallel_mlp_forward(mlp, F2(y, R, H), F2(x, R, H), NULL) != TP_SUCCESS ||
+        tp_parallel_mlp_backward(mlp, F2(dx, R, H), F2(dy, R, H), NULL) != TP_SUCCESS)
       return fprintf(stderr, "step: %s\n", tp_last_error()), 1;
     for (int m = 0; m < R; m++) {
       double h[F], a[F], da[F];
@@ -78,6 +115,7 @@ static int run_rank(int n, int r, const char *job) {
       }
     }
   }
+  bad += check_mode(comm, n);
   tp_parallel_mlp_destroy(mlp);
   tp_comm_destroy(comm);
   if (bad) fprintf(stderr, "rank %d of %d: %d values off\n", r, n, bad);
@@ -98,6 +136,7 @@ static int run_vocab(int n, int r, const char *job) {
   cc.timeout_s = 30;
   tp_comm_t comm;
   if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  enter_mode(comm);
   int64_t part[3] = {0, 0, 0}, lo = 0;
   for (int p = 0; p < n; p++) part[p] = p == n - 1 ? VOC - (n - 1) * 3 : 3; /* 13 = 3 + 3 + 7 at world 3 */
   for (int p = 0; p < r; p++) lo += part[p];
@@ -107,7 +146,7 @@ static int run_vocab(int n, int r, const char *job) {
   ec.partition = part;
   tp_vocab_embedding_t emb;
   tp_vocab_xent_t xent;
-  if (tp_vocab_embedding_create(&emb, comm, &ec) != TP_SUCCESS || tp_vocab_xent_create(&xent, comm) != TP_SUCCESS)
+  if (tp_vocab_embedding_create(&emb, comm, &ec) != TP_SUCCESS || tp_vocab_xent_create(&xent, comm, NULL) != TP_SUCCESS)
     return fprintf(stderr, "create: %s\n", tp_last_error()), 1;
   tp_embedding_info_t ei;
   tp_vocab_embedding_info(emb, &ei);
@@ -115,13 +154,13 @@ static int run_vocab(int n, int r, const char *job) {
   for (int v = 0; v < ei.local; v++)
     for (int c = 0; c < DIM; c++) ei.weight[v * DIM + c] = (float)tab((int)lo + v, c);
   float y[T * DIM], dy[T * DIM];
-  if (tp_vocab_embedding_forward(emb, y, tokens, T) != TP_SUCCESS) return fprintf(stderr, "emb: %s\n", tp_last_error()), 1;
+  if (tp_vocab_embedding_forward(emb, F2(y, T, DIM), I1(tokens, T), NULL) != TP_SUCCESS) return fprintf(stderr, "emb: %s\n", tp_last_error()), 1;
   for (int m = 0; m < T; m++)
     for (int c = 0; c < DIM; c++) {
       bad += y[m * DIM + c] != (float)tab((int)tokens[m], c); /* a lookup is exact */
       dy[m * DIM + c] = (float)(0.1 * m - 0.2 * c);
     }
-  if (tp_vocab_embedding_backward(emb, dy, T) != TP_SUCCESS) return fprintf(stderr, "emb bwd: %s\n", tp_last_error()), 1;
+  if (tp_vocab_embedding_backward(emb, F2(dy, T, DIM), NULL) != TP_SUCCESS) return fprintf(stderr, "emb bwd: %s\n", tp_last_error()), 1;
   for (int v = 0; v < ei.local; v++)
     for (int c = 0; c < DIM; c++) {
       double g = 0;
@@ -134,8 +173,9 @@ static int run_vocab(int n, int r, const char *job) {
   for (int m = 0; m < T; m++)
     for (int v = 0; v < V; v++) lg[m * V + v] = (float)logit(m, (int)lo + v);
   int64_t valid = 0, vocab = 0;
-  if (tp_vocab_xent_forward(xent, losses, lg, targets, T, V, -1, IGNORE, &valid, &vocab) != TP_SUCCESS ||
-      tp_vocab_xent_backward(xent, dl, NULL, 0.5f) != TP_SUCCESS)
+  if (tp_vocab_xent_forward(xent, F1(losses, T), F2(lg, T, V), I1(targets, T), -1, IGNORE, &valid, &vocab, NULL) !=
+          TP_SUCCESS ||
+      tp_vocab_xent_backward(xent, F2(dl, T, V), NULL, 0.5f, NULL) != TP_SUCCESS)
     return fprintf(stderr, "xent: %s\n", tp_last_error()), 1;
   bad += valid != T - 1 || vocab != VOC;
   for (int m = 0; m < T; m++) {
@@ -152,6 +192,7 @@ static int run_vocab(int n, int r, const char *job) {
   }
   free(lg);
   free(dl);
+  bad += check_mode(comm, n);
   tp_vocab_xent_destroy(xent);
   tp_vocab_embedding_destroy(emb);
   tp_comm_destroy(comm);
@@ -172,6 +213,7 @@ static int run_block(int n, int r, const char *job) {
   cc.timeout_s = 30;
   tp_comm_t comm;
   if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  enter_mode(comm);
   tp_block_config_t cfg = TP_BLOCK_CONFIG_INITIALIZER;
   cfg.hidden = BC, cfg.heads = BH, cfg.kv_heads = BKV, cfg.head_dim = BD, cfg.ffn_hidden = BF;
   cfg.norm = TP_NORM_RMS, cfg.activation = TP_ACT_SWIGLU, cfg.bias = 0, cfg.rope_theta = 100.0f, cfg.seed = 3;
@@ -181,8 +223,9 @@ static int run_block(int n, int r, const char *job) {
   float x[NX], y[NX], dy[NX], dx[NX], xs[BB * BC], ys[BB * BC];
   for (int i = 0; i < NX; i++) x[i] = (float)sin(0.37 * i), dy[i] = (float)cos(0.11 * i);
   tp_block_batch_t bt = {BB, BT, NULL, NULL, 0, 1};
-  int bad = tp_block_forward(blk, y, x, &bt) != TP_SUCCESS || tp_block_backward(blk, dx, dy, BB * BT) != TP_SUCCESS;
-  bad += tp_block_backward(blk, dx, dy, 1) != TP_ERR_INVALID_ARGUMENT; /* rows must match the forward */
+  int bad = tp_block_forward(blk, F2(y, BB * BT, BC), F2(x, BB * BT, BC), &bt, NULL) != TP_SUCCESS ||
+            tp_block_backward(blk, F2(dx, BB * BT, BC), F2(dy, BB * BT, BC), NULL) != TP_SUCCESS;
+  bad += tp_block_backward(blk, F2(dx, 1, BC), F2(dy, 1, BC), NULL) != TP_ERR_INVALID_ARGUMENT; /* rows must match */
   /* decode: cache the first BT - 1 tokens, then the last one at its position */
   int64_t pos[BB] = {BT - 1, BT - 1};
   float xp[BB * (BT - 1) * BC];
@@ -195,13 +238,15 @@ static int run_block(int n, int r, const char *job) {
       }
   float yp[BB * (BT - 1) * BC];
   tp_block_batch_t pre = {BB, BT - 1, NULL, NULL, 1, 0}, dec = {BB, 1, pos, NULL, 1, 0};
-  bad += tp_block_cache(blk, BB, BT + 2) != TP_SUCCESS || tp_block_forward(blk, yp, xp, &pre) != TP_SUCCESS ||
-         tp_block_forward(blk, ys, xs, &dec) != TP_SUCCESS;
+  bad += tp_block_cache(blk, BB, BT + 2) != TP_SUCCESS ||
+         tp_block_forward(blk, F2(yp, BB * (BT - 1), BC), F2(xp, BB * (BT - 1), BC), &pre, NULL) != TP_SUCCESS ||
+         tp_block_forward(blk, F2(ys, BB, BC), F2(xs, BB, BC), &dec, NULL) != TP_SUCCESS;
   for (int b = 0; b < BB; b++) /* the decoded last token equals the full forward's */
     for (int c = 0; c < BC; c++) bad += fabsf(ys[b * BC + c] - y[(b * BT + BT - 1) * BC + c]) > 1e-5f;
+  bad += check_mode(comm, n);
   if (bad) fprintf(stderr, "block rank %d of %d: %s\n", r, n, tp_last_error());
   if (r == 0) {
-    float *o = block_out + (n - 1) * (2 * NX + BB * BC);
+    float *o = block_out + (plain_mode * 3 + n - 1) * (2 * NX + BB * BC);
     memcpy(o, y, sizeof y);
     memcpy(o + NX, dx, sizeof dx);
     memcpy(o + 2 * NX, ys, sizeof ys);
@@ -269,57 +314,132 @@ static int run_sizes(int n, int r, const char *job) {
   for (int i = 0; i < 2 * 3 * 8; i++) x[i] = (float)sin(0.3 * i);
   int64_t pos[2] = {big - 1, 0};
   tp_block_batch_t bt = {2, 2, pos, NULL, 1, 0};
-  EXPECT(tp_block_forward(blk, y, x, &bt), TP_ERR_INVALID_ARGUMENT, "pos0");
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "pos0");
   pos[0] = -3;
-  EXPECT(tp_block_forward(blk, y, x, &bt), TP_ERR_INVALID_ARGUMENT, ">= 0");
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, ">= 0");
   pos[0] = 7;
-  EXPECT(tp_block_forward(blk, y, x, &bt), TP_ERR_INVALID_ARGUMENT, "past the KV cache");
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "past the KV cache");
   pos[0] = 6, pos[1] = 6; /* the last two slots */
-  EXPECT(tp_block_forward(blk, y, x, &bt), TP_SUCCESS, "");
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_SUCCESS, "");
   tp_block_batch_t nc = {1, 3, pos, NULL, 0, 0};
   pos[0] = big - 2;
-  EXPECT(tp_block_forward(blk, y, x, &nc), TP_ERR_INVALID_ARGUMENT, "pos0");
+  EXPECT(tp_block_forward(blk, F2(y, 3, 8), F2(x, 3, 8), &nc, NULL), TP_ERR_INVALID_ARGUMENT, "pos0");
   tp_block_batch_t many = {1, 1 << 20, NULL, NULL, 0, 1}; /* probabilities of 2^20 x 2^20 x 2 heads */
-  EXPECT(tp_block_forward(blk, y, x, &many), TP_ERR_INVALID_ARGUMENT, "B x heads x T x T");
+  EXPECT(tp_block_forward(blk, F2(y, 1 << 20, 8), F2(x, 1 << 20, 8), &many, NULL), TP_ERR_INVALID_ARGUMENT,
+         "B x heads x T x T");
   tp_block_batch_t rows = {(int64_t)1 << 32, (int64_t)1 << 32, NULL, NULL, 0, 0};
-  EXPECT(tp_block_forward(blk, y, x, &rows), TP_ERR_INVALID_ARGUMENT, "out of range");
-  /* empty batches: empty in, empty out, NULL pointers included (the collectives still run) */
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &rows, NULL), TP_ERR_INVALID_ARGUMENT, "out of range");
+  /* the tensors: rows, columns, dtype, device and layout are checked, naming the argument */
+  bt.pos0 = NULL, bt.use_cache = 0;
+  EXPECT(tp_block_forward(blk, F2(y, 3, 8), F2(x, 3, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "x must have shape");
+  EXPECT(tp_block_forward(blk, F2(y, 4, 7), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "y must have shape");
+  tp_tensor xi = tp_tensor_2d(x, TP_INT32, 4, 8), xd = tp_tensor_2d(x, TP_FLOAT32, 4, 8), xt = xd;
+  xd.device = TP_DEVICE_CUDA;
+  xt.strides[0] = 1, xt.strides[1] = 4; /* a transposed view */
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), &xi, &bt, NULL), TP_ERR_INVALID_ARGUMENT, "float32");
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), &xd, &bt, NULL), TP_ERR_INVALID_ARGUMENT, "x is cuda:0 memory");
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), &xt, &bt, NULL), TP_ERR_INVALID_ARGUMENT, "contiguous");
+  EXPECT(tp_block_forward(blk, NULL, F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "NULL argument");
+  /* empty batches: empty in, empty out, NULL data included (the collectives still run) */
   tp_block_batch_t e1 = {0, 3, NULL, NULL, 0, 1}, e2 = {2, 0, NULL, NULL, 0, 1}, e3 = {0, 0, NULL, NULL, 1, 0};
-  EXPECT(tp_block_forward(blk, NULL, NULL, &e1), TP_SUCCESS, "");
-  EXPECT(tp_block_backward(blk, NULL, NULL, 0), TP_SUCCESS, "");
-  EXPECT(tp_block_forward(blk, NULL, NULL, &e2), TP_SUCCESS, "");
-  EXPECT(tp_block_backward(blk, NULL, NULL, 0), TP_SUCCESS, "");
-  EXPECT(tp_block_forward(blk, NULL, NULL, &e3), TP_SUCCESS, "");
+  EXPECT(tp_block_forward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), &e1, NULL), TP_SUCCESS, "");
+  EXPECT(tp_block_backward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), NULL), TP_SUCCESS, "");
+  EXPECT(tp_block_forward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), &e2, NULL), TP_SUCCESS, "");
+  EXPECT(tp_block_backward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), NULL), TP_SUCCESS, "");
+  EXPECT(tp_block_forward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), &e3, NULL), TP_SUCCESS, "");
   tp_block_destroy(blk);
   tp_mlp_config_t mc = TP_MLP_CONFIG_INITIALIZER;
   tp_parallel_mlp_t mlp;
   mc.hidden = 3, mc.ffn_hidden = 5;
   if (tp_parallel_mlp_create(&mlp, comm, &mc) != TP_SUCCESS) return fprintf(stderr, "mlp: %s\n", tp_last_error()), 1;
-  EXPECT(tp_parallel_mlp_forward(mlp, NULL, NULL, 0), TP_SUCCESS, "");
-  EXPECT(tp_parallel_mlp_backward(mlp, NULL, NULL, 0), TP_SUCCESS, "");
-  EXPECT(tp_parallel_mlp_forward(mlp, y, x, big), TP_ERR_INVALID_ARGUMENT, "rows");
+  EXPECT(tp_parallel_mlp_forward(mlp, F2(NULL, 0, 3), F2(NULL, 0, 3), NULL), TP_SUCCESS, "");
+  EXPECT(tp_parallel_mlp_backward(mlp, F2(NULL, 0, 3), F2(NULL, 0, 3), NULL), TP_SUCCESS, "");
+  tp_tensor yb = tp_tensor_2d(y, TP_FLOAT32, 1, 3), xb = tp_tensor_2d(x, TP_FLOAT32, 1, 3);
+  yb.shape[0] = xb.shape[0] = big; /* a view of 2^63 - 1 rows (tp_tensor_2d's strides would overflow) */
+  yb.strides[0] = xb.strides[0] = 3;
+  EXPECT(tp_parallel_mlp_forward(mlp, &yb, &xb, NULL), TP_ERR_INVALID_ARGUMENT, "rows");
+  EXPECT(tp_parallel_mlp_forward(mlp, F2(y, 2, 3), F2(x, 2, 4), NULL), TP_ERR_INVALID_ARGUMENT, "mlp forward: x");
   tp_parallel_mlp_destroy(mlp);
   lc.partition = NULL, lc.kind = TP_ROW_PARALLEL, lc.input_is_parallel = 0;
   if (tp_parallel_linear_create(&lin, comm, &lc) != TP_SUCCESS) return fprintf(stderr, "lin: %s\n", tp_last_error()), 1;
-  EXPECT(tp_parallel_linear_forward(lin, NULL, NULL, 0), TP_SUCCESS, "");
-  EXPECT(tp_parallel_linear_backward(lin, NULL, NULL, 0), TP_SUCCESS, "");
+  EXPECT(tp_parallel_linear_forward(lin, F2(NULL, 0, 4), F2(NULL, 0, 4), NULL), TP_SUCCESS, "");
+  EXPECT(tp_parallel_linear_backward(lin, F2(NULL, 0, 4), F2(NULL, 0, 4), NULL), TP_SUCCESS, "");
+  EXPECT(tp_parallel_linear_forward(lin, F2(y, 2, 4), F2(x, 2, 5), NULL), TP_ERR_INVALID_ARGUMENT,
+         "linear forward: x must have shape [rows, 4]");
+  EXPECT(tp_parallel_linear_backward(lin, F2(y, 2, 4), F2(x, 2, 4), NULL), TP_ERR_INVALID_ARGUMENT, "rows");
   tp_parallel_linear_destroy(lin);
   ec.partition = NULL;
   tp_vocab_xent_t xent;
-  if (tp_vocab_embedding_create(&emb, comm, &ec) != TP_SUCCESS || tp_vocab_xent_create(&xent, comm) != TP_SUCCESS)
+  if (tp_vocab_embedding_create(&emb, comm, &ec) != TP_SUCCESS || tp_vocab_xent_create(&xent, comm, NULL) != TP_SUCCESS)
     return fprintf(stderr, "vocab: %s\n", tp_last_error()), 1;
-  EXPECT(tp_vocab_embedding_forward(emb, NULL, NULL, 0), TP_SUCCESS, "");
-  EXPECT(tp_vocab_embedding_backward(emb, NULL, 0), TP_SUCCESS, "");
-  EXPECT(tp_vocab_xent_forward(xent, NULL, NULL, NULL, 0, 2, -1, -100, NULL, NULL), TP_SUCCESS, "");
-  EXPECT(tp_vocab_xent_backward(xent, NULL, NULL, 1.0f), TP_SUCCESS, "");
+  EXPECT(tp_vocab_embedding_forward(emb, F2(NULL, 0, 2), I1(NULL, 0), NULL), TP_SUCCESS, "");
+  EXPECT(tp_vocab_embedding_backward(emb, F2(NULL, 0, 2), NULL), TP_SUCCESS, "");
+  int64_t toks[2] = {1, 4};
+  EXPECT(tp_vocab_embedding_forward(emb, F2(y, 2, 2), I1(toks, 2), NULL), TP_ERR_INVALID_ARGUMENT,
+         "token 4 (position 1) is out of range");
+  EXPECT(tp_vocab_embedding_forward(emb, F2(y, 2, 2), F1(x, 2), NULL), TP_ERR_INVALID_ARGUMENT,
+         "tokens must be int64");
+  EXPECT(tp_vocab_xent_forward(xent, F1(NULL, 0), F2(NULL, 0, 2), I1(NULL, 0), -1, -100, NULL, NULL, NULL), TP_SUCCESS,
+         "");
+  EXPECT(tp_vocab_xent_backward(xent, F2(NULL, 0, 2), NULL, 1.0f, NULL), TP_SUCCESS, "");
   float lg[2] = {0.5f, 1.0f}, loss[1];
   int64_t tg[1] = {1};
-  if (n == 1) EXPECT(tp_vocab_xent_forward(xent, loss, lg, tg, 1, 2, big, -100, NULL, NULL), TP_ERR_INVALID_ARGUMENT,
-                     "vocab_offset");
+  if (n == 1)
+    EXPECT(tp_vocab_xent_forward(xent, F1(loss, 1), F2(lg, 1, 2), I1(tg, 1), big, -100, NULL, NULL, NULL),
+           TP_ERR_INVALID_ARGUMENT, "vocab_offset");
+  if (n == 1)
+    EXPECT(tp_vocab_xent_forward(xent, F1(loss, 1), F2(lg, 1, 2), I1(toks + 1, 1), -1, -100, NULL, NULL, NULL),
+           TP_ERR_INVALID_ARGUMENT, "target 4 (row 0) is out of range");
+  tp_xent_config_t xc = TP_XENT_CONFIG_INITIALIZER;
+  tp_vocab_xent_t x2 = NULL;
+  xc.device = TP_DEVICE_CUDA; /* this build has no CUDA: refused at create, naming the device */
+  EXPECT(tp_vocab_xent_create(&x2, comm, &xc), TP_ERR_UNSUPPORTED, "device cuda is not available");
+  tp_linear_config_t dc = TP_LINEAR_CONFIG_INITIALIZER;
+  tp_parallel_linear_t l2 = NULL;
+  dc.in_features = dc.out_features = 4, dc.device_id = 3;
+  EXPECT(tp_parallel_linear_create(&l2, comm, &dc), TP_ERR_INVALID_ARGUMENT, "linear: device_id 3 is out of range");
+  dc.device_id = 0, dc.device = (tp_device_t)7;
+  EXPECT(tp_parallel_linear_create(&l2, comm, &dc), TP_ERR_INVALID_ARGUMENT, "not a tp_device_t");
+  tp_block_config_t bc = TP_BLOCK_CONFIG_INITIALIZER;
+  tp_block_t b2 = NULL;
+  bc.hidden = 4, bc.heads = 2, bc.head_dim = 2, bc.ffn_hidden = 4, bc.device = TP_DEVICE_CUDA;
+  EXPECT(tp_block_create(&b2, comm, &bc), TP_ERR_UNSUPPORTED, "block: device cuda");
   tp_vocab_xent_destroy(xent);
   tp_vocab_embedding_destroy(emb);
   tp_comm_destroy(comm);
   return bad ? 1 : 0;
+}
+
+/* tp_partition: the cases of tests/test_layers.py::test_partition, and its errors. */
+#define PCHK(failed)                                                    \
+  do {                                                                  \
+    if (failed) fprintf(stderr, "partition line %d failed\n", __LINE__), bad++; \
+  } while (0)
+
+static int run_partition(void) {
+  int bad = 0;
+  int64_t s[8], o[9];
+  const int64_t e1[] = {4, 3, 3}, e2[] = {3, 3, 3, 3, 0}, e3[] = {75, 25};
+  PCHK(tp_partition(10, 3, NULL, 1, s, o) != TP_SUCCESS || memcmp(s, e1, sizeof e1) || o[1] != 4 || o[3] != 10);
+  PCHK(tp_partition(12, 5, NULL, 3, s, o) != TP_SUCCESS || memcmp(s, e2, sizeof e2) || o[3] != 9 || o[4] != 12 || o[5] != 12);
+  double w3[] = {3, 1}, w4[] = {1.7, 1, 1, 0.3}, wneg[] = {1, -1};
+  PCHK(tp_partition(100, 2, w3, 1, s, o) != TP_SUCCESS || memcmp(s, e3, sizeof e3));
+  PCHK(tp_partition(1001, 4, w4, 1, s, o) != TP_SUCCESS || o[4] != 1001 || !(s[0] > s[1] && s[1] > s[3]));
+  PCHK(tp_partition(10, 3, NULL, 4, s, o) != TP_ERR_INVALID_ARGUMENT ||
+         strcmp(tp_last_error(), "partition: n=10 is not a multiple of align=4") != 0);
+  PCHK(tp_partition(10, 2, wneg, 1, s, o) != TP_ERR_INVALID_ARGUMENT ||
+         strcmp(tp_last_error(), "partition: weights must be 2 finite non-negative numbers with a positive sum, got "
+                                 "[1.0, -1.0]") != 0);
+  PCHK(tp_partition(-1, 2, NULL, 1, s, o) != TP_ERR_INVALID_ARGUMENT ||
+         strcmp(tp_last_error(), "partition: n must be an integer >= 0, got -1") != 0);
+  /* given sizes: checked, offsets written */
+  const int64_t given[] = {2, 0, 5};
+  PCHK(tp_partition_sizes(7, 3, given, s, o, "t: partition", "n") != TP_SUCCESS || o[2] != 2 || o[3] != 7);
+  PCHK(tp_partition_sizes(8, 3, given, s, o, "t: partition", "n") != TP_ERR_INVALID_ARGUMENT ||
+         strcmp(tp_last_error(), "t: partition sums to 7 but n is 8") != 0);
+  if (bad) fprintf(stderr, "partition: %d checks failed (%s)\n", bad, tp_last_error());
+  printf("partition: %s\n", bad ? "FAILED" : "ok");
+  return !bad;
 }
 
 static int run_world(int n, int (*fn)(int, int, const char *), const char *name) {
@@ -344,8 +464,9 @@ static int run_world(int n, int (*fn)(int, int, const char *), const char *name)
 int main(void) {
   int passed = 0, failed = 0;
   size_t per = 2 * BB * BT * BC + BB * BC;
-  block_out = mmap(NULL, 3 * per * sizeof(float), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  block_out = mmap(NULL, 6 * per * sizeof(float), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (block_out == MAP_FAILED) return perror("mmap"), 1;
+  run_partition() ? passed++ : failed++;
   for (int n = 1; n <= 3; n++) {
     run_world(n, run_rank, "mlp") ? passed++ : failed++;
     run_world(n, run_vocab, "vocab") ? passed++ : failed++;
@@ -357,7 +478,28 @@ int main(void) {
     for (size_t i = 0; i < per; i++) same &= fabsf(block_out[(n - 1) * per + i] - block_out[i]) <= 1e-5f * (1 + fabsf(block_out[i]));
   printf("block: the same y, dx and decode output at world 1, 2, 3: %s\n", same ? "ok" : "FAILED");
   same ? passed++ : failed++;
-  munmap(block_out, 3 * per * sizeof(float));
+  /* the same again in plain memory (the registered-memory fallback) at world 2 and 3 */
+  setenv("TPCORE_SHM_SMALL", "0", 1);
+  check_zero_copy = 1;
+  run_world(2, run_block, "zero_copy_block") ? passed++ : failed++; /* registered: zero-copy collectives */
+  setenv("TPCORE_REGISTERED_MEMORY", "0", 1);
+  plain_mode = 1;
+  for (int n = 2; n <= 3; n++) {
+    run_world(n, run_rank, "plain_mlp") ? passed++ : failed++;
+    run_world(n, run_vocab, "plain_vocab") ? passed++ : failed++;
+    run_world(n, run_block, "plain_block") ? passed++ : failed++;
+  }
+  unsetenv("TPCORE_REGISTERED_MEMORY");
+  unsetenv("TPCORE_SHM_SMALL");
+  same = 1;
+  for (int n = 2; n <= 3; n++)
+    for (size_t i = 0; i < per; i++) {
+      float a = block_out[(3 + n - 1) * per + i], b = block_out[(n - 1) * per + i];
+      same &= fabsf(a - b) <= 1e-6f * (1 + fabsf(b));
+    }
+  printf("block: plain memory gives the registered run's numbers at world 2, 3: %s\n", same ? "ok" : "FAILED");
+  same ? passed++ : failed++;
+  munmap(block_out, 6 * per * sizeof(float));
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }

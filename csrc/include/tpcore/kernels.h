@@ -158,40 +158,6 @@ TP_API tp_status_t tp_adamw_step(tp_stream_t stream, const tp_tensor *p, const t
 TP_API tp_status_t tp_sgd_step(tp_stream_t stream, const tp_tensor *p, const tp_tensor *g, const tp_tensor *buf,
                                float lr, float momentum, float weight_decay, int first);
 
-/* Transitional, until the extension calls the tensor API above: csrc/python still
- * calls the float* CPU kernels by their old names; inside a file that included
- * Python.h those names are the old CPU functions (csrc/kernels/cpu/legacy.c).  Remove
- * with legacy.c once csrc/python is adapted. */
-#if defined(Py_PYTHON_H) && !defined(TPCORE_NO_LEGACY_KERNELS)
-void tp_legacy_linear_forward(float *y, const float *x, const float *w, const float *b, int64_t M, int64_t K,
-                              int64_t N);
-void tp_legacy_linear_backward(float *dx, float *dw, float *db, const float *dy, const float *x, const float *w,
-                               int64_t M, int64_t K, int64_t N, int accumulate_dx);
-void tp_legacy_act_forward(float *out, const float *h, int64_t M, int64_t F, tp_activation_t act);
-void tp_legacy_act_backward(float *dh, const float *h, const float *dout, int64_t M, int64_t F, tp_activation_t act);
-void tp_legacy_layernorm_forward(float *y, float *mean, float *rstd, const float *x, const float *w, const float *b,
-                                 int64_t M, int64_t C, float eps);
-void tp_legacy_layernorm_backward(float *dx, float *dw, float *db, const float *dy, const float *x, const float *w,
-                                  const float *mean, const float *rstd, int64_t M, int64_t C);
-void tp_legacy_rmsnorm_forward(float *y, float *rstd, const float *x, const float *w, int64_t M, int64_t C, float eps);
-void tp_legacy_rmsnorm_backward(float *dx, float *dw, const float *dy, const float *x, const float *w,
-                                const float *rstd, int64_t M, int64_t C);
-void tp_legacy_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1, float beta2,
-                          float eps, float weight_decay, int64_t step);
-void tp_legacy_sgd_step(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float weight_decay,
-                        int first);
-#define tp_linear_forward tp_legacy_linear_forward
-#define tp_linear_backward tp_legacy_linear_backward
-#define tp_act_forward tp_legacy_act_forward
-#define tp_act_backward tp_legacy_act_backward
-#define tp_layernorm_forward tp_legacy_layernorm_forward
-#define tp_layernorm_backward tp_legacy_layernorm_backward
-#define tp_rmsnorm_forward tp_legacy_rmsnorm_forward
-#define tp_rmsnorm_backward tp_legacy_rmsnorm_backward
-#define tp_adamw_step tp_legacy_adamw_step
-#define tp_sgd_step tp_legacy_sgd_step
-#endif
-
 #ifdef __cplusplus
 }
 #endif

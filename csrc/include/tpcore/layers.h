@@ -12,16 +12,31 @@
  *   not parallel); the all-reduce's conjugate is the identity.
  * Backward accumulates into grad_weight / grad_bias and needs the last forward.
  * The layers keep their collective buffers in the communicator's registered
- * memory, so their all-reduce / all-gather take the zero-copy path.
+ * memory, so their all-reduce / all-gather take the zero-copy path; on a backend
+ * without it (tp_comm_mem_alloc says TP_ERR_UNSUPPORTED, e.g. shm with
+ * TPCORE_REGISTERED_MEMORY=0) they use plain device memory instead.
  * Initialisation: W and b ~ U(-1/sqrt(in), 1/sqrt(in)) (PyTorch nn.Linear),
  * drawn per element of the full tensor from (seed, tensor, index): a layer has
  * the same logical weights at every world size and partition.
+ *
+ * Devices and streams: every layer lives on one device (config .device/.device_id,
+ * default the CPU; a device this process lacks is refused at create).  All its
+ * bytes come from the device table (include/tpcore/device.h): parameters and
+ * gradients in one allocation, workspaces in one arena grown only when a larger
+ * batch arrives.  Calls take tp_tensor views on that device and a tp_stream_t
+ * (NULL: the default stream; on the CPU every call has finished when it returns).
+ * Activations are float32, 2-D [M, cols] and C-contiguous, M = shape[0]; token and
+ * target ids are 1-D int64 [M].  A bad tensor is refused with an argument error
+ * naming the call and the argument.
+ * Shards split with tp_partition_sizes (include/tpcore/partition.h).
  */
 #ifndef TPCORE_LAYERS_H
 #define TPCORE_LAYERS_H
 
 #include "tpcore/comm.h"
+#include "tpcore/device.h"
 #include "tpcore/kernels.h"
+#include "tpcore/partition.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -43,10 +58,12 @@ typedef struct {
   int gated;                   /* column: W is [gate; up] (2 * out_features rows); a rank
                                   holds its gate rows and its up rows and outputs
                                   [gate_r | up_r] per row, from one GEMM (SwiGLU)      */
+  tp_device_t device;          /* where parameters, workspaces and tensors live (CPU) */
+  int device_id;
 } tp_linear_config_t;
 
 #define TP_LINEAR_CONFIG_INITIALIZER \
-  { sizeof(tp_linear_config_t), TP_COLUMN_PARALLEL, 0, 0, 1, 0, 1, NULL, 0, 0 }
+  { sizeof(tp_linear_config_t), TP_COLUMN_PARALLEL, 0, 0, 1, 0, 1, NULL, 0, 0, TP_DEVICE_CPU, 0 }
 
 typedef struct {
   float *weight, *bias, *grad_weight, *grad_bias; /* this rank's shard (bias NULL if none) */
@@ -61,11 +78,11 @@ TP_API tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_
 TP_API void tp_parallel_linear_destroy(tp_parallel_linear_t layer);
 TP_API tp_status_t tp_parallel_linear_info(tp_parallel_linear_t layer, tp_linear_info_t *info);
 /* y[M, y_cols] from x[M, x_cols].  Collective when the layer communicates. */
-TP_API tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t layer, float *y, const float *x,
-                                              int64_t M);
+TP_API tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t layer, const tp_tensor *y, const tp_tensor *x,
+                                              tp_stream_t stream);
 /* dx[M, x_cols] from dy[M, y_cols], for the last forward's input; accumulates grads. */
-TP_API tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t layer, float *dx, const float *dy,
-                                               int64_t M);
+TP_API tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t layer, const tp_tensor *dx, const tp_tensor *dy,
+                                               tp_stream_t stream);
 
 /* The Transformer MLP split over ranks: column-parallel fc1 (gated for SwiGLU), the
  * activation on this rank's columns, row-parallel fc2 (input_is_parallel).  One
@@ -81,18 +98,22 @@ typedef struct {
   int bias;
   const int64_t *partition;
   uint64_t seed;
+  tp_device_t device;
+  int device_id;
 } tp_mlp_config_t;
 
-#define TP_MLP_CONFIG_INITIALIZER { sizeof(tp_mlp_config_t), 0, 0, TP_ACT_GELU, 1, NULL, 0 }
+#define TP_MLP_CONFIG_INITIALIZER { sizeof(tp_mlp_config_t), 0, 0, TP_ACT_GELU, 1, NULL, 0, TP_DEVICE_CPU, 0 }
 
 TP_API tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const tp_mlp_config_t *cfg);
 TP_API void tp_parallel_mlp_destroy(tp_parallel_mlp_t mlp);
 /* The two linear layers (owned by the MLP). */
 TP_API tp_parallel_linear_t tp_parallel_mlp_layer(tp_parallel_mlp_t mlp, int which);
 /* y[M, hidden] from x[M, hidden] (replicated on every rank). */
-TP_API tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t mlp, float *y, const float *x, int64_t M);
+TP_API tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t mlp, const tp_tensor *y, const tp_tensor *x,
+                                           tp_stream_t stream);
 /* dx[M, hidden] from dy[M, hidden] for the last forward; accumulates the layers' grads. */
-TP_API tp_status_t tp_parallel_mlp_backward(tp_parallel_mlp_t mlp, float *dx, const float *dy, int64_t M);
+TP_API tp_status_t tp_parallel_mlp_backward(tp_parallel_mlp_t mlp, const tp_tensor *dx, const tp_tensor *dy,
+                                            tp_stream_t stream);
 
 /* Vocab-parallel embedding (Megatron): the table (num_embeddings x dim) split along
  * the vocabulary; rank r holds rows [offset, offset + local).  forward looks up the
@@ -107,9 +128,11 @@ typedef struct {
   int64_t num_embeddings, embedding_dim;
   const int64_t *partition; /* world sizes of the vocabulary split; NULL: even */
   uint64_t seed;
+  tp_device_t device;
+  int device_id;
 } tp_embedding_config_t;
 
-#define TP_EMBEDDING_CONFIG_INITIALIZER { sizeof(tp_embedding_config_t), 0, 0, NULL, 0 }
+#define TP_EMBEDDING_CONFIG_INITIALIZER { sizeof(tp_embedding_config_t), 0, 0, NULL, 0, TP_DEVICE_CPU, 0 }
 
 typedef struct {
   float *weight, *grad_weight; /* [local, dim] */
@@ -120,10 +143,12 @@ TP_API tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_
                                              const tp_embedding_config_t *cfg);
 TP_API void tp_vocab_embedding_destroy(tp_vocab_embedding_t emb);
 TP_API tp_status_t tp_vocab_embedding_info(tp_vocab_embedding_t emb, tp_embedding_info_t *info);
-/* y[M, dim] for tokens[M] in [0, num_embeddings) (the same on every rank).  Collective. */
-TP_API tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t emb, float *y, const int64_t *tokens, int64_t M);
+/* y[M, dim] (float32) for tokens[M] (int64) in [0, num_embeddings) (the same on every
+ * rank).  Collective. */
+TP_API tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t emb, const tp_tensor *y, const tp_tensor *tokens,
+                                              tp_stream_t stream);
 /* grad_weight += scatter of dy[M, dim] onto the last forward's tokens.  Local. */
-TP_API tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t emb, const float *dy, int64_t M);
+TP_API tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t emb, const tp_tensor *dy, tp_stream_t stream);
 
 /* Vocab-parallel softmax cross-entropy (Megatron): each rank holds the logits of its
  * vocabulary shard [lo, lo + V); no rank holds the full logits.  forward: one max
@@ -134,16 +159,28 @@ TP_API tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t emb, const f
  * The logits passed to forward must stay alive and unchanged until backward. */
 typedef struct tp_vocab_xent *tp_vocab_xent_t;
 
-TP_API tp_status_t tp_vocab_xent_create(tp_vocab_xent_t *out, tp_comm_t comm);
+typedef struct {
+  size_t size; /* sizeof(tp_xent_config_t) */
+  tp_device_t device;
+  int device_id;
+} tp_xent_config_t;
+
+#define TP_XENT_CONFIG_INITIALIZER { sizeof(tp_xent_config_t), TP_DEVICE_CPU, 0 }
+
+/* cfg NULL: the defaults (CPU). */
+TP_API tp_status_t tp_vocab_xent_create(tp_vocab_xent_t *out, tp_comm_t comm, const tp_xent_config_t *cfg);
 TP_API void tp_vocab_xent_destroy(tp_vocab_xent_t xent);
-/* losses[M] from logits[M, V] and targets[M] (global ids).  vocab_offset < 0: the
- * shards lie in rank order (lo = the widths of the lower ranks).  *valid (may be
- * NULL) = rows not ignored; *vocab (may be NULL) = the full vocabulary size. */
-TP_API tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t xent, float *losses, const float *logits,
-                                         const int64_t *targets, int64_t M, int64_t V, int64_t vocab_offset,
-                                         int64_t ignore_index, int64_t *valid, int64_t *vocab);
+/* losses[M] (float32) from logits[M, V] (float32, V = this rank's shard width, M =
+ * shape[0]) and targets[M] (int64, global ids).  vocab_offset < 0: the shards lie in
+ * rank order (lo = the widths of the lower ranks).  *valid (may be NULL) = rows not
+ * ignored; *vocab (may be NULL) = the full vocabulary size.  Host integers: the
+ * call has finished (the stream synchronised) when they are written. */
+TP_API tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t xent, const tp_tensor *losses, const tp_tensor *logits,
+                                         const tp_tensor *targets, int64_t vocab_offset, int64_t ignore_index,
+                                         int64_t *valid, int64_t *vocab, tp_stream_t stream);
 /* dlogits[M, V] for the last forward; dloss[M] per row (NULL: all 1) times scale. */
-TP_API tp_status_t tp_vocab_xent_backward(tp_vocab_xent_t xent, float *dlogits, const float *dloss, float scale);
+TP_API tp_status_t tp_vocab_xent_backward(tp_vocab_xent_t xent, const tp_tensor *dlogits, const tp_tensor *dloss,
+                                          float scale, tp_stream_t stream);
 
 /* A Transformer block split over ranks (Megatron): attention with the heads split
  * (fused QKV: one column-parallel GEMM; output projection row-parallel) and the
@@ -177,11 +214,15 @@ typedef struct {
   const int64_t *ffn_partition;    /* MLP columns per rank; NULL: even */
   uint64_t seed;
   int attention_only;              /* ParallelAttention: y = attn(x), no norms, MLP or residual */
+  tp_device_t device;
+  int device_id;
 } tp_block_config_t;
 
 #define TP_BLOCK_CONFIG_INITIALIZER \
-  { sizeof(tp_block_config_t), 0, 0, 0, 0, 0, TP_NORM_LAYER, 1e-5f, TP_ACT_GELU, 1, 1, 1, 0.0f, NULL, NULL, 0, 0 }
+  { sizeof(tp_block_config_t), 0, 0, 0, 0, 0, TP_NORM_LAYER, 1e-5f, TP_ACT_GELU, 1, 1, 1, 0.0f, NULL, NULL, 0, 0, \
+    TP_DEVICE_CPU, 0 }
 
+/* Metadata of a forward, in host memory (the block copies what it needs). */
 typedef struct {
   int64_t B, T;                    /* rows of x = B * T (B sequences of T tokens)            */
   const int64_t *pos0;             /* [B] position of each sequence's first token (NULL: 0)  */
@@ -211,10 +252,11 @@ TP_API int tp_block_params(tp_block_t blk, tp_param_t *out, int max);
 /* (Re)allocate the KV cache for batch sequences of up to max_len tokens (contents reset). */
 TP_API tp_status_t tp_block_cache(tp_block_t blk, int64_t batch, int64_t max_len);
 /* y[B*T, hidden] from x[B*T, hidden].  Collective. */
-TP_API tp_status_t tp_block_forward(tp_block_t blk, float *y, const float *x, const tp_block_batch_t *batch);
+TP_API tp_status_t tp_block_forward(tp_block_t blk, const tp_tensor *y, const tp_tensor *x,
+                                    const tp_block_batch_t *batch, tp_stream_t stream);
 /* dx[M, hidden] from dy[M, hidden] for the last forward (need_backward; M must be its B * T);
  * accumulates the gradients.  Collective. */
-TP_API tp_status_t tp_block_backward(tp_block_t blk, float *dx, const float *dy, int64_t M);
+TP_API tp_status_t tp_block_backward(tp_block_t blk, const tp_tensor *dx, const tp_tensor *dy, tp_stream_t stream);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,169 @@
+/* The block's attention: fused QKV (column parallel over heads), RoPE, the KV cache,
+ * attention on this rank's heads, and the row-parallel output projection (a
+ * tp_parallel_linear_t: one all-reduce, the bias once after it). */
+#include <limits.h>
+#include <math.h>
+
+#include "block_impl.h"
+#include "layer_kernels.h"
+
+static tp_attention_args attn_args(tp_block_t k, int64_t B, int64_t T, int use_cache) {
+  tp_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.B = B, a.Tq = T, a.Hq = k->nq, a.Hk = k->nk ? k->nk : 1, a.D = k->D;
+  a.q = k->qkv, a.q_ld = k->W;
+  a.o = k->ao, a.o_ld = k->A;
+  a.causal = k->cfg.causal;
+  a.scale = 1.0f / sqrtf((float)k->D);
+  a.group = k->group, a.q_head0 = k->q0, a.k_head0 = k->k0; /* a rank's heads may start mid-group */
+  if (use_cache) {
+    a.k = k->kc, a.v = k->vc, a.kv_ld = k->nk * k->D, a.kv_bstride = k->clen * k->nk * k->D, a.Tk = k->clen;
+    a.q_pos = k->pos0, a.k_len = k->klen;
+  } else {
+    a.k = k->qkv ? k->qkv + k->nq * k->D : NULL, a.v = k->qkv ? k->qkv + (k->nq + k->nk) * k->D : NULL;
+    a.kv_ld = k->W, a.kv_bstride = T * k->W, a.Tk = T;
+    a.key_mask = k->have_mask ? k->mask : NULL;
+  }
+  return a;
+}
+
+size_t tp_block_attention_workspace(tp_block_t k, int64_t B, int64_t T, int use_cache, int need_backward) {
+  if (!k->nq || !B || !T) return 0;
+  tp_attention_args a = attn_args(k, B, T, use_cache);
+  static float kept; /* sizes only: a non-NULL probs says that forward keeps them */
+  a.probs = need_backward ? &kept : NULL;
+  size_t f = lk_attention_workspace(&k->lk, &a, 0), b = need_backward ? lk_attention_workspace(&k->lk, &a, 1) : 0;
+  return f > b ? f : b;
+}
+
+tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in, int use_cache, int keep,
+                                       tp_stream_t stream) {
+  int64_t M = k->B * k->T, D = k->D;
+  TP_CHECK(lk_linear_forward(&k->lk, k->qkv, in, k->wqkv, k->bqkv, M, k->C, k->W, stream));
+  if (k->cfg.rope_theta > 0 && k->nq) /* Q and K heads are adjacent */
+    TP_CHECK(lk_rope(&k->lk, k->qkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 0, stream));
+  if (use_cache && k->nk)
+    TP_CHECK(lk_kv_cache_write(&k->lk, k->kc, k->vc, k->qkv + k->nq * D, k->qkv + (k->nq + k->nk) * D, k->W, k->pos0,
+                               k->B, k->T, k->clen, k->nk * D, stream));
+  if (k->nq) {
+    tp_attention_args a = attn_args(k, k->B, k->T, use_cache);
+    a.probs = keep ? k->probs : NULL;
+    tp_status_t st = lk_attention_forward(&k->lk, &a, k->attn_ws, k->attn_ws_bytes, stream);
+    if (st != TP_SUCCESS) {
+      tp_error_prefix("block: attention");
+      tp_comm_abort(k->comm, tp_last_error()); /* the peers would wait in the all-reduce */
+      return st;
+    }
+  }
+  /* row-parallel output projection: partial sums all-reduced in registered memory, bias once after */
+  return tp_parallel_linear_forward_inbuf(k->out, r, k->ao, M, TP_LIN_BORROW_INPUT, stream);
+}
+
+/* Every size and position of a forward, before anything is allocated or written: rows
+ * B x T at most INT_MAX (BLAS), their activations and the kept attention probabilities
+ * (B x heads x T x T) at most 2^40 elements, positions pos0[b] >= 0 with pos0[b] + T
+ * representable, and inside the KV cache ([0, max_len - T]) when it is used.  pos0 and
+ * key_mask are host metadata. */
+tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt) {
+  int64_t M, n;
+  if (bt->B < 0 || bt->T < 0 || !tp_mul_count(bt->B, bt->T, &M) || M > INT_MAX || !tp_numel2(M, k->W + k->C, &n))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: a batch of B = %lld sequences of T = %lld tokens is "
+                        "out of range (B, T >= 0, B x T at most %d rows and 2^40 activations)", (long long)bt->B,
+                        (long long)bt->T, INT_MAX);
+  if (bt->need_backward && !tp_numel3(M, k->nq, bt->T, &n))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: keeping the attention probabilities for backward "
+                        "needs B x heads x T x T = %lld x %lld x %lld x %lld floats, more than 2^40",
+                        (long long)bt->B, (long long)k->nq, (long long)bt->T, (long long)bt->T);
+  for (int64_t b = 0; bt->pos0 && b < bt->B; b++) {
+    int64_t p = bt->pos0[b];
+    if (p < 0)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: pos0 must be >= 0, got pos0[%lld] = %lld",
+                          (long long)b, (long long)p);
+    if (p > INT64_MAX - bt->T)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: pos0[%lld] = %lld + T = %lld overflows the "
+                          "positions (at most 2^63 - 1 - T)", (long long)b, (long long)p, (long long)bt->T);
+  }
+  if (bt->use_cache) {
+    if (!k->cfg.causal)
+      return tp_set_error(TP_ERR_INVALID_USAGE, "block forward: a KV cache needs causal attention");
+    if (bt->need_backward) return tp_set_error(TP_ERR_INVALID_USAGE, "block forward: no backward through the KV cache");
+    if (bt->key_mask) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: key_mask is not used with the cache");
+    if (bt->B > k->cb)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: batch %lld exceeds the cache's %lld sequences",
+                          (long long)bt->B, (long long)k->cb);
+    if (bt->B && bt->T > k->clen)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: T = %lld tokens reach past the KV cache's "
+                          "max_len %lld", (long long)bt->T, (long long)k->clen);
+    for (int64_t b = 0; b < (bt->pos0 ? bt->B : bt->B > 0); b++) { /* without pos0: every sequence at 0 */
+      int64_t p = bt->pos0 ? bt->pos0[b] : 0; /* >= 0, checked above */
+      if (p > k->clen - bt->T)
+        return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: pos0[%lld] = %lld with T = %lld tokens reaches "
+                            "past the KV cache's max_len %lld: pos0 must be in [0, max_len - T] = [0, %lld]",
+                            (long long)b, (long long)p, (long long)bt->T, (long long)k->clen,
+                            (long long)(k->clen - bt->T));
+    }
+  }
+  return TP_SUCCESS;
+}
+
+/* KV heads replicated on several ranks: their weight gradients are sums over those ranks.
+ * Before the QKV backward, this step's starting values are kept aside (snapshot); after
+ * it, the deltas are all-reduced in the full layout [K weights Hk*D*C | V weights | K bias
+ * Hk*D | V bias] and the heads' gradients become snapshot + summed delta. */
+static tp_status_t kv_snapshot(tp_block_t k, tp_stream_t stream) {
+  int64_t C = k->C, kvw = 2 * k->nk * k->D, kvoff = k->nq * k->D;
+  TP_CHECK(lk_copy(&k->lk, k->kvsnap, k->dwqkv + kvoff * C, (size_t)(kvw * C) * sizeof(float), stream));
+  if (k->dbqkv) TP_CHECK(lk_copy(&k->lk, k->kvsnap + kvw * C, k->dbqkv + kvoff, (size_t)kvw * sizeof(float), stream));
+  return TP_SUCCESS;
+}
+
+static tp_status_t kv_grad_sum(tp_block_t k, tp_stream_t stream) {
+  int64_t C = k->C, D = k->D, kvw = 2 * k->nk * D, kvoff = k->nq * D;
+  int64_t HkD = k->Hk * D, n = 2 * HkD * (C + 1), nkd = k->nk * D, k0d = k->k0 * D;
+  TP_CHECK(tp_reg_ensure(k->comm, &k->kvred, (size_t)n * sizeof(float), k->dev, k->dev_id));
+  float *g = k->kvred.ptr;
+  TP_CHECK(lk_zero(&k->lk, g, (size_t)n * sizeof(float), stream));
+  for (int kv = 0; kv < 2; kv++) { /* this rank's heads: nkd rows of C, contiguous in both layouts */
+    float *cur = k->dwqkv + (kvoff + kv * nkd) * C, *old = k->kvsnap + kv * nkd * C;
+    TP_CHECK(lk_sub(&k->lk, g + kv * HkD * C + k0d * C, cur, old, nkd * C, stream));
+    if (k->dbqkv)
+      TP_CHECK(lk_sub(&k->lk, g + 2 * HkD * C + kv * HkD + k0d, k->dbqkv + kvoff + kv * nkd,
+                      k->kvsnap + kvw * C + kv * nkd, nkd, stream));
+  }
+  TP_CHECK(tp_layer_all_reduce(g, (size_t)n, TP_SUM, k->comm, stream));
+  for (int kv = 0; kv < 2; kv++) {
+    float *cur = k->dwqkv + (kvoff + kv * nkd) * C, *old = k->kvsnap + kv * nkd * C;
+    TP_CHECK(lk_add(&k->lk, cur, old, g + kv * HkD * C + k0d * C, nkd * C, stream));
+    if (k->dbqkv)
+      TP_CHECK(lk_add(&k->lk, k->dbqkv + kvoff + kv * nkd, k->kvsnap + kvw * C + kv * nkd,
+                      g + 2 * HkD * C + kv * HkD + k0d, nkd, stream));
+  }
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *dr, const float *in,
+                                        tp_stream_t stream) {
+  int64_t M = k->B * k->T, D = k->D, C = k->C;
+  /* the output projection: dao = dr W_o (its input is parallel: no collective), grads accumulated */
+  TP_CHECK(tp_parallel_linear_backward_ex(k->out, k->dao, dr, M, 0, stream));
+  if (k->nq) {
+    tp_attention_args a = attn_args(k, k->B, k->T, 0);
+    a.probs = k->probs;
+    tp_status_t st = lk_attention_backward(&k->lk, &a, k->dqkv, k->dqkv + k->nq * D, k->dqkv + (k->nq + k->nk) * D,
+                                           k->dao, k->attn_ws, k->attn_ws_bytes, stream);
+    if (st != TP_SUCCESS) {
+      tp_error_prefix("block backward: attention");
+      tp_comm_abort(k->comm, tp_last_error());
+      return st;
+    }
+    if (k->cfg.rope_theta > 0)
+      TP_CHECK(lk_rope(&k->lk, k->dqkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 1, stream));
+  }
+  if (k->kv_replicated) TP_CHECK(kv_snapshot(k, stream));
+  float *r = k->red.ptr;
+  TP_CHECK(lk_linear_backward(&k->lk, r, k->dwqkv, k->dbqkv, k->dqkv, in, k->wqkv, M, C, k->W, stream));
+  if (k->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * C), TP_SUM, k->comm, stream));
+  TP_CHECK(lk_copy(&k->lk, din, r, (size_t)(M * C) * sizeof(float), stream));
+  if (k->kv_replicated) TP_CHECK(kv_grad_sum(k, stream));
+  return TP_SUCCESS;
+}

@@ -1,0 +1,365 @@
+/* The tensor-parallel Transformer block (see tpcore/layers.h): norms, attention with
+ * this rank's heads (attention.c), the parallel MLP, residuals; a KV cache for decoding. */
+#include <limits.h>
+#include <math.h>
+
+#include "block_impl.h"
+#include "layer_kernels.h"
+
+void tp_block_destroy(tp_block_t k) {
+  if (!k) return;
+  tp_parallel_mlp_destroy(k->mlp);
+  tp_parallel_linear_destroy(k->out);
+  tp_reg_release(&k->red);
+  tp_reg_release(&k->kvred);
+  tp_arena_release(&k->params);
+  tp_arena_release(&k->ws);
+  tp_arena_release(&k->cache);
+  tp_host_free(k);
+}
+
+static tp_status_t check_config(const tp_block_config_t *cfg) {
+  int64_t C = cfg->hidden, H = cfg->heads, Hk = cfg->kv_heads ? cfg->kv_heads : cfg->heads, D = cfg->head_dim;
+  if (C < 1 || H < 1 || D < 1 || (cfg->ffn_hidden < 1 && !cfg->attention_only))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: hidden, heads, head_dim and ffn_hidden must be >= 1");
+  if (Hk < 1 || Hk > H || H % Hk)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: heads (%lld) must be a multiple of kv_heads (%lld)",
+                        (long long)H, (long long)Hk);
+  if (cfg->rope_theta > 0 && D % 2)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: rotary positions need an even head_dim, got %lld", (long long)D);
+  if ((unsigned)cfg->norm > TP_NORM_RMS || (unsigned)cfg->activation > TP_ACT_SWIGLU)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: unknown norm or activation");
+  /* GEMM dimensions go to BLAS as 32-bit ints: hidden and the QKV width (heads + 2 kv_heads) x head_dim */
+  int64_t qkv_w;
+  if (C > INT_MAX / 4 || H > INT_MAX / 4 || Hk > INT_MAX / 4 || D > INT_MAX / 4 ||
+      !tp_mul_count(H + 2 * Hk, D, &qkv_w) || qkv_w > INT_MAX / 4)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: hidden (%lld) and (heads + 2 kv_heads) x head_dim ((%lld + "
+                        "2 x %lld) x %lld) must each be at most %d (BLAS uses 32-bit dimensions)", (long long)C,
+                        (long long)H, (long long)Hk, (long long)D, INT_MAX / 4);
+  int64_t wel;
+  if (!tp_numel2(qkv_w, C, &wel))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: the QKV weight of %lld x %lld (hidden %lld, heads %lld, "
+                        "kv_heads %lld, head_dim %lld) is too large: at most 2^40 elements", (long long)qkv_w,
+                        (long long)C, (long long)C, (long long)H, (long long)Hk, (long long)D);
+  return tp_layer_device("block", cfg->device, cfg->device_id);
+}
+
+/* The QKV shard, the norms: one allocation; seeded nn.Linear-style init from (seed, tensor,
+ * index of the full tensor): the same logical block at every world size and head partition. */
+static tp_status_t make_params(tp_block_t k) {
+  int64_t C = k->C, D = k->D, H = k->H, Hk = k->Hk, W = k->W, b = k->cfg.bias, nb = k->cfg.norm == TP_NORM_LAYER;
+  size_t total = 0;
+  int64_t n[12] = {W * C, b ? W : 0, W * C, b ? W : 0, C, nb ? C : 0, C, nb ? C : 0, C, nb ? C : 0, C, nb ? C : 0};
+  for (int i = 0; i < 12; i++) tp_arena_add_n(&total, n[i], sizeof(float)); /* bounded by check_config */
+  TP_CHECK(tp_arena_reserve(&k->params, total, "block: parameters"));
+  float **p[12] = {&k->wqkv, &k->bqkv, &k->dwqkv, &k->dbqkv, &k->n1w, &k->n1b,
+                   &k->dn1w, &k->dn1b, &k->n2w, &k->n2b, &k->dn2w, &k->dn2b};
+  for (int i = 0; i < 12; i++) {
+    float *s = tp_arena_take_n(&k->params, n[i], sizeof(float));
+    *p[i] = (i % 2 == 0 || (i < 4 ? b : nb)) ? s : NULL; /* biases only when the config has them */
+  }
+  TP_CHECK(lk_zero(&k->lk, k->params.base, k->params.cap, NULL));
+  /* the shard's rows [its Q heads | its K heads | its V heads]: three runs of whole rows of
+   * the full [Q | K | V] weight (tensor 10) and bias (11) */
+  float bq = 1.0f / sqrtf((float)C);
+  int64_t row0[3] = {k->q0 * D, H * D + k->k0 * D, (H + Hk) * D + k->k0 * D}, rows[3] = {k->nq * D, k->nk * D, k->nk * D};
+  int64_t at = 0;
+  for (int p = 0; p < 3; at += rows[p], p++) {
+    TP_CHECK(lk_init_uniform(&k->lk, k->wqkv + at * C, rows[p] * C, k->cfg.seed, 10, (uint64_t)(row0[p] * C), bq, NULL));
+    if (b) TP_CHECK(lk_init_uniform(&k->lk, k->bqkv + at, rows[p], k->cfg.seed, 11, (uint64_t)row0[p], bq, NULL));
+  }
+  TP_CHECK(lk_fill(&k->lk, k->n1w, 1.0f, C, NULL));
+  TP_CHECK(lk_fill(&k->lk, k->n2w, 1.0f, C, NULL));
+  return tp_device_sync(k->dev, k->dev_id, NULL);
+}
+
+tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_config_t *cfg) {
+  if (!out || !comm || !cfg) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: NULL argument");
+  *out = NULL;
+  if (cfg->size != sizeof(tp_block_config_t))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: config built for another tpcore version");
+  TP_CHECK(check_config(cfg));
+  int rank, world;
+  tp_comm_rank(comm, &rank);
+  tp_comm_size(comm, &world);
+  tp_block_t k;
+  size_t hbytes = sizeof *k + (size_t)(2 * world + 1) * sizeof(int64_t);
+  TP_CHECK(tp_host_zalloc(hbytes, (void **)&k, "block"));
+  k->out_part = (int64_t *)(k + 1);
+  int64_t *hoff = k->out_part + world; /* world + 1 head offsets */
+  k->comm = comm;
+  k->cfg = *cfg;
+  k->cfg.head_partition = k->cfg.ffn_partition = NULL;
+  k->rank = rank, k->world = world;
+  k->dev = cfg->device, k->dev_id = cfg->device_id;
+  tp_arena_init(&k->params, k->dev, k->dev_id);
+  tp_arena_init(&k->ws, k->dev, k->dev_id);
+  tp_arena_init(&k->cache, k->dev, k->dev_id);
+  tp_status_t st = tp_lk_init(&k->lk, "block", k->dev, k->dev_id);
+  if (st != TP_SUCCESS) {
+    tp_block_destroy(k);
+    return st;
+  }
+  int64_t C = cfg->hidden, H = cfg->heads, Hk = cfg->kv_heads ? cfg->kv_heads : cfg->heads, D = cfg->head_dim;
+  k->C = C, k->D = D, k->H = H, k->Hk = Hk, k->group = H / Hk;
+  /* whole query heads per rank; the KV heads their groups use */
+  st = tp_partition_sizes(H, world, cfg->head_partition, k->out_part, hoff, "block: head_partition",
+                                      "heads");
+  if (st != TP_SUCCESS) {
+    tp_block_destroy(k);
+    return st;
+  }
+  int64_t prev_end = -1;
+  for (int p = 0; p < world; p++) {
+    int64_t n = k->out_part[p], sum = hoff[p];
+    if (n > 0) {
+      int64_t kb = sum / k->group, ke = (sum + n - 1) / k->group + 1;
+      if (kb < prev_end) k->kv_replicated = 1;
+      prev_end = ke;
+      if (p == rank) k->k0 = kb, k->nk = ke - kb;
+    }
+    k->out_part[p] = n * D; /* the output projection's columns (bounded: H x D <= INT_MAX / 4) */
+  }
+  k->q0 = hoff[rank], k->nq = k->out_part[rank] / D;
+  k->W = (k->nq + 2 * k->nk) * D;
+  k->A = k->nq * D;
+  st = make_params(k);
+  /* the output projection: row parallel over the heads, input_is_parallel, nn.Linear init
+   * with the block's own tensor ids (12, 13) */
+  tp_linear_config_t oc = TP_LINEAR_CONFIG_INITIALIZER;
+  oc.kind = TP_ROW_PARALLEL;
+  oc.in_features = H * D;
+  oc.out_features = C;
+  oc.bias = cfg->bias;
+  oc.input_is_parallel = 1;
+  oc.partition = k->out_part;
+  oc.seed = cfg->seed;
+  oc.device = cfg->device;
+  oc.device_id = cfg->device_id;
+  if (st == TP_SUCCESS) st = tp_parallel_linear_create_ids(&k->out, comm, &oc, 12, 13);
+  if (st == TP_SUCCESS && !cfg->attention_only) {
+    tp_mlp_config_t mc = TP_MLP_CONFIG_INITIALIZER;
+    mc.hidden = C;
+    mc.ffn_hidden = cfg->ffn_hidden;
+    mc.activation = cfg->activation;
+    mc.bias = cfg->bias;
+    mc.partition = cfg->ffn_partition;
+    mc.seed = cfg->seed + 100;
+    mc.device = cfg->device;
+    mc.device_id = cfg->device_id;
+    st = tp_parallel_mlp_create(&k->mlp, comm, &mc);
+  }
+  if (st != TP_SUCCESS) {
+    tp_error_prefix("block");
+    tp_block_destroy(k);
+    return st;
+  }
+  *out = k;
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_block_info(tp_block_t k, tp_block_info_t *info) {
+  if (!k || !info) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: NULL argument");
+  info->q0 = k->q0, info->nq = k->nq, info->k0 = k->k0, info->nk = k->nk;
+  info->cache_batch = k->cb, info->cache_len = k->clen;
+  info->kv_replicated = k->kv_replicated;
+  return TP_SUCCESS;
+}
+
+int tp_block_params(tp_block_t k, tp_param_t *out, int max) {
+  if (!k) return 0;
+  tp_linear_info_t o, f1, f2;
+  memset(&f1, 0, sizeof f1);
+  memset(&f2, 0, sizeof f2);
+  tp_parallel_linear_info(k->out, &o);
+  if (k->mlp) {
+    tp_parallel_linear_info(tp_parallel_mlp_layer(k->mlp, 0), &f1);
+    tp_parallel_linear_info(tp_parallel_mlp_layer(k->mlp, 1), &f2);
+  }
+  tp_param_t all[] = {
+      {"norm1.weight", k->n1w, k->dn1w, 1, k->C, 0},
+      {"norm1.bias", k->n1b, k->dn1b, 1, k->C, 0},
+      {"attn.qkv.weight", k->wqkv, k->dwqkv, 2, k->W, k->C},
+      {"attn.qkv.bias", k->bqkv, k->dbqkv, 1, k->W, 0},
+      {"attn.out.weight", o.weight, o.grad_weight, 2, o.weight_rows, o.weight_cols},
+      {"attn.out.bias", o.bias, o.grad_bias, 1, o.bias_len, 0},
+      {"norm2.weight", k->n2w, k->dn2w, 1, k->C, 0},
+      {"norm2.bias", k->n2b, k->dn2b, 1, k->C, 0},
+      {"mlp.fc1.weight", f1.weight, f1.grad_weight, 2, f1.weight_rows, f1.weight_cols},
+      {"mlp.fc1.bias", f1.bias, f1.grad_bias, 1, f1.bias_len, 0},
+      {"mlp.fc2.weight", f2.weight, f2.grad_weight, 2, f2.weight_rows, f2.weight_cols},
+      {"mlp.fc2.bias", f2.bias, f2.grad_bias, 1, f2.bias_len, 0},
+  };
+  int n = 0;
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+    if (!all[i].data || (k->cfg.attention_only && strncmp(all[i].name, "attn.", 5) != 0)) continue;
+    if (n < max) out[n] = all[i];
+    n++;
+  }
+  return n;
+}
+
+tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
+  if (!k) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: NULL argument");
+  /* max_len is the leading dimension of the attention's score GEMMs: a 32-bit int */
+  if (batch < 1 || batch > INT_MAX || max_len < 1 || max_len > INT_MAX)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: batch and max_len must be in [1, %d], got batch %lld "
+                        "and max_len %lld", INT_MAX, (long long)batch, (long long)max_len);
+  int64_t n;
+  if (!tp_numel3(batch, max_len, k->nk * k->D, &n))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: batch %lld x max_len %lld x %lld K/V values per "
+                        "token is too large: at most 2^40 elements", (long long)batch, (long long)max_len,
+                        (long long)(k->nk * k->D));
+  /* a new allocation of exactly the new size (the old one goes first), zeroed */
+  size_t total = 0;
+  tp_arena_add_n(&total, n, sizeof(float));
+  tp_arena_add_n(&total, n, sizeof(float));
+  tp_arena_release(&k->cache);
+  k->kc = k->vc = NULL, k->cb = k->clen = 0;
+  tp_status_t st = tp_arena_reserve(&k->cache, total, "block cache");
+  if (st == TP_SUCCESS) st = lk_zero(&k->lk, k->cache.base, total, NULL);
+  if (st != TP_SUCCESS) {
+    tp_arena_release(&k->cache);
+    return tp_set_error(TP_ERR_NOMEM, "block cache: out of memory for batch %lld x max_len %lld tokens (2 x %lld "
+                        "floats)", (long long)batch, (long long)max_len, (long long)n);
+  }
+  k->kc = tp_arena_take_n(&k->cache, n, sizeof(float));
+  k->vc = tp_arena_take_n(&k->cache, n, sizeof(float));
+  k->cb = batch, k->clen = max_len;
+  return TP_SUCCESS;
+}
+
+/* This forward's workspaces, one arena: activations for M rows, the positions of B
+ * sequences, the key mask, the attention probabilities (B x nq x T x T) and the KV
+ * snapshot when backward may follow, the attention kernels' scratch. */
+static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int use_cache, int need_backward) {
+  int64_t C = k->C, W = k->W, A = k->A;
+  float **f[] = {&k->xs, &k->s1, &k->h1, &k->s2, &k->n1, &k->n2, &k->mo, &k->dn, &k->dh, &k->dt,
+                 &k->qkv, &k->dqkv, &k->ao, &k->dao, &k->mean1, &k->rstd1, &k->mean2, &k->rstd2, &k->probs,
+                 &k->kvsnap};
+  int64_t nf[] = {M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * W, M * W, M * A, M * A,
+                  M, M, M, M, need_backward ? B * k->nq * T * T : 0, /* bounded by check_batch */
+                  need_backward && k->kv_replicated ? 2 * k->nk * k->D * (C + 1) : 0};
+  enum { NF = sizeof nf / sizeof nf[0] };
+  size_t abytes = tp_block_attention_workspace(k, B, T, use_cache, need_backward), total = 0;
+  for (int i = 0; i < NF; i++) tp_arena_add_n(&total, nf[i], sizeof(float));
+  tp_arena_add_n(&total, M, sizeof(int64_t));
+  tp_arena_add_n(&total, B, sizeof(int64_t));
+  tp_arena_add_n(&total, B, sizeof(int64_t));
+  tp_arena_add_n(&total, M, 1);
+  if (!tp_arena_add(&total, abytes))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: the attention workspace overflows a size");
+  TP_CHECK(tp_arena_reserve(&k->ws, total, "block"));
+  for (int i = 0; i < NF; i++) *f[i] = tp_arena_take_n(&k->ws, nf[i], sizeof(float));
+  k->pos = tp_arena_take_n(&k->ws, M, sizeof(int64_t));
+  k->pos0 = tp_arena_take_n(&k->ws, B, sizeof(int64_t));
+  k->klen = tp_arena_take_n(&k->ws, B, sizeof(int64_t));
+  k->mask = tp_arena_take_n(&k->ws, M, 1);
+  k->attn_ws = tp_arena_take(&k->ws, abytes);
+  k->attn_ws_bytes = abytes;
+  return TP_SUCCESS;
+}
+
+static tp_status_t norm_fwd(tp_block_t k, float *y, float *mean, float *rstd, const float *x, const float *w,
+                            const float *b, int64_t M, tp_stream_t s) {
+  if (k->cfg.norm == TP_NORM_RMS) return lk_rmsnorm_forward(&k->lk, y, rstd, x, w, M, k->C, k->cfg.eps, s);
+  return lk_layernorm_forward(&k->lk, y, mean, rstd, x, w, b, M, k->C, k->cfg.eps, s);
+}
+
+static tp_status_t norm_bwd(tp_block_t k, float *dx, float *dw, float *db, const float *dy, const float *x,
+                            const float *w, const float *mean, const float *rstd, int64_t M, tp_stream_t s) {
+  if (k->cfg.norm == TP_NORM_RMS) return lk_rmsnorm_backward(&k->lk, dx, dw, dy, x, w, rstd, M, k->C, s);
+  return lk_layernorm_backward(&k->lk, dx, dw, db, dy, x, w, mean, rstd, M, k->C, s);
+}
+
+/* The metadata of the batch onto the device: pos0 (host, or 0), then the positions of every
+ * row and the keys per sequence from it; the key mask. */
+static tp_status_t batch_metadata(tp_block_t k, const tp_block_batch_t *bt, int64_t B, int64_t T, tp_stream_t s) {
+  if (bt->pos0) TP_CHECK(tp_device_copy(k->dev, k->pos0, TP_DEVICE_CPU, bt->pos0, (size_t)B * sizeof(int64_t), s));
+  else TP_CHECK(lk_zero(&k->lk, k->pos0, (size_t)B * sizeof(int64_t), s));
+  TP_CHECK(lk_positions(&k->lk, k->pos, k->klen, k->pos0, B, T, s));
+  k->have_mask = bt->key_mask != NULL;
+  if (k->have_mask) TP_CHECK(tp_device_copy(k->dev, k->mask, TP_DEVICE_CPU, bt->key_mask, (size_t)(B * T), s));
+  return TP_SUCCESS;
+}
+
+static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp_block_batch_t *bt, tp_stream_t s) {
+  int64_t B = bt->B, T = bt->T, M = B * T, C = k->C;
+  size_t nb = (size_t)(M * C) * sizeof(float);
+  if (M == 0) B = T = 0; /* an empty batch (2^40 sequences of 0 tokens ...) needs no per-sequence workspace */
+  k->ready = 0;
+  tp_status_t st = workspaces(k, M, B, T, bt->use_cache, bt->need_backward);
+  if (st != TP_SUCCESS) {
+    tp_comm_abort(k->comm, tp_last_error()); /* the peers would wait in the all-reduce */
+    return st;
+  }
+  k->B = B, k->T = T;
+  TP_CHECK(batch_metadata(k, bt, B, T, s));
+  TP_CHECK(lk_copy(&k->lk, k->xs, x, nb, s));
+  TP_CHECK(tp_reg_ensure(k->comm, &k->red, nb, k->dev, k->dev_id)); /* backward's QKV input gradient */
+  float *r;
+  if (k->cfg.attention_only) {
+    TP_CHECK(tp_block_attention_forward(k, &r, k->xs, bt->use_cache, bt->need_backward, s));
+    TP_CHECK(lk_copy(&k->lk, y, r, nb, s));
+  } else if (k->cfg.pre_norm) {
+    TP_CHECK(norm_fwd(k, k->n1, k->mean1, k->rstd1, k->xs, k->n1w, k->n1b, M, s));
+    TP_CHECK(tp_block_attention_forward(k, &r, k->n1, bt->use_cache, bt->need_backward, s));
+    TP_CHECK(lk_add(&k->lk, k->h1, k->xs, r, M * C, s));
+    TP_CHECK(norm_fwd(k, k->n2, k->mean2, k->rstd2, k->h1, k->n2w, k->n2b, M, s));
+    TP_CHECK(tp_parallel_mlp_forward_raw(k->mlp, k->mo, k->n2, M, s));
+    TP_CHECK(lk_add(&k->lk, y, k->h1, k->mo, M * C, s));
+  } else {
+    TP_CHECK(tp_block_attention_forward(k, &r, k->xs, bt->use_cache, bt->need_backward, s));
+    TP_CHECK(lk_add(&k->lk, k->s1, k->xs, r, M * C, s));
+    TP_CHECK(norm_fwd(k, k->h1, k->mean1, k->rstd1, k->s1, k->n1w, k->n1b, M, s));
+    TP_CHECK(tp_parallel_mlp_forward_raw(k->mlp, k->mo, k->h1, M, s));
+    TP_CHECK(lk_add(&k->lk, k->s2, k->h1, k->mo, M * C, s));
+    TP_CHECK(norm_fwd(k, y, k->mean2, k->rstd2, k->s2, k->n2w, k->n2b, M, s));
+  }
+  k->ready = bt->need_backward;
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_block_forward(tp_block_t k, const tp_tensor *y, const tp_tensor *x, const tp_block_batch_t *bt,
+                             tp_stream_t stream) {
+  if (!k || !bt || !x || !y) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: NULL argument");
+  TP_CHECK(tp_block_check_batch(k, bt));
+  int64_t M = bt->B * bt->T; /* checked */
+  TP_CHECK(tp_check_matrix("block forward", "x", x, TP_FLOAT32, M, k->C, k->dev, k->dev_id, NULL));
+  TP_CHECK(tp_check_matrix("block forward", "y", y, TP_FLOAT32, M, k->C, k->dev, k->dev_id, NULL));
+  return forward_impl(k, y->data, x->data, bt, stream);
+}
+
+static tp_status_t backward_impl(tp_block_t k, float *dx, const float *dy, tp_stream_t s) {
+  int64_t M = k->B * k->T, C = k->C;
+  if (k->cfg.attention_only) {
+    TP_CHECK(lk_copy(&k->lk, k->dt, dy, (size_t)(M * C) * sizeof(float), s));
+    return tp_block_attention_backward(k, dx, k->dt, k->xs, s);
+  }
+  if (k->cfg.pre_norm) {
+    TP_CHECK(tp_parallel_mlp_backward_raw(k->mlp, k->dn, dy, M, s));                        /* d norm2 out */
+    TP_CHECK(norm_bwd(k, k->dt, k->dn2w, k->dn2b, k->dn, k->h1, k->n2w, k->mean2, k->rstd2, M, s));
+    TP_CHECK(lk_add(&k->lk, k->dh, dy, k->dt, M * C, s));                                   /* d h1 */
+    TP_CHECK(tp_block_attention_backward(k, k->dn, k->dh, k->n1, s));                       /* d norm1 out */
+    TP_CHECK(norm_bwd(k, k->dt, k->dn1w, k->dn1b, k->dn, k->xs, k->n1w, k->mean1, k->rstd1, M, s));
+    return lk_add(&k->lk, dx, k->dh, k->dt, M * C, s);
+  }
+  TP_CHECK(norm_bwd(k, k->dt, k->dn2w, k->dn2b, dy, k->s2, k->n2w, k->mean2, k->rstd2, M, s));   /* d s2 */
+  TP_CHECK(tp_parallel_mlp_backward_raw(k->mlp, k->dn, k->dt, M, s));
+  TP_CHECK(lk_add(&k->lk, k->dh, k->dt, k->dn, M * C, s));                                     /* d h1 */
+  TP_CHECK(norm_bwd(k, k->dt, k->dn1w, k->dn1b, k->dh, k->s1, k->n1w, k->mean1, k->rstd1, M, s)); /* d s1 */
+  TP_CHECK(tp_block_attention_backward(k, k->dn, k->dt, k->xs, s));
+  return lk_add(&k->lk, dx, k->dt, k->dn, M * C, s);
+}
+
+tp_status_t tp_block_backward(tp_block_t k, const tp_tensor *dx, const tp_tensor *dy, tp_stream_t stream) {
+  if (!k || !dx || !dy) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block backward: NULL argument");
+  if (!k->ready) return tp_set_error(TP_ERR_INVALID_USAGE, "block backward: called before forward (with need_backward)");
+  int64_t M = k->B * k->T, rows = 0;
+  TP_CHECK(tp_check_matrix("block backward", "dy", dy, TP_FLOAT32, -1, k->C, k->dev, k->dev_id, &rows));
+  if (rows != M)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block backward: dy has %lld rows but the last forward had %lld "
+                        "(B * T = %lld x %lld)", (long long)rows, (long long)M, (long long)k->B, (long long)k->T);
+  TP_CHECK(tp_check_matrix("block backward", "dx", dx, TP_FLOAT32, M, k->C, k->dev, k->dev_id, NULL));
+  return backward_impl(k, dx->data, dy->data, stream);
+}

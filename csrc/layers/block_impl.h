@@ -1,0 +1,68 @@
+/* Private side of the Transformer block: its handle, shared by block.c (create, params,
+ * forward/backward with norms, residuals and the MLP) and attention.c (QKV, RoPE, the
+ * KV cache, attention and the row-parallel output projection). */
+#ifndef TPCORE_BLOCK_IMPL_H
+#define TPCORE_BLOCK_IMPL_H
+
+#include "layer_kernels.h"
+
+struct tp_block {
+  tp_comm_t comm;
+  tp_block_config_t cfg;
+  int rank, world;
+  tp_device_t dev;
+  int dev_id;
+  tp_lk lk;                         /* the device's kernels */
+  int64_t C, D, H, Hk, group, q0, nq, k0, nk, W, A; /* W: qkv shard width, A: attention output width */
+  int kv_replicated;
+  int64_t *out_part;                /* [world] attention output columns per rank (nq x D; in the handle) */
+  /* parameters: one allocation (the output projection and the MLP own theirs) */
+  tp_arena_t params;
+  float *wqkv, *bqkv, *dwqkv, *dbqkv;
+  float *n1w, *n1b, *dn1w, *dn1b, *n2w, *n2b, *dn2w, *dn2b;
+  tp_parallel_linear_t out;         /* attention output projection: row parallel, input_is_parallel */
+  tp_parallel_mlp_t mlp;
+  /* workspaces of the last forward, carved from one arena */
+  tp_arena_t ws;
+  float *xs, *s1, *h1, *s2, *n1, *n2, *qkv, *ao, *mo;
+  float *mean1, *rstd1, *mean2, *rstd2;
+  float *probs;
+  float *dqkv, *dao, *dn, *dh, *dt, *kvsnap;
+  void *attn_ws;                    /* the attention kernels' scratch */
+  size_t attn_ws_bytes;
+  int64_t *pos, *pos0, *klen;       /* device: positions of the rows, first position and keys per sequence */
+  uint8_t *mask;                    /* device: the key mask of the last forward */
+  reg_buf red, kvred;
+  /* the last forward: rows, shape, whether backward may follow */
+  int64_t B, T;
+  int have_mask, ready;
+  /* KV cache [cb, clen, nk * D] each, one allocation */
+  tp_arena_t cache;
+  float *kc, *vc;
+  int64_t cb, clen;
+};
+
+/* attention.c */
+tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt);
+/* The attention kernels' scratch for a batch (forward, and backward when need_backward). */
+size_t tp_block_attention_workspace(tp_block_t k, int64_t B, int64_t T, int use_cache, int need_backward);
+/* attention on this rank's heads of in[M, C]; the all-reduced projection + bias is left in
+ * *r (the output projection's collective buffer, valid until its next call). */
+tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in, int use_cache, int keep,
+                                       tp_stream_t stream);
+/* dr[M, C] (the gradient at the attention's all-reduced output) -> din[M, C] (at its input,
+ * all-reduced); accumulates the gradients. */
+tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *dr, const float *in,
+                                        tp_stream_t stream);
+
+/* linear.c: the row-parallel (input_is_parallel) forward of the output projection that
+ * leaves y = all-reduce(x W_r^T) + b in the layer's collective buffer (*y): the GEMM
+ * writes there, the all-reduce runs in place, the bias is added in place after it. */
+tp_status_t tp_parallel_linear_forward_inbuf(tp_parallel_linear_t L, float **y, const float *x, int64_t M, int flags,
+                                             tp_stream_t stream);
+/* linear.c: create with the seeded-init tensor ids of the weight and the bias (the block's
+ * output projection keeps its own ids, 12 and 13, so its numbers stay those of before). */
+tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t comm, const tp_linear_config_t *cfg,
+                                          uint64_t weight_id, uint64_t bias_id);
+
+#endif

@@ -1,0 +1,215 @@
+/*
+ * The layers' data touches, one inline call each: every read or write of a layer's
+ * (device) data goes through here, so that the layers themselves keep only the
+ * algorithm and the collectives and never dereference a data pointer.  Copies and
+ * fills go through the device table (tp_device_copy / copy_2d / memset), the
+ * arithmetic and the checks that read data through the layer's kernel table
+ * (csrc/kernels/kernels_impl.h); a check's result is read back once.
+ * Every pointer lives on the layer's device (tp_lk.dev).
+ */
+#ifndef TPCORE_LAYER_KERNELS_H
+#define TPCORE_LAYER_KERNELS_H
+
+#include "../kernels/kernels_impl.h"
+#include "layers_impl.h"
+
+/* A layer's device and its kernel table, fixed at create. */
+typedef struct {
+  tp_device_t dev;
+  int id;
+  const tp_kernel_ops *k;
+} tp_lk;
+
+static inline tp_status_t tp_lk_init(tp_lk *c, const char *op, tp_device_t dev, int id) {
+  c->dev = dev;
+  c->id = id;
+  c->k = tp_kernels_of(dev);
+  if (!c->k)
+    return tp_set_error(TP_ERR_UNSUPPORTED, "%s: this build of tpcore has no kernels for %s", op, tp_device_name(dev));
+  return TP_SUCCESS;
+}
+
+/* ------------------------------------------------------------- copies, fills */
+
+static inline tp_status_t lk_copy(const tp_lk *c, void *dst, const void *src, size_t nbytes, tp_stream_t s) {
+  return tp_device_copy(c->dev, dst, c->dev, src, nbytes, s);
+}
+/* rows x cols floats: dst row r at dst + r * dld, src row r at src + r * sld (elements). */
+static inline tp_status_t lk_copy_rows(const tp_lk *c, float *dst, int64_t dld, const float *src, int64_t sld,
+                                       int64_t rows, int64_t cols, tp_stream_t s) {
+  if (rows <= 0 || cols <= 0) return TP_SUCCESS;
+  return tp_device_copy_2d(c->dev, dst, (size_t)dld * sizeof(float), c->dev, src, (size_t)sld * sizeof(float),
+                           (size_t)cols * sizeof(float), (size_t)rows, s);
+}
+static inline tp_status_t lk_zero(const tp_lk *c, void *dst, size_t nbytes, tp_stream_t s) {
+  return tp_device_memset(c->dev, dst, 0, nbytes, s);
+}
+/* n int64 of device memory into host memory, the stream waited for: a check's result. */
+static inline tp_status_t lk_read_i64(const tp_lk *c, int64_t *host, const int64_t *src, int64_t n, tp_stream_t s) {
+  TP_CHECK(tp_device_copy(TP_DEVICE_CPU, host, c->dev, src, (size_t)n * sizeof(int64_t), s));
+  return tp_device_sync(c->dev, c->id, s);
+}
+static inline tp_status_t lk_fill(const tp_lk *c, float *y, float value, int64_t n, tp_stream_t s) {
+  return n > 0 ? c->k->fill(s, y, value, n) : TP_SUCCESS;
+}
+static inline tp_status_t lk_init_uniform(const tp_lk *c, float *y, int64_t n, uint64_t seed, uint64_t tensor,
+                                          uint64_t index0, float bound, tp_stream_t s) {
+  return n > 0 ? c->k->init_uniform(s, y, n, seed, tensor, index0, bound) : TP_SUCCESS;
+}
+static inline tp_status_t lk_init_normal(const tp_lk *c, float *y, int64_t n, uint64_t seed, uint64_t tensor,
+                                         uint64_t index0, tp_stream_t s) {
+  return n > 0 ? c->k->init_normal(s, y, n, seed, tensor, index0) : TP_SUCCESS;
+}
+
+/* ------------------------------------------------------------------- linear */
+
+static inline tp_status_t lk_linear_forward(const tp_lk *c, float *y, const float *x, const float *w, const float *b,
+                                            int64_t M, int64_t K, int64_t N, tp_stream_t s) {
+  return c->k->linear_forward(s, y, x, w, b, M, K, N);
+}
+static inline tp_status_t lk_linear_backward(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
+                                             const float *x, const float *w, int64_t M, int64_t K, int64_t N,
+                                             tp_stream_t s) {
+  return c->k->linear_backward(s, dx, dw, db, dy, x, w, M, K, N, 0);
+}
+/* y[M, N] = r + b per row (b NULL: a copy of r; y may be r). */
+static inline tp_status_t lk_add_bias_rows(const tp_lk *c, float *y, const float *r, const float *b, int64_t M,
+                                           int64_t N, tp_stream_t s) {
+  if (!b) return lk_copy(c, y, r, (size_t)(M * N) * sizeof(float), s);
+  return M > 0 && N > 0 ? c->k->add_bias(s, y, r, b, M, N) : TP_SUCCESS;
+}
+/* y[n] = a + b, y[n] = a - b (y may alias a or b) */
+static inline tp_status_t lk_add(const tp_lk *c, float *y, const float *a, const float *b, int64_t n, tp_stream_t s) {
+  return n > 0 ? c->k->add(s, y, a, b, n) : TP_SUCCESS;
+}
+static inline tp_status_t lk_sub(const tp_lk *c, float *y, const float *a, const float *b, int64_t n, tp_stream_t s) {
+  return n > 0 ? c->k->sub(s, y, a, b, n) : TP_SUCCESS;
+}
+
+static inline tp_status_t lk_bias_act_forward(const tp_lk *c, float *out, float *h, const float *b, int64_t M,
+                                              int64_t F, tp_activation_t act, tp_stream_t s) {
+  return c->k->bias_act_forward(s, out, h, b, M, F, act);
+}
+static inline size_t lk_bias_act_backward_workspace(const tp_lk *c, int64_t M, int64_t F, tp_activation_t act) {
+  return c->k->bias_act_backward_workspace(M, F, act);
+}
+static inline tp_status_t lk_bias_act_backward(const tp_lk *c, float *dh, float *db, const float *h,
+                                               const float *dout, int64_t M, int64_t F, tp_activation_t act,
+                                               void *ws, size_t wsb, tp_stream_t s) {
+  return c->k->bias_act_backward(s, dh, db, h, dout, M, F, act, ws, wsb);
+}
+
+/* ------------------------------------------------------- norms, RoPE, attention */
+
+static inline tp_status_t lk_layernorm_forward(const tp_lk *c, float *y, float *mean, float *rstd, const float *x,
+                                               const float *w, const float *b, int64_t M, int64_t C, float eps,
+                                               tp_stream_t s) {
+  return c->k->layernorm_forward(s, y, mean, rstd, x, w, b, M, C, eps);
+}
+static inline tp_status_t lk_layernorm_backward(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
+                                                const float *x, const float *w, const float *mean, const float *rstd,
+                                                int64_t M, int64_t C, tp_stream_t s) {
+  return c->k->layernorm_backward(s, dx, dw, db, dy, x, w, mean, rstd, M, C);
+}
+static inline tp_status_t lk_rmsnorm_forward(const tp_lk *c, float *y, float *rstd, const float *x, const float *w,
+                                             int64_t M, int64_t C, float eps, tp_stream_t s) {
+  return c->k->rmsnorm_forward(s, y, rstd, x, w, M, C, eps);
+}
+static inline tp_status_t lk_rmsnorm_backward(const tp_lk *c, float *dx, float *dw, const float *dy, const float *x,
+                                              const float *w, const float *rstd, int64_t M, int64_t C, tp_stream_t s) {
+  return c->k->rmsnorm_backward(s, dx, dw, dy, x, w, rstd, M, C);
+}
+static inline tp_status_t lk_rope(const tp_lk *c, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D,
+                                  const int64_t *pos, float theta, int inverse, tp_stream_t s) {
+  return rows > 0 ? c->k->rope(s, x, rows, ld, heads, D, pos, theta, inverse) : TP_SUCCESS;
+}
+/* pos[b * T + t] = pos0[b] + t, klen[b] = pos0[b] + T */
+static inline tp_status_t lk_positions(const tp_lk *c, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B,
+                                       int64_t T, tp_stream_t s) {
+  return B > 0 ? c->k->positions(s, pos, klen, pos0, B, T) : TP_SUCCESS;
+}
+/* K/V rows of a step into the cache at pos0[b] + t (width floats each). */
+static inline tp_status_t lk_kv_cache_write(const tp_lk *c, float *kc, float *vc, const float *k, const float *v,
+                                            int64_t ld, const int64_t *pos0, int64_t B, int64_t T, int64_t max_len,
+                                            int64_t width, tp_stream_t s) {
+  return B > 0 && T > 0 && width > 0 ? c->k->kv_cache_write(s, kc, vc, k, v, ld, pos0, B, T, max_len, width)
+                                     : TP_SUCCESS;
+}
+static inline size_t lk_attention_workspace(const tp_lk *c, const tp_attention_args *a, int backward) {
+  return c->k->attention_workspace(a, backward);
+}
+static inline tp_status_t lk_attention_forward(const tp_lk *c, const tp_attention_args *a, void *ws, size_t wsb,
+                                               tp_stream_t s) {
+  return c->k->attention_forward(s, a, ws, wsb);
+}
+static inline tp_status_t lk_attention_backward(const tp_lk *c, const tp_attention_args *a, float *dq, float *dk,
+                                                float *dv, const float *dout, void *ws, size_t wsb, tp_stream_t s) {
+  return c->k->attention_backward(s, a, dq, dk, dv, dout, ws, wsb);
+}
+
+/* ------------------------------------------------------------- vocab pieces */
+
+/* The first id outside [lo, hi): bad[0] = its index (-1: none), bad[1] = its value.  flag:
+ * one int64 of device scratch the check writes, read back once (and the bad id after it). */
+static inline tp_status_t lk_find_out_of_range(const tp_lk *c, int64_t *flag, int64_t bad[2], const int64_t *ids,
+                                               int64_t M, int64_t lo, int64_t hi, tp_stream_t s) {
+  bad[0] = -1, bad[1] = 0;
+  if (M <= 0) return TP_SUCCESS;
+  TP_CHECK(c->k->check_range(s, flag, ids, M, lo, hi));
+  TP_CHECK(lk_read_i64(c, bad, flag, 1, s));
+  if (bad[0] >= 0) TP_CHECK(lk_read_i64(c, bad + 1, ids + bad[0], 1, s));
+  return TP_SUCCESS;
+}
+static inline tp_status_t lk_embedding_forward(const tp_lk *c, float *out, const int64_t *tokens, const float *table,
+                                               int64_t M, int64_t lo, int64_t V, int64_t C, tp_stream_t s) {
+  return M > 0 ? c->k->embedding_forward(s, out, tokens, table, M, lo, V, C) : TP_SUCCESS;
+}
+static inline tp_status_t lk_embedding_backward(const tp_lk *c, float *dtable, const int64_t *tokens,
+                                                const float *dout, int64_t M, int64_t lo, int64_t V, int64_t C,
+                                                tp_stream_t s) {
+  return M > 0 ? c->k->embedding_backward(s, dtable, tokens, dout, M, lo, V, C) : TP_SUCCESS;
+}
+/* fp[0] = the 24-bit fingerprint of (targets, ignore_index), fp[1] = -fp[0] (device memory) */
+static inline tp_status_t lk_targets_hash(const tp_lk *c, float *fp, const int64_t *t, int64_t M,
+                                          int64_t ignore_index, tp_stream_t s) {
+  return c->k->xent_targets_hash(s, fp, t, M, ignore_index);
+}
+/* tg[m] = targets[m], or -1 where it equals ignore_index; res = [first row whose target is
+ * outside [0, total) (-1: none), its target, rows not ignored] (flag: 2 int64 of device
+ * scratch, read back once). */
+static inline tp_status_t lk_xent_targets(const tp_lk *c, int64_t *tg, int64_t *flag, int64_t res[3],
+                                          const int64_t *targets, int64_t M, int64_t ignore_index, int64_t total,
+                                          tp_stream_t s) {
+  res[0] = -1, res[1] = 0, res[2] = 0;
+  if (M <= 0) return TP_SUCCESS;
+  int64_t r[2];
+  TP_CHECK(c->k->xent_targets(s, tg, flag, targets, M, ignore_index, total));
+  TP_CHECK(lk_read_i64(c, r, flag, 2, s));
+  res[0] = r[0], res[2] = r[1];
+  if (r[0] >= 0) TP_CHECK(lk_read_i64(c, res + 1, targets + r[0], 1, s));
+  return TP_SUCCESS;
+}
+static inline tp_status_t lk_xent_row_max(const tp_lk *c, float *rowmax, const float *logits, int64_t M, int64_t V,
+                                          tp_stream_t s) {
+  return M > 0 ? c->k->xent_row_max(s, rowmax, logits, M, V) : TP_SUCCESS;
+}
+static inline tp_status_t lk_xent_row_sums(const tp_lk *c, float *sums, const float *logits, const float *gmax,
+                                           const int64_t *tg, int64_t M, int64_t lo, int64_t V, tp_stream_t s) {
+  return M > 0 ? c->k->xent_row_sums(s, sums, logits, gmax, tg, M, lo, V) : TP_SUCCESS;
+}
+static inline tp_status_t lk_xent_losses(const tp_lk *c, float *losses, const float *sumexp, const float *gmax,
+                                         const float *tl, const int64_t *tg, int64_t M, tp_stream_t s) {
+  return M > 0 ? c->k->xent_loss(s, losses, sumexp, gmax, tl, tg, M) : TP_SUCCESS;
+}
+static inline tp_status_t lk_xent_row_scale(const tp_lk *c, float *rs, const int64_t *tg, const float *dloss,
+                                            int64_t M, tp_stream_t s) {
+  return M > 0 ? c->k->xent_row_scale(s, rs, tg, dloss, M) : TP_SUCCESS;
+}
+static inline tp_status_t lk_xent_backward(const tp_lk *c, float *dlogits, const float *logits, const float *gmax,
+                                           const float *sumexp, const int64_t *tg, const float *rs, float scale,
+                                           int64_t M, int64_t lo, int64_t V, tp_stream_t s) {
+  return M > 0 && V > 0 ? c->k->xent_backward(s, dlogits, logits, gmax, sumexp, tg, rs, scale, M, lo, V)
+                        : TP_SUCCESS;
+}
+
+#endif
