@@ -199,6 +199,46 @@ def test_partition():
         tpcore.partition(10, 2, weights=[1, -1])
 
 
+def _reference_partition(n, world, weights, align):
+    """The split as the docs state it, written here independently of tp_partition:
+    even (first ranks one unit more), or largest remainders of units * w / sum(w)."""
+    units = n // align
+    if weights is None:
+        counts = [units // world + (r < units % world) for r in range(world)]
+    else:
+        total = 0.0
+        for x in weights:  # left to right, as tp_partition (not math.fsum)
+            total += x
+        exact = [units * x / total for x in weights]
+        counts = [int(np.floor(e)) for e in exact]
+        rest = units - sum(counts)
+        order = sorted(range(world), key=lambda r: (-(exact[r] - counts[r]), r))
+        for r in order[:rest]:
+            counts[r] += 1
+    return [c * align for c in counts]
+
+
+def test_partition_matches_reference_on_random_cases():
+    """tpcore.partition is the C core's tp_partition (the layers' split); on random sizes,
+    worlds, aligns and weights it equals the reference, tiles [0, n) and keeps align."""
+    rng = np.random.default_rng()
+    for _ in range(3000):
+        world = int(rng.integers(1, 9))
+        align = int(rng.choice([1, 1, 2, 3, 8, 64]))
+        n = align * int(rng.integers(0, 10 ** int(rng.integers(1, 7))))
+        weights = None if rng.random() < 0.3 else [float(x) for x in rng.choice([0.0, 0.3, 1.0, 1.7, 2.5, 1e-3], world)]
+        if weights is not None and sum(weights) <= 0:
+            weights[0] = 1.0
+        p = tpcore.partition(n, world, weights=weights, align=align)
+        sizes = [s for _, s in p]
+        assert sizes == _reference_partition(n, world, weights, align), (n, world, weights, align)
+        assert [o for o, _ in p] == [sum(sizes[:r]) for r in range(world)] and sum(sizes) == n
+        assert all(s % align == 0 and s >= 0 for s in sizes)
+    assert tpcore.partition(2**63 - 1, 3)[-1][1] == (2**63 - 1) // 3
+    with pytest.raises(ValueError, match="n must be"):
+        tpcore.partition(2**63, 2)
+
+
 def _disagreeing_partitions(comm):
     part = [3, 1] if comm.rank == 0 else [2, 2]
     try:

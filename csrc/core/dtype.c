@@ -87,6 +87,7 @@ int64_t tp_tensor_numel(const tp_tensor *t) {
 }
 
 int tp_tensor_is_contiguous(const tp_tensor *t) {
+  if (tp_tensor_numel(t) == 0) return 1; /* no element to place (NumPy: an empty array is contiguous) */
   int64_t expect = 1;
   for (int i = t->ndim - 1; i >= 0; i--) {
     if (t->shape[i] != 1 && t->strides[i] != expect) return 0;

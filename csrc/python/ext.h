@@ -188,5 +188,6 @@ PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *
 /* ----------------------------------------------------------------- kernels.c */
 
 extern PyMethodDef kernel_methods[]; /* added to the module by module.c */
+extern PyMethodDef partition_methods[]; /* likewise (partition.c) */
 
 #endif /* TPCORE_PYTHON_EXT_H */

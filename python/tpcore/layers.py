@@ -37,15 +37,12 @@ def partition(n: int, world: int, weights: Optional[Sequence[float]] = None, ali
     measured device speeds or memory) give slices proportional to them, for
     mismatched devices; align keeps every slice a whole number of units (heads,
     GEMM-friendly multiples), n must then be a multiple of align."""
-    n = int_arg(n, "partition", "n", lo=0)
-    world = int_arg(world, "partition", "world", lo=1)
-    align = int_arg(align, "partition", "align", lo=1)
+    n = int_arg(n, "partition", "n", lo=0, hi=2**63 - 1)
+    world = int_arg(world, "partition", "world", lo=1, hi=2**20)
+    align = int_arg(align, "partition", "align", lo=1, hi=2**63 - 1)
     if n % align:
         raise ValueError(f"partition: n={n} is not a multiple of align={align}")
-    units = n // align
-    if weights is None:
-        counts = [units // world + (1 if r < units % world else 0) for r in range(world)]
-    else:
+    if weights is not None:
         if isinstance(weights, (str, bytes)) or not hasattr(weights, "__iter__") or \
                 not all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
                         for x in weights):
@@ -54,16 +51,13 @@ def partition(n: int, world: int, weights: Optional[Sequence[float]] = None, ali
         if len(w) != world or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
             raise ValueError(f"partition: weights must be {world} finite non-negative numbers with a positive sum, "
                              f"got {list(weights)}")
-        total = sum(w)
-        exact = [units * x / total for x in w]
-        counts = [int(math.floor(e)) for e in exact]
-        # hand the remaining units to the largest remainders (ties: lower rank)
-        for r in sorted(range(world), key=lambda r: (-(exact[r] - counts[r]), r))[: units - sum(counts)]:
-            counts[r] += 1
+    # the split itself is the C core's (tp_partition, include/tpcore/partition.h): one
+    # implementation for the layers in C and for this function
+    sizes = _C.partition(n, world, None if weights is None else w, align)
     out, off = [], 0
-    for c in counts:
-        out.append((off, c * align))
-        off += c * align
+    for s in sizes:
+        out.append((off, s))
+        off += s
     return out
 
 
