@@ -33,3 +33,7 @@ void tp_backend_names(char *buf, size_t n) {
   for (size_t i = 0; i < NUM_BACKENDS && len < n; i++)
     len += (size_t)snprintf(buf + len, n - len, "%s%s", i ? ", " : "", backends[i].name);
 }
+
+const char *tp_comm_backend_name(int index) {
+  return index >= 0 && (size_t)index < NUM_BACKENDS ? backends[index].name : NULL;
+}

@@ -57,7 +57,7 @@ static inline tp_status_t tp_arena_reserve(tp_arena_t *a, size_t total, const ch
   void *p;
   tp_status_t st = tp_device_alloc(a->device, a->device_id, total ? total : TP_DEVICE_ALIGN, &p);
   if (st != TP_SUCCESS) {
-    tp_error_prefix("%s: workspace of %zu bytes", what, total);
+    tp_error_prefix("%s (%zu bytes)", what, total);
     return st;
   }
   a->base = p;

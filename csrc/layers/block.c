@@ -51,7 +51,12 @@ static tp_status_t make_params(tp_block_t k) {
   size_t total = 0;
   int64_t n[12] = {W * C, b ? W : 0, W * C, b ? W : 0, C, nb ? C : 0, C, nb ? C : 0, C, nb ? C : 0, C, nb ? C : 0};
   for (int i = 0; i < 12; i++) tp_arena_add_n(&total, n[i], sizeof(float)); /* bounded by check_config */
-  TP_CHECK(tp_arena_reserve(&k->params, total, "block: parameters"));
+  tp_status_t st = tp_arena_reserve(&k->params, total, "parameters");
+  if (st == TP_ERR_NOMEM) /* block_create prefixes "block" */
+    return tp_set_error(st, "out of memory for the parameters (a QKV shard of %lld x %lld floats, the norms and "
+                        "their gradients: %zu bytes of %s memory)", (long long)W, (long long)C, total,
+                        tp_device_name(k->params.device));
+  TP_CHECK(st);
   float **p[12] = {&k->wqkv, &k->bqkv, &k->dwqkv, &k->dbqkv, &k->n1w, &k->n1b,
                    &k->dn1w, &k->dn1b, &k->n2w, &k->n2b, &k->dn2w, &k->dn2b};
   for (int i = 0; i < 12; i++) {

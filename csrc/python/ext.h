@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "tpcore/comm.h"
+#include "tpcore/device.h"
 #include "tpcore/kernels.h"
 #include "tpcore/layers.h"
 

@@ -15,9 +15,35 @@
 #define TPCORE_EXT_IMPORT_ARRAY /* this file runs import_array() */
 #include "ext.h"
 
+/* The names the registries list: backends (comm/backends.c) and the device types whose
+ * tables this process can use (devices/device.c). */
+static PyObject *registry_names(int devices) {
+  PyObject *list = PyList_New(0);
+  for (int i = 0; list; i++) {
+    const char *name = NULL;
+    if (devices) {
+      if (i >= TP_NUM_DEVICE_TYPES) break;
+      if (!tp_device_available((tp_device_t)i)) continue;
+      name = tp_device_name((tp_device_t)i);
+    } else if (!(name = tp_comm_backend_name(i))) {
+      break;
+    }
+    PyObject *s = PyUnicode_FromString(name);
+    if (!s || PyList_Append(list, s) < 0) Py_CLEAR(list);
+    Py_XDECREF(s);
+  }
+  return list;
+}
+
 static PyObject *build_info(PyObject *m, PyObject *unused) {
-  return Py_BuildValue("{s:s,s:[s],s:s,s:s,s:s}", "version", TPCORE_VERSION_STR, "backends", "shm",
-                       "sanitize", TPCORE_SANITIZE_STR, "build", TPCORE_BUILD_STR, "blas", tp_blas_info());
+  PyObject *backends = registry_names(0), *devices = registry_names(1);
+  if (!backends || !devices) {
+    Py_XDECREF(backends);
+    Py_XDECREF(devices);
+    return NULL;
+  }
+  return Py_BuildValue("{s:s,s:N,s:N,s:s,s:s,s:s}", "version", TPCORE_VERSION_STR, "backends", backends, "devices",
+                       devices, "sanitize", TPCORE_SANITIZE_STR, "build", TPCORE_BUILD_STR, "blas", tp_blas_info());
 }
 
 static PyObject *set_num_threads(PyObject *m, PyObject *arg) {

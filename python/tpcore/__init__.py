@@ -56,11 +56,7 @@ _BACKENDS = ("auto", "shm")
 def build_info() -> dict:
     """What this build of the C core contains: version, backends, devices (those whose
     tensors tpcore takes; "cpu" always), sanitizers, BLAS."""
-    info = _C.build_info()
-    if "devices" not in info:  # an extension that does not list them has the CPU only
-        from ._array import build_devices
-        info["devices"] = list(build_devices())
-    return info
+    return _C.build_info()
 
 
 def set_num_threads(n: int) -> None:

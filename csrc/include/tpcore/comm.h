@@ -142,6 +142,10 @@ typedef struct {
 } tp_comm_stats_t;
 TP_API tp_status_t tp_comm_get_stats(tp_comm_t comm, tp_comm_stats_t *stats);
 
+/* The backends of this build, in registry order (the first is the default):
+ * index 0, 1, ... until NULL. */
+TP_API const char *tp_comm_backend_name(int index);
+
 #ifdef __cplusplus
 }
 #endif
