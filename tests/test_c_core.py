@@ -37,12 +37,12 @@ def build_and_run(tmp_path, sanitize):
 
 def test_c_core(tmp_path):
     out = build_and_run(tmp_path, sanitize=False)
-    assert "24 passed" in out and "12 passed" in out  # test_layers: 10 + the sizes cases at world 1 and 2
+    assert "32 passed" in out and "12 passed" in out  # test_layers: 10 + the sizes cases at world 1 and 2
 
 
 def test_c_core_under_asan_ubsan(tmp_path):
     out = build_and_run(tmp_path, sanitize=True)
-    assert "24 passed" in out and "12 passed" in out  # test_layers: 10 + the sizes cases at world 1 and 2
+    assert "32 passed" in out and "12 passed" in out  # test_layers: 10 + the sizes cases at world 1 and 2
 
 
 def test_python_headers_only_in_the_extension():
