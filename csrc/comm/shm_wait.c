@@ -154,7 +154,10 @@ static const char *what_text(const shm_ctx *c, const char *what, char *buf, size
 
 static void note_contention(shm_ctx *c, double now) {
   /* Seen again soon after the last hold ended: the load persists, hold longer. */
-  c->hold_s = now - c->contended_until < c->hold_s ? (2 * c->hold_s < HOLD_MAX_S ? 2 * c->hold_s : HOLD_MAX_S) : HOLD_MIN_S;
+  if (now - c->contended_until < c->hold_s)
+    c->hold_s = 2 * c->hold_s < HOLD_MAX_S ? 2 * c->hold_s : HOLD_MAX_S;
+  else
+    c->hold_s = HOLD_MIN_S;
   c->contended_until = now + c->hold_s;
   c->contentions++;
 }
