@@ -98,18 +98,32 @@ static tp_status_t name_taken(shm_ctx *c, double deadline, int *retry) {
                                     : MAP_FAILED;
   close(fd);
   int ready = h != MAP_FAILED && __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC;
-  if (ready && (atomic_load(&h->closing) || atomic_load(&h->abort_state))) {
-    munmap(h, sizeof *h);
-    if (tp_now() > deadline)
+  int mine = ready && h->creator_pid == getpid() && h->creator_start == tp_shm_proc_starttime(getpid(), NULL);
+  /* Passing: still being set up by the process that holds it (it sets the magic
+   * within microseconds), a communicator of this id being closed, or the name of
+   * a job of one rank, which goes as soon as its rank is in (jobs of one rank
+   * have nobody to mix with, so they may share an id).  Look again shortly. */
+  int setting_up = !ready;
+  int closing = ready && (atomic_load(&h->closing) || atomic_load(&h->abort_state));
+  int solo = ready && !mine && h->world == 1 && c->comm->size == 1;
+  if (setting_up || closing || solo) {
+    if (h != MAP_FAILED) munmap(h, sizeof *h);
+    if (tp_now() > deadline) {
+      if (closing)
+        return tp_set_error(TP_ERR_TIMEOUT,
+                            "rank 0 timed out waiting for the previous communicator of job '%s' to be "
+                            "closed by all its ranks (shared-memory segment %s is still in use)",
+                            c->comm->job_id, c->name);
       return tp_set_error(TP_ERR_TIMEOUT,
-                          "rank 0 timed out waiting for the previous communicator of job '%s' to be "
-                          "closed by all its ranks (shared-memory segment %s is still in use)",
-                          c->comm->job_id, c->name);
+                          "rank 0 timed out waiting for shared-memory segment %s of job '%s', held by "
+                          "another process, to be %s", c->name, c->comm->job_id,
+                          setting_up ? "set up" : "released by its job of one rank");
+    }
     usleep(1000);
     *retry = 1;
     return TP_SUCCESS;
   }
-  if (ready && h->creator_pid == getpid() && h->creator_start == tp_shm_proc_starttime(getpid(), NULL)) {
+  if (mine) {
     munmap(h, sizeof *h);
     return tp_set_error(TP_ERR_INVALID_USAGE,
                         "this process already has a communicator of job '%s' (shared-memory segment %s): "

@@ -19,20 +19,22 @@
  * So the default wait adapts (after Open MPI's yield-when-idle and the
  * adaptive mutexes of glibc), deciding from what this rank sees of its own core:
  *   - Spin (pause loop) up to the budget (1 ms), reading the clock every 64
- *     pauses.  A gap of more than 30 us between two readings means this rank
- *     was taken off its core: the core is contended.
+ *     pauses.  A gap of more than 200 us between two readings means this rank
+ *     was taken off its core for a time slice: the core is contended.  (An
+ *     interrupt or a kernel thread takes microseconds, a busy process a slice
+ *     of 0.75-3 ms.)
  *   - 50 us into a spin, and every 200 us after, a probe: one sched_yield(),
  *     timed.  On a core nobody else wants it returns in about a microsecond
- *     and the spin goes on; if it took more than 30 us another process ran on
+ *     and the spin goes on; if it took more than 200 us another process ran on
  *     this core: contended.  Waits shorter than 50 us (quiet all_reduce
  *     latency) never probe, so the quiet path is the plain spin it was.
  *   - Contended: this wait goes to sleep on the futex at once, and so do the
- *     communicator's waits for a hold time (no spin: measured under that load,
- *     sleeping at once gave 3.5 us per call, close to the quiet figure).  The hold starts at
- *     20 ms and doubles, up to 1 s, each time contention is seen again soon
- *     after the last hold ended; so on a machine that stays busy the probing
- *     wait (which may lose a time slice) comes once a second, and on a machine
- *     that turns quiet the full spin is back within a second.
+ *     communicator's waits for a hold time (no spin: measured under that
+ *     load, sleeping at once gave 3.5 us per call against 581 us spinning).
+ *     The hold starts at 50 ms and grows 4x, up to 1 s, each time contention
+ *     is seen again soon after the last hold ended; so on a machine that stays
+ *     busy the probing wait (which may lose a time slice) comes once a second,
+ *     and on a machine that turns quiet the full spin is back within a second.
  * With more ranks than cores the ranks compete with each other: no spin, a
  * sched_yield loop of 100 us (TPCORE_YIELD_US) that hands the core to the rank
  * waited for, then the futex.  An explicit spin time (config spin_us >= 0 or
@@ -146,15 +148,21 @@ static const char *what_text(const shm_ctx *c, const char *what, char *buf, size
 
 #define PROBE_FIRST_S 50e-6     /* first sched_yield probe of a spin */
 #define PROBE_EVERY_S 200e-6    /* later probes */
-#define OFF_CORE_S 30e-6        /* a gap this long: another process had the core */
-#define HOLD_MIN_S 0.02
+/* A gap this long: another process had the core.  An interrupt or a kernel
+ * thread takes microseconds to tens of them; a busy process takes a time slice
+ * (0.75-3 ms). */
+#define OFF_CORE_S 200e-6
+#define HOLD_MIN_S 0.05
 #define HOLD_MAX_S 1.0
 
 #define REACHED(w, t) reached(atomic_load_explicit((w), memory_order_acquire), (t))
 
 static void note_contention(shm_ctx *c, double now) {
   /* Seen again soon after the last hold ended: the load persists, hold longer. */
-  c->hold_s = now - c->contended_until < c->hold_s ? (2 * c->hold_s < HOLD_MAX_S ? 2 * c->hold_s : HOLD_MAX_S) : HOLD_MIN_S;
+  if (now - c->contended_until < c->hold_s)
+    c->hold_s = 4 * c->hold_s < HOLD_MAX_S ? 4 * c->hold_s : HOLD_MAX_S;
+  else
+    c->hold_s = HOLD_MIN_S;
   c->contended_until = now + c->hold_s;
   c->contentions++;
 }
