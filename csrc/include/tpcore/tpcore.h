@@ -100,7 +100,7 @@ typedef struct {
   int device_id;
 } tp_tensor;
 
-TP_API int64_t tp_tensor_numel(const tp_tensor *t); /* -1: a negative dimension, or past int64 */
+TP_API int64_t tp_tensor_numel(const tp_tensor *t); /* -1: ndim outside [0, TP_MAX_DIMS], a negative dimension, or past int64 */
 TP_API int tp_tensor_is_contiguous(const tp_tensor *t);
 
 /* A C-contiguous view of host memory: tp_tensor_2d(x, TP_FLOAT32, M, K). */
