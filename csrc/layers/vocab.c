@@ -338,8 +338,8 @@ tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t X, const tp_tensor *losses, co
                         logits->ndim);
   int64_t M = logits->shape[0], V = logits->shape[1], nel;
   if (M < 0 || V < 0 || !tp_numel2(M, V, &nel) || M > INT_MAX / 4)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: %lld rows x %lld columns is out of range",
-                        (long long)M, (long long)V);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: logits of %lld rows x %lld columns is out of "
+                        "range", (long long)M, (long long)V);
   TP_CHECK(tp_check_matrix(op, "logits", logits, TP_FLOAT32, M, V, X->dev, X->dev_id, NULL));
   TP_CHECK(tp_check_vector(op, "targets", targets, TP_INT64, M, X->dev, X->dev_id, NULL));
   TP_CHECK(tp_check_vector(op, "losses", losses, TP_FLOAT32, M, X->dev, X->dev_id, NULL));
