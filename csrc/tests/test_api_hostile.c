@@ -954,6 +954,10 @@ static void test_vocab(tp_comm_t comm) {
   tp_tensor lg = T2(logits, M, V), tg = I1(tok, M), ls = T1(losses, M), dlg = T2(dl, M, V), dls = T1(dloss, M);
   BAD(tp_vocab_xent_backward(x, &dlg, &dls, 1.0f, NULL), ANY_ERR, "cross-entropy backward", "forward");
   layer_variants("cross-entropy forward", "logits", x, 11, lg, &ls, &tg, __LINE__);
+  ARG(tp_vocab_xent_forward(x, &ls, P(T2(logits, -1, V)), &tg, -1, -100, NULL, NULL, NULL), "cross-entropy forward",
+      "logits");
+  ARG(tp_vocab_xent_forward(x, &ls, P(T2(logits, M, INT64_MAX)), &tg, -1, -100, NULL, NULL, NULL),
+      "cross-entropy forward", "logits");
   layer_variants("cross-entropy forward", "targets", x, 12, tg, &ls, &lg, __LINE__);
   layer_variants("cross-entropy forward", "losses", x, 13, ls, &lg, &tg, __LINE__);
   ARG(tp_vocab_xent_forward(x, &ls, &lg, P(I1(tok, M + 1)), -1, -100, NULL, NULL, NULL), "cross-entropy forward",
