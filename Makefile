@@ -52,8 +52,10 @@ $(BUILD)/test_layers: csrc/tests/test_layers.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
 # Hostile arguments to every public entry of the tensor + stream API.
-$(BUILD)/test_api_hostile: csrc/tests/test_api_hostile.c $(BUILD)/libtpcore.a
-	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+HTEST_SRC := $(wildcard csrc/tests/test_api_hostile*.c)
+
+$(BUILD)/test_api_hostile: $(HTEST_SRC) csrc/tests/test_api_hostile.h $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $(HTEST_SRC) -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
 # The kernel parity harness: every entry of every kernel table against references.
 KTEST_SRC := $(wildcard csrc/tests/test_kernels*.c)
