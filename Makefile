@@ -1,5 +1,6 @@
 # The C core without Python: libtpcore.a and the C tests.
-#   make                 build/libtpcore.a and the C tests (test_comm, test_layers, test_kernels)
+#   make                 build/libtpcore.a and the C tests (test_comm, test_layers, test_kernels,
+#                        test_api_hostile)
 #   make SANITIZE=1      the same under ASan + UBSan (in build-san/)
 #   make test            run the C tests (world sizes 1-4)
 CC ?= cc
@@ -34,7 +35,7 @@ CORE_SRC := $(sort $(foreach d,$(TP_CORE_DIRS),$(wildcard $(d)/*.c)))
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))
 HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h)
 
-all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_kernels
+all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_kernels $(BUILD)/test_api_hostile
 
 $(BUILD)/obj/%.o: csrc/%.c $(HDRS)
 	@mkdir -p $(dir $@)
@@ -50,6 +51,12 @@ $(BUILD)/test_comm: csrc/tests/test_comm.c $(BUILD)/libtpcore.a
 $(BUILD)/test_layers: csrc/tests/test_layers.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
+# Hostile arguments to every public entry of the tensor + stream API.
+HTEST_SRC := $(wildcard csrc/tests/test_api_hostile*.c)
+
+$(BUILD)/test_api_hostile: $(HTEST_SRC) csrc/tests/test_api_hostile.h $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $(HTEST_SRC) -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+
 # The kernel parity harness: every entry of every kernel table against references.
 KTEST_SRC := $(wildcard csrc/tests/test_kernels*.c)
 
@@ -60,6 +67,7 @@ test: all
 	$(abspath $(BUILD))/test_comm
 	$(abspath $(BUILD))/test_layers
 	$(abspath $(BUILD))/test_kernels
+	$(abspath $(BUILD))/test_api_hostile
 
 clean:
 	rm -rf build build-san

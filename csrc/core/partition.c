@@ -126,7 +126,12 @@ tp_status_t tp_partition(int64_t n, int world, const double *weights, int64_t al
     if (!isfinite(weights[r]) || weights[r] < 0) ok = 0;
     total += weights[r];
   }
-  if (!ok || !(total > 0)) return bad_weights(world, weights);
+  if (!ok || !(total > 0) || !isfinite(total)) return bad_weights(world, weights); /* Python: inf / inf -> nan */
+  /* Each share is computed in double and floored to an int64: past 2^53 units the
+   * shares are not exact and near 2^63 the conversion would overflow. */
+  if (units > ((int64_t)1 << 53))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "partition: n / align = %lld units is too large for a weighted split "
+                        "(at most 2^53)", (long long)units);
   rem_rank *order = malloc(sizeof(rem_rank) * (size_t)world);
   int64_t *counts = malloc(sizeof(int64_t) * (size_t)world);
   if (!order || !counts) {
@@ -136,6 +141,10 @@ tp_status_t tp_partition(int64_t n, int world, const double *weights, int64_t al
   int64_t given = 0;
   for (int r = 0; r < world; r++) {
     double exact = (double)units * weights[r] / total;
+    if (!isfinite(exact)) { /* units x w[r] overflowed (Python: floor(inf) raises) */
+      free(order), free(counts);
+      return bad_weights(world, weights);
+    }
     counts[r] = (int64_t)floor(exact);
     order[r].rem = exact - (double)counts[r];
     order[r].rank = r;
@@ -158,6 +167,8 @@ tp_status_t tp_partition(int64_t n, int world, const double *weights, int64_t al
 
 tp_status_t tp_partition_sizes(int64_t dim, int world, const int64_t *sizes, int64_t *parts, int64_t *offsets,
                                const char *what, const char *dim_name) {
+  if (!what) what = "partition";
+  if (!dim_name) dim_name = "the dimension";
   if (dim < 0 || world < 1)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: dim must be >= 0 and world >= 1, got %lld and %d", what,
                         (long long)dim, world);

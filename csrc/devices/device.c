@@ -55,11 +55,14 @@ void tp_device_free(tp_device_t d, int id, void *ptr) {
 }
 
 /* The table that performs a copy between dst_device and src_device: the non-host side's. */
-static tp_status_t copy_ops(tp_device_t dd, tp_device_t sd, const tp_device_ops **ops) {
+static tp_status_t copy_ops(const char *op, tp_device_t dd, tp_device_t sd, const tp_device_ops **ops) {
+  if ((unsigned)dd >= TP_NUM_DEVICE_TYPES || (unsigned)sd >= TP_NUM_DEVICE_TYPES) /* before the kinds are compared */
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: device type %d is not a tp_device_t", op,
+                        (int)((unsigned)dd >= TP_NUM_DEVICE_TYPES ? dd : sd));
   if (dd != TP_DEVICE_CPU && sd != TP_DEVICE_CPU && dd != sd)
-    return tp_set_error(TP_ERR_UNSUPPORTED, "device_copy: no copy between %s and %s memory", tp_device_name(dd),
+    return tp_set_error(TP_ERR_UNSUPPORTED, "%s: no copy between %s and %s memory", op, tp_device_name(dd),
                         tp_device_name(sd));
-  return need(dd != TP_DEVICE_CPU ? dd : sd, "device_copy", ops);
+  return need(dd != TP_DEVICE_CPU ? dd : sd, op, ops);
 }
 
 tp_status_t tp_device_copy(tp_device_t dd, void *dst, tp_device_t sd, const void *src, size_t nbytes,
@@ -67,7 +70,7 @@ tp_status_t tp_device_copy(tp_device_t dd, void *dst, tp_device_t sd, const void
   if (!nbytes) return TP_SUCCESS;
   if (!dst || !src) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy: NULL buffer for %zu bytes", nbytes);
   const tp_device_ops *ops;
-  TP_CHECK(copy_ops(dd, sd, &ops));
+  TP_CHECK(copy_ops("device_copy", dd, sd, &ops));
   return ops->copy(dst, dd == TP_DEVICE_CPU, src, sd == TP_DEVICE_CPU, nbytes, stream);
 }
 
@@ -78,8 +81,13 @@ tp_status_t tp_device_copy_2d(tp_device_t dd, void *dst, size_t dpitch, tp_devic
   if (dpitch < width || spitch < width)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy_2d: pitches %zu and %zu are below the width %zu",
                         dpitch, spitch, width);
+  size_t dspan, sspan; /* (rows - 1) * pitch + width bytes on each side */
+  if (!tp_mul_size(rows - 1, dpitch, &dspan) || !tp_add_size(dspan, width, &dspan) ||
+      !tp_mul_size(rows - 1, spitch, &sspan) || !tp_add_size(sspan, width, &sspan))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy_2d: %zu rows at pitches %zu and %zu overflow a size",
+                        rows, dpitch, spitch);
   const tp_device_ops *ops;
-  TP_CHECK(copy_ops(dd, sd, &ops));
+  TP_CHECK(copy_ops("device_copy_2d", dd, sd, &ops));
   return ops->copy_2d(dst, dpitch, dd == TP_DEVICE_CPU, src, spitch, sd == TP_DEVICE_CPU, width, rows, stream);
 }
 

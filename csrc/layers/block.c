@@ -79,7 +79,9 @@ static tp_status_t make_params(tp_block_t k) {
 }
 
 tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_config_t *cfg) {
-  if (!out || !comm || !cfg) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: NULL argument");
+  TP_NONNULL("block", out, "out");
+  TP_NONNULL("block", comm, "comm");
+  TP_NONNULL("block", cfg, "config");
   *out = NULL;
   if (cfg->size != sizeof(tp_block_config_t))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: config built for another tpcore version");
@@ -164,7 +166,8 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
 }
 
 tp_status_t tp_block_info(tp_block_t k, tp_block_info_t *info) {
-  if (!k || !info) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: NULL argument");
+  TP_NONNULL("block", k, "block");
+  TP_NONNULL("block", info, "info");
   info->q0 = k->q0, info->nq = k->nq, info->k0 = k->k0, info->nk = k->nk;
   info->cache_batch = k->cb, info->cache_len = k->clen;
   info->kv_replicated = k->kv_replicated;
@@ -205,7 +208,7 @@ int tp_block_params(tp_block_t k, tp_param_t *out, int max) {
 }
 
 tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
-  if (!k) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: NULL argument");
+  TP_NONNULL("block cache", k, "block");
   /* max_len is the leading dimension of the attention's score GEMMs: a 32-bit int */
   if (batch < 1 || batch > INT_MAX || max_len < 1 || max_len > INT_MAX)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: batch and max_len must be in [1, %d], got batch %lld "
@@ -327,7 +330,10 @@ static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp
 
 tp_status_t tp_block_forward(tp_block_t k, const tp_tensor *y, const tp_tensor *x, const tp_block_batch_t *bt,
                              tp_stream_t stream) {
-  if (!k || !bt || !x || !y) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: NULL argument");
+  TP_NONNULL("block forward", k, "block");
+  TP_NONNULL("block forward", bt, "batch");
+  TP_NONNULL("block forward", x, "x");
+  TP_NONNULL("block forward", y, "y");
   TP_CHECK(tp_block_check_batch(k, bt));
   int64_t M = bt->B * bt->T; /* checked */
   TP_CHECK(tp_check_matrix("block forward", "x", x, TP_FLOAT32, M, k->C, k->dev, k->dev_id, NULL));
@@ -358,7 +364,9 @@ static tp_status_t backward_impl(tp_block_t k, float *dx, const float *dy, tp_st
 }
 
 tp_status_t tp_block_backward(tp_block_t k, const tp_tensor *dx, const tp_tensor *dy, tp_stream_t stream) {
-  if (!k || !dx || !dy) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block backward: NULL argument");
+  TP_NONNULL("block backward", k, "block");
+  TP_NONNULL("block backward", dx, "dx");
+  TP_NONNULL("block backward", dy, "dy");
   if (!k->ready) return tp_set_error(TP_ERR_INVALID_USAGE, "block backward: called before forward (with need_backward)");
   int64_t M = k->B * k->T, rows = 0;
   TP_CHECK(tp_check_matrix("block backward", "dy", dy, TP_FLOAT32, -1, k->C, k->dev, k->dev_id, &rows));

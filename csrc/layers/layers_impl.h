@@ -104,6 +104,12 @@ static inline tp_status_t tp_layer_all_gather_v(const void *send, void *recv, co
 
 /* ------------------------------------------------------------ tensor checks */
 
+/* An argument that must not be NULL: "<op>: <name> is NULL (NULL argument)". */
+#define TP_NONNULL(op, p, name)                                                                          \
+  do {                                                                                                   \
+    if (!(p)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s is NULL (NULL argument)", op, name); \
+  } while (0)
+
 /* t must be a float32 (or `dtype`) C-contiguous 2-D tensor [rows, cols] on the layer's
  * device; rows < 0: any (then *rows_out gets shape[0]).  Errors name op and arg. */
 static inline tp_status_t tp_check_matrix(const char *op, const char *arg, const tp_tensor *t, tp_dtype_t dtype,

@@ -100,7 +100,9 @@ tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
 
 tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t comm, const tp_linear_config_t *cfg,
                                           uint64_t weight_id, uint64_t bias_id) {
-  if (!out || !comm || !cfg) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: NULL argument");
+  TP_NONNULL("linear", out, "out");
+  TP_NONNULL("linear", comm, "comm");
+  TP_NONNULL("linear", cfg, "config");
   *out = NULL;
   if (cfg->size != sizeof(tp_linear_config_t))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: config built for another tpcore version");
@@ -188,7 +190,8 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
 }
 
 tp_status_t tp_parallel_linear_info(tp_parallel_linear_t L, tp_linear_info_t *info) {
-  if (!L || !info) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: NULL argument");
+  TP_NONNULL("linear", L, "layer");
+  TP_NONNULL("linear", info, "info");
   int col = L->cfg.kind == TP_COLUMN_PARALLEL;
   info->weight = L->w;
   info->bias = L->b;
@@ -236,7 +239,9 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
 
 tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, const tp_tensor *y, const tp_tensor *x,
                                        tp_stream_t stream) {
-  if (!L || !x || !y) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear forward: NULL argument");
+  TP_NONNULL("linear forward", L, "layer");
+  TP_NONNULL("linear forward", x, "x");
+  TP_NONNULL("linear forward", y, "y");
   tp_linear_info_t i;
   tp_parallel_linear_info(L, &i);
   int64_t M = 0;
@@ -248,7 +253,9 @@ tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, const tp_tensor *
 
 tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, const tp_tensor *dx, const tp_tensor *dy,
                                         tp_stream_t stream) {
-  if (!L || !dx || !dy) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: NULL argument");
+  TP_NONNULL("linear backward", L, "layer");
+  TP_NONNULL("linear backward", dx, "dx");
+  TP_NONNULL("linear backward", dy, "dy");
   tp_linear_info_t i;
   tp_parallel_linear_info(L, &i);
   int64_t M = 0;

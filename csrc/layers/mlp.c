@@ -29,7 +29,9 @@ void tp_parallel_mlp_destroy(tp_parallel_mlp_t m) {
 }
 
 tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const tp_mlp_config_t *cfg) {
-  if (!out || !comm || !cfg) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: NULL argument");
+  TP_NONNULL("mlp", out, "out");
+  TP_NONNULL("mlp", comm, "comm");
+  TP_NONNULL("mlp", cfg, "config");
   *out = NULL;
   if (cfg->size != sizeof(tp_mlp_config_t))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: config built for another tpcore version");
@@ -86,7 +88,7 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
 }
 
 tp_parallel_linear_t tp_parallel_mlp_layer(tp_parallel_mlp_t m, int which) {
-  return !m ? NULL : which == 0 ? m->fc1 : m->fc2;
+  return !m ? NULL : which == 0 ? m->fc1 : which == 1 ? m->fc2 : NULL; /* 0: fc1, 1: fc2 */
 }
 
 /* Workspaces for M rows (M checked by the caller): h and dh [M, f1], a and da [M, f]. */
@@ -158,7 +160,9 @@ tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const f
 }
 
 tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t m, const tp_tensor *y, const tp_tensor *x, tp_stream_t stream) {
-  if (!m || !x || !y) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp forward: NULL argument");
+  TP_NONNULL("mlp forward", m, "mlp");
+  TP_NONNULL("mlp forward", x, "x");
+  TP_NONNULL("mlp forward", y, "y");
   int64_t M = 0;
   TP_CHECK(tp_check_matrix("mlp forward", "x", x, TP_FLOAT32, -1, m->C, m->dev, m->dev_id, &M));
   TP_CHECK(check_rows(m, M));
@@ -168,7 +172,9 @@ tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t m, const tp_tensor *y, con
 
 tp_status_t tp_parallel_mlp_backward(tp_parallel_mlp_t m, const tp_tensor *dx, const tp_tensor *dy,
                                      tp_stream_t stream) {
-  if (!m || !dx || !dy) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp backward: NULL argument");
+  TP_NONNULL("mlp backward", m, "mlp");
+  TP_NONNULL("mlp backward", dx, "dx");
+  TP_NONNULL("mlp backward", dy, "dy");
   int64_t M = 0;
   TP_CHECK(tp_check_matrix("mlp backward", "dy", dy, TP_FLOAT32, -1, m->C, m->dev, m->dev_id, &M));
   TP_CHECK(tp_check_matrix("mlp backward", "dx", dx, TP_FLOAT32, M, m->C, m->dev, m->dev_id, NULL));

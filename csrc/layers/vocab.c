@@ -31,7 +31,9 @@ void tp_vocab_embedding_destroy(tp_vocab_embedding_t E) {
 }
 
 tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm, const tp_embedding_config_t *cfg) {
-  if (!out || !comm || !cfg) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: NULL argument");
+  TP_NONNULL("embedding", out, "out");
+  TP_NONNULL("embedding", comm, "comm");
+  TP_NONNULL("embedding", cfg, "config");
   *out = NULL;
   if (cfg->size != sizeof(tp_embedding_config_t))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: config built for another tpcore version");
@@ -94,7 +96,8 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
 }
 
 tp_status_t tp_vocab_embedding_info(tp_vocab_embedding_t E, tp_embedding_info_t *info) {
-  if (!E || !info) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: NULL argument");
+  TP_NONNULL("embedding", E, "embedding");
+  TP_NONNULL("embedding", info, "info");
   info->weight = E->w;
   info->grad_weight = E->dw;
   info->offset = E->off;
@@ -136,7 +139,9 @@ static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int
 
 tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t E, const tp_tensor *y, const tp_tensor *tokens,
                                        tp_stream_t stream) {
-  if (!E || !y || !tokens) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: NULL argument");
+  TP_NONNULL("embedding forward", E, "embedding");
+  TP_NONNULL("embedding forward", y, "y");
+  TP_NONNULL("embedding forward", tokens, "tokens");
   int64_t M = 0, nel;
   TP_CHECK(tp_check_vector("embedding forward", "tokens", tokens, TP_INT64, -1, E->dev, E->dev_id, &M));
   if (!tp_numel2(M, E->C, &nel))
@@ -147,7 +152,8 @@ tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t E, const tp_tensor *
 }
 
 tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t E, const tp_tensor *dy, tp_stream_t stream) {
-  if (!E || !dy) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding backward: NULL argument");
+  TP_NONNULL("embedding backward", E, "embedding");
+  TP_NONNULL("embedding backward", dy, "dy");
   int64_t M = 0;
   TP_CHECK(tp_check_matrix("embedding backward", "dy", dy, TP_FLOAT32, -1, E->C, E->dev, E->dev_id, &M));
   if (E->last_m < 0) return tp_set_error(TP_ERR_INVALID_USAGE, "embedding backward: called before forward");
@@ -176,7 +182,8 @@ struct tp_vocab_xent {
 };
 
 tp_status_t tp_vocab_xent_create(tp_vocab_xent_t *out, tp_comm_t comm, const tp_xent_config_t *cfg) {
-  if (!out || !comm) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: NULL argument");
+  TP_NONNULL("cross-entropy", out, "out");
+  TP_NONNULL("cross-entropy", comm, "comm");
   *out = NULL;
   tp_xent_config_t def = TP_XENT_CONFIG_INITIALIZER;
   if (!cfg) cfg = &def;
@@ -321,16 +328,18 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
 tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t X, const tp_tensor *losses, const tp_tensor *logits,
                                   const tp_tensor *targets, int64_t vocab_offset, int64_t ignore_index, int64_t *valid,
                                   int64_t *vocab, tp_stream_t stream) {
-  if (!X || !losses || !logits || !targets)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: NULL argument");
+  TP_NONNULL("cross-entropy forward", X, "cross-entropy");
+  TP_NONNULL("cross-entropy forward", losses, "losses");
+  TP_NONNULL("cross-entropy forward", logits, "logits");
+  TP_NONNULL("cross-entropy forward", targets, "targets");
   const char *op = "cross-entropy forward";
   if (logits->ndim != 2)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: logits must be 2-D [rows, shard width], got %d-D", op,
                         logits->ndim);
   int64_t M = logits->shape[0], V = logits->shape[1], nel;
   if (M < 0 || V < 0 || !tp_numel2(M, V, &nel) || M > INT_MAX / 4)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: %lld rows x %lld columns is out of range",
-                        (long long)M, (long long)V);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: logits of %lld rows x %lld columns is out of "
+                        "range", (long long)M, (long long)V);
   TP_CHECK(tp_check_matrix(op, "logits", logits, TP_FLOAT32, M, V, X->dev, X->dev_id, NULL));
   TP_CHECK(tp_check_vector(op, "targets", targets, TP_INT64, M, X->dev, X->dev_id, NULL));
   TP_CHECK(tp_check_vector(op, "losses", losses, TP_FLOAT32, M, X->dev, X->dev_id, NULL));
@@ -348,7 +357,8 @@ tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t X, const tp_tensor *losses, co
 
 tp_status_t tp_vocab_xent_backward(tp_vocab_xent_t X, const tp_tensor *dlogits, const tp_tensor *dloss, float scale,
                                    tp_stream_t stream) {
-  if (!X || !dlogits) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy backward: NULL argument");
+  TP_NONNULL("cross-entropy backward", X, "cross-entropy");
+  TP_NONNULL("cross-entropy backward", dlogits, "dlogits");
   if (X->last_m < 0) return tp_set_error(TP_ERR_INVALID_USAGE, "cross-entropy backward: called before forward");
   int64_t M = X->last_m;
   const char *op = "cross-entropy backward";

@@ -106,7 +106,7 @@ typedef struct {
 
 TP_API tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const tp_mlp_config_t *cfg);
 TP_API void tp_parallel_mlp_destroy(tp_parallel_mlp_t mlp);
-/* The two linear layers (owned by the MLP). */
+/* The two linear layers (owned by the MLP): which 0 = fc1, 1 = fc2; NULL otherwise. */
 TP_API tp_parallel_linear_t tp_parallel_mlp_layer(tp_parallel_mlp_t mlp, int which);
 /* y[M, hidden] from x[M, hidden] (replicated on every rank). */
 TP_API tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t mlp, const tp_tensor *y, const tp_tensor *x,

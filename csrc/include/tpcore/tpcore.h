@@ -100,7 +100,7 @@ typedef struct {
   int device_id;
 } tp_tensor;
 
-TP_API int64_t tp_tensor_numel(const tp_tensor *t); /* -1: a negative dimension, or past int64 */
+TP_API int64_t tp_tensor_numel(const tp_tensor *t); /* -1: ndim outside [0, TP_MAX_DIMS], a negative dimension, or past int64 */
 TP_API int tp_tensor_is_contiguous(const tp_tensor *t);
 
 /* A C-contiguous view of host memory: tp_tensor_2d(x, TP_FLOAT32, M, K). */
@@ -115,7 +115,10 @@ static inline tp_tensor tp_tensor_nd(void *data, tp_dtype_t dtype, int ndim, con
   for (int i = TP_MAX_DIMS - 1; i >= 0; i--) {
     t.shape[i] = i < t.ndim ? shape[i] : 0;
     t.strides[i] = i < t.ndim ? stride : 0;
-    if (i < t.ndim) stride *= shape[i] > 0 ? shape[i] : 1;
+    if (i < t.ndim) { /* saturates past int64 (no signed overflow): tp_tensor_numel then says -1 */
+      int64_t d = shape[i] > 0 ? shape[i] : 1;
+      stride = stride > INT64_MAX / d ? INT64_MAX : stride * d;
+    }
   }
   return t;
 }

@@ -12,8 +12,8 @@ tp_status_t tp_cpu_embedding_forward(tp_stream_t s, float *out, const int64_t *t
                                      int64_t lo, int64_t V, int64_t C) {
   (void)s;
   for (int64_t m = 0; m < M; m++) {
-    int64_t t = tokens[m] - lo;
-    if (t >= 0 && t < V) memcpy(out + m * C, table + t * C, (size_t)C * sizeof(float));
+    uint64_t t = (uint64_t)tokens[m] - (uint64_t)lo; /* in [0, V) iff the token is in the shard; no signed overflow */
+    if (t < (uint64_t)V) memcpy(out + m * C, table + t * C, (size_t)C * sizeof(float));
     else memset(out + m * C, 0, (size_t)C * sizeof(float));
   }
   return TP_SUCCESS;
@@ -23,8 +23,8 @@ tp_status_t tp_cpu_embedding_backward(tp_stream_t s, float *dtable, const int64_
                                       int64_t lo, int64_t V, int64_t C) {
   (void)s;
   for (int64_t m = 0; m < M; m++) {
-    int64_t t = tokens[m] - lo;
-    if (t < 0 || t >= V) continue;
+    uint64_t t = (uint64_t)tokens[m] - (uint64_t)lo;
+    if (t >= (uint64_t)V) continue;
     float *row = dtable + t * C;
     const float *d = dout + m * C;
     for (int64_t c = 0; c < C; c++) row[c] += d[c];
@@ -106,8 +106,8 @@ TP_VECTOR_CLONES static void backward_chunk(void *ctx, int64_t m0, int64_t m1, i
     float s = row_scale ? row_scale[m] * scale : scale;
     float k = s / sumexp[m], mx = gmax[m];
     for (int64_t j = 0; j < V; j++) d[j] = fexp(l[j] - mx) * k;
-    int64_t t = targets[m] - lo;
-    if (targets[m] >= 0 && t >= 0 && t < V) d[t] -= s;
+    uint64_t t = (uint64_t)targets[m] - (uint64_t)lo;
+    if (targets[m] >= 0 && t < (uint64_t)V) d[t] -= s;
   }
 }
 
