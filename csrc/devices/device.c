@@ -71,6 +71,7 @@ tp_status_t tp_device_copy(tp_device_t dd, void *dst, tp_device_t sd, const void
   if (!dst || !src) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy: NULL buffer for %zu bytes", nbytes);
   const tp_device_ops *ops;
   TP_CHECK(copy_ops("device_copy", dd, sd, &ops));
+  TP_CHECK(tp_check_stream("device_copy", ops->type, stream));
   return ops->copy(dst, dd == TP_DEVICE_CPU, src, sd == TP_DEVICE_CPU, nbytes, stream);
 }
 
@@ -88,6 +89,7 @@ tp_status_t tp_device_copy_2d(tp_device_t dd, void *dst, size_t dpitch, tp_devic
                         rows, dpitch, spitch);
   const tp_device_ops *ops;
   TP_CHECK(copy_ops("device_copy_2d", dd, sd, &ops));
+  TP_CHECK(tp_check_stream("device_copy_2d", ops->type, stream));
   return ops->copy_2d(dst, dpitch, dd == TP_DEVICE_CPU, src, spitch, sd == TP_DEVICE_CPU, width, rows, stream);
 }
 
@@ -96,12 +98,14 @@ tp_status_t tp_device_memset(tp_device_t d, void *dst, int value, size_t nbytes,
   if (!dst) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_memset: NULL buffer for %zu bytes", nbytes);
   const tp_device_ops *ops;
   TP_CHECK(need(d, "device_memset", &ops));
+  TP_CHECK(tp_check_stream("device_memset", d, stream));
   return ops->memset(dst, value, nbytes, stream);
 }
 
 tp_status_t tp_device_sync(tp_device_t d, int id, tp_stream_t stream) {
   const tp_device_ops *ops;
   TP_CHECK(need(d, "device_sync", &ops));
+  TP_CHECK(tp_check_stream("device_sync", d, stream));
   return ops->sync(id, stream);
 }
 

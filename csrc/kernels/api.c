@@ -38,7 +38,7 @@ tp_status_t tp_linear_forward(tp_stream_t s, const tp_tensor *y, const tp_tensor
   TP_CHECK(tp_kblas_dim(&c, "K (columns of x)", K));
   TP_CHECK(tp_kblas_dim(&c, "N (rows of w)", N));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->linear_forward(s, y->data, x->data, w->data, b ? b->data : NULL, M, K, N);
 }
 
@@ -57,7 +57,7 @@ tp_status_t tp_linear_backward(tp_stream_t s, const tp_tensor *dx, const tp_tens
   TP_CHECK(tp_kblas_dim(&c, "K (columns of x)", K));
   TP_CHECK(tp_kblas_dim(&c, "N (columns of dy)", N));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->linear_backward(s, dx ? dx->data : NULL, dw ? dw->data : NULL, db ? db->data : NULL, dy->data, x->data,
                             w->data, M, K, N, accumulate_dx);
 }
@@ -86,7 +86,7 @@ tp_status_t tp_act_forward(tp_stream_t s, const tp_tensor *out, const tp_tensor 
   TP_CHECK(act_input(&c, "h", h, act, &M, &F));
   TP_CHECK(tp_karg(&c, "out", out, 0, F32, 2, SHAPE(M, F)));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->act_forward(s, out->data, h->data, M, F, act);
 }
 
@@ -98,7 +98,7 @@ tp_status_t tp_act_backward(tp_stream_t s, const tp_tensor *dh, const tp_tensor 
   TP_CHECK(tp_karg(&c, "dout", dout, 0, F32, 2, SHAPE(M, F)));
   TP_CHECK(tp_karg(&c, "dh", dh, 0, F32, 2, SHAPE(M, h->shape[1])));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->act_backward(s, dh->data, h->data, dout->data, M, F, act);
 }
 
@@ -110,7 +110,7 @@ tp_status_t tp_bias_act_forward(tp_stream_t s, const tp_tensor *out, const tp_te
   TP_CHECK(tp_karg(&c, "b", b, 1, F32, 1, SHAPE(h->shape[1])));
   TP_CHECK(tp_karg(&c, "out", out, 0, F32, 2, SHAPE(M, F)));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->bias_act_forward(s, out->data, h->data, b ? b->data : NULL, M, F, act);
 }
 
@@ -126,7 +126,7 @@ tp_status_t tp_bias_act_backward_workspace_size(tp_device_t device, int64_t M, i
                         c.op, (long long)M, (long long)F);
   TP_CHECK(tp_kdevice(&c, "device", device, 0));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, NULL, &k));
   *nbytes = k->bias_act_backward_workspace(M, F, act);
   return TP_SUCCESS;
 }
@@ -140,7 +140,7 @@ tp_status_t tp_bias_act_backward(tp_stream_t s, const tp_tensor *dh, const tp_te
   TP_CHECK(tp_karg(&c, "dh", dh, 0, F32, 2, SHAPE(M, h->shape[1])));
   TP_CHECK(tp_karg(&c, "db", db, 1, F32, 1, SHAPE(h->shape[1])));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   void *ws;
   size_t wsb, need = db && M > 0 ? (size_t)(h->shape[1] ? h->shape[1] : 1) * sizeof(float) : 0; /* one row at least */
   TP_CHECK(tp_kworkspace(&c, workspace, need, &ws, &wsb));
@@ -158,7 +158,7 @@ tp_status_t tp_embedding_forward(tp_stream_t s, const tp_tensor *out, const tp_t
   TP_CHECK(tp_karg(&c, "out", out, 0, F32, 2, SHAPE(M, C)));
   TP_CHECK(check_lo(&c, lo, V));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->embedding_forward(s, out->data, tokens->data, table->data, M, lo, V, C);
 }
 
@@ -171,7 +171,7 @@ tp_status_t tp_embedding_backward(tp_stream_t s, const tp_tensor *dtable, const 
   TP_CHECK(tp_karg(&c, "dout", dout, 0, F32, 2, SHAPE(M, C)));
   TP_CHECK(check_lo(&c, lo, V));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->embedding_backward(s, dtable->data, tokens->data, dout->data, M, lo, V, C);
 }
 
@@ -180,7 +180,7 @@ tp_status_t tp_xent_row_max(tp_stream_t s, const tp_tensor *rowmax, const tp_ten
   TP_CHECK(tp_karg(&c, "logits", logits, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
   TP_CHECK(tp_karg(&c, "rowmax", rowmax, 0, F32, 1, SHAPE(logits->shape[0])));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->xent_row_max(s, rowmax->data, logits->data, logits->shape[0], logits->shape[1]);
 }
 
@@ -194,7 +194,7 @@ tp_status_t tp_xent_row_sums(tp_stream_t s, const tp_tensor *sums, const tp_tens
   TP_CHECK(tp_karg(&c, "sums", sums, 0, F32, 1, SHAPE(2 * M)));
   TP_CHECK(check_lo(&c, lo, V));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->xent_row_sums(s, sums->data, logits->data, gmax->data, targets->data, M, lo, V);
 }
 
@@ -211,7 +211,7 @@ tp_status_t tp_xent_backward(tp_stream_t s, const tp_tensor *dlogits, const tp_t
   TP_CHECK(tp_karg(&c, "dlogits", dlogits, 0, F32, 2, SHAPE(M, V)));
   TP_CHECK(check_lo(&c, lo, V));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->xent_backward(s, dlogits->data, logits->data, gmax->data, sumexp->data, targets->data,
                           row_scale ? row_scale->data : NULL, scale, M, lo, V);
 }
@@ -229,7 +229,7 @@ tp_status_t tp_layernorm_forward(tp_stream_t s, const tp_tensor *y, const tp_ten
   TP_CHECK(tp_karg(&c, "mean", mean, 1, F32, 1, SHAPE(M)));
   TP_CHECK(tp_karg(&c, "rstd", rstd, 1, F32, 1, SHAPE(M)));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->layernorm_forward(s, y->data, mean ? mean->data : NULL, rstd ? rstd->data : NULL, x->data, w->data,
                               b ? b->data : NULL, M, C, eps);
 }
@@ -248,7 +248,7 @@ tp_status_t tp_layernorm_backward(tp_stream_t s, const tp_tensor *dx, const tp_t
   TP_CHECK(tp_karg(&c, "dw", dw, 0, F32, 1, SHAPE(C)));
   TP_CHECK(tp_karg(&c, "db", db, 1, F32, 1, SHAPE(C)));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->layernorm_backward(s, dx->data, dw->data, db ? db->data : NULL, dy->data, x->data, w->data, mean->data,
                                rstd->data, M, C);
 }
@@ -262,7 +262,7 @@ tp_status_t tp_rmsnorm_forward(tp_stream_t s, const tp_tensor *y, const tp_tenso
   TP_CHECK(tp_karg(&c, "y", y, 0, F32, 2, SHAPE(M, C)));
   TP_CHECK(tp_karg(&c, "rstd", rstd, 1, F32, 1, SHAPE(M)));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->rmsnorm_forward(s, y->data, rstd ? rstd->data : NULL, x->data, w->data, M, C, eps);
 }
 
@@ -277,7 +277,7 @@ tp_status_t tp_rmsnorm_backward(tp_stream_t s, const tp_tensor *dx, const tp_ten
   TP_CHECK(tp_karg(&c, "dx", dx, 0, F32, 2, SHAPE(M, C)));
   TP_CHECK(tp_karg(&c, "dw", dw, 0, F32, 1, SHAPE(C)));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->rmsnorm_backward(s, dx->data, dw->data, dy->data, x->data, w->data, rstd->data, M, C);
 }
 
@@ -294,7 +294,7 @@ tp_status_t tp_rope_apply(tp_stream_t s, const tp_tensor *x, const tp_tensor *po
   int64_t rows = x->shape[0];
   TP_CHECK(tp_karg(&c, "pos", pos, 0, I64, 1, SHAPE(rows)));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   int64_t ld = rows > 1 ? x->strides[0] : width;
   return k->rope(s, x->data, rows, ld, heads, D, pos->data, theta, inverse);
 }

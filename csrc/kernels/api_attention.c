@@ -53,7 +53,7 @@ tp_status_t tp_attention_workspace_size(const tp_attention_args *a, int backward
   *nbytes = 0;
   TP_CHECK(check_args(&c, a, 0));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, NULL, &k));
   *nbytes = k->attention_workspace(a, backward != 0);
   return TP_SUCCESS;
 }
@@ -62,7 +62,7 @@ tp_status_t tp_attention_forward(tp_stream_t s, const tp_attention_args *a, cons
   tp_kcall c = {"attention_forward", TP_DEVICE_CPU, 0, 0};
   TP_CHECK(check_args(&c, a, 0));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   void *ws;
   size_t wsb;
   TP_CHECK(tp_kworkspace(&c, workspace, 0, &ws, &wsb)); /* the kernel checks it holds a block */
@@ -76,7 +76,7 @@ tp_status_t tp_attention_backward(tp_stream_t s, const tp_attention_args *a, flo
   if (a->B && ((a->Tq && a->Hq && a->D && (!dq || !dout)) || (a->Tk && a->D && (!dk || !dv))))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: dq, dk, dv or dout is NULL", c.op);
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   void *ws;
   size_t wsb;
   TP_CHECK(tp_kworkspace(&c, workspace, 0, &ws, &wsb));
@@ -105,7 +105,7 @@ tp_status_t tp_adamw_step(tp_stream_t s, const tp_tensor *p, const tp_tensor *g,
   TP_CHECK(tp_karg(&c, "v", v, 0, TP_FLOAT32, p->ndim, p->shape));
   if (step < 1) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "adamw_step: step counts from 1, got %lld", (long long)step);
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->adamw_step(s, p->data, g->data, m->data, v->data, tp_tensor_numel(p), lr, beta1, beta2, eps, weight_decay,
                        step);
 }
@@ -117,7 +117,7 @@ tp_status_t tp_sgd_step(tp_stream_t s, const tp_tensor *p, const tp_tensor *g, c
   TP_CHECK(tp_karg(&c, "g", g, 0, TP_FLOAT32, p->ndim, p->shape));
   TP_CHECK(tp_karg(&c, "buf", buf, 1, TP_FLOAT32, p->ndim, p->shape));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, &k));
+  TP_CHECK(tp_kops(&c, s, &k));
   return k->sgd_step(s, p->data, g->data, buf ? buf->data : NULL, tp_tensor_numel(p), lr, momentum, weight_decay,
                      first);
 }

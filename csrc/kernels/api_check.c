@@ -117,8 +117,9 @@ tp_status_t tp_kworkspace(tp_kcall *c, const tp_tensor *ws, size_t need, void **
   return TP_SUCCESS;
 }
 
-tp_status_t tp_kops(tp_kcall *c, const tp_kernel_ops **ops) {
+tp_status_t tp_kops(tp_kcall *c, tp_stream_t stream, const tp_kernel_ops **ops) {
   if (!c->have) TP_CHECK(fix_device(c, "the call", TP_DEVICE_CPU, 0));
+  TP_CHECK(tp_check_stream(c->op, c->dev, stream));
   *ops = tp_kernels_of(c->dev);
   if (!*ops) return tp_set_error(TP_ERR_UNSUPPORTED, "%s: no %s kernels in this build", c->op, tp_device_name(c->dev));
   return TP_SUCCESS;

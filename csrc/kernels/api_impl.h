@@ -25,7 +25,7 @@ tp_status_t tp_kdevice(tp_kcall *c, const char *name, tp_device_t device, int de
 /* A workspace tensor (may be NULL when need is 0): contiguous, on the device, >= need bytes. */
 tp_status_t tp_kworkspace(tp_kcall *c, const tp_tensor *ws, size_t need, void **ptr, size_t *nbytes);
 /* The kernel table of the call's device (CPU when no tensor fixed it). */
-tp_status_t tp_kops(tp_kcall *c, const tp_kernel_ops **ops);
+tp_status_t tp_kops(tp_kcall *c, tp_stream_t stream, const tp_kernel_ops **ops);
 /* n <= INT_MAX (BLAS dimensions), else an error naming the dimension. */
 tp_status_t tp_kblas_dim(tp_kcall *c, const char *what, int64_t n);
 

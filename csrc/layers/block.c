@@ -331,6 +331,7 @@ static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp
 tp_status_t tp_block_forward(tp_block_t k, const tp_tensor *y, const tp_tensor *x, const tp_block_batch_t *bt,
                              tp_stream_t stream) {
   TP_NONNULL("block forward", k, "block");
+  TP_CHECK(tp_check_stream("block forward", k->dev, stream));
   TP_NONNULL("block forward", bt, "batch");
   TP_NONNULL("block forward", x, "x");
   TP_NONNULL("block forward", y, "y");
@@ -365,6 +366,7 @@ static tp_status_t backward_impl(tp_block_t k, float *dx, const float *dy, tp_st
 
 tp_status_t tp_block_backward(tp_block_t k, const tp_tensor *dx, const tp_tensor *dy, tp_stream_t stream) {
   TP_NONNULL("block backward", k, "block");
+  TP_CHECK(tp_check_stream("block backward", k->dev, stream));
   TP_NONNULL("block backward", dx, "dx");
   TP_NONNULL("block backward", dy, "dy");
   if (!k->ready) return tp_set_error(TP_ERR_INVALID_USAGE, "block backward: called before forward (with need_backward)");

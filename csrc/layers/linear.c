@@ -240,6 +240,7 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
 tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, const tp_tensor *y, const tp_tensor *x,
                                        tp_stream_t stream) {
   TP_NONNULL("linear forward", L, "layer");
+  TP_CHECK(tp_check_stream("linear forward", L->dev, stream));
   TP_NONNULL("linear forward", x, "x");
   TP_NONNULL("linear forward", y, "y");
   tp_linear_info_t i;
@@ -254,6 +255,7 @@ tp_status_t tp_parallel_linear_forward(tp_parallel_linear_t L, const tp_tensor *
 tp_status_t tp_parallel_linear_backward(tp_parallel_linear_t L, const tp_tensor *dx, const tp_tensor *dy,
                                         tp_stream_t stream) {
   TP_NONNULL("linear backward", L, "layer");
+  TP_CHECK(tp_check_stream("linear backward", L->dev, stream));
   TP_NONNULL("linear backward", dx, "dx");
   TP_NONNULL("linear backward", dy, "dy");
   tp_linear_info_t i;

@@ -161,6 +161,7 @@ tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const f
 
 tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t m, const tp_tensor *y, const tp_tensor *x, tp_stream_t stream) {
   TP_NONNULL("mlp forward", m, "mlp");
+  TP_CHECK(tp_check_stream("mlp forward", m->dev, stream));
   TP_NONNULL("mlp forward", x, "x");
   TP_NONNULL("mlp forward", y, "y");
   int64_t M = 0;
@@ -173,6 +174,7 @@ tp_status_t tp_parallel_mlp_forward(tp_parallel_mlp_t m, const tp_tensor *y, con
 tp_status_t tp_parallel_mlp_backward(tp_parallel_mlp_t m, const tp_tensor *dx, const tp_tensor *dy,
                                      tp_stream_t stream) {
   TP_NONNULL("mlp backward", m, "mlp");
+  TP_CHECK(tp_check_stream("mlp backward", m->dev, stream));
   TP_NONNULL("mlp backward", dx, "dx");
   TP_NONNULL("mlp backward", dy, "dy");
   int64_t M = 0;

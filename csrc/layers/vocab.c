@@ -140,6 +140,7 @@ static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int
 tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t E, const tp_tensor *y, const tp_tensor *tokens,
                                        tp_stream_t stream) {
   TP_NONNULL("embedding forward", E, "embedding");
+  TP_CHECK(tp_check_stream("embedding forward", E->dev, stream));
   TP_NONNULL("embedding forward", y, "y");
   TP_NONNULL("embedding forward", tokens, "tokens");
   int64_t M = 0, nel;
@@ -153,6 +154,7 @@ tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t E, const tp_tensor *
 
 tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t E, const tp_tensor *dy, tp_stream_t stream) {
   TP_NONNULL("embedding backward", E, "embedding");
+  TP_CHECK(tp_check_stream("embedding backward", E->dev, stream));
   TP_NONNULL("embedding backward", dy, "dy");
   int64_t M = 0;
   TP_CHECK(tp_check_matrix("embedding backward", "dy", dy, TP_FLOAT32, -1, E->C, E->dev, E->dev_id, &M));
@@ -329,6 +331,7 @@ tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t X, const tp_tensor *losses, co
                                   const tp_tensor *targets, int64_t vocab_offset, int64_t ignore_index, int64_t *valid,
                                   int64_t *vocab, tp_stream_t stream) {
   TP_NONNULL("cross-entropy forward", X, "cross-entropy");
+  TP_CHECK(tp_check_stream("cross-entropy forward", X->dev, stream));
   TP_NONNULL("cross-entropy forward", losses, "losses");
   TP_NONNULL("cross-entropy forward", logits, "logits");
   TP_NONNULL("cross-entropy forward", targets, "targets");
@@ -358,6 +361,7 @@ tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t X, const tp_tensor *losses, co
 tp_status_t tp_vocab_xent_backward(tp_vocab_xent_t X, const tp_tensor *dlogits, const tp_tensor *dloss, float scale,
                                    tp_stream_t stream) {
   TP_NONNULL("cross-entropy backward", X, "cross-entropy");
+  TP_CHECK(tp_check_stream("cross-entropy backward", X->dev, stream));
   TP_NONNULL("cross-entropy backward", dlogits, "dlogits");
   if (X->last_m < 0) return tp_set_error(TP_ERR_INVALID_USAGE, "cross-entropy backward: called before forward");
   int64_t M = X->last_m;

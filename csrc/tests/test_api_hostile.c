@@ -297,6 +297,27 @@ static void test_collectives(tp_comm_t comm) {
   OK(tp_all_reduce(s, r, 4, TP_FLOAT32, TP_SUM, comm, NULL));
 }
 
+/* The CPU runs every call synchronously: a stream given with host memory (e.g. a CUDA stream
+ * passed with the wrong tensors) is refused at every boundary, naming the call. */
+static void test_cpu_streams(tp_comm_t comm) {
+  tp_stream_t fs = fake_stream();
+  float x[6] = {1, 2, 3, 4, 5, 6}, w[6] = {1, 0, 0, 1, 1, 1}, y[4];
+  ARG(tp_linear_forward(fs, P(T2(y, 2, 2)), P(T2(x, 2, 3)), P(T2(w, 2, 3)), NULL), "linear_forward", "stream");
+  ARG(tp_device_copy(TP_DEVICE_CPU, y, TP_DEVICE_CPU, x, 16, fs), "device_copy", "stream");
+  ARG(tp_device_copy_2d(TP_DEVICE_CPU, y, 8, TP_DEVICE_CPU, x, 12, 8, 2, fs), "device_copy_2d", "stream");
+  ARG(tp_device_memset(TP_DEVICE_CPU, y, 0, 16, fs), "device_memset", "stream");
+  ARG(tp_device_sync(TP_DEVICE_CPU, 0, fs), "device_sync", "stream");
+  tp_linear_config_t cfg = TP_LINEAR_CONFIG_INITIALIZER;
+  cfg.in_features = 3;
+  cfg.out_features = 2;
+  tp_parallel_linear_t L = NULL;
+  OK(tp_parallel_linear_create(&L, comm, &cfg));
+  if (!L) return;
+  ARG(tp_parallel_linear_forward(L, P(T2(y, 2, 2)), P(T2(x, 2, 3)), fs), "linear forward", "stream");
+  OK(tp_parallel_linear_forward(L, P(T2(y, 2, 2)), P(T2(x, 2, 3)), NULL));
+  tp_parallel_linear_destroy(L);
+}
+
 int main(void) {
   char job[64];
   snprintf(job, sizeof job, "hostile_%d", (int)getpid());
@@ -316,6 +337,8 @@ int main(void) {
   printf("kernels: done\n");
   test_collectives(comm);
   printf("collectives: done\n");
+  test_cpu_streams(comm);
+  printf("cpu streams: done\n");
   test_linear(comm, TP_COLUMN_PARALLEL);
   test_linear(comm, TP_ROW_PARALLEL);
   test_mlp(comm);

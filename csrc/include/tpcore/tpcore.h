@@ -83,7 +83,7 @@ TP_API const char *tp_device_name(tp_device_t device); /* "cpu", "cuda", "invali
 /* An ordered queue of work on one device (a cudaStream_t on CUDA), after NCCL's
  * ncclAllReduce(..., stream).  Every collective, kernel and layer call takes one.
  * NULL is the device's default stream; on the CPU every call is synchronous and
- * NULL is the only stream: the call has finished when it returns. */
+ * NULL is the only stream (another is refused, naming the call): the call has finished when it returns. */
 typedef struct tp_stream *tp_stream_t;
 
 #define TP_MAX_DIMS 8
