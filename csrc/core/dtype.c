@@ -80,6 +80,7 @@ uint16_t tp_float_to_half(float f) {
 }
 
 int64_t tp_tensor_numel(const tp_tensor *t) {
+  if (t->ndim < 0 || t->ndim > TP_MAX_DIMS) return -1; /* no such tensor (shape[] has TP_MAX_DIMS entries) */
   int64_t n = 1;
   for (int i = 0; i < t->ndim; i++)
     if (!tp_mul_count(n, t->shape[i], &n)) return -1; /* a negative dimension, or past int64 */
@@ -87,6 +88,7 @@ int64_t tp_tensor_numel(const tp_tensor *t) {
 }
 
 int tp_tensor_is_contiguous(const tp_tensor *t) {
+  if (t->ndim < 0 || t->ndim > TP_MAX_DIMS) return 0;
   if (tp_tensor_numel(t) == 0) return 1; /* no element to place (NumPy: an empty array is contiguous) */
   int64_t expect = 1;
   for (int i = t->ndim - 1; i >= 0; i--) {

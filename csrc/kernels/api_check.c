@@ -101,6 +101,9 @@ tp_status_t tp_kworkspace(tp_kcall *c, const tp_tensor *ws, size_t need, void **
     if (!need) return TP_SUCCESS;
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: workspace is NULL but the call needs %zu bytes", c->op, need);
   }
+  if (ws->ndim < 0 || ws->ndim > TP_MAX_DIMS)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: workspace has %d dimensions (0 to %d)", c->op, ws->ndim,
+                        TP_MAX_DIMS);
   int64_t n = tp_tensor_numel(ws);
   size_t es = tp_dtype_size(ws->dtype), bytes;
   if (n < 0 || !es || !tp_mul_size((size_t)n, es, &bytes))

@@ -106,6 +106,18 @@ static void api_act(void) {
       TP_ERR_INVALID_ARGUMENT, "bias_act_backward: workspace", "bytes", NULL);
   void *ws = hmem(need);
   tp_tensor tw = tp_tensor_1d(ws, TP_UINT8, (int64_t)need);
+  /* ndim outside [0, TP_MAX_DIMS]: an error, not a scalar (negative) or a read past shape[] (too many) */
+  tp_tensor bad = tw;
+  bad.ndim = -3;
+  err("workspace ndim -3", tp_bias_act_backward(NULL, &tdh, &tdb, &th, &to, TP_ACT_SWIGLU, &bad),
+      TP_ERR_INVALID_ARGUMENT, "bias_act_backward: workspace has -3 dimensions", NULL, NULL);
+  bad.ndim = TP_MAX_DIMS + 1;
+  err("workspace ndim 9", tp_bias_act_backward(NULL, &tdh, &tdb, &th, &to, TP_ACT_SWIGLU, &bad),
+      TP_ERR_INVALID_ARGUMENT, "bias_act_backward: workspace has 9 dimensions", NULL, NULL);
+  bad.ndim = 1000;
+  check("numel of ndim 1000 is -1", tp_tensor_numel(&bad) == -1 && !tp_tensor_is_contiguous(&bad));
+  bad.ndim = -1;
+  check("numel of ndim -1 is -1", tp_tensor_numel(&bad) == -1 && !tp_tensor_is_contiguous(&bad));
   check("bias_act_backward runs", tp_bias_act_backward(NULL, &tdh, &tdb, &th, &to, TP_ACT_SWIGLU, &tw) == TP_SUCCESS);
   check("bias_act_backward without db needs no workspace",
         tp_bias_act_backward(NULL, &tdh, NULL, &th, &to, TP_ACT_SWIGLU, NULL) == TP_SUCCESS);

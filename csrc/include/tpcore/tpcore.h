@@ -100,8 +100,9 @@ typedef struct {
   int device_id;
 } tp_tensor;
 
-TP_API int64_t tp_tensor_numel(const tp_tensor *t); /* -1: a negative dimension, or past int64 */
-TP_API int tp_tensor_is_contiguous(const tp_tensor *t);
+/* -1: ndim outside [0, TP_MAX_DIMS], a negative dimension, or past int64 */
+TP_API int64_t tp_tensor_numel(const tp_tensor *t);
+TP_API int tp_tensor_is_contiguous(const tp_tensor *t); /* 0 also for ndim outside [0, TP_MAX_DIMS] */
 
 /* A C-contiguous view of host memory: tp_tensor_2d(x, TP_FLOAT32, M, K). */
 static inline tp_tensor tp_tensor_nd(void *data, tp_dtype_t dtype, int ndim, const int64_t *shape) {
