@@ -220,6 +220,19 @@ static void api_attention_optim(void) {
   check("sgd_step runs", tp_sgd_step(NULL, &tp, &tg, NULL, 0.1f, 0, 0, 1) == TP_SUCCESS);
 }
 
+/* The device table's copies: sizes that overflow are refused, not wrapped (a 2-D copy of
+ * 2^31 rows of 2^33 bytes spans 2^64 bytes: it used to copy nothing and succeed). */
+static void api_device_table(void) {
+  char a[64] = {0}, b[64] = {1};
+  size_t w = (size_t)1 << 33, rows = (size_t)1 << 31;
+  err("copy_2d overflow", tp_device_copy_2d(TP_DEVICE_CPU, a, w, TP_DEVICE_CPU, b, w, w, rows, NULL),
+      TP_ERR_INVALID_ARGUMENT, "device_copy_2d", "overflow", NULL);
+  err("copy_2d pitch overflow", tp_device_copy_2d(TP_DEVICE_CPU, a, SIZE_MAX / 2, TP_DEVICE_CPU, b, 8, 8, 4, NULL),
+      TP_ERR_INVALID_ARGUMENT, "device_copy_2d", "overflow", NULL);
+  check("copy_2d of 4 rows runs", tp_device_copy_2d(TP_DEVICE_CPU, a, 16, TP_DEVICE_CPU, b, 8, 8, 4, NULL) ==
+                                      TP_SUCCESS && !memcmp(a + 16, b + 8, 8) && !memcmp(a + 48, b + 24, 8));
+}
+
 void run_api_tests(int *passed, int *failed) {
   DEV = TP_DEVICE_CPU;
   K = tp_kernels_of(TP_DEVICE_CPU);
@@ -227,7 +240,7 @@ void run_api_tests(int *passed, int *failed) {
     const char *name;
     void (*fn)(void);
   } t[] = {{"linear", api_linear}, {"activations", api_act}, {"vocab, norms, rope", api_vocab_norm_rope},
-           {"attention, optimizers", api_attention_optim}};
+           {"attention, optimizers", api_attention_optim}, {"device table", api_device_table}};
   for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
     api_bad = 0;
     t[i].fn();
