@@ -140,6 +140,14 @@ tp_status_t tp_bias_act_backward(tp_stream_t s, const tp_tensor *dh, const tp_te
 
 /* ---------------------------------------------------------- vocab-parallel */
 
+/* The shard [lo, lo + V) lies in [0, 2^63): the kernels compare ids with it without overflow. */
+static tp_status_t check_lo(tp_kcall *c, int64_t lo, int64_t V) {
+  if (lo < 0 || lo > INT64_MAX - V)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: lo must be in [0, 2^63 - 1 - %lld (the shard width)], got %lld",
+                        c->op, (long long)V, (long long)lo);
+  return TP_SUCCESS;
+}
+
 tp_status_t tp_embedding_forward(tp_stream_t s, const tp_tensor *out, const tp_tensor *tokens, const tp_tensor *table,
                                  int64_t lo) {
   tp_kcall c = {"embedding_forward", TP_DEVICE_CPU, 0, 0};
@@ -147,6 +155,7 @@ tp_status_t tp_embedding_forward(tp_stream_t s, const tp_tensor *out, const tp_t
   TP_CHECK(tp_karg(&c, "tokens", tokens, 0, I64, 1, SHAPE(TP_ANY)));
   int64_t V = table->shape[0], C = table->shape[1], M = tokens->shape[0];
   TP_CHECK(tp_karg(&c, "out", out, 0, F32, 2, SHAPE(M, C)));
+  TP_CHECK(check_lo(&c, lo, V));
   const tp_kernel_ops *k;
   TP_CHECK(tp_kops(&c, &k));
   return k->embedding_forward(s, out->data, tokens->data, table->data, M, lo, V, C);
@@ -159,6 +168,7 @@ tp_status_t tp_embedding_backward(tp_stream_t s, const tp_tensor *dtable, const 
   TP_CHECK(tp_karg(&c, "tokens", tokens, 0, I64, 1, SHAPE(TP_ANY)));
   int64_t V = dtable->shape[0], C = dtable->shape[1], M = tokens->shape[0];
   TP_CHECK(tp_karg(&c, "dout", dout, 0, F32, 2, SHAPE(M, C)));
+  TP_CHECK(check_lo(&c, lo, V));
   const tp_kernel_ops *k;
   TP_CHECK(tp_kops(&c, &k));
   return k->embedding_backward(s, dtable->data, tokens->data, dout->data, M, lo, V, C);
@@ -181,6 +191,7 @@ tp_status_t tp_xent_row_sums(tp_stream_t s, const tp_tensor *sums, const tp_tens
   TP_CHECK(tp_karg(&c, "gmax", gmax, 0, F32, 1, SHAPE(M)));
   TP_CHECK(tp_karg(&c, "targets", targets, 0, I64, 1, SHAPE(M)));
   TP_CHECK(tp_karg(&c, "sums", sums, 0, F32, 1, SHAPE(2 * M)));
+  TP_CHECK(check_lo(&c, lo, V));
   const tp_kernel_ops *k;
   TP_CHECK(tp_kops(&c, &k));
   return k->xent_row_sums(s, sums->data, logits->data, gmax->data, targets->data, M, lo, V);
@@ -197,6 +208,7 @@ tp_status_t tp_xent_backward(tp_stream_t s, const tp_tensor *dlogits, const tp_t
   TP_CHECK(tp_karg(&c, "targets", targets, 0, I64, 1, SHAPE(M)));
   TP_CHECK(tp_karg(&c, "row_scale", row_scale, 1, F32, 1, SHAPE(M)));
   TP_CHECK(tp_karg(&c, "dlogits", dlogits, 0, F32, 2, SHAPE(M, V)));
+  TP_CHECK(check_lo(&c, lo, V));
   const tp_kernel_ops *k;
   TP_CHECK(tp_kops(&c, &k));
   return k->xent_backward(s, dlogits->data, logits->data, gmax->data, sumexp->data, targets->data,

@@ -134,6 +134,16 @@ static void api_vocab_norm_rope(void) {
                                       out[C] == 0.0f && out[0] == tab[C]);
   err("tokens dtype", tp_embedding_forward(NULL, &tout, &tt32, &ttab, 0), TP_ERR_INVALID_ARGUMENT,
       "embedding_forward: tokens", "int64", "int32");
+  /* the shard must lie in [0, 2^63): a negative lo or lo + V past int64 is refused (token - lo overflowed) */
+  err("embedding lo < 0", tp_embedding_forward(NULL, &tout, &tt, &ttab, -1), TP_ERR_INVALID_ARGUMENT,
+      "embedding_forward: lo", "got -1", NULL);
+  err("embedding lo + V", tp_embedding_backward(NULL, &ttab, &tt, &tout, INT64_MAX - 2), TP_ERR_INVALID_ARGUMENT,
+      "embedding_backward: lo", NULL, NULL);
+  int64_t far[M] = {INT64_MIN, 1, INT64_MAX};
+  tp_tensor tfar = tp_tensor_1d(far, TP_INT64, M);
+  check("embedding_forward with ids far outside the shard runs (zero rows)",
+        tp_embedding_forward(NULL, &tout, &tfar, &ttab, 3) == TP_SUCCESS && out[0] == 0.0f && out[C] == 0.0f &&
+            out[2 * C] == 0.0f);
   tp_tensor tl = tp_tensor_2d(l, TP_FLOAT32, M, V), tmx = tp_tensor_1d(mx, TP_FLOAT32, M);
   check("xent_row_max runs", tp_xent_row_max(NULL, &tmx, &tl) == TP_SUCCESS);
   float sums[2 * M];
@@ -143,6 +153,10 @@ static void api_vocab_norm_rope(void) {
   tp_tensor ts1 = tp_tensor_1d(sums, TP_FLOAT32, M);
   err("sums shape", tp_xent_row_sums(NULL, &ts1, &tl, &tmx, &tt, 0), TP_ERR_INVALID_ARGUMENT, "xent_row_sums: sums",
       "(6,)", NULL);
+  err("xent lo < 0", tp_xent_row_sums(NULL, &tsum, &tl, &tmx, &tt, -5), TP_ERR_INVALID_ARGUMENT,
+      "xent_row_sums: lo", "got -5", NULL);
+  check("xent_row_sums with targets far outside the shard runs",
+        tp_xent_row_sums(NULL, &tsum, &tl, &tmx, &tfar, 2) == TP_SUCCESS && sums[M] == 0.0f && sums[M + 2] == 0.0f);
   float *x = rnd(M * C, -1, 1), y[M * C];
   tp_tensor tx = tp_tensor_2d(x, TP_FLOAT32, M, C), ty = tp_tensor_2d(y, TP_FLOAT32, M, C);
   tp_tensor tw = tp_tensor_1d(w, TP_FLOAT32, C), trs = tp_tensor_1d(rs, TP_FLOAT32, M);

@@ -12,7 +12,7 @@ tp_status_t tp_cpu_embedding_forward(tp_stream_t s, float *out, const int64_t *t
                                      int64_t lo, int64_t V, int64_t C) {
   (void)s;
   for (int64_t m = 0; m < M; m++) {
-    int64_t t = tokens[m] - lo;
+    int64_t t = tokens[m] >= lo ? tokens[m] - lo : -1; /* no overflow: lo >= 0 */
     if (t >= 0 && t < V) memcpy(out + m * C, table + t * C, (size_t)C * sizeof(float));
     else memset(out + m * C, 0, (size_t)C * sizeof(float));
   }
@@ -23,7 +23,7 @@ tp_status_t tp_cpu_embedding_backward(tp_stream_t s, float *dtable, const int64_
                                       int64_t lo, int64_t V, int64_t C) {
   (void)s;
   for (int64_t m = 0; m < M; m++) {
-    int64_t t = tokens[m] - lo;
+    int64_t t = tokens[m] >= lo ? tokens[m] - lo : -1; /* no overflow: lo >= 0 */
     if (t < 0 || t >= V) continue;
     float *row = dtable + t * C;
     const float *d = dout + m * C;
@@ -78,7 +78,7 @@ static void row_sums_chunk(void *ctx, int64_t m0, int64_t m1, int chunk) {
   int64_t M = a->M, lo = a->lo, V = a->V;
   for (int64_t m = m0; m < m1; m++) {
     const float *l = logits + m * V;
-    int64_t t = targets[m] - lo;
+    int64_t t = targets[m] >= lo ? targets[m] - lo : -1; /* no overflow: lo >= 0 */
     sums[m] = (float)row_sumexp(l, V, gmax[m]);
     sums[M + m] = (targets[m] >= 0 && t >= 0 && t < V) ? l[t] : 0.0f;
   }
@@ -106,7 +106,7 @@ TP_VECTOR_CLONES static void backward_chunk(void *ctx, int64_t m0, int64_t m1, i
     float s = row_scale ? row_scale[m] * scale : scale;
     float k = s / sumexp[m], mx = gmax[m];
     for (int64_t j = 0; j < V; j++) d[j] = fexp(l[j] - mx) * k;
-    int64_t t = targets[m] - lo;
+    int64_t t = targets[m] >= lo ? targets[m] - lo : -1; /* no overflow: lo >= 0 */
     if (targets[m] >= 0 && t >= 0 && t < V) d[t] -= s;
   }
 }
