@@ -85,6 +85,11 @@ tp_status_t tp_karg_rows(tp_kcall *c, const char *name, const tp_tensor *t, tp_d
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must have contiguous rows (strides (ld >= %lld, 1)), got "
                         "strides (%lld, %lld)", c->op, name, (long long)t->shape[1], (long long)t->strides[0],
                         (long long)t->strides[1]);
+  int64_t span; /* (rows - 1) x row stride + cols: the elements the rows reach, as the kernel indexes them */
+  if (t->shape[0] > 1 &&
+      (!tp_mul_count(t->shape[0] - 1, t->strides[0], &span) || !tp_add_count(span, t->shape[1], &span)))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s's %lld rows of stride %lld elements reach past 2^63", c->op,
+                        name, (long long)t->shape[0], (long long)t->strides[0]);
   return TP_SUCCESS;
 }
 

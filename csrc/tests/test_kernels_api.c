@@ -180,6 +180,9 @@ static void api_vocab_norm_rope(void) {
       "contiguous rows", NULL);
   err("rope D", tp_rope_apply(NULL, &tq, &tp, 1, 3, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply", "even",
       NULL);
+  tq.strides[1] = 1, tq.strides[0] = (int64_t)1 << 62; /* 3 rows reach 2^63 elements: refused, not written */
+  err("rope row stride", tp_rope_apply(NULL, &tq, &tp, 2, 2, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply: x",
+      "reach past 2^63", NULL);
 }
 
 static void api_attention_optim(void) {
