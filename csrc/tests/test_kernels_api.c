@@ -212,6 +212,10 @@ static void api_attention_optim(void) {
       NULL, NULL);
   err("attention probs", tp_attention_backward(NULL, &a, o, o, o, o, &tw), TP_ERR_INVALID_ARGUMENT,
       "attention_backward: args->probs", NULL, NULL);
+  b = a; /* 3 sequences 2^62 elements apart: (B - 1) x kv_bstride passes 2^63 (refused, not indexed) */
+  b.B = 3, b.kv_bstride = (int64_t)1 << 62;
+  err("attention kv_bstride reach", tp_attention_forward(NULL, &b, &tw), TP_ERR_INVALID_ARGUMENT, "attention_forward",
+      "reach past 2^63", NULL);
   b = a;
   b.device = TP_DEVICE_CUDA;
   if (!tp_device_available(TP_DEVICE_CUDA))
