@@ -81,8 +81,8 @@ tp_status_t tp_device_copy_2d(tp_device_t dd, void *dst, size_t dpitch, tp_devic
   size_t dend, send; /* (rows - 1) x pitch + width: the bytes each side spans */
   if (!tp_mul_size(rows - 1, dpitch, &dend) || !tp_add_size(dend, width, &dend) ||
       !tp_mul_size(rows - 1, spitch, &send) || !tp_add_size(send, width, &send))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy_2d: %zu rows of pitches %zu and %zu bytes overflow a size",
-                        rows, dpitch, spitch);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "device_copy_2d: %zu rows of pitches %zu and %zu bytes overflow a size", rows, dpitch, spitch);
   const tp_device_ops *ops;
   TP_CHECK(copy_ops(dd, sd, &ops));
   return ops->copy_2d(dst, dpitch, dd == TP_DEVICE_CPU, src, spitch, sd == TP_DEVICE_CPU, width, rows, stream);
