@@ -239,6 +239,21 @@ def test_partition_matches_reference_on_random_cases():
         tpcore.partition(2**63, 2)
 
 
+def test_partition_weighted_extremes_tile_n():
+    """Weighted splits past double precision or range still tile [0, n) with sizes >= 0:
+    n > 2^53 (the floors missed n by up to hundreds), weights whose sum or units x weight
+    overflow a double (inf/NaN became negative sizes), n = 2^63 - 1 (rounds up to 2^63)."""
+    cases = [(2**62, 3, [1, 1, 1]), (10**17 + 3, 3, [1, 1, 1]), (2**60 + 7, 5, [0.1, 0.7, 1.3, 2.9, 5.0]),
+             (5, 2, [1e308, 1e308]), (2**62, 3, [1e308] * 3), (10, 2, [1e300, 1]), (2**63 - 1, 1, [1.0]),
+             (2**63 - 1, 2, [1, 1]), (2**63 - 1, 3, [1e308, 1e308, 1])]
+    for n, world, weights in cases:
+        p = tpcore.partition(n, world, weights=weights)
+        sizes = [s for _, s in p]
+        assert sum(sizes) == n and all(s >= 0 for s in sizes), (n, weights, sizes)
+        assert [o for o, _ in p] == [sum(sizes[:r]) for r in range(world)]
+    assert tpcore.partition(5, 2, weights=[1e308, 1e308]) == [(0, 3), (3, 2)]  # as [1, 1]
+
+
 def _disagreeing_partitions(comm):
     part = [3, 1] if comm.rank == 0 else [2, 2]
     try:

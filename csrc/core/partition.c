@@ -126,33 +126,38 @@ tp_status_t tp_partition(int64_t n, int world, const double *weights, int64_t al
     if (!isfinite(weights[r]) || weights[r] < 0) ok = 0;
     total += weights[r];
   }
-  if (!ok || !(total > 0) || !isfinite(total)) return bad_weights(world, weights); /* Python: inf / inf -> nan */
-  /* Each share is computed in double and floored to an int64: past 2^53 units the
-   * shares are not exact and near 2^63 the conversion would overflow. */
-  if (units > ((int64_t)1 << 53))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "partition: n / align = %lld units is too large for a weighted split "
-                        "(at most 2^53)", (long long)units);
+  if (!ok || !(total > 0)) return bad_weights(world, weights);
+  /* Weights so large that their sum or units x weight overflow a double (both finite
+   * otherwise) are scaled by the largest first: the same shares, no inf/NaN to convert. */
+  double wmax = 0.0, scale = 1.0;
+  for (int r = 0; r < world; r++) wmax = weights[r] > wmax ? weights[r] : wmax;
+  if (!isfinite(total) || !isfinite((double)units * wmax)) {
+    scale = 1.0 / wmax;
+    total = 0.0;
+    for (int r = 0; r < world; r++) total += weights[r] * scale;
+  }
   rem_rank *order = malloc(sizeof(rem_rank) * (size_t)world);
   int64_t *counts = malloc(sizeof(int64_t) * (size_t)world);
   if (!order || !counts) {
     free(order), free(counts);
     return tp_set_error(TP_ERR_NOMEM, "partition: out of memory for %d ranks", world);
   }
-  int64_t given = 0;
+  int64_t left = units; /* units - the floors so far: never below minus their rounding excess (no overflow) */
   for (int r = 0; r < world; r++) {
-    double exact = (double)units * weights[r] / total;
-    if (!isfinite(exact)) { /* units x w[r] overflowed (Python: floor(inf) raises) */
-      free(order), free(counts);
-      return bad_weights(world, weights);
-    }
-    counts[r] = (int64_t)floor(exact);
+    double exact = (double)units * (scale == 1.0 ? weights[r] : weights[r] * scale) / total;
+    counts[r] = exact >= (double)units ? units : (int64_t)floor(exact); /* 2^63 - 1 rounds up to 2^63 */
     order[r].rem = exact - (double)counts[r];
     order[r].rank = r;
-    given += counts[r];
+    left -= counts[r];
   }
   qsort(order, (size_t)world, sizeof *order, by_remainder);
-  int64_t left = units - given, take = left >= 0 ? (left < world ? left : world) : (world + left > 0 ? world + left : 0);
-  for (int64_t i = 0; i < take; i++) counts[order[i].rank]++;
+  /* Hand out what the floors left: one unit each to the largest remainders (0 <= left <
+   * world whenever units x weight is exact in a double, i.e. units < 2^53).  Past that the
+   * floors may miss by more than world in either direction: go round again (or take back
+   * from the smallest remainders) until the sizes sum to units. */
+  for (int64_t i = 0; left > 0; i = (i + 1) % world, left--) counts[order[i].rank]++;
+  for (int64_t i = world - 1; left < 0; i = (i + world - 1) % world)
+    if (counts[order[i].rank] > 0) counts[order[i].rank]--, left++;
   int64_t off = 0;
   for (int r = 0; r < world; r++) {
     if (sizes) sizes[r] = counts[r] * align;
@@ -167,8 +172,6 @@ tp_status_t tp_partition(int64_t n, int world, const double *weights, int64_t al
 
 tp_status_t tp_partition_sizes(int64_t dim, int world, const int64_t *sizes, int64_t *parts, int64_t *offsets,
                                const char *what, const char *dim_name) {
-  if (!what) what = "partition";
-  if (!dim_name) dim_name = "the dimension";
   if (dim < 0 || world < 1)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: dim must be >= 0 and world >= 1, got %lld and %d", what,
                         (long long)dim, world);

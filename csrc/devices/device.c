@@ -127,6 +127,9 @@ void tp_pointer_device(const void *ptr, tp_device_t *device, int *device_id) {
 
 tp_status_t tp_check_device(const char *op, const char *arg, const tp_tensor *t, tp_device_t device, int device_id) {
   if (t->device == device && (device == TP_DEVICE_CPU || t->device_id == device_id)) return TP_SUCCESS;
+  if ((unsigned)t->device >= TP_NUM_DEVICE_TYPES)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s has device %d, which is not a tp_device_t", op, arg,
+                        (int)t->device);
   char want[32], got[32];
   snprintf(want, sizeof want, device == TP_DEVICE_CPU ? "%s" : "%s:%d", tp_device_name(device), device_id);
   snprintf(got, sizeof got, t->device == TP_DEVICE_CPU ? "%s" : "%s:%d", tp_device_name(t->device), t->device_id);

@@ -12,8 +12,8 @@
 static tp_status_t check_lo(tp_kcall *c, int64_t lo, int64_t V) {
   int64_t end;
   if (lo < 0 || !tp_add_count(lo, V, &end))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: lo = %lld must be >= 0 with lo + V (V = %lld) at most 2^63 - 1",
-                        c->op, (long long)lo, (long long)V);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: lo must be >= 0 with lo + V (V = %lld) at most 2^63 - 1, got %lld",
+                        c->op, (long long)V, (long long)lo);
   return TP_SUCCESS;
 }
 

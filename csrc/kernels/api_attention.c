@@ -37,6 +37,13 @@ static tp_status_t check_args(tp_kcall *c, const tp_attention_args *a, int backw
   if (a->B > 1 && (a->kv_bstride < 0 || a->kv_bstride / (a->Tk ? a->Tk : 1) < a->kv_ld))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_bstride (%lld) must be at least Tk x kv_ld", c->op,
                         (long long)a->kv_bstride);
+  int64_t qreach, oreach, kreach, kv_rows; /* the elements the kernel's indexing reaches, in int64 */
+  if (!tp_mul_count(rows, a->q_ld, &qreach) || !tp_mul_count(rows, a->o_ld, &oreach) ||
+      !tp_mul_count(a->Tk, a->kv_ld, &kv_rows) ||
+      !tp_mul_count(a->B > 1 ? a->B - 1 : 0, a->B > 1 ? a->kv_bstride : 0, &kreach) ||
+      !tp_add_count(kreach, kv_rows, &kreach))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args' leading dimensions reach past 2^63 elements (B x Tq x "
+                        "q_ld, B x Tq x o_ld, or (B - 1) x kv_bstride + Tk x kv_ld)", c->op);
   if (rows && qw && (!a->q || !a->o))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->q or args->o is NULL", c->op);
   if (a->B && a->Tk && kw && (!a->k || !a->v))

@@ -85,6 +85,11 @@ tp_status_t tp_karg_rows(tp_kcall *c, const char *name, const tp_tensor *t, tp_d
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must have contiguous rows (strides (ld >= %lld, 1)), got "
                         "strides (%lld, %lld)", c->op, name, (long long)t->shape[1], (long long)t->strides[0],
                         (long long)t->strides[1]);
+  int64_t span; /* (rows - 1) x row stride + cols: the elements the rows reach, as the kernel indexes them */
+  if (t->shape[0] > 1 &&
+      (!tp_mul_count(t->shape[0] - 1, t->strides[0], &span) || !tp_add_count(span, t->shape[1], &span)))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s's %lld rows of stride %lld elements reach past 2^63", c->op,
+                        name, (long long)t->shape[0], (long long)t->strides[0]);
   return TP_SUCCESS;
 }
 
@@ -101,6 +106,9 @@ tp_status_t tp_kworkspace(tp_kcall *c, const tp_tensor *ws, size_t need, void **
     if (!need) return TP_SUCCESS;
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: workspace is NULL but the call needs %zu bytes", c->op, need);
   }
+  if (ws->ndim < 0 || ws->ndim > TP_MAX_DIMS)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: workspace has %d dimensions (0 to %d)", c->op, ws->ndim,
+                        TP_MAX_DIMS);
   int64_t n = tp_tensor_numel(ws);
   size_t es = tp_dtype_size(ws->dtype), bytes;
   if (n < 0 || !es || !tp_mul_size((size_t)n, es, &bytes))

@@ -42,10 +42,12 @@
  *               losses[m] = log(sumexp) + max - target   xent_loss
  *               rs[m] = ignored ? 0 : dloss or 1         xent_row_scale
  *               memcpy of maxima/sums, tokens kept       tp_device_copy (device.h)
- *   transformer norms                                    layernorm_*, rmsnorm_*
+ *   block.c,    norms                                    layernorm_*, rmsnorm_*
+ *   attention.c
  *               RoPE forward / inverse                   rope
  *               positions pos[], klen[] from pos0[]      positions
- *               pos0 range checks                        check_range
+ *               pos0 range checks                        none: pos0 is host metadata (tp_block_batch_t),
+ *                                                        checked on the host before any kernel
  *               K/V rows into the cache                  kv_cache_write
  *               attention (training, prefill, decode)    attention_forward, attention_backward
  *               r += bo, dbo += colsum(dr)               add_bias, bias_grad

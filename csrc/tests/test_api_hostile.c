@@ -209,23 +209,30 @@ static void test_partition(void) {
   OK(tp_partition(INT64_MAX, 3, NULL, 1, sizes, offs));
   TRUE(offs[3] == INT64_MAX && sizes[0] + sizes[1] + sizes[2] == INT64_MAX);
   OK(tp_partition(INT64_MAX, 1, NULL, INT64_MAX, sizes, offs));
-  double wbad[3][3] = {{1, -1, 1}, {0, 0, 0}, {1, 1e308, 1e308}};
-  double wnan[2] = {1, 0.0 / 0.0};
-  for (int i = 0; i < 3; i++) ARG(tp_partition(12, 3, wbad[i], 1, sizes, offs), "partition", "weights");
+  double wbad[2][3] = {{1, -1, 1}, {0, 0, 0}};
+  double wnan[2] = {1, 0.0 / 0.0}, winf[2] = {1, 1.0 / 0.0};
+  for (int i = 0; i < 2; i++) ARG(tp_partition(12, 3, wbad[i], 1, sizes, offs), "partition", "weights");
   ARG(tp_partition(12, 2, wnan, 1, sizes, offs), "partition", "weights");
-  /* weighted splits are computed in double: past 2^53 units refused (it wrote garbage sizes, and its
-   * double -> int64 conversions overflowed, before) */
-  double w3[3] = {1, 2, 3};
-  ARG(tp_partition(INT64_MAX, 3, w3, 1, sizes, offs), "partition", "units");
-  ARG(tp_partition(((int64_t)1 << 53) + 2, 3, w3, 1, sizes, offs), "partition", "units");
-  OK(tp_partition((int64_t)1 << 53, 3, w3, 1, sizes, offs));
-  TRUE(offs[3] == (int64_t)1 << 53 && sizes[0] >= 0 && sizes[1] >= 0 && sizes[2] >= 0 &&
-       sizes[0] + sizes[1] + sizes[2] == (int64_t)1 << 53);
-  double wtiny[3] = {1e-300, 1e-300, 1e300}, wbig[2] = {1e308, 1e-300};
+  ARG(tp_partition(12, 2, winf, 1, sizes, offs), "partition", "weights");
+  /* weighted splits are computed in double; whatever the size or the weights' range, the sizes are
+   * >= 0 and tile n (before: garbage sizes and overflowing double -> int64 conversions) */
+  double w3[3] = {1, 2, 3}, whuge[3] = {1, 1e308, 1e308}, wtiny[3] = {1e-300, 1e-300, 1e300},
+         wbig[2] = {1e308, 1e-300};
+  struct { int64_t n; int world; const double *w; } cases[] = {
+      {INT64_MAX, 3, w3}, {((int64_t)1 << 53) + 2, 3, w3}, {(int64_t)1 << 53, 3, w3}, {12, 3, whuge},
+      {(int64_t)1 << 50, 3, wtiny}, {(int64_t)1 << 50, 2, wbig}, {INT64_MAX, 3, whuge}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    OK(tp_partition(cases[i].n, cases[i].world, cases[i].w, 1, sizes, offs));
+    int64_t sum = 0;
+    int ok = 1;
+    for (int r = 0; r < cases[i].world; r++) {
+      ok = ok && sizes[r] >= 0 && offs[r] == sum;
+      sum += sizes[r];
+    }
+    TRUE(ok && sum == cases[i].n && offs[cases[i].world] == cases[i].n);
+  }
   OK(tp_partition(12, 3, wtiny, 1, sizes, offs));
   TRUE(offs[3] == 12 && sizes[0] == 0 && sizes[1] == 0 && sizes[2] == 12);
-  ARG(tp_partition((int64_t)1 << 50, 3, wtiny, 1, sizes, offs), "partition", "weights"); /* Python: floor(inf) raises */
-  ARG(tp_partition((int64_t)1 << 50, 2, wbig, 1, sizes, offs), "partition", "weights"); /* units x w overflows */
   /* tp_partition_sizes */
   const int64_t neg[2] = {5, -1}, big[2] = {INT64_MAX, 1}, wrong[2] = {3, 3}, huge2[2] = {INT64_MAX, INT64_MAX};
   ARG(tp_partition_sizes(5, 2, neg, parts, po, "linear: partition", "out_features"), "linear: partition", "[1]");

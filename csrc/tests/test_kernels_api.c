@@ -106,6 +106,18 @@ static void api_act(void) {
       TP_ERR_INVALID_ARGUMENT, "bias_act_backward: workspace", "bytes", NULL);
   void *ws = hmem(need);
   tp_tensor tw = tp_tensor_1d(ws, TP_UINT8, (int64_t)need);
+  /* ndim outside [0, TP_MAX_DIMS]: an error, not a scalar (negative) or a read past shape[] (too many) */
+  tp_tensor bad = tw;
+  bad.ndim = -3;
+  err("workspace ndim -3", tp_bias_act_backward(NULL, &tdh, &tdb, &th, &to, TP_ACT_SWIGLU, &bad),
+      TP_ERR_INVALID_ARGUMENT, "bias_act_backward: workspace has -3 dimensions", NULL, NULL);
+  bad.ndim = TP_MAX_DIMS + 1;
+  err("workspace ndim 9", tp_bias_act_backward(NULL, &tdh, &tdb, &th, &to, TP_ACT_SWIGLU, &bad),
+      TP_ERR_INVALID_ARGUMENT, "bias_act_backward: workspace has 9 dimensions", NULL, NULL);
+  bad.ndim = 1000;
+  check("numel of ndim 1000 is -1", tp_tensor_numel(&bad) == -1 && !tp_tensor_is_contiguous(&bad));
+  bad.ndim = -1;
+  check("numel of ndim -1 is -1", tp_tensor_numel(&bad) == -1 && !tp_tensor_is_contiguous(&bad));
   check("bias_act_backward runs", tp_bias_act_backward(NULL, &tdh, &tdb, &th, &to, TP_ACT_SWIGLU, &tw) == TP_SUCCESS);
   check("bias_act_backward without db needs no workspace",
         tp_bias_act_backward(NULL, &tdh, NULL, &th, &to, TP_ACT_SWIGLU, NULL) == TP_SUCCESS);
@@ -122,6 +134,16 @@ static void api_vocab_norm_rope(void) {
                                       out[C] == 0.0f && out[0] == tab[C]);
   err("tokens dtype", tp_embedding_forward(NULL, &tout, &tt32, &ttab, 0), TP_ERR_INVALID_ARGUMENT,
       "embedding_forward: tokens", "int64", "int32");
+  /* the shard must lie in [0, 2^63): a negative lo or lo + V past int64 is refused (token - lo overflowed) */
+  err("embedding lo < 0", tp_embedding_forward(NULL, &tout, &tt, &ttab, -1), TP_ERR_INVALID_ARGUMENT,
+      "embedding_forward: lo", "got -1", NULL);
+  err("embedding lo + V", tp_embedding_backward(NULL, &ttab, &tt, &tout, INT64_MAX - 2), TP_ERR_INVALID_ARGUMENT,
+      "embedding_backward: lo", NULL, NULL);
+  int64_t far[M] = {INT64_MIN, 1, INT64_MAX};
+  tp_tensor tfar = tp_tensor_1d(far, TP_INT64, M);
+  check("embedding_forward with ids far outside the shard runs (zero rows)",
+        tp_embedding_forward(NULL, &tout, &tfar, &ttab, 3) == TP_SUCCESS && out[0] == 0.0f && out[C] == 0.0f &&
+            out[2 * C] == 0.0f);
   tp_tensor tl = tp_tensor_2d(l, TP_FLOAT32, M, V), tmx = tp_tensor_1d(mx, TP_FLOAT32, M);
   check("xent_row_max runs", tp_xent_row_max(NULL, &tmx, &tl) == TP_SUCCESS);
   float sums[2 * M];
@@ -131,6 +153,10 @@ static void api_vocab_norm_rope(void) {
   tp_tensor ts1 = tp_tensor_1d(sums, TP_FLOAT32, M);
   err("sums shape", tp_xent_row_sums(NULL, &ts1, &tl, &tmx, &tt, 0), TP_ERR_INVALID_ARGUMENT, "xent_row_sums: sums",
       "(6,)", NULL);
+  err("xent lo < 0", tp_xent_row_sums(NULL, &tsum, &tl, &tmx, &tt, -5), TP_ERR_INVALID_ARGUMENT,
+      "xent_row_sums: lo", "got -5", NULL);
+  check("xent_row_sums with targets far outside the shard runs",
+        tp_xent_row_sums(NULL, &tsum, &tl, &tmx, &tfar, 2) == TP_SUCCESS && sums[M] == 0.0f && sums[M + 2] == 0.0f);
   float *x = rnd(M * C, -1, 1), y[M * C];
   tp_tensor tx = tp_tensor_2d(x, TP_FLOAT32, M, C), ty = tp_tensor_2d(y, TP_FLOAT32, M, C);
   tp_tensor tw = tp_tensor_1d(w, TP_FLOAT32, C), trs = tp_tensor_1d(rs, TP_FLOAT32, M);
@@ -154,6 +180,9 @@ static void api_vocab_norm_rope(void) {
       "contiguous rows", NULL);
   err("rope D", tp_rope_apply(NULL, &tq, &tp, 1, 3, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply", "even",
       NULL);
+  tq.strides[1] = 1, tq.strides[0] = (int64_t)1 << 62; /* 3 rows reach 2^63 elements: refused, not written */
+  err("rope row stride", tp_rope_apply(NULL, &tq, &tp, 2, 2, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply: x",
+      "reach past 2^63", NULL);
 }
 
 static void api_attention_optim(void) {
@@ -183,6 +212,10 @@ static void api_attention_optim(void) {
       NULL, NULL);
   err("attention probs", tp_attention_backward(NULL, &a, o, o, o, o, &tw), TP_ERR_INVALID_ARGUMENT,
       "attention_backward: args->probs", NULL, NULL);
+  b = a; /* 3 sequences 2^62 elements apart: (B - 1) x kv_bstride passes 2^63 (refused, not indexed) */
+  b.B = 3, b.kv_bstride = (int64_t)1 << 62;
+  err("attention kv_bstride reach", tp_attention_forward(NULL, &b, &tw), TP_ERR_INVALID_ARGUMENT, "attention_forward",
+      "reach past 2^63", NULL);
   b = a;
   b.device = TP_DEVICE_CUDA;
   if (!tp_device_available(TP_DEVICE_CUDA))
@@ -208,6 +241,19 @@ static void api_attention_optim(void) {
   check("sgd_step runs", tp_sgd_step(NULL, &tp, &tg, NULL, 0.1f, 0, 0, 1) == TP_SUCCESS);
 }
 
+/* The device table's copies: sizes that overflow are refused, not wrapped (a 2-D copy of
+ * 2^31 rows of 2^33 bytes spans 2^64 bytes: it used to copy nothing and succeed). */
+static void api_device_table(void) {
+  char a[64] = {0}, b[64] = {1};
+  size_t w = (size_t)1 << 33, rows = (size_t)1 << 31;
+  err("copy_2d overflow", tp_device_copy_2d(TP_DEVICE_CPU, a, w, TP_DEVICE_CPU, b, w, w, rows, NULL),
+      TP_ERR_INVALID_ARGUMENT, "device_copy_2d", "overflow", NULL);
+  err("copy_2d pitch overflow", tp_device_copy_2d(TP_DEVICE_CPU, a, SIZE_MAX / 2, TP_DEVICE_CPU, b, 8, 8, 4, NULL),
+      TP_ERR_INVALID_ARGUMENT, "device_copy_2d", "overflow", NULL);
+  check("copy_2d of 4 rows runs", tp_device_copy_2d(TP_DEVICE_CPU, a, 16, TP_DEVICE_CPU, b, 8, 8, 4, NULL) ==
+                                      TP_SUCCESS && !memcmp(a + 16, b + 8, 8) && !memcmp(a + 48, b + 24, 8));
+}
+
 void run_api_tests(int *passed, int *failed) {
   DEV = TP_DEVICE_CPU;
   K = tp_kernels_of(TP_DEVICE_CPU);
@@ -215,7 +261,7 @@ void run_api_tests(int *passed, int *failed) {
     const char *name;
     void (*fn)(void);
   } t[] = {{"linear", api_linear}, {"activations", api_act}, {"vocab, norms, rope", api_vocab_norm_rope},
-           {"attention, optimizers", api_attention_optim}};
+           {"attention, optimizers", api_attention_optim}, {"device table", api_device_table}};
   for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
     api_bad = 0;
     t[i].fn();

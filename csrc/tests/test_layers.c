@@ -379,6 +379,10 @@ static int run_sizes(int n, int r, const char *job) {
          "token 4 (position 1) is out of range");
   EXPECT(tp_vocab_embedding_forward(emb, F2(y, 2, 2), F1(x, 2), NULL), TP_ERR_INVALID_ARGUMENT,
          "tokens must be int64");
+  tp_tensor badtok = tp_tensor_1d(toks, TP_INT64, 2);
+  badtok.device = (tp_device_t)77; /* a device number that is no tp_device_t: named, not 'invalid:0' */
+  EXPECT(tp_vocab_embedding_forward(emb, F2(y, 2, 2), &badtok, NULL), TP_ERR_INVALID_ARGUMENT,
+         "embedding forward: tokens has device 77, which is not a tp_device_t");
   EXPECT(tp_vocab_xent_forward(xent, F1(NULL, 0), F2(NULL, 0, 2), I1(NULL, 0), -1, -100, NULL, NULL, NULL), TP_SUCCESS,
          "");
   EXPECT(tp_vocab_xent_backward(xent, F2(NULL, 0, 2), NULL, 1.0f, NULL), TP_SUCCESS, "");

@@ -96,7 +96,7 @@ TP_API tp_status_t tp_bias_act_backward(tp_stream_t stream, const tp_tensor *dh,
                                         const tp_tensor *workspace);
 
 /* ---------------------------------------------------------- vocab-parallel */
-/* On a shard [lo, lo + V) of the vocabulary; C = embedding width.  out[M,C] rows of
+/* On a shard [lo, lo + V) of the vocabulary (lo >= 0); C = embedding width.  out[M,C] rows of
  * tokens (int64 [M]) outside the shard are zero (an all-reduce completes them); the
  * backward adds dout rows into dtable[V,C] for the shard's tokens. */
 TP_API tp_status_t tp_embedding_forward(tp_stream_t stream, const tp_tensor *out, const tp_tensor *tokens,
