@@ -172,6 +172,8 @@ tp_status_t tp_partition(int64_t n, int world, const double *weights, int64_t al
 
 tp_status_t tp_partition_sizes(int64_t dim, int world, const int64_t *sizes, int64_t *parts, int64_t *offsets,
                                const char *what, const char *dim_name) {
+  if (!what) what = "partition";
+  if (!dim_name) dim_name = "the dimension";
   if (dim < 0 || world < 1)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: dim must be >= 0 and world >= 1, got %lld and %d", what,
                         (long long)dim, world);

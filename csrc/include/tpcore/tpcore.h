@@ -83,7 +83,8 @@ TP_API const char *tp_device_name(tp_device_t device); /* "cpu", "cuda", "invali
 /* An ordered queue of work on one device (a cudaStream_t on CUDA), after NCCL's
  * ncclAllReduce(..., stream).  Every collective, kernel and layer call takes one.
  * NULL is the device's default stream; on the CPU every call is synchronous and
- * NULL is the only stream: the call has finished when it returns. */
+ * NULL is the only stream (another is refused, naming the call): the call has finished
+ * when it returns. */
 typedef struct tp_stream *tp_stream_t;
 
 #define TP_MAX_DIMS 8
@@ -116,7 +117,10 @@ static inline tp_tensor tp_tensor_nd(void *data, tp_dtype_t dtype, int ndim, con
   for (int i = TP_MAX_DIMS - 1; i >= 0; i--) {
     t.shape[i] = i < t.ndim ? shape[i] : 0;
     t.strides[i] = i < t.ndim ? stride : 0;
-    if (i < t.ndim) stride *= shape[i] > 0 ? shape[i] : 1;
+    if (i < t.ndim) { /* saturates past int64 (no signed overflow): tp_tensor_numel then says -1 */
+      int64_t d = shape[i] > 0 ? shape[i] : 1;
+      stride = stride > INT64_MAX / d ? INT64_MAX : stride * d;
+    }
   }
   return t;
 }
