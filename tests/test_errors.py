@@ -94,6 +94,9 @@ def test_closed_communicator():
 
 def _mismatch(comm, kind):
     x = np.ones(1024, dtype=np.float32)
+    # every rank is past init before two of them abort the communicator: a rank that is late
+    # (4 ranks on 2 cores) would otherwise see the abort in its own init, rightly, and raise there
+    comm.barrier()
     try:
         if kind == "op":
             if comm.rank == 0:
