@@ -3,34 +3,13 @@ without Python in the loop: every entry of every available kernel table against
 double-precision references on odd sizes, and the public tensor API's checks.  Also
 asserts that every entry of the table (TP_KERNEL_ENTRIES in csrc/kernels/kernels_impl.h)
 has a parity case, so a new entry without one fails here."""
-import os
-import pathlib
 import re
-import shutil
-import subprocess
 
-import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from c_binaries import ROOT, build, run
 
 
 def build_and_run(tmp_path, sanitize):
-    if shutil.which("make") is None or shutil.which("cc") is None:
-        pytest.skip("make or a C compiler is missing")
-    build = tmp_path / ("san" if sanitize else "plain")
-    args = ["make", "-s", "-C", str(ROOT), f"BUILD={build}", f"{build}/test_kernels"]
-    if sanitize:
-        args.insert(1, "SANITIZE=1")
-    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
-    # the binaries carry their own sanitizer runtime (or none): not the one the sanitized
-    # suite preloads into Python; a hostile size must come back as an error, not abort
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    env.update(ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:allocator_may_return_null=1",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
-    r = subprocess.run([str(build / "test_kernels")], capture_output=True, text=True, timeout=900, env=env)
-    assert "ERROR: AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr
-    return r
+    return run(build(tmp_path, sanitize, "test_kernels") / "test_kernels")
 
 
 def check_output(r):

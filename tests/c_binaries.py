@@ -1,0 +1,35 @@
+"""Build C test binaries of the core with make (plain, or under ASan + UBSan) and run them
+without Python in the loop: the one helper of test_c_core, test_kernels and test_api_hostile."""
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def build(tmp_path, sanitize, *targets):
+    """make the targets in a build directory of their own under tmp_path; returns that directory."""
+    if shutil.which("make") is None or shutil.which("cc") is None:
+        pytest.skip("make or a C compiler is missing")
+    out = tmp_path / ("san" if sanitize else "plain")
+    args = ["make", "-s", "-C", str(ROOT), f"BUILD={out}", *(f"{out}/{t}" for t in targets)]
+    if sanitize:
+        args.insert(1, "SANITIZE=1")
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def run(path, timeout=900):
+    """Run one binary; no sanitizer report may appear (its exit status is the caller's to check)."""
+    # the binaries carry their own sanitizer runtime (or none): not the one the sanitized
+    # suite preloads into Python; a hostile size must come back as an error, not abort
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:allocator_may_return_null=1",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    r = subprocess.run([str(path)], capture_output=True, text=True, timeout=timeout, env=env)
+    assert "ERROR: AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr
+    return r
