@@ -11,6 +11,18 @@
 
 #define BLK 1024
 
+/* The portable build targets x86-64's baseline (SSE2, 16-byte vectors); the hot
+ * loops get AVX2 and AVX-512 clones too, picked at load time (an ifunc) by what
+ * the CPU has. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define TP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef TP_CLONES
+#define TP_CLONES
+#endif
+
 #define OP_SUM(a, b) ((a) + (b))
 #define OP_PROD(a, b) ((a) * (b))
 /* NumPy's minimum/maximum: NaN propagates. */
@@ -21,8 +33,8 @@
 
 /* Float types: T is the storage type, A the accumulator, LD/ST convert. */
 #define DEFINE_FLOAT_REDUCE(NAME, T, A, LD, ST)                                    \
-  static void NAME(T *dst, T *dst2, const T *const *s, int ns, size_t n,           \
-                   tp_redop_t op) {                                                \
+  TP_CLONES static void NAME(T *dst, T *dst2, const T *const *s, int ns,         \
+                             size_t n, tp_redop_t op) {                            \
     A acc[BLK];                                                                    \
     for (size_t o = 0; o < n; o += BLK) {                                          \
       size_t m = n - o < BLK ? n - o : BLK;                                        \
@@ -65,8 +77,8 @@ DEFINE_FLOAT_REDUCE(reduce_bf16, uint16_t, float, tp_bf16_to_float, tp_float_to_
 /* Integer types: wrap-around arithmetic is done in the unsigned type U (no UB);
  * avg accumulates in 64-bit (128-bit for int64) and truncates toward zero. */
 #define DEFINE_INT_REDUCE(NAME, T, U, W)                                           \
-  static void NAME(T *dst, T *dst2, const T *const *s, int ns, size_t n,           \
-                   tp_redop_t op) {                                                \
+  TP_CLONES static void NAME(T *dst, T *dst2, const T *const *s, int ns,         \
+                             size_t n, tp_redop_t op) {                            \
     T acc[BLK];                                                                    \
     for (size_t o = 0; o < n; o += BLK) {                                          \
       size_t m = n - o < BLK ? n - o : BLK;                                        \
