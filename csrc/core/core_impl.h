@@ -16,12 +16,18 @@
 #define TP_UNLIKELY(x) (x)
 #endif
 
+#ifdef __cplusplus /* C linkage for the CUDA kernels (.cu files are C++) */
+extern "C" {
+#endif
 /* Records `status` and the formatted sentence as this thread's last error and
  * returns `status`. */
 tp_status_t tp_set_error(tp_status_t status, const char *fmt, ...) TP_PRINTF(2, 3);
 /* Prefixes the current last-error sentence with "<prefix>: ". */
 void tp_error_prefix(const char *fmt, ...) TP_PRINTF(1, 2);
 void tp_clear_error(void);
+#ifdef __cplusplus
+}
+#endif
 
 /* Propagate a failing status (the sentence was recorded where it arose). */
 #define TP_CHECK(call)                                  \

@@ -1,6 +1,7 @@
 /* The device registry: one line per device type.  A device is a file that fills a
  * tp_device_ops (cpu.c; cuda.c in CUDA builds) plus its line here. */
 #include <stdio.h>
+#include <unistd.h>
 
 #include "device_impl.h"
 
@@ -134,4 +135,48 @@ tp_status_t tp_check_device(const char *op, const char *arg, const tp_tensor *t,
   snprintf(want, sizeof want, device == TP_DEVICE_CPU ? "%s" : "%s:%d", tp_device_name(device), device_id);
   snprintf(got, sizeof got, t->device == TP_DEVICE_CPU ? "%s" : "%s:%d", tp_device_name(t->device), t->device_id);
   return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s is %s memory, but this call runs on %s", op, arg, got, want);
+}
+
+/* The stream entries: a device without them (the CPU) has nothing queued. */
+tp_status_t tp_device_set_current(tp_device_t d, int id) {
+  const tp_device_ops *ops;
+  TP_CHECK(need(d, "device_set_current", &ops));
+  return ops->set_current ? ops->set_current(id) : TP_SUCCESS;
+}
+
+tp_status_t tp_device_query(tp_device_t d, int id, tp_stream_t stream, int *done) {
+  if (!done) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_query: done is NULL");
+  *done = 0;
+  const tp_device_ops *ops;
+  TP_CHECK(need(d, "device_query", &ops));
+  TP_CHECK(tp_check_stream("device_query", d, stream));
+  if (!ops->query) {
+    *done = 1;
+    return TP_SUCCESS;
+  }
+  return ops->query(id, stream, done);
+}
+
+tp_status_t tp_device_stream_wait(tp_device_t d, int id, tp_stream_t waiter, tp_stream_t producer) {
+  const tp_device_ops *ops;
+  TP_CHECK(need(d, "device_stream_wait", &ops));
+  TP_CHECK(tp_check_stream("device_stream_wait", d, waiter));
+  TP_CHECK(tp_check_stream("device_stream_wait", d, producer));
+  if (!ops->stream_wait || waiter == producer) return TP_SUCCESS;
+  return ops->stream_wait(id, waiter, producer);
+}
+
+tp_status_t tp_device_mem_info(tp_device_t d, int id, size_t *free_bytes, size_t *total_bytes) {
+  if (!free_bytes || !total_bytes)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_mem_info: free_bytes or total_bytes is NULL");
+  *free_bytes = *total_bytes = 0;
+  const tp_device_ops *ops;
+  TP_CHECK(need(d, "device_mem_info", &ops));
+  if (ops->mem_info) return ops->mem_info(id, free_bytes, total_bytes);
+  long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || psz <= 0) return tp_set_error(TP_ERR_UNSUPPORTED, "device_mem_info: %s memory size unknown",
+                                                  tp_device_name(d));
+  *total_bytes = (size_t)pages * (size_t)psz;
+  *free_bytes = avail > 0 ? (size_t)avail * (size_t)psz : 0;
+  return TP_SUCCESS;
 }

@@ -217,14 +217,25 @@ typedef struct tp_kernel_ops {
 
 #define TP_KERNEL_COUNT_ONE_(name) +1
 enum { TP_KERNEL_NUM_ENTRIES = 0 TP_KERNEL_ENTRIES(TP_KERNEL_COUNT_ONE_) };
-_Static_assert(sizeof(tp_kernel_ops) ==
+#ifdef __cplusplus /* the CUDA kernels (.cu, C++) include this header for the types */
+#define TP_STATIC_ASSERT_ static_assert
+#else
+#define TP_STATIC_ASSERT_ _Static_assert
+#endif
+TP_STATIC_ASSERT_(sizeof(tp_kernel_ops) ==
                    offsetof(tp_kernel_ops, gemm) + TP_KERNEL_NUM_ENTRIES * sizeof(void (*)(void)),
                "TP_KERNEL_ENTRIES must list every entry of tp_kernel_ops");
 
 /* The kernel table of a device type, or NULL when this build or process has none
  * (registry.c: one line per device). */
+#ifdef __cplusplus
+extern "C" {
+#endif
 const tp_kernel_ops *tp_kernels_of(tp_device_t device);
 
 extern const tp_kernel_ops tp_cpu_kernel_ops;
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -42,6 +42,20 @@ typedef struct tp_device_ops {
   tp_status_t (*sync)(int device_id, tp_stream_t stream);
   /* 1 when ptr is memory of this device type (its id in *device_id); may be NULL (never). */
   int (*owns)(const void *ptr, int *device_id);
+  /* The entries below may be NULL on a device without streams (the CPU): the wrappers
+   * then succeed at once (set_current, stream_wait), report done (query) or host
+   * memory figures (mem_info). */
+  /* Makes device_id the calling thread's current device (cudaSetDevice). */
+  tp_status_t (*set_current)(int device_id);
+  /* *done = 1 when all work queued so far on stream has finished, without blocking
+   * (cudaStreamQuery); an asynchronous error of that work is returned as the status. */
+  tp_status_t (*query)(int device_id, tp_stream_t stream, int *done);
+  /* Work queued on `waiter` after this call starts only after the work queued on
+   * `producer` so far (an event recorded on producer, waited on by waiter; nothing
+   * when they are the same stream).  The DLPack stream handshake. */
+  tp_status_t (*stream_wait)(int device_id, tp_stream_t waiter, tp_stream_t producer);
+  /* Free and total bytes of the device (cudaMemGetInfo). */
+  tp_status_t (*mem_info)(int device_id, size_t *free_bytes, size_t *total_bytes);
 } tp_device_ops;
 
 /* The table of a device type, or NULL when this build or this machine has none. */
@@ -58,6 +72,29 @@ TP_API tp_status_t tp_device_copy_2d(tp_device_t dst_device, void *dst, size_t d
                                      const void *src, size_t spitch, size_t width, size_t rows, tp_stream_t stream);
 TP_API tp_status_t tp_device_memset(tp_device_t device, void *dst, int value, size_t nbytes, tp_stream_t stream);
 TP_API tp_status_t tp_device_sync(tp_device_t device, int device_id, tp_stream_t stream);
+TP_API tp_status_t tp_device_set_current(tp_device_t device, int device_id);
+TP_API tp_status_t tp_device_query(tp_device_t device, int device_id, tp_stream_t stream, int *done);
+TP_API tp_status_t tp_device_stream_wait(tp_device_t device, int device_id, tp_stream_t waiter, tp_stream_t producer);
+TP_API tp_status_t tp_device_mem_info(tp_device_t device, int device_id, size_t *free_bytes, size_t *total_bytes);
+
+/* CUDA support lives in a plugin, libtpcore_cuda.so, built by nvcc beside the core
+ * (csrc/cuda/plugin_abi.h); the core itself links no CUDA.  tp_cuda_load loads it
+ * once per process and registers its device and kernel tables: path NULL means
+ * $TPCORE_CUDA_PLUGIN, else the file beside the loaded core (tpcore/.libs), else the
+ * loader path.  It succeeds when the plugin loads, even on a machine without a GPU:
+ * tp_device_available(TP_DEVICE_CUDA) then says 0 and tp_cuda_status() says why.
+ * Later calls return the first call's result. */
+TP_API tp_status_t tp_cuda_load(const char *path);
+/* One line: why CUDA is usable or not ("not loaded", "this build has no CUDA
+ * plugin", "no NVIDIA driver (...)", "driver too old: ...", "no device", "2 devices
+ * (NVIDIA H200, ...)").  Never NULL. */
+TP_API const char *tp_cuda_status(void);
+
+/* Directories searched (after the override variable, before CUDA_HOME and the loader
+ * path) for the run-time libraries tpcore loads with dlopen: cuBLAS, NCCL (the Python
+ * side registers the nvidia-* wheels' lib directories).  Copied; n = 0 clears. */
+TP_API tp_status_t tp_set_library_dirs(const char *const *dirs, int n);
+
 /* Which device a pointer's memory belongs to: a registered device that claims it,
  * else the host (TP_DEVICE_CPU, 0). */
 TP_API void tp_pointer_device(const void *ptr, tp_device_t *device, int *device_id);
