@@ -36,10 +36,18 @@ void tp_clear_error(void);
     if (TP_UNLIKELY(tp_st_ != TP_SUCCESS)) return tp_st_; \
   } while (0)
 
+/* Functions the CUDA kernels call on the device too (nvcc compiles them for both). */
+#if defined(__CUDACC__)
+#define TP_HOST_DEVICE __host__ __device__
+#else
+#define TP_HOST_DEVICE
+#endif
+
 /* Counter-based random numbers for seeded initialisation: a uniform double in
  * [0, 1) from (seed, tensor, index) by splitmix64, so every element of a full
- * tensor has one value whichever rank draws it. */
-static inline double tp_uniform01(uint64_t seed, uint64_t tensor, uint64_t index) {
+ * tensor has one value whichever rank draws it (on the CPU and on a GPU: integer
+ * steps and one exact multiplication, so both give the same bits). */
+static inline TP_HOST_DEVICE double tp_uniform01(uint64_t seed, uint64_t tensor, uint64_t index) {
   uint64_t z = seed * 0x9E3779B97F4A7C15ULL ^ (tensor + 1) * 0xD1B54A32D192ED03ULL ^ index * 0x94D049BB133111EBULL;
   z += 0x9E3779B97F4A7C15ULL;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
