@@ -45,6 +45,11 @@ static const char *library_path(void *sym) {
 /* Under open_lock. */
 static tp_status_t open_cublas(void) {
   static const char *const sonames[] = {"libcublas.so.13", "libcublas.so.12", "libcublas.so"};
+  static const char *const lt_sonames[] = {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"};
+  /* cuBLASLt first, by the same search: libcublas needs it (DT_NEEDED by soname), and the
+   * wheels keep it beside libcublas where the loader path may not reach.  Its absence
+   * is not an error here: libcublas's own dlopen error then names it. */
+  if (!tp_dynlib_open("cuBLASLt", "TPCORE_CUBLASLT_LIBRARY", lt_sonames, 3)) tp_clear_error();
   void *lib = tp_dynlib_open("cuBLAS", "TPCORE_CUBLAS_LIBRARY", sonames, 3);
   if (!lib) return TP_ERR_UNSUPPORTED; /* the finder's sentence names every place tried */
   tp_cublas_api a;
