@@ -538,3 +538,26 @@ def test_gpu_check_script_prints_its_summary_without_a_gpu(tmp_path):
     assert tail.rstrip().splitlines()[-1].startswith("verdict"), "the summary is not last"
     assert r.returncode == 3, (r.returncode, out[-2000:], r.stderr[-2000:])
     assert (tmp_path / "out" / "summary.txt").read_text().strip().splitlines()[-1].startswith("verdict")
+
+
+def test_bench_gpu_json(tmp_path):
+    """python -m tpcore.bench gpu: without a GPU, a JSON that says why it did not run; with one, a
+    quick run (small GEMMs, the tiny GPT-2-style model, no HF) whose rows are filled and correct."""
+    path = tmp_path / "gpu.json"
+    args = [sys.executable, "-m", "tpcore.bench", "gpu", "--json", str(path)]
+    if CUDA:
+        args += ["--quick", "--models", "gpt2-small", "--no-hf", "--repeats", "1", "--budget", "120"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = __import__("json").loads(path.read_text())
+    if not CUDA:
+        assert data["skipped"].startswith("no GPU"), data
+        assert "not run: no GPU" in r.stdout
+        return
+    rows = data["gemm"].get("rows") or []
+    if rows:  # torch is there: each float32 row ran and matched torch
+        f32 = [x for x in rows if x["dtype"] == "float32"]
+        assert f32 and all(x["tpcore_tflops"] and x["ok"] for x in f32), rows
+    t = data["decode"]["gpt2-small"]["tpcore"]
+    assert not t.get("skipped"), t
+    assert t["decode_tok_s"] > 0 and t["ttft_ms"] > 0 and t["tokens_shape"] == [1, 16 + 8]
