@@ -209,6 +209,7 @@ elif [ ! -x "$HARNESS" ]; then
   row parity "not run: no $HBUILD/test_kernels (the build step did not run)"
 else
   plugin=$(find "$ROOT/$HBUILD" -name 'libtpcore_cuda*.so' 2>/dev/null | head -1)
+  [ -z "$plugin" ] && [ -f "$ROOT/python/tpcore/.libs/libtpcore_cuda.so" ] && plugin="$ROOT/python/tpcore/.libs/libtpcore_cuda.so"
   if [ -n "$plugin" ] && [ -z "${TPCORE_CUDA_PLUGIN:-}" ]; then
     run_step parity 150 env TPCORE_CUDA_PLUGIN="$plugin" "$HARNESS"
   else
