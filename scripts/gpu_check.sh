@@ -372,7 +372,7 @@ if sel("bench"):
                 for r in rows:
                     shp = f"{r['M']}x{r['K']}x{r['N']} {r['dtype']}"
                     if r.get("tpcore_tflops") is None:
-                        parts.append(f"{shp}: n/a ({r.get('note', '')[:60]})")
+                        parts.append(f"{shp}: n/a ({re.sub(r'^n/a: ', '', r.get('note', ''))[:70]})")
                     else:
                         tt = r.get("torch_tflops")
                         pct = f" = {100 * r['tpcore_tflops'] / tt:.0f}%" if tt else ""
