@@ -11,7 +11,7 @@
 #   wheels  pip install the carried .whl/*.whl into a private folder on PYTHONPATH
 #   build   tpcore from source without build isolation (setup.py build_ext --inplace,
 #           TPCORE_CUDA_ARCHS=90) and, at the same time, the C core and the kernel parity
-#           harness with CUDA (make CUDA=1 BUILD=build-gpucheck)
+#           harness with CUDA (make CUDA=1 CUDA_ARCHS=90 BUILD=build-gpucheck)
 #   parity  build-gpucheck/test_kernels: every kernel table, CUDA's included, against references
 #   tests   pytest tests/test_gpu.py: layers and blocks on device="cuda" at world 1 and 2
 #           (host-staged shm and NCCL), NCCL collectives at world 1 and 2 on the one GPU,
@@ -163,7 +163,11 @@ if selected build; then
   MAKE_PID=""
   if [ "$t" != 0 ]; then
     say "make CUDA=1: start in the background (limit ${t}s)"
-    ( timeout -k 10 "$t" make -j"$JOBS" CUDA=1 BUILD="$HBUILD" TPCORE_CUDA_ARCHS=90 "$HBUILD/test_kernels" \
+    # the harness loads the plugin from beside itself: both targets (where the Makefile has the plugin)
+    PLUGIN_TARGET=()
+    grep -q 'libtpcore_cuda\.so' Makefile && PLUGIN_TARGET=("$HBUILD/libtpcore_cuda.so")
+    ( timeout -k 10 "$t" make -j"$JOBS" CUDA=1 CUDA_ARCHS="${CUDA_ARCHS:-90}" BUILD="$HBUILD" "$HBUILD/test_kernels" \
+        "${PLUGIN_TARGET[@]}" \
         > "$WORK/make.log" 2>&1; echo $? > "$WORK/make.rc" ) &
     MAKE_PID=$!
   fi
