@@ -107,11 +107,8 @@ def _to_host(x):
 
 
 def _device_lib():
-    try:
-        import cupy  # noqa: F401
-        return "cupy"
-    except ImportError:
-        return "torch"
+    import importlib.util
+    return "cupy" if importlib.util.find_spec("cupy") is not None else "torch"
 
 
 # ------------------------------------------------------------------------------- kernel parity

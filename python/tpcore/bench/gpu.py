@@ -231,7 +231,7 @@ def gemm_rows(comm, shapes, dtypes, budget):
             except Exception as e:  # noqa: BLE001 - one shape's failure is a row, not the end of the run
                 row["note"] = f"error: {type(e).__name__}: {e}"
                 row["ok"] = False
-            del lin
+            lin = y = yt = x = w = y_ref = None  # free both sides' memory before the next shape
             rows.append(row)
             torch.cuda.empty_cache()
     return rows
@@ -291,7 +291,7 @@ def _tpcore_decode(comm, cfg_fields, prompts, new, repeats, device):
     return {"rank": comm.rank, "world": comm.size, "dtype": dtype, "ttft_ms": ttft * 1e3,
             "decode_tok_s": B * (new - 1) / max(total - ttft, 1e-9), "generate_s": total, "build_s": build_s,
             "gpu_mib_built": mem_built, "gpu_mib": process_gpu_mib(), "param_bytes": pbytes,
-            "tokens_shape": list(np.asarray(tokens).shape), "device": device}
+            "tokens_shape": [int(v) for v in getattr(tokens, "shape", ())], "device": device}
 
 
 def _hf_decode(comm, name, quick, prompts, new, repeats):
@@ -353,7 +353,7 @@ def print_decode(name, res):
             print(f"{side:>16}  n/a: {r['skipped']}")
         else:
             print(f"{side:>16} {r['dtype']:>9} {r['ttft_ms']:>9.1f} {r['decode_tok_s']:>13.1f} "
-                  f"{str(r.get('gpu_mib', 'n/a')):>13}")
+                  f"{'n/a' if r.get('gpu_mib') is None else r['gpu_mib']:>13}")
     t, h = res.get("tpcore") or {}, res.get("hf") or {}
     if t and h and not t.get("skipped") and not h.get("skipped"):
         print(f"# tpcore vs HF generate: decode {t['decode_tok_s'] / h['decode_tok_s']:.2f}x, "
@@ -392,16 +392,13 @@ def run(args) -> int:
     memory = out["memory"] = []
 
     # GEMM (this process: torch and a world-1 communicator)
-    try:
-        import torch  # noqa: F401
-        have_torch = True
-    except ImportError:
-        have_torch = False
+    import importlib.util
+    have_torch = importlib.util.find_spec("torch") is not None
     if not have_torch:
         out["gemm"] = {"skipped": "torch is not installed (the peer and the inputs)"}
         print(f"# GEMM: not run: {out['gemm']['skipped']}")
     else:
-        print(f"# GEMM: ColumnParallelLinear forward (world 1, no bias) vs torch.matmul, same shapes and data")
+        print("# GEMM: ColumnParallelLinear forward (world 1, no bias) vs torch.matmul, same shapes and data")
         comm = tpcore.init()
         try:
             rows = gemm_rows(comm, args.shapes or (QUICK_SHAPES if args.quick else GEMM_SHAPES), dtypes, budget)
@@ -437,7 +434,8 @@ def run(args) -> int:
                              "decode_tok_s": min(r["decode_tok_s"] for r in ranks),
                              "gpu_mib_per_rank": [r.get("gpu_mib") for r in ranks]}
                 memory.append({"what": f"tpcore {name} world {world} ({res[side]['dtype']})",
-                               "text": ", ".join(f"rank {r['rank']} {r.get('gpu_mib', 'n/a')} MiB" for r in ranks)
+                               "text": ", ".join(f"rank {r['rank']} {'n/a' if r.get('gpu_mib') is None else r['gpu_mib']} MiB"
+                                                 for r in ranks)
                                + (f" (params {ranks[0]['param_bytes'] / 2 ** 20:.0f} MiB/rank)"
                                   if ranks[0].get("param_bytes") else "")})
             save()
@@ -449,7 +447,9 @@ def run(args) -> int:
             res["hf"] = _spawned(_hf_decode, 1, "shm", (name, args.quick, prompts, new, args.repeats),
                                  budget.left() - 5)[0]
             if not res["hf"].get("skipped"):
-                memory.append({"what": f"HF {name} (bfloat16)", "text": f"{res['hf'].get('gpu_mib', 'n/a')} MiB"})
+                hf_mib = res["hf"].get("gpu_mib")
+                memory.append({"what": f"HF {name} (bfloat16)", "text": f"{'n/a' if hf_mib is None else hf_mib} MiB "
+                               f"(torch max allocated {res['hf']['torch_max_allocated_mib']:.0f} MiB)"})
         save()
         print_decode(f"{name}: batch {args.batch}, prompt {prompt}, {new} new tokens (greedy), median of "
                      f"{args.repeats}", res)
