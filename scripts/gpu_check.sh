@@ -10,9 +10,11 @@
 #   env     date, card, driver, versions; NCCL library (TPCORE_NCCL_LIBRARY, else .nccl230/)
 #   wheels  pip install the carried .whl/*.whl into a private folder on PYTHONPATH
 #   build   tpcore from source without build isolation (setup.py build_ext --inplace,
-#           TPCORE_CUDA_ARCHS=90) and, at the same time, the C core and the kernel parity
-#           harness with CUDA (make CUDA=1 CUDA_ARCHS=90 BUILD=build-gpucheck)
-#   parity  build-gpucheck/test_kernels: every kernel table, CUDA's included, against references
+#           TPCORE_CUDA_ARCHS=90: _C and the CUDA plugin python/tpcore/.libs/libtpcore_cuda.so)
+#           and, at the same time, the C core and the kernel parity harness (make
+#           BUILD=build-gpucheck; GPU_CHECK_MAKE_CUDA=1: make CUDA=1, its own plugin as well)
+#   parity  build-gpucheck/test_kernels with TPCORE_CUDA_PLUGIN at that plugin: every kernel
+#           table, CUDA's included, against the references
 #   tests   pytest tests/test_gpu.py: layers and blocks on device="cuda" at world 1 and 2
 #           (host-staged shm and NCCL), NCCL collectives at world 1 and 2 on the one GPU,
 #           DLPack round trips with torch and CuPy, error cases
@@ -162,12 +164,15 @@ if selected build; then
   t=$(limit_for 300)
   MAKE_PID=""
   if [ "$t" != 0 ]; then
-    say "make CUDA=1: start in the background (limit ${t}s)"
-    # the harness loads the plugin from beside itself: both targets (where the Makefile has the plugin)
-    PLUGIN_TARGET=()
-    grep -q 'libtpcore_cuda\.so' Makefile && PLUGIN_TARGET=("$HBUILD/libtpcore_cuda.so")
-    ( timeout -k 10 "$t" make -j"$JOBS" CUDA=1 CUDA_ARCHS="${CUDA_ARCHS:-90}" BUILD="$HBUILD" "$HBUILD/test_kernels" \
-        "${PLUGIN_TARGET[@]}" \
+    say "make (the parity harness): start in the background (limit ${t}s)"
+    # The harness is C only; it loads the plugin named by TPCORE_CUDA_PLUGIN (the one setup.py
+    # builds, below), so nvcc compiles the kernels once.  GPU_CHECK_MAKE_CUDA=1: make builds its
+    # own plugin too (make CUDA=1), beside the harness.
+    MAKE_ARGS=("$HBUILD/test_kernels")
+    if [ "${GPU_CHECK_MAKE_CUDA:-0}" = 1 ]; then
+      MAKE_ARGS=(CUDA=1 CUDA_ARCHS="${CUDA_ARCHS:-90}" "$HBUILD/test_kernels" "$HBUILD/libtpcore_cuda.so")
+    fi
+    ( timeout -k 10 "$t" make -j"$JOBS" BUILD="$HBUILD" "${MAKE_ARGS[@]}" \
         > "$WORK/make.log" 2>&1; echo $? > "$WORK/make.rc" ) &
     MAKE_PID=$!
   fi
@@ -193,29 +198,31 @@ print('cuda:', info.get('cuda', 'no cuda key in build_info'))" > "$WORK/import.l
     row build "FAIL: setup.py build_ext --inplace (exit $RC): $(tail_of "$WORK/build.log" 3)"
   fi
   [ -n "$MAKE_PID" ] && wait "$MAKE_PID"
-  say "make CUDA=1: exit status $(cat "$WORK/make.rc" 2>/dev/null || echo '?')"
+  say "make (the parity harness): exit status $(cat "$WORK/make.rc" 2>/dev/null || echo '?')"
 fi
 
 # ---------------------------------------------------------------------------------------- parity
 HARNESS="$ROOT/$HBUILD/test_kernels"
+# The plugin the harness loads: make's (GPU_CHECK_MAKE_CUDA=1), else setup.py's
+PLUGIN=$(find "$ROOT/$HBUILD" -name 'libtpcore_cuda*.so' 2>/dev/null | head -1)
+[ -z "$PLUGIN" ] && [ -f "$ROOT/python/tpcore/.libs/libtpcore_cuda.so" ] && PLUGIN="$ROOT/python/tpcore/.libs/libtpcore_cuda.so"
+[ -n "${TPCORE_CUDA_PLUGIN:-}" ] && PLUGIN=$TPCORE_CUDA_PLUGIN
 if ! selected parity; then
   :
 elif selected build && [ ! -f "$WORK/make.rc" ]; then
-  row parity "not run: make CUDA=1 was not started (time budget spent)"
+  row parity "not run: make (the harness) was not started (time budget spent)"
 elif selected build && [ "$(cat "$WORK/make.rc")" != 0 ]; then
   mrc=$(cat "$WORK/make.rc")
   if timed_out "$mrc"; then
-    row parity "TIMED OUT: make CUDA=1 (the harness): $(tail_of "$WORK/make.log" 2)"
+    row parity "TIMED OUT: make (the harness): $(tail_of "$WORK/make.log" 2)"
   else
-    row parity "FAIL: make CUDA=1 (exit $mrc): $(tail_of "$WORK/make.log" 3)"
+    row parity "FAIL: make (the harness, exit $mrc): $(tail_of "$WORK/make.log" 3)"
   fi
 elif [ ! -x "$HARNESS" ]; then
   row parity "not run: no $HBUILD/test_kernels (the build step did not run)"
 else
-  plugin=$(find "$ROOT/$HBUILD" -name 'libtpcore_cuda*.so' 2>/dev/null | head -1)
-  [ -z "$plugin" ] && [ -f "$ROOT/python/tpcore/.libs/libtpcore_cuda.so" ] && plugin="$ROOT/python/tpcore/.libs/libtpcore_cuda.so"
-  if [ -n "$plugin" ] && [ -z "${TPCORE_CUDA_PLUGIN:-}" ]; then
-    run_step parity 150 env TPCORE_CUDA_PLUGIN="$plugin" "$HARNESS"
+  if [ -n "$PLUGIN" ]; then
+    run_step parity 150 env TPCORE_CUDA_PLUGIN="$PLUGIN" "$HARNESS"
   else
     run_step parity 150 "$HARNESS"
   fi
@@ -231,7 +238,7 @@ else
   elif timed_out "$RC"; then
     row parity "TIMED OUT after $cuda_ok CUDA entries ok, $cuda_fail failed: $(tail_of "$L" 1)"
   elif (( cuda_ok + cuda_fail == 0 )); then
-    why=$(grep -m1 -E '^device cuda' "$L" | cut -c1-120)
+    why=$(grep -m1 -E '^(device cuda|cuda plugin)' "$L" | cut -c1-160)
     row parity "not run: no CUDA kernel table in the harness (${why:-$(tail_of "$L" 1)}); CPU table: ${total:-no total}"
   elif (( cuda_fail == 0 && cpu_fail == 0 )) && [ "$RC" = 0 ]; then
     row parity "ok: $cuda_ok/$entries CUDA entries pass against the references; all: $total"
@@ -248,7 +255,7 @@ if selected tests; then
   else
     PT_TIMEOUT=()  # one hanging test must not take the step's whole time
     timeout 30 "$PY" -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(-p pytest_timeout --timeout=170)
-    run_step tests 240 env TPCORE_TEST_KERNELS_BIN="$HARNESS" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
+    run_step tests 240 env TPCORE_TEST_KERNELS_BIN="$HARNESS" TPCORE_TEST_CUDA_PLUGIN="$PLUGIN" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
       "${PT_TIMEOUT[@]}" \
       -o junit_family=xunit1 --junitxml="$WORK/junit.xml" tests/test_gpu.py
     echo "$RC" > "$WORK/tests.rc"

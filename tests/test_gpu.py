@@ -115,9 +115,9 @@ def _device_lib():
 @needs_cuda
 def test_parity_cuda_kernel_table(tmp_path):
     """Every entry of the CUDA kernel table against the references of the C harness."""
-    binary = os.environ.get("TPCORE_TEST_KERNELS_BIN")  # built already (gpu_check.sh: make CUDA=1)
+    binary = os.environ.get("TPCORE_TEST_KERNELS_BIN")  # built already (gpu_check.sh)
     if binary and not os.access(binary, os.X_OK):
-        pytest.fail(f"TPCORE_TEST_KERNELS_BIN={binary} is not an executable (did make CUDA=1 fail?)")
+        pytest.fail(f"TPCORE_TEST_KERNELS_BIN={binary} is not an executable (did its make fail?)")
     if not binary:
         if shutil.which("make") is None or shutil.which("nvcc") is None and not os.path.exists(
                 "/usr/local/cuda/bin/nvcc"):
@@ -129,7 +129,10 @@ def test_parity_cuda_kernel_table(tmp_path):
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         binary = str(out / "test_kernels")
-    r = subprocess.run([binary], capture_output=True, text=True, timeout=600)
+    env = dict(os.environ)
+    if os.environ.get("TPCORE_TEST_CUDA_PLUGIN"):  # the plugin setup.py built (gpu_check.sh)
+        env["TPCORE_CUDA_PLUGIN"] = os.environ["TPCORE_TEST_CUDA_PLUGIN"]
+    r = subprocess.run([binary], capture_output=True, text=True, timeout=600, env=env)
     out = r.stdout
     entries = re.search(r"^entries: (.*)$", out, re.M).group(1).split()
     assert len(entries) >= 30
