@@ -414,7 +414,7 @@ EOF
 while IFS=$'\t' read -r key text; do
   [ -n "$key" ] && row "$key" "$text"
 done < "$WORK/rows.tsv"
-if [ ! -s "$WORK/rows.tsv" ] && { selected tests || selected bench; }; then
+if [ ! -s "$WORK/rows.tsv" ] && { [ -f "$WORK/tests.rc" ] || [ -f "$WORK/bench.rc" ]; }; then
   row summary "the summary's Python part printed nothing: $(tail_of "$WORK/summary_py.log" 2)"
 fi
 
@@ -436,6 +436,8 @@ for key in versions wheels build parity tests parity_py layers_w1 nccl_w1 nccl_w
     st=${STEP_OF[$key]:-}
     if [ -n "$st" ] && ! selected "$st"; then
       row "$key" "not run: not selected (GPU_CHECK_ONLY=$ONLY)"
+    elif [ -n "$st" ] && [[ -v "ROW[$st]" ]] && [[ "${ROW[$st]}" == not\ run* ]]; then
+      row "$key" "${ROW[$st]}"  # the step's own reason (e.g. the build failed)
     else
       row "$key" "not run: its step did not report"
     fi
