@@ -400,9 +400,10 @@ if sel("bench"):
                 def fmt(d, who):
                     if d.get("skipped"):
                         return f"{who} n/a ({d['skipped'][:90]})"
-                    return f"{who} {d['decode_tok_s']:.1f} tok/s, TTFT {d['ttft_ms']:.1f} ms ({d.get('dtype', '?')})"
+                    rate = "n/a" if d.get("decode_tok_s") is None else f"{d['decode_tok_s']:.1f}"
+                    return f"{who} {rate} tok/s, TTFT {d['ttft_ms']:.1f} ms ({d.get('dtype', '?')})"
                 text = fmt(t, "tpcore") + "; " + fmt(h, "HF generate")
-                if not t.get("skipped") and not h.get("skipped"):
+                if not t.get("skipped") and not h.get("skipped") and t.get("decode_tok_s") and h.get("decode_tok_s"):
                     text += (f"; decode {t['decode_tok_s'] / h['decode_tok_s']:.2f}x, "
                              f"TTFT {h['ttft_ms'] / t['ttft_ms']:.2f}x of HF")
                 out(key, text)

@@ -553,7 +553,7 @@ def test_bench_gpu_json(tmp_path):
     path = tmp_path / "gpu.json"
     args = [sys.executable, "-m", "tpcore.bench", "gpu", "--json", str(path)]
     if CUDA:
-        args += ["--quick", "--models", "gpt2-small", "--no-hf", "--repeats", "1", "--budget", "120"]
+        args += ["--quick", "--models", "gpt2-small", "--no-hf", "--new", "32", "--repeats", "1", "--budget", "120"]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = __import__("json").loads(path.read_text())
@@ -567,7 +567,7 @@ def test_bench_gpu_json(tmp_path):
         assert f32 and all(x["tpcore_tflops"] and x["ok"] for x in f32), rows
     t = data["decode"]["gpt2-small"]["tpcore"]
     assert not t.get("skipped"), t
-    assert t["decode_tok_s"] > 0 and t["ttft_ms"] > 0 and t["tokens_shape"] == [1, 16 + 8]
+    assert t["decode_tok_s"] > 0 and t["ttft_ms"] > 0 and t["tokens_shape"] == [1, 16 + 32]
 
 
 FAKE_PY = r'''#!/usr/bin/env bash

@@ -165,6 +165,13 @@ def _median(xs):
     return float(statistics.median(xs))
 
 
+def _decode_rate(batch, new, total, ttft):
+    """batch x (new - 1) tokens over generate(new) - generate(1); None when that difference is
+    not positive (too few tokens to see past the noise)."""
+    d = total - ttft
+    return batch * (new - 1) / d if d > 0 else None
+
+
 class Budget:
     def __init__(self, seconds):
         self.t0, self.seconds = time.monotonic(), seconds
@@ -289,7 +296,7 @@ def _tpcore_decode(comm, cfg_fields, prompts, new, repeats, device):
     except Exception:  # noqa: BLE001
         pbytes = None
     return {"rank": comm.rank, "world": comm.size, "dtype": dtype, "ttft_ms": ttft * 1e3,
-            "decode_tok_s": B * (new - 1) / max(total - ttft, 1e-9), "generate_s": total, "build_s": build_s,
+            "decode_tok_s": _decode_rate(B, new, total, ttft), "generate_s": total, "build_s": build_s,
             "gpu_mib_built": mem_built, "gpu_mib": process_gpu_mib(), "param_bytes": pbytes,
             "tokens_shape": [int(v) for v in getattr(tokens, "shape", ())], "device": device}
 
@@ -331,7 +338,7 @@ def _hf_decode(comm, name, quick, prompts, new, repeats):
         full.append(s)
     B = prompts.shape[0]
     ttft, total = _median(first), _median(full)
-    return {"dtype": "bfloat16", "ttft_ms": ttft * 1e3, "decode_tok_s": B * (new - 1) / max(total - ttft, 1e-9),
+    return {"dtype": "bfloat16", "ttft_ms": ttft * 1e3, "decode_tok_s": _decode_rate(B, new, total, ttft),
             "generate_s": total, "build_s": build_s, "gpu_mib": process_gpu_mib(),
             "torch_max_allocated_mib": torch.cuda.max_memory_allocated() / 2 ** 20,
             "tokens_shape": list(out.shape), "transformers": transformers.__version__, "torch": torch.__version__}
@@ -352,10 +359,11 @@ def print_decode(name, res):
         if r.get("skipped"):
             print(f"{side:>16}  n/a: {r['skipped']}")
         else:
-            print(f"{side:>16} {r['dtype']:>9} {r['ttft_ms']:>9.1f} {r['decode_tok_s']:>13.1f} "
+            rate = "n/a" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}"
+            print(f"{side:>16} {r['dtype']:>9} {r['ttft_ms']:>9.1f} {rate:>13} "
                   f"{'n/a' if r.get('gpu_mib') is None else r['gpu_mib']:>13}")
     t, h = res.get("tpcore") or {}, res.get("hf") or {}
-    if t and h and not t.get("skipped") and not h.get("skipped"):
+    if t and h and not t.get("skipped") and not h.get("skipped") and t["decode_tok_s"] and h["decode_tok_s"]:
         print(f"# tpcore vs HF generate: decode {t['decode_tok_s'] / h['decode_tok_s']:.2f}x, "
               f"TTFT {h['ttft_ms'] / t['ttft_ms']:.2f}x (> 1: tpcore ahead)")
 
@@ -430,8 +438,9 @@ def run(args) -> int:
             if any(r.get("skipped") for r in ranks):
                 res[side] = next(r for r in ranks if r.get("skipped"))
             else:  # the slowest rank
+                rates = [r["decode_tok_s"] for r in ranks]
                 res[side] = {**ranks[0], "ttft_ms": max(r["ttft_ms"] for r in ranks),
-                             "decode_tok_s": min(r["decode_tok_s"] for r in ranks),
+                             "decode_tok_s": None if None in rates else min(rates),
                              "gpu_mib_per_rank": [r.get("gpu_mib") for r in ranks]}
                 memory.append({"what": f"tpcore {name} world {world} ({res[side]['dtype']})",
                                "text": ", ".join(f"rank {r['rank']} {'n/a' if r.get('gpu_mib') is None else r['gpu_mib']} MiB"
@@ -487,7 +496,7 @@ def _plot(path, out):
     names = list(dec)
     xs = np.arange(len(names))
     for i, (side, label) in enumerate((("tpcore", "tpcore"), ("hf", "HF generate"))):
-        vals = [0 if dec[n].get(side, {}).get("skipped") else dec[n].get(side, {}).get("decode_tok_s", 0)
+        vals = [0 if dec[n].get(side, {}).get("skipped") else dec[n].get(side, {}).get("decode_tok_s") or 0
                 for n in names]
         ax[1].bar(xs + (i - 0.5) * 0.4, vals, 0.4, label=label)
     ax[1].set_xticks(xs, names)
