@@ -26,7 +26,8 @@
 # or timed out; 3 nothing failed but some row did not run (e.g. no GPU).
 #
 # Environment: OUT (a folder: logs, the summary, the benchmark's JSON and pytest's JUnit XML go
-# there; at most 5 files), GPU_CHECK_BUDGET_S (total seconds, default 400), GPU_CHECK_ONLY (a
+# there; 4 files), GPU_CHECK_SITE (where the carried wheels are installed, default
+# $TMPDIR/tpcore_gpu_check_site), GPU_CHECK_BUDGET_S (total seconds, default 400), GPU_CHECK_ONLY (a
 # comma list of the steps above to run, the others are "not run: not selected"), PYTHON (default
 # python3), GPU_CHECK_BENCH_ARGS (extra arguments of the benchmark).
 set -u
@@ -141,7 +142,9 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------- wheels
-SITE="$WORK/site"
+# A fixed folder, not $WORK: the harness make links keeps it as the rpath of the BLAS, and a
+# later run may find that binary up to date
+SITE=${GPU_CHECK_SITE:-${TMPDIR:-/tmp}/tpcore_gpu_check_site}
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 if selected wheels; then
   if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
@@ -172,6 +175,7 @@ if selected build; then
     if [ "${GPU_CHECK_MAKE_CUDA:-0}" = 1 ]; then
       MAKE_ARGS=(CUDA=1 CUDA_ARCHS="${CUDA_ARCHS:-90}" "$HBUILD/test_kernels" "$HBUILD/libtpcore_cuda.so")
     fi
+    rm -f "$HBUILD/test_kernels"  # relinked every run: its rpath names this run's BLAS folder
     ( timeout -k 10 "$t" make -j"$JOBS" BUILD="$HBUILD" "${MAKE_ARGS[@]}" \
         > "$WORK/make.log" 2>&1; echo $? > "$WORK/make.rc" ) &
     MAKE_PID=$!
@@ -237,6 +241,8 @@ else
     row parity "not run: the time budget was spent"
   elif timed_out "$RC"; then
     row parity "TIMED OUT after $cuda_ok CUDA entries ok, $cuda_fail failed: $(tail_of "$L" 1)"
+  elif (( cuda_ok + cuda_fail == 0 )) && [ "$RC" != 0 ]; then
+    row parity "FAIL: the harness exited with status $RC before any CUDA entry: $(tail_of "$L" 2)"
   elif (( cuda_ok + cuda_fail == 0 )); then
     why=$(grep -m1 -E '^(device cuda|cuda plugin)' "$L" | cut -c1-160)
     row parity "not run: no CUDA kernel table in the harness (${why:-$(tail_of "$L" 1)}); CPU table: ${total:-no total}"
