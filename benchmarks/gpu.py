@@ -1,0 +1,20 @@
+#!/usr/bin/env python
+"""GPU benchmark of tpcore: the same as `python -m tpcore.bench gpu`.
+
+    python benchmarks/gpu.py --quick
+    python benchmarks/gpu.py --json gpu.json --plot gpu.png
+
+See `python benchmarks/gpu.py --help` for the columns and the method.
+"""
+import os
+import sys
+
+try:
+    import tpcore.bench  # noqa: F401
+except ImportError:  # run from a source checkout that is not installed (the extension must be built)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from tpcore.bench.__main__ import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["gpu", *sys.argv[1:]]))
