@@ -114,10 +114,23 @@ static tp_status_t need_cuda(void) {
   return tp_set_error(TP_ERR_UNSUPPORTED, "no CUDA device is usable in this process (%s)", why);
 }
 
+/* Whether this process could run the backend with its default device: the library, a
+ * CUDA device, and (the same answer on every rank of a host, for backend "auto") one GPU
+ * per local rank, unless NCCL 2.30+ is told to run several ranks on one GPU. */
 tp_status_t tp_nccl_usable(void) {
   const tp_nccl_api_t *a;
   TP_CHECK(load_api(&a));
-  return need_cuda();
+  TP_CHECK(need_cuda());
+  const tp_device_ops *ops = tp_device_ops_of(TP_DEVICE_CUDA);
+  int n = ops && ops->count ? ops->count() : 0;
+  const char *lws = getenv("LOCAL_WORLD_SIZE"), *multi = getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  int local = lws && *lws ? atoi(lws) : 1;
+  int shared_ok = multi && strcmp(multi, "1") == 0 && a->version >= TP_NCCL_VERSION(2, 30, 0);
+  if (local > n && !shared_ok)
+    return tp_set_error(TP_ERR_UNSUPPORTED,
+                        "%d local ranks but %d CUDA device%s: NCCL runs one rank per GPU (NCCL 2.30+ with "
+                        "NCCL_MULTI_RANK_GPU_ENABLE=1 allows several)", local, n, n == 1 ? "" : "s");
+  return TP_SUCCESS;
 }
 
 /* ------------------------------------------------------------ errors */
