@@ -80,6 +80,11 @@ $(BUILD)/fake_nccl/good/libnccl.so.2: csrc/tests/fake_nccl.c
 	@mkdir -p $(dir $@)
 	$(CC) -shared -fPIC $< -o $@
 
+# The NCCL backend and the host-staged path on a GPU (scripts/gpu_check.sh builds and runs
+# it: test_nccl_gpu nccl 1, nccl 2, shm 2); not part of `make test` (no GPU here).
+$(BUILD)/test_nccl_gpu: csrc/tests/test_nccl_gpu.c $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+
 # The kernel parity harness: every entry of every kernel table against references.
 KTEST_SRC := $(wildcard csrc/tests/test_kernels*.c)
 

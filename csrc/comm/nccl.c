@@ -274,7 +274,9 @@ static tp_status_t poll_failures(nccl_ctx *x, const char *what) {
   }
   for (int p = 0; p < x->comm->size; p++)
     if (p != x->comm->rank && atomic_load(&x->slots[p].state) == NCCL_STATE_FAILED) {
+      tp_status_t st = check_peers(x); /* a peer that saw a mismatch: the same sentence here */
       abort_nc(x);
+      if (st != TP_SUCCESS) return st;
       return tp_set_error(TP_ERR_REMOTE, "%s on rank %d of %d: rank %d failed or aborted the communicator",
                           what, x->comm->rank, x->comm->size, p);
     }
