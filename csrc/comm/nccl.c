@@ -329,21 +329,34 @@ static void pause_briefly(int *spins) {
   usleep(*spins < 1000 ? 50 : 500);
 }
 
-tp_status_t tp_nccl_settle(nccl_ctx *x, const char *call, ncclResult_t r) {
+/* A peer's failed state or an abort of this rank, without asking NCCL. */
+static tp_status_t peer_or_abort(nccl_ctx *x, const char *what) {
+  if (atomic_load(&x->abort_flag)) return poll_failures(x, what);
+  for (int p = 0; p < x->comm->size; p++)
+    if (p != x->comm->rank && atomic_load(&x->slots[p].state) == NCCL_STATE_FAILED) return poll_failures(x, what);
+  return TP_SUCCESS;
+}
+
+/* Polls the communicator `on` (the new one after a split) while it says ncclInProgress. */
+static tp_status_t settle_on(nccl_ctx *x, ncclComm_t on, const char *call, ncclResult_t r) {
   if (r == ncclSuccess) return TP_SUCCESS;
   if (r != ncclInProgress) return tp_nccl_error(x, call, r);
   double deadline = tp_now() + x->comm->timeout_s;
   int spins = 0;
   for (;;) {
     ncclResult_t ar = ncclSuccess;
-    ncclResult_t q = x->api->CommGetAsyncError(x->nc, &ar);
+    ncclResult_t q = x->api->CommGetAsyncError(on, &ar);
     if (q != ncclSuccess) return tp_nccl_error(x, "ncclCommGetAsyncError", q);
     if (ar == ncclSuccess) return TP_SUCCESS;
     if (ar != ncclInProgress) return tp_nccl_error(x, call, ar);
-    if (atomic_load(&x->abort_flag)) return poll_failures(x, call);
+    if (x->slots) TP_CHECK(peer_or_abort(x, call));
     if (tp_now() > deadline) return timeout_error(x, call);
     pause_briefly(&spins);
   }
+}
+
+tp_status_t tp_nccl_settle(nccl_ctx *x, const char *call, ncclResult_t r) {
+  return settle_on(x, x->nc, call, r);
 }
 
 tp_status_t tp_nccl_wait(nccl_ctx *x, tp_stream_t stream, const char *what) {
@@ -563,9 +576,12 @@ tp_status_t tp_nccl_split(struct tp_comm *c, int color, int key, struct tp_comm 
   cfg.blocking = 0;
   /* Every rank of the parent must call ncclCommSplit, even after a local failure. */
   ncclResult_t r = x->api->CommSplit(x->nc, color, key, &y->nc, &cfg);
-  tp_status_t sst = tp_nccl_settle(x, "ncclCommSplit", r);
+  /* Non-blocking: the new communicator's state says when the split is done. */
+  tp_status_t sst = r != ncclSuccess && r != ncclInProgress ? tp_nccl_error(x, "ncclCommSplit", r)
+                    : !y->nc ? tp_set_error(TP_ERR_INTERNAL, "ncclCommSplit gave no communicator")
+                    : TP_SUCCESS;
   if (st == TP_SUCCESS) st = sst;
-  if (st == TP_SUCCESS && y->nc) st = finish_init(y, "ncclCommSplit", ncclSuccess);
+  if (st == TP_SUCCESS) st = finish_init(y, "ncclCommSplit", r);
   if (st != TP_SUCCESS) {
     char m[1024];
     snprintf(m, sizeof m, "%s", tp_last_error());

@@ -184,6 +184,7 @@ static tp_status_t nccl_mem_alloc(struct tp_comm *c, size_t nbytes, void **ptr, 
   nccl_ctx *x = c->impl;
   tp_coll_args_t a = {TP_COLL_ALLOC, NULL, NULL, nbytes, NULL, nbytes, TP_UINT8, TP_SUM, 0, NULL};
   TP_CHECK(tp_nccl_post(x, &a));
+  TP_CHECK(tp_device_set_current(TP_DEVICE_CUDA, x->device_id)); /* ncclMemAlloc uses the current device */
   nccl_mem *h = calloc(1, sizeof *h);
   if (!h) return tp_set_error(TP_ERR_NOMEM, "alloc: out of memory");
   h->base.release = mem_release;
