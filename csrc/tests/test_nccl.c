@@ -7,6 +7,7 @@
  * The binding keeps a library that loaded and passed its checks for the life of the
  * process: the good fake comes last.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,7 +42,39 @@ static void both(const char *what, const char *const *needles) {
   }
 }
 
+/* The dispatcher's new entries on the shm backend: sync has nothing to wait for, the probe,
+ * a config of the size before device_id existed. */
+static void dispatcher(void) {
+  expect("sync NULL", tp_comm_sync(NULL, NULL), TP_ERR_INVALID_ARGUMENT, (const char *[]){"comm_sync", NULL});
+  expect("probe NULL", tp_comm_backend_usable(NULL), TP_ERR_UNSUPPORTED,
+         (const char *[]){"not available in this build", "shm, nccl", NULL});
+  if (tp_comm_backend_usable("shm") != TP_SUCCESS) {
+    failures++;
+    fprintf(stderr, "FAIL probe shm: %s\n", tp_last_error());
+  }
+  tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
+  cfg.size = offsetof(tp_comm_config_t, device_id); /* built against the previous header */
+  cfg.job_id = "test_nccl_dispatch";
+  cfg.timeout_s = 5;
+  tp_comm_t c = NULL;
+  tp_status_t st = tp_comm_init_rank(&c, 1, 0, &cfg);
+  const char *name = NULL;
+  if (st != TP_SUCCESS || tp_comm_backend(c, &name) != TP_SUCCESS || strcmp(name, "shm") != 0) {
+    failures++;
+    fprintf(stderr, "FAIL shm init with an older config: %s\n", tp_last_error());
+  } else {
+    float x[4] = {1, 2, 3, 4};
+    if (tp_all_reduce(x, x, 4, TP_FLOAT32, TP_SUM, c, NULL) != TP_SUCCESS || tp_comm_sync(c, NULL) != TP_SUCCESS ||
+        x[3] != 4) {
+      failures++;
+      fprintf(stderr, "FAIL shm all_reduce + sync: %s\n", tp_last_error());
+    }
+  }
+  tp_comm_destroy(c);
+}
+
 int main(void) {
+  dispatcher();
   const char *dir = getenv("TPCORE_TEST_FAKE_NCCL");
   if (!dir) {
     fprintf(stderr, "TPCORE_TEST_FAKE_NCCL is not set (make test sets it)\n");
