@@ -301,17 +301,6 @@ static tp_status_t check_device(tp_comm_t c, const char *op, const char *arg, co
                       c->rank, arg, tp_device_name(d), id, c->ops->name, takes);
 }
 
-/* Where a buffer stands with the backend: 0 taken as it is; 1 device memory a host
- * backend takes through host staging (staged.c); 2 refused. */
-static int buffer_class(tp_comm_t c, const void *p) {
-  if (!p) return 0;
-  tp_device_t d;
-  int id;
-  tp_pointer_device(p, &d, &id);
-  if ((unsigned)d < 32 && (c->ops->devices & (1u << d))) return 0;
-  return !c->ops->streams && tp_device_ops_of(d) ? 1 : 2;
-}
-
 /* The guarded call: one thread, the failed state, statistics. */
 static tp_status_t guarded_coll(tp_comm_t c, tp_coll_args_t *a) {
   const char *op = tp_coll_name(a->kind);
@@ -326,7 +315,7 @@ static tp_status_t guarded_coll(tp_comm_t c, tp_coll_args_t *a) {
 static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes, tp_stream_t stream,
                             int used_send, int used_recv) {
   const char *op = tp_coll_name(a->kind);
-  int cs = used_send ? buffer_class(c, a->send) : 0, cr = used_recv ? buffer_class(c, a->recv) : 0;
+  int cs = used_send ? tp_comm_buffer_class(c, a->send) : 0, cr = used_recv ? tp_comm_buffer_class(c, a->recv) : 0;
   if (cs == 2) TP_CHECK(check_device(c, op, "send buffer", a->send));
   if (cr == 2) TP_CHECK(check_device(c, op, "recv buffer", a->recv));
   (void)bytes;
@@ -334,7 +323,7 @@ static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes, tp_str
     size_t es = tp_dtype_size(a->dtype);
     size_t sn = a->kind == TP_COLL_REDUCE_SCATTER ? a->total : a->count;
     size_t rn = a->kind == TP_COLL_ALL_GATHER ? a->total : a->count;
-    a->stream = NULL;
+    a->stream = c->ops->streams ? stream : NULL;
     return tp_comm_staged(c, a, sn * es, rn * es, used_send, used_recv, stream, guarded_coll);
   }
   TP_CHECK(check_stream(c, op, stream));
@@ -461,7 +450,7 @@ tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, t
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "send: communicator is NULL");
   TP_CHECK(check_peer(c, "send", peer, "peer"));
   TP_CHECK(check_common(c, "send", buf, NULL, count, dtype, 1, 0));
-  int cl = count ? buffer_class(c, buf) : 0;
+  int cl = count ? tp_comm_buffer_class(c, buf) : 0;
   if (cl == 2) TP_CHECK(check_device(c, "send", "buffer", buf));
   void *host = NULL;
   size_t nb = count * tp_dtype_size(dtype);
@@ -470,10 +459,10 @@ tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, t
   tp_status_t st = enter(c, "send");
   if (st == TP_SUCCESS) {
     double t0 = tp_now();
-    st = c->ops->send(c, host ? host : buf, count, dtype, peer, host ? NULL : stream);
+    st = c->ops->send(c, host ? host : buf, count, dtype, peer, !host || c->ops->streams ? stream : NULL);
     st = leave(c, "send", st, t0, nb);
   }
-  free(host);
+  if (host) st = tp_comm_stage_out(c, "send", (void *)buf, host, nb, 0, st, stream);
   return st;
 }
 
@@ -482,7 +471,7 @@ tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "recv: communicator is NULL");
   TP_CHECK(check_peer(c, "recv", peer, "peer"));
   TP_CHECK(check_common(c, "recv", NULL, buf, count, dtype, 0, 1));
-  int cl = count ? buffer_class(c, buf) : 0;
+  int cl = count ? tp_comm_buffer_class(c, buf) : 0;
   if (cl == 2) TP_CHECK(check_device(c, "recv", "buffer", buf));
   void *host = NULL;
   size_t nb = count * tp_dtype_size(dtype);
@@ -491,13 +480,10 @@ tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm
   tp_status_t st = enter(c, "recv");
   if (st == TP_SUCCESS) {
     double t0 = tp_now();
-    st = c->ops->recv(c, host ? host : buf, count, dtype, peer, host ? NULL : stream);
+    st = c->ops->recv(c, host ? host : buf, count, dtype, peer, !host || c->ops->streams ? stream : NULL);
     st = leave(c, "recv", st, t0, nb);
   }
-  if (host) {
-    tp_status_t so = tp_comm_stage_out(c, "recv", buf, host, nb, st == TP_SUCCESS, stream);
-    if (st == TP_SUCCESS) st = so;
-  }
+  if (host) st = tp_comm_stage_out(c, "recv", buf, host, nb, 1, st, stream);
   return st;
 }
 
@@ -510,14 +496,12 @@ static tp_status_t staged_sendrecv(tp_comm_t c, const void *sendbuf, size_t send
   if (st == TP_SUCCESS) st = enter(c, "sendrecv");
   if (st == TP_SUCCESS) {
     double t0 = tp_now();
-    st = c->ops->sendrecv(c, hs ? hs : sendbuf, sendcount, dst, hr ? hr : recvbuf, recvcount, src, dtype, NULL);
+    st = c->ops->sendrecv(c, hs ? hs : sendbuf, sendcount, dst, hr ? hr : recvbuf, recvcount, src, dtype,
+                          c->ops->streams ? stream : NULL);
     st = leave(c, "sendrecv", st, t0, (sendcount + recvcount) * es);
   }
-  if (hr) {
-    tp_status_t so = tp_comm_stage_out(c, "sendrecv", recvbuf, hr, recvcount * es, st == TP_SUCCESS, stream);
-    if (st == TP_SUCCESS) st = so;
-  }
-  free(hs);
+  if (hr) st = tp_comm_stage_out(c, "sendrecv", recvbuf, hr, recvcount * es, 1, st, stream);
+  if (hs) st = tp_comm_stage_out(c, "sendrecv", (void *)sendbuf, hs, sendcount * es, 0, st, stream);
   return st;
 }
 
@@ -533,7 +517,7 @@ tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *re
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                         "sendrecv on rank %d: dst %d and src %d must both be this rank or both other ranks",
                         c->rank, dst, src);
-  int cs = sendcount ? buffer_class(c, sendbuf) : 0, cr = recvcount ? buffer_class(c, recvbuf) : 0;
+  int cs = sendcount ? tp_comm_buffer_class(c, sendbuf) : 0, cr = recvcount ? tp_comm_buffer_class(c, recvbuf) : 0;
   if (cs == 2) TP_CHECK(check_device(c, "sendrecv", "send buffer", sendbuf));
   if (cr == 2) TP_CHECK(check_device(c, "sendrecv", "recv buffer", recvbuf));
   if (cs != 1 && cr != 1) TP_CHECK(check_stream(c, "sendrecv", stream));

@@ -109,6 +109,10 @@ struct tp_comm {
   int spin_us;
   int registered_memory; /* 0: tp_comm_mem_alloc declines (TPCORE_REGISTERED_MEMORY=0) */
   int device_id;         /* config.device_id (< 0: the backend's default) */
+  /* A device backend's own device: host buffers given to it are staged through bounce
+   * buffers there (staged.c).  TP_DEVICE_CPU (calloc's 0): none. */
+  tp_device_t stage_device;
+  int stage_device_id;
   char job_id[TP_JOB_ID_MAX + 1];
   atomic_int busy;              /* a call is in progress (one thread at a time) */
   atomic_int failed;            /* 1 once a fatal error was seen                */

@@ -532,6 +532,7 @@ tp_status_t tp_nccl_comm_init(struct tp_comm *c, const char *comm_id, int world_
   (void)world_comm;
   c->ops = &tp_nccl_ops;
   c->impl = x;
+  c->stage_device = TP_DEVICE_CUDA, c->stage_device_id = x->device_id;
   return TP_SUCCESS;
 }
 
@@ -592,6 +593,7 @@ tp_status_t tp_nccl_split(struct tp_comm *c, int color, int key, struct tp_comm 
   }
   nc->ops = &tp_nccl_ops;
   nc->impl = y;
+  nc->stage_device = TP_DEVICE_CUDA, nc->stage_device_id = y->device_id;
   *out = nc;
   return TP_SUCCESS;
 }
