@@ -258,7 +258,7 @@ void tp_nccl_note_stream(nccl_ctx *x, tp_stream_t stream) {
 
 /* Aborts the NCCL communicator from the thread that is in NCCL's calls (this one). */
 static void abort_nc(nccl_ctx *x) {
-  atomic_store(&x->slots[x->comm->rank].state, NCCL_STATE_FAILED);
+  if (x->slots) atomic_store(&x->slots[x->comm->rank].state, NCCL_STATE_FAILED);
   if (x->nc) {
     x->api->CommAbort(x->nc);
     x->nc = NULL;
