@@ -145,7 +145,8 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
     info = _env.detect()
     if info.local_world_size != info.world_size:
         raise CommError(f"init: the {info.world_size} ranks span several hosts ({info.local_world_size} on "
-                        f"this one, from {info.source} variables); the shm backend (and nccl's exchange of its id over it) needs all ranks on one host")
+                        f"this one, from {info.source} variables); the shm backend (and nccl, whose id "
+                        f"travels over it) needs all ranks on one host")
     chosen = _choose_backend(backend)
     settle = _settle_seconds(info)
     c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), chosen,
