@@ -35,7 +35,12 @@ CORE_SRC := $(sort $(foreach d,$(TP_CORE_DIRS),$(wildcard $(d)/*.c)))
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))
 HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h)
 
-all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_kernels $(BUILD)/test_api_hostile
+# Fake NCCL libraries for test_nccl (rules below).
+FAKE_NCCL := $(BUILD)/fake_nccl/old/libnccl.so.2 $(BUILD)/fake_nccl/nosym/libnccl.so.2 \
+             $(BUILD)/fake_nccl/good/libnccl.so.2 $(BUILD)/fake_nccl/home/lib64/libnccl.so.2
+
+all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_kernels $(BUILD)/test_api_hostile \
+     $(BUILD)/test_nccl $(FAKE_NCCL)
 
 $(BUILD)/obj/%.o: csrc/%.c $(HDRS)
 	@mkdir -p $(dir $@)
@@ -57,6 +62,29 @@ HTEST_SRC := $(wildcard csrc/tests/test_api_hostile*.c)
 $(BUILD)/test_api_hostile: $(HTEST_SRC) csrc/tests/test_api_hostile.h $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $(HTEST_SRC) -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
+# The NCCL binding's error paths, against fake libraries (csrc/tests/fake_nccl.c): one
+# too old, one lacking a symbol, one good (no GPU needed: it must stop at the device).
+
+$(BUILD)/test_nccl: csrc/tests/test_nccl.c $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+
+$(BUILD)/fake_nccl/old/libnccl.so.2 $(BUILD)/fake_nccl/home/lib64/libnccl.so.2: csrc/tests/fake_nccl.c
+	@mkdir -p $(dir $@)
+	$(CC) -shared -fPIC -DFAKE_VERSION=21603 $< -o $@
+
+$(BUILD)/fake_nccl/nosym/libnccl.so.2: csrc/tests/fake_nccl.c
+	@mkdir -p $(dir $@)
+	$(CC) -shared -fPIC -DFAKE_OMIT_SPLIT $< -o $@
+
+$(BUILD)/fake_nccl/good/libnccl.so.2: csrc/tests/fake_nccl.c
+	@mkdir -p $(dir $@)
+	$(CC) -shared -fPIC $< -o $@
+
+# The NCCL backend and the host-staged path on a GPU (scripts/gpu_check.sh builds and runs
+# it: test_nccl_gpu nccl 1, nccl 2, shm 2); not part of `make test` (no GPU here).
+$(BUILD)/test_nccl_gpu: csrc/tests/test_nccl_gpu.c $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+
 # The kernel parity harness: every entry of every kernel table against references.
 KTEST_SRC := $(wildcard csrc/tests/test_kernels*.c)
 
@@ -68,6 +96,7 @@ test: all
 	$(abspath $(BUILD))/test_layers
 	$(abspath $(BUILD))/test_kernels
 	$(abspath $(BUILD))/test_api_hostile
+	TPCORE_TEST_FAKE_NCCL=$(abspath $(BUILD))/fake_nccl $(abspath $(BUILD))/test_nccl
 
 clean:
 	rm -rf build build-san

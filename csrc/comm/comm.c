@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "comm_impl.h"
+#include "staged_impl.h"
 #include "tpcore/device.h"
 
 const char *tp_redop_name(tp_redop_t op) {
@@ -119,10 +120,14 @@ tp_status_t tp_comm_init_rank(tp_comm_t *out, int world, int rank, const tp_comm
   struct tp_comm *c;
   TP_CHECK(tp_comm_alloc_common(&c, world, rank, job, cfg->timeout_s, cfg->spin_us));
   c->registered_memory = regmem != 0;
+  c->device_id = cfg->size >= offsetof(tp_comm_config_t, device_id) + sizeof(int) ? cfg->device_id : -1;
   tp_status_t st = be->init(c, "w", 1);
   if (st != TP_SUCCESS) {
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", tp_last_error());
     free(c);
-    return st;
+    return tp_set_error(st, "%s%s%s%s", be->usable ? "backend " : "", be->usable ? be->name : "",
+                        be->usable ? ": " : "", msg);
   }
   *out = c;
   return TP_SUCCESS;
@@ -148,6 +153,18 @@ tp_status_t tp_comm_abort(tp_comm_t c, const char *reason) {
   if (c->ops && c->ops->abort) c->ops->abort(c, reason ? reason : "");
   tp_comm_mark_failed(c, TP_ERR_ABORTED, msg);
   return TP_SUCCESS;
+}
+
+static tp_status_t enter(tp_comm_t c, const char *op);
+
+tp_status_t tp_comm_sync(tp_comm_t c, tp_stream_t stream) {
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_sync: comm is NULL");
+  if (!c->ops->streams || !c->ops->sync) return TP_SUCCESS; /* a host backend has finished every call */
+  TP_CHECK(enter(c, "sync"));
+  tp_status_t st = c->ops->sync(c, stream);
+  atomic_store(&c->busy, 0);
+  if (st != TP_SUCCESS) tp_comm_mark_failed(c, st, tp_last_error());
+  return st;
 }
 
 tp_status_t tp_comm_get_async_error(tp_comm_t c, tp_status_t *err) {
@@ -284,18 +301,34 @@ static tp_status_t check_device(tp_comm_t c, const char *op, const char *arg, co
                       c->rank, arg, tp_device_name(d), id, c->ops->name, takes);
 }
 
+/* The guarded call: one thread, the failed state, statistics. */
+static tp_status_t guarded_coll(tp_comm_t c, tp_coll_args_t *a) {
+  const char *op = tp_coll_name(a->kind);
+  size_t n = a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_REDUCE_SCATTER ? a->total : a->count;
+  TP_CHECK(enter(c, op));
+  double t0 = tp_now();
+  tp_status_t st = c->ops->collective(c, a);
+  return leave(c, op, st, t0, n * tp_dtype_size(a->dtype));
+}
+
 /* used_send / used_recv: 1 when this rank's part reads send / writes recv. */
 static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes, tp_stream_t stream,
                             int used_send, int used_recv) {
   const char *op = tp_coll_name(a->kind);
+  int cs = used_send ? tp_comm_buffer_class(c, a->send) : 0, cr = used_recv ? tp_comm_buffer_class(c, a->recv) : 0;
+  if (cs == 2) TP_CHECK(check_device(c, op, "send buffer", a->send));
+  if (cr == 2) TP_CHECK(check_device(c, op, "recv buffer", a->recv));
+  (void)bytes;
+  if (cs == 1 || cr == 1) {
+    size_t es = tp_dtype_size(a->dtype);
+    size_t sn = a->kind == TP_COLL_REDUCE_SCATTER ? a->total : a->count;
+    size_t rn = a->kind == TP_COLL_ALL_GATHER ? a->total : a->count;
+    a->stream = c->ops->streams ? stream : NULL;
+    return tp_comm_staged(c, a, sn * es, rn * es, used_send, used_recv, stream, guarded_coll);
+  }
   TP_CHECK(check_stream(c, op, stream));
   a->stream = stream;
-  if (used_send) TP_CHECK(check_device(c, op, "send buffer", a->send));
-  if (used_recv) TP_CHECK(check_device(c, op, "recv buffer", a->recv));
-  TP_CHECK(enter(c, op));
-  double t0 = tp_now();
-  tp_status_t st = c->ops->collective(c, a);
-  return leave(c, op, st, t0, bytes);
+  return guarded_coll(c, a);
 }
 
 tp_status_t tp_all_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype,
@@ -417,12 +450,20 @@ tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, t
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "send: communicator is NULL");
   TP_CHECK(check_peer(c, "send", peer, "peer"));
   TP_CHECK(check_common(c, "send", buf, NULL, count, dtype, 1, 0));
-  TP_CHECK(check_stream(c, "send", stream));
-  if (count) TP_CHECK(check_device(c, "send", "buffer", buf));
-  TP_CHECK(enter(c, "send"));
-  double t0 = tp_now();
-  tp_status_t st = c->ops->send(c, buf, count, dtype, peer, stream);
-  return leave(c, "send", st, t0, count * tp_dtype_size(dtype));
+  int cl = count ? tp_comm_buffer_class(c, buf) : 0;
+  if (cl == 2) TP_CHECK(check_device(c, "send", "buffer", buf));
+  void *host = NULL;
+  size_t nb = count * tp_dtype_size(dtype);
+  if (cl == 1) TP_CHECK(tp_comm_stage_in(c, "send", buf, nb, 1, stream, &host));
+  else TP_CHECK(check_stream(c, "send", stream));
+  tp_status_t st = enter(c, "send");
+  if (st == TP_SUCCESS) {
+    double t0 = tp_now();
+    st = c->ops->send(c, host ? host : buf, count, dtype, peer, !host || c->ops->streams ? stream : NULL);
+    st = leave(c, "send", st, t0, nb);
+  }
+  if (host) st = tp_comm_stage_out(c, "send", (void *)buf, host, nb, 0, st, stream);
+  return st;
 }
 
 tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c,
@@ -430,12 +471,38 @@ tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "recv: communicator is NULL");
   TP_CHECK(check_peer(c, "recv", peer, "peer"));
   TP_CHECK(check_common(c, "recv", NULL, buf, count, dtype, 0, 1));
-  TP_CHECK(check_stream(c, "recv", stream));
-  if (count) TP_CHECK(check_device(c, "recv", "buffer", buf));
-  TP_CHECK(enter(c, "recv"));
-  double t0 = tp_now();
-  tp_status_t st = c->ops->recv(c, buf, count, dtype, peer, stream);
-  return leave(c, "recv", st, t0, count * tp_dtype_size(dtype));
+  int cl = count ? tp_comm_buffer_class(c, buf) : 0;
+  if (cl == 2) TP_CHECK(check_device(c, "recv", "buffer", buf));
+  void *host = NULL;
+  size_t nb = count * tp_dtype_size(dtype);
+  if (cl == 1) TP_CHECK(tp_comm_stage_in(c, "recv", buf, nb, 0, stream, &host));
+  else TP_CHECK(check_stream(c, "recv", stream));
+  tp_status_t st = enter(c, "recv");
+  if (st == TP_SUCCESS) {
+    double t0 = tp_now();
+    st = c->ops->recv(c, host ? host : buf, count, dtype, peer, !host || c->ops->streams ? stream : NULL);
+    st = leave(c, "recv", st, t0, nb);
+  }
+  if (host) st = tp_comm_stage_out(c, "recv", buf, host, nb, 1, st, stream);
+  return st;
+}
+
+static tp_status_t staged_sendrecv(tp_comm_t c, const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
+                                   size_t recvcount, int src, tp_dtype_t dtype, tp_stream_t stream, int ss, int sr) {
+  size_t es = tp_dtype_size(dtype);
+  void *hs = NULL, *hr = NULL;
+  if (ss) TP_CHECK(tp_comm_stage_in(c, "sendrecv", sendbuf, sendcount * es, 1, stream, &hs));
+  tp_status_t st = sr ? tp_comm_stage_in(c, "sendrecv", recvbuf, recvcount * es, 0, stream, &hr) : TP_SUCCESS;
+  if (st == TP_SUCCESS) st = enter(c, "sendrecv");
+  if (st == TP_SUCCESS) {
+    double t0 = tp_now();
+    st = c->ops->sendrecv(c, hs ? hs : sendbuf, sendcount, dst, hr ? hr : recvbuf, recvcount, src, dtype,
+                          c->ops->streams ? stream : NULL);
+    st = leave(c, "sendrecv", st, t0, (sendcount + recvcount) * es);
+  }
+  if (hr) st = tp_comm_stage_out(c, "sendrecv", recvbuf, hr, recvcount * es, 1, st, stream);
+  if (hs) st = tp_comm_stage_out(c, "sendrecv", (void *)sendbuf, hs, sendcount * es, 0, st, stream);
+  return st;
 }
 
 tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
@@ -450,18 +517,28 @@ tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *re
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                         "sendrecv on rank %d: dst %d and src %d must both be this rank or both other ranks",
                         c->rank, dst, src);
-  TP_CHECK(check_stream(c, "sendrecv", stream));
-  if (sendcount) TP_CHECK(check_device(c, "sendrecv", "send buffer", sendbuf));
-  if (recvcount) TP_CHECK(check_device(c, "sendrecv", "recv buffer", recvbuf));
+  int cs = sendcount ? tp_comm_buffer_class(c, sendbuf) : 0, cr = recvcount ? tp_comm_buffer_class(c, recvbuf) : 0;
+  if (cs == 2) TP_CHECK(check_device(c, "sendrecv", "send buffer", sendbuf));
+  if (cr == 2) TP_CHECK(check_device(c, "sendrecv", "recv buffer", recvbuf));
+  if (cs != 1 && cr != 1) TP_CHECK(check_stream(c, "sendrecv", stream));
   size_t es = tp_dtype_size(dtype);
   if (dst == c->rank) {
     if (sendcount != recvcount)
       return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                           "sendrecv on rank %d: sends %zu %s to itself but expects %zu",
                           c->rank, sendcount, tp_dtype_name(dtype), recvcount);
-    if (sendcount) memmove(recvbuf, sendbuf, sendcount * es);
-    return TP_SUCCESS;
+    if (!sendcount) return TP_SUCCESS;
+    tp_device_t sd, rd;
+    tp_pointer_device(sendbuf, &sd, NULL);
+    tp_pointer_device(recvbuf, &rd, NULL);
+    if (sd == TP_DEVICE_CPU && rd == TP_DEVICE_CPU) {
+      memmove(recvbuf, sendbuf, sendcount * es);
+      return TP_SUCCESS;
+    }
+    return tp_device_copy(rd, recvbuf, sd, sendbuf, sendcount * es, stream); /* queued on the stream */
   }
+  if (cs == 1 || cr == 1) return staged_sendrecv(c, sendbuf, sendcount, dst, recvbuf, recvcount, src, dtype,
+                                                  stream, cs == 1, cr == 1);
   TP_CHECK(enter(c, "sendrecv"));
   double t0 = tp_now();
   tp_status_t st = c->ops->sendrecv(c, sendbuf, sendcount, dst, recvbuf, recvcount, src, dtype, stream);

@@ -79,6 +79,8 @@ typedef struct {
   /* Tell the peers that this rank failed; must be safe from any thread. */
   void (*abort)(struct tp_comm *comm, const char *reason);
   void (*destroy)(struct tp_comm *comm);
+  /* Optional (streams = 1): waits for the work queued on stream, under the timeout. */
+  tp_status_t (*sync)(struct tp_comm *comm, tp_stream_t stream);
 } tp_backend_ops;
 
 /* One line of the registry (backends.c).  init fills comm->ops and comm->impl.
@@ -87,6 +89,9 @@ typedef struct {
 typedef struct {
   const char *name;
   tp_status_t (*init)(struct tp_comm *comm, const char *comm_id, int world_comm);
+  /* Optional: TP_SUCCESS when this process could use the backend (library found,
+   * device there), else the reason as the error; NULL: always usable. */
+  tp_status_t (*usable)(void);
 } tp_backend_entry;
 
 /* The entry named `name`; NULL name: the default (the registry's first line).
@@ -103,6 +108,11 @@ struct tp_comm {
   double timeout_s;
   int spin_us;
   int registered_memory; /* 0: tp_comm_mem_alloc declines (TPCORE_REGISTERED_MEMORY=0) */
+  int device_id;         /* config.device_id (< 0: the backend's default) */
+  /* A device backend's own device: host buffers given to it are staged through bounce
+   * buffers there (staged.c).  TP_DEVICE_CPU (calloc's 0): none. */
+  tp_device_t stage_device;
+  int stage_device_id;
   char job_id[TP_JOB_ID_MAX + 1];
   atomic_int busy;              /* a call is in progress (one thread at a time) */
   atomic_int failed;            /* 1 once a fatal error was seen                */

@@ -101,12 +101,12 @@ PyType_Spec sb_spec = {
 /* -------------------------------------------------------------------- Comm */
 
 static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"world_size", "rank", "job_id", "timeout", "backend", "spin_us", NULL};
-  int world, rank, spin_us = -1;
+  static char *kwlist[] = {"world_size", "rank", "job_id", "timeout", "backend", "spin_us", "device_id", NULL};
+  int world, rank, spin_us = -1, device_id = -1;
   const char *job, *backend = "shm";
   double timeout = -1;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iis|dsi:Comm", kwlist, &world, &rank, &job, &timeout,
-                                   &backend, &spin_us))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iis|dsii:Comm", kwlist, &world, &rank, &job, &timeout,
+                                   &backend, &spin_us, &device_id))
     return NULL;
   module_state *st = state_of_type(type);
   if (!st) return NULL;
@@ -117,6 +117,7 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.timeout_s = timeout;
   cfg.backend = backend;
   cfg.spin_us = spin_us;
+  cfg.device_id = device_id;
   tp_status_t s;
   CALL_NOGIL(s, tp_comm_init_rank(&self->comm, world, rank, &cfg));
   if (s != TP_SUCCESS) {
@@ -544,7 +545,19 @@ static PyObject *comm_get_error(PyObject *o, void *closure) {
   return PyUnicode_FromString(tp_status_name(e));
 }
 
+/* Comm.probe(backend) -> None when this process could use the backend, else the reason. */
+static PyObject *comm_probe(PyObject *cls, PyObject *arg) {
+  const char *name = PyUnicode_AsUTF8(arg);
+  if (!name) return NULL;
+  tp_status_t s;
+  CALL_NOGIL(s, tp_comm_backend_usable(name));
+  if (s == TP_SUCCESS) Py_RETURN_NONE;
+  return PyUnicode_FromString(tp_last_error());
+}
+
 static PyMethodDef comm_methods[] = {
+    {"probe", comm_probe, METH_O | METH_STATIC,
+     "probe(backend) -> None when this process could use the backend, else why not"},
     {"all_reduce", (PyCFunction)(void (*)(void))comm_all_reduce, METH_FASTCALL,
      "all_reduce(x, out, op): out = op over ranks of x (out may be x)"},
     {"all_gather", comm_all_gather, METH_VARARGS,

@@ -16,7 +16,11 @@ class SharedBuffer:
 
 class Comm:
     def __init__(self, world_size: int, rank: int, job_id: str, timeout: float = ..., backend: str = ...,
-                 spin_us: int = ...) -> None: ...
+                 spin_us: int = ..., device_id: int = ...) -> None: ...
+    @staticmethod
+    def probe(backend: str, /) -> Optional[str]:
+        """None when this process could use the backend, else why not."""
+        ...
     rank: int
     size: int
     backend: str

@@ -50,7 +50,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
            "__version__"]
 
-_BACKENDS = ("auto", "shm")
+_BACKENDS = ("auto", "shm", "nccl")
 
 
 def build_info() -> dict:
@@ -104,6 +104,20 @@ def _settle_seconds(info) -> float:
     return wait
 
 
+def _choose_backend(backend: str) -> str:
+    """"nccl" when asked for and usable (else CommError with the reason), "shm" when
+    asked for; "auto": nccl when usable here, else shm (the same answer on every
+    rank of a host: it depends on the machine and the environment only)."""
+    if backend == "shm":
+        return "shm"
+    why = _C.Comm.probe("nccl")
+    if backend == "nccl":
+        if why is not None:
+            raise CommError(f"init: {why}")
+        return "nccl"
+    return "nccl" if why is None else "shm"
+
+
 def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Optional[int] = None) -> Comm:
     """The world communicator of this job, from the environment.
 
@@ -112,13 +126,17 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
     MPI's OMPI_COMM_WORLD_* or Slurm's SLURM_*; with none of them, a job of one
     rank.  Blocks until every rank has joined.
 
-    backend  "auto" or "shm" (shared memory among the ranks of one host).
+    backend  "shm" (shared memory among the ranks of one host, host arrays; device
+             arrays are staged through host memory), "nccl" (one rank per GPU,
+             device arrays, the NCCL library loaded at run time), or "auto":
+             nccl when CUDA and NCCL are usable here with one GPU per local rank,
+             else shm.  Comm.backend says which was chosen.
     timeout  seconds any one wait may take before CommTimeout (default: the
              TPCORE_TIMEOUT variable, else 300).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"init: backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r} "
-                         f"(nccl and mpi are not built into this version)")
+                         f"(mpi is not built into this version)")
     from ._args import int_arg, real_arg
     if timeout is not None:
         timeout = real_arg(timeout, "init", "timeout", lo=0, lo_open=True, finite=False)
@@ -127,9 +145,11 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
     info = _env.detect()
     if info.local_world_size != info.world_size:
         raise CommError(f"init: the {info.world_size} ranks span several hosts ({info.local_world_size} on "
-                        f"this one, from {info.source} variables); the shm backend needs all ranks on one host")
+                        f"this one, from {info.source} variables); the shm backend (and nccl, whose id "
+                        f"travels over it) needs all ranks on one host")
+    chosen = _choose_backend(backend)
     settle = _settle_seconds(info)
-    c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), "shm",
+    c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), chosen,
                 -1 if spin_us is None else int(spin_us))
     comm = Comm(c, info.local_rank, info.local_world_size)
     if settle > 0:

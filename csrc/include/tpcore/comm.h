@@ -54,10 +54,12 @@ typedef struct {
   /* Registered memory (tp_comm_mem_alloc): 1 on, 0 declined for any backend,
    * < 0: TPCORE_REGISTERED_MEMORY (0 declines), else on. */
   int registered_memory;
+  /* nccl: this rank's GPU; < 0: $LOCAL_RANK, else 0.  Ignored by host backends. */
+  int device_id;
 } tp_comm_config_t;
 
 #define TP_COMM_CONFIG_INITIALIZER \
-  { sizeof(tp_comm_config_t), TP_VERSION, NULL, NULL, -1.0, -1, -1 }
+  { sizeof(tp_comm_config_t), TP_VERSION, NULL, NULL, -1.0, -1, -1, -1 }
 
 /* Collective over the `world` ranks that name the same job_id: each calls it
  * with its own rank.  Returns when all have joined, or TP_ERR_TIMEOUT naming
@@ -70,6 +72,14 @@ TP_API tp_status_t tp_comm_destroy(tp_comm_t comm);
  * this rank and `reason`), then behaves like a destroyed one for this rank's
  * collectives.  Safe to call from another thread. */
 TP_API tp_status_t tp_comm_abort(tp_comm_t comm, const char *reason);
+/* Waits until the calls queued on `stream` by this communicator have finished,
+ * under the communicator's timeout (a stuck or mismatched call fails every rank
+ * naming the ranks it waited for).  A host backend (shm) has finished every call
+ * when it returns: TP_SUCCESS at once. */
+TP_API tp_status_t tp_comm_sync(tp_comm_t comm, tp_stream_t stream);
+/* TP_SUCCESS when this process could make a communicator of `backend` (its
+ * library loads, its device is there); else the reason, as the error. */
+TP_API tp_status_t tp_comm_backend_usable(const char *backend);
 /* TP_SUCCESS, or the error that made the communicator unusable. */
 TP_API tp_status_t tp_comm_get_async_error(tp_comm_t comm, tp_status_t *error);
 

@@ -1,0 +1,125 @@
+/*
+ * The NCCL binding's error paths, without a GPU or NCCL: no library (the override,
+ * and the search order without it), a library too old, one lacking a symbol, and a
+ * good one on a machine without a CUDA device.  The fakes (fake_nccl.c) are built by
+ * the Makefile into $TPCORE_TEST_FAKE_NCCL/{old,nosym,good}/libnccl.so.2.
+ *
+ * The binding keeps a library that loaded and passed its checks for the life of the
+ * process: the good fake comes last.
+ */
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tpcore/comm.h"
+#include "tpcore/device.h"
+
+static int failures;
+
+static void expect(const char *what, tp_status_t st, tp_status_t want, const char *const *needles) {
+  const char *msg = tp_last_error();
+  int ok = st == want;
+  for (int i = 0; ok && needles[i]; i++) ok = strstr(msg, needles[i]) != NULL;
+  if (!ok) {
+    failures++;
+    fprintf(stderr, "FAIL %s: status %d (want %d): %s\n", what, (int)st, (int)want, msg);
+  }
+}
+
+/* Both entries: the probe and an init of one rank (which must fail the same way, leaving nothing). */
+static void both(const char *what, const char *const *needles) {
+  expect(what, tp_comm_backend_usable("nccl"), TP_ERR_UNSUPPORTED, needles);
+  tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
+  cfg.backend = "nccl";
+  cfg.job_id = "test_nccl_errors";
+  cfg.timeout_s = 5;
+  tp_comm_t c = (tp_comm_t)0x1;
+  expect(what, tp_comm_init_rank(&c, 1, 0, &cfg), TP_ERR_UNSUPPORTED, needles);
+  if (c) {
+    failures++;
+    fprintf(stderr, "FAIL %s: a failed init left a communicator\n", what);
+  }
+}
+
+/* The dispatcher's new entries on the shm backend: sync has nothing to wait for, the probe,
+ * a config of the size before device_id existed. */
+static void dispatcher(void) {
+  expect("sync NULL", tp_comm_sync(NULL, NULL), TP_ERR_INVALID_ARGUMENT, (const char *[]){"comm_sync", NULL});
+  expect("probe NULL", tp_comm_backend_usable(NULL), TP_ERR_UNSUPPORTED,
+         (const char *[]){"not available in this build", "shm, nccl", NULL});
+  if (tp_comm_backend_usable("shm") != TP_SUCCESS) {
+    failures++;
+    fprintf(stderr, "FAIL probe shm: %s\n", tp_last_error());
+  }
+  tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
+  cfg.size = offsetof(tp_comm_config_t, device_id); /* built against the previous header */
+  cfg.job_id = "test_nccl_dispatch";
+  cfg.timeout_s = 5;
+  tp_comm_t c = NULL;
+  tp_status_t st = tp_comm_init_rank(&c, 1, 0, &cfg);
+  const char *name = NULL;
+  if (st != TP_SUCCESS || tp_comm_backend(c, &name) != TP_SUCCESS || strcmp(name, "shm") != 0) {
+    failures++;
+    fprintf(stderr, "FAIL shm init with an older config: %s\n", tp_last_error());
+  } else {
+    float x[4] = {1, 2, 3, 4};
+    if (tp_all_reduce(x, x, 4, TP_FLOAT32, TP_SUM, c, NULL) != TP_SUCCESS || tp_comm_sync(c, NULL) != TP_SUCCESS ||
+        x[3] != 4) {
+      failures++;
+      fprintf(stderr, "FAIL shm all_reduce + sync: %s\n", tp_last_error());
+    }
+  }
+  tp_comm_destroy(c);
+}
+
+int main(void) {
+  dispatcher();
+  const char *dir = getenv("TPCORE_TEST_FAKE_NCCL");
+  if (!dir) {
+    fprintf(stderr, "TPCORE_TEST_FAKE_NCCL is not set (make test sets it)\n");
+    return 2;
+  }
+  char path[4096];
+
+  setenv("TPCORE_NCCL_LIBRARY", "/nonexistent/libnccl.so.2", 1);
+  both("override missing", (const char *[]){"backend nccl", "TPCORE_NCCL_LIBRARY=/nonexistent/libnccl.so.2", NULL});
+
+  unsetenv("TPCORE_NCCL_LIBRARY");
+  setenv("CUDA_HOME", "/nonexistent-cuda-home", 1);
+  unsetenv("CUDA_PATH");
+  both("search order", (const char *[]){"cannot find NCCL", "TPCORE_NCCL_LIBRARY (unset)",
+                                        "/nonexistent-cuda-home/lib64/libnccl.so.2", "libnccl.so", NULL});
+  const char *m = tp_last_error(); /* CUDA_HOME before the loader path */
+  const char *home = strstr(m, "/nonexistent-cuda-home"), *plain = strstr(m, ", libnccl.so.2");
+  if (!home || !plain || home > plain) {
+    failures++;
+    fprintf(stderr, "FAIL search order: %s\n", m);
+  }
+
+  snprintf(path, sizeof path, "%s/old/libnccl.so.2", dir);
+  setenv("TPCORE_NCCL_LIBRARY", path, 1);
+  both("too old", (const char *[]){"too old", path, "2.16.3", "2.19.0", NULL});
+
+  snprintf(path, sizeof path, "%s/nosym/libnccl.so.2", dir);
+  setenv("TPCORE_NCCL_LIBRARY", path, 1);
+  both("lacking a symbol", (const char *[]){"has no symbol ncclCommSplit", path, NULL});
+
+  /* Found through CUDA_HOME: the search order reaches a directory. */
+  unsetenv("TPCORE_NCCL_LIBRARY");
+  snprintf(path, sizeof path, "%s/home", dir);
+  setenv("CUDA_HOME", path, 1);
+  both("too old, through CUDA_HOME", (const char *[]){"too old", "/home/lib64/libnccl.so.2", NULL});
+
+  snprintf(path, sizeof path, "%s/good/libnccl.so.2", dir);
+  setenv("TPCORE_NCCL_LIBRARY", path, 1);
+  if (!tp_device_available(TP_DEVICE_CUDA))
+    both("no CUDA device", (const char *[]){"backend nccl", "no CUDA device", NULL});
+
+  if (failures) {
+    fprintf(stderr, "%d failed\n", failures);
+    return 1;
+  }
+  printf("nccl error paths: passed\n");
+  return 0;
+}
