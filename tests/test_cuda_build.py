@@ -123,7 +123,7 @@ def test_loads_and_says_why_cuda_is_not_usable():
         pytest.skip(f"a driver is present here: status is {out['status']!r}")
     assert out["status"] == "no NVIDIA driver (libcuda.so.1 not found)"
     assert out["available"] is False and out["devices"] == ["cpu"]
-    assert out["use"] == ("RuntimeError: device_set_current: CUDA is not usable in this process: "
+    assert out["use"] == ("RuntimeError: device_set_current: no cuda device is usable in this process: "
                           "no NVIDIA driver (libcuda.so.1 not found)")
 
 
@@ -139,7 +139,7 @@ def _plugin_env_case(path):
     out = _run(_PROBE, {"TPCORE_CUDA_PLUGIN": str(path)})
     assert out["available"] is False and out["devices"] == ["cpu"]
     assert out["status"].startswith("not loaded: ")
-    assert out["use"].startswith("RuntimeError: device_set_current: CUDA is not usable in this process: not loaded: ")
+    assert out["use"].startswith("RuntimeError: device_set_current: no cuda device is usable in this process: not loaded: ")
     return out["status"]
 
 

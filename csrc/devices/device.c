@@ -54,7 +54,7 @@ static tp_status_t need(tp_device_t d, const char *op, const tp_device_ops **out
   if ((unsigned)d >= TP_NUM_DEVICE_TYPES)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: device type %d is not a tp_device_t", op, (int)d);
   if (d == TP_DEVICE_CUDA)
-    return tp_set_error(TP_ERR_UNSUPPORTED, "%s: CUDA is not usable in this process: %s", op, tp_cuda_status());
+    return tp_set_error(TP_ERR_UNSUPPORTED, "%s: no cuda device is usable in this process: %s", op, tp_cuda_status());
   if (!slot(d))
     return tp_set_error(TP_ERR_UNSUPPORTED, "%s: this build of tpcore has no %s support", op, tp_device_name(d));
   return tp_set_error(TP_ERR_UNSUPPORTED, "%s: no %s device is available in this process", op, tp_device_name(d));
