@@ -279,3 +279,24 @@ def test_makefile_cuda_builds_the_plugin(tmp_path):
     assert lib.exists()
     status = _run(_PROBE, {"TPCORE_CUDA_PLUGIN": str(lib)})["status"]
     assert not status.startswith("not loaded"), status  # it loads (and says why a GPU is usable or not)
+
+
+@pytest.mark.skipif(CC is None, reason="no C compiler")
+def test_plugin_with_incomplete_tables_is_refused(tmp_path):
+    """A kernel table with a NULL entry, or a device table without alloc, fails the load, and
+    then no CUDA device is registered (usable exactly when the load succeeded)."""
+    version = tpcore.__version__
+    tables = ("static struct { int type; const char *name; void *entries[13]; } dev = {1, \"cuda\", {0}};\n"
+              "static void *kernels[64];\n")
+    no_kernel = _fake_plugin(tmp_path, tables + f"int {ENTRY}(const void *host, plugin_t *out) {{\n"
+                             "  out->abi_version = 1; out->size = sizeof *out;\n"
+                             f"  out->tpcore_version = \"{version}\"; out->device = &dev; out->kernels = kernels;\n"
+                             "  out->status = (const char *(*)(void))0x1; return 0; }\n", "libnokernels.so")
+    status = _plugin_env_case(no_kernel)
+    assert f"the CUDA plugin {no_kernel}: kernels_register: the cuda kernel table lacks gemm" in status
+    no_alloc = _fake_plugin(tmp_path, tables + f"int {ENTRY}(const void *host, plugin_t *out) {{\n"
+                            "  out->abi_version = 1; out->size = sizeof *out;\n"
+                            f"  out->tpcore_version = \"{version}\"; out->device = &dev;\n"
+                            "  out->status = (const char *(*)(void))0x1; return 0; }\n", "libnoalloc.so")
+    assert f"the CUDA plugin {no_alloc}: device_register: cuda table lacks a required entry" in \
+        _plugin_env_case(no_alloc)

@@ -156,9 +156,15 @@ static tp_status_t load_once(const char *path) {
   plugin = out.p;
   snprintf(plugin_path, sizeof plugin_path, "%s", file);
   snprintf(plugin_build, sizeof plugin_build, "%s", plugin.build ? plugin.build : "");
-  TP_CHECK(tp_device_register(plugin.device));
-  /* The kernel table may be absent from a plugin built before its kernels (kernels NULL). */
-  if (plugin.kernels) TP_CHECK(tp_kernels_register(TP_DEVICE_CUDA, plugin.kernels));
+  /* Kernels first: an incomplete table fails the load before the device is registered, so
+   * the device is usable exactly when the load succeeded.  The kernel table may be absent
+   * from a plugin built before its kernels (kernels NULL): the device alone is registered. */
+  if ((plugin.kernels && tp_kernels_register(TP_DEVICE_CUDA, plugin.kernels) != TP_SUCCESS) ||
+      tp_device_register(plugin.device) != TP_SUCCESS) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", tp_last_error()); /* not formatted from the buffer it overwrites */
+    return tp_set_error(TP_ERR_UNSUPPORTED, "the CUDA plugin %s: %s", file, why); /* the plugin's fault */
+  }
   return TP_SUCCESS;
 }
 

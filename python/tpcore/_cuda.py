@@ -82,7 +82,7 @@ def load() -> None:
             return
         try:
             _C._cuda_load(None)
-        except RuntimeError:
+        except (RuntimeError, ValueError, MemoryError):
             pass  # recorded: _C._cuda_status() is "not loaded: <why>"
         _loaded = True
 
