@@ -65,7 +65,7 @@ $(BUILD)/cuda-obj/%.o: csrc/%.c $(HDRS)
 	  -Icsrc -I$(CUDA_ROOT)/include -DTP_CUDA_ARCH_STR='"$(CUDA_ARCH_STR)"' -c $< -o $@
 
 $(BUILD)/libtpcore_cuda.so: $(CUDA_OBJ) csrc/cuda/plugin.map
-	$(NVCC) -shared -o $@ $(CUDA_OBJ) --cudart=static -Xlinker --exclude-libs,ALL -Xlinker --version-script=csrc/cuda/plugin.map \
+	$(NVCC) -shared -o $@ $(CUDA_OBJ) --cudart=static -Xlinker --exclude-libs,ALL -Xlinker --version-script=csrc/cuda/plugin.map -Xlinker --no-undefined \
 	  -ldl -lrt -lpthread
 
 $(BUILD)/obj/%.o: csrc/%.c $(HDRS)

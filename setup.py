@@ -239,7 +239,8 @@ def build_cuda_plugin(plan, build_temp, compiler, force=False, jobs=None):
     lib = os.path.join(objdir, "libtpcore_cuda.so")
     if jobs_list or not os.path.exists(lib) or _stale(lib, objs):
         cmd = [nvcc, "-shared", "-o", lib, *objs, "--cudart=static", "-Xlinker", "--exclude-libs,ALL",
-               "-Xlinker", "--version-script=csrc/cuda/plugin.map", "-ldl", "-lrt", "-lpthread"]
+               "-Xlinker", "--version-script=csrc/cuda/plugin.map", "-Xlinker", "--no-undefined",  # missing entries fail here
+               "-ldl", "-lrt", "-lpthread"]
         rc, out, _ = _run(cmd)
         log(" ".join(cmd))
         if rc != 0:
