@@ -161,3 +161,24 @@ def test_wheel_lib_dirs_both_layouts_and_registered(tmp_path):
     assert out["dirs"] == [str(cublas_lib), str(nccl_lib)]  # _WHEEL_PACKAGES order: cublas, nccl
     assert out["path"] == str(nccl_lib / "libnccl.so.2")
     assert out["torch"] is False and out["cublas_imported"] is False
+
+
+def test_build_info_reports_searches_only_after_one(libs, tmp_path):
+    missing = str(tmp_path / "no" / "libcublas.so.13")
+    code = (
+        "import json, tpcore\n"
+        "from tpcore import _cuda\n"
+        "before = tpcore.build_info()['cuda']\n"
+        "found = _cuda.search_libraries()\n"
+        "after = tpcore.build_info()['cuda']\n"
+        "print(json.dumps({'before': sorted(before), 'found': found, 'after': after}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TPCORE_NCCL_LIBRARY=libs["reg1"],
+               TPCORE_CUBLAS_LIBRARY=missing)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "nccl" not in out["before"] and "cublas" not in out["before"]
+    assert out["found"]["nccl"] == libs["reg1"] == out["after"]["nccl"]
+    assert out["found"]["cublas"].startswith(f"not found: cannot load cuBLAS from TPCORE_CUBLAS_LIBRARY={missing}: ")
+    assert out["after"]["cublas"] == out["found"]["cublas"]
