@@ -300,3 +300,38 @@ def test_plugin_with_incomplete_tables_is_refused(tmp_path):
                             "  out->status = (const char *(*)(void))0x1; return 0; }\n", "libnoalloc.so")
     assert f"the CUDA plugin {no_alloc}: device_register: cuda table lacks a required entry" in \
         _plugin_env_case(no_alloc)
+
+
+def _selftest_expected(n):
+    src = bytes((i * 7 + 3) & 0xFF for i in range(n))
+    want = bytearray(b"\x5a" * n)
+    want[: n // 2] = src[: n // 2]
+    for r in range(2):
+        at = n // 2 + r * (n // 4)
+        want[at: at + n // 8] = src[at: at + n // 8]
+    return src, bytes(want)
+
+
+@pytest.mark.parametrize("n", [64, 4096 + 64])
+def test_device_table_selftest_on_the_cpu(n):
+    out = _C._device_selftest(0, 0, n)
+    src, want = _selftest_expected(n)
+    assert out["src"] == src and out["back"] == want
+    assert out["owns_device"] is True and out["host_claimed"] is False and out["done"] == 1
+    with pytest.raises(ValueError, match="multiple of 64"):
+        _C._device_selftest(0, 0, 65)
+
+
+@pytest.mark.skipif(not tpcore.cuda_available(), reason="no CUDA GPU in this process: "
+                    + tpcore.build_info()["cuda"]["status"])
+@pytest.mark.parametrize("n", [64, (1 << 20) + 64])
+def test_device_table_selftest_on_the_gpu(n):
+    out = _C._device_selftest(1, 0, n)
+    src, want = _selftest_expected(n)
+    assert out["back"] == want
+    assert out["owns_device"] is True and out["owner_id"] == 0 and out["host_claimed"] is False
+    assert out["done"] == 1
+    free, total = _C._device_stream_entries(1, 0)["free"], _C._device_stream_entries(1, 0)["total"]
+    assert 0 < free <= total
+    with pytest.raises(ValueError, match="device id 99 is out of range"):
+        _C._device_stream_entries(1, 99)

@@ -10,6 +10,9 @@
  *   _library_searches()        {what: {"found": bool, "path" | "error": str}}
  *   _device_stream_entries(device, id)  the stream entries' wrappers (set_current, query,
  *                              stream_wait, mem_info) once each, for the tests
+ *   _device_selftest(device, id, nbytes)  every entry of a device table through the wrappers
+ *                              on the default stream (alloc, copies both ways and 2-D, memset,
+ *                              owns, sync, query, free); a dict of what each step saw
  */
 #include "ext.h"
 
@@ -139,6 +142,64 @@ static PyObject *device_stream_entries(PyObject *m, PyObject *args) {
   return Py_BuildValue("{s:i,s:n,s:n}", "done", done, "free", (Py_ssize_t)fr, "total", (Py_ssize_t)tot);
 }
 
+/* Bytes of a known pattern through a device and back; every step's outcome is checked by
+ * the test (tests/test_cuda_build.py), on the CPU here and on a GPU where there is one. */
+static tp_status_t selftest(tp_device_t d, int id, size_t n, unsigned char *src, unsigned char *back, int *owns_dev,
+                            int *owns_host, int *owns_id, int *done) {
+  void *a = NULL, *b = NULL;
+  tp_status_t s;
+  for (size_t i = 0; i < n; i++) src[i] = (unsigned char)(i * 7 + 3);
+  if ((s = tp_device_alloc(d, id, n, &a)) || (s = tp_device_alloc(d, id, n, &b))) goto out;
+  if ((s = tp_device_copy(d, a, TP_DEVICE_CPU, src, n, NULL))) goto out;          /* host -> device */
+  if ((s = tp_device_memset(d, b, 0x5a, n, NULL))) goto out;
+  if ((s = tp_device_copy(d, b, d, a, n / 2, NULL))) goto out;                    /* device -> device, half */
+  /* 2-D, host -> device: 2 rows of n/8 bytes at pitch n/4, src's second half into b's */
+  size_t rows = 2, width = n / 8, pitch = n / 4;
+  if ((s = tp_device_copy_2d(d, (char *)b + n / 2, pitch, TP_DEVICE_CPU, src + n / 2, pitch, width, rows, NULL)))
+    goto out;
+  if ((s = tp_device_sync(d, id, NULL))) goto out;
+  if ((s = tp_device_query(d, id, NULL, done))) goto out;
+  tp_device_t od;
+  tp_pointer_device(a, &od, owns_id);
+  *owns_dev = od == d;
+  tp_pointer_device(src, &od, NULL);
+  *owns_host = od != TP_DEVICE_CPU;
+  if ((s = tp_device_copy(TP_DEVICE_CPU, back, d, b, n, NULL))) goto out;         /* device -> host */
+out:
+  tp_device_free(d, id, a);
+  tp_device_free(d, id, b);
+  return s;
+}
+
+static PyObject *device_selftest(PyObject *m, PyObject *args) {
+  int device, id;
+  Py_ssize_t n;
+  if (!PyArg_ParseTuple(args, "iin:_device_selftest", &device, &id, &n)) return NULL;
+  if (n < 64 || n % 64 || n > (1 << 26))
+    return PyErr_Format(PyExc_ValueError, "_device_selftest: nbytes must be a multiple of 64 in [64, 2^26], got %zd",
+                        n);
+  PyObject *src = PyBytes_FromStringAndSize(NULL, n), *back = PyBytes_FromStringAndSize(NULL, n);
+  if (!src || !back) {
+    Py_XDECREF(src);
+    Py_XDECREF(back);
+    return NULL;
+  }
+  int owns_dev = 0, owns_host = 1, owns_id = -1, done = -1;
+  tp_status_t s;
+  Py_BEGIN_ALLOW_THREADS
+  s = selftest((tp_device_t)device, id, (size_t)n, (unsigned char *)PyBytes_AS_STRING(src),
+               (unsigned char *)PyBytes_AS_STRING(back), &owns_dev, &owns_host, &owns_id, &done);
+  Py_END_ALLOW_THREADS
+  if (s != TP_SUCCESS) {
+    Py_DECREF(src);
+    Py_DECREF(back);
+    return raise_core(s);
+  }
+  return Py_BuildValue("{s:N,s:N,s:O,s:O,s:i,s:i}", "src", src, "back", back, "owns_device",
+                       owns_dev ? Py_True : Py_False, "host_claimed", owns_host ? Py_True : Py_False, "owner_id",
+                       owns_id, "done", done);
+}
+
 PyMethodDef cuda_methods[] = {
     {"_cuda_load", (PyCFunction)(void (*)(void))cuda_load, METH_FASTCALL, "_cuda_load(path=None): tp_cuda_load"},
     {"_cuda_status", cuda_status, METH_NOARGS, "tp_cuda_status()"},
@@ -147,5 +208,6 @@ PyMethodDef cuda_methods[] = {
     {"_find_library", find_library, METH_VARARGS, "_find_library(what, env, sonames): the path tp_dynlib_open loads"},
     {"_library_searches", library_searches, METH_NOARGS, "the last search of each run-time library"},
     {"_device_stream_entries", device_stream_entries, METH_VARARGS, "runs the stream entries' wrappers once"},
+    {"_device_selftest", device_selftest, METH_VARARGS, "_device_selftest(device, id, nbytes): every table entry"},
     {NULL, NULL, 0, NULL},
 };
