@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import tpcore
-from tpcore import _C, _cuda
+from tpcore import _C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CC = shutil.which("cc") or shutil.which("gcc")
