@@ -3,6 +3,9 @@
 #                        test_api_hostile)
 #   make SANITIZE=1      the same under ASan + UBSan (in build-san/)
 #   make test            run the C tests (world sizes 1-4)
+#   make CUDA=1          also build/libtpcore_cuda.so, the CUDA plugin (nvcc; CUDA_ARCHS="80 90" by
+#                        default: sm_XX machine code for each, PTX of the last); the C programs load
+#                        it from beside themselves on first CUDA use
 CC ?= cc
 CFLAGS_BASE := -std=c11 -Wall -Wextra -Wno-unused-parameter -fPIC -D_GNU_SOURCE -Icsrc/include
 ifeq ($(SANITIZE),1)
@@ -27,7 +30,7 @@ BLAS_CFLAGS := $(shell pkg-config --cflags openblas 2>/dev/null || pkg-config --
 BLAS_LIBS := $(shell pkg-config --libs openblas 2>/dev/null || pkg-config --libs cblas)
 endif
 CFLAGS += $(BLAS_CFLAGS)
-LIBS := $(BLAS_LIBS) -lpthread -lrt -lm
+LIBS := $(BLAS_LIBS) -lpthread -lrt -ldl -lm
 
 # The source directories: csrc/sources.mk, shared with setup.py.
 include csrc/sources.mk
@@ -40,7 +43,34 @@ FAKE_NCCL := $(BUILD)/fake_nccl/old/libnccl.so.2 $(BUILD)/fake_nccl/nosym/libncc
              $(BUILD)/fake_nccl/good/libnccl.so.2 $(BUILD)/fake_nccl/home/lib64/libnccl.so.2
 
 all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_kernels $(BUILD)/test_api_hostile \
-     $(BUILD)/test_nccl $(FAKE_NCCL)
+     $(BUILD)/test_nccl $(FAKE_NCCL) $(if $(filter 1,$(CUDA)),$(BUILD)/libtpcore_cuda.so)
+
+# The CUDA plugin (CUDA=1): .cu files by nvcc, .c files (and core/dtype.c) by cc, the CUDA
+# runtime linked statically, every symbol hidden but the entry (csrc/cuda/plugin_abi.h).
+NVCC ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard $(CUDA_HOME)/bin/nvcc),/usr/local/cuda/bin/nvcc)
+# the toolkit's root (for its headers): CUDA_HOME, /usr/local/cuda, or above nvcc
+CUDA_ROOT := $(or $(CUDA_HOME),$(wildcard /usr/local/cuda),$(abspath $(dir $(realpath $(NVCC)))..))
+CUDA_ARCHS ?= 80 90
+CUDA_GENCODE := $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+                -gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
+CUDA_ARCH_STR := $(foreach a,$(CUDA_ARCHS),sm_$(a)) + compute_$(lastword $(CUDA_ARCHS)) PTX
+NVCCFLAGS := -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden -Icsrc/include -Icsrc -D_GNU_SOURCE $(CUDA_GENCODE)
+CUDA_CU := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.cu)))
+CUDA_C := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.c))) csrc/core/dtype.c
+CUDA_OBJ := $(patsubst csrc/%.cu,$(BUILD)/cuda-obj/%.cu.o,$(CUDA_CU)) $(patsubst csrc/%.c,$(BUILD)/cuda-obj/%.o,$(CUDA_C))
+
+$(BUILD)/cuda-obj/%.cu.o: csrc/%.cu $(HDRS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(BUILD)/cuda-obj/%.o: csrc/%.c $(HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -O2 -fPIC -fvisibility=hidden -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Icsrc/include \
+	  -Icsrc -I$(CUDA_ROOT)/include -DTP_CUDA_ARCH_STR='"$(CUDA_ARCH_STR)"' -c $< -o $@
+
+$(BUILD)/libtpcore_cuda.so: $(CUDA_OBJ) csrc/cuda/plugin.map
+	$(NVCC) -shared -o $@ $(CUDA_OBJ) --cudart=static -Xlinker --exclude-libs,ALL -Xlinker --version-script=csrc/cuda/plugin.map -Xlinker --no-undefined \
+	  -ldl -lrt -lpthread
 
 $(BUILD)/obj/%.o: csrc/%.c $(HDRS)
 	@mkdir -p $(dir $@)

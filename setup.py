@@ -6,6 +6,13 @@ Switches (environment variables):
   TPCORE_DEBUG=1                      -O0 -g
   TPCORE_BLAS=system                  link a system CBLAS found by pkg-config (openblas, cblas)
                                       instead of vendoring the scipy-openblas32 wheel's OpenBLAS
+  TPCORE_CUDA=0                       CPU-only: no CUDA plugin (also when nvcc is not found,
+                                      and in sanitized builds)
+  TPCORE_CUDA_ARCHS="80 90"           the CUDA plugin's machine code (sm_XX for each, PTX of the
+                                      last); "90" alone makes quick development builds
+The CUDA plugin, tpcore/.libs/libtpcore_cuda.so, is built by nvcc (PATH, $CUDA_HOME/bin,
+/usr/local/cuda/bin) from csrc/sources.mk's TP_CUDA_DIRS, the CUDA runtime linked statically;
+tpcore._C never links CUDA and loads it on first GPU use.
 The build prints what it detected.
 """
 import glob
@@ -62,11 +69,62 @@ def log(msg):
     print(f"[tpcore build] {msg}", file=sys.stderr, flush=True)
 
 
-def detect_cuda():
+def find_nvcc():
+    """nvcc on PATH, else $CUDA_HOME/bin ($CUDA_PATH), else /usr/local/cuda/bin; None when absent."""
     nvcc = shutil.which("nvcc")
+    if nvcc:
+        return nvcc
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+            return os.path.join(home, "bin", "nvcc")
+    return None
+
+
+def cuda_root(nvcc):
+    """The toolkit's root (its include/ has cuda_runtime_api.h): above the real nvcc (PATH may
+    hold a wrapper script), $CUDA_HOME, $CUDA_PATH, /usr/local/cuda."""
+    for root in (os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), os.environ.get("CUDA_HOME"),
+                 os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.path.exists(os.path.join(root, "include", "cuda_runtime_api.h")):
+            return root
+    return None
+
+
+def cuda_archs():
+    """TPCORE_CUDA_ARCHS ("80 90" by default; commas or spaces) as a sorted list of ints."""
+    text = os.environ.get("TPCORE_CUDA_ARCHS", "").replace(",", " ").split() or ["80", "90"]
+    archs = []
+    for a in text:
+        a = a.lower().removeprefix("sm_").removeprefix("compute_")
+        if not a.isdigit() or not 50 <= int(a) <= 150:
+            raise SystemExit(f"TPCORE_CUDA_ARCHS: {a!r} is not an architecture like 80 or 90")
+        archs.append(int(a))
+    return sorted(set(archs))
+
+
+def cuda_plan(sanitize):
+    """{"nvcc", "root", "archs"} when the CUDA plugin is built, else {"why_not": sentence}."""
+    flag = os.environ.get("TPCORE_CUDA", "").strip().lower()
+    if flag in ("0", "off", "no", "false"):
+        return {"why_not": "TPCORE_CUDA=0 at build time"}
+    if sanitize:
+        return {"why_not": "sanitized builds are CPU-only (TPCORE_SANITIZE)"}
+    nvcc = find_nvcc()
+    if not nvcc:
+        return {"why_not": "nvcc was not found at build time (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)"}
+    root = cuda_root(nvcc)
+    if not root:
+        return {"why_not": f"{nvcc} has no toolkit headers (cuda_runtime_api.h) beside it"}
+    return {"nvcc": nvcc, "root": root, "archs": cuda_archs()}
+
+
+def arch_text(archs):
+    return " ".join(f"sm_{a}" for a in archs) + f" + compute_{archs[-1]} PTX"
+
+
+def detect_cuda():
+    nvcc = find_nvcc()
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    if not nvcc and os.path.exists(os.path.join(home, "bin", "nvcc")):
-        nvcc = os.path.join(home, "bin", "nvcc")
     nccl = any(os.path.exists(os.path.join(d, "nccl.h"))
                for d in (os.path.join(home, "include"), "/usr/include"))
     return nvcc, nccl
@@ -124,7 +182,70 @@ def build_config():
         "debug": os.environ.get("TPCORE_DEBUG", "") not in ("", "0"),
         "blas": os.environ.get("TPCORE_BLAS", "bundled").strip().lower() or "bundled",
         **{k: os.environ.get(k, "") for k in ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS")},
+        # whether the CUDA plugin is built (the extension reports why not); its archs and
+        # nvcc key the plugin's own object directory instead (build_cuda_plugin)
+        "cuda": cuda_plan(os.environ.get("TPCORE_SANITIZE", "").strip()).get("why_not", "built"),
     }
+
+
+def _stale(obj, deps):
+    try:
+        t = os.path.getmtime(obj)
+    except OSError:
+        return True
+    return any(os.path.getmtime(d) > t for d in deps)
+
+
+def _run(cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    return r.returncode, (r.stdout + r.stderr).strip(), cmd
+
+
+def build_cuda_plugin(plan, build_temp, compiler, force=False, jobs=None):
+    """libtpcore_cuda.so from csrc/sources.mk's TP_CUDA_DIRS: every .cu by nvcc, every .c (and
+    csrc/core/dtype.c) by the C compiler, linked by nvcc with the static CUDA runtime and one
+    exported symbol (csrc/cuda/plugin.map).  Objects live in a directory of their own per nvcc
+    and arch list; only stale ones are rebuilt, in parallel.  Returns the library's path."""
+    nvcc, root, archs = plan["nvcc"], plan["root"], plan["archs"]
+    tag = hashlib.sha1(json.dumps([nvcc, root, archs, compiler], sort_keys=True).encode()).hexdigest()[:10]
+    objdir = os.path.join(build_temp, f"cuda-{tag}")
+    dirs = read_source_dirs().get("TP_CUDA_DIRS", [])
+    cus = sorted(f for d in dirs for f in glob.glob(os.path.join(d, "*.cu")))
+    cs = sorted(f for d in dirs for f in glob.glob(os.path.join(d, "*.c"))) + ["csrc/core/dtype.c"]
+    headers = sorted(glob.glob("csrc/**/*.h", recursive=True)) + ["csrc/cuda/plugin.map"]
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    nvcc_flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-D_GNU_SOURCE",
+                  "-Icsrc/include", "-Icsrc", *gencode]
+    cc_flags = ["-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-D_GNU_SOURCE", "-Wall", "-Wextra",
+                "-Wno-unused-parameter", "-Icsrc/include", "-Icsrc", f"-I{os.path.join(root, 'include')}",
+                f'-DTP_CUDA_ARCH_STR="{arch_text(archs)}"']
+    jobs_list, objs = [], []
+    for src in cus + cs:
+        obj = os.path.join(objdir, os.path.relpath(src, "csrc") + ".o")
+        objs.append(obj)
+        if force or _stale(obj, [src] + headers):
+            os.makedirs(os.path.dirname(obj), exist_ok=True)
+            cmd = ([nvcc, *nvcc_flags] if src.endswith(".cu") else [compiler, *cc_flags]) + ["-c", src, "-o", obj]
+            jobs_list.append(cmd)
+    from concurrent.futures import ThreadPoolExecutor
+    workers = max(1, min(len(jobs_list) or 1, jobs or os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        for rc, out, cmd in pool.map(_run, jobs_list):
+            log(" ".join(cmd))
+            if rc != 0:
+                raise SystemExit(f"CUDA plugin: compiling {cmd[-3]} failed:\n{out}\n"
+                                 "(TPCORE_CUDA=0 builds tpcore CPU-only)")
+    lib = os.path.join(objdir, "libtpcore_cuda.so")
+    if jobs_list or not os.path.exists(lib) or _stale(lib, objs):
+        cmd = [nvcc, "-shared", "-o", lib, *objs, "--cudart=static", "-Xlinker", "--exclude-libs,ALL",
+               "-Xlinker", "--version-script=csrc/cuda/plugin.map", "-Xlinker", "--no-undefined",  # missing entries fail here
+               "-ldl", "-lrt", "-lpthread"]
+        rc, out, _ = _run(cmd)
+        log(" ".join(cmd))
+        if rc != 0:
+            raise SystemExit(f"CUDA plugin: linking failed:\n{out}\n(TPCORE_CUDA=0 builds tpcore CPU-only)")
+    return lib
 
 
 class BuildExt(build_ext):
@@ -134,6 +255,7 @@ class BuildExt(build_ext):
         keep an up-to-date-looking extension of the previous configuration)."""
         tag = hashlib.sha1(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:10]
         stamp = os.path.join(self.build_temp, "last-config.json")  # what build_lib's extension was built as
+        self._base_temp, self._user_force = self.build_temp, self.force  # the CUDA plugin keys its own objects
         self.build_temp = os.path.join(self.build_temp, f"cfg-{tag}")
         try:
             with open(stamp) as f:
@@ -153,7 +275,12 @@ class BuildExt(build_ext):
         log(f"compiler: {self.compiler.compiler_so[0] if hasattr(self.compiler, 'compiler_so') else '?'}")
         log(f"backends: shm (always); nccl: {'headers found, backend not built yet' if nccl else 'not found'}; "
             f"mpi: {'mpicc found, backend not built yet' if detect_mpi() else 'not found'}")
-        log(f"cuda: {nvcc or 'not found'} (CUDA kernels are not part of this version)")
+        plan = cuda_plan(sanitize)
+        if "why_not" in plan:
+            log(f"cuda: CPU-only build, no CUDA plugin: {plan['why_not']}")
+        else:
+            log(f"cuda: building libtpcore_cuda.so with {plan['nvcc']} (toolkit {plan['root']}; "
+                f"{arch_text(plan['archs'])})")
         log(f"sanitizers: {sanitize or 'off'}; debug: {'on' if debug else 'off'}")
         blas = blas_config()
         log(f"BLAS: {blas['info']}")
@@ -173,10 +300,15 @@ class BuildExt(build_ext):
             ext.extra_link_args = link + blas["libs"]
             ext.define_macros += blas["macros"]
             ext.define_macros += [
+                ("TPCORE_CUDA_WHY_NOT_STR", json.dumps(plan.get("why_not", ""))),
                 ("TPCORE_VERSION_STR", f'"{VERSION}"'),
                 ("TPCORE_SANITIZE_STR", f'"{sanitize}"'),
                 ("TPCORE_BUILD_STR", '"debug"' if debug else '"release"'),
             ]
+        cuda_lib = None
+        if "why_not" not in plan:
+            cuda_lib = build_cuda_plugin(plan, self._base_temp, self.compiler.compiler_so[0], force=self._user_force,
+                                         jobs=self.parallel if isinstance(self.parallel, int) else None)
         super().build_extensions()
         os.makedirs(os.path.dirname(stamp), exist_ok=True)
         with open(stamp, "w") as f:
@@ -190,6 +322,16 @@ class BuildExt(build_ext):
                 _vendor_into(libs_dir, blas)
                 log(f"vendored {os.path.basename(blas['vendor'])} into {libs_dir}")
             self._vendored = blas
+        # The plugin goes beside the vendored BLAS (tpcore/.libs), where _C looks for it; a
+        # CPU-only build removes a stale one there.
+        dirs = {os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), ".libs") for ext in self.extensions}
+        if getattr(self, "editable_mode", False) or self.inplace:
+            dirs.add(os.path.join(HERE, "python", "tpcore", ".libs"))
+        for libs_dir in sorted(dirs):
+            _place_plugin(libs_dir, cuda_lib)
+        if cuda_lib:
+            log(f"CUDA plugin: {os.path.basename(cuda_lib)} into {', '.join(sorted(dirs))}")
+        self._cuda_lib = cuda_lib
 
     def copy_extensions_to_source(self):
         # `build_ext --inplace` builds in build/ and copies the extension next to the
@@ -198,6 +340,19 @@ class BuildExt(build_ext):
         vendored = getattr(self, "_vendored", None)
         if vendored:
             _vendor_into(os.path.join(HERE, "python", "tpcore", ".libs"), vendored)
+        _place_plugin(os.path.join(HERE, "python", "tpcore", ".libs"), getattr(self, "_cuda_lib", None))
+
+
+def _place_plugin(libs_dir, lib):
+    """Copies the CUDA plugin into libs_dir, or removes a previous build's there (lib None)."""
+    dst = os.path.join(libs_dir, "libtpcore_cuda.so")
+    if lib:
+        os.makedirs(libs_dir, exist_ok=True)
+        tmp = dst + ".tmp"
+        shutil.copy2(lib, tmp)
+        os.replace(tmp, dst)  # a process that has the old one mapped keeps it
+    elif os.path.exists(dst):
+        os.remove(dst)
 
 
 def _vendor_into(libs_dir, blas):

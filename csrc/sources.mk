@@ -3,5 +3,8 @@
 # new file in a listed directory needs no edit; a new directory is one word here.
 #   TP_CORE_DIRS     the C core (libtpcore.a, usable from C without Python)
 #   TP_PYTHON_DIRS   the CPython extension's own files (setup.py only)
+#   TP_CUDA_DIRS     the CUDA plugin libtpcore_cuda.so: every *.cu (nvcc) and *.c (cc) of these,
+#                    plus csrc/core/dtype.c (setup.py's build_ext; `make CUDA=1`)
 TP_CORE_DIRS := csrc/core csrc/devices csrc/comm csrc/kernels csrc/kernels/cpu csrc/layers
 TP_PYTHON_DIRS := csrc/python
+TP_CUDA_DIRS := csrc/cuda csrc/kernels/cuda

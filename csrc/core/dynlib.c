@@ -41,6 +41,40 @@ tp_status_t tp_set_library_dirs(const char *const *list, int n) {
   return TP_SUCCESS;
 }
 
+/* The last result of each library's search (build_info reports them): its path, or
+ * the error sentence. */
+#define MAX_RECORDS 8
+static struct {
+  char what[32];
+  char result[1024];
+  int found;
+} records[MAX_RECORDS];
+static int nrecords;
+
+static void record(const char *what, void *h) {
+  pthread_mutex_lock(&dirs_lock);
+  int i = 0;
+  while (i < nrecords && strcmp(records[i].what, what)) i++;
+  if (i == nrecords && nrecords < MAX_RECORDS) snprintf(records[nrecords++].what, sizeof records[0].what, "%s", what);
+  if (i < nrecords) {
+    records[i].found = h != NULL;
+    snprintf(records[i].result, sizeof records[i].result, "%s", h ? tp_dynlib_path(h) : tp_last_error());
+  }
+  pthread_mutex_unlock(&dirs_lock);
+}
+
+int tp_dynlib_search_result(int i, char *what, size_t wcap, char *result, size_t rcap) {
+  int found = -1;
+  pthread_mutex_lock(&dirs_lock);
+  if (i >= 0 && i < nrecords) {
+    snprintf(what, wcap, "%s", records[i].what);
+    snprintf(result, rcap, "%s", records[i].result);
+    found = records[i].found;
+  }
+  pthread_mutex_unlock(&dirs_lock);
+  return found;
+}
+
 /* The places tried, for the error sentence: "a (error); b (error); ...", bounded. */
 typedef struct {
   char text[3072];
@@ -76,7 +110,15 @@ static void *try_dir(tried_t *t, const char *dir, const char *const *sonames, in
   return NULL;
 }
 
+static void *dynlib_open(const char *what, const char *override_env, const char *const *sonames, int nsonames);
+
 void *tp_dynlib_open(const char *what, const char *override_env, const char *const *sonames, int nsonames) {
+  void *h = dynlib_open(what, override_env, sonames, nsonames);
+  if (what && sonames && nsonames > 0) record(what, h);
+  return h;
+}
+
+static void *dynlib_open(const char *what, const char *override_env, const char *const *sonames, int nsonames) {
   if (!what || !sonames || nsonames <= 0) {
     tp_set_error(TP_ERR_INVALID_ARGUMENT, "dynlib_open: no library named");
     return NULL;

@@ -26,4 +26,8 @@ void *tp_dynlib_sym(void *lib, const char *what, const char *symbol);
 /* The path a handle of tp_dynlib_open was loaded from (for build_info), or "". */
 const char *tp_dynlib_path(void *lib);
 
+/* The last search of the i-th library searched so far (build_info): what ("NCCL") and
+ * its path (returns 1) or the error sentence (returns 0); -1 past the last. */
+int tp_dynlib_search_result(int i, char *what, size_t wcap, char *result, size_t rcap);
+
 #endif

@@ -1,20 +1,34 @@
-/* The device registry: one line per device type.  A device is a file that fills a
- * tp_device_ops (cpu.c; cuda.c in CUDA builds) plus its line here. */
+/* The device registry: the CPU's table is built in; another device's table (CUDA's,
+ * from the plugin: core/plugin.c) is registered at run time with tp_device_register,
+ * once per type, under a lock, before its first use. */
+#include <pthread.h>
 #include <stdio.h>
 #include <unistd.h>
 
 #include "device_impl.h"
 
-#ifdef TP_WITH_CUDA
-extern const tp_device_ops tp_cuda_device_ops;
-#endif
-
-static const tp_device_ops *const registry[TP_NUM_DEVICE_TYPES] = {
+static const tp_device_ops *registry_slots[TP_NUM_DEVICE_TYPES] = {
     [TP_DEVICE_CPU] = &tp_cpu_device_ops,
-#ifdef TP_WITH_CUDA
-    [TP_DEVICE_CUDA] = &tp_cuda_device_ops,
-#endif
 };
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* A slot is written once (release) and read without the lock (acquire). */
+static inline const tp_device_ops *slot(int d) { return __atomic_load_n(&registry_slots[d], __ATOMIC_ACQUIRE); }
+
+tp_status_t tp_device_register(const tp_device_ops *ops) {
+  if (!ops || (unsigned)ops->type >= TP_NUM_DEVICE_TYPES || !ops->name || !ops->available || !ops->count ||
+      !ops->alloc || !ops->free || !ops->copy || !ops->copy_2d || !ops->memset || !ops->sync || !ops->owns)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_register: %s table lacks a required entry",
+                        ops && ops->name ? ops->name : "a device");
+  pthread_mutex_lock(&registry_lock);
+  const tp_device_ops *cur = registry_slots[ops->type];
+  if (!cur) __atomic_store_n(&registry_slots[ops->type], ops, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&registry_lock);
+  if (cur && cur != ops)
+    return tp_set_error(TP_ERR_INVALID_USAGE, "device_register: a %s table is registered already",
+                        tp_device_name(ops->type));
+  return TP_SUCCESS;
+}
 
 const char *tp_device_name(tp_device_t d) {
   switch (d) {
@@ -26,18 +40,22 @@ const char *tp_device_name(tp_device_t d) {
 
 const tp_device_ops *tp_device_ops_of(tp_device_t d) {
   if ((unsigned)d >= TP_NUM_DEVICE_TYPES) return NULL;
-  const tp_device_ops *ops = registry[d];
+  const tp_device_ops *ops = slot(d);
   return ops && ops->available() ? ops : NULL;
 }
 
 int tp_device_available(tp_device_t d) { return tp_device_ops_of(d) != NULL; }
 
+/* The first use of CUDA loads the plugin (core/plugin.c); its failure is the reason given. */
 static tp_status_t need(tp_device_t d, const char *op, const tp_device_ops **out) {
+  if (d == TP_DEVICE_CUDA && !slot(d)) (void)tp_cuda_load(NULL);
   *out = tp_device_ops_of(d);
   if (*out) return TP_SUCCESS;
   if ((unsigned)d >= TP_NUM_DEVICE_TYPES)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: device type %d is not a tp_device_t", op, (int)d);
-  if (!registry[d])
+  if (d == TP_DEVICE_CUDA)
+    return tp_set_error(TP_ERR_UNSUPPORTED, "%s: no cuda device is usable in this process: %s", op, tp_cuda_status());
+  if (!slot(d))
     return tp_set_error(TP_ERR_UNSUPPORTED, "%s: this build of tpcore has no %s support", op, tp_device_name(d));
   return tp_set_error(TP_ERR_UNSUPPORTED, "%s: no %s device is available in this process", op, tp_device_name(d));
 }
@@ -51,8 +69,8 @@ tp_status_t tp_device_alloc(tp_device_t d, int id, size_t nbytes, void **ptr) {
 }
 
 void tp_device_free(tp_device_t d, int id, void *ptr) {
-  if (!ptr || (unsigned)d >= TP_NUM_DEVICE_TYPES || !registry[d]) return;
-  registry[d]->free(id, ptr);
+  if (!ptr || (unsigned)d >= TP_NUM_DEVICE_TYPES || !slot(d)) return;
+  slot(d)->free(id, ptr);
 }
 
 /* The table that performs a copy between dst_device and src_device: the non-host side's. */
@@ -114,7 +132,7 @@ void tp_pointer_device(const void *ptr, tp_device_t *device, int *device_id) {
   tp_device_t d = TP_DEVICE_CPU;
   int id = 0;
   for (int i = 0; ptr && i < TP_NUM_DEVICE_TYPES; i++) {
-    const tp_device_ops *ops = registry[i];
+    const tp_device_ops *ops = slot(i);
     int did = 0;
     if (ops && ops->owns && ops->available() && ops->owns(ptr, &did)) {
       d = (tp_device_t)i;

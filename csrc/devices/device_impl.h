@@ -1,5 +1,5 @@
-/* Private side of the device table: the registry's entries (one line per device in
- * device.c) and the checks layers and kernels share. */
+/* Private side of the device table: the registry (device.c: the CPU built in, others
+ * registered at run time) and the checks layers and kernels share. */
 #ifndef TPCORE_DEVICE_IMPL_H
 #define TPCORE_DEVICE_IMPL_H
 
@@ -7,6 +7,15 @@
 #include "tpcore/device.h"
 
 extern const tp_device_ops tp_cpu_device_ops;
+
+/* Registers the table of a device type other than the CPU (the CUDA plugin's, by
+ * core/plugin.c): once per type; the same table again is a no-op, another one an error.
+ * Required entries: everything up to owns (the stream entries may be NULL). */
+tp_status_t tp_device_register(const tp_device_ops *ops);
+
+/* The loaded CUDA plugin's file and build line ("" before a successful tp_cuda_load). */
+const char *tp_cuda_plugin_path(void);
+const char *tp_cuda_plugin_build(void);
 
 /* TP_SUCCESS when t lives on `device`, else an argument error naming op and arg. */
 tp_status_t tp_check_device(const char *op, const char *arg, const tp_tensor *t, tp_device_t device, int device_id);

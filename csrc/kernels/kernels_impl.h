@@ -232,6 +232,9 @@ TP_STATIC_ASSERT_(sizeof(tp_kernel_ops) ==
 extern "C" {
 #endif
 const tp_kernel_ops *tp_kernels_of(tp_device_t device);
+/* Registers a device's kernel table (the CUDA plugin's, by core/plugin.c): once per type;
+ * every entry must be set.  The CPU's is built in. */
+tp_status_t tp_kernels_register(tp_device_t device, const tp_kernel_ops *ops);
 
 extern const tp_kernel_ops tp_cpu_kernel_ops;
 #ifdef __cplusplus

@@ -190,5 +190,6 @@ PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *
 
 extern PyMethodDef kernel_methods[]; /* added to the module by module.c */
 extern PyMethodDef partition_methods[]; /* likewise (partition.c) */
+extern PyMethodDef cuda_methods[];      /* likewise (cuda.c: the CUDA plugin and library finder) */
 
 #endif /* TPCORE_PYTHON_EXT_H */

@@ -97,6 +97,7 @@ static int module_exec(PyObject *m) {
   if (!st->BlockType) return -1;
   if (PyModule_AddFunctions(m, kernel_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, partition_methods) < 0) return -1;
+  if (PyModule_AddFunctions(m, cuda_methods) < 0) return -1;
   if (PyModule_AddObjectRef(m, "CommError", st->CommError) < 0 ||
       PyModule_AddObjectRef(m, "CommTimeout", st->CommTimeout) < 0 ||
       PyModule_AddObjectRef(m, "Comm", (PyObject *)st->CommType) < 0 ||

@@ -45,6 +45,7 @@ _cleanup.forget_life_fd_in_children()
 
 __version__: str = _C.build_info()["version"]  # one source: TP_VERSION_* of tpcore.h, via setup.py
 __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "CheckpointError", "build_info",
+           "cuda_available",
            "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "partition", "optim",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
@@ -55,8 +56,21 @@ _BACKENDS = ("auto", "shm", "nccl")
 
 def build_info() -> dict:
     """What this build of the C core contains: version, backends, devices (those whose
-    tensors tpcore takes; "cpu" always), sanitizers, BLAS."""
-    return _C.build_info()
+    tensors tpcore takes; "cpu" always), sanitizers, BLAS, and "cuda": {"built", then
+    "why_not_built" or "plugin" / "runtime" / "arch", "status" (why a GPU is usable or not:
+    "no NVIDIA driver (...)", "driver too old: ...", "no device (...)"), and "cublas" / "nccl"
+    (where found, or why not) once they were searched for}.  Loads the CUDA plugin."""
+    from . import _cuda
+    cuda = _cuda.info()  # first: loading the plugin may add "cuda" to the devices
+    return {**_C.build_info(), "cuda": cuda}
+
+
+def cuda_available() -> bool:
+    """True when tensors can live on a CUDA GPU in this process: the build has the CUDA
+    plugin, it loads, the driver is new enough and a device is visible.  build_info()["cuda"]
+    ["status"] says why not.  Loads the plugin on the first call (import tpcore does not)."""
+    from . import _cuda
+    return _cuda.available()
 
 
 def set_num_threads(n: int) -> None:
