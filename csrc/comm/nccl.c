@@ -18,9 +18,6 @@
 #include "shm_seg.h"
 #include "tpcore/device.h"
 
-/* Defined by the CUDA loader when the build has it (devices/); absent otherwise. */
-extern tp_status_t tp_cuda_load(const char *path) __attribute__((weak));
-extern const char *tp_cuda_status(void) __attribute__((weak));
 
 /* ------------------------------------------------------------ the library */
 
@@ -108,9 +105,9 @@ fail:
 
 /* The CUDA side: the plugin loaded, a device there. */
 static tp_status_t need_cuda(void) {
-  if (tp_cuda_load) (void)tp_cuda_load(NULL);
+  (void)tp_cuda_load(NULL);
   if (tp_device_available(TP_DEVICE_CUDA)) return TP_SUCCESS;
-  const char *why = tp_cuda_status ? tp_cuda_status() : "this build has no CUDA plugin";
+  const char *why = tp_cuda_status();
   return tp_set_error(TP_ERR_UNSUPPORTED, "no CUDA device is usable in this process (%s)", why);
 }
 

@@ -13,9 +13,8 @@
 #define TP_CUDA_ARCH_STR "unknown archs"
 #endif
 
-/* The kernel table (csrc/kernels/cuda/table.c) is a weak reference: a plugin built before
- * the kernels exist gives kernels = NULL, and the host then registers the device only. */
-extern const struct tp_kernel_ops tp_cuda_kernel_ops __attribute__((weak, visibility("hidden")));
+/* The kernel table: csrc/kernels/cuda/table.c. */
+extern const struct tp_kernel_ops tp_cuda_kernel_ops __attribute__((visibility("hidden")));
 
 const tp_cuda_host_api *tp_cuda_host;
 
@@ -34,8 +33,7 @@ tp_status_t tp_cuda_plugin_init_v1(const tp_cuda_host_api *host, tp_cuda_plugin 
   if (!host->set_error_v || !host->error_prefix_v || !host->clear_error || !host->open_library || !host->now)
     return TP_ERR_INVALID_ARGUMENT;
   tp_cuda_host = host;
-  snprintf(build, sizeof build, "%s, %s, cudart static%s", tp_cuda_runtime_name(), TP_CUDA_ARCH_STR,
-           &tp_cuda_kernel_ops ? "" : ", no kernel table");
+  snprintf(build, sizeof build, "%s, %s, cudart static", tp_cuda_runtime_name(), TP_CUDA_ARCH_STR);
   out->build = build;
   out->device = &tp_cuda_device_ops;
   out->kernels = &tp_cuda_kernel_ops;

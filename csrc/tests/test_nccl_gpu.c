@@ -22,8 +22,6 @@
 #include "tpcore/device.h"
 
 /* Weak: this file also links where the core has no CUDA loader (it then says so). */
-extern tp_status_t tp_cuda_load(const char *path) __attribute__((weak));
-extern const char *tp_cuda_status(void) __attribute__((weak));
 
 static int passed, failed, rank_, world_, dev_;
 static const char *backend_;
@@ -224,8 +222,8 @@ static void test_mismatch(tp_comm_t c) {
 
 static int run_rank(int rank) {
   rank_ = rank;
-  if (!tp_cuda_load || tp_cuda_load(NULL) != TP_SUCCESS || !tp_device_available(TP_DEVICE_CUDA)) {
-    fprintf(stderr, "rank %d: no CUDA: %s\n", rank, tp_cuda_status ? tp_cuda_status() : "no CUDA loader in this core");
+  if (tp_cuda_load(NULL) != TP_SUCCESS || !tp_device_available(TP_DEVICE_CUDA)) {
+    fprintf(stderr, "rank %d: no CUDA: %s\n", rank, tp_cuda_status());
     return 3;
   }
   int ndev = tp_device_ops_of(TP_DEVICE_CUDA)->count();
