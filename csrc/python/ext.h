@@ -49,6 +49,7 @@ typedef struct {
   PyTypeObject *EmbeddingType;
   PyTypeObject *XentType;
   PyTypeObject *BlockType;
+  PyTypeObject *DeviceArrayType;
 } module_state;
 
 extern struct PyModuleDef tpcore_module;
@@ -190,5 +191,24 @@ PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *
 
 extern PyMethodDef kernel_methods[]; /* added to the module by module.c */
 extern PyMethodDef partition_methods[]; /* likewise (partition.c) */
+
+/* ------------------------------------------------- dlpack.c and devarray.c */
+
+/* Any DLPack producer (or a bare capsule) -> a checked tp_tensor view (CPU, CUDA-host
+ * or CUDA; known dtype; C-contiguous; byte_offset added) and *hold, whose release
+ * calls the producer's deleter once.  `writable`: refuse a read-only tensor. */
+int dlpack_import(PyObject *obj, const char *op, const char *arg, int writable, tp_tensor *t, PyObject **hold,
+                  int *readonly);
+/* One line on why CUDA is (not) usable. */
+const char *dlpack_cuda_status(void);
+/* device strings: None/'cpu' -> CPU; 'cuda' (the rank's GPU), 'cuda:N'; checked. */
+int parse_device(PyObject *o, const char *op, tp_device_t *type, int *id);
+/* A DeviceArray viewing t, its memory kept alive by base. */
+PyObject *devarray_wrap(module_state *st, const tp_tensor *t, PyObject *base, int readonly);
+/* The tensor of a DeviceArray, or NULL with a TypeError. */
+const tp_tensor *devarray_tensor(module_state *st, PyObject *o);
+
+extern PyType_Spec devarray_spec;         /* devarray.c */
+extern PyMethodDef devarray_methods[];    /* from_dlpack, asarray, parse_device */
 
 #endif /* TPCORE_PYTHON_EXT_H */
