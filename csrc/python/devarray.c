@@ -624,6 +624,11 @@ static PyObject *m_from_dlpack(PyObject *m, PyObject *args, PyObject *kw) {
   tp_tensor t;
   PyObject *hold;
   int ro = 0;
+  if (PyArray_Check(x)) { /* NumPy directly: it cannot export bfloat16 (ml_dtypes) through DLPack */
+    buf_t b;
+    if (get_tensor(x, op, name, writable, &t) < 0 || get_buf(x, op, name, writable, &b) < 0) return NULL;
+    return devarray_view(st->DeviceArrayType, &t, x, !PyArray_ISWRITEABLE((PyArrayObject *)x));
+  }
   if (dlpack_import(x, op, name, writable, &t, &hold, &ro) < 0) return NULL;
   PyObject *r = devarray_view(st->DeviceArrayType, &t, hold, ro);
   Py_DECREF(hold);

@@ -59,8 +59,13 @@ static void hold_destructor(PyObject *cap) {
     PyErr_Clear();
     return;
   }
+  /* the deleter may run Python code (a ctypes or cffi producer): keep a pending
+   * exception (a refusal being raised) out of its way */
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
   call_deleter(h->managed, h->versioned);
   PyMem_RawFree(h);
+  PyErr_Restore(et, ev, tb);
 }
 
 /* A capsule that owns `managed`: releasing it calls the deleter once. */

@@ -121,3 +121,111 @@ def asarray(x, name: str, op: str, dtype=None) -> np.ndarray:
         else:
             x = _from_dlpack(x, name, op)
     return np.asarray(x) if dtype is None else np.asarray(x, dtype=dtype)
+
+
+# ---------------------------------------------------------------- device arrays
+# tpcore.DeviceArray (csrc/python/devarray.c) holds memory of one device and is
+# tpcore's DLPack producer; _C.from_dlpack is its C consumer (csrc/python/dlpack.c).
+
+DeviceArray = _C.DeviceArray
+
+
+def cuda_available() -> bool:
+    """tpcore.cuda_available() when the CUDA loader is there, else False."""
+    import tpcore
+    return bool(getattr(tpcore, "cuda_available", lambda: False)())
+
+
+def resolve_device(device, who: str) -> Tuple[str, int]:
+    """('cpu', 0) for None or 'cpu'; ('cuda', N) for 'cuda:N', and for 'cuda' the rank's
+    GPU (device 0 when CUDA_VISIBLE_DEVICES names one GPU, as tpcore.launch --gpus
+    sets it, else LOCAL_RANK).  A device this process lacks is an error naming `who`."""
+    if device is None:
+        return "cpu", 0
+    if not isinstance(device, str):
+        raise TypeError(f"{who}: device must be a string such as 'cpu', 'cuda' or 'cuda:1', got "
+                        f"{type(device).__name__}")
+    try:
+        kind, idx = _C.parse_device(device)
+    except (ValueError, RuntimeError, TypeError) as e:
+        msg = str(e).replace("parse_device: ", "", 1)
+        raise type(e)(f"{who}: {msg}") from None
+    return str(kind), int(idx)
+
+
+def device_string(dev: Tuple[str, int]) -> str:
+    return f"{dev[0]}:{dev[1]}"
+
+
+def asarray_device(x, device=None, dtype=None, copy=None) -> "DeviceArray":
+    """tpcore.asarray: x (a DeviceArray, any DLPack tensor, a NumPy array, a list) as a
+    tpcore.DeviceArray on `device` (None: where x is; host data: the CPU).
+
+    copy=None: reuse x's memory when it is already on that device with that dtype, else
+    copy; copy=True: always a new array; copy=False: never copy (a ValueError when a copy
+    is needed).  Host data goes to a GPU by a copy."""
+    if copy not in (None, True, False):
+        raise TypeError(f"asarray: copy must be None, True or False, got {copy!r}")
+    if not hasattr(x, "__dlpack__") or dtype is not None:
+        src = x
+        if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+            if isinstance(x, DeviceArray) and x.device.startswith("cuda"):
+                if copy is False:
+                    raise ValueError("asarray: changing the dtype of a CUDA array needs a copy, and copy=False "
+                                     "was asked")
+                src = x.to_numpy()
+            else:
+                src = _from_host_dlpack(x, "x", "asarray")
+        arr = np.asarray(src, dtype=_np_dtype(dtype) if dtype is not None else None)
+        if arr is not src and copy is False and not (isinstance(src, np.ndarray) and np.shares_memory(arr, src)):
+            raise ValueError("asarray: x is not an array of that dtype in memory; converting it needs a copy, and "
+                             "copy=False was asked")
+        if not arr.flags.c_contiguous:
+            if copy is False:
+                raise ValueError("asarray: x is not C-contiguous; making it so needs a copy, and copy=False was "
+                                 "asked")
+            arr = np.ascontiguousarray(arr)
+        x = arr
+    return _C.asarray(x, device=device, copy=copy)
+
+
+def _from_host_dlpack(x, name, op):
+    try:
+        return _C.from_dlpack(x, op=op, name=name).to_numpy()
+    except TypeError:
+        return _from_dlpack(x, name, op)
+
+
+def _np_dtype(dtype):
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def from_dlpack(x, writable: bool = False) -> "DeviceArray":
+    """A tpcore.DeviceArray viewing x's memory (any DLPack producer; no copy)."""
+    return _C.from_dlpack(x, writable=writable)
+
+
+def device_of(x) -> Optional[Tuple[str, int]]:
+    """('cuda', N) / ('cpu', 0) of a DLPack producer, None for plain host data."""
+    if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack_device__"):
+        return None
+    dev = dlpack_device(x, "x", "device_of")
+    if dev is None:
+        return None
+    if dev[0] in HOST_DEVICES:
+        return "cpu", 0
+    return DLPACK_DEVICES.get(dev[0], f"dlpack-device-{dev[0]}"), dev[1]
+
+
+def check_on_device(x, name: str, who: str, device: Tuple[str, int]) -> None:
+    """A TypeError naming the layer, the argument and both devices unless x lives on
+    `device` (host data counts as the CPU)."""
+    have = device_of(x) or ("cpu", 0)
+    if have[0] == "cpu" and device[0] == "cpu":
+        return
+    if have != device:
+        raise TypeError(f"{who}: {name} is on {device_string(have)} but the layer is on {device_string(device)}; "
+                        f"move it first (tpcore.asarray({name}, device='{device_string(device)}'))")
