@@ -166,27 +166,22 @@ def asarray_device(x, device=None, dtype=None, copy=None) -> "DeviceArray":
     is needed).  Host data goes to a GPU by a copy."""
     if copy not in (None, True, False):
         raise TypeError(f"asarray: copy must be None, True or False, got {copy!r}")
-    if not hasattr(x, "__dlpack__") or dtype is not None:
-        src = x
-        if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
-            if isinstance(x, DeviceArray) and x.device.startswith("cuda"):
-                if copy is False:
-                    raise ValueError("asarray: changing the dtype of a CUDA array needs a copy, and copy=False "
-                                     "was asked")
-                src = x.to_numpy()
-            else:
-                src = _from_host_dlpack(x, "x", "asarray")
-        arr = np.asarray(src, dtype=_np_dtype(dtype) if dtype is not None else None)
-        if arr is not src and copy is False and not (isinstance(src, np.ndarray) and np.shares_memory(arr, src)):
-            raise ValueError("asarray: x is not an array of that dtype in memory; converting it needs a copy, and "
-                             "copy=False was asked")
-        if not arr.flags.c_contiguous:
-            if copy is False:
-                raise ValueError("asarray: x is not C-contiguous; making it so needs a copy, and copy=False was "
-                                 "asked")
-            arr = np.ascontiguousarray(arr)
-        x = arr
-    return _C.asarray(x, device=device, copy=copy)
+    if isinstance(x, DeviceArray) or (hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray)):
+        if dtype is None:
+            return _C.asarray(x, device=device, copy=copy)
+        # a dtype change: through the host (a copy)
+        if copy is False:
+            raise ValueError("asarray: changing the dtype needs a copy, and copy=False was asked")
+        x = x.to_numpy() if isinstance(x, DeviceArray) else _from_host_dlpack(x, "x", "asarray")
+    src = x
+    arr = np.asarray(src, dtype=_np_dtype(dtype) if dtype is not None else None)
+    copied = not (isinstance(src, np.ndarray) and np.shares_memory(arr, src))
+    if not arr.flags.c_contiguous:
+        arr, copied = np.ascontiguousarray(arr), True
+    if copied and copy is False:
+        raise ValueError("asarray: x is not a C-contiguous array of that dtype in memory; converting it needs a "
+                         "copy, and copy=False was asked")
+    return _C.asarray(arr, device=device, copy=None if copied and copy else copy)
 
 
 def _from_host_dlpack(x, name, op):
