@@ -695,7 +695,29 @@ const tp_tensor *devarray_tensor(module_state *st, PyObject *o) {
   return &((DevArray *)o)->t;
 }
 
+/* device_count('cuda'): devices of that type this process can use (0 without CUDA). */
+static PyObject *m_device_count(PyObject *m, PyObject *o) {
+  const char *s = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
+  if (!s) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_TypeError, "device_count: give a device type name ('cpu' or 'cuda')");
+    return NULL;
+  }
+  for (int i = 0; i < TP_NUM_DEVICE_TYPES; i++)
+    if (strcmp(s, tp_device_name((tp_device_t)i)) == 0) {
+      const tp_device_ops *ops = tp_device_available((tp_device_t)i) ? tp_device_ops_of((tp_device_t)i) : NULL;
+      return PyLong_FromLong(ops && ops->count ? ops->count() : 0);
+    }
+  PyErr_Format(PyExc_ValueError, "device_count: device type '%s' is not known; expected 'cpu' or 'cuda'", s);
+  return NULL;
+}
+
+/* cuda_status(): one line on why CUDA is or is not usable here. */
+static PyObject *m_cuda_status(PyObject *m, PyObject *unused) { return PyUnicode_FromString(dlpack_cuda_status()); }
+
 PyMethodDef devarray_methods[] = {
+    {"device_count", m_device_count, METH_O, "device_count('cuda'): devices of that type usable here"},
+    {"cuda_status", m_cuda_status, METH_NOARGS, "why CUDA is or is not usable in this process"},
     {"from_dlpack", (PyCFunction)(void (*)(void))m_from_dlpack, METH_VARARGS | METH_KEYWORDS,
      "from_dlpack(x, writable=False): a tpcore.DeviceArray viewing x's memory through DLPack (no copy)"},
     {"asarray", (PyCFunction)(void (*)(void))m_asarray, METH_VARARGS | METH_KEYWORDS,
