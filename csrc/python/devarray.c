@@ -36,81 +36,11 @@ typedef struct {
   int readonly;
 } DevArray;
 
-/* ------------------------------------------------------------ devices */
-
-/* "cpu", "cpu:0", "cuda", "cuda:N".  Plain "cuda" is the rank's GPU: device 0 when
- * CUDA_VISIBLE_DEVICES names a single device (tpcore.launch --gpus binds one per rank),
- * else LOCAL_RANK (torchrun's convention), else 0.  Checks that the device exists. */
-int parse_device(PyObject *o, const char *op, tp_device_t *type, int *id) {
-  if (o == Py_None) {
-    *type = TP_DEVICE_CPU;
-    *id = 0;
-    return 0;
-  }
-  const char *s = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
-  if (!s) {
-    PyErr_Clear();
-    PyErr_Format(PyExc_TypeError, "%s: device must be a string such as 'cpu', 'cuda' or 'cuda:1', got %s", op,
-                 Py_TYPE(o)->tp_name);
-    return -1;
-  }
-  const char *colon = strchr(s, ':');
-  size_t n = colon ? (size_t)(colon - s) : strlen(s);
-  long idx = -1;
-  if (colon) {
-    char *end = NULL;
-    idx = strtol(colon + 1, &end, 10);
-    if (!colon[1] || *end || idx < 0 || idx > 4096) {
-      PyErr_Format(PyExc_ValueError, "%s: device '%s': the index after ':' must be an integer in 0..4096", op, s);
-      return -1;
-    }
-  }
-  if (n == 3 && strncmp(s, "cpu", 3) == 0) {
-    if (idx > 0) {
-      PyErr_Format(PyExc_ValueError, "%s: device '%s': the CPU is device 0 only", op, s);
-      return -1;
-    }
-    *type = TP_DEVICE_CPU;
-    *id = 0;
-    return 0;
-  }
-  if (!(n == 4 && strncmp(s, "cuda", 4) == 0)) {
-    PyErr_Format(PyExc_ValueError, "%s: device '%s' is not known; expected 'cpu', 'cuda' or 'cuda:N'", op, s);
-    return -1;
-  }
-  if (idx < 0) {
-    const char *vis = getenv("CUDA_VISIBLE_DEVICES"), *lr = getenv("LOCAL_RANK");
-    if (vis && *vis && !strchr(vis, ',')) idx = 0;
-    else if (lr && *lr) {
-      char *end = NULL;
-      idx = strtol(lr, &end, 10);
-      if (*end || idx < 0 || idx > 4096) {
-        PyErr_Format(PyExc_ValueError, "%s: device 'cuda' takes its index from LOCAL_RANK, which is '%s' (not an "
-                     "integer in 0..4096)", op, lr);
-        return -1;
-      }
-    } else idx = 0;
-  }
-  if (!tp_device_available(TP_DEVICE_CUDA)) {
-    PyErr_Format(PyExc_RuntimeError, "%s: device 'cuda:%ld' was asked for but CUDA is not available in this "
-                 "process: %s", op, idx, dlpack_cuda_status());
-    return -1;
-  }
-  const tp_device_ops *ops = tp_device_ops_of(TP_DEVICE_CUDA);
-  int count = ops && ops->count ? ops->count() : 0;
-  if (idx >= count) {
-    PyErr_Format(PyExc_ValueError, "%s: device 'cuda:%ld' does not exist: this process sees %d CUDA device%s", op,
-                 idx, count, count == 1 ? "" : "s");
-    return -1;
-  }
-  *type = TP_DEVICE_CUDA;
-  *id = (int)idx;
-  return 0;
-}
-
 static PyObject *device_str(tp_device_t t, int id) {
   return PyUnicode_FromFormat("%s:%d", tp_device_name(t), id);
 }
+
+static PyObject *m_from_dlpack(PyObject *m, PyObject *args, PyObject *kw);
 
 /* ------------------------------------------------------------ construction */
 
@@ -526,6 +456,63 @@ static PyObject *da_to(PyObject *self, PyObject *dev_o) {
   return devarray_copy_to(a, dev, id);
 }
 
+/* reshape(shape): a view with another shape of the same size (the array is contiguous). */
+static PyObject *da_reshape(PyObject *self, PyObject *shape_o) {
+  DevArray *a = (DevArray *)self;
+  int ndim;
+  int64_t shape[TP_MAX_DIMS];
+  if (parse_shape(shape_o, &ndim, shape) < 0) return NULL;
+  tp_tensor t = tp_tensor_nd(a->t.data, a->t.dtype, ndim, shape);
+  t.device = a->t.device;
+  t.device_id = a->t.device_id;
+  if (tp_tensor_numel(&t) != tp_tensor_numel(&a->t)) {
+    PyErr_Format(PyExc_ValueError, "DeviceArray.reshape: %lld elements cannot take a shape of %lld",
+                 (long long)tp_tensor_numel(&a->t), (long long)tp_tensor_numel(&t));
+    return NULL;
+  }
+  return devarray_view(Py_TYPE(self), &t, self, a->readonly);
+}
+
+/* copy_from(src): src's bytes into this array (same dtype and size; any device). */
+static PyObject *da_copy_from(PyObject *self, PyObject *src_o) {
+  DevArray *a = (DevArray *)self;
+  module_state *st = state_of_type(Py_TYPE(self));
+  if (a->readonly) {
+    PyErr_SetString(PyExc_ValueError, "DeviceArray.copy_from: the array is read-only");
+    return NULL;
+  }
+  PyObject *args = PyTuple_Pack(1, src_o), *kw = Py_BuildValue("{s:s,s:s}", "op", "DeviceArray.copy_from", "name",
+                                                               "src");
+  PyObject *mod = PyType_GetModule(Py_TYPE(self)); /* borrowed */
+  PyObject *src = args && kw && mod ? m_from_dlpack(mod, args, kw) : NULL;
+  Py_XDECREF(args);
+  Py_XDECREF(kw);
+  if (!src) return NULL;
+  (void)st;
+  DevArray *b = (DevArray *)src;
+  if (b->t.dtype != a->t.dtype || tp_tensor_numel(&b->t) != tp_tensor_numel(&a->t)) {
+    PyErr_Format(PyExc_ValueError, "DeviceArray.copy_from: src has dtype %s and %lld elements; this array has dtype "
+                 "%s and %lld", tp_dtype_name(b->t.dtype), (long long)tp_tensor_numel(&b->t),
+                 tp_dtype_name(a->t.dtype), (long long)tp_tensor_numel(&a->t));
+    Py_DECREF(src);
+    return NULL;
+  }
+  tp_status_t s = TP_SUCCESS;
+  if (a->nbytes) {
+    Py_BEGIN_ALLOW_THREADS
+    s = tp_device_copy(a->t.device, a->t.data, b->t.device, b->t.data, a->nbytes, NULL);
+    if (s == TP_SUCCESS && a->t.device != TP_DEVICE_CPU) s = tp_device_sync(a->t.device, a->t.device_id, NULL);
+    if (s == TP_SUCCESS && b->t.device != TP_DEVICE_CPU) s = tp_device_sync(b->t.device, b->t.device_id, NULL);
+    Py_END_ALLOW_THREADS
+  }
+  Py_DECREF(src);
+  if (s != TP_SUCCESS) {
+    PyErr_Format(PyExc_RuntimeError, "DeviceArray.copy_from: the copy failed: %s", tp_last_error());
+    return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
 static PyObject *da_repr(PyObject *self) {
   DevArray *a = (DevArray *)self;
   char sh[200] = "";
@@ -586,6 +573,8 @@ static PyMethodDef da_methods[] = {
     {"to_numpy", da_to_numpy, METH_NOARGS, "a NumPy array: a view on the CPU, a host copy from a GPU"},
     {"numpy", da_to_numpy, METH_NOARGS, "same as to_numpy()"},
     {"copy", da_copy, METH_NOARGS, "a copy on the same device"},
+    {"reshape", da_reshape, METH_O, "reshape(shape): a view with another shape of the same size"},
+    {"copy_from", da_copy_from, METH_O, "copy_from(src): src's values (same dtype and size, any device) into it"},
     {"to", da_to, METH_O, "to(device): this array on device (itself when already there, else a copy)"},
     {NULL, NULL, 0, NULL},
 };
@@ -686,6 +675,36 @@ PyObject *devarray_wrap(module_state *st, const tp_tensor *t, PyObject *base, in
   return devarray_view(st->DeviceArrayType, t, base, readonly);
 }
 
+/* A new zero-free array on (dev, id) for a layer's output. */
+PyObject *devarray_empty(module_state *st, tp_device_t dev, int id, tp_dtype_t dt, int ndim, const int64_t *shape) {
+  return devarray_alloc(st->DeviceArrayType, dev, id, dt, ndim, shape);
+}
+
+/* x (a DeviceArray or any DLPack tensor) as a tensor on the layer's device (dev, id);
+ * *keep holds its memory.  A tensor elsewhere is a TypeError naming who, the argument
+ * and both devices. */
+int device_input(module_state *st, PyObject *x, const char *who, const char *arg, int writable, tp_device_t dev,
+                 int id, tp_tensor *t, PyObject **keep) {
+  PyObject *args = PyTuple_Pack(1, x);
+  PyObject *kw = Py_BuildValue("{s:i,s:s,s:s}", "writable", writable, "op", who, "name", arg);
+  PyObject *mod = PyType_GetModule(st->DeviceArrayType); /* borrowed */
+  PyObject *a = args && kw && mod ? m_from_dlpack(mod, args, kw) : NULL;
+  Py_XDECREF(args);
+  Py_XDECREF(kw);
+  if (!a) return -1;
+  DevArray *d = (DevArray *)a;
+  if (d->t.device != dev || d->t.device_id != id) {
+    PyErr_Format(PyExc_TypeError, "%s: %s is on %s:%d but the layer is on %s:%d; move it first (tpcore.asarray(%s, "
+                 "device='%s:%d'))", who, arg, tp_device_name(d->t.device), d->t.device_id, tp_device_name(dev), id,
+                 arg, tp_device_name(dev), id);
+    Py_DECREF(a);
+    return -1;
+  }
+  *t = d->t;
+  *keep = a;
+  return 0;
+}
+
 /* The tensor of a DeviceArray (NULL with TypeError if o is not one). */
 const tp_tensor *devarray_tensor(module_state *st, PyObject *o) {
   if (!Py_IS_TYPE(o, st->DeviceArrayType)) {
@@ -695,25 +714,9 @@ const tp_tensor *devarray_tensor(module_state *st, PyObject *o) {
   return &((DevArray *)o)->t;
 }
 
-/* device_count('cuda'): devices of that type this process can use (0 without CUDA). */
-static PyObject *m_device_count(PyObject *m, PyObject *o) {
-  const char *s = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
-  if (!s) {
-    PyErr_Clear();
-    PyErr_SetString(PyExc_TypeError, "device_count: give a device type name ('cpu' or 'cuda')");
-    return NULL;
-  }
-  for (int i = 0; i < TP_NUM_DEVICE_TYPES; i++)
-    if (strcmp(s, tp_device_name((tp_device_t)i)) == 0) {
-      const tp_device_ops *ops = tp_device_available((tp_device_t)i) ? tp_device_ops_of((tp_device_t)i) : NULL;
-      return PyLong_FromLong(ops && ops->count ? ops->count() : 0);
-    }
-  PyErr_Format(PyExc_ValueError, "device_count: device type '%s' is not known; expected 'cpu' or 'cuda'", s);
-  return NULL;
-}
-
-/* cuda_status(): one line on why CUDA is or is not usable here. */
-static PyObject *m_cuda_status(PyObject *m, PyObject *unused) { return PyUnicode_FromString(dlpack_cuda_status()); }
+/* dlpack.c */
+PyObject *m_device_count(PyObject *m, PyObject *o);
+PyObject *m_cuda_status(PyObject *m, PyObject *unused);
 
 PyMethodDef devarray_methods[] = {
     {"device_count", m_device_count, METH_O, "device_count('cuda'): devices of that type usable here"},

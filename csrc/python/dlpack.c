@@ -18,6 +18,9 @@
  *     alignment, byte_offset added, read-only flag refused for outputs.
  * Every refusal names the op and the argument; a tensor taken and refused has its
  * deleter called before the error is raised.
+ *
+ * Also here: parse_device (device strings: 'cpu', 'cuda', 'cuda:N'), and the module
+ * functions device_count and cuda_status (listed in devarray.c's method table).
  */
 #include "ext.h"
 #include "dlpack_abi.h"
@@ -32,6 +35,98 @@ const char *dlpack_cuda_status(void) {
   if (tp_device_available(TP_DEVICE_CUDA)) return "available";
   return tp_cuda_status ? tp_cuda_status() : "this build has no CUDA support";
 }
+
+/* ------------------------------------------------------------ devices */
+
+/* "cpu", "cpu:0", "cuda", "cuda:N".  Plain "cuda" is the rank's GPU: device 0 when
+ * CUDA_VISIBLE_DEVICES names a single device (tpcore.launch --gpus binds one per rank),
+ * else LOCAL_RANK (torchrun's convention), else 0.  Checks that the device exists. */
+int parse_device(PyObject *o, const char *op, tp_device_t *type, int *id) {
+  if (o == Py_None) {
+    *type = TP_DEVICE_CPU;
+    *id = 0;
+    return 0;
+  }
+  const char *s = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
+  if (!s) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "%s: device must be a string such as 'cpu', 'cuda' or 'cuda:1', got %s", op,
+                 Py_TYPE(o)->tp_name);
+    return -1;
+  }
+  const char *colon = strchr(s, ':');
+  size_t n = colon ? (size_t)(colon - s) : strlen(s);
+  long idx = -1;
+  if (colon) {
+    char *end = NULL;
+    idx = strtol(colon + 1, &end, 10);
+    if (!colon[1] || *end || idx < 0 || idx > 4096) {
+      PyErr_Format(PyExc_ValueError, "%s: device '%s': the index after ':' must be an integer in 0..4096", op, s);
+      return -1;
+    }
+  }
+  if (n == 3 && strncmp(s, "cpu", 3) == 0) {
+    if (idx > 0) {
+      PyErr_Format(PyExc_ValueError, "%s: device '%s': the CPU is device 0 only", op, s);
+      return -1;
+    }
+    *type = TP_DEVICE_CPU;
+    *id = 0;
+    return 0;
+  }
+  if (!(n == 4 && strncmp(s, "cuda", 4) == 0)) {
+    PyErr_Format(PyExc_ValueError, "%s: device '%s' is not known; expected 'cpu', 'cuda' or 'cuda:N'", op, s);
+    return -1;
+  }
+  if (idx < 0) {
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES"), *lr = getenv("LOCAL_RANK");
+    if (vis && *vis && !strchr(vis, ',')) idx = 0;
+    else if (lr && *lr) {
+      char *end = NULL;
+      idx = strtol(lr, &end, 10);
+      if (*end || idx < 0 || idx > 4096) {
+        PyErr_Format(PyExc_ValueError, "%s: device 'cuda' takes its index from LOCAL_RANK, which is '%s' (not an "
+                     "integer in 0..4096)", op, lr);
+        return -1;
+      }
+    } else idx = 0;
+  }
+  if (!tp_device_available(TP_DEVICE_CUDA)) {
+    PyErr_Format(PyExc_RuntimeError, "%s: device 'cuda:%ld' was asked for but CUDA is not available in this "
+                 "process: %s", op, idx, dlpack_cuda_status());
+    return -1;
+  }
+  const tp_device_ops *ops = tp_device_ops_of(TP_DEVICE_CUDA);
+  int count = ops && ops->count ? ops->count() : 0;
+  if (idx >= count) {
+    PyErr_Format(PyExc_ValueError, "%s: device 'cuda:%ld' does not exist: this process sees %d CUDA device%s", op,
+                 idx, count, count == 1 ? "" : "s");
+    return -1;
+  }
+  *type = TP_DEVICE_CUDA;
+  *id = (int)idx;
+  return 0;
+}
+
+/* device_count('cuda'): devices of that type this process can use (0 without CUDA). */
+PyObject *m_device_count(PyObject *m, PyObject *o) {
+  const char *s = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
+  if (!s) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_TypeError, "device_count: give a device type name ('cpu' or 'cuda')");
+    return NULL;
+  }
+  for (int i = 0; i < TP_NUM_DEVICE_TYPES; i++)
+    if (strcmp(s, tp_device_name((tp_device_t)i)) == 0) {
+      const tp_device_ops *ops = tp_device_available((tp_device_t)i) ? tp_device_ops_of((tp_device_t)i) : NULL;
+      return PyLong_FromLong(ops && ops->count ? ops->count() : 0);
+    }
+  PyErr_Format(PyExc_ValueError, "device_count: device type '%s' is not known; expected 'cpu' or 'cuda'", s);
+  return NULL;
+}
+
+/* cuda_status(): one line on why CUDA is or is not usable here. */
+PyObject *m_cuda_status(PyObject *m, PyObject *unused) { return PyUnicode_FromString(dlpack_cuda_status()); }
 
 /* ---------------------------------------------------------------- the hold */
 

@@ -208,6 +208,13 @@ PyObject *devarray_wrap(module_state *st, const tp_tensor *t, PyObject *base, in
 /* The tensor of a DeviceArray, or NULL with a TypeError. */
 const tp_tensor *devarray_tensor(module_state *st, PyObject *o);
 
+/* A new array (contents undefined) on (dev, id): a layer's output. */
+PyObject *devarray_empty(module_state *st, tp_device_t dev, int id, tp_dtype_t dt, int ndim, const int64_t *shape);
+/* x (a DeviceArray or any DLPack tensor) as a tensor on (dev, id); *keep holds it.
+ * Another device is a TypeError naming who, arg and both devices. */
+int device_input(module_state *st, PyObject *x, const char *who, const char *arg, int writable, tp_device_t dev,
+                 int id, tp_tensor *t, PyObject **keep);
+
 extern PyType_Spec devarray_spec;         /* devarray.c */
 extern PyMethodDef devarray_methods[];    /* from_dlpack, asarray, parse_device */
 
