@@ -513,6 +513,38 @@ static PyObject *da_copy_from(PyObject *self, PyObject *src_o) {
   Py_RETURN_NONE;
 }
 
+/* a[...] = value (also a[:]): value (anything NumPy takes, broadcast to the shape and
+ * converted to the dtype on the host) copied into the array, on any device. */
+static int da_setitem(PyObject *self, PyObject *key, PyObject *value) {
+  DevArray *a = (DevArray *)self;
+  int whole = key == Py_Ellipsis;
+  if (!whole && PySlice_Check(key)) {
+    PySliceObject *sl = (PySliceObject *)key;
+    whole = sl->start == Py_None && sl->stop == Py_None && sl->step == Py_None;
+  }
+  if (!value || !whole) {
+    PyErr_SetString(PyExc_TypeError, "DeviceArray: only a[...] = value (the whole array) can be assigned; index on "
+                    "the host (to_numpy()) or in the producing library");
+    return -1;
+  }
+  PyArray_Descr *d = numpy_descr(a->t.dtype);
+  if (!d) return -1;
+  npy_intp dims[TP_MAX_DIMS];
+  for (int i = 0; i < a->t.ndim; i++) dims[i] = (npy_intp)a->t.shape[i];
+  PyObject *tmp = PyArray_Empty(a->t.ndim, dims, d, 0); /* steals d */
+  if (!tmp) return -1;
+  PyObject *src = PyArray_FROM_O(value);
+  int r = src ? PyArray_CopyInto((PyArrayObject *)tmp, (PyArrayObject *)src) : -1;
+  Py_XDECREF(src);
+  if (r == 0) {
+    PyObject *res = da_copy_from(self, tmp);
+    r = res ? 0 : -1;
+    Py_XDECREF(res);
+  }
+  Py_DECREF(tmp);
+  return r;
+}
+
 static PyObject *da_repr(PyObject *self) {
   DevArray *a = (DevArray *)self;
   char sh[200] = "";
@@ -583,6 +615,7 @@ static PyType_Slot da_slots[] = {
     {Py_tp_new, da_new},
     {Py_tp_dealloc, da_dealloc},
     {Py_tp_repr, da_repr},
+    {Py_mp_ass_subscript, da_setitem},
     {Py_tp_methods, da_methods},
     {Py_tp_getset, da_getset},
     {Py_tp_doc, "DeviceArray(shape, dtype='float32', device='cpu'): a zero-filled C-contiguous array in the memory "

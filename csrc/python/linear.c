@@ -12,18 +12,20 @@ typedef struct {
   CommObject *comm; /* kept alive; calls go through its in-flight accounting */
   tp_linear_info_t info;
   PyObject *owner;  /* an MLP that owns L (then L is not destroyed here) */
+  tp_device_t device; /* where its parameters and tensors live */
+  int device_id;
 } LinearObject;
 
 static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "kind", "in_features", "out_features", "bias", "gather_output",
-                           "input_is_parallel", "partition", "seed", "gated", NULL};
-  PyObject *commo, *part = Py_None, *in_o, *out_o, *seed_o = NULL;
+                           "input_is_parallel", "partition", "seed", "gated", "device", NULL};
+  PyObject *commo, *part = Py_None, *in_o, *out_o, *seed_o = NULL, *dev_o = Py_None;
   const char *kind;
   long long in_f, out_f;
   int bias = 1, gather = 0, inpar = 1, gated = 0;
   uint64_t seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsOO|pppOOp:ParallelLinear", kwlist, &commo, &kind, &in_o, &out_o,
-                                   &bias, &gather, &inpar, &part, &seed_o, &gated))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsOO|pppOOpO:ParallelLinear", kwlist, &commo, &kind, &in_o, &out_o,
+                                   &bias, &gather, &inpar, &part, &seed_o, &gated, &dev_o))
     return NULL;
   if (int_arg(in_o, "ParallelLinear", "in_features", 1, DIM_MAX, &in_f) < 0 ||
       int_arg(out_o, "ParallelLinear", "out_features", 1, DIM_MAX, &out_f) < 0 ||
@@ -46,6 +48,7 @@ static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.input_is_parallel = inpar;
   cfg.seed = seed;
   cfg.gated = gated;
+  if (parse_device(dev_o, "ParallelLinear", &cfg.device, &cfg.device_id) < 0) return NULL;
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *sizes;
@@ -61,6 +64,8 @@ static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   PyMem_Free(sizes);
   if (!layer_made((PyObject *)self, &self->comm, co, s, st, "ParallelLinear")) return NULL;
   tp_parallel_linear_info(self->L, &self->info);
+  self->device = cfg.device;
+  self->device_id = cfg.device_id;
   return (PyObject *)self;
 }
 
@@ -71,8 +76,68 @@ static void lin_dealloc(PyObject *o) {
   layer_free(o, self->comm);
 }
 
+/* A layer on a GPU: x (and out) are tensors on its device (a DeviceArray or any DLPack
+ * tensor); the output is a new DeviceArray there unless out is given.  tpcore's work
+ * runs on the device's legacy default stream (DLPack stream 1). */
+static PyObject *lin_run_device(LinearObject *self, PyObject *x, PyObject *out, int backward) {
+  module_state *st = state_of_type(Py_TYPE(self));
+  const char *op = backward ? "ParallelLinear.backward" : "ParallelLinear.forward", *arg = backward ? "dy" : "x";
+  int64_t in_cols = backward ? self->info.y_cols : self->info.x_cols;
+  int64_t out_cols = backward ? self->info.x_cols : self->info.y_cols;
+  tp_tensor tx, ty;
+  PyObject *kx = NULL, *ky = NULL;
+  if (device_input(st, x, op, arg, 0, self->device, self->device_id, &tx, &kx) < 0) return NULL;
+  if (tx.ndim != 2 || tx.shape[1] != in_cols) {
+    PyErr_Format(PyExc_ValueError, "%s: %s must have shape (rows, %lld), got %d dimensions with last %lld", op, arg,
+                 (long long)in_cols, tx.ndim, tx.ndim ? (long long)tx.shape[tx.ndim - 1] : 0LL);
+    Py_DECREF(kx);
+    return NULL;
+  }
+  int64_t M = tx.shape[0], shape[2] = {M, out_cols};
+  if (out != Py_None) {
+    if (device_input(st, out, op, "out", 1, self->device, self->device_id, &ty, &ky) < 0) {
+      Py_DECREF(kx);
+      return NULL;
+    }
+    if (ty.ndim != 2 || ty.shape[0] != M || ty.shape[1] != out_cols || ty.dtype != tx.dtype) {
+      PyErr_Format(PyExc_ValueError, "%s: out must be a %s array of shape (%lld, %lld)", op, tp_dtype_name(tx.dtype),
+                   (long long)M, (long long)out_cols);
+      Py_DECREF(kx);
+      Py_DECREF(ky);
+      return NULL;
+    }
+  } else {
+    ky = devarray_empty(st, self->device, self->device_id, tx.dtype, 2, shape);
+    if (!ky) {
+      Py_DECREF(kx);
+      return NULL;
+    }
+    ty = *devarray_tensor(st, ky);
+  }
+  tp_status_t s;
+  CommObject *co = self->comm;
+  if (backward)
+    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_backward(self->L, &ty, &tx, NULL)));
+  else
+    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_forward(self->L, &ty, &tx, NULL)));
+  Py_DECREF(kx);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(ky);
+    return layer_error(co, s, op, backward);
+  }
+  if (out != Py_None) {
+    Py_DECREF(ky);
+    return Py_NewRef(out);
+  }
+  return ky;
+}
+
 static PyObject *lin_run(PyObject *o, PyObject *x, PyObject *out, int backward) {
   LinearObject *self = (LinearObject *)o;
+  if (self->device != TP_DEVICE_CPU) {
+    if (!live(self->comm, backward ? "backward" : "forward")) return NULL;
+    return lin_run_device(self, x, out, backward);
+  }
   const char *op = backward ? "backward" : "forward";
   if (!live(self->comm, op)) return NULL;
   int64_t in_cols = backward ? self->info.y_cols : self->info.x_cols;
@@ -105,14 +170,33 @@ static PyObject *lin_call(PyObject *o, PyObject *args, int backward) {
 static PyObject *lin_forward(PyObject *o, PyObject *args) { return lin_call(o, args, 0); }
 static PyObject *lin_backward(PyObject *o, PyObject *args) { return lin_call(o, args, 1); }
 
+/* A parameter of a GPU layer: a DeviceArray view kept alive by the layer. */
+static PyObject *device_param(LinearObject *self, float *p, int nd, int64_t d0, int64_t d1) {
+  if (!p) Py_RETURN_NONE;
+  int64_t shape[2] = {d0, d1};
+  tp_tensor t = tp_tensor_nd(p, TP_FLOAT32, nd, shape);
+  t.device = self->device;
+  t.device_id = self->device_id;
+  return devarray_wrap(state_of_type(Py_TYPE(self)), &t, (PyObject *)self, 0);
+}
+
 static PyObject *lin_get(PyObject *o, void *which) {
   LinearObject *self = (LinearObject *)o;
   tp_linear_info_t *i = &self->info;
+  if (self->device != TP_DEVICE_CPU && (intptr_t)which < 4) {
+    switch ((intptr_t)which) {
+      case 0: return device_param(self, i->weight, 2, i->weight_rows, i->weight_cols);
+      case 1: return device_param(self, i->bias, 1, i->bias_len, 0);
+      case 2: return device_param(self, i->grad_weight, 2, i->weight_rows, i->weight_cols);
+      default: return device_param(self, i->grad_bias, 1, i->bias_len, 0);
+    }
+  }
   switch ((intptr_t)which) {
     case 0: return owned_view(o, i->weight, 2, i->weight_rows, i->weight_cols);
     case 1: return owned_view(o, i->bias, 1, i->bias_len, 0);
     case 2: return owned_view(o, i->grad_weight, 2, i->weight_rows, i->weight_cols);
     case 3: return owned_view(o, i->grad_bias, 1, i->bias_len, 0);
+    case 5: return PyUnicode_FromFormat("%s:%d", tp_device_name(self->device), self->device_id);
     default:
       return Py_BuildValue("{s:L,s:L,s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local,
                            "x_cols", (long long)i->x_cols, "y_cols", (long long)i->y_cols);
@@ -125,6 +209,7 @@ static PyGetSetDef lin_getset[] = {
     {"grad_weight", lin_get, NULL, "gradient of the weight shard (a view)", (void *)2},
     {"grad_bias", lin_get, NULL, "gradient of the bias (a view), or None", (void *)3},
     {"shard", lin_get, NULL, "offset/local of the split dimension, input/output columns", (void *)4},
+    {"device", lin_get, NULL, "'cpu:0' or 'cuda:N'", (void *)5},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

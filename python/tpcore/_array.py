@@ -84,8 +84,9 @@ def check_host(x, name: str, op: str) -> None:
     short = DLPACK_DEVICES.get(dev[0], "")
     devices = build_devices()
     if short in devices:  # a build with that device: the Python layers still take host arrays
-        raise TypeError(f"{op}: {name} is a {kind} tensor (DLPack device {device_text(dev)}); {op} takes host "
-                        f"(CPU) arrays in this version; copy it to the host first")
+        raise TypeError(f"{op}: {name} is a {kind} tensor (DLPack device {device_text(dev)}) but this {op} is on "
+                        f"the CPU (cpu:0); copy it to the host first, or make the layer with device='"
+                        f"{device_text(dev)}' where it takes one")
     raise TypeError(f"{op}: {name} is a {kind} tensor (DLPack device {device_text(dev)}); this build of tpcore "
                     f"has no {kind} support (tpcore.build_info() lists the devices: {', '.join(devices)})")
 
