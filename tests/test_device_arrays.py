@@ -151,3 +151,97 @@ def test_resolve_device():
     assert _array.resolve_device("cpu", "L") == ("cpu", 0)
     with pytest.raises(ValueError, match="^L: device 'xpu' is not known"):
         _array.resolve_device("xpu", "L")
+
+
+# ------------------------------------------------------------- layers and device=
+from conftest import run  # noqa: E402
+
+
+def _cpu_layers(comm):
+    g = np.random.default_rng(5)
+    W = g.standard_normal((6, 4)).astype(np.float32)
+    b = g.standard_normal(6).astype(np.float32)
+    x = g.standard_normal((3, 4)).astype(np.float32)
+    out = {}
+    for dev in (None, "cpu", "cpu:0"):
+        L = tpcore.ColumnParallelLinear(4, 6, comm, gather_output=True, device=dev)
+        L.load_full(W, b)
+        out[dev] = L(x)
+        assert L.device == ("cpu", 0) and isinstance(L.weight, np.ndarray)
+    L = tpcore.ColumnParallelLinear(4, 6, comm, gather_output=True, device="cpu")
+    L.load_full(W, b)
+    y_dev = L(tpcore.asarray(x))  # a CPU DeviceArray is host data: NumPy out, as before
+    ref = x.astype(np.float64) @ W.T.astype(np.float64) + b
+    return out, y_dev, ref
+
+
+def test_layers_on_the_cpu_unchanged():
+    out, y_dev, ref = run(_cpu_layers, 1)[0]
+    for y in out.values():
+        assert isinstance(y, np.ndarray)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(y, out[None])
+    assert isinstance(y_dev, np.ndarray)
+    np.testing.assert_array_equal(y_dev, out[None])
+
+
+def _layer_devices(comm, device):
+    cfg = tpcore.Config(vocab_size=16, hidden=8, heads=2, ffn_hidden=16)
+    makers = {
+        "ColumnParallelLinear": lambda: tpcore.ColumnParallelLinear(4, 6, comm, device=device),
+        "RowParallelLinear": lambda: tpcore.RowParallelLinear(4, 6, comm, device=device),
+        "ParallelMLP": lambda: tpcore.ParallelMLP(8, 16, comm, device=device),
+        "VocabParallelEmbedding": lambda: tpcore.VocabParallelEmbedding(16, 8, comm, device=device),
+        "VocabParallelCrossEntropy": lambda: tpcore.VocabParallelCrossEntropy(comm, device=device),
+        "TransformerBlock": lambda: tpcore.TransformerBlock(cfg, comm, device=device),
+    }
+    res = {}
+    for name, make in makers.items():
+        try:
+            make()
+            res[name] = ("ok", "")
+        except Exception as e:  # noqa: BLE001
+            res[name] = (type(e).__name__, str(e))
+    return res
+
+
+@pytest.mark.skipif(CUDA, reason="CUDA is available here")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_layers_on_cuda_without_cuda_are_clear_errors(device):
+    for name, (etype, msg) in run(_layer_devices, 1, device)[0].items():
+        assert etype == "RuntimeError", (name, etype, msg)
+        assert msg.startswith(f"{name}: device 'cuda:") and "CUDA is not available" in msg, (name, msg)
+
+
+def test_layers_unknown_device_named():
+    for name, (etype, msg) in run(_layer_devices, 1, "tpu")[0].items():
+        assert etype == "ValueError" and msg.startswith(f"{name}: device 'tpu' is not known"), (name, msg)
+
+
+def _cuda_linear(comm):
+    g = np.random.default_rng(11)
+    W = g.standard_normal((10, 7)).astype(np.float32)
+    b = g.standard_normal(10).astype(np.float32)
+    x = g.standard_normal((2, 3, 7)).astype(np.float32)
+    L = tpcore.ColumnParallelLinear(7, 10, comm, gather_output=True, device="cuda")
+    L.load_full(W, b)
+    assert isinstance(L.weight, tpcore.DeviceArray) and L.weight.device.startswith("cuda")
+    xd = tpcore.asarray(x, device="cuda")
+    y = L(xd)
+    assert isinstance(y, tpcore.DeviceArray) and y.device == xd.device and y.shape == (2, 3, 10)
+    errs = []
+    for bad in (x, tpcore.asarray(x)):
+        try:
+            L(bad)
+        except TypeError as e:
+            errs.append(str(e))
+    W_back, b_back = L.gather_full()
+    return y.to_numpy(), x.astype(np.float64) @ W.T.astype(np.float64) + b, errs, W_back, W
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
+def test_cuda_linear_matches_float64_reference():
+    y, ref, errs, W_back, W = run(_cuda_linear, 1)[0]
+    np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(W_back, W)
+    assert len(errs) == 2 and all("is on cpu:0 but the layer is on cuda:" in e for e in errs), errs
