@@ -394,3 +394,49 @@ def test_producer_copy_and_devices():
     a.__dlpack__(stream=-1)
     with pytest.raises(TypeError, match="max_version"):
         a.__dlpack__(max_version=1)
+
+
+@pytest.mark.parametrize("max_version", [None, (1, 0)])
+def test_tpcore_consumes_its_own_capsules(max_version):
+    a = tpcore.asarray(np.arange(5, dtype=np.int64))
+    before = sys.getrefcount(a)
+    cap = a.__dlpack__() if max_version is None else a.__dlpack__(max_version=max_version)
+    v = _C.from_dlpack(cap)
+    assert v.data_ptr == a.data_ptr and v.dtype == "int64"
+    np.testing.assert_array_equal(v.to_numpy(), np.arange(5))
+    del cap
+    _collect()
+    assert sys.getrefcount(a) == before + 1  # the view's hold keeps the exporter alive
+    del v
+    _collect()
+    assert sys.getrefcount(a) == before
+
+
+CUDA = getattr(tpcore, "cuda_available", lambda: False)()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
+def test_torch_cuda_round_trip_without_copies():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
+    v = tpcore.from_dlpack(t)
+    assert v.device == "cuda:0" and v.data_ptr == t.data_ptr()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):  # torch passes its current stream: tpcore makes the data ready on it
+        back = torch.from_dlpack(v)
+    assert back.data_ptr() == t.data_ptr() and torch.equal(back, t)
+    np.testing.assert_array_equal(v.to_numpy(), np.arange(12, dtype=np.float32).reshape(3, 4))
+    d = tpcore.asarray(np.ones((2, 2), np.float32), device="cuda")
+    assert torch.from_dlpack(d).sum().item() == 4.0
+    with pytest.raises(ValueError, match="must be C-contiguous"):
+        tpcore.from_dlpack(t.t())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
+def test_cupy_cuda_round_trip_without_copies():
+    cp = pytest.importorskip("cupy")
+    x = cp.arange(6, dtype=cp.float32)
+    v = tpcore.from_dlpack(x)
+    assert v.data_ptr == x.data.ptr
+    y = cp.from_dlpack(v)
+    assert y.data.ptr == x.data.ptr and bool((y == x).all())

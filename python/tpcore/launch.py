@@ -10,8 +10,7 @@ with that rank's code (128 + signal for a signal).  Ctrl-C stops all ranks.
 Ranks die with the launcher (PR_SET_PDEATHSIG), so none is ever orphaned.
 
 --gpus N starts N ranks, one GPU each: rank r gets CUDA_VISIBLE_DEVICES=<the r-th
-visible GPU>, LOCAL_RANK=r and TPCORE_DEVICE=cuda, so device="cuda" in the rank is its
-own GPU.  Without -n, --gpus or TPCORE_NPROC, a machine where CUDA is usable starts one
+visible GPU> and LOCAL_RANK=r, so device="cuda" in the rank is its own GPU.  Without -n, --gpus or TPCORE_NPROC, a machine where CUDA is usable starts one
 rank per visible GPU.  Asking for more GPUs than are visible is an error.
 """
 from __future__ import annotations
@@ -122,7 +121,7 @@ def visible_gpus():
 def gpu_env(rank: int, gpu_ids) -> dict:
     """The variables that bind rank `rank` to its GPU (one each, as torchrun's users do):
     CUDA_VISIBLE_DEVICES names that GPU alone, so device 'cuda' is it in the rank."""
-    return {"CUDA_VISIBLE_DEVICES": str(gpu_ids[rank]), "LOCAL_RANK": str(rank), "TPCORE_DEVICE": "cuda"}
+    return {"CUDA_VISIBLE_DEVICES": str(gpu_ids[rank]), "LOCAL_RANK": str(rank)}
 
 
 def _pump(stream, relay):
