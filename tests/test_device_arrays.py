@@ -245,3 +245,24 @@ def test_cuda_linear_matches_float64_reference():
     np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-3)
     np.testing.assert_array_equal(W_back, W)
     assert len(errs) == 2 and all("is on cpu:0 but the layer is on cuda:" in e for e in errs), errs
+
+
+def _cuda_mlp(comm):
+    g = np.random.default_rng(3)
+    x = g.standard_normal((5, 8)).astype(np.float32)
+    dy = g.standard_normal((5, 8)).astype(np.float32)
+    cpu = tpcore.ParallelMLP(8, 12, comm, activation="gelu", seed=7)
+    gpu = tpcore.ParallelMLP(8, 12, comm, activation="gelu", seed=7, device="cuda")
+    assert isinstance(gpu.fc1.weight, tpcore.DeviceArray)
+    y = gpu(tpcore.asarray(x, device="cuda"))
+    dx = gpu.backward(tpcore.asarray(dy, device="cuda"))
+    return (cpu(x), y.to_numpy(), cpu.backward(dy), dx.to_numpy(), cpu.fc1.grad_weight,
+            gpu.fc1.grad_weight.to_numpy())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
+def test_cuda_mlp_matches_cpu_mlp():
+    y_c, y_g, dx_c, dx_g, gw_c, gw_g = run(_cuda_mlp, 1)[0]
+    np.testing.assert_allclose(y_g, y_c, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(dx_g, dx_c, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(gw_g, gw_c, rtol=1e-3, atol=1e-3)

@@ -185,7 +185,8 @@ extern PyType_Spec emb_spec, xent_spec;   /* vocab.c */
 extern PyType_Spec blk_spec;              /* block.c */
 
 /* A ParallelLinear object that borrows L (owned by `owner`, e.g. an MLP, kept alive). */
-PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner);
+PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner,
+                          tp_device_t device, int device_id);
 
 /* ----------------------------------------------------------------- kernels.c */
 
@@ -214,6 +215,14 @@ PyObject *devarray_empty(module_state *st, tp_device_t dev, int id, tp_dtype_t d
  * Another device is a TypeError naming who, arg and both devices. */
 int device_input(module_state *st, PyObject *x, const char *who, const char *arg, int writable, tp_device_t dev,
                  int id, tp_tensor *t, PyObject **keep);
+
+/* One forward/backward of a layer on a GPU: x (and out) tensors on (dev, id) of shape
+ * (M, in_cols) / (M, out_cols), the output a new DeviceArray unless out is given;
+ * fn(layer, y, x) runs with the GIL released through co (the legacy default stream). */
+PyObject *device_layer_call(module_state *st, CommObject *co, const char *op, const char *arg, tp_device_t dev,
+                            int id, int64_t in_cols, int64_t out_cols, PyObject *x, PyObject *out,
+                            tp_status_t (*fn)(void *layer, const tp_tensor *y, const tp_tensor *x), void *layer,
+                            int backward);
 
 extern PyType_Spec devarray_spec;         /* devarray.c */
 extern PyMethodDef devarray_methods[];    /* from_dlpack, asarray, parse_device */

@@ -76,60 +76,21 @@ static void lin_dealloc(PyObject *o) {
   layer_free(o, self->comm);
 }
 
+static tp_status_t lin_fwd(void *L, const tp_tensor *y, const tp_tensor *x) {
+  return tp_parallel_linear_forward((tp_parallel_linear_t)L, y, x, NULL);
+}
+static tp_status_t lin_bwd(void *L, const tp_tensor *dx, const tp_tensor *dy) {
+  return tp_parallel_linear_backward((tp_parallel_linear_t)L, dx, dy, NULL);
+}
+
 /* A layer on a GPU: x (and out) are tensors on its device (a DeviceArray or any DLPack
- * tensor); the output is a new DeviceArray there unless out is given.  tpcore's work
- * runs on the device's legacy default stream (DLPack stream 1). */
+ * tensor); the output is a new DeviceArray there unless out is given. */
 static PyObject *lin_run_device(LinearObject *self, PyObject *x, PyObject *out, int backward) {
-  module_state *st = state_of_type(Py_TYPE(self));
-  const char *op = backward ? "ParallelLinear.backward" : "ParallelLinear.forward", *arg = backward ? "dy" : "x";
-  int64_t in_cols = backward ? self->info.y_cols : self->info.x_cols;
-  int64_t out_cols = backward ? self->info.x_cols : self->info.y_cols;
-  tp_tensor tx, ty;
-  PyObject *kx = NULL, *ky = NULL;
-  if (device_input(st, x, op, arg, 0, self->device, self->device_id, &tx, &kx) < 0) return NULL;
-  if (tx.ndim != 2 || tx.shape[1] != in_cols) {
-    PyErr_Format(PyExc_ValueError, "%s: %s must have shape (rows, %lld), got %d dimensions with last %lld", op, arg,
-                 (long long)in_cols, tx.ndim, tx.ndim ? (long long)tx.shape[tx.ndim - 1] : 0LL);
-    Py_DECREF(kx);
-    return NULL;
-  }
-  int64_t M = tx.shape[0], shape[2] = {M, out_cols};
-  if (out != Py_None) {
-    if (device_input(st, out, op, "out", 1, self->device, self->device_id, &ty, &ky) < 0) {
-      Py_DECREF(kx);
-      return NULL;
-    }
-    if (ty.ndim != 2 || ty.shape[0] != M || ty.shape[1] != out_cols || ty.dtype != tx.dtype) {
-      PyErr_Format(PyExc_ValueError, "%s: out must be a %s array of shape (%lld, %lld)", op, tp_dtype_name(tx.dtype),
-                   (long long)M, (long long)out_cols);
-      Py_DECREF(kx);
-      Py_DECREF(ky);
-      return NULL;
-    }
-  } else {
-    ky = devarray_empty(st, self->device, self->device_id, tx.dtype, 2, shape);
-    if (!ky) {
-      Py_DECREF(kx);
-      return NULL;
-    }
-    ty = *devarray_tensor(st, ky);
-  }
-  tp_status_t s;
-  CommObject *co = self->comm;
-  if (backward)
-    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_backward(self->L, &ty, &tx, NULL)));
-  else
-    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_forward(self->L, &ty, &tx, NULL)));
-  Py_DECREF(kx);
-  if (s != TP_SUCCESS) {
-    Py_DECREF(ky);
-    return layer_error(co, s, op, backward);
-  }
-  if (out != Py_None) {
-    Py_DECREF(ky);
-    return Py_NewRef(out);
-  }
-  return ky;
+  return device_layer_call(state_of_type(Py_TYPE(self)), self->comm,
+                           backward ? "ParallelLinear.backward" : "ParallelLinear.forward", backward ? "dy" : "x",
+                           self->device, self->device_id, backward ? self->info.y_cols : self->info.x_cols,
+                           backward ? self->info.x_cols : self->info.y_cols, x, out, backward ? lin_bwd : lin_fwd,
+                           self->L, backward);
 }
 
 static PyObject *lin_run(PyObject *o, PyObject *x, PyObject *out, int backward) {
@@ -236,7 +197,8 @@ PyType_Spec lin_spec = {
     .slots = lin_slots,
 };
 
-PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner) {
+PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner,
+                          tp_device_t device, int device_id) {
   LinearObject *l = (LinearObject *)st->LinearType->tp_alloc(st->LinearType, 0);
   if (!l) return NULL;
   l->L = L;
@@ -245,5 +207,7 @@ PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *
   l->comm = comm;
   Py_INCREF(owner);
   l->owner = owner;
+  l->device = device;
+  l->device_id = device_id;
   return (PyObject *)l;
 }

@@ -183,10 +183,10 @@ class _ParallelLinear:
         self.partition = check_partition(comm, self.offset, self.local, split, type(self).__name__)
 
     @classmethod
-    def _adopt(cls, cobj, comm: Comm, in_features: int, out_features: int, gated: bool):
+    def _adopt(cls, cobj, comm: Comm, in_features: int, out_features: int, gated: bool, device=("cpu", 0)):
         """A Python face for a C layer owned by another object (an MLP's fc1/fc2)."""
         self = cls.__new__(cls)
-        self.device = ("cpu", 0)
+        self.device = device
         self.comm, self.in_features, self.out_features, self.gated, self._c = comm, in_features, out_features, gated, cobj
         shard = cobj.shard
         self.offset, self.local = shard["offset"], shard["local"]
@@ -236,9 +236,9 @@ class _ParallelLinear:
         lead = x32.shape[:-1]
         return x32.reshape(math.prod(lead), cols), lead, (None if src.dtype == np.float32 else src.dtype)
 
-    def _device_rows(self, x, name, cols):
+    def _device_rows(self, x, name, cols, who=None):
         """A GPU layer's input: any DLPack tensor on its device, viewed as (M, cols)."""
-        who = type(self).__name__
+        who = who or type(self).__name__
         check_on_device(x, name, who, self.device)
         xa = from_dlpack(x)
         if xa.ndim < 1 or xa.shape[-1] != cols:
@@ -351,7 +351,7 @@ def _device_only_cpu(device, who: str) -> None:
     dev = resolve_device(device, who)
     if dev[0] != "cpu":
         raise NotImplementedError(f"{who}: device='{device_string(dev)}' is not supported by {who} in this version "
-                                  f"(ColumnParallelLinear and RowParallelLinear take device='cuda'); use device='cpu'")
+                                  f"(ColumnParallelLinear, RowParallelLinear and ParallelMLP take device='cuda'); use device='cpu'")
 
 
 def _load_bias(layer, b, sel, n):
@@ -380,7 +380,7 @@ class ParallelMLP:
 
     def __init__(self, hidden: int, ffn_hidden: int, comm: Comm, activation: str = "gelu", bias: bool = True,
                  partition=None, dtype="float32", seed: int = 0, device=None):
-        _device_only_cpu(device, "ParallelMLP")
+        self.device = resolve_device(device, "ParallelMLP")
         if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise (ValueError if isinstance(activation, str) else TypeError)(
                 f"ParallelMLP: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {shown(activation)}")
@@ -393,9 +393,11 @@ class ParallelMLP:
         ffn_hidden = int_arg(ffn_hidden, "ParallelMLP", "ffn_hidden", lo=1)
         sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden", "ParallelMLP: partition")
         self.activation, self.comm, self.hidden = activation, comm, int(hidden)
-        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed)
-        self.fc1 = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden), activation == "swiglu")
-        self.fc2 = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False)
+        kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
+        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed, **kw)
+        self.fc1 = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden), activation == "swiglu",
+                                               self.device)
+        self.fc2 = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False, self.device)
 
     def parameters(self):
         return self.fc1.parameters() + self.fc2.parameters()
@@ -405,11 +407,19 @@ class ParallelMLP:
         self.fc2.zero_grad()
 
     def forward(self, x: np.ndarray) -> np.ndarray:
+        """y for x (..., hidden).  On a GPU MLP: x any DLPack tensor on its device, y a
+        tpcore.DeviceArray there."""
+        if self.device[0] != "cpu":
+            x2, lead = self.fc1._device_rows(x, "x", self.hidden, "ParallelMLP")
+            return self._c.forward(x2).reshape(lead + (self.hidden,))
         x2, lead, dt = self.fc1._rows(x, "x", self.hidden)
         return _back(self._c.forward(x2).reshape(lead + (self.hidden,)), dt)
 
     __call__ = forward
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
+        if self.device[0] != "cpu":
+            dy2, lead = self.fc2._device_rows(dy, "dy", self.hidden, "ParallelMLP")
+            return self._c.backward(dy2).reshape(lead + (self.hidden,))
         dy2, lead, dt = self.fc2._rows(dy, "dy", self.hidden)
         return _back(self._c.backward(dy2).reshape(lead + (self.hidden,)), dt)
