@@ -28,11 +28,19 @@
 
 #include <stdlib.h>
 
-/* Provided by the CUDA loader when the core has it (weak: this file builds without). */
+/* Provided by the CUDA loader when the core has it (weak: this file builds and links
+ * against a core without it, and then CUDA is simply not available). */
 extern const char *tp_cuda_status(void) __attribute__((weak));
+extern tp_status_t tp_cuda_load(const char *path) __attribute__((weak));
+
+/* 1 when CUDA tensors can be used here; loads the CUDA plugin on first use. */
+int dlpack_cuda_usable(void) {
+  if (tp_cuda_load) (void)tp_cuda_load(NULL); /* once per process; later calls return the first result */
+  return tp_device_available(TP_DEVICE_CUDA);
+}
 
 const char *dlpack_cuda_status(void) {
-  if (tp_device_available(TP_DEVICE_CUDA)) return "available";
+  if (dlpack_cuda_usable()) return "available";
   return tp_cuda_status ? tp_cuda_status() : "this build has no CUDA support";
 }
 
@@ -91,7 +99,7 @@ int parse_device(PyObject *o, const char *op, tp_device_t *type, int *id) {
       }
     } else idx = 0;
   }
-  if (!tp_device_available(TP_DEVICE_CUDA)) {
+  if (!dlpack_cuda_usable()) {
     PyErr_Format(PyExc_RuntimeError, "%s: device 'cuda:%ld' was asked for but CUDA is not available in this "
                  "process: %s", op, idx, dlpack_cuda_status());
     return -1;
@@ -118,7 +126,8 @@ PyObject *m_device_count(PyObject *m, PyObject *o) {
   }
   for (int i = 0; i < TP_NUM_DEVICE_TYPES; i++)
     if (strcmp(s, tp_device_name((tp_device_t)i)) == 0) {
-      const tp_device_ops *ops = tp_device_available((tp_device_t)i) ? tp_device_ops_of((tp_device_t)i) : NULL;
+      int usable = i == TP_DEVICE_CUDA ? dlpack_cuda_usable() : tp_device_available((tp_device_t)i);
+      const tp_device_ops *ops = usable ? tp_device_ops_of((tp_device_t)i) : NULL;
       return PyLong_FromLong(ops && ops->count ? ops->count() : 0);
     }
   PyErr_Format(PyExc_ValueError, "device_count: device type '%s' is not known; expected 'cpu' or 'cuda'", s);
@@ -271,7 +280,7 @@ static int check_tensor(const DLTensor *d, uint64_t flags, const char *op, const
                    dname);
       return -1;
   }
-  if (device == TP_DEVICE_CUDA && !tp_device_available(TP_DEVICE_CUDA)) {
+  if (device == TP_DEVICE_CUDA && !dlpack_cuda_usable()) {
     PyErr_Format(PyExc_RuntimeError, "%s: %s is a CUDA tensor (%s) but CUDA is not available in this process: %s",
                  op, arg, dname, dlpack_cuda_status());
     return -1;
@@ -425,7 +434,7 @@ int dlpack_import(PyObject *obj, const char *op, const char *arg, int writable, 
   if (PyCapsule_CheckExact(obj)) return take_capsule(obj, op, arg, writable, t, hold, readonly);
   int dtype_ = 0, did = 0, got = producer_device(obj, op, arg, &dtype_, &did);
   if (got < 0) return -1;
-  if (got && dtype_ == TP_kDLCUDA && !tp_device_available(TP_DEVICE_CUDA)) {
+  if (got && dtype_ == TP_kDLCUDA && !dlpack_cuda_usable()) {
     PyErr_Format(PyExc_RuntimeError, "%s: %s is a CUDA tensor (cuda:%d) but CUDA is not available in this process: "
                  "%s", op, arg, did, dlpack_cuda_status());
     return -1;

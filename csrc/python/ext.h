@@ -200,6 +200,8 @@ extern PyMethodDef partition_methods[]; /* likewise (partition.c) */
  * calls the producer's deleter once.  `writable`: refuse a read-only tensor. */
 int dlpack_import(PyObject *obj, const char *op, const char *arg, int writable, tp_tensor *t, PyObject **hold,
                   int *readonly);
+/* 1 when CUDA tensors can be used in this process (loads the CUDA plugin once). */
+int dlpack_cuda_usable(void);
 /* One line on why CUDA is (not) usable. */
 const char *dlpack_cuda_status(void);
 /* device strings: None/'cpu' -> CPU; 'cuda' (the rank's GPU), 'cuda:N'; checked. */
