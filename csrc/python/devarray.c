@@ -570,7 +570,9 @@ static PyObject *get_shape(PyObject *self, void *c) {
   }
   return t;
 }
-static PyObject *get_dtype(PyObject *self, void *c) { return PyUnicode_FromString(tp_dtype_name(((DevArray *)self)->t.dtype)); }
+static PyObject *get_dtype(PyObject *self, void *c) {
+  return PyUnicode_FromString(tp_dtype_name(((DevArray *)self)->t.dtype));
+}
 static PyObject *get_device(PyObject *self, void *c) {
   DevArray *a = (DevArray *)self;
   return device_str(a->t.device, a->t.device_id);

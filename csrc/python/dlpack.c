@@ -172,21 +172,27 @@ static void hold_destructor(PyObject *cap) {
   PyErr_Restore(et, ev, tb);
 }
 
-/* A capsule that owns `managed`: releasing it calls the deleter once. */
-static PyObject *make_hold(void *managed, int versioned) {
+/* Takes `managed` from the producer's capsule `cap`: the owner (a capsule whose
+ * release calls the deleter once) is made first, then cap is renamed `used` so its
+ * own destructor leaves the tensor alone (NumPy's order).  On failure the producer
+ * still owns it.  A new reference, or NULL. */
+static PyObject *make_hold(PyObject *cap, const char *used, void *managed, int versioned) {
   hold_t *h = PyMem_RawMalloc(sizeof *h);
-  if (!h) {
-    call_deleter(managed, versioned);
-    return PyErr_NoMemory();
-  }
+  if (!h) return PyErr_NoMemory();
   h->managed = managed;
   h->versioned = versioned;
-  PyObject *cap = PyCapsule_New(h, HOLD_NAME, hold_destructor);
-  if (!cap) {
-    call_deleter(managed, versioned);
+  PyObject *hc = PyCapsule_New(h, HOLD_NAME, NULL); /* no destructor until it owns the tensor */
+  if (!hc) {
     PyMem_RawFree(h);
+    return NULL;
   }
-  return cap;
+  if (PyCapsule_SetName(cap, used) < 0) {
+    Py_DECREF(hc);
+    PyMem_RawFree(h);
+    return NULL;
+  }
+  (void)PyCapsule_SetDestructor(hc, hold_destructor); /* cannot fail on a valid capsule */
+  return hc;
 }
 
 /* ------------------------------------------------------------------ dtypes */
@@ -391,8 +397,7 @@ static int take_capsule(PyObject *cap, const char *op, const char *arg, int writ
       return -1;
     }
   }
-  if (PyCapsule_SetName(cap, versioned ? "used_dltensor_versioned" : "used_dltensor") < 0) return -1;
-  PyObject *h = make_hold(p, versioned);
+  PyObject *h = make_hold(cap, versioned ? "used_dltensor_versioned" : "used_dltensor", p, versioned);
   if (!h) return -1;
   const DLTensor *d = versioned ? &((DLManagedTensorVersioned *)p)->dl_tensor : &((DLManagedTensor *)p)->dl_tensor;
   uint64_t flags = versioned ? ((DLManagedTensorVersioned *)p)->flags : 0;

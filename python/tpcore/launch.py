@@ -10,8 +10,9 @@ with that rank's code (128 + signal for a signal).  Ctrl-C stops all ranks.
 Ranks die with the launcher (PR_SET_PDEATHSIG), so none is ever orphaned.
 
 --gpus N starts N ranks, one GPU each: rank r gets CUDA_VISIBLE_DEVICES=<the r-th
-visible GPU> and LOCAL_RANK=r, so device="cuda" in the rank is its own GPU.  Without -n, --gpus or TPCORE_NPROC, a machine where CUDA is usable starts one
-rank per visible GPU.  Asking for more GPUs than are visible is an error.
+visible GPU> and LOCAL_RANK=r, so device="cuda" in the rank is its own GPU.
+Without -n, --gpus or TPCORE_NPROC, a machine where CUDA is usable starts one rank
+per visible GPU.  Asking for more GPUs than are visible is an error.
 """
 from __future__ import annotations
 

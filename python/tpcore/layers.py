@@ -351,7 +351,8 @@ def _device_only_cpu(device, who: str) -> None:
     dev = resolve_device(device, who)
     if dev[0] != "cpu":
         raise NotImplementedError(f"{who}: device='{device_string(dev)}' is not supported by {who} in this version "
-                                  f"(ColumnParallelLinear, RowParallelLinear and ParallelMLP take device='cuda'); use device='cpu'")
+                                  f"(ColumnParallelLinear, RowParallelLinear and ParallelMLP take device='cuda'); "
+                                  f"use device='cpu'")
 
 
 def _load_bias(layer, b, sel, n):
