@@ -266,3 +266,72 @@ def test_cuda_mlp_matches_cpu_mlp():
     np.testing.assert_allclose(y_g, y_c, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(dx_g, dx_c, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(gw_g, gw_c, rtol=1e-3, atol=1e-3)
+
+
+# ------------------------------------------------------ collectives, host-staged
+def _staged_ops(comm, really_gpu):
+    from tpcore import _array as A
+    if really_gpu:
+        dev, call = "cuda", getattr
+    else:  # CPU DeviceArrays stand in for device tensors: the staging logic runs as on a GPU
+        A._on_gpu = lambda x: isinstance(x, tpcore.DeviceArray)
+        to_host = A._to_host  # a real copy, as from a GPU: results must be written back
+        A._to_host = lambda t, arg, op: np.array(to_host(t, arg, op), copy=True) if A._on_gpu(t) else t
+        dev = "cpu"
+
+        def call(c, name):
+            return lambda *a, **k: A.staged_collective(c, name, *a, **k)
+    r, n = comm.rank, comm.size
+    base = np.arange(6, dtype=np.float32) + 10 * r
+    res = {}
+    x = tpcore.asarray(base, device=dev, copy=True)
+    call(comm, "all_reduce")(x, op="sum")
+    res["all_reduce"] = x.to_numpy().copy()
+    o = tpcore.asarray(np.zeros(6, np.float32), device=dev, copy=True)
+    call(comm, "all_reduce")(tpcore.asarray(base, device=dev, copy=True), op="max", out=o)
+    res["all_reduce_out"] = o.to_numpy().copy()
+    g = call(comm, "all_gather")(tpcore.asarray(base, device=dev, copy=True))
+    res["all_gather"] = np.asarray(g.to_numpy() if isinstance(g, tpcore.DeviceArray) else g).copy()
+    rs = call(comm, "reduce_scatter")(tpcore.asarray(np.tile(base, n), device=dev, copy=True))
+    res["reduce_scatter"] = np.asarray(rs.to_numpy() if isinstance(rs, tpcore.DeviceArray) else rs).copy()
+    b = tpcore.asarray(base, device=dev, copy=True)
+    call(comm, "broadcast")(b, root=n - 1)
+    res["broadcast"] = b.to_numpy().copy()
+    red = tpcore.asarray(base, device=dev, copy=True)
+    call(comm, "reduce")(red, root=0)
+    res["reduce"] = red.to_numpy().copy()
+    buf = tpcore.asarray(np.zeros(6, np.float32), device=dev, copy=True)
+    src = tpcore.asarray(base, device=dev, copy=True)
+    call(comm, "sendrecv")(src, (r + 1) % n, buf, (r - 1) % n)
+    res["sendrecv"] = buf.to_numpy().copy()
+    if r == 0:
+        call(comm, "send")(tpcore.asarray(base, device=dev, copy=True), 1)
+    elif r == 1:
+        rb = tpcore.asarray(np.zeros(6, np.float32), device=dev, copy=True)
+        call(comm, "recv")(rb, 0)
+        res["recv"] = rb.to_numpy().copy()
+    return res
+
+
+def _check_staged(out):
+    n = len(out)
+    bases = [np.arange(6, dtype=np.float64) + 10 * r for r in range(n)]
+    total = sum(bases)
+    for r, res in enumerate(out):
+        np.testing.assert_array_equal(res["all_reduce"], total)
+        np.testing.assert_array_equal(res["all_reduce_out"], bases[-1])
+        np.testing.assert_array_equal(res["all_gather"], np.concatenate(bases))
+        np.testing.assert_array_equal(res["reduce_scatter"], np.tile(total, n).reshape(n, 6)[r])
+        np.testing.assert_array_equal(res["broadcast"], bases[-1])
+        np.testing.assert_array_equal(res["reduce"], total if r == 0 else bases[r])
+        np.testing.assert_array_equal(res["sendrecv"], bases[(r - 1) % n])
+    np.testing.assert_array_equal(out[1]["recv"], bases[0])
+
+
+def test_host_staged_collectives_logic():
+    _check_staged(run(_staged_ops, 2, False))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
+def test_host_staged_collectives_on_the_gpu():
+    _check_staged(run(_staged_ops, 2, True))

@@ -225,3 +225,72 @@ def check_on_device(x, name: str, who: str, device: Tuple[str, int]) -> None:
     if have != device:
         raise TypeError(f"{who}: {name} is on {device_string(have)} but the layer is on {device_string(device)}; "
                         f"move it first (tpcore.asarray({name}, device='{device_string(device)}'))")
+
+
+# ------------------------------------------------- collectives on device arrays
+# The host-staged path (device -> host, the backend's collective, host -> device), for
+# backends that move host memory only (shm).  A backend that takes device buffers
+# itself (NCCL) is not staged: Comm asks `staged(comm, ...)` first.
+
+def _on_gpu(x) -> bool:
+    """x is a CUDA device tensor (not host memory)."""
+    if x is None or isinstance(x, np.ndarray) or not hasattr(x, "__dlpack_device__"):
+        return False
+    dev = dlpack_device(x, "x", "collective")
+    return dev is not None and dev[0] == 2
+
+
+def staged(comm, *xs) -> bool:
+    """True when a collective of comm on xs goes through the host-staged path: one of
+    them is a CUDA tensor, this process can use CUDA (else the collective refuses the
+    tensor by name, as before) and the backend moves host memory only."""
+    return any(_on_gpu(x) for x in xs) and comm.backend != "nccl" and _C.device_count("cuda") > 0
+
+
+def _to_host(t, arg, op):
+    """A host array for t: t itself when it is host data (written in place), else a
+    host copy of the device tensor (synchronised)."""
+    if t is None or not _on_gpu(t):
+        return t
+    return _C.from_dlpack(t, op=op, name=arg).to_numpy()
+
+
+def _back(target, host_arr, arg, op):
+    """host_arr into target when target is a device tensor (host targets were used
+    in place)."""
+    if _on_gpu(target):
+        _C.from_dlpack(target, writable=True, op=op, name=arg).copy_from(np.ascontiguousarray(host_arr))
+
+
+def staged_collective(comm, name: str, x, *args, out=None, **kw):
+    """comm.<name>(x, ...) with device tensors staged through host memory.  The
+    results land where the direct call puts them: in place on x (or out) for
+    all_reduce, broadcast, reduce and recv; a new DeviceArray on x's device (or out)
+    for all_gather and reduce_scatter; into out for sendrecv."""
+    hx = _to_host(x, "x", name)
+    fn = getattr(comm, name)
+    if name == "send":
+        return fn(hx, *args, **kw)
+    if name == "sendrecv":  # sendrecv(x, dst, out, src)
+        dst, o, src = args
+        ho = _to_host(o, "out", name)
+        fn(hx, dst, ho, src)
+        _back(o, ho, "out", name)
+        return o
+    if name == "recv":
+        fn(hx, *args, **kw)
+        _back(x, hx, "x", name)
+        return x
+    ho = _to_host(out, "out", name)
+    res = fn(hx, *args, out=ho, **kw)
+    if name in ("all_gather", "reduce_scatter"):
+        if out is not None:
+            _back(out, ho, "out", name)
+            return out
+        dev = device_of(x) or ("cpu", 0)
+        return asarray_device(res, device=device_string(dev)) if dev[0] != "cpu" else res
+    if out is not None:  # all_reduce, broadcast, reduce into out
+        _back(out, ho, "out", name)
+        return out
+    _back(x, hx, "x", name)
+    return x
