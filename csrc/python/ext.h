@@ -49,6 +49,7 @@ typedef struct {
   PyTypeObject *EmbeddingType;
   PyTypeObject *XentType;
   PyTypeObject *BlockType;
+  PyTypeObject *DeviceArrayType;
 } module_state;
 
 extern struct PyModuleDef tpcore_module;
@@ -184,12 +185,49 @@ extern PyType_Spec emb_spec, xent_spec;   /* vocab.c */
 extern PyType_Spec blk_spec;              /* block.c */
 
 /* A ParallelLinear object that borrows L (owned by `owner`, e.g. an MLP, kept alive). */
-PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner);
+PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner,
+                          tp_device_t device, int device_id);
 
 /* ----------------------------------------------------------------- kernels.c */
 
 extern PyMethodDef kernel_methods[]; /* added to the module by module.c */
 extern PyMethodDef partition_methods[]; /* likewise (partition.c) */
 extern PyMethodDef cuda_methods[];      /* likewise (cuda.c: the CUDA plugin and library finder) */
+
+/* ------------------------------------------------- dlpack.c and devarray.c */
+
+/* Any DLPack producer (or a bare capsule) -> a checked tp_tensor view (CPU, CUDA-host
+ * or CUDA; known dtype; C-contiguous; byte_offset added) and *hold, whose release
+ * calls the producer's deleter once.  `writable`: refuse a read-only tensor. */
+int dlpack_import(PyObject *obj, const char *op, const char *arg, int writable, tp_tensor *t, PyObject **hold,
+                  int *readonly);
+/* 1 when CUDA tensors can be used in this process (loads the CUDA plugin once). */
+int dlpack_cuda_usable(void);
+/* One line on why CUDA is (not) usable. */
+const char *dlpack_cuda_status(void);
+/* device strings: None/'cpu' -> CPU; 'cuda' (the rank's GPU), 'cuda:N'; checked. */
+int parse_device(PyObject *o, const char *op, tp_device_t *type, int *id);
+/* A DeviceArray viewing t, its memory kept alive by base. */
+PyObject *devarray_wrap(module_state *st, const tp_tensor *t, PyObject *base, int readonly);
+/* The tensor of a DeviceArray, or NULL with a TypeError. */
+const tp_tensor *devarray_tensor(module_state *st, PyObject *o);
+
+/* A new array (contents undefined) on (dev, id): a layer's output. */
+PyObject *devarray_empty(module_state *st, tp_device_t dev, int id, tp_dtype_t dt, int ndim, const int64_t *shape);
+/* x (a DeviceArray or any DLPack tensor) as a tensor on (dev, id); *keep holds it.
+ * Another device is a TypeError naming who, arg and both devices. */
+int device_input(module_state *st, PyObject *x, const char *who, const char *arg, int writable, tp_device_t dev,
+                 int id, tp_tensor *t, PyObject **keep);
+
+/* One forward/backward of a layer on a GPU: x (and out) tensors on (dev, id) of shape
+ * (M, in_cols) / (M, out_cols), the output a new DeviceArray unless out is given;
+ * fn(layer, y, x) runs with the GIL released through co (the legacy default stream). */
+PyObject *device_layer_call(module_state *st, CommObject *co, const char *op, const char *arg, tp_device_t dev,
+                            int id, int64_t in_cols, int64_t out_cols, PyObject *x, PyObject *out,
+                            tp_status_t (*fn)(void *layer, const tp_tensor *y, const tp_tensor *x), void *layer,
+                            int backward);
+
+extern PyType_Spec devarray_spec;         /* devarray.c */
+extern PyMethodDef devarray_methods[];    /* from_dlpack, asarray, parse_device */
 
 #endif /* TPCORE_PYTHON_EXT_H */

@@ -12,18 +12,20 @@ typedef struct {
   CommObject *comm; /* kept alive; calls go through its in-flight accounting */
   tp_linear_info_t info;
   PyObject *owner;  /* an MLP that owns L (then L is not destroyed here) */
+  tp_device_t device; /* where its parameters and tensors live */
+  int device_id;
 } LinearObject;
 
 static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "kind", "in_features", "out_features", "bias", "gather_output",
-                           "input_is_parallel", "partition", "seed", "gated", NULL};
-  PyObject *commo, *part = Py_None, *in_o, *out_o, *seed_o = NULL;
+                           "input_is_parallel", "partition", "seed", "gated", "device", NULL};
+  PyObject *commo, *part = Py_None, *in_o, *out_o, *seed_o = NULL, *dev_o = Py_None;
   const char *kind;
   long long in_f, out_f;
   int bias = 1, gather = 0, inpar = 1, gated = 0;
   uint64_t seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsOO|pppOOp:ParallelLinear", kwlist, &commo, &kind, &in_o, &out_o,
-                                   &bias, &gather, &inpar, &part, &seed_o, &gated))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsOO|pppOOpO:ParallelLinear", kwlist, &commo, &kind, &in_o, &out_o,
+                                   &bias, &gather, &inpar, &part, &seed_o, &gated, &dev_o))
     return NULL;
   if (int_arg(in_o, "ParallelLinear", "in_features", 1, DIM_MAX, &in_f) < 0 ||
       int_arg(out_o, "ParallelLinear", "out_features", 1, DIM_MAX, &out_f) < 0 ||
@@ -46,6 +48,7 @@ static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.input_is_parallel = inpar;
   cfg.seed = seed;
   cfg.gated = gated;
+  if (parse_device(dev_o, "ParallelLinear", &cfg.device, &cfg.device_id) < 0) return NULL;
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *sizes;
@@ -61,6 +64,8 @@ static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   PyMem_Free(sizes);
   if (!layer_made((PyObject *)self, &self->comm, co, s, st, "ParallelLinear")) return NULL;
   tp_parallel_linear_info(self->L, &self->info);
+  self->device = cfg.device;
+  self->device_id = cfg.device_id;
   return (PyObject *)self;
 }
 
@@ -71,8 +76,29 @@ static void lin_dealloc(PyObject *o) {
   layer_free(o, self->comm);
 }
 
+static tp_status_t lin_fwd(void *L, const tp_tensor *y, const tp_tensor *x) {
+  return tp_parallel_linear_forward((tp_parallel_linear_t)L, y, x, NULL);
+}
+static tp_status_t lin_bwd(void *L, const tp_tensor *dx, const tp_tensor *dy) {
+  return tp_parallel_linear_backward((tp_parallel_linear_t)L, dx, dy, NULL);
+}
+
+/* A layer on a GPU: x (and out) are tensors on its device (a DeviceArray or any DLPack
+ * tensor); the output is a new DeviceArray there unless out is given. */
+static PyObject *lin_run_device(LinearObject *self, PyObject *x, PyObject *out, int backward) {
+  return device_layer_call(state_of_type(Py_TYPE(self)), self->comm,
+                           backward ? "ParallelLinear.backward" : "ParallelLinear.forward", backward ? "dy" : "x",
+                           self->device, self->device_id, backward ? self->info.y_cols : self->info.x_cols,
+                           backward ? self->info.x_cols : self->info.y_cols, x, out, backward ? lin_bwd : lin_fwd,
+                           self->L, backward);
+}
+
 static PyObject *lin_run(PyObject *o, PyObject *x, PyObject *out, int backward) {
   LinearObject *self = (LinearObject *)o;
+  if (self->device != TP_DEVICE_CPU) {
+    if (!live(self->comm, backward ? "backward" : "forward")) return NULL;
+    return lin_run_device(self, x, out, backward);
+  }
   const char *op = backward ? "backward" : "forward";
   if (!live(self->comm, op)) return NULL;
   int64_t in_cols = backward ? self->info.y_cols : self->info.x_cols;
@@ -105,14 +131,33 @@ static PyObject *lin_call(PyObject *o, PyObject *args, int backward) {
 static PyObject *lin_forward(PyObject *o, PyObject *args) { return lin_call(o, args, 0); }
 static PyObject *lin_backward(PyObject *o, PyObject *args) { return lin_call(o, args, 1); }
 
+/* A parameter of a GPU layer: a DeviceArray view kept alive by the layer. */
+static PyObject *device_param(LinearObject *self, float *p, int nd, int64_t d0, int64_t d1) {
+  if (!p) Py_RETURN_NONE;
+  int64_t shape[2] = {d0, d1};
+  tp_tensor t = tp_tensor_nd(p, TP_FLOAT32, nd, shape);
+  t.device = self->device;
+  t.device_id = self->device_id;
+  return devarray_wrap(state_of_type(Py_TYPE(self)), &t, (PyObject *)self, 0);
+}
+
 static PyObject *lin_get(PyObject *o, void *which) {
   LinearObject *self = (LinearObject *)o;
   tp_linear_info_t *i = &self->info;
+  if (self->device != TP_DEVICE_CPU && (intptr_t)which < 4) {
+    switch ((intptr_t)which) {
+      case 0: return device_param(self, i->weight, 2, i->weight_rows, i->weight_cols);
+      case 1: return device_param(self, i->bias, 1, i->bias_len, 0);
+      case 2: return device_param(self, i->grad_weight, 2, i->weight_rows, i->weight_cols);
+      default: return device_param(self, i->grad_bias, 1, i->bias_len, 0);
+    }
+  }
   switch ((intptr_t)which) {
     case 0: return owned_view(o, i->weight, 2, i->weight_rows, i->weight_cols);
     case 1: return owned_view(o, i->bias, 1, i->bias_len, 0);
     case 2: return owned_view(o, i->grad_weight, 2, i->weight_rows, i->weight_cols);
     case 3: return owned_view(o, i->grad_bias, 1, i->bias_len, 0);
+    case 5: return PyUnicode_FromFormat("%s:%d", tp_device_name(self->device), self->device_id);
     default:
       return Py_BuildValue("{s:L,s:L,s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local,
                            "x_cols", (long long)i->x_cols, "y_cols", (long long)i->y_cols);
@@ -125,6 +170,7 @@ static PyGetSetDef lin_getset[] = {
     {"grad_weight", lin_get, NULL, "gradient of the weight shard (a view)", (void *)2},
     {"grad_bias", lin_get, NULL, "gradient of the bias (a view), or None", (void *)3},
     {"shard", lin_get, NULL, "offset/local of the split dimension, input/output columns", (void *)4},
+    {"device", lin_get, NULL, "'cpu:0' or 'cuda:N'", (void *)5},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -151,7 +197,8 @@ PyType_Spec lin_spec = {
     .slots = lin_slots,
 };
 
-PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner) {
+PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner,
+                          tp_device_t device, int device_id) {
   LinearObject *l = (LinearObject *)st->LinearType->tp_alloc(st->LinearType, 0);
   if (!l) return NULL;
   l->L = L;
@@ -160,5 +207,7 @@ PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *
   l->comm = comm;
   Py_INCREF(owner);
   l->owner = owner;
+  l->device = device;
+  l->device_id = device_id;
   return (PyObject *)l;
 }

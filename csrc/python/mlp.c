@@ -10,17 +10,19 @@ typedef struct {
   tp_parallel_mlp_t M;
   CommObject *comm;
   int64_t hidden;
+  tp_device_t device; /* where its parameters and tensors live */
+  int device_id;
 } MLPObject;
 
 static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"comm", "hidden", "ffn_hidden", "activation", "bias", "partition", "seed", NULL};
-  PyObject *commo, *part = Py_None, *hidden_o, *ffn_o, *seed_o = NULL;
+  static char *kwlist[] = {"comm", "hidden", "ffn_hidden", "activation", "bias", "partition", "seed", "device", NULL};
+  PyObject *commo, *part = Py_None, *hidden_o, *ffn_o, *seed_o = NULL, *dev_o = Py_None;
   const char *actname;
   long long hidden, ffn;
   int bias = 1;
   uint64_t seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOs|pOO:ParallelMLP", kwlist, &commo, &hidden_o, &ffn_o, &actname,
-                                   &bias, &part, &seed_o))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOs|pOOO:ParallelMLP", kwlist, &commo, &hidden_o, &ffn_o, &actname,
+                                   &bias, &part, &seed_o, &dev_o))
     return NULL;
   if (int_arg(hidden_o, "ParallelMLP", "hidden", 1, DIM_MAX, &hidden) < 0 ||
       int_arg(ffn_o, "ParallelMLP", "ffn_hidden", 1, DIM_MAX, &ffn) < 0 ||
@@ -35,6 +37,7 @@ static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.ffn_hidden = ffn;
   cfg.bias = bias;
   cfg.seed = seed;
+  if (parse_device(dev_o, "ParallelMLP", &cfg.device, &cfg.device_id) < 0) return NULL;
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *sizes;
@@ -50,6 +53,8 @@ static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   PyMem_Free(sizes);
   if (!layer_made((PyObject *)self, &self->comm, co, s, st, "ParallelMLP")) return NULL;
   self->hidden = hidden;
+  self->device = cfg.device;
+  self->device_id = cfg.device_id;
   return (PyObject *)self;
 }
 
@@ -59,12 +64,23 @@ static void mlp_dealloc(PyObject *o) {
   layer_free(o, self->comm);
 }
 
+static tp_status_t mlp_fwd(void *m, const tp_tensor *y, const tp_tensor *x) {
+  return tp_parallel_mlp_forward((tp_parallel_mlp_t)m, y, x, NULL);
+}
+static tp_status_t mlp_bwd(void *m, const tp_tensor *dx, const tp_tensor *dy) {
+  return tp_parallel_mlp_backward((tp_parallel_mlp_t)m, dx, dy, NULL);
+}
+
 static PyObject *mlp_call(PyObject *o, PyObject *args, int backward) {
   MLPObject *self = (MLPObject *)o;
   const char *op = backward ? "backward" : "forward";
   PyObject *x, *out = Py_None;
   if (!PyArg_ParseTuple(args, backward ? "O|O:backward" : "O|O:forward", &x, &out)) return NULL;
   if (!live(self->comm, op)) return NULL;
+  if (self->device != TP_DEVICE_CPU) /* a GPU MLP: device tensors in, a DeviceArray out */
+    return device_layer_call(state_of_type(Py_TYPE(o)), self->comm, backward ? "ParallelMLP.backward" :
+                             "ParallelMLP.forward", backward ? "dy" : "x", self->device, self->device_id, self->hidden,
+                             self->hidden, x, out, backward ? mlp_bwd : mlp_fwd, self->M, backward);
   int64_t M;
   if (matrix_arg(x, op, backward ? "dy" : "x", self->hidden, &M) < 0) return NULL;
   PyObject *y = layer_output(out, op, M, self->hidden);
@@ -93,7 +109,8 @@ static PyObject *mlp_layer(PyObject *o, void *which) {
   MLPObject *self = (MLPObject *)o;
   module_state *st = state_of_type(Py_TYPE(o));
   if (!st) return NULL;
-  return linear_borrowed(st, tp_parallel_mlp_layer(self->M, (int)(intptr_t)which), self->comm, o);
+  return linear_borrowed(st, tp_parallel_mlp_layer(self->M, (int)(intptr_t)which), self->comm, o, self->device,
+                         self->device_id);
 }
 
 static PyGetSetDef mlp_getset[] = {

@@ -95,6 +95,9 @@ static int module_exec(PyObject *m) {
   if (!st->XentType) return -1;
   st->BlockType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &blk_spec, NULL);
   if (!st->BlockType) return -1;
+  st->DeviceArrayType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &devarray_spec, NULL);
+  if (!st->DeviceArrayType) return -1;
+  if (PyModule_AddFunctions(m, devarray_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, kernel_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, partition_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, cuda_methods) < 0) return -1;
@@ -106,7 +109,8 @@ static int module_exec(PyObject *m) {
       PyModule_AddObjectRef(m, "ParallelMLP", (PyObject *)st->MLPType) < 0 ||
       PyModule_AddObjectRef(m, "VocabEmbedding", (PyObject *)st->EmbeddingType) < 0 ||
       PyModule_AddObjectRef(m, "VocabCrossEntropy", (PyObject *)st->XentType) < 0 ||
-      PyModule_AddObjectRef(m, "TransformerBlock", (PyObject *)st->BlockType) < 0)
+      PyModule_AddObjectRef(m, "TransformerBlock", (PyObject *)st->BlockType) < 0 ||
+      PyModule_AddObjectRef(m, "DeviceArray", (PyObject *)st->DeviceArrayType) < 0)
     return -1;
   return 0;
 }
@@ -123,6 +127,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->EmbeddingType);
     Py_VISIT(st->XentType);
     Py_VISIT(st->BlockType);
+    Py_VISIT(st->DeviceArrayType);
   }
   return 0;
 }
@@ -139,6 +144,7 @@ static int module_clear(PyObject *m) {
     Py_CLEAR(st->EmbeddingType);
     Py_CLEAR(st->XentType);
     Py_CLEAR(st->BlockType);
+    Py_CLEAR(st->DeviceArrayType);
   }
   return 0;
 }

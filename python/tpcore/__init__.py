@@ -40,6 +40,8 @@ from .checkpoint import CheckpointError, load, save
 from .transformer import Config, ParallelAttention, TransformerBlock
 from . import models
 from .spawn import RankExitedError, spawn
+from ._array import DeviceArray, from_dlpack
+from ._array import asarray_device as asarray
 
 _cleanup.forget_life_fd_in_children()
 
@@ -49,7 +51,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "partition", "optim",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
-           "__version__"]
+           "DeviceArray", "asarray", "from_dlpack", "__version__"]
 
 _BACKENDS = ("auto", "shm", "nccl")
 

@@ -84,8 +84,9 @@ def check_host(x, name: str, op: str) -> None:
     short = DLPACK_DEVICES.get(dev[0], "")
     devices = build_devices()
     if short in devices:  # a build with that device: the Python layers still take host arrays
-        raise TypeError(f"{op}: {name} is a {kind} tensor (DLPack device {device_text(dev)}); {op} takes host "
-                        f"(CPU) arrays in this version; copy it to the host first")
+        raise TypeError(f"{op}: {name} is a {kind} tensor (DLPack device {device_text(dev)}) but this {op} is on "
+                        f"the CPU (cpu:0); copy it to the host first, or make the layer with device='"
+                        f"{device_text(dev)}' where it takes one")
     raise TypeError(f"{op}: {name} is a {kind} tensor (DLPack device {device_text(dev)}); this build of tpcore "
                     f"has no {kind} support (tpcore.build_info() lists the devices: {', '.join(devices)})")
 
@@ -121,3 +122,175 @@ def asarray(x, name: str, op: str, dtype=None) -> np.ndarray:
         else:
             x = _from_dlpack(x, name, op)
     return np.asarray(x) if dtype is None else np.asarray(x, dtype=dtype)
+
+
+# ---------------------------------------------------------------- device arrays
+# tpcore.DeviceArray (csrc/python/devarray.c) holds memory of one device and is
+# tpcore's DLPack producer; _C.from_dlpack is its C consumer (csrc/python/dlpack.c).
+
+DeviceArray = _C.DeviceArray
+
+
+def cuda_available() -> bool:
+    """tpcore.cuda_available() when the CUDA loader is there, else False."""
+    import tpcore
+    return bool(getattr(tpcore, "cuda_available", lambda: False)())
+
+
+def resolve_device(device, who: str) -> Tuple[str, int]:
+    """('cpu', 0) for None or 'cpu'; ('cuda', N) for 'cuda:N', and for 'cuda' the rank's
+    GPU (device 0 when CUDA_VISIBLE_DEVICES names one GPU, as tpcore.launch --gpus
+    sets it, else LOCAL_RANK).  A device this process lacks is an error naming `who`."""
+    if device is None:
+        return "cpu", 0
+    if not isinstance(device, str):
+        raise TypeError(f"{who}: device must be a string such as 'cpu', 'cuda' or 'cuda:1', got "
+                        f"{type(device).__name__}")
+    try:
+        kind, idx = _C.parse_device(device)
+    except (ValueError, RuntimeError, TypeError) as e:
+        msg = str(e).replace("parse_device: ", "", 1)
+        raise type(e)(f"{who}: {msg}") from None
+    return str(kind), int(idx)
+
+
+def device_string(dev: Tuple[str, int]) -> str:
+    return f"{dev[0]}:{dev[1]}"
+
+
+def asarray_device(x, device=None, dtype=None, copy=None) -> "DeviceArray":
+    """tpcore.asarray: x (a DeviceArray, any DLPack tensor, a NumPy array, a list) as a
+    tpcore.DeviceArray on `device` (None: where x is; host data: the CPU).
+
+    copy=None: reuse x's memory when it is already on that device with that dtype, else
+    copy; copy=True: always a new array; copy=False: never copy (a ValueError when a copy
+    is needed).  Host data goes to a GPU by a copy."""
+    if copy not in (None, True, False):
+        raise TypeError(f"asarray: copy must be None, True or False, got {copy!r}")
+    if isinstance(x, DeviceArray) or (hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray)):
+        if dtype is None:
+            return _C.asarray(x, device=device, copy=copy)
+        # a dtype change: through the host (a copy)
+        if copy is False:
+            raise ValueError("asarray: changing the dtype needs a copy, and copy=False was asked")
+        x = x.to_numpy() if isinstance(x, DeviceArray) else _from_host_dlpack(x, "x", "asarray")
+    src = x
+    arr = np.asarray(src, dtype=_np_dtype(dtype) if dtype is not None else None)
+    copied = not (isinstance(src, np.ndarray) and np.shares_memory(arr, src))
+    if not arr.flags.c_contiguous:
+        arr, copied = np.ascontiguousarray(arr), True
+    if copied and copy is False:
+        raise ValueError("asarray: x is not a C-contiguous array of that dtype in memory; converting it needs a "
+                         "copy, and copy=False was asked")
+    return _C.asarray(arr, device=device, copy=None if copied and copy else copy)
+
+
+def _from_host_dlpack(x, name, op):
+    try:
+        return _C.from_dlpack(x, op=op, name=name).to_numpy()
+    except TypeError:
+        return _from_dlpack(x, name, op)
+
+
+def _np_dtype(dtype):
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def from_dlpack(x, writable: bool = False) -> "DeviceArray":
+    """A tpcore.DeviceArray viewing x's memory (any DLPack producer; no copy)."""
+    return _C.from_dlpack(x, writable=writable)
+
+
+def device_of(x) -> Optional[Tuple[str, int]]:
+    """('cuda', N) / ('cpu', 0) of a DLPack producer, None for plain host data."""
+    if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack_device__"):
+        return None
+    dev = dlpack_device(x, "x", "device_of")
+    if dev is None:
+        return None
+    if dev[0] in HOST_DEVICES:
+        return "cpu", 0
+    return DLPACK_DEVICES.get(dev[0], f"dlpack-device-{dev[0]}"), dev[1]
+
+
+def check_on_device(x, name: str, who: str, device: Tuple[str, int]) -> None:
+    """A TypeError naming the layer, the argument and both devices unless x lives on
+    `device` (host data counts as the CPU)."""
+    have = device_of(x) or ("cpu", 0)
+    if have[0] == "cpu" and device[0] == "cpu":
+        return
+    if have != device:
+        raise TypeError(f"{who}: {name} is on {device_string(have)} but the layer is on {device_string(device)}; "
+                        f"move it first (tpcore.asarray({name}, device='{device_string(device)}'))")
+
+
+# ------------------------------------------------- collectives on device arrays
+# The host-staged path (device -> host, the backend's collective, host -> device), for
+# backends that move host memory only (shm).  A backend that takes device buffers
+# itself (NCCL) is not staged: Comm asks `staged(comm, ...)` first.
+
+def _on_gpu(x) -> bool:
+    """x is a CUDA device tensor (not host memory)."""
+    if x is None or isinstance(x, np.ndarray) or not hasattr(x, "__dlpack_device__"):
+        return False
+    dev = dlpack_device(x, "x", "collective")
+    return dev is not None and dev[0] == 2
+
+
+def staged(comm, *xs) -> bool:
+    """True when a collective of comm on xs goes through the host-staged path: one of
+    them is a CUDA tensor, this process can use CUDA (else the collective refuses the
+    tensor by name, as before) and the backend moves host memory only."""
+    return any(_on_gpu(x) for x in xs) and comm.backend != "nccl" and _C.device_count("cuda") > 0
+
+
+def _to_host(t, arg, op):
+    """A host array for t: t itself when it is host data (written in place), else a
+    host copy of the device tensor (synchronised)."""
+    if t is None or not _on_gpu(t):
+        return t
+    return _C.from_dlpack(t, op=op, name=arg).to_numpy()
+
+
+def _back(target, host_arr, arg, op):
+    """host_arr into target when target is a device tensor (host targets were used
+    in place)."""
+    if _on_gpu(target):
+        _C.from_dlpack(target, writable=True, op=op, name=arg).copy_from(np.ascontiguousarray(host_arr))
+
+
+def staged_collective(comm, name: str, x, *args, out=None, **kw):
+    """comm.<name>(x, ...) with device tensors staged through host memory.  The
+    results land where the direct call puts them: in place on x (or out) for
+    all_reduce, broadcast, reduce and recv; a new DeviceArray on x's device (or out)
+    for all_gather and reduce_scatter; into out for sendrecv."""
+    hx = _to_host(x, "x", name)
+    fn = getattr(comm, name)
+    if name == "send":
+        return fn(hx, *args, **kw)
+    if name == "sendrecv":  # sendrecv(x, dst, out, src)
+        dst, o, src = args
+        ho = _to_host(o, "out", name)
+        fn(hx, dst, ho, src)
+        _back(o, ho, "out", name)
+        return o
+    if name == "recv":
+        fn(hx, *args, **kw)
+        _back(x, hx, "x", name)
+        return x
+    ho = _to_host(out, "out", name)
+    res = fn(hx, *args, out=ho, **kw)
+    if name in ("all_gather", "reduce_scatter"):
+        if out is not None:
+            _back(out, ho, "out", name)
+            return out
+        dev = device_of(x) or ("cpu", 0)
+        return asarray_device(res, device=device_string(dev)) if dev[0] != "cpu" else res
+    if out is not None:  # all_reduce, broadcast, reduce into out
+        _back(out, ho, "out", name)
+        return out
+    _back(x, hx, "x", name)
+    return x

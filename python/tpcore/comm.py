@@ -2,7 +2,9 @@
 
 `Comm` wraps the C communicator (`tpcore._C.Comm`) with NumPy conveniences:
 arrays of any shape, `axis=` for gather and scatter, new output arrays, DLPack
-inputs (_array.py: a tensor on another device is refused by name).  All data
+inputs (_array.py: a tensor on another device is refused by name).  Device (GPU)
+tensors over a backend that moves host memory (shm) take the host-staged path
+(_array.staged_collective); the NCCL backend takes them directly.  All data
 movement and arithmetic happen in C with the GIL released.
 
 Semantics follow NCCL / torch.distributed: every rank calls the same
@@ -20,6 +22,7 @@ import numpy as np
 from . import _C
 from ._args import is_int, real_arg, shown
 from ._array import as_array  # noqa: F401  (also tpcore.comm.as_array, as before)
+from ._array import staged, staged_collective
 
 CommError = _C.CommError
 CommTimeout = _C.CommTimeout
@@ -116,6 +119,8 @@ class Comm:
         if out is None and type(x) is np.ndarray:  # the common case, kept short
             self._c.all_reduce(x, x, op)
             return x
+        if staged(self, x, out):  # device tensors over a host backend
+            return staged_collective(self, "all_reduce", x, op=op, out=out)
         a = as_array(x, "x", "all_reduce")
         o = a if out is None else as_array(out, "out", "all_reduce")
         if o.shape != a.shape:
@@ -131,6 +136,8 @@ class Comm:
                 return self._c.all_gather(x, None)
             if type(out) is np.ndarray and out.shape == (x.shape[0] * self._size,) + x.shape[1:]:
                 return self._c.all_gather(x, out)
+        if staged(self, x, out):
+            return staged_collective(self, "all_gather", x, axis=axis, sizes=sizes, out=out)
         a = as_array(x, "x", "all_gather")
         if a.ndim == 0:
             a = a.reshape(1)
@@ -163,6 +170,8 @@ class Comm:
                 return self._c.reduce_scatter(x, None, op)
             if type(out) is np.ndarray and out.shape == (x.shape[0] // self._size,) + x.shape[1:]:
                 return self._c.reduce_scatter(x, out, op)
+        if staged(self, x, out):
+            return staged_collective(self, "reduce_scatter", x, op=op, axis=axis, sizes=sizes, out=out)
         a = as_array(x, "x", "reduce_scatter")
         _check_op(op, "reduce_scatter")
         if a.ndim == 0:
@@ -198,6 +207,8 @@ class Comm:
         if out is None and type(x) is np.ndarray and type(root) is int and 0 <= root < self._size:
             self._c.broadcast(x, x, root)  # the common case
             return x
+        if staged(self, x, out):
+            return staged_collective(self, "broadcast", x, root=root, out=out)
         a = as_array(x, "x", "broadcast")
         self._check_rank(root, "broadcast", "root")
         o = a if out is None else as_array(out, "out", "broadcast")
@@ -209,6 +220,8 @@ class Comm:
     def reduce(self, x, root: int = 0, op: str = "sum", out=None):
         """Reduce x over ranks onto root: in place on root's x (other ranks' x is
         left as it was), or into out on root.  Returns x (or out)."""
+        if staged(self, x, out):
+            return staged_collective(self, "reduce", x, root=root, op=op, out=out)
         a = as_array(x, "x", "reduce")
         self._check_rank(root, "reduce", "root")
         o = a if out is None else as_array(out, "out", "reduce")
@@ -222,11 +235,15 @@ class Comm:
         Returns once the data is copied out, at most a few chunks ahead of the
         receiver; use sendrecv for rings and exchanges."""
         self._check_rank(peer, "send", "peer")
+        if staged(self, x):
+            return staged_collective(self, "send", x, peer)
         self._c.send(as_array(x, "x", "send"), peer)
 
     def recv(self, x, peer: int):
         """Receive into x from peer; returns x."""
         self._check_rank(peer, "recv", "peer")
+        if staged(self, x):
+            return staged_collective(self, "recv", x, peer)
         a = as_array(x, "x", "recv")
         if not a.flags.writeable:
             raise ValueError("recv: x is read-only, but recv writes the received data into it")
@@ -237,6 +254,8 @@ class Comm:
         """Send x to dst and receive out from src at the same time; returns out."""
         self._check_rank(dst, "sendrecv", "dst")
         self._check_rank(src, "sendrecv", "src")
+        if staged(self, x, out):
+            return staged_collective(self, "sendrecv", x, dst, out, src)
         self._c.sendrecv(as_array(x, "x", "sendrecv"), dst, as_array(out, "out", "sendrecv"), src)
         return out
 

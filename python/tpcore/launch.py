@@ -1,4 +1,5 @@
 """python -m tpcore.launch -n N [options] script.py args...   (or -m module args...)
+   python -m tpcore.launch --gpus N script.py ...            (one rank per GPU)
 
 Starts N ranks of one job on this host, one process each, with the variables
 tpcore.init() reads (and torchrun's: RANK, WORLD_SIZE, LOCAL_RANK,
@@ -7,6 +8,11 @@ with its rank.  When a rank exits non-zero or is killed, the others are
 stopped (SIGTERM, then SIGKILL after --grace seconds) and the launcher exits
 with that rank's code (128 + signal for a signal).  Ctrl-C stops all ranks.
 Ranks die with the launcher (PR_SET_PDEATHSIG), so none is ever orphaned.
+
+--gpus N starts N ranks, one GPU each: rank r gets CUDA_VISIBLE_DEVICES=<the r-th
+visible GPU> and LOCAL_RANK=r, so device="cuda" in the rank is its own GPU.
+Without -n, --gpus or TPCORE_NPROC, a machine where CUDA is usable starts one rank
+per visible GPU.  Asking for more GPUs than are visible is an error.
 """
 from __future__ import annotations
 
@@ -37,6 +43,9 @@ def _parse(argv):
         description="Run a script or module on N local ranks of one tpcore job.")
     p.add_argument("-n", "--nproc", type=int, default=None,
                    help="number of ranks (default: TPCORE_NPROC, else 2)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="one GPU per rank: start this many ranks, each with CUDA_VISIBLE_DEVICES naming its own "
+                        "GPU and LOCAL_RANK set (like torchrun); refused when fewer GPUs are visible")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any one communicator wait may take (sets TPCORE_TIMEOUT)")
     p.add_argument("--grace", type=float, default=5.0,
@@ -47,7 +56,7 @@ def _parse(argv):
     # Everything after the module name (or the script) belongs to it, options included
     # (`-m tpcore.demo --iters 2`): argparse alone would take `--iters` as the launcher's.
     argv = list(sys.argv[1:] if argv is None else argv)
-    takes_value = {"-n", "--nproc", "--timeout", "--grace"}
+    takes_value = {"-n", "--nproc", "--gpus", "--timeout", "--grace"}
     i, tail = 0, []
     while i < len(argv):
         a = argv[i]
@@ -63,6 +72,20 @@ def _parse(argv):
         i += 1
     ns = p.parse_args(argv)
     ns.args = list(ns.args) + tail
+    ns.gpu_ids = None
+    if ns.gpus is not None:
+        if ns.gpus < 1:
+            p.error(f"--gpus must be >= 1, got {ns.gpus}")
+        if ns.nproc is not None and ns.nproc != ns.gpus:
+            p.error(f"-n {ns.nproc} and --gpus {ns.gpus} disagree: --gpus starts one rank per GPU (give one of them)")
+        visible, why = visible_gpus()
+        if ns.gpus > len(visible):
+            p.error(f"--gpus {ns.gpus}: asked for {ns.gpus} GPU{'s' if ns.gpus != 1 else ''} but {why}")
+        ns.nproc, ns.gpu_ids = ns.gpus, visible[:ns.gpus]
+    elif ns.nproc is None and "TPCORE_NPROC" not in os.environ:
+        visible, _ = visible_gpus()
+        if visible:  # CUDA is usable: one rank per visible GPU
+            ns.nproc, ns.gpu_ids = len(visible), visible
     if ns.nproc is None:
         ns.nproc = int(os.environ.get("TPCORE_NPROC", "2"))
     if ns.nproc < 1:
@@ -72,6 +95,34 @@ def _parse(argv):
     if ns.timeout is not None and ns.timeout <= 0:
         p.error(f"--timeout must be > 0, got {ns.timeout}")
     return ns
+
+
+def visible_gpus():
+    """([the CUDA_VISIBLE_DEVICES entry of each GPU this launcher may hand out], a phrase
+    saying how many there are and why).  With CUDA_VISIBLE_DEVICES set, its entries
+    (indices or UUIDs), as many as CUDA itself counts; else 0..count-1.  No CUDA: []."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        from . import _C
+        import tpcore
+        ok = bool(getattr(tpcore, "cuda_available", lambda: False)())
+        count = _C.device_count("cuda") if ok else 0
+        status = _C.cuda_status()
+    except Exception as e:  # noqa: BLE001 - an unusable extension: no GPUs to hand out
+        count, status = 0, f"tpcore's CUDA support could not be loaded ({type(e).__name__}: {e})"
+    if count == 0:
+        return [], f"CUDA is not available here: {status}"
+    ids = [str(i) for i in range(count)]
+    if env is not None:
+        ids = [e.strip() for e in env.split(",") if e.strip()][:count]
+        return ids, f"only {len(ids)} GPU{'s are' if len(ids) != 1 else ' is'} visible (CUDA_VISIBLE_DEVICES={env!r})"
+    return ids, f"only {count} GPU{'s are' if count != 1 else ' is'} visible ({status})"
+
+
+def gpu_env(rank: int, gpu_ids) -> dict:
+    """The variables that bind rank `rank` to its GPU (one each, as torchrun's users do):
+    CUDA_VISIBLE_DEVICES names that GPU alone, so device 'cuda' is it in the rank."""
+    return {"CUDA_VISIBLE_DEVICES": str(gpu_ids[rank]), "LOCAL_RANK": str(rank)}
 
 
 def _pump(stream, relay):
@@ -131,6 +182,8 @@ def run(argv=None) -> int:
         # All processes first, then the reader threads (preexec_fn and threads do not mix).
         for r in range(n):
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), TPCORE_ERROR_FD=str(err_w))
+            if ns.gpu_ids is not None:
+                env.update(gpu_env(r, ns.gpu_ids))
             if life_w is not None:
                 env[_cleanup.LIFE_FD_VAR] = str(life_w)
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

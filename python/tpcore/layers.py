@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _C
 from ._args import bool_arg, int_arg, is_int, seed_arg, shown
-from ._array import as_array, asarray
+from ._array import DeviceArray, as_array, asarray, check_on_device, device_string, from_dlpack, resolve_device
 from .comm import Comm
 
 
@@ -157,7 +157,7 @@ class _ParallelLinear:
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True,
                  gather_output: bool = False, input_is_parallel: bool = True, partition=None,
-                 dtype="float32", seed: int = 0, gated: bool = False):
+                 dtype="float32", seed: int = 0, gated: bool = False, device=None):
         if not isinstance(comm, Comm):
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, type(self).__name__)
@@ -170,20 +170,23 @@ class _ParallelLinear:
         split = out_features if self._kind == "column" else in_features
         sizes = _sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features",
                        f"{type(self).__name__}: partition")
+        self.device = resolve_device(device, type(self).__name__)
         self.comm = comm
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.gated = bool(gated)
+        kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
         self._c = _C.ParallelLinear(comm._c, self._kind, self.in_features, self.out_features, bool(bias),
-                                    bool(gather_output), bool(input_is_parallel), sizes, seed, self.gated)
+                                    bool(gather_output), bool(input_is_parallel), sizes, seed, self.gated, **kw)
         shard = self._c.shard
         self.offset, self.local = shard["offset"], shard["local"]
         self._x_cols, self._y_cols = shard["x_cols"], shard["y_cols"]
         self.partition = check_partition(comm, self.offset, self.local, split, type(self).__name__)
 
     @classmethod
-    def _adopt(cls, cobj, comm: Comm, in_features: int, out_features: int, gated: bool):
+    def _adopt(cls, cobj, comm: Comm, in_features: int, out_features: int, gated: bool, device=("cpu", 0)):
         """A Python face for a C layer owned by another object (an MLP's fc1/fc2)."""
         self = cls.__new__(cls)
+        self.device = device
         self.comm, self.in_features, self.out_features, self.gated, self._c = comm, in_features, out_features, gated, cobj
         shard = cobj.shard
         self.offset, self.local = shard["offset"], shard["local"]
@@ -233,7 +236,22 @@ class _ParallelLinear:
         lead = x32.shape[:-1]
         return x32.reshape(math.prod(lead), cols), lead, (None if src.dtype == np.float32 else src.dtype)
 
+    def _device_rows(self, x, name, cols, who=None):
+        """A GPU layer's input: any DLPack tensor on its device, viewed as (M, cols)."""
+        who = who or type(self).__name__
+        check_on_device(x, name, who, self.device)
+        xa = from_dlpack(x)
+        if xa.ndim < 1 or xa.shape[-1] != cols:
+            raise ValueError(f"{who}: {name} must have shape (..., {cols}), got {xa.shape}")
+        lead = xa.shape[:-1]
+        return xa.reshape((math.prod(lead), cols)), lead
+
     def forward(self, x: np.ndarray) -> np.ndarray:
+        """y for x (..., x_cols).  On a GPU layer: x any DLPack tensor on its device, y a
+        tpcore.DeviceArray there."""
+        if self.device[0] != "cpu":
+            x2, lead = self._device_rows(x, "x", self._x_cols)
+            return self._c.forward(x2).reshape(lead + (self._y_cols,))
         x2, lead, dt = self._rows(x, "x", self._x_cols)
         return _back(self._c.forward(x2).reshape(lead + (self._y_cols,)), dt)
 
@@ -241,6 +259,9 @@ class _ParallelLinear:
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
         """Input gradient for the last forward; accumulates grad_weight / grad_bias."""
+        if self.device[0] != "cpu":
+            dy2, lead = self._device_rows(dy, "dy", self._y_cols)
+            return self._c.backward(dy2).reshape(lead + (self._x_cols,))
         dy2, lead, dt = self._rows(dy, "dy", self._y_cols)
         return _back(self._c.backward(dy2).reshape(lead + (self._x_cols,)), dt)
 
@@ -255,12 +276,12 @@ class ColumnParallelLinear(_ParallelLinear):
     _kind = "column"
 
     def __init__(self, in_features, out_features, comm, bias=True, gather_output=False, partition=None,
-                 dtype="float32", seed=0, gated=False):
+                 dtype="float32", seed=0, gated=False, device=None):
         """gated=True: the full weight is [W_gate; W_up] of shape (2 out, in); a rank
         holds its gate rows and its up rows and outputs [gate_r | up_r] from one GEMM
         (for SwiGLU)."""
         super().__init__(in_features, out_features, comm, bias=bias, gather_output=gather_output,
-                         partition=partition, dtype=dtype, seed=seed, gated=gated)
+                         partition=partition, dtype=dtype, seed=seed, gated=gated, device=device)
 
     def _rows_of_full(self):
         lo, hi = self.offset, self.offset + self.local
@@ -283,8 +304,8 @@ class ColumnParallelLinear(_ParallelLinear):
         """The full (W, b), rebuilt from every rank's shard (collective)."""
         g = 2 if self.gated else 1
         sizes = [g * s for _, s in self.partition]
-        W = self.comm.all_gather(np.ascontiguousarray(self.weight), sizes=sizes)
-        b = None if self.bias is None else self.comm.all_gather(np.ascontiguousarray(self.bias), sizes=sizes)
+        W = self.comm.all_gather(_host(self.weight), sizes=sizes)
+        b = None if self.bias is None else self.comm.all_gather(_host(self.bias), sizes=sizes)
         if self.gated:  # rank-major [gate_r; up_r] blocks -> [all gates; all ups]
             order = np.concatenate([np.arange(g * o, g * o + s) for o, s in self.partition] +
                                    [np.arange(g * o + s, g * o + 2 * s) for o, s in self.partition])
@@ -299,9 +320,9 @@ class RowParallelLinear(_ParallelLinear):
     _kind = "row"
 
     def __init__(self, in_features, out_features, comm, bias=True, input_is_parallel=True, partition=None,
-                 dtype="float32", seed=0):
+                 dtype="float32", seed=0, device=None):
         super().__init__(in_features, out_features, comm, bias=bias, input_is_parallel=input_is_parallel,
-                         partition=partition, dtype=dtype, seed=seed)
+                         partition=partition, dtype=dtype, seed=seed, device=device)
 
     def load_full(self, W: np.ndarray, b: Optional[np.ndarray] = None) -> None:
         """Keep this rank's columns of the full W (out, in), and the full b (out,)."""
@@ -314,9 +335,24 @@ class RowParallelLinear(_ParallelLinear):
 
     def gather_full(self) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         sizes = [s for _, s in self.partition]
-        W = self.comm.all_gather(np.ascontiguousarray(self.weight), axis=1, sizes=sizes)
-        b = None if self.bias is None else self.bias.copy()
+        W = self.comm.all_gather(_host(self.weight), axis=1, sizes=sizes)
+        b = None if self.bias is None else _host(self.bias).copy()
         return W, b
+
+
+def _host(a) -> np.ndarray:
+    """A parameter as a host array (a GPU layer's parameters are DeviceArrays: copied)."""
+    return a.to_numpy() if isinstance(a, DeviceArray) else np.ascontiguousarray(a)
+
+
+def _device_only_cpu(device, who: str) -> None:
+    """Layers whose Python face runs on the CPU only in this version: device='cuda' is
+    checked (a clear error without CUDA) and then refused, never silently on the CPU."""
+    dev = resolve_device(device, who)
+    if dev[0] != "cpu":
+        raise NotImplementedError(f"{who}: device='{device_string(dev)}' is not supported by {who} in this version "
+                                  f"(ColumnParallelLinear, RowParallelLinear and ParallelMLP take device='cuda'); "
+                                  f"use device='cpu'")
 
 
 def _load_bias(layer, b, sel, n):
@@ -344,7 +380,8 @@ class ParallelMLP:
     fc1 and fc2 are views of its layers (weights, grads, load_full, gather_full)."""
 
     def __init__(self, hidden: int, ffn_hidden: int, comm: Comm, activation: str = "gelu", bias: bool = True,
-                 partition=None, dtype="float32", seed: int = 0):
+                 partition=None, dtype="float32", seed: int = 0, device=None):
+        self.device = resolve_device(device, "ParallelMLP")
         if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise (ValueError if isinstance(activation, str) else TypeError)(
                 f"ParallelMLP: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {shown(activation)}")
@@ -357,9 +394,11 @@ class ParallelMLP:
         ffn_hidden = int_arg(ffn_hidden, "ParallelMLP", "ffn_hidden", lo=1)
         sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden", "ParallelMLP: partition")
         self.activation, self.comm, self.hidden = activation, comm, int(hidden)
-        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed)
-        self.fc1 = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden), activation == "swiglu")
-        self.fc2 = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False)
+        kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
+        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed, **kw)
+        self.fc1 = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden), activation == "swiglu",
+                                               self.device)
+        self.fc2 = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False, self.device)
 
     def parameters(self):
         return self.fc1.parameters() + self.fc2.parameters()
@@ -369,11 +408,19 @@ class ParallelMLP:
         self.fc2.zero_grad()
 
     def forward(self, x: np.ndarray) -> np.ndarray:
+        """y for x (..., hidden).  On a GPU MLP: x any DLPack tensor on its device, y a
+        tpcore.DeviceArray there."""
+        if self.device[0] != "cpu":
+            x2, lead = self.fc1._device_rows(x, "x", self.hidden, "ParallelMLP")
+            return self._c.forward(x2).reshape(lead + (self.hidden,))
         x2, lead, dt = self.fc1._rows(x, "x", self.hidden)
         return _back(self._c.forward(x2).reshape(lead + (self.hidden,)), dt)
 
     __call__ = forward
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
+        if self.device[0] != "cpu":
+            dy2, lead = self.fc2._device_rows(dy, "dy", self.hidden, "ParallelMLP")
+            return self._c.backward(dy2).reshape(lead + (self.hidden,))
         dy2, lead, dt = self.fc2._rows(dy, "dy", self.hidden)
         return _back(self._c.backward(dy2).reshape(lead + (self.hidden,)), dt)

@@ -34,7 +34,7 @@ from ._array import asarray
 from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
-from .layers import ACTIVATIONS, _sizes, as_float32, check_partition, partition
+from .layers import ACTIVATIONS, _device_only_cpu, _sizes, as_float32, check_partition, partition
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -208,7 +208,8 @@ class TransformerBlock:
     _attention_only = False
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, head_partition: Optional[Sequence[int]] = None,
-                 ffn_partition=None):
+                 ffn_partition=None, device=None):
+        _device_only_cpu(device, type(self).__name__)
         if not isinstance(comm, Comm):
             raise TypeError(f"TransformerBlock: comm must be a tpcore.Comm, got {type(comm).__name__}")
         if not isinstance(config, Config):

@@ -24,7 +24,7 @@ from . import _C
 from ._args import int_arg, int_array, real_arg, seed_arg
 from ._array import asarray, check_host
 from .comm import Comm
-from .layers import _sizes, as_float32, check_param_dtype, check_partition, float_param
+from .layers import _device_only_cpu, _sizes, as_float32, check_param_dtype, check_partition, float_param
 
 
 def _tokens(tokens, name="tokens", who="VocabParallelEmbedding"):
@@ -42,7 +42,8 @@ class VocabParallelEmbedding:
     size and partition."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, partition=None, seed: int = 0,
-                 dtype="float32"):
+                 dtype="float32", device=None):
+        _device_only_cpu(device, "VocabParallelEmbedding")
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "VocabParallelEmbedding")
@@ -109,7 +110,8 @@ class VocabParallelCrossEntropy:
     forward are kept (not copied) until the next forward: do not modify them
     before backward."""
 
-    def __init__(self, comm: Comm, ignore_index: int = -100):
+    def __init__(self, comm: Comm, ignore_index: int = -100, device=None):
+        _device_only_cpu(device, "VocabParallelCrossEntropy")
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelCrossEntropy: comm must be a tpcore.Comm, got {type(comm).__name__}")
         self.comm = comm
