@@ -28,20 +28,16 @@
 
 #include <stdlib.h>
 
-/* Provided by the CUDA loader when the core has it (weak: this file builds and links
- * against a core without it, and then CUDA is simply not available). */
-extern const char *tp_cuda_status(void) __attribute__((weak));
-extern tp_status_t tp_cuda_load(const char *path) __attribute__((weak));
 
 /* 1 when CUDA tensors can be used here; loads the CUDA plugin on first use. */
 int dlpack_cuda_usable(void) {
-  if (tp_cuda_load) (void)tp_cuda_load(NULL); /* once per process; later calls return the first result */
+  (void)tp_cuda_load(NULL); /* once per process; later calls return the first result */
   return tp_device_available(TP_DEVICE_CUDA);
 }
 
 const char *dlpack_cuda_status(void) {
   if (dlpack_cuda_usable()) return "available";
-  return tp_cuda_status ? tp_cuda_status() : "this build has no CUDA support";
+  return tp_cuda_status();
 }
 
 /* ------------------------------------------------------------ devices */
