@@ -20,6 +20,9 @@ static const acfg AC[] = {
     {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1},  /* a prefill continuing at position 10 */
     {0, 4, 4, 2, 2, 2, 0, 0, 0, 1, 0, 0},    /* no sequences */
     {2, 0, 0, 2, 1, 2, 0, 0, 0, 1, 0, 0},    /* no tokens */
+    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1},  /* decode over a long cache (CUDA: split-K), k_len 600 and 103 */
+    {1, 20, 20, 2, 2, 100, 0, 0, 0, 1, 1, 0}, /* a head size between the fused kernels' templates */
+    {1, 18, 18, 3, 1, 200, 0, 0, 0, 0, 0, 0}, /* a large head size, MQA */
 };
 #define NAC (sizeof AC / sizeof AC[0])
 
@@ -61,7 +64,8 @@ static void make(const acfg *c, ainst *x) {
     x->kc = rnd(x->nkv, -1, 1), x->vc = rnd(x->nkv, -1, 1);
     x->qpos = hmem((size_t)c->B * 8 + 8), x->klen = hmem((size_t)c->B * 8 + 8);
     for (int64_t b = 0; b < c->B; b++) {
-      x->qpos[b] = c->Tk == 13 ? (int64_t[]){0, 5, 11}[b % 3] : c->Tk - c->Tq;
+      x->qpos[b] = c->Tk == 13 ? (int64_t[]){0, 5, 11}[b % 3] : c->Tk == 600 ? (int64_t[]){597, 100}[b % 2]
+                                                                            : c->Tk - c->Tq;
       x->klen[b] = x->qpos[b] + c->Tq;
     }
   } else {
@@ -162,7 +166,7 @@ void case_attention_forward(void) {
       d.probs = dp, d.lse = dl;
       size_t need = K->attention_workspace(&d, 0);
       if (mode == 2 && need) need = (size_t)(64 * (d.Tk ? d.Tk : 1)) * sizeof(float); /* the CPU's block */
-      if (mode == 2 && DEV != TP_DEVICE_CPU) need = K->attention_workspace(&d, 0);
+      if (mode == 2 && strcmp(K->name, "cpu")) need = K->attention_workspace(&d, 0);
       void *ws = need ? dmem(need) : NULL;
       ok("attention_forward", K->attention_forward(NULL, &d, ws, need));
       float *got = hmem((size_t)(x.no > np ? (x.no > nl ? x.no : nl) : (np > nl ? np : nl)) * 4 + 4);
@@ -276,7 +280,7 @@ void case_attention_backward(void) {
       }
       float *dg = DPUTF(g0, x.nqkv);
       size_t need = K->attention_workspace(&d, 1);
-      if (mode % 2 && need && DEV == TP_DEVICE_CPU) /* the CPU's one block (two in the lse mode) */
+      if (mode % 2 && need && !strcmp(K->name, "cpu")) /* the CPU's one block (two in the lse mode) */
         need = (size_t)((mode == 3 ? 2 : 1) * 64 * (d.Tk ? d.Tk : 1)) * sizeof(float);
       void *ws = need ? dmem(need) : NULL;
       ok("attention_backward", K->attention_backward(NULL, &d, dg, dg + a->Hq * D, dg + (a->Hq + a->Hk) * D,
