@@ -24,6 +24,10 @@ def check_output(r):
     # the CPU table ran every entry, and each passed
     for e in entries:
         assert re.search(rf"^cpu {e}: ok ", out, re.M), f"cpu {e} did not pass:\n{out}"
+    # a process with a CUDA kernel table (a GPU machine) ran every entry on it too, on device memory
+    if not re.search(r"^device cuda: no kernel table", out, re.M):
+        for e in entries:
+            assert re.search(rf"^cuda {e}: ok ", out, re.M), f"cuda {e} did not pass:\n{out}"
     assert not re.search(r"FAIL", out), out
     for part in ("linear", "activations", "vocab, norms, rope", "attention, optimizers"):
         assert f"api {part}: ok" in out

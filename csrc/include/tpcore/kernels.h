@@ -145,7 +145,7 @@ TP_API tp_status_t tp_rope_apply(tp_stream_t stream, const tp_tensor *x, const t
 /* --------------------------------------------------------------- attention */
 /* Bytes of workspace forward (backward = 0) or backward needs for these arguments. */
 TP_API tp_status_t tp_attention_workspace_size(const tp_attention_args *args, int backward, size_t *nbytes);
-/* args->o overwritten (and args->probs when not NULL).  The (sequence, KV head) pairs are
+/* args->o overwritten (and args->probs, args->lse when not NULL).  The (sequence, KV head) pairs are
  * split over the rank's threads; causal queries go in blocks of 64 rows, each block's
  * GEMMs only over the keys it can see. */
 TP_API tp_status_t tp_attention_forward(tp_stream_t stream, const tp_attention_args *args,
