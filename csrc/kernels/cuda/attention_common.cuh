@@ -73,7 +73,7 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-/* Blocks for a grid-stride loop over n items with kThreads-wide... 256-thread blocks. */
+/* Blocks of `threads` for a grid-stride loop over n items (at most 65535 x 16). */
 static inline unsigned grid_for(int64_t n, int threads) {
   int64_t g = (n + threads - 1) / threads;
   return (unsigned)(g < 1 ? 1 : g > 65535 * 16 ? 65535 * 16 : g);
