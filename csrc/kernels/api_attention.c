@@ -48,9 +48,9 @@ static tp_status_t check_args(tp_kcall *c, const tp_attention_args *a, int backw
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->q or args->o is NULL", c->op);
   if (a->B && a->Tk && kw && (!a->k || !a->v))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->k or args->v is NULL", c->op);
-  if (backward && !a->probs)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->probs is NULL (forward must keep the probabilities)",
-                        c->op);
+  if (backward && !a->probs && !a->lse)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->probs and args->lse are NULL (forward must keep the "
+                        "probabilities or the log-sum-exp)", c->op);
   return TP_SUCCESS;
 }
 

@@ -70,6 +70,11 @@
 typedef struct tp_kernel_ops {
   tp_device_t device;
   const char *name; /* "cpu", "cuda" */
+  /* 1 when training should keep the log-sum-exp (tp_attention_args.lse, [B, Hq, Tq]) for
+   * attention backward instead of the probabilities ([B, Hq, Tq, Tk]): the fused kernels
+   * (CUDA) never materialise T x T; 0 (CPU): keeping probs is faster.  Both modes are
+   * implemented by every table (the parity harness runs both). */
+  int attention_keeps_lse;
 
   /* ---- GEMM and the linear layer ------------------------------------------------ */
   /* C[M,N] = alpha op(A) op(B) + beta C (op: transpose when trans_*), row-major with
@@ -124,15 +129,20 @@ typedef struct tp_kernel_ops {
                       float theta, int inverse);
 
   /* ---- attention (tp_attention_args in tpcore/kernels.h has the layouts) ---------- */
-  /* Bytes of workspace for forward (backward = 0; 0 when probs are kept) or backward. */
+  /* Bytes of workspace for forward (backward = 0; 0 when probs are kept) or backward;
+   * the answer depends on which of a->probs and a->lse are NULL: ask with the pointers
+   * (or any non-NULL stand-ins) the call will have. */
   size_t (*attention_workspace)(const tp_attention_args *a, int backward);
-  /* a->o overwritten (and a->probs when not NULL).  Decode is this call too: T new
+  /* a->o overwritten (and a->probs, a->lse when not NULL).  Decode is this call too: T new
    * queries (Tq) over the KV cache (k, v = the cache, kv_bstride = max_len x row,
    * q_pos[b] = the position of the first new query, k_len[b] = q_pos[b] + Tq, causal). */
   tp_status_t (*attention_forward)(tp_stream_t s, const tp_attention_args *a, void *workspace,
                                    size_t workspace_bytes);
   /* dq (layout of q), dk, dv (layout of k, v) overwritten, from dout (layout of o) and
-   * a->probs (required, kept by forward). */
+   * a->probs kept by forward, or, when a->probs is NULL, a->lse kept by forward (the lse
+   * mode: P = exp(scale q.k - lse) recomputed a block at a time, FlashAttention-2 style;
+   * a->o must then be forward's output, CUDA reads D = rowsum(dout * o) from it; a row
+   * whose lse is -INFINITY saw no key: its P is 0).  One of the two is required. */
   tp_status_t (*attention_backward)(tp_stream_t s, const tp_attention_args *a, float *dq, float *dk, float *dv,
                                     const float *dout, void *workspace, size_t workspace_bytes);
   /* The KV-cache write of a decode/prefill step: for b < B, t < T,

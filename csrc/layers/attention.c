@@ -27,11 +27,24 @@ static tp_attention_args attn_args(tp_block_t k, int64_t B, int64_t T, int use_c
   return a;
 }
 
+/* What forward keeps for backward: the log-sum-exp [B, nq, T] on tables that say so (the
+ * fused CUDA kernels: no T x T anywhere), else the probabilities [B, nq, T, T]. */
+static int keeps_lse(tp_block_t k) { return k->lk.k->attention_keeps_lse; }
+
+static void set_kept(tp_block_t k, tp_attention_args *a, float *kept) {
+  if (keeps_lse(k)) a->lse = kept;
+  else a->probs = kept;
+}
+
+int64_t tp_block_attention_kept(tp_block_t k, int64_t B, int64_t T) {
+  return keeps_lse(k) ? B * k->nq * T : B * k->nq * T * T; /* bounded by check_batch */
+}
+
 size_t tp_block_attention_workspace(tp_block_t k, int64_t B, int64_t T, int use_cache, int need_backward) {
   if (!k->nq || !B || !T) return 0;
   tp_attention_args a = attn_args(k, B, T, use_cache);
-  static float kept; /* sizes only: a non-NULL probs says that forward keeps them */
-  a.probs = need_backward ? &kept : NULL;
+  static float kept; /* sizes only: a non-NULL probs (lse) says that forward keeps them */
+  if (need_backward) set_kept(k, &a, &kept);
   size_t f = lk_attention_workspace(&k->lk, &a, 0), b = need_backward ? lk_attention_workspace(&k->lk, &a, 1) : 0;
   return f > b ? f : b;
 }
@@ -47,7 +60,7 @@ tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in,
                                k->B, k->T, k->clen, k->nk * D, stream));
   if (k->nq) {
     tp_attention_args a = attn_args(k, k->B, k->T, use_cache);
-    a.probs = keep ? k->probs : NULL;
+    if (keep) set_kept(k, &a, k->probs);
     tp_status_t st = lk_attention_forward(&k->lk, &a, k->attn_ws, k->attn_ws_bytes, stream);
     if (st != TP_SUCCESS) {
       tp_error_prefix("block: attention");
@@ -61,7 +74,7 @@ tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in,
 
 /* Every size and position of a forward, before anything is allocated or written: rows
  * B x T at most INT_MAX (BLAS), their activations and the kept attention probabilities
- * (B x heads x T x T) at most 2^40 elements, positions pos0[b] >= 0 with pos0[b] + T
+ * (B x heads x T x T, on tables that keep them rather than the lse) at most 2^40 elements, positions pos0[b] >= 0 with pos0[b] + T
  * representable, and inside the KV cache ([0, max_len - T]) when it is used.  pos0 and
  * key_mask are host metadata. */
 tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt) {
@@ -70,7 +83,7 @@ tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt) {
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: a batch of B = %lld sequences of T = %lld tokens is "
                         "out of range (B, T >= 0, B x T at most %d rows and 2^40 activations)", (long long)bt->B,
                         (long long)bt->T, INT_MAX);
-  if (bt->need_backward && !tp_numel3(M, k->nq, bt->T, &n))
+  if (bt->need_backward && !keeps_lse(k) && !tp_numel3(M, k->nq, bt->T, &n))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: keeping the attention probabilities for backward "
                         "needs B x heads x T x T = %lld x %lld x %lld x %lld floats, more than 2^40",
                         (long long)bt->B, (long long)k->nq, (long long)bt->T, (long long)bt->T);
@@ -148,7 +161,7 @@ tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *d
   TP_CHECK(tp_parallel_linear_backward_ex(k->out, k->dao, dr, M, 0, stream));
   if (k->nq) {
     tp_attention_args a = attn_args(k, k->B, k->T, 0);
-    a.probs = k->probs;
+    set_kept(k, &a, k->probs); /* the lse mode reads forward's output k->ao: kept for W_o's gradient */
     tp_status_t st = lk_attention_backward(&k->lk, &a, k->dqkv, k->dqkv + k->nq * D, k->dqkv + (k->nq + k->nk) * D,
                                            k->dao, k->attn_ws, k->attn_ws_bytes, stream);
     if (st != TP_SUCCESS) {

@@ -246,7 +246,7 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
                  &k->qkv, &k->dqkv, &k->ao, &k->dao, &k->mean1, &k->rstd1, &k->mean2, &k->rstd2, &k->probs,
                  &k->kvsnap};
   int64_t nf[] = {M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * W, M * W, M * A, M * A,
-                  M, M, M, M, need_backward ? B * k->nq * T * T : 0, /* bounded by check_batch */
+                  M, M, M, M, need_backward ? tp_block_attention_kept(k, B, T) : 0, /* probs or lse */
                   need_backward && k->kv_replicated ? 2 * k->nk * k->D * (C + 1) : 0};
   enum { NF = sizeof nf / sizeof nf[0] };
   size_t abytes = tp_block_attention_workspace(k, B, T, use_cache, need_backward), total = 0;

@@ -26,7 +26,7 @@ struct tp_block {
   tp_arena_t ws;
   float *xs, *s1, *h1, *s2, *n1, *n2, *qkv, *ao, *mo;
   float *mean1, *rstd1, *mean2, *rstd2;
-  float *probs;
+  float *probs;                     /* what attention backward needs: probs, or lse (attention.c) */
   float *dqkv, *dao, *dn, *dh, *dt, *kvsnap;
   void *attn_ws;                    /* the attention kernels' scratch */
   size_t attn_ws_bytes;
@@ -45,6 +45,9 @@ struct tp_block {
 /* attention.c */
 tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt);
 /* The attention kernels' scratch for a batch (forward, and backward when need_backward). */
+/* Floats forward keeps for attention backward: B x nq x T (lse, tables with attention_keeps_lse) or
+ * B x nq x T x T (probabilities). */
+int64_t tp_block_attention_kept(tp_block_t k, int64_t B, int64_t T);
 size_t tp_block_attention_workspace(tp_block_t k, int64_t B, int64_t T, int use_cache, int need_backward);
 /* attention on this rank's heads of in[M, C]; the all-reduced projection + bias is left in
  * *r (the output projection's collective buffer, valid until its next call). */

@@ -20,6 +20,9 @@ static const acfg AC[] = {
     {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1},  /* a prefill continuing at position 10 */
     {0, 4, 4, 2, 2, 2, 0, 0, 0, 1, 0, 0},    /* no sequences */
     {2, 0, 0, 2, 1, 2, 0, 0, 0, 1, 0, 0},    /* no tokens */
+    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1},  /* decode over a long cache (CUDA: split-K), k_len 600 and 103 */
+    {1, 20, 20, 2, 2, 100, 0, 0, 0, 1, 1, 0}, /* a head size between the fused kernels' templates */
+    {1, 18, 18, 3, 1, 200, 0, 0, 0, 0, 0, 0}, /* a large head size, MQA */
 };
 #define NAC (sizeof AC / sizeof AC[0])
 
@@ -61,7 +64,8 @@ static void make(const acfg *c, ainst *x) {
     x->kc = rnd(x->nkv, -1, 1), x->vc = rnd(x->nkv, -1, 1);
     x->qpos = hmem((size_t)c->B * 8 + 8), x->klen = hmem((size_t)c->B * 8 + 8);
     for (int64_t b = 0; b < c->B; b++) {
-      x->qpos[b] = c->Tk == 13 ? (int64_t[]){0, 5, 11}[b % 3] : c->Tk - c->Tq;
+      x->qpos[b] = c->Tk == 13 ? (int64_t[]){0, 5, 11}[b % 3] : c->Tk == 600 ? (int64_t[]){597, 100}[b % 2]
+                                                                            : c->Tk - c->Tq;
       x->klen[b] = x->qpos[b] + c->Tq;
     }
   } else {
@@ -104,9 +108,10 @@ static tp_attention_args host_args(const ainst *x) {
 #define QAT(a, b, i, h) ((a)->q + ((b) * (a)->Tq + (i)) * (a)->q_ld + (h) * (a)->D)
 #define KAT(a, p, b, j, g) ((p) + (b) * (a)->kv_bstride + (j) * (a)->kv_ld + (g) * (a)->D)
 
-/* P [B, Hq, Tq, Tk] and O (layout of o, other elements as in o) in double; mo: O's tolerance scale. */
+/* P [B, Hq, Tq, Tk] and O (layout of o, other elements as in o) in double; mo: O's tolerance
+ * scale; L [B, Hq, Tq] the log-sum-exp of each row's scaled scores (-inf: no visible key). */
 static void reference_forward(const tp_attention_args *a, const float *o0, int64_t no, double *P, double *O,
-                              double *mo) {
+                              double *mo, double *L) {
   for (int64_t i = 0; i < no; i++) O[i] = o0[i], mo[i] = 0;
   for (int64_t b = 0; b < a->B; b++)
     for (int64_t h = 0; h < a->Hq; h++)
@@ -121,6 +126,7 @@ static void reference_forward(const tp_attention_args *a, const float *o0, int64
           p[j] = s * a->scale, mx = fmax(mx, p[j]);
         }
         for (int64_t j = 0; j < a->Tk; j++) sum += p[j] == -INFINITY ? 0 : exp(p[j] - mx);
+        L[(b * a->Hq + h) * a->Tq + i] = mx == -INFINITY ? -INFINITY : mx + log(sum);
         for (int64_t j = 0; j < a->Tk; j++) p[j] = p[j] == -INFINITY ? 0 : exp(p[j] - mx) / sum;
         double *orow = O + (b * a->Tq + i) * a->o_ld + h * a->D, *mrow = mo + (b * a->Tq + i) * a->o_ld + h * a->D;
         for (int64_t d = 0; d < a->D; d++) {
@@ -134,8 +140,10 @@ void case_attention_workspace(void) {
   for (size_t c = 0; c < NAC; c++) {
     ainst x;
     make(&AC[c], &x);
-    for (int bwd = 0; bwd < 2; bwd++) {
-      size_t n = K->attention_workspace(&x.a, bwd);
+    static float stand_in; /* the workspace depends on which of probs and lse are kept */
+    for (int bwd = 0; bwd < 4; bwd++) {
+      x.a.lse = bwd & 2 ? &stand_in : NULL, x.a.probs = bwd & 2 ? NULL : &stand_in;
+      size_t n = K->attention_workspace(&x.a, bwd & 1);
       if (x.a.B == 0 && n) fail("case %zu: no sequences need no workspace, got %zu bytes", c, n);
       if (n == SIZE_MAX) fail("case %zu: workspace size overflowed", c);
     }
@@ -144,22 +152,24 @@ void case_attention_workspace(void) {
 
 void case_attention_forward(void) {
   for (size_t c = 0; c < NAC; c++)
-    for (int mode = 0; mode < 3; mode++) { /* probs kept; no probs (scratch); no probs, a one-block workspace */
+    for (int mode = 0; mode < 5; mode++) { /* probs kept; no probs (scratch); no probs, a one-block
+                                              workspace; lse kept (no probs); probs and lse kept */
       ainst x;
       make(&AC[c], &x);
       tp_attention_args ha = host_args(&x), d;
-      int64_t np = x.a.B * x.a.Hq * x.a.Tq * x.a.Tk;
-      double *P = dz(np + 1), *O = dz(x.no), *mo = dz(x.no);
-      reference_forward(&ha, x.o, x.no, P, O, mo);
-      float *dqkv, *dkc, *dvc, *dp = mode ? NULL : dmem((size_t)np * 4);
+      int64_t np = x.a.B * x.a.Hq * x.a.Tq * x.a.Tk, nl = x.a.B * x.a.Hq * x.a.Tq;
+      double *P = dz(np + 1), *O = dz(x.no), *mo = dz(x.no), *L = dz(nl + 1);
+      reference_forward(&ha, x.o, x.no, P, O, mo, L);
+      float *dqkv, *dkc, *dvc, *dp = mode == 0 || mode == 4 ? dmem((size_t)np * 4) : NULL;
+      float *dl = mode >= 3 ? dmem((size_t)nl * 4) : NULL;
       to_device(&x, &d, &dqkv, &dkc, &dvc);
-      d.probs = dp;
+      d.probs = dp, d.lse = dl;
       size_t need = K->attention_workspace(&d, 0);
       if (mode == 2 && need) need = (size_t)(64 * (d.Tk ? d.Tk : 1)) * sizeof(float); /* the CPU's block */
-      if (mode == 2 && DEV != TP_DEVICE_CPU) need = K->attention_workspace(&d, 0);
+      if (mode == 2 && strcmp(K->name, "cpu")) need = K->attention_workspace(&d, 0);
       void *ws = need ? dmem(need) : NULL;
       ok("attention_forward", K->attention_forward(NULL, &d, ws, need));
-      float *got = hmem((size_t)(x.no > np ? x.no : np) * 4 + 4);
+      float *got = hmem((size_t)(x.no > np ? (x.no > nl ? x.no : nl) : (np > nl ? np : nl)) * 4 + 4);
       GETF(got, d.o, x.no);
       /* scores: a D-term dot (<= (D + 2) u D scale), softmax with fexp (1e-7) and a float sum
        * over <= 80 keys: P within ~3e-6 relative; O = P V within ~1e-5 of |V| <= 1 */
@@ -168,22 +178,64 @@ void case_attention_forward(void) {
         GETF(got, dp, np);
         expect("probs", got, P, np, 1e-5, 0, NULL);
       }
+      if (dl) { /* scores within (D + 2) u sqrt(D) <= 1e-6; log of a sum of fexp within ~1e-6 */
+        GETF(got, dl, nl);
+        expect("lse", got, L, nl, 1e-5, 1e-6, NULL);
+      }
     }
+}
+
+/* The table's own forward keeps probs and lse; backward from each gives the same dq, dk, dv. */
+static void backward_lse_equals_probs(void) {
+  for (size_t c = 0; c < NAC; c++) {
+    if (AC[c].decode) continue;
+    ainst x;
+    make(&AC[c], &x);
+    tp_attention_args d;
+    int64_t np = x.a.B * x.a.Hq * x.a.Tq * x.a.Tk, nl = x.a.B * x.a.Hq * x.a.Tq, D = x.a.D;
+    float *dqkv, *dkc, *dvc;
+    to_device(&x, &d, &dqkv, &dkc, &dvc);
+    d.probs = dmem((size_t)np * 4), d.lse = dmem((size_t)nl * 4);
+    size_t need = K->attention_workspace(&d, 0);
+    ok("attention_forward (probs and lse)", K->attention_forward(NULL, &d, need ? dmem(need) : NULL, need));
+    float *dout = DPUTF(rnd(x.no, -1, 1), x.no), *g[2];
+    for (int m = 0; m < 2; m++) { /* 0: from probs, 1: from lse */
+      tp_attention_args e = d;
+      if (m) e.probs = NULL;
+      else e.lse = NULL;
+      float *dg = DPUTF(rnd(x.nqkv, -1, 1), x.nqkv);
+      need = K->attention_workspace(&e, 1);
+      ok("attention_backward", K->attention_backward(NULL, &e, dg, dg + x.a.Hq * D, dg + (x.a.Hq + x.a.Hk) * D, dout,
+                                                     need ? dmem(need) : NULL, need));
+      g[m] = hmem((size_t)x.nqkv * 4);
+      GETF(g[m], dg, x.nqkv);
+    }
+    /* the columns no kernel writes (the padding, the garbage) differ: compare q, k, v columns;
+     * the two differ by P's float rounding (recomputed vs kept): ~1e-6 of terms up to |dO| |V| */
+    double *ref = dz(x.nqkv);
+    for (int64_t i = 0; i < x.nqkv; i++) ref[i] = g[0][i];
+    for (int64_t r = 0; r < x.a.B * x.a.Tq; r++)
+      expect("dqkv from lse vs from probs", g[1] + r * x.W, ref + r * x.W, (x.a.Hq + 2 * x.a.Hk) * D, 1e-4, 1e-4,
+             NULL);
+  }
 }
 
 void case_attention_backward(void) {
   for (size_t c = 0; c < NAC; c++)
-    for (int mode = 0; mode < 2; mode++) { /* the asked workspace; one block of dP */
+    for (int mode = 0; mode < 4; mode++) { /* probs: the asked workspace, one block of dP; the lse mode:
+                                              the asked workspace, one block of dP and P */
       if (AC[c].decode) continue; /* no backward through a cache */
       ainst x;
       make(&AC[c], &x);
       tp_attention_args ha = host_args(&x), d;
       const tp_attention_args *a = &ha;
       int64_t np = a->B * a->Hq * a->Tq * a->Tk, D = a->D;
-      double *P = dz(np + 1), *O = dz(x.no), *mo = dz(x.no);
-      reference_forward(&ha, x.o, x.no, P, O, mo);
-      float *pf = hmem((size_t)np * 4 + 4), *dout = rnd(x.no, -1, 1);
+      int64_t nl = a->B * a->Hq * a->Tq;
+      double *P = dz(np + 1), *O = dz(x.no), *mo = dz(x.no), *L = dz(nl + 1);
+      reference_forward(&ha, x.o, x.no, P, O, mo, L);
+      float *pf = hmem((size_t)np * 4 + 4), *dout = rnd(x.no, -1, 1), *lf = hmem((size_t)nl * 4 + 4);
       for (int64_t i = 0; i < np; i++) pf[i] = (float)P[i]; /* the probs a forward kept */
+      for (int64_t i = 0; i < nl; i++) lf[i] = (float)L[i]; /* or its log-sum-exp */
       /* dq, dk, dv in the layout of q, k, v (the fused rows): start from garbage, so that the
        * columns the kernel must not touch are checked too */
       float *g0 = rnd(x.nqkv, -1, 1);
@@ -219,10 +271,17 @@ void case_attention_backward(void) {
         }
       float *dqkv, *dkc, *dvc;
       to_device(&x, &d, &dqkv, &dkc, &dvc);
-      d.probs = DPUTF(pf, np);
+      if (mode < 2) {
+        d.probs = DPUTF(pf, np);
+      } else { /* the lse mode: o is forward's output */
+        float *of = hmem((size_t)x.no * 4);
+        for (int64_t i = 0; i < x.no; i++) of[i] = (float)O[i];
+        d.lse = DPUTF(lf, nl), d.o = DPUTF(of, x.no);
+      }
       float *dg = DPUTF(g0, x.nqkv);
       size_t need = K->attention_workspace(&d, 1);
-      if (mode == 1 && need && DEV == TP_DEVICE_CPU) need = (size_t)(64 * (d.Tk ? d.Tk : 1)) * sizeof(float);
+      if (mode % 2 && need && !strcmp(K->name, "cpu")) /* the CPU's one block (two in the lse mode) */
+        need = (size_t)((mode == 3 ? 2 : 1) * 64 * (d.Tk ? d.Tk : 1)) * sizeof(float);
       void *ws = need ? dmem(need) : NULL;
       ok("attention_backward", K->attention_backward(NULL, &d, dg, dg + a->Hq * D, dg + (a->Hq + a->Hk) * D,
                                                      DPUTF(dout, x.no), ws, need));
@@ -233,4 +292,5 @@ void case_attention_backward(void) {
        * keys (dq) or queries x heads (dk, dv) of terms bounded by mg: 2e-5 mg covers both */
       expect("dqkv", got, R, x.nqkv, 2e-5, 0, mg);
     }
+  backward_lse_equals_probs();
 }

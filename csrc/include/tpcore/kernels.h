@@ -60,6 +60,13 @@ typedef struct {
   int causal;
   float scale;
   float *probs;                  /* [B, Hq, Tq, Tk] softmax kept for backward, or NULL     */
+  /* [B, Hq, Tq] per query row (index (b * Hq + h) * Tq + i): the log of the softmax
+   * denominator including the max, lse = m + log(sum_j exp(s_j - m)) over the row's
+   * visible scaled scores s_j (-INFINITY for a row that sees no key), float32, or NULL.
+   * Forward writes it when not NULL.  Backward with probs NULL recomputes the
+   * probabilities from q, k and lse (P = exp(s - lse)) and never needs T x T memory; in
+   * that mode o must hold forward's output (D = rowsum(dout * o) may be read from it). */
+  float *lse;
   /* Grouped-query mapping (all 0: query head h uses KV head h / (Hq / Hk)).  Otherwise local
    * query head h is global q_head0 + h and uses local KV head (q_head0 + h) / group - k_head0:
    * a rank's heads may start in the middle of a group. */
@@ -138,13 +145,14 @@ TP_API tp_status_t tp_rope_apply(tp_stream_t stream, const tp_tensor *x, const t
 /* --------------------------------------------------------------- attention */
 /* Bytes of workspace forward (backward = 0) or backward needs for these arguments. */
 TP_API tp_status_t tp_attention_workspace_size(const tp_attention_args *args, int backward, size_t *nbytes);
-/* args->o overwritten (and args->probs when not NULL).  The (sequence, KV head) pairs are
+/* args->o overwritten (and args->probs, args->lse when not NULL).  The (sequence, KV head) pairs are
  * split over the rank's threads; causal queries go in blocks of 64 rows, each block's
  * GEMMs only over the keys it can see. */
 TP_API tp_status_t tp_attention_forward(tp_stream_t stream, const tp_attention_args *args,
                                         const tp_tensor *workspace);
 /* dq (layout of q), dk, dv (layout of k, v; overwritten) from dout (layout of o), using
- * the probs of forward (required). */
+ * the probs of forward, or, when probs is NULL, the lse of forward (then o must be
+ * forward's output): one of the two is required. */
 TP_API tp_status_t tp_attention_backward(tp_stream_t stream, const tp_attention_args *args, float *dq, float *dk,
                                          float *dv, const float *dout, const tp_tensor *workspace);
 

@@ -11,8 +11,12 @@
  * causal prefill touch only what they need.  Backward (P saved by forward):
  *   dP = dO V^T;  dS = P * (dP - rowsum(dP * P)) * scale;
  *   dQ = dS K;  dK += dS^T Q;  dV += P^T dO   (summed over the heads of a group)
- * Scratch (a block of scores without probs, a block of dP in backward) comes from the
- * caller's workspace, one slice per thread: tp_cpu_attention_workspace says how much. */
+ * The lse mode (probs NULL, lse kept by forward: lse = max + log(sum exp(S - max)) per
+ * query row, -inf for a row that sees no key) recomputes a block of P = exp(S - lse)
+ * from Q and K in backward, then runs the same block GEMMs.
+ * Scratch (a block of scores without probs, a block of dP in backward, and a block of
+ * recomputed P in the lse mode) comes from the caller's workspace, one slice per
+ * thread: tp_cpu_attention_workspace says how much. */
 #include <math.h>
 #include <string.h>
 
@@ -40,13 +44,14 @@ static int64_t key_limit(const tp_attention_args *a, int64_t b, int64_t i) {
   return n < 0 ? 0 : n;
 }
 
-TP_VECTOR_CLONES static void softmax_row(float *s, int64_t n, int64_t width, const uint8_t *keep) {
+/* Returns the row's log-sum-exp (-inf when no key is visible). */
+TP_VECTOR_CLONES static float softmax_row(float *s, int64_t n, int64_t width, const uint8_t *keep) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < n; j++)
     if (!keep || keep[j]) mx = s[j] > mx ? s[j] : mx;
   if (mx == -INFINITY) { /* no visible key */
     memset(s, 0, (size_t)width * sizeof(float));
-    return;
+    return -INFINITY;
   }
   double sum = 0.0;
   for (int64_t j = 0; j < n; j++) {
@@ -57,6 +62,7 @@ TP_VECTOR_CLONES static void softmax_row(float *s, int64_t n, int64_t width, con
   float inv = (float)(1.0 / sum);
   for (int64_t j = 0; j < n; j++) s[j] *= inv;
   if (width > n) memset(s + n, 0, (size_t)(width - n) * sizeof(float));
+  return mx + (float)log(sum);
 }
 
 enum { QBLOCK = 64 }; /* query rows per GEMM block: causal blocks only see keys up to their last row */
@@ -97,16 +103,21 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
       float *S = a->probs ? a->probs + (b * a->Hq + h) * Tq * Tk : NULL;
       const float *Q = a->q + b * Tq * a->q_ld + h * D;
       float *O = a->o + b * Tq * a->o_ld + h * D;
+      float *L = a->lse ? a->lse + (b * a->Hq + h) * Tq : NULL;
       for (int64_t i0 = 0; i0 < Tq; i0 += QBLOCK) {
         int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK, kmax = key_limit(a, b, i0 + n - 1);
         float *Sb = S ? S + i0 * Tk : scratch;
         if (kmax == 0) {
           if (Sb && Tk) memset(Sb, 0, (size_t)(n * Tk) * sizeof(float));
           for (int64_t i = 0; i < n; i++) memset(O + (i0 + i) * a->o_ld, 0, (size_t)D * sizeof(float));
+          for (int64_t i = 0; L && i < n; i++) L[i0 + i] = -INFINITY;
           continue;
         }
         gemm(0, 1, n, kmax, D, a->scale, Q + i0 * a->q_ld, a->q_ld, K, a->kv_ld, 0.0f, Sb, Tk);
-        for (int64_t i = 0; i < n; i++) softmax_row(Sb + i * Tk, key_limit(a, b, i0 + i), Tk, keep);
+        for (int64_t i = 0; i < n; i++) {
+          float l = softmax_row(Sb + i * Tk, key_limit(a, b, i0 + i), Tk, keep);
+          if (L) L[i0 + i] = l;
+        }
         gemm(0, 0, n, D, kmax, 1.0f, Sb, Tk, V, a->kv_ld, 0.0f, O + i0 * a->o_ld, a->o_ld);
       }
     }
@@ -127,9 +138,9 @@ static int plan_items(const tp_attention_args *a) {
 }
 
 /* Floats of scratch one chunk needs: a block of QBLOCK rows of scores (forward without
- * probs) or of dP (backward). */
+ * probs) or of dP (backward; and of recomputed P in the lse mode). */
 static int64_t slice_of(const tp_attention_args *a, int backward) {
-  if (backward) return (int64_t)QBLOCK * (a->Tk > 0 ? a->Tk : 1);
+  if (backward) return (a->probs ? 1 : 2) * (int64_t)QBLOCK * (a->Tk > 0 ? a->Tk : 1);
   return !a->probs && a->Tq * a->Tk > 0 ? (int64_t)QBLOCK * a->Tk : 0;
 }
 
@@ -178,31 +189,46 @@ TP_VECTOR_CLONES static void softmax_grad_row(float *dp, const float *p, int64_t
   for (int64_t j = 0; j < n; j++) dp[j] = p[j] * (dp[j] - d) * scale;
 }
 
+/* A row of P from its scores s[0, kmax) and the row's lse: keys [0, n) visible unless
+ * masked; the rest of [0, kmax) zero (the block GEMMs read kmax columns). */
+TP_VECTOR_CLONES static void recompute_row(float *s, int64_t n, int64_t kmax, const uint8_t *keep, float lse) {
+  if (lse == -INFINITY) n = 0; /* the row saw no key */
+  for (int64_t j = 0; j < n; j++) s[j] = (!keep || keep[j]) ? fexp(s[j] - lse) : 0.0f;
+  for (int64_t j = n; j < kmax; j++) s[j] = 0.0f;
+}
+
 static void backward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
   attn_job *job = ctx;
   const tp_attention_args *a = job->a;
   int64_t Tq = a->Tq, Tk = a->Tk, D = a->D;
-  float *dP = job->ws + (int64_t)chunk * job->slice;
+  float *dP = job->ws + (int64_t)chunk * job->slice, *Pw = dP + (int64_t)QBLOCK * (Tk > 0 ? Tk : 1);
+  const uint8_t *keep;
   for (int64_t it = lo; it < hi; it++) {
     int64_t b = it / a->Hk, g = it % a->Hk, h0, h1;
     heads_of(a, g, &h0, &h1);
     const float *K = a->k + b * a->kv_bstride + g * D, *V = a->v + b * a->kv_bstride + g * D;
     float *dK = job->dk + b * a->kv_bstride + g * D, *dV = job->dv + b * a->kv_bstride + g * D;
+    keep = a->key_mask ? a->key_mask + b * Tk : NULL;
     for (int64_t j = 0; j < Tk; j++) { /* dK, dV of this KV head are sums over its query heads */
       memset(dK + j * a->kv_ld, 0, (size_t)D * sizeof(float));
       memset(dV + j * a->kv_ld, 0, (size_t)D * sizeof(float));
     }
     for (int64_t h = h0; h < h1; h++) {
-      const float *P = a->probs + (b * a->Hq + h) * Tq * Tk;
+      const float *P = a->probs ? a->probs + (b * a->Hq + h) * Tq * Tk : NULL;
+      const float *L = P ? NULL : a->lse + (b * a->Hq + h) * Tq;
       const float *Q = a->q + b * Tq * a->q_ld + h * D;
       const float *dO = job->dout + b * Tq * a->o_ld + h * D;
       float *dQ = job->dq + b * Tq * a->q_ld + h * D;
       for (int64_t i0 = 0; i0 < Tq; i0 += QBLOCK) {
         int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK, kmax = key_limit(a, b, i0 + n - 1);
-        const float *Pb = P + i0 * Tk;
         if (kmax == 0) {
           for (int64_t i = 0; i < n; i++) memset(dQ + (i0 + i) * a->q_ld, 0, (size_t)D * sizeof(float));
           continue;
+        }
+        const float *Pb = P ? P + i0 * Tk : Pw;
+        if (!P) { /* the lse mode: P = exp(scale Q K^T - lse) on the visible keys, 0 elsewhere */
+          gemm(0, 1, n, kmax, D, a->scale, Q + i0 * a->q_ld, a->q_ld, K, a->kv_ld, 0.0f, Pw, Tk);
+          for (int64_t i = 0; i < n; i++) recompute_row(Pw + i * Tk, key_limit(a, b, i0 + i), kmax, keep, L[i0 + i]);
         }
         gemm(0, 1, n, kmax, D, 1.0f, dO + i0 * a->o_ld, a->o_ld, V, a->kv_ld, 0.0f, dP, Tk);   /* dP = dO V^T  */
         gemm(1, 0, kmax, D, n, 1.0f, Pb, Tk, dO + i0 * a->o_ld, a->o_ld, 1.0f, dV, a->kv_ld); /* dV += P^T dO */
@@ -217,8 +243,8 @@ static void backward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
 tp_status_t tp_cpu_attention_backward(tp_stream_t s, const tp_attention_args *a, float *dq, float *dk, float *dv,
                                       const float *dout, void *workspace, size_t workspace_bytes) {
   (void)s;
-  if (!a->probs)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "attention_backward: no probs (forward must keep them)");
+  if (!a->probs && !a->lse)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "attention_backward: no probs and no lse (forward must keep one)");
   attn_job job = {a, dq, dk, dv, dout, NULL, 0};
   return run_items(&job, 1, workspace, workspace_bytes, backward_items);
 }
