@@ -650,15 +650,13 @@ static int entry_is_set(const tp_kernel_ops *k, const char *name) {
   return 0;
 }
 
-/* The CUDA plugin loader (csrc/core, the foundation of issue 10): weak, so that the harness
- * also links against a core without it.  Loading registers the CUDA tables; on a machine
- * without a GPU tp_kernels_of(TP_DEVICE_CUDA) stays NULL and the CPU's cases run alone. */
-extern tp_status_t tp_cuda_load(const char *path) __attribute__((weak));
+/* Loading the CUDA plugin registers the CUDA tables; on a machine without a GPU
+ * tp_kernels_of(TP_DEVICE_CUDA) stays NULL and the CPU's cases run alone. */
 
 int main(int argc, char **argv) {
   const char *only = argc > 1 ? argv[1] : NULL; /* one entry, for debugging */
   int passed = 0, failed = 0;
-  if (tp_cuda_load && tp_cuda_load(NULL) != TP_SUCCESS) printf("cuda plugin: not loaded (%s)\n", tp_last_error());
+  if (tp_cuda_load(NULL) != TP_SUCCESS) printf("cuda plugin: not loaded (%s)\n", tp_last_error());
   printf("entries:");
   for (size_t i = 0; i < TP_KERNEL_NUM_ENTRIES; i++) printf(" %s", entries[i]);
   printf("\ncovered:");

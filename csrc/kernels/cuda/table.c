@@ -22,5 +22,6 @@
 const tp_kernel_ops tp_cuda_kernel_ops = {
     .device = TP_DEVICE_CUDA,
     .name = "cuda",
+    .attention_keeps_lse = 1, /* the fused kernels recompute P from lse: training never keeps T x T */
     TP_KERNEL_ENTRIES(TP_CUDA_ENTRY_)
 };
