@@ -122,14 +122,6 @@ def arch_text(archs):
     return " ".join(f"sm_{a}" for a in archs) + f" + compute_{archs[-1]} PTX"
 
 
-def detect_cuda():
-    nvcc = find_nvcc()
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    nccl = any(os.path.exists(os.path.join(d, "nccl.h"))
-               for d in (os.path.join(home, "include"), "/usr/include"))
-    return nvcc, nccl
-
-
 def detect_mpi():
     return shutil.which("mpicc")
 
@@ -271,9 +263,9 @@ class BuildExt(build_ext):
         cfg = build_config()
         stamp = self._separate_configs(cfg)
         sanitize, debug = cfg["sanitize"], cfg["debug"]
-        nvcc, nccl = detect_cuda()
         log(f"compiler: {self.compiler.compiler_so[0] if hasattr(self.compiler, 'compiler_so') else '?'}")
-        log(f"backends: shm (always); nccl: {'headers found, backend not built yet' if nccl else 'not found'}; "
+        log("backends: shm (always); nccl (always built: libnccl is opened at run time, "
+            "TPCORE_NCCL_LIBRARY or the nvidia-nccl wheel); "
             f"mpi: {'mpicc found, backend not built yet' if detect_mpi() else 'not found'}")
         plan = cuda_plan(sanitize)
         if "why_not" in plan:
