@@ -45,7 +45,7 @@ FAKE_NCCL := $(BUILD)/fake_nccl/old/libnccl.so.2 $(BUILD)/fake_nccl/nosym/libncc
 all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_kernels $(BUILD)/test_api_hostile \
      $(BUILD)/test_nccl $(FAKE_NCCL) $(if $(filter 1,$(CUDA)),$(BUILD)/libtpcore_cuda.so)
 
-# The CUDA plugin (CUDA=1): .cu files by nvcc, .c files (and core/dtype.c) by cc, the CUDA
+# The CUDA plugin (CUDA=1): .cu files by nvcc, .c files (and core/dtype.c, dynlib_sym.c) by cc, the CUDA
 # runtime linked statically, every symbol hidden but the entry (csrc/cuda/plugin_abi.h).
 NVCC ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard $(CUDA_HOME)/bin/nvcc),/usr/local/cuda/bin/nvcc)
 # the toolkit's root (for its headers): CUDA_HOME, /usr/local/cuda, or above nvcc
@@ -56,7 +56,7 @@ CUDA_GENCODE := $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a
 CUDA_ARCH_STR := $(foreach a,$(CUDA_ARCHS),sm_$(a)) + compute_$(lastword $(CUDA_ARCHS)) PTX
 NVCCFLAGS := -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden -Icsrc/include -Icsrc -D_GNU_SOURCE $(CUDA_GENCODE)
 CUDA_CU := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.cu)))
-CUDA_C := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.c))) csrc/core/dtype.c
+CUDA_C := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.c))) csrc/core/dtype.c csrc/core/dynlib_sym.c
 CUDA_OBJ := $(patsubst csrc/%.cu,$(BUILD)/cuda-obj/%.cu.o,$(CUDA_CU)) $(patsubst csrc/%.c,$(BUILD)/cuda-obj/%.o,$(CUDA_C))
 
 $(BUILD)/cuda-obj/%.cu.o: csrc/%.cu $(HDRS)

@@ -195,7 +195,7 @@ def _run(cmd):
 
 def build_cuda_plugin(plan, build_temp, compiler, force=False, jobs=None):
     """libtpcore_cuda.so from csrc/sources.mk's TP_CUDA_DIRS: every .cu by nvcc, every .c (and
-    csrc/core/dtype.c) by the C compiler, linked by nvcc with the static CUDA runtime and one
+    csrc/core/dtype.c, dynlib_sym.c) by the C compiler, linked by nvcc with the static CUDA runtime and one
     exported symbol (csrc/cuda/plugin.map).  Objects live in a directory of their own per nvcc
     and arch list; only stale ones are rebuilt, in parallel.  Returns the library's path."""
     nvcc, root, archs = plan["nvcc"], plan["root"], plan["archs"]
@@ -203,7 +203,7 @@ def build_cuda_plugin(plan, build_temp, compiler, force=False, jobs=None):
     objdir = os.path.join(build_temp, f"cuda-{tag}")
     dirs = read_source_dirs().get("TP_CUDA_DIRS", [])
     cus = sorted(f for d in dirs for f in glob.glob(os.path.join(d, "*.cu")))
-    cs = sorted(f for d in dirs for f in glob.glob(os.path.join(d, "*.c"))) + ["csrc/core/dtype.c"]
+    cs = sorted(f for d in dirs for f in glob.glob(os.path.join(d, "*.c"))) + ["csrc/core/dtype.c", "csrc/core/dynlib_sym.c"]
     headers = sorted(glob.glob("csrc/**/*.h", recursive=True)) + ["csrc/cuda/plugin.map"]
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")

@@ -38,21 +38,3 @@ void *tp_dynlib_open(const char *what, const char *override_env, const char *con
   return tp_cuda_host->open_library(what, override_env, sonames, nsonames);
 }
 
-const char *tp_dynlib_path(void *lib) {
-  struct link_map *map = NULL;
-  if (!lib || dlinfo(lib, RTLD_DI_LINKMAP, &map) != 0 || !map || !map->l_name) return "";
-  return map->l_name;
-}
-
-void *tp_dynlib_sym(void *lib, const char *what, const char *symbol) {
-  if (!lib || !symbol) {
-    tp_set_error(TP_ERR_INVALID_ARGUMENT, "dynlib_sym: no library or symbol");
-    return NULL;
-  }
-  dlerror();
-  void *p = dlsym(lib, symbol);
-  if (!p)
-    tp_set_error(TP_ERR_UNSUPPORTED, "%s at %s has no symbol %s (too old a version?)", what ? what : "a library",
-                 tp_dynlib_path(lib), symbol);
-  return p;
-}
