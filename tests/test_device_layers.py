@@ -259,3 +259,57 @@ def _cuda_cache(comm, name):
 def test_cuda_kv_cache_decode_equals_full_recompute(name):
     out, full = run(_cuda_cache, 1, name)[0]
     np.testing.assert_allclose(out, full, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ the model
+
+MODELS = {
+    "gpt2_tied": dict(vocab_size=29, hidden=24, layers=2, heads=6, ffn_hidden=40, max_positions=32),
+    "llama_untied": dict(vocab_size=29, hidden=24, layers=2, heads=6, kv_heads=2, head_dim=6, ffn_hidden=36,
+                         norm="rmsnorm", activation="swiglu", positions="rope", bias=False, tie_embeddings=False,
+                         eps=1e-6, max_positions=32),
+}
+
+
+def _model_without_cuda(comm, device):
+    try:
+        tpcore.models.TransformerLM(tpcore.Config(**MODELS["gpt2_tied"]), comm, device=device)
+        return "ok", ""
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.skipif(CUDA, reason="CUDA is available here")
+def test_model_on_cuda_without_cuda_is_a_clear_error():
+    etype, msg = run(_model_without_cuda, 1, "cuda")[0]
+    assert etype == "RuntimeError" and msg.startswith("TransformerLM: device 'cuda:") and \
+        "CUDA is not available" in msg, (etype, msg)
+
+
+def _cuda_model(comm, name):
+    cfg = tpcore.Config(**MODELS[name])
+    cpu = tpcore.models.TransformerLM(cfg, comm, seed=3)
+    gpu = tpcore.models.TransformerLM(cfg, comm, seed=8, device="cuda")
+    gpu.load_state_dict_full(cpu.state_dict_full())  # host tensors copied to the GPU
+    sd_c, sd_g = cpu.state_dict_full(), gpu.state_dict_full()
+    tokens = rng_for(4, 0).integers(0, cfg.vocab_size, (2, 5))
+    lc, lg = cpu.logits(tokens), gpu.logits(tokens)
+    prompts = [tokens[0], tokens[1, :3]]
+    gc_, gg = cpu.generate(prompts, max_new_tokens=6), gpu.generate(prompts, max_new_tokens=6)
+    try:
+        gpu.loss(tokens, tokens)
+        refused = "no error"
+    except NotImplementedError as e:
+        refused = str(e)
+    return lc, lg, [a.tolist() for a in gc_], [a.tolist() for a in gg], \
+        all(np.array_equal(sd_c[k], sd_g[k]) for k in sd_c), refused
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cuda_model_logits_and_generate_match_the_cpu_model(name):
+    lc, lg, gen_c, gen_g, same_sd, refused = run(_cuda_model, 1, name)[0]
+    np.testing.assert_allclose(lg, lc, rtol=1e-3, atol=1e-3)
+    assert gen_g == gen_c
+    assert same_sd
+    assert "training on device='cuda:" in refused, refused
