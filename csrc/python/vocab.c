@@ -238,7 +238,8 @@ static PyObject *xent_forward_device(XentObject *self, PyObject *lo_, PyObject *
   if (device_output(st, Py_None, op, self->device, self->device_id, TP_FLOAT32, 1, want, &tl, &kl) < 0) goto fail;
   int64_t valid = 0, vocab = 0;
   tp_status_t s;
-  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_forward(self->X, &tl, &tx, &tt, off, ignore, &valid, &vocab, NULL)));
+  COMM_CALL(self->comm, s,
+            ((void)c_, tp_vocab_xent_forward(self->X, &tl, &tx, &tt, off, ignore, &valid, &vocab, NULL)));
   Py_CLEAR(self->logits);
   Py_CLEAR(kt);
   if (s != TP_SUCCESS) {

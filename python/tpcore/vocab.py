@@ -287,4 +287,5 @@ def vocab_parallel_cross_entropy(logits_shard, targets, comm: Comm, vocab_offset
     VocabParallelCrossEntropy(comm)."""
     where = device_of(logits_shard)  # a GPU tensor: the GPU cross-entropy on its device
     dev = device_string(where) if where is not None and where[0] != "cpu" else None
-    return VocabParallelCrossEntropy(comm, ignore_index, device=dev).forward(logits_shard, targets, vocab_offset, reduction)
+    xent = VocabParallelCrossEntropy(comm, ignore_index, device=dev)
+    return xent.forward(logits_shard, targets, vocab_offset, reduction)
