@@ -15,6 +15,12 @@ from conftest import rng_for, run
 CUDA = getattr(tpcore, "cuda_available", lambda: False)()
 NEEDS_GPU = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 
+
+def gpu_run(fn, *args):
+    """fn(comm, *args) at world 1 in a fresh interpreter ("spawn"): this process has CUDA
+    initialised (cuda_available above), which a forked child could not use."""
+    return run(fn, 1, *args, start_method="spawn")[0]
+
 VOCAB, DIM = 37, 6
 BLOCKS = {
     "gpt2": dict(hidden=24, heads=6, ffn_hidden=40, norm="layernorm", activation="gelu_tanh", positions="none",
@@ -155,7 +161,7 @@ def _cuda_embedding(comm):
 
 @NEEDS_GPU
 def test_cuda_embedding_matches_float64_reference():
-    y, y_ref, gw, gw_ref, full, table, errs = run(_cuda_embedding, 1)[0]
+    y, y_ref, gw, gw_ref, full, table, errs = gpu_run(_cuda_embedding)
     np.testing.assert_array_equal(y, y_ref)
     np.testing.assert_allclose(gw, gw_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(full, table)
@@ -184,7 +190,7 @@ def _cuda_xent(comm, reduction):
 @NEEDS_GPU
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cuda_cross_entropy_matches_float64_reference(reduction):
-    loss, d, logits, targets, dloss, errs = run(_cuda_xent, 1, reduction)[0]
+    loss, d, logits, targets, dloss, errs = gpu_run(_cuda_xent, reduction)
     per, dref = _xent_reference(logits, targets)
     ref_loss = per if reduction == "none" else per.mean() if reduction == "mean" else per.sum()
     scale = (np.asarray(dloss)[..., None] if reduction == "none" else
@@ -225,7 +231,7 @@ def _cuda_block(comm, name, attention_only):
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
 @pytest.mark.parametrize("attention_only", [False, True], ids=["block", "attention"])
 def test_cuda_block_matches_float64_reference_and_the_cpu_block(name, attention_only):
-    yg, y_ref, yc, dxg, dxc, gg, gc, full, P, errs = run(_cuda_block, 1, name, attention_only)[0]
+    yg, y_ref, yc, dxg, dxc, gg, gc, full, P, errs = gpu_run(_cuda_block, name, attention_only)
     np.testing.assert_allclose(yg, y_ref, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(yg, yc, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(dxg, dxc, rtol=1e-3, atol=1e-3)
@@ -257,7 +263,7 @@ def _cuda_cache(comm, name):
 @NEEDS_GPU
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
 def test_cuda_kv_cache_decode_equals_full_recompute(name):
-    out, full = run(_cuda_cache, 1, name)[0]
+    out, full = gpu_run(_cuda_cache, name)
     np.testing.assert_allclose(out, full, rtol=1e-4, atol=1e-4)
 
 
@@ -308,7 +314,7 @@ def _cuda_model(comm, name):
 @NEEDS_GPU
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cuda_model_logits_and_generate_match_the_cpu_model(name):
-    lc, lg, gen_c, gen_g, same_sd, refused = run(_cuda_model, 1, name)[0]
+    lc, lg, gen_c, gen_g, same_sd, refused = gpu_run(_cuda_model, name)
     np.testing.assert_allclose(lg, lc, rtol=1e-3, atol=1e-3)
     assert gen_g == gen_c
     assert same_sd
