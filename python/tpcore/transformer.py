@@ -20,6 +20,11 @@ Full-tensor names (``load_full`` / ``gather_full``), Hugging Face's shapes:
 ``attn.out.weight`` (hidden, heads*D), ``attn.out.bias``, ``norm2.*``,
 ``mlp.fc1.weight`` (ffn, hidden; SwiGLU: (2 ffn, hidden) = [gate; up]),
 ``mlp.fc1.bias``, ``mlp.fc2.weight`` (hidden, ffn), ``mlp.fc2.bias``.
+
+``device="cuda"`` (or ``"cuda:N"``; default the CPU): parameters, workspaces and the KV cache
+live on that GPU; x and dy are float32 DLPack tensors there, outputs tpcore.DeviceArrays there,
+``parameters()`` DeviceArray views; pos0 and key_mask stay host arrays (metadata); load_full
+cuts the slices on the host and copies them to the GPU.
 """
 from __future__ import annotations
 

@@ -12,6 +12,12 @@ logits: a max all-reduce, then one all-reduce of the packed (sum of exp,
 target logit) per row (plus a small all-gather of the shard widths when
 vocab_offset is not given).  Its backward gives this rank's shard of dlogits.
 The vocabulary need not divide by the world size.
+
+device="cuda" (or "cuda:N"; default the CPU): the table and the workspaces live on that GPU;
+token ids, logits, targets and gradients are DLPack tensors there (tpcore.DeviceArray, PyTorch,
+CuPy; token ids and targets int64), results are tpcore.DeviceArrays there, weight/grad_weight
+DeviceArray views, and load_full copies host arrays to the GPU.  A tensor on another device is a
+TypeError naming the layer, the argument and both devices.
 """
 from __future__ import annotations
 
