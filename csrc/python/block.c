@@ -10,22 +10,24 @@ typedef struct {
   tp_block_t K;
   CommObject *comm;
   int64_t C;
+  tp_device_t device; /* where its parameters, KV cache and tensors live */
+  int device_id;
 } BlockObject;
 
 static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "norm", "eps", "activation",
                            "pre_norm", "bias", "causal", "rope_theta", "head_partition", "ffn_partition", "seed",
-                           "attention_only", NULL};
-  PyObject *commo, *hpart = Py_None, *fpart = Py_None, *dim_o[5], *seed_o = NULL;
+                           "attention_only", "device", NULL};
+  PyObject *commo, *hpart = Py_None, *fpart = Py_None, *dim_o[5], *seed_o = NULL, *dev_o = Py_None;
   long long dims[5]; /* hidden, heads, kv_heads (0: = heads), head_dim, ffn_hidden */
   static const char *dim_names[5] = {"hidden", "heads", "kv_heads", "head_dim", "ffn_hidden"};
   const char *norm = "layernorm", *act = "gelu";
   float eps = 1e-5f, theta = 0.0f;
   int pre = 1, bias = 1, causal = 1, attn_only = 0;
   uint64_t seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|sfspppfOOOp:TransformerBlock", kwlist, &commo, &dim_o[0],
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|sfspppfOOOpO:TransformerBlock", kwlist, &commo, &dim_o[0],
                                    &dim_o[1], &dim_o[2], &dim_o[3], &dim_o[4], &norm, &eps, &act, &pre, &bias, &causal,
-                                   &theta, &hpart, &fpart, &seed_o, &attn_only))
+                                   &theta, &hpart, &fpart, &seed_o, &attn_only, &dev_o))
     return NULL;
   for (int i = 0; i < 5; i++)
     if (int_arg(dim_o[i], "TransformerBlock", dim_names[i], i == 2 || (i == 4 && attn_only) ? 0 : 1, DIM_MAX,
@@ -47,6 +49,8 @@ static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   if (parse_act(act, &cfg.activation) < 0) return NULL;
   cfg.eps = eps, cfg.pre_norm = pre, cfg.bias = bias, cfg.causal = causal, cfg.rope_theta = theta, cfg.seed = seed;
   cfg.attention_only = attn_only;
+  if (parse_device(dev_o, attn_only ? "ParallelAttention" : "TransformerBlock", &cfg.device, &cfg.device_id) < 0)
+    return NULL;
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *hs = NULL, *fs = NULL;
@@ -65,6 +69,8 @@ static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   PyMem_Free(hs), PyMem_Free(fs);
   if (!layer_made((PyObject *)self, &self->comm, co, s, st, "TransformerBlock")) return NULL;
   self->C = C;
+  self->device = cfg.device;
+  self->device_id = cfg.device_id;
   return (PyObject *)self;
 }
 
@@ -89,47 +95,77 @@ static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
     return NULL;
   if (!live(self->comm, "forward")) return NULL;
   int64_t M;
-  if (matrix_arg(x, "block forward", "x", self->C, &M) < 0) return NULL;
+  module_state *st = state_of_type(Py_TYPE(o));
+  tp_tensor tx, ty;
+  PyObject *kx = NULL, *ky = NULL; /* a GPU block: x imported, y a DeviceArray (or out) */
+  int gpu = self->device != TP_DEVICE_CPU;
+  if (gpu) {
+    int64_t want[2] = {-1, self->C};
+    if (device_input(st, x, "TransformerBlock.forward", "x", 0, self->device, self->device_id, &tx, &kx) < 0)
+      return NULL;
+    if (device_check(&tx, "TransformerBlock.forward", "x", TP_FLOAT32, 2, want) < 0) {
+      Py_DECREF(kx);
+      return NULL;
+    }
+    M = tx.shape[0];
+  } else if (matrix_arg(x, "block forward", "x", self->C, &M) < 0)
+    return NULL;
+  PyObject *res = NULL; /* from here on, failures go to done (which drops kx) */
+#define BLK_FAIL goto done
   if (__builtin_mul_overflow(B, T, &BT) || M != BT) {
     PyErr_Format(PyExc_ValueError, "block forward: x has %lld rows, not B * T = %lld x %lld", (long long)M,
                  (long long)B, (long long)T);
-    return NULL;
+    BLK_FAIL;
   }
   tp_block_batch_t bt = {B, T, NULL, NULL, use_cache, need_backward};
   if (po != Py_None) {
     int64_t n;
-    if (tokens_arg(po, "block forward", "pos0", &n) < 0) return NULL;
+    if (tokens_arg(po, "block forward", "pos0", &n) < 0) BLK_FAIL;
     if (n != B) {
       PyErr_Format(PyExc_ValueError, "block forward: pos0 needs %lld entries, got %lld", (long long)B, (long long)n);
-      return NULL;
+      BLK_FAIL;
     }
     bt.pos0 = PyArray_DATA((PyArrayObject *)po);
   }
   if (mo != Py_None) {
     buf_t b;
-    if (get_buf(mo, "block forward", "key_mask", 0, &b) < 0) return NULL;
+    if (get_buf(mo, "block forward", "key_mask", 0, &b) < 0) BLK_FAIL;
     if (b.dtype != TP_UINT8 || (int64_t)b.count != M) {
       PyErr_Format(PyExc_ValueError, "block forward: key_mask must be uint8 with B * T = %lld entries", (long long)M);
-      return NULL;
+      BLK_FAIL;
     }
     bt.key_mask = b.data;
   }
-  PyObject *y = layer_output(out, "block forward", M, self->C);
-  if (!y) return NULL;
-  const float *xp = PyArray_DATA((PyArrayObject *)x);
-  float *yp = PyArray_DATA((PyArrayObject *)y);
+  PyObject *y;
+  if (gpu) {
+    int64_t shape[2] = {M, self->C};
+    if (device_output(st, out, "TransformerBlock.forward", self->device, self->device_id, TP_FLOAT32, 2, shape, &ty,
+                      &ky) < 0)
+      BLK_FAIL;
+    y = ky;
+  } else {
+    y = layer_output(out, "block forward", M, self->C);
+    if (!y) BLK_FAIL;
+    tx = tp_tensor_2d(PyArray_DATA((PyArrayObject *)x), TP_FLOAT32, M, self->C);
+    ty = tp_tensor_2d(PyArray_DATA((PyArrayObject *)y), TP_FLOAT32, M, self->C);
+  }
   tp_status_t s;
-  tp_tensor tx = tp_tensor_2d((void *)xp, TP_FLOAT32, M, self->C), ty = tp_tensor_2d(yp, TP_FLOAT32, M, self->C);
   COMM_CALL(self->comm, s, ((void)c_, tp_block_forward(self->K, &ty, &tx, &bt, NULL)));
   if (s != TP_SUCCESS) {
     Py_DECREF(y);
-    if (s == TP_ERR_INVALID_USAGE) {
-      PyErr_SetString(PyExc_ValueError, tp_last_error());
-      return NULL;
-    }
-    return layer_error(self->comm, s, "block forward", 0);
+    if (s == TP_ERR_INVALID_USAGE) PyErr_SetString(PyExc_ValueError, tp_last_error());
+    else layer_error(self->comm, s, "block forward", 0);
+    BLK_FAIL;
   }
-  return y;
+  res = y;
+done:
+  Py_XDECREF(kx);
+  return res;
+#undef BLK_FAIL
+}
+
+static tp_status_t blk_bwd(void *k, const tp_tensor *dx, const tp_tensor *dy) {
+  return tp_block_backward((tp_block_t)k, dx, dy, NULL);
 }
 
 static PyObject *blk_backward(PyObject *o, PyObject *args) {
@@ -137,6 +173,9 @@ static PyObject *blk_backward(PyObject *o, PyObject *args) {
   PyObject *dy, *out = Py_None;
   if (!PyArg_ParseTuple(args, "O|O:backward", &dy, &out)) return NULL;
   if (!live(self->comm, "backward")) return NULL;
+  if (self->device != TP_DEVICE_CPU)
+    return device_layer_call(state_of_type(Py_TYPE(o)), self->comm, "TransformerBlock.backward", "dy", self->device,
+                             self->device_id, self->C, self->C, dy, out, blk_bwd, self->K, 1);
   int64_t M;
   if (matrix_arg(dy, "block backward", "dy", self->C, &M) < 0) return NULL;
   PyObject *dx = layer_output(out, "block backward", M, self->C);
@@ -168,13 +207,22 @@ static PyObject *blk_cache(PyObject *o, PyObject *args) {
 
 /* {name: (param view, grad view)} of this rank's shard */
 static PyObject *blk_params(PyObject *o, PyObject *unused) {
+  BlockObject *self = (BlockObject *)o;
+  module_state *st = state_of_type(Py_TYPE(o));
   tp_param_t p[32];
-  int n = tp_block_params(((BlockObject *)o)->K, p, 32);
+  int n = tp_block_params(self->K, p, 32);
   PyObject *d = PyDict_New();
   if (!d) return NULL;
   for (int i = 0; i < n && i < 32; i++) {
     int nd = p[i].ndim;
-    PyObject *a = owned_view(o, p[i].data, nd, p[i].rows, p[i].cols), *g = owned_view(o, p[i].grad, nd, p[i].rows, p[i].cols);
+    PyObject *a, *g;
+    if (self->device != TP_DEVICE_CPU) { /* DeviceArray views of the GPU's memory */
+      a = device_param_view(st, o, p[i].data, nd, p[i].rows, p[i].cols, self->device, self->device_id);
+      g = a ? device_param_view(st, o, p[i].grad, nd, p[i].rows, p[i].cols, self->device, self->device_id) : NULL;
+    } else {
+      a = owned_view(o, p[i].data, nd, p[i].rows, p[i].cols);
+      g = owned_view(o, p[i].grad, nd, p[i].rows, p[i].cols);
+    }
     PyObject *t = (a && g) ? PyTuple_Pack(2, a, g) : NULL;
     Py_XDECREF(a);
     Py_XDECREF(g);
@@ -196,8 +244,14 @@ static PyObject *blk_info(PyObject *o, void *unused) {
                        (long long)i.cache_len, "kv_replicated", i.kv_replicated ? Py_True : Py_False);
 }
 
+static PyObject *blk_device(PyObject *o, void *unused) {
+  BlockObject *self = (BlockObject *)o;
+  return PyUnicode_FromFormat("%s:%d", tp_device_name(self->device), self->device_id);
+}
+
 static PyGetSetDef blk_getset[] = {
     {"info", blk_info, NULL, "this rank's heads and the KV cache's capacity", NULL},
+    {"device", blk_device, NULL, "'cpu:0' or 'cuda:N'", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

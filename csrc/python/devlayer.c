@@ -56,3 +56,59 @@ PyObject *device_layer_call(module_state *st, CommObject *co, const char *op, co
   }
   return ky;
 }
+
+/* x's tensor checked: dtype dt, ndim dimensions, and shape[i] where shape[i] >= 0 (a
+ * ValueError / TypeError naming the call and the argument). */
+int device_check(const tp_tensor *t, const char *op, const char *arg, tp_dtype_t dt, int ndim, const int64_t *shape) {
+  if (t->dtype != dt) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be %s, got %s", op, arg, tp_dtype_name(dt), tp_dtype_name(t->dtype));
+    return -1;
+  }
+  int ok = t->ndim == ndim;
+  for (int i = 0; ok && shape && i < ndim; i++) ok = shape[i] < 0 || t->shape[i] == shape[i];
+  if (!ok) {
+    char want[160] = "", have[160] = "";
+    for (int i = 0; i < ndim; i++) {
+      size_t l = strlen(want);
+      if (shape && shape[i] >= 0) snprintf(want + l, sizeof want - l, "%s%lld", i ? ", " : "", (long long)shape[i]);
+      else snprintf(want + l, sizeof want - l, "%s_", i ? ", " : "");
+    }
+    for (int i = 0; i < t->ndim && i < TP_MAX_DIMS; i++) {
+      size_t l = strlen(have);
+      snprintf(have + l, sizeof have - l, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+    }
+    PyErr_Format(PyExc_ValueError, "%s: %s must have shape (%s), got (%s)", op, arg, want, have);
+    return -1;
+  }
+  return 0;
+}
+
+/* out (a writable tensor on (dev, id) of dtype dt and this shape) or, for None, a new
+ * DeviceArray there: *t its tensor, *keep a new reference (the array to return). */
+int device_output(module_state *st, PyObject *out, const char *op, tp_device_t dev, int id, tp_dtype_t dt, int ndim,
+                  const int64_t *shape, tp_tensor *t, PyObject **keep) {
+  if (out == Py_None) {
+    *keep = devarray_empty(st, dev, id, dt, ndim, shape);
+    if (!*keep) return -1;
+    *t = *devarray_tensor(st, *keep);
+    return 0;
+  }
+  if (device_input(st, out, op, "out", 1, dev, id, t, keep) < 0) return -1;
+  if (device_check(t, op, "out", dt, ndim, shape) < 0) {
+    Py_CLEAR(*keep);
+    return -1;
+  }
+  return 0;
+}
+
+/* A parameter of a GPU layer (float32, 1-D of d0 or 2-D d0 x d1): a DeviceArray view
+ * of the layer's memory, kept alive by owner; None for NULL. */
+PyObject *device_param_view(module_state *st, PyObject *owner, float *p, int nd, int64_t d0, int64_t d1,
+                            tp_device_t dev, int id) {
+  if (!p) Py_RETURN_NONE;
+  int64_t shape[2] = {d0, d1};
+  tp_tensor t = tp_tensor_nd(p, TP_FLOAT32, nd, shape);
+  t.device = dev;
+  t.device_id = id;
+  return devarray_wrap(st, &t, owner, 0);
+}

@@ -227,6 +227,15 @@ PyObject *device_layer_call(module_state *st, CommObject *co, const char *op, co
                             tp_status_t (*fn)(void *layer, const tp_tensor *y, const tp_tensor *x), void *layer,
                             int backward);
 
+/* A device tensor's dtype, rank and shape (entries < 0: any) checked, naming op and arg. */
+int device_check(const tp_tensor *t, const char *op, const char *arg, tp_dtype_t dt, int ndim, const int64_t *shape);
+/* out checked (on (dev, id), writable, dtype, shape), or a new DeviceArray for None. */
+int device_output(module_state *st, PyObject *out, const char *op, tp_device_t dev, int id, tp_dtype_t dt, int ndim,
+                  const int64_t *shape, tp_tensor *t, PyObject **keep);
+/* A GPU layer's float32 parameter as a DeviceArray view kept alive by owner (None for NULL). */
+PyObject *device_param_view(module_state *st, PyObject *owner, float *p, int nd, int64_t d0, int64_t d1,
+                            tp_device_t dev, int id);
+
 extern PyType_Spec devarray_spec;         /* devarray.c */
 extern PyMethodDef devarray_methods[];    /* from_dlpack, asarray, parse_device */
 

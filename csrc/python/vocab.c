@@ -13,15 +13,17 @@ typedef struct {
   tp_vocab_embedding_t E;
   CommObject *comm;
   tp_embedding_info_t info;
+  tp_device_t device; /* where its table and tensors live */
+  int device_id;
 } EmbeddingObject;
 
 static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"comm", "num_embeddings", "embedding_dim", "partition", "seed", NULL};
-  PyObject *commo, *part = Py_None, *n_o, *dim_o, *seed_o = NULL;
+  static char *kwlist[] = {"comm", "num_embeddings", "embedding_dim", "partition", "seed", "device", NULL};
+  PyObject *commo, *part = Py_None, *n_o, *dim_o, *seed_o = NULL, *dev_o = Py_None;
   long long n, dim;
   uint64_t seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OO:VocabParallelEmbedding", kwlist, &commo, &n_o, &dim_o, &part,
-                                   &seed_o))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO:VocabParallelEmbedding", kwlist, &commo, &n_o, &dim_o, &part,
+                                   &seed_o, &dev_o))
     return NULL;
   if (int_arg(n_o, "VocabParallelEmbedding", "num_embeddings", 1, LLONG_MAX, &n) < 0 ||
       int_arg(dim_o, "VocabParallelEmbedding", "embedding_dim", 1, LLONG_MAX, &dim) < 0 ||
@@ -34,6 +36,7 @@ static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.num_embeddings = n;
   cfg.embedding_dim = dim;
   cfg.seed = seed;
+  if (parse_device(dev_o, "VocabParallelEmbedding", &cfg.device, &cfg.device_id) < 0) return NULL;
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *sizes;
@@ -49,6 +52,8 @@ static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   PyMem_Free(sizes);
   if (!layer_made((PyObject *)self, &self->comm, co, s, st, "VocabParallelEmbedding")) return NULL;
   tp_vocab_embedding_info(self->E, &self->info);
+  self->device = cfg.device;
+  self->device_id = cfg.device_id;
   return (PyObject *)self;
 }
 
@@ -58,11 +63,38 @@ static void emb_dealloc(PyObject *o) {
   layer_free(o, self->comm);
 }
 
+/* A GPU table: tokens[M] int64 on its device in, y[M, dim] a DeviceArray there (or out). */
+static PyObject *emb_forward_device(EmbeddingObject *self, PyObject *to, PyObject *out) {
+  static const char *op = "VocabParallelEmbedding.forward";
+  module_state *st = state_of_type(Py_TYPE(self));
+  tp_tensor tt, ty;
+  PyObject *kt = NULL, *ky = NULL;
+  if (device_input(st, to, op, "tokens", 0, self->device, self->device_id, &tt, &kt) < 0) return NULL;
+  if (device_check(&tt, op, "tokens", TP_INT64, 1, NULL) < 0) {
+    Py_DECREF(kt);
+    return NULL;
+  }
+  int64_t shape[2] = {tt.shape[0], self->info.dim};
+  if (device_output(st, out, op, self->device, self->device_id, TP_FLOAT32, 2, shape, &ty, &ky) < 0) {
+    Py_DECREF(kt);
+    return NULL;
+  }
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_embedding_forward(self->E, &ty, &tt, NULL)));
+  Py_DECREF(kt);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(ky);
+    return layer_error(self->comm, s, "embedding forward", 0);
+  }
+  return ky;
+}
+
 static PyObject *emb_forward(PyObject *o, PyObject *args) {
   EmbeddingObject *self = (EmbeddingObject *)o;
   PyObject *to, *out = Py_None;
   if (!PyArg_ParseTuple(args, "O|O:forward", &to, &out)) return NULL;
   if (!live(self->comm, "forward")) return NULL;
+  if (self->device != TP_DEVICE_CPU) return emb_forward_device(self, to, out);
   int64_t M;
   if (tokens_arg(to, "embedding forward", "tokens", &M) < 0) return NULL;
   PyObject *y = layer_output(out, "embedding forward", M, self->info.dim);
@@ -82,6 +114,23 @@ static PyObject *emb_forward(PyObject *o, PyObject *args) {
 static PyObject *emb_backward(PyObject *o, PyObject *dy) {
   EmbeddingObject *self = (EmbeddingObject *)o;
   if (!live(self->comm, "backward")) return NULL;
+  if (self->device != TP_DEVICE_CPU) { /* dy[M, dim] float32 on the table's device */
+    static const char *op = "VocabParallelEmbedding.backward";
+    tp_tensor td;
+    PyObject *kd = NULL;
+    int64_t shape[2] = {-1, self->info.dim};
+    if (device_input(state_of_type(Py_TYPE(o)), dy, op, "dy", 0, self->device, self->device_id, &td, &kd) < 0)
+      return NULL;
+    if (device_check(&td, op, "dy", TP_FLOAT32, 2, shape) < 0) {
+      Py_DECREF(kd);
+      return NULL;
+    }
+    tp_status_t s;
+    COMM_CALL(self->comm, s, ((void)c_, tp_vocab_embedding_backward(self->E, &td, NULL)));
+    Py_DECREF(kd);
+    if (s != TP_SUCCESS) return layer_error(self->comm, s, "embedding backward", 1);
+    Py_RETURN_NONE;
+  }
   int64_t M;
   if (matrix_arg(dy, "embedding backward", "dy", self->info.dim, &M) < 0) return NULL;
   const float *dp = PyArray_DATA((PyArrayObject *)dy);
@@ -95,7 +144,11 @@ static PyObject *emb_backward(PyObject *o, PyObject *dy) {
 static PyObject *emb_get(PyObject *o, void *which) {
   EmbeddingObject *self = (EmbeddingObject *)o;
   tp_embedding_info_t *i = &self->info;
+  if (self->device != TP_DEVICE_CPU && (intptr_t)which < 2)
+    return device_param_view(state_of_type(Py_TYPE(o)), o, (intptr_t)which ? i->grad_weight : i->weight, 2,
+                             i->local, i->dim, self->device, self->device_id);
   switch ((intptr_t)which) {
+    case 3: return PyUnicode_FromFormat("%s:%d", tp_device_name(self->device), self->device_id);
     case 0: return owned_view(o, i->weight, 2, i->local, i->dim);
     case 1: return owned_view(o, i->grad_weight, 2, i->local, i->dim);
     default: return Py_BuildValue("{s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local);
@@ -106,6 +159,7 @@ static PyGetSetDef emb_getset[] = {
     {"weight", emb_get, NULL, "this rank's rows of the table (a view)", (void *)0},
     {"grad_weight", emb_get, NULL, "their gradient (a view)", (void *)1},
     {"shard", emb_get, NULL, "offset/local of this rank's vocabulary slice", (void *)2},
+    {"device", emb_get, NULL, "'cpu:0' or 'cuda:N'", (void *)3},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -140,19 +194,25 @@ typedef struct {
   CommObject *comm;
   PyObject *logits; /* the last forward's logits, kept alive for backward */
   int64_t M, V;
+  tp_device_t device; /* where its tensors live */
+  int device_id;
 } XentObject;
 
 static PyObject *xent_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"comm", NULL};
-  PyObject *commo;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O:VocabCrossEntropy", kwlist, &commo)) return NULL;
+  static char *kwlist[] = {"comm", "device", NULL};
+  PyObject *commo, *dev_o = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:VocabCrossEntropy", kwlist, &commo, &dev_o)) return NULL;
   module_state *st = state_of_type(type);
   CommObject *co = layer_comm(st, commo, "VocabParallelCrossEntropy");
   if (!co) return NULL;
+  tp_xent_config_t cfg = TP_XENT_CONFIG_INITIALIZER;
+  if (parse_device(dev_o, "VocabParallelCrossEntropy", &cfg.device, &cfg.device_id) < 0) return NULL;
   XentObject *self = (XentObject *)type->tp_alloc(type, 0);
   if (!self) return NULL;
-  tp_status_t s = tp_vocab_xent_create(&self->X, co->comm, NULL);
+  tp_status_t s = tp_vocab_xent_create(&self->X, co->comm, &cfg);
   if (!layer_made((PyObject *)self, &self->comm, co, s, st, "VocabParallelCrossEntropy")) return NULL;
+  self->device = cfg.device;
+  self->device_id = cfg.device_id;
   return (PyObject *)self;
 }
 
@@ -161,6 +221,68 @@ static void xent_dealloc(PyObject *o) {
   tp_vocab_xent_destroy(self->X);
   Py_XDECREF(self->logits);
   layer_free(o, self->comm);
+}
+
+/* A GPU cross-entropy: logits[M, V] float32 and targets[M] int64 on its device; losses[M] a
+ * DeviceArray there.  The logits stay referenced until the next forward (backward reads them). */
+static PyObject *xent_forward_device(XentObject *self, PyObject *lo_, PyObject *to, long long off, long long ignore) {
+  static const char *op = "VocabParallelCrossEntropy.forward";
+  module_state *st = state_of_type(Py_TYPE(self));
+  tp_tensor tx, tt, tl;
+  PyObject *kx = NULL, *kt = NULL, *kl = NULL;
+  if (device_input(st, lo_, op, "logits", 0, self->device, self->device_id, &tx, &kx) < 0) return NULL;
+  if (device_check(&tx, op, "logits", TP_FLOAT32, 2, NULL) < 0) goto fail;
+  int64_t M = tx.shape[0], V = tx.shape[1], want[1] = {M};
+  if (device_input(st, to, op, "targets", 0, self->device, self->device_id, &tt, &kt) < 0) goto fail;
+  if (device_check(&tt, op, "targets", TP_INT64, 1, want) < 0) goto fail;
+  if (device_output(st, Py_None, op, self->device, self->device_id, TP_FLOAT32, 1, want, &tl, &kl) < 0) goto fail;
+  int64_t valid = 0, vocab = 0;
+  tp_status_t s;
+  COMM_CALL(self->comm, s,
+            ((void)c_, tp_vocab_xent_forward(self->X, &tl, &tx, &tt, off, ignore, &valid, &vocab, NULL)));
+  Py_CLEAR(self->logits);
+  Py_CLEAR(kt);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(kl);
+    Py_DECREF(kx);
+    return layer_error(self->comm, s, "cross-entropy forward", 0);
+  }
+  self->logits = kx; /* the imported logits (its memory) until the next forward */
+  self->M = M;
+  self->V = V;
+  return Py_BuildValue("NLL", kl, (long long)valid, (long long)vocab);
+fail:
+  Py_XDECREF(kx);
+  Py_XDECREF(kt);
+  return NULL;
+}
+
+/* backward on a GPU: dloss[M] float32 on the device or None; dlogits a DeviceArray (or out). */
+static PyObject *xent_backward_device(XentObject *self, PyObject *dlo, float scale, PyObject *out) {
+  static const char *op = "VocabParallelCrossEntropy.backward";
+  module_state *st = state_of_type(Py_TYPE(self));
+  tp_tensor tl, td;
+  PyObject *kl = NULL, *kd = NULL;
+  int64_t want[1] = {self->M}, shape[2] = {self->M, self->V};
+  if (dlo != Py_None) {
+    if (device_input(st, dlo, op, "dloss", 0, self->device, self->device_id, &tl, &kl) < 0) return NULL;
+    if (device_check(&tl, op, "dloss", TP_FLOAT32, 1, want) < 0) {
+      Py_DECREF(kl);
+      return NULL;
+    }
+  }
+  if (device_output(st, out, op, self->device, self->device_id, TP_FLOAT32, 2, shape, &td, &kd) < 0) {
+    Py_XDECREF(kl);
+    return NULL;
+  }
+  tp_status_t s;
+  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_backward(self->X, &td, kl ? &tl : NULL, scale, NULL)));
+  Py_XDECREF(kl);
+  if (s != TP_SUCCESS) {
+    Py_DECREF(kd);
+    return layer_error(self->comm, s, "cross-entropy backward", 1);
+  }
+  return kd;
 }
 
 /* forward(logits[M, V], targets[M], vocab_offset=-1, ignore_index=-100) -> (losses[M], valid, vocab) */
@@ -173,6 +295,7 @@ static PyObject *xent_forward(PyObject *o, PyObject *args) {
       (ignore_o && int_arg(ignore_o, "cross-entropy", "ignore_index", LLONG_MIN, LLONG_MAX, &ignore) < 0))
     return NULL;
   if (!live(self->comm, "forward")) return NULL;
+  if (self->device != TP_DEVICE_CPU) return xent_forward_device(self, lo_, to, off, ignore);
   buf_t b;
   if (get_buf(lo_, "cross-entropy", "logits", 0, &b) < 0) return NULL;
   if (b.dtype != TP_FLOAT32 || PyArray_NDIM((PyArrayObject *)lo_) != 2) {
@@ -219,6 +342,7 @@ static PyObject *xent_backward(PyObject *o, PyObject *args) {
     PyErr_SetString(PyExc_RuntimeError, "cross-entropy backward: called before forward");
     return NULL;
   }
+  if (self->device != TP_DEVICE_CPU) return xent_backward_device(self, dlo, scale, out);
   const float *dl = NULL;
   if (dlo != Py_None) {
     buf_t b;

@@ -345,16 +345,6 @@ def _host(a) -> np.ndarray:
     return a.to_numpy() if isinstance(a, DeviceArray) else np.ascontiguousarray(a)
 
 
-def _device_only_cpu(device, who: str) -> None:
-    """Layers whose Python face runs on the CPU only in this version: device='cuda' is
-    checked (a clear error without CUDA) and then refused, never silently on the CPU."""
-    dev = resolve_device(device, who)
-    if dev[0] != "cpu":
-        raise NotImplementedError(f"{who}: device='{device_string(dev)}' is not supported by {who} in this version "
-                                  f"(ColumnParallelLinear, RowParallelLinear and ParallelMLP take device='cuda'); "
-                                  f"use device='cpu'")
-
-
 def _load_bias(layer, b, sel, n):
     if layer.bias is None:
         raise ValueError("load_full: this layer has no bias, but b was given")

@@ -29,7 +29,7 @@ import numpy as np
 from . import _C
 from . import _formats as fmt
 from . import hf as _hf
-from ._array import asarray
+from ._array import DeviceArray, asarray, asarray_device, device_string, resolve_device
 from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import _collective
@@ -73,7 +73,13 @@ class TransformerLM:
     """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm."""
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, partition=None, ffn_partition=None,
-                 vocab_partition=None):
+                 vocab_partition=None, device=None):
+        """device="cuda" (or "cuda:N"): the token embedding, the blocks (their KV caches included)
+        and the LM head live on that GPU, for inference (forward, logits, generate, loading and
+        saving checkpoints); the position/type embeddings and the norms outside the blocks stay on
+        the host, and training (loss/backward) is CPU-only in this version."""
+        self.device = resolve_device(device, "TransformerLM")
+        dev = None if self.device[0] == "cpu" else device_string(self.device)
         if not isinstance(comm, Comm):
             raise TypeError(f"TransformerLM: comm must be a tpcore.Comm, got {type(comm).__name__}")
         if not isinstance(config, Config):
@@ -82,8 +88,11 @@ class TransformerLM:
         self.comm, self.seed = comm, seed_arg(seed, "TransformerLM")
         seed = self.seed
         C = cfg.hidden
-        self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed)
-        self.wte.weight[...] *= 0.02  # GPT-2 / BERT initialisation scale (N(0, 0.02))
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed, device=dev)
+        if dev is None:
+            self.wte.weight[...] *= 0.02  # GPT-2 / BERT initialisation scale (N(0, 0.02))
+        else:  # the same values, scaled on the host
+            self.wte.weight[...] = self.wte.weight.to_numpy() * 0.02
         self.vocab_partition = self.wte.partition
         self.wpe = _normal(seed, 1, (cfg.max_positions, C), 0.02) if cfg.positions == "learned" else None
         self.wpe_grad = None if self.wpe is None else np.zeros_like(self.wpe)
@@ -91,15 +100,35 @@ class TransformerLM:
         self.tte_grad = None if self.tte is None else np.zeros_like(self.tte)
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps) if cfg.embedding_norm else None
         self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
-                                        ffn_partition=ffn_partition) for i in range(cfg.layers)]
+                                        ffn_partition=ffn_partition, device=dev) for i in range(cfg.layers)]
         self.final_norm = _Norm(cfg.norm, C, cfg.eps) if cfg.final_norm and cfg.pre_norm else None
         if cfg.tie_embeddings:
             self.lm_head = None
         else:
             self.lm_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
                                                 partition=[s for _, s in self.vocab_partition],
-                                                seed=(seed + 7) % 2 ** 64)
+                                                seed=(seed + 7) % 2 ** 64, device=dev)
+        # a tied head on a GPU: a column-parallel layer holding a copy of this rank's rows of the
+        # embedding (the GEMM of a GPU layer), refreshed whenever the embedding is loaded
+        self._tied_head = None
+        if dev is not None and self.lm_head is None:
+            self._tied_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
+                                                   partition=[s for _, s in self.vocab_partition], device=dev)
+            self._sync_tied()
         self._ctx = None
+
+    def _sync_tied(self):
+        if self._tied_head is not None:
+            self._tied_head.weight.copy_from(self.wte.weight)
+
+    def _on_gpu(self) -> bool:
+        return self.device[0] != "cpu"
+
+    def _cpu_only(self, what: str):
+        if self._on_gpu():
+            raise NotImplementedError(f"TransformerLM.{what}: training on device='{device_string(self.device)}' "
+                                      f"is not implemented in this version (forward, logits and generate are); "
+                                      f"train on device='cpu'")
 
     # ------------------------------------------------------------- parameters
     def parameters(self):
@@ -133,7 +162,13 @@ class TransformerLM:
     # ---------------------------------------------------------------- compute
     def _embed(self, tokens, pos, token_type_ids):
         B, T = tokens.shape
-        h = self.wte(tokens)                                  # (B, T, C), all-reduced
+        if self._on_gpu():  # the lookup on the GPU; the small additions below on the host
+            h = self.wte(asarray_device(tokens, device=device_string(self.device)))
+            if self.wpe is None and self.tte is None and self.emb_norm is None:
+                return h
+            h = h.to_numpy()
+        else:
+            h = self.wte(tokens)                              # (B, T, C), all-reduced
         if self.wpe is not None:
             h += self.wpe[pos]
         if self.tte is not None:
@@ -191,11 +226,17 @@ class TransformerLM:
                        ("the tokens differ", (v[0],)), ("attention_mask differs", (v[3],)),
                        ("use_cache differs", (bool(use_cache),))])
         B, T = tokens.shape
+        if need_backward:
+            self._cpu_only("forward(need_backward=True)")
         h = self._embed(tokens, pos, tt)
         bp0 = p0 if p0 is not None else (np.zeros(B, np.int64) if use_cache else None)
+        if self._on_gpu() and not isinstance(h, DeviceArray):
+            h = asarray_device(np.ascontiguousarray(h, np.float32), device=device_string(self.device))
         for blk in self.blocks:
             h = blk.forward(h, pos0=bp0, key_mask=mask, use_cache=use_cache, need_backward=need_backward,
                             _agreed=True)
+        if isinstance(h, DeviceArray):  # hidden states come back to the host (the final norm runs there)
+            h = h.to_numpy()
         if self.final_norm is not None:
             h = self.final_norm.forward(h.reshape(B * T, h.shape[-1])).reshape(h.shape)
         self._ctx = dict(tokens=tokens, pos=pos, token_type_ids=tt, B=B, T=T) if need_backward else None
@@ -210,6 +251,9 @@ class TransformerLM:
         # and compete with tpcore's for the cores.  reuse: write into a buffer kept across training
         # steps (the logits shard is the largest activation; a fresh one costs page faults each step)
         h2 = np.ascontiguousarray(h2, np.float32)
+        if self._on_gpu():  # the head's GEMM on the GPU; the shard back to the host
+            head = self.lm_head if self.lm_head is not None else self._tied_head
+            return head._c.forward(asarray_device(h2, device=device_string(self.device))).to_numpy()
         out = None
         if reuse:
             shape = (h2.shape[0], self.vocab_partition[self.comm.rank][1])
@@ -233,6 +277,7 @@ class TransformerLM:
     def loss(self, tokens, targets, attention_mask=None, ignore_index: int = -100) -> float:
         """Mean cross-entropy of next-token targets (B, T) over the full vocabulary, from the
         vocab-parallel logits; keeps what backward() needs."""
+        self._cpu_only("loss")
         h = self.forward(tokens, attention_mask=attention_mask, need_backward=True)
         B, T, C = h.shape
         h2 = np.ascontiguousarray(h.reshape(B * T, C))
@@ -248,6 +293,7 @@ class TransformerLM:
 
     def backward(self, dloss: float = 1.0) -> None:
         """Gradients of the last loss() into every parameter (accumulated)."""
+        self._cpu_only("backward")
         if not self._ctx or "xent" not in self._ctx:
             raise RuntimeError("TransformerLM.backward: call loss() first")
         ctx, comm = self._ctx, self.comm
@@ -457,6 +503,7 @@ class TransformerLM:
             if tuple(W.shape) != (self.config.vocab_size, self.config.hidden):
                 raise ValueError(f"checkpoint: lm_head.weight has shape {tuple(W.shape)}")
             self.lm_head.weight[...] = _f32(W[lo:lo + n])
+        self._sync_tied()
 
     def save_pretrained(self, path: str, sharded: bool = False, hf: bool = False) -> None:
         """tpcore_config.json + model.safetensors (full, rank 0 writes; loadable at any world
@@ -479,7 +526,8 @@ class TransformerLM:
             fmt.write_own_config(path, self.config)
         comm.barrier()
         if sharded:
-            fmt.write_own_shard(path, comm.rank, comm.size, [p for p, _ in self.parameters()])
+            fmt.write_own_shard(path, comm.rank, comm.size, [p.to_numpy() if isinstance(p, DeviceArray) else p
+                                                             for p, _ in self.parameters()])
         else:
             sd = self.state_dict_full()
             if comm.rank == 0:
@@ -570,15 +618,16 @@ class _Progress:
 
 
 @_collective
-def from_pretrained(path: str, comm: Comm, partition=None, progress: bool = True) -> TransformerLM:
+def from_pretrained(path: str, comm: Comm, partition=None, progress: bool = True, device=None) -> TransformerLM:
     """A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors) or one
     saved by save_pretrained; each rank reads only its slices (memory-mapped).  The config
     and the files' headers are checked against each other first: a corrupt or inconsistent
     file raises tpcore.CheckpointError (a ValueError) before the model is allocated.
-    Collective: a rank that fails stops the others."""
+    Collective: a rank that fails stops the others.  device="cuda": the model on the rank's
+    GPU (see TransformerLM), each rank's slices copied from the host to it."""
     own = os.path.join(path, fmt.OWN_CONFIG)
     if os.path.exists(own):
-        return _load_own(path, own, comm, partition, progress)
+        return _load_own(path, own, comm, partition, progress, device)
     cfg = Config.from_hf(path)
     headers = fmt.read_headers(path)
     _hf.check_against_config(path, cfg, cfg.model_type, fmt.HF_CONFIG, headers, warn=comm.rank == 0)
@@ -588,14 +637,14 @@ def from_pretrained(path: str, comm: Comm, partition=None, progress: bool = True
         sd = _hf.from_hf(t, cfg)
     except KeyError as e:
         raise KeyError(f"{path}: the checkpoint has no tensor {e} (expected {cfg.model_type} names)") from None
-    model = TransformerLM(cfg, comm, partition=partition)
+    model = TransformerLM(cfg, comm, partition=partition, device=device)
     model.load_state_dict_full(sd, progress=progress)
     del t, sd
     model.generation_config = gen
     return model
 
 
-def _load_own(path: str, own: str, comm: Comm, partition, progress: bool) -> TransformerLM:
+def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device=None) -> TransformerLM:
     """A folder of save_pretrained: tpcore_config.json with model.safetensors (full tensors in
     tpcore's names, any world size) or the shard files of the same world size."""
     cfg = fmt.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
@@ -603,7 +652,7 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool) -> Tra
     if os.path.exists(full):
         header, _, _ = fmt.read_safetensors_header(full)
         _hf.check_against_config(path, cfg, "tpcore", fmt.OWN_CONFIG, {k: (full, v) for k, v in header.items()})
-        model = TransformerLM(cfg, comm, partition=partition)
+        model = TransformerLM(cfg, comm, partition=partition, device=device)
         t, _ = fmt.read_safetensors(full)
         model.load_state_dict_full(t, progress=progress)
         return model
@@ -615,13 +664,14 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool) -> Tra
         raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
                          f"save it with sharded=False to reshard")
     _check_own_shards(path, cfg, own, comm.size)
-    model = TransformerLM(cfg, comm, partition=partition)
+    model = TransformerLM(cfg, comm, partition=partition, device=device)
     t, _ = fmt.read_safetensors(mine)
     params = model.parameters()
     fmt.check_tensors(mine, t, {f"param.{i}": p.shape for i, (p, _) in enumerate(params)},
                       "this rank's shard of the model (another partition?)")
     for i, (p, _) in enumerate(params):
         p[...] = fmt.to_float32(t[f"param.{i}"])
+    model._sync_tied()
     return model
 
 

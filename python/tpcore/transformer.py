@@ -20,6 +20,11 @@ Full-tensor names (``load_full`` / ``gather_full``), Hugging Face's shapes:
 ``attn.out.weight`` (hidden, heads*D), ``attn.out.bias``, ``norm2.*``,
 ``mlp.fc1.weight`` (ffn, hidden; SwiGLU: (2 ffn, hidden) = [gate; up]),
 ``mlp.fc1.bias``, ``mlp.fc2.weight`` (hidden, ffn), ``mlp.fc2.bias``.
+
+``device="cuda"`` (or ``"cuda:N"``; default the CPU): parameters, workspaces and the KV cache
+live on that GPU; x and dy are float32 DLPack tensors there, outputs tpcore.DeviceArrays there,
+``parameters()`` DeviceArray views; pos0 and key_mask stay host arrays (metadata); load_full
+cuts the slices on the host and copies them to the GPU.
 """
 from __future__ import annotations
 
@@ -30,11 +35,11 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from . import _C
-from ._array import asarray
+from ._array import DeviceArray, asarray, check_on_device, device_string, from_dlpack, resolve_device
 from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
-from .layers import ACTIVATIONS, _device_only_cpu, _sizes, as_float32, check_partition, partition
+from .layers import ACTIVATIONS, _host, _sizes, as_float32, check_partition, partition
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -209,7 +214,7 @@ class TransformerBlock:
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, head_partition: Optional[Sequence[int]] = None,
                  ffn_partition=None, device=None):
-        _device_only_cpu(device, type(self).__name__)
+        self.device = resolve_device(device, type(self).__name__)
         if not isinstance(comm, Comm):
             raise TypeError(f"TransformerBlock: comm must be a tpcore.Comm, got {type(comm).__name__}")
         if not isinstance(config, Config):
@@ -223,7 +228,8 @@ class TransformerBlock:
                                       pre_norm=cfg.pre_norm, bias=cfg.bias, causal=cfg.causal,
                                       rope_theta=float(cfg.rope_theta) if cfg.positions == "rope" else 0.0,
                                       head_partition=hp, ffn_partition=fp, seed=seed_arg(seed, "TransformerBlock"),
-                                      attention_only=self._attention_only)
+                                      attention_only=self._attention_only,
+                                      **({} if self.device[0] == "cpu" else {"device": device_string(self.device)}))
         info = self._c.info
         self.q0, self.nq, self.k0, self.nk = info["q0"], info["nq"], info["k0"], info["nk"]
         self.kv_replicated = info["kv_replicated"]
@@ -296,6 +302,8 @@ class TransformerBlock:
             extra = sorted(set(tensors) - set(shapes))
             if missing or extra:
                 raise KeyError(f"TransformerBlock.load_full: missing {missing}, unexpected {extra}")
+        gpu = self.device[0] != "cpu"
+        staged = {}  # a GPU block: host copies of its local tensors, written back whole at the end
         for name, (local, rows, cut) in self._slices().items():
             if name not in tensors:
                 continue
@@ -304,13 +312,20 @@ class TransformerBlock:
                 t = asarray(t, name, f"{type(self).__name__}.load_full")
             if tuple(t.shape) != shapes[name]:
                 raise ValueError(f"TransformerBlock.load_full: {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
-            dst = self._p[local][0][rows]
+            whole = self._p[local][0]
+            if gpu:
+                if local not in staged:
+                    staged[local] = np.array(whole.to_numpy(), np.float32)
+                whole = staged[local]
+            dst = whole[rows]
             part = t[cut]
             part = np.asarray(part) if isinstance(part, np.ndarray) else part
             if tuple(np.shape(part)) != dst.shape:
                 raise ValueError(f"TransformerBlock.load_full: {name}: slice has shape {np.shape(part)}, "
                                  f"expected {dst.shape}")
-            self._p[local][0][rows] = to_float32(part)
+            whole[rows] = to_float32(part)
+        for local, host in staged.items():  # host -> the GPU, one copy per local tensor
+            self._p[local][0][...] = host
 
     def gather_full(self, grads: bool = False) -> Dict[str, np.ndarray]:
         """The full tensors (or their gradients) rebuilt from every rank (collective)."""
@@ -321,7 +336,7 @@ class TransformerBlock:
         # attention rows/cols by head; replicated KV heads are identical on their ranks: keep one
         heads = comm.all_gather(np.array([self.q0, self.nq, self.k0, self.nk], np.int64)).reshape(-1, 4)
         for name, (local, rows, cut) in self._slices().items():
-            mine = np.ascontiguousarray(self._p[local][which][rows])
+            mine = np.ascontiguousarray(_host(self._p[local][which])[rows])
             shape = shapes[name]
             if name.startswith(("norm", "attn.out.bias", "mlp.fc2.bias")):
                 out[name] = mine.copy()
@@ -373,19 +388,22 @@ class TransformerBlock:
         use_cache, the ranks check that they passed the same pos0, B, T and use_cache (one small
         all-gather; a mismatch raises ValueError on every rank)."""
         if _agreed:  # from TransformerLM.forward, which checked every argument and that the ranks agree
+            if self.device[0] != "cpu":
+                x = self._device_x(x, "x", type(self).__name__)
             B, T, C = x.shape
-            y = self._c.forward(x.reshape(B * T, C), B, T, pos0=pos0, key_mask=None if key_mask is None else
+            y = self._c.forward(x.reshape((B * T, C)), B, T, pos0=pos0, key_mask=None if key_mask is None else
                                 key_mask.reshape(-1), use_cache=use_cache, need_backward=need_backward)
             if use_cache:
                 self._filled[:B] = T if pos0 is None else pos0 + T
-            return y.reshape(B, T, C)
+            return y.reshape((B, T, C))
         who = type(self).__name__
+        gpu = self.device[0] != "cpu"
         cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused below)
 
         def inputs():
-            x32 = as_float32(x, "x", who)
+            x32 = self._device_x(x, "x", who) if gpu else as_float32(x, "x", who)
             if x32.ndim != 3 or x32.shape[-1] != self.config.hidden:
-                raise ValueError(f"{who}: x must have shape (B, T, {self.config.hidden}), got {x32.shape}")
+                raise ValueError(f"{who}: x must have shape (B, T, {self.config.hidden}), got {tuple(x32.shape)}")
             B, T, _ = x32.shape
             bool_arg(use_cache, who, "use_cache")
             bool_arg(need_backward, who, "need_backward")
@@ -399,11 +417,24 @@ class TransformerBlock:
                            lambda v: [("the batch shape (B, T) differs", v[0].shape[:2]), ("pos0 differs", (v[1],)),
                                       ("key_mask differs", (v[2],)), ("use_cache differs", (bool(use_cache),))])
         B, T, C = x32.shape
-        y = self._c.forward(x32.reshape(B * T, C), B, T, pos0=p, key_mask=m, use_cache=use_cache,
+        y = self._c.forward(x32.reshape((B * T, C)), B, T, pos0=p, key_mask=m, use_cache=use_cache,
                             need_backward=need_backward)
         if use_cache:
             self._filled[:B] = T if p is None else p + T
-        return y.reshape(B, T, C)
+        return y.reshape((B, T, C))
+
+    def _device_x(self, x, name: str, who: str) -> DeviceArray:
+        """A GPU block's activation: a float32 DLPack tensor on its device (a TypeError naming the
+        block, the argument and both devices otherwise), as a DeviceArray view.  pos0 and
+        key_mask stay host arrays (metadata the block copies itself)."""
+        check_on_device(x, name, who, self.device)
+        if not hasattr(x, "__dlpack__"):
+            raise TypeError(f"{who}: {name} must be a tensor on {device_string(self.device)} (a tpcore.DeviceArray "
+                            f"or any DLPack tensor), got {type(x).__name__}")
+        xa = from_dlpack(x)
+        if xa.dtype != "float32":
+            raise TypeError(f"{who}: {name} must be float32 on {device_string(self.device)}, got {xa.dtype}")
+        return xa
 
     def _check_cache(self, p, B, T, who):
         filled = getattr(self, "_filled", None)
@@ -422,11 +453,18 @@ class TransformerBlock:
     __call__ = forward
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
+        C = self.config.hidden
+        if self.device[0] != "cpu":  # dy a float32 tensor on the block's GPU; dx a DeviceArray there
+            d = self._device_x(dy, "dy", type(self).__name__)
+            if d.ndim < 1 or d.shape[-1] != C:
+                raise ValueError(f"{type(self).__name__}: dy must have shape (B, T, {C}), got {tuple(d.shape)}")
+            shape = tuple(d.shape)
+            return self._c.backward(d.reshape((d.size // C, C))).reshape(shape)
         d = as_float32(dy, "dy", "TransformerBlock")
-        if d.ndim < 1 or d.shape[-1] != self.config.hidden:
-            raise ValueError(f"TransformerBlock: dy must have shape (B, T, {self.config.hidden}), got {d.shape}")
+        if d.ndim < 1 or d.shape[-1] != C:
+            raise ValueError(f"TransformerBlock: dy must have shape (B, T, {C}), got {d.shape}")
         shape = d.shape
-        return self._c.backward(d.reshape(-1, self.config.hidden)).reshape(shape)
+        return self._c.backward(d.reshape(-1, C)).reshape(shape)
 
     def __repr__(self):
         return (f"TransformerBlock(hidden={self.config.hidden}, heads {self.q0}:{self.q0 + self.nq} and kv heads "

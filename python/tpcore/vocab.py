@@ -12,6 +12,12 @@ logits: a max all-reduce, then one all-reduce of the packed (sum of exp,
 target logit) per row (plus a small all-gather of the shard widths when
 vocab_offset is not given).  Its backward gives this rank's shard of dlogits.
 The vocabulary need not divide by the world size.
+
+device="cuda" (or "cuda:N"; default the CPU): the table and the workspaces live on that GPU;
+token ids, logits, targets and gradients are DLPack tensors there (tpcore.DeviceArray, PyTorch,
+CuPy; token ids and targets int64), results are tpcore.DeviceArrays there, weight/grad_weight
+DeviceArray views, and load_full copies host arrays to the GPU.  A tensor on another device is a
+TypeError naming the layer, the argument and both devices.
 """
 from __future__ import annotations
 
@@ -22,14 +28,28 @@ import numpy as np
 
 from . import _C
 from ._args import int_arg, int_array, real_arg, seed_arg
-from ._array import asarray, check_host
+from ._array import (DeviceArray, asarray, check_host, check_on_device, device_of, device_string, from_dlpack,
+                     resolve_device)
 from .comm import Comm
-from .layers import _device_only_cpu, _sizes, as_float32, check_param_dtype, check_partition, float_param
+from .layers import _host, _sizes, as_float32, check_param_dtype, check_partition, float_param
 
 
 def _tokens(tokens, name="tokens", who="VocabParallelEmbedding"):
     """Integer ids as a C-contiguous int64 array (the range is checked in C)."""
     return int_array(tokens, who, name)
+
+
+def _device_tensor(x, name: str, who: str, device, dtype: str) -> DeviceArray:
+    """x (any DLPack tensor) on the layer's GPU `device`, of dtype `dtype`, as a DeviceArray
+    view: another device is a TypeError naming who, name and both devices."""
+    check_on_device(x, name, who, device)
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError(f"{who}: {name} must be a tensor on {device_string(device)} (a tpcore.DeviceArray or any "
+                        f"DLPack tensor), got {type(x).__name__}")
+    xa = from_dlpack(x)
+    if xa.dtype != dtype:
+        raise TypeError(f"{who}: {name} must be {dtype} on {device_string(device)}, got {xa.dtype}")
+    return xa
 
 
 class VocabParallelEmbedding:
@@ -43,7 +63,7 @@ class VocabParallelEmbedding:
 
     def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, partition=None, seed: int = 0,
                  dtype="float32", device=None):
-        _device_only_cpu(device, "VocabParallelEmbedding")
+        self.device = resolve_device(device, "VocabParallelEmbedding")
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
         check_param_dtype(dtype, "VocabParallelEmbedding")
@@ -53,7 +73,8 @@ class VocabParallelEmbedding:
         self.comm, self.num_embeddings, self.embedding_dim = comm, int(num_embeddings), int(embedding_dim)
         sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings",
                        "VocabParallelEmbedding: partition")
-        self._c = _C.VocabEmbedding(comm._c, self.num_embeddings, self.embedding_dim, sizes, seed)
+        kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
+        self._c = _C.VocabEmbedding(comm._c, self.num_embeddings, self.embedding_dim, sizes, seed, **kw)
         shard = self._c.shard
         self.offset, self.local = shard["offset"], shard["local"]
         self.partition = check_partition(comm, self.offset, self.local, self.num_embeddings, "VocabParallelEmbedding")
@@ -73,7 +94,11 @@ class VocabParallelEmbedding:
         self.grad_weight[...] = 0
 
     def forward(self, tokens) -> np.ndarray:
-        """(..., embedding_dim) float32 rows of the full table for integer tokens (...)."""
+        """(..., embedding_dim) float32 rows of the full table for integer tokens (...).  On a
+        GPU table: tokens an int64 DLPack tensor on its device, the rows a tpcore.DeviceArray there."""
+        if self.device[0] != "cpu":
+            t = _device_tensor(tokens, "tokens", "VocabParallelEmbedding", self.device, "int64")
+            return self._c.forward(t.reshape((t.size,))).reshape(tuple(t.shape) + (self.embedding_dim,))
         t = _tokens(tokens)
         return self._c.forward(t.reshape(-1)).reshape(t.shape + (self.embedding_dim,))
 
@@ -81,6 +106,13 @@ class VocabParallelEmbedding:
 
     def backward(self, dout) -> None:
         """Accumulate grad_weight from the output gradient of the last forward."""
+        if self.device[0] != "cpu":
+            d = _device_tensor(dout, "dout", "VocabParallelEmbedding", self.device, "float32")
+            if d.ndim < 1 or d.shape[-1] != self.embedding_dim:
+                raise ValueError(f"VocabParallelEmbedding: dout must have shape (..., {self.embedding_dim}), got "
+                                 f"{d.shape}")
+            self._c.backward(d.reshape((d.size // self.embedding_dim, self.embedding_dim)))
+            return
         d = as_float32(dout, "dout", "VocabParallelEmbedding")
         if d.ndim < 1 or d.shape[-1] != self.embedding_dim:
             raise ValueError(f"VocabParallelEmbedding: dout must have shape (..., {self.embedding_dim}), got {d.shape}")
@@ -95,7 +127,7 @@ class VocabParallelEmbedding:
         self.weight[...] = float_param(table[self.offset:self.offset + self.local], "load_full")
 
     def gather_full(self) -> np.ndarray:
-        return self.comm.all_gather(np.ascontiguousarray(self.weight), sizes=[s for _, s in self.partition])
+        return self.comm.all_gather(_host(self.weight), sizes=[s for _, s in self.partition])
 
     def __repr__(self):
         return (f"VocabParallelEmbedding({self.num_embeddings}, {self.embedding_dim}, rank {self.comm.rank} holds "
@@ -111,13 +143,14 @@ class VocabParallelCrossEntropy:
     before backward."""
 
     def __init__(self, comm: Comm, ignore_index: int = -100, device=None):
-        _device_only_cpu(device, "VocabParallelCrossEntropy")
+        self.device = resolve_device(device, "VocabParallelCrossEntropy")
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelCrossEntropy: comm must be a tpcore.Comm, got {type(comm).__name__}")
         self.comm = comm
         self.ignore_index = int_arg(ignore_index, "VocabParallelCrossEntropy", "ignore_index",
                                     lo=-2 ** 63, hi=2 ** 63 - 1, expected="an integer (int64)")
-        self._c = _C.VocabCrossEntropy(comm._c)
+        kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
+        self._c = _C.VocabCrossEntropy(comm._c, **kw)
         self._ctx = None
 
     def forward(self, logits_shard: np.ndarray, targets, vocab_offset: Optional[int] = None,
@@ -125,6 +158,8 @@ class VocabParallelCrossEntropy:
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got "
                              f"{reduction!r}")
+        if self.device[0] != "cpu":
+            return self._forward_device(logits_shard, targets, vocab_offset, reduction)
         check_host(logits_shard, "logits_shard", "vocab_parallel_cross_entropy")  # a device tensor: say so
         if not isinstance(logits_shard, np.ndarray):
             raise TypeError(f"vocab_parallel_cross_entropy: logits_shard must be a NumPy array, got "
@@ -139,24 +174,76 @@ class VocabParallelCrossEntropy:
             raise ValueError(f"vocab_parallel_cross_entropy: targets must have shape {lead} (the logits' leading "
                              f"dims), got {t.shape}")
         self._ctx = None
-        if vocab_offset is not None:
-            vocab_offset = int_arg(vocab_offset, "vocab_parallel_cross_entropy", "vocab_offset", lo=0,
-                                   expected="an integer >= 0 (or None: the shards lie in rank order)")
-            if self.comm.size == 1 and vocab_offset != 0:
-                raise ValueError(f"vocab_parallel_cross_entropy: vocab_offset must be 0 (or None) on one rank, whose "
-                                 f"shard is the whole vocabulary; got {vocab_offset}")
-            # Past int64 only on this rank: the layout check all ranks do together refuses it on
-            # every rank (an error here would leave the others waiting in the collective).
-            vocab_offset = min(vocab_offset, 2 ** 63 - 1)
-        losses, valid, vocab = self._c.forward(logits.reshape(M, V), t.reshape(M),
-                                               -1 if vocab_offset is None else int(vocab_offset), self.ignore_index)
+        vocab_offset = self._offset(vocab_offset)
+        losses, valid, vocab = self._c.forward(logits.reshape(M, V), t.reshape(M), vocab_offset, self.ignore_index)
         self._ctx = (lead, reduction, M, V, valid)
+        return self._reduce(losses, lead, reduction, valid)
+
+    def _offset(self, vocab_offset) -> int:
+        if vocab_offset is None:
+            return -1
+        vocab_offset = int_arg(vocab_offset, "vocab_parallel_cross_entropy", "vocab_offset", lo=0,
+                               expected="an integer >= 0 (or None: the shards lie in rank order)")
+        if self.comm.size == 1 and vocab_offset != 0:
+            raise ValueError(f"vocab_parallel_cross_entropy: vocab_offset must be 0 (or None) on one rank, whose "
+                             f"shard is the whole vocabulary; got {vocab_offset}")
+        # Past int64 only on this rank: the layout check all ranks do together refuses it on
+        # every rank (an error here would leave the others waiting in the collective).
+        return int(min(vocab_offset, 2 ** 63 - 1))
+
+    @staticmethod
+    def _reduce(losses, lead, reduction, valid):
+        """reduction='none': the per-row losses (on a GPU: a DeviceArray there); else the sum or
+        the mean over the valid rows, in float64 on the host."""
         if reduction == "none":
-            return losses.reshape(lead)
-        total = float(losses.sum(dtype=np.float64))
+            return losses.reshape(tuple(lead))
+        host = losses.to_numpy() if isinstance(losses, DeviceArray) else losses
+        total = float(host.sum(dtype=np.float64))
         if reduction == "sum":
             return total
         return total / valid if valid else float("nan")
+
+    def _forward_device(self, logits_shard, targets, vocab_offset, reduction):
+        """forward on a GPU: logits_shard float32 and targets int64, DLPack tensors on its device."""
+        who = "VocabParallelCrossEntropy"
+        logits = _device_tensor(logits_shard, "logits_shard", who, self.device, "float32")
+        if logits.ndim < 1:
+            raise ValueError("vocab_parallel_cross_entropy: logits_shard must have a vocabulary dimension")
+        V, lead = logits.shape[-1], tuple(logits.shape[:-1])
+        M = math.prod(lead)
+        t = _device_tensor(targets, "targets", who, self.device, "int64")
+        if tuple(t.shape) != lead:
+            raise ValueError(f"vocab_parallel_cross_entropy: targets must have shape {lead} (the logits' leading "
+                             f"dims), got {tuple(t.shape)}")
+        self._ctx = None
+        off = self._offset(vocab_offset)
+        losses, valid, vocab = self._c.forward(logits.reshape((M, V)), t.reshape((M,)), off, self.ignore_index)
+        self._ctx = (lead, reduction, M, V, valid)
+        return self._reduce(losses, lead, reduction, valid)
+
+    def _backward_device(self, dloss, out):
+        lead, reduction, M, V, valid = self._ctx
+        who = "vocab_parallel_cross_entropy backward"
+        o = None
+        if out is not None:
+            o = _device_tensor(out, "out", who, self.device, "float32")
+            if o.size != M * V:
+                raise ValueError(f"backward: out must be a float32 tensor of {M * V} elements (the logits' shape)")
+            o = o.reshape((M, V))
+        if reduction == "none" and (hasattr(dloss, "__dlpack__") or np.ndim(dloss)):
+            if not hasattr(dloss, "__dlpack__") or isinstance(dloss, np.ndarray):
+                raise TypeError(f"{who}: dloss must be a number or a float32 tensor of the losses' shape {lead} on "
+                                f"{device_string(self.device)}, got {type(dloss).__name__}")
+            d = _device_tensor(dloss, "dloss", who, self.device, "float32")
+            if tuple(d.shape) != lead and tuple(d.shape) != (M,):
+                raise ValueError(f"{who}: dloss must be a number or an array of the losses' shape {lead}, got shape "
+                                 f"{tuple(d.shape)}")
+            return self._c.backward(d.reshape((M,)), 1.0, o).reshape(lead + (V,))
+        if isinstance(dloss, np.ndarray) and dloss.size == 1:
+            dloss = dloss.reshape(()).item()
+        dloss = real_arg(dloss, who, "dloss")
+        scale = dloss if reduction == "none" else dloss / (max(valid, 1) if reduction == "mean" else 1)
+        return self._c.backward(None, scale, o).reshape(lead + (V,))
 
     __call__ = forward
 
@@ -166,6 +253,8 @@ class VocabParallelCrossEntropy:
         (each element is read before it is written), saving a buffer the size of the shard."""
         if self._ctx is None:
             raise RuntimeError("vocab_parallel_cross_entropy backward: called before forward")
+        if self.device[0] != "cpu":
+            return self._backward_device(dloss, out)
         lead, reduction, M, V, valid = self._ctx
         o = None
         if out is not None:
@@ -202,4 +291,7 @@ def vocab_parallel_cross_entropy(logits_shard, targets, comm: Comm, vocab_offset
     """Softmax cross-entropy of the full vocabulary from each rank's logits shard
     (mean over the rows not ignored, by default).  For the backward, use
     VocabParallelCrossEntropy(comm)."""
-    return VocabParallelCrossEntropy(comm, ignore_index).forward(logits_shard, targets, vocab_offset, reduction)
+    where = device_of(logits_shard)  # a GPU tensor: the GPU cross-entropy on its device
+    dev = device_string(where) if where is not None and where[0] != "cpu" else None
+    xent = VocabParallelCrossEntropy(comm, ignore_index, device=dev)
+    return xent.forward(logits_shard, targets, vocab_offset, reduction)
