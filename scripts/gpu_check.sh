@@ -255,6 +255,9 @@ else
 fi
 
 # ----------------------------------------------------------------------------------------- tests
+# The GPU cases of the other test files (each skips without CUDA; here they run).
+GPU_TEST_FILES="tests/test_device_layers.py tests/test_device_arrays.py tests/test_dlpack.py tests/test_launch_gpus.py tests/test_cuda_build.py tests/test_nccl.py"
+[ -f tests/test_device_comm.py ] && GPU_TEST_FILES="$GPU_TEST_FILES tests/test_device_comm.py"
 if selected tests; then
   if selected build && [ "$BUILD_OK" != 1 ]; then
     row tests "not run: the build failed"
@@ -263,7 +266,7 @@ if selected tests; then
     timeout 30 "$PY" -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(-p pytest_timeout --timeout=170)
     run_step tests 240 env TPCORE_TEST_KERNELS_BIN="$HARNESS" TPCORE_TEST_CUDA_PLUGIN="$PLUGIN" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
       "${PT_TIMEOUT[@]}" \
-      -o junit_family=xunit1 --junitxml="$WORK/junit.xml" tests/test_gpu.py
+      -o junit_family=xunit1 --junitxml="$WORK/junit.xml" tests/test_gpu.py $GPU_TEST_FILES
     echo "$RC" > "$WORK/tests.rc"
   fi
 fi
@@ -312,7 +315,7 @@ def tail(name, n=2):
 
 
 # ---- tests
-GROUPS = [("tests", "all of tests/test_gpu.py", None),
+GROUPS = [("tests", "all GPU tests (test_gpu.py and the GPU cases of the others)", None),
           ("parity_py", "kernel parity through pytest", "parity"),
           ("layers_w1", "layers/blocks on cuda, world 1", "layers_w1"),
           ("nccl_w1", "NCCL world 1", "nccl_w1"),
