@@ -241,7 +241,7 @@ def _cuda_linear(comm):
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_cuda_linear_matches_float64_reference():
-    y, ref, errs, W_back, W = run(_cuda_linear, 1)[0]
+    y, ref, errs, W_back, W = run(_cuda_linear, 1, start_method="spawn")[0]
     np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-3)
     np.testing.assert_array_equal(W_back, W)
     assert len(errs) == 2 and all("is on cpu:0 but the layer is on cuda:" in e for e in errs), errs
@@ -262,7 +262,7 @@ def _cuda_mlp(comm):
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_cuda_mlp_matches_cpu_mlp():
-    y_c, y_g, dx_c, dx_g, gw_c, gw_g = run(_cuda_mlp, 1)[0]
+    y_c, y_g, dx_c, dx_g, gw_c, gw_g = run(_cuda_mlp, 1, start_method="spawn")[0]
     np.testing.assert_allclose(y_g, y_c, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(dx_g, dx_c, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(gw_g, gw_c, rtol=1e-3, atol=1e-3)
@@ -334,4 +334,4 @@ def test_host_staged_collectives_logic():
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_host_staged_collectives_on_the_gpu():
-    _check_staged(run(_staged_ops, 2, True))
+    _check_staged(run(_staged_ops, 2, True, start_method="spawn"))
