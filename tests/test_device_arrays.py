@@ -269,18 +269,10 @@ def test_cuda_mlp_matches_cpu_mlp():
 
 
 # ------------------------------------------------------ collectives, host-staged
+# (adapted: the Python-level staging is gone; DeviceArrays go to the C communicator,
+# whose dispatcher stages CUDA memory over shm.  CPU DeviceArrays run the same calls.)
 def _staged_ops(comm, really_gpu):
-    from tpcore import _array as A
-    if really_gpu:
-        dev, call = "cuda", getattr
-    else:  # CPU DeviceArrays stand in for device tensors: the staging logic runs as on a GPU
-        A._on_gpu = lambda x: isinstance(x, tpcore.DeviceArray)
-        to_host = A._to_host  # a real copy, as from a GPU: results must be written back
-        A._to_host = lambda t, arg, op: np.array(to_host(t, arg, op), copy=True) if A._on_gpu(t) else t
-        dev = "cpu"
-
-        def call(c, name):
-            return lambda *a, **k: A.staged_collective(c, name, *a, **k)
+    dev, call = ("cuda" if really_gpu else "cpu"), getattr
     r, n = comm.rank, comm.size
     base = np.arange(6, dtype=np.float32) + 10 * r
     res = {}

@@ -1,9 +1,10 @@
 /*
- * arrays.c: NumPy arrays in and out of the extension.  In: get_buf checks that an
- * argument is an array the core can use (dtype, C-contiguity, alignment,
- * writability) and names the op and the argument when it is not; get_tensor adds a
- * tp_tensor view of it (device CPU) for the C API's tensor calls; matrix_arg and
- * tokens_arg check the shapes the layers take.  Out: owned_view hands out a view of
+ * arrays.c: NumPy arrays in and out of the extension.  In: get_host_buf checks that
+ * an argument is a NumPy array the core can use (dtype, C-contiguity, alignment,
+ * writability) and names the op and the argument when it is not; get_buf takes a
+ * tpcore.DeviceArray of any device as well (the collectives: the C dispatcher stages
+ * device memory a backend cannot take); get_tensor adds a tp_tensor view for the C
+ * API's tensor calls; matrix_arg and tokens_arg check the (host) shapes the layers take.  Out: owned_view hands out a view of
  * C-owned memory that keeps its owner alive.
  */
 #include "ext.h"
@@ -31,9 +32,20 @@ static int dtype_of(PyArray_Descr *d, tp_dtype_t *out) {
   return 1;
 }
 
-/* Checks that obj is a NumPy array this op can use; fills b.  `writable`: the
- * op writes into it.  Errors name the op and the argument. */
-int get_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t *b) {
+/* The read-only refusal, worded the same for NumPy arrays and DeviceArrays; -1. */
+int buf_readonly_error(const char *op, const char *arg) {
+  if (strcmp(arg, "x") == 0)
+    PyErr_Format(PyExc_ValueError,
+                 "%s: x is read-only, but the in-place operation writes into it; pass out= to get "
+                 "the result elsewhere", op);
+  else
+    PyErr_Format(PyExc_ValueError, "%s: %s is read-only but the operation writes into it", op, arg);
+  return -1;
+}
+
+/* Checks that obj is a NumPy array this op can use; fills b (device CPU).  `writable`:
+ * the op writes into it.  Errors name the op and the argument. */
+int get_host_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t *b) {
   if (!PyArray_Check(obj)) {
     PyErr_Format(PyExc_TypeError, "%s: %s must be a NumPy array (or a CPU tensor with __dlpack__), got %s",
                  op, arg, Py_TYPE(obj)->tp_name);
@@ -64,23 +76,54 @@ int get_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t 
     PyErr_Format(PyExc_ValueError, "%s: %s is not aligned to its element size", op, arg);
     return -1;
   }
-  if (writable && !PyArray_ISWRITEABLE(a)) {
-    if (strcmp(arg, "x") == 0)
-      PyErr_Format(PyExc_ValueError,
-                   "%s: x is read-only, but the in-place operation writes into it; pass out= to get "
-                   "the result elsewhere", op);
-    else
-      PyErr_Format(PyExc_ValueError, "%s: %s is read-only but the operation writes into it", op, arg);
-    return -1;
-  }
+  if (writable && !PyArray_ISWRITEABLE(a)) return buf_readonly_error(op, arg);
   b->data = PyArray_DATA(a);
   b->count = (size_t)PyArray_SIZE(a);
+  b->device = TP_DEVICE_CPU;
+  b->device_id = 0;
   return 0;
+}
+
+/* A DeviceArray's buffer (1 when obj is not one; -1 with an exception). */
+static int devarray_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t *b) {
+  int readonly;
+  const tp_tensor *t = devarray_peek(obj, &readonly);
+  if (!t) return 1;
+  if (writable && readonly) return buf_readonly_error(op, arg);
+  static char empty[16] __attribute__((aligned(16))); /* an empty array's data: never read */
+  int64_t n = tp_tensor_numel(t);
+  b->data = t->data ? t->data : (void *)empty;
+  b->count = n > 0 ? (size_t)n : 0;
+  b->dtype = t->dtype;
+  b->device = t->device;
+  b->device_id = t->device_id;
+  return 0;
+}
+
+/* get_host_buf, and a tpcore.DeviceArray of any device (devarray_buf: its data
+ * pointer, element count, dtype and device; its read-only flag refused for a
+ * written argument with NumPy's wording).  NumPy first: its cost is unchanged. */
+int get_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t *b) {
+  if (PyArray_Check(obj)) return get_host_buf(obj, op, arg, writable, b);
+  int r = devarray_buf(obj, op, arg, writable, b);
+  if (r <= 0) return r;
+  PyErr_Format(PyExc_TypeError, "%s: %s must be a NumPy array or a tpcore.DeviceArray (or a tensor with "
+               "__dlpack__), got %s", op, arg, Py_TYPE(obj)->tp_name);
+  return -1;
 }
 
 int get_tensor(PyObject *obj, const char *op, const char *arg, int writable, tp_tensor *t) {
   buf_t b;
-  if (get_buf(obj, op, arg, writable, &b) < 0) return -1;
+  if (!PyArray_Check(obj)) { /* a DeviceArray: its own tensor view (any device) */
+    int r = devarray_buf(obj, op, arg, writable, &b);
+    if (r == 0) {
+      int ro;
+      *t = *devarray_peek(obj, &ro);
+      return 0;
+    }
+    if (r < 0) return -1;
+  }
+  if (get_host_buf(obj, op, arg, writable, &b) < 0) return -1;
   if (PyArray_NDIM((PyArrayObject *)obj) > TP_MAX_DIMS) {
     PyErr_Format(PyExc_ValueError, "%s: %s has %d dimensions; at most %d are supported", op, arg,
                  PyArray_NDIM((PyArrayObject *)obj), TP_MAX_DIMS);
@@ -93,7 +136,7 @@ int get_tensor(PyObject *obj, const char *op, const char *arg, int writable, tp_
 /* x as a float32 2-D C-contiguous array with `cols` columns; rows out. */
 int matrix_arg(PyObject *x, const char *op, const char *arg, int64_t cols, int64_t *rows) {
   buf_t b;
-  if (get_buf(x, op, arg, 0, &b) < 0) return -1;
+  if (get_host_buf(x, op, arg, 0, &b) < 0) return -1;
   PyArrayObject *a = (PyArrayObject *)x;
   if (b.dtype != TP_FLOAT32) {
     PyErr_Format(PyExc_TypeError, "%s: %s has dtype %s; expected float32", op, arg, tp_dtype_name(b.dtype));
@@ -111,7 +154,7 @@ int matrix_arg(PyObject *x, const char *op, const char *arg, int64_t cols, int64
 /* tokens: a 1-D C-contiguous int64 array; its length out. */
 int tokens_arg(PyObject *t, const char *op, const char *arg, int64_t *n) {
   buf_t b;
-  if (get_buf(t, op, arg, 0, &b) < 0) return -1;
+  if (get_host_buf(t, op, arg, 0, &b) < 0) return -1;
   if (b.dtype != TP_INT64 || PyArray_NDIM((PyArrayObject *)t) != 1) {
     PyErr_Format(PyExc_TypeError, "%s: %s must be a 1-D int64 array", op, arg);
     return -1;

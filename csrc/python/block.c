@@ -129,7 +129,7 @@ static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
   }
   if (mo != Py_None) {
     buf_t b;
-    if (get_buf(mo, "block forward", "key_mask", 0, &b) < 0) BLK_FAIL;
+    if (get_host_buf(mo, "block forward", "key_mask", 0, &b) < 0) BLK_FAIL;
     if (b.dtype != TP_UINT8 || (int64_t)b.count != M) {
       PyErr_Format(PyExc_ValueError, "block forward: key_mask must be uint8 with B * T = %lld entries", (long long)M);
       BLK_FAIL;

@@ -749,6 +749,13 @@ const tp_tensor *devarray_tensor(module_state *st, PyObject *o) {
   return &((DevArray *)o)->t;
 }
 
+/* Any module instance's DeviceArray type: they share da_dealloc (the type is final). */
+const tp_tensor *devarray_peek(PyObject *o, int *readonly) {
+  if (Py_TYPE(o)->tp_dealloc != da_dealloc) return NULL;
+  *readonly = ((DevArray *)o)->readonly;
+  return &((DevArray *)o)->t;
+}
+
 /* dlpack.c */
 PyObject *m_device_count(PyObject *m, PyObject *o);
 PyObject *m_cuda_status(PyObject *m, PyObject *unused);

@@ -70,13 +70,26 @@ typedef struct {
   void *data;
   size_t count;
   tp_dtype_t dtype;
+  tp_device_t device; /* where data lives: CPU for NumPy; a DeviceArray's device */
+  int device_id;
 } buf_t;
 
 /* Checks that obj is a NumPy array this op can use (known dtype, C-contiguous,
- * aligned, writable when `writable`); fills b.  Errors name the op and the argument. */
+ * aligned, writable when `writable`); fills b (device CPU).  Errors name the op and
+ * the argument.  For callers that read or write the data on the CPU. */
+int get_host_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t *b);
+
+/* get_host_buf, or a tpcore.DeviceArray of ANY device (b->device says which; its
+ * read-only flag refused for a written argument with NumPy's wording).  Only for
+ * callers that hand the pointer to code that handles device memory (the collectives:
+ * the C dispatcher stages what a backend cannot take).  Host code: get_host_buf. */
 int get_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t *b);
 
-/* get_buf's checks, then a tp_tensor view of obj (device CPU, C-contiguous strides). */
+/* The ValueError for a read-only array an op writes into (NumPy and DeviceArray); -1. */
+int buf_readonly_error(const char *op, const char *arg);
+
+/* A tp_tensor view of obj: a NumPy array (get_host_buf's checks; device CPU), or a
+ * DeviceArray's own tensor (any device). */
 int get_tensor(PyObject *obj, const char *op, const char *arg, int writable, tp_tensor *t);
 
 /* The tp_tensor view of an array already checked by get_buf (dtype from b). */
@@ -211,6 +224,9 @@ int parse_device(PyObject *o, const char *op, tp_device_t *type, int *id);
 PyObject *devarray_wrap(module_state *st, const tp_tensor *t, PyObject *base, int readonly);
 /* The tensor of a DeviceArray, or NULL with a TypeError. */
 const tp_tensor *devarray_tensor(module_state *st, PyObject *o);
+/* The tensor (and read-only flag) of o when o is a tpcore.DeviceArray of any module
+ * instance; NULL, with no exception, when it is not one. */
+const tp_tensor *devarray_peek(PyObject *o, int *readonly);
 
 /* A new array (contents undefined) on (dev, id): a layer's output. */
 PyObject *devarray_empty(module_state *st, tp_device_t dev, int id, tp_dtype_t dt, int ndim, const int64_t *shape);

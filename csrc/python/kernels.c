@@ -21,7 +21,7 @@ static PyObject *kernel_done(PyObject *mod, tp_status_t s, const char *op, PyObj
 /* o as a 2-D float32 array: its rows, columns and data. */
 static int f32_matrix(PyObject *o, const char *op, const char *arg, int writable, int64_t *r, int64_t *c, float **p) {
   buf_t b;
-  if (get_buf(o, op, arg, writable, &b) < 0) return -1;
+  if (get_host_buf(o, op, arg, writable, &b) < 0) return -1;
   if (b.dtype != TP_FLOAT32 || PyArray_NDIM((PyArrayObject *)o) != 2) {
     PyErr_Format(PyExc_TypeError, "%s: %s must be a 2-D float32 array", op, arg);
     return -1;
@@ -35,7 +35,7 @@ static int f32_matrix(PyObject *o, const char *op, const char *arg, int writable
 /* o as float32 with n elements (like p). */
 static int same_f32(PyObject *o, const char *op, const char *arg, size_t n, int writable, float **p) {
   buf_t b;
-  if (get_buf(o, op, arg, writable, &b) < 0) return -1;
+  if (get_host_buf(o, op, arg, writable, &b) < 0) return -1;
   if (b.dtype != TP_FLOAT32 || b.count != n) {
     PyErr_Format(PyExc_ValueError, "%s: %s must be float32 with %zu elements (like p), got %s with %zu", op, arg, n,
                  tp_dtype_name(b.dtype), b.count);
@@ -65,7 +65,7 @@ static PyObject *act_call(PyObject *mod, PyObject *args, int backward) {
     return NULL;
   }
   if (backward) {
-    if (get_buf(dout, op, "dout", 0, &bd) < 0) return NULL;
+    if (get_host_buf(dout, op, "dout", 0, &bd) < 0) return NULL;
     if (bd.dtype != TP_FLOAT32 || bd.count != (size_t)(M * F)) {
       PyErr_Format(PyExc_ValueError, "%s: dout must be float32 with %zd x %zd elements", op, (Py_ssize_t)M, (Py_ssize_t)F);
       return NULL;
@@ -75,7 +75,7 @@ static PyObject *act_call(PyObject *mod, PyObject *args, int backward) {
   PyObject *out;
   if (outo != Py_None) { /* a workspace reused across steps */
     buf_t bo;
-    if (get_buf(outo, op, "out", 1, &bo) < 0) return NULL;
+    if (get_host_buf(outo, op, "out", 1, &bo) < 0) return NULL;
     if (bo.dtype != TP_FLOAT32 || bo.count != (size_t)(dims[0] * dims[1])) {
       PyErr_Format(PyExc_ValueError, "%s: out must be float32 with %zd x %zd elements", op, (Py_ssize_t)dims[0],
                    (Py_ssize_t)dims[1]);
@@ -109,7 +109,7 @@ static PyObject *adamw_step(PyObject *mod, PyObject *args) {
     return NULL;
   buf_t bp;
   float *p, *g, *m, *v;
-  if (get_buf(po, "adamw_step", "p", 1, &bp) < 0) return NULL;
+  if (get_host_buf(po, "adamw_step", "p", 1, &bp) < 0) return NULL;
   if (bp.dtype != TP_FLOAT32) {
     PyErr_Format(PyExc_TypeError, "adamw_step: p must be float32, got %s", tp_dtype_name(bp.dtype));
     return NULL;
@@ -138,7 +138,7 @@ static PyObject *sgd_step(PyObject *mod, PyObject *args) {
   if (!PyArg_ParseTuple(args, "OOOfffp:sgd_step", &po, &go, &bo, &lr, &mom, &wd, &first)) return NULL;
   buf_t bp;
   float *g, *buf = NULL;
-  if (get_buf(po, "sgd_step", "p", 1, &bp) < 0) return NULL;
+  if (get_host_buf(po, "sgd_step", "p", 1, &bp) < 0) return NULL;
   if (bp.dtype != TP_FLOAT32) {
     PyErr_Format(PyExc_TypeError, "sgd_step: p must be float32, got %s", tp_dtype_name(bp.dtype));
     return NULL;

@@ -129,7 +129,7 @@ PyObject *layer_output(PyObject *out, const char *op, int64_t M, int64_t cols) {
   if (out && out != Py_None) {
     int64_t Mo;
     buf_t bo;
-    if (matrix_arg(out, op, "out", cols, &Mo) < 0 || get_buf(out, op, "out", 1, &bo) < 0) return NULL;
+    if (matrix_arg(out, op, "out", cols, &Mo) < 0 || get_host_buf(out, op, "out", 1, &bo) < 0) return NULL;
     if (Mo != M) {
       PyErr_Format(PyExc_ValueError, "%s: out has %lld rows, the input %lld", op, (long long)Mo, (long long)M);
       return NULL;

@@ -297,7 +297,7 @@ static PyObject *xent_forward(PyObject *o, PyObject *args) {
   if (!live(self->comm, "forward")) return NULL;
   if (self->device != TP_DEVICE_CPU) return xent_forward_device(self, lo_, to, off, ignore);
   buf_t b;
-  if (get_buf(lo_, "cross-entropy", "logits", 0, &b) < 0) return NULL;
+  if (get_host_buf(lo_, "cross-entropy", "logits", 0, &b) < 0) return NULL;
   if (b.dtype != TP_FLOAT32 || PyArray_NDIM((PyArrayObject *)lo_) != 2) {
     PyErr_SetString(PyExc_TypeError, "cross-entropy: logits must be a 2-D float32 array (rows, shard width)");
     return NULL;
@@ -346,7 +346,7 @@ static PyObject *xent_backward(PyObject *o, PyObject *args) {
   const float *dl = NULL;
   if (dlo != Py_None) {
     buf_t b;
-    if (get_buf(dlo, "cross-entropy backward", "dloss", 0, &b) < 0) return NULL;
+    if (get_host_buf(dlo, "cross-entropy backward", "dloss", 0, &b) < 0) return NULL;
     if (b.dtype != TP_FLOAT32 || (int64_t)b.count != self->M) {
       PyErr_Format(PyExc_ValueError, "cross-entropy backward: dloss must be float32 with one entry per row (%lld)",
                    (long long)self->M);

@@ -227,70 +227,44 @@ def check_on_device(x, name: str, who: str, device: Tuple[str, int]) -> None:
                         f"move it first (tpcore.asarray({name}, device='{device_string(device)}'))")
 
 
-# ------------------------------------------------- collectives on device arrays
-# The host-staged path (device -> host, the backend's collective, host -> device), for
-# backends that move host memory only (shm).  A backend that takes device buffers
-# itself (NCCL) is not staged: Comm asks `staged(comm, ...)` first.
+# ------------------------------------------------------- collectives' arguments
+# The collectives hand NumPy arrays and DeviceArrays (any device) to the C communicator
+# as they are; the C dispatcher (csrc/comm/staged.c) stages device memory a backend
+# cannot take (a CUDA buffer over shm) and host memory the NCCL backend cannot (through
+# a device bounce buffer).  There is no Python-level staging.
 
-def _on_gpu(x) -> bool:
-    """x is a CUDA device tensor (not host memory)."""
-    if x is None or isinstance(x, np.ndarray) or not hasattr(x, "__dlpack_device__"):
+def comm_array(x, name: str, op: str, writable: bool = False):
+    """x as the C collectives take it: a NumPy array or a tpcore.DeviceArray as it is;
+    any other tensor with __dlpack__ (a CUDA tensor, or a CPU tensor that is not NumPy)
+    as a DeviceArray view of its memory (_C.from_dlpack: no copy, the producer's capsule
+    held).  A tensor of a device this process cannot use is a clear error naming op and
+    the argument; a producer whose export fails is a TypeError naming both."""
+    if isinstance(x, (np.ndarray, DeviceArray)):
+        return x
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError(f"{op}: {name} must be a NumPy array, a tpcore.DeviceArray or a tensor with __dlpack__, "
+                        f"got {type(x).__name__}")
+    dev = dlpack_device(x, name, op)
+    if dev is not None and dev[0] not in HOST_DEVICES and (dev[0] != 2 or "cuda" not in build_devices()):
+        check_host(x, name, op)  # a device this build has no support for: refused by name
+    try:
+        return _C.from_dlpack(x, writable=writable, op=op, name=name)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        failed = f"{op}: {name} could not be exported through DLPack: "
+        if msg.startswith(failed):  # the producer's own failure, worded as the collectives always did
+            raise TypeError(f"{op}: {name} could not be imported through DLPack: {msg[len(failed):]}") from e
+        if msg.startswith(f"{op}: "):  # tpcore's own check, already naming op and argument
+            raise
+        raise TypeError(f"{op}: {name} could not be imported through DLPack: {type(e).__name__}: {e}") from e
+
+
+def is_device_result(x) -> bool:
+    """A new output of a collective on x is a DeviceArray (x is one, or x is a tensor
+    on a device); a NumPy array for NumPy and other host tensors, as before."""
+    if isinstance(x, DeviceArray):
+        return True
+    if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack_device__"):
         return False
     dev = dlpack_device(x, "x", "collective")
-    return dev is not None and dev[0] == 2
-
-
-def staged(comm, *xs) -> bool:
-    """True when a collective of comm on xs goes through the host-staged path: one of
-    them is a CUDA tensor, this process can use CUDA (else the collective refuses the
-    tensor by name, as before) and the backend moves host memory only."""
-    return any(_on_gpu(x) for x in xs) and comm.backend != "nccl" and _C.device_count("cuda") > 0
-
-
-def _to_host(t, arg, op):
-    """A host array for t: t itself when it is host data (written in place), else a
-    host copy of the device tensor (synchronised)."""
-    if t is None or not _on_gpu(t):
-        return t
-    return _C.from_dlpack(t, op=op, name=arg).to_numpy()
-
-
-def _back(target, host_arr, arg, op):
-    """host_arr into target when target is a device tensor (host targets were used
-    in place)."""
-    if _on_gpu(target):
-        _C.from_dlpack(target, writable=True, op=op, name=arg).copy_from(np.ascontiguousarray(host_arr))
-
-
-def staged_collective(comm, name: str, x, *args, out=None, **kw):
-    """comm.<name>(x, ...) with device tensors staged through host memory.  The
-    results land where the direct call puts them: in place on x (or out) for
-    all_reduce, broadcast, reduce and recv; a new DeviceArray on x's device (or out)
-    for all_gather and reduce_scatter; into out for sendrecv."""
-    hx = _to_host(x, "x", name)
-    fn = getattr(comm, name)
-    if name == "send":
-        return fn(hx, *args, **kw)
-    if name == "sendrecv":  # sendrecv(x, dst, out, src)
-        dst, o, src = args
-        ho = _to_host(o, "out", name)
-        fn(hx, dst, ho, src)
-        _back(o, ho, "out", name)
-        return o
-    if name == "recv":
-        fn(hx, *args, **kw)
-        _back(x, hx, "x", name)
-        return x
-    ho = _to_host(out, "out", name)
-    res = fn(hx, *args, out=ho, **kw)
-    if name in ("all_gather", "reduce_scatter"):
-        if out is not None:
-            _back(out, ho, "out", name)
-            return out
-        dev = device_of(x) or ("cpu", 0)
-        return asarray_device(res, device=device_string(dev)) if dev[0] != "cpu" else res
-    if out is not None:  # all_reduce, broadcast, reduce into out
-        _back(out, ho, "out", name)
-        return out
-    _back(x, hx, "x", name)
-    return x
+    return dev is not None and dev[0] not in HOST_DEVICES

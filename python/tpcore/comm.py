@@ -2,10 +2,12 @@
 
 `Comm` wraps the C communicator (`tpcore._C.Comm`) with NumPy conveniences:
 arrays of any shape, `axis=` for gather and scatter, new output arrays, DLPack
-inputs (_array.py: a tensor on another device is refused by name).  Device (GPU)
-tensors over a backend that moves host memory (shm) take the host-staged path
-(_array.staged_collective); the NCCL backend takes them directly.  All data
-movement and arithmetic happen in C with the GIL released.
+inputs.  NumPy arrays and tpcore.DeviceArrays go to the C communicator as they
+are; any other tensor with __dlpack__ (a CUDA tensor, a CPU tensor that is not
+NumPy) as a DeviceArray view of its memory (_array.comm_array: no copy).  Device
+memory a backend cannot take (a CUDA buffer over shm), and host memory the NCCL
+backend cannot, are staged by the C dispatcher (csrc/comm/staged.c), the one
+staging path.  All data movement and arithmetic happen in C with the GIL released.
 
 Semantics follow NCCL / torch.distributed: every rank calls the same
 collectives in the same order with matching shapes and dtypes; a mismatch
@@ -22,7 +24,7 @@ import numpy as np
 from . import _C
 from ._args import is_int, real_arg, shown
 from ._array import as_array  # noqa: F401  (also tpcore.comm.as_array, as before)
-from ._array import staged, staged_collective
+from ._array import DeviceArray, comm_array, is_device_result
 
 CommError = _C.CommError
 CommTimeout = _C.CommTimeout
@@ -48,15 +50,64 @@ def _unmoved(shape, ax):
     return tuple(shape[1:ax + 1]) + (shape[0],) + tuple(shape[ax + 1:])
 
 
+def _dt(a) -> str:
+    """The dtype's name (a DeviceArray's dtype is its name already)."""
+    return a.dtype if isinstance(a, DeviceArray) else a.dtype.name
+
+
+def _writable(a) -> bool:
+    return not a.readonly if isinstance(a, DeviceArray) else a.flags.writeable
+
+
+def _shape(a) -> tuple:
+    return tuple(a.shape)
+
+
+def _empty(shape, a, device_result):
+    """A new array of shape and a's dtype: NumPy for NumPy; else on a's device, a
+    DeviceArray when device_result (x lives on a device or is a DeviceArray), else
+    (a host tensor of another library, as before) a NumPy view of host memory."""
+    if isinstance(a, np.ndarray):
+        return np.empty(shape, dtype=a.dtype)
+    r = DeviceArray(shape, a.dtype, a.device)
+    return r if device_result else r.to_numpy()
+
+
+def _to_axis0(a, ax):
+    """a with axis ax moved first, C-contiguous (a itself for ax 0).  A DeviceArray's
+    transpose goes through host memory (tpcore has no device transpose); when the axes
+    before ax all have length 1 it is a view (the same bytes)."""
+    if ax == 0:
+        return a
+    if isinstance(a, np.ndarray):
+        return np.ascontiguousarray(np.moveaxis(a, ax, 0))
+    shape = _shape(a)
+    if math.prod(shape[:ax]) == 1:
+        return a.reshape((shape[ax],) + shape[:ax] + shape[ax + 1:])
+    return _C.asarray(np.ascontiguousarray(np.moveaxis(a.to_numpy(), ax, 0)), device=a.device)
+
+
+def _from_axis0(res, ax, o, out, device_result):
+    """The result of a gather or scatter along axis ax != 0 (res: axis 0 first) into o
+    (returns out), or as a new array on res's device."""
+    h = res if isinstance(res, np.ndarray) else res.to_numpy()
+    r = np.moveaxis(h, 0, ax)
+    if o is not None:
+        o[...] = r
+        return out
+    r = np.ascontiguousarray(r)
+    return _C.asarray(r, device=res.device) if device_result and isinstance(res, DeviceArray) else r
+
+
 def _out_array(out, a, shape, name):
     """out= of a gather or scatter, checked before the collective runs (a copy along another
     axis must not fail, or silently cast, after the data moved): shape, dtype, writable."""
-    o = as_array(out, "out", name)
-    if o.shape != shape:
-        raise ValueError(f"{name}: out has shape {o.shape}, expected {shape}")
-    if o.dtype != a.dtype:
+    o = comm_array(out, "out", name, writable=True)
+    if _shape(o) != shape:
+        raise ValueError(f"{name}: out has shape {_shape(o)}, expected {shape}")
+    if _dt(o) != _dt(a):
         raise TypeError(f"{name}: out has dtype {o.dtype} but x has dtype {a.dtype}; they must match")
-    if not o.flags.writeable:
+    if not _writable(o):
         raise ValueError(f"{name}: out is read-only but the operation writes into it")
     return o
 
@@ -119,12 +170,10 @@ class Comm:
         if out is None and type(x) is np.ndarray:  # the common case, kept short
             self._c.all_reduce(x, x, op)
             return x
-        if staged(self, x, out):  # device tensors over a host backend
-            return staged_collective(self, "all_reduce", x, op=op, out=out)
-        a = as_array(x, "x", "all_reduce")
-        o = a if out is None else as_array(out, "out", "all_reduce")
-        if o.shape != a.shape:
-            raise ValueError(f"all_reduce: out has shape {o.shape} but x has shape {a.shape}")
+        a = comm_array(x, "x", "all_reduce")
+        o = a if out is None else comm_array(out, "out", "all_reduce", writable=True)
+        if _shape(o) != _shape(a):
+            raise ValueError(f"all_reduce: out has shape {_shape(o)} but x has shape {_shape(a)}")
         self._c.all_reduce(a, o, op)
         return x if out is None else out
 
@@ -136,28 +185,23 @@ class Comm:
                 return self._c.all_gather(x, None)
             if type(out) is np.ndarray and out.shape == (x.shape[0] * self._size,) + x.shape[1:]:
                 return self._c.all_gather(x, out)
-        if staged(self, x, out):
-            return staged_collective(self, "all_gather", x, axis=axis, sizes=sizes, out=out)
-        a = as_array(x, "x", "all_gather")
+        a = comm_array(x, "x", "all_gather")
+        dres = is_device_result(x)
         if a.ndim == 0:
-            a = a.reshape(1)
+            a = a.reshape((1,))
         ax = _norm_axis(axis, a.ndim, "all_gather")
-        sizes = self._sizes(sizes, a.shape[ax], "all_gather", "x")
+        sizes = self._sizes(sizes, _shape(a)[ax], "all_gather", "x")
         total = sum(sizes)
-        moved = a if ax == 0 else np.ascontiguousarray(np.moveaxis(a, ax, 0))
-        inner = math.prod(moved.shape[1:])
-        gshape = (total,) + moved.shape[1:]
+        moved = _to_axis0(a, ax)
+        inner = math.prod(_shape(moved)[1:])
+        gshape = (total,) + _shape(moved)[1:]
         o = None if out is None else _out_array(out, a, _unmoved(gshape, ax), "all_gather")
-        res = o if ax == 0 and o is not None else np.empty(gshape, dtype=a.dtype)
+        res = o if ax == 0 and o is not None else _empty(gshape, a, dres)
         counts = [s * inner for s in sizes]
         self._c.all_gather(moved, res, counts)
         if ax == 0:
             return out if out is not None else res
-        res = np.moveaxis(res, 0, ax)
-        if o is not None:
-            o[...] = res
-            return out
-        return np.ascontiguousarray(res)
+        return _from_axis0(res, ax, o, out, dres)
 
     def reduce_scatter(self, x, op: str = "sum", axis: int = 0, sizes: Optional[Sequence[int]] = None,
                        out=None):
@@ -170,14 +214,13 @@ class Comm:
                 return self._c.reduce_scatter(x, None, op)
             if type(out) is np.ndarray and out.shape == (x.shape[0] // self._size,) + x.shape[1:]:
                 return self._c.reduce_scatter(x, out, op)
-        if staged(self, x, out):
-            return staged_collective(self, "reduce_scatter", x, op=op, axis=axis, sizes=sizes, out=out)
-        a = as_array(x, "x", "reduce_scatter")
+        a = comm_array(x, "x", "reduce_scatter")
+        dres = is_device_result(x)
         _check_op(op, "reduce_scatter")
         if a.ndim == 0:
             raise ValueError("reduce_scatter: x must have at least one dimension")
         ax = _norm_axis(axis, a.ndim, "reduce_scatter")
-        n = a.shape[ax]
+        n = _shape(a)[ax]
         if sizes is None:
             if n % self.size:
                 raise ValueError(f"reduce_scatter: x has length {n} along axis {ax}, which does not split "
@@ -188,45 +231,37 @@ class Comm:
             if sum(sizes) != n:
                 raise ValueError(f"reduce_scatter: sizes add up to {sum(sizes)} but x has length {n} "
                                  f"along axis {ax}")
-        moved = a if ax == 0 else np.ascontiguousarray(np.moveaxis(a, ax, 0))
-        inner = math.prod(moved.shape[1:])
-        oshape = (sizes[self.rank],) + moved.shape[1:]
+        moved = _to_axis0(a, ax)
+        inner = math.prod(_shape(moved)[1:])
+        oshape = (sizes[self.rank],) + _shape(moved)[1:]
         o = None if out is None else _out_array(out, a, _unmoved(oshape, ax), "reduce_scatter")
-        res = o if ax == 0 and o is not None else np.empty(oshape, dtype=a.dtype)
+        res = o if ax == 0 and o is not None else _empty(oshape, a, dres)
         self._c.reduce_scatter(moved, res, op, [s * inner for s in sizes])
         if ax == 0:
             return out if out is not None else res
-        res = np.moveaxis(res, 0, ax)
-        if o is not None:
-            o[...] = res
-            return out
-        return np.ascontiguousarray(res)
+        return _from_axis0(res, ax, o, out, dres)
 
     def broadcast(self, x, root: int = 0, out=None):
         """Root's x to every rank: in place on x (returns x), or into out."""
         if out is None and type(x) is np.ndarray and type(root) is int and 0 <= root < self._size:
             self._c.broadcast(x, x, root)  # the common case
             return x
-        if staged(self, x, out):
-            return staged_collective(self, "broadcast", x, root=root, out=out)
-        a = as_array(x, "x", "broadcast")
+        a = comm_array(x, "x", "broadcast")
         self._check_rank(root, "broadcast", "root")
-        o = a if out is None else as_array(out, "out", "broadcast")
-        if o.shape != a.shape:
-            raise ValueError(f"broadcast: out has shape {o.shape} but x has shape {a.shape}")
+        o = a if out is None else comm_array(out, "out", "broadcast", writable=True)
+        if _shape(o) != _shape(a):
+            raise ValueError(f"broadcast: out has shape {_shape(o)} but x has shape {_shape(a)}")
         self._c.broadcast(a, o, root)
         return x if out is None else out
 
     def reduce(self, x, root: int = 0, op: str = "sum", out=None):
         """Reduce x over ranks onto root: in place on root's x (other ranks' x is
         left as it was), or into out on root.  Returns x (or out)."""
-        if staged(self, x, out):
-            return staged_collective(self, "reduce", x, root=root, op=op, out=out)
-        a = as_array(x, "x", "reduce")
+        a = comm_array(x, "x", "reduce")
         self._check_rank(root, "reduce", "root")
-        o = a if out is None else as_array(out, "out", "reduce")
-        if o.shape != a.shape:
-            raise ValueError(f"reduce: out has shape {o.shape} but x has shape {a.shape}")
+        o = a if out is None else comm_array(out, "out", "reduce", writable=True)
+        if _shape(o) != _shape(a):
+            raise ValueError(f"reduce: out has shape {_shape(o)} but x has shape {_shape(a)}")
         self._c.reduce(a, o, op, root)
         return x if out is None else out
 
@@ -235,17 +270,13 @@ class Comm:
         Returns once the data is copied out, at most a few chunks ahead of the
         receiver; use sendrecv for rings and exchanges."""
         self._check_rank(peer, "send", "peer")
-        if staged(self, x):
-            return staged_collective(self, "send", x, peer)
-        self._c.send(as_array(x, "x", "send"), peer)
+        self._c.send(comm_array(x, "x", "send"), peer)
 
     def recv(self, x, peer: int):
         """Receive into x from peer; returns x."""
         self._check_rank(peer, "recv", "peer")
-        if staged(self, x):
-            return staged_collective(self, "recv", x, peer)
-        a = as_array(x, "x", "recv")
-        if not a.flags.writeable:
+        a = comm_array(x, "x", "recv", writable=True)
+        if not _writable(a):
             raise ValueError("recv: x is read-only, but recv writes the received data into it")
         self._c.recv(a, peer)
         return x
@@ -254,9 +285,7 @@ class Comm:
         """Send x to dst and receive out from src at the same time; returns out."""
         self._check_rank(dst, "sendrecv", "dst")
         self._check_rank(src, "sendrecv", "src")
-        if staged(self, x, out):
-            return staged_collective(self, "sendrecv", x, dst, out, src)
-        self._c.sendrecv(as_array(x, "x", "sendrecv"), dst, as_array(out, "out", "sendrecv"), src)
+        self._c.sendrecv(comm_array(x, "x", "sendrecv"), dst, comm_array(out, "out", "sendrecv", writable=True), src)
         return out
 
     def barrier(self) -> None:
