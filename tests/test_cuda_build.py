@@ -17,6 +17,11 @@ import tpcore
 from tpcore import _C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Where the tpcore under test lives (the source tree after build_ext --inplace, or
+# site-packages after pip install): child processes import that one.
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))
+
 CC = shutil.which("cc") or shutil.which("gcc")
 PLUGIN = os.path.join(os.path.dirname(_C.__file__), ".libs", "libtpcore_cuda.so")
 ENTRY = "tp_cuda_plugin_init_v1"
@@ -55,7 +60,7 @@ def _driver_present():
 
 def _run(code, env_extra=None, drop=("TPCORE_CUDA_PLUGIN",)):
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["PYTHONPATH"] = os.path.join(ROOT, "python")
+    env["PYTHONPATH"] = PKG_PARENT
     env.update(env_extra or {})
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0, r.stderr

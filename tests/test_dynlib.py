@@ -11,7 +11,14 @@ import sys
 
 import pytest
 
+import tpcore
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Where the tpcore under test lives (the source tree after build_ext --inplace, or
+# site-packages after pip install): child processes import that one.
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))
+
 CC = shutil.which("cc") or shutil.which("gcc")
 pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler to build the fake libraries")
 
@@ -42,7 +49,7 @@ def _find(dirs=(), env=None, what="Fake", override="TPCORE_FAKE_LIBRARY", soname
     )
     base = {k: v for k, v in os.environ.items()
             if k not in ("CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH", "TPCORE_FAKE_LIBRARY")}
-    base["PYTHONPATH"] = os.path.join(ROOT, "python")
+    base["PYTHONPATH"] = PKG_PARENT
     base.update(env or {})
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -154,7 +161,7 @@ def test_wheel_lib_dirs_both_layouts_and_registered(tmp_path):
         "                  'cublas_imported': 'nvidia.cublas' in sys.modules}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("TPCORE_NCCL_LIBRARY",)}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), str(a), str(b)])
+    env["PYTHONPATH"] = os.pathsep.join([PKG_PARENT, str(a), str(b)])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -173,7 +180,7 @@ def test_build_info_reports_searches_only_after_one(libs, tmp_path):
         "after = tpcore.build_info()['cuda']\n"
         "print(json.dumps({'before': sorted(before), 'found': found, 'after': after}))\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TPCORE_NCCL_LIBRARY=libs["reg1"],
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT, TPCORE_NCCL_LIBRARY=libs["reg1"],
                TPCORE_CUBLAS_LIBRARY=missing)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr

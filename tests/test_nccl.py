@@ -17,7 +17,9 @@ import tpcore
 from c_binaries import ROOT, build
 
 FAKE_SRC = ROOT / "csrc" / "tests" / "fake_nccl.c"
-PYTHONPATH = str(ROOT / "python")
+# Where the tpcore under test lives (the source tree after build_ext --inplace, or
+# site-packages after pip install): child processes import that one.
+PYTHONPATH = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))
 
 
 def fake(tmp_path, name, *flags, subdir=""):
