@@ -91,7 +91,10 @@ def test_benchmark_runs_with_background_load(tmp_path):
 
 def test_benchmark_interrupted_stops_the_load():
     # Many sizes and a long target time: still running when interrupted.
-    p = subprocess.Popen(_bench("--background-load", "2", "--max-bytes", "64M", "--target-time", "5"),
+    # (--quick caps the iterations at 50: lift the cap, or a loaded machine can finish the whole
+    # run before the signal lands, and exit 0: seen once in a fresh-clone CI run.)
+    p = subprocess.Popen(_bench("--background-load", "2", "--max-bytes", "64M", "--target-time", "5",
+                                "--max-iters", "1000000"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
