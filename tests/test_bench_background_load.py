@@ -91,11 +91,14 @@ def test_benchmark_runs_with_background_load(tmp_path):
 
 def test_benchmark_interrupted_stops_the_load():
     # Many sizes and a long target time: still running when interrupted.
-    # (--quick caps the iterations at 50: lift the cap, or a loaded machine can finish the whole
-    # run before the signal lands, and exit 0: seen once in a fresh-clone CI run.)
+    # (--quick caps the iterations at 50: lifted, so the run cannot end before the signal.)
+    # The child gets Ctrl-C's default disposition back: a test run started in the background
+    # of a non-interactive shell inherits SIGINT ignored, and an ignored Ctrl-C rightly does
+    # not interrupt (that made this test fail in a backgrounded fresh-clone run).
     p = subprocess.Popen(_bench("--background-load", "2", "--max-bytes", "64M", "--target-time", "5",
                                 "--max-iters", "1000000"),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while len(_busy_children(p.pid)) < 2 and time.monotonic() < deadline and p.poll() is None:
