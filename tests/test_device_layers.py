@@ -11,6 +11,7 @@ import pytest
 import tpcore
 import reference_transformer as ref
 from conftest import rng_for, run
+from test_transformer import _params  # the CPU tests' random block parameters
 
 CUDA = getattr(tpcore, "cuda_available", lambda: False)()
 NEEDS_GPU = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
@@ -38,16 +39,6 @@ def _make(name, comm, device, **kw):
     if name == "VocabParallelCrossEntropy":
         return tpcore.VocabParallelCrossEntropy(comm, device=device, **kw)
     return getattr(tpcore, name)(cfg, comm, seed=4, device=device, **kw)
-
-
-def _params(block, g):
-    P = {}
-    for name, shape in block.full_shapes().items():
-        if name.startswith("norm") and name.endswith("weight"):
-            P[name] = (1 + 0.3 * g.standard_normal(shape)).astype(np.float32)
-        else:
-            P[name] = (g.standard_normal(shape) * (0.3 if name.endswith("weight") else 0.2)).astype(np.float32)
-    return P
 
 
 def _xent_reference(logits, targets):
