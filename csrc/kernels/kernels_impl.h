@@ -22,7 +22,8 @@
  *   - no entry allocates: scratch comes in through a workspace pointer whose size the
  *     caller asked the matching *_workspace entry for, once, and reuses;
  *   - outputs come first; "overwrites" and "accumulates (+=)" below say which;
- *   - float32 data, int64 indices (tokens, targets, positions); row-major.
+ *   - float32 data, int64 indices (tokens, targets, positions); row-major; the *_lp
+ *     entries and convert take bfloat16 / float16 weights (a tp_dtype_t beside them);
  * Shape letters: M rows (tokens), K input features, N output features, C a row's width,
  * F activation width, V a vocabulary shard's width, n a flat element count.
  *
@@ -75,6 +76,11 @@ typedef struct tp_kernel_ops {
    * (CUDA) never materialise T x T; 0 (CPU): keeping probs is faster.  Both modes are
    * implemented by every table (the parity harness runs both). */
   int attention_keeps_lse;
+  /* 1 when linear_forward_lp / linear_backward_lp round the float32 activations (x, dy)
+   * to the weight dtype before a tensor-core GEMM (CUDA), 0 when they compute with the
+   * float32 activations as given (CPU).  The parity harness sets its tolerance by it;
+   * both are float32-accumulated. */
+  int lp_rounds_activations;
 
   /* ---- GEMM and the linear layer ------------------------------------------------ */
   /* C[M,N] = alpha op(A) op(B) + beta C (op: transpose when trans_*), row-major with
@@ -212,6 +218,40 @@ typedef struct tp_kernel_ops {
   /* buf may be NULL (no momentum); first: the first step (buf = g). */
   tp_status_t (*sgd_step)(tp_stream_t s, float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
                           float weight_decay, int first);
+
+  /* ---- low-precision storage: bfloat16 / float16 weights, float32 arithmetic --------
+   * wdt below is TP_BFLOAT16 or TP_FLOAT16 (the caller never passes another; float32
+   * weights take the float32 entries above).  Weights are stored in wdt; activations,
+   * biases, gradients (the "main grad" of mixed-precision training) and the optimizer's
+   * master weights stay float32; every product is accumulated in float32. */
+  /* y[n] in ydt = x[n] in xdt, for ydt, xdt in {float32, bfloat16, float16} (same dtype: a
+   * copy).  To a 16-bit type: round to nearest even, NaN stays a (quiet) NaN of its sign,
+   * beyond the largest finite value infinity, subnormals kept (NumPy's float16 and
+   * ml_dtypes' bfloat16 casts bit for bit); bfloat16 <-> float16 through float32 (exact
+   * widening, one rounding).  x and y do not overlap. */
+  tp_status_t (*convert)(tp_stream_t s, void *y, tp_dtype_t ydt, const void *x, tp_dtype_t xdt, int64_t n);
+  /* Bytes of workspace linear_forward_lp (backward = 0) or linear_backward_lp (1) want for
+   * these sizes (any smaller non-zero amount the entry accepts is documented by the table;
+   * the layers always pass this much).  0 is a valid answer. */
+  size_t (*linear_lp_workspace)(int64_t M, int64_t K, int64_t N, tp_dtype_t wdt, int backward);
+  /* y[M,N] = x[M,K] w[N,K]^T (+ b[N] when b), w in wdt: overwrites y (K = 0: y = b or 0).
+   * CPU: x stays float32, w is widened a panel at a time into the workspace (decode-sized
+   * M reads w once, converting in registers); CUDA: x is rounded to wdt in the workspace
+   * and one tensor-core GEMM (wdt x wdt, float32 compute and output) runs. */
+  tp_status_t (*linear_forward_lp)(tp_stream_t s, float *y, const float *x, const void *w, tp_dtype_t wdt,
+                                   const float *b, int64_t M, int64_t K, int64_t N, void *workspace,
+                                   size_t workspace_bytes);
+  /* As linear_backward with w in wdt: dx[M,K] = dy w (overwrites, or += when accumulate_dx;
+   * skipped when dx is NULL); dw[N,K] += dy^T x in float32 (skipped when NULL); db[N] +=
+   * column sums of dy (when db).  CUDA rounds dy (for dx) and dy, x (for dw) to wdt in the
+   * workspace; CPU computes with float32 dy and x. */
+  tp_status_t (*linear_backward_lp)(tp_stream_t s, float *dx, float *dw, float *db, const float *dy,
+                                    const float *x, const void *w, tp_dtype_t wdt, int64_t M, int64_t K, int64_t N,
+                                    int accumulate_dx, void *workspace, size_t workspace_bytes);
+  /* embedding_forward with table[V,C] in wdt: out[M,C] (float32) overwritten with the
+   * widened row for tokens in the shard, zero otherwise. */
+  tp_status_t (*embedding_forward_lp)(tp_stream_t s, float *out, const int64_t *tokens, const void *table,
+                                      tp_dtype_t wdt, int64_t M, int64_t lo, int64_t V, int64_t C);
 } tp_kernel_ops;
 
 /* Every entry, in struct order (the parity harness lists and checks them; a new entry
@@ -223,7 +263,8 @@ typedef struct tp_kernel_ops {
   X(attention_forward) X(attention_backward) X(kv_cache_write) X(positions) X(embedding_forward)                   \
   X(embedding_backward) X(xent_row_max) X(xent_row_sums) X(xent_loss) X(xent_row_scale) X(xent_backward)           \
   X(xent_targets) X(xent_targets_hash) X(check_range) X(add) X(sub) X(scale) X(fill) X(init_uniform)              \
-  X(init_normal) X(adamw_step) X(sgd_step)
+  X(init_normal) X(adamw_step) X(sgd_step) X(convert) X(linear_lp_workspace) X(linear_forward_lp)          \
+  X(linear_backward_lp) X(embedding_forward_lp)
 
 #define TP_KERNEL_COUNT_ONE_(name) +1
 enum { TP_KERNEL_NUM_ENTRIES = 0 TP_KERNEL_ENTRIES(TP_KERNEL_COUNT_ONE_) };
