@@ -178,6 +178,48 @@ def test_layers_w1_linear(comm1, dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_layers_w1_linear_16_bit_weights(comm1, dtype):
+    """dtype="bfloat16" / "float16" on cuda: the weight in 16 bits; x and dy are rounded to them for
+    one tensor-core GEMM with float32 compute, so float64 from the rounded operands is the
+    reference (tight), and dW is float32."""
+    import ml_dtypes  # noqa: F401
+    np16 = np.dtype(dtype)
+    rnd = lambda a: np.asarray(a, np.float32).astype(np16).astype(np.float64)  # noqa: E731
+    torch = _torch()
+    rng = np.random.default_rng(11)
+    for M in (1, 3, 37):  # decode-sized and prefill-sized rows
+        K, N = 96, 131
+        lin = tpcore.ColumnParallelLinear(K, N, comm1, device="cuda", dtype=dtype)
+        W, b = rng.standard_normal((N, K)) / math.sqrt(K), rng.standard_normal(N)
+        lin.load_full(W.astype(np.float32), b.astype(np.float32))
+        assert lin.weight.dtype == dtype and lin.grad_weight.dtype == "float32"
+        W16 = rnd(W)
+        x, dy = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((M, N)).astype(np.float32)
+        y = _to_host(lin(torch.from_numpy(x).cuda()))
+        want = rnd(x) @ W16.T + b.astype(np.float32)
+        assert _rel(y, want) < 1e-5, (M, _rel(y, want))
+        dx = _to_host(lin.backward(torch.from_numpy(dy).cuda()))
+        assert _rel(dx, rnd(dy) @ W16) < 1e-5
+        assert _rel(_to_host(lin.grad_weight), rnd(dy).T @ rnd(x)) < 1e-5
+        assert _rel(_to_host(lin.grad_bias), dy.astype(np.float64).sum(0)) < 1e-5
+
+
+@needs_cuda
+def test_model_bf16_on_cuda_matches_the_cpu_model(comm1):
+    """A bfloat16 TransformerLM on cuda gives the logits of the same bfloat16 model on the CPU
+    (which keeps x in float32: the difference is the activations' rounding at each GEMM)."""
+    cfg = _block_cfg("llama")
+    gpu = tpcore.models.TransformerLM(cfg, comm1, seed=3, device="cuda", dtype="bfloat16")
+    cpu = tpcore.models.TransformerLM(cfg, comm1, seed=3, dtype="bfloat16")
+    cpu.load_state_dict_full(gpu.state_dict_full())
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 9))
+    lg, lc = gpu.logits(tokens), cpu.logits(tokens)
+    assert _rel(lg, lc) < 3e-2
+    assert gpu.param_bytes() == cpu.param_bytes()
+
+
+@needs_cuda
 def test_layers_w1_mlp_backward(comm1):
     """ParallelMLP (swiglu) forward and input gradient on cuda against float64."""
     torch = _torch()
@@ -563,9 +605,9 @@ def test_bench_gpu_json(tmp_path):
         assert "not run: no GPU" in r.stdout
         return
     rows = data["gemm"].get("rows") or []
-    if rows:  # torch is there: each float32 row ran and matched torch
-        f32 = [x for x in rows if x["dtype"] == "float32"]
-        assert f32 and all(x["tpcore_tflops"] and x["ok"] for x in f32), rows
+    if rows:  # torch is there: each row (float32 and bfloat16) ran and matched torch
+        assert {x["dtype"] for x in rows} == {"float32", "bfloat16"}, rows
+        assert all(x["tpcore_tflops"] and x["ok"] for x in rows), rows
     t = data["decode"]["gpt2-small"]["tpcore"]
     assert not t.get("skipped"), t
     assert t["decode_tok_s"] > 0 and t["ttft_ms"] > 0 and t["tokens_shape"] == [1, 16 + 32]

@@ -52,7 +52,7 @@ size_t tp_block_attention_workspace(tp_block_t k, int64_t B, int64_t T, int use_
 tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in, int use_cache, int keep,
                                        tp_stream_t stream) {
   int64_t M = k->B * k->T, D = k->D;
-  TP_CHECK(lk_linear_forward(&k->lk, k->qkv, in, k->wqkv, k->bqkv, M, k->C, k->W, stream));
+  TP_CHECK(lk_linear_forward(&k->lk, k->qkv, in, &k->Wqkv, k->bqkv, M, k->C, k->W, stream));
   if (k->cfg.rope_theta > 0 && k->nq) /* Q and K heads are adjacent */
     TP_CHECK(lk_rope(&k->lk, k->qkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 0, stream));
   if (use_cache && k->nk)
@@ -174,7 +174,7 @@ tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *d
   }
   if (k->kv_replicated) TP_CHECK(kv_snapshot(k, stream));
   float *r = k->red.ptr;
-  TP_CHECK(lk_linear_backward(&k->lk, r, k->dwqkv, k->dbqkv, k->dqkv, in, k->wqkv, M, C, k->W, stream));
+  TP_CHECK(lk_linear_backward(&k->lk, r, k->dwqkv, k->dbqkv, k->dqkv, in, &k->Wqkv, M, C, k->W, stream));
   if (k->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * C), TP_SUM, k->comm, stream));
   TP_CHECK(lk_copy(&k->lk, din, r, (size_t)(M * C) * sizeof(float), stream));
   if (k->kv_replicated) TP_CHECK(kv_grad_sum(k, stream));

@@ -15,10 +15,12 @@ void tp_block_destroy(tp_block_t k) {
   tp_arena_release(&k->params);
   tp_arena_release(&k->ws);
   tp_arena_release(&k->cache);
+  tp_arena_release(&k->lpws);
   tp_host_free(k);
 }
 
 static tp_status_t check_config(const tp_block_config_t *cfg) {
+  TP_CHECK(tp_lk_check_wdtype("block", cfg->weight_dtype));
   int64_t C = cfg->hidden, H = cfg->heads, Hk = cfg->kv_heads ? cfg->kv_heads : cfg->heads, D = cfg->head_dim;
   if (C < 1 || H < 1 || D < 1 || (cfg->ffn_hidden < 1 && !cfg->attention_only))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: hidden, heads, head_dim and ffn_hidden must be >= 1");
@@ -50,19 +52,23 @@ static tp_status_t make_params(tp_block_t k) {
   int64_t C = k->C, D = k->D, H = k->H, Hk = k->Hk, W = k->W, b = k->cfg.bias, nb = k->cfg.norm == TP_NORM_LAYER;
   size_t total = 0;
   int64_t n[12] = {W * C, b ? W : 0, W * C, b ? W : 0, C, nb ? C : 0, C, nb ? C : 0, C, nb ? C : 0, C, nb ? C : 0};
-  for (int i = 0; i < 12; i++) tp_arena_add_n(&total, n[i], sizeof(float)); /* bounded by check_config */
+  size_t esz[12];
+  for (int i = 0; i < 12; i++) esz[i] = i == 0 ? tp_dtype_size(k->Wqkv.dt) : sizeof(float);
+  for (int i = 0; i < 12; i++) tp_arena_add_n(&total, n[i], esz[i]); /* bounded by check_config */
   tp_status_t st = tp_arena_reserve(&k->params, total, "parameters");
   if (st == TP_ERR_NOMEM) /* block_create prefixes "block" */
     return tp_set_error(st, "out of memory for the parameters (a QKV shard of %lld x %lld floats, the norms and "
                         "their gradients: %zu bytes of %s memory)", (long long)W, (long long)C, total,
                         tp_device_name(k->params.device));
   TP_CHECK(st);
-  float **p[12] = {&k->wqkv, &k->bqkv, &k->dwqkv, &k->dbqkv, &k->n1w, &k->n1b,
+  float *wq = NULL;
+  float **p[12] = {&wq, &k->bqkv, &k->dwqkv, &k->dbqkv, &k->n1w, &k->n1b,
                    &k->dn1w, &k->dn1b, &k->n2w, &k->n2b, &k->dn2w, &k->dn2b};
   for (int i = 0; i < 12; i++) {
-    float *s = tp_arena_take_n(&k->params, n[i], sizeof(float));
+    float *s = tp_arena_take_n(&k->params, n[i], esz[i]);
     *p[i] = (i % 2 == 0 || (i < 4 ? b : nb)) ? s : NULL; /* biases only when the config has them */
   }
+  k->Wqkv.p = wq;
   TP_CHECK(lk_zero(&k->lk, k->params.base, k->params.cap, NULL));
   /* the shard's rows [its Q heads | its K heads | its V heads]: three runs of whole rows of
    * the full [Q | K | V] weight (tensor 10) and bias (11) */
@@ -70,7 +76,7 @@ static tp_status_t make_params(tp_block_t k) {
   int64_t row0[3] = {k->q0 * D, H * D + k->k0 * D, (H + Hk) * D + k->k0 * D}, rows[3] = {k->nq * D, k->nk * D, k->nk * D};
   int64_t at = 0;
   for (int p = 0; p < 3; at += rows[p], p++) {
-    TP_CHECK(lk_init_uniform(&k->lk, k->wqkv + at * C, rows[p] * C, k->cfg.seed, 10, (uint64_t)(row0[p] * C), bq, NULL));
+    TP_CHECK(lk_init_w(&k->lk, &k->Wqkv, at * C, rows[p] * C, 0, k->cfg.seed, 10, (uint64_t)(row0[p] * C), bq, NULL));
     if (b) TP_CHECK(lk_init_uniform(&k->lk, k->bqkv + at, rows[p], k->cfg.seed, 11, (uint64_t)row0[p], bq, NULL));
   }
   TP_CHECK(lk_fill(&k->lk, k->n1w, 1.0f, C, NULL));
@@ -102,6 +108,9 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   tp_arena_init(&k->params, k->dev, k->dev_id);
   tp_arena_init(&k->ws, k->dev, k->dev_id);
   tp_arena_init(&k->cache, k->dev, k->dev_id);
+  tp_arena_init(&k->lpws, k->dev, k->dev_id);
+  k->Wqkv.dt = cfg->weight_dtype;
+  k->Wqkv.lpws = &k->lpws;
   tp_status_t st = tp_lk_init(&k->lk, "block", k->dev, k->dev_id);
   if (st != TP_SUCCESS) {
     tp_block_destroy(k);
@@ -143,6 +152,7 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   oc.seed = cfg->seed;
   oc.device = cfg->device;
   oc.device_id = cfg->device_id;
+  oc.weight_dtype = cfg->weight_dtype;
   if (st == TP_SUCCESS) st = tp_parallel_linear_create_ids(&k->out, comm, &oc, 12, 13);
   if (st == TP_SUCCESS && !cfg->attention_only) {
     tp_mlp_config_t mc = TP_MLP_CONFIG_INITIALIZER;
@@ -154,6 +164,7 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
     mc.seed = cfg->seed + 100;
     mc.device = cfg->device;
     mc.device_id = cfg->device_id;
+    mc.weight_dtype = cfg->weight_dtype;
     st = tp_parallel_mlp_create(&k->mlp, comm, &mc);
   }
   if (st != TP_SUCCESS) {
@@ -185,18 +196,18 @@ int tp_block_params(tp_block_t k, tp_param_t *out, int max) {
     tp_parallel_linear_info(tp_parallel_mlp_layer(k->mlp, 1), &f2);
   }
   tp_param_t all[] = {
-      {"norm1.weight", k->n1w, k->dn1w, 1, k->C, 0},
-      {"norm1.bias", k->n1b, k->dn1b, 1, k->C, 0},
-      {"attn.qkv.weight", k->wqkv, k->dwqkv, 2, k->W, k->C},
-      {"attn.qkv.bias", k->bqkv, k->dbqkv, 1, k->W, 0},
-      {"attn.out.weight", o.weight, o.grad_weight, 2, o.weight_rows, o.weight_cols},
-      {"attn.out.bias", o.bias, o.grad_bias, 1, o.bias_len, 0},
-      {"norm2.weight", k->n2w, k->dn2w, 1, k->C, 0},
-      {"norm2.bias", k->n2b, k->dn2b, 1, k->C, 0},
-      {"mlp.fc1.weight", f1.weight, f1.grad_weight, 2, f1.weight_rows, f1.weight_cols},
-      {"mlp.fc1.bias", f1.bias, f1.grad_bias, 1, f1.bias_len, 0},
-      {"mlp.fc2.weight", f2.weight, f2.grad_weight, 2, f2.weight_rows, f2.weight_cols},
-      {"mlp.fc2.bias", f2.bias, f2.grad_bias, 1, f2.bias_len, 0},
+      {"norm1.weight", k->n1w, k->dn1w, 1, k->C, 0, TP_FLOAT32},
+      {"norm1.bias", k->n1b, k->dn1b, 1, k->C, 0, TP_FLOAT32},
+      {"attn.qkv.weight", k->Wqkv.p, k->dwqkv, 2, k->W, k->C, k->Wqkv.dt},
+      {"attn.qkv.bias", k->bqkv, k->dbqkv, 1, k->W, 0, TP_FLOAT32},
+      {"attn.out.weight", o.weight, o.grad_weight, 2, o.weight_rows, o.weight_cols, o.weight_dtype},
+      {"attn.out.bias", o.bias, o.grad_bias, 1, o.bias_len, 0, TP_FLOAT32},
+      {"norm2.weight", k->n2w, k->dn2w, 1, k->C, 0, TP_FLOAT32},
+      {"norm2.bias", k->n2b, k->dn2b, 1, k->C, 0, TP_FLOAT32},
+      {"mlp.fc1.weight", f1.weight, f1.grad_weight, 2, f1.weight_rows, f1.weight_cols, f1.weight_dtype},
+      {"mlp.fc1.bias", f1.bias, f1.grad_bias, 1, f1.bias_len, 0, TP_FLOAT32},
+      {"mlp.fc2.weight", f2.weight, f2.grad_weight, 2, f2.weight_rows, f2.weight_cols, f2.weight_dtype},
+      {"mlp.fc2.bias", f2.bias, f2.grad_bias, 1, f2.bias_len, 0, TP_FLOAT32},
   };
   int n = 0;
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {

@@ -18,7 +18,9 @@ struct tp_block {
   int64_t *out_part;                /* [world] attention output columns per rank (nq x D; in the handle) */
   /* parameters: one allocation (the output projection and the MLP own theirs) */
   tp_arena_t params;
-  float *wqkv, *bqkv, *dwqkv, *dbqkv;
+  tp_lk_w Wqkv;                     /* the QKV shard in cfg.weight_dtype (Wqkv.lpws = &lpws) */
+  tp_arena_t lpws;                  /* the low-precision GEMMs' workspace (and init scratch) */
+  float *bqkv, *dwqkv, *dbqkv;
   float *n1w, *n1b, *dn1w, *dn1b, *n2w, *n2b, *dn2w, *dn2b;
   tp_parallel_linear_t out;         /* attention output projection: row parallel, input_is_parallel */
   tp_parallel_mlp_t mlp;

@@ -63,14 +63,76 @@ static inline tp_status_t lk_init_normal(const tp_lk *c, float *y, int64_t n, ui
 
 /* ------------------------------------------------------------------- linear */
 
-static inline tp_status_t lk_linear_forward(const tp_lk *c, float *y, const float *x, const float *w, const float *b,
-                                            int64_t M, int64_t K, int64_t N, tp_stream_t s) {
-  return c->k->linear_forward(s, y, x, w, b, M, K, N);
+/* A weight as the layers keep it: float32, or bfloat16 / float16 storage (the *_lp
+ * entries, float32 arithmetic) with the arena the lp entries' workspace comes from (one
+ * per layer, grown on demand, never shared across layers in flight). */
+typedef struct {
+  void *p;
+  tp_dtype_t dt;     /* TP_FLOAT32, TP_BFLOAT16 or TP_FLOAT16 */
+  tp_arena_t *lpws;  /* the lp entries' workspace (unused for float32) */
+} tp_lk_w;
+
+static inline int tp_lk_lowp(tp_dtype_t dt) { return dt == TP_BFLOAT16 || dt == TP_FLOAT16; }
+
+/* The weight dtype a config names: float32, bfloat16 or float16. */
+static inline tp_status_t tp_lk_check_wdtype(const char *op, tp_dtype_t dt) {
+  if (dt == TP_FLOAT32 || tp_lk_lowp(dt)) return TP_SUCCESS;
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: weight_dtype must be float32, bfloat16 or float16, got %s", op,
+                      tp_dtype_name(dt));
+}
+
+static inline tp_status_t lk_lp_workspace(const tp_lk *c, const tp_lk_w *w, int64_t M, int64_t K, int64_t N,
+                                          int backward, size_t *nbytes) {
+  size_t need = c->k->linear_lp_workspace(M, K, N, w->dt, backward);
+  TP_CHECK(tp_arena_reserve(w->lpws, need, "linear: low-precision workspace"));
+  *nbytes = need;
+  return TP_SUCCESS;
+}
+
+static inline tp_status_t lk_linear_forward(const tp_lk *c, float *y, const float *x, const tp_lk_w *w,
+                                            const float *b, int64_t M, int64_t K, int64_t N, tp_stream_t s) {
+  if (w->dt == TP_FLOAT32) return c->k->linear_forward(s, y, x, (const float *)w->p, b, M, K, N);
+  size_t nb;
+  TP_CHECK(lk_lp_workspace(c, w, M, K, N, 0, &nb));
+  return c->k->linear_forward_lp(s, y, x, w->p, w->dt, b, M, K, N, w->lpws->base, nb);
 }
 static inline tp_status_t lk_linear_backward(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
-                                             const float *x, const float *w, int64_t M, int64_t K, int64_t N,
+                                             const float *x, const tp_lk_w *w, int64_t M, int64_t K, int64_t N,
                                              tp_stream_t s) {
-  return c->k->linear_backward(s, dx, dw, db, dy, x, w, M, K, N, 0);
+  if (w->dt == TP_FLOAT32) return c->k->linear_backward(s, dx, dw, db, dy, x, (const float *)w->p, M, K, N, 0);
+  size_t nb;
+  TP_CHECK(lk_lp_workspace(c, w, M, K, N, 1, &nb));
+  return c->k->linear_backward_lp(s, dx, dw, db, dy, x, w->p, w->dt, M, K, N, 0, w->lpws->base, nb);
+}
+/* y[n] (ydt) = x[n] (xdt). */
+static inline tp_status_t lk_convert(const tp_lk *c, void *y, tp_dtype_t ydt, const void *x, tp_dtype_t xdt,
+                                     int64_t n, tp_stream_t s) {
+  return n > 0 ? c->k->convert(s, y, ydt, x, xdt, n) : TP_SUCCESS;
+}
+/* Seeded initialisation of n weight elements in w->dt: float32 draws straight into place;
+ * a low-precision weight draws float32 runs into a bounded scratch (w->lpws) and rounds
+ * them, so it holds exactly the rounded float32 layer's values.  Elements [at, at + n) of
+ * w get draws index0.. of the tensor: normal, init_normal's N(0,1); else U(-bound, bound). */
+static inline tp_status_t lk_init_w(const tp_lk *c, const tp_lk_w *w, int64_t at, int64_t n, int normal,
+                                    uint64_t seed, uint64_t tensor, uint64_t index0, float bound, tp_stream_t s) {
+  if (n <= 0) return TP_SUCCESS;
+  if (w->dt == TP_FLOAT32) {
+    float *y = (float *)w->p + at;
+    return normal ? c->k->init_normal(s, y, n, seed, tensor, index0)
+                  : c->k->init_uniform(s, y, n, seed, tensor, index0, bound);
+  }
+  const int64_t chunk = (int64_t)1 << 20;
+  int64_t run = n < chunk ? n : chunk;
+  TP_CHECK(tp_arena_reserve(w->lpws, (size_t)run * sizeof(float), "weight initialisation"));
+  float *tmp = (float *)w->lpws->base;
+  char *dst = (char *)w->p + (size_t)at * tp_dtype_size(w->dt);
+  for (int64_t i = 0; i < n; i += run) {
+    int64_t r = n - i < run ? n - i : run;
+    TP_CHECK(normal ? c->k->init_normal(s, tmp, r, seed, tensor, index0 + (uint64_t)i)
+                    : c->k->init_uniform(s, tmp, r, seed, tensor, index0 + (uint64_t)i, bound));
+    TP_CHECK(c->k->convert(s, dst + (size_t)i * tp_dtype_size(w->dt), w->dt, tmp, TP_FLOAT32, r));
+  }
+  return TP_SUCCESS;
 }
 /* y[M, N] = r + b per row (b NULL: a copy of r; y may be r). */
 static inline tp_status_t lk_add_bias_rows(const tp_lk *c, float *y, const float *r, const float *b, int64_t M,
@@ -160,9 +222,11 @@ static inline tp_status_t lk_find_out_of_range(const tp_lk *c, int64_t *flag, in
   if (bad[0] >= 0) TP_CHECK(lk_read_i64(c, bad + 1, ids + bad[0], 1, s));
   return TP_SUCCESS;
 }
-static inline tp_status_t lk_embedding_forward(const tp_lk *c, float *out, const int64_t *tokens, const float *table,
+static inline tp_status_t lk_embedding_forward(const tp_lk *c, float *out, const int64_t *tokens, const tp_lk_w *table,
                                                int64_t M, int64_t lo, int64_t V, int64_t C, tp_stream_t s) {
-  return M > 0 ? c->k->embedding_forward(s, out, tokens, table, M, lo, V, C) : TP_SUCCESS;
+  if (M <= 0) return TP_SUCCESS;
+  if (table->dt == TP_FLOAT32) return c->k->embedding_forward(s, out, tokens, (const float *)table->p, M, lo, V, C);
+  return c->k->embedding_forward_lp(s, out, tokens, table->p, table->dt, M, lo, V, C);
 }
 static inline tp_status_t lk_embedding_backward(const tp_lk *c, float *dtable, const int64_t *tokens,
                                                 const float *dout, int64_t M, int64_t lo, int64_t V, int64_t C,

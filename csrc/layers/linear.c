@@ -16,7 +16,9 @@ struct tp_parallel_linear {
   int64_t *part, *offs; /* split-dimension sizes and offsets (world, world + 1 entries; in the handle) */
   size_t *counts;       /* all-gather counts of the current call (world entries; in the handle) */
   int64_t off, loc;     /* this rank's slice */
-  float *w, *b, *dw, *db;
+  float *b, *dw, *db;   /* bias, weight and bias gradients: float32 */
+  tp_lk_w W;            /* the weight shard: float32, bfloat16 or float16 (W.lpws = &lpws) */
+  tp_arena_t lpws;      /* the low-precision entries' workspace */
   int64_t wr, wc;       /* weight shard rows x cols */
   tp_arena_t params;    /* w, b, dw, db: one allocation */
   tp_arena_t ws;        /* xsave and dytmp, carved per forward */
@@ -72,14 +74,14 @@ static tp_status_t init_params(tp_parallel_linear_t L, uint64_t weight_id, uint6
   if (col) { /* whole rows: the gate rows [off, off + loc), then (gated) the up rows from N + off */
     for (int h = 0; h < g; h++) {
       int64_t frow = h * N + L->off;
-      TP_CHECK(lk_init_uniform(&L->lk, L->w + h * L->loc * K, L->loc * K, seed, weight_id, (uint64_t)(frow * K), bound,
-                               NULL));
+      TP_CHECK(lk_init_w(&L->lk, &L->W, h * L->loc * K, L->loc * K, 0, seed, weight_id, (uint64_t)(frow * K), bound,
+                         NULL));
       if (L->b) TP_CHECK(lk_init_uniform(&L->lk, L->b + h * L->loc, L->loc, seed, bias_id, (uint64_t)frow, bound, NULL));
     }
   } else { /* columns [off, off + loc) of every row */
     for (int64_t i = 0; i < N; i++)
-      TP_CHECK(lk_init_uniform(&L->lk, L->w + i * L->loc, L->loc, seed, weight_id, (uint64_t)(i * K + L->off), bound,
-                               NULL));
+      TP_CHECK(lk_init_w(&L->lk, &L->W, i * L->loc, L->loc, 0, seed, weight_id, (uint64_t)(i * K + L->off), bound,
+                         NULL));
     if (L->b) TP_CHECK(lk_init_uniform(&L->lk, L->b, N, seed, bias_id, 0, bound, NULL));
   }
   return tp_device_sync(L->dev, L->dev_id, NULL);
@@ -91,6 +93,7 @@ void tp_parallel_linear_destroy(tp_parallel_linear_t L) {
   tp_reg_release(&L->grad_buf);
   tp_arena_release(&L->params);
   tp_arena_release(&L->ws);
+  tp_arena_release(&L->lpws);
   tp_host_free(L);
 }
 
@@ -106,6 +109,7 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   *out = NULL;
   if (cfg->size != sizeof(tp_linear_config_t))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: config built for another tpcore version");
+  TP_CHECK(tp_lk_check_wdtype("linear", cfg->weight_dtype));
   if (cfg->in_features < 1 || cfg->out_features < 1)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: in_features and out_features must be >= 1, got %lld and %lld",
                         (long long)cfg->in_features, (long long)cfg->out_features);
@@ -132,6 +136,9 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   L->dev_id = cfg->device_id;
   tp_arena_init(&L->params, L->dev, L->dev_id);
   tp_arena_init(&L->ws, L->dev, L->dev_id);
+  tp_arena_init(&L->lpws, L->dev, L->dev_id);
+  L->W.dt = cfg->weight_dtype;
+  L->W.lpws = &L->lpws;
   int col = cfg->kind == TP_COLUMN_PARALLEL;
   int64_t dim = col ? cfg->out_features : cfg->in_features;
   tp_status_t st = tp_lk_init(&L->lk, "linear", L->dev, L->dev_id);
@@ -169,13 +176,13 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   }
   /* w, dw, b, db: one allocation (sizes bounded by 2^40 elements above) */
   size_t total = 0;
-  tp_arena_add_n(&total, wn, sizeof(float));
+  tp_arena_add_n(&total, wn, tp_dtype_size(L->W.dt));
   tp_arena_add_n(&total, wn, sizeof(float));
   tp_arena_add_n(&total, blen, sizeof(float));
   tp_arena_add_n(&total, blen, sizeof(float));
   st = tp_arena_reserve(&L->params, total, "linear: parameters");
   if (st == TP_SUCCESS) {
-    L->w = tp_arena_take_n(&L->params, wn, sizeof(float));
+    L->W.p = tp_arena_take_n(&L->params, wn, tp_dtype_size(L->W.dt));
     L->dw = tp_arena_take_n(&L->params, wn, sizeof(float));
     L->b = cfg->bias ? tp_arena_take_n(&L->params, blen, sizeof(float)) : NULL;
     L->db = cfg->bias ? tp_arena_take_n(&L->params, blen, sizeof(float)) : NULL;
@@ -193,7 +200,8 @@ tp_status_t tp_parallel_linear_info(tp_parallel_linear_t L, tp_linear_info_t *in
   TP_NONNULL("linear", L, "layer");
   TP_NONNULL("linear", info, "info");
   int col = L->cfg.kind == TP_COLUMN_PARALLEL;
-  info->weight = L->w;
+  info->weight = L->W.p;
+  info->weight_dtype = L->W.dt;
   info->bias = L->b;
   info->grad_weight = L->dw;
   info->grad_bias = L->db;
@@ -291,20 +299,20 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
   const float *b = (L->flags & TP_LIN_SKIP_BIAS) ? NULL : L->b;
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {
     TP_CHECK(save_input(L, x, M, K, 0, K, stream));
-    if (!L->cfg.gather_output || L->world == 1) return lk_linear_forward(&L->lk, y, x, L->w, b, M, K, L->wr, stream);
+    if (!L->cfg.gather_output || L->world == 1) return lk_linear_forward(&L->lk, y, x, &L->W, b, M, K, L->wr, stream);
     /* GEMM straight into my block of the registered gather buffer: the all-gather is in place. */
     TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
     float *g = L->out_buf.ptr;
-    TP_CHECK(lk_linear_forward(&L->lk, g + L->off * M, x, L->w, b, M, K, L->loc, stream));
+    TP_CHECK(lk_linear_forward(&L->lk, g + L->off * M, x, &L->W, b, M, K, L->loc, stream));
     return gather_columns(L, y, g, M, N, stream);
   }
   /* Row parallel. */
   int64_t xcols = L->cfg.input_is_parallel ? L->loc : K;
   TP_CHECK(save_input(L, x, M, L->loc, L->cfg.input_is_parallel ? 0 : L->off, xcols, stream));
-  if (L->world == 1) return lk_linear_forward(&L->lk, y, L->xin, L->w, b, M, L->loc, N, stream);
+  if (L->world == 1) return lk_linear_forward(&L->lk, y, L->xin, &L->W, b, M, L->loc, N, stream);
   TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
   float *r = L->out_buf.ptr;
-  TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, L->w, NULL, M, L->loc, N, stream));
+  TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, &L->W, NULL, M, L->loc, N, stream));
   TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, stream));
   /* y = r + b (the bias once, after the reduce), or a copy of r */
   return lk_add_bias_rows(&L->lk, y, r, b, M, N, stream);
@@ -324,19 +332,19 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
       TP_CHECK(lk_copy_rows(&L->lk, L->dytmp, L->loc, dy + L->off, N, M, L->loc, stream));
       dyr = L->dytmp;
     }
-    if (L->world == 1) return lk_linear_backward(&L->lk, dx, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, stream);
+    if (L->world == 1) return lk_linear_backward(&L->lk, dx, L->dw, db, dyr, L->xin, &L->W, M, K, L->wr, stream);
     TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
     float *d = L->grad_buf.ptr;
-    TP_CHECK(lk_linear_backward(&L->lk, d, L->dw, db, dyr, L->xin, L->w, M, K, L->wr, stream));
+    TP_CHECK(lk_linear_backward(&L->lk, d, L->dw, db, dyr, L->xin, &L->W, M, K, L->wr, stream));
     TP_CHECK(tp_layer_all_reduce(d, (size_t)(M * K), TP_SUM, L->comm, stream));
     return lk_copy(&L->lk, dx, d, (size_t)(M * K) * sizeof(float), stream);
   }
   /* Row parallel: dy is the full gradient on every rank. */
   if (L->cfg.input_is_parallel || L->world == 1)
-    return lk_linear_backward(&L->lk, dx, L->dw, db, dy, L->xin, L->w, M, L->loc, N, stream);
+    return lk_linear_backward(&L->lk, dx, L->dw, db, dy, L->xin, &L->W, M, L->loc, N, stream);
   TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
   float *g = L->grad_buf.ptr;
-  TP_CHECK(lk_linear_backward(&L->lk, g + L->off * M, L->dw, db, dy, L->xin, L->w, M, L->loc, N, stream));
+  TP_CHECK(lk_linear_backward(&L->lk, g + L->off * M, L->dw, db, dy, L->xin, &L->W, M, L->loc, N, stream));
   return gather_columns(L, dx, g, M, K, stream);
 }
 
@@ -353,7 +361,7 @@ tp_status_t tp_parallel_linear_forward_inbuf(tp_parallel_linear_t L, float **y, 
   L->flags = 0;
   TP_CHECK(fail_local(L, st));
   float *r = L->out_buf.ptr;
-  TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, L->w, NULL, M, L->loc, N, stream));
+  TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, &L->W, NULL, M, L->loc, N, stream));
   if (L->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, stream));
   if (L->b) TP_CHECK(lk_add_bias_rows(&L->lk, r, r, L->b, M, N, stream)); /* in place, once, after the reduce */
   *y = r;

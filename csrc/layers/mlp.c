@@ -35,6 +35,7 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   *out = NULL;
   if (cfg->size != sizeof(tp_mlp_config_t))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: config built for another tpcore version");
+  TP_CHECK(tp_lk_check_wdtype("mlp", cfg->weight_dtype));
   if ((unsigned)cfg->activation > TP_ACT_SWIGLU)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: unknown activation %d", (int)cfg->activation);
   TP_CHECK(tp_layer_device("mlp", cfg->device, cfg->device_id));
@@ -62,6 +63,7 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   c1.gated = cfg->activation == TP_ACT_SWIGLU;
   c1.device = cfg->device;
   c1.device_id = cfg->device_id;
+  c1.weight_dtype = cfg->weight_dtype;
   c2.kind = TP_ROW_PARALLEL;
   c2.in_features = cfg->ffn_hidden;
   c2.out_features = cfg->hidden;
@@ -70,6 +72,7 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   c2.partition = cfg->partition;
   c2.seed = cfg->seed + 1;
   c2.device = cfg->device;
+  c2.weight_dtype = cfg->weight_dtype;
   c2.device_id = cfg->device_id;
   st = tp_parallel_linear_create(&m->fc1, comm, &c1);
   if (st == TP_SUCCESS) st = tp_parallel_linear_create(&m->fc2, comm, &c2);

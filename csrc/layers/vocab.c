@@ -14,7 +14,9 @@ struct tp_vocab_embedding {
   int dev_id;
   tp_lk lk;              /* the device's kernels */
   int64_t n, C, off, loc;
-  float *w, *dw;
+  tp_lk_w W;        /* the table shard, in cfg.weight_dtype (W.lpws = &lpws: init scratch) */
+  tp_arena_t lpws;
+  float *dw;
   tp_arena_t params;     /* w, dw */
   tp_arena_t ws;         /* the last forward's tokens and the range check's result */
   int64_t *tok, *flag;   /* flag: [index, value] of the first token out of range */
@@ -27,6 +29,7 @@ void tp_vocab_embedding_destroy(tp_vocab_embedding_t E) {
   tp_reg_release(&E->buf);
   tp_arena_release(&E->params);
   tp_arena_release(&E->ws);
+  tp_arena_release(&E->lpws);
   tp_host_free(E);
 }
 
@@ -37,6 +40,7 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   *out = NULL;
   if (cfg->size != sizeof(tp_embedding_config_t))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: config built for another tpcore version");
+  TP_CHECK(tp_lk_check_wdtype("embedding", cfg->weight_dtype));
   if (cfg->num_embeddings < 1 || cfg->embedding_dim < 1)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: num_embeddings and embedding_dim must be >= 1, got %lld "
                         "and %lld", (long long)cfg->num_embeddings, (long long)cfg->embedding_dim);
@@ -73,19 +77,22 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   E->last_m = -1;
   tp_arena_init(&E->params, E->dev, E->dev_id);
   tp_arena_init(&E->ws, E->dev, E->dev_id);
+  tp_arena_init(&E->lpws, E->dev, E->dev_id);
+  E->W.dt = cfg->weight_dtype;
+  E->W.lpws = &E->lpws;
   size_t total = 0;
-  tp_arena_add_n(&total, nel, sizeof(float));
+  tp_arena_add_n(&total, nel, tp_dtype_size(E->W.dt));
   tp_arena_add_n(&total, nel, sizeof(float));
   st = tp_arena_reserve(&E->params, total, "embedding: table");
   if (st == TP_SUCCESS) {
-    E->w = tp_arena_take_n(&E->params, nel, sizeof(float));
+    E->W.p = tp_arena_take_n(&E->params, nel, tp_dtype_size(E->W.dt));
     E->dw = tp_arena_take_n(&E->params, nel, sizeof(float));
     st = lk_zero(&E->lk, E->params.base, E->params.cap, NULL);
   }
   /* N(0, 1) by Box-Muller: elements 2p and 2p + 1 of the full table are the cosine and sine
    * halves of pair p, drawn from two counter-based uniforms of p (a shard that starts or ends
    * mid-pair draws the whole pair and keeps its half): the same table at any partition. */
-  if (st == TP_SUCCESS) st = lk_init_normal(&E->lk, E->w, nel, cfg->seed, 2, (uint64_t)off * (uint64_t)E->C, NULL);
+  if (st == TP_SUCCESS) st = lk_init_w(&E->lk, &E->W, 0, nel, 1, cfg->seed, 2, (uint64_t)off * (uint64_t)E->C, 0.0f, NULL);
   if (st == TP_SUCCESS) st = tp_device_sync(E->dev, E->dev_id, NULL);
   if (st != TP_SUCCESS) {
     tp_vocab_embedding_destroy(E);
@@ -98,7 +105,8 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
 tp_status_t tp_vocab_embedding_info(tp_vocab_embedding_t E, tp_embedding_info_t *info) {
   TP_NONNULL("embedding", E, "embedding");
   TP_NONNULL("embedding", info, "info");
-  info->weight = E->w;
+  info->weight = E->W.p;
+  info->weight_dtype = E->W.dt;
   info->grad_weight = E->dw;
   info->offset = E->off;
   info->local = E->loc;
@@ -128,11 +136,11 @@ static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int
                         "0..%lld", (long long)bad[1], (long long)bad[0], (long long)(E->n - 1));
   TP_CHECK(lk_copy(&E->lk, E->tok, tokens, (size_t)M * sizeof(int64_t), stream));
   E->last_m = M;
-  if (E->world == 1) return lk_embedding_forward(&E->lk, y, tokens, E->w, M, E->off, E->loc, E->C, stream);
+  if (E->world == 1) return lk_embedding_forward(&E->lk, y, tokens, &E->W, M, E->off, E->loc, E->C, stream);
   size_t nbytes = (size_t)(M * E->C) * sizeof(float);
   TP_CHECK(tp_reg_ensure(E->comm, &E->buf, nbytes, E->dev, E->dev_id));
   float *r = E->buf.ptr;
-  TP_CHECK(lk_embedding_forward(&E->lk, r, tokens, E->w, M, E->off, E->loc, E->C, stream));
+  TP_CHECK(lk_embedding_forward(&E->lk, r, tokens, &E->W, M, E->off, E->loc, E->C, stream));
   TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * E->C), TP_SUM, E->comm, stream));
   return lk_copy(&E->lk, y, r, nbytes, stream);
 }

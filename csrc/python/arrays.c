@@ -165,9 +165,15 @@ int tokens_arg(PyObject *t, const char *op, const char *arg, int64_t *n) {
 
 /* A NumPy view of a C-owned array that keeps its owner (a layer object) alive. */
 PyObject *owned_view(PyObject *self, float *p, int nd, int64_t d0, int64_t d1) {
+  return owned_view_dt(self, p, TP_FLOAT32, nd, d0, d1);
+}
+
+PyObject *owned_view_dt(PyObject *self, void *p, tp_dtype_t dt, int nd, int64_t d0, int64_t d1) {
   if (!p) Py_RETURN_NONE;
   npy_intp dims[2] = {(npy_intp)d0, (npy_intp)d1};
-  PyObject *a = PyArray_SimpleNewFromData(nd, dims, NPY_FLOAT32, p);
+  PyArray_Descr *descr = numpy_descr(dt); /* a new reference, stolen below */
+  if (!descr) return NULL;
+  PyObject *a = PyArray_NewFromDescr(&PyArray_Type, descr, nd, dims, NULL, p, NPY_ARRAY_CARRAY, NULL);
   if (!a) return NULL;
   Py_INCREF(self);
   if (PyArray_SetBaseObject((PyArrayObject *)a, self) < 0) {
@@ -175,4 +181,16 @@ PyObject *owned_view(PyObject *self, float *p, int nd, int64_t d0, int64_t d1) {
     return NULL;
   }
   return a;
+}
+
+int parse_weight_dtype(PyObject *o, const char *op, tp_dtype_t *dt) {
+  *dt = TP_FLOAT32;
+  if (!o || o == Py_None) return 0;
+  const char *name = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
+  if (name && !strcmp(name, "float32")) return 0;
+  if (name && !strcmp(name, "bfloat16")) return *dt = TP_BFLOAT16, 0;
+  if (name && !strcmp(name, "float16")) return *dt = TP_FLOAT16, 0;
+  PyErr_Clear();
+  PyErr_Format(PyExc_ValueError, "%s: weight_dtype must be 'float32', 'bfloat16' or 'float16', got %R", op, o);
+  return -1;
 }

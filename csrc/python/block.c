@@ -17,17 +17,17 @@ typedef struct {
 static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "norm", "eps", "activation",
                            "pre_norm", "bias", "causal", "rope_theta", "head_partition", "ffn_partition", "seed",
-                           "attention_only", "device", NULL};
-  PyObject *commo, *hpart = Py_None, *fpart = Py_None, *dim_o[5], *seed_o = NULL, *dev_o = Py_None;
+                           "attention_only", "device", "weight_dtype", NULL};
+  PyObject *commo, *hpart = Py_None, *fpart = Py_None, *dim_o[5], *seed_o = NULL, *dev_o = Py_None, *wdt_o = Py_None;
   long long dims[5]; /* hidden, heads, kv_heads (0: = heads), head_dim, ffn_hidden */
   static const char *dim_names[5] = {"hidden", "heads", "kv_heads", "head_dim", "ffn_hidden"};
   const char *norm = "layernorm", *act = "gelu";
   float eps = 1e-5f, theta = 0.0f;
   int pre = 1, bias = 1, causal = 1, attn_only = 0;
   uint64_t seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|sfspppfOOOpO:TransformerBlock", kwlist, &commo, &dim_o[0],
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|sfspppfOOOpOO:TransformerBlock", kwlist, &commo, &dim_o[0],
                                    &dim_o[1], &dim_o[2], &dim_o[3], &dim_o[4], &norm, &eps, &act, &pre, &bias, &causal,
-                                   &theta, &hpart, &fpart, &seed_o, &attn_only, &dev_o))
+                                   &theta, &hpart, &fpart, &seed_o, &attn_only, &dev_o, &wdt_o))
     return NULL;
   for (int i = 0; i < 5; i++)
     if (int_arg(dim_o[i], "TransformerBlock", dim_names[i], i == 2 || (i == 4 && attn_only) ? 0 : 1, DIM_MAX,
@@ -50,6 +50,8 @@ static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.eps = eps, cfg.pre_norm = pre, cfg.bias = bias, cfg.causal = causal, cfg.rope_theta = theta, cfg.seed = seed;
   cfg.attention_only = attn_only;
   if (parse_device(dev_o, attn_only ? "ParallelAttention" : "TransformerBlock", &cfg.device, &cfg.device_id) < 0)
+    return NULL;
+  if (parse_weight_dtype(wdt_o, attn_only ? "ParallelAttention" : "TransformerBlock", &cfg.weight_dtype) < 0)
     return NULL;
   int size;
   tp_comm_size(co->comm, &size);
@@ -217,10 +219,11 @@ static PyObject *blk_params(PyObject *o, PyObject *unused) {
     int nd = p[i].ndim;
     PyObject *a, *g;
     if (self->device != TP_DEVICE_CPU) { /* DeviceArray views of the GPU's memory */
-      a = device_param_view(st, o, p[i].data, nd, p[i].rows, p[i].cols, self->device, self->device_id);
+      a = device_param_view_dt(st, o, p[i].data, p[i].dtype, nd, p[i].rows, p[i].cols, self->device,
+                               self->device_id);
       g = a ? device_param_view(st, o, p[i].grad, nd, p[i].rows, p[i].cols, self->device, self->device_id) : NULL;
     } else {
-      a = owned_view(o, p[i].data, nd, p[i].rows, p[i].cols);
+      a = owned_view_dt(o, p[i].data, p[i].dtype, nd, p[i].rows, p[i].cols);
       g = owned_view(o, p[i].grad, nd, p[i].rows, p[i].cols);
     }
     PyObject *t = (a && g) ? PyTuple_Pack(2, a, g) : NULL;

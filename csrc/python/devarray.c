@@ -378,7 +378,7 @@ static PyObject *da_dlpack_device(PyObject *self, PyObject *unused) {
 
 /* ------------------------------------------------------------ to NumPy */
 
-static PyArray_Descr *numpy_descr(tp_dtype_t dt) {
+PyArray_Descr *numpy_descr(tp_dtype_t dt) {
   int npy;
   switch (dt) {
     case TP_FLOAT32: npy = NPY_FLOAT32; break;

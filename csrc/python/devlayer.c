@@ -105,9 +105,14 @@ int device_output(module_state *st, PyObject *out, const char *op, tp_device_t d
  * of the layer's memory, kept alive by owner; None for NULL. */
 PyObject *device_param_view(module_state *st, PyObject *owner, float *p, int nd, int64_t d0, int64_t d1,
                             tp_device_t dev, int id) {
+  return device_param_view_dt(st, owner, p, TP_FLOAT32, nd, d0, d1, dev, id);
+}
+
+PyObject *device_param_view_dt(module_state *st, PyObject *owner, void *p, tp_dtype_t dt, int nd, int64_t d0,
+                               int64_t d1, tp_device_t dev, int id) {
   if (!p) Py_RETURN_NONE;
   int64_t shape[2] = {d0, d1};
-  tp_tensor t = tp_tensor_nd(p, TP_FLOAT32, nd, shape);
+  tp_tensor t = tp_tensor_nd(p, dt, nd, shape);
   t.device = dev;
   t.device_id = id;
   return devarray_wrap(st, &t, owner, 0);

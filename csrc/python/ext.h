@@ -110,6 +110,14 @@ int tokens_arg(PyObject *t, const char *op, const char *arg, int64_t *n);
 /* A NumPy float32 view of a C-owned array that keeps its owner (a layer object)
  * alive; None for p == NULL. */
 PyObject *owned_view(PyObject *self, float *p, int nd, int64_t d0, int64_t d1);
+/* The same for memory of any dtype (a bfloat16 / float16 weight: an ml_dtypes.bfloat16 /
+ * float16 NumPy view). */
+PyObject *owned_view_dt(PyObject *self, void *p, tp_dtype_t dt, int nd, int64_t d0, int64_t d1);
+/* The NumPy dtype of a tp_dtype_t (bfloat16: ml_dtypes'; a TypeError when it is missing). */
+PyArray_Descr *numpy_descr(tp_dtype_t dt);
+/* A layer's weight_dtype argument: None or "float32" (TP_FLOAT32), "bfloat16", "float16";
+ * a ValueError naming op otherwise.  0 / -1. */
+int parse_weight_dtype(PyObject *o, const char *op, tp_dtype_t *dt);
 
 /* -------------------------------------------------------------------- comm.c */
 
@@ -249,6 +257,8 @@ int device_check(const tp_tensor *t, const char *op, const char *arg, tp_dtype_t
 int device_output(module_state *st, PyObject *out, const char *op, tp_device_t dev, int id, tp_dtype_t dt, int ndim,
                   const int64_t *shape, tp_tensor *t, PyObject **keep);
 /* A GPU layer's float32 parameter as a DeviceArray view kept alive by owner (None for NULL). */
+PyObject *device_param_view_dt(module_state *st, PyObject *owner, void *p, tp_dtype_t dt, int nd, int64_t d0,
+                               int64_t d1, tp_device_t dev, int id);
 PyObject *device_param_view(module_state *st, PyObject *owner, float *p, int nd, int64_t d0, int64_t d1,
                             tp_device_t dev, int id);
 

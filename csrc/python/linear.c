@@ -18,14 +18,14 @@ typedef struct {
 
 static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"comm", "kind", "in_features", "out_features", "bias", "gather_output",
-                           "input_is_parallel", "partition", "seed", "gated", "device", NULL};
-  PyObject *commo, *part = Py_None, *in_o, *out_o, *seed_o = NULL, *dev_o = Py_None;
+                           "input_is_parallel", "partition", "seed", "gated", "device", "weight_dtype", NULL};
+  PyObject *commo, *part = Py_None, *in_o, *out_o, *seed_o = NULL, *dev_o = Py_None, *wdt_o = Py_None;
   const char *kind;
   long long in_f, out_f;
   int bias = 1, gather = 0, inpar = 1, gated = 0;
   uint64_t seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsOO|pppOOpO:ParallelLinear", kwlist, &commo, &kind, &in_o, &out_o,
-                                   &bias, &gather, &inpar, &part, &seed_o, &gated, &dev_o))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OsOO|pppOOpOO:ParallelLinear", kwlist, &commo, &kind, &in_o, &out_o,
+                                   &bias, &gather, &inpar, &part, &seed_o, &gated, &dev_o, &wdt_o))
     return NULL;
   if (int_arg(in_o, "ParallelLinear", "in_features", 1, DIM_MAX, &in_f) < 0 ||
       int_arg(out_o, "ParallelLinear", "out_features", 1, DIM_MAX, &out_f) < 0 ||
@@ -49,6 +49,7 @@ static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.seed = seed;
   cfg.gated = gated;
   if (parse_device(dev_o, "ParallelLinear", &cfg.device, &cfg.device_id) < 0) return NULL;
+  if (parse_weight_dtype(wdt_o, "ParallelLinear", &cfg.weight_dtype) < 0) return NULL;
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *sizes;
@@ -146,18 +147,21 @@ static PyObject *lin_get(PyObject *o, void *which) {
   tp_linear_info_t *i = &self->info;
   if (self->device != TP_DEVICE_CPU && (intptr_t)which < 4) {
     switch ((intptr_t)which) {
-      case 0: return device_param(self, i->weight, 2, i->weight_rows, i->weight_cols);
+      case 0:
+        return device_param_view_dt(state_of_type(Py_TYPE(self)), o, i->weight, i->weight_dtype, 2, i->weight_rows,
+                                    i->weight_cols, self->device, self->device_id);
       case 1: return device_param(self, i->bias, 1, i->bias_len, 0);
       case 2: return device_param(self, i->grad_weight, 2, i->weight_rows, i->weight_cols);
       default: return device_param(self, i->grad_bias, 1, i->bias_len, 0);
     }
   }
   switch ((intptr_t)which) {
-    case 0: return owned_view(o, i->weight, 2, i->weight_rows, i->weight_cols);
+    case 0: return owned_view_dt(o, i->weight, i->weight_dtype, 2, i->weight_rows, i->weight_cols);
     case 1: return owned_view(o, i->bias, 1, i->bias_len, 0);
     case 2: return owned_view(o, i->grad_weight, 2, i->weight_rows, i->weight_cols);
     case 3: return owned_view(o, i->grad_bias, 1, i->bias_len, 0);
     case 5: return PyUnicode_FromFormat("%s:%d", tp_device_name(self->device), self->device_id);
+    case 6: return PyUnicode_FromString(tp_dtype_name(i->weight_dtype));
     default:
       return Py_BuildValue("{s:L,s:L,s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local,
                            "x_cols", (long long)i->x_cols, "y_cols", (long long)i->y_cols);
@@ -171,6 +175,7 @@ static PyGetSetDef lin_getset[] = {
     {"grad_bias", lin_get, NULL, "gradient of the bias (a view), or None", (void *)3},
     {"shard", lin_get, NULL, "offset/local of the split dimension, input/output columns", (void *)4},
     {"device", lin_get, NULL, "'cpu:0' or 'cuda:N'", (void *)5},
+    {"weight_dtype", lin_get, NULL, "'float32', 'bfloat16' or 'float16': the weight's storage", (void *)6},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -15,14 +15,15 @@ typedef struct {
 } MLPObject;
 
 static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"comm", "hidden", "ffn_hidden", "activation", "bias", "partition", "seed", "device", NULL};
-  PyObject *commo, *part = Py_None, *hidden_o, *ffn_o, *seed_o = NULL, *dev_o = Py_None;
+  static char *kwlist[] = {"comm", "hidden", "ffn_hidden", "activation", "bias", "partition", "seed", "device",
+                           "weight_dtype", NULL};
+  PyObject *commo, *part = Py_None, *hidden_o, *ffn_o, *seed_o = NULL, *dev_o = Py_None, *wdt_o = Py_None;
   const char *actname;
   long long hidden, ffn;
   int bias = 1;
   uint64_t seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOs|pOOO:ParallelMLP", kwlist, &commo, &hidden_o, &ffn_o, &actname,
-                                   &bias, &part, &seed_o, &dev_o))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOs|pOOOO:ParallelMLP", kwlist, &commo, &hidden_o, &ffn_o, &actname,
+                                   &bias, &part, &seed_o, &dev_o, &wdt_o))
     return NULL;
   if (int_arg(hidden_o, "ParallelMLP", "hidden", 1, DIM_MAX, &hidden) < 0 ||
       int_arg(ffn_o, "ParallelMLP", "ffn_hidden", 1, DIM_MAX, &ffn) < 0 ||
@@ -38,6 +39,7 @@ static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.bias = bias;
   cfg.seed = seed;
   if (parse_device(dev_o, "ParallelMLP", &cfg.device, &cfg.device_id) < 0) return NULL;
+  if (parse_weight_dtype(wdt_o, "ParallelMLP", &cfg.weight_dtype) < 0) return NULL;
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *sizes;

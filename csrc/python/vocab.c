@@ -18,12 +18,13 @@ typedef struct {
 } EmbeddingObject;
 
 static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"comm", "num_embeddings", "embedding_dim", "partition", "seed", "device", NULL};
-  PyObject *commo, *part = Py_None, *n_o, *dim_o, *seed_o = NULL, *dev_o = Py_None;
+  static char *kwlist[] = {"comm", "num_embeddings", "embedding_dim", "partition", "seed", "device", "weight_dtype",
+                           NULL};
+  PyObject *commo, *part = Py_None, *n_o, *dim_o, *seed_o = NULL, *dev_o = Py_None, *wdt_o = Py_None;
   long long n, dim;
   uint64_t seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO:VocabParallelEmbedding", kwlist, &commo, &n_o, &dim_o, &part,
-                                   &seed_o, &dev_o))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOOO:VocabParallelEmbedding", kwlist, &commo, &n_o, &dim_o, &part,
+                                   &seed_o, &dev_o, &wdt_o))
     return NULL;
   if (int_arg(n_o, "VocabParallelEmbedding", "num_embeddings", 1, LLONG_MAX, &n) < 0 ||
       int_arg(dim_o, "VocabParallelEmbedding", "embedding_dim", 1, LLONG_MAX, &dim) < 0 ||
@@ -37,6 +38,7 @@ static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.embedding_dim = dim;
   cfg.seed = seed;
   if (parse_device(dev_o, "VocabParallelEmbedding", &cfg.device, &cfg.device_id) < 0) return NULL;
+  if (parse_weight_dtype(wdt_o, "VocabParallelEmbedding", &cfg.weight_dtype) < 0) return NULL;
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *sizes;
@@ -145,11 +147,13 @@ static PyObject *emb_get(PyObject *o, void *which) {
   EmbeddingObject *self = (EmbeddingObject *)o;
   tp_embedding_info_t *i = &self->info;
   if (self->device != TP_DEVICE_CPU && (intptr_t)which < 2)
-    return device_param_view(state_of_type(Py_TYPE(o)), o, (intptr_t)which ? i->grad_weight : i->weight, 2,
-                             i->local, i->dim, self->device, self->device_id);
+    return device_param_view_dt(state_of_type(Py_TYPE(o)), o, (intptr_t)which ? (void *)i->grad_weight : i->weight,
+                                (intptr_t)which ? TP_FLOAT32 : i->weight_dtype, 2, i->local, i->dim, self->device,
+                                self->device_id);
   switch ((intptr_t)which) {
     case 3: return PyUnicode_FromFormat("%s:%d", tp_device_name(self->device), self->device_id);
-    case 0: return owned_view(o, i->weight, 2, i->local, i->dim);
+    case 0: return owned_view_dt(o, i->weight, i->weight_dtype, 2, i->local, i->dim);
+    case 4: return PyUnicode_FromString(tp_dtype_name(i->weight_dtype));
     case 1: return owned_view(o, i->grad_weight, 2, i->local, i->dim);
     default: return Py_BuildValue("{s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local);
   }
@@ -158,6 +162,7 @@ static PyObject *emb_get(PyObject *o, void *which) {
 static PyGetSetDef emb_getset[] = {
     {"weight", emb_get, NULL, "this rank's rows of the table (a view)", (void *)0},
     {"grad_weight", emb_get, NULL, "their gradient (a view)", (void *)1},
+    {"weight_dtype", emb_get, NULL, "'float32', 'bfloat16' or 'float16': the table's storage", (void *)4},
     {"shard", emb_get, NULL, "offset/local of this rank's vocabulary slice", (void *)2},
     {"device", emb_get, NULL, "'cpu:0' or 'cuda:N'", (void *)3},
     {NULL, NULL, NULL, NULL, NULL},

@@ -83,11 +83,11 @@ static int run_rank(int n, int r, const char *job) {
   tp_parallel_linear_info(tp_parallel_mlp_layer(mlp, 0), &i1);
   tp_parallel_linear_info(tp_parallel_mlp_layer(mlp, 1), &i2);
   for (int i = 0; i < i1.local; i++) {  /* fc1: rows [offset, offset + local) of W1 */
-    for (int j = 0; j < H; j++) i1.weight[i * H + j] = (float)w1((int)i1.offset + i, j);
+    for (int j = 0; j < H; j++) ((float *)i1.weight)[i * H + j] = (float)w1((int)i1.offset + i, j);
     i1.bias[i] = (float)b1((int)i1.offset + i);
   }
   for (int i = 0; i < H; i++) {  /* fc2: columns [offset, offset + local) of W2 */
-    for (int j = 0; j < i2.local; j++) i2.weight[i * i2.local + j] = (float)w2(i, (int)i2.offset + j);
+    for (int j = 0; j < i2.local; j++) ((float *)i2.weight)[i * i2.local + j] = (float)w2(i, (int)i2.offset + j);
     i2.bias[i] = (float)b2(i);
   }
   float x[R * H], y[R * H], dy[R * H], dx[R * H];
@@ -152,7 +152,7 @@ static int run_vocab(int n, int r, const char *job) {
   tp_vocab_embedding_info(emb, &ei);
   int bad = ei.offset != lo || ei.local != part[r];
   for (int v = 0; v < ei.local; v++)
-    for (int c = 0; c < DIM; c++) ei.weight[v * DIM + c] = (float)tab((int)lo + v, c);
+    for (int c = 0; c < DIM; c++) ((float *)ei.weight)[v * DIM + c] = (float)tab((int)lo + v, c);
   float y[T * DIM], dy[T * DIM];
   if (tp_vocab_embedding_forward(emb, F2(y, T, DIM), I1(tokens, T), NULL) != TP_SUCCESS) return fprintf(stderr, "emb: %s\n", tp_last_error()), 1;
   for (int m = 0; m < T; m++)

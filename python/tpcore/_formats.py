@@ -291,10 +291,13 @@ def write_safetensors(path: str, tensors: Dict[str, np.ndarray], metadata: Dict[
     header, offset, blobs = {}, 0, []
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name])
-        if a.dtype not in _ST_NAMES:
+        st_name = "BF16" if a.dtype.name == "bfloat16" else _ST_NAMES.get(a.dtype)
+        if st_name is None:
             raise TypeError(f"safetensors: dtype {a.dtype} of {name!r} is not supported")
+        if st_name == "BF16":  # ml_dtypes' bfloat16: its bits, little-endian
+            a = a.view(np.uint16)
         data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
+        header[name] = {"dtype": st_name, "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
         offset += len(data)
         blobs.append(data)
     if metadata:

@@ -81,15 +81,28 @@ def _is_half(dt: np.dtype) -> bool:
     return dt == np.float16 or dt.name == "bfloat16"
 
 
-def check_param_dtype(dtype, who: str) -> None:
-    """Parameters are float32 (the compute type); half precision enters as activations and checkpoints."""
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    if name == "float32":
-        return
-    if name in ("float16", "bfloat16"):
-        raise ValueError(f"{who}: parameters are kept in float32 (compute is float32); dtype={name} parameters are "
-                         f"not supported. float16/bfloat16 inputs and checkpoints are accepted and converted")
-    raise ValueError(f"{who}: dtype {name} is not supported; parameters are float32")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_param_dtype(dtype, who: str) -> str:
+    """The weight storage dtype a layer was given, by name: "float32" (default), "bfloat16" or
+    "float16" (a string, a NumPy / ml_dtypes dtype or a torch dtype).  Low-precision weights keep
+    float32 arithmetic, activations, biases and gradients (see the module doc)."""
+    if dtype is None:
+        return "float32"
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
+    if name is None:
+        text = str(dtype)  # torch.bfloat16 -> "torch.bfloat16"
+        name = text.rsplit(".", 1)[-1] if text.startswith("torch.") else None
+    if name is None:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            raise TypeError(f"{who}: dtype must be one of {', '.join(PARAM_DTYPES)}, got {shown(dtype)}") from None
+    if name not in PARAM_DTYPES:
+        raise ValueError(f"{who}: dtype {name} is not supported for parameters; expected one of "
+                         f"{', '.join(PARAM_DTYPES)} (weights in that dtype, float32 arithmetic)")
+    return name
 
 
 def as_float32(x, name: str, who: str) -> np.ndarray:
@@ -160,7 +173,7 @@ class _ParallelLinear:
                  dtype="float32", seed: int = 0, gated: bool = False, device=None):
         if not isinstance(comm, Comm):
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
-        check_param_dtype(dtype, type(self).__name__)
+        self.dtype = check_param_dtype(dtype, type(self).__name__)
         seed = seed_arg(seed, type(self).__name__)
         in_features = int_arg(in_features, type(self).__name__, "in_features", lo=1)
         out_features = int_arg(out_features, type(self).__name__, "out_features", lo=1)
@@ -176,7 +189,8 @@ class _ParallelLinear:
         self.gated = bool(gated)
         kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
         self._c = _C.ParallelLinear(comm._c, self._kind, self.in_features, self.out_features, bool(bias),
-                                    bool(gather_output), bool(input_is_parallel), sizes, seed, self.gated, **kw)
+                                    bool(gather_output), bool(input_is_parallel), sizes, seed, self.gated,
+                                    weight_dtype=self.dtype, **kw)
         shard = self._c.shard
         self.offset, self.local = shard["offset"], shard["local"]
         self._x_cols, self._y_cols = shard["x_cols"], shard["y_cols"]
@@ -188,6 +202,7 @@ class _ParallelLinear:
         self = cls.__new__(cls)
         self.device = device
         self.comm, self.in_features, self.out_features, self.gated, self._c = comm, in_features, out_features, gated, cobj
+        self.dtype = cobj.weight_dtype
         shard = cobj.shard
         self.offset, self.local = shard["offset"], shard["local"]
         self._x_cols, self._y_cols = shard["x_cols"], shard["y_cols"]
@@ -266,7 +281,8 @@ class _ParallelLinear:
         return _back(self._c.backward(dy2).reshape(lead + (self._x_cols,)), dt)
 
     def __repr__(self):
-        return (f"{type(self).__name__}({self.in_features}, {self.out_features}, rank {self.comm.rank} holds "
+        dt = "" if self.dtype == "float32" else f", dtype={self.dtype}"
+        return (f"{type(self).__name__}({self.in_features}, {self.out_features}{dt}, rank {self.comm.rank} holds "
                 f"{self.offset}:{self.offset + self.local})")
 
 
@@ -377,7 +393,7 @@ class ParallelMLP:
                 f"ParallelMLP: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {shown(activation)}")
         if not isinstance(comm, Comm):
             raise TypeError(f"ParallelMLP: comm must be a tpcore.Comm, got {type(comm).__name__}")
-        check_param_dtype(dtype, "ParallelMLP")
+        self.dtype = check_param_dtype(dtype, "ParallelMLP")
         bool_arg(bias, "ParallelMLP", "bias")
         seed = seed_arg(seed, "ParallelMLP")
         hidden = int_arg(hidden, "ParallelMLP", "hidden", lo=1)
@@ -385,7 +401,8 @@ class ParallelMLP:
         sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden", "ParallelMLP: partition")
         self.activation, self.comm, self.hidden = activation, comm, int(hidden)
         kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
-        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed, **kw)
+        self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed,
+                                 weight_dtype=self.dtype, **kw)
         self.fc1 = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden), activation == "swiglu",
                                                self.device)
         self.fc2 = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False, self.device)

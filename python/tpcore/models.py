@@ -33,7 +33,7 @@ from ._array import DeviceArray, asarray, asarray_device, device_string, resolve
 from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import _collective
-from .layers import ACTIVATIONS, ColumnParallelLinear
+from .layers import ACTIVATIONS, ColumnParallelLinear, check_param_dtype
 from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
@@ -73,12 +73,18 @@ class TransformerLM:
     """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm."""
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, partition=None, ffn_partition=None,
-                 vocab_partition=None, device=None):
+                 vocab_partition=None, device=None, dtype="float32"):
         """device="cuda" (or "cuda:N"): the token embedding, the blocks (their KV caches included)
         and the LM head live on that GPU, for inference (forward, logits, generate, loading and
         saving checkpoints); the position/type embeddings and the norms outside the blocks stay on
-        the host, and training (loss/backward) is CPU-only in this version."""
+        the host, and training (loss/backward) is CPU-only in this version.
+        dtype ("float32", "bfloat16" or "float16"): the storage of the large weights (token
+        embedding, attention and MLP projections, LM head); norms, biases, position embeddings,
+        activations, the KV cache and gradients stay float32, every product is accumulated in
+        float32.  Half the weight bytes: decoding, which reads every weight per token, moves half
+        the memory."""
         self.device = resolve_device(device, "TransformerLM")
+        self.dtype = check_param_dtype(dtype, "TransformerLM")
         dev = None if self.device[0] == "cpu" else device_string(self.device)
         if not isinstance(comm, Comm):
             raise TypeError(f"TransformerLM: comm must be a tpcore.Comm, got {type(comm).__name__}")
@@ -88,7 +94,8 @@ class TransformerLM:
         self.comm, self.seed = comm, seed_arg(seed, "TransformerLM")
         seed = self.seed
         C = cfg.hidden
-        self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed, device=dev)
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed, device=dev,
+                                          dtype=self.dtype)
         if dev is None:
             self.wte.weight[...] *= 0.02  # GPT-2 / BERT initialisation scale (N(0, 0.02))
         else:  # the same values, scaled on the host
@@ -100,20 +107,22 @@ class TransformerLM:
         self.tte_grad = None if self.tte is None else np.zeros_like(self.tte)
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps) if cfg.embedding_norm else None
         self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
-                                        ffn_partition=ffn_partition, device=dev) for i in range(cfg.layers)]
+                                        ffn_partition=ffn_partition, device=dev, dtype=self.dtype)
+                       for i in range(cfg.layers)]
         self.final_norm = _Norm(cfg.norm, C, cfg.eps) if cfg.final_norm and cfg.pre_norm else None
         if cfg.tie_embeddings:
             self.lm_head = None
         else:
             self.lm_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
                                                 partition=[s for _, s in self.vocab_partition],
-                                                seed=(seed + 7) % 2 ** 64, device=dev)
+                                                seed=(seed + 7) % 2 ** 64, device=dev, dtype=self.dtype)
         # a tied head on a GPU: a column-parallel layer holding a copy of this rank's rows of the
         # embedding (the GEMM of a GPU layer), refreshed whenever the embedding is loaded
         self._tied_head = None
         if dev is not None and self.lm_head is None:
             self._tied_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
-                                                   partition=[s for _, s in self.vocab_partition], device=dev)
+                                                   partition=[s for _, s in self.vocab_partition], device=dev,
+                                                   dtype=self.dtype)
             self._sync_tied()
         self._ctx = None
 
@@ -537,7 +546,8 @@ class TransformerLM:
     def __repr__(self):
         c = self.config
         return (f"TransformerLM({c.model_type}: {c.layers} layers, hidden {c.hidden}, heads {c.heads}/{c.kv_heads}, "
-                f"vocab {c.vocab_size}; rank {self.comm.rank} of {self.comm.size})")
+                f"vocab {c.vocab_size}{'' if self.dtype == 'float32' else ', ' + self.dtype}; rank {self.comm.rank} "
+                f"of {self.comm.size})")
 
 
 def _prompts(prompts, who: str) -> list:
@@ -618,16 +628,21 @@ class _Progress:
 
 
 @_collective
-def from_pretrained(path: str, comm: Comm, partition=None, progress: bool = True, device=None) -> TransformerLM:
+def from_pretrained(path: str, comm: Comm, partition=None, progress: bool = True, device=None,
+                    dtype=None) -> TransformerLM:
     """A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors) or one
     saved by save_pretrained; each rank reads only its slices (memory-mapped).  The config
     and the files' headers are checked against each other first: a corrupt or inconsistent
     file raises tpcore.CheckpointError (a ValueError) before the model is allocated.
     Collective: a rank that fails stops the others.  device="cuda": the model on the rank's
-    GPU (see TransformerLM), each rank's slices copied from the host to it."""
+    GPU (see TransformerLM), each rank's slices copied from the host to it.
+    dtype: the weights' storage (TransformerLM's dtype).  None: on a GPU the checkpoint's own
+    (a bfloat16 / float16 checkpoint stays in its 16 bits, bit for bit), on the CPU float32."""
     own = os.path.join(path, fmt.OWN_CONFIG)
+    if dtype is not None:
+        dtype = check_param_dtype(dtype, "from_pretrained")
     if os.path.exists(own):
-        return _load_own(path, own, comm, partition, progress, device)
+        return _load_own(path, own, comm, partition, progress, device, dtype)
     cfg = Config.from_hf(path)
     headers = fmt.read_headers(path)
     _hf.check_against_config(path, cfg, cfg.model_type, fmt.HF_CONFIG, headers, warn=comm.rank == 0)
@@ -637,14 +652,27 @@ def from_pretrained(path: str, comm: Comm, partition=None, progress: bool = True
         sd = _hf.from_hf(t, cfg)
     except KeyError as e:
         raise KeyError(f"{path}: the checkpoint has no tensor {e} (expected {cfg.model_type} names)") from None
-    model = TransformerLM(cfg, comm, partition=partition, device=device)
+    model = TransformerLM(cfg, comm, partition=partition, device=device,
+                          dtype=dtype or _checkpoint_dtype(headers, device, "from_pretrained"))
     model.load_state_dict_full(sd, progress=progress)
     del t, sd
     model.generation_config = gen
     return model
 
 
-def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device=None) -> TransformerLM:
+def _checkpoint_dtype(headers: dict, device, who: str) -> str:
+    """The weight dtype a checkpoint loads into by default: on a GPU its own floating-point
+    dtype when every float tensor has it and it is bfloat16 / float16; float32 otherwise (and
+    always on the CPU)."""
+    if resolve_device(device, who)[0] == "cpu":
+        return "float32"
+    names = {"BF16": "bfloat16", "F16": "float16"}
+    kinds = {getattr(info, "dtype", None) for _, info in headers.values()} & {"F32", "F64", "BF16", "F16"}
+    return names.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
+
+
+def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device=None,
+              dtype=None) -> TransformerLM:
     """A folder of save_pretrained: tpcore_config.json with model.safetensors (full tensors in
     tpcore's names, any world size) or the shard files of the same world size."""
     cfg = fmt.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
@@ -652,7 +680,7 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device
     if os.path.exists(full):
         header, _, _ = fmt.read_safetensors_header(full)
         _hf.check_against_config(path, cfg, "tpcore", fmt.OWN_CONFIG, {k: (full, v) for k, v in header.items()})
-        model = TransformerLM(cfg, comm, partition=partition, device=device)
+        model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32")
         t, _ = fmt.read_safetensors(full)
         model.load_state_dict_full(t, progress=progress)
         return model
@@ -664,7 +692,7 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device
         raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
                          f"save it with sharded=False to reshard")
     _check_own_shards(path, cfg, own, comm.size)
-    model = TransformerLM(cfg, comm, partition=partition, device=device)
+    model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32")
     t, _ = fmt.read_safetensors(mine)
     params = model.parameters()
     fmt.check_tensors(mine, t, {f"param.{i}": p.shape for i, (p, _) in enumerate(params)},

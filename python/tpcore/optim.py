@@ -3,10 +3,16 @@
     opt = tpcore.optim.AdamW(model.parameters(), lr=1e-3)
     ...; model.backward(dy); opt.step(); model.zero_grad()
 
-`params` is a list of (param, grad) NumPy float32 array pairs (layers'
-.parameters() give views of their C memory), or objects with .parameters().
-Replicated parameters (a row-parallel bias) get the same gradient on every
-rank and so stay identical.  Formulas: torch.optim.AdamW and torch.optim.SGD.
+`params` is a list of (param, grad) NumPy array pairs (layers' .parameters()
+give views of their C memory), or objects with .parameters().  Replicated
+parameters (a row-parallel bias) get the same gradient on every rank and so
+stay identical.  Formulas: torch.optim.AdamW and torch.optim.SGD.
+
+Mixed precision: a bfloat16 / float16 parameter (a layer built with
+dtype="bfloat16") comes with a float32 gradient; the optimizer keeps a float32
+master copy of it (taken at construction) and float32 state, steps the master
+and writes it back rounded to nearest even (Megatron's and apex's O2 scheme:
+the 16-bit weights never accumulate the small updates themselves).
 """
 from __future__ import annotations
 
@@ -36,9 +42,10 @@ def _pairs(params, who):
         if not (isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(a, np.ndarray) for a in p)):
             raise TypeError(f"{who}: params must be (param, grad) NumPy array pairs or modules, got {shown(p)}")
         param, grad = p
-        if param.dtype != np.float32 or grad.dtype != np.float32 or grad.shape != param.shape:
-            raise ValueError(f"{who}: param must be float32 with a float32 grad of its shape, got "
-                             f"{param.dtype} {param.shape} and {grad.dtype} {grad.shape}")
+        if param.dtype.name not in ("float32", "bfloat16", "float16") or grad.dtype != np.float32 or \
+                grad.shape != param.shape:
+            raise ValueError(f"{who}: param must be float32, bfloat16 or float16 with a float32 grad of its shape, "
+                             f"got {param.dtype} {param.shape} and {grad.dtype} {grad.shape}")
         if not (param.flags.c_contiguous and grad.flags.c_contiguous and param.flags.writeable):
             raise ValueError(f"{who}: param {len(out)} (shape {param.shape}) and its grad must be C-contiguous and "
                              f"the param writable")
@@ -55,6 +62,11 @@ def _pairs(params, who):
     return out
 
 
+def _masters(params):
+    """The float32 master copy of each 16-bit parameter (None for a float32 one)."""
+    return [None if p.dtype == np.float32 else np.ascontiguousarray(p, dtype=np.float32) for p, _ in params]
+
+
 class AdamW:
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
         lr = real_arg(lr, "AdamW", "lr", lo=0, lo_open=True)
@@ -65,13 +77,17 @@ class AdamW:
         weight_decay = real_arg(weight_decay, "AdamW", "weight_decay", lo=0)
         self.params = _pairs(params, "AdamW")
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.state = [(np.zeros_like(p), np.zeros_like(p)) for p, _ in self.params]
+        self.master = _masters(self.params)
+        self.state = [(np.zeros_like(g), np.zeros_like(g)) for _, g in self.params]
         self.t = 0
 
     def step(self) -> None:
         self.t += 1
-        for (p, g), (m, v) in zip(self.params, self.state):
-            _C.adamw_step(p, g, m, v, self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay, self.t)
+        for (p, g), (m, v), w in zip(self.params, self.state, self.master):
+            _C.adamw_step(p if w is None else w, g, m, v, self.lr, self.betas[0], self.betas[1], self.eps,
+                          self.weight_decay, self.t)
+            if w is not None:
+                p[...] = w  # rounded to nearest even
 
 
 class SGD:
@@ -81,10 +97,13 @@ class SGD:
         weight_decay = real_arg(weight_decay, "SGD", "weight_decay", lo=0)
         self.params = _pairs(params, "SGD")
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
-        self.bufs = [np.zeros_like(p) if momentum else None for p, _ in self.params]
+        self.master = _masters(self.params)
+        self.bufs = [np.zeros_like(g) if momentum else None for _, g in self.params]
         self.t = 0
 
     def step(self) -> None:
         self.t += 1
-        for (p, g), buf in zip(self.params, self.bufs):
-            _C.sgd_step(p, g, buf, self.lr, self.momentum, self.weight_decay, self.t == 1)
+        for (p, g), buf, w in zip(self.params, self.bufs, self.master):
+            _C.sgd_step(p if w is None else w, g, buf, self.lr, self.momentum, self.weight_decay, self.t == 1)
+            if w is not None:
+                p[...] = w

@@ -39,7 +39,7 @@ from ._array import DeviceArray, asarray, check_on_device, device_string, from_d
 from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
-from .layers import ACTIVATIONS, _host, _sizes, as_float32, check_partition, partition
+from .layers import ACTIVATIONS, _host, _sizes, as_float32, check_param_dtype, check_partition, partition
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -213,8 +213,11 @@ class TransformerBlock:
     _attention_only = False
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, head_partition: Optional[Sequence[int]] = None,
-                 ffn_partition=None, device=None):
+                 ffn_partition=None, device=None, dtype="float32"):
+        """dtype: the projections' weight storage (QKV, output, MLP): "float32", "bfloat16" or
+        "float16"; norm weights, biases, activations and gradients stay float32."""
         self.device = resolve_device(device, type(self).__name__)
+        self.dtype = check_param_dtype(dtype, type(self).__name__)
         if not isinstance(comm, Comm):
             raise TypeError(f"TransformerBlock: comm must be a tpcore.Comm, got {type(comm).__name__}")
         if not isinstance(config, Config):
@@ -228,7 +231,7 @@ class TransformerBlock:
                                       pre_norm=cfg.pre_norm, bias=cfg.bias, causal=cfg.causal,
                                       rope_theta=float(cfg.rope_theta) if cfg.positions == "rope" else 0.0,
                                       head_partition=hp, ffn_partition=fp, seed=seed_arg(seed, "TransformerBlock"),
-                                      attention_only=self._attention_only,
+                                      attention_only=self._attention_only, weight_dtype=self.dtype,
                                       **({} if self.device[0] == "cpu" else {"device": device_string(self.device)}))
         info = self._c.info
         self.q0, self.nq, self.k0, self.nk = info["q0"], info["nq"], info["k0"], info["nk"]
@@ -363,7 +366,7 @@ class TransformerBlock:
             is_q = name.startswith("attn.q")
             sizes = [int(h[1] if is_q else h[3]) * D for h in heads]
             blocks = comm.all_gather(mine, sizes=sizes)
-            full = np.zeros(shape, np.float32)
+            full = np.zeros(shape, mine.dtype)  # the parameter's own dtype (a 16-bit weight stays so)
             o = 0
             for h in heads:
                 first, count = (int(h[0]), int(h[1])) if is_q else (int(h[2]), int(h[3]))

@@ -66,7 +66,7 @@ class VocabParallelEmbedding:
         self.device = resolve_device(device, "VocabParallelEmbedding")
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
-        check_param_dtype(dtype, "VocabParallelEmbedding")
+        self.dtype = check_param_dtype(dtype, "VocabParallelEmbedding")
         seed = seed_arg(seed, "VocabParallelEmbedding")
         num_embeddings = int_arg(num_embeddings, "VocabParallelEmbedding", "num_embeddings", lo=1)
         embedding_dim = int_arg(embedding_dim, "VocabParallelEmbedding", "embedding_dim", lo=1)
@@ -74,7 +74,8 @@ class VocabParallelEmbedding:
         sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings",
                        "VocabParallelEmbedding: partition")
         kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
-        self._c = _C.VocabEmbedding(comm._c, self.num_embeddings, self.embedding_dim, sizes, seed, **kw)
+        self._c = _C.VocabEmbedding(comm._c, self.num_embeddings, self.embedding_dim, sizes, seed,
+                                    weight_dtype=self.dtype, **kw)
         shard = self._c.shard
         self.offset, self.local = shard["offset"], shard["local"]
         self.partition = check_partition(comm, self.offset, self.local, self.num_embeddings, "VocabParallelEmbedding")

@@ -29,6 +29,15 @@
  * target ids are 1-D int64 [M].  A bad tensor is refused with an argument error
  * naming the call and the argument.
  * Shards split with tp_partition_sizes (include/tpcore/partition.h).
+ *
+ * Low-precision weights (config .weight_dtype = TP_BFLOAT16 / TP_FLOAT16; linear, MLP,
+ * block projections, embedding table): the weight is stored in that dtype (half the
+ * bytes: what decode reads per token), everything else stays float32 and every product
+ * is accumulated in float32 (the CPU widens the weight, x stays float32; CUDA rounds x
+ * and dy to the weight dtype for one tensor-core GEMM).  The weight holds the float32
+ * layer's initial values rounded to nearest even.  Gradients are float32 ("main grads"):
+ * mixed-precision training keeps float32 master weights and optimizer state outside the
+ * layer (python/tpcore/optim.py) and writes the rounded master back (tp_convert).
  */
 #ifndef TPCORE_LAYERS_H
 #define TPCORE_LAYERS_H
@@ -60,16 +69,21 @@ typedef struct {
                                   [gate_r | up_r] per row, from one GEMM (SwiGLU)      */
   tp_device_t device;          /* where parameters, workspaces and tensors live (CPU) */
   int device_id;
+  tp_dtype_t weight_dtype;     /* TP_FLOAT32 (default), TP_BFLOAT16 or TP_FLOAT16: the weight's
+                                  storage; arithmetic, activations, bias and gradients stay
+                                  float32 (see "Low-precision weights" above) */
 } tp_linear_config_t;
 
 #define TP_LINEAR_CONFIG_INITIALIZER \
-  { sizeof(tp_linear_config_t), TP_COLUMN_PARALLEL, 0, 0, 1, 0, 1, NULL, 0, 0, TP_DEVICE_CPU, 0 }
+  { sizeof(tp_linear_config_t), TP_COLUMN_PARALLEL, 0, 0, 1, 0, 1, NULL, 0, 0, TP_DEVICE_CPU, 0, TP_FLOAT32 }
 
 typedef struct {
-  float *weight, *bias, *grad_weight, *grad_bias; /* this rank's shard (bias NULL if none) */
+  void *weight;                /* this rank's weight shard, in weight_dtype */
+  float *bias, *grad_weight, *grad_bias; /* float32 (bias NULL if none) */
   int64_t weight_rows, weight_cols, bias_len;
   int64_t offset, local;       /* this rank's slice of the split dimension */
   int64_t x_cols, y_cols;      /* columns of forward's input and output on this rank */
+  tp_dtype_t weight_dtype;
 } tp_linear_info_t;
 
 /* Collective over comm (every rank, same config but for its own rank). */
@@ -100,9 +114,11 @@ typedef struct {
   uint64_t seed;
   tp_device_t device;
   int device_id;
+  tp_dtype_t weight_dtype;     /* fc1 and fc2 weights (float32 default) */
 } tp_mlp_config_t;
 
-#define TP_MLP_CONFIG_INITIALIZER { sizeof(tp_mlp_config_t), 0, 0, TP_ACT_GELU, 1, NULL, 0, TP_DEVICE_CPU, 0 }
+#define TP_MLP_CONFIG_INITIALIZER \
+  { sizeof(tp_mlp_config_t), 0, 0, TP_ACT_GELU, 1, NULL, 0, TP_DEVICE_CPU, 0, TP_FLOAT32 }
 
 TP_API tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const tp_mlp_config_t *cfg);
 TP_API void tp_parallel_mlp_destroy(tp_parallel_mlp_t mlp);
@@ -130,13 +146,16 @@ typedef struct {
   uint64_t seed;
   tp_device_t device;
   int device_id;
+  tp_dtype_t weight_dtype;     /* the table (float32 default; bfloat16 / float16 storage) */
 } tp_embedding_config_t;
 
-#define TP_EMBEDDING_CONFIG_INITIALIZER { sizeof(tp_embedding_config_t), 0, 0, NULL, 0, TP_DEVICE_CPU, 0 }
+#define TP_EMBEDDING_CONFIG_INITIALIZER { sizeof(tp_embedding_config_t), 0, 0, NULL, 0, TP_DEVICE_CPU, 0, TP_FLOAT32 }
 
 typedef struct {
-  float *weight, *grad_weight; /* [local, dim] */
+  void *weight;                /* [local, dim] in weight_dtype */
+  float *grad_weight;          /* [local, dim] float32 */
   int64_t offset, local, dim, num_embeddings;
+  tp_dtype_t weight_dtype;
 } tp_embedding_info_t;
 
 TP_API tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
@@ -216,11 +235,13 @@ typedef struct {
   int attention_only;              /* ParallelAttention: y = attn(x), no norms, MLP or residual */
   tp_device_t device;
   int device_id;
+  tp_dtype_t weight_dtype;         /* the QKV, output and MLP weights (float32 default); norm
+                                      weights and biases stay float32 */
 } tp_block_config_t;
 
 #define TP_BLOCK_CONFIG_INITIALIZER \
   { sizeof(tp_block_config_t), 0, 0, 0, 0, 0, TP_NORM_LAYER, 1e-5f, TP_ACT_GELU, 1, 1, 1, 0.0f, NULL, NULL, 0, 0, \
-    TP_DEVICE_CPU, 0 }
+    TP_DEVICE_CPU, 0, TP_FLOAT32 }
 
 /* Metadata of a forward, in host memory (the block copies what it needs). */
 typedef struct {
@@ -233,9 +254,11 @@ typedef struct {
 
 typedef struct {
   const char *name;                /* "norm1.weight", "attn.qkv.weight", "mlp.fc1.bias", ...  */
-  float *data, *grad;
+  void *data;                      /* in dtype */
+  float *grad;                     /* float32 */
   int ndim;                        /* 1: a vector of rows entries; 2: rows x cols */
   int64_t rows, cols;
+  tp_dtype_t dtype;                /* float32, or the block's weight_dtype for a projection weight */
 } tp_param_t;
 
 typedef struct {

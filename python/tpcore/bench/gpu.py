@@ -10,7 +10,9 @@ downloaded: every model is built from a config with random weights.
 
 GEMM: a ColumnParallelLinear (world 1, no bias, device="cuda") forward on x (M, K) is one GEMM
 (M, K) x (K, N); torch.matmul(x, W.t()) on the same shapes, inputs and weights is the peer.
-float32 and bfloat16 (bfloat16 parameters only where the layers take them: "n/a" otherwise).
+float32 and bfloat16.  A bfloat16 layer (dtype="bfloat16") keeps its weight in bfloat16 and takes and
+gives float32 activations (x is rounded to bfloat16 inside, one tensor-core GEMM with float32 compute
+and a float32 output): the tpcore side gets x.float(), torch.matmul bfloat16 x and w (bfloat16 out).
 Time: torch.cuda.synchronize() around a loop of calls (>= 0.2 s), median of 3 loops, so the
 figure holds whatever stream each library uses.  TFLOP/s = 2 M N K / time.  The outputs of both
 are compared (relative Frobenius error) and a row whose error is over 1e-2 (bf16) / 1e-3 (fp32)
@@ -229,6 +231,7 @@ def gemm_rows(comm, shapes, dtypes, budget):
                 continue
             try:
                 lin.load_full(w.float().cpu().numpy())
+                x = x if dt == "float32" else x.float()  # the layers' activations are float32
                 y = lin(x)
                 yt = torch.from_dlpack(y)
                 err = float(torch.linalg.norm(yt.float() - y_ref.float()) / torch.linalg.norm(y_ref.float()))
