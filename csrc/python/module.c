@@ -99,6 +99,7 @@ static int module_exec(PyObject *m) {
   if (!st->DeviceArrayType) return -1;
   if (PyModule_AddFunctions(m, devarray_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, kernel_methods) < 0) return -1;
+  if (PyModule_AddFunctions(m, devkernel_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, partition_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, cuda_methods) < 0) return -1;
   if (PyModule_AddObjectRef(m, "CommError", st->CommError) < 0 ||

@@ -44,27 +44,38 @@ def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
     return (np.random.default_rng([seed, tag]).standard_normal(shape) * std).astype(np.float32)
 
 
-class _Norm:
-    """A replicated LayerNorm/RMSNorm (C kernels)."""
+def _on(a, dev):
+    """A host array as a DeviceArray on dev (a device string), or a plain NumPy array (dev None)."""
+    return a if dev is None else asarray_device(a, device=dev)
 
-    def __init__(self, kind: str, C: int, eps: float):
-        self.kind, self.eps = kind, float(eps)
-        self.weight = np.ones(C, np.float32)
-        self.bias = np.zeros(C, np.float32) if kind == "layernorm" else None
-        self.grad_weight = np.zeros(C, np.float32)
-        self.grad_bias = None if self.bias is None else np.zeros(C, np.float32)
+
+class _Norm:
+    """A replicated LayerNorm/RMSNorm (C kernels): NumPy arrays on the CPU; on a GPU its
+    parameters are DeviceArrays there and it runs the d_ kernels (no host round trip)."""
+
+    def __init__(self, kind: str, C: int, eps: float, dev=None):
+        self.kind, self.eps, self.dev = kind, float(eps), dev
+        self.weight = _on(np.ones(C, np.float32), dev)
+        self.bias = _on(np.zeros(C, np.float32), dev) if kind == "layernorm" else None
+        self.grad_weight = _on(np.zeros(C, np.float32), dev)
+        self.grad_bias = None if self.bias is None else _on(np.zeros(C, np.float32), dev)
         self._ctx = None
 
     def parameters(self):
         return [(self.weight, self.grad_weight)] + ([] if self.bias is None else [(self.bias, self.grad_bias)])
 
     def forward(self, x2):
-        y, mu, rs = _C.norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
+        if self.dev is not None:
+            y, mu, rs = _C.d_norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
+        else:
+            y, mu, rs = _C.norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
         self._ctx = (x2, mu, rs)
         return y
 
     def backward(self, dy2):
         x2, mu, rs = self._ctx
+        if self.dev is not None:
+            return _C.d_norm_backward(self.kind, dy2, x2, self.weight, mu, rs, self.grad_weight, self.grad_bias)
         return _C.norm_backward(self.kind, np.ascontiguousarray(dy2, np.float32), x2, self.weight, mu, rs,
                                 self.grad_weight, self.grad_bias)
 
@@ -73,7 +84,7 @@ class TransformerLM:
     """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm."""
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, partition=None, ffn_partition=None,
-                 vocab_partition=None, device=None, dtype="float32"):
+                 vocab_partition=None, device=None, dtype="float32", _device_path: bool = False):
         """device="cuda" (or "cuda:N"): the token embedding, the blocks (their KV caches included)
         and the LM head live on that GPU, for inference (forward, logits, generate, loading and
         saving checkpoints); the position/type embeddings and the norms outside the blocks stay on
@@ -86,6 +97,10 @@ class TransformerLM:
         self.device = resolve_device(device, "TransformerLM")
         self.dtype = check_param_dtype(dtype, "TransformerLM")
         dev = None if self.device[0] == "cpu" else device_string(self.device)
+        # where the model's own tensors outside the layers live and its d_ kernels run: the GPU;
+        # None on the CPU (NumPy).  _device_path (tests): the GPU code path on the CPU, with
+        # DeviceArrays there, so that it is exercised on machines without a GPU.
+        self._kdev = dev if dev is not None else ("cpu:0" if _device_path else None)
         if not isinstance(comm, Comm):
             raise TypeError(f"TransformerLM: comm must be a tpcore.Comm, got {type(comm).__name__}")
         if not isinstance(config, Config):
@@ -101,43 +116,30 @@ class TransformerLM:
         else:  # the same values, scaled on the host
             self.wte.weight[...] = self.wte.weight.to_numpy() * 0.02
         self.vocab_partition = self.wte.partition
-        self.wpe = _normal(seed, 1, (cfg.max_positions, C), 0.02) if cfg.positions == "learned" else None
-        self.wpe_grad = None if self.wpe is None else np.zeros_like(self.wpe)
-        self.tte = _normal(seed, 2, (cfg.type_vocab_size, C), 0.02) if cfg.type_vocab_size else None
-        self.tte_grad = None if self.tte is None else np.zeros_like(self.tte)
-        self.emb_norm = _Norm(cfg.norm, C, cfg.eps) if cfg.embedding_norm else None
+        # position / type embeddings and the norms outside the blocks: replicated, float32; on a GPU
+        # they live there (DeviceArrays) and run the d_ kernels
+        self.wpe = _on(_normal(seed, 1, (cfg.max_positions, C), 0.02), self._kdev) if cfg.positions == "learned" else None
+        self.wpe_grad = None if self.wpe is None else _on(np.zeros((cfg.max_positions, C), np.float32), self._kdev)
+        self.tte = _on(_normal(seed, 2, (cfg.type_vocab_size, C), 0.02), self._kdev) if cfg.type_vocab_size else None
+        self.tte_grad = None if self.tte is None else _on(np.zeros((cfg.type_vocab_size, C), np.float32), self._kdev)
+        self.emb_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.embedding_norm else None
         self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
                                         ffn_partition=ffn_partition, device=dev, dtype=self.dtype)
                        for i in range(cfg.layers)]
-        self.final_norm = _Norm(cfg.norm, C, cfg.eps) if cfg.final_norm and cfg.pre_norm else None
-        if cfg.tie_embeddings:
+        self.final_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.final_norm and cfg.pre_norm else None
+        if cfg.tie_embeddings:  # the head's GEMMs read the embedding's rows (_C.linear_forward / d_linear_forward)
             self.lm_head = None
         else:
             self.lm_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
                                                 partition=[s for _, s in self.vocab_partition],
                                                 seed=(seed + 7) % 2 ** 64, device=dev, dtype=self.dtype)
-        # a tied head on a GPU: a column-parallel layer holding a copy of this rank's rows of the
-        # embedding (the GEMM of a GPU layer), refreshed whenever the embedding is loaded
-        self._tied_head = None
-        if dev is not None and self.lm_head is None:
-            self._tied_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
-                                                   partition=[s for _, s in self.vocab_partition], device=dev,
-                                                   dtype=self.dtype)
-            self._sync_tied()
         self._ctx = None
 
     def _sync_tied(self):
-        if self._tied_head is not None:
-            self._tied_head.weight.copy_from(self.wte.weight)
+        """Kept for callers of older versions: a tied head reads the embedding itself."""
 
     def _on_gpu(self) -> bool:
         return self.device[0] != "cpu"
-
-    def _cpu_only(self, what: str):
-        if self._on_gpu():
-            raise NotImplementedError(f"TransformerLM.{what}: training on device='{device_string(self.device)}' "
-                                      f"is not implemented in this version (forward, logits and generate are); "
-                                      f"train on device='cpu'")
 
     # ------------------------------------------------------------- parameters
     def parameters(self):
@@ -153,7 +155,10 @@ class TransformerLM:
 
     def zero_grad(self):
         for _, g in self.parameters():
-            g[...] = 0
+            if isinstance(g, DeviceArray):
+                _C.d_fill(g, 0.0)
+            else:
+                g[...] = 0
 
     def param_bytes(self) -> int:
         return int(sum(p.nbytes for p, _ in self.parameters()))
@@ -169,15 +174,33 @@ class TransformerLM:
             b.cache(batch, max_len)
 
     # ---------------------------------------------------------------- compute
+    def _dev(self, x, shape=None):
+        """x (a DeviceArray, a layer's NumPy output on the CPU device path) as a DeviceArray where
+        the model's d_ kernels run, reshaped when shape is given."""
+        if not isinstance(x, DeviceArray):
+            x = asarray_device(np.ascontiguousarray(x, np.float32), device=self._kdev)
+        return x if shape is None else x.reshape(shape)
+
+    def _layer_in(self, x):
+        """What the layers take: a GPU model's DeviceArrays as they are; NumPy on the CPU (the
+        device path on the CPU holds DeviceArrays of the CPU between the layers)."""
+        return x.to_numpy() if isinstance(x, DeviceArray) and not self._on_gpu() else x
+
     def _embed(self, tokens, pos, token_type_ids):
         B, T = tokens.shape
-        if self._on_gpu():  # the lookup on the GPU; the small additions below on the host
-            h = self.wte(asarray_device(tokens, device=device_string(self.device)))
-            if self.wpe is None and self.tte is None and self.emb_norm is None:
-                return h
-            h = h.to_numpy()
-        else:
-            h = self.wte(tokens)                              # (B, T, C), all-reduced
+        if self._kdev is not None:  # every addition and the norm on the model's device
+            C = self.config.hidden
+            h = self._dev(self.wte(asarray_device(tokens, device=device_string(self.device)) if self._on_gpu()
+                                   else tokens), (B * T, C))
+            if self.wpe is not None:
+                _C.d_add(h, h, _C.d_embedding_forward(_on(np.ascontiguousarray(pos.reshape(-1)), self._kdev), self.wpe))
+            if self.tte is not None:
+                tt = np.zeros(B * T, np.int64) if token_type_ids is None else token_type_ids.reshape(-1)
+                _C.d_add(h, h, _C.d_embedding_forward(_on(np.ascontiguousarray(tt), self._kdev), self.tte))
+            if self.emb_norm is not None:
+                h = self.emb_norm.forward(h)
+            return h.reshape((B, T, C))
+        h = self.wte(tokens)                              # (B, T, C), all-reduced
         if self.wpe is not None:
             h += self.wpe[pos]
         if self.tte is not None:
@@ -223,9 +246,16 @@ class TransformerLM:
 
     def forward(self, tokens, pos0=None, attention_mask=None, token_type_ids=None, use_cache: bool = False,
                 need_backward: bool = False, _agreed: bool = False) -> np.ndarray:
-        """Hidden states (B, T, hidden) after the last block (and the final norm).  With pos0 or
-        use_cache (decoding), the ranks check that they passed the same tokens, pos0, mask and
-        use_cache (one small all-gather per call; ValueError on every rank if not)."""
+        """Hidden states (B, T, hidden) after the last block (and the final norm), a NumPy array
+        (a GPU model's come back to the host).  With pos0 or use_cache (decoding), the ranks check
+        that they passed the same tokens, pos0, mask and use_cache (one small all-gather per call;
+        ValueError on every rank if not)."""
+        h = self._forward(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, _agreed)
+        return h.to_numpy() if isinstance(h, DeviceArray) else h
+
+    def _forward(self, tokens, pos0=None, attention_mask=None, token_type_ids=None, use_cache: bool = False,
+                 need_backward: bool = False, _agreed: bool = False):
+        """forward, the hidden states left where they are (a DeviceArray on a GPU model)."""
         who = "TransformerLM"
         cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused)
         tokens, p0, pos, mask, tt = agreed(
@@ -235,19 +265,15 @@ class TransformerLM:
                        ("the tokens differ", (v[0],)), ("attention_mask differs", (v[3],)),
                        ("use_cache differs", (bool(use_cache),))])
         B, T = tokens.shape
-        if need_backward:
-            self._cpu_only("forward(need_backward=True)")
-        h = self._embed(tokens, pos, tt)
+        h = self._layer_in(self._embed(tokens, pos, tt))
         bp0 = p0 if p0 is not None else (np.zeros(B, np.int64) if use_cache else None)
-        if self._on_gpu() and not isinstance(h, DeviceArray):
-            h = asarray_device(np.ascontiguousarray(h, np.float32), device=device_string(self.device))
         for blk in self.blocks:
             h = blk.forward(h, pos0=bp0, key_mask=mask, use_cache=use_cache, need_backward=need_backward,
                             _agreed=True)
-        if isinstance(h, DeviceArray):  # hidden states come back to the host (the final norm runs there)
-            h = h.to_numpy()
+        C = self.config.hidden
         if self.final_norm is not None:
-            h = self.final_norm.forward(h.reshape(B * T, h.shape[-1])).reshape(h.shape)
+            h2 = self._dev(h, (B * T, C)) if self._kdev is not None else h.reshape(B * T, C)
+            h = self.final_norm.forward(h2).reshape((B, T, C))
         self._ctx = dict(tokens=tokens, pos=pos, token_type_ids=tt, B=B, T=T) if need_backward else None
         return h
 
@@ -259,10 +285,12 @@ class TransformerLM:
         # tpcore's BLAS in C (GIL released): NumPy's own BLAS threads would spin after each call
         # and compete with tpcore's for the cores.  reuse: write into a buffer kept across training
         # steps (the logits shard is the largest activation; a fresh one costs page faults each step)
+        if self._kdev is not None:  # the head's GEMM where the model lives; the shard stays there
+            h2 = self._dev(h2)
+            if self.lm_head is None:  # tied: the embedding's own rows (16-bit ones included)
+                return _C.d_linear_forward(h2, self.wte.weight)
+            return self.lm_head.forward(self._layer_in(h2))
         h2 = np.ascontiguousarray(h2, np.float32)
-        if self._on_gpu():  # the head's GEMM on the GPU; the shard back to the host
-            head = self.lm_head if self.lm_head is not None else self._tied_head
-            return head._c.forward(asarray_device(h2, device=device_string(self.device))).to_numpy()
         out = None
         if reuse:
             shape = (h2.shape[0], self.vocab_partition[self.comm.rank][1])
@@ -275,38 +303,55 @@ class TransformerLM:
         return self.lm_head._c.forward(h2, out)
 
     def _gather_logits(self, shard):
+        shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard  # sampling runs on the host
         return self.comm.all_gather(np.ascontiguousarray(shard), axis=-1, sizes=[s for _, s in self.vocab_partition])
 
     def logits(self, tokens, attention_mask=None, token_type_ids=None) -> np.ndarray:
         """(B, T, vocab) float32 logits, the full vocabulary on every rank."""
-        h = self.forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        h = self._forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
         B, T, C = h.shape
-        return self._gather_logits(self._logits_shard(h.reshape(B * T, C))).reshape(B, T, self.config.vocab_size)
+        return self._gather_logits(self._logits_shard(h.reshape((B * T, C)))).reshape(B, T, self.config.vocab_size)
 
     def loss(self, tokens, targets, attention_mask=None, ignore_index: int = -100) -> float:
         """Mean cross-entropy of next-token targets (B, T) over the full vocabulary, from the
         vocab-parallel logits; keeps what backward() needs."""
-        self._cpu_only("loss")
-        h = self.forward(tokens, attention_mask=attention_mask, need_backward=True)
+        targets = int_array(targets, "TransformerLM.loss", "targets")
+        h = self._forward(tokens, attention_mask=attention_mask, need_backward=True)
         B, T, C = h.shape
+        if targets.shape != (B, T):
+            self._ctx = None
+            raise ValueError(f"TransformerLM.loss: targets must have shape {(B, T)}, got {targets.shape}")
+        lo = self.vocab_partition[self.comm.rank][0]
+        if self._kdev is not None:
+            h2 = self._dev(h, (B * T, C))
+            shard = self._logits_shard(h2)
+            if self._on_gpu():
+                dev = device_string(self.device)
+                xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index, device=dev)
+                value = xent(shard, asarray_device(targets.reshape(B * T), device=dev), vocab_offset=lo)
+            else:  # the device path on the CPU: the CPU cross-entropy takes NumPy
+                shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard
+                xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
+                value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
+            self._ctx.update(xent=xent, h2=h2, xent_logits=shard)
+            return value
         h2 = np.ascontiguousarray(h.reshape(B * T, C))
         shard = self._logits_shard(h2, reuse=True)
         xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
-        targets = int_array(targets, "TransformerLM.loss", "targets")
-        if targets.shape != (B, T):
-            raise ValueError(f"TransformerLM.loss: targets must have shape {(B, T)}, got {targets.shape}")
-        lo = self.vocab_partition[self.comm.rank][0]
         value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
         self._ctx.update(xent=xent, h2=h2, xent_logits=shard)
         return value
 
     def backward(self, dloss: float = 1.0) -> None:
         """Gradients of the last loss() into every parameter (accumulated)."""
-        self._cpu_only("backward")
         if not self._ctx or "xent" not in self._ctx:
             raise RuntimeError("TransformerLM.backward: call loss() first")
         ctx, comm = self._ctx, self.comm
         B, T = ctx["B"], ctx["T"]
+        if self._kdev is not None:
+            self._backward_device(ctx, dloss)
+            self._ctx = None
+            return
         dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
         h2 = ctx["h2"]
         if self.lm_head is None:
@@ -331,6 +376,33 @@ class TransformerLM:
             np.add.at(self.tte_grad, tt, dh2)
         self.wte.backward(np.ascontiguousarray(dh2))
         self._ctx = None
+
+    def _backward_device(self, ctx, dloss):
+        """backward with every tensor where the model lives (its GPU; the CPU device path)."""
+        comm, B, T, C = self.comm, ctx["B"], ctx["T"], self.config.hidden
+        dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
+        h2 = ctx["h2"]
+        if self.lm_head is None:  # tied: dW into the embedding's gradient, dh summed over the vocab shards
+            dh = _C.d_linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight)
+            if comm.size > 1:
+                comm.all_reduce(dh)
+        else:
+            dh = self._dev(self.lm_head.backward(self._layer_in(dshard)))
+        if self.final_norm is not None:
+            dh = self.final_norm.backward(dh)
+        dh = self._layer_in(self._dev(dh, (B, T, C)))
+        for blk in reversed(self.blocks):
+            dh = blk.backward(dh)
+        dh2 = self._dev(dh, (B * T, C))
+        if self.emb_norm is not None:
+            dh2 = self.emb_norm.backward(dh2)
+        if self.wpe is not None:
+            _C.d_embedding_backward(self.wpe_grad, _on(np.ascontiguousarray(ctx["pos"].reshape(-1)), self._kdev), dh2)
+        if self.tte is not None:
+            tt = np.zeros(B * T, np.int64) if ctx["token_type_ids"] is None else \
+                np.asarray(ctx["token_type_ids"], np.int64).reshape(-1)
+            _C.d_embedding_backward(self.tte_grad, _on(np.ascontiguousarray(tt), self._kdev), dh2)
+        self.wte.backward(dh2 if self._on_gpu() else dh2.to_numpy())
 
     # ------------------------------------------------------------- generation
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
@@ -424,12 +496,18 @@ class TransformerLM:
         out = [list(s) for s in seqs]
         if max_new_tokens == 0:
             return _result(out)
-        h = self.forward(padded, pos0=np.zeros(B, np.int64), use_cache=True, _agreed=True)   # right padding: causal
-        last = h[np.arange(B), lens - 1]                                                      # (B, C)
+        h = self._forward(padded, pos0=np.zeros(B, np.int64), use_cache=True, _agreed=True)  # right padding: causal
+        if self._kdev is not None:  # each sequence's last row, gathered where h lives (an embedding lookup)
+            Tp, C = padded.shape[1], self.config.hidden
+            rows = _on(np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64), self._kdev)
+            last = _C.d_embedding_forward(rows, self._dev(h, (B * Tp, C)))
+        else:
+            last = h[np.arange(B), lens - 1]                                                  # (B, C)
         cur = lens.copy()
         done = np.zeros(B, bool)
         for step in range(max_new_tokens):
-            logits = self._gather_logits(self._logits_shard(np.ascontiguousarray(last)))   # (B, V) on every rank
+            logits = self._gather_logits(self._logits_shard(last if self._kdev is not None
+                                                            else np.ascontiguousarray(last)))  # (B, V), every rank
             nxt = self._sample(logits, temperature, top_k, rng)
             if eos_ids:
                 nxt = np.where(done, pad_token_id, nxt)
@@ -438,8 +516,8 @@ class TransformerLM:
                 out[b].append(int(nxt[b]))
             if step == max_new_tokens - 1 or (eos_ids and done.all()):
                 break
-            h = self.forward(nxt.reshape(B, 1), pos0=cur, use_cache=True, _agreed=True)
-            last = h[:, 0]
+            h = self._forward(nxt.reshape(B, 1), pos0=cur, use_cache=True, _agreed=True)
+            last = self._dev(h, (B, self.config.hidden)) if self._kdev is not None else h[:, 0]
             cur = cur + 1
         return _result(out)
 
@@ -462,20 +540,20 @@ class TransformerLM:
         """Full tensors in tpcore's names (collective)."""
         sd = {"wte.weight": self.wte.gather_full()}
         if self.wpe is not None:
-            sd["wpe.weight"] = self.wpe.copy()
+            sd["wpe.weight"] = _hostcopy(self.wpe)
         if self.tte is not None:
-            sd["tte.weight"] = self.tte.copy()
+            sd["tte.weight"] = _hostcopy(self.tte)
         if self.emb_norm is not None:
-            sd["emb_norm.weight"] = self.emb_norm.weight.copy()
+            sd["emb_norm.weight"] = _hostcopy(self.emb_norm.weight)
             if self.emb_norm.bias is not None:
-                sd["emb_norm.bias"] = self.emb_norm.bias.copy()
+                sd["emb_norm.bias"] = _hostcopy(self.emb_norm.bias)
         for i, blk in enumerate(self.blocks):
             for k, v in blk.gather_full().items():
                 sd[f"blocks.{i}.{k}"] = v
         if self.final_norm is not None:
-            sd["final_norm.weight"] = self.final_norm.weight.copy()
+            sd["final_norm.weight"] = _hostcopy(self.final_norm.weight)
             if self.final_norm.bias is not None:
-                sd["final_norm.bias"] = self.final_norm.bias.copy()
+                sd["final_norm.bias"] = _hostcopy(self.final_norm.bias)
         if self.lm_head is not None:
             sd["lm_head.weight"] = self.lm_head.gather_full()[0]
         return sd
@@ -590,6 +668,11 @@ def _check_vocab(t: np.ndarray, n: int, who: str, name: str, what: str = "vocab_
         at = tuple(int(i) for i in np.argwhere((t < 0) | (t >= n))[0])
         raise ValueError(f"{who}: {name} holds {int(t[at])} at index {at if len(at) != 1 else at[0]}, out of range "
                          f"[0, {what}={n})")
+
+
+def _hostcopy(a) -> np.ndarray:
+    """A host copy of a parameter (a DeviceArray's comes back from its device)."""
+    return a.to_numpy() if isinstance(a, DeviceArray) else a.copy()
 
 
 def _f32(a) -> np.ndarray:

@@ -13,6 +13,10 @@ dtype="bfloat16") comes with a float32 gradient; the optimizer keeps a float32
 master copy of it (taken at construction) and float32 state, steps the master
 and writes it back rounded to nearest even (Megatron's and apex's O2 scheme:
 the 16-bit weights never accumulate the small updates themselves).
+
+Parameters on a GPU (tpcore.DeviceArray pairs, what a device="cuda" layer or model
+gives) are stepped there, their state and masters allocated there (the d_ kernels
+of tpcore._C): nothing goes through the host.
 """
 from __future__ import annotations
 
@@ -20,7 +24,29 @@ import numpy as np
 
 from . import _C
 from ._args import real_arg, shown
-from ._array import check_host
+from ._array import DeviceArray, check_host
+
+_LOWP = ("bfloat16", "float16")
+
+
+def _dtype_name(a) -> str:
+    return a.dtype if isinstance(a, DeviceArray) else a.dtype.name
+
+
+def _device_pair(p, who, i):
+    """A (param, grad) pair of DeviceArrays checked: one device, float32 grad of param's shape."""
+    param, grad = p
+    if not (isinstance(param, DeviceArray) and isinstance(grad, DeviceArray)):
+        raise TypeError(f"{who}: param {i} is a {type(param).__name__} with a {type(grad).__name__} grad; a pair is "
+                        f"two tpcore.DeviceArrays on one device or two NumPy arrays")
+    if param.device != grad.device:
+        raise ValueError(f"{who}: param {i} is on {param.device} but its grad on {grad.device}")
+    if _dtype_name(param) not in ("float32",) + _LOWP or grad.dtype != "float32" or grad.shape != param.shape:
+        raise ValueError(f"{who}: param must be float32, bfloat16 or float16 with a float32 grad of its shape, got "
+                         f"{param.dtype} {param.shape} and {grad.dtype} {grad.shape}")
+    if param.readonly:
+        raise ValueError(f"{who}: param {i} (shape {param.shape}) is read-only")
+    return param, grad
 
 
 def _pairs(params, who):
@@ -35,6 +61,9 @@ def _pairs(params, who):
     for p in params:
         if hasattr(p, "parameters"):
             out.extend(_pairs(p.parameters(), who))
+            continue
+        if isinstance(p, (tuple, list)) and len(p) == 2 and any(isinstance(a, DeviceArray) for a in p):
+            out.append(_device_pair(p, who, len(out)))
             continue
         if isinstance(p, (tuple, list)) and len(p) == 2:
             for a, what in zip(p, ("param", "grad")):
@@ -52,7 +81,7 @@ def _pairs(params, who):
         out.append((param, grad))
     seen = {}
     for i, (param, _) in enumerate(out):
-        at = param.__array_interface__["data"][0]
+        at = param.data_ptr if isinstance(param, DeviceArray) else param.__array_interface__["data"][0]
         if param.size and at in seen:
             raise ValueError(f"{who}: params {seen[at]} and {i} are the same array; each parameter may be listed "
                              f"once (it would be updated twice per step)")
@@ -62,9 +91,32 @@ def _pairs(params, who):
     return out
 
 
+def _zeros_like(g):
+    """Float32 state shaped like the gradient g, on its device."""
+    return DeviceArray(g.shape, "float32", device=g.device) if isinstance(g, DeviceArray) else np.zeros_like(g)
+
+
 def _masters(params):
-    """The float32 master copy of each 16-bit parameter (None for a float32 one)."""
-    return [None if p.dtype == np.float32 else np.ascontiguousarray(p, dtype=np.float32) for p, _ in params]
+    """The float32 master copy of each 16-bit parameter (None for a float32 one), on its device."""
+    out = []
+    for p, g in params:
+        if _dtype_name(p) == "float32":
+            out.append(None)
+        elif isinstance(p, DeviceArray):
+            w = _zeros_like(g)
+            _C.d_convert(w, p)
+            out.append(w)
+        else:
+            out.append(np.ascontiguousarray(p, dtype=np.float32))
+    return out
+
+
+def _write_back(p, w):
+    """The 16-bit parameter p = its master w rounded to nearest even."""
+    if isinstance(p, DeviceArray):
+        _C.d_convert(p, w)
+    else:
+        p[...] = w
 
 
 class AdamW:
@@ -78,16 +130,17 @@ class AdamW:
         self.params = _pairs(params, "AdamW")
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.master = _masters(self.params)
-        self.state = [(np.zeros_like(g), np.zeros_like(g)) for _, g in self.params]
+        self.state = [(_zeros_like(g), _zeros_like(g)) for _, g in self.params]
         self.t = 0
 
     def step(self) -> None:
         self.t += 1
         for (p, g), (m, v), w in zip(self.params, self.state, self.master):
-            _C.adamw_step(p if w is None else w, g, m, v, self.lr, self.betas[0], self.betas[1], self.eps,
-                          self.weight_decay, self.t)
+            step = _C.d_adamw_step if isinstance(g, DeviceArray) else _C.adamw_step
+            step(p if w is None else w, g, m, v, self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay,
+                 self.t)
             if w is not None:
-                p[...] = w  # rounded to nearest even
+                _write_back(p, w)
 
 
 class SGD:
@@ -98,12 +151,13 @@ class SGD:
         self.params = _pairs(params, "SGD")
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.master = _masters(self.params)
-        self.bufs = [np.zeros_like(g) if momentum else None for _, g in self.params]
+        self.bufs = [_zeros_like(g) if momentum else None for _, g in self.params]
         self.t = 0
 
     def step(self) -> None:
         self.t += 1
         for (p, g), buf, w in zip(self.params, self.bufs, self.master):
-            _C.sgd_step(p if w is None else w, g, buf, self.lr, self.momentum, self.weight_decay, self.t == 1)
+            step = _C.d_sgd_step if isinstance(g, DeviceArray) else _C.sgd_step
+            step(p if w is None else w, g, buf, self.lr, self.momentum, self.weight_decay, self.t == 1)
             if w is not None:
-                p[...] = w
+                _write_back(p, w)

@@ -121,6 +121,16 @@ TP_API tp_status_t tp_xent_backward(tp_stream_t stream, const tp_tensor *dlogits
                                     const tp_tensor *gmax, const tp_tensor *sumexp, const tp_tensor *targets,
                                     const tp_tensor *row_scale, float scale, int64_t lo);
 
+/* ------------------------------------------------------------ element-wise */
+/* y = a + b element by element over equal element counts (y may be a or b: y += a); all
+ * float32 contiguous on one device. */
+TP_API tp_status_t tp_add(tp_stream_t stream, const tp_tensor *y, const tp_tensor *a, const tp_tensor *b);
+/* y = value everywhere (float32 contiguous). */
+TP_API tp_status_t tp_fill(tp_stream_t stream, const tp_tensor *y, float value);
+/* y = x converted between float32, bfloat16 and float16 (round to nearest even), equal
+ * element counts, both contiguous on one device. */
+TP_API tp_status_t tp_convert(tp_stream_t stream, const tp_tensor *y, const tp_tensor *x);
+
 /* ------------------------------------------------------------------- norms */
 /* Over the last dimension C of x[M,C] (cpu/norm.c has the formulas).  Forward keeps the
  * row statistics mean[M] (may be NULL; RMSNorm has none) and rstd[M] (may be NULL) for
