@@ -90,3 +90,21 @@ def test_gpus_real_run(tmp_path):
     r = run(["--gpus", "1"], tmp_path, body=body)
     assert r.returncode == 0, r.stderr
     assert "bind 0" in r.stdout and "1" in r.stdout.split()[-1]
+
+
+def test_spawn_defaults_to_fresh_interpreters_once_cuda_is_up(monkeypatch):
+    """A forked child cannot use the parent's CUDA context: once this process initialised CUDA,
+    tpcore.spawn's default start method is "spawn"; before, "fork" (notebook functions work)."""
+    import importlib
+    import multiprocessing as mp
+
+    sp = importlib.import_module("tpcore.spawn")  # the module (tpcore.spawn is also the function)
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    monkeypatch.setattr(sp, "_cuda_initialised", lambda: False)
+    assert sp._default_method() == "fork"
+    monkeypatch.setattr(sp, "_cuda_initialised", lambda: True)
+    assert sp._default_method() == "spawn"
+    monkeypatch.undo()
+    # here: the plugin is loaded only where a GPU answered; without one the default stays fork
+    assert sp._default_method() == ("spawn" if tpcore.cuda_available() else "fork")

@@ -161,6 +161,14 @@ def _sizes(part, dim, world, what, who="partition"):
     return sizes
 
 
+def zero(a) -> None:
+    """a[...] = 0 where a lives (a DeviceArray: a fill on its device, no host buffer)."""
+    if isinstance(a, DeviceArray):
+        _C.d_fill(a, 0.0)
+    else:
+        a[...] = 0
+
+
 def _back(y: np.ndarray, dt) -> np.ndarray:
     return y if dt is None else y.astype(dt)
 
@@ -235,9 +243,9 @@ class _ParallelLinear:
         return pairs
 
     def zero_grad(self) -> None:
-        self.grad_weight[...] = 0
+        zero(self.grad_weight)
         if self.grad_bias is not None:
-            self.grad_bias[...] = 0
+            zero(self.grad_bias)
 
     def _rows(self, x, name, cols):
         """x as float32 rows (M, cols), its leading shape, and the dtype to give the

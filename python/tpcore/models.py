@@ -33,7 +33,7 @@ from ._array import DeviceArray, asarray, asarray_device, device_string, resolve
 from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import _collective
-from .layers import ACTIVATIONS, ColumnParallelLinear, check_param_dtype
+from .layers import ACTIVATIONS, ColumnParallelLinear, check_param_dtype, zero
 from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
@@ -155,10 +155,7 @@ class TransformerLM:
 
     def zero_grad(self):
         for _, g in self.parameters():
-            if isinstance(g, DeviceArray):
-                _C.d_fill(g, 0.0)
-            else:
-                g[...] = 0
+            zero(g)
 
     def param_bytes(self) -> int:
         return int(sum(p.nbytes for p, _ in self.parameters()))

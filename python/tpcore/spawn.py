@@ -170,9 +170,19 @@ def _stop(procs, grace):
             p.join(5)
 
 
+def _cuda_initialised() -> bool:
+    """Whether this process has brought up CUDA (the plugin loaded and a GPU seen): a forked
+    child cannot use the parent's CUDA context (every CUDA call in it fails), so ranks must
+    then start fresh interpreters, as PyTorch's multiprocessing asks."""
+    from . import _C, _cuda
+    return bool(getattr(_cuda, "_loaded", False)) and "cuda" in (_C.build_info().get("devices") or ())
+
+
 def _default_method():
     methods = mp.get_all_start_methods()
-    return "fork" if "fork" in methods else "spawn"
+    if "fork" in methods and not _cuda_initialised():
+        return "fork"
+    return "spawn"
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: Optional[dict] = None,
@@ -187,7 +197,9 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
               and CommTimeout names the ones still running.  None: no limit.
     start_method  "fork" (default on Linux: works with functions defined in
               a notebook or a test), "forkserver" or "spawn" (fn must then be
-              importable).
+              importable).  Once this process has initialised CUDA (a GPU
+              layer, tpcore.cuda_available() True) the default is "spawn": a
+              forked child cannot use the parent's CUDA context.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"spawn: world_size must be an int >= 1, got {world_size!r}")

@@ -39,7 +39,7 @@ from ._array import DeviceArray, asarray, check_on_device, device_string, from_d
 from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
-from .layers import ACTIVATIONS, _host, _sizes, as_float32, check_param_dtype, check_partition, partition
+from .layers import ACTIVATIONS, _host, _sizes, as_float32, check_param_dtype, check_partition, partition, zero
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -254,7 +254,7 @@ class TransformerBlock:
 
     def zero_grad(self):
         for _, g in self._p.values():
-            g[...] = 0
+            zero(g)
 
     def _slices(self):
         """name of a full tensor -> (local param name, rows of the local tensor, how to cut the full one)."""

@@ -31,7 +31,7 @@ from ._args import int_arg, int_array, real_arg, seed_arg
 from ._array import (DeviceArray, asarray, check_host, check_on_device, device_of, device_string, from_dlpack,
                      resolve_device)
 from .comm import Comm
-from .layers import _host, _sizes, as_float32, check_param_dtype, check_partition, float_param
+from .layers import _host, _sizes, as_float32, check_param_dtype, check_partition, float_param, zero
 
 
 def _tokens(tokens, name="tokens", who="VocabParallelEmbedding"):
@@ -92,7 +92,7 @@ class VocabParallelEmbedding:
         return [(self.weight, self.grad_weight)]
 
     def zero_grad(self):
-        self.grad_weight[...] = 0
+        zero(self.grad_weight)
 
     def forward(self, tokens) -> np.ndarray:
         """(..., embedding_dim) float32 rows of the full table for integer tokens (...).  On a
