@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -406,6 +407,38 @@ def test_collectives(monkeypatch, group, backend, world):
     results = _spawn(_rank_collectives, world, backend, _device_lib())
     assert [len(r) > 0 for r in results] == [True] * world
     _check_collectives(results, world)
+
+
+def _rank_dies(comm, report):
+    """Rank 1 exits in the middle of the job; rank 0, waiting for it in an all_reduce, writes what
+    it saw and how long it took to `report`."""
+    import json
+    x = tpcore.asarray(np.ones(1024, np.float32), device=RANK_DEVICE)
+    comm.all_reduce(x)
+    comm.barrier()
+    if comm.rank == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x)
+        text = "no error"
+    except Exception as e:  # noqa: BLE001 - the text is what the test checks
+        text = f"{type(e).__name__}: {e}"
+    with open(report, "w") as f:
+        json.dump({"seconds": time.monotonic() - t0, "error": text}, f)
+
+
+@needs_cuda
+def test_nccl_dead_peer_is_named_before_the_timeout(monkeypatch, tmp_path):
+    """NCCL alone waits for a dead peer until the timeout; tpcore's wait looks at the peers'
+    processes and names the dead rank within a fraction of a second."""
+    _nccl_env(monkeypatch, 2)
+    report = tmp_path / "rank0.json"
+    with pytest.raises(Exception):  # rank 1's exit is an error of the run itself
+        _spawn(_rank_dies, 2, "nccl", str(report))
+    got = __import__("json").loads(report.read_text())
+    assert "rank 1" in got["error"] and "died" in got["error"], got
+    assert got["seconds"] < 20, got  # the timeout is 60 s
 
 
 def _rank_layers(comm, lib, lin, cfg_kind, P, xb):

@@ -6,7 +6,9 @@
  * made current with tp_device_set_current.  Every CUDA need goes through the
  * device table; this file includes no CUDA or NCCL header.
  */
+#include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +17,7 @@
 
 #include "../core/dynlib.h"
 #include "nccl_impl.h"
+#include "shm_impl.h" /* tp_shm_proc_starttime */
 #include "shm_seg.h"
 #include "tpcore/device.h"
 
@@ -262,7 +265,40 @@ static void abort_nc(nccl_ctx *x) {
   }
 }
 
-/* A peer's failure, an abort of this rank, or an asynchronous NCCL error. */
+/* This rank's process in its slot, for the peers' liveness checks. */
+static void claim_slot(nccl_ctx *x) {
+  int pid = (int)getpid();
+  char state;
+  atomic_store(&x->slots[x->comm->rank].start, tp_shm_proc_starttime(pid, &state));
+  atomic_store(&x->slots[x->comm->rank].pid, pid);
+}
+
+/* A peer whose process is gone (exited, killed, a zombie, or its pid reused), looked at every
+ * 50 ms of a wait: NCCL itself would wait for it until the timeout.  The ranks share a host
+ * (this backend's scope), so /proc tells. */
+static tp_status_t check_alive(nccl_ctx *x, const char *what) {
+  double now = tp_now();
+  if (now < x->next_alive_check) return TP_SUCCESS;
+  x->next_alive_check = now + 0.05;
+  for (int p = 0; p < x->comm->size; p++) {
+    if (p == x->comm->rank) continue;
+    int pid = atomic_load(&x->slots[p].pid);
+    if (pid <= 0) continue; /* not mapped yet: init's own timeout covers it */
+    uint64_t want = atomic_load(&x->slots[p].start);
+    char state = '?';
+    uint64_t st = tp_shm_proc_starttime(pid, &state);
+    int dead = st == 0 ? (kill(pid, 0) != 0 && errno == ESRCH)
+                       : (state == 'Z' || state == 'X' || (want && st != want));
+    if (dead) {
+      abort_nc(x);
+      return tp_set_error(TP_ERR_REMOTE, "%s on rank %d of %d: rank %d (pid %d) died while this rank waited "
+                          "for it", what, x->comm->rank, x->comm->size, p, pid);
+    }
+  }
+  return TP_SUCCESS;
+}
+
+/* A peer's failure or death, an abort of this rank, or an asynchronous NCCL error. */
 static tp_status_t poll_failures(nccl_ctx *x, const char *what) {
   if (atomic_load(&x->abort_flag)) {
     abort_nc(x);
@@ -277,6 +313,7 @@ static tp_status_t poll_failures(nccl_ctx *x, const char *what) {
       return tp_set_error(TP_ERR_REMOTE, "%s on rank %d of %d: rank %d failed or aborted the communicator",
                           what, x->comm->rank, x->comm->size, p);
     }
+  TP_CHECK(check_alive(x, what));
   if (x->nc) {
     ncclResult_t ar = ncclSuccess;
     ncclResult_t r = x->api->CommGetAsyncError(x->nc, &ar);
@@ -331,7 +368,7 @@ static tp_status_t peer_or_abort(nccl_ctx *x, const char *what) {
   if (atomic_load(&x->abort_flag)) return poll_failures(x, what);
   for (int p = 0; p < x->comm->size; p++)
     if (p != x->comm->rank && atomic_load(&x->slots[p].state) == NCCL_STATE_FAILED) return poll_failures(x, what);
-  return TP_SUCCESS;
+  return check_alive(x, what);
 }
 
 /* Polls the communicator `on` (the new one after a split) while it says ncclInProgress. */
@@ -407,6 +444,7 @@ static tp_status_t seg_create(nccl_ctx *x) {
   if (st != TP_SUCCESS) return st;
   memset(base, 0, x->seg_bytes);
   x->slots = base;
+  claim_slot(x);
   return TP_SUCCESS;
 }
 
@@ -422,6 +460,7 @@ static tp_status_t seg_open(nccl_ctx *x) {
   x->seg_fd = fd;
   x->slots = tp_seg_map(fd, x->seg_bytes);
   if (!x->slots) return tp_set_error(TP_ERR_SYSTEM, "nccl on rank %d: cannot map %s", x->comm->rank, x->seg_name);
+  claim_slot(x);
   return TP_SUCCESS;
 }
 

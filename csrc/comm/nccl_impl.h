@@ -34,7 +34,10 @@ typedef struct {
 typedef struct {
   _Atomic int state;
   _Atomic uint32_t last_seq; /* the latest descriptor written */
-  char pad[56];
+  _Atomic int32_t pid;       /* the rank's process and its /proc start time, written once when it */
+  int32_t pad0;              /* maps the segment: peers check it while they wait (a dead rank)     */
+  _Atomic uint64_t start;
+  char pad[40];
   nccl_desc_t ring[NCCL_RING];
 } nccl_slot_t;
 
@@ -60,6 +63,7 @@ typedef struct nccl_ctx {
   tp_stream_t streams[NCCL_MAX_STREAMS];
   int nstreams;
   struct nccl_mem *mems; /* registered buffers still registered */
+  double next_alive_check; /* tp_now() of the next look at the peers' processes */
 } nccl_ctx;
 
 /* nccl.c */
