@@ -183,6 +183,43 @@ static void dot4_portable_f16(float out[4], const void *w, const float *const x[
   dot4_portable(out, w, x, K, TP_FLOAT16);
 }
 
+/* out = sum_k x[k] w[k]: the M = 1 (decode) case without dot4's repeated rows. */
+typedef float (*dot1_fn)(const void *w, const float *x, int64_t K);
+
+static float dot1_portable_bf16(const void *w, const float *x, int64_t K) {
+  float out[4];
+  const float *xs[4] = {x, x, x, x};
+  dot4_portable(out, w, xs, K, TP_BFLOAT16);
+  return out[0];
+}
+
+static float dot1_portable_f16(const void *w, const float *x, int64_t K) {
+  float out[4];
+  const float *xs[4] = {x, x, x, x};
+  dot4_portable(out, w, xs, K, TP_FLOAT16);
+  return out[0];
+}
+
+#if TP_LOWP_X86
+/* Four weight vectors per step into four accumulators (the FMA latency hidden). */
+#define TP_DOT1_(NAME, TARGET, VEC, LANES, LOADW, FMA, ZERO, LOADX, HSUM, SCALAR)                         \
+  __attribute__((target(TARGET))) static float NAME(const void *wv, const float *x, int64_t K) {         \
+    const uint16_t *w = wv;                                                                               \
+    VEC a0 = ZERO, a1 = ZERO, a2 = ZERO, a3 = ZERO;                                                       \
+    int64_t k = 0;                                                                                        \
+    for (; k + 4 * LANES <= K; k += 4 * LANES) {                                                          \
+      a0 = FMA(LOADW(w + k), LOADX(x + k), a0);                                                           \
+      a1 = FMA(LOADW(w + k + LANES), LOADX(x + k + LANES), a1);                                           \
+      a2 = FMA(LOADW(w + k + 2 * LANES), LOADX(x + k + 2 * LANES), a2);                                   \
+      a3 = FMA(LOADW(w + k + 3 * LANES), LOADX(x + k + 3 * LANES), a3);                                   \
+    }                                                                                                     \
+    for (; k + LANES <= K; k += LANES) a0 = FMA(LOADW(w + k), LOADX(x + k), a0);                          \
+    float s = HSUM((a0 + a1) + (a2 + a3));                                                                \
+    for (; k < K; k++) s += x[k] * u2f(SCALAR(w[k]));                                                     \
+    return s;                                                                                             \
+  }
+#endif
+
 #if TP_LOWP_X86
 /* Two weight vectors per step, each fused into four rows' accumulators: eight independent
  * FMA chains hide the FMA latency; the tail widens one element at a time. */
@@ -233,11 +270,19 @@ TP_DOT4_(dot4_avx2_bf16, "avx2,fma,f16c", __m256, 8, LOADW256_BF16, _mm256_fmadd
 TP_DOT4_(dot4_avx2_f16, "avx2,fma,f16c", __m256, 8, LOADW256_F16, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_loadu_ps,
          hsum256, f16_to_f32)
 #undef TP_DOT4_
+TP_DOT1_(dot1_avx512_bf16, "avx512f", __m512, 16, LOADW512_BF16, _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_loadu_ps,
+         _mm512_reduce_add_ps, bf16_to_f32)
+TP_DOT1_(dot1_avx512_f16, "avx512f", __m512, 16, LOADW512_F16, _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_loadu_ps,
+         _mm512_reduce_add_ps, f16_to_f32)
+TP_DOT1_(dot1_avx2_bf16, "avx2,fma,f16c", __m256, 8, LOADW256_BF16, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_loadu_ps,
+         hsum256, bf16_to_f32)
+TP_DOT1_(dot1_avx2_f16, "avx2,fma,f16c", __m256, 8, LOADW256_F16, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_loadu_ps,
+         hsum256, f16_to_f32)
+#undef TP_DOT1_
 #endif
 
-/* The widest kernel this CPU runs (checked once; a racing first call picks the same one). */
-static dot4_fn dot4_for(tp_dtype_t wdt) {
-  int bf = wdt == TP_BFLOAT16;
+/* The widest kernels this CPU runs (checked once; a racing first call picks the same ones). */
+static int gemv_isa(void) {
 #if TP_LOWP_X86
   static int isa = -1; /* 2: AVX-512F, 1: AVX2 + FMA + F16C, 0: portable */
   if (isa < 0) {
@@ -246,13 +291,34 @@ static dot4_fn dot4_for(tp_dtype_t wdt) {
           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 1
                                                                                                               : 0;
   }
+  return isa;
+#else
+  return 0;
+#endif
+}
+
+static dot4_fn dot4_for(tp_dtype_t wdt) {
+  int bf = wdt == TP_BFLOAT16, isa = gemv_isa();
+#if TP_LOWP_X86
   if (isa == 2) return bf ? dot4_avx512_bf16 : dot4_avx512_f16;
   if (isa == 1) return bf ? dot4_avx2_bf16 : dot4_avx2_f16;
 #endif
+  (void)isa;
   return bf ? dot4_portable_bf16 : dot4_portable_f16;
 }
 
+static dot1_fn dot1_for(tp_dtype_t wdt) {
+  int bf = wdt == TP_BFLOAT16, isa = gemv_isa();
+#if TP_LOWP_X86
+  if (isa == 2) return bf ? dot1_avx512_bf16 : dot1_avx512_f16;
+  if (isa == 1) return bf ? dot1_avx2_bf16 : dot1_avx2_f16;
+#endif
+  (void)isa;
+  return bf ? dot1_portable_bf16 : dot1_portable_f16;
+}
+
 typedef struct {
+  dot1_fn dot1;
   dot4_fn dot;
   float *y;
   const float *x, *b;
@@ -266,6 +332,10 @@ static void gemv_chunk(void *ctx, int64_t n0, int64_t n1, int chunk) {
   (void)chunk;
   const gemv_args *a = ctx;
   int64_t M = a->M, K = a->K, N = a->N;
+  if (M == 1) {
+    for (int64_t n = n0; n < n1; n++) a->y[n] = a->dot1(a->w + n * K, a->x, K) + (a->b ? a->b[n] : 0.0f);
+    return;
+  }
   for (int64_t n = n0; n < n1; n++) {
     float bn = a->b ? a->b[n] : 0.0f;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -315,7 +385,7 @@ tp_status_t tp_cpu_linear_forward_lp(tp_stream_t s, float *y, const float *x, co
   int64_t rows = workspace ? (int64_t)(workspace_bytes / ((size_t)K * 4)) : 0;
   if (rows > N) rows = N;
   if (M <= GEMV_MAX_M || rows < 1) {
-    gemv_args a = {dot4_for(wdt), y, x, b, w, M, K, N};
+    gemv_args a = {dot1_for(wdt), dot4_for(wdt), y, x, b, w, M, K, N};
     int64_t per_row;
     if (!tp_mul_count(M < 4 ? 4 : M, K, &per_row)) per_row = INT64_MAX;
     tp_parallel_rows(N, per_row, gemv_chunk, &a);
