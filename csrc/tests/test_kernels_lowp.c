@@ -210,7 +210,7 @@ void case_convert(void) {
  * 40000 crosses the CPU table's panels of w (8 MiB of float32: 256 or 52 rows; M <= 8 takes
  * its GEMV path). */
 static const int64_t LPS[][3] = {{0, 3, 4},   {1, 1, 1},   {1, 769, 131}, {2, 37, 65},    {3, 1, 5},
-                                 {4, 250, 33}, {5, 0, 4},  {13, 37, 19},  {70, 65, 33},   {1, 0, 3},
+                                 {4, 250, 33}, {5, 0, 4},  {13, 37, 19},  {70, 65, 33},   {1, 0, 3},   {1, 229, 77},
                                  {9, 8191, 300}, {9, 40000, 110}, {3, 40000, 61}};
 #define NLPS (sizeof LPS / sizeof LPS[0])
 

@@ -291,6 +291,9 @@ static int gemv_isa(void) {
           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 1
                                                                                                               : 0;
   }
+#ifdef TP_LOWP_MAX_ISA /* a build that tests the narrower kernels on a wider CPU: -DTP_LOWP_MAX_ISA=1 or 0 */
+  if (isa > TP_LOWP_MAX_ISA) isa = TP_LOWP_MAX_ISA;
+#endif
   return isa;
 #else
   return 0;
