@@ -153,6 +153,13 @@ tp_status_t tp_cpu_convert(tp_stream_t s, void *y, tp_dtype_t ydt, const void *x
   return TP_SUCCESS;
 }
 
+/* A panel of w widened on this rank's threads (BLAS's own threads are idle meanwhile). */
+static void widen_panel(float *panel, const uint16_t *w, tp_dtype_t wdt, int64_t n) {
+  convert_args a = {wdt == TP_BFLOAT16 ? (convert_fn)cvt_f32_bf16 : (convert_fn)cvt_f32_f16, (char *)panel,
+                    (const char *)w, 4, 2, n};
+  tp_parallel_rows((n + CONVERT_CHUNK - 1) / CONVERT_CHUNK, CONVERT_CHUNK, convert_chunk, &a);
+}
+
 /* ------------------------------------------------------------------ GEMV: w read once */
 
 /* out[j] = sum_k x_j[k] w[k] for j < 4 (x_j may repeat: callers with fewer rows pass the
@@ -402,7 +409,7 @@ tp_status_t tp_cpu_linear_forward_lp(tp_stream_t s, float *y, const float *x, co
   float *panel = workspace;
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     int64_t nr = N - n0 < rows ? N - n0 : rows;
-    widen(panel, (const uint16_t *)w + n0 * K, wdt, nr * K);
+    widen_panel(panel, (const uint16_t *)w + n0 * K, wdt, nr * K);
     TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, (tp_blasint)M, (tp_blasint)nr, (tp_blasint)K, 1.0f,
                          x, (tp_blasint)K, panel, (tp_blasint)K, beta, y + n0, (tp_blasint)N);
   }
@@ -446,7 +453,7 @@ tp_status_t tp_cpu_linear_backward_lp(tp_stream_t s, float *dx, float *dw, float
   float *panel = workspace;
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     int64_t nr = N - n0 < rows ? N - n0 : rows;
-    widen(panel, (const uint16_t *)w + n0 * K, wdt, nr * K);
+    widen_panel(panel, (const uint16_t *)w + n0 * K, wdt, nr * K);
     float beta = n0 == 0 && !accumulate_dx ? 0.0f : 1.0f;
     TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasNoTrans, (tp_blasint)M, (tp_blasint)K, (tp_blasint)nr, 1.0f,
                          dy + n0, (tp_blasint)N, panel, (tp_blasint)K, beta, dx, (tp_blasint)K);
