@@ -2,10 +2,15 @@
 without Python in the loop: every entry of every available kernel table against
 double-precision references on odd sizes, and the public tensor API's checks.  Also
 asserts that every entry of the table (TP_KERNEL_ENTRIES in csrc/kernels/kernels_impl.h)
-has a parity case, so a new entry without one fails here."""
+has a parity case, so a new entry without one fails here.  Then the 16-bit weight path
+from Python: tpcore.convert against NumPy / ml_dtypes casts bit for bit, and linear with
+bfloat16 / float16 weights against float64."""
 import re
 
+import numpy as np
 import pytest
+
+import tpcore
 
 from c_binaries import ROOT, build, run
 
@@ -70,3 +75,103 @@ def test_cuda_attention_entries_under_the_host_emulator():
     assert r.returncode == 0, r.stdout + r.stderr
     for e in ("positions", "kv_cache_write", "attention_workspace", "attention_forward", "attention_backward"):
         assert len(re.findall(rf"^(\(reverse order\) )?cudaemu {e}: ok ", r.stdout, re.M)) == 2, r.stdout
+
+
+# ---------------------------------------------------------------- 16-bit weights
+
+def _probe_float32(rng, n):
+    """float32 values that probe rounding to 16 bits: specials, ties of both formats (and a
+    float32 step either side), float16 subnormals, values near 65504 and near float32's
+    largest, and random bit patterns (their NaNs made quiet: NumPy's float16 cast keeps a
+    signalling NaN signalling, where tpcore quiets every NaN)."""
+    import ml_dtypes
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 65504, 65519.996, 65520, -65520, 65536,
+                        2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.5, 2.0 ** -14, 6.1e-5, 3.4028235e38, 1e-45, -1e-40],
+                       np.float32)
+    bits = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32)
+    nan = (bits & 0x7F800000) == 0x7F800000
+    bits[nan & ((bits & 0x7FFFFF) != 0)] |= 0x400000  # quiet
+    rand = bits.view(np.float32)
+    h16 = rng.integers(0, 0x7C00, n, dtype=np.uint16)
+    lo16, hi16 = h16.view(np.float16).astype(np.float64), (h16 + 1).view(np.float16).astype(np.float64)
+    tie16 = ((lo16 + hi16) / 2).astype(np.float32)
+    b16 = rng.integers(0, 0x7F80, n, dtype=np.uint16)
+    tieb = ((b16.astype(np.uint32) << 16) | 0x8000).view(np.float32)
+    ties = np.concatenate([tie16, tieb])
+    sign = np.where(rng.random(ties.size) < 0.5, -1, 1).astype(np.float32)
+    near = np.concatenate([np.nextafter(ties, np.float32(0)), ties, np.nextafter(ties, np.float32(np.inf))]) * \
+        np.tile(sign, 3)
+    sub = rng.uniform(2.0 ** -26, 2.0 ** -13, n).astype(np.float32)
+    top = rng.uniform(65000, 66000, n).astype(np.float32)
+    big = (np.float32(3.39e38) * rng.uniform(0.99, 1.0037, n)).astype(np.float32)
+    return np.concatenate([special, rand, near, sub, -top, top, big, special])
+
+
+def test_convert_matches_numpy_and_ml_dtypes_bit_for_bit():
+    import ml_dtypes
+    rng = np.random.default_rng(5)
+    x = _probe_float32(rng, 200_003)  # large enough to split over threads
+    with np.errstate(all="ignore"):
+        for dt in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+            got = tpcore.convert(x, dt)
+            assert got.dtype == dt and got.shape == x.shape
+            np.testing.assert_array_equal(got.view(np.uint16), x.astype(dt).view(np.uint16))
+            # the same dtype given by name, into out=, and an N-d shape
+            out = np.empty((x.size // 7, 7), dt)
+            r = tpcore.convert(x[:out.size].reshape(out.shape), dt.name, out=out)
+            assert r is out
+            np.testing.assert_array_equal(out.view(np.uint16).ravel(), x[:out.size].astype(dt).view(np.uint16))
+        # every 16-bit pattern widened (exact) and to the other 16-bit type; NaNs: ml_dtypes
+        # canonicalises them, so they are compared as NaNs of their sign
+        allbits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+        for a, b in ((np.float16, ml_dtypes.bfloat16), (ml_dtypes.bfloat16, np.float16)):
+            h = allbits.view(a)
+            wide = tpcore.convert(h, np.float32)
+            np.testing.assert_array_equal(wide.view(np.uint32), h.astype(np.float32).view(np.uint32))
+            got, want = tpcore.convert(h, b).view(np.uint16), h.astype(b).view(np.uint16)
+            nan = np.isnan(h.astype(np.float32))
+            np.testing.assert_array_equal(got[~nan], want[~nan])
+            assert np.isnan(got[nan].view(b).astype(np.float32)).all()
+            np.testing.assert_array_equal(got[nan] >> 15, allbits[nan] >> 15)
+
+
+def test_convert_errors():
+    x = np.ones((3, 4), np.float32)
+    with pytest.raises(TypeError, match="convert: dtype must be"):
+        tpcore.convert(x, np.int32)
+    with pytest.raises(TypeError, match="convert: x must be"):
+        tpcore.convert(np.ones(3, np.float64), np.float16)
+    with pytest.raises(ValueError, match="convert: out must be"):
+        tpcore.convert(x, np.float16, out=np.empty((4, 3), np.float16))
+    with pytest.raises(ValueError, match="overlap"):
+        tpcore.convert(x, np.float32, out=x)
+    assert tpcore.convert(np.empty((0, 5), np.float32), np.float16).shape == (0, 5)
+
+
+@pytest.mark.parametrize("wname", ["bfloat16", "float16"])
+def test_linear_with_16_bit_weights_against_float64(wname):
+    """_C.linear_forward / linear_backward with w stored in 16 bits (the *_lp entries through
+    tp_linear_forward / tp_linear_backward) against float64 NumPy on the widened weights."""
+    import ml_dtypes
+    from tpcore import _C
+    wdt = np.dtype(ml_dtypes.bfloat16) if wname == "bfloat16" else np.dtype(np.float16)
+    rng = np.random.default_rng(11)
+    for M, K, N in [(1, 1, 1), (1, 769, 131), (2, 37, 65), (3, 0, 5), (4, 250, 33), (9, 8191, 300), (33, 65, 17)]:
+        x = rng.uniform(-1, 1, (M, K)).astype(np.float32)
+        w = rng.uniform(-1, 1, (N, K)).astype(wdt)
+        b = rng.uniform(-1, 1, N).astype(np.float32)
+        wf = w.astype(np.float64)
+        mag = np.abs(x) @ np.abs(wf).T + np.abs(b)
+        y = _C.linear_forward(x, w, b)
+        ref = x.astype(np.float64) @ wf.T + b
+        assert np.all(np.abs(y - ref) <= 2 * (K + 3) * 2.0 ** -24 * mag)
+        dy = rng.uniform(-1, 1, (M, N)).astype(np.float32)
+        dw = rng.uniform(-1, 1, (N, K)).astype(np.float32)
+        dw0 = dw.astype(np.float64)
+        dx = _C.linear_backward(dy, x, w, dw)
+        rdx = dy.astype(np.float64) @ wf
+        assert np.all(np.abs(dx - rdx) <= 2 * (N + 3) * 2.0 ** -24 * (np.abs(dy) @ np.abs(wf)))
+        rdw = dw0 + dy.astype(np.float64).T @ x
+        assert np.all(np.abs(dw - rdw) <= 2 * (M + 3) * 2.0 ** -24 * (np.abs(dw0) + np.abs(dy).T @ np.abs(x)))
+    with pytest.raises(TypeError, match="w must be a 2-D float32, bfloat16 or float16"):
+        _C.linear_forward(x, w.astype(np.float64), b)

@@ -1,7 +1,9 @@
 /* The public tensor API of tpcore/kernels.h: check the views, then run the entry of
  * the kernel table of their device (one pointer call; no copies, no allocation). */
 #include <limits.h>
+#include <stdint.h>
 
+#include "tpcore/device.h"
 #include "api_impl.h"
 
 #define F32 TP_FLOAT32
@@ -25,12 +27,42 @@ static tp_status_t check_act(tp_kcall *c, tp_activation_t act) {
 
 /* ------------------------------------------------------------------ linear */
 
+/* The dtype w is stored in: float32 (the float32 entries) or bfloat16 / float16 (the *_lp
+ * entries: every other argument stays float32). */
+static tp_status_t weight_dtype(tp_kcall *c, const tp_tensor *w, tp_dtype_t *dt) {
+  *dt = F32;
+  if (!w) return TP_SUCCESS; /* tp_karg names it */
+  if (w->dtype == TP_BFLOAT16 || w->dtype == TP_FLOAT16) *dt = w->dtype;
+  else if (w->dtype != F32)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: w must be float32, bfloat16 or float16, got %s", c->op,
+                        tp_dtype_name(w->dtype));
+  return TP_SUCCESS;
+}
+
+/* The workspace of a *_lp entry, allocated on the call's device for this call (freed by
+ * lp_workspace_free; on a GPU the free waits for the device, so the kernel has finished). */
+static tp_status_t lp_workspace(tp_kcall *c, size_t nbytes, void **ws) {
+  *ws = NULL;
+  if (!nbytes) return TP_SUCCESS;
+  tp_status_t st = tp_device_alloc(c->dev, c->id, nbytes, ws);
+  if (st != TP_SUCCESS)
+    return tp_set_error(st, "%s: could not allocate the %zu-byte workspace for 16-bit weights: %s", c->op, nbytes,
+                        tp_last_error());
+  return TP_SUCCESS;
+}
+
+static void lp_workspace_free(tp_kcall *c, void *ws) {
+  if (ws) tp_device_free(c->dev, c->id, ws);
+}
+
 tp_status_t tp_linear_forward(tp_stream_t s, const tp_tensor *y, const tp_tensor *x, const tp_tensor *w,
                               const tp_tensor *b) {
   tp_kcall c = {"linear_forward", TP_DEVICE_CPU, 0, 0};
+  tp_dtype_t wdt;
   TP_CHECK(tp_karg(&c, "x", x, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
   int64_t M = x->shape[0], K = x->shape[1];
-  TP_CHECK(tp_karg(&c, "w", w, 0, F32, 2, SHAPE(TP_ANY, K)));
+  TP_CHECK(weight_dtype(&c, w, &wdt));
+  TP_CHECK(tp_karg(&c, "w", w, 0, wdt, 2, SHAPE(TP_ANY, K)));
   int64_t N = w->shape[0];
   TP_CHECK(tp_karg(&c, "b", b, 1, F32, 1, SHAPE(N)));
   TP_CHECK(tp_karg(&c, "y", y, 0, F32, 2, SHAPE(M, N)));
@@ -39,27 +71,75 @@ tp_status_t tp_linear_forward(tp_stream_t s, const tp_tensor *y, const tp_tensor
   TP_CHECK(tp_kblas_dim(&c, "N (rows of w)", N));
   const tp_kernel_ops *k;
   TP_CHECK(tp_kops(&c, s, &k));
-  return k->linear_forward(s, y->data, x->data, w->data, b ? b->data : NULL, M, K, N);
+  if (wdt == F32) return k->linear_forward(s, y->data, x->data, w->data, b ? b->data : NULL, M, K, N);
+  size_t nbytes = k->linear_lp_workspace(M, K, N, wdt, 0);
+  void *ws;
+  TP_CHECK(lp_workspace(&c, nbytes, &ws));
+  tp_status_t st = k->linear_forward_lp(s, y->data, x->data, w->data, wdt, b ? b->data : NULL, M, K, N, ws, nbytes);
+  lp_workspace_free(&c, ws);
+  return st;
 }
 
 tp_status_t tp_linear_backward(tp_stream_t s, const tp_tensor *dx, const tp_tensor *dw, const tp_tensor *db,
                                const tp_tensor *dy, const tp_tensor *x, const tp_tensor *w, int accumulate_dx) {
   tp_kcall c = {"linear_backward", TP_DEVICE_CPU, 0, 0};
+  tp_dtype_t wdt;
   TP_CHECK(tp_karg(&c, "dy", dy, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
   int64_t M = dy->shape[0], N = dy->shape[1];
-  TP_CHECK(tp_karg(&c, "w", w, 0, F32, 2, SHAPE(N, TP_ANY)));
+  TP_CHECK(weight_dtype(&c, w, &wdt));
+  TP_CHECK(tp_karg(&c, "w", w, 0, wdt, 2, SHAPE(N, TP_ANY)));
   int64_t K = w->shape[1];
   TP_CHECK(tp_karg(&c, "x", x, 0, F32, 2, SHAPE(M, K)));
   TP_CHECK(tp_karg(&c, "dx", dx, 1, F32, 2, SHAPE(M, K)));
-  TP_CHECK(tp_karg(&c, "dw", dw, 1, F32, 2, SHAPE(N, K)));
+  TP_CHECK(tp_karg(&c, "dw", dw, 1, F32, 2, SHAPE(N, K))); /* the float32 main gradient, whatever w's dtype */
   TP_CHECK(tp_karg(&c, "db", db, 1, F32, 1, SHAPE(N)));
   TP_CHECK(tp_kblas_dim(&c, "M (rows of dy)", M));
   TP_CHECK(tp_kblas_dim(&c, "K (columns of x)", K));
   TP_CHECK(tp_kblas_dim(&c, "N (columns of dy)", N));
   const tp_kernel_ops *k;
   TP_CHECK(tp_kops(&c, s, &k));
-  return k->linear_backward(s, dx ? dx->data : NULL, dw ? dw->data : NULL, db ? db->data : NULL, dy->data, x->data,
-                            w->data, M, K, N, accumulate_dx);
+  if (wdt == F32)
+    return k->linear_backward(s, dx ? dx->data : NULL, dw ? dw->data : NULL, db ? db->data : NULL, dy->data, x->data,
+                              w->data, M, K, N, accumulate_dx);
+  size_t nbytes = k->linear_lp_workspace(M, K, N, wdt, 1);
+  void *ws;
+  TP_CHECK(lp_workspace(&c, nbytes, &ws));
+  tp_status_t st = k->linear_backward_lp(s, dx ? dx->data : NULL, dw ? dw->data : NULL, db ? db->data : NULL,
+                                         dy->data, x->data, w->data, wdt, M, K, N, accumulate_dx, ws, nbytes);
+  lp_workspace_free(&c, ws);
+  return st;
+}
+
+/* --------------------------------------------------------------- conversion */
+
+static int convertible(tp_dtype_t t) { return t == F32 || t == TP_BFLOAT16 || t == TP_FLOAT16; }
+
+tp_status_t tp_convert(tp_stream_t s, const tp_tensor *y, const tp_tensor *x) {
+  tp_kcall c = {"convert", TP_DEVICE_CPU, 0, 0};
+  if (!x) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "convert: x is NULL");
+  if (x->ndim < 0 || x->ndim > TP_MAX_DIMS)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "convert: x has %d dimensions (0 to %d)", x->ndim, TP_MAX_DIMS);
+  if (!convertible(x->dtype))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "convert: x must be float32, bfloat16 or float16, got %s",
+                        tp_dtype_name(x->dtype));
+  TP_CHECK(tp_karg(&c, "x", x, 0, x->dtype, x->ndim, x->shape));
+  if (!y) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "convert: y is NULL");
+  if (!convertible(y->dtype))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "convert: y must be float32, bfloat16 or float16, got %s",
+                        tp_dtype_name(y->dtype));
+  if (y->ndim != x->ndim)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "convert: y has %d dimensions but x has %d (y must have x's shape)",
+                        y->ndim, x->ndim);
+  TP_CHECK(tp_karg(&c, "y", y, 0, y->dtype, x->ndim, x->shape));
+  int64_t n = tp_tensor_numel(x);
+  /* tp_karg bounds n by 2^40 elements: the byte spans below cannot overflow */
+  uintptr_t xa = (uintptr_t)x->data, ya = (uintptr_t)y->data;
+  uintptr_t xe = xa + (uintptr_t)n * tp_dtype_size(x->dtype), ye = ya + (uintptr_t)n * tp_dtype_size(y->dtype);
+  if (n > 0 && xa < ye && ya < xe)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "convert: y and x overlap (the conversion is not in place)");
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(&c, s, &k));
+  return k->convert(s, y->data, y->dtype, x->data, x->dtype, n);
 }
 
 /* ------------------------------------------------------------- activations */

@@ -2,8 +2,8 @@
  * kernels.c: the core's kernels exposed to Python as module functions, for tests
  * and for the pure-Python model code: linear_forward/backward (tpcore's BLAS),
  * norm_forward/backward (layernorm, rmsnorm), act_forward/backward, and the
- * optimizer steps adamw_step and sgd_step (in place).  Each checks its arrays
- * and runs the kernel with the GIL released.
+ * optimizer steps adamw_step and sgd_step (in place), and convert (float32, bfloat16,
+ * float16).  Each checks its arrays and runs the kernel with the GIL released.
  */
 #include "ext.h"
 
@@ -29,6 +29,21 @@ static int f32_matrix(PyObject *o, const char *op, const char *arg, int writable
   *r = PyArray_DIM((PyArrayObject *)o, 0);
   *c = PyArray_DIM((PyArrayObject *)o, 1);
   *p = b.data;
+  return 0;
+}
+
+/* o as a 2-D weight matrix: float32, or bfloat16 / float16 storage (the 16-bit kernels). */
+static int weight_matrix(PyObject *o, const char *op, int64_t *r, int64_t *c, tp_tensor *t) {
+  buf_t b;
+  if (get_host_buf(o, op, "w", 0, &b) < 0) return -1;
+  if ((b.dtype != TP_FLOAT32 && b.dtype != TP_BFLOAT16 && b.dtype != TP_FLOAT16) ||
+      PyArray_NDIM((PyArrayObject *)o) != 2) {
+    PyErr_Format(PyExc_TypeError, "%s: w must be a 2-D float32, bfloat16 or float16 array", op);
+    return -1;
+  }
+  *r = PyArray_DIM((PyArrayObject *)o, 0);
+  *c = PyArray_DIM((PyArrayObject *)o, 1);
+  *t = tp_tensor_2d(b.data, b.dtype, *r, *c);
   return 0;
 }
 
@@ -155,13 +170,15 @@ static PyObject *sgd_step(PyObject *mod, PyObject *args) {
 }
 
 /* linear_forward(x[M, K], w[N, K], b[N] or None, out=None) -> y[M, N] = x w^T + b (tpcore's BLAS);
- * linear_backward(dy[M, N], x[M, K], w[N, K], dw[N, K] or None, dx_out=None) -> dx (dw accumulates) */
+ * linear_backward(dy[M, N], x[M, K], w[N, K], dw[N, K] or None, dx_out=None) -> dx (dw accumulates).
+ * w may be bfloat16 or float16 (everything else float32: the 16-bit weight kernels). */
 static PyObject *linear_forward_k(PyObject *mod, PyObject *args) {
   PyObject *xo, *wo, *bo = Py_None, *out = Py_None;
   if (!PyArg_ParseTuple(args, "OO|OO:linear_forward", &xo, &wo, &bo, &out)) return NULL;
   int64_t M, K, N, K2;
-  float *x, *w, *b = NULL;
-  if (f32_matrix(xo, "linear_forward", "x", 0, &M, &K, &x) < 0 || f32_matrix(wo, "linear_forward", "w", 0, &N, &K2, &w) < 0)
+  float *x, *b = NULL;
+  tp_tensor tw;
+  if (f32_matrix(xo, "linear_forward", "x", 0, &M, &K, &x) < 0 || weight_matrix(wo, "linear_forward", &N, &K2, &tw) < 0)
     return NULL;
   if (K2 != K || M > INT_MAX || N > INT_MAX || K > INT_MAX) {
     PyErr_Format(PyExc_ValueError, "linear_forward: x is (%lld, %lld) but w is (%lld, %lld)", (long long)M,
@@ -172,7 +189,7 @@ static PyObject *linear_forward_k(PyObject *mod, PyObject *args) {
   PyObject *y = layer_output(out, "linear_forward", M, N);
   if (!y) return NULL;
   float *yp = PyArray_DATA((PyArrayObject *)y);
-  tp_tensor ty = T2(yp, M, N), tx = T2(x, M, K), tw = T2(w, N, K), tb = T1(b, N);
+  tp_tensor ty = T2(yp, M, N), tx = T2(x, M, K), tb = T1(b, N);
   tp_status_t s;
   Py_BEGIN_ALLOW_THREADS s = tp_linear_forward(NULL, &ty, &tx, &tw, b ? &tb : NULL);
   Py_END_ALLOW_THREADS
@@ -183,10 +200,11 @@ static PyObject *linear_backward_k(PyObject *mod, PyObject *args) {
   PyObject *dyo, *xo, *wo, *dwo = Py_None, *out = Py_None;
   if (!PyArg_ParseTuple(args, "OOO|OO:linear_backward", &dyo, &xo, &wo, &dwo, &out)) return NULL;
   int64_t M, N, M2, K, N2, K2;
-  float *dy, *x, *w, *dw = NULL;
+  float *dy, *x, *dw = NULL;
+  tp_tensor tw;
   if (f32_matrix(dyo, "linear_backward", "dy", 0, &M, &N, &dy) < 0 ||
       f32_matrix(xo, "linear_backward", "x", 0, &M2, &K, &x) < 0 ||
-      f32_matrix(wo, "linear_backward", "w", 0, &N2, &K2, &w) < 0)
+      weight_matrix(wo, "linear_backward", &N2, &K2, &tw) < 0)
     return NULL;
   if (M2 != M || N2 != N || K2 != K || M > INT_MAX || N > INT_MAX || K > INT_MAX) {
     PyErr_SetString(PyExc_ValueError, "linear_backward: dy (M, N), x (M, K) and w (N, K) do not agree");
@@ -196,7 +214,7 @@ static PyObject *linear_backward_k(PyObject *mod, PyObject *args) {
   PyObject *dx = layer_output(out, "linear_backward", M, K);
   if (!dx) return NULL;
   float *dxp = PyArray_DATA((PyArrayObject *)dx);
-  tp_tensor tdx = T2(dxp, M, K), tdw = T2(dw, N, K), tdy = T2(dy, M, N), tx = T2(x, M, K), tw = T2(w, N, K);
+  tp_tensor tdx = T2(dxp, M, K), tdw = T2(dw, N, K), tdy = T2(dy, M, N), tx = T2(x, M, K);
   tp_status_t s;
   Py_BEGIN_ALLOW_THREADS s = tp_linear_backward(NULL, &tdx, dw ? &tdw : NULL, NULL, &tdy, &tx, &tw, 0);
   Py_END_ALLOW_THREADS
@@ -272,7 +290,73 @@ static PyObject *norm_backward(PyObject *mod, PyObject *args) {
   return kernel_done(mod, s, "norm_backward", dx);
 }
 
+/* convert(x, dtype, out=None) -> x as dtype (float32, bfloat16 or float16; NumPy's float16 and
+ * ml_dtypes' bfloat16 casts bit for bit).  dtype: anything numpy.dtype takes, or "bfloat16"
+ * (ml_dtypes' type, imported on demand). */
+static PyObject *convert_k(PyObject *mod, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"x", "dtype", "out", NULL};
+  PyObject *xo, *dto, *out = Py_None, *bf = NULL, *y = NULL;
+  PyArray_Descr *d = NULL;
+  buf_t xb, yb;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O:convert", kwlist, &xo, &dto, &out)) return NULL;
+  if (get_host_buf(xo, "convert", "x", 0, &xb) < 0) return NULL;
+  if (xb.dtype != TP_FLOAT32 && xb.dtype != TP_BFLOAT16 && xb.dtype != TP_FLOAT16) {
+    PyErr_Format(PyExc_TypeError, "convert: x must be float32, bfloat16 or float16, got %s", tp_dtype_name(xb.dtype));
+    return NULL;
+  }
+  if (PyUnicode_Check(dto) && PyUnicode_CompareWithASCIIString(dto, "bfloat16") == 0) {
+    PyObject *m = PyImport_ImportModule("ml_dtypes");
+    if (!m) {
+      PyErr_Clear();
+      PyErr_SetString(PyExc_TypeError, "convert: bfloat16 needs the ml_dtypes package for its NumPy dtype "
+                      "(pip install ml_dtypes)");
+      return NULL;
+    }
+    bf = PyObject_GetAttrString(m, "bfloat16");
+    Py_DECREF(m);
+    if (!bf) return NULL;
+    dto = bf;
+  }
+  if (!PyArray_DescrConverter(dto, &d)) goto fail;
+  PyArrayObject *xa = (PyArrayObject *)xo;
+  if (out == Py_None) {
+    y = PyArray_NewFromDescr(&PyArray_Type, d, PyArray_NDIM(xa), PyArray_DIMS(xa), NULL, NULL, 0, NULL);
+    d = NULL; /* stolen */
+    if (!y) goto fail;
+  } else {
+    if (!PyArray_Check(out) || !PyArray_EquivTypes(PyArray_DESCR((PyArrayObject *)out), d) ||
+        !PyArray_SAMESHAPE((PyArrayObject *)out, xa)) {
+      PyErr_SetString(PyExc_ValueError, "convert: out must be a NumPy array of x's shape and the requested dtype");
+      goto fail;
+    }
+    y = out;
+    Py_INCREF(y);
+  }
+  if (get_host_buf(y, "convert", "out", 1, &yb) < 0) goto fail;
+  if (yb.dtype != TP_FLOAT32 && yb.dtype != TP_BFLOAT16 && yb.dtype != TP_FLOAT16) {
+    PyErr_Format(PyExc_TypeError, "convert: dtype must be float32, bfloat16 or float16, got %s",
+                 tp_dtype_name(yb.dtype));
+    goto fail;
+  }
+  /* both C-contiguous and of one shape: flat views (any ndim) */
+  tp_tensor ty = tp_tensor_1d(yb.data, yb.dtype, (int64_t)yb.count), tx = tp_tensor_1d(xb.data, xb.dtype,
+                                                                                           (int64_t)xb.count);
+  tp_status_t s;
+  Py_BEGIN_ALLOW_THREADS s = tp_convert(NULL, &ty, &tx);
+  Py_END_ALLOW_THREADS
+  Py_XDECREF(bf);
+  Py_XDECREF(d);
+  return kernel_done(mod, s, "convert", y);
+fail:
+  Py_XDECREF(bf);
+  Py_XDECREF(d);
+  Py_XDECREF(y);
+  return NULL;
+}
+
 PyMethodDef kernel_methods[] = {
+    {"convert", (PyCFunction)(void (*)(void))convert_k, METH_VARARGS | METH_KEYWORDS,
+     "convert(x, dtype, out=None) -> x as float32, bfloat16 or float16 (round to nearest even)"},
     {"act_forward", act_forward, METH_VARARGS, "act_forward(name, h) -> act(h)"},
     {"adamw_step", adamw_step, METH_VARARGS, "adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)"},
     {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(p, g, buf, lr, momentum, weight_decay, first)"},

@@ -57,7 +57,8 @@ void hostile_variants_opt(const char *op, const char *arg, tp_tensor good, call1
   variant v[32];
   int n = 0;
   v[n++] = (variant){"NULL data", with_data(good, NULL), "NULL", TP_ERR_INVALID_ARGUMENT, 0};
-  v[n++] = (variant){"wrong dtype", with_dtype(good, good.dtype == TP_FLOAT32 ? TP_FLOAT64 : TP_FLOAT32), NULL,
+  v[n++] = (variant){"wrong dtype", with_dtype(good, good.dtype == TP_FLOAT32 || good.dtype == TP_BFLOAT16 ||
+                                                             good.dtype == TP_FLOAT16 ? TP_FLOAT64 : TP_FLOAT32), NULL,
                           TP_ERR_INVALID_ARGUMENT, 0};
   v[n++] = (variant){"bad dtype", with_dtype(good, (tp_dtype_t)77), NULL, TP_ERR_INVALID_ARGUMENT, 0};
   v[n++] = (variant){"ndim 0", with_ndim(good, 0), NULL, TP_ERR_INVALID_ARGUMENT, 0};

@@ -30,6 +30,7 @@ static tp_status_t run_kernel(const kctx *c, const tp_tensor *const *a, tp_strea
     case 15: return tp_rope_apply(s, a[0], a[1], 1, 4, 10000.0f, 0);
     case 16: return tp_adamw_step(s, a[0], a[1], a[2], a[3], 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1);
     case 17: return tp_sgd_step(s, a[0], a[1], a[2], 0.1f, 0.9f, 0.0f, 1);
+    case 18: return tp_convert(s, a[0], a[1]);
   }
   return TP_ERR_INTERNAL;
 }
@@ -78,6 +79,43 @@ void test_kernels(void) {
     const tp_tensor *g[] = {&dx, &dw, &db, &dy, &x, &w};
     int opt[] = {1, 1, 1, 0, 0, 0};
     kernel_case("linear_backward", 1, 6, nm, g, opt, __LINE__);
+  }
+  /* 16-bit weights: the same calls with w in bfloat16 or float16 (dw stays float32) */
+  for (int d = 0; d < 2; d++) {
+    tp_tensor w16 = with_dtype(w, d ? TP_FLOAT16 : TP_BFLOAT16);
+    {
+      const char *nm[] = {"y", "x", "w", "b"};
+      const tp_tensor *g[] = {&y, &x, &w16, &b};
+      int opt[] = {0, 0, 0, 1};
+      kernel_case("linear_forward", 0, 4, nm, g, opt, __LINE__);
+    }
+    {
+      const char *nm[] = {"dx", "dw", "db", "dy", "x", "w"};
+      const tp_tensor *g[] = {&dx, &dw, &db, &dy, &x, &w16};
+      int opt[] = {1, 1, 1, 0, 0, 0};
+      kernel_case("linear_backward", 1, 6, nm, g, opt, __LINE__);
+    }
+    ARG(tp_linear_backward(NULL, &dx, P(with_dtype(dw, w16.dtype)), &db, &dy, &x, &w16, 0), "linear_backward", "dw");
+    ARG(tp_linear_forward(NULL, &y, P(with_dtype(x, w16.dtype)), &w16, &b), "linear_forward", "x");
+  }
+  ARG(tp_linear_forward(NULL, &y, &x, P(with_dtype(w, TP_INT64)), &b), "linear_forward", "w");
+  ARG(tp_linear_forward(NULL, &y, &x, P(with_dtype(w, TP_UINT8)), &b), "linear_forward", "bfloat16");
+  /* conversion: y and x of one shape, any of float32 / bfloat16 / float16 */
+  {
+    tp_tensor cy = with_dtype(T2(ya, M, K), TP_BFLOAT16), cx = T2(xa, M, K);
+    const char *nm[] = {"y", "x"};
+    const tp_tensor *g[] = {&cy, &cx};
+    int opt[] = {0, 0};
+    kernel_case("convert", 18, 2, nm, g, opt, __LINE__);
+    OK(tp_convert(NULL, P(with_dtype(T2(ya, M, K), TP_FLOAT16)), P(with_dtype(T2(xa, M, K), TP_BFLOAT16))));
+    OK(tp_convert(NULL, P(T2(ya, M, K)), P(T2(xa, M, K)))); /* a copy */
+    OK(tp_convert(NULL, P(T2(NULL, 0, K)), P(with_dtype(T2(NULL, 0, K), TP_FLOAT16))));
+    ARG(tp_convert(NULL, P(with_dtype(T2(ya, M, K), TP_INT64)), &cx), "convert", "y");
+    ARG(tp_convert(NULL, &cy, P(with_dtype(T2(xa, M, K), TP_FLOAT64))), "convert", "x");
+    ARG(tp_convert(NULL, P(with_dtype(T2(ya, M, K + 1), TP_BFLOAT16)), &cx), "convert", "y");
+    ARG(tp_convert(NULL, P(with_dtype(T1(ya, M * K), TP_BFLOAT16)), &cx), "convert", "dimensions");
+    ARG(tp_convert(NULL, P(with_dtype(T2(xa + 1, M, K), TP_BFLOAT16)), &cx), "convert", "overlap");
+    ARG(tp_convert(NULL, P(with_dtype(T2(xa, M, K), TP_FLOAT16)), &cx), "convert", "overlap");
   }
   tp_tensor H = T2(h, M, N), O = T2(out, M, N), DH = T2(dh, M, N), DO = T2(dout, M, N), HB = T1(ba, N);
   {

@@ -51,7 +51,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "partition", "optim",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
-           "DeviceArray", "asarray", "from_dlpack", "__version__"]
+           "DeviceArray", "asarray", "from_dlpack", "convert", "__version__"]
 
 _BACKENDS = ("auto", "shm", "nccl")
 
@@ -65,6 +65,15 @@ def build_info() -> dict:
     from . import _cuda
     cuda = _cuda.info()  # first: loading the plugin may add "cuda" to the devices
     return {**_C.build_info(), "cuda": cuda}
+
+
+def convert(x, dtype, out=None):
+    """x (a NumPy float32, bfloat16 or float16 array) as dtype ("float32", "bfloat16" or
+    "float16", or their NumPy dtypes; bfloat16 is ml_dtypes' type): rounds to nearest even,
+    overflows to infinity, keeps subnormals, NaN stays a quiet NaN of its sign; bit for bit
+    NumPy's float16 and ml_dtypes' bfloat16 casts (astype), threaded for large arrays.  out:
+    an array of x's shape and that dtype to write into."""
+    return _C.convert(x, dtype, out)
 
 
 def cuda_available() -> bool:

@@ -76,14 +76,27 @@ typedef struct {
 } tp_attention_args;
 
 /* ------------------------------------------------------------------ linear */
-/* y[M,N] = x[M,K] w[N,K]^T (+ b[N] if b), overwriting y.  M, K, N <= INT_MAX. */
+/* y[M,N] = x[M,K] w[N,K]^T (+ b[N] if b), overwriting y.  M, K, N <= INT_MAX.
+ * w may be stored as bfloat16 or float16 (x, y, b stay float32; products are accumulated in
+ * float32: the CPU widens w exactly, a GPU may round x to w's dtype for its tensor cores);
+ * such a call allocates its scratch on the device for the call and frees it. */
 TP_API tp_status_t tp_linear_forward(tp_stream_t stream, const tp_tensor *y, const tp_tensor *x, const tp_tensor *w,
                                      const tp_tensor *b);
 /* dx[M,K] = dy[M,N] w[N,K] (added to dx if accumulate_dx; skipped if dx is NULL);
- * dw[N,K] += dy^T x (if dw); db[N] += sum over rows of dy (if db). */
+ * dw[N,K] += dy^T x (if dw); db[N] += sum over rows of dy (if db).  w may be bfloat16 or
+ * float16 as for tp_linear_forward; dx, dw (the float32 main gradient), db, dy, x stay
+ * float32. */
 TP_API tp_status_t tp_linear_backward(tp_stream_t stream, const tp_tensor *dx, const tp_tensor *dw,
                                       const tp_tensor *db, const tp_tensor *dy, const tp_tensor *x,
                                       const tp_tensor *w, int accumulate_dx);
+
+/* ---------------------------------------------------------------- conversion */
+/* y = x converted, element by element: x and y contiguous, of one shape, on one device,
+ * each float32, bfloat16 or float16 (the same dtype: a copy), not overlapping.  To a 16-bit
+ * type it rounds to nearest even, overflows to infinity, keeps subnormals and turns NaN into
+ * a quiet NaN of its sign (NumPy's float16 and ml_dtypes' bfloat16 casts bit for bit; float16
+ * keeps the NaN's top payload bits, bfloat16 gives 0x7fc0 / 0xffc0); widening is exact. */
+TP_API tp_status_t tp_convert(tp_stream_t stream, const tp_tensor *y, const tp_tensor *x);
 
 /* ------------------------------------------------------------- activations */
 /* out[M,F] = act(h); h is [M,F], or [M,2F] for SwiGLU. */

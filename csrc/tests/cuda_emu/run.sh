@@ -22,7 +22,7 @@ FL="-std=c++20 -O1 -g $SAN -I$OUT -I$ROOT/csrc/include -I$ROOT/csrc -I$ROOT/csrc
 for f in "$OUT/attention.emu.cc" "$OUT/attention_bwd.emu.cc" "$E/driver.cc" "$E/emu_runtime.cc"; do
   g++ $FL -c "$f" -o "$OUT/$(basename "$f" .cc).o"
 done
-for f in test_kernels test_kernels_api test_kernels_attn test_kernels_nn; do
+for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn; do
   gcc -std=c11 -O1 -g $SAN -D_GNU_SOURCE -I"$ROOT/csrc/include" -Dtp_kernels_of=emu_kernels_of \
     -c "$ROOT/csrc/tests/$f.c" -o "$OUT/$f.o"
 done
