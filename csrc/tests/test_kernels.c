@@ -636,6 +636,9 @@ static const parity_case cases[] = {
     {"xent_targets_hash", case_xent_targets_hash}, {"check_range", case_check_range}, {"add", case_add},
     {"sub", case_sub}, {"scale", case_scale}, {"fill", case_fill}, {"init_uniform", case_init_uniform},
     {"init_normal", case_init_normal}, {"adamw_step", case_adamw_step}, {"sgd_step", case_sgd_step},
+    {"convert", case_convert}, {"linear_lp_workspace", case_linear_lp_workspace},
+    {"linear_forward_lp", case_linear_forward_lp}, {"linear_backward_lp", case_linear_backward_lp},
+    {"embedding_forward_lp", case_embedding_forward_lp},
 };
 
 void run_api_tests(int *passed, int *failed); /* test_kernels_api.c */

@@ -73,4 +73,11 @@ void case_attention_workspace(void);
 void case_attention_forward(void);
 void case_attention_backward(void);
 
+/* The low-precision weight entries' cases (test_kernels_lowp.c). */
+void case_convert(void);
+void case_linear_lp_workspace(void);
+void case_linear_forward_lp(void);
+void case_linear_backward_lp(void);
+void case_embedding_forward_lp(void);
+
 #endif
