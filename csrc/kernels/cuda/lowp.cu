@@ -273,13 +273,15 @@ extern "C" tp_status_t tp_cuda_linear_forward_lp(tp_stream_t s, float *y, const 
   static const char op[] = "linear_forward_lp";
   if (!lp_dtype(wdt)) return bad_wdt(op, wdt);
   if (M == 0 || N == 0) return TP_SUCCESS;
+  if (K > 0) { /* every refusal before the first launch: y is untouched on error */
+    size_t need = lp_bytes(M, K);
+    if (!workspace || workspace_bytes < need) return too_small(op, need, workspace_bytes);
+    TP_CHECK(int_range(op, "K", K));
+    TP_CHECK(int_range(op, "N", N));
+  }
   /* y = b (beta = 1 below adds the product to it) or, for K = 0, the whole answer */
   TP_CHECK(rows(s, "linear_forward_lp (bias rows)", y, b, M, N));
   if (K == 0) return TP_SUCCESS;
-  size_t need = lp_bytes(M, K);
-  if (!workspace || workspace_bytes < need) return too_small(op, need, workspace_bytes);
-  TP_CHECK(int_range(op, "K", K));
-  TP_CHECK(int_range(op, "N", N));
   TP_CHECK(round_to(s, "linear_forward_lp (round x)", workspace, wdt, x, M * K));
   const tp_cublas_api *api;
   cublasHandle_t h;
@@ -305,7 +307,7 @@ extern "C" tp_status_t tp_cuda_linear_backward_lp(tp_stream_t s, float *dx, floa
   if (!lp_dtype(wdt)) return bad_wdt(op, wdt);
   int do_dx = dx && M && K && N, do_dw = dw && M && K && N;
   if (dx && M && K && !N && !accumulate_dx) TP_CHECK(rows(s, "linear_backward_lp (dx = 0)", dx, NULL, M, K));
-  if (do_dx || do_dw) {
+  if (do_dx || do_dw) { /* refusals before the first launch (the N = 0 one above needs no workspace) */
     size_t dyb = lp_bytes(M, N), off = x_offset(dyb), need = dyb;
     if (do_dw && (off == SIZE_MAX || !tp_add_size(off, lp_bytes(M, K), &need))) need = SIZE_MAX;
     if (!workspace || workspace_bytes < need) return too_small(op, need, workspace_bytes);
