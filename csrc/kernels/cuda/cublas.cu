@@ -63,7 +63,8 @@ static tp_status_t open_cublas(void) {
               {(void **)&a.GetProperty, "cublasGetProperty", 1},
               {(void **)&a.GetStatusString, "cublasGetStatusString", 0},
               {(void **)&a.Sgemm, "cublasSgemm_v2", 1},
-              {(void **)&a.Sgemv, "cublasSgemv_v2", 1}};
+              {(void **)&a.Sgemv, "cublasSgemv_v2", 1},
+              {(void **)&a.GemmEx, "cublasGemmEx", 1}};
   for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
     *syms[i].slot = dlsym(lib, syms[i].name);
     if (!*syms[i].slot && syms[i].required) {

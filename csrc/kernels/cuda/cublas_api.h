@@ -24,6 +24,14 @@ typedef int cublasOperation_t; /* CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 */
 #define TP_CUDA_LIB_MAJOR_VERSION 0
 #define TP_CUDA_LIB_MINOR_VERSION 1
 #define TP_CUDA_LIB_PATCH_LEVEL 2
+/* cudaDataType_t (library_types.h), cublasComputeType_t and cublasGemmAlgo_t (cublas_api.h),
+ * for cublasGemmEx: the 16-bit operands of the low-precision linear entries (lowp.cu) with
+ * float32 output and float32 compute (products and sums in float32 on the tensor cores). */
+#define TP_CUDA_R_32F 0
+#define TP_CUDA_R_16F 2
+#define TP_CUDA_R_16BF 14
+#define TP_CUBLAS_COMPUTE_32F 68
+#define TP_CUBLAS_GEMM_DEFAULT (-1)
 
 /* The oldest cuBLAS this build accepts (the sonames searched are .13, .12, .so). */
 #define TP_CUBLAS_MIN_MAJOR 12
@@ -40,6 +48,11 @@ typedef struct tp_cublas_api {
   cublasStatus_t (*Sgemv)(cublasHandle_t handle, cublasOperation_t trans, int m, int n, const float *alpha,
                           const float *A, int lda, const float *x, int incx, const float *beta, float *y,
                           int incy); /* cublasSgemv_v2 */
+  /* cublasGemmEx (column-major; Atype, Btype, Ctype: cudaDataType_t; computeType:
+   * cublasComputeType_t; algo: cublasGemmAlgo_t, all C ints) */
+  cublasStatus_t (*GemmEx)(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
+                           int k, const void *alpha, const void *A, int Atype, int lda, const void *B, int Btype,
+                           int ldb, const void *beta, void *C, int Ctype, int ldc, int computeType, int algo);
 } tp_cublas_api;
 
 /* The cuBLAS functions and this thread's handle for the current device, bound to

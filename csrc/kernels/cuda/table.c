@@ -13,6 +13,8 @@
  *   checks.cu       check_range
  *   elementwise.cu  add sub scale fill init_uniform init_normal
  *   optim.cu        adamw_step sgd_step
+ *   lowp.cu         convert linear_lp_workspace linear_forward_lp linear_backward_lp
+ *                   embedding_forward_lp (bfloat16 / float16 weights)
  * The plugin hands this table to the host (tp_cuda_plugin.kernels), which registers it
  * (csrc/kernels/registry.c). */
 #include "cuda_impl.h"
@@ -23,5 +25,6 @@ const tp_kernel_ops tp_cuda_kernel_ops = {
     .device = TP_DEVICE_CUDA,
     .name = "cuda",
     .attention_keeps_lse = 1, /* the fused kernels recompute P from lse: training never keeps T x T */
+    .lp_rounds_activations = 1, /* x, dy rounded to the weight dtype for one tensor-core GEMM (lowp.cu) */
     TP_KERNEL_ENTRIES(TP_CUDA_ENTRY_)
 };

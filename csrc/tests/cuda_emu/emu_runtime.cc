@@ -24,13 +24,13 @@ void emu_wait(int kind) {
   swapcontext(&fibers[cur].ctx, &sched);
 }
 void emu_launch(dim3 g, dim3 b, size_t smem, std::function<void()> f) {
-  if (b.x % 32 || b.x > 1024 || b.y != 1) { emu_err = 1; return; }
+  if (b.x * b.y * b.z % 32 || b.x * b.y * b.z > 1024 || b.z > 64) { emu_err = 1; return; }
   if (smem > 48 * 1024 && smem > emu_smem_limit) { fprintf(stderr, "emu: smem %zu over the limit\n", smem); emu_err = 1; return; }
   if (smem > 227 * 1024) { fprintf(stderr, "emu: smem %zu over 227 KB\n", smem); emu_err = 1; return; }
   gridDim = g, blockDim = b;
   std::vector<float> buf(smem / 4 + 1);
   body = &f;
-  int n = (int)b.x, nw = n / 32;
+  int n = (int)(b.x * b.y * b.z), nw = n / 32;
   fibers.resize(n);
   for (auto &fb : fibers) fb.stack.resize(256 * 1024);
   for (unsigned z = 0; z < g.z; z++) for (unsigned y = 0; y < g.y; y++) for (unsigned x = 0; x < g.x; x++) {
@@ -51,7 +51,7 @@ void emu_launch(dim3 g, dim3 b, size_t smem, std::function<void()> f) {
       for (int t0 = 0; t0 < n; t0++) {
         int t = rev ? n - 1 - t0 : t0;
         if (fibers[t].state == RUN) {
-          cur = t, threadIdx = {(unsigned)t, 0, 0};
+          cur = t, threadIdx = {t % b.x, t / b.x % b.y, t / (b.x * b.y)};
           swapcontext(&sched, &fibers[t].ctx);
           any = true;
         }

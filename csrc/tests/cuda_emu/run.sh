@@ -1,11 +1,14 @@
 #!/bin/bash
-# Runs the CUDA attention entries (csrc/kernels/cuda/attention*.cu) through the kernel parity
-# harness on the host, without a GPU: transform.py rewrites the .cu files for cuda_emu.h (one
-# ucontext fiber per CUDA thread, cooperative __syncthreads and warp shuffles, shared memory
-# filled with NaN at each block, one block at a time), driver.cc puts the emulated entries in
-# a copy of the CPU table named "cudaemu".  It checks the index math, masks, tiling, the
-# online softmax, split-K and the backward's reductions; not timing, races the fiber order
-# hides (run with EMU_REVERSE=1 too), or anything of the real hardware.
+# Runs the CUDA attention entries (csrc/kernels/cuda/attention*.cu) and the low-precision
+# ones (lowp.cu) through the kernel parity harness on the host, without a GPU: transform.py
+# rewrites the .cu files and the headers they include for cuda_emu.h (one ucontext fiber per
+# CUDA thread, cooperative __syncthreads and warp shuffles, shared memory filled with NaN at
+# each block, one block at a time), cublas_emu.cc stands in for cuBLAS (a host GemmEx that
+# checks its arguments as cuBLAS does), driver.cc puts the emulated entries in a copy of the
+# CPU table named "cudaemu".  It checks the index math, masks, tiling, the online softmax,
+# split-K, the backward's reductions, the 16-bit conversions' bits and the GEMM arguments
+# (transposes, leading dimensions, workspace layout); not timing, races the fiber order
+# hides (run with EMU_REVERSE=1 too), cuBLAS itself, or anything of the real hardware.
 # Usage: csrc/tests/cuda_emu/run.sh [entry...]   (after `make`; SANITIZE=1 adds ASan/UBSan)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -16,10 +19,15 @@ SAN=""
 [ "${SANITIZE:-0}" = 1 ] && SAN="-fsanitize=address,undefined"
 BLAS=$(make -s -C "$ROOT" -f Makefile --eval 'print-libs: ; @echo $(LIBS)' print-libs 2>/dev/null || echo "-lopenblas -lpthread -lrt -lm")
 cp "$E/cuda_emu.h" "$OUT/"
-for f in attention attention_bwd; do python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/$f.cu" "$OUT/$f.emu.cc"; done
-python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/attention_common.cuh" "$OUT/attention_common.emu.h"
+CU=(attention attention_bwd lowp)
+for f in "${CU[@]}"; do python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/$f.cu" "$OUT/$f.emu.cc"; done
+for f in attention_common common colsum; do
+  python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/$f.cuh" "$OUT/$f.emu.h"
+done
+python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/cublas_api.h" "$OUT/cublas_api.emu.h"
 FL="-std=c++20 -O1 -g $SAN -I$OUT -I$ROOT/csrc/include -I$ROOT/csrc -I$ROOT/csrc/kernels/cuda -w"
-for f in "$OUT/attention.emu.cc" "$OUT/attention_bwd.emu.cc" "$E/driver.cc" "$E/emu_runtime.cc"; do
+for f in "${CU[@]/%/.emu.cc}"; do g++ $FL -c "$OUT/$f" -o "$OUT/${f%.cc}.o"; done
+for f in "$E/driver.cc" "$E/emu_runtime.cc" "$E/cublas_emu.cc"; do
   g++ $FL -c "$f" -o "$OUT/$(basename "$f" .cc).o"
 done
 for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn; do
@@ -28,7 +36,8 @@ for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_
 done
 g++ $SAN -o "$OUT/emu_test" "$OUT"/*.o "$ROOT/build/libtpcore.a" $BLAS
 entries=("$@")
-[ ${#entries[@]} -eq 0 ] && entries=(positions kv_cache_write attention_workspace attention_forward attention_backward)
+[ ${#entries[@]} -eq 0 ] && entries=(positions kv_cache_write attention_workspace attention_forward attention_backward
+  convert linear_lp_workspace linear_forward_lp linear_backward_lp embedding_forward_lp)
 fail=0
 for e in "${entries[@]}"; do
   for rev in "" 1; do
