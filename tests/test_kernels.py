@@ -59,8 +59,9 @@ def test_entries_list_matches_the_table_struct():
     assert fields == listed
 
 
-def test_cuda_attention_entries_under_the_host_emulator():
-    """The CUDA attention entries (csrc/kernels/cuda/attention*.cu) through the same parity
+def test_cuda_entries_under_the_host_emulator():
+    """The CUDA attention and low-precision entries (csrc/kernels/cuda/attention*.cu, lowp.cu,
+    with a host stand-in for cublasGemmEx that checks its arguments) through the same parity
     cases on the host: csrc/tests/cuda_emu runs each CUDA thread as a fiber with cooperative
     barriers and shuffles, shared memory poisoned with NaN, fibers in both orders.  Checks the
     kernels' index math, masks, tiles, online softmax, split-K and backward sums where no GPU
@@ -73,7 +74,8 @@ def test_cuda_attention_entries_under_the_host_emulator():
     r = subprocess.run([str(ROOT / "csrc/tests/cuda_emu/run.sh")], cwd=ROOT, capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
-    for e in ("positions", "kv_cache_write", "attention_workspace", "attention_forward", "attention_backward"):
+    for e in ("positions", "kv_cache_write", "attention_workspace", "attention_forward", "attention_backward",
+              "convert", "linear_lp_workspace", "linear_forward_lp", "linear_backward_lp", "embedding_forward_lp"):
         assert len(re.findall(rf"^(\(reverse order\) )?cudaemu {e}: ok ", r.stdout, re.M)) == 2, r.stdout
 
 

@@ -140,9 +140,6 @@ TP_API tp_status_t tp_xent_backward(tp_stream_t stream, const tp_tensor *dlogits
 TP_API tp_status_t tp_add(tp_stream_t stream, const tp_tensor *y, const tp_tensor *a, const tp_tensor *b);
 /* y = value everywhere (float32 contiguous). */
 TP_API tp_status_t tp_fill(tp_stream_t stream, const tp_tensor *y, float value);
-/* y = x converted between float32, bfloat16 and float16 (round to nearest even), equal
- * element counts, both contiguous on one device. */
-TP_API tp_status_t tp_convert(tp_stream_t stream, const tp_tensor *y, const tp_tensor *x);
 
 /* ------------------------------------------------------------------- norms */
 /* Over the last dimension C of x[M,C] (cpu/norm.c has the formulas).  Forward keeps the
