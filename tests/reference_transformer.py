@@ -82,3 +82,25 @@ def block(cfg, p, x, pos=None, key_mask=None):
         return h1 + mlp(cfg, p, norm(cfg, h1, p["norm2.weight"], n2b))
     h1 = norm(cfg, x + attention(cfg, p, x, pos, key_mask), p["norm1.weight"], n1b)
     return norm(cfg, h1 + mlp(cfg, p, h1), p["norm2.weight"], n2b)
+
+
+def directional_errors(loss, x64, P64, dx, grads, keys, g, eps=1e-6, rtol=1e-4):
+    """Gradient checks by directional derivatives: for a random direction V of x and of each
+    parameter in keys, the analytic <grad, V> against the central difference of loss(x, P)
+    (float64).  The list of mismatches as sentences (empty: all agree)."""
+    errs = []
+    V = g.standard_normal(x64.shape)
+    fd = (loss(x64 + eps * V, P64) - loss(x64 - eps * V, P64)) / (2 * eps)
+    an = float((np.asarray(dx, np.float64) * V).sum())
+    if abs(fd - an) > rtol * (1 + abs(fd)):
+        errs.append(f"dx: directional {an:.6g} vs finite difference {fd:.6g}")
+    for k in keys:
+        Vk = g.standard_normal(P64[k].shape)
+        pp, pm = dict(P64), dict(P64)
+        pp[k] = P64[k] + eps * Vk
+        pm[k] = P64[k] - eps * Vk
+        fd = (loss(x64, pp) - loss(x64, pm)) / (2 * eps)
+        an = float((np.asarray(grads[k], np.float64) * Vk).sum())
+        if abs(fd - an) > rtol * (1 + abs(fd)):
+            errs.append(f"d{k}: directional {an:.6g} vs finite difference {fd:.6g}")
+    return errs

@@ -184,22 +184,7 @@ def _block_case(comm, name, dt):
 
     def loss(xx, pp):
         return float((ref.block(cfg, pp, xx) * R).sum())
-    eps = 1e-6
-    x64 = x.astype(np.float64)
-    V = g.standard_normal(x.shape)
-    fd = (loss(x64 + eps * V, P64) - loss(x64 - eps * V, P64)) / (2 * eps)
-    an = float((dx.astype(np.float64) * V).sum())
-    if abs(fd - an) > 1e-4 * (1 + abs(fd)):
-        errs.append(f"dx: directional {an:.6g} vs finite difference {fd:.6g}")
-    for k in sorted(lowp):
-        Vk = g.standard_normal(P[k].shape)
-        pp, pm = dict(P64), dict(P64)
-        pp[k] = P64[k] + eps * Vk
-        pm[k] = P64[k] - eps * Vk
-        fd = (loss(x64, pp) - loss(x64, pm)) / (2 * eps)
-        an = float((grads[k].astype(np.float64) * Vk).sum())
-        if abs(fd - an) > 1e-4 * (1 + abs(fd)):
-            errs.append(f"d{k}: directional {an:.6g} vs finite difference {fd:.6g}")
+    errs += ref.directional_errors(loss, x.astype(np.float64), P64, dx, grads, sorted(lowp), g)
     return errs
 
 

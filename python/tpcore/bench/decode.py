@@ -3,6 +3,7 @@
     python -m tpcore.bench decode                           # GPT-2-small-sized (124M), random weights
     python -m tpcore.bench decode --quick                   # a tiny model (CI smoke test)
     python -m tpcore.bench decode --checkpoint DIR --worlds 1,2 --batch 4 --prompt 128 --new 32
+    python -m tpcore.bench decode --dtypes float32,bfloat16  # 16-bit weights against float32, one run
     python benchmarks/decode.py --json out.json --plot out.png
 
 Every world size runs the same model (the same seed, or --checkpoint) on the
@@ -17,7 +18,11 @@ rank where ranks differ):
   comm%           time in tpcore collectives during the decode steps / their time
   KB/tok          bytes through collectives per generated token (per rank)
   params MB       this rank's parameter bytes; RSS MB its peak resident memory
-  same            the greedy tokens equal those of the first world size
+  same            the greedy tokens equal those of the first world size (of that dtype)
+
+--dtypes runs every world size for each weight dtype (float32, bfloat16, float16: the
+TransformerLM dtype=, float32 activations), interleaved per world size, and prints the
+16-bit rows' decode speed against float32's.
 
 Peer (optional, --peers auto|none): the same weights in a PyTorch module
 written here (the same architecture: GPT-2 or Llama style, KV cache,
@@ -55,23 +60,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--dtypes", default="float32", help="weight dtypes, a comma list of float32, bfloat16, float16 "
+                                                       "(default float32)")
 
 
 def _rss_peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _model(comm, args):
+def _model(comm, args, dtype="float32"):
     import tpcore
     if args.checkpoint:
-        return tpcore.models.from_pretrained(args.checkpoint, comm, progress=comm.rank == 0)
+        return tpcore.models.from_pretrained(args.checkpoint, comm, progress=comm.rank == 0, dtype=dtype)
     cfg = tpcore.Config(**(TINY if args.quick else GPT2_SMALL))
-    return tpcore.models.TransformerLM(cfg, comm, seed=0)
+    return tpcore.models.TransformerLM(cfg, comm, seed=0, dtype=dtype)
 
 
-def _rank(comm, args, prompts):
+def _rank(comm, args, prompts, dtype="float32"):
     """Run on every rank by tpcore.spawn."""
-    model = _model(comm, args)
+    model = _model(comm, args, dtype)
     B, T, new = prompts.shape[0], prompts.shape[1], args.new
     # warm-up (allocations, first-touch) on a short run, then the timed one
     model.generate(prompts[:, :min(T, 4)], max_new_tokens=2)
@@ -211,17 +218,26 @@ def run(args) -> int:
     print(f"# OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} OPENBLAS_L2_SIZE={env['OPENBLAS_L2_SIZE']}")
     model_name = args.checkpoint or ("tiny GPT-2-style (random)" if args.quick else "GPT-2-small-sized, 124M (random)")
     print(f"# model: {model_name}; batch {args.batch}, prompt {args.prompt}, new {args.new} (greedy)")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    if bad or not dtypes:
+        raise SystemExit(f"--dtypes: expected a comma list of float32, bfloat16, float16, got {args.dtypes!r}")
     rows = []
-    for n in args.worlds:
-        res = tpcore.spawn(_rank, n, args=(args, prompts), deadline=args.timeout)
-        rows.append(res)
-    ref_tokens = rows[0][0]["tokens"]
-    hdr = (f"{'ranks':>5} {'thr':>3} {'prefill tok/s':>13} {'TTFT ms':>8} {'decode tok/s':>12} {'p50 ms':>7} "
-           f"{'p99 ms':>7} {'comm%':>6} {'KB/tok':>7} {'params MB':>9} {'RSS MB':>7} {'same':>4}")
+    for n in args.worlds:  # the dtypes interleaved per world size: the machine's drift hits both alike
+        for dt in dtypes:
+            res = tpcore.spawn(_rank, n, args=(args, prompts, dt), deadline=args.timeout)
+            rows.append((dt, res))
+    rows.sort(key=lambda r: dtypes.index(r[0]))  # stable: world order kept within a dtype
+    first = {}
+    for dt, res in rows:
+        first.setdefault(dt, res[0]["tokens"])
+    ref_tokens = rows[0][1][0]["tokens"]
+    hdr = (f"{'ranks':>5} {'dtype':>8} {'thr':>3} {'prefill tok/s':>13} {'TTFT ms':>8} {'decode tok/s':>12} "
+           f"{'p50 ms':>7} {'p99 ms':>7} {'comm%':>6} {'KB/tok':>7} {'params MB':>9} {'RSS MB':>7} {'same':>4}")
     print(hdr)
     summary = []
     B, T, new = args.batch, args.prompt, args.new
-    for res in rows:
+    for dt, res in rows:
         n = res[0]["n"]
         pre = max(r["prefill_s"] for r in res)
         ttft = max(r["ttft_s"] for r in res)
@@ -229,14 +245,14 @@ def run(args) -> int:
         steps = np.max(np.array([r["steps_s"] for r in res]), axis=0).tolist()
         comm_share = max(r["comm_decode_s"] / r["decode_s"] if r["decode_s"] else 0 for r in res)
         kb_tok = max(r["bytes_decode"] for r in res) / (B * (new - 1)) / 1024
-        same = all(r["tokens"] == ref_tokens for r in res)
-        row = {"n": n, "threads": res[0]["threads"], "prefill_tok_s": B * T / pre, "ttft_ms": ttft * 1e3,
+        same = all(r["tokens"] == first[dt] for r in res)
+        row = {"n": n, "dtype": dt, "threads": res[0]["threads"], "prefill_tok_s": B * T / pre, "ttft_ms": ttft * 1e3,
                "decode_tok_s": B * (new - 1) / dec, "p50_ms": _pct(steps, 50), "p99_ms": _pct(steps, 99),
                "comm_share": comm_share, "kb_per_token": kb_tok,
                "param_mb": max(r["param_bytes"] for r in res) / 1e6, "rss_mb": max(r["rss_peak_mb"] for r in res),
                "same_tokens": same, "ranks": [{k: v for k, v in r.items() if k not in ("tokens", "config")} for r in res]}
         summary.append(row)
-        print(f"{n:>5} {row['threads']:>3} {row['prefill_tok_s']:>13.1f} {row['ttft_ms']:>8.1f} "
+        print(f"{n:>5} {dt:>8} {row['threads']:>3} {row['prefill_tok_s']:>13.1f} {row['ttft_ms']:>8.1f} "
               f"{row['decode_tok_s']:>12.2f} {row['p50_ms']:>7.1f} {row['p99_ms']:>7.1f} {100 * comm_share:>5.1f}% "
               f"{kb_tok:>7.1f} {row['param_mb']:>9.1f} {row['rss_mb']:>7.0f} {'yes' if same else 'NO':>4}")
     peer = None
@@ -247,33 +263,43 @@ def run(args) -> int:
             print("# torch peer: skipped (torch is not installed)")
         if have_torch:
             def full(comm):
-                m = _model(comm, args)
+                m = _model(comm, args, dtypes[0])
                 return m.state_dict_full(), {k: v for k, v in vars(m.config).items()}
             sd, cfgd = tpcore.spawn(full, 1, deadline=args.timeout)[0]
             if cfgd["causal"] and cfgd["pre_norm"]:
                 peer = _torch_peer(cfgd, sd, prompts, new, cores)
                 same = peer["tokens"] == ref_tokens
-                print(f"{'torch':>5} {peer['threads']:>3} {'':>13} {peer['ttft_s'] * 1e3:>8.1f} "
+                print(f"{'torch':>5} {'float32':>8} {peer['threads']:>3} {'':>13} {peer['ttft_s'] * 1e3:>8.1f} "
                       f"{B * (new - 1) / peer['decode_s']:>12.2f} {_pct(peer['steps_s'], 50):>7.1f} "
                       f"{_pct(peer['steps_s'], 99):>7.1f} {'':>6} {'':>7} {'':>9} {'':>7} {'yes' if same else 'NO':>4}")
                 peer["same_tokens"] = same
                 peer["decode_tok_s"] = B * (new - 1) / peer["decode_s"]
                 del peer["tokens"]
-    base = summary[0]
     print("#")
+    for row in summary:
+        if row["dtype"] != dtypes[0]:
+            same_n = [r for r in summary if r["dtype"] == dtypes[0] and r["n"] == row["n"]][0]
+            print(f"# {row['dtype']} vs {dtypes[0]} weights at {row['n']} ranks: decode "
+                  f"{row['decode_tok_s'] / same_n['decode_tok_s']:.2f}x, TTFT {same_n['ttft_ms'] / row['ttft_ms']:.2f}x, "
+                  f"params {row['param_mb'] / same_n['param_mb']:.2f}x")
+    base = summary[0]
     for row in summary[1:]:
+        if row["dtype"] != base["dtype"]:
+            continue
         print(f"# {row['n']} ranks vs {base['n']}: decode {row['decode_tok_s'] / base['decode_tok_s']:.2f}x, "
               f"prefill {row['prefill_tok_s'] / base['prefill_tok_s']:.2f}x, params per rank "
               f"{row['param_mb'] / base['param_mb']:.2f}x")
     if peer:
         for row in summary:
+            if row["dtype"] != dtypes[0]:
+                continue
             print(f"# {row['n']} ranks vs torch (1 process, {peer['threads']} threads): decode "
                   f"{row['decode_tok_s'] / peer['decode_tok_s']:.2f}x, TTFT {peer['ttft_s'] * 1e3 / row['ttft_ms']:.2f}x")
     ok = all(r["same_tokens"] for r in summary) and (peer is None or peer["same_tokens"])
     print(f"# greedy tokens identical at every world size{' and in torch' if peer else ''}: {'yes' if ok else 'NO'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"env": env, "model": model_name, "batch": B, "prompt": T, "new": new, "rows": summary,
+            json.dump({"env": env, "model": model_name, "dtypes": dtypes, "batch": B, "prompt": T, "new": new, "rows": summary,
                        "torch": peer}, f, indent=1)
         print(f"# wrote {args.json}")
     if args.plot:
@@ -290,15 +316,16 @@ def _plot(path, summary, peer, title):
         print("# --plot needs matplotlib (pip install 'tpcore[bench]')")
         return
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    ns = [r["n"] for r in summary]
-    ax[0].bar([str(n) for n in ns], [r["decode_tok_s"] for r in summary], label="tpcore")
+    one = len({r.get("dtype") for r in summary}) == 1
+    ns = [str(r["n"]) if one else f"{r['n']} {r['dtype']}" for r in summary]  # bar labels
+    ax[0].bar(ns, [r["decode_tok_s"] for r in summary], label="tpcore")
     if peer:
         ax[0].axhline(peer["decode_tok_s"], color="k", ls="--", label="torch (1 process)")
     ax[0].set_xlabel("ranks")
     ax[0].set_ylabel("decode tokens/s")
     ax[0].legend()
-    ax[1].bar([str(n) for n in ns], [r["p50_ms"] for r in summary], label="p50")
-    ax[1].plot([str(n) for n in ns], [r["p99_ms"] for r in summary], "ro", label="p99")
+    ax[1].bar(ns, [r["p50_ms"] for r in summary], label="p50")
+    ax[1].plot(ns, [r["p99_ms"] for r in summary], "ro", label="p99")
     ax[1].set_xlabel("ranks")
     ax[1].set_ylabel("ms per decode step")
     ax[1].legend()
