@@ -87,9 +87,12 @@ def _half_layers(comm, dtype):
     emb.zero_grad()
     emb.backward(np.ones((3, 9), dt))
     errs = []
+    half = tpcore.RowParallelLinear(9, 12, comm, dtype=dtype)  # 16-bit weights (test_lowp_layers.py)
+    if half.weight.dtype != dt or half.grad_weight.dtype != np.float32:
+        errs.append(f"dtype={dtype}: weight {half.weight.dtype}, grad {half.grad_weight.dtype}")
     try:
-        tpcore.RowParallelLinear(9, 12, comm, dtype=dtype)
-        errs.append("dtype=half parameters accepted silently")
+        tpcore.RowParallelLinear(9, 12, comm, dtype="float64")
+        errs.append("dtype=float64 parameters accepted")
     except ValueError as e:
         if "float32" not in str(e):
             errs.append(str(e))
