@@ -81,7 +81,9 @@ static tp_status_t make_params(tp_block_t k) {
   }
   TP_CHECK(lk_fill(&k->lk, k->n1w, 1.0f, C, NULL));
   TP_CHECK(lk_fill(&k->lk, k->n2w, 1.0f, C, NULL));
-  return tp_device_sync(k->dev, k->dev_id, NULL);
+  TP_CHECK(tp_device_sync(k->dev, k->dev_id, NULL));
+  tp_arena_release(&k->lpws); /* the init scratch of a 16-bit QKV weight */
+  return TP_SUCCESS;
 }
 
 tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_config_t *cfg) {

@@ -81,28 +81,45 @@ static inline tp_status_t tp_lk_check_wdtype(const char *op, tp_dtype_t dt) {
                       tp_dtype_name(dt));
 }
 
-static inline tp_status_t lk_lp_workspace(const tp_lk *c, const tp_lk_w *w, int64_t M, int64_t K, int64_t N,
-                                          int backward, size_t *nbytes) {
-  size_t need = c->k->linear_lp_workspace(M, K, N, w->dt, backward);
-  TP_CHECK(tp_arena_reserve(w->lpws, need, "linear: low-precision workspace"));
-  *nbytes = need;
-  return TP_SUCCESS;
+/* lpws.c: the process-wide scratch of the CPU layers' low-precision GEMMs (locked while used). */
+tp_arena_t *tp_lp_cpu_scratch_lock(void);
+void tp_lp_cpu_scratch_unlock(void);
+
+/* A low-precision call's workspace of `need` bytes: the layer's own arena (a GPU layer: its
+ * kernels run later, on its stream) or the process-wide CPU scratch, locked until
+ * lk_lp_end.  *ws NULL on failure (and nothing to end). */
+static inline tp_status_t lk_lp_begin(const tp_lk *c, const tp_lk_w *w, size_t need, void **ws) {
+  int cpu = c->dev == TP_DEVICE_CPU;
+  tp_arena_t *a = cpu ? tp_lp_cpu_scratch_lock() : w->lpws;
+  tp_status_t st = tp_arena_reserve(a, need, "linear: low-precision workspace");
+  if (st != TP_SUCCESS && cpu) tp_lp_cpu_scratch_unlock();
+  *ws = st == TP_SUCCESS ? a->base : NULL;
+  return st;
+}
+static inline void lk_lp_end(const tp_lk *c) {
+  if (c->dev == TP_DEVICE_CPU) tp_lp_cpu_scratch_unlock();
 }
 
 static inline tp_status_t lk_linear_forward(const tp_lk *c, float *y, const float *x, const tp_lk_w *w,
                                             const float *b, int64_t M, int64_t K, int64_t N, tp_stream_t s) {
   if (w->dt == TP_FLOAT32) return c->k->linear_forward(s, y, x, (const float *)w->p, b, M, K, N);
-  size_t nb;
-  TP_CHECK(lk_lp_workspace(c, w, M, K, N, 0, &nb));
-  return c->k->linear_forward_lp(s, y, x, w->p, w->dt, b, M, K, N, w->lpws->base, nb);
+  size_t need = c->k->linear_lp_workspace(M, K, N, w->dt, 0);
+  void *ws;
+  TP_CHECK(lk_lp_begin(c, w, need, &ws));
+  tp_status_t st = c->k->linear_forward_lp(s, y, x, w->p, w->dt, b, M, K, N, ws, need);
+  lk_lp_end(c);
+  return st;
 }
 static inline tp_status_t lk_linear_backward(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
                                              const float *x, const tp_lk_w *w, int64_t M, int64_t K, int64_t N,
                                              tp_stream_t s) {
   if (w->dt == TP_FLOAT32) return c->k->linear_backward(s, dx, dw, db, dy, x, (const float *)w->p, M, K, N, 0);
-  size_t nb;
-  TP_CHECK(lk_lp_workspace(c, w, M, K, N, 1, &nb));
-  return c->k->linear_backward_lp(s, dx, dw, db, dy, x, w->p, w->dt, M, K, N, 0, w->lpws->base, nb);
+  size_t need = c->k->linear_lp_workspace(M, K, N, w->dt, 1);
+  void *ws;
+  TP_CHECK(lk_lp_begin(c, w, need, &ws));
+  tp_status_t st = c->k->linear_backward_lp(s, dx, dw, db, dy, x, w->p, w->dt, M, K, N, 0, ws, need);
+  lk_lp_end(c);
+  return st;
 }
 /* y[n] (ydt) = x[n] (xdt). */
 static inline tp_status_t lk_convert(const tp_lk *c, void *y, tp_dtype_t ydt, const void *x, tp_dtype_t xdt,
@@ -110,8 +127,9 @@ static inline tp_status_t lk_convert(const tp_lk *c, void *y, tp_dtype_t ydt, co
   return n > 0 ? c->k->convert(s, y, ydt, x, xdt, n) : TP_SUCCESS;
 }
 /* Seeded initialisation of n weight elements in w->dt: float32 draws straight into place;
- * a low-precision weight draws float32 runs into a bounded scratch (w->lpws) and rounds
- * them, so it holds exactly the rounded float32 layer's values.  Elements [at, at + n) of
+ * a low-precision weight draws float32 runs into a bounded scratch (w->lpws; the layer
+ * releases it when its initialisation is done) and rounds them, so it holds exactly the
+ * rounded float32 layer's values.  Elements [at, at + n) of
  * w get draws index0.. of the tensor: normal, init_normal's N(0,1); else U(-bound, bound). */
 static inline tp_status_t lk_init_w(const tp_lk *c, const tp_lk_w *w, int64_t at, int64_t n, int normal,
                                     uint64_t seed, uint64_t tensor, uint64_t index0, float bound, tp_stream_t s) {

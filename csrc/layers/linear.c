@@ -84,7 +84,9 @@ static tp_status_t init_params(tp_parallel_linear_t L, uint64_t weight_id, uint6
                          NULL));
     if (L->b) TP_CHECK(lk_init_uniform(&L->lk, L->b, N, seed, bias_id, 0, bound, NULL));
   }
-  return tp_device_sync(L->dev, L->dev_id, NULL);
+  TP_CHECK(tp_device_sync(L->dev, L->dev_id, NULL));
+  tp_arena_release(&L->lpws); /* the init scratch of a 16-bit weight; forward takes its own */
+  return TP_SUCCESS;
 }
 
 void tp_parallel_linear_destroy(tp_parallel_linear_t L) {

@@ -94,6 +94,7 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
    * mid-pair draws the whole pair and keeps its half): the same table at any partition. */
   if (st == TP_SUCCESS) st = lk_init_w(&E->lk, &E->W, 0, nel, 1, cfg->seed, 2, (uint64_t)off * (uint64_t)E->C, 0.0f, NULL);
   if (st == TP_SUCCESS) st = tp_device_sync(E->dev, E->dev_id, NULL);
+  tp_arena_release(&E->lpws); /* the init scratch of a 16-bit table (lookups need none) */
   if (st != TP_SUCCESS) {
     tp_vocab_embedding_destroy(E);
     return st;
