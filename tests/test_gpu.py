@@ -156,7 +156,8 @@ def comm1():
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_layers_w1_linear(comm1, dtype):
-    """ColumnParallelLinear then RowParallelLinear on cuda, inputs torch CUDA tensors."""
+    """ColumnParallelLinear then RowParallelLinear on cuda, inputs torch CUDA tensors (a bfloat16 one
+    is converted on the GPU, the layers compute in float32 and give bfloat16 back)."""
     torch = _torch()
     rng = np.random.default_rng(1)
     M, K, F = 37, 96, 130
@@ -172,6 +173,7 @@ def test_layers_w1_linear(comm1, dtype):
     h = col(xt)
     assert hasattr(h, "__dlpack__") and h.__dlpack_device__()[0] == KDL_CUDA
     y = row(h)
+    assert h.dtype == dtype and y.dtype == dtype  # a 16-bit input gives 16-bit outputs (float32 inside)
     x_used = xt.double().cpu().numpy()  # the bf16-rounded input
     want = (x_used @ W1.T + b1) @ W2.T + b2
     tol = 2e-3 if dtype == "float32" else 3e-2
@@ -204,6 +206,25 @@ def test_layers_w1_linear_16_bit_weights(comm1, dtype):
         assert _rel(dx, rnd(dy) @ W16) < 1e-5
         assert _rel(_to_host(lin.grad_weight), rnd(dy).T @ rnd(x)) < 1e-5
         assert _rel(_to_host(lin.grad_bias), dy.astype(np.float64).sum(0)) < 1e-5
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_block_takes_16_bit_activations(comm1, dtype):
+    """A GPU block given 16-bit activations converts them on the GPU, computes in float32 and
+    gives its output and input gradient back in that dtype."""
+    torch = _torch()
+    cfg = _block_cfg("llama")
+    blk = tpcore.TransformerBlock(cfg, comm1, seed=3, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(2, 9, cfg.hidden, device="cuda", generator=g)
+    x16 = x.to(getattr(torch, dtype))
+    y32 = _to_host(blk(x16.float()))
+    y16 = blk(x16)
+    assert y16.dtype == dtype and tuple(y16.shape) == (2, 9, cfg.hidden)
+    assert _rel(_to_host(y16), y32) < 1e-2  # the output's own rounding
+    dx = blk.backward(torch.randn(2, 9, cfg.hidden, device="cuda", generator=g).to(getattr(torch, dtype)))
+    assert dx.dtype == dtype and tuple(dx.shape) == (2, 9, cfg.hidden)
 
 
 @needs_cuda

@@ -300,7 +300,7 @@ static PyObject *d_sgd_step(PyObject *mod, PyObject *args) {
   return dk_fail(&c, s, s == TP_SUCCESS ? Py_NewRef(Py_None) : NULL);
 }
 
-/* d_convert(y, x): y = x converted (float32 / bfloat16 / float16, equal element counts) -> None */
+/* d_convert(y, x): y = x converted (float32 / bfloat16 / float16, one shape) -> None */
 static PyObject *d_convert(PyObject *mod, PyObject *args) {
   PyObject *yo, *xo;
   if (!PyArg_ParseTuple(args, "OO:d_convert", &yo, &xo)) return NULL;

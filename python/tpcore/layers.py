@@ -169,6 +169,26 @@ def zero(a) -> None:
         a[...] = 0
 
 
+def dev_f32(xa):
+    """A GPU layer's input (a DeviceArray) as float32 on its device: a bfloat16 / float16 one
+    converted there (tpcore._C.d_convert), with the dtype to give the result back in (None:
+    float32 as it came; another dtype goes on to the C layer, which names it)."""
+    if xa.dtype not in ("bfloat16", "float16"):
+        return xa, None
+    x32 = DeviceArray(xa.shape, "float32", device=xa.device)
+    _C.d_convert(x32, xa)
+    return x32, xa.dtype
+
+
+def dev_back(y, dt):
+    """A GPU layer's float32 result in the input's 16-bit dtype (dt None: as it is)."""
+    if dt is None:
+        return y
+    out = DeviceArray(y.shape, dt, device=y.device)
+    _C.d_convert(out, y)
+    return out
+
+
 def _back(y: np.ndarray, dt) -> np.ndarray:
     return y if dt is None else y.astype(dt)
 
@@ -272,9 +292,10 @@ class _ParallelLinear:
     def forward(self, x: np.ndarray) -> np.ndarray:
         """y for x (..., x_cols).  On a GPU layer: x any DLPack tensor on its device, y a
         tpcore.DeviceArray there."""
-        if self.device[0] != "cpu":
+        if self.device[0] != "cpu":  # 16-bit activations: converted on the GPU, the result back in theirs
             x2, lead = self._device_rows(x, "x", self._x_cols)
-            return self._c.forward(x2).reshape(lead + (self._y_cols,))
+            x2, dt = dev_f32(x2)
+            return dev_back(self._c.forward(x2), dt).reshape(lead + (self._y_cols,))
         x2, lead, dt = self._rows(x, "x", self._x_cols)
         return _back(self._c.forward(x2).reshape(lead + (self._y_cols,)), dt)
 
@@ -284,7 +305,8 @@ class _ParallelLinear:
         """Input gradient for the last forward; accumulates grad_weight / grad_bias."""
         if self.device[0] != "cpu":
             dy2, lead = self._device_rows(dy, "dy", self._y_cols)
-            return self._c.backward(dy2).reshape(lead + (self._x_cols,))
+            dy2, dt = dev_f32(dy2)
+            return dev_back(self._c.backward(dy2), dt).reshape(lead + (self._x_cols,))
         dy2, lead, dt = self._rows(dy, "dy", self._y_cols)
         return _back(self._c.backward(dy2).reshape(lead + (self._x_cols,)), dt)
 
@@ -427,7 +449,8 @@ class ParallelMLP:
         tpcore.DeviceArray there."""
         if self.device[0] != "cpu":
             x2, lead = self.fc1._device_rows(x, "x", self.hidden, "ParallelMLP")
-            return self._c.forward(x2).reshape(lead + (self.hidden,))
+            x2, dt = dev_f32(x2)
+            return dev_back(self._c.forward(x2), dt).reshape(lead + (self.hidden,))
         x2, lead, dt = self.fc1._rows(x, "x", self.hidden)
         return _back(self._c.forward(x2).reshape(lead + (self.hidden,)), dt)
 
@@ -436,6 +459,7 @@ class ParallelMLP:
     def backward(self, dy: np.ndarray) -> np.ndarray:
         if self.device[0] != "cpu":
             dy2, lead = self.fc2._device_rows(dy, "dy", self.hidden, "ParallelMLP")
-            return self._c.backward(dy2).reshape(lead + (self.hidden,))
+            dy2, dt = dev_f32(dy2)
+            return dev_back(self._c.backward(dy2), dt).reshape(lead + (self.hidden,))
         dy2, lead, dt = self.fc2._rows(dy, "dy", self.hidden)
         return _back(self._c.backward(dy2).reshape(lead + (self.hidden,)), dt)

@@ -39,7 +39,8 @@ from ._array import DeviceArray, asarray, check_on_device, device_string, from_d
 from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
-from .layers import ACTIVATIONS, _host, _sizes, as_float32, check_param_dtype, check_partition, partition, zero
+from .layers import (ACTIVATIONS, _host, _sizes, as_float32, check_param_dtype, check_partition, dev_back, dev_f32,
+                     partition, zero)
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -391,20 +392,25 @@ class TransformerBlock:
         use_cache, the ranks check that they passed the same pos0, B, T and use_cache (one small
         all-gather; a mismatch raises ValueError on every rank)."""
         if _agreed:  # from TransformerLM.forward, which checked every argument and that the ranks agree
+            dt = None
             if self.device[0] != "cpu":
-                x = self._device_x(x, "x", type(self).__name__)
+                x, dt = self._device_x(x, "x", type(self).__name__)
             B, T, C = x.shape
             y = self._c.forward(x.reshape((B * T, C)), B, T, pos0=pos0, key_mask=None if key_mask is None else
                                 key_mask.reshape(-1), use_cache=use_cache, need_backward=need_backward)
             if use_cache:
                 self._filled[:B] = T if pos0 is None else pos0 + T
-            return y.reshape((B, T, C))
+            return dev_back(y, dt).reshape((B, T, C))
         who = type(self).__name__
         gpu = self.device[0] != "cpu"
         cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused below)
+        io_dt = [None]  # a GPU block's 16-bit input dtype: the output goes back in it
 
         def inputs():
-            x32 = self._device_x(x, "x", who) if gpu else as_float32(x, "x", who)
+            if gpu:
+                x32, io_dt[0] = self._device_x(x, "x", who)
+            else:
+                x32 = as_float32(x, "x", who)
             if x32.ndim != 3 or x32.shape[-1] != self.config.hidden:
                 raise ValueError(f"{who}: x must have shape (B, T, {self.config.hidden}), got {tuple(x32.shape)}")
             B, T, _ = x32.shape
@@ -424,20 +430,23 @@ class TransformerBlock:
                             need_backward=need_backward)
         if use_cache:
             self._filled[:B] = T if p is None else p + T
-        return y.reshape((B, T, C))
+        return dev_back(y, io_dt[0]).reshape((B, T, C))
 
-    def _device_x(self, x, name: str, who: str) -> DeviceArray:
-        """A GPU block's activation: a float32 DLPack tensor on its device (a TypeError naming the
-        block, the argument and both devices otherwise), as a DeviceArray view.  pos0 and
-        key_mask stay host arrays (metadata the block copies itself)."""
+    def _device_x(self, x, name: str, who: str):
+        """A GPU block's activation: a float32, bfloat16 or float16 DLPack tensor on its device (a
+        TypeError naming the block, the argument and both devices otherwise), as a float32
+        DeviceArray (a view, or the 16-bit one converted on the GPU) and the dtype to give the
+        result back in (None: float32).  pos0 and key_mask stay host arrays (metadata the block
+        copies itself)."""
         check_on_device(x, name, who, self.device)
         if not hasattr(x, "__dlpack__"):
             raise TypeError(f"{who}: {name} must be a tensor on {device_string(self.device)} (a tpcore.DeviceArray "
                             f"or any DLPack tensor), got {type(x).__name__}")
         xa = from_dlpack(x)
-        if xa.dtype != "float32":
-            raise TypeError(f"{who}: {name} must be float32 on {device_string(self.device)}, got {xa.dtype}")
-        return xa
+        if xa.dtype not in ("float32", "bfloat16", "float16"):
+            raise TypeError(f"{who}: {name} must be float32, bfloat16 or float16 on {device_string(self.device)}, "
+                            f"got {xa.dtype}")
+        return dev_f32(xa)
 
     def _check_cache(self, p, B, T, who):
         filled = getattr(self, "_filled", None)
@@ -457,12 +466,12 @@ class TransformerBlock:
 
     def backward(self, dy: np.ndarray) -> np.ndarray:
         C = self.config.hidden
-        if self.device[0] != "cpu":  # dy a float32 tensor on the block's GPU; dx a DeviceArray there
-            d = self._device_x(dy, "dy", type(self).__name__)
+        if self.device[0] != "cpu":  # dy a tensor on the block's GPU; dx a DeviceArray there, in dy's dtype
+            d, dt = self._device_x(dy, "dy", type(self).__name__)
             if d.ndim < 1 or d.shape[-1] != C:
                 raise ValueError(f"{type(self).__name__}: dy must have shape (B, T, {C}), got {tuple(d.shape)}")
             shape = tuple(d.shape)
-            return self._c.backward(d.reshape((d.size // C, C))).reshape(shape)
+            return dev_back(self._c.backward(d.reshape((d.size // C, C))), dt).reshape(shape)
         d = as_float32(dy, "dy", "TransformerBlock")
         if d.ndim < 1 or d.shape[-1] != C:
             raise ValueError(f"TransformerBlock: dy must have shape (B, T, {C}), got {d.shape}")
