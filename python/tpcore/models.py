@@ -33,7 +33,8 @@ from ._array import DeviceArray, asarray, asarray_device, device_string, resolve
 from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import _collective
-from .layers import ACTIVATIONS, ColumnParallelLinear, check_param_dtype, zero
+from .layers import ACTIVATIONS, ColumnParallelLinear, _sizes, check_param_dtype, zero
+from .layers import partition as partition_dim
 from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
@@ -84,7 +85,7 @@ class TransformerLM:
     """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm."""
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, partition=None, ffn_partition=None,
-                 vocab_partition=None, device=None, dtype="float32", _device_path: bool = False):
+                 vocab_partition=None, device=None, dtype="float32", _device_path: bool = False, _stage=None):
         """device="cuda" (or "cuda:N"): the token embedding, the blocks (their KV caches included)
         and the LM head live on that GPU, for inference (forward, logits, generate, loading and
         saving checkpoints); the position/type embeddings and the norms outside the blocks stay on
@@ -109,25 +110,40 @@ class TransformerLM:
         self.comm, self.seed = comm, seed_arg(seed, "TransformerLM")
         seed = self.seed
         C = cfg.hidden
-        self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed, device=dev,
-                                          dtype=self.dtype)
-        if dev is None:
-            self.wte.weight[...] *= 0.02  # GPT-2 / BERT initialisation scale (N(0, 0.02))
-        else:  # the same values, scaled on the host
-            self.wte.weight[...] = self.wte.weight.to_numpy() * 0.02
-        self.vocab_partition = self.wte.partition
+        # A pipeline stage (tpcore.PipelineLM) holds blocks [lo, hi) of the model; the first stage
+        # the embeddings, the last the final norm and the head (and, tied, its own copy of the
+        # token embedding, whose gradient PipelineLM sums with the first stage's).  The parts are
+        # made with the seeds the whole model gives them, so a pipeline starts where one process does.
+        lo, hi, first, last = (0, cfg.layers, True, True) if _stage is None else _stage
+        self._first, self._last, self.layer_range = first, last, (lo, hi)
+        if first or (last and cfg.tie_embeddings):
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed,
+                                              device=dev, dtype=self.dtype)
+            if dev is None:
+                self.wte.weight[...] *= 0.02  # GPT-2 / BERT initialisation scale (N(0, 0.02))
+            else:  # the same values, scaled on the host
+                self.wte.weight[...] = self.wte.weight.to_numpy() * 0.02
+            self.vocab_partition = self.wte.partition
+        else:
+            self.wte = None
+            sizes = _sizes(vocab_partition, cfg.vocab_size, comm.size, "vocab_size", "TransformerLM: vocab_partition")
+            self.vocab_partition = partition_dim(cfg.vocab_size, comm.size) if sizes is None else \
+                [(int(sum(sizes[:r])), int(sizes[r])) for r in range(comm.size)]
         # position / type embeddings and the norms outside the blocks: replicated, float32; on a GPU
         # they live there (DeviceArrays) and run the d_ kernels
-        self.wpe = _on(_normal(seed, 1, (cfg.max_positions, C), 0.02), self._kdev) if cfg.positions == "learned" else None
+        learned = cfg.positions == "learned" and first
+        self.wpe = _on(_normal(seed, 1, (cfg.max_positions, C), 0.02), self._kdev) if learned else None
         self.wpe_grad = None if self.wpe is None else _on(np.zeros((cfg.max_positions, C), np.float32), self._kdev)
-        self.tte = _on(_normal(seed, 2, (cfg.type_vocab_size, C), 0.02), self._kdev) if cfg.type_vocab_size else None
+        self.tte = _on(_normal(seed, 2, (cfg.type_vocab_size, C), 0.02), self._kdev) \
+            if cfg.type_vocab_size and first else None
         self.tte_grad = None if self.tte is None else _on(np.zeros((cfg.type_vocab_size, C), np.float32), self._kdev)
-        self.emb_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.embedding_norm else None
+        self.emb_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.embedding_norm and first else None
         self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
                                         ffn_partition=ffn_partition, device=dev, dtype=self.dtype)
-                       for i in range(cfg.layers)]
-        self.final_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.final_norm and cfg.pre_norm else None
-        if cfg.tie_embeddings:  # the head's GEMMs read the embedding's rows (_C.linear_forward / d_linear_forward)
+                       for i in range(lo, hi)]
+        self.final_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.final_norm and cfg.pre_norm and last \
+            else None
+        if cfg.tie_embeddings or not last:  # tied: the head's GEMMs read the embedding's rows
             self.lm_head = None
         else:
             self.lm_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
@@ -143,7 +159,7 @@ class TransformerLM:
 
     # ------------------------------------------------------------- parameters
     def parameters(self):
-        ps = list(self.wte.parameters())
+        ps = list(self.wte.parameters()) if self.wte is not None else []
         if self.wpe is not None:
             ps.append((self.wpe, self.wpe_grad))
         if self.tte is not None:
@@ -261,8 +277,15 @@ class TransformerLM:
             lambda v: [("the batch shape (B, T) differs", v[0].shape), ("pos0 differs", (v[1],)),
                        ("the tokens differ", (v[0],)), ("attention_mask differs", (v[3],)),
                        ("use_cache differs", (bool(use_cache),))])
-        B, T = tokens.shape
-        h = self._layer_in(self._embed(tokens, pos, tt))
+        return self._stage_forward(tokens, p0, pos, mask, tt, use_cache, need_backward)
+
+    def _stage_forward(self, x, p0, pos, mask, tt, use_cache, need_backward):
+        """The forward of what this model holds, its arguments checked (and agreed) by the caller:
+        x is the tokens (B, T) on the first stage (a whole model is one), the hidden states
+        (B, T, hidden) on a later pipeline stage; p0 (B,) or None, pos (B, T) the positions.
+        Returns the hidden states after its blocks (and the final norm on the last stage)."""
+        B, T = x.shape[:2]
+        h = self._layer_in(self._embed(x, pos, tt)) if self._first else x
         bp0 = p0 if p0 is not None else (np.zeros(B, np.int64) if use_cache else None)
         for blk in self.blocks:
             h = blk.forward(h, pos0=bp0, key_mask=mask, use_cache=use_cache, need_backward=need_backward,
@@ -271,7 +294,8 @@ class TransformerLM:
         if self.final_norm is not None:
             h2 = self._dev(h, (B * T, C)) if self._kdev is not None else h.reshape(B * T, C)
             h = self.final_norm.forward(h2).reshape((B, T, C))
-        self._ctx = dict(tokens=tokens, pos=pos, token_type_ids=tt, B=B, T=T) if need_backward else None
+        self._ctx = dict(tokens=x if self._first else None, pos=pos, token_type_ids=tt, B=B, T=T) \
+            if need_backward else None
         return h
 
     def encode(self, tokens, attention_mask=None, token_type_ids=None) -> np.ndarray:
@@ -314,6 +338,10 @@ class TransformerLM:
         vocab-parallel logits; keeps what backward() needs."""
         targets = int_array(targets, "TransformerLM.loss", "targets")
         h = self._forward(tokens, attention_mask=attention_mask, need_backward=True)
+        return self._stage_loss(h, targets, ignore_index)
+
+    def _stage_loss(self, h, targets, ignore_index):
+        """The last stage's loss of its hidden states h (B, T, hidden) against targets (B, T)."""
         B, T, C = h.shape
         if targets.shape != (B, T):
             self._ctx = None
@@ -343,25 +371,36 @@ class TransformerLM:
         """Gradients of the last loss() into every parameter (accumulated)."""
         if not self._ctx or "xent" not in self._ctx:
             raise RuntimeError("TransformerLM.backward: call loss() first")
-        ctx, comm = self._ctx, self.comm
-        B, T = ctx["B"], ctx["T"]
         if self._kdev is not None:
-            self._backward_device(ctx, dloss)
+            self._backward_device(self._ctx, dloss)
             self._ctx = None
             return
-        dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
-        h2 = ctx["h2"]
-        if self.lm_head is None:
-            dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight)
-            if comm.size > 1:
-                comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
-        else:
-            dh = self.lm_head.backward(dshard)
-        if self.final_norm is not None:
-            dh = self.final_norm.backward(dh)
-        dh = dh.reshape(B, T, self.config.hidden)
+        self._stage_backward(dloss=dloss)
+
+    def _stage_backward(self, dloss=None, dh=None):
+        """The NumPy path's backward of what this model holds (its last forward was a
+        need_backward one): from the loss (dloss; the last stage, a whole model) or from dh
+        (B, T, hidden), the gradient of its output (a pipeline stage before the last).  Returns
+        the gradient of its input (B, T, hidden) on a stage after the first, else None."""
+        ctx, comm = self._ctx, self.comm
+        B, T = ctx["B"], ctx["T"]
+        if self._last:
+            dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
+            h2 = ctx["h2"]
+            if self.lm_head is None:
+                dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight)
+                if comm.size > 1:
+                    comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
+            else:
+                dh = self.lm_head.backward(dshard)
+            if self.final_norm is not None:
+                dh = self.final_norm.backward(dh)
+            dh = dh.reshape(B, T, self.config.hidden)
         for blk in reversed(self.blocks):
             dh = blk.backward(dh)
+        if not self._first:
+            self._ctx = None
+            return dh
         dh2 = dh.reshape(B * T, self.config.hidden)
         if self.emb_norm is not None:
             dh2 = self.emb_norm.backward(dh2)
@@ -418,20 +457,7 @@ class TransformerLM:
             args = self._generate_args(prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
         except (TypeError, ValueError) as e:
             err = e
-        if self.comm.size > 1:
-            ok = err is None
-            seqs, max_new, temp, top_k, seed, eos_ids, pad = args if ok else (None,) * 7
-            signed = (lambda v: v - 2 ** 64 if v >= 2 ** 63 else v)
-            agree(self.comm, "generate", [
-                ("the prompts differ", tuple(seqs) if ok else (), None),
-                ("max_new_tokens differs", max_new if ok else 0, str),
-                ("temperature differs", (temp,) if ok else (), None),
-                ("top_k differs", top_k if ok else 0, lambda v: "None" if v == 0 else str(v)),
-                ("seed differs", signed(seed) if ok else 0, lambda v: str(v % 2 ** 64)),
-                ("eos_token_id differs", (np.array(eos_ids, np.int64),) if ok else (), None),
-                ("pad_token_id differs", pad if ok else 0, str)], err)
-        elif err is not None:
-            raise err
+        _agree_generate(self.comm, args if err is None else None, err)
         return self._generate(*args)
 
     def _generate_args(self, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id):
@@ -534,8 +560,9 @@ class TransformerLM:
 
     # ------------------------------------------------------------ checkpoints
     def state_dict_full(self) -> dict:
-        """Full tensors in tpcore's names (collective)."""
-        sd = {"wte.weight": self.wte.gather_full()}
+        """Full tensors in tpcore's names (collective; a pipeline stage gives what it holds,
+        its blocks under their numbers in the whole model)."""
+        sd = {"wte.weight": self.wte.gather_full()} if self._first else {}
         if self.wpe is not None:
             sd["wpe.weight"] = _hostcopy(self.wpe)
         if self.tte is not None:
@@ -544,9 +571,10 @@ class TransformerLM:
             sd["emb_norm.weight"] = _hostcopy(self.emb_norm.weight)
             if self.emb_norm.bias is not None:
                 sd["emb_norm.bias"] = _hostcopy(self.emb_norm.bias)
+        lo = self.layer_range[0]
         for i, blk in enumerate(self.blocks):
             for k, v in blk.gather_full().items():
-                sd[f"blocks.{i}.{k}"] = v
+                sd[f"blocks.{lo + i}.{k}"] = v
         if self.final_norm is not None:
             sd["final_norm.weight"] = _hostcopy(self.final_norm.weight)
             if self.final_norm.bias is not None:
@@ -566,7 +594,8 @@ class TransformerLM:
                 t = asarray(t, name, "TransformerLM.load_state_dict_full")  # device checked, no copy
             return t
 
-        _load_embedding(self.wte, take("wte.weight"))
+        if self.wte is not None:  # (a last pipeline stage's tied copy too)
+            _load_embedding(self.wte, take("wte.weight"))
         if self.wpe is not None:
             _assign(self.wpe, take("wpe.weight"), "wpe.weight")
         if self.tte is not None:
@@ -577,8 +606,9 @@ class TransformerLM:
                 if norm.bias is not None:
                     _assign(norm.bias, take(f"{nm}.bias"), f"{nm}.bias")
         bar = _Progress(len(self.blocks), progress and self.comm.rank == 0)
+        lo = self.layer_range[0]
         for i, blk in enumerate(self.blocks):
-            blk.load_full({k: take(f"blocks.{i}.{k}") for k in blk.full_shapes()})
+            blk.load_full({k: take(f"blocks.{lo + i}.{k}") for k in blk.full_shapes()})
             bar.step()
         bar.done()
         if self.lm_head is not None:
@@ -623,6 +653,26 @@ class TransformerLM:
         return (f"TransformerLM({c.model_type}: {c.layers} layers, hidden {c.hidden}, heads {c.heads}/{c.kv_heads}, "
                 f"vocab {c.vocab_size}{'' if self.dtype == 'float32' else ', ' + self.dtype}; rank {self.comm.rank} "
                 f"of {self.comm.size})")
+
+
+def _agree_generate(comm: Comm, args, err) -> None:
+    """generate's arguments (_generate_args's tuple; None with err, this rank's refusal) checked
+    to be the same on every rank of comm; raises on every rank if not (or err here)."""
+    if comm.size == 1:
+        if err is not None:
+            raise err
+        return
+    ok = err is None
+    seqs, max_new, temp, top_k, seed, eos_ids, pad = args if ok else (None,) * 7
+    signed = (lambda v: v - 2 ** 64 if v >= 2 ** 63 else v)
+    agree(comm, "generate", [
+        ("the prompts differ", tuple(seqs) if ok else (), None),
+        ("max_new_tokens differs", max_new if ok else 0, str),
+        ("temperature differs", (temp,) if ok else (), None),
+        ("top_k differs", top_k if ok else 0, lambda v: "None" if v == 0 else str(v)),
+        ("seed differs", signed(seed) if ok else 0, lambda v: str(v % 2 ** 64)),
+        ("eos_token_id differs", (np.array(eos_ids, np.int64),) if ok else (), None),
+        ("pad_token_id differs", pad if ok else 0, str)], err)
 
 
 def _prompts(prompts, who: str) -> list:

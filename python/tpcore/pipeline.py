@@ -1,0 +1,423 @@
+"""Pipeline (model) parallelism: a TransformerLM's blocks cut into stages over the PP group of a
+process grid, each stage itself tensor-parallel over its TP group.
+
+    grid = tpcore.ProcessGrid(comm, tp=2, pp=2)                  # 4 ranks: 2 stages x 2-way TP
+    model = tpcore.PipelineLM(cfg, grid, seed=0)                 # stage s holds its share of the blocks
+    opt = tpcore.optim.AdamW(model, lr=1e-3)
+    loss = model.train_step(tokens, targets, micro_batches=4, schedule="1f1b")
+    grid.average_gradients(model); opt.step(); model.zero_grad()  # (DP: the mean over the replicas)
+    out = model.generate(prompts, max_new_tokens=16)             # prefill and decode across the stages
+
+Stage s holds the consecutive blocks [lo, hi) (even cuts by default, the first L % P stages
+one block more; `stages=[n0, n1, ...]` for uneven ones), the first stage also the embeddings,
+the last the final norm and the LM head.  With tied embeddings the last stage keeps its own
+copy of the token embedding (made from the same seed, loaded from the same tensor) and the two
+copies' gradients are summed after every step, as Megatron does, so they stay equal.
+
+A training step splits the batch into micro-batches; activations go forward (stage s to s+1)
+and their gradients backward with send/recv.  Schedules:
+  "gpipe"  all forwards, then all backwards (GPipe);
+  "1f1b"   P - s - 1 warm-up forwards, then one forward and one backward in turn, then the
+           remaining backwards (PipeDream-flush / Megatron's default): at most P - s micro-batches
+           in flight on stage s, against GPipe's M.
+Both idle a stage for (P - 1) of the M + P - 1 slots (the bubble): more micro-batches, a smaller
+share.  Deadlock-free by construction: every stage posts its sends and receives in the order
+of the schedule, and where a stage sends to a neighbour that is sending to it (1F1B's steady
+state) the two go as one sendrecv, whose halves progress independently; the communicator's
+timeout is the backstop (a stage that dies or never arrives is named).
+
+The C blocks keep one forward's context at a time, so a stage keeps each in-flight micro-batch's
+input (not its activations) and re-runs that forward just before its backward when another
+micro-batch ran in between (the re-materialisation of GPipe; Megatron's full recompute); the
+last stage under 1F1B never needs to.  `last_stats` holds each step's measurements: time
+computing, time waiting in send/recv (the bubble and the transfers), bytes sent, forwards re-run
+and the most stage inputs held at once.
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from ._args import agree, int_arg, int_array, shown
+from .grid import ProcessGrid
+from .models import TransformerLM, _agree_generate, _result, _check_vocab
+from .transformer import Config
+
+__all__ = ["PipelineLM", "stage_partition", "SCHEDULES"]
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def stage_partition(layers: int, stages: int, counts: Optional[Sequence[int]] = None) -> List[tuple]:
+    """[(lo, hi)] of each stage's blocks: counts (layers per stage) when given, else even cuts
+    (the first layers % stages stages one block more)."""
+    layers = int_arg(layers, "stage_partition", "layers", lo=1)
+    stages = int_arg(stages, "stage_partition", "stages", lo=1)
+    if counts is None:
+        if stages > layers:
+            raise ValueError(f"PipelineLM: {stages} pipeline stages for {layers} blocks: every stage needs a block "
+                             f"(pass stages=[...] to give some stage none, or use fewer stages)")
+        counts = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+    else:
+        if isinstance(counts, (str, bytes, dict)) or not hasattr(counts, "__iter__"):
+            raise TypeError(f"PipelineLM: stages must be a list of block counts, one per stage, got {shown(counts)}")
+        counts = [int_arg(c, "PipelineLM", "stages[i]", lo=0) for c in counts]
+        if len(counts) != stages:
+            raise ValueError(f"PipelineLM: stages has {len(counts)} entries, but the pipeline has {stages} stages")
+        if sum(counts) != layers:
+            raise ValueError(f"PipelineLM: stages {counts} sum to {sum(counts)}, but the model has {layers} blocks")
+    out, lo = [], 0
+    for c in counts:
+        out.append((lo, lo + c))
+        lo += c
+    return out
+
+
+class PipelineLM:
+    """A TransformerLM cut into pipeline stages over grid.pp, each stage tensor-parallel over
+    grid.tp (see the module's text).  Collective over the grid: every rank makes it with the
+    same config, seed, stages and dtype (checked).  CPU (NumPy) models in this version."""
+
+    def __init__(self, config: Config, grid: ProcessGrid, stages: Optional[Sequence[int]] = None, seed: int = 0,
+                 partition=None, ffn_partition=None, vocab_partition=None, dtype="float32"):
+        if not isinstance(grid, ProcessGrid):
+            raise TypeError(f"PipelineLM: grid must be a tpcore.ProcessGrid, got {shown(grid)}")
+        if not isinstance(config, Config):
+            raise TypeError(f"PipelineLM: config must be a tpcore.Config, got {shown(config)}")
+        cfg = self.config = config.validate()
+        P, s = grid.sizes["pp"], grid.pp_rank
+        err, bounds = None, None
+        try:
+            bounds = stage_partition(cfg.layers, P, stages)
+        except (TypeError, ValueError) as e:
+            err = e
+        text = np.frombuffer(repr(cfg).encode(), np.uint8)
+        agree(grid.comm, "PipelineLM", [] if err else [
+            ("the model configs differ", (text,), None),
+            ("the stages differ", (np.array(bounds, np.int64),), None),
+            ("seed differs", (int(seed) % 2 ** 63 if isinstance(seed, int) else -1,), None),
+            ("dtype differs", (np.frombuffer(str(dtype).encode(), np.uint8),), None)], err)
+        self.grid, self.tp, self.pp = grid, grid.tp, grid.pp
+        self.num_stages, self.stage_index = P, s
+        self.stage_bounds = bounds
+        lo, hi = bounds[s]
+        self.first, self.last = s == 0, s == P - 1
+        self.stage = TransformerLM(cfg, grid.tp, seed=seed, partition=partition, ffn_partition=ffn_partition,
+                                   vocab_partition=vocab_partition, dtype=dtype,
+                                   _stage=(lo, hi, self.first, self.last))
+        self.blocks = self.stage.blocks
+        # the model-parallel group (this replica's TP x PP ranks): generate's arguments agree over it
+        self.mp = grid.comm.split(grid.dp_rank)
+        # tied embeddings: the first and last stages' copies of the token embedding
+        self._tied = None
+        if cfg.tie_embeddings and P > 1:
+            self._tied = self.pp.split(0 if s in (0, P - 1) else None)
+        self.last_stats: dict = {}
+
+    # ------------------------------------------------------------- parameters
+    def parameters(self):
+        """This stage's (parameter, gradient) pairs."""
+        return self.stage.parameters()
+
+    def zero_grad(self):
+        self.stage.zero_grad()
+
+    def param_bytes(self) -> int:
+        return self.stage.param_bytes()
+
+    def state_dict_full(self) -> dict:
+        """This stage's full tensors (collective over its TP group), in the whole model's names
+        (blocks.i with i the block's number in the model)."""
+        return self.stage.state_dict_full()
+
+    def load_state_dict_full(self, sd, progress: bool = False) -> None:
+        """Load this stage's part of a whole model's full tensors (tpcore's names)."""
+        self.stage.load_state_dict_full(sd, progress)
+
+    def close(self) -> None:
+        """Release the communicators this model made (the grid's stay open)."""
+        for c in (self.mp, self._tied):
+            if c is not None:
+                c.close()
+        self.mp = self._tied = None
+
+    # ------------------------------------------------------------- point to point
+    def _recv(self, peer, shape, st):
+        buf = np.empty(shape, np.float32)
+        t = time.perf_counter()
+        self.pp.recv(buf, peer)
+        st["wait_s"] += time.perf_counter() - t
+        return buf
+
+    def _send(self, x, peer, st):
+        t = time.perf_counter()
+        x = np.ascontiguousarray(x, np.float32)
+        self.pp.send(x, peer)
+        st["wait_s"] += time.perf_counter() - t
+        st["sent_bytes"] += x.nbytes
+
+    def _sendrecv(self, x, peer, shape, st):
+        """Send x to peer and receive an array of shape from it, as one operation."""
+        buf = np.empty(shape, np.float32)
+        x = np.ascontiguousarray(x, np.float32)
+        t = time.perf_counter()
+        self.pp.sendrecv(x, peer, buf, peer)
+        st["wait_s"] += time.perf_counter() - t
+        st["sent_bytes"] += x.nbytes
+        return buf
+
+    # ------------------------------------------------------------- training
+    def train_step(self, tokens, targets, micro_batches: int = 1, schedule: str = "1f1b", attention_mask=None,
+                   ignore_index: int = -100) -> float:
+        """Forward and backward of one batch through the pipeline; gradients accumulate into every
+        stage's parameters (as loss() + backward() do on a TransformerLM); returns the mean
+        cross-entropy over the batch's counted targets, on every rank.  tokens and targets (B, T)
+        are given on every rank of the pipeline (the first stage reads the tokens, the last the
+        targets; the ranks check they agree); the batch is split into micro_batches consecutive
+        slices (uneven when B is not a multiple).  Each micro-batch's loss is weighted by its
+        share of the counted targets, so the result and the gradients equal the whole batch's."""
+        who = "PipelineLM.train_step"
+        st = self.stage
+        err = None
+        try:
+            tokens, _, pos, mask, _ = st._inputs(tokens, None, attention_mask, None, False, True, who)
+            targets = int_array(targets, who, "targets")
+            if targets.shape != tokens.shape:
+                raise ValueError(f"{who}: targets must have shape {tokens.shape} (the tokens'), got {targets.shape}")
+            B = tokens.shape[0]
+            M = int_arg(micro_batches, who, "micro_batches", lo=1, hi=max(B, 1),
+                        expected=f"an integer in [1, batch={B}]")
+            if B == 0:
+                raise ValueError(f"{who}: the batch is empty")
+            if schedule not in SCHEDULES:
+                raise ValueError(f"{who}: schedule must be one of {', '.join(map(repr, SCHEDULES))}, got "
+                                 f"{shown(schedule)}")
+            ignore = int_arg(ignore_index, who, "ignore_index", lo=-2 ** 63, hi=2 ** 63 - 1)
+        except (TypeError, ValueError) as e:
+            err = e
+        ok = err is None
+        agree(self.mp, who, [] if not ok else [
+            ("the batch shape (B, T) differs", (np.array(tokens.shape, np.int64),), None),
+            ("micro_batches differs", M, str),
+            ("schedule differs", SCHEDULES.index(schedule), lambda v: repr(SCHEDULES[v])),
+            ("the tokens differ", (tokens,), None), ("the targets differ", (targets,), None),
+            ("attention_mask differs", (mask,), None), ("ignore_index differs", ignore, str)], err)
+        T, C = tokens.shape[1], self.config.hidden
+        cuts = np.linspace(0, B, M + 1).round().astype(np.int64) if M > 1 else np.array([0, B])
+        cuts = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+        counted = [(targets[a:b] != ignore).sum() for a, b in cuts]
+        total = int(sum(counted))
+        weights = [float(c) / total if total else 0.0 for c in counted]
+        stats = dict(schedule=schedule, micro_batches=M, stages=self.num_stages, stage=self.stage_index,
+                     wait_s=0.0, sent_bytes=0, recomputes=0, peak_inputs=0, peak_input_bytes=0)
+        state = dict(saved={}, live=None, loss=0.0)
+        g0 = self._tied_begin()
+
+        def fwd(m, x):
+            a, b = cuts[m]
+            if self.last and not counted[m]:  # no target counts: no loss, a zero gradient (below)
+                return 0.0
+            state["saved"][m] = x
+            held = state["saved"].values()
+            stats["peak_inputs"] = max(stats["peak_inputs"], len(held))
+            stats["peak_input_bytes"] = max(stats["peak_input_bytes"], sum(v.nbytes for v in held))
+            h = st._stage_forward(x, None, pos[a:b], None if mask is None else mask[a:b], None, False, True)
+            state["live"] = m
+            if self.last:
+                value = st._stage_loss(h, targets[a:b], ignore)
+                return value
+            return h
+
+        def bwd(m, dy):
+            if self.last and not counted[m]:
+                a, b = cuts[m]
+                return None if self.first else np.zeros((b - a, T, C), np.float32)
+            if state["live"] != m:  # another micro-batch ran since: re-run this one's forward
+                stats["recomputes"] += 1
+                fwd(m, state["saved"][m])  # (its loss was counted at its first forward)
+            dx = st._stage_backward(dloss=weights[m]) if self.last else st._stage_backward(dh=dy)
+            state["live"] = None
+            del state["saved"][m]
+            return dx
+
+        def first_in(m):
+            a, b = cuts[m]
+            return tokens[a:b] if self.first else self._recv(self.stage_index - 1, (b - a, T, C), stats)
+
+        def out_fwd(m, y):
+            if self.last:
+                state["loss"] += weights[m] * y
+            else:
+                self._send(y, self.stage_index + 1, stats)
+
+        def shape(m):
+            a, b = cuts[m]
+            return (b - a, T, C)
+
+        t0 = time.perf_counter()
+        try:
+            if schedule == "gpipe":
+                for m in range(M):
+                    out_fwd(m, fwd(m, first_in(m)))
+                for m in reversed(range(M)):  # the last forward's context is still there: no re-run for it
+                    dy = None if self.last else self._recv(self.stage_index + 1, shape(m), stats)
+                    dx = bwd(m, dy)
+                    if not self.first:
+                        self._send(dx, self.stage_index - 1, stats)
+            else:
+                self._one_f_one_b(M, fwd, bwd, first_in, out_fwd, shape, state, stats)
+        except BaseException:
+            st._ctx = None
+            raise
+        stats["step_s"] = time.perf_counter() - t0
+        stats["compute_s"] = stats["step_s"] - stats["wait_s"]
+        self._tied_end(g0)
+        loss = np.array([state["loss"] if total else np.nan], np.float64)  # (no counted target: NaN, as torch)
+        if self.num_stages > 1:
+            self.pp.broadcast(loss, root=self.num_stages - 1)
+        self.last_stats = stats
+        return float(loss[0])
+
+    def _one_f_one_b(self, M, fwd, bwd, first_in, out_fwd, shape, state, stats):
+        P, s = self.num_stages, self.stage_index
+        warm = min(P - s - 1, M)
+        rest = M - warm
+        for m in range(warm):
+            out_fwd(m, fwd(m, first_in(m)))
+        x = first_in(warm) if rest > 0 else None
+        for i in range(rest):
+            mf, mb = warm + i, i
+            y = fwd(mf, x)
+            if self.last:  # the loss of mf, then its backward at once
+                out_fwd(mf, y)
+                dy = None
+            else:          # send mf's activation, receive mb's gradient: one exchange with s + 1
+                dy = self._sendrecv(y, s + 1, shape(mb), stats)
+            dx = bwd(mb, dy)
+            if i == rest - 1:
+                if not self.first:
+                    self._send(dx, s - 1, stats)
+            elif self.first:
+                x = first_in(mf + 1)
+            else:          # send mb's gradient, receive mf + 1's activation: one exchange with s - 1
+                x = self._sendrecv(dx, s - 1, shape(mf + 1), stats)
+        for m in range(rest, M):
+            dy = None if self.last else self._recv(s + 1, shape(m), stats)
+            dx = bwd(m, dy)
+            if not self.first:
+                self._send(dx, s - 1, stats)
+
+    def _tied_begin(self):
+        if self._tied is None:
+            return None
+        return self.stage.wte.grad_weight.copy()
+
+    def _tied_end(self, g0):
+        """The first and last stages' embedding copies: this step's gradient of each summed (the
+        embedding's and the head's share), so that both take the same update."""
+        if self._tied is None:
+            return
+        g = self.stage.wte.grad_weight
+        delta = np.subtract(g, g0, dtype=np.float32)
+        self._tied.all_reduce(delta)
+        np.add(g0, delta, out=g)
+
+    # ------------------------------------------------------------- inference
+    def logits(self, tokens, attention_mask=None) -> np.ndarray:
+        """(B, T, vocab) float32 logits, the full vocabulary on every rank of the pipeline."""
+        who = "PipelineLM.logits"
+        st = self.stage
+        err = None
+        try:
+            tokens, _, pos, mask, _ = st._inputs(tokens, None, attention_mask, None, False, False, who)
+        except (TypeError, ValueError) as e:
+            err = e
+        ok = err is None
+        agree(self.mp, who, [] if not ok else [
+            ("the batch shape (B, T) differs", (np.array(tokens.shape, np.int64),), None),
+            ("the tokens differ", (tokens,), None), ("attention_mask differs", (mask,), None)], err)
+        B, T = tokens.shape
+        C, V = self.config.hidden, self.config.vocab_size
+        s, stats = self.stage_index, dict(wait_s=0.0, sent_bytes=0)
+        x = tokens if self.first else self._recv(s - 1, (B, T, C), stats)
+        h = st._stage_forward(x, None, pos, mask, None, False, False)
+        out = np.empty((B, T, V), np.float32)
+        if self.last:
+            out = st._gather_logits(st._logits_shard(np.ascontiguousarray(h.reshape(B * T, C)))).reshape(B, T, V)
+        else:
+            self._send(h, s + 1, stats)
+        if self.num_stages > 1:
+            self.pp.broadcast(out, root=self.num_stages - 1)
+        return out
+
+    def cache(self, batch: int, max_len: int) -> None:
+        """(Re)allocate this stage's blocks' KV caches."""
+        self.stage.cache(batch, max_len)
+
+    def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
+                 seed: int = 0, eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None):
+        """TransformerLM.generate across the stages: the prompt's prefill and each decode step go
+        through the stages in turn (each stage its blocks' KV cache); the last stage picks the
+        next tokens and every stage receives them.  The same arguments and result as
+        TransformerLM.generate; greedy decoding gives the tokens of one process."""
+        st = self.stage
+        err, args = None, None
+        try:
+            args = st._generate_args(prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
+        except (TypeError, ValueError) as e:
+            err = e
+        _agree_generate(self.mp, args, err)
+        return self._generate(*args)
+
+    def _generate(self, seqs, max_new_tokens, temperature, top_k, seed, eos_ids, pad_token_id):
+        st, s, P = self.stage, self.stage_index, self.num_stages
+        C = self.config.hidden
+        B, lens = len(seqs), np.array([q.size for q in seqs], np.int64)
+        Tp = int(lens.max())
+        st.cache(B, Tp + max_new_tokens)
+        out = [list(q) for q in seqs]
+        if max_new_tokens == 0:
+            return _result(out)
+        padded = np.zeros((B, Tp), np.int64)
+        for b, q in enumerate(seqs):
+            padded[b, :q.size] = q
+        rng = np.random.default_rng(seed)
+        stats = dict(wait_s=0.0, sent_bytes=0)
+        zeros = np.zeros(B, np.int64)
+
+        def step(x, p0, T):
+            if not self.first:
+                x = self._recv(s - 1, (B, T, C), stats)
+            h = st._stage_forward(x, p0, p0[:, None] + np.arange(T)[None, :], None, None, True, False)
+            if not self.last:
+                self._send(h, s + 1, stats)
+            return h
+
+        h = step(padded, zeros, Tp)  # right padding: causal attention never reads the pads
+        rows = np.arange(B), lens - 1
+        cur, done = lens.copy(), np.zeros(B, bool)
+        for i in range(max_new_tokens):
+            nxt = np.zeros(B, np.int64)
+            if self.last:
+                last = np.ascontiguousarray(h[rows])
+                nxt = st._sample(st._gather_logits(st._logits_shard(last)), temperature, top_k, rng)
+            if P > 1:
+                self.pp.broadcast(nxt, root=P - 1)
+            if eos_ids:
+                nxt = np.where(done, pad_token_id, nxt)
+                done |= np.isin(nxt, eos_ids)
+            for b in range(B):
+                out[b].append(int(nxt[b]))
+            if i == max_new_tokens - 1 or (eos_ids and done.all()):
+                break
+            h = step(nxt.reshape(B, 1), cur, 1)
+            rows = np.arange(B), np.zeros(B, np.int64)
+            cur = cur + 1
+        return _result(out)
+
+    def __repr__(self):
+        lo, hi = self.stage_bounds[self.stage_index]
+        return (f"PipelineLM(stage {self.stage_index} of {self.num_stages}: blocks [{lo}, {hi}), "
+                f"tp={self.tp.size}{', embedding' if self.first else ''}{', head' if self.last else ''})")
