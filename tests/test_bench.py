@@ -53,3 +53,27 @@ def test_demo_main_job(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "all correct" in r.stdout
     assert "greedy tokens at 3 rank(s) equal the 1-rank run: yes" in r.stdout, r.stdout[-3000:]
+
+
+def test_parallelism_benchmark_quick(tmp_path):
+    """Data, tensor and pipeline parallel training of one model and batch: every layout's first loss
+    equals one rank's (else the benchmark fails), and the memory and traffic columns say what each
+    layout splits."""
+    out = tmp_path / "par.json"
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "parallelism", "--quick", "--no-progress",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "first-step loss equals one rank's" in r.stdout and "What each splits" in r.stdout
+    rows = {(row["layout"], row["ranks"]): row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("single", 1), ("data", 2), ("tensor", 2), ("pp-gpipe", 2), ("pp-1f1b", 2)}
+    one = rows["single", 1]
+    assert one["comm_mb"] == 0 and one["step_ms"] > 0
+    assert abs(rows["data", 2]["params_mb"] / one["params_mb"] - 1) < 0.01    # a whole replica each
+    assert rows["tensor", 2]["params_mb"] / one["params_mb"] < 0.55           # half of every layer
+    for name in ("pp-gpipe", "pp-1f1b"):                                       # half the blocks (+ embedding copy)
+        row = rows[name, 2]
+        assert row["params_mb"] < 0.75 * one["params_mb"]
+        assert row["bubble_theory"] == 1 / (row["micro_batches"] + 1)
+        assert 0 <= row["bubble_measured"] <= 1
+    for key in (("data", 2), ("tensor", 2), ("pp-gpipe", 2), ("pp-1f1b", 2)):
+        assert rows[key]["comm_mb"] > 0 and rows[key]["optim_mb"] == 2 * rows[key]["params_mb"]

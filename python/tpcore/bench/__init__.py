@@ -4,6 +4,7 @@
     python -m tpcore.bench layers [options]         ParallelMLP vs NumPy GEMMs and torch/gloo
     python -m tpcore.bench decode [options]         a transformer's prefill/decode at 1, 2, 4 ranks vs torch
     python -m tpcore.bench gpu [options]            GEMMs vs torch.matmul, decode vs HF generate (GPU)
+    python -m tpcore.bench parallelism [options]    one model trained as data, tensor and pipeline parallel
 
 `python -m tpcore.bench --help` lists the subcommands; each has its own
 --help.  Optional extras: matplotlib for --plot (pip install 'tpcore[bench]'),
@@ -18,4 +19,5 @@ SUBCOMMANDS = {
     "layers": "layers",
     "decode": "decode",
     "gpu": "gpu",
+    "parallelism": "parallelism",
 }
