@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from conftest import rng_for, run
+from conftest import BF16, rng_for, run
 
 LLAMA = dict(vocab_size=41, hidden=24, layers=3, heads=4, kv_heads=2, head_dim=6, ffn_hidden=40, norm="rmsnorm",
              activation="swiglu", positions="rope", bias=False, max_positions=32, model_type="llama",
@@ -262,3 +262,29 @@ def test_a_stage_that_dies_is_named_by_the_others(tmp_path):
     for r in (0, 2):
         secs, msg = (tmp_path / f"rank{r}").read_text().split("\n", 1)
         assert float(secs) < 20 and "rank 1" in msg, msg
+
+
+def _lowp(comm, pp, dtype):
+    grid = tpcore.ProcessGrid(comm, pp=pp)
+    cfg = tpcore.Config(**GPT2)
+    if pp == 1:
+        m = tpcore.models.TransformerLM(cfg, comm, seed=3, dtype=dtype)
+    else:
+        m = tpcore.PipelineLM(cfg, grid, seed=3, dtype=dtype)
+    out = m.generate([[1, 2, 3], [5]], max_new_tokens=5)
+    tokens, targets = _batch("gpt2")
+    if pp == 1:
+        loss = m.loss(tokens, targets)
+        m.backward()
+    else:
+        loss = m.train_step(tokens, targets, micro_batches=2)
+    return [np.asarray(o).tolist() for o in out], loss
+
+
+@pytest.mark.skipif(BF16 is None, reason="needs ml_dtypes")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_weights_through_the_stages(dtype):
+    want_tokens, want_loss = run(_lowp, 1, 1, dtype)[0]
+    for tokens, loss in run(_lowp, 2, 2, dtype):
+        assert tokens == want_tokens
+        assert np.isclose(loss, want_loss, rtol=1e-5)
