@@ -65,7 +65,8 @@ def test_parallelism_benchmark_quick(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "first-step loss equals one rank's" in r.stdout and "What each splits" in r.stdout
     rows = {(row["layout"], row["ranks"]): row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {("single", 1), ("data", 2), ("tensor", 2), ("pp-gpipe", 2), ("pp-1f1b", 2)}
+    assert set(rows) == {("single", 1), ("data", 2), ("data-zero1", 2), ("tensor", 2), ("pp-gpipe", 2),
+                         ("pp-1f1b", 2)}
     one = rows["single", 1]
     assert one["comm_mb"] == 0 and one["step_ms"] > 0
     assert abs(rows["data", 2]["params_mb"] / one["params_mb"] - 1) < 0.01    # a whole replica each
@@ -77,3 +78,6 @@ def test_parallelism_benchmark_quick(tmp_path):
         assert 0 <= row["bubble_measured"] <= 1
     for key in (("data", 2), ("tensor", 2), ("pp-gpipe", 2), ("pp-1f1b", 2)):
         assert rows[key]["comm_mb"] > 0 and rows[key]["optim_mb"] == 2 * rows[key]["params_mb"]
+    # ZeRO-1: master + moments of half the parameters each (12 bytes / 2 per parameter)
+    z = rows["data-zero1", 2]
+    assert abs(z["optim_mb"] / (1.5 * one["params_mb"]) - 1) < 0.01 and z["comm_mb"] > 0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from conftest import rng_for, run
+from conftest import BF16, rng_for, run
 
 GRIDS = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (3, 1, 1), (1, 3, 1), (1, 1, 3), (4, 1, 1), (2, 1, 2), (1, 2, 2),
          (2, 2, 1), (1, 1, 4), (1, 4, 1)]
@@ -120,3 +120,61 @@ def test_tp_x_dp_training_equals_one_process(tp, dp):
         assert np.allclose(losses, ref_losses, rtol=1e-5, atol=1e-6), (r, losses, ref_losses)
         for k, v in ref_sd.items():
             assert np.allclose(sd[k], v, rtol=1e-4, atol=1e-5), (r, k, float(np.abs(sd[k] - v).max()))
+
+
+def _train_zero(comm, tp, dp, steps, sharded, dtype="float32"):
+    """AdamW after average_gradients (sharded=False), or ShardedAdamW over the DP group."""
+    grid = tpcore.ProcessGrid(comm, tp=tp, dp=dp)
+    model = tpcore.models.TransformerLM(tpcore.Config(**MODEL), grid.tp, seed=5, dtype=dtype)
+    if sharded:
+        opt = tpcore.optim.ShardedAdamW(model, grid.dp, lr=0.01, weight_decay=0.1)
+    else:
+        opt = tpcore.optim.AdamW(model, lr=0.01, weight_decay=0.1)
+    g = rng_for(84, 0)
+    tokens = g.integers(0, MODEL["vocab_size"], (12, 7))  # 12: a whole share for every dp in 1..4
+    targets = g.integers(0, MODEL["vocab_size"], (12, 7))
+    share = 12 // dp
+    mine = slice(grid.dp_rank * share, (grid.dp_rank + 1) * share)
+    losses = []
+    for _ in range(steps):
+        losses.append(float(grid.dp.all_reduce(np.array([model.loss(tokens[mine], targets[mine])]), op="avg")[0]))
+        model.backward()
+        if not sharded:
+            grid.average_gradients(model)
+        opt.step()
+        model.zero_grad()
+    sd = {k: np.asarray(v, np.float32).copy() for k, v in model.state_dict_full().items()}
+    state = opt.state_bytes() if sharded else sum(m.nbytes + v.nbytes for m, v in opt.state)
+    grid.close()
+    return losses, sd, state, sum(p.size for p, _ in model.parameters())
+
+
+@pytest.mark.parametrize("tp,dp,dtype", [(1, 2, "float32"), (2, 2, "float32"), (1, 3, "float32"),
+                                         (1, 4, "float32"), (1, 2, "bfloat16")])
+def test_sharded_adamw_equals_adamw_with_averaged_gradients(tp, dp, dtype):
+    if dtype == "bfloat16" and BF16 is None:
+        pytest.skip("needs ml_dtypes")
+    ref_losses, ref_sd, _, _ = run(_train_zero, 1, 1, 1, 3, False, dtype)[0]
+    res = run(_train_zero, tp * dp, tp, dp, 3, True, dtype)
+    for r, (losses, sd, state, pbytes) in enumerate(res):
+        assert np.allclose(losses, ref_losses, rtol=1e-5, atol=1e-6), (r, losses, ref_losses)
+        for k, v in ref_sd.items():
+            assert np.allclose(sd[k], v, rtol=1e-4, atol=1e-5), (r, k, float(np.abs(sd[k] - v).max()))
+    # each DP rank holds 1/dp of the master and moments (12 bytes per parameter in all)
+    for losses, sd, state, nparams in res:
+        assert abs(state - 12 * nparams / dp) <= 12, (state, nparams, dp)
+
+
+def _zero_bad(comm):
+    grid = tpcore.ProcessGrid(comm, dp=comm.size)
+    a = np.zeros((3 + comm.rank, 2), np.float32)
+    try:
+        tpcore.optim.ShardedAdamW([(a, np.zeros_like(a))], grid.dp)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_sharded_adamw_refuses_different_shapes_on_every_rank():
+    for msg in run(_zero_bad, 2):
+        assert "the parameters' shapes differ" in msg, msg

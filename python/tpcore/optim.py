@@ -161,3 +161,71 @@ class SGD:
             step(p if w is None else w, g, buf, self.lr, self.momentum, self.weight_decay, self.t == 1)
             if w is not None:
                 _write_back(p, w)
+
+
+class ShardedAdamW:
+    """AdamW with its state sharded over a data-parallel group (ZeRO stage 1, as DeepSpeed's and
+    PyTorch's ZeroRedundancyOptimizer): the replicas' parameters are seen as one flat vector, cut
+    into comm.size consecutive slices (tpcore.partition); each rank keeps the float32 master and
+    the two moments of its slice only (3 x 4 bytes per parameter / the group's size, against 12
+    for AdamW, 16-bit parameters' masters included).  step() does the data-parallel gradient
+    averaging itself: the gradients are packed and reduce-scattered (op "avg") so that each rank
+    gets its slice's mean, steps that slice, and the slices are all-gathered back into every
+    replica's parameters (2 x the parameter bytes moved per step, as one all-reduce does; do not
+    also call average_gradients).  The result equals AdamW after average_gradients.  Collective
+    over comm: every rank passes the same parameters' shapes in the same order (checked at
+    construction).  Host (NumPy) parameters."""
+
+    def __init__(self, params, comm, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01):
+        from .comm import Comm
+        from .layers import partition
+        from ._args import agree
+        if not isinstance(comm, Comm):
+            raise TypeError(f"ShardedAdamW: comm must be a tpcore.Comm (the data-parallel group), got {shown(comm)}")
+        lr = real_arg(lr, "ShardedAdamW", "lr", lo=0, lo_open=True)
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise TypeError(f"ShardedAdamW: betas must be a pair of numbers in [0, 1), got {shown(betas)}")
+        betas = tuple(real_arg(b, "ShardedAdamW", f"betas[{i}]", lo=0, hi=1, hi_open=True) for i, b in enumerate(betas))
+        eps = real_arg(eps, "ShardedAdamW", "eps", lo=0, lo_open=True)
+        weight_decay = real_arg(weight_decay, "ShardedAdamW", "weight_decay", lo=0)
+        self.params = _pairs(params, "ShardedAdamW")
+        for p, _ in self.params:
+            if isinstance(p, DeviceArray):
+                raise TypeError("ShardedAdamW: parameters on a device are not supported in this version (host "
+                                "NumPy parameters only); use AdamW with average_gradients")
+        self.comm = comm
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        shapes = np.array([d for p, _ in self.params for d in (p.ndim, *p.shape)], np.int64)
+        agree(comm, "ShardedAdamW", [("the parameters' shapes differ", (shapes,), None)])
+        self.numel = int(sum(p.size for p, _ in self.params))
+        self.slices = partition(self.numel, comm.size)
+        lo, n = self.slices[comm.rank]
+        self.lo, self.n = lo, n
+        flat = self._flat_params()
+        self.master = np.ascontiguousarray(flat[lo:lo + n])  # float32, this rank's slice
+        self.state = [(np.zeros(n, np.float32), np.zeros(n, np.float32))]
+        self.t = 0
+
+    def _flat_params(self) -> np.ndarray:
+        return np.concatenate([np.asarray(p, np.float32).reshape(-1) for p, _ in self.params]) if self.params \
+            else np.zeros(0, np.float32)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (master slice and moments)."""
+        return int(self.master.nbytes + sum(m.nbytes + v.nbytes for m, v in self.state))
+
+    def step(self) -> None:
+        self.t += 1
+        comm, sizes = self.comm, [s for _, s in self.slices]
+        flat_g = np.concatenate([g.reshape(-1) for _, g in self.params])
+        g = comm.reduce_scatter(flat_g, op="avg", sizes=sizes) if comm.size > 1 else flat_g
+        m, v = self.state[0]
+        if self.n:
+            _C.adamw_step(self.master, np.ascontiguousarray(g, np.float32), m, v, self.lr, self.betas[0],
+                          self.betas[1], self.eps, self.weight_decay, self.t)
+        full = comm.all_gather(self.master, sizes=sizes) if comm.size > 1 else self.master
+        at = 0
+        for p, _ in self.params:
+            p.reshape(-1)[...] = full[at:at + p.size]  # (a 16-bit parameter: rounded to nearest even)
+            at += p.size

@@ -9,6 +9,8 @@ tokens) and AdamW, trained one step at a time in each layout on n ranks of the s
 
   single      1 rank, the whole model and batch (the reference)
   data        ProcessGrid(dp=n): n replicas, each B/n sequences; gradients averaged (bucketed all-reduce)
+  data-zero1  the same with tpcore.optim.ShardedAdamW: the optimizer state sharded over the replicas
+              (ZeRO stage 1: reduce-scatter the gradients, step a slice, all-gather the parameters)
   tensor      ProcessGrid(tp=n): every layer split over n ranks (two all-reduces per block forward)
   pp-gpipe    ProcessGrid(pp=n): the blocks cut into n stages, --micro micro-batches, GPipe schedule
   pp-1f1b     the same with the 1F1B schedule
@@ -21,7 +23,8 @@ Columns (per rank, the max over ranks where they differ):
   tok/s       B * T / step time
   speed-up    single's step time / this one's (same run)
   params MB   this rank's parameter bytes (max over ranks)
-  optim MB    this rank's AdamW state (two float32 moments per parameter)
+  optim MB    this rank's AdamW state (two float32 moments per parameter; data-zero1: its slice's
+              moments and float32 master)
   act MB      the step's working memory: peak RSS during the timed steps - RSS before the first
               step (activations, the logits shard, gradients' first touch, a stage's held inputs)
   comm MB     payload bytes this rank gave its communicators per step (collectives: the buffer;
@@ -81,7 +84,7 @@ def add_arguments(p) -> None:
 def _layouts(n: int):
     if n == 1:
         return [("single", 1, 1, 1, None)]
-    out = [("data", 1, 1, n, None), ("tensor", n, 1, 1, None), ("pp-gpipe", 1, n, 1, "gpipe"),
+    out = [("data", 1, 1, n, None), ("data-zero1", 1, 1, n, None), ("tensor", n, 1, 1, None), ("pp-gpipe", 1, n, 1, "gpipe"),
            ("pp-1f1b", 1, n, 1, "1f1b")]
     if n == 4:
         out += [("tp2xpp2", 2, 2, 1, "1f1b"), ("tp2xdp2", 2, 1, 2, None)]
@@ -104,7 +107,8 @@ def _rank(comm, cfg_dict, layout, B, T, M, iters):
     else:
         model = tpcore.models.TransformerLM(cfg, grid.tp, seed=0)
         comms = [grid.tp, grid.dp]
-    opt = tpcore.optim.AdamW(model, lr=1e-4)
+    zero = name == "data-zero1"
+    opt = tpcore.optim.ShardedAdamW(model, grid.dp, lr=1e-4) if zero else tpcore.optim.AdamW(model, lr=1e-4)
     g = np.random.default_rng([7, 0])  # the same global batch on every rank
     tokens = g.integers(0, cfg.vocab_size, (B, T))
     targets = g.integers(0, cfg.vocab_size, (B, T))
@@ -117,7 +121,8 @@ def _rank(comm, cfg_dict, layout, B, T, M, iters):
         else:
             loss = model.loss(tokens[mine], targets[mine])
             model.backward()
-        grid.average_gradients(model)
+        if not zero:  # (ShardedAdamW averages the gradients itself: reduce-scatter, step, all-gather)
+            grid.average_gradients(model)
         opt.step()
         model.zero_grad()
         return loss
@@ -139,7 +144,7 @@ def _rank(comm, cfg_dict, layout, B, T, M, iters):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = dict(layout=name, tp=tp, pp=pp, dp=dp, schedule=schedule, rank=comm.rank, loss0=loss0,
                step_s=float(np.median(times)), params=int(model.param_bytes()),
-               optim=int(sum(m.nbytes + v.nbytes for m, v in opt.state)), act=max(0, peak - rss0),
+               optim=int(opt.state_bytes() if zero else sum(m.nbytes + v.nbytes for m, v in opt.state)), act=max(0, peak - rss0),
                comm_bytes=sum(b["bytes"] - a["bytes"] for a, b in zip(s0, s1)) / iters,
                comm_s=sum(b["seconds"] - a["seconds"] for a, b in zip(s0, s1)) / iters,
                wait=float(np.mean(waits)) if waits else None)
