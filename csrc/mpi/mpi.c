@@ -67,7 +67,9 @@ void tp_error_prefix(const char *fmt, ...) {
 
 static int we_initialised;  /* MPI_Init_thread was ours: MPI_Finalize at exit */
 static int thread_level;    /* what MPI_Init_thread provided */
-static atomic_int any_failed; /* a communicator failed: skip MPI_Finalize (it waits for every rank) */
+/* An operation was left in flight, or a peer failed: skip MPI_Finalize (it waits for every rank).
+ * A mismatch that every rank saw leaves nothing in flight and does not count. */
+static atomic_int any_failed;
 static int check_calls = 1; /* TPCORE_MPI_CHECK */
 static char library[256];
 static MPI_Datatype dt_f16 = MPI_DATATYPE_NULL, dt_bf16 = MPI_DATATYPE_NULL, dt_i128 = MPI_DATATYPE_NULL;
@@ -292,7 +294,6 @@ static tp_status_t check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
     describe(all + D_N * p, theirs, sizeof theirs);
     describe(mine, ours, sizeof ours);
     if (!strcmp(theirs, ours)) snprintf(theirs + strlen(theirs), sizeof theirs - strlen(theirs), " with other counts");
-    atomic_store(&any_failed, 1);
     st = tp_set_error(TP_ERR_MISMATCH, "%s on rank %d of %d: rank %d called %s but this rank called %s", what,
                       comm->rank, comm->size, p, theirs, ours);
   }
