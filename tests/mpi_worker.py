@@ -23,6 +23,16 @@ OPS = ["sum", "prod", "min", "max", "avg"]
 TOL = {"float32": 1e-5, "float64": 1e-12, "float16": 4e-3, "bfloat16": 2e-2}
 
 
+def report(comm, line):
+    """A result line: on stdout and in $MPI_TEST_OUT/rank<r>.txt (mpirun may drop the last
+    lines of a rank's stdout when the job ends at once)."""
+    print(line, flush=True)
+    out = os.environ.get("MPI_TEST_OUT")
+    if out:
+        with open(os.path.join(out, f"rank{comm.rank}.txt"), "a") as f:
+            f.write(line + "\n")
+
+
 def npdtype(name):
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
@@ -77,7 +87,8 @@ class Checker:
 def collectives(comm, seed):
     c, n, r = Checker(comm), comm.size, comm.rank
     uneven = [3, 0, 5, 1][:n] if n > 1 else [4]
-    for dtype in DTYPES:
+    dtypes = os.environ.get("MPI_TEST_DTYPES", ",".join(DTYPES)).split(",")
+    for dtype in dtypes:
         for k, op in enumerate(OPS):
             for shape in [[(7,), (2, 3)][k % 2]]:
                 parts = [data(seed, p, shape, dtype) for p in range(n)]
@@ -176,20 +187,21 @@ def main():
         if os.environ.get("MPI_TEST_LAYERS"):
             tp_layers(comm, seed)
         comm.close()
-        print(f"PASS rank {comm.rank} of {comm.size} checks {c.n}", flush=True)
+        report(comm, f"PASS rank {comm.rank} of {comm.size} checks {c.n}")
     elif mode == "mismatch":
         x = np.ones(5 + (comm.rank == 1), np.float32)
         try:
             comm.all_reduce(x)
         except tpcore.CommError as e:
-            print(f"ERROR rank {comm.rank}: {e}", flush=True)
+            report(comm, f"ERROR rank {comm.rank}: {e}")
         else:
-            print(f"NO ERROR rank {comm.rank}", flush=True)
+            report(comm, f"NO ERROR rank {comm.rank}")
     elif mode in ("hang", "abort"):
         comm.barrier()
         t0 = time.monotonic()
         if comm.rank == 1:
             if mode == "abort":
+                time.sleep(0.5)  # the others are past the barrier (an abort also fails a call in flight)
                 comm.abort("boom from the test")
             else:
                 time.sleep(60)
@@ -197,11 +209,11 @@ def main():
             try:
                 comm.all_reduce(np.ones(10, np.float32))
             except tpcore.CommError as e:
-                print(f"ERROR rank {comm.rank} after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}", flush=True)
+                report(comm, f"ERROR rank {comm.rank} after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}")
                 sys.exit(2)
     elif mode == "kill":
         comm.barrier()
-        print(f"READY rank {comm.rank} pid {os.getpid()}", flush=True)
+        report(comm, f"READY rank {comm.rank} pid {os.getpid()}")
         t0 = time.monotonic()
         try:
             for i in range(10**7):
@@ -209,7 +221,7 @@ def main():
                     os.kill(os.getpid(), signal.SIGKILL)
                 comm.all_reduce(np.ones(1000, np.float32))
         except tpcore.CommError as e:
-            print(f"ERROR rank {comm.rank} after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+            report(comm, f"ERROR rank {comm.rank} after {time.monotonic() - t0:.1f} s: {e}")
             sys.exit(2)
 
 

@@ -55,8 +55,24 @@ def run_job(cmd, env, deadline=60):
     return p.returncode, out, err
 
 
-def mpirun(n, mode, deadline=60, **env):
-    return run_job([MPIRUN, "-n", str(n), "--oversubscribe", sys.executable, WORKER, mode], job_env(**env), deadline)
+def results(out_dir):
+    """The ranks' result lines (the worker writes them to MPI_TEST_OUT as well as stdout)."""
+    text = ""
+    for name in sorted(os.listdir(out_dir)):
+        with open(os.path.join(out_dir, name)) as f:
+            text += f.read()
+    return text
+
+
+def job(cmd, out_dir, deadline=60, **env):
+    """rc, the ranks' result lines, and everything printed (for messages)."""
+    os.makedirs(out_dir, exist_ok=True)
+    rc, out, err = run_job(cmd, job_env(MPI_TEST_OUT=out_dir, **env), deadline)
+    return rc, results(out_dir), out + err
+
+
+def mpirun(n, mode, out_dir, deadline=60, **env):
+    return job([MPIRUN, "-n", str(n), "--oversubscribe", sys.executable, WORKER, mode], str(out_dir), deadline, **env)
 
 
 def worker_alive():
@@ -74,24 +90,24 @@ def worker_alive():
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_every_collective_under_mpirun(n):
-    rc, out, err = mpirun(n, "collectives", MPI_TEST_SEED=100 + n, MPI_TEST_LAYERS=int(n in (1, 3)))
+def test_every_collective_under_mpirun(n, tmp_path):
+    rc, out, err = mpirun(n, "collectives", tmp_path, MPI_TEST_SEED=100 + n, MPI_TEST_LAYERS=int(n in (1, 3)))
     assert rc == 0, out + err
     for r in range(n):
         assert f"PASS rank {r} of {n} checks" in out, out + err
     assert not worker_alive()
 
 
-def test_launch_backend_mpi():
-    rc, out, err = run_job([sys.executable, "-m", "tpcore.launch", "--backend", "mpi", "-n", "3", WORKER, "collectives"],
-                           job_env(MPI_TEST_SEED=5, MPI_TEST_BACKEND="auto"))
+def test_launch_backend_mpi(tmp_path):
+    rc, out, err = job([sys.executable, "-m", "tpcore.launch", "--backend", "mpi", "-n", "3", WORKER, "collectives"],
+                       str(tmp_path), MPI_TEST_SEED=5, MPI_TEST_BACKEND="auto", MPI_TEST_DTYPES="float32,bfloat16,int8")
     assert rc == 0, out + err
     for r in range(3):
         assert f"PASS rank {r} of 3 checks" in out, out + err
 
 
-def test_mismatched_counts_are_a_clear_error_on_every_rank():
-    rc, out, err = mpirun(3, "mismatch")
+def test_mismatched_counts_are_a_clear_error_on_every_rank(tmp_path):
+    rc, out, err = mpirun(3, "mismatch", tmp_path)
     for r in range(3):
         line = next((ln for ln in out.splitlines() if ln.startswith(f"ERROR rank {r}:")), None)
         assert line, out + err
@@ -99,14 +115,14 @@ def test_mismatched_counts_are_a_clear_error_on_every_rank():
     assert rc == 0, out + err  # nothing was left in flight: MPI_Finalize ran
 
 
-def test_a_hung_rank_times_out_and_an_aborting_rank_is_named():
+def test_a_hung_rank_times_out_and_an_aborting_rank_is_named(tmp_path):
     t0 = time.monotonic()
-    rc, out, err = mpirun(3, "hang", MPI_TEST_TIMEOUT=2)
+    rc, out, err = mpirun(3, "hang", tmp_path / "hang", MPI_TEST_TIMEOUT=2)
     assert time.monotonic() - t0 < 30
     assert rc != 0
     for r in (0, 2):
         assert f"ERROR rank {r} after" in out and "CommTimeout" in out and "timed out after 2.0 s" in out, out + err
-    rc, out, err = mpirun(3, "abort")
+    rc, out, err = mpirun(3, "abort", tmp_path / "abort")
     assert rc != 0
     for r in (0, 2):
         assert f"ERROR rank {r} after" in out, out + err
@@ -114,9 +130,9 @@ def test_a_hung_rank_times_out_and_an_aborting_rank_is_named():
     assert not worker_alive()
 
 
-def test_a_killed_rank_ends_the_job():
+def test_a_killed_rank_ends_the_job(tmp_path):
     t0 = time.monotonic()
-    rc, out, err = mpirun(3, "kill", MPI_TEST_TIMEOUT=10)
+    rc, out, err = mpirun(3, "kill", tmp_path, MPI_TEST_TIMEOUT=10)
     took = time.monotonic() - t0
     assert rc != 0 and took < 30, (rc, took, out, err)
     assert out.count("READY rank") == 3, out + err
@@ -139,3 +155,19 @@ def test_bad_uses_are_clear_errors():
     env["TPCORE_MPI_PLUGIN"] = "/nonexistent/libtpcore_mpi.so"
     rc, out, err = run_job([sys.executable, "-c", code], env)
     assert "cannot load the MPI plugin from TPCORE_MPI_PLUGIN=/nonexistent" in out, out + err
+
+
+def test_auto_picks_mpi_across_hosts_or_when_asked(monkeypatch):
+    from tpcore import _env
+    monkeypatch.delenv("TPCORE_BACKEND", raising=False)
+    across = _env.detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                          "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_NAMESPACE": "x"})
+    one_host = _env.detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "PMIX_NAMESPACE": "x"})
+    assert tpcore._choose_backend("auto", across) == "mpi"
+    assert tpcore._choose_backend("auto", one_host) in ("shm", "nccl")  # today's choice on one host
+    assert tpcore._choose_backend("shm", across) == "shm"
+    monkeypatch.setenv("TPCORE_BACKEND", "mpi")
+    assert tpcore._choose_backend("auto", one_host) == "mpi"
+    monkeypatch.setenv("TPCORE_BACKEND", "tcp")
+    with pytest.raises(ValueError, match="TPCORE_BACKEND must be one of"):
+        tpcore._choose_backend("auto", one_host)

@@ -84,7 +84,9 @@ typedef struct {
   char *abort_note;     /* what this rank sent on abort (kept until the sends complete) */
   MPI_Request *abort_reqs;
   int nabort;
-  atomic_int aborted;   /* tp_comm_abort was called on this rank */
+  atomic_int abort_claimed; /* the first tp_comm_abort of this rank (prepares abort_note) */
+  atomic_int aborted;   /* tp_comm_abort was called on this rank (abort_note is ready) */
+  atomic_int notes_sent; /* the notes went (or are going) out: one thread sends them, once */
   int pending;          /* an operation timed out with its request still active */
   uint64_t seq;         /* collectives called so far (the description's sequence number) */
 } mpi_ctx;
@@ -670,6 +672,8 @@ static tp_status_t adopt(struct tp_comm *comm, MPI_Comm mc) {
   x->ctrl = MPI_COMM_NULL;
   x->ctrl_req = MPI_REQUEST_NULL;
   atomic_init(&x->aborted, 0);
+  atomic_init(&x->abort_claimed, 0);
+  atomic_init(&x->notes_sent, 0);
   MPI_Comm_set_errhandler(mc, MPI_ERRORS_RETURN);
   int rc = MPI_Comm_dup(mc, &x->ctrl);
   if (rc == MPI_SUCCESS) rc = MPI_Comm_set_errhandler(x->ctrl, MPI_ERRORS_RETURN);
@@ -743,7 +747,7 @@ static tp_status_t mpi_split(struct tp_comm *comm, int color, int key, struct tp
 
 /* Tells every peer (once) that this rank aborted; their waits fail with TP_ERR_REMOTE. */
 static void send_abort_notes(struct tp_comm *comm, mpi_ctx *x) {
-  if (x->abort_reqs || !x->abort_note || comm->size < 2) return;
+  if (!x->abort_note || comm->size < 2 || atomic_exchange(&x->notes_sent, 1)) return;
   x->abort_reqs = calloc((size_t)comm->size, sizeof(MPI_Request));
   if (!x->abort_reqs) return;
   for (int p = 0; p < comm->size; p++) {
@@ -758,11 +762,12 @@ static void send_abort_notes(struct tp_comm *comm, mpi_ctx *x) {
 
 static void mpi_abort(struct tp_comm *comm, const char *reason) {
   mpi_ctx *x = comm->impl;
-  if (!x || atomic_exchange(&x->aborted, 1)) return;
+  if (!x || atomic_exchange(&x->abort_claimed, 1)) return;
   atomic_store(&any_failed, 1);
   char *note = malloc(NOTE_MAX);
   if (note) snprintf(note, NOTE_MAX, "it aborted the communicator: %s", reason && *reason ? reason : "(no reason given)");
   x->abort_note = note;
+  atomic_store(&x->aborted, 1); /* after the note: a waiting thread that sees the flag sends it */
   /* From any thread only under MPI_THREAD_MULTIPLE; else the thread inside a call sends them
    * (wait_all), or this one when none is. */
   if (thread_level >= MPI_THREAD_MULTIPLE || !atomic_load(&comm->busy)) send_abort_notes(comm, x);
