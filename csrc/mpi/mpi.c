@@ -285,10 +285,13 @@ static tp_status_t check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
   if (a->kind != TP_COLL_ALL_REDUCE && a->kind != TP_COLL_REDUCE && a->kind != TP_COLL_REDUCE_SCATTER)
     mine[D_OP] = 0;
   if (!check_calls) return TP_SUCCESS;
-  int64_t *all = malloc(sizeof(int64_t) * D_N * (size_t)comm->size);
-  if (!all) return tp_set_error(TP_ERR_NOMEM, "%s on rank %d: out of memory", what, comm->rank);
+  /* mine and every rank's, on the heap: a request left in flight by a timeout may still use them */
+  int64_t *buf = malloc(sizeof(int64_t) * D_N * ((size_t)comm->size + 1));
+  if (!buf) return tp_set_error(TP_ERR_NOMEM, "%s on rank %d: out of memory", what, comm->rank);
+  int64_t *all = buf + D_N;
+  memcpy(buf, mine, sizeof mine);
   MPI_Request req;
-  int rc = MPI_Iallgather(mine, D_N, MPI_INT64_T, all, D_N, MPI_INT64_T, x->mc, &req);
+  int rc = MPI_Iallgather(buf, D_N, MPI_INT64_T, all, D_N, MPI_INT64_T, x->mc, &req);
   tp_status_t st = rc == MPI_SUCCESS ? wait_one(comm, x, &req, what, -1) : mpi_error(comm, rc, what);
   for (int p = 0; st == TP_SUCCESS && p < comm->size; p++) {
     if (!memcmp(all + D_N * p, mine, sizeof mine)) continue;
@@ -299,7 +302,7 @@ static tp_status_t check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
     st = tp_set_error(TP_ERR_MISMATCH, "%s on rank %d of %d: rank %d called %s but this rank called %s", what,
                       comm->rank, comm->size, p, theirs, ours);
   }
-  free(all);
+  if (!x->pending) free(buf); /* else left to the process's end */
   return st;
 }
 
@@ -413,12 +416,12 @@ static tp_status_t avg_collective(struct tp_comm *comm, mpi_ctx *x, const tp_col
     if (st == TP_SUCCESS) st = rc == MPI_SUCCESS ? wait_one(comm, x, &req, what, -1) : mpi_error(comm, rc, what);
   }
   if (st == TP_SUCCESS && out_here) narrow_avg(out, a->recv, out_n, a->dtype, comm->size);
-  if (!x->pending) { /* a request still running may write them */
+  if (!x->pending) { /* a request still running may use them */
     free(in);
     free(out);
+    free(cnt);
+    free(dsp);
   }
-  free(cnt);
-  free(dsp);
   return st;
 }
 
@@ -473,17 +476,21 @@ static tp_status_t run_collective(struct tp_comm *comm, mpi_ctx *x, const tp_col
       rc = MPI_Ireduce_scatter(a->send, out, cnt, t, mpi_op(a->dtype, a->op), x->mc, &req);
       if (rc == MPI_SUCCESS) st = wait_one(comm, x, &req, what, -1);
       if (rc == MPI_SUCCESS && st == TP_SUCCESS && ip) memcpy(a->recv, tmp, a->count * tp_dtype_size(a->dtype));
-      if (!x->pending) free(tmp);
-      free(cnt);
-      free(dsp);
+      if (!x->pending) { /* a request still running may use them */
+        free(tmp);
+        free(cnt);
+        free(dsp);
+      }
       return rc == MPI_SUCCESS ? st : mpi_error(comm, rc, what);
     }
     case TP_COLL_BARRIER: rc = MPI_Ibarrier(x->mc, &req); break;
     default: return tp_set_error(TP_ERR_INTERNAL, "mpi: unknown collective %d", (int)a->kind);
   }
   if (st == TP_SUCCESS) st = rc == MPI_SUCCESS ? wait_one(comm, x, &req, what, -1) : mpi_error(comm, rc, what);
-  free(cnt);
-  free(dsp);
+  if (!x->pending) { /* a request still running may read them */
+    free(cnt);
+    free(dsp);
+  }
   return st;
 }
 
