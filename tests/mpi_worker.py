@@ -3,6 +3,8 @@
     python mpi_worker.py collectives   every collective, dtype, op, even and uneven counts,
                                        p2p, sendrecv ring, split, a TP layer pair vs world 1
     python mpi_worker.py mismatch      ranks disagree on a count: every rank gets a clear error
+    python mpi_worker.py p2p_mismatch  a recv of another count than was sent: a clear error
+    python mpi_worker.py hang|abort    rank 1 sleeps / aborts: the others time out / name it
     python mpi_worker.py kill          rank 1 kills itself with SIGKILL inside a collective loop
 
 Data comes from one seed, so every rank computes every rank's data and the float64 NumPy
@@ -192,6 +194,20 @@ def main():
         x = np.ones(5 + (comm.rank == 1), np.float32)
         try:
             comm.all_reduce(x)
+        except tpcore.CommError as e:
+            report(comm, f"ERROR rank {comm.rank}: {e}")
+        else:
+            report(comm, f"NO ERROR rank {comm.rank}")
+    elif mode == "p2p_mismatch":
+        # rank 0 sends 4 elements to rank 1, which expects 5; rank 2 sends 6 to rank 0, which expects 5
+        try:
+            if comm.rank == 0:
+                comm.send(np.ones(4, np.float32), 1)
+                comm.recv(np.empty(5, np.float32), 2)
+            elif comm.rank == 1:
+                comm.recv(np.empty(5, np.float32), 0)
+            else:
+                comm.send(np.ones(6, np.float32), 0)
         except tpcore.CommError as e:
             report(comm, f"ERROR rank {comm.rank}: {e}")
         else:

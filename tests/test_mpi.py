@@ -113,6 +113,10 @@ def test_mismatched_counts_are_a_clear_error_on_every_rank(tmp_path):
         assert line, out + err
         assert "all_reduce #1" in line and "count 6 elements" in line and "count 5 elements" in line, line
     assert rc == 0, out + err  # nothing was left in flight: MPI_Finalize ran
+    rc, out, err = mpirun(3, "p2p_mismatch", tmp_path / "p2p")
+    assert "ERROR rank 1: recv (from rank 0) on rank 1: rank 0 sent 4 elements but this rank expects 5" in out, out + err
+    assert "ERROR rank 0: recv (from rank 2) on rank 0 of 3: MPI failed:" in out and "truncat" in out, out + err
+    assert "NO ERROR rank 2" in out, out + err
 
 
 def test_a_hung_rank_times_out_and_an_aborting_rank_is_named(tmp_path):
