@@ -171,10 +171,13 @@ static MPI_Op mpi_op(tp_dtype_t d, tp_redop_t op) {
 
 static void send_abort_notes(struct tp_comm *comm, mpi_ctx *x);
 
-static void pause_briefly(long *spins) {
+/* Between two MPI_Tests.  Open MPI moves a non-blocking collective on only inside MPI_Test (no
+ * progress thread), so a wait sleeps only once it has lasted long (waited_s): spin, then yield
+ * the core (other ranks on it run), then short sleeps after 0.2 s. */
+static void pause_briefly(long *spins, double waited_s) {
   ++*spins;
   if (*spins < 2000) return;
-  if (*spins < 20000) {
+  if (waited_s < 0.2) {
     sched_yield();
     return;
   }
@@ -238,7 +241,7 @@ static tp_status_t wait_all(struct tp_comm *comm, mpi_ctx *x, MPI_Request *reqs,
                           "communicator reached it: one may have died, hung or called another operation)", what,
                           comm->rank, comm->size, comm->timeout_s);
     }
-    pause_briefly(&spins);
+    pause_briefly(&spins, now - t0);
   }
 }
 
@@ -794,7 +797,7 @@ static void mpi_destroy(struct tp_comm *comm) {
       int done = 0;
       while (MPI_Testall(x->nabort, x->abort_reqs, &done, MPI_STATUSES_IGNORE) == MPI_SUCCESS && !done &&
              H->now() - t0 < 1.0)
-        pause_briefly(&spins);
+        pause_briefly(&spins, H->now() - t0);
       sent = done;
     }
     if (x->ctrl_req != MPI_REQUEST_NULL) {
