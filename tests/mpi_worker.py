@@ -2,9 +2,11 @@
 
     python mpi_worker.py collectives   every collective, dtype, op, even and uneven counts,
                                        p2p, sendrecv ring, split, a TP layer pair vs world 1
-    python mpi_worker.py mismatch      ranks disagree on a count: every rank gets a clear error
-    python mpi_worker.py p2p_mismatch  a recv of another count than was sent: a clear error
-    python mpi_worker.py hang|abort    rank 1 sleeps / aborts: the others time out / name it
+                                       (MPI_TEST_MISMATCH at world 3: then ranks that disagree on
+                                       a count, in a collective and in send/recv, get clear errors)
+    python mpi_worker.py abort_hang    a recv of fewer elements than sent (MPI's error text); rank 1
+                                       aborts a sub-communicator, then hangs: the others name it,
+                                       then time out
     python mpi_worker.py kill          rank 1 kills itself with SIGKILL inside a collective loop
 
 Data comes from one seed, so every rank computes every rank's data and the float64 NumPy
@@ -179,6 +181,27 @@ def tp_layers(comm, seed):
     assert np.allclose(got, want, rtol=1e-4, atol=1e-4), np.max(np.abs(got - want))
 
 
+def mismatches():
+    """Ranks that disagree get clear errors; nothing is left in flight (MPI_Finalize still runs)."""
+    comm = tpcore.init(backend="mpi", timeout=20)
+    try:
+        comm.all_reduce(np.ones(5 + (comm.rank == 1), np.float32))
+    except tpcore.CommError as e:
+        report(comm, f"ERROR rank {comm.rank}: {e}")
+    else:
+        report(comm, f"NO ERROR rank {comm.rank}")
+    comm = tpcore.init(backend="mpi", timeout=20)  # the first failed
+    try:  # rank 0 sends 4 elements to rank 1, which expects 5
+        if comm.rank == 0:
+            comm.send(np.ones(4, np.float32), 1)
+        elif comm.rank == 1:
+            comm.recv(np.empty(5, np.float32), 0)
+    except tpcore.CommError as e:
+        report(comm, f"P2P ERROR rank {comm.rank}: {e}")
+    else:
+        report(comm, f"P2P NO ERROR rank {comm.rank}")
+
+
 def main():
     mode = sys.argv[1]
     seed = int(os.environ.get("MPI_TEST_SEED", "7"))
@@ -190,38 +213,33 @@ def main():
             tp_layers(comm, seed)
         comm.close()
         report(comm, f"PASS rank {comm.rank} of {comm.size} checks {c.n}")
-    elif mode == "mismatch":
-        x = np.ones(5 + (comm.rank == 1), np.float32)
-        try:
-            comm.all_reduce(x)
-        except tpcore.CommError as e:
-            report(comm, f"ERROR rank {comm.rank}: {e}")
-        else:
-            report(comm, f"NO ERROR rank {comm.rank}")
-    elif mode == "p2p_mismatch":
-        # rank 0 sends 4 elements to rank 1, which expects 5; rank 2 sends 6 to rank 0, which expects 5
+        if os.environ.get("MPI_TEST_MISMATCH") and comm.size == 3:
+            mismatches()
+
+    elif mode == "abort_hang":
+        # on a sub-communicator rank 1 aborts: the others fail naming it; then on the world
+        # communicator rank 1 hangs: the others time out
+        comm.barrier()
+        sub, other = comm.split(0), comm.split(0)
+        # rank 2 sends 6 elements to rank 0, which expects 5: MPI's truncation error, as a CommError
         try:
             if comm.rank == 0:
-                comm.send(np.ones(4, np.float32), 1)
-                comm.recv(np.empty(5, np.float32), 2)
-            elif comm.rank == 1:
-                comm.recv(np.empty(5, np.float32), 0)
-            else:
-                comm.send(np.ones(6, np.float32), 0)
+                other.recv(np.empty(5, np.float32), 2)
+            elif comm.rank == 2:
+                other.send(np.ones(6, np.float32), 0)
         except tpcore.CommError as e:
-            report(comm, f"ERROR rank {comm.rank}: {e}")
-        else:
-            report(comm, f"NO ERROR rank {comm.rank}")
-    elif mode in ("hang", "abort"):
-        comm.barrier()
+            report(comm, f"P2P ERROR rank {comm.rank}: {e}")
         t0 = time.monotonic()
         if comm.rank == 1:
-            if mode == "abort":
-                time.sleep(0.5)  # the others are past the barrier (an abort also fails a call in flight)
-                comm.abort("boom from the test")
-            else:
-                time.sleep(60)
+            time.sleep(0.5)  # the others are past the split (an abort also fails a call in flight)
+            sub.abort("boom from the test")
+            time.sleep(60)
         else:
+            try:
+                sub.all_reduce(np.ones(10, np.float32))
+            except tpcore.CommError as e:
+                report(comm, f"ABORTED rank {comm.rank} after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}")
+            t0 = time.monotonic()
             try:
                 comm.all_reduce(np.ones(10, np.float32))
             except tpcore.CommError as e:
