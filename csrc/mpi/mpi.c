@@ -197,16 +197,18 @@ static tp_status_t check_ctrl(struct tp_comm *comm, mpi_ctx *x, const char *what
                       s.MPI_SOURCE, x->ctrl_note);
 }
 
-/* Waits for n requests; peer (>= 0) is named on a timeout. */
+/* Waits for n (1 or 2) requests; peer (>= 0) is named on a timeout. */
 static tp_status_t wait_all(struct tp_comm *comm, mpi_ctx *x, MPI_Request *reqs, int n, MPI_Status *stats,
                             const char *what, int peer) {
   double t0 = H->now(), next_ctrl = 0;
   long spins = 0;
+  MPI_Status own[2]; /* n <= 2: the statuses say which error MPI_ERR_IN_STATUS stands for */
+  if (!stats) stats = own;
   for (;;) {
     int done = 0;
-    int rc = MPI_Testall(n, reqs, &done, stats ? stats : MPI_STATUSES_IGNORE);
+    int rc = MPI_Testall(n, reqs, &done, stats);
     if (rc != MPI_SUCCESS) {
-      if (rc == MPI_ERR_IN_STATUS && stats)
+      if (rc == MPI_ERR_IN_STATUS)
         for (int i = 0; i < n; i++)
           if (stats[i].MPI_ERROR != MPI_SUCCESS && stats[i].MPI_ERROR != MPI_ERR_PENDING) {
             rc = stats[i].MPI_ERROR;
