@@ -205,7 +205,8 @@ def mismatches():
 def main():
     mode = sys.argv[1]
     seed = int(os.environ.get("MPI_TEST_SEED", "7"))
-    comm = tpcore.init(backend=os.environ.get("MPI_TEST_BACKEND", "mpi"), timeout=float(os.environ.get("MPI_TEST_TIMEOUT", "20")))
+    comm = tpcore.init(backend=os.environ.get("MPI_TEST_BACKEND", "mpi"),
+                       timeout=float(os.environ.get("MPI_TEST_TIMEOUT", "20")))
     assert comm.backend == "mpi", comm.backend
     if mode == "collectives":
         c = collectives(comm, seed)

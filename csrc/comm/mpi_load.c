@@ -113,8 +113,8 @@ static tp_status_t load_once(void) {
     tp_error_prefix("the MPI plugin %s failed to start", file);
     return s;
   }
-  if (out.p.size < sizeof(tp_mpi_plugin) || !out.p.tpcore_version || strcmp(out.p.tpcore_version, TP_MPI_HOST_VERSION) ||
-      !out.p.comm_init || !out.p.library)
+  if (out.p.size < sizeof(tp_mpi_plugin) || !out.p.tpcore_version ||
+      strcmp(out.p.tpcore_version, TP_MPI_HOST_VERSION) || !out.p.comm_init || !out.p.library)
     return tp_set_error(TP_ERR_UNSUPPORTED, "the MPI plugin %s was built from tpcore %s, but this is tpcore %s: "
                         "rebuild them together (pip install . or make)", file,
                         out.p.tpcore_version ? out.p.tpcore_version : "unknown", TP_MPI_HOST_VERSION);

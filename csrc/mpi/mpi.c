@@ -303,7 +303,8 @@ static tp_status_t check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
     char theirs[160], ours[160];
     describe(all + D_N * p, theirs, sizeof theirs);
     describe(mine, ours, sizeof ours);
-    if (!strcmp(theirs, ours)) snprintf(theirs + strlen(theirs), sizeof theirs - strlen(theirs), " with other counts");
+    if (!strcmp(theirs, ours))
+      snprintf(theirs + strlen(theirs), sizeof theirs - strlen(theirs), " with other counts");
     st = tp_set_error(TP_ERR_MISMATCH, "%s on rank %d of %d: rank %d called %s but this rank called %s", what,
                       comm->rank, comm->size, p, theirs, ours);
   }
@@ -461,7 +462,8 @@ static tp_status_t run_collective(struct tp_comm *comm, mpi_ctx *x, const tp_col
       st = v_arrays(comm, a->counts, what, &cnt, &dsp);
       if (st != TP_SUCCESS) break;
       /* in place: x is this rank's block of out */
-      const char *mine = a->recv ? (const char *)a->recv + (size_t)dsp[comm->rank] * tp_dtype_size(a->dtype) : NULL;
+      size_t es = tp_dtype_size(a->dtype);
+      const char *mine = a->recv ? (const char *)a->recv + (size_t)dsp[comm->rank] * es : NULL;
       int ip = cnt[comm->rank] == 0 || a->send == (const void *)mine;
       rc = MPI_Iallgatherv(ip ? MPI_IN_PLACE : a->send, cnt[comm->rank], t, a->recv, cnt, dsp, t, x->mc, &req);
       break;
@@ -781,7 +783,8 @@ static void mpi_abort(struct tp_comm *comm, const char *reason) {
   if (!x || atomic_exchange(&x->abort_claimed, 1)) return;
   atomic_store(&any_failed, 1);
   char *note = malloc(NOTE_MAX);
-  if (note) snprintf(note, NOTE_MAX, "it aborted the communicator: %s", reason && *reason ? reason : "(no reason given)");
+  if (note)
+    snprintf(note, NOTE_MAX, "it aborted the communicator: %s", reason && *reason ? reason : "(no reason given)");
   x->abort_note = note;
   atomic_store(&x->aborted, 1); /* after the note: a waiting thread that sees the flag sends it */
   /* From any thread only under MPI_THREAD_MULTIPLE; else the thread inside a call sends them
