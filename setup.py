@@ -13,6 +13,10 @@ Switches (environment variables):
 The CUDA plugin, tpcore/.libs/libtpcore_cuda.so, is built by nvcc (PATH, $CUDA_HOME/bin,
 /usr/local/cuda/bin) from csrc/sources.mk's TP_CUDA_DIRS, the CUDA runtime linked statically;
 tpcore._C never links CUDA and loads it on first GPU use.
+  TPCORE_MPI=0                        no MPI plugin (else built when mpicc is found)
+The MPI plugin, tpcore/.libs/libtpcore_mpi.so, is compiled from csrc/mpi/mpi.c with the flags of
+`mpicc --showme:compile` / `--showme:link` (pkg-config ompi as a fallback) and linked to libmpi;
+tpcore._C opens it on first use of the mpi backend, so tpcore imports without MPI.
 The build prints what it detected.
 """
 import glob
@@ -126,6 +130,49 @@ def detect_mpi():
     return shutil.which("mpicc")
 
 
+def mpi_plan(sanitize):
+    """{"cflags", "libs", "mpicc"} when the MPI plugin is built, else {"why_not": sentence}."""
+    if os.environ.get("TPCORE_MPI", "") == "0":
+        return {"why_not": "TPCORE_MPI=0"}
+    if sanitize:
+        return {"why_not": "sanitized build"}
+    mpicc = detect_mpi()
+    flags = {}
+    if mpicc:
+        for key, arg in (("cflags", "--showme:compile"), ("libs", "--showme:link")):
+            rc, out, _ = _run([mpicc, arg])
+            if rc == 0:
+                flags[key] = out.split()
+    if len(flags) < 2 and shutil.which("pkg-config"):
+        for key, arg in (("cflags", "--cflags"), ("libs", "--libs")):
+            rc, out, _ = _run(["pkg-config", arg, "ompi"])
+            if rc == 0:
+                flags[key] = out.split()
+    if len(flags) < 2:
+        return {"why_not": "no mpicc on PATH and no pkg-config ompi (apt-get install libopenmpi-dev openmpi-bin)"
+                if not mpicc else f"{mpicc} --showme:compile/--showme:link failed (not Open MPI's wrapper?)"}
+    return {"mpicc": mpicc or "pkg-config ompi", **flags}
+
+
+def build_mpi_plugin(plan, build_temp, compiler, force=False):
+    """libtpcore_mpi.so from csrc/mpi/mpi.c and csrc/core/dtype.c, exporting its entry only
+    (csrc/mpi/plugin.map).  Returns the library's path."""
+    tag = hashlib.sha1(json.dumps([plan, compiler], sort_keys=True).encode()).hexdigest()[:10]
+    lib = os.path.join(build_temp, f"mpi-{tag}", "libtpcore_mpi.so")
+    srcs = ["csrc/mpi/mpi.c", "csrc/core/dtype.c"]
+    deps = srcs + sorted(glob.glob("csrc/**/*.h", recursive=True)) + ["csrc/mpi/plugin.map"]
+    if force or _stale(lib, deps):
+        os.makedirs(os.path.dirname(lib), exist_ok=True)
+        cmd = [compiler, "-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-D_GNU_SOURCE", "-Wall", "-Wextra",
+               "-Wno-unused-parameter", "-Icsrc/include", "-Icsrc", *plan["cflags"], "-shared", *srcs, "-o", lib,
+               "-Wl,--version-script=csrc/mpi/plugin.map", "-Wl,--no-undefined", *plan["libs"]]
+        rc, out, _ = _run(cmd)
+        log(" ".join(cmd))
+        if rc != 0:
+            raise SystemExit(f"MPI plugin: building failed:\n{out}\n(TPCORE_MPI=0 builds tpcore without it)")
+    return lib
+
+
 def blas_config():
     """Compile and link settings for BLAS, and the library file to vendor (or None).
 
@@ -177,6 +224,7 @@ def build_config():
         # whether the CUDA plugin is built (the extension reports why not); its archs and
         # nvcc key the plugin's own object directory instead (build_cuda_plugin)
         "cuda": cuda_plan(os.environ.get("TPCORE_SANITIZE", "").strip()).get("why_not", "built"),
+        "mpi": mpi_plan(os.environ.get("TPCORE_SANITIZE", "").strip()).get("why_not", "built"),
     }
 
 
@@ -264,9 +312,11 @@ class BuildExt(build_ext):
         stamp = self._separate_configs(cfg)
         sanitize, debug = cfg["sanitize"], cfg["debug"]
         log(f"compiler: {self.compiler.compiler_so[0] if hasattr(self.compiler, 'compiler_so') else '?'}")
+        mplan = mpi_plan(sanitize)
         log("backends: shm (always); nccl (always built: libnccl is opened at run time, "
-            "TPCORE_NCCL_LIBRARY or the nvidia-nccl wheel); "
-            f"mpi: {'mpicc found, backend not built yet' if detect_mpi() else 'not found'}")
+            "TPCORE_NCCL_LIBRARY or the nvidia-nccl wheel); mpi: "
+            + (f"plugin libtpcore_mpi.so built with {mplan['mpicc']}'s flags" if "why_not" not in mplan
+               else f"no plugin: {mplan['why_not']}"))
         plan = cuda_plan(sanitize)
         if "why_not" in plan:
             log(f"cuda: CPU-only build, no CUDA plugin: {plan['why_not']}")
@@ -301,6 +351,9 @@ class BuildExt(build_ext):
         if "why_not" not in plan:
             cuda_lib = build_cuda_plugin(plan, self._base_temp, self.compiler.compiler_so[0], force=self._user_force,
                                          jobs=self.parallel if isinstance(self.parallel, int) else None)
+        mpi_lib = None
+        if "why_not" not in mplan:
+            mpi_lib = build_mpi_plugin(mplan, self._base_temp, self.compiler.compiler_so[0], force=self._user_force)
         super().build_extensions()
         os.makedirs(os.path.dirname(stamp), exist_ok=True)
         with open(stamp, "w") as f:
@@ -321,9 +374,12 @@ class BuildExt(build_ext):
             dirs.add(os.path.join(HERE, "python", "tpcore", ".libs"))
         for libs_dir in sorted(dirs):
             _place_plugin(libs_dir, cuda_lib)
+            _place_plugin(libs_dir, mpi_lib, "libtpcore_mpi.so")
         if cuda_lib:
             log(f"CUDA plugin: {os.path.basename(cuda_lib)} into {', '.join(sorted(dirs))}")
-        self._cuda_lib = cuda_lib
+        if mpi_lib:
+            log(f"MPI plugin: {os.path.basename(mpi_lib)} into {', '.join(sorted(dirs))}")
+        self._cuda_lib, self._mpi_lib = cuda_lib, mpi_lib
 
     def copy_extensions_to_source(self):
         # `build_ext --inplace` builds in build/ and copies the extension next to the
@@ -333,11 +389,13 @@ class BuildExt(build_ext):
         if vendored:
             _vendor_into(os.path.join(HERE, "python", "tpcore", ".libs"), vendored)
         _place_plugin(os.path.join(HERE, "python", "tpcore", ".libs"), getattr(self, "_cuda_lib", None))
+        _place_plugin(os.path.join(HERE, "python", "tpcore", ".libs"), getattr(self, "_mpi_lib", None),
+                      "libtpcore_mpi.so")
 
 
-def _place_plugin(libs_dir, lib):
-    """Copies the CUDA plugin into libs_dir, or removes a previous build's there (lib None)."""
-    dst = os.path.join(libs_dir, "libtpcore_cuda.so")
+def _place_plugin(libs_dir, lib, name="libtpcore_cuda.so"):
+    """Copies a plugin (the CUDA one, or name) into libs_dir, or removes a previous build's there (lib None)."""
+    dst = os.path.join(libs_dir, name)
     if lib:
         os.makedirs(libs_dir, exist_ok=True)
         tmp = dst + ".tmp"

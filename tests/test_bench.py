@@ -1,8 +1,13 @@
 """The collectives benchmark runs end to end (quick mode, no peers), prints
 the nccl-tests columns and writes JSON whose correctness column is all zero."""
 import json
+import shutil
 import subprocess
 import sys
+
+import pytest
+
+from tpcore import _C
 
 
 def test_collectives_benchmark_quick(tmp_path):
@@ -20,6 +25,22 @@ def test_collectives_benchmark_quick(tmp_path):
     assert all(row["wrong"] == 0 for row in rows)
     assert all(row["time_us"] > 0 for row in rows)
     assert data["memcpy"], "the memcpy reference line is missing"
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None or _C.Comm.probe("mpi") is not None,
+                    reason=f"mpirun or the mpi backend is missing: {_C.Comm.probe('mpi')}")
+def test_collectives_benchmark_shm_vs_mpi(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "collectives", "-n", "2", "--quick", "--no-registered",
+                        "--max-bytes", "64K", "--peers", "tpcore-mpi", "--no-progress", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "-- tpcore mpi" in r.stdout and "tpcore mpi" in r.stdout.split("Summary")[1]
+    data = json.loads(out.read_text())
+    assert data["peers"]["tpcore-mpi"]["measured"] and data["peers"]["tpcore-mpi"]["info"]["backend"] == "mpi"
+    rows = [row for row in data["rows"] if row["impl"] == "tpcore-mpi"]
+    assert {row["op"] for row in rows} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    assert all(row["wrong"] == 0 and row["time_us"] > 0 for row in rows)
 
 
 def test_layers_benchmark_quick(tmp_path):

@@ -67,7 +67,7 @@ def cuda_usable():
 
 
 def test_backends_listed():
-    assert tpcore.build_info()["backends"] == ["shm", "nccl"]
+    assert tpcore.build_info()["backends"] == ["shm", "nccl", "mpi"]
 
 
 def test_no_library_at_the_override():
@@ -129,12 +129,12 @@ def test_auto_falls_back_to_shm(tmp_path, which):
 
 def test_probe_names_unknown_backends():
     assert tpcore._C.Comm.probe("shm") is None
-    why = tpcore._C.Comm.probe("mpi")
-    assert why == "backend 'mpi' is not available in this build (available: shm, nccl)"
+    why = tpcore._C.Comm.probe("gloo")
+    assert why == "backend 'gloo' is not available in this build (available: shm, nccl, mpi)"
 
 
 def test_unknown_backend_is_a_value_error():
-    with pytest.raises(ValueError, match=r"init: backend must be one of 'auto', 'shm', 'nccl', got 'gloo'"):
+    with pytest.raises(ValueError, match=r"init: backend must be one of 'auto', 'shm', 'nccl', 'mpi', got 'gloo'"):
         tpcore.init(backend="gloo")
 
 

@@ -17,10 +17,14 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
  * whether this machine can run it. */
 tp_status_t tp_nccl_comm_init(struct tp_comm *comm, const char *comm_id, int world_comm);
 tp_status_t tp_nccl_usable(void);
+/* MPI lives in a plugin (mpi_load.c opens libtpcore_mpi.so, built when mpicc was found). */
+tp_status_t tp_mpi_comm_init(struct tp_comm *comm, const char *comm_id, int world_comm);
+tp_status_t tp_mpi_usable(void);
 
 static const tp_backend_entry backends[] = {
     {"shm", tp_shm_comm_init, NULL},
     {"nccl", tp_nccl_comm_init, tp_nccl_usable},
+    {"mpi", tp_mpi_comm_init, tp_mpi_usable},
 };
 
 #define NUM_BACKENDS (sizeof backends / sizeof backends[0])

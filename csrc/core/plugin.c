@@ -68,15 +68,18 @@ static void *try_plugin(const char *path, char *tried, size_t cap, char *bad, si
   return NULL;
 }
 
-static void *open_plugin(const char *path) {
+/* A separately built plugin (what: "CUDA plugin"; soname: libtpcore_cuda.so): path when
+ * given, else $env_name when set (either one is then the only place tried), else beside the
+ * loaded core (<dir>/.libs/, <dir>/) and the loader path.  NULL with the error set. */
+void *tp_plugin_open(const char *what, const char *env_name, const char *soname, const char *path) {
   dlerror();
   if (!path || !*path) {
-    const char *env = getenv("TPCORE_CUDA_PLUGIN");
+    const char *env = getenv(env_name);
     if (env && *env) {
       void *h = dlopen(env, RTLD_NOW | RTLD_LOCAL);
       if (h) return h;
       const char *err = dlerror();
-      tp_set_error(TP_ERR_UNSUPPORTED, "cannot load the CUDA plugin from TPCORE_CUDA_PLUGIN=%s: %s", env,
+      tp_set_error(TP_ERR_UNSUPPORTED, "cannot load the %s from %s=%s: %s", what, env_name, env,
                    err ? err : "unknown dlopen error");
       return NULL;
     }
@@ -84,30 +87,34 @@ static void *open_plugin(const char *path) {
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (h) return h;
     const char *err = dlerror();
-    tp_set_error(TP_ERR_UNSUPPORTED, "cannot load the CUDA plugin %s: %s", path, err ? err : "unknown dlopen error");
+    tp_set_error(TP_ERR_UNSUPPORTED, "cannot load the %s %s: %s", what, path, err ? err : "unknown dlopen error");
     return NULL;
   }
   char tried[1024] = "", bad[512] = "", file[1024];
   Dl_info info;
-  if (dladdr((void *)tp_cuda_load, &info) && info.dli_fname && strchr(info.dli_fname, '/')) {
+  if (dladdr((void *)tp_plugin_open, &info) && info.dli_fname && strchr(info.dli_fname, '/')) {
     char dir[1024];
     snprintf(dir, sizeof dir, "%s", info.dli_fname);
     *strrchr(dir, '/') = '\0';
     const char *subs[] = {"/.libs/", "/"};
     for (int i = 0; i < 2; i++) {
-      if ((size_t)snprintf(file, sizeof file, "%s%s%s", dir, subs[i], TP_CUDA_PLUGIN_SONAME) >= sizeof file) continue;
+      if ((size_t)snprintf(file, sizeof file, "%s%s%s", dir, subs[i], soname) >= sizeof file) continue;
       void *h = try_plugin(file, tried, sizeof tried, bad, sizeof bad);
       if (h) return h;
     }
   }
-  void *h = try_plugin(TP_CUDA_PLUGIN_SONAME, tried, sizeof tried, bad, sizeof bad);
+  void *h = try_plugin(soname, tried, sizeof tried, bad, sizeof bad);
   if (h) return h;
   if (bad[0])
-    tp_set_error(TP_ERR_UNSUPPORTED, "the CUDA plugin was found but did not load: %s (tried %s)", bad, tried);
+    tp_set_error(TP_ERR_UNSUPPORTED, "the %s was found but did not load: %s (tried %s)", what, bad, tried);
   else
-    tp_set_error(TP_ERR_UNSUPPORTED, "this build has no CUDA plugin (tried %s; TPCORE_CUDA_PLUGIN names "
-                 "another file)", tried);
+    tp_set_error(TP_ERR_UNSUPPORTED, "this build has no %s (tried %s; %s names another file)", what, tried,
+                 env_name);
   return NULL;
+}
+
+static void *open_plugin(const char *path) {
+  return tp_plugin_open("CUDA plugin", "TPCORE_CUDA_PLUGIN", TP_CUDA_PLUGIN_SONAME, path);
 }
 
 static const char *where(void *h, const char *fallback) {

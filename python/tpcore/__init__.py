@@ -56,7 +56,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "DeviceArray", "asarray", "from_dlpack", "convert", "ProcessGrid", "average_gradients", "PipelineLM", "stage_partition",
            "__version__"]
 
-_BACKENDS = ("auto", "shm", "nccl")
+_BACKENDS = ("auto", "shm", "nccl", "mpi")
 
 
 def build_info() -> dict:
@@ -132,12 +132,24 @@ def _settle_seconds(info) -> float:
     return wait
 
 
-def _choose_backend(backend: str) -> str:
-    """"nccl" when asked for and usable (else CommError with the reason), "shm" when
-    asked for; "auto": nccl when usable here, else shm (the same answer on every
+def _choose_backend(backend: str, info) -> str:
+    """"nccl" / "mpi" when asked for and usable (else CommError with the reason), "shm" when
+    asked for; "auto": $TPCORE_BACKEND when set, else mpi when mpirun started ranks that do
+    not all share this host, else nccl when usable here, else shm (the same answer on every
     rank of a host: it depends on the machine and the environment only)."""
+    if backend == "auto":
+        backend = os.environ.get("TPCORE_BACKEND", "") or "auto"
+        if backend not in _BACKENDS:
+            raise ValueError(f"init: TPCORE_BACKEND must be one of {', '.join(map(repr, _BACKENDS))}, "
+                             f"got {backend!r}")
     if backend == "shm":
         return "shm"
+    if backend == "mpi" or (backend == "auto" and info.source == "openmpi"
+                            and info.local_world_size != info.world_size):
+        why = _C.Comm.probe("mpi")
+        if why is not None:
+            raise CommError(f"init: {why}")
+        return "mpi"
     why = _C.Comm.probe("nccl")
     if backend == "nccl":
         if why is not None:
@@ -156,26 +168,30 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
 
     backend  "shm" (shared memory among the ranks of one host, host arrays; device
              arrays are staged through host memory), "nccl" (one rank per GPU,
-             device arrays, the NCCL library loaded at run time), or "auto":
-             nccl when CUDA and NCCL are usable here with one GPU per local rank,
-             else shm.  Comm.backend says which was chosen.
+             device arrays, the NCCL library loaded at run time), "mpi" (host
+             arrays, ranks on any hosts, the job started by mpirun or
+             `python -m tpcore.launch --backend mpi`; needs the MPI plugin, built
+             when mpicc was found), or "auto": $TPCORE_BACKEND when set, else mpi
+             when mpirun started ranks on several hosts, else nccl when CUDA and
+             NCCL are usable here with one GPU per local rank, else shm.
+             Comm.backend says which was chosen.
     timeout  seconds any one wait may take before CommTimeout (default: the
              TPCORE_TIMEOUT variable, else 300).
     """
     if backend not in _BACKENDS:
-        raise ValueError(f"init: backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r} "
-                         f"(mpi is not built into this version)")
+        raise ValueError(f"init: backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}")
     from ._args import int_arg, real_arg
     if timeout is not None:
         timeout = real_arg(timeout, "init", "timeout", lo=0, lo_open=True, finite=False)
     if spin_us is not None:
         spin_us = int_arg(spin_us, "init", "spin_us", lo=0, hi=10**6)
     info = _env.detect()
-    if info.local_world_size != info.world_size:
+    chosen = _choose_backend(backend, info)
+    if info.local_world_size != info.world_size and chosen != "mpi":
         raise CommError(f"init: the {info.world_size} ranks span several hosts ({info.local_world_size} on "
                         f"this one, from {info.source} variables); the shm backend (and nccl, whose id "
-                        f"travels over it) needs all ranks on one host")
-    chosen = _choose_backend(backend)
+                        f"travels over it) needs all ranks on one host (the mpi backend does not: "
+                        f"init(backend='mpi') under mpirun)")
     settle = _settle_seconds(info)
     c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), chosen,
                 -1 if spin_us is None else int(spin_us))

@@ -13,6 +13,13 @@ Ranks die with the launcher (PR_SET_PDEATHSIG), so none is ever orphaned.
 visible GPU> and LOCAL_RANK=r, so device="cuda" in the rank is its own GPU.
 Without -n, --gpus or TPCORE_NPROC, a machine where CUDA is usable starts one rank
 per visible GPU.  Asking for more GPUs than are visible is an error.
+
+--backend mpi hands the job to Open MPI: the launcher execs
+`mpirun -n N --oversubscribe [--tag-output] python -u script.py ...` with
+TPCORE_BACKEND=mpi (and TPCORE_TIMEOUT, PYTHONPATH passed on with -x), so
+tpcore.init() reads mpirun's OMPI_COMM_WORLD_* and uses the mpi backend; mpirun
+then stops the job when a rank fails.  Other --backend values set TPCORE_BACKEND
+for tpcore.init(backend="auto").
 """
 from __future__ import annotations
 
@@ -51,12 +58,14 @@ def _parse(argv):
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
+    p.add_argument("--backend", choices=("auto", "shm", "nccl", "mpi"), default=None,
+                   help="the backend tpcore.init() picks (sets TPCORE_BACKEND); mpi starts the ranks with mpirun")
     p.add_argument("-m", dest="module", default=None, help="run a module as a script, like python -m")
     p.add_argument("args", nargs=argparse.REMAINDER, help="script and its arguments")
     # Everything after the module name (or the script) belongs to it, options included
     # (`-m tpcore.demo --iters 2`): argparse alone would take `--iters` as the launcher's.
     argv = list(sys.argv[1:] if argv is None else argv)
-    takes_value = {"-n", "--nproc", "--gpus", "--timeout", "--grace"}
+    takes_value = {"-n", "--nproc", "--gpus", "--timeout", "--grace", "--backend"}
     i, tail = 0, []
     while i < len(argv):
         a = argv[i]
@@ -152,8 +161,40 @@ def _stop_all(procs, grace):
             p.wait()
 
 
+def _exec_mpirun(ns) -> int:
+    """--backend mpi: replaces this process with mpirun running the job (returns only on error)."""
+    import shutil
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        print("tpcore.launch: --backend mpi needs mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)",
+              file=sys.stderr)
+        return 2
+    if ns.gpu_ids is not None:
+        print("tpcore.launch: --gpus is not supported with --backend mpi (the mpi backend takes host arrays)",
+              file=sys.stderr)
+        return 2
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TPCORE_JOB_ID")}
+    env.update(TPCORE_BACKEND="mpi", PYTHONUNBUFFERED="1")
+    if ns.timeout is not None:
+        env["TPCORE_TIMEOUT"] = str(ns.timeout)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root unless told twice
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [mpirun, "-n", str(ns.nproc), "--oversubscribe"] + ([] if ns.no_prefix else ["--tag-output"])
+    for var in ("TPCORE_BACKEND", "TPCORE_TIMEOUT", "PYTHONPATH", "PYTHONUNBUFFERED"):
+        if var in env:
+            cmd += ["-x", var]
+    cmd += [sys.executable, "-u"] + (["-m", ns.module] if ns.module is not None else []) + ns.args
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(mpirun, cmd, env)
+    return 2  # not reached
+
+
 def run(argv=None) -> int:
     ns = _parse(sys.argv[1:] if argv is None else argv)
+    if ns.backend == "mpi":
+        return _exec_mpirun(ns)
     n = ns.nproc
     job = "ln" + secrets.token_hex(8)
     if ns.module is not None:
@@ -165,6 +206,8 @@ def run(argv=None) -> int:
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1"})
     if ns.timeout is not None:
         base["TPCORE_TIMEOUT"] = str(ns.timeout)
+    if ns.backend is not None:
+        base["TPCORE_BACKEND"] = ns.backend
     procs = []
     stopping = {"signal": None}
     # Removes the job's shared-memory names once the launcher and every rank are

@@ -6,6 +6,12 @@ Every rank runs the shared `sweep` with mpi4py on NumPy buffers
 (Allreduce / Allgather / Reduce_scatter_block with MPI_IN_PLACE, Bcast);
 rank 0 gathers all ranks' rows and writes them, with the MPI library version,
 to OUT.json.
+
+    mpirun -n N python -m tpcore.bench._mpi_peer PLAN.json OUT.json --tpcore
+
+runs tpcore's own sweep (TpcoreImpl, private arrays) on tpcore.init(backend="mpi")
+instead; every rank writes its rows to OUT.json.<rank> and rank 0 joins them into
+OUT.json once a barrier says all are written.
 """
 from __future__ import annotations
 
@@ -56,6 +62,8 @@ def main(argv=None) -> int:
         return 2
     plan_file, out_file = argv[0], argv[1]
     progress = "--no-progress" not in argv[2:]
+    if "--tpcore" in argv[2:]:
+        return _tpcore_main(plan_file, out_file, progress)
     import mpi4py
     from mpi4py import MPI
 
@@ -76,6 +84,31 @@ def main(argv=None) -> int:
                "mpi4py": mpi4py.__version__, "nranks": comm.Get_size()}
         with open(out_file, "w") as f:
             json.dump(out, f)
+    return 0
+
+
+def _tpcore_main(plan_file: str, out_file: str, progress: bool) -> int:
+    import os
+
+    import tpcore
+    from ._tpcore import TpcoreImpl
+
+    comm = tpcore.init(backend="mpi")
+    with open(plan_file) as f:
+        plan = Plan.from_json(json.load(f))
+    rows = sweep(TpcoreImpl(comm, plan), plan, Progress(progress))
+    with open(f"{out_file}.{comm.rank}", "w") as f:
+        json.dump(rows, f)
+    comm.barrier()
+    if comm.rank == 0:
+        ranks = []
+        for r in range(comm.size):
+            with open(f"{out_file}.{r}") as f:
+                ranks.append(json.load(f))
+            os.remove(f"{out_file}.{r}")
+        with open(out_file, "w") as f:
+            json.dump({"ranks": ranks, "nranks": comm.size, "backend": comm.backend}, f)
+    comm.close()
     return 0
 
 

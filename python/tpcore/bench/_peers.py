@@ -6,6 +6,8 @@ gloo  torch.distributed with the gloo backend, on processes started with
 mpi   mpi4py over the local MPI (Open MPI), as a subprocess
       `mpirun --allow-run-as-root --oversubscribe -n N python -m
       tpcore.bench._mpi_peer PLAN OUT` whose rank 0 writes JSON.
+tpcore-mpi  tpcore itself on its mpi backend (the MPI plugin), under the same
+      mpirun (`_mpi_peer --tpcore`): the shm-vs-mpi rows of the tables.
 
 Both run the same `sweep` as tpcore (same timing method and check), on
 ordinary NumPy arrays (torch tensors sharing them, for gloo), in place like
@@ -39,7 +41,7 @@ import numpy as np
 from .. import _cleanup
 from ._sweep import Case, Impl, Plan, Progress, combine, sweep
 
-PEERS = ("gloo", "mpi")
+PEERS = ("gloo", "mpi", "tpcore-mpi")
 
 
 @dataclass
@@ -62,6 +64,11 @@ def availability(name: str, mpirun: str = "mpirun") -> Optional[str]:
         if shutil.which(mpirun) is None:
             return f"{mpirun} is not on PATH (install Open MPI: openmpi-bin)"
         return None
+    if name == "tpcore-mpi":
+        if shutil.which(mpirun) is None:
+            return f"{mpirun} is not on PATH (install Open MPI: openmpi-bin)"
+        from .. import _C
+        return _C.Comm.probe("mpi")
     raise ValueError(f"unknown peer {name!r}")
 
 
@@ -246,8 +253,9 @@ def run_gloo(n: int, plan: Plan, timeout: float, progress: bool) -> PeerResult:
 # ---------------------------------------------------------------------- MPI
 
 def run_mpi(n: int, plan: Plan, timeout: float, progress: bool, mpirun: str = "mpirun",
-            extra_args: str = "") -> PeerResult:
-    if plan.dtype in ("float16", "bfloat16"):
+            extra_args: str = "", name: str = "mpi") -> PeerResult:
+    """mpi4py's sweep (name "mpi"), or tpcore's on its mpi backend (name "tpcore-mpi")."""
+    if plan.dtype in ("float16", "bfloat16") and name == "mpi":
         return PeerResult("mpi", note=f"MPI has no standard {plan.dtype} type; not measured")
     with tempfile.TemporaryDirectory(prefix="tpcore-bench-mpi-") as tmp:
         plan_file = os.path.join(tmp, "plan.json")
@@ -256,7 +264,7 @@ def run_mpi(n: int, plan: Plan, timeout: float, progress: bool, mpirun: str = "m
             json.dump(_peer_plan(plan).to_json(), f)
         cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", str(n), *shlex.split(extra_args),
                sys.executable, "-m", "tpcore.bench._mpi_peer", plan_file, out_file,
-               "--progress" if progress else "--no-progress"]
+               "--progress" if progress else "--no-progress"] + (["--tpcore"] if name == "tpcore-mpi" else [])
         # The ranks' stdout goes to our stderr: our stdout carries only the tables.
         # Own session (so we can stop mpirun and its ranks as a group); SIGTERM
         # to mpirun if we die, which makes it stop its ranks.
@@ -266,19 +274,19 @@ def run_mpi(n: int, plan: Plan, timeout: float, progress: bool, mpirun: str = "m
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            return PeerResult("mpi", note=f"mpirun did not finish within {timeout:.0f} s; stopped",
+            return PeerResult(name, note=f"mpirun did not finish within {timeout:.0f} s; stopped",
                               info={"command": shlex.join(cmd)})
         finally:
             if proc.poll() is None:  # KeyboardInterrupt and the like
                 _kill_group(proc)
         if rc != 0 or not os.path.exists(out_file):
-            return PeerResult("mpi", note=f"mpirun exited with code {rc} (its messages are above on stderr)",
+            return PeerResult(name, note=f"mpirun exited with code {rc} (its messages are above on stderr)",
                               info={"command": shlex.join(cmd)})
         with open(out_file) as f:
             out = json.load(f)
     info = {k: v for k, v in out.items() if k != "ranks"}
     info["command"] = shlex.join(cmd)
-    return PeerResult("mpi", rows=combine("mpi", n, plan.dtype, out["ranks"]), info=info)
+    return PeerResult(name, rows=combine(name, n, plan.dtype, out["ranks"]), info=info)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -305,6 +313,6 @@ def run_peer(name: str, n: int, plan: Plan, timeout: float, progress: bool, mpir
     if name == "gloo":
         res = run_gloo(n, plan, timeout, progress)
     else:
-        res = run_mpi(n, plan, timeout, progress, mpirun, mpi_args)
+        res = run_mpi(n, plan, timeout, progress, mpirun, mpi_args, name)
     res.info["seconds"] = round(time.perf_counter() - t0, 1)
     return res

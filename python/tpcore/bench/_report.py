@@ -11,7 +11,7 @@ from ._sweep import human_bytes
 
 # (impl, mode, label) in the order tables, summaries and plots show them.
 SERIES = (("tpcore", "private", "tpcore private"), ("tpcore", "registered", "tpcore registered"),
-          ("gloo", "private", "gloo"), ("mpi", "private", "mpi"))
+          ("tpcore-mpi", "private", "tpcore mpi"), ("gloo", "private", "gloo"), ("mpi", "private", "mpi"))
 
 
 def _version(dist: str) -> Optional[str]:
@@ -58,6 +58,8 @@ def print_header(env: dict, args, plan, peer_names: List[str], mpirun: str) -> N
                 parts.append(f"{name}: skipped, {why}")
             elif name == "gloo":
                 parts.append(f"gloo: torch {_version('torch')}, 1 thread per rank")
+            elif name == "tpcore-mpi":
+                parts.append(f"tpcore-mpi: tpcore's mpi backend via {mpirun}")
             else:
                 parts.append(f"mpi: mpi4py {_version('mpi4py')} via {mpirun}"
                              f"{' ' + args.mpi_args if args.mpi_args else ''}")
@@ -270,6 +272,7 @@ def plot(path: str, rows: List[dict], memcpy: List[dict], plan, n: int, env: dic
     nrows = (len(ops) + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.2 * nrows), squeeze=False)
     styles = {"tpcore private": dict(color="C0", marker="o"), "tpcore registered": dict(color="C3", marker="s"),
+              "tpcore mpi": dict(color="C4", marker="D", linestyle="--"),
               "gloo": dict(color="C2", marker="^", linestyle="--"), "mpi": dict(color="C1", marker="v",
                                                                             linestyle="-.")}
     for k, op in enumerate(ops):

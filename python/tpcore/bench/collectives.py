@@ -135,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-registered", dest="registered", action="store_false", default=True,
                    help="private arrays only (same as --mode private)")
     p.add_argument("--peers", type=_peers, default="auto",
-                   help="auto (default: every peer that is installed), none, or a list of gloo,mpi")
+                   help="auto (default: every peer that is installed), none, or a list of gloo,mpi,tpcore-mpi")
     p.add_argument("--mpirun", default="mpirun", help="mpirun command for the MPI peer")
     p.add_argument("--mpi-args", default="", help="extra mpirun arguments, e.g. --mpi-args='--bind-to none'")
     p.add_argument("--json", metavar="FILE", help="write environment, configuration and all rows as JSON")
@@ -292,7 +292,7 @@ def _run_loaded(args, plan, peer_names, env, load, rank_main, tpcore) -> int:
         print(f"# wrote {args.json}")
     if args.plot:
         _report.plot(args.plot, rows, memcpy, plan, args.nranks, env, args.factor)
-    bad = [r for r in rows if r["impl"] == "tpcore" and r.get("wrong")]
+    bad = [r for r in rows if r["impl"] in ("tpcore", "tpcore-mpi") and r.get("wrong")]
     return 1 if bad else 0
 
 
