@@ -2,7 +2,8 @@
 pair (tests/netns.py), Open MPI started inside the first one with an rsh agent that enters the
 other (`ip netns exec`), tcp as the only transport between ranks, on the namespaces' own addresses.
 Four ranks, two per host, one TransformerLM split over all four on the mpi backend: its logits and
-greedy tokens equal world 1's.  (shm cannot span hosts; the whole job runs on mpi: no hierarchical
+greedy tokens equal world 1's; then the same model as two pipeline stages, one per host, each 2-way
+tensor parallel: its training loss and greedy tokens equal world 1's.  (shm cannot span hosts; the whole job runs on mpi: no hierarchical
 shm-within-a-host collectives in this version.)  Skips with the reason where namespaces cannot be
 made (no root, no iproute2) or the mpi backend is not built."""
 import json
@@ -48,14 +49,16 @@ def _agent(path, hosts):
 
 def _world1(comm, tokens, prompts):
     model = tpcore.models.TransformerLM(tpcore.Config(**CFG), comm, seed=7)
-    return model.logits(np.array(tokens, np.int64)), np.array(model.generate(prompts, max_new_tokens=5))
+    t = np.array(tokens, np.int64)
+    logits, gen = model.logits(t), np.array(model.generate(prompts, max_new_tokens=5))
+    return logits, gen, model.loss(t, np.roll(t, -1, 1))
 
 
-def test_tp_model_across_two_hosts_equals_world_1(tmp_path):
+def test_tp_and_pp_model_across_two_hosts_equals_world_1(tmp_path):
     g = rng_for(31, 0)
     tokens = g.integers(0, CFG["vocab_size"], (2, 9)).tolist()
     prompts = g.integers(0, CFG["vocab_size"], (2, 4)).tolist()
-    want_logits, want_gen = run(_world1, 1, tokens, prompts)[0]
+    want_logits, want_gen, want_loss = run(_world1, 1, tokens, prompts)[0]
     out = tmp_path / "out"
     out.mkdir()
     with netns.hosts_or_skip(2) as hosts:
@@ -93,3 +96,5 @@ def test_tp_model_across_two_hosts_equals_world_1(tmp_path):
         assert int(r["world"]) == 4 and str(r["backend"]) == "mpi" and float(r["total"]) == 10.0
         assert np.allclose(r["logits"], want_logits, rtol=1e-4, atol=1e-5), float(np.abs(r["logits"] - want_logits).max())
         assert r["gen"].tolist() == want_gen.tolist()
+        assert r["pp_gen"].tolist() == want_gen.tolist()            # TP x PP = 2 x 2, a stage per host
+        assert np.isclose(float(r["pp_loss"]), want_loss, rtol=1e-5)
