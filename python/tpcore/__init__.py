@@ -41,6 +41,7 @@ from .transformer import Config, ParallelAttention, TransformerBlock
 from . import models
 from .spawn import RankExitedError, spawn
 from .grid import ProcessGrid, average_gradients
+from .store import Store
 from ._array import DeviceArray, from_dlpack
 from ._array import asarray_device as asarray
 
@@ -52,7 +53,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "set_num_threads", "get_num_threads", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "partition", "optim",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
-           "DeviceArray", "asarray", "from_dlpack", "convert", "ProcessGrid", "average_gradients", "__version__"]
+           "DeviceArray", "asarray", "from_dlpack", "convert", "ProcessGrid", "average_gradients", "Store", "__version__"]
 
 _BACKENDS = ("auto", "shm", "nccl")
 
