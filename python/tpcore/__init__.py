@@ -170,10 +170,12 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
     if spin_us is not None:
         spin_us = int_arg(spin_us, "init", "spin_us", lo=0, hi=10**6)
     info = _env.detect()
-    if info.local_world_size != info.world_size:
-        raise CommError(f"init: the {info.world_size} ranks span several hosts ({info.local_world_size} on "
-                        f"this one, from {info.source} variables); the shm backend (and nccl, whose id "
-                        f"travels over it) needs all ranks on one host")
+    if info.multi_host and backend != "mpi":
+        raise CommError(f"init: the {info.world_size} ranks span {info.nnodes} hosts ({info.local_world_size} on "
+                        f"this one, from {info.source} variables) but backend {backend!r} needs all ranks on one "
+                        f"host: shm shares memory, which cannot span hosts (nccl's checks and split travel over "
+                        f"shm in this version); use backend=\"mpi\" (nccl across hosts: its unique id can "
+                        f"travel over the job's store, tpcore.Store, but the rest is not built yet)")
     chosen = _choose_backend(backend)
     settle = _settle_seconds(info)
     c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), chosen,
