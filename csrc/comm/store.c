@@ -702,7 +702,11 @@ static void *serve(void *arg) {
       slog(sv, "poll failed: %s; the store stops serving", strerror(errno));
       break;
     }
-    if (pf[0].revents) break; /* close */
+    if (pf[0].revents) { /* close: the replies already due go out (one try, never blocking) */
+      for (int i = 0; i < sv->nconns; i++)
+        if (sv->conns[i].out_len) on_writable(sv, &sv->conns[i], now);
+      break;
+    }
     now = tp_now();
     for (int i = 0; i < nconns; i++) {
       conn_t *c = &sv->conns[i];

@@ -155,6 +155,28 @@ class Multinode:
     def join(self) -> dict:
         """Forms the job with the other launchers; the variables of this node's ranks."""
         self._connect()
+        try:
+            return self._join()
+        except MultinodeError:
+            if self.node == 0:
+                self._linger_abort()
+            raise
+
+    def _linger_abort(self, limit: float = 5.0) -> None:
+        """Node 0 after the job was refused: keeps the store up until every other node that
+        joined has read why (at most `limit` s)."""
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            try:
+                joined = sum(self.store.try_get(f"{PREFIX}claim/{k}") is not None for k in range(1, self.nnodes))
+                seen = int(self.store.try_get(PREFIX + "abort_seen") or 0)
+            except Exception:  # noqa: BLE001
+                return
+            if seen >= joined:
+                return
+            time.sleep(0.05)
+
+    def _join(self) -> dict:
         s = self.store
         me = f"node {self.node} (host {socket.gethostname()}, pid {os.getpid()})"
         n = s.add(f"{PREFIX}claim/{self.node}", 1)
@@ -162,6 +184,8 @@ class Multinode:
             first = s.try_get(f"{PREFIX}node/{self.node}")
             other = json.loads(first) if first else None
             who = f"host {other['host']}, pid {other['pid']}" if other else "another launcher"
+            if self.node != 0:
+                s.add(PREFIX + "abort_seen", 1)  # this one knows why
             self._abort(f"node rank {self.node} was given to two launchers ({who}, and {me}): each node needs "
                         f"its own --node-rank in 0..{self.nnodes - 1}")
         s.set(f"{PREFIX}node/{self.node}", json.dumps(self._post()))
@@ -169,6 +193,8 @@ class Multinode:
         while True:
             bad = s.try_get(PREFIX + "abort")
             if bad is not None:
+                if self.node != 0:
+                    s.add(PREFIX + "abort_seen", 1)
                 raise MultinodeError(bad.decode())
             if self.node == 0:
                 posts = {k: s.try_get(f"{PREFIX}node/{k}") for k in range(self.nnodes)}

@@ -375,7 +375,10 @@ def _multinode_join(ns):
         mn.join()
         return mn
     except (MultinodeError, CommError, ValueError, OSError) as e:
-        sys.stderr.write(f"tpcore.launch: node {ns.node_rank}: {e}\n")
+        hint = ""
+        if ns.node_rank == 0 and "already in use" in str(e):
+            hint = " (is another launcher already node 0 of this job, or another job on this port?)"
+        sys.stderr.write(f"tpcore.launch: node {ns.node_rank}: {e}{hint}\n")
         mn.close()
         return None
 
