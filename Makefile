@@ -1,6 +1,6 @@
 # The C core without Python: libtpcore.a and the C tests.
 #   make                 build/libtpcore.a and the C tests (test_comm, test_layers, test_kernels,
-#                        test_api_hostile)
+#                        test_api_hostile, test_store)
 #   make SANITIZE=1      the same under ASan + UBSan (in build-san/)
 #   make test            run the C tests (world sizes 1-4)
 #   make CUDA=1          also build/libtpcore_cuda.so, the CUDA plugin (nvcc; CUDA_ARCHS="80 90" by
@@ -43,7 +43,7 @@ FAKE_NCCL := $(BUILD)/fake_nccl/old/libnccl.so.2 $(BUILD)/fake_nccl/nosym/libncc
              $(BUILD)/fake_nccl/good/libnccl.so.2 $(BUILD)/fake_nccl/home/lib64/libnccl.so.2
 
 all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_kernels $(BUILD)/test_api_hostile \
-     $(BUILD)/test_nccl $(FAKE_NCCL) $(if $(filter 1,$(CUDA)),$(BUILD)/libtpcore_cuda.so)
+     $(BUILD)/test_store $(BUILD)/test_nccl $(FAKE_NCCL) $(if $(filter 1,$(CUDA)),$(BUILD)/libtpcore_cuda.so)
 
 # The CUDA plugin (CUDA=1): .cu files by nvcc, .c files (and core/dtype.c, dynlib_sym.c) by cc, the CUDA
 # runtime linked statically, every symbol hidden but the entry (csrc/cuda/plugin_abi.h).
@@ -81,6 +81,10 @@ $(BUILD)/libtpcore.a: $(CORE_OBJ)
 	ar rcs $@ $^
 
 $(BUILD)/test_comm: csrc/tests/test_comm.c $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+
+# The rendezvous store (csrc/comm/store.c) from C: threads, timeouts, hostile sockets.
+$(BUILD)/test_store: csrc/tests/test_store.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
 $(BUILD)/test_layers: csrc/tests/test_layers.c $(BUILD)/libtpcore.a
@@ -126,6 +130,7 @@ test: all
 	$(abspath $(BUILD))/test_layers
 	$(abspath $(BUILD))/test_kernels
 	$(abspath $(BUILD))/test_api_hostile
+	$(abspath $(BUILD))/test_store
 	TPCORE_TEST_FAKE_NCCL=$(abspath $(BUILD))/fake_nccl $(abspath $(BUILD))/test_nccl
 
 clean:

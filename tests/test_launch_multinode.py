@@ -308,3 +308,9 @@ def test_launchers_across_namespaces(tmp_path):
         runs = finish(procs)
         assert [rc for rc, _, _ in runs] == [7, 7], runs
         assert "node 1: rank 2 exited with code 7" in runs[0][2]
+
+
+def test_no_secret_files_left_behind():
+    from tpcore._multinode import secret_path
+    d = os.path.dirname(secret_path("127.0.0.1", 1))
+    assert not os.path.exists(d) or os.listdir(d) == []

@@ -379,3 +379,26 @@ def test_close_leaks_no_fds_or_threads():
         s.close()
         sock.close()
     assert fds() == f0 and tasks() == t0
+
+
+# ------------------------------------------------------------------ the C API, under sanitizers
+
+@pytest.mark.parametrize("sanitize", [False, True])
+def test_c_store_program(tmp_path, sanitize):
+    """csrc/tests/test_store.c against csrc/comm/store.c alone (no Python), plain and under
+    ASan + UBSan (leaks included): compiled directly, so it takes seconds."""
+    import shutil
+    from c_binaries import ROOT, run
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "test_store"
+    flags = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+             "-fno-sanitize-recover=undefined"] if sanitize else ["-O2"]
+    srcs = [ROOT / "csrc/tests/test_store.c", ROOT / "csrc/comm/store.c", ROOT / "csrc/core/status.c"]
+    r = subprocess.run([cc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-D_GNU_SOURCE",
+                        f"-I{ROOT / 'csrc/include'}", *flags, *map(str, srcs), "-o", str(exe), "-lpthread"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = run(exe, timeout=120)
+    assert r.returncode == 0 and "5 passed, 0 failed" in r.stdout, r.stdout + r.stderr

@@ -57,9 +57,15 @@ def _private_dir(path: str) -> None:
 
 
 def _write_secret(path: str, secret: str) -> None:
-    _private_dir(path)
     tmp = f"{path}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    for attempt in range(3):  # another launcher's close may remove the empty directory meanwhile
+        _private_dir(path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
     with os.fdopen(fd, "w") as f:
         f.write(secret)
     os.replace(tmp, path)
@@ -327,7 +333,8 @@ class Multinode:
                 except Exception:  # noqa: BLE001
                     pass
         if self.secret_file:
-            try:
-                os.unlink(self.secret_file)
-            except OSError:
-                pass
+            for remove, what in ((os.unlink, self.secret_file), (os.rmdir, os.path.dirname(self.secret_file))):
+                try:
+                    remove(what)  # the directory only when no other job's secret is in it
+                except OSError:
+                    pass
