@@ -395,10 +395,11 @@ def test_c_store_program(tmp_path, sanitize):
     exe = tmp_path / "test_store"
     flags = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
              "-fno-sanitize-recover=undefined"] if sanitize else ["-O2"]
-    srcs = [ROOT / "csrc/tests/test_store.c", ROOT / "csrc/comm/store.c", ROOT / "csrc/core/status.c"]
+    srcs = [ROOT / "csrc/tests/test_store.c", ROOT / "csrc/comm/store.c", ROOT / "csrc/comm/store_coll.c",
+            ROOT / "csrc/core/status.c"]
     r = subprocess.run([cc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-D_GNU_SOURCE",
                         f"-I{ROOT / 'csrc/include'}", *flags, *map(str, srcs), "-o", str(exe), "-lpthread"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     r = run(exe, timeout=120)
-    assert r.returncode == 0 and "5 passed, 0 failed" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "6 passed, 0 failed" in r.stdout, r.stdout + r.stderr

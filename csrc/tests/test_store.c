@@ -2,7 +2,8 @@
  * The rendezvous store from C (tpcore/store.h), no Python: operations, 4 client threads
  * (set/get/add/wait/barrier), a get that times out naming its key, a wrong secret, raw
  * hostile sockets (garbage, lengths 2^31 / 2^63 / 0, half a message then silence) while
- * the store keeps serving, a second server on the same port, and no fd left after close.
+ * the store keeps serving, a second server on the same port, no fd left after close, and
+ * the collectives over the store that nccl uses across hosts (store_coll.c).
  * Built by `make` (build/test_store) and by tests/test_store.py under ASan + UBSan.
  */
 #include <arpa/inet.h>
@@ -18,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../comm/store_impl.h" /* the collectives over the store (nccl's id across hosts) */
 #include "tpcore/store.h"
 
 static int passed, failed;
@@ -264,13 +266,89 @@ static int test_no_fd_leak(void) {
   return 0;
 }
 
+/* ---- collectives over the store: what nccl's init and split do when the ranks span hosts */
+
+#define NR 4
+typedef struct {
+  int me, ok;
+  unsigned char id[128];
+  int nrank, nsize;
+} coll_t;
+
+/* A stand-in for ncclGetUniqueId: 128 recognizable bytes, different per call. */
+static void fake_unique_id(unsigned char *id) {
+  static int calls;
+  for (int i = 0; i < 128; i++) id[i] = (unsigned char)(0xA5 ^ (i * 7) ^ (calls * 13));
+  calls++;
+}
+
+static void *coll_worker(void *arg) {
+  coll_t *w = arg;
+  tp_store_t s;
+  if (tp_job_store_open(&s, 10, "test") != TP_SUCCESS) return NULL;
+  if (w->me == 0) fake_unique_id(w->id);
+  int ok = tp_store_bcast(s, "tpcore/nccl/job/world/id", w->me, 0, w->id, sizeof w->id) == TP_SUCCESS;
+  /* colors: even / odd ranks, rank 3 out (NOCOLOR); keys reverse the order */
+  int color = w->me == 3 ? -1 : w->me % 2;
+  ok = ok && tp_store_split_ranks(s, "tpcore/nccl/job/world/split0", w->me, NR, color, -w->me, &w->nrank,
+                                  &w->nsize) == TP_SUCCESS;
+  w->ok = ok;
+  tp_store_close(s);
+  return NULL;
+}
+
+static int test_store_collectives(void) {
+  tp_store_config_t c = config(0, 1, 10);
+  tp_store_t s;
+  CHECK(tp_store_open(&s, &c) == TP_SUCCESS);
+  char port[16];
+  snprintf(port, sizeof port, "%d", tp_store_port(s));
+  unsetenv("MASTER_ADDR");
+  tp_store_t t = NULL;
+  CHECK(tp_job_store_open(&t, 1, "who") == TP_ERR_INVALID_USAGE && strstr(tp_last_error(), "MASTER_ADDR is not set"));
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", "99999", 1);
+  setenv("TPCORE_STORE_SECRET", SECRET, 1);
+  CHECK(tp_job_store_open(&t, 1, "who") == TP_ERR_INVALID_ARGUMENT && strstr(tp_last_error(), "MASTER_PORT"));
+  setenv("MASTER_PORT", port, 1);
+  pthread_t th[NR];
+  coll_t w[NR];
+  memset(w, 0, sizeof w);
+  for (int i = 0; i < NR; i++) {
+    w[i].me = i;
+    CHECK(pthread_create(&th[i], NULL, coll_worker, &w[i]) == 0);
+  }
+  for (int i = 0; i < NR; i++) pthread_join(th[i], NULL);
+  unsigned char want[128];
+  for (int i = 0; i < 128; i++) want[i] = (unsigned char)(0xA5 ^ (i * 7));
+  for (int i = 0; i < NR; i++) {
+    CHECK(w[i].ok);
+    CHECK(memcmp(w[i].id, want, sizeof want) == 0); /* every rank holds rank 0's id */
+  }
+  /* even: ranks 0, 2 with keys 0, -2 -> rank 2 first; odd: rank 1 alone; rank 3: none */
+  CHECK(w[0].nrank == 1 && w[0].nsize == 2 && w[2].nrank == 0 && w[2].nsize == 2);
+  CHECK(w[1].nrank == 0 && w[1].nsize == 1 && w[3].nrank == -1 && w[3].nsize == 0);
+  /* a root that never publishes: the wait names the rank, the root and the key */
+  tp_store_config_t q = config(tp_store_port(s), 0, 0.3);
+  CHECK(tp_store_open(&t, &q) == TP_SUCCESS);
+  unsigned char id[128];
+  CHECK(tp_store_bcast(t, "tpcore/nccl/job/other/id", 2, 0, id, sizeof id) == TP_ERR_TIMEOUT);
+  CHECK(strstr(tp_last_error(), "rank 2 waiting for rank 0's 'tpcore/nccl/job/other/id'"));
+  /* a blob of another size (another version's struct): a mismatch, not garbage */
+  CHECK(tp_store_bcast(t, "tpcore/nccl/job/world/id", 1, 0, id, 64) == TP_ERR_MISMATCH);
+  CHECK(strstr(tp_last_error(), "published 128 bytes"));
+  tp_store_close(t);
+  tp_store_close(s);
+  return 0;
+}
+
 int main(void) {
   struct {
     const char *name;
     int (*fn)(void);
   } tests[] = {{"operations", test_operations}, {"threads", test_threads},
                {"timeout_and_secret", test_timeout_and_secret}, {"hostile", test_hostile},
-               {"no_fd_leak", test_no_fd_leak}};
+               {"no_fd_leak", test_no_fd_leak}, {"store_collectives", test_store_collectives}};
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
     int bad = tests[i].fn();
     printf("%s %s\n", bad ? "FAIL" : "ok  ", tests[i].name);

@@ -160,6 +160,11 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
              else shm.  Comm.backend says which was chosen.
     timeout  seconds any one wait may take before CommTimeout (default: the
              TPCORE_TIMEOUT variable, else 300).
+
+    A job over several hosts (python -m tpcore.launch --nnodes N; the environment says
+    so: TPCORE_NNODES > 1 or LOCAL_WORLD_SIZE < WORLD_SIZE) cannot use shm; nccl then
+    takes its unique id and its splits' ranks from the job's store (tpcore.Store at
+    MASTER_ADDR:MASTER_PORT, secret TPCORE_STORE_SECRET).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"init: backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r} "
@@ -170,13 +175,12 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
     if spin_us is not None:
         spin_us = int_arg(spin_us, "init", "spin_us", lo=0, hi=10**6)
     info = _env.detect()
-    if info.multi_host and backend != "mpi":
-        raise CommError(f"init: the {info.world_size} ranks span {info.nnodes} hosts ({info.local_world_size} on "
-                        f"this one, from {info.source} variables) but backend {backend!r} needs all ranks on one "
-                        f"host: shm shares memory, which cannot span hosts (nccl's checks and split travel over "
-                        f"shm in this version); use backend=\"mpi\" (nccl across hosts: its unique id can "
-                        f"travel over the job's store, tpcore.Store, but the rest is not built yet)")
     chosen = _choose_backend(backend)
+    if info.multi_host and chosen == "shm":
+        raise CommError(f"init: the {info.world_size} ranks span {info.nnodes} hosts ({info.local_world_size} on "
+                        f"this one, from {info.source} variables) but the shm backend needs all ranks on one host (it "
+                        f"shares memory): use backend=\"mpi\" or \"nccl\" (nccl across hosts takes its unique id from "
+                        f"the job's store, which python -m tpcore.launch --nnodes provides)")
     settle = _settle_seconds(info)
     c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), chosen,
                 -1 if spin_us is None else int(spin_us))
