@@ -314,3 +314,65 @@ def test_no_secret_files_left_behind():
     from tpcore._multinode import secret_path
     d = os.path.dirname(secret_path("127.0.0.1", 1))
     assert not os.path.exists(d) or os.listdir(d) == []
+
+
+HANG = """
+import os, time
+print("PID", os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+def wait_for_pids(proc, n, limit=30):
+    pids, end = [], time.monotonic() + limit
+    while len(pids) < n and time.monotonic() < end:
+        line = proc.stdout.readline()
+        if "PID" in line:
+            pids.append(int(line.split()[-1]))
+    assert len(pids) == n
+    return pids
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_lost_launcher_fails_the_job(tmp_path, killed):
+    """A launcher killed with SIGKILL (its ranks die with it): node 0 notices the missing
+    heartbeat of node 1; node 1 notices that node 0's store is gone.  Either way the
+    survivor stops its ranks and exits non-zero, naming what happened."""
+    path = script(tmp_path, HANG)
+    port = free_port()
+    procs = [start(k, 2, port, ["-n", "1", "--grace", "1", "--heartbeat-timeout", "2", path]) for k in range(2)]
+    try:
+        pids = [wait_for_pids(p, 1)[0] for p in procs]
+        t0 = time.monotonic()
+        procs[killed].kill()
+        procs[killed].wait()
+        survivor = procs[1 - killed]
+        out, err = survivor.communicate(timeout=30)
+        assert time.monotonic() - t0 < 15
+    finally:
+        finish(procs, timeout=10)
+    assert survivor.returncode == 1
+    if killed == 1:
+        assert "node 1's launcher stopped answering (no heartbeat for 2 s" in err, err
+    else:
+        assert "lost the job's store" in err, err
+    end = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
+
+
+def test_ctrl_c_on_one_node_stops_every_node(tmp_path):
+    import signal
+    path = script(tmp_path, HANG)
+    port = free_port()
+    procs = [start(k, 2, port, ["-n", "1", "--grace", "1", path]) for k in range(2)]
+    try:
+        for p in procs:
+            wait_for_pids(p, 1)
+        procs[1].send_signal(signal.SIGINT)
+        runs = finish(procs, timeout=30)
+    finally:
+        finish(procs, timeout=5)
+    assert [rc for rc, _, _ in runs] == [130, 130], runs
+    assert "node 1: its launcher got SIGINT" in runs[0][2]

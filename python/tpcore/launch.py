@@ -9,6 +9,16 @@ stopped (SIGTERM, then SIGKILL after --grace seconds) and the launcher exits
 with that rank's code (128 + signal for a signal).  Ctrl-C stops all ranks.
 Ranks die with the launcher (PR_SET_PDEATHSIG), so none is ever orphaned.
 
+Several hosts, like torchrun: on each host run
+    python -m tpcore.launch --nnodes N --node-rank K --master-addr A --master-port P -n LOCAL script.py
+Node 0's launcher hosts the job's store (tpcore.Store) on A:P; the launchers check
+that they agree (N, LOCAL, the script and its arguments, each node rank once) and
+start ranks RANK = K*LOCAL + local rank of WORLD_SIZE = N*LOCAL, with TPCORE_NNODES,
+TPCORE_NODE_RANK, MASTER_ADDR/PORT and TPCORE_STORE_SECRET.  Set TPCORE_STORE_SECRET
+to the same random value on every host (else node 0 makes one that only launchers on
+its own host can read).  A rank that fails on one host stops the ranks of every host;
+a host whose launcher stops answering (--heartbeat-timeout) fails the job.
+
 --gpus N starts N ranks, one GPU each: rank r gets CUDA_VISIBLE_DEVICES=<the r-th
 visible GPU> and LOCAL_RANK=r, so device="cuda" in the rank is its own GPU.
 Without -n, --gpus or TPCORE_NPROC, a machine where CUDA is usable starts one rank
@@ -215,6 +225,8 @@ def run(argv=None) -> int:
             if stopping["signal"] is not None:
                 console.write(sys.stderr, f"tpcore.launch: got {signal.Signals(stopping['signal']).name}; "
                                           f"stopping all ranks\n")
+                if mn is not None:  # the other nodes stop too
+                    mn.report(f"its launcher got {signal.Signals(stopping['signal']).name}", 128 + stopping["signal"])
                 _stop_all(procs, ns.grace)
                 for t in threads:
                     t.join(2)
