@@ -376,3 +376,21 @@ def test_ctrl_c_on_one_node_stops_every_node(tmp_path):
         finish(procs, timeout=5)
     assert [rc for rc, _, _ in runs] == [130, 130], runs
     assert "node 1: its launcher got SIGINT" in runs[0][2]
+
+
+def test_a_late_launcher_of_another_job_is_refused(tmp_path):
+    """A launcher that reaches a job's store after the job was formed (another job on the same
+    port) is refused with the running job's shape, and the running job is not disturbed."""
+    path = script(tmp_path, HANG)
+    port = free_port()
+    procs = [start(k, 2, port, ["-n", "1", path]) for k in range(2)]
+    try:
+        for p in procs:
+            wait_for_pids(p, 1)
+        late = finish([start(2, 3, port, ["-n", "1", path])])[0]
+        assert late[0] == 1 and "was formed without this node: it runs 2 nodes x 1 ranks" in late[2], late
+        assert all(p.poll() is None for p in procs)  # still running
+    finally:
+        for p in procs:
+            p.terminate()
+        finish(procs, timeout=30)

@@ -156,7 +156,8 @@ class Multinode:
             if p["args"] != mine["args"]:
                 return {"error": f"{where} runs {' '.join(p['args'])!r} but node 0 runs "
                                  f"{' '.join(mine['args'])!r} (a different job on the same MASTER_ADDR:MASTER_PORT?)"}
-        return {"job": "ln" + secrets.token_hex(8), "world": self.nnodes * self.nproc}
+        return {"job": "ln" + secrets.token_hex(8), "world": self.nnodes * self.nproc, "nnodes": self.nnodes,
+                "nproc": self.nproc, "args": self.job_args}
 
     def join(self) -> dict:
         """Forms the job with the other launchers; the variables of this node's ranks."""
@@ -221,6 +222,11 @@ class Multinode:
                                      f"{self.addr}:{self.port}")
             time.sleep(0.05)
         v = json.loads(s.get(PREFIX + "verdict"))
+        if (v["nnodes"], v["nproc"], v["args"]) != (self.nnodes, self.nproc, self.job_args):
+            # a launcher that arrives after the job was formed (another job on this port)
+            raise MultinodeError(f"{me}: the job at {self.addr}:{self.port} was formed without this node: it runs "
+                                 f"{v['nnodes']} nodes x {v['nproc']} ranks of {' '.join(v['args'])!r}, this "
+                                 f"launcher {self.nnodes} x {self.nproc} of {' '.join(self.job_args)!r}")
         self.job_id = v["job"]
         self.monitor = Store(self.addr, self.port, secret=self.secret, timeout=min(self.timeout, 10.0))
         self.env = {"MASTER_ADDR": self.addr, "MASTER_PORT": str(self.port), "TPCORE_JOB_ID": self.job_id,

@@ -372,8 +372,6 @@ def _check_multinode_args(p, ns):
                 f"{ns.master_port}")
     if not ns.join_timeout > 0 or not ns.heartbeat_timeout > 0:
         p.error("--join-timeout and --heartbeat-timeout must be > 0")
-    if ns.gpu_ids is not None and ns.nproc != len(ns.gpu_ids):
-        p.error("-n and --gpus disagree")
 
 
 def _multinode_join(ns):
