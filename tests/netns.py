@@ -112,8 +112,8 @@ class Hosts:
         cases = "\n".join(f"  {h}) ns={n} ;;" for h, n in zip(self.hostnames, self.names))
         with open(path, "w") as f:
             f.write("#!/bin/sh\n# rsh agent: runs a command in a simulated host's network namespace\n"
-                    "host=$1; shift\n"
                     "while [ \"${1#-}\" != \"$1\" ]; do shift; done\n"  # ssh-style options: ignored
+                    "host=$1; shift\n"
                     f"case $host in\n{cases}\n  *) echo \"no simulated host $host\" >&2; exit 255 ;;\nesac\n"
                     "exec ip netns exec \"$ns\" sh -c \"$*\"\n")
         os.chmod(path, 0o755)

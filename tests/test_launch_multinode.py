@@ -394,3 +394,34 @@ def test_a_late_launcher_of_another_job_is_refused(tmp_path):
         for p in procs:
             p.terminate()
         finish(procs, timeout=30)
+
+
+def test_rsh_agent_runs_commands_in_the_simulated_host(tmp_path):
+    with netns.hosts_or_skip(3) as net:
+        agent = net.rsh_agent(str(tmp_path / "agent.sh"))
+        for i in range(3):
+            r = subprocess.run([agent, "-x", net.hostnames[i], "ip", "-o", "-4", "addr", "show"], capture_output=True,
+                               text=True, timeout=30)
+            assert r.returncode == 0 and f"inet {net.addr[i]}/24" in r.stdout, r
+            assert all(f"inet {a}/" not in r.stdout for a in net.addr if a != net.addr[i])
+        # three hosts on one bridge: a store on host 2 serves host 0
+        r = subprocess.run([agent, "nohost", "true"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 255 and "no simulated host nohost" in r.stderr
+        secret = secrets.token_hex(16)
+        srv = subprocess.Popen(net.cmd(2, [sys.executable, "-c", textwrap.dedent(f"""
+            import tpcore
+            with tpcore.Store("{net.addr[2]}", 29600, is_server=True, secret="{secret}", timeout=20) as s:
+                print("READY", flush=True)
+                s.wait(["bye"])
+            """)]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert srv.stdout.readline().strip() == "READY"
+            r = subprocess.run(net.cmd(0, [sys.executable, "-c", f"import tpcore; s = tpcore.Store('{net.addr[2]}', "
+                                          f"29600, secret='{secret}', timeout=10); s.set('bye', b'1'); s.close()"]),
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            assert srv.wait(timeout=30) == 0
+        finally:
+            if srv.poll() is None:
+                srv.kill()
+            srv.communicate()

@@ -830,6 +830,9 @@ struct tp_store {
   int port;
 };
 
+/* A poll() wait of at most one second toward a deadline `left` seconds away (no int overflow). */
+static int poll_ms(double left) { return left >= 1.0 ? 1000 : left > 0 ? (int)(left * 1000.0) + 1 : 0; }
+
 static void drop_conn(tp_store_t s) {
   if (s->fd >= 0) close(s->fd);
   s->fd = -1;
@@ -846,7 +849,7 @@ static tp_status_t io_all(tp_store_t s, int writing, void *buf, size_t n, double
       return tp_set_error(TP_ERR_TIMEOUT, "%s: %s: timed out after %g s", s->where, what, s->timeout);
     }
     struct pollfd pf = {.fd = s->fd, .events = writing ? POLLOUT : POLLIN};
-    int r = poll(&pf, 1, (int)(left * 1000.0) + 1);
+    int r = poll(&pf, 1, poll_ms(left));
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) continue;
     ssize_t k = writing ? send(s->fd, p, n, MSG_NOSIGNAL) : recv(s->fd, p, n, 0);
@@ -905,7 +908,8 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
     if (e == EINPROGRESS) {
       double left = deadline - tp_now();
       struct pollfd pf = {.fd = fd, .events = POLLOUT};
-      int r = left > 0 ? poll(&pf, 1, (int)(left * 1000.0) + 1) : 0;
+      int r = 0;
+      while (left > 0 && (r = poll(&pf, 1, poll_ms(left))) == 0) left = deadline - tp_now();
       socklen_t el = sizeof e;
       if (r > 0) getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &el);
       else e = ETIMEDOUT;

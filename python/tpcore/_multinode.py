@@ -97,6 +97,7 @@ class Multinode:
         self._next_poll = 0.0
         self._beats: dict = {}  # node 0: node -> (last beat count, when it changed)
         self._beat = 0
+        self._last_beat = 0.0
 
     # ------------------------------------------------------------------ join
 
@@ -261,7 +262,7 @@ class Multinode:
             news = self._failure_news()
             if news:
                 return news
-            if now - getattr(self, "_last_beat", 0.0) >= 1.0:
+            if now - self._last_beat >= 1.0:
                 self._last_beat = now
                 self._beat = self.monitor.add(f"{PREFIX}beat/{self.node}", 1)
             if self.node == 0:
