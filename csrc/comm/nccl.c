@@ -565,10 +565,18 @@ tp_status_t tp_nccl_comm_init(struct tp_comm *c, const char *comm_id, int world_
   nccl_ctx *x;
   TP_CHECK(new_ctx(c, api, comm_id, &x));
   x->store_mode = tp_nccl_bootstrap_store(c->size, world_comm);
+  if (x->store_mode) {
+    /* The store outlives communicators: each init of the same id in this job (every rank makes
+     * them in the same order) has keys of its own. */
+    static atomic_int generation;
+    snprintf(x->comm_id, sizeof x->comm_id, "%.60s.g%d", comm_id, atomic_fetch_add(&generation, 1));
+  }
   tp_status_t st = pick_device(c, &x->device_id);
-  if (st == TP_SUCCESS && x->store_mode) {
-    st = tp_nccl_store_init(x);
-  } else if (st == TP_SUCCESS) {
+  if (x->store_mode && (st == TP_SUCCESS || c->rank == 0)) {
+    /* rank 0 connects even after a local failure: it publishes the failure for the others */
+    tp_status_t ost = tp_nccl_store_init(x);
+    if (st == TP_SUCCESS) st = ost;
+  } else if (st == TP_SUCCESS && !x->store_mode) {
     tp_comm_config_t hc = TP_COMM_CONFIG_INITIALIZER;
     hc.backend = "shm", hc.job_id = c->job_id, hc.timeout_s = c->timeout_s, hc.spin_us = c->spin_us;
     hc.registered_memory = 0;
@@ -603,7 +611,7 @@ tp_status_t tp_nccl_comm_init(struct tp_comm *c, const char *comm_id, int world_
       msg.status = st == TP_SUCCESS ? 0 : 1;
     }
     char key[TP_STORE_MAX_KEY + 1];
-    snprintf(key, sizeof key, "tpcore/nccl/%s/%s/id", c->job_id, comm_id);
+    snprintf(key, sizeof key, "tpcore/nccl/%s/%s/id", c->job_id, x->comm_id);
     tp_status_t bst = tp_store_bcast(x->store, key, c->rank, 0, &msg, sizeof msg);
     if (bst != TP_SUCCESS) tp_error_prefix("nccl init on rank %d of %d", c->rank, c->size);
     if (st == TP_SUCCESS) st = bst;
