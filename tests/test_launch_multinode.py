@@ -23,7 +23,7 @@ JOB = """
 import json, os, sys, tpcore
 e = os.environ
 r, w = int(e["RANK"]), int(e["WORLD_SIZE"])
-with tpcore.Store(e["MASTER_ADDR"], int(e["MASTER_PORT"]), timeout=30) as s:
+with tpcore.Store.from_env(timeout=30) as s:
     s.set(f"job/{r}", json.dumps({"job": e["TPCORE_JOB_ID"], "pid": os.getpid()}))
     s.barrier("ranks", w)
     peers = [json.loads(s.get(f"job/{k}")) for k in range(w)]

@@ -64,6 +64,22 @@ def test_operations_and_values():
         assert s.get("n") == b"42"  # the connection survives refused requests
 
 
+def test_from_env(monkeypatch):
+    with server() as s:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(s.port))
+        monkeypatch.setenv("TPCORE_STORE_SECRET", SECRET)
+        with tpcore.Store.from_env(timeout=5) as c:
+            c.set("k", b"v")
+        assert s.get("k") == b"v"
+        monkeypatch.setenv("MASTER_PORT", "x")
+        with pytest.raises(ValueError, match="MASTER_PORT must be an integer"):
+            tpcore.Store.from_env()
+        monkeypatch.delenv("MASTER_ADDR")
+        with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT must be set"):
+            tpcore.Store.from_env()
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="secret must have 16"):
         tpcore.Store("127.0.0.1", 0, is_server=True, secret="short")

@@ -3,6 +3,7 @@
     store = tpcore.Store("10.0.0.1", 29500, is_server=(node == 0), secret=..., timeout=60)
     store.set("id", b"...");  store.get("id");  store.add("n", 1);  store.wait(["a", "b"])
     store.barrier("ready", 4);  store.delete("id");  store.close()   # or `with tpcore.Store(...)`
+    tpcore.Store.from_env()      # in a rank of python -m tpcore.launch --nnodes: the job's store
 
 The process that opens it with is_server=True runs the server (a thread) on host:port:
 host is the address it listens on and the clients connect to (loopback, 127.0.0.1, by
@@ -58,6 +59,20 @@ class Store:
         self._s = _C.Store(host, port, bool(is_server), _secret_bytes(secret), timeout, io, int(max_value_bytes),
                            int(max_clients), bool(quiet))
         self.host, self.timeout, self.is_server = host, timeout, bool(is_server)
+
+    @classmethod
+    def from_env(cls, timeout: float = 300.0, **kw) -> "Store":
+        """A client of this job's store: MASTER_ADDR, MASTER_PORT and TPCORE_STORE_SECRET, as
+        python -m tpcore.launch --nnodes gives its ranks."""
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            raise ValueError("Store.from_env: MASTER_ADDR and MASTER_PORT must be set (python -m tpcore.launch "
+                             "--nnodes sets them, with TPCORE_STORE_SECRET)")
+        try:
+            p = int(port)
+        except ValueError:
+            raise ValueError(f"Store.from_env: MASTER_PORT must be an integer, got {port!r}") from None
+        return cls(addr, p, is_server=False, timeout=timeout, **kw)
 
     @property
     def port(self) -> int:
