@@ -218,6 +218,31 @@ def test_server_gone_fails_waiting_client_promptly():
     c.close()
 
 
+def test_close_from_another_thread_ends_a_blocked_get():
+    with server(timeout=30) as s:
+        c = client(s.port, timeout=30)
+        got = {}
+
+        def waiter():
+            try:
+                c.get("never")
+            except Exception as e:  # noqa: BLE001
+                got["e"] = e
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        c.close()
+        t.join(10)
+        assert not t.is_alive() and time.monotonic() - t0 < 2
+        assert isinstance(got["e"], tpcore.CommError) and "closed" in str(got["e"])
+        assert c.closed
+        with pytest.raises(ValueError, match="closed"):
+            c.get("x")
+        assert responsive(s.port, "after") < 1
+
+
 def test_second_store_on_the_same_port():
     with server() as s:
         with pytest.raises(tpcore.CommError, match=f"port {s.port} on 127.0.0.1 is already in use"):
@@ -418,4 +443,4 @@ def test_c_store_program(tmp_path, sanitize):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     r = run(exe, timeout=120)
-    assert r.returncode == 0 and "6 passed, 0 failed" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "7 passed, 0 failed" in r.stdout, r.stdout + r.stderr

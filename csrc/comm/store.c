@@ -29,6 +29,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -817,7 +818,9 @@ static tp_status_t server_start(const tp_store_config_t *cfg, const char *host, 
 /* ------------------------------------------------------------ the client */
 
 struct tp_store {
-  pthread_mutex_t lock;
+  pthread_mutex_t lock;    /* one call at a time */
+  pthread_mutex_t fd_lock; /* fd's changes against tp_store_interrupt from another thread */
+  atomic_int interrupted;
   int fd;
   char where[300]; /* "store at host:port" */
   struct sockaddr_storage addr;
@@ -834,8 +837,15 @@ struct tp_store {
 static int poll_ms(double left) { return left >= 1.0 ? 1000 : left > 0 ? (int)(left * 1000.0) + 1 : 0; }
 
 static void drop_conn(tp_store_t s) {
+  pthread_mutex_lock(&s->fd_lock);
   if (s->fd >= 0) close(s->fd);
   s->fd = -1;
+  pthread_mutex_unlock(&s->fd_lock);
+}
+
+static tp_status_t interrupted_error(tp_store_t s) {
+  return tp_set_error(TP_ERR_ABORTED, "%s: the store was closed (by another thread) during or before this call",
+                      s->where);
 }
 
 /* Writes or reads all n bytes before the deadline.  0 on success; else the status (the
@@ -860,6 +870,7 @@ static tp_status_t io_all(tp_store_t s, int writing, void *buf, size_t n, double
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
     int e = k == 0 ? 0 : errno;
     drop_conn(s);
+    if (atomic_load(&s->interrupted)) return interrupted_error(s);
     return tp_set_error(TP_ERR_REMOTE, "%s: %s: the store closed the connection%s%s (its host process exited, or "
                         "it refused this client: see its log)", s->where, what, e ? ": " : "", e ? strerror(e) : "");
   }
@@ -909,7 +920,8 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
       double left = deadline - tp_now();
       struct pollfd pf = {.fd = fd, .events = POLLOUT};
       int r = 0;
-      while (left > 0 && (r = poll(&pf, 1, poll_ms(left))) == 0) left = deadline - tp_now();
+      while (left > 0 && !atomic_load(&s->interrupted) && (r = poll(&pf, 1, poll_ms(left))) == 0)
+        left = deadline - tp_now();
       socklen_t el = sizeof e;
       if (r > 0) getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &el);
       else e = ETIMEDOUT;
@@ -921,7 +933,13 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
     return tp_set_error(TP_ERR_TIMEOUT, "%s: cannot connect within %g s: %s (is the store's host up and "
                         "MASTER_ADDR / MASTER_PORT right?)", s->where, s->timeout, strerror(e));
   }
+  pthread_mutex_lock(&s->fd_lock);
   s->fd = fd;
+  pthread_mutex_unlock(&s->fd_lock);
+  if (atomic_load(&s->interrupted)) {
+    drop_conn(s);
+    return interrupted_error(s);
+  }
   uint8_t g[GREETING];
   TP_CHECK(io_all(s, 0, g, GREETING, deadline, "waiting for the server's greeting"));
   if (memcmp(g, "TPCS", 4) != 0 || g[4] != STORE_VERSION) {
@@ -958,6 +976,7 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
 static tp_status_t ensure_conn(tp_store_t s, double deadline) {
   if (s->fd >= 0) return TP_SUCCESS;
   for (;;) {
+    if (atomic_load(&s->interrupted)) return interrupted_error(s);
     int refused;
     tp_status_t st = connect_once(s, deadline, &refused);
     if (st == TP_SUCCESS || !refused || tp_now() + 0.05 >= deadline) return st;
@@ -968,6 +987,7 @@ static tp_status_t ensure_conn(tp_store_t s, double deadline) {
 /* One request and its reply under the timeout. */
 static tp_status_t request(tp_store_t s, const uint8_t *body, size_t n, const char *what, int *status,
                            uint8_t **payload, size_t *pn) {
+  if (atomic_load(&s->interrupted)) return interrupted_error(s);
   double deadline = tp_now() + s->timeout;
   TP_CHECK(ensure_conn(s, deadline));
   uint8_t hdr[8];
@@ -1046,6 +1066,8 @@ tp_status_t tp_store_open(tp_store_t *out, const tp_store_config_t *cfg) {
     return tp_set_error(TP_ERR_NOMEM, "store open: out of memory");
   }
   pthread_mutex_init(&s->lock, NULL);
+  pthread_mutex_init(&s->fd_lock, NULL);
+  atomic_init(&s->interrupted, 0);
   s->fd = -1;
   memcpy(s->secret, cfg->secret, cfg->secret_len);
   s->secret_len = cfg->secret_len;
@@ -1261,6 +1283,14 @@ tp_status_t tp_store_barrier(tp_store_t s, const char *name, int n) {
   return st;
 }
 
+void tp_store_interrupt(tp_store_t s) {
+  if (!s) return;
+  atomic_store(&s->interrupted, 1);
+  pthread_mutex_lock(&s->fd_lock);
+  if (s->fd >= 0) shutdown(s->fd, SHUT_RDWR); /* wakes the call blocked on it */
+  pthread_mutex_unlock(&s->fd_lock);
+}
+
 void tp_store_close(tp_store_t s) {
   if (!s) return;
   pthread_mutex_lock(&s->lock);
@@ -1269,6 +1299,7 @@ void tp_store_close(tp_store_t s) {
   server_stop(s->server);
   s->server = NULL;
   pthread_mutex_destroy(&s->lock);
+  pthread_mutex_destroy(&s->fd_lock);
   memset(s->secret, 0, sizeof s->secret);
   free(s);
 }

@@ -228,7 +228,8 @@ static PyObject *store_close(PyObject *o, PyObject *unused) {
   StoreObject *self = (StoreObject *)o;
   if (!self->store) Py_RETURN_NONE;
   if (self->inflight) {
-    self->closing = 1; /* the last call out closes it */
+    self->closing = 1; /* the call in progress fails at once; the last call out closes it */
+    tp_store_interrupt(self->store);
     Py_RETURN_NONE;
   }
   tp_store_t s = self->store;

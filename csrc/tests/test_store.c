@@ -251,6 +251,35 @@ static int test_hostile(void) {
   return 0;
 }
 
+static void *blocked_get(void *arg) {
+  tp_store_t s = arg;
+  void *v = NULL;
+  size_t n;
+  tp_status_t st = tp_store_get(s, "never", &v, &n);
+  return (void *)(intptr_t)(st == TP_ERR_ABORTED && strstr(tp_last_error(), "closed"));
+}
+
+static int test_interrupt(void) {
+  tp_store_config_t c = config(0, 1, 30);
+  tp_store_t s, t;
+  CHECK(tp_store_open(&s, &c) == TP_SUCCESS);
+  tp_store_config_t k = config(tp_store_port(s), 0, 30);
+  CHECK(tp_store_open(&t, &k) == TP_SUCCESS);
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, blocked_get, t) == 0);
+  usleep(200000);
+  double t0 = now();
+  tp_store_interrupt(t);
+  void *ok;
+  pthread_join(th, &ok);
+  CHECK(ok && now() - t0 < 2);
+  CHECK(tp_store_set(t, "k", "v", 1) == TP_ERR_ABORTED);
+  tp_store_close(t);
+  CHECK(round_trip(tp_store_port(s), "after"));
+  tp_store_close(s);
+  return 0;
+}
+
 static int test_no_fd_leak(void) {
   int before = count_fds();
   for (int i = 0; i < 3; i++) {
@@ -348,7 +377,8 @@ int main(void) {
     int (*fn)(void);
   } tests[] = {{"operations", test_operations}, {"threads", test_threads},
                {"timeout_and_secret", test_timeout_and_secret}, {"hostile", test_hostile},
-               {"no_fd_leak", test_no_fd_leak}, {"store_collectives", test_store_collectives}};
+               {"no_fd_leak", test_no_fd_leak}, {"store_collectives", test_store_collectives},
+               {"interrupt", test_interrupt}};
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
     int bad = tests[i].fn();
     printf("%s %s\n", bad ? "FAIL" : "ok  ", tests[i].name);

@@ -74,6 +74,9 @@ TP_API tp_status_t tp_store_wait(tp_store_t store, const char *const *keys, int 
 TP_API tp_status_t tp_store_delete(tp_store_t store, const char *key, int *existed);
 /* Returns once n callers have called it with this name (each name reusable: rounds of n). */
 TP_API tp_status_t tp_store_barrier(tp_store_t store, const char *name, int n);
+/* For close() from another thread: the call in progress on the handle (and every later one but
+ * close) fails at once with TP_ERR_ABORTED. */
+TP_API void tp_store_interrupt(tp_store_t store);
 /* Closes the connection and, on the server, stops its thread and closes every socket. */
 TP_API void tp_store_close(tp_store_t store);
 
