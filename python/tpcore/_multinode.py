@@ -176,7 +176,8 @@ class Multinode:
         end = time.monotonic() + limit
         while time.monotonic() < end:
             try:
-                joined = sum(self.store.try_get(f"{PREFIX}claim/{k}") is not None for k in range(1, self.nnodes))
+                # every launcher that claimed a node rank (two for a rank claimed twice) acknowledges
+                joined = sum(int(self.store.try_get(f"{PREFIX}claim/{k}") or 0) for k in range(1, self.nnodes))
                 seen = int(self.store.try_get(PREFIX + "abort_seen") or 0)
             except Exception:  # noqa: BLE001
                 return
