@@ -1,6 +1,6 @@
 # The C core without Python: libtpcore.a and the C tests.
 #   make                 build/libtpcore.a and the C tests (test_comm, test_layers, test_kernels,
-#                        test_api_hostile)
+#                        test_api_hostile, test_store)
 #   make SANITIZE=1      the same under ASan + UBSan (in build-san/)
 #   make test            run the C tests (world sizes 1-4)
 #   make CUDA=1          also build/libtpcore_cuda.so, the CUDA plugin (nvcc; CUDA_ARCHS="80 90" by
@@ -57,7 +57,7 @@ endif
 endif
 
 all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_kernels $(BUILD)/test_api_hostile \
-     $(BUILD)/test_nccl $(FAKE_NCCL) $(if $(filter 1,$(CUDA)),$(BUILD)/libtpcore_cuda.so) \
+     $(BUILD)/test_store $(BUILD)/test_nccl $(FAKE_NCCL) $(if $(filter 1,$(CUDA)),$(BUILD)/libtpcore_cuda.so) \
      $(MPI_PLUGIN)
 
 # The CUDA plugin (CUDA=1): .cu files by nvcc, .c files (and core/dtype.c, dynlib_sym.c) by cc, the CUDA
@@ -106,6 +106,10 @@ $(BUILD)/libtpcore.a: $(CORE_OBJ)
 $(BUILD)/test_comm: csrc/tests/test_comm.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
+# The rendezvous store (csrc/comm/store.c) from C: threads, timeouts, hostile sockets.
+$(BUILD)/test_store: csrc/tests/test_store.c $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+
 $(BUILD)/test_layers: csrc/tests/test_layers.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
@@ -149,6 +153,7 @@ test: all
 	$(abspath $(BUILD))/test_layers
 	$(abspath $(BUILD))/test_kernels
 	$(abspath $(BUILD))/test_api_hostile
+	$(abspath $(BUILD))/test_store
 	TPCORE_TEST_FAKE_NCCL=$(abspath $(BUILD))/fake_nccl $(abspath $(BUILD))/test_nccl
 ifneq ($(MPI_PLUGIN),)
 # (sanitized: leak checking is off for test_mpi: Open MPI leaves its allocations to the process's end,

@@ -19,6 +19,7 @@
 #include "nccl_impl.h"
 #include "shm_impl.h" /* tp_shm_proc_starttime */
 #include "shm_seg.h"
+#include "store_impl.h"
 #include "tpcore/device.h"
 
 
@@ -223,7 +224,7 @@ static tp_status_t mismatch(nccl_ctx *x, int p, const nccl_desc_t *theirs, const
 static tp_status_t check_peers(nccl_ctx *x) {
   int n = x->comm->size, r = x->comm->rank;
   nccl_desc_t mine, theirs;
-  if (!read_desc(x, r, x->seq, &mine)) return TP_SUCCESS;
+  if (!x->slots || !read_desc(x, r, x->seq, &mine)) return TP_SUCCESS; /* no segment across hosts */
   for (int i = 1; i < n; i++) {
     int p = (r + i) % n;
     if (read_desc(x, p, x->seq, &theirs) && !same_call(&theirs, &mine, p, r))
@@ -233,9 +234,10 @@ static tp_status_t check_peers(nccl_ctx *x) {
 }
 
 tp_status_t tp_nccl_post(nccl_ctx *x, const tp_coll_args_t *a) {
-  nccl_slot_t *s = &x->slots[x->comm->rank];
   uint32_t seq = ++x->seq;
   if (seq == 0) seq = ++x->seq; /* 0 means empty */
+  if (!x->slots) return TP_SUCCESS; /* across hosts: no descriptors (NCCL's own checks only) */
+  nccl_slot_t *s = &x->slots[x->comm->rank];
   nccl_desc_t *d = &s->ring[seq % NCCL_RING];
   atomic_store_explicit(&d->seq, 0, memory_order_relaxed);
   atomic_thread_fence(memory_order_release);
@@ -277,6 +279,7 @@ static void claim_slot(nccl_ctx *x) {
  * 50 ms of a wait: NCCL itself would wait for it until the timeout.  The ranks share a host
  * (this backend's scope), so /proc tells. */
 static tp_status_t check_alive(nccl_ctx *x, const char *what) {
+  if (!x->slots) return TP_SUCCESS;
   double now = tp_now();
   if (now < x->next_alive_check) return TP_SUCCESS;
   x->next_alive_check = now + 0.05;
@@ -305,7 +308,7 @@ static tp_status_t poll_failures(nccl_ctx *x, const char *what) {
     return tp_set_error(TP_ERR_ABORTED, "%s on rank %d of %d: the communicator was aborted: %s", what,
                         x->comm->rank, x->comm->size, x->abort_reason);
   }
-  for (int p = 0; p < x->comm->size; p++)
+  for (int p = 0; x->slots && p < x->comm->size; p++)
     if (p != x->comm->rank && atomic_load(&x->slots[p].state) == NCCL_STATE_FAILED) {
       tp_status_t st = check_peers(x); /* a peer that saw a mismatch: the same sentence here */
       abort_nc(x);
@@ -331,7 +334,7 @@ static tp_status_t poll_failures(nccl_ctx *x, const char *what) {
 static void laggards(nccl_ctx *x, char *buf, size_t n) {
   size_t len = 0;
   buf[0] = '\0';
-  for (int p = 0; p < x->comm->size && len < n; p++) {
+  for (int p = 0; x->slots && p < x->comm->size && len < n; p++) {
     if (p == x->comm->rank) continue;
     int state = atomic_load(&x->slots[p].state);
     uint32_t last = atomic_load(&x->slots[p].last_seq);
@@ -366,7 +369,7 @@ static void pause_briefly(int *spins) {
 /* A peer's failed state or an abort of this rank, without asking NCCL. */
 static tp_status_t peer_or_abort(nccl_ctx *x, const char *what) {
   if (atomic_load(&x->abort_flag)) return poll_failures(x, what);
-  for (int p = 0; p < x->comm->size; p++)
+  for (int p = 0; x->slots && p < x->comm->size; p++)
     if (p != x->comm->rank && atomic_load(&x->slots[p].state) == NCCL_STATE_FAILED) return poll_failures(x, what);
   return check_alive(x, what);
 }
@@ -427,6 +430,7 @@ static void free_ctx(nccl_ctx *x) {
   if (x->slots) munmap(x->slots, x->seg_bytes);
   if (x->seg_fd >= 0) tp_seg_leave(x->seg_name, x->seg_fd);
   if (x->host) tp_comm_destroy(x->host);
+  if (x->store) tp_store_close(x->store);
   free(x);
 }
 
@@ -502,7 +506,7 @@ static tp_status_t finish_init(nccl_ctx *x, const char *call, ncclResult_t r) {
     abort_nc(x);
     return st;
   }
-  atomic_store(&x->slots[x->comm->rank].state, NCCL_STATE_READY);
+  if (x->slots) atomic_store(&x->slots[x->comm->rank].state, NCCL_STATE_READY);
   return TP_SUCCESS;
 }
 
@@ -518,14 +522,61 @@ static tp_status_t init_nccl(nccl_ctx *x, const ncclUniqueId *id) {
   return finish_init(x, "ncclCommInitRankConfig", r);
 }
 
+/* Whether the ranks meet through the job's store instead of shared memory: TPCORE_NCCL_BOOTSTRAP
+ * ("store" or "shm"), else a job over several hosts (TPCORE_NNODES > 1, or a world communicator
+ * with fewer local ranks, LOCAL_WORLD_SIZE, than ranks). */
+int tp_nccl_bootstrap_store(int size, int world_comm) {
+  const char *how = getenv("TPCORE_NCCL_BOOTSTRAP");
+  if (how && strcmp(how, "store") == 0) return 1;
+  if (how && strcmp(how, "shm") == 0) return 0;
+  const char *nn = getenv("TPCORE_NNODES"), *lws = getenv("LOCAL_WORLD_SIZE");
+  if (nn && atoi(nn) > 1) return 1;
+  return world_comm && lws && *lws && atoi(lws) > 0 && atoi(lws) < size;
+}
+
+/* The store connection of an init across hosts (closed once the id went through). */
+static tp_status_t tp_nccl_store_init(nccl_ctx *x) {
+  const char *how = getenv("TPCORE_NCCL_BOOTSTRAP");
+  if (how && *how && strcmp(how, "store") != 0 && strcmp(how, "shm") != 0)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "TPCORE_NCCL_BOOTSTRAP must be 'store' or 'shm', got '%s'", how);
+  char who[64];
+  snprintf(who, sizeof who, "nccl init on rank %d of %d", x->comm->rank, x->comm->size);
+  return tp_job_store_open(&x->store, x->comm->timeout_s, who);
+}
+
+/* A split's new rank and size from every rank's (color, key), through the store. */
+static tp_status_t store_split(nccl_ctx *x, int color, int key, int *nrank, int *nsize) {
+  char who[64], prefix[TP_STORE_MAX_KEY + 1];
+  snprintf(who, sizeof who, "nccl split on rank %d of %d", x->comm->rank, x->comm->size);
+  tp_store_t s;
+  TP_CHECK(tp_job_store_open(&s, x->comm->timeout_s, who));
+  snprintf(prefix, sizeof prefix, "tpcore/nccl/%s/%s/split%d", x->comm->job_id, x->comm_id, x->nsplits);
+  tp_status_t st = tp_store_split_ranks(s, prefix, x->comm->rank, x->comm->size,
+                                        color == TP_SPLIT_NOCOLOR ? -1 : color, key, nrank, nsize);
+  if (st != TP_SUCCESS) tp_error_prefix("%s", who);
+  tp_store_close(s);
+  return st;
+}
+
 tp_status_t tp_nccl_comm_init(struct tp_comm *c, const char *comm_id, int world_comm) {
   const tp_nccl_api_t *api;
   TP_CHECK(load_api(&api));
   TP_CHECK(need_cuda());
   nccl_ctx *x;
   TP_CHECK(new_ctx(c, api, comm_id, &x));
+  x->store_mode = tp_nccl_bootstrap_store(c->size, world_comm);
+  if (x->store_mode) {
+    /* The store outlives communicators: each init of the same id in this job (every rank makes
+     * them in the same order) has keys of its own. */
+    static atomic_int generation;
+    snprintf(x->comm_id, sizeof x->comm_id, "%.60s.g%d", comm_id, atomic_fetch_add(&generation, 1));
+  }
   tp_status_t st = pick_device(c, &x->device_id);
-  if (st == TP_SUCCESS) {
+  if (x->store_mode && (st == TP_SUCCESS || c->rank == 0)) {
+    /* rank 0 connects even after a local failure: it publishes the failure for the others */
+    tp_status_t ost = tp_nccl_store_init(x);
+    if (st == TP_SUCCESS) st = ost;
+  } else if (st == TP_SUCCESS && !x->store_mode) {
     tp_comm_config_t hc = TP_COMM_CONFIG_INITIALIZER;
     hc.backend = "shm", hc.job_id = c->job_id, hc.timeout_s = c->timeout_s, hc.spin_us = c->spin_us;
     hc.registered_memory = 0;
@@ -538,7 +589,7 @@ tp_status_t tp_nccl_comm_init(struct tp_comm *c, const char *comm_id, int world_
     int status;
   } msg;
   memset(&msg, 0, sizeof msg);
-  if (st == TP_SUCCESS && c->rank == 0) {
+  if (st == TP_SUCCESS && c->rank == 0 && !x->store_mode) {
     st = seg_create(x);
     ncclResult_t r = st == TP_SUCCESS ? api->GetUniqueId(&msg.id) : ncclSuccess;
     if (st == TP_SUCCESS && r != ncclSuccess) st = tp_nccl_error(x, "ncclGetUniqueId", r);
@@ -549,12 +600,30 @@ tp_status_t tp_nccl_comm_init(struct tp_comm *c, const char *comm_id, int world_
     tp_status_t bst = tp_broadcast(&msg, &msg, sizeof msg, TP_UINT8, 0, x->host, NULL);
     if (st == TP_SUCCESS) st = bst;
   }
+  if (x->store_mode && x->store && (st == TP_SUCCESS || c->rank == 0)) {
+    /* Across hosts: the id travels through the job's store (rank 0 publishes, even its failure). */
+    if (c->rank == 0) {
+      msg.version = api->version;
+      if (st == TP_SUCCESS) {
+        ncclResult_t r = api->GetUniqueId(&msg.id);
+        if (r != ncclSuccess) st = tp_nccl_error(x, "ncclGetUniqueId", r);
+      }
+      msg.status = st == TP_SUCCESS ? 0 : 1;
+    }
+    char key[TP_STORE_MAX_KEY + 1];
+    snprintf(key, sizeof key, "tpcore/nccl/%s/%s/id", c->job_id, x->comm_id);
+    tp_status_t bst = tp_store_bcast(x->store, key, c->rank, 0, &msg, sizeof msg);
+    if (bst != TP_SUCCESS) tp_error_prefix("nccl init on rank %d of %d", c->rank, c->size);
+    if (st == TP_SUCCESS) st = bst;
+    tp_store_close(x->store);
+    x->store = NULL;
+  }
   if (st == TP_SUCCESS && msg.status)
     st = tp_set_error(TP_ERR_REMOTE, "nccl init on rank %d: rank 0 could not make the NCCL unique id", c->rank);
   if (st == TP_SUCCESS && msg.version != api->version)
     st = tp_set_error(TP_ERR_MISMATCH, "nccl init on rank %d: rank 0 loaded NCCL %d, this rank %d (%s)", c->rank,
                       msg.version, api->version, tp_dynlib_path(api->lib));
-  if (st == TP_SUCCESS && c->rank != 0) st = seg_open(x);
+  if (st == TP_SUCCESS && c->rank != 0 && !x->store_mode) st = seg_open(x);
   if (st == TP_SUCCESS) st = tp_device_alloc(TP_DEVICE_CUDA, x->device_id, 16, &x->scratch);
   if (st == TP_SUCCESS) st = init_nccl(x, &msg.id);
   if (st != TP_SUCCESS) {
@@ -578,7 +647,9 @@ tp_status_t tp_nccl_split(struct tp_comm *c, int color, int key, struct tp_comm 
   nccl_ctx *x = c->impl;
   *out = NULL;
   tp_comm_t host = NULL;
-  TP_CHECK(tp_comm_split(x->host, color, key, &host));
+  int nrank = 0, nsize = 0;
+  if (x->store_mode) TP_CHECK(store_split(x, color, key, &nrank, &nsize));
+  else TP_CHECK(tp_comm_split(x->host, color, key, &host));
   char id[96];
   snprintf(id, sizeof id, "%.60ss%dc%d", x->comm_id, x->nsplits++, color);
   if (color == TP_SPLIT_NOCOLOR) {
@@ -586,9 +657,10 @@ tp_status_t tp_nccl_split(struct tp_comm *c, int color, int key, struct tp_comm 
     ncclResult_t r = x->api->CommSplit(x->nc, TP_NCCL_SPLIT_NOCOLOR, key, &none, NULL);
     return tp_nccl_settle(x, "ncclCommSplit", r);
   }
-  int nrank = 0, nsize = 0;
-  tp_comm_rank(host, &nrank);
-  tp_comm_size(host, &nsize);
+  if (host) {
+    tp_comm_rank(host, &nrank);
+    tp_comm_size(host, &nsize);
+  }
   struct tp_comm *nc;
   tp_status_t st = tp_comm_alloc_common(&nc, nsize, nrank, c->job_id, c->timeout_s, c->spin_us);
   if (st != TP_SUCCESS) {
@@ -603,11 +675,13 @@ tp_status_t tp_nccl_split(struct tp_comm *c, int color, int key, struct tp_comm 
     free(nc);
     return st;
   }
-  y->host = host, y->device_id = x->device_id;
-  if (nrank == 0) st = seg_create(y);
-  tp_status_t bst = tp_barrier(host, NULL);
-  if (st == TP_SUCCESS) st = bst;
-  if (st == TP_SUCCESS && nrank != 0) st = seg_open(y);
+  y->host = host, y->device_id = x->device_id, y->store_mode = x->store_mode;
+  if (!y->store_mode) { /* across hosts: no descriptor segment */
+    if (nrank == 0) st = seg_create(y);
+    tp_status_t bst = tp_barrier(host, NULL);
+    if (st == TP_SUCCESS) st = bst;
+    if (st == TP_SUCCESS && nrank != 0) st = seg_open(y);
+  }
   if (st == TP_SUCCESS) st = tp_device_alloc(TP_DEVICE_CUDA, y->device_id, 16, &y->scratch);
   ncclConfig_t cfg = TP_NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;

@@ -4,7 +4,9 @@
  *
  * Beside each NCCL communicator lives a host communicator (shm, same job, world
  * and rank) made at init: it carries the unique id, and its split follows every
- * ncclCommSplit.  A small shared segment holds one slot per rank: the rank's
+ * ncclCommSplit.  When the ranks span hosts (tp_nccl_bootstrap_store) there is none:
+ * the unique id and each split's (color, key) travel through the job's rendezvous
+ * store (store_coll.c), and the descriptor segment below is left out.  A small shared segment holds one slot per rank: the rank's
  * state (in init, ready, failed) and a ring of descriptors of its latest
  * collectives (kind, count, dtype, op, root, seq), written without any
  * synchronisation on the hot path and read by peers to detect mismatched calls
@@ -18,6 +20,7 @@
 
 #include "comm_impl.h"
 #include "nccl_api.h"
+#include "tpcore/store.h"
 
 #define NCCL_RING 8            /* descriptors kept per rank (seq % NCCL_RING) */
 #define NCCL_MAX_STREAMS 8     /* distinct streams remembered for the waits of destroy */
@@ -46,7 +49,10 @@ struct nccl_mem;
 typedef struct nccl_ctx {
   struct tp_comm *comm;
   const tp_nccl_api_t *api;
-  tp_comm_t host;        /* the shm communicator beside this one */
+  tp_comm_t host;        /* the shm communicator beside this one (NULL across hosts)        */
+  int store_mode;        /* 1: the ranks span hosts: id and splits through the job's store,
+                          * no host communicator, no descriptor segment                   */
+  tp_store_t store;      /* open during an init across hosts only                          */
   ncclComm_t nc;
   int device_id;
   atomic_int abort_flag; /* set by ops->abort (any thread); acted on by the thread in NCCL */
@@ -69,6 +75,9 @@ typedef struct nccl_ctx {
 /* nccl.c */
 tp_status_t tp_nccl_comm_init(struct tp_comm *comm, const char *comm_id, int world_comm);
 tp_status_t tp_nccl_usable(void);
+/* Whether a communicator of `size` ranks bootstraps through the job's store (its ranks span
+ * hosts; TPCORE_NCCL_BOOTSTRAP=store|shm decides when set). */
+int tp_nccl_bootstrap_store(int size, int world_comm);
 tp_status_t tp_nccl_error(nccl_ctx *x, const char *call, ncclResult_t r);
 /* After a call of a non-blocking communicator: waits while it says ncclInProgress. */
 tp_status_t tp_nccl_settle(nccl_ctx *x, const char *call, ncclResult_t r);

@@ -50,6 +50,7 @@ typedef struct {
   PyTypeObject *XentType;
   PyTypeObject *BlockType;
   PyTypeObject *DeviceArrayType;
+  PyTypeObject *StoreType;
 } module_state;
 
 extern struct PyModuleDef tpcore_module;
@@ -263,6 +264,7 @@ PyObject *device_param_view_dt(module_state *st, PyObject *owner, void *p, tp_dt
 PyObject *device_param_view(module_state *st, PyObject *owner, float *p, int nd, int64_t d0, int64_t d1,
                             tp_device_t dev, int id);
 
+extern PyType_Spec store_spec;            /* store.c */
 extern PyType_Spec devarray_spec;         /* devarray.c */
 extern PyMethodDef devarray_methods[];    /* from_dlpack, asarray, parse_device */
 

@@ -97,6 +97,8 @@ static int module_exec(PyObject *m) {
   if (!st->BlockType) return -1;
   st->DeviceArrayType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &devarray_spec, NULL);
   if (!st->DeviceArrayType) return -1;
+  st->StoreType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &store_spec, NULL);
+  if (!st->StoreType) return -1;
   if (PyModule_AddFunctions(m, devarray_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, kernel_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, devkernel_methods) < 0) return -1;
@@ -111,7 +113,8 @@ static int module_exec(PyObject *m) {
       PyModule_AddObjectRef(m, "VocabEmbedding", (PyObject *)st->EmbeddingType) < 0 ||
       PyModule_AddObjectRef(m, "VocabCrossEntropy", (PyObject *)st->XentType) < 0 ||
       PyModule_AddObjectRef(m, "TransformerBlock", (PyObject *)st->BlockType) < 0 ||
-      PyModule_AddObjectRef(m, "DeviceArray", (PyObject *)st->DeviceArrayType) < 0)
+      PyModule_AddObjectRef(m, "DeviceArray", (PyObject *)st->DeviceArrayType) < 0 ||
+      PyModule_AddObjectRef(m, "Store", (PyObject *)st->StoreType) < 0)
     return -1;
   return 0;
 }
@@ -129,6 +132,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->XentType);
     Py_VISIT(st->BlockType);
     Py_VISIT(st->DeviceArrayType);
+    Py_VISIT(st->StoreType);
   }
   return 0;
 }
@@ -146,6 +150,7 @@ static int module_clear(PyObject *m) {
     Py_CLEAR(st->XentType);
     Py_CLEAR(st->BlockType);
     Py_CLEAR(st->DeviceArrayType);
+    Py_CLEAR(st->StoreType);
   }
   return 0;
 }

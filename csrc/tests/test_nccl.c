@@ -73,8 +73,39 @@ static void dispatcher(void) {
   tp_comm_destroy(c);
 }
 
+/* nccl.c: whether the ranks meet through the job's store (several hosts) or shared memory. */
+int tp_nccl_bootstrap_store(int size, int world_comm);
+
+static void bootstrap_choice(void) {
+  struct {
+    const char *nnodes, *lws, *how;
+    int size, world, want;
+  } cases[] = {
+      {NULL, NULL, NULL, 4, 1, 0},     {NULL, "4", NULL, 4, 1, 0},      {NULL, "2", NULL, 4, 1, 1},
+      {NULL, "2", NULL, 2, 0, 0},      {"2", "2", NULL, 2, 0, 1},       {"1", "4", NULL, 4, 1, 0},
+      {NULL, "2", "shm", 4, 1, 0},     {NULL, NULL, "store", 1, 1, 1},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    if (cases[i].nnodes) setenv("TPCORE_NNODES", cases[i].nnodes, 1);
+    else unsetenv("TPCORE_NNODES");
+    if (cases[i].lws) setenv("LOCAL_WORLD_SIZE", cases[i].lws, 1);
+    else unsetenv("LOCAL_WORLD_SIZE");
+    if (cases[i].how) setenv("TPCORE_NCCL_BOOTSTRAP", cases[i].how, 1);
+    else unsetenv("TPCORE_NCCL_BOOTSTRAP");
+    int got = tp_nccl_bootstrap_store(cases[i].size, cases[i].world);
+    if (got != cases[i].want) {
+      failures++;
+      fprintf(stderr, "FAIL bootstrap case %zu: got %d, want %d\n", i, got, cases[i].want);
+    }
+  }
+  unsetenv("TPCORE_NNODES");
+  unsetenv("LOCAL_WORLD_SIZE");
+  unsetenv("TPCORE_NCCL_BOOTSTRAP");
+}
+
 int main(void) {
   dispatcher();
+  bootstrap_choice();
   const char *dir = getenv("TPCORE_TEST_FAKE_NCCL");
   if (!dir) {
     fprintf(stderr, "TPCORE_TEST_FAKE_NCCL is not set (make test sets it)\n");

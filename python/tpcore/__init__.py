@@ -42,6 +42,7 @@ from . import models
 from .spawn import RankExitedError, spawn
 from .grid import ProcessGrid, average_gradients
 from .pipeline import PipelineLM, stage_partition
+from .store import Store
 from ._array import DeviceArray, from_dlpack
 from ._array import asarray_device as asarray
 
@@ -54,7 +55,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
            "DeviceArray", "asarray", "from_dlpack", "convert", "ProcessGrid", "average_gradients", "PipelineLM", "stage_partition",
-           "__version__"]
+           "Store", "__version__"]
 
 _BACKENDS = ("auto", "shm", "nccl", "mpi")
 
@@ -177,6 +178,11 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
              Comm.backend says which was chosen.
     timeout  seconds any one wait may take before CommTimeout (default: the
              TPCORE_TIMEOUT variable, else 300).
+
+    A job over several hosts (python -m tpcore.launch --nnodes N; the environment says
+    so: TPCORE_NNODES > 1 or LOCAL_WORLD_SIZE < WORLD_SIZE) cannot use shm; nccl then
+    takes its unique id and its splits' ranks from the job's store (tpcore.Store at
+    MASTER_ADDR:MASTER_PORT, secret TPCORE_STORE_SECRET).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"init: backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}")
@@ -187,11 +193,11 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
         spin_us = int_arg(spin_us, "init", "spin_us", lo=0, hi=10**6)
     info = _env.detect()
     chosen = _choose_backend(backend, info)
-    if info.local_world_size != info.world_size and chosen != "mpi":
-        raise CommError(f"init: the {info.world_size} ranks span several hosts ({info.local_world_size} on "
-                        f"this one, from {info.source} variables); the shm backend (and nccl, whose id "
-                        f"travels over it) needs all ranks on one host (the mpi backend does not: "
-                        f"init(backend='mpi') under mpirun)")
+    if info.multi_host and chosen == "shm":
+        raise CommError(f"init: the {info.world_size} ranks span {info.nnodes} hosts ({info.local_world_size} on "
+                        f"this one, from {info.source} variables) but the shm backend needs all ranks on one host (it "
+                        f"shares memory): use backend=\"mpi\" (under mpirun) or \"nccl\" (nccl across hosts takes its "
+                        f"unique id from the job's store, which python -m tpcore.launch --nnodes provides)")
     settle = _settle_seconds(info)
     c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), chosen,
                 -1 if spin_us is None else int(spin_us))

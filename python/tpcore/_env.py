@@ -12,7 +12,7 @@ import hashlib
 import os
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,14 @@ class JobInfo:
     # (RANK/WORLD_SIZE set by hand): init then waits a moment for a second job
     # with the same id to show itself (see tpcore.init).
     unique: bool = True
+    # Hosts the job spans: TPCORE_NNODES (python -m tpcore.launch --nnodes), else
+    # world / local world size rounded up.
+    nnodes: int = 1
+
+    @property
+    def multi_host(self) -> bool:
+        """Whether the ranks run on more than one host (shm cannot connect them)."""
+        return self.nnodes > 1 or self.local_world_size != self.world_size
 
 
 # Job ids of batch schedulers, in the environment of every task of a job.
@@ -54,6 +62,16 @@ def _safe_id(text: str) -> str:
 
 def detect(env=None) -> JobInfo:
     env = os.environ if env is None else env
+    info = _detect(env)
+    nnodes = _int(env, "TPCORE_NNODES")
+    if nnodes is None:
+        nnodes = -(-info.world_size // max(1, info.local_world_size))
+    if not 1 <= nnodes <= info.world_size:
+        raise ValueError(f"TPCORE_NNODES must be in 1..{info.world_size} (the world size), got {nnodes}")
+    return replace(info, nnodes=nnodes)
+
+
+def _detect(env) -> JobInfo:
     job = env.get("TPCORE_JOB_ID")
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     if rank is not None and world is not None:

@@ -9,6 +9,16 @@ stopped (SIGTERM, then SIGKILL after --grace seconds) and the launcher exits
 with that rank's code (128 + signal for a signal).  Ctrl-C stops all ranks.
 Ranks die with the launcher (PR_SET_PDEATHSIG), so none is ever orphaned.
 
+Several hosts, like torchrun: on each host run
+    python -m tpcore.launch --nnodes N --node-rank K --master-addr A --master-port P -n LOCAL script.py
+Node 0's launcher hosts the job's store (tpcore.Store) on A:P; the launchers check
+that they agree (N, LOCAL, the script and its arguments, each node rank once) and
+start ranks RANK = K*LOCAL + local rank of WORLD_SIZE = N*LOCAL, with TPCORE_NNODES,
+TPCORE_NODE_RANK, MASTER_ADDR/PORT and TPCORE_STORE_SECRET.  Set TPCORE_STORE_SECRET
+to the same random value on every host (else node 0 makes one that only launchers on
+its own host can read).  A rank that fails on one host stops the ranks of every host;
+a host whose launcher stops answering (--heartbeat-timeout) fails the job.
+
 --gpus N starts N ranks, one GPU each: rank r gets CUDA_VISIBLE_DEVICES=<the r-th
 visible GPU> and LOCAL_RANK=r, so device="cuda" in the rank is its own GPU.
 Without -n, --gpus or TPCORE_NPROC, a machine where CUDA is usable starts one rank
@@ -61,11 +71,12 @@ def _parse(argv):
     p.add_argument("--backend", choices=("auto", "shm", "nccl", "mpi"), default=None,
                    help="the backend tpcore.init() picks (sets TPCORE_BACKEND); mpi starts the ranks with mpirun")
     p.add_argument("-m", dest="module", default=None, help="run a module as a script, like python -m")
+    _add_multinode_args(p)
     p.add_argument("args", nargs=argparse.REMAINDER, help="script and its arguments")
     # Everything after the module name (or the script) belongs to it, options included
     # (`-m tpcore.demo --iters 2`): argparse alone would take `--iters` as the launcher's.
     argv = list(sys.argv[1:] if argv is None else argv)
-    takes_value = {"-n", "--nproc", "--gpus", "--timeout", "--grace", "--backend"}
+    takes_value = {"-n", "--nproc", "--gpus", "--timeout", "--grace", "--backend"} | set(_MULTINODE_OPTS)
     i, tail = 0, []
     while i < len(argv):
         a = argv[i]
@@ -103,6 +114,7 @@ def _parse(argv):
         p.error("give a script (or -m module) to run")
     if ns.timeout is not None and ns.timeout <= 0:
         p.error(f"--timeout must be > 0, got {ns.timeout}")
+    _check_multinode_args(p, ns)
     return ns
 
 
@@ -204,6 +216,13 @@ def run(argv=None) -> int:
     base = dict(os.environ)
     base.update({"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "TPCORE_JOB_ID": job, "TPCORE_JOB_RANDOM": "1",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1"})
+    mn, rank0 = None, 0  # --nnodes > 1: this launcher's part in a job over several hosts
+    if ns.nnodes > 1:
+        mn = _multinode_join(ns)
+        if mn is None:
+            return 1
+        base.update(mn.env)
+        job, rank0 = mn.job_id, mn.rank0
     if ns.timeout is not None:
         base["TPCORE_TIMEOUT"] = str(ns.timeout)
     if ns.backend is not None:
@@ -224,7 +243,7 @@ def run(argv=None) -> int:
     try:
         # All processes first, then the reader threads (preexec_fn and threads do not mix).
         for r in range(n):
-            env = dict(base, RANK=str(r), LOCAL_RANK=str(r), TPCORE_ERROR_FD=str(err_w))
+            env = dict(base, RANK=str(rank0 + r), LOCAL_RANK=str(r), TPCORE_ERROR_FD=str(err_w))
             if ns.gpu_ids is not None:
                 env.update(gpu_env(r, ns.gpu_ids))
             if life_w is not None:
@@ -237,7 +256,7 @@ def run(argv=None) -> int:
         console = Console()  # the ranks' lines, one prefix each (_relay.py: "\r" progress lines too)
         threads = []
         for r, p in enumerate(procs):
-            prefix = "" if ns.no_prefix else f"[rank{r}]: "
+            prefix = "" if ns.no_prefix else f"[rank{rank0 + r}]: "
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
                 relay = console.relay(lambda out=out: out, prefix)
                 t = threading.Thread(target=_pump, args=(stream, relay), daemon=True)
@@ -249,10 +268,15 @@ def run(argv=None) -> int:
             if stopping["signal"] is not None:
                 console.write(sys.stderr, f"tpcore.launch: got {signal.Signals(stopping['signal']).name}; "
                                           f"stopping all ranks\n")
+                if mn is not None:  # the other nodes stop too
+                    mn.report(f"its launcher got {signal.Signals(stopping['signal']).name}", 128 + stopping["signal"])
                 _stop_all(procs, ns.grace)
                 for t in threads:
                     t.join(2)
                 return 128 + stopping["signal"]
+            news = mn.poll() if mn is not None else None
+            if news is not None:  # another node's rank failed (or node 0's store is gone)
+                return _multinode_stop(mn, news, procs, threads, console, ns.grace)
             codes = [p.poll() for p in procs]
             for r, c in enumerate(codes):
                 if c is not None and r not in seen:
@@ -262,7 +286,10 @@ def run(argv=None) -> int:
             if failed is not None:
                 r, c = failed
                 how = f"was killed by signal {signal.Signals(-c).name}" if c < 0 else f"exited with code {c}"
-                running = [i for i, p in enumerate(procs) if p.poll() is None]
+                r += rank0
+                if mn is not None:
+                    mn.report(f"rank {r} {how}", 128 - c if c < 0 else c)
+                running = [rank0 + i for i, p in enumerate(procs) if p.poll() is None]
                 if running:
                     console.write(sys.stderr, f"tpcore.launch: rank {r} {how}; stopping ranks {running}\n")
                 else:
@@ -270,14 +297,20 @@ def run(argv=None) -> int:
                 _stop_all(procs, ns.grace)
                 for t in threads:
                     t.join(2)
+                if mn is not None:
+                    mn.linger(ns.grace)
                 return 128 - c if c < 0 else c
             if all(c == 0 for c in codes):
                 for t in threads:
                     t.join(5)
+                if mn is not None:
+                    return _multinode_finish(mn, console, ns.grace)
                 return 0
             time.sleep(0.005)
     finally:
         _stop_all(procs, 0.5)
+        if mn is not None:
+            mn.close()
         for s, h in old.items():
             signal.signal(s, h)
         _cleanup.remove_shm(job)
@@ -340,6 +373,87 @@ def _blame(procs, seen, err_fd, window=1.0):
     cands.sort()
     _, _, _, r, c = cands[0]
     return r, c
+
+
+# ------------------------------------------------------------ several hosts (--nnodes > 1)
+
+_MULTINODE_OPTS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--join-timeout",
+                   "--heartbeat-timeout")
+
+
+def _add_multinode_args(p):
+    g = p.add_argument_group("several hosts (like torchrun; see tpcore/_multinode.py)")
+    g.add_argument("--nnodes", type=int, default=1,
+                   help="hosts of the job (default 1); each runs this launcher with its own --node-rank")
+    g.add_argument("--node-rank", type=int, default=None, help="this host's index in 0..nnodes-1")
+    g.add_argument("--master-addr", default=None,
+                   help="address of node 0, where its launcher hosts the job's store (default 127.0.0.1; "
+                        "MASTER_ADDR)")
+    g.add_argument("--master-port", type=int, default=None, help="the store's port on node 0 (MASTER_PORT)")
+    g.add_argument("--join-timeout", type=float, default=300.0,
+                   help="seconds to wait for every node to join (default 300)")
+    g.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="seconds without a node's heartbeat before node 0 declares it failed (default 30)")
+
+
+def _check_multinode_args(p, ns):
+    if ns.nnodes < 1:
+        p.error(f"--nnodes must be >= 1, got {ns.nnodes}")
+    if ns.nnodes == 1:
+        if ns.node_rank not in (None, 0):
+            p.error(f"--node-rank {ns.node_rank} needs --nnodes > {ns.node_rank}")
+        return
+    if ns.node_rank is None:
+        p.error(f"--nnodes {ns.nnodes} needs --node-rank (this host's index in 0..{ns.nnodes - 1})")
+    if not 0 <= ns.node_rank < ns.nnodes:
+        p.error(f"--node-rank must be in 0..{ns.nnodes - 1}, got {ns.node_rank}")
+    ns.master_addr = ns.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    if ns.master_port is None and os.environ.get("MASTER_PORT"):
+        ns.master_port = int(os.environ["MASTER_PORT"])
+    if ns.master_port is None or not 1 <= ns.master_port <= 65535:
+        p.error(f"--nnodes {ns.nnodes} needs --master-port in 1..65535 (the same on every node), got "
+                f"{ns.master_port}")
+    if not ns.join_timeout > 0 or not ns.heartbeat_timeout > 0:
+        p.error("--join-timeout and --heartbeat-timeout must be > 0")
+
+
+def _multinode_join(ns):
+    """The job formed with the other nodes' launchers, or None after printing why not."""
+    from ._multinode import Multinode, MultinodeError
+    from .comm import CommError
+    job_args = (["-m", ns.module] if ns.module is not None else []) + list(ns.args)
+    mn = Multinode(ns.nnodes, ns.node_rank, ns.nproc, ns.master_addr, ns.master_port, job_args,
+                   ns.join_timeout, ns.heartbeat_timeout, None)
+    try:
+        mn.join()
+        return mn
+    except (MultinodeError, CommError, ValueError, OSError) as e:
+        hint = ""
+        if ns.node_rank == 0 and "already in use" in str(e):
+            hint = " (is another launcher already node 0 of this job, or another job on this port?)"
+        sys.stderr.write(f"tpcore.launch: node {ns.node_rank}: {e}{hint}\n")
+        mn.close()
+        return None
+
+
+def _multinode_stop(mn, news, procs, threads, console, grace):
+    msg, code = news
+    running = [mn.rank0 + i for i, p in enumerate(procs) if p.poll() is None]
+    console.write(sys.stderr, f"tpcore.launch: {msg}; stopping ranks {running}\n")
+    _stop_all(procs, grace)
+    for t in threads:
+        t.join(2)
+    mn.linger(grace)
+    return code if code else 1
+
+
+def _multinode_finish(mn, console, grace):
+    news = mn.finish(grace)
+    if news is None:
+        return 0
+    msg, code = news
+    console.write(sys.stderr, f"tpcore.launch: {msg}\n")
+    return code if code else 1
 
 
 def main():

@@ -1,0 +1,117 @@
+"""tpcore.Store: the rendezvous store of a job (a TCP key-value server, like torchrun's TCPStore).
+
+    store = tpcore.Store("10.0.0.1", 29500, is_server=(node == 0), secret=..., timeout=60)
+    store.set("id", b"...");  store.get("id");  store.add("n", 1);  store.wait(["a", "b"])
+    store.barrier("ready", 4);  store.delete("id");  store.close()   # or `with tpcore.Store(...)`
+    tpcore.Store.from_env()      # in a rank of python -m tpcore.launch --nnodes: the job's store
+
+The process that opens it with is_server=True runs the server (a thread) on host:port:
+host is the address it listens on and the clients connect to (loopback, 127.0.0.1, by
+default: give the host's own network address to reach it from other hosts).  Every
+connection proves that it knows the job's secret (HMAC-SHA256 challenge-response; the
+secret never travels), so a store reachable from a network serves only its job.  The
+secret: `secret=` (bytes or str, at least 16 bytes), else TPCORE_STORE_SECRET, which
+python -m tpcore.launch sets for its ranks.
+
+Limits: a key is a str of 1..512 UTF-8 bytes; a value at most max_value_bytes (1 MiB by
+default, 64 MiB at most).  Every call is bounded by `timeout` seconds (CommTimeout names
+the key); the server drops a client that sends a malformed or oversized message, fails to
+authenticate, or stalls inside a message for io_timeout seconds (default: timeout), and
+logs why on stderr, naming the client's address.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional, Union
+
+from . import _C
+from ._args import real_arg
+
+SECRET_VAR = "TPCORE_STORE_SECRET"
+
+
+def _secret_bytes(secret) -> bytes:
+    if secret is None:
+        secret = os.environ.get(SECRET_VAR)
+        if not secret:
+            raise ValueError(f"Store: no secret: pass secret= or set {SECRET_VAR} (the same random value, at "
+                             f"least 16 bytes, on every process of the job; python -m tpcore.launch sets it)")
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray, memoryview)):
+        raise TypeError(f"Store: secret must be bytes or str, got {type(secret).__name__}")
+    return bytes(secret)
+
+
+class Store:
+    """A connection to the job's rendezvous store (is_server=True: also its server)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, is_server: bool = False,
+                 secret: Union[bytes, str, None] = None, timeout: float = 300.0,
+                 io_timeout: Optional[float] = None, max_value_bytes: int = 0, max_clients: int = 0,
+                 quiet: bool = False):
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"Store: host must be a non-empty str, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise TypeError(f"Store: port must be an int, got {type(port).__name__}")
+        timeout = real_arg(timeout, "Store", "timeout", lo=0, lo_open=True)
+        io = 0.0 if io_timeout is None else real_arg(io_timeout, "Store", "io_timeout", lo=0, lo_open=True)
+        self._s = _C.Store(host, port, bool(is_server), _secret_bytes(secret), timeout, io, int(max_value_bytes),
+                           int(max_clients), bool(quiet))
+        self.host, self.timeout, self.is_server = host, timeout, bool(is_server)
+
+    @classmethod
+    def from_env(cls, timeout: float = 300.0, **kw) -> "Store":
+        """A client of this job's store: MASTER_ADDR, MASTER_PORT and TPCORE_STORE_SECRET, as
+        python -m tpcore.launch --nnodes gives its ranks."""
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            raise ValueError("Store.from_env: MASTER_ADDR and MASTER_PORT must be set (python -m tpcore.launch "
+                             "--nnodes sets them, with TPCORE_STORE_SECRET)")
+        try:
+            p = int(port)
+        except ValueError:
+            raise ValueError(f"Store.from_env: MASTER_PORT must be an integer, got {port!r}") from None
+        return cls(addr, p, is_server=False, timeout=timeout, **kw)
+
+    @property
+    def port(self) -> int:
+        return self._s.port
+
+    def set(self, key: str, value: Union[bytes, str]) -> None:
+        self._s.set(key, value.encode() if isinstance(value, str) else value)
+
+    def get(self, key: str) -> bytes:
+        return self._s.get(key)
+
+    def try_get(self, key: str) -> Optional[bytes]:
+        return self._s.try_get(key)
+
+    def add(self, key: str, delta: int) -> int:
+        return self._s.add(key, delta)
+
+    def wait(self, keys: Union[str, Iterable[str]]) -> None:
+        self._s.wait([keys] if isinstance(keys, str) else list(keys))
+
+    def delete(self, key: str) -> bool:
+        return self._s.delete(key)
+
+    def barrier(self, name: str, n: int) -> None:
+        self._s.barrier(name, n)
+
+    def close(self) -> None:
+        self._s.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._s.closed
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"port {self.port}"
+        return f"tpcore.Store({self.host!r}, {state}{', server' if self.is_server else ''})"
