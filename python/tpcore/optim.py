@@ -119,14 +119,18 @@ def _write_back(p, w):
         p[...] = w
 
 
+def _adam_args(who, lr, betas, eps, weight_decay):
+    """AdamW's hyper-parameters checked: (lr > 0, (beta1, beta2) in [0, 1), eps > 0, weight_decay >= 0)."""
+    lr = real_arg(lr, who, "lr", lo=0, lo_open=True)
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise TypeError(f"{who}: betas must be a pair of numbers in [0, 1), got {shown(betas)}")
+    betas = tuple(real_arg(b, who, f"betas[{i}]", lo=0, hi=1, hi_open=True) for i, b in enumerate(betas))
+    return lr, betas, real_arg(eps, who, "eps", lo=0, lo_open=True), real_arg(weight_decay, who, "weight_decay", lo=0)
+
+
 class AdamW:
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
-        lr = real_arg(lr, "AdamW", "lr", lo=0, lo_open=True)
-        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-            raise TypeError(f"AdamW: betas must be a pair of numbers in [0, 1), got {shown(betas)}")
-        betas = tuple(real_arg(b, "AdamW", f"betas[{i}]", lo=0, hi=1, hi_open=True) for i, b in enumerate(betas))
-        eps = real_arg(eps, "AdamW", "eps", lo=0, lo_open=True)
-        weight_decay = real_arg(weight_decay, "AdamW", "weight_decay", lo=0)
+        lr, betas, eps, weight_decay = _adam_args("AdamW", lr, betas, eps, weight_decay)
         self.params = _pairs(params, "AdamW")
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.master = _masters(self.params)
@@ -183,12 +187,7 @@ class ShardedAdamW:
         from ._args import agree
         if not isinstance(comm, Comm):
             raise TypeError(f"ShardedAdamW: comm must be a tpcore.Comm (the data-parallel group), got {shown(comm)}")
-        lr = real_arg(lr, "ShardedAdamW", "lr", lo=0, lo_open=True)
-        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-            raise TypeError(f"ShardedAdamW: betas must be a pair of numbers in [0, 1), got {shown(betas)}")
-        betas = tuple(real_arg(b, "ShardedAdamW", f"betas[{i}]", lo=0, hi=1, hi_open=True) for i, b in enumerate(betas))
-        eps = real_arg(eps, "ShardedAdamW", "eps", lo=0, lo_open=True)
-        weight_decay = real_arg(weight_decay, "ShardedAdamW", "weight_decay", lo=0)
+        lr, betas, eps, weight_decay = _adam_args("ShardedAdamW", lr, betas, eps, weight_decay)
         self.params = _pairs(params, "ShardedAdamW")
         for p, _ in self.params:
             if isinstance(p, DeviceArray):
