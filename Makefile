@@ -44,7 +44,7 @@ HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard cs
 FAKE_NCCL := $(BUILD)/fake_nccl/old/libnccl.so.2 $(BUILD)/fake_nccl/nosym/libnccl.so.2 \
              $(BUILD)/fake_nccl/good/libnccl.so.2 $(BUILD)/fake_nccl/home/lib64/libnccl.so.2
 
-# The MPI plugin: csrc/mpi/mpi.c (the only file that includes <mpi.h>) with mpicc's flags, linked
+# The MPI plugin: csrc/mpi/*.c (the only files that include <mpi.h>) with mpicc's flags, linked
 # to libmpi, exporting its entry only (csrc/comm/mpi_abi.h); the core opens it from beside itself.
 MPICC ?= $(shell command -v mpicc 2>/dev/null)
 MPIRUN ?= $(shell command -v mpirun 2>/dev/null)
@@ -87,9 +87,11 @@ $(BUILD)/libtpcore_cuda.so: $(CUDA_OBJ) csrc/cuda/plugin.map
 	$(NVCC) -shared -o $@ $(CUDA_OBJ) --cudart=static -Xlinker --exclude-libs,ALL -Xlinker --version-script=csrc/cuda/plugin.map -Xlinker --no-undefined \
 	  -ldl -lrt -lpthread
 
-$(BUILD)/libtpcore_mpi.so: csrc/mpi/mpi.c csrc/core/dtype.c csrc/mpi/plugin.map $(HDRS)
+MPI_SRC := csrc/mpi/mpi.c csrc/mpi/mpi_ops.c csrc/core/dtype.c
+
+$(BUILD)/libtpcore_mpi.so: $(MPI_SRC) csrc/mpi/plugin.map $(HDRS)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -fvisibility=hidden -Icsrc $(MPI_CFLAGS) -shared csrc/mpi/mpi.c csrc/core/dtype.c -o $@ \
+	$(CC) $(CFLAGS) -fvisibility=hidden -Icsrc $(MPI_CFLAGS) -shared $(MPI_SRC) -o $@ \
 	  -Wl,--version-script=csrc/mpi/plugin.map -Wl,--no-undefined $(LDFLAGS) $(MPI_LIBS)
 
 $(BUILD)/test_mpi: csrc/tests/test_mpi.c $(BUILD)/libtpcore.a

@@ -14,7 +14,7 @@ The CUDA plugin, tpcore/.libs/libtpcore_cuda.so, is built by nvcc (PATH, $CUDA_H
 /usr/local/cuda/bin) from csrc/sources.mk's TP_CUDA_DIRS, the CUDA runtime linked statically;
 tpcore._C never links CUDA and loads it on first GPU use.
   TPCORE_MPI=0                        no MPI plugin (else built when mpicc is found)
-The MPI plugin, tpcore/.libs/libtpcore_mpi.so, is compiled from csrc/mpi/mpi.c with the flags of
+The MPI plugin, tpcore/.libs/libtpcore_mpi.so, is compiled from csrc/mpi/*.c with the flags of
 `mpicc --showme:compile` / `--showme:link` (pkg-config ompi as a fallback) and linked to libmpi;
 tpcore._C opens it on first use of the mpi backend, so tpcore imports without MPI.
 The build prints what it detected.
@@ -155,11 +155,11 @@ def mpi_plan(sanitize):
 
 
 def build_mpi_plugin(plan, build_temp, compiler, force=False):
-    """libtpcore_mpi.so from csrc/mpi/mpi.c and csrc/core/dtype.c, exporting its entry only
+    """libtpcore_mpi.so from csrc/mpi/mpi.c, mpi_ops.c and csrc/core/dtype.c, exporting its entry only
     (csrc/mpi/plugin.map).  Returns the library's path."""
     tag = hashlib.sha1(json.dumps([plan, compiler], sort_keys=True).encode()).hexdigest()[:10]
     lib = os.path.join(build_temp, f"mpi-{tag}", "libtpcore_mpi.so")
-    srcs = ["csrc/mpi/mpi.c", "csrc/core/dtype.c"]
+    srcs = ["csrc/mpi/mpi.c", "csrc/mpi/mpi_ops.c", "csrc/core/dtype.c"]
     deps = srcs + sorted(glob.glob("csrc/**/*.h", recursive=True)) + ["csrc/mpi/plugin.map"]
     if force or _stale(lib, deps):
         os.makedirs(os.path.dirname(lib), exist_ok=True)

@@ -1,8 +1,8 @@
 /*
  * The MPI plugin's ABI (private): the contract between the core (csrc/comm/mpi_load.c,
  * which registers the "mpi" line of the backend registry in every build) and
- * libtpcore_mpi.so (csrc/mpi/mpi.c, the only file that includes <mpi.h>, built with
- * mpicc's flags when an MPI is found, linked to libmpi).
+ * libtpcore_mpi.so (csrc/mpi/mpi.c and mpi_ops.c, the only files that include <mpi.h>,
+ * built with mpicc's flags when an MPI is found, linked to libmpi).
  *
  * The core dlopens the plugin (RTLD_LOCAL), promotes the libmpi it pulled in to
  * RTLD_GLOBAL (Open MPI's components are plugins that need libmpi's symbols), looks up
