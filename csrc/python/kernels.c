@@ -354,6 +354,39 @@ fail:
   return NULL;
 }
 
+
+/* read_bytes(a): the sum of a's bytes read as 64-bit words (a checksum nobody can skip), with the
+ * GIL released: the memory-read bandwidth probe of the benchmarks (python -m tpcore.bench report),
+ * run by one thread per core at once.  Eight independent accumulators keep the loads in flight. */
+static PyObject *read_bytes(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *ao;
+  if (!PyArg_ParseTuple(args, "O:read_bytes", &ao)) return NULL;
+  buf_t b;
+  if (get_host_buf(ao, "read_bytes", "a", 0, &b) < 0) return NULL;
+  size_t n = b.count * tp_dtype_size(b.dtype), words = n / 8; /* count x size: the array's own bytes */
+  const unsigned char *p = b.data;
+  uint64_t acc[8] = {0};
+  Py_BEGIN_ALLOW_THREADS
+  size_t i = 0;
+  for (; i + 8 <= words; i += 8)
+    for (int j = 0; j < 8; j++) {
+      uint64_t w;
+      memcpy(&w, p + (i + (size_t)j) * 8, 8);
+      acc[j] += w;
+    }
+  for (; i < words; i++) {
+    uint64_t w;
+    memcpy(&w, p + i * 8, 8);
+    acc[0] += w;
+  }
+  for (size_t k = words * 8; k < n; k++) acc[1] += p[k];
+  Py_END_ALLOW_THREADS
+  uint64_t sum = 0;
+  for (int j = 0; j < 8; j++) sum += acc[j];
+  return PyLong_FromUnsignedLongLong((unsigned long long)sum);
+}
+
 PyMethodDef kernel_methods[] = {
     {"convert", (PyCFunction)(void (*)(void))convert_k, METH_VARARGS | METH_KEYWORDS,
      "convert(x, dtype, out=None) -> x as float32, bfloat16 or float16 (round to nearest even)"},
@@ -361,6 +394,7 @@ PyMethodDef kernel_methods[] = {
     {"adamw_step", adamw_step, METH_VARARGS, "adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)"},
     {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(p, g, buf, lr, momentum, weight_decay, first)"},
     {"act_backward", act_backward, METH_VARARGS, "act_backward(name, h, dout) -> dh"},
+    {"read_bytes", read_bytes, METH_VARARGS, "read_bytes(a) -> the sum of a's bytes as 64-bit words (GIL released)"},
     {"linear_forward", linear_forward_k, METH_VARARGS, "linear_forward(x, w, b=None, out=None) -> x @ w.T + b"},
     {"linear_backward", linear_backward_k, METH_VARARGS,
      "linear_backward(dy, x, w, dw=None, out=None) -> dy @ w; dw += dy.T @ x"},

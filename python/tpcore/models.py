@@ -150,6 +150,7 @@ class TransformerLM:
                                                 partition=[s for _, s in self.vocab_partition],
                                                 seed=(seed + 7) % 2 ** 64, device=dev, dtype=self.dtype)
         self._ctx = None
+        self._on_token = None  # generate calls it (benchmarks): -1 after the prefill, then step 0, 1, ...
 
     def _sync_tied(self):
         """Kept for callers of older versions: a tied head reads the embedding itself."""
@@ -520,6 +521,9 @@ class TransformerLM:
         if max_new_tokens == 0:
             return _result(out)
         h = self._forward(padded, pos0=np.zeros(B, np.int64), use_cache=True, _agreed=True)  # right padding: causal
+        hook = self._on_token  # the benchmarks' clock: -1 after the prefill, then each step's index
+        if hook is not None:
+            hook(-1)
         if self._kdev is not None:  # each sequence's last row, gathered where h lives (an embedding lookup)
             Tp, C = padded.shape[1], self.config.hidden
             rows = _on(np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64), self._kdev)
@@ -537,6 +541,8 @@ class TransformerLM:
                 done |= np.isin(nxt, eos_ids)
             for b in range(B):
                 out[b].append(int(nxt[b]))
+            if hook is not None:
+                hook(step)
             if step == max_new_tokens - 1 or (eos_ids and done.all()):
                 break
             h = self._forward(nxt.reshape(B, 1), pos0=cur, use_cache=True, _agreed=True)

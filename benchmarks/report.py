@@ -1,0 +1,20 @@
+#!/usr/bin/env python
+"""The 1-vs-N report of tpcore: the same as `python -m tpcore.bench report`.
+
+    python benchmarks/report.py --quick
+    python benchmarks/report.py --worlds 1,2 --out report --json
+
+See `python benchmarks/report.py --help` for the columns and the method.
+"""
+import os
+import sys
+
+try:
+    import tpcore.bench  # noqa: F401
+except ImportError:  # run from a source checkout that is not installed (the extension must be built)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from tpcore.bench.__main__ import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["report", *sys.argv[1:]]))

@@ -1,0 +1,108 @@
+"""The 1-vs-N report (python -m tpcore.bench report): the memory-read probe it rests on, the advice it
+computes from measurements (never canned: other numbers give other advice), and a quick run end to
+end whose numbers are checked against what the model's shapes imply."""
+import copy
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tpcore import _C
+from tpcore.bench import report
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4099, 1 << 16])
+def test_read_bytes_is_the_sum_of_the_words(n):
+    rng = np.random.default_rng(n)
+    a = rng.integers(0, 256, n, dtype=np.uint8).view(np.uint8)
+    a32 = np.frombuffer(np.concatenate([a, np.zeros((-n) % 4, np.uint8)]).tobytes(), np.float32).copy()
+    raw = a32.view(np.uint8)
+    words = raw[:raw.size // 8 * 8].view(np.uint64)
+    expect = (int(words.astype(object).sum()) + int(raw[raw.size // 8 * 8:].astype(np.int64).sum())) % 2 ** 64
+    assert _C.read_bytes(a32) == expect
+
+
+def test_read_bytes_refuses_what_is_not_an_array():
+    with pytest.raises(TypeError):
+        _C.read_bytes([1.0, 2.0])
+    with pytest.raises((TypeError, ValueError)):
+        _C.read_bytes(np.ones((4, 4), np.float32)[:, ::2])  # not contiguous
+
+
+def _data(decode_tok_s_2, comm_s_2, read_gbs=20.0):
+    """A synthetic report: world 1 and 2 of a model whose weights are 400 MB."""
+    cfg = dict(hidden=1024, layers=4, heads=8, kv_heads=8, head_dim=128, ffn_hidden=4096, vocab_size=32000,
+               activation="gelu", model_type="gpt2")
+
+    def row(n, tok_s, comm_s, params):
+        step = 1.0 / tok_s
+        return {"n": n, "threads": 2 // n, "prefill_s": 0.5 / n, "ttft_s": 0.6 / n, "decode_s": 31 * step,
+                "p50_s": step, "p99_s": step * 1.2, "steps_s": [step] * 31, "param_bytes": [params] * n,
+                "kv_bytes": [1 << 20] * n, "rss_peak_bytes": [params + (60 << 20)] * n, "prefill_tok_s": 128 * n,
+                "decode_tok_s": tok_s, "same_tokens": True,
+                "comm_decode": {"attention": {"calls": 124, "bytes": 124 * 4096, "seconds_max": comm_s * 31 / 2,
+                                              "seconds_min": comm_s * 31 / 4},
+                                "mlp": {"calls": 124, "bytes": 124 * 4096, "seconds_max": comm_s * 31 / 2,
+                                        "seconds_min": comm_s * 31 / 4},
+                                "total": {"calls": 248, "bytes": 248 * 4096, "seconds_max": comm_s * 31,
+                                          "seconds_min": comm_s * 31 / 2}} if n > 1 else {"total": {
+                                    "calls": 0, "bytes": 0, "seconds_max": 0.0, "seconds_min": 0.0}},
+                "comm_prefill": {}, "bytes_per_token": 0.0,
+                "bench": [{"op": "all_reduce", "bytes": 4096, "time_us": 3.0, "algbw": 1.4, "busbw": 1.4}]}
+
+    return {"config": cfg, "batch": 1, "prompt": 64, "new": 32, "concurrency": [1],
+            "limits": {"cores": 2, "read_gbs": {1: read_gbs, 2: read_gbs * 1.1}, "gemm_gflops": {1: 80.0, 2: 150.0},
+                       "numpy_gemm_gflops": 140.0},
+            "worlds": [row(1, 40.0, 0.0, 400_000_000), row(2, decode_tok_s_2, comm_s_2, 200_000_000)]}
+
+
+def test_advice_follows_the_measurements():
+    slow = report.advice(_data(decode_tok_s_2=30.0, comm_s_2=0.012))
+    fast = report.advice(_data(decode_tok_s_2=70.0, comm_s_2=0.001))
+    assert slow != fast
+    s, f = "\n".join(slow), "\n".join(fast)
+    # TP=2 slower than TP=1: say so, and that TP=2 is only for memory
+    assert "TP=1 decodes faster here (40.0 vs 30.0 tok/s); TP=2 only for memory (50%" in s
+    assert "collectives take 36% of a decode step" in s  # 12 ms of a 33.3 ms step
+    assert "TP=2 decodes 1.75x as fast as TP=1" in f and "only for memory" not in f
+    # 400 MB per token at 40 tok/s = 16 GB/s = 80% of a 20 GB/s host: memory bound
+    assert "at 16.0 GB/s = 80% of this host's measured read bandwidth" in s and "bound by memory" in s
+    relaxed = "\n".join(report.advice(_data(70.0, 0.001, read_gbs=100.0)))
+    assert "= 16% of this host's" in relaxed and "not bound by memory" in relaxed
+    # the link line compares the model's all-reduce with the benchmark's at the same size
+    assert "against 3.0 us in the collectives benchmark" in s
+    # every number in the advice comes from the data: change the data, the text changes
+    d = _data(30.0, 0.012)
+    d2 = copy.deepcopy(d)
+    d2["worlds"][1]["param_bytes"] = [150_000_000] * 2
+    assert report.advice(d) != report.advice(d2)
+
+
+def test_report_quick_end_to_end(tmp_path):
+    out = tmp_path / "rep"
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "report", "--quick", "--no-progress", "--out",
+                        str(out), "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    md = (out / "report.md").read_text()
+    for section in ("## The host's own limits", "## Speed at each world size", "## Memory per rank",
+                    "## Time in collectives, per layer kind", "## Advice from these measurements"):
+        assert section in md
+    data = json.loads((out / "report.json").read_text())
+    one, two = data["worlds"]
+    assert (one["n"], two["n"]) == (1, 2)
+    assert one["same_tokens"] and two["same_tokens"]
+    for row in (one, two):
+        assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0 and 0 < row["p50_s"] <= row["p99_s"]
+        assert len(row["steps_s"]) == data["new"] - 1
+    assert all(v > 0 for v in data["limits"]["read_gbs"].values())
+    cfg = data["config"]
+    # parameters per rank: world 2 holds half of every split weight; the norms are replicated
+    C, L = cfg["hidden"], cfg["layers"]
+    norms = (2 * L + 1) * C * 4
+    assert two["param_bytes"][0] - norms / 2 == pytest.approx((one["param_bytes"][0] - norms) / 2, rel=0.02)
+    # KV cache per rank: kv_heads split over 2 ranks, batch x (prompt + new) positions, K and V
+    kv_total = 2 * L * data["batch"] * (data["prompt"] + data["new"]) * cfg["kv_heads"] * cfg["head_dim"] * 4
+    assert one["kv_bytes"] == [kv_total] and two["kv_bytes"] == [kv_total // 2] * 2
+    assert data["advice"] and all(any(ch.isdigit() for ch in line) for line in data["advice"])
