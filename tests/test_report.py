@@ -106,3 +106,35 @@ def test_report_quick_end_to_end(tmp_path):
     kv_total = 2 * L * data["batch"] * (data["prompt"] + data["new"]) * cfg["kv_heads"] * cfg["head_dim"] * 4
     assert one["kv_bytes"] == [kv_total] and two["kv_bytes"] == [kv_total // 2] * 2
     assert data["advice"] and all(any(ch.isdigit() for ch in line) for line in data["advice"])
+
+
+def test_report_from_a_checkpoint(tmp_path):
+    """--checkpoint: the model's shapes come from the directory, and every world size loads it."""
+    import tpcore
+    ckpt = tmp_path / "ckpt"
+
+    def save(comm):
+        cfg = tpcore.Config(vocab_size=300, hidden=48, layers=2, heads=3, ffn_hidden=80, max_positions=64)
+        tpcore.models.TransformerLM(cfg, comm, seed=5).save_pretrained(str(ckpt), hf=True)
+
+    tpcore.spawn(save, 1)
+    out = tmp_path / "rep"
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "report", "--quick", "--checkpoint", str(ckpt),
+                        "--worlds", "1,3", "--no-serve", "--no-plots", "--no-progress", "--out", str(out), "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    data = json.loads((out / "report.json").read_text())
+    assert data["config"]["vocab_size"] == 300 and data["config"]["heads"] == 3
+    assert [w["n"] for w in data["worlds"]] == [1, 3] and all(w["same_tokens"] for w in data["worlds"])
+    assert "serve" not in data["worlds"][0] and not list(out.glob("*.png"))
+
+
+def test_report_refuses_bad_arguments(tmp_path):
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "tpcore.bench", "report", "--quick", "--no-progress",
+                               "--out", str(tmp_path), *extra], capture_output=True, text=True, timeout=120)
+    for extra, msg in ((["--worlds", "0,2"], "integers >= 1"), (["--new", "1"], "--new >= 2"),
+                       (["--model", "tiny", "--checkpoint", str(tmp_path)], "not both"),
+                       (["--device", "tpu"], "--device must be cpu or cuda")):
+        r = run(*extra)
+        assert r.returncode != 0 and msg in r.stderr, (extra, r.stderr[-2000:])
