@@ -261,7 +261,15 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
         for c, reqs in serve_reqs.items():
             prog.status(f"{tag}: serving {len(reqs)} requests at concurrency {c}", important=True)
             comm.barrier()
-            result["serve"][c] = serve_bench.measure(model, c, reqs)
+            m = serve_bench.measure(model, c, reqs)
+            # untimed: the first requests' tokens against generate() alone
+            # (a request that met EOS stops there; generate pads after it)
+            m["same_as_generate"] = all(
+                np.asarray(model.generate([p], max_new_tokens=k)[0])[p.size:p.size + len(toks)].tolist() == toks
+                for (p, k), toks in list(zip(reqs, m["tokens"]))[:2])
+            for key in ("ttft_s", "latency_s", "tokens"):  # per-request lists: the percentiles stay
+                m.pop(key, None)
+            result["serve"][c] = m
     result["rss_peak_bytes"] = _vm_hwm_bytes()
     prog.done()
     return result
@@ -550,8 +558,8 @@ def advice(data: dict) -> List[str]:
         lo, hi = sv[cs[0]], sv[cs[-1]]
         out.append(f"serving at TP={r['n']}: concurrency {cs[-1]} gives {hi['throughput_tok_s'] / lo['throughput_tok_s']:.2f}x "
                    f"the throughput of concurrency {cs[0]} ({hi['throughput_tok_s']:.1f} vs "
-                   f"{lo['throughput_tok_s']:.1f} tok/s) at {hi['token_p50_s'] / lo['token_p50_s']:.2f}x the per-token "
-                   f"p50 latency ({1e3 * hi['token_p50_s']:.1f} vs {1e3 * lo['token_p50_s']:.1f} ms).")
+                   f"{lo['throughput_tok_s']:.1f} tok/s) at {hi['latency_p50_s'] / lo['latency_p50_s']:.2f}x the per-token "
+                   f"p50 latency ({1e3 * hi['latency_p50_s']:.1f} vs {1e3 * lo['latency_p50_s']:.1f} ms).")
     if rows and all(r.get("serve") for r in rows):
         top = max(data["concurrency"])
         bs = max(rows, key=lambda r: r["serve"][top]["throughput_tok_s"])
@@ -559,8 +567,8 @@ def advice(data: dict) -> List[str]:
                    f"({bs['serve'][top]['throughput_tok_s']:.1f} tok/s over all requests).")
     het = data.get("hetero")
     if het:
-        for line in het.get("notes", []):
-            out.append(line)
+        from . import hetero as hetero_bench
+        out.extend(hetero_bench.notes(het))
     return out
 
 
@@ -662,7 +670,7 @@ def markdown(data: dict, plots: List[str]) -> str:
             for cc, s in sorted((r.get("serve") or {}).items()):
                 body.append([r["n"], cc, s["requests"], s["generated_tokens"], f"{s['throughput_tok_s']:.1f}",
                              f"{1e3 * s['ttft_p50_s']:.1f}", f"{1e3 * s['ttft_p99_s']:.1f}",
-                             f"{1e3 * s['token_p50_s']:.2f}", f"{1e3 * s['token_p99_s']:.2f}",
+                             f"{1e3 * s['latency_p50_s']:.2f}", f"{1e3 * s['latency_p99_s']:.2f}",
                              "yes" if s.get("same_as_generate", True) else "NO"])
         w.append(_table(["ranks", "concurrency", "requests", "tokens", "tok/s (all requests)", "TTFT p50 ms",
                          "TTFT p99 ms", "per-token p50 ms", "per-token p99 ms", "tokens = generate"], body))
@@ -747,8 +755,8 @@ def _plots(out: str, data: dict) -> List[str]:
             sv = r.get("serve") or {}
             cs = sorted(sv)
             ax[0].plot(cs, [sv[c]["throughput_tok_s"] for c in cs], "o-", label=f"{r['n']} ranks")
-            ax[1].plot(cs, [1e3 * sv[c]["token_p50_s"] for c in cs], "o-", label=f"{r['n']} ranks p50")
-            ax[1].plot(cs, [1e3 * sv[c]["token_p99_s"] for c in cs], "x--", label=f"{r['n']} ranks p99")
+            ax[1].plot(cs, [1e3 * sv[c]["latency_p50_s"] for c in cs], "o-", label=f"{r['n']} ranks p50")
+            ax[1].plot(cs, [1e3 * sv[c]["latency_p99_s"] for c in cs], "x--", label=f"{r['n']} ranks p99")
         for a in ax:
             a.set_xscale("log", base=2)
             a.set_xlabel("concurrent requests")
