@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdatomic.h>
+#include <sys/prctl.h>
 #include <time.h>
 
 #include "core_impl.h"
@@ -11,11 +12,14 @@
 static _Atomic uint64_t throttle_bits;
 /* Sleep this thread still owes (seconds; negative: credit from an oversleep). */
 static _Thread_local double throttle_debt;
+/* Whether this thread's timer slack was lowered (Linux rounds sleeps up by 50 us by default). */
+static _Thread_local int throttle_slack_set;
 
-/* Below this much owed time a sleep is not worth its system call (~50 us of overhead). */
-#define THROTTLE_MIN_SLEEP 200e-6
-/* At most this much credit: an oversleep never exempts the next many kernels. */
-#define THROTTLE_MAX_CREDIT 1e-3
+/* Below this much owed time a sleep is not worth its system call: it is carried to the
+ * thread's next kernels. */
+#define THROTTLE_MIN_SLEEP 20e-6
+/* At most this much credit: an oversleep never exempts the next kernels by much. */
+#define THROTTLE_MAX_CREDIT 20e-6
 
 static double factor_now(void) {
   uint64_t b = atomic_load_explicit(&throttle_bits, memory_order_relaxed);
@@ -54,6 +58,10 @@ void tp_throttle_end(double t0) {
   if (owed < THROTTLE_MIN_SLEEP) {
     throttle_debt = owed;
     return;
+  }
+  if (!throttle_slack_set) {
+    throttle_slack_set = 1;
+    (void)prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL); /* best effort: a coarser sleep still works */
   }
   struct timespec req;
   req.tv_sec = (time_t)owed;

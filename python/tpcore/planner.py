@@ -553,7 +553,7 @@ def plan_from_measurements(dims, speeds: Sequence[float], memory: Optional[Seque
     eq_work = _rank_work(d, eq_heads or [0] * world, eq_ffn, eq_vocab or [0] * world)
     step = max(w / s for w, s in zip(work, sp))
     eq_step = max(w / s for w, s in zip(eq_work, sp))
-    ideal = sum(eq_work) / sum(sp)
+    ideal = _rank_work(d, [d.heads], [d.ffn], [d.vocab])[0] / sum(sp)  # the whole model's work, spread by speed
     return Plan(dims=d, heads=heads, ffn=ffn, vocab=vocab, speeds=sp, memory=mem, bytes_per_rank=nbytes,
                 predicted=step / eq_step, predicted_ideal=ideal / eq_step, shares=shares, align=al,
                 head_unit="head" if d.is_mlp else unit, dtype=dtype, cache=cache)
