@@ -562,14 +562,19 @@ def plan_from_measurements(dims, speeds: Sequence[float], memory: Optional[Seque
 # ------------------------------------------------------------------ measuring
 
 def _timed(fn, reps: int, budget: float) -> float:
-    """The fastest of reps calls of fn (at least 2, fewer than reps when over budget seconds)."""
-    fn()  # warm up
+    """Seconds per call of fn: the fastest of reps samples (at least 2, fewer when over budget
+    seconds), each a group of calls of at least ~2 ms, so that the throttle's sleep, which
+    short calls carry to later ones, is counted in full."""
+    t0 = time.perf_counter()
+    fn()  # warm up, and the size of a group
+    group = max(1, min(1000, int(2e-3 / max(time.perf_counter() - t0, 1e-7))))
     best, spent = math.inf, 0.0
     for i in range(reps):
         t0 = time.perf_counter()
-        fn()
+        for _ in range(group):
+            fn()
         dt = time.perf_counter() - t0
-        best = min(best, dt)
+        best = min(best, dt / group)
         spent += dt
         if i >= 1 and spent > budget:
             break

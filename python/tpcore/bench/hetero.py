@@ -1,0 +1,288 @@
+"""Mismatched devices: equal shards against planned shards with one rank made slower.
+
+    python -m tpcore.bench hetero                  # worlds 2 and 3, rank 1 throttled 2x
+    python -m tpcore.bench hetero --quick          # tiny shapes (smoke test)
+    python -m tpcore.bench hetero --factor 3 --worlds 2 --json out.json --plot out.png
+
+Rank 1 is made `--factor` times slower by the compute throttle (tpcore.set_throttle: it
+sleeps (factor - 1) x each compute kernel's time; its collectives stay real).  For each
+world size and case, the same step runs on equal shards (the layers' default split) and
+on the shards of tpcore.plan_partition, which measures every rank (the throttle included)
+and splits heads, MLP columns and vocabulary rows by speed.  Cases:
+
+  mlp       ParallelMLP forward of `rows` tokens
+  prefill   TransformerLM prefill of a prompt into the KV cache, plus the last row's logits
+  decode    one TransformerLM decode step (one token, KV cache), logits included
+
+Step time: the fastest of several timed groups of steps, the slowest rank's.  The ideal is
+total work over total speed: t1 / (sum of the ranks' speeds, the fast rank = 1 and the
+throttled one 1/factor) + the communication of a step, where t1 is the step on one rank,
+unthrottled, with the BLAS threads a rank of that world has, and the communication is the
+planned run's time in collectives of the rank that waits least (the slow rank arrives last,
+so its time is the collectives' own).  With equal shards the slow rank sets the pace:
+about factor x t1 / world.
+
+On a machine with fewer cores than ranks (world 3 on 2 cores) the ranks share cores: the
+fast ranks run below their one-core speed, which the ideal (one core per rank) does not
+model; the table says so where it applies.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+SLOW_RANK = 1
+FULL = dict(model=dict(vocab_size=8192, hidden=512, layers=4, heads=8, ffn_hidden=2048, max_positions=256,
+                       activation="gelu_tanh", positions="learned"),
+            mlp=(768, 3072), rows=64, prompt=64, reps=5, steps=4)
+QUICK = dict(model=dict(vocab_size=512, hidden=128, layers=2, heads=4, ffn_hidden=512, max_positions=64,
+                        activation="gelu_tanh", positions="learned"),
+             mlp=(256, 1024), rows=16, prompt=16, reps=3, steps=3)
+CASES = ("mlp", "prefill", "decode")
+
+
+def _sizes(quick: bool) -> dict:
+    return QUICK if quick else FULL
+
+
+def _time(comm, step, reps: int, steps: int):
+    """(the fastest group's seconds per step, slowest rank's; collective seconds per step of this rank
+    in that group)."""
+    step()  # warm up (workspaces, caches)
+    best, comm_s = math.inf, 0.0
+    for _ in range(reps):
+        comm.barrier()
+        s0 = comm.stats()["seconds"]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        dt = (time.perf_counter() - t0) / steps
+        if dt < best:
+            best, comm_s = dt, (comm.stats()["seconds"] - s0) / steps
+    got = comm.all_gather(np.array([best, comm_s], np.float64)).reshape(-1, 2)
+    return float(got[:, 0].max()), got[:, 1].tolist()
+
+
+def _steps(comm, case: str, sz: dict, kwargs: dict):
+    """The step function of a case, on shards given by kwargs (partitions, or a plan)."""
+    import tpcore
+    g = np.random.default_rng(5)
+    if case == "mlp":
+        hidden, ffn = sz["mlp"]
+        mlp = tpcore.ParallelMLP(hidden, ffn, comm, activation="gelu", seed=3, **kwargs)
+        x = g.standard_normal((sz["rows"], hidden)).astype(np.float32)
+        return lambda: mlp.forward(x)
+    cfg = tpcore.Config(**sz["model"])
+    model = tpcore.models.TransformerLM(cfg, comm, seed=3, **kwargs)
+    T = sz["prompt"]
+    model.cache(1, T + 2)
+    prompt = g.integers(0, cfg.vocab_size, (1, T)).astype(np.int64)
+    zero = np.zeros(1, np.int64)
+
+    def prefill():
+        h = model._forward(prompt, pos0=zero, use_cache=True, _agreed=True)
+        return model._gather_logits(model._logits_shard(np.ascontiguousarray(h[:, -1])))
+
+    if case == "prefill":
+        return prefill
+    prefill()
+    tok = prompt[:, -1:].copy()
+    at = np.array([T], np.int64)
+
+    def decode():  # the step at position T, again and again: the same work each time
+        h = model._forward(tok, pos0=at, use_cache=True, _agreed=True)
+        return model._gather_logits(model._logits_shard(np.ascontiguousarray(h[:, 0])))
+
+    return decode
+
+
+def _dims(case: str, sz: dict):
+    import tpcore
+    return tuple(sz["mlp"]) if case == "mlp" else tpcore.Config(**sz["model"])
+
+
+def _rank(comm, sz: dict, factor: float, threads: int):
+    """Every case on equal shards, then planned shards; rank SLOW_RANK throttled."""
+    import tpcore
+    tpcore.set_num_threads(threads)
+    if comm.rank == SLOW_RANK:
+        tpcore.set_throttle(factor)
+    out = {}
+    try:
+        for case in CASES:
+            eq_s, _ = _time(comm, _steps(comm, case, sz, {}), sz["reps"], sz["steps"])
+            plan = tpcore.plan_partition(comm, _dims(case, sz), budget=0.2)
+            pl_s, comm_s = _time(comm, _steps(comm, case, sz, {"plan": plan}), sz["reps"], sz["steps"])
+            out[case] = {"equal_s": eq_s, "planned_s": pl_s, "comm_s": comm_s, "speeds": plan.speeds,
+                         "predicted": plan.predicted, "partition": plan.model_kwargs()}
+    finally:
+        tpcore.set_throttle(1.0)
+    return out
+
+
+def _single(comm, sz: dict, threads: int):
+    """t1: every case on one rank, unthrottled, with `threads` BLAS threads."""
+    import tpcore
+    tpcore.set_num_threads(threads)
+    return {case: _time(comm, _steps(comm, case, sz, {}), sz["reps"], sz["steps"])[0] for case in CASES}
+
+
+def run(quick: bool = False, worlds: Sequence[int] = (2, 3), factor: float = 2.0, progress: bool = True,
+        timeout: float = 1800.0) -> dict:
+    """The benchmark (see the module doc) as a dict: {"rows": [...], "factor", "cores", ...}."""
+    import tpcore
+    factor = float(factor)
+    if not math.isfinite(factor) or not 1.0 <= factor <= 1000.0:
+        raise ValueError(f"hetero: factor must be a number in [1, 1000], got {factor}")
+    worlds = [int(w) for w in worlds]
+    if not worlds or any(w < 2 for w in worlds):
+        raise ValueError(f"hetero: world sizes must be >= 2 (rank {SLOW_RANK} is the slow one), got {worlds}")
+    sz = _sizes(quick)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    def say(msg):
+        if progress:
+            print(f"[hetero] {msg}", file=sys.stderr, flush=True)
+
+    singles: Dict[int, dict] = {}
+    rows = []
+    for w in worlds:
+        threads = max(1, cores // w)  # what init gives each of w local ranks
+        if threads not in singles:
+            say(f"one rank, {threads} thread(s): t1 of {', '.join(CASES)}")
+            singles[threads] = tpcore.spawn(_single, 1, args=(sz, threads), deadline=timeout)[0]
+        say(f"world {w}: rank {SLOW_RANK} throttled {factor:g}x; equal shards, plan, planned shards")
+        res = tpcore.spawn(_rank, w, args=(sz, factor, threads), deadline=timeout)
+        speed_sum = (w - 1) + 1.0 / factor
+        for case in CASES:
+            r0 = res[0][case]
+            t1 = singles[threads][case]
+            comm_s = min(min(r[case]["comm_s"]) for r in res)
+            ideal = t1 / speed_sum + comm_s
+            rows.append({"case": case, "world": w, "threads": threads, "oversubscribed": w * threads > cores,
+                         "t1_ms": 1e3 * t1, "comm_ms": 1e3 * comm_s,
+                         "equal_ms": 1e3 * max(r[case]["equal_s"] for r in res),
+                         "planned_ms": 1e3 * max(r[case]["planned_s"] for r in res), "ideal_ms": 1e3 * ideal,
+                         "slow_pace_ms": 1e3 * (t1 * factor / w + comm_s),
+                         "speeds": r0["speeds"], "predicted": r0["predicted"], "partition": r0["partition"]})
+            row = rows[-1]
+            row["planned_over_ideal"] = row["planned_ms"] / row["ideal_ms"]
+            row["equal_over_ideal"] = row["equal_ms"] / row["ideal_ms"]
+            say(f"  {case:>7}: equal {row['equal_ms']:.2f} ms, planned {row['planned_ms']:.2f} ms, ideal "
+                f"{row['ideal_ms']:.2f} ms (speeds measured {', '.join(f'{s:.2f}' for s in row['speeds'])})")
+    return {"factor": factor, "slow_rank": SLOW_RANK, "cores": cores, "quick": bool(quick), "worlds": worlds,
+            "shapes": {"model": sz["model"], "mlp": list(sz["mlp"]), "rows": sz["rows"], "prompt": sz["prompt"]},
+            "rows": rows, "version": tpcore.__version__}
+
+
+def table(result: dict) -> str:
+    lines = [f"{'case':>8} {'world':>5} {'equal ms':>9} {'planned ms':>10} {'ideal ms':>9} {'planned/ideal':>13} "
+             f"{'equal/ideal':>11}  speeds (measured)"]
+    for r in result["rows"]:
+        lines.append(f"{r['case']:>8} {r['world']:>5} {r['equal_ms']:>9.2f} {r['planned_ms']:>10.2f} "
+                     f"{r['ideal_ms']:>9.2f} {r['planned_over_ideal']:>13.2f} {r['equal_over_ideal']:>11.2f}  "
+                     f"{', '.join(f'{s:.2f}' for s in r['speeds'])}" + ("  (ranks > cores)" if r["oversubscribed"]
+                                                                       else ""))
+    return "\n".join(lines)
+
+
+def notes(result: dict) -> List[str]:
+    """Sentences computed from the measurements."""
+    out = []
+    f = result["factor"]
+    for r in result["rows"]:
+        tag = f"{r['case']} at world {r['world']}"
+        gain = r["equal_ms"] / r["planned_ms"]
+        within = r["planned_over_ideal"] <= 1.15
+        s = (f"{tag}: planned shards {'are' if gain >= 1 else 'are NOT'} faster than equal ones "
+             f"({gain:.2f}x), {100 * (r['planned_over_ideal'] - 1):+.0f}% from the ideal "
+             f"({'within' if within else 'outside'} the 15% target); equal shards run at "
+             f"{r['equal_ms'] / r['slow_pace_ms']:.2f}x the slow rank's pace (t1 x {f:g} / {r['world']} + comm)")
+        if r["oversubscribed"]:
+            s += f"; {r['world']} ranks share {result['cores']} cores, so the ideal (a core per rank) is optimistic"
+        if r["comm_ms"] > 0.3 * r["ideal_ms"]:
+            s += f"; collectives are {100 * r['comm_ms'] / r['ideal_ms']:.0f}% of the ideal step"
+        out.append(s + ".")
+    return out
+
+
+def markdown(result: dict) -> str:
+    """A Markdown table and the computed notes (for the report)."""
+    lines = [f"Rank {result['slow_rank']} throttled {result['factor']:g}x (compute only), {result['cores']} cores"
+             + (", quick shapes" if result["quick"] else "") + ".", "",
+             "| case | world | equal ms | planned ms | ideal ms | planned/ideal | equal/ideal | speeds (measured) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['case']} | {r['world']}{' *' if r['oversubscribed'] else ''} | {r['equal_ms']:.2f} | "
+                     f"{r['planned_ms']:.2f} | {r['ideal_ms']:.2f} | {r['planned_over_ideal']:.2f} | "
+                     f"{r['equal_over_ideal']:.2f} | {', '.join(f'{s:.2f}' for s in r['speeds'])} |")
+    if any(r["oversubscribed"] for r in result["rows"]):
+        lines.append("")
+        lines.append(f"\\* more ranks than the {result['cores']} cores: the ranks share cores.")
+    lines.append("")
+    lines.extend(f"- {n}" for n in notes(result))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> bool:
+    """Bars of equal / planned / ideal step time per case and world; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    x = np.arange(len(rows))
+    for i, (key, label) in enumerate((("equal_ms", "equal shards"), ("planned_ms", "planned shards"),
+                                      ("ideal_ms", "ideal (work / speed)"))):
+        ax.bar(x + (i - 1) * 0.27, [r[key] / r["ideal_ms"] for r in rows], 0.27, label=label)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{r['case']}\nworld {r['world']}" for r in rows])
+    ax.axhline(1.15, color="gray", linestyle=":", linewidth=1)
+    ax.set_ylabel("step time / ideal")
+    ax.set_title(f"rank {result['slow_rank']} throttled {result['factor']:g}x")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _ints(text):
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    p.add_argument("--worlds", type=_ints, default=[2, 3], help="world sizes (default 2,3)")
+    p.add_argument("--factor", type=float, default=2.0, help="rank 1's slow-down (default 2)")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--timeout", type=float, default=1800.0)
+
+
+def cli(args) -> int:
+    try:
+        result = run(args.quick, worlds=args.worlds, factor=args.factor, progress=not args.no_progress,
+                     timeout=args.timeout)
+    except ValueError as e:
+        raise SystemExit(f"hetero: {e}")
+    print(table(result))
+    for n in notes(result):
+        print(f"# {n}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        print(f"# plot: {args.plot}" if plot(result, args.plot) else "# --plot needs matplotlib")
+    return 0
