@@ -47,7 +47,6 @@ import numpy as np
 from . import _C
 from ._args import bool_arg, int_arg, is_int, shown
 from .comm import Comm
-from .layers import partition
 
 OBJECTIVES = ("both", "prefill", "decode")
 HEAD_UNITS = ("auto", "group", "head")
@@ -85,12 +84,18 @@ class Dims:
         return dataclasses.asdict(self)
 
 
+def _is_config(spec) -> bool:
+    """A tpcore.Config (recognised by its fields: the layers import this module, so it does not
+    import theirs)."""
+    return type(spec).__name__ == "Config" and all(
+        hasattr(spec, k) for k in ("validate", "hidden", "ffn_hidden", "heads", "kv_heads", "head_dim", "vocab_size"))
+
+
 def dims_of(spec, who: str = "plan_partition") -> Dims:
     """Dims from a tpcore.Config, a (hidden, ffn_hidden) pair or a dict of Dims' fields."""
-    from .transformer import Config
     if isinstance(spec, Dims):
         return spec
-    if isinstance(spec, Config):
+    if _is_config(spec):
         c = spec.validate()
         rows = (c.max_positions if c.positions == "learned" else 0) + c.type_vocab_size
         return Dims(hidden=c.hidden, ffn=c.ffn_hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
@@ -219,7 +224,7 @@ def _split(units: int, shares: Sequence[float]) -> List[int]:
     """Largest remainders of units * shares (tpcore.partition), then every rank with a
     positive share and no unit gets one from the rank furthest above its exact share."""
     world = len(shares)
-    counts = [s for _, s in partition(units, world, weights=list(shares))]
+    counts = list(_C.partition(units, world, [float(s) for s in shares], 1))  # tpcore.partition's split
     total = sum(shares)
     exact = [units * s / total for s in shares]
     if units >= world:
@@ -546,9 +551,9 @@ def plan_from_measurements(dims, speeds: Sequence[float], memory: Optional[Seque
     else:
         raise PlanError(f"{who}: found no split within the memory limits {mem} (bytes per rank)")
     # equal shards: what the layers make without a partition (even whole heads, columns, rows)
-    eq_heads = [0] * world if d.is_mlp else [n for _, n in partition(d.heads, world)]
-    eq_ffn = [n for _, n in partition(d.ffn, world)]
-    eq_vocab = [0] * world if d.is_mlp else [n for _, n in partition(d.vocab, world)]
+    eq_heads = [0] * world if d.is_mlp else list(_C.partition(d.heads, world, None, 1))
+    eq_ffn = list(_C.partition(d.ffn, world, None, 1))
+    eq_vocab = [0] * world if d.is_mlp else list(_C.partition(d.vocab, world, None, 1))
     work = _rank_work(d, heads or [0] * world, ffn, vocab or [0] * world)
     eq_work = _rank_work(d, eq_heads or [0] * world, eq_ffn, eq_vocab or [0] * world)
     step = max(w / s for w, s in zip(work, sp))
@@ -595,8 +600,7 @@ def measure(dims, world: int, rows: int = 128, dtype: str = "float32", reps: int
     w = (rng.standard_normal((n, C), dtype=np.float32) * 0.02)
     x = rng.standard_normal((rows, C), dtype=np.float32)
     if dtype != "float32":
-        from . import convert
-        w = convert(w, dtype)
+        w = _C.convert(w, dtype, None)
     y = np.empty((rows, n), np.float32)
     t = _timed(lambda: _C.linear_forward(x, w, None, y), reps, budget)
     gemm = 2.0 * rows * C * n / t / 1e9
@@ -605,8 +609,7 @@ def measure(dims, world: int, rows: int = 128, dtype: str = "float32", reps: int
     rows_w = max(1, nbytes // (C * wb))
     w2 = rng.standard_normal((rows_w, C), dtype=np.float32)
     if dtype != "float32":
-        from . import convert
-        w2 = convert(w2, dtype)
+        w2 = _C.convert(w2, dtype, None)
     x1 = rng.standard_normal((1, C), dtype=np.float32)
     y1 = np.empty((1, rows_w), np.float32)
     t1 = _timed(lambda: _C.linear_forward(x1, w2, None, y1), reps, budget)
