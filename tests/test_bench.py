@@ -108,10 +108,14 @@ def test_hetero_benchmark_quick(tmp_path):
     """Equal vs planned shards with rank 1 throttled: every case runs at world 2, the plan
     measured rank 1 slower and gave it fewer MLP columns, and the library face (markdown,
     plot) renders the same result."""
+    import os
+    import tpcore
     out, png = tmp_path / "hetero.json", tmp_path / "hetero.png"
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))  # this checkout's package
     r = subprocess.run([sys.executable, "-m", "tpcore.bench", "hetero", "--quick", "--worlds", "2", "--factor", "2.5",
                         "--no-progress", "--json", str(out), "--plot", str(png)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=pkg_parent, TPCORE_THROTTLE=""))
     assert r.returncode == 0, r.stdout + r.stderr
     for col in ("case", "world", "equal ms", "planned ms", "ideal ms", "planned/ideal", "equal/ideal"):
         assert col in r.stdout

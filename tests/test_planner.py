@@ -414,3 +414,17 @@ def test_throttle_factor_2_roughly_doubles_compute():
     assert mlp2 / mlp1 > 1.5, (mlp1, mlp2)
     assert gemm2 / gemm1 > 1.5, (gemm1, gemm2)
     assert mlp2 / mlp1 < 4 and gemm2 / gemm1 < 4
+
+
+def test_throttle_env_through_the_launcher(tmp_path):
+    import subprocess
+    import sys
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))
+    (tmp_path / "thr.py").write_text("import tpcore\nc = tpcore.init()\nprint('factor', c.rank, tpcore.get_throttle())\n"
+                                     "c.close()\n")
+    r = subprocess.run([sys.executable, "-m", "tpcore.launch", "-n", "3", str(tmp_path / "thr.py")],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=pkg_parent, TPCORE_THROTTLE="1:2.0"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank, f in ((0, 1.0), (1, 2.0), (2, 1.0)):
+        assert f"factor {rank} {f}" in r.stdout, r.stdout

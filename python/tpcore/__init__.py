@@ -46,7 +46,7 @@ from .store import Store
 from ._array import DeviceArray, from_dlpack
 from ._array import asarray_device as asarray
 from ._throttle import get_throttle, set_throttle
-from .planner import Plan, plan_from_measurements, plan_partition
+from .planner import Plan, PlanError, plan_from_measurements, plan_partition
 
 _cleanup.forget_life_fd_in_children()
 _throttle.apply_env_at_import()
@@ -59,7 +59,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
            "DeviceArray", "asarray", "from_dlpack", "convert", "ProcessGrid", "average_gradients", "PipelineLM", "stage_partition",
            "Store", "__version__"]
-__all__ += ["set_throttle", "get_throttle", "plan_partition", "plan_from_measurements", "Plan"]
+__all__ += ["set_throttle", "get_throttle", "plan_partition", "plan_from_measurements", "Plan", "PlanError"]
 
 _BACKENDS = ("auto", "shm", "nccl", "mpi")
 
