@@ -420,8 +420,8 @@ def test_throttle_env_through_the_launcher(tmp_path):
     import subprocess
     import sys
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))
-    (tmp_path / "thr.py").write_text("import tpcore\nc = tpcore.init()\nprint('factor', c.rank, tpcore.get_throttle())\n"
-                                     "c.close()\n")
+    (tmp_path / "thr.py").write_text("import tpcore\nc = tpcore.init()\n"
+                                     "print('factor', c.rank, tpcore.get_throttle())\nc.close()\n")
     r = subprocess.run([sys.executable, "-m", "tpcore.launch", "-n", "3", str(tmp_path / "thr.py")],
                        capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=pkg_parent, TPCORE_THROTTLE="1:2.0"))

@@ -32,7 +32,8 @@ def set_throttle(factor: float) -> None:
         raise TypeError(f"set_throttle: factor must be a number >= 1, got {shown(factor)}")
     f = float(factor)
     if not math.isfinite(f) or not 1.0 <= f <= MAX_FACTOR:
-        raise ValueError(f"set_throttle: factor must be a finite number in [1, {MAX_FACTOR:g}] (1: off), got {factor!r}")
+        raise ValueError(f"set_throttle: factor must be a finite number in [1, {MAX_FACTOR:g}] (1: off), "
+                         f"got {factor!r}")
     _C.set_throttle(f)
 
 

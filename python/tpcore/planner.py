@@ -305,18 +305,20 @@ class Plan:
 
     def __str__(self) -> str:
         mlp = self.dims.is_mlp
-        head = f"{'rank':>4} {'speed':>6} {'share':>6} " + ("" if mlp else f"{'heads':>5} ") + f"{'ffn cols':>8} " + \
-            ("" if mlp else f"{'vocab rows':>10} ") + f"{'MB':>9}" + ("" if self.memory is None else f" {'limit MB':>9}")
-        lines = [head]
+        head = f"{'rank':>4} {'speed':>6} {'share':>6} " + ("" if mlp else f"{'heads':>5} ") + f"{'ffn cols':>8} "
+        head += ("" if mlp else f"{'vocab rows':>10} ") + f"{'MB':>9}"
+        lines = [head + ("" if self.memory is None else f" {'limit MB':>9}")]
         for r in range(self.world):
-            row = f"{r:>4} {self.speeds[r]:>6.3f} {self.shares[r]:>6.1%} " + ("" if mlp else f"{self.heads[r]:>5} ") + \
-                f"{self.ffn[r]:>8} " + ("" if mlp else f"{self.vocab[r]:>10} ") + f"{self.bytes_per_rank[r] / 1e6:>9.2f}"
+            row = f"{r:>4} {self.speeds[r]:>6.3f} {self.shares[r]:>6.1%} " + ("" if mlp else f"{self.heads[r]:>5} ")
+            row += f"{self.ffn[r]:>8} " + ("" if mlp else f"{self.vocab[r]:>10} ")
+            row += f"{self.bytes_per_rank[r] / 1e6:>9.2f}"
             if self.memory is not None:
                 row += f" {self.memory[r] / 1e6:>9.1f}"
             lines.append(row)
         units = f"heads in whole {'GQA groups' if self.head_unit == 'group' else 'heads'}, " if not mlp else ""
-        lines.append(f"{units}ffn align {self.align['ffn']}" + ("" if mlp else f", vocab align {self.align['vocab']}") +
-                     f"; predicted step {self.predicted:.2f}x of equal shards (ideal {self.predicted_ideal:.2f}x)")
+        units += f"ffn align {self.align['ffn']}" + ("" if mlp else f", vocab align {self.align['vocab']}")
+        lines.append(f"{units}; predicted step {self.predicted:.2f}x of equal shards "
+                     f"(ideal {self.predicted_ideal:.2f}x)")
         return "\n".join(lines)
 
     # ----------------------------------------------------------- save / load
@@ -324,7 +326,8 @@ class Plan:
         return {"format": _FORMAT, "version": _VERSION, "dims": self.dims.to_json(), "heads": self.heads,
                 "ffn": self.ffn, "vocab": self.vocab, "speeds": self.speeds, "memory": self.memory,
                 "bytes_per_rank": self.bytes_per_rank, "predicted": self.predicted,
-                "predicted_ideal": self.predicted_ideal, "shares": self.shares, "align": self.align, "head_unit": self.head_unit,
+                "predicted_ideal": self.predicted_ideal, "shares": self.shares, "align": self.align,
+                "head_unit": self.head_unit,
                 "dtype": self.dtype, "cache": None if self.cache is None else list(self.cache),
                 "measurements": self.measurements}
 

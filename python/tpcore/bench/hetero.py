@@ -14,7 +14,8 @@ and splits heads, MLP columns and vocabulary rows by speed.  Cases:
   prefill   TransformerLM prefill of a prompt into the KV cache, plus the last row's logits
   decode    one TransformerLM decode step (one token, KV cache), logits included
 
-Step time: the fastest of several timed groups of steps, the slowest rank's.  The ideal is
+Step time: the fastest of several timed groups of steps, the slowest rank's; the groups of
+equal and planned shards alternate, so both see the same machine.  The ideal is
 total work over total speed: t1 / (sum of the ranks' speeds, the fast rank = 1 and the
 throttled one 1/factor) + the communication of a step, where t1 is the step on one rank,
 unthrottled, with the BLAS threads a rank of that world has, and the communication is the
@@ -55,24 +56,28 @@ def _sizes(quick: bool) -> dict:
     return QUICK if quick else FULL
 
 
-def _time(comm, step, reps: int, steps: int) -> dict:
-    """The fastest group of steps: seconds per step (the slowest rank's), and this rank's
-    seconds in collectives (waits included), collective calls and bytes per step."""
-    step()  # warm up (workspaces, caches)
-    best = None
+def _time(comm, fns, reps: int, steps: int) -> List[dict]:
+    """For each step function (their groups interleaved, so that every variant sees the same
+    machine): the fastest group of steps, in seconds per step (the slowest rank's), and this
+    rank's seconds in collectives (waits included), collective calls and bytes per step."""
+    for fn in fns:
+        fn()  # warm up (workspaces, caches)
+    best: List[Optional[dict]] = [None] * len(fns)
     for _ in range(reps):
-        comm.barrier()
-        s0 = comm.stats()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        dt = (time.perf_counter() - t0) / steps
-        s1 = comm.stats()
-        if best is None or dt < best["s"]:
-            best = {"s": dt, "comm_s": (s1["seconds"] - s0["seconds"]) / steps,
-                    "calls": (s1["calls"] - s0["calls"]) / steps, "bytes": (s1["bytes"] - s0["bytes"]) / steps}
-    got = comm.all_gather(np.array([best["s"]], np.float64))
-    best["step_s"] = float(got.max())
+        for i, fn in enumerate(fns):
+            comm.barrier()
+            s0 = comm.stats()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            dt = (time.perf_counter() - t0) / steps
+            s1 = comm.stats()
+            if best[i] is None or dt < best[i]["s"]:
+                best[i] = {"s": dt, "comm_s": (s1["seconds"] - s0["seconds"]) / steps,
+                           "calls": (s1["calls"] - s0["calls"]) / steps, "bytes": (s1["bytes"] - s0["bytes"]) / steps}
+    got = comm.all_gather(np.array([b["s"] for b in best], np.float64)).reshape(comm.size, len(fns))
+    for i, b in enumerate(best):
+        b["step_s"] = float(got[:, i].max())
     return best
 
 
@@ -139,9 +144,9 @@ def _rank(comm, sz: dict, factor: float, threads: int):
     out = {}
     try:
         for case in CASES:
-            eq = _time(comm, _steps(comm, case, sz, {}), sz["reps"], sz["steps"])
             plan = tpcore.plan_partition(comm, _dims(case, sz), budget=0.2)
-            pl = _time(comm, _steps(comm, case, sz, {"plan": plan}), sz["reps"], sz["steps"])
+            eq, pl = _time(comm, [_steps(comm, case, sz, {}), _steps(comm, case, sz, {"plan": plan})], sz["reps"],
+                           sz["steps"])
             comm_s = _replay(comm, pl["calls"], pl["bytes"], sz["reps"] * sz["steps"])
             out[case] = {"equal_s": eq["step_s"], "planned_s": pl["step_s"], "comm_s": comm_s,
                          # this rank's compute in the equal run: the step less its collectives and waits
@@ -157,7 +162,7 @@ def _single(comm, sz: dict, threads: int):
     """t1: every case on one rank, unthrottled, with `threads` BLAS threads."""
     import tpcore
     tpcore.set_num_threads(threads)
-    return {case: _time(comm, _steps(comm, case, sz, {}), sz["reps"], sz["steps"])["step_s"] for case in CASES}
+    return {case: _time(comm, [_steps(comm, case, sz, {})], sz["reps"], sz["steps"])[0]["step_s"] for case in CASES}
 
 
 def run(quick: bool = False, worlds: Sequence[int] = (2, 3), factor: float = 2.0, progress: bool = True,
@@ -235,12 +240,12 @@ def notes(result: dict) -> List[str]:
     for r in result["rows"]:
         tag = f"{r['case']} at world {r['world']}"
         gain = r["equal_ms"] / r["planned_ms"]
+        within = "within" if min(r["planned_over_ideal"], r["planned_over_shared"]) <= 1.15 else "outside"
         s = (f"{tag}: planned shards {'are' if gain >= 1 else 'are NOT'} faster than equal ones "
              f"({gain:.2f}x); planned is {round(100 * (r['planned_over_ideal'] - 1)):+d}% from the ideal of one "
-             f"rank's speed alone and {round(100 * (r['planned_over_shared'] - 1)):+d}% from the ideal of the ranks' speed in "
-             f"this job ({'within' if min(r['planned_over_ideal'], r['planned_over_shared']) <= 1.15 else 'outside'}"
-             f" the 15% target); equal shards run at {r['equal_ms'] / r['slow_pace_ms']:.2f}x the slow rank's pace "
-             f"(t1 x {f:g} / {r['world']} + comm)")
+             f"rank's speed alone and {round(100 * (r['planned_over_shared'] - 1)):+d}% from the ideal of the "
+             f"ranks' speed in this job ({within} the 15% target); equal shards run at "
+             f"{r['equal_ms'] / r['slow_pace_ms']:.2f}x the slow rank's pace (t1 x {f:g} / {r['world']} + comm)")
         if r["oversubscribed"]:
             s += f"; {r['world']} ranks share {result['cores']} cores, so the one-rank ideal is out of reach"
         if r["comm_ms"] > 0.3 * r["ideal_ms"]:
