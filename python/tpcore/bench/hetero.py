@@ -292,6 +292,8 @@ def plot(result: dict, path: str) -> bool:
     for i, (key, label) in enumerate((("equal_ms", "equal shards"), ("planned_ms", "planned shards"),
                                       ("ideal_ms", "ideal (work / speed)"))):
         ax.bar(x + (i - 1) * 0.27, [r[key] / r["ideal_ms"] for r in rows], 0.27, label=label)
+    ax.plot(x + 0.27, [r["ideal_shared_ms"] / r["ideal_ms"] for r in rows], "k_", markersize=16,
+            label="ideal* (the ranks' speed in this job)")
     ax.set_xticks(x)
     ax.set_xticklabels([f"{r['case']}\nworld {r['world']}" for r in rows])
     ax.axhline(1.15, color="gray", linestyle=":", linewidth=1)
