@@ -428,3 +428,18 @@ def test_throttle_env_through_the_launcher(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     for rank, f in ((0, 1.0), (1, 2.0), (2, 1.0)):
         assert f"factor {rank} {f}" in r.stdout, r.stdout
+
+
+def _embedding_on_plan(comm):
+    cfg = tpcore.Config(**dict(GPT2, vocab_size=40))  # vocab == ffn: the embedding takes the vocabulary's split
+    plan = plan_from_measurements(cfg, [1.0, 3.0], align={"ffn": 4, "vocab": 1})
+    emb = tpcore.VocabParallelEmbedding(40, 8, comm, plan=plan, seed=2)
+    toks = np.array([0, 7, 39, 20, 33])
+    full = emb.gather_full()
+    return [s for _, s in emb.partition], plan.vocab, plan.ffn, emb.forward(toks), full[toks]
+
+
+def test_embedding_on_planned_shards():
+    for part, vocab, ffn, got, want in run(_embedding_on_plan, 2):
+        assert part == vocab and vocab != ffn and vocab[1] > vocab[0]
+        assert np.array_equal(got, want)

@@ -161,12 +161,12 @@ def _sizes(part, dim, world, what, who="partition"):
     return sizes
 
 
-def _plan_sizes(plan, comm: Comm, n: int, who: str, partition):
+def _plan_sizes(plan, comm: Comm, n: int, who: str, partition, prefer: str = "ffn"):
     """partition, or the split of the dimension of length n in plan (a tpcore.Plan; not both)."""
     if plan is None:
         return partition
     from .planner import plan_arg
-    return plan_arg(plan, comm, who, partition=partition).sizes_for(n, who)
+    return plan_arg(plan, comm, who, partition=partition).sizes_for(n, who, prefer)
 
 
 def zero(a) -> None:

@@ -279,9 +279,12 @@ class Plan:
             return {"partition": list(self.ffn)}
         return {"partition": list(self.heads), "ffn_partition": list(self.ffn), "vocab_partition": list(self.vocab)}
 
-    def sizes_for(self, n: int, who: str) -> List[int]:
+    def sizes_for(self, n: int, who: str, prefer: str = "ffn") -> List[int]:
         """The split of a dimension of length n: the MLP columns (ffn), the vocabulary rows or
-        the query heads' features (heads * head_dim), whichever has length n."""
+        the query heads' features (heads * head_dim), whichever has length n (prefer="vocab":
+        the vocabulary first, for an embedding)."""
+        if prefer == "vocab" and self.vocab and n == self.dims.vocab:
+            return list(self.vocab)
         if n == self.dims.ffn:
             return list(self.ffn)
         if self.vocab and n == self.dims.vocab:

@@ -71,7 +71,7 @@ class VocabParallelEmbedding:
         num_embeddings = int_arg(num_embeddings, "VocabParallelEmbedding", "num_embeddings", lo=1)
         embedding_dim = int_arg(embedding_dim, "VocabParallelEmbedding", "embedding_dim", lo=1)
         self.comm, self.num_embeddings, self.embedding_dim = comm, int(num_embeddings), int(embedding_dim)
-        partition = _plan_sizes(plan, comm, self.num_embeddings, "VocabParallelEmbedding", partition)
+        partition = _plan_sizes(plan, comm, self.num_embeddings, "VocabParallelEmbedding", partition, "vocab")
         sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings",
                        "VocabParallelEmbedding: partition")
         kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
