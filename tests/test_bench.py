@@ -102,3 +102,42 @@ def test_parallelism_benchmark_quick(tmp_path):
     # ZeRO-1: master + moments of half the parameters each (12 bytes / 2 per parameter)
     z = rows["data-zero1", 2]
     assert abs(z["optim_mb"] / (1.5 * one["params_mb"]) - 1) < 0.01 and z["comm_mb"] > 0
+
+
+def test_hetero_benchmark_quick(tmp_path):
+    """Equal vs planned shards with rank 1 throttled: every case runs at world 2, the plan
+    measured rank 1 slower and gave it fewer MLP columns, and the library face (markdown,
+    plot) renders the same result."""
+    import os
+    import tpcore
+    out, png = tmp_path / "hetero.json", tmp_path / "hetero.png"
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))  # this checkout's package
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "hetero", "--quick", "--worlds", "2", "--factor", "2.5",
+                        "--no-progress", "--json", str(out), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=pkg_parent, TPCORE_THROTTLE=""))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for col in ("case", "world", "equal ms", "planned ms", "ideal ms", "planned/ideal", "equal/ideal"):
+        assert col in r.stdout
+    data = json.loads(out.read_text())
+    assert data["factor"] == 2.5 and data["slow_rank"] == 1
+    assert [(row["case"], row["world"]) for row in data["rows"]] == [("mlp", 2), ("prefill", 2), ("decode", 2)]
+    for row in data["rows"]:
+        assert row["equal_ms"] > 0 and row["planned_ms"] > 0 and row["t1_ms"] > 0 and row["comm_ms"] >= 0
+        assert row["ideal_ms"] == pytest.approx(row["t1_ms"] / (1 + 1 / 2.5) + row["comm_ms"])
+        assert row["speeds"][0] == 1.0 and row["speeds"][1] < 0.85, row["speeds"]  # measured through the throttle
+        ffn = row["partition"]["ffn_partition" if row["case"] != "mlp" else "partition"]
+        assert ffn[0] > ffn[1], ffn
+    from tpcore.bench import hetero
+    md = hetero.markdown(data)
+    assert "| case | world | equal ms | planned ms | ideal ms | planned/ideal | equal/ideal |" in md
+    assert md.count("\n- ") == 3 and "slow rank's pace" in md
+    try:
+        import matplotlib  # noqa: F401
+        assert png.stat().st_size > 1000 and hetero.plot(data, str(tmp_path / "again.png"))
+    except ImportError:
+        assert not png.exists()
+    with pytest.raises(ValueError, match="world sizes must be >= 2"):
+        hetero.run(True, worlds=(1,), progress=False)
+    with pytest.raises(ValueError, match="factor must be"):
+        hetero.run(True, worlds=(2,), factor=0.5, progress=False)

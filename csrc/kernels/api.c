@@ -4,6 +4,7 @@
 #include <stdint.h>
 
 #include "tpcore/device.h"
+#include "../core/throttle_impl.h"
 #include "api_impl.h"
 
 #define F32 TP_FLOAT32
@@ -55,58 +56,86 @@ static void lp_workspace_free(tp_kcall *c, void *ws) {
   if (ws) tp_device_free(c->dev, c->id, ws);
 }
 
+/* The compute throttle (tpcore/throttle.h) after a GEMM of this API: t0 from
+ * tp_throttle_begin() (< 0: off); on a GPU the stream is waited for to time the kernel. */
+static tp_status_t throttled(tp_kcall *c, double t0, tp_status_t st, tp_stream_t s) {
+  if (t0 < 0 || st != TP_SUCCESS) return st;
+  if (c->dev != TP_DEVICE_CPU) TP_CHECK(tp_device_sync(c->dev, c->id, s));
+  tp_throttle_end(t0);
+  return TP_SUCCESS;
+}
+
+static tp_status_t linear_forward(tp_kcall *c, tp_stream_t s, const tp_tensor *y, const tp_tensor *x,
+                                  const tp_tensor *w, const tp_tensor *b);
+static tp_status_t linear_backward(tp_kcall *c, tp_stream_t s, const tp_tensor *dx, const tp_tensor *dw,
+                                   const tp_tensor *db, const tp_tensor *dy, const tp_tensor *x, const tp_tensor *w,
+                                   int accumulate_dx);
+
 tp_status_t tp_linear_forward(tp_stream_t s, const tp_tensor *y, const tp_tensor *x, const tp_tensor *w,
                               const tp_tensor *b) {
   tp_kcall c = {"linear_forward", TP_DEVICE_CPU, 0, 0};
-  tp_dtype_t wdt;
-  TP_CHECK(tp_karg(&c, "x", x, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
-  int64_t M = x->shape[0], K = x->shape[1];
-  TP_CHECK(weight_dtype(&c, w, &wdt));
-  TP_CHECK(tp_karg(&c, "w", w, 0, wdt, 2, SHAPE(TP_ANY, K)));
-  int64_t N = w->shape[0];
-  TP_CHECK(tp_karg(&c, "b", b, 1, F32, 1, SHAPE(N)));
-  TP_CHECK(tp_karg(&c, "y", y, 0, F32, 2, SHAPE(M, N)));
-  TP_CHECK(tp_kblas_dim(&c, "M (rows of x)", M));
-  TP_CHECK(tp_kblas_dim(&c, "K (columns of x)", K));
-  TP_CHECK(tp_kblas_dim(&c, "N (rows of w)", N));
-  const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, s, &k));
-  if (wdt == F32) return k->linear_forward(s, y->data, x->data, w->data, b ? b->data : NULL, M, K, N);
-  size_t nbytes = k->linear_lp_workspace(M, K, N, wdt, 0);
-  void *ws;
-  TP_CHECK(lp_workspace(&c, nbytes, &ws));
-  tp_status_t st = k->linear_forward_lp(s, y->data, x->data, w->data, wdt, b ? b->data : NULL, M, K, N, ws, nbytes);
-  lp_workspace_free(&c, ws);
-  return st;
+  double t0 = tp_throttle_begin();
+  return throttled(&c, t0, linear_forward(&c, s, y, x, w, b), s);
 }
 
 tp_status_t tp_linear_backward(tp_stream_t s, const tp_tensor *dx, const tp_tensor *dw, const tp_tensor *db,
                                const tp_tensor *dy, const tp_tensor *x, const tp_tensor *w, int accumulate_dx) {
   tp_kcall c = {"linear_backward", TP_DEVICE_CPU, 0, 0};
+  double t0 = tp_throttle_begin();
+  return throttled(&c, t0, linear_backward(&c, s, dx, dw, db, dy, x, w, accumulate_dx), s);
+}
+
+static tp_status_t linear_forward(tp_kcall *c, tp_stream_t s, const tp_tensor *y, const tp_tensor *x,
+                                  const tp_tensor *w, const tp_tensor *b) {
   tp_dtype_t wdt;
-  TP_CHECK(tp_karg(&c, "dy", dy, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
-  int64_t M = dy->shape[0], N = dy->shape[1];
-  TP_CHECK(weight_dtype(&c, w, &wdt));
-  TP_CHECK(tp_karg(&c, "w", w, 0, wdt, 2, SHAPE(N, TP_ANY)));
-  int64_t K = w->shape[1];
-  TP_CHECK(tp_karg(&c, "x", x, 0, F32, 2, SHAPE(M, K)));
-  TP_CHECK(tp_karg(&c, "dx", dx, 1, F32, 2, SHAPE(M, K)));
-  TP_CHECK(tp_karg(&c, "dw", dw, 1, F32, 2, SHAPE(N, K))); /* the float32 main gradient, whatever w's dtype */
-  TP_CHECK(tp_karg(&c, "db", db, 1, F32, 1, SHAPE(N)));
-  TP_CHECK(tp_kblas_dim(&c, "M (rows of dy)", M));
-  TP_CHECK(tp_kblas_dim(&c, "K (columns of x)", K));
-  TP_CHECK(tp_kblas_dim(&c, "N (columns of dy)", N));
+  TP_CHECK(tp_karg(c, "x", x, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  int64_t M = x->shape[0], K = x->shape[1];
+  TP_CHECK(weight_dtype(c, w, &wdt));
+  TP_CHECK(tp_karg(c, "w", w, 0, wdt, 2, SHAPE(TP_ANY, K)));
+  int64_t N = w->shape[0];
+  TP_CHECK(tp_karg(c, "b", b, 1, F32, 1, SHAPE(N)));
+  TP_CHECK(tp_karg(c, "y", y, 0, F32, 2, SHAPE(M, N)));
+  TP_CHECK(tp_kblas_dim(c, "M (rows of x)", M));
+  TP_CHECK(tp_kblas_dim(c, "K (columns of x)", K));
+  TP_CHECK(tp_kblas_dim(c, "N (rows of w)", N));
   const tp_kernel_ops *k;
-  TP_CHECK(tp_kops(&c, s, &k));
+  TP_CHECK(tp_kops(c, s, &k));
+  if (wdt == F32) return k->linear_forward(s, y->data, x->data, w->data, b ? b->data : NULL, M, K, N);
+  size_t nbytes = k->linear_lp_workspace(M, K, N, wdt, 0);
+  void *ws;
+  TP_CHECK(lp_workspace(c, nbytes, &ws));
+  tp_status_t st = k->linear_forward_lp(s, y->data, x->data, w->data, wdt, b ? b->data : NULL, M, K, N, ws, nbytes);
+  lp_workspace_free(c, ws);
+  return st;
+}
+
+static tp_status_t linear_backward(tp_kcall *c, tp_stream_t s, const tp_tensor *dx, const tp_tensor *dw,
+                                   const tp_tensor *db, const tp_tensor *dy, const tp_tensor *x, const tp_tensor *w,
+                                   int accumulate_dx) {
+  tp_dtype_t wdt;
+  TP_CHECK(tp_karg(c, "dy", dy, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
+  int64_t M = dy->shape[0], N = dy->shape[1];
+  TP_CHECK(weight_dtype(c, w, &wdt));
+  TP_CHECK(tp_karg(c, "w", w, 0, wdt, 2, SHAPE(N, TP_ANY)));
+  int64_t K = w->shape[1];
+  TP_CHECK(tp_karg(c, "x", x, 0, F32, 2, SHAPE(M, K)));
+  TP_CHECK(tp_karg(c, "dx", dx, 1, F32, 2, SHAPE(M, K)));
+  TP_CHECK(tp_karg(c, "dw", dw, 1, F32, 2, SHAPE(N, K))); /* the float32 main gradient, whatever w's dtype */
+  TP_CHECK(tp_karg(c, "db", db, 1, F32, 1, SHAPE(N)));
+  TP_CHECK(tp_kblas_dim(c, "M (rows of dy)", M));
+  TP_CHECK(tp_kblas_dim(c, "K (columns of x)", K));
+  TP_CHECK(tp_kblas_dim(c, "N (columns of dy)", N));
+  const tp_kernel_ops *k;
+  TP_CHECK(tp_kops(c, s, &k));
   if (wdt == F32)
     return k->linear_backward(s, dx ? dx->data : NULL, dw ? dw->data : NULL, db ? db->data : NULL, dy->data, x->data,
                               w->data, M, K, N, accumulate_dx);
   size_t nbytes = k->linear_lp_workspace(M, K, N, wdt, 1);
   void *ws;
-  TP_CHECK(lp_workspace(&c, nbytes, &ws));
+  TP_CHECK(lp_workspace(c, nbytes, &ws));
   tp_status_t st = k->linear_backward_lp(s, dx ? dx->data : NULL, dw ? dw->data : NULL, db ? db->data : NULL,
                                          dy->data, x->data, w->data, wdt, M, K, N, accumulate_dx, ws, nbytes);
-  lp_workspace_free(&c, ws);
+  lp_workspace_free(c, ws);
   return st;
 }
 

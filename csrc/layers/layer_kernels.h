@@ -10,6 +10,7 @@
 #ifndef TPCORE_LAYER_KERNELS_H
 #define TPCORE_LAYER_KERNELS_H
 
+#include "../core/throttle_impl.h"
 #include "../kernels/kernels_impl.h"
 #include "layers_impl.h"
 
@@ -28,6 +29,22 @@ static inline tp_status_t tp_lk_init(tp_lk *c, const char *op, tp_device_t dev, 
     return tp_set_error(TP_ERR_UNSUPPORTED, "%s: this build of tpcore has no kernels for %s", op, tp_device_name(dev));
   return TP_SUCCESS;
 }
+
+/* The compute throttle (tpcore/throttle.h) around one compute kernel: t0 from
+ * tp_throttle_begin() (< 0: off); on a GPU the stream is waited for first, so that the
+ * sleep follows the kernel's own time.  Copies, fills and initialisation are not throttled. */
+static inline tp_status_t lk_throttled(const tp_lk *c, double t0, tp_status_t st, tp_stream_t s) {
+  if (t0 < 0 || st != TP_SUCCESS) return st;
+  if (c->dev != TP_DEVICE_CPU) TP_CHECK(tp_device_sync(c->dev, c->id, s));
+  tp_throttle_end(t0);
+  return TP_SUCCESS;
+}
+#define LK_THROTTLED(c, s, call)                   \
+  do {                                             \
+    double lk_t0_ = tp_throttle_begin();           \
+    tp_status_t lk_st_ = (call);                   \
+    return lk_throttled((c), lk_t0_, lk_st_, (s)); \
+  } while (0)
 
 /* ------------------------------------------------------------- copies, fills */
 
@@ -100,8 +117,8 @@ static inline void lk_lp_end(const tp_lk *c) {
   if (c->dev == TP_DEVICE_CPU) tp_lp_cpu_scratch_unlock();
 }
 
-static inline tp_status_t lk_linear_forward(const tp_lk *c, float *y, const float *x, const tp_lk_w *w,
-                                            const float *b, int64_t M, int64_t K, int64_t N, tp_stream_t s) {
+static inline tp_status_t lk_linear_forward_(const tp_lk *c, float *y, const float *x, const tp_lk_w *w,
+                                             const float *b, int64_t M, int64_t K, int64_t N, tp_stream_t s) {
   if (w->dt == TP_FLOAT32) return c->k->linear_forward(s, y, x, (const float *)w->p, b, M, K, N);
   size_t need = c->k->linear_lp_workspace(M, K, N, w->dt, 0);
   void *ws;
@@ -110,9 +127,9 @@ static inline tp_status_t lk_linear_forward(const tp_lk *c, float *y, const floa
   lk_lp_end(c);
   return st;
 }
-static inline tp_status_t lk_linear_backward(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
-                                             const float *x, const tp_lk_w *w, int64_t M, int64_t K, int64_t N,
-                                             tp_stream_t s) {
+static inline tp_status_t lk_linear_backward_(const tp_lk *c, float *dx, float *dw, float *db,
+                                              const float *dy, const float *x, const tp_lk_w *w, int64_t M,
+                                              int64_t K, int64_t N, tp_stream_t s) {
   if (w->dt == TP_FLOAT32) return c->k->linear_backward(s, dx, dw, db, dy, x, (const float *)w->p, M, K, N, 0);
   size_t need = c->k->linear_lp_workspace(M, K, N, w->dt, 1);
   void *ws;
@@ -120,6 +137,15 @@ static inline tp_status_t lk_linear_backward(const tp_lk *c, float *dx, float *d
   tp_status_t st = c->k->linear_backward_lp(s, dx, dw, db, dy, x, w->p, w->dt, M, K, N, 0, ws, need);
   lk_lp_end(c);
   return st;
+}
+static inline tp_status_t lk_linear_forward(const tp_lk *c, float *y, const float *x, const tp_lk_w *w,
+                                            const float *b, int64_t M, int64_t K, int64_t N, tp_stream_t s) {
+  LK_THROTTLED(c, s, lk_linear_forward_(c, y, x, w, b, M, K, N, s));
+}
+static inline tp_status_t lk_linear_backward(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
+                                             const float *x, const tp_lk_w *w, int64_t M, int64_t K, int64_t N,
+                                             tp_stream_t s) {
+  LK_THROTTLED(c, s, lk_linear_backward_(c, dx, dw, db, dy, x, w, M, K, N, s));
 }
 /* y[n] (ydt) = x[n] (xdt). */
 static inline tp_status_t lk_convert(const tp_lk *c, void *y, tp_dtype_t ydt, const void *x, tp_dtype_t xdt,
@@ -156,19 +182,22 @@ static inline tp_status_t lk_init_w(const tp_lk *c, const tp_lk_w *w, int64_t at
 static inline tp_status_t lk_add_bias_rows(const tp_lk *c, float *y, const float *r, const float *b, int64_t M,
                                            int64_t N, tp_stream_t s) {
   if (!b) return lk_copy(c, y, r, (size_t)(M * N) * sizeof(float), s);
-  return M > 0 && N > 0 ? c->k->add_bias(s, y, r, b, M, N) : TP_SUCCESS;
+  if (M <= 0 || N <= 0) return TP_SUCCESS;
+  LK_THROTTLED(c, s, c->k->add_bias(s, y, r, b, M, N));
 }
 /* y[n] = a + b, y[n] = a - b (y may alias a or b) */
 static inline tp_status_t lk_add(const tp_lk *c, float *y, const float *a, const float *b, int64_t n, tp_stream_t s) {
-  return n > 0 ? c->k->add(s, y, a, b, n) : TP_SUCCESS;
+  if (n <= 0) return TP_SUCCESS;
+  LK_THROTTLED(c, s, c->k->add(s, y, a, b, n));
 }
 static inline tp_status_t lk_sub(const tp_lk *c, float *y, const float *a, const float *b, int64_t n, tp_stream_t s) {
-  return n > 0 ? c->k->sub(s, y, a, b, n) : TP_SUCCESS;
+  if (n <= 0) return TP_SUCCESS;
+  LK_THROTTLED(c, s, c->k->sub(s, y, a, b, n));
 }
 
 static inline tp_status_t lk_bias_act_forward(const tp_lk *c, float *out, float *h, const float *b, int64_t M,
                                               int64_t F, tp_activation_t act, tp_stream_t s) {
-  return c->k->bias_act_forward(s, out, h, b, M, F, act);
+  LK_THROTTLED(c, s, c->k->bias_act_forward(s, out, h, b, M, F, act));
 }
 static inline size_t lk_bias_act_backward_workspace(const tp_lk *c, int64_t M, int64_t F, tp_activation_t act) {
   return c->k->bias_act_backward_workspace(M, F, act);
@@ -176,7 +205,7 @@ static inline size_t lk_bias_act_backward_workspace(const tp_lk *c, int64_t M, i
 static inline tp_status_t lk_bias_act_backward(const tp_lk *c, float *dh, float *db, const float *h,
                                                const float *dout, int64_t M, int64_t F, tp_activation_t act,
                                                void *ws, size_t wsb, tp_stream_t s) {
-  return c->k->bias_act_backward(s, dh, db, h, dout, M, F, act, ws, wsb);
+  LK_THROTTLED(c, s, c->k->bias_act_backward(s, dh, db, h, dout, M, F, act, ws, wsb));
 }
 
 /* ------------------------------------------------------- norms, RoPE, attention */
@@ -184,24 +213,25 @@ static inline tp_status_t lk_bias_act_backward(const tp_lk *c, float *dh, float 
 static inline tp_status_t lk_layernorm_forward(const tp_lk *c, float *y, float *mean, float *rstd, const float *x,
                                                const float *w, const float *b, int64_t M, int64_t C, float eps,
                                                tp_stream_t s) {
-  return c->k->layernorm_forward(s, y, mean, rstd, x, w, b, M, C, eps);
+  LK_THROTTLED(c, s, c->k->layernorm_forward(s, y, mean, rstd, x, w, b, M, C, eps));
 }
 static inline tp_status_t lk_layernorm_backward(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
                                                 const float *x, const float *w, const float *mean, const float *rstd,
                                                 int64_t M, int64_t C, tp_stream_t s) {
-  return c->k->layernorm_backward(s, dx, dw, db, dy, x, w, mean, rstd, M, C);
+  LK_THROTTLED(c, s, c->k->layernorm_backward(s, dx, dw, db, dy, x, w, mean, rstd, M, C));
 }
 static inline tp_status_t lk_rmsnorm_forward(const tp_lk *c, float *y, float *rstd, const float *x, const float *w,
                                              int64_t M, int64_t C, float eps, tp_stream_t s) {
-  return c->k->rmsnorm_forward(s, y, rstd, x, w, M, C, eps);
+  LK_THROTTLED(c, s, c->k->rmsnorm_forward(s, y, rstd, x, w, M, C, eps));
 }
 static inline tp_status_t lk_rmsnorm_backward(const tp_lk *c, float *dx, float *dw, const float *dy, const float *x,
                                               const float *w, const float *rstd, int64_t M, int64_t C, tp_stream_t s) {
-  return c->k->rmsnorm_backward(s, dx, dw, dy, x, w, rstd, M, C);
+  LK_THROTTLED(c, s, c->k->rmsnorm_backward(s, dx, dw, dy, x, w, rstd, M, C));
 }
 static inline tp_status_t lk_rope(const tp_lk *c, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D,
                                   const int64_t *pos, float theta, int inverse, tp_stream_t s) {
-  return rows > 0 ? c->k->rope(s, x, rows, ld, heads, D, pos, theta, inverse) : TP_SUCCESS;
+  if (rows <= 0) return TP_SUCCESS;
+  LK_THROTTLED(c, s, c->k->rope(s, x, rows, ld, heads, D, pos, theta, inverse));
 }
 /* pos[b * T + t] = pos0[b] + t, klen[b] = pos0[b] + T */
 static inline tp_status_t lk_positions(const tp_lk *c, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B,
@@ -220,11 +250,11 @@ static inline size_t lk_attention_workspace(const tp_lk *c, const tp_attention_a
 }
 static inline tp_status_t lk_attention_forward(const tp_lk *c, const tp_attention_args *a, void *ws, size_t wsb,
                                                tp_stream_t s) {
-  return c->k->attention_forward(s, a, ws, wsb);
+  LK_THROTTLED(c, s, c->k->attention_forward(s, a, ws, wsb));
 }
 static inline tp_status_t lk_attention_backward(const tp_lk *c, const tp_attention_args *a, float *dq, float *dk,
                                                 float *dv, const float *dout, void *ws, size_t wsb, tp_stream_t s) {
-  return c->k->attention_backward(s, a, dq, dk, dv, dout, ws, wsb);
+  LK_THROTTLED(c, s, c->k->attention_backward(s, a, dq, dk, dv, dout, ws, wsb));
 }
 
 /* ------------------------------------------------------------- vocab pieces */
@@ -243,13 +273,15 @@ static inline tp_status_t lk_find_out_of_range(const tp_lk *c, int64_t *flag, in
 static inline tp_status_t lk_embedding_forward(const tp_lk *c, float *out, const int64_t *tokens, const tp_lk_w *table,
                                                int64_t M, int64_t lo, int64_t V, int64_t C, tp_stream_t s) {
   if (M <= 0) return TP_SUCCESS;
-  if (table->dt == TP_FLOAT32) return c->k->embedding_forward(s, out, tokens, (const float *)table->p, M, lo, V, C);
-  return c->k->embedding_forward_lp(s, out, tokens, table->p, table->dt, M, lo, V, C);
+  if (table->dt == TP_FLOAT32)
+    LK_THROTTLED(c, s, c->k->embedding_forward(s, out, tokens, (const float *)table->p, M, lo, V, C));
+  LK_THROTTLED(c, s, c->k->embedding_forward_lp(s, out, tokens, table->p, table->dt, M, lo, V, C));
 }
 static inline tp_status_t lk_embedding_backward(const tp_lk *c, float *dtable, const int64_t *tokens,
                                                 const float *dout, int64_t M, int64_t lo, int64_t V, int64_t C,
                                                 tp_stream_t s) {
-  return M > 0 ? c->k->embedding_backward(s, dtable, tokens, dout, M, lo, V, C) : TP_SUCCESS;
+  if (M <= 0) return TP_SUCCESS;
+  LK_THROTTLED(c, s, c->k->embedding_backward(s, dtable, tokens, dout, M, lo, V, C));
 }
 /* fp[0] = the 24-bit fingerprint of (targets, ignore_index), fp[1] = -fp[0] (device memory) */
 static inline tp_status_t lk_targets_hash(const tp_lk *c, float *fp, const int64_t *t, int64_t M,
@@ -273,25 +305,29 @@ static inline tp_status_t lk_xent_targets(const tp_lk *c, int64_t *tg, int64_t *
 }
 static inline tp_status_t lk_xent_row_max(const tp_lk *c, float *rowmax, const float *logits, int64_t M, int64_t V,
                                           tp_stream_t s) {
-  return M > 0 ? c->k->xent_row_max(s, rowmax, logits, M, V) : TP_SUCCESS;
+  if (M <= 0) return TP_SUCCESS;
+  LK_THROTTLED(c, s, c->k->xent_row_max(s, rowmax, logits, M, V));
 }
 static inline tp_status_t lk_xent_row_sums(const tp_lk *c, float *sums, const float *logits, const float *gmax,
                                            const int64_t *tg, int64_t M, int64_t lo, int64_t V, tp_stream_t s) {
-  return M > 0 ? c->k->xent_row_sums(s, sums, logits, gmax, tg, M, lo, V) : TP_SUCCESS;
+  if (M <= 0) return TP_SUCCESS;
+  LK_THROTTLED(c, s, c->k->xent_row_sums(s, sums, logits, gmax, tg, M, lo, V));
 }
 static inline tp_status_t lk_xent_losses(const tp_lk *c, float *losses, const float *sumexp, const float *gmax,
                                          const float *tl, const int64_t *tg, int64_t M, tp_stream_t s) {
-  return M > 0 ? c->k->xent_loss(s, losses, sumexp, gmax, tl, tg, M) : TP_SUCCESS;
+  if (M <= 0) return TP_SUCCESS;
+  LK_THROTTLED(c, s, c->k->xent_loss(s, losses, sumexp, gmax, tl, tg, M));
 }
 static inline tp_status_t lk_xent_row_scale(const tp_lk *c, float *rs, const int64_t *tg, const float *dloss,
                                             int64_t M, tp_stream_t s) {
-  return M > 0 ? c->k->xent_row_scale(s, rs, tg, dloss, M) : TP_SUCCESS;
+  if (M <= 0) return TP_SUCCESS;
+  LK_THROTTLED(c, s, c->k->xent_row_scale(s, rs, tg, dloss, M));
 }
 static inline tp_status_t lk_xent_backward(const tp_lk *c, float *dlogits, const float *logits, const float *gmax,
                                            const float *sumexp, const int64_t *tg, const float *rs, float scale,
                                            int64_t M, int64_t lo, int64_t V, tp_stream_t s) {
-  return M > 0 && V > 0 ? c->k->xent_backward(s, dlogits, logits, gmax, sumexp, tg, rs, scale, M, lo, V)
-                        : TP_SUCCESS;
+  if (M <= 0 || V <= 0) return TP_SUCCESS;
+  LK_THROTTLED(c, s, c->k->xent_backward(s, dlogits, logits, gmax, sumexp, tg, rs, scale, M, lo, V));
 }
 
 #endif

@@ -14,6 +14,7 @@
  */
 #define TPCORE_EXT_IMPORT_ARRAY /* this file runs import_array() */
 #include "ext.h"
+#include "tpcore/throttle.h"
 
 /* The names the registries list: backends (comm/backends.c) and the device types whose
  * tables this process can use (devices/device.c). */
@@ -59,10 +60,24 @@ static PyObject *set_num_threads(PyObject *m, PyObject *arg) {
 
 static PyObject *get_num_threads(PyObject *m, PyObject *unused) { return PyLong_FromLong(tp_get_num_threads()); }
 
+static PyObject *set_throttle(PyObject *m, PyObject *arg) {
+  double f = PyFloat_AsDouble(arg);
+  if (f == -1.0 && PyErr_Occurred()) return NULL;
+  if (tp_set_throttle(f) != TP_SUCCESS) {
+    PyErr_SetString(PyExc_ValueError, tp_last_error());
+    return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *get_throttle(PyObject *m, PyObject *unused) { return PyFloat_FromDouble(tp_get_throttle()); }
+
 static PyMethodDef module_methods[] = {
     {"build_info", build_info, METH_NOARGS, "what this build contains"},
     {"set_num_threads", set_num_threads, METH_O, "set_num_threads(n): BLAS threads of this process"},
     {"get_num_threads", get_num_threads, METH_NOARGS, "BLAS threads of this process"},
+    {"set_throttle", set_throttle, METH_O, "set_throttle(factor): slow this process's compute kernels factor x"},
+    {"get_throttle", get_throttle, METH_NOARGS, "the compute throttle's factor (1.0: off)"},
     {NULL, NULL, 0, NULL},
 };
 

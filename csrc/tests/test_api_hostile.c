@@ -9,6 +9,7 @@
  * Prints one line per failure and "N passed, N failed".
  */
 #include "test_api_hostile.h"
+#include "tpcore/throttle.h"
 
 static int npass, nfail;
 
@@ -250,6 +251,23 @@ static void test_partition(void) {
   OK(tp_partition_sizes(INT64_MAX, 2, NULL, NULL, NULL, "x", "y"));
 }
 
+/* ---------------------------------------------------------------- throttle */
+
+static void test_throttle(void) {
+  const double bad[] = {0.5, 0.0, -1.0, 0.0 / 0.0, 1.0 / 0.0, -1.0 / 0.0, 1000.5, 1e300};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    ARG(tp_set_throttle(bad[i]), "set_throttle", "factor");
+    TRUE(tp_get_throttle() == 1.0); /* a refused factor leaves the throttle as it was */
+  }
+  OK(tp_set_throttle(2.5));
+  TRUE(tp_get_throttle() == 2.5);
+  ARG(tp_set_throttle(0.99), "set_throttle", "[1, 1000]");
+  TRUE(tp_get_throttle() == 2.5);
+  OK(tp_set_throttle(1000.0));
+  OK(tp_set_throttle(1.0));
+  TRUE(tp_get_throttle() == 1.0);
+}
+
 /* ------------------------------------------------------------- collectives */
 
 static void test_collectives(tp_comm_t comm) {
@@ -341,6 +359,8 @@ int main(void) {
   printf("devices: done\n");
   test_partition();
   printf("partition: done\n");
+  test_throttle();
+  printf("throttle: done\n");
   test_kernels();
   printf("kernels: done\n");
   test_collectives(comm);

@@ -31,7 +31,7 @@ try:
 finally:
     if _blas_timeout:
         del os.environ["OPENBLAS_THREAD_TIMEOUT"]
-from . import _cleanup, _env, _excepthook
+from . import _cleanup, _env, _excepthook, _throttle
 from .comm import Comm, CommError, CommTimeout
 from . import optim
 from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, partition
@@ -45,8 +45,11 @@ from .pipeline import PipelineLM, stage_partition
 from .store import Store
 from ._array import DeviceArray, from_dlpack
 from ._array import asarray_device as asarray
+from ._throttle import get_throttle, set_throttle
+from .planner import Plan, PlanError, plan_from_measurements, plan_partition
 
 _cleanup.forget_life_fd_in_children()
+_throttle.apply_env_at_import()
 
 __version__: str = _C.build_info()["version"]  # one source: TP_VERSION_* of tpcore.h, via setup.py
 __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError", "CheckpointError", "build_info",
@@ -56,6 +59,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
            "DeviceArray", "asarray", "from_dlpack", "convert", "ProcessGrid", "average_gradients", "PipelineLM", "stage_partition",
            "Store", "__version__"]
+__all__ += ["set_throttle", "get_throttle", "plan_partition", "plan_from_measurements", "Plan", "PlanError"]
 
 _BACKENDS = ("auto", "shm", "nccl", "mpi")
 
@@ -192,6 +196,7 @@ def init(backend: str = "auto", timeout: Optional[float] = None, spin_us: Option
     if spin_us is not None:
         spin_us = int_arg(spin_us, "init", "spin_us", lo=0, hi=10**6)
     info = _env.detect()
+    _throttle.apply_env(info.rank)  # TPCORE_THROTTLE="rank:factor,...": this rank's (checked before any wait)
     chosen = _choose_backend(backend, info)
     if info.multi_host and chosen == "shm":
         raise CommError(f"init: the {info.world_size} ranks span {info.nnodes} hosts ({info.local_world_size} on "

@@ -161,6 +161,14 @@ def _sizes(part, dim, world, what, who="partition"):
     return sizes
 
 
+def _plan_sizes(plan, comm: Comm, n: int, who: str, partition, prefer: str = "ffn"):
+    """partition, or the split of the dimension of length n in plan (a tpcore.Plan; not both)."""
+    if plan is None:
+        return partition
+    from .planner import plan_arg
+    return plan_arg(plan, comm, who, partition=partition).sizes_for(n, who, prefer)
+
+
 def zero(a) -> None:
     """a[...] = 0 where a lives (a DeviceArray: a fill on its device, no host buffer)."""
     if isinstance(a, DeviceArray):
@@ -198,7 +206,7 @@ class _ParallelLinear:
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True,
                  gather_output: bool = False, input_is_parallel: bool = True, partition=None,
-                 dtype="float32", seed: int = 0, gated: bool = False, device=None):
+                 dtype="float32", seed: int = 0, gated: bool = False, device=None, plan=None):
         if not isinstance(comm, Comm):
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
         self.dtype = check_param_dtype(dtype, type(self).__name__)
@@ -209,6 +217,7 @@ class _ParallelLinear:
                         ("gated", gated)):
             bool_arg(v, type(self).__name__, name)
         split = out_features if self._kind == "column" else in_features
+        partition = _plan_sizes(plan, comm, split, type(self).__name__, partition)
         sizes = _sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features",
                        f"{type(self).__name__}: partition")
         self.device = resolve_device(device, type(self).__name__)
@@ -322,12 +331,12 @@ class ColumnParallelLinear(_ParallelLinear):
     _kind = "column"
 
     def __init__(self, in_features, out_features, comm, bias=True, gather_output=False, partition=None,
-                 dtype="float32", seed=0, gated=False, device=None):
+                 dtype="float32", seed=0, gated=False, device=None, plan=None):
         """gated=True: the full weight is [W_gate; W_up] of shape (2 out, in); a rank
         holds its gate rows and its up rows and outputs [gate_r | up_r] from one GEMM
         (for SwiGLU)."""
         super().__init__(in_features, out_features, comm, bias=bias, gather_output=gather_output,
-                         partition=partition, dtype=dtype, seed=seed, gated=gated, device=device)
+                         partition=partition, dtype=dtype, seed=seed, gated=gated, device=device, plan=plan)
 
     def _rows_of_full(self):
         lo, hi = self.offset, self.offset + self.local
@@ -366,9 +375,9 @@ class RowParallelLinear(_ParallelLinear):
     _kind = "row"
 
     def __init__(self, in_features, out_features, comm, bias=True, input_is_parallel=True, partition=None,
-                 dtype="float32", seed=0, device=None):
+                 dtype="float32", seed=0, device=None, plan=None):
         super().__init__(in_features, out_features, comm, bias=bias, input_is_parallel=input_is_parallel,
-                         partition=partition, dtype=dtype, seed=seed, device=device)
+                         partition=partition, dtype=dtype, seed=seed, device=device, plan=plan)
 
     def load_full(self, W: np.ndarray, b: Optional[np.ndarray] = None) -> None:
         """Keep this rank's columns of the full W (out, in), and the full b (out,)."""
@@ -416,7 +425,8 @@ class ParallelMLP:
     fc1 and fc2 are views of its layers (weights, grads, load_full, gather_full)."""
 
     def __init__(self, hidden: int, ffn_hidden: int, comm: Comm, activation: str = "gelu", bias: bool = True,
-                 partition=None, dtype="float32", seed: int = 0, device=None):
+                 partition=None, dtype="float32", seed: int = 0, device=None, plan=None):
+        """plan: a tpcore.Plan (tpcore.plan_partition) whose MLP columns split ffn_hidden."""
         self.device = resolve_device(device, "ParallelMLP")
         if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise (ValueError if isinstance(activation, str) else TypeError)(
@@ -428,6 +438,7 @@ class ParallelMLP:
         seed = seed_arg(seed, "ParallelMLP")
         hidden = int_arg(hidden, "ParallelMLP", "hidden", lo=1)
         ffn_hidden = int_arg(ffn_hidden, "ParallelMLP", "ffn_hidden", lo=1)
+        partition = _plan_sizes(plan, comm, ffn_hidden, "ParallelMLP", partition)
         sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden", "ParallelMLP: partition")
         self.activation, self.comm, self.hidden = activation, comm, int(hidden)
         kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}

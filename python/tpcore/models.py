@@ -85,7 +85,8 @@ class TransformerLM:
     """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm."""
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, partition=None, ffn_partition=None,
-                 vocab_partition=None, device=None, dtype="float32", _device_path: bool = False, _stage=None):
+                 vocab_partition=None, device=None, dtype="float32", _device_path: bool = False, _stage=None,
+                 plan=None):
         """device="cuda" (or "cuda:N"): the token embedding, the blocks (their KV caches included)
         and the LM head live on that GPU, for inference (forward, logits, generate, loading and
         saving checkpoints); the position/type embeddings and the norms outside the blocks stay on
@@ -94,7 +95,9 @@ class TransformerLM:
         embedding, attention and MLP projections, LM head); norms, biases, position embeddings,
         activations, the KV cache and gradients stay float32, every product is accumulated in
         float32.  Half the weight bytes: decoding, which reads every weight per token, moves half
-        the memory."""
+        the memory.
+        plan: a tpcore.Plan (tpcore.plan_partition, Plan.load) giving partition, ffn_partition and
+        vocab_partition: shards sized by measured speed for mismatched devices."""
         self.device = resolve_device(device, "TransformerLM")
         self.dtype = check_param_dtype(dtype, "TransformerLM")
         dev = None if self.device[0] == "cpu" else device_string(self.device)
@@ -107,6 +110,12 @@ class TransformerLM:
         if not isinstance(config, Config):
             raise TypeError(f"TransformerLM: config must be a tpcore.Config, got {type(config).__name__}")
         cfg = self.config = config.validate()
+        if plan is not None:
+            from .planner import plan_arg
+            plan = plan_arg(plan, comm, "TransformerLM", partition=partition, ffn_partition=ffn_partition,
+                            vocab_partition=vocab_partition)
+            plan.check_config(cfg, "TransformerLM")
+            partition, ffn_partition, vocab_partition = plan.heads, plan.ffn, plan.vocab
         self.comm, self.seed = comm, seed_arg(seed, "TransformerLM")
         seed = self.seed
         C = cfg.hidden

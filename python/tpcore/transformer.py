@@ -214,9 +214,10 @@ class TransformerBlock:
     _attention_only = False
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, head_partition: Optional[Sequence[int]] = None,
-                 ffn_partition=None, device=None, dtype="float32"):
+                 ffn_partition=None, device=None, dtype="float32", plan=None):
         """dtype: the projections' weight storage (QKV, output, MLP): "float32", "bfloat16" or
-        "float16"; norm weights, biases, activations and gradients stay float32."""
+        "float16"; norm weights, biases, activations and gradients stay float32.
+        plan: a tpcore.Plan (tpcore.plan_partition) giving head_partition and ffn_partition."""
         self.device = resolve_device(device, type(self).__name__)
         self.dtype = check_param_dtype(dtype, type(self).__name__)
         if not isinstance(comm, Comm):
@@ -225,6 +226,11 @@ class TransformerBlock:
             raise TypeError(f"{type(self).__name__}: config must be a tpcore.Config, got {type(config).__name__}")
         cfg = config.validate()
         self.config, self.comm = cfg, comm
+        if plan is not None:
+            from .planner import plan_arg
+            plan = plan_arg(plan, comm, type(self).__name__, head_partition=head_partition, ffn_partition=ffn_partition)
+            plan.check_config(cfg, type(self).__name__)
+            head_partition, ffn_partition = plan.heads, plan.ffn
         hp = _sizes(head_partition, cfg.heads, comm.size, "heads", f"{type(self).__name__}: head_partition")
         fp = _sizes(ffn_partition, cfg.ffn_hidden, comm.size, "ffn_hidden", f"{type(self).__name__}: ffn_partition")
         self._c = _C.TransformerBlock(comm._c, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden,

@@ -31,7 +31,7 @@ from ._args import int_arg, int_array, real_arg, seed_arg
 from ._array import (DeviceArray, asarray, check_host, check_on_device, device_of, device_string, from_dlpack,
                      resolve_device)
 from .comm import Comm
-from .layers import _host, _sizes, as_float32, check_param_dtype, check_partition, float_param, zero
+from .layers import _host, _plan_sizes, _sizes, as_float32, check_param_dtype, check_partition, float_param, zero
 
 
 def _tokens(tokens, name="tokens", who="VocabParallelEmbedding"):
@@ -62,7 +62,7 @@ class VocabParallelEmbedding:
     size and partition."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, partition=None, seed: int = 0,
-                 dtype="float32", device=None):
+                 dtype="float32", device=None, plan=None):
         self.device = resolve_device(device, "VocabParallelEmbedding")
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
@@ -71,6 +71,7 @@ class VocabParallelEmbedding:
         num_embeddings = int_arg(num_embeddings, "VocabParallelEmbedding", "num_embeddings", lo=1)
         embedding_dim = int_arg(embedding_dim, "VocabParallelEmbedding", "embedding_dim", lo=1)
         self.comm, self.num_embeddings, self.embedding_dim = comm, int(num_embeddings), int(embedding_dim)
+        partition = _plan_sizes(plan, comm, self.num_embeddings, "VocabParallelEmbedding", partition, "vocab")
         sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings",
                        "VocabParallelEmbedding: partition")
         kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}

@@ -5,6 +5,7 @@
     python -m tpcore.bench decode [options]         a transformer's prefill/decode at 1, 2, 4 ranks vs torch
     python -m tpcore.bench gpu [options]            GEMMs vs torch.matmul, decode vs HF generate (GPU)
     python -m tpcore.bench parallelism [options]    one model trained as data, tensor and pipeline parallel
+    python -m tpcore.bench hetero [options]         one rank throttled: equal vs speed-planned shards
     python -m tpcore.bench report [options]         the 1-vs-N report: speed, memory, collectives, serving
 
 `python -m tpcore.bench --help` lists the subcommands; each has its own
@@ -21,5 +22,6 @@ SUBCOMMANDS = {
     "decode": "decode",
     "gpu": "gpu",
     "parallelism": "parallelism",
+    "hetero": "hetero",
     "report": "report",
 }

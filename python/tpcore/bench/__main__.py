@@ -24,7 +24,7 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0], description=mod.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
-        p.set_defaults(run=mod.run)
+        p.set_defaults(run=getattr(mod, "cli", mod.run))  # cli(args) where run() is a library function
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()

@@ -1,0 +1,20 @@
+#!/usr/bin/env python
+"""Mismatched-devices benchmark of tpcore: the same as `python -m tpcore.bench hetero`.
+
+    python benchmarks/hetero.py --quick
+    python benchmarks/hetero.py --json hetero.json --plot hetero.png
+
+See `python benchmarks/hetero.py --help` for the columns and the method.
+"""
+import os
+import sys
+
+try:
+    import tpcore.bench  # noqa: F401
+except ImportError:  # run from a source checkout that is not installed (the extension must be built)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from tpcore.bench.__main__ import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["hetero", *sys.argv[1:]]))
