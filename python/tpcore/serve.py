@@ -195,8 +195,8 @@ class Engine:
             raise ValueError(self._broken)
         t = time.perf_counter()
         try:
-            agree(self.comm, "Engine.step", [("the submitted requests differ", (self._fp,), None),
-                                             ("the number of submitted requests differs", self._next_id, str)])
+            agree(self.comm, "Engine.step", [("the number of submitted requests differs", self._next_id, str),
+                                             ("the submitted requests differ", (self._fp,), None)])
         except ValueError as e:
             self._broken = (f"{e} (every rank must submit the same requests in the same order; this engine "
                             f"cannot go on: make a new one)")
