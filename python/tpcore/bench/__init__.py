@@ -5,6 +5,7 @@
     python -m tpcore.bench decode [options]         a transformer's prefill/decode at 1, 2, 4 ranks vs torch
     python -m tpcore.bench gpu [options]            GEMMs vs torch.matmul, decode vs HF generate (GPU)
     python -m tpcore.bench parallelism [options]    one model trained as data, tensor and pipeline parallel
+    python -m tpcore.bench serve [options]          continuous batching at concurrency 1, 4, 16 per world size
 
 `python -m tpcore.bench --help` lists the subcommands; each has its own
 --help.  Optional extras: matplotlib for --plot (pip install 'tpcore[bench]'),
@@ -20,4 +21,5 @@ SUBCOMMANDS = {
     "decode": "decode",
     "gpu": "gpu",
     "parallelism": "parallelism",
+    "serve": "serve",
 }
