@@ -131,6 +131,46 @@ def test_block_slots_against_the_reference(world, name):
         assert not errs, (r, errs)
 
 
+def _lm_slots_case(comm, name):
+    """TransformerLM.forward(slots=): two prompts prefilled into cache slots 2 and 0, decoded in the
+    other row order, against the model's own forward over each whole sequence (no cache)."""
+    cfg = tpcore.Config(**MODELS[name])
+    model = tpcore.models.TransformerLM(cfg, comm, seed=9, partition=_uneven(cfg, comm.size))
+    g = rng_for(5, 0)
+    toks = g.integers(0, cfg.vocab_size, (2, 9))
+    full = model.forward(toks)
+    model.cache(3, 16)
+    got = np.zeros_like(full)
+    got[:, :6] = model.forward(toks[:, :6], pos0=[0, 0], use_cache=True, slots=[2, 0])
+    for t in range(6, 9):
+        got[::-1, t:t + 1] = model.forward(toks[::-1, t:t + 1], pos0=[t, t], use_cache=True, slots=[0, 2])
+    errs = []
+    err = float(np.abs(got - full).max())
+    if not err < 1e-4:
+        errs.append(f"max error {err}")
+    for slots, word in (([1, 1], "both 1"), ([0, 3], "slots[1] = 3"), ([0], "shape (2,)")):
+        try:
+            model.forward(toks[:, :1], pos0=[0, 0], use_cache=True, slots=slots)
+            errs.append(f"{slots}: no error")
+        except ValueError as e:
+            if word not in str(e):
+                errs.append(f"{slots}: {e}")
+    try:  # slot 1 holds no tokens: a forward at position 6 there would skip past them
+        model.forward(toks[:, :1], pos0=[6, 6], use_cache=True, slots=[2, 1])
+        errs.append("skipping past a slot's cached tokens: no error")
+    except ValueError as e:
+        if "skips past the 0 tokens cached for sequence 1" not in str(e):
+            errs.append(str(e))
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_model_forward_with_slots(world, name):
+    for r, errs in enumerate(run(_lm_slots_case, world, name)):
+        assert not errs, (r, errs)
+
+
 # ------------------------------------------------------------------ the engine
 
 def _requests(cfg, n, seed, longest):

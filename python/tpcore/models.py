@@ -223,10 +223,13 @@ class TransformerLM:
             h = self.emb_norm.forward(h.reshape(B * T, h.shape[-1])).reshape(h.shape)
         return h
 
-    def _inputs(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who, slots=None):
+    def _inputs(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who):
         """The forward's arguments checked and converted: tokens (B, T) int64 in the vocabulary,
-        pos0 (B,) or None, positions (B, T), the mask (B, T) uint8 or None, token types or None,
-        the cache slots (B,) or None."""
+        pos0 (B,) or None, positions (B, T), the mask (B, T) uint8 or None, token types or None."""
+        return self._inputs_slots(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who)[:5]
+
+    def _inputs_slots(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who, slots=None):
+        """_inputs and the KV-cache slots (B,) or None, checked against the cache, as a sixth value."""
         cfg = self.config
         tokens = int_array(tokens, who, "tokens")
         if tokens.ndim != 2:
@@ -280,7 +283,8 @@ class TransformerLM:
         cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused)
         tokens, p0, pos, mask, tt, sl = agreed(
             self.comm, f"{who}.forward", (pos0 is not None or slots is not None or cached) and not _agreed,
-            lambda: self._inputs(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who, slots),
+            lambda: self._inputs_slots(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who,
+                                       slots),
             lambda v: [("the batch shape (B, T) differs", v[0].shape), ("pos0 differs", (v[1],)),
                        ("the tokens differ", (v[0],)), ("attention_mask differs", (v[3],)),
                        ("slots differ", (v[5],)), ("use_cache differs", (bool(use_cache),))])
