@@ -141,7 +141,8 @@ typedef struct tp_kernel_ops {
   size_t (*attention_workspace)(const tp_attention_args *a, int backward);
   /* a->o overwritten (and a->probs, a->lse when not NULL).  Decode is this call too: T new
    * queries (Tq) over the KV cache (k, v = the cache, kv_bstride = max_len x row,
-   * q_pos[b] = the position of the first new query, k_len[b] = q_pos[b] + Tq, causal). */
+   * q_pos[b] = the position of the first new query, k_len[b] = q_pos[b] + Tq, causal; with
+   * a->kv_slot, query sequence b reads cache sequence kv_slot[b] < kv_batch). */
   tp_status_t (*attention_forward)(tp_stream_t s, const tp_attention_args *a, void *workspace,
                                    size_t workspace_bytes);
   /* dq (layout of q), dk, dv (layout of k, v) overwritten, from dout (layout of o) and
