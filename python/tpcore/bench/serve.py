@@ -201,8 +201,9 @@ def run(args) -> int:
         for i in range(len(runs)):
             row = _combine([r[i] for r in res])
             rows.append(row)
-            print(f"{n:>5} {row['threads']:>3} {row['concurrency']:>4} {row['requests']:>4} {row['generated_tokens']:>6} "
-                  f"{row['wall_s']:>7.2f} {row['throughput_tok_s']:>8.1f} {row['ttft_p50_ms']:>7.1f}ms "
+            print(f"{n:>5} {row['threads']:>3} {row['concurrency']:>4} {row['requests']:>4} "
+                  f"{row['generated_tokens']:>6} {row['wall_s']:>7.2f} {row['throughput_tok_s']:>8.1f} "
+                  f"{row['ttft_p50_ms']:>7.1f}ms "
                   f"{row['ttft_p99_ms']:>7.1f}ms {row['latency_p50_ms']:>6.1f}ms {row['latency_p99_ms']:>6.1f}ms "
                   f"{row['steps']:>5} {100 * row['comm_share']:>5.1f}% {'yes' if row['same_tokens'] else 'NO':>4}")
     print("#")
