@@ -257,6 +257,26 @@ def test_engine_tokens_equal_generate_alone(world, name):
         assert not errs, (r, errs)
 
 
+def _device_path_case(comm, name):
+    """The GPU code path of the model (DeviceArrays between the layers, the d_ kernels), run on
+    the CPU: the engine's row gathers and logits there give generate()'s tokens too."""
+    cfg = tpcore.Config(**MODELS[name])
+    model = tpcore.models.TransformerLM(cfg, comm, seed=3, _device_path=True)
+    reqs = _requests(cfg, 6, 8, 30)
+    want = [model.generate([p], n)[0][p.size:].tolist() for p, n in reqs]
+    eng = tpcore.Engine(model, max_batch=3)
+    hs = [eng.submit(p, n) for p, n in reqs]
+    list(eng.run())
+    return [f"request {i}: {h.tokens.tolist()} != {w}" for i, (h, w) in enumerate(zip(hs, want))
+            if h.tokens.tolist() != w]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_engine_on_the_device_code_path(name):
+    for r, errs in enumerate(run(_device_path_case, 2, name)):
+        assert not errs, (r, errs)
+
+
 def _bad_inputs_case(comm):
     cfg = tpcore.Config(**GPT2)
     model = tpcore.models.TransformerLM(cfg, comm, seed=1)
