@@ -241,15 +241,15 @@ def _plot(path, rows, title):
         print("# --plot needs matplotlib (pip install 'tpcore[bench]')")
         return
     fig, ax = plt.subplots(1, 3, figsize=(14, 4))
-    for n in sorted({r["world"] for r in rows}):
+    for i, n in enumerate(sorted({r["world"] for r in rows})):
         mine = [r for r in rows if r["world"] == n]
         cs = [r["concurrency"] for r in mine]
-        lab = f"{n} rank{'s' if n > 1 else ''}"
-        ax[0].plot(cs, [r["throughput_tok_s"] for r in mine], "o-", label=lab)
-        ax[1].plot(cs, [r["ttft_p50_ms"] for r in mine], "o-", label=f"{lab} p50")
-        ax[1].plot(cs, [r["ttft_p99_ms"] for r in mine], "x--", label=f"{lab} p99")
-        ax[2].plot(cs, [r["latency_p50_ms"] for r in mine], "o-", label=f"{lab} p50")
-        ax[2].plot(cs, [r["latency_p99_ms"] for r in mine], "x--", label=f"{lab} p99")
+        lab, col = f"{n} rank{'s' if n > 1 else ''}", f"C{i}"
+        ax[0].plot(cs, [r["throughput_tok_s"] for r in mine], "o-", color=col, label=lab)
+        ax[1].plot(cs, [r["ttft_p50_ms"] for r in mine], "o-", color=col, label=f"{lab} p50")
+        ax[1].plot(cs, [r["ttft_p99_ms"] for r in mine], "x--", color=col, label=f"{lab} p99")
+        ax[2].plot(cs, [r["latency_p50_ms"] for r in mine], "o-", color=col, label=f"{lab} p50")
+        ax[2].plot(cs, [r["latency_p99_ms"] for r in mine], "x--", color=col, label=f"{lab} p99")
     for a, y in zip(ax, ["generated tokens/s", "time to first token (ms)", "per-token latency (ms)"]):
         a.set_xscale("log", base=2)
         a.set_xlabel("concurrency (max_batch)")
