@@ -277,6 +277,30 @@ def test_engine_on_the_device_code_path(name):
         assert not errs, (r, errs)
 
 
+def _budget_case(comm):
+    """max_prefill_tokens: admissions split over steps (a prompt longer than the budget alone),
+    the same tokens."""
+    cfg = tpcore.Config(**LLAMA)
+    model = tpcore.models.TransformerLM(cfg, comm, seed=6)
+    reqs = _requests(cfg, 10, 13, 30)
+    want = [model.generate([p], n)[0][p.size:].tolist() for p, n in reqs]
+    longest = max(p.size for p, _ in reqs)
+    eng = tpcore.Engine(model, max_batch=6, max_prefill_tokens=longest - 1)
+    hs = [eng.submit(p, n) for p, n in reqs]
+    list(eng.run())
+    st = eng.stats()
+    errs = [f"request {i}: {h.tokens.tolist()} != {w}" for i, (h, w) in enumerate(zip(hs, want))
+            if h.tokens.tolist() != w]
+    if st["prefill_padded_max"] != longest or st["prefills"] < 4:  # the longest prompt went alone
+        errs.append(f"{st}")
+    return errs
+
+
+def test_engine_prefill_budget():
+    for r, errs in enumerate(run(_budget_case, 2)):
+        assert not errs, (r, errs)
+
+
 def _bad_inputs_case(comm):
     cfg = tpcore.Config(**GPT2)
     model = tpcore.models.TransformerLM(cfg, comm, seed=1)
@@ -302,6 +326,7 @@ def _bad_inputs_case(comm):
         (lambda: tpcore.Engine(model, max_batch=0), ValueError, "max_batch"),
         (lambda: tpcore.Engine(model, max_len=33), ValueError, "max_positions (32)"),
         (lambda: tpcore.Engine(model, max_batch=1.5), TypeError, "max_batch"),
+        (lambda: tpcore.Engine(model, max_prefill_tokens=0), ValueError, "max_prefill_tokens"),
         (lambda: tpcore.Engine(tpcore.models.TransformerLM(tpcore.Config(
             vocab_size=11, hidden=8, layers=1, heads=2, ffn_hidden=8, causal=False, max_positions=8), comm)),
          ValueError, "causal"),

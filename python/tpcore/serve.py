@@ -90,10 +90,13 @@ class Engine:
     max_positions, at most 2048, and its sliding window); eos_token_id: the default end of
     sequence id(s) of requests (default: the model's generation_config, as generate());
     pad_token_id: the id that right-pads the shorter prompts of a batched prefill (it is never
-    attended to: any id of the vocabulary; default 0)."""
+    attended to: any id of the vocabulary; default 0); max_prefill_tokens: at most this many
+    (padded) prompt tokens prefilled per step, so that admitting requests stalls the running
+    ones' next token less (None: every admitted request at once; a request longer than the
+    budget is prefilled alone)."""
 
     def __init__(self, model, max_batch: int = 16, max_len: Optional[int] = None, eos_token_id=None,
-                 pad_token_id: Optional[int] = None):
+                 pad_token_id: Optional[int] = None, max_prefill_tokens: Optional[int] = None):
         from .models import TransformerLM
         who = "Engine"
         if not isinstance(model, TransformerLM):
@@ -118,6 +121,8 @@ class Engine:
                              (getattr(model, "generation_config", {}) or {}).get("eos_token_id"), who)
         self.pad = 0 if pad_token_id is None else int_arg(pad_token_id, who, "pad_token_id", lo=0,
                                                           hi=cfg.vocab_size - 1)
+        self.max_prefill_tokens = None if max_prefill_tokens is None else \
+            int_arg(max_prefill_tokens, who, "max_prefill_tokens", lo=1, hi=2 ** 62)
         model.cache(self.max_batch, self.max_len)
         self._cache_ref = model.blocks[0]._filled if model.blocks else None  # the cache this engine made
         self._free: List[int] = list(range(self.max_batch))  # kept sorted: the lowest free slot first
@@ -126,8 +131,8 @@ class Engine:
         self._next_id = 0
         self._fp = 0          # running fingerprint of every submitted request, in order
         self._broken: Optional[str] = None
-        self._st = dict(steps=0, prefills=0, decodes=0, prefill_tokens=0, generated_tokens=0, finished=0,
-                        peak_running=0, prefill_s=0.0, decode_s=0.0, agree_s=0.0)
+        self._st = dict(steps=0, prefills=0, decodes=0, prefill_tokens=0, prefill_padded_max=0, generated_tokens=0,
+                        finished=0, peak_running=0, prefill_s=0.0, decode_s=0.0, agree_s=0.0)
 
     # ------------------------------------------------------------------ requests
     def _eos(self, eos_token_id, who) -> List[int]:
@@ -254,10 +259,15 @@ class Engine:
         st["steps"] += 1
         finished: List[Request] = []
         new: List[Request] = []
+        longest, budget = 0, self.max_prefill_tokens
         while self._waiting and self._free:
+            n = self._waiting[0].prompt.size
+            if budget is not None and new and (len(new) + 1) * max(longest, n) > budget:
+                break  # the rest waits for the next step (first come, first served)
             r = self._waiting.popleft()
             r.slot = self._free.pop(0)
             new.append(r)
+            longest = max(longest, n)
         self._running.extend(new)
         st["peak_running"] = max(st["peak_running"], len(self._running))
         if new:  # one forward over the new prompts, right padded, each into its slot from position 0
@@ -279,6 +289,7 @@ class Engine:
             finished += self._emit(new, nxt, time.perf_counter())
             st["prefills"] += 1
             st["prefill_tokens"] += int(lens.sum())
+            st["prefill_padded_max"] = max(st["prefill_padded_max"], B * Tp)
             st["prefill_s"] += time.perf_counter() - t0
         if self._running:  # one token of every running request, each at its own position and slot
             t0 = time.perf_counter()
@@ -304,8 +315,8 @@ class Engine:
                 yield r
 
     def stats(self) -> Dict[str, object]:
-        """Counters: steps, prefill and decode forwards, prompt tokens prefilled, tokens
-        generated, requests submitted / waiting / running / finished, the most requests running
+        """Counters: steps, prefill and decode forwards, prompt tokens prefilled (and the largest
+        padded prefill, B x T), tokens generated, requests submitted / waiting / running / finished, the most requests running
         at once, seconds in prefill, decode and the per-step agreement, and the pool's shape."""
         s = dict(self._st)
         s.update(submitted=self._next_id, waiting=len(self._waiting), running=len(self._running),
