@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny model and short requests (smoke test)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--max-prefill-tokens", type=int, default=None, help="the engine's per-step budget of padded "
+                                                                         "prompt tokens (default: none)")
     p.add_argument("--threads", type=int, default=None, help="BLAS threads per rank (default: tpcore's, the "
                                                               "cores split over the ranks)")
     p.add_argument("--timeout", type=float, default=1800.0)
@@ -74,13 +76,15 @@ def _pct(xs, q):
     return float(np.percentile(np.asarray(xs, np.float64), q)) if len(xs) else float("nan")
 
 
-def measure(model, concurrency: int, requests: Sequence[Tuple[np.ndarray, int]], warmup: bool = True) -> dict:
+def measure(model, concurrency: int, requests: Sequence[Tuple[np.ndarray, int]], warmup: bool = True,
+            max_prefill_tokens=None) -> dict:
     """Serve `requests` (a list of (prompt ids, max_new_tokens)) with an Engine of max_batch =
     concurrency over `model`, all submitted at t = 0.  Collective: every rank calls it with the
     same arguments.  Returns (seconds; this rank's clock): wall_s, generated tokens,
     throughput_tok_s, ttft_s (per request, in submission order), latency_s (every gap between
     consecutive tokens of every request), their p50/p99, steps, prefills, decodes, the time in
-    collectives and bytes moved during the run, tokens (per request) and the engine's stats."""
+    collectives and bytes moved during the run, tokens (per request) and the engine's stats.
+    max_prefill_tokens: the engine's per-step prefill budget (None: none)."""
     from ..serve import Engine
     from .._args import int_arg
     concurrency = int_arg(concurrency, "measure", "concurrency", lo=1, hi=2 ** 31 - 1)
@@ -89,13 +93,13 @@ def measure(model, concurrency: int, requests: Sequence[Tuple[np.ndarray, int]],
         raise ValueError("measure: needs at least one request")
     comm = model.comm
     max_len = max(p.size + n for p, n in reqs)
-    eng = Engine(model, max_batch=concurrency, max_len=max_len)
+    eng = Engine(model, max_batch=concurrency, max_len=max_len, max_prefill_tokens=max_prefill_tokens)
     if warmup:  # the workspaces of the largest prefill and decode batches, first-touched once
         for p, n in reqs[:concurrency]:
             eng.submit(p, min(n, 2))
         for _ in eng.run():
             pass
-        eng = Engine(model, max_batch=concurrency, max_len=max_len)
+        eng = Engine(model, max_batch=concurrency, max_len=max_len, max_prefill_tokens=max_prefill_tokens)
     comm.barrier()
     st0 = comm.stats()
     t0 = time.perf_counter()
@@ -113,7 +117,7 @@ def measure(model, concurrency: int, requests: Sequence[Tuple[np.ndarray, int]],
             "throughput_tok_s": gen / wall if wall > 0 else float("nan"),
             "ttft_s": ttft, "latency_s": lat, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
             "latency_p50_s": _pct(lat, 50), "latency_p99_s": _pct(lat, 99),
-            "steps": s["steps"], "prefills": s["prefills"], "decodes": s["decodes"], "peak_running": s["peak_running"],
+            "max_prefill_tokens": max_prefill_tokens, "steps": s["steps"], "prefills": s["prefills"], "decodes": s["decodes"], "peak_running": s["peak_running"],
             "prefill_s": s["prefill_s"], "decode_s": s["decode_s"], "agree_s": s["agree_s"],
             "comm_s": st1["seconds"] - st0["seconds"], "comm_bytes": st1["bytes"] - st0["bytes"],
             "tokens": [h.tokens.tolist() for h in handles], "finish_reasons": [h.finish_reason for h in handles]}
@@ -136,7 +140,7 @@ def _rank(comm, args, runs):
     model = _model(comm, args)
     out = []
     for c, reqs in runs:
-        m = measure(model, c, reqs)
+        m = measure(model, c, reqs, max_prefill_tokens=args.max_prefill_tokens)
         idx = np.linspace(0, len(reqs) - 1, min(args.check, len(reqs))).round().astype(int).tolist()
         same = all(model.generate([reqs[i][0]], reqs[i][1])[0][reqs[i][0].size:].tolist() == m["tokens"][i]
                    for i in sorted(set(idx)))
@@ -172,6 +176,8 @@ def run(args) -> int:
         raise SystemExit("--concurrency and --worlds take positive integers")
     if args.threads is not None and args.threads < 1:
         raise SystemExit("--threads must be >= 1")
+    if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
+        raise SystemExit("--max-prefill-tokens must be >= 1")
     if args.requests is not None and args.requests < 1:
         raise SystemExit("--requests must be >= 1")
     cfgd = TINY if args.quick else GPT2_SMALL
@@ -191,7 +197,8 @@ def run(args) -> int:
     model_name = args.checkpoint or ("tiny GPT-2-style (random)" if args.quick else "GPT-2-small-sized, 124M (random)")
     print(f"# tpcore {tpcore.__version__} serve benchmark; {cores} cores; BLAS {tpcore.build_info()['blas']}")
     print(f"# model: {model_name}; prompts {prompt[0]}-{prompt[1]} tokens, outputs {new[0]}-{new[1]} tokens "
-          f"(greedy), all requests submitted at t=0; seed {args.seed}")
+          f"(greedy), all requests submitted at t=0; seed {args.seed}"
+          + (f"; prefill budget {args.max_prefill_tokens} tokens per step" if args.max_prefill_tokens else ""))
     hdr = (f"{'ranks':>5} {'thr':>3} {'conc':>4} {'reqs':>4} {'tokens':>6} {'wall s':>7} {'tok/s':>8} {'TTFT p50':>9} "
            f"{'TTFT p99':>9} {'lat p50':>8} {'lat p99':>8} {'steps':>5} {'comm%':>6} {'same':>4}")
     print(hdr)
@@ -225,6 +232,7 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model_name, "prompt": list(prompt), "new": list(new), "seed": args.seed,
+                       "max_prefill_tokens": args.max_prefill_tokens,
                        "rows": rows}, f, indent=1)
         print(f"# wrote {args.json}")
     if args.plot:
