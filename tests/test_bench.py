@@ -67,6 +67,47 @@ def test_decode_benchmark_quick(tmp_path):
     assert abs(two["param_mb"] / one["param_mb"] - 0.5) < 0.05  # parameters split in two (replicated norms aside)
 
 
+def test_serve_benchmark_quick(tmp_path):
+    out = tmp_path / "serve.json"
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "serve", "--quick", "--threads", "1", "--json",
+                        str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tokens equal generate() alone for the checked requests, and across ranks: yes" in r.stdout, r.stdout
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [(row["world"], row["concurrency"]) for row in rows] == [(n, c) for n in (1, 2) for c in (1, 4, 16)]
+    for row in rows:
+        c = row["concurrency"]
+        assert row["same_tokens"] and row["checked"] == 3 and row["requests"] == max(8, 2 * c)
+        assert row["throughput_tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert 0 < row["latency_p50_ms"] <= row["latency_p99_ms"]
+        assert row["peak_running"] == min(c, row["requests"])  # all submitted at t=0: the pool fills
+        # the lengths are drawn the same at every world size: the same tokens generated
+        assert row["generated_tokens"] == [r for r in rows if r["concurrency"] == c][0]["generated_tokens"]
+    # batching: at concurrency 16 far fewer steps than at 1 for 4x the requests
+    one = {row["concurrency"]: row for row in rows if row["world"] == 1}
+    assert one[16]["steps"] < one[1]["steps"]
+
+
+def test_serve_measure_function():
+    """tpcore.bench.serve.measure, as the report calls it on each rank."""
+    import tpcore
+    from tpcore.bench import serve
+
+    def rank(comm):
+        model = tpcore.models.TransformerLM(tpcore.Config(**serve.TINY), comm, seed=3)
+        reqs = serve.make_requests(6, serve.TINY["vocab_size"], (3, 9), (2, 7), seed=4)
+        m = serve.measure(model, 4, reqs)
+        want = [model.generate([p], n)[0][p.size:].tolist() for p, n in reqs]
+        return m, want, [n for _, n in reqs]
+
+    for m, want, news in tpcore.spawn(rank, 2):
+        assert m["tokens"] == want and m["generated_tokens"] == sum(news) and m["requests"] == 6
+        assert len(m["ttft_s"]) == 6 and len(m["latency_s"]) == sum(news) - 6 and m["wall_s"] > 0
+        assert m["throughput_tok_s"] == m["generated_tokens"] / m["wall_s"] and m["steps"] >= max(news) - 1
+        assert m["peak_running"] == 4 and m["comm_bytes"] > 0
+
+
 def test_demo_main_job(tmp_path):
     """The README's main job: collectives then the transformer, checked against 1 rank."""
     r = subprocess.run([sys.executable, "-m", "tpcore.launch", "-n", "3", "-m", "tpcore.demo", "--iters", "2"],

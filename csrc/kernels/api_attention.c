@@ -34,16 +34,28 @@ static tp_status_t check_args(tp_kcall *c, const tp_attention_args *a, int backw
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->q_ld and o_ld must be in [Hq x D = %lld, %d] and kv_ld in "
                         "[Hk x D = %lld, %d], got %lld, %lld and %lld", c->op, (long long)qw, INT_MAX, (long long)kw,
                         INT_MAX, (long long)a->q_ld, (long long)a->o_ld, (long long)a->kv_ld);
-  if (a->B > 1 && (a->kv_bstride < 0 || a->kv_bstride / (a->Tk ? a->Tk : 1) < a->kv_ld))
+  /* the KV sequences the kernel may index: B, or kv_batch through kv_slot */
+  if (a->kv_slot && backward)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_slot is for forward over a KV cache only", c->op);
+  if (a->kv_slot && (a->kv_batch < 1 || a->kv_batch > INT_MAX))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_batch = %lld (the KV sequences kv_slot indexes) must "
+                        "be in [1, %d]", c->op, (long long)a->kv_batch, INT_MAX);
+  int64_t nkv = a->kv_slot ? a->kv_batch : a->B;
+  if (nkv > 1 && (a->kv_bstride < 0 || a->kv_bstride / (a->Tk ? a->Tk : 1) < a->kv_ld))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_bstride (%lld) must be at least Tk x kv_ld", c->op,
                         (long long)a->kv_bstride);
+  if (a->kv_slot && a->device == TP_DEVICE_CPU) /* host memory: every slot checked here (CUDA: in the kernel) */
+    for (int64_t b = 0; b < a->B; b++)
+      if (a->kv_slot[b] < 0 || a->kv_slot[b] >= a->kv_batch)
+        return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_slot[%lld] = %lld is outside [0, kv_batch = %lld)",
+                            c->op, (long long)b, (long long)a->kv_slot[b], (long long)a->kv_batch);
   int64_t qreach, oreach, kreach, kv_rows; /* the elements the kernel's indexing reaches, in int64 */
   if (!tp_mul_count(rows, a->q_ld, &qreach) || !tp_mul_count(rows, a->o_ld, &oreach) ||
       !tp_mul_count(a->Tk, a->kv_ld, &kv_rows) ||
-      !tp_mul_count(a->B > 1 ? a->B - 1 : 0, a->B > 1 ? a->kv_bstride : 0, &kreach) ||
+      !tp_mul_count(nkv > 1 ? nkv - 1 : 0, nkv > 1 ? a->kv_bstride : 0, &kreach) ||
       !tp_add_count(kreach, kv_rows, &kreach))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args' leading dimensions reach past 2^63 elements (B x Tq x "
-                        "q_ld, B x Tq x o_ld, or (B - 1) x kv_bstride + Tk x kv_ld)", c->op);
+                        "q_ld, B x Tq x o_ld, or (B or kv_batch - 1) x kv_bstride + Tk x kv_ld)", c->op);
   if (rows && qw && (!a->q || !a->o))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->q or args->o is NULL", c->op);
   if (a->B && a->Tk && kw && (!a->k || !a->v))

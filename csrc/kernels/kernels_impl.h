@@ -141,7 +141,8 @@ typedef struct tp_kernel_ops {
   size_t (*attention_workspace)(const tp_attention_args *a, int backward);
   /* a->o overwritten (and a->probs, a->lse when not NULL).  Decode is this call too: T new
    * queries (Tq) over the KV cache (k, v = the cache, kv_bstride = max_len x row,
-   * q_pos[b] = the position of the first new query, k_len[b] = q_pos[b] + Tq, causal). */
+   * q_pos[b] = the position of the first new query, k_len[b] = q_pos[b] + Tq, causal; with
+   * a->kv_slot, query sequence b reads cache sequence kv_slot[b] < kv_batch). */
   tp_status_t (*attention_forward)(tp_stream_t s, const tp_attention_args *a, void *workspace,
                                    size_t workspace_bytes);
   /* dq (layout of q), dk, dv (layout of k, v) overwritten, from dout (layout of o) and
@@ -151,12 +152,14 @@ typedef struct tp_kernel_ops {
    * whose lse is -INFINITY saw no key: its P is 0).  One of the two is required. */
   tp_status_t (*attention_backward)(tp_stream_t s, const tp_attention_args *a, float *dq, float *dk, float *dv,
                                     const float *dout, void *workspace, size_t workspace_bytes);
-  /* The KV-cache write of a decode/prefill step: for b < B, t < T,
-   *   kcache[(b * max_len + pos0[b] + t) * width + c] = k[(b * T + t) * ld + c], same for v,
-   * c < width (pos0[b] + T <= max_len, checked by the caller with check_range). */
+  /* The KV-cache write of a decode/prefill step: for b < B, t < T, with s_b = slots[b] (slots
+   * NULL: s_b = b; device memory like pos0),
+   *   kcache[(s_b * max_len + pos0[b] + t) * width + c] = k[(b * T + t) * ld + c], same for v,
+   * c < width (pos0[b] + T <= max_len and s_b inside the cache, distinct, checked by the caller
+   * on the host: pos0 and slots are host metadata of tp_block_batch_t). */
   tp_status_t (*kv_cache_write)(tp_stream_t s, float *kcache, float *vcache, const float *k, const float *v,
-                                int64_t ld, const int64_t *pos0, int64_t B, int64_t T, int64_t max_len,
-                                int64_t width);
+                                int64_t ld, const int64_t *pos0, const int64_t *slots, int64_t B, int64_t T,
+                                int64_t max_len, int64_t width);
   /* pos[b * T + t] = pos0[b] + t and klen[b] = pos0[b] + T (overwritten; klen may be NULL). */
   tp_status_t (*positions)(tp_stream_t s, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B, int64_t T);
 

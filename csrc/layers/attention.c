@@ -3,6 +3,7 @@
  * tp_parallel_linear_t: one all-reduce, the bias once after it). */
 #include <limits.h>
 #include <math.h>
+#include <stdlib.h>
 
 #include "block_impl.h"
 #include "layer_kernels.h"
@@ -19,6 +20,7 @@ static tp_attention_args attn_args(tp_block_t k, int64_t B, int64_t T, int use_c
   if (use_cache) {
     a.k = k->kc, a.v = k->vc, a.kv_ld = k->nk * k->D, a.kv_bstride = k->clen * k->nk * k->D, a.Tk = k->clen;
     a.q_pos = k->pos0, a.k_len = k->klen;
+    if (k->have_slots) a.kv_slot = k->slot, a.kv_batch = k->cb; /* row b reads cache sequence slot[b] */
   } else {
     a.k = k->qkv ? k->qkv + k->nq * k->D : NULL, a.v = k->qkv ? k->qkv + (k->nq + k->nk) * k->D : NULL;
     a.kv_ld = k->W, a.kv_bstride = T * k->W, a.Tk = T;
@@ -57,7 +59,7 @@ tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in,
     TP_CHECK(lk_rope(&k->lk, k->qkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 0, stream));
   if (use_cache && k->nk)
     TP_CHECK(lk_kv_cache_write(&k->lk, k->kc, k->vc, k->qkv + k->nq * D, k->qkv + (k->nq + k->nk) * D, k->W, k->pos0,
-                               k->B, k->T, k->clen, k->nk * D, stream));
+                               k->have_slots ? k->slot : NULL, k->B, k->T, k->clen, k->nk * D, stream));
   if (k->nq) {
     tp_attention_args a = attn_args(k, k->B, k->T, use_cache);
     if (keep) set_kept(k, &a, k->probs);
@@ -70,6 +72,41 @@ tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in,
   }
   /* row-parallel output projection: partial sums all-reduced in registered memory, bias once after */
   return tp_parallel_linear_forward_inbuf(k->out, r, k->ao, M, TP_LIN_BORROW_INPUT, stream);
+}
+
+/* (slot, batch row) pairs in slot order: a slot given twice shows as two neighbours */
+typedef struct { int64_t slot, row; } slot_row;
+
+static int by_slot(const void *x, const void *y) {
+  const slot_row *a = x, *b = y;
+  return a->slot < b->slot ? -1 : a->slot > b->slot ? 1 : (a->row > b->row) - (a->row < b->row);
+}
+
+/* The cache slots of a forward (host metadata): each in [0, cache batch), none twice. */
+static tp_status_t check_slots(tp_block_t k, const tp_block_batch_t *bt) {
+  if (!bt->use_cache)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: slots map batch rows to KV-cache sequences: they "
+                        "need use_cache");
+  for (int64_t b = 0; b < bt->B; b++)
+    if (bt->slots[b] < 0 || bt->slots[b] >= k->cb)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: slots[%lld] = %lld is outside the KV cache's %lld "
+                          "sequences [0, %lld)", (long long)b, (long long)bt->slots[b], (long long)k->cb,
+                          (long long)k->cb);
+  if (bt->B < 2) return TP_SUCCESS;
+  size_t nbytes = 0; /* B <= cache batch <= INT_MAX here */
+  tp_arena_add_n(&nbytes, bt->B, sizeof(slot_row));
+  slot_row *p;
+  TP_CHECK(tp_host_zalloc(nbytes, (void **)&p, "block forward: the slot check"));
+  for (int64_t b = 0; b < bt->B; b++) p[b].slot = bt->slots[b], p[b].row = b;
+  qsort(p, (size_t)bt->B, sizeof *p, by_slot);
+  tp_status_t st = TP_SUCCESS;
+  for (int64_t i = 1; i < bt->B && st == TP_SUCCESS; i++)
+    if (p[i].slot == p[i - 1].slot)
+      st = tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: slots[%lld] and slots[%lld] are both %lld: two "
+                        "batch rows would write one KV-cache sequence", (long long)p[i - 1].row, (long long)p[i].row,
+                        (long long)p[i].slot);
+  tp_host_free(p);
+  return st;
 }
 
 /* Every size and position of a forward, before anything is allocated or written: rows
@@ -116,6 +153,7 @@ tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt) {
                             (long long)(k->clen - bt->T));
     }
   }
+  if (bt->slots) TP_CHECK(check_slots(k, bt));
   return TP_SUCCESS;
 }
 

@@ -267,6 +267,7 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
   tp_arena_add_n(&total, M, sizeof(int64_t));
   tp_arena_add_n(&total, B, sizeof(int64_t));
   tp_arena_add_n(&total, B, sizeof(int64_t));
+  tp_arena_add_n(&total, B, sizeof(int64_t));
   tp_arena_add_n(&total, M, 1);
   if (!tp_arena_add(&total, abytes))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: the attention workspace overflows a size");
@@ -275,6 +276,7 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
   k->pos = tp_arena_take_n(&k->ws, M, sizeof(int64_t));
   k->pos0 = tp_arena_take_n(&k->ws, B, sizeof(int64_t));
   k->klen = tp_arena_take_n(&k->ws, B, sizeof(int64_t));
+  k->slot = tp_arena_take_n(&k->ws, B, sizeof(int64_t));
   k->mask = tp_arena_take_n(&k->ws, M, 1);
   k->attn_ws = tp_arena_take(&k->ws, abytes);
   k->attn_ws_bytes = abytes;
@@ -294,13 +296,16 @@ static tp_status_t norm_bwd(tp_block_t k, float *dx, float *dw, float *db, const
 }
 
 /* The metadata of the batch onto the device: pos0 (host, or 0), then the positions of every
- * row and the keys per sequence from it; the key mask. */
+ * row and the keys per sequence from it; the key mask; the cache slots. */
 static tp_status_t batch_metadata(tp_block_t k, const tp_block_batch_t *bt, int64_t B, int64_t T, tp_stream_t s) {
   if (bt->pos0) TP_CHECK(tp_device_copy(k->dev, k->pos0, TP_DEVICE_CPU, bt->pos0, (size_t)B * sizeof(int64_t), s));
   else TP_CHECK(lk_zero(&k->lk, k->pos0, (size_t)B * sizeof(int64_t), s));
   TP_CHECK(lk_positions(&k->lk, k->pos, k->klen, k->pos0, B, T, s));
   k->have_mask = bt->key_mask != NULL;
   if (k->have_mask) TP_CHECK(tp_device_copy(k->dev, k->mask, TP_DEVICE_CPU, bt->key_mask, (size_t)(B * T), s));
+  k->have_slots = bt->slots != NULL && B > 0; /* checked: only with use_cache */
+  if (k->have_slots)
+    TP_CHECK(tp_device_copy(k->dev, k->slot, TP_DEVICE_CPU, bt->slots, (size_t)B * sizeof(int64_t), s));
   return TP_SUCCESS;
 }
 

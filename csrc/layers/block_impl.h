@@ -33,11 +33,12 @@ struct tp_block {
   void *attn_ws;                    /* the attention kernels' scratch */
   size_t attn_ws_bytes;
   int64_t *pos, *pos0, *klen;       /* device: positions of the rows, first position and keys per sequence */
+  int64_t *slot;                    /* device: the cache sequence of each batch row (have_slots) */
   uint8_t *mask;                    /* device: the key mask of the last forward */
   reg_buf red, kvred;
   /* the last forward: rows, shape, whether backward may follow */
   int64_t B, T;
-  int have_mask, ready;
+  int have_mask, have_slots, ready;
   /* KV cache [cb, clen, nk * D] each, one allocation */
   tp_arena_t cache;
   float *kc, *vc;

@@ -82,15 +82,16 @@ static void blk_dealloc(PyObject *o) {
   layer_free(o, self->comm);
 }
 
-/* forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) */
+/* forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None,
+ *         slots=None) */
 static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"x", "B", "T", "pos0", "key_mask", "use_cache", "need_backward", "out", NULL};
+  static char *kwlist[] = {"x", "B", "T", "pos0", "key_mask", "use_cache", "need_backward", "out", "slots", NULL};
   BlockObject *self = (BlockObject *)o;
-  PyObject *x, *po = Py_None, *mo = Py_None, *out = Py_None, *B_o, *T_o;
+  PyObject *x, *po = Py_None, *mo = Py_None, *out = Py_None, *so = Py_None, *B_o, *T_o;
   long long B, T, BT;
   int use_cache = 0, need_backward = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOppO:forward", kwlist, &x, &B_o, &T_o, &po, &mo, &use_cache,
-                                   &need_backward, &out))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOppOO:forward", kwlist, &x, &B_o, &T_o, &po, &mo, &use_cache,
+                                   &need_backward, &out, &so))
     return NULL;
   if (int_arg(B_o, "block forward", "B", 0, LLONG_MAX, &B) < 0 ||
       int_arg(T_o, "block forward", "T", 0, LLONG_MAX, &T) < 0)
@@ -119,7 +120,7 @@ static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
                  (long long)B, (long long)T);
     BLK_FAIL;
   }
-  tp_block_batch_t bt = {B, T, NULL, NULL, use_cache, need_backward};
+  tp_block_batch_t bt = {B, T, NULL, NULL, use_cache, need_backward, NULL};
   if (po != Py_None) {
     int64_t n;
     if (tokens_arg(po, "block forward", "pos0", &n) < 0) BLK_FAIL;
@@ -128,6 +129,15 @@ static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
       BLK_FAIL;
     }
     bt.pos0 = PyArray_DATA((PyArrayObject *)po);
+  }
+  if (so != Py_None) {
+    int64_t n;
+    if (tokens_arg(so, "block forward", "slots", &n) < 0) BLK_FAIL;
+    if (n != B) {
+      PyErr_Format(PyExc_ValueError, "block forward: slots needs %lld entries, got %lld", (long long)B, (long long)n);
+      BLK_FAIL;
+    }
+    bt.slots = PyArray_DATA((PyArrayObject *)so);
   }
   if (mo != Py_None) {
     buf_t b;

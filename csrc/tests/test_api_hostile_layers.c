@@ -388,7 +388,7 @@ void test_block(tp_comm_t comm) {
   TRUE(tp_block_params(b, NULL, 0) == np);
   TRUE(tp_block_params(b, prm, -1) == np);
   TRUE(tp_block_params(NULL, prm, 32) <= 0);
-  tp_block_batch_t bt = {1, M, NULL, NULL, 0, 1};
+  tp_block_batch_t bt = {1, M, NULL, NULL, 0, 1, NULL};
   tp_tensor x = T2(xa, M, C), y = T2(ya, M, C), dx = T2(ga, M, C), dy = T2(ya + 1024, M, C);
   for (int i = 0; i < 64 * 64; i++) xa[i] = (float)((i % 9) - 4) * 0.1f, ya[i] = (float)((i % 5) - 2) * 0.1f;
   BAD(tp_block_backward(b, &dx, &dy, NULL), ANY_ERR, "block backward", "forward");
@@ -430,20 +430,20 @@ void test_block(tp_comm_t comm) {
   }
   BAD(tp_block_backward(b, &dx, &dy, NULL), ANY_ERR, "block backward", "forward");
   /* zero rows */
-  tp_block_batch_t bz = {0, 0, NULL, NULL, 0, 1};
+  tp_block_batch_t bz = {0, 0, NULL, NULL, 0, 1, NULL};
   OK(tp_block_forward(b, P(T2(NULL, 0, C)), P(T2(NULL, 0, C)), &bz, NULL));
   OK(tp_block_backward(b, P(T2(NULL, 0, C)), P(T2(NULL, 0, C)), NULL));
   /* growing and shrinking M */
   static const int64_t Ts[] = {1, 9, 2, 16, 3};
   for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
-    tp_block_batch_t bb = {2, Ts[i], NULL, NULL, 0, 1};
+    tp_block_batch_t bb = {2, Ts[i], NULL, NULL, 0, 1, NULL};
     int64_t m = 2 * Ts[i];
     OK(tp_block_forward(b, P(T2(ya + 2048, m, C)), P(T2(xa, m, C)), &bb, NULL));
     OK(tp_block_backward(b, P(T2(ga, m, C)), P(T2(ya, m, C)), NULL));
     ARG(tp_block_backward(b, P(T2(ga, m + 2, C)), P(T2(ya, m + 2, C)), NULL), "block backward", NULL);
   }
   /* forward without need_backward: backward refused */
-  tp_block_batch_t nb = {1, M, NULL, NULL, 0, 0};
+  tp_block_batch_t nb = {1, M, NULL, NULL, 0, 0, NULL};
   OK(tp_block_forward(b, &y, &x, &nb, NULL));
   BAD(tp_block_backward(b, &dx, &dy, NULL), ANY_ERR, "block backward", NULL);
   OK(tp_block_forward(b, &y, &x, &bt, NULL));
@@ -467,7 +467,7 @@ void test_block(tp_comm_t comm) {
   ARG(tp_block_cache(b, INT_MAX, INT_MAX), "block", NULL); /* 2^62 x nk x D floats */
   ARG(tp_block_cache(NULL, 1, 8), "block", NULL);
   OK(tp_block_cache(b, 2, 8));
-  tp_block_batch_t cb = {2, 3, NULL, NULL, 1, 0};
+  tp_block_batch_t cb = {2, 3, NULL, NULL, 1, 0, NULL};
   int64_t p0[2] = {0, 0};
   cb.pos0 = p0;
   OK(tp_block_forward(b, P(T2(ya, 6, C)), P(T2(xa, 6, C)), &cb, NULL));
@@ -478,7 +478,7 @@ void test_block(tp_comm_t comm) {
   p0[0] = INT64_MAX;
   ARG(tp_block_forward(b, P(T2(ya, 6, C)), P(T2(xa, 6, C)), &cb, NULL), "block forward", "pos0");
   p0[0] = 3;
-  tp_block_batch_t cb3 = {3, 2, NULL, NULL, 1, 0}; /* more sequences than the cache holds */
+  tp_block_batch_t cb3 = {3, 2, NULL, NULL, 1, 0, NULL}; /* more sequences than the cache holds */
   int64_t p3[3] = {0, 0, 0};
   cb3.pos0 = p3;
   ARG(tp_block_forward(b, P(T2(ya, 6, C)), P(T2(xa, 6, C)), &cb3, NULL), "block forward", NULL);

@@ -302,25 +302,33 @@ static void case_positions(void) {
 }
 
 static void case_kv_cache_write(void) {
-  const int64_t cfg[][5] = {{3, 2, 7, 5, 13}, {1, 1, 1, 1, 1}, {2, 3, 9, 0, 4}, {0, 2, 4, 3, 3}, {2, 0, 4, 3, 3}};
+  /* B, T, max_len, width, ld, cache sequences (0: B, no slots; else slots: a permutation's first B) */
+  const int64_t cfg[][6] = {{3, 2, 7, 5, 13, 0}, {1, 1, 1, 1, 1, 0}, {2, 3, 9, 0, 4, 0}, {0, 2, 4, 3, 3, 0},
+                            {2, 0, 4, 3, 3, 0},  {3, 2, 7, 5, 13, 5}, {1, 4, 4, 3, 3, 3}, {4, 1, 6, 7, 9, 4}};
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
-    int64_t B = cfg[c][0], T = cfg[c][1], L = cfg[c][2], W = cfg[c][3], ld = cfg[c][4];
-    int64_t nc = (B ? B : 1) * L * W, nr = B * T * ld;
+    int64_t B = cfg[c][0], T = cfg[c][1], L = cfg[c][2], W = cfg[c][3], ld = cfg[c][4], S = cfg[c][5];
+    int64_t nseq = S ? S : (B ? B : 1), nc = nseq * L * W, nr = B * T * ld;
     float *kc = rnd(nc, -1, 1), *vc = rnd(nc, -1, 1), *k = rnd(nr + W, -1, 1), *v = rnd(nr + W, -1, 1);
-    int64_t *pos0 = hmem((size_t)B * 8 + 8);
+    int64_t *pos0 = hmem((size_t)B * 8 + 8), *slots = S ? hmem((size_t)S * 8) : NULL;
+    for (int64_t i = 0; i < S; i++) slots[i] = i;
+    for (int64_t i = S - 1; i > 0; i--) { /* shuffled: distinct slots in any order */
+      int64_t j = rnd_int(0, (int)i + 1), t = slots[i];
+      slots[i] = slots[j], slots[j] = t;
+    }
     double *rk = dz(nc), *rv = dz(nc);
     for (int64_t i = 0; i < nc; i++) rk[i] = kc[i], rv[i] = vc[i];
     for (int64_t b = 0; b < B; b++) {
+      int64_t sb = slots ? slots[b] : b;
       pos0[b] = rnd_int(0, L - T + 1);
       for (int64_t t = 0; t < T; t++)
         for (int64_t j = 0; j < W; j++) {
-          rk[(b * L + pos0[b] + t) * W + j] = k[(b * T + t) * ld + j];
-          rv[(b * L + pos0[b] + t) * W + j] = v[(b * T + t) * ld + j];
+          rk[(sb * L + pos0[b] + t) * W + j] = k[(b * T + t) * ld + j];
+          rv[(sb * L + pos0[b] + t) * W + j] = v[(b * T + t) * ld + j];
         }
     }
     float *dkc = DPUTF(kc, nc), *dvc = DPUTF(vc, nc);
-    ok("kv_cache_write", K->kv_cache_write(NULL, dkc, dvc, DPUTF(k, nr + W), DPUTF(v, nr + W), ld, DPUTI(pos0, B), B,
-                                            T, L, W));
+    ok("kv_cache_write", K->kv_cache_write(NULL, dkc, dvc, DPUTF(k, nr + W), DPUTF(v, nr + W), ld, DPUTI(pos0, B),
+                                            slots ? DPUTI(slots, B) : NULL, B, T, L, W));
     GETF(kc, dkc, nc);
     GETF(vc, dvc, nc);
     expect("kcache", kc, rk, nc, 0, 0, NULL); /* exact copies, the rest untouched */

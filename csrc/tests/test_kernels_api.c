@@ -216,6 +216,20 @@ static void api_attention_optim(void) {
   b.B = 3, b.kv_bstride = (int64_t)1 << 62;
   err("attention kv_bstride reach", tp_attention_forward(NULL, &b, &tw), TP_ERR_INVALID_ARGUMENT, "attention_forward",
       "reach past 2^63", NULL);
+  int64_t slot[1] = {1}; /* kv_slot: each slot inside kv_batch, forward only, kv_batch >= 1 */
+  b = a;
+  b.kv_slot = slot, b.kv_batch = 1;
+  err("attention kv_slot range", tp_attention_forward(NULL, &b, &tw), TP_ERR_INVALID_ARGUMENT,
+      "attention_forward: args->kv_slot[0] = 1", "kv_batch = 1", NULL);
+  b.kv_batch = 0;
+  err("attention kv_batch", tp_attention_forward(NULL, &b, &tw), TP_ERR_INVALID_ARGUMENT,
+      "attention_forward: args->kv_batch = 0", NULL, NULL);
+  b.kv_batch = 3, b.kv_bstride = (int64_t)1 << 62, b.Tk = 1; /* 3 sequences 2^62 apart reach past 2^63 */
+  err("attention kv_batch reach", tp_attention_forward(NULL, &b, &tw), TP_ERR_INVALID_ARGUMENT, "attention_forward",
+      "reach past 2^63", NULL);
+  b = a, b.kv_slot = slot, b.kv_batch = 2, b.probs = o;
+  err("attention kv_slot backward", tp_attention_backward(NULL, &b, o, o, o, o, &tw), TP_ERR_INVALID_ARGUMENT,
+      "attention_backward: args->kv_slot", "forward", NULL);
   b = a;
   b.device = TP_DEVICE_CUDA;
   if (!tp_device_available(TP_DEVICE_CUDA))

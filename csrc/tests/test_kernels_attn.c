@@ -1,6 +1,7 @@
 /* Parity cases of the attention entries: training layouts (fused QKV rows, padded
  * leading dimensions, key masks, causal, grouped-query heads, a rank's heads starting
- * mid-group) and decoding over a KV cache (q_pos, k_len), against a double reference. */
+ * mid-group) and decoding over a KV cache (q_pos, k_len; kv_slot: rows mapped to cache
+ * sequences), against a double reference. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -9,27 +10,31 @@
 typedef struct {
   int64_t B, Tq, Tk, Hq, Hk, D, group, q_head0, k_head0;
   int causal, mask, decode; /* decode: q_pos/k_len of a cache; mask: a random key mask */
+  int64_t slots;            /* decode: a cache of this many sequences, read through kv_slot (0: B, none) */
 } acfg;
 
 static const acfg AC[] = {
-    {2, 67, 67, 4, 2, 6, 0, 0, 0, 1, 1, 0},  /* causal training over two query blocks, masked keys, GQA */
-    {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0},    /* the smallest */
-    {3, 5, 5, 3, 3, 5, 0, 0, 0, 0, 0, 0},    /* non-causal, MHA */
-    {2, 9, 9, 4, 2, 4, 3, 2, 0, 1, 1, 0},    /* heads 2..5 of 6 in groups of 3: starts mid-group */
-    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1},   /* decode: 2 new tokens per sequence over a cache of 13 */
-    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1},  /* a prefill continuing at position 10 */
-    {0, 4, 4, 2, 2, 2, 0, 0, 0, 1, 0, 0},    /* no sequences */
-    {2, 0, 0, 2, 1, 2, 0, 0, 0, 1, 0, 0},    /* no tokens */
-    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1},  /* decode over a long cache (CUDA: split-K), k_len 600 and 103 */
-    {1, 20, 20, 2, 2, 100, 0, 0, 0, 1, 1, 0}, /* a head size between the fused kernels' templates */
-    {1, 18, 18, 3, 1, 200, 0, 0, 0, 0, 0, 0}, /* a large head size, MQA */
+    {2, 67, 67, 4, 2, 6, 0, 0, 0, 1, 1, 0, 0},  /* causal training over two query blocks, masked keys, GQA */
+    {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0},    /* the smallest */
+    {3, 5, 5, 3, 3, 5, 0, 0, 0, 0, 0, 0, 0},    /* non-causal, MHA */
+    {2, 9, 9, 4, 2, 4, 3, 2, 0, 1, 1, 0, 0},    /* heads 2..5 of 6 in groups of 3: starts mid-group */
+    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0},   /* decode: 2 new tokens per sequence over a cache of 13 */
+    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1, 0},  /* a prefill continuing at position 10 */
+    {0, 4, 4, 2, 2, 2, 0, 0, 0, 1, 0, 0, 0},    /* no sequences */
+    {2, 0, 0, 2, 1, 2, 0, 0, 0, 1, 0, 0, 0},    /* no tokens */
+    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0},  /* decode over a long cache (CUDA: split-K), k_len 600 and 103 */
+    {1, 20, 20, 2, 2, 100, 0, 0, 0, 1, 1, 0, 0}, /* a head size between the fused kernels' templates */
+    {1, 18, 18, 3, 1, 200, 0, 0, 0, 0, 0, 0, 0}, /* a large head size, MQA */
+    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 5},   /* decode through kv_slot: 3 rows over 5 cache sequences */
+    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1, 3},  /* the same over a long cache (CUDA: split-K) */
+    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1, 2},  /* a prefill into one of two cache sequences */
 };
 #define NAC (sizeof AC / sizeof AC[0])
 
 typedef struct { /* host copies of one case's inputs and the args that point at them */
   tp_attention_args a;
   float *qkv, *kc, *vc, *o;
-  int64_t *qpos, *klen;
+  int64_t *qpos, *klen, *slot;
   uint8_t *mask;
   int64_t W, nqkv, nkv, no;
 } ainst;
@@ -60,7 +65,16 @@ static void make(const acfg *c, ainst *x) {
   x->o = rnd(x->no, -1, 1);
   if (c->decode) { /* a cache [B, Tk, Hk D]; sequence b's queries start at q_pos[b] */
     a->kv_ld = c->Hk * c->D, a->kv_bstride = c->Tk * a->kv_ld;
-    x->nkv = c->B * a->kv_bstride + 1;
+    x->nkv = (c->slots ? c->slots : c->B) * a->kv_bstride + 1;
+    if (c->slots) { /* the first B of a shuffled permutation: distinct slots, any order, some unused */
+      x->slot = hmem((size_t)c->slots * 8);
+      for (int64_t i = 0; i < c->slots; i++) x->slot[i] = i;
+      for (int64_t i = c->slots - 1; i > 0; i--) {
+        int64_t j = rnd_int(0, i + 1), t = x->slot[i];
+        x->slot[i] = x->slot[j], x->slot[j] = t;
+      }
+      a->kv_batch = c->slots;
+    }
     x->kc = rnd(x->nkv, -1, 1), x->vc = rnd(x->nkv, -1, 1);
     x->qpos = hmem((size_t)c->B * 8 + 8), x->klen = hmem((size_t)c->B * 8 + 8);
     for (int64_t b = 0; b < c->B; b++) {
@@ -88,6 +102,7 @@ static void to_device(const ainst *x, tp_attention_args *d, float **dqkv, float 
     *dkc = DPUTF(x->kc, x->nkv), *dvc = DPUTF(x->vc, x->nkv);
     d->k = *dkc, d->v = *dvc;
     d->q_pos = DPUTI(x->qpos, x->a.B), d->k_len = DPUTI(x->klen, x->a.B);
+    if (x->slot) d->kv_slot = DPUTI(x->slot, x->a.B);
   } else {
     *dkc = *dvc = NULL;
     d->k = *dqkv + x->a.Hq * x->a.D, d->v = *dqkv + (x->a.Hq + x->a.Hk) * x->a.D;
@@ -101,12 +116,13 @@ static tp_attention_args host_args(const ainst *x) {
   a.q = x->qkv, a.o = x->o;
   a.k = x->kc ? x->kc : x->qkv + a.Hq * a.D;
   a.v = x->vc ? x->vc : x->qkv + (a.Hq + a.Hk) * a.D;
-  a.q_pos = x->qpos, a.k_len = x->klen, a.key_mask = x->mask;
+  a.q_pos = x->qpos, a.k_len = x->klen, a.key_mask = x->mask, a.kv_slot = x->slot;
   return a;
 }
 
 #define QAT(a, b, i, h) ((a)->q + ((b) * (a)->Tq + (i)) * (a)->q_ld + (h) * (a)->D)
-#define KAT(a, p, b, j, g) ((p) + (b) * (a)->kv_bstride + (j) * (a)->kv_ld + (g) * (a)->D)
+#define KAT(a, p, b, j, g) \
+  ((p) + ((a)->kv_slot ? (a)->kv_slot[b] : (b)) * (a)->kv_bstride + (j) * (a)->kv_ld + (g) * (a)->D)
 
 /* P [B, Hq, Tq, Tk] and O (layout of o, other elements as in o) in double; mo: O's tolerance
  * scale; L [B, Hq, Tq] the log-sum-exp of each row's scaled scores (-inf: no visible key). */

@@ -222,7 +222,7 @@ static int run_block(int n, int r, const char *job) {
   enum { NX = BB * BT * BC };
   float x[NX], y[NX], dy[NX], dx[NX], xs[BB * BC], ys[BB * BC];
   for (int i = 0; i < NX; i++) x[i] = (float)sin(0.37 * i), dy[i] = (float)cos(0.11 * i);
-  tp_block_batch_t bt = {BB, BT, NULL, NULL, 0, 1};
+  tp_block_batch_t bt = {BB, BT, NULL, NULL, 0, 1, NULL};
   int bad = tp_block_forward(blk, F2(y, BB * BT, BC), F2(x, BB * BT, BC), &bt, NULL) != TP_SUCCESS ||
             tp_block_backward(blk, F2(dx, BB * BT, BC), F2(dy, BB * BT, BC), NULL) != TP_SUCCESS;
   bad += tp_block_backward(blk, F2(dx, 1, BC), F2(dy, 1, BC), NULL) != TP_ERR_INVALID_ARGUMENT; /* rows must match */
@@ -237,12 +237,25 @@ static int run_block(int n, int r, const char *job) {
         else xs[b * BC + c] = v;
       }
   float yp[BB * (BT - 1) * BC];
-  tp_block_batch_t pre = {BB, BT - 1, NULL, NULL, 1, 0}, dec = {BB, 1, pos, NULL, 1, 0};
+  tp_block_batch_t pre = {BB, BT - 1, NULL, NULL, 1, 0, NULL}, dec = {BB, 1, pos, NULL, 1, 0, NULL};
   bad += tp_block_cache(blk, BB, BT + 2) != TP_SUCCESS ||
          tp_block_forward(blk, F2(yp, BB * (BT - 1), BC), F2(xp, BB * (BT - 1), BC), &pre, NULL) != TP_SUCCESS ||
          tp_block_forward(blk, F2(ys, BB, BC), F2(xs, BB, BC), &dec, NULL) != TP_SUCCESS;
   for (int b = 0; b < BB; b++) /* the decoded last token equals the full forward's */
     for (int c = 0; c < BC; c++) bad += fabsf(ys[b * BC + c] - y[(b * BT + BT - 1) * BC + c]) > 1e-5f;
+  /* the same through cache slots: sequence b prefilled into slot sl[b] of a cache of BB + 2 sequences
+   * (the others hold stale tokens), then decoded with the rows in the other order, the slots following */
+  int64_t sl[BB] = {3, 0}, slr[BB] = {0, 3};
+  float xsr[BB * BC], ysr[BB * BC];
+  for (int b = 0; b < BB; b++)
+    for (int c = 0; c < BC; c++) xsr[b * BC + c] = xs[(BB - 1 - b) * BC + c];
+  tp_block_batch_t pres = {BB, BT - 1, NULL, NULL, 1, 0, sl}, decs = {BB, 1, pos, NULL, 1, 0, slr};
+  bad += tp_block_cache(blk, BB + 2, BT + 2) != TP_SUCCESS ||
+         tp_block_forward(blk, F2(yp, BB * (BT - 1), BC), F2(xp, BB * (BT - 1), BC), &pre, NULL) != TP_SUCCESS ||
+         tp_block_forward(blk, F2(yp, BB * (BT - 1), BC), F2(xp, BB * (BT - 1), BC), &pres, NULL) != TP_SUCCESS ||
+         tp_block_forward(blk, F2(ysr, BB, BC), F2(xsr, BB, BC), &decs, NULL) != TP_SUCCESS;
+  for (int b = 0; b < BB; b++)
+    for (int c = 0; c < BC; c++) bad += fabsf(ysr[b * BC + c] - y[((BB - 1 - b) * BT + BT - 1) * BC + c]) > 1e-5f;
   bad += check_mode(comm, n);
   if (bad) fprintf(stderr, "block rank %d of %d: %s\n", r, n, tp_last_error());
   if (r == 0) {
@@ -313,7 +326,7 @@ static int run_sizes(int n, int r, const char *job) {
   float x[2 * 3 * 8], y[2 * 3 * 8];
   for (int i = 0; i < 2 * 3 * 8; i++) x[i] = (float)sin(0.3 * i);
   int64_t pos[2] = {big - 1, 0};
-  tp_block_batch_t bt = {2, 2, pos, NULL, 1, 0};
+  tp_block_batch_t bt = {2, 2, pos, NULL, 1, 0, NULL};
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "pos0");
   pos[0] = -3;
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, ">= 0");
@@ -321,13 +334,27 @@ static int run_sizes(int n, int r, const char *job) {
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "past the KV cache");
   pos[0] = 6, pos[1] = 6; /* the last two slots */
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_SUCCESS, "");
-  tp_block_batch_t nc = {1, 3, pos, NULL, 0, 0};
+  /* cache slots: inside the cache's 2 sequences, none twice, only with the cache */
+  int64_t slots[2] = {1, 2};
+  pos[0] = pos[1] = 0, bt.slots = slots;
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "slots[1] = 2");
+  slots[1] = INT64_MIN;
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "outside");
+  slots[1] = 1;
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT,
+         "slots[0] and slots[1] are both 1");
+  slots[0] = 1, slots[1] = 0;
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_SUCCESS, "");
+  bt.use_cache = 0;
+  EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "need use_cache");
+  bt.use_cache = 1, bt.slots = NULL;
+  tp_block_batch_t nc = {1, 3, pos, NULL, 0, 0, NULL};
   pos[0] = big - 2;
   EXPECT(tp_block_forward(blk, F2(y, 3, 8), F2(x, 3, 8), &nc, NULL), TP_ERR_INVALID_ARGUMENT, "pos0");
-  tp_block_batch_t many = {1, 1 << 20, NULL, NULL, 0, 1}; /* probabilities of 2^20 x 2^20 x 2 heads */
+  tp_block_batch_t many = {1, 1 << 20, NULL, NULL, 0, 1, NULL}; /* probabilities of 2^20 x 2^20 x 2 heads */
   EXPECT(tp_block_forward(blk, F2(y, 1 << 20, 8), F2(x, 1 << 20, 8), &many, NULL), TP_ERR_INVALID_ARGUMENT,
          "B x heads x T x T");
-  tp_block_batch_t rows = {(int64_t)1 << 32, (int64_t)1 << 32, NULL, NULL, 0, 0};
+  tp_block_batch_t rows = {(int64_t)1 << 32, (int64_t)1 << 32, NULL, NULL, 0, 0, NULL};
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &rows, NULL), TP_ERR_INVALID_ARGUMENT, "out of range");
   /* the tensors: rows, columns, dtype, device and layout are checked, naming the argument */
   bt.pos0 = NULL, bt.use_cache = 0;
@@ -341,7 +368,8 @@ static int run_sizes(int n, int r, const char *job) {
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), &xt, &bt, NULL), TP_ERR_INVALID_ARGUMENT, "contiguous");
   EXPECT(tp_block_forward(blk, NULL, F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "NULL argument");
   /* empty batches: empty in, empty out, NULL data included (the collectives still run) */
-  tp_block_batch_t e1 = {0, 3, NULL, NULL, 0, 1}, e2 = {2, 0, NULL, NULL, 0, 1}, e3 = {0, 0, NULL, NULL, 1, 0};
+  tp_block_batch_t e1 = {0, 3, NULL, NULL, 0, 1, NULL}, e2 = {2, 0, NULL, NULL, 0, 1, NULL};
+  tp_block_batch_t e3 = {0, 0, NULL, NULL, 1, 0, NULL};
   EXPECT(tp_block_forward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), &e1, NULL), TP_SUCCESS, "");
   EXPECT(tp_block_backward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), NULL), TP_SUCCESS, "");
   EXPECT(tp_block_forward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), &e2, NULL), TP_SUCCESS, "");

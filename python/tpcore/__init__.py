@@ -42,6 +42,7 @@ from . import models
 from .spawn import RankExitedError, spawn
 from .grid import ProcessGrid, average_gradients
 from .pipeline import PipelineLM, stage_partition
+from .serve import Engine
 from .store import Store
 from ._array import DeviceArray, from_dlpack
 from ._array import asarray_device as asarray
@@ -58,7 +59,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
            "DeviceArray", "asarray", "from_dlpack", "convert", "ProcessGrid", "average_gradients", "PipelineLM", "stage_partition",
-           "Store", "__version__"]
+           "Store", "Engine", "__version__"]
 __all__ += ["set_throttle", "get_throttle", "plan_partition", "plan_from_measurements", "Plan", "PlanError"]
 
 _BACKENDS = ("auto", "shm", "nccl", "mpi")

@@ -236,6 +236,10 @@ class TransformerLM:
     def _inputs(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who):
         """The forward's arguments checked and converted: tokens (B, T) int64 in the vocabulary,
         pos0 (B,) or None, positions (B, T), the mask (B, T) uint8 or None, token types or None."""
+        return self._inputs_slots(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who)[:5]
+
+    def _inputs_slots(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who, slots=None):
+        """_inputs and the KV-cache slots (B,) or None, checked against the cache, as a sixth value."""
         cfg = self.config
         tokens = int_array(tokens, who, "tokens")
         if tokens.ndim != 2:
@@ -263,43 +267,51 @@ class TransformerLM:
             if tt.shape != (B, T):
                 raise ValueError(f"{who}: token_type_ids must have shape (B, T) = {(B, T)}, got {tt.shape}")
             _check_vocab(tt, cfg.type_vocab_size, who, "token_type_ids", "type_vocab_size")
+        sl = None
+        if slots is not None:
+            blk0 = self.blocks[0]
+            sl = blk0._slots(slots, B, use_cache, who)
         if use_cache:
-            self.blocks[0]._check_cache(np.zeros(B, np.int64) if p0 is None else p0, B, T, who)
-        return tokens, p0, pos, mask, tt
+            self.blocks[0]._check_cache(np.zeros(B, np.int64) if p0 is None else p0, B, T, who, sl)
+        return tokens, p0, pos, mask, tt, sl
 
     def forward(self, tokens, pos0=None, attention_mask=None, token_type_ids=None, use_cache: bool = False,
-                need_backward: bool = False, _agreed: bool = False) -> np.ndarray:
+                need_backward: bool = False, _agreed: bool = False, slots=None) -> np.ndarray:
         """Hidden states (B, T, hidden) after the last block (and the final norm), a NumPy array
-        (a GPU model's come back to the host).  With pos0 or use_cache (decoding), the ranks check
-        that they passed the same tokens, pos0, mask and use_cache (one small all-gather per call;
+        (a GPU model's come back to the host).  slots (B,) with use_cache: the KV-cache sequence of
+        each batch row (None: row b uses sequence b), distinct, in [0, cache batch) (tpcore.serve's
+        continuous batching).  With pos0, slots or use_cache (decoding), the ranks check that they
+        passed the same tokens, pos0, slots, mask and use_cache (one small all-gather per call;
         ValueError on every rank if not)."""
-        h = self._forward(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, _agreed)
+        h = self._forward(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, _agreed, slots)
         return h.to_numpy() if isinstance(h, DeviceArray) else h
 
     def _forward(self, tokens, pos0=None, attention_mask=None, token_type_ids=None, use_cache: bool = False,
-                 need_backward: bool = False, _agreed: bool = False):
+                 need_backward: bool = False, _agreed: bool = False, slots=None):
         """forward, the hidden states left where they are (a DeviceArray on a GPU model)."""
         who = "TransformerLM"
         cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused)
-        tokens, p0, pos, mask, tt = agreed(
-            self.comm, f"{who}.forward", (pos0 is not None or cached) and not _agreed,
-            lambda: self._inputs(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who),
+        tokens, p0, pos, mask, tt, sl = agreed(
+            self.comm, f"{who}.forward", (pos0 is not None or slots is not None or cached) and not _agreed,
+            lambda: self._inputs_slots(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who,
+                                       slots),
             lambda v: [("the batch shape (B, T) differs", v[0].shape), ("pos0 differs", (v[1],)),
                        ("the tokens differ", (v[0],)), ("attention_mask differs", (v[3],)),
-                       ("use_cache differs", (bool(use_cache),))])
-        return self._stage_forward(tokens, p0, pos, mask, tt, use_cache, need_backward)
+                       ("slots differ", (v[5],)), ("use_cache differs", (bool(use_cache),))])
+        return self._stage_forward(tokens, p0, pos, mask, tt, use_cache, need_backward, slots=sl)
 
-    def _stage_forward(self, x, p0, pos, mask, tt, use_cache, need_backward):
+    def _stage_forward(self, x, p0, pos, mask, tt, use_cache, need_backward, slots=None):
         """The forward of what this model holds, its arguments checked (and agreed) by the caller:
         x is the tokens (B, T) on the first stage (a whole model is one), the hidden states
-        (B, T, hidden) on a later pipeline stage; p0 (B,) or None, pos (B, T) the positions.
+        (B, T, hidden) on a later pipeline stage; p0 (B,) or None, pos (B, T) the positions;
+        slots (B,) or None the KV-cache sequence of each row.
         Returns the hidden states after its blocks (and the final norm on the last stage)."""
         B, T = x.shape[:2]
         h = self._layer_in(self._embed(x, pos, tt)) if self._first else x
         bp0 = p0 if p0 is not None else (np.zeros(B, np.int64) if use_cache else None)
         for blk in self.blocks:
             h = blk.forward(h, pos0=bp0, key_mask=mask, use_cache=use_cache, need_backward=need_backward,
-                            _agreed=True)
+                            _agreed=True, slots=slots)
         C = self.config.hidden
         if self.final_norm is not None:
             h2 = self._dev(h, (B * T, C)) if self._kdev is not None else h.reshape(B * T, C)

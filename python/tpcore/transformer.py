@@ -392,20 +392,23 @@ class TransformerBlock:
         self._cache_len = max_len
 
     def forward(self, x: np.ndarray, pos0=None, key_mask=None, use_cache: bool = False,
-                need_backward: bool = True, _agreed: bool = False) -> np.ndarray:
+                need_backward: bool = True, _agreed: bool = False, slots=None) -> np.ndarray:
         """y (B, T, hidden) from x (B, T, hidden); pos0[B] the position of each sequence's first
-        token (decoding), key_mask (B, T) of tokens to attend to (padding).  With pos0 or
-        use_cache, the ranks check that they passed the same pos0, B, T and use_cache (one small
-        all-gather; a mismatch raises ValueError on every rank)."""
+        token (decoding), key_mask (B, T) of tokens to attend to (padding).  slots[B] (with
+        use_cache): the KV-cache sequence of each batch row (None: row b uses sequence b), each
+        in [0, cache batch) and none twice: continuous batching keeps a pool of cache sequences
+        for requests that come and go (tpcore.serve).  With pos0, slots or use_cache, the ranks
+        check that they passed the same pos0, slots, B, T and use_cache (one small all-gather; a
+        mismatch raises ValueError on every rank)."""
         if _agreed:  # from TransformerLM.forward, which checked every argument and that the ranks agree
             dt = None
             if self.device[0] != "cpu":
                 x, dt = self._device_x(x, "x", type(self).__name__)
             B, T, C = x.shape
             y = self._c.forward(x.reshape((B * T, C)), B, T, pos0=pos0, key_mask=None if key_mask is None else
-                                key_mask.reshape(-1), use_cache=use_cache, need_backward=need_backward)
+                                key_mask.reshape(-1), use_cache=use_cache, need_backward=need_backward, slots=slots)
             if use_cache:
-                self._filled[:B] = T if pos0 is None else pos0 + T
+                self._filled[slice(None, B) if slots is None else slots] = T if pos0 is None else pos0 + T
             return dev_back(y, dt).reshape((B, T, C))
         who = type(self).__name__
         gpu = self.device[0] != "cpu"
@@ -424,19 +427,27 @@ class TransformerBlock:
             bool_arg(need_backward, who, "need_backward")
             p = None if pos0 is None else positions(pos0, B, who)
             m = None if key_mask is None else mask_array(key_mask, B, T, who, "key_mask").reshape(-1)
+            sl = None if slots is None else self._slots(slots, B, use_cache, who)
             if use_cache:
-                self._check_cache(p, B, T, who)
-            return x32, p, m
+                self._check_cache(p, B, T, who, sl)
+            return x32, p, m, sl
 
-        x32, p, m = agreed(self.comm, f"{who}.forward", pos0 is not None or cached, inputs,
-                           lambda v: [("the batch shape (B, T) differs", v[0].shape[:2]), ("pos0 differs", (v[1],)),
-                                      ("key_mask differs", (v[2],)), ("use_cache differs", (bool(use_cache),))])
+        x32, p, m, sl = agreed(self.comm, f"{who}.forward", pos0 is not None or slots is not None or cached, inputs,
+                               lambda v: [("the batch shape (B, T) differs", v[0].shape[:2]),
+                                          ("pos0 differs", (v[1],)), ("key_mask differs", (v[2],)),
+                                          ("slots differ", (v[3],)), ("use_cache differs", (bool(use_cache),))])
         B, T, C = x32.shape
         y = self._c.forward(x32.reshape((B * T, C)), B, T, pos0=p, key_mask=m, use_cache=use_cache,
-                            need_backward=need_backward)
+                            need_backward=need_backward, slots=sl)
         if use_cache:
-            self._filled[:B] = T if p is None else p + T
+            self._filled[slice(None, B) if sl is None else sl] = T if p is None else p + T
         return dev_back(y, io_dt[0]).reshape((B, T, C))
+
+    def _slots(self, slots, B, use_cache, who):
+        """slots as B distinct int64 cache sequences in [0, cache batch) (a ValueError naming the
+        first bad one otherwise)."""
+        return slot_array(slots, B, None if getattr(self, "_filled", None) is None else self._filled.size,
+                          use_cache, who)
 
     def _device_x(self, x, name: str, who: str):
         """A GPU block's activation: a float32, bfloat16 or float16 DLPack tensor on its device (a
@@ -454,7 +465,7 @@ class TransformerBlock:
                             f"got {xa.dtype}")
         return dev_f32(xa)
 
-    def _check_cache(self, p, B, T, who):
+    def _check_cache(self, p, B, T, who, slots=None):
         filled = getattr(self, "_filled", None)
         if filled is None:
             raise ValueError(f"{who}: use_cache=True needs a KV cache: call cache(batch, max_len) first")
@@ -462,11 +473,12 @@ class TransformerBlock:
             return
         if B > filled.size or minmax(p)[1] + T > self._cache_len:
             return  # the C layer names the cache's batch or length
-        pl, fl = p.tolist(), filled[:B].tolist()
+        seq = list(range(B)) if slots is None else slots.tolist()
+        pl, fl = p.tolist(), filled[seq].tolist()
         for b in range(B):
             if pl[b] > fl[b]:
-                raise ValueError(f"{who}: pos0[{b}] = {pl[b]} skips past the {fl[b]} tokens cached for sequence {b}; "
-                                 f"a cached forward continues a sequence (pos0 <= its cached length)")
+                raise ValueError(f"{who}: pos0[{b}] = {pl[b]} skips past the {fl[b]} tokens cached for sequence "
+                                 f"{seq[b]}; a cached forward continues a sequence (pos0 <= its cached length)")
 
     __call__ = forward
 
@@ -499,6 +511,34 @@ def positions(pos0, B: int, who: str) -> np.ndarray:
     if B and minmax(p)[0] < 0:
         raise ValueError(f"{who}: pos0 must be >= 0, got {int(p.min())} (sequence {int(np.argmin(p))})")
     return p
+
+
+def slot_array(slots, B: int, cache_batch: Optional[int], use_cache, who: str) -> np.ndarray:
+    """slots as B distinct int64 KV-cache sequences in [0, cache_batch) (None: no cache yet), for a
+    forward with use_cache; a ValueError / TypeError naming the first bad entry otherwise."""
+    if use_cache is not True and not (isinstance(use_cache, np.bool_) and use_cache):
+        raise ValueError(f"{who}: slots map batch rows to KV-cache sequences: they need use_cache=True")
+    if cache_batch is None:
+        raise ValueError(f"{who}: slots need a KV cache: call cache(batch, max_len) first")
+    s = int_array(slots, who, "slots")
+    if s.shape != (B,):
+        raise ValueError(f"{who}: slots must have one cache sequence per batch row, shape ({B},), got shape "
+                         f"{s.shape}")
+    if not B:
+        return s
+    lo, hi = minmax(s)
+    if lo < 0 or hi >= cache_batch:
+        b = int(np.argmax((s < 0) | (s >= cache_batch)))
+        raise ValueError(f"{who}: slots[{b}] = {int(s[b])} is outside the KV cache's {cache_batch} sequences "
+                         f"[0, {cache_batch})")
+    if len(set(s.tolist())) != B:
+        first = {}
+        for b, v in enumerate(s.tolist()):
+            if v in first:
+                raise ValueError(f"{who}: slots[{first[v]}] and slots[{b}] are both {v}: two batch rows would "
+                                 f"write one KV-cache sequence")
+            first[v] = b
+    return s
 
 
 def mask_array(mask, B: int, T: int, who: str, name: str) -> np.ndarray:

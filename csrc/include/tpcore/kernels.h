@@ -41,10 +41,12 @@ typedef enum {
 } tp_activation_t;
 
 /* Attention on a rank's heads (cpu/attention.c has the formulas).  Rows of q and o are
- * b * Tq + i; keys/values of sequence b start at k/v + b * kv_bstride, one row per key.
- * Pointers are memory of `device`.  Decoding is tp_attention_forward with k, v the KV
- * cache (kv_bstride = max_len x row), q_pos the position of each sequence's first new
- * query and k_len = q_pos + Tq. */
+ * b * Tq + i; keys/values of sequence b start at k/v + b * kv_bstride, one row per key
+ * (with kv_slot: at k/v + kv_slot[b] * kv_bstride).  Pointers are memory of `device`.
+ * Decoding is tp_attention_forward with k, v the KV cache (kv_bstride = max_len x row),
+ * q_pos the position of each sequence's first new query and k_len = q_pos + Tq; a cache
+ * shared by a changing set of requests (continuous batching) maps query sequence b to
+ * its cache sequence with kv_slot. */
 typedef struct {
   int64_t B, Tq, Tk, Hq, Hk, D;  /* sequences, queries and keys per sequence, heads, head size */
   const float *q;                /* query head h of row r at q + r * q_ld + h * D      */
@@ -73,6 +75,12 @@ typedef struct {
   int64_t group, q_head0, k_head0;
   tp_device_t device;            /* where every pointer above lives (0: the CPU)          */
   int device_id;
+  /* [B] the KV sequence query sequence b reads (memory of `device`, like q_pos; NULL: b):
+   * its keys/values at k/v + kv_slot[b] * kv_bstride, each slot in [0, kv_batch) (checked
+   * on the host for the CPU; a CUDA kernel gives a row with an out-of-range slot no keys).
+   * Forward only: backward refuses it. */
+  const int64_t *kv_slot;
+  int64_t kv_batch;              /* sequences k/v hold when kv_slot is set (>= 1)          */
 } tp_attention_args;
 
 /* ------------------------------------------------------------------ linear */

@@ -250,7 +250,15 @@ typedef struct {
   const uint8_t *key_mask;         /* [B, T] 1 = a token to attend to (NULL: all); no cache   */
   int use_cache;                   /* K/V go to the cache at pos0[b] + t, attention over it  */
   int need_backward;               /* keep what backward needs                               */
+  /* [B] the KV-cache sequence of each batch row (NULL: row b uses cache sequence b): with
+   * use_cache, row b writes and reads cache sequence slots[b] at pos0[b]; each slot in
+   * [0, cache batch), none twice in one forward (continuous batching: a fixed pool of cache
+   * sequences shared by the requests that come and go, python/tpcore/serve.py) */
+  const int64_t *slots;
 } tp_block_batch_t;
+
+/* {B, T, pos0, key_mask, use_cache, need_backward, slots} */
+#define TP_BLOCK_BATCH_INITIALIZER { 0, 0, NULL, NULL, 0, 0, NULL }
 
 typedef struct {
   const char *name;                /* "norm1.weight", "attn.qkv.weight", "mlp.fc1.bias", ...  */

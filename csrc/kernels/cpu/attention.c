@@ -98,7 +98,8 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
     int64_t b = it / a->Hk, g = it % a->Hk, h0, h1;
     heads_of(a, g, &h0, &h1);
     const uint8_t *keep = a->key_mask ? a->key_mask + b * Tk : NULL;
-    const float *K = a->k + b * a->kv_bstride + g * D, *V = a->v + b * a->kv_bstride + g * D;
+    const int64_t kb = a->kv_slot ? a->kv_slot[b] : b; /* the KV sequence (slot) of sequence b */
+    const float *K = a->k + kb * a->kv_bstride + g * D, *V = a->v + kb * a->kv_bstride + g * D;
     for (int64_t h = h0; h < h1; h++) {
       float *S = a->probs ? a->probs + (b * a->Hq + h) * Tq * Tk : NULL;
       const float *Q = a->q + b * Tq * a->q_ld + h * D;

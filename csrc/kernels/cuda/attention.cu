@@ -84,7 +84,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(tp_attention_args a, int6
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, split = blockIdx.y;
   const int64_t i0 = tile * kBQ, Tq = a.Tq;
   const int64_t nrows = Tq - i0 < kBQ ? Tq - i0 : kBQ;
-  const int64_t kmax = key_limit(a, b, i0 + nrows - 1); /* the last row sees the most keys */
+  const int64_t kseq = kv_seq(a, b); /* the KV sequence (slot) of sequence b; -1: none, no keys */
+  const int64_t kmax = kseq < 0 ? 0 : key_limit(a, b, i0 + nrows - 1); /* the last row sees the most keys */
   const int64_t kbeg = (int64_t)split * chunk;
   const int64_t kend = kbeg + chunk < kmax ? kbeg + chunk : kmax;
 
@@ -97,12 +98,13 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(tp_attention_args a, int6
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; r++) {
     int64_t i = i0 + warp * kRowsPerWarp + r;
-    lim[r] = i < Tq ? key_limit(a, b, i) : 0;
+    lim[r] = i < Tq && kseq >= 0 ? key_limit(a, b, i) : 0;
     m[r] = -INFINITY, l[r] = 0.0f;
 #pragma unroll
     for (int n = 0; n < NV; n++) acc[r][n] = 0.0f;
   }
-  const float *Kb = a.k + b * a.kv_bstride + g * a.D, *Vb = a.v + b * a.kv_bstride + g * a.D;
+  const int64_t kb = kseq < 0 ? 0 : kseq;
+  const float *Kb = a.k + kb * a.kv_bstride + g * a.D, *Vb = a.v + kb * a.kv_bstride + g * a.D;
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBK) {
     __syncthreads(); /* the previous tile is consumed (the first time: Qs is written) */
     for (int e = threadIdx.x; e < kBK * D; e += kThreads) {
@@ -214,8 +216,9 @@ __global__ void __launch_bounds__(kThreads) probs_kernel(tp_attention_args a, co
   for (int64_t d = threadIdx.x; d < a.D; d += kThreads) qs[d] = a.q[(b * a.Tq + i) * a.q_ld + h * a.D + d];
   __syncthreads();
   const float L = lse[row];
-  const int64_t lim = key_limit(a, b, i);
-  const float *Kb = a.k + b * a.kv_bstride + g * a.D;
+  const int64_t kseq = kv_seq(a, b);
+  const int64_t lim = kseq < 0 ? 0 : key_limit(a, b, i);
+  const float *Kb = a.k + (kseq < 0 ? 0 : kseq) * a.kv_bstride + g * a.D;
   float *prow = a.probs + row * a.Tk;
   for (int64_t j = threadIdx.x; j < a.Tk; j += kThreads) {
     float p = 0.0f;
@@ -294,11 +297,11 @@ extern "C" tp_status_t tp_cuda_attention_forward(tp_stream_t s, const tp_attenti
 namespace {
 
 __global__ void kv_write_kernel(float *kc, float *vc, const float *k, const float *v, int64_t ld, const int64_t *pos0,
-                                int64_t B, int64_t T, int64_t max_len, int64_t width) {
+                                const int64_t *slots, int64_t B, int64_t T, int64_t max_len, int64_t width) {
   const int64_t n = B * T * width;
   for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t c = e % width, bt = e / width, t = bt % T, b = bt / T;
-    const int64_t dst = (b * max_len + pos0[b] + t) * width + c, src = (b * T + t) * ld + c;
+    const int64_t c = e % width, bt = e / width, t = bt % T, b = bt / T, sb = slots ? slots[b] : b;
+    const int64_t dst = (sb * max_len + pos0[b] + t) * width + c, src = (b * T + t) * ld + c;
     kc[dst] = k[src];
     vc[dst] = v[src];
   }
@@ -319,13 +322,15 @@ __global__ void positions_kernel(int64_t *pos, int64_t *klen, const int64_t *pos
 }  // namespace
 
 extern "C" tp_status_t tp_cuda_kv_cache_write(tp_stream_t s, float *kcache, float *vcache, const float *k,
-                                              const float *v, int64_t ld, const int64_t *pos0, int64_t B, int64_t T,
-                                              int64_t max_len, int64_t width) {
+                                              const float *v, int64_t ld, const int64_t *pos0,
+                                              const int64_t *slots, int64_t B, int64_t T, int64_t max_len,
+                                              int64_t width) {
   if (B <= 0 || T <= 0 || width <= 0) return TP_SUCCESS;
   int64_t n;
   if (!tp_mul_count(B, T, &n) || !tp_mul_count(n, width, &n))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda kv_cache_write: B x T x width overflows");
-  kv_write_kernel<<<grid_for(n, 256), 256, 0, (cudaStream_t)s>>>(kcache, vcache, k, v, ld, pos0, B, T, max_len, width);
+  kv_write_kernel<<<grid_for(n, 256), 256, 0, (cudaStream_t)s>>>(kcache, vcache, k, v, ld, pos0, slots, B, T, max_len,
+                                                                   width);
   return launch_check("kv_cache_write", "kv_write_kernel launch");
 }
 

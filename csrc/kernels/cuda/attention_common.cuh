@@ -2,7 +2,8 @@
  * positions; attention_bwd.cu: backward).  Layouts and semantics are the CPU's
  * (cpu/attention.c, tp_attention_args in tpcore/kernels.h):
  *   query row i of sequence b, head h:  q + (b Tq + i) q_ld + h D      (o, dq alike)
- *   key j of sequence b, KV head g:     k + b kv_bstride + j kv_ld + g D (v, dk, dv alike)
+ *   key j of sequence b, KV head g:     k + b kv_bstride + j kv_ld + g D (v, dk, dv alike);
+ *                                       forward with kv_slot: k + kv_slot[b] kv_bstride + ...
  *   key j visible to query i:  j < min(k_len[b], Tk), key_mask[b Tk + j] != 0, and with
  *                              causal j <= q_pos[b] + i
  *   lse[(b Hq + h) Tq + i] = max + log(sum exp(s - max)) over the visible scaled scores,
@@ -46,6 +47,14 @@ __host__ __device__ inline int smem_ld(int64_t D) { return (int)(D + 1 + (D & 1)
  * then writes nothing for that head, and neither do these kernels). */
 __device__ __forceinline__ int64_t kv_head(const tp_attention_args &a, int64_t h) {
   return a.group ? (a.q_head0 + h) / a.group - a.k_head0 : h / (a.Hq / a.Hk);
+}
+
+/* The KV sequence that query sequence b reads: kv_slot[b] (NULL: b); -1 for a slot outside
+ * [0, kv_batch) (the CPU entry refuses those on the host; here such a row sees no key). */
+__device__ __forceinline__ int64_t kv_seq(const tp_attention_args &a, int64_t b) {
+  if (!a.kv_slot) return b;
+  const int64_t s = a.kv_slot[b];
+  return s >= 0 && s < a.kv_batch ? s : -1;
 }
 
 /* Keys [0, limit) query i of sequence b may see (before the key mask). */

@@ -7,6 +7,7 @@
     python -m tpcore.bench parallelism [options]    one model trained as data, tensor and pipeline parallel
     python -m tpcore.bench hetero [options]         one rank throttled: equal vs speed-planned shards
     python -m tpcore.bench report [options]         the 1-vs-N report: speed, memory, collectives, serving
+    python -m tpcore.bench serve [options]          continuous batching at concurrency 1, 4, 16 per world size
 
 `python -m tpcore.bench --help` lists the subcommands; each has its own
 --help.  Optional extras: matplotlib for --plot (pip install 'tpcore[bench]'),
@@ -24,4 +25,5 @@ SUBCOMMANDS = {
     "parallelism": "parallelism",
     "hetero": "hetero",
     "report": "report",
+    "serve": "serve",
 }
