@@ -82,8 +82,8 @@ def test_advice_follows_the_measurements():
 
 def test_report_quick_end_to_end(tmp_path):
     out = tmp_path / "rep"
-    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "report", "--quick", "--no-progress", "--out",
-                        str(out), "--json"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "report", "--quick", "--hetero", "--no-progress",
+                        "--out", str(out), "--json"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     md = (out / "report.md").read_text()
     for section in ("## The host's own limits", "## Speed at each world size", "## Memory per rank",
@@ -106,6 +106,24 @@ def test_report_quick_end_to_end(tmp_path):
     kv_total = 2 * L * data["batch"] * (data["prompt"] + data["new"]) * cfg["kv_heads"] * cfg["head_dim"] * 4
     assert one["kv_bytes"] == [kv_total] and two["kv_bytes"] == [kv_total // 2] * 2
     assert data["advice"] and all(any(ch.isdigit() for ch in line) for line in data["advice"])
+    # serving: every concurrency level at every world size, the tokens checked against generate
+    for row in (one, two):
+        assert sorted(int(c) for c in row["serve"]) == data["concurrency"] == [1, 4]
+        for c, s in row["serve"].items():
+            assert s["same_as_generate"] and s["throughput_tok_s"] > 0 and s["generated_tokens"] > 0
+            assert s["requests"] == max(4, 2 * int(c)) and s["peak_running"] <= int(c)
+            assert 0 < s["latency_p50_s"] <= s["latency_p99_s"] and 0 < s["ttft_p50_s"] <= s["ttft_p99_s"]
+    # the mismatched-devices section: equal vs planned shards at worlds 2 and 3
+    het = data["hetero"]
+    assert {(x["case"], x["world"]) for x in het["rows"]} == {(c, w) for c in ("mlp", "prefill", "decode")
+                                                               for w in (2, 3)}
+    assert "## Mismatched devices" in md and "## Concurrent requests" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert {p.name for p in out.glob("*.png")} >= {"speed.png", "memory.png", "decode_breakdown.png",
+                                                   "serving.png", "hetero.png"}
 
 
 def test_report_from_a_checkpoint(tmp_path):

@@ -491,7 +491,7 @@ def advice(data: dict) -> List[str]:
     for r in rows[1:]:
         per = _decode_comm_share(r)
         tot = per.get("total", 0.0)
-        step = r["p50_s"]
+        step = r["decode_s"] / max(len(r["steps_s"]), 1)  # the mean step, as the collectives' seconds are
         if not step or step != step:
             continue
         share = tot / step
@@ -566,9 +566,12 @@ def advice(data: dict) -> List[str]:
         out.append(f"at concurrency {top} the most throughput comes from TP={bs['n']} "
                    f"({bs['serve'][top]['throughput_tok_s']:.1f} tok/s over all requests).")
     het = data.get("hetero")
-    if het:
-        from . import hetero as hetero_bench
-        out.extend(hetero_bench.notes(het))
+    if het:  # its own section has the per-case notes; here the one line that decides
+        rows_h = [x for x in het.get("rows", []) if x.get("equal_ms") and x.get("planned_ms")]
+        for w in sorted({x["world"] for x in rows_h}):
+            g = [x["equal_ms"] / x["planned_ms"] for x in rows_h if x["world"] == w]
+            out.append(f"with one rank {het.get('factor', 2.0):g}x slower at world {w}, speed-planned shards ran "
+                       f"{min(g):.2f}-{max(g):.2f}x as fast as equal shards (tpcore.plan_partition).")
     return out
 
 
@@ -626,7 +629,7 @@ def markdown(data: dict, plots: List[str]) -> str:
         steps = max(len(r["steps_s"]), 1)
         for phase in ("decode", "prefill"):
             d = r[f"comm_{phase}"]
-            span = r["p50_s"] * steps if phase == "decode" else r["prefill_s"]
+            span = r["decode_s"] if phase == "decode" else r["prefill_s"]
             div = steps if phase == "decode" else 1
             for k in [k for k in REGIONS if k in d] + ["total"]:
                 v = d.get(k)
