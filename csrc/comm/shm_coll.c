@@ -94,6 +94,7 @@ void tp_shm_post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key,
   h->recv_addr = (uint64_t)(uintptr_t)a->recv;
   h->counts_hash = 0;
   h->nonce = 0;
+  memcpy(h->site, c->comm->site, sizeof h->site);
   if (a->counts) {
     uint64_t x = 1469598103934665603ULL;
     for (int p = 0; p < c->comm->size; p++) x = (x ^ (uint64_t)a->counts[p]) * 1099511628211ULL;
@@ -179,6 +180,9 @@ tp_status_t tp_shm_check_hdrs(shm_ctx *c, const tp_coll_args_t *a) {
       else
         snprintf(msg, sizeof msg, "collective mismatch at #%u: rank %d called %s, rank %d %s",
                  mine->seq, p, da, r, db);
+      char named[1400];
+      if (tp_shm_divergence(c, named, sizeof named))
+        return tp_set_error(TP_ERR_MISMATCH, "collective mismatch%s", named);
       return tp_set_error(TP_ERR_MISMATCH, "%s", msg);
     }
   }
@@ -573,6 +577,7 @@ tp_status_t tp_shm_collective(struct tp_comm *comm, const tp_coll_args_t *a) {
       break;
     default: st = tp_set_error(TP_ERR_INTERNAL, "shm: unknown collective %d", a->kind);
   }
+  atomic_store_explicit(&c->slots[comm->rank].last_end, tp_now(), memory_order_relaxed);
   atomic_store(&c->slots[comm->rank].last_seq, c->seq);
   shm_set_activity(c, TP_COLL_NONE, c->seq, -1);
   if (st != TP_SUCCESS) {
