@@ -61,7 +61,11 @@ const char *tp_comm_set_region(tp_comm_t c, const char *name) {
     c->region = 0;
     return prev;
   }
-  if (name == c->regions[c->region].name) return prev; /* restoring what a caller was given */
+  for (int i = 0; i < c->nregions; i++) /* restoring a name this returned: the same pointer */
+    if (name == c->regions[i].name) {
+      c->region = i;
+      return prev;
+    }
   size_t len = strnlen(name, TP_COMM_REGION_NAME_MAX - 1);
   for (int i = 0; i < c->nregions; i++)
     if (strncmp(c->regions[i].name, name, len) == 0 && c->regions[i].name[len] == '\0') {
