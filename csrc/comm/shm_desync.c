@@ -43,7 +43,7 @@ static size_t rank_list(const int *grp, int n, int g, char *buf, size_t cap) {
     if (grp[p] != g) continue;
     int q = p;
     while (q + 1 < n && grp[q + 1] == g) q++;
-    if (q - p >= 2) {
+    if (q - p >= 3) { /* a run of four or more */
       len += (size_t)snprintf(buf + len, cap - len, "%s%d-%d", first ? "" : ", ", p, q);
       p = q;
     } else {
