@@ -125,6 +125,7 @@ struct tp_comm {
   uint64_t hist_n;            /* calls recorded so far */
   tp_coll_record_t *hist_cur; /* the call in progress (NULL: none, or the ring is off) */
   uint64_t coll_seq;          /* collectives entered (the backends' sequence numbers agree) */
+  double call_t0;             /* tp_now() when the call in progress (or the last one) began */
   char site[TP_COMM_SITE_MAX];
   int region;                 /* index into regions; 0 is "other" */
   int nregions;

@@ -119,6 +119,7 @@ static int is_collective(tp_coll_kind_t k) {
 void tp_hist_begin(struct tp_comm *c, tp_coll_kind_t kind, int dtype, int redop, size_t count, int root,
                    int src, double t0) {
   uint64_t seq = is_collective(kind) ? ++c->coll_seq : 0;
+  c->call_t0 = t0;
   if (TP_UNLIKELY(!c->ring)) {
     if (c->hist_cap == 0) return;
     c->ring = calloc((size_t)c->hist_cap, sizeof *c->ring);

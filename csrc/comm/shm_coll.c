@@ -577,7 +577,7 @@ tp_status_t tp_shm_collective(struct tp_comm *comm, const tp_coll_args_t *a) {
       break;
     default: st = tp_set_error(TP_ERR_INTERNAL, "shm: unknown collective %d", a->kind);
   }
-  atomic_store_explicit(&c->slots[comm->rank].last_end, tp_now(), memory_order_relaxed);
+  atomic_store_explicit(&c->slots[comm->rank].last_start, comm->call_t0, memory_order_relaxed);
   atomic_store(&c->slots[comm->rank].last_seq, c->seq);
   shm_set_activity(c, TP_COLL_NONE, c->seq, -1);
   if (st != TP_SUCCESS) {

@@ -6,7 +6,7 @@
  * ranks 0, 1, 3 called all_reduce(sum, 4096 float32) at model.py:91"), the same
  * on every rank, and for a timeout say what the rank it waited for is doing or
  * did last ("rank 3 never arrived at #17 all_reduce(...) at model.py:91: its last
- * collective was #16 barrier at train.py:40, 12.1 s ago").  Only the failure paths read
+ * collective was #16 barrier at train.py:40, begun 12.1 s ago").  Only the failure paths read
  * peers' headers; the calls themselves only post their own.
  */
 #include <stdio.h>
@@ -137,7 +137,7 @@ void tp_shm_describe_activity(const shm_ctx *c, int p, char *buf, size_t n) {
   const coll_hdr_t *h = latest_hdr(c, p);
   if (h->seq == last) describe(h, 1, theirs, sizeof theirs);
   else snprintf(theirs, sizeof theirs, "#%u", last);
-  double ago = tp_now() - atomic_load_explicit(&s->last_end, memory_order_relaxed);
-  snprintf(buf, n, "rank %d never arrived%s%s: its last collective was %s, %.1f s ago", p, in_coll ? " at " : "",
+  double ago = tp_now() - atomic_load_explicit(&s->last_start, memory_order_relaxed);
+  snprintf(buf, n, "rank %d never arrived%s%s: its last collective was %s, begun %.1f s ago", p, in_coll ? " at " : "",
            in_coll ? mine : "", theirs, ago);
 }

@@ -86,7 +86,7 @@ typedef struct {
   _Atomic uint32_t act_seq;
   _Atomic int32_t act_peer;
   _Atomic uint32_t last_seq;
-  _Atomic double last_end; /* tp_now() when its last collective returned */
+  _Atomic double last_start; /* tp_now() when its last collective began */
   coll_hdr_t hdr[2];
 } rank_slot_t;
 
