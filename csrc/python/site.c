@@ -114,6 +114,17 @@ static struct _PyInterpreterFrame *complete(struct _PyInterpreterFrame *f) {
   while (f && _PyFrame_IsIncomplete(f)) f = f->previous;
   return f;
 }
+
+/* The last site found one frame out (a wrapper of tpcore's called from a user's line):
+ * the same wrapper instruction called from the same instruction of the same frame again,
+ * as in a loop, gives the same site without the look-ups.  It holds references to both
+ * code objects, so their addresses cannot be reused under it. */
+static struct {
+  PyObject *inner_code, *outer_code;
+  _Py_CODEUNIT *inner_ip, *outer_ip;
+  struct _PyInterpreterFrame *outer;
+  char site[TP_COMM_SITE_MAX];
+} memo;
 #endif
 
 void comm_set_call_site(tp_comm_t c) {
@@ -122,10 +133,26 @@ void comm_set_call_site(tp_comm_t c) {
 #ifdef TP_SITE_FAST_FRAMES
   PyThreadState *ts = PyThreadState_Get();
   struct _PyInterpreterFrame *inner = complete(ts->cframe ? ts->cframe->current_frame : NULL), *f = inner;
+  if (inner && (PyObject *)inner->f_code == memo.inner_code && inner->prev_instr == memo.inner_ip) {
+    struct _PyInterpreterFrame *o = complete(inner->previous);
+    if (o && o == memo.outer && (PyObject *)o->f_code == memo.outer_code && o->prev_instr == memo.outer_ip) {
+      tp_comm_set_site(c, memo.site);
+      return;
+    }
+  }
   for (int depth = 0; f && depth < 64; depth++, f = complete(f->previous)) {
     code_entry *e = code_info(f->f_code);
     if (e && !e->internal) {
-      tp_comm_set_site(c, iframe_site(f, e));
+      const char *site = iframe_site(f, e);
+      if (depth == 1) { /* remember it for the next call */
+        Py_XSETREF(memo.inner_code, Py_NewRef((PyObject *)inner->f_code));
+        Py_XSETREF(memo.outer_code, Py_NewRef((PyObject *)f->f_code));
+        memo.inner_ip = inner->prev_instr;
+        memo.outer_ip = f->prev_instr;
+        memo.outer = f;
+        memcpy(memo.site, site, sizeof memo.site);
+      }
+      tp_comm_set_site(c, site);
       return;
     }
   }
