@@ -6,7 +6,7 @@
 Each rank holds two communicators over the same ranks, one with the history on
 (TPCORE_HISTORY unset: 64 entries, call sites captured) and one with it off
 (TPCORE_HISTORY=0), and times blocks of back-to-back float32 all_reduce calls from
-Python on each in turn (ABAB...), so load from other processes on a shared machine
+Python on each in turn (AB BA AB ...), so load from other processes on a shared machine
 falls on both alike.  Per block: mean microseconds per call, the max over ranks.
 Printed: the median and the minimum over blocks of each, and their differences.
 `python -m tpcore.bench collectives --history on|off` measures the same switch with
@@ -37,8 +37,9 @@ def _rank(comm, nbytes, rounds, calls):
     for c in (on, off):  # warm up
         for _ in range(calls):
             c.all_reduce(x)
-    for _ in range(rounds):
-        for name, c in (("on", on), ("off", off)):
+    for i in range(rounds):
+        pair = (("on", on), ("off", off))
+        for name, c in pair if i % 2 == 0 else pair[::-1]:  # ABBA: neither goes first always
             c.barrier()
             t0 = time.perf_counter_ns()
             for _ in range(calls):
