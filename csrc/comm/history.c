@@ -220,11 +220,11 @@ void tp_hist_end(struct tp_comm *c, tp_status_t st, double dt, size_t bytes) {
   if ((st == TP_ERR_MISMATCH || st == TP_ERR_TIMEOUT) && atomic_load(&c->failed) == 0) {
     if (e && !strstr(tp_last_error(), e->site)) {
       /* A backend that could not name this rank's call site (mpi, nccl): add it. */
-      char msg[1024], what[128];
+      char msg[1024], what[128], seq[24] = "";
       snprintf(msg, sizeof msg, "%s", tp_last_error());
       tp_coll_describe(what, sizeof what, kind_of(e->op), e->dtype, e->redop, e->count, e->root, e->src);
-      tp_set_error(st, "%s [rank %d was in #%llu %s at %s]", msg, c->rank, (unsigned long long)e->seq, what,
-                   e->site);
+      if (e->seq) snprintf(seq, sizeof seq, "#%llu ", (unsigned long long)e->seq);
+      tp_set_error(st, "%s [rank %d was in %s%s at %s]", msg, c->rank, seq, what, e->site);
     }
     print_ring(c, st);
   }
