@@ -186,6 +186,23 @@ def test_desync_is_named_on_every_rank(world, odd, tmp_path):
         assert mine in rows[2] and _site(lg if r == odd else lr) in rows[2] and "mismatch" in rows[2], err
 
 
+def _uneven_counts(comm):
+    mine = 3 + comm.rank  # rank 1 says it has 4 elements, rank 0 thinks rank 1 has 5
+    line = _here() + 2
+    try:
+        comm.all_gather(np.ones(mine, np.float32), sizes=[3, 4] if comm.rank == 1 else [3, 5])
+    except tpcore.CommError as e:
+        return str(e), line
+    return "no error", line
+
+
+def test_different_per_rank_counts_are_said_so_with_the_sites():
+    for r, (msg, line) in enumerate(run(_uneven_counts, 2)):
+        # the rank that saw it first says so; the other gets its sentence ("rank 0 failed: ...")
+        assert "passed different per-rank counts to all_gather" in msg, msg
+        assert f"rank 1 at {ME}:{line}" in msg and f"rank 0 at {ME}:{line}" in msg, msg
+
+
 def _never_arrives(comm, tmp):
     _capture_stderr(os.path.join(tmp, f"err{comm.rank}.txt"))
     comm.timeout = 1.0
