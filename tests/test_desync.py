@@ -266,9 +266,14 @@ def _model_regions(comm, cfg_kw, B, T0):
     m.forward(prompt, use_cache=True)  # the prefill (registered buffers are allocated here)
     before = comm.stats()
     nxt = rng.integers(0, cfg.vocab_size, (B, 1))
-    h = m.forward(nxt, pos0=np.full(B, T0), use_cache=True)
+    h = m.forward(nxt, pos0=np.full(B, T0), use_cache=True); line = _here()  # noqa: E702
     logits = m._gather_logits(m._logits_shard(h.reshape(B, cfg.hidden)))
     after = comm.stats()
+    # the layers' collectives (issued in C) carry the line that called the model
+    inside = [e for e in comm.history() if e["region"] in ("embedding", "attention", "mlp")][-(2 * cfg.layers + 1):]
+    assert [e["site"] for e in inside] == [_site(line)] * (2 * cfg.layers + 1), inside
+    assert [e["region"] for e in inside] == ["embedding"] + ["attention", "mlp"] * cfg.layers, inside
+    assert all(e["op"] == "all_reduce" and e["count"] == B * cfg.hidden for e in inside), inside
     # a training step: loss (forward + cross-entropy) and backward; the second one is measured
     # (the first allocates the head's and the layers' backward buffers: collective allocs)
     targets = rng.integers(0, cfg.vocab_size, (B, T0))
