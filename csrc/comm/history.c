@@ -220,7 +220,7 @@ void tp_hist_end(struct tp_comm *c, tp_status_t st, double dt, size_t bytes) {
   if ((st == TP_ERR_MISMATCH || st == TP_ERR_TIMEOUT) && atomic_load(&c->failed) == 0) {
     if (e && !strstr(tp_last_error(), e->site)) {
       /* A backend that could not name this rank's call site (mpi, nccl): add it. */
-      char msg[1024], what[128], seq[24] = "";
+      char msg[2048], what[128], seq[24] = "";
       snprintf(msg, sizeof msg, "%s", tp_last_error());
       tp_coll_describe(what, sizeof what, kind_of(e->op), e->dtype, e->redop, e->count, e->root, e->src);
       if (e->seq) snprintf(seq, sizeof seq, "#%llu ", (unsigned long long)e->seq);
