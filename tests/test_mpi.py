@@ -101,6 +101,9 @@ def test_every_collective_under_mpirun(n, tmp_path):
             line = next((ln for ln in out.splitlines() if ln.startswith(f"ERROR rank {r}:")), None)
             assert line and "all_reduce #1" in line and "count 6 elements" in line and "count 5 elements" in line, \
                 out + err
+            src = open(os.path.join(os.path.dirname(__file__), "mpi_worker.py")).read().splitlines()
+            site = f"at mpi_worker.py:{1 + next(i for i, s in enumerate(src) if 'np.ones(5 + (comm.rank == 1)' in s)}"
+            assert line.count(site) == 2, line  # both sides' call sites
         assert "P2P ERROR rank 1: recv (from rank 0) on rank 1: rank 0 sent 4 elements but this rank expects 5" \
             in out, out + err
         assert "P2P NO ERROR rank 0" in out and "P2P NO ERROR rank 2" in out, out + err

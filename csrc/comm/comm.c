@@ -58,6 +58,11 @@ tp_status_t tp_comm_alloc_common(struct tp_comm **out, int world, int rank, cons
   snprintf(c->job_id, sizeof c->job_id, "%s", job_id);
   atomic_init(&c->busy, 0);
   atomic_init(&c->failed, 0);
+  tp_status_t st = tp_hist_setup(c);
+  if (st != TP_SUCCESS) {
+    free(c);
+    return st;
+  }
   *out = c;
   return TP_SUCCESS;
 }
@@ -141,6 +146,7 @@ tp_status_t tp_comm_destroy(tp_comm_t c) {
     while (atomic_load(&c->busy)) usleep(1000);
   }
   if (c->ops && c->ops->destroy) c->ops->destroy(c);
+  free(c->ring);
   free(c);
   return TP_SUCCESS;
 }
@@ -218,12 +224,8 @@ static tp_status_t enter(tp_comm_t c, const char *op) {
 
 static tp_status_t leave(tp_comm_t c, const char *op, tp_status_t st, double t0, size_t bytes) {
   atomic_store(&c->busy, 0);
-  if (st == TP_SUCCESS) {
-    c->stats.collectives++;
-    c->stats.bytes += bytes;
-    c->stats.seconds += tp_now() - t0;
-    return st;
-  }
+  tp_hist_end(c, st, tp_now() - t0, bytes); /* statistics, history, the ring printed on a desync */
+  if (st == TP_SUCCESS) return st;
   if (st == TP_ERR_TIMEOUT || st == TP_ERR_REMOTE || st == TP_ERR_MISMATCH ||
       st == TP_ERR_ABORTED || st == TP_ERR_SYSTEM || st == TP_ERR_INTERNAL) {
     /* The ranks no longer agree on where they are: nothing after this is safe. */
@@ -307,6 +309,10 @@ static tp_status_t guarded_coll(tp_comm_t c, tp_coll_args_t *a) {
   size_t n = a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_REDUCE_SCATTER ? a->total : a->count;
   TP_CHECK(enter(c, op));
   double t0 = tp_now();
+  int reduction = a->kind == TP_COLL_ALL_REDUCE || a->kind == TP_COLL_REDUCE || a->kind == TP_COLL_REDUCE_SCATTER;
+  int rooted = a->kind == TP_COLL_BROADCAST || a->kind == TP_COLL_REDUCE;
+  tp_hist_begin(c, a->kind, a->kind == TP_COLL_BARRIER ? -1 : (int)a->dtype, reduction ? (int)a->op : -1, a->count,
+                rooted ? a->root : -1, -1, t0);
   tp_status_t st = c->ops->collective(c, a);
   return leave(c, op, st, t0, n * tp_dtype_size(a->dtype));
 }
@@ -459,6 +465,7 @@ tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, t
   tp_status_t st = enter(c, "send");
   if (st == TP_SUCCESS) {
     double t0 = tp_now();
+    tp_hist_begin(c, TP_COLL_SEND, (int)dtype, -1, count, peer, -1, t0);
     st = c->ops->send(c, host ? host : buf, count, dtype, peer, !host || c->ops->streams ? stream : NULL);
     st = leave(c, "send", st, t0, nb);
   }
@@ -480,6 +487,7 @@ tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm
   tp_status_t st = enter(c, "recv");
   if (st == TP_SUCCESS) {
     double t0 = tp_now();
+    tp_hist_begin(c, TP_COLL_RECV, (int)dtype, -1, count, peer, -1, t0);
     st = c->ops->recv(c, host ? host : buf, count, dtype, peer, !host || c->ops->streams ? stream : NULL);
     st = leave(c, "recv", st, t0, nb);
   }
@@ -496,6 +504,7 @@ static tp_status_t staged_sendrecv(tp_comm_t c, const void *sendbuf, size_t send
   if (st == TP_SUCCESS) st = enter(c, "sendrecv");
   if (st == TP_SUCCESS) {
     double t0 = tp_now();
+    tp_hist_begin(c, TP_COLL_SENDRECV, (int)dtype, -1, sendcount, dst, src, t0);
     st = c->ops->sendrecv(c, hs ? hs : sendbuf, sendcount, dst, hr ? hr : recvbuf, recvcount, src, dtype,
                           c->ops->streams ? stream : NULL);
     st = leave(c, "sendrecv", st, t0, (sendcount + recvcount) * es);
@@ -541,6 +550,7 @@ tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *re
                                                   stream, cs == 1, cr == 1);
   TP_CHECK(enter(c, "sendrecv"));
   double t0 = tp_now();
+  tp_hist_begin(c, TP_COLL_SENDRECV, (int)dtype, -1, sendcount, dst, src, t0);
   tp_status_t st = c->ops->sendrecv(c, sendbuf, sendcount, dst, recvbuf, recvcount, src, dtype, stream);
   return leave(c, "sendrecv", st, t0, (sendcount + recvcount) * es);
 }
@@ -554,6 +564,7 @@ tp_status_t tp_comm_split(tp_comm_t c, int color, int key, tp_comm_t *newcomm) {
                         "split: color must be >= 0 or TP_SPLIT_NOCOLOR (-1), got %d", color);
   TP_CHECK(enter(c, "split"));
   double t0 = tp_now();
+  tp_hist_begin(c, TP_COLL_SPLIT, -1, -1, 0, -1, -1, t0);
   tp_status_t st = c->ops->split(c, color, key, newcomm);
   if (st == TP_SUCCESS && *newcomm) (*newcomm)->registered_memory = c->registered_memory;
   return leave(c, "split", st, t0, 0);
@@ -574,6 +585,7 @@ tp_status_t tp_comm_mem_alloc(tp_comm_t c, size_t nbytes, void **ptr, tp_mem_t *
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mem_alloc: %zu bytes is too large", nbytes);
   TP_CHECK(enter(c, "alloc"));
   double t0 = tp_now();
+  tp_hist_begin(c, TP_COLL_ALLOC, -1, -1, nbytes, -1, -1, t0);
   tp_status_t st = c->ops->mem_alloc(c, nbytes, ptr, handle);
   return leave(c, "alloc", st, t0, 0);
 }

@@ -119,6 +119,21 @@ struct tp_comm {
   tp_status_t fail_status;
   char fail_msg[1024];
   tp_comm_stats_t stats;
+  /* History and regions (history.c). */
+  int hist_cap;               /* ring entries (TPCORE_HISTORY); 0: off */
+  tp_coll_record_t *ring;     /* allocated at the first call */
+  uint64_t hist_n;            /* calls recorded so far */
+  tp_coll_record_t *hist_cur; /* the call in progress (NULL: none, or the ring is off) */
+  uint64_t coll_seq;          /* collectives entered (the backends' sequence numbers agree) */
+  double call_t0;             /* tp_now() when the call in progress (or the last one) began */
+  char site[TP_COMM_SITE_MAX];
+  int region;                 /* index into regions; 0 is "other" */
+  int nregions;
+  struct {
+    char name[TP_COMM_REGION_NAME_MAX];
+    uint64_t calls, bytes;
+    double seconds;
+  } regions[TP_COMM_REGIONS_MAX];
 };
 
 /* Allocates the common part; the backend fills ops/impl. */
@@ -126,6 +141,18 @@ tp_status_t tp_comm_alloc_common(struct tp_comm **out, int world, int rank, cons
                                  double timeout_s, int spin_us);
 /* Records a fatal error: later calls fail at once with the same sentence. */
 void tp_comm_mark_failed(struct tp_comm *comm, tp_status_t status, const char *msg);
+
+/* ---- history.c ---------------------------------------------------------------------- */
+/* Reads TPCORE_HISTORY into comm (an error naming it when malformed); sets site and regions. */
+tp_status_t tp_hist_setup(struct tp_comm *comm);
+/* A call begins (after enter): a new ring entry (collectives get the next number). */
+void tp_hist_begin(struct tp_comm *comm, tp_coll_kind_t kind, int dtype, int redop, size_t count, int root,
+                   int src, double t0);
+/* The call ended with st after dt seconds moving `bytes`: the entry, the statistics, and on a
+ * mismatch or timeout (first failure) the ring printed to stderr. */
+void tp_hist_end(struct tp_comm *comm, tp_status_t st, double dt, size_t bytes);
+/* "all_reduce(sum, 4096 float32)", "broadcast(16 int8, root 1)", "barrier", "send(8 float32 to 1)". */
+void tp_coll_describe(char *buf, size_t n, int kind, int dtype, int redop, uint64_t count, int root, int src);
 
 
 #endif

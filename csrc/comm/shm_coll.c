@@ -94,6 +94,7 @@ void tp_shm_post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key,
   h->recv_addr = (uint64_t)(uintptr_t)a->recv;
   h->counts_hash = 0;
   h->nonce = 0;
+  memcpy(h->site, c->comm->site, sizeof h->site);
   if (a->counts) {
     uint64_t x = 1469598103934665603ULL;
     for (int p = 0; p < c->comm->size; p++) x = (x ^ (uint64_t)a->counts[p]) * 1099511628211ULL;
@@ -163,6 +164,14 @@ tp_status_t tp_shm_check_hdrs(shm_ctx *c, const tp_coll_args_t *a) {
     int p = (r + i) % n;
     const coll_hdr_t *h = &c->slots[p].hdr[c->seq & 1];
     if (!hdr_matches(mine, h, a, p)) {
+      /* Ranks that differ in the call itself: every rank's call and site, grouped (the same
+       * sentence on every rank).  Different per-rank counts of one all_gather / reduce_scatter
+       * (the ranks' own counts differ anyway when uneven): said so, below. */
+      int counts_differ = h->seq == mine->seq && h->kind == mine->kind && h->counts_hash != mine->counts_hash &&
+                          (h->kind == TP_COLL_ALL_GATHER || h->kind == TP_COLL_REDUCE_SCATTER);
+      char named[1400];
+      if (!counts_differ && tp_shm_divergence(c, named, sizeof named))
+        return tp_set_error(TP_ERR_MISMATCH, "collective mismatch%s", named);
       char da[192], db[192];
       describe_hdr(h, da, sizeof da);
       describe_hdr(mine, db, sizeof db);
@@ -170,8 +179,7 @@ tp_status_t tp_shm_check_hdrs(shm_ctx *c, const tp_coll_args_t *a) {
       if (h->seq != mine->seq)
         snprintf(msg, sizeof msg, "collective mismatch: rank %d is at collective #%u (%s), rank %d at #%u (%s)",
                  p, h->seq, da, r, mine->seq, db);
-      else if (h->kind == mine->kind && h->counts_hash != mine->counts_hash &&
-               (h->kind == TP_COLL_ALL_GATHER || h->kind == TP_COLL_REDUCE_SCATTER))
+      else if (counts_differ)
         snprintf(msg, sizeof msg, "collective mismatch at #%u: ranks %d and %d passed different per-rank "
                  "counts to %s (rank %d says rank %d has %llu elements; rank %d has %llu)", mine->seq, p, r,
                  tp_coll_name((tp_coll_kind_t)h->kind), r, p, (unsigned long long)a->counts[p], p,
@@ -179,7 +187,10 @@ tp_status_t tp_shm_check_hdrs(shm_ctx *c, const tp_coll_args_t *a) {
       else
         snprintf(msg, sizeof msg, "collective mismatch at #%u: rank %d called %s, rank %d %s",
                  mine->seq, p, da, r, db);
-      return tp_set_error(TP_ERR_MISMATCH, "%s", msg);
+      char sp[TP_COMM_SITE_MAX];
+      memcpy(sp, h->site, sizeof sp); /* a peer's slot: copied, then terminated */
+      sp[sizeof sp - 1] = '\0';
+      return tp_set_error(TP_ERR_MISMATCH, "%s (rank %d at %s, rank %d at %s)", msg, p, sp, r, mine->site);
     }
   }
   return TP_SUCCESS;
@@ -573,6 +584,7 @@ tp_status_t tp_shm_collective(struct tp_comm *comm, const tp_coll_args_t *a) {
       break;
     default: st = tp_set_error(TP_ERR_INTERNAL, "shm: unknown collective %d", a->kind);
   }
+  atomic_store_explicit(&c->slots[comm->rank].last_start, comm->call_t0, memory_order_relaxed);
   atomic_store(&c->slots[comm->rank].last_seq, c->seq);
   shm_set_activity(c, TP_COLL_NONE, c->seq, -1);
   if (st != TP_SUCCESS) {

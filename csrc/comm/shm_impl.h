@@ -42,7 +42,7 @@
 
 #define CL 64
 #define SHM_MAGIC 0x3153484d52435054ULL /* "TPCRMSH1" */
-#define SHM_VERSION 2
+#define SHM_VERSION 3
 #define P2P_NBUF 2
 #define ALIGN_UP(x, a) (((x) + (a) - 1) / (a) * (a))
 
@@ -70,6 +70,7 @@ typedef struct {
   uint64_t send_addr, recv_addr;  /* this rank's buffers in its own address space (CMA) */
   uint64_t counts_hash;           /* all_gather / reduce_scatter: the per-rank counts */
   uint64_t nonce;                 /* split / alloc: rank 0's fresh random number names what it creates */
+  char site[TP_COMM_SITE_MAX];    /* the caller's "file.py:LINE" (shm_desync.c names desyncs with it) */
 } coll_hdr_t;
 
 typedef struct {
@@ -85,6 +86,7 @@ typedef struct {
   _Atomic uint32_t act_seq;
   _Atomic int32_t act_peer;
   _Atomic uint32_t last_seq;
+  _Atomic double last_start; /* tp_now() when its last collective began */
   coll_hdr_t hdr[2];
 } rank_slot_t;
 
@@ -205,7 +207,13 @@ uint64_t tp_shm_random_token(void);
 uint64_t tp_shm_proc_starttime(int pid, char *state);
 /* 1 if the process recorded in the slot is gone (exited, zombie, or pid reused). */
 int tp_shm_peer_dead(const rank_slot_t *s);
+/* shm_desync.c: what rank p is doing, for a timeout ("rank 3 never arrived at #17 ...: its
+ * last call was #16 barrier at train.py:40, 12.1 s ago"; "rank 3 is waiting in #17 ..."). */
 void tp_shm_describe_activity(const shm_ctx *c, int p, char *buf, size_t n);
+/* The first divergence across every rank's posted header: "rank 2 called all_gather(4096
+ * bfloat16) at model.py:88 while ranks 0, 1, 3 called all_reduce(sum, 4096 float32) at
+ * model.py:91".  0 when every rank's call reads the same (the caller says why they differ). */
+int tp_shm_divergence(const shm_ctx *c, char *buf, size_t n);
 void tp_shm_publish_abort_status(shm_ctx *c, int rank, const char *msg, tp_status_t st);
 void tp_shm_publish_abort(shm_ctx *c, int rank, const char *msg);
 tp_status_t tp_shm_abort_error(shm_ctx *c);

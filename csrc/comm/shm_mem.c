@@ -189,6 +189,7 @@ tp_status_t tp_shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr, tp
   *ptr = m->ptr;
   *out = &m->hdr;
 done:
+  atomic_store_explicit(&c->slots[r].last_start, comm->call_t0, memory_order_relaxed);
   atomic_store(&c->slots[r].last_seq, c->seq);
   shm_set_activity(c, TP_COLL_NONE, c->seq, -1);
   return st;

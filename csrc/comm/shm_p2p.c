@@ -150,9 +150,9 @@ tp_status_t tp_shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scoun
     st = TP_SUCCESS;
     if (progressed) t0 = tp_now();
     else if (tp_now() - t0 > comm->timeout_s) {
-      char act[160];
+      char act[512];
       tp_shm_describe_activity(c, ro.done < ro.nchunks ? src : dst, act, sizeof act);
-      st = tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d: timed out after %.1f s (%s)", what,
+      st = tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d: timed out after %.1f s: %s", what,
                         comm->rank, comm->timeout_s, act);
       break;
     }

@@ -521,6 +521,7 @@ static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp
   }
   /* Everyone has read the headers before anyone can overwrite them. */
   if (st == TP_SUCCESS) st = shm_sync_all(c, what);
+  atomic_store_explicit(&c->slots[r].last_start, comm->call_t0, memory_order_relaxed);
   atomic_store(&c->slots[r].last_seq, c->seq);
   shm_set_activity(c, TP_COLL_NONE, c->seq, -1);
   if (st != TP_SUCCESS || color == TP_SPLIT_NOCOLOR) return st;

@@ -94,21 +94,6 @@ int tp_shm_peer_dead(const rank_slot_t *s) {
   return s->starttime && st != s->starttime;
 }
 
-void tp_shm_describe_activity(const shm_ctx *c, int p, char *buf, size_t n) {
-  const rank_slot_t *s = &c->slots[p];
-  int kind = atomic_load(&s->act_kind);
-  if (kind == TP_COLL_NONE) {
-    snprintf(buf, n, "rank %d is not inside any call (its last collective was #%u)", p,
-             atomic_load(&s->last_seq));
-  } else if (kind == TP_COLL_SEND || kind == TP_COLL_RECV || kind == TP_COLL_SENDRECV) {
-    snprintf(buf, n, "rank %d is in %s with peer %d", p, tp_coll_name((tp_coll_kind_t)kind),
-             atomic_load(&s->act_peer));
-  } else {
-    snprintf(buf, n, "rank %d is in %s #%u", p, tp_coll_name((tp_coll_kind_t)kind),
-             atomic_load(&s->act_seq));
-  }
-}
-
 void tp_shm_publish_abort_status(shm_ctx *c, int rank, const char *msg, tp_status_t st) {
   int32_t expect = 0;
   if (atomic_compare_exchange_strong(&c->hdr->abort_state, &expect, 1)) {
@@ -253,10 +238,10 @@ tp_status_t tp_shm_wait_slow(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_
     }
     if (now >= deadline) {
       if (max_wait > 0) return TP_IN_PROGRESS;
-      char act[160];
+      char act[512];
       tp_shm_describe_activity(c, peer, act, sizeof act);
       return tp_set_error(TP_ERR_TIMEOUT,
-                          "%s on rank %d: timed out after %.1f s waiting for rank %d (%s)", what,
+                          "%s on rank %d: timed out after %.1f s waiting for rank %d: %s", what,
                           c->comm->rank, now - t0, peer, act);
     }
   }

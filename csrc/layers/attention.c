@@ -181,7 +181,7 @@ static tp_status_t kv_grad_sum(tp_block_t k, tp_stream_t stream) {
       TP_CHECK(lk_sub(&k->lk, g + 2 * HkD * C + kv * HkD + k0d, k->dbqkv + kvoff + kv * nkd,
                       k->kvsnap + kvw * C + kv * nkd, nkd, stream));
   }
-  TP_CHECK(tp_layer_all_reduce(g, (size_t)n, TP_SUM, k->comm, stream));
+  TP_CHECK(tp_layer_all_reduce(g, (size_t)n, TP_SUM, k->comm, "attention", stream));
   for (int kv = 0; kv < 2; kv++) {
     float *cur = k->dwqkv + (kvoff + kv * nkd) * C, *old = k->kvsnap + kv * nkd * C;
     TP_CHECK(lk_add(&k->lk, cur, old, g + kv * HkD * C + k0d * C, nkd * C, stream));
@@ -213,7 +213,7 @@ tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *d
   if (k->kv_replicated) TP_CHECK(kv_snapshot(k, stream));
   float *r = k->red.ptr;
   TP_CHECK(lk_linear_backward(&k->lk, r, k->dwqkv, k->dbqkv, k->dqkv, in, &k->Wqkv, M, C, k->W, stream));
-  if (k->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * C), TP_SUM, k->comm, stream));
+  if (k->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * C), TP_SUM, k->comm, "attention", stream));
   TP_CHECK(lk_copy(&k->lk, din, r, (size_t)(M * C) * sizeof(float), stream));
   if (k->kv_replicated) TP_CHECK(kv_grad_sum(k, stream));
   return TP_SUCCESS;

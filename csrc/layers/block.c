@@ -156,6 +156,7 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   oc.device_id = cfg->device_id;
   oc.weight_dtype = cfg->weight_dtype;
   if (st == TP_SUCCESS) st = tp_parallel_linear_create_ids(&k->out, comm, &oc, 12, 13);
+  if (st == TP_SUCCESS) tp_parallel_linear_set_region(k->out, "attention"); /* its all-reduce: the attention's */
   if (st == TP_SUCCESS && !cfg->attention_only) {
     tp_mlp_config_t mc = TP_MLP_CONFIG_INITIALIZER;
     mc.hidden = C;

@@ -90,16 +90,26 @@ static inline tp_status_t tp_reg_ensure(tp_comm_t comm, reg_buf *rb, size_t nbyt
 
 /* ------------------------------------------------------- collective calls */
 /* Every collective of the layers goes through these (float32, in place where the
- * layer's algorithm is). */
+ * layer's algorithm is).  region: the tag of the call in the communicator's statistics
+ * and history ("attention", "mlp", "embedding", "head"; the previous tag is restored
+ * after); NULL: the communicator's current tag (a layer used alone: "other"). */
 
 static inline tp_status_t tp_layer_all_reduce(void *buf, size_t count, tp_redop_t op, tp_comm_t comm,
-                                              tp_stream_t stream) {
-  return tp_all_reduce(buf, buf, count, TP_FLOAT32, op, comm, stream);
+                                              const char *region, tp_stream_t stream) {
+  if (!region) return tp_all_reduce(buf, buf, count, TP_FLOAT32, op, comm, stream);
+  const char *prev = tp_comm_set_region(comm, region);
+  tp_status_t st = tp_all_reduce(buf, buf, count, TP_FLOAT32, op, comm, stream);
+  tp_comm_set_region(comm, prev);
+  return st;
 }
 
 static inline tp_status_t tp_layer_all_gather_v(const void *send, void *recv, const size_t *counts, tp_comm_t comm,
-                                                tp_stream_t stream) {
-  return tp_all_gather_v(send, recv, counts, TP_FLOAT32, comm, stream);
+                                                const char *region, tp_stream_t stream) {
+  if (!region) return tp_all_gather_v(send, recv, counts, TP_FLOAT32, comm, stream);
+  const char *prev = tp_comm_set_region(comm, region);
+  tp_status_t st = tp_all_gather_v(send, recv, counts, TP_FLOAT32, comm, stream);
+  tp_comm_set_region(comm, prev);
+  return st;
 }
 
 /* ------------------------------------------------------------ tensor checks */
@@ -171,6 +181,9 @@ static inline tp_status_t tp_check_vector(const char *op, const char *arg, const
 enum { TP_LIN_BORROW_INPUT = 1, TP_LIN_SKIP_BIAS = 2 };
 tp_status_t tp_parallel_linear_forward_ex(tp_parallel_linear_t L, float *y, const float *x, int64_t M, int flags,
                                           tp_stream_t stream);
+/* The region tag of L's collectives (a static string; NULL: the communicator's current tag):
+ * the owner's ("attention" for a block's output projection, "mlp" for an MLP's). */
+void tp_parallel_linear_set_region(tp_parallel_linear_t L, const char *region);
 tp_status_t tp_parallel_linear_backward_ex(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M, int flags,
                                            tp_stream_t stream);
 /* The MLP on raw pointers of its device (M checked here), for the block. */

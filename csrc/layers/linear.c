@@ -29,7 +29,10 @@ struct tp_parallel_linear {
   int64_t xsave_m;      /* rows of the last forward, -1 before the first */
   reg_buf out_buf;      /* row: partial outputs to all-reduce; column: gathered blocks */
   reg_buf grad_buf;     /* column: dx partials to all-reduce; row: dx blocks to gather */
+  const char *region;   /* the tag of its collectives (NULL: the communicator's current one) */
 };
+
+void tp_parallel_linear_set_region(tp_parallel_linear_t L, const char *region) { L->region = region; }
 
 static tp_status_t ensure_reg(tp_parallel_linear_t L, reg_buf *rb, size_t nbytes) {
   return tp_reg_ensure(L->comm, rb, nbytes, L->dev, L->dev_id);
@@ -223,7 +226,7 @@ tp_status_t tp_parallel_linear_info(tp_parallel_linear_t L, tp_linear_info_t *in
 static tp_status_t gather_columns(tp_parallel_linear_t L, float *out, float *g, int64_t M, int64_t total,
                                   tp_stream_t stream) {
   for (int p = 0; p < L->world; p++) L->counts[p] = (size_t)(L->part[p] * M);
-  TP_CHECK(tp_layer_all_gather_v(g + L->off * M, g, L->counts, L->comm, stream));
+  TP_CHECK(tp_layer_all_gather_v(g + L->off * M, g, L->counts, L->comm, L->region, stream));
   for (int p = 0; p < L->world; p++)
     TP_CHECK(lk_copy_rows(&L->lk, out + L->offs[p], total, g + L->offs[p] * M, L->part[p], M, L->part[p], stream));
   return TP_SUCCESS;
@@ -315,7 +318,7 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
   TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
   float *r = L->out_buf.ptr;
   TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, &L->W, NULL, M, L->loc, N, stream));
-  TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, stream));
+  TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, L->region, stream));
   /* y = r + b (the bias once, after the reduce), or a copy of r */
   return lk_add_bias_rows(&L->lk, y, r, b, M, N, stream);
 }
@@ -338,7 +341,7 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
     TP_CHECK(ensure_reg(L, &L->grad_buf, (size_t)(M * K) * sizeof(float)));
     float *d = L->grad_buf.ptr;
     TP_CHECK(lk_linear_backward(&L->lk, d, L->dw, db, dyr, L->xin, &L->W, M, K, L->wr, stream));
-    TP_CHECK(tp_layer_all_reduce(d, (size_t)(M * K), TP_SUM, L->comm, stream));
+    TP_CHECK(tp_layer_all_reduce(d, (size_t)(M * K), TP_SUM, L->comm, L->region, stream));
     return lk_copy(&L->lk, dx, d, (size_t)(M * K) * sizeof(float), stream);
   }
   /* Row parallel: dy is the full gradient on every rank. */
@@ -364,7 +367,7 @@ tp_status_t tp_parallel_linear_forward_inbuf(tp_parallel_linear_t L, float **y, 
   TP_CHECK(fail_local(L, st));
   float *r = L->out_buf.ptr;
   TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, &L->W, NULL, M, L->loc, N, stream));
-  if (L->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, stream));
+  if (L->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, L->region, stream));
   if (L->b) TP_CHECK(lk_add_bias_rows(&L->lk, r, r, L->b, M, N, stream)); /* in place, once, after the reduce */
   *y = r;
   return TP_SUCCESS;

@@ -76,6 +76,10 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   c2.device_id = cfg->device_id;
   st = tp_parallel_linear_create(&m->fc1, comm, &c1);
   if (st == TP_SUCCESS) st = tp_parallel_linear_create(&m->fc2, comm, &c2);
+  if (st == TP_SUCCESS) {
+    tp_parallel_linear_set_region(m->fc1, "mlp");
+    tp_parallel_linear_set_region(m->fc2, "mlp");
+  }
   if (st != TP_SUCCESS) {
     tp_error_prefix("mlp");
     tp_parallel_mlp_destroy(m);

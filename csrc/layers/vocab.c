@@ -142,7 +142,7 @@ static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int
   TP_CHECK(tp_reg_ensure(E->comm, &E->buf, nbytes, E->dev, E->dev_id));
   float *r = E->buf.ptr;
   TP_CHECK(lk_embedding_forward(&E->lk, r, tokens, &E->W, M, E->off, E->loc, E->C, stream));
-  TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * E->C), TP_SUM, E->comm, stream));
+  TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * E->C), TP_SUM, E->comm, "embedding", stream));
   return lk_copy(&E->lk, y, r, nbytes, stream);
 }
 
@@ -274,7 +274,7 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
     offs[X->rank] = vocab_offset < 0 ? -1.0f : vocab_offset > (1 << 24) ? (float)(1 << 25) : (float)vocab_offset;
     TP_CHECK(tp_device_copy(X->dev, mx + M, TP_DEVICE_CPU, X->meta, (size_t)(2 * n) * sizeof(float), stream));
     TP_CHECK(lk_targets_hash(&X->lk, mx + M + 2 * n, targets, M, ignore_index, stream)); /* fp on the device */
-    TP_CHECK(tp_layer_all_reduce(mx, (size_t)(M + 2 * n + 2), TP_MAX, X->comm, stream));
+    TP_CHECK(tp_layer_all_reduce(mx, (size_t)(M + 2 * n + 2), TP_MAX, X->comm, "head", stream));
     TP_CHECK(tp_device_copy(TP_DEVICE_CPU, X->meta, X->dev, mx + M, (size_t)(2 * n + 2) * sizeof(float), stream));
     TP_CHECK(tp_device_sync(X->dev, X->dev_id, stream));
     if (fp[0] != -fp[1])
@@ -324,7 +324,7 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
   /* (sum of exp, target logit) per row */
   float *sums = n > 1 ? (float *)X->buf.ptr + M + n + 2 : X->s2;
   TP_CHECK(lk_xent_row_sums(&X->lk, sums, logits, X->gmax, X->tg, M, lo, V, stream));
-  if (n > 1) TP_CHECK(tp_layer_all_reduce(sums, (size_t)(2 * M), TP_SUM, X->comm, stream));
+  if (n > 1) TP_CHECK(tp_layer_all_reduce(sums, (size_t)(2 * M), TP_SUM, X->comm, "head", stream));
   TP_CHECK(lk_copy(&X->lk, X->sumexp, sums, (size_t)M * sizeof(float), stream));
   TP_CHECK(lk_xent_losses(&X->lk, losses, X->sumexp, X->gmax, sums + M, X->tg, M, stream));
   X->logits = logits;

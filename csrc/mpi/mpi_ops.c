@@ -92,6 +92,9 @@ tp_status_t tp_mpi_setup_types(void) {
 /* ---- the call's description, compared across ranks --------------------------------- */
 
 enum { D_SEQ, D_KIND, D_DTYPE, D_OP, D_ROOT, D_COUNT, D_HASH, D_N };
+/* After the description (compared), the caller's site (not compared: ranks may call one
+ * collective from different lines), for the message. */
+enum { D_SITE = D_N, D_W = D_N + TP_COMM_SITE_MAX / 8 };
 
 static void describe(const int64_t *d, char *buf, size_t n) {
   tp_coll_kind_t k = (tp_coll_kind_t)d[D_KIND];
@@ -116,7 +119,13 @@ static uint64_t hash_counts(const size_t *counts, int n) {
   return h;
 }
 
-/* All ranks exchange the description; any difference is TP_ERR_MISMATCH naming both. */
+static void site_of(const int64_t *d, char *site) {
+  memcpy(site, d + D_SITE, TP_COMM_SITE_MAX);
+  site[TP_COMM_SITE_MAX - 1] = '\0';
+}
+
+/* All ranks exchange the description; any difference is TP_ERR_MISMATCH naming both, and
+ * where each called it. */
 tp_status_t tp_mpi_check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_args_t *a, const char *what) {
   int64_t mine[D_N] = {(int64_t)x->seq, a->kind, a->dtype, a->op, a->root, 0, 0};
   int v = a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_REDUCE_SCATTER;
@@ -129,22 +138,25 @@ tp_status_t tp_mpi_check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
     mine[D_OP] = 0;
   if (!tp_mpi_check_calls) return TP_SUCCESS;
   /* mine and every rank's, on the heap: a request left in flight by a timeout may still use them */
-  int64_t *buf = malloc(sizeof(int64_t) * D_N * ((size_t)comm->size + 1));
+  int64_t *buf = malloc(sizeof(int64_t) * D_W * ((size_t)comm->size + 1));
   if (!buf) return tp_set_error(TP_ERR_NOMEM, "%s on rank %d: out of memory", what, comm->rank);
-  int64_t *all = buf + D_N;
+  int64_t *all = buf + D_W;
   memcpy(buf, mine, sizeof mine);
+  memcpy(buf + D_SITE, comm->site, TP_COMM_SITE_MAX);
   MPI_Request req;
-  int rc = MPI_Iallgather(buf, D_N, MPI_INT64_T, all, D_N, MPI_INT64_T, x->mc, &req);
+  int rc = MPI_Iallgather(buf, D_W, MPI_INT64_T, all, D_W, MPI_INT64_T, x->mc, &req);
   tp_status_t st = rc == MPI_SUCCESS ? tp_mpi_wait_one(comm, x, &req, what, -1) : tp_mpi_error(comm, rc, what);
   for (int p = 0; st == TP_SUCCESS && p < comm->size; p++) {
-    if (!memcmp(all + D_N * p, mine, sizeof mine)) continue;
-    char theirs[160], ours[160];
-    describe(all + D_N * p, theirs, sizeof theirs);
+    if (!memcmp(all + D_W * p, mine, sizeof mine)) continue;
+    char theirs[160], ours[160], tsite[TP_COMM_SITE_MAX], osite[TP_COMM_SITE_MAX];
+    describe(all + D_W * p, theirs, sizeof theirs);
     describe(mine, ours, sizeof ours);
+    site_of(all + D_W * p, tsite);
+    site_of(buf, osite);
     if (!strcmp(theirs, ours))
       snprintf(theirs + strlen(theirs), sizeof theirs - strlen(theirs), " with other counts");
-    st = tp_set_error(TP_ERR_MISMATCH, "%s on rank %d of %d: rank %d called %s but this rank called %s", what,
-                      comm->rank, comm->size, p, theirs, ours);
+    st = tp_set_error(TP_ERR_MISMATCH, "%s on rank %d of %d: rank %d called %s at %s but this rank called %s at %s",
+                      what, comm->rank, comm->size, p, theirs, tsite, ours, osite);
   }
   if (!x->pending) free(buf); /* else left to the process's end */
   return st;

@@ -484,9 +484,82 @@ static PyObject *comm_stats(PyObject *o, PyObject *unused) {
   if (!live(self, "stats")) return NULL;
   tp_comm_stats_t s;
   tp_comm_get_stats(self->comm, &s);
-  return Py_BuildValue("{s:K,s:K,s:K,s:d,s:O}", "calls", (unsigned long long)s.collectives, "bytes",
+  tp_comm_region_stats_t rs[TP_COMM_REGIONS_MAX];
+  int nr = 0;
+  tp_comm_region_stats(self->comm, rs, TP_COMM_REGIONS_MAX, &nr);
+  PyObject *regions = PyDict_New();
+  if (!regions) return NULL;
+  for (int i = 0; i < nr; i++) {
+    PyObject *r = Py_BuildValue("{s:K,s:K,s:d}", "calls", (unsigned long long)rs[i].calls, "bytes",
+                                (unsigned long long)rs[i].bytes, "seconds", rs[i].seconds);
+    if (!r || PyDict_SetItemString(regions, rs[i].name, r) < 0) {
+      Py_XDECREF(r);
+      Py_DECREF(regions);
+      return NULL;
+    }
+    Py_DECREF(r);
+  }
+  return Py_BuildValue("{s:K,s:K,s:K,s:d,s:O,s:N}", "calls", (unsigned long long)s.collectives, "bytes",
                        (unsigned long long)s.bytes, "zero_copy", (unsigned long long)s.zero_copy,
-                       "seconds", s.seconds, "single_copy", s.single_copy ? Py_True : Py_False);
+                       "seconds", s.seconds, "single_copy", s.single_copy ? Py_True : Py_False, "regions", regions);
+}
+
+/* An optional int field: None when < 0. */
+static PyObject *opt_int(long long v) {
+  if (v < 0) Py_RETURN_NONE;
+  return PyLong_FromLongLong(v);
+}
+
+static PyObject *comm_history(PyObject *o, PyObject *unused) {
+  CommObject *self = (CommObject *)o;
+  if (!live(self, "history")) return NULL;
+  int cap = 0, n = 0;
+  tp_comm_history_capacity(self->comm, &cap);
+  tp_coll_record_t *recs = cap ? PyMem_Malloc(sizeof *recs * (size_t)cap) : NULL;
+  if (cap && !recs) return PyErr_NoMemory();
+  tp_comm_history(self->comm, recs, cap, &n);
+  PyObject *list = PyList_New(n);
+  for (int i = 0; list && i < n; i++) {
+    const tp_coll_record_t *e = &recs[i];
+    int p2p = e->seq == 0;
+    PyObject *d = Py_BuildValue(
+        "{s:N,s:s,s:N,s:N,s:K,s:N,s:N,s:N,s:s,s:s,s:d,s:N,s:s}", "seq", p2p ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(e->seq),
+        "op", e->op, "redop", e->redop >= 0 ? PyUnicode_FromString(tp_redop_name((tp_redop_t)e->redop)) : Py_NewRef(Py_None),
+        "dtype", e->dtype >= 0 ? PyUnicode_FromString(tp_dtype_name((tp_dtype_t)e->dtype)) : Py_NewRef(Py_None),
+        "count", (unsigned long long)e->count, "root", opt_int(p2p ? -1 : e->root), "peer", opt_int(p2p ? e->root : -1),
+        "src", opt_int(e->src), "site", e->site, "region", e->region, "start", e->start,
+        "seconds", e->seconds >= 0 ? PyFloat_FromDouble(e->seconds) : Py_NewRef(Py_None),
+        "status", e->status == TP_SUCCESS ? "ok" : e->status == TP_IN_PROGRESS ? "in progress" : tp_status_name(e->status));
+    if (!d) {
+      Py_CLEAR(list);
+      break;
+    }
+    PyList_SET_ITEM(list, i, d);
+  }
+  PyMem_Free(recs);
+  return list;
+}
+
+/* set_region(name or None) -> the previous region's name */
+static PyObject *comm_set_region(PyObject *o, PyObject *arg) {
+  CommObject *self = (CommObject *)o;
+  if (!live(self, "set_region")) return NULL;
+  const char *name = NULL;
+  if (arg != Py_None) {
+    if (!PyUnicode_Check(arg)) {
+      PyErr_Format(PyExc_TypeError, "set_region: name must be a str or None, got %s", Py_TYPE(arg)->tp_name);
+      return NULL;
+    }
+    Py_ssize_t len;
+    name = PyUnicode_AsUTF8AndSize(arg, &len);
+    if (!name) return NULL;
+    if (len >= TP_COMM_REGION_NAME_MAX || strlen(name) != (size_t)len) {
+      PyErr_Format(PyExc_ValueError, "set_region: name must be at most %d characters without NUL, got %R",
+                   TP_COMM_REGION_NAME_MAX - 1, arg);
+      return NULL;
+    }
+  }
+  return PyUnicode_FromString(tp_comm_set_region(self->comm, name));
 }
 
 static PyObject *comm_get_int(PyObject *o, void *which) {
@@ -574,7 +647,9 @@ static PyMethodDef comm_methods[] = {
     {"alloc", comm_alloc, METH_VARARGS, "alloc(nbytes) -> SharedBuffer (collective)"},
     {"abort", comm_abort, METH_VARARGS, "abort(reason=''): fail the communicator on every rank"},
     {"close", comm_close, METH_NOARGS, "close(): release this rank's resources"},
-    {"stats", comm_stats, METH_NOARGS, "stats() -> dict"},
+    {"stats", comm_stats, METH_NOARGS, "stats() -> dict (with 'regions': {name: {calls, bytes, seconds}})"},
+    {"history", comm_history, METH_NOARGS, "history() -> the last calls (TPCORE_HISTORY), oldest first, as dicts"},
+    {"set_region", comm_set_region, METH_O, "set_region(name or None) -> the previous region's name"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -161,13 +161,21 @@ static inline void comm_leave(CommObject *self) {
   }
 }
 
-/* st = expr, run with the GIL released; expr may name the communicator as c_. */
+/* site.c: the package's folder (at module exec), and the call site ("file.py:LINE" of the
+ * first frame outside tpcore) handed to the core for its history; reset with NULL after. */
+void site_init(PyObject *module);
+void comm_set_call_site(tp_comm_t c);
+
+/* st = expr, run with the GIL released; expr may name the communicator as c_.  The calls
+ * it makes carry the Python caller's site (site.c). */
 #define COMM_CALL(self, st, expr)           \
   do {                                      \
     tp_comm_t c_ = (self)->comm;            \
     (self)->inflight++;                     \
+    comm_set_call_site(c_);                 \
     Py_BEGIN_ALLOW_THREADS st = (expr);     \
     Py_END_ALLOW_THREADS                    \
+    if (c_) tp_comm_set_site(c_, NULL);     \
     comm_leave(self);                       \
   } while (0)
 

@@ -83,6 +83,7 @@ static PyMethodDef module_methods[] = {
 
 static int module_exec(PyObject *m) {
   module_state *st = PyModule_GetState(m);
+  site_init(m);
   st->CommError = PyErr_NewExceptionWithDoc(
       "tpcore.CommError",
       "A collective failed: a peer failed, aborted, died or called a different collective. "

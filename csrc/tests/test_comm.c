@@ -295,6 +295,85 @@ static void test_errors(tp_comm_t c, int n, int r) {
   EXPECT(st != TP_SUCCESS, "barrier after mismatch succeeded");
 }
 
+/* The history ring, call sites, regions and their statistics; the ring size from
+ * TPCORE_HISTORY (a split reads it); a desync named with every rank's site. */
+static void test_history(tp_comm_t c, int n, int r) {
+  float x[8];
+  for (int i = 0; i < 8; i++) x[i] = (float)(r + i + 1);
+  OK(tp_comm_set_site(c, "a.c:1"));
+  OK(tp_all_reduce(x, x, 5, TP_FLOAT32, TP_SUM, c, NULL));
+  const char *prev = tp_comm_set_region(c, "mlp");
+  EXPECT(prev && strcmp(prev, "other") == 0, "previous region %s", prev ? prev : "(null)");
+  OK(tp_barrier(c, NULL));
+  EXPECT(strcmp(tp_comm_set_region(c, prev), "mlp") == 0, "set_region returns the tag it replaces");
+  OK(tp_comm_set_site(c, NULL));
+  OK(tp_broadcast(x, x, 3, TP_FLOAT32, n - 1, c, NULL));
+  for (int i = 0; i < 3; i++)
+    EXPECT(x[i] == (float)(n * (n - 1) / 2 + n * (i + 1)), "x[%d] = %g", i, x[i]); /* summed, then broadcast */
+  tp_coll_record_t h[8];
+  int k = -1;
+  OK(tp_comm_history(c, h, 8, &k));
+  EXPECT(k == 3, "history holds %d", k);
+  if (k == 3) {
+    EXPECT(h[0].seq == 1 && strcmp(h[0].op, "all_reduce") == 0 && h[0].redop == TP_SUM && h[0].dtype == TP_FLOAT32 &&
+           h[0].count == 5 && h[0].root == -1 && strcmp(h[0].site, "a.c:1") == 0 && strcmp(h[0].region, "other") == 0,
+           "entry 0: %s %s", h[0].op, h[0].site);
+    EXPECT(h[1].seq == 2 && strcmp(h[1].op, "barrier") == 0 && h[1].dtype == -1 && strcmp(h[1].site, "a.c:1") == 0 &&
+           strcmp(h[1].region, "mlp") == 0, "entry 1: %s %s %s", h[1].op, h[1].site, h[1].region);
+    EXPECT(h[2].seq == 3 && strcmp(h[2].op, "broadcast") == 0 && h[2].root == n - 1 && strcmp(h[2].site, "C") == 0,
+           "entry 2: %s %s", h[2].op, h[2].site);
+    for (int i = 0; i < 3; i++)
+      EXPECT(h[i].status == TP_SUCCESS && h[i].seconds >= 0 && (i == 0 || h[i].start >= h[i - 1].start), "entry %d", i);
+  }
+  OK(tp_comm_history(c, h, 1, &k)); /* the newest only */
+  EXPECT(k == 1 && h[0].seq == 3, "max 1: %d entries, seq %llu", k, (unsigned long long)h[0].seq);
+  tp_comm_region_stats_t rs[4];
+  OK(tp_comm_region_stats(c, rs, 4, &k));
+  EXPECT(k == 2 && strcmp(rs[0].name, "other") == 0 && rs[0].calls == 2 && rs[0].bytes == 8 * sizeof(float) &&
+         strcmp(rs[1].name, "mlp") == 0 && rs[1].calls == 1 && rs[1].bytes == 0, "region stats (%d)", k);
+  tp_comm_stats_t st;
+  OK(tp_comm_get_stats(c, &st));
+  EXPECT(k == 2 && fabs(rs[0].seconds + rs[1].seconds - st.seconds) < 1e-12, "regions add up");
+  /* Bad arguments; a long site is cut, not overrun. */
+  EXPECT(tp_comm_history(c, NULL, 4, &k) == TP_ERR_INVALID_ARGUMENT, "NULL out");
+  EXPECT(tp_comm_history(c, h, -1, &k) == TP_ERR_INVALID_ARGUMENT, "negative max");
+  EXPECT(tp_comm_region_stats(NULL, rs, 4, &k) == TP_ERR_INVALID_ARGUMENT, "NULL comm");
+  EXPECT(tp_comm_set_region(NULL, "x") == NULL && tp_comm_set_site(NULL, "x") == TP_ERR_INVALID_ARGUMENT, "NULL comm");
+  char longsite[200];
+  memset(longsite, 'y', sizeof longsite - 1);
+  longsite[sizeof longsite - 1] = '\0';
+  OK(tp_comm_set_site(c, longsite));
+  OK(tp_barrier(c, NULL));
+  OK(tp_comm_history(c, h, 1, &k));
+  EXPECT(strlen(h[0].site) == TP_COMM_SITE_MAX - 1, "site cut to %zu", strlen(h[0].site));
+  /* TPCORE_HISTORY: a split's ring of 3; 0 keeps none; a bad value is refused by name. */
+  setenv("TPCORE_HISTORY", "3", 1);
+  tp_comm_t s = NULL;
+  OK(tp_comm_split(c, 0, r, &s));
+  setenv("TPCORE_HISTORY", "bad", 1);
+  tp_comm_t bad = NULL;
+  EXPECT(tp_comm_split(c, 0, r, &bad) == TP_ERR_INVALID_ARGUMENT && strstr(tp_last_error(), "TPCORE_HISTORY") &&
+         !bad, "bad TPCORE_HISTORY: %s", tp_last_error());
+  unsetenv("TPCORE_HISTORY");
+  if (!s) return;
+  for (int i = 0; i < 5; i++) OK(tp_barrier(s, NULL));
+  int cap = 0;
+  OK(tp_comm_history_capacity(s, &cap));
+  OK(tp_comm_history(s, h, 8, &k));
+  EXPECT(cap == 3 && k == 3 && h[0].seq == 3 && h[2].seq == 5, "split ring: cap %d, %d entries", cap, k);
+  /* A desync, named with both sites on every rank. */
+  if (n > 1) {
+    OK(tp_comm_set_site(s, r == 0 ? "x.c:1" : "y.c:2"));
+    tp_status_t e = r == 0 ? tp_all_reduce(x, x, 4, TP_FLOAT32, TP_SUM, s, NULL) : tp_barrier(s, NULL);
+    EXPECT(e == TP_ERR_MISMATCH, "desync gave %s", tp_status_name(e));
+    EXPECT(strstr(tp_last_error(), "all_reduce(sum, 4 float32) at x.c:1") && strstr(tp_last_error(), "barrier at y.c:2"),
+           "desync message: %s", tp_last_error());
+    OK(tp_comm_history(s, h, 8, &k));
+    EXPECT(k == 3 && h[2].status == TP_ERR_MISMATCH && h[2].seq == 6, "failed entry: %d", k);
+  }
+  tp_comm_destroy(s);
+}
+
 /* Registered memory turned off (config field or TPCORE_REGISTERED_MEMORY=0):
  * mem_alloc declines with TP_ERR_UNSUPPORTED, on splits too; collectives work. */
 static void test_registered_off(int n, int r, const char *job) {
@@ -381,6 +460,7 @@ static void run_rank(int n, int r, int which) {
     case 1: test_gather_scatter(c, n, r); break;
     case 2: test_p2p_split_registered(c, n, r); break;
     case 3: test_errors(c, n, r); break;
+    case 8: test_history(c, n, r); break;
     case 4: { /* a rank that dies: the others fail fast, naming it */
       if (n < 2) break;
       if (r == n - 1) _exit(0); /* dies without closing */
@@ -408,12 +488,13 @@ static void run_rank(int n, int r, int which) {
 }
 
 static const char *case_names[] = {"all_reduce", "gather_scatter_bcast_reduce", "p2p_split_registered",
-                                   "errors", "dead_rank", "missing_rank", "registered_memory_off", "wait_modes"};
+                                   "errors", "dead_rank", "missing_rank", "registered_memory_off", "wait_modes",
+                                   "history"};
 
 int main(void) {
   snprintf(g_job, sizeof g_job, "ctest%d", (int)getpid());
   int passed = 0, failed = 0;
-  for (int which = 0; which < 8; which++) {
+  for (int which = 0; which < 9; which++) {
     for (int n = 1; n <= 4; n++) {
       pid_t pids[4];
       for (int r = 0; r < n; r++) {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import operator
+from contextlib import contextmanager
 from typing import Optional, Sequence
 
 import numpy as np
@@ -332,8 +333,30 @@ class Comm:
 
     def stats(self) -> dict:
         """Calls, payload bytes, registered-path calls and seconds spent in
-        communication by this rank since init."""
+        communication by this rank since init; "regions": the same per region
+        ("attention", "mlp", "embedding", "head" as the layers tag their
+        collectives, "other" for the rest), whose seconds add up to the total."""
         return self._c.stats()
+
+    def history(self) -> list:
+        """This rank's last calls on the communicator (TPCORE_HISTORY of them,
+        default 64; 0 keeps none), oldest first, as dicts: seq (the collective's
+        number, the same on every rank; None for send / recv), op, redop, dtype,
+        count, root, peer, src, site ("file.py:LINE" of the caller outside tpcore),
+        region, start (time.monotonic() clock), seconds (None while running),
+        status ("ok", "in progress", or the error's kind)."""
+        return self._c.history()
+
+    @contextmanager
+    def _region(self, name: Optional[str]):
+        """Tags the collectives of the block with region `name` in stats() and
+        history() (the layers tag theirs: "attention", "mlp", "embedding", "head")."""
+        prev = self._c.set_region(name)
+        try:
+            yield self
+        finally:
+            if not self._c.closed:
+                self._c.set_region(prev)
 
     def abort(self, reason: str = "") -> None:
         """Fail the communicator on every rank: their pending and future calls

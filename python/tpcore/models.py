@@ -325,6 +325,10 @@ class TransformerLM:
         return self.forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
 
     def _logits_shard(self, h2, reuse: bool = False):
+        with self.comm._region("head"):  # the head's collectives (if any) in comm.stats()["regions"]
+            return self._logits_shard_(h2, reuse)
+
+    def _logits_shard_(self, h2, reuse):
         # tpcore's BLAS in C (GIL released): NumPy's own BLAS threads would spin after each call
         # and compete with tpcore's for the cores.  reuse: write into a buffer kept across training
         # steps (the logits shard is the largest activation; a fresh one costs page faults each step)
@@ -347,7 +351,9 @@ class TransformerLM:
 
     def _gather_logits(self, shard):
         shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard  # sampling runs on the host
-        return self.comm.all_gather(np.ascontiguousarray(shard), axis=-1, sizes=[s for _, s in self.vocab_partition])
+        with self.comm._region("head"):
+            return self.comm.all_gather(np.ascontiguousarray(shard), axis=-1,
+                                        sizes=[s for _, s in self.vocab_partition])
 
     def logits(self, tokens, attention_mask=None, token_type_ids=None) -> np.ndarray:
         """(B, T, vocab) float32 logits, the full vocabulary on every rank."""
@@ -409,12 +415,13 @@ class TransformerLM:
         if self._last:
             dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
             h2 = ctx["h2"]
-            if self.lm_head is None:
-                dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight)
-                if comm.size > 1:
-                    comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
-            else:
-                dh = self.lm_head.backward(dshard)
+            with comm._region("head"):
+                if self.lm_head is None:
+                    dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight)
+                    if comm.size > 1:
+                        comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
+                else:
+                    dh = self.lm_head.backward(dshard)
             if self.final_norm is not None:
                 dh = self.final_norm.backward(dh)
             dh = dh.reshape(B, T, self.config.hidden)
@@ -440,12 +447,13 @@ class TransformerLM:
         comm, B, T, C = self.comm, ctx["B"], ctx["T"], self.config.hidden
         dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
         h2 = ctx["h2"]
-        if self.lm_head is None:  # tied: dW into the embedding's gradient, dh summed over the vocab shards
-            dh = _C.d_linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight)
-            if comm.size > 1:
-                comm.all_reduce(dh)
-        else:
-            dh = self._dev(self.lm_head.backward(self._layer_in(dshard)))
+        with comm._region("head"):
+            if self.lm_head is None:  # tied: dW into the embedding's gradient, dh summed over the vocab shards
+                dh = _C.d_linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight)
+                if comm.size > 1:
+                    comm.all_reduce(dh)
+            else:
+                dh = self._dev(self.lm_head.backward(self._layer_in(dshard)))
         if self.final_norm is not None:
             dh = self.final_norm.backward(dh)
         dh = self._layer_in(self._dev(dh, (B, T, C)))

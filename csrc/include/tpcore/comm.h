@@ -152,6 +152,55 @@ typedef struct {
 } tp_comm_stats_t;
 TP_API tp_status_t tp_comm_get_stats(tp_comm_t comm, tp_comm_stats_t *stats);
 
+/* ---- collective history and regions (csrc/comm/history.c) ----------------
+ * Every communicator keeps a ring of its last N calls (TPCORE_HISTORY=N, default
+ * 64; 0 turns it off): op, dtype, count, root or peer, the collective's number
+ * (the same on every rank), the call site, the region, start, duration, status.
+ * When a collective fails with a mismatch or a timeout every rank prints its ring
+ * (the last 16 entries) to stderr, and the shm backend names the first divergence
+ * across ranks ("rank 2 called all_gather(4096 bfloat16) at model.py:88 while
+ * ranks 0, 1, 3 called all_reduce(sum, 4096 float32) at model.py:91"). */
+#define TP_COMM_SITE_MAX 48
+#define TP_COMM_REGION_NAME_MAX 24
+#define TP_COMM_REGIONS_MAX 16
+
+typedef struct {
+  uint64_t seq;         /* the collective's number on this communicator (1, 2, ...); 0: point to point */
+  const char *op;       /* "all_reduce", "barrier", "send", ... (static)                            */
+  int redop;            /* tp_redop_t of a reduction, -1 otherwise                                  */
+  int dtype;            /* tp_dtype_t, -1 when the call moves no typed data (barrier, split, alloc) */
+  uint64_t count;       /* elements (this rank's part of all_gather / reduce_scatter); alloc: bytes */
+  int root;             /* broadcast / reduce root, send / recv peer, sendrecv destination; else -1 */
+  int src;              /* sendrecv source; else -1                                                 */
+  char site[TP_COMM_SITE_MAX]; /* "file.py:LINE" of the caller, or "C"                              */
+  const char *region;   /* "attention", "mlp", "embedding", "head", "other", ... (lives with comm) */
+  double start;         /* tp_now() when the call began                                            */
+  double seconds;       /* its duration; < 0 while it runs                                         */
+  tp_status_t status;   /* TP_IN_PROGRESS while it runs                                           */
+} tp_coll_record_t;
+
+/* The call site of the next calls on comm ("model.py:91", copied, cut at
+ * TP_COMM_SITE_MAX - 1 bytes); it stays until changed.  NULL or "": "C". */
+TP_API tp_status_t tp_comm_set_site(tp_comm_t comm, const char *site);
+/* Tags the next calls' statistics and history with a region ("attention", "mlp", ...;
+ * copied, at most TP_COMM_REGION_NAME_MAX - 1 characters; NULL or "": "other").  Returns
+ * the previous tag (restore it when done), or NULL when comm is NULL.  A communicator
+ * keeps up to TP_COMM_REGIONS_MAX names; calls under further names count as "other". */
+TP_API const char *tp_comm_set_region(tp_comm_t comm, const char *name);
+/* The ring, oldest first: up to `max` of the newest entries into out; *n how many. */
+TP_API tp_status_t tp_comm_history(tp_comm_t comm, tp_coll_record_t *out, int max, int *n);
+/* Entries the ring holds at most (TPCORE_HISTORY; 0: off). */
+TP_API tp_status_t tp_comm_history_capacity(tp_comm_t comm, int *capacity);
+
+typedef struct {
+  const char *name;
+  uint64_t calls;   /* completed calls under this region */
+  uint64_t bytes;   /* their payload bytes (as tp_comm_stats_t.bytes) */
+  double seconds;   /* their time (the regions' seconds add up to tp_comm_stats_t.seconds) */
+} tp_comm_region_stats_t;
+/* The regions seen so far ("other" first): up to max into out, *n how many. */
+TP_API tp_status_t tp_comm_region_stats(tp_comm_t comm, tp_comm_region_stats_t *out, int max, int *n);
+
 /* The backends of this build, in registry order (the first is the default):
  * index 0, 1, ... until NULL. */
 TP_API const char *tp_comm_backend_name(int index);

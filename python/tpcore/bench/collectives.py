@@ -146,6 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress on stderr")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds any one implementation's run may take, default 3600")
+    p.add_argument("--history", choices=("on", "off"), default=None,
+                   help="the communicators' call history (TPCORE_HISTORY): off measures without it; "
+                        "default: as the environment says (on)")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="run N busy (spinning) processes beside the ranks for the whole run, default 0")
 
@@ -246,13 +249,25 @@ def run(args) -> int:
     numpy_dtype(plan.dtype)  # a missing ml_dtypes (bfloat16) stops here, not in every rank
     peer_names = [] if args.peers == "none" else (list(PEERS) if args.peers == "auto" else args.peers)
     env = env_info()
-    with BackgroundLoad(args.background_load) as load:
-        return _run_loaded(args, plan, peer_names, env, load, rank_main, tpcore)
+    saved = os.environ.get("TPCORE_HISTORY")
+    if args.history == "off":
+        os.environ["TPCORE_HISTORY"] = "0"  # the ranks inherit it
+    elif args.history == "on" and saved == "0":
+        del os.environ["TPCORE_HISTORY"]
+    try:
+        with BackgroundLoad(args.background_load) as load:
+            return _run_loaded(args, plan, peer_names, env, load, rank_main, tpcore)
+    finally:
+        if saved is None:
+            os.environ.pop("TPCORE_HISTORY", None)
+        else:
+            os.environ["TPCORE_HISTORY"] = saved
 
 
 def _run_loaded(args, plan, peer_names, env, load, rank_main, tpcore) -> int:
     _report.print_header(env, args, plan, peer_names, mpirun=args.mpirun)
     print(f"#  background load: {load.describe()}")
+    print(f"#  call history: {'off (TPCORE_HISTORY=0)' if os.environ.get('TPCORE_HISTORY') == '0' else 'on'}")
     progress = Progress(args.progress)
     t_start = time.perf_counter()
 
