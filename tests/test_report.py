@@ -106,6 +106,17 @@ def test_report_quick_end_to_end(tmp_path):
     kv_total = 2 * L * data["batch"] * (data["prompt"] + data["new"]) * cfg["kv_heads"] * cfg["head_dim"] * 4
     assert one["kv_bytes"] == [kv_total] and two["kv_bytes"] == [kv_total // 2] * 2
     assert data["advice"] and all(any(ch.isdigit() for ch in line) for line in data["advice"])
+    # collectives per layer kind in the decode steps: one all-reduce of B x hidden float32 after the
+    # attention and one after the MLP of every block, per step; the regions add up to the total
+    steps, B = data["new"] - 1, data["batch"]
+    dec = two["comm_decode"]
+    for kind in ("attention", "mlp"):
+        assert dec[kind]["calls"] == L * steps and dec[kind]["bytes"] == L * steps * B * C * 4
+    assert dec["embedding"]["calls"] == steps and dec["head"]["calls"] == steps
+    assert sum(v["calls"] for k, v in dec.items() if k != "total") == dec["total"]["calls"]
+    assert sum(v["seconds_min"] for k, v in dec.items() if k != "total") <= dec["total"]["seconds_max"] * 1.0001
+    # the link table compares the same message size in the collectives benchmark
+    assert any(b["op"] == "all_reduce" and b["bytes"] == B * C * 4 and b["wrong"] == 0 for b in two["bench"])
     # serving: every concurrency level at every world size, the tokens checked against generate
     for row in (one, two):
         assert sorted(int(c) for c in row["serve"]) == data["concurrency"] == [1, 4]
