@@ -40,7 +40,8 @@ def _data(decode_tok_s_2, comm_s_2, read_gbs=20.0):
         step = 1.0 / tok_s
         return {"n": n, "threads": 2 // n, "prefill_s": 0.5 / n, "ttft_s": 0.6 / n, "decode_s": 31 * step,
                 "p50_s": step, "p99_s": step * 1.2, "steps_s": [step] * 31, "param_bytes": [params] * n,
-                "kv_bytes": [1 << 20] * n, "rss_peak_bytes": [params + (60 << 20)] * n, "prefill_tok_s": 128 * n,
+                "kv_bytes": [1 << 20] * n, "rss_peak_bytes": [params + (60 << 20)] * n,
+                "rss_load_bytes": [params + (40 << 20)] * n, "rss_load_peak_bytes": [2 * params] * n, "prefill_tok_s": 128 * n,
                 "decode_tok_s": tok_s, "same_tokens": True,
                 "comm_decode": {"attention": {"calls": 124, "bytes": 124 * 4096, "seconds_max": comm_s * 31 / 2,
                                               "seconds_min": comm_s * 31 / 4},
@@ -71,8 +72,12 @@ def test_advice_follows_the_measurements():
     assert "at 16.0 GB/s = 80% of this host's measured read bandwidth" in s and "bound by memory" in s
     relaxed = "\n".join(report.advice(_data(70.0, 0.001, read_gbs=100.0)))
     assert "= 16% of this host's" in relaxed and "not bound by memory" in relaxed
-    # the link line compares the model's all-reduce with the benchmark's at the same size
-    assert "against 3.0 us in the collectives benchmark" in s
+    # the link line compares the model's all-reduce with the benchmark's at the same size: 6 ms per call
+    # against 3 us is waiting, not the link (and saving all of the link's 248 calls x 3 us / 31 steps)
+    assert "against 3.0 us in the collectives benchmark" in s and "ranks waiting for each other" in s
+    assert "a faster link would save at most 0.02 ms per step" in s
+    # the load's peak (twice the parameters) against the steady state
+    assert "building or loading the model peaked at 800 MB per rank, 1.81x the 442 MB resident" in s
     # every number in the advice comes from the data: change the data, the text changes
     d = _data(30.0, 0.012)
     d2 = copy.deepcopy(d)

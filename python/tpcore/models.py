@@ -511,18 +511,7 @@ class TransformerLM:
         gen = getattr(self, "generation_config", {}) or {}
         if eos_token_id is None:
             eos_token_id = gen.get("eos_token_id")
-        # one id or several (Llama 3 Instruct stops on any of three); ids outside the vocabulary
-        # (e.g. GPT-2's 50256 in a small test model, or -1: never stop) can never be emitted
-        if eos_token_id is None:
-            eos = []
-        elif isinstance(eos_token_id, np.ndarray):
-            eos = list(eos_token_id.reshape(-1))
-        else:
-            eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
-        if not all(is_int(e) for e in eos):
-            raise TypeError(f"generate: eos_token_id must be an integer, a list of integers or None, got "
-                            f"{shown(eos_token_id)}")
-        eos_ids = [int(e) for e in eos if 0 <= e < cfg.vocab_size]
+        eos_ids = eos_ids_arg(eos_token_id, cfg.vocab_size, who)
         if pad_token_id is None:
             pad_token_id = gen.get("pad_token_id")
             if pad_token_id is None:
@@ -736,6 +725,22 @@ def _prompts(prompts, who: str) -> list:
         raise ValueError(f"{who}: every prompt needs at least one token (got {len(seqs)} prompts of lengths "
                          f"{[q.size for q in seqs]})")
     return seqs
+
+
+def eos_ids_arg(eos_token_id, vocab_size: int, who: str) -> list:
+    """eos_token_id (None, one id, or several: Llama 3 Instruct stops on any of three) as the list
+    of ids that can be emitted: ids outside the vocabulary (e.g. GPT-2's 50256 in a small test
+    model, or -1: never stop) never are."""
+    if eos_token_id is None:
+        eos = []
+    elif isinstance(eos_token_id, np.ndarray):
+        eos = list(eos_token_id.reshape(-1))
+    else:
+        eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    if not all(is_int(e) for e in eos):
+        raise TypeError(f"{who}: eos_token_id must be an integer, a list of integers or None, got "
+                        f"{shown(eos_token_id)}")
+    return [int(e) for e in eos if 0 <= int(e) < vocab_size]
 
 
 def _result(out):

@@ -38,6 +38,7 @@ import numpy as np
 from . import _C
 from ._args import agree, fingerprint, int_arg, int_array, is_int, real_arg, seed_arg, shown
 from ._array import DeviceArray
+from .models import eos_ids_arg
 
 __all__ = ["Engine", "Request"]
 
@@ -136,17 +137,7 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def _eos(self, eos_token_id, who) -> List[int]:
-        if eos_token_id is None:
-            return []
-        if isinstance(eos_token_id, np.ndarray):
-            eos = list(eos_token_id.reshape(-1))
-        else:
-            eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
-        if not all(is_int(e) for e in eos):
-            raise TypeError(f"{who}: eos_token_id must be an integer, a list of integers or None, got "
-                            f"{shown(eos_token_id)}")
-        # ids outside the vocabulary (-1: never stop) can never be emitted, as in generate()
-        return [int(e) for e in eos if 0 <= int(e) < self.model.config.vocab_size]
+        return eos_ids_arg(eos_token_id, self.model.config.vocab_size, who)
 
     def submit(self, prompt, max_new_tokens: int, eos_token_id=None, temperature: float = 0.0,
                top_k: Optional[int] = None, seed: int = 0) -> Request:

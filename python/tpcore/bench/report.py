@@ -45,9 +45,8 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ._sweep import Plan, Progress, env_info, human_bytes, sweep
+from .decode import GPT2_SMALL  # the decode benchmark's GPT-2-small shapes
 
-GPT2_SMALL = dict(vocab_size=50257, hidden=768, layers=12, heads=12, ffn_hidden=3072, max_positions=1024,
-                  activation="gelu_tanh", positions="learned", model_type="gpt2")
 # Llama 3.2 1B's shapes (GQA 32/8, SwiGLU, RMSNorm, RoPE, tied head), random weights
 LLAMA_1B = dict(vocab_size=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn_hidden=8192, norm="rmsnorm",
                 eps=1e-5, activation="swiglu", positions="rope", rope_theta=500000.0, max_positions=2048, bias=False,
@@ -159,17 +158,19 @@ def _timed(fn) -> float:
 
 
 # ---------------------------------------------------------------- one world size (every rank)
-def _vm_hwm_bytes() -> Optional[int]:
-    """Peak resident memory of this process (VmHWM), from /proc."""
+def _proc_status(key: str) -> Optional[int]:
+    """A byte count of /proc/self/status (VmRSS: resident now, VmHWM: the peak so far)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if key == "VmHWM":
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
 
 
 def _model(comm, spec: dict):
@@ -214,6 +215,7 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
     tag = f"[report] world {n}"
     prog.status(f"{tag}: building the model", important=True)
     model = _model(comm, spec)
+    loaded = {"rss_load_bytes": _proc_status("VmRSS"), "rss_load_peak_bytes": _proc_status("VmHWM")}
     cfg = model.config
     B, T, new = prompts.shape[0], prompts.shape[1], spec["new"]
     model.generate(prompts[:, :min(T, 4)], max_new_tokens=2)  # warm-up: allocations, first touch, threads
@@ -270,7 +272,8 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
             for key in ("ttft_s", "latency_s", "tokens"):  # per-request lists: the percentiles stay
                 m.pop(key, None)
             result["serve"][c] = m
-    result["rss_peak_bytes"] = _vm_hwm_bytes()
+    result.update(loaded)
+    result["rss_peak_bytes"] = _proc_status("VmHWM")
     prog.done()
     return result
 
@@ -289,7 +292,8 @@ def _world_row(res: List[dict], B: int, T: int, new: int) -> dict:
            "ttft_s": max(r["ttft_s"] for r in res), "decode_s": dec,
            "p50_s": _pct(steps, 50), "p99_s": _pct(steps, 99), "steps_s": steps.tolist(),
            "param_bytes": [r["param_bytes"] for r in res], "kv_bytes": [r["kv_bytes"] for r in res],
-           "rss_peak_bytes": [r["rss_peak_bytes"] for r in res], "tokens": res[0]["tokens"],
+           "rss_peak_bytes": [r["rss_peak_bytes"] for r in res], "rss_load_bytes": [r["rss_load_bytes"] for r in res],
+           "rss_load_peak_bytes": [r["rss_load_peak_bytes"] for r in res], "tokens": res[0]["tokens"],
            "same_tokens_across_ranks": all(r["tokens"] == res[0]["tokens"] for r in res)}
     row["prefill_tok_s"] = B * T / row["prefill_s"]
     row["decode_tok_s"] = B * (new - 1) / dec if new > 1 and dec > 0 else float("nan")
@@ -528,8 +532,11 @@ def advice(data: dict) -> List[str]:
                    f"inside the model on the rank that waits least and {1e6 * t_max:.1f} us on the rank that waits "
                    f"most, against {_bench_us(b):.1f} us in the collectives benchmark at the same size "
                    f"({t_min * 1e6 / _bench_us(b):.2f}x): " +
-                   ("the difference is ranks arriving at different times (skew, or ranks sharing cores)."
-                    if t_max > 1.5 * t_min else "the link runs at its benchmark speed inside the model."))
+                   (f"the extra time is ranks waiting for each other (their work between collectives ends at "
+                    f"different times: uneven compute, shared cores or memory bandwidth), not the link; a faster "
+                    f"link would save at most {_bench_us(b) * calls / max(len(r['steps_s']), 1) / 1e3:.2f} ms per "
+                    f"step." if t_min * 1e6 > 2 * _bench_us(b)
+                    else "the link runs at its benchmark speed inside the model."))
     # prefill: the GEMM rate against the host's peak
     fl = _prefill_flops(data)
     for r in rows:
@@ -548,8 +555,14 @@ def advice(data: dict) -> List[str]:
         rss, rss1 = max(r["rss_peak_bytes"]), max(base["rss_peak_bytes"])
         out.append(f"TP={r['n']} holds {100 * p / p1:.0f}% of TP={base['n']}'s parameter bytes per rank "
                    f"({_mb(p):.0f} vs {_mb(p1):.0f} MB) and peaks at {100 * rss / rss1:.0f}% of its resident memory "
-                   f"({_mb(rss):.0f} vs {_mb(rss1):.0f} MB): each rank's fixed cost beyond parameters and KV cache "
-                   f"is about {_mb(rss - p - max(r['kv_bytes'])):.0f} MB (interpreter, libraries, buffers).")
+                   f"({_mb(rss):.0f} vs {_mb(rss1):.0f} MB).")
+    for r in rows:
+        load, peak_load = max(r["rss_load_bytes"] or [0]), max(r["rss_load_peak_bytes"] or [0])
+        p = max(r["param_bytes"])
+        if load and peak_load > 1.2 * load:
+            out.append(f"at TP={r['n']} building or loading the model peaked at {_mb(peak_load):.0f} MB per rank, "
+                       f"{peak_load / load:.2f}x the {_mb(load):.0f} MB resident after it ({_mb(p):.0f} MB of them "
+                       f"parameters): plan memory for the load's peak, not the steady state.")
     # cores
     for r in rows:
         if r["n"] * r["threads"] > cores:
@@ -623,11 +636,15 @@ def markdown(data: dict, plots: List[str]) -> str:
     body = []
     for r in rows:
         p, kv, rss = max(r["param_bytes"]), max(r["kv_bytes"]), max(r["rss_peak_bytes"])
-        body.append([r["n"], f"{_mb(p):.1f}", f"{_mb(kv):.2f}", f"{_mb(rss):.0f}",
+        body.append([r["n"], f"{_mb(p):.1f}", f"{_mb(kv):.2f}", f"{_mb(max(r['rss_load_bytes'])):.0f}",
+                     f"{_mb(max(r['rss_load_peak_bytes'])):.0f}", f"{_mb(rss):.0f}",
                      " / ".join(f"{_mb(x):.0f}" for x in r["rss_peak_bytes"]),
                      f"{100 * p / max(base['param_bytes']):.0f}%", f"{100 * rss / max(base['rss_peak_bytes']):.0f}%"])
-    w.append(_table(["ranks", "params MB", "KV cache MB", "peak RSS MB (max)", "peak RSS MB per rank",
-                     "params vs world 1", "peak RSS vs world 1"], body))
+    w.append(_table(["ranks", "params MB", "KV cache MB", "RSS after load MB", "peak during load MB",
+                     "peak RSS MB (whole run)", "peak RSS MB per rank", "params vs world 1", "peak RSS vs world 1"],
+                    body))
+    w.append("\nKV cache: the generate measurement's (batch x (prompt + new) positions); the serving runs "
+             "allocate their own slots (concurrency x their longest request) and are in the whole run's peak.\n")
     w.append("\n## Time in collectives, per layer kind\n\nPer decode step (one token for every sequence) and for "
              "the prefill; seconds are the slowest rank's (waiting for peers included).\n\n")
     body = []
@@ -645,6 +662,9 @@ def markdown(data: dict, plots: List[str]) -> str:
                              f"{1e3 * v['seconds_max'] / div:.3f}", f"{100 * v['seconds_max'] / span:.1f}%"])
     w.append(_table(["ranks", "phase", "layer kind", "calls", "bytes", "ms (max rank)", "share of the phase"], body)
              if body else "(one world size: no collectives)\n")
+    w.append("\nattention, mlp: the blocks' all-reduces; embedding: the vocab-parallel lookup's; head: the LM "
+             "head's logits gather; other: generate's argument agreement and the KV cache's registered-buffer "
+             "allocation (collective), where the ranks also absorb their skew on entry.\n")
     w.append(f"\nBytes through collectives per generated token (per rank): " +
              ", ".join(f"TP={r['n']} {human_bytes(r['bytes_per_token'])}" for r in rows) + ".\n")
     w.append("\n## The link: inside the model against the collectives benchmark\n\n")
@@ -688,7 +708,7 @@ def markdown(data: dict, plots: List[str]) -> str:
     if het:
         from . import hetero as hetero_bench
         w.append("\n## Mismatched devices: one rank made slower\n\n")
-        w.append(hetero_bench.markdown(het))
+        w.append(hetero_bench.markdown(het).rstrip("\n") + "\n")
     w.append("\n## Advice from these measurements\n\n")
     w.extend(f"- {line}\n" for line in data["advice"])
     if plots:

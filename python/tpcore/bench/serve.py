@@ -31,10 +31,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-GPT2_SMALL = dict(vocab_size=50257, hidden=768, layers=12, heads=12, ffn_hidden=3072, max_positions=1024,
-                  activation="gelu_tanh", positions="learned", model_type="gpt2")
-TINY = dict(vocab_size=512, hidden=64, layers=2, heads=4, ffn_hidden=256, max_positions=128,
-            activation="gelu_tanh", positions="learned", model_type="gpt2")
+from .decode import GPT2_SMALL, TINY  # the same model shapes as the decode benchmark
 
 
 def _ints(text):
