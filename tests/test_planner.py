@@ -443,3 +443,31 @@ def test_embedding_on_planned_shards():
     for part, vocab, ffn, got, want in run(_embedding_on_plan, 2):
         assert part == vocab and vocab != ffn and vocab[1] > vocab[0]
         assert np.array_equal(got, want)
+
+
+def _disagree_case(comm, how):
+    cfg = tpcore.Config(vocab_size=64, hidden=32, layers=1, heads=4, ffn_hidden=64)
+    kw = dict(speeds=[1.0, 0.5], memory_limits=[1 << 30, 1 << 30])
+    if how == "memory":
+        kw["memory_limits"] = [1 << 30, (1 << 20) * (1 + comm.rank)]
+    elif how == "align":
+        kw["align"] = 8 if comm.rank == 0 else 16
+    elif how == "one-bad":
+        kw["dtype"] = "float32" if comm.rank == 0 else "int3"
+    try:
+        tpcore.plan_partition(comm, cfg, **kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("how", ["memory", "align", "one-bad"])
+def test_ranks_that_pass_different_arguments_fail_together(how):
+    """plan_partition is a collective: arguments that differ across ranks (or a refusal on one rank)
+    are a ValueError on every rank, before anything is measured, never a plan that differs per rank."""
+    errs = tpcore.spawn(_disagree_case, 2, args=(how,), timeout=20)
+    assert all(errs), errs
+    if how == "one-bad":  # rank 1 says what it refused; rank 0 names rank 1
+        assert "dtype must be one of" in errs[1] and "rank 1 refused its arguments" in errs[0], errs
+    else:
+        assert all("the arguments" in e and "differ" in e for e in errs), errs

@@ -385,3 +385,45 @@ def test_ranks_that_submit_different_requests_get_a_value_error(how):
     want = "the submitted requests differ" if how == "prompt" else "the number of submitted requests differs"
     for r, m in enumerate(msgs):
         assert "Engine.step" in m and want in m and "same requests in the same order" in m, (r, m)
+
+
+def _failed_step_case(comm):
+    """A step that fails part-way (here the prefill's forward raises once) breaks the engine with a
+    RuntimeError naming the failure on every later step; a new engine on the same model serves
+    again and its tokens still equal generate's."""
+    cfg = tpcore.Config(**GPT2)
+    model = tpcore.models.TransformerLM(cfg, comm, seed=3)
+    eng = tpcore.Engine(model, max_batch=2, max_len=24)
+    eng.submit([5, 6, 7], 4)
+    real = model._forward
+
+    def boom(*a, **k):
+        model._forward = real
+        raise KeyboardInterrupt("stopped by the user")
+
+    model._forward = boom
+    errs = []
+    try:
+        eng.step()
+        errs.append("the failing step did not raise")
+    except KeyboardInterrupt:
+        pass
+    for _ in range(2):
+        try:
+            eng.step()
+            errs.append("a broken engine stepped")
+        except RuntimeError as e:
+            if "KeyboardInterrupt: stopped by the user" not in str(e) or "make a new one" not in str(e):
+                errs.append(f"unclear error: {e}")
+    eng2 = tpcore.Engine(model, max_batch=2, max_len=24)
+    r = eng2.submit([5, 6, 7], 4)
+    list(eng2.run())
+    want = model.generate([np.array([5, 6, 7])], max_new_tokens=4, eos_token_id=-1)
+    if r.tokens.tolist() != np.asarray(want)[0, 3:].tolist():
+        errs.append(f"new engine: {r.tokens.tolist()} vs generate {want}")
+    return errs
+
+
+def test_a_step_that_fails_part_way_breaks_the_engine_clearly():
+    for r, errs in enumerate(run(_failed_step_case, 2)):
+        assert not errs, (r, errs)

@@ -223,8 +223,8 @@ static tp_status_t enter(tp_comm_t c, const char *op) {
 }
 
 static tp_status_t leave(tp_comm_t c, const char *op, tp_status_t st, double t0, size_t bytes) {
-  atomic_store(&c->busy, 0);
   tp_hist_end(c, st, tp_now() - t0, bytes); /* statistics, history, the ring printed on a desync */
+  atomic_store(&c->busy, 0);                /* after them: the next caller finds them complete */
   if (st == TP_SUCCESS) return st;
   if (st == TP_ERR_TIMEOUT || st == TP_ERR_REMOTE || st == TP_ERR_MISMATCH ||
       st == TP_ERR_ABORTED || st == TP_ERR_SYSTEM || st == TP_ERR_INTERNAL) {

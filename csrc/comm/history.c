@@ -94,6 +94,10 @@ tp_status_t tp_comm_history(tp_comm_t c, tp_coll_record_t *out, int max, int *n)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_history: NULL argument");
   if (max < 0) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_history: max must be >= 0, got %d", max);
   uint64_t have = c->ring ? (c->hist_n < (uint64_t)c->hist_cap ? c->hist_n : (uint64_t)c->hist_cap) : 0;
+  if (max == 0) {
+    *n = (int)have; /* at most the capacity, an int */
+    return TP_SUCCESS;
+  }
   uint64_t k = have < (uint64_t)max ? have : (uint64_t)max;
   for (uint64_t i = 0; i < k; i++) out[i] = c->ring[(c->hist_n - k + i) % (uint64_t)c->hist_cap];
   *n = (int)k;
@@ -218,7 +222,9 @@ void tp_hist_end(struct tp_comm *c, tp_status_t st, double dt, size_t bytes) {
     return;
   }
   if ((st == TP_ERR_MISMATCH || st == TP_ERR_TIMEOUT) && atomic_load(&c->failed) == 0) {
-    if (e && !strstr(tp_last_error(), e->site)) {
+    char at[TP_COMM_SITE_MAX + 8];
+    snprintf(at, sizeof at, " at %s", e ? e->site : "");
+    if (e && !strstr(tp_last_error(), at)) {
       /* A backend that could not name this rank's call site (mpi, nccl): add it. */
       char msg[2048], what[128], seq[24] = "";
       snprintf(msg, sizeof msg, "%s", tp_last_error());

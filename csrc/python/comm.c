@@ -514,7 +514,7 @@ static PyObject *comm_history(PyObject *o, PyObject *unused) {
   CommObject *self = (CommObject *)o;
   if (!live(self, "history")) return NULL;
   int cap = 0, n = 0;
-  tp_comm_history_capacity(self->comm, &cap);
+  tp_comm_history(self->comm, NULL, 0, &cap); /* the entries it holds now, not its capacity */
   tp_coll_record_t *recs = cap ? PyMem_Malloc(sizeof *recs * (size_t)cap) : NULL;
   if (cap && !recs) return PyErr_NoMemory();
   tp_comm_history(self->comm, recs, cap, &n);

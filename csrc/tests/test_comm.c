@@ -325,6 +325,9 @@ static void test_history(tp_comm_t c, int n, int r) {
     for (int i = 0; i < 3; i++)
       EXPECT(h[i].status == TP_SUCCESS && h[i].seconds >= 0 && (i == 0 || h[i].start >= h[i - 1].start), "entry %d", i);
   }
+  k = -1;
+  OK(tp_comm_history(c, NULL, 0, &k)); /* max 0: how many it holds */
+  EXPECT(k == 3, "max 0: holds %d", k);
   OK(tp_comm_history(c, h, 1, &k)); /* the newest only */
   EXPECT(k == 1 && h[0].seq == 3, "max 1: %d entries, seq %llu", k, (unsigned long long)h[0].seq);
   tp_comm_region_stats_t rs[4];

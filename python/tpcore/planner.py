@@ -2,7 +2,7 @@
 
     plan = tpcore.plan_partition(comm, cfg)             # every rank measures, the plan is shared
     print(plan)                                          # rank, speed, share, heads, ffn cols, vocab rows, MB
-    model = tpcore.TransformerLM(cfg, comm, plan=plan)  # or **plan.model_kwargs()
+    model = tpcore.models.TransformerLM(cfg, comm, plan=plan)  # or **plan.model_kwargs()
     plan.save("plan.json"); plan = tpcore.Plan.load("plan.json")
 
 Each rank times tpcore's own kernels (tp_linear_forward, so the compute throttle of
@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C
-from ._args import bool_arg, int_arg, is_int, shown
+from ._args import agree, bool_arg, int_arg, is_int, shown
 from .comm import Comm
 
 OBJECTIVES = ("both", "prefill", "decode")
@@ -659,17 +659,27 @@ def plan_partition(comm: Comm, config_or_layer_dims, memory_limits=None, align=N
     who = "plan_partition"
     if not isinstance(comm, Comm):
         raise TypeError(f"{who}: comm must be a tpcore.Comm, got {type(comm).__name__}")
-    d = dims_of(config_or_layer_dims, who)
-    if objective not in OBJECTIVES:
-        raise ValueError(f"{who}: objective must be one of {OBJECTIVES}, got {objective!r}")
-    if dtype not in _WBYTES:
-        raise ValueError(f"{who}: dtype must be one of {sorted(_WBYTES)}, got {shown(dtype)}")
-    rows = int_arg(rows, who, "rows", lo=1, hi=1 << 16)
     world = comm.size
-    if speeds is not None:
-        speeds = _check_speeds(speeds, world, who)
-    mem = _check_memory(memory_limits, world, who)
-    _check_align(align, d, world, who)  # argument errors before any collective
+    err, key = None, None
+    try:  # argument errors before any measurement, on every rank alike (agreed below)
+        d = dims_of(config_or_layer_dims, who)
+        if objective not in OBJECTIVES:
+            raise ValueError(f"{who}: objective must be one of {OBJECTIVES}, got {objective!r}")
+        if dtype not in _WBYTES:
+            raise ValueError(f"{who}: dtype must be one of {sorted(_WBYTES)}, got {shown(dtype)}")
+        rows = int_arg(rows, who, "rows", lo=1, hi=1 << 16)
+        if speeds is not None:
+            speeds = _check_speeds(speeds, world, who)
+        mem = _check_memory(memory_limits, world, who)
+        _check_align(align, d, world, who)
+        key = json.dumps([dataclasses.asdict(d), objective, dtype, rows, head_unit, mem, repr(align), repr(cache),
+                          speeds is None], default=repr).encode()
+    except (TypeError, ValueError) as e:
+        err = e
+    # every rank must plan from the same arguments: a mismatch is a ValueError on every rank here,
+    # not a plan that differs per rank (found later, or never)
+    agree(comm, who, [("the arguments (model dims, memory_limits, align, dtype, objective, rows, head_unit, "
+                       "cache) differ", (np.frombuffer(key or b"-", np.uint8),), None)], err)
     meas = None
     if speeds is None:
         mine = None

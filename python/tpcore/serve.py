@@ -132,6 +132,7 @@ class Engine:
         self._next_id = 0
         self._fp = 0          # running fingerprint of every submitted request, in order
         self._broken: Optional[str] = None
+        self._broken_type: type = ValueError  # what a step raises once the engine is broken
         self._st = dict(steps=0, prefills=0, decodes=0, prefill_tokens=0, prefill_padded_max=0, generated_tokens=0,
                         finished=0, peak_running=0, prefill_s=0.0, decode_s=0.0, agree_s=0.0)
 
@@ -188,7 +189,7 @@ class Engine:
         """Every rank submitted the same requests in the same order (one all-gather of two
         int64); a ValueError on every rank if not."""
         if self._broken:
-            raise ValueError(self._broken)
+            raise self._broken_type(self._broken)
         t = time.perf_counter()
         try:
             agree(self.comm, "Engine.step", [("the number of submitted requests differs", self._next_id, str),
@@ -204,6 +205,7 @@ class Engine:
             if self._running:
                 self._broken = ("Engine.step: the model's KV cache was reallocated (generate() or cache() ran) "
                                 "while requests were running: their cached tokens are gone; make a new engine")
+                self._broken_type = RuntimeError
                 raise RuntimeError(self._broken)
             m.cache(self.max_batch, self.max_len)  # nothing running: take the cache back
             self._cache_ref = m.blocks[0]._filled
@@ -244,8 +246,19 @@ class Engine:
 
     def step(self) -> List[Request]:
         """One iteration: admit, prefill the admitted, decode the running.  Returns the requests
-        that finished in it (in the order they were admitted).  Collective (every rank)."""
+        that finished in it (in the order they were admitted).  Collective (every rank).  A step
+        that fails part-way (an interrupt, a communication error, memory) leaves requests without
+        their tokens or cache rows: every later step raises RuntimeError naming that failure."""
         self._agree()
+        try:
+            return self._step()
+        except BaseException as e:
+            self._broken = (f"Engine.step: an earlier step failed part-way ({type(e).__name__}: {e}); its requests' "
+                            f"KV-cache rows are incomplete, so this engine cannot go on: make a new one")
+            self._broken_type = RuntimeError
+            raise
+
+    def _step(self) -> List[Request]:
         m, st, C = self.model, self._st, self.model.config.hidden
         st["steps"] += 1
         finished: List[Request] = []

@@ -187,7 +187,8 @@ TP_API tp_status_t tp_comm_set_site(tp_comm_t comm, const char *site);
  * the previous tag (restore it when done), or NULL when comm is NULL.  A communicator
  * keeps up to TP_COMM_REGIONS_MAX names; calls under further names count as "other". */
 TP_API const char *tp_comm_set_region(tp_comm_t comm, const char *name);
-/* The ring, oldest first: up to `max` of the newest entries into out; *n how many. */
+/* The ring, oldest first: up to `max` of the newest entries into out; *n how many.  max 0
+ * (out may be NULL): *n = how many entries it holds now (size out with it). */
 TP_API tp_status_t tp_comm_history(tp_comm_t comm, tp_coll_record_t *out, int max, int *n);
 /* Entries the ring holds at most (TPCORE_HISTORY; 0: off). */
 TP_API tp_status_t tp_comm_history_capacity(tp_comm_t comm, int *capacity);
