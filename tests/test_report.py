@@ -38,7 +38,7 @@ def _data(decode_tok_s_2, comm_s_2, read_gbs=20.0):
 
     def row(n, tok_s, comm_s, params):
         step = 1.0 / tok_s
-        return {"n": n, "threads": 2 // n, "prefill_s": 0.5 / n, "ttft_s": 0.6 / n, "decode_s": 31 * step,
+        return {"n": n, "threads": 1, "prefill_s": 0.5 / n, "ttft_s": 0.6 / n, "decode_s": 31 * step,
                 "p50_s": step, "p99_s": step * 1.2, "steps_s": [step] * 31, "param_bytes": [params] * n,
                 "kv_bytes": [1 << 20] * n, "rss_peak_bytes": [params + (60 << 20)] * n,
                 "rss_load_bytes": [params + (40 << 20)] * n, "rss_load_peak_bytes": [2 * params] * n, "prefill_tok_s": 128 * n,

@@ -486,24 +486,27 @@ def advice(data: dict) -> List[str]:
             continue
         wb = sum(r["param_bytes"])
         rate = wb / step / 1e9
-        host = lim["read_gbs"].get(min(r["n"], cores)) or read_all
+        # the probe with as many reader threads as the ranks' BLAS threads (the nearest measured count)
+        k = min(r["n"] * r["threads"], cores)
+        tk = max((int(t) for t in lim["read_gbs"] if int(t) <= k), default=1)
+        host = lim["read_gbs"].get(tk) or read_all
         share = rate / host
         if r is base:
-            line = (f"decode at TP={r['n']} reads its {_mb(wb):.0f} MB of weights per token at {rate:.1f} GB/s = "
-                    f"{100 * share:.0f}% of this host's measured read bandwidth with {min(r['n'], cores)} reader "
-                    f"thread(s) ({host:.1f} GB/s)")
+            line = (f"decode at TP={r['n']} ({r['threads']} BLAS thread(s)) reads its {_mb(wb):.0f} MB of weights per "
+                    f"token at {rate:.1f} GB/s = {100 * share:.0f}% of this host's measured read bandwidth with {tk} "
+                    f"reader thread(s) ({host:.1f} GB/s)")
             if share > 0.7:
                 ceiling = read_all / read1
                 line += (f": decode is bound by memory; all {cores} cores together read {read_all:.1f} GB/s = "
-                         f"{ceiling:.2f}x one, so more ranks on the same memory can speed decode up at most "
-                         f"{ceiling:.2f}x")
+                         f"{ceiling:.2f}x one, so more ranks (or threads) on the same memory can speed decode up at "
+                         f"most {ceiling / max(host / read1, 1e-9):.2f}x")
             else:
                 line += ": decode is not bound by memory here (per-step overheads or compute dominate)"
             out.append(line + ".")
         elif share > 0.7:
             out.append(f"at TP={r['n']} decode reads weights at {rate:.1f} GB/s, {100 * share:.0f}% of what "
-                       f"{min(r['n'], cores)} reader threads get here ({host:.1f} GB/s): the memory, not the "
-                       f"split, sets its pace.")
+                       f"{tk} reader thread(s) get here ({host:.1f} GB/s): the memory, not the split, sets its "
+                       f"pace.")
     # collectives in decode: worth it or not
     for r in rows[1:]:
         per = _decode_comm_share(r)
