@@ -37,7 +37,6 @@ import numpy as np
 
 from . import _C
 from ._args import agree, fingerprint, int_arg, int_array, is_int, real_arg, seed_arg, shown
-from ._array import DeviceArray
 from .models import eos_ids_arg
 
 __all__ = ["Engine", "Request"]

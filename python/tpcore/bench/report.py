@@ -679,7 +679,7 @@ def markdown(data: dict, plots: List[str]) -> str:
     w.append("\nattention, mlp: the blocks' all-reduces; embedding: the vocab-parallel lookup's; head: the LM "
              "head's logits gather; other: generate's argument agreement and the KV cache's registered-buffer "
              "allocation (collective), where the ranks also absorb their skew on entry.\n")
-    w.append(f"\nBytes through collectives per generated token (per rank): " +
+    w.append("\nBytes through collectives per generated token (per rank): " +
              ", ".join(f"TP={r['n']} {human_bytes(r['bytes_per_token'])}" for r in rows) + ".\n")
     w.append("\n## The link: inside the model against the collectives benchmark\n\n")
     body = []
