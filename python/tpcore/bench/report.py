@@ -118,37 +118,47 @@ def _threads_read(a: np.ndarray, t: int, reps: int) -> float:
 
 
 def host_limits(quick: bool, progress: Progress) -> dict:
-    """Memory-read bandwidth at 1..cores reader threads and the GEMM peak (tpcore's BLAS and
-    NumPy's), measured in this process."""
+    """Memory-read bandwidth at 1..cores threads and the GEMM peak (tpcore's BLAS and NumPy's),
+    measured in this process.  Read bandwidth is the better of two probes over one buffer: plain
+    reader threads (_C.read_bytes, each its part) and tpcore's GEMV (one row times the buffer as a
+    weight, on t BLAS threads: how decode reads its weights)."""
     import tpcore
     from tpcore import _C
     cores = os.cpu_count() or 1
-    nbytes = (64 if quick else 512) << 20
+    nbytes = (64 if quick else 1024) << 20
+    reps = 2 if quick else 3
     progress.status(f"[report] host: memory read bandwidth over {human_bytes(nbytes)}", important=True)
+    K = 1024
     a = np.ones(nbytes // 4, np.float32)  # touched: its pages exist
+    w = a.reshape(-1, K)
+    x1, y1 = np.ones((1, K), np.float32), np.empty((1, w.shape[0]), np.float32)
     threads = sorted({1, cores} | {t for t in (2, 4, 8, 16, 32) if t < cores})
-    read = {t: _threads_read(a, t, 2 if quick else 3) for t in threads}
-    del a
-    n = 256 if quick else 1024
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((n, n), dtype=np.float32)
-    w = rng.standard_normal((n, n), dtype=np.float32)
-    y = np.empty((n, n), np.float32)
     before = tpcore.get_num_threads()
-    gemm = {}
-    progress.status(f"[report] host: GEMM peak ({n}^3 float32)", important=True)
+    plain, gemv, gemm = {}, {}, {}
     try:
+        for t in threads:
+            plain[t] = _threads_read(a, t, reps)
+            tpcore.set_num_threads(t)
+            _C.linear_forward(x1, w, None, y1)
+            gemv[t] = a.nbytes / min(_timed(lambda: _C.linear_forward(x1, w, None, y1)) for _ in range(reps)) / 1e9
+        a = w = None  # free the buffer before the GEMM
+        n = 256 if quick else 1024
+        rng = np.random.default_rng(1)
+        x = rng.standard_normal((n, n), dtype=np.float32)
+        wg = rng.standard_normal((n, n), dtype=np.float32)
+        y = np.empty((n, n), np.float32)
+        progress.status(f"[report] host: GEMM peak ({n}^3 float32)", important=True)
         for t in sorted({1, cores}):
             tpcore.set_num_threads(t)
-            _C.linear_forward(x, w, None, y)
-            best = min(_timed(lambda: _C.linear_forward(x, w, None, y)) for _ in range(3 if quick else 5))
+            _C.linear_forward(x, wg, None, y)
+            best = min(_timed(lambda: _C.linear_forward(x, wg, None, y)) for _ in range(3 if quick else 5))
             gemm[t] = 2.0 * n ** 3 / best / 1e9
     finally:
         tpcore.set_num_threads(before)
-    x @ w.T
-    npg = 2.0 * n ** 3 / min(_timed(lambda: x @ w.T) for _ in range(3 if quick else 5)) / 1e9
-    return {"cores": cores, "read_gbs": read, "read_bytes": nbytes, "gemm_n": n, "gemm_gflops": gemm,
-            "numpy_gemm_gflops": npg}
+    x @ wg.T
+    npg = 2.0 * n ** 3 / min(_timed(lambda: x @ wg.T) for _ in range(3 if quick else 5)) / 1e9
+    return {"cores": cores, "read_gbs": {t: max(plain[t], gemv[t]) for t in threads}, "read_plain_gbs": plain,
+            "read_gemv_gbs": gemv, "read_bytes": nbytes, "gemm_n": n, "gemm_gflops": gemm, "numpy_gemm_gflops": npg}
 
 
 def _timed(fn) -> float:
@@ -627,8 +637,11 @@ def markdown(data: dict, plots: List[str]) -> str:
              f"({c['kv_heads']} KV), FFN {c['ffn_hidden']}, vocab {c['vocab_size']}. The same prompt at every world "
              f"size: batch {data['batch']}, prompt {data['prompt']} tokens, {data['new']} new tokens (greedy).\n")
     w.append("\n## The host's own limits\n\n")
-    w.append(_table(["reader threads"] + [str(t) for t in lim["read_gbs"]],
-                    [["memory read GB/s"] + [f"{v:.1f}" for v in lim["read_gbs"].values()]]))
+    probes = [["memory read GB/s (the better)"] + [f"{v:.1f}" for v in lim["read_gbs"].values()]]
+    for key, name in (("read_plain_gbs", "reader threads (_C.read_bytes)"), ("read_gemv_gbs", "tpcore GEMV")):
+        if key in lim:
+            probes.append([name] + [f"{v:.1f}" for v in lim[key].values()])
+    w.append(_table([f"threads, over {human_bytes(lim['read_bytes'])}"] + [str(t) for t in lim["read_gbs"]], probes))
     w.append("\n" + _table(["GEMM float32 " + str(lim["gemm_n"]) + "^3"] +
                            [f"tpcore, {t} thread(s)" for t in lim["gemm_gflops"]] + ["NumPy matmul"],
                            [["GFLOP/s"] + [f"{v:.1f}" for v in lim["gemm_gflops"].values()] +
