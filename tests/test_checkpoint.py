@@ -108,3 +108,20 @@ def test_bad_files(tmp_path):
     run(lambda comm: tpcore.save({"head": tpcore.ColumnParallelLinear(12, 50, comm)}, path, comm), 1)
     with pytest.raises(ValueError, match="shape"):
         run(lambda comm: tpcore.load({"head": tpcore.ColumnParallelLinear(12, 51, comm)}, path, comm), 2)
+
+
+def test_from_pretrained_says_it_takes_a_local_directory(tmp_path):
+    """A hub id (no such directory) is explained: tpcore reads local directories, and how to get one."""
+    def case(comm, path):
+        try:
+            tpcore.models.from_pretrained(path, comm)
+        except FileNotFoundError as e:
+            return str(e)
+        return None
+    hub = tpcore.spawn(case, 1, args=("openai-community/gpt2",))[0]
+    assert "does not download from the Hugging Face hub" in hub and "huggingface-cli download openai-community/gpt2" in hub
+    missing = tpcore.spawn(case, 1, args=(str(tmp_path / "nope"),))[0]
+    assert "is not a directory" in missing and "hub" not in missing
+    f = tmp_path / "file.safetensors"
+    f.write_bytes(b"x")
+    assert "is not a directory" in tpcore.spawn(case, 1, args=(str(f),))[0]

