@@ -49,7 +49,7 @@ def test_runs_every_rank_with_prefix(tmp_path, n):
     assert r.returncode == 0, r.stderr
     want = n * (n + 1) / 2
     for k in range(n):
-        assert f"[rank{k}]: rank={k} size={n} local={k} sum={want:g} args=['a', '--flag']" in r.stdout
+        assert f"[rank{k}] rank={k} size={n} local={k} sum={want:g} args=['a', '--flag']" in r.stdout
 
 
 def test_module_mode_and_timeout_variable(tmp_path):
@@ -93,9 +93,9 @@ def test_exception_blames_the_raising_rank(tmp_path):
     r = launch(["-n", "4", script(tmp_path, RAISE)])
     assert r.returncode == 1
     assert "tpcore.launch: rank 2 exited with code 1" in r.stderr
-    assert "[rank2]: RuntimeError: broken on purpose" in r.stderr
+    assert "[rank2] RuntimeError: broken on purpose" in r.stderr
     # the peers fail in reaction, naming rank 2 and the cause
-    peer_lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[rank0]:") and "CommError" in ln]
+    peer_lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[rank0] ") and "CommError" in ln]
     assert peer_lines and "rank 2" in peer_lines[-1] and "broken on purpose" in peer_lines[-1], r.stderr
 
 

@@ -108,7 +108,7 @@ def test_two_launchers_form_one_job(tmp_path):
     runs = finish(procs)[::-1]
     check_job(runs, 2, 2)
     # output lines carry the global rank
-    assert "[rank3]: RESULT" in runs[1][1] and "[rank0]: RESULT" in runs[0][1]
+    assert "[rank3] RESULT" in runs[1][1] and "[rank0] RESULT" in runs[0][1]
 
 
 def test_three_nodes_of_one_rank(tmp_path):

@@ -74,7 +74,7 @@ def test_launcher_prefixes_each_update_once(tmp_path):
     p.write_text(CHILD + "\nimport os\nprogress(int(os.environ['RANK']))\n")
     r = subprocess.run(LAUNCH + ["-n", "2", str(p)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    _check(r.stdout, r.stderr, "[rank{r}]: ", range(2))
+    _check(r.stdout, r.stderr, "[rank{r}] ", range(2))
 
 
 # -- the relay itself -------------------------------------------------------------

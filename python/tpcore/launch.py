@@ -4,9 +4,9 @@
 Starts N ranks of one job on this host, one process each, with the variables
 tpcore.init() reads (and torchrun's: RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).  Every output line is prefixed
-with its rank.  When a rank exits non-zero or is killed, the others are
-stopped (SIGTERM, then SIGKILL after --grace seconds) and the launcher exits
-with that rank's code (128 + signal for a signal).  Ctrl-C stops all ranks.
+with its rank as tpcore.spawn does ("[rank3] "; --no-prefix: none).  When a
+rank exits non-zero or is killed, the others are stopped (SIGTERM, then
+SIGKILL after --grace seconds) and the launcher exits with that rank's code (128 + signal for a signal).  Ctrl-C stops all ranks.
 Ranks die with the launcher (PR_SET_PDEATHSIG), so none is ever orphaned.
 
 Several hosts, like torchrun: on each host run
@@ -256,7 +256,7 @@ def run(argv=None) -> int:
         console = Console()  # the ranks' lines, one prefix each (_relay.py: "\r" progress lines too)
         threads = []
         for r, p in enumerate(procs):
-            prefix = "" if ns.no_prefix else f"[rank{rank0 + r}]: "
+            prefix = "" if ns.no_prefix else f"[rank{rank0 + r}] "
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
                 relay = console.relay(lambda out=out: out, prefix)
                 t = threading.Thread(target=_pump, args=(stream, relay), daemon=True)
