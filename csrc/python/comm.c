@@ -29,10 +29,11 @@ static int parse_op(PyObject *o, const char *op, tp_redop_t *out) {
         return 0;
       }
     if (strcmp(s, "mean") == 0) { *out = TP_AVG; return 0; }
-    PyErr_Format(PyExc_ValueError, "%s: op must be one of 'sum', 'prod', 'min', 'max', 'avg', got '%s'", op, s);
+    PyErr_Format(PyExc_ValueError, "%s: op must be one of 'sum', 'prod', 'min', 'max', 'avg' or 'mean' (avg's alias), got '%s'",
+                 op, s);
     return -1;
   }
-  PyErr_Format(PyExc_TypeError, "%s: op must be a string ('sum', 'prod', 'min', 'max', 'avg'), got %s", op,
+  PyErr_Format(PyExc_TypeError, "%s: op must be a string ('sum', 'prod', 'min', 'max', 'avg' or 'mean'), got %s", op,
                Py_TYPE(o)->tp_name);
   return -1;
 }
