@@ -20,7 +20,7 @@ at every world size and partition.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -33,10 +33,37 @@ from .comm import Comm
 def partition(n: int, world: int, weights: Optional[Sequence[float]] = None, align: int = 1) -> List[Tuple[int, int]]:
     """(offset, size) of each rank's slice of a dimension of length n.
 
-    Even by default (the first n % world ranks get one more unit); weights (e.g.
-    measured device speeds or memory) give slices proportional to them, for
-    mismatched devices; align keeps every slice a whole number of units (heads,
-    GEMM-friendly multiples), n must then be a multiple of align."""
+    Parameters
+    ----------
+    n : int
+        The dimension's length, >= 0; a multiple of align.
+    world : int
+        The number of ranks, >= 1.
+    weights : sequence of float, optional
+        One finite non-negative number per rank with a positive sum (e.g. measured device
+        speeds or memory): slices proportional to them, for mismatched devices.  Default
+        None: even (the first n % world ranks get one more unit).
+    align : int, default 1
+        Every slice is a whole number of align units (heads, GEMM-friendly multiples).
+
+    Returns
+    -------
+    list of (int, int)
+        (offset, size) per rank, in rank order; the sizes add up to n.  Pass it (or the
+        sizes) as a layer's partition.
+
+    Raises
+    ------
+    TypeError
+        n, world or align not an int; weights not a sequence of numbers.
+    ValueError
+        n not a multiple of align, a bound out of range, or weights of the wrong length,
+        negative, not finite or summing to 0.
+
+    Notes
+    -----
+    No collective: a pure function (the C core's tp_partition), the same on every rank.
+    """
     n = int_arg(n, "partition", "n", lo=0, hi=2**63 - 1)
     world = int_arg(world, "partition", "world", lo=1, hi=2**20)
     align = int_arg(align, "partition", "align", lo=1, hi=2**63 - 1)
@@ -205,8 +232,9 @@ class _ParallelLinear:
     _kind = ""
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True,
-                 gather_output: bool = False, input_is_parallel: bool = True, partition=None,
-                 dtype="float32", seed: int = 0, gated: bool = False, device=None, plan=None):
+                 gather_output: bool = False, input_is_parallel: bool = True, partition: Any = None,
+                 dtype: Any = "float32", seed: int = 0, gated: bool = False, device: Optional[str] = None,
+                 plan: Any = None) -> None:
         if not isinstance(comm, Comm):
             raise TypeError(f"{type(self).__name__}: comm must be a tpcore.Comm, got {type(comm).__name__}")
         self.dtype = check_param_dtype(dtype, type(self).__name__)
@@ -234,7 +262,8 @@ class _ParallelLinear:
         self.partition = check_partition(comm, self.offset, self.local, split, type(self).__name__)
 
     @classmethod
-    def _adopt(cls, cobj, comm: Comm, in_features: int, out_features: int, gated: bool, device=("cpu", 0)):
+    def _adopt(cls, cobj: Any, comm: Comm, in_features: int, out_features: int, gated: bool,
+               device: Tuple[str, int] = ("cpu", 0)) -> Any:
         """A Python face for a C layer owned by another object (an MLP's fc1/fc2)."""
         self = cls.__new__(cls)
         self.device = device
@@ -250,28 +279,44 @@ class _ParallelLinear:
     # parameters: views of C memory
     @property
     def weight(self) -> np.ndarray:
+        """This rank's shard of W: a view of C memory (writes go to the layer).
+
+        ColumnParallelLinear: (local, in_features), (2 local, in_features) when gated
+        ([gate rows; up rows]); RowParallelLinear: (out_features, local).  dtype: the
+        layer's dtype.  A DeviceArray on a GPU layer."""
         return self._c.weight
 
     @property
     def bias(self) -> Optional[np.ndarray]:
+        """This rank's bias (column: its local (or 2 local) entries; row: the full
+        (out_features,)), float32; None without bias."""
         return self._c.bias
 
     @property
     def grad_weight(self) -> np.ndarray:
+        """The gradient of `weight` accumulated by `backward` (float32, weight's shape)."""
         return self._c.grad_weight
 
     @property
     def grad_bias(self) -> Optional[np.ndarray]:
+        """The gradient of `bias` accumulated by `backward`; None without bias."""
         return self._c.grad_bias
 
-    def parameters(self):
-        """(param, grad) pairs of this rank's shard, for optimizers."""
+    def parameters(self) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """This rank's (parameter, gradient) pairs, for the optimizers of `tpcore.optim`.
+
+        Returns
+        -------
+        list of (numpy.ndarray, numpy.ndarray)
+            (weight, grad_weight), then (bias, grad_bias) when the layer has a bias.
+        """
         pairs = [(self.weight, self.grad_weight)]
         if self.bias is not None:
             pairs.append((self.bias, self.grad_bias))
         return pairs
 
     def zero_grad(self) -> None:
+        """Set grad_weight and grad_bias to zero (backward accumulates into them)."""
         zero(self.grad_weight)
         if self.grad_bias is not None:
             zero(self.grad_bias)
@@ -298,9 +343,37 @@ class _ParallelLinear:
         lead = xa.shape[:-1]
         return xa.reshape((math.prod(lead), cols)), lead
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        """y for x (..., x_cols).  On a GPU layer: x any DLPack tensor on its device, y a
-        tpcore.DeviceArray there."""
+    def forward(self, x: Any) -> Any:
+        """y = x @ W.T + b for this rank's part (also ``layer(x)``).
+
+        Parameters
+        ----------
+        x : array_like, shape (..., x_cols)
+            float32, bfloat16 or float16 (computed in float32; the output has x's dtype).
+            x_cols: in_features, or this rank's `local` columns for a RowParallelLinear
+            with input_is_parallel.  On a GPU layer: any DLPack tensor on its device.
+
+        Returns
+        -------
+        numpy.ndarray or DeviceArray, shape (..., y_cols)
+            y_cols: this rank's `local` output columns (column-parallel without
+            gather_output; (2 local) [gate | up] when gated) or out_features.  A
+            DeviceArray on a GPU layer.
+
+        Raises
+        ------
+        TypeError
+            x is not a float array (or not on the layer's device).
+        ValueError
+            x's last dimension is not x_cols.
+        CommError, CommTimeout
+            The collective failed (a peer failed or disagreed, a timeout).
+
+        Notes
+        -----
+        Collectives: ColumnParallelLinear: an all-gather of the outputs with
+        gather_output, else none.  RowParallelLinear: an all-reduce of the partial outputs.
+        """
         if self.device[0] != "cpu":  # 16-bit activations: converted on the GPU, the result back in theirs
             x2, lead = self._device_rows(x, "x", self._x_cols)
             x2, dt = dev_f32(x2)
@@ -310,8 +383,34 @@ class _ParallelLinear:
 
     __call__ = forward
 
-    def backward(self, dy: np.ndarray) -> np.ndarray:
-        """Input gradient for the last forward; accumulates grad_weight / grad_bias."""
+    def backward(self, dy: Any) -> Any:
+        """The input gradient for the last forward; accumulates grad_weight / grad_bias.
+
+        Parameters
+        ----------
+        dy : array_like, shape (..., y_cols)
+            The gradient of forward's output (its shape and a float dtype).
+
+        Returns
+        -------
+        numpy.ndarray or DeviceArray, shape (..., x_cols)
+            The gradient of forward's input.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for `forward` (dy's dtype and shape).
+        RuntimeError
+            No forward ran before.
+        CommError, CommTimeout
+            The collective failed.
+
+        Notes
+        -----
+        Collectives: ColumnParallelLinear: an all-reduce of the input gradient (x is
+        replicated); RowParallelLinear: none with input_is_parallel, else an all-gather of
+        the input gradient.
+        """
         if self.device[0] != "cpu":
             dy2, lead = self._device_rows(dy, "dy", self._y_cols)
             dy2, dt = dev_f32(dy2)
@@ -319,22 +418,95 @@ class _ParallelLinear:
         dy2, lead, dt = self._rows(dy, "dy", self._y_cols)
         return _back(self._c.backward(dy2).reshape(lead + (self._x_cols,)), dt)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         dt = "" if self.dtype == "float32" else f", dtype={self.dtype}"
         return (f"{type(self).__name__}({self.in_features}, {self.out_features}{dt}, rank {self.comm.rank} holds "
                 f"{self.offset}:{self.offset + self.local})")
 
 
 class ColumnParallelLinear(_ParallelLinear):
-    """y = x @ W.T + b with W split along out_features (see the module doc)."""
+    """y = x @ W.T + b with W (out_features, in_features) split along out_features.
+
+    Rank r holds rows [offset, offset + local) of W and of b (Megatron's column-parallel
+    linear; W as PyTorch's nn.Linear).  x is replicated: every rank passes the full x.
+
+    Parameters
+    ----------
+    in_features : int
+        Columns of x and of the full W, >= 1.
+    out_features : int
+        Rows of the full W (columns of y), >= 1.
+    comm : Comm
+        The ranks that share the layer.
+    bias : bool, default True
+        Whether y has a bias b of shape (out_features,).
+    gather_output : bool, default False
+        False: forward returns this rank's `local` output columns (feed them to a
+        RowParallelLinear with input_is_parallel=True, no communication between the two).
+        True: forward all-gathers every rank's columns and returns all of y
+        (..., out_features); backward then takes the full dy and uses its own columns.
+    partition : list of int or list of (int, int), optional
+        How out_features is split: one size per rank, or `tpcore.partition`'s (offset,
+        size) pairs (offsets the running sums).  Default None: even (the first
+        out_features % size ranks get one more row).  Uneven splits serve mismatched
+        devices; a rank may hold 0 rows.
+    dtype : str or dtype, default "float32"
+        Storage of the weight: "float32", "bfloat16" or "float16" (or their NumPy /
+        ml_dtypes / torch dtypes).  16-bit weights halve the bytes read per step; the
+        arithmetic, activations, bias and gradients stay float32.
+    seed : int, default 0
+        The weights' random stream, an integer in [0, 2**64): W and b ~ U(-1/sqrt(in),
+        1/sqrt(in)) drawn per element of the *full* tensor from (seed, tensor, index), so
+        layers built with the same seed hold the same logical weights at every world size
+        and partition (a 1-rank layer is the reference of an N-rank one).  `load_full`
+        replaces them.
+    device : str, optional
+        "cpu" (default None) or "cuda" / "cuda:N": the parameters live on that GPU
+        (DeviceArrays), and forward / backward take tensors on it.
+    plan : Plan, optional
+        A `tpcore.plan_partition` plan whose split of this dimension is used instead of
+        partition (not both).
+    gated : bool, default False
+        For SwiGLU: the full weight is [W_gate; W_up] of shape (2 out_features,
+        in_features) (bias (2 out_features,)); a rank holds its gate rows and its up rows
+        and outputs [gate_r | up_r] (2 local columns) from one GEMM.  gather_output then
+        returns [all gates | all ups].
+
+    Attributes
+    ----------
+    offset, local : int
+        This rank's rows of W: [offset, offset + local).
+    partition : list of (int, int)
+        Every rank's (offset, local).
+    weight, bias, grad_weight, grad_bias
+        This rank's shards (see the properties).
+
+    Raises
+    ------
+    TypeError
+        comm is not a Comm; a size, flag, seed, dtype or partition of the wrong type.
+    ValueError
+        A size < 1, a seed out of range, an unsupported dtype, a partition that does not
+        add up to out_features or has the wrong length, or ranks that disagree on it.
+
+    Notes
+    -----
+    Collectives: forward: an all-gather with gather_output, else none; backward: an
+    all-reduce of the input gradient.  Construction runs a small all-gather that checks
+    the ranks' partitions agree.  All math and communication run in C, GIL released.
+
+    Examples
+    --------
+    >>> fc1 = tpcore.ColumnParallelLinear(512, 2048, comm)             # doctest: +SKIP
+    >>> fc2 = tpcore.RowParallelLinear(2048, 512, comm)                # doctest: +SKIP
+    >>> y = fc2(fc1(x))        # one all-reduce in forward              # doctest: +SKIP
+    """
 
     _kind = "column"
 
-    def __init__(self, in_features, out_features, comm, bias=True, gather_output=False, partition=None,
-                 dtype="float32", seed=0, gated=False, device=None, plan=None):
-        """gated=True: the full weight is [W_gate; W_up] of shape (2 out, in); a rank
-        holds its gate rows and its up rows and outputs [gate_r | up_r] from one GEMM
-        (for SwiGLU)."""
+    def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True,
+                 gather_output: bool = False, partition: Any = None, dtype: Any = "float32", seed: int = 0,
+                 gated: bool = False, device: Optional[str] = None, plan: Any = None) -> None:
         super().__init__(in_features, out_features, comm, bias=bias, gather_output=gather_output,
                          partition=partition, dtype=dtype, seed=seed, gated=gated, device=device, plan=plan)
 
@@ -344,8 +516,28 @@ class ColumnParallelLinear(_ParallelLinear):
             return np.arange(lo, hi)
         return np.concatenate([np.arange(lo, hi), self.out_features + np.arange(lo, hi)])
 
-    def load_full(self, W: np.ndarray, b: Optional[np.ndarray] = None) -> None:
-        """Keep this rank's rows of the full W (out, in) — (2 out, in) when gated — and b."""
+    def load_full(self, W: Any, b: Any = None) -> None:
+        """Keep this rank's rows of the full weight and bias (every rank passes them whole).
+
+        Parameters
+        ----------
+        W : array_like, shape (out_features, in_features)
+            (2 out_features, in_features) [W_gate; W_up] when gated; a float dtype,
+            converted to the layer's dtype.
+        b : array_like, shape (out_features,) or (2 out_features,), optional
+            Required when the layer has a bias, refused when it has none.
+
+        Raises
+        ------
+        ValueError
+            A wrong shape, or b given / missing against the layer's bias.
+        TypeError
+            W or b is not a float array.
+
+        Notes
+        -----
+        No collective.
+        """
         W = asarray(W, "W", f"{type(self).__name__}.load_full")
         rows = (2 if self.gated else 1) * self.out_features
         if W.shape != (rows, self.in_features):
@@ -356,7 +548,19 @@ class ColumnParallelLinear(_ParallelLinear):
             _load_bias(self, b, idx, rows)
 
     def gather_full(self) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-        """The full (W, b), rebuilt from every rank's shard (collective)."""
+        """The full (W, b), rebuilt from every rank's shard.
+
+        Returns
+        -------
+        W : numpy.ndarray, shape (out_features, in_features)
+            (2 out_features, in_features) [W_gate; W_up] when gated; the layer's dtype.
+        b : numpy.ndarray or None
+            The full bias, or None.
+
+        Notes
+        -----
+        Collective: all-gathers of W and b over comm (every rank gets the result).
+        """
         g = 2 if self.gated else 1
         sizes = [g * s for _, s in self.partition]
         W = self.comm.all_gather(_host(self.weight), sizes=sizes)
@@ -370,17 +574,93 @@ class ColumnParallelLinear(_ParallelLinear):
 
 
 class RowParallelLinear(_ParallelLinear):
-    """y = x @ W.T + b with W split along in_features (see the module doc)."""
+    """y = x @ W.T + b with W (out_features, in_features) split along in_features.
+
+    Rank r holds columns [offset, offset + local) of W and the full b; the partial
+    outputs x_r @ W_r.T are all-reduced and b is added once after the reduce, so every
+    rank returns the full y (..., out_features).
+
+    Parameters
+    ----------
+    in_features : int
+        Columns of x and of the full W, >= 1.
+    out_features : int
+        Rows of the full W (columns of y), >= 1.
+    comm : Comm
+        The ranks that share the layer.
+    bias : bool, default True
+        Whether y has a bias b of shape (out_features,).
+    input_is_parallel : bool, default True
+        True: x arrives as this rank's `local` columns (..., local), the output of a
+        ColumnParallelLinear without gather_output; backward returns the gradient of those
+        columns (no communication).  False: every rank passes the full x (...,
+        in_features) and cuts its own columns; backward all-gathers the input gradient so
+        every rank gets the full one.
+    partition : list of int or list of (int, int), optional
+        How in_features is split (one size per rank or `tpcore.partition`'s pairs); must
+        match the preceding ColumnParallelLinear's.  Default None: even.
+    dtype : str or dtype, default "float32"
+        Storage of the weight: "float32", "bfloat16" or "float16" (or their NumPy /
+        ml_dtypes / torch dtypes).  16-bit weights halve the bytes read per step; the
+        arithmetic, activations, bias and gradients stay float32.
+    seed : int, default 0
+        The weights' random stream, an integer in [0, 2**64): W and b ~ U(-1/sqrt(in),
+        1/sqrt(in)) drawn per element of the *full* tensor from (seed, tensor, index), so
+        layers built with the same seed hold the same logical weights at every world size
+        and partition (a 1-rank layer is the reference of an N-rank one).  `load_full`
+        replaces them.
+    device : str, optional
+        "cpu" (default None) or "cuda" / "cuda:N": the parameters live on that GPU
+        (DeviceArrays), and forward / backward take tensors on it.
+    plan : Plan, optional
+        A `tpcore.plan_partition` plan whose split of this dimension is used instead of
+        partition (not both).
+
+    Attributes
+    ----------
+    offset, local : int
+        This rank's columns of W: [offset, offset + local).
+    partition : list of (int, int)
+        Every rank's (offset, local).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for `ColumnParallelLinear` (partition must add up to in_features).
+
+    Notes
+    -----
+    Collectives: forward: one all-reduce of the outputs; backward: none with
+    input_is_parallel, else an all-gather of the input gradient.
+    """
 
     _kind = "row"
 
-    def __init__(self, in_features, out_features, comm, bias=True, input_is_parallel=True, partition=None,
-                 dtype="float32", seed=0, device=None, plan=None):
+    def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True,
+                 input_is_parallel: bool = True, partition: Any = None, dtype: Any = "float32", seed: int = 0,
+                 device: Optional[str] = None, plan: Any = None) -> None:
         super().__init__(in_features, out_features, comm, bias=bias, input_is_parallel=input_is_parallel,
                          partition=partition, dtype=dtype, seed=seed, device=device, plan=plan)
 
-    def load_full(self, W: np.ndarray, b: Optional[np.ndarray] = None) -> None:
-        """Keep this rank's columns of the full W (out, in), and the full b (out,)."""
+    def load_full(self, W: Any, b: Any = None) -> None:
+        """Keep this rank's columns of the full W, and the full b.
+
+        Parameters
+        ----------
+        W : array_like, shape (out_features, in_features)
+            A float dtype, converted to the layer's dtype.
+        b : array_like, shape (out_features,), optional
+            Required when the layer has a bias, refused when it has none.
+
+        Raises
+        ------
+        ValueError, TypeError
+            As for `ColumnParallelLinear.load_full`.
+
+        Notes
+        -----
+        No collective.
+        """
         W = asarray(W, "W", f"{type(self).__name__}.load_full")
         if W.shape != (self.out_features, self.in_features):
             raise ValueError(f"load_full: W must have shape {(self.out_features, self.in_features)}, got {W.shape}")
@@ -389,6 +669,17 @@ class RowParallelLinear(_ParallelLinear):
             _load_bias(self, b, slice(0, self.out_features), self.out_features)
 
     def gather_full(self) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """The full (W, b), rebuilt from every rank's shard.
+
+        Returns
+        -------
+        W : numpy.ndarray, shape (out_features, in_features)
+        b : numpy.ndarray, shape (out_features,), or None
+
+        Notes
+        -----
+        Collective: an all-gather of W's columns over comm.
+        """
         sizes = [s for _, s in self.partition]
         W = self.comm.all_gather(_host(self.weight), axis=1, sizes=sizes)
         b = None if self.bias is None else _host(self.bias).copy()
@@ -415,18 +706,63 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "swiglu")
 
 
 class ParallelMLP:
-    """Transformer MLP split over ranks (Megatron): a column-parallel fc1, the
-    activation on this rank's columns, a row-parallel fc2 with input_is_parallel.
-    Exactly one all-reduce in forward (after fc2) and one in backward (fc1's input
-    gradient).  activation="swiglu" makes fc1 gated: [gate; up] of shape
-    (2 ffn_hidden, hidden), both projections of a rank in one GEMM, and
-    y = fc2(silu(gate) * up).  partition splits ffn_hidden.  The whole step is one
-    C call each way (csrc/layers/mlp.c), with its workspaces reused across steps;
-    fc1 and fc2 are views of its layers (weights, grads, load_full, gather_full)."""
+    """Transformer MLP y = fc2(act(fc1(x))) split over ranks (Megatron).
+
+    fc1 is column-parallel (without gather), the activation runs on this rank's columns,
+    fc2 is row-parallel with input_is_parallel.  activation="swiglu" makes fc1 gated:
+    [gate; up] of shape (2 ffn_hidden, hidden), both projections of a rank in one GEMM,
+    and y = fc2(silu(gate) * up).  The whole step is one C call each way
+    (csrc/layers/mlp.c), with its workspaces reused across steps; `fc1` and `fc2` are
+    views of its layers (weights, grads, load_full, gather_full).
+
+    Parameters
+    ----------
+    hidden : int
+        The model width (x's and y's last dimension), >= 1.
+    ffn_hidden : int
+        The inner width, split over the ranks, >= 1.
+    comm : Comm
+        The ranks that share the MLP.
+    activation : {"gelu", "gelu_tanh", "silu", "relu", "swiglu"}, default "gelu"
+        "gelu" is the exact (erf) GELU, "gelu_tanh" its tanh approximation (GPT-2).
+    bias : bool, default True
+        Biases on fc1 and fc2.
+    partition : list of int or list of (int, int), optional
+        How ffn_hidden is split (one size per rank or `tpcore.partition`'s pairs).
+        Default None: even.
+    dtype : str or dtype, default "float32"
+        Weight storage: "float32", "bfloat16" or "float16" (float32 arithmetic).
+    seed : int, default 0
+        As `ColumnParallelLinear`'s: the same logical weights at every world size.
+    device : str, optional
+        "cpu" (default) or "cuda[:N]".
+    plan : Plan, optional
+        A `tpcore.plan_partition` plan whose MLP columns split ffn_hidden (instead of
+        partition).
+
+    Attributes
+    ----------
+    fc1 : ColumnParallelLinear
+        (hidden -> ffn_hidden; gated for swiglu).
+    fc2 : RowParallelLinear
+        (ffn_hidden -> hidden, input_is_parallel).
+
+    Raises
+    ------
+    TypeError
+        comm not a Comm, activation not a string, an argument of the wrong type.
+    ValueError
+        An unknown activation or dtype, a size < 1, a partition that does not add up.
+
+    Notes
+    -----
+    Collectives: exactly one all-reduce in forward (after fc2) and one in backward (fc1's
+    input gradient).
+    """
 
     def __init__(self, hidden: int, ffn_hidden: int, comm: Comm, activation: str = "gelu", bias: bool = True,
-                 partition=None, dtype="float32", seed: int = 0, device=None, plan=None):
-        """plan: a tpcore.Plan (tpcore.plan_partition) whose MLP columns split ffn_hidden."""
+                 partition: Any = None, dtype: Any = "float32", seed: int = 0, device: Optional[str] = None,
+                 plan: Any = None) -> None:
         self.device = resolve_device(device, "ParallelMLP")
         if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise (ValueError if isinstance(activation, str) else TypeError)(
@@ -448,16 +784,41 @@ class ParallelMLP:
                                                self.device)
         self.fc2 = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False, self.device)
 
-    def parameters(self):
+    def parameters(self) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """This rank's (parameter, gradient) pairs: fc1's, then fc2's (see
+        `ColumnParallelLinear.parameters`)."""
         return self.fc1.parameters() + self.fc2.parameters()
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
+        """Set every gradient of fc1 and fc2 to zero."""
         self.fc1.zero_grad()
         self.fc2.zero_grad()
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        """y for x (..., hidden).  On a GPU MLP: x any DLPack tensor on its device, y a
-        tpcore.DeviceArray there."""
+    def forward(self, x: Any) -> Any:
+        """y = fc2(act(fc1(x))) (also ``mlp(x)``).
+
+        Parameters
+        ----------
+        x : array_like, shape (..., hidden)
+            The full input on every rank; float32, bfloat16 or float16 (output in x's
+            dtype).  On a GPU MLP: any DLPack tensor on its device.
+
+        Returns
+        -------
+        numpy.ndarray or DeviceArray, shape (..., hidden)
+            The full output, the same on every rank.
+
+        Raises
+        ------
+        TypeError, ValueError
+            x of a wrong dtype, device or last dimension.
+        CommError, CommTimeout
+            The all-reduce failed.
+
+        Notes
+        -----
+        Collective: one all-reduce over comm.
+        """
         if self.device[0] != "cpu":
             x2, lead = self.fc1._device_rows(x, "x", self.hidden, "ParallelMLP")
             x2, dt = dev_f32(x2)
@@ -467,7 +828,23 @@ class ParallelMLP:
 
     __call__ = forward
 
-    def backward(self, dy: np.ndarray) -> np.ndarray:
+    def backward(self, dy: Any) -> Any:
+        """The input gradient for the last forward; accumulates every weight's gradient.
+
+        Parameters
+        ----------
+        dy : array_like, shape (..., hidden)
+            The gradient of forward's output (the same on every rank).
+
+        Returns
+        -------
+        numpy.ndarray or DeviceArray, shape (..., hidden)
+            The gradient of x, the same on every rank.
+
+        Notes
+        -----
+        Collective: one all-reduce over comm (fc1's input gradient).
+        """
         if self.device[0] != "cpu":
             dy2, lead = self.fc2._device_rows(dy, "dy", self.hidden, "ParallelMLP")
             dy2, dt = dev_f32(dy2)
