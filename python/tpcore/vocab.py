@@ -22,7 +22,7 @@ TypeError naming the layer, the argument and both devices.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -57,12 +57,52 @@ class VocabParallelEmbedding:
 
     A thin face of the C layer (csrc/layers/vocab.c): weight / grad_weight are
     views of this rank's rows [offset, offset + local); forward is one C call (a
-    lookup and one all-reduce in registered memory).  Initialisation N(0, 1) per
-    element of the full table from `seed`: the same logical table at every world
-    size and partition."""
+    lookup and one all-reduce in registered memory).
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, partition=None, seed: int = 0,
-                 dtype="float32", device=None, plan=None):
+    Parameters
+    ----------
+    num_embeddings : int
+        The vocabulary size (rows of the full table), >= 1; need not divide by the ranks.
+    embedding_dim : int
+        The width of a row, >= 1.
+    comm : Comm
+        The ranks that share the table.
+    partition : list of int or list of (int, int), optional
+        How the vocabulary is split (one size per rank or `tpcore.partition`'s pairs).
+        Default None: even.
+    seed : int, default 0
+        Initialisation N(0, 1) per element of the full table from seed (an integer in
+        [0, 2**64)): the same logical table at every world size and partition.
+    dtype : str or dtype, default "float32"
+        Table storage: "float32", "bfloat16" or "float16"; the output and grad_weight
+        are float32.
+    device : str, optional
+        "cpu" (default) or "cuda[:N]" (see the module doc).
+    plan : Plan, optional
+        A `tpcore.plan_partition` plan whose vocabulary rows split the table.
+
+    Attributes
+    ----------
+    offset, local : int
+        This rank's rows [offset, offset + local).
+    partition : list of (int, int)
+        Every rank's (offset, local).
+
+    Raises
+    ------
+    TypeError
+        comm not a Comm, an argument of the wrong type.
+    ValueError
+        A size < 1, an unsupported dtype, a partition that does not add up.
+
+    Notes
+    -----
+    Collectives: forward: one all-reduce; backward: none (each rank scatters the
+    replicated output gradient into its own rows).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, partition: Any = None, seed: int = 0,
+                 dtype: Any = "float32", device: Optional[str] = None, plan: Any = None) -> None:
         self.device = resolve_device(device, "VocabParallelEmbedding")
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
@@ -83,21 +123,49 @@ class VocabParallelEmbedding:
 
     @property
     def weight(self) -> np.ndarray:
+        """This rank's rows of the table, (local, embedding_dim), a view of C memory."""
         return self._c.weight
 
     @property
     def grad_weight(self) -> np.ndarray:
+        """The gradient of `weight` accumulated by `backward` (float32)."""
         return self._c.grad_weight
 
-    def parameters(self):
+    def parameters(self) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """[(weight, grad_weight)], for the optimizers of `tpcore.optim`."""
         return [(self.weight, self.grad_weight)]
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
+        """Set grad_weight to zero."""
         zero(self.grad_weight)
 
-    def forward(self, tokens) -> np.ndarray:
-        """(..., embedding_dim) float32 rows of the full table for integer tokens (...).  On a
-        GPU table: tokens an int64 DLPack tensor on its device, the rows a tpcore.DeviceArray there."""
+    def forward(self, tokens: Any) -> Any:
+        """The rows of the full table for integer tokens (also ``emb(tokens)``).
+
+        Parameters
+        ----------
+        tokens : array_like of int, shape (...)
+            Token ids in [0, num_embeddings), the same on every rank.  On a GPU table: an
+            int64 DLPack tensor on its device.
+
+        Returns
+        -------
+        numpy.ndarray or DeviceArray, shape (..., embedding_dim), float32
+            The same on every rank.
+
+        Raises
+        ------
+        TypeError
+            tokens are not integers (or not on the table's device).
+        ValueError
+            A token id out of range.
+        CommError, CommTimeout
+            The all-reduce failed.
+
+        Notes
+        -----
+        Collective: one all-reduce over comm.
+        """
         if self.device[0] != "cpu":
             t = _device_tensor(tokens, "tokens", "VocabParallelEmbedding", self.device, "int64")
             return self._c.forward(t.reshape((t.size,))).reshape(tuple(t.shape) + (self.embedding_dim,))
@@ -106,8 +174,25 @@ class VocabParallelEmbedding:
 
     __call__ = forward
 
-    def backward(self, dout) -> None:
-        """Accumulate grad_weight from the output gradient of the last forward."""
+    def backward(self, dout: Any) -> None:
+        """Accumulate grad_weight from the output gradient of the last forward.
+
+        Parameters
+        ----------
+        dout : array_like, shape (..., embedding_dim)
+            The gradient of forward's output (replicated), a float dtype.
+
+        Raises
+        ------
+        TypeError, ValueError
+            dout of a wrong dtype or shape.
+        RuntimeError
+            No forward ran before.
+
+        Notes
+        -----
+        No collective.
+        """
         if self.device[0] != "cpu":
             d = _device_tensor(dout, "dout", "VocabParallelEmbedding", self.device, "float32")
             if d.ndim < 1 or d.shape[-1] != self.embedding_dim:
@@ -120,8 +205,23 @@ class VocabParallelEmbedding:
             raise ValueError(f"VocabParallelEmbedding: dout must have shape (..., {self.embedding_dim}), got {d.shape}")
         self._c.backward(d.reshape(-1, self.embedding_dim))
 
-    def load_full(self, table: np.ndarray) -> None:
-        """Keep this rank's rows of the full table (any float dtype, converted)."""
+    def load_full(self, table: Any) -> None:
+        """Keep this rank's rows of the full table.
+
+        Parameters
+        ----------
+        table : array_like, shape (num_embeddings, embedding_dim)
+            Any float dtype, converted to the table's.
+
+        Raises
+        ------
+        ValueError
+            A wrong shape.
+
+        Notes
+        -----
+        No collective.
+        """
         table = asarray(table, "table", "VocabParallelEmbedding.load_full")
         if table.shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"load_full: table must have shape {(self.num_embeddings, self.embedding_dim)}, "
@@ -129,22 +229,49 @@ class VocabParallelEmbedding:
         self.weight[...] = float_param(table[self.offset:self.offset + self.local], "load_full")
 
     def gather_full(self) -> np.ndarray:
+        """The full table (num_embeddings, embedding_dim), from every rank's rows.
+
+        Notes
+        -----
+        Collective: an all-gather over comm.
+        """
         return self.comm.all_gather(_host(self.weight), sizes=[s for _, s in self.partition])
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"VocabParallelEmbedding({self.num_embeddings}, {self.embedding_dim}, rank {self.comm.rank} holds "
                 f"{self.offset}:{self.offset + self.local})")
 
 
 class VocabParallelCrossEntropy:
-    """loss = xent(logits_shard, targets); dlogits_shard = xent.backward(dloss).
+    """Softmax cross-entropy over a vocabulary split across ranks, with its backward.
 
-    Rows whose target equals ignore_index (default -100, like torch) have no loss
-    and no gradient; "mean" averages over the other rows.  The logits passed to
-    forward are kept (not copied) until the next forward: do not modify them
-    before backward."""
+    ``loss = xent(logits_shard, targets); dlogits_shard = xent.backward(dloss)``.  No
+    rank holds the full logits (see the module doc).  The logits passed to forward are
+    kept (not copied) until the next forward: do not modify them before backward.
 
-    def __init__(self, comm: Comm, ignore_index: int = -100, device=None):
+    Parameters
+    ----------
+    comm : Comm
+        The ranks that hold the vocabulary shards.
+    ignore_index : int, default -100
+        Rows whose target equals it (as in torch) have no loss and no gradient; "mean"
+        averages over the other rows.  An int64.
+    device : str, optional
+        "cpu" (default) or "cuda[:N]": logits and targets are tensors on that GPU.
+
+    Raises
+    ------
+    TypeError
+        comm not a Comm, ignore_index not an integer.
+
+    Notes
+    -----
+    Collectives: forward: a max all-reduce and one all-reduce of (sum of exp, target
+    logit) per row, plus a small all-gather of the shard widths when vocab_offset is not
+    given; backward: none.
+    """
+
+    def __init__(self, comm: Comm, ignore_index: int = -100, device: Optional[str] = None) -> None:
         self.device = resolve_device(device, "VocabParallelCrossEntropy")
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelCrossEntropy: comm must be a tpcore.Comm, got {type(comm).__name__}")
@@ -155,8 +282,40 @@ class VocabParallelCrossEntropy:
         self._c = _C.VocabCrossEntropy(comm._c, **kw)
         self._ctx = None
 
-    def forward(self, logits_shard: np.ndarray, targets, vocab_offset: Optional[int] = None,
-                reduction: str = "mean"):
+    def forward(self, logits_shard: Any, targets: Any, vocab_offset: Optional[int] = None,
+                reduction: str = "mean") -> Any:
+        """The cross-entropy of the full vocabulary (also ``xent(...)``).
+
+        Parameters
+        ----------
+        logits_shard : numpy.ndarray, shape (..., local_vocab)
+            This rank's columns of the logits (a float dtype; computed in float32), e.g.
+            a column-parallel LM head's output without gather.  On a GPU: float32 there.
+        targets : array_like of int, shape (...)
+            Target ids in the full vocabulary (or ignore_index), the same on every rank.
+        vocab_offset : int, optional
+            The first vocabulary id of this rank's shard.  Default None: the shards lie in
+            rank order and their widths are all-gathered.
+        reduction : {"mean", "sum", "none"}, default "mean"
+            "mean" over the rows not ignored, "sum", or the per-row losses.
+
+        Returns
+        -------
+        float or numpy.ndarray
+            A float for "mean" / "sum" (float64 math on the host); float32 losses of
+            shape (...) for "none" (a DeviceArray on a GPU).
+
+        Raises
+        ------
+        TypeError
+            logits not a float array (or not on the device), targets not integers.
+        ValueError
+            reduction unknown, targets' shape not the logits' leading shape, a target out
+            of the vocabulary, vocab_offset not 0 on one rank, or shards that do not tile
+            the vocabulary.
+        CommError, CommTimeout
+            A collective failed.
+        """
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got "
                              f"{reduction!r}")
@@ -181,7 +340,7 @@ class VocabParallelCrossEntropy:
         self._ctx = (lead, reduction, M, V, valid)
         return self._reduce(losses, lead, reduction, valid)
 
-    def _offset(self, vocab_offset) -> int:
+    def _offset(self, vocab_offset: Any) -> int:
         if vocab_offset is None:
             return -1
         vocab_offset = int_arg(vocab_offset, "vocab_parallel_cross_entropy", "vocab_offset", lo=0,
@@ -249,10 +408,35 @@ class VocabParallelCrossEntropy:
 
     __call__ = forward
 
-    def backward(self, dloss=1.0, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """This rank's shard of dlogits for the last forward (no communication).  out: a
-        float32 array of the logits' shape to write into; it may be the logits themselves
-        (each element is read before it is written), saving a buffer the size of the shard."""
+    def backward(self, dloss: Any = 1.0, out: Optional[np.ndarray] = None) -> Any:
+        """This rank's shard of dlogits for the last forward.
+
+        Parameters
+        ----------
+        dloss : float or array_like, default 1.0
+            The gradient of the loss: a number, or with reduction="none" an array of the
+            losses' shape.
+        out : numpy.ndarray, optional
+            A writable C-contiguous float32 array of the logits' shape to write into; it may
+            be the logits themselves (each element is read before it is written), saving a
+            buffer the size of the shard.
+
+        Returns
+        -------
+        numpy.ndarray or DeviceArray, shape (..., local_vocab), float32
+            out, or a new array.
+
+        Raises
+        ------
+        RuntimeError
+            No forward ran before.
+        TypeError, ValueError
+            dloss not a number / of the wrong shape, out unsuitable.
+
+        Notes
+        -----
+        No collective.
+        """
         if self._ctx is None:
             raise RuntimeError("vocab_parallel_cross_entropy backward: called before forward")
         if self.device[0] != "cpu":
@@ -288,11 +472,42 @@ class VocabParallelCrossEntropy:
         return self._c.backward(None, scale, o).reshape(lead + (V,))
 
 
-def vocab_parallel_cross_entropy(logits_shard, targets, comm: Comm, vocab_offset: Optional[int] = None,
-                                 reduction: str = "mean", ignore_index: int = -100):
-    """Softmax cross-entropy of the full vocabulary from each rank's logits shard
-    (mean over the rows not ignored, by default).  For the backward, use
-    VocabParallelCrossEntropy(comm)."""
+def vocab_parallel_cross_entropy(logits_shard: Any, targets: Any, comm: Comm, vocab_offset: Optional[int] = None,
+                                 reduction: str = "mean", ignore_index: int = -100) -> Any:
+    """Softmax cross-entropy of the full vocabulary from each rank's logits shard.
+
+    For the backward, use `VocabParallelCrossEntropy`.
+
+    Parameters
+    ----------
+    logits_shard : numpy.ndarray or DLPack tensor, shape (..., local_vocab)
+        This rank's logits columns (a GPU tensor: computed on its device).
+    targets : array_like of int, shape (...)
+        Target ids of the full vocabulary.
+    comm : Comm
+        The ranks that hold the shards.
+    vocab_offset : int, optional
+        The first id of this rank's shard (default None: shards in rank order).
+    reduction : {"mean", "sum", "none"}, default "mean"
+        As `VocabParallelCrossEntropy.forward`.
+    ignore_index : int, default -100
+        Targets with no loss.
+
+    Returns
+    -------
+    float or numpy.ndarray
+        As `VocabParallelCrossEntropy.forward`.
+
+    Raises
+    ------
+    TypeError, ValueError, CommError, CommTimeout
+        As `VocabParallelCrossEntropy.forward`.
+
+    Notes
+    -----
+    Collectives: a max all-reduce and one all-reduce per call (plus an all-gather of the
+    shard widths without vocab_offset).
+    """
     where = device_of(logits_shard)  # a GPU tensor: the GPU cross-entropy on its device
     dev = device_string(where) if where is not None and where[0] != "cpu" else None
     xent = VocabParallelCrossEntropy(comm, ignore_index, device=dev)
