@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -48,7 +48,65 @@ POSITIONS = ("learned", "rope", "none")
 
 @dataclasses.dataclass
 class Config:
-    """A decoder (GPT-2, Llama family) or encoder (BERT) Transformer."""
+    """The shape of a decoder (GPT-2, Llama family) or encoder (BERT) Transformer.
+
+    A dataclass; every field is checked at construction (and by `validate`).
+    `Config.from_hf` reads a Hugging Face config.json.
+
+    Parameters
+    ----------
+    vocab_size : int, default 50257
+        Token ids, >= 1.
+    hidden : int, default 768
+        The model width, >= 1.
+    layers : int, default 12
+        Transformer blocks, >= 1.
+    heads : int, default 12
+        Query heads, >= 1 (split over the ranks in whole heads).
+    kv_heads : int, optional
+        Key/value heads (grouped-query attention); heads must be a multiple.  Default
+        None: heads (multi-head attention).
+    ffn_hidden : int, optional
+        The MLP's inner width.  Default None: 4 * hidden.
+    head_dim : int, optional
+        The width of a head.  Default None: hidden // heads (hidden must divide).
+    norm : {"layernorm", "rmsnorm"}, default "layernorm"
+    eps : float, default 1e-5
+        The norms' epsilon, >= 0.
+    activation : {"gelu", "gelu_tanh", "silu", "relu", "swiglu"}, default "gelu_tanh"
+    positions : {"learned", "rope", "none"}, default "learned"
+        Learned position embeddings (GPT-2, BERT), rotary (Llama; head_dim even), or none.
+    max_positions : int, default 1024
+        The longest sequence (learned positions' table size), >= 1.
+    rope_theta : float, default 10000.0
+        The rotary base, > 0 (with positions="rope").
+    causal : bool, default True
+        False: a bidirectional encoder (BERT).
+    pre_norm : bool, default True
+        False: post-norm blocks (BERT).
+    bias : bool, default True
+        Biases on the linear layers (Llama: False).
+    tie_embeddings : bool, default True
+        The LM head is the token embedding (GPT-2).
+    type_vocab_size : int, default 0
+        BERT's token types (0: none).
+    final_norm : bool, default True
+        A norm after the last block (pre-norm models).
+    embedding_norm : bool, default False
+        A norm after the embeddings (BERT).
+    sliding_window : int, optional
+        Mistral's window: longer sequences are refused (not implemented).  Default None.
+    model_type : str, default "gpt2"
+        The Hugging Face model_type it came from.
+
+    Raises
+    ------
+    TypeError
+        A field of the wrong type (an int given as a float, a bool as a string...).
+    ValueError
+        A field out of range or inconsistent (hidden not a multiple of heads without
+        head_dim, heads not a multiple of kv_heads, an odd head_dim with rope...).
+    """
     vocab_size: int = 50257
     hidden: int = 768
     layers: int = 12
@@ -72,7 +130,7 @@ class Config:
     sliding_window: Optional[int] = None    # Mistral: longer sequences are refused (not implemented)
     model_type: str = "gpt2"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden", "layers", "heads"):
             setattr(self, name, int_arg(getattr(self, name), "Config", name, lo=1))
         for name in ("kv_heads", "ffn_hidden", "head_dim"):  # None: derived below
@@ -113,22 +171,65 @@ class Config:
             raise TypeError(f"Config: model_type must be a string, got {shown(self.model_type)}")
 
     def validate(self) -> "Config":
-        """Check the fields again (a Config is mutable: cfg.eps = -1 after construction)."""
+        """Check the fields again (a Config is mutable: cfg.eps = -1 after construction).
+
+        Returns
+        -------
+        Config
+            self, with the derived fields filled in.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As the constructor.
+        """
         self.__post_init__()
         return self
 
     @classmethod
     def from_hf(cls, path: str) -> "Config":
-        """The config.json of a Hugging Face GPT-2, Llama (or Mistral) or BERT checkpoint.
-        A malformed file or field raises tpcore.CheckpointError naming it."""
+        """The Config of a Hugging Face GPT-2, Llama (or Mistral) or BERT checkpoint.
+
+        Parameters
+        ----------
+        path : str
+            The checkpoint's directory, or its config.json.
+
+        Returns
+        -------
+        Config
+
+        Raises
+        ------
+        CheckpointError
+            A malformed file or field (a ValueError), naming it.
+        OSError
+            The file cannot be read.
+        """
         p = os.path.join(path, "config.json") if os.path.isdir(path) else path
         return cls.from_hf_dict(read_json_object(p), source=p)
 
     @classmethod
-    def from_hf_dict(cls, c: dict, source: str = "config.json") -> "Config":
-        """Every field is checked (type, range, consistency) before use: a bad one raises
-        tpcore.CheckpointError (a ValueError) naming source, the field, what was expected
-        and what was found."""
+    def from_hf_dict(cls, c: Dict[str, Any], source: str = "config.json") -> "Config":
+        """The Config of a Hugging Face config.json already parsed.
+
+        Parameters
+        ----------
+        c : dict
+            The parsed config.json (model_type "gpt2", "llama", "mistral" or "bert").
+        source : str, default "config.json"
+            Where it came from, for the messages.
+
+        Returns
+        -------
+        Config
+
+        Raises
+        ------
+        CheckpointError
+            A bad field (type, range, consistency; a ValueError) naming source, the field,
+            what was expected and what was found.
+        """
         f = ConfigFields(c, source)
         mt = f.str("model_type", _MISSING, ("gpt2", "llama", "mistral", "bert"), " (other model types are not supported)")
 
@@ -209,15 +310,63 @@ def head_partition(cfg: Config, world: int, weights: Optional[Sequence[float]] =
 
 
 class TransformerBlock:
-    """One Transformer block split over the ranks of comm (see the module doc)."""
+    """One Transformer block (norms, attention, MLP, residuals) split over the ranks.
+
+    Heads are split in whole heads, the MLP by columns (see the module doc for the
+    full-tensor names of `load_full` / `gather_full`).
+
+    Parameters
+    ----------
+    config : Config
+        The model's shape (hidden, heads, kv_heads, head_dim, ffn_hidden, norm, eps,
+        activation, pre_norm, bias, causal, positions / rope_theta).
+    comm : Comm
+        The ranks that share the block.
+    seed : int, default 0
+        The parameters' random stream (an integer in [0, 2**64)): the same logical
+        weights at every world size and partition.
+    head_partition : list of int or list of (int, int), optional
+        Query heads per rank (any sizes adding up to config.heads; `tpcore.partition`'s
+        pairs accepted).  Default None: even.  With grouped-query attention a rank holds
+        the KV heads its query heads use (replicated when there are fewer KV heads than
+        ranks).
+    ffn_partition : list of int or list of (int, int), optional
+        MLP columns per rank (adding up to config.ffn_hidden).  Default None: even.
+    device : str, optional
+        "cpu" (default) or "cuda[:N]": parameters, workspaces and KV cache on that GPU.
+    dtype : str or dtype, default "float32"
+        The projections' weight storage (QKV, output, MLP): "float32", "bfloat16" or
+        "float16"; norm weights, biases, activations and gradients stay float32.
+    plan : Plan, optional
+        A `tpcore.plan_partition` plan giving head_partition and ffn_partition.
+
+    Attributes
+    ----------
+    q0, nq, k0, nk : int
+        This rank's query heads [q0, q0 + nq) and KV heads [k0, k0 + nk).
+    head_partition, ffn_partition : list of (int, int)
+        Every rank's (offset, count) of heads and MLP columns.
+
+    Raises
+    ------
+    TypeError
+        config not a Config, comm not a Comm, an argument of the wrong type.
+    ValueError
+        A partition that does not add up, an unsupported dtype, ranks that disagree.
+
+    Notes
+    -----
+    Collectives: forward: one all-reduce after attention and one after the MLP (plus one
+    small all-gather that checks the ranks agree when pos0, slots or use_cache are
+    given); backward: one all-reduce at the QKV input and one at fc1's.  Construction
+    all-gathers the partitions.
+    """
 
     _attention_only = False
 
-    def __init__(self, config: Config, comm: Comm, seed: int = 0, head_partition: Optional[Sequence[int]] = None,
-                 ffn_partition=None, device=None, dtype="float32", plan=None):
-        """dtype: the projections' weight storage (QKV, output, MLP): "float32", "bfloat16" or
-        "float16"; norm weights, biases, activations and gradients stay float32.
-        plan: a tpcore.Plan (tpcore.plan_partition) giving head_partition and ffn_partition."""
+    def __init__(self, config: Config, comm: Comm, seed: int = 0, head_partition: Optional[Sequence[Any]] = None,
+                 ffn_partition: Optional[Sequence[Any]] = None, device: Optional[str] = None, dtype: Any = "float32",
+                 plan: Any = None) -> None:
         self.device = resolve_device(device, type(self).__name__)
         self.dtype = check_param_dtype(dtype, type(self).__name__)
         if not isinstance(comm, Comm):
@@ -252,14 +401,17 @@ class TransformerBlock:
         self.ffn_partition = [(int(offs[:r].sum()), int(offs[r])) for r in range(comm.size)]
 
     # ------------------------------------------------------------- parameters
-    def parameters(self):
-        """(param, grad) pairs of this rank's shard (views of C memory)."""
+    def parameters(self) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """This rank's (parameter, gradient) pairs (views of C memory), for `tpcore.optim`."""
         return list(self._p.values())
 
-    def named_parameters(self) -> Dict[str, tuple]:
+    def named_parameters(self) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+        """This rank's local tensors by name ("attn.qkv.weight", "mlp.fc1.weight", ...) ->
+        (parameter, gradient)."""
         return dict(self._p)
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
+        """Set every gradient to zero."""
         for _, g in self._p.values():
             zero(g)
 
@@ -292,7 +444,8 @@ class TransformerBlock:
         }
         return {k: v for k, v in out.items() if v[0] in self._p}
 
-    def full_shapes(self) -> Dict[str, tuple]:
+    def full_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """The shape of every full tensor of the block, by its full name (module doc)."""
         cfg, D = self.config, self.config.head_dim
         C, H, Hk, F = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
         g = 2 if cfg.activation == "swiglu" else 1
@@ -303,9 +456,28 @@ class TransformerBlock:
                   "mlp.fc1.bias": (g * F,), "mlp.fc2.weight": (C, F), "mlp.fc2.bias": (C,)}
         return {k: shapes[k] for k in self._slices()}
 
-    def load_full(self, tensors: Dict[str, np.ndarray], strict: bool = True) -> None:
-        """Keep this rank's slices of full tensors (names in the module doc; any float dtype,
-        memory-mapped arrays and lazy views included: only this rank's slices are read)."""
+    def load_full(self, tensors: Dict[str, Any], strict: bool = True) -> None:
+        """Keep this rank's slices of the full tensors.
+
+        Parameters
+        ----------
+        tensors : dict of str to array_like
+            Full tensors by name (module doc), of `full_shapes`; any float dtype,
+            memory-mapped arrays and lazy views included: only this rank's slices are read.
+        strict : bool, default True
+            Every tensor of the block must be given and no other.
+
+        Raises
+        ------
+        KeyError
+            strict and a tensor missing or unexpected.
+        ValueError
+            A tensor of the wrong shape.
+
+        Notes
+        -----
+        No collective.
+        """
         shapes = self.full_shapes()
         if strict:
             missing = sorted(set(shapes) - set(tensors))
@@ -338,7 +510,22 @@ class TransformerBlock:
             self._p[local][0][...] = host
 
     def gather_full(self, grads: bool = False) -> Dict[str, np.ndarray]:
-        """The full tensors (or their gradients) rebuilt from every rank (collective)."""
+        """The full tensors (or their gradients) rebuilt from every rank.
+
+        Parameters
+        ----------
+        grads : bool, default False
+            The gradients instead of the parameters.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray
+            By full name, of `full_shapes`.
+
+        Notes
+        -----
+        Collective: all-gathers over comm.
+        """
         cfg, D, comm = self.config, self.config.head_dim, self.comm
         shapes = self.full_shapes()
         out = {}
@@ -384,22 +571,69 @@ class TransformerBlock:
 
     # ---------------------------------------------------------------- compute
     def cache(self, batch: int, max_len: int) -> None:
-        """(Re)allocate the KV cache: batch sequences of up to max_len tokens (this rank's KV heads)."""
+        """(Re)allocate the KV cache of this rank's KV heads (for use_cache forwards).
+
+        Parameters
+        ----------
+        batch : int
+            Sequences, >= 1.
+        max_len : int
+            Tokens per sequence, >= 1.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Not an int in range.
+        """
         batch = int_arg(batch, f"{type(self).__name__}.cache", "batch", lo=1, hi=2 ** 31 - 1)
         max_len = int_arg(max_len, f"{type(self).__name__}.cache", "max_len", lo=1, hi=2 ** 31 - 1)
         self._c.cache(batch, max_len)
         self._filled = np.zeros(batch, np.int64)  # tokens cached per sequence (a forward may not skip past them)
         self._cache_len = max_len
 
-    def forward(self, x: np.ndarray, pos0=None, key_mask=None, use_cache: bool = False,
-                need_backward: bool = True, _agreed: bool = False, slots=None) -> np.ndarray:
-        """y (B, T, hidden) from x (B, T, hidden); pos0[B] the position of each sequence's first
-        token (decoding), key_mask (B, T) of tokens to attend to (padding).  slots[B] (with
-        use_cache): the KV-cache sequence of each batch row (None: row b uses sequence b), each
-        in [0, cache batch) and none twice: continuous batching keeps a pool of cache sequences
-        for requests that come and go (tpcore.serve).  With pos0, slots or use_cache, the ranks
-        check that they passed the same pos0, slots, B, T and use_cache (one small all-gather; a
-        mismatch raises ValueError on every rank)."""
+    def forward(self, x: Any, pos0: Any = None, key_mask: Any = None, use_cache: bool = False,
+                need_backward: bool = True, _agreed: bool = False, slots: Any = None) -> Any:
+        """The block's output for x (also ``block(x)``).
+
+        Parameters
+        ----------
+        x : array_like, shape (B, T, hidden)
+            The full input on every rank; float32 (16-bit floats computed in float32, the
+            output in x's dtype).  On a GPU block: a DLPack tensor on its device.
+        pos0 : array_like of int, shape (B,), optional
+            The position of each sequence's first token (decoding).  Default None: 0.
+        key_mask : array_like, shape (B, T), optional
+            Nonzero for the tokens to attend to (padding is 0).  Default None: all.
+        use_cache : bool, default False
+            Append the keys and values to the KV cache (`cache`) and attend to what it
+            holds (causal models).
+        need_backward : bool, default True
+            False skips saving what backward needs (inference).
+        slots : array_like of int, shape (B,), optional
+            With use_cache: the KV-cache sequence of each batch row, each in [0, cache
+            batch) and none twice (continuous batching, `tpcore.Engine`).  Default None:
+            row b uses sequence b.
+
+        Returns
+        -------
+        numpy.ndarray or DeviceArray, shape (B, T, hidden)
+            The same on every rank.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad argument (shape, dtype, range), a cache too small or not allocated, a
+            forward that skips past the cached tokens, or (with pos0, slots or use_cache)
+            ranks that passed different pos0, slots, B, T or use_cache: ValueError on every
+            rank.
+        CommError, CommTimeout
+            A collective failed.
+
+        Notes
+        -----
+        Collectives: one all-reduce after attention, one after the MLP; plus one small
+        all-gather with pos0, slots or use_cache.
+        """
         if _agreed:  # from TransformerLM.forward, which checked every argument and that the ranks agree
             dt = None
             if self.device[0] != "cpu":
@@ -482,7 +716,30 @@ class TransformerBlock:
 
     __call__ = forward
 
-    def backward(self, dy: np.ndarray) -> np.ndarray:
+    def backward(self, dy: Any) -> Any:
+        """The input gradient for the last forward; accumulates every gradient.
+
+        Parameters
+        ----------
+        dy : array_like, shape (B, T, hidden)
+            The gradient of forward's output (the same on every rank).
+
+        Returns
+        -------
+        numpy.ndarray or DeviceArray, shape (B, T, hidden)
+            The gradient of x.
+
+        Raises
+        ------
+        TypeError, ValueError
+            dy of a wrong dtype or shape.
+        RuntimeError
+            No forward with need_backward ran before.
+
+        Notes
+        -----
+        Collectives: one all-reduce at the QKV input and one at fc1's input.
+        """
         C = self.config.hidden
         if self.device[0] != "cpu":  # dy a tensor on the block's GPU; dx a DeviceArray there, in dy's dtype
             d, dt = self._device_x(dy, "dy", type(self).__name__)
@@ -496,7 +753,7 @@ class TransformerBlock:
         shape = d.shape
         return self._c.backward(d.reshape(-1, C)).reshape(shape)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"TransformerBlock(hidden={self.config.hidden}, heads {self.q0}:{self.q0 + self.nq} and kv heads "
                 f"{self.k0}:{self.k0 + self.nk} on rank {self.comm.rank})")
 
@@ -552,15 +809,45 @@ def mask_array(mask, B: int, T: int, who: str, name: str) -> np.ndarray:
 
 
 class ParallelAttention(TransformerBlock):
-    """Attention alone, heads split over the ranks (Megatron): fused QKV projection
-    (column-parallel), rotary positions when config.positions == "rope", causal or
-    bidirectional softmax attention with a padding mask, grouped-query heads, a KV
-    cache, and the row-parallel output projection: y = attn(x) with one all-reduce in
-    forward and one (at the QKV input) in backward.  No norms, MLP or residual (those
-    are TransformerBlock's).  Parameters: attn.q/k/v/out weights (and biases)."""
+    """Attention alone, heads split over the ranks (Megatron).
+
+    Fused QKV projection (column-parallel), rotary positions when config.positions ==
+    "rope", causal or bidirectional softmax attention with a padding mask, grouped-query
+    heads, a KV cache, and the row-parallel output projection: y = attn(x).  No norms,
+    MLP or residual (those are TransformerBlock's).  Parameters: attn.q/k/v/out weights
+    (and biases).
+
+    Parameters
+    ----------
+    config : Config
+        hidden, heads, kv_heads, head_dim, bias, causal, positions / rope_theta are used.
+    comm : Comm
+        The ranks that share the heads.
+    seed : int, default 0
+        As `TransformerBlock`.
+    head_partition : list of int or list of (int, int), optional
+        Query heads per rank (default None: even).
+    ffn_partition : None
+        Unused (no MLP); accepted for the signature's sake.
+    device : str, optional
+        "cpu" (default) or "cuda[:N]".
+    dtype : str or dtype, default "float32"
+        The projections' weight storage.
+    plan : Plan, optional
+        A `tpcore.plan_partition` plan giving head_partition.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As `TransformerBlock`.
+
+    Notes
+    -----
+    Collectives: one all-reduce in forward, one (at the QKV input) in backward.
+    """
 
     _attention_only = True
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"ParallelAttention(hidden={self.config.hidden}, heads {self.q0}:{self.q0 + self.nq} and kv heads "
                 f"{self.k0}:{self.k0 + self.nk} on rank {self.comm.rank})")
