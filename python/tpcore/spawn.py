@@ -24,17 +24,28 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import wait
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 from . import _cleanup
 from ._relay import Console
 from .comm import CommError, CommTimeout
 
 
-class RankExitedError(RuntimeError):
-    """A rank process ended without reporting a result (killed, os._exit, crash)."""
+_T = TypeVar("_T")
 
-    def __init__(self, message, rank=None, exitcode=None):
+
+class RankExitedError(RuntimeError):
+    """A rank process ended without reporting a result (killed, os._exit, crash).
+
+    Attributes
+    ----------
+    rank : int or None
+        The rank that ended.
+    exitcode : int or None
+        Its exit code (negative: killed by that signal).
+    """
+
+    def __init__(self, message: str, rank: Optional[int] = None, exitcode: Optional[int] = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
@@ -201,21 +212,65 @@ def _default_method():
     return "spawn"
 
 
-def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: Optional[dict] = None,
+def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
           backend: str = "shm", timeout: Optional[float] = None, deadline: Optional[float] = None,
-          start_method: Optional[str] = None, relay_output: bool = True, grace: float = 3.0) -> list:
-    """Run fn(comm, *args, **kwargs) on world_size local ranks; return their
-    results in rank order.
+          start_method: Optional[str] = None, relay_output: bool = True, grace: float = 3.0) -> List[_T]:
+    """Run fn(comm, *args, **kwargs) on world_size local ranks; return their results.
 
-    timeout   seconds any one wait of the communicator may take (default:
-              TPCORE_TIMEOUT or 300).
-    deadline  seconds the whole run may take; past it the ranks are stopped
-              and CommTimeout names the ones still running.  None: no limit.
-    start_method  "fork" (default on Linux: works with functions defined in
-              a notebook or a test), "forkserver" or "spawn" (fn must then be
-              importable).  Once this process has initialised CUDA (a GPU
-              layer, tpcore.cuda_available() True) the default is "spawn": a
-              forked child cannot use the parent's CUDA context.
+    Each rank is a process with its own communicator (`tpcore.init` inside it); works
+    from scripts, pytest and Jupyter.  What a rank prints is relayed line by line with a
+    "[rankN] " prefix (the launcher's style), progress lines drawn with "\\r" included.
+
+    Parameters
+    ----------
+    fn : callable
+        fn(comm, *args, **kwargs); its return value must pickle.
+    world_size : int
+        Ranks, >= 1.
+    args : sequence, default ()
+        Positional arguments after comm (they must pickle with start_method "spawn").
+    kwargs : dict, optional
+        Keyword arguments.
+    backend : str, default "shm"
+        The ranks' `init` backend.
+    timeout : float, optional
+        Seconds any one wait of the communicator may take (> 0).  Default None: the
+        TPCORE_TIMEOUT variable, else 300.
+    deadline : float, optional
+        Seconds the whole run may take; past it the ranks are stopped and `CommTimeout`
+        names the ones still running.  Default None: no limit.
+    start_method : {"fork", "forkserver", "spawn"}, optional
+        Default "fork" on Linux (works with functions defined in a notebook or a test);
+        "forkserver" / "spawn" need fn importable.  Once this process has initialised
+        CUDA (a GPU layer, `cuda_available` True) the default is "spawn": a forked child
+        cannot use the parent's CUDA context.
+    relay_output : bool, default True
+        Relay the ranks' stdout / stderr through this process with the rank prefix
+        (False: the ranks write to the inherited streams, unprefixed).
+    grace : float, default 3.0
+        Seconds to wait, after a rank failed, for the others to report (their errors say
+        how they reacted) before they are stopped: SIGTERM, then SIGKILL after as long
+        again.
+
+    Returns
+    -------
+    list
+        fn's return values in rank order.
+
+    Raises
+    ------
+    TypeError
+        fn not callable, args / kwargs of the wrong type, timeout or deadline not a
+        number.
+    ValueError
+        world_size not an int >= 1, timeout or deadline not > 0.
+    Exception
+        The first rank's exception (the same type), with the rank and its traceback in
+        the message; the other ranks are stopped.
+    RankExitedError
+        A rank died without a result (rank, exit code or signal).
+    CommTimeout
+        The deadline passed.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
