@@ -21,7 +21,9 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, Tuple, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 import numpy as np
 
@@ -87,7 +89,7 @@ def _check_meta(path, meta, comm, sharded):
                 raise bad(path, f"__metadata__ {k!r}", f"{want} (the file's name says so)", meta[k])
 
 
-def _collective(fn):
+def _collective(fn: _F) -> _F:
     """A failure on one rank (a full disk, a missing file, a shard of another
     partition) aborts the communicator, so that the other ranks fail at once
     instead of waiting in a collective, and a barrier at the end lets a rank
@@ -108,12 +110,42 @@ def _collective(fn):
         if many:
             comm.barrier()  # done only if every rank is: one that failed has aborted the communicator
         return out
-    return wrapper
+    return wrapper  # type: ignore[return-value]  # the same signature (functools.wraps)
 
 
 @_collective
-def save(model, path: str, comm: Comm, sharded: bool = False) -> None:
-    """Collective.  Full tensors (written by rank 0) or one file per rank."""
+def save(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
+    """Save a model's parameters: full tensors (written by rank 0) or one file per rank.
+
+    Parameters
+    ----------
+    model : layer, ParallelMLP or dict
+        A ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, a ParallelMLP,
+        or a dict of those (names become prefixes: "mlp.fc1.weight").
+    path : str
+        Ends in ".npz" (NumPy) or ".safetensors"; sharded: each rank writes
+        "<stem>.rank<r>-of-<n><suffix>" with its partition recorded.
+    comm : Comm
+        The model's communicator.
+    sharded : bool, default False
+        One file per rank (loads only into the same world size and partition) instead of
+        the full logical tensors (load at any world size).
+
+    Raises
+    ------
+    ValueError
+        path has another suffix, or the model holds something that is not a layer.
+    OSError
+        A file cannot be written.
+    CommError
+        Another rank failed (a rank that fails aborts the communicator, so that the
+        others fail at once instead of waiting).
+
+    Notes
+    -----
+    Collective: all-gathers the shards for a full checkpoint, then a barrier; returns
+    on any rank only once the files are complete.
+    """
     file_format(path)
     leaves = list(_leaves(model))
     if sharded:
@@ -135,9 +167,38 @@ def save(model, path: str, comm: Comm, sharded: bool = False) -> None:
 
 
 @_collective
-def load(model, path: str, comm: Comm, sharded: bool = False) -> None:
-    """Load full tensors (any world size: each rank keeps its slice) or this
-    rank's shard file (the same world size and partition it was saved with)."""
+def load(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
+    """Load a model's parameters saved by `save`.
+
+    Parameters
+    ----------
+    model : layer, ParallelMLP or dict
+        As for `save`, with the same names.
+    path : str
+        The path given to `save`.
+    comm : Comm
+        The model's communicator.
+    sharded : bool, default False
+        False: full tensors, any world size (each rank keeps its slice: resharding).
+        True: this rank's shard file (the same world size and partition it was saved
+        with).
+
+    Raises
+    ------
+    FileNotFoundError
+        A file is missing (a shard file at another world size: load the full checkpoint).
+    CheckpointError
+        A corrupt or inconsistent file (a ValueError), naming the file, the tensor or
+        field, what was expected and what was found.
+    ValueError
+        A shard saved with another partition.
+    CommError
+        Another rank failed.
+
+    Notes
+    -----
+    Collective: ends with a barrier (every rank returns only when every rank succeeded).
+    """
     leaves = list(_leaves(model))
     if sharded:
         p = shard_path(path, comm.rank, comm.size)
