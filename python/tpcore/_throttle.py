@@ -27,7 +27,24 @@ MAX_FACTOR = 1000.0
 
 
 def set_throttle(factor: float) -> None:
-    """Slow this process's compute kernels by factor (>= 1; 1.0 turns the throttle off)."""
+    """Slow this process's compute kernels by factor, to act as a slower device.
+
+    After each compute kernel the calling thread sleeps (factor - 1) x the kernel's time;
+    collectives stay real.  For tests and demos of `plan_partition` (see the module doc;
+    TPCORE_THROTTLE sets it per rank from the environment).
+
+    Parameters
+    ----------
+    factor : float
+        In [1, 1000]; 1.0 turns the throttle off.
+
+    Raises
+    ------
+    TypeError
+        factor is not a number.
+    ValueError
+        factor is not finite or out of range.
+    """
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) and not hasattr(factor, "__float__"):
         raise TypeError(f"set_throttle: factor must be a number >= 1, got {shown(factor)}")
     f = float(factor)
@@ -38,7 +55,13 @@ def set_throttle(factor: float) -> None:
 
 
 def get_throttle() -> float:
-    """The compute throttle's factor of this process (1.0: off)."""
+    """The compute throttle's factor of this process (see `set_throttle`).
+
+    Returns
+    -------
+    float
+        1.0 when off.
+    """
     return _C.get_throttle()
 
 
