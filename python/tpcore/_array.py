@@ -19,7 +19,7 @@ This module imports nothing of tpcore but the extension (the argument helpers of
 _args import it)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -158,13 +158,35 @@ def device_string(dev: Tuple[str, int]) -> str:
     return f"{dev[0]}:{dev[1]}"
 
 
-def asarray_device(x, device=None, dtype=None, copy=None) -> "DeviceArray":
-    """tpcore.asarray: x (a DeviceArray, any DLPack tensor, a NumPy array, a list) as a
-    tpcore.DeviceArray on `device` (None: where x is; host data: the CPU).
+def asarray_device(x: Any, device: Optional[str] = None, dtype: Any = None,
+                   copy: Optional[bool] = None) -> "DeviceArray":
+    """x as a tpcore.DeviceArray (``tpcore.asarray``).
 
-    copy=None: reuse x's memory when it is already on that device with that dtype, else
-    copy; copy=True: always a new array; copy=False: never copy (a ValueError when a copy
-    is needed).  Host data goes to a GPU by a copy."""
+    Parameters
+    ----------
+    x : DeviceArray, DLPack tensor, numpy.ndarray or array_like
+        The data (a list is converted by NumPy first).
+    device : str, optional
+        "cpu", "cuda" or "cuda:N".  Default None: where x is (host data: the CPU).
+    dtype : str or dtype, optional
+        The result's dtype ("float32", "bfloat16", "int64", ...; a change goes through the
+        host, a copy).  Default None: x's.
+    copy : bool, optional
+        None (default): reuse x's memory when it is already on that device with that
+        dtype, else copy; True: always a new array; False: never copy.  Host data goes to
+        a GPU by a copy.
+
+    Returns
+    -------
+    DeviceArray
+
+    Raises
+    ------
+    TypeError
+        copy not None / True / False, or x of a dtype or kind tpcore does not take.
+    ValueError
+        copy=False but a copy is needed; an unknown device.
+    """
     if copy not in (None, True, False):
         raise TypeError(f"asarray: copy must be None, True or False, got {copy!r}")
     if isinstance(x, DeviceArray) or (hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray)):
@@ -199,8 +221,30 @@ def _np_dtype(dtype):
     return np.dtype(dtype)
 
 
-def from_dlpack(x, writable: bool = False) -> "DeviceArray":
-    """A tpcore.DeviceArray viewing x's memory (any DLPack producer; no copy)."""
+def from_dlpack(x: Any, writable: bool = False) -> "DeviceArray":
+    """A tpcore.DeviceArray viewing x's memory (no copy).
+
+    tpcore's own DLPack consumer (bfloat16 included, which NumPy's is not).
+
+    Parameters
+    ----------
+    x : object with ``__dlpack__``
+        Any DLPack producer (NumPy, PyTorch, JAX, CuPy, a DeviceArray) on a device of this
+        build.
+    writable : bool, default False
+        Ask for a writable view (a read-only producer is then refused).
+
+    Returns
+    -------
+    DeviceArray
+        A view of x's memory, alive as long as the view.
+
+    Raises
+    ------
+    TypeError
+        x is not a DLPack producer, or its dtype, layout or device is not one tpcore
+        takes (named in the message).
+    """
     return _C.from_dlpack(x, writable=writable)
 
 
