@@ -17,7 +17,7 @@ sub-communicators (tpcore.Comm, each made by one split); grid.coords(r) gives a 
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -29,10 +29,43 @@ __all__ = ["ProcessGrid", "average_gradients"]
 
 
 class ProcessGrid:
-    """TP x PP x DP groups over comm (comm.size must be tp * pp * dp).  Collective: every rank of
-    comm makes it with the same sizes (they are checked across ranks)."""
+    """TP x PP x DP groups over comm (Megatron's layout: tp fastest, then dp, then pp).
 
-    def __init__(self, comm: Comm, tp: int = 1, pp: int = 1, dp: Optional[int] = None):
+    Parameters
+    ----------
+    comm : Comm
+        The ranks to arrange; comm.size must be tp * pp * dp.
+    tp : int, default 1
+        Tensor-parallel group size.
+    pp : int, default 1
+        Pipeline stages.
+    dp : int, optional
+        Data-parallel replicas.  Default None: comm.size // (tp * pp).
+
+    Attributes
+    ----------
+    tp, pp, dp : Comm
+        This rank's tensor-, pipeline- and data-parallel communicators.
+    tp_rank, pp_rank, dp_rank : int
+        This rank's coordinates.
+    sizes : dict
+        {"tp": tp, "pp": pp, "dp": dp}.
+
+    Raises
+    ------
+    TypeError
+        comm not a Comm, a size not an int.
+    ValueError
+        A size < 1, sizes that do not multiply to comm.size, or ranks that asked for
+        different grids.
+
+    Notes
+    -----
+    Collective: every rank of comm makes it with the same sizes (an all-gather checks
+    them), then three splits.
+    """
+
+    def __init__(self, comm: Comm, tp: int = 1, pp: int = 1, dp: Optional[int] = None) -> None:
         if not isinstance(comm, Comm):
             raise TypeError(f"ProcessGrid: comm must be a tpcore.Comm, got {shown(comm)}")
         tp = int_arg(tp, "ProcessGrid", "tp", lo=1)
@@ -56,26 +89,61 @@ class ProcessGrid:
         t, p, d = self.coords(comm.rank)
         self.tp_rank, self.pp_rank, self.dp_rank = t, p, d
         # one split per group: the color names the group (the other two coordinates), the key orders it
-        self.tp = comm.split(p * dp + d, t)
-        self.dp = comm.split(p * tp + t, d)
-        self.pp = comm.split(d * tp + t, p)
+        self.tp: Comm = _member(comm.split(p * dp + d, t))
+        self.dp: Comm = _member(comm.split(p * tp + t, d))
+        self.pp: Comm = _member(comm.split(d * tp + t, p))
 
     def coords(self, rank: int) -> Tuple[int, int, int]:
-        """(tp, pp, dp) coordinates of a rank of the grid's communicator."""
+        """(tp, pp, dp) coordinates of a rank of the grid's communicator.
+
+        Parameters
+        ----------
+        rank : int
+            0 <= rank < comm.size.
+
+        Returns
+        -------
+        (int, int, int)
+        """
         rank = int_arg(rank, "ProcessGrid.coords", "rank", lo=0, hi=self.comm.size - 1)
         tp, dp = self.sizes["tp"], self.sizes["dp"]
         return rank % tp, rank // (tp * dp), (rank // tp) % dp
 
     def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
-        """The rank at (tp, pp, dp)."""
+        """The rank of the grid's communicator at (tp, pp, dp).
+
+        Parameters
+        ----------
+        tp, pp, dp : int, default 0
+            Coordinates within the sizes.
+
+        Returns
+        -------
+        int
+        """
         t = int_arg(tp, "ProcessGrid.rank_of", "tp", lo=0, hi=self.sizes["tp"] - 1)
         p = int_arg(pp, "ProcessGrid.rank_of", "pp", lo=0, hi=self.sizes["pp"] - 1)
         d = int_arg(dp, "ProcessGrid.rank_of", "dp", lo=0, hi=self.sizes["dp"] - 1)
         return t + self.sizes["tp"] * (d + self.sizes["dp"] * p)
 
-    def average_gradients(self, params, bucket_bytes: int = 1 << 22) -> int:
-        """Data parallel: every gradient of params averaged over the DP group (see
-        average_gradients); returns the number of all-reduces made."""
+    def average_gradients(self, params: Any, bucket_bytes: int = 1 << 22) -> int:
+        """Every gradient of params averaged over the DP group (`tpcore.average_gradients`).
+
+        Parameters
+        ----------
+        params : module, list of modules, or list of (param, grad) pairs
+        bucket_bytes : int, default 4 MiB
+            Bucket size of the host gradients.
+
+        Returns
+        -------
+        int
+            The number of all-reduces made.
+
+        Notes
+        -----
+        Collective over the DP group.
+        """
         return average_gradients(params, self.dp, bucket_bytes)
 
     def close(self) -> None:
@@ -83,10 +151,16 @@ class ProcessGrid:
         for c in (self.tp, self.pp, self.dp):
             c.close()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         s = self.sizes
         return (f"ProcessGrid(tp={s['tp']}, pp={s['pp']}, dp={s['dp']}; rank {self.comm.rank} at tp {self.tp_rank}, "
                 f"pp {self.pp_rank}, dp {self.dp_rank})")
+
+
+def _member(c: Optional[Comm]) -> Comm:
+    """A split's communicator (every rank passes a color, so there always is one)."""
+    assert c is not None
+    return c
 
 
 def _grads(params):
@@ -104,14 +178,39 @@ def _grads(params):
     return out
 
 
-def average_gradients(params, comm: Comm, bucket_bytes: int = 1 << 22) -> int:
-    """Each gradient of params replaced by its mean over comm's ranks (data parallelism: the
-    replicas ran the same model on different micro-batches).  Host float32 gradients travel
-    in buckets of up to bucket_bytes (consecutive gradients packed into one buffer: one
-    all-reduce instead of one per small tensor, as PyTorch DDP and Megatron bucket); device
-    gradients (DeviceArrays) are averaged one by one where they live.  Collective over comm:
-    every rank passes the same gradients' shapes in the same order (a mismatch is the
-    all-reduce's error).  Returns the number of all-reduces."""
+def average_gradients(params: Any, comm: Comm, bucket_bytes: int = 1 << 22) -> int:
+    """Each gradient of params replaced by its mean over comm's ranks (data parallelism).
+
+    The replicas ran the same model on different micro-batches.  Host float32 gradients
+    travel in buckets of up to bucket_bytes (consecutive gradients packed into one buffer:
+    one all-reduce instead of one per small tensor, as PyTorch DDP and Megatron bucket);
+    device gradients (DeviceArrays) are averaged one by one where they live.
+
+    Parameters
+    ----------
+    params : module, list of modules, or list of (param, grad) pairs
+        Anything with ``parameters()`` (a layer, a model), or the pairs themselves.
+    comm : Comm
+        The data-parallel group.
+    bucket_bytes : int, default 4194304 (4 MiB)
+        The largest bucket, >= 4.
+
+    Returns
+    -------
+    int
+        The number of all-reduces made (0 on one rank).
+
+    Raises
+    ------
+    TypeError
+        comm not a Comm, params not modules or pairs.
+    CommError
+        The ranks' gradients differ in shape or order (the all-reduce's error).
+
+    Notes
+    -----
+    Collective over comm: all-reduces with op "avg".
+    """
     if not isinstance(comm, Comm):
         raise TypeError(f"average_gradients: comm must be a tpcore.Comm, got {shown(comm)}")
     bucket_bytes = int_arg(bucket_bytes, "average_gradients", "bucket_bytes", lo=4)
