@@ -36,7 +36,7 @@ and the most stage inputs held at once.
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,9 +50,31 @@ __all__ = ["PipelineLM", "stage_partition", "SCHEDULES"]
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def stage_partition(layers: int, stages: int, counts: Optional[Sequence[int]] = None) -> List[tuple]:
-    """[(lo, hi)] of each stage's blocks: counts (layers per stage) when given, else even cuts
-    (the first layers % stages stages one block more)."""
+def stage_partition(layers: int, stages: int, counts: Optional[Sequence[int]] = None) -> List[Tuple[int, int]]:
+    """The blocks [lo, hi) of each pipeline stage.
+
+    Parameters
+    ----------
+    layers : int
+        Blocks of the model, >= 1.
+    stages : int
+        Pipeline stages, >= 1 (at most layers without counts).
+    counts : sequence of int, optional
+        Blocks per stage (>= 0 each, adding up to layers).  Default None: even cuts, the
+        first layers % stages stages one block more.
+
+    Returns
+    -------
+    list of (int, int)
+        (lo, hi) per stage, consecutive.
+
+    Raises
+    ------
+    TypeError
+        A non-integer argument, counts not a sequence.
+    ValueError
+        More stages than blocks without counts, counts of the wrong length or sum.
+    """
     layers = int_arg(layers, "stage_partition", "layers", lo=1)
     stages = int_arg(stages, "stage_partition", "stages", lo=1)
     if counts is None:
@@ -76,12 +98,53 @@ def stage_partition(layers: int, stages: int, counts: Optional[Sequence[int]] = 
 
 
 class PipelineLM:
-    """A TransformerLM cut into pipeline stages over grid.pp, each stage tensor-parallel over
-    grid.tp (see the module's text).  Collective over the grid: every rank makes it with the
-    same config, seed, stages and dtype (checked).  CPU (NumPy) models in this version."""
+    """A TransformerLM cut into pipeline stages over grid.pp, each stage tensor-parallel.
+
+    See the module's text for the schedules and the tied embeddings.  CPU (NumPy) models
+    in this version.
+
+    Parameters
+    ----------
+    config : Config
+        The whole model's shape.
+    grid : ProcessGrid
+        Stages over grid.pp, each stage tensor-parallel over grid.tp.
+    stages : sequence of int, optional
+        Blocks per stage (`stage_partition`'s counts).  Default None: even cuts.
+    seed : int, default 0
+        As `tpcore.models.TransformerLM` (the same logical weights as an unsplit model).
+    partition, ffn_partition, vocab_partition : optional
+        Each stage's head, MLP-column and vocabulary splits over its TP group (as
+        TransformerLM's).
+    dtype : str, default "float32"
+        The large weights' storage (as TransformerLM's).
+
+    Attributes
+    ----------
+    stage : TransformerLM
+        This rank's stage (its blocks, plus the embeddings on the first stage and the head
+        on the last).
+    stage_index, num_stages : int
+    stage_bounds : list of (int, int)
+    last_stats : dict
+        The last train_step's measurements (compute and wait time, bytes sent, forwards
+        re-run, most inputs held).
+
+    Raises
+    ------
+    TypeError
+        grid not a ProcessGrid, config not a Config.
+    ValueError
+        Bad stages, or ranks that passed different config, seed, stages or dtype.
+
+    Notes
+    -----
+    Collective over the grid: every rank makes it with the same arguments (checked).
+    """
 
     def __init__(self, config: Config, grid: ProcessGrid, stages: Optional[Sequence[int]] = None, seed: int = 0,
-                 partition=None, ffn_partition=None, vocab_partition=None, dtype="float32"):
+                 partition: Any = None, ffn_partition: Any = None, vocab_partition: Any = None,
+                 dtype: Any = "float32") -> None:
         if not isinstance(grid, ProcessGrid):
             raise TypeError(f"PipelineLM: grid must be a tpcore.ProcessGrid, got {shown(grid)}")
         if not isinstance(config, Config):
@@ -117,23 +180,43 @@ class PipelineLM:
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------- parameters
-    def parameters(self):
-        """This stage's (parameter, gradient) pairs."""
+    def parameters(self) -> List[Tuple[Any, Any]]:
+        """This stage's (parameter, gradient) pairs, for `tpcore.optim`."""
         return self.stage.parameters()
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
+        """Set this stage's gradients to zero."""
         self.stage.zero_grad()
 
     def param_bytes(self) -> int:
+        """Bytes of this rank's parameters."""
         return self.stage.param_bytes()
 
-    def state_dict_full(self) -> dict:
-        """This stage's full tensors (collective over its TP group), in the whole model's names
-        (blocks.i with i the block's number in the model)."""
+    def state_dict_full(self) -> Dict[str, np.ndarray]:
+        """This stage's full tensors, in the whole model's names (blocks.i: the model's i).
+
+        Notes
+        -----
+        Collective over the stage's TP group.
+        """
         return self.stage.state_dict_full()
 
-    def load_state_dict_full(self, sd, progress: bool = False) -> None:
-        """Load this stage's part of a whole model's full tensors (tpcore's names)."""
+    def load_state_dict_full(self, sd: Dict[str, Any], progress: bool = False) -> None:
+        """Load this stage's part of a whole model's full tensors.
+
+        Parameters
+        ----------
+        sd : dict of str to array_like
+            The whole model's tensors in tpcore's names (`state_dict_full`); the other
+            stages' are ignored.
+        progress : bool, default False
+            Show a progress line.
+
+        Raises
+        ------
+        KeyError, ValueError
+            A tensor of this stage missing or of the wrong shape.
+        """
         self.stage.load_state_dict_full(sd, progress)
 
     def close(self) -> None:
@@ -169,15 +252,47 @@ class PipelineLM:
         return buf
 
     # ------------------------------------------------------------- training
-    def train_step(self, tokens, targets, micro_batches: int = 1, schedule: str = "1f1b", attention_mask=None,
-                   ignore_index: int = -100) -> float:
-        """Forward and backward of one batch through the pipeline; gradients accumulate into every
-        stage's parameters (as loss() + backward() do on a TransformerLM); returns the mean
-        cross-entropy over the batch's counted targets, on every rank.  tokens and targets (B, T)
-        are given on every rank of the pipeline (the first stage reads the tokens, the last the
-        targets; the ranks check they agree); the batch is split into micro_batches consecutive
-        slices (uneven when B is not a multiple).  Each micro-batch's loss is weighted by its
-        share of the counted targets, so the result and the gradients equal the whole batch's."""
+    def train_step(self, tokens: Any, targets: Any, micro_batches: int = 1, schedule: str = "1f1b",
+                   attention_mask: Any = None, ignore_index: int = -100) -> float:
+        """Forward and backward of one batch through the pipeline.
+
+        Gradients accumulate into every stage's parameters (as loss() + backward() do on a
+        TransformerLM).  Each micro-batch's loss is weighted by its share of the counted
+        targets, so the result and the gradients equal the whole batch's.
+
+        Parameters
+        ----------
+        tokens : array_like of int, shape (B, T)
+            Given on every rank of the pipeline (the first stage reads them; the ranks check
+            they agree).
+        targets : array_like of int, shape (B, T)
+            Next-token targets (the last stage reads them).
+        micro_batches : int, default 1
+            Consecutive slices of the batch, in [1, B] (uneven when B is not a multiple).
+        schedule : {"1f1b", "gpipe"}, default "1f1b"
+        attention_mask : array_like, shape (B, T), optional
+            Nonzero for real tokens (default None: all).
+        ignore_index : int, default -100
+            Targets with no loss.
+
+        Returns
+        -------
+        float
+            The mean cross-entropy over the counted targets, on every rank.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad argument, or ranks that disagree (on every rank).
+        CommError, CommTimeout
+            A stage failed or never arrived.
+
+        Notes
+        -----
+        Communication: send / recv (or sendrecv) of activations and their gradients between
+        neighbouring stages, the stages' TP all-reduces, the tied embeddings' gradient
+        all-reduce, and a broadcast of the loss.
+        """
         who = "PipelineLM.train_step"
         st = self.stage
         err = None
@@ -325,8 +440,24 @@ class PipelineLM:
         np.add(g0, delta, out=g)
 
     # ------------------------------------------------------------- inference
-    def logits(self, tokens, attention_mask=None) -> np.ndarray:
-        """(B, T, vocab) float32 logits, the full vocabulary on every rank of the pipeline."""
+    def logits(self, tokens: Any, attention_mask: Any = None) -> np.ndarray:
+        """The full-vocabulary logits on every rank of the pipeline.
+
+        Parameters
+        ----------
+        tokens : array_like of int, shape (B, T)
+            The same on every rank.
+        attention_mask : array_like, shape (B, T), optional
+            Nonzero for real tokens.
+
+        Returns
+        -------
+        numpy.ndarray, shape (B, T, vocab_size), float32
+
+        Notes
+        -----
+        Collective over the grid: sends through the stages, then a broadcast from the last.
+        """
         who = "PipelineLM.logits"
         st = self.stage
         err = None
@@ -353,15 +484,39 @@ class PipelineLM:
         return out
 
     def cache(self, batch: int, max_len: int) -> None:
-        """(Re)allocate this stage's blocks' KV caches."""
+        """(Re)allocate this stage's blocks' KV caches.
+
+        Parameters
+        ----------
+        batch : int
+            Sequences, >= 1.
+        max_len : int
+            Tokens per sequence, >= 1.
+        """
         self.stage.cache(batch, max_len)
 
-    def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
-                 seed: int = 0, eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None):
-        """TransformerLM.generate across the stages: the prompt's prefill and each decode step go
-        through the stages in turn (each stage its blocks' KV cache); the last stage picks the
-        next tokens and every stage receives them.  The same arguments and result as
-        TransformerLM.generate; greedy decoding gives the tokens of one process."""
+    def generate(self, prompts: Any, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
+                 seed: int = 0, eos_token_id: Any = None, pad_token_id: Optional[int] = None) -> Any:
+        """`TransformerLM.generate` across the stages.
+
+        The prompt's prefill and each decode step go through the stages in turn (each stage
+        its blocks' KV cache); the last stage picks the next tokens and every stage receives
+        them.  Greedy decoding gives the tokens of one process.
+
+        Parameters
+        ----------
+        prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id
+            As `TransformerLM.generate`.
+
+        Returns
+        -------
+        numpy.ndarray or list
+            As `TransformerLM.generate`.
+
+        Notes
+        -----
+        Collective over the grid (sends between stages, broadcasts of the next tokens).
+        """
         st = self.stage
         err, args = None, None
         try:
