@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import time
-from typing import Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -82,22 +82,59 @@ class _Norm:
 
 
 class TransformerLM:
-    """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm."""
+    """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm.
 
-    def __init__(self, config: Config, comm: Comm, seed: int = 0, partition=None, ffn_partition=None,
-                 vocab_partition=None, device=None, dtype="float32", _device_path: bool = False, _stage=None,
-                 plan=None):
-        """device="cuda" (or "cuda:N"): the token embedding, the blocks (their KV caches included)
-        and the LM head live on that GPU, for inference (forward, logits, generate, loading and
-        saving checkpoints); the position/type embeddings and the norms outside the blocks stay on
-        the host, and training (loss/backward) is CPU-only in this version.
-        dtype ("float32", "bfloat16" or "float16"): the storage of the large weights (token
-        embedding, attention and MLP projections, LM head); norms, biases, position embeddings,
-        activations, the KV cache and gradients stay float32, every product is accumulated in
-        float32.  Half the weight bytes: decoding, which reads every weight per token, moves half
-        the memory.
-        plan: a tpcore.Plan (tpcore.plan_partition, Plan.load) giving partition, ffn_partition and
-        vocab_partition: shards sized by measured speed for mismatched devices."""
+    The token embedding is vocabulary-parallel, the blocks are `TransformerBlock` s (heads
+    and MLP columns split), the LM head is column-parallel over the vocabulary (tied to
+    the embedding when config.tie_embeddings) with a vocab-parallel cross-entropy.
+
+    Parameters
+    ----------
+    config : Config
+        The model's shape.
+    comm : Comm
+        The ranks that share the model.
+    seed : int, default 0
+        The parameters' random stream, an integer in [0, 2**64): the same logical model at
+        every world size and partition.
+    partition : list of int or list of (int, int), optional
+        Query heads per rank (default None: even).
+    ffn_partition : list of int or list of (int, int), optional
+        MLP columns per rank (default None: even).
+    vocab_partition : list of int or list of (int, int), optional
+        Vocabulary rows per rank (default None: even).
+    device : str, optional
+        "cpu" (default) or "cuda" / "cuda:N": the token embedding, the blocks (their KV
+        caches included) and the LM head live on that GPU, for inference (forward, logits,
+        generate, loading and saving checkpoints); the position/type embeddings and the
+        norms outside the blocks stay on the host, and training (loss/backward) is
+        CPU-only in this version.
+    dtype : {"float32", "bfloat16", "float16"}, default "float32"
+        The storage of the large weights (token embedding, attention and MLP projections,
+        LM head); norms, biases, position embeddings, activations, the KV cache and
+        gradients stay float32, every product is accumulated in float32.  Half the weight
+        bytes: decoding, which reads every weight per token, moves half the memory.
+    plan : Plan, optional
+        A `tpcore.plan_partition` plan (or `Plan.load`) giving partition, ffn_partition and
+        vocab_partition: shards sized by measured speed for mismatched devices.
+
+    Raises
+    ------
+    TypeError
+        config not a Config, comm not a Comm, an argument of the wrong type.
+    ValueError
+        A partition that does not add up, an unsupported dtype or device.
+
+    Notes
+    -----
+    Collectives per forward: one all-reduce for the embedding, two per block; logits and
+    loss add the head's (an all-gather of the logits, or the cross-entropy's all-reduces).
+    Construction all-gathers the partitions.
+    """
+
+    def __init__(self, config: Config, comm: Comm, seed: int = 0, partition: Any = None, ffn_partition: Any = None,
+                 vocab_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
+                 _device_path: bool = False, _stage: Any = None, plan: Any = None) -> None:
         self.device = resolve_device(device, "TransformerLM")
         self.dtype = check_param_dtype(dtype, "TransformerLM")
         dev = None if self.device[0] == "cpu" else device_string(self.device)
@@ -168,7 +205,8 @@ class TransformerLM:
         return self.device[0] != "cpu"
 
     # ------------------------------------------------------------- parameters
-    def parameters(self):
+    def parameters(self) -> List[Tuple[Any, Any]]:
+        """This rank's (parameter, gradient) pairs, for `tpcore.optim` (DeviceArrays on a GPU)."""
         ps = list(self.wte.parameters()) if self.wte is not None else []
         if self.wpe is not None:
             ps.append((self.wpe, self.wpe_grad))
@@ -179,18 +217,33 @@ class TransformerLM:
             ps.extend(m.parameters())
         return ps
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
+        """Set every gradient to zero."""
         for _, g in self.parameters():
             zero(g)
 
     def param_bytes(self) -> int:
+        """Bytes of this rank's parameters."""
         return int(sum(p.nbytes for p, _ in self.parameters()))
 
     def _head_weight(self):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def cache(self, batch: int, max_len: int) -> None:
-        """(Re)allocate every block's KV cache: batch sequences of up to max_len tokens."""
+        """(Re)allocate every block's KV cache (for use_cache forwards; generate makes its own).
+
+        Parameters
+        ----------
+        batch : int
+            Sequences, >= 1.
+        max_len : int
+            Tokens per sequence, >= 1.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Not an int in range.
+        """
         batch = int_arg(batch, "TransformerLM.cache", "batch", lo=1, hi=2 ** 31 - 1)
         max_len = int_arg(max_len, "TransformerLM.cache", "max_len", lo=1, hi=2 ** 31 - 1)
         for b in self.blocks:
@@ -275,14 +328,49 @@ class TransformerLM:
             self.blocks[0]._check_cache(np.zeros(B, np.int64) if p0 is None else p0, B, T, who, sl)
         return tokens, p0, pos, mask, tt, sl
 
-    def forward(self, tokens, pos0=None, attention_mask=None, token_type_ids=None, use_cache: bool = False,
-                need_backward: bool = False, _agreed: bool = False, slots=None) -> np.ndarray:
-        """Hidden states (B, T, hidden) after the last block (and the final norm), a NumPy array
-        (a GPU model's come back to the host).  slots (B,) with use_cache: the KV-cache sequence of
-        each batch row (None: row b uses sequence b), distinct, in [0, cache batch) (tpcore.serve's
-        continuous batching).  With pos0, slots or use_cache (decoding), the ranks check that they
-        passed the same tokens, pos0, slots, mask and use_cache (one small all-gather per call;
-        ValueError on every rank if not)."""
+    def forward(self, tokens: Any, pos0: Any = None, attention_mask: Any = None, token_type_ids: Any = None,
+                use_cache: bool = False, need_backward: bool = False, _agreed: bool = False,
+                slots: Any = None) -> np.ndarray:
+        """Hidden states after the last block (and the final norm).
+
+        Parameters
+        ----------
+        tokens : array_like of int, shape (B, T)
+            Token ids in [0, vocab_size), the same on every rank.
+        pos0 : array_like of int, shape (B,), optional
+            Each sequence's first position (decoding with the KV cache).
+        attention_mask : array_like, shape (B, T), optional
+            Nonzero for real tokens, 0 for padding (default None: all real).
+        token_type_ids : array_like of int, shape (B, T), optional
+            BERT's segment ids (models with type_vocab_size > 0).
+        use_cache : bool, default False
+            Append to and attend to the KV cache (`cache`).
+        need_backward : bool, default False
+            Keep what a backward needs.
+        slots : array_like of int, shape (B,), optional
+            With use_cache: the KV-cache sequence of each batch row, distinct, in [0, cache
+            batch) (`tpcore.Engine`'s continuous batching).  Default None: row b uses
+            sequence b.
+
+        Returns
+        -------
+        numpy.ndarray, shape (B, T, hidden), float32
+            The same on every rank (a GPU model's come back to the host).
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad argument (a token out of range, wrong shapes, a sequence past
+            max_positions), or, with pos0, slots or use_cache, ranks that passed different
+            tokens, pos0, slots, mask or use_cache (ValueError on every rank).
+        CommError, CommTimeout
+            A collective failed.
+
+        Notes
+        -----
+        Collectives: the embedding's all-reduce and two all-reduces per block; one small
+        all-gather with pos0, slots or use_cache.
+        """
         h = self._forward(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, _agreed, slots)
         return h.to_numpy() if isinstance(h, DeviceArray) else h
 
@@ -320,8 +408,24 @@ class TransformerLM:
             if need_backward else None
         return h
 
-    def encode(self, tokens, attention_mask=None, token_type_ids=None) -> np.ndarray:
-        """(B, T, hidden) hidden states (BERT's last_hidden_state)."""
+    def encode(self, tokens: Any, attention_mask: Any = None, token_type_ids: Any = None) -> np.ndarray:
+        """Hidden states for an encoder (BERT's last_hidden_state): `forward` without a cache.
+
+        Parameters
+        ----------
+        tokens : array_like of int, shape (B, T)
+        attention_mask : array_like, shape (B, T), optional
+            Nonzero for real tokens (mean-pool with it for sentence embeddings).
+        token_type_ids : array_like of int, shape (B, T), optional
+
+        Returns
+        -------
+        numpy.ndarray, shape (B, T, hidden), float32
+
+        Notes
+        -----
+        Collectives as `forward`.
+        """
         return self.forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
 
     def _logits_shard(self, h2, reuse: bool = False):
@@ -355,15 +459,56 @@ class TransformerLM:
             return self.comm.all_gather(np.ascontiguousarray(shard), axis=-1,
                                         sizes=[s for _, s in self.vocab_partition])
 
-    def logits(self, tokens, attention_mask=None, token_type_ids=None) -> np.ndarray:
-        """(B, T, vocab) float32 logits, the full vocabulary on every rank."""
+    def logits(self, tokens: Any, attention_mask: Any = None, token_type_ids: Any = None) -> np.ndarray:
+        """Logits of the full vocabulary on every rank.
+
+        Parameters
+        ----------
+        tokens : array_like of int, shape (B, T)
+        attention_mask : array_like, shape (B, T), optional
+        token_type_ids : array_like of int, shape (B, T), optional
+
+        Returns
+        -------
+        numpy.ndarray, shape (B, T, vocab_size), float32
+
+        Notes
+        -----
+        Collectives: `forward`'s, then an all-gather of the vocab-parallel logits.
+        """
         h = self._forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
         B, T, C = h.shape
         return self._gather_logits(self._logits_shard(h.reshape((B * T, C)))).reshape(B, T, self.config.vocab_size)
 
-    def loss(self, tokens, targets, attention_mask=None, ignore_index: int = -100) -> float:
-        """Mean cross-entropy of next-token targets (B, T) over the full vocabulary, from the
-        vocab-parallel logits; keeps what backward() needs."""
+    def loss(self, tokens: Any, targets: Any, attention_mask: Any = None, ignore_index: int = -100) -> float:
+        """Mean cross-entropy of next-token targets over the full vocabulary.
+
+        Computed from the vocab-parallel logits (no rank holds them all); keeps what
+        `backward` needs.
+
+        Parameters
+        ----------
+        tokens : array_like of int, shape (B, T)
+        targets : array_like of int, shape (B, T)
+            The next token of each position (or ignore_index).
+        attention_mask : array_like, shape (B, T), optional
+        ignore_index : int, default -100
+            Targets with no loss.
+
+        Returns
+        -------
+        float
+            The mean over the counted targets, the same on every rank.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad tokens / targets (shape, range).
+
+        Notes
+        -----
+        Collectives: `forward`'s, then the cross-entropy's (a max and a sum all-reduce).
+        """
         targets = int_array(targets, "TransformerLM.loss", "targets")
         h = self._forward(tokens, attention_mask=attention_mask, need_backward=True)
         return self._stage_loss(h, targets, ignore_index)
@@ -396,7 +541,22 @@ class TransformerLM:
         return value
 
     def backward(self, dloss: float = 1.0) -> None:
-        """Gradients of the last loss() into every parameter (accumulated)."""
+        """Gradients of the last `loss` into every parameter (accumulated).
+
+        Parameters
+        ----------
+        dloss : float, default 1.0
+            The gradient of the loss (a scale).
+
+        Raises
+        ------
+        RuntimeError
+            No loss() ran before.
+
+        Notes
+        -----
+        Collectives: two all-reduces per block (and the embedding's gradient stays local).
+        """
         if not self._ctx or "xent" not in self._ctx:
             raise RuntimeError("TransformerLM.backward: call loss() first")
         if self._kdev is not None:
@@ -471,17 +631,46 @@ class TransformerLM:
         self.wte.backward(dh2 if self._on_gpu() else dh2.to_numpy())
 
     # ------------------------------------------------------------- generation
-    def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
-                 seed: int = 0, eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None):
-        """Batched prefill, then KV-cache decoding.  prompts: (B, T) ints, or a list of
-        sequences of their own lengths.  Greedy (temperature 0) gives the same tokens at
-        every world size; temperature > 0 samples (top_k: only from the k largest logits,
-        None or 0: from all), drawing from `seed` (an integer in [0, 2**64)).  A sequence that
-        emits eos_token_id is finished: pad_token_id fills the rest (both default to the
-        checkpoint's generation_config.json, as in Hugging Face; pass eos_token_id=-1 to never
-        stop).  Every rank must pass the same arguments: one small all-gather at entry checks
-        it (ValueError on every rank if not).  Returns (B, T + new) int64 when the prompts have
-        one length, else a list of 1-D arrays."""
+    def generate(self, prompts: Any, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
+                 seed: int = 0, eos_token_id: Any = None, pad_token_id: Optional[int] = None) -> Any:
+        """Batched prefill, then KV-cache decoding (causal models).
+
+        Parameters
+        ----------
+        prompts : array_like of int, shape (B, T), or list of 1-D sequences
+            Prompts of one length, or of their own lengths.
+        max_new_tokens : int, default 16
+            Tokens to generate per prompt, >= 1.
+        temperature : float, default 0.0
+            0: greedy (the same tokens at every world size); > 0: sampling.
+        top_k : int, optional
+            Sample only from the k largest logits (None or 0: from all).
+        seed : int, default 0
+            The sampling stream, an integer in [0, 2**64).
+        eos_token_id : int or list of int, optional
+            A sequence that emits it is finished (default None: the checkpoint's
+            generation_config.json, as in Hugging Face; -1: never stop).
+        pad_token_id : int, optional
+            Fills a finished sequence's rest (default None: generation_config's, else the
+            first eos id, else 0).
+
+        Returns
+        -------
+        numpy.ndarray or list of numpy.ndarray
+            (B, T + max_new_tokens) int64 when the prompts have one length, else a list of
+            1-D arrays (prompt + generated).
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad argument, an encoder model, a sequence past max_positions, or ranks that
+            passed different arguments (ValueError on every rank).
+
+        Notes
+        -----
+        Collective: one small all-gather at entry checks the arguments agree; per step,
+        `forward`'s collectives and an all-gather of the logits.
+        """
         err = None
         try:
             args = self._generate_args(prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
@@ -583,9 +772,19 @@ class TransformerLM:
         return np.minimum((np.cumsum(p, -1) < u).sum(-1), p.shape[-1] - 1).astype(np.int64)
 
     # ------------------------------------------------------------ checkpoints
-    def state_dict_full(self) -> dict:
-        """Full tensors in tpcore's names (collective; a pipeline stage gives what it holds,
-        its blocks under their numbers in the whole model)."""
+    def state_dict_full(self) -> Dict[str, np.ndarray]:
+        """The full tensors in tpcore's names ("wte.weight", "blocks.0.attn.q.weight", ...).
+
+        Returns
+        -------
+        dict of str to numpy.ndarray
+            A pipeline stage gives what it holds, its blocks under their numbers in the
+            whole model.
+
+        Notes
+        -----
+        Collective: all-gathers of every sharded tensor.
+        """
         sd = {"wte.weight": self.wte.gather_full()} if self._first else {}
         if self.wpe is not None:
             sd["wpe.weight"] = _hostcopy(self.wpe)
@@ -607,9 +806,28 @@ class TransformerLM:
             sd["lm_head.weight"] = self.lm_head.gather_full()[0]
         return sd
 
-    def load_state_dict_full(self, sd, progress: bool = False) -> None:
-        """Load full tensors (tpcore's names); each rank keeps its slices.  Values may be
-        arrays or memory-mapped views (only the rank's slices are read)."""
+    def load_state_dict_full(self, sd: Dict[str, Any], progress: bool = False) -> None:
+        """Load full tensors (tpcore's names); each rank keeps its slices.
+
+        Parameters
+        ----------
+        sd : dict of str to array_like
+            As `state_dict_full` gives; arrays or memory-mapped views (only the rank's
+            slices are read).
+        progress : bool, default False
+            Show a progress line.
+
+        Raises
+        ------
+        KeyError
+            A tensor is missing.
+        ValueError
+            A tensor of the wrong shape.
+
+        Notes
+        -----
+        No collective (each rank reads its slices).
+        """
         def take(name):
             if name not in sd:
                 raise KeyError(f"checkpoint: missing tensor {name!r}")
@@ -644,10 +862,31 @@ class TransformerLM:
         self._sync_tied()
 
     def save_pretrained(self, path: str, sharded: bool = False, hf: bool = False) -> None:
-        """tpcore_config.json + model.safetensors (full, rank 0 writes; loadable at any world
-        size) or one file per rank (sharded: model.rank<r>-of-<n>.safetensors, the same layout
-        only).  hf=True: full tensors under Hugging Face's names with its config.json, for
-        transformers' from_pretrained (GPT-2, Llama, BERT)."""
+        """Save the model to a directory that `from_pretrained` loads.
+
+        Parameters
+        ----------
+        path : str
+            The directory (made when missing).
+        sharded : bool, default False
+            False: tpcore_config.json + model.safetensors, full tensors (rank 0 writes;
+            loadable at any world size).  True: one file per rank
+            (model.rank<r>-of-<n>.safetensors; loads only into the same layout).
+        hf : bool, default False
+            Full tensors under Hugging Face's names with its config.json, for transformers'
+            from_pretrained (GPT-2, Llama, BERT); not with sharded.
+
+        Raises
+        ------
+        ValueError
+            hf with sharded.
+        OSError
+            The files cannot be written.
+
+        Notes
+        -----
+        Collective: `state_dict_full`'s all-gathers (unless sharded), then a barrier.
+        """
         comm = self.comm
         if hf:
             if sharded:
@@ -798,16 +1037,57 @@ class _Progress:
 
 
 @_collective
-def from_pretrained(path: str, comm: Comm, partition=None, progress: bool = True, device=None,
-                    dtype=None) -> TransformerLM:
-    """A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors) or one
-    saved by save_pretrained; each rank reads only its slices (memory-mapped).  The config
-    and the files' headers are checked against each other first: a corrupt or inconsistent
-    file raises tpcore.CheckpointError (a ValueError) before the model is allocated.
-    Collective: a rank that fails stops the others.  device="cuda": the model on the rank's
-    GPU (see TransformerLM), each rank's slices copied from the host to it.
-    dtype: the weights' storage (TransformerLM's dtype).  None: on a GPU the checkpoint's own
-    (a bfloat16 / float16 checkpoint stays in its 16 bits, bit for bit), on the CPU float32."""
+def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, progress: bool = True,
+                    device: Optional[str] = None, dtype: Any = None) -> TransformerLM:
+    """A TransformerLM loaded from a local checkpoint directory, split over comm.
+
+    A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors) or one
+    saved by `TransformerLM.save_pretrained`; each rank reads only its slices
+    (memory-mapped).  The config and the files' headers are checked against each other
+    first: a corrupt or inconsistent file fails before the model is allocated.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A local directory (tpcore does not download: get one with ``huggingface-cli
+        download ID --local-dir DIR``, ``huggingface_hub.snapshot_download``, or a
+        package that ships the weights).
+    comm : Comm
+        The ranks that share the model.
+    partition : list of int or list of (int, int), optional
+        Query heads per rank (default None: even).
+    progress : bool, default True
+        Show a progress line on rank 0.
+    device : str, optional
+        "cpu" (default) or "cuda[:N]": the model on the rank's GPU (see TransformerLM),
+        each rank's slices copied from the host to it.
+    dtype : {"float32", "bfloat16", "float16"}, optional
+        The weights' storage (TransformerLM's dtype).  Default None: on a GPU the
+        checkpoint's own (a bfloat16 / float16 checkpoint stays in its 16 bits, bit for
+        bit), on the CPU float32.
+
+    Returns
+    -------
+    TransformerLM
+        With ``generation_config`` from generation_config.json when present.
+
+    Raises
+    ------
+    TypeError
+        path not a str or os.PathLike.
+    FileNotFoundError
+        path is not a directory (a hub id: the message says how to get the files).
+    CheckpointError
+        A corrupt or inconsistent file (a ValueError) naming the file, tensor or field.
+    ValueError
+        An unsupported dtype or model type.
+    CommError
+        Another rank failed (a rank that fails stops the others).
+
+    Notes
+    -----
+    Collective over comm.
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"from_pretrained: path must be a directory (str or os.PathLike), got {shown(path)}")
     if not os.path.isdir(path):
