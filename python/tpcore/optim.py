@@ -20,11 +20,16 @@ of tpcore._C): nothing goes through the host.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Sequence
+
 import numpy as np
 
 from . import _C
 from ._args import real_arg, shown
 from ._array import DeviceArray, check_host
+
+if TYPE_CHECKING:
+    from .comm import Comm
 
 _LOWP = ("bfloat16", "float16")
 
@@ -129,7 +134,39 @@ def _adam_args(who, lr, betas, eps, weight_decay):
 
 
 class AdamW:
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
+    """AdamW over this rank's parameter shards (torch.optim.AdamW's formula), stepped in C.
+
+    Parameters
+    ----------
+    params : list of (param, grad) pairs, or objects with ``parameters()``
+        NumPy arrays (or DeviceArrays on a GPU) from the layers' / models' parameters()
+        (views of their C memory: the step writes into the layer).  A bfloat16 / float16
+        parameter gets a float32 master copy (see the module doc).
+    lr : float, default 1e-3
+        Learning rate, > 0.
+    betas : (float, float), default (0.9, 0.999)
+        The moments' decay rates, each in [0, 1).
+    eps : float, default 1e-8
+        > 0.
+    weight_decay : float, default 0.01
+        Decoupled weight decay, >= 0.
+
+    Raises
+    ------
+    TypeError
+        params not pairs or modules, a hyper-parameter not a number, betas not a pair.
+    ValueError
+        A hyper-parameter out of range, a parameter not float32 / bfloat16 / float16 or
+        its gradient not float32 of its shape, an array listed twice, or no parameters.
+
+    Notes
+    -----
+    No collective: data-parallel replicas average their gradients first
+    (`tpcore.average_gradients`), or use `ShardedAdamW`.
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01) -> None:
         lr, betas, eps, weight_decay = _adam_args("AdamW", lr, betas, eps, weight_decay)
         self.params = _pairs(params, "AdamW")
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
@@ -138,6 +175,7 @@ class AdamW:
         self.t = 0
 
     def step(self) -> None:
+        """Update every parameter from its gradient (one AdamW step; no collective)."""
         self.t += 1
         for (p, g), (m, v), w in zip(self.params, self.state, self.master):
             step = _C.d_adamw_step if isinstance(g, DeviceArray) else _C.adamw_step
@@ -148,7 +186,32 @@ class AdamW:
 
 
 class SGD:
-    def __init__(self, params, lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0):
+    """SGD with momentum over this rank's parameter shards (torch.optim.SGD's formula), in C.
+
+    Parameters
+    ----------
+    params : list of (param, grad) pairs, or objects with ``parameters()``
+        NumPy arrays (or DeviceArrays on a GPU) from the layers' / models' parameters()
+        (views of their C memory: the step writes into the layer).  A bfloat16 / float16
+        parameter gets a float32 master copy (see the module doc).
+    lr : float, default 1e-2
+        Learning rate, > 0.
+    momentum : float, default 0.0
+        >= 0 (0: plain SGD, no buffer).
+    weight_decay : float, default 0.0
+        L2 penalty added to the gradient, >= 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As `AdamW`.
+
+    Notes
+    -----
+    No collective.
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
         lr = real_arg(lr, "SGD", "lr", lo=0, lo_open=True)
         momentum = real_arg(momentum, "SGD", "momentum", lo=0)
         weight_decay = real_arg(weight_decay, "SGD", "weight_decay", lo=0)
@@ -159,6 +222,7 @@ class SGD:
         self.t = 0
 
     def step(self) -> None:
+        """Update every parameter from its gradient (one SGD step; no collective)."""
         self.t += 1
         for (p, g), buf, w in zip(self.params, self.bufs, self.master):
             step = _C.d_sgd_step if isinstance(g, DeviceArray) else _C.sgd_step
@@ -176,12 +240,36 @@ class ShardedAdamW:
     averaging itself: the gradients are packed and reduce-scattered (op "avg") so that each rank
     gets its slice's mean, steps that slice, and the slices are all-gathered back into every
     replica's parameters (2 x the parameter bytes moved per step, as one all-reduce does; do not
-    also call average_gradients).  The result equals AdamW after average_gradients.  Collective
-    over comm: every rank passes the same parameters' shapes in the same order (checked at
-    construction).  Host (NumPy) parameters."""
+    also call average_gradients).  The result equals AdamW after average_gradients.  Host
+    (NumPy) parameters.
 
-    def __init__(self, params, comm, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):
+    Parameters
+    ----------
+    params : list of (param, grad) pairs, or objects with ``parameters()``
+        NumPy arrays (or DeviceArrays on a GPU) from the layers' / models' parameters()
+        (views of their C memory: the step writes into the layer).  A bfloat16 / float16
+        parameter gets a float32 master copy (see the module doc).
+    comm : Comm
+        The data-parallel group; every rank passes the same parameters' shapes in the same
+        order (checked at construction).
+    lr, betas, eps, weight_decay
+        As `AdamW`.
+
+    Raises
+    ------
+    TypeError
+        comm not a Comm, parameters on a device, or as `AdamW`.
+    ValueError
+        The ranks' parameter shapes differ (on every rank), or as `AdamW`.
+
+    Notes
+    -----
+    Collectives: construction: an all-gather of the shapes; step(): a reduce-scatter
+    (op "avg") of the gradients and an all-gather of the updated slices.
+    """
+
+    def __init__(self, params: Any, comm: "Comm", lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01) -> None:
         from .comm import Comm
         from .layers import partition
         from ._args import agree
@@ -215,6 +303,12 @@ class ShardedAdamW:
         return int(self.master.nbytes + sum(m.nbytes + v.nbytes for m, v in self.state))
 
     def step(self) -> None:
+        """Average the gradients over comm, step this rank's slice, share the result.
+
+        Notes
+        -----
+        Collective: a reduce-scatter (op "avg") and an all-gather over comm.
+        """
         self.t += 1
         comm, sizes = self.comm, [s for _, s in self.slices]
         flat_g = np.concatenate([g.reshape(-1) for _, g in self.params])
