@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Deque, Dict, Iterator, List, Optional
+from typing import Any, Deque, Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -45,10 +45,25 @@ _MAX_LEN_CAP = 2048  # the default cache length when the model allows longer (ro
 
 
 class Request:
-    """One submitted request and what it got.  tokens: the generated ids (int64, the EOS id
-    included when it stopped on one); finish_reason "length" or "eos" once done; times from
-    time.perf_counter(): submitted, first_token, token_times (one per generated token),
-    finished."""
+    """One submitted request and what it got (made by `Engine.submit`, not by hand).
+
+    Attributes
+    ----------
+    id : int
+        The engine's number for it, in submission order.
+    prompt : numpy.ndarray
+        The prompt's ids (int64).
+    done : bool
+        Whether it finished.
+    finish_reason : {"length", "eos"} or None
+        Why it finished (None while running).
+    submitted, first_token, finished : float or None
+        time.perf_counter() times.
+    token_times : list of float
+        One time per generated token.
+    tokens, ttft, latencies
+        See the properties.
+    """
 
     __slots__ = ("id", "prompt", "max_new_tokens", "eos", "temperature", "top_k", "seed", "_rng", "_out",
                  "done", "finish_reason", "submitted", "first_token", "token_times", "finished", "slot")
@@ -65,6 +80,7 @@ class Request:
 
     @property
     def tokens(self) -> np.ndarray:
+        """The generated ids (int64), the EOS id included when it stopped on one."""
         return np.array(self._out, np.int64)
 
     @property
@@ -84,19 +100,48 @@ class Request:
 
 
 class Engine:
-    """Continuous batching over `model` (a causal tpcore.TransformerLM, the whole model on each
-    rank of its communicator).  max_batch: KV-cache slots (requests decoded together); max_len:
-    tokens per slot, prompt + max_new_tokens of any request (default: the model's
-    max_positions, at most 2048, and its sliding window); eos_token_id: the default end of
-    sequence id(s) of requests (default: the model's generation_config, as generate());
-    pad_token_id: the id that right-pads the shorter prompts of a batched prefill (it is never
-    attended to: any id of the vocabulary; default 0); max_prefill_tokens: at most this many
-    (padded) prompt tokens prefilled per step, so that admitting requests stalls the running
-    ones' next token less (None: every admitted request at once; a request longer than the
-    budget is prefilled alone)."""
+    """Continuous batching (serving) over a tensor-parallel causal TransformerLM.
 
-    def __init__(self, model, max_batch: int = 16, max_len: Optional[int] = None, eos_token_id=None,
-                 pad_token_id: Optional[int] = None, max_prefill_tokens: Optional[int] = None):
+    Requests come and go (`submit`, `step`, `run`); each runs in a KV-cache slot of a pool,
+    decoded together with the others.  Every rank of the model's communicator runs the same
+    engine with the same requests.
+
+    Parameters
+    ----------
+    model : tpcore.models.TransformerLM
+        A causal model, the whole model on each rank of its communicator (not a pipeline
+        stage).  Its KV cache is (re)allocated for the pool.
+    max_batch : int, default 16
+        KV-cache slots (requests decoded together), >= 1.
+    max_len : int, optional
+        Tokens per slot: prompt + max_new_tokens of any request.  Default None: the model's
+        max_positions, at most 2048, and its sliding window.
+    eos_token_id : int or list of int, optional
+        The requests' default end-of-sequence id(s).  Default None: the model's
+        generation_config, as generate().
+    pad_token_id : int, optional
+        Right-pads the shorter prompts of a batched prefill (never attended to: any id of
+        the vocabulary).  Default None: 0.
+    max_prefill_tokens : int, optional
+        At most this many (padded) prompt tokens prefilled per step, so that admitting
+        requests stalls the running ones' next token less.  Default None: every admitted
+        request at once (a request longer than the budget is prefilled alone).
+
+    Raises
+    ------
+    TypeError
+        model not a TransformerLM, an argument of the wrong type.
+    ValueError
+        An encoder or a pipeline stage, max_len past max_positions / sliding_window, an
+        argument out of range.
+
+    Notes
+    -----
+    Collectives: in `step` only (see there).
+    """
+
+    def __init__(self, model: Any, max_batch: int = 16, max_len: Optional[int] = None, eos_token_id: Any = None,
+                 pad_token_id: Optional[int] = None, max_prefill_tokens: Optional[int] = None) -> None:
         from .models import TransformerLM
         who = "Engine"
         if not isinstance(model, TransformerLM):
@@ -139,13 +184,41 @@ class Engine:
     def _eos(self, eos_token_id, who) -> List[int]:
         return eos_ids_arg(eos_token_id, self.model.config.vocab_size, who)
 
-    def submit(self, prompt, max_new_tokens: int, eos_token_id=None, temperature: float = 0.0,
+    def submit(self, prompt: Any, max_new_tokens: int, eos_token_id: Any = None, temperature: float = 0.0,
                top_k: Optional[int] = None, seed: int = 0) -> Request:
-        """Queue a request: prompt (a non-empty 1-D sequence of token ids), up to max_new_tokens
-        (>= 1) generated ids, stopping early at eos_token_id (None: the engine's; -1: never).
-        Greedy by default; temperature > 0 samples (top_k: from the k largest logits) drawing
-        from `seed`, as generate() with that seed does.  Every rank must submit the same
-        requests in the same order (checked at the next step())."""
+        """Queue a request (served by the next steps).
+
+        Parameters
+        ----------
+        prompt : array_like of int, shape (n,)
+            A non-empty 1-D sequence of token ids in [0, vocab_size).
+        max_new_tokens : int
+            Generated ids at most, >= 1 (prompt + max_new_tokens <= max_len).
+        eos_token_id : int or list of int, optional
+            Stop early at it (default None: the engine's; -1: never).
+        temperature : float, default 0.0
+            0: greedy; > 0: sampling, as generate() with that seed does.
+        top_k : int, optional
+            Sample from the k largest logits only.
+        seed : int, default 0
+            The request's sampling stream.
+
+        Returns
+        -------
+        Request
+            Filled in as it runs.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad prompt (empty, not 1-D, an id out of range), too long for max_len, or a
+            bad sampling argument.
+
+        Notes
+        -----
+        No collective: every rank must submit the same requests in the same order (checked
+        at the next `step`).
+        """
         who, cfg = "Engine.submit", self.model.config
         if isinstance(prompt, (str, bytes)) or prompt is None or is_int(prompt):
             raise TypeError(f"{who}: prompt must be a 1-D sequence of token ids, got {shown(prompt)}")
@@ -178,10 +251,12 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     @property
     def waiting(self) -> int:
+        """Requests submitted and not yet admitted."""
         return len(self._waiting)
 
     @property
     def running(self) -> int:
+        """Requests holding a KV-cache slot."""
         return len(self._running)
 
     def _agree(self):
@@ -244,10 +319,28 @@ class Engine:
         return done
 
     def step(self) -> List[Request]:
-        """One iteration: admit, prefill the admitted, decode the running.  Returns the requests
-        that finished in it (in the order they were admitted).  Collective (every rank).  A step
-        that fails part-way (an interrupt, a communication error, memory) leaves requests without
-        their tokens or cache rows: every later step raises RuntimeError naming that failure."""
+        """One iteration: admit waiting requests, prefill them, decode the running ones.
+
+        Returns
+        -------
+        list of Request
+            The requests that finished in it (in the order they were admitted).
+
+        Raises
+        ------
+        ValueError
+            The ranks submitted different requests (every later step raises it too).
+        RuntimeError
+            An earlier step failed part-way (an interrupt, a communication error, memory),
+            leaving requests without their tokens or cache rows.
+        CommError, CommTimeout
+            A collective failed.
+
+        Notes
+        -----
+        Collective (every rank): one small all-gather that checks the requests agree, then
+        the model's forwards (prefill, one decode of the running batch).
+        """
         self._agree()
         try:
             return self._step()
@@ -311,16 +404,35 @@ class Engine:
         return finished
 
     def run(self) -> Iterator[Request]:
-        """Step until no request waits or runs, yielding each request as it finishes (requests
-        submitted meanwhile, e.g. from the loop's body, are served too)."""
+        """Step until no request waits or runs, yielding each request as it finishes.
+
+        Requests submitted meanwhile (e.g. from the loop's body) are served too.
+
+        Yields
+        ------
+        Request
+            Each finished request.
+
+        Raises
+        ------
+        ValueError, RuntimeError, CommError, CommTimeout
+            As `step`.
+        """
         while self._waiting or self._running:
             for r in self.step():
                 yield r
 
     def stats(self) -> Dict[str, object]:
-        """Counters: steps, prefill and decode forwards, prompt tokens prefilled (and the largest
-        padded prefill, B x T), tokens generated, requests submitted / waiting / running / finished, the most requests running
-        at once, seconds in prefill, decode and the per-step agreement, and the pool's shape."""
+        """This rank's counters (no collective).
+
+        Returns
+        -------
+        dict
+            steps, prefill and decode forwards, prompt tokens prefilled (and the largest
+            padded prefill, B x T), tokens generated, requests submitted / waiting /
+            running / finished, the most requests running at once, seconds in prefill,
+            decode and the per-step agreement, and the pool's shape.
+        """
         s = dict(self._st)
         s.update(submitted=self._next_id, waiting=len(self._waiting), running=len(self._running),
                  max_batch=self.max_batch, max_len=self.max_len, free_slots=len(self._free))
