@@ -40,7 +40,7 @@ import json
 import math
 import os
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -245,13 +245,42 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass
 class Plan:
-    """Per-rank shard sizes from measured speeds (see the module doc).  heads, ffn, vocab: each
-    rank's query heads, MLP columns and vocabulary rows (heads and vocab are empty lists for a
-    plain MLP); speeds: relative to the fastest (1.0); memory: the byte limits (None: none);
-    bytes_per_rank: estimated parameter (+ KV cache) bytes; predicted: the step time of this
-    plan over that of equal shards (< 1: faster), from the work per rank / speed;
-    predicted_ideal: total work / total speed over equal shards' step (the bound);
-    shares: each rank's fraction of every dimension before rounding (speed, capped by memory)."""
+    """Per-rank shard sizes from measured speeds (see the module doc).
+
+    Made by `plan_partition` / `plan_from_measurements` or `Plan.load`; pass it as
+    ``plan=`` to the layers and models (or ``**plan.model_kwargs()``).  A dataclass.
+
+    Parameters
+    ----------
+    dims : Dims
+        The sizes split and the shapes of the byte estimate.
+    heads, ffn, vocab : list of int
+        Each rank's query heads, MLP columns and vocabulary rows (heads and vocab are
+        empty lists for a plain MLP).
+    speeds : list of float
+        Relative to the fastest (1.0).
+    memory : list of int or None
+        The byte limits (None: none).
+    bytes_per_rank : list of int
+        Estimated parameter (+ KV cache) bytes.
+    predicted : float
+        The step time of this plan over that of equal shards (< 1: faster), from the work
+        per rank / speed.
+    predicted_ideal : float
+        Total work / total speed over equal shards' step (the bound).
+    shares : list of float
+        Each rank's fraction of every dimension before rounding (speed, capped by memory).
+    align : dict
+        The units of "ffn" and "vocab".
+    head_unit : {"group", "head"}
+        Heads split in whole GQA groups or whole heads.
+    dtype : str, default "float32"
+        The weights' dtype of the byte estimate.
+    cache : (int, int), optional
+        (batch, max_len) of the KV cache counted.
+    measurements : dict, optional
+        What the ranks measured.
+    """
     dims: Dims
     heads: List[int]
     ffn: List[int]
@@ -270,19 +299,45 @@ class Plan:
 
     @property
     def world(self) -> int:
+        """The number of ranks the plan is for."""
         return len(self.speeds)
 
-    def model_kwargs(self) -> dict:
-        """The partition arguments of tpcore.TransformerLM (partition, ffn_partition,
-        vocab_partition), or of tpcore.ParallelMLP (partition) for a plain MLP's plan."""
+    def model_kwargs(self) -> Dict[str, List[int]]:
+        """The partition arguments of TransformerLM or ParallelMLP.
+
+        Returns
+        -------
+        dict
+            partition, ffn_partition, vocab_partition for a TransformerLM; partition for a
+            plain MLP's plan (tpcore.ParallelMLP).
+        """
         if self.dims.is_mlp:
             return {"partition": list(self.ffn)}
         return {"partition": list(self.heads), "ffn_partition": list(self.ffn), "vocab_partition": list(self.vocab)}
 
     def sizes_for(self, n: int, who: str, prefer: str = "ffn") -> List[int]:
-        """The split of a dimension of length n: the MLP columns (ffn), the vocabulary rows or
-        the query heads' features (heads * head_dim), whichever has length n (prefer="vocab":
-        the vocabulary first, for an embedding)."""
+        """The split of a dimension of length n.
+
+        Parameters
+        ----------
+        n : int
+            The length: the MLP columns (ffn), the vocabulary rows or the query heads'
+            features (heads * head_dim), whichever has length n.
+        who : str
+            The caller, for the message.
+        prefer : {"ffn", "vocab"}, default "ffn"
+            "vocab": the vocabulary first (for an embedding).
+
+        Returns
+        -------
+        list of int
+            Per rank.
+
+        Raises
+        ------
+        ValueError
+            The plan splits no dimension of length n.
+        """
         if prefer == "vocab" and self.vocab and n == self.dims.vocab:
             return list(self.vocab)
         if n == self.dims.ffn:
@@ -296,10 +351,37 @@ class Plan:
         raise ValueError(f"{who}: the plan splits no dimension of length {n} ({', '.join(have)})")
 
     def check_world(self, comm: Comm, who: str) -> None:
+        """Check the plan is for comm's size.
+
+        Parameters
+        ----------
+        comm : Comm
+        who : str
+            The caller, for the message.
+
+        Raises
+        ------
+        ValueError
+            The plan is for another number of ranks.
+        """
         if self.world != comm.size:
             raise ValueError(f"{who}: the plan is for {self.world} ranks but the communicator has {comm.size}")
 
-    def check_config(self, cfg, who: str) -> None:
+    def check_config(self, cfg: Any, who: str) -> None:
+        """Check the plan was made for this model's sizes.
+
+        Parameters
+        ----------
+        cfg : Config or (int, int) or dict
+            As `plan_partition`'s config_or_layer_dims.
+        who : str
+            The caller, for the message.
+
+        Raises
+        ------
+        ValueError
+            A size differs (named).
+        """
         d = dims_of(cfg, who)
         for name in ("hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab"):
             if getattr(d, name) != getattr(self.dims, name):
@@ -325,7 +407,8 @@ class Plan:
         return "\n".join(lines)
 
     # ----------------------------------------------------------- save / load
-    def to_json(self) -> dict:
+    def to_json(self) -> Dict[str, Any]:
+        """The plan as a JSON-able dict (what `save` writes)."""
         return {"format": _FORMAT, "version": _VERSION, "dims": self.dims.to_json(), "heads": self.heads,
                 "ffn": self.ffn, "vocab": self.vocab, "speeds": self.speeds, "memory": self.memory,
                 "bytes_per_rank": self.bytes_per_rank, "predicted": self.predicted,
@@ -335,7 +418,18 @@ class Plan:
                 "measurements": self.measurements}
 
     def save(self, path: str) -> None:
-        """The plan as JSON (the measurements it came from, its sizes and estimates)."""
+        """Write the plan as JSON (the measurements it came from, its sizes and estimates).
+
+        Parameters
+        ----------
+        path : str
+            The file (written to a temporary name, then renamed).
+
+        Raises
+        ------
+        OSError
+            It cannot be written.
+        """
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(self.to_json(), f, indent=1)
@@ -343,9 +437,25 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        """A saved plan; every field is checked, and the sizes and estimates are computed again
-        from its speeds, memory and alignment: a corrupt or edited file raises PlanError
-        (a ValueError) naming the file and the field."""
+        """A plan saved by `save`.
+
+        Every field is checked, and the sizes and estimates are computed again from its
+        speeds, memory and alignment.
+
+        Parameters
+        ----------
+        path : str
+
+        Returns
+        -------
+        Plan
+
+        Raises
+        ------
+        PlanError
+            The file cannot be read, is not JSON, or is corrupt or edited (a ValueError
+            naming the file and the field).
+        """
         try:
             with open(path, "rb") as f:
                 raw = f.read()
@@ -358,7 +468,24 @@ class Plan:
         return cls.from_json(doc, source=path)
 
     @classmethod
-    def from_json(cls, doc, source: str = "plan") -> "Plan":
+    def from_json(cls, doc: Any, source: str = "plan") -> "Plan":
+        """A plan from `to_json`'s dict (checked as `load` does).
+
+        Parameters
+        ----------
+        doc : dict
+        source : str, default "plan"
+            Where it came from, for the messages.
+
+        Returns
+        -------
+        Plan
+
+        Raises
+        ------
+        PlanError
+            A bad field.
+        """
         def fail(field, want, got):
             return PlanError(f"Plan.load: {source}: field {field!r} must be {want}, got {shown(got)}")
         if not isinstance(doc, dict):
@@ -482,11 +609,43 @@ def _check_align(align, dims: Dims, world: int, who: str) -> Dict[str, int]:
     return out
 
 
-def plan_from_measurements(dims, speeds: Sequence[float], memory: Optional[Sequence[int]] = None, align=None,
+def plan_from_measurements(dims: Any, speeds: Sequence[float], memory: Any = None, align: Any = None,
                            head_unit: str = "auto", dtype: str = "float32",
                            cache: Optional[Tuple[int, int]] = None) -> Plan:
-    """The plan for given speeds (one per rank; only their ratios matter) and memory limits
-    (bytes per rank, a list or dict, or None): a pure function, the same on every rank."""
+    """The plan for given speeds and memory limits: a pure function, the same on every rank.
+
+    Parameters
+    ----------
+    dims : Config, (int, int), dict or Dims
+        The model: a tpcore.Config, a (hidden, ffn_hidden) pair for a plain MLP, or a dict
+        of Dims' fields.
+    speeds : sequence of float
+        One per rank, > 0; only their ratios matter.
+    memory : sequence of int or dict, optional
+        Bytes per rank (a list, or a dict rank -> bytes).  Default None: no limit.
+    align : dict, optional
+        {"ffn": units, "vocab": units}.  Default None: chosen (see the module doc).
+    head_unit : {"auto", "group", "head"}, default "auto"
+    dtype : {"float32", "bfloat16", "float16"}, default "float32"
+        The weights' dtype of the byte estimate.
+    cache : (int, int), optional
+        (batch, max_len): count the KV cache too.
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument.
+    PlanError
+        The model does not fit the memory limits.
+
+    Notes
+    -----
+    No collective.
+    """
     who = "plan_from_measurements"
     d = dims_of(dims, who)
     sp = _check_speeds(speeds, None, who)
@@ -651,11 +810,54 @@ def speeds_from(meas: Sequence[Dict[str, float]], objective: str) -> List[float]
     return [x / top for x in s]
 
 
-def plan_partition(comm: Comm, config_or_layer_dims, memory_limits=None, align=None, speeds=None,
-                   dtype: str = "float32", head_unit: str = "auto", objective: str = "both", rows: int = 128,
-                   cache: Optional[Tuple[int, int]] = None, budget: float = 0.3) -> Plan:
+def plan_partition(comm: Comm, config_or_layer_dims: Any, memory_limits: Any = None, align: Any = None,
+                   speeds: Optional[Sequence[float]] = None, dtype: str = "float32", head_unit: str = "auto",
+                   objective: str = "both", rows: int = 128, cache: Optional[Tuple[int, int]] = None,
+                   budget: float = 0.3) -> Plan:
     """Measure every rank (unless speeds are given), gather, and plan (see the module doc).
-    A collective: every rank calls it with the same arguments and gets the same Plan."""
+
+    Parameters
+    ----------
+    comm : Comm
+        The ranks to plan for.
+    config_or_layer_dims : Config, (int, int) or dict
+        The model: a tpcore.Config, a (hidden, ffn_hidden) pair for a plain MLP
+        (ParallelMLP or a Column/RowParallelLinear pair), or a dict of Dims' fields.
+    memory_limits : sequence of int or dict, optional
+        Bytes per rank.  Default None: this host's MemAvailable divided by its ranks.
+    align : dict, optional
+        {"ffn": units, "vocab": units}.  Default None: chosen (module doc).
+    speeds : sequence of float, optional
+        One per rank: skip the measurement.  Default None: measure.
+    dtype : {"float32", "bfloat16", "float16"}, default "float32"
+        The weights' dtype (measured and estimated).
+    head_unit : {"auto", "group", "head"}, default "auto"
+    objective : {"both", "prefill", "decode"}, default "both"
+        What speed means: GEMM rate, GEMV bandwidth, or their harmonic mean.
+    rows : int, default 128
+        Prompt rows of the measured GEMM, in [1, 65536].
+    cache : (int, int), optional
+        (batch, max_len): count the KV cache in the memory check.
+    budget : float, default 0.3
+        Seconds each timed kernel may take in all (fewer repetitions past it).
+
+    Returns
+    -------
+    Plan
+        The same on every rank.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, or ranks that passed different arguments (on every rank).
+    PlanError
+        The model does not fit the memory limits.
+
+    Notes
+    -----
+    Collective: every rank calls it with the same arguments; an all-gather checks them,
+    ranks on one host measure in turn (barriers), and the measurements are all-gathered.
+    """
     who = "plan_partition"
     if not isinstance(comm, Comm):
         raise TypeError(f"{who}: comm must be a tpcore.Comm, got {type(comm).__name__}")
