@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import operator
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Any, Iterator, Optional, Sequence, TypeVar, Union, overload
 
 import numpy as np
 
@@ -252,6 +252,14 @@ class Comm:
         self._c.all_reduce(a, o, op)
         return x if out is None else out
 
+    @overload
+    def all_gather(self, x: np.ndarray, axis: int = 0, sizes: Optional[Sequence[int]] = None,
+                   out: Any = None) -> np.ndarray: ...
+    @overload
+    def all_gather(self, x: DeviceArray, axis: int = 0, sizes: Optional[Sequence[int]] = None,
+                   out: Any = None) -> DeviceArray: ...
+    @overload
+    def all_gather(self, x: Any, axis: int = 0, sizes: Optional[Sequence[int]] = None, out: Any = None) -> Any: ...
     def all_gather(self, x: Any, axis: int = 0, sizes: Optional[Sequence[int]] = None, out: Any = None) -> Any:
         """The ranks' x concatenated along axis, in rank order.
 
@@ -312,6 +320,15 @@ class Comm:
             return out if out is not None else res
         return _from_axis0(res, ax, o, out, dres)
 
+    @overload
+    def reduce_scatter(self, x: np.ndarray, op: str = "sum", axis: int = 0, sizes: Optional[Sequence[int]] = None,
+                       out: Any = None) -> np.ndarray: ...
+    @overload
+    def reduce_scatter(self, x: DeviceArray, op: str = "sum", axis: int = 0, sizes: Optional[Sequence[int]] = None,
+                       out: Any = None) -> DeviceArray: ...
+    @overload
+    def reduce_scatter(self, x: Any, op: str = "sum", axis: int = 0, sizes: Optional[Sequence[int]] = None,
+                       out: Any = None) -> Any: ...
     def reduce_scatter(self, x: Any, op: str = "sum", axis: int = 0, sizes: Optional[Sequence[int]] = None,
                        out: Any = None) -> Any:
         """Reduce x over ranks and return this rank's block of the result along axis.

@@ -20,7 +20,7 @@ at every world size and partition.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, overload
 
 import numpy as np
 
@@ -343,6 +343,10 @@ class _ParallelLinear:
         lead = xa.shape[:-1]
         return xa.reshape((math.prod(lead), cols)), lead
 
+    @overload
+    def forward(self, x: np.ndarray) -> np.ndarray: ...
+    @overload
+    def forward(self, x: Any) -> Any: ...
     def forward(self, x: Any) -> Any:
         """y = x @ W.T + b for this rank's part (also ``layer(x)``).
 
@@ -383,6 +387,10 @@ class _ParallelLinear:
 
     __call__ = forward
 
+    @overload
+    def backward(self, dy: np.ndarray) -> np.ndarray: ...
+    @overload
+    def backward(self, dy: Any) -> Any: ...
     def backward(self, dy: Any) -> Any:
         """The input gradient for the last forward; accumulates grad_weight / grad_bias.
 
@@ -780,9 +788,10 @@ class ParallelMLP:
         kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
         self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed,
                                  weight_dtype=self.dtype, **kw)
-        self.fc1 = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden), activation == "swiglu",
-                                               self.device)
-        self.fc2 = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False, self.device)
+        self.fc1: ColumnParallelLinear = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden),
+                                                                     activation == "swiglu", self.device)
+        self.fc2: RowParallelLinear = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False,
+                                                               self.device)
 
     def parameters(self) -> List[Tuple[np.ndarray, np.ndarray]]:
         """This rank's (parameter, gradient) pairs: fc1's, then fc2's (see
@@ -794,6 +803,10 @@ class ParallelMLP:
         self.fc1.zero_grad()
         self.fc2.zero_grad()
 
+    @overload
+    def forward(self, x: np.ndarray) -> np.ndarray: ...
+    @overload
+    def forward(self, x: Any) -> Any: ...
     def forward(self, x: Any) -> Any:
         """y = fc2(act(fc1(x))) (also ``mlp(x)``).
 
@@ -828,6 +841,10 @@ class ParallelMLP:
 
     __call__ = forward
 
+    @overload
+    def backward(self, dy: np.ndarray) -> np.ndarray: ...
+    @overload
+    def backward(self, dy: Any) -> Any: ...
     def backward(self, dy: Any) -> Any:
         """The input gradient for the last forward; accumulates every weight's gradient.
 

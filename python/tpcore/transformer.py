@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, overload
 
 import numpy as np
 
@@ -591,6 +591,12 @@ class TransformerBlock:
         self._filled = np.zeros(batch, np.int64)  # tokens cached per sequence (a forward may not skip past them)
         self._cache_len = max_len
 
+    @overload
+    def forward(self, x: np.ndarray, pos0: Any = None, key_mask: Any = None, use_cache: bool = False,
+                need_backward: bool = True, _agreed: bool = False, slots: Any = None) -> np.ndarray: ...
+    @overload
+    def forward(self, x: Any, pos0: Any = None, key_mask: Any = None, use_cache: bool = False,
+                need_backward: bool = True, _agreed: bool = False, slots: Any = None) -> Any: ...
     def forward(self, x: Any, pos0: Any = None, key_mask: Any = None, use_cache: bool = False,
                 need_backward: bool = True, _agreed: bool = False, slots: Any = None) -> Any:
         """The block's output for x (also ``block(x)``).
@@ -716,6 +722,10 @@ class TransformerBlock:
 
     __call__ = forward
 
+    @overload
+    def backward(self, dy: np.ndarray) -> np.ndarray: ...
+    @overload
+    def backward(self, dy: Any) -> Any: ...
     def backward(self, dy: Any) -> Any:
         """The input gradient for the last forward; accumulates every gradient.
 
