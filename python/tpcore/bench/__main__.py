@@ -11,7 +11,20 @@ from . import __doc__ as _DOC
 DEFAULT = "collectives"
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run one benchmark subcommand (``python -m tpcore.bench``).
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The command line after the program name (default None: sys.argv[1:]).  Options
+        without a subcommand go to the default one, "collectives".
+
+    Returns
+    -------
+    int
+        The exit status: the subcommand's, 2 without a subcommand, 130 on Ctrl-C.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     # Options without a subcommand go to the default one: `python -m tpcore.bench -n 4`.
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
