@@ -477,8 +477,8 @@ class ColumnParallelLinear(_ParallelLinear):
     gated : bool, default False
         For SwiGLU: the full weight is [W_gate; W_up] of shape (2 out_features,
         in_features) (bias (2 out_features,)); a rank holds its gate rows and its up rows
-        and outputs [gate_r | up_r] (2 local columns) from one GEMM.  gather_output then
-        returns [all gates | all ups].
+        and outputs [gate_r | up_r] (2 local columns) from one GEMM, for the activation
+        that follows on this rank's columns.  Not with gather_output (ValueError).
 
     Attributes
     ----------
@@ -494,8 +494,9 @@ class ColumnParallelLinear(_ParallelLinear):
     TypeError
         comm is not a Comm; a size, flag, seed, dtype or partition of the wrong type.
     ValueError
-        A size < 1, a seed out of range, an unsupported dtype, a partition that does not
-        add up to out_features or has the wrong length, or ranks that disagree on it.
+        A size < 1, a seed out of range, an unsupported dtype, gated with gather_output,
+        a partition that does not add up to out_features or has the wrong length, or
+        ranks that disagree on it.
 
     Notes
     -----
