@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import List, Optional
 
 from . import _cleanup
 from ._relay import Console, pump
@@ -203,7 +204,21 @@ def _exec_mpirun(ns) -> int:
     return 2  # not reached
 
 
-def run(argv=None) -> int:
+def run(argv: Optional[List[str]] = None) -> int:
+    """The launcher (``python -m tpcore.launch``, ``tpcore-launch``) as a function.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The command line after the program name (default None: sys.argv[1:]); see the
+        module doc and ``--help``.
+
+    Returns
+    -------
+    int
+        The exit status: 0 when every rank succeeded, else the code of the rank that failed
+        first (128 + signal for a signal).
+    """
     ns = _parse(sys.argv[1:] if argv is None else argv)
     if ns.backend == "mpi":
         return _exec_mpirun(ns)
@@ -456,7 +471,8 @@ def _multinode_finish(mn, console, grace):
     return code if code else 1
 
 
-def main():
+def main() -> None:
+    """The console script ``tpcore-launch``: `run` on sys.argv, exiting with its status."""
     sys.exit(run())
 
 
