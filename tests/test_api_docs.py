@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from conftest import run
+from conftest import WORLDS, run
 
 LEFTOVERS = {"os", "sys", "time", "np", "numpy", "Optional", "Any", "annotations", "Callable", "Sequence",
              "List", "Dict", "Tuple", "Union"}
@@ -153,7 +153,7 @@ def _mean_ops(comm, seed):
     return max(errs), np.array_equal(got.view(np.uint32), avg.view(np.uint32)), ints.tolist() == ref_i
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_op_mean_is_avg(world):
     seed = int(np.random.default_rng().integers(2**31))
     for err, same_as_avg, ints_ok in run(_mean_ops, world, seed):
