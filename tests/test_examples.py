@@ -36,6 +36,7 @@ def _env():
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([pkg] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("HF_HUB_OFFLINE", "1")  # transformers / sentence-transformers read local directories only
     return env
 
 
