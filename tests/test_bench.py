@@ -1,12 +1,15 @@
 """The collectives benchmark runs end to end (quick mode, no peers), prints
 the nccl-tests columns and writes JSON whose correctness column is all zero."""
 import json
+import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+import tpcore
 from tpcore import _C
 
 
@@ -115,6 +118,67 @@ def test_demo_main_job(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "all correct" in r.stdout
     assert "greedy tokens at 3 rank(s) equal the 1-rank run: yes" in r.stdout, r.stdout[-3000:]
+
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_demo_encodes_an_encoder_checkpoint(n):
+    """--checkpoint on a BERT encoder: no generation (no "KV cache needs causal attention"), the
+    hidden states and pooled embeddings at n ranks compared with one rank's, times printed."""
+    r = subprocess.run([sys.executable, "-m", "tpcore.demo", "-n", str(n), "--no-collectives", "--checkpoint",
+                        os.path.join(FIXTURES, "bert")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "tensor-parallel encoder" in r.stdout and "encode ms" in r.stdout
+    assert f"encoder outputs at {n} rank(s) equal the 1-rank run: yes" in r.stdout, r.stdout[-3000:]
+
+
+def _encoder_demo(comm, path):
+    from tpcore import demo
+    return demo.transformer_demo(comm, path, batch=3, prompt=11, seed=4)
+
+
+def _one_rank_hidden(comm, path, tokens, mask, types):
+    model = tpcore.models.from_pretrained(path, comm, progress=False)
+    return model.encode(tokens, attention_mask=mask, token_type_ids=types)
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_demo_encoder_pooled_embeddings_against_numpy(tmp_path, saved):
+    """The demo's pooled embeddings at 2 ranks equal mean pooling and L2 normalisation written
+    here (float64) over one rank's hidden states of the same inputs (the padded sequence's mask
+    honoured); also from a directory written by save_pretrained (tpcore_config.json, no config.json)."""
+    from tpcore import demo
+    path = os.path.join(FIXTURES, "bert")
+    if saved:
+        def resave(comm):
+            tpcore.models.from_pretrained(path, comm, progress=False).save_pretrained(str(tmp_path / "own"))
+        tpcore.spawn(resave, 2, deadline=120)
+        path = str(tmp_path / "own")
+    reps = tpcore.spawn(_encoder_demo, 2, args=(path,), deadline=120)
+    rep = reps[0]
+    assert rep["kind"] == "encoder" and rep["same"] and all(r["same"] for r in reps)
+    cfg = demo._config(path)
+    tokens, mask, types = demo._encoder_inputs(cfg, 3, 11, 4)
+    assert mask[-1].sum() == 5 and mask[:-1].all()  # the last sequence is padded
+    h = tpcore.spawn(_one_rank_hidden, 1, args=(path, tokens, mask, types), deadline=120)[0].astype(np.float64)
+    want = np.stack([h[b, :int(mask[b].sum())].mean(0) for b in range(3)])
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    assert np.abs(rep["embedding_head"] - want[:, :4]).max() < 1e-5
+    assert rep["lengths"] == [11, 11, 5] and rep["hidden_diff"] < 1e-4
+
+
+def test_demo_generates_from_a_saved_decoder(tmp_path):
+    """A decoder saved by save_pretrained (no config.json): the demo reads its tpcore_config.json."""
+    def resave(comm):
+        tpcore.models.from_pretrained(os.path.join(FIXTURES, "gpt2"), comm, progress=False).save_pretrained(
+            str(tmp_path / "own"))
+    tpcore.spawn(resave, 2, deadline=120)
+    r = subprocess.run([sys.executable, "-m", "tpcore.demo", "-n", "2", "--no-collectives", "--checkpoint",
+                        str(tmp_path / "own")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "greedy tokens at 2 rank(s) equal the 1-rank run: yes" in r.stdout, r.stdout[-3000:]
 
 
 def test_parallelism_benchmark_quick(tmp_path):

@@ -2,7 +2,7 @@
 collectives under it, checked and timed.
 
     python -m tpcore.launch -n 2 -m tpcore.demo          (or: python -m tpcore.demo -n 2)
-    python -m tpcore.demo -n 4 --checkpoint DIR          (a Hugging Face GPT-2 / Llama checkpoint)
+    python -m tpcore.demo -n 4 --checkpoint DIR          (a Hugging Face GPT-2 / Llama / BERT checkpoint)
 
 Part 1, collectives: every rank fills its buffers with its own random values;
 each result is checked against a NumPy reference computed from every rank's
@@ -145,6 +145,96 @@ def _generate(model, prompts, new):
     return np.stack(out, 1), ttft, time.perf_counter() - t1
 
 
+def _config(checkpoint):
+    """The checkpoint's Config, read on every rank before any model is loaded: a Hugging Face
+    directory (config.json) or one written by save_pretrained (tpcore_config.json)."""
+    from . import _formats as fmt
+    from .transformer import ACTIVATIONS, NORMS, POSITIONS
+    own = os.path.join(checkpoint, fmt.OWN_CONFIG)
+    if os.path.exists(own):
+        return fmt.read_own_config(own, tpcore.Config, {"norm": NORMS, "activation": ACTIVATIONS,
+                                                        "positions": POSITIONS})
+    return tpcore.Config.from_hf(checkpoint)
+
+
+def _encoder_inputs(cfg, batch, prompt, seed):
+    """Random token ids (B, T), an attention mask whose last sequence is padded after half its
+    length (as a tokenizer pads a ragged batch), and token types (zeros) when the model has them."""
+    T = min(prompt, cfg.max_positions)
+    g = np.random.default_rng(seed)
+    tokens = g.integers(0, cfg.vocab_size, (batch, T)).astype(np.int64)
+    mask = np.ones((batch, T), np.int64)
+    if batch > 1 and T > 1:
+        mask[-1, T // 2:] = 0
+        tokens[-1, T // 2:] = 0
+    types = np.zeros((batch, T), np.int64) if cfg.type_vocab_size else None
+    return tokens, mask, types
+
+
+def _pool(h, mask):
+    """Mean over the unmasked tokens, L2-normalised (sentence-transformers' mean pooling)."""
+    m = mask[..., None].astype(np.float64)
+    e = (h.astype(np.float64) * m).sum(1) / np.maximum(m.sum(1), 1.0)
+    return e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+
+
+def _warm_up(model, tokens, mask, types):
+    model.encode(tokens[:, :2], attention_mask=mask[:, :2], token_type_ids=None if types is None else types[:, :2])
+    model.comm.barrier()
+
+
+def _encode(model, tokens, mask, types, reps=3):
+    """(hidden states, the fastest of reps encodes in s, their total s)."""
+    best, total = float("inf"), 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        h = model.encode(tokens, attention_mask=mask, token_type_ids=types)
+        dt = time.perf_counter() - t0
+        best, total = min(best, dt), total + dt
+    return h, best, total
+
+
+def encoder_demo(comm, checkpoint, cfg, batch=2, prompt=24, seed=0) -> dict:
+    """Part 2 for an encoder (BERT): hidden states and mean-pooled embeddings at N ranks against
+    rank 0 alone, and the time of one encode of the batch."""
+    import resource
+    n, r = comm.size, comm.rank
+    tokens, mask, types = _encoder_inputs(cfg, batch, prompt, seed)
+    solo = comm.split(0 if r == 0 else 1, r)
+    ref = None
+    if r == 0:
+        m1 = tpcore.models.from_pretrained(checkpoint, solo, progress=False)
+        _warm_up(m1, tokens, mask, types)
+        ref = _encode(m1, tokens, mask, types)
+        del m1
+    solo.close()
+    comm.barrier()
+    model = tpcore.models.from_pretrained(checkpoint, comm, progress=False)
+    _warm_up(model, tokens, mask, types)
+    s0 = comm.stats()
+    h, secs, total = _encode(model, tokens, mask, types)
+    s1 = comm.stats()
+    blk = model.blocks[0]
+    mine = np.array([blk.q0, blk.nq, model.param_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                     (s1["seconds"] - s0["seconds"]) * 1e6, s1["calls"] - s0["calls"], secs * 1e6, total * 1e6],
+                    np.float64)
+    per_rank = comm.all_gather(mine).reshape(n, -1)
+    diffs = np.zeros(3)
+    if r == 0:
+        pooled, ref_pooled = _pool(h, mask), _pool(ref[0], mask)
+        keep = mask.astype(bool)  # padded positions' states are not compared (nobody uses them)
+        diffs[:] = [np.abs(h - ref[0])[keep].max(), np.abs(ref[0][keep]).max(), np.abs(pooled - ref_pooled).max()]
+    comm.broadcast(diffs, root=0)
+    rep = {"kind": "encoder", "per_rank": per_rank, "n": n, "batch": batch, "prompt": tokens.shape[1],
+           "lengths": mask.sum(1).tolist(), "model": checkpoint, "hidden_diff": float(diffs[0]),
+           "hidden_scale": float(diffs[1]), "pooled_diff": float(diffs[2]),
+           "same": bool(diffs[0] <= 1e-4 * (1 + diffs[1]) and diffs[2] <= 1e-5)}
+    if ref is not None:
+        rep["ref_s"] = ref[1]
+        rep["embedding_head"] = _pool(h, mask)[:, :4]
+    return rep
+
+
 def _load(comm, checkpoint, seed):
     if checkpoint:
         return tpcore.models.from_pretrained(checkpoint, comm, progress=False)
@@ -155,7 +245,10 @@ def transformer_demo(comm, checkpoint=None, batch=2, prompt=24, new=16, seed=0) 
     """Part 2 on every rank; returns rank 0's report (others return theirs too)."""
     import resource
     n, r = comm.size, comm.rank
-    vocab = tpcore.Config.from_hf(checkpoint).vocab_size if checkpoint else DEMO_MODEL["vocab_size"]
+    cfg = _config(checkpoint) if checkpoint else None
+    if cfg is not None and not cfg.causal:  # an encoder (BERT): no generation, encode and pool
+        return encoder_demo(comm, checkpoint, cfg, batch, prompt, seed)
+    vocab = cfg.vocab_size if checkpoint else DEMO_MODEL["vocab_size"]
     prompts = np.random.default_rng(seed).integers(0, vocab, (batch, prompt)).astype(np.int64)
     # the reference: the same model on rank 0 alone (a one-rank communicator split off the job)
     solo = comm.split(0 if r == 0 else 1, r)
@@ -188,7 +281,34 @@ def transformer_demo(comm, checkpoint=None, batch=2, prompt=24, new=16, seed=0) 
     return rep
 
 
+def _print_encoder(rep):
+    n, pr = rep["n"], rep["per_rank"]
+    secs = pr[:, 6].max() / 1e6
+    print()
+    print(f"tensor-parallel encoder: {rep['model']}")
+    print(f"batch {rep['batch']} x {rep['prompt']} tokens (real lengths {rep['lengths']}, the rest padding, "
+          f"masked), random token ids; last hidden states, then mean pooling over the mask and L2 norm")
+    for b, e in enumerate(rep["embedding_head"]):
+        print(f"  sequence {b}: embedding[:4] = {' '.join(f'{v:+.4f}' for v in e)}")
+    print(f"{'ranks':>6} {'encode ms':>10} {'tokens/s':>10}")
+    tokens = sum(rep["lengths"])
+    for k, t in ((1, rep["ref_s"]), (n, secs)):
+        print(f"{k:>6} {t * 1e3:>10.2f} {tokens / t:>10.0f}")
+    print(f"{'rank':>6} {'heads':>9} {'params MB':>10} {'peak RSS MB':>12} {'comm ms':>8} {'calls':>6} {'comm%':>6}"
+          f"   (per encode)")
+    for r in range(n):
+        q0, nq, pb, rss, cus, calls, _, total = pr[r]  # comm: over the 3 timed encodes
+        print(f"{r:>6} {int(q0):>4}-{int(q0 + nq) - 1:<4} {pb / 1e6:>10.2f} {rss / 1e6:>12.0f} {cus / 3e3:>8.2f} "
+              f"{int(calls) // 3:>6} {100 * cus / total:>5.1f}%")
+    print(f"hidden states at {n} rank(s) vs the 1-rank run: max abs diff {rep['hidden_diff']:.2e} "
+          f"(max |h| {rep['hidden_scale']:.2f}); pooled embeddings: {rep['pooled_diff']:.2e}")
+    print(f"encoder outputs at {n} rank(s) equal the 1-rank run: {'yes' if rep['same'] else 'NO'}")
+    return 0 if rep["same"] else 1
+
+
 def _print_transformer(rep):
+    if rep.get("kind") == "encoder":
+        return _print_encoder(rep)
     n, B, new = rep["n"], rep["batch"], rep["new"]
     pr = rep["per_rank"]
     ttft, dec = pr[:, 6].max() / 1e6, pr[:, 7].max() / 1e6
@@ -221,7 +341,9 @@ def main(argv=None):
     p.add_argument("-n", type=int, default=None,
                    help="ranks to spawn when not started by the launcher (default 2)")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--checkpoint", default=None, help="a Hugging Face GPT-2 or Llama checkpoint directory")
+    p.add_argument("--checkpoint", default=None,
+                   help="a local checkpoint directory: Hugging Face GPT-2 or Llama (generates), BERT (encodes), "
+                        "or one written by save_pretrained")
     p.add_argument("--no-collectives", action="store_true", help="skip part 1")
     a = p.parse_args(argv)
     if "TPCORE_JOB_ID" in os.environ or "RANK" in os.environ:
