@@ -64,24 +64,48 @@ class _RelayStream(io.TextIOBase):
             self._buf = ""
 
 
-def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_pid, relay):
+def _rank_setup(rank, world, job, parent_pid, relay, send):
+    """What a rank process does first (tpcore.spawn's ranks and tpcore.Cluster's): die with
+    the parent, relay sys.stdout / sys.stderr to it (send), and the job's environment."""
     _cleanup.die_with_parent()
     try:  # the parent may have died before PR_SET_PDEATHSIG took effect
         os.kill(parent_pid, 0)
     except ProcessLookupError:
         os._exit(1)
-    lock = threading.Lock()
-
-    def send(msg):
-        with lock:
-            conn.send(msg)
-
     if relay:
         sys.stdout = _RelayStream(send, rank, "stdout")
         sys.stderr = _RelayStream(send, rank, "stderr")
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "TPCORE_JOB_ID": job,
                        "TPCORE_JOB_RANDOM": "1"})
+
+
+def _flush_relay(relay):
+    if relay:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _error_message(e, rank, dumps=pickle.dumps):
+    """The ("err", ...) message of exception e (being handled) for the parent's _rebuild:
+    the exception pickled when it round-trips, its type name, text and this rank's traceback."""
+    tb = traceback.format_exc()
+    try:
+        blob = dumps(e)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001
+        blob = None
+    return ("err", rank, blob, type(e).__name__, str(e), tb)
+
+
+def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_pid, relay):
+    lock = threading.Lock()
+
+    def send(msg):
+        with lock:
+            conn.send(msg)
+
+    _rank_setup(rank, world, job, parent_pid, relay, send)
     from . import init  # late: the child may be a fresh interpreter
 
     comm = None
@@ -89,9 +113,7 @@ def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_p
     try:
         comm = init(backend=backend, timeout=timeout)
         result = fn(comm, *args, **(kwargs or {}))
-        if relay:
-            sys.stdout.flush()
-            sys.stderr.flush()
+        _flush_relay(relay)
         try:
             payload = pickle.dumps(result)
         except Exception as e:  # noqa: BLE001
@@ -99,17 +121,9 @@ def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_p
         send(("ok", rank, payload))
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
         code = 1
-        tb = traceback.format_exc()
         try:
-            if relay:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            try:
-                blob = pickle.dumps(e)
-                pickle.loads(blob)
-            except Exception:  # noqa: BLE001
-                blob = None
-            send(("err", rank, blob, type(e).__name__, str(e), tb))
+            _flush_relay(relay)
+            send(_error_message(e, rank))
         except Exception:  # noqa: BLE001 - parent gone: nothing else to do
             pass
         if comm is not None and not comm.closed:
@@ -170,6 +184,43 @@ def _plain_str(exc: BaseException, msg: str) -> BaseException:
     return out
 
 
+class _Outputs:
+    """The parent's side of the ranks' relayed output ("out" messages): a LineRelay with the
+    rank prefix per (rank, stream), to this process's sys.stdout / sys.stderr of the moment."""
+
+    def __init__(self):
+        self.console = Console()
+        self.relays: dict = {}  # (rank, "stdout" | "stderr") -> LineRelay
+
+    def feed(self, msg):
+        r = msg[1]
+        key = (r, "stdout" if msg[2] == "stdout" else "stderr")
+        if key not in self.relays:
+            self.relays[key] = self.console.relay(
+                (lambda: sys.stdout) if key[1] == "stdout" else (lambda: sys.stderr), f"[rank{r}] ")
+        self.relays[key].feed(msg[3])
+
+    def close(self):
+        """Write the ranks' unfinished last lines."""
+        for relay in self.relays.values():
+            try:
+                relay.close()
+            except Exception:  # noqa: BLE001 - a closed stream must not hide the result
+                pass
+        self.relays.clear()
+
+
+def _exit_error(r, p) -> RankExitedError:
+    """RankExitedError for rank r, whose process p ended without a word."""
+    p.join(1)
+    code = p.exitcode
+    if code is not None and code < 0:
+        how = f"was killed by signal {signal.Signals(-code).name}"
+    else:
+        how = f"exited with code {code}"
+    return RankExitedError(f"rank {r} (pid {p.pid}) {how} without returning or raising", rank=r, exitcode=code)
+
+
 def _stop(procs, grace):
     for p in procs:
         if p.is_alive():
@@ -201,6 +252,31 @@ def _default_method():
     return "spawn"
 
 
+def _check_importable(fn, method):
+    """A process started with "spawn" / "forkserver" is a fresh interpreter that gets fn by
+    reference (module and name) and imports it: say so here, once, when it cannot (a function
+    of a notebook or an interactive session, a lambda, a nested function), rather than let every
+    rank fail to unpickle it and exit without a result."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    mod = getattr(fn, "__module__", None)
+    main = sys.modules.get("__main__")
+    why = None
+    if mod == "__main__" and not getattr(main, "__file__", None):
+        why = f"fn {name} is defined in a notebook or an interactive session (__main__ without a file)"
+    elif "<locals>" in name or "<lambda>" in name:
+        why = f"fn {name} is a lambda or a function nested in another function"
+    else:
+        try:
+            pickle.loads(pickle.dumps(fn))
+        except Exception as e:  # noqa: BLE001
+            why = f"fn {name} cannot be pickled by reference ({type(e).__name__}: {e})"
+    if why:
+        raise TypeError(f"spawn: {why}, so a process started with start_method={method!r} cannot import "
+                        f"it; define fn at the top level of a module (a .py file the notebook imports), "
+                        f"use the default start method (fork), or use tpcore.Cluster, which sends "
+                        f"functions by value")
+
+
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: Optional[dict] = None,
           backend: str = "shm", timeout: Optional[float] = None, deadline: Optional[float] = None,
           start_method: Optional[str] = None, relay_output: bool = True, grace: float = 3.0) -> list:
@@ -229,13 +305,15 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
     if isinstance(args, (str, bytes)) or not hasattr(args, "__iter__") or not (kwargs is None or isinstance(kwargs, dict)):
         raise TypeError(f"spawn: args must be a tuple (or list) and kwargs a dict or None, got {shown(args)} and "
                         f"{shown(kwargs)}")
-    ctx = mp.get_context(start_method or _default_method())
+    method = start_method or _default_method()
+    ctx = mp.get_context(method)
+    if method != "fork":
+        _check_importable(fn, method)
     job = "sp" + secrets.token_hex(8)
     procs, conns = [], []
     results: dict = {}
     errors: list = []  # (time, rank, exception)
-    console = Console()
-    relays: dict = {}  # (rank, "stdout" | "stderr") -> LineRelay
+    outputs = _Outputs()
     t0 = time.monotonic()
     try:
         for r in range(world_size):
@@ -275,11 +353,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
                     del open_conns[obj]
                     continue
                 if msg[0] == "out":
-                    key = (r, "stdout" if msg[2] == "stdout" else "stderr")
-                    if key not in relays:
-                        relays[key] = console.relay(
-                            (lambda: sys.stdout) if key[1] == "stdout" else (lambda: sys.stderr), f"[rank{r}] ")
-                    relays[key].feed(msg[3])
+                    outputs.feed(msg)
                 elif msg[0] == "ok":
                     results[r] = pickle.loads(msg[2])
                 elif msg[0] == "err":
@@ -289,15 +363,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
             for r, t_exit in exited.items():
                 if decided(r) or (conns[r] in open_conns and time.monotonic() - t_exit < 1.0):
                     continue
-                p = procs[r]
-                p.join(1)
-                code = p.exitcode
-                if code is not None and code < 0:
-                    how = f"was killed by signal {signal.Signals(-code).name}"
-                else:
-                    how = f"exited with code {code}"
-                errors.append((time.monotonic(), r, RankExitedError(
-                    f"rank {r} (pid {p.pid}) {how} without returning or raising", rank=r, exitcode=code)))
+                errors.append((time.monotonic(), r, _exit_error(r, procs[r])))
                 first_error_at = first_error_at or time.monotonic()
         if errors:
             raise _pick_error(errors)
@@ -306,11 +372,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
             raise RankExitedError(f"ranks {missing} ended without a result")
         return [results[r] for r in range(world_size)]
     finally:
-        for relay in relays.values():  # a rank's unfinished last line
-            try:
-                relay.close()
-            except Exception:  # noqa: BLE001 - a closed stream must not hide the result
-                pass
+        outputs.close()
         _stop(procs, grace)
         for c in conns:
             try:
