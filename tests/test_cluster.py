@@ -461,6 +461,22 @@ _ = tpcore.spawn(bar, 2)
 ]
 
 
+INTERRUPTED = """
+def forever(comm):
+    import time
+    print("running", flush=True)
+    while True:
+        time.sleep(0.05)
+c2.run(forever)
+"""
+AFTER_INTERRUPT = """
+import os
+print("INTERRUPTED", c2.closed, [os.path.exists(f"/proc/{p}") for p in pids])
+with tpcore.Cluster(2) as c3:
+    print("AFTER", c3.run(lambda comm: comm.rank))
+"""
+
+
 def test_example_notebook_runs_headless():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -468,10 +484,17 @@ def test_example_notebook_runs_headless():
     before_shm = set(leftover_segments())
     nb = nbformat.read(ROOT / "examples" / "cluster.ipynb", as_version=4)
     nb.cells += [nbformat.v4.new_code_cell(src) for src in EXTRA_CELLS]
+    # a kernel interrupt (what the stop button sends) while the ranks run: nbclient interrupts the
+    # cell tagged "interrupt" after its 2 s timeout
+    nb.cells += [nbformat.v4.new_code_cell("c2 = tpcore.Cluster(2)\npids = c2.pids"),
+                 nbformat.v4.new_code_cell(INTERRUPTED, metadata={"tags": ["interrupt", "raises-exception"]}),
+                 nbformat.v4.new_code_cell(AFTER_INTERRUPT)]
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "python"), env_path) if p)
     try:
-        nbclient.NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+        nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", interrupt_on_timeout=True,
+                                timeout_func=lambda cell: 2 if "interrupt" in cell.metadata.get("tags", ()) else 120,
+                                ).execute()
     finally:
         os.environ["PYTHONPATH"] = env_path
     outs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
@@ -483,7 +506,7 @@ def test_example_notebook_runs_headless():
     assert results[1] == "[7, 6]" and results[2] == "[2, 2]", results
     err = float(stdout.split("max error vs NumPy: ")[1].split()[0])
     assert err < 1e-4, stdout
-    assert len(errors) == 1 and errors[0]["ename"] == "ValueError", errors
+    assert errors[0]["ename"] == "ValueError", errors
     assert "x must have shape (..., 8), got (2, 9)" in errors[0]["evalue"]
     assert "--- traceback on rank" in errors[0]["evalue"] and "\n  File " in errors[0]["evalue"]
     assert "still works: True" in stdout
@@ -494,6 +517,10 @@ def test_example_notebook_runs_headless():
             [f"[rank{r}] load {i}/3" for i in (1, 2, 3)], stderr
     assert "\r" not in stdout and "\r" not in stderr
     assert results[-1] == "<tpcore.Cluster of 2 ranks, closed>"
+    assert [e["ename"] for e in errors] == ["ValueError", "KeyboardInterrupt"], errors
+    assert "every rank was stopped" in errors[1]["evalue"], errors[1]
+    assert "[rank0] running" in stdout and "[rank1] running" in stdout
+    assert "INTERRUPTED True [False, False]" in stdout and "AFTER [0, 1]" in stdout, stdout
     assert "SPAWN-ERROR spawn: fn in_cell is defined in a notebook" in stdout, stdout
     assert "define fn at the top level of a module" in stdout
     assert set(leftover_segments()) <= before_shm
