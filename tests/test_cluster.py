@@ -524,3 +524,26 @@ def test_example_notebook_runs_headless():
     assert "SPAWN-ERROR spawn: fn in_cell is defined in a notebook" in stdout, stdout
     assert "define fn at the top level of a module" in stdout
     assert set(leftover_segments()) <= before_shm
+
+
+def test_one_run_at_a_time(tmp_path):
+    flag = tmp_path / "go"
+
+    def hold(comm, flag):
+        while not os.path.exists(flag):
+            time.sleep(0.01)
+        return comm.rank
+
+    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
+        out = []
+        t = threading.Thread(target=lambda: out.append(cluster.run(hold, str(flag))))
+        t.start()
+        t_end = time.monotonic() + 20
+        while not cluster._busy.locked() and time.monotonic() < t_end:  # the thread's run() began
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="another run\\(\\) of this cluster is in progress"):
+            cluster.run(hold, str(flag))
+        flag.touch()
+        t.join(30)
+        assert out == [[0, 1]]
+        assert cluster.run(hold, str(flag)) == [0, 1]

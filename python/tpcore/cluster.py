@@ -223,23 +223,30 @@ class Cluster:
         "forkserver".  Functions are sent by value whatever the method.
     grace : float
         After a rank raised, seconds the other ranks get to finish before the
-        communicator is aborted (default 1.0); see "Errors" below.
+        communicator is aborted (default 1.0); see Notes.
     deadline : float, optional
         Seconds one run() may take; past it the cluster is closed and CommTimeout names
         the ranks still running.  None (default): no limit (interrupt the kernel instead).
 
-    Running functions
-    -----------------
-    ``cluster.run(fn, *args, **kwargs)`` calls ``fn(comm, *args, **kwargs)`` on every rank
-    and returns the list of results in rank order.  fn, its arguments and its results
-    travel by value (cloudpickle): a function or class defined in a notebook cell after
-    the cluster started works.  Each rank's prints stream into the running cell while fn
-    runs, one ``[rankN] `` prefix a line (a ``\\r`` progress bar: one line per update in
-    a notebook or a file, one line redrawn in place on a terminal).
+    Raises
+    ------
+    ValueError, TypeError
+        A bad argument (n < 1, an unknown backend or start method, a negative timeout).
+    Exception
+        The first rank's exception if a rank's communicator cannot be set up
+        (RankExitedError if a rank died).
 
-    State between runs
-    ------------------
-    Each rank keeps two namespaces for the cluster's life:
+    Notes
+    -----
+    **Running functions.** ``cluster.run(fn, *args, **kwargs)`` calls ``fn(comm, *args,
+    **kwargs)`` on every rank and returns the list of results in rank order.  fn, its
+    arguments and its results travel by value (cloudpickle): a function or class defined
+    in a notebook cell after the cluster started works.  Each rank's prints stream into
+    the running cell while fn runs, one ``[rankN] `` prefix a line (a ``\\r`` progress
+    bar: one line per update in a notebook or a file, one line redrawn in place on a
+    terminal).
+
+    **State between runs.**  Each rank keeps two namespaces for the cluster's life:
 
     * ``state``: when fn has a parameter named ``state`` (and the caller passes none), it
       receives the rank's ``types.SimpleNamespace`` -- ``state.model = ...`` in one cell,
@@ -251,28 +258,35 @@ class Cluster:
       the rank's value wins over a notebook variable of the same name.  Functions of
       importable modules use their module's globals as usual.
 
-    Errors
-    ------
-    An exception on a rank raises here with the same type where it can be rebuilt (else
-    RankExitedError), the rank and its traceback in the message; when several ranks
-    fail, the first that did not fail because of a peer.  The cluster stays usable.  If
-    other ranks are still running ``grace`` seconds after a rank failed (usually waiting
-    in a collective for it), the communicator is aborted, so that they fail at once
-    instead of after the timeout, and then rebuilt on every rank: the ``comm`` object
-    the functions receive stays the same (and the namespaces stay), but layers and
-    sub-communicators built on the aborted communicator are bound to it and fail with
-    CommError: build them again (the raised exception carries a note that says so).
+    **Errors.**  An exception on a rank raises here with the same type where it can be
+    rebuilt (else RankExitedError), the rank and its traceback in the message; when
+    several ranks fail, the first that did not fail because of a peer.  The cluster stays
+    usable.  If other ranks are still running ``grace`` seconds after a rank failed
+    (usually waiting in a collective for it), the communicator is aborted, so that they
+    fail at once instead of after the timeout, and then rebuilt on every rank: the
+    ``comm`` object the functions receive stays the same (and the namespaces stay), but
+    layers and sub-communicators built on the aborted communicator are bound to it and
+    fail with CommError: build them again (the raised exception carries a note that says
+    so).  An error that every rank raises before the next collective (a wrong shape)
+    keeps the communicator and the layers.
 
     A rank process that dies (os._exit, a signal) raises RankExitedError naming it; the
     cluster is then closed (the other ranks' state cannot be kept consistent) and must
     be recreated.  A KeyboardInterrupt (kernel interrupt) during run() stops every rank
     and closes the cluster.
 
-    Closing
-    -------
-    ``close()`` (also on leaving a ``with`` block, on garbage collection and at exit)
-    stops every rank and removes the job's shared-memory segments; run() afterwards
-    raises RuntimeError.
+    **Closing.**  ``close()`` (also on leaving a ``with`` block, on garbage collection and
+    at exit) stops every rank and removes the job's shared-memory segments; run()
+    afterwards raises RuntimeError.
+
+    Examples
+    --------
+    >>> cluster = tpcore.Cluster(2)
+    >>> cluster.run(lambda comm, state: setattr(state, "x", comm.rank))
+    [None, None]
+    >>> cluster.run(lambda comm, state: state.x * 10)
+    [0, 10]
+    >>> cluster.close()
     """
 
     def __init__(self, n: int, backend: str = "auto", timeout: Optional[float] = None,
@@ -293,6 +307,7 @@ class Cluster:
                              f"got {start_method!r}")
         self._n, self._deadline, self._timeout, self._requested = n, deadline, timeout, backend
         self._why_closed = ""
+        self._busy = threading.Lock()
         self._backend = None
         self._base = "cl" + secrets.token_hex(8)
         h = self._h = _Ranks()
@@ -352,7 +367,37 @@ class Cluster:
     # -- running ----------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list:
         """fn(comm, *args, **kwargs) on every rank; the list of their results in rank order.
-        fn receives the rank's persistent namespace when it has a parameter named ``state``.  See the class docstring for output, state and errors."""
+
+        Parameters
+        ----------
+        fn : callable
+            Called as ``fn(comm, *args, **kwargs)`` on every rank; sent by value
+            (cloudpickle).  With a parameter named ``state`` it also gets the rank's
+            persistent namespace (see the class Notes).
+        *args, **kwargs
+            Sent to every rank by value.
+
+        Returns
+        -------
+        list
+            The ranks' return values, in rank order.
+
+        Raises
+        ------
+        Exception
+            A rank's exception (its type where it can be rebuilt, with the rank and its
+            traceback); the cluster stays usable.
+        RankExitedError
+            A rank process died; the cluster is closed.
+        CommTimeout
+            The cluster's deadline passed; the cluster is closed.
+        KeyboardInterrupt
+            Interrupted; every rank was stopped and the cluster closed.
+        RuntimeError
+            The cluster is closed, or another run() is in progress.
+        TypeError
+            fn is not callable, or fn, its arguments or a result cannot be pickled.
+        """
         self._check_open("run")
         if not callable(fn):
             raise TypeError(f"Cluster.run: fn must be callable, got {type(fn).__name__}")
@@ -364,6 +409,8 @@ class Cluster:
                             f"but: {type(e).__name__}: {e}") from e
         pass_state = _state_mode(fn, kwargs)
         h = self._h
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("Cluster.run: another run() of this cluster is in progress (one at a time)")
         try:
             for c in h.cmds:
                 try:
@@ -375,6 +422,8 @@ class Cluster:
             self._shut("run() was interrupted", polite=False)
             raise KeyboardInterrupt("Cluster.run: interrupted; every rank was stopped and the cluster "
                                     "closed: create a new tpcore.Cluster") from None
+        finally:
+            self._busy.release()
 
     def close(self) -> None:
         """Stop every rank and remove the job's shared-memory segments (idempotent)."""
