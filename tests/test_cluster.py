@@ -265,7 +265,7 @@ def test_exception_raises_with_traceback_and_the_cluster_stays_usable():
         assert "--- traceback on rank 1 ---" in text and "in fail_alone" in text, text
         assert ei.value.rank == 1
         notes = "\n".join(getattr(ei.value, "__notes__", []))
-        assert "communicator was aborted and a new one built" in notes, notes
+        assert "communicator was aborted and a new one was built" in notes, notes
         # the communicator was rebuilt under the same comm; the namespaces are kept
         for y in cluster.run(ns["reduce_kept"]):
             np.testing.assert_array_equal(y, want)
@@ -547,3 +547,30 @@ def test_one_run_at_a_time(tmp_path):
         t.join(30)
         assert out == [[0, 1]]
         assert cluster.run(hold, str(flag)) == [0, 1]
+
+
+def _mismatch(comm):
+    comm.all_reduce(np.ones(3 + comm.rank, np.float32))  # different counts: the communicator fails
+
+
+def _mismatch_caught(comm):
+    try:
+        _mismatch(comm)
+    except tpcore.CommError:
+        return "caught"
+
+
+def _sum_ranks(comm):
+    return float(comm.all_reduce(np.array([comm.rank + 1.0]))[0])
+
+
+def test_a_failed_communicator_is_rebuilt():
+    with tpcore.Cluster(2, timeout=60, deadline=DEADLINE) as cluster:
+        with pytest.raises(tpcore.CommError, match="collective mismatch") as ei:
+            cluster.run(_mismatch)
+        notes = "\n".join(getattr(ei.value, "__notes__", []))
+        assert "the communicator failed (collective mismatch) and a new one was built" in notes, notes
+        assert cluster.run(_sum_ranks) == [3.0, 3.0]
+        with pytest.warns(RuntimeWarning, match="the communicator failed .* a new one was built"):
+            assert cluster.run(_mismatch_caught) == ["caught", "caught"]
+        assert cluster.run(_sum_ranks) == [3.0, 3.0]

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 import weakref
 from multiprocessing.connection import wait
 from typing import Any, Callable, List, Optional
@@ -83,10 +84,17 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
 
     from . import init
 
+    def failed():  # the communicator is unusable (a mismatch, a timeout, an abort): rebuild it
+        try:
+            return comm._c.error
+        except Exception:  # noqa: BLE001
+            return "unknown"
+
     def fail(e):
         _flush_relay(True)
-        send(_error_message(e, rank, cloudpickle.dumps))
+        send(_error_message(e, rank, cloudpickle.dumps) + (failed(),))
 
+    comm = None
     try:
         comm = init(backend=backend, timeout=timeout)
         send(("ready", rank, comm.backend))
@@ -129,7 +137,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
                 payload = cloudpickle.dumps(result)
             except Exception as e:  # noqa: BLE001
                 raise TypeError(f"the return value of rank {rank} cannot be pickled: {e}") from e
-            send(("ok", rank, payload))
+            send(("ok", rank, payload, failed()))
         except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
             fail(e)
         finally:
@@ -267,8 +275,10 @@ class Cluster:
     ``comm`` object the functions receive stays the same (and the namespaces stay), but
     layers and sub-communicators built on the aborted communicator are bound to it and
     fail with CommError: build them again (the raised exception carries a note that says
-    so).  An error that every rank raises before the next collective (a wrong shape)
-    keeps the communicator and the layers.
+    so).  A communicator that failed by itself (a collective mismatch, a timeout) is
+    rebuilt the same way, with the same note (a RuntimeWarning when fn caught the error).
+    An error that every rank raises before the next collective (a wrong shape) keeps the
+    communicator and the layers.
 
     A rank process that dies (os._exit, a signal) raises RankExitedError naming it; the
     cluster is then closed (the other ranks' state cannot be kept consistent) and must
@@ -454,6 +464,7 @@ class Cluster:
         conns = {c: r for r, c in enumerate(h.results)}
         sentinels = {p.sentinel: r for r, p in enumerate(h.procs)}
         exited: dict = {}
+        broken: dict = {}  # rank -> why its communicator is unusable after the run (None: it is fine)
         first_error_at = None
         aborted = False
         t0 = time.monotonic()
@@ -486,11 +497,14 @@ class Cluster:
                     if msg[0] == "out":
                         outputs.feed(msg)
                     elif msg[0] == "err":
-                        errors.append((time.monotonic(), r, _rebuild(r, *msg[2:])))
+                        errors.append((time.monotonic(), r, _rebuild(r, *msg[2:6])))
+                        broken[r] = msg[6]
                         first_error_at = first_error_at or time.monotonic()
                         pending.discard(r)
                     else:  # "ok", "ready"
                         answers[r] = msg
+                        if msg[0] == "ok":
+                            broken[r] = msg[3]
                         pending.discard(r)
                 for r, t_exit in exited.items():
                     if r in dead or (h.results[r] in conns and time.monotonic() - t_exit < 1.0):
@@ -499,7 +513,7 @@ class Cluster:
                     pending.discard(r)
         finally:
             outputs.close()
-        return answers, errors, dead, aborted
+        return answers, errors, dead, aborted, [w for w in broken.values() if w]
 
     def _raise_dead(self, dead, who):
         err = _exit_error(dead[0], self._h.procs[dead[0]])
@@ -509,7 +523,7 @@ class Cluster:
                               f"create a new tpcore.Cluster", rank=err.rank, exitcode=err.exitcode)
 
     def _await_ready(self, who):
-        answers, errors, dead, _ = self._wait(range(self._n), who)
+        answers, errors, dead, _, _ = self._wait(range(self._n), who)
         if dead:
             self._raise_dead(dead, who)
         if errors:
@@ -518,14 +532,13 @@ class Cluster:
         self._backend = answers[0][2]
 
     def _collect(self):
-        answers, errors, dead, aborted = self._wait(range(self._n), "Cluster.run")
+        answers, errors, dead, aborted, broken = self._wait(range(self._n), "Cluster.run")
         if dead:
             self._raise_dead(dead, "Cluster.run")
-        if not errors:
-            return [pickle.loads(answers[r][2]) for r in range(self._n)]
-        exc = _pick_error(errors)
-        if aborted:
-            # a rank still waited for the failed one: its communicator is aborted; a new one for all
+        exc = _pick_error(errors) if errors else None
+        if aborted or broken:
+            # the communicator is unusable (aborted because ranks waited for a failed one, or failed by
+            # itself: a mismatch, a timeout): a new one on every rank, under the same Comm objects
             h = self._h
             old = h.jobs[-1]
             h.jobs.append(f"{self._base}g{len(h.jobs)}")
@@ -536,8 +549,15 @@ class Cluster:
             except BaseException as e:
                 raise e from exc
             _cleanup.remove_shm(old)
-            exc.add_note(f"tpcore.Cluster: ranks still waited for the failed rank after {self._grace} s, so the "
-                         f"communicator was aborted and a new one built; the ranks' `comm` and namespaces are "
-                         f"kept, but layers and sub-communicators built before are bound to the aborted "
-                         f"communicator: build them again")
-        raise exc
+            why = (f"ranks still waited for the failed rank after {self._grace} s, so the communicator was "
+                   f"aborted" if aborted else f"the communicator failed ({broken[0]})")
+            note = (f"tpcore.Cluster: {why} and a new one was built; the ranks' `comm` and namespaces are kept, "
+                    f"but layers and sub-communicators built before are bound to the old communicator: build "
+                    f"them again")
+            if exc is None:  # fn caught the communicator's error itself
+                warnings.warn(note, RuntimeWarning, stacklevel=3)
+            else:
+                exc.add_note(note)
+        if exc is not None:
+            raise exc
+        return [pickle.loads(answers[r][2]) for r in range(self._n)]
