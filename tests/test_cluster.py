@@ -262,7 +262,7 @@ def test_exception_raises_with_traceback_and_the_cluster_stays_usable():
         assert time.monotonic() - t0 < 15
         text = str(ei.value)
         assert text.startswith("rank 1 raised ShardError: bad shard"), text
-        assert "--- traceback on rank 1 ---" in text and "in fail_alone" in text, text
+        assert "--- traceback on rank 1 ---" in text and 'File "<cell>", line 7, in fail_alone' in text, text
         assert ei.value.rank == 1
         notes = "\n".join(getattr(ei.value, "__notes__", []))
         assert "communicator was aborted and a new one was built" in notes, notes
@@ -509,6 +509,8 @@ def test_example_notebook_runs_headless():
     assert errors[0]["ename"] == "ValueError", errors
     assert "x must have shape (..., 8), got (2, 9)" in errors[0]["evalue"]
     assert "--- traceback on rank" in errors[0]["evalue"] and "\n  File " in errors[0]["evalue"]
+    # the rank's traceback names the cell and shows its line (cloudpickle sends no file name)
+    assert "state.mlp(np.ones((2, hidden + 1), np.float32))" in errors[0]["evalue"].split("--- traceback")[1]
     assert "still works: True" in stdout
     for r in range(2):
         assert [ln for ln in stdout.split("\n") if ln.startswith(f"[rank{r}] step")] == \

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import linecache
 import multiprocessing as mp
 import multiprocessing.util  # noqa: F401 - its atexit handler first, so that ours runs before it
 import os
@@ -70,6 +71,37 @@ class _Globals:
             del self.own[k]
 
 
+def _source_of(fn):
+    """fn's file name and its lines as this process's linecache has them (a notebook cell's too):
+    cloudpickle sends code as "<dynamic-code>", and the rank's traceback should name and show
+    the cell's lines."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    try:
+        return code.co_filename, linecache.getlines(code.co_filename)
+    except Exception:  # noqa: BLE001
+        return code.co_filename, []
+
+
+def _named(code, filename):
+    consts = tuple(_named(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def _restore_source(fn, source):
+    code = getattr(fn, "__code__", None)
+    if source is None or code is None or code.co_filename != "<dynamic-code>":
+        return
+    filename, lines = source
+    try:
+        fn.__code__ = _named(code, filename)
+    except (TypeError, ValueError):
+        return
+    if lines and filename not in linecache.cache:
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+
+
 def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
     """A Cluster's rank: init the communicator, then run what the parent sends until "stop"."""
     lock = threading.Lock()
@@ -126,6 +158,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
         entered = None
         try:  # "run"
             fn, args, kwargs = cloudpickle.loads(msg[1])
+            _restore_source(fn, msg[3])
             if msg[2] == 1:
                 args = (state,) + tuple(args)
             elif msg[2] == 2:
@@ -418,13 +451,14 @@ class Cluster:
             raise TypeError(f"Cluster.run: fn and its arguments must be picklable (cloudpickle), "
                             f"but: {type(e).__name__}: {e}") from e
         pass_state = _state_mode(fn, kwargs)
+        source = _source_of(fn)
         h = self._h
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("Cluster.run: another run() of this cluster is in progress (one at a time)")
         try:
             for c in h.cmds:
                 try:
-                    c.send(("run", blob, pass_state))
+                    c.send(("run", blob, pass_state, source))
                 except OSError:  # a dead rank: the wait below names it
                     pass
             return self._collect()
