@@ -576,3 +576,10 @@ def test_a_failed_communicator_is_rebuilt():
         with pytest.warns(RuntimeWarning, match="the communicator failed .* a new one was built"):
             assert cluster.run(_mismatch_caught) == ["caught", "caught"]
         assert cluster.run(_sum_ranks) == [3.0, 3.0]
+
+
+def test_spawn_start_method_sends_functions_by_value():
+    ns = _as_main("def f(comm, state, k):\n    state.k = k * (comm.rank + 1)\n    return comm.all_reduce(np.ones(2)).tolist()\n")
+    with tpcore.Cluster(2, start_method="spawn", deadline=DEADLINE) as cluster:
+        assert cluster.run(ns["f"], 5) == [[2.0, 2.0]] * 2
+        assert cluster.run(lambda comm, state: (state.k, os.environ["RANK"])) == [(5, "0"), (10, "1")]

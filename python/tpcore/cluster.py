@@ -261,7 +261,9 @@ class Cluster:
         Seconds any one wait of the communicator may take (default: TPCORE_TIMEOUT or 300).
     start_method : str, optional
         "fork" (the default on Linux, unless this process initialised CUDA) or "spawn" /
-        "forkserver".  Functions are sent by value whatever the method.
+        "forkserver" (fresh interpreters; a script that starts a cluster this way needs
+        the ``if __name__ == "__main__":`` guard, as multiprocessing asks).  Functions are
+        sent by value whatever the method.
     grace : float
         After a rank raised, seconds the other ranks get to finish before the
         communicator is aborted (default 1.0); see Notes.
