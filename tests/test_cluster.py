@@ -583,3 +583,19 @@ def test_spawn_start_method_sends_functions_by_value():
     with tpcore.Cluster(2, start_method="spawn", deadline=DEADLINE) as cluster:
         assert cluster.run(ns["f"], 5) == [[2.0, 2.0]] * 2
         assert cluster.run(lambda comm, state: (state.k, os.environ["RANK"])) == [(5, "0"), (10, "1")]
+
+
+def _fd_level(comm):
+    os.write(1, f"os.write of rank {comm.rank}\n".encode())
+    subprocess.run(["sh", "-c", f"echo from a subprocess of rank {comm.rank} >&2"], check=True)
+    return comm.rank
+
+
+def test_output_below_python_gets_the_prefix_too(capfd):
+    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
+        assert cluster.run(_fd_level) == [0, 1]
+        cap = capfd.readouterr()  # all of it arrived before run() returned
+    for r in range(2):
+        assert f"[rank{r}] os.write of rank {r}\n" in cap.out, cap.out
+        assert f"[rank{r}] from a subprocess of rank {r}\n" in cap.err, cap.err
+    assert all(ln.startswith("[rank") for ln in (cap.out + cap.err).split("\n") if ln), cap

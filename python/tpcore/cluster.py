@@ -11,6 +11,7 @@ namespace between runs (see Cluster).
 from __future__ import annotations
 
 import atexit
+import codecs
 import inspect
 import linecache
 import multiprocessing as mp
@@ -102,6 +103,60 @@ def _restore_source(fn, source):
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
 
 
+class _FdRelay:
+    """Writes to file descriptor 1 or 2 of a rank that bypass sys.stdout / sys.stderr (C code:
+    the communicator's history on a failure; subprocesses; os.write) go to the parent as "out"
+    messages too, so they get the rank prefix in the cell: a pipe in place of the descriptor,
+    read by a thread.  sync() returns once everything written before it was sent."""
+
+    def __init__(self, fd, name, rank, send):
+        self.fd, self.name, self.rank, self.send = fd, name, rank, send
+        self.marker = b"\0tpcore-sync-" + secrets.token_hex(6).encode() + b"\0"
+        r, w = os.pipe()
+        os.dup2(w, fd)
+        os.close(w)
+        self.r = r
+        self.seen = threading.Semaphore(0)
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        threading.Thread(target=self._pump, name=f"tpcore-fd{fd}", daemon=True).start()
+
+    def _pump(self):
+        buf = b""
+        m = self.marker
+        while True:
+            try:
+                data = os.read(self.r, 65536)
+            except InterruptedError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            buf += data
+            while (i := buf.find(m)) >= 0:
+                self._out(buf[:i])
+                buf = buf[i + len(m):]
+                self.seen.release()
+            keep = next((j for j in range(min(len(m) - 1, len(buf)), 0, -1) if m.startswith(buf[-j:])), 0)
+            self._out(buf[:len(buf) - keep])  # all but a marker's start cut between two reads
+            buf = buf[len(buf) - keep:]
+
+    def _out(self, data):
+        text = self.decoder.decode(data) if data else ""
+        if text:
+            try:
+                self.send(("out", self.rank, self.name, text))
+            except OSError:
+                pass
+
+    def sync(self, timeout=2.0):
+        try:
+            os.write(self.fd, self.marker)
+        except OSError:
+            return
+        self.seen.acquire(timeout=timeout)
+
+
 def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
     """A Cluster's rank: init the communicator, then run what the parent sends until "stop"."""
     lock = threading.Lock()
@@ -112,6 +167,18 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops the ranks
     _rank_setup(rank, world, job, parent_pid, True, send)
+    fds = []
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            fds.append(_FdRelay(fd, name, rank, send))
+        except OSError:
+            pass
+
+    def flush():  # everything this rank wrote, sent before its answer
+        _flush_relay(True)
+        for f in fds:
+            f.sync()
+
     import cloudpickle
 
     from . import init
@@ -123,12 +190,13 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
             return "unknown"
 
     def fail(e):
-        _flush_relay(True)
+        flush()
         send(_error_message(e, rank, cloudpickle.dumps) + (failed(),))
 
     comm = None
     try:
         comm = init(backend=backend, timeout=timeout)
+        flush()
         send(("ready", rank, comm.backend))
     except BaseException as e:  # noqa: BLE001
         fail(e)
@@ -151,6 +219,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
                 comm.close()
                 os.environ["TPCORE_JOB_ID"] = msg[1]
                 comm._c = init(backend=backend, timeout=timeout)._c
+                flush()
                 send(("ready", rank, comm.backend))
             except BaseException as e:  # noqa: BLE001
                 fail(e)
@@ -165,7 +234,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
                 kwargs = dict(kwargs, state=state)
             entered = glob.enter(fn)
             result = fn(comm, *args, **kwargs)
-            _flush_relay(True)
+            flush()
             try:
                 payload = cloudpickle.dumps(result)
             except Exception as e:  # noqa: BLE001
@@ -287,7 +356,8 @@ class Cluster:
     in a notebook cell after the cluster started works.  Each rank's prints stream into
     the running cell while fn runs, one ``[rankN] `` prefix a line (a ``\\r`` progress
     bar: one line per update in a notebook or a file, one line redrawn in place on a
-    terminal).
+    terminal), and so does what C code and subprocesses write to file descriptors 1 and 2
+    (the communicator's call history after a failure, for one).
 
     **State between runs.**  Each rank keeps two namespaces for the cluster's life:
 
