@@ -468,19 +468,19 @@ class Cluster:
         """The ranks' process ids, in rank order."""
         return [p.pid for p in self._h.procs]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self.closed:
             return f"<tpcore.Cluster of {self._n} ranks, closed>"
         return f"<tpcore.Cluster of {self._n} ranks, backend {self._backend!r}>"
 
-    def __enter__(self):
+    def __enter__(self) -> "Cluster":
         return self
 
-    def __exit__(self, et, ev, tb):
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
         self.close()
 
     # -- running ----------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list:
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> List[Any]:
         """fn(comm, *args, **kwargs) on every rank; the list of their results in rank order.
 
         Parameters
