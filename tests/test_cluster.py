@@ -599,3 +599,10 @@ def test_output_below_python_gets_the_prefix_too(capfd):
         assert f"[rank{r}] os.write of rank {r}\n" in cap.out, cap.out
         assert f"[rank{r}] from a subprocess of rank {r}\n" in cap.err, cap.err
     assert all(ln.startswith("[rank") for ln in (cap.out + cap.err).split("\n") if ln), cap
+
+
+def test_a_communicator_closed_by_fn_is_rebuilt():
+    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
+        with pytest.warns(RuntimeWarning, match=r"the communicator failed \(closed\)"):
+            cluster.run(lambda comm: comm.close())
+        assert cluster.run(_sum_ranks) == [3.0, 3.0]

@@ -183,9 +183,9 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
 
     from . import init
 
-    def failed():  # the communicator is unusable (a mismatch, a timeout, an abort): rebuild it
+    def failed():  # why the communicator is unusable (a mismatch, a timeout, an abort, closed), or None
         try:
-            return comm._c.error
+            return "closed" if comm.closed else comm._c.error
         except Exception:  # noqa: BLE001
             return "unknown"
 
@@ -211,8 +211,11 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
         if msg[0] == "stop":
             break
         if msg[0] == "abort":
-            if not comm.closed:
-                comm.abort(msg[1])
+            try:
+                if not comm.closed:
+                    comm.abort(msg[1])
+            except Exception:  # noqa: BLE001 - failed already: the peers fail anyway
+                pass
             continue
         if msg[0] == "rebuild":  # the same Comm object, a new communicator under it
             try:
@@ -224,7 +227,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
             except BaseException as e:  # noqa: BLE001
                 fail(e)
             continue
-        entered = None
+        entered = fn = args = kwargs = result = None
         try:  # "run"
             fn, args, kwargs = cloudpickle.loads(msg[1])
             _restore_source(fn, msg[3])
@@ -244,7 +247,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
             fail(e)
         finally:
             glob.leave(entered)
-            del msg
+            entered = fn = args = kwargs = result = msg = None  # nothing of this run is kept alive
     try:
         comm.close()
     finally:
