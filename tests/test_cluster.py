@@ -606,3 +606,12 @@ def test_a_communicator_closed_by_fn_is_rebuilt():
         with pytest.warns(RuntimeWarning, match=r"the communicator failed \(closed\)"):
             cluster.run(lambda comm: comm.close())
         assert cluster.run(_sum_ranks) == [3.0, 3.0]
+
+
+def test_a_communicator_that_cannot_be_set_up_raises_and_leaves_nothing():
+    if tpcore._C.Comm.probe("nccl") is None:
+        pytest.skip("NCCL is usable here")
+    before = _children()
+    with pytest.raises(tpcore.CommError, match="rank 0 raised CommError: init: backend nccl"):
+        tpcore.Cluster(2, backend="nccl")
+    assert _children() <= before

@@ -265,10 +265,11 @@ class _Ranks:
         self.results: list = []  # the parent's ends of the result pipes
         self.jobs: list = []     # every communicator's job id (one more after each rebuild)
         self.closed = False
+        self.owner = os.getpid()  # a forked child that exits normally must not stop them
 
     def close(self, polite=True, grace=2.0):
         """Stop the ranks (asked to, then SIGTERM, SIGKILL) and remove the job's segments."""
-        if self.closed:
+        if self.closed or os.getpid() != self.owner:
             return
         self.closed = True
         _live.discard(self)
