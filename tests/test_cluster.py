@@ -437,6 +437,23 @@ def test_spawn_says_when_fn_cannot_be_imported():
     assert tpcore.spawn(ns["work"], 2, deadline=DEADLINE) == [0, 1]
 
 
+def test_spawn_says_when_a_notebook_name_is_used(monkeypatch):
+    import functools
+    import types
+    fake = types.ModuleType("__main__")  # an interactive __main__ (no __file__) that has them
+    exec("class Thing:\n    pass\ndef work(comm, *a):\n    return comm.rank\n", fake.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", fake)
+    cases = [(fake.work, (), "fn work is defined in a notebook or an interactive session"),
+             (functools.partial(fake.work, 1), (), "fn partial uses work, defined in a notebook"),
+             (_pid, (fake.Thing(),), "an argument of fn _pid uses Thing, defined in a notebook")]
+    for fn, args, said in cases:
+        with pytest.raises(TypeError, match="start_method='spawn' cannot import it") as ei:
+            tpcore.spawn(fn, 2, args=args, start_method="spawn", deadline=DEADLINE)
+        assert str(ei.value).startswith("spawn: " + said), str(ei.value)
+    with pytest.raises(TypeError, match="an argument of fn _pid cannot be pickled"):
+        tpcore.spawn(_pid, 2, args=(threading.Lock(),), start_method="spawn", deadline=DEADLINE)
+
+
 # -- the example notebook, in a real kernel ----------------------------------------------------
 EXTRA_CELLS = [
     # rough edge 3 in a notebook

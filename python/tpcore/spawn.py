@@ -17,6 +17,7 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import pickletools
 import secrets
 import signal
 import sys
@@ -252,24 +253,37 @@ def _default_method():
     return "spawn"
 
 
-def _check_importable(fn, method):
-    """A process started with "spawn" / "forkserver" is a fresh interpreter that gets fn by
-    reference (module and name) and imports it: say so here, once, when it cannot (a function
-    of a notebook or an interactive session, a lambda, a nested function), rather than let every
-    rank fail to unpickle it and exit without a result."""
+def _check_importable(fn, method, args=(), kwargs=None):
+    """A process started with "spawn" / "forkserver" is a fresh interpreter that gets fn (and
+    its arguments) by reference (module and name) and imports it: say so here, once, when it
+    cannot (a function of a notebook or an interactive session, a lambda, a nested function),
+    rather than let every rank fail to unpickle it and exit without a result."""
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    mod = getattr(fn, "__module__", None)
     main = sys.modules.get("__main__")
+    interactive = not getattr(main, "__file__", None)  # a notebook, the REPL, python -c
     why = None
-    if mod == "__main__" and not getattr(main, "__file__", None):
-        why = f"fn {name} is defined in a notebook or an interactive session (__main__ without a file)"
-    elif "<locals>" in name or "<lambda>" in name:
-        why = f"fn {name} is a lambda or a function nested in another function"
-    else:
+    for what, obj in (("fn", fn), ("an argument", (tuple(args), kwargs))):
         try:
-            pickle.loads(pickle.dumps(fn))
+            blob = pickle.dumps(obj, protocol=2)  # protocol 2: each reference is one GLOBAL "module name"
+            pickle.loads(blob)
         except Exception as e:  # noqa: BLE001
-            why = f"fn {name} cannot be pickled by reference ({type(e).__name__}: {e})"
+            if what == "fn" and ("<locals>" in name or "<lambda>" in name):
+                why = f"fn {name} is a lambda or a function nested in another function"
+            elif what == "fn":
+                why = f"fn {name} cannot be pickled by reference ({type(e).__name__}: {e})"
+            else:
+                why = f"an argument of fn {name} cannot be pickled ({type(e).__name__}: {e})"
+            break
+        mains = sorted({arg.split(" ", 1)[1] for op, arg, _ in pickletools.genops(blob)
+                        if op.name == "GLOBAL" and arg.split(" ", 1)[0] == "__main__"})
+        if mains and interactive:
+            where = "defined in a notebook or an interactive session (__main__ without a file)"
+            if what == "fn" and mains == [name]:
+                why = f"fn {name} is {where}"
+            else:
+                owner = f"fn {name}" if what == "fn" else f"an argument of fn {name}"
+                why = f"{owner} uses {', '.join(mains)}, {where}"
+            break
     if why:
         raise TypeError(f"spawn: {why}, so a process started with start_method={method!r} cannot import "
                         f"it; define fn at the top level of a module (a .py file the notebook imports), "
@@ -308,7 +322,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: 
     method = start_method or _default_method()
     ctx = mp.get_context(method)
     if method != "fork":
-        _check_importable(fn, method)
+        _check_importable(fn, method, args, kwargs)
     job = "sp" + secrets.token_hex(8)
     procs, conns = [], []
     results: dict = {}
