@@ -632,3 +632,15 @@ def test_a_communicator_that_cannot_be_set_up_raises_and_leaves_nothing():
     with pytest.raises(tpcore.CommError, match="rank 0 raised CommError: init: backend nccl"):
         tpcore.Cluster(2, backend="nccl")
     assert _children() <= before
+
+
+def test_deadline_closes_the_cluster():
+    before = _children()
+    cluster = tpcore.Cluster(2, deadline=1.0)
+    pids = cluster.pids
+    t0 = time.monotonic()
+    with pytest.raises(tpcore.CommTimeout, match=r"deadline of 1.0 s passed; ranks \[1\] were still running"):
+        cluster.run(lambda comm: time.sleep(30) if comm.rank == 1 else None)
+    assert time.monotonic() - t0 < 10
+    assert cluster.closed and not any(_alive(p) for p in pids)
+    assert _children() <= before
