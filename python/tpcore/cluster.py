@@ -617,7 +617,9 @@ class Cluster:
                             broken[r] = msg[3]
                         pending.discard(r)
                 for r, t_exit in exited.items():
-                    if r in dead or (h.results[r] in conns and time.monotonic() - t_exit < 1.0):
+                    # not dead: answered already (a rank whose init failed exits after saying so), or
+                    # its pipe may still hold the answer
+                    if r in dead or r not in pending or (h.results[r] in conns and time.monotonic() - t_exit < 1.0):
                         continue
                     dead.append(r)
                     pending.discard(r)
