@@ -596,7 +596,8 @@ def test_a_failed_communicator_is_rebuilt():
 
 
 def test_spawn_start_method_sends_functions_by_value():
-    ns = _as_main("def f(comm, state, k):\n    state.k = k * (comm.rank + 1)\n    return comm.all_reduce(np.ones(2)).tolist()\n")
+    ns = _as_main("def f(comm, state, k):\n    state.k = k * (comm.rank + 1)\n"
+                  "    return comm.all_reduce(np.ones(2)).tolist()\n")
     with tpcore.Cluster(2, start_method="spawn", deadline=DEADLINE) as cluster:
         assert cluster.run(ns["f"], 5) == [[2.0, 2.0]] * 2
         assert cluster.run(lambda comm, state: (state.k, os.environ["RANK"])) == [(5, "0"), (10, "1")]
