@@ -345,6 +345,28 @@ def test_exit_without_close_leaves_nothing():
     assert set(leftover_segments()) <= before
 
 
+def test_a_killed_parent_leaves_no_rank_and_no_segment():
+    script = ("import tpcore, os, sys, time\n"
+              "c = tpcore.Cluster(2)\n"
+              "print(' '.join(map(str, c.run(lambda comm: os.getpid()))), flush=True)\n"
+              "time.sleep(60)\n")
+    before = set(leftover_segments())
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+        assert len(pids) == 2 and set(leftover_segments()) - before  # the communicator's name exists
+    finally:
+        p.kill()  # SIGKILL: no atexit, no finalizer
+        p.wait(30)
+        p.stdout.close()
+    t_end = time.monotonic() + 15  # the ranks die with the parent; the janitor removes the names
+    while (any(_alive(q) for q in pids) or set(leftover_segments()) - before) and time.monotonic() < t_end:
+        time.sleep(0.05)
+    assert not any(_alive(q) for q in pids)
+    assert set(leftover_segments()) <= before
+
+
 def _sleep_long(comm):
     print("started", flush=True)
     time.sleep(60)

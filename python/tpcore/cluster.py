@@ -15,11 +15,13 @@ import codecs
 import inspect
 import linecache
 import multiprocessing as mp
+import multiprocessing.connection
 import multiprocessing.util  # noqa: F401 - its atexit handler first, so that ours runs before it
 import os
 import pickle
 import secrets
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -157,8 +159,9 @@ class _FdRelay:
         self.seen.acquire(timeout=timeout)
 
 
-def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid):
-    """A Cluster's rank: init the communicator, then run what the parent sends until "stop"."""
+def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
+    """A Cluster's rank: init the communicator, then run what the parent sends until "stop".
+    life: the janitor's pipe, held open (never written) while the rank lives."""
     lock = threading.Lock()
 
     def send(msg):
@@ -264,6 +267,7 @@ class _Ranks:
         self.cmds: list = []     # the parent's ends of the command pipes
         self.results: list = []  # the parent's ends of the result pipes
         self.jobs: list = []     # every communicator's job id (one more after each rebuild)
+        self.janitor = None      # removes the names if this process dies without closing
         self.closed = False
         self.owner = os.getpid()  # a forked child that exits normally must not stop them
 
@@ -292,6 +296,11 @@ class _Ranks:
                     pass
             for job in self.jobs:
                 _cleanup.remove_shm(job)
+            if self.janitor is not None:  # it ends once the ranks are gone
+                try:
+                    self.janitor.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
 
 
 _live: set = set()  # the _Ranks not closed yet, closed at exit
@@ -396,7 +405,9 @@ class Cluster:
 
     **Closing.**  ``close()`` (also on leaving a ``with`` block, on garbage collection and
     at exit) stops every rank and removes the job's shared-memory segments; run()
-    afterwards raises RuntimeError.
+    afterwards raises RuntimeError.  If this process is killed (a kernel restarted by
+    force), the ranks die with it and a small janitor process (the launcher's) removes
+    the segments.
 
     Examples
     --------
@@ -434,21 +445,28 @@ class Cluster:
         self._finalizer.atexit = False  # _close_all does it, before multiprocessing's handler
         _live.add(h)
         ctx = mp.get_context(start_method or _default_method())
-        h.jobs.append(self._base + "g0")
+        h.jobs.append(self._base + "_g0")  # job ids "<base>_g<N>": the janitor removes "<base>_*"
+        life_w, h.janitor = _cleanup.start_janitor(self._base)
+        life = None if life_w is None else mp.connection.Connection(life_w, readable=False)
         try:
             for r in range(n):
                 crd, cwr = ctx.Pipe(duplex=False)
                 rrd, rwr = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_rank_main, name=f"tpcore-cluster-rank{r}",
-                                args=(r, n, h.jobs[-1], backend, timeout, crd, rwr, os.getpid()))
+                                args=(r, n, h.jobs[-1], backend, timeout, crd, rwr, os.getpid(), life))
                 p.start()
                 crd.close()
                 rwr.close()
                 h.procs.append(p)
                 h.cmds.append(cwr)
                 h.results.append(rrd)
+            if life is not None:  # the ranks hold it now; processes forked later must not
+                life.close()
+                life = None
             self._await_ready("Cluster")
         except BaseException:
+            if life is not None:
+                life.close()
             self._shut("it failed to start", polite=False)
             raise
 
@@ -653,7 +671,7 @@ class Cluster:
             # itself: a mismatch, a timeout): a new one on every rank, under the same Comm objects
             h = self._h
             old = h.jobs[-1]
-            h.jobs.append(f"{self._base}g{len(h.jobs)}")
+            h.jobs.append(f"{self._base}_g{len(h.jobs)}")
             for c in h.cmds:
                 c.send(("rebuild", h.jobs[-1]))
             try:
