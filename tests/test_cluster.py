@@ -667,3 +667,33 @@ def test_deadline_closes_the_cluster():
     assert time.monotonic() - t0 < 10
     assert cluster.closed and not any(_alive(p) for p in pids)
     assert _children() <= before
+
+
+def test_progress_bar_is_one_line_drawn_in_place_on_a_terminal():
+    script = ("import sys, tpcore\n"
+              "def bar(comm):\n"
+              "    for i in range(3):\n"
+              "        sys.stdout.write(f'\\rstep {i + 1}/3')\n"
+              "        sys.stdout.flush()\n"
+              "    sys.stdout.write('\\n')\n"
+              "with tpcore.Cluster(1) as c:\n"
+              "    c.run(bar)\n")
+    master, slave = os.openpty()
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    out = b""
+    try:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            out += data
+    finally:
+        os.close(master)
+        assert p.wait(60) == 0, out
+    # one prefix, each update redrawn over the last (cleared to the end of the line), then the line ends
+    assert out == (b"\r[rank0] step 1/3\x1b[K\r[rank0] step 2/3\x1b[K\r[rank0] step 3/3\x1b[K\r\n"), out
