@@ -10,6 +10,7 @@ examples/cluster.ipynb executed in a real kernel (nbclient)."""
 import gc
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -497,6 +498,17 @@ def bar(comm):
     sys.stderr.write("\n")
 _ = tpcore.spawn(bar, 2)
 """,
+    # rough edge 1 under the launcher started from a notebook (its output reaches the cell through the
+    # kernel's captured file descriptors)
+    r"""
+import subprocess, sys, tempfile, os
+with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "job.py")
+    with open(path, "w") as f:
+        f.write("import sys\nfor i in range(3):\n    sys.stderr.write(f'\\rlaunched {i + 1}/3')\n"
+                "    sys.stderr.flush()\nsys.stderr.write('\\n')\n")
+    print("LAUNCHER rc", subprocess.run([sys.executable, "-m", "tpcore.launch", "-n", "2", path]).returncode)
+""",
 ]
 
 
@@ -530,12 +542,17 @@ def test_example_notebook_runs_headless():
                  nbformat.v4.new_code_cell(AFTER_INTERRUPT)]
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "python"), env_path) if p)
+    # ipykernel does not relay its file descriptors' output to the cells under pytest (it looks for
+    # this variable); the launcher's output reaches a real notebook that way
+    current = os.environ.pop("PYTEST_CURRENT_TEST", None)
     try:
         nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", interrupt_on_timeout=True,
                                 timeout_func=lambda cell: 2 if "interrupt" in cell.metadata.get("tags", ()) else 120,
                                 ).execute()
     finally:
         os.environ["PYTHONPATH"] = env_path
+        if current is not None:
+            os.environ["PYTEST_CURRENT_TEST"] = current
     outs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     stdout = "".join(o.get("text", "") for o in outs if o.get("name") == "stdout")
     stderr = "".join(o.get("text", "") for o in outs if o.get("name") == "stderr")
@@ -556,6 +573,10 @@ def test_example_notebook_runs_headless():
             [f"[rank{r}] step {i}/3" for i in (1, 2, 3)], stdout
         assert [ln for ln in stderr.split("\n") if ln.startswith(f"[rank{r}] load")] == \
             [f"[rank{r}] load {i}/3" for i in (1, 2, 3)], stderr
+    assert "LAUNCHER rc 0" in stdout, stdout
+    for r in range(2):
+        got = [ln for ln in stderr.split("\n") if "launched" in ln and ln.startswith(f"[rank{r}]")]
+        assert [re.sub(r"^\[rank\d\]:? ", "", ln) for ln in got] == [f"launched {i}/3" for i in (1, 2, 3)], stderr
     assert "\r" not in stdout and "\r" not in stderr
     assert results[-1] == "<tpcore.Cluster of 2 ranks, closed>"
     assert [e["ename"] for e in errors] == ["ValueError", "KeyboardInterrupt"], errors
