@@ -81,6 +81,8 @@ def _source_of(fn):
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
+    if os.path.exists(code.co_filename):  # a file: the rank reads it itself
+        return code.co_filename, []
     try:
         return code.co_filename, linecache.getlines(code.co_filename)
     except Exception:  # noqa: BLE001
