@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import codecs
+import importlib
 import inspect
 import linecache
 import multiprocessing as mp
@@ -426,6 +427,11 @@ class Cluster:
         from ._args import real_arg
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"Cluster: n must be an int >= 1, got {n!r}")
+        try:  # a dependency of tpcore: said clearly if it is missing
+            importlib.import_module("cloudpickle")
+        except ImportError:
+            raise ImportError("Cluster: sending functions to the ranks needs cloudpickle: "
+                              "pip install cloudpickle") from None
         if backend not in _BACKENDS:
             raise ValueError(f"Cluster: backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}")
         if timeout is not None:
