@@ -40,6 +40,7 @@ from .checkpoint import CheckpointError, load, save
 from .transformer import Config, ParallelAttention, TransformerBlock
 from . import models
 from .spawn import RankExitedError, spawn
+from .cluster import Cluster
 from .grid import ProcessGrid, average_gradients
 from .pipeline import PipelineLM, stage_partition
 from .serve import Engine
@@ -60,6 +61,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "save", "load", "Config", "TransformerBlock", "ParallelAttention", "models",
            "DeviceArray", "asarray", "from_dlpack", "convert", "ProcessGrid", "average_gradients", "PipelineLM", "stage_partition",
            "Store", "Engine", "__version__"]
+__all__ += ["Cluster"]
 __all__ += ["set_throttle", "get_throttle", "plan_partition", "plan_from_measurements", "Plan", "PlanError"]
 
 _BACKENDS = ("auto", "shm", "nccl", "mpi")

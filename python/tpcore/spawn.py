@@ -17,6 +17,7 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import pickletools
 import secrets
 import signal
 import sys
@@ -75,24 +76,48 @@ class _RelayStream(io.TextIOBase):
             self._buf = ""
 
 
-def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_pid, relay):
+def _rank_setup(rank, world, job, parent_pid, relay, send):
+    """What a rank process does first (tpcore.spawn's ranks and tpcore.Cluster's): die with
+    the parent, relay sys.stdout / sys.stderr to it (send), and the job's environment."""
     _cleanup.die_with_parent()
     try:  # the parent may have died before PR_SET_PDEATHSIG took effect
         os.kill(parent_pid, 0)
     except ProcessLookupError:
         os._exit(1)
-    lock = threading.Lock()
-
-    def send(msg):
-        with lock:
-            conn.send(msg)
-
     if relay:
         sys.stdout = _RelayStream(send, rank, "stdout")
         sys.stderr = _RelayStream(send, rank, "stderr")
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "TPCORE_JOB_ID": job,
                        "TPCORE_JOB_RANDOM": "1"})
+
+
+def _flush_relay(relay):
+    if relay:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _error_message(e, rank, dumps=pickle.dumps):
+    """The ("err", ...) message of exception e (being handled) for the parent's _rebuild:
+    the exception pickled when it round-trips, its type name, text and this rank's traceback."""
+    tb = traceback.format_exc()
+    try:
+        blob = dumps(e)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001
+        blob = None
+    return ("err", rank, blob, type(e).__name__, str(e), tb)
+
+
+def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_pid, relay):
+    lock = threading.Lock()
+
+    def send(msg):
+        with lock:
+            conn.send(msg)
+
+    _rank_setup(rank, world, job, parent_pid, relay, send)
     from . import init  # late: the child may be a fresh interpreter
 
     comm = None
@@ -100,9 +125,7 @@ def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_p
     try:
         comm = init(backend=backend, timeout=timeout)
         result = fn(comm, *args, **(kwargs or {}))
-        if relay:
-            sys.stdout.flush()
-            sys.stderr.flush()
+        _flush_relay(relay)
         try:
             payload = pickle.dumps(result)
         except Exception as e:  # noqa: BLE001
@@ -110,17 +133,9 @@ def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_p
         send(("ok", rank, payload))
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
         code = 1
-        tb = traceback.format_exc()
         try:
-            if relay:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            try:
-                blob = pickle.dumps(e)
-                pickle.loads(blob)
-            except Exception:  # noqa: BLE001
-                blob = None
-            send(("err", rank, blob, type(e).__name__, str(e), tb))
+            _flush_relay(relay)
+            send(_error_message(e, rank))
         except Exception:  # noqa: BLE001 - parent gone: nothing else to do
             pass
         if comm is not None and not comm.closed:
@@ -181,6 +196,43 @@ def _plain_str(exc: BaseException, msg: str) -> BaseException:
     return out
 
 
+class _Outputs:
+    """The parent's side of the ranks' relayed output ("out" messages): a LineRelay with the
+    rank prefix per (rank, stream), to this process's sys.stdout / sys.stderr of the moment."""
+
+    def __init__(self):
+        self.console = Console()
+        self.relays: dict = {}  # (rank, "stdout" | "stderr") -> LineRelay
+
+    def feed(self, msg):
+        r = msg[1]
+        key = (r, "stdout" if msg[2] == "stdout" else "stderr")
+        if key not in self.relays:
+            self.relays[key] = self.console.relay(
+                (lambda: sys.stdout) if key[1] == "stdout" else (lambda: sys.stderr), f"[rank{r}] ")
+        self.relays[key].feed(msg[3])
+
+    def close(self):
+        """Write the ranks' unfinished last lines."""
+        for relay in self.relays.values():
+            try:
+                relay.close()
+            except Exception:  # noqa: BLE001 - a closed stream must not hide the result
+                pass
+        self.relays.clear()
+
+
+def _exit_error(r, p) -> RankExitedError:
+    """RankExitedError for rank r, whose process p ended without a word."""
+    p.join(1)
+    code = p.exitcode
+    if code is not None and code < 0:
+        how = f"was killed by signal {signal.Signals(-code).name}"
+    else:
+        how = f"exited with code {code}"
+    return RankExitedError(f"rank {r} (pid {p.pid}) {how} without returning or raising", rank=r, exitcode=code)
+
+
 def _stop(procs, grace):
     for p in procs:
         if p.is_alive():
@@ -210,6 +262,44 @@ def _default_method():
     if "fork" in methods and not _cuda_initialised():
         return "fork"
     return "spawn"
+
+
+def _check_importable(fn, method, args=(), kwargs=None):
+    """A process started with "spawn" / "forkserver" is a fresh interpreter that gets fn (and
+    its arguments) by reference (module and name) and imports it: say so here, once, when it
+    cannot (a function of a notebook or an interactive session, a lambda, a nested function),
+    rather than let every rank fail to unpickle it and exit without a result."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    main = sys.modules.get("__main__")
+    interactive = not getattr(main, "__file__", None)  # a notebook, the REPL, python -c
+    why = None
+    for what, obj in (("fn", fn), ("an argument", (tuple(args), kwargs))):
+        try:
+            blob = pickle.dumps(obj, protocol=2)  # protocol 2: each reference is one GLOBAL "module name"
+            pickle.loads(blob)
+        except Exception as e:  # noqa: BLE001
+            if what == "fn" and ("<locals>" in name or "<lambda>" in name):
+                why = f"fn {name} is a lambda or a function nested in another function"
+            elif what == "fn":
+                why = f"fn {name} cannot be pickled by reference ({type(e).__name__}: {e})"
+            else:
+                why = f"an argument of fn {name} cannot be pickled ({type(e).__name__}: {e})"
+            break
+        mains = sorted({arg.split(" ", 1)[1] for op, arg, _ in pickletools.genops(blob)
+                        if op.name == "GLOBAL" and arg.split(" ", 1)[0] == "__main__"})
+        if mains and interactive:
+            where = "defined in a notebook or an interactive session (__main__ without a file)"
+            if what == "fn" and mains == [name]:
+                why = f"fn {name} is {where}"
+            else:
+                owner = f"fn {name}" if what == "fn" else f"an argument of fn {name}"
+                why = f"{owner} uses {', '.join(mains)}, {where}"
+            break
+    if why:
+        raise TypeError(f"spawn: {why}, so a process started with start_method={method!r} cannot import "
+                        f"it; define fn at the top level of a module (a .py file the notebook imports), "
+                        f"use the default start method (fork), or use tpcore.Cluster, which sends "
+                        f"functions by value")
 
 
 def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
@@ -284,13 +374,15 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
     if isinstance(args, (str, bytes)) or not hasattr(args, "__iter__") or not (kwargs is None or isinstance(kwargs, dict)):
         raise TypeError(f"spawn: args must be a tuple (or list) and kwargs a dict or None, got {shown(args)} and "
                         f"{shown(kwargs)}")
-    ctx = mp.get_context(start_method or _default_method())
+    method = start_method or _default_method()
+    ctx = mp.get_context(method)
+    if method != "fork":
+        _check_importable(fn, method, args, kwargs)
     job = "sp" + secrets.token_hex(8)
     procs, conns = [], []
     results: dict = {}
     errors: list = []  # (time, rank, exception)
-    console = Console()
-    relays: dict = {}  # (rank, "stdout" | "stderr") -> LineRelay
+    outputs = _Outputs()
     t0 = time.monotonic()
     try:
         for r in range(world_size):
@@ -330,11 +422,7 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
                     del open_conns[obj]
                     continue
                 if msg[0] == "out":
-                    key = (r, "stdout" if msg[2] == "stdout" else "stderr")
-                    if key not in relays:
-                        relays[key] = console.relay(
-                            (lambda: sys.stdout) if key[1] == "stdout" else (lambda: sys.stderr), f"[rank{r}] ")
-                    relays[key].feed(msg[3])
+                    outputs.feed(msg)
                 elif msg[0] == "ok":
                     results[r] = pickle.loads(msg[2])
                 elif msg[0] == "err":
@@ -344,15 +432,7 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
             for r, t_exit in exited.items():
                 if decided(r) or (conns[r] in open_conns and time.monotonic() - t_exit < 1.0):
                     continue
-                p = procs[r]
-                p.join(1)
-                code = p.exitcode
-                if code is not None and code < 0:
-                    how = f"was killed by signal {signal.Signals(-code).name}"
-                else:
-                    how = f"exited with code {code}"
-                errors.append((time.monotonic(), r, RankExitedError(
-                    f"rank {r} (pid {p.pid}) {how} without returning or raising", rank=r, exitcode=code)))
+                errors.append((time.monotonic(), r, _exit_error(r, procs[r])))
                 first_error_at = first_error_at or time.monotonic()
         if errors:
             raise _pick_error(errors)
@@ -361,11 +441,7 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
             raise RankExitedError(f"ranks {missing} ended without a result")
         return [results[r] for r in range(world_size)]
     finally:
-        for relay in relays.values():  # a rank's unfinished last line
-            try:
-                relay.close()
-            except Exception:  # noqa: BLE001 - a closed stream must not hide the result
-                pass
+        outputs.close()
         _stop(procs, grace)
         for c in conns:
             try:
