@@ -54,7 +54,6 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess by the
                       "it") from _e
 
 import contextlib
-import math
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -63,7 +62,7 @@ import numpy as np
 from . import layers as _layers
 from . import transformer as _transformer
 from . import vocab as _vocab
-from ._array import DeviceArray, resolve_device
+from ._array import DeviceArray
 from .comm import Comm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "VocabParallelEmbedding",
