@@ -727,3 +727,68 @@ def test_import_tpcore_does_not_import_torch_and_missing_torch_is_explained():
     assert out.returncode == 0, out.stderr
     assert "tpcore.torch needs PyTorch, an optional dependency" in out.stdout
     assert "pip install 'torch>=2.1'" in out.stdout
+
+
+def _bf16_params_case(comm):
+    r = comm.rank
+    g = gen(8000)
+    m = tt.ColumnParallelLinear(IN, OUT, comm, dtype="bfloat16", seed=2)
+    mlp = tt.ParallelMLP(H, FFN, comm, activation="gelu_tanh", dtype="bfloat16", seed=3)
+    assert m.weight.dtype == torch.bfloat16 and m.bias.dtype == torch.float32  # 16-bit weights, float32 biases
+    assert m.weight.data_ptr() == m.layer.weight.ctypes.data
+    sd = m.state_dict()
+    assert sd["weight"].dtype == torch.bfloat16
+    W, b = sd["weight"].double(), sd["bias"].double()
+    off, loc = m.partition[r]
+    x, dy = randn(g, 4, IN).requires_grad_(), randn(g, 4, loc)
+    y = m(x)
+    want = x.detach().double() @ W.T + b
+    close(y, want[:, off:off + loc], "bf16-weight y", 1e-5)  # float32 arithmetic on the bf16 weights
+    y.backward(dy)
+    dy_full = torch.from_numpy(comm.all_gather(dy.numpy(), axis=1, sizes=[s for _, s in m.partition]))
+    assert m.weight.grad.dtype == torch.bfloat16  # as a bf16 nn.Linear's
+    close(m.weight.grad, (dy.double().T @ x.detach().double()), "bf16-weight dW", 1e-2)
+    close(x.grad, dy_full.double() @ W, "bf16-weight dx", 1e-5)
+    torch.optim.SGD(m.parameters(), lr=0.5).step()  # a bf16 step lands in the C weight
+    assert m.weight.data_ptr() == m.layer.weight.ctypes.data
+    after = m.state_dict()["weight"]
+    assert not torch.equal(after, sd["weight"])
+    close(after, sd["weight"].double() - 0.5 * _gather_rows(comm, m.weight.grad, m.partition), "bf16 step", 1e-2)
+    # full state dicts of 16-bit weights round trip bit for bit
+    mlp2 = tt.ParallelMLP(H, FFN, comm, activation="gelu_tanh", dtype="bfloat16", seed=9)
+    msd = mlp.state_dict()
+    mlp2.load_state_dict(msd)
+    assert all(torch.equal(v, msd[k]) for k, v in mlp2.state_dict().items())
+    xm = randn(g, 2, H)
+    with torch.no_grad():
+        assert torch.equal(mlp(xm), mlp2(xm))
+    return True
+
+
+def _gather_rows(comm, t, part):
+    return torch.from_numpy(comm.all_gather(t.float().numpy(), sizes=[s for _, s in part])).double()
+
+
+def test_bfloat16_parameters():
+    pytest.importorskip("ml_dtypes")  # tpcore's NumPy views of 16-bit weights
+    assert run(_bf16_params_case, 2) == [True, True]
+
+
+def test_readme_training_loop_runs(tmp_path):
+    """The README's tpcore.torch example, run as it is (fewer steps, the checkpoint in tmp_path)."""
+    import os
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    i = readme.index("## PyTorch modules: tpcore.torch")
+    j = readme.index("```python\n", i) + len("```python\n")
+    code = readme[j:readme.index("```", j)]
+    assert "tpcore.spawn(train, 2)" in code and "range(10)" in code
+    code = code.replace("range(10)", "range(2)").replace('"tiny.pt"', repr(str(tmp_path / "tiny.pt")))
+    code = code.replace("tpcore.spawn(train, 2)", "tpcore.spawn(train, 2, deadline=120)")
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(tpcore.__file__), ".."),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sd = torch.load(tmp_path / "tiny.pt")
+    assert sd["head.weight"].shape == (1000, 64) and sd["emb.weight"].shape == (1000, 64)
