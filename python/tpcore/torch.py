@@ -54,7 +54,6 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess by the
                       "it") from _e
 
 import contextlib
-import weakref
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -689,24 +688,17 @@ class VocabParallelCrossEntropy(_TPModule):
         return f"ignore_index={self.layer.ignore_index}, reduction={self.reduction!r}"
 
 
-_XENTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, comm: Comm,
                                  vocab_offset: Optional[int] = None, reduction: str = "mean",
                                  ignore_index: int = -100) -> torch.Tensor:
-    """The functional form of VocabParallelCrossEntropy (differentiable).  One C object per
-    (comm, ignore_index, reduction, device) is kept for reuse while comm lives."""
+    """The functional form of VocabParallelCrossEntropy (differentiable): a module made for the
+    call (a small C object, kept by the autograd graph until its backward)."""
     _comm_arg(comm, "tpcore.torch.vocab_parallel_cross_entropy")
     if not isinstance(logits_shard, torch.Tensor):
         raise TypeError(f"tpcore.torch.vocab_parallel_cross_entropy: logits_shard must be a torch.Tensor, got "
                         f"{type(logits_shard).__name__}")
     dev = None if logits_shard.device.type == "cpu" else _dev_text(logits_shard)
-    per = _XENTS.setdefault(comm, {})
-    key = (int(ignore_index) if isinstance(ignore_index, int) else ignore_index, reduction, dev)
-    mod = per.get(key)
-    if mod is None:
-        mod = per[key] = VocabParallelCrossEntropy(comm, ignore_index=ignore_index, reduction=reduction, device=dev)
+    mod = VocabParallelCrossEntropy(comm, ignore_index=ignore_index, reduction=reduction, device=dev)
     return mod(logits_shard, targets, vocab_offset)
 
 
