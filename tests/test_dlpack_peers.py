@@ -87,7 +87,8 @@ def _bf16_layers_case(comm):
     lin.zero_grad()
     dx = torch.from_dlpack(lin.backward(dy))
     want = dy.double() @ torch.from_numpy(W).double()
-    assert dx.dtype == torch.bfloat16 and (dx.double() - want).abs().max().item() <= 1e-2 * (1 + want.abs().max().item())
+    assert dx.dtype == torch.bfloat16
+    assert (dx.double() - want).abs().max().item() <= 1e-2 * (1 + want.abs().max().item())
     off, loc = lin.partition[comm.rank]
     np.testing.assert_allclose(lin.grad_weight, (dy.double().T @ x.double())[off:off + loc].numpy(), rtol=1e-5,
                                atol=1e-5)

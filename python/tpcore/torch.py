@@ -54,7 +54,7 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess by the
                       "it") from _e
 
 import contextlib
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, cast
 
 import numpy as np
 
@@ -73,12 +73,12 @@ _SHARD_FORMAT = 1
 
 
 # ------------------------------------------------------------------ tensor crossing
-def _dev_text(t) -> str:
+def _dev_text(t: torch.Tensor) -> str:
     d = t.device
     return f"{d.type}:{0 if d.index is None else d.index}"
 
 
-def _check_tensor(x, name: str, who: str, device: Tuple[str, int]):
+def _check_tensor(x: Any, name: str, who: str, device: Tuple[str, int]) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(x).__name__}")
     have = ("cpu", 0) if x.device.type == "cpu" else (x.device.type, 0 if x.device.index is None else x.device.index)
@@ -89,7 +89,7 @@ def _check_tensor(x, name: str, who: str, device: Tuple[str, int]):
                         f"'{_dev_text(x)}'")
 
 
-def _float_input(x, name: str, who: str, device):
+def _float_input(x: Any, name: str, who: str, device: Tuple[str, int]) -> Tuple[torch.Tensor, Optional[torch.dtype]]:
     """x as float32 contiguous (the dtype to give the result back in, None for float32)."""
     _check_tensor(x, name, who, device)
     if x.dtype == torch.float32:
@@ -100,28 +100,28 @@ def _float_input(x, name: str, who: str, device):
                     f"computed in float32 and given back in their dtype)")
 
 
-def _host(t):
+def _host(t: torch.Tensor) -> Any:
     """What the tpcore layer takes for tensor t: a NumPy view of a CPU tensor (no copy), the
     tensor itself on a GPU (the layer imports it through DLPack)."""
     return t.detach().numpy() if t.device.type == "cpu" else t.detach()
 
 
-def _wrap(a):
+def _wrap(a: Any) -> torch.Tensor:
     """A C result as a torch tensor over the same memory: a NumPy array (torch.from_numpy) or a
     tpcore.DeviceArray (DLPack)."""
     if isinstance(a, DeviceArray):
-        return torch.from_dlpack(a)
+        return torch.utils.dlpack.from_dlpack(a)
     if a.dtype.name == "bfloat16":  # an ml_dtypes array: torch reads it as its bits
         return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
 
-def _full_tensor(a) -> torch.Tensor:
+def _full_tensor(a: Any) -> torch.Tensor:
     """A gathered full tensor (host NumPy, any float dtype) as a torch tensor."""
     return _wrap(np.ascontiguousarray(a))
 
 
-def _to_numpy(t: torch.Tensor, name: str, who: str) -> np.ndarray:
+def _to_numpy(t: Any, name: str, who: str) -> np.ndarray:
     """A tensor from a state dict as a host array load_full takes (float32 for 16-bit ones)."""
     if not isinstance(t, torch.Tensor):
         t = torch.as_tensor(t)
@@ -130,7 +130,7 @@ def _to_numpy(t: torch.Tensor, name: str, who: str) -> np.ndarray:
     t = t.detach().cpu()
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.float()
-    return t.contiguous().numpy()
+    return cast(np.ndarray, t.contiguous().numpy())
 
 
 class _Holder(torch.nn.Module):
@@ -138,11 +138,12 @@ class _Holder(torch.nn.Module):
     attn.qkv of a block), so that named_parameters() reads as in torch.  The parent saves and
     loads them: the holder itself adds nothing to a state dict and has no forward."""
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         pass
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
+                              strict: bool, missing_keys: List[str], unexpected_keys: List[str],
+                              error_msgs: List[str]) -> None:
         pass
 
 
@@ -153,15 +154,15 @@ class _Apply(torch.autograd.Function):
     routes their gradients and checks that they were not changed in place before backward."""
 
     @staticmethod
-    def forward(ctx, mod, n_in, *args):
+    def forward(ctx: Any, mod: Any, n_in: int, *args: Any) -> torch.Tensor:
         inputs, params = args[:n_in], args[n_in:]
         y = mod._c_forward(*inputs)
         ctx.mod, ctx.n_in, ctx.gen = mod, n_in, mod._tp_gen
         ctx.save_for_backward(*inputs, *params)
-        return y
+        return cast(torch.Tensor, y)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         mod = ctx.mod
         saved = ctx.saved_tensors  # torch raises here if one was modified in place since forward
         inputs, params = saved[:ctx.n_in], saved[ctx.n_in:]
@@ -187,13 +188,13 @@ class _TPModule(torch.nn.Module):
 
     _who = ""
 
-    def _tp_init(self, layer, device):
+    def _tp_init(self, layer: Any, device: Tuple[str, int]) -> None:
         self.layer = layer
         self.device_ = device
         self._tp_gen = 0
         self._tp_sharded = False
 
-    def _adopt_param(self, owner: torch.nn.Module, name: str, view) -> torch.nn.Parameter:
+    def _adopt_param(self, owner: torch.nn.Module, name: str, view: Any) -> torch.nn.Parameter:
         """An nn.Parameter over the C buffer `view` (no copy), registered as owner.name."""
         t = _wrap(view)
         p = torch.nn.Parameter(t, requires_grad=True)
@@ -205,18 +206,23 @@ class _TPModule(torch.nn.Module):
     def _tp_params(self) -> List[torch.nn.Parameter]:
         raise NotImplementedError
 
-    def _tp_grads(self) -> list:
+    def _tp_grads(self) -> List[Any]:
         raise NotImplementedError
 
-    def _run(self, *inputs):
+    def _c_forward(self, *args: Any, **kw: Any) -> torch.Tensor:
+        """The C layer's forward of the inputs (counted: _tp_gen)."""
+        raise NotImplementedError
+
+    def _run(self, *inputs: torch.Tensor) -> torch.Tensor:
         """inputs through the C layer: with autograd when a gradient is wanted, else directly."""
         params = self._tp_params()
         if torch.is_grad_enabled() and (any(t.requires_grad for t in inputs if t.is_floating_point()) or
                                         any(p.requires_grad for p in params)):
-            return _Apply.apply(self, len(inputs), *inputs, *params)
+            y = _Apply.apply(self, len(inputs), *inputs, *params)  # type: ignore[no-untyped-call]
+            return cast(torch.Tensor, y)
         return self._c_forward(*inputs, need_backward=False)
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Any, recurse: bool = True) -> "_TPModule":
         """Refuse .to(dtype/device), .half(), .cuda() ... that would replace the parameters by
         copies: they must stay views of the C layer's memory."""
         for name, p in self.named_parameters():
@@ -231,7 +237,7 @@ class _TPModule(torch.nn.Module):
     def _tp_full(self) -> Dict[str, np.ndarray]:
         raise NotImplementedError
 
-    def _tp_full_shapes(self) -> Dict[str, tuple]:
+    def _tp_full_shapes(self) -> Dict[str, Tuple[int, ...]]:
         raise NotImplementedError
 
     def _tp_load_full(self, tensors: Dict[str, np.ndarray]) -> None:
@@ -249,7 +255,7 @@ class _TPModule(torch.nn.Module):
         return torch.tensor([_SHARD_FORMAT, comm.size, comm.rank] + [int(v) for v in self._tp_layout()],
                             dtype=torch.int64)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         if self._tp_sharded:
             for k, p in self._tp_local().items():
                 destination[prefix + k] = p if keep_vars else p.detach()
@@ -258,15 +264,17 @@ class _TPModule(torch.nn.Module):
         for k, a in self._tp_full().items():  # a collective: every rank gets the full tensors
             destination[prefix + k] = _full_tensor(a)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
+                              strict: bool, missing_keys: List[str], unexpected_keys: List[str],
+                              error_msgs: List[str]) -> None:
         mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         if self._tp_sharded:
             self._load_sharded(mine, prefix, missing_keys, unexpected_keys, error_msgs)
         else:
             self._load_full_sd(mine, prefix, missing_keys, unexpected_keys, error_msgs)
 
-    def _load_full_sd(self, mine, prefix, missing_keys, unexpected_keys, error_msgs):
+    def _load_full_sd(self, mine: Dict[str, Any], prefix: str, missing_keys: List[str], unexpected_keys: List[str],
+                      error_msgs: List[str]) -> None:
         shapes = self._tp_full_shapes()
         missing = [k for k in shapes if k not in mine]
         unexpected = [k for k in mine if k not in shapes]
@@ -300,7 +308,8 @@ class _TPModule(torch.nn.Module):
         with torch.no_grad():
             self._tp_load_full(tensors)
 
-    def _load_sharded(self, mine, prefix, missing_keys, unexpected_keys, error_msgs):
+    def _load_sharded(self, mine: Dict[str, Any], prefix: str, missing_keys: List[str], unexpected_keys: List[str],
+                      error_msgs: List[str]) -> None:
         local = self._tp_local()
         want = list(local) + [_SHARD_KEY]
         missing_keys.extend(prefix + k for k in want if k not in mine)
@@ -314,9 +323,9 @@ class _TPModule(torch.nn.Module):
         have = self._tp_meta()
         meta = torch.as_tensor(meta).to(torch.int64).reshape(-1).cpu()
         if meta.numel() < 3 or not torch.equal(meta, have):
-            def show(m):
-                m = m.tolist()
-                return f"format {m[0]}, world size {m[1]}, rank {m[2]}, partition {m[3:]}" if len(m) >= 3 else str(m)
+            def show(m: torch.Tensor) -> str:
+                v = m.tolist()
+                return f"format {v[0]}, world size {v[1]}, rank {v[2]}, partition {v[3:]}" if len(v) >= 3 else str(v)
             error_msgs.append(f"{prefix}{_SHARD_KEY}: the shard was saved with {show(meta)} but {self._who} here has "
                               f"{show(have)}; a sharded state dict loads only into the same world size, rank and "
                               f"partition (use the full state_dict()/load_state_dict() to reshard)")
@@ -335,13 +344,13 @@ class _TPModule(torch.nn.Module):
     # ---- facts about the split
     @property
     def comm(self) -> Comm:
-        return self.layer.comm
+        return cast(Comm, self.layer.comm)
 
     def extra_repr(self) -> str:
         return repr(self.layer)
 
 
-def _comm_arg(comm, who):
+def _comm_arg(comm: Any, who: str) -> None:
     if not isinstance(comm, Comm):
         raise TypeError(f"{who}: comm must be a tpcore.Comm, got {type(comm).__name__}")
 
@@ -350,7 +359,7 @@ def _comm_arg(comm, who):
 class _Linear(_TPModule):
     _tp_cls = None
 
-    def _make(self, layer, device):
+    def _make(self, layer: Any, device: Tuple[str, int]) -> None:
         self._tp_init(layer, device)
         self.weight = self._adopt_param(self, "weight", layer.weight)
         if layer.bias is not None:
@@ -358,10 +367,10 @@ class _Linear(_TPModule):
         else:
             self.register_parameter("bias", None)
 
-    def _tp_params(self):
+    def _tp_params(self) -> List[torch.nn.Parameter]:
         return [self.weight] + ([] if self.bias is None else [self.bias])
 
-    def _tp_grads(self):
+    def _tp_grads(self) -> List[Any]:
         return [self.layer.grad_weight] + ([] if self.bias is None else [self.layer.grad_bias])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -371,35 +380,35 @@ class _Linear(_TPModule):
         y = self._run(x32)
         return y if dt is None else y.to(dt)
 
-    def _c_forward(self, x, need_backward=True):
+    def _c_forward(self, x: torch.Tensor, need_backward: bool = True) -> torch.Tensor:
         self._tp_gen += 1
         return _wrap(self.layer.forward(_host(x)))
 
-    def _c_backward(self, dy):
+    def _c_backward(self, dy: torch.Tensor) -> Optional[torch.Tensor]:
         d, _ = _float_input(dy, "dy", f"{self._who} backward", self.device_)
         return _wrap(self.layer.backward(_host(d)))
 
-    def _tp_full(self):
+    def _tp_full(self) -> Dict[str, np.ndarray]:
         W, b = self.layer.gather_full()
         return {"weight": W} if b is None else {"weight": W, "bias": b}
 
-    def _tp_full_shapes(self):
+    def _tp_full_shapes(self) -> Dict[str, Tuple[int, ...]]:
         rows = (2 if self.layer.gated else 1) * self.layer.out_features
-        s = {"weight": (rows, self.layer.in_features)}
+        s: Dict[str, Tuple[int, ...]] = {"weight": (rows, self.layer.in_features)}
         if self.bias is not None:
             s["bias"] = (rows,) if isinstance(self, ColumnParallelLinear) else (self.layer.out_features,)
         return s
 
-    def _tp_load_full(self, t):
+    def _tp_load_full(self, t: Dict[str, np.ndarray]) -> None:
         self.layer.load_full(t["weight"], t.get("bias"))
 
-    def _tp_layout(self):
+    def _tp_layout(self) -> List[int]:
         return [s for _, s in self.layer.partition]
 
     @property
-    def partition(self):
+    def partition(self) -> List[Tuple[int, int]]:
         """Each rank's (offset, size) of the split dimension."""
-        return self.layer.partition
+        return cast(List[Tuple[int, int]], self.layer.partition)
 
 
 class ColumnParallelLinear(_Linear):
@@ -422,13 +431,13 @@ class ColumnParallelLinear(_Linear):
     _who = "tpcore.torch.ColumnParallelLinear"
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True,
-                 gather_output: bool = False, partition=None, dtype="float32", seed: int = 0, gated: bool = False,
-                 device=None, plan=None):
+                 gather_output: bool = False, partition: Any = None, dtype: Any = "float32", seed: int = 0,
+                 gated: bool = False, device: Optional[str] = None, plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
-        layer = _layers.ColumnParallelLinear(in_features, out_features, comm, bias=bias, gather_output=gather_output,
-                                             partition=partition, dtype=dtype, seed=seed, gated=gated, device=device,
-                                             plan=plan)
+        make: Any = _layers.ColumnParallelLinear
+        layer = make(in_features, out_features, comm, bias=bias, gather_output=gather_output, partition=partition,
+                     dtype=dtype, seed=seed, gated=gated, device=device, plan=plan)
         self._make(layer, layer.device)
 
 
@@ -451,13 +460,13 @@ class RowParallelLinear(_Linear):
     _who = "tpcore.torch.RowParallelLinear"
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True,
-                 input_is_parallel: bool = True, partition=None, dtype="float32", seed: int = 0, device=None,
-                 plan=None):
+                 input_is_parallel: bool = True, partition: Any = None, dtype: Any = "float32", seed: int = 0,
+                 device: Optional[str] = None, plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
-        layer = _layers.RowParallelLinear(in_features, out_features, comm, bias=bias,
-                                          input_is_parallel=input_is_parallel, partition=partition, dtype=dtype,
-                                          seed=seed, device=device, plan=plan)
+        make: Any = _layers.RowParallelLinear
+        layer = make(in_features, out_features, comm, bias=bias, input_is_parallel=input_is_parallel,
+                     partition=partition, dtype=dtype, seed=seed, device=device, plan=plan)
         self._make(layer, layer.device)
 
 
@@ -482,7 +491,8 @@ class ParallelMLP(_TPModule):
     _who = "tpcore.torch.ParallelMLP"
 
     def __init__(self, hidden: int, ffn_hidden: int, comm: Comm, activation: str = "gelu", bias: bool = True,
-                 partition=None, dtype="float32", seed: int = 0, device=None, plan=None):
+                 partition: Any = None, dtype: Any = "float32", seed: int = 0, device: Optional[str] = None,
+                 plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
         layer = _layers.ParallelMLP(hidden, ffn_hidden, comm, activation=activation, bias=bias, partition=partition,
@@ -495,10 +505,10 @@ class ParallelMLP(_TPModule):
             if lin.bias is not None:
                 self._order.append((self._adopt_param(holder, "bias", lin.bias), lin, "grad_bias"))
 
-    def _tp_params(self):
+    def _tp_params(self) -> List[torch.nn.Parameter]:
         return [p for p, _, _ in self._order]
 
-    def _tp_grads(self):
+    def _tp_grads(self) -> List[Any]:
         return [getattr(lin, g) for _, lin, g in self._order]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -510,7 +520,7 @@ class ParallelMLP(_TPModule):
     _c_forward = _Linear._c_forward
     _c_backward = _Linear._c_backward
 
-    def _tp_full(self):
+    def _tp_full(self) -> Dict[str, np.ndarray]:
         out = {}
         for name, lin in (("fc1", self.layer.fc1), ("fc2", self.layer.fc2)):
             W, b = lin.gather_full()
@@ -519,19 +529,19 @@ class ParallelMLP(_TPModule):
                 out[f"{name}.bias"] = b
         return out
 
-    def _tp_full_shapes(self):
+    def _tp_full_shapes(self) -> Dict[str, Tuple[int, ...]]:
         H, F = self.layer.hidden, self.layer.fc1.out_features
         g = 2 if self.layer.activation == "swiglu" else 1
-        s = {"fc1.weight": (g * F, H), "fc2.weight": (H, F)}
+        s: Dict[str, Tuple[int, ...]] = {"fc1.weight": (g * F, H), "fc2.weight": (H, F)}
         if self.layer.fc1.bias is not None:
             s.update({"fc1.bias": (g * F,), "fc2.bias": (H,)})
         return {k: s[k] for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias") if k in s}
 
-    def _tp_load_full(self, t):
+    def _tp_load_full(self, t: Dict[str, np.ndarray]) -> None:
         self.layer.fc1.load_full(t["fc1.weight"], t.get("fc1.bias"))
         self.layer.fc2.load_full(t["fc2.weight"], t.get("fc2.bias"))
 
-    def _tp_layout(self):
+    def _tp_layout(self) -> List[int]:
         return [s for _, s in self.layer.fc1.partition]
 
 
@@ -553,8 +563,8 @@ class VocabParallelEmbedding(_TPModule):
 
     _who = "tpcore.torch.VocabParallelEmbedding"
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, partition=None, seed: int = 0,
-                 dtype="float32", device=None, plan=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, partition: Any = None, seed: int = 0,
+                 dtype: Any = "float32", device: Optional[str] = None, plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
         layer = _vocab.VocabParallelEmbedding(num_embeddings, embedding_dim, comm, partition=partition, seed=seed,
@@ -562,10 +572,10 @@ class VocabParallelEmbedding(_TPModule):
         self._tp_init(layer, layer.device)
         self.weight = self._adopt_param(self, "weight", layer.weight)
 
-    def _tp_params(self):
+    def _tp_params(self) -> List[torch.nn.Parameter]:
         return [self.weight]
 
-    def _tp_grads(self):
+    def _tp_grads(self) -> List[Any]:
         return [self.layer.grad_weight]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -574,42 +584,43 @@ class VocabParallelEmbedding(_TPModule):
             raise TypeError(f"{self._who}: tokens must be an integer tensor, got {tokens.dtype}")
         return self._run(tokens.to(torch.int64).contiguous())
 
-    def _c_forward(self, tokens, need_backward=True):
+    def _c_forward(self, tokens: torch.Tensor, need_backward: bool = True) -> torch.Tensor:
         self._tp_gen += 1
         return _wrap(self.layer.forward(_host(tokens)))
 
-    def _c_backward(self, dy):
+    def _c_backward(self, dy: torch.Tensor) -> Optional[torch.Tensor]:
         d, _ = _float_input(dy, "dy", f"{self._who} backward", self.device_)
         self.layer.backward(_host(d))
         return None
 
-    def _tp_full(self):
+    def _tp_full(self) -> Dict[str, np.ndarray]:
         return {"weight": self.layer.gather_full()}
 
-    def _tp_full_shapes(self):
+    def _tp_full_shapes(self) -> Dict[str, Tuple[int, ...]]:
         return {"weight": (self.layer.num_embeddings, self.layer.embedding_dim)}
 
-    def _tp_load_full(self, t):
+    def _tp_load_full(self, t: Dict[str, np.ndarray]) -> None:
         self.layer.load_full(t["weight"])
 
-    def _tp_layout(self):
+    def _tp_layout(self) -> List[int]:
         return [s for _, s in self.layer.partition]
 
     @property
-    def partition(self):
-        return self.layer.partition
+    def partition(self) -> List[Tuple[int, int]]:
+        return cast(List[Tuple[int, int]], self.layer.partition)
 
 
 class _XentApply(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, mod, logits, targets, vocab_offset):
+    def forward(ctx: Any, mod: Any, logits: torch.Tensor, targets: torch.Tensor,
+                vocab_offset: Optional[int]) -> torch.Tensor:
         loss = mod._c_forward(logits, targets, vocab_offset)
         ctx.mod, ctx.gen, ctx.vocab_offset = mod, mod._tp_gen, vocab_offset
         ctx.save_for_backward(logits, targets)
-        return loss
+        return cast(torch.Tensor, loss)
 
     @staticmethod
-    def backward(ctx, dloss):
+    def backward(ctx: Any, dloss: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         mod = ctx.mod
         logits, targets = ctx.saved_tensors
         if mod._tp_gen != ctx.gen:
@@ -646,7 +657,8 @@ class VocabParallelCrossEntropy(_TPModule):
 
     _who = "tpcore.torch.VocabParallelCrossEntropy"
 
-    def __init__(self, comm: Comm, ignore_index: int = -100, reduction: str = "mean", device=None):
+    def __init__(self, comm: Comm, ignore_index: int = -100, reduction: str = "mean",
+                 device: Optional[str] = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
         if reduction not in ("mean", "sum", "none"):
@@ -655,10 +667,11 @@ class VocabParallelCrossEntropy(_TPModule):
         layer = _vocab.VocabParallelCrossEntropy(comm, ignore_index=ignore_index, device=device)
         self._tp_init(layer, layer.device)
 
-    def _tp_params(self):
+    def _tp_params(self) -> List[torch.nn.Parameter]:
         return []
 
-    def forward(self, logits_shard: torch.Tensor, targets: torch.Tensor, vocab_offset: Optional[int] = None):
+    def forward(self, logits_shard: torch.Tensor, targets: torch.Tensor,
+                vocab_offset: Optional[int] = None) -> torch.Tensor:
         _check_tensor(logits_shard, "logits_shard", self._who, self.device_)
         _check_tensor(targets, "targets", self._who, self.device_)
         if logits_shard.dtype != torch.float32:
@@ -667,21 +680,23 @@ class VocabParallelCrossEntropy(_TPModule):
             raise TypeError(f"{self._who}: targets must be an integer tensor, got {targets.dtype}")
         logits, t = logits_shard.contiguous(), targets.to(torch.int64).contiguous()
         if torch.is_grad_enabled() and logits.requires_grad:
-            return _XentApply.apply(self, logits, t, vocab_offset)
+            return cast(torch.Tensor, _XentApply.apply(self, logits, t, vocab_offset))  # type: ignore[no-untyped-call]
         return self._c_forward(logits, t, vocab_offset)
 
-    def _c_forward(self, logits, targets, vocab_offset):
+    def _c_forward(self, logits: torch.Tensor, targets: torch.Tensor,
+                   vocab_offset: Optional[int]) -> torch.Tensor:
         self._tp_gen += 1
         loss = self.layer.forward(_host(logits), _host(targets), vocab_offset, self.reduction)
         if self.reduction == "none":
             return _wrap(loss)
         return torch.tensor(loss, dtype=torch.float32, device=logits.device)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         pass  # no parameters
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Dict[str, Any],
+                              strict: bool, missing_keys: List[str], unexpected_keys: List[str],
+                              error_msgs: List[str]) -> None:
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix))
 
     def extra_repr(self) -> str:
@@ -699,7 +714,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
                         f"{type(logits_shard).__name__}")
     dev = None if logits_shard.device.type == "cpu" else _dev_text(logits_shard)
     mod = VocabParallelCrossEntropy(comm, ignore_index=ignore_index, reduction=reduction, device=dev)
-    return mod(logits_shard, targets, vocab_offset)
+    return cast(torch.Tensor, mod(logits_shard, targets, vocab_offset))
 
 
 # ------------------------------------------------------------------ the Transformer block
@@ -723,8 +738,9 @@ class TransformerBlock(_TPModule):
 
     _who = "tpcore.torch.TransformerBlock"
 
-    def __init__(self, config, comm: Comm, seed: int = 0, head_partition=None, ffn_partition=None, device=None,
-                 dtype="float32", plan=None):
+    def __init__(self, config: "_transformer.Config", comm: Comm, seed: int = 0, head_partition: Any = None,
+                 ffn_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
+                 plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
         layer = _transformer.TransformerBlock(config, comm, seed=seed, head_partition=head_partition,
@@ -733,20 +749,20 @@ class TransformerBlock(_TPModule):
         self._order = []
         for name, (view, grad) in layer.named_parameters().items():
             *path, leaf = name.split(".")
-            owner = self
+            owner: torch.nn.Module = self
             for part in path:
                 if part not in owner._modules:
                     owner.add_module(part, _Holder())
-                owner = owner._modules[part]
+                owner = cast(torch.nn.Module, owner._modules[part])
             self._order.append((name, self._adopt_param(owner, leaf, view), grad))
 
-    def _tp_params(self):
+    def _tp_params(self) -> List[torch.nn.Parameter]:
         return [p for _, p, _ in self._order]
 
-    def _tp_grads(self):
+    def _tp_grads(self) -> List[Any]:
         return [g for _, _, g in self._order]
 
-    def _tp_local(self):
+    def _tp_local(self) -> Dict[str, torch.nn.Parameter]:
         return {name: p for name, p, _ in self._order}
 
     def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -760,32 +776,33 @@ class TransformerBlock(_TPModule):
             y = self._run(x32, key_mask.detach().cpu().contiguous())
         return y if dt is None else y.to(dt)
 
-    def _c_forward(self, x, key_mask=None, need_backward=True):
+    def _c_forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor] = None,
+                   need_backward: bool = True) -> torch.Tensor:
         self._tp_gen += 1
         m = None if key_mask is None else key_mask.numpy()
         return _wrap(self.layer.forward(_host(x), key_mask=m, need_backward=need_backward))
 
-    def _c_backward(self, dy):
+    def _c_backward(self, dy: torch.Tensor) -> Optional[torch.Tensor]:
         d, _ = _float_input(dy, "dy", f"{self._who} backward", self.device_)
         return _wrap(self.layer.backward(_host(d)))
 
-    def _tp_full(self):
-        return self.layer.gather_full()
+    def _tp_full(self) -> Dict[str, np.ndarray]:
+        return cast(Dict[str, np.ndarray], self.layer.gather_full())
 
-    def _tp_full_shapes(self):
-        return self.layer.full_shapes()
+    def _tp_full_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return cast(Dict[str, Tuple[int, ...]], self.layer.full_shapes())
 
-    def _tp_load_full(self, t):
+    def _tp_load_full(self, t: Dict[str, np.ndarray]) -> None:
         self.layer.load_full(t)
 
-    def _tp_layout(self):
+    def _tp_layout(self) -> List[int]:
         L = self.layer
         return [s for _, s in L.head_partition] + [s for _, s in L.ffn_partition] + [L.k0, L.nk]
 
 
 # ------------------------------------------------------------------ sharded state dicts
 @contextlib.contextmanager
-def _sharded(module: torch.nn.Module):
+def _sharded(module: torch.nn.Module) -> Iterator[None]:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"tpcore.torch: module must be a torch.nn.Module, got {type(module).__name__}")
     mods = [m for m in module.modules() if isinstance(m, _TPModule)]
@@ -806,7 +823,7 @@ def sharded_state_dict(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
         return module.state_dict()
 
 
-def load_sharded_state_dict(module: torch.nn.Module, state_dict, strict: bool = True):
+def load_sharded_state_dict(module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
     """Load what sharded_state_dict gave, on the same rank of a module with the same world size
     and partitions (a RuntimeError naming both layouts otherwise).  Returns load_state_dict's
     (missing_keys, unexpected_keys)."""
