@@ -425,6 +425,20 @@ def _replay_case(comm):
     eb.backward(d2)
     F.embedding(t2, t64).backward(d2.double())
     close(emb.weight.grad, t64.grad[eo:eo + el], "embedding accumulated dW")
+
+    # one module applied twice in a graph (shared weights): mlp(mlp(x))
+    mlp.zero_grad()
+    xin = x1.clone().requires_grad_()
+    y = mlp(mlp(xin))
+    y.backward(dy)
+    P64 = {k: v.double().requires_grad_() for k, v in P.items()}
+    x64 = x1.double().requires_grad_()
+    want = _mlp_ref("silu", P64, _mlp_ref("silu", P64, x64))
+    want.backward(dy.double())
+    close(y, want, "mlp(mlp(x))")
+    close(xin.grad, x64.grad, "mlp(mlp(x)): dx")
+    close(mlp.fc1.weight.grad, P64["fc1.weight"].grad[off:off + loc], "mlp(mlp(x)): fc1 dW")
+    close(mlp.fc2.bias.grad, P64["fc2.bias"].grad, "mlp(mlp(x)): fc2 db")
     return True
 
 

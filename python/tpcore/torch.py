@@ -579,6 +579,10 @@ class VocabParallelEmbedding(_TPModule):
         return [self.layer.grad_weight]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows (..., embedding_dim) float32 of the full table for integer tokens (...).
+
+        Raises TypeError for a non-integer or misplaced tensor, ValueError for an id outside
+        [0, num_embeddings)."""
         _check_tensor(tokens, "tokens", self._who, self.device_)
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"{self._who}: tokens must be an integer tensor, got {tokens.dtype}")
@@ -672,6 +676,9 @@ class VocabParallelCrossEntropy(_TPModule):
 
     def forward(self, logits_shard: torch.Tensor, targets: torch.Tensor,
                 vocab_offset: Optional[int] = None) -> torch.Tensor:
+        """The loss (a 0-d float32 tensor; per row for reduction="none") of logits_shard
+        (..., V_r) float32 against targets (...) of the full vocabulary; differentiable in
+        logits_shard (its backward runs no collective)."""
         _check_tensor(logits_shard, "logits_shard", self._who, self.device_)
         _check_tensor(targets, "targets", self._who, self.device_)
         if logits_shard.dtype != torch.float32:
@@ -766,6 +773,8 @@ class TransformerBlock(_TPModule):
         return {name: p for name, p, _ in self._order}
 
     def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y (B, T, hidden) for x (B, T, hidden) (float32; bfloat16 / float16 given back in
+        their dtype); key_mask (B, T) bools or 0/1 of the tokens to attend to (padding)."""
         x32, dt = _float_input(x, "x", self._who, self.device_)
         if key_mask is None:
             y = self._run(x32)
