@@ -52,6 +52,9 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess by the
     raise ImportError("tpcore.torch needs PyTorch, an optional dependency of tpcore that is not installed here: "
                       "pip install 'torch>=2.1' (or pip install 'tpcore[test]'); the rest of tpcore works without "
                       "it") from _e
+if not hasattr(torch, "autograd"):  # python/tpcore itself on sys.path: "import torch" found this file
+    raise ImportError(f"tpcore.torch: 'import torch' found {getattr(torch, '__file__', '?')}, not PyTorch; the folder "
+                      f"python/tpcore must not be on sys.path (run from another directory, or use python -m)")
 
 import contextlib
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, cast
