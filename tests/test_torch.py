@@ -660,6 +660,13 @@ def _sharded_case(comm):
     with pytest.raises(RuntimeError, match=rf"col._tp_shard: the shard was saved with .*rank {(r + 1) % n}, .* but "
                                            rf".*rank {r}, .*same world size, rank and partition"):
         tt.load_sharded_state_dict(other, peer)
+    # the same world size and rank but another partition
+    col = {k[len("col."):]: v for k, v in sd.items() if k.startswith("col.")}
+    moved = tt.ColumnParallelLinear(IN, OUT, comm, gated=True, partition=uneven(OUT, n))
+    if moved.partition != model["col"].partition:
+        sizes = ", ".join(str(sz) for _, sz in moved.partition)
+        with pytest.raises(RuntimeError, match=rf"partition \[5, 5\] but .* partition \[{sizes}\]"):
+            tt.load_sharded_state_dict(moved, col)
     # a shard without its metadata, and a sharded dict handed to load_state_dict
     bad = {k: v for k, v in sd.items() if k != "mlp._tp_shard"}
     with pytest.raises(RuntimeError, match="mlp._tp_shard is missing"):
