@@ -222,6 +222,27 @@ def _rope(x, theta):
     return torch.cat([a * c - b * s, b * c + a * s], -1)
 
 
+def ref_attention(cfg, P, u, key_mask=None):
+    """Single-process multi-head attention (grouped KV heads, rope, causal, padding mask)."""
+    B, T, _ = u.shape
+    Hq, Hk, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+    q = F.linear(u, P["attn.q.weight"], P.get("attn.q.bias")).reshape(B, T, Hq, D)
+    k = F.linear(u, P["attn.k.weight"], P.get("attn.k.bias")).reshape(B, T, Hk, D)
+    v = F.linear(u, P["attn.v.weight"], P.get("attn.v.bias")).reshape(B, T, Hk, D)
+    if cfg.positions == "rope":
+        q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
+    k, v = k.repeat_interleave(Hq // Hk, 2), v.repeat_interleave(Hq // Hk, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(D)
+    allowed = torch.ones(B, 1, T, T, dtype=torch.bool)
+    if cfg.causal:
+        allowed = allowed & torch.ones(T, T, dtype=torch.bool).tril()
+    if key_mask is not None:
+        allowed = allowed & key_mask.bool()[:, None, None, :]
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+    o = torch.einsum("bhij,bjhd->bihd", p, v).reshape(B, T, Hq * D)
+    return F.linear(o, P["attn.out.weight"], P.get("attn.out.bias"))
+
+
 def ref_block(cfg, P, x, key_mask=None):
     """A single-process torch block from the full tensors P (any float dtype; differentiable)."""
     def norm(h, w, b):
@@ -230,23 +251,7 @@ def ref_block(cfg, P, x, key_mask=None):
         return F.layer_norm(h, (h.shape[-1],), w, b, cfg.eps)
 
     def attn(u):
-        B, T, _ = u.shape
-        Hq, Hk, D = cfg.heads, cfg.kv_heads, cfg.head_dim
-        q = F.linear(u, P["attn.q.weight"], P.get("attn.q.bias")).reshape(B, T, Hq, D)
-        k = F.linear(u, P["attn.k.weight"], P.get("attn.k.bias")).reshape(B, T, Hk, D)
-        v = F.linear(u, P["attn.v.weight"], P.get("attn.v.bias")).reshape(B, T, Hk, D)
-        if cfg.positions == "rope":
-            q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
-        k, v = k.repeat_interleave(Hq // Hk, 2), v.repeat_interleave(Hq // Hk, 2)
-        s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(D)
-        allowed = torch.ones(B, 1, T, T, dtype=torch.bool)
-        if cfg.causal:
-            allowed = allowed & torch.ones(T, T, dtype=torch.bool).tril()
-        if key_mask is not None:
-            allowed = allowed & key_mask.bool()[:, None, None, :]
-        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
-        o = torch.einsum("bhij,bjhd->bihd", p, v).reshape(B, T, Hq * D)
-        return F.linear(o, P["attn.out.weight"], P.get("attn.out.bias"))
+        return ref_attention(cfg, P, u, key_mask)
 
     def mlp(u):
         return _mlp_ref(cfg.activation, {k[4:]: v for k, v in P.items() if k.startswith("mlp.")}, u)
@@ -318,6 +323,36 @@ def _block_case(comm, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_block_forward_backward(world, name):
     assert run(_block_case, world, name) == [True] * world
+
+
+def _attention_case(comm, name):
+    cfg = tpcore.Config(**CONFIGS[name])
+    att = tt.ParallelAttention(cfg, comm)
+    assert sorted(n for n, _ in att.named_parameters()) == sorted(
+        k for k in ("attn.qkv.weight", "attn.qkv.bias", "attn.out.weight", "attn.out.bias")
+        if k in att.layer.named_parameters())
+    g = gen(4500 + comm.size)
+    P = _random_full(att.layer, g)
+    att.load_state_dict(P)
+    x, dy = randn(g, 2, 4, cfg.hidden), randn(g, 2, 4, cfg.hidden)
+    P64 = {k: v.double().requires_grad_() for k, v in P.items()}
+    x64 = x.double().requires_grad_()
+    want = ref_attention(cfg, P64, x64)
+    want.backward(dy.double())
+    xin = x.clone().requires_grad_()
+    y = att(xin)
+    close(y, want, f"{name} attention y", 5e-5)
+    y.backward(dy)
+    close(xin.grad, x64.grad, f"{name} attention dx", 5e-5)
+    params = dict(att.named_parameters())
+    for k, (local, rows, cut) in att.layer._slices().items():
+        close(params[local].grad[rows], P64[k].grad[cut], f"{name} attention grad {k}", 5e-5)
+    return True
+
+
+@pytest.mark.parametrize("world,name", [(1, "gpt"), (3, "llama"), (2, "bert")])
+def test_parallel_attention(world, name):
+    assert run(_attention_case, world, name) == [True] * world
 
 
 # ------------------------------------------------------------------ autograd semantics

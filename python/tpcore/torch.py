@@ -68,8 +68,8 @@ from ._array import DeviceArray
 from .comm import Comm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "VocabParallelEmbedding",
-           "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "TransformerBlock", "sharded_state_dict",
-           "load_sharded_state_dict"]
+           "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "TransformerBlock", "ParallelAttention",
+           "sharded_state_dict", "load_sharded_state_dict"]
 
 _SHARD_KEY = "_tp_shard"
 _SHARD_FORMAT = 1
@@ -747,14 +747,16 @@ class TransformerBlock(_TPModule):
     """
 
     _who = "tpcore.torch.TransformerBlock"
+    _tp_cls: Any = _transformer.TransformerBlock
 
     def __init__(self, config: "_transformer.Config", comm: Comm, seed: int = 0, head_partition: Any = None,
                  ffn_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
                  plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
-        layer = _transformer.TransformerBlock(config, comm, seed=seed, head_partition=head_partition,
-                                              ffn_partition=ffn_partition, device=device, dtype=dtype, plan=plan)
+        make: Any = self._tp_cls
+        layer = make(config, comm, seed=seed, head_partition=head_partition, ffn_partition=ffn_partition,
+                     device=device, dtype=dtype, plan=plan)
         self._tp_init(layer, layer.device)
         self._order = []
         for name, (view, grad) in layer.named_parameters().items():
@@ -810,6 +812,18 @@ class TransformerBlock(_TPModule):
     def _tp_layout(self) -> List[int]:
         L = self.layer
         return [s for _, s in L.head_partition] + [s for _, s in L.ffn_partition] + [L.k0, L.nk]
+
+
+class ParallelAttention(TransformerBlock):
+    """Attention alone, heads split over the ranks (see tpcore.ParallelAttention): the fused QKV
+    projection (column-parallel), rotary positions when config.positions == "rope", causal or
+    bidirectional attention with a padding mask, grouped-query heads and the row-parallel output
+    projection; no norms, MLP or residual.  One all-reduce in forward, one in backward.
+    Parameters ``attn.qkv.*`` and ``attn.out.*``; the full state dict has ``attn.q.weight``,
+    ``attn.k.weight``, ``attn.v.weight``, ``attn.out.weight`` (and biases)."""
+
+    _who = "tpcore.torch.ParallelAttention"
+    _tp_cls = _transformer.ParallelAttention
 
 
 # ------------------------------------------------------------------ sharded state dicts
