@@ -1,9 +1,9 @@
 """PyTorch modules over tpcore's C layers: ``import tpcore.torch``.
 
 ``ColumnParallelLinear``, ``RowParallelLinear``, ``ParallelMLP``, ``VocabParallelEmbedding``,
-``VocabParallelCrossEntropy`` (and the function ``vocab_parallel_cross_entropy``) and
-``TransformerBlock`` are ``torch.nn.Module``s.  Each wraps the tpcore layer of the same name
-(``module.layer``); its forward and backward are one call each into the C layer (GIL released)
+``VocabParallelCrossEntropy`` (and the function ``vocab_parallel_cross_entropy``),
+``TransformerBlock`` and ``ParallelAttention`` are ``torch.nn.Module``s.  Each wraps the tpcore
+layer of the same name (``module.layer``); its forward and backward are one call each into the C layer (GIL released)
 through a ``torch.autograd.Function``.  PyTorch is optional: ``import tpcore`` never imports it,
 and this module raises ImportError saying how to install it when it is missing.
 
