@@ -132,15 +132,35 @@ def check_param_dtype(dtype, who: str) -> str:
     return name
 
 
+def host_tensor(x, name: str, who: str):
+    """A host tensor with __dlpack__ as a NumPy view (no copy); a bfloat16 one, which NumPy's
+    DLPack import refuses (PyTorch, JAX), through tpcore's own consumer as a CPU
+    tpcore.DeviceArray view instead (as_float32 converts it; no ml_dtypes needed)."""
+    try:
+        return as_array(x, name, who)
+    except TypeError:
+        try:
+            xa = from_dlpack(x)
+        except Exception:  # noqa: BLE001 - not a bfloat16 tensor: NumPy's error stands
+            xa = None
+        if xa is None or xa.dtype != "bfloat16" or xa.device != "cpu:0":
+            raise
+        return xa
+
+
 def as_float32(x, name: str, who: str) -> np.ndarray:
     """x as the float32 C-contiguous array the C layers take: a NumPy array or any CPU
     tensor with __dlpack__ (PyTorch, JAX, ...; imported without a copy); float32 as is
     (it must be C-contiguous), float16 / bfloat16 converted (compute is float32)."""
     if not isinstance(x, np.ndarray):
-        if not hasattr(x, "__dlpack__"):
+        if not isinstance(x, DeviceArray) and not hasattr(x, "__dlpack__"):
             raise TypeError(f"{who}: {name} must be a NumPy array or a CPU tensor with __dlpack__, "
                             f"got {type(x).__name__}")
-        x = as_array(x, name, who)
+        x = x if isinstance(x, DeviceArray) else host_tensor(x, name, who)
+        if isinstance(x, DeviceArray):  # a CPU bfloat16 tensor: converted in C
+            x32 = DeviceArray(tuple(x.shape), "float32")
+            _C.d_convert(x32, x)
+            return x32.numpy()
     if x.dtype == np.float32:
         if not x.flags.c_contiguous:
             raise ValueError(f"{who}: {name} must be C-contiguous; pass np.ascontiguousarray({name})")
@@ -225,6 +245,8 @@ def dev_back(y, dt):
 
 
 def _back(y: np.ndarray, dt) -> np.ndarray:
+    if isinstance(dt, str):  # "bfloat16" for a foreign tensor: a CPU DeviceArray (torch.from_dlpack reads it)
+        return dev_back(_C.asarray(np.ascontiguousarray(y)), dt)
     return y if dt is None else y.astype(dt)
 
 
@@ -326,11 +348,13 @@ class _ParallelLinear:
         result back in (None for float32; float16/bfloat16 inputs get outputs of
         their own dtype, computed in float32)."""
         who = type(self).__name__
-        src = x if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__") else as_array(x, name, who)
+        src = x if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__") else host_tensor(x, name, who)
         x32 = as_float32(src, name, who)
         if x32.ndim < 1 or x32.shape[-1] != cols:
             raise ValueError(f"{who}: {name} must have shape (..., {cols}), got {x32.shape}")
         lead = x32.shape[:-1]
+        if isinstance(src, DeviceArray):  # a bfloat16 tensor of another library: the result a bfloat16 DeviceArray
+            return x32.reshape(math.prod(lead), cols), lead, "bfloat16"
         return x32.reshape(math.prod(lead), cols), lead, (None if src.dtype == np.float32 else src.dtype)
 
     def _device_rows(self, x, name, cols, who=None):
