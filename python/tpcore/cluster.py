@@ -491,6 +491,8 @@ class Cluster:
 
     @property
     def closed(self) -> bool:
+        """True once the cluster was closed (close(), an interrupt, a dead rank, the
+        deadline); run() then raises RuntimeError saying why."""
         return self._h.closed
 
     @property
