@@ -256,11 +256,15 @@ def print_summary(rows: List[dict], memcpy: List[dict], plan, n: int, peers, ref
 
 
 def plot(path: str, rows: List[dict], memcpy: List[dict], plan, n: int, env: dict, factor: int) -> bool:
-    """busbw vs size (log x), one panel per op; the memcpy line in each."""
+    """One column per op: time per call (us) and busbw (GB/s) against size, both on
+    log-log axes so that the small sizes (latency-bound) are as readable as the large
+    ones (bandwidth-bound), the single-thread memcpy in each; below, a latency panel:
+    the time of the smallest size per op and implementation."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker as mticker
     except ImportError:
         print("# --plot: matplotlib is not installed, so no plot was written (pip install 'tpcore[bench]' "
               "or pip install matplotlib); the tables and --json output are unaffected", file=sys.stderr)
@@ -268,34 +272,79 @@ def plot(path: str, rows: List[dict], memcpy: List[dict], plan, n: int, env: dic
     idx = _index(rows)
     ops = plan.ops
     geometric = {plan.sizes[0] * factor ** k for k in range(64)}
-    ncols = 2 if len(ops) > 1 else 1
-    nrows = (len(ops) + ncols - 1) // ncols
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.2 * nrows), squeeze=False)
+    ticks = [s for s in plan.sizes if s in geometric or s == plan.sizes[-1]]
+    if len(ticks) > 9:  # at most ~9 labels a panel: every k-th, the largest kept
+        k = -(-len(ticks) // 9)
+        ticks = ticks[::k] + ([ticks[-1]] if (len(ticks) - 1) % k else [])
+    ncols = len(ops)
+    fig = plt.figure(figsize=(max(7.0, 4.3 * ncols), 11.5))
+    grid = fig.add_gridspec(3, ncols, height_ratios=(1, 1, 0.85))
     styles = {"tpcore private": dict(color="C0", marker="o"), "tpcore registered": dict(color="C3", marker="s"),
               "tpcore mpi": dict(color="C4", marker="D", linestyle="--"),
               "gloo": dict(color="C2", marker="^", linestyle="--"), "mpi": dict(color="C1", marker="v",
                                                                             linestyle="-.")}
+    sizes_fmt = mticker.FixedFormatter([human_bytes(s).replace(" ", "") for s in ticks])
+    legend: Dict[str, object] = {}
     for k, op in enumerate(ops):
-        ax = axes[k // ncols][k % ncols]
-        for impl, mode, label in SERIES:
-            pts = [(r["bytes"], r["busbw"]) for s in plan.sizes if (r := idx.get((impl, mode, op, s)))]
-            if pts:
-                ax.plot(*zip(*pts), label=label, markersize=4, **styles[label])
-        ax.plot([r["bytes"] for r in memcpy], [r["algbw"] for r in memcpy], color="k", linestyle=":",
-                label="memcpy (1 thread)")
-        ax.set_xscale("log", base=2)
-        ticks = [s for s in plan.sizes if s in geometric or s == plan.sizes[-1]]
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([human_bytes(s).replace(" ", "") for s in ticks], rotation=45, fontsize=8)
-        ax.set_title(f"{op} (n={n}, {plan.dtype})")
-        ax.set_xlabel("size")
-        ax.set_ylabel("busbw (GB/s)" if n > 1 or op == "broadcast" else "busbw (GB/s; 0 for n=1)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    for k in range(len(ops), nrows * ncols):
-        axes[k // ncols][k % ncols].set_visible(False)
-    fig.suptitle(f"tpcore collectives on {env['hostname']} ({env['nproc']} CPUs)", fontsize=11)
-    fig.tight_layout()
+        for row, (key, ylabel) in enumerate((("time_us", "time per call (us)"), ("busbw", "busbw (GB/s)"))):
+            ax = fig.add_subplot(grid[row, k])
+            for impl, mode, label in SERIES:
+                pts = [(r["bytes"], r[key]) for s in plan.sizes if (r := idx.get((impl, mode, op, s)))
+                       and r[key] > 0]
+                if pts:
+                    ax.plot(*zip(*pts), label=label, markersize=3.5, **styles[label])
+            ref = [(r["bytes"], r["time_us"] if key == "time_us" else r["algbw"]) for r in memcpy]
+            ax.plot(*zip(*ref), color="k", linestyle=":", label="memcpy (1 thread)")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.xaxis.set_major_locator(mticker.FixedLocator(ticks))
+            ax.xaxis.set_major_formatter(sizes_fmt)
+            ax.xaxis.set_minor_locator(mticker.NullLocator())
+            ax.yaxis.set_major_formatter(mticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+            ax.tick_params(axis="y", labelsize=8)
+            ax.grid(True, alpha=0.3, which="major")
+            ax.grid(True, alpha=0.12, which="minor", axis="y")
+            if row == 0:
+                ax.set_title(f"{op} (n={n}, {plan.dtype})", fontsize=10)
+            if k == 0:
+                ax.set_ylabel(ylabel if key == "time_us" or n > 1 or op == "broadcast"
+                              else ylabel + " (0 for n=1: not shown)")
+            ax.set_xlabel("size", fontsize=8)
+            for hd, lb in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(lb, hd)
+    # latency: the time of the smallest size, per op (groups) and implementation (bars)
+    ax = fig.add_subplot(grid[2, :])
+    small = plan.sizes[0]
+    labels = [lb for impl, mode, lb in SERIES if any(idx.get((impl, mode, op, small)) for op in ops)]
+    width = 0.8 / max(1, len(labels) + 1)
+    for j, label in enumerate(labels + ["memcpy (1 thread)"]):
+        vals = []
+        for op in ops:
+            if label.startswith("memcpy"):
+                r = next((m for m in memcpy if m["bytes"] == small), None)
+            else:
+                impl, mode = next((i, m) for i, m, lb in SERIES if lb == label)
+                r = idx.get((impl, mode, op, small))
+            vals.append(r["time_us"] if r else float("nan"))
+        xs = [i + (j - len(labels) / 2) * width for i in range(len(ops))]
+        color = styles[label]["color"] if label in styles else "0.35"
+        bars = ax.bar(xs, vals, width, color=color, label=label, alpha=0.85)
+        for b, v in zip(bars, vals):
+            if v == v:
+                ax.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(mticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xticks(range(len(ops)))
+    ax.set_xticklabels(ops)
+    ax.set_ylabel("time per call (us)")
+    ax.set_title(f"latency: the smallest size ({human_bytes(small)}), lower is better", fontsize=10)
+    ax.grid(True, alpha=0.3, axis="y")
+    ax.set_ylim(top=ax.get_ylim()[1] * 2.5)  # room for the value labels
+    fig.suptitle(f"tpcore collectives on {env['hostname']} ({env['nproc']} CPUs; log-log: time lower, "
+                 f"busbw higher is better)", fontsize=11)
+    fig.legend(list(legend.values()), list(legend.keys()), loc="lower center", ncol=len(legend), fontsize=9)
+    fig.tight_layout(rect=(0, 0.035, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"# wrote {path}")

@@ -728,8 +728,10 @@ def plot(path: str, rows: list, torch_rows: list, env: dict) -> bool:
             ax.plot(ns, fw, label=f"{label} fwd", linestyle="--", alpha=0.7, **style)
         ax.set_xticks(sorted({r["n"] for r in rows}))
         ax.set_yscale("log")
+        # labels at 1, 2, 5 x 10^k only (labelling every minor tick made 0.9 and 1 overlap)
         fmt = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
         ax.yaxis.set_major_formatter(fmt)
+        ax.yaxis.set_minor_locator(matplotlib.ticker.LogLocator(base=10, subs=(2.0, 5.0)))
         ax.yaxis.set_minor_formatter(fmt)
         ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_title(f"h={h}, f={4 * h if not rows else next(r['ffn'] for r in rows if r['hidden'] == h)}, T={t}")
@@ -741,8 +743,10 @@ def plot(path: str, rows: list, torch_rows: list, env: dict) -> bool:
     for k in range(len(shapes), nrows * ncols):
         axes[k // ncols][k % ncols].set_visible(False)
     fig.suptitle(f"ParallelMLP step time on {env['hostname']} ({env['nproc']} CPUs; lower is better)", fontsize=11)
-    fig.legend(list(legend.values()), list(legend.keys()), loc="lower center", ncol=4, fontsize=9)
-    fig.tight_layout(rect=(0, 0.6 / (4 * nrows + 0.6), 1, 1))
+    cols = 4 if ncols > 1 else 2  # one panel wide: two legend rows, so that nothing is cut off
+    fig.legend(list(legend.values()), list(legend.keys()), loc="lower center", ncol=cols, fontsize=9)
+    rows_of_legend = -(-len(legend) // cols)
+    fig.tight_layout(rect=(0, 0.35 * rows_of_legend / (4 * nrows + 0.6), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"# wrote {path}")
