@@ -750,6 +750,7 @@ def _plots(out: str, data: dict) -> List[str]:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("# plots need matplotlib (pip install 'tpcore[bench]')")
         return []
@@ -784,7 +785,8 @@ def _plots(out: str, data: dict) -> List[str]:
     ax.set_xticks(x, ns)
     ax.set_xlabel("ranks")
     ax.set_ylabel("MB per rank")
-    ax.legend()
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+    ax.legend(loc="upper center", ncol=2)
     fig.suptitle("memory per rank")
     save(fig, "memory.png")
 
@@ -809,14 +811,18 @@ def _plots(out: str, data: dict) -> List[str]:
 
     if any(r.get("serve") for r in rows):
         fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
-        for r in rows:
+        for i, r in enumerate(rows):
             sv = r.get("serve") or {}
             cs = sorted(sv)
-            ax[0].plot(cs, [sv[c]["throughput_tok_s"] for c in cs], "o-", label=f"{r['n']} ranks")
-            ax[1].plot(cs, [1e3 * sv[c]["latency_p50_s"] for c in cs], "o-", label=f"{r['n']} ranks p50")
-            ax[1].plot(cs, [1e3 * sv[c]["latency_p99_s"] for c in cs], "x--", label=f"{r['n']} ranks p99")
+            who = f"{r['n']} rank" + ("s" if r["n"] != 1 else "")
+            ax[0].plot(cs, [sv[c]["throughput_tok_s"] for c in cs], "o-", label=who, color=f"C{i}")
+            ax[1].plot(cs, [1e3 * sv[c]["latency_p50_s"] for c in cs], "o-", label=f"{who} p50", color=f"C{i}")
+            ax[1].plot(cs, [1e3 * sv[c]["latency_p99_s"] for c in cs], "x--", label=f"{who} p99", color=f"C{i}")
+        conc = sorted({int(c) for r in rows for c in (r.get("serve") or {})})
         for a in ax:
             a.set_xscale("log", base=2)
+            a.set_xticks(conc, [str(c) for c in conc])  # 1, 4, 16: not 2^0, 2^2
+            a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             a.set_xlabel("concurrent requests")
             a.legend(fontsize=8)
         ax[0].set_ylabel("tokens/s over all requests")
