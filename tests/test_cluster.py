@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -718,3 +719,37 @@ def test_progress_bar_is_one_line_drawn_in_place_on_a_terminal():
         assert p.wait(60) == 0, out
     # one prefix, each update redrawn over the last (cleared to the end of the line), then the line ends
     assert out == (b"\r[rank0] step 1/3\x1b[K\r[rank0] step 2/3\x1b[K\r[rank0] step 3/3\x1b[K\r\n"), out
+
+
+# -- review fixes -------------------------------------------------------------------------
+def _interrupt_self():
+    os.kill(os.getpid(), signal.SIGINT)  # what a kernel interrupt does; raised at the next bytecode
+
+
+@pytest.mark.parametrize("when", ["janitor", "rank1"])
+def test_interrupt_while_starting_leaves_nothing(monkeypatch, when):
+    # a Ctrl-C right after the janitor or a rank started (before the cluster recorded it) used to
+    # leave that process running, and the janitor (and the segment) with it
+    import tpcore.cluster as tc
+    before, before_shm = _children(), set(leftover_segments())
+    if when == "janitor":
+        real = tc._cleanup.start_janitor
+
+        def start_janitor(job):
+            out = real(job)
+            _interrupt_self()
+            return out
+        monkeypatch.setattr(tc._cleanup, "start_janitor", start_janitor)
+    else:
+        ctx = tc.mp.get_context("fork")
+
+        class Process(ctx.Process):
+            def start(self):
+                super().start()
+                if self.name.endswith("rank1"):
+                    _interrupt_self()
+        monkeypatch.setattr(tc.mp, "get_context", lambda method: types.SimpleNamespace(Pipe=ctx.Pipe, Process=Process))
+    with pytest.raises(KeyboardInterrupt):
+        tpcore.Cluster(3, deadline=DEADLINE)
+    assert _children() <= before
+    assert set(leftover_segments()) <= before_shm

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import codecs
+import contextlib
 import importlib
 import inspect
 import linecache
@@ -261,6 +262,31 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
 
 
 # -- the parent side ---------------------------------------------------------------------
+@contextlib.contextmanager
+def _interrupts_held():
+    """A Ctrl-C (SIGINT) that arrives in the block is raised at its end: between starting a
+    process and recording it, or while stopping them, a KeyboardInterrupt would leave ranks
+    (and the janitor waiting for them) running.  Only the main thread gets signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list = []
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    except (ValueError, OSError):  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got:
+            if callable(old):
+                old(signal.SIGINT, got[0])
+            elif old == signal.SIG_DFL:
+                raise KeyboardInterrupt
+
+
 class _Ranks:
     """A cluster's processes and pipes, apart from the Cluster object, so that closing them
     at garbage collection or at exit needs no reference to it."""
@@ -280,6 +306,10 @@ class _Ranks:
             return
         self.closed = True
         _live.discard(self)
+        with _interrupts_held():  # a second Ctrl-C must not leave ranks behind
+            self._close(polite, grace)
+
+    def _close(self, polite, grace):
         try:
             if polite:
                 for c in self.cmds:
@@ -454,23 +484,25 @@ class Cluster:
         _live.add(h)
         ctx = mp.get_context(start_method or _default_method())
         h.jobs.append(self._base + "_g0")  # job ids "<base>_g<N>": the janitor removes "<base>_*"
-        life_w, h.janitor = _cleanup.start_janitor(self._base)
-        life = None if life_w is None else mp.connection.Connection(life_w, readable=False)
+        life = None
         try:
-            for r in range(n):
-                crd, cwr = ctx.Pipe(duplex=False)
-                rrd, rwr = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_rank_main, name=f"tpcore-cluster-rank{r}",
-                                args=(r, n, h.jobs[-1], backend, timeout, crd, rwr, os.getpid(), life))
-                p.start()
-                crd.close()
-                rwr.close()
-                h.procs.append(p)
-                h.cmds.append(cwr)
-                h.results.append(rrd)
-            if life is not None:  # the ranks hold it now; processes forked later must not
-                life.close()
-                life = None
+            with _interrupts_held():  # a process started is recorded before a Ctrl-C can lose it
+                life_w, h.janitor = _cleanup.start_janitor(self._base)
+                life = None if life_w is None else mp.connection.Connection(life_w, readable=False)
+                for r in range(n):
+                    crd, cwr = ctx.Pipe(duplex=False)
+                    rrd, rwr = ctx.Pipe(duplex=False)
+                    p = ctx.Process(target=_rank_main, name=f"tpcore-cluster-rank{r}",
+                                    args=(r, n, h.jobs[-1], backend, timeout, crd, rwr, os.getpid(), life))
+                    p.start()
+                    crd.close()
+                    rwr.close()
+                    h.procs.append(p)
+                    h.cmds.append(cwr)
+                    h.results.append(rrd)
+                if life is not None:  # the ranks hold it now; processes forked later must not
+                    life.close()
+                    life = None
             self._await_ready("Cluster")
         except BaseException:
             if life is not None:
