@@ -753,3 +753,19 @@ def test_interrupt_while_starting_leaves_nothing(monkeypatch, when):
         tpcore.Cluster(3, deadline=DEADLINE)
     assert _children() <= before
     assert set(leftover_segments()) <= before_shm
+
+
+def _print_10mb(comm):
+    sys.stdout.write("".join(f"{i:049d}\n" for i in range(200_000)))  # 10 MB in one write
+    return comm.rank
+
+
+def test_a_rank_printing_10mb_at_once_is_relayed_quickly(capsys):
+    # the parent's relay searched the rest of the text for a "\r" at every line: quadratic, ~20 s here
+    with tpcore.Cluster(1, deadline=DEADLINE) as cluster:
+        t0 = time.monotonic()
+        assert cluster.run(_print_10mb) == [0]
+        took = time.monotonic() - t0
+        out = capsys.readouterr().out  # all of it arrived before run() returned
+    assert out == "".join(f"[rank0] {i:049d}\n" for i in range(200_000))
+    assert took < 8, took
