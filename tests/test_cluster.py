@@ -769,3 +769,20 @@ def test_a_rank_printing_10mb_at_once_is_relayed_quickly(capsys):
         out = capsys.readouterr().out  # all of it arrived before run() returned
     assert out == "".join(f"[rank0] {i:049d}\n" for i in range(200_000))
     assert took < 8, took
+
+
+class _LoadsBadly:
+    """Pickles on the rank, fails to unpickle in the parent."""
+
+    def __reduce__(self):
+        return (int, ("not a number",))
+
+
+def test_a_result_that_cannot_be_unpickled_names_its_rank():
+    # the parent's unpickling error came out bare (ValueError: invalid literal for int())
+    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
+        with pytest.raises(TypeError, match=r"Cluster.run: the return value of rank 1 cannot be unpickled here: "
+                                            r"ValueError: invalid literal") as ei:
+            cluster.run(lambda comm: _LoadsBadly() if comm.rank == 1 else comm.rank)
+        assert isinstance(ei.value.__cause__, ValueError)
+        assert cluster.run(lambda comm: comm.rank) == [0, 1]  # still usable

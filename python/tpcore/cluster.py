@@ -732,4 +732,11 @@ class Cluster:
                 exc.add_note(note)
         if exc is not None:
             raise exc
-        return [pickle.loads(answers[r][2]) for r in range(self._n)]
+        results = []
+        for r in range(self._n):
+            try:
+                results.append(pickle.loads(answers[r][2]))
+            except Exception as e:  # noqa: BLE001 - e.g. a class of a module only the rank imported
+                raise TypeError(f"Cluster.run: the return value of rank {r} cannot be unpickled here: "
+                                f"{type(e).__name__}: {e}") from e
+        return results
