@@ -786,3 +786,26 @@ def test_a_result_that_cannot_be_unpickled_names_its_rank():
             cluster.run(lambda comm: _LoadsBadly() if comm.rank == 1 else comm.rank)
         assert isinstance(ei.value.__cause__, ValueError)
         assert cluster.run(lambda comm: comm.rank) == [0, 1]  # still usable
+
+
+def test_close_from_another_thread_during_run():
+    # the running call said "rank 0 ... was killed by signal SIGTERM" (a dead rank) instead
+    cluster = tpcore.Cluster(2, deadline=DEADLINE)
+    pids = cluster.pids
+    got = []
+
+    def target():
+        try:
+            got.append(cluster.run(_sleep_long))
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+    t = threading.Thread(target=target)
+    t.start()
+    t_end = time.monotonic() + 20
+    while not cluster._busy.locked() and time.monotonic() < t_end:
+        time.sleep(0.01)
+    cluster.close()
+    t.join(30)
+    assert len(got) == 1 and isinstance(got[0], RuntimeError), got
+    assert re.search(r"Cluster.run: the cluster was closed while this call ran \(close\(\) was called\)", str(got[0]))
+    assert not any(_alive(p) for p in pids)

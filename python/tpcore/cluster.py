@@ -640,6 +640,8 @@ class Cluster:
         t0 = time.monotonic()
         try:
             while pending:
+                if h.closed:  # close() from another thread
+                    raise RuntimeError(f"{who}: the cluster was closed while this call ran ({self._why_closed})")
                 now = time.monotonic()
                 if self._deadline is not None and now - t0 > self._deadline:
                     self._shut(f"a {who} passed the deadline", polite=False)
@@ -654,7 +656,13 @@ class Cluster:
                     except OSError:
                         pass
                 waitables = list(conns) + [s for s, r in sentinels.items() if r not in exited]
-                for obj in wait(waitables, timeout=0.1):
+                try:
+                    ready = wait(waitables, timeout=0.1)
+                except (OSError, ValueError):  # a pipe closed by close() from another thread
+                    if h.closed:
+                        continue
+                    raise
+                for obj in ready:
                     if obj in sentinels:
                         exited[sentinels[obj]] = time.monotonic()
                         continue
@@ -688,6 +696,8 @@ class Cluster:
         return answers, errors, dead, aborted, [w for w in broken.values() if w]
 
     def _raise_dead(self, dead, who):
+        if self._h.closed:  # stopped by close() from another thread, not dead by themselves
+            raise RuntimeError(f"{who}: the cluster was closed while this call ran ({self._why_closed})")
         err = _exit_error(dead[0], self._h.procs[dead[0]])
         self._shut(f"rank {dead[0]} died", polite=False)
         others = f" (so did ranks {dead[1:]})" if len(dead) > 1 else ""
