@@ -809,3 +809,35 @@ def test_close_from_another_thread_during_run():
     assert len(got) == 1 and isinstance(got[0], RuntimeError), got
     assert re.search(r"Cluster.run: the cluster was closed while this call ran \(close\(\) was called\)", str(got[0]))
     assert not any(_alive(p) for p in pids)
+
+
+def test_fd_relay_sync_waits_for_its_own_marker_after_one_timed_out():
+    # sync() used a semaphore: the late marker of a sync that timed out released it, so the next
+    # sync returned before its output was sent (the output then came after run() returned)
+    from tpcore.cluster import _FdRelay
+    fd = os.dup(2)  # a descriptor of our own for the relay to take over
+    gate = threading.Event()
+    got = []
+
+    def send(msg):
+        gate.wait()
+        time.sleep(0.2)  # a slow parent
+        got.append(msg[3])
+    relay = _FdRelay(fd, "stdout", 0, send)
+    try:
+        os.write(fd, b"one\n")
+        relay.sync(timeout=0.05)  # times out: send() is held
+        gate.set()
+        t_end = time.monotonic() + 10
+        while not got and time.monotonic() < t_end:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the pump sees the late marker right after sending "one"
+        os.write(fd, b"two\n")
+        relay.sync(timeout=10)
+        assert "".join(got) == "one\ntwo\n"
+    finally:
+        os.close(fd)  # the pump reads its end, then stops
+        for t in threading.enumerate():
+            if t.name == f"tpcore-fd{fd}":
+                t.join(10)
+        os.close(relay.r)

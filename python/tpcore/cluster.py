@@ -122,7 +122,8 @@ class _FdRelay:
         os.dup2(w, fd)
         os.close(w)
         self.r = r
-        self.seen = threading.Semaphore(0)
+        self.cv = threading.Condition()
+        self.asked = self.seen = 0  # markers written / markers the pump got to, in order
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         threading.Thread(target=self._pump, name=f"tpcore-fd{fd}", daemon=True).start()
 
@@ -142,7 +143,9 @@ class _FdRelay:
             while (i := buf.find(m)) >= 0:
                 self._out(buf[:i])
                 buf = buf[i + len(m):]
-                self.seen.release()
+                with self.cv:
+                    self.seen += 1
+                    self.cv.notify_all()
             keep = next((j for j in range(min(len(m) - 1, len(buf)), 0, -1) if m.startswith(buf[-j:])), 0)
             self._out(buf[:len(buf) - keep])  # all but a marker's start cut between two reads
             buf = buf[len(buf) - keep:]
@@ -156,11 +159,16 @@ class _FdRelay:
                 pass
 
     def sync(self, timeout=2.0):
+        # counted, not a semaphore: the marker of a sync that timed out, seen later, must not
+        # let the next sync return before its own output was sent
         try:
             os.write(self.fd, self.marker)
         except OSError:
             return
-        self.seen.acquire(timeout=timeout)
+        self.asked += 1
+        want = self.asked
+        with self.cv:
+            self.cv.wait_for(lambda: self.seen >= want, timeout)
 
 
 def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
