@@ -841,3 +841,22 @@ def test_fd_relay_sync_waits_for_its_own_marker_after_one_timed_out():
             if t.name == f"tpcore-fd{fd}":
                 t.join(10)
         os.close(relay.r)
+
+
+def _c_write_holding_the_gil(comm, nbytes):
+    import ctypes
+    libc = ctypes.PyDLL(None)  # PyDLL keeps the GIL during the call, as C extension code does
+    line = f"C line of rank {comm.rank}".ljust(99).encode() + b"\n"
+    data = line * (nbytes // 100)
+    assert libc.write(1, data, len(data)) == len(data)
+    return comm.rank
+
+
+def test_c_code_writing_much_while_holding_the_gil_does_not_hang(capfd):
+    # the relay's pipe held 64 KiB: a C write of more, the GIL held, waited for the relay thread,
+    # which waited for the GIL: the rank hung
+    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
+        assert cluster.run(_c_write_holding_the_gil, 512 * 1024) == [0, 1]
+        out = capfd.readouterr().out
+    for r in range(2):
+        assert out.count(f"[rank{r}] C line of rank {r}") == 512 * 1024 // 100, out[-500:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import codecs
 import contextlib
+import fcntl
 import importlib
 import inspect
 import linecache
@@ -109,16 +110,25 @@ def _restore_source(fn, source):
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
 
 
+_PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size
+
+
 class _FdRelay:
     """Writes to file descriptor 1 or 2 of a rank that bypass sys.stdout / sys.stderr (C code:
     the communicator's history on a failure; subprocesses; os.write) go to the parent as "out"
     messages too, so they get the rank prefix in the cell: a pipe in place of the descriptor,
-    read by a thread.  sync() returns once everything written before it was sent."""
+    read by a thread.  sync() returns once everything written before it was sent.  The thread
+    needs the GIL: C code that holds it while writing more than the pipe holds (1 MiB) blocks
+    for good."""
 
     def __init__(self, fd, name, rank, send):
         self.fd, self.name, self.rank, self.send = fd, name, rank, send
         self.marker = b"\0tpcore-sync-" + secrets.token_hex(6).encode() + b"\0"
         r, w = os.pipe()
+        try:  # C code that writes while holding the GIL blocks the pump: it must not fill the pipe
+            fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_SIZE)
+        except OSError:  # above /proc/sys/fs/pipe-max-size (or not Linux): the default, 64 KiB
+            pass
         os.dup2(w, fd)
         os.close(w)
         self.r = r
