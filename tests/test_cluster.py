@@ -860,3 +860,33 @@ def test_c_code_writing_much_while_holding_the_gil_does_not_hang(capfd):
         out = capfd.readouterr().out
     for r in range(2):
         assert out.count(f"[rank{r}] C line of rank {r}") == 512 * 1024 // 100, out[-500:]
+
+
+def _raise_then_die(comm):
+    if comm.rank == 1:
+        threading.Timer(0.2, os._exit, (7,)).start()
+        raise ValueError("then dies")
+    comm.barrier()
+
+
+def _die_while_others_compute(comm):
+    if comm.rank == 1:
+        os._exit(5)
+    time.sleep(60)  # not in a collective: nothing tells this rank that rank 1 died
+
+
+@pytest.mark.parametrize("fn,said", [(_raise_then_die, "exited with code 7"), (_die_while_others_compute,
+                                                                               "exited with code 5")])
+def test_a_rank_that_dies_does_not_keep_run_waiting(fn, said):
+    # a rank that raised and then died broke the rebuild's send (a bare BrokenPipeError, the cluster
+    # left open, the next run hung); a dead rank made run() wait for the others to finish
+    before = _children()
+    cluster = tpcore.Cluster(3, timeout=60, deadline=DEADLINE)
+    pids = cluster.pids
+    t0 = time.monotonic()
+    with pytest.raises(tpcore.RankExitedError, match=f"rank 1 .*{said}") as ei:
+        cluster.run(fn)
+    assert time.monotonic() - t0 < 20
+    assert ei.value.rank == 1 and cluster.closed
+    assert not any(_alive(p) for p in pids)
+    assert _children() <= before

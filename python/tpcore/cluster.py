@@ -642,7 +642,8 @@ class Cluster:
     def _wait(self, want, who):
         """Messages from the ranks until each rank in `want` answered (ok, err, ready) or died:
         (answers {rank: message}, errors [(time, rank, exception)], dead ranks).  After a rank
-        failed, ranks still running `grace` seconds later get the communicator aborted."""
+        failed, ranks still running `grace` seconds later get the communicator aborted; after a
+        rank died, the others are waited for `grace` seconds at most."""
         h = self._h
         outputs = _Outputs()
         pending = set(want)
@@ -654,6 +655,7 @@ class Cluster:
         exited: dict = {}
         broken: dict = {}  # rank -> why its communicator is unusable after the run (None: it is fine)
         first_error_at = None
+        first_dead_at = None
         aborted = False
         t0 = time.monotonic()
         try:
@@ -665,6 +667,8 @@ class Cluster:
                     self._shut(f"a {who} passed the deadline", polite=False)
                     raise CommTimeout(f"{who}: deadline of {self._deadline} s passed; ranks {sorted(pending)} "
                                       f"were still running; the cluster was closed: create a new tpcore.Cluster")
+                if first_dead_at is not None and now - first_dead_at > self._grace:
+                    break  # the cluster closes: the others need not finish (they may wait for the dead one)
                 if first_error_at is not None and not aborted and now - first_error_at > self._grace:
                     aborted = True
                     r0, e0 = errors[0][1], errors[0][2]
@@ -709,6 +713,7 @@ class Cluster:
                         continue
                     dead.append(r)
                     pending.discard(r)
+                    first_dead_at = first_dead_at or time.monotonic()
         finally:
             outputs.close()
         return answers, errors, dead, aborted, [w for w in broken.values() if w]
@@ -743,7 +748,10 @@ class Cluster:
             old = h.jobs[-1]
             h.jobs.append(f"{self._base}_g{len(h.jobs)}")
             for c in h.cmds:
-                c.send(("rebuild", h.jobs[-1]))
+                try:
+                    c.send(("rebuild", h.jobs[-1]))
+                except OSError:  # a rank that raised, then died: the wait below names it
+                    pass
             try:
                 self._await_ready("Cluster.run (rebuilding the communicator)")
             except BaseException as e:
