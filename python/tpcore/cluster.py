@@ -401,7 +401,7 @@ class Cluster:
         After a rank raised, seconds the other ranks get to finish before the
         communicator is aborted (default 1.0); see Notes.
     deadline : float, optional
-        Seconds one run() may take; past it the cluster is closed and CommTimeout names
+        Seconds one run() (and the start) may take; past it the cluster is closed and CommTimeout names
         the ranks still running.  None (default): no limit (interrupt the kernel instead).
 
     Raises
