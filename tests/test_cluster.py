@@ -890,3 +890,30 @@ def test_a_rank_that_dies_does_not_keep_run_waiting(fn, said):
     assert ei.value.rank == 1 and cluster.closed
     assert not any(_alive(p) for p in pids)
     assert _children() <= before
+
+
+GLOBALS = '''
+lr = 0.1
+counter = 0
+
+def bump(comm, by=1):
+    global counter
+    counter += by
+    return counter, lr
+
+def boom(comm, k):
+    raise ValueError(k)
+'''
+
+
+def test_a_partial_of_a_notebook_function_sees_the_ranks_globals():
+    # a functools.partial kept the parent's globals: the rank's counter was 0 again, its own value lost
+    import functools
+    ns = _as_main(GLOBALS)
+    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
+        assert cluster.run(ns["bump"]) == [(1, 0.1)] * 2
+        assert cluster.run(functools.partial(ns["bump"], by=10)) == [(11, 0.1)] * 2
+        assert cluster.run(ns["bump"]) == [(12, 0.1)] * 2
+        with pytest.raises(ValueError) as ei:  # its traceback names the cell, as for the function itself
+            cluster.run(functools.partial(ns["boom"], k="x"))
+        assert 'File "<cell>", line 11, in boom' in str(ei.value), str(ei.value)

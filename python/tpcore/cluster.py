@@ -14,6 +14,7 @@ import atexit
 import codecs
 import contextlib
 import fcntl
+import functools
 import importlib
 import inspect
 import linecache
@@ -43,6 +44,19 @@ _BACKENDS = ("auto", "shm", "nccl")
 
 
 # -- the rank side ---------------------------------------------------------------------
+def _function_of(fn):
+    """The plain function under a functools.partial or a bound method (what has the globals
+    and the code), else fn."""
+    for _ in range(100):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, types.MethodType):
+            fn = fn.__func__
+        else:
+            break
+    return fn
+
+
 class _Globals:
     """The module-level globals of the functions a rank ran, kept between runs.
 
@@ -56,6 +70,7 @@ class _Globals:
         self.own: dict = {}
 
     def enter(self, fn):
+        fn = _function_of(fn)
         g = getattr(fn, "__globals__", None)
         mod = sys.modules.get(getattr(fn, "__module__", None) or "")
         if not isinstance(g, dict) or g is getattr(mod, "__dict__", None):
@@ -81,7 +96,7 @@ def _source_of(fn):
     """fn's file name and its lines as this process's linecache has them (a notebook cell's too):
     cloudpickle sends code as "<dynamic-code>", and the rank's traceback should name and show
     the cell's lines."""
-    code = getattr(fn, "__code__", None)
+    code = getattr(_function_of(fn), "__code__", None)
     if code is None:
         return None
     if os.path.exists(code.co_filename):  # a file: the rank reads it itself
@@ -98,6 +113,7 @@ def _named(code, filename):
 
 
 def _restore_source(fn, source):
+    fn = _function_of(fn)
     code = getattr(fn, "__code__", None)
     if source is None or code is None or code.co_filename != "<dynamic-code>":
         return
@@ -432,7 +448,8 @@ class Cluster:
     * module-level globals of functions defined in the notebook (or a script's
       ``__main__``): a name a rank function sets (``global model; model = ...`` or
       ``globals()["model"] = ...``) stays on that rank, and later functions see it --
-      the rank's value wins over a notebook variable of the same name.  Functions of
+      the rank's value wins over a notebook variable of the same name (a functools.partial
+      or a bound method of such a function too).  Functions of
       importable modules use their module's globals as usual.
 
     **Errors.**  An exception on a rank raises here with the same type where it can be
