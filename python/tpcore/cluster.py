@@ -301,8 +301,8 @@ def _interrupts_held():
     """A Ctrl-C (SIGINT) that arrives in the block is raised at its end: between starting a
     process and recording it, or while stopping them, a KeyboardInterrupt would leave ranks
     (and the janitor waiting for them) running.  Only the main thread gets signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # None: a handler not set from Python, which could not be put back
         return
     got: list = []
     try:
