@@ -917,3 +917,14 @@ def test_a_partial_of_a_notebook_function_sees_the_ranks_globals():
         with pytest.raises(ValueError) as ei:  # its traceback names the cell, as for the function itself
             cluster.run(functools.partial(ns["boom"], k="x"))
         assert 'File "<cell>", line 11, in boom' in str(ei.value), str(ei.value)
+
+
+def test_a_function_that_uses_the_cluster_itself_is_refused_clearly():
+    # it said "cannot pickle '_thread.lock' object"
+    ns = _as_main("def f(comm):\n    return cluster.size\n")
+    with tpcore.Cluster(1, deadline=DEADLINE) as cluster:
+        ns["cluster"] = cluster
+        with pytest.raises(TypeError, match=r"Cluster.run: fn and its arguments must be picklable .*"
+                                            r"a tpcore.Cluster cannot be pickled, so it cannot be sent to its ranks"):
+            cluster.run(ns["f"])
+        assert cluster.run(lambda comm: comm.size) == [1]

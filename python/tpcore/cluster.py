@@ -572,6 +572,12 @@ class Cluster:
             return f"<tpcore.Cluster of {self._n} ranks, closed>"
         return f"<tpcore.Cluster of {self._n} ranks, backend {self._backend!r}>"
 
+    def __reduce__(self) -> Any:
+        # a function that uses the notebook's `cluster` would otherwise fail with "cannot pickle
+        # '_thread.lock' object"
+        raise TypeError("a tpcore.Cluster cannot be pickled, so it cannot be sent to its ranks: fn or "
+                        "its arguments use it (a notebook global?); on the ranks use comm.size / comm.rank")
+
     def __enter__(self) -> "Cluster":
         return self
 
