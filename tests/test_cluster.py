@@ -928,3 +928,19 @@ def test_a_function_that_uses_the_cluster_itself_is_refused_clearly():
                                             r"a tpcore.Cluster cannot be pickled, so it cannot be sent to its ranks"):
             cluster.run(ns["f"])
         assert cluster.run(lambda comm: comm.size) == [1]
+
+
+def _uses_fileno(comm):
+    import faulthandler
+    faulthandler.enable()  # needs sys.stderr.fileno()
+    subprocess.run(["sh", "-c", f"echo echo of rank {comm.rank}"], stdout=sys.stdout, check=True)
+    return sys.stdout.fileno(), sys.stderr.fileno()
+
+
+def test_fileno_of_a_ranks_streams(capfd):
+    # sys.stdout.fileno() raised io.UnsupportedOperation: faulthandler.enable() failed on the ranks
+    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
+        assert cluster.run(_uses_fileno) == [(1, 2)] * 2
+        out = capfd.readouterr().out
+    for r in range(2):
+        assert f"[rank{r}] echo of rank {r}\n" in out, out

@@ -212,6 +212,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
     for fd, name in ((1, "stdout"), (2, "stderr")):
         try:
             fds.append(_FdRelay(fd, name, rank, send))
+            getattr(sys, name).fd = fd  # sys.stdout.fileno() works (faulthandler.enable(), subprocesses)
         except OSError:
             pass
 

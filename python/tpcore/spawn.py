@@ -59,8 +59,15 @@ class _RelayStream(io.TextIOBase):
     def __init__(self, send, rank, name):
         self._send, self._rank, self._name, self._buf = send, rank, name, ""
 
+    fd = None  # what fileno() gives (faulthandler, subprocess): set where the descriptor is relayed too
+
     def writable(self):
         return True
+
+    def fileno(self):
+        if self.fd is None:
+            raise io.UnsupportedOperation("fileno")
+        return self.fd
 
     def write(self, s):
         self._buf += s
