@@ -8,6 +8,7 @@ with / garbage collection / exit / interrupt leaving no process and no /dev/shm 
 bad arguments; spawn's clear error for a function a spawned process cannot import; and
 examples/cluster.ipynb executed in a real kernel (nbclient)."""
 import gc
+import io
 import os
 import pathlib
 import re
@@ -944,3 +945,30 @@ def test_fileno_of_a_ranks_streams(capfd):
         out = capfd.readouterr().out
     for r in range(2):
         assert f"[rank{r}] echo of rank {r}\n" in out, out
+
+
+class _BrokenStream(io.StringIO):
+    def write(self, s):
+        raise OSError("stream broken")
+
+
+def test_an_error_while_reading_answers_does_not_shift_later_results(monkeypatch):
+    # an exception inside run()'s wait (here a broken sys.stdout) left the ranks' answers in the
+    # pipes: every later run() returned the previous run's results
+    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
+        monkeypatch.setattr(sys, "stdout", _BrokenStream())
+        assert cluster.run(lambda comm, k: (print("hello"), k)[1], "first") == ["first"] * 2  # output dropped
+        monkeypatch.undo()
+        assert cluster.run(lambda comm, k: k, "second") == ["second"] * 2
+        # any other failure there closes the cluster rather than leave it out of step
+        import tpcore.cluster as tc
+
+        def broken_rebuild(*a):
+            raise MemoryError("no memory for the exception")
+        monkeypatch.setattr(tc, "_rebuild", broken_rebuild)
+        with pytest.raises(MemoryError):
+            cluster.run(lambda comm: 1 / 0)
+        monkeypatch.undo()
+        assert cluster.closed
+        with pytest.raises(RuntimeError, match=r"this cluster is closed \(a Cluster.run failed reading the ranks"):
+            cluster.run(lambda comm, k: k, "third")

@@ -738,6 +738,11 @@ class Cluster:
                     dead.append(r)
                     pending.discard(r)
                     first_dead_at = first_dead_at or time.monotonic()
+        except Exception:
+            # the ranks' answers not read yet would be taken for the next call's: out of step for good
+            if not h.closed:
+                self._shut(f"a {who} failed reading the ranks' answers", polite=False)
+            raise
         finally:
             outputs.close()
         return answers, errors, dead, aborted, [w for w in broken.values() if w]

@@ -217,7 +217,10 @@ class _Outputs:
         if key not in self.relays:
             self.relays[key] = self.console.relay(
                 (lambda: sys.stdout) if key[1] == "stdout" else (lambda: sys.stderr), f"[rank{r}] ")
-        self.relays[key].feed(msg[3])
+        try:
+            self.relays[key].feed(msg[3])
+        except Exception:  # noqa: BLE001 - a broken sys.stdout must not hide the results
+            pass
 
     def close(self):
         """Write the ranks' unfinished last lines."""
