@@ -509,7 +509,7 @@ class Cluster:
         if start_method is not None and start_method not in methods:
             raise ValueError(f"Cluster: start_method must be one of {', '.join(map(repr, methods))}, "
                              f"got {start_method!r}")
-        self._n, self._deadline, self._timeout, self._requested = n, deadline, timeout, backend
+        self._n, self._deadline = n, deadline
         self._why_closed = ""
         self._busy = threading.Lock()
         self._backend = None
