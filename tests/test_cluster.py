@@ -972,3 +972,26 @@ def test_an_error_while_reading_answers_does_not_shift_later_results(monkeypatch
         assert cluster.closed
         with pytest.raises(RuntimeError, match=r"this cluster is closed \(a Cluster.run failed reading the ranks"):
             cluster.run(lambda comm, k: k, "third")
+
+
+BAD_STR = '''
+class BadStr(Exception):
+    def __str__(self):
+        raise RuntimeError("str() fails")
+
+def raise_bad_str(comm):
+    raise BadStr("x")
+'''
+
+
+def test_an_exception_whose_str_fails_keeps_the_cluster():
+    # str(e) failed inside the rank's error report: the rank died and the cluster was closed
+    ns = _as_main(BAD_STR)
+    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
+        with pytest.raises(ns["BadStr"]) as ei:  # the notebook class, its rank and traceback as a note
+            cluster.run(ns["raise_bad_str"])
+        assert ei.value.rank in (0, 1)
+        notes = "\n".join(getattr(ei.value, "__notes__", []))
+        assert "raised BadStr: <str() of the BadStr failed>" in notes and "in raise_bad_str" in notes, notes
+        assert not cluster.closed
+        assert cluster.run(lambda comm: comm.rank) == [0, 1]

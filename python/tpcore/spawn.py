@@ -114,7 +114,11 @@ def _error_message(e, rank, dumps=pickle.dumps):
         pickle.loads(blob)
     except Exception:  # noqa: BLE001
         blob = None
-    return ("err", rank, blob, type(e).__name__, str(e), tb)
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001 - its own __str__ failed: say so rather than lose the rank
+        text = f"<str() of the {type(e).__name__} failed>"
+    return ("err", rank, blob, type(e).__name__, text, tb)
 
 
 def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_pid, relay):
