@@ -79,8 +79,13 @@ class LineRelay:
             buf = self._buf + text
             i = 0
             n = len(buf)
-            while True:
-                j = _next_end(buf, i)
+            nl = cr = -2  # the next "\n" / "\r" at or after i (-1: none): each found once, so that
+            while True:   # a long text without "\r" is not searched to its end at every line
+                if -1 < nl < i or nl == -2:
+                    nl = buf.find("\n", i)
+                if -1 < cr < i or cr == -2:
+                    cr = buf.find("\r", i)
+                j = cr if nl < 0 else nl if cr < 0 else min(nl, cr)
                 if j < 0:
                     break
                 seg, end = buf[i:j], buf[j]
@@ -157,15 +162,6 @@ class LineRelay:
         else:
             self._take_over(out)
             out.write(f"{self.prefix}{seg}\n")
-
-
-def _next_end(s: str, start: int) -> int:
-    a, b = s.find("\n", start), s.find("\r", start)
-    if a < 0:
-        return b
-    if b < 0:
-        return a
-    return min(a, b)
 
 
 def pump(fd: int, relay: LineRelay) -> None:

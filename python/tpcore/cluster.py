@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import atexit
 import codecs
+import contextlib
+import fcntl
+import functools
 import importlib
 import inspect
 import linecache
@@ -41,6 +44,19 @@ _BACKENDS = ("auto", "shm", "nccl")
 
 
 # -- the rank side ---------------------------------------------------------------------
+def _function_of(fn):
+    """The plain function under a functools.partial or a bound method (what has the globals
+    and the code), else fn."""
+    for _ in range(100):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, types.MethodType):
+            fn = fn.__func__
+        else:
+            break
+    return fn
+
+
 class _Globals:
     """The module-level globals of the functions a rank ran, kept between runs.
 
@@ -54,6 +70,7 @@ class _Globals:
         self.own: dict = {}
 
     def enter(self, fn):
+        fn = _function_of(fn)
         g = getattr(fn, "__globals__", None)
         mod = sys.modules.get(getattr(fn, "__module__", None) or "")
         if not isinstance(g, dict) or g is getattr(mod, "__dict__", None):
@@ -79,7 +96,7 @@ def _source_of(fn):
     """fn's file name and its lines as this process's linecache has them (a notebook cell's too):
     cloudpickle sends code as "<dynamic-code>", and the rank's traceback should name and show
     the cell's lines."""
-    code = getattr(fn, "__code__", None)
+    code = getattr(_function_of(fn), "__code__", None)
     if code is None:
         return None
     if os.path.exists(code.co_filename):  # a file: the rank reads it itself
@@ -96,6 +113,7 @@ def _named(code, filename):
 
 
 def _restore_source(fn, source):
+    fn = _function_of(fn)
     code = getattr(fn, "__code__", None)
     if source is None or code is None or code.co_filename != "<dynamic-code>":
         return
@@ -108,20 +126,30 @@ def _restore_source(fn, source):
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
 
 
+_PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size
+
+
 class _FdRelay:
     """Writes to file descriptor 1 or 2 of a rank that bypass sys.stdout / sys.stderr (C code:
     the communicator's history on a failure; subprocesses; os.write) go to the parent as "out"
     messages too, so they get the rank prefix in the cell: a pipe in place of the descriptor,
-    read by a thread.  sync() returns once everything written before it was sent."""
+    read by a thread.  sync() returns once everything written before it was sent.  The thread
+    needs the GIL: C code that holds it while writing more than the pipe holds (1 MiB) blocks
+    for good."""
 
     def __init__(self, fd, name, rank, send):
         self.fd, self.name, self.rank, self.send = fd, name, rank, send
         self.marker = b"\0tpcore-sync-" + secrets.token_hex(6).encode() + b"\0"
         r, w = os.pipe()
+        try:  # C code that writes while holding the GIL blocks the pump: it must not fill the pipe
+            fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_SIZE)
+        except OSError:  # above /proc/sys/fs/pipe-max-size (or not Linux): the default, 64 KiB
+            pass
         os.dup2(w, fd)
         os.close(w)
         self.r = r
-        self.seen = threading.Semaphore(0)
+        self.cv = threading.Condition()
+        self.asked = self.seen = 0  # markers written / markers the pump got to, in order
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         threading.Thread(target=self._pump, name=f"tpcore-fd{fd}", daemon=True).start()
 
@@ -141,7 +169,9 @@ class _FdRelay:
             while (i := buf.find(m)) >= 0:
                 self._out(buf[:i])
                 buf = buf[i + len(m):]
-                self.seen.release()
+                with self.cv:
+                    self.seen += 1
+                    self.cv.notify_all()
             keep = next((j for j in range(min(len(m) - 1, len(buf)), 0, -1) if m.startswith(buf[-j:])), 0)
             self._out(buf[:len(buf) - keep])  # all but a marker's start cut between two reads
             buf = buf[len(buf) - keep:]
@@ -155,11 +185,16 @@ class _FdRelay:
                 pass
 
     def sync(self, timeout=2.0):
+        # counted, not a semaphore: the marker of a sync that timed out, seen later, must not
+        # let the next sync return before its own output was sent
         try:
             os.write(self.fd, self.marker)
         except OSError:
             return
-        self.seen.acquire(timeout=timeout)
+        self.asked += 1
+        want = self.asked
+        with self.cv:
+            self.cv.wait_for(lambda: self.seen >= want, timeout)
 
 
 def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
@@ -177,6 +212,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
     for fd, name in ((1, "stdout"), (2, "stderr")):
         try:
             fds.append(_FdRelay(fd, name, rank, send))
+            getattr(sys, name).fd = fd  # sys.stdout.fileno() works (faulthandler.enable(), subprocesses)
         except OSError:
             pass
 
@@ -261,6 +297,31 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
 
 
 # -- the parent side ---------------------------------------------------------------------
+@contextlib.contextmanager
+def _interrupts_held():
+    """A Ctrl-C (SIGINT) that arrives in the block is raised at its end: between starting a
+    process and recording it, or while stopping them, a KeyboardInterrupt would leave ranks
+    (and the janitor waiting for them) running.  Only the main thread gets signals."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # None: a handler not set from Python, which could not be put back
+        return
+    got: list = []
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    except (ValueError, OSError):  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got:
+            if callable(old):
+                old(signal.SIGINT, got[0])
+            elif old == signal.SIG_DFL:
+                raise KeyboardInterrupt
+
+
 class _Ranks:
     """A cluster's processes and pipes, apart from the Cluster object, so that closing them
     at garbage collection or at exit needs no reference to it."""
@@ -280,6 +341,10 @@ class _Ranks:
             return
         self.closed = True
         _live.discard(self)
+        with _interrupts_held():  # a second Ctrl-C must not leave ranks behind
+            self._close(polite, grace)
+
+    def _close(self, polite, grace):
         try:
             if polite:
                 for c in self.cmds:
@@ -353,7 +418,7 @@ class Cluster:
         After a rank raised, seconds the other ranks get to finish before the
         communicator is aborted (default 1.0); see Notes.
     deadline : float, optional
-        Seconds one run() may take; past it the cluster is closed and CommTimeout names
+        Seconds one run() (and the start) may take; past it the cluster is closed and CommTimeout names
         the ranks still running.  None (default): no limit (interrupt the kernel instead).
 
     Raises
@@ -384,7 +449,8 @@ class Cluster:
     * module-level globals of functions defined in the notebook (or a script's
       ``__main__``): a name a rank function sets (``global model; model = ...`` or
       ``globals()["model"] = ...``) stays on that rank, and later functions see it --
-      the rank's value wins over a notebook variable of the same name.  Functions of
+      the rank's value wins over a notebook variable of the same name (a functools.partial
+      or a bound method of such a function too).  Functions of
       importable modules use their module's globals as usual.
 
     **Errors.**  An exception on a rank raises here with the same type where it can be
@@ -443,7 +509,7 @@ class Cluster:
         if start_method is not None and start_method not in methods:
             raise ValueError(f"Cluster: start_method must be one of {', '.join(map(repr, methods))}, "
                              f"got {start_method!r}")
-        self._n, self._deadline, self._timeout, self._requested = n, deadline, timeout, backend
+        self._n, self._deadline = n, deadline
         self._why_closed = ""
         self._busy = threading.Lock()
         self._backend = None
@@ -454,23 +520,25 @@ class Cluster:
         _live.add(h)
         ctx = mp.get_context(start_method or _default_method())
         h.jobs.append(self._base + "_g0")  # job ids "<base>_g<N>": the janitor removes "<base>_*"
-        life_w, h.janitor = _cleanup.start_janitor(self._base)
-        life = None if life_w is None else mp.connection.Connection(life_w, readable=False)
+        life = None
         try:
-            for r in range(n):
-                crd, cwr = ctx.Pipe(duplex=False)
-                rrd, rwr = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_rank_main, name=f"tpcore-cluster-rank{r}",
-                                args=(r, n, h.jobs[-1], backend, timeout, crd, rwr, os.getpid(), life))
-                p.start()
-                crd.close()
-                rwr.close()
-                h.procs.append(p)
-                h.cmds.append(cwr)
-                h.results.append(rrd)
-            if life is not None:  # the ranks hold it now; processes forked later must not
-                life.close()
-                life = None
+            with _interrupts_held():  # a process started is recorded before a Ctrl-C can lose it
+                life_w, h.janitor = _cleanup.start_janitor(self._base)
+                life = None if life_w is None else mp.connection.Connection(life_w, readable=False)
+                for r in range(n):
+                    crd, cwr = ctx.Pipe(duplex=False)
+                    rrd, rwr = ctx.Pipe(duplex=False)
+                    p = ctx.Process(target=_rank_main, name=f"tpcore-cluster-rank{r}",
+                                    args=(r, n, h.jobs[-1], backend, timeout, crd, rwr, os.getpid(), life))
+                    p.start()
+                    crd.close()
+                    rwr.close()
+                    h.procs.append(p)
+                    h.cmds.append(cwr)
+                    h.results.append(rrd)
+                if life is not None:  # the ranks hold it now; processes forked later must not
+                    life.close()
+                    life = None
             self._await_ready("Cluster")
         except BaseException:
             if life is not None:
@@ -504,6 +572,12 @@ class Cluster:
         if self.closed:
             return f"<tpcore.Cluster of {self._n} ranks, closed>"
         return f"<tpcore.Cluster of {self._n} ranks, backend {self._backend!r}>"
+
+    def __reduce__(self) -> Any:
+        # a function that uses the notebook's `cluster` would otherwise fail with "cannot pickle
+        # '_thread.lock' object"
+        raise TypeError("a tpcore.Cluster cannot be pickled, so it cannot be sent to its ranks: fn or "
+                        "its arguments use it (a notebook global?); on the ranks use comm.size / comm.rank")
 
     def __enter__(self) -> "Cluster":
         return self
@@ -592,7 +666,8 @@ class Cluster:
     def _wait(self, want, who):
         """Messages from the ranks until each rank in `want` answered (ok, err, ready) or died:
         (answers {rank: message}, errors [(time, rank, exception)], dead ranks).  After a rank
-        failed, ranks still running `grace` seconds later get the communicator aborted."""
+        failed, ranks still running `grace` seconds later get the communicator aborted; after a
+        rank died, the others are waited for `grace` seconds at most."""
         h = self._h
         outputs = _Outputs()
         pending = set(want)
@@ -604,15 +679,20 @@ class Cluster:
         exited: dict = {}
         broken: dict = {}  # rank -> why its communicator is unusable after the run (None: it is fine)
         first_error_at = None
+        first_dead_at = None
         aborted = False
         t0 = time.monotonic()
         try:
             while pending:
+                if h.closed:  # close() from another thread
+                    raise RuntimeError(f"{who}: the cluster was closed while this call ran ({self._why_closed})")
                 now = time.monotonic()
                 if self._deadline is not None and now - t0 > self._deadline:
                     self._shut(f"a {who} passed the deadline", polite=False)
                     raise CommTimeout(f"{who}: deadline of {self._deadline} s passed; ranks {sorted(pending)} "
                                       f"were still running; the cluster was closed: create a new tpcore.Cluster")
+                if first_dead_at is not None and now - first_dead_at > self._grace:
+                    break  # the cluster closes: the others need not finish (they may wait for the dead one)
                 if first_error_at is not None and not aborted and now - first_error_at > self._grace:
                     aborted = True
                     r0, e0 = errors[0][1], errors[0][2]
@@ -622,7 +702,13 @@ class Cluster:
                     except OSError:
                         pass
                 waitables = list(conns) + [s for s, r in sentinels.items() if r not in exited]
-                for obj in wait(waitables, timeout=0.1):
+                try:
+                    ready = wait(waitables, timeout=0.1)
+                except (OSError, ValueError):  # a pipe closed by close() from another thread
+                    if h.closed:
+                        continue
+                    raise
+                for obj in ready:
                     if obj in sentinels:
                         exited[sentinels[obj]] = time.monotonic()
                         continue
@@ -651,11 +737,19 @@ class Cluster:
                         continue
                     dead.append(r)
                     pending.discard(r)
+                    first_dead_at = first_dead_at or time.monotonic()
+        except Exception:
+            # the ranks' answers not read yet would be taken for the next call's: out of step for good
+            if not h.closed:
+                self._shut(f"a {who} failed reading the ranks' answers", polite=False)
+            raise
         finally:
             outputs.close()
         return answers, errors, dead, aborted, [w for w in broken.values() if w]
 
     def _raise_dead(self, dead, who):
+        if self._h.closed:  # stopped by close() from another thread, not dead by themselves
+            raise RuntimeError(f"{who}: the cluster was closed while this call ran ({self._why_closed})")
         err = _exit_error(dead[0], self._h.procs[dead[0]])
         self._shut(f"rank {dead[0]} died", polite=False)
         others = f" (so did ranks {dead[1:]})" if len(dead) > 1 else ""
@@ -683,7 +777,10 @@ class Cluster:
             old = h.jobs[-1]
             h.jobs.append(f"{self._base}_g{len(h.jobs)}")
             for c in h.cmds:
-                c.send(("rebuild", h.jobs[-1]))
+                try:
+                    c.send(("rebuild", h.jobs[-1]))
+                except OSError:  # a rank that raised, then died: the wait below names it
+                    pass
             try:
                 self._await_ready("Cluster.run (rebuilding the communicator)")
             except BaseException as e:
@@ -700,4 +797,11 @@ class Cluster:
                 exc.add_note(note)
         if exc is not None:
             raise exc
-        return [pickle.loads(answers[r][2]) for r in range(self._n)]
+        results = []
+        for r in range(self._n):
+            try:
+                results.append(pickle.loads(answers[r][2]))
+            except Exception as e:  # noqa: BLE001 - e.g. a class of a module only the rank imported
+                raise TypeError(f"Cluster.run: the return value of rank {r} cannot be unpickled here: "
+                                f"{type(e).__name__}: {e}") from e
+        return results

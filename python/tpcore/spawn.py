@@ -59,8 +59,15 @@ class _RelayStream(io.TextIOBase):
     def __init__(self, send, rank, name):
         self._send, self._rank, self._name, self._buf = send, rank, name, ""
 
+    fd = None  # what fileno() gives (faulthandler, subprocess): set where the descriptor is relayed too
+
     def writable(self):
         return True
+
+    def fileno(self):
+        if self.fd is None:
+            raise io.UnsupportedOperation("fileno")
+        return self.fd
 
     def write(self, s):
         self._buf += s
@@ -107,7 +114,11 @@ def _error_message(e, rank, dumps=pickle.dumps):
         pickle.loads(blob)
     except Exception:  # noqa: BLE001
         blob = None
-    return ("err", rank, blob, type(e).__name__, str(e), tb)
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001 - its own __str__ failed: say so rather than lose the rank
+        text = f"<str() of the {type(e).__name__} failed>"
+    return ("err", rank, blob, type(e).__name__, text, tb)
 
 
 def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_pid, relay):
@@ -210,7 +221,10 @@ class _Outputs:
         if key not in self.relays:
             self.relays[key] = self.console.relay(
                 (lambda: sys.stdout) if key[1] == "stdout" else (lambda: sys.stderr), f"[rank{r}] ")
-        self.relays[key].feed(msg[3])
+        try:
+            self.relays[key].feed(msg[3])
+        except Exception:  # noqa: BLE001 - a broken sys.stdout must not hide the results
+            pass
 
     def close(self):
         """Write the ranks' unfinished last lines."""
