@@ -482,6 +482,31 @@ def test_two_forwards_before_backward(world):
     assert run(_replay_case, world) == [True] * world
 
 
+def _double_backward_case(comm):
+    """create_graph=True through a C layer is refused by name, on every rank alike (the check
+    comes before any collective), and the module stays usable afterwards."""
+    g = gen(5200)
+    mlp = tt.ParallelMLP(H, FFN, comm, seed=4)
+    x = randn(g, 3, H).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"tpcore.torch.ParallelMLP: double backward \(create_graph=True"):
+        torch.autograd.grad((mlp(x) ** 2).sum(), x, create_graph=True)
+    # a constant upstream gradient too (once_differentiable would let this one through silently)
+    logits = randn(g, 3, 4).requires_grad_()
+    with pytest.raises(RuntimeError, match="VocabParallelCrossEntropy: double backward"):
+        torch.autograd.grad(tt.vocab_parallel_cross_entropy(logits, torch.tensor([0, 1, 2]), comm), logits,
+                            create_graph=True)
+    P = {k: v.double() for k, v in mlp.state_dict().items()}
+    x64 = x.detach().double().requires_grad_()
+    _mlp_ref("gelu", P, x64).backward(torch.ones(3, H, dtype=torch.float64))
+    mlp(x).backward(torch.ones(3, H))
+    close(x.grad, x64.grad, "dx after a refused double backward")
+    return True
+
+
+def test_double_backward_refused():
+    assert run(_double_backward_case, 2) == [True, True]
+
+
 # ------------------------------------------------------------------ zero copy
 def _zero_copy_case(comm):
     m = tt.ColumnParallelLinear(IN, OUT, comm)

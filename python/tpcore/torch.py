@@ -151,6 +151,14 @@ class _Holder(torch.nn.Module):
 
 
 # ------------------------------------------------------------------ the autograd node
+def _first_order(mod: Any) -> None:
+    """Refuse a backward with create_graph=True: the C backward is not differentiable, so its
+    results would silently carry no second-order terms."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{mod._who}: double backward (create_graph=True, e.g. a gradient penalty) is not "
+                           f"supported: the C layer's backward is not itself differentiable")
+
+
 class _Apply(torch.autograd.Function):
     """y = mod's C forward of inputs; backward: the C backward (its collectives), the input
     gradient and a copy of each parameter's gradient.  The parameters are inputs so torch
@@ -167,6 +175,7 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         mod = ctx.mod
+        _first_order(mod)
         saved = ctx.saved_tensors  # torch raises here if one was modified in place since forward
         inputs, params = saved[:ctx.n_in], saved[ctx.n_in:]
         if mod._tp_gen != ctx.gen:  # another forward (or a backward) ran since: replay this one
@@ -629,6 +638,7 @@ class _XentApply(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dloss: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         mod = ctx.mod
+        _first_order(mod)
         logits, targets = ctx.saved_tensors
         if mod._tp_gen != ctx.gen:
             mod._c_forward(logits, targets, ctx.vocab_offset)
