@@ -763,6 +763,11 @@ def _errors_case(comm):
     with pytest.raises(TypeError, match="cannot be moved or converted"):
         m.to(torch.bfloat16)
     assert m.to("cpu") is m and m.weight.data_ptr() == m.layer.weight.ctypes.data
+    # share_memory_ works in place (same tensor, new storage): refused before it moves anything
+    for owner in (m, torch.nn.Sequential(m)):
+        with pytest.raises(TypeError, match="cannot be moved or converted"):
+            owner.share_memory()
+        assert m.weight.data_ptr() == m.layer.weight.ctypes.data
     with pytest.raises(TypeError, match="comm must be a tpcore.Comm"):
         tt.ParallelMLP(4, 4, object())
     with pytest.raises(ValueError, match="activation"):

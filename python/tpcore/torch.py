@@ -235,14 +235,19 @@ class _TPModule(torch.nn.Module):
         return self._c_forward(*inputs, need_backward=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "_TPModule":
-        """Refuse .to(dtype/device), .half(), .cuda() ... that would replace the parameters by
-        copies: they must stay views of the C layer's memory."""
+        """Refuse .to(dtype/device), .half(), .cuda(), share_memory() ... that would replace the
+        parameters by copies or move their storage: they must stay views of the C layer's
+        memory.  fn is tried on a one-element stand-in of each parameter, never on the
+        parameter itself, because an in-place fn (share_memory_) would already have moved it."""
         for name, p in self.named_parameters():
-            q = fn(p)
-            if q is not p and (q.data_ptr() != p.data_ptr() or q.dtype != p.dtype or q.device != p.device):
+            probe = torch.empty((1,), dtype=p.dtype, device=p.device)
+            ptr = probe.data_ptr()
+            q = fn(probe)
+            if q.data_ptr() != ptr or probe.data_ptr() != ptr or q.dtype != p.dtype or q.device != p.device:
                 raise TypeError(f"{self._who}: its parameters live in the C layer's memory ({p.dtype} on "
                                 f"{_dev_text(p)}) and cannot be moved or converted ({name} would become {q.dtype} "
-                                f"on {_dev_text(q)}); build the module with device=... and dtype=... instead")
+                                f"on {_dev_text(q)} in other memory); build the module with device=... and "
+                                f"dtype=... instead")
         return self
 
     # ---- state dicts
