@@ -797,6 +797,15 @@ def _errors_case(comm):
     m.load_state_dict({"weight": W}, strict=False)
     now = m.state_dict()
     assert torch.equal(now["weight"], W) and torch.equal(now["bias"], sd["bias"])
+    # a parameter parted from the C memory (its .data replaced, or another Parameter assigned)
+    # would train a copy the C layer never sees: the next forward says so
+    mlp = tt.ParallelMLP(4, 5, comm)
+    torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(mlp.parameters()) + 1, mlp.parameters())
+    with pytest.raises(RuntimeError, match=r"ParallelMLP: parameter fc\d\.\w+ no longer views the C layer's memory"):
+        mlp(torch.randn(2, 4))
+    m.weight = torch.nn.Parameter(W.clone())  # e.g. tying the weight to another module's
+    with pytest.raises(RuntimeError, match="parameter weight no longer views the C layer's memory"):
+        m(x)
     return True
 
 

@@ -9,7 +9,8 @@ and this module raises ImportError saying how to install it when it is missing.
 
 Memory.  Parameters are ``nn.Parameter``s viewing the C layer's weight and bias buffers (this
 rank's shard): a torch optimizer updating them in place (SGD, Adam, AdamW ...) updates the C
-layer.  Activations cross without copies: a float32 C-contiguous CPU tensor is handed to C as a
+layer; replacing one's ``.data`` or assigning another Parameter (weight tying) would part it from
+the C layer, and the next forward raises RuntimeError.  Activations cross without copies: a float32 C-contiguous CPU tensor is handed to C as a
 NumPy view of its memory, and the C result comes back as a tensor over the NumPy array
 (``torch.from_numpy``).  A float16 / bfloat16 input is converted to float32 (the C layers compute
 in float32) and the output given back in the input's dtype; a non-contiguous one is made
@@ -205,6 +206,7 @@ class _TPModule(torch.nn.Module):
         self.device_ = device
         self._tp_gen = 0
         self._tp_sharded = False
+        self._tp_views: List[Tuple[torch.nn.Module, str, int]] = []  # (owner, name, C address): _check_views
 
     def _adopt_param(self, owner: torch.nn.Module, name: str, view: Any) -> torch.nn.Parameter:
         """An nn.Parameter over the C buffer `view` (no copy), registered as owner.name."""
@@ -212,7 +214,23 @@ class _TPModule(torch.nn.Module):
         p = torch.nn.Parameter(t, requires_grad=True)
         assert p.data_ptr() == t.data_ptr()
         owner.register_parameter(name, p)
+        self._tp_views.append((owner, name, p.data_ptr()))
         return p
+
+    def _check_views(self) -> None:
+        """A RuntimeError unless every parameter still views its C buffer: one whose .data was
+        replaced (param.data = ..., torch.nn.utils.vector_to_parameters) or a Parameter assigned
+        in its place would be trained as a copy the C layer never sees."""
+        for owner, name, ptr in self._tp_views:
+            p = owner._parameters.get(name)
+            if p is None or p.data_ptr() != ptr:
+                where = next(k for k, mod in self.named_modules() if mod is owner)
+                full = f"{where}.{name}" if where else name
+                raise RuntimeError(f"{self._who}: parameter {full} no longer views the C layer's memory (its .data "
+                                   f"was replaced, e.g. by torch.nn.utils.vector_to_parameters or `param.data = ...`, "
+                                   f"or another Parameter was assigned), so the C layer would not see it; write "
+                                   f"values in place instead (with torch.no_grad(): param.copy_(...)) or use "
+                                   f"load_state_dict")
 
     # the order of the parameters handed to _Apply, and their C gradient buffers
     def _tp_params(self) -> List[torch.nn.Parameter]:
@@ -227,6 +245,7 @@ class _TPModule(torch.nn.Module):
 
     def _run(self, *inputs: torch.Tensor) -> torch.Tensor:
         """inputs through the C layer: with autograd when a gradient is wanted, else directly."""
+        self._check_views()
         params = self._tp_params()
         if torch.is_grad_enabled() and (any(t.requires_grad for t in inputs if t.is_floating_point()) or
                                         any(p.requires_grad for p in params)):
