@@ -4,7 +4,9 @@ parameter gradients at world sizes 1-4 with odd and uneven sizes; two forwards b
 backward, retain_graph, no_grad, requires_grad=False, accumulation; a small model trained
 at world 2 step for step against the plain torch model; full state dicts across world
 sizes; sharded state dicts; zero-copy crossings; bad inputs."""
+import copy
 import math
+import pickle
 import subprocess
 import sys
 
@@ -797,6 +799,11 @@ def _errors_case(comm):
     m.load_state_dict({"weight": W}, strict=False)
     now = m.state_dict()
     assert torch.equal(now["weight"], W) and torch.equal(now["bias"], sd["bias"])
+    # pickling and copying: refused by name (a shallow copy would share the C layer but not the
+    # forward counter, so the replay before backward would be skipped: wrong gradients)
+    for how, what in ((copy.copy, m), (copy.deepcopy, torch.nn.Sequential(m)), (pickle.dumps, torch.nn.Sequential(m))):
+        with pytest.raises(TypeError, match="ColumnParallelLinear cannot be pickled or copied.*state_dict"):
+            how(what)
     # a parameter parted from the C memory (its .data replaced, or another Parameter assigned)
     # would train a copy the C layer never sees: the next forward says so
     mlp = tt.ParallelMLP(4, 5, comm)

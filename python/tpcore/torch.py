@@ -10,9 +10,9 @@ and this module raises ImportError saying how to install it when it is missing.
 Memory.  Parameters are ``nn.Parameter``s viewing the C layer's weight and bias buffers (this
 rank's shard): a torch optimizer updating them in place (SGD, Adam, AdamW ...) updates the C
 layer; replacing one's ``.data`` or assigning another Parameter (weight tying) would part it from
-the C layer, and the next forward raises RuntimeError.  Activations cross without copies: a float32 C-contiguous CPU tensor is handed to C as a
-NumPy view of its memory, and the C result comes back as a tensor over the NumPy array
-(``torch.from_numpy``).  A float16 / bfloat16 input is converted to float32 (the C layers compute
+the C layer, and the next forward raises RuntimeError.  Activations cross without copies: a
+float32 C-contiguous CPU tensor is handed to C as a NumPy view of its memory, and the C result
+comes back as a tensor over the NumPy array (``torch.from_numpy``).  A float16 / bfloat16 input is converted to float32 (the C layers compute
 in float32) and the output given back in the input's dtype; a non-contiguous one is made
 contiguous (a copy).  Gradients reach ``param.grad`` with torch's semantics (a second backward
 adds; ``requires_grad=False`` parameters get none); the C layer's own gradient buffers are
@@ -268,6 +268,13 @@ class _TPModule(torch.nn.Module):
                                 f"on {_dev_text(q)} in other memory); build the module with device=... and "
                                 f"dtype=... instead")
         return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """pickle, copy.copy and copy.deepcopy: refused by name (the C layer, its communicator
+        and the parameters over its memory cannot travel or be duplicated)."""
+        raise TypeError(f"{self._who} cannot be pickled or copied: its parameters are views of a C layer bound to "
+                        f"this process's communicator; save model.state_dict() (full tensors, loads at any world "
+                        f"size) or tpcore.torch.sharded_state_dict(model), and build a new module to load it into")
 
     # ---- state dicts
     def _tp_full(self) -> Dict[str, np.ndarray]:
