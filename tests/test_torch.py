@@ -409,6 +409,13 @@ def _semantics_case(comm):
     m.weight.requires_grad_(True)
     m.bias.requires_grad_(True)
 
+    # so is a load_state_dict between forward and backward (C writes the parameters: versions bumped)
+    y = m(x1)
+    m.load_state_dict({k: v + 1 for k, v in m.state_dict().items()})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    m.load_state_dict({"weight": W, "bias": b})
+
     # an optimizer step between forward and backward is caught by torch, as for nn.Linear
     y = m(x1)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

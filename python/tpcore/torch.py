@@ -348,8 +348,11 @@ class _TPModule(torch.nn.Module):
         if missing:  # strict=False: keep the current values of what is missing (gathered: every rank does it)
             full = self._tp_full()
             tensors = {k: tensors.get(k, full[k]) for k in shapes}
-        with torch.no_grad():
-            self._tp_load_full(tensors)
+        self._tp_load_full(tensors)
+        # C wrote the parameters behind torch's back: bump their versions, so that a backward of
+        # a forward from before the load is refused (as after nn.Linear's load_state_dict)
+        for p in self._tp_local().values():
+            torch.autograd.graph.increment_version(p)
 
     def _load_sharded(self, mine: Dict[str, Any], prefix: str, missing_keys: List[str], unexpected_keys: List[str],
                       error_msgs: List[str]) -> None:
