@@ -403,7 +403,7 @@ def _comm_arg(comm: Any, who: str) -> None:
 
 # ------------------------------------------------------------------ linear layers
 class _Linear(_TPModule):
-    _tp_cls = None
+    """What the column- and row-parallel modules share (they differ only in the layer made)."""
 
     def _make(self, layer: Any, device: Tuple[str, int]) -> None:
         self._tp_init(layer, device)
