@@ -516,6 +516,39 @@ def test_double_backward_refused():
     assert run(_double_backward_case, 2) == [True, True]
 
 
+def _jit_case(comm):
+    """torch.jit.trace records each C call (a traced direct result would be a constant: the
+    same output for every input), with or without gradients; torch.jit.script is refused."""
+    g = gen(5300)
+    col, row = tt.ColumnParallelLinear(IN, OUT, comm, seed=1), tt.RowParallelLinear(OUT, 5, comm, seed=2)
+    model = torch.nn.Sequential(col, torch.nn.GELU(), row)
+    P = {k: v.double() for k, v in model.state_dict().items()}
+
+    def ref(x):
+        return F.linear(F.gelu(F.linear(x.double(), P["0.weight"], P["0.bias"])), P["2.weight"], P["2.bias"])
+    for frozen in (False, True):
+        model.requires_grad_(not frozen)
+        traced = torch.jit.trace(model, randn(g, 2, IN))
+        x = randn(g, 4, IN).requires_grad_()
+        y = traced(x)
+        close(y, ref(x), f"traced (frozen={frozen})")
+        y.sum().backward()
+        x64 = x.detach().double().requires_grad_()
+        ref(x64).sum().backward()
+        close(x.grad, x64.grad, f"traced dx (frozen={frozen})")
+        with torch.no_grad():
+            x2 = randn(g, 3, IN)
+            close(traced(x2), ref(x2), f"traced under no_grad (frozen={frozen})")
+    with pytest.raises(TypeError, match="ColumnParallelLinear: torch.jit.script cannot compile"):
+        torch.jit.script(model)
+    return True
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_torch_jit_trace_records_the_calls_and_script_is_refused():
+    assert run(_jit_case, 2) == [True, True]
+
+
 # ------------------------------------------------------------------ zero copy
 def _zero_copy_case(comm):
     m = tt.ColumnParallelLinear(IN, OUT, comm)

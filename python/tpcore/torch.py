@@ -244,11 +244,13 @@ class _TPModule(torch.nn.Module):
         raise NotImplementedError
 
     def _run(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """inputs through the C layer: with autograd when a gradient is wanted, else directly."""
+        """inputs through the C layer: with autograd when a gradient is wanted (or under
+        torch.jit.trace, which records the Function as a call; a direct result would be recorded
+        as a constant), else directly."""
         self._check_views()
         params = self._tp_params()
-        if torch.is_grad_enabled() and (any(t.requires_grad for t in inputs if t.is_floating_point()) or
-                                        any(p.requires_grad for p in params)):
+        if torch.jit.is_tracing() or torch.is_grad_enabled() and (
+                any(t.requires_grad for t in inputs if t.is_floating_point()) or any(p.requires_grad for p in params)):
             y = _Apply.apply(self, len(inputs), *inputs, *params)  # type: ignore[no-untyped-call]
             return cast(torch.Tensor, y)
         return self._c_forward(*inputs, need_backward=False)
@@ -275,6 +277,11 @@ class _TPModule(torch.nn.Module):
         raise TypeError(f"{self._who} cannot be pickled or copied: its parameters are views of a C layer bound to "
                         f"this process's communicator; save model.state_dict() (full tensors, loads at any world "
                         f"size) or tpcore.torch.sharded_state_dict(model), and build a new module to load it into")
+
+    def __prepare_scriptable__(self) -> Any:
+        """torch.jit.script calls this first: refused by name (forward calls into C)."""
+        raise TypeError(f"{self._who}: torch.jit.script cannot compile a forward that calls a C layer; use "
+                        f"torch.compile or torch.jit.trace (which records the call), or run it eagerly")
 
     # ---- state dicts
     def _tp_full(self) -> Dict[str, np.ndarray]:
@@ -733,7 +740,7 @@ class VocabParallelCrossEntropy(_TPModule):
         if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
             raise TypeError(f"{self._who}: targets must be an integer tensor, got {targets.dtype}")
         logits, t = logits_shard.contiguous(), targets.to(torch.int64).contiguous()
-        if torch.is_grad_enabled() and logits.requires_grad:
+        if torch.jit.is_tracing() or torch.is_grad_enabled() and logits.requires_grad:  # see _TPModule._run
             return cast(torch.Tensor, _XentApply.apply(self, logits, t, vocab_offset))  # type: ignore[no-untyped-call]
         return self._c_forward(logits, t, vocab_offset)
 
