@@ -151,6 +151,11 @@ class _Holder(torch.nn.Module):
         pass
 
 
+def _tracing() -> bool:
+    """Whether torch.jit.trace is recording."""
+    return bool(torch.jit.is_tracing())  # type: ignore[attr-defined,no-untyped-call]
+
+
 # ------------------------------------------------------------------ the autograd node
 def _first_order(mod: Any) -> None:
     """Refuse a backward with create_graph=True: the C backward is not differentiable, so its
@@ -249,7 +254,7 @@ class _TPModule(torch.nn.Module):
         as a constant), else directly."""
         self._check_views()
         params = self._tp_params()
-        if torch.jit.is_tracing() or torch.is_grad_enabled() and (
+        if _tracing() or torch.is_grad_enabled() and (
                 any(t.requires_grad for t in inputs if t.is_floating_point()) or any(p.requires_grad for p in params)):
             y = _Apply.apply(self, len(inputs), *inputs, *params)  # type: ignore[no-untyped-call]
             return cast(torch.Tensor, y)
@@ -740,7 +745,7 @@ class VocabParallelCrossEntropy(_TPModule):
         if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
             raise TypeError(f"{self._who}: targets must be an integer tensor, got {targets.dtype}")
         logits, t = logits_shard.contiguous(), targets.to(torch.int64).contiguous()
-        if torch.jit.is_tracing() or torch.is_grad_enabled() and logits.requires_grad:  # see _TPModule._run
+        if _tracing() or torch.is_grad_enabled() and logits.requires_grad:  # see _TPModule._run
             return cast(torch.Tensor, _XentApply.apply(self, logits, t, vocab_offset))  # type: ignore[no-untyped-call]
         return self._c_forward(logits, t, vocab_offset)
 
