@@ -115,6 +115,23 @@ def test_negative_and_non_contiguous_strides_refused():
     assert d.data_ptr == t[1:].data_ptr()
 
 
+def _strided_bf16_case(comm):
+    lin = tpcore.ColumnParallelLinear(6, 5, comm)
+    x = torch.randn(6, 4).to(torch.bfloat16)
+    for bad in (x.t(), torch.randn(4, 12).to(torch.bfloat16)[:, ::2]):
+        # the layout is the reason, not the dtype (NumPy's consumer would say "Unsupported dtype")
+        with pytest.raises(ValueError, match=r"ColumnParallelLinear: x must be C-contiguous, got shape \(4, 6\)"):
+            lin(bad)
+    want = lin(x.t().float().numpy().copy())
+    got = torch.from_dlpack(lin(x.t().contiguous()))  # contiguous: through tpcore's consumer
+    assert got.dtype == torch.bfloat16 and torch.equal(got, torch.from_numpy(want).to(torch.bfloat16))
+    return True
+
+
+def test_strided_bfloat16_tensor_to_a_layer_names_the_layout():
+    assert run(_strided_bf16_case, 1) == [True]
+
+
 def test_read_only_memory_is_not_handed_out_as_writable():
     a = np.arange(4, dtype=np.float32)
     a.flags.writeable = False

@@ -4,7 +4,9 @@ parameter gradients at world sizes 1-4 with odd and uneven sizes; two forwards b
 backward, retain_graph, no_grad, requires_grad=False, accumulation; a small model trained
 at world 2 step for step against the plain torch model; full state dicts across world
 sizes; sharded state dicts; zero-copy crossings; bad inputs."""
+import copy
 import math
+import pickle
 import subprocess
 import sys
 
@@ -407,6 +409,13 @@ def _semantics_case(comm):
     m.weight.requires_grad_(True)
     m.bias.requires_grad_(True)
 
+    # so is a load_state_dict between forward and backward (C writes the parameters: versions bumped)
+    y = m(x1)
+    m.load_state_dict({k: v + 1 for k, v in m.state_dict().items()})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    m.load_state_dict({"weight": W, "bias": b})
+
     # an optimizer step between forward and backward is caught by torch, as for nn.Linear
     y = m(x1)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -480,6 +489,64 @@ def _replay_case(comm):
 @pytest.mark.parametrize("world", [1, 3])
 def test_two_forwards_before_backward(world):
     assert run(_replay_case, world) == [True] * world
+
+
+def _double_backward_case(comm):
+    """create_graph=True through a C layer is refused by name, on every rank alike (the check
+    comes before any collective), and the module stays usable afterwards."""
+    g = gen(5200)
+    mlp = tt.ParallelMLP(H, FFN, comm, seed=4)
+    x = randn(g, 3, H).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"tpcore.torch.ParallelMLP: double backward \(create_graph=True"):
+        torch.autograd.grad((mlp(x) ** 2).sum(), x, create_graph=True)
+    # a constant upstream gradient too (once_differentiable would let this one through silently)
+    logits = randn(g, 3, 4).requires_grad_()
+    with pytest.raises(RuntimeError, match="VocabParallelCrossEntropy: double backward"):
+        torch.autograd.grad(tt.vocab_parallel_cross_entropy(logits, torch.tensor([0, 1, 2]), comm), logits,
+                            create_graph=True)
+    P = {k: v.double() for k, v in mlp.state_dict().items()}
+    x64 = x.detach().double().requires_grad_()
+    _mlp_ref("gelu", P, x64).backward(torch.ones(3, H, dtype=torch.float64))
+    mlp(x).backward(torch.ones(3, H))
+    close(x.grad, x64.grad, "dx after a refused double backward")
+    return True
+
+
+def test_double_backward_refused():
+    assert run(_double_backward_case, 2) == [True, True]
+
+
+def _jit_case(comm):
+    """torch.jit.trace records each C call (a traced direct result would be a constant: the
+    same output for every input), with or without gradients; torch.jit.script is refused."""
+    g = gen(5300)
+    col, row = tt.ColumnParallelLinear(IN, OUT, comm, seed=1), tt.RowParallelLinear(OUT, 5, comm, seed=2)
+    model = torch.nn.Sequential(col, torch.nn.GELU(), row)
+    P = {k: v.double() for k, v in model.state_dict().items()}
+
+    def ref(x):
+        return F.linear(F.gelu(F.linear(x.double(), P["0.weight"], P["0.bias"])), P["2.weight"], P["2.bias"])
+    for frozen in (False, True):
+        model.requires_grad_(not frozen)
+        traced = torch.jit.trace(model, randn(g, 2, IN))
+        x = randn(g, 4, IN).requires_grad_()
+        y = traced(x)
+        close(y, ref(x), f"traced (frozen={frozen})")
+        y.sum().backward()
+        x64 = x.detach().double().requires_grad_()
+        ref(x64).sum().backward()
+        close(x.grad, x64.grad, f"traced dx (frozen={frozen})")
+        with torch.no_grad():
+            x2 = randn(g, 3, IN)
+            close(traced(x2), ref(x2), f"traced under no_grad (frozen={frozen})")
+    with pytest.raises(TypeError, match="ColumnParallelLinear: torch.jit.script cannot compile"):
+        torch.jit.script(model)
+    return True
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_torch_jit_trace_records_the_calls_and_script_is_refused():
+    assert run(_jit_case, 2) == [True, True]
 
 
 # ------------------------------------------------------------------ zero copy
@@ -738,6 +805,11 @@ def _errors_case(comm):
     with pytest.raises(TypeError, match="cannot be moved or converted"):
         m.to(torch.bfloat16)
     assert m.to("cpu") is m and m.weight.data_ptr() == m.layer.weight.ctypes.data
+    # share_memory_ works in place (same tensor, new storage): refused before it moves anything
+    for owner in (m, torch.nn.Sequential(m)):
+        with pytest.raises(TypeError, match="cannot be moved or converted"):
+            owner.share_memory()
+        assert m.weight.data_ptr() == m.layer.weight.ctypes.data
     with pytest.raises(TypeError, match="comm must be a tpcore.Comm"):
         tt.ParallelMLP(4, 4, object())
     with pytest.raises(ValueError, match="activation"):
@@ -767,6 +839,20 @@ def _errors_case(comm):
     m.load_state_dict({"weight": W}, strict=False)
     now = m.state_dict()
     assert torch.equal(now["weight"], W) and torch.equal(now["bias"], sd["bias"])
+    # pickling and copying: refused by name (a shallow copy would share the C layer but not the
+    # forward counter, so the replay before backward would be skipped: wrong gradients)
+    for how, what in ((copy.copy, m), (copy.deepcopy, torch.nn.Sequential(m)), (pickle.dumps, torch.nn.Sequential(m))):
+        with pytest.raises(TypeError, match="ColumnParallelLinear cannot be pickled or copied.*state_dict"):
+            how(what)
+    # a parameter parted from the C memory (its .data replaced, or another Parameter assigned)
+    # would train a copy the C layer never sees: the next forward says so
+    mlp = tt.ParallelMLP(4, 5, comm)
+    torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(mlp.parameters()) + 1, mlp.parameters())
+    with pytest.raises(RuntimeError, match=r"ParallelMLP: parameter fc\d\.\w+ no longer views the C layer's memory"):
+        mlp(torch.randn(2, 4))
+    m.weight = torch.nn.Parameter(W.clone())  # e.g. tying the weight to another module's
+    with pytest.raises(RuntimeError, match="parameter weight no longer views the C layer's memory"):
+        m(x)
     return True
 
 

@@ -140,7 +140,9 @@ def host_tensor(x, name: str, who: str):
         return as_array(x, name, who)
     except TypeError:
         try:
-            xa = from_dlpack(x)
+            xa = _C.from_dlpack(x, op=who, name=name)
+        except ValueError:  # tpcore's consumer took the dtype but not the layout: its error says why (strides)
+            raise
         except Exception:  # noqa: BLE001 - not a bfloat16 tensor: NumPy's error stands
             xa = None
         if xa is None or xa.dtype != "bfloat16" or xa.device != "cpu:0":

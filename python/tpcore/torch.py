@@ -9,9 +9,10 @@ and this module raises ImportError saying how to install it when it is missing.
 
 Memory.  Parameters are ``nn.Parameter``s viewing the C layer's weight and bias buffers (this
 rank's shard): a torch optimizer updating them in place (SGD, Adam, AdamW ...) updates the C
-layer.  Activations cross without copies: a float32 C-contiguous CPU tensor is handed to C as a
-NumPy view of its memory, and the C result comes back as a tensor over the NumPy array
-(``torch.from_numpy``).  A float16 / bfloat16 input is converted to float32 (the C layers compute
+layer; replacing one's ``.data`` or assigning another Parameter (weight tying) would part it from
+the C layer, and the next forward raises RuntimeError.  Activations cross without copies: a
+float32 C-contiguous CPU tensor is handed to C as a NumPy view of its memory, and the C result
+comes back as a tensor over the NumPy array (``torch.from_numpy``).  A float16 / bfloat16 input is converted to float32 (the C layers compute
 in float32) and the output given back in the input's dtype; a non-contiguous one is made
 contiguous (a copy).  Gradients reach ``param.grad`` with torch's semantics (a second backward
 adds; ``requires_grad=False`` parameters get none); the C layer's own gradient buffers are
@@ -150,7 +151,20 @@ class _Holder(torch.nn.Module):
         pass
 
 
+def _tracing() -> bool:
+    """Whether torch.jit.trace is recording."""
+    return bool(torch.jit.is_tracing())  # type: ignore[attr-defined,no-untyped-call]
+
+
 # ------------------------------------------------------------------ the autograd node
+def _first_order(mod: Any) -> None:
+    """Refuse a backward with create_graph=True: the C backward is not differentiable, so its
+    results would silently carry no second-order terms."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{mod._who}: double backward (create_graph=True, e.g. a gradient penalty) is not "
+                           f"supported: the C layer's backward is not itself differentiable")
+
+
 class _Apply(torch.autograd.Function):
     """y = mod's C forward of inputs; backward: the C backward (its collectives), the input
     gradient and a copy of each parameter's gradient.  The parameters are inputs so torch
@@ -167,6 +181,7 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         mod = ctx.mod
+        _first_order(mod)
         saved = ctx.saved_tensors  # torch raises here if one was modified in place since forward
         inputs, params = saved[:ctx.n_in], saved[ctx.n_in:]
         if mod._tp_gen != ctx.gen:  # another forward (or a backward) ran since: replay this one
@@ -196,6 +211,7 @@ class _TPModule(torch.nn.Module):
         self.device_ = device
         self._tp_gen = 0
         self._tp_sharded = False
+        self._tp_views: List[Tuple[torch.nn.Module, str, int]] = []  # (owner, name, C address): _check_views
 
     def _adopt_param(self, owner: torch.nn.Module, name: str, view: Any) -> torch.nn.Parameter:
         """An nn.Parameter over the C buffer `view` (no copy), registered as owner.name."""
@@ -203,7 +219,23 @@ class _TPModule(torch.nn.Module):
         p = torch.nn.Parameter(t, requires_grad=True)
         assert p.data_ptr() == t.data_ptr()
         owner.register_parameter(name, p)
+        self._tp_views.append((owner, name, p.data_ptr()))
         return p
+
+    def _check_views(self) -> None:
+        """A RuntimeError unless every parameter still views its C buffer: one whose .data was
+        replaced (param.data = ..., torch.nn.utils.vector_to_parameters) or a Parameter assigned
+        in its place would be trained as a copy the C layer never sees."""
+        for owner, name, ptr in self._tp_views:
+            p = owner._parameters.get(name)
+            if p is None or p.data_ptr() != ptr:
+                where = next(k for k, mod in self.named_modules() if mod is owner)
+                full = f"{where}.{name}" if where else name
+                raise RuntimeError(f"{self._who}: parameter {full} no longer views the C layer's memory (its .data "
+                                   f"was replaced, e.g. by torch.nn.utils.vector_to_parameters or `param.data = ...`, "
+                                   f"or another Parameter was assigned), so the C layer would not see it; write "
+                                   f"values in place instead (with torch.no_grad(): param.copy_(...)) or use "
+                                   f"load_state_dict")
 
     # the order of the parameters handed to _Apply, and their C gradient buffers
     def _tp_params(self) -> List[torch.nn.Parameter]:
@@ -217,24 +249,44 @@ class _TPModule(torch.nn.Module):
         raise NotImplementedError
 
     def _run(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """inputs through the C layer: with autograd when a gradient is wanted, else directly."""
+        """inputs through the C layer: with autograd when a gradient is wanted (or under
+        torch.jit.trace, which records the Function as a call; a direct result would be recorded
+        as a constant), else directly."""
+        self._check_views()
         params = self._tp_params()
-        if torch.is_grad_enabled() and (any(t.requires_grad for t in inputs if t.is_floating_point()) or
-                                        any(p.requires_grad for p in params)):
+        if _tracing() or torch.is_grad_enabled() and (
+                any(t.requires_grad for t in inputs if t.is_floating_point()) or any(p.requires_grad for p in params)):
             y = _Apply.apply(self, len(inputs), *inputs, *params)  # type: ignore[no-untyped-call]
             return cast(torch.Tensor, y)
         return self._c_forward(*inputs, need_backward=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "_TPModule":
-        """Refuse .to(dtype/device), .half(), .cuda() ... that would replace the parameters by
-        copies: they must stay views of the C layer's memory."""
+        """Refuse .to(dtype/device), .half(), .cuda(), share_memory() ... that would replace the
+        parameters by copies or move their storage: they must stay views of the C layer's
+        memory.  fn is tried on a one-element stand-in of each parameter, never on the
+        parameter itself, because an in-place fn (share_memory_) would already have moved it."""
         for name, p in self.named_parameters():
-            q = fn(p)
-            if q is not p and (q.data_ptr() != p.data_ptr() or q.dtype != p.dtype or q.device != p.device):
+            probe = torch.empty((1,), dtype=p.dtype, device=p.device)
+            ptr = probe.data_ptr()
+            q = fn(probe)
+            if q.data_ptr() != ptr or probe.data_ptr() != ptr or q.dtype != p.dtype or q.device != p.device:
                 raise TypeError(f"{self._who}: its parameters live in the C layer's memory ({p.dtype} on "
                                 f"{_dev_text(p)}) and cannot be moved or converted ({name} would become {q.dtype} "
-                                f"on {_dev_text(q)}); build the module with device=... and dtype=... instead")
+                                f"on {_dev_text(q)} in other memory); build the module with device=... and "
+                                f"dtype=... instead")
         return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """pickle, copy.copy and copy.deepcopy: refused by name (the C layer, its communicator
+        and the parameters over its memory cannot travel or be duplicated)."""
+        raise TypeError(f"{self._who} cannot be pickled or copied: its parameters are views of a C layer bound to "
+                        f"this process's communicator; save model.state_dict() (full tensors, loads at any world "
+                        f"size) or tpcore.torch.sharded_state_dict(model), and build a new module to load it into")
+
+    def __prepare_scriptable__(self) -> Any:
+        """torch.jit.script calls this first: refused by name (forward calls into C)."""
+        raise TypeError(f"{self._who}: torch.jit.script cannot compile a forward that calls a C layer; use "
+                        f"torch.compile or torch.jit.trace (which records the call), or run it eagerly")
 
     # ---- state dicts
     def _tp_full(self) -> Dict[str, np.ndarray]:
@@ -308,8 +360,11 @@ class _TPModule(torch.nn.Module):
         if missing:  # strict=False: keep the current values of what is missing (gathered: every rank does it)
             full = self._tp_full()
             tensors = {k: tensors.get(k, full[k]) for k in shapes}
-        with torch.no_grad():
-            self._tp_load_full(tensors)
+        self._tp_load_full(tensors)
+        # C wrote the parameters behind torch's back: bump their versions, so that a backward of
+        # a forward from before the load is refused (as after nn.Linear's load_state_dict)
+        for p in self._tp_local().values():
+            torch.autograd.graph.increment_version(p)
 
     def _load_sharded(self, mine: Dict[str, Any], prefix: str, missing_keys: List[str], unexpected_keys: List[str],
                       error_msgs: List[str]) -> None:
@@ -360,7 +415,7 @@ def _comm_arg(comm: Any, who: str) -> None:
 
 # ------------------------------------------------------------------ linear layers
 class _Linear(_TPModule):
-    _tp_cls = None
+    """What the column- and row-parallel modules share (they differ only in the layer made)."""
 
     def _make(self, layer: Any, device: Tuple[str, int]) -> None:
         self._tp_init(layer, device)
@@ -629,6 +684,7 @@ class _XentApply(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dloss: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         mod = ctx.mod
+        _first_order(mod)
         logits, targets = ctx.saved_tensors
         if mod._tp_gen != ctx.gen:
             mod._c_forward(logits, targets, ctx.vocab_offset)
@@ -689,7 +745,7 @@ class VocabParallelCrossEntropy(_TPModule):
         if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
             raise TypeError(f"{self._who}: targets must be an integer tensor, got {targets.dtype}")
         logits, t = logits_shard.contiguous(), targets.to(torch.int64).contiguous()
-        if torch.is_grad_enabled() and logits.requires_grad:
+        if _tracing() or torch.is_grad_enabled() and logits.requires_grad:  # see _TPModule._run
             return cast(torch.Tensor, _XentApply.apply(self, logits, t, vocab_offset))  # type: ignore[no-untyped-call]
         return self._c_forward(logits, t, vocab_offset)
 
