@@ -9,6 +9,11 @@ import time
 
 import pytest
 
+import tpcore
+
+# the folder holding the tpcore under test (an installed one, python/, or a sanitized build)
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))
+
 LAUNCH = [sys.executable, "-m", "tpcore.launch"]
 
 
@@ -56,7 +61,7 @@ def test_module_mode_and_timeout_variable(tmp_path):
     (tmp_path / "mymod.py").write_text("import os, tpcore\nc = tpcore.init()\n"
                                        "print('timeout', c.timeout, os.environ['TPCORE_TIMEOUT'])\n")
     r = launch(["-n", "2", "--timeout", "7.5", "-m", "mymod"], cwd=tmp_path,
-               env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+               env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), PKG_PARENT])))
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("timeout 7.5 7.5") == 2
 
