@@ -197,7 +197,6 @@ def _encode(model, tokens, mask, types, reps=3):
 def encoder_demo(comm, checkpoint, cfg, batch=2, prompt=24, seed=0) -> dict:
     """Part 2 for an encoder (BERT): hidden states and mean-pooled embeddings at N ranks against
     rank 0 alone, and the time of one encode of the batch."""
-    import resource
     n, r = comm.size, comm.rank
     tokens, mask, types = _encoder_inputs(cfg, batch, prompt, seed)
     solo = comm.split(0 if r == 0 else 1, r)
@@ -213,12 +212,7 @@ def encoder_demo(comm, checkpoint, cfg, batch=2, prompt=24, seed=0) -> dict:
     _warm_up(model, tokens, mask, types)
     s0 = comm.stats()
     h, secs, total = _encode(model, tokens, mask, types)
-    s1 = comm.stats()
-    blk = model.blocks[0]
-    mine = np.array([blk.q0, blk.nq, model.param_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                     (s1["seconds"] - s0["seconds"]) * 1e6, s1["calls"] - s0["calls"], secs * 1e6, total * 1e6],
-                    np.float64)
-    per_rank = comm.all_gather(mine).reshape(n, -1)
+    per_rank = _per_rank(comm, model, s0, secs, total)
     diffs = np.zeros(3)
     if r == 0:
         pooled, ref_pooled = _pool(h, mask), _pool(ref[0], mask)
@@ -235,6 +229,18 @@ def encoder_demo(comm, checkpoint, cfg, batch=2, prompt=24, seed=0) -> dict:
     return rep
 
 
+def _per_rank(comm, model, s0, t_a: float, t_b: float) -> np.ndarray:
+    """(size, 8) on every rank: each rank's first query head and head count, parameter bytes,
+    peak RSS, collective microseconds and calls since the stats s0, and two timings (us)."""
+    import resource
+    s1 = comm.stats()
+    blk = model.blocks[0]
+    mine = np.array([blk.q0, blk.nq, model.param_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                     (s1["seconds"] - s0["seconds"]) * 1e6, s1["calls"] - s0["calls"], t_a * 1e6, t_b * 1e6],
+                    np.float64)
+    return comm.all_gather(mine).reshape(comm.size, -1)
+
+
 def _load(comm, checkpoint, seed):
     if checkpoint:
         return tpcore.models.from_pretrained(checkpoint, comm, progress=False)
@@ -243,7 +249,6 @@ def _load(comm, checkpoint, seed):
 
 def transformer_demo(comm, checkpoint=None, batch=2, prompt=24, new=16, seed=0) -> dict:
     """Part 2 on every rank; returns rank 0's report (others return theirs too)."""
-    import resource
     n, r = comm.size, comm.rank
     cfg = _config(checkpoint) if checkpoint else None
     if cfg is not None and not cfg.causal:  # an encoder (BERT): no generation, encode and pool
@@ -265,12 +270,7 @@ def transformer_demo(comm, checkpoint=None, batch=2, prompt=24, new=16, seed=0) 
     comm.barrier()
     s0 = comm.stats()
     toks, ttft, dec = _generate(model, prompts, new)
-    s1 = comm.stats()
-    blk = model.blocks[0]
-    mine = np.array([blk.q0, blk.nq, model.param_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                     (s1["seconds"] - s0["seconds"]) * 1e6, s1["calls"] - s0["calls"], ttft * 1e6, dec * 1e6],
-                    np.float64)
-    per_rank = comm.all_gather(mine).reshape(n, -1)
+    per_rank = _per_rank(comm, model, s0, ttft, dec)
     same = np.array([1 if r != 0 or np.array_equal(toks, ref[0]) else 0], np.int64)
     comm.all_reduce(same, op="min")
     rep = {"tokens": toks, "per_rank": per_rank, "same": bool(same[0]), "n": n, "batch": batch, "prompt": prompt,
