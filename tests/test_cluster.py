@@ -26,6 +26,9 @@ import tpcore
 from conftest import WORLDS, leftover_segments, rng_for
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# the folder holding the tpcore under test: python/ in a checkout with an in-place build, or
+# site-packages after pip install (python/ of a fresh clone has no built extension)
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))
 DEADLINE = 60
 
 
@@ -336,7 +339,7 @@ def test_exit_without_close_leaves_nothing():
               "c = tpcore.Cluster(2)\n"
               "print(' '.join(map(str, c.run(lambda comm: os.getpid()))), flush=True)\n")
     before = set(leftover_segments())
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     pids = [int(p) for p in r.stdout.split()]
@@ -354,7 +357,7 @@ def test_a_killed_parent_leaves_no_rank_and_no_segment():
               "print(' '.join(map(str, c.run(lambda comm: os.getpid()))), flush=True)\n"
               "time.sleep(60)\n")
     before = set(leftover_segments())
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
         pids = [int(x) for x in p.stdout.readline().split()]
@@ -543,7 +546,7 @@ def test_example_notebook_runs_headless():
                  nbformat.v4.new_code_cell(INTERRUPTED, metadata={"tags": ["interrupt", "raises-exception"]}),
                  nbformat.v4.new_code_cell(AFTER_INTERRUPT)]
     env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "python"), env_path) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (PKG_PARENT, env_path) if p)
     # ipykernel does not relay its file descriptors' output to the cells under pytest (it looks for
     # this variable); the launcher's output reaches a real notebook that way
     current = os.environ.pop("PYTEST_CURRENT_TEST", None)
@@ -702,7 +705,7 @@ def test_progress_bar_is_one_line_drawn_in_place_on_a_terminal():
               "with tpcore.Cluster(1) as c:\n"
               "    c.run(bar)\n")
     master, slave = os.openpty()
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
     p = subprocess.Popen([sys.executable, "-c", script], stdout=slave, stderr=slave, env=env)
     os.close(slave)
     out = b""

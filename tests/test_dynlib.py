@@ -161,7 +161,8 @@ def test_wheel_lib_dirs_both_layouts_and_registered(tmp_path):
         "                  'cublas_imported': 'nvidia.cublas' in sys.modules}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("TPCORE_NCCL_LIBRARY",)}
-    env["PYTHONPATH"] = os.pathsep.join([PKG_PARENT, str(a), str(b)])
+    # the fake wheels first: PKG_PARENT may be site-packages, with real nvidia wheels in it
+    env["PYTHONPATH"] = os.pathsep.join([str(a), str(b), PKG_PARENT])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -245,7 +245,14 @@ def test_extension_stubs_match_the_extension(tmp_path):
     "disjoint base" remarks are let through (typing_extensions' @disjoint_base: a marker for
     the checker, not a difference in the API)."""
     pytest.importorskip("mypy.stubtest")
-    env = dict(os.environ, PYTHONPATH=PYTHON_DIR)
+    import tpcore
+    # the extension under test: python/'s in-place build, else the installed package (a fresh
+    # clone's python/ has no built extension)
+    env = dict(os.environ)
+    if os.path.samefile(os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__))), PYTHON_DIR):
+        env["PYTHONPATH"] = PYTHON_DIR
+    else:
+        env.pop("PYTHONPATH", None)
     env.pop("MYPYPATH", None)
     r = subprocess.run([sys.executable, "-m", "mypy.stubtest", "tpcore._C", "--mypy-config-file", os.devnull],
                        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
