@@ -234,7 +234,18 @@ class QuantTensor:
 
     @staticmethod
     def vstack(parts: Sequence["QuantTensor"]) -> "QuantTensor":
-        """Rows of several QuantTensors of one format and width, one after another."""
+        """Rows of several QuantTensors of one format and width, one after another.
+
+        Parameters
+        ----------
+        parts : sequence of QuantTensor
+            Of one format and one width (cols).
+
+        Raises
+        ------
+        ValueError
+            Formats or widths differ.
+        """
         fmts = {p.fmt for p in parts}
         widths = {p.shape[1] for p in parts}
         if len(fmts) != 1 or len(widths) != 1:
