@@ -1,6 +1,6 @@
 #!/bin/bash
 # Runs the CUDA attention entries (csrc/kernels/cuda/attention*.cu) and the low-precision
-# ones (lowp.cu) through the kernel parity harness on the host, without a GPU: transform.py
+# ones (lowp.cu, quant.cu: 16-bit and quantized weights) through the kernel parity harness on the host, without a GPU: transform.py
 # rewrites the .cu files and the headers they include for cuda_emu.h (one ucontext fiber per
 # CUDA thread, cooperative __syncthreads and warp shuffles, shared memory filled with NaN at
 # each block, one block at a time), cublas_emu.cc stands in for cuBLAS (a host GemmEx that
@@ -19,9 +19,9 @@ SAN=""
 [ "${SANITIZE:-0}" = 1 ] && SAN="-fsanitize=address,undefined"
 BLAS=$(make -s -C "$ROOT" -f Makefile --eval 'print-libs: ; @echo $(LIBS)' print-libs 2>/dev/null || echo "-lopenblas -lpthread -lrt -lm")
 cp "$E/cuda_emu.h" "$OUT/"
-CU=(attention attention_bwd lowp)
+CU=(attention attention_bwd lowp quant)
 for f in "${CU[@]}"; do python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/$f.cu" "$OUT/$f.emu.cc"; done
-for f in attention_common common colsum; do
+for f in attention_common common colsum lowp_bits quant; do
   python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/$f.cuh" "$OUT/$f.emu.h"
 done
 python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/cublas_api.h" "$OUT/cublas_api.emu.h"
@@ -30,7 +30,7 @@ for f in "${CU[@]/%/.emu.cc}"; do g++ $FL -c "$OUT/$f" -o "$OUT/${f%.cc}.o"; don
 for f in "$E/driver.cc" "$E/emu_runtime.cc" "$E/cublas_emu.cc"; do
   g++ $FL -c "$f" -o "$OUT/$(basename "$f" .cc).o"
 done
-for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn; do
+for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn test_kernels_quant; do
   gcc -std=c11 -O1 -g $SAN -D_GNU_SOURCE -I"$ROOT/csrc/include" -Dtp_kernels_of=emu_kernels_of \
     -c "$ROOT/csrc/tests/$f.c" -o "$OUT/$f.o"
 done
@@ -44,6 +44,7 @@ for e in "${entries[@]}"; do
     line=$(EMU_REVERSE=$rev ASAN_OPTIONS=detect_stack_use_after_return=0 "$OUT/emu_test" "$e" 2>&1 | grep -v '^entries\|^covered\|^device\|WARNING: ASan' || true)
     echo "${rev:+(reverse order) }$line" | head -12
     grep -q "^cudaemu $e: ok" <<<"$line" || fail=1
+    ! grep -q ": FAIL" <<<"$line" || fail=1 # the entry's extra cases (quant_<entry>) too
   done
 done
 exit $fail
