@@ -140,6 +140,9 @@ def test_parity_cuda_kernel_table(tmp_path):
     assert len(entries) >= 30
     missing = [e for e in entries if not re.search(rf"^cuda\S* {e}: ok ", out, re.M)]
     assert not missing, f"CUDA entries that did not pass: {missing}\n{out[-4000:]}"
+    quant = [e for e in ("linear_lp_workspace", "linear_forward_lp", "linear_backward_lp", "embedding_forward_lp")
+             if not re.search(rf"^cuda\S* quant_{e}: ok ", out, re.M)]  # quantized weights (test_kernels_quant.c)
+    assert not quant, f"quantized-weight cases that did not pass on CUDA: {quant}\n{out[-4000:]}"
     assert "FAIL" not in out, out[-4000:]
     assert r.returncode == 0, out[-2000:] + r.stderr[-2000:]
 
@@ -681,7 +684,7 @@ def test_gpu_check_script_prints_its_summary_without_a_gpu(tmp_path):
     r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=str(ROOT))
     out = r.stdout
     tail = out[out.index("tpcore GPU check: summary"):]
-    for label in ("card", "build (tpcore + CUDA plugin)", "kernel parity, C harness", "GPU tests",
+    for label in ("card", "build (tpcore + CUDA plugin)", "kernel parity, C harness", "quantized weights", "GPU tests",
                   "NCCL world 1", "NCCL world 2", "host-staged shm", "DLPack round trips",
                   "GEMM column-parallel vs torch.matmul", "decode GPT-2-small", "decode Llama-1B-sized",
                   "GPU memory per rank", "verdict"):

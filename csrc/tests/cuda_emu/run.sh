@@ -7,8 +7,11 @@
 # checks its arguments as cuBLAS does), driver.cc puts the emulated entries in a copy of the
 # CPU table named "cudaemu".  It checks the index math, masks, tiling, the online softmax,
 # split-K, the backward's reductions, the 16-bit conversions' bits and the GEMM arguments
-# (transposes, leading dimensions, workspace layout); not timing, races the fiber order
-# hides (run with EMU_REVERSE=1 too), cuBLAS itself, or anything of the real hardware.
+# (transposes, leading dimensions, workspace layout), and for quantized weights (the
+# harness's quant_<entry> cases, test_kernels_quant.c) the dequantization's bits against a
+# reference equal to gguf's, the decode GEMV's warp split, the panels of the prefill GEMM and
+# of dx; not timing, races the fiber order hides (run with EMU_REVERSE=1 too), cuBLAS itself,
+# or anything of the real hardware.
 # Usage: csrc/tests/cuda_emu/run.sh [entry...]   (after `make`; SANITIZE=1 adds ASan/UBSan)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
