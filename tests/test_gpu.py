@@ -141,7 +141,7 @@ def test_parity_cuda_kernel_table(tmp_path):
     missing = [e for e in entries if not re.search(rf"^cuda\S* {e}: ok ", out, re.M)]
     assert not missing, f"CUDA entries that did not pass: {missing}\n{out[-4000:]}"
     quant = [e for e in ("linear_lp_workspace", "linear_forward_lp", "linear_backward_lp", "embedding_forward_lp")
-             if not re.search(rf"^cuda\S* quant_{e}: ok ", out, re.M)]  # quantized weights (test_kernels_quant.c)
+             if not re.search(rf"^cuda\S* quant_{e}: ok ", out, re.M)]  # quantized weights (test_kernels_qlp.c)
     assert not quant, f"quantized-weight cases that did not pass on CUDA: {quant}\n{out[-4000:]}"
     assert "FAIL" not in out, out[-4000:]
     assert r.returncode == 0, out[-2000:] + r.stderr[-2000:]

@@ -649,7 +649,7 @@ static const parity_case cases[] = {
     {"embedding_forward_lp", case_embedding_forward_lp},
 };
 
-/* Extra cases of an entry (test_kernels_quant.c): the quantized weight formats, on the
+/* Extra cases of an entry (test_kernels_qlp.c): the quantized weight formats, on the
  * tables that take them (quant_table); printed as "<table> quant_<entry>: ok". */
 static const parity_case quant_cases[] = {
     {"linear_lp_workspace", case_quant_linear_lp_workspace},

@@ -8,7 +8,7 @@
 # CPU table named "cudaemu".  It checks the index math, masks, tiling, the online softmax,
 # split-K, the backward's reductions, the 16-bit conversions' bits and the GEMM arguments
 # (transposes, leading dimensions, workspace layout), and for quantized weights (the
-# harness's quant_<entry> cases, test_kernels_quant.c) the dequantization's bits against a
+# harness's quant_<entry> cases, test_kernels_qlp.c) the dequantization's bits against a
 # reference equal to gguf's, the decode GEMV's warp split, the panels of the prefill GEMM and
 # of dx; not timing, races the fiber order hides (run with EMU_REVERSE=1 too), cuBLAS itself,
 # or anything of the real hardware.
@@ -33,7 +33,7 @@ for f in "${CU[@]/%/.emu.cc}"; do g++ $FL -c "$OUT/$f" -o "$OUT/${f%.cc}.o"; don
 for f in "$E/driver.cc" "$E/emu_runtime.cc" "$E/cublas_emu.cc"; do
   g++ $FL -c "$f" -o "$OUT/$(basename "$f" .cc).o"
 done
-for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn test_kernels_quant; do
+for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn test_kernels_qlp test_kernels_quant; do
   gcc -std=c11 -O1 -g $SAN -D_GNU_SOURCE -I"$ROOT/csrc/include" -Dtp_kernels_of=emu_kernels_of \
     -c "$ROOT/csrc/tests/$f.c" -o "$OUT/$f.o"
 done
