@@ -24,9 +24,9 @@ static const tp_dtype_t QFMTS[] = {TP_Q8_0, TP_Q4_0, TP_Q4_1, TP_Q4_K, TP_Q5_K, 
 #define NQ (sizeof QFMTS / sizeof QFMTS[0])
 
 int quant_table(const tp_kernel_ops *k) {
-  /* the tables whose lp entries take quantized formats; the CPU table joins when
-   * cpu/lowp.c does (cpu/quant_impl.h) */
-  return !strcmp(k->name, "cuda") || !strcmp(k->name, "cudaemu");
+  /* the tables whose lp entries take quantized formats (every one now: cpu/lowp.c through
+   * cpu/quant.c, cuda/lowp.cu through cuda/quant.cu) */
+  return !strcmp(k->name, "cpu") || !strcmp(k->name, "cuda") || !strcmp(k->name, "cudaemu");
 }
 
 /* ------------------------------------------------------------------ formats */
@@ -221,7 +221,8 @@ void case_quant_embedding_forward_lp(void) {
         GETF(out, dout, M * C);
         expect(tp_dtype_name(f), out, ref, M * C, 0, 0, NULL); /* dequantization is exact */
       }
-  /* a row that is not whole blocks: refused */
+  /* a row that is not whole blocks: refused (CUDA's check; the CPU's entries trust the layers) */
+  if (!is_cuda()) return;
   float o[4];
   int64_t t = 0;
   tp_status_t st = K->embedding_forward_lp(NULL, DPUTF(o, 4), DPUTI(&t, 1), dmem(64), TP_Q4_0, 1, 0, 1, 31);
@@ -266,23 +267,24 @@ void case_quant_linear_forward_lp(void) {
         qforward_check(f, M, Kd, N, x, w, b, ref, mag, dmem(s), s);
       }
     }
-  /* refusals, with y untouched: K not whole blocks; (CUDA's panel path) a workspace without
-   * room for one panel row */
+  /* CUDA's refusals, with y untouched: K not whole blocks; (the panel path) a workspace
+   * without room for one panel row */
+  if (!is_cuda()) return;
   float y0[4] = {1, 2, 3, 4}, y1[4];
   float *dy = DPUTF(y0, 4), *x = DPUTF(y0, 4);
   tp_status_t st = K->linear_forward_lp(NULL, dy, x, dmem(256), TP_Q8_0, NULL, 1, 40, 4, dmem(4096), 4096);
   if (st != TP_ERR_INVALID_ARGUMENT) fail("linear_forward_lp, q8_0 with K = 40: status %s", tp_status_name(st));
-  if (is_cuda()) {
-    int64_t M = 9, Kd = 256;
-    float *xx = DPUTF(rnd(M * Kd, -1, 1), M * Kd), *yy = DPUTF(rnd(M * 4, -1, 1), M * 4);
-    size_t s = small_ws(M * Kd, Kd) - (size_t)Kd * 2 * 3 - 5 + (size_t)Kd * 2 - 1;
-    st = K->linear_forward_lp(NULL, yy, xx, dput(rnd_qrows(TP_Q4_K, 4, Kd), 4 * 144), TP_Q4_K, NULL, M, Kd, 4,
-                              dmem(s), s);
-    if (st != TP_ERR_INVALID_ARGUMENT) fail("linear_forward_lp, q4_k, workspace short of a panel row: status %s",
-                                            tp_status_name(st));
-  }
   GETF(y1, dy, 4);
-  if (memcmp(y0, y1, sizeof y0)) fail("linear_forward_lp wrote y before refusing");
+  if (memcmp(y0, y1, sizeof y0)) fail("linear_forward_lp wrote y before refusing K = 40");
+  int64_t M = 9, Kd = 256;
+  float *y2 = rnd(M * 4, -1, 1), *y3 = hmem((size_t)M * 16), *dy2 = DPUTF(y2, M * 4);
+  size_t s = (((size_t)(M * Kd) * 2 + 255) & ~(size_t)255) + (size_t)Kd * 2 - 1; /* x16, one row short of a byte */
+  st = K->linear_forward_lp(NULL, dy2, DPUTF(rnd(M * Kd, -1, 1), M * Kd), dput(rnd_qrows(TP_Q4_K, 4, Kd), 4 * 144),
+                            TP_Q4_K, NULL, M, Kd, 4, dmem(s), s);
+  if (st != TP_ERR_INVALID_ARGUMENT)
+    fail("linear_forward_lp, q4_k, workspace short of a panel row: status %s", tp_status_name(st));
+  GETF(y3, dy2, M * 4);
+  if (memcmp(y2, y3, (size_t)M * 16)) fail("linear_forward_lp wrote y before refusing its workspace");
 }
 
 void case_quant_linear_backward_lp(void) {
@@ -323,7 +325,8 @@ void case_quant_linear_backward_lp(void) {
           expect("db", db, rdb, N, 2 * (double)(M + 3) * U, 0, mdb);
         }
       }
-  /* dw with a quantized weight (frozen): refused before anything is written */
+  /* dw with a quantized weight (frozen): CUDA refuses it before anything is written */
+  if (!is_cuda()) return;
   int64_t M = 3, Kd = 64, N = 5;
   float *dx0 = rnd(M * Kd, -1, 1), *dw0 = rnd(N * Kd, -1, 1), *db0 = rnd(N, -1, 1);
   float *ddx = DPUTF(dx0, M * Kd), *ddw = DPUTF(dw0, N * Kd), *ddb = DPUTF(db0, N);

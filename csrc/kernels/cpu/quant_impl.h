@@ -37,4 +37,11 @@ typedef void (*tp_q_dot4_fn)(float out[4], const void *row, const float *const x
 tp_q_dot1_fn tp_q_dot1_for(tp_dtype_t f);
 tp_q_dot4_fn tp_q_dot4_for(tp_dtype_t f);
 
+/* Tests and benchmarks: the widest ISA level this CPU runs (0 portable, 1 AVX2+FMA+F16C,
+ * 2 AVX-512F), and the kernels of one level (NULL when f is not a format of quant.c or the
+ * CPU cannot run that level; a level without its own kernel for f gives the narrower one). */
+int tp_q_cpu_isa(void);
+tp_q_dot1_fn tp_q_dot1_at(tp_dtype_t f, int isa);
+tp_q_dot4_fn tp_q_dot4_at(tp_dtype_t f, int isa);
+
 #endif
