@@ -1,8 +1,9 @@
 /* Microbenchmark of the quantized dot kernels (cpu/quant.c): one thread, a GEMV y = W x over
  * SmolLM2-135M's shapes (K = 576, 1536; 512 for the K-quants, whose blocks are 256), each format, each ISA level this CPU runs.
  *   streamed: W ~ 96 MB, beyond the caches: the kernel at memory bandwidth (or not);
- *   cached:   W of 1536 rows (<= 2.2 MB), read again and again: the kernel's own speed.
- * Prints ns per row and GB/s of weight bytes.  Not part of `make test`:
+ *   cached:   W of 1536 rows (<= 2.2 MB), read again and again: the kernel's own speed;
+ *   dequant:  tp_q_dequant_row of the cached rows (the GEMM path's panels, the embedding).
+ * Prints ns per row and GB/s of weight bytes (K floats of x are not counted).  Not part of `make test`:
  *   make bench-quant  (build/bench_quant [format ...]) */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -58,6 +59,20 @@ static double gemv_time(tp_q_dot1_fn dot, const uint8_t *W, size_t rb, const flo
   return best;
 }
 
+/* Seconds of the fastest of `reps` dequantizations of rows [0, N) (into one row of y). */
+static double dequant_time(tp_dtype_t f, int isa, const uint8_t *W, size_t rb, int64_t K, int64_t N, float *y,
+                           int reps) {
+  double best = 1e30;
+  for (int r = 0; r < reps; r++) {
+    double t0 = now();
+    for (int64_t n = 0; n < N; n++) tp_q_dequant_row_at(f, y, W + (size_t)n * rb, K, isa);
+    double t = now() - t0;
+    best = t < best ? t : best;
+  }
+  sink = y[K - 1];
+  return best;
+}
+
 int main(int argc, char **argv) {
   static const tp_dtype_t fmts[] = {TP_Q4_1, TP_Q8_0, TP_Q4_K, TP_Q4_0, TP_Q5_K, TP_Q6_K, TP_INT8};
   static const char *isa_name[] = {"portable", "avx2", "avx512"};
@@ -70,8 +85,9 @@ int main(int argc, char **argv) {
     printf("plain read of 96 MB, one thread: %.2f GB/s\n", read_gbs(buf, stream_bytes));
     free(buf);
   }
-  printf("%-6s %5s %-8s | %9s %7s | %9s %7s\n", "format", "K", "isa", "ns/row", "GB/s", "ns/row", "GB/s");
-  printf("%-6s %5s %-8s | %17s | %17s\n", "", "", "", "streamed (96 MB)", "cached (1536 rows)");
+  printf("%-6s %5s %-8s | %9s %7s | %9s %7s | %9s\n", "format", "K", "isa", "ns/row", "GB/s", "ns/row", "GB/s",
+         "ns/row");
+  printf("%-6s %5s %-8s | %17s | %17s | %9s\n", "", "", "", "dot1 streamed 96MB", "dot1 cached 1536", "dequant");
   for (size_t fi = 0; fi < sizeof fmts / sizeof fmts[0]; fi++) {
     tp_dtype_t f = fmts[fi];
     int want = argc < 2;
@@ -99,8 +115,9 @@ int main(int argc, char **argv) {
         double ts = gemv_time(dot, W, rb, x, K, N, y, 3);
         int reps = isa ? 40 : 5;
         double tc = gemv_time(dot, W, rb, x, K, 1536, y, reps);
-        printf("%-6s %5lld %-8s | %9.1f %7.2f | %9.1f %7.2f\n", tp_dtype_name(f), (long long)K, isa_name[isa],
-               1e9 * ts / N, (double)N * rb / ts * 1e-9, 1e9 * tc / 1536, 1536.0 * rb / tc * 1e-9);
+        double td = dequant_time(f, isa, W, rb, K, 1536, src, reps);
+        printf("%-6s %5lld %-8s | %9.1f %7.2f | %9.1f %7.2f | %9.1f\n", tp_dtype_name(f), (long long)K, isa_name[isa],
+               1e9 * ts / N, (double)N * rb / ts * 1e-9, 1e9 * tc / 1536, 1536.0 * rb / tc * 1e-9, 1e9 * td / 1536);
         fflush(stdout);
       }
       free(W), free(x), free(src), free(y);

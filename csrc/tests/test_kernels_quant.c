@@ -194,6 +194,9 @@ static void check_dequant_and_dots(const qfmt *q) {
         }
       }
       for (int isa = 0; isa <= tp_q_cpu_isa(); isa++) {
+        float *yi = qmem((size_t)K * sizeof(float));
+        if (!tp_q_dequant_row_at(q->f, yi, r, K, isa) || memcmp(yi, y, (size_t)K * sizeof(float)))
+          qfail("%s %s K=%lld: dequant differs from the dispatched one", q->name, isa_name[isa], (long long)K);
         tp_q_dot1_fn d1 = tp_q_dot1_at(q->f, isa);
         tp_q_dot4_fn d4 = tp_q_dot4_at(q->f, isa);
         if (!d1 || !d4) {
@@ -312,18 +315,18 @@ static void check_nonfinite(const qfmt *q) {
     } else {
       p[field] = (uint8_t)bad[t], p[field + 1] = (uint8_t)(bad[t] >> 8);
     }
-    tp_q_dequant_row(q->f, y, r, K);
-    tp_q_dequant_row(q->f, y2, r2, K);
-    for (int64_t k = 0; k < K; k++) {
-      int in_block = k / blk == pb;
-      /* a min field of Inf / NaN poisons every element; a scale field every element whose
-       * code is not 0 (Inf * 0 is NaN: every element too) */
-      if (in_block ? isfinite(y2[k]) : memcmp(&y[k], &y2[k], 4) != 0) {
-        qfail("%s: f16 field %04x: element %lld = %.9g (clean %.9g)", q->name, bad[t], (long long)k, y2[k], y[k]);
-        break;
-      }
-    }
     for (int isa = 0; isa <= tp_q_cpu_isa(); isa++) {
+      tp_q_dequant_row_at(q->f, y, r, K, isa);
+      tp_q_dequant_row_at(q->f, y2, r2, K, isa);
+      for (int64_t k = 0; k < K; k++) {
+        int in_block = k / blk == pb;
+        /* an Inf / NaN min poisons every element of its block; so does a scale (Inf * 0 is NaN) */
+        if (in_block ? isfinite(y2[k]) : memcmp(&y[k], &y2[k], 4) != 0) {
+          qfail("%s isa %d: f16 field %04x: element %lld = %.9g (clean %.9g)", q->name, isa, bad[t], (long long)k,
+                y2[k], y[k]);
+          break;
+        }
+      }
       float d1 = tp_q_dot1_at(q->f, isa)(r2, x, K), out[4];
       const float *xs[4] = {x, x, x, x};
       tp_q_dot4_at(q->f, isa)(out, r2, xs, K);

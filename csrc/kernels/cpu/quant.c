@@ -164,17 +164,11 @@ static inline float int8_row_scale(const void *row) {
   return s;
 }
 
-void tp_q_dequant_row(tp_dtype_t f, float *y, const void *row, int64_t K) {
-  const uint8_t *r = row;
-  if (f == TP_INT8) {
-    float s = int8_row_scale(r);
-    for (int64_t k = 0; k < K; k++) y[k] = s * (float)(int8_t)r[4 + k];
-    return;
-  }
-  if (!tp_q_format(f)) return;
+/* The row with block dequantizer deq (f a block format). */
+static void dequant_blocks(tp_dtype_t f, deq_block_fn deq, float *y, const uint8_t *r, int64_t K) {
   int64_t blk = FMT[f - TP_Q8_0].block;
   size_t bb = FMT[f - TP_Q8_0].bytes;
-  for (int64_t i = 0; i < K / blk; i++) FMT[f - TP_Q8_0].deq(y + i * blk, r + (size_t)i * bb);
+  for (int64_t i = 0; i < K / blk; i++) deq(y + i * blk, r + (size_t)i * bb);
 }
 
 /* ------------------------------------------------------------------ quantization */
@@ -931,6 +925,174 @@ __attribute__((target("avx2,fma,f16c"))) static void dot4_int8_256(float out[4],
     for (int j = 0; j < 4; j++) s[j] += x[j][k] * (float)q[k];
   for (int j = 0; j < 4; j++) out[j] = s[j] * int8_row_scale(row);
 }
+/* ------------------------------------------------------------------ SIMD dequantization */
+
+/* The dequantizers again, 16 / 8 elements at a time: the same float32 products and sums as
+ * the scalar ones (each product rounded before its sum: NOFUSEV), so bit for bit equal to
+ * them and to gguf-py (test_kernels_quant.c checks every level against the scalar one). */
+#define NOFUSEV(v) __asm__("" : "+v"(v))
+
+__attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q8_0(float *y, const uint8_t *b) {
+  __m512 d = _mm512_set1_ps(_cvtsh_ss(rd16(b)));
+  for (int v = 0; v < 2; v++)
+    _mm512_storeu_ps(y + 16 * v, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(b + 2 + 16 * v))), d));
+}
+
+__attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q4_0(float *y, const uint8_t *b) {
+  __m512 d = _mm512_set1_ps(_cvtsh_ss(rd16(b)));
+  __m512i q = _mm512_cvtepu8_epi32(LD128(b + 2)), eight = _mm512_set1_epi32(8);
+  __m512i lo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(15)), eight);
+  __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight);
+  _mm512_storeu_ps(y, _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)));
+  _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)));
+}
+
+__attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q4_1(float *y, const uint8_t *b) {
+  __m512 d = _mm512_set1_ps(_cvtsh_ss(rd16(b))), m = _mm512_set1_ps(_cvtsh_ss(rd16(b + 2)));
+  __m512i q = _mm512_cvtepu8_epi32(LD128(b + 4));
+  __m512 lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))));
+  __m512 hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)));
+  NOFUSEV(lo);
+  NOFUSEV(hi);
+  _mm512_storeu_ps(y, _mm512_add_ps(lo, m));
+  _mm512_storeu_ps(y + 16, _mm512_add_ps(hi, m));
+}
+
+/* Q4_K / Q5_K: 16 elements of sub-block s from their codes */
+__attribute__((target("avx512f,avx2,fma,f16c"), always_inline)) static inline void kstore512(float *y, __m512i q,
+                                                                                           float D, float DM) {
+  __m512 v = _mm512_mul_ps(_mm512_set1_ps(D), _mm512_cvtepi32_ps(q));
+  NOFUSEV(v);
+  _mm512_storeu_ps(y, _mm512_sub_ps(v, _mm512_set1_ps(DM)));
+}
+
+__attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q4_k(float *y, const uint8_t *b) {
+  float D[8], M[8];
+  k_scales_256(b, D, M);
+  const __m512i m15 = _mm512_set1_epi32(15);
+  for (int i = 0; i < 4; i++) {
+    __m512i qa = _mm512_cvtepu8_epi32(LD128(b + 16 + 32 * i)), qb = _mm512_cvtepu8_epi32(LD128(b + 32 + 32 * i));
+    kstore512(y + 64 * i, _mm512_and_si512(qa, m15), D[2 * i], M[2 * i]);
+    kstore512(y + 64 * i + 16, _mm512_and_si512(qb, m15), D[2 * i], M[2 * i]);
+    kstore512(y + 64 * i + 32, _mm512_srli_epi32(qa, 4), D[2 * i + 1], M[2 * i + 1]);
+    kstore512(y + 64 * i + 48, _mm512_srli_epi32(qb, 4), D[2 * i + 1], M[2 * i + 1]);
+  }
+}
+
+__attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q5_k(float *y, const uint8_t *b) {
+  float D[8], M[8];
+  k_scales_256(b, D, M);
+  const __m512i m15 = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
+  __m512i h[2] = {_mm512_cvtepu8_epi32(LD128(b + 16)), _mm512_cvtepu8_epi32(LD128(b + 32))};
+  for (int s = 0; s < 8; s++) {
+    __m128i cnt = _mm_cvtsi32_si128(s);
+    for (int v = 0; v < 2; v++) {
+      __m512i q = _mm512_cvtepu8_epi32(LD128(b + 48 + 32 * (s / 2) + 16 * v));
+      q = (s & 1) ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, m15);
+      q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h[v], cnt), one), 4));
+      kstore512(y + 32 * s + 16 * v, q, D[s], M[s]);
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q6_k(float *y, const uint8_t *b) {
+  float D[16], N[16];
+  q6_scales_256(b, D, N);
+  const __m512i m15 = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3), k32 = _mm512_set1_epi32(32);
+  for (int h = 0; h < 2; h++)
+    for (int v = 0; v < 2; v++) {
+      __m512i qh = _mm512_cvtepu8_epi32(LD128(b + 128 + 32 * h + 16 * v));
+      __m512i la = _mm512_cvtepu8_epi32(LD128(b + 64 * h + 16 * v));      /* i = 0, 2 */
+      __m512i lb = _mm512_cvtepu8_epi32(LD128(b + 64 * h + 32 + 16 * v)); /* i = 1, 3 */
+      for (int i = 0; i < 4; i++) {
+        __m512i l = (i & 1) ? lb : la;
+        l = (i & 2) ? _mm512_srli_epi32(l, 4) : _mm512_and_si512(l, m15);
+        __m512i hb = _mm512_and_si512(_mm512_srl_epi32(qh, _mm_cvtsi32_si128(2 * i)), three);
+        __m512i q = _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(hb, 4)), k32);
+        int n = 128 * h + 32 * i + 16 * v;
+        _mm512_storeu_ps(y + n, _mm512_mul_ps(_mm512_set1_ps(D[n / 16]), _mm512_cvtepi32_ps(q)));
+      }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void deq256_q8_0(float *y, const uint8_t *b) {
+  __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(b)));
+  for (int v = 0; v < 4; v++)
+    _mm256_storeu_ps(y + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(b + 2 + 8 * v))), d));
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void deq256_q4_0(float *y, const uint8_t *b) {
+  __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(b)));
+  const __m256i m15 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+  for (int v = 0; v < 2; v++) {
+    __m256i q = U8X8(b + 2 + 8 * v);
+    __m256i lo = _mm256_sub_epi32(_mm256_and_si256(q, m15), eight), hi = _mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight);
+    _mm256_storeu_ps(y + 8 * v, _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
+    _mm256_storeu_ps(y + 16 + 8 * v, _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void deq256_q4_1(float *y, const uint8_t *b) {
+  __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(b))), m = _mm256_set1_ps(_cvtsh_ss(rd16(b + 2)));
+  const __m256i m15 = _mm256_set1_epi32(15);
+  for (int v = 0; v < 2; v++) {
+    __m256i q = U8X8(b + 4 + 8 * v);
+    __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q, m15)));
+    __m256 hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)));
+    NOFUSEV(lo);
+    NOFUSEV(hi);
+    _mm256_storeu_ps(y + 8 * v, _mm256_add_ps(lo, m));
+    _mm256_storeu_ps(y + 16 + 8 * v, _mm256_add_ps(hi, m));
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void kstore256(float *y, __m256i q, float D,
+                                                                                    float DM) {
+  __m256 v = _mm256_mul_ps(_mm256_set1_ps(D), _mm256_cvtepi32_ps(q));
+  NOFUSEV(v);
+  _mm256_storeu_ps(y, _mm256_sub_ps(v, _mm256_set1_ps(DM)));
+}
+
+/* Q4_K (qh NULL) and Q5_K: sub-block s, 8 elements at a time */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void deq256_k(float *y, const uint8_t *b,
+                                                                                   const uint8_t *qs,
+                                                                                   const uint8_t *qh) {
+  float D[8], M[8];
+  k_scales_256(b, D, M);
+  const __m256i m15 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+  for (int s = 0; s < 8; s++) {
+    __m128i cnt = _mm_cvtsi32_si128(s);
+    for (int v = 0; v < 4; v++) {
+      __m256i q = U8X8(qs + 32 * (s / 2) + 8 * v);
+      q = (s & 1) ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, m15);
+      if (qh) q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(U8X8(qh + 8 * v), cnt), one), 4));
+      kstore256(y + 32 * s + 8 * v, q, D[s], M[s]);
+    }
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void deq256_q4_k(float *y, const uint8_t *b) { deq256_k(y, b, b + 16, NULL); }
+__attribute__((target("avx2,fma,f16c"))) static void deq256_q5_k(float *y, const uint8_t *b) { deq256_k(y, b, b + 48, b + 16); }
+
+__attribute__((target("avx2,fma,f16c"))) static void deq256_q6_k(float *y, const uint8_t *b) {
+  float D[16], N[16];
+  q6_scales_256(b, D, N);
+  const __m256i m15 = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3), k32 = _mm256_set1_epi32(32);
+  for (int h = 0; h < 2; h++)
+    for (int v = 0; v < 4; v++) {
+      __m256i qh = U8X8(b + 128 + 32 * h + 8 * v), la = U8X8(b + 64 * h + 8 * v), lb = U8X8(b + 64 * h + 32 + 8 * v);
+      for (int i = 0; i < 4; i++) {
+        __m256i l = (i & 1) ? lb : la;
+        l = (i & 2) ? _mm256_srli_epi32(l, 4) : _mm256_and_si256(l, m15);
+        __m256i hb = _mm256_and_si256(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * i)), three);
+        __m256i q = _mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32(hb, 4)), k32);
+        int n = 128 * h + 32 * i + 8 * v;
+        _mm256_storeu_ps(y + n, _mm256_mul_ps(_mm256_set1_ps(D[n / 16]), _mm256_cvtepi32_ps(q)));
+      }
+    }
+}
+#undef NOFUSEV
+
 #endif
 
 /* ------------------------------------------------------------------ dispatch */
@@ -980,6 +1142,32 @@ static const q_kernels *kernels_at(tp_dtype_t f, int isa) {
   while (isa > 0 && !KERN[f][isa].dot1) isa--;
   return &KERN[f][isa];
 }
+
+/* [format][isa] block dequantizers (the scalar ones at level 0). */
+#if TP_Q_X86
+#define DEQ_(N) {deq_##N, deq256_##N, deq512_##N}
+#else
+#define DEQ_(N) {deq_##N}
+#endif
+static const deq_block_fn DEQ[TP_WEIGHT_FORMAT_END][3] = {
+    [TP_Q8_0] = DEQ_(q8_0), [TP_Q4_0] = DEQ_(q4_0), [TP_Q4_1] = DEQ_(q4_1),
+    [TP_Q4_K] = DEQ_(q4_k), [TP_Q5_K] = DEQ_(q5_k), [TP_Q6_K] = DEQ_(q6_k),
+};
+#undef DEQ_
+
+int tp_q_dequant_row_at(tp_dtype_t f, float *y, const void *row, int64_t K, int isa) {
+  if (!tp_q_format(f) || isa < 0 || isa > tp_q_cpu_isa()) return 0;
+  const uint8_t *r = row;
+  if (f == TP_INT8) { /* GCC vectorizes this loop at any level */
+    float s = int8_row_scale(r);
+    for (int64_t k = 0; k < K; k++) y[k] = s * (float)(int8_t)r[4 + k];
+  } else {
+    dequant_blocks(f, DEQ[f][isa], y, r, K);
+  }
+  return 1;
+}
+
+void tp_q_dequant_row(tp_dtype_t f, float *y, const void *row, int64_t K) { tp_q_dequant_row_at(f, y, row, K, q_isa()); }
 
 tp_q_dot1_fn tp_q_dot1_for(tp_dtype_t f) {
   const q_kernels *k = kernels_at(f, q_isa());

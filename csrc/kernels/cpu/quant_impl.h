@@ -43,5 +43,8 @@ tp_q_dot4_fn tp_q_dot4_for(tp_dtype_t f);
 int tp_q_cpu_isa(void);
 tp_q_dot1_fn tp_q_dot1_at(tp_dtype_t f, int isa);
 tp_q_dot4_fn tp_q_dot4_at(tp_dtype_t f, int isa);
+/* tp_q_dequant_row with one level's dequantizer (every level's output is the same, bit for
+ * bit); 0 (nothing written) where tp_q_dot1_at gives NULL. */
+int tp_q_dequant_row_at(tp_dtype_t f, float *y, const void *row, int64_t K, int isa);
 
 #endif
