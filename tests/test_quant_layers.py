@@ -47,10 +47,15 @@ def _linear(comm, fmt, K, N, M, part, seed):
     out["col_dx"] = np.abs(dx - dy.astype(np.float64) @ Wd).max()
     row = tpcore.RowParallelLinear(K, N, comm, bias=True, input_is_parallel=False, dtype=fmt, partition=part)
     row.load_full(qt, b)
+    Wr = Wd
+    if fmt == "int8":  # one scale per row of each rank's slice: the slice is quantized again
+        Wr = row.gather_full()[0].astype(np.float64)
+        step = np.abs(Wd).max(1, keepdims=True) / 127
+        out["requant"] = float((np.abs(Wr - Wd) / step).max())
     y = row(x)
-    out["row"] = np.abs(y - (x.astype(np.float64) @ Wd.T + b)).max()
+    out["row"] = np.abs(y - (x.astype(np.float64) @ Wr.T + b)).max()
     dx = row.backward(dy)
-    out["row_dx"] = np.abs(dx - dy.astype(np.float64) @ Wd).max()
+    out["row_dx"] = np.abs(dx - dy.astype(np.float64) @ Wr).max()
     out["scale"] = float(np.abs(x).sum(1).max() * np.abs(Wd).max() + 1)
     return out
 
@@ -70,6 +75,7 @@ def test_linear_layers_match_dequantized_reference(fmt, world):
         tol = 1e-5 * r["scale"]
         for k in ("col", "col_dx", "row", "row_dx"):
             assert r[k] < tol, (fmt, world, M, k, r[k], tol)
+        assert r.get("requant", 0) <= (1e-4 if world == 1 else 0.5 + 1e-4)  # raw rows kept; else half a step at most
 
 
 def _bad_split(comm):
@@ -118,7 +124,7 @@ def test_embedding_rows_dequantized(fmt):
     C = 256 if fmt.endswith("_k") else 64
     for world, part in ((1, None), (3, [10, 0, 41])):
         for e in tpcore.spawn(_embedding, world, args=(fmt, 51, C, part), deadline=DEADLINE):
-            assert e[0] == 0 and e[1] == 0
+            assert e[0] <= 1e-6 and e[1] <= 1e-6  # float32 rows against float64 ones (int8: scale x q)
 
 
 def _cfg(C=256, F=512, tied=True, layers=2):
@@ -160,7 +166,7 @@ def test_block_with_quantized_projections(dtypes, world):
 
 
 def _model(comm, fmt, tied):
-    cfg = _cfg(tied=tied)
+    cfg = _cfg(C=512, tied=tied) if fmt.endswith("_k") else _cfg(tied=tied)  # k-quants: a rank's heads x 128
     q = TransformerLM(cfg, comm, seed=5, dtype=fmt)
     f = TransformerLM(cfg, comm, seed=9)
     f.load_state_dict_full(q.state_dict_full())  # the dequantized weights in a float32 model
@@ -168,20 +174,21 @@ def _model(comm, fmt, tied):
     a, b = q.logits(toks), f.logits(toks)
     g1 = q.generate([[1, 2, 3], [4]], max_new_tokens=6, temperature=0.0)
     g2 = f.generate([[1, 2, 3], [4]], max_new_tokens=6, temperature=0.0)
-    return float(np.abs(a - b).max()), g1 == g2, q.param_bytes(), f.param_bytes()
+    same = all(np.array_equal(u, v) for u, v in zip(g1, g2))
+    return float(np.abs(a - b).max()), same, q.param_bytes(), f.param_bytes()
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q4_k", "int8"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_equals_float_model_of_its_dequantized_weights(fmt, tied):
-    for world in (1, 3):
+    for world in ((1, 2) if fmt.endswith("_k") else (1, 3)):
         for d, same, qb, fb in tpcore.spawn(_model, world, args=(fmt, tied), deadline=DEADLINE):
             assert d < 5e-5 and same
             assert qb < fb / 2.5  # weights at 1 to 1.06 bytes per element or less, against 4
 
 
 def _quantize_copy(comm, fmt):
-    cfg = _cfg(tied=False)
+    cfg = _cfg(C=512, tied=False) if fmt.endswith("_k") else _cfg(tied=False)
     m = TransformerLM(cfg, comm, seed=3)
     q = quantize(m, fmt)
     toks = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 9))
