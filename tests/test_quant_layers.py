@@ -207,3 +207,18 @@ def test_quantize_a_float_model(fmt, bound):
         for rel, d in tpcore.spawn(_quantize_copy, world, args=(fmt,), deadline=DEADLINE):
             assert 0 < rel < bound
             assert d < 5e-5
+
+
+def test_planner_plans_whole_blocks_with_the_format_bytes():
+    from tpcore.planner import plan_from_measurements
+    cfg = _cfg(C=512, F=1536)
+    p32 = plan_from_measurements(cfg, [1.0, 0.5, 0.25], dtype="float32")
+    pq = plan_from_measurements(cfg, [1.0, 0.5, 0.25], dtype="q4_k")
+    assert all(s % 256 == 0 for s in pq.ffn) and sum(pq.ffn) == 1536 and len(set(pq.ffn)) > 1  # uneven, whole blocks
+    assert pq.align["ffn"] % 256 == 0
+    # the byte estimate is the format's: q4_k's projections take 144 / 256 bytes an element, not 4
+    assert sum(pq.bytes_per_rank) < 0.3 * sum(p32.bytes_per_rank)
+    with pytest.raises(ValueError, match="block of 256"):
+        plan_from_measurements(cfg, [1.0, 1.0], dtype="q4_k", align={"ffn": 128})
+    with pytest.raises(ValueError, match="block of 32"):
+        plan_from_measurements(_cfg(C=64, F=48), [1.0, 1.0], dtype="q8_0")

@@ -432,10 +432,24 @@ size_t tp_cpu_linear_lp_workspace(int64_t M, int64_t K, int64_t N, tp_dtype_t wd
   return nbytes;
 }
 
+/* A quantized wdt's K must be whole blocks, and its weight has no gradient. */
+static tp_status_t check_quant(const char *op, tp_dtype_t wdt, int64_t K, const float *dw) {
+  if (!tp_q_format(wdt)) return TP_SUCCESS;
+  size_t rb;
+  if (!tp_weight_row_bytes(wdt, K, &rb))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: K = %lld is not whole blocks of %s", op, (long long)K,
+                        tp_dtype_name(wdt));
+  if (dw)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: dw must be NULL for %s weights (quantized weights are frozen)",
+                        op, tp_dtype_name(wdt));
+  return TP_SUCCESS;
+}
+
 tp_status_t tp_cpu_linear_forward_lp(tp_stream_t s, float *y, const float *x, const void *w, tp_dtype_t wdt,
                                      const float *b, int64_t M, int64_t K, int64_t N, void *workspace,
                                      size_t workspace_bytes) {
   (void)s;
+  TP_CHECK(check_quant("linear_forward_lp", wdt, K, NULL));
   if (M == 0 || N == 0) return TP_SUCCESS;
   if (K == 0) {
     for (int64_t m = 0; m < M; m++) {
@@ -490,6 +504,7 @@ TP_VECTOR_CLONES static void dx_axpy_rows(float *dx, const float *dy, const void
 tp_status_t tp_cpu_linear_backward_lp(tp_stream_t s, float *dx, float *dw, float *db, const float *dy, const float *x,
                                       const void *w, tp_dtype_t wdt, int64_t M, int64_t K, int64_t N,
                                       int accumulate_dx, void *workspace, size_t workspace_bytes) {
+  TP_CHECK(check_quant("linear_backward_lp", wdt, K, dw));
   /* dw and db never read w: the float32 entry's sgemm and column sums */
   tp_status_t st = tp_cpu_linear_backward(s, NULL, dw, db, dy, x, NULL, M, K, N, 0);
   if (st != TP_SUCCESS || !dx || M == 0 || K == 0) return st;
@@ -519,6 +534,7 @@ tp_status_t tp_cpu_linear_backward_lp(tp_stream_t s, float *dx, float *dw, float
 tp_status_t tp_cpu_embedding_forward_lp(tp_stream_t s, float *out, const int64_t *tokens, const void *table,
                                         tp_dtype_t wdt, int64_t M, int64_t lo, int64_t V, int64_t C) {
   (void)s;
+  TP_CHECK(check_quant("embedding_forward_lp", wdt, C, NULL));
   for (int64_t m = 0; m < M; m++) {
     uint64_t t = (uint64_t)tokens[m] - (uint64_t)lo; /* in [0, V) iff the token is in the shard */
     if (t < (uint64_t)V) widen_span(out + m * C, (const char *)table + t * row_bytes(wdt, C), wdt, 0, C, C);
