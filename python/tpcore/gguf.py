@@ -54,6 +54,27 @@ def _gguf_module(who: str):
     return gguf
 
 
+_READER = None
+
+
+def _reader_class(gguf):
+    """gguf.GGUFReader keeping its memory map as a plain ndarray over the map: the reader
+    slices it once per metadata item (~250,000 for a 49k-token vocabulary), and slices of
+    a np.memmap cost several times more.  Pages are still read only when touched."""
+    global _READER
+    if _READER is None:
+        class _Reader(gguf.GGUFReader):
+            @property
+            def data(self):
+                return self._tp_data
+
+            @data.setter
+            def data(self, v):
+                self._tp_data = np.asarray(v)
+        _READER = _Reader
+    return _READER
+
+
 def is_gguf(path) -> bool:
     """Whether path is a file that starts with the GGUF magic."""
     try:
@@ -101,11 +122,13 @@ class _Part:
         if self.perm is not None:
             rows = self.perm[rows]
         idx = _as_base_index(rows, 0)
+        # np.asarray: a plain array over the map (the reference dequantizers slice their input
+        # many times; slices of a np.memmap cost far more)
         if cols is None:
-            return self.gguf.quants.dequantize(self.raw[idx], self.qtype).astype(np.float32, copy=False)
+            return self.gguf.quants.dequantize(np.asarray(self.raw[idx]), self.qtype).astype(np.float32, copy=False)
         lo, hi, _ = cols.indices(self.cols)
         b0, b1 = lo // self.block, -(-hi // self.block) if hi > lo else lo // self.block
-        raw = self.raw[idx, b0 * self.type_size:b1 * self.type_size]
+        raw = np.asarray(self.raw[idx, b0 * self.type_size:b1 * self.type_size])
         out = self.gguf.quants.dequantize(raw, self.qtype).astype(np.float32, copy=False)
         return out[:, lo - b0 * self.block:hi - b0 * self.block]
 
@@ -133,6 +156,10 @@ class _Rows:
                 out[sel] = part.read(rows[sel] - off + first, cols)
             off += n
         return out
+
+    def vector(self) -> np.ndarray:
+        """A 1-D tensor (norm weights, biases; a cut of GPT-2's fused qkv bias): read whole."""
+        return np.concatenate([p.read(np.zeros(1, np.int64), None)[0][first:first + n] for p, first, n in self.parts])
 
     def raw_rows(self, rows: np.ndarray) -> np.ndarray:
         rows = np.atleast_1d(np.asarray(rows, np.int64))
@@ -164,7 +191,7 @@ class LazyTensor:
 
     def __getitem__(self, key) -> np.ndarray:
         if self.ndim == 1:   # a 1-D tensor (norm weights, biases): small, read whole
-            return self._r.read(np.zeros(1, np.int64), None)[0][key]
+            return self._r.vector()[key]
         rows, scalar, rest = _rows(key, self.shape[0])
         rows = np.atleast_1d(rows).astype(np.int64)
         cols = None
@@ -413,7 +440,7 @@ class GGUFModel:
         if head != _MAGIC:
             raise bad(path, "magic", "a GGUF file (it starts with b'GGUF')", f"a file that starts with {head!r}")
         try:
-            reader = gguf.GGUFReader(path, "r")
+            reader = _reader_class(gguf)(path, "r")
         except (ValueError, OverflowError, IndexError, KeyError, TypeError, UnicodeDecodeError, MemoryError) as e:
             raise bad(path, "file", "a complete GGUF file (header, metadata, tensor data)",
                       f"one the gguf reader cannot read, truncated or corrupt ({type(e).__name__}: {e})") from e
