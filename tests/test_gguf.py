@@ -48,12 +48,26 @@ def llamacpp_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def quantized(w, qtype):
-    """(bytes as stored, the float64 values they hold) for a matrix quantized row-wise."""
+# the K-quant block layouts: where each 256-value block keeps its float16 scale(s) (the rest
+# of the block, quants and 6/8-bit sub-scales, is any bytes); gguf has no quantizer for them
+_KQ = {Q.Q4_K: (144, (0, 2)), Q.Q5_K: (176, (0, 2)), Q.Q6_K: (210, (208,))}
+
+
+def quantized(w, qtype, seed=0):
+    """(bytes as stored, the float64 values they hold) for a matrix quantized row-wise.
+    K-quants: random valid blocks (their values, not w's)."""
     if qtype in (Q.F32, Q.F16):
         a = w.astype(np.float32 if qtype == Q.F32 else np.float16)
         return a, a.astype(np.float64)
-    raw = gguf.quants.quantize(w.astype(np.float32), qtype)
+    if qtype in _KQ:
+        size, scales = _KQ[qtype]
+        rng = np.random.default_rng(seed)
+        raw = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, size), dtype=np.uint8)
+        for off in scales:
+            raw[..., off:off + 2] = rng.uniform(1e-4, 4e-4, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+        raw = raw.reshape(w.shape[0], -1)
+    else:
+        raw = gguf.quants.quantize(w.astype(np.float32), qtype)
     return raw, gguf.quants.dequantize(raw, qtype).astype(np.float64)
 
 
@@ -61,11 +75,15 @@ LLAMA = dict(vocab=75, C=96, L=2, H=6, Hk=3, F=64, ctx=32, theta=500.0, eps=1e-5
 GPT2 = dict(vocab=75, C=64, L=2, H=4, F=96, ctx=32, eps=1e-5)
 
 
+LLAMA_K = dict(vocab=40, C=256, L=1, H=4, Hk=2, F=256, ctx=16, theta=1e4, eps=1e-6)
+K_TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q6_K, "ffn_gate": Q.Q4_K,
+           "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K}
+
+
 def write_llama(path, seed=0, qtype=Q.F32, emb_type=Q.F32, untied=False, drop_key=None, keys=None,
-                shapes=None, extra=(), drop_tensor=None, types=None):
+                shapes=None, extra=(), drop_tensor=None, types=None, p=LLAMA):
     """A random Llama GGUF as llama.cpp's converter lays it out; returns the float64
     weights it holds, in tpcore's names and Hugging Face's row order."""
-    p = LLAMA
     rng = np.random.default_rng(seed)
     C, H, Hk, F, V = p["C"], p["H"], p["Hk"], p["F"], p["vocab"]
     D = C // H
@@ -89,10 +107,10 @@ def write_llama(path, seed=0, qtype=Q.F32, emb_type=Q.F32, untied=False, drop_ke
         shape = (shapes or {}).get(gname)
         if shape is not None:
             a = rng.standard_normal(shape).astype(np.float32) * 0.1
-        qt = (types or {}).get(gname, qt)
-        stored = llamacpp_permute(a, perm_heads) if perm_heads else a
-        raw, _ = quantized(stored, qt) if a.ndim == 2 else (a.astype(np.float32), None)
-        _, held = quantized(a, qt) if a.ndim == 2 else (None, a.astype(np.float64))
+        qt = (types or {}).get(gname, (types or {}).get(gname.split(".")[-2], qt))
+        # quantization runs along rows: permuting the stored rows = quantizing the permuted matrix
+        raw, held = quantized(a, qt, seed + len(sd)) if a.ndim == 2 else (a.astype(np.float32), a.astype(np.float64))
+        raw = llamacpp_permute(raw, perm_heads) if perm_heads else raw
         if gname != drop_tensor:
             w.add_tensor(gname, raw, raw_dtype=qt if qt not in (Q.F32, Q.F16) else None)
         if ours:
@@ -199,7 +217,8 @@ def test_unpermute_rows_inverts_llamacpp_converter():
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("qtype,emb", [(Q.F32, Q.F32), (Q.Q8_0, Q.Q8_0), (Q.Q4_1, Q.Q8_0), (Q.Q4_0, Q.F16)])
+@pytest.mark.parametrize("qtype,emb", [(Q.F32, Q.F32), (Q.Q8_0, Q.Q8_0), (Q.Q4_1, Q.Q8_0), (Q.Q4_0, Q.F16)],
+                         ids=["f32", "q8_0", "q4_1-untied", "q4_0-f16-embedding"])
 def test_llama_file_matches_float64_reference(tmp_path, world, qtype, emb):
     path = str(tmp_path / "m.gguf")
     sd = write_llama(path, seed=world, qtype=qtype, emb_type=emb, untied=qtype == Q.Q4_1)
@@ -210,6 +229,20 @@ def test_llama_file_matches_float64_reference(tmp_path, world, qtype, emb):
     for r, got in enumerate(run(_logits, world, path, tokens)):
         err = np.abs(got - want).max()
         assert err < 1e-4 * (1 + np.abs(want).max()), f"rank {r}: logits off by {err}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_llama_k_quants_match_float64_reference(tmp_path, world):
+    """Q4_K / Q5_K / Q6_K (256-value blocks): a rank's columns of the output and fc2
+    projections (64 and 86 of 256) lie inside one block, read and cut."""
+    path = str(tmp_path / "k.gguf")
+    sd = write_llama(path, seed=world, emb_type=Q.Q6_K, types=K_TYPES, untied=True, p=LLAMA_K)
+    cfg, tensors, _ = tg.read_gguf(path)
+    assert tensors["blocks.0.attn.k.weight"].gguf_type == "Q5_K" and tensors["wte.weight"].gguf_type == "Q6_K"
+    tokens = np.random.default_rng(world).integers(0, cfg.vocab_size, (1, 6))
+    want = reference_logits(cfg, sd, tokens)
+    for r, got in enumerate(run(_logits, world, path, tokens)):
+        assert np.abs(got - want).max() < 1e-4 * (1 + np.abs(want).max()), f"rank {r}"
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -359,6 +392,31 @@ def test_from_pretrained_finds_gguf_and_refuses_bad_ones(tmp_path):
     bad.write_bytes((d / "m.gguf").read_bytes()[:3000])
     with pytest.raises(Exception, match="truncated"):      # every rank fails, none hangs
         run(_load_path, 2, str(bad), deadline=60)
+
+
+def _bad_args(comm, path):
+    errs = []
+    for call in (lambda: tpcore.models.from_gguf(3, comm), lambda: tpcore.models.from_gguf(path, comm, dtype="int3"),
+                 lambda: tpcore.models.from_gguf(path + ".missing.gguf", comm),
+                 lambda: tpcore.models.from_pretrained(path + ".missing.gguf", comm),
+                 lambda: tpcore.models.from_gguf(path, comm, partition=[5, 5])):
+        try:
+            call()
+            errs.append(None)
+        except Exception as e:
+            errs.append((type(e).__name__, str(e)))
+    return errs
+
+
+def test_from_gguf_bad_arguments(tmp_path):
+    path = str(tmp_path / "m.gguf")
+    write_llama(path)
+    [errs] = run(_bad_args, 1, path)
+    assert errs[0][0] == "TypeError" and "from_gguf: path" in errs[0][1]
+    assert errs[1][0] == "ValueError" and "from_gguf" in errs[1][1] and "int3" in errs[1][1]
+    for e in errs[2:4]:
+        assert e[0] == "FileNotFoundError" and ".missing.gguf" in e[1] and "is not a file" in e[1], e
+    assert errs[4][0] == "ValueError" and "partition" in errs[4][1], errs[4]
 
 
 def test_missing_gguf_package_is_a_clear_import_error(tmp_path, monkeypatch):

@@ -528,8 +528,9 @@ class GGUFModel:
         if tn in _FLOAT_TYPES:
             return LazyTensor(r)
         from .quant import QuantTensor
-        (p, first, n), = r.parts if len(r.parts) == 1 else ((None, 0, 0),)
-        raw = p.raw[first:first + n] if p is not None and p.perm is None else _LazyRaw(r)
+        p, first, n = r.parts[0]
+        plain = len(r.parts) == 1 and p.perm is None
+        raw = p.raw[first:first + n] if plain else _LazyRaw(r)    # the map itself, or rows read on indexing
         return QuantTensor(_QUANT_TYPES[tn], r.shape, raw)
 
     def tensor(self, name: str, quantized: bool = False):

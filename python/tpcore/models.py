@@ -1192,8 +1192,10 @@ def _gguf_files(path) -> Optional[str]:
     several .gguf files (and no config) is a ValueError listing them."""
     from .gguf import is_gguf
     p = os.fspath(path)
+    if p.lower().endswith(".gguf") and not os.path.isdir(p):
+        return p                          # (a missing one: from_gguf's FileNotFoundError names it)
     if os.path.isfile(p):
-        return p if p.lower().endswith(".gguf") or is_gguf(p) else None
+        return p if is_gguf(p) else None
     if not os.path.isdir(p) or os.path.exists(os.path.join(p, fmt.OWN_CONFIG)) or \
             os.path.exists(os.path.join(p, fmt.HF_CONFIG)):
         return None
