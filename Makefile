@@ -150,6 +150,14 @@ KTEST_SRC := $(wildcard csrc/tests/test_kernels*.c)
 $(BUILD)/test_kernels: $(KTEST_SRC) csrc/tests/test_kernels.h $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $(KTEST_SRC) -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
+# The quantized dot kernels' microbenchmark (csrc/tests/bench_quant.c: ns per row, GB/s per
+# format and ISA level); not part of `make test`.
+$(BUILD)/bench_quant: csrc/tests/bench_quant.c $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+
+bench-quant: $(BUILD)/bench_quant
+	$(abspath $(BUILD))/bench_quant
+
 test: all
 	$(abspath $(BUILD))/test_comm
 	$(abspath $(BUILD))/test_layers
@@ -171,4 +179,4 @@ clean:
 print-core-sources:
 	@printf '%s\n' $(CORE_SRC)
 
-.PHONY: all test clean print-core-sources
+.PHONY: all test clean print-core-sources bench-quant

@@ -38,6 +38,9 @@ def check_output(r):
     assert not re.search(r"FAIL", out), out
     for part in ("linear", "activations", "vocab, norms, rope", "attention, optimizers"):
         assert f"api {part}: ok" in out
+    for fmt in ("int8", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"):  # test_kernels_quant.c
+        for part in ("dequant + dot1/dot4", "quant round trip", "Inf/NaN fields"):
+            assert f"quant {fmt} {part}: ok" in out
     assert re.search(r"^\d+ passed, 0 failed$", out, re.M)
 
 

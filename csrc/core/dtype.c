@@ -12,17 +12,66 @@ static const struct {
     [TP_INT32] = {"int32", 4},     [TP_INT64] = {"int64", 8},
 };
 
+/* The weight formats past the tensor dtypes (names as gguf's GGMLQuantizationType, lower case). */
+static const struct {
+  const char *name;
+  int64_t block;
+  size_t bytes;
+} tp_wformats[TP_WEIGHT_FORMAT_END - TP_Q8_0] = {
+    [TP_Q8_0 - TP_Q8_0] = {"q8_0", 32, 34},   [TP_Q4_0 - TP_Q8_0] = {"q4_0", 32, 18},
+    [TP_Q4_1 - TP_Q8_0] = {"q4_1", 32, 20},   [TP_Q4_K - TP_Q8_0] = {"q4_k", 256, 144},
+    [TP_Q5_K - TP_Q8_0] = {"q5_k", 256, 176}, [TP_Q6_K - TP_Q8_0] = {"q6_k", 256, 210},
+};
+
+static int is_block_format(tp_dtype_t d) { return d >= TP_Q8_0 && d < TP_WEIGHT_FORMAT_END; }
+
+int tp_weight_format(tp_dtype_t f, int64_t *block, size_t *block_bytes, size_t *row_header) {
+  int64_t blk = 1;
+  size_t bytes, hdr = 0;
+  switch (f) {
+    case TP_FLOAT32: bytes = 4; break;
+    case TP_BFLOAT16:
+    case TP_FLOAT16: bytes = 2; break;
+    case TP_INT8: bytes = 1, hdr = 4; break;
+    default:
+      if (!is_block_format(f)) return 0;
+      blk = tp_wformats[f - TP_Q8_0].block, bytes = tp_wformats[f - TP_Q8_0].bytes;
+  }
+  if (block) *block = blk;
+  if (block_bytes) *block_bytes = bytes;
+  if (row_header) *row_header = hdr;
+  return 1;
+}
+
+int tp_weight_row_bytes(tp_dtype_t f, int64_t n, size_t *bytes) {
+  int64_t blk;
+  size_t bb, hdr, body;
+  if (!tp_weight_format(f, &blk, &bb, &hdr) || n < 0 || n % blk) return 0;
+  if (!tp_mul_size((size_t)(n / blk), bb, &body) || !tp_add_size(body, hdr, &body)) return 0;
+  *bytes = body;
+  return 1;
+}
+
+int tp_weight_is_quantized(tp_dtype_t f) { return f == TP_INT8 || is_block_format(f); }
+
 size_t tp_dtype_size(tp_dtype_t d) {
   return ((unsigned)d < TP_NUM_DTYPES) ? tp_dtypes[d].size : 0;
 }
 
 const char *tp_dtype_name(tp_dtype_t d) {
+  if (is_block_format(d)) return tp_wformats[d - TP_Q8_0].name;
   return ((unsigned)d < TP_NUM_DTYPES) ? tp_dtypes[d].name : "invalid";
 }
 
 int tp_dtype_from_name(const char *name, tp_dtype_t *out) {
   for (int i = 0; i < TP_NUM_DTYPES; i++) {
     if (strcmp(name, tp_dtypes[i].name) == 0) {
+      *out = (tp_dtype_t)i;
+      return 1;
+    }
+  }
+  for (int i = TP_Q8_0; i < TP_WEIGHT_FORMAT_END; i++) {
+    if (strcmp(name, tp_wformats[i - TP_Q8_0].name) == 0) {
       *out = (tp_dtype_t)i;
       return 1;
     }

@@ -222,6 +222,7 @@ PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *
 
 extern PyMethodDef kernel_methods[]; /* added to the module by module.c */
 extern PyMethodDef devkernel_methods[]; /* likewise (devkernels.c: d_* kernels on any device) */
+extern PyMethodDef quant_methods[]; /* likewise (quant.c: the quantized weight rows) */
 extern PyMethodDef partition_methods[]; /* likewise (partition.c) */
 extern PyMethodDef cuda_methods[];      /* likewise (cuda.c: the CUDA plugin and library finder) */
 

@@ -649,7 +649,8 @@ static const parity_case cases[] = {
     {"embedding_forward_lp", case_embedding_forward_lp},
 };
 
-void run_api_tests(int *passed, int *failed); /* test_kernels_api.c */
+void run_api_tests(int *passed, int *failed);   /* test_kernels_api.c */
+void run_quant_tests(int *passed, int *failed); /* test_kernels_quant.c */
 
 #define ENTRY_NAME_(n) #n,
 static const char *const entries[] = {TP_KERNEL_ENTRIES(ENTRY_NAME_)};
@@ -696,6 +697,7 @@ int main(int argc, char **argv) {
     }
   }
   if (!only) run_api_tests(&passed, &failed);
+  if (!only || !strcmp(only, "quant")) run_quant_tests(&passed, &failed);
   release();
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;

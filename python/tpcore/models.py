@@ -34,12 +34,27 @@ from ._array import DeviceArray, asarray, asarray_device, device_string, resolve
 from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import _collective
-from .layers import ACTIVATIONS, ColumnParallelLinear, _sizes, check_param_dtype, zero
+from .layers import ACTIVATIONS, ColumnParallelLinear, _put_weight, _sizes, check_param_dtype, zero
+from .quant import is_quantized
 from .layers import partition as partition_dim
 from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
-__all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition"]
+__all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize"]
+
+
+_PARTS = ("embedding", "head", "qkv", "out", "fc1", "fc2")
+
+
+def _model_dtypes(dtype: Any, who: str) -> Dict[str, str]:
+    """A model's weight storage per part: one dtype for all, or a dict by part (missing: float32)."""
+    if isinstance(dtype, dict):
+        extra = sorted(set(dtype) - set(_PARTS))
+        if extra:
+            raise ValueError(f"{who}: dtype keys must be among {list(_PARTS)}, got {extra}")
+        return {k: check_param_dtype(dtype.get(k, "float32"), who) for k in _PARTS}
+    d = check_param_dtype(dtype, who)
+    return {k: d for k in _PARTS}
 
 
 def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
@@ -110,11 +125,16 @@ class TransformerLM:
         generate, loading and saving checkpoints); the position/type embeddings and the
         norms outside the blocks stay on the host, and training (loss/backward) is
         CPU-only in this version.
-    dtype : {"float32", "bfloat16", "float16"}, default "float32"
+    dtype : str or dict, default "float32"
         The storage of the large weights (token embedding, attention and MLP projections,
-        LM head); norms, biases, position embeddings, activations, the KV cache and
-        gradients stay float32, every product is accumulated in float32.  Half the weight
-        bytes: decoding, which reads every weight per token, moves half the memory.
+        LM head): "float32", "bfloat16", "float16", or a quantized format of
+        `tpcore.quant` ("int8", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"; frozen
+        weights, for inference and for training what is not quantized).  A dict gives each
+        part its own: keys "embedding", "head", "qkv", "out", "fc1", "fc2" (a GGUF file's
+        mix; missing keys float32).  Norms, biases, position embeddings, activations, the
+        KV cache and gradients stay float32, every product is accumulated in float32.  Half
+        the weight bytes (16-bit) or about a quarter to an eighth (q8_0 .. q4_0): decoding,
+        which reads every weight per token, moves that much less memory.
     plan : Plan, optional
         A `tpcore.plan_partition` plan (or `Plan.load`) giving partition, ffn_partition and
         vocab_partition: shards sized by measured speed for mismatched devices.
@@ -137,7 +157,9 @@ class TransformerLM:
                  vocab_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
                  _device_path: bool = False, _stage: Any = None, plan: Any = None) -> None:
         self.device = resolve_device(device, "TransformerLM")
-        self.dtype = check_param_dtype(dtype, "TransformerLM")
+        self.dtypes = _model_dtypes(dtype, "TransformerLM")
+        ds = set(self.dtypes.values())
+        self.dtype = ds.pop() if len(ds) == 1 else "mixed"
         dev = None if self.device[0] == "cpu" else device_string(self.device)
         # where the model's own tensors outside the layers live and its d_ kernels run: the GPU;
         # None on the CPU (NumPy).  _device_path (tests): the GPU code path on the CPU, with
@@ -165,8 +187,11 @@ class TransformerLM:
         self._first, self._last, self.layer_range = first, last, (lo, hi)
         if first or (last and cfg.tie_embeddings):
             self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed,
-                                              device=dev, dtype=self.dtype)
-            if dev is None:
+                                              device=dev, dtype=self.dtypes["embedding"])
+            if is_quantized(self.wte.dtype):  # scaled in float32, quantized again (on the host)
+                if self.wte.local:
+                    _put_weight(self.wte.weight, self.wte.dtype, self.wte.weight_float() * 0.02, "TransformerLM")
+            elif dev is None:
                 self.wte.weight[...] *= 0.02  # GPT-2 / BERT initialisation scale (N(0, 0.02))
             else:  # the same values, scaled on the host
                 self.wte.weight[...] = self.wte.weight.to_numpy() * 0.02
@@ -185,8 +210,9 @@ class TransformerLM:
             if cfg.type_vocab_size and first else None
         self.tte_grad = None if self.tte is None else _on(np.zeros((cfg.type_vocab_size, C), np.float32), self._kdev)
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.embedding_norm and first else None
+        bd = {k: self.dtypes[k] for k in ("qkv", "out", "fc1", "fc2")}
         self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
-                                        ffn_partition=ffn_partition, device=dev, dtype=self.dtype)
+                                        ffn_partition=ffn_partition, device=dev, dtype=bd)
                        for i in range(lo, hi)]
         self.final_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.final_norm and cfg.pre_norm and last \
             else None
@@ -195,7 +221,7 @@ class TransformerLM:
         else:
             self.lm_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
                                                 partition=[s for _, s in self.vocab_partition],
-                                                seed=(seed + 7) % 2 ** 64, device=dev, dtype=self.dtype)
+                                                seed=(seed + 7) % 2 ** 64, device=dev, dtype=self.dtypes["head"])
         self._ctx = None
         self._on_token = None  # generate calls it (benchmarks): -1 after the prefill, then step 0, 1, ...
 
@@ -224,8 +250,21 @@ class TransformerLM:
             zero(g)
 
     def param_bytes(self) -> int:
-        """Bytes of this rank's parameters."""
-        return int(sum(p.nbytes for p, _ in self.parameters()))
+        """Bytes of this rank's parameters, frozen (quantized) weights included."""
+        return int(sum(p.nbytes for p, _ in self.parameters()) + sum(w.nbytes for w in self._frozen()))
+
+    def _frozen(self) -> list:
+        """This rank's quantized weights (no gradient, so not in parameters())."""
+        out = [w for w, g in ([] if self.wte is None else [(self.wte.weight, self.wte.grad_weight)]) if g is None]
+        for b in self.blocks:
+            out += [w for w, g in b.named_parameters().values() if g is None]
+        if self.lm_head is not None and self.lm_head.grad_weight is None:
+            out.append(self.lm_head.weight)
+        return out
+
+    def _head_fmt(self):
+        """The tied head's weight format for the kernels (None unless quantized)."""
+        return self.wte.dtype if is_quantized(self.wte.dtype) else None
 
     def _head_weight(self):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
@@ -439,8 +478,8 @@ class TransformerLM:
         # steps (the logits shard is the largest activation; a fresh one costs page faults each step)
         if self._kdev is not None:  # the head's GEMM where the model lives; the shard stays there
             h2 = self._dev(h2)
-            if self.lm_head is None:  # tied: the embedding's own rows (16-bit ones included)
-                return _C.d_linear_forward(h2, self.wte.weight)
+            if self.lm_head is None:  # tied: the embedding's own rows (16-bit and quantized ones included)
+                return _C.d_linear_forward(h2, self.wte.weight, None, self._head_fmt())
             return self.lm_head.forward(self._layer_in(h2))
         h2 = np.ascontiguousarray(h2, np.float32)
         out = None
@@ -451,7 +490,7 @@ class TransformerLM:
                 buf = self._logits_buf = np.empty(shape, np.float32)
             out = buf
         if self.lm_head is None:
-            return _C.linear_forward(h2, self.wte.weight, None, out)
+            return _C.linear_forward(h2, self.wte.weight, None, out, self._head_fmt())
         return self.lm_head._c.forward(h2, out)
 
     def _gather_logits(self, shard):
@@ -578,7 +617,8 @@ class TransformerLM:
             h2 = ctx["h2"]
             with comm._region("head"):
                 if self.lm_head is None:
-                    dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight)
+                    dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight,
+                                            None, self._head_fmt())
                     if comm.size > 1:
                         comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
                 else:
@@ -610,7 +650,8 @@ class TransformerLM:
         h2 = ctx["h2"]
         with comm._region("head"):
             if self.lm_head is None:  # tied: dW into the embedding's gradient, dh summed over the vocab shards
-                dh = _C.d_linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight)
+                dh = _C.d_linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight,
+                                          self._head_fmt())
                 if comm.size > 1:
                     comm.all_reduce(dh)
             else:
@@ -859,7 +900,7 @@ class TransformerLM:
             lo, n = self.vocab_partition[self.comm.rank]
             if tuple(W.shape) != (self.config.vocab_size, self.config.hidden):
                 raise ValueError(f"checkpoint: lm_head.weight has shape {tuple(W.shape)}")
-            self.lm_head.weight[...] = _f32(W[lo:lo + n])
+            _put_weight(self.lm_head.weight, self.lm_head.dtype, W[lo:lo + n], "lm_head.weight")
         self._sync_tied()
 
     def save_pretrained(self, path: str, sharded: bool = False, hf: bool = False) -> None:
@@ -917,6 +958,77 @@ class TransformerLM:
         return (f"TransformerLM({c.model_type}: {c.layers} layers, hidden {c.hidden}, heads {c.heads}/{c.kv_heads}, "
                 f"vocab {c.vocab_size}{'' if self.dtype == 'float32' else ', ' + self.dtype}; rank {self.comm.rank} "
                 f"of {self.comm.size})")
+
+
+def quantize(model: TransformerLM, fmt: str, embedding: Optional[str] = None,
+             head: Optional[str] = None) -> TransformerLM:
+    """A copy of a model with its large weights in a quantized format (or a 16-bit dtype).
+
+    Any checkpoint tpcore loads (``from_pretrained`` of a Hugging Face directory, say) can so
+    run with llama.cpp's block formats: the attention and MLP projections, the token
+    embedding and the LM head are quantized; norms, biases and position embeddings stay
+    float32.  The copy has the same configuration, seed and head / vocabulary partitions (the
+    MLP's split in whole blocks when the format needs it).
+
+    Parameters
+    ----------
+    model : TransformerLM
+        A whole model (not a pipeline stage) on this communicator.
+    fmt : str
+        "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "int8", "bfloat16" or "float16".
+    embedding, head : str, optional
+        Other formats for the token embedding and the (untied) LM head (default fmt;
+        llama.cpp keeps them at q6_k / q8_0 in its mixes).
+
+    Returns
+    -------
+    TransformerLM
+        The quantized copy (the original is unchanged).
+
+    Raises
+    ------
+    TypeError
+        model not a TransformerLM.
+    ValueError
+        An unknown format, or a width that is not whole blocks of it (hidden and
+        ffn_hidden must be multiples of 32, or of 256 for the k-quants; a rank's heads x
+        head_dim too, for the output projection).
+
+    Notes
+    -----
+    Collective: each block is gathered whole (one at a time) and every rank keeps its slices,
+    so a rank holds at most one float32 block beside the two models.
+    """
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"quantize: model must be a TransformerLM, got {type(model).__name__}")
+    if not (model._first and model._last):
+        raise ValueError("quantize: model is a pipeline stage; quantize the whole model before splitting it")
+    d = check_param_dtype(fmt, "quantize")
+    dtypes = {"qkv": d, "out": d, "fc1": d, "fc2": d, "embedding": check_param_dtype(embedding or d, "quantize"),
+              "head": check_param_dtype(head or d, "quantize")}
+    cfg, comm = model.config, model.comm
+    from .quant import block_size
+    ffn = model.blocks[0].ffn_partition if model.blocks else None
+    if ffn is not None and any(s % block_size(d) for _, s in ffn):
+        ffn = None  # the MLP's default split, in whole blocks
+    q = TransformerLM(cfg, comm, seed=model.seed, partition=model.blocks[0].head_partition if model.blocks else None,
+                      ffn_partition=ffn, vocab_partition=model.vocab_partition,
+                      device=None if not model._on_gpu() else device_string(model.device), dtype=dtypes)
+    q.wte.load_full(model.wte.gather_full())
+    for src, dst in ((model.wpe, q.wpe), (model.tte, q.tte)):
+        if src is not None:
+            dst[...] = src
+    for src, dst in ((model.emb_norm, q.emb_norm), (model.final_norm, q.final_norm)):
+        if src is not None:
+            dst.weight[...] = src.weight
+            if src.bias is not None:
+                dst.bias[...] = src.bias
+    for b_src, b_dst in zip(model.blocks, q.blocks):
+        b_dst.load_full(b_src.gather_full())
+    if model.lm_head is not None:
+        W, _ = model.lm_head.gather_full()
+        q.lm_head.load_full(W)
+    return q
 
 
 def _agree_generate(comm: Comm, args, err) -> None:
@@ -1016,7 +1128,7 @@ def _load_embedding(emb, table):
     if tuple(table.shape) != (emb.num_embeddings, emb.embedding_dim):
         raise ValueError(f"checkpoint: the token embedding has shape {tuple(table.shape)}, expected "
                          f"{(emb.num_embeddings, emb.embedding_dim)}")
-    emb.weight[...] = _f32(table[emb.offset:emb.offset + emb.local])
+    _put_weight(emb.weight, emb.dtype, table[emb.offset:emb.offset + emb.local], "wte.weight")
 
 
 class _Progress:

@@ -30,7 +30,7 @@ for f in "${CU[@]/%/.emu.cc}"; do g++ $FL -c "$OUT/$f" -o "$OUT/${f%.cc}.o"; don
 for f in "$E/driver.cc" "$E/emu_runtime.cc" "$E/cublas_emu.cc"; do
   g++ $FL -c "$f" -o "$OUT/$(basename "$f" .cc).o"
 done
-for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn; do
+for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn test_kernels_quant; do
   gcc -std=c11 -O1 -g $SAN -D_GNU_SOURCE -I"$ROOT/csrc/include" -Dtp_kernels_of=emu_kernels_of \
     -c "$ROOT/csrc/tests/$f.c" -o "$OUT/$f.o"
 done
