@@ -34,7 +34,8 @@ from ._formats import CheckpointError, bad
 from .hf import _as_base_index, _rows
 from .transformer import Config
 
-__all__ = ["read_gguf", "GGUFModel", "tokenizer", "unpermute_rows", "is_gguf", "CheckpointError"]
+__all__ = ["read_gguf", "GGUFModel", "LazyTensor", "QuantRows", "tokenizer", "unpermute_rows", "part_of", "is_gguf",
+           "CheckpointError"]
 
 _MAGIC = b"GGUF"
 _MISSING = object()
@@ -213,29 +214,55 @@ class LazyTensor:
         return f"LazyTensor(shape={self.shape}, gguf_type={self.gguf_type})"
 
 
-class _LazyRaw:
-    """The stored bytes of a composite tensor's rows (permuted, stacked), read on indexing
-    by row: what a QuantTensor holds for a tensor that is not one plain GGUF tensor."""
+class QuantRows:
+    """A quantized tensor made of rows of GGUF tensors in another order (Q/K rows put
+    back) or stacked ([gate; up]), kept in its format: ``t[rows]`` (and ``t[rows, a:b]``)
+    is a `tpcore.quant.QuantTensor` of just those rows' stored bytes, read from the map on
+    indexing; ``np.asarray(t)`` dequantizes all of it."""
 
-    dtype = np.dtype(np.uint8)
+    ndim = 2
+    dtype = np.dtype(np.float32)   # what it reads as
 
-    def __init__(self, rows: _Rows):
-        self._r = rows
-        self.shape = (rows.shape[0], rows.parts[0][0].raw.shape[1])
-        self.ndim = 2
+    def __init__(self, rows: _Rows, fmt: str):
+        self._r, self.fmt, self.shape = rows, fmt, rows.shape
 
     def __getitem__(self, key):
+        from .quant import QuantTensor
         rows, scalar, rest = _rows(key, self.shape[0])
-        out = self._r.raw_rows(np.atleast_1d(rows))
-        out = out[(slice(None),) + tuple(rest)] if rest else out
-        return out[0] if scalar else out
+        qt = QuantTensor(self.fmt, (np.size(rows), self.shape[1]), self._r.raw_rows(np.atleast_1d(rows)))
+        if rest:
+            qt = qt[(slice(None),) + tuple(rest)]
+        return np.asarray(qt)[0] if scalar else qt
 
     def __array__(self, dtype=None, copy=None):
-        a = self[...]
+        a = self._r.read(np.arange(self.shape[0]), None)
         return a if dtype is None else a.astype(dtype)
 
     def __len__(self):
         return self.shape[0]
+
+    def __repr__(self):
+        return f"QuantRows({self.fmt!r}, shape={self.shape})"
+
+
+# tpcore's model parts (TransformerLM's dtype keys) by tensor
+_PART = {"attn.q": "qkv", "attn.k": "qkv", "attn.v": "qkv", "attn.out": "out", "mlp.fc1": "fc1", "mlp.fc2": "fc2"}
+_PART_RE = re.compile(r"blocks\.\d+\.(attn\.[qkv]|attn\.out|mlp\.fc[12])\.weight$")
+# the storage that holds a part whose tensors come in several formats (a "K_M" mix): the
+# most bits per weight among them
+_WIDTH = ("q4_0", "q4_k", "q4_1", "q5_k", "q6_k", "q8_0", "bfloat16", "float16", "float32")
+_FLOAT_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def part_of(name: str) -> Optional[str]:
+    """The TransformerLM dtype part ("embedding", "head", "qkv", "out", "fc1", "fc2") a
+    tensor belongs to; None for norms, biases and position embeddings (always float32)."""
+    if name == "wte.weight":
+        return "embedding"
+    if name == "lm_head.weight":
+        return "head"
+    m = _PART_RE.match(name)
+    return _PART[m.group(1)] if m else None
 
 
 # The metadata --------------------------------------------------------------------------
@@ -514,9 +541,10 @@ class GGUFModel:
 
     def _tensor(self, name: str, quantized: bool = False):
         """The one place that decides how a tensor is handed out: a float32 LazyTensor, or
-        (quantized) a tpcore.quant.QuantTensor of the stored rows, in tpcore's row order
-        (its raw bytes the memory map itself for a plain tensor, a lazy view of the rows
-        for a permuted or stacked one; a float-typed tensor stays a LazyTensor)."""
+        (quantized) its stored rows in tpcore's row order, as they are: a
+        tpcore.quant.QuantTensor over the memory map for a plain tensor, a QuantRows (rows
+        read on indexing) for a permuted or stacked one; a float-typed tensor stays a
+        LazyTensor."""
         r = self._rows[name]
         if not quantized or len(r.shape) == 1:
             return LazyTensor(r)
@@ -529,9 +557,9 @@ class GGUFModel:
             return LazyTensor(r)
         from .quant import QuantTensor
         p, first, n = r.parts[0]
-        plain = len(r.parts) == 1 and p.perm is None
-        raw = p.raw[first:first + n] if plain else _LazyRaw(r)    # the map itself, or rows read on indexing
-        return QuantTensor(_QUANT_TYPES[tn], r.shape, raw)
+        if len(r.parts) == 1 and p.perm is None:     # the map itself: a rank's rows are read when indexed
+            return QuantTensor(_QUANT_TYPES[tn], r.shape, np.asarray(p.raw[first:first + n]))
+        return QuantRows(r, _QUANT_TYPES[tn])
 
     def tensor(self, name: str, quantized: bool = False):
         """A tensor by tpcore name (see `_tensor`)."""
@@ -547,9 +575,31 @@ class GGUFModel:
     def gguf_type(self, name: str) -> str:
         return self._rows[name].type_name()
 
-    def state_dict(self, quantized: bool = False) -> Dict[str, Any]:
-        """Every tensor tpcore needs, by tpcore name, lazily (nothing is read yet)."""
-        return {k: self._tensor(k, quantized) for k in self._rows}
+    def state_dict(self, quantized: Any = False) -> Dict[str, Any]:
+        """Every tensor tpcore needs, by tpcore name, lazily (nothing is read yet).
+        quantized: True (every quantized tensor kept in its format), False (all float32),
+        or the parts (see `part_of`) to keep in their format."""
+        keep = (lambda n: quantized) if isinstance(quantized, bool) else (lambda n: part_of(n) in set(quantized))
+        return {k: self._tensor(k, keep(k)) for k in self._rows}
+
+    def model_dtypes(self) -> Dict[str, str]:
+        """TransformerLM's dtype (a dict by part) that keeps the file's formats: each part
+        in its tensors' format ("q4_1", "float16", ...; a tied head the embedding's).  A part
+        whose tensors differ in format (llama.cpp's K_M mixes keep some layers' attn_v and
+        ffn_down at q6_k) takes the widest of them, and the others are requantized to it on
+        loading (close, not bit for bit)."""
+        kinds: Dict[str, set] = {}
+        for name, r in self._rows.items():
+            part = part_of(name)
+            if part is not None:
+                for p, _, _ in r.parts:
+                    kinds.setdefault(part, set()).add(_QUANT_TYPES.get(p.type_name) or _FLOAT_NAMES[p.type_name])
+        out = {}
+        for part, ks in kinds.items():
+            floats = ks & set(_FLOAT_NAMES.values())
+            out[part] = "float32" if len(floats) > 1 else max(ks, key=_WIDTH.index)
+        out.setdefault("head", out["embedding"])
+        return out
 
 
 def _tokenizer_info(m: _Meta, tokens) -> Dict[str, Any]:

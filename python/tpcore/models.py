@@ -1338,8 +1338,12 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
         The ranks that share the model.
     partition : list of int or list of (int, int), optional
         Query heads per rank (default None: even).
-    dtype : {"float32", "bfloat16", "float16"}, optional
-        The weights' storage (TransformerLM's dtype).  Default None: float32.
+    dtype : str or dict, optional
+        The weights' storage (TransformerLM's dtype: "float32", "bfloat16", "float16", a
+        quantized format, or a dict by part).  "gguf": the file's own formats, each part as
+        its tensors are stored (`tpcore.gguf.GGUFModel.model_dtypes`), the raw blocks copied
+        as they are: per-rank weight memory about the file's size / N.  Default None:
+        float32 (dequantized).
     progress : bool, default True
         Show a progress line on rank 0.
     device : str, optional
@@ -1377,9 +1381,16 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
 def _from_gguf(path, comm, partition, dtype, progress, device) -> TransformerLM:
     from .gguf import GGUFModel
     g = GGUFModel(path, "from_gguf")
-    dtype = "float32" if dtype is None else check_param_dtype(dtype, "from_gguf")
-    model = TransformerLM(g.config, comm, partition=partition, device=device, dtype=dtype)
-    model.load_state_dict_full(g.state_dict(), progress=progress)
+    if isinstance(dtype, str) and dtype == "gguf":
+        dtype = g.model_dtypes()
+    elif dtype is not None:
+        _model_dtypes(dtype, "from_gguf")   # refused here, naming from_gguf
+    model = TransformerLM(g.config, comm, partition=partition, device=device,
+                          dtype="float32" if dtype is None else dtype)
+    # the parts stored quantized get the file's raw rows (copied as they are when the formats
+    # match, requantized otherwise); the others dequantized rows
+    model.load_state_dict_full(g.state_dict([k for k, v in model.dtypes.items() if is_quantized(v)]),
+                               progress=progress)
     info = g.tokenizer_info
     model.generation_config = {k: info[f] for k, f in (("eos_token_id", "eos_token_id"),
                                                         ("pad_token_id", "padding_token_id")) if info[f] is not None}
