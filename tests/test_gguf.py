@@ -9,7 +9,8 @@ Two kinds of reference, neither written by tpcore's loader:
   fixture tests/data/smollm2_q4_1_llamacpp.json (tests/data/make_llamacpp_ref.py) and,
   when `llama_cpp` imports, llama.cpp run live.
 
-Measured on this file (float32 dequantized weights, TP 1-3): the 20 top logits of each
+Measured on this file (float32 dequantized weights, or the file's Q8_0 / Q4_1 blocks kept
+as stored and dequantized by tpcore's kernels: the same numbers; TP 1-3): the 20 top logits of each
 of the 25 steps are within 0.71 of llama.cpp's (mean of the per-step maxima 0.32;
 llama.cpp quantizes the activations to 8 bits for its Q4_1/Q8_0 dot products), and
 within 4e-5 of transformers' own GGUF loader in float32; the 24 greedy tokens are
@@ -76,6 +77,10 @@ GPT2 = dict(vocab=75, C=64, L=2, H=4, F=96, ctx=32, eps=1e-5)
 
 
 LLAMA_K = dict(vocab=40, C=256, L=1, H=4, Hk=2, F=256, ctx=16, theta=1e4, eps=1e-6)
+# quantized row-parallel projections split their inputs in whole blocks: a rank's heads x
+# head_dim and FFN columns must be multiples of 32 (256 for the K-quants) at the world sizes used
+LLAMA_Q = dict(vocab=75, C=192, L=2, H=6, Hk=3, F=96, ctx=32, theta=500.0, eps=1e-5)
+LLAMA_K2 = dict(vocab=40, C=512, L=1, H=4, Hk=2, F=512, ctx=16, theta=1e4, eps=1e-6)
 K_TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q6_K, "ffn_gate": Q.Q4_K,
            "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K}
 
@@ -201,9 +206,19 @@ def reference_logits(cfg, sd, tokens):
     return x @ sd.get("lm_head.weight", sd["wte.weight"]).T
 
 
-def _logits(comm, path, tokens):
-    model = tpcore.models.from_gguf(path, comm, progress=False)
+def _logits(comm, path, tokens, dtype=None):
+    model = tpcore.models.from_gguf(path, comm, progress=False, dtype=dtype)
     return model.logits(tokens)
+
+
+def _kept(comm, path):
+    """dtype="gguf": the model's parts, and its full weights read back (dequantized by
+    tpcore's kernels) next to the file's own (dequantized by gguf)."""
+    model = tpcore.models.from_gguf(path, comm, progress=False, dtype="gguf")
+    sd = model.state_dict_full()
+    g = tg.GGUFModel(path)
+    diffs = {k: float(np.abs(np.asarray(sd[k], np.float32) - np.asarray(g.tensor(k))).max()) for k in sd}
+    return model.dtypes, diffs
 
 
 # ------------------------------------------------------------ small files, exact checks
@@ -229,6 +244,48 @@ def test_llama_file_matches_float64_reference(tmp_path, world, qtype, emb):
     for r, got in enumerate(run(_logits, world, path, tokens)):
         err = np.abs(got - want).max()
         assert err < 1e-4 * (1 + np.abs(want).max()), f"rank {r}: logits off by {err}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_llama_file_kept_in_its_formats(tmp_path, world):
+    """dtype="gguf": the blocks copied as they are (Q/K rows permuted back, gate and up
+    stacked), so the weights read back are the file's exactly, and the logits the float64
+    model's of the file's values."""
+    path = str(tmp_path / "m.gguf")
+    sd = write_llama(path, seed=world, qtype=Q.Q4_1, emb_type=Q.Q8_0, types={"ffn_down": Q.Q4_0}, p=LLAMA_Q)
+    cfg, _, _ = tg.read_gguf(path)
+    tokens = np.random.default_rng(world).integers(0, cfg.vocab_size, (2, 5))
+    want = reference_logits(cfg, sd, tokens)
+    for r, got in enumerate(run(_logits, world, path, tokens, "gguf")):
+        assert np.abs(got - want).max() < 1e-4 * (1 + np.abs(want).max()), f"rank {r}"
+    dtypes, diffs = run(_kept, world, path)[0]
+    assert dtypes == {"embedding": "q8_0", "head": "q8_0", "qkv": "q4_1", "out": "q4_1", "fc1": "q4_1",
+                      "fc2": "q4_0"}
+    assert max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+
+
+def test_model_dtypes_of_a_mixed_file(tmp_path):
+    """A part whose tensors differ in format (as llama.cpp's K_M mixes) takes the widest."""
+    path = str(tmp_path / "k.gguf")
+    write_llama(path, emb_type=Q.Q6_K, types=K_TYPES, untied=True, p=LLAMA_K)
+    assert tg.GGUFModel(path).model_dtypes() == {"embedding": "q6_k", "head": "float32", "qkv": "q6_k",
+                                                 "out": "q6_k", "fc1": "q5_k", "fc2": "q6_k"}
+    assert tg.part_of("blocks.3.attn.k.weight") == "qkv" and tg.part_of("blocks.0.norm1.weight") is None
+
+
+K_UNIFORM = {"attn_q": Q.Q5_K, "attn_k": Q.Q5_K, "attn_v": Q.Q5_K, "attn_output": Q.Q6_K, "ffn_gate": Q.Q4_K,
+             "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_llama_k_quants_kept_in_their_formats(tmp_path, world):
+    path = str(tmp_path / "k.gguf")
+    sd = write_llama(path, seed=world, emb_type=Q.Q6_K, types=K_UNIFORM, untied=True, qtype=Q.Q8_0, p=LLAMA_K2)
+    cfg, _, _ = tg.read_gguf(path)
+    tokens = np.random.default_rng(world).integers(0, cfg.vocab_size, (1, 6))
+    want = reference_logits(cfg, sd, tokens)
+    for r, got in enumerate(run(_logits, world, path, tokens, "gguf")):
+        assert np.abs(got - want).max() < 1e-4 * (1 + np.abs(want).max()), f"rank {r}"
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -442,24 +499,36 @@ def test_smollm2_config_and_metadata():
     assert tok["bos_token_id"] == 1 and tok["add_bos_token"] is False and "<|im_start|>" in tok["chat_template"]
 
 
-def _fixture_run(comm, path, prompt, generated):
-    model = tpcore.models.from_gguf(path, comm, progress=False)
+def _fixture_run(comm, path, prompt, generated, dtype):
+    model = tpcore.models.from_gguf(path, comm, progress=False, dtype=dtype)
     assert model.generation_config["eos_token_id"] == 2
     out = model.generate(np.array(prompt), max_new_tokens=len(generated), eos_token_id=-1)
     forced = np.array(prompt + generated[:-1])[None]
-    return np.asarray(out).reshape(-1)[len(prompt):].tolist(), model.logits(forced)[0, len(prompt) - 1:]
+    return (np.asarray(out).reshape(-1)[len(prompt):].tolist(), model.logits(forced)[0, len(prompt) - 1:],
+            model.param_bytes(), model.dtypes)
 
 
 LLAMACPP_TOL = 1.0    # measured: 0.71 at most on the fixture's 25 steps (mean of the per-step maxima 0.32)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_smollm2_matches_llamacpp_fixture(world):
+@pytest.mark.parametrize("dtype", [None, "gguf"], ids=["float32", "gguf-formats"])
+def test_smollm2_matches_llamacpp_fixture(world, dtype):
+    """float32 (dequantized) or the file's formats (Q8_0 embedding, Q4_1 blocks, kept as
+    stored: per-rank weight memory = file size / N within 5%)."""
     with open(FIXTURE) as f:
         fx = json.load(f)
     assert len(fx["steps"]) == len(fx["generated_ids"]) == 24
-    results = run(_fixture_run, world, smollm2_path(), fx["prompt_ids"], fx["generated_ids"], deadline=180)
-    for r, (tokens, logits) in enumerate(results):
+    path = smollm2_path()
+    results = run(_fixture_run, world, path, fx["prompt_ids"], fx["generated_ids"], dtype, deadline=180)
+    if dtype == "gguf":   # all ranks together: the file's tensor bytes (its metadata, ~1.8%, aside)
+        assert 0.97 < sum(res[2] for res in results) / os.path.getsize(path) <= 1.0
+    for r, (tokens, logits, nbytes, dtypes) in enumerate(results):
+        if dtype == "gguf":
+            assert dtypes == {"embedding": "q8_0", "head": "q8_0", "qkv": "q4_1", "out": "q4_1", "fc1": "q4_1",
+                              "fc2": "q4_1"}
+            share = nbytes * world / os.path.getsize(path)   # 9 heads over 2 ranks: 5 and 4
+            assert 0.95 < share < 1.05, f"rank {r}: {nbytes} bytes of weights, {share:.3f} x file/N"
         assert tokens == fx["generated_ids"], f"rank {r}: greedy tokens differ from llama.cpp's"
         worst = 0.0
         for j, s in enumerate(fx["steps"]):
@@ -521,13 +590,13 @@ def test_smollm2_matches_live_llamacpp():
         llm.reset()
         llm.eval(prompt)
         steps = []
-        for _ in range(12):
+        for _ in range(8):
             lg = np.array(llm.scores[llm.n_tokens - 1], np.float32)
             steps.append(lg)
             llm.eval([int(np.argmax(lg))])
         gen = [int(np.argmax(s)) for s in steps]
         if question == mk.QUESTION:
-            assert prompt == fx["prompt_ids"] and gen == fx["generated_ids"][:12]
+            assert prompt == fx["prompt_ids"] and gen == fx["generated_ids"][:8]
         seqs.append(prompt + gen[:-1])
         refs.append((len(prompt), np.array(steps)))
     for r, got in enumerate(run(_live_logits, 2, path, seqs, deadline=180)):
