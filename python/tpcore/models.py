@@ -1175,10 +1175,11 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     device : str, optional
         "cpu" (default) or "cuda[:N]": the model on the rank's GPU (see TransformerLM),
         each rank's slices copied from the host to it.
-    dtype : {"float32", "bfloat16", "float16"}, optional
+    dtype : str or dict, optional
         The weights' storage (TransformerLM's dtype).  Default None: on a GPU the
         checkpoint's own (a bfloat16 / float16 checkpoint stays in its 16 bits, bit for
-        bit), on the CPU float32.
+        bit), on the CPU float32; a GGUF file float32 ("gguf": its own formats, see
+        `from_gguf`).
 
     Returns
     -------
