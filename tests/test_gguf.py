@@ -306,15 +306,15 @@ def test_llama_k_quants_match_float64_reference(tmp_path, world):
         assert np.abs(got - want).max() < 2e-5 * (1 + np.abs(want).max()), f"rank {r}"
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_gpt2_file_matches_float64_reference(tmp_path, world):
+@pytest.mark.parametrize("world,dtype", [(1, None), (3, None), (1, "gguf"), (2, "gguf")])
+def test_gpt2_file_matches_float64_reference(tmp_path, world, dtype):
     path = str(tmp_path / "g.gguf")
     sd = write_gpt2(path, seed=world, qtype=Q.Q8_0)
     cfg, tensors, _ = tg.read_gguf(path)
     assert cfg.model_type == "gpt2" and not cfg.tie_embeddings and cfg.bias and cfg.max_positions == GPT2["ctx"]
     tokens = np.random.default_rng(world).integers(0, cfg.vocab_size, (2, 9))
     want = reference_logits(cfg, sd, tokens)
-    for r, got in enumerate(run(_logits, world, path, tokens)):
+    for r, got in enumerate(run(_logits, world, path, tokens, dtype)):
         assert np.abs(got - want).max() < 2e-5 * (1 + np.abs(want).max()), f"rank {r}"
 
 
@@ -341,6 +341,18 @@ def test_lazy_tensors_read_rows_and_column_blocks(tmp_path):
             assert np.array_equal(deq, full[rows]), name
     with pytest.raises(KeyError, match="no tensor"):
         g.tensor("blocks.9.attn.q.weight")
+    # kept in the format: a QuantTensor over the map (plain) or QuantRows (Q/K permuted, [gate; up])
+    from tpcore.quant import QuantTensor
+    rows = np.array([7, 1, 30])
+    for name, kind in (("wte.weight", QuantTensor), ("blocks.1.attn.q.weight", tg.QuantRows),
+                       ("blocks.0.mlp.fc1.weight", tg.QuantRows), ("blocks.0.attn.v.weight", QuantTensor)):
+        qt = g.tensor(name, quantized=True)
+        assert isinstance(qt, kind) and qt.shape == sd[name].shape, name
+        assert np.array_equal(np.asarray(qt), np.asarray(g.tensor(name))), name
+        part = qt[rows]
+        assert isinstance(part, QuantTensor) and np.array_equal(part.raw, g.raw_rows(name, rows)), name
+        assert np.array_equal(np.asarray(qt[rows, 32:64]), sd[name][rows, 32:64].astype(np.float32)), name
+    assert isinstance(g.tensor("blocks.0.norm1.weight", quantized=True), tg.LazyTensor)
 
 
 def _rows_read(comm, path):
