@@ -2,6 +2,7 @@
 
     cfg = tpcore.models.Config.from_hf("path/")
     model = tpcore.models.from_pretrained("path/", comm)        # sliced per rank
+    model = tpcore.models.from_gguf("model.gguf", comm)         # a llama.cpp GGUF file
     model = tpcore.models.TransformerLM(cfg, comm, seed=0)      # random, the same at any world size
     logits = model.logits(tokens)                               # (B, T, vocab), full on every rank
     hidden = model.encode(tokens, attention_mask=None)          # encoders (BERT)
@@ -39,7 +40,7 @@ from .layers import partition as partition_dim
 from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
-__all__ = ["Config", "TransformerLM", "from_pretrained", "head_partition", "quantize"]
+__all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize"]
 
 
 _PARTS = ("embedding", "head", "qkv", "out", "fc1", "fc2")
@@ -1153,17 +1154,18 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
                     device: Optional[str] = None, dtype: Any = None) -> TransformerLM:
     """A TransformerLM loaded from a local checkpoint directory, split over comm.
 
-    A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors) or one
-    saved by `TransformerLM.save_pretrained`; each rank reads only its slices
-    (memory-mapped).  The config and the files' headers are checked against each other
-    first: a corrupt or inconsistent file fails before the model is allocated.
+    A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors), one
+    saved by `TransformerLM.save_pretrained`, or a GGUF file (`from_gguf`: a .gguf path,
+    or a directory holding exactly one .gguf and no config.json); each rank reads only
+    its slices (memory-mapped).  The config and the files' headers are checked against
+    each other first: a corrupt or inconsistent file fails before the model is allocated.
 
     Parameters
     ----------
     path : str or os.PathLike
-        A local directory (tpcore does not download: get one with ``huggingface-cli
-        download ID --local-dir DIR``, ``huggingface_hub.snapshot_download``, or a
-        package that ships the weights).
+        A local directory, or a .gguf file (tpcore does not download: get one with
+        ``huggingface-cli download ID --local-dir DIR``, ``huggingface_hub.snapshot_download``,
+        or a package that ships the weights).
     comm : Comm
         The ranks that share the model.
     partition : list of int or list of (int, int), optional
@@ -1173,10 +1175,11 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     device : str, optional
         "cpu" (default) or "cuda[:N]": the model on the rank's GPU (see TransformerLM),
         each rank's slices copied from the host to it.
-    dtype : {"float32", "bfloat16", "float16"}, optional
+    dtype : str or dict, optional
         The weights' storage (TransformerLM's dtype).  Default None: on a GPU the
         checkpoint's own (a bfloat16 / float16 checkpoint stays in its 16 bits, bit for
-        bit), on the CPU float32.
+        bit), on the CPU float32; a GGUF file float32 ("gguf": its own formats, see
+        `from_gguf`).
 
     Returns
     -------
@@ -1202,6 +1205,9 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"from_pretrained: path must be a directory (str or os.PathLike), got {shown(path)}")
+    ggufs = _gguf_files(path)
+    if ggufs is not None:
+        return _from_gguf(ggufs, comm, partition, dtype, progress, device)
     if not os.path.isdir(path):
         hub = isinstance(path, str) and not os.path.exists(path) and path.count("/") <= 1 and \
             not path.startswith((".", "~"))
@@ -1290,3 +1296,105 @@ def _check_own_shards(path: str, cfg: Config, source: str, world: int) -> None:
         raise fmt.bad(source, "sizes", f"a model the {world} shard files can hold ({total} values)",
                       f"sizes that need {need} values (vocab_size={cfg.vocab_size}, hidden={cfg.hidden}, "
                       f"layers={cfg.layers}, max_positions={cfg.max_positions}, ...)")
+
+
+def _gguf_files(path) -> Optional[str]:
+    """The GGUF file from_pretrained loads for path: path itself when it is a file ending in
+    .gguf (or starting with the GGUF magic), the one .gguf of a directory without a
+    config.json / tpcore_config.json; None: not a GGUF checkpoint.  A directory with
+    several .gguf files (and no config) is a ValueError listing them."""
+    from .gguf import is_gguf
+    p = os.fspath(path)
+    if p.lower().endswith(".gguf") and not os.path.isdir(p):
+        return p                          # (a missing one: from_gguf's FileNotFoundError names it)
+    if os.path.isfile(p):
+        return p if is_gguf(p) else None
+    if not os.path.isdir(p) or os.path.exists(os.path.join(p, fmt.OWN_CONFIG)) or \
+            os.path.exists(os.path.join(p, fmt.HF_CONFIG)):
+        return None
+    found = sorted(f for f in os.listdir(p) if f.lower().endswith(".gguf") and os.path.isfile(os.path.join(p, f)))
+    if len(found) > 1:
+        raise ValueError(f"from_pretrained: {p!r} holds {len(found)} GGUF files ({', '.join(found)}); pass the one "
+                         f"to load")
+    return os.path.join(p, found[0]) if found else None
+
+
+@_collective
+def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, dtype: Any = None,
+              progress: bool = True, device: Optional[str] = None) -> TransformerLM:
+    """A TransformerLM loaded from a GGUF file (llama.cpp's format), split over comm.
+
+    The config comes from the file's metadata (Llama family, GPT-2; tied when there is no
+    output.weight), the tensors by their GGUF names (Q/K rows put back into Hugging Face's
+    RoPE order).  The file is memory-mapped and each rank dequantizes only its rows (and,
+    for the row-parallel output and fc2 projections, only the blocks of its columns) into
+    the model's float32 weights.  Needs the `gguf` package (``pip install gguf``);
+    `tpcore.gguf.tokenizer(path)` gives the file's tokenizer.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The .gguf file.
+    comm : Comm
+        The ranks that share the model.
+    partition : list of int or list of (int, int), optional
+        Query heads per rank (default None: even).
+    dtype : str or dict, optional
+        The weights' storage (TransformerLM's dtype: "float32", "bfloat16", "float16", a
+        quantized format, or a dict by part).  "gguf": the file's own formats, each part as
+        its tensors are stored (`tpcore.gguf.GGUFModel.model_dtypes`), the raw blocks copied
+        as they are: per-rank weight memory about the file's size / N.  Default None:
+        float32 (dequantized).
+    progress : bool, default True
+        Show a progress line on rank 0.
+    device : str, optional
+        "cpu" (default) or "cuda[:N]" (see TransformerLM).
+
+    Returns
+    -------
+    TransformerLM
+        With ``generation_config`` (eos_token_id, pad_token_id from the file's tokenizer
+        metadata) and ``gguf_tokenizer_info`` (`tpcore.gguf.read_gguf`'s third item).
+
+    Raises
+    ------
+    TypeError
+        path not a str or os.PathLike.
+    ImportError
+        The `gguf` package is missing.
+    FileNotFoundError
+        path is not a file.
+    CheckpointError
+        Not a GGUF file, truncated or corrupt, a missing or mistyped metadata key, a
+        tensor missing, of the wrong shape or of an unsupported type (a ValueError).
+    CommError
+        Another rank failed.
+
+    Notes
+    -----
+    Collective over comm.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"from_gguf: path must be a GGUF file (str or os.PathLike), got {shown(path)}")
+    return _from_gguf(path, comm, partition, dtype, progress, device)
+
+
+def _from_gguf(path, comm, partition, dtype, progress, device) -> TransformerLM:
+    from .gguf import GGUFModel
+    g = GGUFModel(path, "from_gguf")
+    if isinstance(dtype, str) and dtype == "gguf":
+        dtype = g.model_dtypes()
+    elif dtype is not None:
+        _model_dtypes(dtype, "from_gguf")   # refused here, naming from_gguf
+    model = TransformerLM(g.config, comm, partition=partition, device=device,
+                          dtype="float32" if dtype is None else dtype)
+    # the parts stored quantized get the file's raw rows (copied as they are when the formats
+    # match, requantized otherwise); the others dequantized rows
+    model.load_state_dict_full(g.state_dict([k for k, v in model.dtypes.items() if is_quantized(v)]),
+                               progress=progress)
+    info = g.tokenizer_info
+    model.generation_config = {k: info[f] for k, f in (("eos_token_id", "eos_token_id"),
+                                                        ("pad_token_id", "padding_token_id")) if info[f] is not None}
+    model.gguf_tokenizer_info = info
+    del g
+    return model
