@@ -207,7 +207,7 @@ def reference_logits(cfg, sd, tokens):
     return x @ sd.get("lm_head.weight", sd["wte.weight"]).T
 
 
-def _logits(comm, path, tokens, dtype=None):
+def _logits(comm, path, tokens, dtype="float32"):
     model = tpcore.models.from_gguf(path, comm, progress=False, dtype=dtype)
     return model.logits(tokens)
 
@@ -306,7 +306,7 @@ def test_llama_k_quants_match_float64_reference(tmp_path, world):
         assert np.abs(got - want).max() < 2e-5 * (1 + np.abs(want).max()), f"rank {r}"
 
 
-@pytest.mark.parametrize("world,dtype", [(1, None), (3, None), (1, "gguf"), (2, "gguf")])
+@pytest.mark.parametrize("world,dtype", [(1, "float32"), (3, "float32"), (1, "gguf"), (2, "gguf")])
 def test_gpt2_file_matches_float64_reference(tmp_path, world, dtype):
     path = str(tmp_path / "g.gguf")
     sd = write_gpt2(path, seed=world, qtype=Q.Q8_0)
@@ -528,7 +528,7 @@ LLAMACPP_TOL = 1.0    # measured: 0.71 at most on the fixture's steps (0.91 over
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("dtype", [None, "gguf"], ids=["float32", "gguf-formats"])
+@pytest.mark.parametrize("dtype", ["float32", None], ids=["float32", "file-formats"])
 def test_smollm2_matches_llamacpp_fixture(world, dtype):
     """float32 (dequantized) or the file's formats (Q8_0 embedding, Q4_1 blocks, kept as
     stored: per-rank weight memory = file size / N within 5%)."""
@@ -537,10 +537,10 @@ def test_smollm2_matches_llamacpp_fixture(world, dtype):
     assert len(fx["steps"]) == len(fx["generated_ids"]) == 24
     path = smollm2_path()
     results = run(_fixture_run, world, path, fx["prompt_ids"], fx["generated_ids"], dtype, deadline=180)
-    if dtype == "gguf":   # all ranks together: the file's tensor bytes (its metadata, ~1.8%, aside)
+    if dtype is None:   # all ranks together: the file's tensor bytes (its metadata, ~1.8%, aside)
         assert 0.97 < sum(res[2] for res in results) / os.path.getsize(path) <= 1.0
     for r, (tokens, logits, nbytes, dtypes) in enumerate(results):
-        if dtype == "gguf":
+        if dtype is None:   # the default: the file's formats
             assert dtypes == {"embedding": "q8_0", "head": "q8_0", "qkv": "q4_1", "out": "q4_1", "fc1": "q4_1",
                               "fc2": "q4_1"}
             share = nbytes * world / os.path.getsize(path)   # 9 heads over 2 ranks: 5 and 4

@@ -57,6 +57,21 @@ def _model_dtypes(dtype: Any, who: str) -> Dict[str, str]:
     return {k: d for k in _PARTS}
 
 
+def _aligned_heads(cfg: Config, world: int, out_dtype: str) -> Optional[List[int]]:
+    """A head split whose output-projection slices (heads x head_dim columns) are whole blocks
+    of a quantized out_dtype, when the even split's are not (None: the even split will do, or
+    no split can: the layer then names the problem)."""
+    from .quant import block_size
+    blk = block_size(out_dtype)
+    if blk <= 1:
+        return None
+    unit = blk // math.gcd(blk, cfg.head_dim)  # heads per whole number of blocks
+    even = partition_dim(cfg.heads, world)
+    if all(s * cfg.head_dim % blk == 0 for _, s in even) or cfg.heads % unit:
+        return None
+    return [s for _, s in partition_dim(cfg.heads, world, align=unit)]
+
+
 def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
     return (np.random.default_rng([seed, tag]).standard_normal(shape) * std).astype(np.float32)
 
@@ -170,6 +185,8 @@ class TransformerLM:
         if not isinstance(config, Config):
             raise TypeError(f"TransformerLM: config must be a tpcore.Config, got {type(config).__name__}")
         cfg = self.config = config.validate()
+        if partition is None and plan is None:
+            partition = _aligned_heads(cfg, comm.size, self.dtypes["out"])
         if plan is not None:
             from .planner import plan_arg
             plan = plan_arg(plan, comm, "TransformerLM", partition=partition, ffn_partition=ffn_partition,
@@ -1343,8 +1360,8 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
         The weights' storage (TransformerLM's dtype: "float32", "bfloat16", "float16", a
         quantized format, or a dict by part).  "gguf": the file's own formats, each part as
         its tensors are stored (`tpcore.gguf.GGUFModel.model_dtypes`), the raw blocks copied
-        as they are: per-rank weight memory about the file's size / N.  Default None:
-        float32 (dequantized).
+        as they are: per-rank weight memory about the file's size / N.  Default None: the
+        same ("gguf"); "float32" dequantizes.
     progress : bool, default True
         Show a progress line on rank 0.
     device : str, optional
@@ -1382,12 +1399,11 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
 def _from_gguf(path, comm, partition, dtype, progress, device) -> TransformerLM:
     from .gguf import GGUFModel
     g = GGUFModel(path, "from_gguf")
-    if isinstance(dtype, str) and dtype == "gguf":
+    if dtype is None or (isinstance(dtype, str) and dtype == "gguf"):
         dtype = g.model_dtypes()
     elif dtype is not None:
         _model_dtypes(dtype, "from_gguf")   # refused here, naming from_gguf
-    model = TransformerLM(g.config, comm, partition=partition, device=device,
-                          dtype="float32" if dtype is None else dtype)
+    model = TransformerLM(g.config, comm, partition=partition, device=device, dtype=dtype)
     # the parts stored quantized get the file's raw rows (copied as they are when the formats
     # match, requantized otherwise); the others dequantized rows
     model.load_state_dict_full(g.state_dict([k for k, v in model.dtypes.items() if is_quantized(v)]),

@@ -96,7 +96,7 @@ def _model(comm, args, dtype="float32"):
     if args.checkpoint:
         if _gguf_path(args.checkpoint):  # native: the file's own formats
             return tpcore.models.from_pretrained(args.checkpoint, comm, progress=comm.rank == 0,
-                                                 dtype=None if dtype == "native" else dtype)
+                                                 dtype="gguf" if dtype == "native" else dtype)
         if tpcore.quant.is_quantized(dtype):  # a float checkpoint, quantized after loading
             m = tpcore.models.from_pretrained(args.checkpoint, comm, progress=comm.rank == 0)
             return tpcore.models.quantize(m, dtype)
