@@ -118,6 +118,21 @@ def _gguf_vocab(path):
     return len(r.fields["tokenizer.ggml.tokens"].data)
 
 
+TEXT = ("Tensor parallelism splits each layer of a model across several devices: the attention heads and the "
+        "columns of the feed-forward network are divided, every device computes its share, and a collective "
+        "operation such as an all-reduce combines the partial results. The question is how fast the split model "
+        "runs compared with one device, and how much memory each device needs. ")
+
+
+def _text_prompts(path, batch, T):
+    """batch prompts of T token ids: TEXT through the GGUF file's tokenizer, repeated as needed, each
+    sequence starting a few tokens further in."""
+    import tpcore.gguf
+    ids = tpcore.gguf.tokenizer(path).encode(TEXT).ids
+    ids = ids * (-(-(T + 8 * batch) // len(ids)))
+    return np.array([ids[8 * b:8 * b + T] for b in range(batch)], np.int64)
+
+
 def _llamacpp_peer(path, prompts, new, threads):
     """llama.cpp (llama-cpp-python) on the same file, prompts (token ids) and threads: greedy, one
     sequence at a time (its Python API has no batched decode); times summed over the batch."""
@@ -286,6 +301,8 @@ def run(args) -> int:
         vocab = tpcore.Config.from_hf(args.checkpoint).vocab_size if os.path.exists(
             os.path.join(args.checkpoint, "config.json")) else vocab
     prompts = np.random.default_rng(0).integers(0, vocab, (args.batch, args.prompt)).astype(np.int64)
+    if gpath:  # real text through the file's tokenizer: random ids give flat, near-tied logits
+        prompts = _text_prompts(gpath, args.batch, args.prompt)
     env = {k: os.environ.get(k, "unset") for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     print(f"# tpcore {tpcore.__version__} decode benchmark; {cores} cores; BLAS {tpcore.build_info()['blas']}")
     print(f"# OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} OPENBLAS_L2_SIZE={env['OPENBLAS_L2_SIZE']}")
