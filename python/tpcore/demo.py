@@ -3,6 +3,7 @@ collectives under it, checked and timed.
 
     python -m tpcore.launch -n 2 -m tpcore.demo          (or: python -m tpcore.demo -n 2)
     python -m tpcore.demo -n 4 --checkpoint DIR          (a Hugging Face GPT-2 / Llama / BERT checkpoint)
+    python -m tpcore.demo -n 2 --checkpoint FILE.gguf    (a llama.cpp GGUF file, kept in its formats)
 
 Part 1, collectives: every rank fills its buffers with its own random values;
 each result is checked against a NumPy reference computed from every rank's
@@ -150,6 +151,10 @@ def _config(checkpoint):
     directory (config.json) or one written by save_pretrained (tpcore_config.json)."""
     from . import _formats as fmt
     from .transformer import ACTIVATIONS, NORMS, POSITIONS
+    from .bench.decode import _gguf_path
+    if _gguf_path(checkpoint):  # a llama.cpp GGUF file (its formats kept by from_pretrained)
+        from .gguf import read_gguf
+        return read_gguf(_gguf_path(checkpoint))[0]
     own = os.path.join(checkpoint, fmt.OWN_CONFIG)
     if os.path.exists(own):
         return fmt.read_own_config(own, tpcore.Config, {"norm": NORMS, "activation": ACTIVATIONS,
