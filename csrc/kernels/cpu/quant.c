@@ -28,11 +28,17 @@
 #include <immintrin.h>
 #endif
 
-/* A product the compiler must round before it is added to anything: an empty asm that
- * "changes" the value keeps GCC from contracting a * b + c into an FMA under any
- * -ffp-contract (gguf-py rounds both operations). */
-#if defined(__GNUC__)
+/* A product the compiler must round before it is added to anything (gguf-py rounds both
+ * operations): where the target has FMA instructions (-march=native builds, other CPUs) an
+ * empty asm that "changes" the value keeps GCC from contracting a * b + c under any
+ * -ffp-contract.  The baseline x86-64 has no FMA to contract into, and there the scalar
+ * loops stay free to vectorize. */
+#if defined(__GNUC__) && defined(__x86_64__) && (defined(__FMA__) || defined(__FMA4__))
 #define NOFUSE(v) __asm__("" : "+x"(v))
+#elif defined(__GNUC__) && defined(__aarch64__)
+#define NOFUSE(v) __asm__("" : "+w"(v))
+#elif defined(__GNUC__) && !defined(__x86_64__)
+#define NOFUSE(v) __asm__("" : "+m"(v))
 #else
 #define NOFUSE(v) ((void)0)
 #endif
@@ -416,16 +422,23 @@ void tp_q_quant_row(tp_dtype_t f, void *row, const float *x, int64_t K) {
 
 /* ------------------------------------------------------------------ portable dot kernels */
 
-/* A block dequantized, then its dot with x: a per-block float sum added to the total. */
+/* sum_k x[k] w[k] over n (a multiple of 8) in eight partial sums: a fixed order GCC
+ * vectorizes (baseline SSE2) without reassociating anything. */
+static inline float dot8(const float *x, const float *w, int64_t n) {
+  float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t k = 0; k < n; k += 8)
+    for (int l = 0; l < 8; l++) p[l] += x[k + l] * w[k + l];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
+/* A block dequantized (the scalar dequantizer), then its dot with x added to the total. */
 static inline float dot1_blocks(tp_dtype_t f, const uint8_t *r, const float *x, int64_t K) {
   float w[QKK], acc = 0;
   int64_t blk = FMT[f - TP_Q8_0].block;
   size_t bb = FMT[f - TP_Q8_0].bytes;
   for (int64_t i = 0; i < K / blk; i++) {
     FMT[f - TP_Q8_0].deq(w, r + (size_t)i * bb);
-    float s = 0;
-    for (int64_t k = 0; k < blk; k++) s += x[i * blk + k] * w[k];
-    acc += s;
+    acc += dot8(x + i * blk, w, blk);
   }
   return acc;
 }
@@ -436,25 +449,22 @@ static inline void dot4_blocks(tp_dtype_t f, float out[4], const uint8_t *r, con
   size_t bb = FMT[f - TP_Q8_0].bytes;
   for (int64_t i = 0; i < K / blk; i++) {
     FMT[f - TP_Q8_0].deq(w, r + (size_t)i * bb);
-    for (int j = 0; j < 4; j++) {
-      float s = 0;
-      for (int64_t k = 0; k < blk; k++) s += x[j][i * blk + k] * w[k];
-      acc[j] += s;
-    }
+    for (int j = 0; j < 4; j++) acc[j] += dot8(x[j] + i * blk, w, blk);
   }
   memcpy(out, acc, sizeof acc);
 }
 
-/* int8 rows: chunks of 256 (the block formats' largest block), then the row's scale. */
+/* int8 rows: chunks of 256 (the block formats' largest block) widened, then the row's scale. */
 static float dot1_int8_portable(const void *row, const float *x, int64_t K) {
   const int8_t *q = (const int8_t *)row + 4;
-  float acc = 0;
-  for (int64_t k0 = 0; k0 < K; k0 += QKK) {
-    int64_t n = K - k0 < QKK ? K - k0 : QKK;
-    float s = 0;
-    for (int64_t k = 0; k < n; k++) s += x[k0 + k] * (float)q[k0 + k];
-    acc += s;
+  float acc = 0, w[QKK];
+  int64_t K8 = K & ~(int64_t)7;
+  for (int64_t k0 = 0, n; k0 < K8; k0 += n) {
+    n = K8 - k0 < QKK ? K8 - k0 : QKK;
+    for (int64_t k = 0; k < n; k++) w[k] = (float)q[k0 + k];
+    acc += dot8(x + k0, w, n);
   }
+  for (int64_t k = K8; k < K; k++) acc += x[k] * (float)q[k];
   return acc * int8_row_scale(row);
 }
 
