@@ -262,12 +262,12 @@ static void check_roundtrip(const qfmt *q) {
       }
     }
     /* relative RMS error of the K-quants on Gaussian rows, typical (worst of 200 rows of one
-     * super-block) measured: q4_k 0.070 (0.081), q5_k 0.035 (0.041), q6_k 0.017 (0.019);
-     * llama.cpp's reference quantizers 0.071 (0.082), 0.036 (0.042), 0.018 (0.021).  With a
-     * 40-sigma outlier the super-block's scales coarsen (worst of 200: 0.124, 0.059, 0.040;
-     * llama.cpp 0.118, 0.058, 0.041). */
+     * super-block) measured: q4_k 0.070 (0.082), q5_k 0.035 (0.041), q6_k 0.017 (0.020);
+     * llama.cpp's reference quantizers 0.071 (0.083), 0.036 (0.044), 0.018 (0.020).  With a
+     * 40-sigma outlier the super-block's scales coarsen (worst of 200: 0.120, 0.057, 0.042;
+     * llama.cpp 0.120, 0.060, 0.042). */
     int kq = q->f == TP_Q4_K ? 0 : q->f == TP_Q5_K ? 1 : q->f == TP_Q6_K ? 2 : -1;
-    static const double limits[2][3] = {{0.09, 0.046, 0.022}, {0.14, 0.068, 0.046}};
+    static const double limits[2][3] = {{0.09, 0.046, 0.022}, {0.14, 0.068, 0.05}};
     double limit = kq < 0 ? INFINITY : limits[c == 2][kq];
     if (!(sqrt(e2 / x2) <= limit))
       qfail("%s K=%lld: relative RMS error %.4f > %.3f", q->name, (long long)K, sqrt(e2 / x2), limit);

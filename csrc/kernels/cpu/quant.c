@@ -236,7 +236,11 @@ static void quant_q4_1(uint8_t *b, const float *x) {
  * the least. */
 static void fit_affine(const float *x, int n, int nmax, float *scale, float *min) {
   float lo = x[0], hi = x[0];
-  for (int i = 1; i < n; i++) lo = x[i] < lo ? x[i] : lo, hi = x[i] > hi ? x[i] : hi;
+  double sx = 0, sx2 = 0;
+  for (int i = 0; i < n; i++) {
+    lo = x[i] < lo ? x[i] : lo, hi = x[i] > hi ? x[i] : hi;
+    sx += x[i], sx2 += (double)x[i] * x[i];
+  }
   if (lo > 0) lo = 0;
   if (hi <= lo) { /* constant (non-positive) sub-block */
     *scale = 0, *min = -lo;
@@ -244,39 +248,37 @@ static void fit_affine(const float *x, int n, int nmax, float *scale, float *min
   }
   double best = INFINITY, bs = (hi - lo) / nmax, bm = -lo;
   for (int t = -6; t <= 10; t++) {
-    double is = (nmax + 0.1 * t) / (hi - lo), sq = 0, sq2 = 0, sx = 0, sqx = 0;
-    int q[QKK];
-    for (int i = 0; i < n; i++) {
-      double v = rint((x[i] - lo) * is);
-      q[i] = v < 0 ? 0 : v > nmax ? nmax : (int)v;
-      sq += q[i], sq2 += (double)q[i] * q[i], sx += x[i], sqx += q[i] * (double)x[i];
+    float is = (nmax + 0.1f * t) / (hi - lo);
+    int sq = 0, sq2 = 0;
+    double sqx = 0;
+    for (int i = 0; i < n; i++) { /* round half up: the argument is >= 0 */
+      int q = (int)((x[i] - lo) * is + 0.5f);
+      q = q < nmax ? q : nmax;
+      sq += q, sq2 += q * q, sqx += q * (double)x[i];
     }
-    double den = n * sq2 - sq * sq, s, off;
+    double den = (double)n * sq2 - (double)sq * sq, s, off;
     if (den <= 0) continue;
-    s = (n * sqx - sq * sx) / den, off = (sx - s * sq) / n; /* x ~ s q + off */
-    if (off > 0) s = sq2 > 0 ? sqx / sq2 : 0, off = 0;      /* the format's offset is <= 0 */
+    s = (n * sqx - sq * sx) / den, off = (sx - s * sq) / n; /* least squares: x ~ s q + off */
+    if (off > 0) s = sq2 > 0 ? sqx / sq2 : 0, off = 0;       /* the format's offset is <= 0 */
     if (s <= 0) continue;
-    double err = 0;
-    for (int i = 0; i < n; i++) {
-      double e = x[i] - (s * q[i] + off);
-      err += e * e;
-    }
+    /* sum (x - s q - off)^2 from the sums */
+    double err = sx2 - 2 * s * sqx - 2 * off * sx + s * s * sq2 + 2 * s * off * sq + n * off * off;
     if (err < best) best = err, bs = s, bm = -off;
   }
   *scale = (float)bs, *min = (float)bm;
 }
 
 /* The squared error of sub-block x[n] coded with (D, DM): q = round((x + DM) / D) in [0, nmax]. */
-static double affine_err(const float *x, int n, int nmax, float D, float DM, uint8_t *q) {
-  double err = 0;
-  float id = D != 0 ? 1.0f / D : 0.0f;
+static float affine_err(const float *x, int n, int nmax, float D, float DM, uint8_t *q) {
+  float err = 0, id = D != 0 ? 1.0f / D : 0.0f;
   for (int i = 0; i < n; i++) {
-    int v = qround((x[i] + DM) * id, 0.0f, (float)nmax);
-    float y = D * (float)v;
-    NOFUSE(y);
-    y -= DM;
-    if (q) q[i] = (uint8_t)v;
-    err += ((double)x[i] - y) * ((double)x[i] - y);
+    float v = (x[i] + DM) * id;
+    v = v > 0 ? v : 0; /* (NaN: 0) */
+    int c = (int)(v + 0.5f);
+    c = c < nmax ? c : nmax;
+    float e = x[i] - (D * (float)c - DM);
+    if (q) q[i] = (uint8_t)c;
+    err += e * e;
   }
   return err;
 }
@@ -293,12 +295,12 @@ static void quant_k_affine(uint8_t *hdr, uint8_t q[QKK], const float *x, int nma
   int sc[8], mn[8];
   for (int j = 0; j < 8; j++) {
     int s0 = d > 0 ? qround(s[j] / d, 0, 63) : 0, m0 = dmin > 0 ? qround(m[j] / dmin, 0, 63) : 0;
-    double best = INFINITY;
+    float best = INFINITY;
     sc[j] = s0, mn[j] = m0;
     for (int a = s0 - 1; a <= s0 + 1; a++)
       for (int c = m0 - 1; c <= m0 + 1; c++) {
         if (a < 0 || a > 63 || c < 0 || c > 63) continue;
-        double e = affine_err(x + 32 * j, 32, nmax, d * (float)a, dmin * (float)c, NULL);
+        float e = affine_err(x + 32 * j, 32, nmax, d * (float)a, dmin * (float)c, NULL);
         if (e < best) best = e, sc[j] = a, mn[j] = c;
       }
     affine_err(x + 32 * j, 32, nmax, d * (float)sc[j], dmin * (float)mn[j], q + 32 * j);
@@ -333,17 +335,24 @@ static void quant_q5_k(uint8_t *b, const float *x) {
  * |x| at -32 or +31 and near them; the least-squares s of each rounding, the least error kept. */
 static float fit_symmetric(const float *x, int n) {
   float amax = 0, xm = 0;
-  for (int i = 0; i < n; i++)
+  double sx2 = 0;
+  for (int i = 0; i < n; i++) {
     if (fabsf(x[i]) > amax) amax = fabsf(x[i]), xm = x[i];
+    sx2 += (double)x[i] * x[i];
+  }
   if (amax == 0) return 0;
   double best = INFINITY, bs = xm / -32.0;
   for (int sign = -1; sign <= 1; sign += 2)
     for (int t = -8; t <= 8; t++) {
-      double is = (sign < 0 ? -(32 + 0.25 * t) : (31 + 0.25 * t)) / xm, sqx = 0, sq2 = 0, sx2 = 0;
+      float is = (sign < 0 ? -(32 + 0.25f * t) : (31 + 0.25f * t)) / xm;
+      int sq2 = 0;
+      double sqx = 0;
       for (int i = 0; i < n; i++) {
-        double v = rint(x[i] * is);
-        v = v < -32 ? -32 : v > 31 ? 31 : v;
-        sqx += v * x[i], sq2 += v * v, sx2 += (double)x[i] * x[i];
+        float v = x[i] * is;
+        v = v > -32.5f ? v : -32.5f;
+        int q = (int)(v + 32.5f) - 32; /* round half up, then clamp */
+        q = q < 31 ? q : 31;
+        sqx += q * (double)x[i], sq2 += q * q;
       }
       if (sq2 <= 0) continue;
       double s = sqx / sq2, err = sx2 - s * sqx; /* the error of the least-squares s */
@@ -352,14 +361,16 @@ static float fit_symmetric(const float *x, int n) {
   return (float)bs;
 }
 
-static double symmetric_err(const float *x, int n, float D, int8_t *q) {
-  double err = 0;
-  float id = D != 0 ? 1.0f / D : 0.0f;
+static float symmetric_err(const float *x, int n, float D, int8_t *q) {
+  float err = 0, id = D != 0 ? 1.0f / D : 0.0f;
   for (int i = 0; i < n; i++) {
-    int v = qround(x[i] * id, -32.0f, 31.0f);
-    float y = D * (float)v;
-    if (q) q[i] = (int8_t)v;
-    err += ((double)x[i] - y) * ((double)x[i] - y);
+    float v = x[i] * id;
+    v = v > -32.5f ? v : -32.5f; /* (NaN: -32.5) */
+    int c = (int)(v + 32.5f) - 32;
+    c = c < 31 ? c : 31;
+    float e = x[i] - D * (float)c;
+    if (q) q[i] = (int8_t)c;
+    err += e * e;
   }
   return err;
 }
@@ -376,11 +387,11 @@ static void quant_q6_k(uint8_t *b, const float *x) {
   int8_t q[QKK], *sc = (int8_t *)(b + 192);
   for (int j = 0; j < 16; j++) {
     int c0 = d != 0 ? qround(s[j] / d, -128, 127) : 0;
-    double best = INFINITY;
+    float best = INFINITY;
     sc[j] = (int8_t)c0;
     for (int c = c0 - 1; c <= c0 + 1; c++) {
       if (c < -128 || c > 127) continue;
-      double e = symmetric_err(x + 16 * j, 16, d * (float)c, NULL);
+      float e = symmetric_err(x + 16 * j, 16, d * (float)c, NULL);
       if (e < best) best = e, sc[j] = (int8_t)c;
     }
     symmetric_err(x + 16 * j, 16, d * (float)sc[j], q + 16 * j);
