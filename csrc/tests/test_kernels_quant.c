@@ -248,14 +248,15 @@ static void check_roundtrip(const qfmt *q) {
         amax = fmax(amax, fabs(x[k])), lo = fmin(lo, x[k]), hi = fmax(hi, x[k]);
       /* per element: half a step (Q4_0: a whole one, its +8 side clips at 15), plus the f16
        * rounding of the stored d (times the largest code) and m: half an f16 ulp, 2^-11
-       * relative or 2^-25 (the subnormals' half spacing), whichever is larger */
+       * relative or 2^-25 (the subnormals' half spacing), whichever is larger; 1e-6 amax for the
+       * float rounding of x / d */
 #define H16(v) fmax(fabs(v) / 2048, 0x1p-25)
       double bound;
       switch (q->f) {
         case TP_INT8: bound = 0.5 * amax / 127 * (1 + 1e-6) + 4 * U * amax; break;
-        case TP_Q8_0: bound = 0.5 * amax / 127 + 127 * H16(amax / 127) + 1e-7 * amax; break;
-        case TP_Q4_0: bound = amax / 8 + 8 * H16(amax / 8) + 1e-7 * amax; break;
-        case TP_Q4_1: bound = 0.5 * (hi - lo) / 15 + 15 * H16((hi - lo) / 15) + H16(lo) + 1e-7 * amax; break;
+        case TP_Q8_0: bound = 0.5 * amax / 127 + 127 * H16(amax / 127) + 1e-6 * amax; break;
+        case TP_Q4_0: bound = amax / 8 + 8 * H16(amax / 8) + 1e-6 * amax; break;
+        case TP_Q4_1: bound = 0.5 * (hi - lo) / 15 + 15 * H16((hi - lo) / 15) + H16(lo) + 1e-6 * amax; break;
         default: bound = INFINITY; /* the K-quants: RMS below */
       }
 #undef H16
