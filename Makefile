@@ -74,7 +74,9 @@ CUDA_CU := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.cu)))
 CUDA_C := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.c))) csrc/core/dtype.c csrc/core/dynlib_sym.c
 CUDA_OBJ := $(patsubst csrc/%.cu,$(BUILD)/cuda-obj/%.cu.o,$(CUDA_CU)) $(patsubst csrc/%.c,$(BUILD)/cuda-obj/%.o,$(CUDA_C))
 
-$(BUILD)/cuda-obj/%.cu.o: csrc/%.cu $(HDRS)
+CUDA_HDRS := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.cuh)))  # the kernels' own headers
+
+$(BUILD)/cuda-obj/%.cu.o: csrc/%.cu $(HDRS) $(CUDA_HDRS)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 

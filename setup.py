@@ -252,7 +252,8 @@ def build_cuda_plugin(plan, build_temp, compiler, force=False, jobs=None):
     dirs = read_source_dirs().get("TP_CUDA_DIRS", [])
     cus = sorted(f for d in dirs for f in glob.glob(os.path.join(d, "*.cu")))
     cs = sorted(f for d in dirs for f in glob.glob(os.path.join(d, "*.c"))) + ["csrc/core/dtype.c", "csrc/core/dynlib_sym.c"]
-    headers = sorted(glob.glob("csrc/**/*.h", recursive=True)) + ["csrc/cuda/plugin.map"]
+    headers = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cuh", recursive=True))
+    headers.append("csrc/cuda/plugin.map")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
     nvcc_flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-D_GNU_SOURCE",

@@ -14,7 +14,10 @@
 #           and, at the same time, the C core and the kernel parity harness (make
 #           BUILD=build-gpucheck; GPU_CHECK_MAKE_CUDA=1: make CUDA=1, its own plugin as well)
 #   parity  build-gpucheck/test_kernels with TPCORE_CUDA_PLUGIN at that plugin: every kernel
-#           table, CUDA's included, against the references
+#           table, CUDA's included, against the references; its quant_* cases (quantized weights:
+#           GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K and int8 rows through the lp entries, the decode GEMV
+#           and the prefill panel GEMM, against a host dequantizer equal to gguf's and a float64
+#           GEMM) make the "quant" row
 #   tests   pytest tests/test_gpu.py: layers and blocks on device="cuda" at world 1 and 2
 #           (host-staged shm and NCCL), NCCL collectives at world 1 and 2 on the one GPU,
 #           DLPack round trips with torch and CuPy, error cases
@@ -233,8 +236,11 @@ else
   L="$WORK/parity.log"
   entries=$(grep -m1 '^entries:' "$L" | wc -w)
   entries=$(( entries > 0 ? entries - 1 : 0 ))
-  cuda_ok=$(grep -cE '^cuda[^ ]* [a-z0-9_]+: ok' "$L")
-  cuda_fail=$(grep -cE '^cuda[^ ]* [a-z0-9_]+: FAIL' "$L")
+  # the entries' own cases (the quant_* extra cases make their own row, below)
+  cuda_ok=$(grep -E '^cuda[^ ]* [a-z0-9_]+: ok' "$L" | grep -vc '^cuda[^ ]* quant_')
+  cuda_fail=$(grep -E '^cuda[^ ]* [a-z0-9_]+: FAIL' "$L" | grep -vc '^cuda[^ ]* quant_')
+  q_ok=$(grep -cE '^cuda[^ ]* quant_[a-z0-9_]+: ok' "$L")
+  q_fail=$(grep -cE '^cuda[^ ]* quant_[a-z0-9_]+: FAIL' "$L")
   cpu_fail=$(grep -cE '^cpu [a-z0-9_]+: FAIL' "$L")
   total=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$L" | tail -1)
   if [ "$RC" = 125 ]; then
@@ -248,9 +254,23 @@ else
     row parity "not run: no CUDA kernel table in the harness (${why:-$(tail_of "$L" 1)}); CPU table: ${total:-no total}"
   elif (( cuda_fail == 0 && cpu_fail == 0 )) && [ "$RC" = 0 ]; then
     row parity "ok: $cuda_ok/$entries CUDA entries pass against the references; all: $total"
+  elif (( cuda_fail == 0 && cpu_fail == 0 && q_fail > 0 )); then
+    row parity "FAIL: exit $RC: the entries' own cases pass ($cuda_ok/$entries CUDA entries), $q_fail quant_* case(s) fail (the quant row); $total"
   else
-    names=$(grep -E '^cuda[^ ]* [a-z0-9_]+: FAIL' "$L" | awk '{print $2}' | tr -d ':' | head -8 | tr '\n' ' ')
+    names=$(grep -E '^cuda[^ ]* [a-z0-9_]+: FAIL' "$L" | grep -v '^cuda[^ ]* quant_' | awk '{print $2}' | tr -d ':' |
+            head -8 | tr '\n' ' ')
     row parity "FAIL: $cuda_fail of $entries CUDA entries fail (${names}), $cuda_ok ok; cpu failures $cpu_fail; exit $RC; $total"
+  fi
+  if [ "$RC" = 125 ]; then
+    row quant "not run: the time budget was spent"
+  elif (( q_ok + q_fail == 0 )); then
+    row quant "not run: no quant_* case of the CUDA table in the harness's log$(timed_out "$RC" && echo ' (TIMED OUT before them)')"
+  elif (( q_fail == 0 )); then
+    row quant "ok: $q_ok quantized-weight cases (q8_0 q4_0 q4_1 q4_k q5_k q6_k int8: GEMV M<=8, panel GEMM, dx, embedding) vs host dequant + float64"
+  else
+    qn=$(grep -E '^cuda[^ ]* quant_[a-z0-9_]+: FAIL' "$L" | awk '{print $2}' | tr -d ':' | tr '\n' ' ')
+    qwhy=$(grep -B3 -E '^cuda[^ ]* quant_[a-z0-9_]+: FAIL' "$L" | grep '^    ' | head -1 | cut -c5-140)
+    row quant "FAIL: $q_fail quantized-weight case(s) fail ($qn), $q_ok ok; first: $qwhy"
   fi
 fi
 
@@ -432,15 +452,16 @@ fi
 declare -A LABEL=(
   [date]="date" [card]="card" [versions]="versions" [nccl_lib]="NCCL library" [wheels]="carried wheels"
   [build]="build (tpcore + CUDA plugin)" [parity]="kernel parity, C harness (CUDA table)"
+  [quant]="  quantized weights (GGUF, int8) on CUDA"
   [tests]="GPU tests (tests/test_gpu.py)" [parity_py]="  kernel parity via pytest"
   [layers_w1]="  layers/blocks cuda, world 1" [nccl_w1]="  NCCL world 1" [nccl_w2]="  NCCL world 2, one GPU"
   [staged_w2]="  host-staged shm, world 2" [dlpack]="  DLPack round trips (torch, CuPy)" [errors]="  error cases"
   [gemm]="GEMM column-parallel vs torch.matmul" [decode_gpt2]="decode GPT-2-small (124M) vs HF"
   [decode_llama]="decode Llama-1B-sized vs HF" [memory]="GPU memory per rank" [summary]="summary")
-declare -A STEP_OF=([versions]=env [wheels]=wheels [build]=build [parity]=parity [tests]=tests [parity_py]=tests
+declare -A STEP_OF=([versions]=env [wheels]=wheels [build]=build [parity]=parity [quant]=parity [tests]=tests [parity_py]=tests
          [layers_w1]=tests [nccl_w1]=tests [nccl_w2]=tests [staged_w2]=tests [dlpack]=tests [errors]=tests
          [gemm]=bench [decode_gpt2]=bench [decode_llama]=bench [memory]=bench)
-for key in versions wheels build parity tests parity_py layers_w1 nccl_w1 nccl_w2 staged_w2 dlpack errors \
+for key in versions wheels build parity quant tests parity_py layers_w1 nccl_w1 nccl_w2 staged_w2 dlpack errors \
            gemm decode_gpt2 decode_llama memory; do
   if [[ ! -v "ROW[$key]" ]]; then
     st=${STEP_OF[$key]:-}
@@ -453,7 +474,7 @@ for key in versions wheels build parity tests parity_py layers_w1 nccl_w1 nccl_w
     fi
   fi
 done
-KEYS=(date card versions nccl_lib wheels build parity tests parity_py layers_w1 nccl_w1 nccl_w2 staged_w2 dlpack
+KEYS=(date card versions nccl_lib wheels build parity quant tests parity_py layers_w1 nccl_w1 nccl_w2 staged_w2 dlpack
       errors gemm decode_gpt2 decode_llama memory summary)
 for key in "${KEYS[@]}"; do
   [[ -v "ROW[$key]" ]] || continue

@@ -100,7 +100,7 @@ def _api_objects():
         if n.startswith("__") or isinstance(v, types.ModuleType):
             continue
         yield f"tpcore.{n}", v
-    for mod in (tpcore.models, tpcore.optim):
+    for mod in (tpcore.models, tpcore.optim, tpcore.quant):
         for n in getattr(mod, "__all__", None) or [n for n in vars(mod) if not n.startswith("_")]:
             v = getattr(mod, n)
             if getattr(v, "__module__", None) == mod.__name__ and (inspect.isclass(v) or inspect.isfunction(v)):

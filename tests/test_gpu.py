@@ -140,6 +140,9 @@ def test_parity_cuda_kernel_table(tmp_path):
     assert len(entries) >= 30
     missing = [e for e in entries if not re.search(rf"^cuda\S* {e}: ok ", out, re.M)]
     assert not missing, f"CUDA entries that did not pass: {missing}\n{out[-4000:]}"
+    quant = [e for e in ("linear_lp_workspace", "linear_forward_lp", "linear_backward_lp", "embedding_forward_lp")
+             if not re.search(rf"^cuda\S* quant_{e}: ok ", out, re.M)]  # quantized weights (test_kernels_qlp.c)
+    assert not quant, f"quantized-weight cases that did not pass on CUDA: {quant}\n{out[-4000:]}"
     assert "FAIL" not in out, out[-4000:]
     assert r.returncode == 0, out[-2000:] + r.stderr[-2000:]
 
@@ -206,6 +209,54 @@ def test_layers_w1_linear_16_bit_weights(comm1, dtype):
         assert _rel(dx, rnd(dy) @ W16) < 1e-5
         assert _rel(_to_host(lin.grad_weight), rnd(dy).T @ rnd(x)) < 1e-5
         assert _rel(_to_host(lin.grad_bias), dy.astype(np.float64).sum(0)) < 1e-5
+
+
+def _quant_linear_vs_cpu(comm, fmt, device, ms=(1, 3, 8, 9, 37)):
+    """Column- and row-parallel linear with fmt weights on `device` against the same layers on the
+    CPU and against float64 from gguf's dequantization: y and dx per M (<= 8 rows: CUDA's
+    dequantizing GEMV, float32 throughout; more: bfloat16 panels for the tensor-core GEMM, x / dy
+    and the weight rounded to bfloat16).  Returns the worst relative errors."""
+    from tpcore.quant import QuantTensor, block_size, quantize
+    rng = np.random.default_rng(21)
+    blk = block_size(fmt)
+    K, N = (3 * blk if blk > 1 else 100), 67
+    W = (rng.standard_normal((N, K)) * 0.5).astype(np.float32)
+    qt = QuantTensor(fmt, (N, K), quantize(W, fmt))
+    raw = np.asarray(qt.raw)
+    if fmt == "int8":
+        Wd = raw[:, 4:].view(np.int8).astype(np.float64) * raw[:, :4].copy().view(np.float32).astype(np.float64)
+    else:
+        from gguf import GGMLQuantizationType as Q
+        from gguf.quants import dequantize as g_dequantize
+        Wd = g_dequantize(raw, getattr(Q, fmt.upper())).astype(np.float64)
+    b = rng.standard_normal(N).astype(np.float32)
+    kw = {} if device == "cpu" else {"device": device}
+    worst = {"gemv": 0.0, "gemm": 0.0, "vs_cpu_gemv": 0.0, "vs_cpu_gemm": 0.0}
+    for cls in (tpcore.ColumnParallelLinear, tpcore.RowParallelLinear):
+        lay, cpu = cls(K, N, comm, dtype=fmt, **kw), cls(K, N, comm, dtype=fmt)
+        lay.load_full(qt, b)
+        cpu.load_full(qt, b)
+        assert lay.grad_weight is None  # frozen
+        for M in ms:
+            x, dy = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((M, N)).astype(np.float32)
+            xs, dys = (x, dy) if device == "cpu" else (_torch().from_numpy(x).cuda(), _torch().from_numpy(dy).cuda())
+            y, dx = _to_host(lay(xs)), _to_host(lay.backward(dys))
+            yc, dxc = cpu(x), cpu.backward(dy)
+            path = "gemv" if M <= 8 else "gemm"
+            worst[path] = max(worst[path], _rel(y, x.astype(np.float64) @ Wd.T + b), _rel(dx, dy.astype(np.float64) @ Wd))
+            worst["vs_cpu_" + path] = max(worst["vs_cpu_" + path], _rel(y, yc), _rel(dx, dxc))
+    return worst
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "int8"])
+def test_layers_w1_linear_quantized_weights(comm1, fmt):
+    """Quantized (frozen) weights on cuda: the decode GEMV and the prefill panel GEMM of
+    cuda/quant.cu through the layers, against the CPU layers on the same rows and float64."""
+    pytest.importorskip("gguf")
+    w = _quant_linear_vs_cpu(comm1, fmt, "cuda")
+    assert w["gemv"] < 1e-5 and w["vs_cpu_gemv"] < 1e-5, w  # float32 both sides
+    assert w["gemm"] < 1e-2 and w["vs_cpu_gemm"] < 1e-2, w  # bfloat16 operands on the GPU
 
 
 @needs_cuda
@@ -681,7 +732,7 @@ def test_gpu_check_script_prints_its_summary_without_a_gpu(tmp_path):
     r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=str(ROOT))
     out = r.stdout
     tail = out[out.index("tpcore GPU check: summary"):]
-    for label in ("card", "build (tpcore + CUDA plugin)", "kernel parity, C harness", "GPU tests",
+    for label in ("card", "build (tpcore + CUDA plugin)", "kernel parity, C harness", "quantized weights", "GPU tests",
                   "NCCL world 1", "NCCL world 2", "host-staged shm", "DLPack round trips",
                   "GEMM column-parallel vs torch.matmul", "decode GPT-2-small", "decode Llama-1B-sized",
                   "GPU memory per rank", "verdict"):

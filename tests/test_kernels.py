@@ -64,11 +64,12 @@ def test_entries_list_matches_the_table_struct():
 
 def test_cuda_entries_under_the_host_emulator():
     """The CUDA attention and low-precision entries (csrc/kernels/cuda/attention*.cu, lowp.cu,
-    with a host stand-in for cublasGemmEx that checks its arguments) through the same parity
-    cases on the host: csrc/tests/cuda_emu runs each CUDA thread as a fiber with cooperative
+    quant.cu, with a host stand-in for cublasGemmEx that checks its arguments) through the same
+    parity cases on the host: csrc/tests/cuda_emu runs each CUDA thread as a fiber with cooperative
     barriers and shuffles, shared memory poisoned with NaN, fibers in both orders.  Checks the
-    kernels' index math, masks, tiles, online softmax, split-K and backward sums where no GPU
-    is; the GPU machine runs the real thing (test_kernel_parity)."""
+    kernels' index math, masks, tiles, online softmax, split-K and backward sums, and the
+    quantized weight formats' cases (quant_<entry>: dequantization bit for bit, the decode GEMV,
+    the panel GEMMs) where no GPU is; the GPU machine runs the real thing (test_kernel_parity)."""
     import shutil
     import subprocess
     if not shutil.which("g++") or not shutil.which("make"):
@@ -80,6 +81,8 @@ def test_cuda_entries_under_the_host_emulator():
     for e in ("positions", "kv_cache_write", "attention_workspace", "attention_forward", "attention_backward",
               "convert", "linear_lp_workspace", "linear_forward_lp", "linear_backward_lp", "embedding_forward_lp"):
         assert len(re.findall(rf"^(\(reverse order\) )?cudaemu {e}: ok ", r.stdout, re.M)) == 2, r.stdout
+    for e in ("linear_lp_workspace", "linear_forward_lp", "linear_backward_lp", "embedding_forward_lp"):
+        assert len(re.findall(rf"^cudaemu quant_{e}: ok ", r.stdout, re.M)) == 2, r.stdout
 
 
 # ---------------------------------------------------------------- 16-bit weights

@@ -358,7 +358,7 @@ def _errors_case(comm):
                  lambda d: tpcore.ParallelMLP(4, 8, comm, dtype=d),
                  lambda d: tpcore.VocabParallelEmbedding(5, 4, comm, dtype=d),
                  lambda d: tpcore.TransformerBlock(tpcore.Config(vocab_size=5, **CONFIGS["gpt2"]), comm, dtype=d)):
-        for bad in ("int8", "float64", "fp8", np.int32):
+        for bad in ("int16", "q3_k", "float64", "fp8", np.int32):  # int8 and the GGUF formats: tpcore.quant
             try:
                 make(bad)
                 out.append(f"{bad}: accepted")

@@ -150,7 +150,7 @@ def test_memory_limits_cap_a_rank_and_the_rest_goes_by_speed():
     (dict(align={"heads": 2}), TypeError, "align must be"),
     (dict(align=0), ValueError, "align"),
     (dict(head_unit="half"), ValueError, "head_unit must be one of"),
-    (dict(dtype="int8"), ValueError, "dtype must be one of"),
+    (dict(dtype="int4"), ValueError, "dtype must be one of"),
     (dict(cache=(0, 4)), ValueError, "cache batch"),
 ])
 def test_bad_arguments_are_refused(bad, exc, msg):

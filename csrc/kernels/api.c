@@ -28,15 +28,23 @@ static tp_status_t check_act(tp_kcall *c, tp_activation_t act) {
 
 /* ------------------------------------------------------------------ linear */
 
-/* The dtype w is stored in: float32 (the float32 entries) or bfloat16 / float16 (the *_lp
- * entries: every other argument stays float32). */
+/* The dtype w is stored in: float32 (the float32 entries), bfloat16 / float16 or a
+ * quantized weight format (the *_lp entries: every other argument stays float32).  A
+ * quantized w is described by its logical shape [N, K] with the strides of a contiguous
+ * [N, K] tensor; its rows are tp_weight_row_bytes(dtype, K) bytes back to back, K whole
+ * blocks of the format. */
 static tp_status_t weight_dtype(tp_kcall *c, const tp_tensor *w, tp_dtype_t *dt) {
   *dt = F32;
   if (!w) return TP_SUCCESS; /* tp_karg names it */
-  if (w->dtype == TP_BFLOAT16 || w->dtype == TP_FLOAT16) *dt = w->dtype;
+  if (w->dtype != F32 && tp_weight_format(w->dtype, NULL, NULL, NULL)) *dt = w->dtype;
   else if (w->dtype != F32)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: w must be float32, bfloat16 or float16, got %s", c->op,
-                        tp_dtype_name(w->dtype));
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: w must be float32, bfloat16, float16 or a quantized weight "
+                        "format (int8, q8_0, q4_0, q4_1, q4_k, q5_k, q6_k), got %s", c->op, tp_dtype_name(w->dtype));
+  int64_t blk = 1;
+  tp_weight_format(*dt, &blk, NULL, NULL);
+  if (blk > 1 && w->ndim == 2 && w->shape[1] % blk)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: w (%s) has rows of %lld elements, not whole blocks of %lld", c->op,
+                        tp_dtype_name(*dt), (long long)w->shape[1], (long long)blk);
   return TP_SUCCESS;
 }
 
@@ -121,6 +129,9 @@ static tp_status_t linear_backward(tp_kcall *c, tp_stream_t s, const tp_tensor *
   TP_CHECK(tp_karg(c, "x", x, 0, F32, 2, SHAPE(M, K)));
   TP_CHECK(tp_karg(c, "dx", dx, 1, F32, 2, SHAPE(M, K)));
   TP_CHECK(tp_karg(c, "dw", dw, 1, F32, 2, SHAPE(N, K))); /* the float32 main gradient, whatever w's dtype */
+  if (dw && tp_weight_is_quantized(wdt))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: dw must be NULL for a quantized w (%s weights are frozen)", c->op,
+                        tp_dtype_name(wdt));
   TP_CHECK(tp_karg(c, "db", db, 1, F32, 1, SHAPE(N)));
   TP_CHECK(tp_kblas_dim(c, "M (rows of dy)", M));
   TP_CHECK(tp_kblas_dim(c, "K (columns of x)", K));

@@ -222,11 +222,17 @@ typedef struct tp_kernel_ops {
   tp_status_t (*sgd_step)(tp_stream_t s, float *p, const float *g, float *buf, int64_t n, float lr, float momentum,
                           float weight_decay, int first);
 
-  /* ---- low-precision storage: bfloat16 / float16 weights, float32 arithmetic --------
-   * wdt below is TP_BFLOAT16 or TP_FLOAT16 (the caller never passes another; float32
-   * weights take the float32 entries above).  Weights are stored in wdt; activations,
-   * biases, gradients (the "main grad" of mixed-precision training) and the optimizer's
-   * master weights stay float32; every product is accumulated in float32. */
+  /* ---- low-precision storage: 16-bit and quantized weights, float32 arithmetic -------
+   * wdt below is TP_BFLOAT16, TP_FLOAT16 or a quantized weight format (TP_INT8 rows, the
+   * GGUF block formats TP_Q8_0 .. TP_Q6_K; float32 weights take the float32 entries
+   * above).  Weights are stored in wdt, row-major [N, K]: a quantized row is
+   * tp_weight_row_bytes(wdt, K) bytes (K whole blocks; the entries refuse other K) and
+   * is dequantized on the fly (registers for the GEMV, a bounded panel for the GEMM);
+   * quantized weights are frozen, so dw must be NULL with them.  Activations, biases,
+   * gradients (the "main grad" of mixed-precision training) and the optimizer's master
+   * weights stay float32; every product is accumulated in float32.  CUDA's GEMM path
+   * (M > 8) rounds x (or dy) and the dequantized panel to bfloat16 for cuBLAS (two
+   * bfloat16 roundings per product), its GEMV (M <= 8) stays float32. */
   /* y[n] in ydt = x[n] in xdt, for ydt, xdt in {float32, bfloat16, float16} (same dtype: a
    * copy).  To a 16-bit type: round to nearest even, NaN stays a (quiet) NaN of its sign,
    * beyond the largest finite value infinity, subnormals kept (NumPy's float16 and

@@ -163,7 +163,8 @@ tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt) {
  * Hk*D | V bias] and the heads' gradients become snapshot + summed delta. */
 static tp_status_t kv_snapshot(tp_block_t k, tp_stream_t stream) {
   int64_t C = k->C, kvw = 2 * k->nk * k->D, kvoff = k->nq * k->D;
-  TP_CHECK(lk_copy(&k->lk, k->kvsnap, k->dwqkv + kvoff * C, (size_t)(kvw * C) * sizeof(float), stream));
+  if (k->dwqkv) /* NULL: a quantized (frozen) QKV weight */
+    TP_CHECK(lk_copy(&k->lk, k->kvsnap, k->dwqkv + kvoff * C, (size_t)(kvw * C) * sizeof(float), stream));
   if (k->dbqkv) TP_CHECK(lk_copy(&k->lk, k->kvsnap + kvw * C, k->dbqkv + kvoff, (size_t)kvw * sizeof(float), stream));
   return TP_SUCCESS;
 }
@@ -175,16 +176,20 @@ static tp_status_t kv_grad_sum(tp_block_t k, tp_stream_t stream) {
   float *g = k->kvred.ptr;
   TP_CHECK(lk_zero(&k->lk, g, (size_t)n * sizeof(float), stream));
   for (int kv = 0; kv < 2; kv++) { /* this rank's heads: nkd rows of C, contiguous in both layouts */
-    float *cur = k->dwqkv + (kvoff + kv * nkd) * C, *old = k->kvsnap + kv * nkd * C;
-    TP_CHECK(lk_sub(&k->lk, g + kv * HkD * C + k0d * C, cur, old, nkd * C, stream));
+    if (k->dwqkv) {
+      float *cur = k->dwqkv + (kvoff + kv * nkd) * C, *old = k->kvsnap + kv * nkd * C;
+      TP_CHECK(lk_sub(&k->lk, g + kv * HkD * C + k0d * C, cur, old, nkd * C, stream));
+    }
     if (k->dbqkv)
       TP_CHECK(lk_sub(&k->lk, g + 2 * HkD * C + kv * HkD + k0d, k->dbqkv + kvoff + kv * nkd,
                       k->kvsnap + kvw * C + kv * nkd, nkd, stream));
   }
   TP_CHECK(tp_layer_all_reduce(g, (size_t)n, TP_SUM, k->comm, "attention", stream));
   for (int kv = 0; kv < 2; kv++) {
-    float *cur = k->dwqkv + (kvoff + kv * nkd) * C, *old = k->kvsnap + kv * nkd * C;
-    TP_CHECK(lk_add(&k->lk, cur, old, g + kv * HkD * C + k0d * C, nkd * C, stream));
+    if (k->dwqkv) {
+      float *cur = k->dwqkv + (kvoff + kv * nkd) * C, *old = k->kvsnap + kv * nkd * C;
+      TP_CHECK(lk_add(&k->lk, cur, old, g + kv * HkD * C + k0d * C, nkd * C, stream));
+    }
     if (k->dbqkv)
       TP_CHECK(lk_add(&k->lk, k->dbqkv + kvoff + kv * nkd, k->kvsnap + kvw * C + kv * nkd,
                       g + 2 * HkD * C + kv * HkD + k0d, nkd, stream));

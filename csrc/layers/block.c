@@ -20,7 +20,8 @@ void tp_block_destroy(tp_block_t k) {
 }
 
 static tp_status_t check_config(const tp_block_config_t *cfg) {
-  TP_CHECK(tp_lk_check_wdtype("block", cfg->weight_dtype));
+  for (int i = 0; i < 4; i++)
+    TP_CHECK(tp_lk_check_wdtype("block", cfg->weight_dtypes_set ? cfg->weight_dtypes[i] : cfg->weight_dtype));
   int64_t C = cfg->hidden, H = cfg->heads, Hk = cfg->kv_heads ? cfg->kv_heads : cfg->heads, D = cfg->head_dim;
   if (C < 1 || H < 1 || D < 1 || (cfg->ffn_hidden < 1 && !cfg->attention_only))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: hidden, heads, head_dim and ffn_hidden must be >= 1");
@@ -52,8 +53,11 @@ static tp_status_t make_params(tp_block_t k) {
   int64_t C = k->C, D = k->D, H = k->H, Hk = k->Hk, W = k->W, b = k->cfg.bias, nb = k->cfg.norm == TP_NORM_LAYER;
   size_t total = 0;
   int64_t n[12] = {W * C, b ? W : 0, W * C, b ? W : 0, C, nb ? C : 0, C, nb ? C : 0, C, nb ? C : 0, C, nb ? C : 0};
-  size_t esz[12];
-  for (int i = 0; i < 12; i++) esz[i] = i == 0 ? tp_dtype_size(k->Wqkv.dt) : sizeof(float);
+  size_t esz[12], wbytes = 0;
+  int quant = tp_weight_is_quantized(k->Wqkv.dt); /* frozen: no gradient */
+  TP_CHECK(tp_lk_wbytes("block", "the QKV weight", k->Wqkv.dt, W, C, &wbytes));
+  n[0] = (int64_t)wbytes, n[2] = quant ? 0 : n[2];
+  for (int i = 0; i < 12; i++) esz[i] = i == 0 ? 1 : sizeof(float);
   for (int i = 0; i < 12; i++) tp_arena_add_n(&total, n[i], esz[i]); /* bounded by check_config */
   tp_status_t st = tp_arena_reserve(&k->params, total, "parameters");
   if (st == TP_ERR_NOMEM) /* block_create prefixes "block" */
@@ -69,6 +73,7 @@ static tp_status_t make_params(tp_block_t k) {
     *p[i] = (i % 2 == 0 || (i < 4 ? b : nb)) ? s : NULL; /* biases only when the config has them */
   }
   k->Wqkv.p = wq;
+  if (quant) k->dwqkv = NULL;
   TP_CHECK(lk_zero(&k->lk, k->params.base, k->params.cap, NULL));
   /* the shard's rows [its Q heads | its K heads | its V heads]: three runs of whole rows of
    * the full [Q | K | V] weight (tensor 10) and bias (11) */
@@ -76,7 +81,7 @@ static tp_status_t make_params(tp_block_t k) {
   int64_t row0[3] = {k->q0 * D, H * D + k->k0 * D, (H + Hk) * D + k->k0 * D}, rows[3] = {k->nq * D, k->nk * D, k->nk * D};
   int64_t at = 0;
   for (int p = 0; p < 3; at += rows[p], p++) {
-    TP_CHECK(lk_init_w(&k->lk, &k->Wqkv, at * C, rows[p] * C, 0, k->cfg.seed, 10, (uint64_t)(row0[p] * C), bq, NULL));
+    TP_CHECK(lk_init_w(&k->lk, &k->Wqkv, at * C, rows[p] * C, C, 0, k->cfg.seed, 10, (uint64_t)(row0[p] * C), bq, NULL));
     if (b) TP_CHECK(lk_init_uniform(&k->lk, k->bqkv + at, rows[p], k->cfg.seed, 11, (uint64_t)row0[p], bq, NULL));
   }
   TP_CHECK(lk_fill(&k->lk, k->n1w, 1.0f, C, NULL));
@@ -111,7 +116,9 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   tp_arena_init(&k->ws, k->dev, k->dev_id);
   tp_arena_init(&k->cache, k->dev, k->dev_id);
   tp_arena_init(&k->lpws, k->dev, k->dev_id);
-  k->Wqkv.dt = cfg->weight_dtype;
+  tp_dtype_t dts[4];
+  for (int i = 0; i < 4; i++) dts[i] = cfg->weight_dtypes_set ? cfg->weight_dtypes[i] : cfg->weight_dtype;
+  k->Wqkv.dt = dts[0];
   k->Wqkv.lpws = &k->lpws;
   tp_status_t st = tp_lk_init(&k->lk, "block", k->dev, k->dev_id);
   if (st != TP_SUCCESS) {
@@ -154,7 +161,7 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   oc.seed = cfg->seed;
   oc.device = cfg->device;
   oc.device_id = cfg->device_id;
-  oc.weight_dtype = cfg->weight_dtype;
+  oc.weight_dtype = dts[1];
   if (st == TP_SUCCESS) st = tp_parallel_linear_create_ids(&k->out, comm, &oc, 12, 13);
   if (st == TP_SUCCESS) tp_parallel_linear_set_region(k->out, "attention"); /* its all-reduce: the attention's */
   if (st == TP_SUCCESS && !cfg->attention_only) {
@@ -167,7 +174,9 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
     mc.seed = cfg->seed + 100;
     mc.device = cfg->device;
     mc.device_id = cfg->device_id;
-    mc.weight_dtype = cfg->weight_dtype;
+    mc.weight_dtype = dts[2];
+    mc.weight_dtypes_set = 1;
+    mc.weight_dtypes[0] = dts[2], mc.weight_dtypes[1] = dts[3];
     st = tp_parallel_mlp_create(&k->mlp, comm, &mc);
   }
   if (st != TP_SUCCESS) {

@@ -85,18 +85,43 @@ static inline tp_status_t lk_init_normal(const tp_lk *c, float *y, int64_t n, ui
  * per layer, grown on demand, never shared across layers in flight). */
 typedef struct {
   void *p;
-  tp_dtype_t dt;     /* TP_FLOAT32, TP_BFLOAT16 or TP_FLOAT16 */
+  tp_dtype_t dt;     /* TP_FLOAT32, TP_BFLOAT16, TP_FLOAT16, or a quantized format (TP_INT8 rows, TP_Q*) */
   tp_arena_t *lpws;  /* the lp entries' workspace (unused for float32) */
 } tp_lk_w;
 
 static inline int tp_lk_lowp(tp_dtype_t dt) { return dt == TP_BFLOAT16 || dt == TP_FLOAT16; }
 
-/* The weight dtype a config names: float32, bfloat16 or float16. */
+/* The weight dtype a config names: float32, bfloat16, float16, int8 or a GGUF block format. */
 static inline tp_status_t tp_lk_check_wdtype(const char *op, tp_dtype_t dt) {
-  if (dt == TP_FLOAT32 || tp_lk_lowp(dt)) return TP_SUCCESS;
-  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: weight_dtype must be float32, bfloat16 or float16, got %s", op,
-                      tp_dtype_name(dt));
+  if (tp_weight_format(dt, NULL, NULL, NULL)) return TP_SUCCESS;
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: weight_dtype must be float32, bfloat16, float16, int8, q8_0, "
+                      "q4_0, q4_1, q4_k, q5_k or q6_k, got %s (%d)", op, tp_dtype_name(dt), (int)dt);
 }
+
+/* The elements of one block of dt (1 for float32 / 16-bit / int8 rows). */
+static inline int64_t tp_lk_block(tp_dtype_t dt) {
+  int64_t blk = 1;
+  tp_weight_format(dt, &blk, NULL, NULL);
+  return blk;
+}
+
+/* *nbytes = bytes of rows x cols of dt (rows of tp_weight_row_bytes each); an error naming op
+ * and what when cols is not whole blocks or the size overflows. */
+static inline tp_status_t tp_lk_wbytes(const char *op, const char *what, tp_dtype_t dt, int64_t rows, int64_t cols,
+                                       size_t *nbytes) {
+  size_t rb;
+  int64_t blk = tp_lk_block(dt);
+  if (cols % blk)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s has rows of %lld elements, not whole blocks of %lld (%s "
+                        "weights)", op, what, (long long)cols, (long long)blk, tp_dtype_name(dt));
+  if (rows < 0 || !tp_weight_row_bytes(dt, cols, &rb) || !tp_mul_size((size_t)rows, rb, nbytes))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s of %lld x %lld (%s) overflows the address space", op, what,
+                        (long long)rows, (long long)cols, tp_dtype_name(dt));
+  return TP_SUCCESS;
+}
+
+/* The CPU's quantizer of one weight row (kernels/cpu/quant.c: the core's, used on the host). */
+void tp_q_quant_row(tp_dtype_t f, void *row, const float *x, int64_t K);
 
 /* lpws.c: the process-wide scratch of the CPU layers' low-precision GEMMs (locked while used). */
 tp_arena_t *tp_lp_cpu_scratch_lock(void);
@@ -152,14 +177,62 @@ static inline tp_status_t lk_convert(const tp_lk *c, void *y, tp_dtype_t ydt, co
                                      int64_t n, tp_stream_t s) {
   return n > 0 ? c->k->convert(s, y, ydt, x, xdt, n) : TP_SUCCESS;
 }
+/* Seeded initialisation of a quantized weight: whole rows of K elements (at and n multiples
+ * of K), drawn in float32 into the bounded scratch, brought to the host when the layer lives
+ * on a GPU, quantized row by row there (the CPU's quantizer) and copied into place. */
+static inline tp_status_t lk_init_wq(const tp_lk *c, const tp_lk_w *w, int64_t at, int64_t n, int64_t K, int normal,
+                                     uint64_t seed, uint64_t tensor, uint64_t index0, float bound, tp_stream_t s) {
+  size_t rb;
+  if (K <= 0 || at % K || n % K || !tp_weight_row_bytes(w->dt, K, &rb))
+    return tp_set_error(TP_ERR_INTERNAL, "weight initialisation: %lld elements at %lld are not whole rows of %lld",
+                        (long long)n, (long long)at, (long long)K);
+  int64_t per = ((int64_t)1 << 20) / K, rows = n / K;
+  if (per < 1) per = 1;
+  if (per > rows) per = rows;
+  size_t fb = (size_t)(per * K) * sizeof(float), qb = (size_t)per * rb, need = fb;
+  int host = c->dev == TP_DEVICE_CPU;
+  if (!host && !tp_add_size(fb, fb + qb, &need)) return tp_set_error(TP_ERR_NOMEM, "weight initialisation: too large");
+  TP_CHECK(tp_arena_reserve(w->lpws, need, "weight initialisation"));
+  float *tmp = (float *)w->lpws->base;
+  float *hx = NULL;
+  char *hq = NULL;
+  if (!host) { /* host staging: the draws and their quantized rows */
+    TP_CHECK(tp_device_alloc(TP_DEVICE_CPU, 0, fb + qb, (void **)&hx));
+    hq = (char *)hx + fb;
+  }
+  char *dst = (char *)w->p + (size_t)(at / K) * rb;
+  tp_status_t st = TP_SUCCESS;
+  for (int64_t r = 0; r < rows && st == TP_SUCCESS; r += per) {
+    int64_t nr = rows - r < per ? rows - r : per;
+    uint64_t i0 = index0 + (uint64_t)(r * K);
+    st = normal ? c->k->init_normal(s, tmp, nr * K, seed, tensor, i0)
+                : c->k->init_uniform(s, tmp, nr * K, seed, tensor, i0, bound);
+    if (st != TP_SUCCESS) break;
+    if (host) {
+      for (int64_t j = 0; j < nr; j++) tp_q_quant_row(w->dt, dst + (size_t)(r + j) * rb, tmp + j * K, K);
+      continue;
+    }
+    st = tp_device_copy(TP_DEVICE_CPU, hx, c->dev, tmp, (size_t)(nr * K) * sizeof(float), s);
+    if (st == TP_SUCCESS) st = tp_device_sync(c->dev, c->id, s);
+    if (st != TP_SUCCESS) break;
+    for (int64_t j = 0; j < nr; j++) tp_q_quant_row(w->dt, hq + (size_t)j * rb, hx + j * K, K);
+    st = tp_device_copy(c->dev, dst + (size_t)r * rb, TP_DEVICE_CPU, hq, (size_t)nr * rb, s);
+    if (st == TP_SUCCESS) st = tp_device_sync(c->dev, c->id, s);
+  }
+  if (hx) tp_device_free(TP_DEVICE_CPU, 0, hx);
+  return st;
+}
+
 /* Seeded initialisation of n weight elements in w->dt: float32 draws straight into place;
  * a low-precision weight draws float32 runs into a bounded scratch (w->lpws; the layer
  * releases it when its initialisation is done) and rounds them, so it holds exactly the
- * rounded float32 layer's values.  Elements [at, at + n) of
- * w get draws index0.. of the tensor: normal, init_normal's N(0,1); else U(-bound, bound). */
-static inline tp_status_t lk_init_w(const tp_lk *c, const tp_lk_w *w, int64_t at, int64_t n, int normal,
+ * rounded float32 layer's values; a quantized one quantizes whole rows of K elements
+ * (lk_init_wq).  Elements [at, at + n) of w (row-major, rows of K) get draws index0.. of
+ * the tensor: normal, init_normal's N(0,1); else U(-bound, bound). */
+static inline tp_status_t lk_init_w(const tp_lk *c, const tp_lk_w *w, int64_t at, int64_t n, int64_t K, int normal,
                                     uint64_t seed, uint64_t tensor, uint64_t index0, float bound, tp_stream_t s) {
   if (n <= 0) return TP_SUCCESS;
+  if (tp_weight_is_quantized(w->dt)) return lk_init_wq(c, w, at, n, K, normal, seed, tensor, index0, bound, s);
   if (w->dt == TP_FLOAT32) {
     float *y = (float *)w->p + at;
     return normal ? c->k->init_normal(s, y, n, seed, tensor, index0)
@@ -281,7 +354,7 @@ static inline tp_status_t lk_embedding_forward(const tp_lk *c, float *out, const
 static inline tp_status_t lk_embedding_backward(const tp_lk *c, float *dtable, const int64_t *tokens,
                                                 const float *dout, int64_t M, int64_t lo, int64_t V, int64_t C,
                                                 tp_stream_t s) {
-  if (M <= 0) return TP_SUCCESS;
+  if (M <= 0 || !dtable) return TP_SUCCESS; /* a quantized table is frozen: no gradient */
   LK_THROTTLED(c, s, c->k->embedding_backward(s, dtable, tokens, dout, M, lo, V, C));
 }
 /* fp[0] = the 24-bit fingerprint of (targets, ignore_index), fp[1] = -fp[0] (device memory) */

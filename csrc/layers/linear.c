@@ -77,14 +77,14 @@ static tp_status_t init_params(tp_parallel_linear_t L, uint64_t weight_id, uint6
   if (col) { /* whole rows: the gate rows [off, off + loc), then (gated) the up rows from N + off */
     for (int h = 0; h < g; h++) {
       int64_t frow = h * N + L->off;
-      TP_CHECK(lk_init_w(&L->lk, &L->W, h * L->loc * K, L->loc * K, 0, seed, weight_id, (uint64_t)(frow * K), bound,
-                         NULL));
+      TP_CHECK(lk_init_w(&L->lk, &L->W, h * L->loc * K, L->loc * K, K, 0, seed, weight_id, (uint64_t)(frow * K),
+                         bound, NULL));
       if (L->b) TP_CHECK(lk_init_uniform(&L->lk, L->b + h * L->loc, L->loc, seed, bias_id, (uint64_t)frow, bound, NULL));
     }
   } else { /* columns [off, off + loc) of every row */
     for (int64_t i = 0; i < N; i++)
-      TP_CHECK(lk_init_w(&L->lk, &L->W, i * L->loc, L->loc, 0, seed, weight_id, (uint64_t)(i * K + L->off), bound,
-                         NULL));
+      TP_CHECK(lk_init_w(&L->lk, &L->W, i * L->loc, L->loc, L->loc, 0, seed, weight_id, (uint64_t)(i * K + L->off),
+                         bound, NULL));
     if (L->b) TP_CHECK(lk_init_uniform(&L->lk, L->b, N, seed, bias_id, 0, bound, NULL));
   }
   TP_CHECK(tp_device_sync(L->dev, L->dev_id, NULL));
@@ -170,6 +170,27 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   }
   L->wr = col ? g * L->loc : N;
   L->wc = col ? K : L->loc;
+  /* A block format splits rows into blocks of 32 or 256 along in_features: a column-parallel
+   * shard holds whole rows, a row-parallel one whole blocks of each row (partition in whole
+   * blocks: tpcore.partition(..., align=)). */
+  int64_t blk = tp_lk_block(cfg->weight_dtype);
+  if (blk > 1 && (col ? K % blk != 0 : 0)) {
+    tp_parallel_linear_destroy(L);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: in_features %lld is not a multiple of %s's block of %lld "
+                        "elements", (long long)K, tp_dtype_name(cfg->weight_dtype), (long long)blk);
+  }
+  if (blk > 1 && !col) {
+    for (int p = 0; p < n; p++)
+      if (L->part[p] % blk || L->offs[p] % blk) {
+        tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: rank %d's slice of in_features (%lld at %lld) is not whole "
+                     "blocks of %lld elements (%s weights split on block boundaries: partition(n, world, align=%lld))",
+                     p, (long long)L->part[p], (long long)L->offs[p], (long long)blk,
+                     tp_dtype_name(cfg->weight_dtype), (long long)blk);
+        tp_parallel_linear_destroy(L);
+        return TP_ERR_INVALID_ARGUMENT;
+      }
+  }
+  int quant = tp_weight_is_quantized(cfg->weight_dtype); /* frozen: no weight gradient */
   int64_t blen = cfg->bias ? (col ? g * L->loc : N) : 0;
   int64_t wn;
   if (!tp_numel2(L->wr, L->wc, &wn)) { /* the message first: it reads the layer's fields */
@@ -180,15 +201,20 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
     return TP_ERR_INVALID_ARGUMENT;
   }
   /* w, dw, b, db: one allocation (sizes bounded by 2^40 elements above) */
-  size_t total = 0;
-  tp_arena_add_n(&total, wn, tp_dtype_size(L->W.dt));
-  tp_arena_add_n(&total, wn, sizeof(float));
+  size_t total = 0, wbytes = 0;
+  st = tp_lk_wbytes("linear", "the weight shard", L->W.dt, L->wr, L->wc, &wbytes);
+  if (st != TP_SUCCESS) {
+    tp_parallel_linear_destroy(L);
+    return st;
+  }
+  tp_arena_add_n(&total, (int64_t)wbytes, 1);
+  tp_arena_add_n(&total, quant ? 0 : wn, sizeof(float));
   tp_arena_add_n(&total, blen, sizeof(float));
   tp_arena_add_n(&total, blen, sizeof(float));
   st = tp_arena_reserve(&L->params, total, "linear: parameters");
   if (st == TP_SUCCESS) {
-    L->W.p = tp_arena_take_n(&L->params, wn, tp_dtype_size(L->W.dt));
-    L->dw = tp_arena_take_n(&L->params, wn, sizeof(float));
+    L->W.p = tp_arena_take_n(&L->params, (int64_t)wbytes, 1);
+    L->dw = quant ? NULL : tp_arena_take_n(&L->params, wn, sizeof(float));
     L->b = cfg->bias ? tp_arena_take_n(&L->params, blen, sizeof(float)) : NULL;
     L->db = cfg->bias ? tp_arena_take_n(&L->params, blen, sizeof(float)) : NULL;
     st = init_params(L, weight_id, bias_id);

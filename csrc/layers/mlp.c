@@ -35,12 +35,25 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   *out = NULL;
   if (cfg->size != sizeof(tp_mlp_config_t))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: config built for another tpcore version");
-  TP_CHECK(tp_lk_check_wdtype("mlp", cfg->weight_dtype));
+  tp_dtype_t d1 = cfg->weight_dtypes_set ? cfg->weight_dtypes[0] : cfg->weight_dtype;
+  tp_dtype_t d2 = cfg->weight_dtypes_set ? cfg->weight_dtypes[1] : cfg->weight_dtype;
+  TP_CHECK(tp_lk_check_wdtype("mlp", d1));
+  TP_CHECK(tp_lk_check_wdtype("mlp", d2));
   if ((unsigned)cfg->activation > TP_ACT_SWIGLU)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: unknown activation %d", (int)cfg->activation);
   TP_CHECK(tp_layer_device("mlp", cfg->device, cfg->device_id));
   tp_parallel_mlp_t m;
-  TP_CHECK(tp_host_zalloc(sizeof *m, (void **)&m, "mlp"));
+  int world;
+  tp_comm_size(comm, &world);
+  /* the handle and an even partition in whole blocks of fc2's format (its row-parallel
+   * split; fc1 takes the same columns) when the caller gave none */
+  TP_CHECK(tp_host_zalloc(sizeof *m + (size_t)world * sizeof(int64_t), (void **)&m, "mlp"));
+  const int64_t *part = cfg->partition;
+  int64_t blk = tp_lk_block(d2);
+  if (!part && blk > 1 && cfg->ffn_hidden > 0 && cfg->ffn_hidden % blk == 0) {
+    int64_t *even = (int64_t *)(m + 1);
+    if (tp_partition(cfg->ffn_hidden, world, NULL, blk, even, NULL) == TP_SUCCESS) part = even;
+  }
   m->comm = comm;
   m->act = cfg->activation;
   m->last_m = -1;
@@ -58,21 +71,21 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   c1.in_features = cfg->hidden;
   c1.out_features = cfg->ffn_hidden;
   c1.bias = cfg->bias;
-  c1.partition = cfg->partition;
+  c1.partition = part;
   c1.seed = cfg->seed;
   c1.gated = cfg->activation == TP_ACT_SWIGLU;
   c1.device = cfg->device;
   c1.device_id = cfg->device_id;
-  c1.weight_dtype = cfg->weight_dtype;
+  c1.weight_dtype = d1;
   c2.kind = TP_ROW_PARALLEL;
   c2.in_features = cfg->ffn_hidden;
   c2.out_features = cfg->hidden;
   c2.bias = cfg->bias;
   c2.input_is_parallel = 1;
-  c2.partition = cfg->partition;
+  c2.partition = part;
   c2.seed = cfg->seed + 1;
   c2.device = cfg->device;
-  c2.weight_dtype = cfg->weight_dtype;
+  c2.weight_dtype = d2;
   c2.device_id = cfg->device_id;
   st = tp_parallel_linear_create(&m->fc1, comm, &c1);
   if (st == TP_SUCCESS) st = tp_parallel_linear_create(&m->fc2, comm, &c2);

@@ -80,19 +80,25 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   tp_arena_init(&E->lpws, E->dev, E->dev_id);
   E->W.dt = cfg->weight_dtype;
   E->W.lpws = &E->lpws;
-  size_t total = 0;
-  tp_arena_add_n(&total, nel, tp_dtype_size(E->W.dt));
-  tp_arena_add_n(&total, nel, sizeof(float));
+  size_t total = 0, wbytes = 0;
+  int quant = tp_weight_is_quantized(E->W.dt); /* a quantized table is frozen: no gradient */
+  st = tp_lk_wbytes("embedding", "the table", E->W.dt, loc, E->C, &wbytes);
+  if (st != TP_SUCCESS) {
+    tp_vocab_embedding_destroy(E);
+    return st;
+  }
+  tp_arena_add_n(&total, (int64_t)wbytes, 1);
+  tp_arena_add_n(&total, quant ? 0 : nel, sizeof(float));
   st = tp_arena_reserve(&E->params, total, "embedding: table");
   if (st == TP_SUCCESS) {
-    E->W.p = tp_arena_take_n(&E->params, nel, tp_dtype_size(E->W.dt));
-    E->dw = tp_arena_take_n(&E->params, nel, sizeof(float));
+    E->W.p = tp_arena_take_n(&E->params, (int64_t)wbytes, 1);
+    E->dw = quant ? NULL : tp_arena_take_n(&E->params, nel, sizeof(float));
     st = lk_zero(&E->lk, E->params.base, E->params.cap, NULL);
   }
   /* N(0, 1) by Box-Muller: elements 2p and 2p + 1 of the full table are the cosine and sine
    * halves of pair p, drawn from two counter-based uniforms of p (a shard that starts or ends
    * mid-pair draws the whole pair and keeps its half): the same table at any partition. */
-  if (st == TP_SUCCESS) st = lk_init_w(&E->lk, &E->W, 0, nel, 1, cfg->seed, 2, (uint64_t)off * (uint64_t)E->C, 0.0f, NULL);
+  if (st == TP_SUCCESS) st = lk_init_w(&E->lk, &E->W, 0, nel, E->C, 1, cfg->seed, 2, (uint64_t)off * (uint64_t)E->C, 0.0f, NULL);
   if (st == TP_SUCCESS) st = tp_device_sync(E->dev, E->dev_id, NULL);
   tp_arena_release(&E->lpws); /* the init scratch of a 16-bit table (lookups need none) */
   if (st != TP_SUCCESS) {

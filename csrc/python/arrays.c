@@ -170,6 +170,9 @@ PyObject *owned_view(PyObject *self, float *p, int nd, int64_t d0, int64_t d1) {
 
 PyObject *owned_view_dt(PyObject *self, void *p, tp_dtype_t dt, int nd, int64_t d0, int64_t d1) {
   if (!p) Py_RETURN_NONE;
+  size_t rb;
+  if (tp_weight_is_quantized(dt) && nd == 2 && tp_weight_row_bytes(dt, d1, &rb)) /* raw rows: uint8 [d0, bytes] */
+    dt = TP_UINT8, d1 = (int64_t)rb;
   npy_intp dims[2] = {(npy_intp)d0, (npy_intp)d1};
   PyArray_Descr *descr = numpy_descr(dt); /* a new reference, stolen below */
   if (!descr) return NULL;
@@ -187,10 +190,10 @@ int parse_weight_dtype(PyObject *o, const char *op, tp_dtype_t *dt) {
   *dt = TP_FLOAT32;
   if (!o || o == Py_None) return 0;
   const char *name = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
-  if (name && !strcmp(name, "float32")) return 0;
-  if (name && !strcmp(name, "bfloat16")) return *dt = TP_BFLOAT16, 0;
-  if (name && !strcmp(name, "float16")) return *dt = TP_FLOAT16, 0;
+  tp_dtype_t f;
+  if (name && tp_dtype_from_name(name, &f) && tp_weight_format(f, NULL, NULL, NULL)) return *dt = f, 0;
   PyErr_Clear();
-  PyErr_Format(PyExc_ValueError, "%s: weight_dtype must be 'float32', 'bfloat16' or 'float16', got %R", op, o);
+  PyErr_Format(PyExc_ValueError, "%s: weight_dtype must be 'float32', 'bfloat16', 'float16', 'int8', 'q8_0', 'q4_0', "
+               "'q4_1', 'q4_k', 'q5_k' or 'q6_k', got %R", op, o);
   return -1;
 }

@@ -51,8 +51,20 @@ static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.attention_only = attn_only;
   if (parse_device(dev_o, attn_only ? "ParallelAttention" : "TransformerBlock", &cfg.device, &cfg.device_id) < 0)
     return NULL;
-  if (parse_weight_dtype(wdt_o, attn_only ? "ParallelAttention" : "TransformerBlock", &cfg.weight_dtype) < 0)
+  const char *bname = attn_only ? "ParallelAttention" : "TransformerBlock";
+  if (wdt_o && PyTuple_Check(wdt_o)) { /* (qkv, out, fc1, fc2): a GGUF file's mix of formats */
+    if (PyTuple_GET_SIZE(wdt_o) != 4) {
+      PyErr_Format(PyExc_ValueError, "%s: weight_dtype as a tuple must name 4 dtypes (qkv, out, fc1, fc2), got %zd",
+                   bname, PyTuple_GET_SIZE(wdt_o));
+      return NULL;
+    }
+    cfg.weight_dtypes_set = 1;
+    for (int i = 0; i < 4; i++)
+      if (parse_weight_dtype(PyTuple_GET_ITEM(wdt_o, i), bname, &cfg.weight_dtypes[i]) < 0) return NULL;
+    cfg.weight_dtype = cfg.weight_dtypes[0];
+  } else if (parse_weight_dtype(wdt_o, bname, &cfg.weight_dtype) < 0) {
     return NULL;
+  }
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *hs = NULL, *fs = NULL;

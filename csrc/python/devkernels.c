@@ -159,10 +159,31 @@ static PyObject *d_norm_backward(PyObject *mod, PyObject *args) {
   return dk_fail(&c, s, dxo);
 }
 
-/* d_linear_forward(x[M, K], w[N, K], b[N] | None) -> y[M, N] (w float32, bfloat16 or float16) */
+/* A quantized weight's raw rows (a uint8 [N, row_bytes] tensor) as the kernels' logical [N, K]
+ * view in format fmt (None: w as it is). */
+static int dk_weight_fmt(PyObject *fmt, tp_tensor *w, int64_t K, const char *op) {
+  if (!fmt || fmt == Py_None) return 0;
+  tp_dtype_t f;
+  size_t rb;
+  if (parse_weight_dtype(fmt, op, &f) < 0) return -1;
+  if (!tp_weight_is_quantized(f) || w->dtype != TP_UINT8 || w->ndim != 2 || !tp_weight_row_bytes(f, K, &rb) ||
+      w->shape[1] != (int64_t)rb || (w->shape[0] > 1 && w->strides[0] != w->shape[1])) {
+    PyErr_Format(PyExc_ValueError, "%s: with wfmt=%R, w must be contiguous uint8 raw rows of %lld elements", op, fmt,
+                 (long long)K);
+    return -1;
+  }
+  w->dtype = f;
+  w->shape[1] = K;
+  w->strides[0] = K;
+  w->strides[1] = 1;
+  return 0;
+}
+
+/* d_linear_forward(x[M, K], w[N, K], b[N] | None, wfmt | None) -> y[M, N] (w float32, bfloat16,
+ * float16, or a quantized format's raw rows with wfmt) */
 static PyObject *d_linear_forward(PyObject *mod, PyObject *args) {
-  PyObject *xo, *wo, *bo = Py_None;
-  if (!PyArg_ParseTuple(args, "OO|O:d_linear_forward", &xo, &wo, &bo)) return NULL;
+  PyObject *xo, *wo, *bo = Py_None, *fmt = Py_None;
+  if (!PyArg_ParseTuple(args, "OO|OO:d_linear_forward", &xo, &wo, &bo, &fmt)) return NULL;
   DK_CTX("d_linear_forward", mod);
   tp_tensor x, w, b, y;
   const tp_tensor *bp;
@@ -173,6 +194,7 @@ static PyObject *d_linear_forward(PyObject *mod, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "d_linear_forward: x (M, K) and w (N, K) must be 2-D");
     return dk_fail(&c, TP_SUCCESS, NULL);
   }
+  if (dk_weight_fmt(fmt, &w, x.shape[1], "d_linear_forward") < 0) return dk_fail(&c, TP_SUCCESS, NULL);
   int64_t shape[2] = {x.shape[0], w.shape[0]};
   PyObject *yo = dk_new(&c, TP_FLOAT32, 2, shape, &y);
   if (!yo) return dk_fail(&c, TP_SUCCESS, NULL);
@@ -181,10 +203,10 @@ static PyObject *d_linear_forward(PyObject *mod, PyObject *args) {
   return dk_fail(&c, s, yo);
 }
 
-/* d_linear_backward(dy[M, N], x[M, K], w[N, K], dw[N, K] | None) -> dx[M, K] (dw +=) */
+/* d_linear_backward(dy[M, N], x[M, K], w[N, K], dw[N, K] | None, wfmt | None) -> dx[M, K] (dw +=) */
 static PyObject *d_linear_backward(PyObject *mod, PyObject *args) {
-  PyObject *dyo, *xo, *wo, *dwo = Py_None;
-  if (!PyArg_ParseTuple(args, "OOO|O:d_linear_backward", &dyo, &xo, &wo, &dwo)) return NULL;
+  PyObject *dyo, *xo, *wo, *dwo = Py_None, *fmt = Py_None;
+  if (!PyArg_ParseTuple(args, "OOO|OO:d_linear_backward", &dyo, &xo, &wo, &dwo, &fmt)) return NULL;
   DK_CTX("d_linear_backward", mod);
   tp_tensor dy, x, w, dw, dx;
   const tp_tensor *dwp;
@@ -195,6 +217,7 @@ static PyObject *d_linear_backward(PyObject *mod, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "d_linear_backward: x must be 2-D (M, K)");
     return dk_fail(&c, TP_SUCCESS, NULL);
   }
+  if (dk_weight_fmt(fmt, &w, x.shape[1], "d_linear_backward") < 0) return dk_fail(&c, TP_SUCCESS, NULL);
   PyObject *dxo = dk_new(&c, TP_FLOAT32, 2, x.shape, &dx);
   if (!dxo) return dk_fail(&c, TP_SUCCESS, NULL);
   tp_status_t s;

@@ -111,6 +111,9 @@ PyObject *device_param_view(module_state *st, PyObject *owner, float *p, int nd,
 PyObject *device_param_view_dt(module_state *st, PyObject *owner, void *p, tp_dtype_t dt, int nd, int64_t d0,
                                int64_t d1, tp_device_t dev, int id) {
   if (!p) Py_RETURN_NONE;
+  size_t rb;
+  if (tp_weight_is_quantized(dt) && nd == 2 && tp_weight_row_bytes(dt, d1, &rb)) /* raw rows: uint8 [d0, bytes] */
+    dt = TP_UINT8, d1 = (int64_t)rb;
   int64_t shape[2] = {d0, d1};
   tp_tensor t = tp_tensor_nd(p, dt, nd, shape);
   t.device = dev;

@@ -33,6 +33,33 @@ static int f32_matrix(PyObject *o, const char *op, const char *arg, int writable
 }
 
 /* o as a 2-D weight matrix: float32, or bfloat16 / float16 storage (the 16-bit kernels). */
+/* w as the kernels' weight: float32 / bfloat16 / float16 [N, K], or (fmt a quantized weight
+ * format's name) uint8 raw rows [N, row_bytes] of K = k elements each. */
+static int weight_matrix_fmt(PyObject *o, PyObject *fmt, int64_t k, const char *op, int64_t *r, int64_t *c,
+                             tp_tensor *t) {
+  if (!fmt || fmt == Py_None) return -2;
+  tp_dtype_t f;
+  size_t rb;
+  if (parse_weight_dtype(fmt, op, &f) < 0) return -1;
+  buf_t b;
+  if (get_host_buf(o, op, "w", 0, &b) < 0) return -1;
+  if (!tp_weight_is_quantized(f) || b.dtype != TP_UINT8 || PyArray_NDIM((PyArrayObject *)o) != 2) {
+    PyErr_Format(PyExc_TypeError, "%s: with wfmt=%R, w must be a 2-D uint8 array of raw rows (a quantized format)", op,
+                 fmt);
+    return -1;
+  }
+  if (!tp_weight_row_bytes(f, k, &rb) || (size_t)PyArray_DIM((PyArrayObject *)o, 1) != rb) {
+    PyErr_Format(PyExc_ValueError, "%s: w's rows are %lld bytes, but %lld %s elements take %lld", op,
+                 (long long)PyArray_DIM((PyArrayObject *)o, 1), (long long)k, tp_dtype_name(f),
+                 tp_weight_row_bytes(f, k, &rb) ? (long long)rb : -1LL);
+    return -1;
+  }
+  *r = PyArray_DIM((PyArrayObject *)o, 0);
+  *c = k;
+  *t = tp_tensor_2d(b.data, f, *r, k);
+  return 0;
+}
+
 static int weight_matrix(PyObject *o, const char *op, int64_t *r, int64_t *c, tp_tensor *t) {
   buf_t b;
   if (get_host_buf(o, op, "w", 0, &b) < 0) return -1;
@@ -173,13 +200,14 @@ static PyObject *sgd_step(PyObject *mod, PyObject *args) {
  * linear_backward(dy[M, N], x[M, K], w[N, K], dw[N, K] or None, dx_out=None) -> dx (dw accumulates).
  * w may be bfloat16 or float16 (everything else float32: the 16-bit weight kernels). */
 static PyObject *linear_forward_k(PyObject *mod, PyObject *args) {
-  PyObject *xo, *wo, *bo = Py_None, *out = Py_None;
-  if (!PyArg_ParseTuple(args, "OO|OO:linear_forward", &xo, &wo, &bo, &out)) return NULL;
+  PyObject *xo, *wo, *bo = Py_None, *out = Py_None, *fmt = Py_None;
+  if (!PyArg_ParseTuple(args, "OO|OOO:linear_forward", &xo, &wo, &bo, &out, &fmt)) return NULL;
   int64_t M, K, N, K2;
   float *x, *b = NULL;
   tp_tensor tw;
-  if (f32_matrix(xo, "linear_forward", "x", 0, &M, &K, &x) < 0 || weight_matrix(wo, "linear_forward", &N, &K2, &tw) < 0)
-    return NULL;
+  if (f32_matrix(xo, "linear_forward", "x", 0, &M, &K, &x) < 0) return NULL;
+  int wr = weight_matrix_fmt(wo, fmt, K, "linear_forward", &N, &K2, &tw);
+  if (wr == -1 || (wr == -2 && weight_matrix(wo, "linear_forward", &N, &K2, &tw) < 0)) return NULL;
   if (K2 != K || M > INT_MAX || N > INT_MAX || K > INT_MAX) {
     PyErr_Format(PyExc_ValueError, "linear_forward: x is (%lld, %lld) but w is (%lld, %lld)", (long long)M,
                  (long long)K, (long long)N, (long long)K2);
@@ -197,15 +225,16 @@ static PyObject *linear_forward_k(PyObject *mod, PyObject *args) {
 }
 
 static PyObject *linear_backward_k(PyObject *mod, PyObject *args) {
-  PyObject *dyo, *xo, *wo, *dwo = Py_None, *out = Py_None;
-  if (!PyArg_ParseTuple(args, "OOO|OO:linear_backward", &dyo, &xo, &wo, &dwo, &out)) return NULL;
+  PyObject *dyo, *xo, *wo, *dwo = Py_None, *out = Py_None, *fmt = Py_None;
+  if (!PyArg_ParseTuple(args, "OOO|OOO:linear_backward", &dyo, &xo, &wo, &dwo, &out, &fmt)) return NULL;
   int64_t M, N, M2, K, N2, K2;
   float *dy, *x, *dw = NULL;
   tp_tensor tw;
   if (f32_matrix(dyo, "linear_backward", "dy", 0, &M, &N, &dy) < 0 ||
-      f32_matrix(xo, "linear_backward", "x", 0, &M2, &K, &x) < 0 ||
-      weight_matrix(wo, "linear_backward", &N2, &K2, &tw) < 0)
+      f32_matrix(xo, "linear_backward", "x", 0, &M2, &K, &x) < 0)
     return NULL;
+  int wr = weight_matrix_fmt(wo, fmt, K, "linear_backward", &N2, &K2, &tw);
+  if (wr == -1 || (wr == -2 && weight_matrix(wo, "linear_backward", &N2, &K2, &tw) < 0)) return NULL;
   if (M2 != M || N2 != N || K2 != K || M > INT_MAX || N > INT_MAX || K > INT_MAX) {
     PyErr_SetString(PyExc_ValueError, "linear_backward: dy (M, N), x (M, K) and w (N, K) do not agree");
     return NULL;

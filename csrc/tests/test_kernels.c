@@ -649,6 +649,15 @@ static const parity_case cases[] = {
     {"embedding_forward_lp", case_embedding_forward_lp},
 };
 
+/* Extra cases of an entry (test_kernels_qlp.c): the quantized weight formats, on the
+ * tables that take them (quant_table); printed as "<table> quant_<entry>: ok". */
+static const parity_case quant_cases[] = {
+    {"linear_lp_workspace", case_quant_linear_lp_workspace},
+    {"linear_forward_lp", case_quant_linear_forward_lp},
+    {"linear_backward_lp", case_quant_linear_backward_lp},
+    {"embedding_forward_lp", case_quant_embedding_forward_lp},
+};
+
 void run_api_tests(int *passed, int *failed);   /* test_kernels_api.c */
 void run_quant_tests(int *passed, int *failed); /* test_kernels_quant.c */
 
@@ -693,6 +702,15 @@ int main(int argc, char **argv) {
       else cases[i].run();
       release();
       printf("%s %s: %s (worst |err|/tol %.3f)\n", K->name, cases[i].entry, case_failed ? "FAIL" : "ok", worst);
+      case_failed ? failed++ : passed++;
+    }
+    for (size_t i = 0; quant_table(K) && i < sizeof quant_cases / sizeof quant_cases[0]; i++) {
+      if (only && strcmp(only, quant_cases[i].entry)) continue;
+      case_failed = 0, worst = 0;
+      quant_cases[i].run();
+      release();
+      printf("%s quant_%s: %s (worst |err|/tol %.3f)\n", K->name, quant_cases[i].entry, case_failed ? "FAIL" : "ok",
+             worst);
       case_failed ? failed++ : passed++;
     }
   }

@@ -80,4 +80,12 @@ void case_linear_forward_lp(void);
 void case_linear_backward_lp(void);
 void case_embedding_forward_lp(void);
 
+/* The same entries with quantized weight formats (test_kernels_qlp.c), run on the tables
+ * quant_table() names, each case under its entry's name with a "quant_" prefix. */
+int quant_table(const tp_kernel_ops *k);
+void case_quant_linear_lp_workspace(void);
+void case_quant_linear_forward_lp(void);
+void case_quant_linear_backward_lp(void);
+void case_quant_embedding_forward_lp(void);
+
 #endif

@@ -493,6 +493,111 @@ static int run_world(int n, int (*fn)(int, int, const char *), const char *name)
   return ok;
 }
 
+/* Quantized weights from C (a GGUF loader's view): raw Q8_0 / Q4_1 rows written into each
+ * rank's shard (column parallel: whole rows; row parallel: each row's blocks of its slice),
+ * forward against a double reference of the dequantized blocks, backward's dx too; the
+ * layers hold no weight gradient. */
+enum { QK = 96, QN = 5, QM = 3 }; /* 3 blocks of 32 per row */
+
+static uint8_t qblock_byte(int fmt, int row, int blk, int i) { return (uint8_t)((row * 31 + blk * 7 + i * 13 + fmt) % 251); }
+
+/* One full row of fmt (TP_Q8_0 or TP_Q4_1) into out (row bytes) and its values into v[QK]. */
+static void make_qrow(tp_dtype_t fmt, int row, uint8_t *out, double *v) {
+  size_t bb = fmt == TP_Q8_0 ? 34 : 20;
+  for (int b = 0; b < QK / 32; b++) {
+    uint8_t *p = out + (size_t)b * bb;
+    uint16_t d = tp_float_to_half(0.01f * (float)(1 + (row + b) % 5)), m = tp_float_to_half(-0.05f * (float)(b + 1));
+    memcpy(p, &d, 2);
+    double dd = tp_half_to_float(d), mm = tp_half_to_float(m);
+    if (fmt == TP_Q8_0) {
+      for (int i = 0; i < 32; i++) {
+        int8_t q = (int8_t)(qblock_byte(8, row, b, i) - 125);
+        memcpy(p + 2 + i, &q, 1);
+        v[b * 32 + i] = dd * q;
+      }
+    } else {
+      memcpy(p + 2, &m, 2);
+      for (int i = 0; i < 16; i++) {
+        uint8_t q = qblock_byte(4, row, b, i);
+        p[4 + i] = q;
+        v[b * 32 + i] = dd * (q & 15) + mm;
+        v[b * 32 + 16 + i] = dd * (q >> 4) + mm;
+      }
+    }
+  }
+}
+
+static int run_quant(int n, int r, const char *job) {
+  tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
+  cc.job_id = job;
+  cc.timeout_s = 30;
+  tp_comm_t comm;
+  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  int bad = 0;
+  tp_dtype_t fmts[2] = {TP_Q8_0, TP_Q4_1};
+  for (int fi = 0; fi < 2; fi++) {
+    tp_dtype_t fmt = fmts[fi];
+    size_t rb = 0, bb = fmt == TP_Q8_0 ? 34 : 20;
+    tp_weight_row_bytes(fmt, QK, &rb);
+    uint8_t full[QN][3 * 34];
+    double W[QN][QK];
+    for (int i = 0; i < QN; i++) make_qrow(fmt, i, full[i], W[i]);
+    int64_t part[3] = {QK, 0, 0};
+    if (n == 2) part[0] = 64, part[1] = 32;             /* uneven, whole blocks */
+    if (n == 3) part[0] = 32, part[1] = 0, part[2] = 64; /* one rank holds none */
+    for (int kind = 0; kind < 2; kind++) {
+      tp_linear_config_t lc = TP_LINEAR_CONFIG_INITIALIZER;
+      lc.kind = kind ? TP_ROW_PARALLEL : TP_COLUMN_PARALLEL;
+      lc.in_features = QK, lc.out_features = QN, lc.bias = 0, lc.weight_dtype = fmt;
+      lc.gather_output = !kind, lc.input_is_parallel = 0, lc.partition = kind ? part : NULL;
+      tp_parallel_linear_t L;
+      tp_linear_info_t li;
+      if (tp_parallel_linear_create(&L, comm, &lc) != TP_SUCCESS || tp_parallel_linear_info(L, &li) != TP_SUCCESS)
+        return fprintf(stderr, "quant linear: %s\n", tp_last_error()), 1;
+      if (li.grad_weight) bad |= fprintf(stderr, "quant linear: a weight gradient was allocated\n") > 0;
+      uint8_t *w = li.weight;
+      if (!kind) {
+        for (int i = 0; i < li.local; i++) memcpy(w + (size_t)i * rb, full[li.offset + i], rb);
+      } else {
+        size_t lb = (size_t)li.local / 32 * bb;
+        for (int i = 0; i < QN; i++) memcpy(w + (size_t)i * lb, full[i] + (size_t)li.offset / 32 * bb, lb);
+      }
+      float x[QM * QK], y[QM * QN], dy[QM * QN], dx[QM * QK];
+      for (int i = 0; i < QM * QK; i++) x[i] = (float)sin(0.3 * i + 0.1);
+      for (int i = 0; i < QM * QN; i++) dy[i] = (float)cos(0.7 * i);
+      if (tp_parallel_linear_forward(L, F2(y, QM, QN), F2(x, QM, QK), NULL) != TP_SUCCESS ||
+          tp_parallel_linear_backward(L, F2(dx, QM, QK), F2(dy, QM, QN), NULL) != TP_SUCCESS)
+        return fprintf(stderr, "quant step: %s\n", tp_last_error()), 1;
+      for (int m = 0; m < QM; m++) {
+        for (int o = 0; o < QN; o++) {
+          double ref = 0;
+          for (int k = 0; k < QK; k++) ref += x[m * QK + k] * W[o][k];
+          if (fabs(y[m * QN + o] - ref) > 1e-4 * (1 + fabs(ref))) bad = 1;
+        }
+        for (int k = 0; k < QK; k++) {
+          double ref = 0;
+          for (int o = 0; o < QN; o++) ref += dy[m * QN + o] * W[o][k];
+          if (fabs(dx[m * QK + k] - ref) > 1e-4 * (1 + fabs(ref))) bad = 1;
+        }
+      }
+      tp_parallel_linear_destroy(L);
+    }
+  }
+  /* a row-parallel split off the blocks is refused, naming them */
+  if (n == 2) {
+    int64_t off[2] = {48, 48};
+    tp_linear_config_t lc = TP_LINEAR_CONFIG_INITIALIZER;
+    lc.kind = TP_ROW_PARALLEL, lc.in_features = QK, lc.out_features = QN, lc.weight_dtype = TP_Q4_1;
+    lc.partition = off;
+    tp_parallel_linear_t L;
+    if (tp_parallel_linear_create(&L, comm, &lc) != TP_ERR_INVALID_ARGUMENT || !strstr(tp_last_error(), "blocks of 32"))
+      bad |= fprintf(stderr, "quant: a split off the blocks was not refused (%s)\n", tp_last_error()) > 0;
+  }
+  tp_comm_destroy(comm);
+  if (bad) fprintf(stderr, "quant: rank %d of %d: wrong results\n", r, n);
+  return bad;
+}
+
 int main(void) {
   int passed = 0, failed = 0;
   size_t per = 2 * BB * BT * BC + BB * BC;
@@ -504,6 +609,7 @@ int main(void) {
     run_world(n, run_vocab, "vocab") ? passed++ : failed++;
     run_world(n, run_block, "block") ? passed++ : failed++;
     if (n <= 2) run_world(n, run_sizes, "sizes") ? passed++ : failed++;
+    run_world(n, run_quant, "quant") ? passed++ : failed++;
   }
   int same = 1;
   for (int n = 2; n <= 3; n++)

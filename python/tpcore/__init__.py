@@ -39,6 +39,8 @@ from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, vocab_para
 from .checkpoint import CheckpointError, load, save
 from .transformer import Config, ParallelAttention, TransformerBlock
 from . import models
+from . import quant
+from .quant import QuantTensor
 from .spawn import RankExitedError, spawn
 from .cluster import Cluster
 from .grid import ProcessGrid, average_gradients
@@ -62,6 +64,7 @@ __all__ = ["init", "spawn", "Comm", "CommError", "CommTimeout", "RankExitedError
            "DeviceArray", "asarray", "from_dlpack", "convert", "ProcessGrid", "average_gradients", "PipelineLM", "stage_partition",
            "Store", "Engine", "__version__"]
 __all__ += ["Cluster"]
+__all__ += ["quant", "QuantTensor"]
 __all__ += ["set_throttle", "get_throttle", "plan_partition", "plan_from_measurements", "Plan", "PlanError"]
 
 _BACKENDS = ("auto", "shm", "nccl", "mpi")

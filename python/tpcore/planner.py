@@ -50,7 +50,9 @@ from .comm import Comm
 
 OBJECTIVES = ("both", "prefill", "decode")
 HEAD_UNITS = ("auto", "group", "head")
-_WBYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# bytes per weight element (a quantized format's block bytes over its elements; int8: its scale per row ignored)
+_WBYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "q8_0": 34 / 32, "q4_0": 18 / 32,
+           "q4_1": 20 / 32, "q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256}
 _FORMAT = "tpcore-plan"
 _VERSION = 1
 
@@ -589,7 +591,11 @@ def _check_memory(memory, world: int, who: str) -> Optional[List[int]]:
     return out
 
 
-def _check_align(align, dims: Dims, world: int, who: str) -> Dict[str, int]:
+def _check_align(align, dims: Dims, world: int, who: str, dtype: str = "float32") -> Dict[str, int]:
+    """The units of the MLP and vocabulary splits; a quantized dtype's MLP unit is a multiple
+    of its block (the row-parallel fc2 is split along its rows' blocks)."""
+    from .quant import block_size
+    blk = block_size(dtype) if dtype in _WBYTES else 1
     if align is None:
         align = {}
     elif is_int(align):
@@ -603,9 +609,17 @@ def _check_align(align, dims: Dims, world: int, who: str) -> Dict[str, int]:
             a = int_arg(align[key], who, f"align[{key!r}]", lo=1)
             if n and n % a:
                 raise ValueError(f"{who}: align[{key!r}]={a} does not divide {key}={n}")
+            if key == "ffn" and a % blk:
+                raise ValueError(f"{who}: align['ffn']={a} is not a multiple of {dtype}'s block of {blk} elements "
+                                 f"(the MLP's row-parallel weight splits on block boundaries)")
             out[key] = a
         else:
-            out[key] = _auto_align(n, world) if n else 1
+            a = _auto_align(n, world) if n else 1
+            if key == "ffn" and blk > 1:
+                if n % blk:
+                    raise ValueError(f"{who}: ffn_hidden={n} is not a multiple of {dtype}'s block of {blk} elements")
+                a = blk * _auto_align(n // blk, world)
+            out[key] = a
     return out
 
 
@@ -626,7 +640,7 @@ def plan_from_measurements(dims: Any, speeds: Sequence[float], memory: Any = Non
     align : dict, optional
         {"ffn": units, "vocab": units}.  Default None: chosen (see the module doc).
     head_unit : {"auto", "group", "head"}, default "auto"
-    dtype : {"float32", "bfloat16", "float16"}, default "float32"
+    dtype : str, default "float32"
         The weights' dtype of the byte estimate.
     cache : (int, int), optional
         (batch, max_len): count the KV cache too.
@@ -653,7 +667,7 @@ def plan_from_measurements(dims: Any, speeds: Sequence[float], memory: Any = Non
     top = max(sp)
     sp = [s / top for s in sp]
     mem = _check_memory(memory, world, who)
-    al = _check_align(align, d, world, who)
+    al = _check_align(align, d, world, who, dtype if dtype in _WBYTES else "float32")
     if head_unit not in HEAD_UNITS:
         raise ValueError(f"{who}: head_unit must be one of {HEAD_UNITS}, got {head_unit!r}")
     if dtype not in _WBYTES:
@@ -764,20 +778,29 @@ def measure(dims, world: int, rows: int = 128, dtype: str = "float32", reps: int
     n = max(n, min(d.ffn, max(1, (1 << 18) // C)))  # at least ~1 MiB of float32 weight where the model has it
     w = (rng.standard_normal((n, C), dtype=np.float32) * 0.02)
     x = rng.standard_normal((rows, C), dtype=np.float32)
-    if dtype != "float32":
+    from .quant import block_size, is_quantized, quantize
+    fmt = dtype if is_quantized(dtype) else None
+    if fmt is not None and C % block_size(fmt):  # measured at the nearest width of whole blocks
+        C = max(block_size(fmt), C // block_size(fmt) * block_size(fmt))
+        w, x = w[:, :C].copy(), x[:, :C].copy()
+    if fmt is not None:
+        w = quantize(w, fmt)
+    elif dtype != "float32":
         w = _C.convert(w, dtype, None)
     y = np.empty((rows, n), np.float32)
-    t = _timed(lambda: _C.linear_forward(x, w, None, y), reps, budget)
+    t = _timed(lambda: _C.linear_forward(x, w, None, y, fmt), reps, budget)
     gemm = 2.0 * rows * C * n / t / 1e9
     share = sum(_rank_bytes(d, [d.heads] if d.heads else [0], [d.ffn], [d.vocab] if d.vocab else [0], wb, None)) / world
     nbytes = int(min(64 << 20, max(1 << 20, share)))
-    rows_w = max(1, nbytes // (C * wb))
+    rows_w = max(1, int(nbytes // (C * wb)))
     w2 = rng.standard_normal((rows_w, C), dtype=np.float32)
-    if dtype != "float32":
+    if fmt is not None:
+        w2 = quantize(w2, fmt)
+    elif dtype != "float32":
         w2 = _C.convert(w2, dtype, None)
     x1 = rng.standard_normal((1, C), dtype=np.float32)
     y1 = np.empty((1, rows_w), np.float32)
-    t1 = _timed(lambda: _C.linear_forward(x1, w2, None, y1), reps, budget)
+    t1 = _timed(lambda: _C.linear_forward(x1, w2, None, y1, fmt), reps, budget)
     gemv = rows_w * C * wb / t1 / 1e9
     return {"gemm_gflops": gemm, "gemv_gbs": gemv, "gemm_s": t, "gemv_s": t1, "gemv_bytes": rows_w * C * wb}
 
@@ -829,7 +852,7 @@ def plan_partition(comm: Comm, config_or_layer_dims: Any, memory_limits: Any = N
         {"ffn": units, "vocab": units}.  Default None: chosen (module doc).
     speeds : sequence of float, optional
         One per rank: skip the measurement.  Default None: measure.
-    dtype : {"float32", "bfloat16", "float16"}, default "float32"
+    dtype : str, default "float32"
         The weights' dtype (measured and estimated).
     head_unit : {"auto", "group", "head"}, default "auto"
     objective : {"both", "prefill", "decode"}, default "both"
@@ -873,7 +896,7 @@ def plan_partition(comm: Comm, config_or_layer_dims: Any, memory_limits: Any = N
         if speeds is not None:
             speeds = _check_speeds(speeds, world, who)
         mem = _check_memory(memory_limits, world, who)
-        _check_align(align, d, world, who)
+        _check_align(align, d, world, who, dtype if dtype in _WBYTES else "float32")
         key = json.dumps([dataclasses.asdict(d), objective, dtype, rows, head_unit, mem, repr(align), repr(cache),
                           speeds is None], default=repr).encode()
     except (TypeError, ValueError) as e:

@@ -93,6 +93,13 @@ def _check_tensor(x: Any, name: str, who: str, device: Tuple[str, int]) -> None:
                         f"'{_dev_text(x)}'")
 
 
+def _trainable_dtype(dtype: Any, who: str) -> None:
+    """nn.Modules train their weights: a quantized format (frozen weights) is refused by name."""
+    _layers.check_param_dtype(dtype if not isinstance(dtype, dict) else "float32", who, quantized=False)
+    if isinstance(dtype, dict):
+        raise TypeError(f"{who}: dtype must be one dtype, got a dict")
+
+
 def _float_input(x: Any, name: str, who: str, device: Tuple[str, int]) -> Tuple[torch.Tensor, Optional[torch.dtype]]:
     """x as float32 contiguous (the dtype to give the result back in, None for float32)."""
     _check_tensor(x, name, who, device)
@@ -493,6 +500,7 @@ class ColumnParallelLinear(_Linear):
                  gated: bool = False, device: Optional[str] = None, plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
+        _trainable_dtype(dtype, self._who)
         make: Any = _layers.ColumnParallelLinear
         layer = make(in_features, out_features, comm, bias=bias, gather_output=gather_output, partition=partition,
                      dtype=dtype, seed=seed, gated=gated, device=device, plan=plan)
@@ -522,6 +530,7 @@ class RowParallelLinear(_Linear):
                  device: Optional[str] = None, plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
+        _trainable_dtype(dtype, self._who)
         make: Any = _layers.RowParallelLinear
         layer = make(in_features, out_features, comm, bias=bias, input_is_parallel=input_is_parallel,
                      partition=partition, dtype=dtype, seed=seed, device=device, plan=plan)
@@ -553,6 +562,7 @@ class ParallelMLP(_TPModule):
                  plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
+        _trainable_dtype(dtype, self._who)
         layer = _layers.ParallelMLP(hidden, ffn_hidden, comm, activation=activation, bias=bias, partition=partition,
                                     dtype=dtype, seed=seed, device=device, plan=plan)
         self._tp_init(layer, layer.device)
@@ -625,6 +635,7 @@ class VocabParallelEmbedding(_TPModule):
                  dtype: Any = "float32", device: Optional[str] = None, plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
+        _trainable_dtype(dtype, self._who)
         layer = _vocab.VocabParallelEmbedding(num_embeddings, embedding_dim, comm, partition=partition, seed=seed,
                                               dtype=dtype, device=device, plan=plan)
         self._tp_init(layer, layer.device)
@@ -810,6 +821,7 @@ class TransformerBlock(_TPModule):
                  plan: Any = None) -> None:
         super().__init__()
         _comm_arg(comm, self._who)
+        _trainable_dtype(dtype, self._who)
         make: Any = self._tp_cls
         layer = make(config, comm, seed=seed, head_partition=head_partition, ffn_partition=ffn_partition,
                      device=device, dtype=dtype, plan=plan)

@@ -41,6 +41,7 @@ from .comm import Comm
 from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
 from .layers import (ACTIVATIONS, _host, _sizes, as_float32, check_param_dtype, check_partition, dev_back, dev_f32,
                      partition, zero)
+from .quant import as_format, dequantize, is_quantized
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -309,6 +310,22 @@ def head_partition(cfg: Config, world: int, weights: Optional[Sequence[float]] =
     return [s for _, s in partition(cfg.heads, world, weights=weights)]
 
 
+_PROJ = ("attn.qkv.weight", "attn.out.weight", "mlp.fc1.weight", "mlp.fc2.weight")
+_PROJ_KEYS = {"qkv": "attn.qkv.weight", "out": "attn.out.weight", "fc1": "mlp.fc1.weight", "fc2": "mlp.fc2.weight"}
+
+
+def _block_dtypes(dtype: Any, who: str) -> Dict[str, str]:
+    """A block's weight storage per projection: one dtype for all, or a dict with keys "qkv",
+    "out", "fc1", "fc2" (missing ones float32), e.g. a GGUF file's mix of formats."""
+    if isinstance(dtype, dict):
+        extra = sorted(set(dtype) - set(_PROJ_KEYS))
+        if extra:
+            raise ValueError(f"{who}: dtype keys must be among {sorted(_PROJ_KEYS)}, got {extra}")
+        return {full: check_param_dtype(dtype.get(k, "float32"), who) for k, full in _PROJ_KEYS.items()}
+    d = check_param_dtype(dtype, who)
+    return {full: d for full in _PROJ}
+
+
 class TransformerBlock:
     """One Transformer block (norms, attention, MLP, residuals) split over the ranks.
 
@@ -368,7 +385,8 @@ class TransformerBlock:
                  ffn_partition: Optional[Sequence[Any]] = None, device: Optional[str] = None, dtype: Any = "float32",
                  plan: Any = None) -> None:
         self.device = resolve_device(device, type(self).__name__)
-        self.dtype = check_param_dtype(dtype, type(self).__name__)
+        self.dtypes = _block_dtypes(dtype, type(self).__name__)
+        self.dtype = self.dtypes["attn.qkv.weight"]
         if not isinstance(comm, Comm):
             raise TypeError(f"TransformerBlock: comm must be a tpcore.Comm, got {type(comm).__name__}")
         if not isinstance(config, Config):
@@ -387,7 +405,8 @@ class TransformerBlock:
                                       pre_norm=cfg.pre_norm, bias=cfg.bias, causal=cfg.causal,
                                       rope_theta=float(cfg.rope_theta) if cfg.positions == "rope" else 0.0,
                                       head_partition=hp, ffn_partition=fp, seed=seed_arg(seed, "TransformerBlock"),
-                                      attention_only=self._attention_only, weight_dtype=self.dtype,
+                                      attention_only=self._attention_only,
+                                      weight_dtype=tuple(self.dtypes[k] for k in _PROJ),
                                       **({} if self.device[0] == "cpu" else {"device": device_string(self.device)}))
         info = self._c.info
         self.q0, self.nq, self.k0, self.nk = info["q0"], info["nq"], info["k0"], info["nk"]
@@ -402,8 +421,9 @@ class TransformerBlock:
 
     # ------------------------------------------------------------- parameters
     def parameters(self) -> List[Tuple[np.ndarray, np.ndarray]]:
-        """This rank's (parameter, gradient) pairs (views of C memory), for `tpcore.optim`."""
-        return list(self._p.values())
+        """This rank's (parameter, gradient) pairs (views of C memory), for `tpcore.optim`;
+        quantized weights (frozen, no gradient) are left out."""
+        return [pg for pg in self._p.values() if pg[1] is not None]
 
     def named_parameters(self) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
         """This rank's local tensors by name ("attn.qkv.weight", "mlp.fc1.weight", ...) ->
@@ -413,7 +433,8 @@ class TransformerBlock:
     def zero_grad(self) -> None:
         """Set every gradient to zero."""
         for _, g in self._p.values():
-            zero(g)
+            if g is not None:
+                zero(g)
 
     def _slices(self):
         """name of a full tensor -> (local param name, rows of the local tensor, how to cut the full one)."""
@@ -443,6 +464,15 @@ class TransformerBlock:
             "mlp.fc2.bias": ("mlp.fc2.bias", slice(None), slice(None)),
         }
         return {k: v for k, v in out.items() if v[0] in self._p}
+
+    def _local_cols(self, local: str) -> int:
+        """Columns (elements) of the rows of a local weight (its raw rows when quantized)."""
+        cfg = self.config
+        if local == "attn.out.weight":
+            return self.nq * cfg.head_dim
+        if local == "mlp.fc2.weight":
+            return self.ffn_local
+        return cfg.hidden
 
     def full_shapes(self) -> Dict[str, Tuple[int, ...]]:
         """The shape of every full tensor of the block, by its full name (module doc)."""
@@ -495,16 +525,23 @@ class TransformerBlock:
             if tuple(t.shape) != shapes[name]:
                 raise ValueError(f"TransformerBlock.load_full: {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
             whole = self._p[local][0]
+            fmt = self.dtypes.get(local, "float32")
+            quant = is_quantized(fmt)
             if gpu:
                 if local not in staged:
-                    staged[local] = np.array(whole.to_numpy(), np.float32)
+                    staged[local] = np.array(whole.to_numpy()) if quant else np.array(whole.to_numpy(), np.float32)
                 whole = staged[local]
             dst = whole[rows]
             part = t[cut]
             part = np.asarray(part) if isinstance(part, np.ndarray) else part
-            if tuple(np.shape(part)) != dst.shape:
+            want = (dst.shape[0], self._local_cols(local)) if quant else dst.shape
+            if tuple(np.shape(part)) != want:
                 raise ValueError(f"TransformerBlock.load_full: {name}: slice has shape {np.shape(part)}, "
-                                 f"expected {dst.shape}")
+                                 f"expected {want}")
+            if quant:  # raw rows: a QuantTensor of this format as it is, anything else quantized
+                if want[0]:
+                    whole[rows] = as_format(part, fmt, f"TransformerBlock.load_full: {name}")
+                continue
             whole[rows] = to_float32(part)
         for local, host in staged.items():  # host -> the GPU, one copy per local tensor
             self._p[local][0][...] = host
@@ -533,7 +570,12 @@ class TransformerBlock:
         # attention rows/cols by head; replicated KV heads are identical on their ranks: keep one
         heads = comm.all_gather(np.array([self.q0, self.nq, self.k0, self.nk], np.int64)).reshape(-1, 4)
         for name, (local, rows, cut) in self._slices().items():
+            if self._p[local][which] is None:  # a quantized weight's gradient: none (frozen)
+                continue
             mine = np.ascontiguousarray(_host(self._p[local][which])[rows])
+            if which == 0 and is_quantized(self.dtypes.get(local, "float32")):  # gathered as float32
+                mine = dequantize(mine, self.dtypes[local], self._local_cols(local)) if mine.shape[0] else \
+                    np.zeros((0, self._local_cols(local)), np.float32)
             shape = shapes[name]
             if name.startswith(("norm", "attn.out.bias", "mlp.fc2.bias")):
                 out[name] = mine.copy()

@@ -31,7 +31,9 @@ from ._args import int_arg, int_array, real_arg, seed_arg
 from ._array import (DeviceArray, asarray, check_host, check_on_device, device_of, device_string, from_dlpack,
                      resolve_device)
 from .comm import Comm
-from .layers import _host, _plan_sizes, _sizes, as_float32, check_param_dtype, check_partition, float_param, zero
+from .layers import (_plan_sizes, _put_weight, _shard_float, _shard_host, _sizes, as_float32,
+                     check_param_dtype, check_partition, zero)
+from .quant import QuantTensor
 
 
 def _tokens(tokens, name="tokens", who="VocabParallelEmbedding"):
@@ -75,7 +77,9 @@ class VocabParallelEmbedding:
         [0, 2**64)): the same logical table at every world size and partition.
     dtype : str or dtype, default "float32"
         Table storage: "float32", "bfloat16" or "float16"; the output and grad_weight
-        are float32.
+        are float32.  Or a quantized format of `tpcore.quant` ("int8", "q8_0", "q4_0",
+        "q4_1", "q4_k", "q5_k", "q6_k"; embedding_dim whole blocks): rows dequantized as
+        they are looked up, the table frozen (grad_weight None).
     device : str, optional
         "cpu" (default) or "cuda[:N]" (see the module doc).
     plan : Plan, optional
@@ -128,16 +132,22 @@ class VocabParallelEmbedding:
 
     @property
     def grad_weight(self) -> np.ndarray:
-        """The gradient of `weight` accumulated by `backward` (float32)."""
+        """The gradient of `weight` accumulated by `backward` (float32); None for a quantized
+        table (frozen)."""
         return self._c.grad_weight
 
+    def weight_float(self) -> np.ndarray:
+        """This rank's rows as float32 (a copy; quantized rows dequantized)."""
+        return _shard_float(self.weight, self.dtype, self.embedding_dim)
+
     def parameters(self) -> List[Tuple[np.ndarray, np.ndarray]]:
-        """[(weight, grad_weight)], for the optimizers of `tpcore.optim`."""
-        return [(self.weight, self.grad_weight)]
+        """[(weight, grad_weight)], for the optimizers of `tpcore.optim` ([] when quantized)."""
+        return [] if self.grad_weight is None else [(self.weight, self.grad_weight)]
 
     def zero_grad(self) -> None:
         """Set grad_weight to zero."""
-        zero(self.grad_weight)
+        if self.grad_weight is not None:
+            zero(self.grad_weight)
 
     def forward(self, tokens: Any) -> Any:
         """The rows of the full table for integer tokens (also ``emb(tokens)``).
@@ -222,11 +232,12 @@ class VocabParallelEmbedding:
         -----
         No collective.
         """
-        table = asarray(table, "table", "VocabParallelEmbedding.load_full")
-        if table.shape != (self.num_embeddings, self.embedding_dim):
+        if not isinstance(table, QuantTensor):
+            table = asarray(table, "table", "VocabParallelEmbedding.load_full")
+        if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"load_full: table must have shape {(self.num_embeddings, self.embedding_dim)}, "
-                             f"got {table.shape}")
-        self.weight[...] = float_param(table[self.offset:self.offset + self.local], "load_full")
+                             f"got {tuple(table.shape)}")
+        _put_weight(self.weight, self.dtype, table[self.offset:self.offset + self.local], "load_full")
 
     def gather_full(self) -> np.ndarray:
         """The full table (num_embeddings, embedding_dim), from every rank's rows.
@@ -235,7 +246,8 @@ class VocabParallelEmbedding:
         -----
         Collective: an all-gather over comm.
         """
-        return self.comm.all_gather(_host(self.weight), sizes=[s for _, s in self.partition])
+        return self.comm.all_gather(_shard_host(self.weight, self.dtype, self.embedding_dim),
+                                    sizes=[s for _, s in self.partition])
 
     def __repr__(self) -> str:
         return (f"VocabParallelEmbedding({self.num_embeddings}, {self.embedding_dim}, rank {self.comm.rank} holds "

@@ -115,10 +115,12 @@ typedef struct {
   tp_device_t device;
   int device_id;
   tp_dtype_t weight_dtype;     /* fc1 and fc2 weights (float32 default) */
+  int weight_dtypes_set;       /* 1: fc1 and fc2 take weight_dtypes[0] and [1] instead */
+  tp_dtype_t weight_dtypes[2];
 } tp_mlp_config_t;
 
 #define TP_MLP_CONFIG_INITIALIZER \
-  { sizeof(tp_mlp_config_t), 0, 0, TP_ACT_GELU, 1, NULL, 0, TP_DEVICE_CPU, 0, TP_FLOAT32 }
+  { sizeof(tp_mlp_config_t), 0, 0, TP_ACT_GELU, 1, NULL, 0, TP_DEVICE_CPU, 0, TP_FLOAT32, 0, {TP_FLOAT32, TP_FLOAT32} }
 
 TP_API tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const tp_mlp_config_t *cfg);
 TP_API void tp_parallel_mlp_destroy(tp_parallel_mlp_t mlp);
@@ -237,11 +239,14 @@ typedef struct {
   int device_id;
   tp_dtype_t weight_dtype;         /* the QKV, output and MLP weights (float32 default); norm
                                       weights and biases stay float32 */
+  int weight_dtypes_set;           /* 1: the QKV, output, fc1 and fc2 weights take
+                                      weight_dtypes[0..3] instead (a GGUF file's mix) */
+  tp_dtype_t weight_dtypes[4];
 } tp_block_config_t;
 
 #define TP_BLOCK_CONFIG_INITIALIZER \
   { sizeof(tp_block_config_t), 0, 0, 0, 0, 0, TP_NORM_LAYER, 1e-5f, TP_ACT_GELU, 1, 1, 1, 0.0f, NULL, NULL, 0, 0, \
-    TP_DEVICE_CPU, 0, TP_FLOAT32 }
+    TP_DEVICE_CPU, 0, TP_FLOAT32, 0, {TP_FLOAT32, TP_FLOAT32, TP_FLOAT32, TP_FLOAT32} }
 
 /* Metadata of a forward, in host memory (the block copies what it needs). */
 typedef struct {

@@ -17,6 +17,7 @@
 #include "../../core/core_impl.h"
 #include "../blas_impl.h"
 #include "parallel.h"
+#include "quant_impl.h"
 #include "vmath.h"
 #include "cpu_impl.h"
 
@@ -119,6 +120,33 @@ static void widen(float *y, const void *x, tp_dtype_t wdt, int64_t n) {
   (wdt == TP_BFLOAT16 ? (convert_fn)cvt_f32_bf16 : (convert_fn)cvt_f32_f16)(y, x, n);
 }
 
+/* Bytes of a weight row of K elements (K a multiple of the format's block: the layers
+ * check it; this table's entries are not called otherwise). */
+static size_t row_bytes(tp_dtype_t wdt, int64_t K) {
+  size_t rb = 0;
+  tp_weight_row_bytes(wdt, K, &rb);
+  return rb;
+}
+
+/* Elements [k0, k0 + n) of a weight row of K elements as float32: k0 and n multiples of the
+ * format's block (a 16-bit row: any). */
+static void widen_span(float *y, const void *row, tp_dtype_t wdt, int64_t k0, int64_t n, int64_t K) {
+  if (!tp_q_format(wdt)) {
+    widen(y, (const uint16_t *)row + k0, wdt, n);
+  } else if (wdt == TP_INT8) { /* a float32 scale, then K int8 */
+    float sc;
+    memcpy(&sc, row, 4);
+    const int8_t *q = (const int8_t *)row + 4 + k0;
+    for (int64_t i = 0; i < n; i++) y[i] = sc * (float)q[i];
+  } else {
+    int64_t blk;
+    size_t bb, hdr;
+    tp_weight_format(wdt, &blk, &bb, &hdr);
+    tp_q_dequant_row(wdt, y, (const char *)row + (size_t)(k0 / blk) * bb, n);
+  }
+  (void)K;
+}
+
 typedef struct {
   convert_fn fn;
   char *y;
@@ -153,8 +181,29 @@ tp_status_t tp_cpu_convert(tp_stream_t s, void *y, tp_dtype_t ydt, const void *x
   return TP_SUCCESS;
 }
 
-/* A panel of w widened on this rank's threads (BLAS's own threads are idle meanwhile). */
-static void widen_panel(float *panel, const uint16_t *w, tp_dtype_t wdt, int64_t n) {
+typedef struct {
+  float *panel;
+  const char *w;
+  tp_dtype_t wdt;
+  size_t rb;
+  int64_t K;
+} dequant_args;
+
+static void dequant_chunk(void *ctx, int64_t r0, int64_t r1, int chunk) {
+  (void)chunk;
+  const dequant_args *a = ctx;
+  for (int64_t r = r0; r < r1; r++) tp_q_dequant_row(a->wdt, a->panel + r * a->K, a->w + (size_t)r * a->rb, a->K);
+}
+
+/* rows x K of w (rows of row_bytes each) widened into a float32 panel on this rank's threads
+ * (BLAS's own threads are idle meanwhile). */
+static void widen_panel(float *panel, const void *w, tp_dtype_t wdt, int64_t rows, int64_t K) {
+  if (tp_q_format(wdt)) {
+    dequant_args d = {panel, w, wdt, row_bytes(wdt, K), K};
+    tp_parallel_rows(rows, K, dequant_chunk, &d);
+    return;
+  }
+  int64_t n = rows * K;
   convert_args a = {wdt == TP_BFLOAT16 ? (convert_fn)cvt_f32_bf16 : (convert_fn)cvt_f32_f16, (char *)panel,
                     (const char *)w, 4, 2, n};
   tp_parallel_rows((n + CONVERT_CHUNK - 1) / CONVERT_CHUNK, CONVERT_CHUNK, convert_chunk, &a);
@@ -308,6 +357,7 @@ static int gemv_isa(void) {
 }
 
 static dot4_fn dot4_for(tp_dtype_t wdt) {
+  if (tp_q_format(wdt)) return tp_q_dot4_for(wdt);
   int bf = wdt == TP_BFLOAT16, isa = gemv_isa();
 #if TP_LOWP_X86
   if (isa == 2) return bf ? dot4_avx512_bf16 : dot4_avx512_f16;
@@ -318,6 +368,7 @@ static dot4_fn dot4_for(tp_dtype_t wdt) {
 }
 
 static dot1_fn dot1_for(tp_dtype_t wdt) {
+  if (tp_q_format(wdt)) return tp_q_dot1_for(wdt);
   int bf = wdt == TP_BFLOAT16, isa = gemv_isa();
 #if TP_LOWP_X86
   if (isa == 2) return bf ? dot1_avx512_bf16 : dot1_avx512_f16;
@@ -332,7 +383,8 @@ typedef struct {
   dot4_fn dot;
   float *y;
   const float *x, *b;
-  const uint16_t *w;
+  const char *w;
+  size_t rb; /* bytes of a weight row */
   int64_t M, K, N;
 } gemv_args;
 
@@ -343,7 +395,7 @@ static void gemv_chunk(void *ctx, int64_t n0, int64_t n1, int chunk) {
   const gemv_args *a = ctx;
   int64_t M = a->M, K = a->K, N = a->N;
   if (M == 1) {
-    for (int64_t n = n0; n < n1; n++) a->y[n] = a->dot1(a->w + n * K, a->x, K) + (a->b ? a->b[n] : 0.0f);
+    for (int64_t n = n0; n < n1; n++) a->y[n] = a->dot1(a->w + (size_t)n * a->rb, a->x, K) + (a->b ? a->b[n] : 0.0f);
     return;
   }
   for (int64_t n = n0; n < n1; n++) {
@@ -353,7 +405,7 @@ static void gemv_chunk(void *ctx, int64_t n0, int64_t n1, int chunk) {
       const float *xs[4];
       for (int j = 0; j < 4; j++) xs[j] = a->x + (m0 + (j < mb ? j : mb - 1)) * K;
       float out[4];
-      a->dot(out, a->w + n * K, xs, K);
+      a->dot(out, a->w + (size_t)n * a->rb, xs, K);
       for (int64_t j = 0; j < mb; j++) a->y[(m0 + j) * N + n] = out[j] + bn;
     }
   }
@@ -380,10 +432,24 @@ size_t tp_cpu_linear_lp_workspace(int64_t M, int64_t K, int64_t N, tp_dtype_t wd
   return nbytes;
 }
 
+/* A quantized wdt's K must be whole blocks, and its weight has no gradient. */
+static tp_status_t check_quant(const char *op, tp_dtype_t wdt, int64_t K, const float *dw) {
+  if (!tp_q_format(wdt)) return TP_SUCCESS;
+  size_t rb;
+  if (!tp_weight_row_bytes(wdt, K, &rb))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: K = %lld is not whole blocks of %s", op, (long long)K,
+                        tp_dtype_name(wdt));
+  if (dw)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: dw must be NULL for %s weights (quantized weights are frozen)",
+                        op, tp_dtype_name(wdt));
+  return TP_SUCCESS;
+}
+
 tp_status_t tp_cpu_linear_forward_lp(tp_stream_t s, float *y, const float *x, const void *w, tp_dtype_t wdt,
                                      const float *b, int64_t M, int64_t K, int64_t N, void *workspace,
                                      size_t workspace_bytes) {
   (void)s;
+  TP_CHECK(check_quant("linear_forward_lp", wdt, K, NULL));
   if (M == 0 || N == 0) return TP_SUCCESS;
   if (K == 0) {
     for (int64_t m = 0; m < M; m++) {
@@ -395,7 +461,7 @@ tp_status_t tp_cpu_linear_forward_lp(tp_stream_t s, float *y, const float *x, co
   int64_t rows = workspace ? (int64_t)(workspace_bytes / ((size_t)K * 4)) : 0;
   if (rows > N) rows = N;
   if (M <= GEMV_MAX_M || rows < 1) {
-    gemv_args a = {dot1_for(wdt), dot4_for(wdt), y, x, b, w, M, K, N};
+    gemv_args a = {dot1_for(wdt), dot4_for(wdt), y, x, b, w, row_bytes(wdt, K), M, K, N};
     int64_t per_row;
     if (!tp_mul_count(M < 4 ? 4 : M, K, &per_row)) per_row = INT64_MAX;
     tp_parallel_rows(N, per_row, gemv_chunk, &a);
@@ -409,7 +475,7 @@ tp_status_t tp_cpu_linear_forward_lp(tp_stream_t s, float *y, const float *x, co
   float *panel = workspace;
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     int64_t nr = N - n0 < rows ? N - n0 : rows;
-    widen_panel(panel, (const uint16_t *)w + n0 * K, wdt, nr * K);
+    widen_panel(panel, (const char *)w + (size_t)n0 * row_bytes(wdt, K), wdt, nr, K);
     TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, (tp_blasint)M, (tp_blasint)nr, (tp_blasint)K, 1.0f,
                          x, (tp_blasint)K, panel, (tp_blasint)K, beta, y + n0, (tp_blasint)N);
   }
@@ -417,15 +483,16 @@ tp_status_t tp_cpu_linear_forward_lp(tp_stream_t s, float *y, const float *x, co
 }
 
 /* dx[M,K] (+)= dy[M,N] w[N,K] without a panel: each widened weight row scaled into dx. */
-TP_VECTOR_CLONES static void dx_axpy_rows(float *dx, const float *dy, const uint16_t *w, tp_dtype_t wdt, int64_t M,
+TP_VECTOR_CLONES static void dx_axpy_rows(float *dx, const float *dy, const void *w, tp_dtype_t wdt, int64_t M,
                                           int64_t K, int64_t N, int accumulate) {
-  float buf[256];
+  float buf[256]; /* a multiple of every block (32, 256) */
+  size_t rb = row_bytes(wdt, K);
   for (int64_t k0 = 0; k0 < K; k0 += 256) {
     int64_t nk = K - k0 < 256 ? K - k0 : 256;
     for (int64_t m = 0; m < M; m++)
       if (!accumulate) memset(dx + m * K + k0, 0, (size_t)nk * sizeof(float));
     for (int64_t n = 0; n < N; n++) {
-      widen(buf, w + n * K + k0, wdt, nk);
+      widen_span(buf, (const char *)w + (size_t)n * rb, wdt, k0, nk, K);
       for (int64_t m = 0; m < M; m++) {
         float d = dy[m * N + n], *row = dx + m * K + k0;
         for (int64_t k = 0; k < nk; k++) row[k] += d * buf[k];
@@ -437,6 +504,7 @@ TP_VECTOR_CLONES static void dx_axpy_rows(float *dx, const float *dy, const uint
 tp_status_t tp_cpu_linear_backward_lp(tp_stream_t s, float *dx, float *dw, float *db, const float *dy, const float *x,
                                       const void *w, tp_dtype_t wdt, int64_t M, int64_t K, int64_t N,
                                       int accumulate_dx, void *workspace, size_t workspace_bytes) {
+  TP_CHECK(check_quant("linear_backward_lp", wdt, K, dw));
   /* dw and db never read w: the float32 entry's sgemm and column sums */
   tp_status_t st = tp_cpu_linear_backward(s, NULL, dw, db, dy, x, NULL, M, K, N, 0);
   if (st != TP_SUCCESS || !dx || M == 0 || K == 0) return st;
@@ -453,7 +521,7 @@ tp_status_t tp_cpu_linear_backward_lp(tp_stream_t s, float *dx, float *dw, float
   float *panel = workspace;
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     int64_t nr = N - n0 < rows ? N - n0 : rows;
-    widen_panel(panel, (const uint16_t *)w + n0 * K, wdt, nr * K);
+    widen_panel(panel, (const char *)w + (size_t)n0 * row_bytes(wdt, K), wdt, nr, K);
     float beta = n0 == 0 && !accumulate_dx ? 0.0f : 1.0f;
     TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasNoTrans, (tp_blasint)M, (tp_blasint)K, (tp_blasint)nr, 1.0f,
                          dy + n0, (tp_blasint)N, panel, (tp_blasint)K, beta, dx, (tp_blasint)K);
@@ -466,9 +534,10 @@ tp_status_t tp_cpu_linear_backward_lp(tp_stream_t s, float *dx, float *dw, float
 tp_status_t tp_cpu_embedding_forward_lp(tp_stream_t s, float *out, const int64_t *tokens, const void *table,
                                         tp_dtype_t wdt, int64_t M, int64_t lo, int64_t V, int64_t C) {
   (void)s;
+  TP_CHECK(check_quant("embedding_forward_lp", wdt, C, NULL));
   for (int64_t m = 0; m < M; m++) {
     uint64_t t = (uint64_t)tokens[m] - (uint64_t)lo; /* in [0, V) iff the token is in the shard */
-    if (t < (uint64_t)V) widen(out + m * C, (const uint16_t *)table + t * (uint64_t)C, wdt, C);
+    if (t < (uint64_t)V) widen_span(out + m * C, (const char *)table + t * row_bytes(wdt, C), wdt, 0, C, C);
     else memset(out + m * C, 0, (size_t)C * sizeof(float));
   }
   return TP_SUCCESS;

@@ -1,17 +1,21 @@
-/* Low-precision weights on CUDA: weights stored as bfloat16 or float16, everything else
- * float32.  The linear entries round the float32 activations (x, dy) to the weight dtype
- * in the workspace and run one tensor-core GEMM with float32 compute and float32 output
- * (cublasGemmEx, CUBLAS_COMPUTE_32F), so dw, dx and y are float32-accumulated and the
+/* Low-precision weights on CUDA: weights stored as bfloat16 or float16, or in a quantized
+ * format (quant.cuh: GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks, int8 rows with a
+ * float32 scale), everything else float32.
+ *
+ * 16-bit weights: the linear entries round the float32 activations (x, dy) to the weight
+ * dtype in the workspace and run one tensor-core GEMM with float32 compute and float32
+ * output (cublasGemmEx, CUBLAS_COMPUTE_32F), so dw, dx and y are float32-accumulated and the
  * float32 main gradient dw is accumulated in place (beta = 1).  Row-major operands go to
  * column-major cuBLAS swapped, as in linear.cu: a row-major [R, C] matrix is a C x R
- * column-major one with leading dimension C.
+ * column-major one with leading dimension C.  The bit conversions are lowp_bits.cuh's.
  *
- * The bit conversions are written out on uint16_t (no cuda_fp16.h / cuda_bf16.h types)
- * and are __host__ __device__, so csrc/tests/cuda_emu runs this very code on the host and
- * the results match core/dtype.c's tp_float_to_half / tp_float_to_bf16 (and so the CPU
- * table) bit for bit: round to nearest even, NaN kept quiet with its sign, past the
- * largest finite value infinity, float16 subnormals kept.  No float arithmetic is used,
- * so flush-to-zero settings cannot touch a subnormal.
+ * Quantized weights (frozen: dw must be NULL): forward with M <= TPK_Q_GEMV_MAX_M (decode)
+ * is quant.cu's dequantizing GEMV, float32 throughout, no workspace; larger M rounds x to
+ * bfloat16 in the workspace, then, panel by panel of weight rows, dequantizes the rows to
+ * bfloat16 in the workspace (quant.cu) and runs the bfloat16 GEMM into those columns of y.
+ * Backward dx = dy w the same way: dy rounded to bfloat16, then per panel of rows n0.. a GEMM
+ * adding dy[:, n0:] w[n0:, :] into dx.  So a float32 copy of the weight is never made, and
+ * the panel path's products carry two bfloat16 roundings (x or dy, and w).
  *
  * Launch shapes: convert and the activation rounding 1-D grid-stride (256 threads, at
  * most 2^20 blocks), four elements per thread when both pointers allow 8 / 16-byte
@@ -19,77 +23,26 @@
  * 256 threads per row (grid-stride over rows); db the deterministic column sum
  * (colsum.cuh).
  *
- * Workspace (linear_lp_workspace): forward M K wdt elements (x rounded); backward the
- * rounded dy (M N elements) at offset 0, then, at the next multiple of 256 bytes, the
- * rounded x (M K elements).  The entries accept less when a part is not needed: backward
- * without dw needs only the dy part, and nothing when neither dx nor dw is asked for. */
+ * Workspace (linear_lp_workspace), 16-bit weights: forward M K wdt elements (x rounded);
+ * backward the rounded dy (M N elements) at offset 0, then, at the next multiple of 256
+ * bytes, the rounded x (M K elements).  The entries accept less when a part is not needed:
+ * backward without dw needs only the dy part, and nothing when neither dx nor dw is asked
+ * for.  Quantized weights: the rounded x (forward, M K bfloat16; none for the GEMV) or dy
+ * (backward, M N bfloat16), then, at the next multiple of 256 bytes, the panel: P rows of K
+ * bfloat16, P = N when that takes at most TPK_Q_PANEL_BYTES, else as many rows as fit in it
+ * (at least 1).  The entries accept any workspace holding the first part and one panel row
+ * (the panel takes the rest: less workspace, more GEMMs), and nothing without dx (backward). */
 #include <limits.h>
 #include <string.h>
 
 #include "colsum.cuh"
 #include "common.cuh"
 #include "cublas_api.h"
+#include "lowp_bits.cuh"
+#include "quant.cuh"
 
-/* ---- bit conversions ------------------------------------------------------------ */
-
-static __host__ __device__ inline uint32_t tpk_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static __host__ __device__ inline float tpk_float(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-/* bfloat16 is the top half of a float32: widening is exact. */
-static __host__ __device__ inline float tpk_bf16_to_f32(uint16_t h) { return tpk_float((uint32_t)h << 16); }
-
-static __host__ __device__ inline uint16_t tpk_f32_to_bf16(float f) {
-  uint32_t u = tpk_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* NaN: set the quiet bit */
-  /* Round to nearest even on the 16 bits dropped: a carry out of the mantissa bumps the
-   * exponent, and out of the largest finite value gives infinity's bits. */
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static __host__ __device__ inline float tpk_f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  if (exp == 0x1fu) return tpk_float(sign | 0x7f800000u | (man << 13)); /* inf, NaN (payload kept) */
-  if (exp == 0) {
-    if (man == 0) return tpk_float(sign);
-    /* subnormal man 2^-24: normalise it into a float32 normal, by bits */
-    uint32_t e = 113u; /* 127 - 14: the exponent once bit 10 is reached */
-    while (!(man & 0x400u)) {
-      man <<= 1;
-      e--;
-    }
-    return tpk_float(sign | (e << 23) | ((man & 0x3ffu) << 13));
-  }
-  return tpk_float(sign | ((exp + 112u) << 23) | (man << 13)); /* rebias 15 -> 127 */
-}
-
-static __host__ __device__ inline uint16_t tpk_f32_to_f16(float f) {
-  uint32_t u = tpk_bits(f);
-  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-  uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN: quiet, top payload */
-  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* |f| >= 65520 (or inf): rounds to infinity */
-  if (a >= 0x38800000u) {                                    /* a float16 normal: |f| >= 2^-14 */
-    a += 0x0fffu + ((a >> 13) & 1u);                         /* nearest even on the 13 dropped bits */
-    return (uint16_t)(sign | ((a - (112u << 23)) >> 13));    /* rebias 127 -> 15 */
-  }
-  if (a < 0x33000000u) return sign; /* |f| <= 2^-25 rounds to zero (2^-25 itself: the even one) */
-  /* a float16 subnormal, in units of 2^-24: the full mantissa shifted right by 14..24 */
-  uint32_t man = (a & 0x7fffffu) | 0x800000u;
-  uint32_t shift = 126u - (a >> 23);
-  uint32_t q = man >> shift, rem = man & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-  q += rem > half || (rem == half && (q & 1u)); /* may reach 0x400, the smallest normal: right */
-  return (uint16_t)(sign | q);
-}
+/* The largest panel of dequantized weight rows the quantized GEMM path asks for. */
+#define TPK_Q_PANEL_BYTES ((size_t)32 << 20)
 
 /* Element types by tp_dtype_t: the storage type, widening to float and rounding from it. */
 template <tp_dtype_t D>
@@ -187,8 +140,10 @@ static tp_status_t convert_as(tp_stream_t s, const char *op, void *y, const void
 static int lp_dtype(tp_dtype_t d) { return d == TP_BFLOAT16 || d == TP_FLOAT16; }
 
 static tp_status_t bad_wdt(const char *op, tp_dtype_t wdt) {
-  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: weight dtype %s is not bfloat16 or float16", op,
-                      tp_dtype_name(wdt));
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                      "cuda %s: weight dtype %s is not bfloat16, float16 or a quantized format (int8, q8_0, q4_0, "
+                      "q4_1, q4_k, q5_k, q6_k)",
+                      op, tp_dtype_name(wdt));
 }
 
 /* x (float32, n elements) rounded to wdt into dst. */
@@ -233,6 +188,123 @@ static tp_status_t too_small(const char *op, size_t need, size_t have) {
                       op, have, need);
 }
 
+/* ---- quantized weights ---------------------------------------------------------- */
+
+/* Panel rows for K: all N when they take at most TPK_Q_PANEL_BYTES in bfloat16, else as many
+ * as fit (at least 1). */
+static int64_t q_panel_rows(int64_t K, int64_t N) {
+  int64_t r = (int64_t)(TPK_Q_PANEL_BYTES / ((size_t)K * 2));
+  if (r < 1) r = 1;
+  return r < N ? r : N;
+}
+
+/* The weight's rows are whole blocks (before any launch). */
+static tp_status_t q_check_k(const char *op, tp_dtype_t wdt, int64_t K) {
+  size_t rb;
+  int64_t blk = 1;
+  if (!tp_weight_row_bytes(wdt, K, &rb)) {
+    tp_weight_format(wdt, &blk, NULL, NULL);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: K = %lld is not a multiple of the %s block (%lld elements)",
+                        op, (long long)K, tp_dtype_name(wdt), (long long)blk);
+  }
+  return TP_SUCCESS;
+}
+
+/* The panel's offset and rows in a workspace whose first part is `first` bytes (x or dy in
+ * bfloat16), or the refusal when not even one row fits. */
+static tp_status_t q_panel_in(const char *op, size_t first, int64_t K, int64_t N, void *ws, size_t wsb, size_t *off,
+                              int64_t *rows_) {
+  size_t o = x_offset(first), need = SIZE_MAX, row = lp_bytes(1, K);
+  if (o != SIZE_MAX && row != SIZE_MAX && !tp_add_size(o, row, &need)) need = SIZE_MAX;
+  if (!ws || wsb < need) return too_small(op, need, wsb);
+  int64_t r = (int64_t)((wsb - o) / row);
+  *off = o;
+  *rows_ = r < N ? r : N;
+  return TP_SUCCESS;
+}
+
+static tp_status_t forward_q(tp_stream_t s, float *y, const float *x, const void *w, tp_dtype_t wdt, const float *b,
+                             int64_t M, int64_t K, int64_t N, void *ws, size_t wsb) {
+  static const char op[] = "linear_forward_lp";
+  TP_CHECK(q_check_k(op, wdt, K));
+  if (M == 0 || N == 0) return TP_SUCCESS;
+  if (K == 0) return rows(s, "linear_forward_lp (bias rows)", y, b, M, N);
+  if (M <= TPK_Q_GEMV_MAX_M) return tpk_q_gemv(s, "linear_forward_lp (gemv)", y, x, w, wdt, b, M, K, N);
+  size_t off = 0;
+  int64_t P = 1;
+  TP_CHECK(q_panel_in(op, lp_bytes(M, K), K, N, ws, wsb, &off, &P)); /* refusals before the first launch */
+  TP_CHECK(int_range(op, "K", K));
+  TP_CHECK(int_range(op, "N", N));
+  const tp_cublas_api *api;
+  cublasHandle_t h;
+  TP_CHECK(tp_cublas_get(op, s, &api, &h));
+  TP_CHECK(rows(s, "linear_forward_lp (bias rows)", y, b, M, N));
+  TP_CHECK(round_to(s, "linear_forward_lp (round x)", ws, TP_BFLOAT16, x, M * K));
+  const uint16_t *x16 = (const uint16_t *)ws;
+  uint16_t *panel = (uint16_t *)((char *)ws + off);
+  float one = 1.0f, beta = b ? 1.0f : 0.0f;
+  for (int64_t n0 = 0; n0 < N; n0 += P) {
+    int64_t nc = N - n0 < P ? N - n0 : P;
+    TP_CHECK(tpk_q_panel_bf16(s, "linear_forward_lp (dequantize)", panel, w, wdt, n0, nc, K));
+    for (int64_t m0 = 0; m0 < M; m0 += INT_MAX) { /* y[m0:, n0:n0+nc]^T = panel x16[m0:]^T: panel K x nc, op T */
+      int64_t mc = M - m0 < INT_MAX ? M - m0 : INT_MAX;
+      cublasStatus_t st = api->GemmEx(h, TP_CUBLAS_OP_T, TP_CUBLAS_OP_N, (int)nc, (int)mc, (int)K, &one, panel,
+                                      TP_CUDA_R_16BF, (int)K, x16 + m0 * K, TP_CUDA_R_16BF, (int)K, &beta,
+                                      y + m0 * N + n0, TP_CUDA_R_32F, (int)N, TP_CUBLAS_COMPUTE_32F,
+                                      TP_CUBLAS_GEMM_DEFAULT);
+      if (st != TP_CUBLAS_STATUS_SUCCESS) return tp_cublas_error(op, "cublasGemmEx", st);
+    }
+  }
+  return TP_SUCCESS;
+}
+
+static tp_status_t backward_q(tp_stream_t s, float *dx, float *dw, float *db, const float *dy, const void *w,
+                              tp_dtype_t wdt, int64_t M, int64_t K, int64_t N, int accumulate_dx, void *ws,
+                              size_t wsb) {
+  static const char op[] = "linear_backward_lp";
+  if (dw)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "cuda %s: dw must be NULL for %s weights (quantized weights are frozen: no weight gradient)",
+                        op, tp_dtype_name(wdt));
+  TP_CHECK(q_check_k(op, wdt, K));
+  int do_dx = dx && M && K && N;
+  if (dx && M && K && !N && !accumulate_dx) TP_CHECK(rows(s, "linear_backward_lp (dx = 0)", dx, NULL, M, K));
+  if (do_dx) {
+    size_t off = 0;
+    int64_t P = 1;
+    TP_CHECK(q_panel_in(op, lp_bytes(M, N), K, N, ws, wsb, &off, &P)); /* refusals before the first launch */
+    TP_CHECK(int_range(op, "K", K));
+    TP_CHECK(int_range(op, "N", N));
+    const tp_cublas_api *api;
+    cublasHandle_t h;
+    TP_CHECK(tp_cublas_get(op, s, &api, &h));
+    TP_CHECK(round_to(s, "linear_backward_lp (round dy)", ws, TP_BFLOAT16, dy, M * N));
+    const uint16_t *dy16 = (const uint16_t *)ws;
+    uint16_t *panel = (uint16_t *)((char *)ws + off);
+    float one = 1.0f, bx = accumulate_dx ? 1.0f : 0.0f;
+    for (int64_t n0 = 0; n0 < N; n0 += P) {
+      int64_t nc = N - n0 < P ? N - n0 : P;
+      TP_CHECK(tpk_q_panel_bf16(s, "linear_backward_lp (dequantize)", panel, w, wdt, n0, nc, K));
+      for (int64_t m0 = 0; m0 < M; m0 += INT_MAX) {
+        /* dx[m0:]^T (+)= panel^T dy16[m0:, n0:n0+nc]^T: the panel is K x nc (op N), dy16's
+         * columns n0.. nc x mc with leading dimension N; the first panel overwrites or
+         * accumulates as asked, the others add */
+        int64_t mc = M - m0 < INT_MAX ? M - m0 : INT_MAX;
+        cublasStatus_t st = api->GemmEx(h, TP_CUBLAS_OP_N, TP_CUBLAS_OP_N, (int)K, (int)mc, (int)nc, &one, panel,
+                                        TP_CUDA_R_16BF, (int)K, dy16 + m0 * N + n0, TP_CUDA_R_16BF, (int)N,
+                                        n0 == 0 ? &bx : &one, dx + m0 * K, TP_CUDA_R_32F, (int)K,
+                                        TP_CUBLAS_COMPUTE_32F, TP_CUBLAS_GEMM_DEFAULT);
+        if (st != TP_CUBLAS_STATUS_SUCCESS) return tp_cublas_error("linear_backward_lp (dx)", "cublasGemmEx", st);
+      }
+    }
+  }
+  if (db && M && N) {
+    tpk_lp_dy_term term = {dy, N};
+    return tpk_colsum(s, "linear_backward_lp (db)", db, NULL, M, N, term);
+  }
+  return TP_SUCCESS;
+}
+
 /* ---- entries -------------------------------------------------------------------- */
 
 #define TPK_CONVERT_CASE_(YD, XD) \
@@ -260,7 +332,13 @@ extern "C" tp_status_t tp_cuda_convert(tp_stream_t s, void *y, tp_dtype_t ydt, c
 #undef TPK_CONVERT_CASE_
 
 extern "C" size_t tp_cuda_linear_lp_workspace(int64_t M, int64_t K, int64_t N, tp_dtype_t wdt, int backward) {
-  (void)wdt; /* both 16-bit types take 2 bytes */
+  if (tpk_q_format(wdt)) { /* the rounded x or dy, then the panel */
+    if (M == 0 || K == 0 || N == 0 || (!backward && M <= TPK_Q_GEMV_MAX_M)) return 0;
+    size_t off = x_offset(lp_bytes(M, backward ? N : K)), pb = lp_bytes(q_panel_rows(K, N), K), total;
+    if (off == SIZE_MAX || pb == SIZE_MAX || !tp_add_size(off, pb, &total)) return SIZE_MAX;
+    return total;
+  }
+  /* both 16-bit types take 2 bytes */
   if (!backward) return lp_bytes(M, K);
   size_t xb = lp_bytes(M, K), off = x_offset(lp_bytes(M, N)), total;
   if (xb == SIZE_MAX || off == SIZE_MAX || !tp_add_size(off, xb, &total)) return SIZE_MAX;
@@ -271,6 +349,7 @@ extern "C" tp_status_t tp_cuda_linear_forward_lp(tp_stream_t s, float *y, const 
                                                  tp_dtype_t wdt, const float *b, int64_t M, int64_t K, int64_t N,
                                                  void *workspace, size_t workspace_bytes) {
   static const char op[] = "linear_forward_lp";
+  if (tpk_q_format(wdt)) return forward_q(s, y, x, w, wdt, b, M, K, N, workspace, workspace_bytes);
   if (!lp_dtype(wdt)) return bad_wdt(op, wdt);
   if (M == 0 || N == 0) return TP_SUCCESS;
   if (K > 0) { /* every refusal before the first launch: y is untouched on error */
@@ -304,6 +383,8 @@ extern "C" tp_status_t tp_cuda_linear_backward_lp(tp_stream_t s, float *dx, floa
                                                   int64_t K, int64_t N, int accumulate_dx, void *workspace,
                                                   size_t workspace_bytes) {
   static const char op[] = "linear_backward_lp";
+  if (tpk_q_format(wdt))
+    return backward_q(s, dx, dw, db, dy, w, wdt, M, K, N, accumulate_dx, workspace, workspace_bytes);
   if (!lp_dtype(wdt)) return bad_wdt(op, wdt);
   int do_dx = dx && M && K && N, do_dw = dw && M && K && N;
   if (dx && M && K && !N && !accumulate_dx) TP_CHECK(rows(s, "linear_backward_lp (dx = 0)", dx, NULL, M, K));
@@ -352,6 +433,7 @@ extern "C" tp_status_t tp_cuda_linear_backward_lp(tp_stream_t s, float *dx, floa
 extern "C" tp_status_t tp_cuda_embedding_forward_lp(tp_stream_t s, float *out, const int64_t *tokens,
                                                     const void *table, tp_dtype_t wdt, int64_t M, int64_t lo,
                                                     int64_t V, int64_t C) {
+  if (tpk_q_format(wdt)) return tpk_q_embedding(s, "embedding_forward_lp", out, tokens, table, wdt, M, lo, V, C);
   if (!lp_dtype(wdt)) return bad_wdt("embedding_forward_lp", wdt);
   if (M == 0 || C == 0) return TP_SUCCESS;
   if (wdt == TP_BFLOAT16)

@@ -14,7 +14,8 @@
  *   elementwise.cu  add sub scale fill init_uniform init_normal
  *   optim.cu        adamw_step sgd_step
  *   lowp.cu         convert linear_lp_workspace linear_forward_lp linear_backward_lp
- *                   embedding_forward_lp (bfloat16 / float16 weights)
+ *                   embedding_forward_lp (bfloat16 / float16 weights; quantized ones through
+ *                   quant.cu: GGUF blocks and int8 rows)
  * The plugin hands this table to the host (tp_cuda_plugin.kernels), which registers it
  * (csrc/kernels/registry.c). */
 #include "cuda_impl.h"

@@ -49,6 +49,10 @@ inline float emu_shfl(float x, int src) {
   emu_wait(1);
   return y;
 }
+// IEEE float32 operations, never contracted (x86-64 SSE arithmetic; the build has no -mfma)
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __shfl_xor_sync(unsigned, float x, int o) { return emu_shfl(x, (emu_tid() % 32) ^ o); }
 inline float __shfl_sync(unsigned, float x, int c) { return emu_shfl(x, c); }
 void emu_launch(dim3 g, dim3 b, size_t smem, std::function<void()> f);

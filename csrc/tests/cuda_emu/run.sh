@@ -1,14 +1,17 @@
 #!/bin/bash
 # Runs the CUDA attention entries (csrc/kernels/cuda/attention*.cu) and the low-precision
-# ones (lowp.cu) through the kernel parity harness on the host, without a GPU: transform.py
+# ones (lowp.cu, quant.cu: 16-bit and quantized weights) through the kernel parity harness on the host, without a GPU: transform.py
 # rewrites the .cu files and the headers they include for cuda_emu.h (one ucontext fiber per
 # CUDA thread, cooperative __syncthreads and warp shuffles, shared memory filled with NaN at
 # each block, one block at a time), cublas_emu.cc stands in for cuBLAS (a host GemmEx that
 # checks its arguments as cuBLAS does), driver.cc puts the emulated entries in a copy of the
 # CPU table named "cudaemu".  It checks the index math, masks, tiling, the online softmax,
 # split-K, the backward's reductions, the 16-bit conversions' bits and the GEMM arguments
-# (transposes, leading dimensions, workspace layout); not timing, races the fiber order
-# hides (run with EMU_REVERSE=1 too), cuBLAS itself, or anything of the real hardware.
+# (transposes, leading dimensions, workspace layout), and for quantized weights (the
+# harness's quant_<entry> cases, test_kernels_qlp.c) the dequantization's bits against a
+# reference equal to gguf's, the decode GEMV's warp split, the panels of the prefill GEMM and
+# of dx; not timing, races the fiber order hides (run with EMU_REVERSE=1 too), cuBLAS itself,
+# or anything of the real hardware.
 # Usage: csrc/tests/cuda_emu/run.sh [entry...]   (after `make`; SANITIZE=1 adds ASan/UBSan)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -19,9 +22,9 @@ SAN=""
 [ "${SANITIZE:-0}" = 1 ] && SAN="-fsanitize=address,undefined"
 BLAS=$(make -s -C "$ROOT" -f Makefile --eval 'print-libs: ; @echo $(LIBS)' print-libs 2>/dev/null || echo "-lopenblas -lpthread -lrt -lm")
 cp "$E/cuda_emu.h" "$OUT/"
-CU=(attention attention_bwd lowp)
+CU=(attention attention_bwd lowp quant)
 for f in "${CU[@]}"; do python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/$f.cu" "$OUT/$f.emu.cc"; done
-for f in attention_common common colsum; do
+for f in attention_common common colsum lowp_bits quant; do
   python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/$f.cuh" "$OUT/$f.emu.h"
 done
 python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/cublas_api.h" "$OUT/cublas_api.emu.h"
@@ -30,7 +33,7 @@ for f in "${CU[@]/%/.emu.cc}"; do g++ $FL -c "$OUT/$f" -o "$OUT/${f%.cc}.o"; don
 for f in "$E/driver.cc" "$E/emu_runtime.cc" "$E/cublas_emu.cc"; do
   g++ $FL -c "$f" -o "$OUT/$(basename "$f" .cc).o"
 done
-for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn test_kernels_quant; do
+for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn test_kernels_qlp test_kernels_quant; do
   gcc -std=c11 -O1 -g $SAN -D_GNU_SOURCE -I"$ROOT/csrc/include" -Dtp_kernels_of=emu_kernels_of \
     -c "$ROOT/csrc/tests/$f.c" -o "$OUT/$f.o"
 done
@@ -44,6 +47,7 @@ for e in "${entries[@]}"; do
     line=$(EMU_REVERSE=$rev ASAN_OPTIONS=detect_stack_use_after_return=0 "$OUT/emu_test" "$e" 2>&1 | grep -v '^entries\|^covered\|^device\|WARNING: ASan' || true)
     echo "${rev:+(reverse order) }$line" | head -12
     grep -q "^cudaemu $e: ok" <<<"$line" || fail=1
+    ! grep -q ": FAIL" <<<"$line" || fail=1 # the entry's extra cases (quant_<entry>) too
   done
 done
 exit $fail

@@ -4,6 +4,8 @@
     python -m tpcore.bench decode --quick                   # a tiny model (CI smoke test)
     python -m tpcore.bench decode --checkpoint DIR --worlds 1,2 --batch 4 --prompt 128 --new 32
     python -m tpcore.bench decode --dtypes float32,bfloat16  # 16-bit weights against float32, one run
+    python -m tpcore.bench decode --dtypes float32,q8_0,q4_k # quantized copies of the same model
+    python -m tpcore.bench decode --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --worlds 1,2   # vs llama.cpp
     python benchmarks/decode.py --json out.json --plot out.png
 
 Every world size runs the same model (the same seed, or --checkpoint) on the
@@ -20,11 +22,18 @@ rank where ranks differ):
   params MB       this rank's parameter bytes; RSS MB its peak resident memory
   same            the greedy tokens equal those of the first world size (of that dtype)
 
---dtypes runs every world size for each weight dtype (float32, bfloat16, float16: the
-TransformerLM dtype=, float32 activations), interleaved per world size, and prints the
-16-bit rows' decode speed against float32's.
+--dtypes runs every world size for each weight dtype (float32, bfloat16, float16, or a
+quantized format of tpcore.quant: the TransformerLM dtype=, float32 activations; a float
+model is quantized with tpcore.models.quantize), interleaved per world size, and prints each
+row's decode speed against the first dtype's.  With a GGUF --checkpoint, "native" (the
+default) keeps the file's own formats.
 
-Peer (optional, --peers auto|none): the same weights in a PyTorch module
+Peer with a GGUF --checkpoint (--peers auto): llama.cpp through llama-cpp-python on the
+same file, prompt token ids and thread count (one sequence at a time), with its decode
+tokens/s and TTFT against each world size, whether its greedy tokens equal tpcore's, and each
+rank's weight bytes against the file's size / ranks.
+
+Peer (optional, --peers auto|none) otherwise: the same weights in a PyTorch module
 written here (the same architecture: GPT-2 or Llama style, KV cache,
 scaled_dot_product_attention), one process with torch.set_num_threads(cores),
 as the single-device reference.  Its greedy tokens are checked too.
@@ -60,20 +69,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--dtypes", default="float32", help="weight dtypes, a comma list of float32, bfloat16, float16 "
-                                                       "(default float32)")
+    p.add_argument("--dtypes", default=None, help="weight dtypes, a comma list of float32, bfloat16, float16, int8, "
+                                                    "q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, native (a GGUF file's own "
+                                                    "formats; default: native for a .gguf, else float32)")
 
 
 def _rss_peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _gguf_path(checkpoint):
+    """The .gguf file a --checkpoint names (a file, or a directory holding exactly one), else None."""
+    if not checkpoint:
+        return None
+    if os.path.isfile(checkpoint) and checkpoint.endswith(".gguf"):
+        return checkpoint
+    if os.path.isdir(checkpoint):
+        found = [f for f in os.listdir(checkpoint) if f.endswith(".gguf")]
+        if len(found) == 1 and not os.path.exists(os.path.join(checkpoint, "config.json")):
+            return os.path.join(checkpoint, found[0])
+    return None
+
+
 def _model(comm, args, dtype="float32"):
     import tpcore
     if args.checkpoint:
+        if _gguf_path(args.checkpoint):  # native: the file's own formats
+            return tpcore.models.from_pretrained(args.checkpoint, comm, progress=comm.rank == 0,
+                                                 dtype="gguf" if dtype == "native" else dtype)
+        if tpcore.quant.is_quantized(dtype):  # a float checkpoint, quantized after loading
+            m = tpcore.models.from_pretrained(args.checkpoint, comm, progress=comm.rank == 0)
+            return tpcore.models.quantize(m, dtype)
         return tpcore.models.from_pretrained(args.checkpoint, comm, progress=comm.rank == 0, dtype=dtype)
     cfg = tpcore.Config(**(TINY if args.quick else GPT2_SMALL))
+    if tpcore.quant.is_quantized(dtype):
+        return tpcore.models.quantize(tpcore.models.TransformerLM(cfg, comm, seed=0), dtype)
     return tpcore.models.TransformerLM(cfg, comm, seed=0, dtype=dtype)
+
+
+def _gguf_vocab(path):
+    """The vocabulary size of a GGUF file (its metadata, else its token list)."""
+    import gguf
+    r = gguf.GGUFReader(path)
+    arch = r.fields["general.architecture"].contents()
+    f = r.fields.get(f"{arch}.vocab_size")
+    if f is not None:
+        return int(f.contents())
+    return len(r.fields["tokenizer.ggml.tokens"].data)
+
+
+def _llamacpp_peer(path, prompts, new, threads):
+    """llama.cpp (llama-cpp-python) on the same file, prompts (token ids) and threads: greedy, one
+    sequence at a time (its Python API has no batched decode); times summed over the batch."""
+    import llama_cpp
+    B, T = prompts.shape
+    llm = llama_cpp.Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=T + new + 8, n_batch=max(T, 8),
+                          logits_all=True, verbose=False)
+    llm.reset()
+    llm.eval([int(t) for t in prompts[0, :4]])  # warm-up
+    ttft, steps, tokens = 0.0, [0.0] * (new - 1), []
+    for b in range(B):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval([int(t) for t in prompts[b]])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        ttft += time.perf_counter() - t0
+        out = [tok]
+        for i in range(new - 1):
+            s = time.perf_counter()
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            steps[i] += time.perf_counter() - s
+            out.append(tok)
+        tokens.append(out)
+    return {"ttft_s": ttft, "steps_s": steps, "decode_s": float(sum(steps)), "tokens": tokens, "threads": threads,
+            "llama_cpp": llama_cpp.__version__}
 
 
 def _rank(comm, args, prompts, dtype="float32"):
@@ -209,7 +279,10 @@ def run(args) -> int:
         raise SystemExit("--new must be >= 2")
     cores = os.cpu_count() or 1
     vocab = (TINY if args.quick else GPT2_SMALL)["vocab_size"]
-    if args.checkpoint:
+    gpath = _gguf_path(args.checkpoint)
+    if gpath:
+        vocab = _gguf_vocab(gpath)
+    elif args.checkpoint:
         vocab = tpcore.Config.from_hf(args.checkpoint).vocab_size if os.path.exists(
             os.path.join(args.checkpoint, "config.json")) else vocab
     prompts = np.random.default_rng(0).integers(0, vocab, (args.batch, args.prompt)).astype(np.int64)
@@ -218,10 +291,15 @@ def run(args) -> int:
     print(f"# OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} OPENBLAS_L2_SIZE={env['OPENBLAS_L2_SIZE']}")
     model_name = args.checkpoint or ("tiny GPT-2-style (random)" if args.quick else "GPT-2-small-sized, 124M (random)")
     print(f"# model: {model_name}; batch {args.batch}, prompt {args.prompt}, new {args.new} (greedy)")
+    if args.dtypes is None:
+        args.dtypes = "native" if gpath else "float32"
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    known = ("float32", "bfloat16", "float16") + tpcore.quant.QUANT_FORMATS + (("native",) if gpath else ())
+    bad = [d for d in dtypes if d not in known]
     if bad or not dtypes:
-        raise SystemExit(f"--dtypes: expected a comma list of float32, bfloat16, float16, got {args.dtypes!r}")
+        raise SystemExit(f"--dtypes: expected a comma list of {', '.join(known)}, got {args.dtypes!r}")
+    if gpath:
+        print(f"# {os.path.basename(gpath)}: {os.path.getsize(gpath) / 1e6:.1f} MB")
     rows = []
     for n in args.worlds:  # the dtypes interleaved per world size: the machine's drift hits both alike
         for dt in dtypes:
@@ -255,8 +333,22 @@ def run(args) -> int:
         print(f"{n:>5} {dt:>8} {row['threads']:>3} {row['prefill_tok_s']:>13.1f} {row['ttft_ms']:>8.1f} "
               f"{row['decode_tok_s']:>12.2f} {row['p50_ms']:>7.1f} {row['p99_ms']:>7.1f} {100 * comm_share:>5.1f}% "
               f"{kb_tok:>7.1f} {row['param_mb']:>9.1f} {row['rss_mb']:>7.0f} {'yes' if same else 'NO':>4}")
-    peer = None
-    if args.peers == "auto":
+    peer = lpeer = None
+    if args.peers == "auto" and gpath:
+        import importlib.util
+        if importlib.util.find_spec("llama_cpp") is None:
+            print("# llama.cpp peer: skipped (pip install llama-cpp-python)")
+        else:
+            lpeer = _llamacpp_peer(gpath, prompts, new, cores)
+            same = lpeer["tokens"] == first[dtypes[0]]
+            print(f"{'llama':>5} {'file':>8} {lpeer['threads']:>3} {'':>13} {lpeer['ttft_s'] * 1e3:>8.1f} "
+                  f"{B * (new - 1) / lpeer['decode_s']:>12.2f} {_pct(lpeer['steps_s'], 50):>7.1f} "
+                  f"{_pct(lpeer['steps_s'], 99):>7.1f} {'':>6} {'':>7} {'':>9} {'':>7} {'yes' if same else 'NO':>4}")
+            lpeer["same_tokens"] = same
+            lpeer["decode_tok_s"] = B * (new - 1) / lpeer["decode_s"]
+            lpeer["tokens_equal_per_step"] = float(np.mean(np.array(lpeer["tokens"]) == np.array(first[dtypes[0]])))
+            del lpeer["tokens"]
+    if args.peers == "auto" and not gpath:
         import importlib.util
         have_torch = importlib.util.find_spec("torch") is not None
         if not have_torch:
@@ -295,19 +387,28 @@ def run(args) -> int:
                 continue
             print(f"# {row['n']} ranks vs torch (1 process, {peer['threads']} threads): decode "
                   f"{row['decode_tok_s'] / peer['decode_tok_s']:.2f}x, TTFT {peer['ttft_s'] * 1e3 / row['ttft_ms']:.2f}x")
+    if lpeer:
+        fsize = os.path.getsize(gpath) / 1e6
+        for row in summary:
+            print(f"# {row['n']} ranks ({row['dtype']}) vs llama.cpp ({lpeer['threads']} threads, llama-cpp-python "
+                  f"{lpeer['llama_cpp']}): decode {row['decode_tok_s'] / lpeer['decode_tok_s']:.2f}x, TTFT "
+                  f"{lpeer['ttft_s'] * 1e3 / row['ttft_ms']:.2f}x; weights per rank {row['param_mb']:.1f} MB = "
+                  f"{row['param_mb'] / (fsize / row['n']):.3f} x file/{row['n']}")
+        print(f"# greedy tokens equal to llama.cpp's: {'yes' if lpeer['same_tokens'] else 'NO'} "
+              f"({100 * lpeer['tokens_equal_per_step']:.0f}% of steps; llama.cpp rounds activations to 8 bits)")
     ok = all(r["same_tokens"] for r in summary) and (peer is None or peer["same_tokens"])
     print(f"# greedy tokens identical at every world size{' and in torch' if peer else ''}: {'yes' if ok else 'NO'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "model": model_name, "dtypes": dtypes, "batch": B, "prompt": T, "new": new, "rows": summary,
-                       "torch": peer}, f, indent=1)
+                       "torch": peer, "llama_cpp": lpeer}, f, indent=1)
         print(f"# wrote {args.json}")
     if args.plot:
-        _plot(args.plot, summary, peer, model_name)
+        _plot(args.plot, summary, peer or lpeer, model_name, "llama.cpp" if lpeer else "torch")
     return 0 if ok else 1
 
 
-def _plot(path, summary, peer, title):
+def _plot(path, summary, peer, title, peer_name="torch"):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -320,7 +421,7 @@ def _plot(path, summary, peer, title):
     ns = [str(r["n"]) if one else f"{r['n']} {r['dtype']}" for r in summary]  # bar labels
     ax[0].bar(ns, [r["decode_tok_s"] for r in summary], label="tpcore")
     if peer:
-        ax[0].axhline(peer["decode_tok_s"], color="k", ls="--", label="torch (1 process)")
+        ax[0].axhline(peer["decode_tok_s"], color="k", ls="--", label=f"{peer_name} (1 process)")
     ax[0].set_xlabel("ranks")
     ax[0].set_ylabel("decode tokens/s")
     ax[0].legend()

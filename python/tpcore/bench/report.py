@@ -4,6 +4,7 @@
     python -m tpcore.bench report --quick                           # a tiny model, worlds 1,2 (smoke test)
     python -m tpcore.bench report --model llama-1b-like --worlds 1,2
     python -m tpcore.bench report --checkpoint DIR --worlds 1,2,4 --concurrency 1,4,16 --out report/
+    python -m tpcore.bench report --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --worlds 1,2   # a GGUF file
     python benchmarks/report.py --json report.json
 
 The second seed's method: measure one device first, then two or more with the same model,
@@ -369,7 +370,12 @@ def run(args) -> int:
         raise SystemExit(f"report: --device cuda, but no usable GPU: {tpcore.build_info()['cuda'].get('status')}")
     hetero = (not quick) if args.hetero is None else args.hetero
     model_name = args.checkpoint or args.model or ("tiny" if quick else "gpt2-small")
-    if args.checkpoint:
+    from .decode import _gguf_path
+    if args.checkpoint and _gguf_path(args.checkpoint):  # a GGUF file: its metadata (and its formats kept)
+        import tpcore.gguf
+        cfg = tpcore.gguf.read_gguf(_gguf_path(args.checkpoint))[0]
+        cfgd = None
+    elif args.checkpoint:
         cfg = tpcore.Config.from_hf(args.checkpoint) if os.path.exists(os.path.join(args.checkpoint, "config.json")) \
             else None
         cfgd = None
@@ -397,6 +403,17 @@ def run(args) -> int:
         rows.append(_world_row(res, B, T, new))
         if cfg is None:
             cfg = tpcore.Config(**{k: v for k, v in res[0]["config"].items()})
+    llama = None
+    gpath = _gguf_path(args.checkpoint) if args.checkpoint else None
+    if gpath and args.device == "cpu":  # the same file in llama.cpp, the same cores (tpcore.bench decode's peer)
+        import importlib.util
+        if importlib.util.find_spec("llama_cpp") is not None:
+            from .decode import _llamacpp_peer
+            progress.status("[report] llama.cpp on the same file", important=True)
+            llama = _llamacpp_peer(gpath, prompts, new, limits["cores"])
+            llama["same_tokens"] = llama.pop("tokens") == rows[0]["tokens"]
+            llama["decode_tok_s"] = B * (new - 1) / llama["decode_s"]
+            llama["file_bytes"] = os.path.getsize(gpath)
     het = None
     if hetero:
         progress.status("[report] mismatched devices (tpcore.bench hetero)", important=True)
@@ -408,7 +425,7 @@ def run(args) -> int:
         r["same_tokens"] = r["tokens"] == ref and r["same_tokens_across_ranks"]
     data = {"tpcore": tpcore.__version__, "env": env, "model": model_name, "config": dict(vars(cfg)),
             "batch": B, "prompt": T, "new": new, "device": args.device, "limits": limits, "worlds": rows,
-            "concurrency": conc, "hetero": het,
+            "concurrency": conc, "hetero": het, "llama_cpp": llama,
             "openblas": {k: os.environ.get(k, "unset") for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}}
     data["advice"] = advice(data)
     plots = _plots(args.out, data) if args.plots else []
@@ -655,6 +672,18 @@ def markdown(data: dict, plots: List[str]) -> str:
                      f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x", "yes" if r["same_tokens"] else "NO"])
     w.append(_table(["ranks", "threads", "prefill tok/s", "TTFT ms", "decode tok/s", "p50 ms/token", "p99 ms/token",
                      "prefill speed-up", "decode speed-up", "same tokens as world 1"], body))
+    lc = data.get("llama_cpp")
+    if lc:
+        fb = lc["file_bytes"]
+        w.append(f"\nllama.cpp (llama-cpp-python {lc['llama_cpp']}) on the same GGUF file, prompt and {lc['threads']} "
+                 f"threads, one process: TTFT {1e3 * lc['ttft_s']:.1f} ms, decode {lc['decode_tok_s']:.2f} tok/s; "
+                 f"greedy tokens {'equal to' if lc['same_tokens'] else 'NOT equal to'} tpcore's world 1 (llama.cpp "
+                 f"rounds activations to 8 bits, so near-ties may part).\n\n")
+        w.append(_table(["ranks", "decode vs llama.cpp", "TTFT vs llama.cpp", "weights per rank MB",
+                         "x file size / ranks"],
+                        [[r["n"], f"{r['decode_tok_s'] / lc['decode_tok_s']:.2f}x",
+                          f"{lc['ttft_s'] / r['ttft_s']:.2f}x", f"{_mb(max(r['param_bytes'])):.1f}",
+                          f"{max(r['param_bytes']) / (fb / r['n']):.3f}"] for r in rows]))
     w.append("\n## Memory per rank\n\n")
     body = []
     for r in rows:
