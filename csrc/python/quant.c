@@ -60,14 +60,24 @@ static int fits(int64_t a, int64_t b, size_t size, const char *op, const char *w
 static PyObject *quant_dequantize(PyObject *mod, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"raw", "fmt", "cols", NULL};
   static const char *op = "quant_dequantize";
-  PyObject *raw, *fmto;
+  PyObject *raw, *fmto, *colso;
   long long cols;
   tp_dtype_t f;
   int64_t blk;
   size_t rb;
   buf_t b;
   (void)mod;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOL:quant_dequantize", kwlist, &raw, &fmto, &cols)) return NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO:quant_dequantize", kwlist, &raw, &fmto, &colso)) return NULL;
+  if (!PyLong_Check(colso) || PyBool_Check(colso)) {
+    PyErr_Format(PyExc_TypeError, "%s: cols must be an int, got %s", op, Py_TYPE(colso)->tp_name);
+    return NULL;
+  }
+  int overflow;
+  cols = PyLong_AsLongLongAndOverflow(colso, &overflow);
+  if (overflow) {
+    PyErr_Format(PyExc_ValueError, "%s: cols = %R overflows a row's size", op, colso);
+    return NULL;
+  }
   if (get_host_buf(raw, op, "raw", 0, &b) < 0) return NULL;
   if (b.dtype != TP_UINT8 || PyArray_NDIM((PyArrayObject *)raw) != 2) {
     PyErr_Format(PyExc_TypeError, "%s: raw must be a 2-D uint8 array [rows, row_bytes], got %d-D %s", op,

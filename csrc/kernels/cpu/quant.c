@@ -16,7 +16,14 @@
  *
  * The dot kernels (x float32, the row dequantized in registers) come for AVX-512F, for
  * AVX2+FMA+F16C and portable C; tp_q_dot1_for / tp_q_dot4_for pick the widest this CPU
- * runs, once. */
+ * runs, once.  AVX-512 looks the 4-bit codes up in a 16-entry table of the block's values
+ * (d i + m, Q4_K: D i - DM; vpermps reads the low 4 bits of each index, so the nibbles
+ * need no mask and no int-to-float conversion, and the min costs nothing per element: one
+ * FMA per table); AVX2 converts the codes and applies d and m with one FMA.  Separate sums
+ * of x per block for the min term would cost more here: x is not shared between calls.
+ * Measured (csrc/tests/bench_quant.c, one Zen 4 thread, K = 576 .. 1536): Q4_1 ~9 GB/s of
+ * weights, Q8_0 ~18, Q4_K ~9, Q6_K ~6.5, the same from cache as from memory: bound by the
+ * FP pipes (about five cycles a 32-element block), not by the ~21 GB/s one thread reads. */
 #include <math.h>
 #include <string.h>
 
@@ -28,11 +35,17 @@
 #include <immintrin.h>
 #endif
 
-/* A product the compiler must round before it is added to anything: an empty asm that
- * "changes" the value keeps GCC from contracting a * b + c into an FMA under any
- * -ffp-contract (gguf-py rounds both operations). */
-#if defined(__GNUC__)
+/* A product the compiler must round before it is added to anything (gguf-py rounds both
+ * operations): where the target has FMA instructions (-march=native builds, other CPUs) an
+ * empty asm that "changes" the value keeps GCC from contracting a * b + c under any
+ * -ffp-contract.  The baseline x86-64 has no FMA to contract into, and there the scalar
+ * loops stay free to vectorize. */
+#if defined(__GNUC__) && defined(__x86_64__) && (defined(__FMA__) || defined(__FMA4__))
 #define NOFUSE(v) __asm__("" : "+x"(v))
+#elif defined(__GNUC__) && defined(__aarch64__)
+#define NOFUSE(v) __asm__("" : "+w"(v))
+#elif defined(__GNUC__) && !defined(__x86_64__)
+#define NOFUSE(v) __asm__("" : "+m"(v))
 #else
 #define NOFUSE(v) ((void)0)
 #endif
@@ -230,7 +243,11 @@ static void quant_q4_1(uint8_t *b, const float *x) {
  * the least. */
 static void fit_affine(const float *x, int n, int nmax, float *scale, float *min) {
   float lo = x[0], hi = x[0];
-  for (int i = 1; i < n; i++) lo = x[i] < lo ? x[i] : lo, hi = x[i] > hi ? x[i] : hi;
+  double sx = 0, sx2 = 0;
+  for (int i = 0; i < n; i++) {
+    lo = x[i] < lo ? x[i] : lo, hi = x[i] > hi ? x[i] : hi;
+    sx += x[i], sx2 += (double)x[i] * x[i];
+  }
   if (lo > 0) lo = 0;
   if (hi <= lo) { /* constant (non-positive) sub-block */
     *scale = 0, *min = -lo;
@@ -238,39 +255,37 @@ static void fit_affine(const float *x, int n, int nmax, float *scale, float *min
   }
   double best = INFINITY, bs = (hi - lo) / nmax, bm = -lo;
   for (int t = -6; t <= 10; t++) {
-    double is = (nmax + 0.1 * t) / (hi - lo), sq = 0, sq2 = 0, sx = 0, sqx = 0;
-    int q[QKK];
-    for (int i = 0; i < n; i++) {
-      double v = rint((x[i] - lo) * is);
-      q[i] = v < 0 ? 0 : v > nmax ? nmax : (int)v;
-      sq += q[i], sq2 += (double)q[i] * q[i], sx += x[i], sqx += q[i] * (double)x[i];
+    float is = (nmax + 0.1f * t) / (hi - lo);
+    int sq = 0, sq2 = 0;
+    double sqx = 0;
+    for (int i = 0; i < n; i++) { /* round half up: the argument is >= 0 */
+      int q = (int)((x[i] - lo) * is + 0.5f);
+      q = q < nmax ? q : nmax;
+      sq += q, sq2 += q * q, sqx += q * (double)x[i];
     }
-    double den = n * sq2 - sq * sq, s, off;
+    double den = (double)n * sq2 - (double)sq * sq, s, off;
     if (den <= 0) continue;
-    s = (n * sqx - sq * sx) / den, off = (sx - s * sq) / n; /* x ~ s q + off */
-    if (off > 0) s = sq2 > 0 ? sqx / sq2 : 0, off = 0;      /* the format's offset is <= 0 */
+    s = (n * sqx - sq * sx) / den, off = (sx - s * sq) / n; /* least squares: x ~ s q + off */
+    if (off > 0) s = sq2 > 0 ? sqx / sq2 : 0, off = 0;       /* the format's offset is <= 0 */
     if (s <= 0) continue;
-    double err = 0;
-    for (int i = 0; i < n; i++) {
-      double e = x[i] - (s * q[i] + off);
-      err += e * e;
-    }
+    /* sum (x - s q - off)^2 from the sums */
+    double err = sx2 - 2 * s * sqx - 2 * off * sx + s * s * sq2 + 2 * s * off * sq + n * off * off;
     if (err < best) best = err, bs = s, bm = -off;
   }
   *scale = (float)bs, *min = (float)bm;
 }
 
 /* The squared error of sub-block x[n] coded with (D, DM): q = round((x + DM) / D) in [0, nmax]. */
-static double affine_err(const float *x, int n, int nmax, float D, float DM, uint8_t *q) {
-  double err = 0;
-  float id = D != 0 ? 1.0f / D : 0.0f;
+static float affine_err(const float *x, int n, int nmax, float D, float DM, uint8_t *q) {
+  float err = 0, id = D != 0 ? 1.0f / D : 0.0f;
   for (int i = 0; i < n; i++) {
-    int v = qround((x[i] + DM) * id, 0.0f, (float)nmax);
-    float y = D * (float)v;
-    NOFUSE(y);
-    y -= DM;
-    if (q) q[i] = (uint8_t)v;
-    err += ((double)x[i] - y) * ((double)x[i] - y);
+    float v = (x[i] + DM) * id;
+    v = v > 0 ? v : 0; /* (NaN: 0) */
+    int c = (int)(v + 0.5f);
+    c = c < nmax ? c : nmax;
+    float e = x[i] - (D * (float)c - DM);
+    if (q) q[i] = (uint8_t)c;
+    err += e * e;
   }
   return err;
 }
@@ -287,12 +302,12 @@ static void quant_k_affine(uint8_t *hdr, uint8_t q[QKK], const float *x, int nma
   int sc[8], mn[8];
   for (int j = 0; j < 8; j++) {
     int s0 = d > 0 ? qround(s[j] / d, 0, 63) : 0, m0 = dmin > 0 ? qround(m[j] / dmin, 0, 63) : 0;
-    double best = INFINITY;
+    float best = INFINITY;
     sc[j] = s0, mn[j] = m0;
     for (int a = s0 - 1; a <= s0 + 1; a++)
       for (int c = m0 - 1; c <= m0 + 1; c++) {
         if (a < 0 || a > 63 || c < 0 || c > 63) continue;
-        double e = affine_err(x + 32 * j, 32, nmax, d * (float)a, dmin * (float)c, NULL);
+        float e = affine_err(x + 32 * j, 32, nmax, d * (float)a, dmin * (float)c, NULL);
         if (e < best) best = e, sc[j] = a, mn[j] = c;
       }
     affine_err(x + 32 * j, 32, nmax, d * (float)sc[j], dmin * (float)mn[j], q + 32 * j);
@@ -327,17 +342,24 @@ static void quant_q5_k(uint8_t *b, const float *x) {
  * |x| at -32 or +31 and near them; the least-squares s of each rounding, the least error kept. */
 static float fit_symmetric(const float *x, int n) {
   float amax = 0, xm = 0;
-  for (int i = 0; i < n; i++)
+  double sx2 = 0;
+  for (int i = 0; i < n; i++) {
     if (fabsf(x[i]) > amax) amax = fabsf(x[i]), xm = x[i];
+    sx2 += (double)x[i] * x[i];
+  }
   if (amax == 0) return 0;
   double best = INFINITY, bs = xm / -32.0;
   for (int sign = -1; sign <= 1; sign += 2)
     for (int t = -8; t <= 8; t++) {
-      double is = (sign < 0 ? -(32 + 0.25 * t) : (31 + 0.25 * t)) / xm, sqx = 0, sq2 = 0, sx2 = 0;
+      float is = (sign < 0 ? -(32 + 0.25f * t) : (31 + 0.25f * t)) / xm;
+      int sq2 = 0;
+      double sqx = 0;
       for (int i = 0; i < n; i++) {
-        double v = rint(x[i] * is);
-        v = v < -32 ? -32 : v > 31 ? 31 : v;
-        sqx += v * x[i], sq2 += v * v, sx2 += (double)x[i] * x[i];
+        float v = x[i] * is;
+        v = v > -32.5f ? v : -32.5f;
+        int q = (int)(v + 32.5f) - 32; /* round half up, then clamp */
+        q = q < 31 ? q : 31;
+        sqx += q * (double)x[i], sq2 += q * q;
       }
       if (sq2 <= 0) continue;
       double s = sqx / sq2, err = sx2 - s * sqx; /* the error of the least-squares s */
@@ -346,14 +368,16 @@ static float fit_symmetric(const float *x, int n) {
   return (float)bs;
 }
 
-static double symmetric_err(const float *x, int n, float D, int8_t *q) {
-  double err = 0;
-  float id = D != 0 ? 1.0f / D : 0.0f;
+static float symmetric_err(const float *x, int n, float D, int8_t *q) {
+  float err = 0, id = D != 0 ? 1.0f / D : 0.0f;
   for (int i = 0; i < n; i++) {
-    int v = qround(x[i] * id, -32.0f, 31.0f);
-    float y = D * (float)v;
-    if (q) q[i] = (int8_t)v;
-    err += ((double)x[i] - y) * ((double)x[i] - y);
+    float v = x[i] * id;
+    v = v > -32.5f ? v : -32.5f; /* (NaN: -32.5) */
+    int c = (int)(v + 32.5f) - 32;
+    c = c < 31 ? c : 31;
+    float e = x[i] - D * (float)c;
+    if (q) q[i] = (int8_t)c;
+    err += e * e;
   }
   return err;
 }
@@ -370,11 +394,11 @@ static void quant_q6_k(uint8_t *b, const float *x) {
   int8_t q[QKK], *sc = (int8_t *)(b + 192);
   for (int j = 0; j < 16; j++) {
     int c0 = d != 0 ? qround(s[j] / d, -128, 127) : 0;
-    double best = INFINITY;
+    float best = INFINITY;
     sc[j] = (int8_t)c0;
     for (int c = c0 - 1; c <= c0 + 1; c++) {
       if (c < -128 || c > 127) continue;
-      double e = symmetric_err(x + 16 * j, 16, d * (float)c, NULL);
+      float e = symmetric_err(x + 16 * j, 16, d * (float)c, NULL);
       if (e < best) best = e, sc[j] = (int8_t)c;
     }
     symmetric_err(x + 16 * j, 16, d * (float)sc[j], q + 16 * j);
@@ -416,16 +440,23 @@ void tp_q_quant_row(tp_dtype_t f, void *row, const float *x, int64_t K) {
 
 /* ------------------------------------------------------------------ portable dot kernels */
 
-/* A block dequantized, then its dot with x: a per-block float sum added to the total. */
+/* sum_k x[k] w[k] over n (a multiple of 8) in eight partial sums: a fixed order GCC
+ * vectorizes (baseline SSE2) without reassociating anything. */
+static inline float dot8(const float *x, const float *w, int64_t n) {
+  float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t k = 0; k < n; k += 8)
+    for (int l = 0; l < 8; l++) p[l] += x[k + l] * w[k + l];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
+/* A block dequantized (the scalar dequantizer), then its dot with x added to the total. */
 static inline float dot1_blocks(tp_dtype_t f, const uint8_t *r, const float *x, int64_t K) {
   float w[QKK], acc = 0;
   int64_t blk = FMT[f - TP_Q8_0].block;
   size_t bb = FMT[f - TP_Q8_0].bytes;
   for (int64_t i = 0; i < K / blk; i++) {
     FMT[f - TP_Q8_0].deq(w, r + (size_t)i * bb);
-    float s = 0;
-    for (int64_t k = 0; k < blk; k++) s += x[i * blk + k] * w[k];
-    acc += s;
+    acc += dot8(x + i * blk, w, blk);
   }
   return acc;
 }
@@ -436,25 +467,22 @@ static inline void dot4_blocks(tp_dtype_t f, float out[4], const uint8_t *r, con
   size_t bb = FMT[f - TP_Q8_0].bytes;
   for (int64_t i = 0; i < K / blk; i++) {
     FMT[f - TP_Q8_0].deq(w, r + (size_t)i * bb);
-    for (int j = 0; j < 4; j++) {
-      float s = 0;
-      for (int64_t k = 0; k < blk; k++) s += x[j][i * blk + k] * w[k];
-      acc[j] += s;
-    }
+    for (int j = 0; j < 4; j++) acc[j] += dot8(x[j] + i * blk, w, blk);
   }
   memcpy(out, acc, sizeof acc);
 }
 
-/* int8 rows: chunks of 256 (the block formats' largest block), then the row's scale. */
+/* int8 rows: chunks of 256 (the block formats' largest block) widened, then the row's scale. */
 static float dot1_int8_portable(const void *row, const float *x, int64_t K) {
   const int8_t *q = (const int8_t *)row + 4;
-  float acc = 0;
-  for (int64_t k0 = 0; k0 < K; k0 += QKK) {
-    int64_t n = K - k0 < QKK ? K - k0 : QKK;
-    float s = 0;
-    for (int64_t k = 0; k < n; k++) s += x[k0 + k] * (float)q[k0 + k];
-    acc += s;
+  float acc = 0, w[QKK];
+  int64_t K8 = K & ~(int64_t)7;
+  for (int64_t k0 = 0, n; k0 < K8; k0 += n) {
+    n = K8 - k0 < QKK ? K8 - k0 : QKK;
+    for (int64_t k = 0; k < n; k++) w[k] = (float)q[k0 + k];
+    acc += dot8(x + k0, w, n);
   }
+  for (int64_t k = K8; k < K; k++) acc += x[k] * (float)q[k];
   return acc * int8_row_scale(row);
 }
 
@@ -487,6 +515,8 @@ TP_Q_PORTABLE_(q6_k, TP_Q6_K)
 #if TP_Q_X86
 
 #define T512 __attribute__((target("avx512f,avx2,fma,f16c"), always_inline)) static inline
+/* the loops over a chunk's vectors, rows of x, halves: unrolled at any -O (registers, not arrays) */
+#define UNROLL _Pragma("GCC unroll 8")
 #define T256 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
 /* Q4_K / Q5_K: the 6-bit codes of a super-block as eight bytes each (see get_scale_min). */
@@ -512,7 +542,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline void k_scales_256(const u
 
 __attribute__((target("avx2,fma,f16c"))) static inline void q6_scales_256(const uint8_t *b, float D[16], float N[16]) {
   __m256 d = _mm256_set1_ps(_cvtsh_ss((unsigned short)(b[208] | b[209] << 8)));
-  for (int h = 0; h < 2; h++) {
+  UNROLL for (int h = 0; h < 2; h++) {
     __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h))));
     __m256 v = _mm256_mul_ps(d, s);
     _mm256_storeu_ps(D + 8 * h, v);
@@ -580,7 +610,7 @@ T512 void q5_k_prep512(const uint8_t *b, p512 *p) {
 T512 void q5_k_chunk512(const uint8_t *b, const p512 *p, int c, __m512 w[4]) {
   const __m512i bit4 = _mm512_set1_epi32(16);
   const __m512 iota16 = _mm512_add_ps(IOTA512, _mm512_set1_ps(16));
-  for (int h = 0; h < 2; h++) {
+  UNROLL for (int h = 0; h < 2; h++) {
     int s = 2 * c + h;
     __m512 D = _mm512_set1_ps(p->D[s]), M = _mm512_set1_ps(p->M[s]);
     __m512 lo = _mm512_fmsub_ps(D, IOTA512, M), hi = _mm512_fmsub_ps(D, iota16, M);
@@ -600,7 +630,7 @@ T512 void q6_k_chunk512(const uint8_t *b, const p512 *p, int c, __m512 w[2]) {
   const uint8_t *ql = b + 64 * h + 32 * (i & 1), *qh = b + 128 + 32 * h;
   __m128i cnt = _mm_cvtsi32_si128(2 * i);
   const __m512i m15 = _mm512_set1_epi32(15), m48 = _mm512_set1_epi32(48);
-  for (int v = 0; v < 2; v++) {
+  UNROLL for (int v = 0; v < 2; v++) {
     __m512i l = _mm512_cvtepu8_epi32(LD128(ql + 16 * v));
     l = (i & 2) ? _mm512_srli_epi32(l, 4) : _mm512_and_si512(l, m15);
     __m512i hb = _mm512_srl_epi32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(LD128(qh + 16 * v)), 4), cnt);
@@ -622,7 +652,7 @@ typedef struct {
 T256 void q8_0_prep256(const uint8_t *b, p256 *p) { p->t = _mm256_set1_ps(_cvtsh_ss(rd16(b))); }
 T256 void q8_0_chunk256(const uint8_t *b, const p256 *p, int c, __m256 w[4]) {
   (void)c;
-  for (int v = 0; v < 4; v++)
+  UNROLL for (int v = 0; v < 4; v++)
     w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(b + 2 + 8 * v))), p->t);
 }
 
@@ -652,7 +682,7 @@ T256 void q4_k_prep256(const uint8_t *b, p256 *p) { k_scales_256(b, p->D, p->M);
 T256 void q4_k_chunk256(const uint8_t *b, const p256 *p, int c, __m256 w[4]) {
   const __m256i m15 = _mm256_set1_epi32(15);
   __m256 D = _mm256_set1_ps(p->D[c]), M = _mm256_set1_ps(p->M[c]);
-  for (int v = 0; v < 4; v++) {
+  UNROLL for (int v = 0; v < 4; v++) {
     __m256i q = U8X8(b + 16 + 32 * (c >> 1) + 8 * v);
     q = (c & 1) ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, m15);
     w[v] = _mm256_fmsub_ps(D, _mm256_cvtepi32_ps(q), M);
@@ -664,7 +694,7 @@ T256 void q5_k_chunk256(const uint8_t *b, const p256 *p, int c, __m256 w[4]) {
   const __m256i m15 = _mm256_set1_epi32(15), bit4 = _mm256_set1_epi32(16);
   __m256 D = _mm256_set1_ps(p->D[c]), M = _mm256_set1_ps(p->M[c]);
   __m128i cnt = _mm_cvtsi32_si128(c);
-  for (int v = 0; v < 4; v++) {
+  UNROLL for (int v = 0; v < 4; v++) {
     __m256i q = U8X8(b + 48 + 32 * (c >> 1) + 8 * v);
     q = (c & 1) ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, m15);
     __m256i hb = _mm256_and_si256(_mm256_srl_epi32(_mm256_slli_epi32(U8X8(b + 16 + 8 * v), 4), cnt), bit4);
@@ -678,7 +708,7 @@ T256 void q6_k_chunk256(const uint8_t *b, const p256 *p, int c, __m256 w[4]) {
   const uint8_t *ql = b + 64 * h + 32 * (i & 1), *qh = b + 128 + 32 * h;
   __m128i cnt = _mm_cvtsi32_si128(2 * i);
   const __m256i m15 = _mm256_set1_epi32(15), m48 = _mm256_set1_epi32(48);
-  for (int v = 0; v < 4; v++) {
+  UNROLL for (int v = 0; v < 4; v++) {
     __m256i l = U8X8(ql + 8 * v);
     l = (i & 2) ? _mm256_srli_epi32(l, 4) : _mm256_and_si256(l, m15);
     __m256i hb = _mm256_and_si256(_mm256_srl_epi32(_mm256_slli_epi32(U8X8(qh + 8 * v), 4), cnt), m48);
@@ -696,7 +726,7 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
 
 /* The drivers: BLK elements and BB bytes a block, CE elements (NVC vectors) a chunk. */
 #define TP_Q_DRIVERS_(NAME, ISA, TARGET, VEC, PT, LANES, ZERO, FMA, ADD, LOADX, HSUM, BLK, BB, CE)                \
-  __attribute__((target(TARGET), unused)) static float dot1_##NAME##_##ISA(const void *row, const float *x,       \
+  __attribute__((target(TARGET))) static float dot1_##NAME##_##ISA(const void *row, const float *x,       \
                                                                            int64_t K) {                         \
     enum { NVC = (CE) / (LANES), CPB = (BLK) / (CE) };                                                          \
     const uint8_t *r = row;                                                                                     \
@@ -708,17 +738,17 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
       const float *xg = x + g * (CE);                                                                           \
       if (g % CPB == 0) NAME##_prep##ISA(b, &p);                                                                \
       NAME##_chunk##ISA(b, &p, (int)(g % CPB), w);                                                              \
-      for (int v = 0; v < NVC; v++) acc[v & 3] = FMA(w[v], LOADX(xg + v * (LANES)), acc[v & 3]);              \
+      UNROLL for (int v = 0; v < NVC; v++) acc[v & 3] = FMA(w[v], LOADX(xg + v * (LANES)), acc[v & 3]);              \
       if (CPB == 1) b += (BB), NAME##_prep##ISA(b, &p);                                                         \
       NAME##_chunk##ISA(b, &p, (int)((g + 1) % CPB), w);                                                        \
-      for (int v = 0; v < NVC; v++)                                                                             \
+      UNROLL for (int v = 0; v < NVC; v++)                                                                             \
         acc[(v + NVC) & 3] = FMA(w[v], LOADX(xg + (CE) + v * (LANES)), acc[(v + NVC) & 3]);                    \
     }                                                                                                           \
     if (g < nch) {                                                                                              \
       const uint8_t *b = r + (size_t)(g / CPB) * (BB);                                                          \
       if (g % CPB == 0) NAME##_prep##ISA(b, &p);                                                                \
       NAME##_chunk##ISA(b, &p, (int)(g % CPB), w);                                                              \
-      for (int v = 0; v < NVC; v++) acc[v & 3] = FMA(w[v], LOADX(x + g * (CE) + v * (LANES)), acc[v & 3]);   \
+      UNROLL for (int v = 0; v < NVC; v++) acc[v & 3] = FMA(w[v], LOADX(x + g * (CE) + v * (LANES)), acc[v & 3]);   \
     }                                                                                                           \
     return HSUM(ADD(ADD(acc[0], acc[1]), ADD(acc[2], acc[3])));                                                 \
   }                                                                                                             \
@@ -733,11 +763,11 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
       const uint8_t *b = r + (size_t)(g / CPB) * (BB);                                                          \
       if (g % CPB == 0) NAME##_prep##ISA(b, &p);                                                                \
       NAME##_chunk##ISA(b, &p, (int)(g % CPB), w);                                                              \
-      for (int v = 0; v < NVC; v++)                                                                             \
-        for (int j = 0; j < 4; j++)                                                                             \
+      UNROLL for (int v = 0; v < NVC; v++)                                                                             \
+        UNROLL for (int j = 0; j < 4; j++)                                                                             \
           acc[j][v & 1] = FMA(w[v], LOADX(x[j] + g * (CE) + v * (LANES)), acc[j][v & 1]);                       \
     }                                                                                                           \
-    for (int j = 0; j < 4; j++) out[j] = HSUM(ADD(acc[j][0], acc[j][1]));                                       \
+    UNROLL for (int j = 0; j < 4; j++) out[j] = HSUM(ADD(acc[j][0], acc[j][1]));                                       \
   }
 
 #define TP_Q512_(NAME, BLK, BB, CE)                                                                             \
@@ -746,15 +776,9 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
 #define TP_Q256_(NAME, BLK, BB, CE)                                                                             \
   TP_Q_DRIVERS_(NAME, 256, "avx2,fma,f16c", __m256, p256, 8, _mm256_setzero_ps(), _mm256_fmadd_ps,             \
                 _mm256_add_ps, _mm256_loadu_ps, hsum256, BLK, BB, CE)
-#define dot1_q8_0_512 dot1_q8_0_512_generic
-#define dot1_q4_0_512 dot1_q4_0_512_generic
-#define dot1_q4_1_512 dot1_q4_1_512_generic
 TP_Q512_(q8_0, 32, 34, 32)
 TP_Q512_(q4_0, 32, 18, 32)
 TP_Q512_(q4_1, 32, 20, 32)
-#undef dot1_q8_0_512
-#undef dot1_q4_0_512
-#undef dot1_q4_1_512
 TP_Q512_(q4_k, 256, 144, 64)
 TP_Q512_(q5_k, 256, 176, 64)
 TP_Q512_(q6_k, 256, 210, 32)
@@ -768,88 +792,6 @@ TP_Q256_(q6_k, 256, 210, 32)
 #undef TP_Q256_
 #undef TP_Q_DRIVERS_
 
-/* The decode hot path, M = 1 over 32-element blocks (Q4_0, Q4_1, Q8_0) on AVX-512: the
- * f16 headers of 16 blocks are gathered and widened at once (a per-block scalar
- * conversion and broadcast cost as much as the block's arithmetic), then each block's
- * values come from memory broadcasts.  Q4_x: a 16-entry table d i + m indexed by the
- * nibbles; Q8_0: d (q . x) per block. */
-__attribute__((target("avx512f,avx2,fma,f16c"))) static inline void headers512(float h[32], const uint8_t *b, int bb,
-                                                                               int n) {
-  const __m512i off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(bb));
-  __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << n) - 1), off, b, 1);
-  _mm512_storeu_ps(h, _mm512_cvtph_ps(_mm512_castsi512_si256(v)));
-  _mm512_storeu_ps(h + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)));
-}
-
-/* One Q4_0 / Q4_1 block: its table from the header pair (d, m) (Q4_0: m ignored, d (i - 8)). */
-#define Q4X_BLOCK_(b, h, xb, A0, A1)                                                            \
-  do {                                                                                          \
-    __m512 t = q41 ? _mm512_fmadd_ps(_mm512_set1_ps((h)[0]), IOTA512, _mm512_set1_ps((h)[1]))   \
-                   : _mm512_mul_ps(_mm512_set1_ps((h)[0]), iota8);                              \
-    __m512i q = _mm512_cvtepu8_epi32(LD128((b) + qo));                                          \
-    A0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, t), _mm512_loadu_ps(xb), A0);                 \
-    A1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t), _mm512_loadu_ps((xb) + 16), A1); \
-  } while (0)
-
-__attribute__((target("avx512f,avx2,fma,f16c"), always_inline)) static inline float dot1_q4x_512(const uint8_t *r,
-                                                                                                const float *x,
-                                                                                                int64_t K, int q41) {
-  const int bb = q41 ? 20 : 18, qo = q41 ? 4 : 2;
-  const __m512 iota8 = _mm512_sub_ps(IOTA512, _mm512_set1_ps(8));
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  float h[32];
-  int64_t nb = K / 32;
-  for (int64_t g = 0; g < nb; g += 16) {
-    int n = nb - g < 16 ? (int)(nb - g) : 16, j = 0;
-    const uint8_t *b = r + (size_t)g * bb;
-    const float *xg = x + g * 32;
-    headers512(h, b, bb, n);
-    for (; j + 2 <= n; j += 2) {
-      Q4X_BLOCK_(b + j * bb, h + 2 * j, xg + 32 * j, a0, a1);
-      Q4X_BLOCK_(b + (j + 1) * bb, h + 2 * j + 2, xg + 32 * j + 32, a2, a3);
-    }
-    if (j < n) Q4X_BLOCK_(b + j * bb, h + 2 * j, xg + 32 * j, a0, a1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
-#undef Q4X_BLOCK_
-
-__attribute__((target("avx512f,avx2,fma,f16c"))) static float dot1_q4_0_512(const void *row, const float *x, int64_t K) {
-  return dot1_q4x_512(row, x, K, 0);
-}
-
-__attribute__((target("avx512f,avx2,fma,f16c"))) static float dot1_q4_1_512(const void *row, const float *x, int64_t K) {
-  return dot1_q4x_512(row, x, K, 1);
-}
-
-#define Q8_BLOCK_(b, d, xb, A)                                                                     \
-  do {                                                                                             \
-    __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128((b) + 2))), _mm512_loadu_ps(xb)); \
-    s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128((b) + 18))), _mm512_loadu_ps((xb) + 16), s); \
-    A = _mm512_fmadd_ps(_mm512_set1_ps(d), s, A);                                                  \
-  } while (0)
-
-__attribute__((target("avx512f,avx2,fma,f16c"))) static float dot1_q8_0_512(const void *row, const float *x, int64_t K) {
-  const uint8_t *r = row;
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-  float h[32];
-  int64_t nb = K / 32;
-  for (int64_t g = 0; g < nb; g += 16) {
-    int n = nb - g < 16 ? (int)(nb - g) : 16, j = 0;
-    const uint8_t *b = r + (size_t)g * 34;
-    const float *xg = x + g * 32;
-    headers512(h, b, 34, n); /* d in the even entries */
-    for (; j + 2 <= n; j += 2) {
-      Q8_BLOCK_(b + j * 34, h[2 * j], xg + 32 * j, a0);
-      Q8_BLOCK_(b + (j + 1) * 34, h[2 * j + 2], xg + 32 * j + 32, a1);
-    }
-    if (j < n) Q8_BLOCK_(b + j * 34, h[2 * j], xg + 32 * j, a0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-#undef Q8_BLOCK_
-
 /* int8 rows: any K; 64 elements per step into four accumulators, then 16 (8) at a time, then
  * one at a time; the row's scale multiplies the sum. */
 __attribute__((target("avx512f,avx2,fma,f16c"))) static float dot1_int8_512(const void *row, const float *x, int64_t K) {
@@ -857,7 +799,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) static float dot1_int8_512(cons
   __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   int64_t k = 0;
   for (; k + 64 <= K; k += 64)
-    for (int v = 0; v < 4; v++)
+    UNROLL for (int v = 0; v < 4; v++)
       a[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(q + k + 16 * v))),
                              _mm512_loadu_ps(x + k + 16 * v), a[v]);
   for (; k + 16 <= K; k += 16)
@@ -871,22 +813,22 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) static void dot4_int8_512(float
                                                                            const float *const x[4], int64_t K) {
   const int8_t *q = (const int8_t *)row + 4;
   __m512 a[4][2];
-  for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = _mm512_setzero_ps();
+  UNROLL for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32)
-    for (int v = 0; v < 2; v++) {
+    UNROLL for (int v = 0; v < 2; v++) {
       __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(q + k + 16 * v)));
-      for (int j = 0; j < 4; j++) a[j][v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[j] + k + 16 * v), a[j][v]);
+      UNROLL for (int j = 0; j < 4; j++) a[j][v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[j] + k + 16 * v), a[j][v]);
     }
   for (; k + 16 <= K; k += 16) {
     __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(q + k)));
-    for (int j = 0; j < 4; j++) a[j][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[j] + k), a[j][0]);
+    UNROLL for (int j = 0; j < 4; j++) a[j][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[j] + k), a[j][0]);
   }
   float s[4];
-  for (int j = 0; j < 4; j++) s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j][0], a[j][1]));
+  UNROLL for (int j = 0; j < 4; j++) s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j][0], a[j][1]));
   for (; k < K; k++)
-    for (int j = 0; j < 4; j++) s[j] += x[j][k] * (float)q[k];
-  for (int j = 0; j < 4; j++) out[j] = s[j] * int8_row_scale(row);
+    UNROLL for (int j = 0; j < 4; j++) s[j] += x[j][k] * (float)q[k];
+  UNROLL for (int j = 0; j < 4; j++) out[j] = s[j] * int8_row_scale(row);
 }
 
 __attribute__((target("avx2,fma,f16c"))) static float dot1_int8_256(const void *row, const float *x, int64_t K) {
@@ -894,7 +836,7 @@ __attribute__((target("avx2,fma,f16c"))) static float dot1_int8_256(const void *
   __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t k = 0;
   for (; k + 32 <= K; k += 32)
-    for (int v = 0; v < 4; v++)
+    UNROLL for (int v = 0; v < 4; v++)
       a[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(q + k + 8 * v))),
                              _mm256_loadu_ps(x + k + 8 * v), a[v]);
   for (; k + 8 <= K; k += 8)
@@ -908,22 +850,22 @@ __attribute__((target("avx2,fma,f16c"))) static void dot4_int8_256(float out[4],
                                                                    const float *const x[4], int64_t K) {
   const int8_t *q = (const int8_t *)row + 4;
   __m256 a[4][2];
-  for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
+  UNROLL for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16)
-    for (int v = 0; v < 2; v++) {
+    UNROLL for (int v = 0; v < 2; v++) {
       __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(q + k + 8 * v)));
-      for (int j = 0; j < 4; j++) a[j][v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[j] + k + 8 * v), a[j][v]);
+      UNROLL for (int j = 0; j < 4; j++) a[j][v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[j] + k + 8 * v), a[j][v]);
     }
   for (; k + 8 <= K; k += 8) {
     __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(q + k)));
-    for (int j = 0; j < 4; j++) a[j][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[j] + k), a[j][0]);
+    UNROLL for (int j = 0; j < 4; j++) a[j][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[j] + k), a[j][0]);
   }
   float s[4];
-  for (int j = 0; j < 4; j++) s[j] = hsum256(_mm256_add_ps(a[j][0], a[j][1]));
+  UNROLL for (int j = 0; j < 4; j++) s[j] = hsum256(_mm256_add_ps(a[j][0], a[j][1]));
   for (; k < K; k++)
-    for (int j = 0; j < 4; j++) s[j] += x[j][k] * (float)q[k];
-  for (int j = 0; j < 4; j++) out[j] = s[j] * int8_row_scale(row);
+    UNROLL for (int j = 0; j < 4; j++) s[j] += x[j][k] * (float)q[k];
+  UNROLL for (int j = 0; j < 4; j++) out[j] = s[j] * int8_row_scale(row);
 }
 /* ------------------------------------------------------------------ SIMD dequantization */
 
@@ -934,7 +876,7 @@ __attribute__((target("avx2,fma,f16c"))) static void dot4_int8_256(float out[4],
 
 __attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q8_0(float *y, const uint8_t *b) {
   __m512 d = _mm512_set1_ps(_cvtsh_ss(rd16(b)));
-  for (int v = 0; v < 2; v++)
+  UNROLL for (int v = 0; v < 2; v++)
     _mm512_storeu_ps(y + 16 * v, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(b + 2 + 16 * v))), d));
 }
 
@@ -970,7 +912,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q4_k(float *
   float D[8], M[8];
   k_scales_256(b, D, M);
   const __m512i m15 = _mm512_set1_epi32(15);
-  for (int i = 0; i < 4; i++) {
+  UNROLL for (int i = 0; i < 4; i++) {
     __m512i qa = _mm512_cvtepu8_epi32(LD128(b + 16 + 32 * i)), qb = _mm512_cvtepu8_epi32(LD128(b + 32 + 32 * i));
     kstore512(y + 64 * i, _mm512_and_si512(qa, m15), D[2 * i], M[2 * i]);
     kstore512(y + 64 * i + 16, _mm512_and_si512(qb, m15), D[2 * i], M[2 * i]);
@@ -986,7 +928,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q5_k(float *
   __m512i h[2] = {_mm512_cvtepu8_epi32(LD128(b + 16)), _mm512_cvtepu8_epi32(LD128(b + 32))};
   for (int s = 0; s < 8; s++) {
     __m128i cnt = _mm_cvtsi32_si128(s);
-    for (int v = 0; v < 2; v++) {
+    UNROLL for (int v = 0; v < 2; v++) {
       __m512i q = _mm512_cvtepu8_epi32(LD128(b + 48 + 32 * (s / 2) + 16 * v));
       q = (s & 1) ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, m15);
       q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h[v], cnt), one), 4));
@@ -999,12 +941,12 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q6_k(float *
   float D[16], N[16];
   q6_scales_256(b, D, N);
   const __m512i m15 = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3), k32 = _mm512_set1_epi32(32);
-  for (int h = 0; h < 2; h++)
-    for (int v = 0; v < 2; v++) {
+  UNROLL for (int h = 0; h < 2; h++)
+    UNROLL for (int v = 0; v < 2; v++) {
       __m512i qh = _mm512_cvtepu8_epi32(LD128(b + 128 + 32 * h + 16 * v));
       __m512i la = _mm512_cvtepu8_epi32(LD128(b + 64 * h + 16 * v));      /* i = 0, 2 */
       __m512i lb = _mm512_cvtepu8_epi32(LD128(b + 64 * h + 32 + 16 * v)); /* i = 1, 3 */
-      for (int i = 0; i < 4; i++) {
+      UNROLL for (int i = 0; i < 4; i++) {
         __m512i l = (i & 1) ? lb : la;
         l = (i & 2) ? _mm512_srli_epi32(l, 4) : _mm512_and_si512(l, m15);
         __m512i hb = _mm512_and_si512(_mm512_srl_epi32(qh, _mm_cvtsi32_si128(2 * i)), three);
@@ -1017,14 +959,14 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q6_k(float *
 
 __attribute__((target("avx2,fma,f16c"))) static void deq256_q8_0(float *y, const uint8_t *b) {
   __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(b)));
-  for (int v = 0; v < 4; v++)
+  UNROLL for (int v = 0; v < 4; v++)
     _mm256_storeu_ps(y + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(b + 2 + 8 * v))), d));
 }
 
 __attribute__((target("avx2,fma,f16c"))) static void deq256_q4_0(float *y, const uint8_t *b) {
   __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(b)));
   const __m256i m15 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
-  for (int v = 0; v < 2; v++) {
+  UNROLL for (int v = 0; v < 2; v++) {
     __m256i q = U8X8(b + 2 + 8 * v);
     __m256i lo = _mm256_sub_epi32(_mm256_and_si256(q, m15), eight), hi = _mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight);
     _mm256_storeu_ps(y + 8 * v, _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
@@ -1035,7 +977,7 @@ __attribute__((target("avx2,fma,f16c"))) static void deq256_q4_0(float *y, const
 __attribute__((target("avx2,fma,f16c"))) static void deq256_q4_1(float *y, const uint8_t *b) {
   __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(b))), m = _mm256_set1_ps(_cvtsh_ss(rd16(b + 2)));
   const __m256i m15 = _mm256_set1_epi32(15);
-  for (int v = 0; v < 2; v++) {
+  UNROLL for (int v = 0; v < 2; v++) {
     __m256i q = U8X8(b + 4 + 8 * v);
     __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q, m15)));
     __m256 hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)));
@@ -1062,7 +1004,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void deq25
   const __m256i m15 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
   for (int s = 0; s < 8; s++) {
     __m128i cnt = _mm_cvtsi32_si128(s);
-    for (int v = 0; v < 4; v++) {
+    UNROLL for (int v = 0; v < 4; v++) {
       __m256i q = U8X8(qs + 32 * (s / 2) + 8 * v);
       q = (s & 1) ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, m15);
       if (qh) q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(U8X8(qh + 8 * v), cnt), one), 4));
@@ -1078,10 +1020,10 @@ __attribute__((target("avx2,fma,f16c"))) static void deq256_q6_k(float *y, const
   float D[16], N[16];
   q6_scales_256(b, D, N);
   const __m256i m15 = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3), k32 = _mm256_set1_epi32(32);
-  for (int h = 0; h < 2; h++)
-    for (int v = 0; v < 4; v++) {
+  UNROLL for (int h = 0; h < 2; h++)
+    UNROLL for (int v = 0; v < 4; v++) {
       __m256i qh = U8X8(b + 128 + 32 * h + 8 * v), la = U8X8(b + 64 * h + 8 * v), lb = U8X8(b + 64 * h + 32 + 8 * v);
-      for (int i = 0; i < 4; i++) {
+      UNROLL for (int i = 0; i < 4; i++) {
         __m256i l = (i & 1) ? lb : la;
         l = (i & 2) ? _mm256_srli_epi32(l, 4) : _mm256_and_si256(l, m15);
         __m256i hb = _mm256_and_si256(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * i)), three);
