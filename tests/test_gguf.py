@@ -366,7 +366,7 @@ def _rows_read(comm, path):
         return orig(self, rows, cols)
     tg._Part.read = spy
     try:
-        tpcore.models.from_gguf(path, comm, progress=False)
+        tpcore.models.from_gguf(path, comm, progress=False, dtype="float32")  # the lazy dequantizing views
     finally:
         tg._Part.read = orig
     return {k: sorted(v) for k, v in seen.items()}
