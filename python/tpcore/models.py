@@ -938,7 +938,7 @@ class TransformerLM:
         Raises
         ------
         ValueError
-            hf with sharded.
+            hf with sharded; sharded with quantized weights.
         OSError
             The files cannot be written.
 
@@ -947,6 +947,9 @@ class TransformerLM:
         Collective: `state_dict_full`'s all-gathers (unless sharded), then a barrier.
         """
         comm = self.comm
+        if sharded and self._frozen():  # the shard files hold parameters() only: no room for raw rows
+            raise ValueError(f"save_pretrained: sharded=True cannot save quantized weights ({self.dtype}); use "
+                             f"sharded=False (full float32 tensors: from_pretrained(..., dtype=...) quantizes again)")
         if hf:
             if sharded:
                 raise ValueError("save_pretrained: hf=True writes one consolidated file (sharded=False)")

@@ -1,0 +1,116 @@
+"""Quantized (frozen) weights through the paths that assume a float32 weight with a gradient:
+the pipeline's tied embeddings, sharded checkpoints (tpcore.save / load, save_pretrained)."""
+import os
+
+import numpy as np
+import pytest
+
+import tpcore
+from tpcore.models import Config, TransformerLM
+from tpcore.pipeline import PipelineLM
+from tpcore.quant import QuantTensor, quantize
+
+DEADLINE = 120
+
+
+def _cfg(tied=True):
+    return Config(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=96, norm="rmsnorm", activation="swiglu",
+                  positions="rope", bias=False, vocab_size=37, layers=2, tie_embeddings=tied, max_positions=32)
+
+
+def _pipeline_tied(comm, fmt):
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, 37, (2, 6))
+    tgts = rng.integers(0, 37, (2, 6))
+    # the single-process reference: the same model, unsplit
+    solo = comm.split(comm.rank)
+    ref = TransformerLM(_cfg(), solo, seed=4, dtype=fmt)
+    ref.zero_grad()
+    want = ref.loss(toks, tgts)
+    ref.backward()
+    grid = tpcore.ProcessGrid(comm, pp=comm.size)
+    p = PipelineLM(_cfg(), grid, seed=4, dtype=fmt)
+    p.zero_grad()
+    got = p.train_step(toks, tgts, micro_batches=2)
+    g = None
+    if p.last:  # the final norm's gradient (a trainable parameter next to the frozen head)
+        g = float(np.abs(p.stage.final_norm.grad_weight - ref.final_norm.grad_weight).max())
+    p.close()
+    solo.close()
+    return abs(got - want), g, float(np.abs(ref.final_norm.grad_weight).max())
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "int8"])
+def test_pipeline_with_a_quantized_tied_embedding_trains_the_rest(fmt):
+    out = tpcore.spawn(_pipeline_tied, 2, args=(fmt,), deadline=DEADLINE)
+    for dl, g, scale in out:
+        assert dl < 1e-4
+        assert g is None or (scale > 0 and g < 1e-4 * max(1.0, scale))
+
+
+def _sharded_layers(comm, path, fmt):
+    rng = np.random.default_rng(5)
+    W = rng.standard_normal((7, 64)).astype(np.float32)
+    layers = {"col": tpcore.ColumnParallelLinear(64, 7, comm, bias=True, dtype=fmt),
+              "row": tpcore.RowParallelLinear(64, 7, comm, bias=True, dtype=fmt, input_is_parallel=False),
+              "emb": tpcore.VocabParallelEmbedding(11, 64, comm, dtype=fmt)}
+    layers["col"].load_full(QuantTensor(fmt, (7, 64), quantize(W, fmt)), rng.standard_normal(7).astype(np.float32))
+    tpcore.save(layers, path, comm, sharded=True)
+    other = {"col": tpcore.ColumnParallelLinear(64, 7, comm, bias=True, dtype=fmt, seed=9),
+             "row": tpcore.RowParallelLinear(64, 7, comm, bias=True, dtype=fmt, seed=9, input_is_parallel=False),
+             "emb": tpcore.VocabParallelEmbedding(11, 64, comm, dtype=fmt, seed=9)}
+    differ_before = not np.array_equal(np.asarray(other["col"].weight), np.asarray(layers["col"].weight))
+    tpcore.load(other, path, comm, sharded=True)
+    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for k in layers
+               for a, b in zip([layers[k].weight] + ([] if k == "emb" else [layers[k].bias]),
+                               [other[k].weight] + ([] if k == "emb" else [other[k].bias])))
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    ys = float(np.abs(layers["row"](x) - other["row"](x)).max())
+    # another format with rows of the same bytes (q4_0 and q4_k: 144 bytes per 256) is refused
+    errs = []
+    wrong = {"col": tpcore.ColumnParallelLinear(64, 7, comm, bias=True, dtype="float32"),
+             "row": tpcore.RowParallelLinear(64, 7, comm, bias=True, dtype=fmt, input_is_parallel=False),
+             "emb": tpcore.VocabParallelEmbedding(11, 64, comm, dtype=fmt)}
+    try:
+        tpcore.load(wrong, path, comm, sharded=True)
+    except Exception as e:  # noqa: BLE001 (the type is checked below)
+        errs.append((type(e).__name__, str(e)))
+    return differ_before, same, ys, errs
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "int8"])
+def test_sharded_save_load_of_quantized_layers(tmp_path, fmt):
+    path = os.path.join(str(tmp_path), "m.safetensors")
+    for differ_before, same, ys, errs in tpcore.spawn(_sharded_layers, 2, args=(path, fmt), deadline=DEADLINE):
+        assert differ_before and same and ys == 0.0
+        assert len(errs) == 1 and errs[0][0] in ("ValueError", "CommError") and "float" in errs[0][1]
+
+
+def _format_mismatch(comm, path):
+    a = tpcore.RowParallelLinear(256, 5, comm, bias=False, dtype="q4_0")
+    tpcore.save(a, path, comm, sharded=True)
+    b = tpcore.RowParallelLinear(256, 5, comm, bias=False, dtype="q4_k")  # rows of 144 bytes too
+    assert b.weight.shape == a.weight.shape
+    with pytest.raises(ValueError, match="q4_0 weights, but this layer holds q4_k"):
+        tpcore.load(b, path, comm, sharded=True)
+    return True
+
+
+def test_sharded_load_refuses_another_format_of_the_same_bytes(tmp_path):
+    assert all(tpcore.spawn(_format_mismatch, 1, args=(os.path.join(str(tmp_path), "a.npz"),), deadline=DEADLINE))
+
+
+def _save_pretrained_sharded(comm, path):
+    m = TransformerLM(_cfg(), comm, seed=1, dtype="q8_0")
+    with pytest.raises(ValueError, match="sharded=True cannot save quantized"):
+        m.save_pretrained(path, sharded=True)
+    refused = not os.path.exists(os.path.join(path, "tpcore_config.json"))
+    m.save_pretrained(path)  # full float32 tensors: loads, and quantizes again to the same blocks
+    m2 = tpcore.models.from_pretrained(path, comm, dtype="q8_0", progress=False)
+    toks = np.array([[1, 5, 2, 7]])
+    return refused, float(np.abs(m.logits(toks) - m2.logits(toks)).max())
+
+
+def test_save_pretrained_sharded_refuses_quantized_weights(tmp_path):
+    for refused, d in tpcore.spawn(_save_pretrained_sharded, 2, args=(str(tmp_path / "m"),), deadline=DEADLINE):
+        assert refused and d < 1e-4
