@@ -114,3 +114,32 @@ def _save_pretrained_sharded(comm, path):
 def test_save_pretrained_sharded_refuses_quantized_weights(tmp_path):
     for refused, d in tpcore.spawn(_save_pretrained_sharded, 2, args=(str(tmp_path / "m"),), deadline=DEADLINE):
         assert refused and d < 1e-4
+
+
+def _planned_model(comm, speeds):
+    from tpcore.planner import plan_from_measurements
+    cfg = Config(hidden=512, heads=8, kv_heads=8, head_dim=64, ffn_hidden=512, norm="rmsnorm", activation="swiglu",
+                 positions="rope", bias=False, vocab_size=37, layers=1, tie_embeddings=True, max_positions=32)
+    plan = plan_from_measurements(cfg, speeds, dtype="q4_k")
+    q = TransformerLM(cfg, comm, seed=2, dtype="q4_k", plan=plan)
+    f = TransformerLM(cfg, comm, seed=7)
+    f.load_state_dict_full(q.state_dict_full())
+    toks = np.random.default_rng(4).integers(0, 37, (2, 5))
+    return plan.heads, float(np.abs(q.logits(toks) - f.logits(toks)).max())
+
+
+def test_planner_splits_heads_in_whole_blocks_of_the_output_projection():
+    from tpcore.planner import plan_from_measurements
+    cfg = Config(hidden=512, heads=8, kv_heads=8, head_dim=64, ffn_hidden=1536, norm="rmsnorm", activation="swiglu",
+                 positions="rope", bias=False, vocab_size=97, layers=2, max_positions=64)
+    for speeds in ([1.0, 0.5, 0.25], [1.0, 0.7], [1.0, 1.0, 1.0]):
+        p = plan_from_measurements(cfg, speeds, dtype="q4_k")
+        assert sum(p.heads) == 8 and all(h * 64 % 256 == 0 for h in p.heads), p.heads
+        assert plan_from_measurements(cfg, speeds, dtype="q8_0").heads == plan_from_measurements(cfg, speeds).heads
+    # GQA in whole groups: 2 query heads per KV head, head_dim 32: q4_k needs 8 heads (4 groups) a unit
+    g = Config(hidden=512, heads=16, kv_heads=8, head_dim=32, ffn_hidden=512, norm="rmsnorm", activation="swiglu",
+               positions="rope", bias=False, vocab_size=97, layers=1, max_positions=64)
+    p = plan_from_measurements(g, [1.0, 0.6], dtype="q4_k", head_unit="group")
+    assert sum(p.heads) == 16 and all(h * 32 % 256 == 0 for h in p.heads), p.heads
+    for heads, d in tpcore.spawn(_planned_model, 2, args=([1.0, 0.7],), deadline=DEADLINE):
+        assert heads == [4, 4] and d < 5e-5
