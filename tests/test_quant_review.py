@@ -143,3 +143,22 @@ def test_planner_splits_heads_in_whole_blocks_of_the_output_projection():
     assert sum(p.heads) == 16 and all(h * 32 % 256 == 0 for h in p.heads), p.heads
     for heads, d in tpcore.spawn(_planned_model, 2, args=([1.0, 0.7],), deadline=DEADLINE):
         assert heads == [4, 4] and d < 5e-5
+
+
+def _quantize_uneven_heads(comm):
+    cfg = Config(hidden=128, heads=8, kv_heads=2, head_dim=16, ffn_hidden=256, norm="rmsnorm", activation="swiglu",
+                 positions="rope", bias=False, vocab_size=37, layers=1, tie_embeddings=False, max_positions=32)
+    m = TransformerLM(cfg, comm, seed=5)  # world 3: heads [3, 3, 2] x 16 columns, not whole q8_0 blocks
+    q = tpcore.models.quantize(m, "q8_0")
+    f = TransformerLM(cfg, comm, seed=6)
+    f.load_state_dict_full(q.state_dict_full())  # the quantized model's own values, in float32
+    toks = np.random.default_rng(2).integers(0, 37, (2, 6))
+    a, b, c = m.logits(toks), q.logits(toks), f.logits(toks)
+    return (m.blocks[0].head_partition, q.blocks[0].head_partition, float(np.abs(b - c).max()),
+            float(np.abs(a - b).max() / np.abs(a).max()))
+
+
+def test_quantize_a_model_whose_head_split_is_not_whole_blocks():
+    for hm, hq, d, rel in tpcore.spawn(_quantize_uneven_heads, 3, deadline=DEADLINE):
+        assert [s for _, s in hm] == [3, 3, 2] and all(s * 16 % 32 == 0 for _, s in hq)
+        assert d < 5e-5 and 0 < rel < 0.02

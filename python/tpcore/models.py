@@ -1031,7 +1031,10 @@ def quantize(model: TransformerLM, fmt: str, embedding: Optional[str] = None,
     ffn = model.blocks[0].ffn_partition if model.blocks else None
     if ffn is not None and any(s % block_size(d) for _, s in ffn):
         ffn = None  # the MLP's default split, in whole blocks
-    q = TransformerLM(cfg, comm, seed=model.seed, partition=model.blocks[0].head_partition if model.blocks else None,
+    heads = model.blocks[0].head_partition if model.blocks else None
+    if heads is not None and any(s * cfg.head_dim % block_size(d) for _, s in heads):
+        heads = None  # the default split, whose output-projection columns are whole blocks (_aligned_heads)
+    q = TransformerLM(cfg, comm, seed=model.seed, partition=heads,
                       ffn_partition=ffn, vocab_partition=model.vocab_partition,
                       device=None if not model._on_gpu() else device_string(model.device), dtype=dtypes)
     q.wte.load_full(model.wte.gather_full())
