@@ -162,3 +162,16 @@ def test_quantize_a_model_whose_head_split_is_not_whole_blocks():
     for hm, hq, d, rel in tpcore.spawn(_quantize_uneven_heads, 3, deadline=DEADLINE):
         assert [s for _, s in hm] == [3, 3, 2] and all(s * 16 % 32 == 0 for _, s in hq)
         assert d < 5e-5 and 0 < rel < 0.02
+
+
+def test_sizes_must_be_integers():
+    raw = quantize(np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32), "int8")
+    with pytest.raises(TypeError, match="dequantize: cols must be"):
+        tpcore.quant.dequantize(raw, "int8", 64.5)  # was truncated to 64 and accepted
+    with pytest.raises(TypeError, match="row_bytes: cols must be"):
+        tpcore.quant.row_bytes("q8_0", 64.0)
+    with pytest.raises(TypeError, match="QuantTensor: shape"):
+        QuantTensor("int8", ("3", 64), raw)
+    with pytest.raises(TypeError, match="QuantTensor: shape"):
+        QuantTensor("int8", (3.0, 64), raw)
+    assert np.array_equal(tpcore.quant.dequantize(raw, "int8", np.int64(64)), QuantTensor("int8", (3, 64), raw)[:])
