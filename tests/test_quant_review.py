@@ -175,3 +175,20 @@ def test_sizes_must_be_integers():
     with pytest.raises(TypeError, match="QuantTensor: shape"):
         QuantTensor("int8", (3.0, 64), raw)
     assert np.array_equal(tpcore.quant.dequantize(raw, "int8", np.int64(64)), QuantTensor("int8", (3, 64), raw)[:])
+
+
+def _sharded_into_quantized(comm, path):
+    m = TransformerLM(_cfg(), comm, seed=1)
+    m.save_pretrained(path, sharded=True)
+    side = comm.split(0)  # the same ranks: a refusal aborts the communicator it ran on
+    with pytest.raises(ValueError, match="sharded checkpoint .* cannot load into quantized weights"):
+        tpcore.models.from_pretrained(path, side, dtype="q8_0", progress=False)
+    side.close()
+    f = tpcore.models.from_pretrained(path, comm, progress=False)  # float32: as it was saved
+    toks = np.array([[3, 1, 4, 1, 5]])
+    return float(np.abs(f.logits(toks) - m.logits(toks)).max())
+
+
+def test_sharded_checkpoint_into_a_quantized_model_is_refused_by_name(tmp_path):
+    for d in tpcore.spawn(_sharded_into_quantized, 2, args=(str(tmp_path / "s"),), deadline=DEADLINE):
+        assert d == 0.0

@@ -1294,6 +1294,10 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device
         raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
                          f"save it with sharded=False to reshard")
     _check_own_shards(path, cfg, own, comm.size)
+    if dtype is not None and any(is_quantized(v) for v in _model_dtypes(dtype, "from_pretrained").values()):
+        raise ValueError(f"from_pretrained: {path} is a sharded checkpoint (this rank's parameters as they are); it "
+                         f"cannot load into quantized weights (dtype={dtype!r}): load it in float32 and "
+                         f"tpcore.models.quantize the model, or save it with sharded=False")
     model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32")
     t, _ = fmt.read_safetensors(mine)
     params = model.parameters()
