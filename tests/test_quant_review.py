@@ -192,3 +192,13 @@ def _sharded_into_quantized(comm, path):
 def test_sharded_checkpoint_into_a_quantized_model_is_refused_by_name(tmp_path):
     for d in tpcore.spawn(_sharded_into_quantized, 2, args=(str(tmp_path / "s"),), deadline=DEADLINE):
         assert d == 0.0
+
+
+def test_device_array_refuses_weight_formats_as_dtypes():
+    # the quantized weight formats are names tp_dtype_from_name knows, but not element types:
+    # such a DeviceArray had a shape and no bytes
+    for name in ("q8_0", "q4_k", "q6_k"):
+        with pytest.raises(ValueError, match=f"DeviceArray: dtype '{name}' is not known"):
+            tpcore.DeviceArray((4, 64), name)
+    a = tpcore.DeviceArray((3, 5), "int8")
+    assert a.shape == (3, 5) and np.array_equal(a.to_numpy(), np.zeros((3, 5), np.int8))
