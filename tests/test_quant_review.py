@@ -202,3 +202,14 @@ def test_device_array_refuses_weight_formats_as_dtypes():
             tpcore.DeviceArray((4, 64), name)
     a = tpcore.DeviceArray((3, 5), "int8")
     assert a.shape == (3, 5) and np.array_equal(a.to_numpy(), np.zeros((3, 5), np.int8))
+
+
+def test_linear_kernel_names_columns_that_are_not_whole_blocks():
+    from tpcore import _C
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"linear_forward: x has 64 columns, not whole blocks of 256 elements \(q4_k"):
+        _C.linear_forward(x, np.zeros((3, 144), np.uint8), None, None, "q4_k")
+    with pytest.raises(ValueError, match="linear_backward: x has 64 columns, not whole blocks of 256"):
+        _C.linear_backward(np.ones((2, 3), np.float32), x, np.zeros((3, 144), np.uint8), None, None, "q6_k")
+    with pytest.raises(ValueError, match="w's rows are 30 bytes, but 64 q8_0 elements take 68"):
+        _C.linear_forward(x, np.zeros((3, 30), np.uint8), None, None, "q8_0")
