@@ -213,3 +213,25 @@ def test_linear_kernel_names_columns_that_are_not_whole_blocks():
         _C.linear_backward(np.ones((2, 3), np.float32), x, np.zeros((3, 144), np.uint8), None, None, "q6_k")
     with pytest.raises(ValueError, match="w's rows are 30 bytes, but 64 q8_0 elements take 68"):
         _C.linear_forward(x, np.zeros((3, 30), np.uint8), None, None, "q8_0")
+
+
+def _quantize_device_model(comm):
+    # GPT-2 style: learned positions, LayerNorm with biases, a final norm; the source model on the
+    # device code path (its norms and position embeddings are DeviceArrays, as on a GPU)
+    cfg = Config(hidden=64, heads=4, head_dim=16, ffn_hidden=128, norm="layernorm", activation="gelu",
+                 positions="learned", bias=True, vocab_size=37, layers=1, tie_embeddings=True, max_positions=16)
+    m = TransformerLM(cfg, comm, seed=3, _device_path=True)
+    q = tpcore.models.quantize(m, "q8_0")
+    f = TransformerLM(cfg, comm, seed=8)
+    f.load_state_dict_full(q.state_dict_full())
+    ref = TransformerLM(cfg, comm, seed=3)  # the source's values on the NumPy path
+    toks = np.random.default_rng(6).integers(0, 37, (2, 7))
+    a, b = ref.logits(toks), q.logits(toks)
+    sd_q, sd_m = q.state_dict_full(), ref.state_dict_full()
+    same = all(np.array_equal(sd_q[k], sd_m[k]) for k in sd_q if "norm" in k or k == "wpe.weight")
+    return same, float(np.abs(b - f.logits(toks)).max()), float(np.abs(a - b).max() / np.abs(a).max())
+
+
+def test_quantize_a_model_on_the_device_path():
+    for same, d, rel in tpcore.spawn(_quantize_device_model, 2, deadline=DEADLINE):
+        assert same and d < 5e-5 and 0 < rel < 0.02

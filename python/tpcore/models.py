@@ -1039,13 +1039,13 @@ def quantize(model: TransformerLM, fmt: str, embedding: Optional[str] = None,
                       device=None if not model._on_gpu() else device_string(model.device), dtype=dtypes)
     q.wte.load_full(model.wte.gather_full())
     for src, dst in ((model.wpe, q.wpe), (model.tte, q.tte)):
-        if src is not None:
-            dst[...] = src
+        if src is not None:  # (host copies: a DeviceArray takes NumPy values, not another DeviceArray)
+            dst[...] = _hostcopy(src)
     for src, dst in ((model.emb_norm, q.emb_norm), (model.final_norm, q.final_norm)):
         if src is not None:
-            dst.weight[...] = src.weight
+            dst.weight[...] = _hostcopy(src.weight)
             if src.bias is not None:
-                dst.bias[...] = src.bias
+                dst.bias[...] = _hostcopy(src.bias)
     for b_src, b_dst in zip(model.blocks, q.blocks):
         b_dst.load_full(b_src.gather_full())
     if model.lm_head is not None:
