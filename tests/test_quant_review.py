@@ -105,6 +105,7 @@ def _save_pretrained_sharded(comm, path):
     with pytest.raises(ValueError, match="sharded=True cannot save quantized"):
         m.save_pretrained(path, sharded=True)
     refused = not os.path.exists(os.path.join(path, "tpcore_config.json"))
+    comm.barrier()  # every rank looked before rank 0 writes the folder below
     m.save_pretrained(path)  # full float32 tensors: loads, and quantizes again to the same blocks
     m2 = tpcore.models.from_pretrained(path, comm, dtype="q8_0", progress=False)
     toks = np.array([[1, 5, 2, 7]])
@@ -235,3 +236,15 @@ def _quantize_device_model(comm):
 def test_quantize_a_model_on_the_device_path():
     for same, d, rel in tpcore.spawn(_quantize_device_model, 2, deadline=DEADLINE):
         assert same and d < 5e-5 and 0 < rel < 0.02
+
+
+def test_device_linear_kernel_names_columns_that_are_not_whole_blocks():
+    from tpcore import _C
+    x = tpcore.from_dlpack(np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32))
+    w = tpcore.from_dlpack(np.zeros((3, 144), np.uint8))
+    with pytest.raises(ValueError, match=r"d_linear_forward: x has 64 columns, not whole blocks of 256 elements"):
+        _C.d_linear_forward(x, w, None, "q4_k")
+    good = quantize(np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32), "q8_0")
+    y = _C.d_linear_forward(x, tpcore.from_dlpack(good), None, "q8_0").to_numpy()
+    ref = x.to_numpy().astype(np.float64) @ tpcore.quant.dequantize(good, "q8_0", 64).T.astype(np.float64)
+    assert np.abs(y - ref).max() < 1e-4
