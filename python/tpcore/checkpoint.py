@@ -196,7 +196,8 @@ def load(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
         A corrupt or inconsistent file (a ValueError), naming the file, the tensor or
         field, what was expected and what was found.
     ValueError
-        A shard saved with another partition.
+        A shard saved with another partition, or with weights of another format (a quantized
+        layer's shard holds its raw rows, copied as they are).
     CommError
         Another rank failed.
 
