@@ -153,7 +153,7 @@ static PyObject *da_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   tp_device_t dev;
   int id;
   if (parse_shape(shape_o, &ndim, shape) < 0) return NULL;
-  if (!tp_dtype_from_name(dtn, &dt)) {
+  if (!tp_dtype_from_name(dtn, &dt) || !tp_dtype_size(dt)) { /* (the weight formats, q8_0 ...: not tensor dtypes) */
     PyErr_Format(PyExc_ValueError, "DeviceArray: dtype '%s' is not known; expected one of float32, float64, "
                  "float16, bfloat16, int8, uint8, int32, int64", dtn);
     return NULL;

@@ -166,6 +166,13 @@ static int dk_weight_fmt(PyObject *fmt, tp_tensor *w, int64_t K, const char *op)
   tp_dtype_t f;
   size_t rb;
   if (parse_weight_dtype(fmt, op, &f) < 0) return -1;
+  int64_t blk = 1;
+  tp_weight_format(f, &blk, NULL, NULL);
+  if (tp_weight_is_quantized(f) && !tp_weight_row_bytes(f, K, &rb)) { /* (K >= 0: x's columns) */
+    PyErr_Format(PyExc_ValueError, "%s: x has %lld columns, not whole blocks of %lld elements (%s weights)", op,
+                 (long long)K, (long long)blk, tp_dtype_name(f));
+    return -1;
+  }
   if (!tp_weight_is_quantized(f) || w->dtype != TP_UINT8 || w->ndim != 2 || !tp_weight_row_bytes(f, K, &rb) ||
       w->shape[1] != (int64_t)rb || (w->shape[0] > 1 && w->strides[0] != w->shape[1])) {
     PyErr_Format(PyExc_ValueError, "%s: with wfmt=%R, w must be contiguous uint8 raw rows of %lld elements", op, fmt,

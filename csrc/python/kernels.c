@@ -48,10 +48,16 @@ static int weight_matrix_fmt(PyObject *o, PyObject *fmt, int64_t k, const char *
                  fmt);
     return -1;
   }
-  if (!tp_weight_row_bytes(f, k, &rb) || (size_t)PyArray_DIM((PyArrayObject *)o, 1) != rb) {
+  int64_t blk = 1;
+  tp_weight_format(f, &blk, NULL, NULL);
+  if (!tp_weight_row_bytes(f, k, &rb)) { /* (k >= 0: x's columns) */
+    PyErr_Format(PyExc_ValueError, "%s: x has %lld columns, not whole blocks of %lld elements (%s weights)", op,
+                 (long long)k, (long long)blk, tp_dtype_name(f));
+    return -1;
+  }
+  if ((size_t)PyArray_DIM((PyArrayObject *)o, 1) != rb) {
     PyErr_Format(PyExc_ValueError, "%s: w's rows are %lld bytes, but %lld %s elements take %lld", op,
-                 (long long)PyArray_DIM((PyArrayObject *)o, 1), (long long)k, tp_dtype_name(f),
-                 tp_weight_row_bytes(f, k, &rb) ? (long long)rb : -1LL);
+                 (long long)PyArray_DIM((PyArrayObject *)o, 1), (long long)k, tp_dtype_name(f), (long long)rb);
     return -1;
   }
   *r = PyArray_DIM((PyArrayObject *)o, 0);

@@ -33,6 +33,7 @@ from ._formats import (INT_MAX, MAX_HEADER, _MISSING, BF16View, CheckpointError,
                        shard_path, to_float32, write_safetensors, write_tensors_file)
 from .comm import Comm, CommError
 from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+from .quant import is_quantized
 from .vocab import VocabParallelEmbedding
 
 def _leaves(model, prefix="") -> Iterator[Tuple[str, object]]:
@@ -149,13 +150,17 @@ def save(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
     file_format(path)
     leaves = list(_leaves(model))
     if sharded:
-        tensors, parts = {}, {}
+        tensors, parts, formats = {}, {}, {}
         for name, layer in leaves:
             for k, v in _shard(layer).items():
                 tensors[name + k] = np.ascontiguousarray(v)
             parts[name] = layer.partition
-        write_tensors_file(shard_path(path, comm.rank, comm.size), tensors,
-               {"world": comm.size, "rank": comm.rank, "partitions": parts})
+            if is_quantized(layer.dtype):  # raw rows: the format must match on load
+                formats[name] = layer.dtype
+        meta = {"world": comm.size, "rank": comm.rank, "partitions": parts}
+        if formats:
+            meta["formats"] = formats
+        write_tensors_file(shard_path(path, comm.rank, comm.size), tensors, meta)
     else:
         tensors = {}
         for name, layer in leaves:
@@ -191,7 +196,8 @@ def load(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
         A corrupt or inconsistent file (a ValueError), naming the file, the tensor or
         field, what was expected and what was found.
     ValueError
-        A shard saved with another partition.
+        A shard saved with another partition, or with weights of another format (a quantized
+        layer's shard holds its raw rows, copied as they are).
     CommError
         Another rank failed.
 
@@ -207,17 +213,30 @@ def load(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
                                     f"saved with; load the full checkpoint to reshard)")
         tensors, meta = read_tensors_file(p)
         _check_meta(p, meta, comm, True)
-        expected = {}
+        expected, raw = {}, {}
+        formats = meta.get("formats", {})
+        formats = formats if isinstance(formats, dict) else {}
         for name, layer in leaves:
             saved = meta.get("partitions", {}).get(name)
             if saved is not None and [list(x) for x in saved] != [list(x) for x in layer.partition]:
                 raise ValueError(f"load: {name or 'layer'} was saved with partition {saved}, but this layer has "
                                  f"{layer.partition}; load a full checkpoint to reshard")
-            expected.update({name + k: dst.shape for k, dst in _shard(layer).items()})
-        check_tensors(p, tensors, expected, "this rank's shard of the model")
+            fmt = layer.dtype if is_quantized(layer.dtype) else None
+            if formats.get(name) != fmt:
+                raise ValueError(f"load: {name or 'layer'} was saved with {formats.get(name) or 'float'} weights, but "
+                                 f"this layer holds {fmt or 'float'} ones; load a full checkpoint to convert")
+            for k, dst in _shard(layer).items():
+                (raw if fmt and k == "weight" else expected)[name + k] = dst.shape
+        check_tensors(p, {k: v for k, v in tensors.items() if k not in raw}, expected,
+                      "this rank's shard of the model")
+        for k, shape in raw.items():  # a quantized weight's raw rows: uint8 of exactly its shape
+            t = tensors.get(k)
+            if t is None or tuple(t.shape) != tuple(shape) or np.dtype(getattr(t, "dtype", None)) != np.uint8:
+                raise bad(p, f"tensor {k!r}", f"uint8 raw rows of shape {tuple(shape)}",
+                          "no such tensor" if t is None else f"{getattr(t, 'dtype', '?')} of shape {tuple(t.shape)}")
         for name, layer in leaves:
             for k, dst in _shard(layer).items():
-                dst[...] = to_float32(tensors[name + k])
+                dst[...] = tensors[name + k] if name + k in raw else to_float32(tensors[name + k])
     else:
         tensors, meta = read_tensors_file(path)
         _check_meta(path, meta, comm, False)

@@ -774,8 +774,8 @@ def _put_weight(dst, dtype: str, src, who: str) -> None:
     quantized dst its raw rows (a QuantTensor of the same format copied as it is, anything
     else quantized from its float values)."""
     if is_quantized(dtype):
-        rows = src.shape[0]
-        dst[...] = as_format(src, dtype, who) if rows else dst
+        if src.shape[0]:  # (a shard of no rows: nothing to copy; a DeviceArray cannot take itself)
+            dst[...] = as_format(src, dtype, who)
         return
     dst[...] = float_param(src, who)
 

@@ -938,7 +938,7 @@ class TransformerLM:
         Raises
         ------
         ValueError
-            hf with sharded.
+            hf with sharded; sharded with quantized weights.
         OSError
             The files cannot be written.
 
@@ -947,6 +947,9 @@ class TransformerLM:
         Collective: `state_dict_full`'s all-gathers (unless sharded), then a barrier.
         """
         comm = self.comm
+        if sharded and self._frozen():  # the shard files hold parameters() only: no room for raw rows
+            raise ValueError(f"save_pretrained: sharded=True cannot save quantized weights ({self.dtype}); use "
+                             f"sharded=False (full float32 tensors: from_pretrained(..., dtype=...) quantizes again)")
         if hf:
             if sharded:
                 raise ValueError("save_pretrained: hf=True writes one consolidated file (sharded=False)")
@@ -1028,18 +1031,21 @@ def quantize(model: TransformerLM, fmt: str, embedding: Optional[str] = None,
     ffn = model.blocks[0].ffn_partition if model.blocks else None
     if ffn is not None and any(s % block_size(d) for _, s in ffn):
         ffn = None  # the MLP's default split, in whole blocks
-    q = TransformerLM(cfg, comm, seed=model.seed, partition=model.blocks[0].head_partition if model.blocks else None,
+    heads = model.blocks[0].head_partition if model.blocks else None
+    if heads is not None and any(s * cfg.head_dim % block_size(d) for _, s in heads):
+        heads = None  # the default split, whose output-projection columns are whole blocks (_aligned_heads)
+    q = TransformerLM(cfg, comm, seed=model.seed, partition=heads,
                       ffn_partition=ffn, vocab_partition=model.vocab_partition,
                       device=None if not model._on_gpu() else device_string(model.device), dtype=dtypes)
     q.wte.load_full(model.wte.gather_full())
     for src, dst in ((model.wpe, q.wpe), (model.tte, q.tte)):
-        if src is not None:
-            dst[...] = src
+        if src is not None:  # (host copies: a DeviceArray takes NumPy values, not another DeviceArray)
+            dst[...] = _hostcopy(src)
     for src, dst in ((model.emb_norm, q.emb_norm), (model.final_norm, q.final_norm)):
         if src is not None:
-            dst.weight[...] = src.weight
+            dst.weight[...] = _hostcopy(src.weight)
             if src.bias is not None:
-                dst.bias[...] = src.bias
+                dst.bias[...] = _hostcopy(src.bias)
     for b_src, b_dst in zip(model.blocks, q.blocks):
         b_dst.load_full(b_src.gather_full())
     if model.lm_head is not None:
@@ -1288,6 +1294,10 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device
         raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
                          f"save it with sharded=False to reshard")
     _check_own_shards(path, cfg, own, comm.size)
+    if dtype is not None and any(is_quantized(v) for v in _model_dtypes(dtype, "from_pretrained").values()):
+        raise ValueError(f"from_pretrained: {path} is a sharded checkpoint (this rank's parameters as they are); it "
+                         f"cannot load into quantized weights (dtype={dtype!r}): load it in float32 and "
+                         f"tpcore.models.quantize the model, or save it with sharded=False")
     model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32")
     t, _ = fmt.read_safetensors(mine)
     params = model.parameters()

@@ -425,14 +425,14 @@ class PipelineLM:
                 self._send(dx, s - 1, stats)
 
     def _tied_begin(self):
-        if self._tied is None:
+        if self._tied is None or self.stage.wte.grad_weight is None:  # None: a quantized (frozen) table
             return None
         return self.stage.wte.grad_weight.copy()
 
     def _tied_end(self, g0):
         """The first and last stages' embedding copies: this step's gradient of each summed (the
         embedding's and the head's share), so that both take the same update."""
-        if self._tied is None:
+        if self._tied is None or g0 is None:
             return
         g = self.stage.wte.grad_weight
         delta = np.subtract(g, g0, dtype=np.float32)

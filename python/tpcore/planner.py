@@ -691,9 +691,21 @@ def plan_from_measurements(dims: Any, speeds: Sequence[float], memory: Any = Non
         raise ValueError(f"{who}: head_unit='group' needs at least one KV group per rank ({d.kv_heads} KV heads, "
                          f"{world} ranks); use head_unit='head'")
 
+    # a quantized format's row-parallel output projection splits its heads x head_dim columns in
+    # whole blocks: heads in units of hu (KV groups in units of gu) when the model allows it
+    hu = gu = 1
+    if not d.is_mlp and d.head_dim:
+        from .quant import block_size
+        blk = block_size(dtype)
+        hu = blk // math.gcd(blk, d.head_dim)
+        gu = hu // math.gcd(hu, d.group)
+        if d.heads % hu or (unit == "group" and d.kv_heads % gu):
+            hu = gu = 1  # no whole-block split exists: the layer names the problem
+
     def sizes_for(shares):
         heads = [] if d.is_mlp else (
-            [c * d.group for c in _split(d.kv_heads, shares)] if unit == "group" else _split(d.heads, shares))
+            [c * d.group * gu for c in _split(d.kv_heads // gu, shares)] if unit == "group"
+            else [c * hu for c in _split(d.heads // hu, shares)])
         ffn = [c * al["ffn"] for c in _split(d.ffn // al["ffn"], shares)]
         vocab = [] if d.is_mlp else [c * al["vocab"] for c in _split(d.vocab // al["vocab"], shares)]
         return heads, ffn, vocab

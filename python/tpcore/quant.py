@@ -37,6 +37,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _C
+from ._args import int_arg
 
 __all__ = ["QUANT_FORMATS", "QuantTensor", "block_size", "row_bytes", "quantize", "dequantize"]
 
@@ -89,7 +90,7 @@ def row_bytes(fmt: str, cols: int) -> int:
         cols negative or not whole blocks; an unknown format.
     """
     blk, nb, hdr = _FORMATS[_fmt(fmt, "row_bytes")]
-    cols = int(cols)
+    cols = int_arg(cols, "row_bytes", "cols")
     if cols < 0 or cols % blk:
         raise ValueError(f"row_bytes: {cols} elements are not whole blocks of {blk} ({fmt})")
     return hdr + cols // blk * nb
@@ -138,7 +139,7 @@ def dequantize(raw: Any, fmt: str, cols: int) -> np.ndarray:
     """
     fmt = _fmt(fmt, "dequantize")
     r = np.ascontiguousarray(raw)
-    return _C.quant_dequantize(r, fmt, int(cols))
+    return _C.quant_dequantize(r, fmt, int_arg(cols, "dequantize", "cols", lo=0))
 
 
 def _index_rows(idx: Any, n: int) -> Union[slice, np.ndarray]:
@@ -181,7 +182,7 @@ class QuantTensor:
         self.fmt = _fmt(fmt, "QuantTensor")
         if len(tuple(shape)) != 2:
             raise ValueError(f"QuantTensor: shape must be (rows, cols), got {shape!r}")
-        rows, cols = (int(s) for s in shape)
+        rows, cols = (int_arg(s, "QuantTensor", "shape[i]") for s in shape)
         if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
             raise TypeError(f"QuantTensor: raw must be a 2-D uint8 array of rows, got "
                             f"{getattr(raw, 'dtype', type(raw).__name__)} {getattr(raw, 'shape', '')}")
