@@ -189,10 +189,9 @@ static inline tp_status_t lk_init_wq(const tp_lk *c, const tp_lk_w *w, int64_t a
   int64_t per = ((int64_t)1 << 20) / K, rows = n / K;
   if (per < 1) per = 1;
   if (per > rows) per = rows;
-  size_t fb = (size_t)(per * K) * sizeof(float), qb = (size_t)per * rb, need = fb;
+  size_t fb = (size_t)(per * K) * sizeof(float), qb = (size_t)per * rb;
   int host = c->dev == TP_DEVICE_CPU;
-  if (!host && !tp_add_size(fb, fb + qb, &need)) return tp_set_error(TP_ERR_NOMEM, "weight initialisation: too large");
-  TP_CHECK(tp_arena_reserve(w->lpws, need, "weight initialisation"));
+  TP_CHECK(tp_arena_reserve(w->lpws, fb, "weight initialisation")); /* the float32 draws, on the device */
   float *tmp = (float *)w->lpws->base;
   float *hx = NULL;
   char *hq = NULL;

@@ -557,7 +557,8 @@ class TransformerBlock:
         Returns
         -------
         dict of str to numpy.ndarray
-            By full name, of `full_shapes`.
+            By full name, of `full_shapes`; quantized weights as float32 (dequantized), and
+            with grads=True without them (frozen: no gradient).
 
         Notes
         -----
