@@ -567,9 +567,39 @@ def test_smollm2_tokenizer_matches_llamacpp_prompt():
     assert tk.decode(fx["generated_ids"]) == fx["text"]
 
 
+def _need_llama():
+    """Skip unless llama-cpp-python is installed (found, not imported: llama.cpp runs only in a
+    child process, since its OpenMP threads in this process would hang the forked ranks of the
+    tests after it that use OpenMP (torch's MKL), as GNU OpenMP does after fork)."""
+    import importlib.util
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed")
+
+
 def _llama(path):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
     return llama_cpp.Llama(path, n_threads=2, n_ctx=256, logits_all=True, verbose=False, seed=0)
+
+
+def _llama_tokenize(comm, path, texts):
+    llm = _llama(path)
+    return [llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]
+
+
+def _llama_greedy(comm, path, prompts, steps):
+    """llama.cpp's greedy steps of each prompt (a list of ids): the logits before each token."""
+    llm = _llama(path)
+    out = []
+    for prompt in prompts:
+        llm.reset()
+        llm.eval(prompt)
+        lgs = []
+        for _ in range(steps):
+            lg = np.array(llm.scores[llm.n_tokens - 1], np.float32)
+            lgs.append(lg)
+            llm.eval([int(np.argmax(lg))])
+        out.append(np.array(lgs))
+    return out
 
 
 TEXTS = ["Hello world", " leading space and  double  spaces\n\nnewlines\t tab", "Numbers 1234567 and 3.14159, 10,000!",
@@ -579,10 +609,11 @@ TEXTS = ["Hello world", " leading space and  double  spaces\n\nnewlines\t tab", 
 
 def test_smollm2_tokenizer_matches_live_llamacpp():
     path = smollm2_path()
-    llm = _llama(path)
+    _need_llama()
     tk = tg.tokenizer(path)
-    for s in TEXTS:
-        assert tk.encode(s).ids == llm.tokenize(s.encode(), add_bos=False, special=True), repr(s)
+    theirs = run(_llama_tokenize, 1, path, TEXTS, deadline=180)[0]
+    for s, ids in zip(TEXTS, theirs):
+        assert tk.encode(s).ids == ids, repr(s)
         assert tk.decode(tk.encode(s).ids, skip_special_tokens=False) == s
 
 
@@ -595,7 +626,7 @@ def test_smollm2_matches_live_llamacpp():
     """llama.cpp as installed: the fixture's greedy tokens again, and a second prompt's
     logits (teacher-forced on llama.cpp's greedy tokens) at TP 2."""
     path = smollm2_path()
-    llm = _llama(path)
+    _need_llama()
     sys.path.insert(0, DATA)
     try:
         import make_llamacpp_ref as mk
@@ -604,20 +635,15 @@ def test_smollm2_matches_live_llamacpp():
     with open(FIXTURE) as f:
         fx = json.load(f)
     seqs, refs = [], []
-    for question in (mk.QUESTION, "Tell me a fun fact about cats."):
-        prompt = llm.tokenize(mk.chat_prompt(question).encode(), add_bos=False, special=True)
-        llm.reset()
-        llm.eval(prompt)
-        steps = []
-        for _ in range(8):
-            lg = np.array(llm.scores[llm.n_tokens - 1], np.float32)
-            steps.append(lg)
-            llm.eval([int(np.argmax(lg))])
+    questions = (mk.QUESTION, "Tell me a fun fact about cats.")
+    prompts = run(_llama_tokenize, 1, path, [mk.chat_prompt(q) for q in questions], deadline=180)[0]
+    all_steps = run(_llama_greedy, 1, path, prompts, 8, deadline=180)[0]
+    for question, prompt, steps in zip(questions, prompts, all_steps):
         gen = [int(np.argmax(s)) for s in steps]
         if question == mk.QUESTION:
             assert prompt == fx["prompt_ids"] and gen == fx["generated_ids"][:8]
         seqs.append(prompt + gen[:-1])
-        refs.append((len(prompt), np.array(steps)))
+        refs.append((len(prompt), steps))
     for r, got in enumerate(run(_live_logits, 2, path, seqs, deadline=180)):
         for (n, want), lg in zip(refs, got):
             mine = lg[n - 1:]

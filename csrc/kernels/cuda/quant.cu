@@ -219,18 +219,7 @@ tp_status_t row_bytes(const char *op, tp_dtype_t f, int64_t K, size_t *rb) {
 
 }  // namespace
 
-int tpk_q_format(tp_dtype_t f) {
-  switch (f) {
-    case TP_INT8:
-    case TP_Q8_0:
-    case TP_Q4_0:
-    case TP_Q4_1:
-    case TP_Q4_K:
-    case TP_Q5_K:
-    case TP_Q6_K: return 1;
-    default: return 0;
-  }
-}
+int tpk_q_format(tp_dtype_t f) { return tp_weight_is_quantized(f); /* dtype.c's list (in the plugin too) */ }
 
 tp_status_t tpk_q_gemv(tp_stream_t s, const char *op, float *y, const float *x, const void *w, tp_dtype_t f,
                        const float *b, int64_t M, int64_t K, int64_t N) {

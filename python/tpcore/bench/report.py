@@ -403,9 +403,16 @@ def run(args) -> int:
         rows.append(_world_row(res, B, T, new))
         if cfg is None:
             cfg = tpcore.Config(**{k: v for k, v in res[0]["config"].items()})
+    het = None
+    if hetero:
+        progress.status("[report] mismatched devices (tpcore.bench hetero)", important=True)
+        from . import hetero as hetero_bench
+        het = hetero_bench.run(quick=quick, progress=args.progress)
     llama = None
     gpath = _gguf_path(args.checkpoint) if args.checkpoint else None
-    if gpath and args.device == "cpu":  # the same file in llama.cpp, the same cores (tpcore.bench decode's peer)
+    # the same file in llama.cpp, the same cores (tpcore.bench decode's peer); last, in this process:
+    # its OpenMP threads would hang forked children that use OpenMP
+    if gpath and args.device == "cpu":
         import importlib.util
         if importlib.util.find_spec("llama_cpp") is not None:
             from .decode import _llamacpp_peer
@@ -414,11 +421,6 @@ def run(args) -> int:
             llama["same_tokens"] = llama.pop("tokens") == rows[0]["tokens"]
             llama["decode_tok_s"] = B * (new - 1) / llama["decode_s"]
             llama["file_bytes"] = os.path.getsize(gpath)
-    het = None
-    if hetero:
-        progress.status("[report] mismatched devices (tpcore.bench hetero)", important=True)
-        from . import hetero as hetero_bench
-        het = hetero_bench.run(quick=quick, progress=args.progress)
     progress.done(f"[report] measured in {time.perf_counter() - t_all:.0f} s")
     ref = rows[0]["tokens"]
     for r in rows:
