@@ -21,7 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests that reach C with hostile sizes, positions and arguments.
 DEFAULT_TESTS = ["test_boundaries.py", "test_errors.py", "test_review_regressions.py",
-                 "test_bad_arguments.py"]
+                 "test_bad_arguments.py", "test_quant_kernels.py", "test_quant_review.py"]
 
 pytestmark = pytest.mark.skipif(os.environ.get("TPCORE_UNDER_SANITIZER") == "1",
                                 reason="already running under the sanitizers")
