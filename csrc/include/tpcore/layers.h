@@ -294,6 +294,39 @@ TP_API tp_status_t tp_block_forward(tp_block_t blk, const tp_tensor *y, const tp
  * accumulates the gradients.  Collective. */
 TP_API tp_status_t tp_block_backward(tp_block_t blk, const tp_tensor *dx, const tp_tensor *dy, tp_stream_t stream);
 
+/* ---- Memory of a layer, and gradients on demand ----------------------------------------
+ *
+ * Gradients are allocated on demand: a layer made for inference never holds them.  The
+ * first backward allocates (zeroed) the gradient buffers of every weight that has one
+ * (a quantized weight is frozen: none), as does tp_*_alloc_grads (idempotent; an optimizer
+ * that wants the buffers before the first backward calls it).  Until then the info / params
+ * calls give NULL gradient pointers.
+ *
+ * tp_*_memory fills a tp_layer_memory_t: the bytes this layer holds now, by kind, on its
+ * device (each count the size of the live allocations, not a guess). */
+typedef struct {
+  size_t size;           /* sizeof(tp_layer_memory_t): set by the caller */
+  tp_device_t device;    /* where the bytes below live */
+  int device_id;
+  size_t params;         /* weights in their storage format, biases, norms */
+  size_t grads;          /* gradient buffers (0 until the first backward or alloc_grads) */
+  size_t workspace;      /* activation and scratch arenas, saved inputs, dequantized panels */
+  size_t cache;          /* KV cache allocated (tp_block_cache) */
+  size_t cache_used;     /* of which holding tokens (the highest position written, per sequence) */
+  size_t comm;           /* communication buffers (registered memory, or the plain fallback) */
+} tp_layer_memory_t;
+
+TP_API tp_status_t tp_parallel_linear_alloc_grads(tp_parallel_linear_t layer);
+TP_API tp_status_t tp_parallel_mlp_alloc_grads(tp_parallel_mlp_t mlp);
+TP_API tp_status_t tp_vocab_embedding_alloc_grads(tp_vocab_embedding_t emb);
+TP_API tp_status_t tp_block_alloc_grads(tp_block_t blk);
+
+TP_API tp_status_t tp_parallel_linear_memory(tp_parallel_linear_t layer, tp_layer_memory_t *mem);
+TP_API tp_status_t tp_parallel_mlp_memory(tp_parallel_mlp_t mlp, tp_layer_memory_t *mem);
+TP_API tp_status_t tp_vocab_embedding_memory(tp_vocab_embedding_t emb, tp_layer_memory_t *mem);
+TP_API tp_status_t tp_vocab_xent_memory(tp_vocab_xent_t xent, tp_layer_memory_t *mem);
+TP_API tp_status_t tp_block_memory(tp_block_t blk, tp_layer_memory_t *mem);
+
 #ifdef __cplusplus
 }
 #endif
