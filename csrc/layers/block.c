@@ -13,6 +13,7 @@ void tp_block_destroy(tp_block_t k) {
   tp_reg_release(&k->red);
   tp_reg_release(&k->kvred);
   tp_arena_release(&k->params);
+  tp_arena_release(&k->grads);
   tp_arena_release(&k->ws);
   tp_arena_release(&k->cache);
   tp_arena_release(&k->lpws);
@@ -47,33 +48,42 @@ static tp_status_t check_config(const tp_block_config_t *cfg) {
   return tp_layer_device("block", cfg->device, cfg->device_id);
 }
 
+/* The sizes of the block's own parameters (w: with gradients), in their arena order:
+ * [QKV weight (bytes) | QKV bias | norm1 w | norm1 b | norm2 w | norm2 b], and of their
+ * gradients: [dQKV weight (none when quantized: frozen) | dQKV bias | the norms'].  A
+ * missing bias has 0 elements; has[i]: whether gradient i exists (a shard of 0 heads has an
+ * empty one). */
+static void param_sizes(tp_block_t k, size_t wbytes, int64_t n[6], int64_t g[6], int has[6]) {
+  int64_t C = k->C, W = k->W, b = k->cfg.bias, nb = k->cfg.norm == TP_NORM_LAYER;
+  int64_t v[6] = {(int64_t)wbytes, b ? W : 0, C, nb ? C : 0, C, nb ? C : 0};
+  int h[6] = {!tp_weight_is_quantized(k->Wqkv.dt), (int)b, 1, nb, 1, nb};
+  for (int i = 0; i < 6; i++) n[i] = g[i] = v[i], has[i] = h[i];
+  g[0] = h[0] ? W * C : 0;
+}
+
 /* The QKV shard, the norms: one allocation; seeded nn.Linear-style init from (seed, tensor,
  * index of the full tensor): the same logical block at every world size and head partition. */
 static tp_status_t make_params(tp_block_t k) {
-  int64_t C = k->C, D = k->D, H = k->H, Hk = k->Hk, W = k->W, b = k->cfg.bias, nb = k->cfg.norm == TP_NORM_LAYER;
-  size_t total = 0;
-  int64_t n[12] = {W * C, b ? W : 0, W * C, b ? W : 0, C, nb ? C : 0, C, nb ? C : 0, C, nb ? C : 0, C, nb ? C : 0};
-  size_t esz[12], wbytes = 0;
-  int quant = tp_weight_is_quantized(k->Wqkv.dt); /* frozen: no gradient */
+  int64_t C = k->C, D = k->D, H = k->H, Hk = k->Hk, W = k->W, b = k->cfg.bias;
+  size_t total = 0, wbytes = 0;
+  int64_t n[6], g[6];
+  int has[6];
   TP_CHECK(tp_lk_wbytes("block", "the QKV weight", k->Wqkv.dt, W, C, &wbytes));
-  n[0] = (int64_t)wbytes, n[2] = quant ? 0 : n[2];
-  for (int i = 0; i < 12; i++) esz[i] = i == 0 ? 1 : sizeof(float);
-  for (int i = 0; i < 12; i++) tp_arena_add_n(&total, n[i], esz[i]); /* bounded by check_config */
+  param_sizes(k, wbytes, n, g, has);
+  for (int i = 0; i < 6; i++) tp_arena_add_n(&total, n[i], i == 0 ? 1 : sizeof(float)); /* bounded by check_config */
   tp_status_t st = tp_arena_reserve(&k->params, total, "parameters");
   if (st == TP_ERR_NOMEM) /* block_create prefixes "block" */
-    return tp_set_error(st, "out of memory for the parameters (a QKV shard of %lld x %lld floats, the norms and "
-                        "their gradients: %zu bytes of %s memory)", (long long)W, (long long)C, total,
+    return tp_set_error(st, "out of memory for the parameters (a QKV shard of %lld x %lld in %s and the norms: %zu "
+                        "bytes of %s memory)", (long long)W, (long long)C, tp_dtype_name(k->Wqkv.dt), total,
                         tp_device_name(k->params.device));
   TP_CHECK(st);
   float *wq = NULL;
-  float **p[12] = {&wq, &k->bqkv, &k->dwqkv, &k->dbqkv, &k->n1w, &k->n1b,
-                   &k->dn1w, &k->dn1b, &k->n2w, &k->n2b, &k->dn2w, &k->dn2b};
-  for (int i = 0; i < 12; i++) {
-    float *s = tp_arena_take_n(&k->params, n[i], esz[i]);
-    *p[i] = (i % 2 == 0 || (i < 4 ? b : nb)) ? s : NULL; /* biases only when the config has them */
+  float **p[6] = {&wq, &k->bqkv, &k->n1w, &k->n1b, &k->n2w, &k->n2b};
+  for (int i = 0; i < 6; i++) {
+    float *s = tp_arena_take_n(&k->params, n[i], i == 0 ? 1 : sizeof(float));
+    *p[i] = has[i] || i == 0 ? s : NULL; /* biases only when the config has them */
   }
   k->Wqkv.p = wq;
-  if (quant) k->dwqkv = NULL;
   TP_CHECK(lk_zero(&k->lk, k->params.base, k->params.cap, NULL));
   /* the shard's rows [its Q heads | its K heads | its V heads]: three runs of whole rows of
    * the full [Q | K | V] weight (tensor 10) and bias (11) */
@@ -113,6 +123,7 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   k->rank = rank, k->world = world;
   k->dev = cfg->device, k->dev_id = cfg->device_id;
   tp_arena_init(&k->params, k->dev, k->dev_id);
+  tp_arena_init(&k->grads, k->dev, k->dev_id);
   tp_arena_init(&k->ws, k->dev, k->dev_id);
   tp_arena_init(&k->cache, k->dev, k->dev_id);
   tp_arena_init(&k->lpws, k->dev, k->dev_id);
@@ -186,6 +197,45 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   }
   *out = k;
   return TP_SUCCESS;
+}
+
+/* The block's own gradients (QKV, norms), zeroed: one allocation, on demand. */
+static tp_status_t ensure_grads(tp_block_t k) {
+  if (k->grads.base) return TP_SUCCESS;
+  size_t total = 0, wbytes = 0;
+  int64_t n[6], g[6];
+  int has[6];
+  TP_CHECK(tp_lk_wbytes("block", "the QKV weight", k->Wqkv.dt, k->W, k->C, &wbytes)); /* checked at create */
+  param_sizes(k, wbytes, n, g, has);
+  for (int i = 0; i < 6; i++)
+    if (!tp_arena_add_n(&total, g[i], sizeof(float)))
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "the gradients of a QKV shard of %lld x %lld overflow a "
+                          "size", (long long)k->W, (long long)k->C);
+  tp_status_t st = tp_arena_reserve(&k->grads, total, "gradients");
+  if (st == TP_SUCCESS) st = lk_zero(&k->lk, k->grads.base, k->grads.cap, NULL);
+  if (st == TP_SUCCESS) st = tp_device_sync(k->dev, k->dev_id, NULL);
+  if (st != TP_SUCCESS) {
+    tp_arena_release(&k->grads);
+    if (st != TP_ERR_NOMEM) return st;
+    return tp_set_error(TP_ERR_NOMEM, "out of memory for the gradients of the QKV shard (%lld x %lld) and the "
+                        "norms (%zu bytes of %s memory)", (long long)k->W, (long long)k->C, total,
+                        tp_device_name(k->dev));
+  }
+  float **p[6] = {&k->dwqkv, &k->dbqkv, &k->dn1w, &k->dn1b, &k->dn2w, &k->dn2b};
+  for (int i = 0; i < 6; i++) {
+    float *s = tp_arena_take_n(&k->grads, g[i], sizeof(float));
+    *p[i] = has[i] ? s : NULL; /* a quantized QKV weight (frozen) and missing biases have none */
+  }
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_block_alloc_grads(tp_block_t k) {
+  TP_NONNULL("block alloc_grads", k, "block");
+  tp_status_t st = ensure_grads(k);
+  if (st == TP_SUCCESS) st = tp_parallel_linear_alloc_grads(k->out);
+  if (st == TP_SUCCESS && k->mlp) st = tp_parallel_mlp_alloc_grads(k->mlp);
+  if (st != TP_SUCCESS) tp_error_prefix("block");
+  return st;
 }
 
 tp_status_t tp_block_info(tp_block_t k, tp_block_info_t *info) {
@@ -404,5 +454,10 @@ tp_status_t tp_block_backward(tp_block_t k, const tp_tensor *dx, const tp_tensor
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block backward: dy has %lld rows but the last forward had %lld "
                         "(B * T = %lld x %lld)", (long long)rows, (long long)M, (long long)k->B, (long long)k->T);
   TP_CHECK(tp_check_matrix("block backward", "dx", dx, TP_FLOAT32, M, k->C, k->dev, k->dev_id, NULL));
+  tp_status_t st = tp_block_alloc_grads(k); /* the first backward makes them */
+  if (st != TP_SUCCESS) {
+    tp_comm_abort(k->comm, tp_last_error()); /* on this rank only: the peers would wait in a collective */
+    return st;
+  }
   return backward_impl(k, dx->data, dy->data, stream);
 }

@@ -16,8 +16,9 @@ struct tp_block {
   int64_t C, D, H, Hk, group, q0, nq, k0, nk, W, A; /* W: qkv shard width, A: attention output width */
   int kv_replicated;
   int64_t *out_part;                /* [world] attention output columns per rank (nq x D; in the handle) */
-  /* parameters: one allocation (the output projection and the MLP own theirs) */
-  tp_arena_t params;
+  /* parameters: one allocation (the output projection and the MLP own theirs); their
+   * gradients another, made on demand (tp_block_alloc_grads, the first backward) */
+  tp_arena_t params, grads;
   tp_lk_w Wqkv;                     /* the QKV shard in cfg.weight_dtype (Wqkv.lpws = &lpws) */
   tp_arena_t lpws;                  /* the low-precision GEMMs' workspace (and init scratch) */
   float *bqkv, *dwqkv, *dbqkv;

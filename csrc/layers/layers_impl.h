@@ -192,7 +192,8 @@ tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const f
                                          tp_stream_t stream);
 
 /* The parameters of a layer: one device allocation (an arena reserved once) carved into
- * weights, biases and their gradients, zeroed, then drawn by the kernel table's seeded
- * init entries on the device. */
+ * weights and biases, zeroed, then drawn by the kernel table's seeded init entries on the
+ * device.  Their gradients are another arena, allocated (zeroed) on demand: by the first
+ * backward or tp_*_alloc_grads, so that a layer made for inference never holds them. */
 
 #endif

@@ -16,11 +16,14 @@ struct tp_parallel_linear {
   int64_t *part, *offs; /* split-dimension sizes and offsets (world, world + 1 entries; in the handle) */
   size_t *counts;       /* all-gather counts of the current call (world entries; in the handle) */
   int64_t off, loc;     /* this rank's slice */
-  float *b, *dw, *db;   /* bias, weight and bias gradients: float32 */
+  float *b, *dw, *db;   /* bias, weight and bias gradients: float32 (dw, db NULL until ensure_grads) */
   tp_lk_w W;            /* the weight shard: float32, bfloat16 or float16 (W.lpws = &lpws) */
   tp_arena_t lpws;      /* the low-precision entries' workspace */
   int64_t wr, wc;       /* weight shard rows x cols */
-  tp_arena_t params;    /* w, b, dw, db: one allocation */
+  int64_t wn, blen;     /* elements of dw and of b / db (0: no bias) */
+  int frozen;           /* a quantized weight: no dw */
+  tp_arena_t params;    /* w, b: one allocation */
+  tp_arena_t grads;     /* dw (not for a quantized weight), db: allocated on demand (ensure_grads) */
   tp_arena_t ws;        /* xsave and dytmp, carved per forward */
   float *xsave;         /* a copy of the last forward's input (this rank's columns), M x x_local */
   const float *xin;     /* the input backward uses: xsave, or the caller's x when borrowed */
@@ -66,14 +69,13 @@ static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M,
   return TP_SUCCESS;
 }
 
-/* Zeroed gradients; W and b ~ U(-1/sqrt(in), 1/sqrt(in)) from (seed, tensor id, index of the
+/* W and b ~ U(-1/sqrt(in), 1/sqrt(in)) from (seed, tensor id, index of the
  * full tensor), drawn on the device in runs of consecutive full-tensor elements. */
 static tp_status_t init_params(tp_parallel_linear_t L, uint64_t weight_id, uint64_t bias_id) {
   int col = L->cfg.kind == TP_COLUMN_PARALLEL, g = L->cfg.gated ? 2 : 1;
   int64_t K = L->cfg.in_features, N = L->cfg.out_features;
   uint64_t seed = L->cfg.seed;
   float bound = 1.0f / sqrtf((float)K);
-  TP_CHECK(lk_zero(&L->lk, L->params.base, L->params.cap, NULL));
   if (col) { /* whole rows: the gate rows [off, off + loc), then (gated) the up rows from N + off */
     for (int h = 0; h < g; h++) {
       int64_t frow = h * N + L->off;
@@ -97,6 +99,7 @@ void tp_parallel_linear_destroy(tp_parallel_linear_t L) {
   tp_reg_release(&L->out_buf);
   tp_reg_release(&L->grad_buf);
   tp_arena_release(&L->params);
+  tp_arena_release(&L->grads);
   tp_arena_release(&L->ws);
   tp_arena_release(&L->lpws);
   tp_host_free(L);
@@ -140,6 +143,7 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   L->dev = cfg->device;
   L->dev_id = cfg->device_id;
   tp_arena_init(&L->params, L->dev, L->dev_id);
+  tp_arena_init(&L->grads, L->dev, L->dev_id);
   tp_arena_init(&L->ws, L->dev, L->dev_id);
   tp_arena_init(&L->lpws, L->dev, L->dev_id);
   L->W.dt = cfg->weight_dtype;
@@ -200,24 +204,24 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
     tp_parallel_linear_destroy(L);
     return TP_ERR_INVALID_ARGUMENT;
   }
-  /* w, dw, b, db: one allocation (sizes bounded by 2^40 elements above) */
+  /* w, b: one allocation (sizes bounded by 2^40 elements above); the gradients come later */
   size_t total = 0, wbytes = 0;
   st = tp_lk_wbytes("linear", "the weight shard", L->W.dt, L->wr, L->wc, &wbytes);
   if (st != TP_SUCCESS) {
     tp_parallel_linear_destroy(L);
     return st;
   }
+  L->blen = blen;
+  L->wn = wn;
+  L->frozen = quant; /* no weight gradient */
   tp_arena_add_n(&total, (int64_t)wbytes, 1);
-  tp_arena_add_n(&total, quant ? 0 : wn, sizeof(float));
-  tp_arena_add_n(&total, blen, sizeof(float));
   tp_arena_add_n(&total, blen, sizeof(float));
   st = tp_arena_reserve(&L->params, total, "linear: parameters");
   if (st == TP_SUCCESS) {
     L->W.p = tp_arena_take_n(&L->params, (int64_t)wbytes, 1);
-    L->dw = quant ? NULL : tp_arena_take_n(&L->params, wn, sizeof(float));
     L->b = cfg->bias ? tp_arena_take_n(&L->params, blen, sizeof(float)) : NULL;
-    L->db = cfg->bias ? tp_arena_take_n(&L->params, blen, sizeof(float)) : NULL;
-    st = init_params(L, weight_id, bias_id);
+    st = lk_zero(&L->lk, L->params.base, L->params.cap, NULL);
+    if (st == TP_SUCCESS) st = init_params(L, weight_id, bias_id);
   }
   if (st != TP_SUCCESS) {
     tp_parallel_linear_destroy(L);
@@ -225,6 +229,35 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   }
   *out = L;
   return TP_SUCCESS;
+}
+
+/* dw (unless the weight is quantized) and db, zeroed: one allocation, made by the first
+ * backward or tp_parallel_linear_alloc_grads; a layer used only forward never holds them. */
+static tp_status_t ensure_grads(tp_parallel_linear_t L) {
+  if (L->grads.base || (L->frozen && !L->cfg.bias)) return TP_SUCCESS;
+  size_t total = 0;
+  if ((!L->frozen && !tp_arena_add_n(&total, L->wn, sizeof(float))) ||
+      (L->cfg.bias && !tp_arena_add_n(&total, L->blen, sizeof(float))))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: the gradients of a %lld x %lld shard overflow a size",
+                        (long long)L->wr, (long long)L->wc);
+  tp_status_t st = tp_arena_reserve(&L->grads, total, "gradients");
+  if (st == TP_SUCCESS) st = lk_zero(&L->lk, L->grads.base, L->grads.cap, NULL);
+  if (st == TP_SUCCESS) st = tp_device_sync(L->dev, L->dev_id, NULL);
+  if (st != TP_SUCCESS) {
+    tp_arena_release(&L->grads);
+    if (st != TP_ERR_NOMEM) return st;
+    return tp_set_error(TP_ERR_NOMEM, "linear: out of memory for the gradients of a %lld x %lld weight shard%s (%zu "
+                        "bytes of %s memory)", (long long)L->wr, (long long)L->wc, L->cfg.bias ? " and its bias" : "",
+                        total, tp_device_name(L->dev));
+  }
+  L->dw = L->frozen ? NULL : tp_arena_take_n(&L->grads, L->wn, sizeof(float));
+  L->db = L->cfg.bias ? tp_arena_take_n(&L->grads, L->blen, sizeof(float)) : NULL;
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_parallel_linear_alloc_grads(tp_parallel_linear_t L) {
+  TP_NONNULL("linear alloc_grads", L, "layer");
+  return ensure_grads(L);
 }
 
 tp_status_t tp_parallel_linear_info(tp_parallel_linear_t L, tp_linear_info_t *info) {
@@ -355,6 +388,7 @@ static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float 
   if (M != L->xsave_m)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: dy has %lld rows but the last forward had %lld",
                         (long long)M, (long long)L->xsave_m);
+  TP_CHECK(ensure_grads(L)); /* NOMEM: fail_local aborts the communicator (the peers would wait) */
   int64_t K = L->cfg.in_features, N = L->cfg.out_features;
   float *db = (L->flags & TP_LIN_SKIP_BIAS) ? NULL : L->db;
   if (L->cfg.kind == TP_COLUMN_PARALLEL) {

@@ -107,6 +107,15 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   return TP_SUCCESS;
 }
 
+/* fc1's and fc2's gradients (the first backward makes them, or this: idempotent). */
+tp_status_t tp_parallel_mlp_alloc_grads(tp_parallel_mlp_t m) {
+  TP_NONNULL("mlp alloc_grads", m, "mlp");
+  tp_status_t st = tp_parallel_linear_alloc_grads(m->fc1);
+  if (st == TP_SUCCESS) st = tp_parallel_linear_alloc_grads(m->fc2);
+  if (st != TP_SUCCESS) tp_error_prefix("mlp");
+  return st;
+}
+
 tp_parallel_linear_t tp_parallel_mlp_layer(tp_parallel_mlp_t m, int which) {
   return !m ? NULL : which == 0 ? m->fc1 : which == 1 ? m->fc2 : NULL; /* 0: fc1, 1: fc2 */
 }
@@ -118,7 +127,8 @@ static tp_status_t workspace(tp_parallel_mlp_t m, int64_t M) {
            tp_arena_add_n(&total, M * m->f, sizeof(float)) && tp_arena_add_n(&total, M * m->f1, sizeof(float));
   tp_linear_info_t i1;
   tp_parallel_linear_info(m->fc1, &i1);
-  size_t bws = i1.grad_bias ? lk_bias_act_backward_workspace(&m->lk, M, m->f, m->act) : 0;
+  /* sized by the bias, not its gradient: that one may appear only at the first backward */
+  size_t bws = i1.bias ? lk_bias_act_backward_workspace(&m->lk, M, m->f, m->act) : 0;
   ok = ok && tp_arena_add(&total, bws);
   if (!ok) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: %lld rows overflow a workspace size", (long long)M);
   TP_CHECK(tp_arena_reserve(&m->ws, total, "mlp"));
@@ -165,6 +175,13 @@ tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const f
   if (M != m->last_m)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp backward: dy has %lld rows but the last forward had %lld",
                         (long long)M, (long long)m->last_m);
+  /* fc1's bias gradient is accumulated here (fused with the activation): allocate both
+   * layers' gradients first; a failure on this rank only fails the peers too */
+  tp_status_t gst = tp_parallel_mlp_alloc_grads(m);
+  if (gst != TP_SUCCESS) {
+    tp_comm_abort(m->comm, tp_last_error());
+    return gst;
+  }
   TP_CHECK(tp_parallel_linear_backward_ex(m->fc2, m->da, dy, M, 0, stream));
   /* dh, and fc1's bias gradient from the same pass */
   tp_linear_info_t i1;

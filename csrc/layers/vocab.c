@@ -14,10 +14,13 @@ struct tp_vocab_embedding {
   int dev_id;
   tp_lk lk;              /* the device's kernels */
   int64_t n, C, off, loc;
+  int64_t gn;            /* elements of dw: loc x C */
+  int frozen;            /* a quantized table: no dw */
   tp_lk_w W;        /* the table shard, in cfg.weight_dtype (W.lpws = &lpws: init scratch) */
   tp_arena_t lpws;
-  float *dw;
-  tp_arena_t params;     /* w, dw */
+  float *dw;             /* NULL until ensure_grads, and always for a quantized (frozen) table */
+  tp_arena_t params;     /* w */
+  tp_arena_t grads;      /* dw: on demand (the first backward, tp_vocab_embedding_alloc_grads) */
   tp_arena_t ws;         /* the last forward's tokens and the range check's result */
   int64_t *tok, *flag;   /* flag: [index, value] of the first token out of range */
   int64_t last_m;        /* -1 before the first forward */
@@ -28,6 +31,7 @@ void tp_vocab_embedding_destroy(tp_vocab_embedding_t E) {
   if (!E) return;
   tp_reg_release(&E->buf);
   tp_arena_release(&E->params);
+  tp_arena_release(&E->grads);
   tp_arena_release(&E->ws);
   tp_arena_release(&E->lpws);
   tp_host_free(E);
@@ -76,6 +80,7 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   E->loc = loc;
   E->last_m = -1;
   tp_arena_init(&E->params, E->dev, E->dev_id);
+  tp_arena_init(&E->grads, E->dev, E->dev_id);
   tp_arena_init(&E->ws, E->dev, E->dev_id);
   tp_arena_init(&E->lpws, E->dev, E->dev_id);
   E->W.dt = cfg->weight_dtype;
@@ -87,12 +92,12 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
     tp_vocab_embedding_destroy(E);
     return st;
   }
+  E->gn = nel;
+  E->frozen = quant;
   tp_arena_add_n(&total, (int64_t)wbytes, 1);
-  tp_arena_add_n(&total, quant ? 0 : nel, sizeof(float));
   st = tp_arena_reserve(&E->params, total, "embedding: table");
   if (st == TP_SUCCESS) {
     E->W.p = tp_arena_take_n(&E->params, (int64_t)wbytes, 1);
-    E->dw = quant ? NULL : tp_arena_take_n(&E->params, nel, sizeof(float));
     st = lk_zero(&E->lk, E->params.base, E->params.cap, NULL);
   }
   /* N(0, 1) by Box-Muller: elements 2p and 2p + 1 of the full table are the cosine and sine
@@ -107,6 +112,31 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   }
   *out = E;
   return TP_SUCCESS;
+}
+
+/* dw, zeroed (a quantized table has none): made by the first backward or alloc_grads. */
+static tp_status_t ensure_grads(tp_vocab_embedding_t E) {
+  if (E->grads.base || E->frozen) return TP_SUCCESS;
+  size_t total = 0;
+  if (!tp_arena_add_n(&total, E->gn, sizeof(float)))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: the gradient of a %lld x %lld table shard overflows a "
+                        "size", (long long)E->loc, (long long)E->C);
+  tp_status_t st = tp_arena_reserve(&E->grads, total, "embedding: gradient");
+  if (st == TP_SUCCESS) st = lk_zero(&E->lk, E->grads.base, E->grads.cap, NULL);
+  if (st == TP_SUCCESS) st = tp_device_sync(E->dev, E->dev_id, NULL);
+  if (st != TP_SUCCESS) {
+    tp_arena_release(&E->grads);
+    if (st != TP_ERR_NOMEM) return st;
+    return tp_set_error(TP_ERR_NOMEM, "embedding: out of memory for the gradient of the %lld x %lld table shard (%zu "
+                        "bytes of %s memory)", (long long)E->loc, (long long)E->C, total, tp_device_name(E->dev));
+  }
+  E->dw = tp_arena_take_n(&E->grads, E->gn, sizeof(float));
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_vocab_embedding_alloc_grads(tp_vocab_embedding_t E) {
+  TP_NONNULL("embedding alloc_grads", E, "embedding");
+  return ensure_grads(E);
 }
 
 tp_status_t tp_vocab_embedding_info(tp_vocab_embedding_t E, tp_embedding_info_t *info) {
@@ -177,6 +207,7 @@ tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t E, const tp_tensor 
   if (M != E->last_m)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding backward: dy has %lld rows, the last forward had %lld "
                         "tokens", (long long)M, (long long)E->last_m);
+  TP_CHECK(ensure_grads(E)); /* local: no collective follows */
   return lk_embedding_backward(&E->lk, E->dw, E->tok, dy->data, M, E->off, E->loc, E->C, stream);
 }
 

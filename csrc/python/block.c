@@ -280,12 +280,23 @@ static PyGetSetDef blk_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+/* The block's gradients (QKV, norms, output projection, MLP), zeroed: idempotent. */
+static PyObject *blk_alloc_grads(PyObject *o, PyObject *unused) {
+  BlockObject *self = (BlockObject *)o;
+  if (!live(self->comm, "alloc_grads")) return NULL;
+  tp_status_t s = tp_block_alloc_grads(self->K);
+  if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "alloc_grads");
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef blk_methods[] = {
+    {"alloc_grads", blk_alloc_grads, METH_NOARGS, "alloc_grads(): allocate every gradient (zeroed) now; idempotent"},
     {"forward", (PyCFunction)(void (*)(void))blk_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) -> y"},
     {"backward", blk_backward, METH_VARARGS, "backward(dy[B*T, C], out=None) -> dx; accumulates the gradients"},
     {"cache", blk_cache, METH_VARARGS, "cache(batch, max_len): (re)allocate the KV cache"},
-    {"params", blk_params, METH_NOARGS, "{name: (param, grad)} views of this rank's shard"},
+    {"params", blk_params, METH_NOARGS, "{name: (param, grad)} views of this rank's shard (grad None until "
+     "alloc_grads / backward, and for a quantized weight)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -145,6 +145,7 @@ static PyObject *device_param(LinearObject *self, float *p, int nd, int64_t d0, 
 static PyObject *lin_get(PyObject *o, void *which) {
   LinearObject *self = (LinearObject *)o;
   tp_linear_info_t *i = &self->info;
+  tp_parallel_linear_info(self->L, i); /* the gradients appear with the first backward or alloc_grads */
   if (self->device != TP_DEVICE_CPU && (intptr_t)which < 4) {
     switch ((intptr_t)which) {
       case 0:
@@ -171,15 +172,27 @@ static PyObject *lin_get(PyObject *o, void *which) {
 static PyGetSetDef lin_getset[] = {
     {"weight", lin_get, NULL, "this rank's weight shard (a view)", (void *)0},
     {"bias", lin_get, NULL, "this rank's bias (a view), or None", (void *)1},
-    {"grad_weight", lin_get, NULL, "gradient of the weight shard (a view)", (void *)2},
-    {"grad_bias", lin_get, NULL, "gradient of the bias (a view), or None", (void *)3},
+    {"grad_weight", lin_get, NULL, "gradient of the weight shard (a view), or None before alloc_grads / backward",
+     (void *)2},
+    {"grad_bias", lin_get, NULL, "gradient of the bias (a view), or None (no bias, or not allocated yet)", (void *)3},
     {"shard", lin_get, NULL, "offset/local of the split dimension, input/output columns", (void *)4},
     {"device", lin_get, NULL, "'cpu:0' or 'cuda:N'", (void *)5},
     {"weight_dtype", lin_get, NULL, "'float32', 'bfloat16' or 'float16': the weight's storage", (void *)6},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+/* The gradient buffers, zeroed (backward makes them too): idempotent; none for a quantized weight. */
+static PyObject *lin_alloc_grads(PyObject *o, PyObject *unused) {
+  LinearObject *self = (LinearObject *)o;
+  if (!live(self->comm, "alloc_grads")) return NULL;
+  tp_status_t s = tp_parallel_linear_alloc_grads(self->L);
+  if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "alloc_grads");
+  tp_parallel_linear_info(self->L, &self->info);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef lin_methods[] = {
+    {"alloc_grads", lin_alloc_grads, METH_NOARGS, "alloc_grads(): allocate the gradients (zeroed) now; idempotent"},
     {"forward", lin_forward, METH_VARARGS, "forward(x[M, x_cols], out=None) -> y[M, y_cols]"},
     {"backward", lin_backward, METH_VARARGS, "backward(dy[M, y_cols], out=None) -> dx[M, x_cols]; accumulates grads"},
     {NULL, NULL, 0, NULL},

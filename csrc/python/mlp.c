@@ -121,7 +121,17 @@ static PyGetSetDef mlp_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+/* fc1's and fc2's gradients, zeroed (backward makes them too): idempotent. */
+static PyObject *mlp_alloc_grads(PyObject *o, PyObject *unused) {
+  MLPObject *self = (MLPObject *)o;
+  if (!live(self->comm, "alloc_grads")) return NULL;
+  tp_status_t s = tp_parallel_mlp_alloc_grads(self->M);
+  if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "alloc_grads");
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef mlp_methods[] = {
+    {"alloc_grads", mlp_alloc_grads, METH_NOARGS, "alloc_grads(): allocate fc1's and fc2's gradients (zeroed) now"},
     {"forward", mlp_forward, METH_VARARGS, "forward(x[M, hidden], out=None) -> y[M, hidden]"},
     {"backward", mlp_backward, METH_VARARGS, "backward(dy[M, hidden], out=None) -> dx[M, hidden]"},
     {NULL, NULL, 0, NULL},

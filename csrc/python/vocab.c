@@ -146,6 +146,7 @@ static PyObject *emb_backward(PyObject *o, PyObject *dy) {
 static PyObject *emb_get(PyObject *o, void *which) {
   EmbeddingObject *self = (EmbeddingObject *)o;
   tp_embedding_info_t *i = &self->info;
+  tp_vocab_embedding_info(self->E, i); /* the gradient appears with the first backward or alloc_grads */
   if (self->device != TP_DEVICE_CPU && (intptr_t)which < 2)
     return device_param_view_dt(state_of_type(Py_TYPE(o)), o, (intptr_t)which ? (void *)i->grad_weight : i->weight,
                                 (intptr_t)which ? TP_FLOAT32 : i->weight_dtype, 2, i->local, i->dim, self->device,
@@ -161,14 +162,25 @@ static PyObject *emb_get(PyObject *o, void *which) {
 
 static PyGetSetDef emb_getset[] = {
     {"weight", emb_get, NULL, "this rank's rows of the table (a view)", (void *)0},
-    {"grad_weight", emb_get, NULL, "their gradient (a view)", (void *)1},
+    {"grad_weight", emb_get, NULL, "their gradient (a view), or None before alloc_grads / backward", (void *)1},
     {"weight_dtype", emb_get, NULL, "'float32', 'bfloat16' or 'float16': the table's storage", (void *)4},
     {"shard", emb_get, NULL, "offset/local of this rank's vocabulary slice", (void *)2},
     {"device", emb_get, NULL, "'cpu:0' or 'cuda:N'", (void *)3},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+/* The table's gradient, zeroed (backward makes it too): idempotent; none for a quantized table. */
+static PyObject *emb_alloc_grads(PyObject *o, PyObject *unused) {
+  EmbeddingObject *self = (EmbeddingObject *)o;
+  if (!live(self->comm, "alloc_grads")) return NULL;
+  tp_status_t s = tp_vocab_embedding_alloc_grads(self->E);
+  if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "alloc_grads");
+  tp_vocab_embedding_info(self->E, &self->info);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef emb_methods[] = {
+    {"alloc_grads", emb_alloc_grads, METH_NOARGS, "alloc_grads(): allocate the gradient (zeroed) now; idempotent"},
     {"forward", emb_forward, METH_VARARGS, "forward(tokens[M] int64, out=None) -> y[M, dim] (collective)"},
     {"backward", emb_backward, METH_O, "backward(dy[M, dim]): accumulates grad_weight"},
     {NULL, NULL, 0, NULL},

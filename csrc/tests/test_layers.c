@@ -93,7 +93,9 @@ static int run_rank(int n, int r, const char *job) {
   float x[R * H], y[R * H], dy[R * H], dx[R * H];
   for (int m = 0; m < R; m++)
     for (int j = 0; j < H; j++) x[m * H + j] = (float)xin(m, j), dy[m * H + j] = (float)dyv(m, j);
-  int bad = 0;
+  /* gradients on demand: none after create (nor after a forward), every one after the first backward */
+  int bad = i1.grad_weight || i1.grad_bias || i2.grad_weight || i2.grad_bias;
+  if (bad) fprintf(stderr, "mlp: gradients allocated at create\n");
   for (int step = 0; step < 2; step++) { /* the second step reuses the workspaces */
     if (tp_parallel_mlp_forward(mlp, F2(y, R, H), F2(x, R, H), NULL) != TP_SUCCESS ||
         tp_parallel_mlp_backward(mlp, F2(dx, R, H), F2(dy, R, H), NULL) != TP_SUCCESS)
@@ -112,6 +114,41 @@ static int run_rank(int n, int r, const char *job) {
         for (int f = 0; f < F; f++) ref += a[f] * w2(o, f), gref += da[f] * dgelu(h[f]) * w1(f, o);
         if (fabs(y[m * H + o] - ref) > 1e-5 * (1 + fabs(ref))) bad++;
         if (fabs(dx[m * H + o] - gref) > 1e-5 * (1 + fabs(gref))) bad++;
+      }
+    }
+  }
+  /* the weight and bias gradients, accumulated over the two steps, against the double reference;
+   * alloc_grads after backward keeps the same buffers and values (idempotent) */
+  float *g1 = NULL;
+  for (int again = 0; again < 2; again++) {
+    if (again && tp_parallel_mlp_alloc_grads(mlp) != TP_SUCCESS) return fprintf(stderr, "alloc: %s\n", tp_last_error()), 1;
+    tp_parallel_linear_info(tp_parallel_mlp_layer(mlp, 0), &i1);
+    tp_parallel_linear_info(tp_parallel_mlp_layer(mlp, 1), &i2);
+    if (!i1.grad_weight || !i1.grad_bias || !i2.grad_weight || !i2.grad_bias || (again && i1.grad_weight != g1))
+      return fprintf(stderr, "mlp: gradients missing after backward (or moved by alloc_grads)\n"), 1;
+    g1 = i1.grad_weight;
+    double dw1[F][H] = {{0}}, db1[F] = {0}, dw2[H][F] = {{0}}, db2[H] = {0};
+    for (int m = 0; m < R; m++)
+      for (int f = 0; f < F; f++) {
+        double h = b1(f), da = 0;
+        for (int j = 0; j < H; j++) h += xin(m, j) * w1(f, j);
+        for (int o = 0; o < H; o++) da += dyv(m, o) * w2(o, f), dw2[o][f] += 2 * dyv(m, o) * gelu(h);
+        double dh = da * dgelu(h);
+        db1[f] += 2 * dh;
+        for (int j = 0; j < H; j++) dw1[f][j] += 2 * dh * xin(m, j);
+      }
+    for (int m = 0; m < R; m++)
+      for (int o = 0; o < H; o++) db2[o] += 2 * dyv(m, o);
+    for (int i = 0; i < i1.local; i++) {
+      int f = (int)i1.offset + i;
+      bad += fabs(i1.grad_bias[i] - db1[f]) > 1e-4 * (1 + fabs(db1[f]));
+      for (int j = 0; j < H; j++) bad += fabs(i1.grad_weight[i * H + j] - dw1[f][j]) > 1e-4 * (1 + fabs(dw1[f][j]));
+    }
+    for (int o = 0; o < H; o++) {
+      bad += fabs(i2.grad_bias[o] - db2[o]) > 1e-4 * (1 + fabs(db2[o]));
+      for (int j = 0; j < i2.local; j++) {
+        double ref = dw2[o][i2.offset + j];
+        bad += fabs(i2.grad_weight[o * i2.local + j] - ref) > 1e-4 * (1 + fabs(ref));
       }
     }
   }
@@ -151,6 +188,7 @@ static int run_vocab(int n, int r, const char *job) {
   tp_embedding_info_t ei;
   tp_vocab_embedding_info(emb, &ei);
   int bad = ei.offset != lo || ei.local != part[r];
+  if (ei.grad_weight) bad |= fprintf(stderr, "embedding: a gradient at create\n") > 0;
   for (int v = 0; v < ei.local; v++)
     for (int c = 0; c < DIM; c++) ((float *)ei.weight)[v * DIM + c] = (float)tab((int)lo + v, c);
   float y[T * DIM], dy[T * DIM];
@@ -160,7 +198,12 @@ static int run_vocab(int n, int r, const char *job) {
       bad += y[m * DIM + c] != (float)tab((int)tokens[m], c); /* a lookup is exact */
       dy[m * DIM + c] = (float)(0.1 * m - 0.2 * c);
     }
+  if (ei.grad_weight) bad |= fprintf(stderr, "embedding: a gradient after forward\n") > 0;
   if (tp_vocab_embedding_backward(emb, F2(dy, T, DIM), NULL) != TP_SUCCESS) return fprintf(stderr, "emb bwd: %s\n", tp_last_error()), 1;
+  float *gw = (tp_vocab_embedding_info(emb, &ei), ei.grad_weight);
+  if (tp_vocab_embedding_alloc_grads(emb) != TP_SUCCESS || tp_vocab_embedding_info(emb, &ei) != TP_SUCCESS ||
+      !ei.grad_weight || ei.grad_weight != gw)
+    return fprintf(stderr, "embedding: no gradient after backward, or alloc_grads moved it\n"), 1;
   for (int v = 0; v < ei.local; v++)
     for (int c = 0; c < DIM; c++) {
       double g = 0;
@@ -207,6 +250,43 @@ static int run_vocab(int n, int r, const char *job) {
 enum { BC = 12, BH = 4, BKV = 2, BD = 4, BF = 20, BB = 2, BT = 5 };
 static float *block_out; /* [3 worlds][2 * BB*BT*BC + BB*BC] */
 
+/* Gradients on demand: every parameter of the block has a gradient (want 1) or none (want 0);
+ * a quantized weight (frozen) never has one. */
+static int block_grads(const tp_param_t *p, int n, int want, const char *when) {
+  int bad = 0;
+  for (int i = 0; i < n; i++) {
+    int expect = want && !tp_weight_is_quantized(p[i].dtype);
+    if ((p[i].grad != NULL) != expect)
+      bad |= fprintf(stderr, "block %s: %s has %s gradient\n", when, p[i].name, p[i].grad ? "a" : "no") > 0;
+  }
+  return bad;
+}
+
+/* A quantized (Q8_0) block: alloc_grads gives the norms theirs and the four weights none,
+ * twice; backward then leaves them frozen too. */
+static int quant_block_grads(tp_comm_t comm) {
+  tp_block_config_t cfg = TP_BLOCK_CONFIG_INITIALIZER;
+  cfg.hidden = 32, cfg.heads = 2, cfg.head_dim = 32, cfg.ffn_hidden = 64, cfg.weight_dtype = TP_Q8_0;
+  tp_block_t blk;
+  if (tp_block_create(&blk, comm, &cfg) != TP_SUCCESS) return fprintf(stderr, "q8 block: %s\n", tp_last_error()), 1;
+  tp_param_t prm[16];
+  int np = tp_block_params(blk, prm, 16), bad = block_grads(prm, np, 0, "(q8_0) after create");
+  bad += tp_block_alloc_grads(blk) != TP_SUCCESS || tp_block_alloc_grads(blk) != TP_SUCCESS;
+  bad += block_grads(prm, tp_block_params(blk, prm, 16), 1, "(q8_0) after alloc_grads");
+  int frozen = 0;
+  for (int i = 0; i < np; i++) frozen += tp_weight_is_quantized(prm[i].dtype);
+  bad += frozen != 4;
+  float x[2 * 32] = {0}, y[2 * 32], dx[2 * 32];
+  for (int i = 0; i < 64; i++) x[i] = (float)sin(0.3 * i);
+  tp_block_batch_t bt = {1, 2, NULL, NULL, 0, 1, NULL};
+  bad += tp_block_forward(blk, F2(y, 2, 32), F2(x, 2, 32), &bt, NULL) != TP_SUCCESS ||
+         tp_block_backward(blk, F2(dx, 2, 32), F2(y, 2, 32), NULL) != TP_SUCCESS;
+  bad += block_grads(prm, tp_block_params(blk, prm, 16), 1, "(q8_0) after backward");
+  if (bad) fprintf(stderr, "q8 block: %s\n", tp_last_error());
+  tp_block_destroy(blk);
+  return bad;
+}
+
 static int run_block(int n, int r, const char *job) {
   tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
   cc.job_id = job;
@@ -223,8 +303,16 @@ static int run_block(int n, int r, const char *job) {
   float x[NX], y[NX], dy[NX], dx[NX], xs[BB * BC], ys[BB * BC];
   for (int i = 0; i < NX; i++) x[i] = (float)sin(0.37 * i), dy[i] = (float)cos(0.11 * i);
   tp_block_batch_t bt = {BB, BT, NULL, NULL, 0, 1, NULL};
-  int bad = tp_block_forward(blk, F2(y, BB * BT, BC), F2(x, BB * BT, BC), &bt, NULL) != TP_SUCCESS ||
-            tp_block_backward(blk, F2(dx, BB * BT, BC), F2(dy, BB * BT, BC), NULL) != TP_SUCCESS;
+  tp_param_t prm[16];
+  int np = tp_block_params(blk, prm, 16), bad = np != 6; /* RMS norms and no biases: 6 weights */
+  int bad_grads = block_grads(prm, np, 0, "after create");
+  bad += tp_block_forward(blk, F2(y, BB * BT, BC), F2(x, BB * BT, BC), &bt, NULL) != TP_SUCCESS;
+  bad_grads += block_grads(prm, tp_block_params(blk, prm, 16), 0, "after forward");
+  bad += tp_block_backward(blk, F2(dx, BB * BT, BC), F2(dy, BB * BT, BC), NULL) != TP_SUCCESS;
+  bad_grads += block_grads(prm, tp_block_params(blk, prm, 16), 1, "after backward");
+  float *gq = prm[1].grad; /* attn.qkv.weight's: alloc_grads keeps it */
+  bad_grads += tp_block_alloc_grads(blk) != TP_SUCCESS || (tp_block_params(blk, prm, 16), prm[1].grad != gq);
+  bad += bad_grads;
   bad += tp_block_backward(blk, F2(dx, 1, BC), F2(dy, 1, BC), NULL) != TP_ERR_INVALID_ARGUMENT; /* rows must match */
   /* decode: cache the first BT - 1 tokens, then the last one at its position */
   int64_t pos[BB] = {BT - 1, BT - 1};
@@ -256,6 +344,7 @@ static int run_block(int n, int r, const char *job) {
          tp_block_forward(blk, F2(ysr, BB, BC), F2(xsr, BB, BC), &decs, NULL) != TP_SUCCESS;
   for (int b = 0; b < BB; b++)
     for (int c = 0; c < BC; c++) bad += fabsf(ysr[b * BC + c] - y[((BB - 1 - b) * BT + BT - 1) * BC + c]) > 1e-5f;
+  if (!plain_mode && !check_zero_copy) bad += quant_block_grads(comm);
   bad += check_mode(comm, n);
   if (bad) fprintf(stderr, "block rank %d of %d: %s\n", r, n, tp_last_error());
   if (r == 0) {
@@ -568,6 +657,11 @@ static int run_quant(int n, int r, const char *job) {
       if (tp_parallel_linear_forward(L, F2(y, QM, QN), F2(x, QM, QK), NULL) != TP_SUCCESS ||
           tp_parallel_linear_backward(L, F2(dx, QM, QK), F2(dy, QM, QN), NULL) != TP_SUCCESS)
         return fprintf(stderr, "quant step: %s\n", tp_last_error()), 1;
+      /* frozen: neither backward nor alloc_grads gives the quantized weight a gradient */
+      if (tp_parallel_linear_alloc_grads(L) != TP_SUCCESS || tp_parallel_linear_alloc_grads(L) != TP_SUCCESS ||
+          tp_parallel_linear_info(L, &li) != TP_SUCCESS || li.grad_weight || li.grad_bias)
+        bad |= fprintf(stderr, "quant linear: a weight gradient after backward / alloc_grads (%s)\n",
+                       tp_last_error()) > 0;
       for (int m = 0; m < QM; m++) {
         for (int o = 0; o < QN; o++) {
           double ref = 0;
