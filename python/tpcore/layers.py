@@ -14,8 +14,10 @@ its columns from the full x and backward all-gathers the input gradient.
 
 All math and communication run in C (BLAS GEMMs, GIL released).  Parameters
 live in C memory; .weight, .bias, .grad_weight, .grad_bias are NumPy views of
-it (no copies).  Layers built with the same seed hold the same logical weights
-at every world size and partition.
+it (no copies).  Gradients are allocated on demand (the first backward, or
+grad_weight / grad_bias / parameters() / zero_grad()): a layer used only for
+inference never holds them.  Layers built with the same seed hold the same
+logical weights at every world size and partition.
 """
 from __future__ import annotations
 
@@ -338,7 +340,10 @@ class _ParallelLinear:
     @property
     def grad_weight(self) -> np.ndarray:
         """The gradient of `weight` accumulated by `backward` (float32, weight's shape); None for
-        a quantized weight (frozen)."""
+        a quantized weight (frozen).  Gradients are allocated on demand: reading this (or
+        `parameters`, `zero_grad`, the first `backward`) allocates them, zeroed; a layer used
+        only forward holds none."""
+        self._c.alloc_grads()
         return self._c.grad_weight
 
     def weight_float(self) -> np.ndarray:
@@ -350,28 +355,36 @@ class _ParallelLinear:
 
     @property
     def grad_bias(self) -> Optional[np.ndarray]:
-        """The gradient of `bias` accumulated by `backward`; None without bias."""
+        """The gradient of `bias` accumulated by `backward`; None without bias (allocated on
+        demand, as `grad_weight`)."""
+        self._c.alloc_grads()
         return self._c.grad_bias
 
     def parameters(self) -> List[Tuple[np.ndarray, np.ndarray]]:
         """This rank's (parameter, gradient) pairs, for the optimizers of `tpcore.optim`.
 
+        The gradients are allocated (zeroed) here if no backward has yet.
+
         Returns
         -------
         list of (numpy.ndarray, numpy.ndarray)
-            (weight, grad_weight), then (bias, grad_bias) when the layer has a bias.
+            (weight, grad_weight) unless the weight is quantized (frozen), then (bias,
+            grad_bias) when the layer has a bias.
         """
-        pairs = [] if self.grad_weight is None else [(self.weight, self.grad_weight)]  # quantized: frozen
-        if self.bias is not None:
-            pairs.append((self.bias, self.grad_bias))
+        self._c.alloc_grads()
+        c = self._c
+        pairs = [] if is_quantized(self.dtype) else [(c.weight, c.grad_weight)]
+        if c.bias is not None:
+            pairs.append((c.bias, c.grad_bias))
         return pairs
 
     def zero_grad(self) -> None:
-        """Set grad_weight and grad_bias to zero (backward accumulates into them)."""
-        if self.grad_weight is not None:
-            zero(self.grad_weight)
-        if self.grad_bias is not None:
-            zero(self.grad_bias)
+        """Set grad_weight and grad_bias to zero (backward accumulates into them); allocates
+        them if no backward has yet."""
+        self._c.alloc_grads()
+        for g in (self._c.grad_weight, self._c.grad_bias):
+            if g is not None:
+                zero(g)
 
     def _rows(self, x, name, cols):
         """x as float32 rows (M, cols), its leading shape, and the dtype to give the

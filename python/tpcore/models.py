@@ -89,11 +89,21 @@ class _Norm:
         self.kind, self.eps, self.dev = kind, float(eps), dev
         self.weight = _on(np.ones(C, np.float32), dev)
         self.bias = _on(np.zeros(C, np.float32), dev) if kind == "layernorm" else None
-        self.grad_weight = _on(np.zeros(C, np.float32), dev)
-        self.grad_bias = None if self.bias is None else _on(np.zeros(C, np.float32), dev)
+        self.grad_weight = self.grad_bias = None  # on demand (_alloc_grads): none for inference
         self._ctx = None
 
+    def _alloc_grads(self):
+        """The gradients, zeroed, unless they exist."""
+        if self.grad_weight is None:
+            C = self.weight.shape[0]
+            self.grad_weight = _on(np.zeros(C, np.float32), self.dev)
+            self.grad_bias = None if self.bias is None else _on(np.zeros(C, np.float32), self.dev)
+
+    def _weights(self):
+        return [self.weight] + ([] if self.bias is None else [self.bias])
+
     def parameters(self):
+        self._alloc_grads()
         return [(self.weight, self.grad_weight)] + ([] if self.bias is None else [(self.bias, self.grad_bias)])
 
     def forward(self, x2):
@@ -106,6 +116,7 @@ class _Norm:
 
     def backward(self, dy2):
         x2, mu, rs = self._ctx
+        self._alloc_grads()
         if self.dev is not None:
             return _C.d_norm_backward(self.kind, dy2, x2, self.weight, mu, rs, self.grad_weight, self.grad_bias)
         return _C.norm_backward(self.kind, np.ascontiguousarray(dy2, np.float32), x2, self.weight, mu, rs,
@@ -222,10 +233,9 @@ class TransformerLM:
         # they live there (DeviceArrays) and run the d_ kernels
         learned = cfg.positions == "learned" and first
         self.wpe = _on(_normal(seed, 1, (cfg.max_positions, C), 0.02), self._kdev) if learned else None
-        self.wpe_grad = None if self.wpe is None else _on(np.zeros((cfg.max_positions, C), np.float32), self._kdev)
         self.tte = _on(_normal(seed, 2, (cfg.type_vocab_size, C), 0.02), self._kdev) \
             if cfg.type_vocab_size and first else None
-        self.tte_grad = None if self.tte is None else _on(np.zeros((cfg.type_vocab_size, C), np.float32), self._kdev)
+        self.wpe_grad = self.tte_grad = None  # gradients on demand (_alloc_grads): none for inference
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.embedding_norm and first else None
         bd = {k: self.dtypes[k] for k in ("qkv", "out", "fc1", "fc2")}
         self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
@@ -249,33 +259,62 @@ class TransformerLM:
         return self.device[0] != "cpu"
 
     # ------------------------------------------------------------- parameters
+    def _modules(self) -> list:
+        return ([self.emb_norm] if self.emb_norm else []) + self.blocks + \
+            ([self.final_norm] if self.final_norm else []) + ([self.lm_head] if self.lm_head else [])
+
+    def _alloc_grads(self) -> None:
+        """The model's own gradients (position / type embeddings), zeroed, unless they exist;
+        the layers allocate theirs in their own backward / parameters()."""
+        if self.wpe is not None and self.wpe_grad is None:
+            self.wpe_grad = _on(np.zeros(self.wpe.shape, np.float32), self._kdev)
+        if self.tte is not None and self.tte_grad is None:
+            self.tte_grad = _on(np.zeros(self.tte.shape, np.float32), self._kdev)
+
     def parameters(self) -> List[Tuple[Any, Any]]:
-        """This rank's (parameter, gradient) pairs, for `tpcore.optim` (DeviceArrays on a GPU)."""
+        """This rank's (parameter, gradient) pairs, for `tpcore.optim` (DeviceArrays on a GPU).
+
+        A model made for inference holds no gradients: this allocates them (zeroed), as
+        does the first `backward`.  Quantized weights (frozen) are left out."""
+        self._alloc_grads()
         ps = list(self.wte.parameters()) if self.wte is not None else []
         if self.wpe is not None:
             ps.append((self.wpe, self.wpe_grad))
         if self.tte is not None:
             ps.append((self.tte, self.tte_grad))
-        for m in ([self.emb_norm] if self.emb_norm else []) + self.blocks + \
-                ([self.final_norm] if self.final_norm else []) + ([self.lm_head] if self.lm_head else []):
+        for m in self._modules():
             ps.extend(m.parameters())
         return ps
 
+    def _weights(self) -> list:
+        """The parameters of `parameters()` (same order) without their gradients: nothing is
+        allocated (checkpoints, param_bytes)."""
+        ws = [] if self.wte is None or is_quantized(self.wte.dtype) else [self.wte.weight]
+        ws += [w for w in (self.wpe, self.tte) if w is not None]
+        for m in self._modules():
+            if isinstance(m, _Norm):
+                ws += m._weights()
+            elif isinstance(m, TransformerBlock):
+                ws += [p for name, (p, _) in m._p.items() if not m._frozen(name)]
+            else:  # the LM head (a ColumnParallelLinear without bias)
+                ws += ([] if is_quantized(m.dtype) else [m.weight]) + ([] if m.bias is None else [m.bias])
+        return ws
+
     def zero_grad(self) -> None:
-        """Set every gradient to zero."""
+        """Set every gradient to zero (allocating them if no backward has yet)."""
         for _, g in self.parameters():
             zero(g)
 
     def param_bytes(self) -> int:
-        """Bytes of this rank's parameters, frozen (quantized) weights included."""
-        return int(sum(p.nbytes for p, _ in self.parameters()) + sum(w.nbytes for w in self._frozen()))
+        """Bytes of this rank's parameters, frozen (quantized) weights included (no gradients)."""
+        return int(sum(p.nbytes for p in self._weights()) + sum(w.nbytes for w in self._frozen()))
 
     def _frozen(self) -> list:
-        """This rank's quantized weights (no gradient, so not in parameters())."""
-        out = [w for w, g in ([] if self.wte is None else [(self.wte.weight, self.wte.grad_weight)]) if g is None]
+        """This rank's quantized weights (no gradient, so not in parameters()), by their format."""
+        out = [self.wte.weight] if self.wte is not None and is_quantized(self.wte.dtype) else []
         for b in self.blocks:
-            out += [w for w, g in b.named_parameters().values() if g is None]
-        if self.lm_head is not None and self.lm_head.grad_weight is None:
+            out += [p for name, (p, _) in b._p.items() if b._frozen(name)]
+        if self.lm_head is not None and is_quantized(self.lm_head.dtype):
             out.append(self.lm_head.weight)
         return out
 
@@ -629,6 +668,7 @@ class TransformerLM:
         the gradient of its input (B, T, hidden) on a stage after the first, else None."""
         ctx, comm = self._ctx, self.comm
         B, T = ctx["B"], ctx["T"]
+        self._alloc_grads()
         if self._last:
             dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
             h2 = ctx["h2"]
@@ -663,6 +703,7 @@ class TransformerLM:
     def _backward_device(self, ctx, dloss):
         """backward with every tensor where the model lives (its GPU; the CPU device path)."""
         comm, B, T, C = self.comm, ctx["B"], ctx["T"], self.config.hidden
+        self._alloc_grads()
         dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
         h2 = ctx["h2"]
         with comm._region("head"):
@@ -966,7 +1007,7 @@ class TransformerLM:
         comm.barrier()
         if sharded:
             fmt.write_own_shard(path, comm.rank, comm.size, [p.to_numpy() if isinstance(p, DeviceArray) else p
-                                                             for p, _ in self.parameters()])
+                                                             for p in self._weights()])
         else:
             sd = self.state_dict_full()
             if comm.rank == 0:
@@ -1300,10 +1341,10 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device
                          f"tpcore.models.quantize the model, or save it with sharded=False")
     model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32")
     t, _ = fmt.read_safetensors(mine)
-    params = model.parameters()
-    fmt.check_tensors(mine, t, {f"param.{i}": p.shape for i, (p, _) in enumerate(params)},
+    params = model._weights()  # weights only: a loaded model holds no gradients until it trains
+    fmt.check_tensors(mine, t, {f"param.{i}": p.shape for i, p in enumerate(params)},
                       "this rank's shard of the model (another partition?)")
-    for i, (p, _) in enumerate(params):
+    for i, p in enumerate(params):
         p[...] = fmt.to_float32(t[f"param.{i}"])
     model._sync_tied()
     return model

@@ -43,6 +43,7 @@ import numpy as np
 from ._args import agree, int_arg, int_array, shown
 from .grid import ProcessGrid
 from .models import TransformerLM, _agree_generate, _result, _check_vocab
+from .quant import is_quantized
 from .transformer import Config
 
 __all__ = ["PipelineLM", "stage_partition", "SCHEDULES"]
@@ -425,9 +426,9 @@ class PipelineLM:
                 self._send(dx, s - 1, stats)
 
     def _tied_begin(self):
-        if self._tied is None or self.stage.wte.grad_weight is None:  # None: a quantized (frozen) table
+        if self._tied is None or is_quantized(self.stage.wte.dtype):  # a quantized table: frozen, no gradient
             return None
-        return self.stage.wte.grad_weight.copy()
+        return self.stage.wte.grad_weight.copy()  # (a training step: allocates it, zeroed, before the first)
 
     def _tied_end(self, g0):
         """The first and last stages' embedding copies: this step's gradient of each summed (the

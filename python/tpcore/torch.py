@@ -827,23 +827,24 @@ class TransformerBlock(_TPModule):
                      device=device, dtype=dtype, plan=plan)
         self._tp_init(layer, layer.device)
         self._order = []
-        for name, (view, grad) in layer.named_parameters().items():
+        for name, (view, _) in layer._p.items():  # the weights only: the C gradients come with a backward
             *path, leaf = name.split(".")
             owner: torch.nn.Module = self
             for part in path:
                 if part not in owner._modules:
                     owner.add_module(part, _Holder())
                 owner = cast(torch.nn.Module, owner._modules[part])
-            self._order.append((name, self._adopt_param(owner, leaf, view), grad))
+            self._order.append((name, self._adopt_param(owner, leaf, view)))
 
     def _tp_params(self) -> List[torch.nn.Parameter]:
-        return [p for _, p, _ in self._order]
+        return [p for _, p in self._order]
 
     def _tp_grads(self) -> List[Any]:
-        return [g for _, _, g in self._order]
+        grads = self.layer.named_parameters()  # (in a backward: allocated by now)
+        return [grads[name][1] for name, _ in self._order]
 
     def _tp_local(self) -> Dict[str, torch.nn.Parameter]:
-        return {name: p for name, p, _ in self._order}
+        return {name: p for name, p in self._order}
 
     def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """y (B, T, hidden) for x (B, T, hidden) (float32; bfloat16 / float16 given back in

@@ -412,7 +412,8 @@ class TransformerBlock:
         self.q0, self.nq, self.k0, self.nk = info["q0"], info["nq"], info["k0"], info["nk"]
         self.kv_replicated = info["kv_replicated"]
         self.head_partition = check_partition(comm, self.q0, self.nq, cfg.heads, "TransformerBlock heads")
-        self._p = self._c.params()
+        self._p = self._c.params()  # (param, grad) views; grad None until _alloc_grads or a backward
+        self._grads = False
         g = 2 if cfg.activation == "swiglu" else 1
         self.ffn_local = self._p["mlp.fc1.weight"][0].shape[0] // g if "mlp.fc1.weight" in self._p else 0
         offs = comm.all_gather(np.array([self.ffn_local], np.int64))
@@ -420,18 +421,35 @@ class TransformerBlock:
         self.ffn_partition = [(int(offs[:r].sum()), int(offs[r])) for r in range(comm.size)]
 
     # ------------------------------------------------------------- parameters
+    def _alloc_grads(self) -> None:
+        """The gradient buffers, zeroed, if no backward made them yet (a block made for
+        inference holds none); the cached views then include them."""
+        if not self._grads:
+            self._c.alloc_grads()
+            self._p = self._c.params()
+            self._grads = True
+
+    def _frozen(self, local: str) -> bool:
+        """Whether a local tensor is a quantized weight (frozen: no gradient, ever)."""
+        return is_quantized(self.dtypes.get(local, "float32"))
+
     def parameters(self) -> List[Tuple[np.ndarray, np.ndarray]]:
         """This rank's (parameter, gradient) pairs (views of C memory), for `tpcore.optim`;
-        quantized weights (frozen, no gradient) are left out."""
-        return [pg for pg in self._p.values() if pg[1] is not None]
+        quantized weights (frozen, no gradient) are left out.  The gradients are allocated
+        (zeroed) here if no backward has yet."""
+        self._alloc_grads()
+        return [pg for name, pg in self._p.items() if not self._frozen(name)]
 
     def named_parameters(self) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
         """This rank's local tensors by name ("attn.qkv.weight", "mlp.fc1.weight", ...) ->
-        (parameter, gradient)."""
+        (parameter, gradient); the gradient None for a quantized weight (frozen).  Allocates
+        the gradients (zeroed) if no backward has yet."""
+        self._alloc_grads()
         return dict(self._p)
 
     def zero_grad(self) -> None:
-        """Set every gradient to zero."""
+        """Set every gradient to zero (allocating them if no backward has yet)."""
+        self._alloc_grads()
         for _, g in self._p.values():
             if g is not None:
                 zero(g)
@@ -565,13 +583,15 @@ class TransformerBlock:
         Collective: all-gathers over comm.
         """
         cfg, D, comm = self.config, self.config.head_dim, self.comm
+        if grads:
+            self._alloc_grads()
         shapes = self.full_shapes()
         out = {}
         which = 1 if grads else 0
         # attention rows/cols by head; replicated KV heads are identical on their ranks: keep one
         heads = comm.all_gather(np.array([self.q0, self.nq, self.k0, self.nk], np.int64)).reshape(-1, 4)
         for name, (local, rows, cut) in self._slices().items():
-            if self._p[local][which] is None:  # a quantized weight's gradient: none (frozen)
+            if grads and self._frozen(local):  # a quantized weight's gradient: none (frozen)
                 continue
             mine = np.ascontiguousarray(_host(self._p[local][which])[rows])
             if which == 0 and is_quantized(self.dtypes.get(local, "float32")):  # gathered as float32
@@ -794,6 +814,7 @@ class TransformerBlock:
         Collectives: one all-reduce at the QKV input and one at fc1's input.
         """
         C = self.config.hidden
+        self._alloc_grads()  # (the C block would make them too; this keeps the cached views current)
         if self.device[0] != "cpu":  # dy a tensor on the block's GPU; dx a DeviceArray there, in dy's dtype
             d, dt = self._device_x(dy, "dy", type(self).__name__)
             if d.ndim < 1 or d.shape[-1] != C:

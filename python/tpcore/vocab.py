@@ -33,7 +33,7 @@ from ._array import (DeviceArray, asarray, check_host, check_on_device, device_o
 from .comm import Comm
 from .layers import (_plan_sizes, _put_weight, _shard_float, _shard_host, _sizes, as_float32,
                      check_param_dtype, check_partition, zero)
-from .quant import QuantTensor
+from .quant import QuantTensor, is_quantized
 
 
 def _tokens(tokens, name="tokens", who="VocabParallelEmbedding"):
@@ -133,7 +133,9 @@ class VocabParallelEmbedding:
     @property
     def grad_weight(self) -> np.ndarray:
         """The gradient of `weight` accumulated by `backward` (float32); None for a quantized
-        table (frozen)."""
+        table (frozen).  Allocated on demand (zeroed): by this, `parameters`, `zero_grad` or
+        the first `backward`; a table used only for lookups holds none."""
+        self._c.alloc_grads()
         return self._c.grad_weight
 
     def weight_float(self) -> np.ndarray:
@@ -141,13 +143,17 @@ class VocabParallelEmbedding:
         return _shard_float(self.weight, self.dtype, self.embedding_dim)
 
     def parameters(self) -> List[Tuple[np.ndarray, np.ndarray]]:
-        """[(weight, grad_weight)], for the optimizers of `tpcore.optim` ([] when quantized)."""
-        return [] if self.grad_weight is None else [(self.weight, self.grad_weight)]
+        """[(weight, grad_weight)], for the optimizers of `tpcore.optim` ([] when quantized:
+        frozen); the gradient is allocated (zeroed) here if no backward has yet."""
+        if is_quantized(self.dtype):
+            return []
+        return [(self.weight, self.grad_weight)]
 
     def zero_grad(self) -> None:
-        """Set grad_weight to zero."""
-        if self.grad_weight is not None:
-            zero(self.grad_weight)
+        """Set grad_weight to zero (allocating it if no backward has yet)."""
+        g = self.grad_weight
+        if g is not None:
+            zero(g)
 
     def forward(self, tokens: Any) -> Any:
         """The rows of the full table for integer tokens (also ``emb(tokens)``).
