@@ -283,9 +283,8 @@ static PyGetSetDef blk_getset[] = {
 /* The block's gradients (QKV, norms, output projection, MLP), zeroed: idempotent. */
 static PyObject *blk_alloc_grads(PyObject *o, PyObject *unused) {
   BlockObject *self = (BlockObject *)o;
-  if (!live(self->comm, "alloc_grads")) return NULL;
   tp_status_t s = tp_block_alloc_grads(self->K);
-  if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "alloc_grads");
+  if (s != TP_SUCCESS) return raise_status(cstate(o), s, "alloc_grads"); /* local: a closed comm is no matter */
   Py_RETURN_NONE;
 }
 

@@ -184,9 +184,8 @@ static PyGetSetDef lin_getset[] = {
 /* The gradient buffers, zeroed (backward makes them too): idempotent; none for a quantized weight. */
 static PyObject *lin_alloc_grads(PyObject *o, PyObject *unused) {
   LinearObject *self = (LinearObject *)o;
-  if (!live(self->comm, "alloc_grads")) return NULL;
   tp_status_t s = tp_parallel_linear_alloc_grads(self->L);
-  if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "alloc_grads");
+  if (s != TP_SUCCESS) return raise_status(cstate(o), s, "alloc_grads"); /* local: a closed comm is no matter */
   tp_parallel_linear_info(self->L, &self->info);
   Py_RETURN_NONE;
 }
