@@ -79,7 +79,8 @@ typedef struct {
 
 typedef struct {
   void *weight;                /* this rank's weight shard, in weight_dtype */
-  float *bias, *grad_weight, *grad_bias; /* float32 (bias NULL if none) */
+  float *bias, *grad_weight, *grad_bias; /* float32 (bias NULL if none; the gradients NULL until the
+                                          * first backward or alloc_grads, grad_weight always when quantized) */
   int64_t weight_rows, weight_cols, bias_len;
   int64_t offset, local;       /* this rank's slice of the split dimension */
   int64_t x_cols, y_cols;      /* columns of forward's input and output on this rank */
@@ -155,7 +156,7 @@ typedef struct {
 
 typedef struct {
   void *weight;                /* [local, dim] in weight_dtype */
-  float *grad_weight;          /* [local, dim] float32 */
+  float *grad_weight;          /* [local, dim] float32; NULL until backward / alloc_grads, or quantized */
   int64_t offset, local, dim, num_embeddings;
   tp_dtype_t weight_dtype;
 } tp_embedding_info_t;
@@ -268,7 +269,7 @@ typedef struct {
 typedef struct {
   const char *name;                /* "norm1.weight", "attn.qkv.weight", "mlp.fc1.bias", ...  */
   void *data;                      /* in dtype */
-  float *grad;                     /* float32 */
+  float *grad;                     /* float32; NULL until backward / alloc_grads, or quantized */
   int ndim;                        /* 1: a vector of rows entries; 2: rows x cols */
   int64_t rows, cols;
   tp_dtype_t dtype;                /* float32, or the block's weight_dtype for a projection weight */
