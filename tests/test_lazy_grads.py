@@ -352,3 +352,39 @@ def test_alloc_grads_takes_no_arguments():
         return None
     msg = run(case, 1)[0]
     assert msg is not None and "alloc_grads" in msg and "no arguments" in msg
+
+
+CUDA = getattr(tpcore, "cuda_available", lambda: False)()
+
+
+def _gpu_case(comm):
+    """On a GPU: nothing after create or forward, then the CPU layers' gradients after backward."""
+    g = rng_for(8, 0)
+    cfg = tpcore.Config(vocab_size=11, **{k: SMALL[k] for k in ("hidden", "heads", "kv_heads", "ffn_hidden", "norm",
+                                                                   "eps", "activation", "positions", "rope_theta")})
+    pairs = [(tpcore.ParallelMLP(10, 17, comm, seed=3), tpcore.ParallelMLP(10, 17, comm, seed=3, device="cuda")),
+             (tpcore.TransformerBlock(cfg, comm, seed=5), tpcore.TransformerBlock(cfg, comm, seed=5, device="cuda"))]
+    xs = [g.standard_normal((3, 10)).astype(np.float32), g.standard_normal((1, 3, 24)).astype(np.float32)]
+    held, off = [], []
+    for (cpu, gpu), x in zip(pairs, xs):
+        held.append(sorted(k for k, v in _c_grads(gpu).items() if v is not None))
+        y = gpu(tpcore.asarray(x, device="cuda"))
+        held.append(sorted(k for k, v in _c_grads(gpu).items() if v is not None))
+        cpu(x)
+        dy = g.standard_normal(x.shape).astype(np.float32)
+        cpu.backward(dy)
+        gpu.backward(tpcore.asarray(dy, device="cuda"))
+        del y
+        for k, gc in _c_grads(cpu).items():
+            gg = _c_grads(gpu)[k]
+            gg = None if gg is None else gg.to_numpy()
+            if gg is None or not np.allclose(gg, gc, rtol=1e-4, atol=1e-4):
+                off.append(k)
+    return held, off
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
+def test_gpu_layers_allocate_gradients_in_backward():
+    held, off = run(_gpu_case, 1, start_method="spawn")[0]
+    assert all(h == [] for h in held), held
+    assert not off, f"GPU gradients that differ from the CPU layer's: {off}"
