@@ -40,7 +40,7 @@ from .layers import partition as partition_dim
 from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
-__all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize"]
+__all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize", "estimate_memory"]
 
 
 _PARTS = ("embedding", "head", "qkv", "out", "fc1", "fc2")
@@ -1424,3 +1424,6 @@ def _from_gguf(path, comm, partition, dtype, progress, device) -> TransformerLM:
     model.gguf_tokenizer_info = info
     del g
     return model
+
+
+from .memory import estimate_memory  # noqa: E402  (memory.py imports this module lazily)
