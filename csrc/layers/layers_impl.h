@@ -176,9 +176,10 @@ static inline tp_status_t tp_check_vector(const char *op, const char *arg, const
  *                      copy for the backward: x must stay alive and unchanged until
  *                      then (the MLP's activation workspace, the attention output);
  * TP_LIN_SKIP_BIAS     the caller adds the bias (forward) and accumulates its
- *                      gradient (backward) itself, fused with the activation.
+ *                      gradient (backward) itself, fused with the activation;
+ * TP_LIN_NO_BACKWARD   (with BORROW_INPUT) nothing is kept: a backward after it is refused.
  * Pointers are on the layer's device, M rows checked by the caller. */
-enum { TP_LIN_BORROW_INPUT = 1, TP_LIN_SKIP_BIAS = 2 };
+enum { TP_LIN_BORROW_INPUT = 1, TP_LIN_SKIP_BIAS = 2, TP_LIN_NO_BACKWARD = 4 };
 tp_status_t tp_parallel_linear_forward_ex(tp_parallel_linear_t L, float *y, const float *x, int64_t M, int flags,
                                           tp_stream_t stream);
 /* The region tag of L's collectives (a static string; NULL: the communicator's current tag):
@@ -188,6 +189,12 @@ tp_status_t tp_parallel_linear_backward_ex(tp_parallel_linear_t L, float *dx, co
                                            tp_stream_t stream);
 /* The MLP on raw pointers of its device (M checked here), for the block. */
 tp_status_t tp_parallel_mlp_forward_raw(tp_parallel_mlp_t m, float *y, const float *x, int64_t M, tp_stream_t stream);
+/* A forward that keeps nothing for backward: h [M, f1] and a [M, f] are the caller's (a
+ * block's inference workspace), fc1 and fc2 borrow their inputs; backward is refused after it. */
+tp_status_t tp_parallel_mlp_forward_nograd(tp_parallel_mlp_t m, float *y, const float *x, int64_t M, float *h,
+                                           float *a, tp_stream_t stream);
+/* The MLP's activation widths: *f1 (fc1's local outputs: 2 x f gated) and *f (fc2's local inputs). */
+void tp_parallel_mlp_widths(tp_parallel_mlp_t m, int64_t *f1, int64_t *f);
 tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const float *dy, int64_t M,
                                          tp_stream_t stream);
 

@@ -57,7 +57,7 @@ static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M,
   TP_CHECK(workspace(L, M, borrow));
   if (borrow) { /* nothing to keep, or x outlives the step */
     L->xin = x;
-    L->xsave_m = M;
+    L->xsave_m = (L->flags & TP_LIN_NO_BACKWARD) ? -1 : M; /* no backward: x dies with the call */
     return TP_SUCCESS;
   }
   TP_CHECK(lk_copy_rows(&L->lk, L->xsave, cols, x + col0, stride, M, cols, stream));

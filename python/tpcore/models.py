@@ -231,6 +231,8 @@ class TransformerLM:
         self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
                                         ffn_partition=ffn_partition, device=dev, dtype=bd)
                        for i in range(lo, hi)]
+        for blk in self.blocks:  # one workspace for every block's inference forwards (they run in turn)
+            blk._c.share_workspace(self.blocks[0]._c)
         self.final_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.final_norm and cfg.pre_norm and last \
             else None
         if cfg.tie_embeddings or not last:  # tied: the head's GEMMs read the embedding's rows
