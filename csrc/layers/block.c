@@ -17,6 +17,7 @@ void tp_block_destroy(tp_block_t k) {
   tp_arena_release(&k->cache);
   tp_arena_release(&k->lpws);
   tp_workspace_destroy(k->shared);
+  if (k->kv_end) tp_host_free(k->kv_end);
   tp_host_free(k);
 }
 
@@ -247,9 +248,12 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
   tp_arena_add_n(&total, n, sizeof(float));
   tp_arena_add_n(&total, n, sizeof(float));
   tp_arena_release(&k->cache);
+  if (k->kv_end) tp_host_free(k->kv_end);
+  k->kv_end = NULL;
   k->kc = k->vc = NULL, k->cb = k->clen = 0;
   tp_status_t st = tp_arena_reserve(&k->cache, total, "block cache");
   if (st == TP_SUCCESS) st = lk_zero(&k->lk, k->cache.base, total, NULL);
+  if (st == TP_SUCCESS) st = tp_host_zalloc((size_t)batch * sizeof(int64_t), (void **)&k->kv_end, "block cache");
   if (st != TP_SUCCESS) {
     tp_arena_release(&k->cache);
     return tp_set_error(TP_ERR_NOMEM, "block cache: out of memory for batch %lld x max_len %lld tokens (2 x %lld "
@@ -403,6 +407,11 @@ static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp
     TP_CHECK(norm_fwd(k, y, k->mean2, k->rstd2, k->s2, k->n2w, k->n2b, M, s));
   }
   k->ready = bt->need_backward;
+  if (bt->use_cache && T > 0) /* the cache's high-water marks (tp_block_memory's cache_used) */
+    for (int64_t b = 0; b < B; b++) {
+      int64_t seq = bt->slots ? bt->slots[b] : b, end = (bt->pos0 ? bt->pos0[b] : 0) + T;
+      if (end > k->kv_end[seq]) k->kv_end[seq] = end;
+    }
   return TP_SUCCESS;
 }
 
@@ -455,4 +464,34 @@ tp_status_t tp_block_backward(tp_block_t k, const tp_tensor *dx, const tp_tensor
                         "(B * T = %lld x %lld)", (long long)rows, (long long)M, (long long)k->B, (long long)k->T);
   TP_CHECK(tp_check_matrix("block backward", "dx", dx, TP_FLOAT32, M, k->C, k->dev, k->dev_id, NULL));
   return backward_impl(k, dx->data, dy->data, stream);
+}
+
+/* The QKV shard, the norms and their gradients (params, grads), the output projection's and
+ * the MLP's memory, the activation arena (workspace), the KV cache (cache; cache_used: every
+ * sequence's K and V rows up to its highest position written) and the collective buffers. */
+tp_status_t tp_block_memory(tp_block_t k, tp_layer_memory_t *mem) {
+  TP_NONNULL("block memory", k, "block");
+  TP_CHECK(tp_memory_begin("block memory", mem, k->dev, k->dev_id));
+  size_t wbytes = 0, c4 = (size_t)k->C * sizeof(float), w4 = (size_t)k->W * sizeof(float);
+  tp_lk_wbytes("block memory", "the QKV weight", k->Wqkv.dt, k->W, k->C, &wbytes); /* checked at create */
+  mem->params = tp_mem_tensor(k->Wqkv.p, wbytes) + tp_mem_tensor(k->bqkv, w4) + tp_mem_tensor(k->n1w, c4) +
+                tp_mem_tensor(k->n1b, c4) + tp_mem_tensor(k->n2w, c4) + tp_mem_tensor(k->n2b, c4);
+  mem->grads = tp_mem_tensor(k->dwqkv, (size_t)(k->W * k->C) * sizeof(float)) + tp_mem_tensor(k->dbqkv, w4) +
+               tp_mem_tensor(k->dn1w, c4) + tp_mem_tensor(k->dn1b, c4) + tp_mem_tensor(k->dn2w, c4) +
+               tp_mem_tensor(k->dn2b, c4);
+  mem->workspace = k->ws.cap + k->lpws.cap;
+  mem->cache = k->cache.cap;
+  int64_t used = 0;
+  for (int64_t s = 0; k->kv_end && s < k->cb; s++) used += k->kv_end[s];
+  mem->cache_used = (size_t)used * 2 * (size_t)(k->nk * k->D) * sizeof(float); /* K and V */
+  mem->comm = k->red.cap + k->kvred.cap;
+  tp_layer_memory_t sub;
+  sub.size = sizeof sub;
+  TP_CHECK(tp_parallel_linear_memory(k->out, &sub));
+  tp_memory_add(mem, &sub);
+  if (k->mlp) {
+    TP_CHECK(tp_parallel_mlp_memory(k->mlp, &sub));
+    tp_memory_add(mem, &sub);
+  }
+  return TP_SUCCESS;
 }

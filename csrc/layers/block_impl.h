@@ -46,6 +46,7 @@ struct tp_block {
   tp_arena_t cache;
   float *kc, *vc;
   int64_t cb, clen;
+  int64_t *kv_end;                  /* host [cb]: per cache sequence, the highest position written + 1 */
 };
 
 struct tp_workspace {

@@ -398,3 +398,20 @@ tp_status_t tp_parallel_linear_forward_inbuf(tp_parallel_linear_t L, float **y, 
   *y = r;
   return TP_SUCCESS;
 }
+
+/* Weights in their storage format and the bias (params), the gradients that exist (grads),
+ * the saved-input arena and a GPU layer's low-precision scratch (workspace), the collective
+ * buffers (comm).  Tensors count as the arena slices they take (rounded to the alignment). */
+tp_status_t tp_parallel_linear_memory(tp_parallel_linear_t L, tp_layer_memory_t *mem) {
+  TP_NONNULL("linear memory", L, "layer");
+  TP_CHECK(tp_memory_begin("linear memory", mem, L->dev, L->dev_id));
+  tp_linear_info_t i;
+  tp_parallel_linear_info(L, &i);
+  size_t wbytes = 0, bbytes = (size_t)i.bias_len * sizeof(float);
+  tp_lk_wbytes("linear memory", "the weight shard", L->W.dt, L->wr, L->wc, &wbytes); /* checked at create */
+  mem->params = tp_mem_tensor(L->W.p, wbytes) + tp_mem_tensor(L->b, bbytes);
+  mem->grads = tp_mem_tensor(L->dw, (size_t)(L->wr * L->wc) * sizeof(float)) + tp_mem_tensor(L->db, bbytes);
+  mem->workspace = L->ws.cap + L->lpws.cap;
+  mem->comm = L->out_buf.cap + L->grad_buf.cap;
+  return TP_SUCCESS;
+}

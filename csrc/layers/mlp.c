@@ -219,3 +219,18 @@ tp_status_t tp_parallel_mlp_backward(tp_parallel_mlp_t m, const tp_tensor *dx, c
   TP_CHECK(tp_check_matrix("mlp backward", "dx", dx, TP_FLOAT32, M, m->C, m->dev, m->dev_id, NULL));
   return tp_parallel_mlp_backward_raw(m, dx->data, dy->data, M, stream);
 }
+
+/* fc1's and fc2's memory plus the MLP's own activation arena (h, a, da, dh and the bias +
+ * activation backward's scratch) under workspace. */
+tp_status_t tp_parallel_mlp_memory(tp_parallel_mlp_t m, tp_layer_memory_t *mem) {
+  TP_NONNULL("mlp memory", m, "mlp");
+  TP_CHECK(tp_memory_begin("mlp memory", mem, m->dev, m->dev_id));
+  tp_layer_memory_t sub;
+  sub.size = sizeof sub;
+  TP_CHECK(tp_parallel_linear_memory(m->fc1, &sub));
+  tp_memory_add(mem, &sub);
+  TP_CHECK(tp_parallel_linear_memory(m->fc2, &sub));
+  tp_memory_add(mem, &sub);
+  mem->workspace += m->ws.cap;
+  return TP_SUCCESS;
+}

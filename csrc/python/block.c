@@ -315,7 +315,15 @@ static PyGetSetDef blk_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static PyObject *blk_memory(PyObject *o, PyObject *unused) {
+  BlockObject *self = (BlockObject *)o;
+  tp_layer_memory_t m;
+  m.size = sizeof m;
+  return layer_memory(o, tp_block_memory(self->K, &m), &m, "memory");
+}
+
 static PyMethodDef blk_methods[] = {
+    {"memory", blk_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", (PyCFunction)(void (*)(void))blk_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) -> y"},
     {"backward", blk_backward, METH_VARARGS, "backward(dy[B*T, C], out=None) -> dx; accumulates the gradients"},
