@@ -118,7 +118,7 @@ static tp_status_t workspace(tp_parallel_mlp_t m, int64_t M) {
            tp_arena_add_n(&total, M * m->f, sizeof(float)) && tp_arena_add_n(&total, M * m->f1, sizeof(float));
   tp_linear_info_t i1;
   tp_parallel_linear_info(m->fc1, &i1);
-  size_t bws = i1.grad_bias ? lk_bias_act_backward_workspace(&m->lk, M, m->f, m->act) : 0;
+  size_t bws = i1.bias ? lk_bias_act_backward_workspace(&m->lk, M, m->f, m->act) : 0;
   ok = ok && tp_arena_add(&total, bws);
   if (!ok) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: %lld rows overflow a workspace size", (long long)M);
   TP_CHECK(tp_arena_reserve(&m->ws, total, "mlp"));

@@ -233,40 +233,35 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
         f, Vr = ffn[r], vocab[r]
         W, A = (nq + 2 * nk) * D, nq * D
         p = dict.fromkeys(_KEYS, 0)
-        host = 0                         # bytes a GPU model keeps on the host (position embeddings, norms)
         trainable = []                   # (elements, storage dtype) of each weight with a gradient
 
-        def weight(fmt, rows, cols):
-            p["params"] += _wbytes(fmt, rows, cols)
+        def weight(fmt, rows, cols):       # a C layer's weight: its own 64-byte-aligned slice
+            p["params"] += _a(_wbytes(fmt, rows, cols))
             if not is_quantized(fmt):
-                trainable.append((rows * cols, fmt))
+                trainable.append((rows * cols, fmt, True))
 
-        def f32(n, on_host=False):
-            nonlocal host
-            p["params"] += 4 * n
-            trainable.append((n, "float32"))
-            if on_host:
-                host += 4 * n
+        def f32(n, c_layer=True):          # a float32 parameter: a C layer's slice, or a model's NumPy array
+            p["params"] += _a(4 * n) if c_layer else 4 * n
+            trainable.append((n, "float32", c_layer))
 
         # the embeddings, and the norms outside the blocks
         weight(dts["embedding"], Vr, C)
-        if cfg.positions == "learned":
-            f32(cfg.max_positions * C)
+        if cfg.positions == "learned":   # the model's own NumPy arrays: exact sizes
+            f32(cfg.max_positions * C, False)
         if cfg.type_vocab_size:
-            f32(cfg.type_vocab_size * C)
-        if cfg.embedding_norm:
-            f32(C * (2 if ln else 1))
-        if cfg.final_norm and cfg.pre_norm:
-            f32(C * (2 if ln else 1))
+            f32(cfg.type_vocab_size * C, False)
+        for _ in range(int(cfg.embedding_norm) + int(cfg.final_norm and cfg.pre_norm)):
+            for _ in range(2 if ln else 1):
+                f32(C, False)
         if not cfg.tie_embeddings:
             weight(dts["head"], Vr, C)
         # the blocks
-        ws_block, comm_block = 0, 0
         for _ in range(L):
             weight(dts["qkv"], W, C)
             if cfg.bias:
                 f32(W)
-            f32(2 * C * (2 if ln else 1))                      # norm1, norm2
+            for _ in range(2 * (2 if ln else 1)):         # norm1, norm2 (weights, biases)
+                f32(C)
             weight(dts["out"], C, A)
             if cfg.bias:
                 f32(C)
@@ -276,11 +271,11 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
             weight(dts["fc2"], C, f)
             if cfg.bias:
                 f32(C)
-        ws_block, comm_block = _block_workspace(cfg, B, T, M, nq, nk, W, A, f, g, kvrep, need_bw, gpu, threads,
-                                                world)
-        p["workspace"] += L * ws_block
+        ws_block, comm_block, shared = _block_workspace(cfg, B, T, M, nq, nk, W, A, f, g, kvrep, need_bw, gpu,
+                                                        threads, world)
+        p["workspace"] += L * ws_block + (shared if L else 0)
         p["comm"] += L * comm_block
-        if nb:
+        if nb and cfg.causal:
             p["kv_cache"] = L * _a(B * T * nk * D * 4) * 2
             p["kv_cache_used"] = L * 2 * B * T * nk * D * 4
         # the embedding's forward
@@ -288,62 +283,61 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
         if world > 1:
             p["comm"] += _reg(M * C * 4)
         if training:
-            p["grads"] = sum(4 * n for n, _ in trainable)
+            # float32 gradients (a C layer's each in its aligned slice); the optimizer's NumPy state
+            p["grads"] = sum(_a(4 * n) if c else 4 * n for n, _, c in trainable)
             if optimizer == "adamw":
-                p["optimizer"] = sum(8 * n + (4 * n if fmt != "float32" else 0) for n, fmt in trainable)
+                p["optimizer"] = sum(8 * n + (4 * n if fmt != "float32" else 0) for n, fmt, _ in trainable)
             elif optimizer == "sgd_momentum":
-                p["optimizer"] = sum(4 * n + (4 * n if fmt != "float32" else 0) for n, fmt in trainable)
+                p["optimizer"] = sum(4 * n + (4 * n if fmt != "float32" else 0) for n, fmt, _ in trainable)
             elif optimizer == "sgd":
-                p["optimizer"] = sum(4 * n for n, fmt in trainable if fmt != "float32")
-            # the logits shard (kept across steps) and the cross-entropy
+                p["optimizer"] = sum(4 * n for n, fmt, _ in trainable if fmt != "float32")
+            # the logits shard (kept across steps)
             p["workspace"] += M * Vr * 4
-            p["workspace"] += 3 * _a(M * 4) + _a(2 * M * 4) + _a(M * 8) + _a(3 * 8)
-            if world > 1:
-                p["comm"] += _reg((3 * M + 2 * world + 2) * 4)
-                if not cfg.tie_embeddings:
-                    p["comm"] += _reg(M * C * 4)         # the head's input gradient, all-reduced
-        elif not gpu and any(_FLOAT_BYTES.get(dts[k], 0) == 2 or is_quantized(dts[k])
-                             for k in ("qkv", "out", "fc1", "fc2")) and M > 8:
-            p["workspace"] += 8 << 20    # the CPU's process-wide panel of widened low-precision weights
+            if not cfg.tie_embeddings:   # the head keeps its input for backward, all-reduces its gradient
+                p["workspace"] += _a(M * C * 4) + _a(0)
+                if world > 1:
+                    p["comm"] += _reg(M * C * 4)
         p["total"] = sum(p[k] for k in _KEYS if k != "kv_cache_used")
         p["device"] = devname
-        p["by_device"] = {devname: p["total"] - host, "cpu": host} if gpu and host else {devname: p["total"]}
+        p["by_device"] = {devname: p["total"]}   # a GPU model keeps its own arrays there too
         out.append(p)
     return out
 
 
-def _block_workspace(cfg, B, T, M, nq, nk, W, A, f, g, kvrep, need_bw, gpu, threads, world) -> Tuple[int, int]:
-    """(workspace, communication) bytes of one block after a forward of B x T tokens (and its
-    backward when need_bw): csrc/layers/block.c workspaces(), attention.c, mlp.c, linear.c."""
+def _block_workspace(cfg, B, T, M, nq, nk, W, A, f, g, kvrep, need_bw, gpu, threads, world) -> Tuple[int, int, int]:
+    """(workspace, communication, shared workspace) bytes of one block after a forward of B x T
+    tokens (and its backward when need_bw): csrc/layers/block.c workspaces(), attention.c,
+    mlp.c, linear.c.  An inference forward carves the model's one shared workspace (the
+    third number, counted once), a training forward the block's own arenas."""
     C, D = cfg.hidden, cfg.head_dim
-    use_cache = not need_bw
-    Tk = T
+    f1 = g * f
     # the attention kernel's scratch (the CPU table: per thread, QBLOCK rows of scores)
     abytes = 0
     if nq and B and T and not gpu:
         Hk = nk if nk else 1
-        t = _plan(B * Hk, T * Tk * D * (nq // Hk + 1), threads)
-        fwd = 0 if need_bw else QBLOCK * Tk       # forward without kept probabilities: a block of scores
-        bwd = QBLOCK * Tk if need_bw else 0       # backward with the probabilities kept: dP
+        t = _plan(B * Hk, T * T * D * (nq // Hk + 1), threads)
+        fwd = 0 if need_bw else QBLOCK * T        # forward without kept probabilities: a block of scores
+        bwd = QBLOCK * T if need_bw else 0        # backward with the probabilities kept: dP
         abytes = t * max(fwd, bwd) * 4
-    kept = (B * nq * T if gpu else B * nq * T * T) if need_bw else 0
+    fixed = _a(8 * M) + 3 * _a(8 * B) + _a(M) + _a(abytes)
+    if not need_bw:   # xs s1 h1 s2 n1 n2 mo, qkv, ao, 4 statistics, the MLP's h and a; the rest empty
+        floats = [M * C] * 7 + [M * W, M * A] + [M] * 4 + [M * f1, M * f] + [0] * 7
+        shared = sum(_a(4 * n) for n in floats) + fixed
+        ws = 3 * 2 * _a(0)                        # fc1, fc2, the output projection: borrowed inputs
+        comm = _reg(M * C * 4) + (_reg(M * C * 4) if world > 1 else 0)   # out projection's, fc2's sums
+        return ws, comm, shared
+    kept = B * nq * T if gpu else B * nq * T * T
     floats = [M * C] * 10 + [M * W] * 2 + [M * A] * 2 + [M] * 4 + [kept] + \
-        [2 * nk * D * (C + 1) if need_bw and kvrep else 0]
-    ws = sum(_a(4 * n) for n in floats) + _a(8 * M) + 3 * _a(8 * B) + _a(M) + _a(abytes)
-    comm = _reg(M * C * 4)                         # the block's QKV input-gradient buffer
-    if need_bw and kvrep:
+        [2 * nk * D * (C + 1) if kvrep else 0] + [0, 0]
+    ws = sum(_a(4 * n) for n in floats) + fixed
+    comm = _reg(M * C * 4) + _reg(M * C * 4)      # the QKV input gradient's and the out projection's sums
+    if kvrep:
         comm += _reg(2 * cfg.kv_heads * D * (C + 1) * 4)
-    # the output projection (row parallel, its input borrowed): its all-reduce buffer
-    ws += 2 * _a(0)
-    comm += _reg(M * C * 4)
-    if True:  # (a model's blocks always have their MLP)
-        f1 = g * f
-        bws = _plan(M, f, threads) * (2 * f if g == 2 else f) * 4 if need_bw and cfg.bias else 0
-        ws += 2 * _a(M * f1 * 4) + 2 * _a(M * f * 4) + _a(bws)   # h, dh, a, da, the bias backward's scratch
-        ws += _a(M * C * 4) + _a(0)               # fc1 keeps its input
-        ws += 2 * _a(0)                           # fc2 borrows its input
-        if world > 1:
-            comm += _reg(M * C * 4)               # fc2's all-reduce
-            if need_bw:
-                comm += _reg(M * C * 4)           # fc1's input gradient, all-reduced
-    return ws, comm
+    ws += 2 * _a(0)                               # the output projection borrows its input
+    bws = _plan(M, f, threads) * f1 * 4 if cfg.bias else 0
+    ws += 2 * _a(M * f1 * 4) + 2 * _a(M * f * 4) + _a(bws)   # h, dh, a, da, the bias backward's scratch
+    ws += _a(M * C * 4) + _a(0)                   # fc1 keeps its input
+    ws += 2 * _a(0)                               # fc2 borrows its input
+    if world > 1:
+        comm += 2 * _reg(M * C * 4)               # fc2's all-reduce, fc1's input gradient
+    return ws, comm, 0
