@@ -135,7 +135,8 @@ def _kv_replicated(heads) -> bool:
 
 
 def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: int = 1, max_len: Optional[int] = None,
-                    training: bool = False, optimizer: Optional[str] = "adamw", partition: Any = None,
+                    training: bool = False, optimizer: Optional[str] = "adamw", prefill: Optional[int] = None,
+                    partition: Any = None,
                     ffn_partition: Any = None, vocab_partition: Any = None, device: str = "cpu",
                     threads: Optional[int] = None) -> List[Dict[str, Any]]:
     """The bytes each rank will hold, before anything is loaded.
@@ -155,8 +156,11 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     batch : int, default 1
         Sequences per step.
     max_len : int, optional
-        Tokens per sequence (the KV cache's length, the prefill's or training step's
-        tokens).  Default: config.max_positions.
+        Tokens per sequence (the KV cache's length; a training step's tokens).  Default:
+        config.max_positions.
+    prefill : int, optional
+        Tokens per sequence of the largest inference forward (the prompt, or a chunk of
+        it), at most max_len: the workspaces grow to it.  Default: max_len.
     training : bool, default False
         Gradients, optimizer state and a training step's workspaces instead of a KV cache.
     optimizer : {"adamw", "sgd", "sgd_momentum", None}, default "adamw"
@@ -201,6 +205,7 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     gpu = dev[0] != "cpu"
     cfg, file_fmts, half = _source(config_or_dir, who)
     T = cfg.max_positions if max_len is None else int_arg(max_len, who, "max_len", lo=1, hi=2 ** 31 - 1)
+    P = T if prefill is None or training else int_arg(prefill, who, "prefill", lo=1, hi=T)
     if dtype is None:
         dtype = file_fmts if file_fmts is not None else (half if gpu and half else "float32")
     elif isinstance(dtype, str) and dtype == "gguf" and file_fmts is not None:
@@ -222,7 +227,7 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     blk = block_size(dts["fc2"]) if is_quantized(dts["fc2"]) else 1
     ffn = _split(ffn_partition, F, world, "ffn_hidden", who, align=blk)
     vocab = _split(vocab_partition, V, world, "vocab_size", who)
-    B, M = batch, batch * T
+    B, M = batch, batch * P
     nb = not training                    # inference: a cache, no backward
     need_bw = training
     devname = "cpu" if not gpu else f"cuda:{dev[1]}"
@@ -271,8 +276,8 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
             weight(dts["fc2"], C, f)
             if cfg.bias:
                 f32(C)
-        ws_block, comm_block, shared = _block_workspace(cfg, B, T, M, nq, nk, W, A, f, g, kvrep, need_bw, gpu,
-                                                        threads, world)
+        ws_block, comm_block, shared = _block_workspace(cfg, B, P, T if cfg.causal else P, nq, nk, W, A, f, g,
+                                                        kvrep, need_bw, gpu, threads, world)
         p["workspace"] += L * ws_block + (shared if L else 0)
         p["comm"] += L * comm_block
         if nb and cfg.causal:
@@ -304,20 +309,20 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     return out
 
 
-def _block_workspace(cfg, B, T, M, nq, nk, W, A, f, g, kvrep, need_bw, gpu, threads, world) -> Tuple[int, int, int]:
+def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, threads, world) -> Tuple[int, int, int]:
     """(workspace, communication, shared workspace) bytes of one block after a forward of B x T
-    tokens (and its backward when need_bw): csrc/layers/block.c workspaces(), attention.c,
-    mlp.c, linear.c.  An inference forward carves the model's one shared workspace (the
+    tokens attending to Tk keys (the cache's length), and its backward when need_bw:
+    csrc/layers/block.c workspaces(), attention.c, mlp.c, linear.c.  An inference forward carves the model's one shared workspace (the
     third number, counted once), a training forward the block's own arenas."""
-    C, D = cfg.hidden, cfg.head_dim
+    C, D, M = cfg.hidden, cfg.head_dim, B * T
     f1 = g * f
     # the attention kernel's scratch (the CPU table: per thread, QBLOCK rows of scores)
     abytes = 0
     if nq and B and T and not gpu:
         Hk = nk if nk else 1
-        t = _plan(B * Hk, T * T * D * (nq // Hk + 1), threads)
-        fwd = 0 if need_bw else QBLOCK * T        # forward without kept probabilities: a block of scores
-        bwd = QBLOCK * T if need_bw else 0        # backward with the probabilities kept: dP
+        t = _plan(B * Hk, T * Tk * D * (nq // Hk + 1), threads)
+        fwd = 0 if need_bw else QBLOCK * Tk       # forward without kept probabilities: a block of scores
+        bwd = QBLOCK * Tk if need_bw else 0       # backward with the probabilities kept: dP
         abytes = t * max(fwd, bwd) * 4
     fixed = _a(8 * M) + 3 * _a(8 * B) + _a(M) + _a(abytes)
     if not need_bw:   # xs s1 h1 s2 n1 n2 mo, qkv, ao, 4 statistics, the MLP's h and a; the rest empty
