@@ -190,8 +190,16 @@ static PyObject *lin_alloc_grads(PyObject *o, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
+static PyObject *lin_memory(PyObject *o, PyObject *unused) {
+  LinearObject *self = (LinearObject *)o;
+  tp_layer_memory_t m;
+  m.size = sizeof m;
+  return layer_memory(o, tp_parallel_linear_memory(self->L, &m), &m, "memory");
+}
+
 static PyMethodDef lin_methods[] = {
     {"alloc_grads", lin_alloc_grads, METH_NOARGS, "alloc_grads(): allocate the gradients (zeroed) now; idempotent"},
+    {"memory", lin_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", lin_forward, METH_VARARGS, "forward(x[M, x_cols], out=None) -> y[M, y_cols]"},
     {"backward", lin_backward, METH_VARARGS, "backward(dy[M, y_cols], out=None) -> dx[M, x_cols]; accumulates grads"},
     {NULL, NULL, 0, NULL},

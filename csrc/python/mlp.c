@@ -129,8 +129,16 @@ static PyObject *mlp_alloc_grads(PyObject *o, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
+static PyObject *mlp_memory(PyObject *o, PyObject *unused) {
+  MLPObject *self = (MLPObject *)o;
+  tp_layer_memory_t m;
+  m.size = sizeof m;
+  return layer_memory(o, tp_parallel_mlp_memory(self->M, &m), &m, "memory");
+}
+
 static PyMethodDef mlp_methods[] = {
     {"alloc_grads", mlp_alloc_grads, METH_NOARGS, "alloc_grads(): allocate fc1's and fc2's gradients (zeroed) now"},
+    {"memory", mlp_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", mlp_forward, METH_VARARGS, "forward(x[M, hidden], out=None) -> y[M, hidden]"},
     {"backward", mlp_backward, METH_VARARGS, "backward(dy[M, hidden], out=None) -> dx[M, hidden]"},
     {NULL, NULL, 0, NULL},
