@@ -297,7 +297,8 @@ def _own_arrays(model):
     for norm in (model.emb_norm, model.final_norm):
         if norm is not None:
             p += norm.weight.nbytes + (0 if norm.bias is None else norm.bias.nbytes)
-            g += norm.grad_weight.nbytes + (0 if norm.grad_bias is None else norm.grad_bias.nbytes)
+            for ga in (norm.grad_weight, norm.grad_bias):  # None until a backward (gradients on demand)
+                g += 0 if ga is None else ga.nbytes
     return p, g
 
 
