@@ -126,6 +126,8 @@ class TransformerBlock:
                  device: Optional[str] = ..., weight_dtype: Optional[str] = ...) -> TransformerBlock: ...
     info: dict[str, Any]
     device: str
+    shared_workspace_bytes: int  # the shared inference workspace's bytes (0: none)
+    shared_workspace_id: int  # which one it uses (0: none; equal: the same)
     def forward(self, x: np.ndarray, B: int, T: int, pos0: Optional[np.ndarray] = ...,
                 key_mask: Optional[np.ndarray] = ..., use_cache: bool = ..., need_backward: bool = ...,
                 out: Optional[np.ndarray] = ..., slots: Optional[np.ndarray] = ...) -> np.ndarray: ...
@@ -134,6 +136,7 @@ class TransformerBlock:
     def alloc_grads(self) -> None: ...
     def params(self) -> dict[str, tuple[np.ndarray, Optional[np.ndarray]]]: ...
     def memory(self) -> dict[str, Any]: ...  # device, params, grads, workspace, cache, cache_used, comm
+    def share_workspace(self, other: TransformerBlock, /) -> None: ...
 
 def partition(n: int, world: int, weights: Optional[Sequence[float]], align: int, /) -> list[int]:
     """Each rank's size of a dimension of length n (tp_partition; use tpcore.partition)."""
