@@ -388,3 +388,34 @@ def test_gpu_layers_allocate_gradients_in_backward():
     held, off = run(_gpu_case, 1, start_method="spawn")[0]
     assert all(h == [] for h in held), held
     assert not off, f"GPU gradients that differ from the CPU layer's: {off}"
+
+
+def _nomem_case(comm):
+    """The gradients of a layer that do not fit: a MemoryError naming the layer and the bytes,
+    nothing half-made (still no gradient), and a later call with room succeeds."""
+    import resource
+
+    def vmsize():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (vmsize() + (40 << 20), hard))
+    out = []
+    try:
+        lin = tpcore.ColumnParallelLinear(2048, 3072, comm)  # 24 MiB of weights fit, 24 MiB more do not
+        try:
+            lin.parameters()
+            out.append(None)
+        except MemoryError as e:
+            out.append((str(e), lin._c.grad_weight is None))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    ps = lin.parameters()
+    out.append(len(ps) == 2 and not np.any(ps[0][1]))
+    return out
+
+
+def test_gradients_that_do_not_fit_raise_memory_error():
+    (msg, still_none), ok_later = run(_nomem_case, 1)[0]
+    assert "linear" in msg and "gradients" in msg and str(3072 * 2048 * 4 + 3072 * 4) in msg, msg
+    assert still_none and ok_later
