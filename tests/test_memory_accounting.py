@@ -317,6 +317,11 @@ def _model_case(comm, name, dtype, device_path):
         own = dict(zip(("params", "grads"), _own_arrays(model)))
         buf = getattr(model, "_logits_buf", None)  # the logits shard a training step reuses
         own["workspace"] = 0 if buf is None else buf.nbytes
+        # the blocks' one shared inference workspace (every block uses the same one), counted once
+        ids = {b._c.shared_workspace_id for b in model.blocks}
+        if len(ids) != 1 or 0 in ids:
+            e.append(f"{who}: the blocks do not share one inference workspace: {ids}")
+        own["workspace"] += model.blocks[0]._c.shared_workspace_bytes
         for k in ("params", "grads", "kv_cache", "kv_cache_used", "workspace", "comm"):
             expect(e, f"{who} {k} = the layers' + the model's own", m[k], sum(x.memory()[k] for x in layers) +
                    own.get(k, 0))
