@@ -41,7 +41,8 @@ from .comm import Comm
 from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
 from .layers import (ACTIVATIONS, _host, _sizes, as_float32, check_param_dtype, check_partition, dev_back, dev_f32,
                      partition, zero)
-from .quant import as_format, dequantize, is_quantized
+from .layers import load_weight
+from .quant import QuantTensor, as_format, dequantize, is_quantized
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -532,9 +533,20 @@ class TransformerBlock:
                     staged[local] = np.array(whole.to_numpy()) if quant else np.array(whole.to_numpy(), np.float32)
                 whole = staged[local]
             dst = whole[rows]
+            want = (dst.shape[0], self._local_cols(local)) if quant else dst.shape
+            if len(shapes[name]) == 2 and not isinstance(t, QuantTensor):
+                # a weight: its slice streamed into dst chunk by chunk (tpcore._stream.fill), the
+                # slice's shape checked first from the cut (nothing read)
+                r, c = (cut if isinstance(cut, tuple) else (cut, None))
+                got = (np.arange(shapes[name][0])[r].size, np.arange(shapes[name][1])[c if c is not None else
+                                                                                   slice(None)].size)
+                if got != want:
+                    raise ValueError(f"TransformerBlock.load_full: {name}: slice has shape {got}, expected {want}")
+                if want[0]:
+                    load_weight(dst, fmt, t, r, c, f"TransformerBlock.load_full: {name}")
+                continue
             part = t[cut]
             part = np.asarray(part) if isinstance(part, np.ndarray) else part
-            want = (dst.shape[0], self._local_cols(local)) if quant else dst.shape
             if tuple(np.shape(part)) != want:
                 raise ValueError(f"TransformerBlock.load_full: {name}: slice has shape {np.shape(part)}, "
                                  f"expected {want}")
