@@ -473,7 +473,7 @@ def read_tensors_file(path):
         if meta.ndim != 0 or meta.dtype.kind != "U":
             raise bad(path, "array '__metadata__'", "a 0-d unicode string", f"{meta.dtype} of shape {meta.shape}")
         return tensors, _meta_json(path, str(meta), "__metadata__")
-    tensors, meta = read_safetensors(path)
+    tensors, meta = open_safetensors(path)   # read on indexing (pread), streamed by the loaders
     return tensors, _meta_json(path, meta.get("tpcore", "{}"), "__metadata__['tpcore']")
 
 

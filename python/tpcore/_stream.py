@@ -153,6 +153,23 @@ def _pread_into(fd, buf: np.ndarray, offset: int, path, name) -> None:
         got += n
 
 
+def read_rows(path, name, offset: int, row_bytes: int, rows: np.ndarray, lo: int, hi: int, out: np.ndarray) -> None:
+    """Bytes lo:hi of each of rows (rows of row_bytes from offset in the file) into out
+    (C-contiguous, len(rows) x (hi - lo) bytes): one pread per run of consecutive whole
+    rows, one per row for a part of each."""
+    flat = out.reshape(len(rows), -1)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if lo == 0 and hi == row_bytes:
+            for pos, r, n in _runs(np.asarray(rows, np.int64)):
+                _pread_into(fd, flat[pos:pos + n], offset + r * row_bytes, path, name)
+        elif hi > lo:
+            for i, r in enumerate(np.asarray(rows, np.int64).tolist()):
+                _pread_into(fd, flat[i], offset + r * row_bytes + lo, path, name)
+    finally:
+        os.close(fd)
+
+
 class FileTensor:
     """A tensor of a safetensors file, read with pread on indexing (no memory map): t[rows]
     / t[rows, a:b] follow NumPy's rules for the first axis and read only the selected rows
@@ -180,19 +197,8 @@ class FileTensor:
         """The stored values of rows (ascending or not) and columns (a step-1 slice of a 2-D
         tensor, or None) into out (raw dtype, (len(rows), ncols), C-contiguous)."""
         it = self.raw_dtype.itemsize
-        rb = self.row_elems * it
         lo, hi = _col_range(cols, self.row_elems) if self.ndim >= 2 else (0, self.row_elems)
-        flat = out.reshape(len(rows), -1)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            if lo == 0 and hi == self.row_elems:
-                for pos, r, n in _runs(rows):
-                    _pread_into(fd, flat[pos:pos + n], self.offset + r * rb, self.path, self.name)
-            elif hi > lo:
-                for i, r in enumerate(rows.tolist()):
-                    _pread_into(fd, flat[i], self.offset + r * rb + lo * it, self.path, self.name)
-        finally:
-            os.close(fd)
+        read_rows(self.path, self.name, self.offset, self.row_elems * it, rows, lo * it, hi * it, out)
 
     def _convert(self, raw: np.ndarray, out: np.ndarray) -> None:
         if self.st_dtype == "BF16":
@@ -320,3 +326,13 @@ def fill(dst, src, rows, cols, fmt: str, who: str, put=None) -> None:
         sel = _as_base_index(r, 0)
         v = src[sel] if cols is None else src[sel, cols]
         put(d, v)
+
+
+def copy_raw(dst, src) -> None:
+    """dst = src's stored values as they are (a quantized layer's raw rows): a FileTensor
+    of dst's dtype read straight into a host dst; anything else assigned."""
+    if isinstance(dst, np.ndarray) and isinstance(src, FileTensor) and dst.flags.c_contiguous and \
+            src.raw_dtype == dst.dtype and tuple(src.shape) == dst.shape and src.ndim:
+        src.read_raw(np.arange(src.shape[0]), None, dst)
+    else:
+        dst[...] = src[...]
