@@ -305,7 +305,9 @@ def fill(dst, src, rows, cols, fmt: str, who: str, put=None) -> None:
     st = _stage()
     reader = getattr(src, "_read_into", None)
     raw_it = getattr(getattr(src, "raw_dtype", None), "itemsize", 4)
-    per_row = max(1, ncols) * ((raw_it + 8) if reader is not None else 12)
+    # bytes per element a chunk costs: raw + float32 in staging through a reader; another
+    # source's own temporaries (a GGUF block dequantizer's: several float32 arrays) otherwise
+    per_row = max(1, ncols) * ((raw_it + 8) if reader is not None else 32)
     k = max(1, st.nbytes // per_row)
     n = idx.size
     if put is None:

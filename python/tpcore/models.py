@@ -19,6 +19,7 @@ final norm are replicated (small).  Blocks are one C call each.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import sys
@@ -171,7 +172,7 @@ class TransformerLM:
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, partition: Any = None, ffn_partition: Any = None,
                  vocab_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
-                 _device_path: bool = False, _stage: Any = None, plan: Any = None) -> None:
+                 _device_path: bool = False, _stage: Any = None, plan: Any = None, _loading: bool = False) -> None:
         self.device = resolve_device(device, "TransformerLM")
         self.dtypes = _model_dtypes(dtype, "TransformerLM")
         ds = set(self.dtypes.values())
@@ -206,7 +207,9 @@ class TransformerLM:
         if first or (last and cfg.tie_embeddings):
             self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed,
                                               device=dev, dtype=self.dtypes["embedding"])
-            if is_quantized(self.wte.dtype):  # scaled in float32, quantized again (on the host)
+            if _loading:  # the checkpoint's values come next: no host copy of the table to scale
+                pass
+            elif is_quantized(self.wte.dtype):  # scaled in float32, quantized again (on the host)
                 if self.wte.local:
                     _put_weight(self.wte.weight, self.wte.dtype, self.wte.weight_float() * 0.02, "TransformerLM")
             elif dev is None:
@@ -1265,7 +1268,7 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     except KeyError as e:
         raise KeyError(f"{path}: the checkpoint has no tensor {e} (expected {cfg.model_type} names)") from None
     model = TransformerLM(cfg, comm, partition=partition, device=device,
-                          dtype=dtype or _checkpoint_dtype(headers, device, "from_pretrained"))
+                          dtype=dtype or _checkpoint_dtype(headers, device, "from_pretrained"), _loading=True)
     with _stream.loading(staging):
         model.load_state_dict_full(sd, progress=progress)
     del t, sd
@@ -1293,7 +1296,8 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device
     if os.path.exists(full):
         header, _, _ = fmt.read_safetensors_header(full)
         _hf.check_against_config(path, cfg, "tpcore", fmt.OWN_CONFIG, {k: (full, v) for k, v in header.items()})
-        model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32")
+        model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32",
+                              _loading=True)
         t, _ = fmt.open_safetensors(full)
         model.load_state_dict_full(t, progress=progress)
         return model
@@ -1309,7 +1313,7 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device
         raise ValueError(f"from_pretrained: {path} is a sharded checkpoint (this rank's parameters as they are); it "
                          f"cannot load into quantized weights (dtype={dtype!r}): load it in float32 and "
                          f"tpcore.models.quantize the model, or save it with sharded=False")
-    model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32")
+    model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32", _loading=True)
     t, _ = fmt.open_safetensors(mine)
     params = model.parameters()
     fmt.check_tensors(mine, t, {f"param.{i}": p.shape for i, (p, _) in enumerate(params)},
@@ -1425,11 +1429,15 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
 def _from_gguf(path, comm, partition, dtype, progress, device, staging=None) -> TransformerLM:
     from .gguf import GGUFModel
     g = GGUFModel(path, "from_gguf")
+    # the reader's metadata (its Python objects for every token, the pages it touched of the
+    # map) goes before the model is allocated: the tensors are read from the file with pread
+    g.reader = None
+    gc.collect()
     if dtype is None or (isinstance(dtype, str) and dtype == "gguf"):
         dtype = g.model_dtypes()
     elif dtype is not None:
         _model_dtypes(dtype, "from_gguf")   # refused here, naming from_gguf
-    model = TransformerLM(g.config, comm, partition=partition, device=device, dtype=dtype)
+    model = TransformerLM(g.config, comm, partition=partition, device=device, dtype=dtype, _loading=True)
     # the parts stored quantized get the file's raw rows (copied as they are when the formats
     # match, requantized otherwise); the others dequantized rows
     with _stream.loading(_stream.staging_arg(None, "from_gguf") if staging is None else staging):
