@@ -318,3 +318,29 @@ def test_smollm2_gguf_streams_the_files_bytes():
             b = res["before"]
             assert res["peak"] - b <= max(res["after"] - b + (4 << 20), res["reader"]) + 0.10 * size / w, \
                 (w, (res["peak"] - b) / 1e6, (res["after"] - b) / 1e6, res["reader"] / 1e6)
+
+
+def test_fill_device_rows_in_chunks(tmp_path):
+    """A DeviceArray destination (a GPU weight; here one on the CPU device) filled from row
+    `at` chunk by chunk (DeviceArray[i:j] = host chunk), float32 and bfloat16 both ways, a
+    column block of a file's rows; the rows around it untouched."""
+    import ml_dtypes
+    from tpcore import _stream
+    from tpcore._formats import open_safetensors, write_safetensors
+    rng = np.random.default_rng(7)
+    W = rng.standard_normal((37, 29)).astype(np.float32)
+    p = str(tmp_path / "a.safetensors")
+    write_safetensors(p, {"w": W, "b": W.astype(ml_dtypes.bfloat16)})
+    t, _ = open_safetensors(p)
+    for dt in ("float32", "bfloat16"):
+        for name in ("w", "b"):
+            ref = (W if name == "w" else W.astype(ml_dtypes.bfloat16).astype(np.float32))[3:36, 5:12]
+            dst = tpcore.DeviceArray((40, 7), dt, "cpu")
+            with _stream.loading(300):          # a few rows a chunk
+                _stream.fill(dst, t[name], slice(3, 36), slice(5, 12), dt, "test", at=2)
+            got = dst.to_numpy().astype(np.float32)
+            assert np.array_equal(got[2:35], ref.astype(dt).astype(np.float32)), (dt, name)
+            assert not got[:2].any() and not got[35:].any()
+    a = tpcore.DeviceArray((5, 3), "float32", "cpu")
+    with pytest.raises(TypeError, match="step 1"):
+        a[::2] = 1.0

@@ -286,17 +286,17 @@ def read_into(src, rows: np.ndarray, cols, out: np.ndarray, stage: Staging) -> N
     out[...] = to_float32(v).reshape(out.shape)
 
 
-def fill(dst, src, rows, cols, fmt: str, who: str, put=None) -> None:
+def fill(dst, src, rows, cols, fmt: str, who: str, put=None, at: int = 0) -> None:
     """dst = src[rows, cols] (cols None: src[rows]), streamed: src's rows read in chunks
     that fit the staging buffer.  dst: a host array of the selection's shape (float32, a
-    16-bit float, or fmt's raw quantized rows); fmt: dst's storage format; put(dst_rows,
-    values) (default: the layers' _put_weight) stores a chunk of float32 values, or of
-    a source's QuantTensor rows, into dst's rows."""
+    16-bit float, or fmt's raw quantized rows), or a DeviceArray whose rows at, at + 1, ...
+    take the selection (each chunk made on the host in the staging buffer, then copied to
+    those rows of the device); fmt: dst's storage format; put(dst_rows, values) (default:
+    the layers' _put_weight) stores a chunk of float32 values, or of a source's QuantTensor
+    rows, into dst's rows."""
     from .layers import _put_weight
-    if not isinstance(dst, np.ndarray):   # a DeviceArray: filled on the host, then copied whole
-        host = np.array(dst.to_numpy())
-        fill(host, src, rows, cols, fmt, who, put)
-        dst[...] = host
+    if not isinstance(dst, np.ndarray):   # a DeviceArray (a GPU's): chunks on the host, rows to the device
+        _fill_device(dst, src, rows, cols, fmt, who, at)
         return
     n0 = tuple(src.shape)[0] if len(tuple(src.shape)) else 0
     idx = np.arange(n0)[rows] if not isinstance(rows, np.ndarray) or rows.dtype == np.bool_ else rows
@@ -328,6 +328,26 @@ def fill(dst, src, rows, cols, fmt: str, who: str, put=None) -> None:
         sel = _as_base_index(r, 0)
         v = src[sel] if cols is None else src[sel, cols]
         put(d, v)
+
+
+def _fill_device(dst, src, rows, cols, fmt, who, at):
+    """fill into rows at.. of a DeviceArray: each chunk of rows made in a host buffer of
+    dst's dtype (at most half the staging size), then copied to those rows of the device
+    (dst[i:j] = chunk), so host memory stays within 1.5 staging buffers whatever the
+    model's size."""
+    st = _stage()
+    n0 = tuple(src.shape)[0]
+    idx = np.atleast_1d(np.arange(n0)[rows] if not isinstance(rows, np.ndarray) or rows.dtype == np.bool_
+                        else np.asarray(rows, np.int64))
+    shape = tuple(dst.shape)
+    row_bytes = math.prod(shape[1:]) * np.dtype(str(dst.dtype)).itemsize
+    k = max(1, st.nbytes // (2 * row_bytes))   # a host chunk of at most half the staging size
+    for i in range(0, idx.size, k):
+        r = idx[i:i + k]
+        host = np.empty((r.size,) + shape[1:], np.dtype(str(dst.dtype)))
+        fill(host, src, r, cols, fmt, who)
+        dst[at + i:at + i + r.size] = host
+        del host
 
 
 def copy_raw(dst, src) -> None:

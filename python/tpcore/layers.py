@@ -786,19 +786,21 @@ def is_lazy(x) -> bool:
     return hasattr(x, "_read_into") and hasattr(x, "shape")
 
 
-def load_weight(dst, dtype: str, src, rows, cols, who: str) -> None:
+def load_weight(dst, dtype: str, src, rows, cols, who: str, at: int = 0) -> None:
     """dst (a weight shard: a host array, a DeviceArray, or rows of them) = src[rows, cols]
     (cols None: src[rows]), streamed through the load's staging buffer (tpcore._stream.fill):
     float values converted chunk by chunk, a quantized dst's raw rows copied (a QuantTensor
     source of its format) or quantized by whole rows.  A GPU dst is filled on the host
-    chunk by chunk, each chunk copied to the device."""
+    chunk by chunk, each chunk copied to its rows of the device (from row `at`)."""
     from ._stream import fill
     if isinstance(src, QuantTensor) or not hasattr(src, "shape") or len(tuple(src.shape)) != 2:
+        if at or (isinstance(dst, DeviceArray) and tuple(dst.shape)[:1] != (np.arange(src.shape[0])[rows].size,)):
+            raise ValueError(f"{who}: rows of a device weight are filled from a 2-D checkpoint tensor only")
         _put_weight(dst, dtype, src[rows] if cols is None else src[rows, cols], who)
         return
     if is_quantized(dtype) and not (dst.shape[0] if hasattr(dst, "shape") else 1):
         return  # (a shard of no rows: nothing to copy)
-    fill(dst, src, rows, cols, dtype, who)
+    fill(dst, src, rows, cols, dtype, who, at=at)
 
 
 def _load_bias(layer, b, sel, n):
