@@ -1,7 +1,8 @@
 """Checkpoint formats, in one place: every file tpcore reads or writes for parameters.
 
 - safetensors (the Hugging Face format; tpcore's own reader and writer: headers checked
-  against the format's rules, tensors memory-mapped, bfloat16 without torch),
+  against the format's rules, tensors read with pread on indexing (open_safetensors; the
+  loaders stream them, tpcore._stream) or memory-mapped (read_safetensors), bfloat16 without torch),
 - NumPy .npz (checked before it is read: no pickles, headers that match the members),
 - strict JSON (config.json, tpcore_config.json, generation_config.json, index files),
 - the files of tpcore.save (one file, or one per rank "<stem>.rank<r>-of-<n><suffix>",

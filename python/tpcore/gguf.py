@@ -6,7 +6,8 @@ tensors under tpcore's names, the tokenizer.
     tk = tpcore.gguf.tokenizer("model.gguf")                  # a `tokenizers.Tokenizer`
 
 Parsing is the `gguf` package's (llama.cpp's own reader and reference dequantizers; an
-optional dependency: ``pip install gguf``).  The tensor data stays memory-mapped: a
+optional dependency: ``pip install gguf``; used for the metadata and the tensors' offsets
+and types).  The tensor data is read with pread, never through the map: a
 tensor is handed out as a lazy view whose indexing reads and dequantizes only the
 selected rows (and, for a column slice, only the quantization blocks that cover it),
 so a rank loading its shard touches only its part of the file.
@@ -458,7 +459,8 @@ def _layout(cfg: Config, arch: str, untied: bool):
 
 
 class GGUFModel:
-    """A GGUF file opened (memory-mapped) and checked against its own metadata.
+    """A GGUF file opened (its metadata parsed by gguf.GGUFReader; the tensor data read with
+    pread when a tensor is indexed) and checked against its own metadata.
 
     Attributes: path, arch (general.architecture), config (a tpcore Config), names (the
     tpcore tensor names), tokenizer_info (a dict, see `read_gguf`), reader (the
@@ -634,7 +636,7 @@ def read_gguf(path) -> Tuple[Config, Dict[str, LazyTensor], Dict[str, Any]]:
     (Config, dict of str to LazyTensor, dict)
         The tpcore Config from the metadata (Llama family or GPT-2; tied when the file
         has no output.weight); the full tensors under tpcore's names as lazy float32 views
-        of the memory-mapped file (indexing dequantizes only the selected rows; Q/K rows
+        of the file (indexing dequantizes only the selected rows; Q/K rows
         already in Hugging Face's order), for `TransformerLM.load_state_dict_full`; the
         tokenizer's metadata (model, pre, n_tokens, bos/eos/unknown/padding_token_id,
         add_bos_token, add_eos_token, chat_template; None where absent).

@@ -6,7 +6,7 @@ tensors hold which tpcore tensors; from_hf reads it one way (a checkpoint's tens
 -> tpcore's full tensors, as lazy views: GPT-2's Conv1D weights are stored (in, out)
 and its c_attn fuses [q | k | v] along out, Llama's gate_proj and up_proj stack into
 tpcore's fc1) and to_hf the other (save_pretrained(hf=True)).  Loading reads only a
-rank's slices of the memory-mapped files: its rows of the vocabulary, its heads' rows
+rank's slices of the files (with pread, streamed through one staging buffer: tpcore._stream): its rows of the vocabulary, its heads' rows
 of Q/K/V, its columns of the output and fc2 projections, its rows of fc1.
 
 Before anything is allocated, the config is checked against the files' headers
@@ -29,7 +29,7 @@ from ._formats import CheckpointError, bad, open_tensors, to_float32
 from ._stream import _as_base_index, _rows, _runs, read_into  # noqa: F401  (gguf.py imports them from here)
 from .transformer import Config
 
-_open = open_tensors  # every tensor of a checkpoint folder, memory-mapped (the tests' old name)
+_open = open_tensors  # every tensor of a checkpoint folder, read on indexing (the tests' old name)
 
 
 class View:

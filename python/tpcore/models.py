@@ -1184,7 +1184,7 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors), one
     saved by `TransformerLM.save_pretrained`, or a GGUF file (`from_gguf`: a .gguf path,
     or a directory holding exactly one .gguf and no config.json); each rank reads only
-    its slices (memory-mapped).  The config and the files' headers are checked against
+    its slices (read with pread into their place, through one bounded staging buffer).  The config and the files' headers are checked against
     each other first: a corrupt or inconsistent file fails before the model is allocated.
 
     Parameters
@@ -1369,7 +1369,8 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
 
     The config comes from the file's metadata (Llama family, GPT-2; tied when there is no
     output.weight), the tensors by their GGUF names (Q/K rows put back into Hugging Face's
-    RoPE order).  The file is memory-mapped and each rank dequantizes only its rows (and,
+    RoPE order).  The tensor data is read with pread (never memory-mapped), chunk by chunk
+    through one staging buffer, and each rank dequantizes only its rows (and,
     for the row-parallel output and fc2 projections, only the blocks of its columns) into
     the model's float32 weights.  Needs the `gguf` package (``pip install gguf``);
     `tpcore.gguf.tokenizer(path)` gives the file's tokenizer.
