@@ -6,7 +6,8 @@ tensors hold which tpcore tensors; from_hf reads it one way (a checkpoint's tens
 -> tpcore's full tensors, as lazy views: GPT-2's Conv1D weights are stored (in, out)
 and its c_attn fuses [q | k | v] along out, Llama's gate_proj and up_proj stack into
 tpcore's fc1) and to_hf the other (save_pretrained(hf=True)).  Loading reads only a
-rank's slices of the files (with pread, streamed through one staging buffer: tpcore._stream): its rows of the vocabulary, its heads' rows
+rank's slices of the files (with pread, streamed through one staging buffer:
+tpcore._stream): its rows of the vocabulary, its heads' rows
 of Q/K/V, its columns of the output and fc2 projections, its rows of fc1.
 
 Before anything is allocated, the config is checked against the files' headers

@@ -1178,7 +1178,8 @@ class _Progress:
 
 @_collective
 def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, progress: bool = True,
-                    device: Optional[str] = None, dtype: Any = None, staging_bytes: Optional[int] = None) -> TransformerLM:
+                    device: Optional[str] = None, dtype: Any = None,
+                    staging_bytes: Optional[int] = None) -> TransformerLM:
     """A TransformerLM loaded from a local checkpoint directory, split over comm.
 
     A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors), one
@@ -1221,15 +1222,13 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     Raises
     ------
     TypeError
-        path not a str or os.PathLike.
+        path not a str or os.PathLike; staging_bytes not an int.
     FileNotFoundError
         path is not a directory (a hub id: the message says how to get the files).
     CheckpointError
         A corrupt or inconsistent file (a ValueError) naming the file, tensor or field.
     ValueError
         An unsupported dtype or model type; staging_bytes not positive.
-    TypeError
-        staging_bytes not an int.
     CommError
         Another rank failed (a rank that fails stops the others).
 

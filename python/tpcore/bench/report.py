@@ -333,7 +333,8 @@ def _world_row(res: List[dict], B: int, T: int, new: int) -> dict:
            "rss_peak_bytes": [r["rss_peak_bytes"] for r in res], "rss_load_bytes": [r["rss_load_bytes"] for r in res],
            "rss_load_peak_bytes": [r["rss_load_peak_bytes"] for r in res], "tokens": res[0]["tokens"],
            "rss_before_load_bytes": [r.get("rss_before_load_bytes") or 0 for r in res],
-           "load_staging_bytes": res[0].get("load_staging_bytes", 0), "checkpoint_bytes": res[0].get("checkpoint_bytes", 0),
+           "load_staging_bytes": res[0].get("load_staging_bytes", 0),
+           "checkpoint_bytes": res[0].get("checkpoint_bytes", 0),
            "same_tokens_across_ranks": all(r["tokens"] == res[0]["tokens"] for r in res)}
     row["prefill_tok_s"] = B * T / row["prefill_s"]
     row["decode_tok_s"] = B * (new - 1) / dec if new > 1 and dec > 0 else float("nan")
