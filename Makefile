@@ -56,7 +56,7 @@ MPI_PLUGIN := $(BUILD)/libtpcore_mpi.so $(BUILD)/test_mpi
 endif
 endif
 
-all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_kernels $(BUILD)/test_api_hostile \
+all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_layer_memory $(BUILD)/test_kernels $(BUILD)/test_api_hostile \
      $(BUILD)/test_store $(BUILD)/test_nccl $(FAKE_NCCL) $(if $(filter 1,$(CUDA)),$(BUILD)/libtpcore_cuda.so) \
      $(MPI_PLUGIN)
 
@@ -117,6 +117,10 @@ $(BUILD)/test_store: csrc/tests/test_store.c $(BUILD)/libtpcore.a
 $(BUILD)/test_layers: csrc/tests/test_layers.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
+# The layers' memory accounting (tp_*_memory) against sizes computed from the configs.
+$(BUILD)/test_layer_memory: csrc/tests/test_layer_memory.c $(BUILD)/libtpcore.a
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
+
 # Hostile arguments to every public entry of the tensor + stream API.
 HTEST_SRC := $(wildcard csrc/tests/test_api_hostile*.c)
 
@@ -163,6 +167,7 @@ bench-quant: $(BUILD)/bench_quant
 test: all
 	$(abspath $(BUILD))/test_comm
 	$(abspath $(BUILD))/test_layers
+	$(abspath $(BUILD))/test_layer_memory
 	$(abspath $(BUILD))/test_kernels
 	$(abspath $(BUILD))/test_api_hostile
 	$(abspath $(BUILD))/test_store

@@ -10,9 +10,9 @@ from c_binaries import ROOT, build, run
 
 
 def build_and_run(tmp_path, sanitize):
-    b = build(tmp_path, sanitize, "test_comm", "test_layers")
+    b = build(tmp_path, sanitize, "test_comm", "test_layers", "test_layer_memory")
     out = ""
-    for exe in ("test_comm", "test_layers"):
+    for exe in ("test_comm", "test_layers", "test_layer_memory"):
         r = run(b / exe, timeout=600)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "0 failed" in r.stdout
@@ -21,11 +21,12 @@ def build_and_run(tmp_path, sanitize):
 
 
 def check_counts(out):
-    """Each binary ends with 'N passed, 0 failed'; both ran their whole list (test_comm: 32 cases
-    and more, test_layers: 21: the layers at world 1-3, with registered and plain memory)."""
+    """Each binary ends with 'N passed, 0 failed'; each ran its whole list (test_comm: 32 cases
+    and more, test_layers: 21: the layers at world 1-3, with registered and plain memory,
+    test_layer_memory: 5: the memory accounting at world 1-3 and in plain memory)."""
     counts = [(int(p), int(f)) for p, f in re.findall(r"(\d+) passed, (\d+) failed", out)]
-    assert len(counts) == 2 and all(f == 0 for _, f in counts), out
-    assert counts[0][0] >= 32 and counts[1][0] >= 21, counts
+    assert len(counts) == 3 and all(f == 0 for _, f in counts), out
+    assert counts[0][0] >= 32 and counts[1][0] >= 21 and counts[2][0] >= 5, counts
 
 
 def test_c_core(tmp_path):

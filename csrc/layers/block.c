@@ -16,6 +16,8 @@ void tp_block_destroy(tp_block_t k) {
   tp_arena_release(&k->ws);
   tp_arena_release(&k->cache);
   tp_arena_release(&k->lpws);
+  tp_workspace_destroy(k->shared);
+  if (k->kv_end) tp_host_free(k->kv_end);
   tp_host_free(k);
 }
 
@@ -246,9 +248,12 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
   tp_arena_add_n(&total, n, sizeof(float));
   tp_arena_add_n(&total, n, sizeof(float));
   tp_arena_release(&k->cache);
+  if (k->kv_end) tp_host_free(k->kv_end);
+  k->kv_end = NULL;
   k->kc = k->vc = NULL, k->cb = k->clen = 0;
   tp_status_t st = tp_arena_reserve(&k->cache, total, "block cache");
   if (st == TP_SUCCESS) st = lk_zero(&k->lk, k->cache.base, total, NULL);
+  if (st == TP_SUCCESS) st = tp_host_zalloc((size_t)batch * sizeof(int64_t), (void **)&k->kv_end, "block cache");
   if (st != TP_SUCCESS) {
     tp_arena_release(&k->cache);
     return tp_set_error(TP_ERR_NOMEM, "block cache: out of memory for batch %lld x max_len %lld tokens (2 x %lld "
@@ -262,18 +267,23 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
 
 /* This forward's workspaces, one arena: activations for M rows, the positions of B
  * sequences, the key mask, the attention probabilities (B x nq x T x T) and the KV
- * snapshot when backward may follow, the attention kernels' scratch. */
+ * snapshot when backward may follow, the attention kernels' scratch.  A forward without
+ * need_backward takes no gradient buffers, and its MLP activations come from here too; it
+ * carves the shared workspace when the block has one (tp_block_set_workspace). */
 static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int use_cache, int need_backward) {
-  int64_t C = k->C, W = k->W, A = k->A;
-  float **f[] = {&k->xs, &k->s1, &k->h1, &k->s2, &k->n1, &k->n2, &k->mo, &k->dn, &k->dh, &k->dt,
-                 &k->qkv, &k->dqkv, &k->ao, &k->dao, &k->mean1, &k->rstd1, &k->mean2, &k->rstd2, &k->probs,
-                 &k->kvsnap};
-  int64_t nf[] = {M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * C, M * W, M * W, M * A, M * A,
-                  M, M, M, M, need_backward ? tp_block_attention_kept(k, B, T) : 0, /* probs or lse */
-                  need_backward && k->kv_replicated ? 2 * k->nk * k->D * (C + 1) : 0};
+  int64_t C = k->C, W = k->W, A = k->A, bw = need_backward != 0, f1 = 0, f = 0;
+  if (k->mlp && !bw) tp_parallel_mlp_widths(k->mlp, &f1, &f);
+  float **fp[] = {&k->xs, &k->s1, &k->h1, &k->s2, &k->n1, &k->n2, &k->mo, &k->dn, &k->dh, &k->dt,
+                  &k->qkv, &k->dqkv, &k->ao, &k->dao, &k->mean1, &k->rstd1, &k->mean2, &k->rstd2, &k->probs,
+                  &k->kvsnap, &k->mh, &k->ma};
+  int64_t nf[] = {M * C, M * C, M * C, M * C, M * C, M * C, M * C, bw * M * C, bw * M * C, bw * M * C, M * W,
+                  bw * M * W, M * A, bw * M * A, M, M, M, M, bw ? tp_block_attention_kept(k, B, T) : 0, /* probs or lse */
+                  bw && k->kv_replicated ? 2 * k->nk * k->D * (C + 1) : 0, M * f1, M * f};
   enum { NF = sizeof nf / sizeof nf[0] };
   size_t abytes = tp_block_attention_workspace(k, B, T, use_cache, need_backward), total = 0;
-  for (int i = 0; i < NF; i++) tp_arena_add_n(&total, nf[i], sizeof(float));
+  for (int i = 0; i < NF; i++)
+    if (!tp_arena_add_n(&total, nf[i], sizeof(float)))
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: %lld rows overflow a workspace size", (long long)M);
   tp_arena_add_n(&total, M, sizeof(int64_t));
   tp_arena_add_n(&total, B, sizeof(int64_t));
   tp_arena_add_n(&total, B, sizeof(int64_t));
@@ -281,15 +291,52 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
   tp_arena_add_n(&total, M, 1);
   if (!tp_arena_add(&total, abytes))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: the attention workspace overflows a size");
-  TP_CHECK(tp_arena_reserve(&k->ws, total, "block"));
-  for (int i = 0; i < NF; i++) *f[i] = tp_arena_take_n(&k->ws, nf[i], sizeof(float));
-  k->pos = tp_arena_take_n(&k->ws, M, sizeof(int64_t));
-  k->pos0 = tp_arena_take_n(&k->ws, B, sizeof(int64_t));
-  k->klen = tp_arena_take_n(&k->ws, B, sizeof(int64_t));
-  k->slot = tp_arena_take_n(&k->ws, B, sizeof(int64_t));
-  k->mask = tp_arena_take_n(&k->ws, M, 1);
-  k->attn_ws = tp_arena_take(&k->ws, abytes);
+  tp_arena_t *ws = !bw && k->shared ? &k->shared->arena : &k->ws;
+  TP_CHECK(tp_arena_reserve(ws, total, "block"));
+  for (int i = 0; i < NF; i++) *fp[i] = tp_arena_take_n(ws, nf[i], sizeof(float));
+  k->pos = tp_arena_take_n(ws, M, sizeof(int64_t));
+  k->pos0 = tp_arena_take_n(ws, B, sizeof(int64_t));
+  k->klen = tp_arena_take_n(ws, B, sizeof(int64_t));
+  k->slot = tp_arena_take_n(ws, B, sizeof(int64_t));
+  k->mask = tp_arena_take_n(ws, M, 1);
+  k->attn_ws = tp_arena_take(ws, abytes);
   k->attn_ws_bytes = abytes;
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_workspace_create(tp_workspace_t *out, tp_device_t device, int device_id) {
+  TP_NONNULL("workspace", out, "out");
+  *out = NULL;
+  TP_CHECK(tp_layer_device("workspace", device, device_id));
+  tp_workspace_t w;
+  TP_CHECK(tp_host_zalloc(sizeof *w, (void **)&w, "workspace"));
+  tp_arena_init(&w->arena, device, device_id);
+  w->refs = 1;
+  *out = w;
+  return TP_SUCCESS;
+}
+
+static void workspace_retain(tp_workspace_t w) { __atomic_add_fetch(&w->refs, 1, __ATOMIC_RELAXED); }
+
+void tp_workspace_destroy(tp_workspace_t w) {
+  if (!w || __atomic_sub_fetch(&w->refs, 1, __ATOMIC_ACQ_REL) > 0) return;
+  tp_arena_release(&w->arena);
+  tp_host_free(w);
+}
+
+tp_workspace_t tp_block_get_workspace(tp_block_t k) { return k ? k->shared : NULL; }
+
+size_t tp_workspace_bytes(tp_workspace_t w) { return w ? w->arena.cap : 0; }
+
+tp_status_t tp_block_set_workspace(tp_block_t k, tp_workspace_t w) {
+  TP_NONNULL("block set_workspace", k, "block");
+  if (w && (w->arena.device != k->dev || w->arena.device_id != k->dev_id))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block set_workspace: the workspace is on %s:%d, the block on %s:%d",
+                        tp_device_name(w->arena.device), w->arena.device_id, tp_device_name(k->dev), k->dev_id);
+  if (w) workspace_retain(w);
+  tp_workspace_destroy(k->shared);
+  k->shared = w;
+  k->ready = 0; /* the last forward's activations may have lived in the old one */
   return TP_SUCCESS;
 }
 
@@ -319,6 +366,12 @@ static tp_status_t batch_metadata(tp_block_t k, const tp_block_batch_t *bt, int6
   return TP_SUCCESS;
 }
 
+/* mo = MLP(x): keeping what backward needs, or in the inference workspace */
+static tp_status_t mlp_forward(tp_block_t k, const float *x, int need_backward, int64_t M, tp_stream_t s) {
+  if (need_backward) return tp_parallel_mlp_forward_raw(k->mlp, k->mo, x, M, s);
+  return tp_parallel_mlp_forward_nograd(k->mlp, k->mo, x, M, k->mh, k->ma, s);
+}
+
 static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp_block_batch_t *bt, tp_stream_t s) {
   int64_t B = bt->B, T = bt->T, M = B * T, C = k->C;
   size_t nb = (size_t)(M * C) * sizeof(float);
@@ -332,7 +385,8 @@ static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp
   k->B = B, k->T = T;
   TP_CHECK(batch_metadata(k, bt, B, T, s));
   TP_CHECK(lk_copy(&k->lk, k->xs, x, nb, s));
-  TP_CHECK(tp_reg_ensure(k->comm, &k->red, nb, k->dev, k->dev_id)); /* backward's QKV input gradient */
+  if (bt->need_backward) /* backward's QKV input gradient */
+    TP_CHECK(tp_reg_ensure(k->comm, &k->red, nb, k->dev, k->dev_id));
   float *r;
   if (k->cfg.attention_only) {
     TP_CHECK(tp_block_attention_forward(k, &r, k->xs, bt->use_cache, bt->need_backward, s));
@@ -342,17 +396,22 @@ static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp
     TP_CHECK(tp_block_attention_forward(k, &r, k->n1, bt->use_cache, bt->need_backward, s));
     TP_CHECK(lk_add(&k->lk, k->h1, k->xs, r, M * C, s));
     TP_CHECK(norm_fwd(k, k->n2, k->mean2, k->rstd2, k->h1, k->n2w, k->n2b, M, s));
-    TP_CHECK(tp_parallel_mlp_forward_raw(k->mlp, k->mo, k->n2, M, s));
+    TP_CHECK(mlp_forward(k, k->n2, bt->need_backward, M, s));
     TP_CHECK(lk_add(&k->lk, y, k->h1, k->mo, M * C, s));
   } else {
     TP_CHECK(tp_block_attention_forward(k, &r, k->xs, bt->use_cache, bt->need_backward, s));
     TP_CHECK(lk_add(&k->lk, k->s1, k->xs, r, M * C, s));
     TP_CHECK(norm_fwd(k, k->h1, k->mean1, k->rstd1, k->s1, k->n1w, k->n1b, M, s));
-    TP_CHECK(tp_parallel_mlp_forward_raw(k->mlp, k->mo, k->h1, M, s));
+    TP_CHECK(mlp_forward(k, k->h1, bt->need_backward, M, s));
     TP_CHECK(lk_add(&k->lk, k->s2, k->h1, k->mo, M * C, s));
     TP_CHECK(norm_fwd(k, y, k->mean2, k->rstd2, k->s2, k->n2w, k->n2b, M, s));
   }
   k->ready = bt->need_backward;
+  if (bt->use_cache && T > 0) /* the cache's high-water marks (tp_block_memory's cache_used) */
+    for (int64_t b = 0; b < B; b++) {
+      int64_t seq = bt->slots ? bt->slots[b] : b, end = (bt->pos0 ? bt->pos0[b] : 0) + T;
+      if (end > k->kv_end[seq]) k->kv_end[seq] = end;
+    }
   return TP_SUCCESS;
 }
 
@@ -405,4 +464,34 @@ tp_status_t tp_block_backward(tp_block_t k, const tp_tensor *dx, const tp_tensor
                         "(B * T = %lld x %lld)", (long long)rows, (long long)M, (long long)k->B, (long long)k->T);
   TP_CHECK(tp_check_matrix("block backward", "dx", dx, TP_FLOAT32, M, k->C, k->dev, k->dev_id, NULL));
   return backward_impl(k, dx->data, dy->data, stream);
+}
+
+/* The QKV shard, the norms and their gradients (params, grads), the output projection's and
+ * the MLP's memory, the activation arena (workspace), the KV cache (cache; cache_used: every
+ * sequence's K and V rows up to its highest position written) and the collective buffers. */
+tp_status_t tp_block_memory(tp_block_t k, tp_layer_memory_t *mem) {
+  TP_NONNULL("block memory", k, "block");
+  TP_CHECK(tp_memory_begin("block memory", mem, k->dev, k->dev_id));
+  size_t wbytes = 0, c4 = (size_t)k->C * sizeof(float), w4 = (size_t)k->W * sizeof(float);
+  tp_lk_wbytes("block memory", "the QKV weight", k->Wqkv.dt, k->W, k->C, &wbytes); /* checked at create */
+  mem->params = tp_mem_tensor(k->Wqkv.p, wbytes) + tp_mem_tensor(k->bqkv, w4) + tp_mem_tensor(k->n1w, c4) +
+                tp_mem_tensor(k->n1b, c4) + tp_mem_tensor(k->n2w, c4) + tp_mem_tensor(k->n2b, c4);
+  mem->grads = tp_mem_tensor(k->dwqkv, (size_t)(k->W * k->C) * sizeof(float)) + tp_mem_tensor(k->dbqkv, w4) +
+               tp_mem_tensor(k->dn1w, c4) + tp_mem_tensor(k->dn1b, c4) + tp_mem_tensor(k->dn2w, c4) +
+               tp_mem_tensor(k->dn2b, c4);
+  mem->workspace = k->ws.cap + k->lpws.cap;
+  mem->cache = k->cache.cap;
+  int64_t used = 0;
+  for (int64_t s = 0; k->kv_end && s < k->cb; s++) used += k->kv_end[s];
+  mem->cache_used = (size_t)used * 2 * (size_t)(k->nk * k->D) * sizeof(float); /* K and V */
+  mem->comm = k->red.cap + k->kvred.cap;
+  tp_layer_memory_t sub;
+  sub.size = sizeof sub;
+  TP_CHECK(tp_parallel_linear_memory(k->out, &sub));
+  tp_memory_add(mem, &sub);
+  if (k->mlp) {
+    TP_CHECK(tp_parallel_mlp_memory(k->mlp, &sub));
+    tp_memory_add(mem, &sub);
+  }
+  return TP_SUCCESS;
 }

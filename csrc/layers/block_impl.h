@@ -24,8 +24,11 @@ struct tp_block {
   float *n1w, *n1b, *dn1w, *dn1b, *n2w, *n2b, *dn2w, *dn2b;
   tp_parallel_linear_t out;         /* attention output projection: row parallel, input_is_parallel */
   tp_parallel_mlp_t mlp;
-  /* workspaces of the last forward, carved from one arena */
+  /* workspaces of the last forward, carved from one arena: its own, or (a forward without
+   * need_backward) the shared workspace when it has one */
   tp_arena_t ws;
+  tp_workspace_t shared;
+  float *mh, *ma;                   /* an inference forward's MLP activations (h, a), carved with the rest */
   float *xs, *s1, *h1, *s2, *n1, *n2, *qkv, *ao, *mo;
   float *mean1, *rstd1, *mean2, *rstd2;
   float *probs;                     /* what attention backward needs: probs, or lse (attention.c) */
@@ -43,6 +46,12 @@ struct tp_block {
   tp_arena_t cache;
   float *kc, *vc;
   int64_t cb, clen;
+  int64_t *kv_end;                  /* host [cb]: per cache sequence, the highest position written + 1 */
+};
+
+struct tp_workspace {
+  tp_arena_t arena;
+  int refs; /* atomic */
 };
 
 /* attention.c */

@@ -120,6 +120,40 @@ static inline tp_status_t tp_layer_all_gather_v(const void *send, void *recv, co
     if (!(p)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s is NULL (NULL argument)", op, name); \
   } while (0)
 
+/* ---------------------------------------------------------- memory accounting */
+
+/* The bytes a tensor of nbytes takes in an arena (rounded up to the allocation's alignment,
+ * at least one unit, as tp_arena_add plans it); 0 when the tensor is absent (p NULL). */
+static inline size_t tp_mem_tensor(const void *p, size_t nbytes) {
+  size_t r = 0;
+  if (!p || !tp_arena_add(&r, nbytes)) return 0;
+  return r;
+}
+
+/* The start of a tp_*_memory call: mem checked (non-NULL, the caller's size field this
+ * version's), zeroed and set to the layer's device. */
+static inline tp_status_t tp_memory_begin(const char *op, tp_layer_memory_t *mem, tp_device_t device, int device_id) {
+  TP_NONNULL(op, mem, "mem");
+  if (mem->size != sizeof(tp_layer_memory_t))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: mem->size is %zu, not sizeof(tp_layer_memory_t) = %zu (a "
+                        "struct built for another tpcore version)", op, mem->size, sizeof(tp_layer_memory_t));
+  memset(mem, 0, sizeof *mem);
+  mem->size = sizeof *mem;
+  mem->device = device;
+  mem->device_id = device_id;
+  return TP_SUCCESS;
+}
+
+/* dst += src, field by field (a layer's sub-layers on the same device). */
+static inline void tp_memory_add(tp_layer_memory_t *dst, const tp_layer_memory_t *src) {
+  dst->params += src->params;
+  dst->grads += src->grads;
+  dst->workspace += src->workspace;
+  dst->cache += src->cache;
+  dst->cache_used += src->cache_used;
+  dst->comm += src->comm;
+}
+
 /* t must be a float32 (or `dtype`) C-contiguous 2-D tensor [rows, cols] on the layer's
  * device; rows < 0: any (then *rows_out gets shape[0]).  Errors name op and arg. */
 static inline tp_status_t tp_check_matrix(const char *op, const char *arg, const tp_tensor *t, tp_dtype_t dtype,
@@ -176,9 +210,10 @@ static inline tp_status_t tp_check_vector(const char *op, const char *arg, const
  *                      copy for the backward: x must stay alive and unchanged until
  *                      then (the MLP's activation workspace, the attention output);
  * TP_LIN_SKIP_BIAS     the caller adds the bias (forward) and accumulates its
- *                      gradient (backward) itself, fused with the activation.
+ *                      gradient (backward) itself, fused with the activation;
+ * TP_LIN_NO_BACKWARD   (with BORROW_INPUT) nothing is kept: a backward after it is refused.
  * Pointers are on the layer's device, M rows checked by the caller. */
-enum { TP_LIN_BORROW_INPUT = 1, TP_LIN_SKIP_BIAS = 2 };
+enum { TP_LIN_BORROW_INPUT = 1, TP_LIN_SKIP_BIAS = 2, TP_LIN_NO_BACKWARD = 4 };
 tp_status_t tp_parallel_linear_forward_ex(tp_parallel_linear_t L, float *y, const float *x, int64_t M, int flags,
                                           tp_stream_t stream);
 /* The region tag of L's collectives (a static string; NULL: the communicator's current tag):
@@ -188,6 +223,12 @@ tp_status_t tp_parallel_linear_backward_ex(tp_parallel_linear_t L, float *dx, co
                                            tp_stream_t stream);
 /* The MLP on raw pointers of its device (M checked here), for the block. */
 tp_status_t tp_parallel_mlp_forward_raw(tp_parallel_mlp_t m, float *y, const float *x, int64_t M, tp_stream_t stream);
+/* A forward that keeps nothing for backward: h [M, f1] and a [M, f] are the caller's (a
+ * block's inference workspace), fc1 and fc2 borrow their inputs; backward is refused after it. */
+tp_status_t tp_parallel_mlp_forward_nograd(tp_parallel_mlp_t m, float *y, const float *x, int64_t M, float *h,
+                                           float *a, tp_stream_t stream);
+/* The MLP's activation widths: *f1 (fc1's local outputs: 2 x f gated) and *f (fc2's local inputs). */
+void tp_parallel_mlp_widths(tp_parallel_mlp_t m, int64_t *f1, int64_t *f);
 tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const float *dy, int64_t M,
                                          tp_stream_t stream);
 

@@ -57,7 +57,7 @@ static tp_status_t save_input(tp_parallel_linear_t L, const float *x, int64_t M,
   TP_CHECK(workspace(L, M, borrow));
   if (borrow) { /* nothing to keep, or x outlives the step */
     L->xin = x;
-    L->xsave_m = M;
+    L->xsave_m = (L->flags & TP_LIN_NO_BACKWARD) ? -1 : M; /* no backward: x dies with the call */
     return TP_SUCCESS;
   }
   TP_CHECK(lk_copy_rows(&L->lk, L->xsave, cols, x + col0, stride, M, cols, stream));
@@ -396,5 +396,22 @@ tp_status_t tp_parallel_linear_forward_inbuf(tp_parallel_linear_t L, float **y, 
   if (L->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, L->region, stream));
   if (L->b) TP_CHECK(lk_add_bias_rows(&L->lk, r, r, L->b, M, N, stream)); /* in place, once, after the reduce */
   *y = r;
+  return TP_SUCCESS;
+}
+
+/* Weights in their storage format and the bias (params), the gradients that exist (grads),
+ * the saved-input arena and a GPU layer's low-precision scratch (workspace), the collective
+ * buffers (comm).  Tensors count as the arena slices they take (rounded to the alignment). */
+tp_status_t tp_parallel_linear_memory(tp_parallel_linear_t L, tp_layer_memory_t *mem) {
+  TP_NONNULL("linear memory", L, "layer");
+  TP_CHECK(tp_memory_begin("linear memory", mem, L->dev, L->dev_id));
+  tp_linear_info_t i;
+  tp_parallel_linear_info(L, &i);
+  size_t wbytes = 0, bbytes = (size_t)i.bias_len * sizeof(float);
+  tp_lk_wbytes("linear memory", "the weight shard", L->W.dt, L->wr, L->wc, &wbytes); /* checked at create */
+  mem->params = tp_mem_tensor(L->W.p, wbytes) + tp_mem_tensor(L->b, bbytes);
+  mem->grads = tp_mem_tensor(L->dw, (size_t)(L->wr * L->wc) * sizeof(float)) + tp_mem_tensor(L->db, bbytes);
+  mem->workspace = L->ws.cap + L->lpws.cap;
+  mem->comm = L->out_buf.cap + L->grad_buf.cap;
   return TP_SUCCESS;
 }

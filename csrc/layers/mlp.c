@@ -118,7 +118,7 @@ static tp_status_t workspace(tp_parallel_mlp_t m, int64_t M) {
            tp_arena_add_n(&total, M * m->f, sizeof(float)) && tp_arena_add_n(&total, M * m->f1, sizeof(float));
   tp_linear_info_t i1;
   tp_parallel_linear_info(m->fc1, &i1);
-  size_t bws = i1.grad_bias ? lk_bias_act_backward_workspace(&m->lk, M, m->f, m->act) : 0;
+  size_t bws = i1.bias ? lk_bias_act_backward_workspace(&m->lk, M, m->f, m->act) : 0;
   ok = ok && tp_arena_add(&total, bws);
   if (!ok) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: %lld rows overflow a workspace size", (long long)M);
   TP_CHECK(tp_arena_reserve(&m->ws, total, "mlp"));
@@ -157,6 +157,23 @@ tp_status_t tp_parallel_mlp_forward_raw(tp_parallel_mlp_t m, float *y, const flo
   TP_CHECK(tp_parallel_linear_forward_ex(m->fc2, y, m->a, M, TP_LIN_BORROW_INPUT, stream)); /* a lives until backward */
   m->last_m = M;
   return TP_SUCCESS;
+}
+
+tp_status_t tp_parallel_mlp_forward_nograd(tp_parallel_mlp_t m, float *y, const float *x, int64_t M, float *h,
+                                           float *a, tp_stream_t stream) {
+  TP_CHECK(check_rows(m, M));
+  m->last_m = -1; /* nothing kept: no backward after this forward */
+  int f = TP_LIN_BORROW_INPUT | TP_LIN_NO_BACKWARD;
+  TP_CHECK(tp_parallel_linear_forward_ex(m->fc1, h, x, M, f | TP_LIN_SKIP_BIAS, stream));
+  tp_linear_info_t i1;
+  tp_parallel_linear_info(m->fc1, &i1);
+  TP_CHECK(lk_bias_act_forward(&m->lk, a, h, i1.bias, M, m->f, m->act, stream));
+  return tp_parallel_linear_forward_ex(m->fc2, y, a, M, f, stream);
+}
+
+void tp_parallel_mlp_widths(tp_parallel_mlp_t m, int64_t *f1, int64_t *f) {
+  *f1 = m->f1;
+  *f = m->f;
 }
 
 tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const float *dy, int64_t M,
@@ -201,4 +218,19 @@ tp_status_t tp_parallel_mlp_backward(tp_parallel_mlp_t m, const tp_tensor *dx, c
   TP_CHECK(tp_check_matrix("mlp backward", "dy", dy, TP_FLOAT32, -1, m->C, m->dev, m->dev_id, &M));
   TP_CHECK(tp_check_matrix("mlp backward", "dx", dx, TP_FLOAT32, M, m->C, m->dev, m->dev_id, NULL));
   return tp_parallel_mlp_backward_raw(m, dx->data, dy->data, M, stream);
+}
+
+/* fc1's and fc2's memory plus the MLP's own activation arena (h, a, da, dh and the bias +
+ * activation backward's scratch) under workspace. */
+tp_status_t tp_parallel_mlp_memory(tp_parallel_mlp_t m, tp_layer_memory_t *mem) {
+  TP_NONNULL("mlp memory", m, "mlp");
+  TP_CHECK(tp_memory_begin("mlp memory", mem, m->dev, m->dev_id));
+  tp_layer_memory_t sub;
+  sub.size = sizeof sub;
+  TP_CHECK(tp_parallel_linear_memory(m->fc1, &sub));
+  tp_memory_add(mem, &sub);
+  TP_CHECK(tp_parallel_linear_memory(m->fc2, &sub));
+  tp_memory_add(mem, &sub);
+  mem->workspace += m->ws.cap;
+  return TP_SUCCESS;
 }

@@ -387,3 +387,25 @@ tp_status_t tp_vocab_xent_backward(tp_vocab_xent_t X, const tp_tensor *dlogits, 
   return lk_xent_backward(&X->lk, dlogits->data, X->logits, X->gmax, X->sumexp, X->tg, X->rs, scale, M, X->lo, X->V,
                           stream);
 }
+
+/* ------------------------------------------------------------------ memory */
+
+tp_status_t tp_vocab_embedding_memory(tp_vocab_embedding_t E, tp_layer_memory_t *mem) {
+  TP_NONNULL("embedding memory", E, "embedding");
+  TP_CHECK(tp_memory_begin("embedding memory", mem, E->dev, E->dev_id));
+  size_t wbytes = 0;
+  tp_lk_wbytes("embedding memory", "the table", E->W.dt, E->loc, E->C, &wbytes); /* checked at create */
+  mem->params = tp_mem_tensor(E->W.p, wbytes);
+  mem->grads = tp_mem_tensor(E->dw, (size_t)(E->loc * E->C) * sizeof(float));
+  mem->workspace = E->ws.cap + E->lpws.cap;
+  mem->comm = E->buf.cap;
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_vocab_xent_memory(tp_vocab_xent_t X, tp_layer_memory_t *mem) {
+  TP_NONNULL("cross-entropy memory", X, "cross-entropy");
+  TP_CHECK(tp_memory_begin("cross-entropy memory", mem, X->dev, X->dev_id));
+  mem->workspace = X->ws.cap;
+  mem->comm = X->buf.cap;
+  return TP_SUCCESS;
+}

@@ -274,18 +274,63 @@ static PyObject *blk_device(PyObject *o, void *unused) {
   return PyUnicode_FromFormat("%s:%d", tp_device_name(self->device), self->device_id);
 }
 
+/* share_workspace(other): this block's inference forwards use other's shared workspace (made
+ * there when it has none; other may be this block) */
+static PyObject *blk_share_workspace(PyObject *o, PyObject *arg) {
+  BlockObject *self = (BlockObject *)o;
+  if (!PyObject_TypeCheck(arg, Py_TYPE(o))) {
+    PyErr_Format(PyExc_TypeError, "share_workspace: expected a TransformerBlock, got %s", Py_TYPE(arg)->tp_name);
+    return NULL;
+  }
+  BlockObject *other = (BlockObject *)arg;
+  module_state *st = cstate((PyObject *)self->comm);
+  tp_workspace_t w = tp_block_get_workspace(other->K);
+  tp_status_t s;
+  if (!w) {
+    if ((s = tp_workspace_create(&w, other->device, other->device_id)) != TP_SUCCESS)
+      return raise_status(st, s, "share_workspace");
+    s = tp_block_set_workspace(other->K, w);
+    tp_workspace_destroy(w); /* the block holds it now */
+    if (s != TP_SUCCESS) return raise_status(st, s, "share_workspace");
+  }
+  if (self != other && (s = tp_block_set_workspace(self->K, w)) != TP_SUCCESS)
+    return raise_status(st, s, "share_workspace");
+  Py_RETURN_NONE;
+}
+
+static PyObject *blk_workspace_bytes(PyObject *o, void *unused) {
+  return PyLong_FromSize_t(tp_workspace_bytes(tp_block_get_workspace(((BlockObject *)o)->K)));
+}
+
+static PyObject *blk_workspace_id(PyObject *o, void *unused) {
+  return PyLong_FromVoidPtr(tp_block_get_workspace(((BlockObject *)o)->K));
+}
+
 static PyGetSetDef blk_getset[] = {
+    {"shared_workspace_bytes", blk_workspace_bytes, NULL, "bytes of the shared inference workspace (0: none)", NULL},
+    {"shared_workspace_id", blk_workspace_id, NULL, "which shared workspace it uses (0: none; equal: the same one)",
+     NULL},
     {"info", blk_info, NULL, "this rank's heads and the KV cache's capacity", NULL},
     {"device", blk_device, NULL, "'cpu:0' or 'cuda:N'", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static PyObject *blk_memory(PyObject *o, PyObject *unused) {
+  BlockObject *self = (BlockObject *)o;
+  tp_layer_memory_t m;
+  m.size = sizeof m;
+  return layer_memory(o, tp_block_memory(self->K, &m), &m, "memory");
+}
+
 static PyMethodDef blk_methods[] = {
+    {"memory", blk_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", (PyCFunction)(void (*)(void))blk_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) -> y"},
     {"backward", blk_backward, METH_VARARGS, "backward(dy[B*T, C], out=None) -> dx; accumulates the gradients"},
     {"cache", blk_cache, METH_VARARGS, "cache(batch, max_len): (re)allocate the KV cache"},
     {"params", blk_params, METH_NOARGS, "{name: (param, grad)} views of this rank's shard"},
+    {"share_workspace", blk_share_workspace, METH_O,
+     "share_workspace(other): inference forwards carve other's shared workspace (made when it has none)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -206,6 +206,8 @@ void layer_free(PyObject *o, CommObject *comm);
 PyObject *layer_output(PyObject *out, const char *op, int64_t M, int64_t cols);
 /* A failed layer call: backward before forward is a RuntimeError, the rest as statuses. */
 PyObject *layer_error(CommObject *co, tp_status_t s, const char *op, int backward);
+/* memory(): a layer's tp_layer_memory_t (filled with status s) as a dict, or NULL raised. */
+PyObject *layer_memory(PyObject *self, tp_status_t s, const tp_layer_memory_t *m, const char *op);
 
 /* ------------------------------------------------------ the layer types' files */
 

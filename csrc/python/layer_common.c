@@ -162,3 +162,15 @@ int parse_act(const char *name, tp_activation_t *act) {
                name);
   return -1;
 }
+
+/* A layer's tp_layer_memory_t as a dict: "device" ("cpu" or "cuda:N") and the byte counts
+ * params, grads, workspace, cache, cache_used and comm (ints); the status raised otherwise. */
+PyObject *layer_memory(PyObject *self, tp_status_t s, const tp_layer_memory_t *m, const char *op) {
+  if (s != TP_SUCCESS) return raise_status(cstate(self), s, op);
+  PyObject *dev = m->device == TP_DEVICE_CPU ? PyUnicode_FromString("cpu")
+                                             : PyUnicode_FromFormat("%s:%d", tp_device_name(m->device), m->device_id);
+  if (!dev) return NULL;
+  return Py_BuildValue("{s:N,s:n,s:n,s:n,s:n,s:n,s:n}", "device", dev, "params", (Py_ssize_t)m->params, "grads",
+                       (Py_ssize_t)m->grads, "workspace", (Py_ssize_t)m->workspace, "cache", (Py_ssize_t)m->cache,
+                       "cache_used", (Py_ssize_t)m->cache_used, "comm", (Py_ssize_t)m->comm);
+}

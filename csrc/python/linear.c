@@ -179,7 +179,15 @@ static PyGetSetDef lin_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static PyObject *lin_memory(PyObject *o, PyObject *unused) {
+  LinearObject *self = (LinearObject *)o;
+  tp_layer_memory_t m;
+  m.size = sizeof m;
+  return layer_memory(o, tp_parallel_linear_memory(self->L, &m), &m, "memory");
+}
+
 static PyMethodDef lin_methods[] = {
+    {"memory", lin_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", lin_forward, METH_VARARGS, "forward(x[M, x_cols], out=None) -> y[M, y_cols]"},
     {"backward", lin_backward, METH_VARARGS, "backward(dy[M, y_cols], out=None) -> dx[M, x_cols]; accumulates grads"},
     {NULL, NULL, 0, NULL},

@@ -121,7 +121,15 @@ static PyGetSetDef mlp_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static PyObject *mlp_memory(PyObject *o, PyObject *unused) {
+  MLPObject *self = (MLPObject *)o;
+  tp_layer_memory_t m;
+  m.size = sizeof m;
+  return layer_memory(o, tp_parallel_mlp_memory(self->M, &m), &m, "memory");
+}
+
 static PyMethodDef mlp_methods[] = {
+    {"memory", mlp_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", mlp_forward, METH_VARARGS, "forward(x[M, hidden], out=None) -> y[M, hidden]"},
     {"backward", mlp_backward, METH_VARARGS, "backward(dy[M, hidden], out=None) -> dx[M, hidden]"},
     {NULL, NULL, 0, NULL},

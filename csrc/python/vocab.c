@@ -168,7 +168,15 @@ static PyGetSetDef emb_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static PyObject *emb_memory(PyObject *o, PyObject *unused) {
+  EmbeddingObject *self = (EmbeddingObject *)o;
+  tp_layer_memory_t m;
+  m.size = sizeof m;
+  return layer_memory(o, tp_vocab_embedding_memory(self->E, &m), &m, "memory");
+}
+
 static PyMethodDef emb_methods[] = {
+    {"memory", emb_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", emb_forward, METH_VARARGS, "forward(tokens[M] int64, out=None) -> y[M, dim] (collective)"},
     {"backward", emb_backward, METH_O, "backward(dy[M, dim]): accumulates grad_weight"},
     {NULL, NULL, 0, NULL},
@@ -372,7 +380,15 @@ static PyObject *xent_backward(PyObject *o, PyObject *args) {
   return d;
 }
 
+static PyObject *xent_memory(PyObject *o, PyObject *unused) {
+  XentObject *self = (XentObject *)o;
+  tp_layer_memory_t m;
+  m.size = sizeof m;
+  return layer_memory(o, tp_vocab_xent_memory(self->X, &m), &m, "memory");
+}
+
 static PyMethodDef xent_methods[] = {
+    {"memory", xent_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", xent_forward, METH_VARARGS,
      "forward(logits[M, V], targets[M] int64, vocab_offset=-1, ignore_index=-100) -> (losses[M], valid, vocab)"},
     {"backward", xent_backward, METH_VARARGS, "backward(dloss=None, scale=1.0, out=None) -> dlogits[M, V]"},

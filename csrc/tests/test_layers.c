@@ -256,6 +256,33 @@ static int run_block(int n, int r, const char *job) {
          tp_block_forward(blk, F2(ysr, BB, BC), F2(xsr, BB, BC), &decs, NULL) != TP_SUCCESS;
   for (int b = 0; b < BB; b++)
     for (int c = 0; c < BC; c++) bad += fabsf(ysr[b * BC + c] - y[((BB - 1 - b) * BT + BT - 1) * BC + c]) > 1e-5f;
+  /* one shared inference workspace for two blocks of the same weights (the caller's reference
+   * dropped at once: the blocks keep theirs): each decodes as the block alone did, a backward
+   * after an inference forward is refused, a training forward still uses the block's own arena */
+  tp_block_t b2 = NULL;
+  tp_workspace_t w = NULL;
+  bad += tp_block_create(&b2, comm, &cfg) != TP_SUCCESS || tp_workspace_create(&w, TP_DEVICE_CPU, 0) != TP_SUCCESS;
+  if (b2 && w) {
+    bad += tp_block_set_workspace(blk, w) != TP_SUCCESS || tp_block_set_workspace(b2, w) != TP_SUCCESS;
+    bad += tp_block_get_workspace(b2) != w || tp_workspace_bytes(w) != 0;
+    tp_workspace_destroy(w);
+    tp_block_t both[2] = {blk, b2};
+    for (int i = 0; i < 2; i++) {
+      float ys2[BB * BC];
+      bad += tp_block_cache(both[i], BB, BT + 2) != TP_SUCCESS ||
+             tp_block_forward(both[i], F2(yp, BB * (BT - 1), BC), F2(xp, BB * (BT - 1), BC), &pre, NULL) != TP_SUCCESS ||
+             tp_block_forward(both[i], F2(ys2, BB, BC), F2(xs, BB, BC), &dec, NULL) != TP_SUCCESS;
+      for (int j = 0; j < BB * BC; j++) bad += ys2[j] != ys[j];
+      bad += tp_block_backward(both[i], F2(dx, BB, BC), F2(dy, BB, BC), NULL) != TP_ERR_INVALID_USAGE;
+    }
+    bad += tp_workspace_bytes(tp_block_get_workspace(blk)) == 0; /* the prefill's activations lived there */
+    float y2[NX], dx2[NX];
+    bad += tp_block_forward(b2, F2(y2, BB * BT, BC), F2(x, BB * BT, BC), &bt, NULL) != TP_SUCCESS ||
+           tp_block_backward(b2, F2(dx2, BB * BT, BC), F2(dy, BB * BT, BC), NULL) != TP_SUCCESS;
+    for (int j = 0; j < NX; j++) bad += y2[j] != y[j];
+    bad += tp_block_set_workspace(b2, NULL) != TP_SUCCESS || tp_block_get_workspace(b2) != NULL;
+  }
+  tp_block_destroy(b2);
   bad += check_mode(comm, n);
   if (bad) fprintf(stderr, "block rank %d of %d: %s\n", r, n, tp_last_error());
   if (r == 0) {

@@ -74,6 +74,7 @@ class ParallelLinear:
     shard: dict[str, int]
     def forward(self, x: np.ndarray, out: Optional[np.ndarray] = ..., /) -> np.ndarray: ...
     def backward(self, dy: np.ndarray, out: Optional[np.ndarray] = ..., /) -> np.ndarray: ...
+    def memory(self) -> dict[str, Any]: ...  # device, params, grads, workspace, cache, cache_used, comm
 
 @final
 class ParallelMLP:
@@ -85,6 +86,7 @@ class ParallelMLP:
     fc2: ParallelLinear
     def forward(self, x: np.ndarray, out: Optional[np.ndarray] = ..., /) -> np.ndarray: ...
     def backward(self, dy: np.ndarray, out: Optional[np.ndarray] = ..., /) -> np.ndarray: ...
+    def memory(self) -> dict[str, Any]: ...  # device, params, grads, workspace, cache, cache_used, comm
 
 @final
 class VocabEmbedding:
@@ -99,6 +101,7 @@ class VocabEmbedding:
     shard: dict[str, int]
     def forward(self, tokens: np.ndarray, out: Optional[np.ndarray] = ..., /) -> np.ndarray: ...
     def backward(self, dy: np.ndarray, /) -> None: ...
+    def memory(self) -> dict[str, Any]: ...  # device, params, grads, workspace, cache, cache_used, comm
 
 @final
 class VocabCrossEntropy:
@@ -108,6 +111,7 @@ class VocabCrossEntropy:
                 /) -> tuple[np.ndarray, int, int]: ...
     def backward(self, dloss: Optional[np.ndarray] = ..., scale: float = ..., out: Optional[np.ndarray] = ...,
                  /) -> np.ndarray: ...
+    def memory(self) -> dict[str, Any]: ...  # device, params, grads, workspace, cache, cache_used, comm
 
 @final
 class TransformerBlock:
@@ -125,6 +129,7 @@ class TransformerBlock:
     def backward(self, dy: np.ndarray, out: Optional[np.ndarray] = ..., /) -> np.ndarray: ...
     def cache(self, batch: int, max_len: int, /) -> None: ...
     def params(self) -> dict[str, tuple[np.ndarray, np.ndarray]]: ...
+    def memory(self) -> dict[str, Any]: ...  # device, params, grads, workspace, cache, cache_used, comm
 
 def partition(n: int, world: int, weights: Optional[Sequence[float]], align: int, /) -> list[int]:
     """Each rank's size of a dimension of length n (tp_partition; use tpcore.partition)."""

@@ -20,7 +20,7 @@ at every world size and partition.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence, Tuple, overload
+from typing import Any, Dict, List, Optional, Sequence, Tuple, overload
 
 import numpy as np
 
@@ -268,6 +268,23 @@ def _back(y: np.ndarray, dt) -> np.ndarray:
     return y if dt is None else y.astype(dt)
 
 
+MEMORY_KEYS = ("params", "grads", "optimizer", "kv_cache", "kv_cache_used", "workspace", "comm")
+"""The byte counts of a layer's or a model's ``memory()`` (with "device" and "total")."""
+
+
+def layer_memory(c: Dict[str, Any], **extra: int) -> Dict[str, Any]:
+    """A C layer's ``memory()`` dict in the package's keys (`MEMORY_KEYS`, "device",
+    "total"), plus the bytes of host arrays the Python layer keeps (extra: key -> bytes)."""
+    out: Dict[str, Any] = {"device": c["device"], "params": c["params"], "grads": c["grads"], "optimizer": 0,
+                           "kv_cache": c["cache"], "kv_cache_used": c["cache_used"], "workspace": c["workspace"],
+                           "comm": c["comm"]}
+    for k, v in extra.items():
+        out[k] += int(v)
+    out["total"] = sum(out[k] for k in MEMORY_KEYS if k != "kv_cache_used")  # used is part of kv_cache
+    return out
+
+
+
 class _ParallelLinear:
     _kind = ""
 
@@ -479,6 +496,22 @@ class _ParallelLinear:
             return dev_back(self._c.backward(dy2), dt).reshape(lead + (self._x_cols,))
         dy2, lead, dt = self._rows(dy, "dy", self._y_cols)
         return _back(self._c.backward(dy2).reshape(lead + (self._x_cols,)), dt)
+
+    def memory(self) -> Dict[str, Any]:
+        """The bytes this rank's shard holds now, by kind.
+
+        Returns
+        -------
+        dict
+            "device" ("cpu" or "cuda:N": where the bytes live) and ints of bytes:
+            "params" (the weight in its storage format and the bias), "grads" (gradient
+            buffers that exist), "optimizer" (0: optimizers keep their own state),
+            "kv_cache" and "kv_cache_used" (0), "workspace" (the saved input and scratch,
+            grown to the largest batch seen), "comm" (collective buffers) and "total" (the
+            sum of all but kv_cache_used).  Each tensor counts as the allocation it takes
+            (rounded up to 64 bytes).
+        """
+        return layer_memory(self._c.memory())
 
     def __repr__(self) -> str:
         dt = "" if self.dtype == "float32" else f", dtype={self.dtype}"
@@ -906,6 +939,18 @@ class ParallelMLP:
         """Set every gradient of fc1 and fc2 to zero."""
         self.fc1.zero_grad()
         self.fc2.zero_grad()
+
+    def memory(self) -> Dict[str, Any]:
+        """The bytes this rank's part holds now: fc1's and fc2's (see
+        `ColumnParallelLinear.memory`) plus the activation workspace (fc1's output, the
+        activation and their gradients for the largest batch seen).
+
+        Returns
+        -------
+        dict
+            The keys of `ColumnParallelLinear.memory`.
+        """
+        return layer_memory(self._c.memory())
 
     @overload
     def forward(self, x: np.ndarray) -> np.ndarray: ...

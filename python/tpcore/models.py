@@ -36,13 +36,14 @@ from ._array import DeviceArray, asarray, asarray_device, device_string, resolve
 from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import _collective
-from .layers import ACTIVATIONS, ColumnParallelLinear, _put_weight, _sizes, check_param_dtype, load_weight, zero
+from .layers import (MEMORY_KEYS, ACTIVATIONS, ColumnParallelLinear, _put_weight, _sizes, check_param_dtype,
+                     load_weight, zero)
 from .quant import is_quantized
 from .layers import partition as partition_dim
 from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
-__all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize"]
+__all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize", "estimate_memory"]
 
 
 _PARTS = ("embedding", "head", "qkv", "out", "fc1", "fc2")
@@ -81,6 +82,14 @@ def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
 def _on(a, dev):
     """A host array as a DeviceArray on dev (a device string), or a plain NumPy array (dev None)."""
     return a if dev is None else asarray_device(a, device=dev)
+
+
+def _array_device(a) -> str:
+    """Where an array's bytes live: "cpu" (NumPy, a DeviceArray of the CPU) or "cuda:N"."""
+    if isinstance(a, DeviceArray):
+        dev = a.device
+        return "cpu" if dev.startswith("cpu") else dev
+    return "cpu"
 
 
 class _Norm:
@@ -235,6 +244,8 @@ class TransformerLM:
         self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
                                         ffn_partition=ffn_partition, device=dev, dtype=bd)
                        for i in range(lo, hi)]
+        for blk in self.blocks:  # one workspace for every block's inference forwards (they run in turn)
+            blk._c.share_workspace(self.blocks[0]._c)
         self.final_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.final_norm and cfg.pre_norm and last \
             else None
         if cfg.tie_embeddings or not last:  # tied: the head's GEMMs read the embedding's rows
@@ -281,6 +292,84 @@ class TransformerLM:
             out += [w for w, g in b.named_parameters().values() if g is None]
         if self.lm_head is not None and self.lm_head.grad_weight is None:
             out.append(self.lm_head.weight)
+        return out
+
+    def memory(self, optimizer: Any = None) -> Dict[str, Any]:
+        """The bytes this rank holds for the model now, by kind and by device.
+
+        The layers' `memory` (token embedding, blocks, LM head) summed, plus the model's
+        own arrays: position and type embeddings and the norms outside the blocks (params;
+        their gradients under grads), the logits buffer a training step reuses and what
+        the last `loss` keeps for `backward` (the hidden states, the cross-entropy's
+        buffers) under workspace.
+
+        Parameters
+        ----------
+        optimizer : optional
+            An optimizer of `tpcore.optim` (or any object with ``state_bytes()``) over this
+            model's parameters: its state counts under "optimizer".  Default None: 0.
+
+        Returns
+        -------
+        dict
+            "device" (the model's: "cpu" or "cuda:N"), ints of bytes "params", "grads",
+            "optimizer", "kv_cache", "kv_cache_used" (of kv_cache, the positions written),
+            "workspace", "comm", "total" (the sum of all but kv_cache_used), and
+            "by_device": {device: bytes} (the total split by where the bytes live; a GPU
+            model keeps some arrays on the host).
+
+        Raises
+        ------
+        TypeError
+            optimizer has no ``state_bytes()``.
+        """
+        if optimizer is not None and not callable(getattr(optimizer, "state_bytes", None)):
+            raise TypeError(f"TransformerLM.memory: optimizer must have state_bytes() (a tpcore.optim optimizer), "
+                            f"got {type(optimizer).__name__}")
+        out: Dict[str, Any] = {"device": "cpu" if self.device[0] == "cpu" else device_string(self.device)}
+        out.update({k: 0 for k in MEMORY_KEYS})
+        by: Dict[str, int] = {}
+
+        def put(dev: str, key: str, nbytes: int) -> None:
+            out[key] += int(nbytes)
+            if key != "kv_cache_used":
+                by[dev] = by.get(dev, 0) + int(nbytes)
+
+        layers = ([self.wte] if self.wte is not None else []) + list(self.blocks) + \
+            ([self.lm_head] if self.lm_head is not None else [])
+        ctx = self._ctx or {}
+        if ctx.get("xent") is not None:  # the last loss's cross-entropy, alive until backward
+            layers.append(ctx["xent"])
+        for layer in layers:
+            m = layer.memory()
+            for k in MEMORY_KEYS:
+                put(m["device"], k, m[k])
+        if self.blocks:  # the blocks' shared inference workspace, once (csrc: tp_block_set_workspace)
+            put(self.blocks[0].memory()["device"], "workspace", self.blocks[0]._c.shared_workspace_bytes)
+        seen = set()
+
+        def arrays(key: str, *arrs: Any) -> None:
+            for a in arrs:
+                if a is None or id(a) in seen:
+                    continue
+                seen.add(id(a))
+                put(_array_device(a), key, a.nbytes)
+
+        arrays("params", self.wpe, self.tte)
+        arrays("grads", self.wpe_grad, self.tte_grad)
+        for norm in (self.emb_norm, self.final_norm):
+            if norm is not None:
+                arrays("params", norm.weight, norm.bias)
+                arrays("grads", norm.grad_weight, norm.grad_bias)
+        arrays("workspace", getattr(self, "_logits_buf", None), ctx.get("h2"), ctx.get("xent_logits"))
+        if optimizer is not None:
+            state = getattr(optimizer, "_state_arrays", None)
+            if callable(state):  # tpcore's optimizers: each array where it lives
+                arrays("optimizer", *state())
+            else:
+                put(out["device"], "optimizer", optimizer.state_bytes())
+        out["total"] = sum(out[k] for k in MEMORY_KEYS if k != "kv_cache_used")
+        out["by_device"] = by
         return out
 
     def _head_fmt(self):
@@ -1449,3 +1538,6 @@ def _from_gguf(path, comm, partition, dtype, progress, device, staging=None) -> 
     model.gguf_tokenizer_info = info
     del g
     return model
+
+
+from .memory import estimate_memory  # noqa: E402  (memory.py imports this module lazily)

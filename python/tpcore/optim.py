@@ -174,6 +174,15 @@ class AdamW:
         self.state = [(_zeros_like(g), _zeros_like(g)) for _, g in self.params]
         self.t = 0
 
+    def _state_arrays(self) -> list:
+        """The arrays of state this optimizer holds (moments, master copies)."""
+        return [a for m, v in self.state for a in (m, v)] + [w for w in self.master if w is not None]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: both moments of every parameter (float32,
+        its gradient's shape) and the float32 master copy of each 16-bit parameter."""
+        return int(sum(a.nbytes for a in self._state_arrays()))
+
     def step(self) -> None:
         """Update every parameter from its gradient (one AdamW step; no collective)."""
         self.t += 1
@@ -220,6 +229,15 @@ class SGD:
         self.master = _masters(self.params)
         self.bufs = [_zeros_like(g) if momentum else None for _, g in self.params]
         self.t = 0
+
+    def _state_arrays(self) -> list:
+        """The arrays of state this optimizer holds (momentum buffers, master copies)."""
+        return [b for b in self.bufs if b is not None] + [w for w in self.master if w is not None]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: the momentum buffers (with momentum > 0)
+        and the float32 master copy of each 16-bit parameter."""
+        return int(sum(a.nbytes for a in self._state_arrays()))
 
     def step(self) -> None:
         """Update every parameter from its gradient (one SGD step; no collective)."""
@@ -298,9 +316,13 @@ class ShardedAdamW:
         return np.concatenate([np.asarray(p, np.float32).reshape(-1) for p, _ in self.params]) if self.params \
             else np.zeros(0, np.float32)
 
+    def _state_arrays(self) -> list:
+        """The arrays of state this optimizer holds (its master slice and moments)."""
+        return [self.master] + [a for m, v in self.state for a in (m, v)]
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (master slice and moments)."""
-        return int(self.master.nbytes + sum(m.nbytes + v.nbytes for m, v in self.state))
+        return int(sum(a.nbytes for a in self._state_arrays()))
 
     def step(self) -> None:
         """Average the gradients over comm, step this rank's slice, share the result.

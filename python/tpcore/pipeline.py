@@ -192,6 +192,22 @@ class PipelineLM:
         """Bytes of this rank's parameters."""
         return self.stage.param_bytes()
 
+    def memory(self, optimizer: Any = None) -> Dict[str, Any]:
+        """The bytes this rank holds for its stage now (`TransformerLM.memory` of the stage:
+        its blocks, and the embeddings / head it holds), with optimizer's state when given.
+
+        Parameters
+        ----------
+        optimizer : optional
+            An optimizer over this stage's parameters (counted under "optimizer").
+
+        Returns
+        -------
+        dict
+            The keys of `TransformerLM.memory`, "by_device" included.
+        """
+        return self.stage.memory(optimizer)
+
     def state_dict_full(self) -> Dict[str, np.ndarray]:
         """This stage's full tensors, in the whole model's names (blocks.i: the model's i).
 

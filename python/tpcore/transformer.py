@@ -39,7 +39,7 @@ from ._array import DeviceArray, asarray, check_on_device, device_string, from_d
 from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
-from .layers import (ACTIVATIONS, _host, _sizes, as_float32, check_param_dtype, check_partition, dev_back, dev_f32,
+from .layers import (ACTIVATIONS, layer_memory, _host, _sizes, as_float32, check_param_dtype, check_partition, dev_back, dev_f32,
                      partition, zero)
 from .layers import load_weight
 from .quant import QuantTensor, as_format, dequantize, is_quantized
@@ -632,6 +632,23 @@ class TransformerBlock:
                 o += count * D
             out[name] = full
         return out
+
+    def memory(self) -> Dict[str, Any]:
+        """The bytes this rank's shard holds now, by kind.
+
+        Returns
+        -------
+        dict
+            The keys of `ColumnParallelLinear.memory`: "params" (the QKV, output and MLP
+            weights in their storage formats, biases and norms), "grads" (the gradient
+            buffers that exist), "kv_cache" (the K and V caches of `cache`: 2 x batch x
+            max_len x this rank's KV heads x head_dim x 4 bytes), "kv_cache_used" (of
+            which written: each cache sequence up to the highest position written; a new
+            `cache` clears it), "workspace" (the activations and attention scratch of
+            the largest batch seen, the MLP's and the output projection's), "comm" (the
+            collective buffers), "total".
+        """
+        return layer_memory(self._c.memory())
 
     # ---------------------------------------------------------------- compute
     def cache(self, batch: int, max_len: int) -> None:

@@ -22,7 +22,7 @@ TypeError naming the layer, the argument and both devices.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -31,8 +31,8 @@ from ._args import int_arg, int_array, real_arg, seed_arg
 from ._array import (DeviceArray, asarray, check_host, check_on_device, device_of, device_string, from_dlpack,
                      resolve_device)
 from .comm import Comm
-from .layers import (_plan_sizes, is_lazy, load_weight, _shard_float, _shard_host, _sizes, as_float32,
-                     check_param_dtype, check_partition, zero)
+from .layers import (_plan_sizes, is_lazy, layer_memory, load_weight, _shard_float, _shard_host, _sizes,
+                     as_float32, check_param_dtype, check_partition, zero)
 from .quant import QuantTensor
 
 
@@ -148,6 +148,17 @@ class VocabParallelEmbedding:
         """Set grad_weight to zero."""
         if self.grad_weight is not None:
             zero(self.grad_weight)
+
+    def memory(self) -> Dict[str, Any]:
+        """The bytes this rank's rows hold now: "params" (the table shard in its storage
+        format), "grads" (its gradient, once it exists), "workspace" (the last forward's
+        tokens), "comm" (the all-reduce buffer); the keys of `ColumnParallelLinear.memory`.
+
+        Returns
+        -------
+        dict
+        """
+        return layer_memory(self._c.memory())
 
     def forward(self, tokens: Any) -> Any:
         """The rows of the full table for integer tokens (also ``emb(tokens)``).
@@ -293,6 +304,17 @@ class VocabParallelCrossEntropy:
         kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
         self._c = _C.VocabCrossEntropy(comm._c, **kw)
         self._ctx = None
+
+    def memory(self) -> Dict[str, Any]:
+        """The bytes it holds now: "workspace" (per-row maxima, sums and targets of the
+        largest batch seen) and "comm" (the all-reduce buffer); no parameters.  The logits
+        it reads are the caller's.  The keys of `ColumnParallelLinear.memory`.
+
+        Returns
+        -------
+        dict
+        """
+        return layer_memory(self._c.memory())
 
     def forward(self, logits_shard: Any, targets: Any, vocab_offset: Optional[int] = None,
                 reduction: str = "mean") -> Any:

@@ -327,6 +327,26 @@ TP_API tp_status_t tp_vocab_embedding_memory(tp_vocab_embedding_t emb, tp_layer_
 TP_API tp_status_t tp_vocab_xent_memory(tp_vocab_xent_t xent, tp_layer_memory_t *mem);
 TP_API tp_status_t tp_block_memory(tp_block_t blk, tp_layer_memory_t *mem);
 
+/* ---- A workspace shared by the blocks of one model, for inference ------------------------
+ *
+ * A forward without need_backward keeps nothing for later: its activations are dead once it
+ * returns.  Blocks given one tp_workspace_t carve those forwards' activations (and their MLP's)
+ * from it instead of from arenas of their own, so a model of L blocks holds one block's
+ * inference activations, not L (a forward that keeps what backward needs still uses the
+ * block's own arena).  The blocks sharing a workspace must run one after another (as a
+ * model's do; a CPU call has finished when it returns, a GPU block's kernels run in order on
+ * its stream).  Reference counted: each block keeps a reference, tp_workspace_destroy drops
+ * the caller's; the last one frees it. */
+typedef struct tp_workspace *tp_workspace_t;
+TP_API tp_status_t tp_workspace_create(tp_workspace_t *out, tp_device_t device, int device_id);
+TP_API void tp_workspace_destroy(tp_workspace_t ws);
+/* Bytes the workspace holds now (it grows to the largest forward that used it). */
+TP_API size_t tp_workspace_bytes(tp_workspace_t ws);
+/* The block's inference forwards use ws (on the block's device; NULL: its own arena again). */
+TP_API tp_status_t tp_block_set_workspace(tp_block_t blk, tp_workspace_t ws);
+/* The block's shared workspace (NULL: none); the block keeps its reference. */
+TP_API tp_workspace_t tp_block_get_workspace(tp_block_t blk);
+
 #ifdef __cplusplus
 }
 #endif

@@ -194,9 +194,21 @@ def _rank(comm, args, prompts, dtype="float32"):
     return {"rank": comm.rank, "n": comm.size, "prefill_s": t_prefill, "ttft_s": t_first, "steps_s": steps,
             "decode_s": decode_s, "comm_decode_s": st2["seconds"] - st1["seconds"],
             "comm_prefill_s": st1["seconds"] - st0["seconds"], "bytes_decode": st2["bytes"] - st1["bytes"],
-            "param_bytes": model.param_bytes(), "rss_peak_mb": _rss_peak_mb(),
+            "param_bytes": model.param_bytes(), "rss_peak_mb": _rss_peak_mb(), "memory": _memory(model, B, T, new),
             "tokens": np.stack(out, 1).tolist(), "threads": __import__("tpcore").get_num_threads(),
             "config": {k: v for k, v in vars(model.config).items()}}
+
+
+def _memory(model, B, T, new):
+    """memory() after the run, beside estimate_memory's figure for the same model, split, batch,
+    cache (T + new) and prompt (T), computed from the config alone."""
+    from tpcore.models import estimate_memory
+    got = model.memory()
+    est = estimate_memory(model.config, model.comm.size, dtype=model.dtypes, batch=B, max_len=T + new, prefill=T,
+                          partition=model.blocks[0].head_partition, ffn_partition=model.blocks[0].ffn_partition,
+                          vocab_partition=model.vocab_partition, device=got["device"])[model.comm.rank]
+    return {**{k: got[k] for k in ("params", "grads", "kv_cache", "kv_cache_used", "workspace", "comm", "total")},
+            "estimate": est["total"]}
 
 
 def _torch_peer(cfg_dict, sd, prompts, new, threads):
@@ -350,6 +362,15 @@ def run(args) -> int:
         print(f"{n:>5} {dt:>8} {row['threads']:>3} {row['prefill_tok_s']:>13.1f} {row['ttft_ms']:>8.1f} "
               f"{row['decode_tok_s']:>12.2f} {row['p50_ms']:>7.1f} {row['p99_ms']:>7.1f} {100 * comm_share:>5.1f}% "
               f"{kb_tok:>7.1f} {row['param_mb']:>9.1f} {row['rss_mb']:>7.0f} {'yes' if same else 'NO':>4}")
+    # where each rank's bytes are (memory(), the largest rank), the estimate before loading, the peak RSS
+    print(f"\n{'ranks':>5} {'dtype':>8} {'params MB':>9} {'KV MB':>6} {'KV used':>7} {'work MB':>7} {'comm MB':>7} "
+          f"{'total MB':>8} {'estimate':>8} {'peak RSS MB':>11}")
+    for row in summary:
+        mem = max((r["memory"] for r in row["ranks"]), key=lambda m: m["total"])
+        row["memory"] = mem
+        print(f"{row['n']:>5} {row['dtype']:>8} {mem['params'] / 1e6:>9.1f} {mem['kv_cache'] / 1e6:>6.2f} "
+              f"{mem['kv_cache_used'] / 1e6:>7.2f} {mem['workspace'] / 1e6:>7.2f} {mem['comm'] / 1e6:>7.2f} "
+              f"{mem['total'] / 1e6:>8.1f} {mem['estimate'] / 1e6:>8.1f} {row['rss_mb']:>11.0f}")
     peer = lpeer = None
     if args.peers == "auto" and gpath:
         import importlib.util

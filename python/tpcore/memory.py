@@ -1,0 +1,348 @@
+"""Per-rank memory before anything is loaded: `estimate_memory`.
+
+A user picks a world size (and a planner a split) from what each rank will hold.  The
+estimate counts, per rank, the bytes `TransformerLM.memory()` reports once the model is
+loaded and has run the step the arguments describe:
+
+- inference (training=False): the weights in their storage formats, a KV cache of
+  batch x max_len tokens (filled: a prompt of max_len tokens), and the workspaces and
+  communication buffers of that prefill forward;
+- training (training=True): the weights, float32 gradients of every trainable weight,
+  the optimizer's state (AdamW: two float32 moments, and a float32 master copy of a
+  16-bit weight; SGD with momentum: one), and the workspaces of a forward and backward
+  of batch x max_len tokens with the cross-entropy over this rank's vocabulary shard.
+
+The sizes come from the config and the split alone (the same head, MLP and vocabulary
+partitions the model takes), the workspaces from the C layers' own arena plans
+(csrc/layers: each slice rounded up to TP_DEVICE_ALIGN bytes; registered communication
+buffers grow to 1.5x what a call asks for).  Nothing is allocated.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+from ._args import int_arg, shown
+from .quant import is_quantized, row_bytes
+from .transformer import Config
+
+ALIGN = 64            # TP_DEVICE_ALIGN (csrc/include/tpcore/device.h)
+QBLOCK = 64           # query rows per block of the CPU attention (csrc/kernels/cpu/attention.c)
+MIN_WORK = 1 << 16    # the CPU pool's work per thread (csrc/kernels/cpu/parallel.c)
+MAX_THREADS = 64
+_KEYS = ("params", "grads", "optimizer", "kv_cache", "kv_cache_used", "workspace", "comm")
+_FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _a(nbytes: int) -> int:
+    """One arena slice: rounded up to the alignment, never empty (csrc/layers/arena.h)."""
+    n = max(int(nbytes), 1)
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _reg(nbytes: int) -> int:
+    """A registered communication buffer asked for nbytes: 4096 bytes at least, else 1.5x."""
+    return 4096 if nbytes <= 4096 else nbytes + nbytes // 2
+
+
+def _wbytes(fmt: str, rows: int, cols: int) -> int:
+    """Bytes of a rows x cols weight in storage format fmt."""
+    if is_quantized(fmt):
+        return rows * row_bytes(fmt, cols) if rows and cols else 0
+    return rows * cols * _FLOAT_BYTES[fmt]
+
+
+def _plan(rows: int, work: int, threads: int) -> int:
+    """tp_parallel_plan: the threads a CPU kernel splits rows x work over."""
+    if rows <= 0:
+        return 1
+    t = min(threads, rows * max(work, 1) // MIN_WORK, rows, MAX_THREADS)
+    return max(t, 1)
+
+
+def _even(n: int, world: int, align: int = 1) -> List[int]:
+    """tp_partition's even split in whole align units (the first ranks one unit more)."""
+    units, extra = divmod(n // align, world)
+    return [(units + (r < extra)) * align for r in range(world)]
+
+
+def _split(part, n: int, world: int, what: str, who: str, align: int = 1) -> List[int]:
+    from .layers import _sizes
+    sizes = _sizes(part, n, world, what, f"{who}: {what} partition")
+    if sizes is not None:
+        return [int(s) for s in sizes]
+    if align > 1 and n % align == 0:
+        return _even(n, world, align)
+    return _even(n, world)
+
+
+def _source(config_or_dir, who: str) -> Tuple[Config, Optional[Dict[str, str]], Optional[str]]:
+    """(config, the file's own weight formats or None, the checkpoint's 16-bit dtype name or None)."""
+    from . import _formats as fmt
+    if isinstance(config_or_dir, Config):
+        return config_or_dir.validate(), None, None
+    if isinstance(config_or_dir, dict):
+        return Config.from_hf_dict(config_or_dir, "config").validate(), None, None
+    if not isinstance(config_or_dir, (str, os.PathLike)):
+        raise TypeError(f"{who}: config_or_dir must be a tpcore.Config, a Hugging Face config dict, a checkpoint "
+                        f"directory or a .gguf file, got {shown(config_or_dir)}")
+    from .models import _gguf_files
+    path = os.fspath(config_or_dir)
+    g = _gguf_files(path)
+    if g is not None:
+        from .gguf import GGUFModel
+        m = GGUFModel(g, who)
+        return m.config, m.model_dtypes(), None
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{who}: {path!r} is neither a checkpoint directory nor a .gguf file")
+    own = os.path.join(path, fmt.OWN_CONFIG)
+    if os.path.exists(own):
+        from .transformer import ACTIVATIONS, NORMS, POSITIONS
+        cfg = fmt.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
+        return cfg, None, None
+    cfg = Config.from_hf(path)
+    kinds = {info.dtype for _, info in fmt.read_headers(path).values()} & {"F32", "F64", "BF16", "F16"}
+    half = {"BF16": "bfloat16", "F16": "float16"}.get(kinds.pop()) if len(kinds) == 1 else None
+    return cfg, None, half
+
+
+def _heads(cfg: Config, world: int, part, out_fmt: str, who: str) -> List[Tuple[int, int, int, int]]:
+    """(q0, nq, k0, nk) per rank, as the block computes them (csrc/layers/block.c)."""
+    from .models import _aligned_heads
+    if part is None:
+        part = _aligned_heads(cfg, world, out_fmt)
+    sizes = _split(part, cfg.heads, world, "heads", who)
+    group = cfg.heads // cfg.kv_heads
+    out, q0 = [], 0
+    for n in sizes:
+        if n:
+            kb, ke = q0 // group, (q0 + n - 1) // group + 1
+            out.append((q0, n, kb, ke - kb))
+        else:
+            out.append((q0, 0, 0, 0))
+        q0 += n
+    return out
+
+
+def _kv_replicated(heads) -> bool:
+    prev = -1
+    for _, n, k0, nk in heads:
+        if n:
+            if k0 < prev:
+                return True
+            prev = k0 + nk
+    return False
+
+
+def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: int = 1, max_len: Optional[int] = None,
+                    training: bool = False, optimizer: Optional[str] = "adamw", prefill: Optional[int] = None,
+                    partition: Any = None,
+                    ffn_partition: Any = None, vocab_partition: Any = None, device: str = "cpu",
+                    threads: Optional[int] = None) -> List[Dict[str, Any]]:
+    """The bytes each rank will hold, before anything is loaded.
+
+    Parameters
+    ----------
+    config_or_dir : Config, dict, str or os.PathLike
+        A `tpcore.Config`, a Hugging Face config.json dict, a checkpoint directory
+        (Hugging Face's or `save_pretrained`'s: only the config and the tensors' headers
+        are read) or a .gguf file (its metadata).
+    world : int
+        Ranks, >= 1.
+    dtype : str or dict, optional
+        The weights' storage, as `TransformerLM`'s dtype (a dict per part, quantized
+        formats included).  Default None: what `from_pretrained` picks for the source
+        (a GGUF file's own formats; a 16-bit checkpoint's dtype on a GPU; float32).
+    batch : int, default 1
+        Sequences per step.
+    max_len : int, optional
+        Tokens per sequence (the KV cache's length; a training step's tokens).  Default:
+        config.max_positions.
+    prefill : int, optional
+        Tokens per sequence of the largest inference forward (the prompt, or a chunk of
+        it), at most max_len: the workspaces grow to it.  Default: max_len.
+    training : bool, default False
+        Gradients, optimizer state and a training step's workspaces instead of a KV cache.
+    optimizer : {"adamw", "sgd", "sgd_momentum", None}, default "adamw"
+        The optimizer whose state training counts (None: none).
+    partition, ffn_partition, vocab_partition : optional
+        As TransformerLM's (default None: the same even / block-aligned splits).
+    device : str, default "cpu"
+        "cpu" or "cuda[:N]": where the layers live (the attention keeps its log-sum-exp
+        instead of the probabilities on a GPU).
+    threads : int, optional
+        The CPU kernels' threads (their per-thread scratch); default
+        `tpcore.get_num_threads()`.
+
+    Returns
+    -------
+    list of dict
+        One per rank, the keys of `TransformerLM.memory()`: "device", "params", "grads",
+        "optimizer", "kv_cache", "kv_cache_used", "workspace", "comm", "total" (bytes).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument (a partition that does not add up, an unknown dtype).
+    FileNotFoundError, CheckpointError
+        A path that is not a checkpoint, or a corrupt one.
+
+    Notes
+    -----
+    No collective; nothing is allocated.
+    """
+    who = "estimate_memory"
+    from .layers import check_param_dtype
+    from .models import _model_dtypes
+    from ._array import resolve_device
+    world = int_arg(world, who, "world", lo=1, hi=1 << 20)
+    batch = int_arg(batch, who, "batch", lo=1, hi=2 ** 31 - 1)
+    if not isinstance(training, bool):
+        raise TypeError(f"{who}: training must be a bool, got {shown(training)}")
+    if optimizer not in ("adamw", "sgd", "sgd_momentum", None):
+        raise ValueError(f"{who}: optimizer must be 'adamw', 'sgd', 'sgd_momentum' or None, got {optimizer!r}")
+    dev = resolve_device(device, who)
+    gpu = dev[0] != "cpu"
+    cfg, file_fmts, half = _source(config_or_dir, who)
+    T = cfg.max_positions if max_len is None else int_arg(max_len, who, "max_len", lo=1, hi=2 ** 31 - 1)
+    P = T if prefill is None or training else int_arg(prefill, who, "prefill", lo=1, hi=T)
+    if dtype is None:
+        dtype = file_fmts if file_fmts is not None else (half if gpu and half else "float32")
+    elif isinstance(dtype, str) and dtype == "gguf" and file_fmts is not None:
+        dtype = file_fmts
+    if isinstance(dtype, str):
+        check_param_dtype(dtype, who)
+    dts = _model_dtypes(dtype, who)
+    if threads is None:
+        from . import get_num_threads
+        threads = get_num_threads()
+    threads = int_arg(threads, who, "threads", lo=1, hi=1 << 16)
+
+    C, D, L, V, F = cfg.hidden, cfg.head_dim, cfg.layers, cfg.vocab_size, cfg.ffn_hidden
+    g = 2 if cfg.activation == "swiglu" else 1
+    ln = cfg.norm == "layernorm"
+    heads = _heads(cfg, world, partition, dts["out"], who)
+    kvrep = _kv_replicated(heads)
+    from .quant import block_size
+    blk = block_size(dts["fc2"]) if is_quantized(dts["fc2"]) else 1
+    ffn = _split(ffn_partition, F, world, "ffn_hidden", who, align=blk)
+    vocab = _split(vocab_partition, V, world, "vocab_size", who)
+    B, M = batch, batch * P
+    nb = not training                    # inference: a cache, no backward
+    need_bw = training
+    devname = "cpu" if not gpu else f"cuda:{dev[1]}"
+
+    out = []
+    for r in range(world):
+        q0, nq, k0, nk = heads[r]
+        f, Vr = ffn[r], vocab[r]
+        W, A = (nq + 2 * nk) * D, nq * D
+        p = dict.fromkeys(_KEYS, 0)
+        trainable = []                   # (elements, storage dtype) of each weight with a gradient
+
+        def weight(fmt, rows, cols):       # a C layer's weight: its own 64-byte-aligned slice
+            p["params"] += _a(_wbytes(fmt, rows, cols))
+            if not is_quantized(fmt):
+                trainable.append((rows * cols, fmt, True))
+
+        def f32(n, c_layer=True):          # a float32 parameter: a C layer's slice, or a model's NumPy array
+            p["params"] += _a(4 * n) if c_layer else 4 * n
+            trainable.append((n, "float32", c_layer))
+
+        # the embeddings, and the norms outside the blocks
+        weight(dts["embedding"], Vr, C)
+        if cfg.positions == "learned":   # the model's own NumPy arrays: exact sizes
+            f32(cfg.max_positions * C, False)
+        if cfg.type_vocab_size:
+            f32(cfg.type_vocab_size * C, False)
+        for _ in range(int(cfg.embedding_norm) + int(cfg.final_norm and cfg.pre_norm)):
+            for _ in range(2 if ln else 1):
+                f32(C, False)
+        if not cfg.tie_embeddings:
+            weight(dts["head"], Vr, C)
+        # the blocks
+        for _ in range(L):
+            weight(dts["qkv"], W, C)
+            if cfg.bias:
+                f32(W)
+            for _ in range(2 * (2 if ln else 1)):         # norm1, norm2 (weights, biases)
+                f32(C)
+            weight(dts["out"], C, A)
+            if cfg.bias:
+                f32(C)
+            weight(dts["fc1"], g * f, C)
+            if cfg.bias:
+                f32(g * f)
+            weight(dts["fc2"], C, f)
+            if cfg.bias:
+                f32(C)
+        ws_block, comm_block, shared = _block_workspace(cfg, B, P, T if cfg.causal else P, nq, nk, W, A, f, g,
+                                                        kvrep, need_bw, gpu, threads, world)
+        p["workspace"] += L * ws_block + (shared if L else 0)
+        p["comm"] += L * comm_block
+        if nb and cfg.causal:
+            p["kv_cache"] = L * _a(B * T * nk * D * 4) * 2
+            p["kv_cache_used"] = L * 2 * B * T * nk * D * 4
+        # the embedding's forward
+        p["workspace"] += _a(M * 8) + _a(2 * 8)
+        if world > 1:
+            p["comm"] += _reg(M * C * 4)
+        if training:
+            # float32 gradients (a C layer's each in its aligned slice); the optimizer's NumPy state
+            p["grads"] = sum(_a(4 * n) if c else 4 * n for n, _, c in trainable)
+            if optimizer == "adamw":
+                p["optimizer"] = sum(8 * n + (4 * n if fmt != "float32" else 0) for n, fmt, _ in trainable)
+            elif optimizer == "sgd_momentum":
+                p["optimizer"] = sum(4 * n + (4 * n if fmt != "float32" else 0) for n, fmt, _ in trainable)
+            elif optimizer == "sgd":
+                p["optimizer"] = sum(4 * n for n, fmt, _ in trainable if fmt != "float32")
+            # the logits shard (kept across steps)
+            p["workspace"] += M * Vr * 4
+            if not cfg.tie_embeddings:   # the head keeps its input for backward, all-reduces its gradient
+                p["workspace"] += _a(M * C * 4) + _a(0)
+                if world > 1:
+                    p["comm"] += _reg(M * C * 4)
+        p["total"] = sum(p[k] for k in _KEYS if k != "kv_cache_used")
+        p["device"] = devname
+        p["by_device"] = {devname: p["total"]}   # a GPU model keeps its own arrays there too
+        out.append(p)
+    return out
+
+
+def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, threads, world) -> Tuple[int, int, int]:
+    """(workspace, communication, shared workspace) bytes of one block after a forward of B x T
+    tokens attending to Tk keys (the cache's length), and its backward when need_bw:
+    csrc/layers/block.c workspaces(), attention.c, mlp.c, linear.c.  An inference forward carves the model's one shared workspace (the
+    third number, counted once), a training forward the block's own arenas."""
+    C, D, M = cfg.hidden, cfg.head_dim, B * T
+    f1 = g * f
+    # the attention kernel's scratch (the CPU table: per thread, QBLOCK rows of scores)
+    abytes = 0
+    if nq and B and T and not gpu:
+        Hk = nk if nk else 1
+        t = _plan(B * Hk, T * Tk * D * (nq // Hk + 1), threads)
+        fwd = 0 if need_bw else QBLOCK * Tk       # forward without kept probabilities: a block of scores
+        bwd = QBLOCK * Tk if need_bw else 0       # backward with the probabilities kept: dP
+        abytes = t * max(fwd, bwd) * 4
+    fixed = _a(8 * M) + 3 * _a(8 * B) + _a(M) + _a(abytes)
+    if not need_bw:   # xs s1 h1 s2 n1 n2 mo, qkv, ao, 4 statistics, the MLP's h and a; the rest empty
+        floats = [M * C] * 7 + [M * W, M * A] + [M] * 4 + [M * f1, M * f] + [0] * 7
+        shared = sum(_a(4 * n) for n in floats) + fixed
+        ws = 3 * 2 * _a(0)                        # fc1, fc2, the output projection: borrowed inputs
+        comm = _reg(M * C * 4) + (_reg(M * C * 4) if world > 1 else 0)   # out projection's, fc2's sums
+        return ws, comm, shared
+    kept = B * nq * T if gpu else B * nq * T * T
+    floats = [M * C] * 10 + [M * W] * 2 + [M * A] * 2 + [M] * 4 + [kept] + \
+        [2 * nk * D * (C + 1) if kvrep else 0] + [0, 0]
+    ws = sum(_a(4 * n) for n in floats) + fixed
+    comm = _reg(M * C * 4) + _reg(M * C * 4)      # the QKV input gradient's and the out projection's sums
+    if kvrep:
+        comm += _reg(2 * cfg.kv_heads * D * (C + 1) * 4)
+    ws += 2 * _a(0)                               # the output projection borrows its input
+    bws = _plan(M, f, threads) * f1 * 4 if cfg.bias else 0
+    ws += 2 * _a(M * f1 * 4) + 2 * _a(M * f * 4) + _a(bws)   # h, dh, a, da, the bias backward's scratch
+    ws += _a(M * C * 4) + _a(0)                   # fc1 keeps its input
+    ws += 2 * _a(0)                               # fc2 borrows its input
+    if world > 1:
+        comm += 2 * _reg(M * C * 4)               # fc2's all-reduce, fc1's input gradient
+    return ws, comm, 0
