@@ -98,9 +98,9 @@ def _reference(path, cfg):
             w, b = t[p + "attn.c_attn.weight"].T, t[p + "attn.c_attn.bias"]
             for j, n in enumerate("qkv"):
                 sd[q + f"attn.{n}.weight"], sd[q + f"attn.{n}.bias"] = w[j * C:(j + 1) * C], b[j * C:(j + 1) * C]
-            sd.update({q + "attn.out.weight": t[p + "attn.c_proj.weight"].T, q + "attn.out.bias": t[p + "attn.c_proj.bias"],
-                       q + "mlp.fc1.weight": t[p + "mlp.c_fc.weight"].T, q + "mlp.fc1.bias": t[p + "mlp.c_fc.bias"],
-                       q + "mlp.fc2.weight": t[p + "mlp.c_proj.weight"].T, q + "mlp.fc2.bias": t[p + "mlp.c_proj.bias"]})
+            for ours, theirs in (("attn.out", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
+                sd[q + ours + ".weight"] = t[p + theirs + ".weight"].T     # Conv1D: stored (in, out)
+                sd[q + ours + ".bias"] = t[p + theirs + ".bias"]
             for n in ("1", "2"):
                 sd[q + f"norm{n}.weight"], sd[q + f"norm{n}.bias"] = t[p + f"ln_{n}.weight"], t[p + f"ln_{n}.bias"]
     else:
@@ -112,7 +112,8 @@ def _reference(path, cfg):
             sd.update({q + "norm1.weight": t[p + "input_layernorm.weight"],
                        q + "norm2.weight": t[p + "post_attention_layernorm.weight"],
                        q + "attn.out.weight": t[p + "self_attn.o_proj.weight"],
-                       q + "mlp.fc1.weight": np.concatenate([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]),
+                       q + "mlp.fc1.weight": np.concatenate([t[p + "mlp.gate_proj.weight"],
+                                                             t[p + "mlp.up_proj.weight"]]),
                        q + "mlp.fc2.weight": t[p + "mlp.down_proj.weight"]})
             for n in "qkv":
                 sd[q + f"attn.{n}.weight"] = t[p + f"self_attn.{n}_proj.weight"]
@@ -407,3 +408,31 @@ def test_gguf_cut_while_loading_raises(tmp_path):
         t[t.shape[0] - 1] if len(t.shape) == 2 else t[...]
     with pytest.raises(CheckpointError, match=r"cut\.gguf"):   # opened again: the reader's own check
         GGUFModel(p)
+
+
+def test_file_tensor_indexes_as_numpy(tmp_path):
+    """FileTensor (pread on indexing) gives what NumPy's indexing of the whole tensor gives:
+    negative rows, clamped slices, masks, index arrays, column slices, 1-D, 0-d, 3-D, bf16."""
+    import ml_dtypes
+    from tpcore._formats import open_safetensors, write_safetensors
+    rng = np.random.default_rng(3)
+    arrs = {"a": rng.standard_normal((13, 9)).astype(np.float32), "v": rng.standard_normal(7),
+            "s": np.array(2.5, np.float32), "c": rng.standard_normal((4, 3, 5)).astype(np.float16),
+            "i": rng.integers(-9, 9, (6, 4)).astype(np.int64)}
+    arrs["b"] = arrs["a"].astype(ml_dtypes.bfloat16)
+    p = str(tmp_path / "x.safetensors")
+    write_safetensors(p, arrs)
+    t, _ = open_safetensors(p)
+    mask = rng.random(13) > 0.5
+    keys = [Ellipsis, 3, -1, slice(2, 50), slice(None, None, -2), np.array([5, 0, 12, 5]), mask,
+            (slice(1, 9), slice(2, 7)), (4, slice(3, None)), (np.array([7, 2]), slice(0, 9, 2)), (slice(None), 4),
+            (-2, -3)]
+    for name in ("a", "b"):
+        full = np.asarray(arrs[name]).astype(np.float32)
+        for k in keys:
+            assert np.array_equal(t[name][k], full[k]), (name, k)
+        assert t[name].dtype_name == ("bfloat16" if name == "b" else "float32")
+    for name in ("v", "c", "i"):
+        for k in (Ellipsis, 1, slice(1, 3), np.array([2, 0]), (slice(None), slice(1, 3)) if name != "v" else -1):
+            assert np.array_equal(t[name][k], arrs[name][k]), (name, k)
+    assert t["s"][...] == 2.5 and np.array_equal(np.asarray(t["c"]), arrs["c"])
