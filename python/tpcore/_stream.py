@@ -94,6 +94,17 @@ def loading(staging_bytes: int):
         _current = prev
 
 
+@contextlib.contextmanager
+def loading_default(who: str):
+    """The current load's staging buffer, or (outside one) a load of the default size: one
+    buffer for every tensor of, e.g., a model's load_state_dict_full called directly."""
+    if _current is not None:
+        yield _current
+        return
+    with loading(staging_arg(None, who)) as st:
+        yield st
+
+
 def _stage() -> Staging:
     return _current if _current is not None else Staging(staging_arg(None, "load"))
 

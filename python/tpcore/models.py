@@ -988,6 +988,11 @@ class TransformerLM:
                 t = asarray(t, name, "TransformerLM.load_state_dict_full")  # device checked, no copy
             return t
 
+        with _stream.loading_default("TransformerLM.load_state_dict_full"):   # one staging buffer
+            self._load_full(take, progress)
+        self._sync_tied()
+
+    def _load_full(self, take, progress):
         if self.wte is not None:  # (a last pipeline stage's tied copy too)
             _load_embedding(self.wte, take("wte.weight"))
         if self.wpe is not None:
@@ -1011,7 +1016,6 @@ class TransformerLM:
             if tuple(W.shape) != (self.config.vocab_size, self.config.hidden):
                 raise ValueError(f"checkpoint: lm_head.weight has shape {tuple(W.shape)}")
             load_weight(self.lm_head.weight, self.lm_head.dtype, W, slice(lo, lo + n), None, "lm_head.weight")
-        self._sync_tied()
 
     def save_pretrained(self, path: str, sharded: bool = False, hf: bool = False) -> None:
         """Save the model to a directory that `from_pretrained` loads.
