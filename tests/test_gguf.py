@@ -344,11 +344,12 @@ def test_lazy_tensors_read_rows_and_column_blocks(tmp_path):
             assert np.array_equal(deq, full[rows]), name
     with pytest.raises(KeyError, match="no tensor"):
         g.tensor("blocks.9.attn.q.weight")
-    # kept in the format: a QuantTensor over the map (plain) or QuantRows (Q/K permuted, [gate; up])
+    # kept in the format: QuantRows (rows read from the file with pread on indexing; plain, Q/K
+    # permuted, [gate; up])
     from tpcore.quant import QuantTensor
     rows = np.array([7, 1, 30])
-    for name, kind in (("wte.weight", QuantTensor), ("blocks.1.attn.q.weight", tg.QuantRows),
-                       ("blocks.0.mlp.fc1.weight", tg.QuantRows), ("blocks.0.attn.v.weight", QuantTensor)):
+    for name, kind in (("wte.weight", tg.QuantRows), ("blocks.1.attn.q.weight", tg.QuantRows),
+                       ("blocks.0.mlp.fc1.weight", tg.QuantRows), ("blocks.0.attn.v.weight", tg.QuantRows)):
         qt = g.tensor(name, quantized=True)
         assert isinstance(qt, kind) and qt.shape == sd[name].shape, name
         assert np.array_equal(np.asarray(qt), np.asarray(g.tensor(name))), name

@@ -513,18 +513,63 @@ static PyObject *da_copy_from(PyObject *self, PyObject *src_o) {
   Py_RETURN_NONE;
 }
 
+/* a[i0:i1] = value: rows i0..i1 of the first axis (a step-1 slice) from the host, one
+ * copy of just those rows (streaming checkpoint loads fill a GPU weight chunk by chunk
+ * through a bounded host buffer). */
+static int da_set_rows(DevArray *a, PyObject *key, PyObject *value) {
+  if (a->readonly) {
+    PyErr_SetString(PyExc_ValueError, "DeviceArray: the array is read-only");
+    return -1;
+  }
+  Py_ssize_t n0 = (Py_ssize_t)a->t.shape[0], start, stop, step, len;
+  if (PySlice_GetIndicesEx(key, n0, &start, &stop, &step, &len) < 0) return -1;
+  if (step != 1) {
+    PyErr_SetString(PyExc_TypeError, "DeviceArray: a[i:j] = value takes a slice of step 1 (rows i to j)");
+    return -1;
+  }
+  PyArray_Descr *d = numpy_descr(a->t.dtype);
+  if (!d) return -1;
+  npy_intp dims[TP_MAX_DIMS];
+  dims[0] = (npy_intp)len;
+  for (int i = 1; i < a->t.ndim; i++) dims[i] = (npy_intp)a->t.shape[i];
+  PyObject *tmp = PyArray_Empty(a->t.ndim, dims, d, 0); /* steals d */
+  if (!tmp) return -1;
+  PyObject *src = PyArray_FROM_O(value);
+  int r = src ? PyArray_CopyInto((PyArrayObject *)tmp, (PyArrayObject *)src) : -1;
+  Py_XDECREF(src);
+  size_t row = n0 ? a->nbytes / (size_t)n0 : 0, nb = row * (size_t)len;
+  if (r == 0 && nb) {
+    tp_status_t s;
+    char *dst = (char *)a->t.data + row * (size_t)start;
+    const void *hs = PyArray_DATA((PyArrayObject *)tmp);
+    Py_BEGIN_ALLOW_THREADS
+    s = tp_device_copy(a->t.device, dst, TP_DEVICE_CPU, hs, nb, NULL);
+    if (s == TP_SUCCESS && a->t.device != TP_DEVICE_CPU) s = tp_device_sync(a->t.device, a->t.device_id, NULL);
+    Py_END_ALLOW_THREADS
+    if (s != TP_SUCCESS) {
+      PyErr_Format(PyExc_RuntimeError, "DeviceArray: the copy of rows %zd:%zd failed: %s", start, stop,
+                   tp_last_error());
+      r = -1;
+    }
+  }
+  Py_DECREF(tmp);
+  return r;
+}
+
 /* a[...] = value (also a[:]): value (anything NumPy takes, broadcast to the shape and
- * converted to the dtype on the host) copied into the array, on any device. */
+ * converted to the dtype on the host) copied into the array, on any device; a[i:j] =
+ * value: rows i..j of the first axis (da_set_rows). */
 static int da_setitem(PyObject *self, PyObject *key, PyObject *value) {
   DevArray *a = (DevArray *)self;
   int whole = key == Py_Ellipsis;
   if (!whole && PySlice_Check(key)) {
     PySliceObject *sl = (PySliceObject *)key;
     whole = sl->start == Py_None && sl->stop == Py_None && sl->step == Py_None;
+    if (!whole && value && a->t.ndim >= 1) return da_set_rows(a, key, value);
   }
   if (!value || !whole) {
-    PyErr_SetString(PyExc_TypeError, "DeviceArray: only a[...] = value (the whole array) can be assigned; index on "
-                    "the host (to_numpy()) or in the producing library");
+    PyErr_SetString(PyExc_TypeError, "DeviceArray: only a[...] = value (the whole array) or a[i:j] = value (rows "
+                    "i to j) can be assigned; index on the host (to_numpy()) or in the producing library");
     return -1;
   }
   PyArray_Descr *d = numpy_descr(a->t.dtype);

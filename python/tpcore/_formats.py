@@ -1,7 +1,8 @@
 """Checkpoint formats, in one place: every file tpcore reads or writes for parameters.
 
 - safetensors (the Hugging Face format; tpcore's own reader and writer: headers checked
-  against the format's rules, tensors memory-mapped, bfloat16 without torch),
+  against the format's rules, tensors read with pread on indexing (open_safetensors; the
+  loaders stream them, tpcore._stream) or memory-mapped (read_safetensors), bfloat16 without torch),
 - NumPy .npz (checked before it is read: no pickles, headers that match the members),
 - strict JSON (config.json, tpcore_config.json, generation_config.json, index files),
 - the files of tpcore.save (one file, or one per rank "<stem>.rank<r>-of-<n><suffix>",
@@ -356,6 +357,16 @@ def read_safetensors(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
     return out, meta
 
 
+def open_safetensors(path: str) -> Tuple[Dict[str, object], Dict[str, str]]:
+    """Every tensor of the file as a tpcore._stream.FileTensor (read with pread on indexing,
+    never memory-mapped: a load streams a rank's slices through one staging buffer), and
+    its metadata.  The header is checked first (read_safetensors_header)."""
+    from ._stream import FileTensor
+    header, meta, start = read_safetensors_header(path)
+    return {name: FileTensor(path, name, info.dtype, info.shape, start + info.begin)
+            for name, info in header.items()}, meta
+
+
 # NumPy .npz and the files of tpcore.save ----------------------------------------------
 def read_npz(path: str) -> Dict[str, np.ndarray]:
     """Every array of a .npz archive, checked before it is read: a zip of .npy members
@@ -463,7 +474,7 @@ def read_tensors_file(path):
         if meta.ndim != 0 or meta.dtype.kind != "U":
             raise bad(path, "array '__metadata__'", "a 0-d unicode string", f"{meta.dtype} of shape {meta.shape}")
         return tensors, _meta_json(path, str(meta), "__metadata__")
-    tensors, meta = read_safetensors(path)
+    tensors, meta = open_safetensors(path)   # read on indexing (pread), streamed by the loaders
     return tensors, _meta_json(path, meta.get("tpcore", "{}"), "__metadata__['tpcore']")
 
 
@@ -521,13 +532,16 @@ def read_headers(path: str):
 
 
 def open_tensors(path: str, headers=None) -> Dict[str, object]:
-    """Every tensor of a Hugging Face checkpoint folder, memory-mapped (headers checked;
-    headers: read_headers(path) when the caller has it)."""
+    """Every tensor of a Hugging Face checkpoint folder, as FileTensors read on indexing
+    (open_safetensors; headers checked; headers: read_headers(path) when the caller has it)."""
+    from ._stream import FileTensor
     headers = read_headers(path) if headers is None else headers
+    starts = {}
     out = {}
-    for f in sorted({fn for fn, _ in headers.values()}):
-        t, _ = read_safetensors(f)
-        out.update(t)
+    for name, (fn, info) in headers.items():
+        if fn not in starts:
+            starts[fn] = read_safetensors_header(fn)[2]
+        out[name] = FileTensor(fn, name, info.dtype, info.shape, starts[fn] + info.begin)
     return out
 
 

@@ -32,7 +32,8 @@ from ._formats import (INT_MAX, MAX_HEADER, _MISSING, BF16View, CheckpointError,
                        read_npz, read_safetensors, read_safetensors_header, read_tensors_file, regular_file,
                        shard_path, to_float32, write_safetensors, write_tensors_file)
 from .comm import Comm, CommError
-from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+from . import _stream
+from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, load_weight
 from .quant import is_quantized
 from .vocab import VocabParallelEmbedding
 
@@ -206,6 +207,12 @@ def load(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
     Collective: ends with a barrier (every rank returns only when every rank succeeded).
     """
     leaves = list(_leaves(model))
+    with _stream.loading(_stream.staging_arg(None, "load")):
+        _load_leaves(leaves, path, comm, sharded)
+    comm.barrier()
+
+
+def _load_leaves(leaves, path, comm, sharded):
     if sharded:
         p = shard_path(path, comm.rank, comm.size)
         if not os.path.exists(p):
@@ -236,7 +243,13 @@ def load(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
                           "no such tensor" if t is None else f"{getattr(t, 'dtype', '?')} of shape {tuple(t.shape)}")
         for name, layer in leaves:
             for k, dst in _shard(layer).items():
-                dst[...] = tensors[name + k] if name + k in raw else to_float32(tensors[name + k])
+                t = tensors[name + k]
+                if name + k in raw:   # raw quantized rows, copied as they are, chunk by chunk
+                    _stream.copy_raw(dst, t)
+                elif len(t.shape) == 2:
+                    load_weight(dst, "float32", t, slice(None), None, f"load: {name + k}")
+                else:
+                    dst[...] = to_float32(t[...])
     else:
         tensors, meta = read_tensors_file(path)
         _check_meta(path, meta, comm, False)
@@ -247,4 +260,3 @@ def load(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
                 layer.load_full(tensors[name + "weight"])
             else:
                 layer.load_full(tensors[name + "weight"], tensors.get(name + "bias"))
-    comm.barrier()

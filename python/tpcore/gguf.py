@@ -6,7 +6,8 @@ tensors under tpcore's names, the tokenizer.
     tk = tpcore.gguf.tokenizer("model.gguf")                  # a `tokenizers.Tokenizer`
 
 Parsing is the `gguf` package's (llama.cpp's own reader and reference dequantizers; an
-optional dependency: ``pip install gguf``).  The tensor data stays memory-mapped: a
+optional dependency: ``pip install gguf``; used for the metadata and the tensors' offsets
+and types).  The tensor data is read with pread, never through the map: a
 tensor is handed out as a lazy view whose indexing reads and dequantizes only the
 selected rows (and, for a column slice, only the quantization blocks that cover it),
 so a rank loading its shard touches only its part of the file.
@@ -31,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ._formats import CheckpointError, bad
-from .hf import _as_base_index, _rows
+from .hf import _rows
 from .transformer import Config
 
 __all__ = ["read_gguf", "GGUFModel", "LazyTensor", "QuantRows", "tokenizer", "unpermute_rows", "part_of", "is_gguf",
@@ -101,8 +102,10 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
 
 
 class _Part:
-    """One GGUF tensor's rows as raw bytes (a memory map): shape (rows, row_bytes), or a
-    1-D tensor as one row; perm (optional): the tensor's row i is the file's row perm[i]."""
+    """One GGUF tensor's rows as raw bytes, shape (rows, row_bytes) (a 1-D tensor: one row),
+    read from the file with pread on demand (never through the reader's memory map, so a
+    load keeps no file pages resident); perm (optional): the tensor's row i is the file's
+    row perm[i]."""
 
     def __init__(self, gguf, path: str, t, perm: Optional[np.ndarray] = None):
         self.gguf, self.path, self.name = gguf, path, t.name
@@ -113,30 +116,38 @@ class _Part:
         self.shape = shape
         self.n = shape[0] if len(shape) == 2 else 1
         self.cols = shape[-1]
-        raw = t.data.view(np.uint8)
-        self.raw = raw.reshape(self.n, -1)                    # a view of the map, nothing read
+        self.offset = int(t.data_offset)
+        self.row_bytes = int(t.n_bytes) // self.n
         self.perm = perm
+
+    def _bytes(self, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Bytes lo:hi of the file's rows (uint8, (len(rows), hi - lo)); a short read is a
+        CheckpointError naming the file and tensor."""
+        from ._stream import read_rows
+        out = np.empty((rows.size, hi - lo), np.uint8)
+        read_rows(self.path, self.name, self.offset, self.row_bytes, rows, lo, hi, out)
+        return out
 
     def read(self, rows: np.ndarray, cols: Optional[slice]) -> np.ndarray:
         """float32 rows (indices into this tensor's rows) and columns (a step-1 slice or
         None: all), dequantizing only the blocks that cover the columns."""
+        rows = np.atleast_1d(np.asarray(rows, np.int64))
         if self.perm is not None:
             rows = self.perm[rows]
-        idx = _as_base_index(rows, 0)
-        # np.asarray: a plain array over the map (the reference dequantizers slice their input
-        # many times; slices of a np.memmap cost far more)
         if cols is None:
-            return self.gguf.quants.dequantize(np.asarray(self.raw[idx]), self.qtype).astype(np.float32, copy=False)
+            raw = self._bytes(rows, 0, self.row_bytes)
+            return self.gguf.quants.dequantize(raw, self.qtype).astype(np.float32, copy=False)
         lo, hi, _ = cols.indices(self.cols)
         b0, b1 = lo // self.block, -(-hi // self.block) if hi > lo else lo // self.block
-        raw = np.asarray(self.raw[idx, b0 * self.type_size:b1 * self.type_size])
+        raw = self._bytes(rows, b0 * self.type_size, b1 * self.type_size)
         out = self.gguf.quants.dequantize(raw, self.qtype).astype(np.float32, copy=False)
         return out[:, lo - b0 * self.block:hi - b0 * self.block]
 
     def raw_rows(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.atleast_1d(np.asarray(rows, np.int64))
         if self.perm is not None:
             rows = self.perm[rows]
-        return np.asarray(self.raw[_as_base_index(rows, 0)])
+        return self._bytes(rows, 0, self.row_bytes)
 
 
 class _Rows:
@@ -165,7 +176,7 @@ class _Rows:
     def raw_rows(self, rows: np.ndarray) -> np.ndarray:
         rows = np.atleast_1d(np.asarray(rows, np.int64))
         part0 = self.parts[0][0]
-        out = np.empty((rows.size, part0.raw.shape[1]), np.uint8)
+        out = np.empty((rows.size, part0.row_bytes), np.uint8)
         off = 0
         for part, first, n in self.parts:
             sel = (rows >= off) & (rows < off + n)
@@ -448,7 +459,8 @@ def _layout(cfg: Config, arch: str, untied: bool):
 
 
 class GGUFModel:
-    """A GGUF file opened (memory-mapped) and checked against its own metadata.
+    """A GGUF file opened (its metadata parsed by gguf.GGUFReader; the tensor data read with
+    pread when a tensor is indexed) and checked against its own metadata.
 
     Attributes: path, arch (general.architecture), config (a tpcore Config), names (the
     tpcore tensor names), tokenizer_info (a dict, see `read_gguf`), reader (the
@@ -542,8 +554,7 @@ class GGUFModel:
     def _tensor(self, name: str, quantized: bool = False):
         """The one place that decides how a tensor is handed out: a float32 LazyTensor, or
         (quantized) its stored rows in tpcore's row order, as they are: a
-        tpcore.quant.QuantTensor over the memory map for a plain tensor, a QuantRows (rows
-        read on indexing) for a permuted or stacked one; a float-typed tensor stays a
+        QuantRows (rows read from the file on indexing); a float-typed tensor stays a
         LazyTensor."""
         r = self._rows[name]
         if not quantized or len(r.shape) == 1:
@@ -555,11 +566,7 @@ class GGUFModel:
         tn = types.pop()
         if tn in _FLOAT_TYPES:
             return LazyTensor(r)
-        from .quant import QuantTensor
-        p, first, n = r.parts[0]
-        if len(r.parts) == 1 and p.perm is None:     # the map itself: a rank's rows are read when indexed
-            return QuantTensor(_QUANT_TYPES[tn], r.shape, np.asarray(p.raw[first:first + n]))
-        return QuantRows(r, _QUANT_TYPES[tn])
+        return QuantRows(r, _QUANT_TYPES[tn])   # rows read from the file (pread) when indexed
 
     def tensor(self, name: str, quantized: bool = False):
         """A tensor by tpcore name (see `_tensor`)."""
@@ -629,7 +636,7 @@ def read_gguf(path) -> Tuple[Config, Dict[str, LazyTensor], Dict[str, Any]]:
     (Config, dict of str to LazyTensor, dict)
         The tpcore Config from the metadata (Llama family or GPT-2; tied when the file
         has no output.weight); the full tensors under tpcore's names as lazy float32 views
-        of the memory-mapped file (indexing dequantizes only the selected rows; Q/K rows
+        of the file (indexing dequantizes only the selected rows; Q/K rows
         already in Hugging Face's order), for `TransformerLM.load_state_dict_full`; the
         tokenizer's metadata (model, pre, n_tokens, bos/eos/unknown/padding_token_id,
         add_bos_token, add_eos_token, chat_template; None where absent).

@@ -6,7 +6,8 @@ tensors hold which tpcore tensors; from_hf reads it one way (a checkpoint's tens
 -> tpcore's full tensors, as lazy views: GPT-2's Conv1D weights are stored (in, out)
 and its c_attn fuses [q | k | v] along out, Llama's gate_proj and up_proj stack into
 tpcore's fc1) and to_hf the other (save_pretrained(hf=True)).  Loading reads only a
-rank's slices of the memory-mapped files: its rows of the vocabulary, its heads' rows
+rank's slices of the files (with pread, streamed through one staging buffer:
+tpcore._stream): its rows of the vocabulary, its heads' rows
 of Q/K/V, its columns of the output and fc2 projections, its rows of fc1.
 
 Before anything is allocated, the config is checked against the files' headers
@@ -26,29 +27,10 @@ from typing import Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from ._formats import CheckpointError, bad, open_tensors, to_float32
+from ._stream import _as_base_index, _rows, _runs, read_into  # noqa: F401  (gguf.py imports them from here)
 from .transformer import Config
 
-_open = open_tensors  # every tensor of a checkpoint folder, memory-mapped (the tests' old name)
-
-
-def _rows(key, n):
-    """The row part of an index into an n-row tensor, as NumPy would resolve it (negative
-    indices, clamped slices, boolean masks): (index for the base rows, is_scalar, rest)."""
-    if key is Ellipsis:
-        key = ()
-    key = key if isinstance(key, tuple) else (key,)
-    if key and key[0] is Ellipsis:
-        key = (slice(None),) + key[1:]
-    first = key[0] if key else slice(None)
-    rows = np.arange(n)[first]
-    return rows, np.ndim(rows) == 0, key[1:]
-
-
-def _as_base_index(rows, off):
-    rows = np.atleast_1d(rows) + off
-    if rows.size and np.all(np.diff(rows) == 1):
-        return slice(int(rows[0]), int(rows[-1]) + 1)  # a contiguous run: a plain (cheap) slice of the map
-    return rows
+_open = open_tensors  # every tensor of a checkpoint folder, read on indexing (the tests' old name)
 
 
 class View:
@@ -83,6 +65,21 @@ class View:
             out = to_float32(self.base[(r,) + tuple(rest)])
         return out[0] if scalar else out
 
+    @property
+    def raw_dtype(self):
+        return getattr(self.base, "raw_dtype", np.dtype(np.float32))
+
+    def _read_into(self, rows, cols, out, stage) -> None:
+        """out (float32, (len(rows), ncols)) = self[rows, cols], streamed (the loaders' fill):
+        transposed, rows are the base's columns and cols select the base's rows."""
+        rows = np.asarray(rows, np.int64)
+        if not self.t:
+            read_into(self.base, rows + self.off, cols, out, stage)
+            return
+        brows = np.arange(self.base.shape[0])[cols if cols is not None else slice(None)]
+        for pos, r, n in _runs(rows):
+            read_into(self.base, brows, slice(self.off + r, self.off + r + n), out[pos:pos + n].T, stage)
+
 
 class _Stack:
     """[gate; up] stacked along rows, read lazily (SwiGLU's fc1)."""
@@ -104,6 +101,21 @@ class _Stack:
             out = np.concatenate([to_float32(self.a[i:i + 1] if i < n else self.b[i - n:i - n + 1]) for i in rows])
         out = out[(slice(None),) + tuple(rest)] if rest else out
         return out[0] if scalar else out
+
+    @property
+    def raw_dtype(self):
+        return getattr(self.a, "raw_dtype", np.dtype(np.float32))
+
+    def _read_into(self, rows, cols, out, stage) -> None:
+        """out (float32, (len(rows), ncols)) = self[rows, cols], streamed (the loaders' fill)."""
+        n = self.a.shape[0]
+        for pos, r, k in _runs(np.asarray(rows, np.int64)):
+            ka = max(0, min(n, r + k) - r)      # the part of the run in a
+            if ka:
+                read_into(self.a, np.arange(r, r + ka), cols, out[pos:pos + ka], stage)
+            if k > ka:
+                b0 = r + ka - n
+                read_into(self.b, np.arange(b0, b0 + k - ka), cols, out[pos + ka:pos + k], stage)
 
 
 # The name maps: one per architecture, read both ways -----------------------------------

@@ -647,12 +647,12 @@ class ColumnParallelLinear(_ParallelLinear):
         -----
         No collective.
         """
-        W = W if isinstance(W, QuantTensor) else asarray(W, "W", f"{type(self).__name__}.load_full")
+        W = W if isinstance(W, QuantTensor) or is_lazy(W) else asarray(W, "W", f"{type(self).__name__}.load_full")
         rows = (2 if self.gated else 1) * self.out_features
         if tuple(W.shape) != (rows, self.in_features):
             raise ValueError(f"load_full: W must have shape {(rows, self.in_features)}, got {tuple(W.shape)}")
         idx = self._rows_of_full()
-        _put_weight(self.weight, self.dtype, W[idx], "load_full")
+        load_weight(self.weight, self.dtype, W, idx, None, "load_full")
         if b is not None or self.bias is not None:
             _load_bias(self, b, idx, rows)
 
@@ -770,11 +770,11 @@ class RowParallelLinear(_ParallelLinear):
         -----
         No collective.
         """
-        W = W if isinstance(W, QuantTensor) else asarray(W, "W", f"{type(self).__name__}.load_full")
+        W = W if isinstance(W, QuantTensor) or is_lazy(W) else asarray(W, "W", f"{type(self).__name__}.load_full")
         if tuple(W.shape) != (self.out_features, self.in_features):
             raise ValueError(f"load_full: W must have shape {(self.out_features, self.in_features)}, got "
                              f"{tuple(W.shape)}")
-        _put_weight(self.weight, self.dtype, W[:, self.offset:self.offset + self.local], "load_full")
+        load_weight(self.weight, self.dtype, W, slice(None), slice(self.offset, self.offset + self.local), "load_full")
         if b is not None or self.bias is not None:
             _load_bias(self, b, slice(0, self.out_features), self.out_features)
 
@@ -826,12 +826,35 @@ def _put_weight(dst, dtype: str, src, who: str) -> None:
     dst[...] = float_param(src, who)
 
 
+def is_lazy(x) -> bool:
+    """A checkpoint's tensor read on indexing (tpcore._stream.FileTensor, hf.View, ...):
+    load_full streams its slices (load_weight) instead of reading it whole."""
+    return hasattr(x, "_read_into") and hasattr(x, "shape")
+
+
+def load_weight(dst, dtype: str, src, rows, cols, who: str, at: int = 0) -> None:
+    """dst (a weight shard: a host array, a DeviceArray, or rows of them) = src[rows, cols]
+    (cols None: src[rows]), streamed through the load's staging buffer (tpcore._stream.fill):
+    float values converted chunk by chunk, a quantized dst's raw rows copied (a QuantTensor
+    source of its format) or quantized by whole rows.  A GPU dst is filled on the host
+    chunk by chunk, each chunk copied to its rows of the device (from row `at`)."""
+    from ._stream import fill
+    if isinstance(src, QuantTensor) or not hasattr(src, "shape") or len(tuple(src.shape)) != 2:
+        if at or (isinstance(dst, DeviceArray) and tuple(dst.shape)[:1] != (np.arange(src.shape[0])[rows].size,)):
+            raise ValueError(f"{who}: rows of a device weight are filled from a 2-D checkpoint tensor only")
+        _put_weight(dst, dtype, src[rows] if cols is None else src[rows, cols], who)
+        return
+    if is_quantized(dtype) and not (dst.shape[0] if hasattr(dst, "shape") else 1):
+        return  # (a shard of no rows: nothing to copy)
+    fill(dst, src, rows, cols, dtype, who, at=at)
+
+
 def _load_bias(layer, b, sel, n):
     if layer.bias is None:
         raise ValueError("load_full: this layer has no bias, but b was given")
     if b is None:
         raise ValueError("load_full: this layer has a bias; pass b")
-    b = asarray(b, "b", f"{type(layer).__name__}.load_full")
+    b = b if is_lazy(b) else asarray(b, "b", f"{type(layer).__name__}.load_full")
     if b.shape != (n,):
         raise ValueError(f"load_full: b must have shape {(n,)}, got {b.shape}")
     layer.bias[...] = float_param(b[sel], "load_full")

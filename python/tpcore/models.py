@@ -19,6 +19,7 @@ final norm are replicated (small).  Blocks are one C call each.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import sys
@@ -29,12 +30,14 @@ import numpy as np
 
 from . import _C
 from . import _formats as fmt
+from . import _stream
 from . import hf as _hf
 from ._array import DeviceArray, asarray, asarray_device, device_string, resolve_device
 from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
 from .comm import Comm
 from .checkpoint import _collective
-from .layers import MEMORY_KEYS, ACTIVATIONS, ColumnParallelLinear, _put_weight, _sizes, check_param_dtype, zero
+from .layers import (MEMORY_KEYS, ACTIVATIONS, ColumnParallelLinear, _put_weight, _sizes, check_param_dtype,
+                     load_weight, zero)
 from .quant import is_quantized
 from .layers import partition as partition_dim
 from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
@@ -189,7 +192,7 @@ class TransformerLM:
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, partition: Any = None, ffn_partition: Any = None,
                  vocab_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
-                 _device_path: bool = False, _stage: Any = None, plan: Any = None) -> None:
+                 _device_path: bool = False, _stage: Any = None, plan: Any = None, _loading: bool = False) -> None:
         self.device = resolve_device(device, "TransformerLM")
         self.dtypes = _model_dtypes(dtype, "TransformerLM")
         ds = set(self.dtypes.values())
@@ -224,7 +227,9 @@ class TransformerLM:
         if first or (last and cfg.tie_embeddings):
             self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed,
                                               device=dev, dtype=self.dtypes["embedding"])
-            if is_quantized(self.wte.dtype):  # scaled in float32, quantized again (on the host)
+            if _loading:  # the checkpoint's values come next: no host copy of the table to scale
+                pass
+            elif is_quantized(self.wte.dtype):  # scaled in float32, quantized again (on the host)
                 if self.wte.local:
                     _put_weight(self.wte.weight, self.wte.dtype, self.wte.weight_float() * 0.02, "TransformerLM")
             elif dev is None:
@@ -1024,6 +1029,11 @@ class TransformerLM:
                 t = asarray(t, name, "TransformerLM.load_state_dict_full")  # device checked, no copy
             return t
 
+        with _stream.loading_default("TransformerLM.load_state_dict_full"):   # one staging buffer
+            self._load_full(take, progress)
+        self._sync_tied()
+
+    def _load_full(self, take, progress):
         if self.wte is not None:  # (a last pipeline stage's tied copy too)
             _load_embedding(self.wte, take("wte.weight"))
         if self.wpe is not None:
@@ -1046,8 +1056,7 @@ class TransformerLM:
             lo, n = self.vocab_partition[self.comm.rank]
             if tuple(W.shape) != (self.config.vocab_size, self.config.hidden):
                 raise ValueError(f"checkpoint: lm_head.weight has shape {tuple(W.shape)}")
-            _put_weight(self.lm_head.weight, self.lm_head.dtype, W[lo:lo + n], "lm_head.weight")
-        self._sync_tied()
+            load_weight(self.lm_head.weight, self.lm_head.dtype, W, slice(lo, lo + n), None, "lm_head.weight")
 
     def save_pretrained(self, path: str, sharded: bool = False, hf: bool = False) -> None:
         """Save the model to a directory that `from_pretrained` loads.
@@ -1273,14 +1282,14 @@ def _f32(a) -> np.ndarray:
 def _assign(dst, src, name):
     if tuple(src.shape) != dst.shape:
         raise ValueError(f"checkpoint: {name} has shape {tuple(src.shape)}, expected {dst.shape}")
-    dst[...] = _f32(src[...])
+    load_weight(dst, "float32", src, slice(None), None, f"checkpoint: {name}")
 
 
 def _load_embedding(emb, table):
     if tuple(table.shape) != (emb.num_embeddings, emb.embedding_dim):
         raise ValueError(f"checkpoint: the token embedding has shape {tuple(table.shape)}, expected "
                          f"{(emb.num_embeddings, emb.embedding_dim)}")
-    _put_weight(emb.weight, emb.dtype, table[emb.offset:emb.offset + emb.local], "wte.weight")
+    load_weight(emb.weight, emb.dtype, table, slice(emb.offset, emb.offset + emb.local), None, "wte.weight")
 
 
 class _Progress:
@@ -1303,13 +1312,14 @@ class _Progress:
 
 @_collective
 def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, progress: bool = True,
-                    device: Optional[str] = None, dtype: Any = None) -> TransformerLM:
+                    device: Optional[str] = None, dtype: Any = None,
+                    staging_bytes: Optional[int] = None) -> TransformerLM:
     """A TransformerLM loaded from a local checkpoint directory, split over comm.
 
     A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + *.safetensors), one
     saved by `TransformerLM.save_pretrained`, or a GGUF file (`from_gguf`: a .gguf path,
     or a directory holding exactly one .gguf and no config.json); each rank reads only
-    its slices (memory-mapped).  The config and the files' headers are checked against
+    its slices (read with pread into their place, through one bounded staging buffer).  The config and the files' headers are checked against
     each other first: a corrupt or inconsistent file fails before the model is allocated.
 
     Parameters
@@ -1332,6 +1342,11 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
         checkpoint's own (a bfloat16 / float16 checkpoint stays in its 16 bits, bit for
         bit), on the CPU float32; a GGUF file float32 ("gguf": its own formats, see
         `from_gguf`).
+    staging_bytes : int, optional
+        The size of the one staging buffer the load streams the files through (read with
+        pread, never memory-mapped; bf16/fp16 conversions and transposes run chunk by
+        chunk in it), so that peak memory during the load is the loaded model plus this
+        buffer.  Default None: the environment's TPCORE_LOAD_STAGING_MB (MiB), else 64 MiB.
 
     Returns
     -------
@@ -1341,13 +1356,13 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     Raises
     ------
     TypeError
-        path not a str or os.PathLike.
+        path not a str or os.PathLike; staging_bytes not an int.
     FileNotFoundError
         path is not a directory (a hub id: the message says how to get the files).
     CheckpointError
         A corrupt or inconsistent file (a ValueError) naming the file, tensor or field.
     ValueError
-        An unsupported dtype or model type.
+        An unsupported dtype or model type; staging_bytes not positive.
     CommError
         Another rank failed (a rank that fails stops the others).
 
@@ -1357,9 +1372,10 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"from_pretrained: path must be a directory (str or os.PathLike), got {shown(path)}")
+    staging = _stream.staging_arg(staging_bytes, "from_pretrained")
     ggufs = _gguf_files(path)
     if ggufs is not None:
-        return _from_gguf(ggufs, comm, partition, dtype, progress, device)
+        return _from_gguf(ggufs, comm, partition, dtype, progress, device, staging)
     if not os.path.isdir(path):
         hub = isinstance(path, str) and not os.path.exists(path) and path.count("/") <= 1 and \
             not path.startswith((".", "~"))
@@ -1373,7 +1389,8 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     if dtype is not None:
         dtype = check_param_dtype(dtype, "from_pretrained")
     if os.path.exists(own):
-        return _load_own(path, own, comm, partition, progress, device, dtype)
+        with _stream.loading(staging):
+            return _load_own(path, own, comm, partition, progress, device, dtype)
     cfg = Config.from_hf(path)
     headers = fmt.read_headers(path)
     _hf.check_against_config(path, cfg, cfg.model_type, fmt.HF_CONFIG, headers, warn=comm.rank == 0)
@@ -1384,8 +1401,9 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     except KeyError as e:
         raise KeyError(f"{path}: the checkpoint has no tensor {e} (expected {cfg.model_type} names)") from None
     model = TransformerLM(cfg, comm, partition=partition, device=device,
-                          dtype=dtype or _checkpoint_dtype(headers, device, "from_pretrained"))
-    model.load_state_dict_full(sd, progress=progress)
+                          dtype=dtype or _checkpoint_dtype(headers, device, "from_pretrained"), _loading=True)
+    with _stream.loading(staging):
+        model.load_state_dict_full(sd, progress=progress)
     del t, sd
     model.generation_config = gen
     return model
@@ -1411,8 +1429,9 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device
     if os.path.exists(full):
         header, _, _ = fmt.read_safetensors_header(full)
         _hf.check_against_config(path, cfg, "tpcore", fmt.OWN_CONFIG, {k: (full, v) for k, v in header.items()})
-        model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32")
-        t, _ = fmt.read_safetensors(full)
+        model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32",
+                              _loading=True)
+        t, _ = fmt.open_safetensors(full)
         model.load_state_dict_full(t, progress=progress)
         return model
     shards = fmt.own_shard_files(path)
@@ -1427,13 +1446,13 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device
         raise ValueError(f"from_pretrained: {path} is a sharded checkpoint (this rank's parameters as they are); it "
                          f"cannot load into quantized weights (dtype={dtype!r}): load it in float32 and "
                          f"tpcore.models.quantize the model, or save it with sharded=False")
-    model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32")
-    t, _ = fmt.read_safetensors(mine)
+    model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32", _loading=True)
+    t, _ = fmt.open_safetensors(mine)
     params = model._weights()  # weights only: a loaded model holds no gradients until it trains
     fmt.check_tensors(mine, t, {f"param.{i}": p.shape for i, p in enumerate(params)},
                       "this rank's shard of the model (another partition?)")
     for i, p in enumerate(params):
-        p[...] = fmt.to_float32(t[f"param.{i}"])
+        load_weight(p, "float32", t[f"param.{i}"], slice(None), None, f"{mine}: param.{i}")
     model._sync_tied()
     return model
 
@@ -1477,12 +1496,14 @@ def _gguf_files(path) -> Optional[str]:
 
 @_collective
 def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, dtype: Any = None,
-              progress: bool = True, device: Optional[str] = None) -> TransformerLM:
+              progress: bool = True, device: Optional[str] = None,
+              staging_bytes: Optional[int] = None) -> TransformerLM:
     """A TransformerLM loaded from a GGUF file (llama.cpp's format), split over comm.
 
     The config comes from the file's metadata (Llama family, GPT-2; tied when there is no
     output.weight), the tensors by their GGUF names (Q/K rows put back into Hugging Face's
-    RoPE order).  The file is memory-mapped and each rank dequantizes only its rows (and,
+    RoPE order).  The tensor data is read with pread (never memory-mapped), chunk by chunk
+    through one staging buffer, and each rank dequantizes only its rows (and,
     for the row-parallel output and fc2 projections, only the blocks of its columns) into
     the model's float32 weights.  Needs the `gguf` package (``pip install gguf``);
     `tpcore.gguf.tokenizer(path)` gives the file's tokenizer.
@@ -1505,6 +1526,9 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
         Show a progress line on rank 0.
     device : str, optional
         "cpu" (default) or "cuda[:N]" (see TransformerLM).
+    staging_bytes : int, optional
+        The staging buffer's size (see `from_pretrained`): the tensor data is read with
+        pread in chunks of whole rows / blocks through it.
 
     Returns
     -------
@@ -1532,21 +1556,27 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"from_gguf: path must be a GGUF file (str or os.PathLike), got {shown(path)}")
-    return _from_gguf(path, comm, partition, dtype, progress, device)
+    staging = _stream.staging_arg(staging_bytes, "from_gguf")
+    return _from_gguf(path, comm, partition, dtype, progress, device, staging)
 
 
-def _from_gguf(path, comm, partition, dtype, progress, device) -> TransformerLM:
+def _from_gguf(path, comm, partition, dtype, progress, device, staging=None) -> TransformerLM:
     from .gguf import GGUFModel
     g = GGUFModel(path, "from_gguf")
+    # the reader's metadata (its Python objects for every token, the pages it touched of the
+    # map) goes before the model is allocated: the tensors are read from the file with pread
+    g.reader = None
+    gc.collect()
     if dtype is None or (isinstance(dtype, str) and dtype == "gguf"):
         dtype = g.model_dtypes()
     elif dtype is not None:
         _model_dtypes(dtype, "from_gguf")   # refused here, naming from_gguf
-    model = TransformerLM(g.config, comm, partition=partition, device=device, dtype=dtype)
+    model = TransformerLM(g.config, comm, partition=partition, device=device, dtype=dtype, _loading=True)
     # the parts stored quantized get the file's raw rows (copied as they are when the formats
     # match, requantized otherwise); the others dequantized rows
-    model.load_state_dict_full(g.state_dict([k for k, v in model.dtypes.items() if is_quantized(v)]),
-                               progress=progress)
+    with _stream.loading(_stream.staging_arg(None, "from_gguf") if staging is None else staging):
+        model.load_state_dict_full(g.state_dict([k for k, v in model.dtypes.items() if is_quantized(v)]),
+                                   progress=progress)
     info = g.tokenizer_info
     model.generation_config = {k: info[f] for k, f in (("eos_token_id", "eos_token_id"),
                                                         ("pad_token_id", "padding_token_id")) if info[f] is not None}

@@ -41,7 +41,8 @@ from .comm import Comm
 from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
 from .layers import (ACTIVATIONS, layer_memory, _host, _sizes, as_float32, check_param_dtype, check_partition, dev_back, dev_f32,
                      partition, zero)
-from .quant import as_format, dequantize, is_quantized
+from .layers import load_weight
+from .quant import QuantTensor, as_format, dequantize, is_quantized
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -545,14 +546,34 @@ class TransformerBlock:
             whole = self._p[local][0]
             fmt = self.dtypes.get(local, "float32")
             quant = is_quantized(fmt)
+            if len(shapes[name]) == 2 and not isinstance(t, QuantTensor):
+                # a weight: its slice streamed into its rows chunk by chunk (tpcore._stream.fill;
+                # on a GPU each host chunk copied to the device rows), the slice's shape checked
+                # first from the cut (nothing read)
+                r, c = (cut if isinstance(cut, tuple) else (cut, None))
+                n_rows = np.arange(whole.shape[0])[rows].size
+                want = (n_rows, self._local_cols(local)) if quant else (n_rows,) + tuple(whole.shape[1:])
+                got = (np.arange(shapes[name][0])[r].size, np.arange(shapes[name][1])[c if c is not None else
+                                                                                   slice(None)].size)
+                if got != want:
+                    raise ValueError(f"TransformerBlock.load_full: {name}: slice has shape {got}, expected {want}")
+                if want[0]:
+                    who = f"TransformerBlock.load_full: {name}"
+                    if local in staged:
+                        load_weight(staged[local][rows], fmt, t, r, c, who)
+                    elif gpu:
+                        load_weight(whole, fmt, t, r, c, who, at=rows.start or 0)
+                    else:
+                        load_weight(whole[rows], fmt, t, r, c, who)
+                continue
             if gpu:
                 if local not in staged:
                     staged[local] = np.array(whole.to_numpy()) if quant else np.array(whole.to_numpy(), np.float32)
                 whole = staged[local]
             dst = whole[rows]
+            want = (dst.shape[0], self._local_cols(local)) if quant else dst.shape
             part = t[cut]
             part = np.asarray(part) if isinstance(part, np.ndarray) else part
-            want = (dst.shape[0], self._local_cols(local)) if quant else dst.shape
             if tuple(np.shape(part)) != want:
                 raise ValueError(f"TransformerBlock.load_full: {name}: slice has shape {np.shape(part)}, "
                                  f"expected {want}")

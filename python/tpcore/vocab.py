@@ -31,7 +31,7 @@ from ._args import int_arg, int_array, real_arg, seed_arg
 from ._array import (DeviceArray, asarray, check_host, check_on_device, device_of, device_string, from_dlpack,
                      resolve_device)
 from .comm import Comm
-from .layers import (_plan_sizes, layer_memory, _put_weight, _shard_float, _shard_host, _sizes, as_float32,
+from .layers import (_plan_sizes, is_lazy, layer_memory, load_weight, _shard_float, _shard_host, _sizes, as_float32,
                      check_param_dtype, check_partition, zero)
 from .quant import QuantTensor, is_quantized
 
@@ -249,12 +249,12 @@ class VocabParallelEmbedding:
         -----
         No collective.
         """
-        if not isinstance(table, QuantTensor):
+        if not isinstance(table, QuantTensor) and not is_lazy(table):
             table = asarray(table, "table", "VocabParallelEmbedding.load_full")
         if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"load_full: table must have shape {(self.num_embeddings, self.embedding_dim)}, "
                              f"got {tuple(table.shape)}")
-        _put_weight(self.weight, self.dtype, table[self.offset:self.offset + self.local], "load_full")
+        load_weight(self.weight, self.dtype, table, slice(self.offset, self.offset + self.local), None, "load_full")
 
     def gather_full(self) -> np.ndarray:
         """The full table (num_embeddings, embedding_dim), from every rank's rows.

@@ -184,6 +184,22 @@ def _proc_status(key: str) -> Optional[int]:
     return None
 
 
+def _staging_bytes() -> int:
+    """The staging buffer from_pretrained streams a checkpoint through (TPCORE_LOAD_STAGING_MB)."""
+    from tpcore import _stream
+    return _stream.staging_arg(None, "report")
+
+
+def _checkpoint_bytes(path) -> int:
+    """N: the bytes of a checkpoint's weight files (*.safetensors, *.gguf); 0 without one."""
+    if not path:
+        return 0
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+               if f.endswith((".safetensors", ".gguf")))
+
+
 def _model(comm, spec: dict):
     import tpcore
     dev = None
@@ -225,8 +241,16 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
     n = comm.size
     tag = f"[report] world {n}"
     prog.status(f"{tag}: building the model", important=True)
-    model = _model(comm, spec)
-    loaded = {"rss_load_bytes": _proc_status("VmRSS"), "rss_load_peak_bytes": _proc_status("VmHWM")}
+    try:   # the load's own peak: VmHWM reset to VmRSS first (Linux), so it is not the imports'
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    before = _proc_status("VmRSS")
+    model = _model(comm, spec)   # from_pretrained streams the files through one staging buffer
+    loaded = {"rss_load_bytes": _proc_status("VmRSS"), "rss_load_peak_bytes": _proc_status("VmHWM"),
+              "rss_before_load_bytes": before, "load_staging_bytes": _staging_bytes(),
+              "checkpoint_bytes": _checkpoint_bytes(spec["checkpoint"])}
     cfg = model.config
     B, T, new = prompts.shape[0], prompts.shape[1], spec["new"]
     model.generate(prompts[:, :min(T, 4)], max_new_tokens=2)  # warm-up: allocations, first touch, threads
@@ -308,6 +332,9 @@ def _world_row(res: List[dict], B: int, T: int, new: int) -> dict:
            "param_bytes": [r["param_bytes"] for r in res], "kv_bytes": [r["kv_bytes"] for r in res],
            "rss_peak_bytes": [r["rss_peak_bytes"] for r in res], "rss_load_bytes": [r["rss_load_bytes"] for r in res],
            "rss_load_peak_bytes": [r["rss_load_peak_bytes"] for r in res], "tokens": res[0]["tokens"],
+           "rss_before_load_bytes": [r.get("rss_before_load_bytes") or 0 for r in res],
+           "load_staging_bytes": res[0].get("load_staging_bytes", 0),
+           "checkpoint_bytes": res[0].get("checkpoint_bytes", 0),
            "same_tokens_across_ranks": all(r["tokens"] == res[0]["tokens"] for r in res)}
     row["prefill_tok_s"] = B * T / row["prefill_s"]
     row["decode_tok_s"] = B * (new - 1) / dec if new > 1 and dec > 0 else float("nan")
@@ -697,6 +724,21 @@ def markdown(data: dict, plots: List[str]) -> str:
     w.append(_table(["ranks", "params MB", "KV cache MB", "RSS after load MB", "peak during load MB",
                      "peak RSS MB (whole run)", "peak RSS MB per rank", "params vs world 1", "peak RSS vs world 1"],
                     body))
+    if any(r.get("checkpoint_bytes") for r in rows):
+        w.append("\nThe load (from_pretrained streams each rank's slices through one staging buffer): its peak "
+                 "above the RSS before it, beside N/w (the checkpoint's N bytes over the ranks) and the staging "
+                 "buffer.\n\n")
+        body = []
+        for r in rows:
+            if not r.get("checkpoint_bytes"):
+                continue
+            b0, nw, stg = r["rss_before_load_bytes"], r["checkpoint_bytes"] / r["n"], r["load_staging_bytes"]
+            peak = max(x - b for x, b in zip(r["rss_load_peak_bytes"], b0))
+            after = max(x - b for x, b in zip(r["rss_load_bytes"], b0))
+            body.append([r["n"], f"{_mb(peak):.0f}", f"{_mb(after):.0f}", f"{_mb(nw):.0f}", f"{_mb(stg):.0f}",
+                         f"{_mb(1.1 * nw + stg):.0f}"])
+        w.append(_table(["ranks", "load peak - before MB", "after - before MB", "N/w MB", "staging MB",
+                         "N/w + staging + 10% MB"], body))
     if data.get("device", "cpu") != "cpu":
         w.append("\nOn GPUs the RSS columns are the host processes' memory; the parameters and KV cache are on "
                  "the devices (their allocators' peaks are not measured in this version), and the host's limits "
