@@ -319,6 +319,8 @@ def _tpcore_rank(comm, plan: dict) -> list:
         row["numpy_s"] = _timed(gemms, iters, comm.barrier)
         row["numpy_fwd_s"] = _timed(gemms_fwd, iters, comm.barrier)
         row["param_bytes"] = int(sum(p.nbytes for p, _ in mlp.parameters()))
+        row["memory"] = {k: v for k, v in mlp.memory().items() if k != "device"}   # after the timed steps
+        row["rss_peak_bytes"] = _vmhwm()
         st = comm.stats()
         row["stats"] = {k: v for k, v in st.items() if isinstance(v, (int, float))}
         rows.append(row)
@@ -489,6 +491,8 @@ def _combine_tpcore(per_rank: list, n: int) -> list:
             "ratio_numpy": min(rank_ratio), "ratio_numpy_nocomm": min(rank_ratio_c),
             "comm_share": max(shares), "comm_share_mean": float(np.mean(shares)),
             "param_ratio": max(pr), "param_bytes": [r["param_bytes"] for r in rr], "full_param_bytes": full_bytes,
+            "memory": max((r["memory"] for r in rr), key=lambda m: m["total"]),
+            "rss_peak_bytes": max(r["rss_peak_bytes"] for r in rr),
             "err_y": r0.get("err_y"), "err_dx": r0.get("err_dx"), "ref_max": r0.get("ref_max"),
             "per_rank": [{"step_ms": _scale(_stats(r["step_s"])), "fwd_ms": _scale(_stats(r["fwd_s"])),
                           "numpy_ms": _scale(_stats(r["numpy_s"])), "comm_share": s, "gflops": g,
@@ -597,6 +601,19 @@ def _f(v, spec, width):
     return f"{v:>{width}{spec}}"
 
 
+def _vmhwm() -> int:
+    """This process's peak resident bytes (VmHWM of /proc/self/status; ru_maxrss elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _err_flag(row) -> str:
     e = row.get("err_y")
     if e is None:
@@ -617,6 +634,15 @@ def print_tables(rows: list, torch_rows: list, torch_note: Optional[str]) -> Non
           f"{r['gflops_nocomm']:>7.1f} {r['numpy_gflops']:>7.1f} {r['ratio_numpy']:>5.2f} "
           f"{r['ratio_numpy_nocomm']:>5.2f} {100 * r['comm_share']:>5.1f}% {r['param_ratio']:>7.4f} "
           f"{_f(r['err_y'], '.1e', 8)} {_f(r['err_dx'], '.1e', 8)}{_err_flag(r)}\n")
+    w("#\n# where a rank's bytes are (ParallelMLP.memory() after the timed steps, the largest rank; MB) and the "
+      "process's peak RSS\n")
+    w(f"#{'h':>5} {'f':>6} {'T':>4} {'n':>2} {'params':>8} {'grads':>8} {'work':>8} {'comm':>7} {'total':>8} "
+      f"{'peak RSS':>9}\n")
+    for r in rows:
+        m = r["memory"]
+        w(f" {r['hidden']:>5} {r['ffn']:>6} {r['tokens']:>4} {r['n']:>2} {m['params'] / 1e6:>8.2f} "
+          f"{m['grads'] / 1e6:>8.2f} {m['workspace'] / 1e6:>8.2f} {m['comm'] / 1e6:>7.2f} {m['total'] / 1e6:>8.2f} "
+          f"{r['rss_peak_bytes'] / 1e6:>9.0f}\n")
     if torch_rows or torch_note:
         w("#\n# vs torch.distributed gloo (same shapes, threads and iterations; speed-up = torch / tpcore)\n")
     if torch_rows:
