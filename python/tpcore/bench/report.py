@@ -234,6 +234,18 @@ def _kv_bytes(model, batch: int, length: int) -> int:
     return sum(2 * batch * length * b.nk * model.config.head_dim * 4 for b in model.blocks)
 
 
+def _memory(model, B: int, T: int, new: int) -> dict:
+    """memory() after generate (its cache: B x (T + new)), and estimate_memory's total for the same
+    model, split, batch, cache and prompt, computed from the config alone."""
+    from ..models import estimate_memory
+    got = model.memory()
+    est = estimate_memory(model.config, model.comm.size, dtype=model.dtypes, batch=B, max_len=T + new, prefill=T,
+                          partition=model.blocks[0].head_partition, ffn_partition=model.blocks[0].ffn_partition,
+                          vocab_partition=model.vocab_partition, device=got["device"])[model.comm.rank]
+    return {**{k: got[k] for k in ("params", "grads", "kv_cache", "kv_cache_used", "workspace", "comm", "total")},
+            "estimate": est["total"]}
+
+
 def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) -> dict:
     """Run on every rank by tpcore.spawn: the generate, collectives and serving measurements."""
     import tpcore
@@ -278,6 +290,7 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
               "comm_prefill": _delta(s0, snaps[0]), "comm_head0": _delta(snaps[0], snaps[1]),
               "comm_decode": _delta(snaps[1], s_end),
               "param_bytes": model.param_bytes(), "kv_bytes": _kv_bytes(model, B, T + new),
+              "memory": _memory(model, B, T, new),
               "tokens": np.asarray(out)[:, T:].tolist(), "threads": tpcore.get_num_threads(),
               "config": dict(vars(cfg))}
     # the same collectives in the collectives benchmark, at the model's message sizes
@@ -333,6 +346,7 @@ def _world_row(res: List[dict], B: int, T: int, new: int) -> dict:
            "rss_peak_bytes": [r["rss_peak_bytes"] for r in res], "rss_load_bytes": [r["rss_load_bytes"] for r in res],
            "rss_load_peak_bytes": [r["rss_load_peak_bytes"] for r in res], "tokens": res[0]["tokens"],
            "rss_before_load_bytes": [r.get("rss_before_load_bytes") or 0 for r in res],
+           "memory": [r["memory"] for r in res],
            "load_staging_bytes": res[0].get("load_staging_bytes", 0),
            "checkpoint_bytes": res[0].get("checkpoint_bytes", 0),
            "same_tokens_across_ranks": all(r["tokens"] == res[0]["tokens"] for r in res)}
@@ -724,6 +738,18 @@ def markdown(data: dict, plots: List[str]) -> str:
     w.append(_table(["ranks", "params MB", "KV cache MB", "RSS after load MB", "peak during load MB",
                      "peak RSS MB (whole run)", "peak RSS MB per rank", "params vs world 1", "peak RSS vs world 1"],
                     body))
+    w.append("\nWhere the bytes are (`model.memory()` after the generate measurement, the largest rank), beside "
+             "`tpcore.models.estimate_memory`'s total for the same model, split, batch, cache and prompt, computed "
+             "from the config before anything was loaded.\n\n")
+    body = []
+    for r in rows:
+        m = max(r.get("memory") or [{}], key=lambda x: x.get("total", 0))
+        if m:
+            body.append([r["n"], f"{_mb(m['params']):.1f}", f"{_mb(m['grads']):.1f}", f"{_mb(m['kv_cache']):.2f}",
+                         f"{_mb(m['kv_cache_used']):.2f}", f"{_mb(m['workspace']):.2f}", f"{_mb(m['comm']):.2f}",
+                         f"{_mb(m['total']):.1f}", f"{_mb(m['estimate']):.1f}"])
+    w.append(_table(["ranks", "params MB", "grads MB", "KV cache MB", "KV used MB", "workspace MB", "comm MB",
+                     "total MB", "estimate MB"], body))
     if any(r.get("checkpoint_bytes") for r in rows):
         w.append("\nThe load (from_pretrained streams each rank's slices through one staging buffer): its peak "
                  "above the RSS before it, beside N/w (the checkpoint's N bytes over the ranks) and the staging "
