@@ -321,7 +321,9 @@ def _model_case(comm, name, dtype, device_path):
         ids = {b._c.shared_workspace_id for b in model.blocks}
         if len(ids) != 1 or 0 in ids:
             e.append(f"{who}: the blocks do not share one inference workspace: {ids}")
-        own["workspace"] += model.blocks[0]._c.shared_workspace_bytes
+        ws, cb = model.blocks[0]._c.shared_workspace_bytes
+        own["workspace"] += ws
+        own["comm"] = cb
         for k in ("params", "grads", "kv_cache", "kv_cache_used", "workspace", "comm"):
             expect(e, f"{who} {k} = the layers' + the model's own", m[k], sum(x.memory()[k] for x in layers) +
                    own.get(k, 0))

@@ -371,12 +371,33 @@ static void workspace_retain(tp_workspace_t w) { __atomic_add_fetch(&w->refs, 1,
 void tp_workspace_destroy(tp_workspace_t w) {
   if (!w || __atomic_sub_fetch(&w->refs, 1, __ATOMIC_ACQ_REL) > 0) return;
   tp_arena_release(&w->arena);
+  tp_reg_release(&w->out);
   tp_host_free(w);
 }
 
 tp_workspace_t tp_block_get_workspace(tp_block_t k) { return k ? k->shared : NULL; }
 
-size_t tp_workspace_bytes(tp_workspace_t w) { return w ? w->arena.cap : 0; }
+size_t tp_workspace_bytes(tp_workspace_t w) { return w ? w->arena.cap + w->out.cap : 0; }
+
+tp_status_t tp_workspace_memory(tp_workspace_t w, tp_layer_memory_t *mem) {
+  TP_NONNULL("workspace memory", w, "workspace");
+  TP_CHECK(tp_memory_begin("workspace memory", mem, w->arena.device, w->arena.device_id));
+  mem->workspace = w->arena.cap;
+  mem->comm = w->out.cap;
+  return TP_SUCCESS;
+}
+
+/* An inference forward's projections write their collective output into the shared buffer:
+ * the block consumes each before the next is written (the out projection's r before the MLP).
+ * Only blocks of the communicator that first used it (registered memory belongs to one). */
+static void lend_out(tp_block_t k, int on) {
+  tp_workspace_t w = k->shared;
+  if (on && (!w || (w->comm && w->comm != k->comm))) return;
+  if (on && !w->comm) w->comm = k->comm;
+  reg_buf *rb = on ? &w->out : NULL;
+  tp_parallel_linear_borrow_out(k->out, rb);
+  if (k->mlp) tp_parallel_linear_borrow_out(tp_parallel_mlp_layer(k->mlp, 1), rb);
+}
 
 tp_status_t tp_block_set_workspace(tp_block_t k, tp_workspace_t w) {
   TP_NONNULL("block set_workspace", k, "block");
@@ -476,7 +497,11 @@ tp_status_t tp_block_forward(tp_block_t k, const tp_tensor *y, const tp_tensor *
   int64_t M = bt->B * bt->T; /* checked */
   TP_CHECK(tp_check_matrix("block forward", "x", x, TP_FLOAT32, M, k->C, k->dev, k->dev_id, NULL));
   TP_CHECK(tp_check_matrix("block forward", "y", y, TP_FLOAT32, M, k->C, k->dev, k->dev_id, NULL));
-  return forward_impl(k, y->data, x->data, bt, stream);
+  if (bt->need_backward) return forward_impl(k, y->data, x->data, bt, stream);
+  lend_out(k, 1);
+  tp_status_t st = forward_impl(k, y->data, x->data, bt, stream);
+  lend_out(k, 0);
+  return st;
 }
 
 static tp_status_t backward_impl(tp_block_t k, float *dx, const float *dy, tp_stream_t s) {

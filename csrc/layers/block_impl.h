@@ -52,6 +52,8 @@ struct tp_block {
 
 struct tp_workspace {
   tp_arena_t arena;
+  reg_buf out;      /* the inference forwards' collective output buffer (on comm) */
+  tp_comm_t comm;   /* the communicator of the first block that used `out` (NULL: none yet) */
   int refs; /* atomic */
 };
 

@@ -219,6 +219,10 @@ tp_status_t tp_parallel_linear_forward_ex(tp_parallel_linear_t L, float *y, cons
 /* The region tag of L's collectives (a static string; NULL: the communicator's current tag):
  * the owner's ("attention" for a block's output projection, "mlp" for an MLP's). */
 void tp_parallel_linear_set_region(tp_parallel_linear_t L, const char *region);
+/* Forwards write their collective output into rb (NULL: the layer's own buffer) until reset:
+ * a block's inference forward lends its output projection and fc2 the workspace's one buffer,
+ * whose contents die before the next layer writes it.  rb is grown on L's communicator. */
+void tp_parallel_linear_borrow_out(tp_parallel_linear_t L, reg_buf *rb);
 tp_status_t tp_parallel_linear_backward_ex(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M, int flags,
                                            tp_stream_t stream);
 /* The MLP on raw pointers of its device (M checked here), for the block. */

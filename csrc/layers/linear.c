@@ -31,11 +31,17 @@ struct tp_parallel_linear {
   int flags;            /* TP_LIN_* of the call in progress (layers_impl.h) */
   int64_t xsave_m;      /* rows of the last forward, -1 before the first */
   reg_buf out_buf;      /* row: partial outputs to all-reduce; column: gathered blocks */
+  reg_buf *ext_out;     /* a borrowed out_buf (a block's shared inference buffer; NULL: its own) */
   reg_buf grad_buf;     /* column: dx partials to all-reduce; row: dx blocks to gather */
   const char *region;   /* the tag of its collectives (NULL: the communicator's current one) */
 };
 
 void tp_parallel_linear_set_region(tp_parallel_linear_t L, const char *region) { L->region = region; }
+
+void tp_parallel_linear_borrow_out(tp_parallel_linear_t L, reg_buf *rb) { L->ext_out = rb; }
+
+/* The collective output buffer of this call: the borrowed one, or the layer's own. */
+static reg_buf *outbuf(tp_parallel_linear_t L) { return L->ext_out ? L->ext_out : &L->out_buf; }
 
 static tp_status_t ensure_reg(tp_parallel_linear_t L, reg_buf *rb, size_t nbytes) {
   return tp_reg_ensure(L->comm, rb, nbytes, L->dev, L->dev_id);
@@ -365,8 +371,8 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
     TP_CHECK(save_input(L, x, M, K, 0, K, stream));
     if (!L->cfg.gather_output || L->world == 1) return lk_linear_forward(&L->lk, y, x, &L->W, b, M, K, L->wr, stream);
     /* GEMM straight into my block of the registered gather buffer: the all-gather is in place. */
-    TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
-    float *g = L->out_buf.ptr;
+    TP_CHECK(ensure_reg(L, outbuf(L), (size_t)(M * N) * sizeof(float)));
+    float *g = outbuf(L)->ptr;
     TP_CHECK(lk_linear_forward(&L->lk, g + L->off * M, x, &L->W, b, M, K, L->loc, stream));
     return gather_columns(L, y, g, M, N, stream);
   }
@@ -374,8 +380,8 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
   int64_t xcols = L->cfg.input_is_parallel ? L->loc : K;
   TP_CHECK(save_input(L, x, M, L->loc, L->cfg.input_is_parallel ? 0 : L->off, xcols, stream));
   if (L->world == 1) return lk_linear_forward(&L->lk, y, L->xin, &L->W, b, M, L->loc, N, stream);
-  TP_CHECK(ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float)));
-  float *r = L->out_buf.ptr;
+  TP_CHECK(ensure_reg(L, outbuf(L), (size_t)(M * N) * sizeof(float)));
+  float *r = outbuf(L)->ptr;
   TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, &L->W, NULL, M, L->loc, N, stream));
   TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, L->region, stream));
   /* y = r + b (the bias once, after the reduce), or a copy of r */
@@ -422,10 +428,10 @@ tp_status_t tp_parallel_linear_forward_inbuf(tp_parallel_linear_t L, float **y, 
   L->xsave_m = -1;
   int64_t N = L->cfg.out_features;
   tp_status_t st = save_input(L, x, M, L->loc, 0, L->loc, stream);
-  if (st == TP_SUCCESS) st = ensure_reg(L, &L->out_buf, (size_t)(M * N) * sizeof(float));
+  if (st == TP_SUCCESS) st = ensure_reg(L, outbuf(L), (size_t)(M * N) * sizeof(float));
   L->flags = 0;
   TP_CHECK(fail_local(L, st));
-  float *r = L->out_buf.ptr;
+  float *r = outbuf(L)->ptr;
   TP_CHECK(lk_linear_forward(&L->lk, r, L->xin, &L->W, NULL, M, L->loc, N, stream));
   if (L->world > 1) TP_CHECK(tp_layer_all_reduce(r, (size_t)(M * N), TP_SUM, L->comm, L->region, stream));
   if (L->b) TP_CHECK(lk_add_bias_rows(&L->lk, r, r, L->b, M, N, stream)); /* in place, once, after the reduce */

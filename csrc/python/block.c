@@ -298,8 +298,14 @@ static PyObject *blk_share_workspace(PyObject *o, PyObject *arg) {
   Py_RETURN_NONE;
 }
 
+/* (activation bytes, communication bytes) of the shared workspace ((0, 0): none) */
 static PyObject *blk_workspace_bytes(PyObject *o, void *unused) {
-  return PyLong_FromSize_t(tp_workspace_bytes(tp_block_get_workspace(((BlockObject *)o)->K)));
+  tp_workspace_t w = tp_block_get_workspace(((BlockObject *)o)->K);
+  tp_layer_memory_t m;
+  memset(&m, 0, sizeof m);
+  m.size = sizeof m;
+  if (w) tp_workspace_memory(w, &m);
+  return Py_BuildValue("(nn)", (Py_ssize_t)m.workspace, (Py_ssize_t)m.comm);
 }
 
 static PyObject *blk_workspace_id(PyObject *o, void *unused) {
@@ -307,7 +313,7 @@ static PyObject *blk_workspace_id(PyObject *o, void *unused) {
 }
 
 static PyGetSetDef blk_getset[] = {
-    {"shared_workspace_bytes", blk_workspace_bytes, NULL, "bytes of the shared inference workspace (0: none)", NULL},
+    {"shared_workspace_bytes", blk_workspace_bytes, NULL, "(activation, communication) bytes of the shared inference workspace", NULL},
     {"shared_workspace_id", blk_workspace_id, NULL, "which shared workspace it uses (0: none; equal: the same one)",
      NULL},
     {"info", blk_info, NULL, "this rank's heads and the KV cache's capacity", NULL},

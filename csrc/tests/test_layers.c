@@ -363,7 +363,14 @@ static int run_block(int n, int r, const char *job) {
       for (int j = 0; j < BB * BC; j++) bad += ys2[j] != ys[j];
       bad += tp_block_backward(both[i], F2(dx, BB, BC), F2(dy, BB, BC), NULL) != TP_ERR_INVALID_USAGE;
     }
-    bad += tp_workspace_bytes(tp_block_get_workspace(blk)) == 0; /* the prefill's activations lived there */
+    /* the prefill's activations and the projections' all-reduced outputs lived there */
+    tp_layer_memory_t wm;
+    memset(&wm, 0, sizeof wm);
+    wm.size = sizeof wm;
+    bad += tp_workspace_memory(tp_block_get_workspace(blk), &wm) != TP_SUCCESS || wm.workspace == 0 || wm.comm == 0 ||
+           tp_workspace_bytes(tp_block_get_workspace(blk)) != wm.workspace + wm.comm;
+    wm.size = 3;
+    bad += tp_workspace_memory(tp_block_get_workspace(blk), &wm) != TP_ERR_INVALID_ARGUMENT;
     float y2[NX], dx2[NX];
     bad += tp_block_forward(b2, F2(y2, BB * BT, BC), F2(x, BB * BT, BC), &bt, NULL) != TP_SUCCESS ||
            tp_block_backward(b2, F2(dx2, BB * BT, BC), F2(dy, BB * BT, BC), NULL) != TP_SUCCESS;

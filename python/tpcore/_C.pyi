@@ -1,5 +1,5 @@
 """Type stubs for tpcore._C, the C core's thin CPython face (use tpcore.Comm instead)."""
-from typing import Any, Optional, Sequence, final
+from typing import Any, Optional, Sequence, Tuple, final
 
 import numpy as np
 
@@ -126,7 +126,7 @@ class TransformerBlock:
                  device: Optional[str] = ..., weight_dtype: Optional[str] = ...) -> TransformerBlock: ...
     info: dict[str, Any]
     device: str
-    shared_workspace_bytes: int  # the shared inference workspace's bytes (0: none)
+    shared_workspace_bytes: Tuple[int, int]  # (activation, communication) bytes of the shared inference workspace
     shared_workspace_id: int  # which one it uses (0: none; equal: the same)
     def forward(self, x: np.ndarray, B: int, T: int, pos0: Optional[np.ndarray] = ...,
                 key_mask: Optional[np.ndarray] = ..., use_cache: bool = ..., need_backward: bool = ...,

@@ -278,8 +278,8 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
                 f32(C)
         ws_block, comm_block, shared = _block_workspace(cfg, B, P, T if cfg.causal else P, nq, nk, W, A, f, g,
                                                         kvrep, need_bw, gpu, threads, world)
-        p["workspace"] += L * ws_block + (shared if L else 0)
-        p["comm"] += L * comm_block
+        p["workspace"] += L * ws_block + (shared[0] if L else 0)
+        p["comm"] += L * comm_block + (shared[1] if L else 0)
         if nb and cfg.causal:
             p["kv_cache"] = L * _a(B * T * nk * D * 4) * 2
             p["kv_cache_used"] = L * 2 * B * T * nk * D * 4
@@ -309,7 +309,8 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     return out
 
 
-def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, threads, world) -> Tuple[int, int, int]:
+def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, threads,
+                     world) -> Tuple[int, int, Tuple[int, int]]:
     """(workspace, communication, shared workspace) bytes of one block after a forward of B x T
     tokens attending to Tk keys (the cache's length), and its backward when need_bw:
     csrc/layers/block.c workspaces(), attention.c, mlp.c, linear.c.  An inference forward carves the model's one shared workspace (the
@@ -329,8 +330,8 @@ def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, thr
         floats = [M * C] * 7 + [M * W, M * A] + [M] * 4 + [M * f1, M * f] + [0] * 7
         shared = sum(_a(4 * n) for n in floats) + fixed
         ws = 3 * 2 * _a(0)                        # fc1, fc2, the output projection: borrowed inputs
-        comm = _reg(M * C * 4) + (_reg(M * C * 4) if world > 1 else 0)   # out projection's, fc2's sums
-        return ws, comm, shared
+        # the out projection's and fc2's sums: the shared workspace's one buffer
+        return ws, 0, (shared, _reg(M * C * 4))
     kept = B * nq * T if gpu else B * nq * T * T
     floats = [M * C] * 10 + [M * W] * 2 + [M * A] * 2 + [M] * 4 + [kept] + \
         [2 * nk * D * (C + 1) if kvrep else 0] + [0, 0]
@@ -345,4 +346,4 @@ def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, thr
     ws += 2 * _a(0)                               # fc2 borrows its input
     if world > 1:
         comm += 2 * _reg(M * C * 4)               # fc2's all-reduce, fc1's input gradient
-    return ws, comm, 0
+    return ws, comm, (0, 0)

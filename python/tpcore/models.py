@@ -384,7 +384,9 @@ class TransformerLM:
             for k in MEMORY_KEYS:
                 put(m["device"], k, m[k])
         if self.blocks:  # the blocks' shared inference workspace, once (csrc: tp_block_set_workspace)
-            put(self.blocks[0].memory()["device"], "workspace", self.blocks[0]._c.shared_workspace_bytes)
+            ws, cb = self.blocks[0]._c.shared_workspace_bytes
+            put(self.blocks[0].memory()["device"], "workspace", ws)
+            put(self.blocks[0].memory()["device"], "comm", cb)
         seen = set()
 
         def arrays(key: str, *arrs: Any) -> None:

@@ -334,15 +334,19 @@ TP_API tp_status_t tp_block_memory(tp_block_t blk, tp_layer_memory_t *mem);
  * returns.  Blocks given one tp_workspace_t carve those forwards' activations (and their MLP's)
  * from it instead of from arenas of their own, so a model of L blocks holds one block's
  * inference activations, not L (a forward that keeps what backward needs still uses the
- * block's own arena).  The blocks sharing a workspace must run one after another (as a
+ * block's own arena); their output projections and fc2 write their all-reduced outputs into
+ * its one communication buffer (registered memory of the first block's communicator; blocks
+ * of another communicator keep their own), each consumed before the next layer writes it.  The blocks sharing a workspace must run one after another (as a
  * model's do; a CPU call has finished when it returns, a GPU block's kernels run in order on
  * its stream).  Reference counted: each block keeps a reference, tp_workspace_destroy drops
  * the caller's; the last one frees it. */
 typedef struct tp_workspace *tp_workspace_t;
 TP_API tp_status_t tp_workspace_create(tp_workspace_t *out, tp_device_t device, int device_id);
 TP_API void tp_workspace_destroy(tp_workspace_t ws);
-/* Bytes the workspace holds now (it grows to the largest forward that used it). */
+/* Bytes the workspace holds now (it grows to the largest forward that used it): the total, and
+ * split into mem->workspace (activations) and mem->comm (the collective buffer). */
 TP_API size_t tp_workspace_bytes(tp_workspace_t ws);
+TP_API tp_status_t tp_workspace_memory(tp_workspace_t ws, tp_layer_memory_t *mem);
 /* The block's inference forwards use ws (on the block's device; NULL: its own arena again). */
 TP_API tp_status_t tp_block_set_workspace(tp_block_t blk, tp_workspace_t ws);
 /* The block's shared workspace (NULL: none); the block keeps its reference. */
