@@ -171,8 +171,8 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
         "cpu" or "cuda[:N]": where the layers live (the attention keeps its log-sum-exp
         instead of the probabilities on a GPU).
     threads : int, optional
-        The CPU kernels' threads (their per-thread scratch); default
-        `tpcore.get_num_threads()`.
+        Each rank's CPU kernel threads (their per-thread scratch); default what a rank of
+        `world` ranks on this host gets (`TPCORE_NUM_THREADS`, else the cores / world).
 
     Returns
     -------
@@ -213,9 +213,9 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     if isinstance(dtype, str):
         check_param_dtype(dtype, who)
     dts = _model_dtypes(dtype, who)
-    if threads is None:
-        from . import get_num_threads
-        threads = get_num_threads()
+    if threads is None:   # what each rank of a job of `world` ranks on this host gets by default
+        from . import _default_threads
+        threads = _default_threads(world)
     threads = int_arg(threads, who, "threads", lo=1, hi=1 << 16)
 
     C, D, L, V, F = cfg.hidden, cfg.head_dim, cfg.layers, cfg.vocab_size, cfg.ffn_hidden
