@@ -1,8 +1,8 @@
 """Streaming checkpoint loads (tpcore._stream): every rank's slices read with pread into their
 final place through one bounded staging buffer.
 
-- the loaded weights equal a reference read independently (the `safetensors` package, torch
-  tensors), for float32 and bfloat16 files, GPT-2 (Conv1D transposed, c_attn cut) and Llama
+- the loaded weights equal a reference read independently (a NumPy safetensors reader written
+  here), for float32 and bfloat16 files, GPT-2 (Conv1D transposed, c_attn cut) and Llama
   (GQA, [gate; up] stacked, untied), world 1-4 with uneven head partitions, a staging buffer
   of a few KB (many chunks) and the default;
 - resident memory measured from /proc in the ranks: the load's transient (peak VmHWM minus
@@ -12,6 +12,7 @@ final place through one bounded staging buffer.
 - the real SmolLM2 GGUF loads the file's bytes (checked against the gguf package's own
   reader) with a bounded transient.
 """
+import json
 import os
 import shutil
 
@@ -46,15 +47,52 @@ def _save(comm, cfg, path, seed):
     TransformerLM(cfg, comm, seed=seed).save_pretrained(path, hf=True)
 
 
+def _st_read(path):
+    """Every tensor of a safetensors file as float32, read here with NumPy alone (the format: an
+    8-byte little-endian header length, a JSON header, the data; BF16 are the top 16 bits of a
+    float32).  No torch in the pytest process: its OpenMP threads would hang later forked ranks."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    data = memoryview(raw)[8 + n:]
+    out = {}
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        b, e = v["data_offsets"]
+        if v["dtype"] == "F32":
+            a = np.frombuffer(data[b:e], "<f4")
+        elif v["dtype"] == "BF16":
+            a = (np.frombuffer(data[b:e], "<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            raise AssertionError(f"{path}: {k} is {v['dtype']}")
+        out[k] = a.reshape(v["shape"]).copy()
+    return out
+
+
+def _st_write_bf16(path, tensors):
+    """A safetensors file of tensors rounded to bfloat16 (nearest even), written here."""
+    header, blobs, off = {}, [], 0
+    for k, a in tensors.items():
+        bits = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+        bf = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
+        header[k] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [off, off + len(bf)]}
+        blobs.append(bf)
+        off += len(bf)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+
+
 def _to_bf16(src, dst):
-    """A copy of an HF folder with every tensor in bfloat16 (written by the safetensors package)."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    """A copy of an HF folder with every tensor in bfloat16."""
     shutil.copytree(src, dst)
     for fn in os.listdir(dst):
         if fn.endswith(".safetensors"):
             p = os.path.join(dst, fn)
-            save_file({k: v.to(torch.bfloat16) for k, v in load_file(p).items()}, p)
+            _st_write_bf16(p, _st_read(p))
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +118,11 @@ def big(tmp_path_factory):
 
 
 def _reference(path, cfg):
-    """tpcore's full tensors from the HF files, read by the safetensors package (float32)."""
-    import torch
-    from safetensors.torch import load_file
+    """tpcore's full tensors from the HF files, read by _st_read (float32)."""
     t = {}
     for fn in sorted(os.listdir(path)):
         if fn.endswith(".safetensors"):
-            t.update({k: v.to(torch.float32).numpy() for k, v in load_file(os.path.join(path, fn)).items()})
+            t.update(_st_read(os.path.join(path, fn)))
     sd = {}
     if cfg.model_type == "gpt2":
         t = {k.removeprefix("transformer."): v for k, v in t.items()}
