@@ -160,6 +160,16 @@ def test_staging_bytes_checked(small):
     assert tpcore.spawn(f, 1, args=(small["llama", "bf16"],), deadline=DEADLINE) == [True]
 
 
+
+def test_huge_staging_bytes_allocates_what_the_chunks_need(small):
+    """A staging size far beyond the model's tensors (here 4 EiB) is a cap, not an
+    allocation: a bfloat16 file (every chunk converted in staging) loads the same weights."""
+    def f(comm, path):
+        a = from_pretrained(path, comm, progress=False, staging_bytes=1 << 62).state_dict_full()
+        b = from_pretrained(path, comm, progress=False, staging_bytes=3000).state_dict_full()
+        return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert tpcore.spawn(f, 1, args=(small["llama", "bf16"],), deadline=DEADLINE) == [True]
+
 # Resident memory --------------------------------------------------------------------------
 def _status(key):
     with open("/proc/self/status") as f:
