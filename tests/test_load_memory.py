@@ -446,3 +446,25 @@ def test_file_tensor_indexes_as_numpy(tmp_path):
         for k in (Ellipsis, 1, slice(1, 3), np.array([2, 0]), (slice(None), slice(1, 3)) if name != "v" else -1):
             assert np.array_equal(t[name][k], arrs[name][k]), (name, k)
     assert t["s"][...] == 2.5 and np.array_equal(np.asarray(t["c"]), arrs["c"])
+
+
+def test_file_tensor_indexes_after_the_first_axis_as_numpy(tmp_path):
+    """Indices after the first axis of a 3-D FileTensor (after a column slice, too) and an
+    Ellipsis anywhere in the key select what NumPy selects (they used to land on the wrong
+    axis: silently wrong values)."""
+    from tpcore._formats import open_safetensors, write_safetensors
+    rng = np.random.default_rng(11)
+    arrs = {"c": rng.standard_normal((4, 3, 5)).astype(np.float32), "v": rng.standard_normal(7).astype(np.float32),
+            "a": rng.standard_normal((6, 5)).astype(np.float32)}
+    p = str(tmp_path / "x.safetensors")
+    write_safetensors(p, arrs)
+    t, _ = open_safetensors(p)
+    keys = {"c": [(1, slice(None), 2), (slice(None), slice(1, 3), slice(None, None, 2)), (Ellipsis, 1),
+                  (Ellipsis, slice(1, 4)), (2, Ellipsis, 3), (slice(1, 3), 2), (np.array([3, 0]), slice(0, 2), -1),
+                  (-1, slice(None), slice(None))],
+            "v": [(Ellipsis, 0), (Ellipsis, slice(2, 5)), (slice(1, 6), Ellipsis)],
+            "a": [(Ellipsis, 2), (Ellipsis, slice(1, 4)), (3, Ellipsis), (slice(None, None, -1), Ellipsis, 1)]}
+    for name, ks in keys.items():
+        for k in ks:
+            got, want = t[name][k], arrs[name][k]
+            assert np.shape(got) == np.shape(want) and np.array_equal(got, want), (name, k)

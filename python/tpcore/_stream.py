@@ -248,6 +248,12 @@ class FileTensor:
             raw = np.empty((1,), self.raw_dtype)
             self.read_raw(np.zeros(1, np.int64), None, raw)
             return self._finish(raw.reshape(()))[key]
+        key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):   # as NumPy: the axes the rest of the key does not name
+            i = next(j for j, k in enumerate(key) if k is Ellipsis)
+            named = sum(1 for k in key if k is not Ellipsis and k is not None)
+            key = key[:i] + (slice(None),) * max(0, self.ndim - named) + tuple(k for k in key[i + 1:]
+                                                                                 if k is not Ellipsis)
         rows, scalar, rest = _rows(key, self.shape[0])
         rows = np.atleast_1d(rows).astype(np.int64)
         cols = None
@@ -264,8 +270,8 @@ class FileTensor:
         out = self._finish(raw)
         if cols is not None and cols_read is None:
             out = out[:, cols]
-        if rest:
-            out = out[(slice(None),) + tuple(rest)]
+        if rest:   # the indices after the rows (and the column slice, when one was taken)
+            out = out[(slice(None),) * (1 if cols is None else 2) + tuple(rest)]
         return out[0] if scalar else out
 
     def _finish(self, raw):
