@@ -468,3 +468,39 @@ def test_file_tensor_indexes_after_the_first_axis_as_numpy(tmp_path):
         for k in ks:
             got, want = t[name][k], arrs[name][k]
             assert np.shape(got) == np.shape(want) and np.array_equal(got, want), (name, k)
+
+
+def test_npz_checkpoints_stream(tmp_path):
+    """tpcore.save's .npz files (np.savez: stored, uncompressed members) are read like its
+    safetensors files: every array a FileTensor read with pread on indexing (they used to be
+    read whole, all at once, beside the model), loading the same weights through a staging
+    buffer of a few KB at world 1 and 2, sharded or not."""
+    from tpcore._formats import read_tensors_file
+    from tpcore.layers import is_lazy
+    ck = str(tmp_path / "ck.npz")
+
+    def f(comm):
+        def layers(seed):
+            return {"emb": tpcore.VocabParallelEmbedding(203, 40, comm, seed=seed),
+                    "col": tpcore.ColumnParallelLinear(40, 70, comm, seed=seed),
+                    "row": tpcore.RowParallelLinear(70, 40, comm, seed=seed)}
+        src = layers(5)
+        want = {k: v.gather_full() for k, v in src.items()}
+        tpcore.save(src, ck, comm)
+        tpcore.save(src, ck, comm, sharded=True)
+        tensors, _ = read_tensors_file(ck)
+        ok = bool(tensors) and all(is_lazy(t) for t in tensors.values())
+        os.environ["TPCORE_LOAD_STAGING_MB"] = "0.002"
+        try:
+            for sharded in (False, True):
+                dst = layers(6)
+                tpcore.load(dst, ck, comm, sharded=sharded)
+                for k, v in dst.items():
+                    g, w = v.gather_full(), want[k]
+                    ok &= all(np.array_equal(x, y) for x, y in zip(g, w)) if isinstance(w, tuple) else \
+                        np.array_equal(g, w)
+        finally:
+            del os.environ["TPCORE_LOAD_STAGING_MB"]
+        return ok
+    for w in (1, 2):
+        assert tpcore.spawn(f, w, deadline=DEADLINE) == [True] * w
