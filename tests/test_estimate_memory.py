@@ -175,3 +175,15 @@ def test_estimate_huge_layer_count_is_arithmetic(name):
                 assert est[3][r][k] == one + 2 * (two - one), (training, r, k)   # linear at small L
                 assert est[2 ** 63][r][k] == one + (2 ** 63 - 1) * (two - one), (training, r, k)
             assert est[2 ** 63][r]["params"] > 2 ** 63
+
+
+def test_estimate_prefill_checked_when_training():
+    """prefill is ignored by a training estimate (a step's workspaces follow max_len), but a
+    bad one is still an error naming it, as for inference (it used to pass silently)."""
+    cfg = tpcore.Config(**GPT2)
+    for training in (False, True):
+        for bad, exc in (("abc", TypeError), (-5, ValueError), (0, ValueError), (2.0, TypeError), (9, ValueError)):
+            with pytest.raises(exc, match="prefill"):
+                estimate_memory(cfg, 2, max_len=8, prefill=bad, training=training)
+    a = estimate_memory(cfg, 2, max_len=8, prefill=3, training=True)
+    assert a == estimate_memory(cfg, 2, max_len=8, training=True)

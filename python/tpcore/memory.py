@@ -205,7 +205,8 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     gpu = dev[0] != "cpu"
     cfg, file_fmts, half = _source(config_or_dir, who)
     T = cfg.max_positions if max_len is None else int_arg(max_len, who, "max_len", lo=1, hi=2 ** 31 - 1)
-    P = T if prefill is None or training else int_arg(prefill, who, "prefill", lo=1, hi=T)
+    P = T if prefill is None else int_arg(prefill, who, "prefill", lo=1, hi=T)   # checked either way
+    P = T if training else P                          # a training step's workspaces follow max_len
     if dtype is None:
         dtype = file_fmts if file_fmts is not None else (half if gpu and half else "float32")
     elif isinstance(dtype, str) and dtype == "gguf" and file_fmts is not None:
