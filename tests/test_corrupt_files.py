@@ -716,6 +716,27 @@ def test_layer_checkpoints_npz(tmp_path, comm):
     _raises(lambda: _tp_load(path), "m.npz")
 
 
+def test_npz_flipped_data_byte_of_a_large_member(tmp_path):
+    """A flipped byte in the data of a member larger than zipfile's first read (members are
+    read with pread on indexing, never through zipfile): its CRC is still checked."""
+    path = str(tmp_path / "big.npz")
+
+    def model(c):
+        return {"emb": tpcore.VocabParallelEmbedding(1500, 24, c, seed=1),
+                "mlp": tpcore.ParallelMLP(24, 200, c, activation="swiglu", seed=1)}
+    with tpcore.init() as c:
+        tpcore.save(model(c), path, c)
+    good = _npz_members(path)
+    for name in ("emb.weight.npy", "mlp.fc1.weight.npy", "mlp.fc2.weight.npy"):
+        assert len(good[name]) > 16384
+        _write_npz(path, good)
+        raw = bytearray(open(path, "rb").read())
+        raw[raw.index(good[name]) + len(good[name]) - 3] ^= 0x10
+        open(path, "wb").write(bytes(raw))
+        with tpcore.init() as c:
+            _raises(lambda: tpcore.load(model(c), path, c), "big.npz", name[:-4], "CRC")
+
+
 def _sharded_npz(comm, path):
     m = _layers_model(comm)
     tpcore.save(m, path, comm, sharded=True)

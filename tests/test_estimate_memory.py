@@ -159,3 +159,31 @@ def test_estimate_bad_arguments():
         estimate_memory(3.5, 2)
     with pytest.raises(FileNotFoundError):
         estimate_memory("/nonexistent/dir", 2)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_estimate_huge_layer_count_is_arithmetic(name):
+    """A config of 2**63 layers (valid: Config bounds only from below) is counted, not
+    looped over (it used to hang): every key is linear in the layer count, so its value at
+    2**63 layers follows from those at 1 and 2, training and inference."""
+    for training in (False, True):
+        est = {L: estimate_memory(tpcore.Config(**{**CFGS[name], "layers": L}), 3, batch=2, max_len=8,
+                                  training=training, threads=2) for L in (1, 2, 3, 2 ** 63)}
+        for r in range(3):
+            for k in KEYS:
+                one, two = est[1][r][k], est[2][r][k]
+                assert est[3][r][k] == one + 2 * (two - one), (training, r, k)   # linear at small L
+                assert est[2 ** 63][r][k] == one + (2 ** 63 - 1) * (two - one), (training, r, k)
+            assert est[2 ** 63][r]["params"] > 2 ** 63
+
+
+def test_estimate_prefill_checked_when_training():
+    """prefill is ignored by a training estimate (a step's workspaces follow max_len), but a
+    bad one is still an error naming it, as for inference (it used to pass silently)."""
+    cfg = tpcore.Config(**GPT2)
+    for training in (False, True):
+        for bad, exc in (("abc", TypeError), (-5, ValueError), (0, ValueError), (2.0, TypeError), (9, ValueError)):
+            with pytest.raises(exc, match="prefill"):
+                estimate_memory(cfg, 2, max_len=8, prefill=bad, training=training)
+    a = estimate_memory(cfg, 2, max_len=8, prefill=3, training=True)
+    assert a == estimate_memory(cfg, 2, max_len=8, training=True)

@@ -196,6 +196,16 @@ def test_staging_bytes_checked(small):
     assert tpcore.spawn(f, 1, args=(small["llama", "bf16"],), deadline=DEADLINE) == [True]
 
 
+
+def test_huge_staging_bytes_allocates_what_the_chunks_need(small):
+    """A staging size far beyond the model's tensors (here 4 EiB) is a cap, not an
+    allocation: a bfloat16 file (every chunk converted in staging) loads the same weights."""
+    def f(comm, path):
+        a = from_pretrained(path, comm, progress=False, staging_bytes=1 << 62).state_dict_full()
+        b = from_pretrained(path, comm, progress=False, staging_bytes=3000).state_dict_full()
+        return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert tpcore.spawn(f, 1, args=(small["llama", "bf16"],), deadline=DEADLINE) == [True]
+
 # Resident memory --------------------------------------------------------------------------
 def _status(key):
     with open("/proc/self/status") as f:
@@ -472,3 +482,61 @@ def test_file_tensor_indexes_as_numpy(tmp_path):
         for k in (Ellipsis, 1, slice(1, 3), np.array([2, 0]), (slice(None), slice(1, 3)) if name != "v" else -1):
             assert np.array_equal(t[name][k], arrs[name][k]), (name, k)
     assert t["s"][...] == 2.5 and np.array_equal(np.asarray(t["c"]), arrs["c"])
+
+
+def test_file_tensor_indexes_after_the_first_axis_as_numpy(tmp_path):
+    """Indices after the first axis of a 3-D FileTensor (after a column slice, too) and an
+    Ellipsis anywhere in the key select what NumPy selects (they used to land on the wrong
+    axis: silently wrong values)."""
+    from tpcore._formats import open_safetensors, write_safetensors
+    rng = np.random.default_rng(11)
+    arrs = {"c": rng.standard_normal((4, 3, 5)).astype(np.float32), "v": rng.standard_normal(7).astype(np.float32),
+            "a": rng.standard_normal((6, 5)).astype(np.float32)}
+    p = str(tmp_path / "x.safetensors")
+    write_safetensors(p, arrs)
+    t, _ = open_safetensors(p)
+    keys = {"c": [(1, slice(None), 2), (slice(None), slice(1, 3), slice(None, None, 2)), (Ellipsis, 1),
+                  (Ellipsis, slice(1, 4)), (2, Ellipsis, 3), (slice(1, 3), 2), (np.array([3, 0]), slice(0, 2), -1),
+                  (-1, slice(None), slice(None))],
+            "v": [(Ellipsis, 0), (Ellipsis, slice(2, 5)), (slice(1, 6), Ellipsis)],
+            "a": [(Ellipsis, 2), (Ellipsis, slice(1, 4)), (3, Ellipsis), (slice(None, None, -1), Ellipsis, 1)]}
+    for name, ks in keys.items():
+        for k in ks:
+            got, want = t[name][k], arrs[name][k]
+            assert np.shape(got) == np.shape(want) and np.array_equal(got, want), (name, k)
+
+
+def test_npz_checkpoints_stream(tmp_path):
+    """tpcore.save's .npz files (np.savez: stored, uncompressed members) are read like its
+    safetensors files: every array a FileTensor read with pread on indexing (they used to be
+    read whole, all at once, beside the model), loading the same weights through a staging
+    buffer of a few KB at world 1 and 2, sharded or not."""
+    from tpcore._formats import read_tensors_file
+    from tpcore.layers import is_lazy
+    ck = str(tmp_path / "ck.npz")
+
+    def f(comm):
+        def layers(seed):
+            return {"emb": tpcore.VocabParallelEmbedding(203, 40, comm, seed=seed),
+                    "col": tpcore.ColumnParallelLinear(40, 70, comm, seed=seed),
+                    "row": tpcore.RowParallelLinear(70, 40, comm, seed=seed)}
+        src = layers(5)
+        want = {k: v.gather_full() for k, v in src.items()}
+        tpcore.save(src, ck, comm)
+        tpcore.save(src, ck, comm, sharded=True)
+        tensors, _ = read_tensors_file(ck)
+        ok = bool(tensors) and all(is_lazy(t) for t in tensors.values())
+        os.environ["TPCORE_LOAD_STAGING_MB"] = "0.002"
+        try:
+            for sharded in (False, True):
+                dst = layers(6)
+                tpcore.load(dst, ck, comm, sharded=sharded)
+                for k, v in dst.items():
+                    g, w = v.gather_full(), want[k]
+                    ok &= all(np.array_equal(x, y) for x, y in zip(g, w)) if isinstance(w, tuple) else \
+                        np.array_equal(g, w)
+        finally:
+            del os.environ["TPCORE_LOAD_STAGING_MB"]
+        return ok
+    for w in (1, 2):
+        assert tpcore.spawn(f, w, deadline=DEADLINE) == [True] * w

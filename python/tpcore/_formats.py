@@ -26,6 +26,7 @@ import os
 import re
 import stat
 import struct
+import sys
 import zipfile
 from typing import Dict, Tuple
 
@@ -368,10 +369,14 @@ def open_safetensors(path: str) -> Tuple[Dict[str, object], Dict[str, str]]:
 
 
 # NumPy .npz and the files of tpcore.save ----------------------------------------------
-def read_npz(path: str) -> Dict[str, np.ndarray]:
+def read_npz(path: str, lazy: bool = False) -> Dict[str, np.ndarray]:
     """Every array of a .npz archive, checked before it is read: a zip of .npy members
     only, no pickled objects, each member's .npy header consistent with the member's
-    size (a header that lies about its shape allocates nothing).  Else CheckpointError."""
+    size (a header that lies about its shape allocates nothing).  Else CheckpointError.
+    lazy: a stored (uncompressed, np.savez's) C-order member of a numeric little-endian
+    dtype is a tpcore._stream.FileTensor at its bytes in the archive (read with pread on
+    indexing: the loaders stream it; its CRC is checked first, reading it in 1 MiB pieces);
+    the others are read."""
     if os.path.exists(path):
         regular_file(path)
     try:
@@ -401,10 +406,20 @@ def read_npz(path: str) -> Dict[str, np.ndarray]:
                     if dtype.hasobject:
                         raise bad(path, f"array {key!r} dtype", "a numeric dtype (pickled objects are refused)",
                                   str(dtype))
-                    need = f.tell() + math.prod(shape) * dtype.itemsize
+                    hdr = f.tell()
+                    need = hdr + math.prod(shape) * dtype.itemsize
                 if need != info.file_size:
                     raise bad(path, f"array {key!r}", f"{need} bytes for shape {shape} of {dtype}",
                               f"{info.file_size} bytes in the archive")
+                st = _ST_NAMES.get(dtype.newbyteorder("=")) if dtype.byteorder in "<|" or \
+                    (dtype.byteorder == "=" and sys.byteorder == "little") else None
+                if lazy and st is not None and not fortran and info.compress_type == zipfile.ZIP_STORED:
+                    from ._stream import FileTensor
+                    with zf.open(info) as f:   # its CRC checked first, 1 MiB at a time (zipfile raises)
+                        while f.read(1 << 20):
+                            pass
+                    out[key] = FileTensor(path, key, st, shape, _zip_data_offset(path, info) + hdr)
+                    continue
                 with zf.open(info) as f:
                     out[key] = np.lib.format.read_array(f, allow_pickle=False)
             except CheckpointError:
@@ -412,6 +427,17 @@ def read_npz(path: str) -> Dict[str, np.ndarray]:
             except Exception as e:  # noqa: BLE001  zip CRC, zlib, EOF, a malformed .npy header
                 raise bad(path, f"array {key!r}", "a readable .npy array", f"{type(e).__name__}: {e}") from e
     return out
+
+
+def _zip_data_offset(path: str, info) -> int:
+    """Where a zip member's bytes start in the archive: after its local header (30 bytes,
+    the name and an extra field whose lengths it gives)."""
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        head = f.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        raise bad(path, f"member {info.filename!r}", "a zip local file header", "something else")
+    return info.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
 
 
 def _meta_json(path, text, field):
@@ -467,7 +493,7 @@ def write_tensors_file(path, tensors, meta):
 def read_tensors_file(path):
     """(tensors, tpcore metadata) of one of tpcore.save's files; CheckpointError if corrupt."""
     if file_format(path) == "npz":
-        tensors = read_npz(path)
+        tensors = read_npz(path, lazy=True)   # stored members read on indexing (pread), streamed
         meta = tensors.pop("__metadata__", None)
         if meta is None:
             return tensors, {}

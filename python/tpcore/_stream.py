@@ -58,23 +58,33 @@ def staging_arg(staging_bytes, who: str) -> int:
 
 
 class Staging:
-    """One staging buffer of `nbytes` (allocated on first use), handed out as regions by a
-    bump allocator that `reset` rewinds for every chunk.  A region that does not fit (a
-    single row larger than the buffer) is a temporary of its own."""
+    """One staging buffer of at most `nbytes`, handed out as regions by a bump allocator
+    that `reset` rewinds for every chunk.  The buffer is allocated on first use at the size
+    the chunks ask for (`reserve`), never above nbytes: a staging size far larger than the
+    model's tensors costs nothing.  A region that does not fit (a single row larger than
+    the buffer) is a temporary of its own."""
 
     def __init__(self, nbytes: int):
-        self.nbytes, self.buf, self.pos = int(nbytes), None, 0
+        self.nbytes, self.buf, self.pos, self.want = int(nbytes), None, 0, 0
 
     def reset(self) -> None:
         self.pos = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """The next chunks take up to nbytes of regions: the buffer grows to that (at most
+        the staging size) before the next chunk's first region."""
+        self.want = max(self.want, min(int(nbytes), self.nbytes))
 
     def take(self, shape, dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
         n = math.prod(shape) * dtype.itemsize
         if self.pos + n > self.nbytes:
             return np.empty(shape, dtype)
-        if self.buf is None:
-            self.buf = np.empty(self.nbytes, np.uint8)
+        if self.pos == 0 and (self.buf is None or self.buf.size < max(n, self.want)):
+            self.buf = None   # the old one goes before the new one is made
+            self.buf = np.empty(max(n, self.want), np.uint8)
+        if self.pos + n > self.buf.size:
+            return np.empty(shape, dtype)
         v = self.buf[self.pos:self.pos + n].view(dtype).reshape(shape)
         self.pos += -(-n // 64) * 64
         return v
@@ -238,6 +248,12 @@ class FileTensor:
             raw = np.empty((1,), self.raw_dtype)
             self.read_raw(np.zeros(1, np.int64), None, raw)
             return self._finish(raw.reshape(()))[key]
+        key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):   # as NumPy: the axes the rest of the key does not name
+            i = next(j for j, k in enumerate(key) if k is Ellipsis)
+            named = sum(1 for k in key if k is not Ellipsis and k is not None)
+            key = key[:i] + (slice(None),) * max(0, self.ndim - named) + tuple(k for k in key[i + 1:]
+                                                                                 if k is not Ellipsis)
         rows, scalar, rest = _rows(key, self.shape[0])
         rows = np.atleast_1d(rows).astype(np.int64)
         cols = None
@@ -254,8 +270,8 @@ class FileTensor:
         out = self._finish(raw)
         if cols is not None and cols_read is None:
             out = out[:, cols]
-        if rest:
-            out = out[(slice(None),) + tuple(rest)]
+        if rest:   # the indices after the rows (and the column slice, when one was taken)
+            out = out[(slice(None),) * (1 if cols is None else 2) + tuple(rest)]
         return out[0] if scalar else out
 
     def _finish(self, raw):
@@ -321,6 +337,8 @@ def fill(dst, src, rows, cols, fmt: str, who: str, put=None, at: int = 0) -> Non
     per_row = max(1, ncols) * ((raw_it + 8) if reader is not None else 32)
     k = max(1, st.nbytes // per_row)
     n = idx.size
+    if reader is not None:   # a chunk's regions, each rounded up to 64 bytes
+        st.reserve(min(n, k) * per_row + 4 * 64)
     if put is None:
         def put(d, v):
             _put_weight(d, fmt, v, who)

@@ -205,7 +205,8 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     gpu = dev[0] != "cpu"
     cfg, file_fmts, half = _source(config_or_dir, who)
     T = cfg.max_positions if max_len is None else int_arg(max_len, who, "max_len", lo=1, hi=2 ** 31 - 1)
-    P = T if prefill is None or training else int_arg(prefill, who, "prefill", lo=1, hi=T)
+    P = T if prefill is None else int_arg(prefill, who, "prefill", lo=1, hi=T)   # checked either way
+    P = T if training else P                          # a training step's workspaces follow max_len
     if dtype is None:
         dtype = file_fmts if file_fmts is not None else (half if gpu and half else "float32")
     elif isinstance(dtype, str) and dtype == "gguf" and file_fmts is not None:
@@ -238,16 +239,16 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
         f, Vr = ffn[r], vocab[r]
         W, A = (nq + 2 * nk) * D, nq * D
         p = dict.fromkeys(_KEYS, 0)
-        trainable = []                   # (elements, storage dtype) of each weight with a gradient
+        trainable = []                   # (elements, storage dtype, C layer, copies) of each weight with a gradient
 
-        def weight(fmt, rows, cols):       # a C layer's weight: its own 64-byte-aligned slice
-            p["params"] += _a(_wbytes(fmt, rows, cols))
+        def weight(fmt, rows, cols, k=1):  # a C layer's weight (k copies: one per block): its own aligned slice
+            p["params"] += k * _a(_wbytes(fmt, rows, cols))
             if not is_quantized(fmt):
-                trainable.append((rows * cols, fmt, True))
+                trainable.append((rows * cols, fmt, True, k))
 
-        def f32(n, c_layer=True):          # a float32 parameter: a C layer's slice, or a model's NumPy array
-            p["params"] += _a(4 * n) if c_layer else 4 * n
-            trainable.append((n, "float32", c_layer))
+        def f32(n, c_layer=True, k=1):     # a float32 parameter: a C layer's slice, or a model's NumPy array
+            p["params"] += k * (_a(4 * n) if c_layer else 4 * n)
+            trainable.append((n, "float32", c_layer, k))
 
         # the embeddings, and the norms outside the blocks
         weight(dts["embedding"], Vr, C)
@@ -260,22 +261,21 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
                 f32(C, False)
         if not cfg.tie_embeddings:
             weight(dts["head"], Vr, C)
-        # the blocks
-        for _ in range(L):
-            weight(dts["qkv"], W, C)
-            if cfg.bias:
-                f32(W)
-            for _ in range(2 * (2 if ln else 1)):         # norm1, norm2 (weights, biases)
-                f32(C)
-            weight(dts["out"], C, A)
-            if cfg.bias:
-                f32(C)
-            weight(dts["fc1"], g * f, C)
-            if cfg.bias:
-                f32(g * f)
-            weight(dts["fc2"], C, f)
-            if cfg.bias:
-                f32(C)
+        # the blocks: L of the same sizes (counted once, times L: no loop over a config's layers)
+        weight(dts["qkv"], W, C, L)
+        if cfg.bias:
+            f32(W, k=L)
+        for _ in range(2 * (2 if ln else 1)):             # norm1, norm2 (weights, biases)
+            f32(C, k=L)
+        weight(dts["out"], C, A, L)
+        if cfg.bias:
+            f32(C, k=L)
+        weight(dts["fc1"], g * f, C, L)
+        if cfg.bias:
+            f32(g * f, k=L)
+        weight(dts["fc2"], C, f, L)
+        if cfg.bias:
+            f32(C, k=L)
         ws_block, comm_block, shared = _block_workspace(cfg, B, P, T if cfg.causal else P, nq, nk, W, A, f, g,
                                                         kvrep, need_bw, gpu, threads, world)
         p["workspace"] += L * ws_block + (shared[0] if L else 0)
@@ -289,13 +289,13 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
             p["comm"] += _reg(M * C * 4)
         if training:
             # float32 gradients (a C layer's each in its aligned slice); the optimizer's NumPy state
-            p["grads"] = sum(_a(4 * n) if c else 4 * n for n, _, c in trainable)
+            p["grads"] = sum(k * (_a(4 * n) if c else 4 * n) for n, _, c, k in trainable)
             if optimizer == "adamw":
-                p["optimizer"] = sum(8 * n + (4 * n if fmt != "float32" else 0) for n, fmt, _ in trainable)
+                p["optimizer"] = sum(k * (8 * n + (4 * n if fmt != "float32" else 0)) for n, fmt, _, k in trainable)
             elif optimizer == "sgd_momentum":
-                p["optimizer"] = sum(4 * n + (4 * n if fmt != "float32" else 0) for n, fmt, _ in trainable)
+                p["optimizer"] = sum(k * (4 * n + (4 * n if fmt != "float32" else 0)) for n, fmt, _, k in trainable)
             elif optimizer == "sgd":
-                p["optimizer"] = sum(4 * n for n, fmt, _ in trainable if fmt != "float32")
+                p["optimizer"] = sum(k * 4 * n for n, fmt, _, k in trainable if fmt != "float32")
             # the logits shard (kept across steps)
             p["workspace"] += M * Vr * 4
             if not cfg.tie_embeddings:   # the head keeps its input for backward, all-reduces its gradient
