@@ -378,6 +378,7 @@ def test_fill_device_rows_in_chunks(tmp_path):
     import ml_dtypes
     from tpcore import _stream
     from tpcore._formats import open_safetensors, write_safetensors
+    from tpcore.layers import _put_weight
     rng = np.random.default_rng(7)
     W = rng.standard_normal((37, 29)).astype(np.float32)
     p = str(tmp_path / "a.safetensors")
@@ -388,7 +389,7 @@ def test_fill_device_rows_in_chunks(tmp_path):
             ref = (W if name == "w" else W.astype(ml_dtypes.bfloat16).astype(np.float32))[3:36, 5:12]
             dst = tpcore.DeviceArray((40, 7), dt, "cpu")
             with _stream.loading(300):          # a few rows a chunk
-                _stream.fill(dst, t[name], slice(3, 36), slice(5, 12), dt, "test", at=2)
+                _stream.fill(dst, t[name], slice(3, 36), slice(5, 12), dt, "test", _put_weight, at=2)
             got = dst.to_numpy().astype(np.float32)
             assert np.array_equal(got[2:35], ref.astype(dt).astype(np.float32)), (dt, name)
             assert not got[:2].any() and not got[35:].any()

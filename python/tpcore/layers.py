@@ -846,7 +846,7 @@ def load_weight(dst, dtype: str, src, rows, cols, who: str, at: int = 0) -> None
         return
     if is_quantized(dtype) and not (dst.shape[0] if hasattr(dst, "shape") else 1):
         return  # (a shard of no rows: nothing to copy)
-    fill(dst, src, rows, cols, dtype, who, at=at)
+    fill(dst, src, rows, cols, dtype, who, _put_weight, at=at)
 
 
 def _load_bias(layer, b, sel, n):

@@ -19,11 +19,15 @@ buffers grow to 1.5x what a call asks for).  Nothing is allocated.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import _formats as fmt
 from ._args import int_arg, shown
 from .quant import is_quantized, row_bytes
+from .layers import check_param_dtype
+from .layers import partition as partition_dim
 from .transformer import Config
 
 ALIGN = 64            # TP_DEVICE_ALIGN (csrc/include/tpcore/device.h)
@@ -32,6 +36,56 @@ MIN_WORK = 1 << 16    # the CPU pool's work per thread (csrc/kernels/cpu/paralle
 MAX_THREADS = 64
 _KEYS = ("params", "grads", "optimizer", "kv_cache", "kv_cache_used", "workspace", "comm")
 _FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+_PARTS = ("embedding", "head", "qkv", "out", "fc1", "fc2")
+
+
+def _model_dtypes(dtype: Any, who: str) -> Dict[str, str]:
+    """A model's weight storage per part: one dtype for all, or a dict by part (missing: float32)."""
+    if isinstance(dtype, dict):
+        extra = sorted(set(dtype) - set(_PARTS))
+        if extra:
+            raise ValueError(f"{who}: dtype keys must be among {list(_PARTS)}, got {extra}")
+        return {k: check_param_dtype(dtype.get(k, "float32"), who) for k in _PARTS}
+    d = check_param_dtype(dtype, who)
+    return {k: d for k in _PARTS}
+
+
+def _aligned_heads(cfg: Config, world: int, out_dtype: str) -> Optional[List[int]]:
+    """A head split whose output-projection slices (heads x head_dim columns) are whole blocks
+    of a quantized out_dtype, when the even split's are not (None: the even split will do, or
+    no split can: the layer then names the problem)."""
+    from .quant import block_size
+    blk = block_size(out_dtype)
+    if blk <= 1:
+        return None
+    unit = blk // math.gcd(blk, cfg.head_dim)  # heads per whole number of blocks
+    even = partition_dim(cfg.heads, world)
+    if all(s * cfg.head_dim % blk == 0 for _, s in even) or cfg.heads % unit:
+        return None
+    return [s for _, s in partition_dim(cfg.heads, world, align=unit)]
+
+
+def _gguf_files(path) -> Optional[str]:
+    """The GGUF file from_pretrained loads for path: path itself when it is a file ending in
+    .gguf (or starting with the GGUF magic), the one .gguf of a directory without a
+    config.json / tpcore_config.json; None: not a GGUF checkpoint.  A directory with
+    several .gguf files (and no config) is a ValueError listing them."""
+    from .gguf import is_gguf
+    p = os.fspath(path)
+    if p.lower().endswith(".gguf") and not os.path.isdir(p):
+        return p                          # (a missing one: from_gguf's FileNotFoundError names it)
+    if os.path.isfile(p):
+        return p if is_gguf(p) else None
+    if not os.path.isdir(p) or os.path.exists(os.path.join(p, fmt.OWN_CONFIG)) or \
+            os.path.exists(os.path.join(p, fmt.HF_CONFIG)):
+        return None
+    found = sorted(f for f in os.listdir(p) if f.lower().endswith(".gguf") and os.path.isfile(os.path.join(p, f)))
+    if len(found) > 1:
+        raise ValueError(f"from_pretrained: {p!r} holds {len(found)} GGUF files ({', '.join(found)}); pass the one "
+                         f"to load")
+    return os.path.join(p, found[0]) if found else None
 
 
 def _a(nbytes: int) -> int:
@@ -78,7 +132,6 @@ def _split(part, n: int, world: int, what: str, who: str, align: int = 1) -> Lis
 
 def _source(config_or_dir, who: str) -> Tuple[Config, Optional[Dict[str, str]], Optional[str]]:
     """(config, the file's own weight formats or None, the checkpoint's 16-bit dtype name or None)."""
-    from . import _formats as fmt
     if isinstance(config_or_dir, Config):
         return config_or_dir.validate(), None, None
     if isinstance(config_or_dir, dict):
@@ -86,7 +139,6 @@ def _source(config_or_dir, who: str) -> Tuple[Config, Optional[Dict[str, str]], 
     if not isinstance(config_or_dir, (str, os.PathLike)):
         raise TypeError(f"{who}: config_or_dir must be a tpcore.Config, a Hugging Face config dict, a checkpoint "
                         f"directory or a .gguf file, got {shown(config_or_dir)}")
-    from .models import _gguf_files
     path = os.fspath(config_or_dir)
     g = _gguf_files(path)
     if g is not None:
@@ -108,7 +160,6 @@ def _source(config_or_dir, who: str) -> Tuple[Config, Optional[Dict[str, str]], 
 
 def _heads(cfg: Config, world: int, part, out_fmt: str, who: str) -> List[Tuple[int, int, int, int]]:
     """(q0, nq, k0, nk) per rank, as the block computes them (csrc/layers/block.c)."""
-    from .models import _aligned_heads
     if part is None:
         part = _aligned_heads(cfg, world, out_fmt)
     sizes = _split(part, cfg.heads, world, "heads", who)
@@ -193,7 +244,6 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     """
     who = "estimate_memory"
     from .layers import check_param_dtype
-    from .models import _model_dtypes
     from ._array import resolve_device
     world = int_arg(world, who, "world", lo=1, hi=1 << 20)
     batch = int_arg(batch, who, "batch", lo=1, hi=2 ** 31 - 1)

@@ -42,37 +42,9 @@ from .quant import is_quantized
 from .layers import partition as partition_dim
 from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from .memory import _aligned_heads, _gguf_files, _model_dtypes, estimate_memory
 
 __all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize", "estimate_memory"]
-
-
-_PARTS = ("embedding", "head", "qkv", "out", "fc1", "fc2")
-
-
-def _model_dtypes(dtype: Any, who: str) -> Dict[str, str]:
-    """A model's weight storage per part: one dtype for all, or a dict by part (missing: float32)."""
-    if isinstance(dtype, dict):
-        extra = sorted(set(dtype) - set(_PARTS))
-        if extra:
-            raise ValueError(f"{who}: dtype keys must be among {list(_PARTS)}, got {extra}")
-        return {k: check_param_dtype(dtype.get(k, "float32"), who) for k in _PARTS}
-    d = check_param_dtype(dtype, who)
-    return {k: d for k in _PARTS}
-
-
-def _aligned_heads(cfg: Config, world: int, out_dtype: str) -> Optional[List[int]]:
-    """A head split whose output-projection slices (heads x head_dim columns) are whole blocks
-    of a quantized out_dtype, when the even split's are not (None: the even split will do, or
-    no split can: the layer then names the problem)."""
-    from .quant import block_size
-    blk = block_size(out_dtype)
-    if blk <= 1:
-        return None
-    unit = blk // math.gcd(blk, cfg.head_dim)  # heads per whole number of blocks
-    even = partition_dim(cfg.heads, world)
-    if all(s * cfg.head_dim % blk == 0 for _, s in even) or cfg.heads % unit:
-        return None
-    return [s for _, s in partition_dim(cfg.heads, world, align=unit)]
 
 
 def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
@@ -1475,27 +1447,6 @@ def _check_own_shards(path: str, cfg: Config, source: str, world: int) -> None:
                       f"layers={cfg.layers}, max_positions={cfg.max_positions}, ...)")
 
 
-def _gguf_files(path) -> Optional[str]:
-    """The GGUF file from_pretrained loads for path: path itself when it is a file ending in
-    .gguf (or starting with the GGUF magic), the one .gguf of a directory without a
-    config.json / tpcore_config.json; None: not a GGUF checkpoint.  A directory with
-    several .gguf files (and no config) is a ValueError listing them."""
-    from .gguf import is_gguf
-    p = os.fspath(path)
-    if p.lower().endswith(".gguf") and not os.path.isdir(p):
-        return p                          # (a missing one: from_gguf's FileNotFoundError names it)
-    if os.path.isfile(p):
-        return p if is_gguf(p) else None
-    if not os.path.isdir(p) or os.path.exists(os.path.join(p, fmt.OWN_CONFIG)) or \
-            os.path.exists(os.path.join(p, fmt.HF_CONFIG)):
-        return None
-    found = sorted(f for f in os.listdir(p) if f.lower().endswith(".gguf") and os.path.isfile(os.path.join(p, f)))
-    if len(found) > 1:
-        raise ValueError(f"from_pretrained: {p!r} holds {len(found)} GGUF files ({', '.join(found)}); pass the one "
-                         f"to load")
-    return os.path.join(p, found[0]) if found else None
-
-
 @_collective
 def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, dtype: Any = None,
               progress: bool = True, device: Optional[str] = None,
@@ -1586,5 +1537,3 @@ def _from_gguf(path, comm, partition, dtype, progress, device, staging=None) -> 
     del g
     return model
 
-
-from .memory import estimate_memory  # noqa: E402  (memory.py imports this module lazily)
