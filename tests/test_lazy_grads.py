@@ -137,6 +137,8 @@ def _rss_case(comm):
     return layer.weight.nbytes, r1 - r0, r2 - r0, r3 - r2, zero_ok
 
 
+@pytest.mark.skipif(os.environ.get("TPCORE_UNDER_SANITIZER") == "1",
+                    reason="resident memory under ASan is the sanitizer's (shadow memory, quarantine)")
 def test_resident_memory_of_an_inference_layer_is_its_weights():
     wbytes, built, used, grads, zero_ok = run_fresh("test_lazy_grads", "_rss_case", 1)[0]
     # before issue 15 the weight's gradient was allocated and zeroed with it: 2x the weight bytes

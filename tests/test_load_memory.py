@@ -215,6 +215,12 @@ def _status(key):
     raise KeyError(key)
 
 
+# Resident-memory bounds mean nothing under ASan (its shadow memory and the quarantine of freed
+# blocks are resident too): test_sanitized's run skips them, and checks the rest.
+SANITIZED = os.environ.get("TPCORE_UNDER_SANITIZER") == "1"
+RSS = pytest.mark.skipif(SANITIZED, reason="resident memory under ASan is the sanitizer's")
+
+
 def _measure(comm, path, staging, gguf=False):
     import gc
     gc.collect()
@@ -235,6 +241,7 @@ def _nbytes(path):
 STAGING = 8 << 20
 
 
+@RSS
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_load_transient_bounded(big, kind):
     """peak - after <= staging + 10% of the rank's share: the load holds nothing beside the
@@ -246,6 +253,7 @@ def test_load_transient_bounded(big, kind):
             assert peak - after <= STAGING + 0.10 * N / w, (kind, w, (peak - after) / 1e6, N / w / 1e6)
 
 
+@RSS
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_load_peak_within_bound(big, kind):
     """The issue's bound: peak RSS during from_pretrained of N bytes at world w is at most
@@ -257,6 +265,7 @@ def test_load_peak_within_bound(big, kind):
                 (kind, w, (peak - before) / 1e6, (after - before) / 1e6, N / w / 1e6)
 
 
+@RSS
 def test_bf16_load_transient_bounded(big, tmp_path):
     """A bfloat16 file: every chunk converted in the staging buffer."""
     p = str(tmp_path / "bf16")
@@ -367,7 +376,7 @@ def test_smollm2_gguf_streams_the_files_bytes():
             # the load's peak: the metadata reader's (measured alone; released before the model
             # is allocated) or the loaded model plus the staging buffer, each within 10% of N/w
             b = res["before"]
-            assert res["peak"] - b <= max(res["after"] - b + (4 << 20), res["reader"]) + 0.10 * size / w, \
+            assert SANITIZED or res["peak"] - b <= max(res["after"] - b + (4 << 20), res["reader"]) + 0.10 * size / w, \
                 (w, (res["peak"] - b) / 1e6, (res["after"] - b) / 1e6, res["reader"] / 1e6)
 
 
