@@ -397,3 +397,16 @@ def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, thr
     if world > 1:
         comm += 2 * _reg(M * C * 4)               # fc2's all-reduce, fc1's input gradient
     return ws, comm, (0, 0)
+
+
+def memory_and_estimate(model, batch: int, max_len: int, prefill: int) -> Dict[str, int]:
+    """A model's memory() (the largest figures a benchmark prints) and estimate_memory's total for
+    the same model, split and run (batch, a cache of max_len, a prompt of prefill tokens),
+    computed from its config alone: what the decode benchmark and the report print."""
+    got = model.memory()
+    est = estimate_memory(model.config, model.comm.size, dtype=model.dtypes, batch=batch, max_len=max_len,
+                          prefill=prefill, partition=model.blocks[0].head_partition,
+                          ffn_partition=model.blocks[0].ffn_partition, vocab_partition=model.vocab_partition,
+                          device=got["device"])[model.comm.rank]
+    keys = ("params", "grads", "kv_cache", "kv_cache_used", "workspace", "comm", "total")
+    return {**{k: got[k] for k in keys}, "estimate": est["total"]}

@@ -48,6 +48,8 @@ import time
 
 import numpy as np
 
+from ..memory import memory_and_estimate
+
 GPT2_SMALL = dict(vocab_size=50257, hidden=768, layers=12, heads=12, ffn_hidden=3072, max_positions=1024,
                   activation="gelu_tanh", positions="learned", model_type="gpt2")
 TINY = dict(vocab_size=512, hidden=64, layers=2, heads=4, ffn_hidden=256, max_positions=128,
@@ -194,21 +196,10 @@ def _rank(comm, args, prompts, dtype="float32"):
     return {"rank": comm.rank, "n": comm.size, "prefill_s": t_prefill, "ttft_s": t_first, "steps_s": steps,
             "decode_s": decode_s, "comm_decode_s": st2["seconds"] - st1["seconds"],
             "comm_prefill_s": st1["seconds"] - st0["seconds"], "bytes_decode": st2["bytes"] - st1["bytes"],
-            "param_bytes": model.param_bytes(), "rss_peak_mb": _rss_peak_mb(), "memory": _memory(model, B, T, new),
+            "param_bytes": model.param_bytes(), "rss_peak_mb": _rss_peak_mb(),
+            "memory": memory_and_estimate(model, B, T + new, T),  # memory() beside the estimate from the config
             "tokens": np.stack(out, 1).tolist(), "threads": __import__("tpcore").get_num_threads(),
             "config": {k: v for k, v in vars(model.config).items()}}
-
-
-def _memory(model, B, T, new):
-    """memory() after the run, beside estimate_memory's figure for the same model, split, batch,
-    cache (T + new) and prompt (T), computed from the config alone."""
-    from tpcore.models import estimate_memory
-    got = model.memory()
-    est = estimate_memory(model.config, model.comm.size, dtype=model.dtypes, batch=B, max_len=T + new, prefill=T,
-                          partition=model.blocks[0].head_partition, ffn_partition=model.blocks[0].ffn_partition,
-                          vocab_partition=model.vocab_partition, device=got["device"])[model.comm.rank]
-    return {**{k: got[k] for k in ("params", "grads", "kv_cache", "kv_cache_used", "workspace", "comm", "total")},
-            "estimate": est["total"]}
 
 
 def _torch_peer(cfg_dict, sd, prompts, new, threads):

@@ -45,6 +45,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ..memory import memory_and_estimate
 from ._sweep import Plan, Progress, env_info, human_bytes, sweep
 from .decode import GPT2_SMALL  # the decode benchmark's GPT-2-small shapes
 
@@ -234,18 +235,6 @@ def _kv_bytes(model, batch: int, length: int) -> int:
     return sum(2 * batch * length * b.nk * model.config.head_dim * 4 for b in model.blocks)
 
 
-def _memory(model, B: int, T: int, new: int) -> dict:
-    """memory() after generate (its cache: B x (T + new)), and estimate_memory's total for the same
-    model, split, batch, cache and prompt, computed from the config alone."""
-    from ..models import estimate_memory
-    got = model.memory()
-    est = estimate_memory(model.config, model.comm.size, dtype=model.dtypes, batch=B, max_len=T + new, prefill=T,
-                          partition=model.blocks[0].head_partition, ffn_partition=model.blocks[0].ffn_partition,
-                          vocab_partition=model.vocab_partition, device=got["device"])[model.comm.rank]
-    return {**{k: got[k] for k in ("params", "grads", "kv_cache", "kv_cache_used", "workspace", "comm", "total")},
-            "estimate": est["total"]}
-
-
 def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) -> dict:
     """Run on every rank by tpcore.spawn: the generate, collectives and serving measurements."""
     import tpcore
@@ -290,7 +279,7 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
               "comm_prefill": _delta(s0, snaps[0]), "comm_head0": _delta(snaps[0], snaps[1]),
               "comm_decode": _delta(snaps[1], s_end),
               "param_bytes": model.param_bytes(), "kv_bytes": _kv_bytes(model, B, T + new),
-              "memory": _memory(model, B, T, new),
+              "memory": memory_and_estimate(model, B, T + new, T),
               "tokens": np.asarray(out)[:, T:].tolist(), "threads": tpcore.get_num_threads(),
               "config": dict(vars(cfg))}
     # the same collectives in the collectives benchmark, at the model's message sizes
