@@ -22,8 +22,9 @@ def run(fn, n, *args, deadline=DEADLINE, **kw):
     return tpcore.spawn(fn, n, args=args, deadline=deadline, **kw)
 
 
-def run_fresh(module: str, fn: str, n: int, timeout: float = 300):
-    """module.fn(comm) on n ranks spawned from a fresh interpreter; the JSON of the results.
+def run_fresh(module: str, fn: str, n: int, args: tuple = (), timeout: float = 300):
+    """module.fn(comm, *args) on n ranks spawned from a fresh interpreter (args and results
+    through JSON): the results.
     For measurements of resident memory: a rank forked from pytest inherits its heap, whose
     free (already resident) chunks a new allocation may reuse without the RSS growing."""
     import json
@@ -31,7 +32,7 @@ def run_fresh(module: str, fn: str, n: int, timeout: float = 300):
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
     code = (f"import json, sys, tpcore; sys.path.insert(0, {here!r}); import {module} as m; "
-            f"print(json.dumps(tpcore.spawn(m.{fn}, {int(n)})))")
+            f"print(json.dumps(tpcore.spawn(m.{fn}, {int(n)}, args=tuple(json.loads({json.dumps(list(args))!r})))))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
     assert r.returncode == 0, r.stderr[-3000:]

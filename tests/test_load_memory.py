@@ -24,6 +24,7 @@ from tpcore import CheckpointError
 from tpcore.models import TransformerLM, from_gguf, from_pretrained
 from tpcore.transformer import Config
 
+from conftest import run_fresh
 from smollm2 import smollm2_path
 
 DEADLINE = 240
@@ -215,6 +216,8 @@ def _status(key):
     raise KeyError(key)
 
 
+# Measured in ranks spawned from a fresh interpreter (conftest.run_fresh): a rank forked from
+# pytest inherits its heap, whose free resident chunks the load could fill without RSS growing.
 # Resident-memory bounds mean nothing under ASan (its shadow memory and the quarantine of freed
 # blocks are resident too): test_sanitized's run skips them, and checks the rest.
 SANITIZED = os.environ.get("TPCORE_UNDER_SANITIZER") == "1"
@@ -248,7 +251,7 @@ def test_load_transient_bounded(big, kind):
     model but the staging buffer (whatever the steady state is)."""
     N = _nbytes(big[kind])
     for w in (1, 2, 4):
-        for before, after, peak in tpcore.spawn(_measure, w, args=(big[kind], STAGING), deadline=DEADLINE):
+        for before, after, peak in run_fresh("test_load_memory", "_measure", w, (big[kind], STAGING)):
             assert after - before > 0.4 * N / w, (w, after - before)        # the weights are there
             assert peak - after <= STAGING + 0.10 * N / w, (kind, w, (peak - after) / 1e6, N / w / 1e6)
 
@@ -260,7 +263,7 @@ def test_load_peak_within_bound(big, kind):
     N/w + staging + 10% above the RSS before the load (an inference model holds no gradients)."""
     N = _nbytes(big[kind])
     for w in (1, 2, 4):
-        for before, after, peak in tpcore.spawn(_measure, w, args=(big[kind], STAGING), deadline=DEADLINE):
+        for before, after, peak in run_fresh("test_load_memory", "_measure", w, (big[kind], STAGING)):
             assert peak - before <= N / w + STAGING + 0.10 * N / w, \
                 (kind, w, (peak - before) / 1e6, (after - before) / 1e6, N / w / 1e6)
 
@@ -272,7 +275,7 @@ def test_bf16_load_transient_bounded(big, tmp_path):
     _to_bf16(big["llama"], p)
     N = _nbytes(p)
     for w in (1, 4):
-        for before, after, peak in tpcore.spawn(_measure, w, args=(p, STAGING), deadline=DEADLINE):
+        for before, after, peak in run_fresh("test_load_memory", "_measure", w, (p, STAGING)):
             # float32 weights of a bfloat16 file: 2N/w of them
             assert after - before > 0.8 * N / w
             assert peak - after <= STAGING + 0.10 * 2 * N / w, (w, (peak - after) / 1e6)
