@@ -30,8 +30,8 @@ def test_all_is_complete_and_exact():
     # tpcore.x binds x on the package: that is Python's rule, not a leftover)
     stray = sorted(n for n in vars(tpcore) if not n.startswith("_") and n not in names and n not in mods)
     assert not stray, f"public names of tpcore outside __all__: {stray}"
-    for n in mods:
-        assert vars(tpcore)[n].__name__ == f"tpcore.{n}", f"tpcore.{n} is a foreign module"
+    for n in mods:  # a submodule, or an alias of a moved module (tpcore.quant is tpcore.nn.quant)
+        assert vars(tpcore)[n].__name__.startswith("tpcore."), f"tpcore.{n} is a foreign module"
     assert not LEFTOVERS & set(dir(tpcore)), LEFTOVERS & set(dir(tpcore))
     assert not LEFTOVERS & set(vars(tpcore)), LEFTOVERS & set(vars(tpcore))
     # what a star import gives is exactly __all__

@@ -8,7 +8,7 @@ import pytest
 
 import tpcore
 from conftest import DLPackOnly, run
-from tpcore import _array
+from tpcore.utils import arrays as _array
 
 CFG = dict(vocab_size=50, hidden=16, layers=1, heads=2, ffn_hidden=24, max_positions=32)
 
@@ -170,7 +170,7 @@ def test_host_tensors_are_imported_without_a_copy():
         b = f(DLPackOnly(a), "x", "op")
         assert isinstance(b, np.ndarray) and np.shares_memory(a, b)
     assert _array.as_array(a, "x", "op") is a
-    assert tpcore.comm.as_array is _array.as_array  # the old name still works
+    assert tpcore.distributed.comm.as_array is _array.as_array  # the old name still works
 
 
 def test_build_info_lists_the_devices():

@@ -262,7 +262,7 @@ def test_block_key_masks_differing_across_ranks_fail_every_rank():
 
 
 def test_hand_set_job_ids_settle_and_random_ones_do_not():
-    from tpcore import _env
+    from tpcore.distributed import env as _env
     base = {"RANK": "0", "WORLD_SIZE": "2", "TPCORE_JOB_ID": "mine"}
     assert not _env.detect(base).unique
     assert _env.detect(dict(base, TPCORE_JOB_RANDOM="1")).unique

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from tpcore import checkpoint
+from tpcore.nn import checkpoint
 from conftest import rng_for, run
 
 

@@ -734,7 +734,7 @@ def _interrupt_self():
 def test_interrupt_while_starting_leaves_nothing(monkeypatch, when):
     # a Ctrl-C right after the janitor or a rank started (before the cluster recorded it) used to
     # leave that process running, and the janitor (and the segment) with it
-    import tpcore.cluster as tc
+    import tpcore.launch.cluster as tc
     before, before_shm = _children(), set(leftover_segments())
     if when == "janitor":
         real = tc._cleanup.start_janitor
@@ -818,7 +818,7 @@ def test_close_from_another_thread_during_run():
 def test_fd_relay_sync_waits_for_its_own_marker_after_one_timed_out():
     # sync() used a semaphore: the late marker of a sync that timed out released it, so the next
     # sync returned before its output was sent (the output then came after run() returned)
-    from tpcore.cluster import _FdRelay
+    from tpcore.launch.cluster import _FdRelay
     fd = os.dup(2)  # a descriptor of our own for the relay to take over
     gate = threading.Event()
     got = []
@@ -964,7 +964,7 @@ def test_an_error_while_reading_answers_does_not_shift_later_results(monkeypatch
         monkeypatch.undo()
         assert cluster.run(lambda comm, k: k, "second") == ["second"] * 2
         # any other failure there closes the cluster rather than leave it out of step
-        import tpcore.cluster as tc
+        import tpcore.launch.cluster as tc
 
         def broken_rebuild(*a):
             raise MemoryError("no memory for the exception")

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import tpcore
-from tpcore import CheckpointError, checkpoint
-from tpcore.checkpoint import read_safetensors, read_safetensors_header, write_safetensors
+from tpcore import CheckpointError
+from tpcore.nn import checkpoint
+from tpcore.nn.checkpoint import read_safetensors, read_safetensors_header, write_safetensors
 from conftest import run
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -778,7 +779,7 @@ def test_layer_checkpoints_safetensors_metadata(tmp_path, comm):
 
 
 def test_expected_shapes_match_the_models_own_tensors(comm):
-    from tpcore.hf import expected_shapes
+    from tpcore.models.hf import expected_shapes
     cfgs = [tpcore.Config.from_hf(os.path.join(FIX, n)) for n in ("gpt2", "llama", "bert")]
     cfgs += [tpcore.Config(vocab_size=50, hidden=16, layers=2, heads=4, kv_heads=2, norm="rmsnorm", bias=True,
                            activation="gelu", positions="rope", tie_embeddings=False, max_positions=32),

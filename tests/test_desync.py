@@ -15,7 +15,7 @@ import pytest
 
 import tpcore
 from conftest import WORLDS, rng_for, run
-from tpcore.models import Config, TransformerLM
+from tpcore.models.lm import Config, TransformerLM
 
 ME = os.path.basename(__file__)
 

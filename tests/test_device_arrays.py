@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from tpcore import _array
+from tpcore.utils import arrays as _array
 
 CUDA = getattr(tpcore, "cuda_available", lambda: False)()
 

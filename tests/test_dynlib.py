@@ -1,5 +1,5 @@
 """The run-time library finder (csrc/core/dynlib.c) and the nvidia-* wheel search of
-tpcore._cuda: search order, exclusive override, errors naming every place tried, a corrupt
+tpcore.utils.cuda: search order, exclusive override, errors naming every place tried, a corrupt
 file reported as found-but-did-not-load.  Fake libraries are built with cc into temporary
 directories; each scenario runs in a fresh process (the loader path and the registered
 directories are per process)."""

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tpcore import _env
+from tpcore.distributed import env as _env
 
 
 def test_single_process():

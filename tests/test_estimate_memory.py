@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import tpcore
-from tpcore.models import TransformerLM, estimate_memory
-from tpcore.optim import AdamW
+from tpcore.models.lm import TransformerLM, estimate_memory
+from tpcore.nn.optim import AdamW
 
 GPT2 = dict(vocab_size=1001, hidden=96, layers=3, heads=6, ffn_hidden=200, norm="layernorm",
             activation="gelu_tanh", positions="learned", max_positions=48, causal=True, pre_norm=True, bias=True,

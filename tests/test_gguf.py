@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's format) into tpcore models (tpcore.gguf, models.from_gguf).
+"""GGUF files (llama.cpp's format) into tpcore models (tpcore.models.gguf, models.from_gguf).
 
 Two kinds of reference, neither written by tpcore's loader:
 - small GGUF files written here with the `gguf` package's writer from random weights in
@@ -30,7 +30,7 @@ import gguf.quants
 
 import tpcore
 from tpcore import CheckpointError
-from tpcore import gguf as tg
+from tpcore.models import gguf as tg
 from conftest import run
 import reference_transformer as ref
 
@@ -346,7 +346,7 @@ def test_lazy_tensors_read_rows_and_column_blocks(tmp_path):
         g.tensor("blocks.9.attn.q.weight")
     # kept in the format: QuantRows (rows read from the file with pread on indexing; plain, Q/K
     # permuted, [gate; up])
-    from tpcore.quant import QuantTensor
+    from tpcore.nn.quant import QuantTensor
     rows = np.array([7, 1, 30])
     for name, kind in (("wte.weight", tg.QuantRows), ("blocks.1.attn.q.weight", tg.QuantRows),
                        ("blocks.0.mlp.fc1.weight", tg.QuantRows), ("blocks.0.attn.v.weight", tg.QuantRows)):

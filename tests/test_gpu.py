@@ -216,7 +216,7 @@ def _quant_linear_vs_cpu(comm, fmt, device, ms=(1, 3, 8, 9, 37)):
     CPU and against float64 from gguf's dequantization: y and dx per M (<= 8 rows: CUDA's
     dequantizing GEMV, float32 throughout; more: bfloat16 panels for the tensor-core GEMM, x / dy
     and the weight rounded to bfloat16).  Returns the worst relative errors."""
-    from tpcore.quant import QuantTensor, block_size, quantize
+    from tpcore.nn.quant import QuantTensor, block_size, quantize
     rng = np.random.default_rng(21)
     blk = block_size(fmt)
     K, N = (3 * blk if blk > 1 else 100), 67

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from tpcore import hf
+from tpcore.models import hf
 
 CONFIGS = {
     "gpt2": dict(vocab_size=97, hidden=24, layers=2, heads=6, ffn_hidden=40, norm="layernorm",

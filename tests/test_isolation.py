@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tpcore import _cleanup
+from tpcore.utils import cleanup as _cleanup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOBODY = 65534
@@ -155,7 +155,7 @@ def test_two_jobs_started_together_never_mix():
 
 
 def test_scheduler_job_ids_tell_jobs_apart():
-    from tpcore import _env
+    from tpcore.distributed import env as _env
     base = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     a = _env.detect(dict(base, SLURM_JOB_ID="11"))
     b = _env.detect(dict(base, SLURM_JOB_ID="12"))

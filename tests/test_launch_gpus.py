@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 import tpcore
-from tpcore import launch as L
+from tpcore.launch import launcher as L
 
 LAUNCH = [sys.executable, "-m", "tpcore.launch"]
 CUDA = getattr(tpcore, "cuda_available", lambda: False)()

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import tpcore
-from tpcore import _env
+from tpcore.distributed import env as _env
 
 LAUNCH = [sys.executable, "-m", "tpcore.launch"]
 
@@ -30,7 +30,7 @@ with tpcore.Store.from_env(timeout=30) as s:
     total = s.add("sum", r + 1)
     s.barrier("summed", w)
     total = int(s.get("sum"))
-info = tpcore._env.detect()
+info = tpcore.distributed.env.detect()
 try:
     tpcore.init(backend="shm")
     refused = "no"
@@ -239,7 +239,7 @@ def test_env_detects_hosts():
 
 
 def test_no_secret_files_left_behind():
-    from tpcore._multinode import secret_path
+    from tpcore.launch.multinode import secret_path
     d = os.path.dirname(secret_path("127.0.0.1", 1))
     assert not os.path.exists(d) or os.listdir(d) == []
 
@@ -286,7 +286,7 @@ def test_a_lost_launcher_fails_the_job(tmp_path, killed):
         assert "lost the job's store" in err, err
         # node 0 died by SIGKILL: its generated secret file stays (mode 0600; the next node 0
         # on this address and port replaces it)
-        from tpcore._multinode import secret_path
+        from tpcore.launch.multinode import secret_path
         leftover = secret_path("127.0.0.1", port)
         assert os.path.exists(leftover)
         os.unlink(leftover)

@@ -1,4 +1,4 @@
-"""Streaming checkpoint loads (tpcore._stream): every rank's slices read with pread into their
+"""Streaming checkpoint loads (tpcore.io.stream): every rank's slices read with pread into their
 final place through one bounded staging buffer.
 
 - the loaded weights equal a reference read independently (a NumPy safetensors reader written
@@ -21,8 +21,8 @@ import pytest
 
 import tpcore
 from tpcore import CheckpointError
-from tpcore.models import TransformerLM, from_gguf, from_pretrained
-from tpcore.transformer import Config
+from tpcore.models.lm import TransformerLM, from_gguf, from_pretrained
+from tpcore.nn.transformer import Config
 
 from conftest import run_fresh
 from smollm2 import smollm2_path
@@ -285,7 +285,8 @@ def test_bf16_load_transient_bounded(big, tmp_path):
 def test_truncated_while_loading_raises(small, tmp_path):
     """A file that is cut after its header was checked: the short read is a CheckpointError
     naming the file and the tensor, never garbage."""
-    from tpcore import _formats as fmt, hf
+    from tpcore.io import formats as fmt
+    from tpcore.models import hf
     path = str(tmp_path / "m")
     shutil.copytree(small["llama", "f32"], path)
     st = os.path.join(path, "model.safetensors")
@@ -334,7 +335,7 @@ SMOL = smollm2_path()
 
 def _gguf_load(comm, path, staging):
     import gc
-    from tpcore.gguf import GGUFModel
+    from tpcore.models.gguf import GGUFModel
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -388,9 +389,9 @@ def test_fill_device_rows_in_chunks(tmp_path):
     `at` chunk by chunk (DeviceArray[i:j] = host chunk), float32 and bfloat16 both ways, a
     column block of a file's rows; the rows around it untouched."""
     import ml_dtypes
-    from tpcore import _stream
-    from tpcore._formats import open_safetensors, write_safetensors
-    from tpcore.layers import _put_weight
+    from tpcore.io import stream as _stream
+    from tpcore.io.formats import open_safetensors, write_safetensors
+    from tpcore.nn.layers import _put_weight
     rng = np.random.default_rng(7)
     W = rng.standard_normal((37, 29)).astype(np.float32)
     p = str(tmp_path / "a.safetensors")
@@ -454,7 +455,7 @@ def test_own_formats_stream(tmp_path):
 def test_gguf_cut_while_loading_raises(tmp_path):
     """A GGUF file cut after it was opened and checked: reading a tensor past the new end is a
     CheckpointError naming the file and the tensor (pread came back short), not garbage."""
-    from tpcore.gguf import GGUFModel
+    from tpcore.models.gguf import GGUFModel
     p = str(tmp_path / "cut.gguf")
     shutil.copyfile(SMOL, p)
     g = GGUFModel(p)
@@ -473,7 +474,7 @@ def test_file_tensor_indexes_as_numpy(tmp_path):
     """FileTensor (pread on indexing) gives what NumPy's indexing of the whole tensor gives:
     negative rows, clamped slices, masks, index arrays, column slices, 1-D, 0-d, 3-D, bf16."""
     import ml_dtypes
-    from tpcore._formats import open_safetensors, write_safetensors
+    from tpcore.io.formats import open_safetensors, write_safetensors
     rng = np.random.default_rng(3)
     arrs = {"a": rng.standard_normal((13, 9)).astype(np.float32), "v": rng.standard_normal(7),
             "s": np.array(2.5, np.float32), "c": rng.standard_normal((4, 3, 5)).astype(np.float16),
@@ -501,7 +502,7 @@ def test_file_tensor_indexes_after_the_first_axis_as_numpy(tmp_path):
     """Indices after the first axis of a 3-D FileTensor (after a column slice, too) and an
     Ellipsis anywhere in the key select what NumPy selects (they used to land on the wrong
     axis: silently wrong values)."""
-    from tpcore._formats import open_safetensors, write_safetensors
+    from tpcore.io.formats import open_safetensors, write_safetensors
     rng = np.random.default_rng(11)
     arrs = {"c": rng.standard_normal((4, 3, 5)).astype(np.float32), "v": rng.standard_normal(7).astype(np.float32),
             "a": rng.standard_normal((6, 5)).astype(np.float32)}
@@ -524,8 +525,8 @@ def test_npz_checkpoints_stream(tmp_path):
     safetensors files: every array a FileTensor read with pread on indexing (they used to be
     read whole, all at once, beside the model), loading the same weights through a staging
     buffer of a few KB at world 1 and 2, sharded or not."""
-    from tpcore._formats import read_tensors_file
-    from tpcore.layers import is_lazy
+    from tpcore.io.formats import read_tensors_file
+    from tpcore.nn.layers import is_lazy
     ck = str(tmp_path / "ck.npz")
 
     def f(comm):

@@ -155,7 +155,7 @@ def test_mlp_with_16_bit_weights(world, act, dt):
 
 def _block_case(comm, name, dt):
     cfg = tpcore.Config(vocab_size=10, **CONFIGS[name])
-    hp = tpcore.transformer.head_partition(cfg, comm.size, weights=[1 + 2 * (r % 2) for r in range(comm.size)])
+    hp = tpcore.nn.transformer.head_partition(cfg, comm.size, weights=[1 + 2 * (r % 2) for r in range(comm.size)])
     blk = tpcore.TransformerBlock(cfg, comm, seed=4, head_partition=hp, dtype=dt)
     g = rng_for(47, 0)
     P = _params(blk, g)

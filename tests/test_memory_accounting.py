@@ -16,8 +16,8 @@ import pytest
 
 import tpcore
 from conftest import rng_for, run, run_fresh
-from tpcore.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
-from tpcore.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from tpcore.nn.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 KEYS = {"device", "params", "grads", "optimizer", "kv_cache", "kv_cache_used", "workspace", "comm", "total"}
 

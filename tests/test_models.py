@@ -14,7 +14,7 @@ import pytest
 import tpcore
 import reference_transformer as ref
 from conftest import WORLDS, rng_for, run
-from tpcore.checkpoint import write_safetensors
+from tpcore.nn.checkpoint import write_safetensors
 
 GPT2 = dict(vocab_size=97, hidden=24, layers=2, heads=6, ffn_hidden=40, norm="layernorm", activation="gelu_tanh",
             positions="learned", max_positions=32, causal=True, pre_norm=True, bias=True, tie_embeddings=True,
@@ -260,7 +260,7 @@ def _load_memory(comm, path):
     model = tpcore.models.TransformerLM(cfg, comm)   # the shard's own memory, before loading
     gc.collect()
     before = _rss_kib()
-    from tpcore import hf
+    from tpcore.models import hf
     model.load_state_dict_full(hf.gpt2_names(hf._open(path), cfg))
     gc.collect()
     after = _rss_kib()
@@ -321,7 +321,7 @@ def test_bad_configs_and_inputs(world):
 def _mismatched(comm, path):
     cfg = tpcore.Config(**dict(GPT2, hidden=30, heads=5, ffn_hidden=40))
     model = tpcore.models.TransformerLM(cfg, comm)
-    from tpcore import hf
+    from tpcore.models import hf
     try:
         model.load_state_dict_full(hf.gpt2_names(hf._open(path), cfg))
     except ValueError as e:
@@ -355,7 +355,7 @@ def test_config_from_hf_dicts():
 
 
 def test_lazy_views_index_like_numpy():
-    from tpcore.hf import View, _Stack
+    from tpcore.models.hf import View, _Stack
     base = np.arange(6 * 10, dtype=np.float32).reshape(6, 10)
     keys = [slice(None), slice(1, 3), slice(1, 10), slice(-2, None), slice(None, -1), -1, 2, np.array([3, 0, 2]),
             np.array([True, False, True, False]), (slice(None), slice(1, 3)), (2, 3), (np.array([1, 2]), 0), Ellipsis]

@@ -159,7 +159,7 @@ def test_bad_uses_are_clear_errors():
 
 
 def test_auto_picks_mpi_across_hosts_or_when_asked(monkeypatch):
-    from tpcore import _env
+    from tpcore.distributed import env as _env
     monkeypatch.delenv("TPCORE_BACKEND", raising=False)
     across = _env.detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
                           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_NAMESPACE": "x"})

@@ -18,7 +18,7 @@ import pytest
 
 import tpcore
 from conftest import rng_for, run
-from tpcore.planner import Dims, PlanError, dims_of, plan_from_measurements
+from tpcore.parallel.planner import Dims, PlanError, dims_of, plan_from_measurements
 
 LLAMA = dict(vocab_size=101, hidden=24, layers=2, heads=6, kv_heads=2, ffn_hidden=36, norm="rmsnorm", eps=1e-6,
              activation="swiglu", positions="rope", rope_theta=1000.0, max_positions=64, bias=False,
@@ -362,7 +362,7 @@ def test_throttle_set_get_and_bad_values():
 
 
 def test_throttle_env_parsing():
-    from tpcore import _throttle
+    from tpcore.distributed import throttle as _throttle
     assert _throttle.parse("2") == {None: 2.0}
     assert _throttle.parse(" 1:2.0, 0:1.5 ") == {1: 2.0, 0: 1.5}
     for text, msg in (("0.5", "the factor must be a number in"), ("1:2,1:3", "rank 1 is given twice"),

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import tpcore
-from tpcore.models import Config, TransformerLM, quantize
-from tpcore.quant import QUANT_FORMATS, QuantTensor, block_size, row_bytes
-from tpcore.transformer import TransformerBlock
+from tpcore.models.lm import Config, TransformerLM, quantize
+from tpcore.nn.quant import QUANT_FORMATS, QuantTensor, block_size, row_bytes
+from tpcore.nn.transformer import TransformerBlock
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -210,7 +210,7 @@ def test_quantize_a_float_model(fmt, bound):
 
 
 def test_planner_plans_whole_blocks_with_the_format_bytes():
-    from tpcore.planner import plan_from_measurements
+    from tpcore.parallel.planner import plan_from_measurements
     cfg = _cfg(C=512, F=1536)
     p32 = plan_from_measurements(cfg, [1.0, 0.5, 0.25], dtype="float32")
     pq = plan_from_measurements(cfg, [1.0, 0.5, 0.25], dtype="q4_k")

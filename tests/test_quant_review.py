@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import tpcore
-from tpcore.models import Config, TransformerLM
-from tpcore.pipeline import PipelineLM
-from tpcore.quant import QuantTensor, quantize
+from tpcore.models.lm import Config, TransformerLM
+from tpcore.parallel.pipeline import PipelineLM
+from tpcore.nn.quant import QuantTensor, quantize
 
 DEADLINE = 120
 
@@ -118,7 +118,7 @@ def test_save_pretrained_sharded_refuses_quantized_weights(tmp_path):
 
 
 def _planned_model(comm, speeds):
-    from tpcore.planner import plan_from_measurements
+    from tpcore.parallel.planner import plan_from_measurements
     cfg = Config(hidden=512, heads=8, kv_heads=8, head_dim=64, ffn_hidden=512, norm="rmsnorm", activation="swiglu",
                  positions="rope", bias=False, vocab_size=37, layers=1, tie_embeddings=True, max_positions=32)
     plan = plan_from_measurements(cfg, speeds, dtype="q4_k")
@@ -130,7 +130,7 @@ def _planned_model(comm, speeds):
 
 
 def test_planner_splits_heads_in_whole_blocks_of_the_output_projection():
-    from tpcore.planner import plan_from_measurements
+    from tpcore.parallel.planner import plan_from_measurements
     cfg = Config(hidden=512, heads=8, kv_heads=8, head_dim=64, ffn_hidden=1536, norm="rmsnorm", activation="swiglu",
                  positions="rope", bias=False, vocab_size=97, layers=2, max_positions=64)
     for speeds in ([1.0, 0.5, 0.25], [1.0, 0.7], [1.0, 1.0, 1.0]):

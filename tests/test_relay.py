@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from conftest import run
-from tpcore._relay import Console
+from tpcore.launch.relay import Console
 
 LAUNCH = [sys.executable, "-m", "tpcore.launch"]
 
@@ -27,7 +27,7 @@ def progress(rank):
     print(f"hello from rank {rank}")
     print()
     print("a\r\nb")
-    from tpcore.models import _Progress
+    from tpcore.models.lm import _Progress
     bar = _Progress(2, True)
     bar.step()
     bar.step()

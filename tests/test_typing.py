@@ -31,8 +31,9 @@ import numpy as np
 import numpy.typing as npt
 
 import tpcore
-from tpcore import models, optim
-from tpcore.models import TransformerLM, from_pretrained
+from tpcore.models import lm as models
+from tpcore.nn import optim
+from tpcore.models.lm import TransformerLM, from_pretrained
 
 
 def collectives(comm: tpcore.Comm) -> float:

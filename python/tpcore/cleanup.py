@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._cleanup import remove_shm, shm_segments
+from tpcore.utils.cleanup import remove_shm, shm_segments
 
 
 def main(argv=None) -> int:

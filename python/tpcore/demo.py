@@ -149,12 +149,12 @@ def _generate(model, prompts, new):
 def _config(checkpoint):
     """The checkpoint's Config, read on every rank before any model is loaded: a Hugging Face
     directory (config.json) or one written by save_pretrained (tpcore_config.json)."""
-    from . import _formats as fmt
-    from .transformer import ACTIVATIONS, NORMS, POSITIONS
-    from .bench.decode import _gguf_path
-    if _gguf_path(checkpoint):  # a llama.cpp GGUF file (its formats kept by from_pretrained)
-        from .gguf import read_gguf
-        return read_gguf(_gguf_path(checkpoint))[0]
+    from tpcore.io import formats as fmt
+    from tpcore.nn.transformer import ACTIVATIONS, NORMS, POSITIONS
+    from tpcore.bench.decode import gguf_path
+    if gguf_path(checkpoint):  # a llama.cpp GGUF file (its formats kept by from_pretrained)
+        from tpcore.models.gguf import read_gguf
+        return read_gguf(gguf_path(checkpoint))[0]
     own = os.path.join(checkpoint, fmt.OWN_CONFIG)
     if os.path.exists(own):
         return fmt.read_own_config(own, tpcore.Config, {"norm": NORMS, "activation": ACTIVATIONS,

@@ -62,11 +62,11 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, cast
 
 import numpy as np
 
-from . import layers as _layers
-from . import transformer as _transformer
-from . import vocab as _vocab
-from ._array import DeviceArray
-from .comm import Comm
+from tpcore.nn import layers as _layers
+from tpcore.nn import transformer as _transformer
+from tpcore.nn import vocab as _vocab
+from tpcore.utils.arrays import DeviceArray
+from tpcore.distributed.comm import Comm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "VocabParallelEmbedding",
            "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy", "TransformerBlock", "ParallelAttention",

@@ -5,8 +5,8 @@ import argparse
 import importlib
 import sys
 
-from . import SUBCOMMANDS
-from . import __doc__ as _DOC
+from tpcore.bench import SUBCOMMANDS
+from tpcore.bench import __doc__ as _DOC
 
 DEFAULT = "collectives"
 

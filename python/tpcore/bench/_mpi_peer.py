@@ -21,7 +21,7 @@ import traceback
 
 import numpy as np
 
-from ._sweep import Case, Impl, Plan, Progress, sweep
+from tpcore.bench._sweep import Case, Impl, Plan, Progress, sweep
 
 
 class MpiImpl(Impl):
@@ -91,7 +91,7 @@ def _tpcore_main(plan_file: str, out_file: str, progress: bool) -> int:
     import os
 
     import tpcore
-    from ._tpcore import TpcoreImpl
+    from tpcore.bench._tpcore import TpcoreImpl
 
     comm = tpcore.init(backend="mpi")
     with open(plan_file) as f:

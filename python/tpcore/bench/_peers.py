@@ -38,8 +38,8 @@ from typing import Optional
 
 import numpy as np
 
-from .. import _cleanup
-from ._sweep import Case, Impl, Plan, Progress, combine, sweep
+from tpcore.utils import cleanup as _cleanup
+from tpcore.bench._sweep import Case, Impl, Plan, Progress, combine, sweep
 
 PEERS = ("gloo", "mpi", "tpcore-mpi")
 
@@ -67,7 +67,7 @@ def availability(name: str, mpirun: str = "mpirun") -> Optional[str]:
     if name == "tpcore-mpi":
         if shutil.which(mpirun) is None:
             return f"{mpirun} is not on PATH (install Open MPI: openmpi-bin)"
-        from .. import _C
+        from tpcore import _C
         return _C.Comm.probe("mpi")
     raise ValueError(f"unknown peer {name!r}")
 

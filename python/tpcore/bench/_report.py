@@ -7,7 +7,7 @@ import math
 import sys
 from typing import Dict, List, Optional
 
-from ._sweep import human_bytes
+from tpcore.bench._sweep import human_bytes
 
 # (impl, mode, label) in the order tables, summaries and plots show them.
 SERIES = (("tpcore", "private", "tpcore private"), ("tpcore", "registered", "tpcore registered"),
@@ -22,7 +22,7 @@ def _version(dist: str) -> Optional[str]:
 
 
 def print_header(env: dict, args, plan, peer_names: List[str], mpirun: str) -> None:
-    from ._peers import availability
+    from tpcore.bench._peers import availability
 
     out = sys.stdout
     w = out.write

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._sweep import Case, Impl, Plan, Progress, element_count, numpy_dtype, sweep
+from tpcore.bench._sweep import Case, Impl, Plan, Progress, element_count, numpy_dtype, sweep
 
 
 class TpcoreImpl(Impl):

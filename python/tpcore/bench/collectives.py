@@ -67,10 +67,9 @@ import threading
 import time
 from typing import List
 
-from . import _report
-from ._peers import PEERS, run_peer
-from ._sweep import (MODES, OPS, Plan, Progress, combine, env_info, memcpy_reference, numpy_dtype, parse_bytes,
-                     size_list)
+from tpcore.bench import _report
+from tpcore.bench._peers import PEERS, run_peer
+from tpcore.bench._sweep import MODES, OPS, Plan, Progress, combine, env_info, memcpy_reference, numpy_dtype, parse_bytes, size_list
 
 SUMMARY_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
@@ -238,7 +237,7 @@ def run(args) -> int:
         raise SystemExit(f"-n must be >= 1, got {args.nranks}")
     import tpcore
 
-    from ._tpcore import rank_main
+    from tpcore.bench._tpcore import rank_main
 
     if args.background_load < 0:
         raise SystemExit(f"--background-load must be >= 0, got {args.background_load}")

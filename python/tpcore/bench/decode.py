@@ -48,7 +48,7 @@ import time
 
 import numpy as np
 
-from ..memory import memory_and_estimate
+from tpcore.models.memory import memory_and_estimate
 
 GPT2_SMALL = dict(vocab_size=50257, hidden=768, layers=12, heads=12, ffn_hidden=3072, max_positions=1024,
                   activation="gelu_tanh", positions="learned", model_type="gpt2")
@@ -80,7 +80,7 @@ def _rss_peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _gguf_path(checkpoint):
+def gguf_path(checkpoint):
     """The .gguf file a --checkpoint names (a file, or a directory holding exactly one), else None."""
     if not checkpoint:
         return None
@@ -96,7 +96,7 @@ def _gguf_path(checkpoint):
 def _model(comm, args, dtype="float32"):
     import tpcore
     if args.checkpoint:
-        if _gguf_path(args.checkpoint):  # native: the file's own formats
+        if gguf_path(args.checkpoint):  # native: the file's own formats
             return tpcore.models.from_pretrained(args.checkpoint, comm, progress=comm.rank == 0,
                                                  dtype="gguf" if dtype == "native" else dtype)
         if tpcore.quant.is_quantized(dtype):  # a float checkpoint, quantized after loading
@@ -129,8 +129,8 @@ TEXT = ("Tensor parallelism splits each layer of a model across several devices:
 def _text_prompts(path, batch, T):
     """batch prompts of T token ids: TEXT through the GGUF file's tokenizer, repeated as needed, each
     sequence starting a few tokens further in."""
-    import tpcore.gguf
-    ids = tpcore.gguf.tokenizer(path).encode(TEXT).ids
+    import tpcore.models.gguf
+    ids = tpcore.models.gguf.tokenizer(path).encode(TEXT).ids
     ids = ids * (-(-(T + 8 * batch) // len(ids)))
     return np.array([ids[8 * b:8 * b + T] for b in range(batch)], np.int64)
 
@@ -297,7 +297,7 @@ def run(args) -> int:
         raise SystemExit("--new must be >= 2")
     cores = os.cpu_count() or 1
     vocab = (TINY if args.quick else GPT2_SMALL)["vocab_size"]
-    gpath = _gguf_path(args.checkpoint)
+    gpath = gguf_path(args.checkpoint)
     if gpath:
         vocab = _gguf_vocab(gpath)
     elif args.checkpoint:

@@ -512,5 +512,5 @@ def _plot(path, out):
 
 
 if __name__ == "__main__":
-    from .__main__ import main
+    from tpcore.bench.__main__ import main
     sys.exit(main(["gpu", *sys.argv[1:]]))

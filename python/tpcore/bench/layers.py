@@ -71,8 +71,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from .collectives import _iters  # the same --iters parser
-from ._sweep import Progress, env_info
+from tpcore.bench.collectives import _iters  # the same --iters parser
+from tpcore.bench._sweep import Progress, env_info
 
 PEERS = ("gloo",)
 TARGETS = {"numpy_ratio": 0.9, "comm_share": 0.10, "param_ratio": 0.01}
@@ -335,7 +335,7 @@ def _tpcore_rank(comm, plan: dict) -> list:
 
 def _torch_worker(rank: int, n: int, port: int, plan: dict, iters: list, threads: int, conn) -> None:
     """One gloo rank (a multiprocessing "spawn" child): all shapes."""
-    from ._peers import gloo_rank
+    from tpcore.bench._peers import gloo_rank
 
     with gloo_rank(rank, n, port, conn, threads, timeout_s=600) as (torch, dist):
         import torch.nn.functional as F
@@ -446,7 +446,7 @@ def _torch_worker(rank: int, n: int, port: int, plan: dict, iters: list, threads
 
 def _run_torch(n: int, plan: dict, iters: list, threads: int, timeout: float):
     """(per-rank rows, info) or (None, note)."""
-    from ._peers import run_ranks
+    from tpcore.bench._peers import run_ranks
 
     per_rank, info, note = run_ranks(n, _torch_worker, (plan, iters, threads), timeout, "torch")
     return (per_rank, info) if per_rank is not None else (None, note)
@@ -586,7 +586,7 @@ def print_header(env: dict, plan: dict, peers: List[str], worlds_threads: dict) 
         w(f"#  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start (other work on the machine "
           f"disturbs the numbers)\n")
     if peers:
-        from ._peers import availability
+        from tpcore.bench._peers import availability
         why = availability("gloo")
         what = f"skipped, {why}" if why else f"torch {_version('torch')}"
         w(f"#  peer  torch.distributed gloo: {what}\n")

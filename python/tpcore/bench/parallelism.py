@@ -49,7 +49,7 @@ from typing import List
 
 import numpy as np
 
-from ._sweep import Progress, env_info
+from tpcore.bench._sweep import Progress, env_info
 
 MODEL = dict(vocab_size=8192, hidden=256, layers=8, heads=8, head_dim=32, ffn_hidden=1024, norm="layernorm",
              activation="gelu", positions="learned", bias=True, max_positions=256, model_type="gpt2",

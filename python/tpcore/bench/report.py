@@ -45,9 +45,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ..memory import memory_and_estimate
-from ._sweep import Plan, Progress, env_info, human_bytes, sweep
-from .decode import GPT2_SMALL  # the decode benchmark's GPT-2-small shapes
+from tpcore.models.memory import memory_and_estimate
+from tpcore.bench._sweep import Plan, Progress, env_info, human_bytes, sweep
+from tpcore.bench.decode import GPT2_SMALL  # the decode benchmark's GPT-2-small shapes
 
 # Llama 3.2 1B's shapes (GQA 32/8, SwiGLU, RMSNorm, RoPE, tied head), random weights
 LLAMA_1B = dict(vocab_size=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn_hidden=8192, norm="rmsnorm",
@@ -187,7 +187,7 @@ def _proc_status(key: str) -> Optional[int]:
 
 def _staging_bytes() -> int:
     """The staging buffer from_pretrained streams a checkpoint through (TPCORE_LOAD_STAGING_MB)."""
-    from tpcore import _stream
+    from tpcore.io import stream as _stream
     return _stream.staging_arg(None, "report")
 
 
@@ -291,11 +291,11 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
         head = Plan(ops=["all_gather"], sizes=[B * V * 4 // n * n], modes=["private"],
                     target_s=0.05 if spec["quick"] else 0.2, max_iters=2000)
         prog.status(f"{tag}: the collectives benchmark at the model's message sizes", important=True)
-        from ._tpcore import TpcoreImpl
+        from tpcore.bench._tpcore import TpcoreImpl
         result["bench"] = sweep(TpcoreImpl(comm, plan), plan) + sweep(TpcoreImpl(comm, head), head)
     # serving: continuous batching at each concurrency
     if serve_reqs:
-        from . import serve as serve_bench
+        from tpcore.bench import serve as serve_bench
         result["serve"] = {}
         for c, reqs in serve_reqs.items():
             prog.status(f"{tag}: serving {len(reqs)} requests at concurrency {c}", important=True)
@@ -352,7 +352,7 @@ def _world_row(res: List[dict], B: int, T: int, new: int) -> dict:
                                 for k in names}
     row["bytes_per_token"] = row["comm_decode"]["total"]["bytes"] / (B * max(new - 1, 1)) if new > 1 else 0.0
     if "bench" in res[0]:
-        from ._sweep import combine
+        from tpcore.bench._sweep import combine
         row["bench"] = combine("tpcore", n, "float32", [r["bench"] for r in res])
     if "serve" in res[0]:
         row["serve"] = {}
@@ -400,10 +400,10 @@ def run(args) -> int:
         raise SystemExit(f"report: --device cuda, but no usable GPU: {tpcore.build_info()['cuda'].get('status')}")
     hetero = (not quick) if args.hetero is None else args.hetero
     model_name = args.checkpoint or args.model or ("tiny" if quick else "gpt2-small")
-    from .decode import _gguf_path
-    if args.checkpoint and _gguf_path(args.checkpoint):  # a GGUF file: its metadata (and its formats kept)
-        import tpcore.gguf
-        cfg = tpcore.gguf.read_gguf(_gguf_path(args.checkpoint))[0]
+    from tpcore.bench.decode import gguf_path
+    if args.checkpoint and gguf_path(args.checkpoint):  # a GGUF file: its metadata (and its formats kept)
+        import tpcore.models.gguf
+        cfg = tpcore.models.gguf.read_gguf(gguf_path(args.checkpoint))[0]
         cfgd = None
     elif args.checkpoint:
         cfg = tpcore.Config.from_hf(args.checkpoint) if os.path.exists(os.path.join(args.checkpoint, "config.json")) \
@@ -436,16 +436,16 @@ def run(args) -> int:
     het = None
     if hetero:
         progress.status("[report] mismatched devices (tpcore.bench hetero)", important=True)
-        from . import hetero as hetero_bench
+        from tpcore.bench import hetero as hetero_bench
         het = hetero_bench.run(quick=quick, progress=args.progress)
     llama = None
-    gpath = _gguf_path(args.checkpoint) if args.checkpoint else None
+    gpath = gguf_path(args.checkpoint) if args.checkpoint else None
     # the same file in llama.cpp, the same cores (tpcore.bench decode's peer); last, in this process:
     # its OpenMP threads would hang forked children that use OpenMP
     if gpath and args.device == "cpu":
         import importlib.util
         if importlib.util.find_spec("llama_cpp") is not None:
-            from .decode import _llamacpp_peer
+            from tpcore.bench.decode import _llamacpp_peer
             progress.status("[report] llama.cpp on the same file", important=True)
             llama = _llamacpp_peer(gpath, prompts, new, limits["cores"])
             llama["same_tokens"] = llama.pop("tokens") == rows[0]["tokens"]
@@ -822,7 +822,7 @@ def markdown(data: dict, plots: List[str]) -> str:
                          "TTFT p99 ms", "per-token p50 ms", "per-token p99 ms", "tokens = generate (checked)"], body))
     het = data.get("hetero")
     if het:
-        from . import hetero as hetero_bench
+        from tpcore.bench import hetero as hetero_bench
         w.append("\n## Mismatched devices: one rank made slower\n\n")
         w.append(hetero_bench.markdown(het).rstrip("\n") + "\n")
     w.append("\n## Advice from these measurements\n\n")
@@ -919,7 +919,7 @@ def _plots(out: str, data: dict) -> List[str]:
         save(fig, "serving.png")
     het = data.get("hetero")
     if het:
-        from . import hetero as hetero_bench
+        from tpcore.bench import hetero as hetero_bench
         if hetero_bench.plot(het, os.path.join(out, "hetero.png")):
             made.append("hetero.png")
     return made

@@ -31,7 +31,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .decode import GPT2_SMALL, TINY  # the same model shapes as the decode benchmark
+from tpcore.bench.decode import GPT2_SMALL, TINY  # the same model shapes as the decode benchmark
 
 
 def _ints(text):
@@ -82,8 +82,8 @@ def measure(model, concurrency: int, requests: Sequence[Tuple[np.ndarray, int]],
     consecutive tokens of every request), their p50/p99, steps, prefills, decodes, the time in
     collectives and bytes moved during the run, tokens (per request) and the engine's stats.
     max_prefill_tokens: the engine's per-step prefill budget (None: none)."""
-    from ..serve import Engine
-    from .._args import int_arg
+    from tpcore.serve.engine import Engine
+    from tpcore.utils.args import int_arg
     concurrency = int_arg(concurrency, "measure", "concurrency", lo=1, hi=2 ** 31 - 1)
     reqs = [(np.asarray(p, np.int64).reshape(-1), int(n)) for p, n in requests]
     if not reqs:

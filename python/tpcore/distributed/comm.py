@@ -22,10 +22,10 @@ from typing import Any, Iterator, Optional, Sequence, TypeVar, Union, overload
 
 import numpy as np
 
-from . import _C
-from ._args import is_int, real_arg, shown
-from ._array import as_array  # noqa: F401  (also tpcore.comm.as_array, as before)
-from ._array import DeviceArray, comm_array, is_device_result
+from tpcore import _C
+from tpcore.utils.args import is_int, real_arg, shown
+from tpcore.utils.arrays import as_array  # noqa: F401  (also tpcore.distributed.comm.as_array, as before)
+from tpcore.utils.arrays import DeviceArray, comm_array, is_device_result
 
 CommError = _C.CommError
 CommTimeout = _C.CommTimeout

@@ -21,9 +21,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from ._args import int_arg, shown
-from ._array import DeviceArray
-from .comm import Comm
+from tpcore.utils.args import int_arg, shown
+from tpcore.utils.arrays import DeviceArray
+from tpcore.distributed.comm import Comm
 
 __all__ = ["ProcessGrid", "average_gradients"]
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Optional, Union
 
-from . import _C
-from ._args import real_arg
+from tpcore import _C
+from tpcore.utils.args import real_arg
 
 SECRET_VAR = "TPCORE_STORE_SECRET"
 

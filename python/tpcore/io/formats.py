@@ -2,7 +2,7 @@
 
 - safetensors (the Hugging Face format; tpcore's own reader and writer: headers checked
   against the format's rules, tensors read with pread on indexing (open_safetensors; the
-  loaders stream them, tpcore._stream) or memory-mapped (read_safetensors), bfloat16 without torch),
+  loaders stream them, tpcore.io.stream) or memory-mapped (read_safetensors), bfloat16 without torch),
 - NumPy .npz (checked before it is read: no pickles, headers that match the members),
 - strict JSON (config.json, tpcore_config.json, generation_config.json, index files),
 - the files of tpcore.save (one file, or one per rank "<stem>.rank<r>-of-<n><suffix>",
@@ -32,7 +32,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ._array import asarray
+from tpcore.utils.arrays import asarray
 
 # safetensors and strict JSON ----------------------------------------------------------
 _ST_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64, "I32": np.int32,
@@ -70,7 +70,7 @@ def bad(path, field, expected, found) -> CheckpointError:
                            path=str(path), field=field, expected=expected, found=found)
 
 
-def _type(v) -> str:
+def type_name(v) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
             int: "an integer", float: "a number"}.get(type(v), type(v).__name__) + f" ({_short(v, 40)})"
 
@@ -132,11 +132,11 @@ def read_json_object(path: str, max_bytes: int = 64 << 20) -> dict:
         raise bad(path, "file size", f"at most {max_bytes} bytes for a JSON file", "more")
     obj = parse_json(data, path)
     if not isinstance(obj, dict):
-        raise bad(path, "top level", "a JSON object", _type(obj))
+        raise bad(path, "top level", "a JSON object", type_name(obj))
     return obj
 
 
-_MISSING = object()
+MISSING = object()
 INT_MAX = 2 ** 31 - 1       # sizes the C core takes as C ints
 
 
@@ -146,50 +146,50 @@ class ConfigFields:
 
     def __init__(self, d: dict, source: str):
         if not isinstance(d, dict):
-            raise bad(source, "top level", "a JSON object", _type(d))
+            raise bad(source, "top level", "a JSON object", type_name(d))
         self.d, self.source = d, str(source)
 
-    def get(self, key, default=_MISSING):
+    def get(self, key, default=MISSING):
         if key not in self.d:
-            if default is _MISSING:
+            if default is MISSING:
                 raise bad(self.source, key, "a value (a required field)", "no such field")
             return default
         return self.d[key]
 
-    def int(self, key, default=_MISSING, lo=1, hi=INT_MAX, null=False):
+    def int(self, key, default=MISSING, lo=1, hi=INT_MAX, null=False):
         v = self.get(key, default)
         if v is None and null:
             return None
         if not (is_int(v) and lo <= v <= hi):
-            raise bad(self.source, key, f"an integer from {lo} to {hi}{' or null' if null else ''}", _type(v))
+            raise bad(self.source, key, f"an integer from {lo} to {hi}{' or null' if null else ''}", type_name(v))
         return v
 
-    def num(self, key, default=_MISSING, positive=True):
+    def num(self, key, default=MISSING, positive=True):
         v = self.get(key, default)
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                 and (v > 0 or not positive)):
-            raise bad(self.source, key, f"a finite number{' > 0' if positive else ''}", _type(v))
+            raise bad(self.source, key, f"a finite number{' > 0' if positive else ''}", type_name(v))
         return float(v)
 
-    def bool(self, key, default=_MISSING):
+    def bool(self, key, default=MISSING):
         v = self.get(key, default)
         if v is None:
             v = default
         if not isinstance(v, bool):
-            raise bad(self.source, key, "true or false", _type(v))
+            raise bad(self.source, key, "true or false", type_name(v))
         return v
 
-    def str(self, key, default=_MISSING, choices=None, note=""):
+    def str(self, key, default=MISSING, choices=None, note=""):
         v = self.get(key, default)
         if not isinstance(v, str) or (choices is not None and v not in choices):
             want = "a string" if choices is None else f"one of {', '.join(map(repr, choices))}{note}"
-            raise bad(self.source, key, want, _type(v))
+            raise bad(self.source, key, want, type_name(v))
         return v
 
     def obj(self, key):
         v = self.get(key, None)
         if v is not None and not isinstance(v, dict):
-            raise bad(self.source, key, "an object or null", _type(v))
+            raise bad(self.source, key, "an object or null", type_name(v))
         return v or {}
 
     def fail(self, key, expected, found):
@@ -239,32 +239,32 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, TensorInfo], Dict[str,
         raise bad(path, "header", "a JSON object starting with '{'", _short(text[:16]))
     header = parse_json(text, path, "header")
     if not isinstance(header, dict):
-        raise bad(path, "header", "a JSON object", _type(header))
+        raise bad(path, "header", "a JSON object", type_name(header))
     meta = header.pop("__metadata__", {})
     if meta is None:
         meta = {}
     if not isinstance(meta, dict):
-        raise bad(path, "__metadata__", "an object of strings", _type(meta))
+        raise bad(path, "__metadata__", "an object of strings", type_name(meta))
     for k, v in meta.items():
         if not isinstance(v, str):
-            raise bad(path, f"__metadata__[{k!r}]", "a string", _type(v))
+            raise bad(path, f"__metadata__[{k!r}]", "a string", type_name(v))
     data = size - 8 - n
     out, spans = {}, []
     for name, info in header.items():
         where = f"tensor {name!r}"
         if not isinstance(info, dict):
-            raise bad(path, where, "an object with dtype, shape and data_offsets", _type(info))
+            raise bad(path, where, "an object with dtype, shape and data_offsets", type_name(info))
         for key in ("dtype", "shape", "data_offsets"):
             if key not in info:
                 raise bad(path, f"{where}", f"a {key!r} entry", f"keys {sorted(info)}")
         dt, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dt, str) or dt not in _ST_READ:
-            raise bad(path, f"{where} dtype", f"one of {', '.join(sorted(_ST_READ))}", _type(dt))
+            raise bad(path, f"{where} dtype", f"one of {', '.join(sorted(_ST_READ))}", type_name(dt))
         if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
-            raise bad(path, f"{where} shape", "a list of non-negative integers", _type(shape))
+            raise bad(path, f"{where} shape", "a list of non-negative integers", type_name(shape))
         if not (isinstance(offs, list) and len(offs) == 2 and all(is_int(o) for o in offs)
                 and 0 <= offs[0] <= offs[1]):
-            raise bad(path, f"{where} data_offsets", "[begin, end], integers with 0 <= begin <= end", _type(offs))
+            raise bad(path, f"{where} data_offsets", "[begin, end], integers with 0 <= begin <= end", type_name(offs))
         nbytes = math.prod(shape) * np.dtype(_ST_READ[dt]).itemsize
         if offs[1] - offs[0] != nbytes:
             raise bad(path, f"{where} data_offsets", f"{nbytes} bytes (shape {_short(shape)} x {dt})",
@@ -359,7 +359,7 @@ def read_safetensors(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
 
 
 def open_safetensors(path: str) -> Tuple[Dict[str, object], Dict[str, str]]:
-    """Every tensor of the file as a tpcore._formats.FileTensor (read with pread on indexing,
+    """Every tensor of the file as a tpcore.io.formats.FileTensor (read with pread on indexing,
     never memory-mapped: a load streams a rank's slices through one staging buffer), and
     its metadata.  The header is checked first (read_safetensors_header)."""
     header, meta, start = read_safetensors_header(path)
@@ -367,8 +367,8 @@ def open_safetensors(path: str) -> Tuple[Dict[str, object], Dict[str, str]]:
             for name, info in header.items()}, meta
 
 
-# Lazy tensors of a file: rows read with pread on indexing (tpcore._stream streams them) ----------
-def _rows(key, n):
+# Lazy tensors of a file: rows read with pread on indexing (tpcore.io.stream streams them) ----------
+def split_row_index(key, n):
     """The row part of an index into an n-row tensor, as NumPy would resolve it (negative
     indices, clamped slices, boolean masks): (index for the base rows, is_scalar, rest)."""
     if key is Ellipsis:
@@ -381,14 +381,14 @@ def _rows(key, n):
     return rows, np.ndim(rows) == 0, key[1:]
 
 
-def _as_base_index(rows, off):
+def base_row_index(rows, off):
     rows = np.atleast_1d(rows) + off
     if rows.size and np.all(np.diff(rows) == 1):
         return slice(int(rows[0]), int(rows[-1]) + 1)  # a contiguous run: a plain (cheap) slice of the map
     return rows
 
 
-def _runs(rows: np.ndarray):
+def row_runs(rows: np.ndarray):
     """(position in rows, first row, count) of each run of consecutive rows."""
     if rows.size == 0:
         return
@@ -430,7 +430,7 @@ def read_rows(path, name, offset: int, row_bytes: int, rows: np.ndarray, lo: int
     fd = os.open(path, os.O_RDONLY)
     try:
         if lo == 0 and hi == row_bytes:
-            for pos, r, n in _runs(np.asarray(rows, np.int64)):
+            for pos, r, n in row_runs(np.asarray(rows, np.int64)):
                 _pread_into(fd, flat[pos:pos + n], offset + r * row_bytes, path, name)
         elif hi > lo:
             for i, r in enumerate(np.asarray(rows, np.int64).tolist()):
@@ -502,7 +502,7 @@ class FileTensor:
             named = sum(1 for k in key if k is not Ellipsis and k is not None)
             key = key[:i] + (slice(None),) * max(0, self.ndim - named) + tuple(k for k in key[i + 1:]
                                                                                  if k is not Ellipsis)
-        rows, scalar, rest = _rows(key, self.shape[0])
+        rows, scalar, rest = split_row_index(key, self.shape[0])
         rows = np.atleast_1d(rows).astype(np.int64)
         cols = None
         if rest and self.ndim >= 2 and isinstance(rest[0], slice) and rest[0].step in (None, 1):
@@ -540,7 +540,7 @@ def read_npz(path: str, lazy: bool = False) -> Dict[str, np.ndarray]:
     only, no pickled objects, each member's .npy header consistent with the member's
     size (a header that lies about its shape allocates nothing).  Else CheckpointError.
     lazy: a stored (uncompressed, np.savez's) C-order member of a numeric little-endian
-    dtype is a tpcore._formats.FileTensor at its bytes in the archive (read with pread on
+    dtype is a tpcore.io.formats.FileTensor at its bytes in the archive (read with pread on
     indexing: the loaders stream it; its CRC is checked first, reading it in 1 MiB pieces);
     the others are read."""
     if os.path.exists(path):
@@ -607,10 +607,10 @@ def _zip_data_offset(path: str, info) -> int:
 
 def _meta_json(path, text, field):
     if not isinstance(text, str):
-        raise bad(path, field, "a JSON string", _type(text))
+        raise bad(path, field, "a JSON string", type_name(text))
     meta = parse_json(text.encode("utf-8", "surrogatepass"), path, field)
     if not isinstance(meta, dict):
-        raise bad(path, field, "a JSON object", _type(meta))
+        raise bad(path, field, "a JSON object", type_name(meta))
     return meta
 
 
@@ -689,11 +689,11 @@ def index_files(path: str):
     f = ConfigFields(read_json_object(idx), idx)
     wm = f.get("weight_map")
     if not isinstance(wm, dict) or not wm:
-        raise f.fail("weight_map", "an object of tensor name -> file name", _type(wm))
+        raise f.fail("weight_map", "an object of tensor name -> file name", type_name(wm))
     for name, fn in wm.items():
         if not (isinstance(fn, str) and fn and fn == os.path.basename(fn) and fn not in (".", "..")
                 and fn.endswith(".safetensors")):
-            raise f.fail(f"weight_map[{name!r}]", "the name of a .safetensors file in the folder", _type(fn))
+            raise f.fail(f"weight_map[{name!r}]", "the name of a .safetensors file in the folder", type_name(fn))
         if not os.path.isfile(os.path.join(path, fn)):
             raise f.fail(f"weight_map[{name!r}]", "an existing file of the folder", f"{fn!r}, which is missing")
     return [os.path.join(path, fn) for fn in sorted(set(wm.values()))], wm, idx
@@ -712,7 +712,7 @@ def read_headers(path: str):
                 raise bad(fn, f"tensor {name!r}", "each tensor in one file", f"it also in {out[name][0]}")
             if wm is not None and wm.get(name) != os.path.basename(fn):
                 raise bad(idx, f"weight_map[{name!r}]", f"{os.path.basename(fn)!r} (the file that holds it)",
-                          _type(wm.get(name)) if name in wm else "no entry")
+                          type_name(wm.get(name)) if name in wm else "no entry")
             out[name] = (fn, info)
     if wm is not None:
         for name, fn in wm.items():
@@ -837,6 +837,6 @@ def read_generation_config(folder: str) -> dict:
             continue
         ids = v if isinstance(v, list) and k == "eos_token_id" else [v]
         if not ids or not all(is_int(x) and x >= 0 for x in ids):
-            raise f.fail(k, "a non-negative integer" + (" or a list of them" if k == "eos_token_id" else ""), _type(v))
+            raise f.fail(k, "a non-negative integer" + (" or a list of them" if k == "eos_token_id" else ""), type_name(v))
         out[k] = v
     return out

@@ -28,8 +28,8 @@ from typing import Optional
 
 import numpy as np
 
-from ._args import is_int, shown
-from ._formats import FileTensor, _as_base_index, _col_range, _rows, _runs, read_rows  # noqa: F401  (file-level: there)
+from tpcore.utils.args import is_int, shown
+from tpcore.io.formats import FileTensor, base_row_index, _col_range, split_row_index, row_runs, read_rows  # noqa: F401  (file-level: there)
 
 DEFAULT_STAGING = 64 << 20
 ENV = "TPCORE_LOAD_STAGING_MB"
@@ -141,8 +141,8 @@ def read_into(src, rows: np.ndarray, cols, out: np.ndarray, stage: Staging) -> N
     if reader is not None:
         reader(rows, cols, out, stage)
         return
-    from ._formats import to_float32
-    sel = _as_base_index(rows, 0)
+    from tpcore.io.formats import to_float32
+    sel = base_row_index(rows, 0)
     v = src[sel] if cols is None else src[sel, cols]
     out[...] = to_float32(v).reshape(out.shape)
 
@@ -153,7 +153,7 @@ def fill(dst, src, rows, cols, fmt: str, who: str, put_weight, at: int = 0) -> N
     16-bit float, or fmt's raw quantized rows), or a DeviceArray whose rows at, at + 1, ...
     take the selection (each chunk made on the host in the staging buffer, then copied to
     those rows of the device); fmt: dst's storage format; put_weight(dst_rows, fmt, values,
-    who) (the layers' _put_weight, passed in: this module imports no layer) stores a chunk of
+    who) (the layers' put_weight, passed in: this module imports no layer) stores a chunk of
     float32 values, or of a source's QuantTensor rows, into dst's rows."""
     if not isinstance(dst, np.ndarray):   # a DeviceArray (a GPU's): chunks on the host, rows to the device
         _fill_device(dst, src, rows, cols, fmt, who, at, put_weight)
@@ -186,7 +186,7 @@ def fill(dst, src, rows, cols, fmt: str, who: str, put_weight, at: int = 0) -> N
                 quant_rows = isinstance(d, np.ndarray) and d.dtype == np.uint8 and d.ndim == 2
                 put(d, out if quant_rows else out.reshape(d.shape))
             continue
-        sel = _as_base_index(r, 0)
+        sel = base_row_index(r, 0)
         v = src[sel] if cols is None else src[sel, cols]
         put(d, v)
 

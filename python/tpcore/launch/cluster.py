@@ -35,10 +35,9 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any, Callable, List, Optional
 
-from . import _cleanup
-from .comm import CommTimeout
-from .spawn import (RankExitedError, _Outputs, _default_method, _error_message, _exit_error, _flush_relay,
-                    _pick_error, _rank_setup, _rebuild, _stop)
+from tpcore.utils import cleanup as _cleanup
+from tpcore.distributed.comm import CommTimeout
+from tpcore.launch.spawn import RankExitedError, _Outputs, _default_method, _error_message, _exit_error, _flush_relay, _pick_error, _rank_setup, _rebuild, _stop
 
 _BACKENDS = ("auto", "shm", "nccl")
 
@@ -223,7 +222,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
 
     import cloudpickle
 
-    from . import init
+    from tpcore.distributed.init import init
 
     def failed():  # why the communicator is unusable (a mismatch, a timeout, an abort, closed), or None
         try:
@@ -490,7 +489,7 @@ class Cluster:
 
     def __init__(self, n: int, backend: str = "auto", timeout: Optional[float] = None,
                  start_method: Optional[str] = None, grace: float = 1.0, deadline: Optional[float] = None):
-        from ._args import real_arg
+        from tpcore.utils.args import real_arg
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"Cluster: n must be an int >= 1, got {n!r}")
         try:  # a dependency of tpcore: said clearly if it is missing

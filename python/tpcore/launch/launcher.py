@@ -45,8 +45,8 @@ import threading
 import time
 from typing import List, Optional
 
-from . import _cleanup
-from ._relay import Console, pump
+from tpcore.utils import cleanup as _cleanup
+from tpcore.launch.relay import Console, pump
 
 
 def _free_port() -> int:
@@ -125,9 +125,9 @@ def visible_gpus():
     (indices or UUIDs), as many as CUDA itself counts; else 0..count-1.  No CUDA: []."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
-        from . import _C
-        import tpcore
-        ok = bool(getattr(tpcore, "cuda_available", lambda: False)())
+        from tpcore import _C
+        from tpcore.utils.runtime import cuda_available
+        ok = cuda_available()
         count = _C.device_count("cuda") if ok else 0
         status = _C.cuda_status()
     except Exception as e:  # noqa: BLE001 - an unusable extension: no GPUs to hand out
@@ -434,8 +434,8 @@ def _check_multinode_args(p, ns):
 
 def _multinode_join(ns):
     """The job formed with the other nodes' launchers, or None after printing why not."""
-    from ._multinode import Multinode, MultinodeError
-    from .comm import CommError
+    from tpcore.launch.multinode import Multinode, MultinodeError
+    from tpcore.distributed.comm import CommError
     job_args = (["-m", ns.module] if ns.module is not None else []) + list(ns.args)
     mn = Multinode(ns.nnodes, ns.node_rank, ns.nproc, ns.master_addr, ns.master_port, job_args,
                    ns.join_timeout, ns.heartbeat_timeout, None)

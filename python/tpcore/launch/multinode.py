@@ -33,7 +33,7 @@ import tempfile
 import time
 from typing import Optional
 
-from .store import SECRET_VAR, Store
+from tpcore.distributed.store import SECRET_VAR, Store
 
 PREFIX = "launch/"
 

@@ -27,9 +27,9 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
-from . import _cleanup
-from ._relay import Console
-from .comm import CommError, CommTimeout
+from tpcore.utils import cleanup as _cleanup
+from tpcore.launch.relay import Console
+from tpcore.distributed.comm import CommError, CommTimeout
 
 
 _T = TypeVar("_T")
@@ -129,7 +129,7 @@ def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_p
             conn.send(msg)
 
     _rank_setup(rank, world, job, parent_pid, relay, send)
-    from . import init  # late: the child may be a fresh interpreter
+    from tpcore.distributed.init import init  # late: the child may be a fresh interpreter
 
     comm = None
     code = 0
@@ -267,7 +267,8 @@ def _cuda_initialised() -> bool:
     """Whether this process has brought up CUDA (the plugin loaded and a GPU seen): a forked
     child cannot use the parent's CUDA context (every CUDA call in it fails), so ranks must
     then start fresh interpreters, as PyTorch's multiprocessing asks."""
-    from . import _C, _cuda
+    from tpcore import _C
+    from tpcore.utils import cuda as _cuda
     return bool(getattr(_cuda, "_loaded", False)) and "cuda" in (_C.build_info().get("devices") or ())
 
 
@@ -380,7 +381,7 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
         raise ValueError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
     if not callable(fn):
         raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
-    from ._args import real_arg, shown
+    from tpcore.utils.args import real_arg, shown
     if deadline is not None:
         real_arg(deadline, "spawn", "deadline", lo=0, lo_open=True, finite=False)
     if timeout is not None:  # each rank's init() checks it too: refuse it here, once, before any rank starts

@@ -1,9 +1,9 @@
 """GGUF files (llama.cpp's format) as tpcore models: the config from the metadata, the
 tensors under tpcore's names, the tokenizer.
 
-    cfg, tensors, tok = tpcore.gguf.read_gguf("model.gguf")
+    cfg, tensors, tok = tpcore.models.gguf.read_gguf("model.gguf")
     model = tpcore.models.from_gguf("model.gguf", comm)      # or from_pretrained(path)
-    tk = tpcore.gguf.tokenizer("model.gguf")                  # a `tokenizers.Tokenizer`
+    tk = tpcore.models.gguf.tokenizer("model.gguf")                  # a `tokenizers.Tokenizer`
 
 Parsing is the `gguf` package's (llama.cpp's own reader and reference dequantizers; an
 optional dependency: ``pip install gguf``; used for the metadata and the tensors' offsets
@@ -31,9 +31,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ._formats import CheckpointError, bad
-from .hf import _rows
-from .transformer import Config
+from tpcore.io.formats import CheckpointError, bad
+from tpcore.io.formats import split_row_index
+from tpcore.nn.transformer import Config
 
 __all__ = ["read_gguf", "GGUFModel", "LazyTensor", "QuantRows", "tokenizer", "unpermute_rows", "part_of", "is_gguf",
            "CheckpointError"]
@@ -123,7 +123,7 @@ class _Part:
     def _bytes(self, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
         """Bytes lo:hi of the file's rows (uint8, (len(rows), hi - lo)); a short read is a
         CheckpointError naming the file and tensor."""
-        from ._stream import read_rows
+        from tpcore.io.stream import read_rows
         out = np.empty((rows.size, hi - lo), np.uint8)
         read_rows(self.path, self.name, self.offset, self.row_bytes, rows, lo, hi, out)
         return out
@@ -204,7 +204,7 @@ class LazyTensor:
     def __getitem__(self, key) -> np.ndarray:
         if self.ndim == 1:   # a 1-D tensor (norm weights, biases): small, read whole
             return self._r.vector()[key]
-        rows, scalar, rest = _rows(key, self.shape[0])
+        rows, scalar, rest = split_row_index(key, self.shape[0])
         rows = np.atleast_1d(rows).astype(np.int64)
         cols = None
         if rest and isinstance(rest[0], slice) and rest[0].step in (None, 1):
@@ -238,8 +238,8 @@ class QuantRows:
         self._r, self.fmt, self.shape = rows, fmt, rows.shape
 
     def __getitem__(self, key):
-        from .quant import QuantTensor
-        rows, scalar, rest = _rows(key, self.shape[0])
+        from tpcore.nn.quant import QuantTensor
+        rows, scalar, rest = split_row_index(key, self.shape[0])
         qt = QuantTensor(self.fmt, (np.size(rows), self.shape[1]), self._r.raw_rows(np.atleast_1d(rows)))
         if rest:
             qt = qt[(slice(None),) + tuple(rest)]
@@ -679,7 +679,7 @@ def tokenizer(path):
     try:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     except ImportError as e:
-        raise ImportError("tpcore.gguf.tokenizer needs the `tokenizers` package: pip install tokenizers") from e
+        raise ImportError("tpcore.models.gguf.tokenizer needs the `tokenizers` package: pip install tokenizers") from e
     g = path if isinstance(path, GGUFModel) else GGUFModel(path, "tokenizer")
     m = _Meta(g.path, g.reader)
     kind = m.str("tokenizer.ggml.model")

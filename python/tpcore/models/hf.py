@@ -7,7 +7,7 @@ tensors hold which tpcore tensors; from_hf reads it one way (a checkpoint's tens
 and its c_attn fuses [q | k | v] along out, Llama's gate_proj and up_proj stack into
 tpcore's fc1) and to_hf the other (save_pretrained(hf=True)).  Loading reads only a
 rank's slices of the files (with pread, streamed through one staging buffer:
-tpcore._stream): its rows of the vocabulary, its heads' rows
+tpcore.io.stream): its rows of the vocabulary, its heads' rows
 of Q/K/V, its columns of the output and fc2 projections, its rows of fc1.
 
 Before anything is allocated, the config is checked against the files' headers
@@ -26,9 +26,10 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ._formats import CheckpointError, bad, open_tensors, to_float32
-from ._stream import _as_base_index, _rows, _runs, read_into  # noqa: F401  (gguf.py imports them from here)
-from .transformer import Config
+from tpcore.io.formats import CheckpointError, bad, open_tensors, to_float32
+from tpcore.io.formats import base_row_index, row_runs, split_row_index
+from tpcore.io.stream import read_into
+from tpcore.nn.transformer import Config
 
 _open = open_tensors  # every tensor of a checkpoint folder, read on indexing (the tests' old name)
 
@@ -53,8 +54,8 @@ class View:
                              f"{' (after transposing)' if transpose else ''}: its shape does not match the config")
 
     def __getitem__(self, key) -> np.ndarray:
-        rows, scalar, rest = _rows(key, self.n)
-        r = _as_base_index(rows, self.off)
+        rows, scalar, rest = split_row_index(key, self.n)
+        r = base_row_index(rows, self.off)
         if self.t:
             c = rest[0] if rest else slice(None)
             out = to_float32(self.base[c, r])
@@ -77,7 +78,7 @@ class View:
             read_into(self.base, rows + self.off, cols, out, stage)
             return
         brows = np.arange(self.base.shape[0])[cols if cols is not None else slice(None)]
-        for pos, r, n in _runs(rows):
+        for pos, r, n in row_runs(rows):
             read_into(self.base, brows, slice(self.off + r, self.off + r + n), out[pos:pos + n].T, stage)
 
 
@@ -89,13 +90,13 @@ class _Stack:
         self.shape = (a.shape[0] + b.shape[0],) + tuple(a.shape[1:])
 
     def __getitem__(self, key):
-        rows, scalar, rest = _rows(key, self.shape[0])
+        rows, scalar, rest = split_row_index(key, self.shape[0])
         rows = np.atleast_1d(rows)
         n = self.a.shape[0]
         parts = []
         for src, idx in ((self.a, rows[rows < n]), (self.b, rows[rows >= n] - n)):
             if idx.size:
-                parts.append(to_float32(src[_as_base_index(idx, 0)]))
+                parts.append(to_float32(src[base_row_index(idx, 0)]))
         out = np.concatenate(parts) if parts else np.zeros((0,) + self.shape[1:], np.float32)
         if len(parts) == 2 and not np.all(np.diff(rows) >= 0):  # rows out of order across the halves
             out = np.concatenate([to_float32(self.a[i:i + 1] if i < n else self.b[i - n:i - n + 1]) for i in rows])
@@ -109,7 +110,7 @@ class _Stack:
     def _read_into(self, rows, cols, out, stage) -> None:
         """out (float32, (len(rows), ncols)) = self[rows, cols], streamed (the loaders' fill)."""
         n = self.a.shape[0]
-        for pos, r, k in _runs(np.asarray(rows, np.int64)):
+        for pos, r, k in row_runs(np.asarray(rows, np.int64)):
             ka = max(0, min(n, r + k) - r)      # the part of the run in a
             if ka:
                 read_into(self.a, np.arange(r, r + ka), cols, out[pos:pos + ka], stage)

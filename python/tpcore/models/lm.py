@@ -28,21 +28,21 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _C
-from . import _formats as fmt
-from . import _stream
-from . import hf as _hf
-from ._array import DeviceArray, asarray, asarray_device, device_string, resolve_device
-from ._args import agree, agreed, bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
-from .comm import Comm
-from .checkpoint import _collective
-from .layers import (MEMORY_KEYS, ACTIVATIONS, ColumnParallelLinear, _put_weight, _sizes, check_param_dtype,
-                     load_weight, zero)
-from .quant import is_quantized
-from .layers import partition as partition_dim
-from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
-from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-from .memory import _aligned_heads, _gguf_files, _model_dtypes, estimate_memory
+from tpcore import _C
+from tpcore.io import formats as fmt
+from tpcore.io import stream as _stream
+from tpcore.models import hf as _hf
+from tpcore.utils.arrays import DeviceArray, asarray, asarray_device, device_string, resolve_device
+from tpcore.distributed.agree import agree, agreed
+from tpcore.utils.args import bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
+from tpcore.distributed.comm import Comm
+from tpcore.nn.checkpoint import collective
+from tpcore.nn.layers import MEMORY_KEYS, ACTIVATIONS, ColumnParallelLinear, put_weight, partition_sizes, check_param_dtype, load_weight, zero
+from tpcore.nn.quant import is_quantized
+from tpcore.nn.layers import partition as partition_dim
+from tpcore.nn.transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
+from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from tpcore.models.memory import _aligned_heads, _gguf_files, _model_dtypes, estimate_memory
 
 __all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize", "estimate_memory"]
 
@@ -51,7 +51,7 @@ def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
     return (np.random.default_rng([seed, tag]).standard_normal(shape) * std).astype(np.float32)
 
 
-def _on(a, dev):
+def on_device(a, dev):
     """A host array as a DeviceArray on dev (a device string), or a plain NumPy array (dev None)."""
     return a if dev is None else asarray_device(a, device=dev)
 
@@ -70,8 +70,8 @@ class _Norm:
 
     def __init__(self, kind: str, C: int, eps: float, dev=None):
         self.kind, self.eps, self.dev = kind, float(eps), dev
-        self.weight = _on(np.ones(C, np.float32), dev)
-        self.bias = _on(np.zeros(C, np.float32), dev) if kind == "layernorm" else None
+        self.weight = on_device(np.ones(C, np.float32), dev)
+        self.bias = on_device(np.zeros(C, np.float32), dev) if kind == "layernorm" else None
         self.grad_weight = self.grad_bias = None  # on demand (_alloc_grads): none for inference
         self._ctx = None
 
@@ -79,8 +79,8 @@ class _Norm:
         """The gradients, zeroed, unless they exist."""
         if self.grad_weight is None:
             C = self.weight.shape[0]
-            self.grad_weight = _on(np.zeros(C, np.float32), self.dev)
-            self.grad_bias = None if self.bias is None else _on(np.zeros(C, np.float32), self.dev)
+            self.grad_weight = on_device(np.zeros(C, np.float32), self.dev)
+            self.grad_bias = None if self.bias is None else on_device(np.zeros(C, np.float32), self.dev)
 
     def _weights(self):
         return [self.weight] + ([] if self.bias is None else [self.bias])
@@ -182,7 +182,7 @@ class TransformerLM:
         if partition is None and plan is None:
             partition = _aligned_heads(cfg, comm.size, self.dtypes["out"])
         if plan is not None:
-            from .planner import plan_arg
+            from tpcore.nn.plan import plan_arg
             plan = plan_arg(plan, comm, "TransformerLM", partition=partition, ffn_partition=ffn_partition,
                             vocab_partition=vocab_partition)
             plan.check_config(cfg, "TransformerLM")
@@ -203,7 +203,7 @@ class TransformerLM:
                 pass
             elif is_quantized(self.wte.dtype):  # scaled in float32, quantized again (on the host)
                 if self.wte.local:
-                    _put_weight(self.wte.weight, self.wte.dtype, self.wte.weight_float() * 0.02, "TransformerLM")
+                    put_weight(self.wte.weight, self.wte.dtype, self.wte.weight_float() * 0.02, "TransformerLM")
             elif dev is None:
                 self.wte.weight[...] *= 0.02  # GPT-2 / BERT initialisation scale (N(0, 0.02))
             else:  # the same values, scaled on the host
@@ -211,14 +211,14 @@ class TransformerLM:
             self.vocab_partition = self.wte.partition
         else:
             self.wte = None
-            sizes = _sizes(vocab_partition, cfg.vocab_size, comm.size, "vocab_size", "TransformerLM: vocab_partition")
+            sizes = partition_sizes(vocab_partition, cfg.vocab_size, comm.size, "vocab_size", "TransformerLM: vocab_partition")
             self.vocab_partition = partition_dim(cfg.vocab_size, comm.size) if sizes is None else \
                 [(int(sum(sizes[:r])), int(sizes[r])) for r in range(comm.size)]
         # position / type embeddings and the norms outside the blocks: replicated, float32; on a GPU
         # they live there (DeviceArrays) and run the d_ kernels
         learned = cfg.positions == "learned" and first
-        self.wpe = _on(_normal(seed, 1, (cfg.max_positions, C), 0.02), self._kdev) if learned else None
-        self.tte = _on(_normal(seed, 2, (cfg.type_vocab_size, C), 0.02), self._kdev) \
+        self.wpe = on_device(_normal(seed, 1, (cfg.max_positions, C), 0.02), self._kdev) if learned else None
+        self.tte = on_device(_normal(seed, 2, (cfg.type_vocab_size, C), 0.02), self._kdev) \
             if cfg.type_vocab_size and first else None
         self.wpe_grad = self.tte_grad = None  # gradients on demand (_alloc_grads): none for inference
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.embedding_norm and first else None
@@ -254,9 +254,9 @@ class TransformerLM:
         """The model's own gradients (position / type embeddings), zeroed, unless they exist;
         the layers allocate theirs in their own backward / parameters()."""
         if self.wpe is not None and self.wpe_grad is None:
-            self.wpe_grad = _on(np.zeros(self.wpe.shape, np.float32), self._kdev)
+            self.wpe_grad = on_device(np.zeros(self.wpe.shape, np.float32), self._kdev)
         if self.tte is not None and self.tte_grad is None:
-            self.tte_grad = _on(np.zeros(self.tte.shape, np.float32), self._kdev)
+            self.tte_grad = on_device(np.zeros(self.tte.shape, np.float32), self._kdev)
 
     def parameters(self) -> List[Tuple[Any, Any]]:
         """This rank's (parameter, gradient) pairs, for `tpcore.optim` (DeviceArrays on a GPU).
@@ -432,10 +432,10 @@ class TransformerLM:
             h = self._dev(self.wte(asarray_device(tokens, device=device_string(self.device)) if self._on_gpu()
                                    else tokens), (B * T, C))
             if self.wpe is not None:
-                _C.d_add(h, h, _C.d_embedding_forward(_on(np.ascontiguousarray(pos.reshape(-1)), self._kdev), self.wpe))
+                _C.d_add(h, h, _C.d_embedding_forward(on_device(np.ascontiguousarray(pos.reshape(-1)), self._kdev), self.wpe))
             if self.tte is not None:
                 tt = np.zeros(B * T, np.int64) if token_type_ids is None else token_type_ids.reshape(-1)
-                _C.d_add(h, h, _C.d_embedding_forward(_on(np.ascontiguousarray(tt), self._kdev), self.tte))
+                _C.d_add(h, h, _C.d_embedding_forward(on_device(np.ascontiguousarray(tt), self._kdev), self.tte))
             if self.emb_norm is not None:
                 h = self.emb_norm.forward(h)
             return h.reshape((B, T, C))
@@ -461,7 +461,7 @@ class TransformerLM:
         if tokens.ndim != 2:
             raise ValueError(f"{who}: tokens must have shape (batch, time), got {tokens.shape}")
         B, T = tokens.shape  # an empty batch gives an empty result, as in torch
-        _check_vocab(tokens, cfg.vocab_size, who, "tokens")
+        check_vocab(tokens, cfg.vocab_size, who, "tokens")
         bool_arg(use_cache, who, "use_cache")
         bool_arg(need_backward, who, "need_backward")
         p0 = None if pos0 is None else positions(pos0, B, who)
@@ -482,7 +482,7 @@ class TransformerLM:
             tt = int_array(token_type_ids, who, "token_type_ids")
             if tt.shape != (B, T):
                 raise ValueError(f"{who}: token_type_ids must have shape (B, T) = {(B, T)}, got {tt.shape}")
-            _check_vocab(tt, cfg.type_vocab_size, who, "token_type_ids", "type_vocab_size")
+            check_vocab(tt, cfg.type_vocab_size, who, "token_type_ids", "type_vocab_size")
         sl = None
         if slots is not None:
             blk0 = self.blocks[0]
@@ -790,11 +790,11 @@ class TransformerLM:
         if self.emb_norm is not None:
             dh2 = self.emb_norm.backward(dh2)
         if self.wpe is not None:
-            _C.d_embedding_backward(self.wpe_grad, _on(np.ascontiguousarray(ctx["pos"].reshape(-1)), self._kdev), dh2)
+            _C.d_embedding_backward(self.wpe_grad, on_device(np.ascontiguousarray(ctx["pos"].reshape(-1)), self._kdev), dh2)
         if self.tte is not None:
             tt = np.zeros(B * T, np.int64) if ctx["token_type_ids"] is None else \
                 np.asarray(ctx["token_type_ids"], np.int64).reshape(-1)
-            _C.d_embedding_backward(self.tte_grad, _on(np.ascontiguousarray(tt), self._kdev), dh2)
+            _C.d_embedding_backward(self.tte_grad, on_device(np.ascontiguousarray(tt), self._kdev), dh2)
         self.wte.backward(dh2 if self._on_gpu() else dh2.to_numpy())
 
     # ------------------------------------------------------------- generation
@@ -843,7 +843,7 @@ class TransformerLM:
             args = self._generate_args(prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
         except (TypeError, ValueError) as e:
             err = e
-        _agree_generate(self.comm, args if err is None else None, err)
+        agree_generate(self.comm, args if err is None else None, err)
         return self._generate(*args)
 
     def _generate_args(self, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id):
@@ -863,7 +863,7 @@ class TransformerLM:
         seed = seed_arg(seed, who)
         seqs = _prompts(prompts, who)
         for b, q in enumerate(seqs):
-            _check_vocab(q, cfg.vocab_size, who, f"prompt {b}")
+            check_vocab(q, cfg.vocab_size, who, f"prompt {b}")
         gen = getattr(self, "generation_config", {}) or {}
         if eos_token_id is None:
             eos_token_id = gen.get("eos_token_id")
@@ -893,14 +893,14 @@ class TransformerLM:
         rng = np.random.default_rng(seed)
         out = [list(s) for s in seqs]
         if max_new_tokens == 0:
-            return _result(out)
+            return generate_result(out)
         h = self._forward(padded, pos0=np.zeros(B, np.int64), use_cache=True, _agreed=True)  # right padding: causal
         hook = self._on_token  # the benchmarks' clock: -1 after the prefill, then each step's index
         if hook is not None:
             hook(-1)
         if self._kdev is not None:  # each sequence's last row, gathered where h lives (an embedding lookup)
             Tp, C = padded.shape[1], self.config.hidden
-            rows = _on(np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64), self._kdev)
+            rows = on_device(np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64), self._kdev)
             last = _C.d_embedding_forward(rows, self._dev(h, (B * Tp, C)))
         else:
             last = h[np.arange(B), lens - 1]                                                  # (B, C)
@@ -922,7 +922,7 @@ class TransformerLM:
             h = self._forward(nxt.reshape(B, 1), pos0=cur, use_cache=True, _agreed=True)
             last = self._dev(h, (B, self.config.hidden)) if self._kdev is not None else h[:, 0]
             cur = cur + 1
-        return _result(out)
+        return generate_result(out)
 
     @staticmethod
     def _sample(logits, temperature, top_k, rng):
@@ -1139,7 +1139,7 @@ def quantize(model: TransformerLM, fmt: str, embedding: Optional[str] = None,
     dtypes = {"qkv": d, "out": d, "fc1": d, "fc2": d, "embedding": check_param_dtype(embedding or d, "quantize"),
               "head": check_param_dtype(head or d, "quantize")}
     cfg, comm = model.config, model.comm
-    from .quant import block_size
+    from tpcore.nn.quant import block_size
     ffn = model.blocks[0].ffn_partition if model.blocks else None
     if ffn is not None and any(s % block_size(d) for _, s in ffn):
         ffn = None  # the MLP's default split, in whole blocks
@@ -1166,7 +1166,7 @@ def quantize(model: TransformerLM, fmt: str, embedding: Optional[str] = None,
     return q
 
 
-def _agree_generate(comm: Comm, args, err) -> None:
+def agree_generate(comm: Comm, args, err) -> None:
     """generate's arguments (_generate_args's tuple; None with err, this rank's refusal) checked
     to be the same on every rank of comm; raises on every rank if not (or err here)."""
     if comm.size == 1:
@@ -1230,12 +1230,12 @@ def eos_ids_arg(eos_token_id, vocab_size: int, who: str) -> list:
     return [int(e) for e in eos if 0 <= int(e) < vocab_size]
 
 
-def _result(out):
+def generate_result(out):
     res = [np.array(o, np.int64) for o in out]
     return np.stack(res) if len(set(r.size for r in res)) == 1 else res
 
 
-def _check_vocab(t: np.ndarray, n: int, who: str, name: str, what: str = "vocab_size") -> None:
+def check_vocab(t: np.ndarray, n: int, who: str, name: str, what: str = "vocab_size") -> None:
     """Every id of t in [0, n), or a ValueError naming the first one outside."""
     lo, hi = minmax(t) if t.size else (0, 0)
     if lo < 0 or hi >= n:
@@ -1284,7 +1284,7 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-@_collective
+@collective
 def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, progress: bool = True,
                     device: Optional[str] = None, dtype: Any = None,
                     staging_bytes: Optional[int] = None) -> TransformerLM:
@@ -1447,7 +1447,7 @@ def _check_own_shards(path: str, cfg: Config, source: str, world: int) -> None:
                       f"layers={cfg.layers}, max_positions={cfg.max_positions}, ...)")
 
 
-@_collective
+@collective
 def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, dtype: Any = None,
               progress: bool = True, device: Optional[str] = None,
               staging_bytes: Optional[int] = None) -> TransformerLM:
@@ -1459,7 +1459,7 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
     through one staging buffer, and each rank dequantizes only its rows (and,
     for the row-parallel output and fc2 projections, only the blocks of its columns) into
     the model's float32 weights.  Needs the `gguf` package (``pip install gguf``);
-    `tpcore.gguf.tokenizer(path)` gives the file's tokenizer.
+    `tpcore.models.gguf.tokenizer(path)` gives the file's tokenizer.
 
     Parameters
     ----------
@@ -1472,7 +1472,7 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
     dtype : str or dict, optional
         The weights' storage (TransformerLM's dtype: "float32", "bfloat16", "float16", a
         quantized format, or a dict by part).  "gguf": the file's own formats, each part as
-        its tensors are stored (`tpcore.gguf.GGUFModel.model_dtypes`), the raw blocks copied
+        its tensors are stored (`tpcore.models.gguf.GGUFModel.model_dtypes`), the raw blocks copied
         as they are: per-rank weight memory about the file's size / N.  Default None: the
         same ("gguf"); "float32" dequantizes.
     progress : bool, default True
@@ -1487,7 +1487,7 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
     -------
     TransformerLM
         With ``generation_config`` (eos_token_id, pad_token_id from the file's tokenizer
-        metadata) and ``gguf_tokenizer_info`` (`tpcore.gguf.read_gguf`'s third item).
+        metadata) and ``gguf_tokenizer_info`` (`tpcore.models.gguf.read_gguf`'s third item).
 
     Raises
     ------
@@ -1514,7 +1514,7 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
 
 
 def _from_gguf(path, comm, partition, dtype, progress, device, staging=None) -> TransformerLM:
-    from .gguf import GGUFModel
+    from tpcore.models.gguf import GGUFModel
     g = GGUFModel(path, "from_gguf")
     # the reader's metadata (its Python objects for every token, the pages it touched of the
     # map) goes before the model is allocated: the tensors are read from the file with pread

@@ -23,12 +23,12 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _formats as fmt
-from ._args import int_arg, shown
-from .quant import is_quantized, row_bytes
-from .layers import check_param_dtype
-from .layers import partition as partition_dim
-from .transformer import Config
+from tpcore.io import formats as fmt
+from tpcore.utils.args import int_arg, shown
+from tpcore.nn.quant import is_quantized, row_bytes
+from tpcore.nn.layers import check_param_dtype
+from tpcore.nn.layers import partition as partition_dim
+from tpcore.nn.transformer import Config
 
 ALIGN = 64            # TP_DEVICE_ALIGN (csrc/include/tpcore/device.h)
 QBLOCK = 64           # query rows per block of the CPU attention (csrc/kernels/cpu/attention.c)
@@ -56,7 +56,7 @@ def _aligned_heads(cfg: Config, world: int, out_dtype: str) -> Optional[List[int
     """A head split whose output-projection slices (heads x head_dim columns) are whole blocks
     of a quantized out_dtype, when the even split's are not (None: the even split will do, or
     no split can: the layer then names the problem)."""
-    from .quant import block_size
+    from tpcore.nn.quant import block_size
     blk = block_size(out_dtype)
     if blk <= 1:
         return None
@@ -72,7 +72,7 @@ def _gguf_files(path) -> Optional[str]:
     .gguf (or starting with the GGUF magic), the one .gguf of a directory without a
     config.json / tpcore_config.json; None: not a GGUF checkpoint.  A directory with
     several .gguf files (and no config) is a ValueError listing them."""
-    from .gguf import is_gguf
+    from tpcore.models.gguf import is_gguf
     p = os.fspath(path)
     if p.lower().endswith(".gguf") and not os.path.isdir(p):
         return p                          # (a missing one: from_gguf's FileNotFoundError names it)
@@ -121,8 +121,8 @@ def _even(n: int, world: int, align: int = 1) -> List[int]:
 
 
 def _split(part, n: int, world: int, what: str, who: str, align: int = 1) -> List[int]:
-    from .layers import _sizes
-    sizes = _sizes(part, n, world, what, f"{who}: {what} partition")
+    from tpcore.nn.layers import partition_sizes
+    sizes = partition_sizes(part, n, world, what, f"{who}: {what} partition")
     if sizes is not None:
         return [int(s) for s in sizes]
     if align > 1 and n % align == 0:
@@ -142,14 +142,14 @@ def _source(config_or_dir, who: str) -> Tuple[Config, Optional[Dict[str, str]], 
     path = os.fspath(config_or_dir)
     g = _gguf_files(path)
     if g is not None:
-        from .gguf import GGUFModel
+        from tpcore.models.gguf import GGUFModel
         m = GGUFModel(g, who)
         return m.config, m.model_dtypes(), None
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{who}: {path!r} is neither a checkpoint directory nor a .gguf file")
     own = os.path.join(path, fmt.OWN_CONFIG)
     if os.path.exists(own):
-        from .transformer import ACTIVATIONS, NORMS, POSITIONS
+        from tpcore.nn.transformer import ACTIVATIONS, NORMS, POSITIONS
         cfg = fmt.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
         return cfg, None, None
     cfg = Config.from_hf(path)
@@ -243,8 +243,8 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     No collective; nothing is allocated.
     """
     who = "estimate_memory"
-    from .layers import check_param_dtype
-    from ._array import resolve_device
+    from tpcore.nn.layers import check_param_dtype
+    from tpcore.utils.arrays import resolve_device
     world = int_arg(world, who, "world", lo=1, hi=1 << 20)
     batch = int_arg(batch, who, "batch", lo=1, hi=2 ** 31 - 1)
     if not isinstance(training, bool):
@@ -265,7 +265,7 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
         check_param_dtype(dtype, who)
     dts = _model_dtypes(dtype, who)
     if threads is None:   # what each rank of a job of `world` ranks on this host gets by default
-        from . import _default_threads
+        from tpcore.utils.runtime import default_threads as _default_threads
         threads = _default_threads(world)
     threads = int_arg(threads, who, "threads", lo=1, hi=1 << 16)
 
@@ -274,7 +274,7 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     ln = cfg.norm == "layernorm"
     heads = _heads(cfg, world, partition, dts["out"], who)
     kvrep = _kv_replicated(heads)
-    from .quant import block_size
+    from tpcore.nn.quant import block_size
     blk = block_size(dts["fc2"]) if is_quantized(dts["fc2"]) else 1
     ffn = _split(ffn_partition, F, world, "ffn_hidden", who, align=blk)
     vocab = _split(vocab_partition, V, world, "vocab_size", who)

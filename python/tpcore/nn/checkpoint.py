@@ -27,15 +27,12 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 import numpy as np
 
-from ._formats import (INT_MAX, MAX_HEADER, _MISSING, BF16View, CheckpointError, ConfigFields,  # noqa: F401
-                       TensorInfo, _type, bad, check_tensors, file_format, is_int, parse_json, read_json_object,
-                       read_npz, read_safetensors, read_safetensors_header, read_tensors_file, regular_file,
-                       shard_path, to_float32, write_safetensors, write_tensors_file)
-from .comm import Comm, CommError
-from . import _stream
-from .layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, load_weight
-from .quant import is_quantized
-from .vocab import VocabParallelEmbedding
+from tpcore.io.formats import INT_MAX, MAX_HEADER, MISSING, BF16View, CheckpointError, ConfigFields, type_name, bad, check_tensors, file_format, is_int, parse_json, read_json_object, read_npz, read_safetensors, read_safetensors_header, read_tensors_file, regular_file, shard_path, to_float32, write_safetensors, write_tensors_file
+from tpcore.distributed.comm import Comm, CommError
+from tpcore.io import stream as _stream
+from tpcore.nn.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, load_weight
+from tpcore.nn.quant import is_quantized
+from tpcore.nn.vocab import VocabParallelEmbedding
 
 def _leaves(model, prefix="") -> Iterator[Tuple[str, object]]:
     if isinstance(model, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
@@ -77,21 +74,21 @@ def _full_shapes(layer) -> Dict[str, tuple]:
 def _check_meta(path, meta, comm, sharded):
     for k in ("world", "rank"):
         if k in meta and not (is_int(meta[k]) and meta[k] >= 0):
-            raise bad(path, f"__metadata__ {k!r}", "a non-negative integer", _type(meta[k]))
+            raise bad(path, f"__metadata__ {k!r}", "a non-negative integer", type_name(meta[k]))
     parts = meta.get("partitions", {})
     if not isinstance(parts, dict):
-        raise bad(path, "__metadata__ 'partitions'", "an object of layer name -> [[offset, size], ...]", _type(parts))
+        raise bad(path, "__metadata__ 'partitions'", "an object of layer name -> [[offset, size], ...]", type_name(parts))
     for k, v in parts.items():
         if not (isinstance(v, list) and all(isinstance(x, list) and len(x) == 2 and all(is_int(i) for i in x)
                                             for x in v)):
-            raise bad(path, f"__metadata__ partitions[{k!r}]", "a list of [offset, size] integer pairs", _type(v))
+            raise bad(path, f"__metadata__ partitions[{k!r}]", "a list of [offset, size] integer pairs", type_name(v))
     if sharded:
         for k, want in (("world", comm.size), ("rank", comm.rank)):
             if k in meta and meta[k] != want:
                 raise bad(path, f"__metadata__ {k!r}", f"{want} (the file's name says so)", meta[k])
 
 
-def _collective(fn: _F) -> _F:
+def collective(fn: _F) -> _F:
     """A failure on one rank (a full disk, a missing file, a shard of another
     partition) aborts the communicator, so that the other ranks fail at once
     instead of waiting in a collective, and a barrier at the end lets a rank
@@ -115,7 +112,7 @@ def _collective(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]  # the same signature (functools.wraps)
 
 
-@_collective
+@collective
 def save(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
     """Save a model's parameters: full tensors (written by rank 0) or one file per rank.
 
@@ -172,7 +169,7 @@ def save(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
     comm.barrier()  # the files are complete when save returns on any rank
 
 
-@_collective
+@collective
 def load(model: Any, path: str, comm: Comm, sharded: bool = False) -> None:
     """Load a model's parameters saved by `save`.
 

@@ -26,11 +26,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, overload
 
 import numpy as np
 
-from . import _C
-from ._args import bool_arg, int_arg, is_int, seed_arg, shown
-from ._array import DeviceArray, as_array, asarray, check_on_device, device_string, from_dlpack, resolve_device
-from .comm import Comm
-from .quant import QUANT_FORMATS, QuantTensor, as_format, block_size, dequantize, is_quantized
+from tpcore import _C
+from tpcore.utils.args import bool_arg, int_arg, is_int, seed_arg, shown
+from tpcore.utils.arrays import DeviceArray, as_array, asarray, check_on_device, device_string, from_dlpack, resolve_device
+from tpcore.distributed.comm import Comm
+from tpcore.nn.quant import QUANT_FORMATS, QuantTensor, as_format, block_size, dequantize, is_quantized
 
 
 def partition(n: int, world: int, weights: Optional[Sequence[float]] = None, align: int = 1) -> List[Tuple[int, int]]:
@@ -199,7 +199,7 @@ def float_param(a, who: str) -> np.ndarray:
     return a
 
 
-def _sizes(part, dim, world, what, who="partition"):
+def partition_sizes(part, dim, world, what, who="partition"):
     """Each rank's size from a partition given as sizes or as tpcore.partition()'s (offset, size)
     pairs (whose offsets must then be the running sums of the sizes)."""
     if part is None:
@@ -232,7 +232,7 @@ def _plan_sizes(plan, comm: Comm, n: int, who: str, partition, prefer: str = "ff
     """partition, or the split of the dimension of length n in plan (a tpcore.Plan; not both)."""
     if plan is None:
         return partition
-    from .planner import plan_arg
+    from tpcore.nn.plan import plan_arg
     return plan_arg(plan, comm, who, partition=partition).sizes_for(n, who, prefer)
 
 
@@ -305,7 +305,7 @@ class _ParallelLinear:
             bool_arg(v, type(self).__name__, name)
         split = out_features if self._kind == "column" else in_features
         partition = _plan_sizes(plan, comm, split, type(self).__name__, partition)
-        sizes = _sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features",
+        sizes = partition_sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features",
                        f"{type(self).__name__}: partition")
         blk = block_size(self.dtype)
         if sizes is None and self._kind == "row" and blk > 1 and split % blk == 0:
@@ -815,7 +815,7 @@ def _shard_float(w, dtype: str, cols: int) -> np.ndarray:
     return np.asarray(h, np.float32)
 
 
-def _put_weight(dst, dtype: str, src, who: str) -> None:
+def put_weight(dst, dtype: str, src, who: str) -> None:
     """dst (a layer's weight shard, or rows of it) = src: float values converted, or for a
     quantized dst its raw rows (a QuantTensor of the same format copied as it is, anything
     else quantized from its float values)."""
@@ -827,26 +827,26 @@ def _put_weight(dst, dtype: str, src, who: str) -> None:
 
 
 def is_lazy(x) -> bool:
-    """A checkpoint's tensor read on indexing (tpcore._stream.FileTensor, hf.View, ...):
+    """A checkpoint's tensor read on indexing (tpcore.io.stream.FileTensor, hf.View, ...):
     load_full streams its slices (load_weight) instead of reading it whole."""
     return hasattr(x, "_read_into") and hasattr(x, "shape")
 
 
 def load_weight(dst, dtype: str, src, rows, cols, who: str, at: int = 0) -> None:
     """dst (a weight shard: a host array, a DeviceArray, or rows of them) = src[rows, cols]
-    (cols None: src[rows]), streamed through the load's staging buffer (tpcore._stream.fill):
+    (cols None: src[rows]), streamed through the load's staging buffer (tpcore.io.stream.fill):
     float values converted chunk by chunk, a quantized dst's raw rows copied (a QuantTensor
     source of its format) or quantized by whole rows.  A GPU dst is filled on the host
     chunk by chunk, each chunk copied to its rows of the device (from row `at`)."""
-    from ._stream import fill
+    from tpcore.io.stream import fill
     if isinstance(src, QuantTensor) or not hasattr(src, "shape") or len(tuple(src.shape)) != 2:
         if at or (isinstance(dst, DeviceArray) and tuple(dst.shape)[:1] != (np.arange(src.shape[0])[rows].size,)):
             raise ValueError(f"{who}: rows of a device weight are filled from a 2-D checkpoint tensor only")
-        _put_weight(dst, dtype, src[rows] if cols is None else src[rows, cols], who)
+        put_weight(dst, dtype, src[rows] if cols is None else src[rows, cols], who)
         return
     if is_quantized(dtype) and not (dst.shape[0] if hasattr(dst, "shape") else 1):
         return  # (a shard of no rows: nothing to copy)
-    fill(dst, src, rows, cols, dtype, who, _put_weight, at=at)
+    fill(dst, src, rows, cols, dtype, who, put_weight, at=at)
 
 
 def _load_bias(layer, b, sel, n):
@@ -933,7 +933,7 @@ class ParallelMLP:
         hidden = int_arg(hidden, "ParallelMLP", "hidden", lo=1)
         ffn_hidden = int_arg(ffn_hidden, "ParallelMLP", "ffn_hidden", lo=1)
         partition = _plan_sizes(plan, comm, ffn_hidden, "ParallelMLP", partition)
-        sizes = _sizes(partition, ffn_hidden, comm.size, "ffn_hidden", "ParallelMLP: partition")
+        sizes = partition_sizes(partition, ffn_hidden, comm.size, "ffn_hidden", "ParallelMLP: partition")
         self.activation, self.comm, self.hidden = activation, comm, int(hidden)
         kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
         self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed,

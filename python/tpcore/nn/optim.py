@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from . import _C
-from ._args import real_arg, shown
-from ._array import DeviceArray, check_host
+from tpcore import _C
+from tpcore.utils.args import real_arg, shown
+from tpcore.utils.arrays import DeviceArray, check_host
 
 if TYPE_CHECKING:
-    from .comm import Comm
+    from tpcore.distributed.comm import Comm
 
 _LOWP = ("bfloat16", "float16")
 
@@ -288,9 +288,9 @@ class ShardedAdamW:
 
     def __init__(self, params: Any, comm: "Comm", lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01) -> None:
-        from .comm import Comm
-        from .layers import partition
-        from ._args import agree
+        from tpcore.distributed.comm import Comm
+        from tpcore.nn.layers import partition
+        from tpcore.distributed.agree import agree
         if not isinstance(comm, Comm):
             raise TypeError(f"ShardedAdamW: comm must be a tpcore.Comm (the data-parallel group), got {shown(comm)}")
         lr, betas, eps, weight_decay = _adam_args("ShardedAdamW", lr, betas, eps, weight_decay)

@@ -36,8 +36,8 @@ from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _C
-from ._args import int_arg
+from tpcore import _C
+from tpcore.utils.args import int_arg
 
 __all__ = ["QUANT_FORMATS", "QuantTensor", "block_size", "row_bytes", "quantize", "dequantize"]
 

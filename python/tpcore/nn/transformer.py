@@ -34,15 +34,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, overload
 
 import numpy as np
 
-from . import _C
-from ._array import DeviceArray, asarray, check_on_device, device_string, from_dlpack, resolve_device
-from ._args import agreed, bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
-from .comm import Comm
-from ._formats import _MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
-from .layers import (ACTIVATIONS, layer_memory, _host, _sizes, as_float32, check_param_dtype, check_partition, dev_back, dev_f32,
-                     partition, zero)
-from .layers import load_weight
-from .quant import QuantTensor, as_format, dequantize, is_quantized
+from tpcore import _C
+from tpcore.utils.arrays import DeviceArray, asarray, check_on_device, device_string, from_dlpack, resolve_device
+from tpcore.distributed.agree import agreed
+from tpcore.utils.args import bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
+from tpcore.distributed.comm import Comm
+from tpcore.io.formats import MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
+from tpcore.nn.layers import ACTIVATIONS, layer_memory, _host, partition_sizes, as_float32, check_param_dtype, check_partition, dev_back, dev_f32, partition, zero
+from tpcore.nn.layers import load_weight
+from tpcore.nn.quant import QuantTensor, as_format, dequantize, is_quantized
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -233,7 +233,7 @@ class Config:
             what was expected and what was found.
         """
         f = ConfigFields(c, source)
-        mt = f.str("model_type", _MISSING, ("gpt2", "llama", "mistral", "bert"), " (other model types are not supported)")
+        mt = f.str("model_type", MISSING, ("gpt2", "llama", "mistral", "bert"), " (other model types are not supported)")
 
         def heads_divide(hidden_key, heads_key):
             C, H = f.int(hidden_key), f.int(heads_key)
@@ -395,12 +395,12 @@ class TransformerBlock:
         cfg = config.validate()
         self.config, self.comm = cfg, comm
         if plan is not None:
-            from .planner import plan_arg
+            from tpcore.nn.plan import plan_arg
             plan = plan_arg(plan, comm, type(self).__name__, head_partition=head_partition, ffn_partition=ffn_partition)
             plan.check_config(cfg, type(self).__name__)
             head_partition, ffn_partition = plan.heads, plan.ffn
-        hp = _sizes(head_partition, cfg.heads, comm.size, "heads", f"{type(self).__name__}: head_partition")
-        fp = _sizes(ffn_partition, cfg.ffn_hidden, comm.size, "ffn_hidden", f"{type(self).__name__}: ffn_partition")
+        hp = partition_sizes(head_partition, cfg.heads, comm.size, "heads", f"{type(self).__name__}: head_partition")
+        fp = partition_sizes(ffn_partition, cfg.ffn_hidden, comm.size, "ffn_hidden", f"{type(self).__name__}: ffn_partition")
         self._c = _C.TransformerBlock(comm._c, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden,
                                       norm=cfg.norm, eps=float(cfg.eps), activation=cfg.activation,
                                       pre_norm=cfg.pre_norm, bias=cfg.bias, causal=cfg.causal,
@@ -547,7 +547,7 @@ class TransformerBlock:
             fmt = self.dtypes.get(local, "float32")
             quant = is_quantized(fmt)
             if len(shapes[name]) == 2 and not isinstance(t, QuantTensor):
-                # a weight: its slice streamed into its rows chunk by chunk (tpcore._stream.fill;
+                # a weight: its slice streamed into its rows chunk by chunk (tpcore.io.stream.fill;
                 # on a GPU each host chunk copied to the device rows), the slice's shape checked
                 # first from the cut (nothing read)
                 r, c = (cut if isinstance(cut, tuple) else (cut, None))

@@ -26,14 +26,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import _C
-from ._args import int_arg, int_array, real_arg, seed_arg
-from ._array import (DeviceArray, asarray, check_host, check_on_device, device_of, device_string, from_dlpack,
-                     resolve_device)
-from .comm import Comm
-from .layers import (_plan_sizes, is_lazy, layer_memory, load_weight, _shard_float, _shard_host, _sizes, as_float32,
-                     check_param_dtype, check_partition, zero)
-from .quant import QuantTensor, is_quantized
+from tpcore import _C
+from tpcore.utils.args import int_arg, int_array, real_arg, seed_arg
+from tpcore.utils.arrays import DeviceArray, asarray, check_host, check_on_device, device_of, device_string, from_dlpack, resolve_device
+from tpcore.distributed.comm import Comm
+from tpcore.nn.layers import _plan_sizes, is_lazy, layer_memory, load_weight, _shard_float, _shard_host, partition_sizes, as_float32, check_param_dtype, check_partition, zero
+from tpcore.nn.quant import QuantTensor, is_quantized
 
 
 def _tokens(tokens, name="tokens", who="VocabParallelEmbedding"):
@@ -116,7 +114,7 @@ class VocabParallelEmbedding:
         embedding_dim = int_arg(embedding_dim, "VocabParallelEmbedding", "embedding_dim", lo=1)
         self.comm, self.num_embeddings, self.embedding_dim = comm, int(num_embeddings), int(embedding_dim)
         partition = _plan_sizes(plan, comm, self.num_embeddings, "VocabParallelEmbedding", partition, "vocab")
-        sizes = _sizes(partition, self.num_embeddings, comm.size, "num_embeddings",
+        sizes = partition_sizes(partition, self.num_embeddings, comm.size, "num_embeddings",
                        "VocabParallelEmbedding: partition")
         kw = {} if self.device[0] == "cpu" else {"device": device_string(self.device)}
         self._c = _C.VocabEmbedding(comm._c, self.num_embeddings, self.embedding_dim, sizes, seed,

@@ -40,11 +40,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._args import agree, int_arg, int_array, shown
-from .grid import ProcessGrid
-from .models import TransformerLM, _agree_generate, _result, _check_vocab
-from .quant import is_quantized
-from .transformer import Config
+from tpcore.distributed.agree import agree
+from tpcore.utils.args import int_arg, int_array, shown
+from tpcore.distributed.grid import ProcessGrid
+from tpcore.models.lm import TransformerLM, agree_generate, generate_result, check_vocab
+from tpcore.nn.quant import is_quantized
+from tpcore.nn.transformer import Config
 
 __all__ = ["PipelineLM", "stage_partition", "SCHEDULES"]
 
@@ -540,7 +541,7 @@ class PipelineLM:
             args = st._generate_args(prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
         except (TypeError, ValueError) as e:
             err = e
-        _agree_generate(self.mp, args, err)
+        agree_generate(self.mp, args, err)
         return self._generate(*args)
 
     def _generate(self, seqs, max_new_tokens, temperature, top_k, seed, eos_ids, pad_token_id):
@@ -551,7 +552,7 @@ class PipelineLM:
         st.cache(B, Tp + max_new_tokens)
         out = [list(q) for q in seqs]
         if max_new_tokens == 0:
-            return _result(out)
+            return generate_result(out)
         padded = np.zeros((B, Tp), np.int64)
         for b, q in enumerate(seqs):
             padded[b, :q.size] = q
@@ -587,7 +588,7 @@ class PipelineLM:
             h = step(nxt.reshape(B, 1), cur, 1)
             rows = np.arange(B), np.zeros(B, np.int64)
             cur = cur + 1
-        return _result(out)
+        return generate_result(out)
 
     def __repr__(self):
         lo, hi = self.stage_bounds[self.stage_index]

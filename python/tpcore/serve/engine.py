@@ -35,9 +35,10 @@ from typing import Any, Deque, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from . import _C
-from ._args import agree, fingerprint, int_arg, int_array, is_int, real_arg, seed_arg, shown
-from .models import eos_ids_arg
+from tpcore import _C
+from tpcore.distributed.agree import agree, fingerprint
+from tpcore.utils.args import int_arg, int_array, is_int, real_arg, seed_arg, shown
+from tpcore.models.lm import eos_ids_arg
 
 __all__ = ["Engine", "Request"]
 
@@ -142,7 +143,7 @@ class Engine:
 
     def __init__(self, model: Any, max_batch: int = 16, max_len: Optional[int] = None, eos_token_id: Any = None,
                  pad_token_id: Optional[int] = None, max_prefill_tokens: Optional[int] = None) -> None:
-        from .models import TransformerLM
+        from tpcore.models.lm import TransformerLM
         who = "Engine"
         if not isinstance(model, TransformerLM):
             raise TypeError(f"{who}: model must be a tpcore.TransformerLM, got {type(model).__name__}")
@@ -377,8 +378,8 @@ class Engine:
             h = m._forward(padded, pos0=np.zeros(B, np.int64), use_cache=True, _agreed=True, slots=slots)
             if m._kdev is not None:  # each prompt's last row, gathered where h lives (an embedding lookup)
                 rows = np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64)
-                from .models import _on
-                last = _C.d_embedding_forward(_on(rows, m._kdev), m._dev(h, (B * Tp, C)))
+                from tpcore.models.lm import on_device
+                last = _C.d_embedding_forward(on_device(rows, m._kdev), m._dev(h, (B * Tp, C)))
             else:
                 last = h[np.arange(B), lens - 1]
             nxt = self._next_tokens(new, last)

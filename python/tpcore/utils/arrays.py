@@ -23,7 +23,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from . import _C
+from tpcore import _C
 
 # DLPack's DLDeviceType codes (dlpack.h) and the names tpcore gives them in messages
 DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi",
@@ -132,9 +132,9 @@ DeviceArray = _C.DeviceArray
 
 
 def cuda_available() -> bool:
-    """tpcore.cuda_available() when the CUDA loader is there, else False."""
-    import tpcore
-    return bool(getattr(tpcore, "cuda_available", lambda: False)())
+    """tpcore.cuda_available(): whether tensors can live on a CUDA GPU in this process."""
+    from tpcore.utils import cuda
+    return cuda.available()
 
 
 def resolve_device(device, who: str) -> Tuple[str, int]:

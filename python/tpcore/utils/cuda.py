@@ -17,7 +17,7 @@ import importlib.util
 import os
 import threading
 
-from . import _C
+from tpcore import _C
 
 # nvidia.<name> packages whose lib/ folder may hold what tpcore opens (or what those need):
 # the per-library wheels of CUDA 12 and the one-folder wheels of CUDA 13 (nvidia/cu13/lib).

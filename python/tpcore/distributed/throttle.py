@@ -19,8 +19,8 @@ import math
 import os
 from typing import Dict, Optional
 
-from . import _C
-from ._args import shown
+from tpcore import _C
+from tpcore.utils.args import shown
 
 ENV = "TPCORE_THROTTLE"
 MAX_FACTOR = 1000.0
@@ -110,7 +110,7 @@ def apply_env(rank: Optional[int]) -> None:
 def apply_env_at_import() -> None:
     rank = None
     if os.environ.get(ENV, "").strip():
-        from . import _env
+        from tpcore.distributed import env as _env
         try:
             rank = _env.detect().rank
         except Exception:  # noqa: BLE001 - an unusable job environment is init()'s error to report
