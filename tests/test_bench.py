@@ -151,7 +151,7 @@ def test_serve_measure_function():
 
 
 def test_demo_main_job(tmp_path):
-    """The README's main job: collectives then the transformer, checked against 1 rank."""
+    """The main job (README's first command): collectives then the transformer, checked against 1 rank."""
     r = subprocess.run([sys.executable, "-m", "tpcore.launch", "-n", "3", "-m", "tpcore.demo", "--iters", "2"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

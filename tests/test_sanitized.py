@@ -7,8 +7,8 @@ extension).  The next runs the tests that reach C with bad sizes, positions
 and files against that build, in a child pytest with the sanitizer runtimes
 preloaded; any report fails it (UBSan aborts on the first finding).
 
-TPCORE_SANITIZED_TESTS=all runs the whole suite there instead (README: the
-ASan+UBSan run before an issue is called resolved); a space-separated list of
+TPCORE_SANITIZED_TESTS=all runs the whole suite there instead (docs/building.md:
+the ASan+UBSan run before a change is called done); a space-separated list of
 test files runs those.
 """
 import os

@@ -916,13 +916,13 @@ def test_bfloat16_parameters():
     assert run(_bf16_params_case, 2) == [True, True]
 
 
-def test_readme_training_loop_runs(tmp_path):
-    """The README's tpcore.torch example, run as it is (fewer steps, the checkpoint in tmp_path)."""
+def test_docs_training_loop_runs(tmp_path):
+    """The tpcore.torch page's example (docs/torch.md), run as it is (fewer steps, the checkpoint in tmp_path)."""
     import os
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    i = readme.index("## PyTorch modules: tpcore.torch")
-    j = readme.index("```python\n", i) + len("```python\n")
-    code = readme[j:readme.index("```", j)]
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "torch.md")).read()
+    i = page.index("# PyTorch modules: tpcore.torch")
+    j = page.index("```python\n", i) + len("```python\n")
+    code = page[j:page.index("```", j)]
     assert "tpcore.spawn(train, 2)" in code and "range(10)" in code
     code = code.replace("range(10)", "range(2)").replace('"tiny.pt"', repr(str(tmp_path / "tiny.pt")))
     code = code.replace("tpcore.spawn(train, 2)", "tpcore.spawn(train, 2, deadline=120)")

@@ -7,7 +7,7 @@
     python -m tpcore.bench report --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --worlds 1,2   # a GGUF file
     python benchmarks/report.py --json report.json
 
-The second seed's method: measure one device first, then two or more with the same model,
+The method: measure one device first, then two or more with the same model,
 prompt, context and batch, and record per-device memory, tokens/s, latency, collective time
 and link use.  For each world size the same model (the same seed, or --checkpoint) runs, on
 every rank of one tpcore.spawn:

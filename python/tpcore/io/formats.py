@@ -46,7 +46,7 @@ MAX_HEADER = 100_000_000                           # the safetensors format's bo
 class CheckpointError(ValueError):
     """A checkpoint file that is corrupt, or that disagrees with itself or with its config:
     a safetensors file (header length, JSON, dtypes, shapes, data_offsets), a config.json,
-    tpcore_config.json, generation_config.json or *.safetensors.index.json, or one of
+    tpcore_config.json, generation_config.json or ``*.safetensors.index.json``, or one of
     tpcore's own .npz / .safetensors checkpoints.  The message reads
     "<file>: <tensor or field>: expected <what>, found <what>"; the parts are also the
     attributes path, field, expected and found.  A lower-level error (JSON, UTF-8, zip)

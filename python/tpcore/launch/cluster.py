@@ -586,7 +586,7 @@ class Cluster:
 
     # -- running ----------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> List[Any]:
-        """fn(comm, *args, **kwargs) on every rank; the list of their results in rank order.
+        """``fn(comm, *args, **kwargs)`` on every rank; the list of their results in rank order.
 
         Parameters
         ----------

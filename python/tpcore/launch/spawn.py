@@ -320,7 +320,7 @@ def _check_importable(fn, method, args=(), kwargs=None):
 def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
           backend: str = "shm", timeout: Optional[float] = None, deadline: Optional[float] = None,
           start_method: Optional[str] = None, relay_output: bool = True, grace: float = 3.0) -> List[_T]:
-    """Run fn(comm, *args, **kwargs) on world_size local ranks; return their results.
+    """Run ``fn(comm, *args, **kwargs)`` on world_size local ranks; return their results.
 
     Each rank is a process with its own communicator (`tpcore.init` inside it); works
     from scripts, pytest and Jupyter.  What a rank prints is relayed line by line with a
@@ -329,7 +329,7 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
     Parameters
     ----------
     fn : callable
-        fn(comm, *args, **kwargs); its return value must pickle.
+        ``fn(comm, *args, **kwargs)``; its return value must pickle.
     world_size : int
         Ranks, >= 1.
     args : sequence, default ()

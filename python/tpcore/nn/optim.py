@@ -15,7 +15,7 @@ and writes it back rounded to nearest even (Megatron's and apex's O2 scheme:
 the 16-bit weights never accumulate the small updates themselves).
 
 Parameters on a GPU (tpcore.DeviceArray pairs, what a device="cuda" layer or model
-gives) are stepped there, their state and masters allocated there (the d_ kernels
+gives) are stepped there, their state and masters allocated there (the ``d_*`` kernels
 of tpcore._C): nothing goes through the host.
 """
 from __future__ import annotations
