@@ -160,15 +160,16 @@ def test_bad_uses_are_clear_errors():
 
 def test_auto_picks_mpi_across_hosts_or_when_asked(monkeypatch):
     from tpcore.distributed import env as _env
+    from tpcore.distributed.init import _choose_backend
     monkeypatch.delenv("TPCORE_BACKEND", raising=False)
     across = _env.detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
                           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_NAMESPACE": "x"})
     one_host = _env.detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "PMIX_NAMESPACE": "x"})
-    assert tpcore._choose_backend("auto", across) == "mpi"
-    assert tpcore._choose_backend("auto", one_host) in ("shm", "nccl")  # today's choice on one host
-    assert tpcore._choose_backend("shm", across) == "shm"
+    assert _choose_backend("auto", across) == "mpi"
+    assert _choose_backend("auto", one_host) in ("shm", "nccl")  # today's choice on one host
+    assert _choose_backend("shm", across) == "shm"
     monkeypatch.setenv("TPCORE_BACKEND", "mpi")
-    assert tpcore._choose_backend("auto", one_host) == "mpi"
+    assert _choose_backend("auto", one_host) == "mpi"
     monkeypatch.setenv("TPCORE_BACKEND", "tcp")
     with pytest.raises(ValueError, match="TPCORE_BACKEND must be one of"):
-        tpcore._choose_backend("auto", one_host)
+        _choose_backend("auto", one_host)
