@@ -154,7 +154,7 @@ def test_wheel_lib_dirs_both_layouts_and_registered(tmp_path):
     _fake_lib(str(nccl_lib / "libnccl.so.2"))
     code = (
         "import json, sys, tpcore\n"
-        "from tpcore import _cuda\n"
+        "from tpcore.utils import cuda as _cuda\n"
         "dirs = _cuda.register_library_dirs()\n"
         "path = tpcore._C._find_library('NCCL', 'TPCORE_NCCL_LIBRARY', ['libnccl.so.2'])\n"
         "print(json.dumps({'dirs': dirs, 'path': path, 'torch': 'torch' in sys.modules,\n"
@@ -178,7 +178,7 @@ def test_build_info_reports_searches_only_after_one(libs, tmp_path):
     missing = str(tmp_path / "no" / "libcublas.so.13")
     code = (
         "import json, tpcore\n"
-        "from tpcore import _cuda\n"
+        "from tpcore.utils import cuda as _cuda\n"
         "before = tpcore.build_info()['cuda']\n"
         "found = _cuda.search_libraries()\n"
         "after = tpcore.build_info()['cuda']\n"

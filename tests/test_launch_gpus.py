@@ -98,7 +98,7 @@ def test_spawn_defaults_to_fresh_interpreters_once_cuda_is_up(monkeypatch):
     import importlib
     import multiprocessing as mp
 
-    sp = importlib.import_module("tpcore.spawn")  # the module (tpcore.spawn is also the function)
+    from tpcore.launch import spawn as sp
     if "fork" not in mp.get_all_start_methods():
         pytest.skip("no fork on this platform")
     monkeypatch.setattr(sp, "_cuda_initialised", lambda: False)
