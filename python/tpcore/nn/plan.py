@@ -728,9 +728,6 @@ def plan_from_measurements(dims: Any, speeds: Sequence[float], memory: Any = Non
                 head_unit="head" if d.is_mlp else unit, dtype=dtype, cache=cache)
 
 
-# ------------------------------------------------------------------ measuring
-
-
 
 def plan_arg(plan, comm: Comm, who: str, **given) -> Optional[Plan]:
     """A layer's plan= argument: None, or a Plan for comm's size, with no partition given beside it."""
@@ -742,3 +739,4 @@ def plan_arg(plan, comm: Comm, who: str, **given) -> Optional[Plan]:
     if both:
         raise ValueError(f"{who}: give either plan or {', '.join(both)}, not both")
     plan.check_world(comm, who)
+    return plan
