@@ -61,7 +61,7 @@ def print_header(env: dict, plan: dict, peers: List[str], worlds_threads: dict) 
     others = {k: v for k, v in env.get("env", {}).items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     if others:
         w("#  " + "  ".join(f"{k}={v}" for k, v in others.items()) + "\n")
-    w(f"#  BLAS threads per rank (tpcore default: cores / local ranks; NumPy and torch set to the same): "
+    w("#  BLAS threads per rank (tpcore default: cores / local ranks; NumPy and torch set to the same): "
       + ", ".join(f"n={n}: {t}" for n, t in worlds_threads.items()) + "\n")
     cores = env.get("affinity") or env.get("nproc") or 1
     over = [n for n in plan["worlds"] if n > cores]
@@ -154,7 +154,7 @@ def summarize(rows: list, torch_rows: list) -> dict:
     w(f"#  tpcore / NumPy GF/s: min {lo['ratio_numpy']:.2f} (step, at {_key(lo)}), min {lo_c['ratio_numpy_nocomm']:.2f}"
       f" without communication (at {_key(lo_c)}); target >= {TARGETS['numpy_ratio']}\n")
     if below:
-        w(f"#    below target without communication at: "
+        w("#    below target without communication at: "
           + ", ".join(f"{_key(r)} {r['ratio_numpy_nocomm']:.2f}" for r in below) + "\n")
     cs = [r for r in rows if r["hidden"] == 1024 and r["tokens"] == 8 and r["n"] == 2]
     if cs:

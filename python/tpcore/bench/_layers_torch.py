@@ -111,7 +111,7 @@ def _torch_worker(rank: int, n: int, port: int, plan: dict, iters: list, threads
             row["comm_total_s"] = comm_t[0]
             row["fwd_s"] = _timed(fwd, max(1, it), barrier)
             rows.append(row)
-            del W1, b1, W2, b2, x, dyt, y
+            W1 = b1 = W2 = b2 = x = dyt = y = None  # released (the closures above hold these names: no del)
             gc.collect()
         progress.done()
         info = {"torch": torch.__version__, "threads": torch.get_num_threads(),

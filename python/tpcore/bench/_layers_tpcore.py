@@ -197,7 +197,8 @@ def _tpcore_rank(comm, plan: dict) -> list:
         st = comm.stats()
         row["stats"] = {k: v for k, v in st.items() if isinstance(v, (int, float))}
         rows.append(row)
-        del mlp, y, dx, W1s, W2s, a, dh, yb, dW2, da, dW1, dxb
+        # released (the closures above hold these names: no del)
+        mlp = y = dx = W1s = W2s = a = dh = yb = dW2 = da = dW1 = dxb = None
         gc.collect()
         comm.barrier()
     progress.done()
