@@ -156,8 +156,8 @@ def _terminate(signum, frame):
 
 
 def _threads_for(n: int) -> int:
-    import tpcore
-    return tpcore._default_threads(n)
+    from tpcore.utils.runtime import default_threads
+    return default_threads(n)
 
 
 def run(args) -> int:
