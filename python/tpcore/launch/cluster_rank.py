@@ -6,7 +6,8 @@ file descriptors 1 and 2 to the parent.
 Messages, parent to rank on the command pipe: ("run", cloudpickled (fn, args, kwargs), state
 mode, source), ("abort", why), ("rebuild", job id), ("stop",).  Rank to parent on the result
 pipe: ("ready", rank, backend), ("ok", rank, cloudpickled result, communicator failure or
-None), ("out", rank, stream, text), and spawn's error message for a failure.
+None), ("out", rank, stream, text), and for a failure spawn's ("err", rank, ...) message with the
+communicator's failure appended.
 """
 from __future__ import annotations
 
