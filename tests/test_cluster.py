@@ -818,7 +818,7 @@ def test_close_from_another_thread_during_run():
 def test_fd_relay_sync_waits_for_its_own_marker_after_one_timed_out():
     # sync() used a semaphore: the late marker of a sync that timed out released it, so the next
     # sync returned before its output was sent (the output then came after run() returned)
-    from tpcore.launch.cluster import _FdRelay
+    from tpcore.launch.cluster_rank import _FdRelay
     fd = os.dup(2)  # a descriptor of our own for the relay to take over
     gate = threading.Event()
     got = []

@@ -90,7 +90,7 @@ ALLOWED = {
     "parallel": {"utils", "distributed", "io", "nn", "models"},
     "serve": {"utils", "distributed", "io", "nn", "models"},
     "launch": {"utils", "distributed"},
-    "torch": {"utils", "distributed", "nn"},
+    "torch": {"utils", "distributed", "nn"},  # the subpackage tpcore.torch/ (imports PyTorch; tpcore never imports it)
     "cleanup": {"utils"},
     "bench": {"tpcore", "utils", "distributed", "io", "nn", "models", "parallel", "serve", "launch", "torch"},
     "demo": {"tpcore", "utils", "distributed", "io", "nn", "models", "parallel", "serve", "launch", "bench"},

@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from tpcore.utils.args import is_int, shown
-from tpcore.io.formats import FileTensor, base_row_index, _col_range, split_row_index, row_runs, read_rows  # noqa: F401  (file-level: there)
+from tpcore.io.lazy import FileTensor, base_row_index, _col_range, split_row_index, row_runs, read_rows  # noqa: F401  (file-level: there)
 
 DEFAULT_STAGING = 64 << 20
 ENV = "TPCORE_LOAD_STAGING_MB"
@@ -141,7 +141,7 @@ def read_into(src, rows: np.ndarray, cols, out: np.ndarray, stage: Staging) -> N
     if reader is not None:
         reader(rows, cols, out, stage)
         return
-    from tpcore.io.formats import to_float32
+    from tpcore.io.safetensors import to_float32
     sel = base_row_index(rows, 0)
     v = src[sel] if cols is None else src[sel, cols]
     out[...] = to_float32(v).reshape(out.shape)
