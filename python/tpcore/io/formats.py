@@ -32,6 +32,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
+from tpcore.utils.args import is_int
 from tpcore.utils.arrays import asarray
 
 # safetensors and strict JSON ----------------------------------------------------------
@@ -73,10 +74,6 @@ def bad(path, field, expected, found) -> CheckpointError:
 def type_name(v) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
             int: "an integer", float: "a number"}.get(type(v), type(v).__name__) + f" ({_short(v, 40)})"
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def parse_json(raw: bytes, path, field: str = "JSON"):
