@@ -370,4 +370,4 @@ def _errors_case(comm):
 def test_unsupported_weight_dtypes_are_refused():
     msgs = run(_errors_case, 1)[0]
     for m in msgs:
-        assert "accepted" not in m and "dtype" in m and "float32, bfloat16, float16" in m, m
+        assert "accepted" not in m and "dtype" in m and "float32, float16, bfloat16" in m, m
