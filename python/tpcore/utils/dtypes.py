@@ -21,7 +21,7 @@ Imports the extension and tpcore.utils.args.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -126,9 +126,9 @@ def row_header(fmt: str) -> int:
     return _layout(fmt, "row_header")[2]
 
 
-def bytes_per_element(fmt: str) -> float:
+def bytes_per_element(fmt: str) -> Union[int, float]:
     """A format's bytes per weight element: its block's bytes over its elements (int8's
-    scale per row left out).
+    scale per row left out); an int where that is whole (the float formats, int8).
 
     Parameters
     ----------
@@ -141,7 +141,7 @@ def bytes_per_element(fmt: str) -> float:
         fmt not a known name.
     """
     blk, nb, _, _ = _layout(fmt, "bytes_per_element")
-    return nb / blk
+    return nb // blk if nb % blk == 0 else nb / blk
 
 
 def row_bytes(fmt: str, cols: int) -> int:
