@@ -738,3 +738,4 @@ def plan_arg(plan, comm: Comm, who: str, **given) -> Optional[Plan]:
     if both:
         raise ValueError(f"{who}: give either plan or {', '.join(both)}, not both")
     plan.check_world(comm, who)
+    return plan
