@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from tpcore.nn import checkpoint
+from tpcore.io import formats
 from conftest import rng_for, run
 
 
@@ -84,12 +84,12 @@ def test_safetensors_interoperates_with_the_official_package(tmp_path):
     tensors = {"a.weight": g.standard_normal((3, 5)).astype(np.float32), "b": np.arange(7, dtype=np.int64),
                "c": g.standard_normal(4)}
     ours = str(tmp_path / "ours.safetensors")
-    checkpoint.write_safetensors(ours, tensors, {"k": "v"})
+    formats.write_safetensors(ours, tensors, {"k": "v"})
     back = st.load_file(ours)
     assert set(back) == set(tensors) and all(np.array_equal(back[k], tensors[k]) for k in tensors)
     theirs = str(tmp_path / "theirs.safetensors")
     st.save_file(tensors, theirs, metadata={"x": "y"})
-    got, meta = checkpoint.read_safetensors(theirs)
+    got, meta = formats.read_safetensors(theirs)
     assert meta == {"x": "y"} and all(np.array_equal(got[k], tensors[k]) for k in tensors)
 
 
@@ -97,10 +97,10 @@ def test_bad_files(tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x00" * 4)
     with pytest.raises(ValueError, match="safetensors"):
-        checkpoint.read_safetensors(str(bad))
+        formats.read_safetensors(str(bad))
     bad.write_bytes((10**12).to_bytes(8, "little") + b"{}")
     with pytest.raises(ValueError, match="header"):
-        checkpoint.read_safetensors(str(bad))
+        formats.read_safetensors(str(bad))
     with pytest.raises(ValueError, match=".npz or .safetensors"):
         run(lambda comm: tpcore.save(_model(comm, 1), str(tmp_path / "x.bin"), comm), 1)
     # a full checkpoint of other shapes

@@ -18,8 +18,8 @@ import pytest
 
 import tpcore
 from tpcore import CheckpointError
-from tpcore.nn import checkpoint
-from tpcore.nn.checkpoint import read_safetensors, read_safetensors_header, write_safetensors
+from tpcore.io import formats
+from tpcore.io.formats import read_safetensors, read_safetensors_header, write_safetensors
 from conftest import run
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -87,7 +87,7 @@ def _load(comm, d):
 
 # --------------------------------------------------------------------- safetensors
 def test_error_type_contract():
-    e = checkpoint.bad("/x/model.safetensors", "tensor 'a'", "shape (2,)", "shape (3,)")
+    e = formats.bad("/x/model.safetensors", "tensor 'a'", "shape (2,)", "shape (3,)")
     assert isinstance(e, ValueError) and tpcore.CheckpointError is CheckpointError
     assert str(e) == "/x/model.safetensors: tensor 'a': expected shape (2,), found shape (3,)"
     assert (e.path, e.field, e.expected, e.found) == ("/x/model.safetensors", "tensor 'a'", "shape (2,)", "shape (3,)")

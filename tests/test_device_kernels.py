@@ -159,10 +159,10 @@ def test_bad_arguments_name_the_kernel_and_argument():
 
 @pytest.mark.skipif(BF16 is None, reason="needs ml_dtypes")
 def test_gpu_layers_16_bit_activation_helpers():
-    """What a GPU layer does with a 16-bit activation (tpcore.nn.layers.dev_f32 / dev_back), here on
+    """What a GPU layer does with a 16-bit activation (tpcore.nn.common.dev_f32 / dev_back), here on
     DeviceArrays of the CPU: converted to float32 on the device, the result back in the 16-bit
     dtype; float32 passes through untouched (no copy)."""
-    from tpcore.nn.layers import dev_back, dev_f32
+    from tpcore.nn.common import dev_back, dev_f32
     x = (np.random.default_rng(6).standard_normal((3, 5))).astype(np.float32).astype(BF16)
     xa = tpcore.asarray(x, device="cpu", copy=True)
     x32, dt = dev_f32(xa)

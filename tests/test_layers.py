@@ -156,7 +156,7 @@ def _bad_inputs(comm):
         (lambda: col([1.0] * 8), TypeError, "NumPy"),
         (lambda: tpcore.ColumnParallelLinear(8, 6, comm, partition=[1] * comm.size), ValueError, "sum to"),
         (lambda: tpcore.RowParallelLinear(0, 6, comm), ValueError, "in_features"),
-        (lambda: tpcore.ColumnParallelLinear(8, 6, comm, dtype="int4"), ValueError, "float32, bfloat16, float16"),
+        (lambda: tpcore.ColumnParallelLinear(8, 6, comm, dtype="int4"), ValueError, "float32, float16, bfloat16"),
         (lambda: col.load_full(np.ones((6, 9))), ValueError, "shape"),
     ]
     fresh = tpcore.RowParallelLinear(8, 6, comm)

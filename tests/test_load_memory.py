@@ -22,7 +22,7 @@ import pytest
 import tpcore
 from tpcore import CheckpointError
 from tpcore.models.lm import TransformerLM, from_gguf, from_pretrained
-from tpcore.nn.transformer import Config
+from tpcore.nn.config import Config
 
 from conftest import run_fresh
 from smollm2 import smollm2_path
@@ -391,7 +391,7 @@ def test_fill_device_rows_in_chunks(tmp_path):
     import ml_dtypes
     from tpcore.io import stream as _stream
     from tpcore.io.formats import open_safetensors, write_safetensors
-    from tpcore.nn.layers import put_weight as _put_weight
+    from tpcore.nn.weights import put_weight
     rng = np.random.default_rng(7)
     W = rng.standard_normal((37, 29)).astype(np.float32)
     p = str(tmp_path / "a.safetensors")
@@ -402,7 +402,7 @@ def test_fill_device_rows_in_chunks(tmp_path):
             ref = (W if name == "w" else W.astype(ml_dtypes.bfloat16).astype(np.float32))[3:36, 5:12]
             dst = tpcore.DeviceArray((40, 7), dt, "cpu")
             with _stream.loading(300):          # a few rows a chunk
-                _stream.fill(dst, t[name], slice(3, 36), slice(5, 12), dt, "test", _put_weight, at=2)
+                _stream.fill(dst, t[name], slice(3, 36), slice(5, 12), dt, "test", put_weight, at=2)
             got = dst.to_numpy().astype(np.float32)
             assert np.array_equal(got[2:35], ref.astype(dt).astype(np.float32)), (dt, name)
             assert not got[:2].any() and not got[35:].any()
@@ -526,7 +526,7 @@ def test_npz_checkpoints_stream(tmp_path):
     read whole, all at once, beside the model), loading the same weights through a staging
     buffer of a few KB at world 1 and 2, sharded or not."""
     from tpcore.io.formats import read_tensors_file
-    from tpcore.nn.layers import is_lazy
+    from tpcore.nn.weights import is_lazy
     ck = str(tmp_path / "ck.npz")
 
     def f(comm):

@@ -155,7 +155,7 @@ def test_mlp_with_16_bit_weights(world, act, dt):
 
 def _block_case(comm, name, dt):
     cfg = tpcore.Config(vocab_size=10, **CONFIGS[name])
-    hp = tpcore.nn.transformer.head_partition(cfg, comm.size, weights=[1 + 2 * (r % 2) for r in range(comm.size)])
+    hp = tpcore.nn.config.head_partition(cfg, comm.size, weights=[1 + 2 * (r % 2) for r in range(comm.size)])
     blk = tpcore.TransformerBlock(cfg, comm, seed=4, head_partition=hp, dtype=dt)
     g = rng_for(47, 0)
     P = _params(blk, g)
@@ -326,7 +326,7 @@ def test_bf16_checkpoint_keeps_its_bits(tmp_path):
     """A bfloat16 safetensors checkpoint loaded with dtype="bfloat16" holds the file's 16-bit
     patterns exactly (no float32 rounding on the way), at world 1 and 3; saved again and
     reloaded, still the same."""
-    safetensors = pytest.importorskip("safetensors.numpy")
+    pytest.importorskip("safetensors.numpy")
     cfg = tpcore.Config(tie_embeddings=True, **MODEL)
     g = rng_for(67, 0)
     names = run(lambda comm: sorted(tpcore.models.TransformerLM(cfg, comm, seed=1).state_dict_full()), 1)[0]
@@ -370,4 +370,4 @@ def _errors_case(comm):
 def test_unsupported_weight_dtypes_are_refused():
     msgs = run(_errors_case, 1)[0]
     for m in msgs:
-        assert "accepted" not in m and "dtype" in m and "float32, bfloat16, float16" in m, m
+        assert "accepted" not in m and "dtype" in m and "float32, float16, bfloat16" in m, m

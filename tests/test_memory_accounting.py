@@ -16,7 +16,8 @@ import pytest
 
 import tpcore
 from conftest import rng_for, run, run_fresh
-from tpcore.nn.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+from tpcore.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tpcore.nn.mlp import ParallelMLP
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 KEYS = {"device", "params", "grads", "optimizer", "kv_cache", "kv_cache_used", "workspace", "comm", "total"}

@@ -6,7 +6,6 @@ saved at one world size load at others (full, sharded, Hugging Face GPT-2 and
 Llama naming written by the test) with each rank's memory near its shard."""
 import json
 import os
-import resource
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import pytest
 import tpcore
 import reference_transformer as ref
 from conftest import WORLDS, rng_for, run
-from tpcore.nn.checkpoint import write_safetensors
+from tpcore.io.formats import write_safetensors
 
 GPT2 = dict(vocab_size=97, hidden=24, layers=2, heads=6, ffn_hidden=40, norm="layernorm", activation="gelu_tanh",
             positions="learned", max_positions=32, causal=True, pre_norm=True, bias=True, tie_embeddings=True,

@@ -31,7 +31,7 @@ MODELS = {"gpt2": GPT2, "llama": LLAMA}
 
 
 def _uneven(cfg, world):
-    return tpcore.nn.transformer.head_partition(cfg, world, weights=[1 + 2 * (r % 2) for r in range(world)])
+    return tpcore.nn.config.head_partition(cfg, world, weights=[1 + 2 * (r % 2) for r in range(world)])
 
 
 # ------------------------------------------------------------------ block slots

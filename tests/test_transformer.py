@@ -43,7 +43,7 @@ def _reference(cfg, attention_only):
 
 def _block_case(comm, name, uneven, masked, attention_only=False):
     cfg = tpcore.Config(vocab_size=10, **CONFIGS[name])
-    hp = tpcore.nn.transformer.head_partition(cfg, comm.size, weights=[1 + 2 * (r % 2) for r in range(comm.size)]) \
+    hp = tpcore.nn.config.head_partition(cfg, comm.size, weights=[1 + 2 * (r % 2) for r in range(comm.size)]) \
         if uneven else None
     cls = tpcore.ParallelAttention if attention_only else tpcore.TransformerBlock
     blk = cls(cfg, comm, seed=4, head_partition=hp)
@@ -100,7 +100,7 @@ def test_parallel_attention_alone(world, name, uneven, masked):
 
 def test_twelve_heads_on_five_ranks():
     cfg = tpcore.Config(vocab_size=10, hidden=24, heads=12, ffn_hidden=30, positions="none")
-    assert tpcore.nn.transformer.head_partition(cfg, 5) == [3, 3, 2, 2, 2]
+    assert tpcore.nn.config.head_partition(cfg, 5) == [3, 3, 2, 2, 2]
 
     def case(comm):
         blk = tpcore.TransformerBlock(cfg, comm, seed=1)

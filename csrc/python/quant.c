@@ -148,7 +148,40 @@ static PyObject *quant_quantize(PyObject *mod, PyObject *args, PyObject *kw) {
   return y;
 }
 
+/* The C core's dtype table (csrc/core/dtype.c), for tpcore.utils.dtypes: one entry per
+ * tp_dtype_t value, in enum order, (name, size, weight) with size the bytes of a tensor
+ * element (0: a weight-only format) and weight (block, block_bytes, row_header, quantized)
+ * from tp_weight_format and tp_weight_is_quantized (None: not a weight storage format). */
+static PyObject *dtype_table(PyObject *mod, PyObject *unused) {
+  (void)mod, (void)unused;
+  PyObject *out = PyList_New(0);
+  if (!out) return NULL;
+  for (int i = 0; i < TP_WEIGHT_FORMAT_END; i++) {
+    tp_dtype_t d = (tp_dtype_t)i;
+    int64_t blk;
+    size_t bb, hdr;
+    int weight = tp_weight_format(d, &blk, &bb, &hdr);
+    if (!weight && !tp_dtype_size(d)) continue; /* a gap in the enum */
+    PyObject *w = weight ? Py_BuildValue("(LnnO)", (long long)blk, (Py_ssize_t)bb, (Py_ssize_t)hdr,
+                                         tp_weight_is_quantized(d) ? Py_True : Py_False)
+                         : Py_NewRef(Py_None);
+    PyObject *e = w ? Py_BuildValue("(snN)", tp_dtype_name(d), (Py_ssize_t)tp_dtype_size(d), w) : NULL;
+    if (!e || PyList_Append(out, e) < 0) {
+      Py_XDECREF(e);
+      Py_DECREF(out);
+      return NULL;
+    }
+    Py_DECREF(e);
+  }
+  PyObject *t = PyList_AsTuple(out);
+  Py_DECREF(out);
+  return t;
+}
+
 PyMethodDef quant_methods[] = {
+    {"dtype_table", dtype_table, METH_NOARGS,
+     "dtype_table() -> tuple of (name, size, weight): the C core's dtypes in enum order; size the bytes of a "
+     "tensor element (0: a weight-only format), weight (block, block_bytes, row_header, quantized) or None"},
     {"quant_dequantize", (PyCFunction)(void (*)(void))quant_dequantize, METH_VARARGS | METH_KEYWORDS,
      "quant_dequantize(raw, fmt, cols) -> float32 [rows, cols]: rows of a GGUF block format (or int8 rows) "
      "decoded, bit for bit as gguf-py's dequantizers"},

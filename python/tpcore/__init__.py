@@ -31,10 +31,14 @@ from tpcore.distributed.init import init
 from tpcore.distributed.grid import ProcessGrid, average_gradients
 from tpcore.distributed.store import Store
 from tpcore.nn import optim, quant
-from tpcore.nn.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, partition
+from tpcore.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tpcore.nn.mlp import ParallelMLP
+from tpcore.nn.partition import partition
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, vocab_parallel_cross_entropy
-from tpcore.nn.checkpoint import CheckpointError, load, save
-from tpcore.nn.transformer import Config, ParallelAttention, TransformerBlock
+from tpcore.io.formats import CheckpointError
+from tpcore.nn.checkpoint import load, save
+from tpcore.nn.config import Config
+from tpcore.nn.transformer import ParallelAttention, TransformerBlock
 from tpcore.nn.quant import QuantTensor
 from tpcore import models
 from tpcore.parallel.pipeline import PipelineLM, stage_partition

@@ -150,7 +150,7 @@ def _config(checkpoint):
     """The checkpoint's Config, read on every rank before any model is loaded: a Hugging Face
     directory (config.json) or one written by save_pretrained (tpcore_config.json)."""
     from tpcore.io import formats as fmt
-    from tpcore.nn.transformer import ACTIVATIONS, NORMS, POSITIONS
+    from tpcore.nn.config import ACTIVATIONS, NORMS, POSITIONS
     from tpcore.bench.decode import gguf_path
     if gguf_path(checkpoint):  # a llama.cpp GGUF file (its formats kept by from_pretrained)
         from tpcore.models.gguf import read_gguf

@@ -49,6 +49,7 @@ import time
 import numpy as np
 
 from tpcore.models.memory import memory_and_estimate
+from tpcore.utils.dtypes import WEIGHT_FORMATS
 
 GPT2_SMALL = dict(vocab_size=50257, hidden=768, layers=12, heads=12, ffn_hidden=3072, max_positions=1024,
                   activation="gelu_tanh", positions="learned", model_type="gpt2")
@@ -314,7 +315,7 @@ def run(args) -> int:
     if args.dtypes is None:
         args.dtypes = "native" if gpath else "float32"
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    known = ("float32", "bfloat16", "float16") + tpcore.quant.QUANT_FORMATS + (("native",) if gpath else ())
+    known = WEIGHT_FORMATS + (("native",) if gpath else ())
     bad = [d for d in dtypes if d not in known]
     if bad or not dtypes:
         raise SystemExit(f"--dtypes: expected a comma list of {', '.join(known)}, got {args.dtypes!r}")

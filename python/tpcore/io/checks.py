@@ -8,6 +8,8 @@ import math
 import os
 import stat
 
+from tpcore.utils.args import is_int
+
 
 class CheckpointError(ValueError):
     """A checkpoint file that is corrupt, or that disagrees with itself or with its config:
@@ -39,10 +41,6 @@ def bad(path, field, expected, found) -> CheckpointError:
 def type_name(v) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
             int: "an integer", float: "a number"}.get(type(v), type(v).__name__) + f" ({_short(v, 40)})"
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def parse_json(raw: bytes, path, field: str = "JSON"):

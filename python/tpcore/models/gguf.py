@@ -33,7 +33,7 @@ import numpy as np
 
 from tpcore.io.formats import CheckpointError, bad
 from tpcore.io.formats import split_row_index
-from tpcore.nn.transformer import Config
+from tpcore.nn.config import Config
 
 __all__ = ["read_gguf", "GGUFModel", "LazyTensor", "QuantRows", "tokenizer", "unpermute_rows", "part_of", "is_gguf",
            "CheckpointError"]

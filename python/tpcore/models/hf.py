@@ -29,7 +29,7 @@ import numpy as np
 from tpcore.io.formats import CheckpointError, bad, open_tensors, to_float32
 from tpcore.io.formats import base_row_index, row_runs, split_row_index
 from tpcore.io.stream import read_into
-from tpcore.nn.transformer import Config
+from tpcore.nn.config import Config
 
 _open = open_tensors  # every tensor of a checkpoint folder, read on indexing (the tests' old name)
 

@@ -32,17 +32,21 @@ from tpcore import _C
 from tpcore.io import formats as fmt
 from tpcore.io import stream as _stream
 from tpcore.models import hf as _hf
-from tpcore.utils.arrays import DeviceArray, asarray, asarray_device, device_string, resolve_device
+from tpcore.utils.arrays import DeviceArray, asarray, asarray_device, device_string, int_array, resolve_device
 from tpcore.distributed.agree import agree, agreed
-from tpcore.utils.args import bool_arg, int_arg, int_array, is_int, minmax, real_arg, seed_arg, shown
+from tpcore.utils.args import bool_arg, int_arg, is_int, minmax, real_arg, seed_arg, shown
 from tpcore.distributed.comm import Comm
 from tpcore.nn.checkpoint import collective
-from tpcore.nn.layers import MEMORY_KEYS, ACTIVATIONS, ColumnParallelLinear, put_weight, partition_sizes, check_param_dtype, load_weight, zero
-from tpcore.nn.quant import is_quantized
-from tpcore.nn.layers import partition as partition_dim
-from tpcore.nn.transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
+from tpcore.utils.dtypes import is_quantized, weight_format, weight_formats
+from tpcore.nn.common import MEMORY_KEYS, zero
+from tpcore.nn.config import ACTIVATIONS, NORMS, POSITIONS, Config, head_partition
+from tpcore.nn.linear import ColumnParallelLinear
+from tpcore.nn.partition import partition as partition_dim
+from tpcore.nn.partition import partition_sizes
+from tpcore.nn.transformer import TransformerBlock, mask_array, positions
+from tpcore.nn.weights import load_weight, put_weight
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-from tpcore.models.memory import _aligned_heads, _gguf_files, _model_dtypes, estimate_memory
+from tpcore.models.memory import MODEL_PARTS, _aligned_heads, _gguf_files, estimate_memory
 
 __all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize", "estimate_memory"]
 
@@ -166,7 +170,7 @@ class TransformerLM:
                  vocab_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
                  _device_path: bool = False, _stage: Any = None, plan: Any = None, _loading: bool = False) -> None:
         self.device = resolve_device(device, "TransformerLM")
-        self.dtypes = _model_dtypes(dtype, "TransformerLM")
+        self.dtypes = weight_formats(dtype, "TransformerLM", MODEL_PARTS)
         ds = set(self.dtypes.values())
         self.dtype = ds.pop() if len(ds) == 1 else "mixed"
         dev = None if self.device[0] == "cpu" else device_string(self.device)
@@ -1135,9 +1139,9 @@ def quantize(model: TransformerLM, fmt: str, embedding: Optional[str] = None,
         raise TypeError(f"quantize: model must be a TransformerLM, got {type(model).__name__}")
     if not (model._first and model._last):
         raise ValueError("quantize: model is a pipeline stage; quantize the whole model before splitting it")
-    d = check_param_dtype(fmt, "quantize")
-    dtypes = {"qkv": d, "out": d, "fc1": d, "fc2": d, "embedding": check_param_dtype(embedding or d, "quantize"),
-              "head": check_param_dtype(head or d, "quantize")}
+    d = weight_format(fmt, "quantize")
+    dtypes = {"qkv": d, "out": d, "fc1": d, "fc2": d, "embedding": weight_format(embedding or d, "quantize"),
+              "head": weight_format(head or d, "quantize")}
     cfg, comm = model.config, model.comm
     from tpcore.nn.quant import block_size
     ffn = model.blocks[0].ffn_partition if model.blocks else None
@@ -1361,7 +1365,7 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
                 f"pass that directory" if hub else ""))
     own = os.path.join(path, fmt.OWN_CONFIG)
     if dtype is not None:
-        dtype = check_param_dtype(dtype, "from_pretrained")
+        dtype = weight_format(dtype, "from_pretrained")
     if os.path.exists(own):
         with _stream.loading(staging):
             return _load_own(path, own, comm, partition, progress, device, dtype)
@@ -1416,7 +1420,7 @@ def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device
         raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
                          f"save it with sharded=False to reshard")
     _check_own_shards(path, cfg, own, comm.size)
-    if dtype is not None and any(is_quantized(v) for v in _model_dtypes(dtype, "from_pretrained").values()):
+    if dtype is not None and any(is_quantized(v) for v in weight_formats(dtype, "from_pretrained", MODEL_PARTS).values()):
         raise ValueError(f"from_pretrained: {path} is a sharded checkpoint (this rank's parameters as they are); it "
                          f"cannot load into quantized weights (dtype={dtype!r}): load it in float32 and "
                          f"tpcore.models.quantize the model, or save it with sharded=False")
@@ -1523,7 +1527,7 @@ def _from_gguf(path, comm, partition, dtype, progress, device, staging=None) -> 
     if dtype is None or (isinstance(dtype, str) and dtype == "gguf"):
         dtype = g.model_dtypes()
     elif dtype is not None:
-        _model_dtypes(dtype, "from_gguf")   # refused here, naming from_gguf
+        weight_formats(dtype, "from_gguf", MODEL_PARTS)   # refused here, naming from_gguf
     model = TransformerLM(g.config, comm, partition=partition, device=device, dtype=dtype, _loading=True)
     # the parts stored quantized get the file's raw rows (copied as they are when the formats
     # match, requantized otherwise); the others dequantized rows

@@ -25,38 +25,26 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from tpcore.io import formats as fmt
 from tpcore.utils.args import int_arg, shown
-from tpcore.nn.quant import is_quantized, row_bytes
-from tpcore.nn.layers import check_param_dtype
-from tpcore.nn.layers import partition as partition_dim
-from tpcore.nn.transformer import Config
+from tpcore.utils.dtypes import block_size, is_quantized, row_bytes, weight_formats
+from tpcore.nn.common import MEMORY_KEYS
+from tpcore.nn.config import ACTIVATIONS, NORMS, POSITIONS, Config
+from tpcore.nn.partition import partition as partition_dim
+from tpcore.nn.partition import partition_sizes
 
 ALIGN = 64            # TP_DEVICE_ALIGN (csrc/include/tpcore/device.h)
 QBLOCK = 64           # query rows per block of the CPU attention (csrc/kernels/cpu/attention.c)
 MIN_WORK = 1 << 16    # the CPU pool's work per thread (csrc/kernels/cpu/parallel.c)
 MAX_THREADS = 64
-_KEYS = ("params", "grads", "optimizer", "kv_cache", "kv_cache_used", "workspace", "comm")
-_FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-_PARTS = ("embedding", "head", "qkv", "out", "fc1", "fc2")
-
-
-def _model_dtypes(dtype: Any, who: str) -> Dict[str, str]:
-    """A model's weight storage per part: one dtype for all, or a dict by part (missing: float32)."""
-    if isinstance(dtype, dict):
-        extra = sorted(set(dtype) - set(_PARTS))
-        if extra:
-            raise ValueError(f"{who}: dtype keys must be among {list(_PARTS)}, got {extra}")
-        return {k: check_param_dtype(dtype.get(k, "float32"), who) for k in _PARTS}
-    d = check_param_dtype(dtype, who)
-    return {k: d for k in _PARTS}
+MODEL_PARTS = ("embedding", "head", "qkv", "out", "fc1", "fc2")
+"""The parts of a model whose weights take a storage format each (TransformerLM's dtype keys)."""
 
 
 def _aligned_heads(cfg: Config, world: int, out_dtype: str) -> Optional[List[int]]:
     """A head split whose output-projection slices (heads x head_dim columns) are whole blocks
     of a quantized out_dtype, when the even split's are not (None: the even split will do, or
     no split can: the layer then names the problem)."""
-    from tpcore.nn.quant import block_size
     blk = block_size(out_dtype)
     if blk <= 1:
         return None
@@ -101,9 +89,7 @@ def _reg(nbytes: int) -> int:
 
 def _wbytes(fmt: str, rows: int, cols: int) -> int:
     """Bytes of a rows x cols weight in storage format fmt."""
-    if is_quantized(fmt):
-        return rows * row_bytes(fmt, cols) if rows and cols else 0
-    return rows * cols * _FLOAT_BYTES[fmt]
+    return rows * row_bytes(fmt, cols) if rows and cols else 0
 
 
 def _plan(rows: int, work: int, threads: int) -> int:
@@ -121,7 +107,6 @@ def _even(n: int, world: int, align: int = 1) -> List[int]:
 
 
 def _split(part, n: int, world: int, what: str, who: str, align: int = 1) -> List[int]:
-    from tpcore.nn.layers import partition_sizes
     sizes = partition_sizes(part, n, world, what, f"{who}: {what} partition")
     if sizes is not None:
         return [int(s) for s in sizes]
@@ -149,7 +134,6 @@ def _source(config_or_dir, who: str) -> Tuple[Config, Optional[Dict[str, str]], 
         raise FileNotFoundError(f"{who}: {path!r} is neither a checkpoint directory nor a .gguf file")
     own = os.path.join(path, fmt.OWN_CONFIG)
     if os.path.exists(own):
-        from tpcore.nn.transformer import ACTIVATIONS, NORMS, POSITIONS
         cfg = fmt.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
         return cfg, None, None
     cfg = Config.from_hf(path)
@@ -243,7 +227,6 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     No collective; nothing is allocated.
     """
     who = "estimate_memory"
-    from tpcore.nn.layers import check_param_dtype
     from tpcore.utils.arrays import resolve_device
     world = int_arg(world, who, "world", lo=1, hi=1 << 20)
     batch = int_arg(batch, who, "batch", lo=1, hi=2 ** 31 - 1)
@@ -261,9 +244,7 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
         dtype = file_fmts if file_fmts is not None else (half if gpu and half else "float32")
     elif isinstance(dtype, str) and dtype == "gguf" and file_fmts is not None:
         dtype = file_fmts
-    if isinstance(dtype, str):
-        check_param_dtype(dtype, who)
-    dts = _model_dtypes(dtype, who)
+    dts = weight_formats(dtype, who, MODEL_PARTS)
     if threads is None:   # what each rank of a job of `world` ranks on this host gets by default
         from tpcore.utils.runtime import default_threads as _default_threads
         threads = _default_threads(world)
@@ -274,7 +255,6 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     ln = cfg.norm == "layernorm"
     heads = _heads(cfg, world, partition, dts["out"], who)
     kvrep = _kv_replicated(heads)
-    from tpcore.nn.quant import block_size
     blk = block_size(dts["fc2"]) if is_quantized(dts["fc2"]) else 1
     ffn = _split(ffn_partition, F, world, "ffn_hidden", who, align=blk)
     vocab = _split(vocab_partition, V, world, "vocab_size", who)
@@ -288,7 +268,7 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
         q0, nq, k0, nk = heads[r]
         f, Vr = ffn[r], vocab[r]
         W, A = (nq + 2 * nk) * D, nq * D
-        p = dict.fromkeys(_KEYS, 0)
+        p = dict.fromkeys(MEMORY_KEYS, 0)
         trainable = []                   # (elements, storage dtype, C layer, copies) of each weight with a gradient
 
         def weight(fmt, rows, cols, k=1):  # a C layer's weight (k copies: one per block): its own aligned slice
@@ -352,7 +332,7 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
                 p["workspace"] += _a(M * C * 4) + _a(0)
                 if world > 1:
                     p["comm"] += _reg(M * C * 4)
-        p["total"] = sum(p[k] for k in _KEYS if k != "kv_cache_used")
+        p["total"] = sum(p[k] for k in MEMORY_KEYS if k != "kv_cache_used")
         p["device"] = devname
         p["by_device"] = {devname: p["total"]}   # a GPU model keeps its own arrays there too
         out.append(p)

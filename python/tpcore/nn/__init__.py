@@ -1,12 +1,23 @@
 """The tensor-parallel layers over the C core.
 
-- `layers`: `ColumnParallelLinear`, `RowParallelLinear`, `ParallelMLP`, `partition`.
+- `partition`: `partition` (a dimension's split over the ranks), a layer's partition
+  argument as sizes, the check that the ranks agree on it.
+- `common`: what the layers' Python faces share: inputs as float32 rows (host, DLPack, GPU),
+  outputs back in the input's dtype, `layer_memory` and `MEMORY_KEYS`.
+- `weights`: full weights written into a rank's shard (`put_weight`, `load_weight` streaming
+  from checkpoint tensors), shards read back for gathering.
+- `linear`: `ColumnParallelLinear`, `RowParallelLinear`.
+- `mlp`: `ParallelMLP`.
 - `vocab`: `VocabParallelEmbedding`, `VocabParallelCrossEntropy`.
-- `transformer`: `Config`, `ParallelAttention`, `TransformerBlock`.
+- `config`: `Config` (from a Hugging Face config.json too), `NORMS`, `POSITIONS`,
+  `ACTIVATIONS`, `head_partition`.
+- `transformer`: `TransformerBlock`, `ParallelAttention`.
 - `plan`: `Plan`, per-rank shard sizes from measured speeds and memory (`plan_from_measurements`).
 - `quant`: quantized weight formats (`QuantTensor`, `quantize`, `dequantize`).
 - `optim`: `AdamW`, `SGD`, `ShardedAdamW` over the layers' parameters.
 - `checkpoint`: `tpcore.save` / `tpcore.load` of layers' state.
+
+The weight formats and their sizes are `tpcore.utils.dtypes`'.
 
 Imports: tpcore.utils, tpcore.distributed, tpcore.io.
 """

@@ -27,11 +27,14 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 import numpy as np
 
-from tpcore.io.formats import INT_MAX, MAX_HEADER, MISSING, BF16View, CheckpointError, ConfigFields, type_name, bad, check_tensors, file_format, is_int, parse_json, read_json_object, read_npz, read_safetensors, read_safetensors_header, read_tensors_file, regular_file, shard_path, to_float32, write_safetensors, write_tensors_file
+from tpcore.utils.args import is_int
+from tpcore.io.formats import type_name, bad, check_tensors, file_format, read_tensors_file, shard_path, to_float32, write_tensors_file
 from tpcore.distributed.comm import Comm, CommError
 from tpcore.io import stream as _stream
-from tpcore.nn.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, load_weight
-from tpcore.nn.quant import is_quantized
+from tpcore.utils.dtypes import is_quantized
+from tpcore.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tpcore.nn.mlp import ParallelMLP
+from tpcore.nn.weights import load_weight
 from tpcore.nn.vocab import VocabParallelEmbedding
 
 def _leaves(model, prefix="") -> Iterator[Tuple[str, object]]:

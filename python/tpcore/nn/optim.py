@@ -27,11 +27,12 @@ import numpy as np
 from tpcore import _C
 from tpcore.utils.args import real_arg, shown
 from tpcore.utils.arrays import DeviceArray, check_host
+from tpcore.utils.dtypes import FLOAT_FORMATS, HALF_FORMATS
 
 if TYPE_CHECKING:
     from tpcore.distributed.comm import Comm
 
-_LOWP = ("bfloat16", "float16")
+_LOWP = HALF_FORMATS  # 16-bit parameters: updated through a float32 master copy
 
 
 def _dtype_name(a) -> str:
@@ -46,7 +47,7 @@ def _device_pair(p, who, i):
                         f"two tpcore.DeviceArrays on one device or two NumPy arrays")
     if param.device != grad.device:
         raise ValueError(f"{who}: param {i} is on {param.device} but its grad on {grad.device}")
-    if _dtype_name(param) not in ("float32",) + _LOWP or grad.dtype != "float32" or grad.shape != param.shape:
+    if _dtype_name(param) not in FLOAT_FORMATS or grad.dtype != "float32" or grad.shape != param.shape:
         raise ValueError(f"{who}: param must be float32, bfloat16 or float16 with a float32 grad of its shape, got "
                          f"{param.dtype} {param.shape} and {grad.dtype} {grad.shape}")
     if param.readonly:
@@ -76,7 +77,7 @@ def _pairs(params, who):
         if not (isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(a, np.ndarray) for a in p)):
             raise TypeError(f"{who}: params must be (param, grad) NumPy array pairs or modules, got {shown(p)}")
         param, grad = p
-        if param.dtype.name not in ("float32", "bfloat16", "float16") or grad.dtype != np.float32 or \
+        if param.dtype.name not in FLOAT_FORMATS or grad.dtype != np.float32 or \
                 grad.shape != param.shape:
             raise ValueError(f"{who}: param must be float32, bfloat16 or float16 with a float32 grad of its shape, "
                              f"got {param.dtype} {param.shape} and {grad.dtype} {grad.shape}")
@@ -289,7 +290,7 @@ class ShardedAdamW:
     def __init__(self, params: Any, comm: "Comm", lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01) -> None:
         from tpcore.distributed.comm import Comm
-        from tpcore.nn.layers import partition
+        from tpcore.nn.partition import partition
         from tpcore.distributed.agree import agree
         if not isinstance(comm, Comm):
             raise TypeError(f"ShardedAdamW: comm must be a tpcore.Comm (the data-parallel group), got {shown(comm)}")

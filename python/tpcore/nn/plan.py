@@ -19,12 +19,10 @@ import numpy as np
 from tpcore import _C
 from tpcore.distributed.comm import Comm
 from tpcore.utils.args import bool_arg, int_arg, is_int, shown
+from tpcore.utils.dtypes import WEIGHT_FORMATS, block_size, bytes_per_element
 
 OBJECTIVES = ("both", "prefill", "decode")
 HEAD_UNITS = ("auto", "group", "head")
-# bytes per weight element (a quantized format's block bytes over its elements; int8: its scale per row ignored)
-WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "q8_0": 34 / 32, "q4_0": 18 / 32,
-           "q4_1": 20 / 32, "q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256}
 _FORMAT = "tpcore-plan"
 _VERSION = 1
 
@@ -492,8 +490,8 @@ class Plan:
             raise fail("align", "an object {\"ffn\": int >= 1, \"vocab\": int >= 1}", align)
         if doc["head_unit"] not in ("group", "head"):
             raise fail("head_unit", "\"group\" or \"head\"", doc["head_unit"])
-        if doc["dtype"] not in WEIGHT_BYTES:
-            raise fail("dtype", f"one of {sorted(WEIGHT_BYTES)}", doc["dtype"])
+        if doc["dtype"] not in WEIGHT_FORMATS:
+            raise fail("dtype", f"one of {sorted(WEIGHT_FORMATS)}", doc["dtype"])
         cache = doc.get("cache")
         if cache is not None and (not isinstance(cache, list) or len(cache) != 2 or
                                   not all(is_int(v) and v >= 1 for v in cache)):
@@ -567,8 +565,7 @@ def check_memory(memory, world: int, who: str) -> Optional[List[int]]:
 def check_align(align, dims: Dims, world: int, who: str, dtype: str = "float32") -> Dict[str, int]:
     """The units of the MLP and vocabulary splits; a quantized dtype's MLP unit is a multiple
     of its block (the row-parallel fc2 is split along its rows' blocks)."""
-    from tpcore.nn.quant import block_size
-    blk = block_size(dtype) if dtype in WEIGHT_BYTES else 1
+    blk = block_size(dtype) if dtype in WEIGHT_FORMATS else 1
     if align is None:
         align = {}
     elif is_int(align):
@@ -640,16 +637,16 @@ def plan_from_measurements(dims: Any, speeds: Sequence[float], memory: Any = Non
     top = max(sp)
     sp = [s / top for s in sp]
     mem = check_memory(memory, world, who)
-    al = check_align(align, d, world, who, dtype if dtype in WEIGHT_BYTES else "float32")
+    al = check_align(align, d, world, who, dtype if dtype in WEIGHT_FORMATS else "float32")
     if head_unit not in HEAD_UNITS:
         raise ValueError(f"{who}: head_unit must be one of {HEAD_UNITS}, got {head_unit!r}")
-    if dtype not in WEIGHT_BYTES:
-        raise ValueError(f"{who}: dtype must be one of {sorted(WEIGHT_BYTES)}, got {shown(dtype)}")
+    if dtype not in WEIGHT_FORMATS:
+        raise ValueError(f"{who}: dtype must be one of {sorted(WEIGHT_FORMATS)}, got {shown(dtype)}")
     if cache is not None:
         if not isinstance(cache, (tuple, list)) or len(cache) != 2:
             raise TypeError(f"{who}: cache must be (batch, max_len), got {shown(cache)}")
         cache = (int_arg(cache[0], who, "cache batch", lo=1), int_arg(cache[1], who, "cache max_len", lo=1))
-    wb = WEIGHT_BYTES[dtype]
+    wb = bytes_per_element(dtype)
     unit = head_unit
     if not d.is_mlp and unit == "auto":
         unit = "head"
@@ -668,7 +665,6 @@ def plan_from_measurements(dims: Any, speeds: Sequence[float], memory: Any = Non
     # whole blocks: heads in units of hu (KV groups in units of gu) when the model allows it
     hu = gu = 1
     if not d.is_mlp and d.head_dim:
-        from tpcore.nn.quant import block_size
         blk = block_size(dtype)
         hu = blk // math.gcd(blk, d.head_dim)
         gu = hu // math.gcd(hu, d.group)

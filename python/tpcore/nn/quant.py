@@ -32,68 +32,16 @@ it as float32 (``np.asarray(qt)`` dequantizes).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Sequence, Tuple, Union
 
 import numpy as np
 
 from tpcore import _C
 from tpcore.utils.args import int_arg
+from tpcore.utils.dtypes import (QUANT_FORMATS, block_bytes, block_size, is_quantized, quant_format, row_bytes,
+                                 row_header)
 
-__all__ = ["QUANT_FORMATS", "QuantTensor", "block_size", "row_bytes", "quantize", "dequantize"]
-
-# name -> (elements per block, bytes per block, bytes of a per-row header)
-_FORMATS = {"q8_0": (32, 34, 0), "q4_0": (32, 18, 0), "q4_1": (32, 20, 0), "q4_k": (256, 144, 0),
-            "q5_k": (256, 176, 0), "q6_k": (256, 210, 0), "int8": (1, 1, 4)}
-QUANT_FORMATS = tuple(_FORMATS)
-
-
-def _fmt(fmt: Any, who: str) -> str:
-    if not isinstance(fmt, str):
-        raise TypeError(f"{who}: fmt must be a str (one of {', '.join(QUANT_FORMATS)}), got {type(fmt).__name__}")
-    name = fmt.lower()
-    if name not in _FORMATS:
-        raise ValueError(f"{who}: unknown quantized format {fmt!r}; expected one of {', '.join(QUANT_FORMATS)}")
-    return name
-
-
-def block_size(fmt: str) -> int:
-    """Elements per block of a format (1 for int8 rows and for float formats).
-
-    Parameters
-    ----------
-    fmt : str
-        "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "int8", or a float dtype name.
-
-    Raises
-    ------
-    TypeError, ValueError
-        fmt not a known name.
-    """
-    if isinstance(fmt, str) and fmt in ("float32", "bfloat16", "float16"):
-        return 1
-    return _FORMATS[_fmt(fmt, "block_size")][0]
-
-
-def row_bytes(fmt: str, cols: int) -> int:
-    """Bytes of one row of `cols` elements in format fmt.
-
-    Parameters
-    ----------
-    fmt : str
-        A quantized format name.
-    cols : int
-        Elements of the row, a multiple of `block_size(fmt)`.
-
-    Raises
-    ------
-    ValueError
-        cols negative or not whole blocks; an unknown format.
-    """
-    blk, nb, hdr = _FORMATS[_fmt(fmt, "row_bytes")]
-    cols = int_arg(cols, "row_bytes", "cols")
-    if cols < 0 or cols % blk:
-        raise ValueError(f"row_bytes: {cols} elements are not whole blocks of {blk} ({fmt})")
-    return hdr + cols // blk * nb
+__all__ = ["QUANT_FORMATS", "QuantTensor", "block_size", "row_bytes", "is_quantized", "quantize", "dequantize"]
 
 
 def quantize(x: Any, fmt: str) -> np.ndarray:
@@ -111,7 +59,7 @@ def quantize(x: Any, fmt: str) -> np.ndarray:
     ValueError
         Non-finite values, cols not whole blocks, not 2-D.
     """
-    fmt = _fmt(fmt, "quantize")
+    fmt = quant_format(fmt, "quantize")
     a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
     if a.ndim != 2:
         raise ValueError(f"quantize: x must be 2-D (rows, cols), got shape {a.shape}")
@@ -137,7 +85,7 @@ def dequantize(raw: Any, fmt: str, cols: int) -> np.ndarray:
     TypeError, ValueError
         raw not a 2-D uint8 array of matching row bytes.
     """
-    fmt = _fmt(fmt, "dequantize")
+    fmt = quant_format(fmt, "dequantize")
     r = np.ascontiguousarray(raw)
     return _C.quant_dequantize(r, fmt, int_arg(cols, "dequantize", "cols", lo=0))
 
@@ -179,7 +127,7 @@ class QuantTensor:
     __array_priority__ = 10.0
 
     def __init__(self, fmt: str, shape: Sequence[int], raw: Any) -> None:
-        self.fmt = _fmt(fmt, "QuantTensor")
+        self.fmt = quant_format(fmt, "QuantTensor")
         if len(tuple(shape)) != 2:
             raise ValueError(f"QuantTensor: shape must be (rows, cols), got {shape!r}")
         rows, cols = (int_arg(s, "QuantTensor", "shape[i]") for s in shape)
@@ -227,7 +175,7 @@ class QuantTensor:
             return np.asarray(QuantTensor(self.fmt, (nrows, self.shape[1]), np.ascontiguousarray(raw)))[:, cols_idx]
         a, b, _ = cols_idx.indices(self.shape[1])
         b = max(a, b)
-        blk, nb, hdr = _FORMATS[self.fmt]
+        blk, nb, hdr = block_size(self.fmt), block_bytes(self.fmt), row_header(self.fmt)
         if hdr or a % blk or b % blk:  # int8 (one scale per row) or mid-block: dequantize the rows
             return dequantize(np.ascontiguousarray(raw), self.fmt, self.shape[1])[:, a:b]
         sub = np.ascontiguousarray(raw[:, a // blk * nb:b // blk * nb])
@@ -268,7 +216,3 @@ def as_format(t: Any, fmt: str, who: str) -> np.ndarray:
         raise ValueError(f"{who}: the weight has non-finite values (NaN or inf), which {fmt} cannot hold")
     return quantize(vals, fmt)
 
-
-def is_quantized(dtype: Optional[str]) -> bool:
-    """Whether a layer dtype name is a quantized format."""
-    return dtype in _FORMATS

@@ -28,287 +28,22 @@ cuts the slices on the host and copies them to the GPU.
 """
 from __future__ import annotations
 
-import dataclasses
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, overload
 
 import numpy as np
 
 from tpcore import _C
-from tpcore.utils.arrays import DeviceArray, asarray, check_on_device, device_string, from_dlpack, resolve_device
+from tpcore.utils.arrays import asarray, check_on_device, device_string, from_dlpack, int_array, resolve_device
 from tpcore.distributed.agree import agreed
-from tpcore.utils.args import bool_arg, int_arg, int_array, minmax, real_arg, seed_arg, shown
+from tpcore.utils.args import bool_arg, int_arg, minmax, seed_arg
+from tpcore.utils.dtypes import FLOAT_FORMATS, is_quantized, weight_formats
 from tpcore.distributed.comm import Comm
-from tpcore.io.formats import MISSING, CheckpointError, ConfigFields, bad, read_json_object, to_float32
-from tpcore.nn.layers import ACTIVATIONS, layer_memory, _host, partition_sizes, as_float32, check_param_dtype, check_partition, dev_back, dev_f32, partition, zero
-from tpcore.nn.layers import load_weight
-from tpcore.nn.quant import QuantTensor, as_format, dequantize, is_quantized
-
-NORMS = ("layernorm", "rmsnorm")
-POSITIONS = ("learned", "rope", "none")
-
-
-@dataclasses.dataclass
-class Config:
-    """The shape of a decoder (GPT-2, Llama family) or encoder (BERT) Transformer.
-
-    A dataclass; every field is checked at construction (and by `validate`).
-    `Config.from_hf` reads a Hugging Face config.json.
-
-    Parameters
-    ----------
-    vocab_size : int, default 50257
-        Token ids, >= 1.
-    hidden : int, default 768
-        The model width, >= 1.
-    layers : int, default 12
-        Transformer blocks, >= 1.
-    heads : int, default 12
-        Query heads, >= 1 (split over the ranks in whole heads).
-    kv_heads : int, optional
-        Key/value heads (grouped-query attention); heads must be a multiple.  Default
-        None: heads (multi-head attention).
-    ffn_hidden : int, optional
-        The MLP's inner width.  Default None: 4 * hidden.
-    head_dim : int, optional
-        The width of a head.  Default None: hidden // heads (hidden must divide).
-    norm : {"layernorm", "rmsnorm"}, default "layernorm"
-    eps : float, default 1e-5
-        The norms' epsilon, >= 0.
-    activation : {"gelu", "gelu_tanh", "silu", "relu", "swiglu"}, default "gelu_tanh"
-    positions : {"learned", "rope", "none"}, default "learned"
-        Learned position embeddings (GPT-2, BERT), rotary (Llama; head_dim even), or none.
-    max_positions : int, default 1024
-        The longest sequence (learned positions' table size), >= 1.
-    rope_theta : float, default 10000.0
-        The rotary base, > 0 (with positions="rope").
-    causal : bool, default True
-        False: a bidirectional encoder (BERT).
-    pre_norm : bool, default True
-        False: post-norm blocks (BERT).
-    bias : bool, default True
-        Biases on the linear layers (Llama: False).
-    tie_embeddings : bool, default True
-        The LM head is the token embedding (GPT-2).
-    type_vocab_size : int, default 0
-        BERT's token types (0: none).
-    final_norm : bool, default True
-        A norm after the last block (pre-norm models).
-    embedding_norm : bool, default False
-        A norm after the embeddings (BERT).
-    sliding_window : int, optional
-        Mistral's window: longer sequences are refused (not implemented).  Default None.
-    model_type : str, default "gpt2"
-        The Hugging Face model_type it came from.
-
-    Raises
-    ------
-    TypeError
-        A field of the wrong type (an int given as a float, a bool as a string...).
-    ValueError
-        A field out of range or inconsistent (hidden not a multiple of heads without
-        head_dim, heads not a multiple of kv_heads, an odd head_dim with rope...).
-    """
-    vocab_size: int = 50257
-    hidden: int = 768
-    layers: int = 12
-    heads: int = 12
-    kv_heads: Optional[int] = None          # None: = heads (multi-head attention)
-    ffn_hidden: Optional[int] = None        # None: 4 * hidden
-    head_dim: Optional[int] = None          # None: hidden // heads
-    norm: str = "layernorm"                 # "layernorm" | "rmsnorm"
-    eps: float = 1e-5
-    activation: str = "gelu_tanh"           # gelu, gelu_tanh, silu, relu, swiglu
-    positions: str = "learned"              # "learned" (GPT-2, BERT) | "rope" (Llama) | "none"
-    max_positions: int = 1024
-    rope_theta: float = 10000.0
-    causal: bool = True                     # False: bidirectional encoder (BERT)
-    pre_norm: bool = True                   # False: post-norm (BERT)
-    bias: bool = True                       # biases of the linear layers (Llama: False)
-    tie_embeddings: bool = True             # LM head = the token embedding (GPT-2)
-    type_vocab_size: int = 0                # BERT token types (0: none)
-    final_norm: bool = True                 # a norm after the last block (pre-norm models)
-    embedding_norm: bool = False            # a norm after the embeddings (BERT)
-    sliding_window: Optional[int] = None    # Mistral: longer sequences are refused (not implemented)
-    model_type: str = "gpt2"
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden", "layers", "heads"):
-            setattr(self, name, int_arg(getattr(self, name), "Config", name, lo=1))
-        for name in ("kv_heads", "ffn_hidden", "head_dim"):  # None: derived below
-            if getattr(self, name) is not None:
-                setattr(self, name, int_arg(getattr(self, name), "Config", name, lo=1,
-                                            expected="an integer >= 1 (or None: derived)"))
-        if self.kv_heads is None:
-            self.kv_heads = self.heads
-        if self.ffn_hidden is None:
-            self.ffn_hidden = 4 * self.hidden
-        if self.head_dim is None:
-            if self.hidden % self.heads:
-                raise ValueError(f"Config: hidden ({self.hidden}) is not a multiple of heads ({self.heads}); "
-                                 f"give head_dim")
-            self.head_dim = self.hidden // self.heads
-        if self.norm not in NORMS:
-            raise ValueError(f"Config: norm must be one of {NORMS}, got {self.norm!r}")
-        if self.positions not in POSITIONS:
-            raise ValueError(f"Config: positions must be one of {POSITIONS}, got {self.positions!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"Config: activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"Config: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        self.max_positions = int_arg(self.max_positions, "Config", "max_positions", lo=1)
-        self.type_vocab_size = int_arg(self.type_vocab_size, "Config", "type_vocab_size", lo=0)
-        if self.sliding_window is not None:
-            self.sliding_window = int_arg(self.sliding_window, "Config", "sliding_window", lo=1,
-                                          expected="an integer >= 1 (or None: no window)")
-        # eps >= 0 as torch's LayerNorm takes it: a negative eps gives NaN for rows of small variance
-        self.eps = real_arg(self.eps, "Config", "eps", lo=0)
-        if self.positions == "rope":
-            self.rope_theta = real_arg(self.rope_theta, "Config", "rope_theta", lo=0, lo_open=True)
-            if self.head_dim % 2:
-                raise ValueError(f"Config: rotary positions need an even head_dim, got {self.head_dim}")
-        for name in ("causal", "pre_norm", "bias", "tie_embeddings", "final_norm", "embedding_norm"):
-            setattr(self, name, bool_arg(getattr(self, name), "Config", name))
-        if not isinstance(self.model_type, str):
-            raise TypeError(f"Config: model_type must be a string, got {shown(self.model_type)}")
-
-    def validate(self) -> "Config":
-        """Check the fields again (a Config is mutable: cfg.eps = -1 after construction).
-
-        Returns
-        -------
-        Config
-            self, with the derived fields filled in.
-
-        Raises
-        ------
-        TypeError, ValueError
-            As the constructor.
-        """
-        self.__post_init__()
-        return self
-
-    @classmethod
-    def from_hf(cls, path: str) -> "Config":
-        """The Config of a Hugging Face GPT-2, Llama (or Mistral) or BERT checkpoint.
-
-        Parameters
-        ----------
-        path : str
-            The checkpoint's directory, or its config.json.
-
-        Returns
-        -------
-        Config
-
-        Raises
-        ------
-        CheckpointError
-            A malformed file or field (a ValueError), naming it.
-        OSError
-            The file cannot be read.
-        """
-        p = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        return cls.from_hf_dict(read_json_object(p), source=p)
-
-    @classmethod
-    def from_hf_dict(cls, c: Dict[str, Any], source: str = "config.json") -> "Config":
-        """The Config of a Hugging Face config.json already parsed.
-
-        Parameters
-        ----------
-        c : dict
-            The parsed config.json (model_type "gpt2", "llama", "mistral" or "bert").
-        source : str, default "config.json"
-            Where it came from, for the messages.
-
-        Returns
-        -------
-        Config
-
-        Raises
-        ------
-        CheckpointError
-            A bad field (type, range, consistency; a ValueError) naming source, the field,
-            what was expected and what was found.
-        """
-        f = ConfigFields(c, source)
-        mt = f.str("model_type", MISSING, ("gpt2", "llama", "mistral", "bert"), " (other model types are not supported)")
-
-        def heads_divide(hidden_key, heads_key):
-            C, H = f.int(hidden_key), f.int(heads_key)
-            if C % H:
-                raise f.fail(heads_key, f"a divisor of {hidden_key} ({C})", H)
-            return C, H
-        if mt == "gpt2":
-            for key, want in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
-                              ("scale_attn_weights", True)):
-                if f.bool(key, want) != want:
-                    raise f.fail(key, f"{str(want).lower()} (GPT-2 with {key}={str(not want).lower()} is not "
-                                 f"supported)", f.get(key))
-            C, H = heads_divide("n_embd", "n_head")
-            kw = dict(vocab_size=f.int("vocab_size"), hidden=C, layers=f.int("n_layer"), heads=H,
-                      ffn_hidden=f.int("n_inner", None, null=True) or 4 * C, norm="layernorm",
-                      eps=f.num("layer_norm_epsilon", 1e-5),
-                      activation=_hf_act(f.str("activation_function", "gelu_new", tuple(_HF_ACTS))),
-                      positions="learned", max_positions=f.int("n_positions", 1024), causal=True, pre_norm=True,
-                      bias=True, tie_embeddings=f.bool("tie_word_embeddings", True), model_type="gpt2")
-        elif mt in ("llama", "mistral"):
-            rp = f.obj("rope_parameters")
-            scaling = f.obj("rope_scaling") or rp
-            if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-                scaling = {}  # plain RoPE written out explicitly
-            if scaling:
-                raise f.fail("rope_scaling" if f.obj("rope_scaling") else "rope_parameters",
-                             "plain RoPE (rope scaling is not supported)", scaling)
-            theta = f.num("rope_theta", None) if f.get("rope_theta", None) is not None else \
-                ConfigFields(rp, f"{source} rope_parameters").num("rope_theta", 10000.0)
-            f.str("hidden_act", "silu", ("silu",), " (Llama with another activation is not supported)")
-            for key in ("attention_bias", "mlp_bias"):
-                if f.bool(key, False):
-                    raise f.fail(key, "false (Llama with biases is not supported)", True)
-            head_dim = f.int("head_dim", None, null=True)
-            C, H = (f.int("hidden_size"), f.int("num_attention_heads")) if head_dim else \
-                heads_divide("hidden_size", "num_attention_heads")
-            kv = f.int("num_key_value_heads", None, null=True) or H
-            if H % kv:
-                raise f.fail("num_key_value_heads", f"a divisor of num_attention_heads ({H})", kv)
-            kw = dict(vocab_size=f.int("vocab_size"), hidden=C, layers=f.int("num_hidden_layers"), heads=H,
-                      kv_heads=kv, ffn_hidden=f.int("intermediate_size"), head_dim=head_dim, norm="rmsnorm",
-                      eps=f.num("rms_norm_eps", 1e-6), activation="swiglu", positions="rope",
-                      max_positions=f.int("max_position_embeddings", 2048), rope_theta=theta,
-                      causal=True, pre_norm=True, bias=False, tie_embeddings=f.bool("tie_word_embeddings", False),
-                      sliding_window=f.int("sliding_window", None, lo=0, null=True) or None, model_type="llama")
-        else:  # bert
-            C, H = heads_divide("hidden_size", "num_attention_heads")
-            f.str("position_embedding_type", "absolute", ("absolute",), " (relative positions are not supported)")
-            kw = dict(vocab_size=f.int("vocab_size"), hidden=C, layers=f.int("num_hidden_layers"), heads=H,
-                      ffn_hidden=f.int("intermediate_size"), norm="layernorm", eps=f.num("layer_norm_eps", 1e-12),
-                      activation=_hf_act(f.str("hidden_act", "gelu", tuple(_HF_ACTS))), positions="learned",
-                      max_positions=f.int("max_position_embeddings", 512), causal=False, pre_norm=False, bias=True,
-                      tie_embeddings=True, type_vocab_size=f.int("type_vocab_size", 2), final_norm=False,
-                      embedding_norm=True, model_type="bert")
-        try:
-            return cls(**kw)
-        except ValueError as e:
-            if isinstance(e, CheckpointError):
-                raise
-            raise bad(source, "config", "a consistent configuration", str(e)) from e
-
-
-_HF_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
-            "relu": "relu", "silu": "silu", "swish": "silu"}
-
-
-def _hf_act(name: str) -> str:
-    if name not in _HF_ACTS:
-        raise ValueError(f"activation {name!r} is not supported")
-    return _HF_ACTS[name]
-
-
-def head_partition(cfg: Config, world: int, weights: Optional[Sequence[float]] = None) -> list:
-    """Query heads per rank, in whole heads (weights for mismatched devices)."""
-    return [s for _, s in partition(cfg.heads, world, weights=weights)]
+from tpcore.io.formats import to_float32
+from tpcore.nn.common import as_float32, dev_back, dev_f32, layer_memory, zero
+from tpcore.nn.config import Config
+from tpcore.nn.partition import check_partition, partition_sizes
+from tpcore.nn.quant import QuantTensor, as_format, dequantize
+from tpcore.nn.weights import _host, load_weight
 
 
 _PROJ = ("attn.qkv.weight", "attn.out.weight", "mlp.fc1.weight", "mlp.fc2.weight")
@@ -318,13 +53,7 @@ _PROJ_KEYS = {"qkv": "attn.qkv.weight", "out": "attn.out.weight", "fc1": "mlp.fc
 def _block_dtypes(dtype: Any, who: str) -> Dict[str, str]:
     """A block's weight storage per projection: one dtype for all, or a dict with keys "qkv",
     "out", "fc1", "fc2" (missing ones float32), e.g. a GGUF file's mix of formats."""
-    if isinstance(dtype, dict):
-        extra = sorted(set(dtype) - set(_PROJ_KEYS))
-        if extra:
-            raise ValueError(f"{who}: dtype keys must be among {sorted(_PROJ_KEYS)}, got {extra}")
-        return {full: check_param_dtype(dtype.get(k, "float32"), who) for k, full in _PROJ_KEYS.items()}
-    d = check_param_dtype(dtype, who)
-    return {full: d for full in _PROJ}
+    return {_PROJ_KEYS[k]: v for k, v in weight_formats(dtype, who, tuple(_PROJ_KEYS)).items()}
 
 
 class TransformerBlock:
@@ -801,7 +530,7 @@ class TransformerBlock:
             raise TypeError(f"{who}: {name} must be a tensor on {device_string(self.device)} (a tpcore.DeviceArray "
                             f"or any DLPack tensor), got {type(x).__name__}")
         xa = from_dlpack(x)
-        if xa.dtype not in ("float32", "bfloat16", "float16"):
+        if xa.dtype not in FLOAT_FORMATS:
             raise TypeError(f"{who}: {name} must be float32, bfloat16 or float16 on {device_string(self.device)}, "
                             f"got {xa.dtype}")
         return dev_f32(xa)

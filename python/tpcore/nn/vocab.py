@@ -27,11 +27,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from tpcore import _C
-from tpcore.utils.args import int_arg, int_array, real_arg, seed_arg
-from tpcore.utils.arrays import DeviceArray, asarray, check_host, check_on_device, device_of, device_string, from_dlpack, resolve_device
+from tpcore.utils.args import int_arg, real_arg, seed_arg
+from tpcore.utils.arrays import DeviceArray, asarray, int_array, check_host, check_on_device, device_of, device_string, from_dlpack, resolve_device
 from tpcore.distributed.comm import Comm
-from tpcore.nn.layers import _plan_sizes, is_lazy, layer_memory, load_weight, _shard_float, _shard_host, partition_sizes, as_float32, check_param_dtype, check_partition, zero
-from tpcore.nn.quant import QuantTensor, is_quantized
+from tpcore.utils.dtypes import is_quantized, weight_format
+from tpcore.nn.common import as_float32, layer_memory, zero
+from tpcore.nn.partition import _plan_sizes, check_partition, partition_sizes
+from tpcore.nn.quant import QuantTensor
+from tpcore.nn.weights import _shard_float, _shard_host, is_lazy, load_weight
 
 
 def _tokens(tokens, name="tokens", who="VocabParallelEmbedding"):
@@ -108,7 +111,7 @@ class VocabParallelEmbedding:
         self.device = resolve_device(device, "VocabParallelEmbedding")
         if not isinstance(comm, Comm):
             raise TypeError(f"VocabParallelEmbedding: comm must be a tpcore.Comm, got {type(comm).__name__}")
-        self.dtype = check_param_dtype(dtype, "VocabParallelEmbedding")
+        self.dtype = weight_format(dtype, "VocabParallelEmbedding")
         seed = seed_arg(seed, "VocabParallelEmbedding")
         num_embeddings = int_arg(num_embeddings, "VocabParallelEmbedding", "num_embeddings", lo=1)
         embedding_dim = int_arg(embedding_dim, "VocabParallelEmbedding", "embedding_dim", lo=1)

@@ -41,11 +41,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tpcore.distributed.agree import agree
-from tpcore.utils.args import int_arg, int_array, shown
+from tpcore.utils.args import int_arg, shown
+from tpcore.utils.arrays import int_array
 from tpcore.distributed.grid import ProcessGrid
 from tpcore.models.lm import TransformerLM, agree_generate, generate_result, check_vocab
 from tpcore.nn.quant import is_quantized
-from tpcore.nn.transformer import Config
+from tpcore.nn.config import Config
 
 __all__ = ["PipelineLM", "stage_partition", "SCHEDULES"]
 

@@ -47,9 +47,10 @@ import numpy as np
 from tpcore import _C
 from tpcore.distributed.agree import agree
 from tpcore.distributed.comm import Comm
-from tpcore.nn.plan import (OBJECTIVES, WEIGHT_BYTES, Dims, Plan, PlanError, check_align, check_memory, check_speeds,
+from tpcore.nn.plan import (OBJECTIVES, Dims, Plan, PlanError, check_align, check_memory, check_speeds,
                             dims_of, plan_from_measurements, rank_bytes)
 from tpcore.utils.args import int_arg, shown
+from tpcore.utils.dtypes import WEIGHT_FORMATS, bytes_per_element
 
 __all__ = ["Dims", "Plan", "PlanError", "dims_of", "plan_from_measurements", "measure", "plan_partition"]
 
@@ -80,7 +81,7 @@ def measure(dims, world: int, rows: int = 128, dtype: str = "float32", reps: int
     this rank's even share of the MLP) and GEMV bandwidth (GB/s, one token through a weight of
     its share of the model, clamped to [1, 64] MiB) on tpcore's kernels, the throttle included."""
     d = dims_of(dims, "measure")
-    wb = WEIGHT_BYTES[dtype]
+    wb = bytes_per_element(dtype)
     rng = np.random.default_rng(1234)
     C = d.hidden
     n = max(1, -(-d.ffn // world))
@@ -199,13 +200,13 @@ def plan_partition(comm: Comm, config_or_layer_dims: Any, memory_limits: Any = N
         d = dims_of(config_or_layer_dims, who)
         if objective not in OBJECTIVES:
             raise ValueError(f"{who}: objective must be one of {OBJECTIVES}, got {objective!r}")
-        if dtype not in WEIGHT_BYTES:
-            raise ValueError(f"{who}: dtype must be one of {sorted(WEIGHT_BYTES)}, got {shown(dtype)}")
+        if dtype not in WEIGHT_FORMATS:
+            raise ValueError(f"{who}: dtype must be one of {sorted(WEIGHT_FORMATS)}, got {shown(dtype)}")
         rows = int_arg(rows, who, "rows", lo=1, hi=1 << 16)
         if speeds is not None:
             speeds = check_speeds(speeds, world, who)
         mem = check_memory(memory_limits, world, who)
-        check_align(align, d, world, who, dtype if dtype in WEIGHT_BYTES else "float32")
+        check_align(align, d, world, who, dtype if dtype in WEIGHT_FORMATS else "float32")
         key = json.dumps([dataclasses.asdict(d), objective, dtype, rows, head_unit, mem, repr(align), repr(cache),
                           speeds is None], default=repr).encode()
     except (TypeError, ValueError) as e:

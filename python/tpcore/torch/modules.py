@@ -9,7 +9,9 @@ from typing import Any, Dict, List, Optional, Tuple, cast
 import numpy as np
 import torch
 
-from tpcore.nn import layers as _layers
+from tpcore.nn import config as _config
+from tpcore.nn import linear as _linear
+from tpcore.nn import mlp as _mlp
 from tpcore.nn import transformer as _transformer
 from tpcore.nn import vocab as _vocab
 from tpcore.distributed.comm import Comm
@@ -100,7 +102,7 @@ class ColumnParallelLinear(_Linear):
         super().__init__()
         _comm_arg(comm, self._who)
         _trainable_dtype(dtype, self._who)
-        make: Any = _layers.ColumnParallelLinear
+        make: Any = _linear.ColumnParallelLinear
         layer = make(in_features, out_features, comm, bias=bias, gather_output=gather_output, partition=partition,
                      dtype=dtype, seed=seed, gated=gated, device=device, plan=plan)
         self._make(layer, layer.device)
@@ -130,7 +132,7 @@ class RowParallelLinear(_Linear):
         super().__init__()
         _comm_arg(comm, self._who)
         _trainable_dtype(dtype, self._who)
-        make: Any = _layers.RowParallelLinear
+        make: Any = _linear.RowParallelLinear
         layer = make(in_features, out_features, comm, bias=bias, input_is_parallel=input_is_parallel,
                      partition=partition, dtype=dtype, seed=seed, device=device, plan=plan)
         self._make(layer, layer.device)
@@ -162,7 +164,7 @@ class ParallelMLP(_TPModule):
         super().__init__()
         _comm_arg(comm, self._who)
         _trainable_dtype(dtype, self._who)
-        layer = _layers.ParallelMLP(hidden, ffn_hidden, comm, activation=activation, bias=bias, partition=partition,
+        layer = _mlp.ParallelMLP(hidden, ffn_hidden, comm, activation=activation, bias=bias, partition=partition,
                                     dtype=dtype, seed=seed, device=device, plan=plan)
         self._tp_init(layer, layer.device)
         self.fc1, self.fc2 = _Holder(), _Holder()
@@ -389,7 +391,7 @@ class TransformerBlock(_TPModule):
     _who = "tpcore.torch.TransformerBlock"
     _tp_cls: Any = _transformer.TransformerBlock
 
-    def __init__(self, config: "_transformer.Config", comm: Comm, seed: int = 0, head_partition: Any = None,
+    def __init__(self, config: "_config.Config", comm: Comm, seed: int = 0, head_partition: Any = None,
                  ffn_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
                  plan: Any = None) -> None:
         super().__init__()

@@ -8,8 +8,8 @@ from typing import Any, Optional, Tuple, cast
 import numpy as np
 import torch
 
-from tpcore.nn import layers as _layers
 from tpcore.utils.arrays import DeviceArray
+from tpcore.utils.dtypes import weight_format
 
 
 # ------------------------------------------------------------------ tensor crossing
@@ -31,7 +31,7 @@ def _check_tensor(x: Any, name: str, who: str, device: Tuple[str, int]) -> None:
 
 def _trainable_dtype(dtype: Any, who: str) -> None:
     """nn.Modules train their weights: a quantized format (frozen weights) is refused by name."""
-    _layers.check_param_dtype(dtype if not isinstance(dtype, dict) else "float32", who, quantized=False)
+    weight_format(dtype if not isinstance(dtype, dict) else "float32", who, quantized=False)
     if isinstance(dtype, dict):
         raise TypeError(f"{who}: dtype must be one dtype, got a dict")
 

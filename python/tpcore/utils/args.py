@@ -1,9 +1,10 @@
 """Argument checks shared by the Python face: each failure names the argument, what
-was expected and what came (TypeError for a wrong kind, ValueError for a bad value),
-and `agree` checks that every rank passed the same arguments (a collective).
+was expected and what came (TypeError for a wrong kind, ValueError for a bad value).
+Imports nothing of tpcore.
 
 bool is never an integer here (axis=True, root=True, sizes=[True, ...] are refused),
-and floats are never silently truncated to integers."""
+NumPy integers are (np.int64(3) is 3: shapes and sizes often come from NumPy), and
+floats are never silently truncated to integers."""
 from __future__ import annotations
 
 import math
@@ -12,7 +13,6 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from tpcore.utils.arrays import asarray
 
 SEED_RULE = "an integer in [0, 2**64)"
 
@@ -28,6 +28,7 @@ def shown(v) -> str:
 
 
 def is_int(v) -> bool:
+    """Whether v is an integer: a Python int or a NumPy integer, not a bool (nor np.bool_)."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
@@ -94,37 +95,6 @@ def real_arg(v, who: str, name: str, lo: Optional[float] = None, lo_open: bool =
     if bad:
         raise ValueError(f"{who}: {name} must be {want}, got {v!r}")
     return f
-
-
-def int_array(a, who: str, name: str) -> np.ndarray:
-    """An integer NumPy array (not bool, not float, not strings), as int64 (C-contiguous)."""
-    if isinstance(a, (str, bytes)):
-        raise TypeError(f"{who}: {name} must be integers, got {shown(a)}")
-    if not isinstance(a, np.ndarray) and hasattr(a, "__dlpack__"):
-        a = asarray(a, name, who)  # its device checked; a DLPack-only tensor imported without a copy
-    try:
-        t = np.asarray(a)
-    except (ValueError, TypeError) as e:  # ragged nesting
-        raise ValueError(f"{who}: {name} could not be read as an array of integers: {e}") from None
-    if t.size == 0 and not isinstance(a, np.ndarray) and t.dtype == np.float64:
-        t = t.astype(np.int64)  # [] or [[]]: NumPy's default dtype for an empty list is float64
-    if t.dtype.kind == "f" and isinstance(a, (list, tuple)):
-        o = np.array(a, dtype=object)  # e.g. [2**63, -1]: ints NumPy could only hold as floats
-        if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in o.flat):
-            t = o
-    if t.dtype == object:  # Python ints (past int64 too), or anything else
-        bad = [v for v in t.flat if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
-        if bad:
-            raise TypeError(f"{who}: {name} must be integers, got {shown(bad[0])}")
-        out = [int(v) for v in t.flat if not -2 ** 63 <= int(v) < 2 ** 63]
-        if out:
-            raise ValueError(f"{who}: {name} must be in the int64 range [-2**63, 2**63), got {out[0]}")
-        return np.require(t, np.int64, "C")  # (ascontiguousarray would make a 0-d array 1-d)
-    if t.dtype.kind not in "iu" or t.dtype == np.bool_:
-        raise TypeError(f"{who}: {name} must be integers, got dtype {t.dtype}")
-    if t.dtype == np.uint64 and t.size and int(t.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"{who}: {name} holds {int(t.max())}, past the int64 range")
-    return np.require(t, np.int64, "C")  # (ascontiguousarray would make a 0-d array 1-d)
 
 
 def minmax(a: np.ndarray) -> Tuple[int, int]:

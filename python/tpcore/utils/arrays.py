@@ -15,8 +15,10 @@ parameters (load_full, load_state_dict_full).
   only); `asarray` hands it to np.asarray (lists of numbers, memory-mapped and lazy
   checkpoint tensors).
 
-This module imports nothing of tpcore but the extension (the argument helpers of
-_args import it)."""
+`int_array` checks an argument of integers (token ids, positions, slots) the same way.
+
+This module imports nothing of tpcore but the extension and `tpcore.utils.args` (the
+argument checks)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
@@ -24,6 +26,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from tpcore import _C
+from tpcore.utils.args import is_int, shown
 
 # DLPack's DLDeviceType codes (dlpack.h) and the names tpcore gives them in messages
 DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi",
@@ -42,15 +45,6 @@ def build_devices() -> Tuple[str, ...]:
     return tuple(str(d) for d in devs)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _shown(v) -> str:
-    r = repr(v)
-    return (r if len(r) <= 60 else r[:57] + "...") + ("" if type(v) is int else f" ({type(v).__name__})")
-
-
 def dlpack_device(x, name: str, op: str) -> Optional[Tuple[int, int]]:
     """(device_type, device_id) of a DLPack producer, or None when it does not say
     (no __dlpack_device__, or one that fails: the import below reports the producer's
@@ -62,9 +56,9 @@ def dlpack_device(x, name: str, op: str) -> Optional[Tuple[int, int]]:
         dev = tuple(get())
     except Exception:  # noqa: BLE001 - a producer's own failure: np.from_dlpack reports it
         return None
-    if len(dev) != 2 or not all(_is_int(d) for d in dev):
+    if len(dev) != 2 or not all(is_int(d) for d in dev):
         raise TypeError(f"{op}: {name}.__dlpack_device__() must return a (device_type, device_id) pair of "
-                        f"integers, got {_shown(dev)}")
+                        f"integers, got {shown(dev)}")
     return int(dev[0]), int(dev[1])
 
 
@@ -312,3 +306,34 @@ def is_device_result(x) -> bool:
         return False
     dev = dlpack_device(x, "x", "collective")
     return dev is not None and dev[0] not in HOST_DEVICES
+
+
+def int_array(a, who: str, name: str) -> np.ndarray:
+    """An integer NumPy array (not bool, not float, not strings), as int64 (C-contiguous)."""
+    if isinstance(a, (str, bytes)):
+        raise TypeError(f"{who}: {name} must be integers, got {shown(a)}")
+    if not isinstance(a, np.ndarray) and hasattr(a, "__dlpack__"):
+        a = asarray(a, name, who)  # its device checked; a DLPack-only tensor imported without a copy
+    try:
+        t = np.asarray(a)
+    except (ValueError, TypeError) as e:  # ragged nesting
+        raise ValueError(f"{who}: {name} could not be read as an array of integers: {e}") from None
+    if t.size == 0 and not isinstance(a, np.ndarray) and t.dtype == np.float64:
+        t = t.astype(np.int64)  # [] or [[]]: NumPy's default dtype for an empty list is float64
+    if t.dtype.kind == "f" and isinstance(a, (list, tuple)):
+        o = np.array(a, dtype=object)  # e.g. [2**63, -1]: ints NumPy could only hold as floats
+        if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in o.flat):
+            t = o
+    if t.dtype == object:  # Python ints (past int64 too), or anything else
+        bad = [v for v in t.flat if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
+        if bad:
+            raise TypeError(f"{who}: {name} must be integers, got {shown(bad[0])}")
+        out = [int(v) for v in t.flat if not -2 ** 63 <= int(v) < 2 ** 63]
+        if out:
+            raise ValueError(f"{who}: {name} must be in the int64 range [-2**63, 2**63), got {out[0]}")
+        return np.require(t, np.int64, "C")  # (ascontiguousarray would make a 0-d array 1-d)
+    if t.dtype.kind not in "iu" or t.dtype == np.bool_:
+        raise TypeError(f"{who}: {name} must be integers, got dtype {t.dtype}")
+    if t.dtype == np.uint64 and t.size and int(t.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{who}: {name} holds {int(t.max())}, past the int64 range")
+    return np.require(t, np.int64, "C")  # (ascontiguousarray would make a 0-d array 1-d)
