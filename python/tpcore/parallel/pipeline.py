@@ -43,7 +43,8 @@ import numpy as np
 from tpcore.distributed.agree import agree
 from tpcore.utils.args import int_arg, int_array, shown
 from tpcore.distributed.grid import ProcessGrid
-from tpcore.models.lm import TransformerLM, agree_generate, generate_result, check_vocab
+from tpcore.models.generate import agree_generate, generate_result
+from tpcore.models.lm import TransformerLM
 from tpcore.nn.quant import is_quantized
 from tpcore.nn.transformer import Config
 

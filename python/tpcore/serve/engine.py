@@ -38,7 +38,7 @@ import numpy as np
 from tpcore import _C
 from tpcore.distributed.agree import agree, fingerprint
 from tpcore.utils.args import int_arg, int_array, is_int, real_arg, seed_arg, shown
-from tpcore.models.lm import eos_ids_arg
+from tpcore.models.generate import eos_ids_arg
 
 __all__ = ["Engine", "Request"]
 
