@@ -92,7 +92,7 @@ def generate_tokens(model, seqs, max_new_tokens, temperature, top_k, seed, eos_i
     cur = lens.copy()
     done = np.zeros(B, bool)
     for step in range(max_new_tokens):
-        logits = model._gather_logits(model._logits_shard(last if model._kdev is not None
+        logits = model.gather_logits(model.logits_shard(last if model._kdev is not None
                                                         else np.ascontiguousarray(last)))  # (B, V), every rank
         nxt = sample(logits, temperature, top_k, rng)
         if eos_ids:

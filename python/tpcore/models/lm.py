@@ -39,10 +39,20 @@ from tpcore.nn.layers import partition as partition_dim
 from tpcore.nn.quant import is_quantized
 from tpcore.nn.transformer import Config, TransformerBlock, head_partition, mask_array, positions
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-from tpcore.utils.args import bool_arg, int_arg, int_array, minmax, seed_arg
+from tpcore.utils.args import bool_arg, int_arg, int_array, minmax, seed_arg, shown
 from tpcore.utils.arrays import DeviceArray, asarray, asarray_device, device_string, resolve_device
 
 __all__ = ["Config", "TransformerLM", "head_partition", "on_device"]
+
+
+def _stage_arg(stage, layers: int) -> Tuple[int, int, bool, bool]:
+    """TransformerLM's stage checked: (lo, hi, first, last), 0 <= lo <= hi <= layers."""
+    if not isinstance(stage, (tuple, list)) or len(stage) != 4:
+        raise TypeError(f"TransformerLM: stage must be (lo, hi, first, last), got {shown(stage)}")
+    lo = int_arg(stage[0], "TransformerLM", "stage's lo", lo=0, hi=layers)
+    hi = int_arg(stage[1], "TransformerLM", "stage's hi", lo=lo, hi=layers)
+    return lo, hi, bool_arg(stage[2], "TransformerLM", "stage's first"), bool_arg(stage[3], "TransformerLM",
+                                                                                   "stage's last")
 
 
 def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
@@ -91,6 +101,12 @@ class TransformerLM:
     plan : Plan, optional
         A `tpcore.plan_partition` plan (or `Plan.load`) giving partition, ffn_partition and
         vocab_partition: shards sized by measured speed for mismatched devices.
+    stage : (int, int, bool, bool), optional
+        (lo, hi, first, last): only a part of the model, as a pipeline stage holds it
+        (`tpcore.PipelineLM`): the blocks [lo, hi) (made with the seeds of the whole model),
+        the embeddings when first, the final norm and the LM head when last (tied: with its
+        own copy of the token embedding).  Default None: the whole model.  The stage
+        interface (`embed`, `run_blocks`, `head_loss` and their backwards) drives it.
 
     Raises
     ------
@@ -108,7 +124,7 @@ class TransformerLM:
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, partition: Any = None, ffn_partition: Any = None,
                  vocab_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
-                 _device_path: bool = False, _stage: Any = None, plan: Any = None, _loading: bool = False) -> None:
+                 _device_path: bool = False, stage: Any = None, plan: Any = None, _loading: bool = False) -> None:
         self.device = resolve_device(device, "TransformerLM")
         self.dtypes = _model_dtypes(dtype, "TransformerLM")
         ds = set(self.dtypes.values())
@@ -138,7 +154,7 @@ class TransformerLM:
         # the embeddings, the last the final norm and the head (and, tied, its own copy of the
         # token embedding, whose gradient PipelineLM sums with the first stage's).  The parts are
         # made with the seeds the whole model gives them, so a pipeline starts where one process does.
-        lo, hi, first, last = (0, cfg.layers, True, True) if _stage is None else _stage
+        lo, hi, first, last = (0, cfg.layers, True, True) if stage is None else _stage_arg(stage, cfg.layers)
         self._first, self._last, self.layer_range = first, last, (lo, hi)
         if first or (last and cfg.tie_embeddings):
             self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed,
@@ -393,13 +409,10 @@ class TransformerLM:
             h = self.emb_norm.forward(h.reshape(B * T, h.shape[-1])).reshape(h.shape)
         return h
 
-    def _inputs(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who):
-        """The forward's arguments checked and converted: tokens (B, T) int64 in the vocabulary,
-        pos0 (B,) or None, positions (B, T), the mask (B, T) uint8 or None, token types or None."""
-        return self._inputs_slots(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who)[:5]
-
     def _inputs_slots(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who, slots=None):
-        """_inputs and the KV-cache slots (B,) or None, checked against the cache, as a sixth value."""
+        """The forward's arguments checked and converted: tokens (B, T) int64 in the vocabulary,
+        pos0 (B,) or None, positions (B, T), the mask (B, T) uint8 or None, token types or None,
+        and the KV-cache slots (B,) or None, checked against the cache."""
         cfg = self.config
         tokens = int_array(tokens, who, "tokens")
         if tokens.ndim != 2:
@@ -493,26 +506,9 @@ class TransformerLM:
             lambda v: [("the batch shape (B, T) differs", v[0].shape), ("pos0 differs", (v[1],)),
                        ("the tokens differ", (v[0],)), ("attention_mask differs", (v[3],)),
                        ("slots differ", (v[5],)), ("use_cache differs", (bool(use_cache),))])
-        return self._stage_forward(tokens, p0, pos, mask, tt, use_cache, need_backward, slots=sl)
-
-    def _stage_forward(self, x, p0, pos, mask, tt, use_cache, need_backward, slots=None):
-        """The forward of what this model holds, its arguments checked (and agreed) by the caller:
-        x is the tokens (B, T) on the first stage (a whole model is one), the hidden states
-        (B, T, hidden) on a later pipeline stage; p0 (B,) or None, pos (B, T) the positions;
-        slots (B,) or None the KV-cache sequence of each row.
-        Returns the hidden states after its blocks (and the final norm on the last stage)."""
-        B, T = x.shape[:2]
-        h = self._layer_in(self._embed(x, pos, tt)) if self._first else x
-        bp0 = p0 if p0 is not None else (np.zeros(B, np.int64) if use_cache else None)
-        for blk in self.blocks:
-            h = blk.forward(h, pos0=bp0, key_mask=mask, use_cache=use_cache, need_backward=need_backward,
-                            _agreed=True, slots=slots)
-        C = self.config.hidden
-        if self.final_norm is not None:
-            h2 = self._dev(h, (B * T, C)) if self._kdev is not None else h.reshape(B * T, C)
-            h = self.final_norm.forward(h2).reshape((B, T, C))
-        self._ctx = dict(tokens=x if self._first else None, pos=pos, token_type_ids=tt, B=B, T=T) \
-            if need_backward else None
+        h = self.embed(tokens, pos, tt) if self._first else tokens
+        h = self.run_blocks(h, p0, mask, use_cache, need_backward, sl)
+        self._ctx = dict(pos=pos, token_type_ids=tt) if need_backward else None
         return h
 
     def encode(self, tokens: Any, attention_mask: Any = None, token_type_ids: Any = None) -> np.ndarray:
@@ -535,7 +531,21 @@ class TransformerLM:
         """
         return self.forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
 
-    def _logits_shard(self, h2, reuse: bool = False):
+    def logits_shard(self, h2: Any, reuse: bool = False) -> Any:
+        """This rank's shard of the logits: the LM head over hidden states (the last stage's).
+
+        Parameters
+        ----------
+        h2 : array, shape (N, hidden), float32
+            Hidden states after the final norm (`run_blocks`'s rows).
+        reuse : bool, default False
+            Write into a buffer this model keeps (a CPU model), overwritten by the next call.
+
+        Returns
+        -------
+        array, shape (N, this rank's vocabulary rows), float32
+            Where the model lives (a DeviceArray on a GPU model); `gather_logits` gathers them.
+        """
         with self.comm._region("head"):  # the head's collectives (if any) in comm.stats()["regions"]
             return self._logits_shard_(h2, reuse)
 
@@ -560,7 +570,21 @@ class TransformerLM:
             return _C.linear_forward(h2, self.wte.weight, None, out, self._head_fmt())
         return self.lm_head._c.forward(h2, out)
 
-    def _gather_logits(self, shard):
+    def gather_logits(self, shard: Any) -> np.ndarray:
+        """The full-vocabulary logits on every rank, from each rank's `logits_shard`.
+
+        Parameters
+        ----------
+        shard : array, shape (N, this rank's vocabulary rows), float32
+
+        Returns
+        -------
+        numpy.ndarray, shape (N, vocab_size), float32
+
+        Notes
+        -----
+        Collective: an all-gather over the vocabulary.
+        """
         shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard  # sampling runs on the host
         with self.comm._region("head"):
             return self.comm.all_gather(np.ascontiguousarray(shard), axis=-1,
@@ -585,7 +609,7 @@ class TransformerLM:
         """
         h = self._forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
         B, T, C = h.shape
-        return self._gather_logits(self._logits_shard(h.reshape((B * T, C)))).reshape(B, T, self.config.vocab_size)
+        return self.gather_logits(self.logits_shard(h.reshape((B * T, C)))).reshape(B, T, self.config.vocab_size)
 
     def loss(self, tokens: Any, targets: Any, attention_mask: Any = None, ignore_index: int = -100) -> float:
         """Mean cross-entropy of next-token targets over the full vocabulary.
@@ -618,34 +642,7 @@ class TransformerLM:
         """
         targets = int_array(targets, "TransformerLM.loss", "targets")
         h = self._forward(tokens, attention_mask=attention_mask, need_backward=True)
-        return self._stage_loss(h, targets, ignore_index)
-
-    def _stage_loss(self, h, targets, ignore_index):
-        """The last stage's loss of its hidden states h (B, T, hidden) against targets (B, T)."""
-        B, T, C = h.shape
-        if targets.shape != (B, T):
-            self._ctx = None
-            raise ValueError(f"TransformerLM.loss: targets must have shape {(B, T)}, got {targets.shape}")
-        lo = self.vocab_partition[self.comm.rank][0]
-        if self._kdev is not None:
-            h2 = self._dev(h, (B * T, C))
-            shard = self._logits_shard(h2)
-            if self._on_gpu():
-                dev = device_string(self.device)
-                xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index, device=dev)
-                value = xent(shard, asarray_device(targets.reshape(B * T), device=dev), vocab_offset=lo)
-            else:  # the device path on the CPU: the CPU cross-entropy takes NumPy
-                shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard
-                xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
-                value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
-            self._ctx.update(xent=xent, h2=h2, xent_logits=shard)
-            return value
-        h2 = np.ascontiguousarray(h.reshape(B * T, C))
-        shard = self._logits_shard(h2, reuse=True)
-        xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
-        value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
-        self._ctx.update(xent=xent, h2=h2, xent_logits=shard)
-        return value
+        return self.head_loss(h, targets, ignore_index)
 
     def backward(self, dloss: float = 1.0) -> None:
         """Gradients of the last `loss` into every parameter (accumulated).
@@ -670,46 +667,10 @@ class TransformerLM:
             self._backward_device(self._ctx, dloss)
             self._ctx = None
             return
-        self._stage_backward(dloss=dloss)
-
-    def _stage_backward(self, dloss=None, dh=None):
-        """The NumPy path's backward of what this model holds (its last forward was a
-        need_backward one): from the loss (dloss; the last stage, a whole model) or from dh
-        (B, T, hidden), the gradient of its output (a pipeline stage before the last).  Returns
-        the gradient of its input (B, T, hidden) on a stage after the first, else None."""
-        ctx, comm = self._ctx, self.comm
-        B, T = ctx["B"], ctx["T"]
-        self._alloc_grads()
-        if self._last:
-            dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
-            h2 = ctx["h2"]
-            with comm._region("head"):
-                if self.lm_head is None:
-                    dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight,
-                                            None, self._head_fmt())
-                    if comm.size > 1:
-                        comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
-                else:
-                    dh = self.lm_head.backward(dshard)
-            if self.final_norm is not None:
-                dh = self.final_norm.backward(dh)
-            dh = dh.reshape(B, T, self.config.hidden)
-        for blk in reversed(self.blocks):
-            dh = blk.backward(dh)
-        if not self._first:
-            self._ctx = None
-            return dh
-        dh2 = dh.reshape(B * T, self.config.hidden)
-        if self.emb_norm is not None:
-            dh2 = self.emb_norm.backward(dh2)
-        if self.wpe is not None:
-            np.add.at(self.wpe_grad, ctx["pos"].reshape(-1), dh2)
-        if self.tte is not None:
-            tt = np.zeros(B * T, np.int64) if ctx["token_type_ids"] is None else \
-                np.asarray(ctx["token_type_ids"], np.int64).reshape(-1)
-            np.add.at(self.tte_grad, tt, dh2)
-        self.wte.backward(np.ascontiguousarray(dh2))
-        self._ctx = None
+        ctx = self._ctx
+        dh = self.blocks_backward(self.head_backward(dloss))
+        if self._first:
+            self.embed_backward(dh, ctx["pos"], ctx["token_type_ids"])
 
     def _backward_device(self, ctx, dloss):
         """backward with every tensor where the model lives (its GPU; the CPU device path)."""
@@ -740,6 +701,252 @@ class TransformerLM:
                 np.asarray(ctx["token_type_ids"], np.int64).reshape(-1)
             _C.d_embedding_backward(self.tte_grad, on_device(np.ascontiguousarray(tt), self._kdev), dh2)
         self.wte.backward(dh2 if self._on_gpu() else dh2.to_numpy())
+
+    # ------------------------------------------------------------- stage interface
+    # The steps a pipeline schedule (tpcore.parallel.pipeline) drives a model holding part of
+    # the blocks through (see `stage`): check_inputs; embed (the first stage), run_blocks,
+    # head_loss (the last stage); backward in reverse: head_backward (the last stage),
+    # blocks_backward, embed_backward (the first stage).  forward, loss and backward of a
+    # whole model are the same steps in one process.  The backward steps take NumPy arrays
+    # (a CPU model, as PipelineLM's); backward() runs a GPU model's.
+    def check_inputs(self, tokens: Any, attention_mask: Any = None,
+                     who: str = "TransformerLM") -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """Tokens and a padding mask checked and converted as `forward` does (no collective).
+
+        Parameters
+        ----------
+        tokens : array_like of int, shape (B, T)
+            Token ids in [0, vocab_size).
+        attention_mask : array_like, shape (B, T), optional
+            Nonzero for real tokens, 0 for padding (default None: all real).
+        who : str, default "TransformerLM"
+            The caller, named in the errors.
+
+        Returns
+        -------
+        tokens : numpy.ndarray, shape (B, T), int64
+        pos : numpy.ndarray, shape (B, T), int64
+            Each token's position (0 .. T - 1).
+        mask : numpy.ndarray, shape (B, T), uint8, or None
+
+        Raises
+        ------
+        TypeError, ValueError
+            As `forward`'s (a token out of range, wrong shapes, a sequence past max_positions).
+        """
+        tokens, _, pos, mask, _, _ = self._inputs_slots(tokens, None, attention_mask, None, False, False, who)
+        return tokens, pos, mask
+
+    def embed(self, tokens: np.ndarray, pos: np.ndarray, token_type_ids: Optional[np.ndarray] = None) -> Any:
+        """The first stage's step: the embeddings of checked tokens.
+
+        The vocab-parallel token embedding (its all-reduce), plus the position and token-type
+        embeddings and the embedding norm where the model has them.
+
+        Parameters
+        ----------
+        tokens : numpy.ndarray, shape (B, T), int64
+            As `check_inputs` gives them.
+        pos : numpy.ndarray, shape (B, T), int64
+            Their positions.
+        token_type_ids : numpy.ndarray, shape (B, T), int64, optional
+            BERT's segment ids (default None: 0).
+
+        Returns
+        -------
+        array, shape (B, T, hidden), float32
+            What `run_blocks` takes (a DeviceArray on a GPU model).
+        """
+        return self._layer_in(self._embed(tokens, pos, token_type_ids))
+
+    def run_blocks(self, h: Any, pos0: Optional[np.ndarray] = None, attention_mask: Optional[np.ndarray] = None,
+                   use_cache: bool = False, need_backward: bool = False, slots: Optional[np.ndarray] = None) -> Any:
+        """This model's blocks over hidden states h, then the final norm when it holds it.
+
+        Parameters
+        ----------
+        h : array, shape (B, T, hidden), float32
+            `embed`'s result, or the previous stage's.
+        pos0 : numpy.ndarray, shape (B,), int64, optional
+            Each row's first position (default None: 0).
+        attention_mask : numpy.ndarray, shape (B, T), uint8, optional
+            As `check_inputs` gives it (default None: every token real).
+        use_cache : bool, default False
+            Append to and attend to the blocks' KV cache (`cache`).
+        need_backward : bool, default False
+            Keep what `blocks_backward` needs.
+        slots : numpy.ndarray, shape (B,), int64, optional
+            With use_cache: the KV-cache sequence of each row (default None: row b uses b).
+
+        Returns
+        -------
+        array, shape (B, T, hidden), float32
+
+        Notes
+        -----
+        Collectives: two all-reduces per block.
+        """
+        B, T = h.shape[:2]
+        bp0 = pos0 if pos0 is not None else (np.zeros(B, np.int64) if use_cache else None)
+        for blk in self.blocks:
+            h = blk.forward(h, pos0=bp0, key_mask=attention_mask, use_cache=use_cache, need_backward=need_backward,
+                            _agreed=True, slots=slots)
+        C = self.config.hidden
+        if self.final_norm is not None:
+            h2 = self._dev(h, (B * T, C)) if self._kdev is not None else h.reshape(B * T, C)
+            h = self.final_norm.forward(h2).reshape((B, T, C))
+        return h
+
+    def head_loss(self, h: Any, targets: np.ndarray, ignore_index: int = -100) -> float:
+        """The last stage's step: the LM head and the vocab-parallel cross-entropy.
+
+        Keeps what `head_backward` needs.
+
+        Parameters
+        ----------
+        h : array, shape (B, T, hidden), float32
+            `run_blocks`'s result (after the final norm).
+        targets : numpy.ndarray, shape (B, T), int64
+            The next token of each position (or ignore_index).
+        ignore_index : int, default -100
+            Targets with no loss.
+
+        Returns
+        -------
+        float
+            The mean over the counted targets, the same on every rank.
+
+        Raises
+        ------
+        ValueError
+            targets of another shape.
+
+        Notes
+        -----
+        Collectives: the cross-entropy's (a max and a sum all-reduce).
+        """
+        B, T, C = h.shape
+        if targets.shape != (B, T):
+            self._ctx = None
+            raise ValueError(f"TransformerLM.loss: targets must have shape {(B, T)}, got {targets.shape}")
+        ctx = self._ctx = dict(self._ctx or {}, B=B, T=T)
+        lo = self.vocab_partition[self.comm.rank][0]
+        if self._kdev is not None:
+            h2 = self._dev(h, (B * T, C))
+            shard = self.logits_shard(h2)
+            if self._on_gpu():
+                dev = device_string(self.device)
+                xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index, device=dev)
+                value = xent(shard, asarray_device(targets.reshape(B * T), device=dev), vocab_offset=lo)
+            else:  # the device path on the CPU: the CPU cross-entropy takes NumPy
+                shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard
+                xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
+                value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
+            ctx.update(xent=xent, h2=h2, xent_logits=shard)
+            return value
+        h2 = np.ascontiguousarray(h.reshape(B * T, C))
+        shard = self.logits_shard(h2, reuse=True)
+        xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
+        value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
+        ctx.update(xent=xent, h2=h2, xent_logits=shard)
+        return value
+
+    def head_backward(self, dloss: float = 1.0) -> np.ndarray:
+        """The last stage's backward: the last `head_loss`'s gradient into the LM head (tied:
+        into the token embedding's gradient).
+
+        Parameters
+        ----------
+        dloss : float, default 1.0
+            The gradient of the loss (a scale).
+
+        Returns
+        -------
+        numpy.ndarray, shape (B, T, hidden), float32
+            The gradient of `run_blocks`'s output, for `blocks_backward`.
+
+        Raises
+        ------
+        RuntimeError
+            No head_loss ran since the last backward.
+
+        Notes
+        -----
+        Collective: an all-reduce of the input gradient (tied head).
+        """
+        ctx, comm = self._ctx, self.comm
+        if not ctx or "xent" not in ctx:
+            raise RuntimeError("TransformerLM.head_backward: call head_loss() first")
+        self._ctx = None
+        dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
+        h2 = ctx["h2"]
+        with comm._region("head"):
+            if self.lm_head is None:
+                dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight,
+                                        None, self._head_fmt())
+                if comm.size > 1:
+                    comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
+            else:
+                dh = self.lm_head.backward(dshard)
+        return dh.reshape(ctx["B"], ctx["T"], self.config.hidden)
+
+    def blocks_backward(self, dh: np.ndarray) -> np.ndarray:
+        """The backward of `run_blocks` (its last need_backward forward): the final norm, when
+        held, and the blocks in reverse.
+
+        Parameters
+        ----------
+        dh : numpy.ndarray, shape (B, T, hidden), float32
+            The gradient of run_blocks's output (`head_backward`'s, or the next stage's).
+
+        Returns
+        -------
+        numpy.ndarray, shape (B, T, hidden), float32
+            The gradient of its input (for `embed_backward`, or the previous stage).
+
+        Notes
+        -----
+        Collectives: two all-reduces per block.
+        """
+        if self.final_norm is not None:
+            B, T, C = dh.shape
+            dh = self.final_norm.backward(dh.reshape(B * T, C)).reshape(B, T, C)
+        for blk in reversed(self.blocks):
+            dh = blk.backward(dh)
+        return dh
+
+    def embed_backward(self, dh: np.ndarray, pos: np.ndarray, token_type_ids: Optional[np.ndarray] = None) -> None:
+        """The first stage's backward: dh into the embeddings' gradients (accumulated).
+
+        Parameters
+        ----------
+        dh : numpy.ndarray, shape (B, T, hidden), float32
+            The gradient of `embed`'s output (`blocks_backward`'s).
+        pos : numpy.ndarray, shape (B, T), int64
+            The positions embed took.
+        token_type_ids : numpy.ndarray, shape (B, T), int64, optional
+            The token types embed took.
+
+        Notes
+        -----
+        No collective: the token embedding's gradient stays with the rank's rows.
+        """
+        B, T = pos.shape
+        self._alloc_grads()
+        dh2 = dh.reshape(B * T, self.config.hidden)
+        if self.emb_norm is not None:
+            dh2 = self.emb_norm.backward(dh2)
+        if self.wpe is not None:
+            np.add.at(self.wpe_grad, pos.reshape(-1), dh2)
+        if self.tte is not None:
+            tt = np.zeros(B * T, np.int64) if token_type_ids is None else \
+                np.asarray(token_type_ids, np.int64).reshape(-1)
+            np.add.at(self.tte_grad, tt, dh2)
+        self.wte.backward(np.ascontiguousarray(dh2))
+
+    def drop_backward(self) -> None:
+        """Forget what the last need_backward forward and head_loss kept (an aborted step)."""
+        self._ctx = None
 
     # ------------------------------------------------------------- generation
     def generate(self, prompts: Any, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
