@@ -1,10 +1,13 @@
 """Models: the tensor-parallel language model, its generation, its loaders and its memory estimate.
 
 - `lm`: `TransformerLM` (GPT-2, Llama, BERT shapes over `tpcore.nn` blocks): construction,
-  forward / backward, parameters, memory, checkpoint state, and the stage interface a
-  pipeline schedule drives (`tpcore.parallel.pipeline`).
+  forward / backward, parameters, memory, and the stage interface a pipeline schedule
+  drives (`tpcore.parallel.pipeline`).
 - `norm`: the replicated norms outside the blocks and where the model's own arrays live.
-- `generate`: generation (prompt and eos checks, sampling, the KV-cache decode loop).
+- `generate`: generation (`TransformerLM.generate`; prompt and eos checks, sampling, the
+  KV-cache decode loop).
+- `state`: the checkpoint state (`state_dict_full`, `load_state_dict_full`,
+  `save_pretrained` of `TransformerLM`).
 - `loader`: the checkpoint loaders, one per format behind `ModelLoader` (Hugging Face
   safetensors folders, tpcore's own folders, GGUF), and the entry points
   `from_pretrained` and `from_gguf`.
@@ -13,8 +16,8 @@
 - `gguf`: GGUF metadata and tensors to a `Config`, quantized weights kept; the tokenizer.
 - `memory`: `estimate_memory`, per-rank bytes before anything is allocated.
 
-Inside: loader and convert import lm; lm imports generate, norm, memory, hf; generate
-imports norm; nothing imports back up.
+Inside, one way: loader and convert import lm; lm imports generate, state, memory, norm;
+those import norm, hf, gguf at most; nothing imports back up.
 
 Imports: tpcore.utils, tpcore.distributed, tpcore.io, tpcore.nn.
 """

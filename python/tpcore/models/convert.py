@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tpcore.models.lm import TransformerLM, _hostcopy
+from tpcore.models.lm import TransformerLM
+from tpcore.models.state import _hostcopy
 from tpcore.nn.layers import check_param_dtype
 from tpcore.nn.quant import block_size
 from tpcore.utils.arrays import device_string

@@ -14,6 +14,8 @@ shard and its all-gather, cache); this module does not import the model.
 """
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import numpy as np
 
 from tpcore import _C
@@ -24,6 +26,59 @@ from tpcore.utils.args import int_arg, int_array, is_int, minmax, real_arg, seed
 
 __all__ = ["generate_args", "generate_tokens", "sample", "agree_generate", "eos_ids_arg", "generate_result",
            "check_vocab"]
+
+
+class _GenerationMixin:
+    """`TransformerLM.generate`: the arguments checked and agreed, then `generate_tokens`."""
+
+    def generate(self, prompts: Any, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
+                 seed: int = 0, eos_token_id: Any = None, pad_token_id: Optional[int] = None) -> Any:
+        """Batched prefill, then KV-cache decoding (causal models).
+
+        Parameters
+        ----------
+        prompts : array_like of int, shape (B, T), or list of 1-D sequences
+            Prompts of one length, or of their own lengths.
+        max_new_tokens : int, default 16
+            Tokens to generate per prompt, >= 1.
+        temperature : float, default 0.0
+            0: greedy (the same tokens at every world size); > 0: sampling.
+        top_k : int, optional
+            Sample only from the k largest logits (None or 0: from all).
+        seed : int, default 0
+            The sampling stream, an integer in [0, 2**64).
+        eos_token_id : int or list of int, optional
+            A sequence that emits it is finished (default None: the checkpoint's
+            generation_config.json, as in Hugging Face; -1: never stop).
+        pad_token_id : int, optional
+            Fills a finished sequence's rest (default None: generation_config's, else the
+            first eos id, else 0).
+
+        Returns
+        -------
+        numpy.ndarray or list of numpy.ndarray
+            (B, T + max_new_tokens) int64 when the prompts have one length, else a list of
+            1-D arrays (prompt + generated).
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad argument, an encoder model, a sequence past max_positions, or ranks that
+            passed different arguments (ValueError on every rank).
+
+        Notes
+        -----
+        Collective: one small all-gather at entry checks the arguments agree; per step,
+        `forward`'s collectives and an all-gather of the logits.
+        """
+        err = None
+        try:
+            args = generate_args(self, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
+        except (TypeError, ValueError) as e:
+            err = e
+        agree_generate(self.comm, args if err is None else None, err)
+        return generate_tokens(self, *args)
+
 
 
 def generate_args(model, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id):

@@ -1,26 +1,19 @@
-"""Tensor-parallel Transformer models assembled over the C blocks.
+"""`TransformerLM`: the tensor-parallel Transformer model assembled over the C blocks.
 
-    cfg = tpcore.models.Config.from_hf("path/")
-    model = tpcore.models.from_pretrained("path/", comm)        # sliced per rank
-    model = tpcore.models.from_gguf("model.gguf", comm)         # a llama.cpp GGUF file
     model = tpcore.models.TransformerLM(cfg, comm, seed=0)      # random, the same at any world size
     logits = model.logits(tokens)                               # (B, T, vocab), full on every rank
     hidden = model.encode(tokens, attention_mask=None)          # encoders (BERT)
     loss = model.loss(tokens, targets); model.backward(); opt.step()
-    out = model.generate(prompts, max_new_tokens=16, temperature=0.0)
+    out = model.generate(prompts, max_new_tokens=16)            # models/generate.py
 
-The token embedding is vocab-parallel (each rank holds its rows of the table);
-the LM head is column-parallel over the vocabulary (tied: the same shard as the
-embedding), so logits stay sharded for the loss (vocab-parallel
-cross-entropy, no rank holds the full logits) and are all-gathered only for
-``logits()`` and generation.  Learned position / token-type embeddings and the
-final norm are replicated (small).  Blocks are one C call each.
+The token embedding is vocab-parallel (each rank holds its rows of the table); the LM head
+is column-parallel over the vocabulary (tied: the embedding's shard), so logits stay
+sharded for the loss (vocab-parallel cross-entropy) and are all-gathered only for
+``logits()`` and generation.  Position / type embeddings and the norms outside the blocks
+are replicated (models/norm.py).  Checkpoint state: models/state.py; loaders: models/loader/.
 """
 from __future__ import annotations
 
-import os
-import sys
-import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -28,19 +21,17 @@ import numpy as np
 from tpcore import _C
 from tpcore.distributed.agree import agreed
 from tpcore.distributed.comm import Comm
-from tpcore.io import formats as fmt
-from tpcore.io import stream as _stream
-from tpcore.models import hf as _hf
-from tpcore.models.generate import agree_generate, check_vocab, generate_args, generate_tokens
-from tpcore.models.memory import _aligned_heads, _model_dtypes
-from tpcore.models.norm import _array_device, _Norm, on_device
-from tpcore.nn.layers import MEMORY_KEYS, ColumnParallelLinear, put_weight, partition_sizes, load_weight, zero
+from tpcore.models.generate import _GenerationMixin, check_vocab
+from tpcore.models.memory import _aligned_heads, _model_dtypes, model_memory
+from tpcore.models.norm import _Norm, on_device
+from tpcore.models.state import _CheckpointMixin
+from tpcore.nn.layers import ColumnParallelLinear, put_weight, partition_sizes, zero
 from tpcore.nn.layers import partition as partition_dim
 from tpcore.nn.quant import is_quantized
 from tpcore.nn.transformer import Config, TransformerBlock, head_partition, mask_array, positions
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from tpcore.utils.args import bool_arg, int_arg, int_array, minmax, seed_arg, shown
-from tpcore.utils.arrays import DeviceArray, asarray, asarray_device, device_string, resolve_device
+from tpcore.utils.arrays import DeviceArray, asarray_device, device_string, resolve_device
 
 __all__ = ["Config", "TransformerLM", "head_partition", "on_device"]
 
@@ -50,17 +41,16 @@ def _stage_arg(stage, layers: int) -> Tuple[int, int, bool, bool]:
     if not isinstance(stage, (tuple, list)) or len(stage) != 4:
         raise TypeError(f"TransformerLM: stage must be (lo, hi, first, last), got {shown(stage)}")
     lo = int_arg(stage[0], "TransformerLM", "stage's lo", lo=0, hi=layers)
-    hi = int_arg(stage[1], "TransformerLM", "stage's hi", lo=lo, hi=layers)
-    return lo, hi, bool_arg(stage[2], "TransformerLM", "stage's first"), bool_arg(stage[3], "TransformerLM",
-                                                                                   "stage's last")
+    who = "TransformerLM"
+    return (lo, int_arg(stage[1], who, "stage's hi", lo=lo, hi=layers), bool_arg(stage[2], who, "stage's first"),
+            bool_arg(stage[3], who, "stage's last"))
 
 
 def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
     return (np.random.default_rng([seed, tag]).standard_normal(shape) * std).astype(np.float32)
 
 
-
-class TransformerLM:
+class TransformerLM(_GenerationMixin, _CheckpointMixin):
     """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm.
 
     The token embedding is vocabulary-parallel, the blocks are `TransformerBlock` s (heads
@@ -199,9 +189,6 @@ class TransformerLM:
         self._ctx = None
         self._on_token = None  # generate calls it (benchmarks): -1 after the prefill, then step 0, 1, ...
 
-    def _sync_tied(self):
-        """Kept for callers of older versions: a tied head reads the embedding itself."""
-
     def _on_gpu(self) -> bool:
         return self.device[0] != "cpu"
 
@@ -294,63 +281,11 @@ class TransformerLM:
         TypeError
             optimizer has no ``state_bytes()``.
         """
-        if optimizer is not None and not callable(getattr(optimizer, "state_bytes", None)):
-            raise TypeError(f"TransformerLM.memory: optimizer must have state_bytes() (a tpcore.optim optimizer), "
-                            f"got {type(optimizer).__name__}")
-        out: Dict[str, Any] = {"device": "cpu" if self.device[0] == "cpu" else device_string(self.device)}
-        out.update({k: 0 for k in MEMORY_KEYS})
-        by: Dict[str, int] = {}
-
-        def put(dev: str, key: str, nbytes: int) -> None:
-            out[key] += int(nbytes)
-            if key != "kv_cache_used":
-                by[dev] = by.get(dev, 0) + int(nbytes)
-
-        layers = ([self.wte] if self.wte is not None else []) + list(self.blocks) + \
-            ([self.lm_head] if self.lm_head is not None else [])
-        ctx = self._ctx or {}
-        if ctx.get("xent") is not None:  # the last loss's cross-entropy, alive until backward
-            layers.append(ctx["xent"])
-        for layer in layers:
-            m = layer.memory()
-            for k in MEMORY_KEYS:
-                put(m["device"], k, m[k])
-        if self.blocks:  # the blocks' shared inference workspace, once (csrc: tp_block_set_workspace)
-            ws, cb = self.blocks[0]._c.shared_workspace_bytes
-            put(self.blocks[0].memory()["device"], "workspace", ws)
-            put(self.blocks[0].memory()["device"], "comm", cb)
-        seen = set()
-
-        def arrays(key: str, *arrs: Any) -> None:
-            for a in arrs:
-                if a is None or id(a) in seen:
-                    continue
-                seen.add(id(a))
-                put(_array_device(a), key, a.nbytes)
-
-        arrays("params", self.wpe, self.tte)
-        arrays("grads", self.wpe_grad, self.tte_grad)
-        for norm in (self.emb_norm, self.final_norm):
-            if norm is not None:
-                arrays("params", norm.weight, norm.bias)
-                arrays("grads", norm.grad_weight, norm.grad_bias)
-        arrays("workspace", getattr(self, "_logits_buf", None), ctx.get("h2"), ctx.get("xent_logits"))
-        if optimizer is not None:
-            state = getattr(optimizer, "_state_arrays", None)
-            if callable(state):  # tpcore's optimizers: each array where it lives
-                arrays("optimizer", *state())
-            else:
-                put(out["device"], "optimizer", optimizer.state_bytes())
-        out["total"] = sum(out[k] for k in MEMORY_KEYS if k != "kv_cache_used")
-        out["by_device"] = by
-        return out
+        return model_memory(self, optimizer)
 
     def _head_fmt(self):
         """The tied head's weight format for the kernels (None unless quantized)."""
         return self.wte.dtype if is_quantized(self.wte.dtype) else None
-
-    def _head_weight(self):
-        return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def cache(self, batch: int, max_len: int) -> None:
         """(Re)allocate every block's KV cache (for use_cache forwards; generate makes its own).
@@ -532,19 +467,14 @@ class TransformerLM:
         return self.forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
 
     def logits_shard(self, h2: Any, reuse: bool = False) -> Any:
-        """This rank's shard of the logits: the LM head over hidden states (the last stage's).
+        """This rank's logits (N, its vocabulary rows) from the LM head, where the model lives.
 
         Parameters
         ----------
         h2 : array, shape (N, hidden), float32
-            Hidden states after the final norm (`run_blocks`'s rows).
+            Rows of `run_blocks`'s hidden states.
         reuse : bool, default False
             Write into a buffer this model keeps (a CPU model), overwritten by the next call.
-
-        Returns
-        -------
-        array, shape (N, this rank's vocabulary rows), float32
-            Where the model lives (a DeviceArray on a GPU model); `gather_logits` gathers them.
         """
         with self.comm._region("head"):  # the head's collectives (if any) in comm.stats()["regions"]
             return self._logits_shard_(h2, reuse)
@@ -571,19 +501,11 @@ class TransformerLM:
         return self.lm_head._c.forward(h2, out)
 
     def gather_logits(self, shard: Any) -> np.ndarray:
-        """The full-vocabulary logits on every rank, from each rank's `logits_shard`.
+        """The logits (N, vocab_size) on every rank: each rank's `logits_shard` all-gathered.
 
         Parameters
         ----------
         shard : array, shape (N, this rank's vocabulary rows), float32
-
-        Returns
-        -------
-        numpy.ndarray, shape (N, vocab_size), float32
-
-        Notes
-        -----
-        Collective: an all-gather over the vocabulary.
         """
         shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard  # sampling runs on the host
         with self.comm._region("head"):
@@ -703,88 +625,52 @@ class TransformerLM:
         self.wte.backward(dh2 if self._on_gpu() else dh2.to_numpy())
 
     # ------------------------------------------------------------- stage interface
-    # The steps a pipeline schedule (tpcore.parallel.pipeline) drives a model holding part of
-    # the blocks through (see `stage`): check_inputs; embed (the first stage), run_blocks,
-    # head_loss (the last stage); backward in reverse: head_backward (the last stage),
-    # blocks_backward, embed_backward (the first stage).  forward, loss and backward of a
-    # whole model are the same steps in one process.  The backward steps take NumPy arrays
-    # (a CPU model, as PipelineLM's); backward() runs a GPU model's.
+    # The steps a pipeline schedule (tpcore.parallel.pipeline) drives a stage through: embed
+    # (first stage), run_blocks, head_loss (last stage), then head_backward, blocks_backward,
+    # embed_backward.  A whole model's forward, loss and backward are the same steps.  The
+    # backward steps take NumPy arrays (a CPU model); backward() runs a GPU model's.
     def check_inputs(self, tokens: Any, attention_mask: Any = None,
                      who: str = "TransformerLM") -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-        """Tokens and a padding mask checked and converted as `forward` does (no collective).
+        """(tokens (B, T) int64, their positions (B, T), the mask (B, T) uint8 or None),
+        checked as `forward` does (TypeError, ValueError; no collective).
 
         Parameters
         ----------
-        tokens : array_like of int, shape (B, T)
-            Token ids in [0, vocab_size).
-        attention_mask : array_like, shape (B, T), optional
-            Nonzero for real tokens, 0 for padding (default None: all real).
+        tokens, attention_mask
+            As `forward`'s.
         who : str, default "TransformerLM"
             The caller, named in the errors.
-
-        Returns
-        -------
-        tokens : numpy.ndarray, shape (B, T), int64
-        pos : numpy.ndarray, shape (B, T), int64
-            Each token's position (0 .. T - 1).
-        mask : numpy.ndarray, shape (B, T), uint8, or None
-
-        Raises
-        ------
-        TypeError, ValueError
-            As `forward`'s (a token out of range, wrong shapes, a sequence past max_positions).
         """
         tokens, _, pos, mask, _, _ = self._inputs_slots(tokens, None, attention_mask, None, False, False, who)
         return tokens, pos, mask
 
     def embed(self, tokens: np.ndarray, pos: np.ndarray, token_type_ids: Optional[np.ndarray] = None) -> Any:
-        """The first stage's step: the embeddings of checked tokens.
+        """The first stage's step: the hidden states (B, T, hidden) `run_blocks` takes.
 
-        The vocab-parallel token embedding (its all-reduce), plus the position and token-type
-        embeddings and the embedding norm where the model has them.
+        The token embedding (an all-reduce), the position and type embeddings and the
+        embedding norm where the model has them.
 
         Parameters
         ----------
-        tokens : numpy.ndarray, shape (B, T), int64
-            As `check_inputs` gives them.
-        pos : numpy.ndarray, shape (B, T), int64
-            Their positions.
+        tokens, pos : numpy.ndarray, shape (B, T), int64
+            Checked tokens (`check_inputs`) and their positions.
         token_type_ids : numpy.ndarray, shape (B, T), int64, optional
             BERT's segment ids (default None: 0).
-
-        Returns
-        -------
-        array, shape (B, T, hidden), float32
-            What `run_blocks` takes (a DeviceArray on a GPU model).
         """
         return self._layer_in(self._embed(tokens, pos, token_type_ids))
 
     def run_blocks(self, h: Any, pos0: Optional[np.ndarray] = None, attention_mask: Optional[np.ndarray] = None,
                    use_cache: bool = False, need_backward: bool = False, slots: Optional[np.ndarray] = None) -> Any:
-        """This model's blocks over hidden states h, then the final norm when it holds it.
+        """This model's blocks over h (B, T, hidden), then the final norm when it holds it
+        (two all-reduces per block): the hidden states (B, T, hidden).
 
         Parameters
         ----------
         h : array, shape (B, T, hidden), float32
             `embed`'s result, or the previous stage's.
-        pos0 : numpy.ndarray, shape (B,), int64, optional
-            Each row's first position (default None: 0).
-        attention_mask : numpy.ndarray, shape (B, T), uint8, optional
-            As `check_inputs` gives it (default None: every token real).
-        use_cache : bool, default False
-            Append to and attend to the blocks' KV cache (`cache`).
-        need_backward : bool, default False
-            Keep what `blocks_backward` needs.
-        slots : numpy.ndarray, shape (B,), int64, optional
-            With use_cache: the KV-cache sequence of each row (default None: row b uses b).
-
-        Returns
-        -------
-        array, shape (B, T, hidden), float32
-
-        Notes
-        -----
-        Collectives: two all-reduces per block.
+        pos0, attention_mask, use_cache, need_backward, slots
+            As `forward`'s, checked (`check_inputs`); need_backward keeps what
+            `blocks_backward` needs.
         """
         B, T = h.shape[:2]
         bp0 = pos0 if pos0 is not None else (np.zeros(B, np.int64) if use_cache else None)
@@ -798,32 +684,17 @@ class TransformerLM:
         return h
 
     def head_loss(self, h: Any, targets: np.ndarray, ignore_index: int = -100) -> float:
-        """The last stage's step: the LM head and the vocab-parallel cross-entropy.
-
-        Keeps what `head_backward` needs.
+        """The last stage's step: the LM head and the vocab-parallel cross-entropy (its
+        all-reduces), the mean loss on every rank; keeps what `head_backward` needs.
 
         Parameters
         ----------
         h : array, shape (B, T, hidden), float32
-            `run_blocks`'s result (after the final norm).
+            `run_blocks`'s result.
         targets : numpy.ndarray, shape (B, T), int64
-            The next token of each position (or ignore_index).
+            The next token of each position (a ValueError for another shape).
         ignore_index : int, default -100
             Targets with no loss.
-
-        Returns
-        -------
-        float
-            The mean over the counted targets, the same on every rank.
-
-        Raises
-        ------
-        ValueError
-            targets of another shape.
-
-        Notes
-        -----
-        Collectives: the cross-entropy's (a max and a sum all-reduce).
         """
         B, T, C = h.shape
         if targets.shape != (B, T):
@@ -853,26 +724,13 @@ class TransformerLM:
 
     def head_backward(self, dloss: float = 1.0) -> np.ndarray:
         """The last stage's backward: the last `head_loss`'s gradient into the LM head (tied:
-        into the token embedding's gradient).
+        the embedding's), the gradient (B, T, hidden) of run_blocks's output returned
+        (RuntimeError without a head_loss; an all-reduce when tied).
 
         Parameters
         ----------
         dloss : float, default 1.0
             The gradient of the loss (a scale).
-
-        Returns
-        -------
-        numpy.ndarray, shape (B, T, hidden), float32
-            The gradient of `run_blocks`'s output, for `blocks_backward`.
-
-        Raises
-        ------
-        RuntimeError
-            No head_loss ran since the last backward.
-
-        Notes
-        -----
-        Collective: an all-reduce of the input gradient (tied head).
         """
         ctx, comm = self._ctx, self.comm
         if not ctx or "xent" not in ctx:
@@ -891,22 +749,13 @@ class TransformerLM:
         return dh.reshape(ctx["B"], ctx["T"], self.config.hidden)
 
     def blocks_backward(self, dh: np.ndarray) -> np.ndarray:
-        """The backward of `run_blocks` (its last need_backward forward): the final norm, when
-        held, and the blocks in reverse.
+        """The backward of the last need_backward `run_blocks` (two all-reduces per block):
+        the gradient (B, T, hidden) of its input returned.
 
         Parameters
         ----------
         dh : numpy.ndarray, shape (B, T, hidden), float32
-            The gradient of run_blocks's output (`head_backward`'s, or the next stage's).
-
-        Returns
-        -------
-        numpy.ndarray, shape (B, T, hidden), float32
-            The gradient of its input (for `embed_backward`, or the previous stage).
-
-        Notes
-        -----
-        Collectives: two all-reduces per block.
+            The gradient of its output (`head_backward`'s, or the next stage's).
         """
         if self.final_norm is not None:
             B, T, C = dh.shape
@@ -916,20 +765,14 @@ class TransformerLM:
         return dh
 
     def embed_backward(self, dh: np.ndarray, pos: np.ndarray, token_type_ids: Optional[np.ndarray] = None) -> None:
-        """The first stage's backward: dh into the embeddings' gradients (accumulated).
+        """The first stage's backward: dh into the embeddings' gradients (no collective).
 
         Parameters
         ----------
         dh : numpy.ndarray, shape (B, T, hidden), float32
             The gradient of `embed`'s output (`blocks_backward`'s).
-        pos : numpy.ndarray, shape (B, T), int64
-            The positions embed took.
-        token_type_ids : numpy.ndarray, shape (B, T), int64, optional
-            The token types embed took.
-
-        Notes
-        -----
-        No collective: the token embedding's gradient stays with the rank's rows.
+        pos, token_type_ids
+            What `embed` took.
         """
         B, T = pos.shape
         self._alloc_grads()
@@ -948,240 +791,8 @@ class TransformerLM:
         """Forget what the last need_backward forward and head_loss kept (an aborted step)."""
         self._ctx = None
 
-    # ------------------------------------------------------------- generation
-    def generate(self, prompts: Any, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
-                 seed: int = 0, eos_token_id: Any = None, pad_token_id: Optional[int] = None) -> Any:
-        """Batched prefill, then KV-cache decoding (causal models).
-
-        Parameters
-        ----------
-        prompts : array_like of int, shape (B, T), or list of 1-D sequences
-            Prompts of one length, or of their own lengths.
-        max_new_tokens : int, default 16
-            Tokens to generate per prompt, >= 1.
-        temperature : float, default 0.0
-            0: greedy (the same tokens at every world size); > 0: sampling.
-        top_k : int, optional
-            Sample only from the k largest logits (None or 0: from all).
-        seed : int, default 0
-            The sampling stream, an integer in [0, 2**64).
-        eos_token_id : int or list of int, optional
-            A sequence that emits it is finished (default None: the checkpoint's
-            generation_config.json, as in Hugging Face; -1: never stop).
-        pad_token_id : int, optional
-            Fills a finished sequence's rest (default None: generation_config's, else the
-            first eos id, else 0).
-
-        Returns
-        -------
-        numpy.ndarray or list of numpy.ndarray
-            (B, T + max_new_tokens) int64 when the prompts have one length, else a list of
-            1-D arrays (prompt + generated).
-
-        Raises
-        ------
-        TypeError, ValueError
-            A bad argument, an encoder model, a sequence past max_positions, or ranks that
-            passed different arguments (ValueError on every rank).
-
-        Notes
-        -----
-        Collective: one small all-gather at entry checks the arguments agree; per step,
-        `forward`'s collectives and an all-gather of the logits.
-        """
-        err = None
-        try:
-            args = generate_args(self, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
-        except (TypeError, ValueError) as e:
-            err = e
-        agree_generate(self.comm, args if err is None else None, err)
-        return generate_tokens(self, *args)
-
-    # ------------------------------------------------------------ checkpoints
-    def state_dict_full(self) -> Dict[str, np.ndarray]:
-        """The full tensors in tpcore's names ("wte.weight", "blocks.0.attn.q.weight", ...).
-
-        Returns
-        -------
-        dict of str to numpy.ndarray
-            A pipeline stage gives what it holds, its blocks under their numbers in the
-            whole model.
-
-        Notes
-        -----
-        Collective: all-gathers of every sharded tensor.
-        """
-        sd = {"wte.weight": self.wte.gather_full()} if self._first else {}
-        if self.wpe is not None:
-            sd["wpe.weight"] = _hostcopy(self.wpe)
-        if self.tte is not None:
-            sd["tte.weight"] = _hostcopy(self.tte)
-        if self.emb_norm is not None:
-            sd["emb_norm.weight"] = _hostcopy(self.emb_norm.weight)
-            if self.emb_norm.bias is not None:
-                sd["emb_norm.bias"] = _hostcopy(self.emb_norm.bias)
-        lo = self.layer_range[0]
-        for i, blk in enumerate(self.blocks):
-            for k, v in blk.gather_full().items():
-                sd[f"blocks.{lo + i}.{k}"] = v
-        if self.final_norm is not None:
-            sd["final_norm.weight"] = _hostcopy(self.final_norm.weight)
-            if self.final_norm.bias is not None:
-                sd["final_norm.bias"] = _hostcopy(self.final_norm.bias)
-        if self.lm_head is not None:
-            sd["lm_head.weight"] = self.lm_head.gather_full()[0]
-        return sd
-
-    def load_state_dict_full(self, sd: Dict[str, Any], progress: bool = False) -> None:
-        """Load full tensors (tpcore's names); each rank keeps its slices.
-
-        Parameters
-        ----------
-        sd : dict of str to array_like
-            As `state_dict_full` gives; arrays or memory-mapped views (only the rank's
-            slices are read).
-        progress : bool, default False
-            Show a progress line.
-
-        Raises
-        ------
-        KeyError
-            A tensor is missing.
-        ValueError
-            A tensor of the wrong shape.
-
-        Notes
-        -----
-        No collective (each rank reads its slices).
-        """
-        def take(name):
-            if name not in sd:
-                raise KeyError(f"checkpoint: missing tensor {name!r}")
-            t = sd[name]  # an array, a memory-mapped array or a lazy view: only the rank's slices are read
-            if not isinstance(t, np.ndarray) and hasattr(t, "__dlpack__"):  # another library's tensor
-                t = asarray(t, name, "TransformerLM.load_state_dict_full")  # device checked, no copy
-            return t
-
-        with _stream.loading_default("TransformerLM.load_state_dict_full"):   # one staging buffer
-            self._load_full(take, progress)
-        self._sync_tied()
-
-    def _load_full(self, take, progress):
-        if self.wte is not None:  # (a last pipeline stage's tied copy too)
-            _load_embedding(self.wte, take("wte.weight"))
-        if self.wpe is not None:
-            _assign(self.wpe, take("wpe.weight"), "wpe.weight")
-        if self.tte is not None:
-            _assign(self.tte, take("tte.weight"), "tte.weight")
-        for nm, norm in (("emb_norm", self.emb_norm), ("final_norm", self.final_norm)):
-            if norm is not None:
-                _assign(norm.weight, take(f"{nm}.weight"), f"{nm}.weight")
-                if norm.bias is not None:
-                    _assign(norm.bias, take(f"{nm}.bias"), f"{nm}.bias")
-        bar = _Progress(len(self.blocks), progress and self.comm.rank == 0)
-        lo = self.layer_range[0]
-        for i, blk in enumerate(self.blocks):
-            blk.load_full({k: take(f"blocks.{lo + i}.{k}") for k in blk.full_shapes()})
-            bar.step()
-        bar.done()
-        if self.lm_head is not None:
-            W = take("lm_head.weight")
-            lo, n = self.vocab_partition[self.comm.rank]
-            if tuple(W.shape) != (self.config.vocab_size, self.config.hidden):
-                raise ValueError(f"checkpoint: lm_head.weight has shape {tuple(W.shape)}")
-            load_weight(self.lm_head.weight, self.lm_head.dtype, W, slice(lo, lo + n), None, "lm_head.weight")
-
-    def save_pretrained(self, path: str, sharded: bool = False, hf: bool = False) -> None:
-        """Save the model to a directory that `from_pretrained` loads.
-
-        Parameters
-        ----------
-        path : str
-            The directory (made when missing).
-        sharded : bool, default False
-            False: tpcore_config.json + model.safetensors, full tensors (rank 0 writes;
-            loadable at any world size).  True: one file per rank
-            (model.rank<r>-of-<n>.safetensors; loads only into the same layout).
-        hf : bool, default False
-            Full tensors under Hugging Face's names with its config.json, for transformers'
-            from_pretrained (GPT-2, Llama, BERT); not with sharded.
-
-        Raises
-        ------
-        ValueError
-            hf with sharded; sharded with quantized weights.
-        OSError
-            The files cannot be written.
-
-        Notes
-        -----
-        Collective: `state_dict_full`'s all-gathers (unless sharded), then a barrier.
-        """
-        comm = self.comm
-        if sharded and self._frozen():  # the shard files hold parameters() only: no room for raw rows
-            raise ValueError(f"save_pretrained: sharded=True cannot save quantized weights ({self.dtype}); use "
-                             f"sharded=False (full float32 tensors: from_pretrained(..., dtype=...) quantizes again)")
-        if hf:
-            if sharded:
-                raise ValueError("save_pretrained: hf=True writes one consolidated file (sharded=False)")
-            tensors, conf = _hf.to_hf(self.config, self.state_dict_full())
-            if comm.rank == 0:
-                os.makedirs(path, exist_ok=True)
-                fmt.write_safetensors(os.path.join(path, fmt.MODEL_FILE), tensors, {"format": "pt"})
-                fmt.write_json(os.path.join(path, fmt.HF_CONFIG), conf)
-            comm.barrier()
-            return
-        if comm.rank == 0:
-            os.makedirs(path, exist_ok=True)
-            fmt.write_own_config(path, self.config)
-        comm.barrier()
-        if sharded:
-            fmt.write_own_shard(path, comm.rank, comm.size, [p.to_numpy() if isinstance(p, DeviceArray) else p
-                                                             for p in self._weights()])
-        else:
-            sd = self.state_dict_full()
-            if comm.rank == 0:
-                fmt.write_safetensors(os.path.join(path, fmt.MODEL_FILE), sd, {"format": "tpcore"})
-        comm.barrier()
-
     def __repr__(self):
         c = self.config
         return (f"TransformerLM({c.model_type}: {c.layers} layers, hidden {c.hidden}, heads {c.heads}/{c.kv_heads}, "
                 f"vocab {c.vocab_size}{'' if self.dtype == 'float32' else ', ' + self.dtype}; rank {self.comm.rank} "
                 f"of {self.comm.size})")
-
-
-def _hostcopy(a) -> np.ndarray:
-    """A host copy of a parameter (a DeviceArray's comes back from its device)."""
-    return a.to_numpy() if isinstance(a, DeviceArray) else a.copy()
-
-
-def _assign(dst, src, name):
-    if tuple(src.shape) != dst.shape:
-        raise ValueError(f"checkpoint: {name} has shape {tuple(src.shape)}, expected {dst.shape}")
-    load_weight(dst, "float32", src, slice(None), None, f"checkpoint: {name}")
-
-
-def _load_embedding(emb, table):
-    if tuple(table.shape) != (emb.num_embeddings, emb.embedding_dim):
-        raise ValueError(f"checkpoint: the token embedding has shape {tuple(table.shape)}, expected "
-                         f"{(emb.num_embeddings, emb.embedding_dim)}")
-    load_weight(emb.weight, emb.dtype, table, slice(emb.offset, emb.offset + emb.local), None, "wte.weight")
-
-
-class _Progress:
-    def __init__(self, n, on):
-        self.n, self.i, self.on, self.t0 = n, 0, on and n > 0, time.monotonic()
-
-    def step(self):
-        self.i += 1
-        if self.on:
-            w = 30
-            k = w * self.i // self.n
-            sys.stderr.write(f"\rloading [{'#' * k}{'.' * (w - k)}] {self.i}/{self.n} blocks "
-                             f"{time.monotonic() - self.t0:.1f}s")
-            sys.stderr.flush()
-
-    def done(self):
-        if self.on:
-            sys.stderr.write("\n")

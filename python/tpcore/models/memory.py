@@ -1,4 +1,5 @@
-"""Per-rank memory before anything is loaded: `estimate_memory`.
+"""Per-rank memory: `estimate_memory` before anything is loaded, and `model_memory` (what
+`TransformerLM.memory` reports) of a loaded model, so that the two sit side by side.
 
 A user picks a world size (and a planner a split) from what each rank will hold.  The
 estimate counts, per rank, the bytes `TransformerLM.memory()` reports once the model is
@@ -28,7 +29,10 @@ from tpcore.utils.args import int_arg, shown
 from tpcore.nn.quant import is_quantized, row_bytes
 from tpcore.nn.layers import check_param_dtype
 from tpcore.nn.layers import partition as partition_dim
+from tpcore.models.norm import _array_device
+from tpcore.nn.layers import MEMORY_KEYS
 from tpcore.nn.transformer import Config
+from tpcore.utils.arrays import device_string
 
 ALIGN = 64            # TP_DEVICE_ALIGN (csrc/include/tpcore/device.h)
 QBLOCK = 64           # query rows per block of the CPU attention (csrc/kernels/cpu/attention.c)
@@ -410,3 +414,57 @@ def memory_and_estimate(model, batch: int, max_len: int, prefill: int) -> Dict[s
                           device=got["device"])[model.comm.rank]
     keys = ("params", "grads", "kv_cache", "kv_cache_used", "workspace", "comm", "total")
     return {**{k: got[k] for k in keys}, "estimate": est["total"]}
+
+
+def model_memory(model, optimizer: Any = None) -> Dict[str, Any]:
+    """`TransformerLM.memory`: the bytes a loaded model holds now, by kind and by device."""
+    if optimizer is not None and not callable(getattr(optimizer, "state_bytes", None)):
+        raise TypeError(f"TransformerLM.memory: optimizer must have state_bytes() (a tpcore.optim optimizer), "
+                        f"got {type(optimizer).__name__}")
+    out: Dict[str, Any] = {"device": "cpu" if model.device[0] == "cpu" else device_string(model.device)}
+    out.update({k: 0 for k in MEMORY_KEYS})
+    by: Dict[str, int] = {}
+
+    def put(dev: str, key: str, nbytes: int) -> None:
+        out[key] += int(nbytes)
+        if key != "kv_cache_used":
+            by[dev] = by.get(dev, 0) + int(nbytes)
+
+    layers = ([model.wte] if model.wte is not None else []) + list(model.blocks) + \
+        ([model.lm_head] if model.lm_head is not None else [])
+    ctx = model._ctx or {}
+    if ctx.get("xent") is not None:  # the last loss's cross-entropy, alive until backward
+        layers.append(ctx["xent"])
+    for layer in layers:
+        m = layer.memory()
+        for k in MEMORY_KEYS:
+            put(m["device"], k, m[k])
+    if model.blocks:  # the blocks' shared inference workspace, once (csrc: tp_block_set_workspace)
+        ws, cb = model.blocks[0]._c.shared_workspace_bytes
+        put(model.blocks[0].memory()["device"], "workspace", ws)
+        put(model.blocks[0].memory()["device"], "comm", cb)
+    seen = set()
+
+    def arrays(key: str, *arrs: Any) -> None:
+        for a in arrs:
+            if a is None or id(a) in seen:
+                continue
+            seen.add(id(a))
+            put(_array_device(a), key, a.nbytes)
+
+    arrays("params", model.wpe, model.tte)
+    arrays("grads", model.wpe_grad, model.tte_grad)
+    for norm in (model.emb_norm, model.final_norm):
+        if norm is not None:
+            arrays("params", norm.weight, norm.bias)
+            arrays("grads", norm.grad_weight, norm.grad_bias)
+    arrays("workspace", getattr(model, "_logits_buf", None), ctx.get("h2"), ctx.get("xent_logits"))
+    if optimizer is not None:
+        state = getattr(optimizer, "_state_arrays", None)
+        if callable(state):  # tpcore's optimizers: each array where it lives
+            arrays("optimizer", *state())
+        else:
+            put(out["device"], "optimizer", optimizer.state_bytes())
+    out["total"] = sum(out[k] for k in MEMORY_KEYS if k != "kv_cache_used")
+    out["by_device"] = by
+    return out

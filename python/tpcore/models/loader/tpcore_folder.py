@@ -65,7 +65,6 @@ def _load_own(loader: ModelLoader, path: str, own: str, comm, partition, progres
                       "this rank's shard of the model (another partition?)")
     for i, p in enumerate(params):
         load_weight(p, "float32", t[f"param.{i}"], slice(None), None, f"{mine}: param.{i}")
-    model._sync_tied()
     return model
 
 
