@@ -24,7 +24,7 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from tpcore.io import formats as fmt
+from tpcore.io import formats
 from tpcore.utils.args import int_arg, shown
 from tpcore.nn.quant import is_quantized, row_bytes
 from tpcore.nn.layers import check_param_dtype
@@ -82,8 +82,8 @@ def _gguf_files(path) -> Optional[str]:
         return p                          # (a missing one: from_gguf's FileNotFoundError names it)
     if os.path.isfile(p):
         return p if is_gguf(p) else None
-    if not os.path.isdir(p) or os.path.exists(os.path.join(p, fmt.OWN_CONFIG)) or \
-            os.path.exists(os.path.join(p, fmt.HF_CONFIG)):
+    if not os.path.isdir(p) or os.path.exists(os.path.join(p, formats.OWN_CONFIG)) or \
+            os.path.exists(os.path.join(p, formats.HF_CONFIG)):
         return None
     found = sorted(f for f in os.listdir(p) if f.lower().endswith(".gguf") and os.path.isfile(os.path.join(p, f)))
     if len(found) > 1:
@@ -151,13 +151,13 @@ def _source(config_or_dir, who: str) -> Tuple[Config, Optional[Dict[str, str]], 
         return m.config, m.model_dtypes(), None
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{who}: {path!r} is neither a checkpoint directory nor a .gguf file")
-    own = os.path.join(path, fmt.OWN_CONFIG)
+    own = os.path.join(path, formats.OWN_CONFIG)
     if os.path.exists(own):
         from tpcore.nn.transformer import ACTIVATIONS, NORMS, POSITIONS
-        cfg = fmt.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
+        cfg = formats.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
         return cfg, None, None
     cfg = Config.from_hf(path)
-    kinds = {info.dtype for _, info in fmt.read_headers(path).values()} & {"F32", "F64", "BF16", "F16"}
+    kinds = {info.dtype for _, info in formats.read_headers(path).values()} & {"F32", "F64", "BF16", "F16"}
     half = {"BF16": "bfloat16", "F16": "float16"}.get(kinds.pop()) if len(kinds) == 1 else None
     return cfg, None, half
 

@@ -16,7 +16,7 @@ from typing import Any, Dict
 
 import numpy as np
 
-from tpcore.io import formats as fmt
+from tpcore.io import formats
 from tpcore.io import stream as _stream
 from tpcore.models import hf as _hf
 from tpcore.nn.layers import load_weight
@@ -154,21 +154,21 @@ class _CheckpointMixin:
             tensors, conf = _hf.to_hf(self.config, self.state_dict_full())
             if comm.rank == 0:
                 os.makedirs(path, exist_ok=True)
-                fmt.write_safetensors(os.path.join(path, fmt.MODEL_FILE), tensors, {"format": "pt"})
-                fmt.write_json(os.path.join(path, fmt.HF_CONFIG), conf)
+                formats.write_safetensors(os.path.join(path, formats.MODEL_FILE), tensors, {"format": "pt"})
+                formats.write_json(os.path.join(path, formats.HF_CONFIG), conf)
             comm.barrier()
             return
         if comm.rank == 0:
             os.makedirs(path, exist_ok=True)
-            fmt.write_own_config(path, self.config)
+            formats.write_own_config(path, self.config)
         comm.barrier()
         if sharded:
-            fmt.write_own_shard(path, comm.rank, comm.size, [p.to_numpy() if isinstance(p, DeviceArray) else p
-                                                             for p in self._weights()])
+            formats.write_own_shard(path, comm.rank, comm.size, [p.to_numpy() if isinstance(p, DeviceArray) else p
+                                                                 for p in self._weights()])
         else:
             sd = self.state_dict_full()
             if comm.rank == 0:
-                fmt.write_safetensors(os.path.join(path, fmt.MODEL_FILE), sd, {"format": "tpcore"})
+                formats.write_safetensors(os.path.join(path, formats.MODEL_FILE), sd, {"format": "tpcore"})
         comm.barrier()
 
 
