@@ -220,9 +220,9 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
             ps.extend(m.parameters())
         return ps
 
-    def _weights(self) -> list:
-        """The parameters of `parameters()` (same order) without their gradients: nothing is
-        allocated (checkpoints, param_bytes)."""
+    def weights(self) -> list:
+        """This rank's parameters, those of `parameters()` in their order, without gradients
+        (nothing is allocated): what a sharded checkpoint holds."""
         ws = [] if self.wte is None or is_quantized(self.wte.dtype) else [self.wte.weight]
         ws += [w for w in (self.wpe, self.tte) if w is not None]
         for m in self._modules():
@@ -241,7 +241,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
 
     def param_bytes(self) -> int:
         """Bytes of this rank's parameters, frozen (quantized) weights included (no gradients)."""
-        return int(sum(p.nbytes for p in self._weights()) + sum(w.nbytes for w in self._frozen()))
+        return int(sum(p.nbytes for p in self.weights()) + sum(w.nbytes for w in self._frozen()))
 
     def _frozen(self) -> list:
         """This rank's quantized weights (no gradient, so not in parameters()), by their format."""

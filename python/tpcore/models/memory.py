@@ -71,27 +71,6 @@ def _aligned_heads(cfg: Config, world: int, out_dtype: str) -> Optional[List[int
     return [s for _, s in partition_dim(cfg.heads, world, align=unit)]
 
 
-def _gguf_files(path) -> Optional[str]:
-    """The GGUF file from_pretrained loads for path: path itself when it is a file ending in
-    .gguf (or starting with the GGUF magic), the one .gguf of a directory without a
-    config.json / tpcore_config.json; None: not a GGUF checkpoint.  A directory with
-    several .gguf files (and no config) is a ValueError listing them."""
-    from tpcore.models.gguf import is_gguf
-    p = os.fspath(path)
-    if p.lower().endswith(".gguf") and not os.path.isdir(p):
-        return p                          # (a missing one: from_gguf's FileNotFoundError names it)
-    if os.path.isfile(p):
-        return p if is_gguf(p) else None
-    if not os.path.isdir(p) or os.path.exists(os.path.join(p, formats.OWN_CONFIG)) or \
-            os.path.exists(os.path.join(p, formats.HF_CONFIG)):
-        return None
-    found = sorted(f for f in os.listdir(p) if f.lower().endswith(".gguf") and os.path.isfile(os.path.join(p, f)))
-    if len(found) > 1:
-        raise ValueError(f"from_pretrained: {p!r} holds {len(found)} GGUF files ({', '.join(found)}); pass the one "
-                         f"to load")
-    return os.path.join(p, found[0]) if found else None
-
-
 def _a(nbytes: int) -> int:
     """One arena slice: rounded up to the alignment, never empty (csrc/layers/arena.h)."""
     n = max(int(nbytes), 1)
@@ -144,7 +123,8 @@ def _source(config_or_dir, who: str) -> Tuple[Config, Optional[Dict[str, str]], 
         raise TypeError(f"{who}: config_or_dir must be a tpcore.Config, a Hugging Face config dict, a checkpoint "
                         f"directory or a .gguf file, got {shown(config_or_dir)}")
     path = os.fspath(config_or_dir)
-    g = _gguf_files(path)
+    from tpcore.models.gguf import gguf_file
+    g = gguf_file(path)
     if g is not None:
         from tpcore.models.gguf import GGUFModel
         m = GGUFModel(g, who)

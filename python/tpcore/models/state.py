@@ -164,7 +164,7 @@ class _CheckpointMixin:
         comm.barrier()
         if sharded:
             formats.write_own_shard(path, comm.rank, comm.size, [p.to_numpy() if isinstance(p, DeviceArray) else p
-                                                                 for p in self._weights()])
+                                                                 for p in self.weights()])
         else:
             sd = self.state_dict_full()
             if comm.rank == 0:

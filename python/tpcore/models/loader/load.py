@@ -12,7 +12,7 @@ from tpcore.models.lm import TransformerLM
 from tpcore.models.loader.gguf_file import GGUFLoader
 from tpcore.models.loader.hf_folder import HFLoader
 from tpcore.models.loader.tpcore_folder import TpcoreFolderLoader
-from tpcore.models.memory import _gguf_files
+from tpcore.models.gguf import gguf_file
 from tpcore.nn.checkpoint import collective
 from tpcore.nn.layers import check_param_dtype
 from tpcore.utils.args import shown
@@ -83,7 +83,7 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"from_pretrained: path must be a directory (str or os.PathLike), got {shown(path)}")
     staging = _stream.staging_arg(staging_bytes, "from_pretrained")
-    ggufs = _gguf_files(path)
+    ggufs = gguf_file(path)
     if ggufs is not None:
         return GGUFLoader().load(ggufs, comm, partition, progress, device, dtype, staging)
     if not os.path.isdir(path):

@@ -60,7 +60,7 @@ def _load_own(loader: ModelLoader, path: str, own: str, comm, partition, progres
                          f"tpcore.models.quantize the model, or save it with sharded=False")
     model = loader.build(cfg, comm, partition, device, dtype or "float32")
     t, _ = formats.open_safetensors(mine)
-    params = model._weights()  # weights only: a loaded model holds no gradients until it trains
+    params = model.weights()  # weights only: a loaded model holds no gradients until it trains
     formats.check_tensors(mine, t, {f"param.{i}": p.shape for i, p in enumerate(params)},
                       "this rank's shard of the model (another partition?)")
     for i, p in enumerate(params):
