@@ -9,8 +9,10 @@ KV cache, `sample` picks the next tokens from full-vocabulary logits (greedy or 
 sampling).  `tpcore.PipelineLM` (its stages) and `tpcore.Engine` (its requests) reuse the
 argument checks, the agreement and the sampling.
 
-The model is driven through its own methods (forward with the KV cache, the head's logits
-shard and its all-gather, cache); this module does not import the model.
+`TransformerLM` takes its `generate` method from `_GenerationMixin`.  The decode loop
+drives the model through its methods (`_forward` with the KV cache, which leaves the hidden
+states on the model's device, `logits_shard`, `gather_logits`, `cache`); this module does not
+import the model (models.lm imports it).
 """
 from __future__ import annotations
 
