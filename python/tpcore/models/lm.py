@@ -735,8 +735,8 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         ctx, comm = self._ctx, self.comm
         if not ctx or "xent" not in ctx:
             raise RuntimeError("TransformerLM.head_backward: call head_loss() first")
-        self._ctx = None
         dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
+        self._ctx = None  # (after the cross-entropy's argument checks: a bad dloss keeps the loss)
         h2 = ctx["h2"]
         with comm._region("head"):
             if self.lm_head is None:
