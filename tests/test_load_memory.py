@@ -391,7 +391,7 @@ def test_fill_device_rows_in_chunks(tmp_path):
     import ml_dtypes
     from tpcore.io import stream as _stream
     from tpcore.io.formats import open_safetensors, write_safetensors
-    from tpcore.nn.layers import _put_weight
+    from tpcore.nn.layers import put_weight as _put_weight
     rng = np.random.default_rng(7)
     W = rng.standard_normal((37, 29)).astype(np.float32)
     p = str(tmp_path / "a.safetensors")
