@@ -267,7 +267,7 @@ def _model_regions(comm, cfg_kw, B, T0):
     before = comm.stats()
     nxt = rng.integers(0, cfg.vocab_size, (B, 1))
     h = m.forward(nxt, pos0=np.full(B, T0), use_cache=True); line = _here()  # noqa: E702
-    logits = m._gather_logits(m._logits_shard(h.reshape(B, cfg.hidden)))
+    logits = m.gather_logits(m.logits_shard(h.reshape(B, cfg.hidden)))
     after = comm.stats()
     # the layers' collectives (issued in C) carry the line that called the model
     inside = [e for e in comm.history() if e["region"] in ("embedding", "attention", "mlp")][-(2 * cfg.layers + 1):]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from tpcore.models.lm import TransformerLM, estimate_memory
+from tpcore.models import TransformerLM, estimate_memory
 from tpcore.nn.optim import AdamW
 
 GPT2 = dict(vocab_size=1001, hidden=96, layers=3, heads=6, ffn_hidden=200, norm="layernorm",

@@ -21,7 +21,7 @@ import pytest
 
 import tpcore
 from tpcore import CheckpointError
-from tpcore.models.lm import TransformerLM, from_gguf, from_pretrained
+from tpcore.models import TransformerLM, from_gguf, from_pretrained
 from tpcore.nn.config import Config
 
 from conftest import run_fresh

@@ -192,6 +192,40 @@ def test_stage_partition():
         tpcore.stage_partition(5, 2, "23")
 
 
+def _stage_steps(comm):
+    """A whole model's loss and gradients, and the same from TransformerLM's stage steps driven by
+    hand over the model cut in two (tied embeddings: the two copies' gradients add up)."""
+    cfg = tpcore.Config(**GPT2)
+    tokens, targets = _batch("gpt2")
+    whole = tpcore.models.TransformerLM(cfg, comm, seed=5)
+    want = whole.loss(tokens, targets)
+    whole.backward()
+    first = tpcore.models.TransformerLM(cfg, comm, seed=5, stage=(0, 2, True, False))
+    last = tpcore.models.TransformerLM(cfg, comm, seed=5, stage=(2, 4, False, True))
+    toks, pos, mask = first.check_inputs(tokens)
+    h = last.run_blocks(first.run_blocks(first.embed(toks, pos), need_backward=True), need_backward=True)
+    got = last.head_loss(h, targets)
+    first.embed_backward(first.blocks_backward(last.blocks_backward(last.head_backward())), pos)
+    pairs = [(whole.wte.grad_weight, first.wte.grad_weight + last.wte.grad_weight), (whole.wpe_grad, first.wpe_grad)]
+    for wb, sb in zip(whole.blocks, first.blocks + last.blocks):
+        pairs += [(g, h) for (_, g), (_, h) in zip(wb.parameters(), sb.parameters())]
+    pairs += [(g, h) for (_, g), (_, h) in zip(whole.final_norm.parameters(), last.final_norm.parameters())]
+    refused = []
+    for bad in [(0, 5, True, True), (3, 2, True, True), (0, 1, 1, True), "0:2"]:
+        try:
+            tpcore.models.TransformerLM(cfg, comm, stage=bad)
+        except (TypeError, ValueError) as e:
+            refused.append(f"{type(e).__name__}: {e}")
+    return want, got, max(float(np.abs(a - b).max()) for a, b in pairs), mask, refused
+
+
+def test_stage_steps_are_the_whole_models_loss_and_backward():
+    want, got, grad_diff, mask, refused = run(_stage_steps, 1)[0]
+    assert abs(want - got) <= 1e-6 * abs(want) and grad_diff < 1e-5, (want, got, grad_diff)
+    assert mask is None
+    assert len(refused) == 4 and all("stage" in m for m in refused), refused
+
+
 def _bad(comm, case):
     grid = tpcore.ProcessGrid(comm, pp=comm.size)
     cfg = tpcore.Config(**GPT2)
@@ -244,7 +278,7 @@ def _dies(comm, outdir):
     tokens, targets = _batch("gpt2")
     m.train_step(tokens, targets, micro_batches=3)
     if comm.rank == 1:  # stage 1 dies in the middle of the next step: at its first backward
-        m.stage._stage_backward = lambda **kw: os._exit(9)
+        m.stage.blocks_backward = lambda *a, **kw: os._exit(9)
     t = time.monotonic()
     try:
         m.train_step(tokens, targets, micro_batches=3)

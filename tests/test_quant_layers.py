@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from tpcore.models.lm import Config, TransformerLM, quantize
+from tpcore.models import Config, TransformerLM, quantize
 from tpcore.nn.quant import QUANT_FORMATS, QuantTensor, block_size, row_bytes
 from tpcore.nn.transformer import TransformerBlock
 

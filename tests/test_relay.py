@@ -27,7 +27,7 @@ def progress(rank):
     print(f"hello from rank {rank}")
     print()
     print("a\r\nb")
-    from tpcore.models.lm import _Progress
+    from tpcore.models.state import _Progress
     bar = _Progress(2, True)
     bar.step()
     bar.step()

@@ -33,7 +33,7 @@ import numpy.typing as npt
 import tpcore
 from tpcore.models import lm as models
 from tpcore.nn import optim
-from tpcore.models.lm import TransformerLM, from_pretrained
+from tpcore.models import TransformerLM, from_pretrained
 
 
 def collectives(comm: tpcore.Comm) -> float:

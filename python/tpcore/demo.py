@@ -134,13 +134,13 @@ def _generate(model, prompts, new):
     model.cache(B, T + new)
     t0 = time.perf_counter()
     h = model.forward(prompts, pos0=np.zeros(B, np.int64), use_cache=True)
-    tok = model._gather_logits(model._logits_shard(np.ascontiguousarray(h[:, -1]))).argmax(-1).astype(np.int64)
+    tok = model.gather_logits(model.logits_shard(np.ascontiguousarray(h[:, -1]))).argmax(-1).astype(np.int64)
     ttft = time.perf_counter() - t0
     out, cur = [tok], np.full(B, T, np.int64)
     t1 = time.perf_counter()
     for _ in range(new - 1):
         h = model.forward(tok.reshape(B, 1), pos0=cur, use_cache=True)
-        tok = model._gather_logits(model._logits_shard(np.ascontiguousarray(h[:, 0]))).argmax(-1).astype(np.int64)
+        tok = model.gather_logits(model.logits_shard(np.ascontiguousarray(h[:, 0]))).argmax(-1).astype(np.int64)
         out.append(tok)
         cur += 1
     return np.stack(out, 1), ttft, time.perf_counter() - t1

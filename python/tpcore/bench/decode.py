@@ -177,7 +177,7 @@ def _rank(comm, args, prompts, dtype="float32"):
     h = model.forward(prompts, pos0=np.zeros(B, np.int64), use_cache=True)
     t_prefill = time.perf_counter() - t0
     last = np.ascontiguousarray(h[:, -1])
-    logits = model._gather_logits(model._logits_shard(last))
+    logits = model.gather_logits(model.logits_shard(last))
     tok = logits.argmax(-1).astype(np.int64)
     t_first = time.perf_counter() - t0
     st1 = comm.stats()
@@ -187,7 +187,7 @@ def _rank(comm, args, prompts, dtype="float32"):
     for _ in range(new - 1):
         s = time.perf_counter()
         h = model.forward(tok.reshape(B, 1), pos0=cur, use_cache=True)
-        logits = model._gather_logits(model._logits_shard(np.ascontiguousarray(h[:, 0])))
+        logits = model.gather_logits(model.logits_shard(np.ascontiguousarray(h[:, 0])))
         tok = logits.argmax(-1).astype(np.int64)
         steps.append(time.perf_counter() - s)
         out.append(tok)

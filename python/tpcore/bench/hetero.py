@@ -115,7 +115,7 @@ def _steps(comm, case: str, sz: dict, kwargs: dict):
 
     def prefill():
         h = model._forward(prompt, pos0=zero, use_cache=True, _agreed=True)
-        return model._gather_logits(model._logits_shard(np.ascontiguousarray(h[:, -1])))
+        return model.gather_logits(model.logits_shard(np.ascontiguousarray(h[:, -1])))
 
     if case == "prefill":
         return prefill
@@ -125,7 +125,7 @@ def _steps(comm, case: str, sz: dict, kwargs: dict):
 
     def decode():  # the step at position T, again and again: the same work each time
         h = model._forward(tok, pos0=at, use_cache=True, _agreed=True)
-        return model._gather_logits(model._logits_shard(np.ascontiguousarray(h[:, 0])))
+        return model.gather_logits(model.logits_shard(np.ascontiguousarray(h[:, 0])))
 
     return decode
 

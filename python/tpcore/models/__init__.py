@@ -1,15 +1,29 @@
-"""Models: the tensor-parallel language model, its loaders and its memory estimate.
+"""Models: the tensor-parallel language model, its generation, its loaders and its memory estimate.
 
-- `lm`: `TransformerLM` (GPT-2, Llama, BERT shapes over `tpcore.nn` blocks), generation,
-  `quantize`, and the loaders `from_pretrained` (Hugging Face safetensors, tpcore's own
-  folders) and `from_gguf`.
+- `lm`: `TransformerLM` (GPT-2, Llama, BERT shapes over `tpcore.nn` blocks): construction,
+  forward / backward, parameters, memory, and the stage interface a pipeline schedule
+  drives (`tpcore.parallel.pipeline`).
+- `norm`: the replicated norms outside the blocks and where the model's own arrays live.
+- `generate`: generation (`TransformerLM.generate`; prompt and eos checks, sampling, the
+  KV-cache decode loop).
+- `state`: the checkpoint state (`state_dict_full`, `load_state_dict_full`,
+  `save_pretrained` of `TransformerLM`).
+- `loader`: the checkpoint loaders, one per format behind `ModelLoader` (Hugging Face
+  safetensors folders, tpcore's own folders, GGUF), and the entry points
+  `from_pretrained` and `from_gguf`.
+- `convert`: `quantize`, a copy of a model in another weight format.
 - `hf`: Hugging Face config.json and tensor names to a `Config` and its tensors.
 - `gguf`: GGUF metadata and tensors to a `Config`, quantized weights kept; the tokenizer.
 - `memory`: `estimate_memory`, per-rank bytes before anything is allocated.
 
+Inside, one way: loader and convert import lm; lm imports generate, state, memory, norm;
+those import norm, hf, gguf at most; nothing imports back up.
+
 Imports: tpcore.utils, tpcore.distributed, tpcore.io, tpcore.nn.
 """
-from tpcore.models.lm import (Config, TransformerLM, estimate_memory, from_gguf, from_pretrained, head_partition,
-                              quantize)
+from tpcore.models.convert import quantize
+from tpcore.models.lm import Config, TransformerLM, head_partition
+from tpcore.models.loader import from_gguf, from_pretrained
+from tpcore.models.memory import estimate_memory
 
 __all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize", "estimate_memory"]

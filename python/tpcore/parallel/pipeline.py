@@ -44,7 +44,8 @@ from tpcore.distributed.agree import agree
 from tpcore.utils.args import int_arg, shown
 from tpcore.utils.arrays import int_array
 from tpcore.distributed.grid import ProcessGrid
-from tpcore.models.lm import TransformerLM, agree_generate, generate_result, check_vocab
+from tpcore.models.generate import agree_generate, generate_args, generate_result, sample
+from tpcore.models.lm import TransformerLM
 from tpcore.nn.quant import is_quantized
 from tpcore.nn.config import Config
 
@@ -172,7 +173,7 @@ class PipelineLM:
         self.first, self.last = s == 0, s == P - 1
         self.stage = TransformerLM(cfg, grid.tp, seed=seed, partition=partition, ffn_partition=ffn_partition,
                                    vocab_partition=vocab_partition, dtype=dtype,
-                                   _stage=(lo, hi, self.first, self.last))
+                                   stage=(lo, hi, self.first, self.last))
         self.blocks = self.stage.blocks
         # the model-parallel group (this replica's TP x PP ranks): generate's arguments agree over it
         self.mp = grid.comm.split(grid.dp_rank)
@@ -270,6 +271,26 @@ class PipelineLM:
         st["sent_bytes"] += x.nbytes
         return buf
 
+    # ------------------------------------------------------------- the stage's steps
+    def _stage_forward(self, x, p0, pos, mask, use_cache, need_backward):
+        """The forward of this rank's stage: x the tokens (B, T) on the first stage, the
+        previous stage's hidden states (B, T, hidden) on the others; pos (B, T) the positions,
+        p0 (B,) or None the first ones (the KV cache).  Returns its hidden states (after the
+        final norm on the last stage)."""
+        h = self.stage.embed(x, pos) if self.first else x
+        return self.stage.run_blocks(h, p0, mask, use_cache, need_backward)
+
+    def _stage_backward(self, dloss, dy, pos):
+        """The backward of this rank's stage after its need_backward forward: from the loss
+        (dloss, the last stage) or from dy (B, T, hidden), the next stage's gradient of its
+        output.  Returns the gradient of its input on a stage after the first, else None."""
+        st = self.stage
+        dh = st.blocks_backward(st.head_backward(dloss) if self.last else dy)
+        if not self.first:
+            return dh
+        st.embed_backward(dh, pos)
+        return None
+
     # ------------------------------------------------------------- training
     def train_step(self, tokens: Any, targets: Any, micro_batches: int = 1, schedule: str = "1f1b",
                    attention_mask: Any = None, ignore_index: int = -100) -> float:
@@ -316,7 +337,7 @@ class PipelineLM:
         st = self.stage
         err = None
         try:
-            tokens, _, pos, mask, _ = st._inputs(tokens, None, attention_mask, None, False, True, who)
+            tokens, pos, mask = st.check_inputs(tokens, attention_mask, who)
             targets = int_array(targets, who, "targets")
             if targets.shape != tokens.shape:
                 raise ValueError(f"{who}: targets must have shape {tokens.shape} (the tokens'), got {targets.shape}")
@@ -357,11 +378,10 @@ class PipelineLM:
             held = state["saved"].values()
             stats["peak_inputs"] = max(stats["peak_inputs"], len(held))
             stats["peak_input_bytes"] = max(stats["peak_input_bytes"], sum(v.nbytes for v in held))
-            h = st._stage_forward(x, None, pos[a:b], None if mask is None else mask[a:b], None, False, True)
+            h = self._stage_forward(x, None, pos[a:b], None if mask is None else mask[a:b], False, True)
             state["live"] = m
             if self.last:
-                value = st._stage_loss(h, targets[a:b], ignore)
-                return value
+                return st.head_loss(h, targets[a:b], ignore)
             return h
 
         def bwd(m, dy):
@@ -371,7 +391,8 @@ class PipelineLM:
             if state["live"] != m:  # another micro-batch ran since: re-run this one's forward
                 stats["recomputes"] += 1
                 fwd(m, state["saved"][m])  # (its loss was counted at its first forward)
-            dx = st._stage_backward(dloss=weights[m]) if self.last else st._stage_backward(dh=dy)
+            a, b = cuts[m]
+            dx = self._stage_backward(weights[m] if self.last else None, dy, pos[a:b])
             state["live"] = None
             del state["saved"][m]
             return dx
@@ -403,7 +424,7 @@ class PipelineLM:
             else:
                 self._one_f_one_b(M, fwd, bwd, first_in, out_fwd, shape, state, stats)
         except BaseException:
-            st._ctx = None
+            st.drop_backward()
             raise
         stats["step_s"] = time.perf_counter() - t0
         stats["compute_s"] = stats["step_s"] - stats["wait_s"]
@@ -481,7 +502,7 @@ class PipelineLM:
         st = self.stage
         err = None
         try:
-            tokens, _, pos, mask, _ = st._inputs(tokens, None, attention_mask, None, False, False, who)
+            tokens, pos, mask = st.check_inputs(tokens, attention_mask, who)
         except (TypeError, ValueError) as e:
             err = e
         ok = err is None
@@ -492,10 +513,10 @@ class PipelineLM:
         C, V = self.config.hidden, self.config.vocab_size
         s, stats = self.stage_index, dict(wait_s=0.0, sent_bytes=0)
         x = tokens if self.first else self._recv(s - 1, (B, T, C), stats)
-        h = st._stage_forward(x, None, pos, mask, None, False, False)
+        h = self._stage_forward(x, None, pos, mask, False, False)
         out = np.empty((B, T, V), np.float32)
         if self.last:
-            out = st._gather_logits(st._logits_shard(np.ascontiguousarray(h.reshape(B * T, C)))).reshape(B, T, V)
+            out = st.gather_logits(st.logits_shard(np.ascontiguousarray(h.reshape(B * T, C)))).reshape(B, T, V)
         else:
             self._send(h, s + 1, stats)
         if self.num_stages > 1:
@@ -539,7 +560,7 @@ class PipelineLM:
         st = self.stage
         err, args = None, None
         try:
-            args = st._generate_args(prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
+            args = generate_args(st, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
         except (TypeError, ValueError) as e:
             err = e
         agree_generate(self.mp, args, err)
@@ -564,7 +585,7 @@ class PipelineLM:
         def step(x, p0, T):
             if not self.first:
                 x = self._recv(s - 1, (B, T, C), stats)
-            h = st._stage_forward(x, p0, p0[:, None] + np.arange(T)[None, :], None, None, True, False)
+            h = self._stage_forward(x, p0, p0[:, None] + np.arange(T)[None, :], None, True, False)
             if not self.last:
                 self._send(h, s + 1, stats)
             return h
@@ -576,7 +597,7 @@ class PipelineLM:
             nxt = np.zeros(B, np.int64)
             if self.last:
                 last = np.ascontiguousarray(h[rows])
-                nxt = st._sample(st._gather_logits(st._logits_shard(last)), temperature, top_k, rng)
+                nxt = sample(st.gather_logits(st.logits_shard(last)), temperature, top_k, rng)
             if P > 1:
                 self.pp.broadcast(nxt, root=P - 1)
             if eos_ids:

@@ -39,7 +39,7 @@ from tpcore import _C
 from tpcore.distributed.agree import agree, fingerprint
 from tpcore.utils.args import int_arg, is_int, real_arg, seed_arg, shown
 from tpcore.utils.arrays import int_array
-from tpcore.models.lm import eos_ids_arg
+from tpcore.models.generate import eos_ids_arg, sample
 
 __all__ = ["Engine", "Request"]
 
@@ -289,12 +289,12 @@ class Engine:
     def _next_tokens(self, reqs: List[Request], last) -> np.ndarray:
         """The next id of each request from the hidden states `last` (B, hidden) of its last row."""
         m = self.model
-        logits = m._gather_logits(m._logits_shard(last if m._kdev is not None else np.ascontiguousarray(last)))
+        logits = m.gather_logits(m.logits_shard(last if m._kdev is not None else np.ascontiguousarray(last)))
         if all(r.temperature <= 0 for r in reqs):
             return logits.argmax(-1).astype(np.int64)
         out = np.empty(len(reqs), np.int64)
         for i, r in enumerate(reqs):
-            out[i] = m._sample(logits[i:i + 1], r.temperature, r.top_k, r._rng)[0] if r.temperature > 0 \
+            out[i] = sample(logits[i:i + 1], r.temperature, r.top_k, r._rng)[0] if r.temperature > 0 \
                 else int(logits[i].argmax())
         return out
 

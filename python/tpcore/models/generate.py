@@ -1,0 +1,264 @@
+"""Generation: prompts, sampling, eos handling and the KV-cache decode loop.
+
+    out = model.generate(prompts, max_new_tokens=16)       # TransformerLM.generate calls these
+
+`generate_args` checks `TransformerLM.generate`'s arguments against a model's config (and
+its checkpoint's generation_config), `agree_generate` checks that every rank passed the
+same, `generate_tokens` runs the batched prefill and the decode steps through the model's
+KV cache, `sample` picks the next tokens from full-vocabulary logits (greedy or top-k
+sampling).  `tpcore.PipelineLM` (its stages) and `tpcore.Engine` (its requests) reuse the
+argument checks, the agreement and the sampling.
+
+`TransformerLM` takes its `generate` method from `_GenerationMixin`.  The decode loop
+drives the model through its methods (`_forward` with the KV cache, which leaves the hidden
+states on the model's device, `logits_shard`, `gather_logits`, `cache`); this module does not
+import the model (models.lm imports it).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from tpcore import _C
+from tpcore.distributed.agree import agree
+from tpcore.distributed.comm import Comm
+from tpcore.models.norm import on_device
+from tpcore.utils.args import int_arg, is_int, minmax, real_arg, seed_arg, shown
+from tpcore.utils.arrays import int_array
+
+__all__ = ["generate_args", "generate_tokens", "sample", "agree_generate", "eos_ids_arg", "generate_result",
+           "check_vocab"]
+
+
+class _GenerationMixin:
+    """`TransformerLM.generate`: the arguments checked and agreed, then `generate_tokens`."""
+
+    def generate(self, prompts: Any, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
+                 seed: int = 0, eos_token_id: Any = None, pad_token_id: Optional[int] = None) -> Any:
+        """Batched prefill, then KV-cache decoding (causal models).
+
+        Parameters
+        ----------
+        prompts : array_like of int, shape (B, T), or list of 1-D sequences
+            Prompts of one length, or of their own lengths.
+        max_new_tokens : int, default 16
+            Tokens to generate per prompt, >= 1.
+        temperature : float, default 0.0
+            0: greedy (the same tokens at every world size); > 0: sampling.
+        top_k : int, optional
+            Sample only from the k largest logits (None or 0: from all).
+        seed : int, default 0
+            The sampling stream, an integer in [0, 2**64).
+        eos_token_id : int or list of int, optional
+            A sequence that emits it is finished (default None: the checkpoint's
+            generation_config.json, as in Hugging Face; -1: never stop).
+        pad_token_id : int, optional
+            Fills a finished sequence's rest (default None: generation_config's, else the
+            first eos id, else 0).
+
+        Returns
+        -------
+        numpy.ndarray or list of numpy.ndarray
+            (B, T + max_new_tokens) int64 when the prompts have one length, else a list of
+            1-D arrays (prompt + generated).
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad argument, an encoder model, a sequence past max_positions, or ranks that
+            passed different arguments (ValueError on every rank).
+
+        Notes
+        -----
+        Collective: one small all-gather at entry checks the arguments agree; per step,
+        `forward`'s collectives and an all-gather of the logits.
+        """
+        err = None
+        try:
+            args = generate_args(self, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
+        except (TypeError, ValueError) as e:
+            err = e
+        agree_generate(self.comm, args if err is None else None, err)
+        return generate_tokens(self, *args)
+
+
+
+def generate_args(model, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id):
+    """`TransformerLM.generate`'s arguments checked against model's config: (prompts as 1-D
+    int64 arrays, max_new_tokens, temperature, top_k (0: none), seed, eos ids in the
+    vocabulary, pad id)."""
+    cfg, who = model.config, "generate"
+    if not cfg.causal:
+        raise ValueError("generate: needs a causal (decoder) model")
+    max_new = int_arg(max_new_tokens, who, "max_new_tokens", lo=0, hi=2 ** 31 - 1)
+    temp = real_arg(temperature, who, "temperature", lo=0)
+    if top_k is None:
+        top_k = 0
+    else:
+        top_k = int_arg(top_k, who, "top_k", lo=0, hi=cfg.vocab_size,
+                        expected=f"an integer in [1, vocab_size={cfg.vocab_size}] (or None or 0: no top-k "
+                                 f"filtering)")
+    seed = seed_arg(seed, who)
+    seqs = _prompts(prompts, who)
+    for b, q in enumerate(seqs):
+        check_vocab(q, cfg.vocab_size, who, f"prompt {b}")
+    gen = getattr(model, "generation_config", {}) or {}
+    if eos_token_id is None:
+        eos_token_id = gen.get("eos_token_id")
+    eos_ids = eos_ids_arg(eos_token_id, cfg.vocab_size, who)
+    if pad_token_id is None:
+        pad_token_id = gen.get("pad_token_id")
+        if pad_token_id is None:
+            pad_token_id = eos_ids[0] if eos_ids else 0
+    if isinstance(pad_token_id, (list, tuple)) and len(pad_token_id) == 1:
+        pad_token_id = pad_token_id[0]
+    pad = int_arg(pad_token_id, who, "pad_token_id")
+    if eos_ids and not 0 <= pad < cfg.vocab_size:  # a finished sequence is fed pad tokens
+        raise ValueError(f"generate: pad_token_id must be in [0, vocab_size={cfg.vocab_size}), got {pad}")
+    longest = max(q.size for q in seqs)
+    if cfg.positions == "learned" and longest + max_new > cfg.max_positions:
+        raise ValueError(f"generate: {longest + max_new} tokens (the longest prompt, {longest}, plus "
+                         f"max_new_tokens={max_new}) exceed max_positions ({cfg.max_positions})")
+    return seqs, max_new, temp, top_k, seed, eos_ids, pad
+
+
+def generate_tokens(model, seqs, max_new_tokens, temperature, top_k, seed, eos_ids, pad_token_id):
+    """The prefill of every prompt and max_new_tokens decode steps through model's KV cache,
+    the arguments as `generate_args` gives them (and agreed): the prompts extended, as
+    `generate_result` returns them."""
+    B, lens = len(seqs), np.array([s.size for s in seqs], np.int64)
+    total = int(lens.max()) + max_new_tokens
+    model.cache(B, total)
+    padded = np.zeros((B, int(lens.max())), np.int64)
+    for b, s in enumerate(seqs):
+        padded[b, :s.size] = s
+    rng = np.random.default_rng(seed)
+    out = [list(s) for s in seqs]
+    if max_new_tokens == 0:
+        return generate_result(out)
+    h = model._forward(padded, pos0=np.zeros(B, np.int64), use_cache=True, _agreed=True)  # right padding: causal
+    hook = model._on_token  # the benchmarks' clock: -1 after the prefill, then each step's index
+    if hook is not None:
+        hook(-1)
+    if model._kdev is not None:  # each sequence's last row, gathered where h lives (an embedding lookup)
+        Tp, C = padded.shape[1], model.config.hidden
+        rows = on_device(np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64), model._kdev)
+        last = _C.d_embedding_forward(rows, model._dev(h, (B * Tp, C)))
+    else:
+        last = h[np.arange(B), lens - 1]                                                  # (B, C)
+    cur = lens.copy()
+    done = np.zeros(B, bool)
+    for step in range(max_new_tokens):
+        logits = model.gather_logits(model.logits_shard(last if model._kdev is not None
+                                                        else np.ascontiguousarray(last)))  # (B, V), every rank
+        nxt = sample(logits, temperature, top_k, rng)
+        if eos_ids:
+            nxt = np.where(done, pad_token_id, nxt)
+            done |= np.isin(nxt, eos_ids)
+        for b in range(B):
+            out[b].append(int(nxt[b]))
+        if hook is not None:
+            hook(step)
+        if step == max_new_tokens - 1 or (eos_ids and done.all()):
+            break
+        h = model._forward(nxt.reshape(B, 1), pos0=cur, use_cache=True, _agreed=True)
+        last = model._dev(h, (B, model.config.hidden)) if model._kdev is not None else h[:, 0]
+        cur = cur + 1
+    return generate_result(out)
+
+
+def sample(logits, temperature, top_k, rng):
+    """The next token of each row of logits (n, vocab): the argmax at temperature 0, else drawn
+    from the softmax of logits / temperature (of the top_k largest when top_k) with rng."""
+    if temperature <= 0:
+        return logits.argmax(-1).astype(np.int64)
+    z = logits.astype(np.float64) / temperature
+    if top_k:
+        kth = np.sort(z, -1)[:, -int(top_k)][:, None]
+        z = np.where(z >= kth, z, -np.inf)
+    z -= z.max(-1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(-1, keepdims=True)
+    u = rng.random(len(p))[:, None]
+    return np.minimum((np.cumsum(p, -1) < u).sum(-1), p.shape[-1] - 1).astype(np.int64)
+
+
+def agree_generate(comm: Comm, args, err) -> None:
+    """generate's arguments (generate_args's tuple; None with err, this rank's refusal) checked
+    to be the same on every rank of comm; raises on every rank if not (or err here)."""
+    if comm.size == 1:
+        if err is not None:
+            raise err
+        return
+    ok = err is None
+    seqs, max_new, temp, top_k, seed, eos_ids, pad = args if ok else (None,) * 7
+    signed = (lambda v: v - 2 ** 64 if v >= 2 ** 63 else v)
+    agree(comm, "generate", [
+        ("the prompts differ", tuple(seqs) if ok else (), None),
+        ("max_new_tokens differs", max_new if ok else 0, str),
+        ("temperature differs", (temp,) if ok else (), None),
+        ("top_k differs", top_k if ok else 0, lambda v: "None" if v == 0 else str(v)),
+        ("seed differs", signed(seed) if ok else 0, lambda v: str(v % 2 ** 64)),
+        ("eos_token_id differs", (np.array(eos_ids, np.int64),) if ok else (), None),
+        ("pad_token_id differs", pad if ok else 0, str)], err)
+
+
+def _prompts(prompts, who: str) -> list:
+    """generate's prompts as a list of non-empty 1-D int64 arrays: a (B, T) integer array, one
+    flat sequence of ids, or a list of sequences of their own lengths."""
+    want = "a (B, T) integer array, one sequence of token ids, or a list of such sequences"
+    if isinstance(prompts, (str, bytes)) or prompts is None or is_int(prompts) or \
+            not (isinstance(prompts, np.ndarray) or hasattr(prompts, "__len__") or hasattr(prompts, "__dlpack__")):
+        raise TypeError(f"{who}: prompts must be {want}, got {shown(prompts)}")
+    if not isinstance(prompts, (list, tuple)):
+        a = int_array(prompts, who, "prompts")
+        if a.ndim not in (1, 2):
+            raise ValueError(f"{who}: prompts must be {want}, got an array of shape {a.shape}")
+        batch = list(a) if a.ndim == 2 else [a]
+    elif len(prompts) and all(is_int(t) for t in prompts):
+        batch = [prompts]  # one flat prompt
+    else:
+        batch = list(prompts)
+    seqs = []
+    for b, p in enumerate(batch):
+        q = int_array(p, who, f"prompt {b}")
+        if q.ndim != 1:
+            raise ValueError(f"{who}: prompts must be {want}; prompt {b} has shape {q.shape}")
+        seqs.append(q)
+    if not seqs or any(q.size == 0 for q in seqs):
+        raise ValueError(f"{who}: every prompt needs at least one token (got {len(seqs)} prompts of lengths "
+                         f"{[q.size for q in seqs]})")
+    return seqs
+
+
+def eos_ids_arg(eos_token_id, vocab_size: int, who: str) -> list:
+    """eos_token_id (None, one id, or several: Llama 3 Instruct stops on any of three) as the list
+    of ids that can be emitted: ids outside the vocabulary (e.g. GPT-2's 50256 in a small test
+    model, or -1: never stop) never are."""
+    if eos_token_id is None:
+        eos = []
+    elif isinstance(eos_token_id, np.ndarray):
+        eos = list(eos_token_id.reshape(-1))
+    else:
+        eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    if not all(is_int(e) for e in eos):
+        raise TypeError(f"{who}: eos_token_id must be an integer, a list of integers or None, got "
+                        f"{shown(eos_token_id)}")
+    return [int(e) for e in eos if 0 <= int(e) < vocab_size]
+
+
+def generate_result(out):
+    """The generated sequences (lists of ids) as generate returns them: one (B, T) int64 array
+    when they have one length, else a list of 1-D arrays."""
+    res = [np.array(o, np.int64) for o in out]
+    return np.stack(res) if len(set(r.size for r in res)) == 1 else res
+
+
+def check_vocab(t: np.ndarray, n: int, who: str, name: str, what: str = "vocab_size") -> None:
+    """Every id of t in [0, n), or a ValueError naming the first one outside."""
+    lo, hi = minmax(t) if t.size else (0, 0)
+    if lo < 0 or hi >= n:
+        at = tuple(int(i) for i in np.argwhere((t < 0) | (t >= n))[0])
+        raise ValueError(f"{who}: {name} holds {int(t[at])} at index {at if len(at) != 1 else at[0]}, out of range "
+                         f"[0, {what}={n})")

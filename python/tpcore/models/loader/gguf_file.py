@@ -1,0 +1,48 @@
+"""GGUF files (llama.cpp's format): the config from the metadata, quantized weights kept.
+
+models.gguf reads the file (the `gguf` package for the metadata, pread for the tensor
+data); this loader makes the model and loads each rank's rows, the raw blocks copied where
+the model keeps the file's formats.
+"""
+from __future__ import annotations
+
+import gc
+
+from tpcore.io import stream as _stream
+from tpcore.models.gguf import GGUFModel
+from tpcore.models.loader.base import ModelLoader
+from tpcore.models.memory import MODEL_PARTS
+from tpcore.utils.dtypes import is_quantized, weight_formats
+
+__all__ = ["GGUFLoader"]
+
+
+class GGUFLoader(ModelLoader):
+    """A .gguf file (`tpcore.models.from_gguf`)."""
+
+    name = "GGUF"
+
+    def load(self, path, comm, partition=None, progress=True, device=None, dtype=None, staging=None):
+        g = GGUFModel(path, "from_gguf")
+        # the reader's metadata (its Python objects for every token, the pages it touched of the
+        # map) goes before the model is allocated: the tensors are read from the file with pread
+        g.reader = None
+        gc.collect()
+        if dtype is None or (isinstance(dtype, str) and dtype == "gguf"):
+            dtype = g.model_dtypes()
+        elif dtype is not None:
+            weight_formats(dtype, "from_gguf", MODEL_PARTS)  # refused here, naming from_gguf
+        model = self.build(g.config, comm, partition, device, dtype)
+        # the parts stored quantized get the file's raw rows (copied as they are when the formats
+        # match, requantized otherwise); the others dequantized rows
+        with _stream.loading(_stream.staging_arg(None, "from_gguf") if staging is None else staging):
+            model.load_state_dict_full(g.state_dict([k for k, v in model.dtypes.items() if is_quantized(v)]),
+                                       progress=progress)
+        info = g.tokenizer_info
+        model.generation_config = {k: info[f] for k, f in (("eos_token_id", "eos_token_id"),
+                                                            ("pad_token_id", "padding_token_id"))
+                                   if info[f] is not None}
+        model.gguf_tokenizer_info = info
+        del g
+        return model
+
