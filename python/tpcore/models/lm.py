@@ -23,7 +23,7 @@ from tpcore.distributed.agree import agreed
 from tpcore.distributed.comm import Comm
 from tpcore.models.generate import _GenerationMixin, check_vocab
 from tpcore.models.memory import MODEL_PARTS, _aligned_heads, model_memory
-from tpcore.models.norm import _Norm, on_device
+from tpcore.models.norm import _Norm, _normal, on_device
 from tpcore.models.state import _CheckpointMixin
 from tpcore.nn.common import zero
 from tpcore.nn.config import Config, head_partition
@@ -166,8 +166,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         # position / type embeddings and the norms outside the blocks: replicated, float32; on a GPU
         # they live there (DeviceArrays) and run the d_ kernels
         learned = cfg.positions == "learned" and first
-        wpe = np.random.default_rng([seed, 1]).standard_normal((cfg.max_positions, C)) * 0.02
-        self.wpe = on_device(wpe.astype(np.float32), self._kdev) if learned else None
+        self.wpe = on_device(_normal(seed, 1, (cfg.max_positions, C), 0.02), self._kdev) if learned else None
         self.tte = on_device(_normal(seed, 2, (cfg.type_vocab_size, C), 0.02), self._kdev) \
             if cfg.type_vocab_size and first else None
         self.wpe_grad = self.tte_grad = None  # gradients on demand (_alloc_grads): none for inference

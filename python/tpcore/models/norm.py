@@ -15,6 +15,11 @@ from tpcore.utils.arrays import DeviceArray, asarray_device
 __all__ = ["on_device"]
 
 
+def _normal(seed: int, tag: int, shape, std: float) -> np.ndarray:
+    """Random float32 N(0, std) weights, the same for a (seed, tag) at any world size."""
+    return (np.random.default_rng([seed, tag]).standard_normal(shape) * std).astype(np.float32)
+
+
 def on_device(a, dev):
     """A host array as a DeviceArray on dev (a device string), or a plain NumPy array (dev None)."""
     return a if dev is None else asarray_device(a, device=dev)
