@@ -1,4 +1,4 @@
-"""Careless calls get clear errors (issue 8, items 11 and 12): each bad argument raises
+"""Careless calls get clear errors: each bad argument raises
 TypeError (wrong kind) or ValueError (bad value) naming the argument, what was expected and
 what came; bool never passes as an int; arguments that differ across ranks (generate's
 prompts and settings, pos0) make every rank raise a ValueError, and the communicator keeps

@@ -1,9 +1,9 @@
 """The Python boundary of every layer, block and model at the edges of its sizes and
-positions (issue 8).
+positions.
 
-First, one regression test per item of issue 8 (a KV cache whose size wrapped to 0,
+First, one case for each edge that once broke (a KV cache whose size wrapped to 0,
 pos0 + T wrapping past the cache, a message read from a freed linear layer, NULL
-given to memcpy for an empty batch) and for the argument messages of item 11.
+given to memcpy for an empty batch) and for the argument messages.
 
 Then hypothesis properties, run inside every rank of world 1 and 2: sizes drawn at
 and around 0, 1, 2**31, 2**32, 2**63, negative ones and non-integers; positions at
@@ -111,7 +111,7 @@ def ceil_div(a, b):
 
 
 def _regressions(comm):
-    """Issue 8, items 1-4 and 11: each case (call, exception type, words its message must hold)."""
+    """Each case: (call, exception type, words its message must hold)."""
     cfg = tpcore.Config(vocab_size=16, hidden=8, layers=1, heads=2 * comm.size, head_dim=2, ffn_hidden=12,
                         positions="rope", max_positions=32)
     blk = tpcore.TransformerBlock(cfg, comm, seed=1)

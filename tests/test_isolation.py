@@ -1,5 +1,5 @@
 """Jobs kept apart from each other and from other users, and nothing left in
-/dev/shm when a whole job is killed (issue 8, items 5-8).
+/dev/shm when a whole job is killed.
 
 Jobs here are real processes started the way users start them: torchrun-style
 variables set by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, no

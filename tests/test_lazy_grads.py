@@ -1,4 +1,4 @@
-"""Gradients on demand (issue 15): a layer or model made for inference holds no gradient
+"""Gradients on demand: a layer or model made for inference holds no gradient
 buffers (its C layer reports none, and building a float32 layer costs its weight bytes of
 resident memory, not twice); the first backward allocates them and fills them with the
 float64 reference's values; parameters() / zero_grad() / grad_weight before any backward
@@ -141,7 +141,7 @@ def _rss_case(comm):
                     reason="resident memory under ASan is the sanitizer's (shadow memory, quarantine)")
 def test_resident_memory_of_an_inference_layer_is_its_weights():
     wbytes, built, used, grads, zero_ok = run_fresh("test_lazy_grads", "_rss_case", 1)[0]
-    # before issue 15 the weight's gradient was allocated and zeroed with it: 2x the weight bytes
+    # a gradient allocated (and zeroed) with the weight would make this 2x the weight bytes
     assert 0.9 * wbytes <= built <= 1.25 * wbytes, (wbytes, built)
     assert used <= 1.35 * wbytes, (wbytes, used)  # a forward adds its small workspaces, no gradients
     assert 0.9 * wbytes <= grads <= 1.25 * wbytes, (wbytes, grads)

@@ -1,4 +1,4 @@
-"""memory() of every layer kind and of TransformerLM (issue 15): each count against a size
+"""memory() of every layer kind and of TransformerLM: each count against a size
 computed here from the config and the arrays the layer exposes (weight.nbytes, ...), at
 world sizes 1-3: params, grads (before and after they exist), workspace (grown by a
 forward with more rows, kept for fewer), the KV cache and the part of it written by a

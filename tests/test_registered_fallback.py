@@ -1,4 +1,4 @@
-"""Layers on a backend without registered memory (issue 9): with
+"""Layers on a backend without registered memory: with
 TPCORE_REGISTERED_MEMORY=0 the communicator declines tp_comm_mem_alloc
 (TP_ERR_UNSUPPORTED) and every layer must fall back to plain device memory for
 its collective buffers and give the same results: the linear layers, the MLP,

@@ -1,4 +1,4 @@
-"""Cases an independent review found broken (each of these failed before its fix):
+"""Communicator edge cases, each of which once broke:
 a registered-root broadcast to ranks that no longer hold the allocation,
 partially overlapping x/out, per-rank disagreement on uneven counts, path
 settings that differ between ranks, close() from another thread during a call,
@@ -203,7 +203,7 @@ def test_spawn_forkserver_and_spawn_methods():
     assert tpcore.spawn(_rank, 2, start_method="spawn", deadline=120) == [0, 1]
 
 
-# ---- issue 8 review: an error on one rank only must never leave the others waiting
+# ---- an error on one rank only must never leave the others waiting
 
 def _gen_one_rank_huge(comm):
     cfg = tpcore.Config(vocab_size=23, hidden=8, layers=1, heads=2, max_positions=16)
