@@ -283,10 +283,11 @@ def test_loosened_segment_is_refused():
 
 ATTACKER = r'''
 import os, re, sys, time
-job, end = sys.argv[1], time.monotonic() + float(sys.argv[2])
+job, end, stop = sys.argv[1], time.monotonic() + float(sys.argv[2]), sys.argv[3]
 made = set()
 pat = re.compile(r"^(tpcore_" + re.escape(job) + r"_.*_m)(\d+)$")
-while time.monotonic() < end:
+print("WATCHING", flush=True)
+while time.monotonic() < end and not os.path.exists(stop):
     for name in os.listdir("/dev/shm"):
         if not name.startswith("tpcore_" + job + "_"):
             continue
@@ -302,27 +303,61 @@ while time.monotonic() < end:
                 except OSError:
                     pass
     time.sleep(0.0005)
-print(len(made))
+print("MADE", len(made), flush=True)
+'''
+
+# What the attacker needs as the other user: this interpreter, the modules it imports (the
+# interpreter's own files must be readable by that user: not the case for one installed in
+# a home directory of mode 0700, such as a pyenv under /root), and /dev/shm to list and
+# create names in.
+ATTACKER_PROBE = r'''
+import os, re, sys, time
+os.listdir("/dev/shm")
+name = "/dev/shm/tpcore-probe-%d-%d" % (os.getpid(), time.monotonic_ns())
+os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+os.unlink(name)
+print("PROBE OK")
 '''
 
 
+def _nobody_cannot_attack():
+    # why another user cannot run the attacker here (None: it can)
+    pre = f"import os\nos.setgroups([])\nos.setgid({NOBODY})\nos.setuid({NOBODY})\n"
+    r = subprocess.run([sys.executable, "-I", "-c", pre + ATTACKER_PROBE], capture_output=True, text=True,
+                       timeout=30)
+    if r.returncode == 0 and "PROBE OK" in r.stdout:
+        return None
+    last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+    return f"uid {NOBODY} cannot run {sys.executable} with the modules the attacker imports, or use /dev/shm: {last}"
+
+
 @needs_root
-def test_another_user_watching_dev_shm_cannot_take_registered_memory_names():
+def test_another_user_watching_dev_shm_cannot_take_registered_memory_names(tmp_path):
     """Another user lists /dev/shm while a job allocates registered memory and
     creates every name it could guess from what it sees; the job goes on."""
+    why = _nobody_cannot_attack()
+    if why:
+        pytest.skip(why)
     job = f"iso{os.getpid()}z{random.randrange(1 << 30)}"
+    stop = f"/tmp/tpcore-stop-{os.getpid()}-{random.randrange(1 << 30)}"  # /tmp: the other user can see it
     pre = f"import os\nos.setgroups([])\nos.setgid({NOBODY})\nos.setuid({NOBODY})\n"
-    attacker = subprocess.Popen([sys.executable, "-I", "-c", pre + ATTACKER, job, "20"], stdout=subprocess.PIPE,
-                                text=True)
+    attacker = subprocess.Popen([sys.executable, "-I", "-c", pre + ATTACKER, job, "60", stop],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.3)
+        assert attacker.stdout.readline().strip() == "WATCHING", attacker.communicate(timeout=30)
         procs = [_start(RANK=r, WORLD_SIZE=3, TPCORE_JOB_ID=job, T_VALUE=r, T_ALLOCS=25) for r in range(3)]
         for p in procs:
             rc, out = _finish(p)
             assert rc == 0 and "SUM 3.0" in out, out
+        open(stop, "w").close()
+        out, err = attacker.communicate(timeout=30)
+        assert attacker.returncode == 0 and out.startswith("MADE"), (attacker.returncode, out, err)
     finally:
-        attacker.kill()
-        attacker.wait()
+        if attacker.poll() is None:
+            attacker.kill()
+            attacker.wait()
+        if os.path.exists(stop):
+            os.unlink(stop)
         squat = [os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if n.startswith(f"tpcore_{job}_")]
     assert squat, "the attacker saw no name: the test did not test anything"
     assert _cleanup.remove_shm(job) == []  # the squatter's files are not ours: untouched, no error
