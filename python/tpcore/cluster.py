@@ -513,7 +513,7 @@ class Cluster:
         self._why_closed = ""
         self._busy = threading.Lock()
         self._backend = None
-        self._base = "cl" + secrets.token_hex(8)
+        self._base = _cleanup.new_job_id("cl")
         h = self._h = _Ranks()
         self._finalizer = weakref.finalize(self, h.close, False, 1.0)
         self._finalizer.atexit = False  # _close_all does it, before multiprocessing's handler
