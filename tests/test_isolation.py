@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from conftest import JOB_PREFIX
 from tpcore import _cleanup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,8 +55,9 @@ def _port():
 
 
 def _env(**kw):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TPCORE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_", "SLURM_"))}
+    env = {k: v for k, v in os.environ.items()  # TPCORE_JOB_PREFIX kept: this session's jobs (conftest)
+           if k == "TPCORE_JOB_PREFIX"
+           or not k.startswith(("TPCORE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_", "SLURM_"))}
     env.update({k: str(v) for k, v in kw.items()})
     return env
 
@@ -182,7 +184,7 @@ print("OK", flush=True)
 
 @pytest.mark.parametrize("slow", [0, 1])
 def test_close_and_init_again_with_the_same_id(slow):
-    job = f"iso{os.getpid()}r{slow}{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}r{slow}{random.randrange(1 << 30)}"
     procs = [subprocess.Popen([sys.executable, "-c", REINIT], env=_env(RANK=r, WORLD_SIZE=2, TPCORE_JOB_ID=job,
                                                                           T_SLOW=slow),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -193,7 +195,7 @@ def test_close_and_init_again_with_the_same_id(slow):
 
 
 def test_single_rank_jobs_may_share_an_id():
-    job = f"iso{os.getpid()}s{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}s{random.randrange(1 << 30)}"
     hold = f"/tmp/tpcore-hold-{os.getpid()}-{_port()}"
     try:
         procs = [_start(TPCORE_JOB_ID=job, T_VALUE=5, T_HOLD=hold) for _ in range(3)]
@@ -221,7 +223,7 @@ time.sleep(60)
 
 
 def test_a_forked_child_does_not_keep_a_dead_job_alive():
-    job = f"iso{os.getpid()}f{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}f{random.randrange(1 << 30)}"
     procs = [subprocess.Popen([sys.executable, "-c", FORKS], env=_env(RANK=r, WORLD_SIZE=2, TPCORE_JOB_ID=job),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                               start_new_session=True)
@@ -249,7 +251,7 @@ def test_a_forked_child_does_not_keep_a_dead_job_alive():
 
 @needs_root
 def test_segment_of_another_user_is_never_joined():
-    job = f"iso{os.getpid()}x{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}x{random.randrange(1 << 30)}"
     path = _world_segment(job)
     _as_nobody(f"fd = os.open({path!r}, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o666)\n"
                f"os.fchmod(fd, 0o666)\nos.write(fd, b'\\0' * 65536)\nos.close(fd)\n")
@@ -264,7 +266,7 @@ def test_segment_of_another_user_is_never_joined():
 
 
 def test_loosened_segment_is_refused():
-    job = f"iso{os.getpid()}y{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}y{random.randrange(1 << 30)}"
     path = _world_segment(job)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.fchmod(fd, 0o644)
@@ -338,7 +340,7 @@ def test_another_user_watching_dev_shm_cannot_take_registered_memory_names(tmp_p
     why = _nobody_cannot_attack()
     if why:
         pytest.skip(why)
-    job = f"iso{os.getpid()}z{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}z{random.randrange(1 << 30)}"
     stop = f"/tmp/tpcore-stop-{os.getpid()}-{random.randrange(1 << 30)}"  # /tmp: the other user can see it
     pre = f"import os\nos.setgroups([])\nos.setgid({NOBODY})\nos.setuid({NOBODY})\n"
     attacker = subprocess.Popen([sys.executable, "-I", "-c", pre + ATTACKER, job, "60", stop],
@@ -381,7 +383,9 @@ c.close()
 
 
 def _ours_new(before):
-    return sorted(set(_cleanup.shm_segments()) - before)
+    # this session's names only (conftest.JOB_PREFIX): other jobs of this user may run beside the tests
+    ours = {p for p in _cleanup.shm_segments() if os.path.basename(p).startswith(f"tpcore_{JOB_PREFIX}")}
+    return sorted(ours - before)
 
 
 def test_launcher_group_killed_leaves_nothing(tmp_path):
@@ -390,7 +394,7 @@ def test_launcher_group_killed_leaves_nothing(tmp_path):
     rng = random.Random(8)
     left = []
     for _ in range(8):
-        before = set(_cleanup.shm_segments())
+        before = set(_ours_new(set()))
         p = subprocess.Popen([sys.executable, "-m", "tpcore.launch", "-n", "3", str(script)],
                              cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
@@ -405,7 +409,7 @@ def test_launcher_group_killed_leaves_nothing(tmp_path):
 
 
 def test_killed_torchrun_style_job_is_swept_by_cleanup_and_next_start():
-    job = f"iso{os.getpid()}k{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}k{random.randrange(1 << 30)}"
     hold = f"/tmp/tpcore-hold-{os.getpid()}-{_port()}"
     procs = [_start(RANK=r, WORLD_SIZE=2, TPCORE_JOB_ID=job, T_VALUE=r, T_HOLD=hold) for r in range(2)]
     for p in procs:
