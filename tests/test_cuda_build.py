@@ -328,6 +328,7 @@ def test_device_table_selftest_on_the_cpu(n):
         _C._device_selftest(0, 0, 65)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not tpcore.cuda_available(), reason="no CUDA GPU in this process: "
                     + tpcore.build_info()["cuda"]["status"])
 @pytest.mark.parametrize("n", [64, (1 << 20) + 64])

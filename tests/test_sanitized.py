@@ -23,8 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TESTS = ["test_boundaries.py", "test_errors.py", "test_review_regressions.py",
                  "test_bad_arguments.py", "test_quant_kernels.py", "test_quant_review.py"]
 
-pytestmark = pytest.mark.skipif(os.environ.get("TPCORE_UNDER_SANITIZER") == "1",
-                                reason="already running under the sanitizers")
+# slow: the files it runs under the sanitizers run plain in every run
+pytestmark = [pytest.mark.sanitized, pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("TPCORE_UNDER_SANITIZER") == "1",
+                                 reason="already running under the sanitizers")]
 
 
 def _runtime(name):
