@@ -48,6 +48,14 @@ def run_fresh(module: str, fn: str, n: int, args: tuple = (), timeout: float = 3
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="session")
+def c_builds(tmp_path_factory):
+    """Where this session's make builds of the C test binaries go (c_binaries.build): one
+    build directory per configuration, shared by the tests of test_c_core, test_kernels and
+    test_api_hostile, so that the core is compiled once per configuration per run."""
+    return tmp_path_factory.mktemp("c-builds")
+
+
 def leftover_segments():
     """This session's tpcore names in /dev/shm (its world, memory and nccl segments)."""
     return sorted(glob.glob(f"/dev/shm/tpcore_{JOB_PREFIX}*") + glob.glob(f"/dev/shm/tpcore_nccl_{JOB_PREFIX}*"))
