@@ -1,5 +1,9 @@
 """Build C test binaries of the core with make (plain, or under ASan + UBSan) and run them
-without Python in the loop: the one helper of test_c_core, test_kernels and test_api_hostile."""
+without Python in the loop: the one helper of test_c_core, test_kernels and test_api_hostile.
+
+The builds of a test session share one build directory per configuration (the c_builds
+fixture of conftest): the core is compiled once per configuration, and each test makes only
+its own binary on top (make rebuilds whatever its sources or headers changed)."""
 import os
 import pathlib
 import shutil
@@ -10,12 +14,14 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def build(tmp_path, sanitize, *targets):
-    """make the targets in a build directory of their own under tmp_path; returns that directory."""
+def build(builds, sanitize, *targets):
+    """make the targets in the build directory of the configuration under builds (the session's
+    c_builds); returns that directory."""
     if shutil.which("make") is None or shutil.which("cc") is None:
         pytest.skip("make or a C compiler is missing")
-    out = tmp_path / ("san" if sanitize else "plain")
-    args = ["make", "-s", "-C", str(ROOT), f"BUILD={out}", *(f"{out}/{t}" for t in targets)]
+    out = builds / ("san" if sanitize else "plain")
+    args = ["make", "-s", f"-j{min(2, os.cpu_count() or 1)}", "-C", str(ROOT), f"BUILD={out}",
+            *(f"{out}/{t}" for t in targets)]
     if sanitize:
         args.insert(1, "SANITIZE=1")
     r = subprocess.run(args, capture_output=True, text=True, timeout=900)

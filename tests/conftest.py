@@ -1,17 +1,26 @@
 """Shared helpers for the tests.
 
 Every multi-rank test runs through tpcore.spawn with a deadline, so a hang
-fails that test instead of the CI job.  After every test, no tpcore segment may
-remain in /dev/shm and no child process may remain alive."""
+fails that test instead of the CI job.  After every test, no tpcore segment of
+this test session's jobs may remain in /dev/shm and no child process may remain
+alive.  Other jobs of this user may run beside the tests (another test session,
+a benchmark): their names are not judged.  This session's are told apart by
+TPCORE_JOB_PREFIX, set here for this process and everything it starts, which
+every job id tpcore makes up begins with; a test that sets TPCORE_JOB_ID by hand
+starts it with JOB_PREFIX too."""
 import glob
 import multiprocessing
 import os
+import secrets
 import time
 
 import numpy as np
 import pytest
 
 import tpcore
+
+# this session's jobs: "tpcore_<JOB_PREFIX>..." in /dev/shm (an outer harness's prefix is replaced)
+JOB_PREFIX = os.environ["TPCORE_JOB_PREFIX"] = f"pt{secrets.token_hex(4)}-"
 
 WORLDS = [1, 2, 3, 4]
 DEADLINE = float(os.environ.get("TPCORE_TEST_DEADLINE", "120"))
@@ -39,8 +48,17 @@ def run_fresh(module: str, fn: str, n: int, args: tuple = (), timeout: float = 3
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="session")
+def c_builds(tmp_path_factory):
+    """Where this session's make builds of the C test binaries go (c_binaries.build): one
+    build directory per configuration, shared by the tests of test_c_core, test_kernels and
+    test_api_hostile, so that the core is compiled once per configuration per run."""
+    return tmp_path_factory.mktemp("c-builds")
+
+
 def leftover_segments():
-    return sorted(glob.glob("/dev/shm/tpcore_*"))
+    """This session's tpcore names in /dev/shm (its world, memory and nccl segments)."""
+    return sorted(glob.glob(f"/dev/shm/tpcore_{JOB_PREFIX}*") + glob.glob(f"/dev/shm/tpcore_nccl_{JOB_PREFIX}*"))
 
 
 def _mapped_by_live_process(path):
@@ -61,7 +79,7 @@ def no_leaks():
     before = set(leftover_segments())
     yield
     after = set(leftover_segments()) - before
-    if after:  # a concurrent job's segment lives for milliseconds: look again, and ignore ones in use
+    if after:  # a segment lives a moment after its job: look again, and ignore ones in use
         time.sleep(1.0)
         after = {p for p in set(leftover_segments()) - before if not _mapped_by_live_process(p)}
     assert not after, f"shared-memory segments left behind: {sorted(after)}"

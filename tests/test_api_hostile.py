@@ -9,11 +9,13 @@ grow and shrink.  Each call must fail with a sentence naming the operation and t
 argument (zero-size calls succeed), and nothing may crash or trip a sanitizer."""
 import re
 
+import pytest
+
 from c_binaries import build, run
 
 
-def build_and_run(tmp_path, sanitize):
-    return run(build(tmp_path, sanitize, "test_api_hostile") / "test_api_hostile")
+def build_and_run(c_builds, sanitize):
+    return run(build(c_builds, sanitize, "test_api_hostile") / "test_api_hostile")
 
 
 def check_output(r):
@@ -27,9 +29,11 @@ def check_output(r):
     assert m and int(m.group(1)) >= 2000, out
 
 
-def test_api_hostile(tmp_path):
-    check_output(build_and_run(tmp_path, sanitize=False))
+def test_api_hostile(c_builds):
+    check_output(build_and_run(c_builds, sanitize=False))
 
 
-def test_api_hostile_under_asan_ubsan(tmp_path):
-    check_output(build_and_run(tmp_path, sanitize=True))
+@pytest.mark.sanitized
+@pytest.mark.slow  # test_api_hostile runs the same binary plain
+def test_api_hostile_under_asan_ubsan(c_builds):
+    check_output(build_and_run(c_builds, sanitize=True))

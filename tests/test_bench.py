@@ -30,6 +30,7 @@ def test_collectives_benchmark_quick(tmp_path):
     assert data["memcpy"], "the memcpy reference line is missing"
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpirun") is None or _C.Comm.probe("mpi") is not None,
                     reason=f"mpirun or the mpi backend is missing: {_C.Comm.probe('mpi')}")
 def test_collectives_benchmark_shm_vs_mpi(tmp_path):

@@ -6,11 +6,13 @@ block (forward, backward, KV cache; equal at every world size) at world sizes
 the layering rule: only csrc/python includes Python.h or NumPy headers."""
 import re
 
+import pytest
+
 from c_binaries import ROOT, build, run
 
 
-def build_and_run(tmp_path, sanitize):
-    b = build(tmp_path, sanitize, "test_comm", "test_layers", "test_layer_memory")
+def build_and_run(c_builds, sanitize):
+    b = build(c_builds, sanitize, "test_comm", "test_layers", "test_layer_memory")
     out = ""
     for exe in ("test_comm", "test_layers", "test_layer_memory"):
         r = run(b / exe, timeout=600)
@@ -29,12 +31,14 @@ def check_counts(out):
     assert counts[0][0] >= 32 and counts[1][0] >= 21 and counts[2][0] >= 5, counts
 
 
-def test_c_core(tmp_path):
-    check_counts(build_and_run(tmp_path, sanitize=False))
+def test_c_core(c_builds):
+    check_counts(build_and_run(c_builds, sanitize=False))
 
 
-def test_c_core_under_asan_ubsan(tmp_path):
-    check_counts(build_and_run(tmp_path, sanitize=True))
+@pytest.mark.sanitized
+@pytest.mark.slow  # test_c_core runs the same binary plain
+def test_c_core_under_asan_ubsan(c_builds):
+    check_counts(build_and_run(c_builds, sanitize=True))
 
 
 def test_python_headers_only_in_the_extension():

@@ -395,23 +395,62 @@ class _Interrupter:
         pass
 
 
-def test_interrupt_stops_every_rank(monkeypatch):
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this process during the test, as in a terminal or a
+    notebook kernel.  A process started in the background by a non-interactive shell
+    (``nohup pytest &``, many CI steps) inherits SIGINT ignored, and Python then leaves it
+    ignored: the interrupt these tests send would do nothing (see
+    test_an_ignored_sigint_leaves_run_alone for that case)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if old is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, old)
+
+
+def test_interrupt_stops_every_rank(monkeypatch, sigint_raises):
     before = _children()
     before_shm = set(leftover_segments())
     cluster = tpcore.Cluster(2, deadline=DEADLINE)
-    pids = cluster.pids
-    monkeypatch.setattr(sys, "stdout", _Interrupter(2))
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt, match="every rank was stopped"):
-        cluster.run(_sleep_long)
-    monkeypatch.undo()
-    assert time.monotonic() - t0 < 20
-    assert cluster.closed
-    with pytest.raises(RuntimeError, match="interrupted"):
-        cluster.run(_pid)
-    assert not any(_alive(p) for p in pids)
-    assert _children() <= before
-    assert set(leftover_segments()) <= before_shm
+    try:
+        pids = cluster.pids
+        monkeypatch.setattr(sys, "stdout", _Interrupter(2))
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt, match="every rank was stopped"):
+            cluster.run(_sleep_long)
+        monkeypatch.undo()
+        assert time.monotonic() - t0 < 20
+        assert cluster.closed
+        with pytest.raises(RuntimeError, match="interrupted"):
+            cluster.run(_pid)
+        assert not any(_alive(p) for p in pids)
+        assert _children() <= before
+        assert set(leftover_segments()) <= before_shm
+    finally:
+        cluster.close()  # a failure above must not leave the ranks to every later test
+
+
+def _started_then_rank(comm):
+    print("started", flush=True)
+    time.sleep(0.5)
+    return comm.rank
+
+
+def test_an_ignored_sigint_leaves_run_alone(monkeypatch):
+    # SIGINT ignored (a background job): an interrupt is not an interrupt, and run() finishes
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
+            out = _Interrupter(2)
+            monkeypatch.setattr(sys, "stdout", out)
+            assert cluster.run(_started_then_rank) == [0, 1]
+            monkeypatch.undo()
+            assert out.sent and not cluster.closed
+            assert cluster.run(_pid) == cluster.pids
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 # -- bad arguments -------------------------------------------------------------------------
@@ -731,7 +770,7 @@ def _interrupt_self():
 
 
 @pytest.mark.parametrize("when", ["janitor", "rank1"])
-def test_interrupt_while_starting_leaves_nothing(monkeypatch, when):
+def test_interrupt_while_starting_leaves_nothing(monkeypatch, sigint_raises, when):
     # a Ctrl-C right after the janitor or a rank started (before the cluster recorded it) used to
     # leave that process running, and the janitor (and the segment) with it
     import tpcore.launch.cluster as tc

@@ -245,6 +245,7 @@ def _copy_tree(dst):
         shutil.copy2(os.path.join(ROOT, f), os.path.join(dst, f))
 
 
+@pytest.mark.slow  # a whole build; its TPCORE_CUDA=0 plan: test_cuda_plan_without_nvcc_or_with_cuda_off
 def test_cpu_only_build_in_a_temp_copy(tmp_path):
     """TPCORE_CUDA=0: the build says so, places no plugin, and build_info / cuda_available
     report why (the same as a machine without nvcc)."""
@@ -272,6 +273,7 @@ def test_cpu_only_build_in_a_temp_copy(tmp_path):
                            "status": "not built: TPCORE_CUDA=0 at build time"}
 
 
+@pytest.mark.slow  # nvcc compiles the plugin; the one setup.py built: test_loads_and_says_why_cuda_is_not_usable
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_makefile_cuda_builds_the_plugin(tmp_path):
     if _nvcc() is None:
@@ -328,6 +330,7 @@ def test_device_table_selftest_on_the_cpu(n):
         _C._device_selftest(0, 0, 65)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not tpcore.cuda_available(), reason="no CUDA GPU in this process: "
                     + tpcore.build_info()["cuda"]["status"])
 @pytest.mark.parametrize("n", [64, (1 << 20) + 64])

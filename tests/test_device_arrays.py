@@ -239,6 +239,7 @@ def _cuda_linear(comm):
     return y.to_numpy(), x.astype(np.float64) @ W.T.astype(np.float64) + b, errs, W_back, W
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_cuda_linear_matches_float64_reference():
     y, ref, errs, W_back, W = run(_cuda_linear, 1, start_method="spawn")[0]
@@ -260,6 +261,7 @@ def _cuda_mlp(comm):
             gpu.fc1.grad_weight.to_numpy())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_cuda_mlp_matches_cpu_mlp():
     y_c, y_g, dx_c, dx_g, gw_c, gw_g = run(_cuda_mlp, 1, start_method="spawn")[0]
@@ -324,6 +326,7 @@ def test_host_staged_collectives_logic():
     _check_staged(run(_staged_ops, 2, False))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_host_staged_collectives_on_the_gpu():
     _check_staged(run(_staged_ops, 2, True, start_method="spawn"))

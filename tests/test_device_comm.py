@@ -334,6 +334,7 @@ def test_python_staging_is_gone():
 
 
 # ------------------------------------------------------------------ on a GPU
+@pytest.mark.gpu
 @pytest.mark.skipif(not cuda_usable(), reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 @pytest.mark.parametrize("n", [1, 2])
 def test_collectives_on_cuda_device_arrays_over_shm(n):
@@ -346,12 +347,14 @@ def _nccl_world():
     return 2 if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" else 1
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(nccl_why() is not None, reason=f"NCCL backend not usable: {nccl_why()}")
 def test_collectives_on_cuda_device_arrays_over_nccl():
     n = _nccl_world()
     _check(run(_ops, n, "cuda:0", backend="nccl"))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(nccl_why() is not None, reason=f"NCCL backend not usable: {nccl_why()}")
 def test_cpu_device_arrays_over_nccl_are_staged():
     """Host memory given to NCCL goes through the C dispatcher's device bounce buffer."""
@@ -369,6 +372,7 @@ def _torch_cuda(comm):
     return t.cpu().numpy(), isinstance(g, tpcore.DeviceArray), _host(g)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not cuda_usable(), reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_torch_cuda_tensors_over_shm():
     torch = pytest.importorskip("torch")

@@ -150,6 +150,7 @@ def _cuda_embedding(comm):
             emb.gather_full(), table, errs)
 
 
+@pytest.mark.gpu
 @NEEDS_GPU
 def test_cuda_embedding_matches_float64_reference():
     y, y_ref, gw, gw_ref, full, table, errs = gpu_run(_cuda_embedding)
@@ -178,6 +179,7 @@ def _cuda_xent(comm, reduction):
     return loss, d.to_numpy(), logits, targets, dloss, errs
 
 
+@pytest.mark.gpu
 @NEEDS_GPU
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cuda_cross_entropy_matches_float64_reference(reduction):
@@ -218,6 +220,7 @@ def _cuda_block(comm, name, attention_only):
     return yg.to_numpy(), y_ref, yc, dxg.to_numpy(), dxc, gg, gc, full, P, errs
 
 
+@pytest.mark.gpu
 @NEEDS_GPU
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
 @pytest.mark.parametrize("attention_only", [False, True], ids=["block", "attention"])
@@ -251,6 +254,7 @@ def _cuda_cache(comm, name):
     return out, full
 
 
+@pytest.mark.gpu
 @NEEDS_GPU
 @pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
 def test_cuda_kv_cache_decode_equals_full_recompute(name):
@@ -302,6 +306,7 @@ def _cuda_model(comm, name):
         all(np.array_equal(sd_c[k], sd_g[k]) for k in sd_c), refused
 
 
+@pytest.mark.gpu
 @NEEDS_GPU
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cuda_model_logits_and_generate_match_the_cpu_model(name):

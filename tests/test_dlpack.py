@@ -415,6 +415,7 @@ def test_tpcore_consumes_its_own_capsules(max_version):
 CUDA = getattr(tpcore, "cuda_available", lambda: False)()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_torch_cuda_round_trip_without_copies():
     torch = pytest.importorskip("torch")
@@ -432,6 +433,7 @@ def test_torch_cuda_round_trip_without_copies():
         tpcore.from_dlpack(t.t())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_cupy_cuda_round_trip_without_copies():
     cp = pytest.importorskip("cupy")

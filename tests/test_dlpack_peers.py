@@ -151,6 +151,7 @@ def test_unsupported_torch_dtypes_named(dtype, name):
         tpcore.from_dlpack(torch.zeros(3, dtype=dtype))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or getattr(tpcore, "cuda_available", lambda: False)(),
                     reason="needs a CUDA tensor and a tpcore without CUDA")
 def test_torch_cuda_tensor_on_a_cpu_only_tpcore():

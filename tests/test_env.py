@@ -87,3 +87,35 @@ def test_blas_is_linked_and_threads_follow_local_ranks(monkeypatch):
         assert tpcore.spawn(lambda c: tpcore.get_num_threads(), 1, deadline=60) == [1]
     with pytest.raises(ValueError, match="n must be"):
         tpcore.set_num_threads(0)
+
+
+def _job_id(comm):
+    return os.environ["TPCORE_JOB_ID"]
+
+
+def test_job_prefix_starts_every_job_id_tpcore_makes_up(monkeypatch, tmp_path):
+    # TPCORE_JOB_PREFIX: how a harness (this test session: conftest) tells its jobs' /dev/shm names apart
+    import subprocess
+    import sys
+
+    import tpcore
+    monkeypatch.setenv("TPCORE_JOB_PREFIX", "px-1_")
+    assert _env.detect({}).job_id.startswith("px-1_solo_")
+    assert _env.detect({"TPCORE_JOB_ID": "mine"}).job_id == "mine"  # an id set by hand stays as it is
+    ids = tpcore.spawn(_job_id, 2)
+    assert ids[0] == ids[1] and ids[0].startswith("px-1_sp") and len(ids[0]) == 5 + 2 + 16
+    with tpcore.Cluster(1) as cluster:
+        got = cluster.run(_job_id)[0]
+        assert got.startswith("px-1_cl") and got.endswith("_g0") and len(got) <= 40
+    script = tmp_path / "job.py"
+    script.write_text("import os, tpcore\nc = tpcore.init()\nc.barrier()\nprint('ID', os.environ['TPCORE_JOB_ID'])\n")
+    r = subprocess.run([sys.executable, "-m", "tpcore.launch", "-n", "2", str(script)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [ln.split()[-1][:7] for ln in r.stdout.splitlines() if " ID " in ln] == ["px-1_ln"] * 2, r.stdout
+    for bad in ("a b", "x" * 17, "ü"):
+        monkeypatch.setenv("TPCORE_JOB_PREFIX", bad)
+        with pytest.raises(ValueError, match=r"TPCORE_JOB_PREFIX must be at most 16 characters of \[A-Za-z0-9_-\]"):
+            tpcore.spawn(_job_id, 1)
+        with pytest.raises(ValueError, match="TPCORE_JOB_PREFIX must be"):
+            _env.detect({})

@@ -113,6 +113,7 @@ def _device_lib():
 
 
 # ------------------------------------------------------------------------------- kernel parity
+@pytest.mark.gpu
 @needs_cuda
 def test_parity_cuda_kernel_table(tmp_path):
     """Every entry of the CUDA kernel table against the references of the C harness."""
@@ -156,6 +157,7 @@ def comm1():
     c.close()
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_layers_w1_linear(comm1, dtype):
@@ -183,6 +185,7 @@ def test_layers_w1_linear(comm1, dtype):
     assert _rel(_to_host(y), want) < tol
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_layers_w1_linear_16_bit_weights(comm1, dtype):
@@ -248,6 +251,7 @@ def _quant_linear_vs_cpu(comm, fmt, device, ms=(1, 3, 8, 9, 37)):
     return worst
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "int8"])
 def test_layers_w1_linear_quantized_weights(comm1, fmt):
@@ -259,6 +263,7 @@ def test_layers_w1_linear_quantized_weights(comm1, fmt):
     assert w["gemm"] < 1e-2 and w["vs_cpu_gemm"] < 1e-2, w  # bfloat16 operands on the GPU
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_block_takes_16_bit_activations(comm1, dtype):
@@ -278,6 +283,7 @@ def test_block_takes_16_bit_activations(comm1, dtype):
     assert dx.dtype == dtype and tuple(dx.shape) == (2, 9, cfg.hidden)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_model_bf16_on_cuda_matches_the_cpu_model(comm1):
     """A bfloat16 TransformerLM on cuda gives the logits of the same bfloat16 model on the CPU
@@ -292,6 +298,7 @@ def test_model_bf16_on_cuda_matches_the_cpu_model(comm1):
     assert gpu.param_bytes() == cpu.param_bytes()
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_layers_w1_mlp_backward(comm1):
     """ParallelMLP (swiglu) forward and input gradient on cuda against float64."""
@@ -335,6 +342,7 @@ def _block_params(blk_or_shapes, seed):
     return P
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_layers_w1_block(comm1, kind):
@@ -468,6 +476,7 @@ def _check_collectives(results, n):
     assert not bad, "; ".join(bad)
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("group,backend,world", [("nccl_w1", "nccl", 1), ("nccl_w2", "nccl", 2),
                                                   ("staged_w2", "shm", 2)])
@@ -500,6 +509,7 @@ def _rank_dies(comm, report):
         json.dump({"seconds": time.monotonic() - t0, "error": text}, f)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_nccl_dead_peer_is_named_before_the_timeout(monkeypatch, tmp_path):
     """NCCL alone waits for a dead peer until the timeout; tpcore's wait looks at the peers'
@@ -529,6 +539,7 @@ def _rank_layers(comm, lib, lin, cfg_kind, P, xb):
     return {"linear": y, "block": yb}
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("group,backend,world", [("nccl_w1", "nccl", 1), ("nccl_w2", "nccl", 2),
                                                   ("staged_w2", "shm", 2)])
@@ -578,6 +589,7 @@ def _rank_training(comm, dtype, steps):
     return {"losses": losses, "worst_weight_rel": worst, "kinds": kinds, "generated": [len(o) for o in out]}
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("group,backend,world,dtype", [("nccl_w1", "nccl", 1, "float32"),
                                                         ("nccl_w1", "nccl", 1, "bfloat16"),
@@ -628,6 +640,7 @@ def _import_device(obj):
     pytest.skip("this tpcore has no from_dlpack / asarray / DeviceArray to import a CUDA tensor with")
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_dlpack_torch_round_trip_no_copy():
     torch = _torch()
@@ -642,6 +655,7 @@ def test_dlpack_torch_round_trip_no_copy():
     assert float(t[3, 7]) == -5.0
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_dlpack_cupy_round_trip_no_copy():
     cupy = _cupy()
@@ -653,6 +667,7 @@ def test_dlpack_cupy_round_trip_no_copy():
     assert float(a[5]) == 42.0
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_dlpack_layer_output_is_shared(comm1):
     """A layer's DeviceArray output seen by torch and by CuPy is one memory, with the right values."""
@@ -670,6 +685,7 @@ def test_dlpack_layer_output_is_shared(comm1):
     assert _rel(ty.cpu().numpy(), x.astype(np.float64) @ W.T.astype(np.float64)) < 2e-3
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_dlpack_versioned_capsule(comm1):
     """__dlpack__(max_version=(1, 0)) gives a versioned capsule; without it the legacy one."""
@@ -683,6 +699,7 @@ def test_dlpack_versioned_capsule(comm1):
 
 
 # ------------------------------------------------------------------------------------- errors
+@pytest.mark.gpu
 @needs_cuda
 def test_errors_cpu_tensor_to_cuda_layer(comm1):
     torch = _torch()
@@ -692,6 +709,7 @@ def test_errors_cpu_tensor_to_cuda_layer(comm1):
     assert re.search(r"cpu|host|device", str(e.value), re.I), str(e.value)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_errors_cuda_tensor_to_cpu_layer(comm1):
     torch = _torch()
@@ -701,6 +719,7 @@ def test_errors_cuda_tensor_to_cpu_layer(comm1):
     assert re.search(r"cuda|device", str(e.value), re.I), str(e.value)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_errors_bad_dtype_and_strides(comm1):
     torch = _torch()

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from conftest import JOB_PREFIX
 from tpcore.utils import cleanup as _cleanup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,8 +55,9 @@ def _port():
 
 
 def _env(**kw):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TPCORE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_", "SLURM_"))}
+    env = {k: v for k, v in os.environ.items()  # TPCORE_JOB_PREFIX kept: this session's jobs (conftest)
+           if k == "TPCORE_JOB_PREFIX"
+           or not k.startswith(("TPCORE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_", "SLURM_"))}
     env.update({k: str(v) for k, v in kw.items()})
     return env
 
@@ -182,7 +184,7 @@ print("OK", flush=True)
 
 @pytest.mark.parametrize("slow", [0, 1])
 def test_close_and_init_again_with_the_same_id(slow):
-    job = f"iso{os.getpid()}r{slow}{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}r{slow}{random.randrange(1 << 30)}"
     procs = [subprocess.Popen([sys.executable, "-c", REINIT], env=_env(RANK=r, WORLD_SIZE=2, TPCORE_JOB_ID=job,
                                                                           T_SLOW=slow),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -193,7 +195,7 @@ def test_close_and_init_again_with_the_same_id(slow):
 
 
 def test_single_rank_jobs_may_share_an_id():
-    job = f"iso{os.getpid()}s{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}s{random.randrange(1 << 30)}"
     hold = f"/tmp/tpcore-hold-{os.getpid()}-{_port()}"
     try:
         procs = [_start(TPCORE_JOB_ID=job, T_VALUE=5, T_HOLD=hold) for _ in range(3)]
@@ -221,7 +223,7 @@ time.sleep(60)
 
 
 def test_a_forked_child_does_not_keep_a_dead_job_alive():
-    job = f"iso{os.getpid()}f{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}f{random.randrange(1 << 30)}"
     procs = [subprocess.Popen([sys.executable, "-c", FORKS], env=_env(RANK=r, WORLD_SIZE=2, TPCORE_JOB_ID=job),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                               start_new_session=True)
@@ -249,7 +251,7 @@ def test_a_forked_child_does_not_keep_a_dead_job_alive():
 
 @needs_root
 def test_segment_of_another_user_is_never_joined():
-    job = f"iso{os.getpid()}x{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}x{random.randrange(1 << 30)}"
     path = _world_segment(job)
     _as_nobody(f"fd = os.open({path!r}, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o666)\n"
                f"os.fchmod(fd, 0o666)\nos.write(fd, b'\\0' * 65536)\nos.close(fd)\n")
@@ -264,7 +266,7 @@ def test_segment_of_another_user_is_never_joined():
 
 
 def test_loosened_segment_is_refused():
-    job = f"iso{os.getpid()}y{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}y{random.randrange(1 << 30)}"
     path = _world_segment(job)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.fchmod(fd, 0o644)
@@ -283,10 +285,11 @@ def test_loosened_segment_is_refused():
 
 ATTACKER = r'''
 import os, re, sys, time
-job, end = sys.argv[1], time.monotonic() + float(sys.argv[2])
+job, end, stop = sys.argv[1], time.monotonic() + float(sys.argv[2]), sys.argv[3]
 made = set()
 pat = re.compile(r"^(tpcore_" + re.escape(job) + r"_.*_m)(\d+)$")
-while time.monotonic() < end:
+print("WATCHING", flush=True)
+while time.monotonic() < end and not os.path.exists(stop):
     for name in os.listdir("/dev/shm"):
         if not name.startswith("tpcore_" + job + "_"):
             continue
@@ -302,27 +305,61 @@ while time.monotonic() < end:
                 except OSError:
                     pass
     time.sleep(0.0005)
-print(len(made))
+print("MADE", len(made), flush=True)
+'''
+
+# What the attacker needs as the other user: this interpreter, the modules it imports (the
+# interpreter's own files must be readable by that user: not the case for one installed in
+# a home directory of mode 0700, such as a pyenv under /root), and /dev/shm to list and
+# create names in.
+ATTACKER_PROBE = r'''
+import os, re, sys, time
+os.listdir("/dev/shm")
+name = "/dev/shm/tpcore-probe-%d-%d" % (os.getpid(), time.monotonic_ns())
+os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+os.unlink(name)
+print("PROBE OK")
 '''
 
 
+def _nobody_cannot_attack():
+    # why another user cannot run the attacker here (None: it can)
+    pre = f"import os\nos.setgroups([])\nos.setgid({NOBODY})\nos.setuid({NOBODY})\n"
+    r = subprocess.run([sys.executable, "-I", "-c", pre + ATTACKER_PROBE], capture_output=True, text=True,
+                       timeout=30)
+    if r.returncode == 0 and "PROBE OK" in r.stdout:
+        return None
+    last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+    return f"uid {NOBODY} cannot run {sys.executable} with the modules the attacker imports, or use /dev/shm: {last}"
+
+
 @needs_root
-def test_another_user_watching_dev_shm_cannot_take_registered_memory_names():
+def test_another_user_watching_dev_shm_cannot_take_registered_memory_names(tmp_path):
     """Another user lists /dev/shm while a job allocates registered memory and
     creates every name it could guess from what it sees; the job goes on."""
-    job = f"iso{os.getpid()}z{random.randrange(1 << 30)}"
+    why = _nobody_cannot_attack()
+    if why:
+        pytest.skip(why)
+    job = f"{JOB_PREFIX}iso{os.getpid()}z{random.randrange(1 << 30)}"
+    stop = f"/tmp/tpcore-stop-{os.getpid()}-{random.randrange(1 << 30)}"  # /tmp: the other user can see it
     pre = f"import os\nos.setgroups([])\nos.setgid({NOBODY})\nos.setuid({NOBODY})\n"
-    attacker = subprocess.Popen([sys.executable, "-I", "-c", pre + ATTACKER, job, "20"], stdout=subprocess.PIPE,
-                                text=True)
+    attacker = subprocess.Popen([sys.executable, "-I", "-c", pre + ATTACKER, job, "60", stop],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.3)
+        assert attacker.stdout.readline().strip() == "WATCHING", attacker.communicate(timeout=30)
         procs = [_start(RANK=r, WORLD_SIZE=3, TPCORE_JOB_ID=job, T_VALUE=r, T_ALLOCS=25) for r in range(3)]
         for p in procs:
             rc, out = _finish(p)
             assert rc == 0 and "SUM 3.0" in out, out
+        open(stop, "w").close()
+        out, err = attacker.communicate(timeout=30)
+        assert attacker.returncode == 0 and out.startswith("MADE"), (attacker.returncode, out, err)
     finally:
-        attacker.kill()
-        attacker.wait()
+        if attacker.poll() is None:
+            attacker.kill()
+            attacker.wait()
+        if os.path.exists(stop):
+            os.unlink(stop)
         squat = [os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if n.startswith(f"tpcore_{job}_")]
     assert squat, "the attacker saw no name: the test did not test anything"
     assert _cleanup.remove_shm(job) == []  # the squatter's files are not ours: untouched, no error
@@ -346,7 +383,9 @@ c.close()
 
 
 def _ours_new(before):
-    return sorted(set(_cleanup.shm_segments()) - before)
+    # this session's names only (conftest.JOB_PREFIX): other jobs of this user may run beside the tests
+    ours = {p for p in _cleanup.shm_segments() if os.path.basename(p).startswith(f"tpcore_{JOB_PREFIX}")}
+    return sorted(ours - before)
 
 
 def test_launcher_group_killed_leaves_nothing(tmp_path):
@@ -355,7 +394,7 @@ def test_launcher_group_killed_leaves_nothing(tmp_path):
     rng = random.Random(8)
     left = []
     for _ in range(8):
-        before = set(_cleanup.shm_segments())
+        before = set(_ours_new(set()))
         p = subprocess.Popen([sys.executable, "-m", "tpcore.launch", "-n", "3", str(script)],
                              cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
@@ -370,7 +409,7 @@ def test_launcher_group_killed_leaves_nothing(tmp_path):
 
 
 def test_killed_torchrun_style_job_is_swept_by_cleanup_and_next_start():
-    job = f"iso{os.getpid()}k{random.randrange(1 << 30)}"
+    job = f"{JOB_PREFIX}iso{os.getpid()}k{random.randrange(1 << 30)}"
     hold = f"/tmp/tpcore-hold-{os.getpid()}-{_port()}"
     procs = [_start(RANK=r, WORLD_SIZE=2, TPCORE_JOB_ID=job, T_VALUE=r, T_HOLD=hold) for r in range(2)]
     for p in procs:

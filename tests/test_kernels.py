@@ -5,6 +5,7 @@ asserts that every entry of the table (TP_KERNEL_ENTRIES in csrc/kernels/kernels
 has a parity case, so a new entry without one fails here.  Then the 16-bit weight path
 from Python: tpcore.convert against NumPy / ml_dtypes casts bit for bit, and linear with
 bfloat16 / float16 weights against float64."""
+import os
 import re
 
 import numpy as np
@@ -15,8 +16,8 @@ import tpcore
 from c_binaries import ROOT, build, run
 
 
-def build_and_run(tmp_path, sanitize):
-    return run(build(tmp_path, sanitize, "test_kernels") / "test_kernels")
+def build_and_run(c_builds, sanitize):
+    return run(build(c_builds, sanitize, "test_kernels") / "test_kernels")
 
 
 def check_output(r):
@@ -44,12 +45,14 @@ def check_output(r):
     assert re.search(r"^\d+ passed, 0 failed$", out, re.M)
 
 
-def test_kernel_parity(tmp_path):
-    check_output(build_and_run(tmp_path, sanitize=False))
+def test_kernel_parity(c_builds):
+    check_output(build_and_run(c_builds, sanitize=False))
 
 
-def test_kernel_parity_under_asan_ubsan(tmp_path):
-    check_output(build_and_run(tmp_path, sanitize=True))
+@pytest.mark.sanitized
+@pytest.mark.slow  # test_kernel_parity runs the same binary plain
+def test_kernel_parity_under_asan_ubsan(c_builds):
+    check_output(build_and_run(c_builds, sanitize=True))
 
 
 def test_entries_list_matches_the_table_struct():
@@ -62,7 +65,8 @@ def test_entries_list_matches_the_table_struct():
     assert fields == listed
 
 
-def test_cuda_entries_under_the_host_emulator():
+@pytest.mark.slow  # ~2 min of emulated threads; the parity harness itself runs in test_kernel_parity
+def test_cuda_entries_under_the_host_emulator(c_builds):
     """The CUDA attention and low-precision entries (csrc/kernels/cuda/attention*.cu, lowp.cu,
     quant.cu, with a host stand-in for cublasGemmEx that checks its arguments) through the same
     parity cases on the host: csrc/tests/cuda_emu runs each CUDA thread as a fiber with cooperative
@@ -74,9 +78,9 @@ def test_cuda_entries_under_the_host_emulator():
     import subprocess
     if not shutil.which("g++") or not shutil.which("make"):
         pytest.skip("needs g++ (C++20) and make")
-    subprocess.run(["make", "-s", "-j2"], cwd=ROOT, check=True, capture_output=True)
+    lib = build(c_builds, False, "libtpcore.a")  # the core of test_kernel_parity's build, not a build of its own
     r = subprocess.run([str(ROOT / "csrc/tests/cuda_emu/run.sh")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=1200)
+                       timeout=1200, env=dict(os.environ, BUILD=str(lib)))
     assert r.returncode == 0, r.stdout + r.stderr
     for e in ("positions", "kv_cache_write", "attention_workspace", "attention_forward", "attention_backward",
               "convert", "linear_lp_workspace", "linear_forward_lp", "linear_backward_lp", "embedding_forward_lp"):

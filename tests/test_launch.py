@@ -10,11 +10,24 @@ import time
 import pytest
 
 import tpcore
+from conftest import JOB_PREFIX
 
 # the folder holding the tpcore under test (an installed one, python/, or a sanitized build)
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))
 
 LAUNCH = [sys.executable, "-m", "tpcore.launch"]
+_TMPDIR = ""  # the launches' TMPDIR (see _private_tmpdir)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _private_tmpdir(tmp_path_factory):
+    """The launches of this file get a temporary directory of their own (TMPDIR), which
+    test_no_files_left_behind finds empty: /tmp is shared with other jobs."""
+    global _TMPDIR
+    _TMPDIR = str(tmp_path_factory.mktemp("launch-tmpdir"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", _TMPDIR)
+        yield
 
 
 def script(tmp_path, body, name="job.py"):
@@ -165,8 +178,10 @@ def test_killing_the_launcher_kills_the_ranks(tmp_path):
 
 def test_no_files_left_behind():
     import glob
-    # launcher jobs are named tpcore_ln<hex>; the launches above must have left none
-    assert glob.glob("/tmp/tpcore-*") == [] and glob.glob("/dev/shm/tpcore_ln*") == []
+    # the launches above must have left no file in their temporary directory, and no name of a launcher
+    # job (tpcore_<this session's prefix>ln<hex>; other jobs of this user may run beside the tests)
+    assert os.listdir(_TMPDIR) == []
+    assert glob.glob(f"/dev/shm/tpcore_{JOB_PREFIX}ln*") == []
 
 
 def test_usage_errors():

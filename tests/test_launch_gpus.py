@@ -81,6 +81,7 @@ def test_parse_keeps_script_options(monkeypatch):
         L._parse(["--gpus", "3", "train.py"])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_gpus_real_run(tmp_path):
     body = """

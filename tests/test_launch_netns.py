@@ -9,9 +9,13 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 import netns  # noqa: E402
 from test_launch_multinode import FAIL, JOB, check_job, finish, script, start  # noqa: E402
+
+pytestmark = pytest.mark.multihost
 
 
 STORE_SERVER = """

@@ -386,6 +386,7 @@ def _gpu_case(comm):
     return held, off
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (tpcore.cuda_available() is False)")
 def test_gpu_layers_allocate_gradients_in_backward():
     held, off = run(_gpu_case, 1, start_method="spawn")[0]

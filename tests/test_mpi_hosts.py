@@ -27,6 +27,8 @@ MPIRUN = shutil.which("mpirun")
 WHY_NOT = _C.Comm.probe("mpi")
 
 pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.multihost,
     pytest.mark.skipif(MPIRUN is None, reason="mpirun is not on PATH (apt-get install openmpi-bin libopenmpi-dev)"),
     pytest.mark.skipif(WHY_NOT is not None, reason=f"mpi backend not usable here: {WHY_NOT}"),
 ]

@@ -148,6 +148,7 @@ def test_c_error_paths(tmp_path):
     assert r.returncode == 0 and "nccl error paths: passed" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not cuda_usable() or tpcore._C.Comm.probe("nccl") is not None,
                     reason="needs a CUDA device and NCCL (the device check, scripts/gpu_check.sh, runs "
                            "csrc/tests/test_nccl_gpu.c there)")

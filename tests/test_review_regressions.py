@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tpcore
-from conftest import run
+from conftest import JOB_PREFIX, run
 
 
 def _bcast_released(comm, count):
@@ -87,7 +87,7 @@ def test_path_settings_are_taken_from_rank_0(tmp_path):
         "    c.all_reduce(x, x, 'sum')\n"
         "    assert (x == 3).all(), np.unique(x)\n"
         "c.barrier()\nc.close()\nprint('ok', r)\n")
-    job = f"envdiff{os.getpid()}"
+    job = f"{JOB_PREFIX}envdiff{os.getpid()}"
     procs = [subprocess.Popen([sys.executable, str(script), str(r), job], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, TPCORE_SHM_SMALL="0" if r else "32768",

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 import tpcore
-from conftest import run
+from conftest import JOB_PREFIX, run
 
 
 def _gil(comm):
@@ -42,7 +42,7 @@ def test_gil_released_while_waiting():
 
 
 def test_segment_is_private_named_and_removed_by_the_last_rank():
-    job = f"modetest{os.getpid()}"
+    job = f"{JOB_PREFIX}modetest{os.getpid()}"
     made = {}
 
     def rank0():

@@ -23,8 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TESTS = ["test_boundaries.py", "test_errors.py", "test_review_regressions.py",
                  "test_bad_arguments.py", "test_quant_kernels.py", "test_quant_review.py"]
 
-pytestmark = pytest.mark.skipif(os.environ.get("TPCORE_UNDER_SANITIZER") == "1",
-                                reason="already running under the sanitizers")
+# slow: the files it runs under the sanitizers run plain in every run
+pytestmark = [pytest.mark.sanitized, pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("TPCORE_UNDER_SANITIZER") == "1",
+                                 reason="already running under the sanitizers")]
 
 
 def _runtime(name):
@@ -34,7 +36,8 @@ def _runtime(name):
 
 def _build(env_extra, lib, tmp):
     env = dict(os.environ, **env_extra)
-    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", lib, "--build-temp", tmp],
+    r = subprocess.run([sys.executable, "setup.py", "build_ext", "-j", str(min(2, os.cpu_count() or 1)),
+                        "--build-lib", lib, "--build-temp", tmp],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"build failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stderr
@@ -58,9 +61,15 @@ def sanitized(tmp_path_factory):
         pytest.skip("gcc's libasan/libubsan runtimes are missing")
     base = tmp_path_factory.mktemp("sanbuild")
     lib, tmp = str(base / "lib"), str(base / "tmp")
-    _build({"TPCORE_SANITIZE": ""}, lib, tmp)
+    # the plain build before: the C extension only (a sanitized build has no CUDA plugin to compare)
+    _build({"TPCORE_SANITIZE": "", "TPCORE_CUDA": "0"}, lib, tmp)
     plain_so = [f for f in os.listdir(os.path.join(lib, "tpcore")) if f.startswith("_C")]
+    # a CUDA plugin of a plain build (not compiled here): the sanitized build, which has none, removes it
+    stale = os.path.join(lib, "tpcore", ".libs", "libtpcore_cuda.so")
+    with open(stale, "wb") as f:
+        f.write(b"a plain build's plugin")
     log = _build({"TPCORE_SANITIZE": "address,undefined"}, lib, tmp)
+    assert not os.path.exists(stale), "the sanitized build kept a plain build's CUDA plugin"
     # The pure-Python package beside the sanitized extension.
     pkg = os.path.join(lib, "tpcore")
     shutil.copytree(os.path.join(ROOT, "python", "tpcore"), pkg, dirs_exist_ok=True,

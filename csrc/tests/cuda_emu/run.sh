@@ -12,7 +12,8 @@
 # reference equal to gguf's, the decode GEMV's warp split, the panels of the prefill GEMM and
 # of dx; not timing, races the fiber order hides (run with EMU_REVERSE=1 too), cuBLAS itself,
 # or anything of the real hardware.
-# Usage: csrc/tests/cuda_emu/run.sh [entry...]   (after `make`; SANITIZE=1 adds ASan/UBSan)
+# Usage: csrc/tests/cuda_emu/run.sh [entry...]   (after `make`; SANITIZE=1 adds ASan/UBSan; BUILD=dir: the
+# make build directory whose libtpcore.a to link, default build/)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 E=$ROOT/csrc/tests/cuda_emu
@@ -37,7 +38,7 @@ for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_
   gcc -std=c11 -O1 -g $SAN -D_GNU_SOURCE -I"$ROOT/csrc/include" -Dtp_kernels_of=emu_kernels_of \
     -c "$ROOT/csrc/tests/$f.c" -o "$OUT/$f.o"
 done
-g++ $SAN -o "$OUT/emu_test" "$OUT"/*.o "$ROOT/build/libtpcore.a" $BLAS
+g++ $SAN -o "$OUT/emu_test" "$OUT"/*.o "${BUILD:-$ROOT/build}/libtpcore.a" $BLAS
 entries=("$@")
 [ ${#entries[@]} -eq 0 ] && entries=(positions kv_cache_write attention_workspace attention_forward attention_backward
   convert linear_lp_workspace linear_forward_lp linear_backward_lp embedding_forward_lp)

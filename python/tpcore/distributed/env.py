@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import secrets
 from dataclasses import dataclass, replace
+
+from tpcore.utils import cleanup as _cleanup
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def _detect(env) -> JobInfo:
         lw = int(m.group(1)) if m else sworld
         job = job or "slurm_" + _safe_id(f"{env.get('SLURM_JOB_ID', '0')}_{env.get('SLURM_STEP_ID', '0')}")
         return _checked(JobInfo(srank, sworld, srank if lr is None else lr, lw, _safe_id(job), "slurm"))
-    return JobInfo(0, 1, 0, 1, _safe_id(job) if job else "solo_" + secrets.token_hex(8), "single")
+    return JobInfo(0, 1, 0, 1, _safe_id(job) if job else _cleanup.new_job_id("solo_"), "single")
 
 
 def _checked(info: JobInfo) -> JobInfo:

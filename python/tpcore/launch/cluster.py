@@ -22,7 +22,6 @@ import multiprocessing.connection
 import multiprocessing.util  # noqa: F401 - its atexit handler first, so that ours runs before it
 import os
 import pickle
-import secrets
 import signal
 import subprocess
 import threading
@@ -257,7 +256,7 @@ class Cluster:
         self._why_closed = ""
         self._busy = threading.Lock()
         self._backend = None
-        self._base = "cl" + secrets.token_hex(8)
+        self._base = _cleanup.new_job_id("cl")
         h = self._h = _Ranks()
         self._finalizer = weakref.finalize(self, h.close, False, 1.0)
         self._finalizer.atexit = False  # _close_all does it, before multiprocessing's handler

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -223,7 +222,7 @@ def run(argv: Optional[List[str]] = None) -> int:
     if ns.backend == "mpi":
         return _exec_mpirun(ns)
     n = ns.nproc
-    job = "ln" + secrets.token_hex(8)
+    job = _cleanup.new_job_id("ln")
     if ns.module is not None:
         cmd = [sys.executable, "-u", "-m", ns.module] + ns.args
     else:

@@ -34,6 +34,7 @@ import time
 from typing import Optional
 
 from tpcore.distributed.store import SECRET_VAR, Store
+from tpcore.utils import cleanup as _cleanup
 
 PREFIX = "launch/"
 
@@ -157,7 +158,7 @@ class Multinode:
             if p["args"] != mine["args"]:
                 return {"error": f"{where} runs {' '.join(p['args'])!r} but node 0 runs "
                                  f"{' '.join(mine['args'])!r} (a different job on the same MASTER_ADDR:MASTER_PORT?)"}
-        return {"job": "ln" + secrets.token_hex(8), "world": self.nnodes * self.nproc, "nnodes": self.nnodes,
+        return {"job": _cleanup.new_job_id("ln"), "world": self.nnodes * self.nproc, "nnodes": self.nnodes,
                 "nproc": self.nproc, "args": self.job_args}
 
     def join(self) -> dict:

@@ -18,7 +18,6 @@ import multiprocessing as mp
 import os
 import pickle
 import pickletools
-import secrets
 import signal
 import sys
 import threading
@@ -393,7 +392,7 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
     ctx = mp.get_context(method)
     if method != "fork":
         _check_importable(fn, method, args, kwargs)
-    job = "sp" + secrets.token_hex(8)
+    job = _cleanup.new_job_id("sp")
     procs, conns = [], []
     results: dict = {}
     errors: list = []  # (time, rank, exception)

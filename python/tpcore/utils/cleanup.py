@@ -79,6 +79,22 @@ def remove_shm(job_id: str = "", dry_run: bool = False) -> list:
     return [path for path in shm_segments(job_id) if _remove_if_unused(path, dry_run)]
 
 
+JOB_PREFIX_VAR = "TPCORE_JOB_PREFIX"
+_JOB_PREFIX_MAX = 16  # job ids stay <= 40 characters, which the environment passes through as they are
+
+
+def new_job_id(kind: str) -> str:
+    """A new random job id: $TPCORE_JOB_PREFIX (default empty), kind, 16 hex digits.
+    The prefix lets a harness (a CI run, a test session) tell the /dev/shm names of
+    the jobs it started (tpcore_<prefix>...) from those of other jobs of this user."""
+    import secrets
+    prefix = os.environ.get(JOB_PREFIX_VAR, "")
+    if len(prefix) > _JOB_PREFIX_MAX or not all(c.isascii() and (c.isalnum() or c in "_-") for c in prefix):
+        raise ValueError(f"{JOB_PREFIX_VAR} must be at most {_JOB_PREFIX_MAX} characters of [A-Za-z0-9_-], "
+                         f"got {prefix!r}")
+    return prefix + kind + secrets.token_hex(8)
+
+
 def start_janitor(job_id: str):
     """A process outside the caller's process group that removes the job's
     names once every holder of the returned pipe end has exited, however
