@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -40,7 +41,8 @@ from .layers import (MEMORY_KEYS, ACTIVATIONS, ColumnParallelLinear, _put_weight
                      load_weight, zero)
 from .quant import is_quantized
 from .layers import partition as partition_dim
-from .transformer import NORMS, POSITIONS, Config, TransformerBlock, head_partition, mask_array, positions
+from .transformer import (NORMS, POSITIONS, Config, HeadSplitWarning, TransformerBlock, head_partition, mask_array,
+                          positions, warn_headless_ranks)
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from .memory import _aligned_heads, _gguf_files, _model_dtypes, estimate_memory
 
@@ -223,9 +225,14 @@ class TransformerLM:
         self.wpe_grad = self.tte_grad = None  # gradients on demand (_alloc_grads): none for inference
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.embedding_norm and first else None
         bd = {k: self.dtypes[k] for k in ("qkv", "out", "fc1", "fc2")}
-        self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
-                                        ffn_partition=ffn_partition, device=dev, dtype=bd)
-                       for i in range(lo, hi)]
+        with warnings.catch_warnings():  # the blocks share one split: the model warns once, below
+            warnings.simplefilter("ignore", HeadSplitWarning)
+            self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64,
+                                            head_partition=partition, ffn_partition=ffn_partition, device=dev,
+                                            dtype=bd)
+                           for i in range(lo, hi)]
+        if self.blocks:
+            warn_headless_ranks(self.blocks[0].head_partition, cfg.heads, comm, "TransformerLM", len(self.blocks))
         for blk in self.blocks:  # one workspace for every block's inference forwards (they run in turn)
             blk._c.share_workspace(self.blocks[0]._c)
         self.final_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.final_norm and cfg.pre_norm and last \

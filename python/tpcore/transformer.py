@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, overload
 
 import numpy as np
@@ -311,6 +312,27 @@ def head_partition(cfg: Config, world: int, weights: Optional[Sequence[float]] =
     return [s for _, s in partition(cfg.heads, world, weights=weights)]
 
 
+class HeadSplitWarning(UserWarning):
+    """A head split that leaves ranks with no attention heads (more ranks than heads, or a
+    partition with zeros): those ranks only wait in attention's all-reduce."""
+
+
+def warn_headless_ranks(split: Sequence[Tuple[int, int]], heads: int, comm: Comm, who: str, blocks: int = 1) -> None:
+    """One HeadSplitWarning, from rank 0 of comm, when split (every rank's (offset, count) of
+    query heads) gives some rank no head; who names the layer or model, blocks how many
+    blocks share the split."""
+    counts = [int(n) for _, n in split]
+    idle = [r for r, n in enumerate(counts) if n == 0]
+    if not idle or comm.rank != 0:
+        return
+    whom = f"rank {idle[0]}" if len(idle) == 1 else f"ranks {', '.join(map(str, idle))}"
+    where = f" in each of its {blocks} blocks" if blocks > 1 else ""
+    warnings.warn(f"{who}: {heads} attention heads split over {len(counts)} ranks leave {whom} with no heads{where} "
+                  f"(heads per rank: {counts}); {'it waits' if len(idle) == 1 else 'they wait'} in attention's "
+                  f"all-reduce with nothing to compute.  At most {heads} ranks give every rank heads.",
+                  HeadSplitWarning, stacklevel=3)
+
+
 _PROJ = ("attn.qkv.weight", "attn.out.weight", "mlp.fc1.weight", "mlp.fc2.weight")
 _PROJ_KEYS = {"qkv": "attn.qkv.weight", "out": "attn.out.weight", "fc1": "mlp.fc1.weight", "fc2": "mlp.fc2.weight"}
 
@@ -413,6 +435,7 @@ class TransformerBlock:
         self.q0, self.nq, self.k0, self.nk = info["q0"], info["nq"], info["k0"], info["nk"]
         self.kv_replicated = info["kv_replicated"]
         self.head_partition = check_partition(comm, self.q0, self.nq, cfg.heads, "TransformerBlock heads")
+        warn_headless_ranks(self.head_partition, cfg.heads, comm, type(self).__name__)
         self._p = self._c.params()  # (param, grad) views; grad None until _alloc_grads or a backward
         self._grads = False
         g = 2 if cfg.activation == "swiglu" else 1
