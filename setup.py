@@ -135,9 +135,10 @@ def toolchain_problem(compiler, include_dir=None):
     include_dir = include_dir or sysconfig.get_path("include")
     exe = compiler[0] if compiler else "cc"
     if not (shutil.which(exe) or (os.path.isabs(exe) and os.access(exe, os.X_OK))):
-        return (f"tpcore needs a C compiler to build, and {exe!r} (the compiler this Python was built with; "
-                f"the CC variable chooses another) is not on PATH.  Install one: {_INSTALL_CC} "
-                "(tpcore builds on Linux).")
+        whence = "the CC variable's" if os.environ.get("CC") else \
+            "the compiler this Python was built with; the CC variable chooses another"
+        return (f"tpcore needs a C compiler to build, and {exe!r} ({whence}) is not on PATH.  Install one: "
+                f"{_INSTALL_CC} (tpcore builds on Linux).")
     if not os.path.exists(os.path.join(include_dir, "Python.h")):
         ver = f"{sys.version_info.major}.{sys.version_info.minor}"
         return (f"tpcore needs Python's C headers to build its extension, and {include_dir}/Python.h is "
@@ -419,7 +420,7 @@ def build_config():
         "cuda": cuda_plan(os.environ.get("TPCORE_SANITIZE", "").strip()).get("why_not", "built"),
         "mpi": mpi_plan(os.environ.get("TPCORE_SANITIZE", "").strip()).get("why_not", "built"),
         # the flags themselves: an edit of csrc/flags.mk rebuilds
-        "flags": hashlib.sha1(open(FLAGS_MK, "rb").read()).hexdigest()[:10],
+        "flags": read_flags(),
     }
 
 
@@ -537,12 +538,13 @@ class BuildExt(build_ext):
         os.makedirs(os.path.dirname(stamp), exist_ok=True)
         with open(stamp, "w") as f:
             json.dump(cfg, f)
+        cc = compiler[:1]  # the plugins take flags.mk's flags alone, not Python's
         mpi_lib = None
         if "why_not" not in mplan:
-            mpi_lib = build_mpi_plugin(mplan, self._base_temp, compiler, cfg, force=self._user_force)
+            mpi_lib = build_mpi_plugin(mplan, self._base_temp, cc, cfg, force=self._user_force)
         cuda_lib = None
         if "why_not" not in plan:
-            cuda_lib = build_cuda_plugin(plan, self._base_temp, compiler, force=self._user_force, jobs=jobs)
+            cuda_lib = build_cuda_plugin(plan, self._base_temp, cc, force=self._user_force, jobs=jobs)
         if blas["vendor"]:
             dirs = {os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), ".libs")
                     for ext in self.extensions}
@@ -615,7 +617,7 @@ setup(
             "tpcore._C",
             sources=sources(),
             include_dirs=["csrc/include", numpy_include()],
-            depends=sorted(glob.glob("csrc/**/*.h", recursive=True)) + [FLAGS_MK, SOURCES_MK],
+            depends=sorted(glob.glob("csrc/**/*.h", recursive=True)) + ["csrc/flags.mk", "csrc/sources.mk"],
         )
     ],
     cmdclass={"build_ext": BuildExt},

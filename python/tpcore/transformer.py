@@ -318,9 +318,21 @@ class HeadSplitWarning(UserWarning):
 
 
 def warn_headless_ranks(split: Sequence[Tuple[int, int]], heads: int, comm: Comm, who: str, blocks: int = 1) -> None:
-    """One HeadSplitWarning, from rank 0 of comm, when split (every rank's (offset, count) of
-    query heads) gives some rank no head; who names the layer or model, blocks how many
-    blocks share the split."""
+    """Warns once (a HeadSplitWarning, from rank 0 of comm) when a head split gives some rank no head.
+
+    Parameters
+    ----------
+    split : list of (int, int)
+        Every rank's (offset, count) of query heads.
+    heads : int
+        The query heads split.
+    comm : Comm
+        The ranks of the split.
+    who : str
+        The layer or model named in the message.
+    blocks : int, default 1
+        How many blocks share the split (the model's warning stands for all of them).
+    """
     counts = [int(n) for _, n in split]
     idle = [r for r, n in enumerate(counts) if n == 0]
     if not idle or comm.rank != 0:
