@@ -2,6 +2,7 @@
 #   make                 build/libtpcore.a and the C tests (test_comm, test_layers, test_kernels,
 #                        test_api_hostile, test_store)
 #   make SANITIZE=1      the same under ASan + UBSan (in build-san/)
+#   make DEBUG=1         the same at -O0 -g (in build-debug/)
 #   make test            run the C tests (world sizes 1-4)
 #   make CUDA=1          also build/libtpcore_cuda.so, the CUDA plugin (nvcc; CUDA_ARCHS="80 90" by
 #                        default: sm_XX machine code for each, PTX of the last); the C programs load
@@ -9,16 +10,23 @@
 #   MPI=0                do not build build/libtpcore_mpi.so, the MPI plugin (built when mpicc is
 #                        found; `make test` then runs test_mpi under mpirun at world sizes 1-4)
 CC ?= cc
-CFLAGS_BASE := -std=c11 -Wall -Wextra -Wno-unused-parameter -fPIC -D_GNU_SOURCE -Icsrc/include
+# The flags (csrc/flags.mk) and the source directories (csrc/sources.mk), shared with setup.py.
+include csrc/flags.mk
+include csrc/sources.mk
 ifeq ($(SANITIZE),1)
 BUILD ?= build-san
-CFLAGS := $(CFLAGS_BASE) -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
-LDFLAGS := -fsanitize=address,undefined
+OPT := $(TP_OPT_SANITIZE)
+LDFLAGS := $(TP_LDFLAGS_SANITIZE)
+else ifeq ($(DEBUG),1)
+BUILD ?= build-debug
+OPT := $(TP_OPT_DEBUG)
+LDFLAGS :=
 else
 BUILD ?= build
-CFLAGS := $(CFLAGS_BASE) -O3 -g
+OPT := $(TP_OPT_RELEASE)
 LDFLAGS :=
 endif
+CFLAGS := $(TP_CFLAGS) $(OPT)
 # BLAS: the scipy-openblas32 wheel's OpenBLAS when Python has it (pip install '.[test]'),
 # else a system CBLAS through pkg-config (BLAS=system forces that).
 ifneq ($(BLAS),system)
@@ -32,10 +40,8 @@ BLAS_CFLAGS := $(shell pkg-config --cflags openblas 2>/dev/null || pkg-config --
 BLAS_LIBS := $(shell pkg-config --libs openblas 2>/dev/null || pkg-config --libs cblas)
 endif
 CFLAGS += $(BLAS_CFLAGS)
-LIBS := $(BLAS_LIBS) -lpthread -lrt -ldl -lm
+LIBS := $(BLAS_LIBS) $(TP_LIBS)
 
-# The source directories: csrc/sources.mk, shared with setup.py.
-include csrc/sources.mk
 CORE_SRC := $(sort $(foreach d,$(TP_CORE_DIRS),$(wildcard $(d)/*.c)))
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))
 HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h)
@@ -44,7 +50,7 @@ HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard cs
 FAKE_NCCL := $(BUILD)/fake_nccl/old/libnccl.so.2 $(BUILD)/fake_nccl/nosym/libnccl.so.2 \
              $(BUILD)/fake_nccl/good/libnccl.so.2 $(BUILD)/fake_nccl/home/lib64/libnccl.so.2
 
-# The MPI plugin: csrc/mpi/*.c (the only files that include <mpi.h>) with mpicc's flags, linked
+# The MPI plugin: TP_MPI_DIRS' *.c (the only files that include <mpi.h>) with mpicc's flags, linked
 # to libmpi, exporting its entry only (csrc/comm/mpi_abi.h); the core opens it from beside itself.
 MPICC ?= $(shell command -v mpicc 2>/dev/null)
 MPIRUN ?= $(shell command -v mpirun 2>/dev/null)
@@ -65,13 +71,13 @@ all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_
 NVCC ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard $(CUDA_HOME)/bin/nvcc),/usr/local/cuda/bin/nvcc)
 # the toolkit's root (for its headers): CUDA_HOME, /usr/local/cuda, or above nvcc
 CUDA_ROOT := $(or $(CUDA_HOME),$(wildcard /usr/local/cuda),$(abspath $(dir $(realpath $(NVCC)))..))
-CUDA_ARCHS ?= 80 90
-CUDA_GENCODE := $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
-                -gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
+CUDA_ARCHS ?= $(TP_CUDA_ARCHS)
+CUDA_GENCODE := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(a),code=sm_$(a)) \
+                -gencode=arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
 CUDA_ARCH_STR := $(foreach a,$(CUDA_ARCHS),sm_$(a)) + compute_$(lastword $(CUDA_ARCHS)) PTX
-NVCCFLAGS := -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden -Icsrc/include -Icsrc -D_GNU_SOURCE $(CUDA_GENCODE)
+NVCCFLAGS := $(TP_NVCCFLAGS) $(CUDA_GENCODE)
 CUDA_CU := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.cu)))
-CUDA_C := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.c))) csrc/core/dtype.c csrc/core/dynlib_sym.c
+CUDA_C := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.c))) $(TP_CUDA_EXTRA)
 CUDA_OBJ := $(patsubst csrc/%.cu,$(BUILD)/cuda-obj/%.cu.o,$(CUDA_CU)) $(patsubst csrc/%.c,$(BUILD)/cuda-obj/%.o,$(CUDA_C))
 
 CUDA_HDRS := $(sort $(foreach d,$(TP_CUDA_DIRS),$(wildcard $(d)/*.cuh)))  # the kernels' own headers
@@ -82,19 +88,17 @@ $(BUILD)/cuda-obj/%.cu.o: csrc/%.cu $(HDRS) $(CUDA_HDRS)
 
 $(BUILD)/cuda-obj/%.o: csrc/%.c $(HDRS)
 	@mkdir -p $(dir $@)
-	$(CC) -std=c11 -O2 -fPIC -fvisibility=hidden -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Icsrc/include \
-	  -Icsrc -I$(CUDA_ROOT)/include -DTP_CUDA_ARCH_STR='"$(CUDA_ARCH_STR)"' -c $< -o $@
+	$(CC) $(TP_CUDA_CFLAGS) -I$(CUDA_ROOT)/include -DTP_CUDA_ARCH_STR='"$(CUDA_ARCH_STR)"' -c $< -o $@
 
-$(BUILD)/libtpcore_cuda.so: $(CUDA_OBJ) csrc/cuda/plugin.map
-	$(NVCC) -shared -o $@ $(CUDA_OBJ) --cudart=static -Xlinker --exclude-libs,ALL -Xlinker --version-script=csrc/cuda/plugin.map -Xlinker --no-undefined \
-	  -ldl -lrt -lpthread
+$(BUILD)/libtpcore_cuda.so: $(CUDA_OBJ) $(TP_CUDA_MAP)
+	$(NVCC) $(TP_CUDA_LDFLAGS) -Xlinker --version-script=$(TP_CUDA_MAP) -o $@ $(CUDA_OBJ) $(TP_CUDA_LIBS)
 
-MPI_SRC := csrc/mpi/mpi.c csrc/mpi/mpi_ops.c csrc/core/dtype.c
+MPI_SRC := $(sort $(foreach d,$(TP_MPI_DIRS),$(wildcard $(d)/*.c))) $(TP_MPI_EXTRA)
 
-$(BUILD)/libtpcore_mpi.so: $(MPI_SRC) csrc/mpi/plugin.map $(HDRS)
+$(BUILD)/libtpcore_mpi.so: $(MPI_SRC) $(TP_MPI_MAP) $(HDRS)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -fvisibility=hidden -Icsrc $(MPI_CFLAGS) -shared $(MPI_SRC) -o $@ \
-	  -Wl,--version-script=csrc/mpi/plugin.map -Wl,--no-undefined $(LDFLAGS) $(MPI_LIBS)
+	$(CC) $(TP_PLUGIN_CFLAGS) $(OPT) $(MPI_CFLAGS) $(TP_MPI_LDFLAGS) $(MPI_SRC) -o $@ \
+	  -Wl,--version-script=$(TP_MPI_MAP) $(LDFLAGS) $(MPI_LIBS)
 
 $(BUILD)/test_mpi: csrc/tests/test_mpi.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
@@ -180,7 +184,7 @@ ifneq ($(MPI_PLUGIN),)
 endif
 
 clean:
-	rm -rf build build-san
+	rm -rf build build-san build-debug
 
 # The C core's sources, one per line (tests/test_build.py compares setup.py's list with it).
 print-core-sources:

@@ -8,3 +8,11 @@
 TP_CORE_DIRS := csrc/core csrc/devices csrc/comm csrc/kernels csrc/kernels/cpu csrc/layers
 TP_PYTHON_DIRS := csrc/python
 TP_CUDA_DIRS := csrc/cuda csrc/kernels/cuda
+# The plugins' other files (Makefile and setup.py): the core's files each compiles in, and the
+# version script that leaves its entry the only exported symbol.  The MPI plugin is every *.c
+# of TP_MPI_DIRS (the only files that include <mpi.h>).
+TP_CUDA_EXTRA := csrc/core/dtype.c csrc/core/dynlib_sym.c
+TP_CUDA_MAP := csrc/cuda/plugin.map
+TP_MPI_DIRS := csrc/mpi
+TP_MPI_EXTRA := csrc/core/dtype.c
+TP_MPI_MAP := csrc/mpi/plugin.map

@@ -1,8 +1,10 @@
-"""One source list and one version: setup.py, the Makefile, pyproject.toml, the C header
-and the package must agree."""
+"""One source list, one set of flags and one version: setup.py, the Makefile, pyproject.toml,
+the C header and the package must agree; the build checks its tools first."""
 import json
 import os
 import re
+import runpy
+import shlex
 import shutil
 import subprocess
 import sys
@@ -31,6 +33,24 @@ def _setup_py():
     out = subprocess.run([sys.executable, "-c", _CAPTURE, ROOT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_SETUP = {}
+
+
+def _setup_module():
+    """setup.py's functions, with setuptools.setup replaced (nothing is built)."""
+    if not _SETUP:
+        import setuptools
+        real, cwd = setuptools.setup, os.getcwd()
+        setuptools.setup = lambda **kw: None
+        try:
+            os.chdir(ROOT)
+            _SETUP.update(runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="not_main"))
+        finally:
+            setuptools.setup = real
+            os.chdir(cwd)
+    return _SETUP
 
 
 def _header_version():
@@ -66,8 +86,9 @@ def test_setup_py_and_makefile_compile_the_same_core():
     # every C file of csrc/ outside the tests is built by one of them
     every = {os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(os.path.join(ROOT, "csrc"))
              for f in fs if f.endswith(".c") and "/tests" not in d}
-    every = {f for f in every if os.path.dirname(f) not in ("csrc/cuda", "csrc/kernels/cuda",  # the CUDA plugin's
-                                                            "csrc/mpi")}  # the MPI plugin's
+    mk = _setup_module()["read_source_dirs"](os.path.join(ROOT, "csrc", "sources.mk"))
+    plugins = set(mk["TP_CUDA_DIRS"]) | set(mk["TP_MPI_DIRS"])  # the plugins' own directories
+    every = {f for f in every if os.path.dirname(f) not in plugins}
     assert every == set(srcs)
 
 
@@ -78,3 +99,105 @@ def test_source_list_is_read_by_both():
         assert "sources.mk" in f.read()
     with open(os.path.join(ROOT, "MANIFEST.in")) as f:  # an sdist must carry it: setup.py reads it
         assert re.search(r"^recursive-include csrc .*\*\.mk", f.read(), re.M)
+
+
+def test_flags_are_read_by_both():
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        assert re.search(r"^include csrc/flags\.mk$", f.read(), re.M)
+    fl = _setup_module()["read_flags"]()
+    assert "-std=c11" in fl["TP_CFLAGS"] and fl["TP_PLUGIN_CFLAGS"][:len(fl["TP_CFLAGS"])] == fl["TP_CFLAGS"]
+    assert "-fsanitize=address,undefined" in fl["TP_OPT_SANITIZE"]
+    assert "-fsanitize=address" in _setup_module()["read_flags"]("address")["TP_OPT_SANITIZE"]
+
+
+def _make_commands(target, *make_vars):
+    """The compiler and linker commands `make -n -B` would run for target (in ROOT), split as
+    the shell does."""
+    out = subprocess.run(["make", "-n", "-B", "--no-print-directory", *make_vars, target], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout.replace("\\\n", " ")
+    return [shlex.split(ln) for ln in text.splitlines() if ln.split(" ", 1)[0] in ("CC", "NVCC")]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_and_setup_py_build_the_plugins_with_the_same_commands(tmp_path, monkeypatch):
+    """No nvcc or mpicc needed: both are asked for their commands with the same stand-ins."""
+    s = _setup_module()
+    monkeypatch.chdir(ROOT)
+    build = str(tmp_path / "b")
+    steps, link, lib = s["cuda_plugin_commands"]({"nvcc": "NVCC", "root": "/CUDA", "archs": [80, 90]},
+                                                 build, ["CC"])
+    make = _make_commands(f"{build}/libtpcore_cuda.so", "CUDA=1", "NVCC=NVCC", "CC=CC", "CUDA_ROOT=/CUDA",
+                          "CUDA_ARCHS=80 90", f"BUILD={build}")
+    mine = [cmd for _, _, cmd in steps] + [link]
+    assert len(steps) > 10 and any(c[0] == "NVCC" and "-c" in c for c in mine)
+    assert sorted(make) == sorted(mine)
+    assert lib == f"{build}/libtpcore_cuda.so"
+    plan = {"mpicc": "mpicc", "cflags": ["-I/MPI/include"], "libs": ["-L/MPI/lib", "-lmpi"]}
+    for cfg, make_vars in (({"sanitize": "", "debug": False}, []), ({"sanitize": "", "debug": True}, ["DEBUG=1"])):
+        mine = s["mpi_plugin_command"](plan, f"{build}/libtpcore_mpi.so", ["CC"], cfg)
+        make = _make_commands(f"{build}/libtpcore_mpi.so", "MPICC=mpicc", "CC=CC", "MPI_CFLAGS=-I/MPI/include",
+                              "MPI_LIBS=-L/MPI/lib -lmpi", f"BUILD={build}", *make_vars)
+        assert make == [mine], (make, mine)
+
+
+def test_extension_takes_the_core_flags():
+    s = _setup_module()
+    fl = s["read_flags"]()
+    cflags, ldflags = s["extension_flags"]({"sanitize": "", "debug": False})
+    assert cflags == fl["TP_CFLAGS"] + fl["TP_OPT_RELEASE"] and ldflags == fl["TP_LIBS"]
+    cflags, ldflags = s["extension_flags"]({"sanitize": "address", "debug": False})
+    assert "-fsanitize=address" in cflags and ldflags[0] == "-fsanitize=address"
+
+
+def test_make_fragments_are_read_as_make_reads_them(tmp_path):
+    read_mk = _setup_module()["read_mk"]
+    mk = tmp_path / "x.mk"
+    mk.write_text("# a comment\nA := -x -y  # trailing\nB := $(A) -z\n\nC = plain\n")
+    assert read_mk(str(mk)) == {"A": ["-x", "-y"], "B": ["-x", "-y", "-z"], "C": ["plain"]}
+    assert read_mk(str(mk), {"A": "-q"})["B"] == ["-q", "-z"]  # as `make A=-q`
+    for bad, msg in (("B := $(NOPE)\n", r"\$\(NOPE\) is not a name defined above"),
+                     ("B := $(wildcard *.c)\n", "only \\$\\(NAME\\) references"),
+                     ("ifeq (a,b)\n", "plain 'NAME := words' lines only")):
+        mk.write_text(bad)
+        with pytest.raises(SystemExit, match=msg):
+            read_mk(str(mk))
+
+
+def test_toolchain_problems_say_what_to_install(tmp_path):
+    problem = _setup_module()["toolchain_problem"]
+    import sysconfig
+    msg = problem(["tpcore-no-such-cc", "-O2"])
+    assert "tpcore needs a C compiler to build, and 'tpcore-no-such-cc'" in msg
+    assert "apt-get install build-essential" in msg and "conda install -c conda-forge c-compiler" in msg
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler here")
+    msg = problem([cc], str(tmp_path))  # a Python without its headers
+    assert f"{tmp_path}/Python.h is missing" in msg and "-dev" in msg and "python3-devel" in msg
+    (tmp_path / "Python.h").write_text("#error this Python.h is broken\n")
+    msg = problem([cc], str(tmp_path))
+    assert "cannot compile a C file" in msg and "this Python.h is broken" in msg
+    assert problem([cc], sysconfig.get_path("include")) is None
+
+
+def test_a_missing_compiler_stops_the_build_first(tmp_path):
+    env = dict(os.environ, CC="tpcore-no-such-cc", TPCORE_CUDA="0")
+    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                        "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0
+    assert "tpcore needs a C compiler to build, and 'tpcore-no-such-cc'" in r.stderr, r.stderr[-3000:]
+    assert "No such file or directory" not in r.stderr
+    assert not (tmp_path / "lib").exists()  # nothing was built
+
+
+def test_license_is_an_spdx_string_and_setuptools_new_enough():
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        meta = tomllib.load(f)
+    assert meta["project"]["license"] == "Apache-2.0"
+    req = [r for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
+    m = re.fullmatch(r"setuptools>=(\d+)(\.\d+)*", req[0]) if req else None
+    assert m and int(m.group(1)) >= 77, req  # the string form needs setuptools 77

@@ -6,6 +6,7 @@ the device table's stream entries on the CPU."""
 import ctypes
 import json
 import os
+import re
 import runpy
 import shutil
 import subprocess
@@ -257,6 +258,10 @@ def test_cpu_only_build_in_a_temp_copy(tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cuda: CPU-only build, no CUDA plugin: TPCORE_CUDA=0 at build time" in r.stderr
+    # what a user sees under `pip install -v .`: each step as it starts and ends, no deprecation
+    assert "[tpcore build] to build: the extension tpcore._C\n" in r.stderr
+    assert re.search(r"\[tpcore build\] extension tpcore._C: built in \d+ s", r.stderr), r.stderr[-3000:]
+    assert "SetuptoolsDeprecationWarning" not in r.stderr and "project.license" not in r.stderr
     assert "nvcc " not in r.stderr.replace("nvcc was", "")  # nothing was compiled by nvcc
     assert not os.path.exists(src / "python" / "tpcore" / ".libs" / "libtpcore_cuda.so")
     env["PYTHONPATH"] = str(src / "python")
@@ -344,3 +349,27 @@ def test_device_table_selftest_on_the_gpu(n):
     assert 0 < free <= total
     with pytest.raises(ValueError, match="device id 99 is out of range"):
         _C._device_stream_entries(1, 99)
+
+
+def test_cuda_plugin_step_reports_its_progress(tmp_path, monkeypatch, capsys):
+    """build_cuda_plugin with stand-ins for nvcc and the C compiler (each writes its -o file): the
+    step says when it starts (archs, how to skip it), each file as it ends, when it is done,
+    and that a second build has nothing to do."""
+    s = _setup_module()
+    monkeypatch.chdir(ROOT)
+    fake = tmp_path / "fake-tool"
+    fake.write_text('#!/bin/sh\nwhile [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    fake.chmod(0o755)
+    plan = {"nvcc": str(fake), "root": str(tmp_path), "archs": [80, 90]}
+    lib = s["build_cuda_plugin"](plan, str(tmp_path / "b"), [str(fake)], jobs=2)
+    assert os.path.exists(lib)
+    err = capsys.readouterr().err
+    steps, _, _ = s["cuda_plugin_commands"](plan, "x", ["cc"])
+    n = len(steps)
+    assert (f"[tpcore build] CUDA plugin: building libtpcore_cuda.so for sm_80, sm_90 (+ compute_90 PTX) with "
+            f"{fake}: {n} of {n} files, 2 at a time") in err
+    assert "TPCORE_CUDA=0 skips it" in err
+    assert len(re.findall(rf"CUDA plugin: \[\d+/{n}\] \S+ \(\d+ s\)", err)) == n
+    assert re.search(r"CUDA plugin: built in \d+ s", err)
+    s["build_cuda_plugin"](plan, str(tmp_path / "b"), [str(fake)], jobs=2)
+    assert capsys.readouterr().err == "[tpcore build] CUDA plugin: up to date\n"

@@ -198,3 +198,109 @@ def test_console_script_is_installed():
         pytest.skip("tpcore-launch is not on PATH (package not installed with pip)")
     r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "-n" in r.stdout
+
+
+# ------------------------------------------------------------------ torchrun's spellings
+
+ENV = """
+import os
+e = os.environ
+print("ENV", e["RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_ADDR"], e["MASTER_PORT"], flush=True)
+"""
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_lines(out):
+    return sorted(tuple(ln.split("ENV ", 1)[1].split()) for ln in out.splitlines() if "ENV " in ln)
+
+
+def _cpus():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@pytest.mark.parametrize("argv", [["--nproc-per-node", "3"], ["--nproc_per_node", "3"], ["--nproc-per-node=3"],
+                                  ["-n", "3", "--nproc_per_node=3"], ["--standalone", "--nproc-per-node", "3"]])
+def test_nproc_per_node_and_standalone(tmp_path, argv):
+    r = launch(argv + [script(tmp_path, GOOD), "a"])
+    assert r.returncode == 0, r.stderr
+    for k in range(3):
+        assert f"[rank{k}] rank={k} size=3 local={k} sum=6 args=['a']" in r.stdout
+
+
+@pytest.mark.parametrize("argv", [["--nnodes", "1", "--node-rank", "0"], ["--nnodes=1:1", "--node_rank=0"]])
+def test_one_node_spelled_as_torchrun_does(tmp_path, argv):
+    r = launch(argv + ["-n", "2", script(tmp_path, ENV)])
+    assert r.returncode == 0, r.stderr
+    lines = _env_lines(r.stdout)
+    assert [ln[:4] for ln in lines] == [("0", "2", "2", "127.0.0.1"), ("1", "2", "2", "127.0.0.1")]
+    assert 0 < int(lines[0][4]) < 65536 and lines[0][4] == lines[1][4]  # a free port, the same for the job
+
+
+@pytest.mark.parametrize("dash", ["-", "_"])
+def test_master_addr_and_port_on_one_host_reach_the_ranks(tmp_path, dash):
+    port = _free_port()
+    r = launch([f"--master{dash}addr", "localhost", f"--master{dash}port", str(port), "-n", "2",
+                script(tmp_path, ENV)])
+    assert r.returncode == 0, r.stderr
+    assert _env_lines(r.stdout) == [("0", "2", "2", "localhost", str(port)), ("1", "2", "2", "localhost", str(port))]
+
+
+def test_nproc_per_node_cpu_auto_and_gpu(tmp_path):
+    from tpcore.launch import visible_gpus
+    gpus, why = visible_gpus()
+    path = script(tmp_path, ENV)
+    r = launch(["--nproc-per-node", "cpu", path])
+    assert r.returncode == 0, r.stderr
+    assert {ln[1] for ln in _env_lines(r.stdout)} == {str(_cpus())}
+    r = launch(["--nproc-per-node", "auto", path])
+    assert r.returncode == 0, r.stderr
+    assert {ln[1] for ln in _env_lines(r.stdout)} == {str(len(gpus) or _cpus())}
+    r = launch(["--nproc-per-node", "gpu", path])
+    if gpus:
+        assert r.returncode == 0, r.stderr
+        assert {ln[1] for ln in _env_lines(r.stdout)} == {str(len(gpus))}
+    else:
+        assert r.returncode == 2 and f"--nproc-per-node gpu: one rank per GPU, but {why}" in r.stderr, r.stderr
+
+
+def test_two_hosts_with_torchrun_spellings(tmp_path):
+    path, port = script(tmp_path, ENV), _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    procs = [subprocess.Popen(LAUNCH + ["--nnodes=2", f"--node_rank={k}", "--master_addr=127.0.0.1",
+                                        f"--master_port={port}", "--nproc_per_node=1", path],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for k in (1, 0)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    assert _env_lines(outs[0][0]) == [("1", "2", "1", "127.0.0.1", str(port))]
+    assert _env_lines(outs[1][0]) == [("0", "2", "1", "127.0.0.1", str(port))]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["-n", "2", "--nproc-per-node", "3"], "-n 2 and --nproc-per-node 3 disagree"),
+    (["--nproc_per_node", "3", "--gpus", "1"], "--gpus 1 and --nproc-per-node 3 disagree"),
+    (["--nproc-per-node", "many"], "--nproc-per-node must be a number of ranks, gpu, cpu or auto, got 'many'"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
+    (["--standalone", "--nnodes", "2", "--node-rank", "0", "--master-port", "1234"],
+     "--standalone runs the job on this host alone, on a free port: --nnodes 2, --master-port 1234 contradicts it"),
+    (["--standalone", "--master_addr", "10.0.0.1"], "--master-addr 10.0.0.1 contradicts it"),
+    (["--nnodes", "1:4"], "'1:4': elastic jobs (torchrun's MIN:MAX hosts) are not supported"),
+    (["--nnodes", "two"], "expected a number of hosts, got 'two'"),
+    (["--master_port", "70000"], "--master-port must be in 1..65535, got 70000"),
+])
+def test_contradictory_or_unsupported_torchrun_arguments(argv, msg):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    r = launch(argv + ["x.py"], env=env)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr

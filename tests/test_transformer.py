@@ -195,3 +195,33 @@ def test_norm_kernels(kind):
         minus[which] = args[which] - eps * V
         fd = (loss(*plus) - loss(*minus)) / (2 * eps)
         assert abs(float((got * V).sum()) - fd) < 1e-4 * (1 + abs(fd)), (which, float((got * V).sum()), fd)
+
+
+def _headless_case(comm, partition):
+    import warnings
+    cfg = tpcore.Config(vocab_size=10, hidden=18, heads=3, layers=4, ffn_hidden=12, positions="none")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tpcore.TransformerBlock(cfg, comm, seed=1, head_partition=partition)
+        tpcore.models.TransformerLM(cfg, comm, seed=2, partition=partition)
+    return [(type(w.message).__name__, str(w.message)) for w in seen]
+
+
+@pytest.mark.parametrize("world,partition,idle,counts", [
+    (4, None, "rank 3", [1, 1, 1, 0]),       # more ranks than heads
+    (4, [2, 0, 1, 0], "ranks 1, 3", [2, 0, 1, 0]),  # a partition with zeros
+])
+def test_ranks_without_heads_are_warned_once_per_model(world, partition, idle, counts):
+    res = run(_headless_case, world, partition)
+    assert all(r == [] for r in res[1:]), res  # rank 0 alone speaks for the job
+    kinds = [k for k, _ in res[0]]
+    assert kinds == ["HeadSplitWarning", "HeadSplitWarning"], res[0]  # the block's, the model's: not one per layer
+    block, model = (m for _, m in res[0])
+    want = f"3 attention heads split over {world} ranks leave {idle} with no heads"
+    assert block.startswith(f"TransformerBlock: {want} (heads per rank: {counts})"), block
+    assert model.startswith(f"TransformerLM: {want} in each of its 4 blocks (heads per rank: {counts})"), model
+    assert "At most 3 ranks give every rank heads" in model
+
+
+def test_every_rank_with_heads_is_not_warned():
+    assert run(_headless_case, 3, None) == [[], [], []]

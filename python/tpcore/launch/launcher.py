@@ -24,6 +24,17 @@ visible GPU> and LOCAL_RANK=r, so device="cuda" in the rank is its own GPU.
 Without -n, --gpus or TPCORE_NPROC, a machine where CUDA is usable starts one rank
 per visible GPU.  Asking for more GPUs than are visible is an error.
 
+torchrun's spellings work too: --nproc-per-node (--nproc_per_node) is -n, and also
+takes "gpu" (one rank per visible GPU, as --gpus), "cpu" (one per CPU) or "auto"
+(gpu where CUDA is usable, else cpu); --standalone is a job of this host alone on a
+free port (what the launcher does without --nnodes, so it contradicts --nnodes > 1,
+--master-addr and --master-port); --nnodes also takes MIN:MAX with MIN == MAX (no
+elastic jobs); --node_rank, --master_addr and --master_port are --node-rank,
+--master-addr and --master-port.  On one host, --master-addr and --master-port set
+the ranks' MASTER_ADDR/MASTER_PORT (default 127.0.0.1 and a free port, not
+torchrun's 29500, so that two jobs never share one).  Two spellings of one thing
+that disagree (-n 2 --nproc-per-node 3) are an error.
+
 --backend mpi hands the job to Open MPI: the launcher execs
 `mpirun -n N --oversubscribe [--tag-output] python -u script.py ...` with
 TPCORE_BACKEND=mpi (and TPCORE_TIMEOUT, PYTHONPATH passed on with -x), so
@@ -60,6 +71,13 @@ def _parse(argv):
         description="Run a script or module on N local ranks of one tpcore job.")
     p.add_argument("-n", "--nproc", type=int, default=None,
                    help="number of ranks (default: TPCORE_NPROC, else 2)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None,
+                   metavar="{N,gpu,cpu,auto}",
+                   help="torchrun's spelling of -n; also gpu (one rank per visible GPU, as --gpus), cpu (one "
+                        "per CPU) or auto (gpu where CUDA is usable, else cpu)")
+    p.add_argument("--standalone", action="store_true",
+                   help="torchrun's single-host job: this host alone, on a free port (the default without "
+                        "--nnodes)")
     p.add_argument("--gpus", type=int, default=None,
                    help="one GPU per rank: start this many ranks, each with CUDA_VISIBLE_DEVICES naming its own "
                         "GPU and LOCAL_RANK set (like torchrun); refused when fewer GPUs are visible")
@@ -76,7 +94,8 @@ def _parse(argv):
     # Everything after the module name (or the script) belongs to it, options included
     # (`-m tpcore.demo --iters 2`): argparse alone would take `--iters` as the launcher's.
     argv = list(sys.argv[1:] if argv is None else argv)
-    takes_value = {"-n", "--nproc", "--gpus", "--timeout", "--grace", "--backend"} | set(_MULTINODE_OPTS)
+    takes_value = {"-n", "--nproc", "--nproc-per-node", "--nproc_per_node", "--gpus", "--timeout", "--grace",
+                   "--backend"} | set(_MULTINODE_OPTS)
     i, tail = 0, []
     while i < len(argv):
         a = argv[i]
@@ -93,6 +112,7 @@ def _parse(argv):
     ns = p.parse_args(argv)
     ns.args = list(ns.args) + tail
     ns.gpu_ids = None
+    _torchrun_nproc(p, ns)
     if ns.gpus is not None:
         if ns.gpus < 1:
             p.error(f"--gpus must be >= 1, got {ns.gpus}")
@@ -116,6 +136,44 @@ def _parse(argv):
         p.error(f"--timeout must be > 0, got {ns.timeout}")
     _check_multinode_args(p, ns)
     return ns
+
+
+def _torchrun_nproc(p, ns):
+    """--nproc-per-node (torchrun's -n): a number sets ns.nproc, gpu sets ns.gpus, cpu and auto
+    one of them; refused when -n or --gpus says otherwise."""
+    text = ns.nproc_per_node
+    if text is None:
+        return
+    v = text.strip().lower()
+    if v == "auto":
+        v = "gpu" if visible_gpus()[0] else "cpu"
+    if v == "gpu":
+        visible, why = visible_gpus()
+        if not visible:
+            p.error(f"--nproc-per-node {text}: one rank per GPU, but {why}")
+        if ns.gpus is not None and ns.gpus != len(visible):
+            p.error(f"--gpus {ns.gpus} and --nproc-per-node {text} ({len(visible)} visible GPUs) disagree "
+                    "(give one of them)")
+        if ns.nproc is not None and ns.nproc != len(visible):
+            p.error(f"-n {ns.nproc} and --nproc-per-node {text} ({len(visible)} visible GPUs) disagree "
+                    "(give one of them)")
+        ns.gpus = len(visible)
+        return
+    if v == "cpu":
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    else:
+        try:
+            n = int(v)
+        except ValueError:
+            p.error(f"--nproc-per-node must be a number of ranks, gpu, cpu or auto, got {text!r}")
+        if n < 1:
+            p.error(f"--nproc-per-node must be >= 1, got {n}")
+    if ns.nproc is not None and ns.nproc != n:
+        p.error(f"-n {ns.nproc} and --nproc-per-node {text} disagree (--nproc-per-node is torchrun's spelling "
+                "of -n: give one of them)")
+    if ns.gpus is not None and ns.gpus != n:
+        p.error(f"--gpus {ns.gpus} and --nproc-per-node {text} disagree (give one of them)")
+    ns.nproc = n
 
 
 def visible_gpus():
@@ -229,7 +287,8 @@ def run(argv: Optional[List[str]] = None) -> int:
         cmd = [sys.executable, "-u"] + ns.args
     base = dict(os.environ)
     base.update({"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "TPCORE_JOB_ID": job, "TPCORE_JOB_RANDOM": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1"})
+                 "MASTER_ADDR": ns.master_addr or "127.0.0.1", "PYTHONUNBUFFERED": "1",
+                 "MASTER_PORT": str(ns.master_port if ns.master_port is not None else _free_port())})
     mn, rank0 = None, 0  # --nnodes > 1: this launcher's part in a job over several hosts
     if ns.nnodes > 1:
         mn = _multinode_join(ns)
@@ -391,19 +450,36 @@ def _blame(procs, seen, err_fd, window=1.0):
 
 # ------------------------------------------------------------ several hosts (--nnodes > 1)
 
-_MULTINODE_OPTS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--join-timeout",
-                   "--heartbeat-timeout")
+_MULTINODE_OPTS = ("--nnodes", "--node-rank", "--node_rank", "--master-addr", "--master_addr", "--master-port",
+                   "--master_port", "--join-timeout", "--heartbeat-timeout")
+
+
+def _nnodes(text):
+    """--nnodes: a number of hosts, or torchrun's MIN:MAX when MIN == MAX (tpcore jobs have a fixed size)."""
+    parts = text.split(":")
+    try:
+        nums = [int(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of hosts, got {text!r}") from None
+    if len(nums) > 2 or (len(nums) == 2 and nums[0] != nums[1]):
+        raise argparse.ArgumentTypeError(f"{text!r}: elastic jobs (torchrun's MIN:MAX hosts) are not supported; "
+                                         "give one number of hosts")
+    return nums[0]
 
 
 def _add_multinode_args(p):
     g = p.add_argument_group("several hosts (like torchrun; see tpcore/_multinode.py)")
-    g.add_argument("--nnodes", type=int, default=1,
-                   help="hosts of the job (default 1); each runs this launcher with its own --node-rank")
-    g.add_argument("--node-rank", type=int, default=None, help="this host's index in 0..nnodes-1")
-    g.add_argument("--master-addr", default=None,
+    g.add_argument("--nnodes", type=_nnodes, default=1,
+                   help="hosts of the job (default 1; torchrun's N:N too); each runs this launcher with its own "
+                        "--node-rank")
+    g.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
+                   help="this host's index in 0..nnodes-1")
+    g.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None,
                    help="address of node 0, where its launcher hosts the job's store (default 127.0.0.1; "
-                        "MASTER_ADDR)")
-    g.add_argument("--master-port", type=int, default=None, help="the store's port on node 0 (MASTER_PORT)")
+                        "MASTER_ADDR); on one host, the ranks' MASTER_ADDR")
+    g.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                   help="the store's port on node 0 (MASTER_PORT); on one host, the ranks' MASTER_PORT (default "
+                        "a free port)")
     g.add_argument("--join-timeout", type=float, default=300.0,
                    help="seconds to wait for every node to join (default 300)")
     g.add_argument("--heartbeat-timeout", type=float, default=30.0,
@@ -413,6 +489,16 @@ def _add_multinode_args(p):
 def _check_multinode_args(p, ns):
     if ns.nnodes < 1:
         p.error(f"--nnodes must be >= 1, got {ns.nnodes}")
+    if ns.standalone:
+        given = [f"{o} {v}" for o, v in (("--nnodes", ns.nnodes if ns.nnodes != 1 else None),
+                                          ("--node-rank", ns.node_rank if ns.node_rank else None),
+                                          ("--master-addr", ns.master_addr), ("--master-port", ns.master_port))
+                 if v is not None]
+        if given:
+            p.error(f"--standalone runs the job on this host alone, on a free port: {', '.join(given)} "
+                    "contradicts it (give one of them)")
+    if ns.master_port is not None and not 1 <= ns.master_port <= 65535:
+        p.error(f"--master-port must be in 1..65535, got {ns.master_port}")
     if ns.nnodes == 1:
         if ns.node_rank not in (None, 0):
             p.error(f"--node-rank {ns.node_rank} needs --nnodes > {ns.node_rank}")

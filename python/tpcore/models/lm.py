@@ -29,7 +29,7 @@ from tpcore.nn.common import zero
 from tpcore.nn.config import Config, head_partition
 from tpcore.nn.linear import ColumnParallelLinear
 from tpcore.nn.partition import partition as partition_dim, partition_sizes
-from tpcore.nn.transformer import TransformerBlock, mask_array, positions
+from tpcore.nn.transformer import TransformerBlock, build_blocks, mask_array, positions
 from tpcore.nn.weights import put_weight
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from tpcore.utils.args import bool_arg, int_arg, minmax, seed_arg, shown
@@ -172,9 +172,8 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         self.wpe_grad = self.tte_grad = None  # gradients on demand (_alloc_grads): none for inference
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.embedding_norm and first else None
         bd = {k: self.dtypes[k] for k in ("qkv", "out", "fc1", "fc2")}
-        self.blocks = [TransformerBlock(cfg, comm, seed=(seed + 1000 * (i + 1)) % 2 ** 64, head_partition=partition,
-                                        ffn_partition=ffn_partition, device=dev, dtype=bd)
-                       for i in range(lo, hi)]
+        self.blocks = build_blocks(cfg, comm, [(seed + 1000 * (i + 1)) % 2 ** 64 for i in range(lo, hi)], partition,
+                                   ffn_partition, dev, bd, "TransformerLM")
         for blk in self.blocks:  # one workspace for every block's inference forwards (they run in turn)
             blk._c.share_workspace(self.blocks[0]._c)
         self.final_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.final_norm and cfg.pre_norm and last \

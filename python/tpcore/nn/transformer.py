@@ -28,6 +28,7 @@ cuts the slices on the host and copies them to the GPU.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, overload
 
 import numpy as np
@@ -44,6 +45,39 @@ from tpcore.nn.config import Config
 from tpcore.nn.partition import check_partition, partition_sizes
 from tpcore.nn.quant import QuantTensor, as_format, dequantize
 from tpcore.nn.weights import _host, load_weight
+
+
+class HeadSplitWarning(UserWarning):
+    """A head split that leaves ranks with no attention heads (more ranks than heads, or a
+    partition with zeros): those ranks only wait in attention's all-reduce."""
+
+
+def warn_headless_ranks(split: Sequence[Tuple[int, int]], heads: int, comm: Comm, who: str, blocks: int = 1) -> None:
+    """Warns once (a HeadSplitWarning, from rank 0 of comm) when a head split gives some rank no head.
+
+    Parameters
+    ----------
+    split : list of (int, int)
+        Every rank's (offset, count) of query heads.
+    heads : int
+        The query heads split.
+    comm : Comm
+        The ranks of the split.
+    who : str
+        The layer or model named in the message.
+    blocks : int, default 1
+        How many blocks share the split (the model's warning stands for all of them).
+    """
+    counts = [int(n) for _, n in split]
+    idle = [r for r, n in enumerate(counts) if n == 0]
+    if not idle or comm.rank != 0:
+        return
+    whom = f"rank {idle[0]}" if len(idle) == 1 else f"ranks {', '.join(map(str, idle))}"
+    where = f" in each of its {blocks} blocks" if blocks > 1 else ""
+    warnings.warn(f"{who}: {heads} attention heads split over {len(counts)} ranks leave {whom} with no heads{where} "
+                  f"(heads per rank: {counts}); {'it waits' if len(idle) == 1 else 'they wait'} in attention's "
+                  f"all-reduce with nothing to compute.  At most {heads} ranks give every rank heads.",
+                  HeadSplitWarning, stacklevel=3)
 
 
 _PROJ = ("attn.qkv.weight", "attn.out.weight", "mlp.fc1.weight", "mlp.fc2.weight")
@@ -142,6 +176,7 @@ class TransformerBlock:
         self.q0, self.nq, self.k0, self.nk = info["q0"], info["nq"], info["k0"], info["nk"]
         self.kv_replicated = info["kv_replicated"]
         self.head_partition = check_partition(comm, self.q0, self.nq, cfg.heads, "TransformerBlock heads")
+        warn_headless_ranks(self.head_partition, cfg.heads, comm, type(self).__name__)
         self._p = self._c.params()  # (param, grad) views; grad None until _alloc_grads or a backward
         self._grads = False
         g = 2 if cfg.activation == "swiglu" else 1
@@ -692,3 +727,16 @@ class ParallelAttention(TransformerBlock):
     def __repr__(self) -> str:
         return (f"ParallelAttention(hidden={self.config.hidden}, heads {self.q0}:{self.q0 + self.nq} and kv heads "
                 f"{self.k0}:{self.k0 + self.nk} on rank {self.comm.rank})")
+
+
+def build_blocks(cfg: Config, comm: Comm, seeds: Sequence[int], head_partition: Any, ffn_partition: Any,
+                 device: Any, dtype: Any, who: str) -> List["TransformerBlock"]:
+    """One TransformerBlock per seed, all on one head and FFN split; a split that leaves some
+    rank without heads warns once for them all (`HeadSplitWarning`), not once per block."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HeadSplitWarning)
+        blocks = [TransformerBlock(cfg, comm, seed=s, head_partition=head_partition, ffn_partition=ffn_partition,
+                                   device=device, dtype=dtype) for s in seeds]
+    if blocks:
+        warn_headless_ranks(blocks[0].head_partition, cfg.heads, comm, who, len(blocks))
+    return blocks
