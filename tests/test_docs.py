@@ -113,8 +113,8 @@ def _public_api():
     import tpcore.optim
     import tpcore.quant
     names = [f"tpcore.{n}" for n in tpcore.__all__ if not isinstance(getattr(tpcore, n), type(tpcore))]
-    for mod in (tpcore.models, tpcore.quant):
-        names += [f"{mod.__name__}.{n}" for n in mod.__all__]
+    for path, mod in (("tpcore.models", tpcore.models), ("tpcore.quant", tpcore.quant)):  # public paths
+        names += [f"{path}.{n}" for n in mod.__all__]
     names += [f"tpcore.optim.{n}" for n in ("AdamW", "SGD", "ShardedAdamW")]
     try:
         import tpcore.torch as tt

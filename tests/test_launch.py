@@ -252,7 +252,7 @@ def test_master_addr_and_port_on_one_host_reach_the_ranks(tmp_path, dash):
 
 
 def test_nproc_per_node_cpu_auto_and_gpu(tmp_path):
-    from tpcore.launch import visible_gpus
+    from tpcore.launch.launcher import visible_gpus
     gpus, why = visible_gpus()
     path = script(tmp_path, ENV)
     r = launch(["--nproc-per-node", "cpu", path])
