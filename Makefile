@@ -38,14 +38,15 @@ LIBS := $(BLAS_LIBS) -lpthread -lrt -ldl -lm
 include csrc/sources.mk
 CORE_SRC := $(sort $(foreach d,$(TP_CORE_DIRS),$(wildcard $(d)/*.c)))
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))
-HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h)
+HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h) $(wildcard csrc/*/*/*/*.h)
 
 # Fake NCCL libraries for test_nccl (rules below).
 FAKE_NCCL := $(BUILD)/fake_nccl/old/libnccl.so.2 $(BUILD)/fake_nccl/nosym/libnccl.so.2 \
              $(BUILD)/fake_nccl/good/libnccl.so.2 $(BUILD)/fake_nccl/home/lib64/libnccl.so.2
 
-# The MPI plugin: csrc/mpi/*.c (the only files that include <mpi.h>) with mpicc's flags, linked
-# to libmpi, exporting its entry only (csrc/comm/mpi_abi.h); the core opens it from beside itself.
+# The MPI plugin: TP_MPI_DIRS's *.c (csrc/comm/mpi/plugin/, the only files that include <mpi.h>)
+# with mpicc's flags, linked to libmpi, exporting its entry only (csrc/comm/mpi/mpi_abi.h); the
+# core opens it from beside itself.
 MPICC ?= $(shell command -v mpicc 2>/dev/null)
 MPIRUN ?= $(shell command -v mpirun 2>/dev/null)
 ifneq ($(MPI),0)
@@ -60,8 +61,8 @@ all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_
      $(BUILD)/test_store $(BUILD)/test_nccl $(FAKE_NCCL) $(if $(filter 1,$(CUDA)),$(BUILD)/libtpcore_cuda.so) \
      $(MPI_PLUGIN)
 
-# The CUDA plugin (CUDA=1): .cu files by nvcc, .c files (and core/dtype.c, dynlib_sym.c) by cc, the CUDA
-# runtime linked statically, every symbol hidden but the entry (csrc/cuda/plugin_abi.h).
+# The CUDA plugin (CUDA=1): TP_CUDA_DIRS's .cu files by nvcc, .c files (and core/dtype.c, dynlib_sym.c)
+# by cc, the CUDA runtime linked statically, every symbol hidden but the entry (csrc/cuda/plugin_abi.h).
 NVCC ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard $(CUDA_HOME)/bin/nvcc),/usr/local/cuda/bin/nvcc)
 # the toolkit's root (for its headers): CUDA_HOME, /usr/local/cuda, or above nvcc
 CUDA_ROOT := $(or $(CUDA_HOME),$(wildcard /usr/local/cuda),$(abspath $(dir $(realpath $(NVCC)))..))
@@ -85,16 +86,16 @@ $(BUILD)/cuda-obj/%.o: csrc/%.c $(HDRS)
 	$(CC) -std=c11 -O2 -fPIC -fvisibility=hidden -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Icsrc/include \
 	  -Icsrc -I$(CUDA_ROOT)/include -DTP_CUDA_ARCH_STR='"$(CUDA_ARCH_STR)"' -c $< -o $@
 
-$(BUILD)/libtpcore_cuda.so: $(CUDA_OBJ) csrc/cuda/plugin.map
-	$(NVCC) -shared -o $@ $(CUDA_OBJ) --cudart=static -Xlinker --exclude-libs,ALL -Xlinker --version-script=csrc/cuda/plugin.map -Xlinker --no-undefined \
+$(BUILD)/libtpcore_cuda.so: $(CUDA_OBJ) csrc/cuda/plugin/plugin.map
+	$(NVCC) -shared -o $@ $(CUDA_OBJ) --cudart=static -Xlinker --exclude-libs,ALL -Xlinker --version-script=csrc/cuda/plugin/plugin.map -Xlinker --no-undefined \
 	  -ldl -lrt -lpthread
 
-MPI_SRC := csrc/mpi/mpi.c csrc/mpi/mpi_ops.c csrc/core/dtype.c
+MPI_SRC := $(sort $(foreach d,$(TP_MPI_DIRS),$(wildcard $(d)/*.c))) csrc/core/dtype.c
 
-$(BUILD)/libtpcore_mpi.so: $(MPI_SRC) csrc/mpi/plugin.map $(HDRS)
+$(BUILD)/libtpcore_mpi.so: $(MPI_SRC) csrc/comm/mpi/plugin/plugin.map $(HDRS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -fvisibility=hidden -Icsrc $(MPI_CFLAGS) -shared $(MPI_SRC) -o $@ \
-	  -Wl,--version-script=csrc/mpi/plugin.map -Wl,--no-undefined $(LDFLAGS) $(MPI_LIBS)
+	  -Wl,--version-script=csrc/comm/mpi/plugin/plugin.map -Wl,--no-undefined $(LDFLAGS) $(MPI_LIBS)
 
 $(BUILD)/test_mpi: csrc/tests/test_mpi.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
@@ -110,7 +111,7 @@ $(BUILD)/libtpcore.a: $(CORE_OBJ)
 $(BUILD)/test_comm: csrc/tests/test_comm.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
-# The rendezvous store (csrc/comm/store.c) from C: threads, timeouts, hostile sockets.
+# The rendezvous store (csrc/comm/store/) from C: threads, timeouts, hostile sockets.
 $(BUILD)/test_store: csrc/tests/test_store.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 

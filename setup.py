@@ -14,7 +14,8 @@ The CUDA plugin, tpcore/.libs/libtpcore_cuda.so, is built by nvcc (PATH, $CUDA_H
 /usr/local/cuda/bin) from csrc/sources.mk's TP_CUDA_DIRS, the CUDA runtime linked statically;
 tpcore._C never links CUDA and loads it on first GPU use.
   TPCORE_MPI=0                        no MPI plugin (else built when mpicc is found)
-The MPI plugin, tpcore/.libs/libtpcore_mpi.so, is compiled from csrc/mpi/*.c with the flags of
+The MPI plugin, tpcore/.libs/libtpcore_mpi.so, is compiled from csrc/sources.mk's TP_MPI_DIRS
+(csrc/comm/mpi/plugin/*.c) with the flags of
 `mpicc --showme:compile` / `--showme:link` (pkg-config ompi as a fallback) and linked to libmpi;
 tpcore._C opens it on first use of the mpi backend, so tpcore imports without MPI.
 The build prints what it detected.
@@ -155,17 +156,18 @@ def mpi_plan(sanitize):
 
 
 def build_mpi_plugin(plan, build_temp, compiler, force=False):
-    """libtpcore_mpi.so from csrc/mpi/mpi.c, mpi_ops.c and csrc/core/dtype.c, exporting its entry only
-    (csrc/mpi/plugin.map).  Returns the library's path."""
+    """libtpcore_mpi.so from csrc/sources.mk's TP_MPI_DIRS and csrc/core/dtype.c, exporting its entry
+    only (csrc/comm/mpi/plugin/plugin.map).  Returns the library's path."""
     tag = hashlib.sha1(json.dumps([plan, compiler], sort_keys=True).encode()).hexdigest()[:10]
     lib = os.path.join(build_temp, f"mpi-{tag}", "libtpcore_mpi.so")
-    srcs = ["csrc/mpi/mpi.c", "csrc/mpi/mpi_ops.c", "csrc/core/dtype.c"]
-    deps = srcs + sorted(glob.glob("csrc/**/*.h", recursive=True)) + ["csrc/mpi/plugin.map"]
+    srcs = sorted(f for d in read_source_dirs().get("TP_MPI_DIRS", []) for f in glob.glob(os.path.join(d, "*.c")))
+    srcs.append("csrc/core/dtype.c")
+    deps = srcs + sorted(glob.glob("csrc/**/*.h", recursive=True)) + ["csrc/comm/mpi/plugin/plugin.map"]
     if force or _stale(lib, deps):
         os.makedirs(os.path.dirname(lib), exist_ok=True)
         cmd = [compiler, "-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-D_GNU_SOURCE", "-Wall", "-Wextra",
                "-Wno-unused-parameter", "-Icsrc/include", "-Icsrc", *plan["cflags"], "-shared", *srcs, "-o", lib,
-               "-Wl,--version-script=csrc/mpi/plugin.map", "-Wl,--no-undefined", *plan["libs"]]
+               "-Wl,--version-script=csrc/comm/mpi/plugin/plugin.map", "-Wl,--no-undefined", *plan["libs"]]
         rc, out, _ = _run(cmd)
         log(" ".join(cmd))
         if rc != 0:
@@ -244,7 +246,7 @@ def _run(cmd):
 def build_cuda_plugin(plan, build_temp, compiler, force=False, jobs=None):
     """libtpcore_cuda.so from csrc/sources.mk's TP_CUDA_DIRS: every .cu by nvcc, every .c (and
     csrc/core/dtype.c, dynlib_sym.c) by the C compiler, linked by nvcc with the static CUDA runtime and one
-    exported symbol (csrc/cuda/plugin.map).  Objects live in a directory of their own per nvcc
+    exported symbol (csrc/cuda/plugin/plugin.map).  Objects live in a directory of their own per nvcc
     and arch list; only stale ones are rebuilt, in parallel.  Returns the library's path."""
     nvcc, root, archs = plan["nvcc"], plan["root"], plan["archs"]
     tag = hashlib.sha1(json.dumps([nvcc, root, archs, compiler], sort_keys=True).encode()).hexdigest()[:10]
@@ -253,7 +255,7 @@ def build_cuda_plugin(plan, build_temp, compiler, force=False, jobs=None):
     cus = sorted(f for d in dirs for f in glob.glob(os.path.join(d, "*.cu")))
     cs = sorted(f for d in dirs for f in glob.glob(os.path.join(d, "*.c"))) + ["csrc/core/dtype.c", "csrc/core/dynlib_sym.c"]
     headers = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cuh", recursive=True))
-    headers.append("csrc/cuda/plugin.map")
+    headers.append("csrc/cuda/plugin/plugin.map")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
     nvcc_flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-D_GNU_SOURCE",
@@ -280,7 +282,7 @@ def build_cuda_plugin(plan, build_temp, compiler, force=False, jobs=None):
     lib = os.path.join(objdir, "libtpcore_cuda.so")
     if jobs_list or not os.path.exists(lib) or _stale(lib, objs):
         cmd = [nvcc, "-shared", "-o", lib, *objs, "--cudart=static", "-Xlinker", "--exclude-libs,ALL",
-               "-Xlinker", "--version-script=csrc/cuda/plugin.map", "-Xlinker", "--no-undefined",  # missing entries fail here
+               "-Xlinker", "--version-script=csrc/cuda/plugin/plugin.map", "-Xlinker", "--no-undefined",  # missing entries fail here
                "-ldl", "-lrt", "-lpthread"]
         rc, out, _ = _run(cmd)
         log(" ".join(cmd))

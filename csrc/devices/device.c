@@ -1,5 +1,5 @@
 /* The device registry: the CPU's table is built in; another device's table (CUDA's,
- * from the plugin: core/plugin.c) is registered at run time with tp_device_register,
+ * from the plugin: cuda/cuda_load.c) is registered at run time with tp_device_register,
  * once per type, under a lock, before its first use. */
 #include <pthread.h>
 #include <stdio.h>
@@ -46,7 +46,8 @@ const tp_device_ops *tp_device_ops_of(tp_device_t d) {
 
 int tp_device_available(tp_device_t d) { return tp_device_ops_of(d) != NULL; }
 
-/* The first use of CUDA loads the plugin (core/plugin.c); its failure is the reason given. */
+/* The first use of CUDA loads the plugin (tp_cuda_load of tpcore/device.h, in cuda/cuda_load.c);
+ * its failure is the reason given. */
 static tp_status_t need(tp_device_t d, const char *op, const tp_device_ops **out) {
   if (d == TP_DEVICE_CUDA && !slot(d)) (void)tp_cuda_load(NULL);
   *out = tp_device_ops_of(d);

@@ -2,8 +2,8 @@
  * The kernel table (private): one tp_kernel_ops per device, after ggml's backend
  * interface.  Every data touch of a layer or block is a call through it: the layers
  * keep the algorithm and the collectives and never read or write a float themselves.
- * A device is a file that fills a tp_kernel_ops (cpu/table.c; cuda/table.c later) plus
- * its line in registry.c; csrc/tests/test_kernels runs every entry of every registered
+ * A device is a file that fills a tp_kernel_ops (cpu/table.c; the CUDA plugin's
+ * csrc/cuda/kernels/table.c) plus its line in registry.c; csrc/tests/test_kernels runs every entry of every registered
  * table against its references, so a new device is checked with no new test code.
  * A new kernel: its field below (documented), its name in TP_KERNEL_ENTRIES (the static
  * assert counts them), tp_cpu_<name> in a cpu/ file (cpu_impl.h declares it and
@@ -292,7 +292,7 @@ TP_STATIC_ASSERT_(sizeof(tp_kernel_ops) ==
 extern "C" {
 #endif
 const tp_kernel_ops *tp_kernels_of(tp_device_t device);
-/* Registers a device's kernel table (the CUDA plugin's, by core/plugin.c): once per type;
+/* Registers a device's kernel table (the CUDA plugin's, by cuda/cuda_load.c): once per type;
  * every entry must be set.  The CPU's is built in. */
 tp_status_t tp_kernels_register(tp_device_t device, const tp_kernel_ops *ops);
 

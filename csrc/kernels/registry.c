@@ -1,5 +1,5 @@
 /* The kernel registry: the CPU's table is built in; another device's (CUDA's, from the
- * plugin: core/plugin.c) is registered at run time with tp_kernels_register, once per
+ * plugin: cuda/cuda_load.c) is registered at run time with tp_kernels_register, once per
  * type, under a lock, before its first use. */
 #include <pthread.h>
 

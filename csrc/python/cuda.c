@@ -1,5 +1,5 @@
 /*
- * cuda.c: the extension's face of the CUDA plugin loader (core/plugin.c) and of the
+ * cuda.c: the extension's face of the CUDA plugin loader (cuda/cuda_load.c) and of the
  * run-time library finder (core/dynlib.c).  python/tpcore/_cuda.py uses these; nothing
  * here loads the plugin unless asked (`import tpcore` never does).
  *   _cuda_load(path=None)      tp_cuda_load; RuntimeError with the reason when it fails
@@ -19,6 +19,7 @@
 #include <dlfcn.h>
 
 #include "../core/dynlib.h"
+#include "../cuda/cuda_load.h"
 #include "../devices/device_impl.h"
 
 #ifndef TPCORE_CUDA_WHY_NOT_STR /* setup.py: "" when the plugin was built, else why not */

@@ -19,7 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../comm/store_impl.h" /* the collectives over the store (nccl's id across hosts) */
+#include "../comm/store/store_impl.h" /* the collectives over the store (nccl's id across hosts) */
 #include "tpcore/store.h"
 
 static int passed, failed;

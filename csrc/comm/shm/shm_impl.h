@@ -38,7 +38,7 @@
 #include <pthread.h>
 #include <time.h>
 
-#include "comm_impl.h"
+#include "../comm_impl.h"
 
 #define CL 64
 #define SHM_MAGIC 0x3153484d52435054ULL /* "TPCRMSH1" */

@@ -13,7 +13,7 @@
 #define TP_CUDA_ARCH_STR "unknown archs"
 #endif
 
-/* The kernel table: csrc/kernels/cuda/table.c. */
+/* The kernel table: csrc/cuda/kernels/table.c. */
 extern const struct tp_kernel_ops tp_cuda_kernel_ops __attribute__((visibility("hidden")));
 
 const tp_cuda_host_api *tp_cuda_host;

@@ -18,7 +18,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-#include "comm_impl.h"
+#include "../comm_impl.h"
 #include "nccl_api.h"
 #include "tpcore/store.h"
 

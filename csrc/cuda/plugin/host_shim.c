@@ -7,7 +7,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "../core/dynlib.h"
+#include "../../core/dynlib.h"
 #include "cuda_plugin_impl.h"
 
 tp_status_t tp_set_error(tp_status_t status, const char *fmt, ...) {

@@ -6,7 +6,7 @@
 #ifndef TPCORE_STORE_IMPL_H
 #define TPCORE_STORE_IMPL_H
 
-#include "../core/core_impl.h"
+#include "../../core/core_impl.h"
 #include "tpcore/store.h"
 
 /* A client of the job's store: MASTER_ADDR, MASTER_PORT and TPCORE_STORE_SECRET (what

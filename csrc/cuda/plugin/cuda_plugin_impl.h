@@ -1,9 +1,9 @@
-/* Private to the CUDA plugin (csrc/cuda/): what its files share.  Included by C (plugin.c,
+/* Private to the CUDA plugin (csrc/cuda/plugin/): what its files share.  Included by C (entry.c,
  * host_shim.c) and C++ (device_cuda.cu). */
 #ifndef TPCORE_CUDA_PLUGIN_IMPL_H
 #define TPCORE_CUDA_PLUGIN_IMPL_H
 
-#include "plugin_abi.h"
+#include "../plugin_abi.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -15,11 +15,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "../core/dynlib.h"
+#include "../../core/dynlib.h"
 #include "nccl_impl.h"
-#include "shm_impl.h" /* tp_shm_proc_starttime */
-#include "shm_seg.h"
-#include "store_impl.h"
+#include "../shm/shm_impl.h" /* tp_shm_proc_starttime */
+#include "../shm/shm_seg.h"
+#include "../store/store_impl.h"
 #include "tpcore/device.h"
 
 

@@ -28,7 +28,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../core/core_impl.h"
+#include "../../core/core_impl.h"
 #include "tpcore/store.h"
 
 #define STORE_VERSION 1u

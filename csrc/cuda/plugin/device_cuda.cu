@@ -16,7 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "../core/core_impl.h"
+#include "../../core/core_impl.h"
 #include "cuda_plugin_impl.h"
 
 #define TP_CUDA_MAX_DEVICES 64

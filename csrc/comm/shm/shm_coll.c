@@ -18,7 +18,7 @@
 #include <string.h>
 #include <sys/uio.h>
 
-#include "reduce_impl.h"
+#include "../reduce_impl.h"
 #include "shm_impl.h"
 
 /* ---------------------------------------------------------------- headers */

@@ -5,7 +5,7 @@
 #ifndef TPCORE_KERNELS_CUDA_IMPL_H
 #define TPCORE_KERNELS_CUDA_IMPL_H
 
-#include "../kernels_impl.h"
+#include "../../kernels/kernels_impl.h"
 
 #ifdef __cplusplus
 #include <type_traits>

@@ -4,7 +4,7 @@
  *              destroy, abort, the waits under the timeout
  *   mpi_ops.c  the user-defined reductions, the call descriptions compared across ranks,
  *              the collectives and the point-to-point operations
- * Here: what both need.  Everything is hidden (-fvisibility=hidden, csrc/mpi/plugin.map):
+ * Here: what both need.  Everything is hidden (-fvisibility=hidden, csrc/comm/mpi/plugin/plugin.map):
  * the plugin exports its entry only.
  */
 #ifndef TPCORE_MPI_IMPL_H
@@ -24,7 +24,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../comm/mpi_abi.h"
+#include "../mpi_abi.h"
 
 /* The core's helpers, through the host table (mpi.c). */
 extern const tp_mpi_host_api *tp_mpi_host;

@@ -1,7 +1,7 @@
 /*
- * The MPI plugin's ABI (private): the contract between the core (csrc/comm/mpi_load.c,
+ * The MPI plugin's ABI (private): the contract between the core (csrc/comm/mpi/mpi_load.c,
  * which registers the "mpi" line of the backend registry in every build) and
- * libtpcore_mpi.so (csrc/mpi/mpi.c and mpi_ops.c, the only files that include <mpi.h>,
+ * libtpcore_mpi.so (csrc/comm/mpi/plugin/mpi.c and mpi_ops.c, the only files that include <mpi.h>,
  * built with mpicc's flags when an MPI is found, linked to libmpi).
  *
  * The core dlopens the plugin (RTLD_LOCAL), promotes the libmpi it pulled in to
@@ -18,7 +18,7 @@
 #include <stdarg.h>
 #include <stdint.h>
 
-#include "comm_impl.h"
+#include "../comm_impl.h"
 
 #define TP_MPI_PLUGIN_ABI 1
 #define TP_MPI_PLUGIN_ENTRY "tp_mpi_plugin_init_v1"

@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <sys/types.h>
 
-#include "../core/core_impl.h"
+#include "../../core/core_impl.h"
 
 #define TP_SEG_PREFIX "tpcore_"
 

@@ -1,7 +1,7 @@
 /*
- * The mpi backend (libtpcore_mpi.so; its ABI is csrc/comm/mpi_abi.h).  With mpi_ops.c, the
+ * The mpi backend (libtpcore_mpi.so; its ABI is csrc/comm/mpi/mpi_abi.h).  With mpi_ops.c, the
  * only files of tpcore that include <mpi.h>: built with mpicc's flags (setup.py, the
- * Makefile) when an MPI is found, opened by the core on first use (csrc/comm/mpi_load.c).
+ * Makefile) when an MPI is found, opened by the core on first use (csrc/comm/mpi/mpi_load.c).
  *
  * Every operation is a non-blocking MPI call (MPI_Iallreduce, MPI_Isend, ...) polled with
  * MPI_Test under the communicator's timeout, so no call can hang for ever: a peer that
