@@ -27,7 +27,7 @@
 #define TP_HOST_VERSION \
   TP_PLUGIN_STR_(TP_VERSION_MAJOR) "." TP_PLUGIN_STR_(TP_VERSION_MINOR) "." TP_PLUGIN_STR_(TP_VERSION_PATCH)
 
-/* The first fields of every plugin's reply (tp_cuda_plugin and tp_mpi_plugin begin so). */
+/* The first fields of every plugin's reply (the CUDA and MPI plugins' replies begin so). */
 typedef struct tp_plugin_header {
   uint32_t abi_version;       /* the plugin's ABI, written even when it refuses the host */
   uint32_t size;              /* sizeof its reply struct */
@@ -38,7 +38,7 @@ typedef struct tp_plugin_spec {
   const char *what;     /* "CUDA plugin" (the sentences' subject) */
   const char *env_name; /* "TPCORE_CUDA_PLUGIN": when set, the only place tried */
   const char *soname;   /* "libtpcore_cuda.so" */
-  const char *entry;    /* "tp_cuda_plugin_init_v1" */
+  const char *entry;    /* the exported entry ("tp_<name>_plugin_init_v1") */
   uint32_t abi;         /* the ABI this core speaks */
   size_t reply_size;    /* sizeof the reply struct of that ABI */
   const char *rebuild;  /* how to rebuild both: "pip install . or make CUDA=1" */

@@ -16,7 +16,7 @@ static int is_bfloat16(PyArray_Descr *d) {
   return strcmp(dot ? dot + 1 : name, "bfloat16") == 0;
 }
 
-static int dtype_of(PyArray_Descr *d, tp_dtype_t *out) {
+int descr_dtype(PyArray_Descr *d, tp_dtype_t *out) {
   char kind = d->kind;
   int size = (int)PyDataType_ELSIZE(d);
   if (d->byteorder == '>') return 0;
@@ -53,7 +53,7 @@ int get_host_buf(PyObject *obj, const char *op, const char *arg, int writable, b
   }
   PyArrayObject *a = (PyArrayObject *)obj;
   PyArray_Descr *d = PyArray_DESCR(a);
-  if (!dtype_of(d, &b->dtype)) {
+  if (!descr_dtype(d, &b->dtype)) {
     PyObject *s = PyObject_Str((PyObject *)d);
     PyErr_Format(PyExc_TypeError,
                  "%s: %s has dtype %s; expected one of float32, float64, float16, bfloat16, int8, "

@@ -114,6 +114,8 @@ PyObject *owned_view(PyObject *self, float *p, int nd, int64_t d0, int64_t d1);
 /* The same for memory of any dtype (a bfloat16 / float16 weight: an ml_dtypes.bfloat16 /
  * float16 NumPy view). */
 PyObject *owned_view_dt(PyObject *self, void *p, tp_dtype_t dt, int nd, int64_t d0, int64_t d1);
+/* The tp_dtype_t of a NumPy dtype: 1, or 0 when tpcore has none (big-endian, complex, ...). */
+int descr_dtype(PyArray_Descr *d, tp_dtype_t *out);
 /* The NumPy dtype of a tp_dtype_t (bfloat16: ml_dtypes'; a TypeError when it is missing). */
 PyArray_Descr *numpy_descr(tp_dtype_t dt);
 /* A layer's weight_dtype argument: None or "float32" (TP_FLOAT32), "bfloat16", "float16";
@@ -223,7 +225,6 @@ PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *
 /* ----------------------------------------------------------------- kernels.c */
 
 extern PyMethodDef kernel_methods[]; /* added to the module by module.c */
-extern PyMethodDef devkernel_methods[]; /* likewise (devkernels.c: d_* kernels on any device) */
 extern PyMethodDef quant_methods[]; /* likewise (quant.c: the quantized weight rows) */
 extern PyMethodDef partition_methods[]; /* likewise (partition.c) */
 extern PyMethodDef cuda_methods[];      /* likewise (cuda.c: the CUDA plugin and library finder) */

@@ -90,20 +90,16 @@ class _Norm:
         return [(self.weight, self.grad_weight)] + ([] if self.bias is None else [(self.bias, self.grad_bias)])
 
     def forward(self, x2):
-        if self.dev is not None:
-            y, mu, rs = _C.d_norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
-        else:
-            y, mu, rs = _C.norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
+        y, mu, rs = _C.norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
         self._ctx = (x2, mu, rs)
         return y
 
     def backward(self, dy2):
         x2, mu, rs = self._ctx
         self._alloc_grads()
-        if self.dev is not None:
-            return _C.d_norm_backward(self.kind, dy2, x2, self.weight, mu, rs, self.grad_weight, self.grad_bias)
-        return _C.norm_backward(self.kind, np.ascontiguousarray(dy2, np.float32), x2, self.weight, mu, rs,
-                                self.grad_weight, self.grad_bias)
+        if self.dev is None:
+            dy2 = np.ascontiguousarray(dy2, np.float32)
+        return _C.norm_backward(self.kind, dy2, x2, self.weight, mu, rs, self.grad_weight, self.grad_bias)
 
 
 class TransformerLM:
@@ -432,10 +428,10 @@ class TransformerLM:
             h = self._dev(self.wte(asarray_device(tokens, device=device_string(self.device)) if self._on_gpu()
                                    else tokens), (B * T, C))
             if self.wpe is not None:
-                _C.d_add(h, h, _C.d_embedding_forward(_on(np.ascontiguousarray(pos.reshape(-1)), self._kdev), self.wpe))
+                _C.add(h, h, _C.embedding_forward(_on(np.ascontiguousarray(pos.reshape(-1)), self._kdev), self.wpe))
             if self.tte is not None:
                 tt = np.zeros(B * T, np.int64) if token_type_ids is None else token_type_ids.reshape(-1)
-                _C.d_add(h, h, _C.d_embedding_forward(_on(np.ascontiguousarray(tt), self._kdev), self.tte))
+                _C.add(h, h, _C.embedding_forward(_on(np.ascontiguousarray(tt), self._kdev), self.tte))
             if self.emb_norm is not None:
                 h = self.emb_norm.forward(h)
             return h.reshape((B, T, C))
@@ -602,7 +598,7 @@ class TransformerLM:
         if self._kdev is not None:  # the head's GEMM where the model lives; the shard stays there
             h2 = self._dev(h2)
             if self.lm_head is None:  # tied: the embedding's own rows (16-bit and quantized ones included)
-                return _C.d_linear_forward(h2, self.wte.weight, None, self._head_fmt())
+                return _C.linear_forward(h2, self.wte.weight, None, None, self._head_fmt())
             return self.lm_head.forward(self._layer_in(h2))
         h2 = np.ascontiguousarray(h2, np.float32)
         out = None
@@ -775,8 +771,8 @@ class TransformerLM:
         h2 = ctx["h2"]
         with comm._region("head"):
             if self.lm_head is None:  # tied: dW into the embedding's gradient, dh summed over the vocab shards
-                dh = _C.d_linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight,
-                                          self._head_fmt())
+                dh = _C.linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight, None,
+                                        self._head_fmt())
                 if comm.size > 1:
                     comm.all_reduce(dh)
             else:
@@ -790,11 +786,11 @@ class TransformerLM:
         if self.emb_norm is not None:
             dh2 = self.emb_norm.backward(dh2)
         if self.wpe is not None:
-            _C.d_embedding_backward(self.wpe_grad, _on(np.ascontiguousarray(ctx["pos"].reshape(-1)), self._kdev), dh2)
+            _C.embedding_backward(self.wpe_grad, _on(np.ascontiguousarray(ctx["pos"].reshape(-1)), self._kdev), dh2)
         if self.tte is not None:
             tt = np.zeros(B * T, np.int64) if ctx["token_type_ids"] is None else \
                 np.asarray(ctx["token_type_ids"], np.int64).reshape(-1)
-            _C.d_embedding_backward(self.tte_grad, _on(np.ascontiguousarray(tt), self._kdev), dh2)
+            _C.embedding_backward(self.tte_grad, _on(np.ascontiguousarray(tt), self._kdev), dh2)
         self.wte.backward(dh2 if self._on_gpu() else dh2.to_numpy())
 
     # ------------------------------------------------------------- generation
@@ -901,7 +897,7 @@ class TransformerLM:
         if self._kdev is not None:  # each sequence's last row, gathered where h lives (an embedding lookup)
             Tp, C = padded.shape[1], self.config.hidden
             rows = _on(np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64), self._kdev)
-            last = _C.d_embedding_forward(rows, self._dev(h, (B * Tp, C)))
+            last = _C.embedding_forward(rows, self._dev(h, (B * Tp, C)))
         else:
             last = h[np.arange(B), lens - 1]                                                  # (B, C)
         cur = lens.copy()
