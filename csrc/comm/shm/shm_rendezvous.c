@@ -271,10 +271,14 @@ static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline,
   }
 }
 
-tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int world_comm) {
-  int world = comm->size, rank = comm->rank;
+/* A communicator's context with its tunables (TPCORE_SHM_*); NULL with the error set. */
+static shm_ctx *ctx_new(struct tp_comm *comm, const char *comm_id, int world_comm) {
+  int world = comm->size;
   shm_ctx *c = calloc(1, sizeof *c);
-  if (!c) return tp_set_error(TP_ERR_NOMEM, "out of memory");
+  if (!c) {
+    tp_set_error(TP_ERR_NOMEM, "out of memory");
+    return NULL;
+  }
   c->comm = comm;
   /* A world of one rank has no one to mix with: its name goes at once like a split's. */
   c->keep_name = world_comm && world > 1;
@@ -309,64 +313,53 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
   c->p2p_msg_r = calloc((size_t)world, sizeof(uint32_t));
   if (!c->p2p_sent || !c->p2p_recvd || !c->p2p_msg_s || !c->p2p_msg_r) {
     free_ctx(c);
-    return tp_set_error(TP_ERR_NOMEM, "out of memory");
+    tp_set_error(TP_ERR_NOMEM, "out of memory");
+    return NULL;
   }
-  size_t o_slots, o_chans, o_stage, o_p2p;
-  size_t size = layout(world, c->stage_bytes, c->p2p_chunk, &o_slots, &o_chans, &o_stage, &o_p2p);
-  double deadline = tp_now() + comm->timeout_s;
-  void *base = NULL;
+  return c;
+}
+
+/* Rank 0: creates the segment (a name left by a job that died is swept or waited out)
+ * and writes its header, the magic last. */
+static tp_status_t create_main(shm_ctx *c, int world_comm, size_t size, double deadline, void **base) {
+  /* The user's names that no live process locks are left from jobs that died
+   * (SIGKILL during set-up, or a world communicator's name): remove them. */
+  if (world_comm) tp_seg_sweep(TP_SEG_PREFIX);
   tp_status_t st;
-  if (rank == 0) {
-    /* The user's names that no live process locks are left from jobs that died
-     * (SIGKILL during set-up, or a world communicator's name): remove them. */
-    if (world_comm) tp_seg_sweep(TP_SEG_PREFIX);
-    for (;;) {
-      int exists = 0, retry = 0;
-      st = tp_seg_create(c->name, size, &base, &c->lock_fd, &exists);
-      if (!exists) break;
-      st = name_taken(c, deadline, &retry);
-      if (st == TP_SUCCESS && !retry) st = tp_set_error(TP_ERR_INTERNAL, "segment %s: no decision", c->name);
-      if (st == TP_SUCCESS && tp_now() > deadline)
-        st = tp_set_error(TP_ERR_TIMEOUT, "cannot create shared-memory segment %s: its name keeps coming back",
-                          c->name);
-      if (st != TP_SUCCESS) break;
-    }
-    if (st != TP_SUCCESS) {
-      free_ctx(c);
-      return st;
-    }
-    shm_header_t *h = base;
-    h->world = world;
-    h->total_size = size;
-    h->stage_bytes = c->stage_bytes;
-    h->p2p_chunk = c->p2p_chunk;
-    h->small_bytes = c->small_bytes;
-    h->nt_bytes = c->nt_bytes;
-    h->scratch_blk = c->scratch_blk;
-    memcpy(h->cma_bytes, c->cma_bytes, sizeof h->cma_bytes);
-    h->creator_pid = getpid();
-    h->creator_start = tp_shm_proc_starttime(getpid(), NULL);
-    h->version = SHM_VERSION;
-    atomic_store(&((shm_header_t *)base)->attached, 0);
-    __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
-  } else {
-    st = attach_main(c, world, rank, deadline, &base, &size, &o_slots, &o_chans, &o_stage, &o_p2p);
-    if (st != TP_SUCCESS) {
-      free_ctx(c);
-      return st;
-    }
+  for (;;) {
+    int exists = 0, retry = 0;
+    st = tp_seg_create(c->name, size, base, &c->lock_fd, &exists);
+    if (!exists) break;
+    st = name_taken(c, deadline, &retry);
+    if (st == TP_SUCCESS && !retry) st = tp_set_error(TP_ERR_INTERNAL, "segment %s: no decision", c->name);
+    if (st == TP_SUCCESS && tp_now() > deadline)
+      st = tp_set_error(TP_ERR_TIMEOUT, "cannot create shared-memory segment %s: its name keeps coming back",
+                        c->name);
+    if (st != TP_SUCCESS) break;
   }
-  c->base = base;
-  c->size = size;
-  c->hdr = base;
-  c->slots = (rank_slot_t *)(c->base + o_slots);
-  c->chans = (chan_t *)(c->base + o_chans);
-  c->stage = c->base + o_stage;
-  c->p2pdata = c->base + o_p2p;
+  if (st != TP_SUCCESS) return st;
+  shm_header_t *h = *base;
+  h->world = c->comm->size;
+  h->total_size = size;
+  h->stage_bytes = c->stage_bytes;
+  h->p2p_chunk = c->p2p_chunk;
+  h->small_bytes = c->small_bytes;
+  h->nt_bytes = c->nt_bytes;
+  h->scratch_blk = c->scratch_blk;
+  memcpy(h->cma_bytes, c->cma_bytes, sizeof h->cma_bytes);
+  h->creator_pid = getpid();
+  h->creator_start = tp_shm_proc_starttime(getpid(), NULL);
+  h->version = SHM_VERSION;
+  atomic_store(&h->attached, 0);
+  __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
+  return TP_SUCCESS;
+}
+
+/* This rank's place in the segment, claimed once.  A second claimant is a rank of another
+ * job that has the same job id (two torchrun-style jobs on one address and port): both
+ * jobs stop, rather than compute with each other's ranks. */
+static tp_status_t claim_place(shm_ctx *c, int rank) {
   rank_slot_t *me = &c->slots[rank];
-  /* Each place is claimed once.  A second claimant is a rank of another job that
-   * has the same job id (two torchrun-style jobs on one address and port): both
-   * jobs stop, rather than compute with each other's ranks. */
   int32_t holder = 0;
   uint64_t my_start = tp_shm_proc_starttime(getpid(), NULL);
   if (!atomic_compare_exchange_strong(&me->pid, &holder, (int32_t)getpid())) {
@@ -374,54 +367,46 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
     snprintf(msg, sizeof msg,
              "job id '%s' is used by two jobs at once: rank %d's place in shared-memory segment %s "
              "was already taken by pid %d when pid %d arrived" COLLISION_ADVICE,
-             comm->job_id, rank, c->name, (int)holder, (int)getpid());
-    c->comm = comm;
+             c->comm->job_id, rank, c->name, (int)holder, (int)getpid());
     tp_shm_publish_abort_status(c, rank, msg, TP_ERR_INVALID_USAGE);
-    st = tp_set_error(TP_ERR_INVALID_USAGE, "%s", msg);
-    goto fail_unclaimed;
+    return tp_set_error(TP_ERR_INVALID_USAGE, "%s", msg);
   }
   me->starttime = my_start;
   c->cma_magic = 0x54504d4100000000ULL | (uint64_t)rank;
   me->cma_probe = (uint64_t)(uintptr_t)&c->cma_magic;
   atomic_store(&me->act_kind, TP_COLL_NONE);
   atomic_fetch_add(&c->hdr->attached, 1);
-  comm->impl = c;
-  comm->ops = &shm_ops;
-  /* Wait for everyone to attach; then the name can go. */
+  return TP_SUCCESS;
+}
+
+/* Waits for every rank to attach (an abort, a dead peer and the deadline end the wait). */
+static tp_status_t wait_attached(shm_ctx *c, int world, int rank, double deadline) {
   for (;;) {
     int n = atomic_load(&c->hdr->attached);
-    if (n >= world) break;
-    if (atomic_load(&c->hdr->abort_state)) {
-      st = tp_shm_abort_error(c);
-      goto fail;
-    }
+    if (n >= world) return TP_SUCCESS;
+    if (atomic_load(&c->hdr->abort_state)) return tp_shm_abort_error(c);
     if (tp_now() > deadline) {
       char missing[256] = "";
       size_t len = 0;
       for (int p = 0; p < world && len < sizeof missing - 16; p++)
         if (c->slots[p].pid == 0) len += snprintf(missing + len, sizeof missing - len, "%s%d", len ? ", " : "", p);
-      st = tp_set_error(TP_ERR_TIMEOUT,
-                        "rank %d timed out after %.1f s waiting for rank(s) %s to join the "
-                        "communicator (%d of %d joined)",
-                        rank, comm->timeout_s, missing, n, world);
-      goto fail;
+      return tp_set_error(TP_ERR_TIMEOUT,
+                          "rank %d timed out after %.1f s waiting for rank(s) %s to join the "
+                          "communicator (%d of %d joined)",
+                          rank, c->comm->timeout_s, missing, n, world);
     }
     for (int p = 0; p < world; p++) {
-      if (p != rank && c->slots[p].pid && tp_shm_peer_dead(&c->slots[p])) {
-        st = tp_set_error(TP_ERR_REMOTE, "rank %d (pid %d) died while the communicator was being set up",
-                          p, c->slots[p].pid);
-        goto fail;
-      }
+      if (p != rank && c->slots[p].pid && tp_shm_peer_dead(&c->slots[p]))
+        return tp_set_error(TP_ERR_REMOTE, "rank %d (pid %d) died while the communicator was being set up",
+                            p, c->slots[p].pid);
     }
     usleep(world <= tp_shm_online_cores() ? 50 : 500);
   }
-  if (!c->keep_name) { /* a split's name: nobody else can know it, and everyone is in */
-    if (rank == 0 && tp_seg_same(c->name, c->lock_fd)) shm_unlink(c->name);
-    tp_seg_close(c->lock_fd);
-    c->lock_fd = -1;
-  }
-  /* Single-copy transfers need every rank to be able to read every other's memory
-   * (same user, and ptrace rules such as Yama's allowing it): test it once. */
+}
+
+/* Single-copy transfers need every rank to be able to read every other's memory (same
+ * user, and ptrace rules such as Yama's allowing it): tested once, agreed by all ranks. */
+static tp_status_t setup_cma(shm_ctx *c, int world, int rank) {
   int cma_ok = world > 1 && tp_shm_env_size("TPCORE_SHM_CMA", 1) != 0;
   for (int p = 0; p < world && cma_ok; p++) {
     if (p == rank) continue;
@@ -431,19 +416,55 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
         v != (0x54504d4100000000ULL | (uint64_t)p))
       cma_ok = 0;
   }
-  atomic_store(&me->cma_ok, cma_ok);
-  st = shm_sync_all(c, "init");
-  if (st != TP_SUCCESS) goto fail;
+  atomic_store(&c->slots[rank].cma_ok, cma_ok);
+  TP_CHECK(shm_sync_all(c, "init"));
   c->use_cma = 1;
   for (int p = 0; p < world; p++) c->use_cma &= atomic_load(&c->slots[p].cma_ok) != 0;
   if (c->use_cma) {
     c->scratch = malloc((size_t)(world - 1) * c->scratch_blk);
-    if (!c->scratch) c->use_cma = 0; /* every rank must agree: fail instead */
-    if (!c->scratch) {
-      st = tp_set_error(TP_ERR_NOMEM, "out of memory for the communicator's scratch space");
-      goto fail;
+    if (!c->scratch) { /* every rank must agree: fail instead */
+      c->use_cma = 0;
+      return tp_set_error(TP_ERR_NOMEM, "out of memory for the communicator's scratch space");
     }
   }
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int world_comm) {
+  int world = comm->size, rank = comm->rank;
+  shm_ctx *c = ctx_new(comm, comm_id, world_comm);
+  if (!c) return tp_last_status();
+  size_t o_slots, o_chans, o_stage, o_p2p;
+  size_t size = layout(world, c->stage_bytes, c->p2p_chunk, &o_slots, &o_chans, &o_stage, &o_p2p);
+  double deadline = tp_now() + comm->timeout_s;
+  void *base = NULL;
+  tp_status_t st = rank == 0 ? create_main(c, world_comm, size, deadline, &base)
+                             : attach_main(c, world, rank, deadline, &base, &size, &o_slots, &o_chans, &o_stage,
+                                           &o_p2p);
+  if (st != TP_SUCCESS) {
+    free_ctx(c);
+    return st;
+  }
+  c->base = base;
+  c->size = size;
+  c->hdr = base;
+  c->slots = (rank_slot_t *)(c->base + o_slots);
+  c->chans = (chan_t *)(c->base + o_chans);
+  c->stage = c->base + o_stage;
+  c->p2pdata = c->base + o_p2p;
+  st = claim_place(c, rank);
+  if (st != TP_SUCCESS) goto fail_unclaimed;
+  comm->impl = c;
+  comm->ops = &shm_ops;
+  st = wait_attached(c, world, rank, deadline); /* then the name can go */
+  if (st != TP_SUCCESS) goto fail;
+  if (!c->keep_name) { /* a split's name: nobody else can know it, and everyone is in */
+    if (rank == 0 && tp_seg_same(c->name, c->lock_fd)) shm_unlink(c->name);
+    tp_seg_close(c->lock_fd);
+    c->lock_fd = -1;
+  }
+  st = setup_cma(c, world, rank);
+  if (st != TP_SUCCESS) goto fail;
   return TP_SUCCESS;
 fail:
   atomic_store(&c->hdr->closing, 1);
