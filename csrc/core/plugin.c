@@ -39,7 +39,8 @@ static void *open_named(const char *what, const char *place, const char *file) {
   void *h = dlopen(file, RTLD_NOW | RTLD_LOCAL);
   if (h) return h;
   const char *err = dlerror();
-  tp_set_error(TP_ERR_UNSUPPORTED, "cannot load the %s %s%s: %s", what, place, file, err ? err : "unknown dlopen error");
+  tp_set_error(TP_ERR_UNSUPPORTED, "cannot load the %s %s%s: %s", what, place, file,
+               err ? err : "unknown dlopen error");
   return NULL;
 }
 
@@ -67,11 +68,9 @@ void *tp_plugin_open(const char *what, const char *env_name, const char *soname,
   }
   void *h = try_plugin(soname, tried, sizeof tried, bad, sizeof bad);
   if (h) return h;
-  if (bad[0])
-    tp_set_error(TP_ERR_UNSUPPORTED, "the %s was found but did not load: %s (tried %s)", what, bad, tried);
+  if (bad[0]) tp_set_error(TP_ERR_UNSUPPORTED, "the %s was found but did not load: %s (tried %s)", what, bad, tried);
   else
-    tp_set_error(TP_ERR_UNSUPPORTED, "this build has no %s (tried %s; %s names another file)", what, tried,
-                 env_name);
+    tp_set_error(TP_ERR_UNSUPPORTED, "this build has no %s (tried %s; %s names another file)", what, tried, env_name);
   return NULL;
 }
 
@@ -104,18 +103,22 @@ tp_status_t tp_plugin_load(const tp_plugin_spec *spec, const char *path, const v
   tp_plugin_header got = header_of(reply);
   /* From here on the library stays open: its code may be referenced by what it returned. */
   if (got.abi_version != spec->abi)
-    return tp_set_error(TP_ERR_UNSUPPORTED, "the %s %s has plugin ABI %u (tpcore %s), but this tpcore %s needs "
-                        "ABI %u: rebuild tpcore and its plugin together (%s)", spec->what, where,
-                        (unsigned)got.abi_version, got.tpcore_version ? got.tpcore_version : "unknown",
-                        TP_HOST_VERSION, (unsigned)spec->abi, spec->rebuild);
+    return tp_set_error(TP_ERR_UNSUPPORTED,
+                        "the %s %s has plugin ABI %u (tpcore %s), but this tpcore %s needs "
+                        "ABI %u: rebuild tpcore and its plugin together (%s)",
+                        spec->what, where, (unsigned)got.abi_version,
+                        got.tpcore_version ? got.tpcore_version : "unknown", TP_HOST_VERSION, (unsigned)spec->abi,
+                        spec->rebuild);
   if (s != TP_SUCCESS) {
     tp_error_prefix("the %s %s failed to start", spec->what, where);
     return s;
   }
   if (got.size < spec->reply_size || !got.tpcore_version || strcmp(got.tpcore_version, TP_HOST_VERSION))
-    return tp_set_error(TP_ERR_UNSUPPORTED, "the %s %s was built from tpcore %s, but this is tpcore %s: "
-                        "rebuild them together (%s)", spec->what, where,
-                        got.tpcore_version ? got.tpcore_version : "unknown", TP_HOST_VERSION, spec->rebuild);
+    return tp_set_error(TP_ERR_UNSUPPORTED,
+                        "the %s %s was built from tpcore %s, but this is tpcore %s: "
+                        "rebuild them together (%s)",
+                        spec->what, where, got.tpcore_version ? got.tpcore_version : "unknown", TP_HOST_VERSION,
+                        spec->rebuild);
   return TP_SUCCESS;
 }
 

@@ -58,18 +58,17 @@ typedef struct tp_cuda_host_api {
    * (override variable, directories the Python side registered (nvidia-* wheels),
    * CUDA_HOME / CUDA_PATH, /usr/local/cuda, the loader path), RTLD_NOW | RTLD_LOCAL.
    * NULL with the error set (every place tried, in order) when none loads. */
-  void *(*open_library)(const char *what, const char *override_env, const char *const *sonames,
-                        int nsonames);
+  void *(*open_library)(const char *what, const char *override_env, const char *const *sonames, int nsonames);
   double (*now)(void);
 } tp_cuda_host_api;
 
 /* What the plugin gives back. */
 typedef struct tp_cuda_plugin {
-  uint32_t abi_version; /* TP_CUDA_PLUGIN_ABI */
-  uint32_t size;        /* sizeof(tp_cuda_plugin) */
-  const char *tpcore_version;   /* TP_VERSION_STRING the plugin was built from */
-  const char *build;            /* "CUDA 13.0, sm_80 sm_90 + compute_90 PTX, cudart static" */
-  const tp_device_ops *device;  /* type TP_DEVICE_CUDA */
+  uint32_t abi_version;        /* TP_CUDA_PLUGIN_ABI */
+  uint32_t size;               /* sizeof(tp_cuda_plugin) */
+  const char *tpcore_version;  /* TP_VERSION_STRING the plugin was built from */
+  const char *build;           /* "CUDA 13.0, sm_80 sm_90 + compute_90 PTX, cudart static" */
+  const tp_device_ops *device; /* type TP_DEVICE_CUDA */
   const struct tp_kernel_ops *kernels;
   /* Why CUDA is usable or not, one line: "2 devices (NVIDIA H200, driver 13.0)",
    * "no NVIDIA driver (libcuda.so.1 not found)", "driver too old: it supports CUDA 12.4,

@@ -20,8 +20,10 @@ tp_status_t tp_check_device(const char *op, const char *arg, const tp_tensor *t,
  * takes NULL only (a stream there is a caller's mistake, e.g. a CUDA stream with host tensors). */
 static inline tp_status_t tp_check_stream(const char *op, tp_device_t device, tp_stream_t stream) {
   if (!stream || device != TP_DEVICE_CPU) return TP_SUCCESS;
-  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: a stream was given for cpu memory, which runs every call "
-                      "synchronously; pass NULL", op);
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                      "%s: a stream was given for cpu memory, which runs every call "
+                      "synchronously; pass NULL",
+                      op);
 }
 
 #endif

@@ -17,7 +17,8 @@ tp_status_t tp_kernels_register(tp_device_t device, const tp_kernel_ops *ops) {
                         (int)device);
   /* Every entry is required: the parity harness runs each of them. */
   const char *missing = NULL;
-#define TP_REG_CHECK_(name) if (!missing && !ops->name) missing = #name;
+#define TP_REG_CHECK_(name) \
+  if (!missing && !ops->name) missing = #name;
   TP_KERNEL_ENTRIES(TP_REG_CHECK_)
 #undef TP_REG_CHECK_
   if (missing)

@@ -22,9 +22,7 @@
 
 #include "../core/core_impl.h"
 
-static PyObject *device_str(tp_device_t t, int id) {
-  return PyUnicode_FromFormat("%s:%d", tp_device_name(t), id);
-}
+static PyObject *device_str(tp_device_t t, int id) { return PyUnicode_FromFormat("%s:%d", tp_device_name(t), id); }
 
 static PyObject *m_from_dlpack(PyObject *m, PyObject *args, PyObject *kw);
 
@@ -140,8 +138,10 @@ static PyObject *da_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   int id;
   if (parse_shape(shape_o, &ndim, shape) < 0) return NULL;
   if (!tp_dtype_from_name(dtn, &dt) || !tp_dtype_size(dt)) { /* (the weight formats, q8_0 ...: not tensor dtypes) */
-    PyErr_Format(PyExc_ValueError, "DeviceArray: dtype '%s' is not known; expected one of float32, float64, "
-                 "float16, bfloat16, int8, uint8, int32, int64", dtn);
+    PyErr_Format(PyExc_ValueError,
+                 "DeviceArray: dtype '%s' is not known; expected one of float32, float64, "
+                 "float16, bfloat16, int8, uint8, int32, int64",
+                 dtn);
     return NULL;
   }
   if (parse_device(dev_o, "DeviceArray", &dev, &id) < 0) return NULL;
@@ -169,7 +169,6 @@ static void da_dealloc(PyObject *self) {
   Py_DECREF(tp);
 }
 
-
 /* ------------------------------------------------------------ to NumPy */
 
 PyArray_Descr *numpy_descr(tp_dtype_t dt) {
@@ -186,7 +185,8 @@ PyArray_Descr *numpy_descr(tp_dtype_t dt) {
       PyObject *m = PyImport_ImportModule("ml_dtypes");
       if (!m) {
         PyErr_Clear();
-        PyErr_SetString(PyExc_TypeError, "DeviceArray.to_numpy: a bfloat16 array needs the ml_dtypes package for "
+        PyErr_SetString(PyExc_TypeError,
+                        "DeviceArray.to_numpy: a bfloat16 array needs the ml_dtypes package for "
                         "its NumPy dtype (pip install ml_dtypes)");
         return NULL;
       }
@@ -223,8 +223,8 @@ static PyObject *da_to_numpy(PyObject *self, PyObject *unused) {
   for (int i = 0; i < h->t.ndim; i++) dims[i] = (npy_intp)h->t.shape[i];
   static char dummy[16] __attribute__((aligned(16)));
   void *data = h->t.data ? h->t.data : dummy;
-  PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, d, h->t.ndim, dims, NULL, data,
-                                       h->readonly ? 0 : NPY_ARRAY_WRITEABLE, NULL);
+  PyObject *arr =
+      PyArray_NewFromDescr(&PyArray_Type, d, h->t.ndim, dims, NULL, data, h->readonly ? 0 : NPY_ARRAY_WRITEABLE, NULL);
   if (!arr) {
     Py_DECREF(src);
     return NULL;
@@ -275,8 +275,8 @@ static PyObject *da_copy_from(PyObject *self, PyObject *src_o) {
     PyErr_SetString(PyExc_ValueError, "DeviceArray.copy_from: the array is read-only");
     return NULL;
   }
-  PyObject *args = PyTuple_Pack(1, src_o), *kw = Py_BuildValue("{s:s,s:s}", "op", "DeviceArray.copy_from", "name",
-                                                               "src");
+  PyObject *args = PyTuple_Pack(1, src_o),
+           *kw = Py_BuildValue("{s:s,s:s}", "op", "DeviceArray.copy_from", "name", "src");
   PyObject *mod = PyType_GetModule(Py_TYPE(self)); /* borrowed */
   PyObject *src = args && kw && mod ? m_from_dlpack(mod, args, kw) : NULL;
   Py_XDECREF(args);
@@ -285,16 +285,17 @@ static PyObject *da_copy_from(PyObject *self, PyObject *src_o) {
   (void)st;
   DevArray *b = (DevArray *)src;
   if (b->t.dtype != a->t.dtype || tp_tensor_numel(&b->t) != tp_tensor_numel(&a->t)) {
-    PyErr_Format(PyExc_ValueError, "DeviceArray.copy_from: src has dtype %s and %lld elements; this array has dtype "
-                 "%s and %lld", tp_dtype_name(b->t.dtype), (long long)tp_tensor_numel(&b->t),
-                 tp_dtype_name(a->t.dtype), (long long)tp_tensor_numel(&a->t));
+    PyErr_Format(PyExc_ValueError,
+                 "DeviceArray.copy_from: src has dtype %s and %lld elements; this array has dtype "
+                 "%s and %lld",
+                 tp_dtype_name(b->t.dtype), (long long)tp_tensor_numel(&b->t), tp_dtype_name(a->t.dtype),
+                 (long long)tp_tensor_numel(&a->t));
     Py_DECREF(src);
     return NULL;
   }
   tp_status_t s = TP_SUCCESS;
   if (a->nbytes) {
-    Py_BEGIN_ALLOW_THREADS
-    s = tp_device_copy(a->t.device, a->t.data, b->t.device, b->t.data, a->nbytes, NULL);
+    Py_BEGIN_ALLOW_THREADS s = tp_device_copy(a->t.device, a->t.data, b->t.device, b->t.data, a->nbytes, NULL);
     if (s == TP_SUCCESS && a->t.device != TP_DEVICE_CPU) s = tp_device_sync(a->t.device, a->t.device_id, NULL);
     if (s == TP_SUCCESS && b->t.device != TP_DEVICE_CPU) s = tp_device_sync(b->t.device, b->t.device_id, NULL);
     Py_END_ALLOW_THREADS
@@ -336,11 +337,9 @@ static int da_set_rows(DevArray *a, PyObject *key, PyObject *value) {
     tp_status_t s;
     char *dst = (char *)a->t.data + row * (size_t)start;
     const void *hs = PyArray_DATA((PyArrayObject *)tmp);
-    Py_BEGIN_ALLOW_THREADS
-    s = tp_device_copy(a->t.device, dst, TP_DEVICE_CPU, hs, nb, NULL);
+    Py_BEGIN_ALLOW_THREADS s = tp_device_copy(a->t.device, dst, TP_DEVICE_CPU, hs, nb, NULL);
     if (s == TP_SUCCESS && a->t.device != TP_DEVICE_CPU) s = tp_device_sync(a->t.device, a->t.device_id, NULL);
-    Py_END_ALLOW_THREADS
-    if (s != TP_SUCCESS) {
+    Py_END_ALLOW_THREADS if (s != TP_SUCCESS) {
       PyErr_Format(PyExc_RuntimeError, "DeviceArray: the copy of rows %zd:%zd failed: %s", start, stop,
                    tp_last_error());
       r = -1;
@@ -362,7 +361,8 @@ static int da_setitem(PyObject *self, PyObject *key, PyObject *value) {
     if (!whole && value && a->t.ndim >= 1) return da_set_rows(a, key, value);
   }
   if (!value || !whole) {
-    PyErr_SetString(PyExc_TypeError, "DeviceArray: only a[...] = value (the whole array) or a[i:j] = value (rows "
+    PyErr_SetString(PyExc_TypeError,
+                    "DeviceArray: only a[...] = value (the whole array) or a[i:j] = value (rows "
                     "i to j) can be assigned; index on the host (to_numpy()) or in the producing library");
     return -1;
   }
@@ -459,8 +459,9 @@ static PyType_Slot da_slots[] = {
     {Py_mp_ass_subscript, da_setitem},
     {Py_tp_methods, da_methods},
     {Py_tp_getset, da_getset},
-    {Py_tp_doc, "DeviceArray(shape, dtype='float32', device='cpu'): a zero-filled C-contiguous array in the memory "
-                "of one device, exchanged with other libraries through DLPack."},
+    {Py_tp_doc,
+     "DeviceArray(shape, dtype='float32', device='cpu'): a zero-filled C-contiguous array in the memory "
+     "of one device, exchanged with other libraries through DLPack."},
     {0, NULL},
 };
 
@@ -527,8 +528,10 @@ static PyObject *m_asarray(PyObject *m, PyObject *args, PyObject *kw) {
   int same = dev == a->t.device && id == a->t.device_id;
   if (same && want != 1) return src;
   if (!same && want == 0) {
-    PyErr_Format(PyExc_ValueError, "asarray: x is on %s:%d; moving it to %s:%d needs a copy, and copy=False was "
-                 "asked", tp_device_name(a->t.device), a->t.device_id, tp_device_name(dev), id);
+    PyErr_Format(PyExc_ValueError,
+                 "asarray: x is on %s:%d; moving it to %s:%d needs a copy, and copy=False was "
+                 "asked",
+                 tp_device_name(a->t.device), a->t.device_id, tp_device_name(dev), id);
     Py_DECREF(src);
     return NULL;
   }
@@ -557,8 +560,8 @@ PyObject *devarray_empty(module_state *st, tp_device_t dev, int id, tp_dtype_t d
 /* x (a DeviceArray or any DLPack tensor) as a tensor on the layer's device (dev, id);
  * *keep holds its memory.  A tensor elsewhere is a TypeError naming who, the argument
  * and both devices. */
-int device_input(module_state *st, PyObject *x, const char *who, const char *arg, int writable, tp_device_t dev,
-                 int id, tp_tensor *t, PyObject **keep) {
+int device_input(module_state *st, PyObject *x, const char *who, const char *arg, int writable, tp_device_t dev, int id,
+                 tp_tensor *t, PyObject **keep) {
   PyObject *args = PyTuple_Pack(1, x);
   PyObject *kw = Py_BuildValue("{s:i,s:s,s:s}", "writable", writable, "op", who, "name", arg);
   PyObject *mod = PyType_GetModule(st->DeviceArrayType); /* borrowed */
@@ -568,9 +571,11 @@ int device_input(module_state *st, PyObject *x, const char *who, const char *arg
   if (!a) return -1;
   DevArray *d = (DevArray *)a;
   if (d->t.device != dev || d->t.device_id != id) {
-    PyErr_Format(PyExc_TypeError, "%s: %s is on %s:%d but the layer is on %s:%d; move it first (tpcore.asarray(%s, "
-                 "device='%s:%d'))", who, arg, tp_device_name(d->t.device), d->t.device_id, tp_device_name(dev), id,
-                 arg, tp_device_name(dev), id);
+    PyErr_Format(PyExc_TypeError,
+                 "%s: %s is on %s:%d but the layer is on %s:%d; move it first (tpcore.asarray(%s, "
+                 "device='%s:%d'))",
+                 who, arg, tp_device_name(d->t.device), d->t.device_id, tp_device_name(dev), id, arg,
+                 tp_device_name(dev), id);
     Py_DECREF(a);
     return -1;
   }

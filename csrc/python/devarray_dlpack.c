@@ -62,7 +62,8 @@ static int consumer_stream(DevArray *a, PyObject *stream, int *skip, tp_stream_t
     return -1;
   }
   if (v == 0) {
-    PyErr_SetString(PyExc_ValueError, "DeviceArray.__dlpack__: stream=0 is ambiguous for CUDA and disallowed by the "
+    PyErr_SetString(PyExc_ValueError,
+                    "DeviceArray.__dlpack__: stream=0 is ambiguous for CUDA and disallowed by the "
                     "array API; pass 1 (legacy default), 2 (per-thread default) or a cudaStream_t");
     return -1;
   }
@@ -79,8 +80,7 @@ static int consumer_stream(DevArray *a, PyObject *stream, int *skip, tp_stream_t
 PyObject *da_dlpack(PyObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
   PyObject *stream = Py_None, *maxv = Py_None, *dldev = Py_None, *copy = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", kwlist, &stream, &maxv, &dldev, &copy))
-    return NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", kwlist, &stream, &maxv, &dldev, &copy)) return NULL;
   DevArray *a = (DevArray *)self;
   int versioned = 0;
   if (maxv != Py_None) {
@@ -120,16 +120,18 @@ PyObject *da_dlpack(PyObject *self, PyObject *args, PyObject *kw) {
     }
     if (to_dev != a->t.device || to_id != a->t.device_id) {
       if (copy != Py_None && !want_copy) {
-        PyErr_Format(PyExc_BufferError, "DeviceArray.__dlpack__: the array is on %s:%d; exporting it to %s:%d needs a "
-                     "copy, and copy=False was asked", tp_device_name(a->t.device), a->t.device_id,
-                     tp_device_name(to_dev), to_id);
+        PyErr_Format(PyExc_BufferError,
+                     "DeviceArray.__dlpack__: the array is on %s:%d; exporting it to %s:%d needs a "
+                     "copy, and copy=False was asked",
+                     tp_device_name(a->t.device), a->t.device_id, tp_device_name(to_dev), to_id);
         return NULL;
       }
       want_copy = 1;
     }
   }
   if (want_copy) {
-    if (to_dev != TP_DEVICE_CPU && to_dev == a->t.device && to_id != a->t.device_id) { /* checked below by alloc */ }
+    if (to_dev != TP_DEVICE_CPU && to_dev == a->t.device && to_id != a->t.device_id) { /* checked below by alloc */
+    }
     PyObject *c = devarray_copy_to(a, to_dev, to_id);
     if (!c) return NULL;
     PyObject *kw2 = Py_BuildValue("{s:O,s:O}", "stream", stream, "max_version", maxv);
@@ -146,7 +148,8 @@ PyObject *da_dlpack(PyObject *self, PyObject *args, PyObject *kw) {
     return r;
   }
   if (a->readonly && !versioned) {
-    PyErr_SetString(PyExc_BufferError, "DeviceArray.__dlpack__: the array is read-only and a legacy (unversioned) "
+    PyErr_SetString(PyExc_BufferError,
+                    "DeviceArray.__dlpack__: the array is read-only and a legacy (unversioned) "
                     "DLPack capsule cannot say so; ask with max_version=(1, 0) or later");
     return NULL;
   }
@@ -156,10 +159,11 @@ PyObject *da_dlpack(PyObject *self, PyObject *args, PyObject *kw) {
   if (!skip) {
     tp_status_t s;
     Py_BEGIN_ALLOW_THREADS s = tp_device_stream_wait(a->t.device, a->t.device_id, cs, NULL);
-    Py_END_ALLOW_THREADS
-    if (s != TP_SUCCESS) {
-      PyErr_Format(PyExc_RuntimeError, "DeviceArray.__dlpack__: making the data ready on the consumer's stream "
-                   "failed: %s", tp_last_error());
+    Py_END_ALLOW_THREADS if (s != TP_SUCCESS) {
+      PyErr_Format(PyExc_RuntimeError,
+                   "DeviceArray.__dlpack__: making the data ready on the consumer's stream "
+                   "failed: %s",
+                   tp_last_error());
       return NULL;
     }
   }

@@ -14,8 +14,7 @@ DLDataType dlpack_dtype_of(tp_dtype_t t);
 const char *dlpack_cuda_status(void);
 
 typedef struct {
-  PyObject_HEAD
-  tp_tensor t;
+  PyObject_HEAD tp_tensor t;
   size_t nbytes;
   void *alloc;    /* owned device memory, or NULL */
   PyObject *base; /* owner of viewed memory, or NULL */

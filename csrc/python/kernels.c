@@ -27,11 +27,10 @@ typedef struct {
 } kcall;
 
 #define KCALL(name, mod) kcall c = {(module_state *)PyModule_GetState(mod), name, TP_DEVICE_CPU, 0, 0, 0, {0}, 0}
-#define KRUN(s, expr)      \
-  do {                     \
-    Py_BEGIN_ALLOW_THREADS \
-    s = (expr);            \
-    Py_END_ALLOW_THREADS   \
+#define KRUN(s, expr)                  \
+  do {                                 \
+    Py_BEGIN_ALLOW_THREADS s = (expr); \
+    Py_END_ALLOW_THREADS               \
   } while (0)
 
 static void kc_release(kcall *c) {
@@ -217,8 +216,8 @@ static PyObject *linear_backward(PyObject *mod, PyObject *args) {
   tp_tensor dy, x, w, dw, dx;
   const tp_tensor *dwp;
   if (kc_in(&c, dyo, "dy", 0, 0, &dy, NULL) < 0 || f32_matrix(&c, &dy, "dy") < 0 ||
-      kc_in(&c, xo, "x", 0, 0, &x, NULL) < 0 || f32_matrix(&c, &x, "x") < 0 ||
-      kc_in(&c, wo, "w", 0, 0, &w, NULL) < 0 || weight_arg(&c, &w, fmt, x.shape[1]) < 0)
+      kc_in(&c, xo, "x", 0, 0, &x, NULL) < 0 || f32_matrix(&c, &x, "x") < 0 || kc_in(&c, wo, "w", 0, 0, &w, NULL) < 0 ||
+      weight_arg(&c, &w, fmt, x.shape[1]) < 0)
     return kc_fail(&c);
   int64_t M = dy.shape[0], N = dy.shape[1], K = x.shape[1];
   if (x.shape[0] != M || w.shape[0] != N || w.shape[1] != K || M > INT_MAX || N > INT_MAX || K > INT_MAX) {
@@ -398,8 +397,7 @@ static PyObject *embedding_forward(PyObject *mod, PyObject *args) {
   if (!PyArg_ParseTuple(args, "OO|L:embedding_forward", &to, &wo, &lo)) return NULL;
   KCALL("embedding_forward", mod);
   tp_tensor tok, w, out;
-  if (kc_in(&c, wo, "table", 0, 0, &w, NULL) < 0 || kc_in(&c, to, "tokens", 0, 0, &tok, NULL) < 0)
-    return kc_fail(&c);
+  if (kc_in(&c, wo, "table", 0, 0, &w, NULL) < 0 || kc_in(&c, to, "tokens", 0, 0, &tok, NULL) < 0) return kc_fail(&c);
   if (tok.ndim != 1 || w.ndim != 2) {
     PyErr_SetString(PyExc_ValueError, "embedding_forward: tokens must be 1-D and table 2-D (V, C)");
     return kc_fail(&c);
@@ -500,7 +498,8 @@ static int convert_dtype(PyObject *o, tp_dtype_t *out) {
     PyObject *m = PyImport_ImportModule("ml_dtypes");
     if (!m) {
       PyErr_Clear();
-      PyErr_SetString(PyExc_TypeError, "convert: bfloat16 needs the ml_dtypes package for its NumPy dtype "
+      PyErr_SetString(PyExc_TypeError,
+                      "convert: bfloat16 needs the ml_dtypes package for its NumPy dtype "
                       "(pip install ml_dtypes)");
       return -1;
     }
@@ -580,8 +579,7 @@ static PyObject *read_bytes(PyObject *mod, PyObject *args) {
   size_t n = b.count * tp_dtype_size(b.dtype), words = n / 8; /* count x size: the array's own bytes */
   const unsigned char *p = b.data;
   uint64_t acc[8] = {0};
-  Py_BEGIN_ALLOW_THREADS
-  size_t i = 0;
+  Py_BEGIN_ALLOW_THREADS size_t i = 0;
   for (; i + 8 <= words; i += 8)
     for (int j = 0; j < 8; j++) {
       uint64_t w;
@@ -594,8 +592,7 @@ static PyObject *read_bytes(PyObject *mod, PyObject *args) {
     acc[0] += w;
   }
   for (size_t k = words * 8; k < n; k++) acc[1] += p[k];
-  Py_END_ALLOW_THREADS
-  uint64_t sum = 0;
+  Py_END_ALLOW_THREADS uint64_t sum = 0;
   for (int j = 0; j < 8; j++) sum += acc[j];
   return PyLong_FromUnsignedLongLong((unsigned long long)sum);
 }
@@ -613,7 +610,8 @@ PyMethodDef kernel_methods[] = {
     {"add", add, METH_VARARGS, "add(y, a, b): y = a + b"},
     {"fill", fill, METH_VARARGS, "fill(y, value)"},
     {"embedding_forward", embedding_forward, METH_VARARGS, "embedding_forward(tokens, table, lo=0) -> rows"},
-    {"embedding_backward", embedding_backward, METH_VARARGS, "embedding_backward(dtable, tokens, dout, lo=0): dtable +="},
+    {"embedding_backward", embedding_backward, METH_VARARGS,
+     "embedding_backward(dtable, tokens, dout, lo=0): dtable +="},
     {"adamw_step", adamw_step, METH_VARARGS, "adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)"},
     {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(p, g, buf, lr, momentum, weight_decay, first)"},
     {"convert", (PyCFunction)(void (*)(void))convert, METH_VARARGS | METH_KEYWORDS,

@@ -43,8 +43,7 @@ typedef struct tp_mpi_host_api {
                             int spin_us);
   void (*comm_mark_failed)(struct tp_comm *comm, tp_status_t status, const char *msg);
   /* reduce_impl.h: the kernels of the shm backend, so both reduce alike (NaN, wrap-around, 16-bit) */
-  void (*reduce_n)(void *dst, void *dst2, const void *const *srcs, int nsrc, size_t n, tp_dtype_t dtype,
-                   tp_redop_t op);
+  void (*reduce_n)(void *dst, void *dst2, const void *const *srcs, int nsrc, size_t n, tp_dtype_t dtype, tp_redop_t op);
 } tp_mpi_host_api;
 
 typedef struct tp_mpi_plugin {

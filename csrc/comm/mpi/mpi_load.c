@@ -85,8 +85,10 @@ static tp_status_t load_once(void *unused) {
     return s;
   }
   if (!out.p.comm_init || !out.p.library)
-    return tp_set_error(TP_ERR_UNSUPPORTED, "the MPI plugin %s gave no comm_init or library entry: rebuild "
-                        "tpcore and its plugin together (pip install . or make)", file);
+    return tp_set_error(TP_ERR_UNSUPPORTED,
+                        "the MPI plugin %s gave no comm_init or library entry: rebuild "
+                        "tpcore and its plugin together (pip install . or make)",
+                        file);
   plugin = out.p;
   return TP_SUCCESS;
 }

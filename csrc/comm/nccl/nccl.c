@@ -22,7 +22,6 @@
 #include "../store/store_impl.h"
 #include "tpcore/device.h"
 
-
 /* ------------------------------------------------------------ the library */
 
 static pthread_mutex_t api_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -34,10 +33,10 @@ static void version_text(int v, char *buf, size_t n) {
   else snprintf(buf, n, "%d.%d.%d", v / 1000, (v % 1000) / 100, v % 100);
 }
 
-#define SYM(field, name)                                                   \
-  do {                                                                     \
-    *(void **)(&a.field) = tp_dynlib_sym(lib, "NCCL", name);               \
-    if (!a.field) goto fail;                                               \
+#define SYM(field, name)                                     \
+  do {                                                       \
+    *(void **)(&a.field) = tp_dynlib_sym(lib, "NCCL", name); \
+    if (!a.field) goto fail;                                 \
   } while (0)
 
 /* Loads and checks the library once per process (a failure is retried next time). */
@@ -70,7 +69,8 @@ static tp_status_t load_api(const tp_nccl_api_t **out) {
     tp_set_error(TP_ERR_UNSUPPORTED,
                  "NCCL at %s is version %s, too old: tpcore needs %s or later (ncclMemAlloc, "
                  "ncclCommRegister, ncclCommSplit, non-blocking init); install a newer nvidia-nccl "
-                 "wheel or point TPCORE_NCCL_LIBRARY at one", tp_dynlib_path(lib), have, need);
+                 "wheel or point TPCORE_NCCL_LIBRARY at one",
+                 tp_dynlib_path(lib), have, need);
     goto fail;
   }
   a.version = v;
@@ -130,7 +130,8 @@ tp_status_t tp_nccl_usable(void) {
   if (local > n && !shared_ok)
     return tp_set_error(TP_ERR_UNSUPPORTED,
                         "%d local ranks but %d CUDA device%s: NCCL runs one rank per GPU (NCCL 2.30+ with "
-                        "NCCL_MULTI_RANK_GPU_ENABLE=1 allows several)", local, n, n == 1 ? "" : "s");
+                        "NCCL_MULTI_RANK_GPU_ENABLE=1 allows several)",
+                        local, n, n == 1 ? "" : "s");
   return TP_SUCCESS;
 }
 
@@ -148,8 +149,7 @@ tp_status_t tp_nccl_error(nccl_ctx *x, const char *call, ncclResult_t r) {
   const char *last = x && x->nc ? x->api->GetLastError(x->nc) : x ? x->api->GetLastError(NULL) : NULL;
   int rank = x ? x->comm->rank : -1, size = x ? x->comm->size : 0;
   return tp_set_error(st, "nccl on rank %d of %d: %s failed: %s%s%s", rank, size, call,
-                      x ? x->api->GetErrorString(r) : "error", last && *last ? ": " : "",
-                      last ? last : "");
+                      x ? x->api->GetErrorString(r) : "error", last && *last ? ": " : "", last ? last : "");
 }
 
 /* ------------------------------------------------------------ descriptors */
@@ -171,9 +171,7 @@ static void describe(const nccl_desc_t *d, char *buf, size_t n) {
     case TP_COLL_REDUCE: snprintf(buf, n, "%s(%s, root %d) of %llu %s", kind, op, d->root, cnt, dt); break;
     case TP_COLL_BROADCAST: snprintf(buf, n, "%s(root %d) of %llu %s", kind, d->root, cnt, dt); break;
     case TP_COLL_ALL_GATHER: snprintf(buf, n, "%s of %llu %s (%llu in all)", kind, cnt, dt, tot); break;
-    case TP_COLL_REDUCE_SCATTER:
-      snprintf(buf, n, "%s(%s) of %llu %s (receiving %llu)", kind, op, tot, dt, cnt);
-      break;
+    case TP_COLL_REDUCE_SCATTER: snprintf(buf, n, "%s(%s) of %llu %s (receiving %llu)", kind, op, tot, dt, cnt); break;
     case TP_COLL_ALLOC: snprintf(buf, n, "alloc of %llu bytes", cnt); break;
     default: snprintf(buf, n, "%s", kind);
   }
@@ -202,8 +200,7 @@ static int same_call(const nccl_desc_t *a, const nccl_desc_t *b, int pa, int pb)
     case TP_COLL_ALL_REDUCE: return a->op == b->op && a->count == b->count;
     case TP_COLL_REDUCE: return a->op == b->op && a->count == b->count && a->root == b->root;
     case TP_COLL_BROADCAST: return a->count == b->count && a->root == b->root;
-    case TP_COLL_REDUCE_SCATTER:
-      return a->op == b->op && a->total == b->total && a->counts_hash == b->counts_hash;
+    case TP_COLL_REDUCE_SCATTER: return a->op == b->op && a->total == b->total && a->counts_hash == b->counts_hash;
     case TP_COLL_ALL_GATHER: return a->total == b->total && a->counts_hash == b->counts_hash;
     case TP_COLL_ALLOC: return a->count == b->count;
     default: return 1;
@@ -216,8 +213,8 @@ static tp_status_t mismatch(nccl_ctx *x, int p, const nccl_desc_t *theirs, const
   describe(theirs, da, sizeof da);
   describe(mine, db, sizeof db);
   atomic_store(&x->slots[x->comm->rank].state, NCCL_STATE_FAILED);
-  return tp_set_error(TP_ERR_MISMATCH, "collective mismatch at #%u: rank %d called %s, rank %d %s",
-                      (unsigned)x->seq, p, da, x->comm->rank, db);
+  return tp_set_error(TP_ERR_MISMATCH, "collective mismatch at #%u: rank %d called %s, rank %d %s", (unsigned)x->seq, p,
+                      da, x->comm->rank, db);
 }
 
 /* Compares this rank's descriptor of x->seq with every peer that has posted it. */
@@ -227,15 +224,14 @@ static tp_status_t check_peers(nccl_ctx *x) {
   if (!x->slots || !read_desc(x, r, x->seq, &mine)) return TP_SUCCESS; /* no segment across hosts */
   for (int i = 1; i < n; i++) {
     int p = (r + i) % n;
-    if (read_desc(x, p, x->seq, &theirs) && !same_call(&theirs, &mine, p, r))
-      return mismatch(x, p, &theirs, &mine);
+    if (read_desc(x, p, x->seq, &theirs) && !same_call(&theirs, &mine, p, r)) return mismatch(x, p, &theirs, &mine);
   }
   return TP_SUCCESS;
 }
 
 tp_status_t tp_nccl_post(nccl_ctx *x, const tp_coll_args_t *a) {
   uint32_t seq = ++x->seq;
-  if (seq == 0) seq = ++x->seq; /* 0 means empty */
+  if (seq == 0) seq = ++x->seq;     /* 0 means empty */
   if (!x->slots) return TP_SUCCESS; /* across hosts: no descriptors (NCCL's own checks only) */
   nccl_slot_t *s = &x->slots[x->comm->rank];
   nccl_desc_t *d = &s->ring[seq % NCCL_RING];
@@ -290,12 +286,13 @@ static tp_status_t check_alive(nccl_ctx *x, const char *what) {
     uint64_t want = atomic_load(&x->slots[p].start);
     char state = '?';
     uint64_t st = tp_shm_proc_starttime(pid, &state);
-    int dead = st == 0 ? (kill(pid, 0) != 0 && errno == ESRCH)
-                       : (state == 'Z' || state == 'X' || (want && st != want));
+    int dead = st == 0 ? (kill(pid, 0) != 0 && errno == ESRCH) : (state == 'Z' || state == 'X' || (want && st != want));
     if (dead) {
       abort_nc(x);
-      return tp_set_error(TP_ERR_REMOTE, "%s on rank %d of %d: rank %d (pid %d) died while this rank waited "
-                          "for it", what, x->comm->rank, x->comm->size, p, pid);
+      return tp_set_error(TP_ERR_REMOTE,
+                          "%s on rank %d of %d: rank %d (pid %d) died while this rank waited "
+                          "for it",
+                          what, x->comm->rank, x->comm->size, p, pid);
     }
   }
   return TP_SUCCESS;
@@ -305,16 +302,16 @@ static tp_status_t check_alive(nccl_ctx *x, const char *what) {
 static tp_status_t poll_failures(nccl_ctx *x, const char *what) {
   if (atomic_load(&x->abort_flag)) {
     abort_nc(x);
-    return tp_set_error(TP_ERR_ABORTED, "%s on rank %d of %d: the communicator was aborted: %s", what,
-                        x->comm->rank, x->comm->size, x->abort_reason);
+    return tp_set_error(TP_ERR_ABORTED, "%s on rank %d of %d: the communicator was aborted: %s", what, x->comm->rank,
+                        x->comm->size, x->abort_reason);
   }
   for (int p = 0; x->slots && p < x->comm->size; p++)
     if (p != x->comm->rank && atomic_load(&x->slots[p].state) == NCCL_STATE_FAILED) {
       tp_status_t st = check_peers(x); /* a peer that saw a mismatch: the same sentence here */
       abort_nc(x);
       if (st != TP_SUCCESS) return st;
-      return tp_set_error(TP_ERR_REMOTE, "%s on rank %d of %d: rank %d failed or aborted the communicator",
-                          what, x->comm->rank, x->comm->size, p);
+      return tp_set_error(TP_ERR_REMOTE, "%s on rank %d of %d: rank %d failed or aborted the communicator", what,
+                          x->comm->rank, x->comm->size, p);
     }
   TP_CHECK(check_alive(x, what));
   if (x->nc) {
@@ -341,8 +338,7 @@ static void laggards(nccl_ctx *x, char *buf, size_t n) {
     if (state == NCCL_STATE_INIT)
       len += (size_t)snprintf(buf + len, n - len, "%srank %d has not finished init", len ? "; " : "", p);
     else if (last < x->seq)
-      len += (size_t)snprintf(buf + len, n - len, "%srank %d is at collective #%u", len ? "; " : "", p,
-                              (unsigned)last);
+      len += (size_t)snprintf(buf + len, n - len, "%srank %d is at collective #%u", len ? "; " : "", p, (unsigned)last);
   }
 }
 
@@ -355,10 +351,9 @@ static tp_status_t timeout_error(nccl_ctx *x, const char *what) {
     return st;
   }
   abort_nc(x);
-  return tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d of %d: timed out after %g s waiting for collective #%u%s%s",
-                      what, x->comm->rank, x->comm->size, x->comm->timeout_s, (unsigned)x->seq,
-                      who[0] ? ": " : " (every peer has called it: a GPU hang or a mismatch NCCL cannot see)",
-                      who);
+  return tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d of %d: timed out after %g s waiting for collective #%u%s%s", what,
+                      x->comm->rank, x->comm->size, x->comm->timeout_s, (unsigned)x->seq,
+                      who[0] ? ": " : " (every peer has called it: a GPU hang or a mismatch NCCL cannot see)", who);
 }
 
 static void pause_briefly(int *spins) {
@@ -392,9 +387,7 @@ static tp_status_t settle_on(nccl_ctx *x, ncclComm_t on, const char *call, ncclR
   }
 }
 
-tp_status_t tp_nccl_settle(nccl_ctx *x, const char *call, ncclResult_t r) {
-  return settle_on(x, x->nc, call, r);
-}
+tp_status_t tp_nccl_settle(nccl_ctx *x, const char *call, ncclResult_t r) { return settle_on(x, x->nc, call, r); }
 
 tp_status_t tp_nccl_wait(nccl_ctx *x, tp_stream_t stream, const char *what) {
   double deadline = tp_now() + x->comm->timeout_s;
@@ -480,7 +473,8 @@ static tp_status_t pick_device(struct tp_comm *c, int *out) {
   if (id < 0 || id >= n)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                         "nccl on rank %d: device %d is not one of this process's %d CUDA devices "
-                        "(config.device_id, else LOCAL_RANK; CUDA_VISIBLE_DEVICES limits them)", c->rank, id, n);
+                        "(config.device_id, else LOCAL_RANK; CUDA_VISIBLE_DEVICES limits them)",
+                        c->rank, id, n);
   TP_CHECK(tp_device_set_current(TP_DEVICE_CUDA, id));
   *out = id;
   return TP_SUCCESS;
@@ -551,8 +545,8 @@ static tp_status_t store_split(nccl_ctx *x, int color, int key, int *nrank, int 
   tp_store_t s;
   TP_CHECK(tp_job_store_open(&s, x->comm->timeout_s, who));
   snprintf(prefix, sizeof prefix, "tpcore/nccl/%s/%s/split%d", x->comm->job_id, x->comm_id, x->nsplits);
-  tp_status_t st = tp_store_split_ranks(s, prefix, x->comm->rank, x->comm->size,
-                                        color == TP_SPLIT_NOCOLOR ? -1 : color, key, nrank, nsize);
+  tp_status_t st = tp_store_split_ranks(s, prefix, x->comm->rank, x->comm->size, color == TP_SPLIT_NOCOLOR ? -1 : color,
+                                        key, nrank, nsize);
   if (st != TP_SUCCESS) tp_error_prefix("%s", who);
   tp_store_close(s);
   return st;
@@ -690,7 +684,7 @@ tp_status_t tp_nccl_split(struct tp_comm *c, int color, int key, struct tp_comm 
   /* Non-blocking: the new communicator's state says when the split is done. */
   tp_status_t sst = r != ncclSuccess && r != ncclInProgress ? tp_nccl_error(x, "ncclCommSplit", r)
                     : !y->nc ? tp_set_error(TP_ERR_INTERNAL, "ncclCommSplit gave no communicator")
-                    : TP_SUCCESS;
+                             : TP_SUCCESS;
   if (st == TP_SUCCESS) st = sst;
   if (st == TP_SUCCESS) st = finish_init(y, "ncclCommSplit", r);
   if (st != TP_SUCCESS) {

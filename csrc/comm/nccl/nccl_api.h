@@ -72,12 +72,10 @@ typedef struct {
   int splitShare;
 } ncclConfig_t;
 
-#define TP_NCCL_CONFIG_INITIALIZER                                                        \
-  {                                                                                       \
-    sizeof(ncclConfig_t), TP_NCCL_CONFIG_MAGIC, TP_NCCL_VERSION(2, 18, 0),                \
-        TP_NCCL_CONFIG_UNDEF_INT, TP_NCCL_CONFIG_UNDEF_INT, TP_NCCL_CONFIG_UNDEF_INT,     \
-        TP_NCCL_CONFIG_UNDEF_INT, NULL, TP_NCCL_CONFIG_UNDEF_INT                          \
-  }
+#define TP_NCCL_CONFIG_INITIALIZER                                                                          \
+  {sizeof(ncclConfig_t),     TP_NCCL_CONFIG_MAGIC,     TP_NCCL_VERSION(2, 18, 0), TP_NCCL_CONFIG_UNDEF_INT, \
+   TP_NCCL_CONFIG_UNDEF_INT, TP_NCCL_CONFIG_UNDEF_INT, TP_NCCL_CONFIG_UNDEF_INT,  NULL,                     \
+   TP_NCCL_CONFIG_UNDEF_INT}
 
 /* cudaStream_t, as NCCL takes it. */
 typedef void *tp_nccl_stream_t;
@@ -90,35 +88,31 @@ typedef struct {
   const char *(*GetErrorString)(ncclResult_t result);
   const char *(*GetLastError)(ncclComm_t comm);
   ncclResult_t (*GetUniqueId)(ncclUniqueId *id);
-  ncclResult_t (*CommInitRankConfig)(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
-                                     ncclConfig_t *config);
+  ncclResult_t (*CommInitRankConfig)(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config);
   ncclResult_t (*CommGetAsyncError)(ncclComm_t comm, ncclResult_t *async_error);
   ncclResult_t (*CommFinalize)(ncclComm_t comm);
   ncclResult_t (*CommDestroy)(ncclComm_t comm);
   ncclResult_t (*CommAbort)(ncclComm_t comm);
-  ncclResult_t (*CommSplit)(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
-                            ncclConfig_t *config);
+  ncclResult_t (*CommSplit)(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config);
   ncclResult_t (*MemAlloc)(void **ptr, size_t size);
   ncclResult_t (*MemFree)(void *ptr);
   ncclResult_t (*CommRegister)(ncclComm_t comm, void *buff, size_t size, void **handle);
   ncclResult_t (*CommDeregister)(ncclComm_t comm, void *handle);
   ncclResult_t (*GroupStart)(void);
   ncclResult_t (*GroupEnd)(void);
-  ncclResult_t (*AllReduce)(const void *send, void *recv, size_t count, ncclDataType_t dt,
-                            ncclRedOp_t op, ncclComm_t comm, tp_nccl_stream_t stream);
-  ncclResult_t (*Broadcast)(const void *send, void *recv, size_t count, ncclDataType_t dt,
-                            int root, ncclComm_t comm, tp_nccl_stream_t stream);
-  ncclResult_t (*Reduce)(const void *send, void *recv, size_t count, ncclDataType_t dt,
-                         ncclRedOp_t op, int root, ncclComm_t comm, tp_nccl_stream_t stream);
-  ncclResult_t (*AllGather)(const void *send, void *recv, size_t sendcount, ncclDataType_t dt,
+  ncclResult_t (*AllReduce)(const void *send, void *recv, size_t count, ncclDataType_t dt, ncclRedOp_t op,
                             ncclComm_t comm, tp_nccl_stream_t stream);
-  ncclResult_t (*ReduceScatter)(const void *send, void *recv, size_t recvcount,
-                                ncclDataType_t dt, ncclRedOp_t op, ncclComm_t comm,
-                                tp_nccl_stream_t stream);
-  ncclResult_t (*Send)(const void *buf, size_t count, ncclDataType_t dt, int peer,
-                       ncclComm_t comm, tp_nccl_stream_t stream);
-  ncclResult_t (*Recv)(void *buf, size_t count, ncclDataType_t dt, int peer, ncclComm_t comm,
+  ncclResult_t (*Broadcast)(const void *send, void *recv, size_t count, ncclDataType_t dt, int root, ncclComm_t comm,
+                            tp_nccl_stream_t stream);
+  ncclResult_t (*Reduce)(const void *send, void *recv, size_t count, ncclDataType_t dt, ncclRedOp_t op, int root,
+                         ncclComm_t comm, tp_nccl_stream_t stream);
+  ncclResult_t (*AllGather)(const void *send, void *recv, size_t sendcount, ncclDataType_t dt, ncclComm_t comm,
+                            tp_nccl_stream_t stream);
+  ncclResult_t (*ReduceScatter)(const void *send, void *recv, size_t recvcount, ncclDataType_t dt, ncclRedOp_t op,
+                                ncclComm_t comm, tp_nccl_stream_t stream);
+  ncclResult_t (*Send)(const void *buf, size_t count, ncclDataType_t dt, int peer, ncclComm_t comm,
                        tp_nccl_stream_t stream);
+  ncclResult_t (*Recv)(void *buf, size_t count, ncclDataType_t dt, int peer, ncclComm_t comm, tp_nccl_stream_t stream);
 } tp_nccl_api_t;
 
 #endif

@@ -22,8 +22,8 @@
 #include "nccl_api.h"
 #include "tpcore/store.h"
 
-#define NCCL_RING 8            /* descriptors kept per rank (seq % NCCL_RING) */
-#define NCCL_MAX_STREAMS 8     /* distinct streams remembered for the waits of destroy */
+#define NCCL_RING 8        /* descriptors kept per rank (seq % NCCL_RING) */
+#define NCCL_MAX_STREAMS 8 /* distinct streams remembered for the waits of destroy */
 
 enum { NCCL_STATE_INIT = 0, NCCL_STATE_READY = 1, NCCL_STATE_FAILED = 2 };
 
@@ -49,10 +49,10 @@ struct nccl_mem;
 typedef struct nccl_ctx {
   struct tp_comm *comm;
   const tp_nccl_api_t *api;
-  tp_comm_t host;        /* the shm communicator beside this one (NULL across hosts)        */
-  int store_mode;        /* 1: the ranks span hosts: id and splits through the job's store,
+  tp_comm_t host;   /* the shm communicator beside this one (NULL across hosts)        */
+  int store_mode;   /* 1: the ranks span hosts: id and splits through the job's store,
                           * no host communicator, no descriptor segment                   */
-  tp_store_t store;      /* open during an init across hosts only                          */
+  tp_store_t store; /* open during an init across hosts only                          */
   ncclComm_t nc;
   int device_id;
   atomic_int abort_flag; /* set by ops->abort (any thread); acted on by the thread in NCCL */
@@ -65,10 +65,10 @@ typedef struct nccl_ctx {
   int seg_fd;
   nccl_slot_t *slots;
   size_t seg_bytes;
-  void *scratch;         /* 16 bytes of device memory (barrier) */
+  void *scratch; /* 16 bytes of device memory (barrier) */
   tp_stream_t streams[NCCL_MAX_STREAMS];
   int nstreams;
-  struct nccl_mem *mems; /* registered buffers still registered */
+  struct nccl_mem *mems;   /* registered buffers still registered */
   double next_alive_check; /* tp_now() of the next look at the peers' processes */
 } nccl_ctx;
 

@@ -60,13 +60,12 @@ static tp_status_t grouped_v(nccl_ctx *x, const tp_coll_args_t *a, ncclDataType_
     size_t cnt = a->counts[p];
     if (a->kind == TP_COLL_ALL_GATHER)
       r = api->Broadcast(p == me ? a->send : NULL, (char *)a->recv + off * es, cnt, dt, p, x->nc, s);
-    else
-      r = api->Reduce((const char *)a->send + off * es, p == me ? a->recv : NULL, cnt, dt, op, p, x->nc, s);
+    else r = api->Reduce((const char *)a->send + off * es, p == me ? a->recv : NULL, cnt, dt, op, p, x->nc, s);
     off += cnt;
   }
   ncclResult_t e = api->GroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress) return tp_nccl_error(x, a->kind == TP_COLL_ALL_GATHER
-                                                                          ? "ncclBroadcast" : "ncclReduce", r);
+  if (r != ncclSuccess && r != ncclInProgress)
+    return tp_nccl_error(x, a->kind == TP_COLL_ALL_GATHER ? "ncclBroadcast" : "ncclReduce", r);
   return tp_nccl_settle(x, "ncclGroupEnd", e);
 }
 
@@ -79,8 +78,8 @@ static tp_status_t nccl_collective(struct tp_comm *c, const tp_coll_args_t *a) {
   if ((int)dt < 0 || (int)op < 0)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: dtype or op has no NCCL equivalent", tp_coll_name(a->kind));
   if (atomic_load(&x->abort_flag))
-    return tp_set_error(TP_ERR_ABORTED, "%s on rank %d of %d: the communicator was aborted: %s",
-                        tp_coll_name(a->kind), c->rank, c->size, x->abort_reason);
+    return tp_set_error(TP_ERR_ABORTED, "%s on rank %d of %d: the communicator was aborted: %s", tp_coll_name(a->kind),
+                        c->rank, c->size, x->abort_reason);
   TP_CHECK(tp_nccl_post(x, a));
   tp_nccl_note_stream(x, a->stream);
   switch (a->kind) {
@@ -104,20 +103,19 @@ static tp_status_t nccl_collective(struct tp_comm *c, const tp_coll_args_t *a) {
     case TP_COLL_BARRIER:
       CALL(x, "ncclAllReduce", api->AllReduce(x->scratch, x->scratch, 1, ncclInt32, ncclSum, x->nc, s));
       return tp_nccl_wait(x, a->stream, "barrier");
-    default:
-      return tp_set_error(TP_ERR_INTERNAL, "nccl: collective kind %d", (int)a->kind);
+    default: return tp_set_error(TP_ERR_INTERNAL, "nccl: collective kind %d", (int)a->kind);
   }
 }
 
-static tp_status_t p2p(struct tp_comm *c, const void *sbuf, size_t scount, int dst, void *rbuf, size_t rcount,
-                       int src, tp_dtype_t dtype, tp_stream_t stream) {
+static tp_status_t p2p(struct tp_comm *c, const void *sbuf, size_t scount, int dst, void *rbuf, size_t rcount, int src,
+                       tp_dtype_t dtype, tp_stream_t stream) {
   nccl_ctx *x = c->impl;
   const tp_nccl_api_t *api = x->api;
   ncclDataType_t dt = (ncclDataType_t)tp_nccl_dtype(dtype);
   tp_nccl_stream_t s = (tp_nccl_stream_t)stream;
   if (atomic_load(&x->abort_flag))
-    return tp_set_error(TP_ERR_ABORTED, "p2p on rank %d of %d: the communicator was aborted: %s", c->rank,
-                        c->size, x->abort_reason);
+    return tp_set_error(TP_ERR_ABORTED, "p2p on rank %d of %d: the communicator was aborted: %s", c->rank, c->size,
+                        x->abort_reason);
   tp_nccl_note_stream(x, stream);
   ncclResult_t r = api->GroupStart();
   if (r != ncclSuccess) return tp_nccl_error(x, "ncclGroupStart", r);
@@ -140,8 +138,8 @@ static tp_status_t nccl_recv(struct tp_comm *c, void *buf, size_t count, tp_dtyp
   return p2p(c, NULL, 0, -1, buf, count, peer, dtype, stream);
 }
 
-static tp_status_t nccl_sendrecv(struct tp_comm *c, const void *sendbuf, size_t sendcount, int dst,
-                                 void *recvbuf, size_t recvcount, int src, tp_dtype_t dtype, tp_stream_t stream) {
+static tp_status_t nccl_sendrecv(struct tp_comm *c, const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
+                                 size_t recvcount, int src, tp_dtype_t dtype, tp_stream_t stream) {
   return p2p(c, sendbuf, sendcount, dst, recvbuf, recvcount, src, dtype, stream);
 }
 

@@ -32,55 +32,45 @@ static void describe_hdr(const coll_hdr_t *h, char *buf, size_t n) {
       snprintf(buf, n, "%s(%s) of %llu %s", kind, tp_redop_name((tp_redop_t)h->op), cnt, dt);
       break;
     case TP_COLL_REDUCE:
-      snprintf(buf, n, "%s(%s, root %d) of %llu %s", kind, tp_redop_name((tp_redop_t)h->op),
-               h->root, cnt, dt);
+      snprintf(buf, n, "%s(%s, root %d) of %llu %s", kind, tp_redop_name((tp_redop_t)h->op), h->root, cnt, dt);
       break;
-    case TP_COLL_BROADCAST:
-      snprintf(buf, n, "%s(root %d) of %llu %s", kind, h->root, cnt, dt);
-      break;
+    case TP_COLL_BROADCAST: snprintf(buf, n, "%s(root %d) of %llu %s", kind, h->root, cnt, dt); break;
     case TP_COLL_ALL_GATHER:
-      snprintf(buf, n, "%s of %llu %s (%llu in all)", kind, cnt, dt,
-               (unsigned long long)h->total);
+      snprintf(buf, n, "%s of %llu %s (%llu in all)", kind, cnt, dt, (unsigned long long)h->total);
       break;
     case TP_COLL_REDUCE_SCATTER:
-      snprintf(buf, n, "%s(%s) of %llu %s (receiving %llu)", kind,
-               tp_redop_name((tp_redop_t)h->op), (unsigned long long)h->total, dt, cnt);
+      snprintf(buf, n, "%s(%s) of %llu %s (receiving %llu)", kind, tp_redop_name((tp_redop_t)h->op),
+               (unsigned long long)h->total, dt, cnt);
       break;
-    case TP_COLL_ALLOC:
-      snprintf(buf, n, "alloc of %llu bytes", cnt);
-      break;
-    default:
-      snprintf(buf, n, "%s", kind);
+    case TP_COLL_ALLOC: snprintf(buf, n, "alloc of %llu bytes", cnt); break;
+    default: snprintf(buf, n, "%s", kind);
   }
 }
 
-static int hdr_matches(const coll_hdr_t *a, const coll_hdr_t *b, const tp_coll_args_t *args,
-                       int peer) {
+static int hdr_matches(const coll_hdr_t *a, const coll_hdr_t *b, const tp_coll_args_t *args, int peer) {
   if (a->seq != b->seq || a->kind != b->kind) return 0;
   switch (a->kind) {
     case TP_COLL_ALL_REDUCE:
     case TP_COLL_REDUCE:
-    case TP_COLL_BROADCAST:
-      return a->dtype == b->dtype && a->count == b->count && a->op == b->op && a->root == b->root;
+    case TP_COLL_BROADCAST: return a->dtype == b->dtype && a->count == b->count && a->op == b->op && a->root == b->root;
     case TP_COLL_ALL_GATHER:
     case TP_COLL_REDUCE_SCATTER:
-      return a->dtype == b->dtype && a->op == b->op && a->total == b->total &&
-             b->count == args->counts[peer] && a->counts_hash == b->counts_hash;
-    case TP_COLL_ALLOC:
-      return a->count == b->count;
-    default:
-      return 1;
+      return a->dtype == b->dtype && a->op == b->op && a->total == b->total && b->count == args->counts[peer] &&
+             a->counts_hash == b->counts_hash;
+    case TP_COLL_ALLOC: return a->count == b->count;
+    default: return 1;
   }
 }
 
-void tp_shm_post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key,
-                     int64_t sreg, int64_t soff, int64_t rreg, int64_t roff) {
+void tp_shm_post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key, int64_t sreg, int64_t soff, int64_t rreg,
+                     int64_t roff) {
   coll_hdr_t *h = &c->slots[c->comm->rank].hdr[c->seq & 1];
   h->seq = c->seq;
   h->kind = a->kind;
   h->dtype = a->dtype;
-  h->op = (a->kind == TP_COLL_ALL_REDUCE || a->kind == TP_COLL_REDUCE ||
-           a->kind == TP_COLL_REDUCE_SCATTER) ? (int32_t)a->op : 0;
+  h->op = (a->kind == TP_COLL_ALL_REDUCE || a->kind == TP_COLL_REDUCE || a->kind == TP_COLL_REDUCE_SCATTER)
+              ? (int32_t)a->op
+              : 0;
   h->root = (a->kind == TP_COLL_BROADCAST || a->kind == TP_COLL_REDUCE) ? a->root : 0;
   h->color = color;
   h->key = key;
@@ -116,8 +106,8 @@ static tp_status_t cma_read(shm_ctx *c, int p, void *dst, uint64_t raddr, size_t
       if (err == EINTR) continue;
       if (err == ESRCH || tp_shm_peer_dead(&c->slots[p])) {
         char msg[256];
-        snprintf(msg, sizeof msg, "rank %d (pid %d) died while rank %d read its buffer", p,
-                 c->slots[p].pid, c->comm->rank);
+        snprintf(msg, sizeof msg, "rank %d (pid %d) died while rank %d read its buffer", p, c->slots[p].pid,
+                 c->comm->rank);
         tp_shm_publish_abort(c, p, msg);
         return tp_set_error(TP_ERR_REMOTE, "%s", msg);
       }
@@ -133,8 +123,8 @@ static tp_status_t cma_read(shm_ctx *c, int p, void *dst, uint64_t raddr, size_t
 
 /* Rank r reduces elements [lo, lo + m) of every rank's send buffer into
  * out: its own from memory, the peers' pulled block by block into scratch. */
-static tp_status_t cma_reduce_range(shm_ctx *c, const char *send, int own_send, size_t lo, size_t m,
-                                    char *out, tp_dtype_t dt, tp_redop_t op, size_t peer_off_elems) {
+static tp_status_t cma_reduce_range(shm_ctx *c, const char *send, int own_send, size_t lo, size_t m, char *out,
+                                    tp_dtype_t dt, tp_redop_t op, size_t peer_off_elems) {
   int n = c->comm->size, r = c->comm->rank;
   size_t es = tp_dtype_size(dt), blk = c->scratch_blk / es;
   const void *srcs[1024];
@@ -177,16 +167,16 @@ tp_status_t tp_shm_check_hdrs(shm_ctx *c, const tp_coll_args_t *a) {
       describe_hdr(mine, db, sizeof db);
       char msg[600];
       if (h->seq != mine->seq)
-        snprintf(msg, sizeof msg, "collective mismatch: rank %d is at collective #%u (%s), rank %d at #%u (%s)",
-                 p, h->seq, da, r, mine->seq, db);
+        snprintf(msg, sizeof msg, "collective mismatch: rank %d is at collective #%u (%s), rank %d at #%u (%s)", p,
+                 h->seq, da, r, mine->seq, db);
       else if (counts_differ)
-        snprintf(msg, sizeof msg, "collective mismatch at #%u: ranks %d and %d passed different per-rank "
-                 "counts to %s (rank %d says rank %d has %llu elements; rank %d has %llu)", mine->seq, p, r,
-                 tp_coll_name((tp_coll_kind_t)h->kind), r, p, (unsigned long long)a->counts[p], p,
+        snprintf(msg, sizeof msg,
+                 "collective mismatch at #%u: ranks %d and %d passed different per-rank "
+                 "counts to %s (rank %d says rank %d has %llu elements; rank %d has %llu)",
+                 mine->seq, p, r, tp_coll_name((tp_coll_kind_t)h->kind), r, p, (unsigned long long)a->counts[p], p,
                  (unsigned long long)h->count);
       else
-        snprintf(msg, sizeof msg, "collective mismatch at #%u: rank %d called %s, rank %d %s",
-                 mine->seq, p, da, r, db);
+        snprintf(msg, sizeof msg, "collective mismatch at #%u: rank %d called %s, rank %d %s", mine->seq, p, da, r, db);
       char sp[TP_COMM_SITE_MAX];
       memcpy(sp, h->site, sizeof sp); /* a peer's slot: copied, then terminated */
       sp[sizeof sp - 1] = '\0';
@@ -205,9 +195,7 @@ static int all_registered(shm_ctx *c, int recv_side, shm_mem **m, int64_t *off) 
   if (reg < 0) return 0;
   for (int p = 1; p < n; p++) {
     const coll_hdr_t *h = &c->slots[p].hdr[c->seq & 1];
-    if ((recv_side ? h->recv_region : h->send_region) != reg ||
-        (recv_side ? h->recv_off : h->send_off) != o)
-      return 0;
+    if ((recv_side ? h->recv_region : h->send_region) != reg || (recv_side ? h->recv_off : h->send_off) != o) return 0;
   }
   *m = tp_shm_region_by_id(c, reg);
   *off = o;
@@ -231,8 +219,7 @@ static int any_send_registered(shm_ctx *c) {
   return 0;
 }
 
-static void stage_parts(shm_ctx *c, unsigned b, const char *send, size_t off, size_t m,
-                        size_t es, int nt) {
+static void stage_parts(shm_ctx *c, unsigned b, const char *send, size_t off, size_t m, size_t es, int nt) {
   int n = c->comm->size, r = c->comm->rank;
   char *st = stage_buf(c, r, b);
   for (int p = 0; p < n; p++) {
@@ -333,8 +320,8 @@ static tp_status_t all_reduce_like(shm_ctx *c, const tp_coll_args_t *a, const ch
           for (int i = 1; i < n; i++) memcpy(peer_ptr(rm, (r + i) % n, roff) + at, dst, k * es);
       }
     } else if (writes_out) {
-      tp_reduce_n(recv + (off + mylo) * es, is_reduce ? NULL : stage_buf(c, r, b) + mylo * es,
-                  srcs, n, mine, a->dtype, a->op);
+      tp_reduce_n(recv + (off + mylo) * es, is_reduce ? NULL : stage_buf(c, r, b) + mylo * es, srcs, n, mine, a->dtype,
+                  a->op);
     } else {
       tp_reduce_n(stage_buf(c, r, b) + mylo * es, NULL, srcs, n, mine, a->dtype, a->op);
     }
@@ -394,8 +381,7 @@ static tp_status_t all_gather(shm_ctx *c, const tp_coll_args_t *a, const char *w
     c->comm->stats.zero_copy++;
     for (int i = 1; i < n; i++) {
       int p = (r + i) % n;
-      memcpy(recv + displ[p] * es, peer_ptr(sm, p, c->slots[p].hdr[c->seq & 1].send_off),
-             counts[p] * es);
+      memcpy(recv + displ[p] * es, peer_ptr(sm, p, c->slots[p].hdr[c->seq & 1].send_off), counts[p] * es);
     }
     return shm_sync_all(c, what); /* peers may not touch their inputs before we are done */
   }
@@ -430,8 +416,8 @@ static tp_status_t all_gather(shm_ctx *c, const tp_coll_args_t *a, const char *w
   return TP_SUCCESS;
 }
 
-static void stage_rs(shm_ctx *c, unsigned b, const char *send, const size_t *counts,
-                     const size_t *displ, size_t off, size_t cp, size_t es, int nt) {
+static void stage_rs(shm_ctx *c, unsigned b, const char *send, const size_t *counts, const size_t *displ, size_t off,
+                     size_t cp, size_t es, int nt) {
   int n = c->comm->size, r = c->comm->rank;
   char *st = stage_buf(c, r, b);
   for (int p = 0; p < n; p++) {
@@ -595,4 +581,3 @@ tp_status_t tp_shm_collective(struct tp_comm *comm, const tp_coll_args_t *a) {
   }
   return st;
 }
-

@@ -57,7 +57,7 @@ static size_t rank_list(const int *grp, int n, int g, char *buf, size_t cap) {
 int tp_shm_divergence(const shm_ctx *c, char *buf, size_t n) {
   int world = c->comm->size;
   enum { DESC = 256 };
-  char(*desc)[DESC] = malloc((size_t)world * DESC);
+  char (*desc)[DESC] = malloc((size_t)world * DESC);
   int *grp = malloc(sizeof(int) * (size_t)world);
   int *gsize = calloc((size_t)world, sizeof(int));
   if (!desc || !grp || !gsize) {

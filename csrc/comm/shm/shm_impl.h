@@ -67,21 +67,21 @@ typedef struct {
   uint64_t total;
   int64_t send_region, send_off; /* registered location, -1 if none */
   int64_t recv_region, recv_off;
-  uint64_t send_addr, recv_addr;  /* this rank's buffers in its own address space (CMA) */
-  uint64_t counts_hash;           /* all_gather / reduce_scatter: the per-rank counts */
-  uint64_t nonce;                 /* split / alloc: rank 0's fresh random number names what it creates */
-  char site[TP_COMM_SITE_MAX];    /* the caller's "file.py:LINE" (shm_desync.c names desyncs with it) */
+  uint64_t send_addr, recv_addr; /* this rank's buffers in its own address space (CMA) */
+  uint64_t counts_hash;          /* all_gather / reduce_scatter: the per-rank counts */
+  uint64_t nonce;                /* split / alloc: rank 0's fresh random number names what it creates */
+  char site[TP_COMM_SITE_MAX];   /* the caller's "file.py:LINE" (shm_desync.c names desyncs with it) */
 } coll_hdr_t;
 
 typedef struct {
   _Alignas(CL) _Atomic uint32_t step;
   _Atomic uint32_t waiters;
   _Atomic int32_t closed;
-  _Atomic int32_t status; /* result of this rank's part of a collective setup step */
+  _Atomic int32_t status;           /* result of this rank's part of a collective setup step */
   _Alignas(CL) _Atomic int32_t pid; /* claimed once (compare-and-swap from 0): a second claimant is another job */
   uint64_t starttime;
-  uint64_t cma_probe;   /* address of a private word peers read to test CMA */
-  _Atomic int32_t cma_ok; /* this rank can read every peer with process_vm_readv */
+  uint64_t cma_probe;       /* address of a private word peers read to test CMA */
+  _Atomic int32_t cma_ok;   /* this rank can read every peer with process_vm_readv */
   _Atomic int32_t act_kind; /* what the rank is doing now (TP_COLL_NONE: nothing) */
   _Atomic uint32_t act_seq;
   _Atomic int32_t act_peer;
@@ -119,7 +119,7 @@ typedef struct {
   uint64_t small_bytes, nt_bytes, scratch_blk, cma_bytes[TP_COLL_NUM];
   _Alignas(CL) _Atomic int32_t attached;
   _Alignas(CL) _Atomic int32_t abort_state; /* 0 none, 1 being written, 2 published */
-  _Atomic int32_t closing; /* a rank closed (or failed to set up) the communicator: it is ending */
+  _Atomic int32_t closing;                  /* a rank closed (or failed to set up) the communicator: it is ending */
   int32_t abort_rank;
   int32_t abort_status; /* tp_status_t the peers report: timeout, mismatch or remote */
   char abort_msg[768];
@@ -145,8 +145,8 @@ typedef struct shm_ctx {
   struct tp_comm *comm;
   char name[256];
   char comm_id[128];
-  int keep_name;  /* a world communicator: the name stays (locked) while the job lives */
-  int lock_fd;    /* holds this rank's lock on the segment (-1: none) */
+  int keep_name; /* a world communicator: the name stays (locked) while the job lives */
+  int lock_fd;   /* holds this rank's lock on the segment (-1: none) */
   char *base;
   size_t size;
   shm_header_t *hdr;
@@ -163,24 +163,24 @@ typedef struct shm_ctx {
   uint32_t round;
   uint32_t nsplit;
   int64_t nmem;
-  int use_cma;          /* every rank can process_vm_readv every other: single-copy path */
+  int use_cma;                   /* every rank can process_vm_readv every other: single-copy path */
   size_t cma_bytes[TP_COLL_NUM]; /* per collective: messages from this size take it */
-  uint64_t cma_magic;   /* the word peers read at init */
-  char *scratch;        /* (world - 1) blocks of scratch_blk bytes for CMA reductions */
+  uint64_t cma_magic;            /* the word peers read at init */
+  char *scratch;                 /* (world - 1) blocks of scratch_blk bytes for CMA reductions */
   size_t scratch_blk;
   /* Waits (shm_wait.c). */
-  int adaptive;    /* 0: spin_us was given (config or TPCORE_SPIN_US): fixed spin */
-  int spin_iters;  /* fixed spin: pause iterations before sleeping */
-  double spin_s;   /* adaptive: the full spin budget on a machine with a core per rank */
-  double yield_s;  /* then sched_yield for this long before sleeping (more ranks than cores) */
+  int adaptive;           /* 0: spin_us was given (config or TPCORE_SPIN_US): fixed spin */
+  int spin_iters;         /* fixed spin: pause iterations before sleeping */
+  double spin_s;          /* adaptive: the full spin budget on a machine with a core per rank */
+  double yield_s;         /* then sched_yield for this long before sleeping (more ranks than cores) */
   double contended_until; /* adaptive: until then, waits spin briefly and sleep */
   double hold_s;          /* how long a contention noticed now holds (doubles while it lasts) */
   uint64_t contentions;   /* times contention was noticed (for tests and debugging) */
-  uint32_t *p2p_sent;  /* chunks sent to peer p        */
-  uint32_t *p2p_recvd; /* chunks received from peer p  */
+  uint32_t *p2p_sent;     /* chunks sent to peer p        */
+  uint32_t *p2p_recvd;    /* chunks received from peer p  */
   uint32_t *p2p_msg_s;
   uint32_t *p2p_msg_r;
-  int cur_kind;      /* the call in progress, for error messages (formatted lazily) */
+  int cur_kind; /* the call in progress, for error messages (formatted lazily) */
   uint32_t cur_seq;
   shm_mem *regions;
   pthread_mutex_t regions_lock; /* regions may be released from another thread */
@@ -194,8 +194,7 @@ long tp_shm_futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct tim
 /* Publish v in *word (release) and wake its sleepers, if any. */
 static inline void shm_post(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t v) {
   atomic_store_explicit(word, v, memory_order_seq_cst);
-  if (atomic_load_explicit(waiters, memory_order_seq_cst))
-    tp_shm_futex(word, FUTEX_WAKE, INT_MAX, NULL);
+  if (atomic_load_explicit(waiters, memory_order_seq_cst)) tp_shm_futex(word, FUTEX_WAKE, INT_MAX, NULL);
 }
 
 static inline int reached(uint32_t v, uint32_t target) { return (int32_t)(v - target) >= 0; }
@@ -227,10 +226,9 @@ static inline void shm_set_activity(shm_ctx *c, int kind, uint32_t seq, int peer
 
 /* An abort published while this rank was not waiting (a rank of another job with
  * the same id stops this one) fails the next call, even one whose peers all arrive. */
-#define RETURN_IF_ABORTED(c)                                                          \
-  do {                                                                                \
-    if (TP_UNLIKELY(atomic_load_explicit(&(c)->hdr->abort_state, memory_order_acquire))) \
-      return tp_shm_abort_error(c);                                                          \
+#define RETURN_IF_ABORTED(c)                                                                                           \
+  do {                                                                                                                 \
+    if (TP_UNLIKELY(atomic_load_explicit(&(c)->hdr->abort_state, memory_order_acquire))) return tp_shm_abort_error(c); \
   } while (0)
 
 /* Reads the wait settings (spin, yield) for a new communicator into c. */
@@ -240,10 +238,10 @@ void tp_shm_wait_setup(shm_ctx *c);
  * `what` names the wait in messages (NULL: the collective in progress).
  * max_wait > 0 bounds this call (returns TP_IN_PROGRESS when it runs out), else
  * the communicator's timeout applies.  The slow part is shm_wait.c's. */
-tp_status_t tp_shm_wait_slow(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_t *waiters,
-                             uint32_t target, int peer, const char *what, double max_wait);
-static inline tp_status_t shm_wait_word(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_t *waiters,
-                                        uint32_t target, int peer, const char *what, double max_wait) {
+tp_status_t tp_shm_wait_slow(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t target, int peer,
+                             const char *what, double max_wait);
+static inline tp_status_t shm_wait_word(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t target,
+                                        int peer, const char *what, double max_wait) {
   if (reached(atomic_load_explicit(word, memory_order_acquire), target)) return TP_SUCCESS;
   return tp_shm_wait_slow(c, word, waiters, target, peer, what, max_wait);
 }
@@ -272,36 +270,31 @@ static inline char *stage_buf(shm_ctx *c, int rank, unsigned b) {
   return c->stage + ((size_t)rank * 2 + (b & 1u)) * c->stage_bytes;
 }
 
-static inline const coll_hdr_t *peer_hdr(const shm_ctx *c, int p) {
-  return &c->slots[p].hdr[c->seq & 1];
-}
+static inline const coll_hdr_t *peer_hdr(const shm_ctx *c, int p) { return &c->slots[p].hdr[c->seq & 1]; }
 
 /* Pointer to rank p's copy of (region, offset). */
 static inline char *peer_ptr(const shm_mem *m, int p, int64_t off) {
   return (char *)m->base + (size_t)p * m->slot + (size_t)off;
 }
 
-static inline chan_t *chan(shm_ctx *c, int src, int dst) {
-  return &c->chans[(size_t)src * c->comm->size + dst];
-}
+static inline chan_t *chan(shm_ctx *c, int src, int dst) { return &c->chans[(size_t)src * c->comm->size + dst]; }
 static inline char *chan_buf(shm_ctx *c, int src, int dst, unsigned slot) {
   return c->p2pdata + (((size_t)src * c->comm->size + dst) * P2P_NBUF + slot) * c->p2p_chunk;
 }
 
 /* ------------------------------------------------ across the files */
 
-void tp_shm_post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key,
-                     int64_t sreg, int64_t soff, int64_t rreg, int64_t roff);
+void tp_shm_post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key, int64_t sreg, int64_t soff, int64_t rreg,
+                     int64_t roff);
 /* After the first wait of a collective: every peer's header must match. */
 tp_status_t tp_shm_check_hdrs(shm_ctx *c, const tp_coll_args_t *a);
 tp_status_t tp_shm_collective(struct tp_comm *comm, const tp_coll_args_t *a);
 
-tp_status_t tp_shm_send(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dt,
-                        int peer, tp_stream_t stream);
-tp_status_t tp_shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt,
-                        int peer, tp_stream_t stream);
-tp_status_t tp_shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst,
-                            void *rbuf, size_t rcount, int src, tp_dtype_t dt, tp_stream_t stream);
+tp_status_t tp_shm_send(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dt, int peer,
+                        tp_stream_t stream);
+tp_status_t tp_shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt, int peer, tp_stream_t stream);
+tp_status_t tp_shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst, void *rbuf, size_t rcount,
+                            int src, tp_dtype_t dt, tp_stream_t stream);
 
 /* The registered region holding [p, p + nbytes) (its offset in *off), or -1. */
 int64_t tp_shm_find_region(shm_ctx *c, const void *p, size_t nbytes, int64_t *off);

@@ -108,8 +108,8 @@ tp_status_t tp_shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr, tp
   char name[300];
   /* Not predictable: a fresh random number of rank 0's, published through the job's
    * own segment just before the name is made, so nobody can create it first. */
-  snprintf(name, sizeof name, "%s_%016llx_m%lld", c->name,
-           (unsigned long long)c->slots[0].hdr[c->seq & 1].nonce, (long long)id);
+  snprintf(name, sizeof name, "%s_%016llx_m%lld", c->name, (unsigned long long)c->slots[0].hdr[c->seq & 1].nonce,
+           (long long)id);
   void *base = NULL;
   int lock_fd = -1;
   tp_status_t mine = TP_SUCCESS;
@@ -123,8 +123,7 @@ tp_status_t tp_shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr, tp
       size_t onb;
       mine = tp_seg_open(name, &ofd, &onb);
       if (ofd >= 0) close(ofd);
-      if (mine == TP_SUCCESS)
-        mine = tp_set_error(TP_ERR_INVALID_USAGE, "shared-memory name %s exists already", name);
+      if (mine == TP_SUCCESS) mine = tp_set_error(TP_ERR_INVALID_USAGE, "shared-memory name %s exists already", name);
     }
     if (mine != TP_SUCCESS) snprintf(myerr, sizeof myerr, "%s", tp_last_error());
     atomic_store(&ms->status, (int32_t)mine);
@@ -143,7 +142,7 @@ tp_status_t tp_shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr, tp
     if (st == TP_SUCCESS) st = shm_wait_all(c, what);
   }
   if (st == TP_SUCCESS) st = shm_sync_all(c, what); /* everyone attached (or failed) */
-  if (lock_fd >= 0) { /* rank 0: everyone is in (or failed); the name can go */
+  if (lock_fd >= 0) {                               /* rank 0: everyone is in (or failed); the name can go */
     if (tp_seg_same(name, lock_fd)) shm_unlink(name);
     tp_seg_close(lock_fd);
   }
@@ -194,4 +193,3 @@ done:
   shm_set_activity(c, TP_COLL_NONE, c->seq, -1);
   return st;
 }
-

@@ -21,8 +21,7 @@ typedef struct {
   uint32_t msg, nchunks, done;
 } p2p_op;
 
-static void p2p_init(shm_ctx *c, p2p_op *o, const void *buf, size_t count, tp_dtype_t dt, int peer,
-                     uint32_t msg) {
+static void p2p_init(shm_ctx *c, p2p_op *o, const void *buf, size_t count, tp_dtype_t dt, int peer, uint32_t msg) {
   o->buf = buf;
   o->count = count;
   o->dtype = dt;
@@ -64,8 +63,7 @@ static tp_status_t recv_step(shm_ctx *c, p2p_op *o, double max_wait, const char 
   TP_CHECK(shm_wait_word(c, &ch->sent, &ch->sent_waiters, k + 1, o->peer, what, max_wait));
   unsigned slot = k % P2P_NBUF;
   const p2p_hdr_t *h = &ch->hdr[slot];
-  if (h->msg != o->msg || h->dtype != (int32_t)o->dtype || h->count != o->count ||
-      h->chunk != o->done) {
+  if (h->msg != o->msg || h->dtype != (int32_t)o->dtype || h->count != o->count || h->chunk != o->done) {
     char msg[512];
     snprintf(msg, sizeof msg,
              "point-to-point mismatch: rank %d sent %llu %s (message #%u) but rank %d expected "
@@ -94,8 +92,8 @@ static tp_status_t p2p_done(shm_ctx *c, tp_status_t st) {
   return st;
 }
 
-tp_status_t tp_shm_send(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dt,
-                            int peer, tp_stream_t stream) {
+tp_status_t tp_shm_send(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dt, int peer,
+                        tp_stream_t stream) {
   shm_ctx *c = comm->impl;
   p2p_op o;
   RETURN_IF_ABORTED(c);
@@ -108,8 +106,7 @@ tp_status_t tp_shm_send(struct tp_comm *comm, const void *buf, size_t count, tp_
   return p2p_done(c, st);
 }
 
-tp_status_t tp_shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt,
-                            int peer, tp_stream_t stream) {
+tp_status_t tp_shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt, int peer, tp_stream_t stream) {
   shm_ctx *c = comm->impl;
   p2p_op o;
   RETURN_IF_ABORTED(c);
@@ -122,9 +119,8 @@ tp_status_t tp_shm_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_
   return p2p_done(c, st);
 }
 
-tp_status_t tp_shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst,
-                                void *rbuf, size_t rcount, int src, tp_dtype_t dt,
-                                tp_stream_t stream) {
+tp_status_t tp_shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst, void *rbuf, size_t rcount,
+                            int src, tp_dtype_t dt, tp_stream_t stream) {
   shm_ctx *c = comm->impl;
   RETURN_IF_ABORTED(c);
   p2p_op so, ro;
@@ -152,11 +148,10 @@ tp_status_t tp_shm_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scoun
     else if (tp_now() - t0 > comm->timeout_s) {
       char act[512];
       tp_shm_describe_activity(c, ro.done < ro.nchunks ? src : dst, act, sizeof act);
-      st = tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d: timed out after %.1f s: %s", what,
-                        comm->rank, comm->timeout_s, act);
+      st = tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d: timed out after %.1f s: %s", what, comm->rank, comm->timeout_s,
+                        act);
       break;
     }
   }
   return p2p_done(c, st);
 }
-

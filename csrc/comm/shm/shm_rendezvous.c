@@ -49,8 +49,8 @@ static uint64_t fnv1a(const char *s) {
 
 /* --------------------------------------------------------- segment set-up */
 
-static size_t layout(int world, size_t stage, size_t p2p, size_t *o_slots, size_t *o_chans,
-                     size_t *o_stage, size_t *o_p2p) {
+static size_t layout(int world, size_t stage, size_t p2p, size_t *o_slots, size_t *o_chans, size_t *o_stage,
+                     size_t *o_p2p) {
   size_t off = ALIGN_UP(sizeof(shm_header_t), 4096);
   *o_slots = off;
   off += ALIGN_UP(sizeof(rank_slot_t) * (size_t)world, 4096);
@@ -71,8 +71,8 @@ uint64_t tp_shm_random_token(void) {
 }
 
 /* Why two jobs meet in one segment, and what to do about it. */
-#define COLLISION_ADVICE                                                                       \
-  "; both jobs stop. Give each job a job id of its own: python -m tpcore.launch and "          \
+#define COLLISION_ADVICE                                                              \
+  "; both jobs stop. Give each job a job id of its own: python -m tpcore.launch and " \
   "tpcore.spawn do; with torchrun-style variables set TPCORE_JOB_ID, or another MASTER_PORT"
 
 /* Rank 0 found its segment's name taken.  A name no process locks is left from a
@@ -94,8 +94,7 @@ static tp_status_t name_taken(shm_ctx *c, double deadline, int *retry) {
     *retry = 1;
     return TP_SUCCESS;
   }
-  shm_header_t *h = nb >= sizeof *h ? mmap(NULL, sizeof *h, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                                    : MAP_FAILED;
+  shm_header_t *h = nb >= sizeof *h ? mmap(NULL, sizeof *h, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
   close(fd);
   int ready = h != MAP_FAILED && __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC;
   int mine = ready && h->creator_pid == getpid() && h->creator_start == tp_shm_proc_starttime(getpid(), NULL);
@@ -116,8 +115,8 @@ static tp_status_t name_taken(shm_ctx *c, double deadline, int *retry) {
                             c->comm->job_id, c->name);
       return tp_set_error(TP_ERR_TIMEOUT,
                           "rank 0 timed out waiting for shared-memory segment %s of job '%s', held by "
-                          "another process, to be %s", c->name, c->comm->job_id,
-                          setting_up ? "set up" : "released by its job of one rank");
+                          "another process, to be %s",
+                          c->name, c->comm->job_id, setting_up ? "set up" : "released by its job of one rank");
     }
     usleep(1000);
     *retry = 1;
@@ -194,15 +193,15 @@ int tp_shm_online_cores(void) {
  * stale one (its creator gone) or one of another user, adopt rank 0's settings,
  * check that the layout they give is the segment's size, and take this rank's
  * lock on it (c->lock_fd). */
-static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline, void **base,
-                               size_t *size, size_t *o_slots, size_t *o_chans, size_t *o_stage,
-                               size_t *o_p2p) {
+static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline, void **base, size_t *size,
+                               size_t *o_slots, size_t *o_chans, size_t *o_stage, size_t *o_p2p) {
   const char *why = "it does not exist yet";
   for (;; usleep(1000)) {
     if (tp_now() > deadline)
       return tp_set_error(TP_ERR_TIMEOUT,
                           "rank %d timed out waiting for rank 0 to create shared-memory segment %s (%s; "
-                          "did rank 0 start, with the same job id and world size?)", rank, c->name, why);
+                          "did rank 0 start, with the same job id and world size?)",
+                          rank, c->name, why);
     int fd;
     size_t nb = 0;
     TP_CHECK(tp_seg_open(c->name, &fd, &nb)); /* another user's or a loosened one: never joined */
@@ -226,7 +225,7 @@ static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline,
     }
     int ending = ready && (atomic_load(&h->closing) || atomic_load(&h->abort_state));
     if (!ready || ending || tp_shm_peer_dead(&probe)) {
-      why = !ready ? "it is not initialised yet"
+      why = !ready   ? "it is not initialised yet"
             : ending ? "the segment found belongs to a communicator being closed"
                      : "the segment found belongs to a job that ended";
       munmap(h, sizeof *h);
@@ -256,8 +255,8 @@ static tp_status_t attach_main(shm_ctx *c, int world, int rank, double deadline,
     *size = layout(world, c->stage_bytes, c->p2p_chunk, o_slots, o_chans, o_stage, o_p2p);
     if (*size != nb) {
       tp_seg_close(fd);
-      return tp_set_error(TP_ERR_INTERNAL, "rank %d: shared-memory segment %s has %zu bytes, expected %zu",
-                          rank, c->name, nb, *size);
+      return tp_set_error(TP_ERR_INTERNAL, "rank %d: shared-memory segment %s has %zu bytes, expected %zu", rank,
+                          c->name, nb, *size);
     }
     void *p = tp_seg_map(fd, *size);
     if (p == MAP_FAILED) {
@@ -285,8 +284,7 @@ static shm_ctx *ctx_new(struct tp_comm *comm, const char *comm_id, int world_com
   c->lock_fd = -1;
   pthread_mutex_init(&c->regions_lock, NULL);
   snprintf(c->comm_id, sizeof c->comm_id, "%s", comm_id);
-  snprintf(c->name, sizeof c->name, "/tpcore_%s_%016llx", comm->job_id,
-           (unsigned long long)fnv1a(comm_id));
+  snprintf(c->name, sizeof c->name, "/tpcore_%s_%016llx", comm->job_id, (unsigned long long)fnv1a(comm_id));
   c->stage_bytes = ALIGN_UP(tp_shm_env_size("TPCORE_SHM_CHUNK", (size_t)1 << 20), 4096);
   if (c->stage_bytes < 65536) c->stage_bytes = 65536;
   /* The channels take world^2 * 2 chunks: keep them to ~8 MiB for large worlds. */
@@ -333,8 +331,7 @@ static tp_status_t create_main(shm_ctx *c, int world_comm, size_t size, double d
     st = name_taken(c, deadline, &retry);
     if (st == TP_SUCCESS && !retry) st = tp_set_error(TP_ERR_INTERNAL, "segment %s: no decision", c->name);
     if (st == TP_SUCCESS && tp_now() > deadline)
-      st = tp_set_error(TP_ERR_TIMEOUT, "cannot create shared-memory segment %s: its name keeps coming back",
-                        c->name);
+      st = tp_set_error(TP_ERR_TIMEOUT, "cannot create shared-memory segment %s: its name keeps coming back", c->name);
     if (st != TP_SUCCESS) break;
   }
   if (st != TP_SUCCESS) return st;
@@ -397,8 +394,8 @@ static tp_status_t wait_attached(shm_ctx *c, int world, int rank, double deadlin
     }
     for (int p = 0; p < world; p++) {
       if (p != rank && c->slots[p].pid && tp_shm_peer_dead(&c->slots[p]))
-        return tp_set_error(TP_ERR_REMOTE, "rank %d (pid %d) died while the communicator was being set up",
-                            p, c->slots[p].pid);
+        return tp_set_error(TP_ERR_REMOTE, "rank %d (pid %d) died while the communicator was being set up", p,
+                            c->slots[p].pid);
     }
     usleep(world <= tp_shm_online_cores() ? 50 : 500);
   }
@@ -438,9 +435,9 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
   size_t size = layout(world, c->stage_bytes, c->p2p_chunk, &o_slots, &o_chans, &o_stage, &o_p2p);
   double deadline = tp_now() + comm->timeout_s;
   void *base = NULL;
-  tp_status_t st = rank == 0 ? create_main(c, world_comm, size, deadline, &base)
-                             : attach_main(c, world, rank, deadline, &base, &size, &o_slots, &o_chans, &o_stage,
-                                           &o_p2p);
+  tp_status_t st = rank == 0
+                       ? create_main(c, world_comm, size, deadline, &base)
+                       : attach_main(c, world, rank, deadline, &base, &size, &o_slots, &o_chans, &o_stage, &o_p2p);
   if (st != TP_SUCCESS) {
     free_ctx(c);
     return st;
@@ -547,13 +544,12 @@ static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp
   shm_set_activity(c, TP_COLL_NONE, c->seq, -1);
   if (st != TP_SUCCESS || color == TP_SPLIT_NOCOLOR) return st;
   struct tp_comm *nc;
-  TP_CHECK(tp_comm_alloc_common(&nc, newsize, newrank, comm->job_id, comm->timeout_s,
-                                comm->spin_us));
+  TP_CHECK(tp_comm_alloc_common(&nc, newsize, newrank, comm->job_id, comm->timeout_s, comm->spin_us));
   char id[96];
   /* A fresh random number of rank 0's, published through the job's own segment just
    * before the new segments are made, keeps their names unpredictable. */
-  snprintf(id, sizeof id, "%016llx.%016llx.%u.%d", (unsigned long long)nonce,
-           (unsigned long long)fnv1a(c->comm_id), nsplit, color);
+  snprintf(id, sizeof id, "%016llx.%016llx.%u.%d", (unsigned long long)nonce, (unsigned long long)fnv1a(c->comm_id),
+           nsplit, color);
   st = tp_shm_comm_init(nc, id, 0);
   if (st != TP_SUCCESS) {
     tp_error_prefix("split (color %d) on rank %d", color, r);
@@ -563,4 +559,3 @@ static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp
   *out = nc;
   return TP_SUCCESS;
 }
-

@@ -24,23 +24,19 @@
 
 tp_status_t tp_seg_sys_error(const char *what, const char *name, int err) {
   if (err == ENOSPC || err == ENOMEM)
-    return tp_set_error(TP_ERR_NOMEM,
-                        "%s %s: no space left in shared memory (/dev/shm is full or too small: %s)",
-                        what, name, strerror(err));
+    return tp_set_error(TP_ERR_NOMEM, "%s %s: no space left in shared memory (/dev/shm is full or too small: %s)", what,
+                        name, strerror(err));
   return tp_set_error(TP_ERR_SYSTEM, "%s %s: %s", what, name, strerror(err));
 }
 
-static int path_of(const char *name, char *path, size_t n) {
-  return snprintf(path, n, SHM_DIR "%s", name) < (int)n;
-}
+static int path_of(const char *name, char *path, size_t n) { return snprintf(path, n, SHM_DIR "%s", name) < (int)n; }
 
 static void owner_text(uid_t uid, char *buf, size_t n) {
   struct passwd pw, *res = NULL;
   char tmp[1024];
   if (getpwuid_r(uid, &pw, tmp, sizeof tmp, &res) == 0 && res)
     snprintf(buf, n, "user '%s' (uid %u)", res->pw_name, (unsigned)uid);
-  else
-    snprintf(buf, n, "uid %u", (unsigned)uid);
+  else snprintf(buf, n, "uid %u", (unsigned)uid);
 }
 
 /* Owner and mode rules for a segment this process is about to use. */
@@ -54,14 +50,16 @@ static tp_status_t check_owner(const char *name, const struct stat *sb) {
     char me[320];
     owner_text(geteuid(), me, sizeof me);
     return tp_set_error(TP_ERR_INVALID_USAGE,
-                        "shared-memory segment " SHM_DIR "%s belongs to %s, not to this job's %s: "
+                        "shared-memory segment " SHM_DIR
+                        "%s belongs to %s, not to this job's %s: "
                         "refusing to use it (another user created this job's name first; set "
                         "TPCORE_JOB_ID to a value of your own, as python -m tpcore.launch does)",
                         name, who, me);
   }
   if ((sb->st_mode & 07777) != 0600)
     return tp_set_error(TP_ERR_INVALID_USAGE,
-                        "shared-memory segment " SHM_DIR "%s has mode 0%o, expected 0600: refusing to "
+                        "shared-memory segment " SHM_DIR
+                        "%s has mode 0%o, expected 0600: refusing to "
                         "use it (other users could read or write it)",
                         name, (unsigned)(sb->st_mode & 07777));
   return TP_SUCCESS;
@@ -241,9 +239,8 @@ int tp_seg_sweep(const char *prefix) {
     struct stat a, b;
     /* Only what tpcore makes (this user's, 0600): anything else is left for a person to look at. */
     if (fstat(f, &a) == 0 && S_ISREG(a.st_mode) && a.st_uid == me && (a.st_mode & 07777) == 0600 &&
-        flock(f, LOCK_EX | LOCK_NB) == 0 &&
-        fstatat(dfd, e->d_name, &b, AT_SYMLINK_NOFOLLOW) == 0 && a.st_dev == b.st_dev &&
-        a.st_ino == b.st_ino && unlinkat(dfd, e->d_name, 0) == 0)
+        flock(f, LOCK_EX | LOCK_NB) == 0 && fstatat(dfd, e->d_name, &b, AT_SYMLINK_NOFOLLOW) == 0 &&
+        a.st_dev == b.st_dev && a.st_ino == b.st_ino && unlinkat(dfd, e->d_name, 0) == 0)
       removed++;
     close(f);
   }

@@ -131,8 +131,8 @@ static const char *what_text(const shm_ctx *c, const char *what, char *buf, size
   return buf;
 }
 
-#define PROBE_FIRST_S 50e-6     /* first sched_yield probe of a spin */
-#define PROBE_EVERY_S 200e-6    /* later probes */
+#define PROBE_FIRST_S 50e-6  /* first sched_yield probe of a spin */
+#define PROBE_EVERY_S 200e-6 /* later probes */
 /* A gap this long: another process had the core.  An interrupt or a kernel
  * thread takes microseconds to tens of them; a busy process takes a time slice
  * (0.75-3 ms). */
@@ -144,10 +144,8 @@ static const char *what_text(const shm_ctx *c, const char *what, char *buf, size
 
 static void note_contention(shm_ctx *c, double now) {
   /* Seen again soon after the last hold ended: the load persists, hold longer. */
-  if (now - c->contended_until < c->hold_s)
-    c->hold_s = 4 * c->hold_s < HOLD_MAX_S ? 4 * c->hold_s : HOLD_MAX_S;
-  else
-    c->hold_s = HOLD_MIN_S;
+  if (now - c->contended_until < c->hold_s) c->hold_s = 4 * c->hold_s < HOLD_MAX_S ? 4 * c->hold_s : HOLD_MAX_S;
+  else c->hold_s = HOLD_MIN_S;
   c->contended_until = now + c->hold_s;
   c->contentions++;
 }
@@ -181,8 +179,8 @@ static int spin_adaptive(shm_ctx *c, _Atomic uint32_t *word, uint32_t target, do
   }
 }
 
-tp_status_t tp_shm_wait_slow(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_t *waiters,
-                             uint32_t target, int peer, const char *what_, double max_wait) {
+tp_status_t tp_shm_wait_slow(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t target, int peer,
+                             const char *what_, double max_wait) {
   if (REACHED(word, target)) return TP_SUCCESS;
   double t0;
   if (c->adaptive) {
@@ -221,8 +219,8 @@ tp_status_t tp_shm_wait_slow(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_
     const char *what = what_text(c, what_, wbuf, sizeof wbuf);
     if (atomic_load(&ps->closed)) {
       char msg[512];
-      snprintf(msg, sizeof msg, "rank %d closed the communicator while rank %d waited for it in %s",
-               peer, c->comm->rank, what);
+      snprintf(msg, sizeof msg, "rank %d closed the communicator while rank %d waited for it in %s", peer,
+               c->comm->rank, what);
       tp_shm_publish_abort(c, peer, msg);
       return tp_set_error(TP_ERR_REMOTE, "%s", msg);
     }
@@ -230,8 +228,8 @@ tp_status_t tp_shm_wait_slow(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_
       c->last_liveness = now;
       if (tp_shm_peer_dead(ps)) {
         char msg[512];
-        snprintf(msg, sizeof msg, "rank %d (pid %d) died while rank %d waited for it in %s", peer,
-                 ps->pid, c->comm->rank, what);
+        snprintf(msg, sizeof msg, "rank %d (pid %d) died while rank %d waited for it in %s", peer, ps->pid,
+                 c->comm->rank, what);
         tp_shm_publish_abort(c, peer, msg);
         return tp_set_error(TP_ERR_REMOTE, "%s", msg);
       }
@@ -240,8 +238,7 @@ tp_status_t tp_shm_wait_slow(shm_ctx *c, _Atomic uint32_t *word, _Atomic uint32_
       if (max_wait > 0) return TP_IN_PROGRESS;
       char act[512];
       tp_shm_describe_activity(c, peer, act, sizeof act);
-      return tp_set_error(TP_ERR_TIMEOUT,
-                          "%s on rank %d: timed out after %.1f s waiting for rank %d: %s", what,
+      return tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d: timed out after %.1f s waiting for rank %d: %s", what,
                           c->comm->rank, now - t0, peer, act);
     }
   }

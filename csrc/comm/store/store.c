@@ -77,8 +77,10 @@ static tp_status_t io_all(tp_store_t s, int writing, void *buf, size_t n, double
     int e = k == 0 ? 0 : errno;
     drop_conn(s);
     if (atomic_load(&s->interrupted)) return interrupted_error(s);
-    return tp_set_error(TP_ERR_REMOTE, "%s: %s: the store closed the connection%s%s (its host process exited, or "
-                        "it refused this client: see its log)", s->where, what, e ? ": " : "", e ? strerror(e) : "");
+    return tp_set_error(TP_ERR_REMOTE,
+                        "%s: %s: the store closed the connection%s%s (its host process exited, or "
+                        "it refused this client: see its log)",
+                        s->where, what, e ? ": " : "", e ? strerror(e) : "");
   }
   return TP_SUCCESS;
 }
@@ -92,8 +94,11 @@ static tp_status_t read_reply(tp_store_t s, double deadline, const char *what, i
   size_t cap;
   if (!tp_add_size(s->max_value, 1 + MAX_ERR_TEXT, &cap) || len == 0 || len > cap) {
     drop_conn(s);
-    return tp_set_error(TP_ERR_REMOTE, "%s: %s: the server sent a reply of %" PRIu64 " bytes (the most is %zu: "
-                        "not a tpcore store, or a larger max_value_bytes there)", s->where, what, len, cap);
+    return tp_set_error(TP_ERR_REMOTE,
+                        "%s: %s: the server sent a reply of %" PRIu64
+                        " bytes (the most is %zu: "
+                        "not a tpcore store, or a larger max_value_bytes there)",
+                        s->where, what, len, cap);
   }
   uint8_t *b = malloc((size_t)len + 1);
   if (!b) {
@@ -136,8 +141,10 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
   if (e != 0) {
     close(fd);
     *refused = 1;
-    return tp_set_error(TP_ERR_TIMEOUT, "%s: cannot connect within %g s: %s (is the store's host up and "
-                        "MASTER_ADDR / MASTER_PORT right?)", s->where, s->timeout, strerror(e));
+    return tp_set_error(TP_ERR_TIMEOUT,
+                        "%s: cannot connect within %g s: %s (is the store's host up and "
+                        "MASTER_ADDR / MASTER_PORT right?)",
+                        s->where, s->timeout, strerror(e));
   }
   pthread_mutex_lock(&s->fd_lock);
   s->fd = fd;
@@ -171,8 +178,10 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
   tp_status_t st = TP_SUCCESS;
   if (status == ST_ERR) st = tp_set_error(TP_ERR_INVALID_USAGE, "%s refused this client: %s", s->where, (char *)p);
   else if (status != ST_OK || n != MAC || !tp_store_same_mac(want, p))
-    st = tp_set_error(TP_ERR_INVALID_USAGE, "%s: the server does not know this job's secret (a different job's store "
-                      "on this port, or TPCORE_STORE_SECRET differs between nodes)", s->where);
+    st = tp_set_error(TP_ERR_INVALID_USAGE,
+                      "%s: the server does not know this job's secret (a different job's store "
+                      "on this port, or TPCORE_STORE_SECRET differs between nodes)",
+                      s->where);
   free(p);
   if (st != TP_SUCCESS) drop_conn(s);
   return st;
@@ -215,8 +224,8 @@ static tp_status_t check_key(tp_store_t s, const char *op, const char *key, size
   if (!key) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "store %s: key is NULL", op);
   size_t n = strnlen(key, TP_STORE_MAX_KEY + 1);
   if (n == 0 || n > TP_STORE_MAX_KEY)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "store %s: a key must have 1..%d bytes, got %s", op,
-                        TP_STORE_MAX_KEY, n ? "more" : "an empty key");
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "store %s: a key must have 1..%d bytes, got %s", op, TP_STORE_MAX_KEY,
+                        n ? "more" : "an empty key");
   *klen = n;
   return TP_SUCCESS;
 }
@@ -247,9 +256,10 @@ tp_status_t tp_store_open(tp_store_t *out, const tp_store_config_t *cfg) {
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "store open: port must be in %d..65535, got %d",
                         cfg->is_server ? 0 : 1, cfg->port);
   if (!cfg->secret || cfg->secret_len < TP_STORE_MIN_SECRET || cfg->secret_len > TP_STORE_MAX_SECRET)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "store open: the secret must have %d..%d bytes, got %zu (set "
-                        "TPCORE_STORE_SECRET to the same random value on every node)", TP_STORE_MIN_SECRET,
-                        TP_STORE_MAX_SECRET, cfg->secret ? cfg->secret_len : 0);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "store open: the secret must have %d..%d bytes, got %zu (set "
+                        "TPCORE_STORE_SECRET to the same random value on every node)",
+                        TP_STORE_MIN_SECRET, TP_STORE_MAX_SECRET, cfg->secret ? cfg->secret_len : 0);
   size_t max_value = cfg->max_value_bytes ? cfg->max_value_bytes : TP_STORE_DEFAULT_MAX_VALUE;
   if (max_value > TP_STORE_MAX_VALUE_CAP)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "store open: max_value_bytes %zu is above the cap %u", max_value,
@@ -323,8 +333,10 @@ tp_status_t tp_store_set(tp_store_t s, const char *key, const void *value, size_
   TP_CHECK(check_key(s, "set", key, &klen));
   if (!value && nbytes) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "store set('%s'): value is NULL", key);
   if (nbytes > s->max_value)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "store set('%s'): a value of %zu bytes is above max_value_bytes "
-                        "(%zu)", key, nbytes, s->max_value);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "store set('%s'): a value of %zu bytes is above max_value_bytes "
+                        "(%zu)",
+                        key, nbytes, s->max_value);
   uint8_t *b = key_body(OP_SET, NULL, 0, key, klen, value, nbytes, &n);
   if (!b) return tp_set_error(TP_ERR_NOMEM, "store set('%s'): out of memory", key);
   char what[TP_STORE_MAX_KEY + 32];
@@ -413,8 +425,8 @@ tp_status_t tp_store_wait(tp_store_t s, const char *const *keys, int nkeys) {
   }
   size_t cap;
   if (!max_request(s->max_value, &cap) || total > cap)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "store wait: %d keys take %zu bytes, above the message cap %zu",
-                        nkeys, total, cap);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "store wait: %d keys take %zu bytes, above the message cap %zu", nkeys,
+                        total, cap);
   uint8_t *b = malloc(total);
   if (!b) return tp_set_error(TP_ERR_NOMEM, "store wait: out of memory");
   b[0] = OP_WAIT;
@@ -483,8 +495,11 @@ tp_status_t tp_store_barrier(tp_store_t s, const char *name, int n) {
     if (tp_store_add(s, count, 0, &now) != TP_SUCCESS) now = k;
     int64_t arrived = now - round * n;
     if (arrived > n) arrived = n;
-    return tp_set_error(TP_ERR_TIMEOUT, "store barrier('%s'): timed out after %g s with %" PRId64 " of %d "
-                        "arrived (%s)", name, s->timeout, arrived, n, m);
+    return tp_set_error(TP_ERR_TIMEOUT,
+                        "store barrier('%s'): timed out after %g s with %" PRId64
+                        " of %d "
+                        "arrived (%s)",
+                        name, s->timeout, arrived, n, m);
   }
   return st;
 }

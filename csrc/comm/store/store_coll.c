@@ -13,10 +13,14 @@ tp_status_t tp_job_store_open(tp_store_t *out, double timeout_s, const char *who
   *out = NULL;
   const char *addr = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT"), *secret = getenv("TPCORE_STORE_SECRET");
   if (!addr || !*addr || !port || !*port || !secret || !*secret)
-    return tp_set_error(TP_ERR_INVALID_USAGE, "%s: the ranks span hosts, so they meet through the job's store, "
+    return tp_set_error(TP_ERR_INVALID_USAGE,
+                        "%s: the ranks span hosts, so they meet through the job's store, "
                         "but %s is not set (python -m tpcore.launch --nnodes sets MASTER_ADDR, MASTER_PORT and "
-                        "TPCORE_STORE_SECRET)", who,
-                        !addr || !*addr ? "MASTER_ADDR" : !port || !*port ? "MASTER_PORT" : "TPCORE_STORE_SECRET");
+                        "TPCORE_STORE_SECRET)",
+                        who,
+                        !addr || !*addr   ? "MASTER_ADDR"
+                        : !port || !*port ? "MASTER_PORT"
+                                          : "TPCORE_STORE_SECRET");
   char *end;
   errno = 0;
   long p = strtol(port, &end, 10);
@@ -39,15 +43,18 @@ tp_status_t tp_store_bcast(tp_store_t s, const char *key, int rank, int root, vo
     tp_error_prefix("rank %d waiting for rank %d's '%s'", rank, root, key);
     return st;
   }
-  if (n != nbytes) st = tp_set_error(TP_ERR_MISMATCH, "rank %d: rank %d published %zu bytes under '%s', this rank "
-                                     "expects %zu (different tpcore versions?)", rank, root, n, key, nbytes);
+  if (n != nbytes)
+    st = tp_set_error(TP_ERR_MISMATCH,
+                      "rank %d: rank %d published %zu bytes under '%s', this rank "
+                      "expects %zu (different tpcore versions?)",
+                      rank, root, n, key, nbytes);
   else TP_COPY(blob, v, n);
   tp_store_free(v);
   return st;
 }
 
-tp_status_t tp_store_split_ranks(tp_store_t s, const char *prefix, int rank, int size, int color, int key,
-                                 int *nrank, int *nsize) {
+tp_status_t tp_store_split_ranks(tp_store_t s, const char *prefix, int rank, int size, int color, int key, int *nrank,
+                                 int *nsize) {
   char k[TP_STORE_MAX_KEY + 1];
   int mine[2] = {color, key};
   if (strlen(prefix) > TP_STORE_MAX_KEY - 16)

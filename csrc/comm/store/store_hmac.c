@@ -78,7 +78,7 @@ static void sha_final(sha256_t *s, uint8_t out[32]) {
   sha_update(s, len, 8);
   for (int i = 0; i < 8; i++)
     out[4 * i] = (uint8_t)(s->h[i] >> 24), out[4 * i + 1] = (uint8_t)(s->h[i] >> 16),
-    out[4 * i + 2] = (uint8_t)(s->h[i] >> 8), out[4 * i + 3] = (uint8_t)s->h[i];
+            out[4 * i + 2] = (uint8_t)(s->h[i] >> 8), out[4 * i + 3] = (uint8_t)s->h[i];
 }
 
 /* HMAC-SHA256(key, label || a || b) with 32-byte a and b. */

@@ -20,7 +20,7 @@ tp_status_t tp_store_bcast(tp_store_t s, const char *key, int rank, int root, vo
 /* Every rank of `size` posts (color, key) under prefix and reads everyone's: its rank and
  * the size of its color's group, ranks ordered by (key, old rank) as ncclCommSplit /
  * MPI_Comm_split do; color < 0: *nrank = -1, *nsize = 0. */
-tp_status_t tp_store_split_ranks(tp_store_t s, const char *prefix, int rank, int size, int color, int key,
-                                 int *nrank, int *nsize);
+tp_status_t tp_store_split_ranks(tp_store_t s, const char *prefix, int rank, int size, int color, int key, int *nrank,
+                                 int *nsize);
 
 #endif

@@ -49,8 +49,8 @@ typedef struct {
   int fd;
   char peer[96];
   int authed;
-  int closing;   /* flush the pending reply, then close */
-  double opened; /* tp_now() at accept: the oldest unauthenticated one is dropped first */
+  int closing;     /* flush the pending reply, then close */
+  double opened;   /* tp_now() at accept: the oldest unauthenticated one is dropped first */
   double deadline; /* > 0: a message (or the HELLO) must be complete by then */
   uint8_t nonce[NONCE];
   uint8_t hdr[8];
@@ -270,8 +270,9 @@ static void handle_hello(server_t *sv, conn_t *c, const uint8_t *b, size_t n) {
   uint8_t want[MAC], back[MAC];
   tp_store_hmac3(sv->secret, sv->secret_len, "tpcore-store-v1 client", c->nonce, b + 1, want);
   if (!tp_store_same_mac(want, b + 1 + NONCE)) {
-    refuse(sv, c, "authentication failed: the client does not know this job's secret (TPCORE_STORE_SECRET "
-                  "must be the same on every node)");
+    refuse(sv, c,
+           "authentication failed: the client does not know this job's secret (TPCORE_STORE_SECRET "
+           "must be the same on every node)");
     return;
   }
   tp_store_hmac3(sv->secret, sv->secret_len, "tpcore-store-v1 server", b + 1, c->nonce, back);
@@ -371,9 +372,7 @@ static void handle(server_t *sv, conn_t *c, uint8_t *b, size_t n) {
       if (!reply(c, ST_OK, &existed, 1)) refuse(sv, c, "out of memory for a reply");
       return;
     }
-    default:
-      refuse(sv, c, "sent an unknown request (op %u)", (unsigned)b[0]);
-      return;
+    default: refuse(sv, c, "sent an unknown request (op %u)", (unsigned)b[0]); return;
   }
   refuse(sv, c, "sent a malformed request (op %u, %zu bytes: bad key length or layout)", (unsigned)b[0], n);
 }
@@ -398,8 +397,8 @@ static void on_readable(server_t *sv, conn_t *c, double now) {
     size_t cap = HELLO_BODY;
     if (c->authed && !max_request(sv->max_value, &cap)) cap = SIZE_MAX;
     if (len == 0 || len > cap) {
-      refuse(sv, c, "sent a message length of %" PRIu64 " bytes (as int64: %" PRId64 "; it must be 1..%zu%s)",
-             len, (int64_t)len, cap, c->authed ? "" : " before authentication");
+      refuse(sv, c, "sent a message length of %" PRIu64 " bytes (as int64: %" PRId64 "; it must be 1..%zu%s)", len,
+             (int64_t)len, cap, c->authed ? "" : " before authentication");
       return;
     }
     c->body = malloc((size_t)len);
@@ -464,8 +463,8 @@ static void on_accept(server_t *sv, double now) {
       if (oldest < 0 || sv->conns[i].opened < sv->conns[oldest].opened) oldest = i;
     }
   if (unauth >= MAX_UNAUTHED && oldest >= 0) {
-    slog(sv, "client %s: dropped unauthenticated (%d clients were authenticating at once)",
-         sv->conns[oldest].peer, unauth);
+    slog(sv, "client %s: dropped unauthenticated (%d clients were authenticating at once)", sv->conns[oldest].peer,
+         unauth);
     conn_drop(sv, oldest);
   }
   int one = 1;
@@ -512,8 +511,9 @@ static void *serve(void *arg) {
       }
       if (c->deadline > 0 && now >= c->deadline && !c->closing) {
         if (!c->authed) slog(sv, "client %s: did not authenticate within %g s; disconnected", c->peer, sv->io_timeout);
-        else slog(sv, "client %s: sent part of a message and then nothing for %g s; disconnected", c->peer,
-                  sv->io_timeout);
+        else
+          slog(sv, "client %s: sent part of a message and then nothing for %g s; disconnected", c->peer,
+               sv->io_timeout);
         conn_drop(sv, i);
         continue;
       }
@@ -620,11 +620,15 @@ tp_status_t tp_store_server_start(const tp_store_config_t *cfg, const char *host
     int e = errno;
     server_free(sv);
     if (e == EADDRINUSE)
-      return tp_set_error(TP_ERR_SYSTEM, "store: port %d on %s is already in use (another job's store or another "
-                          "program listens there: choose another MASTER_PORT / --master-port)", cfg->port, host);
+      return tp_set_error(TP_ERR_SYSTEM,
+                          "store: port %d on %s is already in use (another job's store or another "
+                          "program listens there: choose another MASTER_PORT / --master-port)",
+                          cfg->port, host);
     if (e == EADDRNOTAVAIL)
-      return tp_set_error(TP_ERR_SYSTEM, "store: cannot listen on %s:%d: %s is not an address of this host (the "
-                          "store's server runs on the host of MASTER_ADDR)", host, cfg->port, host);
+      return tp_set_error(TP_ERR_SYSTEM,
+                          "store: cannot listen on %s:%d: %s is not an address of this host (the "
+                          "store's server runs on the host of MASTER_ADDR)",
+                          host, cfg->port, host);
     return tp_set_error(TP_ERR_SYSTEM, "store: cannot listen on %s:%d: %s", host, cfg->port, strerror(e));
   }
   if (listen(sv->lfd, 128) != 0) {

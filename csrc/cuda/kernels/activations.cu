@@ -89,9 +89,9 @@ __global__ void tpk_act_bwd(float *dh, const float *h, const float *dout, int64_
 }
 
 /* Block (x, p): columns 32x .. 32x + 31, rows [p * rows, min(M, (p + 1) * rows)). */
-__global__ void __launch_bounds__(256) tpk_dh_partial(float *dh, float *partial, const float *h, const float *dout,
-                                                      int64_t M, int64_t F, int64_t hw, int64_t rows,
-                                                      tp_activation_t act) {
+__global__ void __launch_bounds__(256)
+    tpk_dh_partial(float *dh, float *partial, const float *h, const float *dout, int64_t M, int64_t F, int64_t hw,
+                   int64_t rows, tp_activation_t act) {
   __shared__ float sh[8][33];
   int tx = threadIdx.x, ty = threadIdx.y;
   int64_t p = blockIdx.y, r0 = p * rows, r1 = r0 + rows < M ? r0 + rows : M;
@@ -158,15 +158,17 @@ extern "C" size_t tp_cuda_bias_act_backward_workspace(int64_t M, int64_t F, tp_a
   return n;
 }
 
-extern "C" tp_status_t tp_cuda_bias_act_backward(tp_stream_t s, float *dh, float *db, const float *h,
-                                                 const float *dout, int64_t M, int64_t F, tp_activation_t act,
-                                                 void *workspace, size_t workspace_bytes) {
+extern "C" tp_status_t tp_cuda_bias_act_backward(tp_stream_t s, float *dh, float *db, const float *h, const float *dout,
+                                                 int64_t M, int64_t F, tp_activation_t act, void *workspace,
+                                                 size_t workspace_bytes) {
   int64_t hw = act == TP_ACT_SWIGLU ? 2 * F : F;
   if (!db || M == 0) return tp_cuda_act_backward(s, dh, h, dout, M, F, act);
   size_t row = (size_t)(hw ? hw : 1) * sizeof(float), fit = workspace ? workspace_bytes / row : 0;
   if (fit < 1)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "bias_act_backward: the workspace of %zu bytes is below one row "
-                        "of partial sums (%zu bytes)", workspace ? workspace_bytes : 0, row);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "bias_act_backward: the workspace of %zu bytes is below one row "
+                        "of partial sums (%zu bytes)",
+                        workspace ? workspace_bytes : 0, row);
   if (hw == 0) return TP_SUCCESS;
   int64_t P = chunks_for(M);
   if ((size_t)P > fit) P = (int64_t)fit; /* fewer chunks: the same sums for the same (sizes, workspace) */

@@ -176,8 +176,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(tp_attention_args a, int6
 }
 
 /* One warp per query row: merge the nsplit partial results of fwd_kernel. */
-__global__ void __launch_bounds__(kThreads) combine_kernel(tp_attention_args a, int nsplit, const float *part,
-                                                           const float *part_ml, float *lse_out) {
+__global__ void __launch_bounds__(kThreads)
+    combine_kernel(tp_attention_args a, int nsplit, const float *part, const float *part_ml, float *lse_out) {
   const int64_t rows = a.B * a.Hq * a.Tq;
   const int64_t row = (int64_t)blockIdx.x * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -242,8 +242,8 @@ tp_status_t launch_forward(cudaStream_t st, const tp_attention_args *a, const Fw
   float *ml = p.nsplit > 1 ? (float *)(ws + p.ml_off) : NULL;
   float *lse = a->lse ? a->lse : a->probs ? (float *)(ws + p.lse_off) : NULL;
   const int64_t blocks = a->B * a->Hq * p.qtiles;
-  fwd_kernel<DMAX><<<dim3((unsigned)blocks, (unsigned)p.nsplit), kThreads, smem, st>>>(*a, p.qtiles, p.nsplit,
-                                                                                      p.chunk, part, ml, lse);
+  fwd_kernel<DMAX><<<dim3((unsigned)blocks, (unsigned)p.nsplit), kThreads, smem, st>>>(*a, p.qtiles, p.nsplit, p.chunk,
+                                                                                       part, ml, lse);
   TP_CHECK(launch_check(op, "fwd_kernel launch"));
   if (p.nsplit > 1) {
     combine_kernel<<<(unsigned)((p.rows + kWarps - 1) / kWarps), kThreads, 0, st>>>(*a, p.nsplit, part, ml, lse);
@@ -256,7 +256,7 @@ tp_status_t launch_forward(cudaStream_t st, const tp_attention_args *a, const Fw
   return TP_SUCCESS;
 }
 
-}  // namespace
+} // namespace
 
 extern "C" size_t tp_cuda_attention_backward_workspace_(const tp_attention_args *a); /* attention_bwd.cu */
 
@@ -274,14 +274,15 @@ extern "C" tp_status_t tp_cuda_attention_forward(tp_stream_t s, const tp_attenti
     return tp_set_error(TP_ERR_UNSUPPORTED, "cuda %s: head size D = %lld is above the %d the CUDA kernels take", op,
                         (long long)a->D, kMaxD);
   FwdPlan p = plan_forward(a);
-  if (p.total == SIZE_MAX)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: the workspace size overflows", op);
+  if (p.total == SIZE_MAX) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: the workspace size overflows", op);
   if (p.total && (!workspace || workspace_bytes < p.total))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: the workspace of %zu bytes is below the %zu bytes these "
-                        "arguments need (ask attention_workspace)", op, workspace ? workspace_bytes : 0, p.total);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "cuda %s: the workspace of %zu bytes is below the %zu bytes these "
+                        "arguments need (ask attention_workspace)",
+                        op, workspace ? workspace_bytes : 0, p.total);
   if (a->B * a->Hq * p.qtiles > INT32_MAX || p.rows > INT32_MAX)
-    return tp_set_error(TP_ERR_UNSUPPORTED, "cuda %s: B x Hq x Tq = %lld query rows is more than one launch takes",
-                        op, (long long)p.rows);
+    return tp_set_error(TP_ERR_UNSUPPORTED, "cuda %s: B x Hq x Tq = %lld query rows is more than one launch takes", op,
+                        (long long)p.rows);
   cudaStream_t st = (cudaStream_t)s;
   char *ws = (char *)workspace;
   switch (dmax_of(a->D)) {
@@ -319,18 +320,17 @@ __global__ void positions_kernel(int64_t *pos, int64_t *klen, const int64_t *pos
       klen[b] = pos0[b];
 }
 
-}  // namespace
+} // namespace
 
 extern "C" tp_status_t tp_cuda_kv_cache_write(tp_stream_t s, float *kcache, float *vcache, const float *k,
-                                              const float *v, int64_t ld, const int64_t *pos0,
-                                              const int64_t *slots, int64_t B, int64_t T, int64_t max_len,
-                                              int64_t width) {
+                                              const float *v, int64_t ld, const int64_t *pos0, const int64_t *slots,
+                                              int64_t B, int64_t T, int64_t max_len, int64_t width) {
   if (B <= 0 || T <= 0 || width <= 0) return TP_SUCCESS;
   int64_t n;
   if (!tp_mul_count(B, T, &n) || !tp_mul_count(n, width, &n))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda kv_cache_write: B x T x width overflows");
   kv_write_kernel<<<grid_for(n, 256), 256, 0, (cudaStream_t)s>>>(kcache, vcache, k, v, ld, pos0, slots, B, T, max_len,
-                                                                   width);
+                                                                 width);
   return launch_check("kv_cache_write", "kv_write_kernel launch");
 }
 

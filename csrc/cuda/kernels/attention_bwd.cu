@@ -72,8 +72,8 @@ __device__ inline Smem carve(float *sm, int ld) {
 }
 
 /* Rows i0 .. i0 + 15 of query head h: Q, dO, lse, Dv and key limits into shared memory. */
-__device__ inline void load_queries(const tp_attention_args &a, const Smem &s, int ld, int64_t b, int64_t h,
-                                    int64_t i0, const float *dout, const float *dv) {
+__device__ inline void load_queries(const tp_attention_args &a, const Smem &s, int ld, int64_t b, int64_t h, int64_t i0,
+                                    const float *dout, const float *dv) {
   const int D = (int)a.D;
   for (int e = threadIdx.x; e < kBQ * D; e += kThreads) {
     const int r = e / D, d = e % D;
@@ -93,8 +93,7 @@ __device__ inline void load_queries(const tp_attention_args &a, const Smem &s, i
 
 /* Keys j0 .. j0 + BK - 1 of KV head g (zeros past Tk). */
 template <int BK>
-__device__ inline void load_keys(const tp_attention_args &a, const Smem &s, int ld, int64_t b, int64_t g,
-                                 int64_t j0) {
+__device__ inline void load_keys(const tp_attention_args &a, const Smem &s, int ld, int64_t b, int64_t g, int64_t j0) {
   const int D = (int)a.D;
   const float *Kb = a.k + b * a.kv_bstride + g * a.D, *Vb = a.v + b * a.kv_bstride + g * a.D;
   for (int e = threadIdx.x; e < BK * D; e += kThreads) {
@@ -108,8 +107,8 @@ __device__ inline void load_keys(const tp_attention_args &a, const Smem &s, int 
 
 /* P and dS = P (dP - Dv) scale of the 16 x BK tile (zero where the key is not visible). */
 template <int BK>
-__device__ inline void tile_scores(const tp_attention_args &a, const Smem &s, int ld, int64_t b, int64_t h,
-                                   int64_t i0, int64_t j0) {
+__device__ inline void tile_scores(const tp_attention_args &a, const Smem &s, int ld, int64_t b, int64_t h, int64_t i0,
+                                   int64_t j0) {
   const int D = (int)a.D;
   for (int e = threadIdx.x; e < kBQ * BK; e += kThreads) {
     const int r = e / BK, c = e % BK;
@@ -137,8 +136,8 @@ __device__ inline void tile_scores(const tp_attention_args &a, const Smem &s, in
 }
 
 template <int DMAX>
-__global__ void __launch_bounds__(kThreads) dkdv_kernel(tp_attention_args a, const float *dout, const float *dv,
-                                                        float *dK, float *dV, int64_t ktiles) {
+__global__ void __launch_bounds__(kThreads)
+    dkdv_kernel(tp_attention_args a, const float *dout, const float *dv, float *dK, float *dV, int64_t ktiles) {
   constexpr int BK = Tiles<DMAX>::BK, NA = BK * DMAX / kThreads;
   extern __shared__ float sm[];
   __shared__ int64_t lim[kBQ];
@@ -193,8 +192,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(tp_attention_args a, con
 }
 
 template <int DMAX>
-__global__ void __launch_bounds__(kThreads) dq_kernel(tp_attention_args a, const float *dout, const float *dv,
-                                                      float *dQ, int64_t qtiles) {
+__global__ void __launch_bounds__(kThreads)
+    dq_kernel(tp_attention_args a, const float *dout, const float *dv, float *dQ, int64_t qtiles) {
   constexpr int BK = Tiles<DMAX>::BK, NA = kBQ * DMAX / kThreads;
   extern __shared__ float sm[];
   __shared__ int64_t lim[kBQ];
@@ -245,11 +244,11 @@ tp_status_t launch_backward(cudaStream_t st, const tp_attention_args *a, float *
   const int64_t ktiles = (a->Tk + BK - 1) / BK, qtiles = (a->Tq + kBQ - 1) / kBQ;
   const int64_t kblocks = a->B * a->Hk * ktiles, qblocks = a->B * a->Hq * qtiles;
   if (kblocks > INT32_MAX || qblocks > INT32_MAX)
-    return tp_set_error(TP_ERR_UNSUPPORTED, "cuda %s: %lld key or %lld query tiles are more than one launch takes",
-                        op, (long long)kblocks, (long long)qblocks);
+    return tp_set_error(TP_ERR_UNSUPPORTED, "cuda %s: %lld key or %lld query tiles are more than one launch takes", op,
+                        (long long)kblocks, (long long)qblocks);
   if (kblocks > 0) {
-    TP_CHECK(cuda_check(cudaFuncSetAttribute(dkdv_kernel<DMAX>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)smem), op, "cudaFuncSetAttribute(dkdv_kernel shared memory)"));
+    TP_CHECK(cuda_check(cudaFuncSetAttribute(dkdv_kernel<DMAX>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                        op, "cudaFuncSetAttribute(dkdv_kernel shared memory)"));
     dkdv_kernel<DMAX><<<(unsigned)kblocks, kThreads, smem, st>>>(*a, dout, dvec, dk, dv, ktiles);
     TP_CHECK(launch_check(op, "dkdv_kernel launch"));
   }
@@ -262,7 +261,7 @@ tp_status_t launch_backward(cudaStream_t st, const tp_attention_args *a, float *
   return TP_SUCCESS;
 }
 
-}  // namespace
+} // namespace
 
 /* Backward's workspace: Dv, one float per query row. */
 extern "C" size_t tp_cuda_attention_backward_workspace_(const tp_attention_args *a) {
@@ -284,8 +283,10 @@ extern "C" tp_status_t tp_cuda_attention_backward(tp_stream_t s, const tp_attent
   const size_t need = tp_cuda_attention_backward_workspace_(a);
   if (need == SIZE_MAX) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: the workspace size overflows", op);
   if (need && (!workspace || workspace_bytes < need))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: the workspace of %zu bytes is below the %zu bytes these "
-                        "arguments need (ask attention_workspace)", op, workspace ? workspace_bytes : 0, need);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "cuda %s: the workspace of %zu bytes is below the %zu bytes these "
+                        "arguments need (ask attention_workspace)",
+                        op, workspace ? workspace_bytes : 0, need);
   cudaStream_t st = (cudaStream_t)s;
   float *dvec = (float *)workspace;
   const int64_t rows = a->B * a->Hq * a->Tq;

@@ -20,8 +20,8 @@
 
 namespace tp_attn {
 
-constexpr int kThreads = 128;  /* every attention kernel: 4 warps */
-constexpr int kMaxD = 256;     /* head sizes the fused kernels take (templates 32, 64, 128, 256) */
+constexpr int kThreads = 128; /* every attention kernel: 4 warps */
+constexpr int kMaxD = 256;    /* head sizes the fused kernels take (templates 32, 64, 128, 256) */
 constexpr unsigned kFull = 0xffffffffu;
 
 /* A CUDA status into the error record: "cuda attention_forward: <what>: <cuda's words>". */
@@ -97,6 +97,6 @@ static inline size_t ws_add(size_t at, int64_t floats) {
   return at > SIZE_MAX - n ? SIZE_MAX : at + n;
 }
 
-}  // namespace tp_attn
+} // namespace tp_attn
 
 #endif

@@ -6,8 +6,8 @@
  * first bad index is a block minimum (integers: the same answer however it is summed). */
 #include "common.cuh"
 
-__global__ void __launch_bounds__(1024) tpk_check_range(int64_t *result, const int64_t *x, int64_t n, int64_t lo,
-                                                        int64_t hi) {
+__global__ void __launch_bounds__(1024)
+    tpk_check_range(int64_t *result, const int64_t *x, int64_t n, int64_t lo, int64_t hi) {
   __shared__ long long sh[32];
   long long first = n; /* n: none */
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x)

@@ -67,17 +67,17 @@ __device__ __forceinline__ T tpk_warp_min(T v) {
 
 /* Block-wide reductions (blockDim.x a multiple of 32, at most 1024; every thread of the
  * block calls them; sh: 32 elements of shared memory).  Every thread gets the result. */
-#define TPK_BLOCK_REDUCE_(name, warp_op, identity)                  \
-  template <typename T>                                             \
-  __device__ __forceinline__ T name(T v, T *sh) {                   \
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;              \
-    int nw = (int)(blockDim.x >> 5);                                \
-    v = warp_op(v);                                                 \
-    __syncthreads(); /* sh may still be read by a previous call */  \
-    if (lane == 0) sh[w] = v;                                       \
-    __syncthreads();                                                \
-    T r = lane < nw ? sh[lane] : (identity);                        \
-    return warp_op(r); /* each warp reduces the same values */      \
+#define TPK_BLOCK_REDUCE_(name, warp_op, identity)                 \
+  template <typename T>                                            \
+  __device__ __forceinline__ T name(T v, T *sh) {                  \
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;             \
+    int nw = (int)(blockDim.x >> 5);                               \
+    v = warp_op(v);                                                \
+    __syncthreads(); /* sh may still be read by a previous call */ \
+    if (lane == 0) sh[w] = v;                                      \
+    __syncthreads();                                               \
+    T r = lane < nw ? sh[lane] : (identity);                       \
+    return warp_op(r); /* each warp reduces the same values */     \
   }
 TPK_BLOCK_REDUCE_(tpk_block_sum, tpk_warp_sum, T(0))
 TPK_BLOCK_REDUCE_(tpk_block_max, tpk_warp_max, v)

@@ -18,8 +18,8 @@ extern "C" {
 #define TP_CUBLAS_MAX_DEVICES 64
 
 static pthread_mutex_t open_lock = PTHREAD_MUTEX_INITIALIZER;
-static int opened;              /* 1: api is usable; 0: not yet, or the last try failed */
-static char refused[512];       /* a library found but refused (too old): said on every call */
+static int opened;        /* 1: api is usable; 0: not yet, or the last try failed */
+static char refused[512]; /* a library found but refused (too old): said on every call */
 static tp_cublas_api api;
 static pthread_key_t handles_key;
 
@@ -97,8 +97,7 @@ static tp_status_t open_cublas(void) {
   return TP_SUCCESS;
 }
 
-extern "C" tp_status_t tp_cublas_get(const char *op, tp_stream_t s, const tp_cublas_api **out,
-                                     cublasHandle_t *handle) {
+extern "C" tp_status_t tp_cublas_get(const char *op, tp_stream_t s, const tp_cublas_api **out, cublasHandle_t *handle) {
   if (!__atomic_load_n(&opened, __ATOMIC_ACQUIRE)) {
     pthread_mutex_lock(&open_lock);
     tp_status_t st = TP_SUCCESS;

@@ -37,11 +37,11 @@ typedef int cublasOperation_t; /* CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 */
 #define TP_CUBLAS_MIN_MAJOR 12
 
 typedef struct tp_cublas_api {
-  cublasStatus_t (*Create)(cublasHandle_t *handle);          /* cublasCreate_v2 */
-  cublasStatus_t (*Destroy)(cublasHandle_t handle);          /* cublasDestroy_v2 */
+  cublasStatus_t (*Create)(cublasHandle_t *handle);                        /* cublasCreate_v2 */
+  cublasStatus_t (*Destroy)(cublasHandle_t handle);                        /* cublasDestroy_v2 */
   cublasStatus_t (*SetStream)(cublasHandle_t handle, cudaStream_t stream); /* cublasSetStream_v2 */
-  cublasStatus_t (*GetProperty)(int type, int *value);       /* cublasGetProperty */
-  const char *(*GetStatusString)(cublasStatus_t status);     /* cublasGetStatusString (may be NULL) */
+  cublasStatus_t (*GetProperty)(int type, int *value);                     /* cublasGetProperty */
+  const char *(*GetStatusString)(cublasStatus_t status);                   /* cublasGetStatusString (may be NULL) */
   cublasStatus_t (*Sgemm)(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
                           int k, const float *alpha, const float *A, int lda, const float *B, int ldb,
                           const float *beta, float *C, int ldc); /* cublasSgemm_v2 (column-major) */

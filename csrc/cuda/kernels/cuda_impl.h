@@ -10,8 +10,7 @@
 #ifdef __cplusplus
 #include <type_traits>
 extern "C" {
-#define TP_CUDA_DECLARE_(name) \
-  extern std::remove_pointer<decltype(((tp_kernel_ops *)0)->name)>::type tp_cuda_##name;
+#define TP_CUDA_DECLARE_(name) extern std::remove_pointer<decltype(((tp_kernel_ops *)0)->name)>::type tp_cuda_##name;
 #else
 #define TP_CUDA_DECLARE_(name) extern __typeof__(*((tp_kernel_ops *)0)->name) tp_cuda_##name;
 #endif

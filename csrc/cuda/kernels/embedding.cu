@@ -25,9 +25,9 @@ __global__ void __launch_bounds__(TPK_THREADS) tpk_embedding_fwd(float *out, con
   }
 }
 
-__global__ void __launch_bounds__(TPK_THREADS) tpk_embedding_bwd(float *dtable, const int64_t *tokens,
-                                                                 const float *dout, int64_t M, int64_t lo, int64_t V,
-                                                                 int64_t C) {
+__global__ void __launch_bounds__(TPK_THREADS)
+    tpk_embedding_bwd(float *dtable, const int64_t *tokens, const float *dout, int64_t M, int64_t lo, int64_t V,
+                      int64_t C) {
   __shared__ unsigned char hit[TPK_THREADS];
   const int64_t bd = blockDim.x;
   for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {

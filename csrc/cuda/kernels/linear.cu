@@ -42,8 +42,7 @@ static tp_status_t int_range(const char *op, const char *what, int64_t v) {
   return TP_SUCCESS;
 }
 
-extern "C" tp_status_t tp_cuda_add_bias(tp_stream_t s, float *y, const float *x, const float *b, int64_t M,
-                                        int64_t N) {
+extern "C" tp_status_t tp_cuda_add_bias(tp_stream_t s, float *y, const float *x, const float *b, int64_t M, int64_t N) {
   if (M == 0 || N == 0) return TP_SUCCESS;
   tpk_bias_rows<<<tpk_grid(M * N, TPK_THREADS), TPK_THREADS, 0, tpk_stream(s)>>>(y, x, b, M, N);
   return tpk_launched("add_bias");
@@ -72,8 +71,9 @@ extern "C" tp_status_t tp_cuda_gemm(tp_stream_t s, int trans_a, int trans_b, int
   const tp_cublas_api *api;
   cublasHandle_t h;
   TP_CHECK(tp_cublas_get("gemm", s, &api, &h));
-  cublasStatus_t st = api->Sgemm(h, trans_b ? TP_CUBLAS_OP_T : TP_CUBLAS_OP_N, trans_a ? TP_CUBLAS_OP_T : TP_CUBLAS_OP_N,
-                                 (int)N, (int)M, (int)K, &alpha, B, (int)ldb, A, (int)lda, &beta, C, (int)ldc);
+  cublasStatus_t st =
+      api->Sgemm(h, trans_b ? TP_CUBLAS_OP_T : TP_CUBLAS_OP_N, trans_a ? TP_CUBLAS_OP_T : TP_CUBLAS_OP_N, (int)N,
+                 (int)M, (int)K, &alpha, B, (int)ldb, A, (int)lda, &beta, C, (int)ldc);
   if (st != TP_CUBLAS_STATUS_SUCCESS) return tp_cublas_error("gemm", "cublasSgemm_v2", st);
   return TP_SUCCESS;
 }
@@ -147,8 +147,8 @@ extern "C" tp_status_t tp_cuda_linear_backward(tp_stream_t s, float *dx, float *
   if (dw && N && K && M) {
     for (int64_t m0 = 0; m0 < M; m0 += INT_MAX) { /* dw^T += x[m0:]^T dy[m0:] (column-major K x N) */
       int64_t mc = M - m0 < INT_MAX ? M - m0 : INT_MAX;
-      st = api->Sgemm(h, TP_CUBLAS_OP_N, TP_CUBLAS_OP_T, (int)K, (int)N, (int)mc, &one, x + m0 * K, (int)K,
-                      dy + m0 * N, (int)N, &one, dw, (int)K);
+      st = api->Sgemm(h, TP_CUBLAS_OP_N, TP_CUBLAS_OP_T, (int)K, (int)N, (int)mc, &one, x + m0 * K, (int)K, dy + m0 * N,
+                      (int)N, &one, dw, (int)K);
       if (st != TP_CUBLAS_STATUS_SUCCESS) return tp_cublas_error("linear_backward (dw)", "cublasSgemm_v2", st);
     }
   }

@@ -100,9 +100,9 @@ __global__ void tpk_lp_rows(float *y, const float *b, int64_t M, int64_t N) {
 }
 
 template <tp_dtype_t D>
-__global__ void __launch_bounds__(TPK_THREADS) tpk_embedding_fwd_lp(float *out, const int64_t *tokens,
-                                                                    const typename tpk_lp<D>::T *table, int64_t M,
-                                                                    int64_t lo, int64_t V, int64_t C) {
+__global__ void __launch_bounds__(TPK_THREADS)
+    tpk_embedding_fwd_lp(float *out, const int64_t *tokens, const typename tpk_lp<D>::T *table, int64_t M, int64_t lo,
+                         int64_t V, int64_t C) {
   for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
     uint64_t t = (uint64_t)tokens[m] - (uint64_t)lo; /* in [0, V) iff in the shard */
     float *o = out + m * C;
@@ -184,8 +184,8 @@ static size_t x_offset(size_t dy_bytes) {
 
 static tp_status_t too_small(const char *op, size_t need, size_t have) {
   if (need == SIZE_MAX) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: the workspace size overflows", op);
-  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: workspace of %zu bytes, %zu needed (linear_lp_workspace)",
-                      op, have, need);
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: workspace of %zu bytes, %zu needed (linear_lp_workspace)", op,
+                      have, need);
 }
 
 /* ---- quantized weights ---------------------------------------------------------- */
@@ -248,10 +248,10 @@ static tp_status_t forward_q(tp_stream_t s, float *y, const float *x, const void
     TP_CHECK(tpk_q_panel_bf16(s, "linear_forward_lp (dequantize)", panel, w, wdt, n0, nc, K));
     for (int64_t m0 = 0; m0 < M; m0 += INT_MAX) { /* y[m0:, n0:n0+nc]^T = panel x16[m0:]^T: panel K x nc, op T */
       int64_t mc = M - m0 < INT_MAX ? M - m0 : INT_MAX;
-      cublasStatus_t st = api->GemmEx(h, TP_CUBLAS_OP_T, TP_CUBLAS_OP_N, (int)nc, (int)mc, (int)K, &one, panel,
-                                      TP_CUDA_R_16BF, (int)K, x16 + m0 * K, TP_CUDA_R_16BF, (int)K, &beta,
-                                      y + m0 * N + n0, TP_CUDA_R_32F, (int)N, TP_CUBLAS_COMPUTE_32F,
-                                      TP_CUBLAS_GEMM_DEFAULT);
+      cublasStatus_t st =
+          api->GemmEx(h, TP_CUBLAS_OP_T, TP_CUBLAS_OP_N, (int)nc, (int)mc, (int)K, &one, panel, TP_CUDA_R_16BF, (int)K,
+                      x16 + m0 * K, TP_CUDA_R_16BF, (int)K, &beta, y + m0 * N + n0, TP_CUDA_R_32F, (int)N,
+                      TP_CUBLAS_COMPUTE_32F, TP_CUBLAS_GEMM_DEFAULT);
       if (st != TP_CUBLAS_STATUS_SUCCESS) return tp_cublas_error(op, "cublasGemmEx", st);
     }
   }
@@ -290,10 +290,10 @@ static tp_status_t backward_q(tp_stream_t s, float *dx, float *dw, float *db, co
          * columns n0.. nc x mc with leading dimension N; the first panel overwrites or
          * accumulates as asked, the others add */
         int64_t mc = M - m0 < INT_MAX ? M - m0 : INT_MAX;
-        cublasStatus_t st = api->GemmEx(h, TP_CUBLAS_OP_N, TP_CUBLAS_OP_N, (int)K, (int)mc, (int)nc, &one, panel,
-                                        TP_CUDA_R_16BF, (int)K, dy16 + m0 * N + n0, TP_CUDA_R_16BF, (int)N,
-                                        n0 == 0 ? &bx : &one, dx + m0 * K, TP_CUDA_R_32F, (int)K,
-                                        TP_CUBLAS_COMPUTE_32F, TP_CUBLAS_GEMM_DEFAULT);
+        cublasStatus_t st =
+            api->GemmEx(h, TP_CUBLAS_OP_N, TP_CUBLAS_OP_N, (int)K, (int)mc, (int)nc, &one, panel, TP_CUDA_R_16BF,
+                        (int)K, dy16 + m0 * N + n0, TP_CUDA_R_16BF, (int)N, n0 == 0 ? &bx : &one, dx + m0 * K,
+                        TP_CUDA_R_32F, (int)K, TP_CUBLAS_COMPUTE_32F, TP_CUBLAS_GEMM_DEFAULT);
         if (st != TP_CUBLAS_STATUS_SUCCESS) return tp_cublas_error("linear_backward_lp (dx)", "cublasGemmEx", st);
       }
     }
@@ -318,7 +318,8 @@ extern "C" tp_status_t tp_cuda_convert(tp_stream_t s, void *y, tp_dtype_t ydt, c
   if (n == 0) return TP_SUCCESS;
   if (ydt == xdt) {
     cudaError_t e = cudaMemcpyAsync(y, x, (size_t)n * tp_dtype_size(ydt), cudaMemcpyDeviceToDevice, tpk_stream(s));
-    if (e != cudaSuccess) return tp_set_error(TP_ERR_SYSTEM, "cuda convert: cudaMemcpyAsync: %s", cudaGetErrorString(e));
+    if (e != cudaSuccess)
+      return tp_set_error(TP_ERR_SYSTEM, "cuda convert: cudaMemcpyAsync: %s", cudaGetErrorString(e));
     return TP_SUCCESS;
   }
   TPK_CONVERT_CASE_(TP_BFLOAT16, TP_FLOAT32)
@@ -345,9 +346,9 @@ extern "C" size_t tp_cuda_linear_lp_workspace(int64_t M, int64_t K, int64_t N, t
   return total;
 }
 
-extern "C" tp_status_t tp_cuda_linear_forward_lp(tp_stream_t s, float *y, const float *x, const void *w,
-                                                 tp_dtype_t wdt, const float *b, int64_t M, int64_t K, int64_t N,
-                                                 void *workspace, size_t workspace_bytes) {
+extern "C" tp_status_t tp_cuda_linear_forward_lp(tp_stream_t s, float *y, const float *x, const void *w, tp_dtype_t wdt,
+                                                 const float *b, int64_t M, int64_t K, int64_t N, void *workspace,
+                                                 size_t workspace_bytes) {
   static const char op[] = "linear_forward_lp";
   if (tpk_q_format(wdt)) return forward_q(s, y, x, w, wdt, b, M, K, N, workspace, workspace_bytes);
   if (!lp_dtype(wdt)) return bad_wdt(op, wdt);
@@ -370,17 +371,17 @@ extern "C" tp_status_t tp_cuda_linear_forward_lp(tp_stream_t s, float *y, const 
   int t = cuda_type(wdt);
   for (int64_t m0 = 0; m0 < M; m0 += INT_MAX) { /* y[m0:, :]^T = W x16[m0:, :]^T, W: op T of K x N */
     int64_t mc = M - m0 < INT_MAX ? M - m0 : INT_MAX;
-    cublasStatus_t st = api->GemmEx(h, TP_CUBLAS_OP_T, TP_CUBLAS_OP_N, (int)N, (int)mc, (int)K, &one, w, t, (int)K,
-                                    x16 + m0 * K, t, (int)K, &beta, y + m0 * N, TP_CUDA_R_32F, (int)N,
-                                    TP_CUBLAS_COMPUTE_32F, TP_CUBLAS_GEMM_DEFAULT);
+    cublasStatus_t st =
+        api->GemmEx(h, TP_CUBLAS_OP_T, TP_CUBLAS_OP_N, (int)N, (int)mc, (int)K, &one, w, t, (int)K, x16 + m0 * K, t,
+                    (int)K, &beta, y + m0 * N, TP_CUDA_R_32F, (int)N, TP_CUBLAS_COMPUTE_32F, TP_CUBLAS_GEMM_DEFAULT);
     if (st != TP_CUBLAS_STATUS_SUCCESS) return tp_cublas_error(op, "cublasGemmEx", st);
   }
   return TP_SUCCESS;
 }
 
 extern "C" tp_status_t tp_cuda_linear_backward_lp(tp_stream_t s, float *dx, float *dw, float *db, const float *dy,
-                                                  const float *x, const void *w, tp_dtype_t wdt, int64_t M,
-                                                  int64_t K, int64_t N, int accumulate_dx, void *workspace,
+                                                  const float *x, const void *w, tp_dtype_t wdt, int64_t M, int64_t K,
+                                                  int64_t N, int accumulate_dx, void *workspace,
                                                   size_t workspace_bytes) {
   static const char op[] = "linear_backward_lp";
   if (tpk_q_format(wdt))
@@ -407,8 +408,8 @@ extern "C" tp_status_t tp_cuda_linear_backward_lp(tp_stream_t s, float *dx, floa
     if (do_dx)
       for (int64_t m0 = 0; m0 < M; m0 += INT_MAX) { /* dx[m0:]^T = W^T dy16[m0:]^T: W is K x N, op N */
         int64_t mc = M - m0 < INT_MAX ? M - m0 : INT_MAX;
-        st = api->GemmEx(h, TP_CUBLAS_OP_N, TP_CUBLAS_OP_N, (int)K, (int)mc, (int)N, &one, w, t, (int)K,
-                         dy16 + m0 * N, t, (int)N, &bx, dx + m0 * K, TP_CUDA_R_32F, (int)K, TP_CUBLAS_COMPUTE_32F,
+        st = api->GemmEx(h, TP_CUBLAS_OP_N, TP_CUBLAS_OP_N, (int)K, (int)mc, (int)N, &one, w, t, (int)K, dy16 + m0 * N,
+                         t, (int)N, &bx, dx + m0 * K, TP_CUDA_R_32F, (int)K, TP_CUBLAS_COMPUTE_32F,
                          TP_CUBLAS_GEMM_DEFAULT);
         if (st != TP_CUBLAS_STATUS_SUCCESS) return tp_cublas_error("linear_backward_lp (dx)", "cublasGemmEx", st);
       }
@@ -430,9 +431,8 @@ extern "C" tp_status_t tp_cuda_linear_backward_lp(tp_stream_t s, float *dx, floa
   return TP_SUCCESS;
 }
 
-extern "C" tp_status_t tp_cuda_embedding_forward_lp(tp_stream_t s, float *out, const int64_t *tokens,
-                                                    const void *table, tp_dtype_t wdt, int64_t M, int64_t lo,
-                                                    int64_t V, int64_t C) {
+extern "C" tp_status_t tp_cuda_embedding_forward_lp(tp_stream_t s, float *out, const int64_t *tokens, const void *table,
+                                                    tp_dtype_t wdt, int64_t M, int64_t lo, int64_t V, int64_t C) {
   if (tpk_q_format(wdt)) return tpk_q_embedding(s, "embedding_forward_lp", out, tokens, table, wdt, M, lo, V, C);
   if (!lp_dtype(wdt)) return bad_wdt("embedding_forward_lp", wdt);
   if (M == 0 || C == 0) return TP_SUCCESS;

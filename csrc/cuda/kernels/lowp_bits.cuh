@@ -59,9 +59,9 @@ static __host__ __device__ inline uint16_t tpk_f32_to_f16(float f) {
   uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN: quiet, top payload */
   if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* |f| >= 65520 (or inf): rounds to infinity */
-  if (a >= 0x38800000u) {                                    /* a float16 normal: |f| >= 2^-14 */
-    a += 0x0fffu + ((a >> 13) & 1u);                         /* nearest even on the 13 dropped bits */
-    return (uint16_t)(sign | ((a - (112u << 23)) >> 13));    /* rebias 127 -> 15 */
+  if (a >= 0x38800000u) {                                  /* a float16 normal: |f| >= 2^-14 */
+    a += 0x0fffu + ((a >> 13) & 1u);                       /* nearest even on the 13 dropped bits */
+    return (uint16_t)(sign | ((a - (112u << 23)) >> 13));  /* rebias 127 -> 15 */
   }
   if (a < 0x33000000u) return sign; /* |f| <= 2^-25 rounds to zero (2^-25 itself: the even one) */
   /* a float16 subnormal, in units of 2^-24: the full mantissa shifted right by 14..24 */

@@ -11,9 +11,9 @@
 #include "colsum.cuh"
 #include "common.cuh"
 
-__global__ void __launch_bounds__(TPK_THREADS) tpk_layernorm_fwd(float *y, float *mean, float *rstd, const float *x,
-                                                                 const float *w, const float *b, int64_t M, int64_t C,
-                                                                 float eps) {
+__global__ void __launch_bounds__(TPK_THREADS)
+    tpk_layernorm_fwd(float *y, float *mean, float *rstd, const float *x, const float *w, const float *b, int64_t M,
+                      int64_t C, float eps) {
   __shared__ double sh[32];
   for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
     const float *xr = x + m * C;
@@ -39,9 +39,9 @@ __global__ void __launch_bounds__(TPK_THREADS) tpk_layernorm_fwd(float *y, float
   }
 }
 
-__global__ void __launch_bounds__(TPK_THREADS) tpk_layernorm_bwd_dx(float *dx, const float *dy, const float *x,
-                                                                    const float *w, const float *mean,
-                                                                    const float *rstd, int64_t M, int64_t C) {
+__global__ void __launch_bounds__(TPK_THREADS)
+    tpk_layernorm_bwd_dx(float *dx, const float *dy, const float *x, const float *w, const float *mean,
+                         const float *rstd, int64_t M, int64_t C) {
   __shared__ double sh[32];
   for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
     const float *xr = x + m * C, *dr = dy + m * C;
@@ -63,8 +63,8 @@ __global__ void __launch_bounds__(TPK_THREADS) tpk_layernorm_bwd_dx(float *dx, c
   }
 }
 
-__global__ void __launch_bounds__(TPK_THREADS) tpk_rmsnorm_fwd(float *y, float *rstd, const float *x, const float *w,
-                                                               int64_t M, int64_t C, float eps) {
+__global__ void __launch_bounds__(TPK_THREADS)
+    tpk_rmsnorm_fwd(float *y, float *rstd, const float *x, const float *w, int64_t M, int64_t C, float eps) {
   __shared__ double sh[32];
   for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
     const float *xr = x + m * C;
@@ -78,9 +78,9 @@ __global__ void __launch_bounds__(TPK_THREADS) tpk_rmsnorm_fwd(float *y, float *
   }
 }
 
-__global__ void __launch_bounds__(TPK_THREADS) tpk_rmsnorm_bwd_dx(float *dx, const float *dy, const float *x,
-                                                                  const float *w, const float *rstd, int64_t M,
-                                                                  int64_t C) {
+__global__ void __launch_bounds__(TPK_THREADS)
+    tpk_rmsnorm_bwd_dx(float *dx, const float *dy, const float *x, const float *w, const float *rstd, int64_t M,
+                       int64_t C) {
   __shared__ double sh[32];
   for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
     const float *xr = x + m * C, *dr = dy + m * C;
@@ -121,8 +121,8 @@ extern "C" tp_status_t tp_cuda_layernorm_forward(tp_stream_t s, float *y, float 
 }
 
 extern "C" tp_status_t tp_cuda_layernorm_backward(tp_stream_t s, float *dx, float *dw, float *db, const float *dy,
-                                                  const float *x, const float *w, const float *mean,
-                                                  const float *rstd, int64_t M, int64_t C) {
+                                                  const float *x, const float *w, const float *mean, const float *rstd,
+                                                  int64_t M, int64_t C) {
   if (M == 0 || C == 0) return TP_SUCCESS;
   tpk_layernorm_bwd_dx<<<tpk_grid(M, 1), TPK_THREADS, 0, tpk_stream(s)>>>(dx, dy, x, w, mean, rstd, M, C);
   TP_CHECK(tpk_launched("layernorm_backward (dx)"));

@@ -7,8 +7,8 @@
 
 #include "common.cuh"
 
-__global__ void tpk_adamw(float *p, const float *g, float *m, float *v, int64_t n, float beta1, float beta2,
-                          float eps, float step_size, float inv_sqrt_bc2, float decay) {
+__global__ void tpk_adamw(float *p, const float *g, float *m, float *v, int64_t n, float beta1, float beta2, float eps,
+                          float step_size, float inv_sqrt_bc2, float decay) {
   TPK_GRID_STRIDE(i, n) {
     float gi = g[i];
     float mi = beta1 * m[i] + (1.0f - beta1) * gi;
@@ -39,14 +39,13 @@ extern "C" tp_status_t tp_cuda_adamw_step(tp_stream_t s, float *p, const float *
   float step_size = (float)(lr / bc1), inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
   float decay = 1.0f - lr * weight_decay;
   tpk_adamw<<<tpk_grid(n, TPK_THREADS), TPK_THREADS, 0, tpk_stream(s)>>>(p, g, m, v, n, beta1, beta2, eps, step_size,
-                                                                          inv_sqrt_bc2, decay);
+                                                                         inv_sqrt_bc2, decay);
   return tpk_launched("adamw_step");
 }
 
 extern "C" tp_status_t tp_cuda_sgd_step(tp_stream_t s, float *p, const float *g, float *buf, int64_t n, float lr,
                                         float momentum, float weight_decay, int first) {
   if (n == 0) return TP_SUCCESS;
-  tpk_sgd<<<tpk_grid(n, TPK_THREADS), TPK_THREADS, 0, tpk_stream(s)>>>(p, g, buf, n, lr, momentum, weight_decay,
-                                                                        first);
+  tpk_sgd<<<tpk_grid(n, TPK_THREADS), TPK_THREADS, 0, tpk_stream(s)>>>(p, g, buf, n, lr, momentum, weight_decay, first);
   return tpk_launched("sgd_step");
 }

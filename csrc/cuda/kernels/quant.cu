@@ -170,16 +170,16 @@ template <tp_dtype_t F>
 struct gemv_launch {
   static void run(tp_stream_t s, float *y, const float *x, const uint8_t *w, size_t rb, const float *b, int64_t M,
                   int64_t K, int64_t N) {
-    tpk_q_gemv_kernel<F><<<tpk_grid(N, TPK_THREADS / 32), TPK_THREADS, 0, tpk_stream(s)>>>(y, x, w, rb, b, (int)M,
-                                                                                           K, N);
+    tpk_q_gemv_kernel<F>
+        <<<tpk_grid(N, TPK_THREADS / 32), TPK_THREADS, 0, tpk_stream(s)>>>(y, x, w, rb, b, (int)M, K, N);
   }
 };
 
 template <tp_dtype_t F>
 struct panel_launch {
   static void run(tp_stream_t s, uint16_t *dst, const uint8_t *w, size_t rb, int64_t rows, int64_t K) {
-    tpk_q_panel_kernel<F><<<tpk_grid(rows * ((K + 7) >> 3), TPK_THREADS), TPK_THREADS, 0, tpk_stream(s)>>>(dst, w, rb,
-                                                                                                         rows, K);
+    tpk_q_panel_kernel<F>
+        <<<tpk_grid(rows * ((K + 7) >> 3), TPK_THREADS), TPK_THREADS, 0, tpk_stream(s)>>>(dst, w, rb, rows, K);
   }
 };
 
@@ -217,7 +217,7 @@ tp_status_t row_bytes(const char *op, tp_dtype_t f, int64_t K, size_t *rb) {
   return TP_SUCCESS;
 }
 
-}  // namespace
+} // namespace
 
 int tpk_q_format(tp_dtype_t f) { return tp_weight_is_quantized(f); /* dtype.c's list (in the plugin too) */ }
 
@@ -226,8 +226,10 @@ tp_status_t tpk_q_gemv(tp_stream_t s, const char *op, float *y, const float *x, 
   size_t rb;
   TP_CHECK(row_bytes(op, f, K, &rb));
   if (M < 1 || M > TPK_Q_GEMV_MAX_M || K < 1)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda %s: the GEMV takes 1..%d rows of x and K >= 1, not M = %lld, "
-                        "K = %lld", op, TPK_Q_GEMV_MAX_M, (long long)M, (long long)K);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "cuda %s: the GEMV takes 1..%d rows of x and K >= 1, not M = %lld, "
+                        "K = %lld",
+                        op, TPK_Q_GEMV_MAX_M, (long long)M, (long long)K);
   if (N == 0) return TP_SUCCESS;
   dispatch<gemv_launch>(f, s, y, x, (const uint8_t *)w, rb, b, M, K, N);
   return tpk_launched(op);

@@ -31,8 +31,8 @@ tp_status_t tpk_q_gemv(tp_stream_t s, const char *op, float *y, const float *x, 
 
 /* dst[rows, K] (bfloat16, round to nearest even) = rows n0 .. n0 + rows - 1 of w: a panel
  * for the tensor-core GEMM. */
-tp_status_t tpk_q_panel_bf16(tp_stream_t s, const char *op, uint16_t *dst, const void *w, tp_dtype_t f,
-                             int64_t n0, int64_t rows, int64_t K);
+tp_status_t tpk_q_panel_bf16(tp_stream_t s, const char *op, uint16_t *dst, const void *w, tp_dtype_t f, int64_t n0,
+                             int64_t rows, int64_t K);
 
 /* out[M, C] = the dequantized row tokens[m] - lo of table [V, C] when in [0, V), else 0. */
 tp_status_t tpk_q_embedding(tp_stream_t s, const char *op, float *out, const int64_t *tokens, const void *table,

@@ -35,6 +35,6 @@ extern "C" tp_status_t tp_cuda_rope(tp_stream_t s, float *x, int64_t rows, int64
   int64_t half = D / 2;
   if (rows == 0 || half == 0 || heads == 0) return TP_SUCCESS;
   tpk_rope<<<tpk_grid(rows * half, TPK_THREADS), TPK_THREADS, 0, tpk_stream(s)>>>(x, rows, ld, heads, D, pos, theta,
-                                                                                   inverse);
+                                                                                  inverse);
   return tpk_launched("rope");
 }

@@ -25,7 +25,6 @@
 const tp_kernel_ops tp_cuda_kernel_ops = {
     .device = TP_DEVICE_CUDA,
     .name = "cuda",
-    .attention_keeps_lse = 1, /* the fused kernels recompute P from lse: training never keeps T x T */
+    .attention_keeps_lse = 1,   /* the fused kernels recompute P from lse: training never keeps T x T */
     .lp_rounds_activations = 1, /* x, dy rounded to the weight dtype for one tensor-core GEMM (lowp.cu) */
-    TP_KERNEL_ENTRIES(TP_CUDA_ENTRY_)
-};
+    TP_KERNEL_ENTRIES(TP_CUDA_ENTRY_)};

@@ -12,8 +12,8 @@
 
 #include "common.cuh"
 
-__global__ void __launch_bounds__(TPK_THREADS) tpk_xent_row_max(float *rowmax, const float *logits, int64_t M,
-                                                                int64_t V) {
+__global__ void __launch_bounds__(TPK_THREADS)
+    tpk_xent_row_max(float *rowmax, const float *logits, int64_t M, int64_t V) {
   __shared__ float sh[32];
   for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
     const float *l = logits + m * V;
@@ -24,9 +24,9 @@ __global__ void __launch_bounds__(TPK_THREADS) tpk_xent_row_max(float *rowmax, c
   }
 }
 
-__global__ void __launch_bounds__(TPK_THREADS) tpk_xent_row_sums(float *sums, const float *logits, const float *gmax,
-                                                                 const int64_t *targets, int64_t M, int64_t lo,
-                                                                 int64_t V) {
+__global__ void __launch_bounds__(TPK_THREADS)
+    tpk_xent_row_sums(float *sums, const float *logits, const float *gmax, const int64_t *targets, int64_t M,
+                      int64_t lo, int64_t V) {
   __shared__ double sh[32];
   for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
     const float *l = logits + m * V;
@@ -41,10 +41,9 @@ __global__ void __launch_bounds__(TPK_THREADS) tpk_xent_row_sums(float *sums, co
   }
 }
 
-__global__ void __launch_bounds__(TPK_THREADS) tpk_xent_bwd(float *dlogits, const float *logits, const float *gmax,
-                                                            const float *sumexp, const int64_t *targets,
-                                                            const float *row_scale, float scale, int64_t M,
-                                                            int64_t lo, int64_t V) {
+__global__ void __launch_bounds__(TPK_THREADS)
+    tpk_xent_bwd(float *dlogits, const float *logits, const float *gmax, const float *sumexp, const int64_t *targets,
+                 const float *row_scale, float scale, int64_t M, int64_t lo, int64_t V) {
   for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
     const float *l = logits + m * V;
     float *d = dlogits + m * V;
@@ -63,8 +62,7 @@ __global__ void __launch_bounds__(TPK_THREADS) tpk_xent_bwd(float *dlogits, cons
 __global__ void tpk_xent_loss(float *losses, const float *sumexp, const float *gmax, const float *target_logit,
                               const int64_t *targets, int64_t M) {
   TPK_GRID_STRIDE(m, M) {
-    losses[m] = targets[m] < 0 ? 0.0f
-                               : (float)(log((double)sumexp[m]) + (double)gmax[m] - (double)target_logit[m]);
+    losses[m] = targets[m] < 0 ? 0.0f : (float)(log((double)sumexp[m]) + (double)gmax[m] - (double)target_logit[m]);
   }
 }
 
@@ -100,8 +98,8 @@ __global__ void __launch_bounds__(1024) tpk_xent_targets(int64_t *out, int64_t *
 }
 
 /* One block of 256 threads. */
-__global__ void __launch_bounds__(TPK_THREADS) tpk_xent_targets_hash(float *fp, const int64_t *targets, int64_t M,
-                                                                     int64_t ignore_index) {
+__global__ void __launch_bounds__(TPK_THREADS)
+    tpk_xent_targets_hash(float *fp, const int64_t *targets, int64_t M, int64_t ignore_index) {
   __shared__ int64_t tile[TPK_THREADS];
   uint64_t h = (0xcbf29ce484222325ULL ^ (uint64_t)M) * 0x100000001b3ULL ^ (uint64_t)ignore_index;
   for (int64_t base = 0; base < M; base += TPK_THREADS) {
@@ -137,7 +135,7 @@ extern "C" tp_status_t tp_cuda_xent_loss(tp_stream_t s, float *losses, const flo
                                          const float *target_logit, const int64_t *targets, int64_t M) {
   if (M == 0) return TP_SUCCESS;
   tpk_xent_loss<<<tpk_grid(M, TPK_THREADS), TPK_THREADS, 0, tpk_stream(s)>>>(losses, sumexp, gmax, target_logit,
-                                                                              targets, M);
+                                                                             targets, M);
   return tpk_launched("xent_loss");
 }
 
@@ -153,7 +151,7 @@ extern "C" tp_status_t tp_cuda_xent_backward(tp_stream_t s, float *dlogits, cons
                                              float scale, int64_t M, int64_t lo, int64_t V) {
   if (M == 0 || V == 0) return TP_SUCCESS;
   tpk_xent_bwd<<<tpk_grid(M, 1), TPK_THREADS, 0, tpk_stream(s)>>>(dlogits, logits, gmax, sumexp, targets, row_scale,
-                                                                   scale, M, lo, V);
+                                                                  scale, M, lo, V);
   return tpk_launched("xent_backward");
 }
 

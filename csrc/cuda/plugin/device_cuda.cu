@@ -24,8 +24,8 @@
 /* ------------------------------------------------------------------ the probe */
 
 static pthread_once_t probe_once = PTHREAD_ONCE_INIT;
-static int probe_count;        /* usable devices (0 when CUDA is not usable) */
-static char probe_line[320];   /* the status line */
+static int probe_count;      /* usable devices (0 when CUDA is not usable) */
+static char probe_line[320]; /* the status line */
 
 static void version_text(int v, char *buf, size_t cap) { snprintf(buf, cap, "%d.%d", v / 1000, (v % 1000) / 10); }
 
@@ -47,10 +47,8 @@ static void probe(void) {
   (void)cudaGetLastError();
   const char *vis = getenv("CUDA_VISIBLE_DEVICES");
   char visible[160];
-  if (vis)
-    snprintf(visible, sizeof visible, "CUDA_VISIBLE_DEVICES='%.120s'", vis);
-  else
-    snprintf(visible, sizeof visible, "CUDA_VISIBLE_DEVICES unset");
+  if (vis) snprintf(visible, sizeof visible, "CUDA_VISIBLE_DEVICES='%.120s'", vis);
+  else snprintf(visible, sizeof visible, "CUDA_VISIBLE_DEVICES unset");
   if (e == cudaErrorInsufficientDriver) {
     snprintf(probe_line, sizeof probe_line, "driver too old: supports CUDA %s, this build needs %s", drv, rt);
   } else if (e == cudaErrorStubLibrary) {
@@ -63,10 +61,8 @@ static void probe(void) {
   } else {
     cudaDeviceProp prop;
     const char *name = "unknown device";
-    if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
-      name = prop.name;
-    else
-      (void)cudaGetLastError();
+    if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) name = prop.name;
+    else (void)cudaGetLastError();
     if (n > TP_CUDA_MAX_DEVICES) n = TP_CUDA_MAX_DEVICES;
     snprintf(probe_line, sizeof probe_line, "%d device%s (%.100s, driver %s)", n, n == 1 ? "" : "s", name, drv);
     probe_count = n;
@@ -187,15 +183,16 @@ static tp_status_t cuda_copy(void *dst, int dst_host, const void *src, int src_h
   return finish_host_copy("device_copy", dst_host, src_host, st);
 }
 
-static tp_status_t cuda_copy_2d(void *dst, size_t dpitch, int dst_host, const void *src, size_t spitch,
-                                int src_host, size_t width, size_t rows, tp_stream_t stream) {
+static tp_status_t cuda_copy_2d(void *dst, size_t dpitch, int dst_host, const void *src, size_t spitch, int src_host,
+                                size_t width, size_t rows, tp_stream_t stream) {
   cudaStream_t st = (cudaStream_t)stream;
   cudaError_t e = cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, kind_of(dst_host, src_host), st);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    return tp_set_error(TP_ERR_SYSTEM, "device_copy_2d: cudaMemcpy2DAsync of %zu rows of %zu bytes (pitches %zu, %zu; "
-                        "%s) failed: %s", rows, width, dpitch, spitch, kind_name(dst_host, src_host),
-                        cudaGetErrorString(e));
+    return tp_set_error(TP_ERR_SYSTEM,
+                        "device_copy_2d: cudaMemcpy2DAsync of %zu rows of %zu bytes (pitches %zu, %zu; "
+                        "%s) failed: %s",
+                        rows, width, dpitch, spitch, kind_name(dst_host, src_host), cudaGetErrorString(e));
   }
   return finish_host_copy("device_copy_2d", dst_host, src_host, st);
 }
@@ -290,6 +287,7 @@ static tp_status_t cuda_mem_info(int id, size_t *free_bytes, size_t *total_bytes
 
 /* In struct order (device.h); C++17 has no designated initializers. */
 extern "C" const tp_device_ops tp_cuda_device_ops = {
-    TP_DEVICE_CUDA, "cuda", cuda_available, cuda_count, cuda_alloc, cuda_free, cuda_copy, cuda_copy_2d,
-    cuda_memset, cuda_sync, cuda_owns, cuda_set_current, cuda_query, cuda_stream_wait, cuda_mem_info,
+    TP_DEVICE_CUDA, "cuda",           cuda_available, cuda_count,       cuda_alloc,
+    cuda_free,      cuda_copy,        cuda_copy_2d,   cuda_memset,      cuda_sync,
+    cuda_owns,      cuda_set_current, cuda_query,     cuda_stream_wait, cuda_mem_info,
 };

@@ -37,4 +37,3 @@ void *tp_dynlib_open(const char *what, const char *override_env, const char *con
   if (!tp_cuda_host) return NULL;
   return tp_cuda_host->open_library(what, override_env, sonames, nsonames);
 }
-

@@ -51,8 +51,8 @@ void tp_error_prefix(const char *fmt, ...) {
 
 /* ---- process-wide MPI state ---------------------------------------------------------- */
 
-static int we_initialised;  /* MPI_Init_thread was ours: MPI_Finalize at exit */
-static int thread_level;    /* what MPI_Init_thread provided */
+static int we_initialised; /* MPI_Init_thread was ours: MPI_Finalize at exit */
+static int thread_level;   /* what MPI_Init_thread provided */
 /* An operation was left in flight, or a peer failed: skip MPI_Finalize (mpi_impl.h). */
 atomic_int tp_mpi_any_failed;
 int tp_mpi_check_calls = 1; /* TPCORE_MPI_CHECK */
@@ -129,8 +129,8 @@ tp_status_t tp_mpi_wait_all(struct tp_comm *comm, mpi_ctx *x, MPI_Request *reqs,
       if (atomic_load(&x->aborted)) {
         send_abort_notes(comm, x);
         x->pending = 1;
-        return tp_set_error(TP_ERR_ABORTED, "%s on rank %d of %d: this rank aborted the communicator", what,
-                            comm->rank, comm->size);
+        return tp_set_error(TP_ERR_ABORTED, "%s on rank %d of %d: this rank aborted the communicator", what, comm->rank,
+                            comm->size);
       }
     }
     if (now - t0 > comm->timeout_s) {
@@ -139,9 +139,10 @@ tp_status_t tp_mpi_wait_all(struct tp_comm *comm, mpi_ctx *x, MPI_Request *reqs,
       if (peer >= 0)
         return tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d of %d: timed out after %.1f s waiting for rank %d", what,
                             comm->rank, comm->size, comm->timeout_s, peer);
-      return tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d of %d: timed out after %.1f s (not every rank of the "
-                          "communicator reached it: one may have died, hung or called another operation)", what,
-                          comm->rank, comm->size, comm->timeout_s);
+      return tp_set_error(TP_ERR_TIMEOUT,
+                          "%s on rank %d of %d: timed out after %.1f s (not every rank of the "
+                          "communicator reached it: one may have died, hung or called another operation)",
+                          what, comm->rank, comm->size, comm->timeout_s);
     }
     pause_briefly(&spins, now - t0);
   }
@@ -196,8 +197,8 @@ static tp_status_t start_mpi(struct tp_comm *comm) {
     if (comm->size > 1 && !env_size && !getenv("PMIX_RANK") && !getenv("PMI_RANK"))
       return tp_set_error(TP_ERR_INVALID_USAGE,
                           "a job of %d ranks on the mpi backend must be launched by mpirun (mpirun -n %d python ..., "
-                          "or python -m tpcore.launch --backend mpi -n %d ...); this process was not", comm->size,
-                          comm->size, comm->size);
+                          "or python -m tpcore.launch --backend mpi -n %d ...); this process was not",
+                          comm->size, comm->size, comm->size);
 #ifdef OMPI_MAJOR_VERSION
     /* Open MPI's non-blocking all-reduce picks, by default, an algorithm that is 2-3x slower than
      * its blocking one at 1-16 MiB here; Rabenseifner's (reduce-scatter + all-gather) is on a par.
@@ -212,7 +213,8 @@ static tp_status_t start_mpi(struct tp_comm *comm) {
   }
   MPI_Query_thread(&thread_level);
   if (thread_level < MPI_THREAD_SERIALIZED)
-    return tp_set_error(TP_ERR_UNSUPPORTED, "MPI was initialised with thread level %d (%s); tpcore needs "
+    return tp_set_error(TP_ERR_UNSUPPORTED,
+                        "MPI was initialised with thread level %d (%s); tpcore needs "
                         "MPI_THREAD_SERIALIZED or more (mpi4py: mpi4py.rc.thread_level = 'serialized')",
                         thread_level, thread_level == MPI_THREAD_SINGLE ? "MPI_THREAD_SINGLE" : "MPI_THREAD_FUNNELED");
   const char *chk = getenv("TPCORE_MPI_CHECK");
@@ -266,9 +268,10 @@ static tp_status_t mpi_comm_init(struct tp_comm *comm, const char *comm_id, int 
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   if (size != comm->size || rank != comm->rank)
-    return tp_set_error(TP_ERR_MISMATCH, "MPI_COMM_WORLD has %d ranks and this is rank %d, but tpcore was asked for "
-                        "rank %d of %d (the environment's RANK/WORLD_SIZE disagree with mpirun's)", size, rank,
-                        comm->rank, comm->size);
+    return tp_set_error(TP_ERR_MISMATCH,
+                        "MPI_COMM_WORLD has %d ranks and this is rank %d, but tpcore was asked for "
+                        "rank %d of %d (the environment's RANK/WORLD_SIZE disagree with mpirun's)",
+                        size, rank, comm->rank, comm->size);
   MPI_Comm mc;
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   /* MPI_Comm_dup is collective and blocking: a rank that never comes is mpirun's to report. */
@@ -320,9 +323,8 @@ static void send_abort_notes(struct tp_comm *comm, mpi_ctx *x) {
   if (!x->abort_reqs) return;
   for (int p = 0; p < comm->size; p++) {
     x->abort_reqs[p] = MPI_REQUEST_NULL;
-    if (p != comm->rank &&
-        MPI_Isend(x->abort_note, (int)strlen(x->abort_note) + 1, MPI_CHAR, p, TAG_ABORT, x->ctrl, &x->abort_reqs[p]) !=
-            MPI_SUCCESS)
+    if (p != comm->rank && MPI_Isend(x->abort_note, (int)strlen(x->abort_note) + 1, MPI_CHAR, p, TAG_ABORT, x->ctrl,
+                                     &x->abort_reqs[p]) != MPI_SUCCESS)
       x->abort_reqs[p] = MPI_REQUEST_NULL;
   }
   x->nabort = comm->size;
@@ -385,8 +387,10 @@ EXPORT tp_status_t tp_mpi_plugin_init_v1(const tp_mpi_host_api *host, tp_mpi_plu
   if (!host || host->abi_version != TP_MPI_PLUGIN_ABI || host->size < sizeof *host) return TP_ERR_UNSUPPORTED;
   tp_mpi_host = host;
   if (host->comm_struct_size != sizeof(struct tp_comm) || strcmp(host->tpcore_version, BUILD_VERSION))
-    return tp_set_error(TP_ERR_UNSUPPORTED, "the MPI plugin was built from tpcore %s with another communicator layout; "
-                        "this is tpcore %s: rebuild them together", BUILD_VERSION, host->tpcore_version);
+    return tp_set_error(TP_ERR_UNSUPPORTED,
+                        "the MPI plugin was built from tpcore %s with another communicator layout; "
+                        "this is tpcore %s: rebuild them together",
+                        BUILD_VERSION, host->tpcore_version);
   static char build[192];
   snprintf(build, sizeof build, "%s (MPI %d.%d headers)",
 #if defined(OMPI_MAJOR_VERSION)

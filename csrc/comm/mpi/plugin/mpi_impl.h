@@ -39,26 +39,26 @@ extern atomic_int tp_mpi_any_failed;
 extern int tp_mpi_check_calls; /* TPCORE_MPI_CHECK */
 
 typedef struct {
-  MPI_Comm mc;          /* the operations' communicator                   */
-  MPI_Comm ctrl;        /* abort notes: one MPI_Irecv from any rank, always posted */
+  MPI_Comm mc;   /* the operations' communicator                   */
+  MPI_Comm ctrl; /* abort notes: one MPI_Irecv from any rank, always posted */
   MPI_Request ctrl_req;
   char ctrl_note[NOTE_MAX];
-  char *abort_note;     /* what this rank sent on abort (kept until the sends complete) */
+  char *abort_note; /* what this rank sent on abort (kept until the sends complete) */
   MPI_Request *abort_reqs;
   int nabort;
   atomic_int abort_claimed; /* the first tp_comm_abort of this rank (prepares abort_note) */
-  atomic_int aborted;   /* tp_comm_abort was called on this rank (abort_note is ready) */
-  atomic_int notes_sent; /* the notes went (or are going) out: one thread sends them, once */
-  int pending;          /* an operation timed out with its request still active */
-  uint64_t seq;         /* collectives called so far (the description's sequence number) */
+  atomic_int aborted;       /* tp_comm_abort was called on this rank (abort_note is ready) */
+  atomic_int notes_sent;    /* the notes went (or are going) out: one thread sends them, once */
+  int pending;              /* an operation timed out with its request still active */
+  uint64_t seq;             /* collectives called so far (the description's sequence number) */
 } mpi_ctx;
 
 /* ---- mpi.c -------------------------------------------------------------------------- */
 
 tp_status_t tp_mpi_error(struct tp_comm *comm, int rc, const char *what);
-#define MPI_TRY(comm, call, what)                     \
-  do {                                                \
-    int rc_ = (call);                                 \
+#define MPI_TRY(comm, call, what)                                 \
+  do {                                                            \
+    int rc_ = (call);                                             \
     if (rc_ != MPI_SUCCESS) return tp_mpi_error(comm, rc_, what); \
   } while (0)
 
@@ -77,9 +77,8 @@ tp_status_t tp_mpi_refuse_if_failed(struct tp_comm *comm, mpi_ctx *x, const char
 tp_status_t tp_mpi_collective(struct tp_comm *comm, const tp_coll_args_t *a);
 tp_status_t tp_mpi_send(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dt, int peer,
                         tp_stream_t stream);
-tp_status_t tp_mpi_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt, int peer,
-                        tp_stream_t stream);
-tp_status_t tp_mpi_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst, void *rbuf,
-                            size_t rcount, int src, tp_dtype_t dt, tp_stream_t stream);
+tp_status_t tp_mpi_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt, int peer, tp_stream_t stream);
+tp_status_t tp_mpi_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst, void *rbuf, size_t rcount,
+                            int src, tp_dtype_t dt, tp_stream_t stream);
 
 #endif

@@ -59,8 +59,8 @@ static MPI_Datatype mpi_type(tp_dtype_t d) {
 
 /* The MPI op for (dtype, op), op not avg. */
 static MPI_Op mpi_op(tp_dtype_t d, tp_redop_t op) {
-  int user = d == TP_FLOAT16 || d == TP_BFLOAT16 ||
-             ((d == TP_FLOAT32 || d == TP_FLOAT64) && (op == TP_MIN || op == TP_MAX));
+  int user =
+      d == TP_FLOAT16 || d == TP_BFLOAT16 || ((d == TP_FLOAT32 || d == TP_FLOAT64) && (op == TP_MIN || op == TP_MAX));
   if (user) return user_ops[op];
   switch (op) {
     case TP_SUM: return MPI_SUM;
@@ -134,8 +134,7 @@ tp_status_t tp_mpi_check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
   if (a->kind == TP_COLL_BARRIER || a->kind == TP_COLL_SPLIT) mine[D_DTYPE] = mine[D_OP] = mine[D_COUNT] = 0;
   if (a->kind == TP_COLL_ALL_REDUCE || a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_REDUCE_SCATTER)
     mine[D_ROOT] = 0;
-  if (a->kind != TP_COLL_ALL_REDUCE && a->kind != TP_COLL_REDUCE && a->kind != TP_COLL_REDUCE_SCATTER)
-    mine[D_OP] = 0;
+  if (a->kind != TP_COLL_ALL_REDUCE && a->kind != TP_COLL_REDUCE && a->kind != TP_COLL_REDUCE_SCATTER) mine[D_OP] = 0;
   if (!tp_mpi_check_calls) return TP_SUCCESS;
   /* mine and every rank's, on the heap: a request left in flight by a timeout may still use them */
   int64_t *buf = malloc(sizeof(int64_t) * D_W * ((size_t)comm->size + 1));
@@ -153,8 +152,7 @@ tp_status_t tp_mpi_check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
     describe(mine, ours, sizeof ours);
     site_of(all + D_W * p, tsite);
     site_of(buf, osite);
-    if (!strcmp(theirs, ours))
-      snprintf(theirs + strlen(theirs), sizeof theirs - strlen(theirs), " with other counts");
+    if (!strcmp(theirs, ours)) snprintf(theirs + strlen(theirs), sizeof theirs - strlen(theirs), " with other counts");
     st = tp_set_error(TP_ERR_MISMATCH, "%s on rank %d of %d: rank %d called %s at %s but this rank called %s at %s",
                       what, comm->rank, comm->size, p, theirs, tsite, ours, osite);
   }
@@ -166,8 +164,10 @@ tp_status_t tp_mpi_check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
 
 static tp_status_t count_int(struct tp_comm *comm, size_t n, const char *what, int *out) {
   if (n > (size_t)INT_MAX)
-    return tp_set_error(TP_ERR_UNSUPPORTED, "%s on rank %d: %zu elements is more than the mpi backend takes in one "
-                        "call (%d); split the buffer", what, comm->rank, n, INT_MAX);
+    return tp_set_error(TP_ERR_UNSUPPORTED,
+                        "%s on rank %d: %zu elements is more than the mpi backend takes in one "
+                        "call (%d); split the buffer",
+                        what, comm->rank, n, INT_MAX);
   *out = (int)n;
   return TP_SUCCESS;
 }
@@ -190,7 +190,9 @@ static tp_status_t v_arrays(struct tp_comm *comm, const size_t *counts, const ch
 static int avg_acc(tp_dtype_t d) {
   switch (d) {
     case TP_FLOAT64: return 1;
-    case TP_INT8: case TP_UINT8: case TP_INT32: return 2;
+    case TP_INT8:
+    case TP_UINT8:
+    case TP_INT32: return 2;
     case TP_INT64: return 3;
     default: return 0;
   }
@@ -254,8 +256,9 @@ static tp_status_t avg_collective(struct tp_comm *comm, mpi_ctx *x, const tp_col
   void *in = malloc(in_bytes ? in_bytes : 1), *out = malloc(out_bytes ? out_bytes : 1);
   int *cnt = NULL, *dsp = NULL;
   tp_status_t st = TP_SUCCESS;
-  if (!in || !out) st = tp_set_error(TP_ERR_NOMEM, "%s on rank %d: out of memory for avg's %zu-byte accumulator",
-                                     what, comm->rank, in_bytes + out_bytes);
+  if (!in || !out)
+    st = tp_set_error(TP_ERR_NOMEM, "%s on rank %d: out of memory for avg's %zu-byte accumulator", what, comm->rank,
+                      in_bytes + out_bytes);
   int n_in = 0, rc = MPI_SUCCESS;
   if (st == TP_SUCCESS) st = count_int(comm, in_n, what, &n_in);
   MPI_Request req = MPI_REQUEST_NULL;
@@ -396,8 +399,7 @@ tp_status_t tp_mpi_send(struct tp_comm *comm, const void *buf, size_t count, tp_
   return tp_mpi_wait_one(comm, x, &req, what, peer);
 }
 
-tp_status_t tp_mpi_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt, int peer,
-                        tp_stream_t stream) {
+tp_status_t tp_mpi_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dt, int peer, tp_stream_t stream) {
   (void)stream;
   mpi_ctx *x = comm->impl;
   char what[48];
@@ -412,8 +414,8 @@ tp_status_t tp_mpi_recv(struct tp_comm *comm, void *buf, size_t count, tp_dtype_
   return check_received(comm, &s, mpi_type(dt), n, what, peer);
 }
 
-tp_status_t tp_mpi_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst, void *rbuf,
-                            size_t rcount, int src, tp_dtype_t dt, tp_stream_t stream) {
+tp_status_t tp_mpi_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scount, int dst, void *rbuf, size_t rcount,
+                            int src, tp_dtype_t dt, tp_stream_t stream) {
   (void)stream;
   mpi_ctx *x = comm->impl;
   char what[64];
@@ -433,4 +435,3 @@ tp_status_t tp_mpi_sendrecv(struct tp_comm *comm, const void *sbuf, size_t scoun
   TP_CHECK(tp_mpi_wait_all(comm, x, reqs, 2, s, what, src));
   return check_received(comm, &s[0], mpi_type(dt), rn, what, src);
 }
-
