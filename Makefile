@@ -44,14 +44,15 @@ LIBS := $(BLAS_LIBS) $(TP_LIBS)
 
 CORE_SRC := $(sort $(foreach d,$(TP_CORE_DIRS),$(wildcard $(d)/*.c)))
 CORE_OBJ := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CORE_SRC))
-HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h)
+HDRS := $(wildcard csrc/include/tpcore/*.h) $(wildcard csrc/*/*.h) $(wildcard csrc/*/*/*.h) $(wildcard csrc/*/*/*/*.h)
 
 # Fake NCCL libraries for test_nccl (rules below).
 FAKE_NCCL := $(BUILD)/fake_nccl/old/libnccl.so.2 $(BUILD)/fake_nccl/nosym/libnccl.so.2 \
              $(BUILD)/fake_nccl/good/libnccl.so.2 $(BUILD)/fake_nccl/home/lib64/libnccl.so.2
 
-# The MPI plugin: TP_MPI_DIRS' *.c (the only files that include <mpi.h>) with mpicc's flags, linked
-# to libmpi, exporting its entry only (csrc/comm/mpi_abi.h); the core opens it from beside itself.
+# The MPI plugin: TP_MPI_DIRS's *.c (csrc/comm/mpi/plugin/, the only files that include <mpi.h>)
+# with mpicc's flags, linked to libmpi, exporting its entry only (csrc/comm/mpi/mpi_abi.h); the
+# core opens it from beside itself.
 MPICC ?= $(shell command -v mpicc 2>/dev/null)
 MPIRUN ?= $(shell command -v mpirun 2>/dev/null)
 ifneq ($(MPI),0)
@@ -66,8 +67,8 @@ all: $(BUILD)/libtpcore.a $(BUILD)/test_comm $(BUILD)/test_layers $(BUILD)/test_
      $(BUILD)/test_store $(BUILD)/test_nccl $(FAKE_NCCL) $(if $(filter 1,$(CUDA)),$(BUILD)/libtpcore_cuda.so) \
      $(MPI_PLUGIN)
 
-# The CUDA plugin (CUDA=1): .cu files by nvcc, .c files (and core/dtype.c, dynlib_sym.c) by cc, the CUDA
-# runtime linked statically, every symbol hidden but the entry (csrc/cuda/plugin_abi.h).
+# The CUDA plugin (CUDA=1): TP_CUDA_DIRS's .cu files by nvcc, .c files (and core/dtype.c, dynlib_sym.c)
+# by cc, the CUDA runtime linked statically, every symbol hidden but the entry (csrc/cuda/plugin_abi.h).
 NVCC ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard $(CUDA_HOME)/bin/nvcc),/usr/local/cuda/bin/nvcc)
 # the toolkit's root (for its headers): CUDA_HOME, /usr/local/cuda, or above nvcc
 CUDA_ROOT := $(or $(CUDA_HOME),$(wildcard /usr/local/cuda),$(abspath $(dir $(realpath $(NVCC)))..))
@@ -114,7 +115,7 @@ $(BUILD)/libtpcore.a: $(CORE_OBJ)
 $(BUILD)/test_comm: csrc/tests/test_comm.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 
-# The rendezvous store (csrc/comm/store.c) from C: threads, timeouts, hostile sockets.
+# The rendezvous store (csrc/comm/store/) from C: threads, timeouts, hostile sockets.
 $(BUILD)/test_store: csrc/tests/test_store.c $(BUILD)/libtpcore.a
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libtpcore.a $(LDFLAGS) $(LIBS)
 

@@ -88,6 +88,7 @@ def test_setup_py_and_makefile_compile_the_same_core():
              for f in fs if f.endswith(".c") and "/tests" not in d}
     mk = _setup_module()["read_source_dirs"](os.path.join(ROOT, "csrc", "sources.mk"))
     plugins = set(mk["TP_CUDA_DIRS"]) | set(mk["TP_MPI_DIRS"])  # the plugins' own directories
+    assert {"csrc/cuda/plugin", "csrc/comm/mpi/plugin"} <= plugins
     every = {f for f in every if os.path.dirname(f) not in plugins}
     assert every == set(srcs)
 

@@ -51,7 +51,7 @@ def test_torch_bfloat16_through_tpcores_own_consumer():
     assert back.dtype == torch.bfloat16 and back.data_ptr() == x.data_ptr() and torch.equal(back, x)
     # converted by tpcore in C: exactly torch's own widening of bfloat16
     f = tpcore.DeviceArray((4, 6), "float32")
-    tpcore._C.d_convert(f, d)
+    tpcore._C.convert(d, None, f)
     assert torch.equal(torch.from_dlpack(f), x.float())
     # and tpcore.asarray keeps the memory when no conversion is asked
     assert tpcore.asarray(x).data_ptr == x.data_ptr()

@@ -93,7 +93,7 @@ def _fnv1a(text):
 
 
 def _world_segment(job):
-    """The name of a job's world communicator (csrc/comm/shm_rendezvous.c)."""
+    """The name of a job's world communicator (csrc/comm/shm/shm_rendezvous.c)."""
     return f"/dev/shm/tpcore_{job}_{_fnv1a('w'):016x}"
 
 

@@ -67,7 +67,7 @@ def test_entries_list_matches_the_table_struct():
 
 @pytest.mark.slow  # ~2 min of emulated threads; the parity harness itself runs in test_kernel_parity
 def test_cuda_entries_under_the_host_emulator(c_builds):
-    """The CUDA attention and low-precision entries (csrc/kernels/cuda/attention*.cu, lowp.cu,
+    """The CUDA attention and low-precision entries (csrc/cuda/kernels/attention*.cu, lowp.cu,
     quant.cu, with a host stand-in for cublasGemmEx that checks its arguments) through the same
     parity cases on the host: csrc/tests/cuda_emu runs each CUDA thread as a fiber with cooperative
     barriers and shuffles, shared memory poisoned with NaN, fibers in both orders.  Checks the

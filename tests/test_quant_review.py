@@ -242,9 +242,9 @@ def test_device_linear_kernel_names_columns_that_are_not_whole_blocks():
     from tpcore import _C
     x = tpcore.from_dlpack(np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32))
     w = tpcore.from_dlpack(np.zeros((3, 144), np.uint8))
-    with pytest.raises(ValueError, match=r"d_linear_forward: x has 64 columns, not whole blocks of 256 elements"):
-        _C.d_linear_forward(x, w, None, "q4_k")
+    with pytest.raises(ValueError, match=r"linear_forward: x has 64 columns, not whole blocks of 256 elements"):
+        _C.linear_forward(x, w, None, None, "q4_k")
     good = quantize(np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32), "q8_0")
-    y = _C.d_linear_forward(x, tpcore.from_dlpack(good), None, "q8_0").to_numpy()
+    y = _C.linear_forward(x, tpcore.from_dlpack(good), None, None, "q8_0").to_numpy()
     ref = x.to_numpy().astype(np.float64) @ tpcore.quant.dequantize(good, "q8_0", 64).T.astype(np.float64)
     assert np.abs(y - ref).max() < 1e-4

@@ -30,9 +30,9 @@ const char *tp_redop_name(tp_redop_t op) {
 }
 
 const char *tp_coll_name(tp_coll_kind_t kind) {
-  static const char *names[TP_COLL_NUM] = {
-      "none",   "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
-      "barrier", "split",     "alloc",      "send",           "recv",      "sendrecv"};
+  static const char *names[TP_COLL_NUM] = {"none",      "all_reduce", "all_gather", "reduce_scatter",
+                                           "broadcast", "reduce",     "barrier",    "split",
+                                           "alloc",     "send",       "recv",       "sendrecv"};
   return ((unsigned)kind < TP_COLL_NUM) ? names[kind] : "unknown";
 }
 
@@ -46,8 +46,8 @@ static double env_timeout(void) {
   return 300.0;
 }
 
-tp_status_t tp_comm_alloc_common(struct tp_comm **out, int world, int rank, const char *job_id,
-                                 double timeout_s, int spin_us) {
+tp_status_t tp_comm_alloc_common(struct tp_comm **out, int world, int rank, const char *job_id, double timeout_s,
+                                 int spin_us) {
   struct tp_comm *c = calloc(1, sizeof *c);
   if (!c) return tp_set_error(TP_ERR_NOMEM, "out of memory allocating a communicator");
   c->rank = rank;
@@ -90,34 +90,30 @@ tp_status_t tp_comm_init_rank(tp_comm_t *out, int world, int rank, const tp_comm
   *out = NULL;
   tp_comm_config_t dflt = TP_COMM_CONFIG_INITIALIZER;
   if (!cfg) cfg = &dflt;
-  if (cfg->size < offsetof(tp_comm_config_t, spin_us) + sizeof(int) ||
-      cfg->version / 10000 != TP_VERSION_MAJOR)
+  if (cfg->size < offsetof(tp_comm_config_t, spin_us) + sizeof(int) || cfg->version / 10000 != TP_VERSION_MAJOR)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                         "comm_init_rank: config was built for another tpcore version "
                         "(size %zu, version %u; this library is %d); use TP_COMM_CONFIG_INITIALIZER",
                         cfg->size, cfg->version, TP_VERSION);
   if (world < 1 || world > 1024)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "comm_init_rank: world size must be in 1..1024, got %d", world);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_init_rank: world size must be in 1..1024, got %d", world);
   if (rank < 0 || rank >= world)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "comm_init_rank: rank must be in 0..%d (world size %d), got %d",
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_init_rank: rank must be in 0..%d (world size %d), got %d",
                         world - 1, world, rank);
   const char *job = cfg->job_id;
   if (!job || !valid_job_id(job))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "comm_init_rank: job_id must be 1..%d characters of [A-Za-z0-9_-], got '%s'",
-                        TP_JOB_ID_MAX, job ? job : "(null)");
+                        "comm_init_rank: job_id must be 1..%d characters of [A-Za-z0-9_-], got '%s'", TP_JOB_ID_MAX,
+                        job ? job : "(null)");
   const tp_backend_entry *be = tp_backend_find(cfg->backend);
   if (!be) {
     char known[256];
     tp_backend_names(known, sizeof known);
     return tp_set_error(TP_ERR_UNSUPPORTED,
-                        "comm_init_rank: backend '%s' is not available in this build (available: %s)",
-                        cfg->backend, known);
+                        "comm_init_rank: backend '%s' is not available in this build (available: %s)", cfg->backend,
+                        known);
   }
-  int regmem = cfg->size >= offsetof(tp_comm_config_t, registered_memory) + sizeof(int)
-                   ? cfg->registered_memory : -1;
+  int regmem = cfg->size >= offsetof(tp_comm_config_t, registered_memory) + sizeof(int) ? cfg->registered_memory : -1;
   if (regmem < 0) {
     const char *e = getenv("TPCORE_REGISTERED_MEMORY");
     regmem = !(e && strcmp(e, "0") == 0);
@@ -200,7 +196,8 @@ tp_status_t tp_comm_get_stats(tp_comm_t c, tp_comm_stats_t *v) {
 
 tp_status_t tp_comm_set_timeout(tp_comm_t c, double s) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_set_timeout: comm is NULL");
-  if (!(s > 0)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_set_timeout: timeout must be > 0 seconds, got %g", s);
+  if (!(s > 0))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_set_timeout: timeout must be > 0 seconds, got %g", s);
   c->timeout_s = s;
   return TP_SUCCESS;
 }
@@ -212,13 +209,14 @@ static tp_status_t enter(tp_comm_t c, const char *op) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", op);
   if (atomic_load(&c->failed) == 1)
     return tp_set_error(c->fail_status == TP_ERR_MISMATCH ? TP_ERR_MISMATCH : TP_ERR_ABORTED,
-                        "%s on rank %d of %d: the communicator failed earlier and cannot be used: %s",
-                        op, c->rank, c->size, c->fail_msg);
+                        "%s on rank %d of %d: the communicator failed earlier and cannot be used: %s", op, c->rank,
+                        c->size, c->fail_msg);
   int expect = 0;
   if (!atomic_compare_exchange_strong(&c->busy, &expect, 1))
     return tp_set_error(TP_ERR_INVALID_USAGE,
                         "%s on rank %d: the communicator is in use by another thread; "
-                        "a communicator serves one thread at a time", op, c->rank);
+                        "a communicator serves one thread at a time",
+                        op, c->rank);
   return TP_SUCCESS;
 }
 
@@ -226,8 +224,8 @@ static tp_status_t leave(tp_comm_t c, const char *op, tp_status_t st, double t0,
   tp_hist_end(c, st, tp_now() - t0, bytes); /* statistics, history, the ring printed on a desync */
   atomic_store(&c->busy, 0);                /* after them: the next caller finds them complete */
   if (st == TP_SUCCESS) return st;
-  if (st == TP_ERR_TIMEOUT || st == TP_ERR_REMOTE || st == TP_ERR_MISMATCH ||
-      st == TP_ERR_ABORTED || st == TP_ERR_SYSTEM || st == TP_ERR_INTERNAL) {
+  if (st == TP_ERR_TIMEOUT || st == TP_ERR_REMOTE || st == TP_ERR_MISMATCH || st == TP_ERR_ABORTED ||
+      st == TP_ERR_SYSTEM || st == TP_ERR_INTERNAL) {
     /* The ranks no longer agree on where they are: nothing after this is safe. */
     tp_comm_mark_failed(c, st, tp_last_error());
   }
@@ -235,8 +233,8 @@ static tp_status_t leave(tp_comm_t c, const char *op, tp_status_t st, double t0,
   return st;
 }
 
-static tp_status_t check_common(tp_comm_t c, const char *op, const void *send, const void *recv,
-                                size_t count, tp_dtype_t dtype, int need_send, int need_recv) {
+static tp_status_t check_common(tp_comm_t c, const char *op, const void *send, const void *recv, size_t count,
+                                tp_dtype_t dtype, int need_send, int need_recv) {
   if ((unsigned)dtype >= TP_NUM_DTYPES)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: invalid dtype %d", op, (int)dtype);
   if (count > ((size_t)1 << 60) / tp_dtype_size(dtype))
@@ -257,29 +255,28 @@ static tp_status_t check_overlap(const char *op, const void *s, size_t sn, const
   if (a < b + rn && b < a + sn)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                         "%s: x and out overlap without being the same buffer (x at %p, %zu bytes; out at %p, "
-                        "%zu bytes); use the in-place form or separate buffers", op, s, sn, r, rn);
+                        "%zu bytes); use the in-place form or separate buffers",
+                        op, s, sn, r, rn);
   return TP_SUCCESS;
 }
 
 static tp_status_t check_op(const char *op, tp_redop_t r) {
   if ((unsigned)r >= TP_NUM_REDOPS)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "%s: invalid reduction op %d (expected sum, prod, min, max or avg)", op, (int)r);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: invalid reduction op %d (expected sum, prod, min, max or avg)",
+                        op, (int)r);
   return TP_SUCCESS;
 }
 
 static tp_status_t check_root(tp_comm_t c, const char *op, int root, const char *what) {
   if (root < 0 || root >= c->size)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s : invalid %s %d (world size %d)", op, what,
-                        root, c->size);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s : invalid %s %d (world size %d)", op, what, root, c->size);
   return TP_SUCCESS;
 }
 
 /* A host backend runs the call now and has no stream to queue it on. */
 static tp_status_t check_stream(tp_comm_t c, const char *op, tp_stream_t stream) {
   if (stream && !c->ops->streams)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "%s: backend %s runs on the host and takes no stream; pass NULL", op,
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: backend %s runs on the host and takes no stream; pass NULL", op,
                         c->ops->name);
   return TP_SUCCESS;
 }
@@ -296,11 +293,10 @@ static tp_status_t check_device(tp_comm_t c, const char *op, const char *arg, co
   size_t len = 0;
   for (int t = 0; t < TP_NUM_DEVICE_TYPES && len < sizeof takes; t++)
     if (mask & (1u << t))
-      len += (size_t)snprintf(takes + len, sizeof takes - len, "%s%s", len ? " or " : "",
-                              tp_device_name((tp_device_t)t));
-  return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                      "%s on rank %d: %s is %s:%d memory, but backend %s takes %s memory only", op,
-                      c->rank, arg, tp_device_name(d), id, c->ops->name, takes);
+      len +=
+          (size_t)snprintf(takes + len, sizeof takes - len, "%s%s", len ? " or " : "", tp_device_name((tp_device_t)t));
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: %s is %s:%d memory, but backend %s takes %s memory only",
+                      op, c->rank, arg, tp_device_name(d), id, c->ops->name, takes);
 }
 
 /* The guarded call: one thread, the failed state, statistics. */
@@ -318,8 +314,8 @@ static tp_status_t guarded_coll(tp_comm_t c, tp_coll_args_t *a) {
 }
 
 /* used_send / used_recv: 1 when this rank's part reads send / writes recv. */
-static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes, tp_stream_t stream,
-                            int used_send, int used_recv) {
+static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes, tp_stream_t stream, int used_send,
+                            int used_recv) {
   const char *op = tp_coll_name(a->kind);
   int cs = used_send ? tp_comm_buffer_class(c, a->send) : 0, cr = used_recv ? tp_comm_buffer_class(c, a->recv) : 0;
   if (cs == 2) TP_CHECK(check_device(c, op, "send buffer", a->send));
@@ -337,8 +333,8 @@ static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes, tp_str
   return guarded_coll(c, a);
 }
 
-tp_status_t tp_all_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype,
-                          tp_redop_t op, tp_comm_t c, tp_stream_t stream) {
+tp_status_t tp_all_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype, tp_redop_t op, tp_comm_t c,
+                          tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "all_reduce: communicator is NULL");
   TP_CHECK(check_common(c, "all_reduce", send, recv, count, dtype, 1, 1));
   TP_CHECK(check_op("all_reduce", op));
@@ -348,9 +344,8 @@ tp_status_t tp_all_reduce(const void *send, void *recv, size_t count, tp_dtype_t
   return run_coll(c, &a, count * tp_dtype_size(dtype), stream, count > 0, count > 0);
 }
 
-static tp_status_t gather_scatter_v(tp_coll_kind_t kind, const void *send, void *recv,
-                                    const size_t *counts, tp_dtype_t dtype, tp_redop_t op,
-                                    tp_comm_t c, tp_stream_t stream) {
+static tp_status_t gather_scatter_v(tp_coll_kind_t kind, const void *send, void *recv, const size_t *counts,
+                                    tp_dtype_t dtype, tp_redop_t op, tp_comm_t c, tp_stream_t stream) {
   const char *name = tp_coll_name(kind);
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", name);
   if (!counts) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: counts is NULL", name);
@@ -359,25 +354,29 @@ static tp_status_t gather_scatter_v(tp_coll_kind_t kind, const void *send, void 
   size_t es = tp_dtype_size(dtype), limit = ((size_t)1 << 60) / es, total = 0;
   for (int p = 0; p < c->size; p++) {
     if (counts[p] > limit - total)
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: counts add up past %zu elements (counts[%d] = %zu)",
-                          name, limit, p, counts[p]);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: counts add up past %zu elements (counts[%d] = %zu)", name,
+                          limit, p, counts[p]);
     total += counts[p];
   }
   size_t mine = counts[c->rank];
   TP_CHECK(check_common(c, name, send, recv, total, dtype, 0, 0));
   size_t before = 0;
   for (int p = 0; p < c->rank; p++) before += counts[p];
-  if (kind == TP_COLL_ALL_GATHER)  /* in place: x is this rank's block of out */
+  if (kind == TP_COLL_ALL_GATHER) /* in place: x is this rank's block of out */
     TP_CHECK(check_overlap(name, send, mine * es, recv, total * es, recv ? (const char *)recv + before * es : NULL));
-  else  /* in place: out is this rank's block of x */
+  else /* in place: out is this rank's block of x */
     TP_CHECK(check_overlap(name, recv, mine * es, send, total * es, send ? (const char *)send + before * es : NULL));
   if (kind == TP_COLL_ALL_GATHER) {
-    if (mine && !send) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: send buffer is NULL", name, c->rank);
-    if (total && !recv) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: recv buffer is NULL", name, c->rank);
+    if (mine && !send)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: send buffer is NULL", name, c->rank);
+    if (total && !recv)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: recv buffer is NULL", name, c->rank);
   } else {
     TP_CHECK(check_op(name, op));
-    if (total && !send) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: send buffer is NULL", name, c->rank);
-    if (mine && !recv) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: recv buffer is NULL", name, c->rank);
+    if (total && !send)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: send buffer is NULL", name, c->rank);
+    if (mine && !recv)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: recv buffer is NULL", name, c->rank);
   }
   tp_coll_args_t a = {kind, send, recv, mine, counts, total, dtype, op, 0, NULL};
   int gather = kind == TP_COLL_ALL_GATHER;
@@ -385,8 +384,8 @@ static tp_status_t gather_scatter_v(tp_coll_kind_t kind, const void *send, void 
                   (gather ? total : mine) > 0);
 }
 
-static tp_status_t equal_counts(tp_coll_kind_t kind, const void *send, void *recv, size_t count,
-                                tp_dtype_t dtype, tp_redop_t op, tp_comm_t c, tp_stream_t stream) {
+static tp_status_t equal_counts(tp_coll_kind_t kind, const void *send, void *recv, size_t count, tp_dtype_t dtype,
+                                tp_redop_t op, tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", tp_coll_name(kind));
   size_t stackbuf[64] = {0};
   size_t *counts = c->size <= 64 ? stackbuf : malloc(sizeof(size_t) * (size_t)c->size);
@@ -397,25 +396,25 @@ static tp_status_t equal_counts(tp_coll_kind_t kind, const void *send, void *rec
   return st;
 }
 
-tp_status_t tp_all_gather(const void *send, void *recv, size_t sendcount, tp_dtype_t dtype,
-                          tp_comm_t c, tp_stream_t stream) {
+tp_status_t tp_all_gather(const void *send, void *recv, size_t sendcount, tp_dtype_t dtype, tp_comm_t c,
+                          tp_stream_t stream) {
   return equal_counts(TP_COLL_ALL_GATHER, send, recv, sendcount, dtype, TP_SUM, c, stream);
 }
-tp_status_t tp_all_gather_v(const void *send, void *recv, const size_t *counts, tp_dtype_t dtype,
-                            tp_comm_t c, tp_stream_t stream) {
+tp_status_t tp_all_gather_v(const void *send, void *recv, const size_t *counts, tp_dtype_t dtype, tp_comm_t c,
+                            tp_stream_t stream) {
   return gather_scatter_v(TP_COLL_ALL_GATHER, send, recv, counts, dtype, TP_SUM, c, stream);
 }
-tp_status_t tp_reduce_scatter(const void *send, void *recv, size_t recvcount, tp_dtype_t dtype,
-                              tp_redop_t op, tp_comm_t c, tp_stream_t stream) {
+tp_status_t tp_reduce_scatter(const void *send, void *recv, size_t recvcount, tp_dtype_t dtype, tp_redop_t op,
+                              tp_comm_t c, tp_stream_t stream) {
   return equal_counts(TP_COLL_REDUCE_SCATTER, send, recv, recvcount, dtype, op, c, stream);
 }
-tp_status_t tp_reduce_scatter_v(const void *send, void *recv, const size_t *counts,
-                                tp_dtype_t dtype, tp_redop_t op, tp_comm_t c, tp_stream_t stream) {
+tp_status_t tp_reduce_scatter_v(const void *send, void *recv, const size_t *counts, tp_dtype_t dtype, tp_redop_t op,
+                                tp_comm_t c, tp_stream_t stream) {
   return gather_scatter_v(TP_COLL_REDUCE_SCATTER, send, recv, counts, dtype, op, c, stream);
 }
 
-tp_status_t tp_broadcast(const void *send, void *recv, size_t count, tp_dtype_t dtype, int root,
-                         tp_comm_t c, tp_stream_t stream) {
+tp_status_t tp_broadcast(const void *send, void *recv, size_t count, tp_dtype_t dtype, int root, tp_comm_t c,
+                         tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "broadcast: communicator is NULL");
   TP_CHECK(check_root(c, "broadcast", root, "root"));
   TP_CHECK(check_common(c, "broadcast", send, recv, count, dtype, c->rank == root, 1));
@@ -425,8 +424,8 @@ tp_status_t tp_broadcast(const void *send, void *recv, size_t count, tp_dtype_t 
   return run_coll(c, &a, count * tp_dtype_size(dtype), stream, count && c->rank == root, count > 0);
 }
 
-tp_status_t tp_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype, tp_redop_t op,
-                      int root, tp_comm_t c, tp_stream_t stream) {
+tp_status_t tp_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype, tp_redop_t op, int root,
+                      tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "reduce: communicator is NULL");
   TP_CHECK(check_root(c, "reduce", root, "root"));
   TP_CHECK(check_op("reduce", op));
@@ -446,13 +445,12 @@ tp_status_t tp_barrier(tp_comm_t c, tp_stream_t stream) {
 static tp_status_t check_peer(tp_comm_t c, const char *op, int peer, const char *what) {
   TP_CHECK(check_root(c, op, peer, what));
   if (peer == c->rank)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "%s : %s %d is this rank itself; use a local copy (or sendrecv)", op, what, peer);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s : %s %d is this rank itself; use a local copy (or sendrecv)", op,
+                        what, peer);
   return TP_SUCCESS;
 }
 
-tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c,
-                    tp_stream_t stream) {
+tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "send: communicator is NULL");
   TP_CHECK(check_peer(c, "send", peer, "peer"));
   TP_CHECK(check_common(c, "send", buf, NULL, count, dtype, 1, 0));
@@ -473,8 +471,7 @@ tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, t
   return st;
 }
 
-tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c,
-                    tp_stream_t stream) {
+tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "recv: communicator is NULL");
   TP_CHECK(check_peer(c, "recv", peer, "peer"));
   TP_CHECK(check_common(c, "recv", NULL, buf, count, dtype, 0, 1));
@@ -514,9 +511,8 @@ static tp_status_t staged_sendrecv(tp_comm_t c, const void *sendbuf, size_t send
   return st;
 }
 
-tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
-                        size_t recvcount, int src, tp_dtype_t dtype, tp_comm_t c,
-                        tp_stream_t stream) {
+tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *recvbuf, size_t recvcount, int src,
+                        tp_dtype_t dtype, tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "sendrecv: communicator is NULL");
   TP_CHECK(check_root(c, "sendrecv", dst, "dst"));
   TP_CHECK(check_root(c, "sendrecv", src, "src"));
@@ -524,8 +520,8 @@ tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *re
   TP_CHECK(check_common(c, "sendrecv", NULL, recvbuf, recvcount, dtype, 0, 1));
   if ((dst == c->rank) != (src == c->rank))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "sendrecv on rank %d: dst %d and src %d must both be this rank or both other ranks",
-                        c->rank, dst, src);
+                        "sendrecv on rank %d: dst %d and src %d must both be this rank or both other ranks", c->rank,
+                        dst, src);
   int cs = sendcount ? tp_comm_buffer_class(c, sendbuf) : 0, cr = recvcount ? tp_comm_buffer_class(c, recvbuf) : 0;
   if (cs == 2) TP_CHECK(check_device(c, "sendrecv", "send buffer", sendbuf));
   if (cr == 2) TP_CHECK(check_device(c, "sendrecv", "recv buffer", recvbuf));
@@ -533,8 +529,7 @@ tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *re
   size_t es = tp_dtype_size(dtype);
   if (dst == c->rank) {
     if (sendcount != recvcount)
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                          "sendrecv on rank %d: sends %zu %s to itself but expects %zu",
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "sendrecv on rank %d: sends %zu %s to itself but expects %zu",
                           c->rank, sendcount, tp_dtype_name(dtype), recvcount);
     if (!sendcount) return TP_SUCCESS;
     tp_device_t sd, rd;
@@ -546,8 +541,8 @@ tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *re
     }
     return tp_device_copy(rd, recvbuf, sd, sendbuf, sendcount * es, stream); /* queued on the stream */
   }
-  if (cs == 1 || cr == 1) return staged_sendrecv(c, sendbuf, sendcount, dst, recvbuf, recvcount, src, dtype,
-                                                  stream, cs == 1, cr == 1);
+  if (cs == 1 || cr == 1)
+    return staged_sendrecv(c, sendbuf, sendcount, dst, recvbuf, recvcount, src, dtype, stream, cs == 1, cr == 1);
   TP_CHECK(enter(c, "sendrecv"));
   double t0 = tp_now();
   tp_hist_begin(c, TP_COLL_SENDRECV, (int)dtype, -1, sendcount, dst, src, t0);
@@ -560,8 +555,7 @@ tp_status_t tp_comm_split(tp_comm_t c, int color, int key, tp_comm_t *newcomm) {
   if (!newcomm) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "split: newcomm pointer is NULL");
   *newcomm = NULL;
   if (color < 0 && color != TP_SPLIT_NOCOLOR)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "split: color must be >= 0 or TP_SPLIT_NOCOLOR (-1), got %d", color);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "split: color must be >= 0 or TP_SPLIT_NOCOLOR (-1), got %d", color);
   TP_CHECK(enter(c, "split"));
   double t0 = tp_now();
   tp_hist_begin(c, TP_COLL_SPLIT, -1, -1, 0, -1, -1, t0);

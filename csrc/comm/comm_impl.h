@@ -64,13 +64,11 @@ typedef struct {
    * and takes NULL only (the dispatcher rejects any other stream). */
   int streams;
   tp_status_t (*collective)(struct tp_comm *comm, const tp_coll_args_t *args);
-  tp_status_t (*send)(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dtype,
-                      int peer, tp_stream_t stream);
-  tp_status_t (*recv)(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dtype,
-                      int peer, tp_stream_t stream);
-  tp_status_t (*sendrecv)(struct tp_comm *comm, const void *sendbuf, size_t sendcount, int dst,
-                          void *recvbuf, size_t recvcount, int src, tp_dtype_t dtype,
-                          tp_stream_t stream);
+  tp_status_t (*send)(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dtype, int peer,
+                      tp_stream_t stream);
+  tp_status_t (*recv)(struct tp_comm *comm, void *buf, size_t count, tp_dtype_t dtype, int peer, tp_stream_t stream);
+  tp_status_t (*sendrecv)(struct tp_comm *comm, const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
+                          size_t recvcount, int src, tp_dtype_t dtype, tp_stream_t stream);
   tp_status_t (*split)(struct tp_comm *comm, int color, int key, struct tp_comm **out);
   /* Optional (NULL: TP_ERR_UNSUPPORTED; callers fall back to plain device memory). */
   tp_status_t (*mem_alloc)(struct tp_comm *comm, size_t nbytes, void **ptr, tp_mem_t *handle);
@@ -114,8 +112,8 @@ struct tp_comm {
   tp_device_t stage_device;
   int stage_device_id;
   char job_id[TP_JOB_ID_MAX + 1];
-  atomic_int busy;              /* a call is in progress (one thread at a time) */
-  atomic_int failed;            /* 1 once a fatal error was seen                */
+  atomic_int busy;   /* a call is in progress (one thread at a time) */
+  atomic_int failed; /* 1 once a fatal error was seen                */
   tp_status_t fail_status;
   char fail_msg[1024];
   tp_comm_stats_t stats;
@@ -127,7 +125,7 @@ struct tp_comm {
   uint64_t coll_seq;          /* collectives entered (the backends' sequence numbers agree) */
   double call_t0;             /* tp_now() when the call in progress (or the last one) began */
   char site[TP_COMM_SITE_MAX];
-  int region;                 /* index into regions; 0 is "other" */
+  int region; /* index into regions; 0 is "other" */
   int nregions;
   struct {
     char name[TP_COMM_REGION_NAME_MAX];
@@ -137,8 +135,8 @@ struct tp_comm {
 };
 
 /* Allocates the common part; the backend fills ops/impl. */
-tp_status_t tp_comm_alloc_common(struct tp_comm **out, int world, int rank, const char *job_id,
-                                 double timeout_s, int spin_us);
+tp_status_t tp_comm_alloc_common(struct tp_comm **out, int world, int rank, const char *job_id, double timeout_s,
+                                 int spin_us);
 /* Records a fatal error: later calls fail at once with the same sentence. */
 void tp_comm_mark_failed(struct tp_comm *comm, tp_status_t status, const char *msg);
 
@@ -146,13 +144,12 @@ void tp_comm_mark_failed(struct tp_comm *comm, tp_status_t status, const char *m
 /* Reads TPCORE_HISTORY into comm (an error naming it when malformed); sets site and regions. */
 tp_status_t tp_hist_setup(struct tp_comm *comm);
 /* A call begins (after enter): a new ring entry (collectives get the next number). */
-void tp_hist_begin(struct tp_comm *comm, tp_coll_kind_t kind, int dtype, int redop, size_t count, int root,
-                   int src, double t0);
+void tp_hist_begin(struct tp_comm *comm, tp_coll_kind_t kind, int dtype, int redop, size_t count, int root, int src,
+                   double t0);
 /* The call ended with st after dt seconds moving `bytes`: the entry, the statistics, and on a
  * mismatch or timeout (first failure) the ring printed to stderr. */
 void tp_hist_end(struct tp_comm *comm, tp_status_t st, double dt, size_t bytes);
 /* "all_reduce(sum, 4096 float32)", "broadcast(16 int8, root 1)", "barrier", "send(8 float32 to 1)". */
 void tp_coll_describe(char *buf, size_t n, int kind, int dtype, int redop, uint64_t count, int root, int src);
-
 
 #endif

@@ -35,7 +35,8 @@ tp_status_t tp_hist_setup(struct tp_comm *c) {
     if (*end || v < 0 || v > HIST_MAX)
       return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                           "TPCORE_HISTORY must be an integer in 0..%d (entries of the collective history; "
-                          "0 turns it off), got '%s'", HIST_MAX, e);
+                          "0 turns it off), got '%s'",
+                          HIST_MAX, e);
     c->hist_cap = (int)v;
   }
   snprintf(c->site, sizeof c->site, "C");
@@ -90,8 +91,7 @@ tp_status_t tp_comm_history_capacity(tp_comm_t c, int *cap) {
 }
 
 tp_status_t tp_comm_history(tp_comm_t c, tp_coll_record_t *out, int max, int *n) {
-  if (!c || !n || (max > 0 && !out))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_history: NULL argument");
+  if (!c || !n || (max > 0 && !out)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_history: NULL argument");
   if (max < 0) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_history: max must be >= 0, got %d", max);
   uint64_t have = c->ring ? (c->hist_n < (uint64_t)c->hist_cap ? c->hist_n : (uint64_t)c->hist_cap) : 0;
   if (max == 0) {
@@ -105,23 +105,20 @@ tp_status_t tp_comm_history(tp_comm_t c, tp_coll_record_t *out, int max, int *n)
 }
 
 tp_status_t tp_comm_region_stats(tp_comm_t c, tp_comm_region_stats_t *out, int max, int *n) {
-  if (!c || !n || (max > 0 && !out))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_region_stats: NULL argument");
+  if (!c || !n || (max > 0 && !out)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_region_stats: NULL argument");
   if (max < 0) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "comm_region_stats: max must be >= 0, got %d", max);
   int k = c->nregions < max ? c->nregions : max;
   for (int i = 0; i < k; i++)
-    out[i] = (tp_comm_region_stats_t){c->regions[i].name, c->regions[i].calls, c->regions[i].bytes,
-                                      c->regions[i].seconds};
+    out[i] =
+        (tp_comm_region_stats_t){c->regions[i].name, c->regions[i].calls, c->regions[i].bytes, c->regions[i].seconds};
   *n = k;
   return TP_SUCCESS;
 }
 
-static int is_collective(tp_coll_kind_t k) {
-  return k != TP_COLL_SEND && k != TP_COLL_RECV && k != TP_COLL_SENDRECV;
-}
+static int is_collective(tp_coll_kind_t k) { return k != TP_COLL_SEND && k != TP_COLL_RECV && k != TP_COLL_SENDRECV; }
 
-void tp_hist_begin(struct tp_comm *c, tp_coll_kind_t kind, int dtype, int redop, size_t count, int root,
-                   int src, double t0) {
+void tp_hist_begin(struct tp_comm *c, tp_coll_kind_t kind, int dtype, int redop, size_t count, int root, int src,
+                   double t0) {
   uint64_t seq = is_collective(kind) ? ++c->coll_seq : 0;
   c->call_t0 = t0;
   if (TP_UNLIKELY(!c->ring)) {
@@ -185,8 +182,8 @@ static void print_ring(struct tp_comm *c, tp_status_t st) {
   len += (size_t)snprintf(out + len, cap - len,
                           "tpcore: rank %d of %d: the communicator failed (%s); its last %llu calls, oldest first:\n"
                           "tpcore:  %5s  %-40s %-24s %-10s %9s %9s  %s\n",
-                          c->rank, c->size, tp_status_name(st), (unsigned long long)k, "#", "call", "site",
-                          "region", "ago (s)", "took (s)", "status");
+                          c->rank, c->size, tp_status_name(st), (unsigned long long)k, "#", "call", "site", "region",
+                          "ago (s)", "took (s)", "status");
   for (uint64_t i = 0; i < k && len < cap; i++) {
     const tp_coll_record_t *e = &c->ring[(c->hist_n - k + i) % (uint64_t)c->hist_cap];
     char what[128], seq[24], took[24];
@@ -195,9 +192,9 @@ static void print_ring(struct tp_comm *c, tp_status_t st) {
     else snprintf(seq, sizeof seq, "p2p");
     if (e->seconds >= 0) snprintf(took, sizeof took, "%.6f", e->seconds);
     else snprintf(took, sizeof took, "-");
-    len += (size_t)snprintf(out + len, cap - len, "tpcore:  %5s  %-40s %-24s %-10s %9.3f %9s  %s\n", seq, what,
-                            e->site, e->region, now - e->start, took,
-                            e->status == TP_SUCCESS ? "ok" : tp_status_name(e->status));
+    len +=
+        (size_t)snprintf(out + len, cap - len, "tpcore:  %5s  %-40s %-24s %-10s %9.3f %9s  %s\n", seq, what, e->site,
+                         e->region, now - e->start, took, e->status == TP_SUCCESS ? "ok" : tp_status_name(e->status));
   }
   if (len > cap - 1) len = cap - 1;
   fwrite(out, 1, len, stderr);

@@ -32,40 +32,46 @@
 #define OP_IMAX(a, b) ((a) >= (b) ? (a) : (b))
 
 /* Float types: T is the storage type, A the accumulator, LD/ST convert. */
-#define DEFINE_FLOAT_REDUCE(NAME, T, A, LD, ST)                                    \
-  TP_CLONES static void NAME(T *dst, T *dst2, const T *const *s, int ns,         \
-                             size_t n, tp_redop_t op) {                            \
-    A acc[BLK];                                                                    \
-    for (size_t o = 0; o < n; o += BLK) {                                          \
-      size_t m = n - o < BLK ? n - o : BLK;                                        \
-      const T *s0 = s[0] + o;                                                      \
-      for (size_t i = 0; i < m; i++) acc[i] = LD(s0[i]);                           \
-      for (int k = 1; k < ns; k++) {                                               \
-        const T *sk = s[k] + o;                                                    \
-        switch (op) {                                                              \
-          case TP_SUM: case TP_AVG:                                                \
-            for (size_t i = 0; i < m; i++) acc[i] = OP_SUM(acc[i], LD(sk[i]));     \
-            break;                                                                 \
-          case TP_PROD:                                                            \
-            for (size_t i = 0; i < m; i++) acc[i] = OP_PROD(acc[i], LD(sk[i]));    \
-            break;                                                                 \
-          case TP_MIN:                                                             \
-            for (size_t i = 0; i < m; i++) { A v = LD(sk[i]); acc[i] = OP_FMIN(acc[i], v); } \
-            break;                                                                 \
-          case TP_MAX:                                                             \
-            for (size_t i = 0; i < m; i++) { A v = LD(sk[i]); acc[i] = OP_FMAX(acc[i], v); } \
-            break;                                                                 \
-          default: break;                                                          \
-        }                                                                          \
-      }                                                                            \
-      if (op == TP_AVG) {                                                          \
-        A d = (A)ns;                                                               \
-        for (size_t i = 0; i < m; i++) acc[i] = acc[i] / d;                        \
-      }                                                                            \
-      T *d0 = dst + o;                                                             \
-      for (size_t i = 0; i < m; i++) d0[i] = ST(acc[i]);                           \
-      if (dst2) memcpy(dst2 + o, d0, m * sizeof(T));                               \
-    }                                                                              \
+#define DEFINE_FLOAT_REDUCE(NAME, T, A, LD, ST)                                                     \
+  TP_CLONES static void NAME(T *dst, T *dst2, const T *const *s, int ns, size_t n, tp_redop_t op) { \
+    A acc[BLK];                                                                                     \
+    for (size_t o = 0; o < n; o += BLK) {                                                           \
+      size_t m = n - o < BLK ? n - o : BLK;                                                         \
+      const T *s0 = s[0] + o;                                                                       \
+      for (size_t i = 0; i < m; i++) acc[i] = LD(s0[i]);                                            \
+      for (int k = 1; k < ns; k++) {                                                                \
+        const T *sk = s[k] + o;                                                                     \
+        switch (op) {                                                                               \
+          case TP_SUM:                                                                              \
+          case TP_AVG:                                                                              \
+            for (size_t i = 0; i < m; i++) acc[i] = OP_SUM(acc[i], LD(sk[i]));                      \
+            break;                                                                                  \
+          case TP_PROD:                                                                             \
+            for (size_t i = 0; i < m; i++) acc[i] = OP_PROD(acc[i], LD(sk[i]));                     \
+            break;                                                                                  \
+          case TP_MIN:                                                                              \
+            for (size_t i = 0; i < m; i++) {                                                        \
+              A v = LD(sk[i]);                                                                      \
+              acc[i] = OP_FMIN(acc[i], v);                                                          \
+            }                                                                                       \
+            break;                                                                                  \
+          case TP_MAX:                                                                              \
+            for (size_t i = 0; i < m; i++) {                                                        \
+              A v = LD(sk[i]);                                                                      \
+              acc[i] = OP_FMAX(acc[i], v);                                                          \
+            }                                                                                       \
+            break;                                                                                  \
+          default: break;                                                                           \
+        }                                                                                           \
+      }                                                                                             \
+      if (op == TP_AVG) {                                                                           \
+        A d = (A)ns;                                                                                \
+        for (size_t i = 0; i < m; i++) acc[i] = acc[i] / d;                                         \
+      }                                                                                             \
+      T *d0 = dst + o;                                                                              \
+      for (size_t i = 0; i < m; i++) d0[i] = ST(acc[i]);                                            \
+      if (dst2) memcpy(dst2 + o, d0, m * sizeof(T));                                                \
+    }                                                                                               \
   }
 
 #define ID(x) (x)
@@ -76,42 +82,41 @@ DEFINE_FLOAT_REDUCE(reduce_bf16, uint16_t, float, tp_bf16_to_float, tp_float_to_
 
 /* Integer types: wrap-around arithmetic is done in the unsigned type U (no UB);
  * avg accumulates in 64-bit (128-bit for int64) and truncates toward zero. */
-#define DEFINE_INT_REDUCE(NAME, T, U, W)                                           \
-  TP_CLONES static void NAME(T *dst, T *dst2, const T *const *s, int ns,         \
-                             size_t n, tp_redop_t op) {                            \
-    T acc[BLK];                                                                    \
-    for (size_t o = 0; o < n; o += BLK) {                                          \
-      size_t m = n - o < BLK ? n - o : BLK;                                        \
-      if (op == TP_AVG) {                                                          \
-        for (size_t i = 0; i < m; i++) {                                           \
-          W sum = 0;                                                               \
-          for (int k = 0; k < ns; k++) sum += (W)s[k][o + i];                      \
-          acc[i] = (T)(sum / (W)ns);                                               \
-        }                                                                          \
-      } else {                                                                     \
-        memcpy(acc, s[0] + o, m * sizeof(T));                                      \
-        for (int k = 1; k < ns; k++) {                                             \
-          const T *sk = s[k] + o;                                                  \
-          switch (op) {                                                            \
-            case TP_SUM:                                                           \
-              for (size_t i = 0; i < m; i++) acc[i] = (T)((U)acc[i] + (U)sk[i]);   \
-              break;                                                               \
-            case TP_PROD:                                                          \
-              for (size_t i = 0; i < m; i++) acc[i] = (T)((U)acc[i] * (U)sk[i]);   \
-              break;                                                               \
-            case TP_MIN:                                                           \
-              for (size_t i = 0; i < m; i++) acc[i] = OP_IMIN(acc[i], sk[i]);      \
-              break;                                                               \
-            case TP_MAX:                                                           \
-              for (size_t i = 0; i < m; i++) acc[i] = OP_IMAX(acc[i], sk[i]);      \
-              break;                                                               \
-            default: break;                                                        \
-          }                                                                        \
-        }                                                                          \
-      }                                                                            \
-      memcpy(dst + o, acc, m * sizeof(T));                                         \
-      if (dst2) memcpy(dst2 + o, acc, m * sizeof(T));                              \
-    }                                                                              \
+#define DEFINE_INT_REDUCE(NAME, T, U, W)                                                            \
+  TP_CLONES static void NAME(T *dst, T *dst2, const T *const *s, int ns, size_t n, tp_redop_t op) { \
+    T acc[BLK];                                                                                     \
+    for (size_t o = 0; o < n; o += BLK) {                                                           \
+      size_t m = n - o < BLK ? n - o : BLK;                                                         \
+      if (op == TP_AVG) {                                                                           \
+        for (size_t i = 0; i < m; i++) {                                                            \
+          W sum = 0;                                                                                \
+          for (int k = 0; k < ns; k++) sum += (W)s[k][o + i];                                       \
+          acc[i] = (T)(sum / (W)ns);                                                                \
+        }                                                                                           \
+      } else {                                                                                      \
+        memcpy(acc, s[0] + o, m * sizeof(T));                                                       \
+        for (int k = 1; k < ns; k++) {                                                              \
+          const T *sk = s[k] + o;                                                                   \
+          switch (op) {                                                                             \
+            case TP_SUM:                                                                            \
+              for (size_t i = 0; i < m; i++) acc[i] = (T)((U)acc[i] + (U)sk[i]);                    \
+              break;                                                                                \
+            case TP_PROD:                                                                           \
+              for (size_t i = 0; i < m; i++) acc[i] = (T)((U)acc[i] * (U)sk[i]);                    \
+              break;                                                                                \
+            case TP_MIN:                                                                            \
+              for (size_t i = 0; i < m; i++) acc[i] = OP_IMIN(acc[i], sk[i]);                       \
+              break;                                                                                \
+            case TP_MAX:                                                                            \
+              for (size_t i = 0; i < m; i++) acc[i] = OP_IMAX(acc[i], sk[i]);                       \
+              break;                                                                                \
+            default: break;                                                                         \
+          }                                                                                         \
+        }                                                                                           \
+      }                                                                                             \
+      memcpy(dst + o, acc, m * sizeof(T));                                                          \
+      if (dst2) memcpy(dst2 + o, acc, m * sizeof(T));                                               \
+    }                                                                                               \
   }
 
 DEFINE_INT_REDUCE(reduce_i8, int8_t, uint8_t, int64_t)
@@ -119,8 +124,7 @@ DEFINE_INT_REDUCE(reduce_u8, uint8_t, uint8_t, int64_t)
 DEFINE_INT_REDUCE(reduce_i32, int32_t, uint32_t, int64_t)
 DEFINE_INT_REDUCE(reduce_i64, int64_t, uint64_t, __int128)
 
-void tp_reduce_n(void *dst, void *dst2, const void *const *srcs, int nsrc, size_t n,
-                 tp_dtype_t dtype, tp_redop_t op) {
+void tp_reduce_n(void *dst, void *dst2, const void *const *srcs, int nsrc, size_t n, tp_dtype_t dtype, tp_redop_t op) {
   if (n == 0) return;
   switch (dtype) {
 #define CASE(D, FN, T) \
@@ -146,7 +150,9 @@ static void copy_nt(void *dst, const void *src, size_t nbytes) {
   size_t head = (16 - ((uintptr_t)d & 15)) & 15;
   if (head > nbytes) head = nbytes;
   memcpy(d, s, head);
-  d += head; s += head; nbytes -= head;
+  d += head;
+  s += head;
+  nbytes -= head;
   size_t n64 = nbytes / 64;
   for (size_t i = 0; i < n64; i++) {
     __m128i a = _mm_loadu_si128((const __m128i *)(s + 0));
@@ -157,7 +163,8 @@ static void copy_nt(void *dst, const void *src, size_t nbytes) {
     _mm_stream_si128((__m128i *)(d + 16), b);
     _mm_stream_si128((__m128i *)(d + 32), c);
     _mm_stream_si128((__m128i *)(d + 48), e);
-    d += 64; s += 64;
+    d += 64;
+    s += 64;
   }
   _mm_sfence();
   memcpy(d, s, nbytes - n64 * 64);

@@ -11,8 +11,7 @@
  * the sum by nsrc (integers accumulate in 64 bits and truncate toward zero);
  * signed integer sums wrap like NumPy's.  dst2, when not NULL, gets the same
  * result.  dst may alias one of the sources element for element. */
-void tp_reduce_n(void *dst, void *dst2, const void *const *srcs, int nsrc, size_t n,
-                 tp_dtype_t dtype, tp_redop_t op);
+void tp_reduce_n(void *dst, void *dst2, const void *const *srcs, int nsrc, size_t n, tp_dtype_t dtype, tp_redop_t op);
 
 /* memcpy that streams past the caches for large copies into memory another
  * core will read (nt != 0). */

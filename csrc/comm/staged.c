@@ -51,7 +51,8 @@ static tp_status_t copy_sync(void *dst, const void *src, int to_bounce, tp_comm_
   int cid, bid;
   tp_pointer_device(callers, &cd, &cid);
   bounce_of(c, &bd, &bid);
-  tp_status_t st = to_bounce ? tp_device_copy(bd, dst, cd, src, n, stream) : tp_device_copy(cd, dst, bd, src, n, stream);
+  tp_status_t st =
+      to_bounce ? tp_device_copy(bd, dst, cd, src, n, stream) : tp_device_copy(cd, dst, bd, src, n, stream);
   if (st != TP_SUCCESS) return st;
   return cd != TP_DEVICE_CPU ? tp_device_sync(cd, cid, stream) : tp_device_sync(bd, bid, stream);
 }
@@ -102,7 +103,7 @@ static tp_status_t back_error(tp_comm_t c, const char *op, tp_status_t st) {
 typedef struct {
   const void *mine; /* the caller's pointer */
   size_t bytes;
-  char *bounce;     /* its bounce copy (inside the other's when nested) */
+  char *bounce; /* its bounce copy (inside the other's when nested) */
   int staged, owned;
 } stage_t;
 
@@ -112,8 +113,8 @@ static int inside(const void *inner, size_t ib, const void *outer, size_t ob) {
   return i && o && i >= o && ib <= ob && (size_t)(i - o) <= ob - ib;
 }
 
-tp_status_t tp_comm_staged(tp_comm_t c, tp_coll_args_t *a, size_t sbytes, size_t rbytes, int used_send,
-                           int used_recv, tp_stream_t stream, tp_status_t (*run)(tp_comm_t, tp_coll_args_t *)) {
+tp_status_t tp_comm_staged(tp_comm_t c, tp_coll_args_t *a, size_t sbytes, size_t rbytes, int used_send, int used_recv,
+                           tp_stream_t stream, tp_status_t (*run)(tp_comm_t, tp_coll_args_t *)) {
   const char *op = tp_coll_name(a->kind);
   stage_t s = {a->send, sbytes, NULL, used_send && tp_comm_buffer_class(c, a->send) == 1, 0};
   stage_t r = {a->recv, rbytes, NULL, used_recv && tp_comm_buffer_class(c, a->recv) == 1, 0};

@@ -11,8 +11,8 @@ int tp_comm_buffer_class(tp_comm_t c, const void *p);
 /* Runs collective `a` through host copies of its device buffers (sbytes of send,
  * rbytes of recv; used_*: this rank's part reads send / writes recv); `run` is the
  * dispatcher's guarded call, given the host buffers and a NULL stream. */
-tp_status_t tp_comm_staged(tp_comm_t c, tp_coll_args_t *a, size_t sbytes, size_t rbytes, int used_send,
-                           int used_recv, tp_stream_t stream, tp_status_t (*run)(tp_comm_t, tp_coll_args_t *));
+tp_status_t tp_comm_staged(tp_comm_t c, tp_coll_args_t *a, size_t sbytes, size_t rbytes, int used_send, int used_recv,
+                           tp_stream_t stream, tp_status_t (*run)(tp_comm_t, tp_coll_args_t *));
 /* Point to point: a bounce copy of the caller's buffer (copied in when copy_in);
  * after the call (its status: prior), a wait for a device backend, the copy back
  * (when copy_out and the call succeeded) and the free. */

@@ -30,9 +30,9 @@ void tp_clear_error(void);
 #endif
 
 /* Propagate a failing status (the sentence was recorded where it arose). */
-#define TP_CHECK(call)                                  \
-  do {                                                  \
-    tp_status_t tp_st_ = (call);                        \
+#define TP_CHECK(call)                                    \
+  do {                                                    \
+    tp_status_t tp_st_ = (call);                          \
     if (TP_UNLIKELY(tp_st_ != TP_SUCCESS)) return tp_st_; \
   } while (0)
 
@@ -82,21 +82,21 @@ static inline int tp_numel3(int64_t a, int64_t b, int64_t c, int64_t *out) {
 }
 
 /* memcpy / memset that accept a NULL pointer with a zero length (an empty batch). */
-#define TP_COPY(dst, src, nbytes)                              \
-  do {                                                         \
-    size_t tp_n_ = (nbytes);                                   \
-    if (tp_n_) memcpy((dst), (src), tp_n_);                    \
+#define TP_COPY(dst, src, nbytes)           \
+  do {                                      \
+    size_t tp_n_ = (nbytes);                \
+    if (tp_n_) memcpy((dst), (src), tp_n_); \
   } while (0)
-#define TP_ZERO(dst, nbytes)                                   \
-  do {                                                         \
-    size_t tp_n_ = (nbytes);                                   \
-    if (tp_n_) memset((dst), 0, tp_n_);                        \
+#define TP_ZERO(dst, nbytes)            \
+  do {                                  \
+    size_t tp_n_ = (nbytes);            \
+    if (tp_n_) memset((dst), 0, tp_n_); \
   } while (0)
 
-#define TP_CHECK_GOTO(call, st, label)                   \
-  do {                                                   \
-    (st) = (call);                                       \
-    if (TP_UNLIKELY((st) != TP_SUCCESS)) goto label;     \
+#define TP_CHECK_GOTO(call, st, label)               \
+  do {                                               \
+    (st) = (call);                                   \
+    if (TP_UNLIKELY((st) != TP_SUCCESS)) goto label; \
   } while (0)
 
 #endif

@@ -6,10 +6,9 @@ static const struct {
   const char *name;
   size_t size;
 } tp_dtypes[TP_NUM_DTYPES] = {
-    [TP_FLOAT32] = {"float32", 4}, [TP_FLOAT64] = {"float64", 8},
-    [TP_FLOAT16] = {"float16", 2}, [TP_BFLOAT16] = {"bfloat16", 2},
-    [TP_INT8] = {"int8", 1},       [TP_UINT8] = {"uint8", 1},
-    [TP_INT32] = {"int32", 4},     [TP_INT64] = {"int64", 8},
+    [TP_FLOAT32] = {"float32", 4},   [TP_FLOAT64] = {"float64", 8}, [TP_FLOAT16] = {"float16", 2},
+    [TP_BFLOAT16] = {"bfloat16", 2}, [TP_INT8] = {"int8", 1},       [TP_UINT8] = {"uint8", 1},
+    [TP_INT32] = {"int32", 4},       [TP_INT64] = {"int64", 8},
 };
 
 /* The weight formats past the tensor dtypes (names as gguf's GGMLQuantizationType, lower case). */
@@ -54,9 +53,7 @@ int tp_weight_row_bytes(tp_dtype_t f, int64_t n, size_t *bytes) {
 
 int tp_weight_is_quantized(tp_dtype_t f) { return f == TP_INT8 || is_block_format(f); }
 
-size_t tp_dtype_size(tp_dtype_t d) {
-  return ((unsigned)d < TP_NUM_DTYPES) ? tp_dtypes[d].size : 0;
-}
+size_t tp_dtype_size(tp_dtype_t d) { return ((unsigned)d < TP_NUM_DTYPES) ? tp_dtypes[d].size : 0; }
 
 const char *tp_dtype_name(tp_dtype_t d) {
   if (is_block_format(d)) return tp_wformats[d - TP_Q8_0].name;
@@ -79,15 +76,23 @@ int tp_dtype_from_name(const char *name, tp_dtype_t *out) {
   return 0;
 }
 
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f2u(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+static inline float u2f(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
 
 float tp_bf16_to_float(uint16_t b) { return u2f((uint32_t)b << 16); }
 
 uint16_t tp_float_to_bf16(float f) {
   uint32_t u = f2u(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+  u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
   return (uint16_t)(u >> 16);
 }
 

@@ -150,11 +150,11 @@ static void *dynlib_open(const char *what, const char *override_env, const char 
   if (!h) h = try_dir(&t, "/usr/local/cuda/lib64", sonames, nsonames);
   for (int i = 0; i < nsonames && !h; i++) h = try_open(&t, sonames[i], 0);
   if (h) return h;
-  tp_set_error(TP_ERR_UNSUPPORTED, "cannot find %s: tried %s%s%s%s%s%s; install it (the nvidia-* wheel that has "
+  tp_set_error(TP_ERR_UNSUPPORTED,
+               "cannot find %s: tried %s%s%s%s%s%s; install it (the nvidia-* wheel that has "
                "it, as PyTorch does) or point %s at the library file",
                what, override_env ? override_env : "", override_env ? " (unset), " : "", t.text,
-               t.first_error[0] ? " (one was found but did not load: " : "", t.first_error,
-               t.first_error[0] ? ")" : "", override_env ? override_env : "LD_LIBRARY_PATH");
+               t.first_error[0] ? " (one was found but did not load: " : "", t.first_error, t.first_error[0] ? ")" : "",
+               override_env ? override_env : "LD_LIBRARY_PATH");
   return NULL;
 }
-

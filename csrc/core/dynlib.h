@@ -26,13 +26,6 @@ void *tp_dynlib_sym(void *lib, const char *what, const char *symbol);
 /* The path a handle of tp_dynlib_open was loaded from (for build_info), or "". */
 const char *tp_dynlib_path(void *lib);
 
-/* A plugin built apart from the core (plugin.c): `path` when given, else $env_name when set
- * (either is then the only place tried), else soname beside the loaded core (<dir>/.libs/,
- * <dir>/: tpcore/.libs for the extension, build/ for the Makefile's programs), then the
- * loader path; RTLD_NOW | RTLD_LOCAL.  NULL with the error set (what: "MPI plugin"), naming
- * every place tried and why a file that exists did not load. */
-void *tp_plugin_open(const char *what, const char *env_name, const char *soname, const char *path);
-
 /* The last search of the i-th library searched so far (build_info): what ("NCCL") and
  * its path (returns 1) or the error sentence (returns 0); -1 past the last. */
 int tp_dynlib_search_result(int i, char *what, size_t wcap, char *result, size_t rcap);

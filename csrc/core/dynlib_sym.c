@@ -13,8 +13,9 @@ void *tp_dynlib_sym(void *lib, const char *what, const char *symbol) {
   }
   dlerror();
   void *p = dlsym(lib, symbol);
-  if (!p) tp_set_error(TP_ERR_UNSUPPORTED, "%s at %s has no symbol %s (too old a version?)", what,
-                       tp_dynlib_path(lib), symbol);
+  if (!p)
+    tp_set_error(TP_ERR_UNSUPPORTED, "%s at %s has no symbol %s (too old a version?)", what, tp_dynlib_path(lib),
+                 symbol);
   return p;
 }
 

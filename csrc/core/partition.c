@@ -9,8 +9,14 @@
 /* v as Python's repr(float) writes it: the shortest digits that read back as v, fixed
  * notation for decimal exponents -4 < e <= 16, else d.ddde+XX. */
 static void py_float_repr(char *out, size_t cap, double v) {
-  if (isnan(v)) { snprintf(out, cap, "nan"); return; }
-  if (isinf(v)) { snprintf(out, cap, v < 0 ? "-inf" : "inf"); return; }
+  if (isnan(v)) {
+    snprintf(out, cap, "nan");
+    return;
+  }
+  if (isinf(v)) {
+    snprintf(out, cap, v < 0 ? "-inf" : "inf");
+    return;
+  }
   char buf[64];
   for (int p = 0; p < 17; p++) {
     snprintf(buf, sizeof buf, "%.*e", p, v);
@@ -45,8 +51,7 @@ static void py_float_repr(char *out, size_t cap, double v) {
       res[k++] = '.';
       if (nd > decpt)
         for (int i = decpt; i < nd; i++) res[k++] = digits[i];
-      else
-        res[k++] = '0';
+      else res[k++] = '0';
     }
     res[k] = 0;
   } else {
@@ -80,8 +85,10 @@ static tp_status_t bad_weights(int world, const double *w) {
   }
   list[k++] = ']';
   list[k] = 0;
-  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "partition: weights must be %d finite non-negative numbers with a "
-                      "positive sum, got %s", world, list);
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                      "partition: weights must be %d finite non-negative numbers with a "
+                      "positive sum, got %s",
+                      world, list);
 }
 
 typedef struct {
@@ -98,13 +105,14 @@ static int by_remainder(const void *a, const void *b) {
   return (x->rank > y->rank) - (x->rank < y->rank);
 }
 
-tp_status_t tp_partition(int64_t n, int world, const double *weights, int64_t align, int64_t *sizes,
-                         int64_t *offsets) {
-  if (n < 0) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "partition: n must be an integer >= 0, got %lld", (long long)n);
+tp_status_t tp_partition(int64_t n, int world, const double *weights, int64_t align, int64_t *sizes, int64_t *offsets) {
+  if (n < 0)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "partition: n must be an integer >= 0, got %lld", (long long)n);
   if (world < 1)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "partition: world must be an integer >= 1, got %d", world);
   if (align < 1)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "partition: align must be an integer >= 1, got %lld", (long long)align);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "partition: align must be an integer >= 1, got %lld",
+                        (long long)align);
   if (n % align)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "partition: n=%lld is not a multiple of align=%lld", (long long)n,
                         (long long)align);
@@ -184,8 +192,7 @@ tp_status_t tp_partition_sizes(int64_t dim, int world, const int64_t *sizes, int
     if (parts) parts[p] = v;
     if (offsets) offsets[p] = sum;
     if (!tp_add_count(sum, v, &sum))
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s sums past 2^63 - 1 (entry %d = %lld)", what, p,
-                          (long long)v);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s sums past 2^63 - 1 (entry %d = %lld)", what, p, (long long)v);
   }
   if (offsets) offsets[world] = sum;
   if (sum != dim)

@@ -47,9 +47,7 @@ tp_status_t tp_set_throttle(double factor) {
 
 double tp_get_throttle(void) { return factor_now(); }
 
-double tp_throttle_begin(void) {
-  return atomic_load_explicit(&throttle_bits, memory_order_relaxed) ? mono_s() : -1.0;
-}
+double tp_throttle_begin(void) { return atomic_load_explicit(&throttle_bits, memory_order_relaxed) ? mono_s() : -1.0; }
 
 void tp_throttle_end(double t0) {
   double f = factor_now();

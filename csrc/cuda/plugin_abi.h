@@ -1,11 +1,11 @@
 /*
  * The CUDA plugin's ABI (private): the contract between the host side of tpcore (the
  * C core inside tpcore._C or a C program's libtpcore.a, which never links CUDA) and
- * libtpcore_cuda.so (built by nvcc from csrc/cuda/ and csrc/kernels/cuda/, the CUDA
+ * libtpcore_cuda.so (built by nvcc from csrc/cuda/plugin/ and csrc/cuda/kernels/, the CUDA
  * runtime linked statically).
  *
- * Loading (csrc/core/plugin.c, tp_cuda_load in include/tpcore/device.h): the host
- * dlopens the plugin (RTLD_LOCAL), looks up the one symbol TP_CUDA_PLUGIN_ENTRY, and
+ * Loading (csrc/cuda/cuda_load.c, tp_cuda_load in include/tpcore/device.h, through the
+ * core's plugin opener csrc/core/plugin.h): the host dlopens the plugin (RTLD_LOCAL), looks up the one symbol TP_CUDA_PLUGIN_ENTRY, and
  * calls it with its tp_cuda_host_api.  The plugin checks abi_version, keeps the host
  * table, and fills a tp_cuda_plugin with its tables.  The host then registers them:
  * the device table in the device registry (csrc/devices/device.c), the kernel table
@@ -17,7 +17,7 @@
  * CUDA error becomes tp_last_error() of the caller's thread, like every other error)
  * and the library finder (so cuBLAS is searched for exactly as NCCL is).  Stateless
  * helpers (csrc/core/dtype.c, static inlines of core_impl.h) are compiled into the
- * plugin as well; csrc/cuda/host_shim.c defines tp_set_error / tp_error_prefix /
+ * plugin as well; csrc/cuda/plugin/host_shim.c defines tp_set_error / tp_error_prefix /
  * tp_clear_error in the plugin as forwarders to the host table, so kernel and device
  * code is written exactly like the CPU's.
  *
@@ -58,18 +58,17 @@ typedef struct tp_cuda_host_api {
    * (override variable, directories the Python side registered (nvidia-* wheels),
    * CUDA_HOME / CUDA_PATH, /usr/local/cuda, the loader path), RTLD_NOW | RTLD_LOCAL.
    * NULL with the error set (every place tried, in order) when none loads. */
-  void *(*open_library)(const char *what, const char *override_env, const char *const *sonames,
-                        int nsonames);
+  void *(*open_library)(const char *what, const char *override_env, const char *const *sonames, int nsonames);
   double (*now)(void);
 } tp_cuda_host_api;
 
 /* What the plugin gives back. */
 typedef struct tp_cuda_plugin {
-  uint32_t abi_version; /* TP_CUDA_PLUGIN_ABI */
-  uint32_t size;        /* sizeof(tp_cuda_plugin) */
-  const char *tpcore_version;   /* TP_VERSION_STRING the plugin was built from */
-  const char *build;            /* "CUDA 13.0, sm_80 sm_90 + compute_90 PTX, cudart static" */
-  const tp_device_ops *device;  /* type TP_DEVICE_CUDA */
+  uint32_t abi_version;        /* TP_CUDA_PLUGIN_ABI */
+  uint32_t size;               /* sizeof(tp_cuda_plugin) */
+  const char *tpcore_version;  /* TP_VERSION_STRING the plugin was built from */
+  const char *build;           /* "CUDA 13.0, sm_80 sm_90 + compute_90 PTX, cudart static" */
+  const tp_device_ops *device; /* type TP_DEVICE_CUDA */
   const struct tp_kernel_ops *kernels;
   /* Why CUDA is usable or not, one line: "2 devices (NVIDIA H200, driver 13.0)",
    * "no NVIDIA driver (libcuda.so.1 not found)", "driver too old: it supports CUDA 12.4,

@@ -24,15 +24,14 @@ static void cpu_free(int device_id, void *ptr) {
   free(ptr);
 }
 
-static tp_status_t cpu_copy(void *dst, int dst_host, const void *src, int src_host, size_t nbytes,
-                            tp_stream_t stream) {
+static tp_status_t cpu_copy(void *dst, int dst_host, const void *src, int src_host, size_t nbytes, tp_stream_t stream) {
   (void)dst_host, (void)src_host, (void)stream;
   if (nbytes && dst != src) memmove(dst, src, nbytes);
   return TP_SUCCESS;
 }
 
-static tp_status_t cpu_copy_2d(void *dst, size_t dpitch, int dst_host, const void *src, size_t spitch,
-                               int src_host, size_t width, size_t rows, tp_stream_t stream) {
+static tp_status_t cpu_copy_2d(void *dst, size_t dpitch, int dst_host, const void *src, size_t spitch, int src_host,
+                               size_t width, size_t rows, tp_stream_t stream) {
   (void)dst_host, (void)src_host, (void)stream;
   if (!width || !rows) return TP_SUCCESS;
   if (dpitch == width && spitch == width) {

@@ -1,5 +1,5 @@
 /* The device registry: the CPU's table is built in; another device's table (CUDA's,
- * from the plugin: core/plugin.c) is registered at run time with tp_device_register,
+ * from the plugin: cuda/cuda_load.c) is registered at run time with tp_device_register,
  * once per type, under a lock, before its first use. */
 #include <pthread.h>
 #include <stdio.h>
@@ -46,7 +46,8 @@ const tp_device_ops *tp_device_ops_of(tp_device_t d) {
 
 int tp_device_available(tp_device_t d) { return tp_device_ops_of(d) != NULL; }
 
-/* The first use of CUDA loads the plugin (core/plugin.c); its failure is the reason given. */
+/* The first use of CUDA loads the plugin (tp_cuda_load of tpcore/device.h, in cuda/cuda_load.c);
+ * its failure is the reason given. */
 static tp_status_t need(tp_device_t d, const char *op, const tp_device_ops **out) {
   if (d == TP_DEVICE_CUDA && !slot(d)) (void)tp_cuda_load(NULL);
   *out = tp_device_ops_of(d);
@@ -94,13 +95,13 @@ tp_status_t tp_device_copy(tp_device_t dd, void *dst, tp_device_t sd, const void
   return ops->copy(dst, dd == TP_DEVICE_CPU, src, sd == TP_DEVICE_CPU, nbytes, stream);
 }
 
-tp_status_t tp_device_copy_2d(tp_device_t dd, void *dst, size_t dpitch, tp_device_t sd, const void *src,
-                              size_t spitch, size_t width, size_t rows, tp_stream_t stream) {
+tp_status_t tp_device_copy_2d(tp_device_t dd, void *dst, size_t dpitch, tp_device_t sd, const void *src, size_t spitch,
+                              size_t width, size_t rows, tp_stream_t stream) {
   if (!width || !rows) return TP_SUCCESS;
   if (!dst || !src) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy_2d: NULL buffer");
   if (dpitch < width || spitch < width)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy_2d: pitches %zu and %zu are below the width %zu",
-                        dpitch, spitch, width);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "device_copy_2d: pitches %zu and %zu are below the width %zu", dpitch,
+                        spitch, width);
   size_t dspan, sspan; /* (rows - 1) * pitch + width bytes on each side */
   if (!tp_mul_size(rows - 1, dpitch, &dspan) || !tp_add_size(dspan, width, &dspan) ||
       !tp_mul_size(rows - 1, spitch, &sspan) || !tp_add_size(sspan, width, &sspan))
@@ -192,8 +193,8 @@ tp_status_t tp_device_mem_info(tp_device_t d, int id, size_t *free_bytes, size_t
   TP_CHECK(need(d, "device_mem_info", &ops));
   if (ops->mem_info) return ops->mem_info(id, free_bytes, total_bytes);
   long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || psz <= 0) return tp_set_error(TP_ERR_UNSUPPORTED, "device_mem_info: %s memory size unknown",
-                                                  tp_device_name(d));
+  if (pages <= 0 || psz <= 0)
+    return tp_set_error(TP_ERR_UNSUPPORTED, "device_mem_info: %s memory size unknown", tp_device_name(d));
   *total_bytes = (size_t)pages * (size_t)psz;
   *free_bytes = avail > 0 ? (size_t)avail * (size_t)psz : 0;
   return TP_SUCCESS;

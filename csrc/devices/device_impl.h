@@ -9,13 +9,9 @@
 extern const tp_device_ops tp_cpu_device_ops;
 
 /* Registers the table of a device type other than the CPU (the CUDA plugin's, by
- * core/plugin.c): once per type; the same table again is a no-op, another one an error.
+ * cuda/cuda_load.c): once per type; the same table again is a no-op, another one an error.
  * Required entries: everything up to owns (the stream entries may be NULL). */
 tp_status_t tp_device_register(const tp_device_ops *ops);
-
-/* The loaded CUDA plugin's file and build line ("" before a successful tp_cuda_load). */
-const char *tp_cuda_plugin_path(void);
-const char *tp_cuda_plugin_build(void);
 
 /* TP_SUCCESS when t lives on `device`, else an argument error naming op and arg. */
 tp_status_t tp_check_device(const char *op, const char *arg, const tp_tensor *t, tp_device_t device, int device_id);
@@ -24,8 +20,10 @@ tp_status_t tp_check_device(const char *op, const char *arg, const tp_tensor *t,
  * takes NULL only (a stream there is a caller's mistake, e.g. a CUDA stream with host tensors). */
 static inline tp_status_t tp_check_stream(const char *op, tp_device_t device, tp_stream_t stream) {
   if (!stream || device != TP_DEVICE_CPU) return TP_SUCCESS;
-  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: a stream was given for cpu memory, which runs every call "
-                      "synchronously; pass NULL", op);
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                      "%s: a stream was given for cpu memory, which runs every call "
+                      "synchronously; pass NULL",
+                      op);
 }
 
 #endif

@@ -15,8 +15,9 @@
 static tp_status_t check_lo(tp_kcall *c, int64_t lo, int64_t V) {
   int64_t end;
   if (lo < 0 || !tp_add_count(lo, V, &end))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: lo must be >= 0 with lo + V (V = %lld) at most 2^63 - 1, got %lld",
-                        c->op, (long long)V, (long long)lo);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: lo must be >= 0 with lo + V (V = %lld) at most 2^63 - 1, got %lld", c->op, (long long)V,
+                        (long long)lo);
   return TP_SUCCESS;
 }
 
@@ -38,13 +39,15 @@ static tp_status_t weight_dtype(tp_kcall *c, const tp_tensor *w, tp_dtype_t *dt)
   if (!w) return TP_SUCCESS; /* tp_karg names it */
   if (w->dtype != F32 && tp_weight_format(w->dtype, NULL, NULL, NULL)) *dt = w->dtype;
   else if (w->dtype != F32)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: w must be float32, bfloat16, float16 or a quantized weight "
-                        "format (int8, q8_0, q4_0, q4_1, q4_k, q5_k, q6_k), got %s", c->op, tp_dtype_name(w->dtype));
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: w must be float32, bfloat16, float16 or a quantized weight "
+                        "format (int8, q8_0, q4_0, q4_1, q4_k, q5_k, q6_k), got %s",
+                        c->op, tp_dtype_name(w->dtype));
   int64_t blk = 1;
   tp_weight_format(*dt, &blk, NULL, NULL);
   if (blk > 1 && w->ndim == 2 && w->shape[1] % blk)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: w (%s) has rows of %lld elements, not whole blocks of %lld", c->op,
-                        tp_dtype_name(*dt), (long long)w->shape[1], (long long)blk);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: w (%s) has rows of %lld elements, not whole blocks of %lld",
+                        c->op, tp_dtype_name(*dt), (long long)w->shape[1], (long long)blk);
   return TP_SUCCESS;
 }
 
@@ -144,8 +147,8 @@ static tp_status_t linear_backward(tp_kcall *c, tp_stream_t s, const tp_tensor *
   size_t nbytes = k->linear_lp_workspace(M, K, N, wdt, 1);
   void *ws;
   TP_CHECK(lp_workspace(c, nbytes, &ws));
-  tp_status_t st = k->linear_backward_lp(s, dx ? dx->data : NULL, dw ? dw->data : NULL, db ? db->data : NULL,
-                                         dy->data, x->data, w->data, wdt, M, K, N, accumulate_dx, ws, nbytes);
+  tp_status_t st = k->linear_backward_lp(s, dx ? dx->data : NULL, dw ? dw->data : NULL, db ? db->data : NULL, dy->data,
+                                         x->data, w->data, wdt, M, K, N, accumulate_dx, ws, nbytes);
   lp_workspace_free(c, ws);
   return st;
 }
@@ -193,8 +196,10 @@ static tp_status_t act_input(tp_kcall *c, const char *name, const tp_tensor *h, 
   *F = h->shape[1];
   if (act == TP_ACT_SWIGLU) {
     if (*F % 2)
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must have an even number of columns for swiglu ([gate | "
-                          "up]), got %lld", c->op, name, (long long)*F);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "%s: %s must have an even number of columns for swiglu ([gate | "
+                          "up]), got %lld",
+                          c->op, name, (long long)*F);
     *F /= 2;
   }
   return TP_SUCCESS;
@@ -319,8 +324,8 @@ tp_status_t tp_xent_row_sums(tp_stream_t s, const tp_tensor *sums, const tp_tens
 }
 
 tp_status_t tp_xent_backward(tp_stream_t s, const tp_tensor *dlogits, const tp_tensor *logits, const tp_tensor *gmax,
-                             const tp_tensor *sumexp, const tp_tensor *targets, const tp_tensor *row_scale,
-                             float scale, int64_t lo) {
+                             const tp_tensor *sumexp, const tp_tensor *targets, const tp_tensor *row_scale, float scale,
+                             int64_t lo) {
   tp_kcall c = {"xent_backward", TP_DEVICE_CPU, 0, 0};
   TP_CHECK(tp_karg(&c, "logits", logits, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
   int64_t M = logits->shape[0], V = logits->shape[1];

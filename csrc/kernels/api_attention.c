@@ -6,8 +6,8 @@
 
 static tp_status_t dim_ok(tp_kcall *c, const char *what, int64_t v, int64_t lo) {
   if (v < lo || v > INT_MAX)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->%s = %lld must be in [%lld, %d]", c->op, what,
-                        (long long)v, (long long)lo, INT_MAX);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->%s = %lld must be in [%lld, %d]", c->op, what, (long long)v,
+                        (long long)lo, INT_MAX);
   return TP_SUCCESS;
 }
 
@@ -31,15 +31,19 @@ static tp_status_t check_args(tp_kcall *c, const tp_attention_args *a, int backw
       !tp_numel3(a->B, a->Tq, qw, &n) || !tp_numel3(a->B, a->Tk, kw, &n))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: B x T x heads x D is out of range (at most 2^40)", c->op);
   if (a->q_ld < qw || a->o_ld < qw || a->kv_ld < kw || a->q_ld > INT_MAX || a->o_ld > INT_MAX || a->kv_ld > INT_MAX)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->q_ld and o_ld must be in [Hq x D = %lld, %d] and kv_ld in "
-                        "[Hk x D = %lld, %d], got %lld, %lld and %lld", c->op, (long long)qw, INT_MAX, (long long)kw,
-                        INT_MAX, (long long)a->q_ld, (long long)a->o_ld, (long long)a->kv_ld);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: args->q_ld and o_ld must be in [Hq x D = %lld, %d] and kv_ld in "
+                        "[Hk x D = %lld, %d], got %lld, %lld and %lld",
+                        c->op, (long long)qw, INT_MAX, (long long)kw, INT_MAX, (long long)a->q_ld, (long long)a->o_ld,
+                        (long long)a->kv_ld);
   /* the KV sequences the kernel may index: B, or kv_batch through kv_slot */
   if (a->kv_slot && backward)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_slot is for forward over a KV cache only", c->op);
   if (a->kv_slot && (a->kv_batch < 1 || a->kv_batch > INT_MAX))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_batch = %lld (the KV sequences kv_slot indexes) must "
-                        "be in [1, %d]", c->op, (long long)a->kv_batch, INT_MAX);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: args->kv_batch = %lld (the KV sequences kv_slot indexes) must "
+                        "be in [1, %d]",
+                        c->op, (long long)a->kv_batch, INT_MAX);
   int64_t nkv = a->kv_slot ? a->kv_batch : a->B;
   if (nkv > 1 && (a->kv_bstride < 0 || a->kv_bstride / (a->Tk ? a->Tk : 1) < a->kv_ld))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_bstride (%lld) must be at least Tk x kv_ld", c->op,
@@ -54,15 +58,19 @@ static tp_status_t check_args(tp_kcall *c, const tp_attention_args *a, int backw
       !tp_mul_count(a->Tk, a->kv_ld, &kv_rows) ||
       !tp_mul_count(nkv > 1 ? nkv - 1 : 0, nkv > 1 ? a->kv_bstride : 0, &kreach) ||
       !tp_add_count(kreach, kv_rows, &kreach))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args' leading dimensions reach past 2^63 elements (B x Tq x "
-                        "q_ld, B x Tq x o_ld, or (B or kv_batch - 1) x kv_bstride + Tk x kv_ld)", c->op);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: args' leading dimensions reach past 2^63 elements (B x Tq x "
+                        "q_ld, B x Tq x o_ld, or (B or kv_batch - 1) x kv_bstride + Tk x kv_ld)",
+                        c->op);
   if (rows && qw && (!a->q || !a->o))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->q or args->o is NULL", c->op);
   if (a->B && a->Tk && kw && (!a->k || !a->v))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->k or args->v is NULL", c->op);
   if (backward && !a->probs && !a->lse)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->probs and args->lse are NULL (forward must keep the "
-                        "probabilities or the log-sum-exp)", c->op);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: args->probs and args->lse are NULL (forward must keep the "
+                        "probabilities or the log-sum-exp)",
+                        c->op);
   return TP_SUCCESS;
 }
 
@@ -114,15 +122,15 @@ static tp_status_t like_p(tp_kcall *c, const tp_tensor *p) {
   return tp_karg(c, "p", p, 0, TP_FLOAT32, p->ndim, any);
 }
 
-tp_status_t tp_adamw_step(tp_stream_t s, const tp_tensor *p, const tp_tensor *g, const tp_tensor *m,
-                          const tp_tensor *v, float lr, float beta1, float beta2, float eps, float weight_decay,
-                          int64_t step) {
+tp_status_t tp_adamw_step(tp_stream_t s, const tp_tensor *p, const tp_tensor *g, const tp_tensor *m, const tp_tensor *v,
+                          float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step) {
   tp_kcall c = {"adamw_step", TP_DEVICE_CPU, 0, 0};
   TP_CHECK(like_p(&c, p));
   TP_CHECK(tp_karg(&c, "g", g, 0, TP_FLOAT32, p->ndim, p->shape));
   TP_CHECK(tp_karg(&c, "m", m, 0, TP_FLOAT32, p->ndim, p->shape));
   TP_CHECK(tp_karg(&c, "v", v, 0, TP_FLOAT32, p->ndim, p->shape));
-  if (step < 1) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "adamw_step: step counts from 1, got %lld", (long long)step);
+  if (step < 1)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "adamw_step: step counts from 1, got %lld", (long long)step);
   const tp_kernel_ops *k;
   TP_CHECK(tp_kops(&c, s, &k));
   return k->adamw_step(s, p->data, g->data, m->data, v->data, tp_tensor_numel(p), lr, beta1, beta2, eps, weight_decay,

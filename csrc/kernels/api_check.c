@@ -76,15 +76,15 @@ tp_status_t tp_karg(tp_kcall *c, const char *name, const tp_tensor *t, int optio
   return TP_SUCCESS;
 }
 
-tp_status_t tp_karg_rows(tp_kcall *c, const char *name, const tp_tensor *t, tp_dtype_t dt, int64_t rows,
-                         int64_t cols) {
+tp_status_t tp_karg_rows(tp_kcall *c, const char *name, const tp_tensor *t, tp_dtype_t dt, int64_t rows, int64_t cols) {
   if (!t) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s is NULL", c->op, name);
   const int64_t shape[2] = {rows, cols};
   TP_CHECK(common(c, name, t, dt, 2, shape));
   if ((t->shape[1] > 1 && t->strides[1] != 1) || (t->shape[0] > 1 && t->strides[0] < t->shape[1]))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must have contiguous rows (strides (ld >= %lld, 1)), got "
-                        "strides (%lld, %lld)", c->op, name, (long long)t->shape[1], (long long)t->strides[0],
-                        (long long)t->strides[1]);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: %s must have contiguous rows (strides (ld >= %lld, 1)), got "
+                        "strides (%lld, %lld)",
+                        c->op, name, (long long)t->shape[1], (long long)t->strides[0], (long long)t->strides[1]);
   int64_t span; /* (rows - 1) x row stride + cols: the elements the rows reach, as the kernel indexes them */
   if (t->shape[0] > 1 &&
       (!tp_mul_count(t->shape[0] - 1, t->strides[0], &span) || !tp_add_count(span, t->shape[1], &span)))
@@ -135,7 +135,7 @@ tp_status_t tp_kops(tp_kcall *c, tp_stream_t stream, const tp_kernel_ops **ops) 
 
 tp_status_t tp_kblas_dim(tp_kcall *c, const char *what, int64_t n) {
   if (n > INT_MAX)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s = %lld is above %d (BLAS uses 32-bit dimensions)", c->op,
-                        what, (long long)n, INT_MAX);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s = %lld is above %d (BLAS uses 32-bit dimensions)", c->op, what,
+                        (long long)n, INT_MAX);
   return TP_SUCCESS;
 }

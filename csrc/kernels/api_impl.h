@@ -18,8 +18,7 @@ typedef struct {
 tp_status_t tp_karg(tp_kcall *c, const char *name, const tp_tensor *t, int optional, tp_dtype_t dt, int ndim,
                     const int64_t *shape);
 /* As tp_karg, but only the last dimension must be contiguous (rows may be strided). */
-tp_status_t tp_karg_rows(tp_kcall *c, const char *name, const tp_tensor *t, tp_dtype_t dt, int64_t rows,
-                         int64_t cols);
+tp_status_t tp_karg_rows(tp_kcall *c, const char *name, const tp_tensor *t, tp_dtype_t dt, int64_t rows, int64_t cols);
 /* The device of raw pointers (attention): fixes the call's device. */
 tp_status_t tp_kdevice(tp_kcall *c, const char *name, tp_device_t device, int device_id);
 /* A workspace tensor (may be NULL when need is 0): contiguous, on the device, >= need bytes. */

@@ -2,8 +2,8 @@
  * The kernel table (private): one tp_kernel_ops per device, after ggml's backend
  * interface.  Every data touch of a layer or block is a call through it: the layers
  * keep the algorithm and the collectives and never read or write a float themselves.
- * A device is a file that fills a tp_kernel_ops (cpu/table.c; cuda/table.c later) plus
- * its line in registry.c; csrc/tests/test_kernels runs every entry of every registered
+ * A device is a file that fills a tp_kernel_ops (cpu/table.c; the CUDA plugin's
+ * csrc/cuda/kernels/table.c) plus its line in registry.c; csrc/tests/test_kernels runs every entry of every registered
  * table against its references, so a new device is checked with no new test code.
  * A new kernel: its field below (documented), its name in TP_KERNEL_ENTRIES (the static
  * assert counts them), tp_cpu_<name> in a cpu/ file (cpu_impl.h declares it and
@@ -127,8 +127,8 @@ typedef struct tp_kernel_ops {
   tp_status_t (*rmsnorm_forward)(tp_stream_t s, float *y, float *rstd, const float *x, const float *w, int64_t M,
                                  int64_t C, float eps);
   /* dx[M,C] overwritten; dw[C] +=. */
-  tp_status_t (*rmsnorm_backward)(tp_stream_t s, float *dx, float *dw, const float *dy, const float *x,
-                                  const float *w, const float *rstd, int64_t M, int64_t C);
+  tp_status_t (*rmsnorm_backward)(tp_stream_t s, float *dx, float *dw, const float *dy, const float *x, const float *w,
+                                  const float *rstd, int64_t M, int64_t C);
   /* In place on `heads` heads of D (even) values at the start of each of `rows` rows of
    * stride ld; row m at position pos[m]; inverse turns back (backward). */
   tp_status_t (*rope)(tp_stream_t s, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D, const int64_t *pos,
@@ -143,8 +143,7 @@ typedef struct tp_kernel_ops {
    * queries (Tq) over the KV cache (k, v = the cache, kv_bstride = max_len x row,
    * q_pos[b] = the position of the first new query, k_len[b] = q_pos[b] + Tq, causal; with
    * a->kv_slot, query sequence b reads cache sequence kv_slot[b] < kv_batch). */
-  tp_status_t (*attention_forward)(tp_stream_t s, const tp_attention_args *a, void *workspace,
-                                   size_t workspace_bytes);
+  tp_status_t (*attention_forward)(tp_stream_t s, const tp_attention_args *a, void *workspace, size_t workspace_bytes);
   /* dq (layout of q), dk, dv (layout of k, v) overwritten, from dout (layout of o) and
    * a->probs kept by forward, or, when a->probs is NULL, a->lse kept by forward (the lse
    * mode: P = exp(scale q.k - lse) recomputed a block at a time, FlashAttention-2 style;
@@ -157,9 +156,9 @@ typedef struct tp_kernel_ops {
    *   kcache[(s_b * max_len + pos0[b] + t) * width + c] = k[(b * T + t) * ld + c], same for v,
    * c < width (pos0[b] + T <= max_len and s_b inside the cache, distinct, checked by the caller
    * on the host: pos0 and slots are host metadata of tp_block_batch_t). */
-  tp_status_t (*kv_cache_write)(tp_stream_t s, float *kcache, float *vcache, const float *k, const float *v,
-                                int64_t ld, const int64_t *pos0, const int64_t *slots, int64_t B, int64_t T,
-                                int64_t max_len, int64_t width);
+  tp_status_t (*kv_cache_write)(tp_stream_t s, float *kcache, float *vcache, const float *k, const float *v, int64_t ld,
+                                const int64_t *pos0, const int64_t *slots, int64_t B, int64_t T, int64_t max_len,
+                                int64_t width);
   /* pos[b * T + t] = pos0[b] + t and klen[b] = pos0[b] + T (overwritten; klen may be NULL). */
   tp_status_t (*positions)(tp_stream_t s, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B, int64_t T);
 
@@ -180,8 +179,7 @@ typedef struct tp_kernel_ops {
   tp_status_t (*xent_loss)(tp_stream_t s, float *losses, const float *sumexp, const float *gmax,
                            const float *target_logit, const int64_t *targets, int64_t M);
   /* row_scale[m] = targets[m] < 0 ? 0 : dloss ? dloss[m] : 1 (dloss may be NULL). */
-  tp_status_t (*xent_row_scale)(tp_stream_t s, float *row_scale, const int64_t *targets, const float *dloss,
-                                int64_t M);
+  tp_status_t (*xent_row_scale)(tp_stream_t s, float *row_scale, const int64_t *targets, const float *dloss, int64_t M);
   /* dlogits[M,V] = (softmax - onehot(target)) * scale * row_scale[m] (row_scale may be
    * NULL): overwritten; a negative target has no one-hot entry. */
   tp_status_t (*xent_backward)(tp_stream_t s, float *dlogits, const float *logits, const float *gmax,
@@ -254,9 +252,9 @@ typedef struct tp_kernel_ops {
    * skipped when dx is NULL); dw[N,K] += dy^T x in float32 (skipped when NULL); db[N] +=
    * column sums of dy (when db).  CUDA rounds dy (for dx) and dy, x (for dw) to wdt in the
    * workspace; CPU computes with float32 dy and x. */
-  tp_status_t (*linear_backward_lp)(tp_stream_t s, float *dx, float *dw, float *db, const float *dy,
-                                    const float *x, const void *w, tp_dtype_t wdt, int64_t M, int64_t K, int64_t N,
-                                    int accumulate_dx, void *workspace, size_t workspace_bytes);
+  tp_status_t (*linear_backward_lp)(tp_stream_t s, float *dx, float *dw, float *db, const float *dy, const float *x,
+                                    const void *w, tp_dtype_t wdt, int64_t M, int64_t K, int64_t N, int accumulate_dx,
+                                    void *workspace, size_t workspace_bytes);
   /* embedding_forward with table[V,C] in wdt: out[M,C] (float32) overwritten with the
    * widened row for tokens in the shard, zero otherwise. */
   tp_status_t (*embedding_forward_lp)(tp_stream_t s, float *out, const int64_t *tokens, const void *table,
@@ -265,6 +263,7 @@ typedef struct tp_kernel_ops {
 
 /* Every entry, in struct order (the parity harness lists and checks them; a new entry
  * without its line here fails the static assert below). */
+/* clang-format off */
 #define TP_KERNEL_ENTRIES(X)                                                                                       \
   X(gemm) X(linear_forward) X(linear_backward) X(add_bias) X(bias_grad) X(act_forward) X(act_backward)             \
   X(bias_act_forward) X(bias_act_backward_workspace) X(bias_act_backward) X(layernorm_forward)                     \
@@ -274,6 +273,7 @@ typedef struct tp_kernel_ops {
   X(xent_targets) X(xent_targets_hash) X(check_range) X(add) X(sub) X(scale) X(fill) X(init_uniform)              \
   X(init_normal) X(adamw_step) X(sgd_step) X(convert) X(linear_lp_workspace) X(linear_forward_lp)          \
   X(linear_backward_lp) X(embedding_forward_lp)
+/* clang-format on */
 
 #define TP_KERNEL_COUNT_ONE_(name) +1
 enum { TP_KERNEL_NUM_ENTRIES = 0 TP_KERNEL_ENTRIES(TP_KERNEL_COUNT_ONE_) };
@@ -283,8 +283,8 @@ enum { TP_KERNEL_NUM_ENTRIES = 0 TP_KERNEL_ENTRIES(TP_KERNEL_COUNT_ONE_) };
 #define TP_STATIC_ASSERT_ _Static_assert
 #endif
 TP_STATIC_ASSERT_(sizeof(tp_kernel_ops) ==
-                   offsetof(tp_kernel_ops, gemm) + TP_KERNEL_NUM_ENTRIES * sizeof(void (*)(void)),
-               "TP_KERNEL_ENTRIES must list every entry of tp_kernel_ops");
+                      offsetof(tp_kernel_ops, gemm) + TP_KERNEL_NUM_ENTRIES * sizeof(void (*)(void)),
+                  "TP_KERNEL_ENTRIES must list every entry of tp_kernel_ops");
 
 /* The kernel table of a device type, or NULL when this build or process has none
  * (registry.c: one line per device). */
@@ -292,7 +292,7 @@ TP_STATIC_ASSERT_(sizeof(tp_kernel_ops) ==
 extern "C" {
 #endif
 const tp_kernel_ops *tp_kernels_of(tp_device_t device);
-/* Registers a device's kernel table (the CUDA plugin's, by core/plugin.c): once per type;
+/* Registers a device's kernel table (the CUDA plugin's, by cuda/cuda_load.c): once per type;
  * every entry must be set.  The CPU's is built in. */
 tp_status_t tp_kernels_register(tp_device_t device, const tp_kernel_ops *ops);
 

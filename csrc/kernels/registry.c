@@ -1,5 +1,5 @@
 /* The kernel registry: the CPU's table is built in; another device's (CUDA's, from the
- * plugin: core/plugin.c) is registered at run time with tp_kernels_register, once per
+ * plugin: cuda/cuda_load.c) is registered at run time with tp_kernels_register, once per
  * type, under a lock, before its first use. */
 #include <pthread.h>
 
@@ -17,7 +17,8 @@ tp_status_t tp_kernels_register(tp_device_t device, const tp_kernel_ops *ops) {
                         (int)device);
   /* Every entry is required: the parity harness runs each of them. */
   const char *missing = NULL;
-#define TP_REG_CHECK_(name) if (!missing && !ops->name) missing = #name;
+#define TP_REG_CHECK_(name) \
+  if (!missing && !ops->name) missing = #name;
   TP_KERNEL_ENTRIES(TP_REG_CHECK_)
 #undef TP_REG_CHECK_
   if (missing)

@@ -75,7 +75,9 @@ tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in,
 }
 
 /* (slot, batch row) pairs in slot order: a slot given twice shows as two neighbours */
-typedef struct { int64_t slot, row; } slot_row;
+typedef struct {
+  int64_t slot, row;
+} slot_row;
 
 static int by_slot(const void *x, const void *y) {
   const slot_row *a = x, *b = y;
@@ -85,13 +87,15 @@ static int by_slot(const void *x, const void *y) {
 /* The cache slots of a forward (host metadata): each in [0, cache batch), none twice. */
 static tp_status_t check_slots(tp_block_t k, const tp_block_batch_t *bt) {
   if (!bt->use_cache)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: slots map batch rows to KV-cache sequences: they "
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block forward: slots map batch rows to KV-cache sequences: they "
                         "need use_cache");
   for (int64_t b = 0; b < bt->B; b++)
     if (bt->slots[b] < 0 || bt->slots[b] >= k->cb)
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: slots[%lld] = %lld is outside the KV cache's %lld "
-                          "sequences [0, %lld)", (long long)b, (long long)bt->slots[b], (long long)k->cb,
-                          (long long)k->cb);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "block forward: slots[%lld] = %lld is outside the KV cache's %lld "
+                          "sequences [0, %lld)",
+                          (long long)b, (long long)bt->slots[b], (long long)k->cb, (long long)k->cb);
   if (bt->B < 2) return TP_SUCCESS;
   size_t nbytes = 0; /* B <= cache batch <= INT_MAX here */
   tp_arena_add_n(&nbytes, bt->B, sizeof(slot_row));
@@ -102,9 +106,10 @@ static tp_status_t check_slots(tp_block_t k, const tp_block_batch_t *bt) {
   tp_status_t st = TP_SUCCESS;
   for (int64_t i = 1; i < bt->B && st == TP_SUCCESS; i++)
     if (p[i].slot == p[i - 1].slot)
-      st = tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: slots[%lld] and slots[%lld] are both %lld: two "
-                        "batch rows would write one KV-cache sequence", (long long)p[i - 1].row, (long long)p[i].row,
-                        (long long)p[i].slot);
+      st = tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block forward: slots[%lld] and slots[%lld] are both %lld: two "
+                        "batch rows would write one KV-cache sequence",
+                        (long long)p[i - 1].row, (long long)p[i].row, (long long)p[i].slot);
   tp_host_free(p);
   return st;
 }
@@ -117,11 +122,13 @@ static tp_status_t check_slots(tp_block_t k, const tp_block_batch_t *bt) {
 tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt) {
   int64_t M, n;
   if (bt->B < 0 || bt->T < 0 || !tp_mul_count(bt->B, bt->T, &M) || M > INT_MAX || !tp_numel2(M, k->W + k->C, &n))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: a batch of B = %lld sequences of T = %lld tokens is "
-                        "out of range (B, T >= 0, B x T at most %d rows and 2^40 activations)", (long long)bt->B,
-                        (long long)bt->T, INT_MAX);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block forward: a batch of B = %lld sequences of T = %lld tokens is "
+                        "out of range (B, T >= 0, B x T at most %d rows and 2^40 activations)",
+                        (long long)bt->B, (long long)bt->T, INT_MAX);
   if (bt->need_backward && !keeps_lse(k) && !tp_numel3(M, k->nq, bt->T, &n))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: keeping the attention probabilities for backward "
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block forward: keeping the attention probabilities for backward "
                         "needs B x heads x T x T = %lld x %lld x %lld x %lld floats, more than 2^40",
                         (long long)bt->B, (long long)k->nq, (long long)bt->T, (long long)bt->T);
   for (int64_t b = 0; bt->pos0 && b < bt->B; b++) {
@@ -130,24 +137,29 @@ tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt) {
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: pos0 must be >= 0, got pos0[%lld] = %lld",
                           (long long)b, (long long)p);
     if (p > INT64_MAX - bt->T)
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: pos0[%lld] = %lld + T = %lld overflows the "
-                          "positions (at most 2^63 - 1 - T)", (long long)b, (long long)p, (long long)bt->T);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "block forward: pos0[%lld] = %lld + T = %lld overflows the "
+                          "positions (at most 2^63 - 1 - T)",
+                          (long long)b, (long long)p, (long long)bt->T);
   }
   if (bt->use_cache) {
-    if (!k->cfg.causal)
-      return tp_set_error(TP_ERR_INVALID_USAGE, "block forward: a KV cache needs causal attention");
+    if (!k->cfg.causal) return tp_set_error(TP_ERR_INVALID_USAGE, "block forward: a KV cache needs causal attention");
     if (bt->need_backward) return tp_set_error(TP_ERR_INVALID_USAGE, "block forward: no backward through the KV cache");
-    if (bt->key_mask) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: key_mask is not used with the cache");
+    if (bt->key_mask)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: key_mask is not used with the cache");
     if (bt->B > k->cb)
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: batch %lld exceeds the cache's %lld sequences",
                           (long long)bt->B, (long long)k->cb);
     if (bt->B && bt->T > k->clen)
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: T = %lld tokens reach past the KV cache's "
-                          "max_len %lld", (long long)bt->T, (long long)k->clen);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "block forward: T = %lld tokens reach past the KV cache's "
+                          "max_len %lld",
+                          (long long)bt->T, (long long)k->clen);
     for (int64_t b = 0; b < (bt->pos0 ? bt->B : bt->B > 0); b++) { /* without pos0: every sequence at 0 */
-      int64_t p = bt->pos0 ? bt->pos0[b] : 0; /* >= 0, checked above */
+      int64_t p = bt->pos0 ? bt->pos0[b] : 0;                      /* >= 0, checked above */
       if (p > k->clen - bt->T)
-        return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: pos0[%lld] = %lld with T = %lld tokens reaches "
+        return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                            "block forward: pos0[%lld] = %lld with T = %lld tokens reaches "
                             "past the KV cache's max_len %lld: pos0 must be in [0, max_len - T] = [0, %lld]",
                             (long long)b, (long long)p, (long long)bt->T, (long long)k->clen,
                             (long long)(k->clen - bt->T));

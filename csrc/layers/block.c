@@ -32,21 +32,24 @@ static tp_status_t check_config(const tp_block_config_t *cfg) {
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: heads (%lld) must be a multiple of kv_heads (%lld)",
                         (long long)H, (long long)Hk);
   if (cfg->rope_theta > 0 && D % 2)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: rotary positions need an even head_dim, got %lld", (long long)D);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: rotary positions need an even head_dim, got %lld",
+                        (long long)D);
   if ((unsigned)cfg->norm > TP_NORM_RMS || (unsigned)cfg->activation > TP_ACT_SWIGLU)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: unknown norm or activation");
   /* GEMM dimensions go to BLAS as 32-bit ints: hidden and the QKV width (heads + 2 kv_heads) x head_dim */
   int64_t qkv_w;
   if (C > INT_MAX / 4 || H > INT_MAX / 4 || Hk > INT_MAX / 4 || D > INT_MAX / 4 ||
       !tp_mul_count(H + 2 * Hk, D, &qkv_w) || qkv_w > INT_MAX / 4)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: hidden (%lld) and (heads + 2 kv_heads) x head_dim ((%lld + "
-                        "2 x %lld) x %lld) must each be at most %d (BLAS uses 32-bit dimensions)", (long long)C,
-                        (long long)H, (long long)Hk, (long long)D, INT_MAX / 4);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block: hidden (%lld) and (heads + 2 kv_heads) x head_dim ((%lld + "
+                        "2 x %lld) x %lld) must each be at most %d (BLAS uses 32-bit dimensions)",
+                        (long long)C, (long long)H, (long long)Hk, (long long)D, INT_MAX / 4);
   int64_t wel;
   if (!tp_numel2(qkv_w, C, &wel))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: the QKV weight of %lld x %lld (hidden %lld, heads %lld, "
-                        "kv_heads %lld, head_dim %lld) is too large: at most 2^40 elements", (long long)qkv_w,
-                        (long long)C, (long long)C, (long long)H, (long long)Hk, (long long)D);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block: the QKV weight of %lld x %lld (hidden %lld, heads %lld, "
+                        "kv_heads %lld, head_dim %lld) is too large: at most 2^40 elements",
+                        (long long)qkv_w, (long long)C, (long long)C, (long long)H, (long long)Hk, (long long)D);
   return tp_layer_device("block", cfg->device, cfg->device_id);
 }
 
@@ -75,9 +78,10 @@ static tp_status_t make_params(tp_block_t k) {
   for (int i = 0; i < 6; i++) tp_arena_add_n(&total, n[i], i == 0 ? 1 : sizeof(float)); /* bounded by check_config */
   tp_status_t st = tp_arena_reserve(&k->params, total, "parameters");
   if (st == TP_ERR_NOMEM) /* block_create prefixes "block" */
-    return tp_set_error(st, "out of memory for the parameters (a QKV shard of %lld x %lld in %s and the norms: %zu "
-                        "bytes of %s memory)", (long long)W, (long long)C, tp_dtype_name(k->Wqkv.dt), total,
-                        tp_device_name(k->params.device));
+    return tp_set_error(st,
+                        "out of memory for the parameters (a QKV shard of %lld x %lld in %s and the norms: %zu "
+                        "bytes of %s memory)",
+                        (long long)W, (long long)C, tp_dtype_name(k->Wqkv.dt), total, tp_device_name(k->params.device));
   TP_CHECK(st);
   float *wq = NULL;
   float **p[6] = {&wq, &k->bqkv, &k->n1w, &k->n1b, &k->n2w, &k->n2b};
@@ -90,10 +94,12 @@ static tp_status_t make_params(tp_block_t k) {
   /* the shard's rows [its Q heads | its K heads | its V heads]: three runs of whole rows of
    * the full [Q | K | V] weight (tensor 10) and bias (11) */
   float bq = 1.0f / sqrtf((float)C);
-  int64_t row0[3] = {k->q0 * D, H * D + k->k0 * D, (H + Hk) * D + k->k0 * D}, rows[3] = {k->nq * D, k->nk * D, k->nk * D};
+  int64_t row0[3] = {k->q0 * D, H * D + k->k0 * D, (H + Hk) * D + k->k0 * D},
+          rows[3] = {k->nq * D, k->nk * D, k->nk * D};
   int64_t at = 0;
   for (int p = 0; p < 3; at += rows[p], p++) {
-    TP_CHECK(lk_init_w(&k->lk, &k->Wqkv, at * C, rows[p] * C, C, 0, k->cfg.seed, 10, (uint64_t)(row0[p] * C), bq, NULL));
+    TP_CHECK(
+        lk_init_w(&k->lk, &k->Wqkv, at * C, rows[p] * C, C, 0, k->cfg.seed, 10, (uint64_t)(row0[p] * C), bq, NULL));
     if (b) TP_CHECK(lk_init_uniform(&k->lk, k->bqkv + at, rows[p], k->cfg.seed, 11, (uint64_t)row0[p], bq, NULL));
   }
   TP_CHECK(lk_fill(&k->lk, k->n1w, 1.0f, C, NULL));
@@ -141,8 +147,7 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   int64_t C = cfg->hidden, H = cfg->heads, Hk = cfg->kv_heads ? cfg->kv_heads : cfg->heads, D = cfg->head_dim;
   k->C = C, k->D = D, k->H = H, k->Hk = Hk, k->group = H / Hk;
   /* whole query heads per rank; the KV heads their groups use */
-  st = tp_partition_sizes(H, world, cfg->head_partition, k->out_part, hoff, "block: head_partition",
-                                      "heads");
+  st = tp_partition_sizes(H, world, cfg->head_partition, k->out_part, hoff, "block: head_partition", "heads");
   if (st != TP_SUCCESS) {
     tp_block_destroy(k);
     return st;
@@ -211,17 +216,20 @@ static tp_status_t ensure_grads(tp_block_t k) {
   param_sizes(k, wbytes, n, g, has);
   for (int i = 0; i < 6; i++)
     if (!tp_arena_add_n(&total, g[i], sizeof(float)))
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "the gradients of a QKV shard of %lld x %lld overflow a "
-                          "size", (long long)k->W, (long long)k->C);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "the gradients of a QKV shard of %lld x %lld overflow a "
+                          "size",
+                          (long long)k->W, (long long)k->C);
   tp_status_t st = tp_arena_reserve(&k->grads, total, "gradients");
   if (st == TP_SUCCESS) st = lk_zero(&k->lk, k->grads.base, k->grads.cap, NULL);
   if (st == TP_SUCCESS) st = tp_device_sync(k->dev, k->dev_id, NULL);
   if (st != TP_SUCCESS) {
     tp_arena_release(&k->grads);
     if (st != TP_ERR_NOMEM) return st;
-    return tp_set_error(TP_ERR_NOMEM, "out of memory for the gradients of the QKV shard (%lld x %lld) and the "
-                        "norms (%zu bytes of %s memory)", (long long)k->W, (long long)k->C, total,
-                        tp_device_name(k->dev));
+    return tp_set_error(TP_ERR_NOMEM,
+                        "out of memory for the gradients of the QKV shard (%lld x %lld) and the "
+                        "norms (%zu bytes of %s memory)",
+                        (long long)k->W, (long long)k->C, total, tp_device_name(k->dev));
   }
   float **p[6] = {&k->dwqkv, &k->dbqkv, &k->dn1w, &k->dn1b, &k->dn2w, &k->dn2b};
   for (int i = 0; i < 6; i++) {
@@ -286,13 +294,16 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
   TP_NONNULL("block cache", k, "block");
   /* max_len is the leading dimension of the attention's score GEMMs: a 32-bit int */
   if (batch < 1 || batch > INT_MAX || max_len < 1 || max_len > INT_MAX)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: batch and max_len must be in [1, %d], got batch %lld "
-                        "and max_len %lld", INT_MAX, (long long)batch, (long long)max_len);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block cache: batch and max_len must be in [1, %d], got batch %lld "
+                        "and max_len %lld",
+                        INT_MAX, (long long)batch, (long long)max_len);
   int64_t n;
   if (!tp_numel3(batch, max_len, k->nk * k->D, &n))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block cache: batch %lld x max_len %lld x %lld K/V values per "
-                        "token is too large: at most 2^40 elements", (long long)batch, (long long)max_len,
-                        (long long)(k->nk * k->D));
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block cache: batch %lld x max_len %lld x %lld K/V values per "
+                        "token is too large: at most 2^40 elements",
+                        (long long)batch, (long long)max_len, (long long)(k->nk * k->D));
   /* a new allocation of exactly the new size (the old one goes first), zeroed */
   size_t total = 0;
   tp_arena_add_n(&total, n, sizeof(float));
@@ -306,8 +317,10 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
   if (st == TP_SUCCESS) st = tp_host_zalloc((size_t)batch * sizeof(int64_t), (void **)&k->kv_end, "block cache");
   if (st != TP_SUCCESS) {
     tp_arena_release(&k->cache);
-    return tp_set_error(TP_ERR_NOMEM, "block cache: out of memory for batch %lld x max_len %lld tokens (2 x %lld "
-                        "floats)", (long long)batch, (long long)max_len, (long long)n);
+    return tp_set_error(TP_ERR_NOMEM,
+                        "block cache: out of memory for batch %lld x max_len %lld tokens (2 x %lld "
+                        "floats)",
+                        (long long)batch, (long long)max_len, (long long)n);
   }
   k->kc = tp_arena_take_n(&k->cache, n, sizeof(float));
   k->vc = tp_arena_take_n(&k->cache, n, sizeof(float));
@@ -323,12 +336,31 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
 static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int use_cache, int need_backward) {
   int64_t C = k->C, W = k->W, A = k->A, bw = need_backward != 0, f1 = 0, f = 0;
   if (k->mlp && !bw) tp_parallel_mlp_widths(k->mlp, &f1, &f);
-  float **fp[] = {&k->xs, &k->s1, &k->h1, &k->s2, &k->n1, &k->n2, &k->mo, &k->dn, &k->dh, &k->dt,
-                  &k->qkv, &k->dqkv, &k->ao, &k->dao, &k->mean1, &k->rstd1, &k->mean2, &k->rstd2, &k->probs,
-                  &k->kvsnap, &k->mh, &k->ma};
-  int64_t nf[] = {M * C, M * C, M * C, M * C, M * C, M * C, M * C, bw * M * C, bw * M * C, bw * M * C, M * W,
-                  bw * M * W, M * A, bw * M * A, M, M, M, M, bw ? tp_block_attention_kept(k, B, T) : 0, /* probs or lse */
-                  bw && k->kv_replicated ? 2 * k->nk * k->D * (C + 1) : 0, M * f1, M * f};
+  float **fp[] = {&k->xs,    &k->s1,    &k->h1,    &k->s2,     &k->n1, &k->n2,  &k->mo,    &k->dn,
+                  &k->dh,    &k->dt,    &k->qkv,   &k->dqkv,   &k->ao, &k->dao, &k->mean1, &k->rstd1,
+                  &k->mean2, &k->rstd2, &k->probs, &k->kvsnap, &k->mh, &k->ma};
+  int64_t nf[] = {M * C,
+                  M * C,
+                  M * C,
+                  M * C,
+                  M * C,
+                  M * C,
+                  M * C,
+                  bw * M * C,
+                  bw * M * C,
+                  bw * M * C,
+                  M * W,
+                  bw * M * W,
+                  M * A,
+                  bw * M * A,
+                  M,
+                  M,
+                  M,
+                  M,
+                  bw ? tp_block_attention_kept(k, B, T) : 0, /* probs or lse */
+                  bw && k->kv_replicated ? 2 * k->nk * k->D * (C + 1) : 0,
+                  M * f1,
+                  M * f};
   enum { NF = sizeof nf / sizeof nf[0] };
   size_t abytes = tp_block_attention_workspace(k, B, T, use_cache, need_backward), total = 0;
   for (int i = 0; i < NF; i++)
@@ -511,16 +543,16 @@ static tp_status_t backward_impl(tp_block_t k, float *dx, const float *dy, tp_st
     return tp_block_attention_backward(k, dx, k->dt, k->xs, s);
   }
   if (k->cfg.pre_norm) {
-    TP_CHECK(tp_parallel_mlp_backward_raw(k->mlp, k->dn, dy, M, s));                        /* d norm2 out */
+    TP_CHECK(tp_parallel_mlp_backward_raw(k->mlp, k->dn, dy, M, s)); /* d norm2 out */
     TP_CHECK(norm_bwd(k, k->dt, k->dn2w, k->dn2b, k->dn, k->h1, k->n2w, k->mean2, k->rstd2, M, s));
-    TP_CHECK(lk_add(&k->lk, k->dh, dy, k->dt, M * C, s));                                   /* d h1 */
-    TP_CHECK(tp_block_attention_backward(k, k->dn, k->dh, k->n1, s));                       /* d norm1 out */
+    TP_CHECK(lk_add(&k->lk, k->dh, dy, k->dt, M * C, s));             /* d h1 */
+    TP_CHECK(tp_block_attention_backward(k, k->dn, k->dh, k->n1, s)); /* d norm1 out */
     TP_CHECK(norm_bwd(k, k->dt, k->dn1w, k->dn1b, k->dn, k->xs, k->n1w, k->mean1, k->rstd1, M, s));
     return lk_add(&k->lk, dx, k->dh, k->dt, M * C, s);
   }
-  TP_CHECK(norm_bwd(k, k->dt, k->dn2w, k->dn2b, dy, k->s2, k->n2w, k->mean2, k->rstd2, M, s));   /* d s2 */
+  TP_CHECK(norm_bwd(k, k->dt, k->dn2w, k->dn2b, dy, k->s2, k->n2w, k->mean2, k->rstd2, M, s)); /* d s2 */
   TP_CHECK(tp_parallel_mlp_backward_raw(k->mlp, k->dn, k->dt, M, s));
-  TP_CHECK(lk_add(&k->lk, k->dh, k->dt, k->dn, M * C, s));                                     /* d h1 */
+  TP_CHECK(lk_add(&k->lk, k->dh, k->dt, k->dn, M * C, s));                                        /* d h1 */
   TP_CHECK(norm_bwd(k, k->dt, k->dn1w, k->dn1b, k->dh, k->s1, k->n1w, k->mean1, k->rstd1, M, s)); /* d s1 */
   TP_CHECK(tp_block_attention_backward(k, k->dn, k->dt, k->xs, s));
   return lk_add(&k->lk, dx, k->dt, k->dn, M * C, s);
@@ -531,12 +563,15 @@ tp_status_t tp_block_backward(tp_block_t k, const tp_tensor *dx, const tp_tensor
   TP_CHECK(tp_check_stream("block backward", k->dev, stream));
   TP_NONNULL("block backward", dx, "dx");
   TP_NONNULL("block backward", dy, "dy");
-  if (!k->ready) return tp_set_error(TP_ERR_INVALID_USAGE, "block backward: called before forward (with need_backward)");
+  if (!k->ready)
+    return tp_set_error(TP_ERR_INVALID_USAGE, "block backward: called before forward (with need_backward)");
   int64_t M = k->B * k->T, rows = 0;
   TP_CHECK(tp_check_matrix("block backward", "dy", dy, TP_FLOAT32, -1, k->C, k->dev, k->dev_id, &rows));
   if (rows != M)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block backward: dy has %lld rows but the last forward had %lld "
-                        "(B * T = %lld x %lld)", (long long)rows, (long long)M, (long long)k->B, (long long)k->T);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block backward: dy has %lld rows but the last forward had %lld "
+                        "(B * T = %lld x %lld)",
+                        (long long)rows, (long long)M, (long long)k->B, (long long)k->T);
   TP_CHECK(tp_check_matrix("block backward", "dx", dx, TP_FLOAT32, M, k->C, k->dev, k->dev_id, NULL));
   tp_status_t st = tp_block_alloc_grads(k); /* the first backward makes them */
   if (st != TP_SUCCESS) {

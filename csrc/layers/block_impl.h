@@ -12,33 +12,33 @@ struct tp_block {
   int rank, world;
   tp_device_t dev;
   int dev_id;
-  tp_lk lk;                         /* the device's kernels */
+  tp_lk lk;                                         /* the device's kernels */
   int64_t C, D, H, Hk, group, q0, nq, k0, nk, W, A; /* W: qkv shard width, A: attention output width */
   int kv_replicated;
-  int64_t *out_part;                /* [world] attention output columns per rank (nq x D; in the handle) */
+  int64_t *out_part; /* [world] attention output columns per rank (nq x D; in the handle) */
   /* parameters: one allocation (the output projection and the MLP own theirs); their
    * gradients another, made on demand (tp_block_alloc_grads, the first backward) */
   tp_arena_t params, grads;
-  tp_lk_w Wqkv;                     /* the QKV shard in cfg.weight_dtype (Wqkv.lpws = &lpws) */
-  tp_arena_t lpws;                  /* the low-precision GEMMs' workspace (and init scratch) */
+  tp_lk_w Wqkv;    /* the QKV shard in cfg.weight_dtype (Wqkv.lpws = &lpws) */
+  tp_arena_t lpws; /* the low-precision GEMMs' workspace (and init scratch) */
   float *bqkv, *dwqkv, *dbqkv;
   float *n1w, *n1b, *dn1w, *dn1b, *n2w, *n2b, *dn2w, *dn2b;
-  tp_parallel_linear_t out;         /* attention output projection: row parallel, input_is_parallel */
+  tp_parallel_linear_t out; /* attention output projection: row parallel, input_is_parallel */
   tp_parallel_mlp_t mlp;
   /* workspaces of the last forward, carved from one arena: its own, or (a forward without
    * need_backward) the shared workspace when it has one */
   tp_arena_t ws;
   tp_workspace_t shared;
-  float *mh, *ma;                   /* an inference forward's MLP activations (h, a), carved with the rest */
+  float *mh, *ma; /* an inference forward's MLP activations (h, a), carved with the rest */
   float *xs, *s1, *h1, *s2, *n1, *n2, *qkv, *ao, *mo;
   float *mean1, *rstd1, *mean2, *rstd2;
-  float *probs;                     /* what attention backward needs: probs, or lse (attention.c) */
+  float *probs; /* what attention backward needs: probs, or lse (attention.c) */
   float *dqkv, *dao, *dn, *dh, *dt, *kvsnap;
-  void *attn_ws;                    /* the attention kernels' scratch */
+  void *attn_ws; /* the attention kernels' scratch */
   size_t attn_ws_bytes;
-  int64_t *pos, *pos0, *klen;       /* device: positions of the rows, first position and keys per sequence */
-  int64_t *slot;                    /* device: the cache sequence of each batch row (have_slots) */
-  uint8_t *mask;                    /* device: the key mask of the last forward */
+  int64_t *pos, *pos0, *klen; /* device: positions of the rows, first position and keys per sequence */
+  int64_t *slot;              /* device: the cache sequence of each batch row (have_slots) */
+  uint8_t *mask;              /* device: the key mask of the last forward */
   reg_buf red, kvred;
   /* the last forward: rows, shape, whether backward may follow */
   int64_t B, T;
@@ -47,14 +47,14 @@ struct tp_block {
   tp_arena_t cache;
   float *kc, *vc;
   int64_t cb, clen;
-  int64_t *kv_end;                  /* host [cb]: per cache sequence, the highest position written + 1 */
+  int64_t *kv_end; /* host [cb]: per cache sequence, the highest position written + 1 */
 };
 
 struct tp_workspace {
   tp_arena_t arena;
-  reg_buf out;      /* the inference forwards' collective output buffer (on comm) */
-  tp_comm_t comm;   /* the communicator of the first block that used `out` (NULL: none yet) */
-  int refs; /* atomic */
+  reg_buf out;    /* the inference forwards' collective output buffer (on comm) */
+  tp_comm_t comm; /* the communicator of the first block that used `out` (NULL: none yet) */
+  int refs;       /* atomic */
 };
 
 /* attention.c */
@@ -70,8 +70,7 @@ tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in,
                                        tp_stream_t stream);
 /* dr[M, C] (the gradient at the attention's all-reduced output) -> din[M, C] (at its input,
  * all-reduced); accumulates the gradients. */
-tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *dr, const float *in,
-                                        tp_stream_t stream);
+tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *dr, const float *in, tp_stream_t stream);
 
 /* linear.c: the row-parallel (input_is_parallel) forward of the output projection that
  * leaves y = all-reduce(x W_r^T) + b in the layer's collective buffer (*y): the GEMM

@@ -85,8 +85,8 @@ static inline tp_status_t lk_init_normal(const tp_lk *c, float *y, int64_t n, ui
  * per layer, grown on demand, never shared across layers in flight). */
 typedef struct {
   void *p;
-  tp_dtype_t dt;     /* TP_FLOAT32, TP_BFLOAT16, TP_FLOAT16, or a quantized format (TP_INT8 rows, TP_Q*) */
-  tp_arena_t *lpws;  /* the lp entries' workspace (unused for float32) */
+  tp_dtype_t dt;    /* TP_FLOAT32, TP_BFLOAT16, TP_FLOAT16, or a quantized format (TP_INT8 rows, TP_Q*) */
+  tp_arena_t *lpws; /* the lp entries' workspace (unused for float32) */
 } tp_lk_w;
 
 static inline int tp_lk_lowp(tp_dtype_t dt) { return dt == TP_BFLOAT16 || dt == TP_FLOAT16; }
@@ -94,8 +94,10 @@ static inline int tp_lk_lowp(tp_dtype_t dt) { return dt == TP_BFLOAT16 || dt == 
 /* The weight dtype a config names: float32, bfloat16, float16, int8 or a GGUF block format. */
 static inline tp_status_t tp_lk_check_wdtype(const char *op, tp_dtype_t dt) {
   if (tp_weight_format(dt, NULL, NULL, NULL)) return TP_SUCCESS;
-  return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: weight_dtype must be float32, bfloat16, float16, int8, q8_0, "
-                      "q4_0, q4_1, q4_k, q5_k or q6_k, got %s (%d)", op, tp_dtype_name(dt), (int)dt);
+  return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                      "%s: weight_dtype must be float32, bfloat16, float16, int8, q8_0, "
+                      "q4_0, q4_1, q4_k, q5_k or q6_k, got %s (%d)",
+                      op, tp_dtype_name(dt), (int)dt);
 }
 
 /* The elements of one block of dt (1 for float32 / 16-bit / int8 rows). */
@@ -112,8 +114,10 @@ static inline tp_status_t tp_lk_wbytes(const char *op, const char *what, tp_dtyp
   size_t rb;
   int64_t blk = tp_lk_block(dt);
   if (cols % blk)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s has rows of %lld elements, not whole blocks of %lld (%s "
-                        "weights)", op, what, (long long)cols, (long long)blk, tp_dtype_name(dt));
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: %s has rows of %lld elements, not whole blocks of %lld (%s "
+                        "weights)",
+                        op, what, (long long)cols, (long long)blk, tp_dtype_name(dt));
   if (rows < 0 || !tp_weight_row_bytes(dt, cols, &rb) || !tp_mul_size((size_t)rows, rb, nbytes))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s of %lld x %lld (%s) overflows the address space", op, what,
                         (long long)rows, (long long)cols, tp_dtype_name(dt));
@@ -142,8 +146,8 @@ static inline void lk_lp_end(const tp_lk *c) {
   if (c->dev == TP_DEVICE_CPU) tp_lp_cpu_scratch_unlock();
 }
 
-static inline tp_status_t lk_linear_forward_(const tp_lk *c, float *y, const float *x, const tp_lk_w *w,
-                                             const float *b, int64_t M, int64_t K, int64_t N, tp_stream_t s) {
+static inline tp_status_t lk_linear_forward_(const tp_lk *c, float *y, const float *x, const tp_lk_w *w, const float *b,
+                                             int64_t M, int64_t K, int64_t N, tp_stream_t s) {
   if (w->dt == TP_FLOAT32) return c->k->linear_forward(s, y, x, (const float *)w->p, b, M, K, N);
   size_t need = c->k->linear_lp_workspace(M, K, N, w->dt, 0);
   void *ws;
@@ -152,9 +156,9 @@ static inline tp_status_t lk_linear_forward_(const tp_lk *c, float *y, const flo
   lk_lp_end(c);
   return st;
 }
-static inline tp_status_t lk_linear_backward_(const tp_lk *c, float *dx, float *dw, float *db,
-                                              const float *dy, const float *x, const tp_lk_w *w, int64_t M,
-                                              int64_t K, int64_t N, tp_stream_t s) {
+static inline tp_status_t lk_linear_backward_(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
+                                              const float *x, const tp_lk_w *w, int64_t M, int64_t K, int64_t N,
+                                              tp_stream_t s) {
   if (w->dt == TP_FLOAT32) return c->k->linear_backward(s, dx, dw, db, dy, x, (const float *)w->p, M, K, N, 0);
   size_t need = c->k->linear_lp_workspace(M, K, N, w->dt, 1);
   void *ws;
@@ -163,8 +167,8 @@ static inline tp_status_t lk_linear_backward_(const tp_lk *c, float *dx, float *
   lk_lp_end(c);
   return st;
 }
-static inline tp_status_t lk_linear_forward(const tp_lk *c, float *y, const float *x, const tp_lk_w *w,
-                                            const float *b, int64_t M, int64_t K, int64_t N, tp_stream_t s) {
+static inline tp_status_t lk_linear_forward(const tp_lk *c, float *y, const float *x, const tp_lk_w *w, const float *b,
+                                            int64_t M, int64_t K, int64_t N, tp_stream_t s) {
   LK_THROTTLED(c, s, lk_linear_forward_(c, y, x, w, b, M, K, N, s));
 }
 static inline tp_status_t lk_linear_backward(const tp_lk *c, float *dx, float *dw, float *db, const float *dy,
@@ -173,8 +177,8 @@ static inline tp_status_t lk_linear_backward(const tp_lk *c, float *dx, float *d
   LK_THROTTLED(c, s, lk_linear_backward_(c, dx, dw, db, dy, x, w, M, K, N, s));
 }
 /* y[n] (ydt) = x[n] (xdt). */
-static inline tp_status_t lk_convert(const tp_lk *c, void *y, tp_dtype_t ydt, const void *x, tp_dtype_t xdt,
-                                     int64_t n, tp_stream_t s) {
+static inline tp_status_t lk_convert(const tp_lk *c, void *y, tp_dtype_t ydt, const void *x, tp_dtype_t xdt, int64_t n,
+                                     tp_stream_t s) {
   return n > 0 ? c->k->convert(s, y, ydt, x, xdt, n) : TP_SUCCESS;
 }
 /* Seeded initialisation of a quantized weight: whole rows of K elements (at and n multiples
@@ -274,9 +278,9 @@ static inline tp_status_t lk_bias_act_forward(const tp_lk *c, float *out, float 
 static inline size_t lk_bias_act_backward_workspace(const tp_lk *c, int64_t M, int64_t F, tp_activation_t act) {
   return c->k->bias_act_backward_workspace(M, F, act);
 }
-static inline tp_status_t lk_bias_act_backward(const tp_lk *c, float *dh, float *db, const float *h,
-                                               const float *dout, int64_t M, int64_t F, tp_activation_t act,
-                                               void *ws, size_t wsb, tp_stream_t s) {
+static inline tp_status_t lk_bias_act_backward(const tp_lk *c, float *dh, float *db, const float *h, const float *dout,
+                                               int64_t M, int64_t F, tp_activation_t act, void *ws, size_t wsb,
+                                               tp_stream_t s) {
   LK_THROTTLED(c, s, c->k->bias_act_backward(s, dh, db, h, dout, M, F, act, ws, wsb));
 }
 
@@ -313,8 +317,8 @@ static inline tp_status_t lk_positions(const tp_lk *c, int64_t *pos, int64_t *kl
 /* K/V rows of a step into the cache at pos0[b] + t of cache sequence slots[b] (NULL: b), width
  * floats each. */
 static inline tp_status_t lk_kv_cache_write(const tp_lk *c, float *kc, float *vc, const float *k, const float *v,
-                                            int64_t ld, const int64_t *pos0, const int64_t *slots, int64_t B,
-                                            int64_t T, int64_t max_len, int64_t width, tp_stream_t s) {
+                                            int64_t ld, const int64_t *pos0, const int64_t *slots, int64_t B, int64_t T,
+                                            int64_t max_len, int64_t width, tp_stream_t s) {
   return B > 0 && T > 0 && width > 0 ? c->k->kv_cache_write(s, kc, vc, k, v, ld, pos0, slots, B, T, max_len, width)
                                      : TP_SUCCESS;
 }
@@ -350,15 +354,14 @@ static inline tp_status_t lk_embedding_forward(const tp_lk *c, float *out, const
     LK_THROTTLED(c, s, c->k->embedding_forward(s, out, tokens, (const float *)table->p, M, lo, V, C));
   LK_THROTTLED(c, s, c->k->embedding_forward_lp(s, out, tokens, table->p, table->dt, M, lo, V, C));
 }
-static inline tp_status_t lk_embedding_backward(const tp_lk *c, float *dtable, const int64_t *tokens,
-                                                const float *dout, int64_t M, int64_t lo, int64_t V, int64_t C,
-                                                tp_stream_t s) {
+static inline tp_status_t lk_embedding_backward(const tp_lk *c, float *dtable, const int64_t *tokens, const float *dout,
+                                                int64_t M, int64_t lo, int64_t V, int64_t C, tp_stream_t s) {
   if (M <= 0 || !dtable) return TP_SUCCESS; /* a quantized table is frozen: no gradient */
   LK_THROTTLED(c, s, c->k->embedding_backward(s, dtable, tokens, dout, M, lo, V, C));
 }
 /* fp[0] = the 24-bit fingerprint of (targets, ignore_index), fp[1] = -fp[0] (device memory) */
-static inline tp_status_t lk_targets_hash(const tp_lk *c, float *fp, const int64_t *t, int64_t M,
-                                          int64_t ignore_index, tp_stream_t s) {
+static inline tp_status_t lk_targets_hash(const tp_lk *c, float *fp, const int64_t *t, int64_t M, int64_t ignore_index,
+                                          tp_stream_t s) {
   return c->k->xent_targets_hash(s, fp, t, M, ignore_index);
 }
 /* tg[m] = targets[m], or -1 where it equals ignore_index; res = [first row whose target is
@@ -391,8 +394,8 @@ static inline tp_status_t lk_xent_losses(const tp_lk *c, float *losses, const fl
   if (M <= 0) return TP_SUCCESS;
   LK_THROTTLED(c, s, c->k->xent_loss(s, losses, sumexp, gmax, tl, tg, M));
 }
-static inline tp_status_t lk_xent_row_scale(const tp_lk *c, float *rs, const int64_t *tg, const float *dloss,
-                                            int64_t M, tp_stream_t s) {
+static inline tp_status_t lk_xent_row_scale(const tp_lk *c, float *rs, const int64_t *tg, const float *dloss, int64_t M,
+                                            tp_stream_t s) {
   if (M <= 0) return TP_SUCCESS;
   LK_THROTTLED(c, s, c->k->xent_row_scale(s, rs, tg, dloss, M));
 }

@@ -30,12 +30,16 @@ static inline tp_status_t tp_layer_device(const char *op, tp_device_t device, in
   if ((unsigned)device >= TP_NUM_DEVICE_TYPES)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: device %d is not a tp_device_t", op, (int)device);
   if (!tp_device_available(device))
-    return tp_set_error(TP_ERR_UNSUPPORTED, "%s: device %s is not available (this build of tpcore or this "
-                        "machine has none)", op, tp_device_name(device));
+    return tp_set_error(TP_ERR_UNSUPPORTED,
+                        "%s: device %s is not available (this build of tpcore or this "
+                        "machine has none)",
+                        op, tp_device_name(device));
   const tp_device_ops *ops = tp_device_ops_of(device);
   if (device_id < 0 || device_id >= ops->count())
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: device_id %d is out of range (this process has %d %s "
-                        "device%s)", op, device_id, ops->count(), tp_device_name(device), ops->count() == 1 ? "" : "s");
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: device_id %d is out of range (this process has %d %s "
+                        "device%s)",
+                        op, device_id, ops->count(), tp_device_name(device), ops->count() == 1 ? "" : "s");
   return TP_SUCCESS;
 }
 
@@ -47,9 +51,9 @@ static inline tp_status_t tp_layer_device(const char *op, tp_device_t device, in
  * TPCORE_REGISTERED_MEMORY=0: TP_ERR_UNSUPPORTED is cleared and the layer goes on). */
 typedef struct {
   void *ptr;
-  tp_mem_t mem;      /* NULL: plain device memory */
+  tp_mem_t mem; /* NULL: plain device memory */
   size_t cap;
-  int plain;         /* the backend declined registered memory: do not ask again */
+  int plain; /* the backend declined registered memory: do not ask again */
   tp_device_t device;
   int device_id;
 } reg_buf;
@@ -63,8 +67,7 @@ static inline void tp_reg_release(reg_buf *rb) {
 }
 
 /* Collective: every rank asks for the same size (M and the shapes agree). */
-static inline tp_status_t tp_reg_ensure(tp_comm_t comm, reg_buf *rb, size_t nbytes, tp_device_t device,
-                                        int device_id) {
+static inline tp_status_t tp_reg_ensure(tp_comm_t comm, reg_buf *rb, size_t nbytes, tp_device_t device, int device_id) {
   if (rb->cap >= nbytes && rb->ptr) return TP_SUCCESS;
   tp_reg_release(rb);
   size_t cap = 4096;
@@ -115,8 +118,8 @@ static inline tp_status_t tp_layer_all_gather_v(const void *send, void *recv, co
 /* ------------------------------------------------------------ tensor checks */
 
 /* An argument that must not be NULL: "<op>: <name> is NULL (NULL argument)". */
-#define TP_NONNULL(op, p, name)                                                                          \
-  do {                                                                                                   \
+#define TP_NONNULL(op, p, name)                                                                         \
+  do {                                                                                                  \
     if (!(p)) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s is NULL (NULL argument)", op, name); \
   } while (0)
 
@@ -135,8 +138,10 @@ static inline size_t tp_mem_tensor(const void *p, size_t nbytes) {
 static inline tp_status_t tp_memory_begin(const char *op, tp_layer_memory_t *mem, tp_device_t device, int device_id) {
   TP_NONNULL(op, mem, "mem");
   if (mem->size != sizeof(tp_layer_memory_t))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: mem->size is %zu, not sizeof(tp_layer_memory_t) = %zu (a "
-                        "struct built for another tpcore version)", op, mem->size, sizeof(tp_layer_memory_t));
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: mem->size is %zu, not sizeof(tp_layer_memory_t) = %zu (a "
+                        "struct built for another tpcore version)",
+                        op, mem->size, sizeof(tp_layer_memory_t));
   memset(mem, 0, sizeof *mem);
   mem->size = sizeof *mem;
   mem->device = device;
@@ -168,14 +173,16 @@ static inline tp_status_t tp_check_matrix(const char *op, const char *arg, const
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must have shape [%lld, %lld], got %d-D [%lld, %lld]", op,
                           arg, (long long)rows, (long long)cols, t->ndim, (long long)(t->ndim > 0 ? t->shape[0] : 0),
                           (long long)(t->ndim > 1 ? t->shape[1] : 0));
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must have shape [rows, %lld], got %d-D [%lld, %lld]", op,
-                        arg, (long long)cols, t->ndim, (long long)(t->ndim > 0 ? t->shape[0] : 0),
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must have shape [rows, %lld], got %d-D [%lld, %lld]", op, arg,
+                        (long long)cols, t->ndim, (long long)(t->ndim > 0 ? t->shape[0] : 0),
                         (long long)(t->ndim > 1 ? t->shape[1] : 0));
   }
   if (t->shape[0] > 0 && cols > 0) {
     if ((cols > 1 && t->strides[1] != 1) || (t->shape[0] > 1 && t->strides[0] != cols))
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s must be C-contiguous (row stride %lld, column stride %lld "
-                          "elements)", op, arg, (long long)t->strides[0], (long long)t->strides[1]);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "%s: %s must be C-contiguous (row stride %lld, column stride %lld "
+                          "elements)",
+                          op, arg, (long long)t->strides[0], (long long)t->strides[1]);
     if (!t->data) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s has no data (NULL argument)", op, arg);
   }
   TP_CHECK(tp_check_device(op, arg, t, device, device_id));
@@ -229,8 +236,8 @@ tp_status_t tp_parallel_linear_backward_ex(tp_parallel_linear_t L, float *dx, co
 tp_status_t tp_parallel_mlp_forward_raw(tp_parallel_mlp_t m, float *y, const float *x, int64_t M, tp_stream_t stream);
 /* A forward that keeps nothing for backward: h [M, f1] and a [M, f] are the caller's (a
  * block's inference workspace), fc1 and fc2 borrow their inputs; backward is refused after it. */
-tp_status_t tp_parallel_mlp_forward_nograd(tp_parallel_mlp_t m, float *y, const float *x, int64_t M, float *h,
-                                           float *a, tp_stream_t stream);
+tp_status_t tp_parallel_mlp_forward_nograd(tp_parallel_mlp_t m, float *y, const float *x, int64_t M, float *h, float *a,
+                                           tp_stream_t stream);
 /* The MLP's activation widths: *f1 (fc1's local outputs: 2 x f gated) and *f (fc2's local inputs). */
 void tp_parallel_mlp_widths(tp_parallel_mlp_t m, int64_t *f1, int64_t *f);
 tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const float *dy, int64_t M,

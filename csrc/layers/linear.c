@@ -5,7 +5,6 @@
 #include "block_impl.h"
 #include "layer_kernels.h"
 
-
 struct tp_parallel_linear {
   tp_comm_t comm;
   tp_linear_config_t cfg;
@@ -85,9 +84,10 @@ static tp_status_t init_params(tp_parallel_linear_t L, uint64_t weight_id, uint6
   if (col) { /* whole rows: the gate rows [off, off + loc), then (gated) the up rows from N + off */
     for (int h = 0; h < g; h++) {
       int64_t frow = h * N + L->off;
-      TP_CHECK(lk_init_w(&L->lk, &L->W, h * L->loc * K, L->loc * K, K, 0, seed, weight_id, (uint64_t)(frow * K),
-                         bound, NULL));
-      if (L->b) TP_CHECK(lk_init_uniform(&L->lk, L->b + h * L->loc, L->loc, seed, bias_id, (uint64_t)frow, bound, NULL));
+      TP_CHECK(lk_init_w(&L->lk, &L->W, h * L->loc * K, L->loc * K, K, 0, seed, weight_id, (uint64_t)(frow * K), bound,
+                         NULL));
+      if (L->b)
+        TP_CHECK(lk_init_uniform(&L->lk, L->b + h * L->loc, L->loc, seed, bias_id, (uint64_t)frow, bound, NULL));
     }
   } else { /* columns [off, off + loc) of every row */
     for (int64_t i = 0; i < N; i++)
@@ -134,7 +134,8 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   tp_comm_rank(comm, &rank);
   tp_comm_size(comm, &n);
   /* the handle and its per-rank arrays: one host allocation */
-  size_t hbytes = sizeof(struct tp_parallel_linear) + (size_t)(2 * n + 1) * sizeof(int64_t) + (size_t)n * sizeof(size_t);
+  size_t hbytes =
+      sizeof(struct tp_parallel_linear) + (size_t)(2 * n + 1) * sizeof(int64_t) + (size_t)n * sizeof(size_t);
   tp_parallel_linear_t L;
   TP_CHECK(tp_host_zalloc(hbytes, (void **)&L, "linear"));
   L->part = (int64_t *)(L + 1);
@@ -157,8 +158,9 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   int col = cfg->kind == TP_COLUMN_PARALLEL;
   int64_t dim = col ? cfg->out_features : cfg->in_features;
   tp_status_t st = tp_lk_init(&L->lk, "linear", L->dev, L->dev_id);
-  if (st == TP_SUCCESS) st = tp_partition_sizes(dim, n, cfg->partition, L->part, L->offs, "linear: partition",
-                                      col ? "the split dimension (out_features)" : "the split dimension (in_features)");
+  if (st == TP_SUCCESS)
+    st = tp_partition_sizes(dim, n, cfg->partition, L->part, L->offs, "linear: partition",
+                            col ? "the split dimension (out_features)" : "the split dimension (in_features)");
   if (st != TP_SUCCESS) {
     tp_parallel_linear_destroy(L);
     return st;
@@ -174,9 +176,10 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   /* GEMM dimensions go to BLAS as 32-bit ints; the shard must also fit in memory. */
   if (K > INT_MAX || N > INT_MAX / g) {
     tp_parallel_linear_destroy(L);
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: in_features %lld and %sout_features %lld must be at most "
-                        "%d (BLAS uses 32-bit dimensions)", (long long)K, g == 2 ? "2 x (gated) " : "", (long long)N,
-                        INT_MAX);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "linear: in_features %lld and %sout_features %lld must be at most "
+                        "%d (BLAS uses 32-bit dimensions)",
+                        (long long)K, g == 2 ? "2 x (gated) " : "", (long long)N, INT_MAX);
   }
   L->wr = col ? g * L->loc : N;
   L->wc = col ? K : L->loc;
@@ -186,16 +189,19 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   int64_t blk = tp_lk_block(cfg->weight_dtype);
   if (blk > 1 && (col ? K % blk != 0 : 0)) {
     tp_parallel_linear_destroy(L);
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: in_features %lld is not a multiple of %s's block of %lld "
-                        "elements", (long long)K, tp_dtype_name(cfg->weight_dtype), (long long)blk);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "linear: in_features %lld is not a multiple of %s's block of %lld "
+                        "elements",
+                        (long long)K, tp_dtype_name(cfg->weight_dtype), (long long)blk);
   }
   if (blk > 1 && !col) {
     for (int p = 0; p < n; p++)
       if (L->part[p] % blk || L->offs[p] % blk) {
-        tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: rank %d's slice of in_features (%lld at %lld) is not whole "
+        tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                     "linear: rank %d's slice of in_features (%lld at %lld) is not whole "
                      "blocks of %lld elements (%s weights split on block boundaries: partition(n, world, align=%lld))",
-                     p, (long long)L->part[p], (long long)L->offs[p], (long long)blk,
-                     tp_dtype_name(cfg->weight_dtype), (long long)blk);
+                     p, (long long)L->part[p], (long long)L->offs[p], (long long)blk, tp_dtype_name(cfg->weight_dtype),
+                     (long long)blk);
         tp_parallel_linear_destroy(L);
         return TP_ERR_INVALID_ARGUMENT;
       }
@@ -204,9 +210,10 @@ tp_status_t tp_parallel_linear_create_ids(tp_parallel_linear_t *out, tp_comm_t c
   int64_t blen = cfg->bias ? (col ? g * L->loc : N) : 0;
   int64_t wn;
   if (!tp_numel2(L->wr, L->wc, &wn)) { /* the message first: it reads the layer's fields */
-    tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear: a weight shard of %lld x %lld (in_features %lld, out_features "
-                 "%lld) is too large: at most 2^40 elements per shard", (long long)L->wr, (long long)L->wc,
-                 (long long)K, (long long)N);
+    tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                 "linear: a weight shard of %lld x %lld (in_features %lld, out_features "
+                 "%lld) is too large: at most 2^40 elements per shard",
+                 (long long)L->wr, (long long)L->wc, (long long)K, (long long)N);
     tp_parallel_linear_destroy(L);
     return TP_ERR_INVALID_ARGUMENT;
   }
@@ -252,9 +259,11 @@ static tp_status_t ensure_grads(tp_parallel_linear_t L) {
   if (st != TP_SUCCESS) {
     tp_arena_release(&L->grads);
     if (st != TP_ERR_NOMEM) return st;
-    return tp_set_error(TP_ERR_NOMEM, "linear: out of memory for the gradients of a %lld x %lld weight shard%s (%zu "
-                        "bytes of %s memory)", (long long)L->wr, (long long)L->wc, L->cfg.bias ? " and its bias" : "",
-                        total, tp_device_name(L->dev));
+    return tp_set_error(TP_ERR_NOMEM,
+                        "linear: out of memory for the gradients of a %lld x %lld weight shard%s (%zu "
+                        "bytes of %s memory)",
+                        (long long)L->wr, (long long)L->wc, L->cfg.bias ? " and its bias" : "", total,
+                        tp_device_name(L->dev));
   }
   L->dw = L->frozen ? NULL : tp_arena_take_n(&L->grads, L->wn, sizeof(float));
   L->db = L->cfg.bias ? tp_arena_take_n(&L->grads, L->blen, sizeof(float)) : NULL;
@@ -300,8 +309,10 @@ static tp_status_t gather_columns(tp_parallel_linear_t L, float *out, float *g, 
 static tp_status_t check_rows(tp_parallel_linear_t L, int64_t M, const char *op) {
   int64_t widest = L->cfg.in_features > L->cfg.out_features ? L->cfg.in_features : L->cfg.out_features, n;
   if (M < 0 || M > INT_MAX || !tp_numel2(M, 2 * widest, &n))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear %s: %lld rows is out of range (at most %d, and rows x "
-                        "features must fit in memory)", op, (long long)M, INT_MAX);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "linear %s: %lld rows is out of range (at most %d, and rows x "
+                        "features must fit in memory)",
+                        op, (long long)M, INT_MAX);
   return TP_SUCCESS;
 }
 
@@ -389,8 +400,7 @@ static tp_status_t forward_impl(tp_parallel_linear_t L, float *y, const float *x
 }
 
 static tp_status_t backward_impl(tp_parallel_linear_t L, float *dx, const float *dy, int64_t M, tp_stream_t stream) {
-  if (L->xsave_m < 0)
-    return tp_set_error(TP_ERR_INVALID_USAGE, "linear backward: called before forward");
+  if (L->xsave_m < 0) return tp_set_error(TP_ERR_INVALID_USAGE, "linear backward: called before forward");
   if (M != L->xsave_m)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "linear backward: dy has %lld rows but the last forward had %lld",
                         (long long)M, (long long)L->xsave_m);
@@ -423,7 +433,8 @@ tp_status_t tp_parallel_linear_forward_inbuf(tp_parallel_linear_t L, float **y, 
                                              tp_stream_t stream) {
   TP_CHECK(check_rows(L, M, "forward"));
   if (L->cfg.kind != TP_ROW_PARALLEL || !L->cfg.input_is_parallel)
-    return tp_set_error(TP_ERR_INTERNAL, "linear: an in-buffer forward needs a row-parallel layer with a parallel input");
+    return tp_set_error(TP_ERR_INTERNAL,
+                        "linear: an in-buffer forward needs a row-parallel layer with a parallel input");
   L->flags = flags;
   L->xsave_m = -1;
   int64_t N = L->cfg.out_features;

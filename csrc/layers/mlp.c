@@ -10,14 +10,14 @@ struct tp_parallel_mlp {
   tp_activation_t act;
   tp_device_t dev;
   int dev_id;
-  tp_lk lk;            /* the device's kernels */
-  int64_t C;           /* hidden */
-  int64_t f1, f;       /* fc1 output columns on this rank (2 * local when gated), activation columns */
-  tp_arena_t ws;       /* h, a, da, dh for the last forward's rows */
+  tp_lk lk;      /* the device's kernels */
+  int64_t C;     /* hidden */
+  int64_t f1, f; /* fc1 output columns on this rank (2 * local when gated), activation columns */
+  tp_arena_t ws; /* h, a, da, dh for the last forward's rows */
   float *h, *a, *da, *dh;
-  void *bws;           /* the bias + activation backward's scratch */
+  void *bws; /* the bias + activation backward's scratch */
   size_t bws_bytes;
-  int64_t last_m;      /* rows of the last forward (-1: none yet) */
+  int64_t last_m; /* rows of the last forward (-1: none yet) */
 };
 
 void tp_parallel_mlp_destroy(tp_parallel_mlp_t m) {
@@ -144,8 +144,10 @@ static tp_status_t workspace(tp_parallel_mlp_t m, int64_t M) {
 static tp_status_t check_rows(tp_parallel_mlp_t m, int64_t M) {
   int64_t n;
   if (M < 0 || M > INT_MAX || !tp_numel2(M, m->f1 > m->f ? m->f1 : m->f, &n))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp forward: %lld rows is out of range (0 to %d, and rows x "
-                        "ffn columns (%lld) at most 2^40)", (long long)M, INT_MAX, (long long)m->f1);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "mlp forward: %lld rows is out of range (0 to %d, and rows x "
+                        "ffn columns (%lld) at most 2^40)",
+                        (long long)M, INT_MAX, (long long)m->f1);
   return TP_SUCCESS;
 }
 
@@ -169,8 +171,8 @@ tp_status_t tp_parallel_mlp_forward_raw(tp_parallel_mlp_t m, float *y, const flo
   return TP_SUCCESS;
 }
 
-tp_status_t tp_parallel_mlp_forward_nograd(tp_parallel_mlp_t m, float *y, const float *x, int64_t M, float *h,
-                                           float *a, tp_stream_t stream) {
+tp_status_t tp_parallel_mlp_forward_nograd(tp_parallel_mlp_t m, float *y, const float *x, int64_t M, float *h, float *a,
+                                           tp_stream_t stream) {
   TP_CHECK(check_rows(m, M));
   m->last_m = -1; /* nothing kept: no backward after this forward */
   int f = TP_LIN_BORROW_INPUT | TP_LIN_NO_BACKWARD;
@@ -203,8 +205,8 @@ tp_status_t tp_parallel_mlp_backward_raw(tp_parallel_mlp_t m, float *dx, const f
   /* dh, and fc1's bias gradient from the same pass */
   tp_linear_info_t i1;
   tp_parallel_linear_info(m->fc1, &i1);
-  tp_status_t st = lk_bias_act_backward(&m->lk, m->dh, i1.grad_bias, m->h, m->da, M, m->f, m->act, m->bws,
-                                        m->bws_bytes, stream);
+  tp_status_t st =
+      lk_bias_act_backward(&m->lk, m->dh, i1.grad_bias, m->h, m->da, M, m->f, m->act, m->bws, m->bws_bytes, stream);
   if (st != TP_SUCCESS) {
     tp_error_prefix("mlp backward");
     tp_comm_abort(m->comm, tp_last_error()); /* the peers would wait in fc1's all-reduce */

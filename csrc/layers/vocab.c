@@ -12,18 +12,18 @@ struct tp_vocab_embedding {
   int world;
   tp_device_t dev;
   int dev_id;
-  tp_lk lk;              /* the device's kernels */
+  tp_lk lk; /* the device's kernels */
   int64_t n, C, off, loc;
-  int64_t gn;            /* elements of dw: loc x C */
-  int frozen;            /* a quantized table: no dw */
-  tp_lk_w W;        /* the table shard, in cfg.weight_dtype (W.lpws = &lpws: init scratch) */
+  int64_t gn; /* elements of dw: loc x C */
+  int frozen; /* a quantized table: no dw */
+  tp_lk_w W;  /* the table shard, in cfg.weight_dtype (W.lpws = &lpws: init scratch) */
   tp_arena_t lpws;
-  float *dw;             /* NULL until ensure_grads, and always for a quantized (frozen) table */
-  tp_arena_t params;     /* w */
-  tp_arena_t grads;      /* dw: on demand (the first backward, tp_vocab_embedding_alloc_grads) */
-  tp_arena_t ws;         /* the last forward's tokens and the range check's result */
-  int64_t *tok, *flag;   /* flag: [index, value] of the first token out of range */
-  int64_t last_m;        /* -1 before the first forward */
+  float *dw;           /* NULL until ensure_grads, and always for a quantized (frozen) table */
+  tp_arena_t params;   /* w */
+  tp_arena_t grads;    /* dw: on demand (the first backward, tp_vocab_embedding_alloc_grads) */
+  tp_arena_t ws;       /* the last forward's tokens and the range check's result */
+  int64_t *tok, *flag; /* flag: [index, value] of the first token out of range */
+  int64_t last_m;      /* -1 before the first forward */
   reg_buf buf;
 };
 
@@ -46,8 +46,10 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: config built for another tpcore version");
   TP_CHECK(tp_lk_check_wdtype("embedding", cfg->weight_dtype));
   if (cfg->num_embeddings < 1 || cfg->embedding_dim < 1)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: num_embeddings and embedding_dim must be >= 1, got %lld "
-                        "and %lld", (long long)cfg->num_embeddings, (long long)cfg->embedding_dim);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "embedding: num_embeddings and embedding_dim must be >= 1, got %lld "
+                        "and %lld",
+                        (long long)cfg->num_embeddings, (long long)cfg->embedding_dim);
   TP_CHECK(tp_layer_device("embedding", cfg->device, cfg->device_id));
   int rank, world;
   tp_comm_rank(comm, &rank);
@@ -57,8 +59,9 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   TP_CHECK(tp_host_zalloc(hbytes, (void **)&E, "embedding"));
   int64_t *offs = (int64_t *)(E + 1), nel;
   tp_status_t st = tp_lk_init(&E->lk, "embedding", cfg->device, cfg->device_id);
-  if (st == TP_SUCCESS) st = tp_partition_sizes(cfg->num_embeddings, world, cfg->partition, NULL, offs, "embedding: partition",
-                                      "the vocabulary size (num_embeddings)");
+  if (st == TP_SUCCESS)
+    st = tp_partition_sizes(cfg->num_embeddings, world, cfg->partition, NULL, offs, "embedding: partition",
+                            "the vocabulary size (num_embeddings)");
   if (st != TP_SUCCESS) {
     tp_host_free(E);
     return st;
@@ -66,9 +69,11 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   int64_t off = offs[rank], loc = offs[rank + 1] - offs[rank];
   if (!tp_numel2(loc, cfg->embedding_dim, &nel)) {
     tp_host_free(E);
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: a table shard of %lld x %lld (num_embeddings %lld, "
-                        "embedding_dim %lld) is too large: at most 2^40 elements per shard", (long long)loc,
-                        (long long)cfg->embedding_dim, (long long)cfg->num_embeddings, (long long)cfg->embedding_dim);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "embedding: a table shard of %lld x %lld (num_embeddings %lld, "
+                        "embedding_dim %lld) is too large: at most 2^40 elements per shard",
+                        (long long)loc, (long long)cfg->embedding_dim, (long long)cfg->num_embeddings,
+                        (long long)cfg->embedding_dim);
   }
   E->comm = comm;
   E->world = world;
@@ -103,7 +108,8 @@ tp_status_t tp_vocab_embedding_create(tp_vocab_embedding_t *out, tp_comm_t comm,
   /* N(0, 1) by Box-Muller: elements 2p and 2p + 1 of the full table are the cosine and sine
    * halves of pair p, drawn from two counter-based uniforms of p (a shard that starts or ends
    * mid-pair draws the whole pair and keeps its half): the same table at any partition. */
-  if (st == TP_SUCCESS) st = lk_init_w(&E->lk, &E->W, 0, nel, E->C, 1, cfg->seed, 2, (uint64_t)off * (uint64_t)E->C, 0.0f, NULL);
+  if (st == TP_SUCCESS)
+    st = lk_init_w(&E->lk, &E->W, 0, nel, E->C, 1, cfg->seed, 2, (uint64_t)off * (uint64_t)E->C, 0.0f, NULL);
   if (st == TP_SUCCESS) st = tp_device_sync(E->dev, E->dev_id, NULL);
   tp_arena_release(&E->lpws); /* the init scratch of a 16-bit table (lookups need none) */
   if (st != TP_SUCCESS) {
@@ -119,16 +125,20 @@ static tp_status_t ensure_grads(tp_vocab_embedding_t E) {
   if (E->grads.base || E->frozen) return TP_SUCCESS;
   size_t total = 0;
   if (!tp_arena_add_n(&total, E->gn, sizeof(float)))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding: the gradient of a %lld x %lld table shard overflows a "
-                        "size", (long long)E->loc, (long long)E->C);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "embedding: the gradient of a %lld x %lld table shard overflows a "
+                        "size",
+                        (long long)E->loc, (long long)E->C);
   tp_status_t st = tp_arena_reserve(&E->grads, total, "embedding: gradient");
   if (st == TP_SUCCESS) st = lk_zero(&E->lk, E->grads.base, E->grads.cap, NULL);
   if (st == TP_SUCCESS) st = tp_device_sync(E->dev, E->dev_id, NULL);
   if (st != TP_SUCCESS) {
     tp_arena_release(&E->grads);
     if (st != TP_ERR_NOMEM) return st;
-    return tp_set_error(TP_ERR_NOMEM, "embedding: out of memory for the gradient of the %lld x %lld table shard (%zu "
-                        "bytes of %s memory)", (long long)E->loc, (long long)E->C, total, tp_device_name(E->dev));
+    return tp_set_error(TP_ERR_NOMEM,
+                        "embedding: out of memory for the gradient of the %lld x %lld table shard (%zu "
+                        "bytes of %s memory)",
+                        (long long)E->loc, (long long)E->C, total, tp_device_name(E->dev));
   }
   E->dw = tp_arena_take_n(&E->grads, E->gn, sizeof(float));
   return TP_SUCCESS;
@@ -169,8 +179,10 @@ static tp_status_t embedding_forward(tp_vocab_embedding_t E, float *y, const int
   int64_t bad[2];
   TP_CHECK(lk_find_out_of_range(&E->lk, E->flag, bad, tokens, M, 0, E->n, stream));
   if (bad[0] >= 0)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: token %lld (position %lld) is out of range "
-                        "0..%lld", (long long)bad[1], (long long)bad[0], (long long)(E->n - 1));
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "embedding forward: token %lld (position %lld) is out of range "
+                        "0..%lld",
+                        (long long)bad[1], (long long)bad[0], (long long)(E->n - 1));
   TP_CHECK(lk_copy(&E->lk, E->tok, tokens, (size_t)M * sizeof(int64_t), stream));
   E->last_m = M;
   if (E->world == 1) return lk_embedding_forward(&E->lk, y, tokens, &E->W, M, E->off, E->loc, E->C, stream);
@@ -191,8 +203,10 @@ tp_status_t tp_vocab_embedding_forward(tp_vocab_embedding_t E, const tp_tensor *
   int64_t M = 0, nel;
   TP_CHECK(tp_check_vector("embedding forward", "tokens", tokens, TP_INT64, -1, E->dev, E->dev_id, &M));
   if (!tp_numel2(M, E->C, &nel))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding forward: %lld tokens is out of range (0 to 2^40 / "
-                        "embedding_dim %lld)", (long long)M, (long long)E->C);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "embedding forward: %lld tokens is out of range (0 to 2^40 / "
+                        "embedding_dim %lld)",
+                        (long long)M, (long long)E->C);
   TP_CHECK(tp_check_matrix("embedding forward", "y", y, TP_FLOAT32, M, E->C, E->dev, E->dev_id, NULL));
   return embedding_forward(E, y->data, tokens->data, M, stream);
 }
@@ -205,8 +219,10 @@ tp_status_t tp_vocab_embedding_backward(tp_vocab_embedding_t E, const tp_tensor 
   TP_CHECK(tp_check_matrix("embedding backward", "dy", dy, TP_FLOAT32, -1, E->C, E->dev, E->dev_id, &M));
   if (E->last_m < 0) return tp_set_error(TP_ERR_INVALID_USAGE, "embedding backward: called before forward");
   if (M != E->last_m)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "embedding backward: dy has %lld rows, the last forward had %lld "
-                        "tokens", (long long)M, (long long)E->last_m);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "embedding backward: dy has %lld rows, the last forward had %lld "
+                        "tokens",
+                        (long long)M, (long long)E->last_m);
   TP_CHECK(ensure_grads(E)); /* local: no collective follows */
   return lk_embedding_backward(&E->lk, E->dw, E->tok, dy->data, M, E->off, E->loc, E->C, stream);
 }
@@ -218,15 +234,15 @@ struct tp_vocab_xent {
   int rank, world;
   tp_device_t dev;
   int dev_id;
-  tp_lk lk;                /* the device's kernels */
-  reg_buf buf;             /* [M row maxima | world widths | world offsets | 2 fingerprints | 2M sums] */
+  tp_lk lk;    /* the device's kernels */
+  reg_buf buf; /* [M row maxima | world widths | world offsets | 2 fingerprints | 2M sums] */
   tp_arena_t ws;
   float *gmax, *sumexp, *rs, *s2; /* s2: 2M sums at world 1 */
-  int64_t *tg;             /* targets of the last forward, -1 where ignored */
-  int64_t *flag;           /* [first bad row, valid rows] from the target check */
-  float *meta;             /* host: the 2 world + 2 metadata values of the max all-reduce (in the handle) */
-  const float *logits;     /* the last forward's logits (the caller keeps them) */
-  int64_t last_m, V, lo;   /* last_m -1 before the first forward */
+  int64_t *tg;                    /* targets of the last forward, -1 where ignored */
+  int64_t *flag;                  /* [first bad row, valid rows] from the target check */
+  float *meta;                    /* host: the 2 world + 2 metadata values of the max all-reduce (in the handle) */
+  const float *logits;            /* the last forward's logits (the caller keeps them) */
+  int64_t last_m, V, lo;          /* last_m -1 before the first forward */
 };
 
 tp_status_t tp_vocab_xent_create(tp_vocab_xent_t *out, tp_comm_t comm, const tp_xent_config_t *cfg) {
@@ -308,14 +324,15 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
     float *wid = X->meta, *offs = X->meta + n, *fp = X->meta + 2 * n;
     for (int p = 0; p < n; p++) wid[p] = offs[p] = -1.0f;
     wid[X->rank] = (float)V;
-    offs[X->rank] = vocab_offset < 0 ? -1.0f : vocab_offset > (1 << 24) ? (float)(1 << 25) : (float)vocab_offset;
+    offs[X->rank] = vocab_offset<0 ? -1.0f : vocab_offset>(1 << 24) ? (float)(1 << 25) : (float)vocab_offset;
     TP_CHECK(tp_device_copy(X->dev, mx + M, TP_DEVICE_CPU, X->meta, (size_t)(2 * n) * sizeof(float), stream));
     TP_CHECK(lk_targets_hash(&X->lk, mx + M + 2 * n, targets, M, ignore_index, stream)); /* fp on the device */
     TP_CHECK(tp_layer_all_reduce(mx, (size_t)(M + 2 * n + 2), TP_MAX, X->comm, "head", stream));
     TP_CHECK(tp_device_copy(TP_DEVICE_CPU, X->meta, X->dev, mx + M, (size_t)(2 * n + 2) * sizeof(float), stream));
     TP_CHECK(tp_device_sync(X->dev, X->dev_id, stream));
     if (fp[0] != -fp[1])
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: the ranks passed different targets or ignore_index "
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "cross-entropy: the ranks passed different targets or ignore_index "
                           "(every rank needs the same targets for its logits shard)");
     total = 0;
     int64_t below = 0, given = 0;
@@ -326,8 +343,10 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
       given += offs[p] >= 0;
     }
     if (given != 0 && given != n)
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: vocab_offset was given on %lld of %d ranks (give "
-                          "it on every rank or on none)", (long long)given, n);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "cross-entropy: vocab_offset was given on %lld of %d ranks (give "
+                          "it on every rank or on none)",
+                          (long long)given, n);
     if (given) { /* the shards must tile [0, total): sort by offset, then they must abut */
       int64_t covered = 0;
       for (int step = 0; step < n; step++) {
@@ -341,9 +360,10 @@ static tp_status_t xent_forward(tp_vocab_xent_t X, float *losses, const float *l
       for (int p = 0; p < n; p++)
         if (wid[p] == 0 && (offs[p] < 0 || (int64_t)offs[p] > total)) empty_ok = 0;
       if (covered != total || !empty_ok)
-        return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy: the ranks' vocab_offset and shard widths do not "
-                            "tile the vocabulary [0, %lld) (this rank: offset %lld, width %lld)", (long long)total,
-                            (long long)vocab_offset, (long long)V);
+        return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                            "cross-entropy: the ranks' vocab_offset and shard widths do not "
+                            "tile the vocabulary [0, %lld) (this rank: offset %lld, width %lld)",
+                            (long long)total, (long long)vocab_offset, (long long)V);
     } else {
       lo = below;
     }
@@ -387,19 +407,25 @@ tp_status_t tp_vocab_xent_forward(tp_vocab_xent_t X, const tp_tensor *losses, co
                         logits->ndim);
   int64_t M = logits->shape[0], V = logits->shape[1], nel;
   if (M < 0 || V < 0 || !tp_numel2(M, V, &nel) || M > INT_MAX / 4)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: logits of %lld rows x %lld columns is out of "
-                        "range", (long long)M, (long long)V);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "cross-entropy forward: logits of %lld rows x %lld columns is out of "
+                        "range",
+                        (long long)M, (long long)V);
   TP_CHECK(tp_check_matrix(op, "logits", logits, TP_FLOAT32, M, V, X->dev, X->dev_id, NULL));
   TP_CHECK(tp_check_vector(op, "targets", targets, TP_INT64, M, X->dev, X->dev_id, NULL));
   TP_CHECK(tp_check_vector(op, "losses", losses, TP_FLOAT32, M, X->dev, X->dev_id, NULL));
   /* lo + V must not overflow where it is computed (one rank).  With several ranks the
    * offsets are checked together, so that a bad one fails every rank alike. */
   if (X->world == 1 && vocab_offset > INT64_MAX - V)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: vocab_offset must be at most 2^63 - 1 - "
-                        "the shard width %lld, got %lld", (long long)V, (long long)vocab_offset);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "cross-entropy forward: vocab_offset must be at most 2^63 - 1 - "
+                        "the shard width %lld, got %lld",
+                        (long long)V, (long long)vocab_offset);
   if (V > (1 << 24))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cross-entropy forward: a shard of %lld vocabulary entries is wider "
-                        "than 2^24", (long long)V);
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "cross-entropy forward: a shard of %lld vocabulary entries is wider "
+                        "than 2^24",
+                        (long long)V);
   return xent_forward(X, losses->data, logits->data, targets->data, M, V, vocab_offset, ignore_index, valid, vocab,
                       stream);
 }

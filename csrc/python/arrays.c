@@ -16,7 +16,7 @@ static int is_bfloat16(PyArray_Descr *d) {
   return strcmp(dot ? dot + 1 : name, "bfloat16") == 0;
 }
 
-static int dtype_of(PyArray_Descr *d, tp_dtype_t *out) {
+int descr_dtype(PyArray_Descr *d, tp_dtype_t *out) {
   char kind = d->kind;
   int size = (int)PyDataType_ELSIZE(d);
   if (d->byteorder == '>') return 0;
@@ -37,9 +37,9 @@ int buf_readonly_error(const char *op, const char *arg) {
   if (strcmp(arg, "x") == 0)
     PyErr_Format(PyExc_ValueError,
                  "%s: x is read-only, but the in-place operation writes into it; pass out= to get "
-                 "the result elsewhere", op);
-  else
-    PyErr_Format(PyExc_ValueError, "%s: %s is read-only but the operation writes into it", op, arg);
+                 "the result elsewhere",
+                 op);
+  else PyErr_Format(PyExc_ValueError, "%s: %s is read-only but the operation writes into it", op, arg);
   return -1;
 }
 
@@ -47,17 +47,18 @@ int buf_readonly_error(const char *op, const char *arg) {
  * the op writes into it.  Errors name the op and the argument. */
 int get_host_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t *b) {
   if (!PyArray_Check(obj)) {
-    PyErr_Format(PyExc_TypeError, "%s: %s must be a NumPy array (or a CPU tensor with __dlpack__), got %s",
-                 op, arg, Py_TYPE(obj)->tp_name);
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a NumPy array (or a CPU tensor with __dlpack__), got %s", op, arg,
+                 Py_TYPE(obj)->tp_name);
     return -1;
   }
   PyArrayObject *a = (PyArrayObject *)obj;
   PyArray_Descr *d = PyArray_DESCR(a);
-  if (!dtype_of(d, &b->dtype)) {
+  if (!descr_dtype(d, &b->dtype)) {
     PyObject *s = PyObject_Str((PyObject *)d);
     PyErr_Format(PyExc_TypeError,
                  "%s: %s has dtype %s; expected one of float32, float64, float16, bfloat16, int8, "
-                 "uint8, int32, int64 (native byte order)", op, arg, s ? PyUnicode_AsUTF8(s) : "?");
+                 "uint8, int32, int64 (native byte order)",
+                 op, arg, s ? PyUnicode_AsUTF8(s) : "?");
     Py_XDECREF(s);
     return -1;
   }
@@ -67,9 +68,12 @@ int get_host_buf(PyObject *obj, const char *op, const char *arg, int writable, b
     PyObject *s1 = strides ? PyObject_Str(strides) : NULL, *s2 = shape ? PyObject_Str(shape) : NULL;
     PyErr_Format(PyExc_ValueError,
                  "%s: %s must be C-contiguous, got shape %s with strides %s; pass "
-                 "numpy.ascontiguousarray(%s)", op, arg, s2 ? PyUnicode_AsUTF8(s2) : "?",
-                 s1 ? PyUnicode_AsUTF8(s1) : "?", arg);
-    Py_XDECREF(strides); Py_XDECREF(shape); Py_XDECREF(s1); Py_XDECREF(s2);
+                 "numpy.ascontiguousarray(%s)",
+                 op, arg, s2 ? PyUnicode_AsUTF8(s2) : "?", s1 ? PyUnicode_AsUTF8(s1) : "?", arg);
+    Py_XDECREF(strides);
+    Py_XDECREF(shape);
+    Py_XDECREF(s1);
+    Py_XDECREF(s2);
     return -1;
   }
   if (!PyArray_ISALIGNED(a)) {
@@ -107,8 +111,10 @@ int get_buf(PyObject *obj, const char *op, const char *arg, int writable, buf_t 
   if (PyArray_Check(obj)) return get_host_buf(obj, op, arg, writable, b);
   int r = devarray_buf(obj, op, arg, writable, b);
   if (r <= 0) return r;
-  PyErr_Format(PyExc_TypeError, "%s: %s must be a NumPy array or a tpcore.DeviceArray (or a tensor with "
-               "__dlpack__), got %s", op, arg, Py_TYPE(obj)->tp_name);
+  PyErr_Format(PyExc_TypeError,
+               "%s: %s must be a NumPy array or a tpcore.DeviceArray (or a tensor with "
+               "__dlpack__), got %s",
+               op, arg, Py_TYPE(obj)->tp_name);
   return -1;
 }
 
@@ -144,7 +150,8 @@ int matrix_arg(PyObject *x, const char *op, const char *arg, int64_t cols, int64
   }
   if (PyArray_NDIM(a) != 2 || PyArray_DIM(a, 1) != cols) {
     PyErr_Format(PyExc_ValueError, "%s: %s must have shape (rows, %lld), got %d dimensions with last %lld", op, arg,
-                 (long long)cols, PyArray_NDIM(a), PyArray_NDIM(a) ? (long long)PyArray_DIM(a, PyArray_NDIM(a) - 1) : 0LL);
+                 (long long)cols, PyArray_NDIM(a),
+                 PyArray_NDIM(a) ? (long long)PyArray_DIM(a, PyArray_NDIM(a) - 1) : 0LL);
     return -1;
   }
   *rows = PyArray_DIM(a, 0);
@@ -193,7 +200,9 @@ int parse_weight_dtype(PyObject *o, const char *op, tp_dtype_t *dt) {
   tp_dtype_t f;
   if (name && tp_dtype_from_name(name, &f) && tp_weight_format(f, NULL, NULL, NULL)) return *dt = f, 0;
   PyErr_Clear();
-  PyErr_Format(PyExc_ValueError, "%s: weight_dtype must be 'float32', 'bfloat16', 'float16', 'int8', 'q8_0', 'q4_0', "
-               "'q4_1', 'q4_k', 'q5_k' or 'q6_k', got %R", op, o);
+  PyErr_Format(PyExc_ValueError,
+               "%s: weight_dtype must be 'float32', 'bfloat16', 'float16', 'int8', 'q8_0', 'q4_0', "
+               "'q4_1', 'q4_k', 'q5_k' or 'q6_k', got %R",
+               op, o);
   return -1;
 }

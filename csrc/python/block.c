@@ -6,8 +6,7 @@
 #include "ext.h"
 
 typedef struct {
-  PyObject_HEAD
-  tp_block_t K;
+  PyObject_HEAD tp_block_t K;
   CommObject *comm;
   int64_t C;
   tp_device_t device; /* where its parameters, KV cache and tensors live */
@@ -15,9 +14,10 @@ typedef struct {
 } BlockObject;
 
 static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"comm", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "norm", "eps", "activation",
-                           "pre_norm", "bias", "causal", "rope_theta", "head_partition", "ffn_partition", "seed",
-                           "attention_only", "device", "weight_dtype", NULL};
+  static char *kwlist[] = {"comm",       "hidden",         "heads",      "kv_heads",       "head_dim",
+                           "ffn_hidden", "norm",           "eps",        "activation",     "pre_norm",
+                           "bias",       "causal",         "rope_theta", "head_partition", "ffn_partition",
+                           "seed",       "attention_only", "device",     "weight_dtype",   NULL};
   PyObject *commo, *hpart = Py_None, *fpart = Py_None, *dim_o[5], *seed_o = NULL, *dev_o = Py_None, *wdt_o = Py_None;
   long long dims[5]; /* hidden, heads, kv_heads (0: = heads), head_dim, ffn_hidden */
   static const char *dim_names[5] = {"hidden", "heads", "kv_heads", "head_dim", "ffn_hidden"};
@@ -123,8 +123,7 @@ static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
       return NULL;
     }
     M = tx.shape[0];
-  } else if (matrix_arg(x, "block forward", "x", self->C, &M) < 0)
-    return NULL;
+  } else if (matrix_arg(x, "block forward", "x", self->C, &M) < 0) return NULL;
   PyObject *res = NULL; /* from here on, failures go to done (which drops kx) */
 #define BLK_FAIL goto done
   if (__builtin_mul_overflow(B, T, &BT) || M != BT) {
@@ -241,8 +240,7 @@ static PyObject *blk_params(PyObject *o, PyObject *unused) {
     int nd = p[i].ndim;
     PyObject *a, *g;
     if (self->device != TP_DEVICE_CPU) { /* DeviceArray views of the GPU's memory */
-      a = device_param_view_dt(st, o, p[i].data, p[i].dtype, nd, p[i].rows, p[i].cols, self->device,
-                               self->device_id);
+      a = device_param_view_dt(st, o, p[i].data, p[i].dtype, nd, p[i].rows, p[i].cols, self->device, self->device_id);
       g = a ? device_param_view(st, o, p[i].grad, nd, p[i].rows, p[i].cols, self->device, self->device_id) : NULL;
     } else {
       a = owned_view_dt(o, p[i].data, p[i].dtype, nd, p[i].rows, p[i].cols);
@@ -313,7 +311,8 @@ static PyObject *blk_workspace_id(PyObject *o, void *unused) {
 }
 
 static PyGetSetDef blk_getset[] = {
-    {"shared_workspace_bytes", blk_workspace_bytes, NULL, "(activation, communication) bytes of the shared inference workspace", NULL},
+    {"shared_workspace_bytes", blk_workspace_bytes, NULL,
+     "(activation, communication) bytes of the shared inference workspace", NULL},
     {"shared_workspace_id", blk_workspace_id, NULL, "which shared workspace it uses (0: none; equal: the same one)",
      NULL},
     {"info", blk_info, NULL, "this rank's heads and the KV cache's capacity", NULL},
@@ -338,12 +337,14 @@ static PyObject *blk_memory(PyObject *o, PyObject *unused) {
 
 static PyMethodDef blk_methods[] = {
     {"alloc_grads", blk_alloc_grads, METH_NOARGS, "alloc_grads(): allocate every gradient (zeroed) now; idempotent"},
-    {"memory", blk_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
+    {"memory", blk_memory, METH_NOARGS,
+     "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", (PyCFunction)(void (*)(void))blk_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) -> y"},
     {"backward", blk_backward, METH_VARARGS, "backward(dy[B*T, C], out=None) -> dx; accumulates the gradients"},
     {"cache", blk_cache, METH_VARARGS, "cache(batch, max_len): (re)allocate the KV cache"},
-    {"params", blk_params, METH_NOARGS, "{name: (param, grad)} views of this rank's shard (grad None until "
+    {"params", blk_params, METH_NOARGS,
+     "{name: (param, grad)} views of this rank's shard (grad None until "
      "alloc_grads / backward, and for a quantized weight)"},
     {"share_workspace", blk_share_workspace, METH_O,
      "share_workspace(other): inference forwards carve other's shared workspace (made when it has none)"},
@@ -355,7 +356,8 @@ static PyType_Slot blk_slots[] = {
     {Py_tp_dealloc, blk_dealloc},
     {Py_tp_methods, blk_methods},
     {Py_tp_getset, blk_getset},
-    {Py_tp_doc, "TransformerBlock(comm, hidden, heads, kv_heads, head_dim, ffn_hidden, ...): use tpcore.TransformerBlock"},
+    {Py_tp_doc,
+     "TransformerBlock(comm, hidden, heads, kv_heads, head_dim, ffn_hidden, ...): use tpcore.TransformerBlock"},
     {0, NULL},
 };
 

@@ -28,9 +28,12 @@ static int parse_op(PyObject *o, const char *op, tp_redop_t *out) {
         *out = (tp_redop_t)i;
         return 0;
       }
-    if (strcmp(s, "mean") == 0) { *out = TP_AVG; return 0; }
-    PyErr_Format(PyExc_ValueError, "%s: op must be one of 'sum', 'prod', 'min', 'max', 'avg' or 'mean' (avg's alias), got '%s'",
-                 op, s);
+    if (strcmp(s, "mean") == 0) {
+      *out = TP_AVG;
+      return 0;
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "%s: op must be one of 'sum', 'prod', 'min', 'max', 'avg' or 'mean' (avg's alias), got '%s'", op, s);
     return -1;
   }
   PyErr_Format(PyExc_TypeError, "%s: op must be a string ('sum', 'prod', 'min', 'max', 'avg' or 'mean'), got %s", op,
@@ -41,8 +44,7 @@ static int parse_op(PyObject *o, const char *op, tp_redop_t *out) {
 /* ------------------------------------------------------------ SharedBuffer */
 
 typedef struct {
-  PyObject_HEAD
-  tp_mem_t mem;
+  PyObject_HEAD tp_mem_t mem;
   void *ptr;
   Py_ssize_t nbytes;
   Py_ssize_t exports;
@@ -87,8 +89,9 @@ static PyType_Slot sb_slots[] = {
     {Py_tp_getset, sb_getset},
     {Py_bf_getbuffer, sb_getbuffer},
     {Py_bf_releasebuffer, sb_releasebuffer},
-    {Py_tp_doc, "Memory shared with the peers of a communicator (registered); "
-                "exposes the buffer protocol."},
+    {Py_tp_doc,
+     "Memory shared with the peers of a communicator (registered); "
+     "exposes the buffer protocol."},
     {0, NULL},
 };
 
@@ -106,8 +109,8 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   int world, rank, spin_us = -1, device_id = -1;
   const char *job, *backend = "shm";
   double timeout = -1;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iis|dsii:Comm", kwlist, &world, &rank, &job, &timeout,
-                                   &backend, &spin_us, &device_id))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iis|dsii:Comm", kwlist, &world, &rank, &job, &timeout, &backend, &spin_us,
+                                   &device_id))
     return NULL;
   module_state *st = state_of_type(type);
   if (!st) return NULL;
@@ -177,7 +180,9 @@ static PyObject *comm_all_reduce(PyObject *o, PyObject *const *args, Py_ssize_t 
     PyErr_SetString(PyExc_TypeError, "all_reduce(x, out, op) takes 3 positional arguments");
     return NULL;
   }
-  x = args[0]; out = args[1]; opo = args[2];
+  x = args[0];
+  out = args[1];
+  opo = args[2];
   if (!live(self, "all_reduce")) return NULL;
   buf_t bx, bo;
   tp_redop_t op;
@@ -185,8 +190,8 @@ static PyObject *comm_all_reduce(PyObject *o, PyObject *const *args, Py_ssize_t 
       same_dtype("all_reduce", "x", &bx, "out", &bo) < 0 || parse_op(opo, "all_reduce", &op) < 0)
     return NULL;
   if (bx.count != bo.count) {
-    PyErr_Format(PyExc_ValueError, "all_reduce: out has %zu elements but x has %zu; they must match",
-                 bo.count, bx.count);
+    PyErr_Format(PyExc_ValueError, "all_reduce: out has %zu elements but x has %zu; they must match", bo.count,
+                 bx.count);
     return NULL;
   }
   tp_status_t s;
@@ -247,8 +252,10 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
     memcpy(dims, PyArray_DIMS(xa), sizeof(npy_intp) * (size_t)nd);
     if (scatter) {
       if (dims[0] % size) {
-        PyErr_Format(PyExc_ValueError, "reduce_scatter: x has length %zd along axis 0, which does not split "
-                     "evenly over %d ranks", (Py_ssize_t)dims[0], size);
+        PyErr_Format(PyExc_ValueError,
+                     "reduce_scatter: x has length %zd along axis 0, which does not split "
+                     "evenly over %d ranks",
+                     (Py_ssize_t)dims[0], size);
         return NULL;
       }
       dims[0] /= size;
@@ -290,34 +297,30 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
     }
   if (!scatter) {
     if (bx.count != counts[rank]) {
-      PyErr_Format(PyExc_ValueError, "all_gather: x has %zu elements but counts[%d] is %zu", bx.count,
-                   rank, counts[rank]);
+      PyErr_Format(PyExc_ValueError, "all_gather: x has %zu elements but counts[%d] is %zu", bx.count, rank,
+                   counts[rank]);
       goto fail;
     }
     if (bo.count != total) {
-      PyErr_Format(PyExc_ValueError,
-                   "all_gather: out has %zu elements, expected %zu (the ranks' parts together)",
+      PyErr_Format(PyExc_ValueError, "all_gather: out has %zu elements, expected %zu (the ranks' parts together)",
                    bo.count, total);
       goto fail;
     }
   } else {
     if (bx.count != total) {
-      PyErr_Format(PyExc_ValueError,
-                   "reduce_scatter: x has %zu elements, expected %zu (the ranks' parts together)",
+      PyErr_Format(PyExc_ValueError, "reduce_scatter: x has %zu elements, expected %zu (the ranks' parts together)",
                    bx.count, total);
       goto fail;
     }
     if (bo.count != counts[rank]) {
-      PyErr_Format(PyExc_ValueError, "reduce_scatter: out has %zu elements but this rank's part is %zu",
-                   bo.count, counts[rank]);
+      PyErr_Format(PyExc_ValueError, "reduce_scatter: out has %zu elements but this rank's part is %zu", bo.count,
+                   counts[rank]);
       goto fail;
     }
   }
   tp_status_t s;
-  if (scatter)
-    COMM_CALL(self, s, tp_reduce_scatter_v(bx.data, bo.data, counts, bx.dtype, op, c_, NULL));
-  else
-    COMM_CALL(self, s, tp_all_gather_v(bx.data, bo.data, counts, bx.dtype, c_, NULL));
+  if (scatter) COMM_CALL(self, s, tp_reduce_scatter_v(bx.data, bo.data, counts, bx.dtype, op, c_, NULL));
+  else COMM_CALL(self, s, tp_all_gather_v(bx.data, bo.data, counts, bx.dtype, c_, NULL));
   PyMem_Free(counts);
   if (s != TP_SUCCESS) {
     Py_XDECREF(made);
@@ -501,8 +504,8 @@ static PyObject *comm_stats(PyObject *o, PyObject *unused) {
     Py_DECREF(r);
   }
   return Py_BuildValue("{s:K,s:K,s:K,s:d,s:O,s:N}", "calls", (unsigned long long)s.collectives, "bytes",
-                       (unsigned long long)s.bytes, "zero_copy", (unsigned long long)s.zero_copy,
-                       "seconds", s.seconds, "single_copy", s.single_copy ? Py_True : Py_False, "regions", regions);
+                       (unsigned long long)s.bytes, "zero_copy", (unsigned long long)s.zero_copy, "seconds", s.seconds,
+                       "single_copy", s.single_copy ? Py_True : Py_False, "regions", regions);
 }
 
 /* An optional int field: None when < 0. */
@@ -524,13 +527,16 @@ static PyObject *comm_history(PyObject *o, PyObject *unused) {
     const tp_coll_record_t *e = &recs[i];
     int p2p = e->seq == 0;
     PyObject *d = Py_BuildValue(
-        "{s:N,s:s,s:N,s:N,s:K,s:N,s:N,s:N,s:s,s:s,s:d,s:N,s:s}", "seq", p2p ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(e->seq),
-        "op", e->op, "redop", e->redop >= 0 ? PyUnicode_FromString(tp_redop_name((tp_redop_t)e->redop)) : Py_NewRef(Py_None),
-        "dtype", e->dtype >= 0 ? PyUnicode_FromString(tp_dtype_name((tp_dtype_t)e->dtype)) : Py_NewRef(Py_None),
-        "count", (unsigned long long)e->count, "root", opt_int(p2p ? -1 : e->root), "peer", opt_int(p2p ? e->root : -1),
-        "src", opt_int(e->src), "site", e->site, "region", e->region, "start", e->start,
-        "seconds", e->seconds >= 0 ? PyFloat_FromDouble(e->seconds) : Py_NewRef(Py_None),
-        "status", e->status == TP_SUCCESS ? "ok" : e->status == TP_IN_PROGRESS ? "in progress" : tp_status_name(e->status));
+        "{s:N,s:s,s:N,s:N,s:K,s:N,s:N,s:N,s:s,s:s,s:d,s:N,s:s}", "seq",
+        p2p ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(e->seq), "op", e->op, "redop",
+        e->redop >= 0 ? PyUnicode_FromString(tp_redop_name((tp_redop_t)e->redop)) : Py_NewRef(Py_None), "dtype",
+        e->dtype >= 0 ? PyUnicode_FromString(tp_dtype_name((tp_dtype_t)e->dtype)) : Py_NewRef(Py_None), "count",
+        (unsigned long long)e->count, "root", opt_int(p2p ? -1 : e->root), "peer", opt_int(p2p ? e->root : -1), "src",
+        opt_int(e->src), "site", e->site, "region", e->region, "start", e->start, "seconds",
+        e->seconds >= 0 ? PyFloat_FromDouble(e->seconds) : Py_NewRef(Py_None), "status",
+        e->status == TP_SUCCESS       ? "ok"
+        : e->status == TP_IN_PROGRESS ? "in progress"
+                                      : tp_status_name(e->status));
     if (!d) {
       Py_CLEAR(list);
       break;
@@ -669,8 +675,9 @@ static PyType_Slot comm_slots[] = {
     {Py_tp_dealloc, comm_dealloc},
     {Py_tp_methods, comm_methods},
     {Py_tp_getset, comm_getset},
-    {Py_tp_doc, "Comm(world_size, rank, job_id, timeout=-1, backend='shm', spin_us=-1): "
-                "a communicator of the C core.  Use tpcore.init / tpcore.spawn instead."},
+    {Py_tp_doc,
+     "Comm(world_size, rank, job_id, timeout=-1, backend='shm', spin_us=-1): "
+     "a communicator of the C core.  Use tpcore.init / tpcore.spawn instead."},
     {0, NULL},
 };
 

@@ -1,5 +1,5 @@
 /*
- * cuda.c: the extension's face of the CUDA plugin loader (core/plugin.c) and of the
+ * cuda.c: the extension's face of the CUDA plugin loader (cuda/cuda_load.c) and of the
  * run-time library finder (core/dynlib.c).  python/tpcore/_cuda.py uses these; nothing
  * here loads the plugin unless asked (`import tpcore` never does).
  *   _cuda_load(path=None)      tp_cuda_load; RuntimeError with the reason when it fails
@@ -19,6 +19,7 @@
 #include <dlfcn.h>
 
 #include "../core/dynlib.h"
+#include "../cuda/cuda_load.h"
 #include "../devices/device_impl.h"
 
 #ifndef TPCORE_CUDA_WHY_NOT_STR /* setup.py: "" when the plugin was built, else why not */
@@ -27,8 +28,9 @@
 
 static PyObject *raise_core(tp_status_t s) {
   const char *msg = tp_last_error();
-  PyErr_SetString(s == TP_ERR_INVALID_ARGUMENT ? PyExc_ValueError : s == TP_ERR_NOMEM ? PyExc_MemoryError
-                                                                                      : PyExc_RuntimeError,
+  PyErr_SetString(s == TP_ERR_INVALID_ARGUMENT ? PyExc_ValueError
+                  : s == TP_ERR_NOMEM          ? PyExc_MemoryError
+                                               : PyExc_RuntimeError,
                   msg && *msg ? msg : tp_status_name(s));
   return NULL;
 }
@@ -41,10 +43,8 @@ static PyObject *cuda_load(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     if (!path) return NULL;
   }
   tp_status_t s;
-  Py_BEGIN_ALLOW_THREADS
-  s = tp_cuda_load(path);
-  Py_END_ALLOW_THREADS
-  if (s != TP_SUCCESS) return raise_core(s);
+  Py_BEGIN_ALLOW_THREADS s = tp_cuda_load(path);
+  Py_END_ALLOW_THREADS if (s != TP_SUCCESS) return raise_core(s);
   Py_RETURN_NONE;
 }
 
@@ -105,10 +105,8 @@ static PyObject *find_library(PyObject *m, PyObject *args) {
   int n;
   if (str_list(names, "_find_library", "sonames", &sonames, &n) < 0) return NULL;
   void *h;
-  Py_BEGIN_ALLOW_THREADS
-  h = tp_dynlib_open(what, env, sonames, n);
-  Py_END_ALLOW_THREADS
-  PyMem_Free(sonames);
+  Py_BEGIN_ALLOW_THREADS h = tp_dynlib_open(what, env, sonames, n);
+  Py_END_ALLOW_THREADS PyMem_Free(sonames);
   if (!h) return raise_core(tp_last_status());
   PyObject *path = PyUnicode_FromString(tp_dynlib_path(h));
   dlclose(h); /* the handle's users open it again; a search only says where */
@@ -120,8 +118,7 @@ static PyObject *library_searches(PyObject *m, PyObject *unused) {
   char what[64], result[1024];
   int found;
   for (int i = 0; out && (found = tp_dynlib_search_result(i, what, sizeof what, result, sizeof result)) >= 0; i++) {
-    PyObject *entry = Py_BuildValue("{s:O,s:s}", "found", found ? Py_True : Py_False, found ? "path" : "error",
-                                    result);
+    PyObject *entry = Py_BuildValue("{s:O,s:s}", "found", found ? Py_True : Py_False, found ? "path" : "error", result);
     if (!entry || PyDict_SetItemString(out, what, entry) < 0) Py_CLEAR(out);
     Py_XDECREF(entry);
   }
@@ -150,9 +147,9 @@ static tp_status_t selftest(tp_device_t d, int id, size_t n, unsigned char *src,
   tp_status_t s;
   for (size_t i = 0; i < n; i++) src[i] = (unsigned char)(i * 7 + 3);
   if ((s = tp_device_alloc(d, id, n, &a)) || (s = tp_device_alloc(d, id, n, &b))) goto out;
-  if ((s = tp_device_copy(d, a, TP_DEVICE_CPU, src, n, NULL))) goto out;          /* host -> device */
+  if ((s = tp_device_copy(d, a, TP_DEVICE_CPU, src, n, NULL))) goto out; /* host -> device */
   if ((s = tp_device_memset(d, b, 0x5a, n, NULL))) goto out;
-  if ((s = tp_device_copy(d, b, d, a, n / 2, NULL))) goto out;                    /* device -> device, half */
+  if ((s = tp_device_copy(d, b, d, a, n / 2, NULL))) goto out; /* device -> device, half */
   /* 2-D, host -> device: 2 rows of n/8 bytes at pitch n/4, src's second half into b's */
   size_t rows = 2, width = n / 8, pitch = n / 4;
   if ((s = tp_device_copy_2d(d, (char *)b + n / 2, pitch, TP_DEVICE_CPU, src + n / 2, pitch, width, rows, NULL)))
@@ -164,7 +161,7 @@ static tp_status_t selftest(tp_device_t d, int id, size_t n, unsigned char *src,
   *owns_dev = od == d;
   tp_pointer_device(src, &od, NULL);
   *owns_host = od != TP_DEVICE_CPU;
-  if ((s = tp_device_copy(TP_DEVICE_CPU, back, d, b, n, NULL))) goto out;         /* device -> host */
+  if ((s = tp_device_copy(TP_DEVICE_CPU, back, d, b, n, NULL))) goto out; /* device -> host */
 out:
   tp_device_free(d, id, a);
   tp_device_free(d, id, b);
@@ -186,11 +183,9 @@ static PyObject *device_selftest(PyObject *m, PyObject *args) {
   }
   int owns_dev = 0, owns_host = 1, owns_id = -1, done = -1;
   tp_status_t s;
-  Py_BEGIN_ALLOW_THREADS
-  s = selftest((tp_device_t)device, id, (size_t)n, (unsigned char *)PyBytes_AS_STRING(src),
-               (unsigned char *)PyBytes_AS_STRING(back), &owns_dev, &owns_host, &owns_id, &done);
-  Py_END_ALLOW_THREADS
-  if (s != TP_SUCCESS) {
+  Py_BEGIN_ALLOW_THREADS s = selftest((tp_device_t)device, id, (size_t)n, (unsigned char *)PyBytes_AS_STRING(src),
+                                      (unsigned char *)PyBytes_AS_STRING(back), &owns_dev, &owns_host, &owns_id, &done);
+  Py_END_ALLOW_THREADS if (s != TP_SUCCESS) {
     Py_DECREF(src);
     Py_DECREF(back);
     return raise_core(s);

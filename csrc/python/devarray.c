@@ -13,32 +13,16 @@
  * the data is made ready on the consumer's stream (tp_device_stream_wait: the
  * consumer's stream waits for tpcore's, the legacy default stream).
  * Module functions: parse_device, from_dlpack (a zero-copy view of any producer),
- * asarray (to a device, copy=True/False/None).
+ * asarray (to a device, copy=True/False/None).  The export (__dlpack__,
+ * __dlpack_device__) is devarray_dlpack.c; devarray_impl.h is what the two share.
  */
-#include "ext.h"
-#include "dlpack_abi.h"
-#include "../core/core_impl.h"
+#include "devarray_impl.h"
 
 #include <stdlib.h>
 
-/* dlpack.c */
-int dlpack_import(PyObject *obj, const char *op, const char *arg, int writable, tp_tensor *t, PyObject **hold,
-                  int *readonly);
-DLDataType dlpack_dtype_of(tp_dtype_t t);
-const char *dlpack_cuda_status(void);
+#include "../core/core_impl.h"
 
-typedef struct {
-  PyObject_HEAD
-  tp_tensor t;
-  size_t nbytes;
-  void *alloc;    /* owned device memory, or NULL */
-  PyObject *base; /* owner of viewed memory, or NULL */
-  int readonly;
-} DevArray;
-
-static PyObject *device_str(tp_device_t t, int id) {
-  return PyUnicode_FromFormat("%s:%d", tp_device_name(t), id);
-}
+static PyObject *device_str(tp_device_t t, int id) { return PyUnicode_FromFormat("%s:%d", tp_device_name(t), id); }
 
 static PyObject *m_from_dlpack(PyObject *m, PyObject *args, PyObject *kw);
 
@@ -91,7 +75,7 @@ static PyObject *devarray_view(PyTypeObject *type, const tp_tensor *t, PyObject 
 }
 
 /* A copy of a on (dev, id), synchronised (the host can read it at once). */
-static PyObject *devarray_copy_to(DevArray *a, tp_device_t dev, int id) {
+PyObject *devarray_copy_to(DevArray *a, tp_device_t dev, int id) {
   PyObject *o = devarray_alloc(Py_TYPE(a), dev, id, a->t.dtype, a->t.ndim, a->t.shape);
   if (!o || a->nbytes == 0) return o;
   DevArray *b = (DevArray *)o;
@@ -154,8 +138,10 @@ static PyObject *da_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   int id;
   if (parse_shape(shape_o, &ndim, shape) < 0) return NULL;
   if (!tp_dtype_from_name(dtn, &dt) || !tp_dtype_size(dt)) { /* (the weight formats, q8_0 ...: not tensor dtypes) */
-    PyErr_Format(PyExc_ValueError, "DeviceArray: dtype '%s' is not known; expected one of float32, float64, "
-                 "float16, bfloat16, int8, uint8, int32, int64", dtn);
+    PyErr_Format(PyExc_ValueError,
+                 "DeviceArray: dtype '%s' is not known; expected one of float32, float64, "
+                 "float16, bfloat16, int8, uint8, int32, int64",
+                 dtn);
     return NULL;
   }
   if (parse_device(dev_o, "DeviceArray", &dev, &id) < 0) return NULL;
@@ -183,199 +169,6 @@ static void da_dealloc(PyObject *self) {
   Py_DECREF(tp);
 }
 
-/* ------------------------------------------------------------ export */
-
-typedef struct {
-  union {
-    DLManagedTensorVersioned v;
-    DLManagedTensor l;
-  } m; /* first: the deleter's argument is this struct */
-  int64_t shape[TP_MAX_DIMS], strides[TP_MAX_DIMS];
-  PyObject *owner;
-} export_t;
-
-static void export_free(export_t *e) {
-  if (!e) return;
-  if (e->owner) {
-    PyGILState_STATE g = PyGILState_Ensure();
-    Py_DECREF(e->owner);
-    PyGILState_Release(g);
-  }
-  free(e);
-}
-static void del_versioned(DLManagedTensorVersioned *m) { export_free((export_t *)m); }
-static void del_legacy(DLManagedTensor *m) { export_free((export_t *)m); }
-
-static void capsule_destructor(PyObject *cap) {
-  /* a capsule a consumer took is named used_...: its consumer calls the deleter */
-  if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
-    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
-    if (m && m->deleter) m->deleter(m);
-  } else if (PyCapsule_IsValid(cap, "dltensor")) {
-    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
-    if (m && m->deleter) m->deleter(m);
-  }
-  PyErr_Clear();
-}
-
-/* The consumer's stream value of the array API -> tp_stream_t; -1: no wait asked. */
-static int consumer_stream(DevArray *a, PyObject *stream, int *skip, tp_stream_t *out) {
-  *skip = 1;
-  *out = NULL;
-  if (stream == Py_None) return 0;
-  long long v = PyLong_AsLongLong(stream);
-  if (v == -1 && PyErr_Occurred()) {
-    PyErr_Clear();
-    PyErr_Format(PyExc_TypeError, "DeviceArray.__dlpack__: stream must be None or an int, got %s",
-                 Py_TYPE(stream)->tp_name);
-    return -1;
-  }
-  if (a->t.device == TP_DEVICE_CPU) {
-    if (v == -1) return 0;
-    PyErr_Format(PyExc_ValueError, "DeviceArray.__dlpack__: a CPU array takes stream=None, got %lld", v);
-    return -1;
-  }
-  if (v == 0) {
-    PyErr_SetString(PyExc_ValueError, "DeviceArray.__dlpack__: stream=0 is ambiguous for CUDA and disallowed by the "
-                    "array API; pass 1 (legacy default), 2 (per-thread default) or a cudaStream_t");
-    return -1;
-  }
-  if (v == -1 || v == 1) return 0; /* no sync asked / tpcore's own stream (legacy default) */
-  if (v < -1) {
-    PyErr_Format(PyExc_ValueError, "DeviceArray.__dlpack__: stream %lld is not a valid CUDA stream", v);
-    return -1;
-  }
-  *skip = 0;
-  *out = (tp_stream_t)(uintptr_t)v; /* 2 = cudaStreamPerThread */
-  return 0;
-}
-
-static PyObject *da_dlpack(PyObject *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
-  PyObject *stream = Py_None, *maxv = Py_None, *dldev = Py_None, *copy = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", kwlist, &stream, &maxv, &dldev, &copy))
-    return NULL;
-  DevArray *a = (DevArray *)self;
-  int versioned = 0;
-  if (maxv != Py_None) {
-    long major = -1;
-    if (PyTuple_Check(maxv) && PyTuple_GET_SIZE(maxv) == 2) major = PyLong_AsLong(PyTuple_GET_ITEM(maxv, 0));
-    if (major == -1 && PyErr_Occurred()) PyErr_Clear();
-    if (!PyTuple_Check(maxv) || PyTuple_GET_SIZE(maxv) != 2) {
-      PyErr_SetString(PyExc_TypeError, "DeviceArray.__dlpack__: max_version must be None or a (major, minor) tuple");
-      return NULL;
-    }
-    versioned = major >= 1;
-  }
-  int want_copy = 0;
-  if (copy != Py_None) {
-    int c = PyObject_IsTrue(copy);
-    if (c < 0) return NULL;
-    want_copy = c;
-  }
-  tp_device_t to_dev = a->t.device;
-  int to_id = a->t.device_id;
-  if (dldev != Py_None) {
-    long dt = -1, di = -1;
-    if (PyTuple_Check(dldev) && PyTuple_GET_SIZE(dldev) == 2) {
-      dt = PyLong_AsLong(PyTuple_GET_ITEM(dldev, 0));
-      di = PyLong_AsLong(PyTuple_GET_ITEM(dldev, 1));
-    }
-    if (PyErr_Occurred() || dt < 0) {
-      PyErr_Clear();
-      PyErr_SetString(PyExc_TypeError, "DeviceArray.__dlpack__: dl_device must be a (device_type, device_id) tuple");
-      return NULL;
-    }
-    if (dt == TP_kDLCPU) to_dev = TP_DEVICE_CPU, to_id = 0;
-    else if (dt == TP_kDLCUDA) to_dev = TP_DEVICE_CUDA, to_id = (int)di;
-    else {
-      PyErr_Format(PyExc_BufferError, "DeviceArray.__dlpack__: cannot export to DLPack device type %ld", dt);
-      return NULL;
-    }
-    if (to_dev != a->t.device || to_id != a->t.device_id) {
-      if (copy != Py_None && !want_copy) {
-        PyErr_Format(PyExc_BufferError, "DeviceArray.__dlpack__: the array is on %s:%d; exporting it to %s:%d needs a "
-                     "copy, and copy=False was asked", tp_device_name(a->t.device), a->t.device_id,
-                     tp_device_name(to_dev), to_id);
-        return NULL;
-      }
-      want_copy = 1;
-    }
-  }
-  if (want_copy) {
-    if (to_dev != TP_DEVICE_CPU && to_dev == a->t.device && to_id != a->t.device_id) { /* checked below by alloc */ }
-    PyObject *c = devarray_copy_to(a, to_dev, to_id);
-    if (!c) return NULL;
-    PyObject *kw2 = Py_BuildValue("{s:O,s:O}", "stream", stream, "max_version", maxv);
-    PyObject *empty = PyTuple_New(0), *r = NULL;
-    if (kw2 && empty) r = da_dlpack(c, empty, kw2);
-    Py_XDECREF(kw2);
-    Py_XDECREF(empty);
-    Py_DECREF(c);
-    if (r && versioned) { /* mark IS_COPIED */
-      DLManagedTensorVersioned *m = PyCapsule_GetPointer(r, "dltensor_versioned");
-      if (m) m->flags |= TP_DLPACK_FLAG_IS_COPIED;
-      else PyErr_Clear();
-    }
-    return r;
-  }
-  if (a->readonly && !versioned) {
-    PyErr_SetString(PyExc_BufferError, "DeviceArray.__dlpack__: the array is read-only and a legacy (unversioned) "
-                    "DLPack capsule cannot say so; ask with max_version=(1, 0) or later");
-    return NULL;
-  }
-  int skip;
-  tp_stream_t cs;
-  if (consumer_stream(a, stream, &skip, &cs) < 0) return NULL;
-  if (!skip) {
-    tp_status_t s;
-    Py_BEGIN_ALLOW_THREADS s = tp_device_stream_wait(a->t.device, a->t.device_id, cs, NULL);
-    Py_END_ALLOW_THREADS
-    if (s != TP_SUCCESS) {
-      PyErr_Format(PyExc_RuntimeError, "DeviceArray.__dlpack__: making the data ready on the consumer's stream "
-                   "failed: %s", tp_last_error());
-      return NULL;
-    }
-  }
-  export_t *e = calloc(1, sizeof *e);
-  if (!e) return PyErr_NoMemory();
-  DLTensor *d = versioned ? &e->m.v.dl_tensor : &e->m.l.dl_tensor;
-  d->data = a->t.data;
-  d->device.device_type = a->t.device == TP_DEVICE_CUDA ? TP_kDLCUDA : TP_kDLCPU;
-  d->device.device_id = a->t.device_id;
-  d->ndim = a->t.ndim;
-  d->dtype = dlpack_dtype_of(a->t.dtype);
-  for (int i = 0; i < a->t.ndim; i++) {
-    e->shape[i] = a->t.shape[i];
-    e->strides[i] = a->t.strides[i];
-  }
-  d->shape = e->shape;
-  d->strides = e->strides;
-  d->byte_offset = 0;
-  e->owner = Py_NewRef(self);
-  if (versioned) {
-    e->m.v.version.major = TP_DLPACK_MAJOR;
-    e->m.v.version.minor = TP_DLPACK_MINOR;
-    e->m.v.manager_ctx = e;
-    e->m.v.deleter = del_versioned;
-    e->m.v.flags = a->readonly ? TP_DLPACK_FLAG_READ_ONLY : 0;
-  } else {
-    e->m.l.manager_ctx = e;
-    e->m.l.deleter = del_legacy;
-  }
-  PyObject *cap = PyCapsule_New(e, versioned ? "dltensor_versioned" : "dltensor", capsule_destructor);
-  if (!cap) {
-    Py_DECREF(e->owner);
-    free(e);
-  }
-  return cap;
-}
-
-static PyObject *da_dlpack_device(PyObject *self, PyObject *unused) {
-  DevArray *a = (DevArray *)self;
-  return Py_BuildValue("(ii)", a->t.device == TP_DEVICE_CUDA ? TP_kDLCUDA : TP_kDLCPU, a->t.device_id);
-}
-
 /* ------------------------------------------------------------ to NumPy */
 
 PyArray_Descr *numpy_descr(tp_dtype_t dt) {
@@ -392,7 +185,8 @@ PyArray_Descr *numpy_descr(tp_dtype_t dt) {
       PyObject *m = PyImport_ImportModule("ml_dtypes");
       if (!m) {
         PyErr_Clear();
-        PyErr_SetString(PyExc_TypeError, "DeviceArray.to_numpy: a bfloat16 array needs the ml_dtypes package for "
+        PyErr_SetString(PyExc_TypeError,
+                        "DeviceArray.to_numpy: a bfloat16 array needs the ml_dtypes package for "
                         "its NumPy dtype (pip install ml_dtypes)");
         return NULL;
       }
@@ -429,8 +223,8 @@ static PyObject *da_to_numpy(PyObject *self, PyObject *unused) {
   for (int i = 0; i < h->t.ndim; i++) dims[i] = (npy_intp)h->t.shape[i];
   static char dummy[16] __attribute__((aligned(16)));
   void *data = h->t.data ? h->t.data : dummy;
-  PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, d, h->t.ndim, dims, NULL, data,
-                                       h->readonly ? 0 : NPY_ARRAY_WRITEABLE, NULL);
+  PyObject *arr =
+      PyArray_NewFromDescr(&PyArray_Type, d, h->t.ndim, dims, NULL, data, h->readonly ? 0 : NPY_ARRAY_WRITEABLE, NULL);
   if (!arr) {
     Py_DECREF(src);
     return NULL;
@@ -481,8 +275,8 @@ static PyObject *da_copy_from(PyObject *self, PyObject *src_o) {
     PyErr_SetString(PyExc_ValueError, "DeviceArray.copy_from: the array is read-only");
     return NULL;
   }
-  PyObject *args = PyTuple_Pack(1, src_o), *kw = Py_BuildValue("{s:s,s:s}", "op", "DeviceArray.copy_from", "name",
-                                                               "src");
+  PyObject *args = PyTuple_Pack(1, src_o),
+           *kw = Py_BuildValue("{s:s,s:s}", "op", "DeviceArray.copy_from", "name", "src");
   PyObject *mod = PyType_GetModule(Py_TYPE(self)); /* borrowed */
   PyObject *src = args && kw && mod ? m_from_dlpack(mod, args, kw) : NULL;
   Py_XDECREF(args);
@@ -491,16 +285,17 @@ static PyObject *da_copy_from(PyObject *self, PyObject *src_o) {
   (void)st;
   DevArray *b = (DevArray *)src;
   if (b->t.dtype != a->t.dtype || tp_tensor_numel(&b->t) != tp_tensor_numel(&a->t)) {
-    PyErr_Format(PyExc_ValueError, "DeviceArray.copy_from: src has dtype %s and %lld elements; this array has dtype "
-                 "%s and %lld", tp_dtype_name(b->t.dtype), (long long)tp_tensor_numel(&b->t),
-                 tp_dtype_name(a->t.dtype), (long long)tp_tensor_numel(&a->t));
+    PyErr_Format(PyExc_ValueError,
+                 "DeviceArray.copy_from: src has dtype %s and %lld elements; this array has dtype "
+                 "%s and %lld",
+                 tp_dtype_name(b->t.dtype), (long long)tp_tensor_numel(&b->t), tp_dtype_name(a->t.dtype),
+                 (long long)tp_tensor_numel(&a->t));
     Py_DECREF(src);
     return NULL;
   }
   tp_status_t s = TP_SUCCESS;
   if (a->nbytes) {
-    Py_BEGIN_ALLOW_THREADS
-    s = tp_device_copy(a->t.device, a->t.data, b->t.device, b->t.data, a->nbytes, NULL);
+    Py_BEGIN_ALLOW_THREADS s = tp_device_copy(a->t.device, a->t.data, b->t.device, b->t.data, a->nbytes, NULL);
     if (s == TP_SUCCESS && a->t.device != TP_DEVICE_CPU) s = tp_device_sync(a->t.device, a->t.device_id, NULL);
     if (s == TP_SUCCESS && b->t.device != TP_DEVICE_CPU) s = tp_device_sync(b->t.device, b->t.device_id, NULL);
     Py_END_ALLOW_THREADS
@@ -542,11 +337,9 @@ static int da_set_rows(DevArray *a, PyObject *key, PyObject *value) {
     tp_status_t s;
     char *dst = (char *)a->t.data + row * (size_t)start;
     const void *hs = PyArray_DATA((PyArrayObject *)tmp);
-    Py_BEGIN_ALLOW_THREADS
-    s = tp_device_copy(a->t.device, dst, TP_DEVICE_CPU, hs, nb, NULL);
+    Py_BEGIN_ALLOW_THREADS s = tp_device_copy(a->t.device, dst, TP_DEVICE_CPU, hs, nb, NULL);
     if (s == TP_SUCCESS && a->t.device != TP_DEVICE_CPU) s = tp_device_sync(a->t.device, a->t.device_id, NULL);
-    Py_END_ALLOW_THREADS
-    if (s != TP_SUCCESS) {
+    Py_END_ALLOW_THREADS if (s != TP_SUCCESS) {
       PyErr_Format(PyExc_RuntimeError, "DeviceArray: the copy of rows %zd:%zd failed: %s", start, stop,
                    tp_last_error());
       r = -1;
@@ -568,7 +361,8 @@ static int da_setitem(PyObject *self, PyObject *key, PyObject *value) {
     if (!whole && value && a->t.ndim >= 1) return da_set_rows(a, key, value);
   }
   if (!value || !whole) {
-    PyErr_SetString(PyExc_TypeError, "DeviceArray: only a[...] = value (the whole array) or a[i:j] = value (rows "
+    PyErr_SetString(PyExc_TypeError,
+                    "DeviceArray: only a[...] = value (the whole array) or a[i:j] = value (rows "
                     "i to j) can be assigned; index on the host (to_numpy()) or in the producing library");
     return -1;
   }
@@ -665,8 +459,9 @@ static PyType_Slot da_slots[] = {
     {Py_mp_ass_subscript, da_setitem},
     {Py_tp_methods, da_methods},
     {Py_tp_getset, da_getset},
-    {Py_tp_doc, "DeviceArray(shape, dtype='float32', device='cpu'): a zero-filled C-contiguous array in the memory "
-                "of one device, exchanged with other libraries through DLPack."},
+    {Py_tp_doc,
+     "DeviceArray(shape, dtype='float32', device='cpu'): a zero-filled C-contiguous array in the memory "
+     "of one device, exchanged with other libraries through DLPack."},
     {0, NULL},
 };
 
@@ -733,8 +528,10 @@ static PyObject *m_asarray(PyObject *m, PyObject *args, PyObject *kw) {
   int same = dev == a->t.device && id == a->t.device_id;
   if (same && want != 1) return src;
   if (!same && want == 0) {
-    PyErr_Format(PyExc_ValueError, "asarray: x is on %s:%d; moving it to %s:%d needs a copy, and copy=False was "
-                 "asked", tp_device_name(a->t.device), a->t.device_id, tp_device_name(dev), id);
+    PyErr_Format(PyExc_ValueError,
+                 "asarray: x is on %s:%d; moving it to %s:%d needs a copy, and copy=False was "
+                 "asked",
+                 tp_device_name(a->t.device), a->t.device_id, tp_device_name(dev), id);
     Py_DECREF(src);
     return NULL;
   }
@@ -763,8 +560,8 @@ PyObject *devarray_empty(module_state *st, tp_device_t dev, int id, tp_dtype_t d
 /* x (a DeviceArray or any DLPack tensor) as a tensor on the layer's device (dev, id);
  * *keep holds its memory.  A tensor elsewhere is a TypeError naming who, the argument
  * and both devices. */
-int device_input(module_state *st, PyObject *x, const char *who, const char *arg, int writable, tp_device_t dev,
-                 int id, tp_tensor *t, PyObject **keep) {
+int device_input(module_state *st, PyObject *x, const char *who, const char *arg, int writable, tp_device_t dev, int id,
+                 tp_tensor *t, PyObject **keep) {
   PyObject *args = PyTuple_Pack(1, x);
   PyObject *kw = Py_BuildValue("{s:i,s:s,s:s}", "writable", writable, "op", who, "name", arg);
   PyObject *mod = PyType_GetModule(st->DeviceArrayType); /* borrowed */
@@ -774,9 +571,11 @@ int device_input(module_state *st, PyObject *x, const char *who, const char *arg
   if (!a) return -1;
   DevArray *d = (DevArray *)a;
   if (d->t.device != dev || d->t.device_id != id) {
-    PyErr_Format(PyExc_TypeError, "%s: %s is on %s:%d but the layer is on %s:%d; move it first (tpcore.asarray(%s, "
-                 "device='%s:%d'))", who, arg, tp_device_name(d->t.device), d->t.device_id, tp_device_name(dev), id,
-                 arg, tp_device_name(dev), id);
+    PyErr_Format(PyExc_TypeError,
+                 "%s: %s is on %s:%d but the layer is on %s:%d; move it first (tpcore.asarray(%s, "
+                 "device='%s:%d'))",
+                 who, arg, tp_device_name(d->t.device), d->t.device_id, tp_device_name(dev), id, arg,
+                 tp_device_name(dev), id);
     Py_DECREF(a);
     return -1;
   }

@@ -9,8 +9,8 @@
 #include "ext.h"
 
 /* One call of a layer on a GPU (see ext.h). */
-PyObject *device_layer_call(module_state *st, CommObject *co, const char *op, const char *arg, tp_device_t dev,
-                            int id, int64_t in_cols, int64_t out_cols, PyObject *x, PyObject *out,
+PyObject *device_layer_call(module_state *st, CommObject *co, const char *op, const char *arg, tp_device_t dev, int id,
+                            int64_t in_cols, int64_t out_cols, PyObject *x, PyObject *out,
                             tp_status_t (*fn)(void *layer, const tp_tensor *y, const tp_tensor *x), void *layer,
                             int backward) {
   tp_tensor tx, ty;

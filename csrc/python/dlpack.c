@@ -28,7 +28,6 @@
 
 #include <stdlib.h>
 
-
 /* 1 when CUDA tensors can be used here; loads the CUDA plugin on first use. */
 int dlpack_cuda_usable(void) {
   (void)tp_cuda_load(NULL); /* once per process; later calls return the first result */
@@ -89,22 +88,26 @@ int parse_device(PyObject *o, const char *op, tp_device_t *type, int *id) {
       char *end = NULL;
       idx = strtol(lr, &end, 10);
       if (*end || idx < 0 || idx > 4096) {
-        PyErr_Format(PyExc_ValueError, "%s: device 'cuda' takes its index from LOCAL_RANK, which is '%s' (not an "
-                     "integer in 0..4096)", op, lr);
+        PyErr_Format(PyExc_ValueError,
+                     "%s: device 'cuda' takes its index from LOCAL_RANK, which is '%s' (not an "
+                     "integer in 0..4096)",
+                     op, lr);
         return -1;
       }
     } else idx = 0;
   }
   if (!dlpack_cuda_usable()) {
-    PyErr_Format(PyExc_RuntimeError, "%s: device 'cuda:%ld' was asked for but CUDA is not available in this "
-                 "process: %s", op, idx, dlpack_cuda_status());
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: device 'cuda:%ld' was asked for but CUDA is not available in this "
+                 "process: %s",
+                 op, idx, dlpack_cuda_status());
     return -1;
   }
   const tp_device_ops *ops = tp_device_ops_of(TP_DEVICE_CUDA);
   int count = ops && ops->count ? ops->count() : 0;
   if (idx >= count) {
-    PyErr_Format(PyExc_ValueError, "%s: device 'cuda:%ld' does not exist: this process sees %d CUDA device%s", op,
-                 idx, count, count == 1 ? "" : "s");
+    PyErr_Format(PyExc_ValueError, "%s: device 'cuda:%ld' does not exist: this process sees %d CUDA device%s", op, idx,
+                 count, count == 1 ? "" : "s");
     return -1;
   }
   *type = TP_DEVICE_CUDA;
@@ -226,11 +229,26 @@ DLDataType dlpack_dtype_of(tp_dtype_t t) {
     case TP_FLOAT32: break;
     case TP_FLOAT64: d.bits = 64; break;
     case TP_FLOAT16: d.bits = 16; break;
-    case TP_BFLOAT16: d.code = TP_kDLBfloat; d.bits = 16; break;
-    case TP_INT8: d.code = TP_kDLInt; d.bits = 8; break;
-    case TP_UINT8: d.code = TP_kDLUInt; d.bits = 8; break;
-    case TP_INT32: d.code = TP_kDLInt; d.bits = 32; break;
-    case TP_INT64: d.code = TP_kDLInt; d.bits = 64; break;
+    case TP_BFLOAT16:
+      d.code = TP_kDLBfloat;
+      d.bits = 16;
+      break;
+    case TP_INT8:
+      d.code = TP_kDLInt;
+      d.bits = 8;
+      break;
+    case TP_UINT8:
+      d.code = TP_kDLUInt;
+      d.bits = 8;
+      break;
+    case TP_INT32:
+      d.code = TP_kDLInt;
+      d.bits = 32;
+      break;
+    case TP_INT64:
+      d.code = TP_kDLInt;
+      d.bits = 64;
+      break;
     default: break;
   }
   return d;
@@ -239,10 +257,8 @@ DLDataType dlpack_dtype_of(tp_dtype_t t) {
 /* "int16", "complex64", "float8", "bool8", "float32x4", "dtype code 9 (8 bits)" */
 static void dtype_text(DLDataType d, char *buf, size_t n) {
   static const char *codes[] = {"int", "uint", "float", "opaque handle", "bfloat", "complex", "bool"};
-  if (d.code < sizeof codes / sizeof codes[0])
-    snprintf(buf, n, "%s%u", codes[d.code], (unsigned)d.bits);
-  else
-    snprintf(buf, n, "dtype code %u (%u bits)", (unsigned)d.code, (unsigned)d.bits);
+  if (d.code < sizeof codes / sizeof codes[0]) snprintf(buf, n, "%s%u", codes[d.code], (unsigned)d.bits);
+  else snprintf(buf, n, "dtype code %u (%u bits)", (unsigned)d.code, (unsigned)d.bits);
   if (d.lanes != 1) {
     size_t l = strlen(buf);
     snprintf(buf + l, n - l, "x%u", (unsigned)d.lanes);
@@ -269,8 +285,7 @@ static int check_tensor(const DLTensor *d, uint64_t flags, const char *op, const
   const char *dev = device_type_text(d->device.device_type);
   char dname[48];
   if (dev) snprintf(dname, sizeof dname, "%s:%d", dev, (int)d->device.device_id);
-  else snprintf(dname, sizeof dname, "DLPack device type %d:%d", (int)d->device.device_type,
-                (int)d->device.device_id);
+  else snprintf(dname, sizeof dname, "DLPack device type %d:%d", (int)d->device.device_type, (int)d->device.device_id);
   tp_device_t device;
   switch (d->device.device_type) {
     case TP_kDLCPU:
@@ -278,13 +293,12 @@ static int check_tensor(const DLTensor *d, uint64_t flags, const char *op, const
     case TP_kDLCUDAManaged: device = TP_DEVICE_CPU; break;
     case TP_kDLCUDA: device = TP_DEVICE_CUDA; break;
     default:
-      PyErr_Format(PyExc_TypeError, "%s: %s lives on %s; tpcore takes CPU, CUDA-host and CUDA tensors", op, arg,
-                   dname);
+      PyErr_Format(PyExc_TypeError, "%s: %s lives on %s; tpcore takes CPU, CUDA-host and CUDA tensors", op, arg, dname);
       return -1;
   }
   if (device == TP_DEVICE_CUDA && !dlpack_cuda_usable()) {
-    PyErr_Format(PyExc_RuntimeError, "%s: %s is a CUDA tensor (%s) but CUDA is not available in this process: %s",
-                 op, arg, dname, dlpack_cuda_status());
+    PyErr_Format(PyExc_RuntimeError, "%s: %s is a CUDA tensor (%s) but CUDA is not available in this process: %s", op,
+                 arg, dname, dlpack_cuda_status());
     return -1;
   }
   if (d->device.device_id < 0) {
@@ -297,7 +311,8 @@ static int check_tensor(const DLTensor *d, uint64_t flags, const char *op, const
     dtype_text(d->dtype, name, sizeof name);
     PyErr_Format(PyExc_TypeError,
                  "%s: %s has dtype %s, which tpcore does not take; expected one of float32, float64, float16, "
-                 "bfloat16, int8, uint8, int32, int64", op, arg, name);
+                 "bfloat16, int8, uint8, int32, int64",
+                 op, arg, name);
     return -1;
   }
   if (d->ndim < 0 || d->ndim > TP_MAX_DIMS) {
@@ -334,7 +349,8 @@ static int check_tensor(const DLTensor *d, uint64_t flags, const char *op, const
         }
         PyErr_Format(PyExc_ValueError,
                      "%s: %s must be C-contiguous, got shape (%s) with strides (%s) in elements; make it "
-                     "contiguous first (.contiguous(), numpy.ascontiguousarray)", op, arg, sh, sd);
+                     "contiguous first (.contiguous(), numpy.ascontiguousarray)",
+                     op, arg, sh, sd);
         return -1;
       }
       want *= d->shape[i];
@@ -347,14 +363,16 @@ static int check_tensor(const DLTensor *d, uint64_t flags, const char *op, const
     return -1;
   }
   if (data && ((uintptr_t)data % esize) != 0) {
-    PyErr_Format(PyExc_ValueError, "%s: %s (data + byte_offset %llu) is not aligned to its element size %zu", op,
-                 arg, (unsigned long long)d->byte_offset, esize);
+    PyErr_Format(PyExc_ValueError, "%s: %s (data + byte_offset %llu) is not aligned to its element size %zu", op, arg,
+                 (unsigned long long)d->byte_offset, esize);
     return -1;
   }
   *readonly = (flags & TP_DLPACK_FLAG_READ_ONLY) != 0;
   if (writable && *readonly) {
-    PyErr_Format(PyExc_ValueError, "%s: %s is read-only (its DLPack producer exported it with the read-only flag) "
-                 "but the operation writes into it", op, arg);
+    PyErr_Format(PyExc_ValueError,
+                 "%s: %s is read-only (its DLPack producer exported it with the read-only flag) "
+                 "but the operation writes into it",
+                 op, arg);
     return -1;
   }
   int64_t shape[TP_MAX_DIMS];
@@ -370,8 +388,8 @@ too_big:
 
 /* Takes a DLPack capsule: checks its name and version, renames it "used_..." and
  * wraps the managed tensor in a hold.  Then checks the tensor. */
-static int take_capsule(PyObject *cap, const char *op, const char *arg, int writable, tp_tensor *t,
-                        PyObject **hold, int *readonly) {
+static int take_capsule(PyObject *cap, const char *op, const char *arg, int writable, tp_tensor *t, PyObject **hold,
+                        int *readonly) {
   int versioned;
   void *p;
   if (PyCapsule_IsValid(cap, "dltensor_versioned")) versioned = 1;
@@ -379,8 +397,10 @@ static int take_capsule(PyObject *cap, const char *op, const char *arg, int writ
   else {
     const char *name = PyCapsule_GetName(cap);
     PyErr_Clear();
-    PyErr_Format(PyExc_TypeError, "%s: %s: the DLPack capsule is named '%s'; expected 'dltensor_versioned' or "
-                 "'dltensor' (a capsule already consumed is named 'used_...')", op, arg, name ? name : "(none)");
+    PyErr_Format(PyExc_TypeError,
+                 "%s: %s: the DLPack capsule is named '%s'; expected 'dltensor_versioned' or "
+                 "'dltensor' (a capsule already consumed is named 'used_...')",
+                 op, arg, name ? name : "(none)");
     return -1;
   }
   p = PyCapsule_GetPointer(cap, versioned ? "dltensor_versioned" : "dltensor");
@@ -420,8 +440,8 @@ static int producer_device(PyObject *obj, const char *op, const char *arg, int *
   Py_DECREF(r);
   if (!ok || PyErr_Occurred()) {
     PyErr_Clear();
-    PyErr_Format(PyExc_TypeError, "%s: %s.__dlpack_device__() must return a (device_type, device_id) tuple of ints",
-                 op, arg);
+    PyErr_Format(PyExc_TypeError, "%s: %s.__dlpack_device__() must return a (device_type, device_id) tuple of ints", op,
+                 arg);
     return -1;
   }
   *type = (int)a;
@@ -436,20 +456,26 @@ int dlpack_import(PyObject *obj, const char *op, const char *arg, int writable, 
   int dtype_ = 0, did = 0, got = producer_device(obj, op, arg, &dtype_, &did);
   if (got < 0) return -1;
   if (got && dtype_ == TP_kDLCUDA && !dlpack_cuda_usable()) {
-    PyErr_Format(PyExc_RuntimeError, "%s: %s is a CUDA tensor (cuda:%d) but CUDA is not available in this process: "
-                 "%s", op, arg, did, dlpack_cuda_status());
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: %s is a CUDA tensor (cuda:%d) but CUDA is not available in this process: "
+                 "%s",
+                 op, arg, did, dlpack_cuda_status());
     return -1;
   }
   if (got && !device_type_text(dtype_)) {
-    PyErr_Format(PyExc_TypeError, "%s: %s lives on DLPack device type %d:%d; tpcore takes CPU, CUDA-host and CUDA "
-                 "tensors", op, arg, dtype_, did);
+    PyErr_Format(PyExc_TypeError,
+                 "%s: %s lives on DLPack device type %d:%d; tpcore takes CPU, CUDA-host and CUDA "
+                 "tensors",
+                 op, arg, dtype_, did);
     return -1;
   }
   PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
   if (!meth) {
     PyErr_Clear();
-    PyErr_Format(PyExc_TypeError, "%s: %s must be an array with __dlpack__ (NumPy, PyTorch, CuPy, JAX, "
-                 "tpcore.DeviceArray), got %s", op, arg, Py_TYPE(obj)->tp_name);
+    PyErr_Format(PyExc_TypeError,
+                 "%s: %s must be an array with __dlpack__ (NumPy, PyTorch, CuPy, JAX, "
+                 "tpcore.DeviceArray), got %s",
+                 op, arg, Py_TYPE(obj)->tp_name);
     return -1;
   }
   /* the consumer's stream: tpcore works on the legacy default stream (1) of CUDA */

@@ -114,6 +114,8 @@ PyObject *owned_view(PyObject *self, float *p, int nd, int64_t d0, int64_t d1);
 /* The same for memory of any dtype (a bfloat16 / float16 weight: an ml_dtypes.bfloat16 /
  * float16 NumPy view). */
 PyObject *owned_view_dt(PyObject *self, void *p, tp_dtype_t dt, int nd, int64_t d0, int64_t d1);
+/* The tp_dtype_t of a NumPy dtype: 1, or 0 when tpcore has none (big-endian, complex, ...). */
+int descr_dtype(PyArray_Descr *d, tp_dtype_t *out);
 /* The NumPy dtype of a tp_dtype_t (bfloat16: ml_dtypes'; a TypeError when it is missing). */
 PyArray_Descr *numpy_descr(tp_dtype_t dt);
 /* A layer's weight_dtype argument: None or "float32" (TP_FLOAT32), "bfloat16", "float16";
@@ -123,8 +125,7 @@ int parse_weight_dtype(PyObject *o, const char *op, tp_dtype_t *dt);
 /* -------------------------------------------------------------------- comm.c */
 
 typedef struct {
-  PyObject_HEAD
-  tp_comm_t comm;
+  PyObject_HEAD tp_comm_t comm;
   Py_ssize_t inflight; /* calls running with the GIL released (counted under the GIL) */
   tp_comm_t closing;   /* closed by one thread while another's call was running */
 } CommObject;
@@ -143,10 +144,10 @@ static inline int live(CommObject *self, const char *op) {
   return 1;
 }
 
-#define CALL_NOGIL(st, expr)       \
-  do {                             \
+#define CALL_NOGIL(st, expr)            \
+  do {                                  \
     Py_BEGIN_ALLOW_THREADS st = (expr); \
-    Py_END_ALLOW_THREADS           \
+    Py_END_ALLOW_THREADS                \
   } while (0)
 
 /* A call on the communicator with the GIL released.  close() from another thread
@@ -168,15 +169,14 @@ void comm_set_call_site(tp_comm_t c);
 
 /* st = expr, run with the GIL released; expr may name the communicator as c_.  The calls
  * it makes carry the Python caller's site (site.c). */
-#define COMM_CALL(self, st, expr)           \
-  do {                                      \
-    tp_comm_t c_ = (self)->comm;            \
-    (self)->inflight++;                     \
-    comm_set_call_site(c_);                 \
-    Py_BEGIN_ALLOW_THREADS st = (expr);     \
-    Py_END_ALLOW_THREADS                    \
-    if (c_) tp_comm_set_site(c_, NULL);     \
-    comm_leave(self);                       \
+#define COMM_CALL(self, st, expr)                            \
+  do {                                                       \
+    tp_comm_t c_ = (self)->comm;                             \
+    (self)->inflight++;                                      \
+    comm_set_call_site(c_);                                  \
+    Py_BEGIN_ALLOW_THREADS st = (expr);                      \
+    Py_END_ALLOW_THREADS if (c_) tp_comm_set_site(c_, NULL); \
+    comm_leave(self);                                        \
   } while (0)
 
 /* ------------------------------------------------------------ layer_common.c */
@@ -211,10 +211,10 @@ PyObject *layer_memory(PyObject *self, tp_status_t s, const tp_layer_memory_t *m
 
 /* ------------------------------------------------------ the layer types' files */
 
-extern PyType_Spec lin_spec;              /* linear.c */
-extern PyType_Spec mlp_spec;              /* mlp.c */
-extern PyType_Spec emb_spec, xent_spec;   /* vocab.c */
-extern PyType_Spec blk_spec;              /* block.c */
+extern PyType_Spec lin_spec;            /* linear.c */
+extern PyType_Spec mlp_spec;            /* mlp.c */
+extern PyType_Spec emb_spec, xent_spec; /* vocab.c */
+extern PyType_Spec blk_spec;            /* block.c */
 
 /* A ParallelLinear object that borrows L (owned by `owner`, e.g. an MLP, kept alive). */
 PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *comm, PyObject *owner,
@@ -222,9 +222,8 @@ PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *
 
 /* ----------------------------------------------------------------- kernels.c */
 
-extern PyMethodDef kernel_methods[]; /* added to the module by module.c */
-extern PyMethodDef devkernel_methods[]; /* likewise (devkernels.c: d_* kernels on any device) */
-extern PyMethodDef quant_methods[]; /* likewise (quant.c: the quantized weight rows) */
+extern PyMethodDef kernel_methods[];    /* added to the module by module.c */
+extern PyMethodDef quant_methods[];     /* likewise (quant.c: the quantized weight rows) */
 extern PyMethodDef partition_methods[]; /* likewise (partition.c) */
 extern PyMethodDef cuda_methods[];      /* likewise (cuda.c: the CUDA plugin and library finder) */
 
@@ -253,14 +252,14 @@ const tp_tensor *devarray_peek(PyObject *o, int *readonly);
 PyObject *devarray_empty(module_state *st, tp_device_t dev, int id, tp_dtype_t dt, int ndim, const int64_t *shape);
 /* x (a DeviceArray or any DLPack tensor) as a tensor on (dev, id); *keep holds it.
  * Another device is a TypeError naming who, arg and both devices. */
-int device_input(module_state *st, PyObject *x, const char *who, const char *arg, int writable, tp_device_t dev,
-                 int id, tp_tensor *t, PyObject **keep);
+int device_input(module_state *st, PyObject *x, const char *who, const char *arg, int writable, tp_device_t dev, int id,
+                 tp_tensor *t, PyObject **keep);
 
 /* One forward/backward of a layer on a GPU: x (and out) tensors on (dev, id) of shape
  * (M, in_cols) / (M, out_cols), the output a new DeviceArray unless out is given;
  * fn(layer, y, x) runs with the GIL released through co (the legacy default stream). */
-PyObject *device_layer_call(module_state *st, CommObject *co, const char *op, const char *arg, tp_device_t dev,
-                            int id, int64_t in_cols, int64_t out_cols, PyObject *x, PyObject *out,
+PyObject *device_layer_call(module_state *st, CommObject *co, const char *op, const char *arg, tp_device_t dev, int id,
+                            int64_t in_cols, int64_t out_cols, PyObject *x, PyObject *out,
                             tp_status_t (*fn)(void *layer, const tp_tensor *y, const tp_tensor *x), void *layer,
                             int backward);
 
@@ -275,8 +274,8 @@ PyObject *device_param_view_dt(module_state *st, PyObject *owner, void *p, tp_dt
 PyObject *device_param_view(module_state *st, PyObject *owner, float *p, int nd, int64_t d0, int64_t d1,
                             tp_device_t dev, int id);
 
-extern PyType_Spec store_spec;            /* store.c */
-extern PyType_Spec devarray_spec;         /* devarray.c */
-extern PyMethodDef devarray_methods[];    /* from_dlpack, asarray, parse_device */
+extern PyType_Spec store_spec;         /* store.c */
+extern PyType_Spec devarray_spec;      /* devarray.c */
+extern PyMethodDef devarray_methods[]; /* from_dlpack, asarray, parse_device */
 
 #endif /* TPCORE_PYTHON_EXT_H */

@@ -57,7 +57,6 @@ int seed_arg(PyObject *o, const char *op, uint64_t *out) {
   return 0;
 }
 
-
 /* comm as a live communicator object of this module, or NULL with an exception. */
 CommObject *layer_comm(module_state *st, PyObject *commo, const char *who) {
   if (!st) return NULL;
@@ -121,7 +120,6 @@ int parse_partition(PyObject *part, int size, int64_t **sizes) {
   *sizes = v;
   return 0;
 }
-
 
 /* The output of a layer call: the caller's `out` workspace (checked: float32,
  * (M, cols), writable) or a new array.  A new reference, or NULL. */

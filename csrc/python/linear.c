@@ -7,18 +7,18 @@
 #include "ext.h"
 
 typedef struct {
-  PyObject_HEAD
-  tp_parallel_linear_t L;
+  PyObject_HEAD tp_parallel_linear_t L;
   CommObject *comm; /* kept alive; calls go through its in-flight accounting */
   tp_linear_info_t info;
-  PyObject *owner;  /* an MLP that owns L (then L is not destroyed here) */
+  PyObject *owner;    /* an MLP that owns L (then L is not destroyed here) */
   tp_device_t device; /* where its parameters and tensors live */
   int device_id;
 } LinearObject;
 
 static PyObject *lin_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"comm", "kind", "in_features", "out_features", "bias", "gather_output",
-                           "input_is_parallel", "partition", "seed", "gated", "device", "weight_dtype", NULL};
+  static char *kwlist[] = {
+      "comm", "kind",  "in_features", "out_features", "bias", "gather_output", "input_is_parallel", "partition",
+      "seed", "gated", "device",      "weight_dtype", NULL};
   PyObject *commo, *part = Py_None, *in_o, *out_o, *seed_o = NULL, *dev_o = Py_None, *wdt_o = Py_None;
   const char *kind;
   long long in_f, out_f;
@@ -87,11 +87,10 @@ static tp_status_t lin_bwd(void *L, const tp_tensor *dx, const tp_tensor *dy) {
 /* A layer on a GPU: x (and out) are tensors on its device (a DeviceArray or any DLPack
  * tensor); the output is a new DeviceArray there unless out is given. */
 static PyObject *lin_run_device(LinearObject *self, PyObject *x, PyObject *out, int backward) {
-  return device_layer_call(state_of_type(Py_TYPE(self)), self->comm,
-                           backward ? "ParallelLinear.backward" : "ParallelLinear.forward", backward ? "dy" : "x",
-                           self->device, self->device_id, backward ? self->info.y_cols : self->info.x_cols,
-                           backward ? self->info.x_cols : self->info.y_cols, x, out, backward ? lin_bwd : lin_fwd,
-                           self->L, backward);
+  return device_layer_call(
+      state_of_type(Py_TYPE(self)), self->comm, backward ? "ParallelLinear.backward" : "ParallelLinear.forward",
+      backward ? "dy" : "x", self->device, self->device_id, backward ? self->info.y_cols : self->info.x_cols,
+      backward ? self->info.x_cols : self->info.y_cols, x, out, backward ? lin_bwd : lin_fwd, self->L, backward);
 }
 
 static PyObject *lin_run(PyObject *o, PyObject *x, PyObject *out, int backward) {
@@ -113,10 +112,8 @@ static PyObject *lin_run(PyObject *o, PyObject *x, PyObject *out, int backward) 
   tp_status_t s;
   CommObject *co = self->comm;
   tp_tensor tx = tp_tensor_2d((void *)xp, TP_FLOAT32, M, in_cols), ty = tp_tensor_2d(yp, TP_FLOAT32, M, out_cols);
-  if (backward)
-    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_backward(self->L, &ty, &tx, NULL)));
-  else
-    COMM_CALL(co, s, ((void)c_, tp_parallel_linear_forward(self->L, &ty, &tx, NULL)));
+  if (backward) COMM_CALL(co, s, ((void)c_, tp_parallel_linear_backward(self->L, &ty, &tx, NULL)));
+  else COMM_CALL(co, s, ((void)c_, tp_parallel_linear_forward(self->L, &ty, &tx, NULL)));
   if (s != TP_SUCCESS) {
     Py_DECREF(y);
     return layer_error(co, s, op, backward);
@@ -164,8 +161,8 @@ static PyObject *lin_get(PyObject *o, void *which) {
     case 5: return PyUnicode_FromFormat("%s:%d", tp_device_name(self->device), self->device_id);
     case 6: return PyUnicode_FromString(tp_dtype_name(i->weight_dtype));
     default:
-      return Py_BuildValue("{s:L,s:L,s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local,
-                           "x_cols", (long long)i->x_cols, "y_cols", (long long)i->y_cols);
+      return Py_BuildValue("{s:L,s:L,s:L,s:L}", "offset", (long long)i->offset, "local", (long long)i->local, "x_cols",
+                           (long long)i->x_cols, "y_cols", (long long)i->y_cols);
   }
 }
 
@@ -199,7 +196,8 @@ static PyObject *lin_memory(PyObject *o, PyObject *unused) {
 
 static PyMethodDef lin_methods[] = {
     {"alloc_grads", lin_alloc_grads, METH_NOARGS, "alloc_grads(): allocate the gradients (zeroed) now; idempotent"},
-    {"memory", lin_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
+    {"memory", lin_memory, METH_NOARGS,
+     "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", lin_forward, METH_VARARGS, "forward(x[M, x_cols], out=None) -> y[M, y_cols]"},
     {"backward", lin_backward, METH_VARARGS, "backward(dy[M, y_cols], out=None) -> dx[M, x_cols]; accumulates grads"},
     {NULL, NULL, 0, NULL},
@@ -210,8 +208,9 @@ static PyType_Slot lin_slots[] = {
     {Py_tp_dealloc, lin_dealloc},
     {Py_tp_methods, lin_methods},
     {Py_tp_getset, lin_getset},
-    {Py_tp_doc, "ParallelLinear(comm, kind, in_features, out_features, bias=True, gather_output=False, "
-                "input_is_parallel=True, partition=None, seed=0): use tpcore.ColumnParallelLinear / RowParallelLinear"},
+    {Py_tp_doc,
+     "ParallelLinear(comm, kind, in_features, out_features, bias=True, gather_output=False, "
+     "input_is_parallel=True, partition=None, seed=0): use tpcore.ColumnParallelLinear / RowParallelLinear"},
     {0, NULL},
 };
 

@@ -6,8 +6,7 @@
 #include "ext.h"
 
 typedef struct {
-  PyObject_HEAD
-  tp_parallel_mlp_t M;
+  PyObject_HEAD tp_parallel_mlp_t M;
   CommObject *comm;
   int64_t hidden;
   tp_device_t device; /* where its parameters and tensors live */
@@ -15,8 +14,8 @@ typedef struct {
 } MLPObject;
 
 static PyObject *mlp_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"comm", "hidden", "ffn_hidden", "activation", "bias", "partition", "seed", "device",
-                           "weight_dtype", NULL};
+  static char *kwlist[] = {"comm",      "hidden", "ffn_hidden", "activation",   "bias",
+                           "partition", "seed",   "device",     "weight_dtype", NULL};
   PyObject *commo, *part = Py_None, *hidden_o, *ffn_o, *seed_o = NULL, *dev_o = Py_None, *wdt_o = Py_None;
   const char *actname;
   long long hidden, ffn;
@@ -80,9 +79,10 @@ static PyObject *mlp_call(PyObject *o, PyObject *args, int backward) {
   if (!PyArg_ParseTuple(args, backward ? "O|O:backward" : "O|O:forward", &x, &out)) return NULL;
   if (!live(self->comm, op)) return NULL;
   if (self->device != TP_DEVICE_CPU) /* a GPU MLP: device tensors in, a DeviceArray out */
-    return device_layer_call(state_of_type(Py_TYPE(o)), self->comm, backward ? "ParallelMLP.backward" :
-                             "ParallelMLP.forward", backward ? "dy" : "x", self->device, self->device_id, self->hidden,
-                             self->hidden, x, out, backward ? mlp_bwd : mlp_fwd, self->M, backward);
+    return device_layer_call(state_of_type(Py_TYPE(o)), self->comm,
+                             backward ? "ParallelMLP.backward" : "ParallelMLP.forward", backward ? "dy" : "x",
+                             self->device, self->device_id, self->hidden, self->hidden, x, out,
+                             backward ? mlp_bwd : mlp_fwd, self->M, backward);
   int64_t M;
   if (matrix_arg(x, op, backward ? "dy" : "x", self->hidden, &M) < 0) return NULL;
   PyObject *y = layer_output(out, op, M, self->hidden);
@@ -91,11 +91,10 @@ static PyObject *mlp_call(PyObject *o, PyObject *args, int backward) {
   float *yp = PyArray_DATA((PyArrayObject *)y);
   tp_status_t s;
   CommObject *co = self->comm;
-  tp_tensor tx = tp_tensor_2d((void *)xp, TP_FLOAT32, M, self->hidden), ty = tp_tensor_2d(yp, TP_FLOAT32, M, self->hidden);
-  if (backward)
-    COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_backward(self->M, &ty, &tx, NULL)));
-  else
-    COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_forward(self->M, &ty, &tx, NULL)));
+  tp_tensor tx = tp_tensor_2d((void *)xp, TP_FLOAT32, M, self->hidden),
+            ty = tp_tensor_2d(yp, TP_FLOAT32, M, self->hidden);
+  if (backward) COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_backward(self->M, &ty, &tx, NULL)));
+  else COMM_CALL(co, s, ((void)c_, tp_parallel_mlp_forward(self->M, &ty, &tx, NULL)));
   if (s != TP_SUCCESS) {
     Py_DECREF(y);
     return layer_error(co, s, op, backward);
@@ -138,7 +137,8 @@ static PyObject *mlp_memory(PyObject *o, PyObject *unused) {
 
 static PyMethodDef mlp_methods[] = {
     {"alloc_grads", mlp_alloc_grads, METH_NOARGS, "alloc_grads(): allocate fc1's and fc2's gradients (zeroed) now"},
-    {"memory", mlp_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
+    {"memory", mlp_memory, METH_NOARGS,
+     "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", mlp_forward, METH_VARARGS, "forward(x[M, hidden], out=None) -> y[M, hidden]"},
     {"backward", mlp_backward, METH_VARARGS, "backward(dy[M, hidden], out=None) -> dx[M, hidden]"},
     {NULL, NULL, 0, NULL},
@@ -149,8 +149,9 @@ static PyType_Slot mlp_slots[] = {
     {Py_tp_dealloc, mlp_dealloc},
     {Py_tp_methods, mlp_methods},
     {Py_tp_getset, mlp_getset},
-    {Py_tp_doc, "ParallelMLP(comm, hidden, ffn_hidden, activation, bias=True, partition=None, seed=0): "
-                "use tpcore.ParallelMLP"},
+    {Py_tp_doc,
+     "ParallelMLP(comm, hidden, ffn_hidden, activation, bias=True, partition=None, seed=0): "
+     "use tpcore.ParallelMLP"},
     {0, NULL},
 };
 

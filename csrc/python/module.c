@@ -84,17 +84,16 @@ static PyMethodDef module_methods[] = {
 static int module_exec(PyObject *m) {
   module_state *st = PyModule_GetState(m);
   site_init(m);
-  st->CommError = PyErr_NewExceptionWithDoc(
-      "tpcore.CommError",
-      "A collective failed: a peer failed, aborted, died or called a different collective. "
-      "Attributes: code (status name), peer_failure (True when another rank caused it).",
-      PyExc_RuntimeError, NULL);
+  st->CommError =
+      PyErr_NewExceptionWithDoc("tpcore.CommError",
+                                "A collective failed: a peer failed, aborted, died or called a different collective. "
+                                "Attributes: code (status name), peer_failure (True when another rank caused it).",
+                                PyExc_RuntimeError, NULL);
   if (!st->CommError) return -1;
   PyObject *bases = PyTuple_Pack(2, st->CommError, PyExc_TimeoutError);
   if (!bases) return -1;
   st->CommTimeout = PyErr_NewExceptionWithDoc(
-      "tpcore.CommTimeout", "A wait ran past the communicator's timeout; names the rank waited for.",
-      bases, NULL);
+      "tpcore.CommTimeout", "A wait ran past the communicator's timeout; names the rank waited for.", bases, NULL);
   Py_DECREF(bases);
   if (!st->CommTimeout) return -1;
   st->CommType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &comm_spec, NULL);
@@ -118,7 +117,6 @@ static int module_exec(PyObject *m) {
   if (PyModule_AddFunctions(m, devarray_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, kernel_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, quant_methods) < 0) return -1; /* quant.c */
-  if (PyModule_AddFunctions(m, devkernel_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, partition_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, cuda_methods) < 0) return -1;
   if (PyModule_AddObjectRef(m, "CommError", st->CommError) < 0 ||

@@ -50,8 +50,8 @@ static int qrow_bytes(tp_dtype_t f, int64_t blk, int64_t cols, const char *op, s
 /* a rows x b elements of `size` bytes fit in a NumPy array (and in memory's address range) */
 static int fits(int64_t a, int64_t b, size_t size, const char *op, const char *what) {
   if (a > 0 && b > 0 && (uint64_t)a > (uint64_t)PY_SSIZE_T_MAX / (uint64_t)b / size) {
-    PyErr_Format(PyExc_ValueError, "%s: %s of %lld x %lld elements overflows the address space", op, what,
-                 (long long)a, (long long)b);
+    PyErr_Format(PyExc_ValueError, "%s: %s of %lld x %lld elements overflows the address space", op, what, (long long)a,
+                 (long long)b);
     return -1;
   }
   return 0;
@@ -97,10 +97,9 @@ static PyObject *quant_dequantize(PyObject *mod, PyObject *args, PyObject *kw) {
   if (!y) return NULL;
   float *yp = PyArray_DATA((PyArrayObject *)y);
   const uint8_t *rp = b.data;
-  Py_BEGIN_ALLOW_THREADS
-  for (int64_t r = 0; r < rows; r++) tp_q_dequant_row(f, yp + r * cols, rp + (size_t)r * rb, cols);
-  Py_END_ALLOW_THREADS
-  return y;
+  Py_BEGIN_ALLOW_THREADS for (int64_t r = 0; r < rows; r++)
+      tp_q_dequant_row(f, yp + r * cols, rp + (size_t)r * rb, cols);
+  Py_END_ALLOW_THREADS return y;
 }
 
 static PyObject *quant_quantize(PyObject *mod, PyObject *args, PyObject *kw) {
@@ -123,14 +122,11 @@ static PyObject *quant_quantize(PyObject *mod, PyObject *args, PyObject *kw) {
   if (parse_qfmt(fmto, op, &f, &blk) < 0 || qrow_bytes(f, blk, cols, op, &rb) < 0) return NULL;
   const float *xp = b.data;
   int64_t bad = -1;
-  Py_BEGIN_ALLOW_THREADS
-  for (size_t i = 0; i < b.count; i++)
-    if (!isfinite(xp[i])) {
-      bad = (int64_t)i;
-      break;
-    }
-  Py_END_ALLOW_THREADS
-  if (bad >= 0) {
+  Py_BEGIN_ALLOW_THREADS for (size_t i = 0; i < b.count; i++) if (!isfinite(xp[i])) {
+    bad = (int64_t)i;
+    break;
+  }
+  Py_END_ALLOW_THREADS if (bad >= 0) {
     PyObject *v = PyFloat_FromDouble(xp[bad]);
     if (v)
       PyErr_Format(PyExc_ValueError, "%s: x must be finite; x[%lld, %lld] is %R", op, (long long)(bad / cols),
@@ -142,10 +138,8 @@ static PyObject *quant_quantize(PyObject *mod, PyObject *args, PyObject *kw) {
   PyObject *y = PyArray_SimpleNew(2, dims, NPY_UINT8);
   if (!y) return NULL;
   uint8_t *yp = PyArray_DATA((PyArrayObject *)y);
-  Py_BEGIN_ALLOW_THREADS
-  for (int64_t r = 0; r < rows; r++) tp_q_quant_row(f, yp + (size_t)r * rb, xp + r * cols, cols);
-  Py_END_ALLOW_THREADS
-  return y;
+  Py_BEGIN_ALLOW_THREADS for (int64_t r = 0; r < rows; r++) tp_q_quant_row(f, yp + (size_t)r * rb, xp + r * cols, cols);
+  Py_END_ALLOW_THREADS return y;
 }
 
 /* The C core's dtype table (csrc/core/dtype.c), for tpcore.utils.dtypes: one entry per

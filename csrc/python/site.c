@@ -16,7 +16,8 @@
  * first make a frame object for the innermost frame, a wrapper of tpcore's, on every
  * call: ~60 ns, most of this file's cost).  Other versions take the public API (as does a build
  * with -DTP_SITE_PUBLIC_FRAMES, to test it). */
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API) && !defined(TP_SITE_PUBLIC_FRAMES)
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API) && \
+    !defined(TP_SITE_PUBLIC_FRAMES)
 #define TP_SITE_FAST_FRAMES 1
 #define Py_BUILD_CORE
 #include "internal/pycore_frame.h"

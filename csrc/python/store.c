@@ -8,8 +8,7 @@
 #include "tpcore/store.h"
 
 typedef struct {
-  PyObject_HEAD
-  tp_store_t store;
+  PyObject_HEAD tp_store_t store;
   int inflight;
   int closing; /* close() was called while a call was in flight */
 } StoreObject;
@@ -28,13 +27,12 @@ static void store_leave(StoreObject *self) {
   }
 }
 
-#define STORE_CALL(self, st, expr)      \
-  do {                                  \
-    tp_store_t s_ = (self)->store;      \
-    (self)->inflight++;                 \
-    Py_BEGIN_ALLOW_THREADS st = (expr); \
-    Py_END_ALLOW_THREADS                \
-    store_leave(self);                  \
+#define STORE_CALL(self, st, expr)          \
+  do {                                      \
+    tp_store_t s_ = (self)->store;          \
+    (self)->inflight++;                     \
+    Py_BEGIN_ALLOW_THREADS st = (expr);     \
+    Py_END_ALLOW_THREADS store_leave(self); \
   } while (0)
 
 static int usable(StoreObject *self) {
@@ -68,15 +66,15 @@ static PyObject *fail(StoreObject *self, tp_status_t s, const char *op) {
 }
 
 static PyObject *store_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"host", "port", "is_server", "secret", "timeout", "io_timeout", "max_value_bytes",
+  static char *kwlist[] = {"host",        "port",  "is_server", "secret", "timeout", "io_timeout", "max_value_bytes",
                            "max_clients", "quiet", NULL};
   const char *host;
   int port, is_server = 0, max_clients = 0, quiet = 0;
   Py_buffer secret = {0};
   double timeout = 300.0, io_timeout = 0.0;
   Py_ssize_t max_value = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "siby*|ddnip:Store", kwlist, &host, &port, &is_server, &secret,
-                                   &timeout, &io_timeout, &max_value, &max_clients, &quiet))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "siby*|ddnip:Store", kwlist, &host, &port, &is_server, &secret, &timeout,
+                                   &io_timeout, &max_value, &max_clients, &quiet))
     return NULL;
   module_state *st = state_of_type(type);
   if (!st || max_value < 0) {
@@ -235,8 +233,7 @@ static PyObject *store_close(PyObject *o, PyObject *unused) {
   tp_store_t s = self->store;
   self->store = NULL;
   Py_BEGIN_ALLOW_THREADS tp_store_close(s);
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
+  Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
 static PyObject *store_port(PyObject *o, void *closure) {
@@ -273,8 +270,9 @@ static PyType_Slot store_slots[] = {
     {Py_tp_dealloc, store_dealloc},
     {Py_tp_methods, store_methods},
     {Py_tp_getset, store_getset},
-    {Py_tp_doc, "Store(host, port, is_server, secret, timeout=300, io_timeout=0, max_value_bytes=0, "
-                "max_clients=0, quiet=False): the rendezvous store (use tpcore.Store)"},
+    {Py_tp_doc,
+     "Store(host, port, is_server, secret, timeout=300, io_timeout=0, max_value_bytes=0, "
+     "max_clients=0, quiet=False): the rendezvous store (use tpcore.Store)"},
     {0, NULL},
 };
 

@@ -9,8 +9,7 @@
 /* ------------------------------------------------------ VocabParallelEmbedding */
 
 typedef struct {
-  PyObject_HEAD
-  tp_vocab_embedding_t E;
+  PyObject_HEAD tp_vocab_embedding_t E;
   CommObject *comm;
   tp_embedding_info_t info;
   tp_device_t device; /* where its table and tensors live */
@@ -18,8 +17,8 @@ typedef struct {
 } EmbeddingObject;
 
 static PyObject *emb_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"comm", "num_embeddings", "embedding_dim", "partition", "seed", "device", "weight_dtype",
-                           NULL};
+  static char *kwlist[] = {"comm", "num_embeddings", "embedding_dim", "partition",
+                           "seed", "device",         "weight_dtype",  NULL};
   PyObject *commo, *part = Py_None, *n_o, *dim_o, *seed_o = NULL, *dev_o = Py_None, *wdt_o = Py_None;
   long long n, dim;
   uint64_t seed = 0;
@@ -187,7 +186,8 @@ static PyObject *emb_memory(PyObject *o, PyObject *unused) {
 
 static PyMethodDef emb_methods[] = {
     {"alloc_grads", emb_alloc_grads, METH_NOARGS, "alloc_grads(): allocate the gradient (zeroed) now; idempotent"},
-    {"memory", emb_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
+    {"memory", emb_memory, METH_NOARGS,
+     "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", emb_forward, METH_VARARGS, "forward(tokens[M] int64, out=None) -> y[M, dim] (collective)"},
     {"backward", emb_backward, METH_O, "backward(dy[M, dim]): accumulates grad_weight"},
     {NULL, NULL, 0, NULL},
@@ -198,8 +198,9 @@ static PyType_Slot emb_slots[] = {
     {Py_tp_dealloc, emb_dealloc},
     {Py_tp_methods, emb_methods},
     {Py_tp_getset, emb_getset},
-    {Py_tp_doc, "VocabEmbedding(comm, num_embeddings, embedding_dim, partition=None, seed=0): "
-                "use tpcore.VocabParallelEmbedding"},
+    {Py_tp_doc,
+     "VocabEmbedding(comm, num_embeddings, embedding_dim, partition=None, seed=0): "
+     "use tpcore.VocabParallelEmbedding"},
     {0, NULL},
 };
 
@@ -213,8 +214,7 @@ PyType_Spec emb_spec = {
 /* --------------------------------------------------------- VocabCrossEntropy */
 
 typedef struct {
-  PyObject_HEAD
-  tp_vocab_xent_t X;
+  PyObject_HEAD tp_vocab_xent_t X;
   CommObject *comm;
   PyObject *logits; /* the last forward's logits, kept alive for backward */
   int64_t M, V;
@@ -342,7 +342,8 @@ static PyObject *xent_forward(PyObject *o, PyObject *args) {
   tp_status_t s;
   tp_tensor tl = tp_tensor_1d(lp, TP_FLOAT32, M), tx = tp_tensor_2d((void *)xp, TP_FLOAT32, M, V),
             tt = tp_tensor_1d((void *)tp, TP_INT64, M);
-  COMM_CALL(self->comm, s, ((void)c_, tp_vocab_xent_forward(self->X, &tl, &tx, &tt, off, ignore, &valid, &vocab, NULL)));
+  COMM_CALL(self->comm, s,
+            ((void)c_, tp_vocab_xent_forward(self->X, &tl, &tx, &tt, off, ignore, &valid, &vocab, NULL)));
   Py_CLEAR(self->logits);
   if (s != TP_SUCCESS) {
     Py_DECREF(losses);
@@ -399,7 +400,8 @@ static PyObject *xent_memory(PyObject *o, PyObject *unused) {
 }
 
 static PyMethodDef xent_methods[] = {
-    {"memory", xent_memory, METH_NOARGS, "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
+    {"memory", xent_memory, METH_NOARGS,
+     "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", xent_forward, METH_VARARGS,
      "forward(logits[M, V], targets[M] int64, vocab_offset=-1, ignore_index=-100) -> (losses[M], valid, vocab)"},
     {"backward", xent_backward, METH_VARARGS, "backward(dloss=None, scale=1.0, out=None) -> dlogits[M, V]"},

@@ -53,8 +53,8 @@ static double read_gbs(const uint64_t *p, size_t n) {
 }
 
 /* Seconds of the fastest of `reps` passes of y[n] = dot(W[n], x) over rows [0, N). */
-static double gemv_time(tp_q_dot1_fn dot, const uint8_t *W, size_t rb, const float *x, int64_t K, int64_t N,
-                        float *y, int reps) {
+static double gemv_time(tp_q_dot1_fn dot, const uint8_t *W, size_t rb, const float *x, int64_t K, int64_t N, float *y,
+                        int reps) {
   double best = 1e30;
   for (int r = 0; r < reps; r++) {
     double t0 = now();
@@ -150,9 +150,10 @@ static void model_bench(void) {
     for (int t = 0; t < nt; t++) pthread_join(th[t], NULL);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     double sec = (t1.tv_sec - t0.tv_sec + 1e-9 * (t1.tv_nsec - t0.tv_nsec)) / REPS;
-    printf("model: SmolLM2-135M decode GEMVs (%.1f MB of Q4_1 + Q8_0 weights), %d thread%s: %.2f ms/token, %.2f GB/s "
-           "(wall clock: a loaded machine shows here)\n",
-           total / 1048576.0, nt, nt > 1 ? "s" : "", 1e3 * sec, total / sec * 1e-9);
+    printf(
+        "model: SmolLM2-135M decode GEMVs (%.1f MB of Q4_1 + Q8_0 weights), %d thread%s: %.2f ms/token, %.2f GB/s "
+        "(wall clock: a loaded machine shows here)\n",
+        total / 1048576.0, nt, nt > 1 ? "s" : "", 1e3 * sec, total / sec * 1e-9);
     pthread_barrier_destroy(&bar);
   }
   for (int i = 0; i < nm; i++) free((void *)m[i].w);

@@ -16,28 +16,65 @@ typedef int res_t;
 #define OK 0
 #define INVALID_USAGE 5
 
-res_t ncclGetVersion(int *v) { *v = FAKE_VERSION; return OK; }
-const char *ncclGetErrorString(res_t r) { (void)r; return "fake NCCL error"; }
-const char *ncclGetLastError(void *comm) { (void)comm; return "the fake NCCL cannot run anything"; }
-res_t ncclGetUniqueId(void *id) { (void)id; return INVALID_USAGE; }
+res_t ncclGetVersion(int *v) {
+  *v = FAKE_VERSION;
+  return OK;
+}
+const char *ncclGetErrorString(res_t r) {
+  (void)r;
+  return "fake NCCL error";
+}
+const char *ncclGetLastError(void *comm) {
+  (void)comm;
+  return "the fake NCCL cannot run anything";
+}
+res_t ncclGetUniqueId(void *id) {
+  (void)id;
+  return INVALID_USAGE;
+}
 res_t ncclCommInitRankConfig(void **c, int n, char id[128], int r, void *cfg) {
   (void)c, (void)n, (void)id, (void)r, (void)cfg;
   return INVALID_USAGE;
 }
-res_t ncclCommGetAsyncError(void *c, res_t *e) { (void)c; *e = OK; return OK; }
-res_t ncclCommFinalize(void *c) { (void)c; return OK; }
-res_t ncclCommDestroy(void *c) { (void)c; return OK; }
-res_t ncclCommAbort(void *c) { (void)c; return OK; }
+res_t ncclCommGetAsyncError(void *c, res_t *e) {
+  (void)c;
+  *e = OK;
+  return OK;
+}
+res_t ncclCommFinalize(void *c) {
+  (void)c;
+  return OK;
+}
+res_t ncclCommDestroy(void *c) {
+  (void)c;
+  return OK;
+}
+res_t ncclCommAbort(void *c) {
+  (void)c;
+  return OK;
+}
 #ifndef FAKE_OMIT_SPLIT
 res_t ncclCommSplit(void *c, int color, int key, void **out, void *cfg) {
   (void)c, (void)color, (void)key, (void)out, (void)cfg;
   return INVALID_USAGE;
 }
 #endif
-res_t ncclMemAlloc(void **p, size_t n) { (void)p, (void)n; return INVALID_USAGE; }
-res_t ncclMemFree(void *p) { (void)p; return OK; }
-res_t ncclCommRegister(void *c, void *b, size_t n, void **h) { (void)c, (void)b, (void)n, (void)h; return INVALID_USAGE; }
-res_t ncclCommDeregister(void *c, void *h) { (void)c, (void)h; return OK; }
+res_t ncclMemAlloc(void **p, size_t n) {
+  (void)p, (void)n;
+  return INVALID_USAGE;
+}
+res_t ncclMemFree(void *p) {
+  (void)p;
+  return OK;
+}
+res_t ncclCommRegister(void *c, void *b, size_t n, void **h) {
+  (void)c, (void)b, (void)n, (void)h;
+  return INVALID_USAGE;
+}
+res_t ncclCommDeregister(void *c, void *h) {
+  (void)c, (void)h;
+  return OK;
+}
 res_t ncclGroupStart(void) { return OK; }
 res_t ncclGroupEnd(void) { return OK; }
 res_t ncclAllReduce(void) { return INVALID_USAGE; }

@@ -58,9 +58,11 @@ void hostile_variants_opt(const char *op, const char *arg, tp_tensor good, call1
   variant v[32];
   int n = 0;
   v[n++] = (variant){"NULL data", with_data(good, NULL), "NULL", TP_ERR_INVALID_ARGUMENT, 0};
-  v[n++] = (variant){"wrong dtype", with_dtype(good, good.dtype == TP_FLOAT32 || good.dtype == TP_BFLOAT16 ||
-                                                             good.dtype == TP_FLOAT16 ? TP_FLOAT64 : TP_FLOAT32), NULL,
-                          TP_ERR_INVALID_ARGUMENT, 0};
+  v[n++] = (variant){
+      "wrong dtype",
+      with_dtype(good, good.dtype == TP_FLOAT32 || good.dtype == TP_BFLOAT16 || good.dtype == TP_FLOAT16 ? TP_FLOAT64
+                                                                                                         : TP_FLOAT32),
+      NULL, TP_ERR_INVALID_ARGUMENT, 0};
   v[n++] = (variant){"bad dtype", with_dtype(good, (tp_dtype_t)77), NULL, TP_ERR_INVALID_ARGUMENT, 0};
   v[n++] = (variant){"ndim 0", with_ndim(good, 0), NULL, TP_ERR_INVALID_ARGUMENT, 0};
   v[n++] = (variant){"ndim -1", with_ndim(good, -1), NULL, TP_ERR_INVALID_ARGUMENT, 0};
@@ -75,14 +77,14 @@ void hostile_variants_opt(const char *op, const char *arg, tp_tensor good, call1
     tp_tensor o = with_shape(with_shape(good, 0, (int64_t)1 << 40), 1, (int64_t)1 << 40); /* 2^80 elements */
     v[n++] = (variant){"numel past int64", o, NULL, TP_ERR_INVALID_ARGUMENT, 1};
     v[n++] = (variant){"huge cols", with_shape(good, 1, INT64_MAX), NULL, TP_ERR_INVALID_ARGUMENT, 1};
-    if (good.shape[1] > 1) v[n++] = (variant){"column stride 2", with_stride(good, 1, 2), NULL,
-                                                   TP_ERR_INVALID_ARGUMENT, 0};
-    if (good.shape[1] > 1) v[n++] = (variant){"zero strides", with_stride(with_stride(good, 0, 0), 1, 0), NULL,
-                                                   TP_ERR_INVALID_ARGUMENT, 0};
-    if (good.shape[0] > 1) v[n++] = (variant){"row stride 0", with_stride(good, 0, 0), NULL,
-                                                   TP_ERR_INVALID_ARGUMENT, 0};
-    if (good.shape[0] > 1) v[n++] = (variant){"negative row stride", with_stride(good, 0, -good.shape[1]), NULL,
-                                                   TP_ERR_INVALID_ARGUMENT, 0};
+    if (good.shape[1] > 1)
+      v[n++] = (variant){"column stride 2", with_stride(good, 1, 2), NULL, TP_ERR_INVALID_ARGUMENT, 0};
+    if (good.shape[1] > 1)
+      v[n++] = (variant){"zero strides", with_stride(with_stride(good, 0, 0), 1, 0), NULL, TP_ERR_INVALID_ARGUMENT, 0};
+    if (good.shape[0] > 1)
+      v[n++] = (variant){"row stride 0", with_stride(good, 0, 0), NULL, TP_ERR_INVALID_ARGUMENT, 0};
+    if (good.shape[0] > 1)
+      v[n++] = (variant){"negative row stride", with_stride(good, 0, -good.shape[1]), NULL, TP_ERR_INVALID_ARGUMENT, 0};
   } else if (good.shape[0] > 1) {
     v[n++] = (variant){"stride 0", with_stride(good, 0, 0), NULL, TP_ERR_INVALID_ARGUMENT, 0};
     v[n++] = (variant){"stride 2", with_stride(good, 0, 2), NULL, TP_ERR_INVALID_ARGUMENT, 0};
@@ -218,11 +220,13 @@ static void test_partition(void) {
   ARG(tp_partition(12, 2, winf, 1, sizes, offs), "partition", "weights");
   /* weighted splits are computed in double; whatever the size or the weights' range, the sizes are
    * >= 0 and tile n (before: garbage sizes and overflowing double -> int64 conversions) */
-  double w3[3] = {1, 2, 3}, whuge[3] = {1, 1e308, 1e308}, wtiny[3] = {1e-300, 1e-300, 1e300},
-         wbig[2] = {1e308, 1e-300};
-  struct { int64_t n; int world; const double *w; } cases[] = {
-      {INT64_MAX, 3, w3}, {((int64_t)1 << 53) + 2, 3, w3}, {(int64_t)1 << 53, 3, w3}, {12, 3, whuge},
-      {(int64_t)1 << 50, 3, wtiny}, {(int64_t)1 << 50, 2, wbig}, {INT64_MAX, 3, whuge}};
+  double w3[3] = {1, 2, 3}, whuge[3] = {1, 1e308, 1e308}, wtiny[3] = {1e-300, 1e-300, 1e300}, wbig[2] = {1e308, 1e-300};
+  struct {
+    int64_t n;
+    int world;
+    const double *w;
+  } cases[] = {{INT64_MAX, 3, w3},           {((int64_t)1 << 53) + 2, 3, w3}, {(int64_t)1 << 53, 3, w3}, {12, 3, whuge},
+               {(int64_t)1 << 50, 3, wtiny}, {(int64_t)1 << 50, 2, wbig},     {INT64_MAX, 3, whuge}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     OK(tp_partition(cases[i].n, cases[i].world, cases[i].w, 1, sizes, offs));
     int64_t sum = 0;

@@ -5,9 +5,9 @@
 
 /* Each argument of a kernel in turn replaced by its hostile variants, the others good. */
 typedef struct {
-  int which;              /* the argument replaced */
+  int which; /* the argument replaced */
   const tp_tensor *args[8];
-  int kind;               /* which kernel */
+  int kind; /* which kernel */
 } kctx;
 
 static tp_status_t run_kernel(const kctx *c, const tp_tensor *const *a, tp_stream_t s) {
@@ -60,7 +60,6 @@ static void kernel_case(const char *op, int kind, int nargs, const char *const *
     hostile_variants_opt(op, names[i], *good[i], kernel_with, &c, line, optional[i]);
   }
 }
-
 
 void test_kernels(void) {
   static float h[M * 2 * N], dh[M * 2 * N], out[M * N], dout[M * N], st[2 * M], st2[2 * M], mean[M], rstd[M];
@@ -164,12 +163,10 @@ void test_kernels(void) {
         "bias_act_backward", NULL);
     BAD(tp_bias_act_backward_workspace_size(TP_DEVICE_CUDA, M, N, TP_ACT_GELU, &need), ANY_ERR, "bias_act_backward",
         "cuda");
-    ARG(tp_bias_act_backward_workspace_size((tp_device_t)9, M, N, TP_ACT_GELU, &need), "bias_act_backward",
-        "device");
+    ARG(tp_bias_act_backward_workspace_size((tp_device_t)9, M, N, TP_ACT_GELU, &need), "bias_act_backward", "device");
     ARG(tp_bias_act_backward_workspace_size(TP_DEVICE_CPU, M, N, (tp_activation_t)99, &need), "bias_act_backward",
         "act");
-    ARG(tp_bias_act_backward_workspace_size(TP_DEVICE_CPU, M, N, TP_ACT_GELU, NULL), "bias_act_backward",
-        "nbytes");
+    ARG(tp_bias_act_backward_workspace_size(TP_DEVICE_CPU, M, N, TP_ACT_GELU, NULL), "bias_act_backward", "nbytes");
   }
   ARG(tp_act_forward(NULL, &O, &H, (tp_activation_t)-1), "act_forward", "act");
   ARG(tp_act_forward(NULL, &O, &H, (tp_activation_t)99), "act_forward", "act");
@@ -292,8 +289,8 @@ void test_kernels(void) {
     OK(tp_layernorm_forward(NULL, P(T2(NULL, 0, K)), NULL, NULL, P(T2(NULL, 0, K)), &NW, NULL, 1e-5f));
     OK(tp_rmsnorm_forward(NULL, P(T2(NULL, 0, K)), NULL, P(T2(NULL, 0, K)), &NW, 1e-5f));
     OK(tp_rope_apply(NULL, P(T2(NULL, 0, 4)), P(I1(NULL, 0)), 1, 4, 1e4f, 0));
-    OK(tp_adamw_step(NULL, P(T1(NULL, 0)), P(T1(NULL, 0)), P(T1(NULL, 0)), P(T1(NULL, 0)), 1e-3f, 0.9f, 0.999f,
-                     1e-8f, 0.0f, 1));
+    OK(tp_adamw_step(NULL, P(T1(NULL, 0)), P(T1(NULL, 0)), P(T1(NULL, 0)), P(T1(NULL, 0)), 1e-3f, 0.9f, 0.999f, 1e-8f,
+                     0.0f, 1));
     OK(tp_sgd_step(NULL, P(T1(NULL, 0)), P(T1(NULL, 0)), NULL, 0.1f, 0.0f, 0.0f, 1));
   }
   /* shapes past BLAS's int and 2^40: refused before any data is read */
@@ -306,7 +303,8 @@ void test_kernels(void) {
   ARG(tp_linear_forward(NULL, &y, &x, &w, P(T1(ba, N + 1))), "linear_forward", "b");
   /* mixed devices within one call */
   BAD(tp_linear_forward(NULL, P(with_dev(y, TP_DEVICE_CUDA, 0)), P(with_dev(x, TP_DEVICE_CUDA, 0)),
-                        P(with_dev(w, TP_DEVICE_CUDA, 0)), NULL), ANY_ERR, "linear_forward", "cuda");
+                        P(with_dev(w, TP_DEVICE_CUDA, 0)), NULL),
+      ANY_ERR, "linear_forward", "cuda");
   BAD(tp_linear_forward(NULL, &y, &x, &w, P(with_dev(b, TP_DEVICE_CUDA, 1))), ANY_ERR, "linear_forward", "b");
   /* attention */
   {
@@ -330,13 +328,13 @@ void test_kernels(void) {
     ARG(tp_attention_workspace_size(&a, 0, NULL), "attention_workspace_size", "nbytes");
     ARG(tp_attention_workspace_size(NULL, 0, &need), "attention_workspace_size", "args");
     tp_attention_args b2;
-#define ATT(field, val, sub)                                                  \
-  do {                                                                        \
-    b2 = a;                                                                   \
-    b2.field = val;                                                           \
-    ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", sub);       \
+#define ATT(field, val, sub)                                                                \
+  do {                                                                                      \
+    b2 = a;                                                                                 \
+    b2.field = val;                                                                         \
+    ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", sub);                     \
     ARG(tp_attention_backward(NULL, &b2, dq, dk, dv, dout, &W), "attention_backward", sub); \
-    ARG(tp_attention_workspace_size(&b2, 0, &need), "attention_workspace_size", sub); \
+    ARG(tp_attention_workspace_size(&b2, 0, &need), "attention_workspace_size", sub);       \
   } while (0)
     ATT(B, -1, "B");
     ATT(Tq, -1, "Tq");
@@ -372,4 +370,3 @@ void test_kernels(void) {
     OK(tp_attention_forward(NULL, &b2, NULL));
   }
 }
-

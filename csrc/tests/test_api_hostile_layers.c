@@ -171,8 +171,8 @@ void test_mlp(tp_comm_t comm) {
   layer_variants("mlp forward", "x", m, 4, x, &y, NULL, __LINE__);
   layer_variants("mlp forward", "y", m, 5, y, &x, NULL, __LINE__);
   ARG(tp_parallel_mlp_forward(m, P(T2(ya, M, K)), P(T2(xa, M + 2, K)), NULL), "mlp forward", NULL);
-  ARG(tp_parallel_mlp_forward(m, P(T2(ya, (int64_t)1 << 31, K)), P(T2(xa, (int64_t)1 << 31, K)), NULL),
-      "mlp forward", NULL);
+  ARG(tp_parallel_mlp_forward(m, P(T2(ya, (int64_t)1 << 31, K)), P(T2(xa, (int64_t)1 << 31, K)), NULL), "mlp forward",
+      NULL);
   ARG(tp_parallel_mlp_forward(NULL, &y, &x, NULL), "mlp forward", NULL);
   BAD(tp_parallel_mlp_backward(m, &dx, &dy, NULL), ANY_ERR, "mlp backward", "forward");
   OK(tp_parallel_mlp_forward(m, P(T2(NULL, 0, K)), P(T2(NULL, 0, K)), NULL));
@@ -182,8 +182,7 @@ void test_mlp(tp_comm_t comm) {
     int64_t mm = Ms[i];
     OK(tp_parallel_mlp_forward(m, P(T2(ya, mm, K)), P(T2(xa, mm, K)), NULL));
     OK(tp_parallel_mlp_backward(m, P(T2(ga, mm, K)), P(T2(ya + 1024 * 2, mm, K)), NULL));
-    ARG(tp_parallel_mlp_backward(m, P(T2(ga, mm + 1, K)), P(T2(ya + 1024 * 2, mm + 1, K)), NULL), "mlp backward",
-        NULL);
+    ARG(tp_parallel_mlp_backward(m, P(T2(ga, mm + 1, K)), P(T2(ya + 1024 * 2, mm + 1, K)), NULL), "mlp backward", NULL);
   }
   OK(tp_parallel_mlp_forward(m, &y, &x, NULL));
   layer_variants("mlp backward", "dy", m, 6, dy, &dx, NULL, __LINE__);
@@ -308,8 +307,7 @@ void test_vocab(tp_comm_t comm) {
   for (size_t i = 0; i < sizeof Mx / sizeof Mx[0]; i++) {
     int64_t m = Mx[i];
     for (int64_t j = 0; j < m; j++) tok[j] = j % V, dloss[j] = 1.0f;
-    OK(tp_vocab_xent_forward(x, P(T1(losses, m)), P(T2(logits, m, V)), P(I1(tok, m)), -1, -100, &valid, &vocab,
-                             NULL));
+    OK(tp_vocab_xent_forward(x, P(T1(losses, m)), P(T2(logits, m, V)), P(I1(tok, m)), -1, -100, &valid, &vocab, NULL));
     TRUE(valid == m && vocab == V);
     OK(tp_vocab_xent_backward(x, P(T2(dl, m, V)), P(T1(dloss, m)), 1.0f, NULL));
     ARG(tp_vocab_xent_backward(x, P(T2(dl, m + 1, V)), NULL, 1.0f, NULL), "cross-entropy backward", "dlogits");
@@ -321,9 +319,9 @@ void test_vocab(tp_comm_t comm) {
     /* dloss: optional (NULL = all ones), the rest hostile */
     lctx c = {x, 15, &dlg, NULL};
     OK(tp_vocab_xent_backward(x, &dlg, NULL, 1.0f, NULL));
-    tp_tensor bad[] = {with_data(dls, NULL), with_dtype(dls, TP_FLOAT64), with_ndim(dls, 9), with_ndim(dls, 2),
-                       with_shape(dls, 0, -1), with_shape(dls, 0, INT64_MAX), with_stride(dls, 0, 0),
-                       with_dev(dls, TP_DEVICE_CUDA, 0), with_dev(dls, (tp_device_t)11, 0)};
+    tp_tensor bad[] = {with_data(dls, NULL),   with_dtype(dls, TP_FLOAT64),      with_ndim(dls, 9),
+                       with_ndim(dls, 2),      with_shape(dls, 0, -1),           with_shape(dls, 0, INT64_MAX),
+                       with_stride(dls, 0, 0), with_dev(dls, TP_DEVICE_CUDA, 0), with_dev(dls, (tp_device_t)11, 0)};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
       BAD(layer_call(&bad[i], &c), ANY_ERR, "cross-entropy backward", "dloss");
   }
@@ -417,13 +415,21 @@ void test_block(tp_comm_t comm) {
       int which;
     } v[] = {{"x", x, 0}, {"y", y, 1}};
     for (int i = 0; i < 2; i++) {
-      tp_tensor t[] = {with_data(v[i].good, NULL), with_dtype(v[i].good, TP_FLOAT16), with_ndim(v[i].good, 9),
-                       with_ndim(v[i].good, 0), as3d(v[i].good), with_shape(v[i].good, 1, C + 1),
-                       with_shape(v[i].good, 0, -1), with_shape(v[i].good, 1, INT64_MAX),
-                       with_stride(v[i].good, 1, 0), with_stride(v[i].good, 0, 0),
-                       with_dev(v[i].good, TP_DEVICE_CUDA, 0), with_dev(v[i].good, (tp_device_t)33, 0)};
+      tp_tensor t[] = {with_data(v[i].good, NULL),
+                       with_dtype(v[i].good, TP_FLOAT16),
+                       with_ndim(v[i].good, 9),
+                       with_ndim(v[i].good, 0),
+                       as3d(v[i].good),
+                       with_shape(v[i].good, 1, C + 1),
+                       with_shape(v[i].good, 0, -1),
+                       with_shape(v[i].good, 1, INT64_MAX),
+                       with_stride(v[i].good, 1, 0),
+                       with_stride(v[i].good, 0, 0),
+                       with_dev(v[i].good, TP_DEVICE_CUDA, 0),
+                       with_dev(v[i].good, (tp_device_t)33, 0)};
       for (size_t j = 0; j < sizeof t / sizeof t[0]; j++) {
-        tp_status_t st = v[i].which ? tp_block_forward(b, &t[j], &x, &bt, NULL) : tp_block_forward(b, &y, &t[j], &bt, NULL);
+        tp_status_t st =
+            v[i].which ? tp_block_forward(b, &t[j], &x, &bt, NULL) : tp_block_forward(b, &y, &t[j], &bt, NULL);
         BAD(st, ANY_ERR, "block forward", v[i].arg);
       }
     }
@@ -448,9 +454,16 @@ void test_block(tp_comm_t comm) {
   BAD(tp_block_backward(b, &dx, &dy, NULL), ANY_ERR, "block backward", NULL);
   OK(tp_block_forward(b, &y, &x, &bt, NULL));
   {
-    tp_tensor t[] = {with_data(dy, NULL), with_dtype(dy, TP_INT32), with_ndim(dy, 9), with_ndim(dy, -1),
-                     as3d(dy), with_shape(dy, 1, C - 1), with_shape(dy, 0, INT64_MIN), with_stride(dy, 1, 3),
-                     with_dev(dy, TP_DEVICE_CUDA, 0), with_dev(dy, (tp_device_t)99, 0)};
+    tp_tensor t[] = {with_data(dy, NULL),
+                     with_dtype(dy, TP_INT32),
+                     with_ndim(dy, 9),
+                     with_ndim(dy, -1),
+                     as3d(dy),
+                     with_shape(dy, 1, C - 1),
+                     with_shape(dy, 0, INT64_MIN),
+                     with_stride(dy, 1, 3),
+                     with_dev(dy, TP_DEVICE_CUDA, 0),
+                     with_dev(dy, (tp_device_t)99, 0)};
     for (size_t j = 0; j < sizeof t / sizeof t[0]; j++) {
       BAD(tp_block_backward(b, &dx, &t[j], NULL), ANY_ERR, "block backward", "dy");
       BAD(tp_block_backward(b, &t[j], &dy, NULL), ANY_ERR, "block backward", "dx");

@@ -22,32 +22,33 @@
 static int g_fail = 0;
 static char g_job[64];
 
-#define EXPECT(cond, ...)                                               \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
+#define EXPECT(cond, ...)                                                    \
+  do {                                                                       \
+    if (!(cond)) {                                                           \
       fprintf(stderr, "  rank check failed at %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                                     \
-      fprintf(stderr, "\n");                                            \
-      g_fail++;                                                         \
-    }                                                                   \
+      fprintf(stderr, __VA_ARGS__);                                          \
+      fprintf(stderr, "\n");                                                 \
+      g_fail++;                                                              \
+    }                                                                        \
   } while (0)
 
-#define OK(call)                                                        \
-  do {                                                                  \
-    tp_status_t st_ = (call);                                           \
-    if (st_ != TP_SUCCESS) {                                            \
-      fprintf(stderr, "  %s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call, \
-              tp_status_name(st_), tp_last_error());                    \
-      g_fail++;                                                         \
-      return;                                                           \
-    }                                                                   \
+#define OK(call)                                                                                                   \
+  do {                                                                                                             \
+    tp_status_t st_ = (call);                                                                                      \
+    if (st_ != TP_SUCCESS) {                                                                                       \
+      fprintf(stderr, "  %s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call, tp_status_name(st_), tp_last_error()); \
+      g_fail++;                                                                                                    \
+      return;                                                                                                      \
+    }                                                                                                              \
   } while (0)
 
 /* Deterministic input value of element i on rank r for case `seed`: small
  * integers / 4, exact in every float type, non-zero. */
 static double val(int seed, int r, size_t i) {
   uint64_t x = (uint64_t)seed * 0x9E3779B97F4A7C15ULL + (uint64_t)r * 0xBF58476D1CE4E5B9ULL + i * 0x94D049BB133111EBULL;
-  x ^= x >> 31; x *= 0xD6E8FEB86969D7DULL; x ^= x >> 29;
+  x ^= x >> 31;
+  x *= 0xD6E8FEB86969D7DULL;
+  x ^= x >> 29;
   int v = (int)(x % 15) - 7;
   if (v == 0) v = 3;
   return v / 4.0;
@@ -94,7 +95,8 @@ static double ref_reduce(tp_dtype_t d, tp_redop_t op, int seed, int n, size_t i)
   for (int r = 1; r < n; r++) {
     double v = ival(d, seed, r, i);
     switch (op) {
-      case TP_SUM: case TP_AVG: acc += v; break;
+      case TP_SUM:
+      case TP_AVG: acc += v; break;
       case TP_PROD: acc *= v; break;
       case TP_MIN: acc = v < acc ? v : acc; break;
       case TP_MAX: acc = v > acc ? v : acc; break;
@@ -133,7 +135,8 @@ static void test_all_reduce(tp_comm_t c, int n, int r) {
           size_t bad = 0;
           for (size_t i = 0; i < cnt; i++)
             if (!close_enough((tp_dtype_t)d, load(out, (tp_dtype_t)d, i),
-                              ref_reduce((tp_dtype_t)d, (tp_redop_t)op, seed, n, i))) bad++;
+                              ref_reduce((tp_dtype_t)d, (tp_redop_t)op, seed, n, i)))
+              bad++;
           EXPECT(bad == 0, "all_reduce %s %s count %zu inplace %d: %zu wrong", tp_dtype_name((tp_dtype_t)d),
                  tp_redop_name((tp_redop_t)op), cnt, inplace, bad);
         }
@@ -277,8 +280,9 @@ static void test_errors(tp_comm_t c, int n, int r) {
   EXPECT(tp_barrier(c, fake) == TP_ERR_INVALID_ARGUMENT, "barrier stream");
   EXPECT(tp_sendrecv(x, 1, r, x + 8, 1, r, TP_FLOAT32, c, fake) == TP_ERR_INVALID_ARGUMENT, "sendrecv stream");
   if (n > 1)
-    EXPECT(tp_send(x, 1, TP_FLOAT32, (r + 1) % n, c, fake) == TP_ERR_INVALID_ARGUMENT && strstr(tp_last_error(), "send:"),
-           "send stream: %s", tp_last_error());
+    EXPECT(
+        tp_send(x, 1, TP_FLOAT32, (r + 1) % n, c, fake) == TP_ERR_INVALID_ARGUMENT && strstr(tp_last_error(), "send:"),
+        "send stream: %s", tp_last_error());
   unsigned mask = 0;
   OK(tp_comm_devices(c, &mask));
   EXPECT(mask == (1u << TP_DEVICE_CPU), "devices mask %#x", mask);
@@ -316,10 +320,12 @@ static void test_history(tp_comm_t c, int n, int r) {
   EXPECT(k == 3, "history holds %d", k);
   if (k == 3) {
     EXPECT(h[0].seq == 1 && strcmp(h[0].op, "all_reduce") == 0 && h[0].redop == TP_SUM && h[0].dtype == TP_FLOAT32 &&
-           h[0].count == 5 && h[0].root == -1 && strcmp(h[0].site, "a.c:1") == 0 && strcmp(h[0].region, "other") == 0,
+               h[0].count == 5 && h[0].root == -1 && strcmp(h[0].site, "a.c:1") == 0 &&
+               strcmp(h[0].region, "other") == 0,
            "entry 0: %s %s", h[0].op, h[0].site);
     EXPECT(h[1].seq == 2 && strcmp(h[1].op, "barrier") == 0 && h[1].dtype == -1 && strcmp(h[1].site, "a.c:1") == 0 &&
-           strcmp(h[1].region, "mlp") == 0, "entry 1: %s %s %s", h[1].op, h[1].site, h[1].region);
+               strcmp(h[1].region, "mlp") == 0,
+           "entry 1: %s %s %s", h[1].op, h[1].site, h[1].region);
     EXPECT(h[2].seq == 3 && strcmp(h[2].op, "broadcast") == 0 && h[2].root == n - 1 && strcmp(h[2].site, "C") == 0,
            "entry 2: %s %s", h[2].op, h[2].site);
     for (int i = 0; i < 3; i++)
@@ -333,7 +339,8 @@ static void test_history(tp_comm_t c, int n, int r) {
   tp_comm_region_stats_t rs[4];
   OK(tp_comm_region_stats(c, rs, 4, &k));
   EXPECT(k == 2 && strcmp(rs[0].name, "other") == 0 && rs[0].calls == 2 && rs[0].bytes == 8 * sizeof(float) &&
-         strcmp(rs[1].name, "mlp") == 0 && rs[1].calls == 1 && rs[1].bytes == 0, "region stats (%d)", k);
+             strcmp(rs[1].name, "mlp") == 0 && rs[1].calls == 1 && rs[1].bytes == 0,
+         "region stats (%d)", k);
   tp_comm_stats_t st;
   OK(tp_comm_get_stats(c, &st));
   EXPECT(k == 2 && fabs(rs[0].seconds + rs[1].seconds - st.seconds) < 1e-12, "regions add up");
@@ -355,8 +362,8 @@ static void test_history(tp_comm_t c, int n, int r) {
   OK(tp_comm_split(c, 0, r, &s));
   setenv("TPCORE_HISTORY", "bad", 1);
   tp_comm_t bad = NULL;
-  EXPECT(tp_comm_split(c, 0, r, &bad) == TP_ERR_INVALID_ARGUMENT && strstr(tp_last_error(), "TPCORE_HISTORY") &&
-         !bad, "bad TPCORE_HISTORY: %s", tp_last_error());
+  EXPECT(tp_comm_split(c, 0, r, &bad) == TP_ERR_INVALID_ARGUMENT && strstr(tp_last_error(), "TPCORE_HISTORY") && !bad,
+         "bad TPCORE_HISTORY: %s", tp_last_error());
   unsetenv("TPCORE_HISTORY");
   if (!s) return;
   for (int i = 0; i < 5; i++) OK(tp_barrier(s, NULL));
@@ -369,8 +376,9 @@ static void test_history(tp_comm_t c, int n, int r) {
     OK(tp_comm_set_site(s, r == 0 ? "x.c:1" : "y.c:2"));
     tp_status_t e = r == 0 ? tp_all_reduce(x, x, 4, TP_FLOAT32, TP_SUM, s, NULL) : tp_barrier(s, NULL);
     EXPECT(e == TP_ERR_MISMATCH, "desync gave %s", tp_status_name(e));
-    EXPECT(strstr(tp_last_error(), "all_reduce(sum, 4 float32) at x.c:1") && strstr(tp_last_error(), "barrier at y.c:2"),
-           "desync message: %s", tp_last_error());
+    EXPECT(
+        strstr(tp_last_error(), "all_reduce(sum, 4 float32) at x.c:1") && strstr(tp_last_error(), "barrier at y.c:2"),
+        "desync message: %s", tp_last_error());
     OK(tp_comm_history(s, h, 8, &k));
     EXPECT(k == 3 && h[2].status == TP_ERR_MISMATCH && h[2].seq == 6, "failed entry: %d", k);
   }
@@ -480,7 +488,10 @@ static void run_rank(int n, int r, int which) {
     case 5: { /* a rank that never calls: timeout names it */
       if (n < 2) break;
       tp_comm_set_timeout(c, 0.5);
-      if (r == n - 1) { usleep(1500 * 1000); break; }
+      if (r == n - 1) {
+        usleep(1500 * 1000);
+        break;
+      }
       float x = 1;
       tp_status_t st = tp_all_reduce(&x, &x, 1, TP_FLOAT32, TP_SUM, c, NULL);
       EXPECT(st == TP_ERR_TIMEOUT || st == TP_ERR_REMOTE, "missing peer gave %s", tp_status_name(st));
@@ -490,9 +501,9 @@ static void run_rank(int n, int r, int which) {
   tp_comm_destroy(c);
 }
 
-static const char *case_names[] = {"all_reduce", "gather_scatter_bcast_reduce", "p2p_split_registered",
-                                   "errors", "dead_rank", "missing_rank", "registered_memory_off", "wait_modes",
-                                   "history"};
+static const char *case_names[] = {
+    "all_reduce",   "gather_scatter_bcast_reduce", "p2p_split_registered", "errors", "dead_rank",
+    "missing_rank", "registered_memory_off",       "wait_modes",           "history"};
 
 int main(void) {
   snprintf(g_job, sizeof g_job, "ctest%d", (int)getpid());

@@ -44,8 +44,8 @@ void expect(const char *what, const float *got, const double *ref, int64_t n, do
     double tol = atol * (mag ? mag[i] : 1.0) + rtol * fabs(ref[i]) + 1e-300, err = fabs((double)got[i] - ref[i]);
     if (isinf(ref[i]) && got[i] == ref[i]) continue;
     if (!(err <= tol)) { /* NaN fails too */
-      fail("%s[%lld] = %.9g, reference %.9g (|err| %.3g > tol %.3g)", what, (long long)i, (double)got[i], ref[i],
-           err, tol);
+      fail("%s[%lld] = %.9g, reference %.9g (|err| %.3g > tol %.3g)", what, (long long)i, (double)got[i], ref[i], err,
+           tol);
       return;
     }
     if (err / tol > worst) worst = err / tol;
@@ -303,7 +303,7 @@ static void case_positions(void) {
 
 static void case_kv_cache_write(void) {
   /* B, T, max_len, width, ld, cache sequences (0: B, no slots; else slots: a permutation's first B) */
-  const int64_t cfg[][6] = {{3, 2, 7, 5, 13, 0}, {1, 1, 1, 1, 1, 0}, {2, 3, 9, 0, 4, 0}, {0, 2, 4, 3, 3, 0},
+  const int64_t cfg[][6] = {{3, 2, 7, 5, 13, 0}, {1, 1, 1, 1, 1, 0},  {2, 3, 9, 0, 4, 0}, {0, 2, 4, 3, 3, 0},
                             {2, 0, 4, 3, 3, 0},  {3, 2, 7, 5, 13, 5}, {1, 4, 4, 3, 3, 3}, {4, 1, 6, 7, 9, 4}};
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
     int64_t B = cfg[c][0], T = cfg[c][1], L = cfg[c][2], W = cfg[c][3], ld = cfg[c][4], S = cfg[c][5];
@@ -328,7 +328,7 @@ static void case_kv_cache_write(void) {
     }
     float *dkc = DPUTF(kc, nc), *dvc = DPUTF(vc, nc);
     ok("kv_cache_write", K->kv_cache_write(NULL, dkc, dvc, DPUTF(k, nr + W), DPUTF(v, nr + W), ld, DPUTI(pos0, B),
-                                            slots ? DPUTI(slots, B) : NULL, B, T, L, W));
+                                           slots ? DPUTI(slots, B) : NULL, B, T, L, W));
     GETF(kc, dkc, nc);
     GETF(vc, dvc, nc);
     expect("kcache", kc, rk, nc, 0, 0, NULL); /* exact copies, the rest untouched */
@@ -417,7 +417,8 @@ static void case_embedding_forward(void) {
     float *table = rnd(V * C, -1, 1), *out = rnd(M * C, -1, 1);
     double *ref = dz(M * C + 1);
     for (int64_t m = 0; m < M; m++)
-      for (int64_t j = 0; j < C; j++) ref[m * C + j] = tok[m] >= lo && tok[m] < lo + V ? table[(tok[m] - lo) * C + j] : 0;
+      for (int64_t j = 0; j < C; j++)
+        ref[m * C + j] = tok[m] >= lo && tok[m] < lo + V ? table[(tok[m] - lo) * C + j] : 0;
     float *dout = DPUTF(out, M * C);
     ok("embedding_forward", K->embedding_forward(NULL, dout, DPUTI(tok, M), DPUTF(table, V * C), M, lo, V, C));
     GETF(out, dout, M * C);
@@ -435,7 +436,8 @@ static void case_embedding_backward(void) {
     for (int64_t i = 0; i < V * C; i++) ref[i] = dt[i], mag[i] = fabs(dt[i]);
     for (int64_t m = 0; m < M; m++)
       if (tok[m] >= lo && tok[m] < lo + V)
-        for (int64_t j = 0; j < C; j++) ref[(tok[m] - lo) * C + j] += dout[m * C + j], mag[(tok[m] - lo) * C + j] += fabs(dout[m * C + j]);
+        for (int64_t j = 0; j < C; j++)
+          ref[(tok[m] - lo) * C + j] += dout[m * C + j], mag[(tok[m] - lo) * C + j] += fabs(dout[m * C + j]);
     float *ddt = DPUTF(dt, V * C);
     ok("embedding_backward", K->embedding_backward(NULL, ddt, DPUTI(tok, M), DPUTF(dout, M * C), M, lo, V, C));
     GETF(dt, ddt, V * C);
@@ -629,23 +631,48 @@ typedef struct {
 } parity_case;
 
 static const parity_case cases[] = {
-    {"gemm", case_gemm}, {"linear_forward", case_linear_forward}, {"linear_backward", case_linear_backward},
-    {"add_bias", case_add_bias}, {"bias_grad", case_bias_grad}, {"act_forward", case_act_forward},
-    {"act_backward", case_act_backward}, {"bias_act_forward", case_bias_act_forward},
-    {"bias_act_backward_workspace", case_bias_act_backward_workspace}, {"bias_act_backward", case_bias_act_backward},
-    {"layernorm_forward", case_layernorm_forward}, {"layernorm_backward", case_layernorm_backward},
-    {"rmsnorm_forward", case_rmsnorm_forward}, {"rmsnorm_backward", case_rmsnorm_backward}, {"rope", case_rope},
-    {"attention_workspace", case_attention_workspace}, {"attention_forward", case_attention_forward},
-    {"attention_backward", case_attention_backward}, {"kv_cache_write", case_kv_cache_write},
-    {"positions", case_positions}, {"embedding_forward", case_embedding_forward},
-    {"embedding_backward", case_embedding_backward}, {"xent_row_max", case_xent_row_max},
-    {"xent_row_sums", case_xent_row_sums}, {"xent_loss", case_xent_loss}, {"xent_row_scale", case_xent_row_scale},
-    {"xent_backward", case_xent_backward}, {"xent_targets", case_xent_targets},
-    {"xent_targets_hash", case_xent_targets_hash}, {"check_range", case_check_range}, {"add", case_add},
-    {"sub", case_sub}, {"scale", case_scale}, {"fill", case_fill}, {"init_uniform", case_init_uniform},
-    {"init_normal", case_init_normal}, {"adamw_step", case_adamw_step}, {"sgd_step", case_sgd_step},
-    {"convert", case_convert}, {"linear_lp_workspace", case_linear_lp_workspace},
-    {"linear_forward_lp", case_linear_forward_lp}, {"linear_backward_lp", case_linear_backward_lp},
+    {"gemm", case_gemm},
+    {"linear_forward", case_linear_forward},
+    {"linear_backward", case_linear_backward},
+    {"add_bias", case_add_bias},
+    {"bias_grad", case_bias_grad},
+    {"act_forward", case_act_forward},
+    {"act_backward", case_act_backward},
+    {"bias_act_forward", case_bias_act_forward},
+    {"bias_act_backward_workspace", case_bias_act_backward_workspace},
+    {"bias_act_backward", case_bias_act_backward},
+    {"layernorm_forward", case_layernorm_forward},
+    {"layernorm_backward", case_layernorm_backward},
+    {"rmsnorm_forward", case_rmsnorm_forward},
+    {"rmsnorm_backward", case_rmsnorm_backward},
+    {"rope", case_rope},
+    {"attention_workspace", case_attention_workspace},
+    {"attention_forward", case_attention_forward},
+    {"attention_backward", case_attention_backward},
+    {"kv_cache_write", case_kv_cache_write},
+    {"positions", case_positions},
+    {"embedding_forward", case_embedding_forward},
+    {"embedding_backward", case_embedding_backward},
+    {"xent_row_max", case_xent_row_max},
+    {"xent_row_sums", case_xent_row_sums},
+    {"xent_loss", case_xent_loss},
+    {"xent_row_scale", case_xent_row_scale},
+    {"xent_backward", case_xent_backward},
+    {"xent_targets", case_xent_targets},
+    {"xent_targets_hash", case_xent_targets_hash},
+    {"check_range", case_check_range},
+    {"add", case_add},
+    {"sub", case_sub},
+    {"scale", case_scale},
+    {"fill", case_fill},
+    {"init_uniform", case_init_uniform},
+    {"init_normal", case_init_normal},
+    {"adamw_step", case_adamw_step},
+    {"sgd_step", case_sgd_step},
+    {"convert", case_convert},
+    {"linear_lp_workspace", case_linear_lp_workspace},
+    {"linear_forward_lp", case_linear_forward_lp},
+    {"linear_backward_lp", case_linear_backward_lp},
     {"embedding_forward_lp", case_embedding_forward_lp},
 };
 
@@ -665,7 +692,8 @@ void run_quant_tests(int *passed, int *failed); /* test_kernels_quant.c */
 static const char *const entries[] = {TP_KERNEL_ENTRIES(ENTRY_NAME_)};
 
 static int entry_is_set(const tp_kernel_ops *k, const char *name) {
-#define ENTRY_SET_(n) if (!strcmp(name, #n)) return k->n != NULL;
+#define ENTRY_SET_(n) \
+  if (!strcmp(name, #n)) return k->n != NULL;
   TP_KERNEL_ENTRIES(ENTRY_SET_)
 #undef ENTRY_SET_
   return 0;

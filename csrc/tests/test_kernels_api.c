@@ -43,18 +43,17 @@ static void api_linear(void) {
   err("output shape", tp_linear_forward(NULL, &y3, &tx, &tw, &tb), TP_ERR_INVALID_ARGUMENT, "linear_forward: y",
       "(3, 4)", NULL);
   tp_tensor b2 = tp_tensor_1d(b, TP_FLOAT32, N + 1);
-  err("bias", tp_linear_forward(NULL, &ty, &tx, &tw, &b2), TP_ERR_INVALID_ARGUMENT, "linear_forward: b", "(4,)",
-      NULL);
+  err("bias", tp_linear_forward(NULL, &ty, &tx, &tw, &b2), TP_ERR_INVALID_ARGUMENT, "linear_forward: b", "(4,)", NULL);
   t = tp_tensor_2d(x, TP_FLOAT32, Kd, M); /* a transposed view: strides (1, Kd) */
   t.shape[0] = M, t.shape[1] = Kd, t.strides[0] = 1, t.strides[1] = M;
-  err("layout", tp_linear_forward(NULL, &ty, &t, &tw, &tb), TP_ERR_INVALID_ARGUMENT, "linear_forward: x",
-      "contiguous", NULL);
+  err("layout", tp_linear_forward(NULL, &ty, &t, &tw, &tb), TP_ERR_INVALID_ARGUMENT, "linear_forward: x", "contiguous",
+      NULL);
   t = tx;
   t.ndim = 3, t.shape[2] = 1, t.strides[2] = 1;
-  err("ndim", tp_linear_forward(NULL, &ty, &t, &tw, &tb), TP_ERR_INVALID_ARGUMENT, "linear_forward: x",
-      "2 dimensions", NULL);
-  err("NULL", tp_linear_forward(NULL, NULL, &tx, &tw, &tb), TP_ERR_INVALID_ARGUMENT, "linear_forward: y is NULL",
-      NULL, NULL);
+  err("ndim", tp_linear_forward(NULL, &ty, &t, &tw, &tb), TP_ERR_INVALID_ARGUMENT, "linear_forward: x", "2 dimensions",
+      NULL);
+  err("NULL", tp_linear_forward(NULL, NULL, &tx, &tw, &tb), TP_ERR_INVALID_ARGUMENT, "linear_forward: y is NULL", NULL,
+      NULL);
   t = tx;
   t.data = NULL;
   err("no data", tp_linear_forward(NULL, &ty, &t, &tw, &tb), TP_ERR_INVALID_ARGUMENT, "linear_forward: x", "NULL",
@@ -88,22 +87,23 @@ static void api_act(void) {
   tp_cpu_kernel_ops.act_forward(NULL, out2, h, M, F, TP_ACT_SWIGLU);
   check("act_forward = the table's entry", !memcmp(out, out2, sizeof out));
   tp_tensor odd = tp_tensor_2d(h, TP_FLOAT32, M, 2 * F - 1);
-  err("swiglu odd", tp_act_forward(NULL, &to, &odd, TP_ACT_SWIGLU), TP_ERR_INVALID_ARGUMENT, "act_forward: h",
-      "even", NULL);
+  err("swiglu odd", tp_act_forward(NULL, &to, &odd, TP_ACT_SWIGLU), TP_ERR_INVALID_ARGUMENT, "act_forward: h", "even",
+      NULL);
   err("act value", tp_act_forward(NULL, &to, &th, (tp_activation_t)9), TP_ERR_INVALID_ARGUMENT, "act_forward: act",
       NULL, NULL);
-  err("out shape", tp_act_forward(NULL, &to, &th, TP_ACT_GELU), TP_ERR_INVALID_ARGUMENT, "act_forward: out",
-      "(4, 12)", NULL);
+  err("out shape", tp_act_forward(NULL, &to, &th, TP_ACT_GELU), TP_ERR_INVALID_ARGUMENT, "act_forward: out", "(4, 12)",
+      NULL);
   tp_tensor tdh = tp_tensor_2d(dh, TP_FLOAT32, M, 2 * F), tdb = tp_tensor_1d(db, TP_FLOAT32, 2 * F);
   size_t need = 0;
-  check("workspace size", tp_bias_act_backward_workspace_size(TP_DEVICE_CPU, M, F, TP_ACT_SWIGLU, &need) ==
-                              TP_SUCCESS && need >= 2 * F * sizeof(float));
+  check("workspace size",
+        tp_bias_act_backward_workspace_size(TP_DEVICE_CPU, M, F, TP_ACT_SWIGLU, &need) == TP_SUCCESS &&
+            need >= 2 * F * sizeof(float));
   err("no workspace", tp_bias_act_backward(NULL, &tdh, &tdb, &th, &to, TP_ACT_SWIGLU, NULL), TP_ERR_INVALID_ARGUMENT,
       "bias_act_backward: workspace", NULL, NULL);
   float small[3];
   tp_tensor ts = tp_tensor_1d(small, TP_FLOAT32, 3);
-  err("small workspace", tp_bias_act_backward(NULL, &tdh, &tdb, &th, &to, TP_ACT_SWIGLU, &ts),
-      TP_ERR_INVALID_ARGUMENT, "bias_act_backward: workspace", "bytes", NULL);
+  err("small workspace", tp_bias_act_backward(NULL, &tdh, &tdb, &th, &to, TP_ACT_SWIGLU, &ts), TP_ERR_INVALID_ARGUMENT,
+      "bias_act_backward: workspace", "bytes", NULL);
   void *ws = hmem(need);
   tp_tensor tw = tp_tensor_1d(ws, TP_UINT8, (int64_t)need);
   /* ndim outside [0, TP_MAX_DIMS]: an error, not a scalar (negative) or a read past shape[] (too many) */
@@ -130,8 +130,8 @@ static void api_vocab_norm_rope(void) {
   int32_t tok32[M] = {1, 2, 3};
   tp_tensor tt = tp_tensor_1d(tok, TP_INT64, M), tt32 = tp_tensor_1d(tok32, TP_INT32, M);
   tp_tensor ttab = tp_tensor_2d(tab, TP_FLOAT32, V, C), tout = tp_tensor_2d(out, TP_FLOAT32, M, C);
-  check("embedding_forward runs", tp_embedding_forward(NULL, &tout, &tt, &ttab, 0) == TP_SUCCESS &&
-                                      out[C] == 0.0f && out[0] == tab[C]);
+  check("embedding_forward runs",
+        tp_embedding_forward(NULL, &tout, &tt, &ttab, 0) == TP_SUCCESS && out[C] == 0.0f && out[0] == tab[C]);
   err("tokens dtype", tp_embedding_forward(NULL, &tout, &tt32, &ttab, 0), TP_ERR_INVALID_ARGUMENT,
       "embedding_forward: tokens", "int64", "int32");
   /* the shard must lie in [0, 2^63): a negative lo or lo + V past int64 is refused (token - lo overflowed) */
@@ -153,8 +153,8 @@ static void api_vocab_norm_rope(void) {
   tp_tensor ts1 = tp_tensor_1d(sums, TP_FLOAT32, M);
   err("sums shape", tp_xent_row_sums(NULL, &ts1, &tl, &tmx, &tt, 0), TP_ERR_INVALID_ARGUMENT, "xent_row_sums: sums",
       "(6,)", NULL);
-  err("xent lo < 0", tp_xent_row_sums(NULL, &tsum, &tl, &tmx, &tt, -5), TP_ERR_INVALID_ARGUMENT,
-      "xent_row_sums: lo", "got -5", NULL);
+  err("xent lo < 0", tp_xent_row_sums(NULL, &tsum, &tl, &tmx, &tt, -5), TP_ERR_INVALID_ARGUMENT, "xent_row_sums: lo",
+      "got -5", NULL);
   check("xent_row_sums with targets far outside the shard runs",
         tp_xent_row_sums(NULL, &tsum, &tl, &tmx, &tfar, 2) == TP_SUCCESS && sums[M] == 0.0f && sums[M + 2] == 0.0f);
   float *x = rnd(M * C, -1, 1), y[M * C];
@@ -178,8 +178,7 @@ static void api_vocab_norm_rope(void) {
   tq.strides[1] = 2;
   err("rope columns", tp_rope_apply(NULL, &tq, &tp, 2, 2, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply: x",
       "contiguous rows", NULL);
-  err("rope D", tp_rope_apply(NULL, &tq, &tp, 1, 3, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply", "even",
-      NULL);
+  err("rope D", tp_rope_apply(NULL, &tq, &tp, 1, 3, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply", "even", NULL);
   tq.strides[1] = 1, tq.strides[0] = (int64_t)1 << 62; /* 3 rows reach 2^63 elements: refused, not written */
   err("rope row stride", tp_rope_apply(NULL, &tq, &tp, 2, 2, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply: x",
       "reach past 2^63", NULL);
@@ -235,9 +234,14 @@ static void api_attention_optim(void) {
   if (!tp_device_available(TP_DEVICE_CUDA))
     err("attention cuda", tp_attention_forward(NULL, &b, NULL), TP_ERR_UNSUPPORTED,
         "attention_forward: args is cuda memory", "no cuda", NULL);
-  err("attention mixed", tp_attention_forward(NULL, &a, &(tp_tensor){.data = ws, .dtype = TP_UINT8, .ndim = 1,
-                                                                  .shape = {(int64_t)need}, .strides = {1},
-                                                                  .device = TP_DEVICE_CUDA}),
+  err("attention mixed",
+      tp_attention_forward(NULL, &a,
+                           &(tp_tensor){.data = ws,
+                                        .dtype = TP_UINT8,
+                                        .ndim = 1,
+                                        .shape = {(int64_t)need},
+                                        .strides = {1},
+                                        .device = TP_DEVICE_CUDA}),
       TP_ERR_INVALID_ARGUMENT, "attention_forward: workspace is cuda:0 memory", NULL, NULL);
   enum { N = 7 };
   float *p = rnd(N, -1, 1), *g = rnd(N, -1, 1), m[N] = {0}, v[N] = {0};
@@ -264,8 +268,9 @@ static void api_device_table(void) {
       TP_ERR_INVALID_ARGUMENT, "device_copy_2d", "overflow", NULL);
   err("copy_2d pitch overflow", tp_device_copy_2d(TP_DEVICE_CPU, a, SIZE_MAX / 2, TP_DEVICE_CPU, b, 8, 8, 4, NULL),
       TP_ERR_INVALID_ARGUMENT, "device_copy_2d", "overflow", NULL);
-  check("copy_2d of 4 rows runs", tp_device_copy_2d(TP_DEVICE_CPU, a, 16, TP_DEVICE_CPU, b, 8, 8, 4, NULL) ==
-                                      TP_SUCCESS && !memcmp(a + 16, b + 8, 8) && !memcmp(a + 48, b + 24, 8));
+  check("copy_2d of 4 rows runs",
+        tp_device_copy_2d(TP_DEVICE_CPU, a, 16, TP_DEVICE_CPU, b, 8, 8, 4, NULL) == TP_SUCCESS &&
+            !memcmp(a + 16, b + 8, 8) && !memcmp(a + 48, b + 24, 8));
 }
 
 void run_api_tests(int *passed, int *failed) {
@@ -274,8 +279,11 @@ void run_api_tests(int *passed, int *failed) {
   struct {
     const char *name;
     void (*fn)(void);
-  } t[] = {{"linear", api_linear}, {"activations", api_act}, {"vocab, norms, rope", api_vocab_norm_rope},
-           {"attention, optimizers", api_attention_optim}, {"device table", api_device_table}};
+  } t[] = {{"linear", api_linear},
+           {"activations", api_act},
+           {"vocab, norms, rope", api_vocab_norm_rope},
+           {"attention, optimizers", api_attention_optim},
+           {"device table", api_device_table}};
   for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
     api_bad = 0;
     t[i].fn();

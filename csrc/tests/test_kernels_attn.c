@@ -14,20 +14,20 @@ typedef struct {
 } acfg;
 
 static const acfg AC[] = {
-    {2, 67, 67, 4, 2, 6, 0, 0, 0, 1, 1, 0, 0},  /* causal training over two query blocks, masked keys, GQA */
-    {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0},    /* the smallest */
-    {3, 5, 5, 3, 3, 5, 0, 0, 0, 0, 0, 0, 0},    /* non-causal, MHA */
-    {2, 9, 9, 4, 2, 4, 3, 2, 0, 1, 1, 0, 0},    /* heads 2..5 of 6 in groups of 3: starts mid-group */
-    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0},   /* decode: 2 new tokens per sequence over a cache of 13 */
-    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1, 0},  /* a prefill continuing at position 10 */
-    {0, 4, 4, 2, 2, 2, 0, 0, 0, 1, 0, 0, 0},    /* no sequences */
-    {2, 0, 0, 2, 1, 2, 0, 0, 0, 1, 0, 0, 0},    /* no tokens */
-    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0},  /* decode over a long cache (CUDA: split-K), k_len 600 and 103 */
+    {2, 67, 67, 4, 2, 6, 0, 0, 0, 1, 1, 0, 0},   /* causal training over two query blocks, masked keys, GQA */
+    {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0},     /* the smallest */
+    {3, 5, 5, 3, 3, 5, 0, 0, 0, 0, 0, 0, 0},     /* non-causal, MHA */
+    {2, 9, 9, 4, 2, 4, 3, 2, 0, 1, 1, 0, 0},     /* heads 2..5 of 6 in groups of 3: starts mid-group */
+    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0},    /* decode: 2 new tokens per sequence over a cache of 13 */
+    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1, 0},   /* a prefill continuing at position 10 */
+    {0, 4, 4, 2, 2, 2, 0, 0, 0, 1, 0, 0, 0},     /* no sequences */
+    {2, 0, 0, 2, 1, 2, 0, 0, 0, 1, 0, 0, 0},     /* no tokens */
+    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0},   /* decode over a long cache (CUDA: split-K), k_len 600 and 103 */
     {1, 20, 20, 2, 2, 100, 0, 0, 0, 1, 1, 0, 0}, /* a head size between the fused kernels' templates */
     {1, 18, 18, 3, 1, 200, 0, 0, 0, 0, 0, 0, 0}, /* a large head size, MQA */
-    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 5},   /* decode through kv_slot: 3 rows over 5 cache sequences */
-    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1, 3},  /* the same over a long cache (CUDA: split-K) */
-    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1, 2},  /* a prefill into one of two cache sequences */
+    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 5},    /* decode through kv_slot: 3 rows over 5 cache sequences */
+    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1, 3},   /* the same over a long cache (CUDA: split-K) */
+    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1, 2},   /* a prefill into one of two cache sequences */
 };
 #define NAC (sizeof AC / sizeof AC[0])
 
@@ -78,8 +78,9 @@ static void make(const acfg *c, ainst *x) {
     x->kc = rnd(x->nkv, -1, 1), x->vc = rnd(x->nkv, -1, 1);
     x->qpos = hmem((size_t)c->B * 8 + 8), x->klen = hmem((size_t)c->B * 8 + 8);
     for (int64_t b = 0; b < c->B; b++) {
-      x->qpos[b] = c->Tk == 13 ? (int64_t[]){0, 5, 11}[b % 3] : c->Tk == 600 ? (int64_t[]){597, 100}[b % 2]
-                                                                            : c->Tk - c->Tq;
+      x->qpos[b] = c->Tk == 13    ? (int64_t[]){0, 5, 11}[b % 3]
+                   : c->Tk == 600 ? (int64_t[]){597, 100}[b % 2]
+                                  : c->Tk - c->Tq;
       x->klen[b] = x->qpos[b] + c->Tq;
     }
   } else {
@@ -126,8 +127,8 @@ static tp_attention_args host_args(const ainst *x) {
 
 /* P [B, Hq, Tq, Tk] and O (layout of o, other elements as in o) in double; mo: O's tolerance
  * scale; L [B, Hq, Tq] the log-sum-exp of each row's scaled scores (-inf: no visible key). */
-static void reference_forward(const tp_attention_args *a, const float *o0, int64_t no, double *P, double *O,
-                              double *mo, double *L) {
+static void reference_forward(const tp_attention_args *a, const float *o0, int64_t no, double *P, double *O, double *mo,
+                              double *L) {
   for (int64_t i = 0; i < no; i++) O[i] = o0[i], mo[i] = 0;
   for (int64_t b = 0; b < a->B; b++)
     for (int64_t h = 0; h < a->Hq; h++)
@@ -231,8 +232,7 @@ static void backward_lse_equals_probs(void) {
     double *ref = dz(x.nqkv);
     for (int64_t i = 0; i < x.nqkv; i++) ref[i] = g[0][i];
     for (int64_t r = 0; r < x.a.B * x.a.Tq; r++)
-      expect("dqkv from lse vs from probs", g[1] + r * x.W, ref + r * x.W, (x.a.Hq + 2 * x.a.Hk) * D, 1e-4, 1e-4,
-             NULL);
+      expect("dqkv from lse vs from probs", g[1] + r * x.W, ref + r * x.W, (x.a.Hq + 2 * x.a.Hk) * D, 1e-4, 1e-4, NULL);
   }
 }
 
@@ -240,7 +240,7 @@ void case_attention_backward(void) {
   for (size_t c = 0; c < NAC; c++)
     for (int mode = 0; mode < 4; mode++) { /* probs: the asked workspace, one block of dP; the lse mode:
                                               the asked workspace, one block of dP and P */
-      if (AC[c].decode) continue; /* no backward through a cache */
+      if (AC[c].decode) continue;          /* no backward through a cache */
       ainst x;
       make(&AC[c], &x);
       tp_attention_args ha = host_args(&x), d;
@@ -272,7 +272,8 @@ void case_attention_backward(void) {
               dot += dp[j] * p[j], adot += fabs(dp[j]) * p[j];
             }
             int64_t qi = (b * a->Tq + i) * x.W;
-            if (!a->Tk) for (int64_t d2 = 0; d2 < D; d2++) R[qi + qo + d2] = 0;
+            if (!a->Tk)
+              for (int64_t d2 = 0; d2 < D; d2++) R[qi + qo + d2] = 0;
             for (int64_t j = 0; j < a->Tk; j++) {
               double ds = p[j] * (dp[j] - dot) * a->scale, ms = p[j] * (fabs(dp[j]) + adot) * a->scale;
               int64_t kj = (b * a->Tk + j) * x.W;
@@ -299,8 +300,8 @@ void case_attention_backward(void) {
       if (mode % 2 && need && !strcmp(K->name, "cpu")) /* the CPU's one block (two in the lse mode) */
         need = (size_t)((mode == 3 ? 2 : 1) * 64 * (d.Tk ? d.Tk : 1)) * sizeof(float);
       void *ws = need ? dmem(need) : NULL;
-      ok("attention_backward", K->attention_backward(NULL, &d, dg, dg + a->Hq * D, dg + (a->Hq + a->Hk) * D,
-                                                     DPUTF(dout, x.no), ws, need));
+      ok("attention_backward",
+         K->attention_backward(NULL, &d, dg, dg + a->Hq * D, dg + (a->Hq + a->Hk) * D, DPUTF(dout, x.no), ws, need));
       float *got = hmem((size_t)x.nqkv * 4);
       GETF(got, dg, x.nqkv);
       for (int64_t i = 0; i < x.nqkv; i++) mg[i] += 0.05; /* a floor: float rounding of terms near 0 */

@@ -16,8 +16,8 @@
 typedef struct {
   tp_dtype_t dt;
   const char *name;
-  int mbits, bias;  /* stored mantissa bits; exponent bias (emin = 1 - bias) */
-  double u;         /* unit roundoff 2^-(mbits + 1) */
+  int mbits, bias; /* stored mantissa bits; exponent bias (emin = 1 - bias) */
+  double u;        /* unit roundoff 2^-(mbits + 1) */
 } fmt16;
 
 static const fmt16 BF16 = {TP_BFLOAT16, "bfloat16", 7, 127, 1.0 / 256};
@@ -123,7 +123,7 @@ static uint32_t *probe_floats(int64_t n) {
     switch (i < ns ? 9 : (int)(r % 6)) {
       case 9: u[i] = special[i]; break;
       case 0: u[i] = (uint32_t)r; break; /* any pattern: NaNs, subnormals, huge, tiny */
-      case 1: /* a bfloat16 tie: a 16-bit pattern and half its ulp */
+      case 1:                            /* a bfloat16 tie: a 16-bit pattern and half its ulp */
         u[i] = ((uint32_t)(r >> 8) & 0xffff0000u) | 0x8000u;
         break;
       case 2: { /* a float16 tie (the midpoint of two neighbours, normal or subnormal) or a float32 step off it */
@@ -136,8 +136,8 @@ static uint32_t *probe_floats(int64_t n) {
         break;
       }
       case 3: u[i] = s | (uint32_t)(0x33000000u + (r >> 8) % 0x05800000u); break; /* 2^-25 .. 2^-14: f16 subnormals */
-      case 4: u[i] = s | (uint32_t)(0x477f0000u + (r >> 8) % 0x20000u); break;   /* around 65504 .. 65536 */
-      default: u[i] = s | (uint32_t)(0x7f7f0000u + (r >> 8) % 0x10000u); break;  /* near float32's largest */
+      case 4: u[i] = s | (uint32_t)(0x477f0000u + (r >> 8) % 0x20000u); break;    /* around 65504 .. 65536 */
+      default: u[i] = s | (uint32_t)(0x7f7f0000u + (r >> 8) % 0x10000u); break;   /* near float32's largest */
     }
   }
   return u;
@@ -151,8 +151,7 @@ static void convert_narrow(const fmt16 *f, const uint32_t *x, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     uint16_t want = round16(f, bits_f32(x[i]));
     if (!same16(f, y[i], want)) {
-      fail("float32 0x%08x (%.9g) -> %s: got 0x%04x, want 0x%04x", (unsigned)x[i], bits_f32(x[i]), f->name, y[i],
-           want);
+      fail("float32 0x%08x (%.9g) -> %s: got 0x%04x, want 0x%04x", (unsigned)x[i], bits_f32(x[i]), f->name, y[i], want);
       return;
     }
   }
@@ -209,9 +208,9 @@ void case_convert(void) {
 /* M, K, N: empty, single, M = 1, 2 (decode), K = 1, K = 0, N odd; M = 9 with K = 8191 or
  * 40000 crosses the CPU table's panels of w (8 MiB of float32: 256 or 52 rows; M <= 8 takes
  * its GEMV path). */
-static const int64_t LPS[][3] = {{0, 3, 4},   {1, 1, 1},   {1, 769, 131}, {2, 37, 65},    {3, 1, 5},
-                                 {4, 250, 33}, {5, 0, 4},  {13, 37, 19},  {70, 65, 33},   {1, 0, 3},   {1, 229, 77},
-                                 {9, 8191, 300}, {9, 40000, 110}, {3, 40000, 61}};
+static const int64_t LPS[][3] = {{0, 3, 4},    {1, 1, 1},      {1, 769, 131},   {2, 37, 65},   {3, 1, 5},
+                                 {4, 250, 33}, {5, 0, 4},      {13, 37, 19},    {70, 65, 33},  {1, 0, 3},
+                                 {1, 229, 77}, {9, 8191, 300}, {9, 40000, 110}, {3, 40000, 61}};
 #define NLPS (sizeof LPS / sizeof LPS[0])
 
 /* The tolerance per unit of sum |x||w|: float32 accumulation of K terms (test_kernels.h),
@@ -250,7 +249,8 @@ void case_linear_forward_lp(void) {
       for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
           double s = bias ? b[n] : 0, a = fabs(s);
-          for (int64_t k = 0; k < Kd; k++) s += x[m * Kd + k] * wv[n * Kd + k], a += fabs(x[m * Kd + k] * wv[n * Kd + k]);
+          for (int64_t k = 0; k < Kd; k++)
+            s += x[m * Kd + k] * wv[n * Kd + k], a += fabs(x[m * Kd + k] * wv[n * Kd + k]);
           ref[m * N + n] = s, mag[m * N + n] = a;
         }
       size_t wsb;
@@ -264,10 +264,10 @@ void case_linear_forward_lp(void) {
     }
 }
 
-static void backward_check(const fmt16 *f, int64_t M, int64_t Kd, int64_t N, int mode, const float *dy,
-                           const float *x, const uint16_t *w, const float *dx0, const float *dw0, const float *db0,
-                           const double *rdx, const double *mdx, const double *rdw, const double *mdw,
-                           const double *rdb, const double *mdb, void *ws, size_t wsb) {
+static void backward_check(const fmt16 *f, int64_t M, int64_t Kd, int64_t N, int mode, const float *dy, const float *x,
+                           const uint16_t *w, const float *dx0, const float *dw0, const float *db0, const double *rdx,
+                           const double *mdx, const double *rdw, const double *mdw, const double *rdb,
+                           const double *mdb, void *ws, size_t wsb) {
   int acc = mode & 1, skip = mode >> 1;
   float *dx = hmem((size_t)(M * Kd) * 4 + 4), *dw = hmem((size_t)(N * Kd) * 4 + 4), *db = hmem((size_t)N * 4 + 4);
   float *ddx = DPUTF(dx0, M * Kd), *ddw = DPUTF(dw0, N * Kd), *ddb = DPUTF(db0, N);
@@ -340,8 +340,8 @@ void case_linear_lp_workspace(void) {
     for (size_t c = 0; c < NLPS; c++) {
       int64_t M = LPS[c][0], Kd = LPS[c][1], N = LPS[c][2];
       size_t a = K->linear_lp_workspace(M, Kd, N, f->dt, bw), b = K->linear_lp_workspace(M, Kd, N, f->dt, bw);
-      if (a != b) fail("linear_lp_workspace(%lld, %lld, %lld) changed between calls", (long long)M, (long long)Kd,
-                       (long long)N);
+      if (a != b)
+        fail("linear_lp_workspace(%lld, %lld, %lld) changed between calls", (long long)M, (long long)Kd, (long long)N);
     }
     int64_t M = 64, Kd = 8192, N = 32768;
     size_t nbytes = K->linear_lp_workspace(M, Kd, N, f->dt, bw);
@@ -361,16 +361,17 @@ void case_embedding_forward_lp(void) {
       const fmt16 *f = fs[t];
       int64_t M = sz[c][0], C = sz[c][1], V = 7, lo = 10, *tok = hmem((size_t)M * 8 + 8);
       for (int64_t m = 0; m < M; m++) tok[m] = rnd_int(5, 20); /* some outside the shard [10, 17) */
-      if (M > 2) tok[0] = INT64_MIN, tok[1] = INT64_MAX;     /* far outside: no overflow in the range test */
+      if (M > 2) tok[0] = INT64_MIN, tok[1] = INT64_MAX;       /* far outside: no overflow in the range test */
       double *tv;
       uint16_t *table = rnd16(f, V * C, &tv);
       float *out = rnd(M * C, -1, 1);
       double *ref = dz(M * C + 1);
       for (int64_t m = 0; m < M; m++)
-        for (int64_t j = 0; j < C; j++) ref[m * C + j] = tok[m] >= lo && tok[m] < lo + V ? tv[(tok[m] - lo) * C + j] : 0;
+        for (int64_t j = 0; j < C; j++)
+          ref[m * C + j] = tok[m] >= lo && tok[m] < lo + V ? tv[(tok[m] - lo) * C + j] : 0;
       float *dout = DPUTF(out, M * C);
-      ok("embedding_forward_lp", K->embedding_forward_lp(NULL, dout, DPUTI(tok, M), dput(table, (size_t)(V * C) * 2),
-                                                         f->dt, M, lo, V, C));
+      ok("embedding_forward_lp",
+         K->embedding_forward_lp(NULL, dout, DPUTI(tok, M), dput(table, (size_t)(V * C) * 2), f->dt, M, lo, V, C));
       GETF(out, dout, M * C);
       expect("out", out, ref, M * C, 0, 0, NULL); /* widening is exact */
     }

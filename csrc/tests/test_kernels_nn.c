@@ -20,12 +20,13 @@ void case_linear_forward(void) {
       for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
           double s = bias ? b[n] : 0, a = fabs(s);
-          for (int64_t k = 0; k < Kd; k++) s += (double)x[m * Kd + k] * w[n * Kd + k], a += fabs(x[m * Kd + k] * w[n * Kd + k]);
+          for (int64_t k = 0; k < Kd; k++)
+            s += (double)x[m * Kd + k] * w[n * Kd + k], a += fabs(x[m * Kd + k] * w[n * Kd + k]);
           ref[m * N + n] = s, mag[m * N + n] = a;
         }
       float *dy = DPUTF(y, M * N); /* y holds garbage: it must be overwritten */
-      ok("linear_forward", K->linear_forward(NULL, dy, DPUTF(x, M * Kd), DPUTF(w, N * Kd), bias ? DPUTF(b, N) : NULL,
-                                             M, Kd, N));
+      ok("linear_forward",
+         K->linear_forward(NULL, dy, DPUTF(x, M * Kd), DPUTF(w, N * Kd), bias ? DPUTF(b, N) : NULL, M, Kd, N));
       GETF(y, dy, M * N);
       expect("y", y, ref, M * N, 2 * (Kd + 3) * U, 0, mag);
     }
@@ -43,7 +44,8 @@ void case_linear_backward(void) {
       for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < Kd; k++) {
           double s = acc ? dx[m * Kd + k] : 0, a = fabs(s);
-          for (int64_t n = 0; n < N; n++) s += (double)dy[m * N + n] * w[n * Kd + k], a += fabs(dy[m * N + n] * w[n * Kd + k]);
+          for (int64_t n = 0; n < N; n++)
+            s += (double)dy[m * N + n] * w[n * Kd + k], a += fabs(dy[m * N + n] * w[n * Kd + k]);
           rdx[m * Kd + k] = s, mdx[m * Kd + k] = a;
         }
       for (int64_t n = 0; n < N; n++) {
@@ -51,7 +53,8 @@ void case_linear_backward(void) {
         for (int64_t m = 0; m < M; m++) rdb[n] += dy[m * N + n], mdb[n] += fabs(dy[m * N + n]);
         for (int64_t k = 0; k < Kd; k++) {
           double s = dw[n * Kd + k], a = fabs(s);
-          for (int64_t m = 0; m < M; m++) s += (double)dy[m * N + n] * x[m * Kd + k], a += fabs(dy[m * N + n] * x[m * Kd + k]);
+          for (int64_t m = 0; m < M; m++)
+            s += (double)dy[m * N + n] * x[m * Kd + k], a += fabs(dy[m * N + n] * x[m * Kd + k]);
           rdw[n * Kd + k] = s, mdw[n * Kd + k] = a;
         }
       }
@@ -177,8 +180,8 @@ void case_bias_act_backward(void) {
         if (mode == 2 && M > 0) need = (size_t)hw * sizeof(float);
         void *ws = need ? dmem(need) : NULL;
         float *ddh = dmem((size_t)(M * hw) * 4), *ddb = DPUTF(db, hw), *got = hmem((size_t)((M + 1) * hw) * 4 + 4);
-        ok("bias_act_backward", K->bias_act_backward(NULL, ddh, mode ? ddb : NULL, DPUTF(h, M * hw),
-                                                     DPUTF(dout, M * F), M, F, (tp_activation_t)a, ws, need));
+        ok("bias_act_backward", K->bias_act_backward(NULL, ddh, mode ? ddb : NULL, DPUTF(h, M * hw), DPUTF(dout, M * F),
+                                                     M, F, (tp_activation_t)a, ws, need));
         GETF(got, ddh, M * hw);
         expect("dh", got, rdh, M * hw, 2e-6, 1e-6, mdh);
         if (mode) { /* a sum of M dh values: each within its tolerance, plus the summation's (M + 2) u */
@@ -223,8 +226,9 @@ static void norm_forward_case(int rms) {
       float *dy = dmem((size_t)(M * C) * 4), *dmu = dmem((size_t)M * 4), *drs = dmem((size_t)M * 4);
       float *got = hmem((size_t)((M + 1) * C) * 4 + 4), *dx = DPUTF(x, M * C), *dw = DPUTF(w, C);
       if (rms) ok("rmsnorm_forward", K->rmsnorm_forward(NULL, dy, opt ? drs : NULL, dx, dw, M, C, eps));
-      else ok("layernorm_forward", K->layernorm_forward(NULL, dy, opt ? dmu : NULL, opt ? drs : NULL, dx, dw,
-                                                          opt ? DPUTF(b, C) : NULL, M, C, eps));
+      else
+        ok("layernorm_forward", K->layernorm_forward(NULL, dy, opt ? dmu : NULL, opt ? drs : NULL, dx, dw,
+                                                     opt ? DPUTF(b, C) : NULL, M, C, eps));
       GETF(got, dy, M * C);
       expect("y", got, ry, M * C, 8 * U, 0, my);
       if (!opt) continue;
@@ -265,11 +269,12 @@ static void norm_backward_case(int rms) {
       }
       float *ddx = dmem((size_t)(M * C) * 4), *ddw = DPUTF(dw, C), *ddb = DPUTF(db, C);
       float *got = hmem((size_t)((M + 1) * C) * 4 + 4);
-      if (rms) ok("rmsnorm_backward", K->rmsnorm_backward(NULL, ddx, ddw, DPUTF(dy, M * C), DPUTF(x, M * C),
-                                                          DPUTF(w, C), DPUTF(rs, M), M, C));
-      else ok("layernorm_backward", K->layernorm_backward(NULL, ddx, ddw, with_db ? ddb : NULL, DPUTF(dy, M * C),
-                                                            DPUTF(x, M * C), DPUTF(w, C), DPUTF(mu, M), DPUTF(rs, M),
-                                                            M, C));
+      if (rms)
+        ok("rmsnorm_backward",
+           K->rmsnorm_backward(NULL, ddx, ddw, DPUTF(dy, M * C), DPUTF(x, M * C), DPUTF(w, C), DPUTF(rs, M), M, C));
+      else
+        ok("layernorm_backward", K->layernorm_backward(NULL, ddx, ddw, with_db ? ddb : NULL, DPUTF(dy, M * C),
+                                                       DPUTF(x, M * C), DPUTF(w, C), DPUTF(mu, M), DPUTF(rs, M), M, C));
       /* row sums in double, then a few float operations per element: 16 u of the terms;
        * dw and db: a float sum of M terms, each a few roundings off */
       GETF(got, ddx, M * C);
@@ -291,7 +296,8 @@ void case_rmsnorm_backward(void) { norm_backward_case(1); }
 /* ------------------------------------------------------------------------- RoPE */
 
 void case_rope(void) {
-  const int64_t cfg[][4] = {{0, 1, 2, 0}, {1, 1, 2, 0}, {5, 3, 6, 5}, {9, 2, 8, 1}, {3, 4, 14, 3}}; /* rows heads D pad */
+  const int64_t cfg[][4] = {
+      {0, 1, 2, 0}, {1, 1, 2, 0}, {5, 3, 6, 5}, {9, 2, 8, 1}, {3, 4, 14, 3}}; /* rows heads D pad */
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++)
     for (int inv = 0; inv < 2; inv++) {
       int64_t R = cfg[c][0], H = cfg[c][1], D = cfg[c][2], ld = H * D + cfg[c][3], half = D / 2;

@@ -214,7 +214,8 @@ void case_quant_embedding_forward_lp(void) {
         uint8_t *table = rnd_qrows(f, V, C);
         double *tv = ref_rows(f, table, V, C), *ref = dz(M * C + 1);
         for (int64_t m = 0; m < M; m++)
-          for (int64_t j = 0; j < C; j++) ref[m * C + j] = tok[m] >= lo && tok[m] < lo + V ? tv[(tok[m] - lo) * C + j] : 0;
+          for (int64_t j = 0; j < C; j++)
+            ref[m * C + j] = tok[m] >= lo && tok[m] < lo + V ? tv[(tok[m] - lo) * C + j] : 0;
         float *out = rnd(M * C, -1, 1), *dout = DPUTF(out, M * C);
         ok("embedding_forward_lp", K->embedding_forward_lp(NULL, dout, DPUTI(tok, M),
                                                            dput(table, qrow_bytes(f, C) * (size_t)V), f, M, lo, V, C));
@@ -256,7 +257,8 @@ void case_quant_linear_forward_lp(void) {
       for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
           double s = bias ? b[n] : 0, a = fabs(s);
-          for (int64_t k = 0; k < Kd; k++) s += x[m * Kd + k] * wv[n * Kd + k], a += fabs(x[m * Kd + k] * wv[n * Kd + k]);
+          for (int64_t k = 0; k < Kd; k++)
+            s += x[m * Kd + k] * wv[n * Kd + k], a += fabs(x[m * Kd + k] * wv[n * Kd + k]);
           ref[m * N + n] = s, mag[m * N + n] = a;
         }
       size_t wsb = K->linear_lp_workspace(M, Kd, N, f, 0);
@@ -300,7 +302,8 @@ void case_quant_linear_backward_lp(void) {
         for (int64_t m = 0; m < M; m++)
           for (int64_t k = 0; k < Kd; k++) {
             double s = acc ? dx0[m * Kd + k] : 0, a = fabs(s);
-            for (int64_t n = 0; n < N; n++) s += dy[m * N + n] * wv[n * Kd + k], a += fabs(dy[m * N + n] * wv[n * Kd + k]);
+            for (int64_t n = 0; n < N; n++)
+              s += dy[m * N + n] * wv[n * Kd + k], a += fabs(dy[m * N + n] * wv[n * Kd + k]);
             rdx[m * Kd + k] = s, mdx[m * Kd + k] = a;
           }
         for (int64_t n = 0; n < N; n++) {
@@ -312,15 +315,15 @@ void case_quant_linear_backward_lp(void) {
           float *dx = hmem((size_t)(M * Kd) * 4 + 4), *db = hmem((size_t)N * 4 + 4);
           float *ddx = DPUTF(dx0, M * Kd), *ddb = DPUTF(db0, N);
           size_t nb = small ? sws : wsb;
-          ok("linear_backward_lp", K->linear_backward_lp(NULL, ddx, NULL, ddb, DPUTF(dy, M * N), DPUTF(dx0, M * Kd),
-                                                         dput(w, qrow_bytes(f, Kd) * (size_t)N), f, M, Kd, N, acc,
-                                                         nb ? dmem(nb) : NULL, nb));
+          ok("linear_backward_lp",
+             K->linear_backward_lp(NULL, ddx, NULL, ddb, DPUTF(dy, M * N), DPUTF(dx0, M * Kd),
+                                   dput(w, qrow_bytes(f, Kd) * (size_t)N), f, M, Kd, N, acc, nb ? dmem(nb) : NULL, nb));
           GETF(dx, ddx, M * Kd), GETF(db, ddb, N);
           char what[64];
           snprintf(what, sizeof what, "%s dx (M %lld, K %lld, N %lld, acc %d)", tp_dtype_name(f), (long long)M,
                    (long long)Kd, (long long)N, acc);
-          expect(what, dx, rdx, M * Kd, 2 * (double)(N + 3) * U + (K->lp_rounds_activations ? 2 * 1.01 * BF16_U : 0),
-                 0, mdx);
+          expect(what, dx, rdx, M * Kd, 2 * (double)(N + 3) * U + (K->lp_rounds_activations ? 2 * 1.01 * BF16_U : 0), 0,
+                 mdx);
           expect("db", db, rdb, N, 2 * (double)(M + 3) * U, 0, mdb);
         }
       }

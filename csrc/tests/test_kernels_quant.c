@@ -86,11 +86,13 @@ typedef struct {
   int blk, bb;
 } qfmt;
 
-static const qfmt FMTS[] = {{TP_INT8, "int8", 1, 1},     {TP_Q8_0, "q8_0", 32, 34},   {TP_Q4_0, "q4_0", 32, 18},
-                            {TP_Q4_1, "q4_1", 32, 20},   {TP_Q4_K, "q4_k", 256, 144}, {TP_Q5_K, "q5_k", 256, 176},
+static const qfmt FMTS[] = {{TP_INT8, "int8", 1, 1},    {TP_Q8_0, "q8_0", 32, 34},   {TP_Q4_0, "q4_0", 32, 18},
+                            {TP_Q4_1, "q4_1", 32, 20},  {TP_Q4_K, "q4_k", 256, 144}, {TP_Q5_K, "q5_k", 256, 176},
                             {TP_Q6_K, "q6_k", 256, 210}};
 
-static size_t row_bytes(const qfmt *q, int64_t K) { return q->f == TP_INT8 ? 4 + (size_t)K : (size_t)(K / q->blk) * q->bb; }
+static size_t row_bytes(const qfmt *q, int64_t K) {
+  return q->f == TP_INT8 ? 4 + (size_t)K : (size_t)(K / q->blk) * q->bb;
+}
 
 /* Random bytes with finite f16 fields of random magnitude (an int8 row: a random float32 scale). */
 static void random_row(const qfmt *q, uint8_t *r, int64_t K) {
@@ -168,7 +170,8 @@ static void check_dequant_and_dots(const qfmt *q) {
   for (int c = 0; c < 6; c++) {
     int64_t K = case_k(q, c);
     size_t rb = row_bytes(q, K), want;
-    if (!tp_weight_row_bytes(q->f, K, &want) || want != rb) qfail("%s: tp_weight_row_bytes(K=%lld)", q->name, (long long)K);
+    if (!tp_weight_row_bytes(q->f, K, &want) || want != rb)
+      qfail("%s: tp_weight_row_bytes(K=%lld)", q->name, (long long)K);
     for (int rep = 0; rep < 3; rep++) {
       uint8_t *r = qmem(rb);
       float *y = qmem((size_t)K * sizeof(float));
@@ -244,8 +247,7 @@ static void check_roundtrip(const qfmt *q) {
     int blk = q->f == TP_INT8 ? (int)K : q->blk;
     for (int64_t b0 = 0; b0 < K; b0 += blk) {
       double amax = 0, lo = INFINITY, hi = -INFINITY;
-      for (int64_t k = b0; k < b0 + blk; k++)
-        amax = fmax(amax, fabs(x[k])), lo = fmin(lo, x[k]), hi = fmax(hi, x[k]);
+      for (int64_t k = b0; k < b0 + blk; k++) amax = fmax(amax, fabs(x[k])), lo = fmin(lo, x[k]), hi = fmax(hi, x[k]);
       /* per element: half a step (Q4_0: a whole one, its +8 side clips at 15), plus the f16
        * rounding of the stored d (times the largest code) and m: half an f16 ulp, 2^-11
        * relative or 2^-25 (the subnormals' half spacing), whichever is larger; 1e-6 amax for the
@@ -309,7 +311,8 @@ static void check_nonfinite(const qfmt *q) {
   int64_t K = case_k(q, 3);
   size_t rb = row_bytes(q, K);
   uint8_t *r = qmem(rb), *r2 = qmem(rb);
-  float *y = qmem((size_t)K * sizeof(float)), *y2 = qmem((size_t)K * sizeof(float)), *x = qmem((size_t)K * sizeof(float));
+  float *y = qmem((size_t)K * sizeof(float)), *y2 = qmem((size_t)K * sizeof(float)),
+        *x = qmem((size_t)K * sizeof(float));
   for (int64_t k = 0; k < K; k++) x[k] = (float)(0.5 + 0.5 * q_unif());
   for (int t = 0; t < 4; t++) {
     random_row(q, r, K);
@@ -340,7 +343,8 @@ static void check_nonfinite(const qfmt *q) {
       const float *xs[4] = {x, x, x, x};
       tp_q_dot4_at(q->f, isa)(out, r2, xs, K);
       if (isfinite(d1) || isfinite(out[0]) || isfinite(out[3]))
-        qfail("%s isa %d: f16 field %04x: dot1 %.9g, dot4 %.9g (non-finite expected)", q->name, isa, bad[t], d1, out[0]);
+        qfail("%s isa %d: f16 field %04x: dot1 %.9g, dot4 %.9g (non-finite expected)", q->name, isa, bad[t], d1,
+              out[0]);
     }
   }
 }
@@ -370,7 +374,8 @@ void run_quant_tests(int *passed, int *failed) {
   struct {
     const char *name;
     void (*fn)(const qfmt *);
-  } t[] = {{"dequant + dot1/dot4", check_dequant_and_dots}, {"quant round trip", check_roundtrip},
+  } t[] = {{"dequant + dot1/dot4", check_dequant_and_dots},
+           {"quant round trip", check_roundtrip},
            {"Inf/NaN fields", check_nonfinite}};
   qbad = 0;
   qrng = seed;

@@ -26,14 +26,14 @@
 #define I1(p, n) ((tp_tensor[]){tp_tensor_1d((void *)(p), TP_INT64, (n))})
 
 static int bad;
-#define EXPECT(what, got, want)                                                                               \
-  do {                                                                                                        \
-    size_t g_ = (got), w_ = (want);                                                                           \
-    if (g_ != w_) {                                                                                           \
-      fprintf(stderr, "%s:%d rank %d/%d: %s: got %zu, expected %zu\n", __FILE__, __LINE__, rank_, world_, what, \
-              g_, w_);                                                                                        \
-      bad = 1;                                                                                                \
-    }                                                                                                         \
+#define EXPECT(what, got, want)                                                                                     \
+  do {                                                                                                              \
+    size_t g_ = (got), w_ = (want);                                                                                 \
+    if (g_ != w_) {                                                                                                 \
+      fprintf(stderr, "%s:%d rank %d/%d: %s: got %zu, expected %zu\n", __FILE__, __LINE__, rank_, world_, what, g_, \
+              w_);                                                                                                  \
+      bad = 1;                                                                                                      \
+    }                                                                                                               \
   } while (0)
 static int rank_, world_;
 
@@ -97,7 +97,7 @@ static void check_linear(tp_comm_t comm, tp_parallel_kind_t kind, tp_dtype_t dt,
   EXPECT("linear comm before forward", m.comm, 0);
   EXPECT("linear cache", m.cache + m.cache_used, 0);
   int col = kind == TP_COLUMN_PARALLEL;
-  int64_t xs = col ? K : i.local;                                  /* saved input columns */
+  int64_t xs = col ? K : i.local; /* saved input columns */
   size_t out_reg = 0, grad_reg = 0, ws = 0;
   float x[9 * K], y[9 * N], dy[9 * N], dx[9 * K];
   int64_t rows[3] = {5, 3, 9};
@@ -120,8 +120,8 @@ static void check_linear(tp_comm_t comm, tp_parallel_kind_t kind, tp_dtype_t dt,
     m = mem_of(0, L);
     EXPECT("linear params after a step", m.params, params);
     tp_parallel_linear_info(L, &i);
-    EXPECT("linear grads after backward", m.grads, aln(i.weight_rows * i.weight_cols, 4) * !tp_weight_is_quantized(dt) +
-           (bias ? aln(i.bias_len, 4) : 0));
+    EXPECT("linear grads after backward", m.grads,
+           aln(i.weight_rows * i.weight_cols, 4) * !tp_weight_is_quantized(dt) + (bias ? aln(i.bias_len, 4) : 0));
     if ((i.grad_weight != NULL) == tp_weight_is_quantized(dt)) {
       fprintf(stderr, "linear: a weight gradient %s\n", i.grad_weight ? "of a quantized weight" : "missing");
       bad = 1;
@@ -272,12 +272,12 @@ static size_t attn_scratch(int64_t B, int64_t T, int64_t Tk, const tp_block_info
 }
 
 /* The block's own arena for a forward of B x T rows (block.c's workspaces()). */
-static size_t block_ws(int64_t B, int64_t T, int64_t Tk, int64_t C, const tp_block_info_t *bi, int64_t D,
-                       int64_t group, int nb) {
+static size_t block_ws(int64_t B, int64_t T, int64_t Tk, int64_t C, const tp_block_info_t *bi, int64_t D, int64_t group,
+                       int nb) {
   int64_t M = B * T, nq = bi->nq, nk = bi->nk, W = (nq + 2 * nk) * D, A = nq * D;
   size_t s = 10 * aln(M * C, 4) + 2 * aln(M * W, 4) + 2 * aln(M * A, 4) + 4 * aln(M, 4);
-  s += aln(nb ? B * nq * T * T : 0, 4);                                  /* kept probabilities */
-  s += aln(nb && bi->kv_replicated ? 2 * nk * D * (C + 1) : 0, 4);       /* replicated KV heads' snapshot */
+  s += aln(nb ? B * nq * T * T : 0, 4);                            /* kept probabilities */
+  s += aln(nb && bi->kv_replicated ? 2 * nk * D * (C + 1) : 0, 4); /* replicated KV heads' snapshot */
   s += aln(M, 8) + 3 * aln(B, 8) + aln(M, 1) + al(attn_scratch(B, T, Tk, bi, D, group, nb));
   s += 2 * al(0); /* an inference forward's MLP activations: empty slices in a training forward */
   return s;
@@ -334,7 +334,8 @@ static void check_block(tp_comm_t comm, tp_dtype_t dt) {
   np = tp_block_params(k, ps, 16);
   grads = 0;
   for (int p = 0; p < np; p++)
-    if (ps[p].dtype == TP_FLOAT32 || ps[p].dtype == TP_BFLOAT16) grads += aln(ps[p].rows * (ps[p].ndim == 2 ? ps[p].cols : 1), 4);
+    if (ps[p].dtype == TP_FLOAT32 || ps[p].dtype == TP_BFLOAT16)
+      grads += aln(ps[p].rows * (ps[p].ndim == 2 ? ps[p].cols : 1), 4);
   EXPECT("block grads after backward", m.grads, grads);
   /* block arena + the output projection's (borrowed input: one empty slice each) + the MLP's */
   int64_t M = B * T, f1 = 0, f = 0;
@@ -343,13 +344,13 @@ static void check_block(tp_comm_t comm, tp_dtype_t dt) {
     else if (!strcmp(ps[p].name, "mlp.fc2.weight")) f = ps[p].cols;
   size_t bws = 0;
   tp_bias_act_backward_workspace_size(TP_DEVICE_CPU, M, f, c.activation, &bws);
-  size_t mlp_ws = 2 * aln(M * f1, 4) + 2 * aln(M * f, 4) + (c.bias ? al(bws) : al(0)) + aln(M * C, 4) + al(0) +
-                  2 * al(0);
+  size_t mlp_ws =
+      2 * aln(M * f1, 4) + 2 * aln(M * f, 4) + (c.bias ? al(bws) : al(0)) + aln(M * C, 4) + al(0) + 2 * al(0);
   size_t ws = block_ws(B, T, T, C, &bi, D, Hq / c.kv_heads, 1) + 2 * al(0) + mlp_ws;
   EXPECT("block workspace after a training forward", m.workspace, ws);
-  size_t comm_b = reg((size_t)(M * C) * 4); /* the block's QKV dx sum */
+  size_t comm_b = reg((size_t)(M * C) * 4);               /* the block's QKV dx sum */
   if (world_ > 1) comm_b += reg((size_t)(M * C) * 4) * 3; /* out projection's sum, fc2's sum, fc1's dx */
-  else comm_b += reg((size_t)(M * C) * 4); /* out projection's in-buffer sum (any world) */
+  else comm_b += reg((size_t)(M * C) * 4);                /* out projection's in-buffer sum (any world) */
   if (bi.kv_replicated) comm_b += reg((size_t)(2 * c.kv_heads * D * (C + 1)) * 4); /* their gradient sum */
   EXPECT("block comm", m.comm, comm_b);
   /* the KV cache: K and V [batch, max_len, local KV heads x D] */
@@ -423,7 +424,8 @@ static void check_refusals(tp_comm_t comm) {
   if (tp_parallel_linear_memory(NULL, &m) != TP_ERR_INVALID_ARGUMENT ||
       tp_parallel_mlp_memory(NULL, &m) != TP_ERR_INVALID_ARGUMENT ||
       tp_vocab_embedding_memory(NULL, &m) != TP_ERR_INVALID_ARGUMENT ||
-      tp_vocab_xent_memory(NULL, &m) != TP_ERR_INVALID_ARGUMENT || tp_block_memory(NULL, &m) != TP_ERR_INVALID_ARGUMENT) {
+      tp_vocab_xent_memory(NULL, &m) != TP_ERR_INVALID_ARGUMENT ||
+      tp_block_memory(NULL, &m) != TP_ERR_INVALID_ARGUMENT) {
     fprintf(stderr, "a NULL layer was not refused (%s)\n", tp_last_error());
     bad = 1;
   }

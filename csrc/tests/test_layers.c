@@ -57,9 +57,9 @@ static int check_mode(tp_comm_t comm, int n) {
   return 0;
 }
 
-static double w1(int i, int j) { return sin(0.37 * i + 0.11 * j + 0.5) * 0.4; }  /* W1 [F][H] */
+static double w1(int i, int j) { return sin(0.37 * i + 0.11 * j + 0.5) * 0.4; } /* W1 [F][H] */
 static double b1(int i) { return cos(0.7 * i) * 0.3; }
-static double w2(int i, int j) { return cos(0.23 * i - 0.19 * j + 0.1) * 0.4; }  /* W2 [H][F] */
+static double w2(int i, int j) { return cos(0.23 * i - 0.19 * j + 0.1) * 0.4; } /* W2 [H][F] */
 static double b2(int i) { return sin(0.9 * i) * 0.2; }
 static double xin(int m, int j) { return sin(1.3 * m + 0.7 * j) + 0.1; }
 static double dyv(int m, int j) { return cos(0.5 * m - 0.3 * j); }
@@ -82,11 +82,11 @@ static int run_rank(int n, int r, const char *job) {
   tp_linear_info_t i1, i2;
   tp_parallel_linear_info(tp_parallel_mlp_layer(mlp, 0), &i1);
   tp_parallel_linear_info(tp_parallel_mlp_layer(mlp, 1), &i2);
-  for (int i = 0; i < i1.local; i++) {  /* fc1: rows [offset, offset + local) of W1 */
+  for (int i = 0; i < i1.local; i++) { /* fc1: rows [offset, offset + local) of W1 */
     for (int j = 0; j < H; j++) ((float *)i1.weight)[i * H + j] = (float)w1((int)i1.offset + i, j);
     i1.bias[i] = (float)b1((int)i1.offset + i);
   }
-  for (int i = 0; i < H; i++) {  /* fc2: columns [offset, offset + local) of W2 */
+  for (int i = 0; i < H; i++) { /* fc2: columns [offset, offset + local) of W2 */
     for (int j = 0; j < i2.local; j++) ((float *)i2.weight)[i * i2.local + j] = (float)w2(i, (int)i2.offset + j);
     i2.bias[i] = (float)b2(i);
   }
@@ -121,7 +121,8 @@ static int run_rank(int n, int r, const char *job) {
    * alloc_grads after backward keeps the same buffers and values (idempotent) */
   float *g1 = NULL;
   for (int again = 0; again < 2; again++) {
-    if (again && tp_parallel_mlp_alloc_grads(mlp) != TP_SUCCESS) return fprintf(stderr, "alloc: %s\n", tp_last_error()), 1;
+    if (again && tp_parallel_mlp_alloc_grads(mlp) != TP_SUCCESS)
+      return fprintf(stderr, "alloc: %s\n", tp_last_error()), 1;
     tp_parallel_linear_info(tp_parallel_mlp_layer(mlp, 0), &i1);
     tp_parallel_linear_info(tp_parallel_mlp_layer(mlp, 1), &i2);
     if (!i1.grad_weight || !i1.grad_bias || !i2.grad_weight || !i2.grad_bias || (again && i1.grad_weight != g1))
@@ -161,7 +162,7 @@ static int run_rank(int n, int r, const char *job) {
 
 enum { VOC = 13, DIM = 4, T = 6, IGNORE = -100 };
 
-static double tab(int v, int c) { return sin(0.3 * v + 1.1 * c) * 2.0; }     /* full table [VOC][DIM] */
+static double tab(int v, int c) { return sin(0.3 * v + 1.1 * c) * 2.0; }                     /* full table [VOC][DIM] */
 static double logit(int m, int v) { return cos(0.7 * m + 0.45 * v) * 3.0 + 1e3 * (m == 2); } /* [T][VOC] */
 static const int64_t tokens[T] = {0, 12, 5, 5, 7, 1};
 static const int64_t targets[T] = {3, 12, IGNORE, 0, 6, 11};
@@ -192,14 +193,16 @@ static int run_vocab(int n, int r, const char *job) {
   for (int v = 0; v < ei.local; v++)
     for (int c = 0; c < DIM; c++) ((float *)ei.weight)[v * DIM + c] = (float)tab((int)lo + v, c);
   float y[T * DIM], dy[T * DIM];
-  if (tp_vocab_embedding_forward(emb, F2(y, T, DIM), I1(tokens, T), NULL) != TP_SUCCESS) return fprintf(stderr, "emb: %s\n", tp_last_error()), 1;
+  if (tp_vocab_embedding_forward(emb, F2(y, T, DIM), I1(tokens, T), NULL) != TP_SUCCESS)
+    return fprintf(stderr, "emb: %s\n", tp_last_error()), 1;
   for (int m = 0; m < T; m++)
     for (int c = 0; c < DIM; c++) {
       bad += y[m * DIM + c] != (float)tab((int)tokens[m], c); /* a lookup is exact */
       dy[m * DIM + c] = (float)(0.1 * m - 0.2 * c);
     }
   if (ei.grad_weight) bad |= fprintf(stderr, "embedding: a gradient after forward\n") > 0;
-  if (tp_vocab_embedding_backward(emb, F2(dy, T, DIM), NULL) != TP_SUCCESS) return fprintf(stderr, "emb bwd: %s\n", tp_last_error()), 1;
+  if (tp_vocab_embedding_backward(emb, F2(dy, T, DIM), NULL) != TP_SUCCESS)
+    return fprintf(stderr, "emb bwd: %s\n", tp_last_error()), 1;
   float *gw = (tp_vocab_embedding_info(emb, &ei), ei.grad_weight);
   if (tp_vocab_embedding_alloc_grads(emb) != TP_SUCCESS || tp_vocab_embedding_info(emb, &ei) != TP_SUCCESS ||
       !ei.grad_weight || ei.grad_weight != gw)
@@ -357,9 +360,10 @@ static int run_block(int n, int r, const char *job) {
     tp_block_t both[2] = {blk, b2};
     for (int i = 0; i < 2; i++) {
       float ys2[BB * BC];
-      bad += tp_block_cache(both[i], BB, BT + 2) != TP_SUCCESS ||
-             tp_block_forward(both[i], F2(yp, BB * (BT - 1), BC), F2(xp, BB * (BT - 1), BC), &pre, NULL) != TP_SUCCESS ||
-             tp_block_forward(both[i], F2(ys2, BB, BC), F2(xs, BB, BC), &dec, NULL) != TP_SUCCESS;
+      bad +=
+          tp_block_cache(both[i], BB, BT + 2) != TP_SUCCESS ||
+          tp_block_forward(both[i], F2(yp, BB * (BT - 1), BC), F2(xp, BB * (BT - 1), BC), &pre, NULL) != TP_SUCCESS ||
+          tp_block_forward(both[i], F2(ys2, BB, BC), F2(xs, BB, BC), &dec, NULL) != TP_SUCCESS;
       for (int j = 0; j < BB * BC; j++) bad += ys2[j] != ys[j];
       bad += tp_block_backward(both[i], F2(dx, BB, BC), F2(dy, BB, BC), NULL) != TP_ERR_INVALID_USAGE;
     }
@@ -395,14 +399,14 @@ static int run_block(int n, int r, const char *job) {
 /* Sizes and positions at the edges (issue 8): every call is refused with INVALID_ARGUMENT and a
  * sentence naming the argument, or succeeds on an empty batch; never a write out of bounds
  * (ASan), a signed overflow or a NULL to memcpy (UBSan), or a read of a freed layer. */
-#define EXPECT(call, st, word)                                                                       \
-  do {                                                                                               \
-    tp_status_t got_ = (call);                                                                       \
-    if (got_ != (st) || ((st) != TP_SUCCESS && !strstr(tp_last_error(), (word)))) {                 \
+#define EXPECT(call, st, word)                                                                             \
+  do {                                                                                                     \
+    tp_status_t got_ = (call);                                                                             \
+    if (got_ != (st) || ((st) != TP_SUCCESS && !strstr(tp_last_error(), (word)))) {                        \
       fprintf(stderr, "sizes rank %d line %d: %s -> %s (%s), expected %s with '%s'\n", r, __LINE__, #call, \
-              tp_status_name(got_), tp_last_error(), tp_status_name(st), (word));                   \
-      bad++;                                                                                         \
-    }                                                                                                \
+              tp_status_name(got_), tp_last_error(), tp_status_name(st), (word));                          \
+      bad++;                                                                                               \
+    }                                                                                                      \
   } while (0)
 
 static int run_sizes(int n, int r, const char *job) {
@@ -528,8 +532,7 @@ static int run_sizes(int n, int r, const char *job) {
   int64_t toks[2] = {1, 4};
   EXPECT(tp_vocab_embedding_forward(emb, F2(y, 2, 2), I1(toks, 2), NULL), TP_ERR_INVALID_ARGUMENT,
          "token 4 (position 1) is out of range");
-  EXPECT(tp_vocab_embedding_forward(emb, F2(y, 2, 2), F1(x, 2), NULL), TP_ERR_INVALID_ARGUMENT,
-         "tokens must be int64");
+  EXPECT(tp_vocab_embedding_forward(emb, F2(y, 2, 2), F1(x, 2), NULL), TP_ERR_INVALID_ARGUMENT, "tokens must be int64");
   tp_tensor badtok = tp_tensor_1d(toks, TP_INT64, 2);
   badtok.device = (tp_device_t)77; /* a device number that is no tp_device_t: named, not 'invalid:0' */
   EXPECT(tp_vocab_embedding_forward(emb, F2(y, 2, 2), &badtok, NULL), TP_ERR_INVALID_ARGUMENT,
@@ -566,8 +569,8 @@ static int run_sizes(int n, int r, const char *job) {
 }
 
 /* tp_partition: the cases of tests/test_layers.py::test_partition, and its errors. */
-#define PCHK(failed)                                                    \
-  do {                                                                  \
+#define PCHK(failed)                                                            \
+  do {                                                                          \
     if (failed) fprintf(stderr, "partition line %d failed\n", __LINE__), bad++; \
   } while (0)
 
@@ -576,22 +579,24 @@ static int run_partition(void) {
   int64_t s[8], o[9];
   const int64_t e1[] = {4, 3, 3}, e2[] = {3, 3, 3, 3, 0}, e3[] = {75, 25};
   PCHK(tp_partition(10, 3, NULL, 1, s, o) != TP_SUCCESS || memcmp(s, e1, sizeof e1) || o[1] != 4 || o[3] != 10);
-  PCHK(tp_partition(12, 5, NULL, 3, s, o) != TP_SUCCESS || memcmp(s, e2, sizeof e2) || o[3] != 9 || o[4] != 12 || o[5] != 12);
+  PCHK(tp_partition(12, 5, NULL, 3, s, o) != TP_SUCCESS || memcmp(s, e2, sizeof e2) || o[3] != 9 || o[4] != 12 ||
+       o[5] != 12);
   double w3[] = {3, 1}, w4[] = {1.7, 1, 1, 0.3}, wneg[] = {1, -1};
   PCHK(tp_partition(100, 2, w3, 1, s, o) != TP_SUCCESS || memcmp(s, e3, sizeof e3));
   PCHK(tp_partition(1001, 4, w4, 1, s, o) != TP_SUCCESS || o[4] != 1001 || !(s[0] > s[1] && s[1] > s[3]));
   PCHK(tp_partition(10, 3, NULL, 4, s, o) != TP_ERR_INVALID_ARGUMENT ||
-         strcmp(tp_last_error(), "partition: n=10 is not a multiple of align=4") != 0);
+       strcmp(tp_last_error(), "partition: n=10 is not a multiple of align=4") != 0);
   PCHK(tp_partition(10, 2, wneg, 1, s, o) != TP_ERR_INVALID_ARGUMENT ||
-         strcmp(tp_last_error(), "partition: weights must be 2 finite non-negative numbers with a positive sum, got "
-                                 "[1.0, -1.0]") != 0);
+       strcmp(tp_last_error(),
+              "partition: weights must be 2 finite non-negative numbers with a positive sum, got "
+              "[1.0, -1.0]") != 0);
   PCHK(tp_partition(-1, 2, NULL, 1, s, o) != TP_ERR_INVALID_ARGUMENT ||
-         strcmp(tp_last_error(), "partition: n must be an integer >= 0, got -1") != 0);
+       strcmp(tp_last_error(), "partition: n must be an integer >= 0, got -1") != 0);
   /* given sizes: checked, offsets written */
   const int64_t given[] = {2, 0, 5};
   PCHK(tp_partition_sizes(7, 3, given, s, o, "t: partition", "n") != TP_SUCCESS || o[2] != 2 || o[3] != 7);
   PCHK(tp_partition_sizes(8, 3, given, s, o, "t: partition", "n") != TP_ERR_INVALID_ARGUMENT ||
-         strcmp(tp_last_error(), "t: partition sums to 7 but n is 8") != 0);
+       strcmp(tp_last_error(), "t: partition sums to 7 but n is 8") != 0);
   if (bad) fprintf(stderr, "partition: %d checks failed (%s)\n", bad, tp_last_error());
   printf("partition: %s\n", bad ? "FAILED" : "ok");
   return !bad;
@@ -622,7 +627,9 @@ static int run_world(int n, int (*fn)(int, int, const char *), const char *name)
  * layers hold no weight gradient. */
 enum { QK = 96, QN = 5, QM = 3 }; /* 3 blocks of 32 per row */
 
-static uint8_t qblock_byte(int fmt, int row, int blk, int i) { return (uint8_t)((row * 31 + blk * 7 + i * 13 + fmt) % 251); }
+static uint8_t qblock_byte(int fmt, int row, int blk, int i) {
+  return (uint8_t)((row * 31 + blk * 7 + i * 13 + fmt) % 251);
+}
 
 /* One full row of fmt (TP_Q8_0 or TP_Q4_1) into out (row bytes) and its values into v[QK]. */
 static void make_qrow(tp_dtype_t fmt, int row, uint8_t *out, double *v) {
@@ -666,7 +673,7 @@ static int run_quant(int n, int r, const char *job) {
     double W[QN][QK];
     for (int i = 0; i < QN; i++) make_qrow(fmt, i, full[i], W[i]);
     int64_t part[3] = {QK, 0, 0};
-    if (n == 2) part[0] = 64, part[1] = 32;             /* uneven, whole blocks */
+    if (n == 2) part[0] = 64, part[1] = 32;              /* uneven, whole blocks */
     if (n == 3) part[0] = 32, part[1] = 0, part[2] = 64; /* one rank holds none */
     for (int kind = 0; kind < 2; kind++) {
       tp_linear_config_t lc = TP_LINEAR_CONFIG_INITIALIZER;
@@ -694,8 +701,8 @@ static int run_quant(int n, int r, const char *job) {
       /* frozen: neither backward nor alloc_grads gives the quantized weight a gradient */
       if (tp_parallel_linear_alloc_grads(L) != TP_SUCCESS || tp_parallel_linear_alloc_grads(L) != TP_SUCCESS ||
           tp_parallel_linear_info(L, &li) != TP_SUCCESS || li.grad_weight || li.grad_bias)
-        bad |= fprintf(stderr, "quant linear: a weight gradient after backward / alloc_grads (%s)\n",
-                       tp_last_error()) > 0;
+        bad |=
+            fprintf(stderr, "quant linear: a weight gradient after backward / alloc_grads (%s)\n", tp_last_error()) > 0;
       for (int m = 0; m < QM; m++) {
         for (int o = 0; o < QN; o++) {
           double ref = 0;
@@ -741,7 +748,8 @@ int main(void) {
   }
   int same = 1;
   for (int n = 2; n <= 3; n++)
-    for (size_t i = 0; i < per; i++) same &= fabsf(block_out[(n - 1) * per + i] - block_out[i]) <= 1e-5f * (1 + fabsf(block_out[i]));
+    for (size_t i = 0; i < per; i++)
+      same &= fabsf(block_out[(n - 1) * per + i] - block_out[i]) <= 1e-5f * (1 + fabsf(block_out[i]));
   printf("block: the same y, dx and decode output at world 1, 2, 3: %s\n", same ? "ok" : "FAILED");
   same ? passed++ : failed++;
   /* the same again in plain memory (the registered-memory fallback) at world 2 and 3 */

@@ -17,26 +17,25 @@
 
 static int g_fail, g_checks;
 
-#define EXPECT(cond, ...)                                                      \
-  do {                                                                         \
-    g_checks++;                                                                \
-    if (!(cond)) {                                                             \
-      fprintf(stderr, "  rank check failed at %s:%d: ", __FILE__, __LINE__);    \
-      fprintf(stderr, __VA_ARGS__);                                            \
-      fprintf(stderr, "\n");                                                   \
-      g_fail++;                                                                \
-    }                                                                          \
+#define EXPECT(cond, ...)                                                    \
+  do {                                                                       \
+    g_checks++;                                                              \
+    if (!(cond)) {                                                           \
+      fprintf(stderr, "  rank check failed at %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                                          \
+      fprintf(stderr, "\n");                                                 \
+      g_fail++;                                                              \
+    }                                                                        \
   } while (0)
 
-#define OK(call)                                                               \
-  do {                                                                         \
-    tp_status_t st_ = (call);                                                  \
-    if (st_ != TP_SUCCESS) {                                                   \
-      fprintf(stderr, "  %s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,     \
-              tp_status_name(st_), tp_last_error());                           \
-      g_fail++;                                                                \
-      return;                                                                  \
-    }                                                                          \
+#define OK(call)                                                                                                   \
+  do {                                                                                                             \
+    tp_status_t st_ = (call);                                                                                      \
+    if (st_ != TP_SUCCESS) {                                                                                       \
+      fprintf(stderr, "  %s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call, tp_status_name(st_), tp_last_error()); \
+      g_fail++;                                                                                                    \
+      return;                                                                                                      \
+    }                                                                                                              \
   } while (0)
 
 /* Non-zero small value of element i on rank r (exact in every float type). */

@@ -81,9 +81,9 @@ static void bootstrap_choice(void) {
     const char *nnodes, *lws, *how;
     int size, world, want;
   } cases[] = {
-      {NULL, NULL, NULL, 4, 1, 0},     {NULL, "4", NULL, 4, 1, 0},      {NULL, "2", NULL, 4, 1, 1},
-      {NULL, "2", NULL, 2, 0, 0},      {"2", "2", NULL, 2, 0, 1},       {"1", "4", NULL, 4, 1, 0},
-      {NULL, "2", "shm", 4, 1, 0},     {NULL, NULL, "store", 1, 1, 1},
+      {NULL, NULL, NULL, 4, 1, 0}, {NULL, "4", NULL, 4, 1, 0},     {NULL, "2", NULL, 4, 1, 1},
+      {NULL, "2", NULL, 2, 0, 0},  {"2", "2", NULL, 2, 0, 1},      {"1", "4", NULL, 4, 1, 0},
+      {NULL, "2", "shm", 4, 1, 0}, {NULL, NULL, "store", 1, 1, 1},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     if (cases[i].nnodes) setenv("TPCORE_NNODES", cases[i].nnodes, 1);

@@ -26,15 +26,15 @@
 static int passed, failed, rank_, world_, dev_;
 static const char *backend_;
 
-#define CHECK(cond, ...)                                         \
-  do {                                                           \
-    if (cond) passed++;                                          \
-    else {                                                       \
-      failed++;                                                  \
+#define CHECK(cond, ...)                                          \
+  do {                                                            \
+    if (cond) passed++;                                           \
+    else {                                                        \
+      failed++;                                                   \
       fprintf(stderr, "rank %d FAIL line %d: ", rank_, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                              \
-      fprintf(stderr, " (%s)\n", tp_last_error());               \
-    }                                                            \
+      fprintf(stderr, __VA_ARGS__);                               \
+      fprintf(stderr, " (%s)\n", tp_last_error());                \
+    }                                                             \
   } while (0)
 
 static float val(int r, size_t i) { return (float)((r + 1) * 0.5 + (double)(i % 17) * 0.25); }
@@ -105,8 +105,8 @@ static void test_gather_scatter(tp_comm_t c, size_t base, int uneven) {
   size_t off = 0;
   for (int p = 0; p < world_; p++)
     for (size_t i = 0; i < counts[p]; i++) want[off++] = val(p, i);
-  tp_status_t st = uneven ? tp_all_gather_v(ds, dr, counts, TP_FLOAT32, c, NULL)
-                          : tp_all_gather(ds, dr, base, TP_FLOAT32, c, NULL);
+  tp_status_t st =
+      uneven ? tp_all_gather_v(ds, dr, counts, TP_FLOAT32, c, NULL) : tp_all_gather(ds, dr, base, TP_FLOAT32, c, NULL);
   CHECK(st == TP_SUCCESS, "all_gather%s of %zu", uneven ? "_v" : "", base);
   download(h, dr, total, c);
   CHECK(close_to(h, want, total), "all_gather%s values", uneven ? "_v" : "");

@@ -19,19 +19,18 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../comm/store_impl.h" /* the collectives over the store (nccl's id across hosts) */
+#include "../comm/store/store_impl.h" /* the collectives over the store (nccl's id across hosts) */
 #include "tpcore/store.h"
 
 static int passed, failed;
 static const char SECRET[] = "0123456789abcdef0123456789abcdef";
 
-#define CHECK(cond)                                                                      \
-  do {                                                                                   \
-    if (!(cond)) {                                                                       \
-      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__, __LINE__, #cond, \
-              tp_last_error());                                                          \
-      return 1;                                                                          \
-    }                                                                                    \
+#define CHECK(cond)                                                                                              \
+  do {                                                                                                           \
+    if (!(cond)) {                                                                                               \
+      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__, __LINE__, #cond, tp_last_error()); \
+      return 1;                                                                                                  \
+    }                                                                                                            \
   } while (0)
 
 static double now(void) {
@@ -128,8 +127,8 @@ static void *worker(void *arg) {
   char key[32], val[32];
   snprintf(key, sizeof key, "val/%d", w->me);
   snprintf(val, sizeof val, "payload-%d", w->me * 31);
-  int ok = tp_store_add(s, "tickets", 1, &w->ticket) == TP_SUCCESS &&
-           tp_store_set(s, key, val, strlen(val)) == TP_SUCCESS;
+  int ok =
+      tp_store_add(s, "tickets", 1, &w->ticket) == TP_SUCCESS && tp_store_set(s, key, val, strlen(val)) == TP_SUCCESS;
   for (int r = 0; ok && r < w->n; r++) {
     void *v = NULL;
     size_t n = 0;
@@ -319,8 +318,8 @@ static void *coll_worker(void *arg) {
   int ok = tp_store_bcast(s, "tpcore/nccl/job/world/id", w->me, 0, w->id, sizeof w->id) == TP_SUCCESS;
   /* colors: even / odd ranks, rank 3 out (NOCOLOR); keys reverse the order */
   int color = w->me == 3 ? -1 : w->me % 2;
-  ok = ok && tp_store_split_ranks(s, "tpcore/nccl/job/world/split0", w->me, NR, color, -w->me, &w->nrank,
-                                  &w->nsize) == TP_SUCCESS;
+  ok = ok && tp_store_split_ranks(s, "tpcore/nccl/job/world/split0", w->me, NR, color, -w->me, &w->nrank, &w->nsize) ==
+                 TP_SUCCESS;
   w->ok = ok;
   tp_store_close(s);
   return NULL;
@@ -375,10 +374,10 @@ int main(void) {
   struct {
     const char *name;
     int (*fn)(void);
-  } tests[] = {{"operations", test_operations}, {"threads", test_threads},
-               {"timeout_and_secret", test_timeout_and_secret}, {"hostile", test_hostile},
-               {"no_fd_leak", test_no_fd_leak}, {"store_collectives", test_store_collectives},
-               {"interrupt", test_interrupt}};
+  } tests[] = {
+      {"operations", test_operations}, {"threads", test_threads},       {"timeout_and_secret", test_timeout_and_secret},
+      {"hostile", test_hostile},       {"no_fd_leak", test_no_fd_leak}, {"store_collectives", test_store_collectives},
+      {"interrupt", test_interrupt}};
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
     int bad = tests[i].fn();
     printf("%s %s\n", bad ? "FAIL" : "ok  ", tests[i].name);

@@ -45,12 +45,12 @@ TP_API const char *tp_redop_name(tp_redop_t op);
 #define TP_JOB_ID_MAX 64
 
 typedef struct {
-  size_t size;          /* sizeof(tp_comm_config_t): lets the struct grow      */
-  unsigned version;     /* TP_VERSION                                          */
-  const char *backend;  /* "shm" (default when NULL)                           */
-  const char *job_id;   /* names the job's shared resources: [A-Za-z0-9_-]{1,64} */
-  double timeout_s;     /* every wait; <= 0: TPCORE_TIMEOUT or 300 s           */
-  int spin_us;          /* busy-wait before yielding; < 0: automatic (adaptive) */
+  size_t size;         /* sizeof(tp_comm_config_t): lets the struct grow      */
+  unsigned version;    /* TP_VERSION                                          */
+  const char *backend; /* "shm" (default when NULL)                           */
+  const char *job_id;  /* names the job's shared resources: [A-Za-z0-9_-]{1,64} */
+  double timeout_s;    /* every wait; <= 0: TPCORE_TIMEOUT or 300 s           */
+  int spin_us;         /* busy-wait before yielding; < 0: automatic (adaptive) */
   /* Registered memory (tp_comm_mem_alloc): 1 on, 0 declined for any backend,
    * < 0: TPCORE_REGISTERED_MEMORY (0 declines), else on. */
   int registered_memory;
@@ -58,14 +58,12 @@ typedef struct {
   int device_id;
 } tp_comm_config_t;
 
-#define TP_COMM_CONFIG_INITIALIZER \
-  { sizeof(tp_comm_config_t), TP_VERSION, NULL, NULL, -1.0, -1, -1, -1 }
+#define TP_COMM_CONFIG_INITIALIZER {sizeof(tp_comm_config_t), TP_VERSION, NULL, NULL, -1.0, -1, -1, -1}
 
 /* Collective over the `world` ranks that name the same job_id: each calls it
  * with its own rank.  Returns when all have joined, or TP_ERR_TIMEOUT naming
  * the ranks that did not arrive. */
-TP_API tp_status_t tp_comm_init_rank(tp_comm_t *comm, int world, int rank,
-                                     const tp_comm_config_t *config);
+TP_API tp_status_t tp_comm_init_rank(tp_comm_t *comm, int world, int rank, const tp_comm_config_t *config);
 /* Releases everything this rank holds.  Not collective. NULL is accepted. */
 TP_API tp_status_t tp_comm_destroy(tp_comm_t comm);
 /* Marks the communicator failed on every rank (they raise TP_ERR_REMOTE naming
@@ -94,37 +92,36 @@ TP_API tp_status_t tp_comm_set_timeout(tp_comm_t comm, double seconds);
 TP_API tp_status_t tp_comm_devices(tp_comm_t comm, unsigned *mask);
 
 /* Collectives. */
-TP_API tp_status_t tp_all_reduce(const void *send, void *recv, size_t count,
-                                 tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm, tp_stream_t stream);
+TP_API tp_status_t tp_all_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype, tp_redop_t op,
+                                 tp_comm_t comm, tp_stream_t stream);
 /* recv holds size * sendcount elements, rank p's at p * sendcount. */
-TP_API tp_status_t tp_all_gather(const void *send, void *recv, size_t sendcount,
-                                 tp_dtype_t dtype, tp_comm_t comm, tp_stream_t stream);
+TP_API tp_status_t tp_all_gather(const void *send, void *recv, size_t sendcount, tp_dtype_t dtype, tp_comm_t comm,
+                                 tp_stream_t stream);
 /* Uneven form: rank p contributes counts[p] elements, placed at the sum of the
  * counts before it.  counts has `size` entries and is the same on every rank. */
-TP_API tp_status_t tp_all_gather_v(const void *send, void *recv, const size_t *counts,
-                                   tp_dtype_t dtype, tp_comm_t comm, tp_stream_t stream);
+TP_API tp_status_t tp_all_gather_v(const void *send, void *recv, const size_t *counts, tp_dtype_t dtype, tp_comm_t comm,
+                                   tp_stream_t stream);
 /* send holds size * recvcount elements; rank p receives block p, reduced. */
-TP_API tp_status_t tp_reduce_scatter(const void *send, void *recv, size_t recvcount,
-                                     tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm, tp_stream_t stream);
-TP_API tp_status_t tp_reduce_scatter_v(const void *send, void *recv, const size_t *counts,
-                                       tp_dtype_t dtype, tp_redop_t op, tp_comm_t comm, tp_stream_t stream);
+TP_API tp_status_t tp_reduce_scatter(const void *send, void *recv, size_t recvcount, tp_dtype_t dtype, tp_redop_t op,
+                                     tp_comm_t comm, tp_stream_t stream);
+TP_API tp_status_t tp_reduce_scatter_v(const void *send, void *recv, const size_t *counts, tp_dtype_t dtype,
+                                       tp_redop_t op, tp_comm_t comm, tp_stream_t stream);
 /* send is read on root only; recv is written on every rank. */
-TP_API tp_status_t tp_broadcast(const void *send, void *recv, size_t count,
-                                tp_dtype_t dtype, int root, tp_comm_t comm, tp_stream_t stream);
+TP_API tp_status_t tp_broadcast(const void *send, void *recv, size_t count, tp_dtype_t dtype, int root, tp_comm_t comm,
+                                tp_stream_t stream);
 /* recv is written on root only (may be NULL elsewhere). */
-TP_API tp_status_t tp_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype,
-                             tp_redop_t op, int root, tp_comm_t comm, tp_stream_t stream);
+TP_API tp_status_t tp_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype, tp_redop_t op, int root,
+                             tp_comm_t comm, tp_stream_t stream);
 TP_API tp_status_t tp_barrier(tp_comm_t comm, tp_stream_t stream);
 
 /* Point to point.  A send of up to the backend's eager size returns at once;
  * a larger one returns when the receiver has taken all but the last chunks. */
-TP_API tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer,
-                           tp_comm_t comm, tp_stream_t stream);
-TP_API tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer,
-                           tp_comm_t comm, tp_stream_t stream);
+TP_API tp_status_t tp_send(const void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t comm,
+                           tp_stream_t stream);
+TP_API tp_status_t tp_recv(void *buf, size_t count, tp_dtype_t dtype, int peer, tp_comm_t comm, tp_stream_t stream);
 /* Sends to `dst` and receives from `src` at the same time (no deadlock in rings). */
-TP_API tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
-                               size_t recvcount, int src, tp_dtype_t dtype, tp_comm_t comm, tp_stream_t stream);
+TP_API tp_status_t tp_sendrecv(const void *sendbuf, size_t sendcount, int dst, void *recvbuf, size_t recvcount, int src,
+                               tp_dtype_t dtype, tp_comm_t comm, tp_stream_t stream);
 
 /* Collective: ranks with the same color form a new communicator, ordered by
  * (key, parent rank).  TP_SPLIT_NOCOLOR gives *newcomm = NULL. */
@@ -138,17 +135,16 @@ TP_API tp_status_t tp_comm_split(tp_comm_t comm, int color, int key, tp_comm_t *
  * TP_ERR_UNSUPPORTED when the backend has none or registered memory is turned
  * off (config.registered_memory = 0 or TPCORE_REGISTERED_MEMORY=0): callers
  * then use plain device memory. */
-TP_API tp_status_t tp_comm_mem_alloc(tp_comm_t comm, size_t nbytes, void **ptr,
-                                     tp_mem_t *handle);
+TP_API tp_status_t tp_comm_mem_alloc(tp_comm_t comm, size_t nbytes, void **ptr, tp_mem_t *handle);
 TP_API void tp_mem_release(tp_mem_t handle);
 
 /* Statistics of this rank on this communicator since init. */
 typedef struct {
-  uint64_t collectives;   /* collective calls completed                  */
-  uint64_t bytes;         /* payload bytes of those calls (this rank's)  */
-  uint64_t zero_copy;     /* calls that took the registered-memory path  */
-  double seconds;         /* time spent inside collectives and p2p       */
-  int single_copy;        /* large private arrays move in one (kernel) copy (backend stat) */
+  uint64_t collectives; /* collective calls completed                  */
+  uint64_t bytes;       /* payload bytes of those calls (this rank's)  */
+  uint64_t zero_copy;   /* calls that took the registered-memory path  */
+  double seconds;       /* time spent inside collectives and p2p       */
+  int single_copy;      /* large private arrays move in one (kernel) copy (backend stat) */
 } tp_comm_stats_t;
 TP_API tp_status_t tp_comm_get_stats(tp_comm_t comm, tp_comm_stats_t *stats);
 
@@ -165,18 +161,18 @@ TP_API tp_status_t tp_comm_get_stats(tp_comm_t comm, tp_comm_stats_t *stats);
 #define TP_COMM_REGIONS_MAX 16
 
 typedef struct {
-  uint64_t seq;         /* the collective's number on this communicator (1, 2, ...); 0: point to point */
-  const char *op;       /* "all_reduce", "barrier", "send", ... (static)                            */
-  int redop;            /* tp_redop_t of a reduction, -1 otherwise                                  */
-  int dtype;            /* tp_dtype_t, -1 when the call moves no typed data (barrier, split, alloc) */
-  uint64_t count;       /* elements (this rank's part of all_gather / reduce_scatter); alloc: bytes */
-  int root;             /* broadcast / reduce root, send / recv peer, sendrecv destination; else -1 */
-  int src;              /* sendrecv source; else -1                                                 */
+  uint64_t seq;                /* the collective's number on this communicator (1, 2, ...); 0: point to point */
+  const char *op;              /* "all_reduce", "barrier", "send", ... (static)                            */
+  int redop;                   /* tp_redop_t of a reduction, -1 otherwise                                  */
+  int dtype;                   /* tp_dtype_t, -1 when the call moves no typed data (barrier, split, alloc) */
+  uint64_t count;              /* elements (this rank's part of all_gather / reduce_scatter); alloc: bytes */
+  int root;                    /* broadcast / reduce root, send / recv peer, sendrecv destination; else -1 */
+  int src;                     /* sendrecv source; else -1                                                 */
   char site[TP_COMM_SITE_MAX]; /* "file.py:LINE" of the caller, or "C"                              */
-  const char *region;   /* "attention", "mlp", "embedding", "head", "other", ... (lives with comm) */
-  double start;         /* tp_now() when the call began                                            */
-  double seconds;       /* its duration; < 0 while it runs                                         */
-  tp_status_t status;   /* TP_IN_PROGRESS while it runs                                           */
+  const char *region;          /* "attention", "mlp", "embedding", "head", "other", ... (lives with comm) */
+  double start;                /* tp_now() when the call began                                            */
+  double seconds;              /* its duration; < 0 while it runs                                         */
+  tp_status_t status;          /* TP_IN_PROGRESS while it runs                                           */
 } tp_coll_record_t;
 
 /* The call site of the next calls on comm ("model.py:91", copied, cut at
@@ -195,9 +191,9 @@ TP_API tp_status_t tp_comm_history_capacity(tp_comm_t comm, int *capacity);
 
 typedef struct {
   const char *name;
-  uint64_t calls;   /* completed calls under this region */
-  uint64_t bytes;   /* their payload bytes (as tp_comm_stats_t.bytes) */
-  double seconds;   /* their time (the regions' seconds add up to tp_comm_stats_t.seconds) */
+  uint64_t calls; /* completed calls under this region */
+  uint64_t bytes; /* their payload bytes (as tp_comm_stats_t.bytes) */
+  double seconds; /* their time (the regions' seconds add up to tp_comm_stats_t.seconds) */
 } tp_comm_region_stats_t;
 /* The regions seen so far ("other" first): up to max into out, *n how many. */
 TP_API tp_status_t tp_comm_region_stats(tp_comm_t comm, tp_comm_region_stats_t *out, int max, int *n);

@@ -25,10 +25,10 @@ extern "C" {
 
 typedef struct tp_device_ops {
   tp_device_t type;
-  const char *name;                                   /* "cpu", "cuda" */
+  const char *name; /* "cpu", "cuda" */
   /* 1 when devices of this type can be used in this process (runtime found, >= 1 device). */
   int (*available)(void);
-  int (*count)(void);                                 /* devices of this type */
+  int (*count)(void); /* devices of this type */
   /* nbytes > 0, aligned to TP_DEVICE_ALIGN; contents undefined. */
   tp_status_t (*alloc)(int device_id, size_t nbytes, void **ptr);
   void (*free)(int device_id, void *ptr);

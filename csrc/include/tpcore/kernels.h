@@ -37,7 +37,7 @@ typedef enum {
   TP_ACT_GELU_TANH = 1, /* the tanh approximation (GPT-2) */
   TP_ACT_SILU = 2,
   TP_ACT_RELU = 3,
-  TP_ACT_SWIGLU = 4     /* gated: h[M, 2F] = [gate | up] per row -> out[M, F] */
+  TP_ACT_SWIGLU = 4 /* gated: h[M, 2F] = [gate | up] per row -> out[M, F] */
 } tp_activation_t;
 
 /* Attention on a rank's heads (cpu/attention.c has the formulas).  Rows of q and o are
@@ -48,20 +48,20 @@ typedef enum {
  * shared by a changing set of requests (continuous batching) maps query sequence b to
  * its cache sequence with kv_slot. */
 typedef struct {
-  int64_t B, Tq, Tk, Hq, Hk, D;  /* sequences, queries and keys per sequence, heads, head size */
-  const float *q;                /* query head h of row r at q + r * q_ld + h * D      */
+  int64_t B, Tq, Tk, Hq, Hk, D; /* sequences, queries and keys per sequence, heads, head size */
+  const float *q;               /* query head h of row r at q + r * q_ld + h * D      */
   int64_t q_ld;
-  const float *k, *v;            /* key/value head g of key j of sequence b at
+  const float *k, *v; /* key/value head g of key j of sequence b at
                                     k + b * kv_bstride + j * kv_ld + g * D              */
   int64_t kv_ld, kv_bstride;
-  float *o;                      /* output head h of row r at o + r * o_ld + h * D      */
+  float *o; /* output head h of row r at o + r * o_ld + h * D      */
   int64_t o_ld;
-  const int64_t *q_pos;          /* [B] position of each sequence's first query (NULL: 0) */
-  const int64_t *k_len;          /* [B] keys that exist (NULL: Tk)                        */
-  const uint8_t *key_mask;       /* [B, Tk] 1 = a key to attend to (NULL: all)            */
+  const int64_t *q_pos;    /* [B] position of each sequence's first query (NULL: 0) */
+  const int64_t *k_len;    /* [B] keys that exist (NULL: Tk)                        */
+  const uint8_t *key_mask; /* [B, Tk] 1 = a key to attend to (NULL: all)            */
   int causal;
   float scale;
-  float *probs;                  /* [B, Hq, Tq, Tk] softmax kept for backward, or NULL     */
+  float *probs; /* [B, Hq, Tq, Tk] softmax kept for backward, or NULL     */
   /* [B, Hq, Tq] per query row (index (b * Hq + h) * Tq + i): the log of the softmax
    * denominator including the max, lse = m + log(sum_j exp(s_j - m)) over the row's
    * visible scaled scores s_j (-INFINITY for a row that sees no key), float32, or NULL.
@@ -73,14 +73,14 @@ typedef struct {
    * query head h is global q_head0 + h and uses local KV head (q_head0 + h) / group - k_head0:
    * a rank's heads may start in the middle of a group. */
   int64_t group, q_head0, k_head0;
-  tp_device_t device;            /* where every pointer above lives (0: the CPU)          */
+  tp_device_t device; /* where every pointer above lives (0: the CPU)          */
   int device_id;
   /* [B] the KV sequence query sequence b reads (memory of `device`, like q_pos; NULL: b):
    * its keys/values at k/v + kv_slot[b] * kv_bstride, each slot in [0, kv_batch) (checked
    * on the host for the CPU; a CUDA kernel gives a row with an out-of-range slot no keys).
    * Forward only: backward refuses it. */
   const int64_t *kv_slot;
-  int64_t kv_batch;              /* sequences k/v hold when kv_slot is set (>= 1)          */
+  int64_t kv_batch; /* sequences k/v hold when kv_slot is set (>= 1)          */
 } tp_attention_args;
 
 /* ------------------------------------------------------------------ linear */
@@ -94,9 +94,8 @@ TP_API tp_status_t tp_linear_forward(tp_stream_t stream, const tp_tensor *y, con
  * dw[N,K] += dy^T x (if dw); db[N] += sum over rows of dy (if db).  w may be bfloat16 or
  * float16 as for tp_linear_forward; dx, dw (the float32 main gradient), db, dy, x stay
  * float32. */
-TP_API tp_status_t tp_linear_backward(tp_stream_t stream, const tp_tensor *dx, const tp_tensor *dw,
-                                      const tp_tensor *db, const tp_tensor *dy, const tp_tensor *x,
-                                      const tp_tensor *w, int accumulate_dx);
+TP_API tp_status_t tp_linear_backward(tp_stream_t stream, const tp_tensor *dx, const tp_tensor *dw, const tp_tensor *db,
+                                      const tp_tensor *dy, const tp_tensor *x, const tp_tensor *w, int accumulate_dx);
 
 /* ---------------------------------------------------------------- conversion */
 /* y = x converted, element by element: x and y contiguous, of one shape, on one device,
@@ -110,13 +109,13 @@ TP_API tp_status_t tp_convert(tp_stream_t stream, const tp_tensor *y, const tp_t
 /* out[M,F] = act(h); h is [M,F], or [M,2F] for SwiGLU. */
 TP_API tp_status_t tp_act_forward(tp_stream_t stream, const tp_tensor *out, const tp_tensor *h, tp_activation_t act);
 /* dh (shaped like h) from h and dout[M,F], overwriting dh. */
-TP_API tp_status_t tp_act_backward(tp_stream_t stream, const tp_tensor *dh, const tp_tensor *h,
-                                   const tp_tensor *dout, tp_activation_t act);
+TP_API tp_status_t tp_act_backward(tp_stream_t stream, const tp_tensor *dh, const tp_tensor *h, const tp_tensor *dout,
+                                   tp_activation_t act);
 /* Fused for the MLP: h[M,hw] += b[hw] (b may be NULL; hw = F, or 2F for SwiGLU) and
  * out[M,F] = act(h), in one pass; backward: dh as tp_act_backward, and db[hw] += the
  * column sums of dh (db may be NULL) through the workspace. */
-TP_API tp_status_t tp_bias_act_forward(tp_stream_t stream, const tp_tensor *out, const tp_tensor *h,
-                                       const tp_tensor *b, tp_activation_t act);
+TP_API tp_status_t tp_bias_act_forward(tp_stream_t stream, const tp_tensor *out, const tp_tensor *h, const tp_tensor *b,
+                                       tp_activation_t act);
 TP_API tp_status_t tp_bias_act_backward_workspace_size(tp_device_t device, int64_t M, int64_t F, tp_activation_t act,
                                                        size_t *nbytes);
 TP_API tp_status_t tp_bias_act_backward(tp_stream_t stream, const tp_tensor *dh, const tp_tensor *db,
@@ -159,16 +158,16 @@ TP_API tp_status_t tp_layernorm_forward(tp_stream_t stream, const tp_tensor *y, 
 TP_API tp_status_t tp_layernorm_backward(tp_stream_t stream, const tp_tensor *dx, const tp_tensor *dw,
                                          const tp_tensor *db, const tp_tensor *dy, const tp_tensor *x,
                                          const tp_tensor *w, const tp_tensor *mean, const tp_tensor *rstd);
-TP_API tp_status_t tp_rmsnorm_forward(tp_stream_t stream, const tp_tensor *y, const tp_tensor *rstd,
-                                      const tp_tensor *x, const tp_tensor *w, float eps);
+TP_API tp_status_t tp_rmsnorm_forward(tp_stream_t stream, const tp_tensor *y, const tp_tensor *rstd, const tp_tensor *x,
+                                      const tp_tensor *w, float eps);
 TP_API tp_status_t tp_rmsnorm_backward(tp_stream_t stream, const tp_tensor *dx, const tp_tensor *dw,
                                        const tp_tensor *dy, const tp_tensor *x, const tp_tensor *w,
                                        const tp_tensor *rstd);
 /* Rotary embedding in place on x [rows, heads * D] (row stride >= heads * D allowed, the
  * last dimension contiguous: the Q and K heads at the start of a fused QKV row), row m
  * at position pos[m] (int64 [rows]); D even; inverse turns back (backward). */
-TP_API tp_status_t tp_rope_apply(tp_stream_t stream, const tp_tensor *x, const tp_tensor *pos, int64_t heads,
-                                 int64_t D, float theta, int inverse);
+TP_API tp_status_t tp_rope_apply(tp_stream_t stream, const tp_tensor *x, const tp_tensor *pos, int64_t heads, int64_t D,
+                                 float theta, int inverse);
 
 /* --------------------------------------------------------------- attention */
 /* Bytes of workspace forward (backward = 0) or backward needs for these arguments. */
@@ -176,8 +175,7 @@ TP_API tp_status_t tp_attention_workspace_size(const tp_attention_args *args, in
 /* args->o overwritten (and args->probs, args->lse when not NULL).  The (sequence, KV head) pairs are
  * split over the rank's threads; causal queries go in blocks of 64 rows, each block's
  * GEMMs only over the keys it can see. */
-TP_API tp_status_t tp_attention_forward(tp_stream_t stream, const tp_attention_args *args,
-                                        const tp_tensor *workspace);
+TP_API tp_status_t tp_attention_forward(tp_stream_t stream, const tp_attention_args *args, const tp_tensor *workspace);
 /* dq (layout of q), dk, dv (layout of k, v; overwritten) from dout (layout of o), using
  * the probs of forward, or, when probs is NULL, the lse of forward (then o must be
  * forward's output): one of the two is required. */
@@ -188,8 +186,8 @@ TP_API tp_status_t tp_attention_backward(tp_stream_t stream, const tp_attention_
 /* In place on p and its state, all float32 contiguous with p's element count (formulas
  * in cpu/optim.c; step counts from 1). */
 TP_API tp_status_t tp_adamw_step(tp_stream_t stream, const tp_tensor *p, const tp_tensor *g, const tp_tensor *m,
-                                 const tp_tensor *v, float lr, float beta1, float beta2, float eps,
-                                 float weight_decay, int64_t step);
+                                 const tp_tensor *v, float lr, float beta1, float beta2, float eps, float weight_decay,
+                                 int64_t step);
 /* buf may be NULL (no momentum); first: the first step (buf = g). */
 TP_API tp_status_t tp_sgd_step(tp_stream_t stream, const tp_tensor *p, const tp_tensor *g, const tp_tensor *buf,
                                float lr, float momentum, float weight_decay, int first);

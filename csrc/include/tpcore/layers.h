@@ -56,40 +56,39 @@ typedef struct tp_parallel_linear *tp_parallel_linear_t;
 typedef enum { TP_COLUMN_PARALLEL = 0, TP_ROW_PARALLEL = 1 } tp_parallel_kind_t;
 
 typedef struct {
-  size_t size;                 /* sizeof(tp_linear_config_t) */
+  size_t size; /* sizeof(tp_linear_config_t) */
   tp_parallel_kind_t kind;
   int64_t in_features, out_features;
-  int bias;                    /* 1: with bias                                    */
-  int gather_output;           /* column: all-gather the output                   */
-  int input_is_parallel;       /* row: x arrives already split                     */
-  const int64_t *partition;    /* world sizes of the split dimension; NULL: even   */
+  int bias;                 /* 1: with bias                                    */
+  int gather_output;        /* column: all-gather the output                   */
+  int input_is_parallel;    /* row: x arrives already split                     */
+  const int64_t *partition; /* world sizes of the split dimension; NULL: even   */
   uint64_t seed;
-  int gated;                   /* column: W is [gate; up] (2 * out_features rows); a rank
+  int gated;          /* column: W is [gate; up] (2 * out_features rows); a rank
                                   holds its gate rows and its up rows and outputs
                                   [gate_r | up_r] per row, from one GEMM (SwiGLU)      */
-  tp_device_t device;          /* where parameters, workspaces and tensors live (CPU) */
+  tp_device_t device; /* where parameters, workspaces and tensors live (CPU) */
   int device_id;
-  tp_dtype_t weight_dtype;     /* TP_FLOAT32 (default), TP_BFLOAT16 or TP_FLOAT16: the weight's
+  tp_dtype_t weight_dtype; /* TP_FLOAT32 (default), TP_BFLOAT16 or TP_FLOAT16: the weight's
                                   storage; arithmetic, activations, bias and gradients stay
                                   float32 (see "Low-precision weights" above) */
 } tp_linear_config_t;
 
 #define TP_LINEAR_CONFIG_INITIALIZER \
-  { sizeof(tp_linear_config_t), TP_COLUMN_PARALLEL, 0, 0, 1, 0, 1, NULL, 0, 0, TP_DEVICE_CPU, 0, TP_FLOAT32 }
+  {sizeof(tp_linear_config_t), TP_COLUMN_PARALLEL, 0, 0, 1, 0, 1, NULL, 0, 0, TP_DEVICE_CPU, 0, TP_FLOAT32}
 
 typedef struct {
-  void *weight;                /* this rank's weight shard, in weight_dtype */
+  void *weight;                          /* this rank's weight shard, in weight_dtype */
   float *bias, *grad_weight, *grad_bias; /* float32 (bias NULL if none; the gradients NULL until the
                                           * first backward or alloc_grads, grad_weight always when quantized) */
   int64_t weight_rows, weight_cols, bias_len;
-  int64_t offset, local;       /* this rank's slice of the split dimension */
-  int64_t x_cols, y_cols;      /* columns of forward's input and output on this rank */
+  int64_t offset, local;  /* this rank's slice of the split dimension */
+  int64_t x_cols, y_cols; /* columns of forward's input and output on this rank */
   tp_dtype_t weight_dtype;
 } tp_linear_info_t;
 
 /* Collective over comm (every rank, same config but for its own rank). */
-TP_API tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm,
-                                             const tp_linear_config_t *cfg);
+TP_API tp_status_t tp_parallel_linear_create(tp_parallel_linear_t *out, tp_comm_t comm, const tp_linear_config_t *cfg);
 TP_API void tp_parallel_linear_destroy(tp_parallel_linear_t layer);
 TP_API tp_status_t tp_parallel_linear_info(tp_parallel_linear_t layer, tp_linear_info_t *info);
 /* y[M, y_cols] from x[M, x_cols].  Collective when the layer communicates. */
@@ -115,13 +114,17 @@ typedef struct {
   uint64_t seed;
   tp_device_t device;
   int device_id;
-  tp_dtype_t weight_dtype;     /* fc1 and fc2 weights (float32 default) */
-  int weight_dtypes_set;       /* 1: fc1 and fc2 take weight_dtypes[0] and [1] instead */
+  tp_dtype_t weight_dtype; /* fc1 and fc2 weights (float32 default) */
+  int weight_dtypes_set;   /* 1: fc1 and fc2 take weight_dtypes[0] and [1] instead */
   tp_dtype_t weight_dtypes[2];
 } tp_mlp_config_t;
 
-#define TP_MLP_CONFIG_INITIALIZER \
-  { sizeof(tp_mlp_config_t), 0, 0, TP_ACT_GELU, 1, NULL, 0, TP_DEVICE_CPU, 0, TP_FLOAT32, 0, {TP_FLOAT32, TP_FLOAT32} }
+#define TP_MLP_CONFIG_INITIALIZER                                                              \
+  {                                                                                            \
+    sizeof(tp_mlp_config_t), 0, 0, TP_ACT_GELU, 1, NULL, 0, TP_DEVICE_CPU, 0, TP_FLOAT32, 0, { \
+      TP_FLOAT32, TP_FLOAT32                                                                   \
+    }                                                                                          \
+  }
 
 TP_API tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const tp_mlp_config_t *cfg);
 TP_API void tp_parallel_mlp_destroy(tp_parallel_mlp_t mlp);
@@ -149,14 +152,14 @@ typedef struct {
   uint64_t seed;
   tp_device_t device;
   int device_id;
-  tp_dtype_t weight_dtype;     /* the table (float32 default; bfloat16 / float16 storage) */
+  tp_dtype_t weight_dtype; /* the table (float32 default; bfloat16 / float16 storage) */
 } tp_embedding_config_t;
 
-#define TP_EMBEDDING_CONFIG_INITIALIZER { sizeof(tp_embedding_config_t), 0, 0, NULL, 0, TP_DEVICE_CPU, 0, TP_FLOAT32 }
+#define TP_EMBEDDING_CONFIG_INITIALIZER {sizeof(tp_embedding_config_t), 0, 0, NULL, 0, TP_DEVICE_CPU, 0, TP_FLOAT32}
 
 typedef struct {
-  void *weight;                /* [local, dim] in weight_dtype */
-  float *grad_weight;          /* [local, dim] float32; NULL until backward / alloc_grads, or quantized */
+  void *weight;       /* [local, dim] in weight_dtype */
+  float *grad_weight; /* [local, dim] float32; NULL until backward / alloc_grads, or quantized */
   int64_t offset, local, dim, num_embeddings;
   tp_dtype_t weight_dtype;
 } tp_embedding_info_t;
@@ -187,7 +190,7 @@ typedef struct {
   int device_id;
 } tp_xent_config_t;
 
-#define TP_XENT_CONFIG_INITIALIZER { sizeof(tp_xent_config_t), TP_DEVICE_CPU, 0 }
+#define TP_XENT_CONFIG_INITIALIZER {sizeof(tp_xent_config_t), TP_DEVICE_CPU, 0}
 
 /* cfg NULL: the defaults (CPU). */
 TP_API tp_status_t tp_vocab_xent_create(tp_vocab_xent_t *out, tp_comm_t comm, const tp_xent_config_t *cfg);
@@ -223,39 +226,43 @@ typedef struct tp_block *tp_block_t;
 typedef enum { TP_NORM_LAYER = 0, TP_NORM_RMS = 1 } tp_norm_t;
 
 typedef struct {
-  size_t size;                     /* sizeof(tp_block_config_t) */
+  size_t size; /* sizeof(tp_block_config_t) */
   int64_t hidden, heads, kv_heads, head_dim, ffn_hidden;
   tp_norm_t norm;
   float eps;
   tp_activation_t activation;
   int pre_norm;
-  int bias;                        /* biases of the QKV, output and MLP projections */
+  int bias; /* biases of the QKV, output and MLP projections */
   int causal;
-  float rope_theta;                /* > 0: rotary positions on Q and K */
-  const int64_t *head_partition;   /* query heads per rank; NULL: even (whole heads) */
-  const int64_t *ffn_partition;    /* MLP columns per rank; NULL: even */
+  float rope_theta;              /* > 0: rotary positions on Q and K */
+  const int64_t *head_partition; /* query heads per rank; NULL: even (whole heads) */
+  const int64_t *ffn_partition;  /* MLP columns per rank; NULL: even */
   uint64_t seed;
-  int attention_only;              /* ParallelAttention: y = attn(x), no norms, MLP or residual */
+  int attention_only; /* ParallelAttention: y = attn(x), no norms, MLP or residual */
   tp_device_t device;
   int device_id;
-  tp_dtype_t weight_dtype;         /* the QKV, output and MLP weights (float32 default); norm
+  tp_dtype_t weight_dtype; /* the QKV, output and MLP weights (float32 default); norm
                                       weights and biases stay float32 */
-  int weight_dtypes_set;           /* 1: the QKV, output, fc1 and fc2 weights take
+  int weight_dtypes_set;   /* 1: the QKV, output, fc1 and fc2 weights take
                                       weight_dtypes[0..3] instead (a GGUF file's mix) */
   tp_dtype_t weight_dtypes[4];
 } tp_block_config_t;
 
-#define TP_BLOCK_CONFIG_INITIALIZER \
-  { sizeof(tp_block_config_t), 0, 0, 0, 0, 0, TP_NORM_LAYER, 1e-5f, TP_ACT_GELU, 1, 1, 1, 0.0f, NULL, NULL, 0, 0, \
-    TP_DEVICE_CPU, 0, TP_FLOAT32, 0, {TP_FLOAT32, TP_FLOAT32, TP_FLOAT32, TP_FLOAT32} }
+#define TP_BLOCK_CONFIG_INITIALIZER                                                                               \
+  {                                                                                                               \
+    sizeof(tp_block_config_t), 0, 0, 0, 0, 0, TP_NORM_LAYER, 1e-5f, TP_ACT_GELU, 1, 1, 1, 0.0f, NULL, NULL, 0, 0, \
+        TP_DEVICE_CPU, 0, TP_FLOAT32, 0, {                                                                        \
+      TP_FLOAT32, TP_FLOAT32, TP_FLOAT32, TP_FLOAT32                                                              \
+    }                                                                                                             \
+  }
 
 /* Metadata of a forward, in host memory (the block copies what it needs). */
 typedef struct {
-  int64_t B, T;                    /* rows of x = B * T (B sequences of T tokens)            */
-  const int64_t *pos0;             /* [B] position of each sequence's first token (NULL: 0)  */
-  const uint8_t *key_mask;         /* [B, T] 1 = a token to attend to (NULL: all); no cache   */
-  int use_cache;                   /* K/V go to the cache at pos0[b] + t, attention over it  */
-  int need_backward;               /* keep what backward needs                               */
+  int64_t B, T;            /* rows of x = B * T (B sequences of T tokens)            */
+  const int64_t *pos0;     /* [B] position of each sequence's first token (NULL: 0)  */
+  const uint8_t *key_mask; /* [B, T] 1 = a token to attend to (NULL: all); no cache   */
+  int use_cache;           /* K/V go to the cache at pos0[b] + t, attention over it  */
+  int need_backward;       /* keep what backward needs                               */
   /* [B] the KV-cache sequence of each batch row (NULL: row b uses cache sequence b): with
    * use_cache, row b writes and reads cache sequence slots[b] at pos0[b]; each slot in
    * [0, cache batch), none twice in one forward (continuous batching: a fixed pool of cache
@@ -264,21 +271,21 @@ typedef struct {
 } tp_block_batch_t;
 
 /* {B, T, pos0, key_mask, use_cache, need_backward, slots} */
-#define TP_BLOCK_BATCH_INITIALIZER { 0, 0, NULL, NULL, 0, 0, NULL }
+#define TP_BLOCK_BATCH_INITIALIZER {0, 0, NULL, NULL, 0, 0, NULL}
 
 typedef struct {
-  const char *name;                /* "norm1.weight", "attn.qkv.weight", "mlp.fc1.bias", ...  */
-  void *data;                      /* in dtype */
-  float *grad;                     /* float32; NULL until backward / alloc_grads, or quantized */
-  int ndim;                        /* 1: a vector of rows entries; 2: rows x cols */
+  const char *name; /* "norm1.weight", "attn.qkv.weight", "mlp.fc1.bias", ...  */
+  void *data;       /* in dtype */
+  float *grad;      /* float32; NULL until backward / alloc_grads, or quantized */
+  int ndim;         /* 1: a vector of rows entries; 2: rows x cols */
   int64_t rows, cols;
-  tp_dtype_t dtype;                /* float32, or the block's weight_dtype for a projection weight */
+  tp_dtype_t dtype; /* float32, or the block's weight_dtype for a projection weight */
 } tp_param_t;
 
 typedef struct {
-  int64_t q0, nq, k0, nk;          /* this rank's query heads and KV heads */
-  int64_t cache_batch, cache_len;  /* KV cache capacity (0 before tp_block_cache) */
-  int kv_replicated;               /* some KV head lives on more than one rank */
+  int64_t q0, nq, k0, nk;         /* this rank's query heads and KV heads */
+  int64_t cache_batch, cache_len; /* KV cache capacity (0 before tp_block_cache) */
+  int kv_replicated;              /* some KV head lives on more than one rank */
 } tp_block_info_t;
 
 TP_API tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_config_t *cfg);
@@ -306,15 +313,15 @@ TP_API tp_status_t tp_block_backward(tp_block_t blk, const tp_tensor *dx, const 
  * tp_*_memory fills a tp_layer_memory_t: the bytes this layer holds now, by kind, on its
  * device (each count the size of the live allocations, not a guess). */
 typedef struct {
-  size_t size;           /* sizeof(tp_layer_memory_t): set by the caller */
-  tp_device_t device;    /* where the bytes below live */
+  size_t size;        /* sizeof(tp_layer_memory_t): set by the caller */
+  tp_device_t device; /* where the bytes below live */
   int device_id;
-  size_t params;         /* weights in their storage format, biases, norms */
-  size_t grads;          /* gradient buffers (0 until the first backward or alloc_grads) */
-  size_t workspace;      /* activation and scratch arenas, saved inputs, dequantized panels */
-  size_t cache;          /* KV cache allocated (tp_block_cache) */
-  size_t cache_used;     /* of which holding tokens (the highest position written, per sequence) */
-  size_t comm;           /* communication buffers (registered memory, or the plain fallback) */
+  size_t params;     /* weights in their storage format, biases, norms */
+  size_t grads;      /* gradient buffers (0 until the first backward or alloc_grads) */
+  size_t workspace;  /* activation and scratch arenas, saved inputs, dequantized panels */
+  size_t cache;      /* KV cache allocated (tp_block_cache) */
+  size_t cache_used; /* of which holding tokens (the highest position written, per sequence) */
+  size_t comm;       /* communication buffers (registered memory, or the plain fallback) */
 } tp_layer_memory_t;
 
 TP_API tp_status_t tp_parallel_linear_alloc_grads(tp_parallel_linear_t layer);

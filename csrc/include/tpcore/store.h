@@ -32,17 +32,17 @@ extern "C" {
 
 typedef struct tp_store *tp_store_t;
 
-#define TP_STORE_MAX_KEY 512                      /* bytes of a key                      */
-#define TP_STORE_DEFAULT_MAX_VALUE (1u << 20)     /* bytes of a value (1 MiB) by default  */
-#define TP_STORE_MAX_VALUE_CAP (64u << 20)        /* the most max_value_bytes may be      */
-#define TP_STORE_MIN_SECRET 16                    /* bytes of the secret, at least        */
+#define TP_STORE_MAX_KEY 512                  /* bytes of a key                      */
+#define TP_STORE_DEFAULT_MAX_VALUE (1u << 20) /* bytes of a value (1 MiB) by default  */
+#define TP_STORE_MAX_VALUE_CAP (64u << 20)    /* the most max_value_bytes may be      */
+#define TP_STORE_MIN_SECRET 16                /* bytes of the secret, at least        */
 #define TP_STORE_MAX_SECRET 1024
 
 typedef struct {
-  const char *host;       /* the server's address (name or numeric); NULL: "127.0.0.1"            */
-  int port;               /* 1..65535; 0 with is_server: any free port (tp_store_port tells)      */
-  int is_server;          /* 1: start the server thread in this process (and connect to it)       */
-  const void *secret;     /* the job's secret, TP_STORE_MIN_SECRET..TP_STORE_MAX_SECRET bytes      */
+  const char *host;   /* the server's address (name or numeric); NULL: "127.0.0.1"            */
+  int port;           /* 1..65535; 0 with is_server: any free port (tp_store_port tells)      */
+  int is_server;      /* 1: start the server thread in this process (and connect to it)       */
+  const void *secret; /* the job's secret, TP_STORE_MIN_SECRET..TP_STORE_MAX_SECRET bytes      */
   size_t secret_len;
   double timeout_s;       /* every call's bound (connect included); <= 0: 300 s                   */
   double io_timeout_s;    /* server: the most a client may stall inside a message; <= 0: timeout_s */

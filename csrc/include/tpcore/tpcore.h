@@ -67,17 +67,17 @@ typedef enum {
    * dtype): llama.cpp's GGUF block formats, bit for bit.  A row of n elements is n / block
    * blocks (tp_weight_format); activations and arithmetic stay float32.  TP_INT8 as a
    * weight_dtype is int8 with one float32 scale per output row (see tp_weight_format). */
-  TP_Q8_0 = 16,  /* 32 elements: float16 d, int8 q[32]; x = d q                            */
-  TP_Q4_0 = 17,  /* 32 elements: float16 d, 16 bytes of nibbles; x = d (q - 8)              */
-  TP_Q4_1 = 18,  /* 32 elements: float16 d, float16 m, 16 bytes of nibbles; x = d q + m     */
-  TP_Q4_K = 19,  /* 256 elements: 8 sub-blocks of 32 with 6-bit scales and mins, 4-bit q     */
-  TP_Q5_K = 20,  /* 256 elements: as Q4_K with a fifth bit per element                       */
-  TP_Q6_K = 21,  /* 256 elements: 16 sub-blocks of 16 with int8 scales, 6-bit q              */
+  TP_Q8_0 = 16, /* 32 elements: float16 d, int8 q[32]; x = d q                            */
+  TP_Q4_0 = 17, /* 32 elements: float16 d, 16 bytes of nibbles; x = d (q - 8)              */
+  TP_Q4_1 = 18, /* 32 elements: float16 d, float16 m, 16 bytes of nibbles; x = d q + m     */
+  TP_Q4_K = 19, /* 256 elements: 8 sub-blocks of 32 with 6-bit scales and mins, 4-bit q     */
+  TP_Q5_K = 20, /* 256 elements: as Q4_K with a fifth bit per element                       */
+  TP_Q6_K = 21, /* 256 elements: 16 sub-blocks of 16 with int8 scales, 6-bit q              */
   TP_WEIGHT_FORMAT_END = 22
 } tp_dtype_t;
 
-TP_API size_t tp_dtype_size(tp_dtype_t dtype);       /* 0 for an invalid dtype        */
-TP_API const char *tp_dtype_name(tp_dtype_t dtype);  /* "float32", ..., "invalid"     */
+TP_API size_t tp_dtype_size(tp_dtype_t dtype);                      /* 0 for an invalid dtype        */
+TP_API const char *tp_dtype_name(tp_dtype_t dtype);                 /* "float32", ..., "invalid"     */
 TP_API int tp_dtype_from_name(const char *name, tp_dtype_t *dtype); /* 1 if known      */
 /* A weight storage format (weight_dtype): 1 when f is one (float32, bfloat16, float16,
  * int8 or a TP_Q* block format), with the elements and bytes of its block and the bytes of

@@ -11,14 +11,13 @@
 /* One function per loop, each compiled for every vector width (vmath.h): GCC
  * vectorizes a loop on its own more reliably than the same loop as one case of a
  * switch (the SiLU forward case did not vectorize there). */
-#define ELEMENTWISE(name, body)                                                              \
-  TP_VECTOR_CLONES static void name(float *restrict out, const float *restrict h,           \
-                                    const float *restrict d, size_t n) {                    \
-    (void)d;                                                                                 \
-    for (size_t i = 0; i < n; i++) {                                                         \
-      float x = h[i];                                                                        \
-      body;                                                                                  \
-    }                                                                                        \
+#define ELEMENTWISE(name, body)                                                                                        \
+  TP_VECTOR_CLONES static void name(float *restrict out, const float *restrict h, const float *restrict d, size_t n) { \
+    (void)d;                                                                                                           \
+    for (size_t i = 0; i < n; i++) {                                                                                   \
+      float x = h[i];                                                                                                  \
+      body;                                                                                                            \
+    }                                                                                                                  \
   }
 
 ELEMENTWISE(gelu_fwd, out[i] = 0.5f * x * (1.0f + ferf(x * INV_SQRT_2)))
@@ -38,7 +37,8 @@ ELEMENTWISE(silu_bwd, {
 ELEMENTWISE(relu_bwd, out[i] = x > 0.0f ? d[i] : 0.0f)
 
 /* SwiGLU on one row: gate g, up u (F each). */
-TP_VECTOR_CLONES static void swiglu_fwd(float *restrict o, const float *restrict g, const float *restrict u, int64_t F) {
+TP_VECTOR_CLONES static void swiglu_fwd(float *restrict o, const float *restrict g, const float *restrict u,
+                                        int64_t F) {
   for (int64_t j = 0; j < F; j++) o[j] = g[j] / (1.0f + fexp(-g[j])) * u[j];
 }
 
@@ -64,8 +64,7 @@ static void act_forward_rows(float *out, const float *h, int64_t M, int64_t F, t
   }
 }
 
-static void act_backward_rows(float *dh, const float *h, const float *dout, int64_t M, int64_t F,
-                              tp_activation_t act) {
+static void act_backward_rows(float *dh, const float *h, const float *dout, int64_t M, int64_t F, tp_activation_t act) {
   size_t n = (size_t)(M * F);
   switch (act) {
     case TP_ACT_GELU: gelu_bwd(dh, h, dout, n); break;
@@ -164,8 +163,10 @@ tp_status_t tp_cpu_bias_act_backward(tp_stream_t s, float *dh, float *db, const 
   if (db && M > 0) {
     size_t row = (size_t)(hw ? hw : 1) * sizeof(float), fit = workspace ? workspace_bytes / row : 0;
     if (fit < 1)
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "bias_act_backward: the workspace of %zu bytes is below one row "
-                          "of partial sums (%zu bytes)", workspace ? workspace_bytes : 0, row);
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "bias_act_backward: the workspace of %zu bytes is below one row "
+                          "of partial sums (%zu bytes)",
+                          workspace ? workspace_bytes : 0, row);
     if ((size_t)t > fit) t = (int)fit; /* fewer threads, the same sums for the same (threads, workspace) */
     partial = workspace;
     memset(partial, 0, (size_t)t * row);

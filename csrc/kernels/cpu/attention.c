@@ -83,8 +83,8 @@ typedef struct {
   const tp_attention_args *a;
   float *dq, *dk, *dv;
   const float *dout;
-  float *ws;      /* workspace: chunk c uses ws + c * slice */
-  int64_t slice;  /* floats per chunk (0: none needed) */
+  float *ws;     /* workspace: chunk c uses ws + c * slice */
+  int64_t slice; /* floats per chunk (0: none needed) */
 } attn_job;
 
 /* Forward of the pairs (b, g) = items [lo, hi). */
@@ -165,9 +165,10 @@ static tp_status_t run_items(attn_job *job, int backward, void *ws, size_t ws_by
   if (job->slice) {
     size_t fit = ws ? ws_bytes / ((size_t)job->slice * sizeof(float)) : 0;
     if (fit < 1)
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "attention_%s: the workspace of %zu bytes is below one block of "
-                          "scores (%zu bytes; ask attention_workspace)", backward ? "backward" : "forward",
-                          ws ? ws_bytes : 0, (size_t)job->slice * sizeof(float));
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "attention_%s: the workspace of %zu bytes is below one block of "
+                          "scores (%zu bytes; ask attention_workspace)",
+                          backward ? "backward" : "forward", ws ? ws_bytes : 0, (size_t)job->slice * sizeof(float));
     if ((size_t)t > fit) t = (int)fit;
   }
   int prev = t > 1 ? tp_blas_single_thread_begin() : 0;
@@ -231,11 +232,11 @@ static void backward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
           gemm(0, 1, n, kmax, D, a->scale, Q + i0 * a->q_ld, a->q_ld, K, a->kv_ld, 0.0f, Pw, Tk);
           for (int64_t i = 0; i < n; i++) recompute_row(Pw + i * Tk, key_limit(a, b, i0 + i), kmax, keep, L[i0 + i]);
         }
-        gemm(0, 1, n, kmax, D, 1.0f, dO + i0 * a->o_ld, a->o_ld, V, a->kv_ld, 0.0f, dP, Tk);   /* dP = dO V^T  */
+        gemm(0, 1, n, kmax, D, 1.0f, dO + i0 * a->o_ld, a->o_ld, V, a->kv_ld, 0.0f, dP, Tk);  /* dP = dO V^T  */
         gemm(1, 0, kmax, D, n, 1.0f, Pb, Tk, dO + i0 * a->o_ld, a->o_ld, 1.0f, dV, a->kv_ld); /* dV += P^T dO */
         for (int64_t i = 0; i < n; i++) softmax_grad_row(dP + i * Tk, Pb + i * Tk, kmax, a->scale);
-        gemm(0, 0, n, D, kmax, 1.0f, dP, Tk, K, a->kv_ld, 0.0f, dQ + i0 * a->q_ld, a->q_ld);   /* dQ = dS K    */
-        gemm(1, 0, kmax, D, n, 1.0f, dP, Tk, Q + i0 * a->q_ld, a->q_ld, 1.0f, dK, a->kv_ld);  /* dK += dS^T Q */
+        gemm(0, 0, n, D, kmax, 1.0f, dP, Tk, K, a->kv_ld, 0.0f, dQ + i0 * a->q_ld, a->q_ld); /* dQ = dS K    */
+        gemm(1, 0, kmax, D, n, 1.0f, dP, Tk, Q + i0 * a->q_ld, a->q_ld, 1.0f, dK, a->kv_ld); /* dK += dS^T Q */
       }
     }
   }

@@ -149,8 +149,7 @@ tp_status_t tp_cpu_xent_loss(tp_stream_t s, float *losses, const float *sumexp, 
                              const float *target_logit, const int64_t *targets, int64_t M) {
   (void)s;
   for (int64_t m = 0; m < M; m++)
-    losses[m] = targets[m] < 0 ? 0.0f
-                               : (float)(log((double)sumexp[m]) + (double)gmax[m] - (double)target_logit[m]);
+    losses[m] = targets[m] < 0 ? 0.0f : (float)(log((double)sumexp[m]) + (double)gmax[m] - (double)target_logit[m]);
   return TP_SUCCESS;
 }
 

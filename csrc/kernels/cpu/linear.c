@@ -76,8 +76,8 @@ tp_status_t tp_cpu_linear_forward(tp_stream_t s, float *y, const float *x, const
     /* One or two rows (decoding): GEMV reads W once per row; GEMM would first pack all of W
      * (measured 2.5-3x slower for a 768 x 2304 weight at M = 1). */
     for (int64_t m = 0; m < M; m++)
-      TP_BLAS(cblas_sgemv)(CblasRowMajor, CblasNoTrans, (tp_blasint)N, (tp_blasint)K, 1.0f, w, (tp_blasint)K,
-                           x + m * K, 1, beta, y + m * N, 1);
+      TP_BLAS(cblas_sgemv)(CblasRowMajor, CblasNoTrans, (tp_blasint)N, (tp_blasint)K, 1.0f, w, (tp_blasint)K, x + m * K,
+                           1, beta, y + m * N, 1);
     return TP_SUCCESS;
   }
   TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, (tp_blasint)M, (tp_blasint)N, (tp_blasint)K, 1.0f, x,
@@ -113,7 +113,7 @@ tp_status_t tp_cpu_gemm(tp_stream_t s, int trans_a, int trans_b, int64_t M, int6
     return TP_SUCCESS;
   }
   TP_BLAS(cblas_sgemm)(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-                       (tp_blasint)M, (tp_blasint)N, (tp_blasint)K, alpha, A, (tp_blasint)lda, B, (tp_blasint)ldb,
-                       beta, C, (tp_blasint)ldc);
+                       (tp_blasint)M, (tp_blasint)N, (tp_blasint)K, alpha, A, (tp_blasint)lda, B, (tp_blasint)ldb, beta,
+                       C, (tp_blasint)ldc);
   return TP_SUCCESS;
 }

@@ -31,9 +31,9 @@ enum {
    * for sgemm: measured on one AVX-512 core, K x N = 768 x 3072 and 2048 x 8192, the GEMV
    * took 0.45-0.6x the panel path's time at M = 6 and 8, 0.65-0.85x at 12, 1.1-1.3x at 16 */
   GEMV_MAX_M = 8,
-  PANEL_BYTES = 8 << 20,          /* the float32 panel of w the GEMM path widens at a time */
-  PANEL_MIN_ROWS = 16,            /* ... but never fewer rows than this (K beyond 128K) */
-  CONVERT_CHUNK = 1 << 14         /* elements per parallel work item of convert */
+  PANEL_BYTES = 8 << 20,  /* the float32 panel of w the GEMM path widens at a time */
+  PANEL_MIN_ROWS = 16,    /* ... but never fewer rows than this (K beyond 128K) */
+  CONVERT_CHUNK = 1 << 14 /* elements per parallel work item of convert */
 };
 
 /* ------------------------------------------------------------------ scalar rounding */
@@ -76,18 +76,18 @@ static inline uint16_t f32_to_f16(uint32_t u) {
 
 static inline uint32_t f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16, a = h & 0x7fffu;
-  uint32_t r = a >= 0x7c00u ? (a << 13) | 0x7f800000u /* inf, NaN (payload kept) */
-             : a >= 0x0400u ? (a << 13) + 0x38000000u
-                            : f2u((float)a * 0x1p-24f); /* subnormal or zero: exact */
+  uint32_t r = a >= 0x7c00u   ? (a << 13) | 0x7f800000u /* inf, NaN (payload kept) */
+               : a >= 0x0400u ? (a << 13) + 0x38000000u
+                              : f2u((float)a * 0x1p-24f); /* subnormal or zero: exact */
   return sign | r;
 }
 
 /* ------------------------------------------------------------------ convert */
 
 /* One vectorized loop per (to, from) pair: the compiler sees a fixed conversion. */
-#define TP_CONVERT_LOOP_(NAME, TO, FROM, EXPR)                                   \
+#define TP_CONVERT_LOOP_(NAME, TO, FROM, EXPR)                                           \
   TP_VECTOR_CLONES static void NAME(TO *restrict y, const FROM *restrict x, int64_t n) { \
-    for (int64_t i = 0; i < n; i++) y[i] = EXPR;                                 \
+    for (int64_t i = 0; i < n; i++) y[i] = EXPR;                                         \
   }
 TP_CONVERT_LOOP_(cvt_f32_bf16, uint32_t, uint16_t, bf16_to_f32(x[i]))
 TP_CONVERT_LOOP_(cvt_f32_f16, uint32_t, uint16_t, f16_to_f32(x[i]))
@@ -204,8 +204,8 @@ static void widen_panel(float *panel, const void *w, tp_dtype_t wdt, int64_t row
     return;
   }
   int64_t n = rows * K;
-  convert_args a = {wdt == TP_BFLOAT16 ? (convert_fn)cvt_f32_bf16 : (convert_fn)cvt_f32_f16, (char *)panel,
-                    (const char *)w, 4, 2, n};
+  convert_args a = {
+      wdt == TP_BFLOAT16 ? (convert_fn)cvt_f32_bf16 : (convert_fn)cvt_f32_f16, (char *)panel, (const char *)w, 4, 2, n};
   tp_parallel_rows((n + CONVERT_CHUNK - 1) / CONVERT_CHUNK, CONVERT_CHUNK, convert_chunk, &a);
 }
 
@@ -258,56 +258,57 @@ static float dot1_portable_f16(const void *w, const float *x, int64_t K) {
 
 #if TP_LOWP_X86
 /* Four weight vectors per step into four accumulators (the FMA latency hidden). */
-#define TP_DOT1_(NAME, TARGET, VEC, LANES, LOADW, FMA, ZERO, LOADX, HSUM, SCALAR)                         \
-  __attribute__((target(TARGET))) static float NAME(const void *wv, const float *x, int64_t K) {         \
-    const uint16_t *w = wv;                                                                               \
-    VEC a0 = ZERO, a1 = ZERO, a2 = ZERO, a3 = ZERO;                                                       \
-    int64_t k = 0;                                                                                        \
-    for (; k + 4 * LANES <= K; k += 4 * LANES) {                                                          \
-      a0 = FMA(LOADW(w + k), LOADX(x + k), a0);                                                           \
-      a1 = FMA(LOADW(w + k + LANES), LOADX(x + k + LANES), a1);                                           \
-      a2 = FMA(LOADW(w + k + 2 * LANES), LOADX(x + k + 2 * LANES), a2);                                   \
-      a3 = FMA(LOADW(w + k + 3 * LANES), LOADX(x + k + 3 * LANES), a3);                                   \
-    }                                                                                                     \
-    for (; k + LANES <= K; k += LANES) a0 = FMA(LOADW(w + k), LOADX(x + k), a0);                          \
-    float s = HSUM((a0 + a1) + (a2 + a3));                                                                \
-    for (; k < K; k++) s += x[k] * u2f(SCALAR(w[k]));                                                     \
-    return s;                                                                                             \
+#define TP_DOT1_(NAME, TARGET, VEC, LANES, LOADW, FMA, ZERO, LOADX, HSUM, SCALAR)                \
+  __attribute__((target(TARGET))) static float NAME(const void *wv, const float *x, int64_t K) { \
+    const uint16_t *w = wv;                                                                      \
+    VEC a0 = ZERO, a1 = ZERO, a2 = ZERO, a3 = ZERO;                                              \
+    int64_t k = 0;                                                                               \
+    for (; k + 4 * LANES <= K; k += 4 * LANES) {                                                 \
+      a0 = FMA(LOADW(w + k), LOADX(x + k), a0);                                                  \
+      a1 = FMA(LOADW(w + k + LANES), LOADX(x + k + LANES), a1);                                  \
+      a2 = FMA(LOADW(w + k + 2 * LANES), LOADX(x + k + 2 * LANES), a2);                          \
+      a3 = FMA(LOADW(w + k + 3 * LANES), LOADX(x + k + 3 * LANES), a3);                          \
+    }                                                                                            \
+    for (; k + LANES <= K; k += LANES) a0 = FMA(LOADW(w + k), LOADX(x + k), a0);                 \
+    float s = HSUM((a0 + a1) + (a2 + a3));                                                       \
+    for (; k < K; k++) s += x[k] * u2f(SCALAR(w[k]));                                            \
+    return s;                                                                                    \
   }
 #endif
 
 #if TP_LOWP_X86
 /* Two weight vectors per step, each fused into four rows' accumulators: eight independent
  * FMA chains hide the FMA latency; the tail widens one element at a time. */
-#define TP_DOT4_(NAME, TARGET, VEC, LANES, LOADW, FMA, ZERO, LOADX, HSUM, SCALAR)                         \
-  __attribute__((target(TARGET))) static void NAME(float out[4], const void *wv, const float *const x[4], \
-                                                   int64_t K) {                                          \
-    const uint16_t *w = wv;                                                                               \
-    VEC a0 = ZERO, a1 = ZERO, a2 = ZERO, a3 = ZERO, b0 = ZERO, b1 = ZERO, b2 = ZERO, b3 = ZERO;         \
-    int64_t k = 0;                                                                                        \
-    for (; k + 2 * LANES <= K; k += 2 * LANES) {                                                          \
-      VEC w0 = LOADW(w + k), w1 = LOADW(w + k + LANES);                                                  \
-      a0 = FMA(w0, LOADX(x[0] + k), a0), b0 = FMA(w1, LOADX(x[0] + k + LANES), b0);                       \
-      a1 = FMA(w0, LOADX(x[1] + k), a1), b1 = FMA(w1, LOADX(x[1] + k + LANES), b1);                       \
-      a2 = FMA(w0, LOADX(x[2] + k), a2), b2 = FMA(w1, LOADX(x[2] + k + LANES), b2);                       \
-      a3 = FMA(w0, LOADX(x[3] + k), a3), b3 = FMA(w1, LOADX(x[3] + k + LANES), b3);                       \
-    }                                                                                                     \
-    for (; k + LANES <= K; k += LANES) {                                                                  \
-      VEC w0 = LOADW(w + k);                                                                              \
-      a0 = FMA(w0, LOADX(x[0] + k), a0), a1 = FMA(w0, LOADX(x[1] + k), a1);                               \
-      a2 = FMA(w0, LOADX(x[2] + k), a2), a3 = FMA(w0, LOADX(x[3] + k), a3);                               \
-    }                                                                                                     \
-    float s[4] = {HSUM(a0 + b0), HSUM(a1 + b1), HSUM(a2 + b2), HSUM(a3 + b3)};                             \
-    for (; k < K; k++) {                                                                                  \
-      float wk = u2f(SCALAR(w[k]));                                                                       \
-      for (int j = 0; j < 4; j++) s[j] += x[j][k] * wk;                                                   \
-    }                                                                                                     \
-    memcpy(out, s, sizeof s);                                                                             \
+#define TP_DOT4_(NAME, TARGET, VEC, LANES, LOADW, FMA, ZERO, LOADX, HSUM, SCALAR)                                      \
+  __attribute__((target(TARGET))) static void NAME(float out[4], const void *wv, const float *const x[4], int64_t K) { \
+    const uint16_t *w = wv;                                                                                            \
+    VEC a0 = ZERO, a1 = ZERO, a2 = ZERO, a3 = ZERO, b0 = ZERO, b1 = ZERO, b2 = ZERO, b3 = ZERO;                        \
+    int64_t k = 0;                                                                                                     \
+    for (; k + 2 * LANES <= K; k += 2 * LANES) {                                                                       \
+      VEC w0 = LOADW(w + k), w1 = LOADW(w + k + LANES);                                                                \
+      a0 = FMA(w0, LOADX(x[0] + k), a0), b0 = FMA(w1, LOADX(x[0] + k + LANES), b0);                                    \
+      a1 = FMA(w0, LOADX(x[1] + k), a1), b1 = FMA(w1, LOADX(x[1] + k + LANES), b1);                                    \
+      a2 = FMA(w0, LOADX(x[2] + k), a2), b2 = FMA(w1, LOADX(x[2] + k + LANES), b2);                                    \
+      a3 = FMA(w0, LOADX(x[3] + k), a3), b3 = FMA(w1, LOADX(x[3] + k + LANES), b3);                                    \
+    }                                                                                                                  \
+    for (; k + LANES <= K; k += LANES) {                                                                               \
+      VEC w0 = LOADW(w + k);                                                                                           \
+      a0 = FMA(w0, LOADX(x[0] + k), a0), a1 = FMA(w0, LOADX(x[1] + k), a1);                                            \
+      a2 = FMA(w0, LOADX(x[2] + k), a2), a3 = FMA(w0, LOADX(x[3] + k), a3);                                            \
+    }                                                                                                                  \
+    float s[4] = {HSUM(a0 + b0), HSUM(a1 + b1), HSUM(a2 + b2), HSUM(a3 + b3)};                                         \
+    for (; k < K; k++) {                                                                                               \
+      float wk = u2f(SCALAR(w[k]));                                                                                    \
+      for (int j = 0; j < 4; j++) s[j] += x[j][k] * wk;                                                                \
+    }                                                                                                                  \
+    memcpy(out, s, sizeof s);                                                                                          \
   }
 
-#define LOADW512_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LOADW512_BF16(p) \
+  _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define LOADW512_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define LOADW256_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOADW256_BF16(p) \
+  _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define LOADW256_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
@@ -321,8 +322,8 @@ TP_DOT4_(dot4_avx512_bf16, "avx512f", __m512, 16, LOADW512_BF16, _mm512_fmadd_ps
          _mm512_reduce_add_ps, bf16_to_f32)
 TP_DOT4_(dot4_avx512_f16, "avx512f", __m512, 16, LOADW512_F16, _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_loadu_ps,
          _mm512_reduce_add_ps, f16_to_f32)
-TP_DOT4_(dot4_avx2_bf16, "avx2,fma,f16c", __m256, 8, LOADW256_BF16, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_loadu_ps,
-         hsum256, bf16_to_f32)
+TP_DOT4_(dot4_avx2_bf16, "avx2,fma,f16c", __m256, 8, LOADW256_BF16, _mm256_fmadd_ps, _mm256_setzero_ps(),
+         _mm256_loadu_ps, hsum256, bf16_to_f32)
 TP_DOT4_(dot4_avx2_f16, "avx2,fma,f16c", __m256, 8, LOADW256_F16, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_loadu_ps,
          hsum256, f16_to_f32)
 #undef TP_DOT4_
@@ -330,8 +331,8 @@ TP_DOT1_(dot1_avx512_bf16, "avx512f", __m512, 16, LOADW512_BF16, _mm512_fmadd_ps
          _mm512_reduce_add_ps, bf16_to_f32)
 TP_DOT1_(dot1_avx512_f16, "avx512f", __m512, 16, LOADW512_F16, _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_loadu_ps,
          _mm512_reduce_add_ps, f16_to_f32)
-TP_DOT1_(dot1_avx2_bf16, "avx2,fma,f16c", __m256, 8, LOADW256_BF16, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_loadu_ps,
-         hsum256, bf16_to_f32)
+TP_DOT1_(dot1_avx2_bf16, "avx2,fma,f16c", __m256, 8, LOADW256_BF16, _mm256_fmadd_ps, _mm256_setzero_ps(),
+         _mm256_loadu_ps, hsum256, bf16_to_f32)
 TP_DOT1_(dot1_avx2_f16, "avx2,fma,f16c", __m256, 8, LOADW256_F16, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_loadu_ps,
          hsum256, f16_to_f32)
 #undef TP_DOT1_
@@ -343,7 +344,7 @@ static int gemv_isa(void) {
   static int isa = -1; /* 2: AVX-512F, 1: AVX2 + FMA + F16C, 0: portable */
   if (isa < 0) {
     __builtin_cpu_init();
-    isa = __builtin_cpu_supports("avx512f")                                                             ? 2
+    isa = __builtin_cpu_supports("avx512f")                                                                   ? 2
           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 1
                                                                                                               : 0;
   }
@@ -476,8 +477,8 @@ tp_status_t tp_cpu_linear_forward_lp(tp_stream_t s, float *y, const float *x, co
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     int64_t nr = N - n0 < rows ? N - n0 : rows;
     widen_panel(panel, (const char *)w + (size_t)n0 * row_bytes(wdt, K), wdt, nr, K);
-    TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, (tp_blasint)M, (tp_blasint)nr, (tp_blasint)K, 1.0f,
-                         x, (tp_blasint)K, panel, (tp_blasint)K, beta, y + n0, (tp_blasint)N);
+    TP_BLAS(cblas_sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, (tp_blasint)M, (tp_blasint)nr, (tp_blasint)K, 1.0f, x,
+                         (tp_blasint)K, panel, (tp_blasint)K, beta, y + n0, (tp_blasint)N);
   }
   return TP_SUCCESS;
 }
@@ -502,8 +503,8 @@ TP_VECTOR_CLONES static void dx_axpy_rows(float *dx, const float *dy, const void
 }
 
 tp_status_t tp_cpu_linear_backward_lp(tp_stream_t s, float *dx, float *dw, float *db, const float *dy, const float *x,
-                                      const void *w, tp_dtype_t wdt, int64_t M, int64_t K, int64_t N,
-                                      int accumulate_dx, void *workspace, size_t workspace_bytes) {
+                                      const void *w, tp_dtype_t wdt, int64_t M, int64_t K, int64_t N, int accumulate_dx,
+                                      void *workspace, size_t workspace_bytes) {
   TP_CHECK(check_quant("linear_backward_lp", wdt, K, dw));
   /* dw and db never read w: the float32 entry's sgemm and column sums */
   tp_status_t st = tp_cpu_linear_backward(s, NULL, dw, db, dy, x, NULL, M, K, N, 0);

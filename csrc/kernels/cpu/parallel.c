@@ -103,8 +103,7 @@ static int take(int i, uint32_t g) {
 }
 
 static void done_one(void) {
-  if (atomic_fetch_sub(&pool.pending, 1) == 1 && atomic_load(&pool.waiter_asleep))
-    futex(&pool.pending, FUTEX_WAKE, 1);
+  if (atomic_fetch_sub(&pool.pending, 1) == 1 && atomic_load(&pool.waiter_asleep)) futex(&pool.pending, FUTEX_WAKE, 1);
 }
 
 static void *worker(void *arg) {

@@ -30,7 +30,6 @@
 #include "../../core/core_impl.h"
 #include "quant_x86.h"
 
-
 /* A product the compiler must round before it is added to anything (gguf-py rounds both
  * operations): where the target has FMA instructions (-march=native builds, other CPUs) an
  * empty asm that "changes" the value keeps GCC from contracting a * b + c under any
@@ -45,7 +44,6 @@
 #else
 #define NOFUSE(v) ((void)0)
 #endif
-
 
 static inline float h2f(const uint8_t *p) { return tp_half_to_float((uint16_t)(p[0] | p[1] << 8)); }
 
@@ -88,7 +86,8 @@ static void deq_q4_1(float *y, const uint8_t *b) {
   float d = h2f(b), m = h2f(b + 2);
   for (int j = 0; j < QK / 2; j++) {
     float lo = d * (float)(b[4 + j] & 15), hi = d * (float)(b[4 + j] >> 4);
-    NOFUSE(lo); NOFUSE(hi);
+    NOFUSE(lo);
+    NOFUSE(hi);
     y[j] = lo + m, y[j + QK / 2] = hi + m;
   }
 }
@@ -110,7 +109,8 @@ static void deq_q4_k(float *y, const uint8_t *b) {
   for (int i = 0; i < 4; i++)
     for (int l = 0; l < 32; l++) {
       float lo = D[2 * i] * (float)(qs[32 * i + l] & 15), hi = D[2 * i + 1] * (float)(qs[32 * i + l] >> 4);
-      NOFUSE(lo); NOFUSE(hi);
+      NOFUSE(lo);
+      NOFUSE(hi);
       y[64 * i + l] = lo - DM[2 * i], y[64 * i + 32 + l] = hi - DM[2 * i + 1];
     }
 }
@@ -147,11 +147,10 @@ static const struct {
   size_t bytes;
   deq_block_fn deq;
 } FMT[TP_WEIGHT_FORMAT_END - TP_Q8_0] = {
-    [TP_Q8_0 - TP_Q8_0] = {QK, 34, deq_q8_0},    [TP_Q4_0 - TP_Q8_0] = {QK, 18, deq_q4_0},
-    [TP_Q4_1 - TP_Q8_0] = {QK, 20, deq_q4_1},    [TP_Q4_K - TP_Q8_0] = {QKK, 144, deq_q4_k},
-    [TP_Q5_K - TP_Q8_0] = {QKK, 176, deq_q5_k},  [TP_Q6_K - TP_Q8_0] = {QKK, 210, deq_q6_k},
+    [TP_Q8_0 - TP_Q8_0] = {QK, 34, deq_q8_0},   [TP_Q4_0 - TP_Q8_0] = {QK, 18, deq_q4_0},
+    [TP_Q4_1 - TP_Q8_0] = {QK, 20, deq_q4_1},   [TP_Q4_K - TP_Q8_0] = {QKK, 144, deq_q4_k},
+    [TP_Q5_K - TP_Q8_0] = {QKK, 176, deq_q5_k}, [TP_Q6_K - TP_Q8_0] = {QKK, 210, deq_q6_k},
 };
-
 
 /* The row with block dequantizer deq (f a block format). */
 static void dequant_blocks(tp_dtype_t f, deq_block_fn deq, float *y, const uint8_t *r, int64_t K) {
@@ -192,7 +191,8 @@ static void quant_q4_0(uint8_t *b, const float *x) {
   f2h(b, d);
   for (int j = 0; j < QK / 2; j++) {
     float v0 = x[j] * id, v1 = x[j + QK / 2] * id;
-    NOFUSE(v0); NOFUSE(v1);
+    NOFUSE(v0);
+    NOFUSE(v1);
     b[2 + j] = (uint8_t)(trunc_clip15(v0 + 8.5f) | trunc_clip15(v1 + 8.5f) << 4);
   }
 }
@@ -204,7 +204,8 @@ static void quant_q4_1(uint8_t *b, const float *x) {
   f2h(b, d), f2h(b + 2, min);
   for (int j = 0; j < QK / 2; j++) {
     float v0 = (x[j] - min) * id, v1 = (x[j + QK / 2] - min) * id;
-    NOFUSE(v0); NOFUSE(v1);
+    NOFUSE(v0);
+    NOFUSE(v1);
     b[4 + j] = (uint8_t)(trunc_clip15(v0 + 0.5f) | trunc_clip15(v1 + 0.5f) << 4);
   }
 }
@@ -242,7 +243,7 @@ static void fit_affine(const float *x, int n, int nmax, float *scale, float *min
     double den = (double)n * sq2 - (double)sq * sq, s, off;
     if (den <= 0) continue;
     s = (n * sqx - sq * sx) / den, off = (sx - s * sq) / n; /* least squares: x ~ s q + off */
-    if (off > 0) s = sq2 > 0 ? sqx / sq2 : 0, off = 0;       /* the format's offset is <= 0 */
+    if (off > 0) s = sq2 > 0 ? sqx / sq2 : 0, off = 0;      /* the format's offset is <= 0 */
     if (s <= 0) continue;
     /* sum (x - s q - off)^2 from the sums */
     double err = sx2 - 2 * s * sqx - 2 * off * sx + s * s * sq2 + 2 * s * off * sq + n * off * off;
@@ -310,8 +311,7 @@ static void quant_q5_k(uint8_t *b, const float *x) {
   for (int s = 0; s < 8; s++)
     for (int l = 0; l < 32; l++) b[16 + l] |= (uint8_t)((q[32 * s + l] >> 4) << s);
   for (int i = 0; i < 4; i++)
-    for (int l = 0; l < 32; l++)
-      b[48 + 32 * i + l] = (uint8_t)((q[64 * i + l] & 15) | (q[64 * i + 32 + l] & 15) << 4);
+    for (int l = 0; l < 32; l++) b[48 + 32 * i + l] = (uint8_t)((q[64 * i + l] & 15) | (q[64 * i + 32 + l] & 15) << 4);
 }
 
 /* Symmetric sub-block (Q6_K): x ~ s q, q in [-32, 31].  Step sizes that put the largest
@@ -466,12 +466,12 @@ static void dot4_int8_portable(float out[4], const void *row, const float *const
   for (int j = 0; j < 4; j++) out[j] = dot1_int8_portable(row, x[j], K);
 }
 
-#define TP_Q_PORTABLE_(NAME, F)                                                                       \
-  static float dot1_##NAME##_portable(const void *row, const float *x, int64_t K) {                   \
-    return dot1_blocks(F, row, x, K);                                                                 \
-  }                                                                                                   \
+#define TP_Q_PORTABLE_(NAME, F)                                                                           \
+  static float dot1_##NAME##_portable(const void *row, const float *x, int64_t K) {                       \
+    return dot1_blocks(F, row, x, K);                                                                     \
+  }                                                                                                       \
   static void dot4_##NAME##_portable(float out[4], const void *row, const float *const x[4], int64_t K) { \
-    dot4_blocks(F, out, row, x, K);                                                                   \
+    dot4_blocks(F, out, row, x, K);                                                                       \
   }
 TP_Q_PORTABLE_(q8_0, TP_Q8_0)
 TP_Q_PORTABLE_(q4_0, TP_Q4_0)
@@ -481,13 +481,13 @@ TP_Q_PORTABLE_(q5_k, TP_Q5_K)
 TP_Q_PORTABLE_(q6_k, TP_Q6_K)
 #undef TP_Q_PORTABLE_
 
-
 /* ------------------------------------------------------------------ dispatch */
 
 /* [format]: the portable kernels (level 0); the x86 ones come from quant_x86.c. */
 #define KERNELS_(N) {dot1_##N##_portable, dot4_##N##_portable, NULL}
 static const tp_q_x86 PORTABLE[TP_WEIGHT_FORMAT_END] = {
-    [TP_INT8] = KERNELS_(int8), [TP_Q8_0] = {dot1_q8_0_portable, dot4_q8_0_portable, deq_q8_0},
+    [TP_INT8] = KERNELS_(int8),
+    [TP_Q8_0] = {dot1_q8_0_portable, dot4_q8_0_portable, deq_q8_0},
     [TP_Q4_0] = {dot1_q4_0_portable, dot4_q4_0_portable, deq_q4_0},
     [TP_Q4_1] = {dot1_q4_1_portable, dot4_q4_1_portable, deq_q4_1},
     [TP_Q4_K] = {dot1_q4_k_portable, dot4_q4_k_portable, deq_q4_k},
@@ -541,7 +541,9 @@ int tp_q_dequant_row_at(tp_dtype_t f, float *y, const void *row, int64_t K, int 
   return 1;
 }
 
-void tp_q_dequant_row(tp_dtype_t f, float *y, const void *row, int64_t K) { tp_q_dequant_row_at(f, y, row, K, q_isa()); }
+void tp_q_dequant_row(tp_dtype_t f, float *y, const void *row, int64_t K) {
+  tp_q_dequant_row_at(f, y, row, K, q_isa());
+}
 
 tp_q_dot1_fn tp_q_dot1_for(tp_dtype_t f) {
   const tp_q_x86 *k = kernels_at(f, q_isa());

@@ -102,7 +102,8 @@ T512 void q4_k_chunk512(const uint8_t *b, const p512 *p, int c, __m512 w[4]) {
   __m512 t1 = _mm512_fmsub_ps(_mm512_set1_ps(p->D[2 * c + 1]), IOTA512, _mm512_set1_ps(p->M[2 * c + 1]));
   __m512i qa = _mm512_cvtepu8_epi32(LD128(b + 16 + 32 * c)), qb = _mm512_cvtepu8_epi32(LD128(b + 32 + 32 * c));
   w[0] = _mm512_permutexvar_ps(qa, t0), w[1] = _mm512_permutexvar_ps(qb, t0);
-  w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(qa, 4), t1), w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(qb, 4), t1);
+  w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(qa, 4), t1),
+  w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(qb, 4), t1);
 }
 
 T512 void q5_k_prep512(const uint8_t *b, p512 *p) {
@@ -156,8 +157,8 @@ typedef struct {
 T256 void q8_0_prep256(const uint8_t *b, p256 *p) { p->t = _mm256_set1_ps(_cvtsh_ss(rd16(b))); }
 T256 void q8_0_chunk256(const uint8_t *b, const p256 *p, int c, __m256 w[4]) {
   (void)c;
-  UNROLL for (int v = 0; v < 4; v++)
-    w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(b + 2 + 8 * v))), p->t);
+  UNROLL for (int v = 0; v < 4; v++) w[v] =
+      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(b + 2 + 8 * v))), p->t);
 }
 
 /* 4-bit blocks: w = t q + u */
@@ -230,56 +231,54 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
 
 /* The drivers: BLK elements and BB bytes a block, CE elements (NVC vectors) a chunk. */
 #define TP_Q_DRIVERS_(NAME, ISA, TARGET, VEC, PT, LANES, ZERO, FMA, ADD, LOADX, HSUM, BLK, BB, CE)                \
-  __attribute__((target(TARGET))) static float dot1_##NAME##_##ISA(const void *row, const float *x,       \
-                                                                           int64_t K) {                         \
-    enum { NVC = (CE) / (LANES), CPB = (BLK) / (CE) };                                                          \
-    const uint8_t *r = row;                                                                                     \
-    VEC acc[4] = {ZERO, ZERO, ZERO, ZERO}, w[NVC];                                                              \
-    PT p;                                                                                                       \
-    int64_t nch = K / (CE), g = 0;                                                                              \
-    for (; g + 2 <= nch; g += 2) {                                                                              \
-      const uint8_t *b = r + (size_t)(g / CPB) * (BB);                                                          \
-      const float *xg = x + g * (CE);                                                                           \
-      if (g % CPB == 0) NAME##_prep##ISA(b, &p);                                                                \
-      NAME##_chunk##ISA(b, &p, (int)(g % CPB), w);                                                              \
-      UNROLL for (int v = 0; v < NVC; v++) acc[v & 3] = FMA(w[v], LOADX(xg + v * (LANES)), acc[v & 3]);              \
-      if (CPB == 1) b += (BB), NAME##_prep##ISA(b, &p);                                                         \
-      NAME##_chunk##ISA(b, &p, (int)((g + 1) % CPB), w);                                                        \
-      UNROLL for (int v = 0; v < NVC; v++)                                                                             \
-        acc[(v + NVC) & 3] = FMA(w[v], LOADX(xg + (CE) + v * (LANES)), acc[(v + NVC) & 3]);                    \
-    }                                                                                                           \
-    if (g < nch) {                                                                                              \
-      const uint8_t *b = r + (size_t)(g / CPB) * (BB);                                                          \
-      if (g % CPB == 0) NAME##_prep##ISA(b, &p);                                                                \
-      NAME##_chunk##ISA(b, &p, (int)(g % CPB), w);                                                              \
-      UNROLL for (int v = 0; v < NVC; v++) acc[v & 3] = FMA(w[v], LOADX(x + g * (CE) + v * (LANES)), acc[v & 3]);   \
-    }                                                                                                           \
-    return HSUM(ADD(ADD(acc[0], acc[1]), ADD(acc[2], acc[3])));                                                 \
-  }                                                                                                             \
+  __attribute__((target(TARGET))) static float dot1_##NAME##_##ISA(const void *row, const float *x, int64_t K) {  \
+    enum { NVC = (CE) / (LANES), CPB = (BLK) / (CE) };                                                            \
+    const uint8_t *r = row;                                                                                       \
+    VEC acc[4] = {ZERO, ZERO, ZERO, ZERO}, w[NVC];                                                                \
+    PT p;                                                                                                         \
+    int64_t nch = K / (CE), g = 0;                                                                                \
+    for (; g + 2 <= nch; g += 2) {                                                                                \
+      const uint8_t *b = r + (size_t)(g / CPB) * (BB);                                                            \
+      const float *xg = x + g * (CE);                                                                             \
+      if (g % CPB == 0) NAME##_prep##ISA(b, &p);                                                                  \
+      NAME##_chunk##ISA(b, &p, (int)(g % CPB), w);                                                                \
+      UNROLL for (int v = 0; v < NVC; v++) acc[v & 3] = FMA(w[v], LOADX(xg + v * (LANES)), acc[v & 3]);           \
+      if (CPB == 1) b += (BB), NAME##_prep##ISA(b, &p);                                                           \
+      NAME##_chunk##ISA(b, &p, (int)((g + 1) % CPB), w);                                                          \
+      UNROLL for (int v = 0; v < NVC; v++) acc[(v + NVC) & 3] =                                                   \
+          FMA(w[v], LOADX(xg + (CE) + v * (LANES)), acc[(v + NVC) & 3]);                                          \
+    }                                                                                                             \
+    if (g < nch) {                                                                                                \
+      const uint8_t *b = r + (size_t)(g / CPB) * (BB);                                                            \
+      if (g % CPB == 0) NAME##_prep##ISA(b, &p);                                                                  \
+      NAME##_chunk##ISA(b, &p, (int)(g % CPB), w);                                                                \
+      UNROLL for (int v = 0; v < NVC; v++) acc[v & 3] = FMA(w[v], LOADX(x + g * (CE) + v * (LANES)), acc[v & 3]); \
+    }                                                                                                             \
+    return HSUM(ADD(ADD(acc[0], acc[1]), ADD(acc[2], acc[3])));                                                   \
+  }                                                                                                               \
   __attribute__((target(TARGET))) static void dot4_##NAME##_##ISA(float out[4], const void *row,                  \
-                                                                   const float *const x[4], int64_t K) {         \
-    enum { NVC = (CE) / (LANES), CPB = (BLK) / (CE) };                                                          \
-    const uint8_t *r = row;                                                                                     \
-    VEC acc[4][2] = {{ZERO, ZERO}, {ZERO, ZERO}, {ZERO, ZERO}, {ZERO, ZERO}}, w[NVC];                           \
-    PT p;                                                                                                       \
-    int64_t nch = K / (CE);                                                                                     \
-    for (int64_t g = 0; g < nch; g++) {                                                                         \
-      const uint8_t *b = r + (size_t)(g / CPB) * (BB);                                                          \
-      if (g % CPB == 0) NAME##_prep##ISA(b, &p);                                                                \
-      NAME##_chunk##ISA(b, &p, (int)(g % CPB), w);                                                              \
-      UNROLL for (int v = 0; v < NVC; v++)                                                                             \
-        UNROLL for (int j = 0; j < 4; j++)                                                                             \
-          acc[j][v & 1] = FMA(w[v], LOADX(x[j] + g * (CE) + v * (LANES)), acc[j][v & 1]);                       \
-    }                                                                                                           \
-    UNROLL for (int j = 0; j < 4; j++) out[j] = HSUM(ADD(acc[j][0], acc[j][1]));                                       \
+                                                                  const float *const x[4], int64_t K) {           \
+    enum { NVC = (CE) / (LANES), CPB = (BLK) / (CE) };                                                            \
+    const uint8_t *r = row;                                                                                       \
+    VEC acc[4][2] = {{ZERO, ZERO}, {ZERO, ZERO}, {ZERO, ZERO}, {ZERO, ZERO}}, w[NVC];                             \
+    PT p;                                                                                                         \
+    int64_t nch = K / (CE);                                                                                       \
+    for (int64_t g = 0; g < nch; g++) {                                                                           \
+      const uint8_t *b = r + (size_t)(g / CPB) * (BB);                                                            \
+      if (g % CPB == 0) NAME##_prep##ISA(b, &p);                                                                  \
+      NAME##_chunk##ISA(b, &p, (int)(g % CPB), w);                                                                \
+      UNROLL for (int v = 0; v < NVC; v++) UNROLL for (int j = 0; j < 4; j++) acc[j][v & 1] =                     \
+          FMA(w[v], LOADX(x[j] + g * (CE) + v * (LANES)), acc[j][v & 1]);                                         \
+    }                                                                                                             \
+    UNROLL for (int j = 0; j < 4; j++) out[j] = HSUM(ADD(acc[j][0], acc[j][1]));                                  \
   }
 
-#define TP_Q512_(NAME, BLK, BB, CE)                                                                             \
-  TP_Q_DRIVERS_(NAME, 512, "avx512f,avx2,fma,f16c", __m512, p512, 16, _mm512_setzero_ps(), _mm512_fmadd_ps,    \
+#define TP_Q512_(NAME, BLK, BB, CE)                                                                         \
+  TP_Q_DRIVERS_(NAME, 512, "avx512f,avx2,fma,f16c", __m512, p512, 16, _mm512_setzero_ps(), _mm512_fmadd_ps, \
                 _mm512_add_ps, _mm512_loadu_ps, _mm512_reduce_add_ps, BLK, BB, CE)
-#define TP_Q256_(NAME, BLK, BB, CE)                                                                             \
-  TP_Q_DRIVERS_(NAME, 256, "avx2,fma,f16c", __m256, p256, 8, _mm256_setzero_ps(), _mm256_fmadd_ps,             \
-                _mm256_add_ps, _mm256_loadu_ps, hsum256, BLK, BB, CE)
+#define TP_Q256_(NAME, BLK, BB, CE)                                                                               \
+  TP_Q_DRIVERS_(NAME, 256, "avx2,fma,f16c", __m256, p256, 8, _mm256_setzero_ps(), _mm256_fmadd_ps, _mm256_add_ps, \
+                _mm256_loadu_ps, hsum256, BLK, BB, CE)
 TP_Q512_(q8_0, 32, 34, 32)
 TP_Q512_(q4_0, 32, 18, 32)
 TP_Q512_(q4_1, 32, 20, 32)
@@ -298,14 +297,14 @@ TP_Q256_(q6_k, 256, 210, 32)
 
 /* int8 rows: any K; 64 elements per step into four accumulators, then 16 (8) at a time, then
  * one at a time; the row's scale multiplies the sum. */
-__attribute__((target("avx512f,avx2,fma,f16c"))) static float dot1_int8_512(const void *row, const float *x, int64_t K) {
+__attribute__((target("avx512f,avx2,fma,f16c"))) static float dot1_int8_512(const void *row, const float *x,
+                                                                            int64_t K) {
   const int8_t *q = (const int8_t *)row + 4;
   __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   int64_t k = 0;
   for (; k + 64 <= K; k += 64)
-    UNROLL for (int v = 0; v < 4; v++)
-      a[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(q + k + 16 * v))),
-                             _mm512_loadu_ps(x + k + 16 * v), a[v]);
+    UNROLL for (int v = 0; v < 4; v++) a[v] = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(q + k + 16 * v))), _mm512_loadu_ps(x + k + 16 * v), a[v]);
   for (; k + 16 <= K; k += 16)
     a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(q + k))), _mm512_loadu_ps(x + k), a[0]);
   float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
@@ -319,8 +318,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) static void dot4_int8_512(float
   __m512 a[4][2];
   UNROLL for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32)
-    UNROLL for (int v = 0; v < 2; v++) {
+  for (; k + 32 <= K; k += 32) UNROLL for (int v = 0; v < 2; v++) {
       __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(q + k + 16 * v)));
       UNROLL for (int j = 0; j < 4; j++) a[j][v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[j] + k + 16 * v), a[j][v]);
     }
@@ -330,8 +328,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) static void dot4_int8_512(float
   }
   float s[4];
   UNROLL for (int j = 0; j < 4; j++) s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j][0], a[j][1]));
-  for (; k < K; k++)
-    UNROLL for (int j = 0; j < 4; j++) s[j] += x[j][k] * (float)q[k];
+  for (; k < K; k++) UNROLL for (int j = 0; j < 4; j++) s[j] += x[j][k] * (float)q[k];
   UNROLL for (int j = 0; j < 4; j++) out[j] = s[j] * int8_row_scale(row);
 }
 
@@ -340,9 +337,8 @@ __attribute__((target("avx2,fma,f16c"))) static float dot1_int8_256(const void *
   __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t k = 0;
   for (; k + 32 <= K; k += 32)
-    UNROLL for (int v = 0; v < 4; v++)
-      a[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(q + k + 8 * v))),
-                             _mm256_loadu_ps(x + k + 8 * v), a[v]);
+    UNROLL for (int v = 0; v < 4; v++) a[v] = _mm256_fmadd_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(q + k + 8 * v))), _mm256_loadu_ps(x + k + 8 * v), a[v]);
   for (; k + 8 <= K; k += 8)
     a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(q + k))), _mm256_loadu_ps(x + k), a[0]);
   float s = hsum256(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
@@ -356,8 +352,7 @@ __attribute__((target("avx2,fma,f16c"))) static void dot4_int8_256(float out[4],
   __m256 a[4][2];
   UNROLL for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16)
-    UNROLL for (int v = 0; v < 2; v++) {
+  for (; k + 16 <= K; k += 16) UNROLL for (int v = 0; v < 2; v++) {
       __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(q + k + 8 * v)));
       UNROLL for (int j = 0; j < 4; j++) a[j][v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[j] + k + 8 * v), a[j][v]);
     }
@@ -367,8 +362,7 @@ __attribute__((target("avx2,fma,f16c"))) static void dot4_int8_256(float out[4],
   }
   float s[4];
   UNROLL for (int j = 0; j < 4; j++) s[j] = hsum256(_mm256_add_ps(a[j][0], a[j][1]));
-  for (; k < K; k++)
-    UNROLL for (int j = 0; j < 4; j++) s[j] += x[j][k] * (float)q[k];
+  for (; k < K; k++) UNROLL for (int j = 0; j < 4; j++) s[j] += x[j][k] * (float)q[k];
   UNROLL for (int j = 0; j < 4; j++) out[j] = s[j] * int8_row_scale(row);
 }
 /* ------------------------------------------------------------------ SIMD dequantization */
@@ -381,7 +375,7 @@ __attribute__((target("avx2,fma,f16c"))) static void dot4_int8_256(float out[4],
 __attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q8_0(float *y, const uint8_t *b) {
   __m512 d = _mm512_set1_ps(_cvtsh_ss(rd16(b)));
   UNROLL for (int v = 0; v < 2; v++)
-    _mm512_storeu_ps(y + 16 * v, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(b + 2 + 16 * v))), d));
+      _mm512_storeu_ps(y + 16 * v, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LD128(b + 2 + 16 * v))), d));
 }
 
 __attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q4_0(float *y, const uint8_t *b) {
@@ -406,7 +400,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q4_1(float *
 
 /* Q4_K / Q5_K: 16 elements of sub-block s from their codes */
 __attribute__((target("avx512f,avx2,fma,f16c"), always_inline)) static inline void kstore512(float *y, __m512i q,
-                                                                                           float D, float DM) {
+                                                                                             float D, float DM) {
   __m512 v = _mm512_mul_ps(_mm512_set1_ps(D), _mm512_cvtepi32_ps(q));
   NOFUSEV(v);
   _mm512_storeu_ps(y, _mm512_sub_ps(v, _mm512_set1_ps(DM)));
@@ -445,26 +439,25 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) static void deq512_q6_k(float *
   float D[16], N[16];
   q6_scales_256(b, D, N);
   const __m512i m15 = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3), k32 = _mm512_set1_epi32(32);
-  UNROLL for (int h = 0; h < 2; h++)
-    UNROLL for (int v = 0; v < 2; v++) {
-      __m512i qh = _mm512_cvtepu8_epi32(LD128(b + 128 + 32 * h + 16 * v));
-      __m512i la = _mm512_cvtepu8_epi32(LD128(b + 64 * h + 16 * v));      /* i = 0, 2 */
-      __m512i lb = _mm512_cvtepu8_epi32(LD128(b + 64 * h + 32 + 16 * v)); /* i = 1, 3 */
-      UNROLL for (int i = 0; i < 4; i++) {
-        __m512i l = (i & 1) ? lb : la;
-        l = (i & 2) ? _mm512_srli_epi32(l, 4) : _mm512_and_si512(l, m15);
-        __m512i hb = _mm512_and_si512(_mm512_srl_epi32(qh, _mm_cvtsi32_si128(2 * i)), three);
-        __m512i q = _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(hb, 4)), k32);
-        int n = 128 * h + 32 * i + 16 * v;
-        _mm512_storeu_ps(y + n, _mm512_mul_ps(_mm512_set1_ps(D[n / 16]), _mm512_cvtepi32_ps(q)));
-      }
+  UNROLL for (int h = 0; h < 2; h++) UNROLL for (int v = 0; v < 2; v++) {
+    __m512i qh = _mm512_cvtepu8_epi32(LD128(b + 128 + 32 * h + 16 * v));
+    __m512i la = _mm512_cvtepu8_epi32(LD128(b + 64 * h + 16 * v));      /* i = 0, 2 */
+    __m512i lb = _mm512_cvtepu8_epi32(LD128(b + 64 * h + 32 + 16 * v)); /* i = 1, 3 */
+    UNROLL for (int i = 0; i < 4; i++) {
+      __m512i l = (i & 1) ? lb : la;
+      l = (i & 2) ? _mm512_srli_epi32(l, 4) : _mm512_and_si512(l, m15);
+      __m512i hb = _mm512_and_si512(_mm512_srl_epi32(qh, _mm_cvtsi32_si128(2 * i)), three);
+      __m512i q = _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(hb, 4)), k32);
+      int n = 128 * h + 32 * i + 16 * v;
+      _mm512_storeu_ps(y + n, _mm512_mul_ps(_mm512_set1_ps(D[n / 16]), _mm512_cvtepi32_ps(q)));
     }
+  }
 }
 
 __attribute__((target("avx2,fma,f16c"))) static void deq256_q8_0(float *y, const uint8_t *b) {
   __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(b)));
   UNROLL for (int v = 0; v < 4; v++)
-    _mm256_storeu_ps(y + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(b + 2 + 8 * v))), d));
+      _mm256_storeu_ps(y + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD64(b + 2 + 8 * v))), d));
 }
 
 __attribute__((target("avx2,fma,f16c"))) static void deq256_q4_0(float *y, const uint8_t *b) {
@@ -472,7 +465,8 @@ __attribute__((target("avx2,fma,f16c"))) static void deq256_q4_0(float *y, const
   const __m256i m15 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
   UNROLL for (int v = 0; v < 2; v++) {
     __m256i q = U8X8(b + 2 + 8 * v);
-    __m256i lo = _mm256_sub_epi32(_mm256_and_si256(q, m15), eight), hi = _mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight);
+    __m256i lo = _mm256_sub_epi32(_mm256_and_si256(q, m15), eight),
+            hi = _mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight);
     _mm256_storeu_ps(y + 8 * v, _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)));
     _mm256_storeu_ps(y + 16 + 8 * v, _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)));
   }
@@ -493,7 +487,7 @@ __attribute__((target("avx2,fma,f16c"))) static void deq256_q4_1(float *y, const
 }
 
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void kstore256(float *y, __m256i q, float D,
-                                                                                    float DM) {
+                                                                                     float DM) {
   __m256 v = _mm256_mul_ps(_mm256_set1_ps(D), _mm256_cvtepi32_ps(q));
   NOFUSEV(v);
   _mm256_storeu_ps(y, _mm256_sub_ps(v, _mm256_set1_ps(DM)));
@@ -501,8 +495,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void kstor
 
 /* Q4_K (qh NULL) and Q5_K: sub-block s, 8 elements at a time */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void deq256_k(float *y, const uint8_t *b,
-                                                                                   const uint8_t *qs,
-                                                                                   const uint8_t *qh) {
+                                                                                    const uint8_t *qs,
+                                                                                    const uint8_t *qh) {
   float D[8], M[8];
   k_scales_256(b, D, M);
   const __m256i m15 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
@@ -511,40 +505,49 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void deq25
     UNROLL for (int v = 0; v < 4; v++) {
       __m256i q = U8X8(qs + 32 * (s / 2) + 8 * v);
       q = (s & 1) ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, m15);
-      if (qh) q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(U8X8(qh + 8 * v), cnt), one), 4));
+      if (qh)
+        q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(U8X8(qh + 8 * v), cnt), one), 4));
       kstore256(y + 32 * s + 8 * v, q, D[s], M[s]);
     }
   }
 }
 
-__attribute__((target("avx2,fma,f16c"))) static void deq256_q4_k(float *y, const uint8_t *b) { deq256_k(y, b, b + 16, NULL); }
-__attribute__((target("avx2,fma,f16c"))) static void deq256_q5_k(float *y, const uint8_t *b) { deq256_k(y, b, b + 48, b + 16); }
+__attribute__((target("avx2,fma,f16c"))) static void deq256_q4_k(float *y, const uint8_t *b) {
+  deq256_k(y, b, b + 16, NULL);
+}
+__attribute__((target("avx2,fma,f16c"))) static void deq256_q5_k(float *y, const uint8_t *b) {
+  deq256_k(y, b, b + 48, b + 16);
+}
 
 __attribute__((target("avx2,fma,f16c"))) static void deq256_q6_k(float *y, const uint8_t *b) {
   float D[16], N[16];
   q6_scales_256(b, D, N);
   const __m256i m15 = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3), k32 = _mm256_set1_epi32(32);
-  UNROLL for (int h = 0; h < 2; h++)
-    UNROLL for (int v = 0; v < 4; v++) {
-      __m256i qh = U8X8(b + 128 + 32 * h + 8 * v), la = U8X8(b + 64 * h + 8 * v), lb = U8X8(b + 64 * h + 32 + 8 * v);
-      UNROLL for (int i = 0; i < 4; i++) {
-        __m256i l = (i & 1) ? lb : la;
-        l = (i & 2) ? _mm256_srli_epi32(l, 4) : _mm256_and_si256(l, m15);
-        __m256i hb = _mm256_and_si256(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * i)), three);
-        __m256i q = _mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32(hb, 4)), k32);
-        int n = 128 * h + 32 * i + 8 * v;
-        _mm256_storeu_ps(y + n, _mm256_mul_ps(_mm256_set1_ps(D[n / 16]), _mm256_cvtepi32_ps(q)));
-      }
+  UNROLL for (int h = 0; h < 2; h++) UNROLL for (int v = 0; v < 4; v++) {
+    __m256i qh = U8X8(b + 128 + 32 * h + 8 * v), la = U8X8(b + 64 * h + 8 * v), lb = U8X8(b + 64 * h + 32 + 8 * v);
+    UNROLL for (int i = 0; i < 4; i++) {
+      __m256i l = (i & 1) ? lb : la;
+      l = (i & 2) ? _mm256_srli_epi32(l, 4) : _mm256_and_si256(l, m15);
+      __m256i hb = _mm256_and_si256(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * i)), three);
+      __m256i q = _mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32(hb, 4)), k32);
+      int n = 128 * h + 32 * i + 8 * v;
+      _mm256_storeu_ps(y + n, _mm256_mul_ps(_mm256_set1_ps(D[n / 16]), _mm256_cvtepi32_ps(q)));
     }
+  }
 }
 #undef NOFUSEV
 
-
 /* [format][level - 1] of this file's kernels: level 1 AVX2 + FMA + F16C, 2 AVX-512F. */
-#define KERNELS_(N) {{dot1_##N##_256, dot4_##N##_256, deq256_##N}, {dot1_##N##_512, dot4_##N##_512, deq512_##N}}
-#define KERNELS_INT8_ {{dot1_int8_256, dot4_int8_256, NULL}, {dot1_int8_512, dot4_int8_512, NULL}}
+#define KERNELS_(N)                                                                              \
+  {                                                                                              \
+    {dot1_##N##_256, dot4_##N##_256, deq256_##N}, { dot1_##N##_512, dot4_##N##_512, deq512_##N } \
+  }
+#define KERNELS_INT8_                                                            \
+  {                                                                              \
+    {dot1_int8_256, dot4_int8_256, NULL}, { dot1_int8_512, dot4_int8_512, NULL } \
+  }
 static const tp_q_x86 X86[TP_WEIGHT_FORMAT_END][2] = {
-    [TP_INT8] = KERNELS_INT8_, [TP_Q8_0] = KERNELS_(q8_0), [TP_Q4_0] = KERNELS_(q4_0), [TP_Q4_1] = KERNELS_(q4_1),
+    [TP_INT8] = KERNELS_INT8_,  [TP_Q8_0] = KERNELS_(q8_0), [TP_Q4_0] = KERNELS_(q4_0), [TP_Q4_1] = KERNELS_(q4_1),
     [TP_Q4_K] = KERNELS_(q4_k), [TP_Q5_K] = KERNELS_(q5_k), [TP_Q6_K] = KERNELS_(q6_k),
 };
 #undef KERNELS_

@@ -7,7 +7,6 @@
 const tp_kernel_ops tp_cpu_kernel_ops = {
     .device = TP_DEVICE_CPU,
     .name = "cpu",
-    .attention_keeps_lse = 0, /* keeping probs is faster on the CPU; the lse mode is there too */
+    .attention_keeps_lse = 0,   /* keeping probs is faster on the CPU; the lse mode is there too */
     .lp_rounds_activations = 0, /* x and dy stay float32: w is widened, not x rounded */
-    TP_KERNEL_ENTRIES(TP_CPU_ENTRY_)
-};
+    TP_KERNEL_ENTRIES(TP_CPU_ENTRY_)};

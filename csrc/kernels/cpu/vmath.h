@@ -15,8 +15,8 @@
  * the hot element-wise loops are compiled again for AVX2 and AVX-512F and
  * picked at load time for the CPU at hand (GCC function multiversioning, an ifunc).  ISA names, not arch=: with
  * arch=haswell GCC 12 did not vectorize the loops that call fexp at all. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
-    !defined(TP_NO_CLONES) && !defined(__SANITIZE_ADDRESS__)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(TP_NO_CLONES) && \
+    !defined(__SANITIZE_ADDRESS__)
 #define TP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define TP_VECTOR_CLONES
@@ -35,9 +35,12 @@ static inline float fexp(float x) {
   x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
   float kf = (x * 1.44269504089f + 12582912.0f) - 12582912.0f; /* round to nearest */
   float r = x - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
-  float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.008333334f +
-            r * 0.0013888889f)))));
-  union { int32_t i; float f; } u;
+  float p =
+      1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.008333334f + r * 0.0013888889f)))));
+  union {
+    int32_t i;
+    float f;
+  } u;
   u.i = ((int32_t)kf + 127) << 23;
   return p * u.f;
 }

@@ -10,15 +10,22 @@
 #include <cstring>
 #include <functional>
 #include <vector>
-struct dim3 { unsigned x, y, z; dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
-struct uint3_ { unsigned x, y, z; };
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
+struct uint3_ {
+  unsigned x, y, z;
+};
 extern uint3_ threadIdx, blockIdx;
 extern dim3 gridDim, blockDim;
 typedef int cudaError_t;
 typedef void *cudaStream_t;
 enum { cudaSuccess = 0, cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 enum cudaMemcpyKind { cudaMemcpyDeviceToDevice = 3 };
-struct float2 { float x, y; };
+struct float2 {
+  float x, y;
+};
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
 // device memory is host memory here; the stream is the host thread
 inline cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind, cudaStream_t) {
@@ -28,9 +35,17 @@ inline cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyK
 inline const char *cudaGetErrorString(cudaError_t) { return "emu error"; }
 inline const char *cudaGetErrorName(cudaError_t) { return "emuError"; }
 extern int emu_err;
-inline cudaError_t cudaGetLastError() { int e = emu_err; emu_err = 0; return e; }
+inline cudaError_t cudaGetLastError() {
+  int e = emu_err;
+  emu_err = 0;
+  return e;
+}
 extern size_t emu_smem_limit;
-template <class F> cudaError_t cudaFuncSetAttribute(F, int, int v) { emu_smem_limit = (size_t)v; return 0; }
+template <class F>
+cudaError_t cudaFuncSetAttribute(F, int, int v) {
+  emu_smem_limit = (size_t)v;
+  return 0;
+}
 #define __global__
 #define __device__
 #define __host__

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Runs the CUDA attention entries (csrc/kernels/cuda/attention*.cu) and the low-precision
+# Runs the CUDA attention entries (csrc/cuda/kernels/attention*.cu) and the low-precision
 # ones (lowp.cu, quant.cu: 16-bit and quantized weights) through the kernel parity harness on the host, without a GPU: transform.py
 # rewrites the .cu files and the headers they include for cuda_emu.h (one ucontext fiber per
 # CUDA thread, cooperative __syncthreads and warp shuffles, shared memory filled with NaN at
@@ -24,12 +24,12 @@ SAN=""
 BLAS=$(make -s -C "$ROOT" -f Makefile --eval 'print-libs: ; @echo $(LIBS)' print-libs 2>/dev/null || echo "-lopenblas -lpthread -lrt -lm")
 cp "$E/cuda_emu.h" "$OUT/"
 CU=(attention attention_bwd lowp quant)
-for f in "${CU[@]}"; do python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/$f.cu" "$OUT/$f.emu.cc"; done
+for f in "${CU[@]}"; do python3 "$E/transform.py" "$ROOT/csrc/cuda/kernels/$f.cu" "$OUT/$f.emu.cc"; done
 for f in attention_common common colsum lowp_bits quant; do
-  python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/$f.cuh" "$OUT/$f.emu.h"
+  python3 "$E/transform.py" "$ROOT/csrc/cuda/kernels/$f.cuh" "$OUT/$f.emu.h"
 done
-python3 "$E/transform.py" "$ROOT/csrc/kernels/cuda/cublas_api.h" "$OUT/cublas_api.emu.h"
-FL="-std=c++20 -O1 -g $SAN -I$OUT -I$ROOT/csrc/include -I$ROOT/csrc -I$ROOT/csrc/kernels/cuda -w"
+python3 "$E/transform.py" "$ROOT/csrc/cuda/kernels/cublas_api.h" "$OUT/cublas_api.emu.h"
+FL="-std=c++20 -O1 -g $SAN -I$OUT -I$ROOT/csrc/include -I$ROOT/csrc -I$ROOT/csrc/cuda/kernels -w"
 for f in "${CU[@]/%/.emu.cc}"; do g++ $FL -c "$OUT/$f" -o "$OUT/${f%.cc}.o"; done
 for f in "$E/driver.cc" "$E/emu_runtime.cc" "$E/cublas_emu.cc"; do
   g++ $FL -c "$f" -o "$OUT/$(basename "$f" .cc).o"

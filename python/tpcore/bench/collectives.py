@@ -47,7 +47,7 @@ Python loop each) for the whole run, beside the ranks, and stops them at the
 end, on an error or on Ctrl-C / SIGTERM (each also exits by itself within
 about 0.1 s of the benchmark's process going away).  The header and the line
 above the tables state the load.  With more runnable processes than cores,
-tpcore's waits stop spinning and sleep (see csrc/comm/shm_wait.c).
+tpcore's waits stop spinning and sleep (see csrc/comm/shm/shm_wait.c).
 
 Peers (optional, skipped with a note when missing): torch.distributed with
 gloo and mpi4py over mpirun run the same loop on the same number of ranks;

@@ -144,7 +144,7 @@ def generate_tokens(model, seqs, max_new_tokens, temperature, top_k, seed, eos_i
     if model._kdev is not None:  # each sequence's last row, gathered where h lives (an embedding lookup)
         Tp, C = padded.shape[1], model.config.hidden
         rows = on_device(np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64), model._kdev)
-        last = _C.d_embedding_forward(rows, model._dev(h, (B * Tp, C)))
+        last = _C.embedding_forward(rows, model._dev(h, (B * Tp, C)))
     else:
         last = h[np.arange(B), lens - 1]                                                  # (B, C)
     cur = lens.copy()

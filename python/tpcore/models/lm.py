@@ -325,10 +325,10 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
             h = self._dev(self.wte(asarray_device(tokens, device=device_string(self.device)) if self._on_gpu()
                                    else tokens), (B * T, C))
             if self.wpe is not None:
-                _C.d_add(h, h, _C.d_embedding_forward(on_device(np.ascontiguousarray(pos.reshape(-1)), self._kdev), self.wpe))
+                _C.add(h, h, _C.embedding_forward(on_device(np.ascontiguousarray(pos.reshape(-1)), self._kdev), self.wpe))
             if self.tte is not None:
                 tt = np.zeros(B * T, np.int64) if token_type_ids is None else token_type_ids.reshape(-1)
-                _C.d_add(h, h, _C.d_embedding_forward(on_device(np.ascontiguousarray(tt), self._kdev), self.tte))
+                _C.add(h, h, _C.embedding_forward(on_device(np.ascontiguousarray(tt), self._kdev), self.tte))
             if self.emb_norm is not None:
                 h = self.emb_norm.forward(h)
             return h.reshape((B, T, C))
@@ -484,7 +484,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         if self._kdev is not None:  # the head's GEMM where the model lives; the shard stays there
             h2 = self._dev(h2)
             if self.lm_head is None:  # tied: the embedding's own rows (16-bit and quantized ones included)
-                return _C.d_linear_forward(h2, self.wte.weight, None, self._head_fmt())
+                return _C.linear_forward(h2, self.wte.weight, None, None, self._head_fmt())
             return self.lm_head.forward(self._layer_in(h2))
         h2 = np.ascontiguousarray(h2, np.float32)
         out = None
@@ -600,8 +600,8 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         h2 = ctx["h2"]
         with comm._region("head"):
             if self.lm_head is None:  # tied: dW into the embedding's gradient, dh summed over the vocab shards
-                dh = _C.d_linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight,
-                                          self._head_fmt())
+                dh = _C.linear_backward(self._dev(dshard), h2, self.wte.weight, self.wte.grad_weight, None,
+                                        self._head_fmt())
                 if comm.size > 1:
                     comm.all_reduce(dh)
             else:
@@ -615,11 +615,11 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         if self.emb_norm is not None:
             dh2 = self.emb_norm.backward(dh2)
         if self.wpe is not None:
-            _C.d_embedding_backward(self.wpe_grad, on_device(np.ascontiguousarray(ctx["pos"].reshape(-1)), self._kdev), dh2)
+            _C.embedding_backward(self.wpe_grad, on_device(np.ascontiguousarray(ctx["pos"].reshape(-1)), self._kdev), dh2)
         if self.tte is not None:
             tt = np.zeros(B * T, np.int64) if ctx["token_type_ids"] is None else \
                 np.asarray(ctx["token_type_ids"], np.int64).reshape(-1)
-            _C.d_embedding_backward(self.tte_grad, on_device(np.ascontiguousarray(tt), self._kdev), dh2)
+            _C.embedding_backward(self.tte_grad, on_device(np.ascontiguousarray(tt), self._kdev), dh2)
         self.wte.backward(dh2 if self._on_gpu() else dh2.to_numpy())
 
     # ------------------------------------------------------------- stage interface

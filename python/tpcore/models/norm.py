@@ -59,17 +59,13 @@ class _Norm:
         return [(self.weight, self.grad_weight)] + ([] if self.bias is None else [(self.bias, self.grad_bias)])
 
     def forward(self, x2):
-        if self.dev is not None:
-            y, mu, rs = _C.d_norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
-        else:
-            y, mu, rs = _C.norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
+        y, mu, rs = _C.norm_forward(self.kind, x2, self.weight, self.bias, self.eps)
         self._ctx = (x2, mu, rs)
         return y
 
     def backward(self, dy2):
         x2, mu, rs = self._ctx
         self._alloc_grads()
-        if self.dev is not None:
-            return _C.d_norm_backward(self.kind, dy2, x2, self.weight, mu, rs, self.grad_weight, self.grad_bias)
-        return _C.norm_backward(self.kind, np.ascontiguousarray(dy2, np.float32), x2, self.weight, mu, rs,
-                                self.grad_weight, self.grad_bias)
+        if self.dev is None:
+            dy2 = np.ascontiguousarray(dy2, np.float32)
+        return _C.norm_backward(self.kind, dy2, x2, self.weight, mu, rs, self.grad_weight, self.grad_bias)

@@ -46,7 +46,7 @@ def as_float32(x, name: str, who: str) -> np.ndarray:
         x = x if isinstance(x, DeviceArray) else host_tensor(x, name, who)
         if isinstance(x, DeviceArray):  # a CPU bfloat16 tensor: converted in C
             x32 = DeviceArray(tuple(x.shape), "float32")
-            _C.d_convert(x32, x)
+            _C.convert(x, None, x32)
             return x32.numpy()
     if x.dtype == np.float32:
         if not x.flags.c_contiguous:
@@ -60,19 +60,19 @@ def as_float32(x, name: str, who: str) -> np.ndarray:
 def zero(a) -> None:
     """a[...] = 0 where a lives (a DeviceArray: a fill on its device, no host buffer)."""
     if isinstance(a, DeviceArray):
-        _C.d_fill(a, 0.0)
+        _C.fill(a, 0.0)
     else:
         a[...] = 0
 
 
 def dev_f32(xa):
     """A GPU layer's input (a DeviceArray) as float32 on its device: a bfloat16 / float16 one
-    converted there (tpcore._C.d_convert), with the dtype to give the result back in (None:
+    converted there (tpcore._C.convert), with the dtype to give the result back in (None:
     float32 as it came; another dtype goes on to the C layer, which names it)."""
     if xa.dtype not in HALF_FORMATS:
         return xa, None
     x32 = DeviceArray(xa.shape, "float32", device=xa.device)
-    _C.d_convert(x32, xa)
+    _C.convert(xa, None, x32)
     return x32, xa.dtype
 
 
@@ -81,7 +81,7 @@ def dev_back(y, dt):
     if dt is None:
         return y
     out = DeviceArray(y.shape, dt, device=y.device)
-    _C.d_convert(out, y)
+    _C.convert(y, None, out)
     return out
 
 

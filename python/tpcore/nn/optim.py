@@ -110,7 +110,7 @@ def _masters(params):
             out.append(None)
         elif isinstance(p, DeviceArray):
             w = _zeros_like(g)
-            _C.d_convert(w, p)
+            _C.convert(p, None, w)
             out.append(w)
         else:
             out.append(np.ascontiguousarray(p, dtype=np.float32))
@@ -120,7 +120,7 @@ def _masters(params):
 def _write_back(p, w):
     """The 16-bit parameter p = its master w rounded to nearest even."""
     if isinstance(p, DeviceArray):
-        _C.d_convert(p, w)
+        _C.convert(w, None, p)
     else:
         p[...] = w
 
@@ -188,9 +188,8 @@ class AdamW:
         """Update every parameter from its gradient (one AdamW step; no collective)."""
         self.t += 1
         for (p, g), (m, v), w in zip(self.params, self.state, self.master):
-            step = _C.d_adamw_step if isinstance(g, DeviceArray) else _C.adamw_step
-            step(p if w is None else w, g, m, v, self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay,
-                 self.t)
+            _C.adamw_step(p if w is None else w, g, m, v, self.lr, self.betas[0], self.betas[1], self.eps,
+                          self.weight_decay, self.t)
             if w is not None:
                 _write_back(p, w)
 
@@ -244,8 +243,7 @@ class SGD:
         """Update every parameter from its gradient (one SGD step; no collective)."""
         self.t += 1
         for (p, g), buf, w in zip(self.params, self.bufs, self.master):
-            step = _C.d_sgd_step if isinstance(g, DeviceArray) else _C.sgd_step
-            step(p if w is None else w, g, buf, self.lr, self.momentum, self.weight_decay, self.t == 1)
+            _C.sgd_step(p if w is None else w, g, buf, self.lr, self.momentum, self.weight_decay, self.t == 1)
             if w is not None:
                 _write_back(p, w)
 

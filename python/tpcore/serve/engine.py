@@ -380,7 +380,7 @@ class Engine:
             if m._kdev is not None:  # each prompt's last row, gathered where h lives (an embedding lookup)
                 rows = np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64)
                 from tpcore.models.lm import on_device
-                last = _C.d_embedding_forward(on_device(rows, m._kdev), m._dev(h, (B * Tp, C)))
+                last = _C.embedding_forward(on_device(rows, m._kdev), m._dev(h, (B * Tp, C)))
             else:
                 last = h[np.arange(B), lens - 1]
             nxt = self._next_tokens(new, last)

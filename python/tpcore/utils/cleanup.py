@@ -1,7 +1,7 @@
 """Removal of dead jobs' shared-memory names, the launcher's janitor, and
 process-lifetime helpers.
 
-The rule (the C core's too, csrc/comm/shm_seg.c): a tpcore segment is in use
+The rule (the C core's too, csrc/comm/shm/shm_seg.c): a tpcore segment is in use
 while some process holds a flock on it (its creator from creation until the
 name goes; every rank of a world communicator for the communicator's life).
 Locks go with their processes, even under SIGKILL, so a name of this user's
