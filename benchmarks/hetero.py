@@ -14,7 +14,7 @@ try:
 except ImportError:  # run from a source checkout that is not installed (the extension must be built)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from tpcore.bench.__main__ import main  # noqa: E402
+from tpcore.bench.__main__ import main
 
 if __name__ == "__main__":
     sys.exit(main(["hetero", *sys.argv[1:]]))

@@ -19,7 +19,7 @@ import sys
 import time
 
 try:
-    import tpcore  # noqa: F401
+    import tpcore
 except ImportError:  # a source checkout that is not installed (the extension must be built)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     import tpcore

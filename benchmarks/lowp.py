@@ -26,7 +26,7 @@ try:
 except ImportError:  # a source checkout that is not installed (the extension must be built)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     import tpcore
-from tpcore import _C  # noqa: E402
+from tpcore import _C
 
 
 def best_time(fn, copies, reps):

@@ -36,8 +36,8 @@ import pytest
 import tpcore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import reference_transformer as ref  # noqa: E402
-from c_binaries import ROOT  # noqa: E402
+import reference_transformer as ref
+from c_binaries import ROOT
 
 # Both ranks of a world-2 test share the machine's one GPU: layers there are built on this device
 # (tpcore's default, "cuda", would take the GPU of LOCAL_RANK).

@@ -96,7 +96,6 @@ def _probe_float32(rng, n):
     float32 step either side), float16 subnormals, values near 65504 and near float32's
     largest, and random bit patterns (their NaNs made quiet: NumPy's float16 cast keeps a
     signalling NaN signalling, where tpcore quiets every NaN)."""
-    import ml_dtypes
     special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 65504, 65519.996, 65520, -65520, 65536,
                         2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.5, 2.0 ** -14, 6.1e-5, 3.4028235e38, 1e-45, -1e-40],
                        np.float32)

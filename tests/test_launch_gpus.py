@@ -96,7 +96,6 @@ def test_gpus_real_run(tmp_path):
 def test_spawn_defaults_to_fresh_interpreters_once_cuda_is_up(monkeypatch):
     """A forked child cannot use the parent's CUDA context: once this process initialised CUDA,
     tpcore.spawn's default start method is "spawn"; before, "fork" (notebook functions work)."""
-    import importlib
     import multiprocessing as mp
 
     from tpcore.launch import spawn as sp

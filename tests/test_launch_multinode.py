@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-import tpcore
 from tpcore.distributed import env as _env
 
 LAUNCH = [sys.executable, "-m", "tpcore.launch"]

@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import netns  # noqa: E402
-from test_launch_multinode import FAIL, JOB, check_job, finish, script, start  # noqa: E402
+import netns
+from test_launch_multinode import FAIL, JOB, check_job, finish, script, start
 
 pytestmark = pytest.mark.multihost
 

@@ -10,7 +10,6 @@ import socket
 import struct
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 

@@ -78,7 +78,7 @@ def check_tensors(path, tensors, expected: Dict[str, tuple], what: str = "the mo
         if tuple(t.shape) != tuple(shape):
             raise bad(path, f"tensor {k!r}", f"shape {tuple(shape)}", f"shape {tuple(t.shape)}")
         dt = getattr(t, "dtype_name", None) or np.dtype(t.dtype).name
-        if not (dt in ("float16", "float32", "float64", "bfloat16")):
+        if dt not in ("float16", "float32", "float64", "bfloat16"):
             raise bad(path, f"tensor {k!r} dtype", "a floating-point dtype", dt)
     extra = sorted(set(tensors) - set(expected))
     if extra:

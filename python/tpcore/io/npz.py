@@ -69,7 +69,7 @@ def read_npz(path: str, lazy: bool = False) -> Dict[str, np.ndarray]:
                     out[key] = np.lib.format.read_array(f, allow_pickle=False)
             except CheckpointError:
                 raise
-            except Exception as e:  # noqa: BLE001  zip CRC, zlib, EOF, a malformed .npy header
+            except Exception as e:
                 raise bad(path, f"array {key!r}", "a readable .npy array", f"{type(e).__name__}: {e}") from e
     return out
 

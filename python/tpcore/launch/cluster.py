@@ -19,7 +19,7 @@ import importlib
 import inspect
 import multiprocessing as mp
 import multiprocessing.connection
-import multiprocessing.util  # noqa: F401 - its atexit handler first, so that ours runs before it
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -368,7 +368,7 @@ class Cluster:
         import cloudpickle
         try:
             blob = cloudpickle.dumps((fn, args, kwargs))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise TypeError(f"Cluster.run: fn and its arguments must be picklable (cloudpickle), "
                             f"but: {type(e).__name__}: {e}") from e
         pass_state = _state_mode(fn, kwargs)
@@ -544,7 +544,7 @@ class Cluster:
         for r in range(self._n):
             try:
                 results.append(pickle.loads(answers[r][2]))
-            except Exception as e:  # noqa: BLE001 - e.g. a class of a module only the rank imported
+            except Exception as e:
                 raise TypeError(f"Cluster.run: the return value of rank {r} cannot be unpickled here: "
                                 f"{type(e).__name__}: {e}") from e
         return results

@@ -264,7 +264,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
             flush()
             try:
                 payload = cloudpickle.dumps(result)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise TypeError(f"the return value of rank {rank} cannot be pickled: {e}") from e
             send(("ok", rank, payload, failed()))
         except BaseException as e:  # noqa: BLE001 - every failure goes to the parent

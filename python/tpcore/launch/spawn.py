@@ -138,7 +138,7 @@ def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_p
         _flush_relay(relay)
         try:
             payload = pickle.dumps(result)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise TypeError(f"the return value of rank {rank} cannot be pickled: {e}") from e
         send(("ok", rank, payload))
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent

@@ -49,7 +49,7 @@ _QUANT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", 
 def _gguf_module(who: str):
     try:
         import gguf
-        import gguf.quants  # noqa: F401  (the reference dequantizers)
+        import gguf.quants
     except ImportError as e:
         raise ImportError(f"{who}: reading GGUF files needs the `gguf` package (llama.cpp's reader): "
                           f"pip install gguf  (or pip install 'tpcore[gguf]')") from e

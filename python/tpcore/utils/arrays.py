@@ -287,7 +287,7 @@ def comm_array(x, name: str, op: str, writable: bool = False):
         check_host(x, name, op)  # a device this build has no support for: refused by name
     try:
         return _C.from_dlpack(x, writable=writable, op=op, name=name)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         msg = str(e)
         failed = f"{op}: {name} could not be exported through DLPack: "
         if msg.startswith(failed):  # the producer's own failure, worded as the collectives always did

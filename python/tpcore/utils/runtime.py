@@ -17,7 +17,7 @@ _blas_timeout = "OPENBLAS_THREAD_TIMEOUT" not in os.environ
 if _blas_timeout:
     os.environ["OPENBLAS_THREAD_TIMEOUT"] = "20"
 try:
-    from tpcore import _C  # noqa: E402  (after the environment edit)
+    from tpcore import _C
 finally:
     if _blas_timeout:
         del os.environ["OPENBLAS_THREAD_TIMEOUT"]
