@@ -4,6 +4,9 @@
 #   make SANITIZE=1      the same under ASan + UBSan (in build-san/)
 #   make DEBUG=1         the same at -O0 -g (in build-debug/)
 #   make test            run the C tests (world sizes 1-4)
+#   make check           lint (ruff, clang-format), the C tests, and the quick Python subset
+#                        (pytest -m "not slow"; needs the extension built: pip install -e . or
+#                        python setup.py build_ext --inplace, and the test extras)
 #   make CUDA=1          also build/libtpcore_cuda.so, the CUDA plugin (nvcc; CUDA_ARCHS="80 90" by
 #                        default: sm_XX machine code for each, PTX of the last); the C programs load
 #                        it from beside themselves on first CUDA use
@@ -184,6 +187,14 @@ ifneq ($(MPI_PLUGIN),)
 	  $(MPIRUN) -n $$n $(abspath $(BUILD))/test_mpi || exit 1; done
 endif
 
+PYTHON ?= python3
+LINT_C := $(shell git ls-files 'csrc/*.c' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 2>/dev/null)
+check: all
+	ruff check python tests benchmarks examples scripts docs
+	clang-format --dry-run --Werror $(LINT_C)
+	$(MAKE) test
+	$(if $(wildcard python/tpcore/_C*.so),PYTHONPATH=$(CURDIR)/python) $(PYTHON) -m pytest -q -m "not slow" tests
+
 clean:
 	rm -rf build build-san build-debug
 
@@ -191,4 +202,4 @@ clean:
 print-core-sources:
 	@printf '%s\n' $(CORE_SRC)
 
-.PHONY: all test clean print-core-sources bench-quant
+.PHONY: all test check clean print-core-sources bench-quant

@@ -20,8 +20,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests that reach C with hostile sizes, positions and arguments.
-DEFAULT_TESTS = ["test_boundaries.py", "test_errors.py", "test_review_regressions.py",
-                 "test_bad_arguments.py", "test_quant_kernels.py", "test_quant_review.py"]
+DEFAULT_TESTS = ["test_boundaries.py", "test_errors.py", "test_comm_edge_cases.py",
+                 "test_bad_arguments.py", "test_quant_kernels.py", "test_quant_frozen_weights.py"]
 
 # slow: the files it runs under the sanitizers run plain in every run
 pytestmark = [pytest.mark.sanitized, pytest.mark.slow,
