@@ -1,5 +1,5 @@
 /*
- * Hostile arguments to every public entry of the tensor + stream C API (issue 9): the
+ * Hostile arguments to every public entry of the tensor + stream C API: the
  * layers (linear column/row, MLP, embedding, cross-entropy, block with its cache), the
  * kernels, the device table, the shard split and the collectives.  Each bad call must
  * return a non-success status whose tp_last_error() names the operation and the

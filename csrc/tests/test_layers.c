@@ -27,7 +27,7 @@
 
 enum { H = 7, F = 11, R = 5 };
 
-/* The registered-memory fallback (issue 9): with TPCORE_REGISTERED_MEMORY=0 the backend
+/* The registered-memory fallback: with TPCORE_REGISTERED_MEMORY=0 the backend
  * declines tp_comm_mem_alloc (TP_ERR_UNSUPPORTED) and the layers must go on in plain
  * device memory with the same numbers.  With TPCORE_SHM_SMALL=0
  * (no eager path for small messages) each rank then checks that no collective took the
@@ -396,7 +396,7 @@ static int run_block(int n, int r, const char *job) {
   return bad ? 1 : 0;
 }
 
-/* Sizes and positions at the edges (issue 8): every call is refused with INVALID_ARGUMENT and a
+/* Sizes and positions at the edges: every call is refused with INVALID_ARGUMENT and a
  * sentence naming the argument, or succeeds on an empty batch; never a write out of bounds
  * (ASan), a signed overflow or a NULL to memcpy (UBSan), or a read of a freed layer. */
 #define EXPECT(call, st, word)                                                                             \
