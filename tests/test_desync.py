@@ -197,7 +197,7 @@ def _uneven_counts(comm):
 
 
 def test_different_per_rank_counts_are_said_so_with_the_sites():
-    for r, (msg, line) in enumerate(run(_uneven_counts, 2)):
+    for msg, line in run(_uneven_counts, 2):
         # the rank that saw it first says so; the other gets its sentence ("rank 0 failed: ...")
         assert "passed different per-rank counts to all_gather" in msg, msg
         assert f"rank 1 at {ME}:{line}" in msg and f"rank 0 at {ME}:{line}" in msg, msg

@@ -154,7 +154,7 @@ def test_resolve_device():
 
 
 # ------------------------------------------------------------- layers and device=
-from conftest import run  # noqa: E402
+from conftest import run  # noqa: E402  (the import opens the section that uses it)
 
 
 def _cpu_layers(comm):

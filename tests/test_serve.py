@@ -176,7 +176,7 @@ def test_model_forward_with_slots(world, name):
 def _requests(cfg, n, seed, longest):
     g = np.random.default_rng(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         new = int(g.integers(1, 11))
         plen = int(g.integers(1, min(14, longest - new) + 1))
         out.append((g.integers(0, cfg.vocab_size, plen), new))

@@ -16,9 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-import tpcore  # noqa: E402
-import tpcore.torch as tt  # noqa: E402
-from conftest import WORLDS, run  # noqa: E402
+import tpcore  # noqa: E402  (after importorskip("torch"): the module skips without torch)
+import tpcore.torch as tt  # noqa: E402  (after importorskip("torch"): the module skips without torch)
+from conftest import WORLDS, run  # noqa: E402  (after importorskip("torch"): the module skips without torch)
 
 TOL = 2e-5  # float32 C layers against float64 references (abs + rel)
 

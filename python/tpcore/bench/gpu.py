@@ -446,7 +446,8 @@ def run(args) -> int:
                              "decode_tok_s": None if None in rates else min(rates),
                              "gpu_mib_per_rank": [r.get("gpu_mib") for r in ranks]}
                 memory.append({"what": f"tpcore {name} world {world} ({res[side]['dtype']})",
-                               "text": ", ".join(f"rank {r['rank']} {'n/a' if r.get('gpu_mib') is None else r['gpu_mib']} MiB"
+                               "text": ", ".join(f"rank {r['rank']} "
+                                                 f"{'n/a' if r.get('gpu_mib') is None else r['gpu_mib']} MiB"
                                                  for r in ranks)
                                + (f" (params {ranks[0]['param_bytes'] / 2 ** 20:.0f} MiB/rank)"
                                   if ranks[0].get("param_bytes") else "")})

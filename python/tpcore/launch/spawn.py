@@ -385,7 +385,8 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
         real_arg(deadline, "spawn", "deadline", lo=0, lo_open=True, finite=False)
     if timeout is not None:  # each rank's init() checks it too: refuse it here, once, before any rank starts
         real_arg(timeout, "spawn", "timeout", lo=0, lo_open=True, finite=False)
-    if isinstance(args, (str, bytes)) or not hasattr(args, "__iter__") or not (kwargs is None or isinstance(kwargs, dict)):
+    if isinstance(args, (str, bytes)) or not hasattr(args, "__iter__") or \
+            not (kwargs is None or isinstance(kwargs, dict)):
         raise TypeError(f"spawn: args must be a tuple (or list) and kwargs a dict or None, got {shown(args)} and "
                         f"{shown(kwargs)}")
     method = start_method or _default_method()
