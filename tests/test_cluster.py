@@ -840,7 +840,7 @@ def test_close_from_another_thread_during_run():
     def target():
         try:
             got.append(cluster.run(_sleep_long))
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - the exception is handed back for the test to check
             got.append(e)
     t = threading.Thread(target=target)
     t.start()

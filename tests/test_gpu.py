@@ -192,9 +192,9 @@ def test_layers_w1_linear_16_bit_weights(comm1, dtype):
     """dtype="bfloat16" / "float16" on cuda: the weight in 16 bits; x and dy are rounded to them for
     one tensor-core GEMM with float32 compute, so float64 from the rounded operands is the
     reference (tight), and dW is float32."""
-    import ml_dtypes  # noqa: F401
+    import ml_dtypes  # noqa: F401 (registers bfloat16 with NumPy)
     np16 = np.dtype(dtype)
-    rnd = lambda a: np.asarray(a, np.float32).astype(np16).astype(np.float64)  # noqa: E731
+    rnd = lambda a: np.asarray(a, np.float32).astype(np16).astype(np.float64)  # noqa: E731 (a one-line local helper)
     torch = _torch()
     rng = np.random.default_rng(11)
     for M in (1, 3, 37):  # decode-sized and prefill-sized rows
@@ -452,7 +452,7 @@ def _rank_collectives(comm, lib):
 
 
 def _check_collectives(results, n):
-    data = lambda m, seed=10: [_rank_data(q, m, seed).astype(np.float64) for q in range(n)]  # noqa: E731
+    data = lambda m, seed=10: [_rank_data(q, m, seed).astype(np.float64) for q in range(n)]  # noqa: E731 (a one-line local helper)
     sizes = [7 + 5 * q for q in range(n)]
     offs = np.cumsum([0] + sizes)
     bad = []

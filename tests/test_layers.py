@@ -170,7 +170,7 @@ def _bad_inputs(comm):
         except etype as e:
             if word not in str(e):
                 errs.append(f"{etype.__name__} without '{word}': {e}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the error's type and text are what the test checks
             errs.append(f"{type(e).__name__} instead of {etype.__name__}: {e}")
     col(np.ones((2, 8), np.float32))
     try:

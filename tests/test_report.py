@@ -136,7 +136,7 @@ def test_report_quick_end_to_end(tmp_path):
                                                                for w in (2, 3)}
     assert "## Mismatched devices" in md and "## Concurrent requests" in md
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 (only whether it is installed)
     except ImportError:
         return
     assert {p.name for p in out.glob("*.png")} >= {"speed.png", "memory.png", "decode_breakdown.png",

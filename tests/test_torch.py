@@ -366,7 +366,7 @@ def _semantics_case(comm):
     m.load_state_dict({"weight": W, "bias": b})
     off, loc = m.partition[r]
     x1, x2, dy = randn(g, 4, IN), randn(g, 4, IN), randn(g, 4, OUT)
-    dW = lambda x, d: (d.double().T @ x.double())[off:off + loc]  # noqa: E731
+    dW = lambda x, d: (d.double().T @ x.double())[off:off + loc]  # noqa: E731 (a one-line local helper)
 
     # two forwards, then the backwards in reverse order; the second backward accumulates
     a, c = x1.clone().requires_grad_(), x2.clone().requires_grad_()

@@ -244,7 +244,7 @@ def _torch_peer(cfg_dict, sd, prompts, new, threads):
         if c.positions == "learned":
             h = h + P["wpe.weight"][pos]
         for i in range(c.layers):
-            p = lambda n: P.get(f"blocks.{i}.{n}")  # noqa: E731
+            p = lambda n: P.get(f"blocks.{i}.{n}")  # noqa: E731 (a one-line local helper)
             u = norm(h, p("norm1.weight"), p("norm1.bias"))
             q = lin(u, p("attn.q.weight"), p("attn.q.bias")).view(B, T, H, D).transpose(1, 2)
             k = lin(u, p("attn.k.weight"), p("attn.k.bias")).view(B, T, Hk, D).transpose(1, 2)
