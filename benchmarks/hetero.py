@@ -10,7 +10,7 @@ import os
 import sys
 
 try:
-    import tpcore.bench  # noqa: F401
+    import tpcore.bench  # noqa: F401 (only whether tpcore is importable)
 except ImportError:  # run from a source checkout that is not installed (the extension must be built)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 

@@ -32,7 +32,7 @@ from tpcore import _C
 def best_time(fn, copies, reps):
     fn(copies[0])  # warm up (page faults, thread start)
     best = float("inf")
-    for r in range(reps):
+    for _ in range(reps):
         t = time.perf_counter()
         for w in copies:
             fn(w)

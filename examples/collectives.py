@@ -51,7 +51,7 @@ def run(comm, count: int, iters: int) -> list:
     """Every operation once, checked, then timed; returns [(name, max abs error, tolerance, seconds)]."""
     r, n = comm.rank, comm.size
     every = lambda tag, m=count: [data(q, m, tag) for q in range(n)]  # noqa: E731 (all ranks' inputs)
-    f64 = lambda xs: [x.astype(np.float64) for x in xs]  # noqa: E731
+    f64 = lambda xs: [x.astype(np.float64) for x in xs]  # noqa: E731 (a one-line local helper)
     rows = []
 
     def check(name, got, want, tol, fn):

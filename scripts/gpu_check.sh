@@ -116,7 +116,7 @@ print("python", sys.version.split()[0])
 for m in ("numpy", "torch", "cupy", "transformers", "pytest", "setuptools"):
     try:
         print(m, importlib.import_module(m).__version__)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - any import failure is reported as broken
         print(m, "missing" if isinstance(e, ImportError) else f"broken ({type(e).__name__}: {e})")
 EOF
   } > "$WORK/env.log" 2>&1
@@ -312,7 +312,7 @@ import json, os, re, sys
 import xml.etree.ElementTree as ET
 
 work, only = sys.argv[1], sys.argv[2]
-sel = lambda s: not only or s in only.split(",")  # noqa: E731
+sel = lambda s: not only or s in only.split(",")  # noqa: E731 (a one-line local helper)
 
 
 def out(key, text):

@@ -105,7 +105,7 @@ def rng_for(seed, rank):
 
 
 try:
-    import ml_dtypes  # noqa: F401
+    import ml_dtypes  # noqa: F401 (registers bfloat16 with NumPy)
 
     BF16 = np.dtype("bfloat16")
 except ImportError:  # the test extra brings it; without it bfloat16 cases are skipped

@@ -43,7 +43,7 @@ def rope(x, pos, theta):
 def attention(cfg, p, u, pos, key_mask=None):
     B, T, C = u.shape
     H, Hk, D = cfg.heads, cfg.kv_heads, cfg.head_dim
-    bias = lambda n: p.get(n, 0)  # noqa: E731
+    bias = lambda n: p.get(n, 0)  # noqa: E731 (a one-line local helper)
     q = (u @ p["attn.q.weight"].T + bias("attn.q.bias")).reshape(B, T, H, D)
     k = (u @ p["attn.k.weight"].T + bias("attn.k.bias")).reshape(B, T, Hk, D)
     v = (u @ p["attn.v.weight"].T + bias("attn.v.bias")).reshape(B, T, Hk, D)

@@ -22,8 +22,8 @@ def check_output(r):
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
     assert "FAIL" not in out, out
-    for part in ("devices", "partition", "kernels", "collectives", "cpu streams", "linear column", "linear row", "mlp", "vocab",
-                 "block"):
+    for part in ("devices", "partition", "kernels", "collectives", "cpu streams", "linear column", "linear row", "mlp",
+                 "vocab", "block"):
         assert f"{part}: done" in out, out
     m = re.search(r"^(\d+) passed, 0 failed$", out, re.M)
     assert m and int(m.group(1)) >= 2000, out

@@ -32,7 +32,7 @@ def _check(cases):
             missing = [w for w in words if w not in str(e)]
             if missing:
                 problems.append(f"case {i}: {type(e).__name__}({e}) lacks {missing}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the error's type and text are what the test checks
             problems.append(f"case {i} {words}: {type(e).__name__} instead of {etype.__name__}: {e}")
     return problems
 
@@ -58,7 +58,8 @@ def _local_cases(comm):
         (lambda: tpcore.Config(**dict(TINY, max_positions=-1)), ValueError, ["max_positions", ">= 1", "-1"]),
         (lambda: model.forward(tok, pos0=[0, 1]), ValueError, ["pos0", "(1,)", "(2,)"]),
         (lambda: blk(np.ones((1, 4, 16), np.float32), pos0=[0, 1, 2]), ValueError, ["pos0", "(1,)", "(3,)"]),
-        (lambda: model.forward(tok, attention_mask=np.ones((1, 3))), ValueError, ["attention_mask", "(1, 4)", "(1, 3)"]),
+        (lambda: model.forward(tok, attention_mask=np.ones((1, 3))), ValueError,
+         ["attention_mask", "(1, 4)", "(1, 3)"]),
         (lambda: blk(np.ones((1, 4, 16), np.float32), key_mask=np.ones(5)), ValueError, ["key_mask", "(1, 4)", "(5,)"]),
         (lambda: model.generate(tok, max_new_tokens=-1), ValueError, ["max_new_tokens", "[0, 2147483647]", "-1"]),
         (lambda: model.generate(tok, max_new_tokens=2, temperature=1.0, top_k=1000), ValueError,

@@ -278,7 +278,7 @@ def test_hetero_benchmark_quick(tmp_path):
     assert "| case | world | equal ms | planned ms | ideal ms | planned/ideal | equal/ideal |" in md
     assert md.count("\n- ") == 3 and "slow rank's pace" in md
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 (only whether it is installed)
         assert png.stat().st_size > 1000 and hetero.plot(data, str(tmp_path / "again.png"))
     except ImportError:
         assert not png.exists()

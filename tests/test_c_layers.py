@@ -89,7 +89,7 @@ def test_every_folder_has_its_rule():
 def test_includes_run_one_way_down():
     bad = []
     for path, folder in sources():
-        for kind, name, target in includes(path):
+        for _kind, name, target in includes(path):
             if target is None or target == folder or target == "include/tpcore":
                 continue
             if target not in ALLOWED[folder]:

@@ -119,7 +119,8 @@ def test_from_pretrained_says_it_takes_a_local_directory(tmp_path):
             return str(e)
         return None
     hub = tpcore.spawn(case, 1, args=("openai-community/gpt2",))[0]
-    assert "does not download from the Hugging Face hub" in hub and "huggingface-cli download openai-community/gpt2" in hub
+    assert "does not download from the Hugging Face hub" in hub and \
+        "huggingface-cli download openai-community/gpt2" in hub
     missing = tpcore.spawn(case, 1, args=(str(tmp_path / "nope"),))[0]
     assert "is not a directory" in missing and "hub" not in missing
     f = tmp_path / "file.safetensors"

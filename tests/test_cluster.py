@@ -93,7 +93,7 @@ def test_results_match_numpy_at_every_world(world):
         assert cluster.size == world and len(cluster.pids) == world
         parts = cluster.run(_build, W1, b1, W2, b2)
         assert sum(p[1] for p in parts) == ffn
-        for step in range(2):  # the model of the first run is used by the later ones
+        for _step in range(2):  # the model of the first run is used by the later ones
             x = g.standard_normal((3, hidden)).astype(np.float32)
             ref = np.maximum(x.astype(np.float64) @ W1.T.astype(np.float64) + b1, 0) @ W2.T.astype(np.float64) + b2
             ys = cluster.run(_forward, x)
@@ -840,7 +840,7 @@ def test_close_from_another_thread_during_run():
     def target():
         try:
             got.append(cluster.run(_sleep_long))
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - the exception is handed back for the test to check
             got.append(e)
     t = threading.Thread(target=target)
     t.start()

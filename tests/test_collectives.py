@@ -318,7 +318,7 @@ def _scalar_and_shapes(comm):
 
 
 def test_shapes_kept_and_scalars():
-    for r, (g, shape, s) in enumerate(run(_scalar_and_shapes, 3)):
+    for g, shape, s in run(_scalar_and_shapes, 3):
         assert g == [1.0, 2.0, 3.0] and shape == (2, 3, 4) and s == 24.0
 
 

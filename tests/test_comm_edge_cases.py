@@ -44,7 +44,8 @@ def _overlap(comm):
     buf = np.arange(100_000, dtype=np.float32)
     for call in (lambda: comm.all_reduce(buf[:-1], out=buf[1:]),
                  lambda: comm.all_gather(buf[:10], out=buf[5:5 + 10 * comm.size]),
-                 lambda: comm._c.all_gather(buf[50:60], buf[50 - 10 * ((comm.rank + 1) % comm.size):][:10 * comm.size], None)):
+                 lambda: comm._c.all_gather(buf[50:60], buf[50 - 10 * ((comm.rank + 1) % comm.size):][:10 * comm.size],
+                                            None)):
         try:
             call()
             errs.append("no error")

@@ -145,7 +145,8 @@ def _plugin_env_case(path):
     out = _run(_PROBE, {"TPCORE_CUDA_PLUGIN": str(path)})
     assert out["available"] is False and out["devices"] == ["cpu"]
     assert out["status"].startswith("not loaded: ")
-    assert out["use"].startswith("RuntimeError: device_set_current: no cuda device is usable in this process: not loaded: ")
+    assert out["use"].startswith("RuntimeError: device_set_current: no cuda device is usable in this process: "
+                                 "not loaded: ")
     return out["status"]
 
 

@@ -37,21 +37,21 @@ def _sequence(comm):
     rng = rng_for(5, r)
     lines, out = [], {}
     x = rng.standard_normal(7).astype(np.float32)
-    comm.all_reduce(x); lines.append(_here())  # noqa: E702
+    comm.all_reduce(x); lines.append(_here())  # noqa: E702 (the call and its _here() line number on one line)
     out["all_reduce"] = x
-    g = comm.all_gather(np.full(3, r + 1, np.int32)); lines.append(_here())  # noqa: E702
+    g = comm.all_gather(np.full(3, r + 1, np.int32)); lines.append(_here())  # noqa: E702 (the call and its _here() line number on one line)
     out["all_gather"] = g
     b = np.full(4, float(r), np.float64)
-    comm.broadcast(b, root=n - 1); lines.append(_here())  # noqa: E702
+    comm.broadcast(b, root=n - 1); lines.append(_here())  # noqa: E702 (the call and its _here() line number on one line)
     out["broadcast"] = b
-    comm.reduce(rng.standard_normal(5), root=0, op="max"); lines.append(_here())  # noqa: E702
-    comm.barrier(); lines.append(_here())  # noqa: E702
-    comm.reduce_scatter(np.arange(2 * n, dtype=np.float32) + r, op="min"); lines.append(_here())  # noqa: E702
+    comm.reduce(rng.standard_normal(5), root=0, op="max"); lines.append(_here())  # noqa: E702 (the call and its _here() line number on one line)
+    comm.barrier(); lines.append(_here())  # noqa: E702 (the call and its _here() line number on one line)
+    comm.reduce_scatter(np.arange(2 * n, dtype=np.float32) + r, op="min"); lines.append(_here())  # noqa: E702 (the call and its _here() line number on one line)
     if n > 1:
         if r == 0:
-            comm.send(np.ones(6, np.int64), 1); lines.append(_here())  # noqa: E702
+            comm.send(np.ones(6, np.int64), 1); lines.append(_here())  # noqa: E702 (the call and its _here() line number on one line)
         elif r == 1:
-            comm.recv(np.empty(6, np.int64), 0); lines.append(_here())  # noqa: E702
+            comm.recv(np.empty(6, np.int64), 0); lines.append(_here())  # noqa: E702 (the call and its _here() line number on one line)
     return comm.history(), lines, out, comm.stats(), time.monotonic()
 
 
@@ -116,11 +116,11 @@ def test_ring_size_must_be_valid(monkeypatch, bad):
 
 
 def _split_history(comm):
-    comm.barrier(); l1 = _here()  # noqa: E702
-    sub = comm.split(comm.rank % 2, key=-comm.rank); l2 = _here()  # noqa: E702
+    comm.barrier(); l1 = _here()  # noqa: E702 (the call and its _here() line number on one line)
+    sub = comm.split(comm.rank % 2, key=-comm.rank); l2 = _here()  # noqa: E702 (the call and its _here() line number on one line)
     x = np.ones(3, np.float32)
-    sub.all_reduce(x); l3 = _here()  # noqa: E702
-    sub.barrier(); l4 = _here()  # noqa: E702
+    sub.all_reduce(x); l3 = _here()  # noqa: E702 (the call and its _here() line number on one line)
+    sub.barrier(); l4 = _here()  # noqa: E702 (the call and its _here() line number on one line)
     return comm.history(), sub.history(), (l1, l2, l3, l4), sub.rank, sub.size, x
 
 
@@ -146,7 +146,7 @@ def _capture_stderr(path):
 def _desync(comm, tmp, odd):
     _capture_stderr(os.path.join(tmp, f"err{comm.rank}.txt"))
     comm.timeout = 20
-    comm.barrier(); lb = _here()  # noqa: E702
+    comm.barrier(); lb = _here()  # noqa: E702 (the call and its _here() line number on one line)
     lg, lr = _here() + 4, _here() + 6  # the lines of the two calls
     try:
         if comm.rank == odd:
@@ -197,7 +197,7 @@ def _uneven_counts(comm):
 
 
 def test_different_per_rank_counts_are_said_so_with_the_sites():
-    for r, (msg, line) in enumerate(run(_uneven_counts, 2)):
+    for msg, line in run(_uneven_counts, 2):
         # the rank that saw it first says so; the other gets its sentence ("rank 0 failed: ...")
         assert "passed different per-rank counts to all_gather" in msg, msg
         assert f"rank 1 at {ME}:{line}" in msg and f"rank 0 at {ME}:{line}" in msg, msg
@@ -206,7 +206,7 @@ def test_different_per_rank_counts_are_said_so_with_the_sites():
 def _never_arrives(comm, tmp):
     _capture_stderr(os.path.join(tmp, f"err{comm.rank}.txt"))
     comm.timeout = 1.0
-    comm.barrier(); lb = _here()  # noqa: E702
+    comm.barrier(); lb = _here()  # noqa: E702 (the call and its _here() line number on one line)
     x = np.ones(4, np.float32)
     t0 = time.monotonic()
     if comm.rank == 1:
@@ -266,7 +266,7 @@ def _model_regions(comm, cfg_kw, B, T0):
     m.forward(prompt, use_cache=True)  # the prefill (registered buffers are allocated here)
     before = comm.stats()
     nxt = rng.integers(0, cfg.vocab_size, (B, 1))
-    h = m.forward(nxt, pos0=np.full(B, T0), use_cache=True); line = _here()  # noqa: E702
+    h = m.forward(nxt, pos0=np.full(B, T0), use_cache=True); line = _here()  # noqa: E702 (the call and its _here() line number on one line)
     logits = m.gather_logits(m.logits_shard(h.reshape(B, cfg.hidden)))
     after = comm.stats()
     # the layers' collectives (issued in C) carry the line that called the model

@@ -196,7 +196,7 @@ def test_collectives_on_cpu_device_arrays(n):
 
 # ------------------------------------------------- other DLPack tensors: views, no copy
 def _foreign(comm):
-    r, n = comm.rank, comm.size
+    r = comm.rank
     x = _data(r)
     base = x.copy()
     comm.all_reduce(DLPackOnly(base))  # a host tensor of another library: in place, no copy

@@ -46,7 +46,8 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
     t0 = time.perf_counter()
     out = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     took = time.perf_counter() - t0
-    assert out.returncode == 0, f"{' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-6000:]}{out.stdout[-2000:]}"
+    assert out.returncode == 0, \
+        f"{' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-6000:]}{out.stdout[-2000:]}"
     html = tmp_path / "html"
     for page in _pages():
         name = os.path.splitext(os.path.relpath(page, DOCS))[0] + ".html"
@@ -181,7 +182,7 @@ def _tree_must_name():
     """Every directory of csrc/ and python/tpcore/, and every module at the top of python/tpcore/."""
     need = []
     for top in ("csrc", os.path.join("python", "tpcore")):
-        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
+        for d, dirs, _files in os.walk(os.path.join(ROOT, top)):
             dirs[:] = sorted(x for x in dirs if not x.startswith((".", "__pycache__")) and not x.endswith(".egg-info"))
             need.append(_rel(d) + "/")
     pkg = os.path.join(ROOT, "python", "tpcore")
@@ -244,7 +245,7 @@ def test_readme_is_the_door():
     assert "```bash\npip install . && python -m tpcore.launch -n 2 -m tpcore.demo\n```" in text
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
     assert links, "README links to no page"
-    gone = [l for l in links if "://" not in l and not os.path.exists(os.path.join(ROOT, l))]
+    gone = [link for link in links if "://" not in link and not os.path.exists(os.path.join(ROOT, link))]
     assert not gone, f"README.md links to files that do not exist: {gone}"
     for page in _pages():
         if os.path.dirname(page) == DOCS and not page.endswith("index.md"):

@@ -147,7 +147,8 @@ def test_estimate_gguf():
 def test_estimate_bad_arguments():
     cfg = tpcore.Config(**GPT2)
     for kw, exc, text in [(dict(world=0), ValueError, "world"), (dict(world="2"), TypeError, "world"),
-                          (dict(world=2, batch=0), ValueError, "batch"), (dict(world=2, max_len=-1), ValueError, "max_len"),
+                          (dict(world=2, batch=0), ValueError, "batch"),
+                          (dict(world=2, max_len=-1), ValueError, "max_len"),
                           (dict(world=2, training=1), TypeError, "training"),
                           (dict(world=2, optimizer="adam"), ValueError, "optimizer"),
                           (dict(world=2, dtype="int4"), ValueError, "int4"),

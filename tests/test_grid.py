@@ -156,12 +156,12 @@ def test_sharded_adamw_equals_adamw_with_averaged_gradients(tp, dp, dtype):
         pytest.skip("needs ml_dtypes")
     ref_losses, ref_sd, _, _ = run(_train_zero, 1, 1, 1, 3, False, dtype)[0]
     res = run(_train_zero, tp * dp, tp, dp, 3, True, dtype)
-    for r, (losses, sd, state, pbytes) in enumerate(res):
+    for r, (losses, sd, _state, _pbytes) in enumerate(res):
         assert np.allclose(losses, ref_losses, rtol=1e-5, atol=1e-6), (r, losses, ref_losses)
         for k, v in ref_sd.items():
             assert np.allclose(sd[k], v, rtol=1e-4, atol=1e-5), (r, k, float(np.abs(sd[k] - v).max()))
     # each DP rank holds 1/dp of the master and moments (12 bytes per parameter in all)
-    for losses, sd, state, nparams in res:
+    for _losses, _sd, state, nparams in res:
         assert abs(state - 12 * nparams / dp) <= 12, (state, nparams, dp)
 
 

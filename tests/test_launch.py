@@ -282,7 +282,7 @@ def test_two_hosts_with_torchrun_spellings(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err
     assert _env_lines(outs[0][0]) == [("1", "2", "1", "127.0.0.1", str(port))]
     assert _env_lines(outs[1][0]) == [("0", "2", "1", "127.0.0.1", str(port))]

@@ -38,7 +38,8 @@ except tpcore.CommError as ex:
 print("RESULT " + json.dumps({"rank": r, "world": w, "local": int(e["LOCAL_RANK"]),
       "local_world": int(e["LOCAL_WORLD_SIZE"]), "nnodes": int(e["TPCORE_NNODES"]), "node": int(e["TPCORE_NODE_RANK"]),
       "jobs": sorted({p["job"] for p in peers}), "total": total, "multi_host": info.multi_host,
-      "info_nnodes": info.nnodes, "refused": refused, "secret_len": len(e["TPCORE_STORE_SECRET"]), "args": sys.argv[1:]}))
+      "info_nnodes": info.nnodes, "refused": refused, "secret_len": len(e["TPCORE_STORE_SECRET"]),
+      "args": sys.argv[1:]}))
 """
 
 
@@ -166,7 +167,7 @@ def test_disagreeing_nodes_are_refused_on_both(tmp_path):
     port = free_port()
     other = script(tmp_path, JOB, name="other.py")
     procs = [start(0, 2, port, ["-n", "1", path]), start(1, 2, port, ["-n", "1", other])]
-    for rc, out, err in finish(procs):
+    for rc, _out, err in finish(procs):
         assert rc == 1 and "other.py" in err and "a different job" in err, err
 
 
@@ -177,7 +178,7 @@ def test_node_rank_used_twice(tmp_path):
     time.sleep(1.5)
     second = start(1, 3, port, ["-n", "1", path])
     runs = finish(first + [second], timeout=60)
-    for rc, out, err in runs:
+    for rc, _out, err in runs:
         assert rc == 1 and "node rank 1 was given to two launchers" in err, err
     # node 0 twice: the second one cannot take the store's port
     port = free_port()

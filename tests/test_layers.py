@@ -39,7 +39,8 @@ def _layer_case(comm, kind, flags, uneven, use_bias, seed):
     n, r = comm.size, comm.rank
     part = _part(kind, n, uneven)
     cls = tpcore.ColumnParallelLinear if kind == "column" else tpcore.RowParallelLinear
-    kw = {"gather_output": flags["gather_output"]} if kind == "column" else {"input_is_parallel": flags["input_is_parallel"]}
+    kw = {"gather_output": flags["gather_output"]} if kind == "column" else \
+        {"input_is_parallel": flags["input_is_parallel"]}
     layer = cls(IN, OUT, comm, bias=use_bias, partition=part, seed=seed, **kw)
     g = rng_for(seed, 0)  # the same full tensors on every rank
     W = g.standard_normal((OUT, IN)).astype(np.float32)
@@ -55,7 +56,8 @@ def _layer_case(comm, kind, flags, uneven, use_bias, seed):
     x_in = np.ascontiguousarray(x[..., off:off + loc]) if kind == "row" and flags["input_is_parallel"] else x
     y = layer(x_in)
     ry, rdx, rdW, rdb = _ref(kind, x, W, b, dy_full, flags, part, r)
-    dy = np.ascontiguousarray(dy_full[..., off:off + loc]) if kind == "column" and not flags["gather_output"] else dy_full
+    dy = np.ascontiguousarray(dy_full[..., off:off + loc]) if kind == "column" and not flags["gather_output"] \
+        else dy_full
     layer.zero_grad()
     dx = layer.backward(dy)
     dx2 = layer.backward(dy)  # gradients accumulate
@@ -168,7 +170,7 @@ def _bad_inputs(comm):
         except etype as e:
             if word not in str(e):
                 errs.append(f"{etype.__name__} without '{word}': {e}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the error's type and text are what the test checks
             errs.append(f"{type(e).__name__} instead of {etype.__name__}: {e}")
     col(np.ones((2, 8), np.float32))
     try:

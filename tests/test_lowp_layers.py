@@ -272,7 +272,8 @@ def _model_case(comm, dt, tie):
         errs.append(f"losses {losses}")
     for (p, _), w in zip(opt.params, opt.master):
         if p.dtype != np.float32:
-            if w is None or w.dtype != np.float32 or not np.array_equal(p.view(np.uint16), w.astype(p.dtype).view(np.uint16)):
+            if w is None or w.dtype != np.float32 or \
+                    not np.array_equal(p.view(np.uint16), w.astype(p.dtype).view(np.uint16)):
                 errs.append("a 16-bit parameter is not its float32 master rounded")
                 break
     return errs

@@ -65,11 +65,15 @@ def _linear_case(comm, kind, dtype, bias):
     g = rng_for(5, comm.rank)
     if kind == "column":
         layer = ColumnParallelLinear(K, N, comm, bias=bias, gather_output=True, dtype=dtype, seed=2)
-        saved = lambda M: a64(M * K * 4) + a64(M * layer.local * 4 if n > 1 else 0)  # x, backward's dy columns
+
+        def saved(M):  # x, backward's dy columns
+            return a64(M * K * 4) + a64(M * layer.local * 4 if n > 1 else 0)
     else:
         layer = RowParallelLinear(K, N, comm, bias=bias, input_is_parallel=False, dtype=dtype, seed=2,
                                   partition=None if n == 1 else [32, 32] if n == 2 else [32, 0, 32])
-        saved = lambda M: a64(M * layer.local * 4) + a64(0)  # this rank's columns of x
+
+        def saved(M):  # this rank's columns of x
+            return a64(M * layer.local * 4) + a64(0)
     who = f"{kind} {dtype} world {n} rank {comm.rank}"
     m0 = layer.memory()
     errs += check_dict(m0, who)
@@ -147,7 +151,8 @@ def _mlp_case(comm, activation, bias, dtype):
             regs = max(regs, 2 * reg(M * C * 4))  # fc2's sum, fc1's dx sum
         m = mlp.memory()
         errs += check_dict(m, who)
-        expect(errs, f"{who} grads", m["grads"], tensors(fc1.grad_weight, fc1.grad_bias, fc2.grad_weight, fc2.grad_bias))
+        expect(errs, f"{who} grads", m["grads"],
+               tensors(fc1.grad_weight, fc1.grad_bias, fc2.grad_weight, fc2.grad_bias))
         expect(errs, f"{who} workspace after {M} rows", m["workspace"], own_ws + lin_ws)
         expect(errs, f"{who} fc1's + fc2's workspace", fc1.memory()["workspace"] + fc2.memory()["workspace"], lin_ws)
         expect(errs, f"{who} comm after {M} rows", m["comm"], regs)
@@ -356,7 +361,8 @@ def _model_case(comm, name, dtype, device_path):
     expect(errs, f"{who} kv_cache", model.memory()["kv_cache"], 2 * cfg.layers * 2 * 16 * nk * cfg.head_dim * 4)
     model.forward(tok[:, :4], use_cache=True)
     model.forward(tok[:, 4:5], pos0=[4, 4], use_cache=True)
-    expect(errs, f"{who} kv_cache_used", model.memory()["kv_cache_used"], 2 * cfg.layers * 2 * 5 * nk * cfg.head_dim * 4)
+    expect(errs, f"{who} kv_cache_used", model.memory()["kv_cache_used"],
+           2 * cfg.layers * 2 * 5 * nk * cfg.head_dim * 4)
     errs += consistent(model.memory())
     try:
         model.memory(optimizer=object())

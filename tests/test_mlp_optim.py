@@ -83,7 +83,8 @@ def _mlp_case(comm, act, uneven, seed):
     gW2 = comm.all_gather(np.ascontiguousarray(mlp.fc2.grad_weight), axis=1, sizes=[s for _, s in mlp.fc2.partition])
     bad = []
     for name, got, want, tol in (("y", y, ry, 1e-4), ("dx", dx, rdx, 1e-3), ("dW1", gW1, rW1, 1e-3),
-                                 ("db1", gb1, rb1, 1e-3), ("dW2", gW2, rW2, 1e-3), ("db2", mlp.fc2.grad_bias, rb2, 1e-4)):
+                                 ("db1", gb1, rb1, 1e-3), ("dW2", gW2, rW2, 1e-3),
+                                 ("db2", mlp.fc2.grad_bias, rb2, 1e-4)):
         if np.shape(got) != np.shape(want) or not np.all(np.abs(got - want) <= tol * (1 + np.abs(want))):
             bad.append((name, float(np.max(np.abs(np.asarray(got, np.float64) - want)))))
     n_comm = (calls1 - calls0, calls2 - calls1)

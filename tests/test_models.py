@@ -193,7 +193,8 @@ def _to_hf(cfg, sd, kind):
             out[p + "attn.c_attn.bias"] = np.concatenate([sd[q + f"attn.{n}.bias"] for n in "qkv"])
             out[p + "attn.c_proj.weight"] = sd[q + "attn.out.weight"].T.copy()
             out[p + "attn.c_proj.bias"] = sd[q + "attn.out.bias"]
-            out[p + "mlp.c_fc.weight"], out[p + "mlp.c_fc.bias"] = sd[q + "mlp.fc1.weight"].T.copy(), sd[q + "mlp.fc1.bias"]
+            out[p + "mlp.c_fc.weight"] = sd[q + "mlp.fc1.weight"].T.copy()
+            out[p + "mlp.c_fc.bias"] = sd[q + "mlp.fc1.bias"]
             out[p + "mlp.c_proj.weight"] = sd[q + "mlp.fc2.weight"].T.copy()
             out[p + "mlp.c_proj.bias"] = sd[q + "mlp.fc2.bias"]
             out[p + "attn.bias"] = np.tril(np.ones((cfg.max_positions, cfg.max_positions), np.float32))  # a buffer
@@ -340,11 +341,11 @@ def test_config_from_hf_dicts():
                                     "n_head": 12, "n_positions": 1024, "activation_function": "gelu_new"})
     assert (g.positions, g.norm, g.activation, g.ffn_hidden, g.tie_embeddings) == ("learned", "layernorm",
                                                                                   "gelu_tanh", 3072, True)
-    l = tpcore.Config.from_hf_dict({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
-                                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                                    "intermediate_size": 11008, "rms_norm_eps": 1e-5, "rope_theta": 500000.0})
-    assert (l.kv_heads, l.activation, l.positions, l.norm, l.bias, l.head_dim) == (8, "swiglu", "rope", "rmsnorm",
-                                                                                  False, 128)
+    ll = tpcore.Config.from_hf_dict({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+                                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                     "intermediate_size": 11008, "rms_norm_eps": 1e-5, "rope_theta": 500000.0})
+    assert (ll.kv_heads, ll.activation, ll.positions, ll.norm, ll.bias, ll.head_dim) == (8, "swiglu", "rope",
+                                                                                        "rmsnorm", False, 128)
     b = tpcore.Config.from_hf_dict({"model_type": "bert", "vocab_size": 30522, "hidden_size": 768,
                                     "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
                                     "type_vocab_size": 2, "hidden_act": "gelu"})

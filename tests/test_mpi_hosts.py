@@ -3,9 +3,10 @@ pair (tests/netns.py), Open MPI started inside the first one with an rsh agent t
 other (`ip netns exec`), tcp as the only transport between ranks, on the namespaces' own addresses.
 Four ranks, two per host, one TransformerLM split over all four on the mpi backend: its logits and
 greedy tokens equal world 1's; then the same model as two pipeline stages, one per host, each 2-way
-tensor parallel: its training loss and greedy tokens equal world 1's.  (shm cannot span hosts; the whole job runs on mpi: no hierarchical
-shm-within-a-host collectives in this version.)  Skips with the reason where namespaces cannot be
-made (no root, no iproute2) or the mpi backend is not built."""
+tensor parallel: its training loss and greedy tokens equal world 1's.  (shm cannot span hosts;
+the whole job runs on mpi: no hierarchical shm-within-a-host collectives in this version.)
+Skips with the reason where namespaces cannot be made (no root, no iproute2) or the mpi
+backend is not built."""
 import json
 import os
 import shutil
@@ -96,7 +97,8 @@ def test_tp_and_pp_model_across_two_hosts_equals_world_1(tmp_path):
     assert spaces[0] == spaces[1] != spaces[2] == spaces[3], spaces   # two ranks on each simulated host
     for r in ranks:
         assert int(r["world"]) == 4 and str(r["backend"]) == "mpi" and float(r["total"]) == 10.0
-        assert np.allclose(r["logits"], want_logits, rtol=1e-4, atol=1e-5), float(np.abs(r["logits"] - want_logits).max())
+        assert np.allclose(r["logits"], want_logits, rtol=1e-4, atol=1e-5), \
+            float(np.abs(r["logits"] - want_logits).max())
         assert r["gen"].tolist() == want_gen.tolist()
         assert r["pp_gen"].tolist() == want_gen.tolist()            # TP x PP = 2 x 2, a stage per host
         assert np.isclose(float(r["pp_loss"]), want_loss, rtol=1e-5)

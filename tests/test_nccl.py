@@ -72,7 +72,8 @@ def test_backends_listed():
 
 def test_no_library_at_the_override():
     out = child("nccl", TPCORE_NCCL_LIBRARY="/nonexistent/libnccl.so.2")
-    assert out.startswith("ERROR:init: backend nccl: cannot load NCCL from TPCORE_NCCL_LIBRARY=/nonexistent/libnccl.so.2")
+    assert out.startswith("ERROR:init: backend nccl: cannot load NCCL from "
+                          "TPCORE_NCCL_LIBRARY=/nonexistent/libnccl.so.2")
 
 
 def test_no_library_names_the_search_order(tmp_path):

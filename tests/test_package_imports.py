@@ -105,7 +105,8 @@ def _home(mod):
 
 def test_every_module_belongs_to_a_known_subpackage():
     homes = {_home(m) for m in MODULES} - {"tpcore"}
-    assert homes == set(ALLOWED), f"subpackages without a row in ALLOWED, or rows without a subpackage: {homes ^ set(ALLOWED)}"
+    assert homes == set(ALLOWED), \
+        f"subpackages without a row in ALLOWED, or rows without a subpackage: {homes ^ set(ALLOWED)}"
 
 
 def test_dependencies_run_one_way():

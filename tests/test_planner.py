@@ -56,7 +56,7 @@ def test_partitions_valid_for_every_world_and_speed(name):
     d = dims_of((40, 200)) if name == "mlp" else dims_of(tpcore.Config(**CFGS[name]))
     g = rng_for(7, 0)
     for world in (1, 2, 3, 4):
-        for trial in range(6):
+        for _trial in range(6):
             speeds = list(g.uniform(0.2, 3.0, world))
             plan = plan_from_measurements(d, speeds)
             _units_ok(plan, d, world)
@@ -272,7 +272,7 @@ def _layers_on_plan(comm, speeds):
 def test_mlp_and_linear_on_planned_shards_against_float64():
     speeds = [1.0, 0.4, 0.8]
     for world in (1, 3):
-        for r, (y, yc, p1, pc, W1, b1, W2, b2, ffn, (Wc, bc)) in enumerate(run(_layers_on_plan, world, speeds)):
+        for y, yc, p1, pc, W1, b1, W2, b2, ffn, (Wc, bc) in run(_layers_on_plan, world, speeds):
             assert p1 == ffn and pc == ffn and all(f % 4 == 0 for f in ffn)
             if world == 3:
                 assert ffn[0] > ffn[2] > ffn[1]
@@ -337,7 +337,7 @@ def _measured(comm, slow_rank, factor):
 
 
 def test_plan_partition_measures_the_throttled_rank_slower():
-    for r, (speeds, ffn, memory, meas) in enumerate(run(_measured, 2, 1, 2.5)):
+    for speeds, ffn, memory, meas in run(_measured, 2, 1, 2.5):
         assert speeds[0] == 1.0 and speeds[1] < 0.75, speeds
         assert ffn[0] > ffn[1]
         assert len(memory) == 2 and all(m > 0 for m in memory)

@@ -11,8 +11,8 @@ import pytest
 from tpcore import _C
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize  # noqa: E402
+from gguf import GGMLQuantizationType as QT  # noqa: E402  (after importorskip("gguf"): the module skips without gguf)
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize  # noqa: E402  (after importorskip("gguf"): the module skips without gguf)
 
 # format: (block elements, block bytes, byte offsets of its f16 fields)
 FORMATS = {

@@ -9,8 +9,8 @@ from tpcore.nn.quant import QUANT_FORMATS, QuantTensor, block_size, row_bytes
 from tpcore.nn.transformer import TransformerBlock
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf.quants import dequantize as g_dequantize  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402  (after importorskip("gguf"): the module skips without gguf)
+from gguf.quants import dequantize as g_dequantize  # noqa: E402  (after importorskip("gguf"): the module skips without gguf)
 
 GG = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
 DEADLINE = 120

@@ -41,7 +41,8 @@ def _data(decode_tok_s_2, comm_s_2, read_gbs=20.0):
         return {"n": n, "threads": 1, "prefill_s": 0.5 / n, "ttft_s": 0.6 / n, "decode_s": 31 * step,
                 "p50_s": step, "p99_s": step * 1.2, "steps_s": [step] * 31, "param_bytes": [params] * n,
                 "kv_bytes": [1 << 20] * n, "rss_peak_bytes": [params + (60 << 20)] * n,
-                "rss_load_bytes": [params + (40 << 20)] * n, "rss_load_peak_bytes": [2 * params] * n, "prefill_tok_s": 128 * n,
+                "rss_load_bytes": [params + (40 << 20)] * n, "rss_load_peak_bytes": [2 * params] * n,
+                "prefill_tok_s": 128 * n,
                 "decode_tok_s": tok_s, "same_tokens": True,
                 "comm_decode": {"attention": {"calls": 124, "bytes": 124 * 4096, "seconds_max": comm_s * 31 / 2,
                                               "seconds_min": comm_s * 31 / 4},
@@ -135,7 +136,7 @@ def test_report_quick_end_to_end(tmp_path):
                                                                for w in (2, 3)}
     assert "## Mismatched devices" in md and "## Concurrent requests" in md
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 (only whether it is installed)
     except ImportError:
         return
     assert {p.name for p in out.glob("*.png")} >= {"speed.png", "memory.png", "decode_breakdown.png",

@@ -176,7 +176,7 @@ def test_model_forward_with_slots(world, name):
 def _requests(cfg, n, seed, longest):
     g = np.random.default_rng(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         new = int(g.integers(1, 11))
         plen = int(g.integers(1, min(14, longest - new) + 1))
         out.append((g.integers(0, cfg.vocab_size, plen), new))
@@ -338,7 +338,7 @@ def _bad_inputs_case(comm):
         except exc as e:
             if word not in str(e):
                 errs.append(f"case {i}: {type(e).__name__}: {e}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the error's type and text are what the test checks
             errs.append(f"case {i}: {type(e).__name__}: {e}")
     # the refused requests left nothing behind; a good one still runs
     if eng.waiting or eng.running or eng.stats()["submitted"]:

@@ -203,7 +203,7 @@ def test_server_gone_fails_waiting_client_promptly():
     def waiter():
         try:
             c.get("never")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the exception is handed back for the test to check
             got["e"] = e
 
     t = threading.Thread(target=waiter)
@@ -225,7 +225,7 @@ def test_close_from_another_thread_ends_a_blocked_get():
         def waiter():
             try:
                 c.get("never")
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - the exception is handed back for the test to check
                 got["e"] = e
 
         t = threading.Thread(target=waiter)

@@ -16,9 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-import tpcore  # noqa: E402
-import tpcore.torch as tt  # noqa: E402
-from conftest import WORLDS, run  # noqa: E402
+import tpcore  # noqa: E402  (after importorskip("torch"): the module skips without torch)
+import tpcore.torch as tt  # noqa: E402  (after importorskip("torch"): the module skips without torch)
+from conftest import WORLDS, run  # noqa: E402  (after importorskip("torch"): the module skips without torch)
 
 TOL = 2e-5  # float32 C layers against float64 references (abs + rel)
 
@@ -366,7 +366,7 @@ def _semantics_case(comm):
     m.load_state_dict({"weight": W, "bias": b})
     off, loc = m.partition[r]
     x1, x2, dy = randn(g, 4, IN), randn(g, 4, IN), randn(g, 4, OUT)
-    dW = lambda x, d: (d.double().T @ x.double())[off:off + loc]  # noqa: E731
+    dW = lambda x, d: (d.double().T @ x.double())[off:off + loc]  # noqa: E731 (a one-line local helper)
 
     # two forwards, then the backwards in reverse order; the second backward accumulates
     a, c = x1.clone().requires_grad_(), x2.clone().requires_grad_()

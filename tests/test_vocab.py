@@ -81,7 +81,8 @@ def _xent_case(comm, uneven, reduction):
     scale = (np.asarray(dloss)[..., None] if reduction == "none" else
              dloss / per.size if reduction == "mean" else dloss)
     ref_d = ((p - onehot) * scale)[..., off:off + loc]
-    return bool(np.allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)), bool(np.allclose(dshard, ref_d, rtol=1e-4, atol=1e-6)), \
+    return bool(np.allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)), \
+        bool(np.allclose(dshard, ref_d, rtol=1e-4, atol=1e-6)), \
         float(tpcore.vocab_parallel_cross_entropy(shard, targets, comm))
 
 
@@ -90,7 +91,7 @@ def _xent_case(comm, uneven, reduction):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_vocab_parallel_cross_entropy(world, uneven, reduction):
     res = run(_xent_case, world, uneven, reduction)
-    for r, (ok_loss, ok_grad, mean) in enumerate(res):
+    for r, (ok_loss, ok_grad, _mean) in enumerate(res):
         assert ok_loss and ok_grad, f"rank {r}: loss {ok_loss} grad {ok_grad}"
     assert len({m for _, _, m in res}) == 1  # every rank gets the same loss
 
@@ -282,6 +283,6 @@ def _bad_layouts(comm):
 @pytest.mark.parametrize("world", [2, 3])
 def test_cross_entropy_layout_errors_fail_every_rank_alike(world):
     res = run(_bad_layouts, world)
-    for r, (errs, good, usable) in enumerate(res):
+    for r, (errs, _good, usable) in enumerate(res):
         assert not errs and usable, (r, errs, usable)
     assert len({good for _, good, _ in res}) == 1

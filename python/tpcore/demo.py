@@ -116,11 +116,13 @@ def _print(rows, n):
     blas = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}
     if blas:
         print(f"environment: {blas}")
-    print(f"{'memory':>10} {'op':>15} {'bytes':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'#wrong':>7}")
+    print(f"{'memory':>10} {'op':>15} {'bytes':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} "
+          f"{'#wrong':>7}")
     for mode, op, size, us, alg, bus, bad in rows:
         print(f"{mode:>10} {op:>15} {size:>10} {us:>10.1f} {alg:>11.2f} {bus:>11.2f} {bad:>7}")
     total_bad = sum(r[-1] for r in rows)
-    print(f"{len(rows)} collectives checked against NumPy: {'all correct' if total_bad == 0 else f'{total_bad} WRONG elements'}")
+    verdict = 'all correct' if total_bad == 0 else f'{total_bad} WRONG elements'
+    print(f"{len(rows)} collectives checked against NumPy: {verdict}")
     return total_bad
 
 

@@ -18,9 +18,10 @@ independent float32 reference for tpcore's dequantized model ("hf_float32_logits
 The question: greedy decoding follows a near-tie differently when two implementations
 round differently (llama.cpp quantizes the activations to 8 bits), so the prompt is one
 whose 24 greedy tokens float32 and llama.cpp agree on (of ten short questions tried,
-five agreed; each of the others parted at a step where llama.cpp's top-2 logit margin was < 0.17).  Re-running it on the same llama.cpp
-version gives the same tokens; the logit values can move in the last digits with the
-CPU's kernels (llama.cpp quantizes activations to 8 bits for its Q4_1 dot products).
+five agreed; each of the others parted at a step where llama.cpp's top-2 logit margin was
+< 0.17).  Re-running it on the same llama.cpp version gives the same tokens; the logit
+values can move in the last digits with the CPU's kernels (llama.cpp quantizes activations
+to 8 bits for its Q4_1 dot products).
 """
 import argparse
 import json

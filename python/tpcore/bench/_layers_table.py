@@ -37,7 +37,7 @@ def _numpy_blas_info() -> str:
     try:
         cfg = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         return f"{cfg.get('name')} {cfg.get('version')}"
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the BLAS name is informational
         return "unknown"
 
 

@@ -121,7 +121,7 @@ def _torch_worker(rank: int, n: int, port: int, plan: dict, iters: list, threads
             import re
             m = re.search(r"BLAS_INFO=([\w.-]+)", torch.__config__.show())
             info["blas"] = f"BLAS_INFO={m.group(1)}" if m else None
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the BLAS name is informational
             pass
         conn.send(("ok", rows, info))
 

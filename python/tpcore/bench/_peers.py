@@ -162,13 +162,13 @@ def gloo_rank(rank: int, n: int, port: int, conn, threads: int, timeout_s: float
     except BaseException:  # noqa: BLE001 - everything goes to the parent
         try:
             conn.send(("err", traceback.format_exc()))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - parent gone: nothing else to do
             pass
     finally:
         try:
             if dist is not None and dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - best-effort cleanup
             pass
         conn.close()
 

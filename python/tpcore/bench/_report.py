@@ -143,7 +143,7 @@ def print_summary(rows: List[dict], memcpy: List[dict], plan, n: int, peers, ref
     idx = _index(rows)
     mc = {r["nominal"]: r for r in memcpy}
     impls = {r["impl"] for r in rows if "unsupported" not in r}
-    series = [(i, m, l) for i, m, l in SERIES if i in impls and (i != "tpcore" or m in plan.modes)]
+    series = [(i, m, lab) for i, m, lab in SERIES if i in impls and (i != "tpcore" or m in plan.modes)]
     w = sys.stdout.write
     summary: dict = {"all_reduce": [], "slower_than_peer": {}, "wrong": {}}
     sizes = [s for s in ref_sizes if s in plan.sizes]
@@ -163,8 +163,8 @@ def print_summary(rows: List[dict], memcpy: List[dict], plan, n: int, peers, ref
             w(line + "\n")
             summary["all_reduce"].append(entry)
         # Speed-ups: peer time / tpcore time (> 1: tpcore is faster).
-        peers_here = [(i, l) for i, m, l in series if i != "tpcore"]
-        mine = [(m, l) for i, m, l in series if i == "tpcore"]
+        peers_here = [(i, lab) for i, _m, lab in series if i != "tpcore"]
+        mine = [(m, lab) for i, m, lab in series if i == "tpcore"]
         cols = [(tm, tl, pi, pl) for tm, tl in mine for pi, pl in peers_here]
         w("#\n# speed-up of tpcore = peer time / tpcore time (> 1: tpcore faster); "
           "registered busbw / memcpy\n")
@@ -173,7 +173,7 @@ def print_summary(rows: List[dict], memcpy: List[dict], plan, n: int, peers, ref
         for entry in summary["all_reduce"]:
             s = entry["size"]
             line = f" {human_bytes(s):>9} "
-            for tm, tl, pi, pl in cols:
+            for _tm, tl, _pi, pl in cols:
                 mine_r, peer_r = entry.get(tl), entry.get(pl)
                 sp = _ratio(peer_r and peer_r["time_us"], mine_r and mine_r["time_us"])
                 entry[f"speedup {tl} vs {pl}"] = sp

@@ -171,9 +171,11 @@ def advice(data: dict) -> List[str]:
             continue
         cs = sorted(sv)
         lo, hi = sv[cs[0]], sv[cs[-1]]
-        out.append(f"serving at TP={r['n']}: concurrency {cs[-1]} gives {hi['throughput_tok_s'] / lo['throughput_tok_s']:.2f}x "
+        out.append(f"serving at TP={r['n']}: concurrency {cs[-1]} gives "
+                   f"{hi['throughput_tok_s'] / lo['throughput_tok_s']:.2f}x "
                    f"the throughput of concurrency {cs[0]} ({hi['throughput_tok_s']:.1f} vs "
-                   f"{lo['throughput_tok_s']:.1f} tok/s) at {hi['latency_p50_s'] / lo['latency_p50_s']:.2f}x the per-token "
+                   f"{lo['throughput_tok_s']:.1f} tok/s) at {hi['latency_p50_s'] / lo['latency_p50_s']:.2f}x "
+                   f"the per-token "
                    f"p50 latency ({1e3 * hi['latency_p50_s']:.1f} vs {1e3 * lo['latency_p50_s']:.1f} ms).")
     if rows and all(r.get("serve") for r in rows):
         top = max(data["concurrency"])

@@ -69,7 +69,8 @@ from typing import List
 
 from tpcore.bench import _report
 from tpcore.bench._peers import PEERS, run_peer
-from tpcore.bench._sweep import MODES, OPS, Plan, Progress, combine, env_info, memcpy_reference, numpy_dtype, parse_bytes, size_list
+from tpcore.bench._sweep import (MODES, OPS, Plan, Progress, combine, env_info, memcpy_reference, numpy_dtype,
+                                 parse_bytes, size_list)
 
 SUMMARY_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")

@@ -244,7 +244,7 @@ def _torch_peer(cfg_dict, sd, prompts, new, threads):
         if c.positions == "learned":
             h = h + P["wpe.weight"][pos]
         for i in range(c.layers):
-            p = lambda n: P.get(f"blocks.{i}.{n}")  # noqa: E731
+            p = lambda n: P.get(f"blocks.{i}.{n}")  # noqa: E731 (a one-line local helper)
             u = norm(h, p("norm1.weight"), p("norm1.bias"))
             q = lin(u, p("attn.q.weight"), p("attn.q.bias")).view(B, T, H, D).transpose(1, 2)
             k = lin(u, p("attn.k.weight"), p("attn.k.bias")).view(B, T, Hk, D).transpose(1, 2)
@@ -349,7 +349,8 @@ def run(args) -> int:
                "decode_tok_s": B * (new - 1) / dec, "p50_ms": _pct(steps, 50), "p99_ms": _pct(steps, 99),
                "comm_share": comm_share, "kb_per_token": kb_tok,
                "param_mb": max(r["param_bytes"] for r in res) / 1e6, "rss_mb": max(r["rss_peak_mb"] for r in res),
-               "same_tokens": same, "ranks": [{k: v for k, v in r.items() if k not in ("tokens", "config")} for r in res]}
+               "same_tokens": same,
+               "ranks": [{k: v for k, v in r.items() if k not in ("tokens", "config")} for r in res]}
         summary.append(row)
         print(f"{n:>5} {dt:>8} {row['threads']:>3} {row['prefill_tok_s']:>13.1f} {row['ttft_ms']:>8.1f} "
               f"{row['decode_tok_s']:>12.2f} {row['p50_ms']:>7.1f} {row['p99_ms']:>7.1f} {100 * comm_share:>5.1f}% "
@@ -402,7 +403,8 @@ def run(args) -> int:
         if row["dtype"] != dtypes[0]:
             same_n = [r for r in summary if r["dtype"] == dtypes[0] and r["n"] == row["n"]][0]
             print(f"# {row['dtype']} vs {dtypes[0]} weights at {row['n']} ranks: decode "
-                  f"{row['decode_tok_s'] / same_n['decode_tok_s']:.2f}x, TTFT {same_n['ttft_ms'] / row['ttft_ms']:.2f}x, "
+                  f"{row['decode_tok_s'] / same_n['decode_tok_s']:.2f}x, "
+                  f"TTFT {same_n['ttft_ms'] / row['ttft_ms']:.2f}x, "
                   f"params {row['param_mb'] / same_n['param_mb']:.2f}x")
     base = summary[0]
     for row in summary[1:]:
@@ -416,7 +418,8 @@ def run(args) -> int:
             if row["dtype"] != dtypes[0]:
                 continue
             print(f"# {row['n']} ranks vs torch (1 process, {peer['threads']} threads): decode "
-                  f"{row['decode_tok_s'] / peer['decode_tok_s']:.2f}x, TTFT {peer['ttft_s'] * 1e3 / row['ttft_ms']:.2f}x")
+                  f"{row['decode_tok_s'] / peer['decode_tok_s']:.2f}x, "
+                  f"TTFT {peer['ttft_s'] * 1e3 / row['ttft_ms']:.2f}x")
     if lpeer:
         fsize = os.path.getsize(gpath) / 1e6
         for row in summary:
@@ -430,8 +433,8 @@ def run(args) -> int:
     print(f"# greedy tokens identical at every world size{' and in torch' if peer else ''}: {'yes' if ok else 'NO'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"env": env, "model": model_name, "dtypes": dtypes, "batch": B, "prompt": T, "new": new, "rows": summary,
-                       "torch": peer, "llama_cpp": lpeer}, f, indent=1)
+            json.dump({"env": env, "model": model_name, "dtypes": dtypes, "batch": B, "prompt": T, "new": new,
+                       "rows": summary, "torch": peer, "llama_cpp": lpeer}, f, indent=1)
         print(f"# wrote {args.json}")
     if args.plot:
         _plot(args.plot, summary, peer or lpeer, model_name, "llama.cpp" if lpeer else "torch")

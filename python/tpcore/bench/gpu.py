@@ -120,7 +120,7 @@ def cuda_state():
     try:
         if avail():
             return True, ""
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - the error is the reason reported
         return False, f"tpcore.cuda_available() raised {type(e).__name__}: {e}"
     return False, f"tpcore.cuda_available() is False ({tpcore.build_info().get('cuda', 'no cuda entry in build_info')})"
 
@@ -296,7 +296,7 @@ def _tpcore_decode(comm, cfg_fields, prompts, new, repeats, device):
     ttft, total = _median(first), _median(full)
     try:
         pbytes = int(model.param_bytes())
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - param_bytes is optional in the report
         pbytes = None
     return {"rank": comm.rank, "world": comm.size, "dtype": dtype, "ttft_ms": ttft * 1e3,
             "decode_tok_s": _decode_rate(B, new, total, ttft), "generate_s": total, "build_s": build_s,
@@ -446,7 +446,8 @@ def run(args) -> int:
                              "decode_tok_s": None if None in rates else min(rates),
                              "gpu_mib_per_rank": [r.get("gpu_mib") for r in ranks]}
                 memory.append({"what": f"tpcore {name} world {world} ({res[side]['dtype']})",
-                               "text": ", ".join(f"rank {r['rank']} {'n/a' if r.get('gpu_mib') is None else r['gpu_mib']} MiB"
+                               "text": ", ".join(f"rank {r['rank']} "
+                                                 f"{'n/a' if r.get('gpu_mib') is None else r['gpu_mib']} MiB"
                                                  for r in ranks)
                                + (f" (params {ranks[0]['param_bytes'] / 2 ** 20:.0f} MiB/rank)"
                                   if ranks[0].get("param_bytes") else "")})

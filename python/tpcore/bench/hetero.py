@@ -327,7 +327,7 @@ def cli(args) -> int:
         result = run(args.quick, worlds=args.worlds, factor=args.factor, progress=not args.no_progress,
                      timeout=args.timeout)
     except ValueError as e:
-        raise SystemExit(f"hetero: {e}")
+        raise SystemExit(f"hetero: {e}") from e
     print(table(result))
     for n in notes(result):
         print(f"# {n}")

@@ -84,8 +84,8 @@ def add_arguments(p) -> None:
 def _layouts(n: int):
     if n == 1:
         return [("single", 1, 1, 1, None)]
-    out = [("data", 1, 1, n, None), ("data-zero1", 1, 1, n, None), ("tensor", n, 1, 1, None), ("pp-gpipe", 1, n, 1, "gpipe"),
-           ("pp-1f1b", 1, n, 1, "1f1b")]
+    out = [("data", 1, 1, n, None), ("data-zero1", 1, 1, n, None), ("tensor", n, 1, 1, None),
+           ("pp-gpipe", 1, n, 1, "gpipe"), ("pp-1f1b", 1, n, 1, "1f1b")]
     if n == 4:
         out += [("tp2xpp2", 2, 2, 1, "1f1b"), ("tp2xdp2", 2, 1, 2, None)]
     return out
@@ -144,7 +144,8 @@ def _rank(comm, cfg_dict, layout, B, T, M, iters):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = dict(layout=name, tp=tp, pp=pp, dp=dp, schedule=schedule, rank=comm.rank, loss0=loss0,
                step_s=float(np.median(times)), params=int(model.param_bytes()),
-               optim=int(opt.state_bytes() if zero else sum(m.nbytes + v.nbytes for m, v in opt.state)), act=max(0, peak - rss0),
+               optim=int(opt.state_bytes() if zero else sum(m.nbytes + v.nbytes for m, v in opt.state)),
+               act=max(0, peak - rss0),
                comm_bytes=sum(b["bytes"] - a["bytes"] for a, b in zip(s0, s1)) / iters,
                comm_s=sum(b["seconds"] - a["seconds"] for a, b in zip(s0, s1)) / iters,
                wait=float(np.mean(waits)) if waits else None)

@@ -158,8 +158,8 @@ def init(backend: str = "auto", timeout: float | None = None, spin_us: int | Non
     if info.multi_host and chosen == "shm":
         raise CommError(f"init: the {info.world_size} ranks span {info.nnodes} hosts ({info.local_world_size} on "
                         f"this one, from {info.source} variables) but the shm backend needs all ranks on one host (it "
-                        f"shares memory): use backend=\"mpi\" or \"nccl\" (mpi under mpirun; nccl across hosts takes its "
-                        f"unique id from the job's store, which python -m tpcore.launch --nnodes provides)")
+                        f"shares memory): use backend=\"mpi\" or \"nccl\" (mpi under mpirun; nccl across hosts "
+                        f"takes its unique id from the job's store, which python -m tpcore.launch --nnodes provides)")
     settle = _settle_seconds(info)
     c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), chosen,
                 -1 if spin_us is None else int(spin_us))

@@ -290,6 +290,7 @@ def read_generation_config(folder: str) -> dict:
             continue
         ids = v if isinstance(v, list) and k == "eos_token_id" else [v]
         if not ids or not all(is_int(x) and x >= 0 for x in ids):
-            raise f.fail(k, "a non-negative integer" + (" or a list of them" if k == "eos_token_id" else ""), type_name(v))
+            raise f.fail(k, "a non-negative integer" + (" or a list of them" if k == "eos_token_id" else ""),
+                         type_name(v))
         out[k] = v
     return out

@@ -85,7 +85,7 @@ def _source_of(fn):
         return code.co_filename, []
     try:
         return code.co_filename, linecache.getlines(code.co_filename)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - no source lines: the file name alone
         return code.co_filename, []
 
 
@@ -210,7 +210,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
     def failed():  # why the communicator is unusable (a mismatch, a timeout, an abort, closed), or None
         try:
             return "closed" if comm.closed else comm._c.error
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the state is only reported
             return "unknown"
 
     def fail(e):
@@ -222,7 +222,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
         comm = init(backend=backend, timeout=timeout)
         flush()
         send(("ready", rank, comm.backend))
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
         fail(e)
         os._exit(1)
     state = types.SimpleNamespace()
@@ -248,7 +248,7 @@ def _rank_main(rank, world, job, backend, timeout, cmd, res, parent_pid, life):
                 comm._c = init(backend=backend, timeout=timeout)._c
                 flush()
                 send(("ready", rank, comm.backend))
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
                 fail(e)
             continue
         entered = fn = args = kwargs = result = None

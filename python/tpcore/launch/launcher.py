@@ -6,7 +6,8 @@ tpcore.init() reads (and torchrun's: RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).  Every output line is prefixed
 with its rank as tpcore.spawn does ("[rank3] "; --no-prefix: none).  When a
 rank exits non-zero or is killed, the others are stopped (SIGTERM, then
-SIGKILL after --grace seconds) and the launcher exits with that rank's code (128 + signal for a signal).  Ctrl-C stops all ranks.
+SIGKILL after --grace seconds) and the launcher exits with that rank's code
+(128 + signal for a signal).  Ctrl-C stops all ranks.
 Ranks die with the launcher (PR_SET_PDEATHSIG), so none is ever orphaned.
 
 Several hosts, like torchrun: on each host run

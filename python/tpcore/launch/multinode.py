@@ -180,7 +180,7 @@ class Multinode:
                 # every launcher that claimed a node rank (two for a rank claimed twice) acknowledges
                 joined = sum(int(self.store.try_get(f"{PREFIX}claim/{k}") or 0) for k in range(1, self.nnodes))
                 seen = int(self.store.try_get(PREFIX + "abort_seen") or 0)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
                 return
             if seen >= joined:
                 return
@@ -305,7 +305,7 @@ class Multinode:
         another node failed meanwhile."""
         try:
             self.monitor.set(f"{PREFIX}done/{self.node}", b"1")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - any store failure is the lost store, reported
             return (f"lost the job's store at {self.addr}:{self.port} ({e})", 1)
         if self.node != 0:
             return None
@@ -328,7 +328,7 @@ class Multinode:
             try:
                 seen = int(self.monitor.try_get(PREFIX + "seen_failed") or 0)
                 done = sum(self.monitor.try_get(f"{PREFIX}done/{k}") is not None for k in range(1, self.nnodes))
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
                 return
             if seen + done >= self.nnodes - 1:
                 return
@@ -339,7 +339,7 @@ class Multinode:
             if s is not None:
                 try:
                     s.close()
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001 - best-effort cleanup
                     pass
         if self.secret_file:
             for remove, what in ((os.unlink, self.secret_file), (os.rmdir, os.path.dirname(self.secret_file))):

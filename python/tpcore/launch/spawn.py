@@ -111,7 +111,7 @@ def _error_message(e, rank, dumps=pickle.dumps):
     try:
         blob = dumps(e)
         pickle.loads(blob)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - an exception that does not pickle round-trip: sent as text
         blob = None
     try:
         text = str(e)
@@ -154,11 +154,11 @@ def _worker(fn, rank, world, job, backend, timeout, args, kwargs, conn, parent_p
         try:
             if comm is not None:
                 comm.close()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - best-effort cleanup before os._exit
             pass
         try:
             conn.close()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - best-effort cleanup before os._exit
             pass
     os._exit(code)
 
@@ -170,7 +170,7 @@ def _rebuild(rank, blob, tname, text, tb):
     if blob is not None:
         try:
             exc = pickle.loads(blob)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - an exception that does not unpickle: rebuilt from its text
             exc = None
     if isinstance(exc, BaseException):
         try:
@@ -185,7 +185,7 @@ def _rebuild(rank, blob, tname, text, tb):
                 # str() quotes the message (KeyError's is the repr of its key): the same type with a
                 # plain str, so the message and the rank's traceback read as lines
                 return _plain_str(new, msg)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the rebuild is best effort: the fallback below
             pass
         # An exception whose message does not come from args (its own __str__): keep
         # it as it is and attach the rank and its traceback as a note (shown with it).
@@ -251,7 +251,7 @@ def _stop(procs, grace):
         if p.is_alive():
             try:
                 p.terminate()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - best-effort stop: the process may be gone
                 pass
     t_end = time.monotonic() + grace
     for p in procs:
@@ -291,7 +291,7 @@ def _check_importable(fn, method, args=(), kwargs=None):
         try:
             blob = pickle.dumps(obj, protocol=2)  # protocol 2: each reference is one GLOBAL "module name"
             pickle.loads(blob)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - any pickling failure is explained below
             if what == "fn" and ("<locals>" in name or "<lambda>" in name):
                 why = f"fn {name} is a lambda or a function nested in another function"
             elif what == "fn":
@@ -385,7 +385,8 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
         real_arg(deadline, "spawn", "deadline", lo=0, lo_open=True, finite=False)
     if timeout is not None:  # each rank's init() checks it too: refuse it here, once, before any rank starts
         real_arg(timeout, "spawn", "timeout", lo=0, lo_open=True, finite=False)
-    if isinstance(args, (str, bytes)) or not hasattr(args, "__iter__") or not (kwargs is None or isinstance(kwargs, dict)):
+    if isinstance(args, (str, bytes)) or not hasattr(args, "__iter__") or \
+            not (kwargs is None or isinstance(kwargs, dict)):
         raise TypeError(f"spawn: args must be a tuple (or list) and kwargs a dict or None, got {shown(args)} and "
                         f"{shown(kwargs)}")
     method = start_method or _default_method()
@@ -460,7 +461,7 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
         for c in conns:
             try:
                 c.close()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - best-effort cleanup
                 pass
         _cleanup.remove_shm(job)
 

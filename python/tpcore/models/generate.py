@@ -193,7 +193,10 @@ def agree_generate(comm: Comm, args, err) -> None:
         return
     ok = err is None
     seqs, max_new, temp, top_k, seed, eos_ids, pad = args if ok else (None,) * 7
-    signed = (lambda v: v - 2 ** 64 if v >= 2 ** 63 else v)
+
+    def signed(v):
+        return v - 2 ** 64 if v >= 2 ** 63 else v
+
     agree(comm, "generate", [
         ("the prompts differ", tuple(seqs) if ok else (), None),
         ("max_new_tokens differs", max_new if ok else 0, str),

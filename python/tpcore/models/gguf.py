@@ -529,7 +529,7 @@ class GGUFModel:
             raise bad(path, "metadata key 'tokenizer.ggml.tokens'", f"{cfg.vocab_size} tokens ({arch}.vocab_size)",
                       f"{len(tokens)} tokens")
         src, shapes = _layout(cfg, arch, untied)
-        for name, t in by_name.items():
+        for name in by_name:
             if name not in shapes:
                 mm = re.match(r"blk\.(\d+)\.", name)
                 where = (f"a tensor of layer {mm.group(1)} but {arch}.block_count={cfg.layers}"

@@ -454,7 +454,7 @@ def check_against_config(path: str, cfg: Config, kind: str, source: str, headers
                       "no such tensor in the checkpoint")
         check(k, dims)
     unused = []
-    for k, (name, fn, info) in found.items():
+    for k, (name, fn, _info) in found.items():
         if k in req:
             continue
         if k in opt:

@@ -160,7 +160,8 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
             self.vocab_partition = self.wte.partition
         else:
             self.wte = None
-            sizes = partition_sizes(vocab_partition, cfg.vocab_size, comm.size, "vocab_size", "TransformerLM: vocab_partition")
+            sizes = partition_sizes(vocab_partition, cfg.vocab_size, comm.size, "vocab_size",
+                                    "TransformerLM: vocab_partition")
             self.vocab_partition = partition_dim(cfg.vocab_size, comm.size) if sizes is None else \
                 [(int(sum(sizes[:r])), int(sizes[r])) for r in range(comm.size)]
         # position / type embeddings and the norms outside the blocks: replicated, float32; on a GPU
@@ -325,7 +326,8 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
             h = self._dev(self.wte(asarray_device(tokens, device=device_string(self.device)) if self._on_gpu()
                                    else tokens), (B * T, C))
             if self.wpe is not None:
-                _C.add(h, h, _C.embedding_forward(on_device(np.ascontiguousarray(pos.reshape(-1)), self._kdev), self.wpe))
+                _C.add(h, h, _C.embedding_forward(on_device(np.ascontiguousarray(pos.reshape(-1)), self._kdev),
+                                                  self.wpe))
             if self.tte is not None:
                 tt = np.zeros(B * T, np.int64) if token_type_ids is None else token_type_ids.reshape(-1)
                 _C.add(h, h, _C.embedding_forward(on_device(np.ascontiguousarray(tt), self._kdev), self.tte))
@@ -615,7 +617,8 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         if self.emb_norm is not None:
             dh2 = self.emb_norm.backward(dh2)
         if self.wpe is not None:
-            _C.embedding_backward(self.wpe_grad, on_device(np.ascontiguousarray(ctx["pos"].reshape(-1)), self._kdev), dh2)
+            _C.embedding_backward(self.wpe_grad, on_device(np.ascontiguousarray(ctx["pos"].reshape(-1)), self._kdev),
+                                  dh2)
         if self.tte is not None:
             tt = np.zeros(B * T, np.int64) if ctx["token_type_ids"] is None else \
                 np.asarray(ctx["token_type_ids"], np.int64).reshape(-1)

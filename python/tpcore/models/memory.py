@@ -326,8 +326,9 @@ def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, thr
                      world) -> Tuple[int, int, Tuple[int, int]]:
     """(workspace, communication, shared workspace) bytes of one block after a forward of B x T
     tokens attending to Tk keys (the cache's length), and its backward when need_bw:
-    csrc/layers/block.c workspaces(), attention.c, mlp.c, linear.c.  An inference forward carves the model's one shared workspace (the
-    third number, counted once), a training forward the block's own arenas."""
+    csrc/layers/block.c workspaces(), attention.c, mlp.c, linear.c.  An inference forward
+    carves the model's one shared workspace (the third number, counted once), a training
+    forward the block's own arenas."""
     C, D, M = cfg.hidden, cfg.head_dim, B * T
     f1 = g * f
     # the attention kernel's scratch (the CPU table: per thread, QBLOCK rows of scores)

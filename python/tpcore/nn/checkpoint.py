@@ -23,12 +23,11 @@ import inspect
 import os
 from typing import Any, Callable, Dict, Iterator, Tuple, TypeVar
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
 import numpy as np
 
 from tpcore.utils.args import is_int
-from tpcore.io.formats import type_name, bad, check_tensors, file_format, read_tensors_file, shard_path, to_float32, write_tensors_file
+from tpcore.io.formats import (type_name, bad, check_tensors, file_format, read_tensors_file, shard_path, to_float32,
+                               write_tensors_file)
 from tpcore.distributed.comm import Comm, CommError
 from tpcore.io import stream as _stream
 from tpcore.utils.dtypes import is_quantized
@@ -36,6 +35,8 @@ from tpcore.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tpcore.nn.mlp import ParallelMLP
 from tpcore.nn.weights import load_weight
 from tpcore.nn.vocab import VocabParallelEmbedding
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 def _leaves(model, prefix="") -> Iterator[Tuple[str, object]]:
     if isinstance(model, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
@@ -80,7 +81,8 @@ def _check_meta(path, meta, comm, sharded):
             raise bad(path, f"__metadata__ {k!r}", "a non-negative integer", type_name(meta[k]))
     parts = meta.get("partitions", {})
     if not isinstance(parts, dict):
-        raise bad(path, "__metadata__ 'partitions'", "an object of layer name -> [[offset, size], ...]", type_name(parts))
+        raise bad(path, "__metadata__ 'partitions'", "an object of layer name -> [[offset, size], ...]",
+                  type_name(parts))
     for k, v in parts.items():
         if not (isinstance(v, list) and all(isinstance(x, list) and len(x) == 2 and all(is_int(i) for i in x)
                                             for x in v)):

@@ -201,7 +201,8 @@ class Config:
             what was expected and what was found.
         """
         f = ConfigFields(c, source)
-        mt = f.str("model_type", MISSING, ("gpt2", "llama", "mistral", "bert"), " (other model types are not supported)")
+        mt = f.str("model_type", MISSING, ("gpt2", "llama", "mistral", "bert"),
+                   " (other model types are not supported)")
 
         def heads_divide(hidden_key, heads_key):
             C, H = f.int(hidden_key), f.int(heads_key)

@@ -55,8 +55,9 @@ class _ParallelLinear:
             bool_arg(v, type(self).__name__, name)
         split = out_features if self._kind == "column" else in_features
         partition = _plan_sizes(plan, comm, split, type(self).__name__, partition)
-        sizes = partition_sizes(partition, split, comm.size, "out_features" if self._kind == "column" else "in_features",
-                       f"{type(self).__name__}: partition")
+        sizes = partition_sizes(partition, split, comm.size,
+                                "out_features" if self._kind == "column" else "in_features",
+                                f"{type(self).__name__}: partition")
         blk = block_size(self.dtype)
         if sizes is None and self._kind == "row" and blk > 1 and split % blk == 0:
             sizes = [s for _, s in _even_blocks(split, comm.size, blk)]  # whole blocks per rank
@@ -79,7 +80,8 @@ class _ParallelLinear:
         """A Python face for a C layer owned by another object (an MLP's fc1/fc2)."""
         self = cls.__new__(cls)
         self.device = device
-        self.comm, self.in_features, self.out_features, self.gated, self._c = comm, in_features, out_features, gated, cobj
+        self.comm, self.in_features, self.out_features = comm, in_features, out_features
+        self.gated, self._c = gated, cobj
         self.dtype = cobj.weight_dtype
         shard = cobj.shard
         self.offset, self.local = shard["offset"], shard["local"]

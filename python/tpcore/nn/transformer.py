@@ -163,7 +163,8 @@ class TransformerBlock:
             plan.check_config(cfg, type(self).__name__)
             head_partition, ffn_partition = plan.heads, plan.ffn
         hp = partition_sizes(head_partition, cfg.heads, comm.size, "heads", f"{type(self).__name__}: head_partition")
-        fp = partition_sizes(ffn_partition, cfg.ffn_hidden, comm.size, "ffn_hidden", f"{type(self).__name__}: ffn_partition")
+        fp = partition_sizes(ffn_partition, cfg.ffn_hidden, comm.size, "ffn_hidden",
+                             f"{type(self).__name__}: ffn_partition")
         self._c = _C.TransformerBlock(comm._c, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden,
                                       norm=cfg.norm, eps=float(cfg.eps), activation=cfg.activation,
                                       pre_norm=cfg.pre_norm, bias=cfg.bias, causal=cfg.causal,
@@ -306,7 +307,8 @@ class TransformerBlock:
             if not hasattr(t, "shape") or (not isinstance(t, np.ndarray) and hasattr(t, "__dlpack__")):
                 t = asarray(t, name, f"{type(self).__name__}.load_full")
             if tuple(t.shape) != shapes[name]:
-                raise ValueError(f"TransformerBlock.load_full: {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
+                raise ValueError(f"TransformerBlock.load_full: {name} has shape {tuple(t.shape)}, "
+                                 f"expected {shapes[name]}")
             whole = self._p[local][0]
             fmt = self.dtypes.get(local, "float32")
             quant = is_quantized(fmt)
@@ -375,7 +377,7 @@ class TransformerBlock:
         which = 1 if grads else 0
         # attention rows/cols by head; replicated KV heads are identical on their ranks: keep one
         heads = comm.all_gather(np.array([self.q0, self.nq, self.k0, self.nk], np.int64)).reshape(-1, 4)
-        for name, (local, rows, cut) in self._slices().items():
+        for name, (local, rows, _cut) in self._slices().items():
             if grads and self._frozen(local):  # a quantized weight's gradient: none (frozen)
                 continue
             mine = np.ascontiguousarray(_host(self._p[local][which])[rows])

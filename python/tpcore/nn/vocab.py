@@ -28,7 +28,8 @@ import numpy as np
 
 from tpcore import _C
 from tpcore.utils.args import int_arg, real_arg, seed_arg
-from tpcore.utils.arrays import DeviceArray, asarray, int_array, check_host, check_on_device, device_of, device_string, from_dlpack, resolve_device
+from tpcore.utils.arrays import (DeviceArray, asarray, int_array, check_host, check_on_device, device_of,
+                                 device_string, from_dlpack, resolve_device)
 from tpcore.distributed.comm import Comm
 from tpcore.utils.dtypes import is_quantized, weight_format
 from tpcore.nn.common import as_float32, layer_memory, zero

@@ -12,11 +12,12 @@ rank's shard): a torch optimizer updating them in place (SGD, Adam, AdamW ...) u
 layer; replacing one's ``.data`` or assigning another Parameter (weight tying) would part it from
 the C layer, and the next forward raises RuntimeError.  Activations cross without copies: a
 float32 C-contiguous CPU tensor is handed to C as a NumPy view of its memory, and the C result
-comes back as a tensor over the NumPy array (``torch.from_numpy``).  A float16 / bfloat16 input is converted to float32 (the C layers compute
-in float32) and the output given back in the input's dtype; a non-contiguous one is made
-contiguous (a copy).  Gradients reach ``param.grad`` with torch's semantics (a second backward
-adds; ``requires_grad=False`` parameters get none); the C layer's own gradient buffers are
-scratch (zeroed before each backward, copied out after).
+comes back as a tensor over the NumPy array (``torch.from_numpy``).  A float16 / bfloat16
+input is converted to float32 (the C layers compute in float32) and the output given back in
+the input's dtype; a non-contiguous one is made contiguous (a copy).  Gradients reach
+``param.grad`` with torch's semantics (a second backward adds; ``requires_grad=False``
+parameters get none); the C layer's own gradient buffers are scratch (zeroed before each
+backward, copied out after).
 
 State.  A C layer keeps what its backward needs from its last forward.  Each module counts its
 forwards; the autograd node of a forward saves its inputs (``save_for_backward``) and, when the

@@ -107,7 +107,8 @@ def status() -> str:
 def search_libraries() -> dict:
     """Searches for cuBLAS and NCCL now (build_info then reports where they are or why not)."""
     register_library_dirs()
-    for what, env, names in (("cuBLAS", "TPCORE_CUBLAS_LIBRARY", ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]),
+    for what, env, names in (("cuBLAS", "TPCORE_CUBLAS_LIBRARY",
+                              ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]),
                              ("NCCL", "TPCORE_NCCL_LIBRARY", ["libnccl.so.2", "libnccl.so"])):
         try:
             _C._find_library(what, env, names)

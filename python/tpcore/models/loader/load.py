@@ -29,8 +29,9 @@ def from_pretrained(path: Union[str, "os.PathLike[str]"], comm: Comm, partition:
     A Hugging Face GPT-2, Llama or BERT checkpoint (config.json + ``*.safetensors``), one
     saved by `TransformerLM.save_pretrained`, or a GGUF file (`from_gguf`: a .gguf path,
     or a directory holding exactly one .gguf and no config.json); each rank reads only
-    its slices (read with pread into their place, through one bounded staging buffer).  The config and the files' headers are checked against
-    each other first: a corrupt or inconsistent file fails before the model is allocated.
+    its slices (read with pread into their place, through one bounded staging buffer).  The
+    config and the files' headers are checked against each other first: a corrupt or
+    inconsistent file fails before the model is allocated.
 
     Parameters
     ----------

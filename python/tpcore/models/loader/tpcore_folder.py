@@ -54,7 +54,8 @@ def _load_own(loader: ModelLoader, path: str, own: str, comm, partition, progres
         raise ValueError(f"{path}: a sharded checkpoint of another world size ({os.path.basename(shards[0])}); "
                          f"save it with sharded=False to reshard")
     _check_own_shards(path, cfg, own, comm.size)
-    if dtype is not None and any(is_quantized(v) for v in weight_formats(dtype, "from_pretrained", MODEL_PARTS).values()):
+    if dtype is not None and any(is_quantized(v)
+                                 for v in weight_formats(dtype, "from_pretrained", MODEL_PARTS).values()):
         raise ValueError(f"from_pretrained: {path} is a sharded checkpoint (this rank's parameters as they are); it "
                          f"cannot load into quantized weights (dtype={dtype!r}): load it in float32 and "
                          f"tpcore.models.quantize the model, or save it with sharded=False")
