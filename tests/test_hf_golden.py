@@ -57,7 +57,7 @@ def _resave(comm, name, out):
 def test_saved_in_hugging_face_layout_equals_the_original_file(tmp_path, name):
     """Loaded at 3 ranks and saved with hf=True: the same tensor names, shapes and values as
     the file transformers wrote, and a config.json that reads back to the same Config."""
-    from tpcore.nn.checkpoint import read_safetensors
+    from tpcore.io.formats import read_safetensors
     out = str(tmp_path / name)
     cfg = run(_resave, 3, name, out)[0]
     orig, _ = read_safetensors(os.path.join(FIX, name, "model.safetensors"))
