@@ -47,7 +47,10 @@ SOURCES_MK = os.path.join(HERE, "csrc", "sources.mk")
 FLAGS_MK = os.path.join(HERE, "csrc", "flags.mk")
 
 
-def read_version(header=os.path.join(HERE, "csrc", "include", "tpcore", "tpcore.h")):
+VERSION_HEADER = os.path.join(HERE, "csrc", "include", "tpcore", "tpcore.h")
+
+
+def read_version(header=VERSION_HEADER):
     """The version, from its one source: TP_VERSION_MAJOR/MINOR/PATCH of the public C header
     (pyproject.toml declares it dynamic; tpcore.__version__ is the extension's build_info)."""
     with open(header) as f:
@@ -404,7 +407,8 @@ def blas_config():
     return {"cflags": [f"-I{sob.get_include_dir()}"],
             "libs": [f"-L{sob.get_lib_dir()}", f"-l{sob.get_library()}", "-Wl,-rpath,$ORIGIN/.libs"],
             "macros": [("TP_BLAS_SCIPY_OPENBLAS", "1")], "vendor": lib, "license": lic,
-            "info": f"OpenBLAS from scipy-openblas32 {sob.__version__}, vendored as tpcore/.libs/{os.path.basename(lib)}"}
+            "info": (f"OpenBLAS from scipy-openblas32 {sob.__version__}, "
+                     f"vendored as tpcore/.libs/{os.path.basename(lib)}")}
 
 
 def build_config():

@@ -1,4 +1,5 @@
-import re, sys
+import re
+import sys
 s = open(sys.argv[1]).read()
 s = s.replace('#include <cuda_runtime.h>', '#include "cuda_emu.h"')
 # the kernel headers are transformed too (run.sh): "x.cuh" -> "x.emu.h"
@@ -12,8 +13,11 @@ def launch(m):
     parts, depth, cur = [], 0, ''
     for ch in cfg:
         if ch == ',' and depth == 0:
-            parts.append(cur.strip()); cur = ''; continue
-        depth += ch == '('; depth -= ch == ')'; cur += ch
+            parts.append(cur.strip())
+            cur = ''
+            continue
+        depth += (ch == '(') - (ch == ')')
+        cur += ch
     parts.append(cur.strip())
     g, b, sm = parts[0], parts[1], parts[2]
     return f'emu_launch(dim3({g}), dim3({b}), (size_t)({sm}), [&] {{ {name}({args}); }});'
