@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 import pytest
+from filelock import FileLock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -24,7 +25,9 @@ def build(builds, sanitize, *targets):
             *(f"{out}/{t}" for t in targets)]
     if sanitize:
         args.insert(1, "SANITIZE=1")
-    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    out.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock", timeout=900):  # another xdist worker building the same directory
+        r = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     return out
 

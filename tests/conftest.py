@@ -52,8 +52,15 @@ def run_fresh(module: str, fn: str, n: int, args: tuple = (), timeout: float = 3
 def c_builds(tmp_path_factory):
     """Where this session's make builds of the C test binaries go (c_binaries.build): one
     build directory per configuration, shared by the tests of test_c_core, test_kernels and
-    test_api_hostile, so that the core is compiled once per configuration per run."""
-    return tmp_path_factory.mktemp("c-builds")
+    test_api_hostile, so that the core is compiled once per configuration per run.  Under
+    pytest-xdist the workers share it too (the run's base temporary directory is their common
+    parent; c_binaries.build holds a file lock around each make)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    d = base / "c-builds"
+    d.mkdir(exist_ok=True)
+    return d
 
 
 def leftover_segments():

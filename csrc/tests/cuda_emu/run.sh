@@ -30,22 +30,40 @@ for f in attention_common common colsum lowp_bits quant; do
 done
 python3 "$E/transform.py" "$ROOT/csrc/cuda/kernels/cublas_api.h" "$OUT/cublas_api.emu.h"
 FL="-std=c++20 -O1 -g $SAN -I$OUT -I$ROOT/csrc/include -I$ROOT/csrc -I$ROOT/csrc/cuda/kernels -w"
-for f in "${CU[@]/%/.emu.cc}"; do g++ $FL -c "$OUT/$f" -o "$OUT/${f%.cc}.o"; done
+# the objects compile concurrently; each wait returns its compiler's status (set -e stops on a failure)
+pids=()
+for f in "${CU[@]/%/.emu.cc}"; do g++ $FL -c "$OUT/$f" -o "$OUT/${f%.cc}.o" & pids+=($!); done
 for f in "$E/driver.cc" "$E/emu_runtime.cc" "$E/cublas_emu.cc"; do
-  g++ $FL -c "$f" -o "$OUT/$(basename "$f" .cc).o"
+  g++ $FL -c "$f" -o "$OUT/$(basename "$f" .cc).o" & pids+=($!)
 done
 for f in test_kernels test_kernels_api test_kernels_attn test_kernels_lowp test_kernels_nn test_kernels_qlp test_kernels_quant; do
   gcc -std=c11 -O1 -g $SAN -D_GNU_SOURCE -I"$ROOT/csrc/include" -Dtp_kernels_of=emu_kernels_of \
-    -c "$ROOT/csrc/tests/$f.c" -o "$OUT/$f.o"
+    -c "$ROOT/csrc/tests/$f.c" -o "$OUT/$f.o" & pids+=($!)
 done
+for p in "${pids[@]}"; do wait "$p"; done
 g++ $SAN -o "$OUT/emu_test" "$OUT"/*.o "${BUILD:-$ROOT/build}/libtpcore.a" $BLAS
 entries=("$@")
 [ ${#entries[@]} -eq 0 ] && entries=(positions kv_cache_write attention_workspace attention_forward attention_backward
   convert linear_lp_workspace linear_forward_lp linear_backward_lp embedding_forward_lp)
+# each (entry, order) is its own process: run them EMU_JOBS at a time (default: one per core),
+# then report in order
+jobs=${EMU_JOBS:-$(nproc 2>/dev/null || echo 1)}
+running=0
+for e in "${entries[@]}"; do
+  for rev in "" 1; do
+    (EMU_REVERSE=$rev ASAN_OPTIONS=detect_stack_use_after_return=0 "$OUT/emu_test" "$e" >"$OUT/out.$e.${rev:-0}" 2>&1 || true) &
+    running=$((running + 1))
+    if [ "$running" -ge "$jobs" ]; then
+      wait -n || true
+      running=$((running - 1))
+    fi
+  done
+done
+wait
 fail=0
 for e in "${entries[@]}"; do
   for rev in "" 1; do
-    line=$(EMU_REVERSE=$rev ASAN_OPTIONS=detect_stack_use_after_return=0 "$OUT/emu_test" "$e" 2>&1 | grep -v '^entries\|^covered\|^device\|WARNING: ASan' || true)
+    line=$(grep -v '^entries\|^covered\|^device\|WARNING: ASan' "$OUT/out.$e.${rev:-0}" || true)
     echo "${rev:+(reverse order) }$line" | head -12
     grep -q "^cudaemu $e: ok" <<<"$line" || fail=1
     ! grep -q ": FAIL" <<<"$line" || fail=1 # the entry's extra cases (quant_<entry>) too
