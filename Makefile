@@ -198,7 +198,7 @@ check: all
 clean:
 	rm -rf build build-san build-debug
 
-# The C core's sources, one per line (tests/test_build.py compares setup.py's list with it).
+# The C core's sources, one per line (tests/project/test_build.py compares setup.py's list with it).
 print-core-sources:
 	@printf '%s\n' $(CORE_SRC)
 

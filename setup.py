@@ -255,7 +255,7 @@ def opt_flags(cfg):
 def mpi_plugin_command(plan, lib, compiler, cfg):
     """The one command (compile and link) of libtpcore_mpi.so: sources.mk's TP_MPI_DIRS and
     TP_MPI_EXTRA with flags.mk's plugin flags, the build's optimisation and mpicc's flags, the
-    entry alone exported (TP_MPI_MAP).  The Makefile's rule runs the same (tests/test_build.py)."""
+    entry alone exported (TP_MPI_MAP).  The Makefile's rule runs the same (tests/project/test_build.py)."""
     src, fl = read_source_dirs(), read_flags()
     opt, ld = opt_flags(cfg)
     srcs = _dir_files(src["TP_MPI_DIRS"], ".c") + src["TP_MPI_EXTRA"]
@@ -268,7 +268,7 @@ def cuda_plugin_commands(plan, build_dir, compiler):
     sources.mk's TP_CUDA_DIRS by nvcc, every .c (and TP_CUDA_EXTRA) by the C compiler, linked by
     nvcc with the static CUDA runtime and one exported symbol (TP_CUDA_MAP); flags.mk's
     TP_NVCCFLAGS / TP_CUDA_CFLAGS / TP_CUDA_LDFLAGS.  Files are placed as the Makefile's in its
-    BUILD (cuda-obj/<path under csrc>.cu.o and .o, libtpcore_cuda.so): tests/test_build.py
+    BUILD (cuda-obj/<path under csrc>.cu.o and .o, libtpcore_cuda.so): tests/project/test_build.py
     compares the two."""
     nvcc, root, archs = plan["nvcc"], plan["root"], plan["archs"]
     objdir = os.path.join(build_dir, "cuda-obj")

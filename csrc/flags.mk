@@ -3,7 +3,7 @@
 # quoting, since setup.py passes each word as one argument).  What a build finds on the machine
 # is added by that build: BLAS (scipy-openblas32 or pkg-config), mpicc's flags, the CUDA
 # toolkit's include/, the -gencode flags and TP_CUDA_ARCH_STR of the chosen architectures.
-# tests/test_build.py checks that both builds compile and link the plugins with these.
+# tests/project/test_build.py checks that both builds compile and link the plugins with these.
 
 # Every C file: the core (libtpcore.a), the extension tpcore._C, the C tests, the plugins' C files.
 TP_CFLAGS := -std=c11 -Wall -Wextra -Wno-unused-parameter -fPIC -fvisibility=hidden -D_GNU_SOURCE -Icsrc/include

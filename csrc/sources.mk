@@ -7,7 +7,7 @@
 #                    plus csrc/core/dtype.c, dynlib_sym.c (setup.py's build_ext; `make CUDA=1`)
 #   TP_MPI_DIRS      the MPI plugin libtpcore_mpi.so: every *.c of these (mpicc's flags), plus
 #                    csrc/core/dtype.c
-# Every C file of csrc/ outside csrc/tests is in exactly one of them (tests/test_build.py).
+# Every C file of csrc/ outside csrc/tests is in exactly one of them (tests/project/test_build.py).
 TP_CORE_DIRS := csrc/core csrc/devices csrc/kernels csrc/kernels/cpu csrc/comm csrc/comm/shm csrc/comm/nccl csrc/comm/store csrc/comm/mpi csrc/cuda csrc/layers
 TP_PYTHON_DIRS := csrc/python
 TP_CUDA_DIRS := csrc/cuda/plugin csrc/cuda/kernels

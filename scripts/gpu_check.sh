@@ -18,7 +18,7 @@
 #           GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K and int8 rows through the lp entries, the decode GEMV
 #           and the prefill panel GEMM, against a host dequantizer equal to gguf's and a float64
 #           GEMM) make the "quant" row
-#   tests   pytest tests/test_gpu.py: layers and blocks on device="cuda" at world 1 and 2
+#   tests   pytest tests/devices/test_gpu.py: layers and blocks on device="cuda" at world 1 and 2
 #           (host-staged shm and NCCL), NCCL collectives at world 1 and 2 on the one GPU,
 #           DLPack round trips with torch and CuPy, error cases
 #   bench   python -m tpcore.bench gpu: GEMM TFLOP/s vs torch.matmul, decode tok/s and TTFT vs
@@ -276,8 +276,8 @@ fi
 
 # ----------------------------------------------------------------------------------------- tests
 # The GPU cases of the other test files (each skips without CUDA; here they run).
-GPU_TEST_FILES="tests/test_device_layers.py tests/test_device_arrays.py tests/test_dlpack.py tests/test_launch_gpus.py tests/test_cuda_build.py tests/test_nccl.py"
-[ -f tests/test_device_comm.py ] && GPU_TEST_FILES="$GPU_TEST_FILES tests/test_device_comm.py"
+GPU_TEST_FILES="tests/devices/test_device_layers.py tests/devices/test_device_arrays.py tests/utils/test_dlpack.py tests/launch/test_launch_gpus.py tests/devices/test_cuda_build.py tests/devices/test_nccl.py"
+[ -f tests/devices/test_device_comm.py ] && GPU_TEST_FILES="$GPU_TEST_FILES tests/devices/test_device_comm.py"
 if selected tests; then
   if selected build && [ "$BUILD_OK" != 1 ]; then
     row tests "not run: the build failed"
@@ -286,7 +286,7 @@ if selected tests; then
     timeout 30 "$PY" -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(-p pytest_timeout --timeout=170)
     run_step tests 240 env TPCORE_TEST_KERNELS_BIN="$HARNESS" TPCORE_TEST_CUDA_PLUGIN="$PLUGIN" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
       "${PT_TIMEOUT[@]}" \
-      -o junit_family=xunit1 --junitxml="$WORK/junit.xml" tests/test_gpu.py $GPU_TEST_FILES
+      -o junit_family=xunit1 --junitxml="$WORK/junit.xml" tests/devices/test_gpu.py $GPU_TEST_FILES
     echo "$RC" > "$WORK/tests.rc"
   fi
 fi
@@ -367,7 +367,7 @@ if sel("tests"):
         for key, label, pat in GROUPS:
             sub = [c for c in cases if pat is None or pat in c[0]]
             if not sub:
-                out(key, "not run: no test of this group in tests/test_gpu.py")
+                out(key, "not run: no test of this group in tests/devices/test_gpu.py")
                 continue
             n = {s: sum(1 for c in sub if c[1] == s) for s in ("passed", "failed", "skipped")}
             text = f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped"
@@ -453,7 +453,7 @@ declare -A LABEL=(
   [date]="date" [card]="card" [versions]="versions" [nccl_lib]="NCCL library" [wheels]="carried wheels"
   [build]="build (tpcore + CUDA plugin)" [parity]="kernel parity, C harness (CUDA table)"
   [quant]="  quantized weights (GGUF, int8) on CUDA"
-  [tests]="GPU tests (tests/test_gpu.py)" [parity_py]="  kernel parity via pytest"
+  [tests]="GPU tests (tests/devices/test_gpu.py)" [parity_py]="  kernel parity via pytest"
   [layers_w1]="  layers/blocks cuda, world 1" [nccl_w1]="  NCCL world 1" [nccl_w2]="  NCCL world 2, one GPU"
   [staged_w2]="  host-staged shm, world 2" [dlpack]="  DLPack round trips (torch, CuPy)" [errors]="  error cases"
   [gemm]="GEMM column-parallel vs torch.matmul" [decode_gpt2]="decode GPT-2-small (124M) vs HF"
@@ -520,7 +520,7 @@ if [ -f "$WORK/bench.log" ]; then
 fi
 if [ -f "$WORK/tests.log" ]; then
   echo
-  echo "-------------------- pytest tests/test_gpu.py (last 15 lines)"
+  echo "-------------------- pytest tests/devices/test_gpu.py (last 15 lines)"
   tail -n 15 "$WORK/tests.log"
 fi
 cat "$WORK/summary.txt"

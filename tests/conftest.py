@@ -40,7 +40,10 @@ def run_fresh(module: str, fn: str, n: int, args: tuple = (), timeout: float = 3
     import subprocess
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import json, sys, tpcore; sys.path.insert(0, {here!r}); import {module} as m; "
+    found = glob.glob(os.path.join(here, "*", f"{module}.py")) + glob.glob(os.path.join(here, f"{module}.py"))
+    assert len(found) == 1, (module, found)
+    dirs = [here, os.path.dirname(found[0])]
+    code = (f"import json, sys, tpcore; sys.path[:0] = {dirs!r}; import {module} as m; "
             f"print(json.dumps(tpcore.spawn(m.{fn}, {int(n)}, args=tuple(json.loads({json.dumps(list(args))!r})))))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))

@@ -1,4 +1,4 @@
-"""One rank of a tensor-parallel model across simulated hosts (tests/test_mpi_hosts.py), started
+"""One rank of a tensor-parallel model across simulated hosts (tests/launch/test_mpi_hosts.py), started
 by mpirun inside network namespaces: tpcore.init(backend="mpi"), a TransformerLM split over every
 rank of the job (its logits and greedy tokens), then the same model as a 2-stage pipeline with 2-way
 TP stages (a training step's loss, greedy tokens), written to OUT/rank<r>.npz with this rank's

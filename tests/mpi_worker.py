@@ -1,4 +1,4 @@
-"""One rank of tests/test_mpi.py's jobs, started by mpirun (or tpcore.launch --backend mpi).
+"""One rank of tests/launch/test_mpi.py's jobs, started by mpirun (or tpcore.launch --backend mpi).
 
     python mpi_worker.py collectives   every collective, dtype, op, even and uneven counts,
                                        p2p, sendrecv ring, split, a TP layer pair vs world 1

@@ -104,3 +104,15 @@ def directional_errors(loss, x64, P64, dx, grads, keys, g, eps=1e-6, rtol=1e-4):
         if abs(fd - an) > rtol * (1 + abs(fd)):
             errs.append(f"d{k}: directional {an:.6g} vs finite difference {fd:.6g}")
     return errs
+
+
+def random_block_params(block, g):
+    """Random full parameters of a block (or attention), by block.full_shapes(): norm weights
+    near 1, the other weights and biases small normals from the generator g."""
+    P = {}
+    for name, shape in block.full_shapes().items():
+        if name.startswith("norm") and name.endswith("weight"):
+            P[name] = (1 + 0.3 * g.standard_normal(shape)).astype(np.float32)
+        else:
+            P[name] = (g.standard_normal(shape) * (0.3 if name.endswith("weight") else 0.2)).astype(np.float32)
+    return P

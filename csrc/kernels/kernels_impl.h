@@ -8,7 +8,7 @@
  * A new kernel: its field below (documented), its name in TP_KERNEL_ENTRIES (the static
  * assert counts them), tp_cpu_<name> in a cpu/ file (cpu_impl.h declares it and
  * cpu/table.c lists it from TP_KERNEL_ENTRIES), and a parity case in
- * csrc/tests/test_kernels*.c (the harness and tests/test_kernels.py fail an entry
+ * csrc/tests/test_kernels*.c (the harness and tests/csrc/test_kernels.py fail an entry
  * without one); a public tensor wrapper in api*.c when it is useful outside the layers.
  *
  * Conventions of every entry (llm.c style):

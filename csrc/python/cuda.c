@@ -140,7 +140,7 @@ static PyObject *device_stream_entries(PyObject *m, PyObject *args) {
 }
 
 /* Bytes of a known pattern through a device and back; every step's outcome is checked by
- * the test (tests/test_cuda_build.py), on the CPU here and on a GPU where there is one. */
+ * the test (tests/devices/test_cuda_build.py), on the CPU here and on a GPU where there is one. */
 static tp_status_t selftest(tp_device_t d, int id, size_t n, unsigned char *src, unsigned char *back, int *owns_dev,
                             int *owns_host, int *owns_id, int *done) {
   void *a = NULL, *b = NULL;

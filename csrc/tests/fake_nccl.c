@@ -1,7 +1,7 @@
 /*
  * A stand-in for libnccl.so.2 for the NCCL binding's error paths (no GPU, no NCCL
  * here): every entry the binding looks up, doing nothing.  Built by the Makefile
- * (test target) and by tests/test_nccl.py with:
+ * (test target) and by tests/devices/test_nccl.py with:
  *   -DFAKE_VERSION=21603   what ncclGetVersion says (2.16.3: too old)
  *   -DFAKE_OMIT_SPLIT      leave ncclCommSplit out (a library lacking a symbol)
  * Its init entries fail, so nothing can get past them by accident.

@@ -3,7 +3,7 @@
  * dot1 / dot4 kernels of every ISA level this CPU runs against a double dot of the
  * dequantized row, quantize -> dequantize error bounds, and blocks whose f16 fields are
  * Inf / NaN (no crash; the poisoned block's values are non-finite, the others unchanged).
- * Bit-for-bit equality with gguf-py's dequantizers is tests/test_quant_kernels.py's.
+ * Bit-for-bit equality with gguf-py's dequantizers is tests/csrc/test_quant_kernels.py's.
  *
  * Fresh random rows each run: the seed is printed (TP_QUANT_SEED=N repeats a run). */
 #ifndef _GNU_SOURCE

