@@ -29,7 +29,6 @@ with tpcore.Store(addr, 29400, is_server=True, secret=secret, timeout=20) as s:
 
 STORE_CLIENT = """
 import sys, tpcore
-import paths
 addr, secret, me = sys.argv[1], sys.argv[2], sys.argv[3]
 with tpcore.Store(addr, 29400, secret=secret, timeout=20) as s:
     s.set(f"from/{me}", f"hello from {me}")

@@ -233,93 +233,98 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
         threads = _default_threads(world)
     threads = int_arg(threads, who, "threads", lo=1, hi=1 << 16)
 
-    C, D, L, V, F = cfg.hidden, cfg.head_dim, cfg.layers, cfg.vocab_size, cfg.ffn_hidden
-    g = 2 if cfg.activation == "swiglu" else 1
-    ln = cfg.norm == "layernorm"
+    V, F = cfg.vocab_size, cfg.ffn_hidden
     heads = _heads(cfg, world, partition, dts["out"], who)
     kvrep = _kv_replicated(heads)
     blk = block_size(dts["fc2"]) if is_quantized(dts["fc2"]) else 1
     ffn = _split(ffn_partition, F, world, "ffn_hidden", who, align=blk)
     vocab = _split(vocab_partition, V, world, "vocab_size", who)
-    B, M = batch, batch * P
-    nb = not training                    # inference: a cache, no backward
-    need_bw = training
     devname = "cpu" if not gpu else f"cuda:{dev[1]}"
-
     out = []
     for r in range(world):
-        q0, nq, k0, nk = heads[r]
-        f, Vr = ffn[r], vocab[r]
-        W, A = (nq + 2 * nk) * D, nq * D
-        p = dict.fromkeys(MEMORY_KEYS, 0)
-        trainable = []                   # (elements, storage dtype, C layer, copies) of each weight with a gradient
-
-        def weight(fmt, rows, cols, k=1):  # a C layer's weight (k copies: one per block): its own aligned slice
-            p["params"] += k * _a(_wbytes(fmt, rows, cols))
-            if not is_quantized(fmt):
-                trainable.append((rows * cols, fmt, True, k))
-
-        def f32(n, c_layer=True, k=1):     # a float32 parameter: a C layer's slice, or a model's NumPy array
-            p["params"] += k * (_a(4 * n) if c_layer else 4 * n)
-            trainable.append((n, "float32", c_layer, k))
-
-        # the embeddings, and the norms outside the blocks
-        weight(dts["embedding"], Vr, C)
-        if cfg.positions == "learned":   # the model's own NumPy arrays: exact sizes
-            f32(cfg.max_positions * C, False)
-        if cfg.type_vocab_size:
-            f32(cfg.type_vocab_size * C, False)
-        for _ in range(int(cfg.embedding_norm) + int(cfg.final_norm and cfg.pre_norm)):
-            for _ in range(2 if ln else 1):
-                f32(C, False)
-        if not cfg.tie_embeddings:
-            weight(dts["head"], Vr, C)
-        # the blocks: L of the same sizes (counted once, times L: no loop over a config's layers)
-        weight(dts["qkv"], W, C, L)
-        if cfg.bias:
-            f32(W, k=L)
-        for _ in range(2 * (2 if ln else 1)):             # norm1, norm2 (weights, biases)
-            f32(C, k=L)
-        weight(dts["out"], C, A, L)
-        if cfg.bias:
-            f32(C, k=L)
-        weight(dts["fc1"], g * f, C, L)
-        if cfg.bias:
-            f32(g * f, k=L)
-        weight(dts["fc2"], C, f, L)
-        if cfg.bias:
-            f32(C, k=L)
-        ws_block, comm_block, shared = _block_workspace(cfg, B, P, T if cfg.causal else P, nq, nk, W, A, f, g,
-                                                        kvrep, need_bw, gpu, threads, world)
-        p["workspace"] += L * ws_block + (shared[0] if L else 0)
-        p["comm"] += L * comm_block + (shared[1] if L else 0)
-        if nb and cfg.causal:
-            p["kv_cache"] = L * _a(B * T * nk * D * 4) * 2
-            p["kv_cache_used"] = L * 2 * B * T * nk * D * 4
-        # the embedding's forward
-        p["workspace"] += _a(M * 8) + _a(2 * 8)
-        if world > 1:
-            p["comm"] += _reg(M * C * 4)
-        if training:
-            # float32 gradients (a C layer's each in its aligned slice); the optimizer's NumPy state
-            p["grads"] = sum(k * (_a(4 * n) if c else 4 * n) for n, _, c, k in trainable)
-            if optimizer == "adamw":
-                p["optimizer"] = sum(k * (8 * n + (4 * n if fmt != "float32" else 0)) for n, fmt, _, k in trainable)
-            elif optimizer == "sgd_momentum":
-                p["optimizer"] = sum(k * (4 * n + (4 * n if fmt != "float32" else 0)) for n, fmt, _, k in trainable)
-            elif optimizer == "sgd":
-                p["optimizer"] = sum(k * 4 * n for n, fmt, _, k in trainable if fmt != "float32")
-            # the logits shard (kept across steps)
-            p["workspace"] += M * Vr * 4
-            if not cfg.tie_embeddings:   # the head keeps its input for backward, all-reduces its gradient
-                p["workspace"] += _a(M * C * 4) + _a(0)
-                if world > 1:
-                    p["comm"] += _reg(M * C * 4)
-        p["total"] = sum(p[k] for k in MEMORY_KEYS if k != "kv_cache_used")
+        p = _rank_memory(cfg, dts, heads[r], ffn[r], vocab[r], batch, P, T, kvrep, training, optimizer, gpu,
+                         threads, world)
         p["device"] = devname
         p["by_device"] = {devname: p["total"]}   # a GPU model keeps its own arrays there too
         out.append(p)
     return out
+
+
+def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu, threads, world):
+    """One rank's bytes by MEMORY_KEYS: its heads (q0, nq, k0, nk), f FFN columns and Vr vocabulary
+    rows, B sequences, P tokens per inference forward, T tokens of cache."""
+    C, D, L = cfg.hidden, cfg.head_dim, cfg.layers
+    g = 2 if cfg.activation == "swiglu" else 1
+    ln = cfg.norm == "layernorm"
+    M = B * P
+    _, nq, _, nk = head
+    W, A = (nq + 2 * nk) * D, nq * D
+    p = dict.fromkeys(MEMORY_KEYS, 0)
+    trainable = []                   # (elements, storage dtype, C layer, copies) of each weight with a gradient
+
+    def weight(fmt, rows, cols, k=1):  # a C layer's weight (k copies: one per block): its own aligned slice
+        p["params"] += k * _a(_wbytes(fmt, rows, cols))
+        if not is_quantized(fmt):
+            trainable.append((rows * cols, fmt, True, k))
+
+    def f32(n, c_layer=True, k=1):     # a float32 parameter: a C layer's slice, or a model's NumPy array
+        p["params"] += k * (_a(4 * n) if c_layer else 4 * n)
+        trainable.append((n, "float32", c_layer, k))
+
+    # the embeddings, and the norms outside the blocks
+    weight(dts["embedding"], Vr, C)
+    if cfg.positions == "learned":   # the model's own NumPy arrays: exact sizes
+        f32(cfg.max_positions * C, False)
+    if cfg.type_vocab_size:
+        f32(cfg.type_vocab_size * C, False)
+    for _ in range(int(cfg.embedding_norm) + int(cfg.final_norm and cfg.pre_norm)):
+        for _ in range(2 if ln else 1):
+            f32(C, False)
+    if not cfg.tie_embeddings:
+        weight(dts["head"], Vr, C)
+    # the blocks: L of the same sizes (counted once, times L: no loop over a config's layers)
+    weight(dts["qkv"], W, C, L)
+    if cfg.bias:
+        f32(W, k=L)
+    for _ in range(2 * (2 if ln else 1)):             # norm1, norm2 (weights, biases)
+        f32(C, k=L)
+    weight(dts["out"], C, A, L)
+    if cfg.bias:
+        f32(C, k=L)
+    weight(dts["fc1"], g * f, C, L)
+    if cfg.bias:
+        f32(g * f, k=L)
+    weight(dts["fc2"], C, f, L)
+    if cfg.bias:
+        f32(C, k=L)
+    ws_block, comm_block, shared = _block_workspace(cfg, B, P, T if cfg.causal else P, nq, nk, W, A, f, g,
+                                                    kvrep, training, gpu, threads, world)
+    p["workspace"] += L * ws_block + (shared[0] if L else 0)
+    p["comm"] += L * comm_block + (shared[1] if L else 0)
+    if not training and cfg.causal:   # inference: a cache, no backward
+        p["kv_cache"] = L * _a(B * T * nk * D * 4) * 2
+        p["kv_cache_used"] = L * 2 * B * T * nk * D * 4
+    # the embedding's forward
+    p["workspace"] += _a(M * 8) + _a(2 * 8)
+    if world > 1:
+        p["comm"] += _reg(M * C * 4)
+    if training:
+        # float32 gradients (a C layer's each in its aligned slice); the optimizer's NumPy state
+        p["grads"] = sum(k * (_a(4 * n) if c else 4 * n) for n, _, c, k in trainable)
+        if optimizer == "adamw":
+            p["optimizer"] = sum(k * (8 * n + (4 * n if fmt != "float32" else 0)) for n, fmt, _, k in trainable)
+        elif optimizer == "sgd_momentum":
+            p["optimizer"] = sum(k * (4 * n + (4 * n if fmt != "float32" else 0)) for n, fmt, _, k in trainable)
+        elif optimizer == "sgd":
+            p["optimizer"] = sum(k * 4 * n for n, fmt, _, k in trainable if fmt != "float32")
+        # the logits shard (kept across steps)
+        p["workspace"] += M * Vr * 4
+        if not cfg.tie_embeddings:   # the head keeps its input for backward, all-reduces its gradient
+            p["workspace"] += _a(M * C * 4) + _a(0)
+            if world > 1:
+                p["comm"] += _reg(M * C * 4)
+    p["total"] = sum(p[k] for k in MEMORY_KEYS if k != "kv_cache_used")
+    return p
 
 
 def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, threads,
