@@ -12,6 +12,7 @@ import glob
 import multiprocessing
 import os
 import secrets
+import signal
 import time
 
 import numpy as np
@@ -194,3 +195,18 @@ def mismatches(name, got, ref, scale=1.0):
         tol = TOL[name] * (scale + np.abs(ref))
         return int(np.count_nonzero(~(np.abs(g - ref) <= tol)))
     return int(np.count_nonzero(got != ref))
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this process during the test, as in a terminal or a
+    notebook kernel.  A process started in the background by a non-interactive shell
+    (``nohup pytest &``, many CI steps) inherits SIGINT ignored, and Python then leaves it
+    ignored: the interrupt these tests send would do nothing (see
+    test_an_ignored_sigint_leaves_run_alone for that case)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if old is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, old)

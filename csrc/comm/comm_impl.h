@@ -1,7 +1,7 @@
 /*
  * Private side of the communicator interface: the backend table, the registry's
- * entry and the common communicator struct.  A backend is a few files (shm_*.c,
- * later nccl.c, mpi.c) that fill a tp_backend_ops, plus one line in backends.c;
+ * entry and the common communicator struct.  A backend is a folder of files (shm/,
+ * nccl/, mpi/) that fill a tp_backend_ops, plus one line in backends.c;
  * the dispatcher in comm.c names no backend, validates every argument once
  * (including the device of each buffer against the table's `devices` and the
  * stream against `streams`), and the backends trust their inputs.

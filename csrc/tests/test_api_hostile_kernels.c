@@ -61,12 +61,17 @@ static void kernel_case(const char *op, int kind, int nargs, const char *const *
   }
 }
 
-void test_kernels(void) {
-  static float h[M * 2 * N], dh[M * 2 * N], out[M * N], dout[M * N], st[2 * M], st2[2 * M], mean[M], rstd[M];
-  static float ws[4096];
-  for (int i = 0; i < M; i++) tok[i] = i % 2;
-  tp_tensor x = T2(xa, M, K), y = T2(ya, M, N), w = T2(wa, N, K), b = T1(ba, N), dx = T2(ga, M, K);
-  tp_tensor dw = T2(wa + 1024, N, K), db = T1(ba + 1024, N), dy = T2(ya + 1024, M, N);
+/* Views over the shared buffers of test_api_hostile.h that several groups below use. */
+#define LINEAR_VIEWS                                                                                \
+  tp_tensor x = T2(xa, M, K), y = T2(ya, M, N), w = T2(wa, N, K), b = T1(ba, N), dx = T2(ga, M, K); \
+  tp_tensor dw = T2(wa + 1024, N, K), db = T1(ba + 1024, N), dy = T2(ya + 1024, M, N);              \
+  (void)x, (void)y, (void)w, (void)b, (void)dx, (void)dw, (void)db, (void)dy
+static float h[M * 2 * N], dh[M * 2 * N], out[M * N], dout[M * N], st[2 * M], st2[2 * M], mean[M], rstd[M];
+static float ws[4096];
+
+/* linear_forward / linear_backward, float32 and 16-bit weights */
+static void hostile_linear(void) {
+  LINEAR_VIEWS;
   {
     const char *nm[] = {"y", "x", "w", "b"};
     const tp_tensor *g[] = {&y, &x, &w, &b};
@@ -99,7 +104,10 @@ void test_kernels(void) {
   }
   ARG(tp_linear_forward(NULL, &y, &x, P(with_dtype(w, TP_INT64)), &b), "linear_forward", "w");
   ARG(tp_linear_forward(NULL, &y, &x, P(with_dtype(w, TP_UINT8)), &b), "linear_forward", "bfloat16");
-  /* conversion: y and x of one shape, any of float32 / bfloat16 / float16 */
+}
+
+/* convert: y and x of one shape, any of float32 / bfloat16 / float16 */
+static void hostile_convert(void) {
   {
     tp_tensor cy = with_dtype(T2(ya, M, K), TP_BFLOAT16), cx = T2(xa, M, K);
     const char *nm[] = {"y", "x"};
@@ -116,6 +124,10 @@ void test_kernels(void) {
     ARG(tp_convert(NULL, P(with_dtype(T2(xa + 1, M, K), TP_BFLOAT16)), &cx), "convert", "overlap");
     ARG(tp_convert(NULL, P(with_dtype(T2(xa, M, K), TP_FLOAT16)), &cx), "convert", "overlap");
   }
+}
+
+/* activations with and without bias, forward and backward, and the workspace */
+static void hostile_activations(void) {
   tp_tensor H = T2(h, M, N), O = T2(out, M, N), DH = T2(dh, M, N), DO = T2(dout, M, N), HB = T1(ba, N);
   {
     const char *nm[] = {"out", "h"};
@@ -172,7 +184,10 @@ void test_kernels(void) {
   ARG(tp_act_forward(NULL, &O, &H, (tp_activation_t)99), "act_forward", "act");
   ARG(tp_act_forward(NULL, &O, P(T2(h, M, 2 * N - 1)), TP_ACT_SWIGLU), "act_forward", "h");
   ARG(tp_act_backward(NULL, &DH, &H, &DO, (tp_activation_t)5), "act_backward", "act");
-  /* embedding / cross-entropy */
+}
+
+/* the embedding and the vocab-parallel cross-entropy */
+static void hostile_embedding_xent(void) {
   tp_tensor tab = T2(wa, 2, N), E = T2(ya, M, N), TK = I1(tok, M);
   {
     const char *nm[] = {"out", "tokens", "table"};
@@ -212,7 +227,10 @@ void test_kernels(void) {
   }
   ARG(tp_xent_row_sums(NULL, &SU, &L, &GM, &TG, -5), "xent_row_sums", "lo");
   ARG(tp_xent_backward(NULL, P(T2(ga, M, K)), &L, &GM, &SE, &TG, NULL, 1.0f, INT64_MAX), "xent_backward", "lo");
-  /* norms */
+}
+
+/* layernorm, rmsnorm, rope, AdamW and SGD */
+static void hostile_norms_rope_optimizers(void) {
   tp_tensor NX = T2(xa, M, K), NY = T2(ya, M, K), NW = T1(wa, K), NB = T1(ba, K), MU = T1(mean, M), RS = T1(rstd, M);
   tp_tensor NDX = T2(ga, M, K), NDY = T2(ga + 1024, M, K), NDW = T1(wa + 1024, K), NDB = T1(ba + 1024, K);
   {
@@ -272,7 +290,12 @@ void test_kernels(void) {
     int opt2[] = {0, 0, 1};
     kernel_case("sgd_step", 17, 3, nm2, gd2, opt2, __LINE__);
   }
-  /* zero-size calls succeed and touch nothing (NULL data) */
+}
+
+/* zero-size calls (touch nothing), shapes past BLAS's int, mixed devices */
+static void hostile_zero_and_huge_sizes(void) {
+  LINEAR_VIEWS;
+  tp_tensor tab = T2(wa, 2, N), NW = T1(wa, K);
   {
     tp_tensor z0 = T2(NULL, 0, K), zy = T2(NULL, 0, N), zk = T2(NULL, M, 0), zw = T2(NULL, N, 0);
     OK(tp_linear_forward(NULL, &zy, &z0, &w, &b));
@@ -306,7 +329,10 @@ void test_kernels(void) {
                         P(with_dev(w, TP_DEVICE_CUDA, 0)), NULL),
       ANY_ERR, "linear_forward", "cuda");
   BAD(tp_linear_forward(NULL, &y, &x, &w, P(with_dev(b, TP_DEVICE_CUDA, 1))), ANY_ERR, "linear_forward", "b");
-  /* attention */
+}
+
+/* attention: every field of its arguments, workspaces, zero size */
+static void hostile_attention(void) {
   {
     static float q[2 * 3 * 8], kk[2 * 3 * 8], vv[2 * 3 * 8], o[2 * 3 * 8], pr[2 * 2 * 3 * 3];
     tp_attention_args a;
@@ -369,4 +395,15 @@ void test_kernels(void) {
     b2.B = 0, b2.q = NULL, b2.k = NULL, b2.v = NULL, b2.o = NULL, b2.probs = NULL;
     OK(tp_attention_forward(NULL, &b2, NULL));
   }
+}
+
+void test_kernels(void) {
+  for (int i = 0; i < M; i++) tok[i] = i % 2;
+  hostile_linear();
+  hostile_convert();
+  hostile_activations();
+  hostile_embedding_xent();
+  hostile_norms_rope_optimizers();
+  hostile_zero_and_huge_sizes();
+  hostile_attention();
 }

@@ -330,10 +330,18 @@ void test_vocab(tp_comm_t comm) {
   printf("vocab: done\n");
 }
 
-void test_block(tp_comm_t comm) {
-  enum { C = 8, HEADS = 2, D = 4, FF = 12 };
+/* The block of the hostile calls below: hidden BLK_C, BLK_HEADS heads of BLK_D, FFN BLK_FF. */
+enum { BLK_C = 8, BLK_HEADS = 2, BLK_D = 4, BLK_FF = 12 };
+
+static tp_block_config_t block_config(void) {
   tp_block_config_t cfg = TP_BLOCK_CONFIG_INITIALIZER;
-  cfg.hidden = C, cfg.heads = HEADS, cfg.kv_heads = HEADS, cfg.head_dim = D, cfg.ffn_hidden = FF;
+  cfg.hidden = BLK_C, cfg.heads = BLK_HEADS, cfg.kv_heads = BLK_HEADS, cfg.head_dim = BLK_D, cfg.ffn_hidden = BLK_FF;
+  return cfg;
+}
+
+/* Configurations the block refuses: nothing is created. */
+static void block_bad_configs(tp_comm_t comm) {
+  tp_block_config_t cfg = block_config();
   tp_block_t b = NULL;
   ARG(tp_block_create(NULL, comm, &cfg), "block", "out");
   ARG(tp_block_create(&b, comm, NULL), "block", "config");
@@ -368,15 +376,16 @@ void test_block(tp_comm_t comm) {
     c2 = cfg, c2.ffn_hidden = HUGE_DIMS[h];
     ARG(tp_block_create(&b, comm, &c2), "block", NULL);
   }
-  const int64_t badheads[1] = {HEADS + 1}, badffn[1] = {-FF};
+  const int64_t badheads[1] = {BLK_HEADS + 1}, badffn[1] = {-BLK_FF};
   c2 = cfg, c2.head_partition = badheads;
   ARG(tp_block_create(&b, comm, &c2), "block", "head_partition");
   c2 = cfg, c2.ffn_partition = badffn;
   ARG(tp_block_create(&b, comm, &c2), "block", "partition");
   TRUE(b == NULL);
-  cfg.rope_theta = 1e4f;
-  OK(tp_block_create(&b, comm, &cfg));
-  if (!b) return;
+}
+
+/* Forward and backward on hostile batches, tensors and sizes, and the rules between them. */
+static void block_bad_calls(tp_block_t b) {
   tp_block_info_t info;
   ARG(tp_block_info(b, NULL), "block", "info");
   OK(tp_block_info(b, &info));
@@ -387,7 +396,7 @@ void test_block(tp_comm_t comm) {
   TRUE(tp_block_params(b, prm, -1) == np);
   TRUE(tp_block_params(NULL, prm, 32) <= 0);
   tp_block_batch_t bt = {1, M, NULL, NULL, 0, 1, NULL};
-  tp_tensor x = T2(xa, M, C), y = T2(ya, M, C), dx = T2(ga, M, C), dy = T2(ya + 1024, M, C);
+  tp_tensor x = T2(xa, M, BLK_C), y = T2(ya, M, BLK_C), dx = T2(ga, M, BLK_C), dy = T2(ya + 1024, M, BLK_C);
   for (int i = 0; i < 64 * 64; i++) xa[i] = (float)((i % 9) - 4) * 0.1f, ya[i] = (float)((i % 5) - 2) * 0.1f;
   BAD(tp_block_backward(b, &dx, &dy, NULL), ANY_ERR, "block backward", "forward");
   /* hostile batches */
@@ -420,7 +429,7 @@ void test_block(tp_comm_t comm) {
                        with_ndim(v[i].good, 9),
                        with_ndim(v[i].good, 0),
                        as3d(v[i].good),
-                       with_shape(v[i].good, 1, C + 1),
+                       with_shape(v[i].good, 1, BLK_C + 1),
                        with_shape(v[i].good, 0, -1),
                        with_shape(v[i].good, 1, INT64_MAX),
                        with_stride(v[i].good, 1, 0),
@@ -437,16 +446,16 @@ void test_block(tp_comm_t comm) {
   BAD(tp_block_backward(b, &dx, &dy, NULL), ANY_ERR, "block backward", "forward");
   /* zero rows */
   tp_block_batch_t bz = {0, 0, NULL, NULL, 0, 1, NULL};
-  OK(tp_block_forward(b, P(T2(NULL, 0, C)), P(T2(NULL, 0, C)), &bz, NULL));
-  OK(tp_block_backward(b, P(T2(NULL, 0, C)), P(T2(NULL, 0, C)), NULL));
+  OK(tp_block_forward(b, P(T2(NULL, 0, BLK_C)), P(T2(NULL, 0, BLK_C)), &bz, NULL));
+  OK(tp_block_backward(b, P(T2(NULL, 0, BLK_C)), P(T2(NULL, 0, BLK_C)), NULL));
   /* growing and shrinking M */
   static const int64_t Ts[] = {1, 9, 2, 16, 3};
   for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
     tp_block_batch_t bb = {2, Ts[i], NULL, NULL, 0, 1, NULL};
     int64_t m = 2 * Ts[i];
-    OK(tp_block_forward(b, P(T2(ya + 2048, m, C)), P(T2(xa, m, C)), &bb, NULL));
-    OK(tp_block_backward(b, P(T2(ga, m, C)), P(T2(ya, m, C)), NULL));
-    ARG(tp_block_backward(b, P(T2(ga, m + 2, C)), P(T2(ya, m + 2, C)), NULL), "block backward", NULL);
+    OK(tp_block_forward(b, P(T2(ya + 2048, m, BLK_C)), P(T2(xa, m, BLK_C)), &bb, NULL));
+    OK(tp_block_backward(b, P(T2(ga, m, BLK_C)), P(T2(ya, m, BLK_C)), NULL));
+    ARG(tp_block_backward(b, P(T2(ga, m + 2, BLK_C)), P(T2(ya, m + 2, BLK_C)), NULL), "block backward", NULL);
   }
   /* forward without need_backward: backward refused */
   tp_block_batch_t nb = {1, M, NULL, NULL, 0, 0, NULL};
@@ -459,7 +468,7 @@ void test_block(tp_comm_t comm) {
                      with_ndim(dy, 9),
                      with_ndim(dy, -1),
                      as3d(dy),
-                     with_shape(dy, 1, C - 1),
+                     with_shape(dy, 1, BLK_C - 1),
                      with_shape(dy, 0, INT64_MIN),
                      with_stride(dy, 1, 3),
                      with_dev(dy, TP_DEVICE_CUDA, 0),
@@ -470,6 +479,11 @@ void test_block(tp_comm_t comm) {
     }
   }
   ARG(tp_block_backward(NULL, &dx, &dy, NULL), "block backward", NULL);
+}
+
+/* The KV cache: hostile sizes and positions, shrinking and growing. */
+static void block_bad_cache(tp_block_t b) {
+  tp_block_info_t info;
   /* the cache */
   ARG(tp_block_cache(b, 0, 8), "block", "batch");
   ARG(tp_block_cache(b, -1, 8), "block", "batch");
@@ -477,32 +491,32 @@ void test_block(tp_comm_t comm) {
   ARG(tp_block_cache(b, 1, INT64_MAX), "block", "max_len");
   ARG(tp_block_cache(b, INT64_MAX, 1), "block", "batch");
   ARG(tp_block_cache(b, (int64_t)1 << 31, 1), "block", "batch");
-  ARG(tp_block_cache(b, INT_MAX, INT_MAX), "block", NULL); /* 2^62 x nk x D floats */
+  ARG(tp_block_cache(b, INT_MAX, INT_MAX), "block", NULL); /* 2^62 x nk x BLK_D floats */
   ARG(tp_block_cache(NULL, 1, 8), "block", NULL);
   OK(tp_block_cache(b, 2, 8));
   tp_block_batch_t cb = {2, 3, NULL, NULL, 1, 0, NULL};
   int64_t p0[2] = {0, 0};
   cb.pos0 = p0;
-  OK(tp_block_forward(b, P(T2(ya, 6, C)), P(T2(xa, 6, C)), &cb, NULL));
+  OK(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cb, NULL));
   p0[0] = 6; /* 6 + 3 > max_len 8 */
-  ARG(tp_block_forward(b, P(T2(ya, 6, C)), P(T2(xa, 6, C)), &cb, NULL), "block forward", NULL);
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cb, NULL), "block forward", NULL);
   p0[0] = -1;
-  ARG(tp_block_forward(b, P(T2(ya, 6, C)), P(T2(xa, 6, C)), &cb, NULL), "block forward", "pos0");
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cb, NULL), "block forward", "pos0");
   p0[0] = INT64_MAX;
-  ARG(tp_block_forward(b, P(T2(ya, 6, C)), P(T2(xa, 6, C)), &cb, NULL), "block forward", "pos0");
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cb, NULL), "block forward", "pos0");
   p0[0] = 3;
   tp_block_batch_t cb3 = {3, 2, NULL, NULL, 1, 0, NULL}; /* more sequences than the cache holds */
   int64_t p3[3] = {0, 0, 0};
   cb3.pos0 = p3;
-  ARG(tp_block_forward(b, P(T2(ya, 6, C)), P(T2(xa, 6, C)), &cb3, NULL), "block forward", NULL);
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cb3, NULL), "block forward", NULL);
   uint8_t mask[6] = {1, 1, 1, 1, 1, 1};
   tp_block_batch_t cm = cb;
   cm.key_mask = mask; /* key_mask with the cache: refused */
-  ARG(tp_block_forward(b, P(T2(ya, 6, C)), P(T2(xa, 6, C)), &cm, NULL), "block forward", "key_mask");
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cm, NULL), "block forward", "key_mask");
   tp_block_batch_t cbb = cb;
   cbb.need_backward = 1;
   p0[0] = 0, p0[1] = 0;
-  tp_status_t cst = tp_block_forward(b, P(T2(ya, 6, C)), P(T2(xa, 6, C)), &cbb, NULL);
+  tp_status_t cst = tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cbb, NULL);
   if (cst != TP_SUCCESS) BAD(cst, ANY_ERR, "block forward", "cache");
   /* the cache shrinks and grows (reallocated, contents reset) */
   OK(tp_block_cache(b, 1, 2));
@@ -511,6 +525,17 @@ void test_block(tp_comm_t comm) {
   OK(tp_block_cache(b, 4, 32));
   OK(tp_block_info(b, &info));
   TRUE(info.cache_batch == 4 && info.cache_len == 32);
+}
+
+void test_block(tp_comm_t comm) {
+  block_bad_configs(comm);
+  tp_block_config_t cfg = block_config();
+  tp_block_t b = NULL;
+  cfg.rope_theta = 1e4f;
+  OK(tp_block_create(&b, comm, &cfg));
+  if (!b) return;
+  block_bad_calls(b);
+  block_bad_cache(b);
   tp_block_destroy(b);
   tp_block_destroy(NULL);
   printf("block: done\n");

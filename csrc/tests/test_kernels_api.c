@@ -260,7 +260,7 @@ static void api_attention_optim(void) {
 }
 
 /* The device table's copies: sizes that overflow are refused, not wrapped (a 2-D copy of
- * 2^31 rows of 2^33 bytes spans 2^64 bytes: it used to copy nothing and succeed). */
+ * 2^31 rows of 2^33 bytes spans 2^64 bytes, which wraps to 0 in size_t arithmetic). */
 static void api_device_table(void) {
   char a[64] = {0}, b[64] = {1};
   size_t w = (size_t)1 << 33, rows = (size_t)1 << 31;

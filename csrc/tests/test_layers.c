@@ -409,28 +409,12 @@ static int run_block(int n, int r, const char *job) {
     }                                                                                                      \
   } while (0)
 
-static int run_sizes(int n, int r, const char *job) {
-  tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
-  cc.job_id = job;
-  cc.timeout_s = 30;
-  tp_comm_t comm;
-  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+/* The block's sizes: dimensions whose products overflow, a KV cache that would wrap, positions
+ * and cache slots past its end, tensors of the wrong shape, dtype, device or layout, empty batches.
+ * Returns the number of failed checks. */
+static int sizes_block(tp_comm_t comm, int n, int r) {
   int bad = 0;
   const int64_t big = INT64_MAX;
-  /* linear: a shard too large is refused with its sizes (the message was read from the freed layer) */
-  tp_linear_config_t lc = TP_LINEAR_CONFIG_INITIALIZER;
-  tp_parallel_linear_t lin = NULL;
-  lc.in_features = (int64_t)1 << 30, lc.out_features = (int64_t)1 << 30;
-  EXPECT(tp_parallel_linear_create(&lin, comm, &lc), TP_ERR_INVALID_ARGUMENT, "too large");
-  lc.out_features = big, lc.gated = 1;
-  EXPECT(tp_parallel_linear_create(&lin, comm, &lc), TP_ERR_INVALID_ARGUMENT, "at most");
-  int64_t huge_part[2] = {big, big};
-  lc.in_features = 4, lc.out_features = 4, lc.gated = 0, lc.partition = huge_part;
-  if (n == 2) EXPECT(tp_parallel_linear_create(&lin, comm, &lc), TP_ERR_INVALID_ARGUMENT, "partition");
-  tp_embedding_config_t ec = TP_EMBEDDING_CONFIG_INITIALIZER;
-  tp_vocab_embedding_t emb = NULL;
-  ec.num_embeddings = 4, ec.embedding_dim = 2, ec.partition = huge_part;
-  if (n == 2) EXPECT(tp_vocab_embedding_create(&emb, comm, &ec), TP_ERR_INVALID_ARGUMENT, "partition");
   /* block: dimensions whose products overflow */
   tp_block_config_t cfg = TP_BLOCK_CONFIG_INITIALIZER;
   tp_block_t blk = NULL;
@@ -503,6 +487,34 @@ static int run_sizes(int n, int r, const char *job) {
   EXPECT(tp_block_backward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), NULL), TP_SUCCESS, "");
   EXPECT(tp_block_forward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), &e3, NULL), TP_SUCCESS, "");
   tp_block_destroy(blk);
+  return bad;
+}
+
+static int run_sizes(int n, int r, const char *job) {
+  tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
+  cc.job_id = job;
+  cc.timeout_s = 30;
+  tp_comm_t comm;
+  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  int bad = 0;
+  const int64_t big = INT64_MAX;
+  /* linear: a shard too large is refused with its sizes (the message was read from the freed layer) */
+  tp_linear_config_t lc = TP_LINEAR_CONFIG_INITIALIZER;
+  tp_parallel_linear_t lin = NULL;
+  lc.in_features = (int64_t)1 << 30, lc.out_features = (int64_t)1 << 30;
+  EXPECT(tp_parallel_linear_create(&lin, comm, &lc), TP_ERR_INVALID_ARGUMENT, "too large");
+  lc.out_features = big, lc.gated = 1;
+  EXPECT(tp_parallel_linear_create(&lin, comm, &lc), TP_ERR_INVALID_ARGUMENT, "at most");
+  int64_t huge_part[2] = {big, big};
+  lc.in_features = 4, lc.out_features = 4, lc.gated = 0, lc.partition = huge_part;
+  if (n == 2) EXPECT(tp_parallel_linear_create(&lin, comm, &lc), TP_ERR_INVALID_ARGUMENT, "partition");
+  tp_embedding_config_t ec = TP_EMBEDDING_CONFIG_INITIALIZER;
+  tp_vocab_embedding_t emb = NULL;
+  ec.num_embeddings = 4, ec.embedding_dim = 2, ec.partition = huge_part;
+  if (n == 2) EXPECT(tp_vocab_embedding_create(&emb, comm, &ec), TP_ERR_INVALID_ARGUMENT, "partition");
+  bad += sizes_block(comm, n, r);
+  float x[2 * 3 * 8], y[2 * 3 * 8];
+  for (int i = 0; i < 2 * 3 * 8; i++) x[i] = (float)sin(0.3 * i), y[i] = 0.0f;
   tp_mlp_config_t mc = TP_MLP_CONFIG_INITIALIZER;
   tp_parallel_mlp_t mlp;
   mc.hidden = 3, mc.ffn_hidden = 5;

@@ -500,8 +500,8 @@ def test_file_tensor_indexes_as_numpy(tmp_path):
 
 def test_file_tensor_indexes_after_the_first_axis_as_numpy(tmp_path):
     """Indices after the first axis of a 3-D FileTensor (after a column slice, too) and an
-    Ellipsis anywhere in the key select what NumPy selects (they used to land on the wrong
-    axis: silently wrong values)."""
+    Ellipsis anywhere in the key select what NumPy selects (not the wrong axis: silently wrong
+    values)."""
     from tpcore.io.formats import open_safetensors, write_safetensors
     rng = np.random.default_rng(11)
     arrs = {"c": rng.standard_normal((4, 3, 5)).astype(np.float32), "v": rng.standard_normal(7).astype(np.float32),
@@ -522,8 +522,8 @@ def test_file_tensor_indexes_after_the_first_axis_as_numpy(tmp_path):
 
 def test_npz_checkpoints_stream(tmp_path):
     """tpcore.save's .npz files (np.savez: stored, uncompressed members) are read like its
-    safetensors files: every array a FileTensor read with pread on indexing (they used to be
-    read whole, all at once, beside the model), loading the same weights through a staging
+    safetensors files: every array a FileTensor read with pread on indexing (never read whole,
+    all at once, beside the model), loading the same weights through a staging
     buffer of a few KB at world 1 and 2, sharded or not."""
     from tpcore.io.formats import read_tensors_file
     from tpcore.nn.weights import is_lazy

@@ -7,8 +7,6 @@ reused after it (with and without an abort of the communicator), a dead rank, cl
 with / garbage collection / exit / interrupt leaving no process and no /dev/shm name,
 bad arguments; spawn's clear error for a function a spawned process cannot import; and
 examples/cluster.ipynb executed in a real kernel (nbclient)."""
-import gc
-import io
 import os
 import re
 import signal
@@ -25,39 +23,9 @@ import tpcore
 from conftest import WORLDS, leftover_segments, rng_for
 
 import paths
+from cluster_common import DEADLINE, PKG_PARENT, alive, as_main, children, rank_pid
+
 ROOT = paths.ROOT
-# the folder holding the tpcore under test: python/ in a checkout with an in-place build, or
-# site-packages after pip install (python/ of a fresh clone has no built extension)
-PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(tpcore.__file__)))
-DEADLINE = 60
-
-
-def _children() -> set:
-    """Process ids of this process's live children (/proc; psutil is not installed)."""
-    kids = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                kids |= {int(p) for p in f.read().split()}
-        except OSError:
-            pass
-    return kids
-
-
-def _alive(pid) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _as_main(src):
-    """The functions of src as if defined in a notebook (module __main__, not importable by
-    name): cloudpickle sends them by value, as it does a notebook's."""
-    ns = {"__name__": "__main__", "np": np, "tpcore": tpcore}
-    exec(compile(src, "<cell>", "exec"), ns)
-    return ns
 
 
 # -- results ------------------------------------------------------------------------
@@ -140,7 +108,7 @@ def keyword_state(comm, x, *, state):
 
 
 def test_state_and_globals_persist_between_runs():
-    ns = _as_main(CELLS)
+    ns = as_main(CELLS)
     with tpcore.Cluster(3, deadline=DEADLINE) as cluster:
         cluster.run(ns["set_model"])
         assert cluster.run(ns["bump"]) == [1, 101, 201]
@@ -148,7 +116,7 @@ def test_state_and_globals_persist_between_runs():
         assert cluster.run(ns["use_model"]) == [(3.0, ("v1", 0)), (6.0, ("v1", 1)), (9.0, ("v1", 2))]
         # defined after the cluster started: a new helper replaces the old one; the notebook's own W
         # does not replace the one the ranks set (the rank's value wins)
-        ns2 = _as_main(CELLS.replace('"v1"', '"v2"') + "\nW = np.zeros(3)\n")
+        ns2 = as_main(CELLS.replace('"v1"', '"v2"') + "\nW = np.zeros(3)\n")
         assert cluster.run(ns2["use_model"]) == [(3.0, ("v2", 0)), (6.0, ("v2", 1)), (9.0, ("v2", 2))]
         assert cluster.run(ns["keyword_state"], 1) == [[1]] * 3
         assert cluster.run(ns["keyword_state"], x=2) == [[1, 2]] * 3
@@ -160,7 +128,6 @@ def test_state_and_globals_persist_between_runs():
 
 
 def types_ns():
-    import types
     return types.SimpleNamespace()
 
 
@@ -247,7 +214,7 @@ def reduce_kept(comm, state):
 
 
 def test_exception_raises_with_traceback_and_the_cluster_stays_usable():
-    ns = _as_main(ERRORS)
+    ns = as_main(ERRORS)
     world = 3
     with tpcore.Cluster(world, timeout=60, deadline=DEADLINE) as cluster:
         cluster.run(ns["keep"])
@@ -288,7 +255,7 @@ def _exit_rank(comm, how):
 
 @pytest.mark.parametrize("how,said", [("exit", "exited with code 3"), ("kill", "killed by signal SIGKILL")])
 def test_a_dead_rank_is_named_and_the_cluster_closed(how, said):
-    before = _children()
+    before = children()
     cluster = tpcore.Cluster(3, timeout=60, deadline=DEADLINE)
     pids = cluster.pids
     t0 = time.monotonic()
@@ -300,157 +267,8 @@ def test_a_dead_rank_is_named_and_the_cluster_closed(how, said):
     assert cluster.closed
     with pytest.raises(RuntimeError, match=r"Cluster.run: this cluster is closed \(rank 1 died\)"):
         cluster.run(_exit_rank, how)
-    assert not any(_alive(p) for p in pids)
-    assert _children() <= before
-
-
-# -- closing -----------------------------------------------------------------------------
-def _pid(comm):
-    return os.getpid()
-
-
-@pytest.mark.parametrize("how", ["close", "with", "gc"])
-def test_closing_leaves_no_process_and_no_segment(how):
-    before_kids, before_shm = _children(), set(leftover_segments())
-    if how == "with":
-        with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
-            pids = cluster.run(_pid)
-            assert set(leftover_segments()) - before_shm  # the communicator's names exist meanwhile
-    else:
-        cluster = tpcore.Cluster(2, deadline=DEADLINE)
-        pids = cluster.run(_pid)
-        assert set(pids) <= _children()
-        if how == "close":
-            cluster.close()
-            cluster.close()  # idempotent
-            with pytest.raises(RuntimeError, match="Cluster.run: this cluster is closed"):
-                cluster.run(_pid)
-            assert "closed" in repr(cluster)
-        else:
-            del cluster
-            gc.collect()
-    assert not any(_alive(p) for p in pids)
-    assert _children() <= before_kids
-    assert set(leftover_segments()) <= before_shm
-
-
-def test_exit_without_close_leaves_nothing():
-    script = ("import tpcore, os\n"
-              "c = tpcore.Cluster(2)\n"
-              "print(' '.join(map(str, c.run(lambda comm: os.getpid()))), flush=True)\n")
-    before = set(leftover_segments())
-    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
-    assert r.returncode == 0, r.stderr
-    pids = [int(p) for p in r.stdout.split()]
-    assert len(pids) == 2
-    t_end = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < t_end:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in pids)
-    assert set(leftover_segments()) <= before
-
-
-def test_a_killed_parent_leaves_no_rank_and_no_segment():
-    script = ("import tpcore, os, sys, time\n"
-              "c = tpcore.Cluster(2)\n"
-              "print(' '.join(map(str, c.run(lambda comm: os.getpid()))), flush=True)\n"
-              "time.sleep(60)\n")
-    before = set(leftover_segments())
-    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
-    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        pids = [int(x) for x in p.stdout.readline().split()]
-        assert len(pids) == 2 and set(leftover_segments()) - before  # the communicator's name exists
-    finally:
-        p.kill()  # SIGKILL: no atexit, no finalizer
-        p.wait(30)
-        p.stdout.close()
-    t_end = time.monotonic() + 15  # the ranks die with the parent; the janitor removes the names
-    while (any(_alive(q) for q in pids) or set(leftover_segments()) - before) and time.monotonic() < t_end:
-        time.sleep(0.05)
-    assert not any(_alive(q) for q in pids)
-    assert set(leftover_segments()) <= before
-
-
-def _sleep_long(comm):
-    print("started", flush=True)
-    time.sleep(60)
-
-
-class _Interrupter:
-    """sys.stdout that sends this process SIGINT (a kernel interrupt) once every rank started."""
-
-    def __init__(self, world):
-        self.text, self.world, self.sent = "", world, False
-
-    def write(self, s):
-        self.text += s
-        if not self.sent and all(f"[rank{r}] started" in self.text for r in range(self.world)):
-            self.sent = True
-            os.kill(os.getpid(), signal.SIGINT)
-        return len(s)
-
-    def flush(self):
-        pass
-
-
-@pytest.fixture
-def sigint_raises():
-    """SIGINT raises KeyboardInterrupt in this process during the test, as in a terminal or a
-    notebook kernel.  A process started in the background by a non-interactive shell
-    (``nohup pytest &``, many CI steps) inherits SIGINT ignored, and Python then leaves it
-    ignored: the interrupt these tests send would do nothing (see
-    test_an_ignored_sigint_leaves_run_alone for that case)."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        if old is not None:  # None: a handler not set from Python, which cannot be put back
-            signal.signal(signal.SIGINT, old)
-
-
-def test_interrupt_stops_every_rank(monkeypatch, sigint_raises):
-    before = _children()
-    before_shm = set(leftover_segments())
-    cluster = tpcore.Cluster(2, deadline=DEADLINE)
-    try:
-        pids = cluster.pids
-        monkeypatch.setattr(sys, "stdout", _Interrupter(2))
-        t0 = time.monotonic()
-        with pytest.raises(KeyboardInterrupt, match="every rank was stopped"):
-            cluster.run(_sleep_long)
-        monkeypatch.undo()
-        assert time.monotonic() - t0 < 20
-        assert cluster.closed
-        with pytest.raises(RuntimeError, match="interrupted"):
-            cluster.run(_pid)
-        assert not any(_alive(p) for p in pids)
-        assert _children() <= before
-        assert set(leftover_segments()) <= before_shm
-    finally:
-        cluster.close()  # a failure above must not leave the ranks to every later test
-
-
-def _started_then_rank(comm):
-    print("started", flush=True)
-    time.sleep(0.5)
-    return comm.rank
-
-
-def test_an_ignored_sigint_leaves_run_alone(monkeypatch):
-    # SIGINT ignored (a background job): an interrupt is not an interrupt, and run() finishes
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
-            out = _Interrupter(2)
-            monkeypatch.setattr(sys, "stdout", out)
-            assert cluster.run(_started_then_rank) == [0, 1]
-            monkeypatch.undo()
-            assert out.sent and not cluster.closed
-            assert cluster.run(_pid) == cluster.pids
-    finally:
-        signal.signal(signal.SIGINT, old)
+    assert not any(alive(p) for p in pids)
+    assert children() <= before
 
 
 # -- bad arguments -------------------------------------------------------------------------
@@ -466,10 +284,10 @@ def test_an_ignored_sigint_leaves_run_alone(monkeypatch):
     ({"n": 2, "start_method": "thread"}, ValueError, "Cluster: start_method must be one of"),
 ])
 def test_bad_constructor_arguments(kw, exc, match):
-    before = _children()
+    before = children()
     with pytest.raises(exc, match=match):
         tpcore.Cluster(**kw)
-    assert _children() <= before
+    assert children() <= before
 
 
 def test_bad_run_arguments():
@@ -477,7 +295,7 @@ def test_bad_run_arguments():
         with pytest.raises(TypeError, match="Cluster.run: fn must be callable, got int"):
             cluster.run(3)
         with pytest.raises(TypeError, match="Cluster.run: fn and its arguments must be picklable"):
-            cluster.run(_pid, threading.Lock())
+            cluster.run(rank_pid, threading.Lock())
         with pytest.raises(TypeError, match="return value of rank 0 cannot be pickled"):
             cluster.run(lambda comm: threading.Lock())
         assert cluster.run(lambda comm, a, b=1: a + b, 2, b=5) == [7]
@@ -485,40 +303,39 @@ def test_bad_run_arguments():
 
 # -- spawn: a function a spawned process cannot import ----------------------------------------
 def test_spawn_says_when_fn_cannot_be_imported():
-    ns = _as_main("def work(comm):\n    return comm.rank\n")
+    ns = as_main("def work(comm):\n    return comm.rank\n")
 
     def nested(comm):
         return comm.rank
 
     for fn, why in [(ns["work"], "cannot be pickled by reference"), (nested, "nested"),
                     (lambda comm: 0, "a lambda")]:
-        before = _children()
+        before = children()
         with pytest.raises(TypeError) as ei:
             tpcore.spawn(fn, 2, start_method="spawn", deadline=DEADLINE)
         text = str(ei.value)
         assert text.startswith("spawn: fn ") and why in text, text
         assert "start_method='spawn' cannot import it" in text and "define fn at the top level of a module" in text
         assert "tpcore.Cluster" in text
-        assert _children() <= before
+        assert children() <= before
     # the default start method (fork) runs them
     assert tpcore.spawn(ns["work"], 2, deadline=DEADLINE) == [0, 1]
 
 
 def test_spawn_says_when_a_notebook_name_is_used(monkeypatch):
     import functools
-    import types
     fake = types.ModuleType("__main__")  # an interactive __main__ (no __file__) that has them
     exec("class Thing:\n    pass\ndef work(comm, *a):\n    return comm.rank\n", fake.__dict__)
     monkeypatch.setitem(sys.modules, "__main__", fake)
     cases = [(fake.work, (), "fn work is defined in a notebook or an interactive session"),
              (functools.partial(fake.work, 1), (), "fn partial uses work, defined in a notebook"),
-             (_pid, (fake.Thing(),), "an argument of fn _pid uses Thing, defined in a notebook")]
+             (rank_pid, (fake.Thing(),), "an argument of fn rank_pid uses Thing, defined in a notebook")]
     for fn, args, said in cases:
         with pytest.raises(TypeError, match="start_method='spawn' cannot import it") as ei:
             tpcore.spawn(fn, 2, args=args, start_method="spawn", deadline=DEADLINE)
         assert str(ei.value).startswith("spawn: " + said), str(ei.value)
-    with pytest.raises(TypeError, match="an argument of fn _pid cannot be pickled"):
-        tpcore.spawn(_pid, 2, args=(threading.Lock(),), start_method="spawn", deadline=DEADLINE)
+    with pytest.raises(TypeError, match="an argument of fn rank_pid cannot be pickled"):
+        tpcore.spawn(rank_pid, 2, args=(threading.Lock(),), start_method="spawn", deadline=DEADLINE)
 
 
 # -- the example notebook, in a real kernel ----------------------------------------------------
@@ -683,7 +500,7 @@ def test_a_failed_communicator_is_rebuilt():
 
 
 def test_spawn_start_method_sends_functions_by_value():
-    ns = _as_main("def f(comm, state, k):\n    state.k = k * (comm.rank + 1)\n"
+    ns = as_main("def f(comm, state, k):\n    state.k = k * (comm.rank + 1)\n"
                   "    return comm.all_reduce(np.ones(2)).tolist()\n")
     with tpcore.Cluster(2, start_method="spawn", deadline=DEADLINE) as cluster:
         assert cluster.run(ns["f"], 5) == [[2.0, 2.0]] * 2
@@ -716,22 +533,22 @@ def test_a_communicator_closed_by_fn_is_rebuilt():
 def test_a_communicator_that_cannot_be_set_up_raises_and_leaves_nothing():
     if tpcore._C.Comm.probe("nccl") is None:
         pytest.skip("NCCL is usable here")
-    before = _children()
+    before = children()
     with pytest.raises(tpcore.CommError, match="rank 0 raised CommError: init: backend nccl"):
         tpcore.Cluster(2, backend="nccl")
-    assert _children() <= before
+    assert children() <= before
 
 
 def test_deadline_closes_the_cluster():
-    before = _children()
+    before = children()
     cluster = tpcore.Cluster(2, deadline=1.0)
     pids = cluster.pids
     t0 = time.monotonic()
     with pytest.raises(tpcore.CommTimeout, match=r"deadline of 1.0 s passed; ranks \[1\] were still running"):
         cluster.run(lambda comm: time.sleep(30) if comm.rank == 1 else None)
     assert time.monotonic() - t0 < 10
-    assert cluster.closed and not any(_alive(p) for p in pids)
-    assert _children() <= before
+    assert cluster.closed and not any(alive(p) for p in pids)
+    assert children() <= before
 
 
 def test_progress_bar_is_one_line_drawn_in_place_on_a_terminal():
@@ -762,278 +579,3 @@ def test_progress_bar_is_one_line_drawn_in_place_on_a_terminal():
         assert p.wait(60) == 0, out
     # one prefix, each update redrawn over the last (cleared to the end of the line), then the line ends
     assert out == (b"\r[rank0] step 1/3\x1b[K\r[rank0] step 2/3\x1b[K\r[rank0] step 3/3\x1b[K\r\n"), out
-
-
-# -- review fixes -------------------------------------------------------------------------
-def _interrupt_self():
-    os.kill(os.getpid(), signal.SIGINT)  # what a kernel interrupt does; raised at the next bytecode
-
-
-@pytest.mark.parametrize("when", ["janitor", "rank1"])
-def test_interrupt_while_starting_leaves_nothing(monkeypatch, sigint_raises, when):
-    # a Ctrl-C right after the janitor or a rank started (before the cluster recorded it) used to
-    # leave that process running, and the janitor (and the segment) with it
-    import tpcore.launch.cluster as tc
-    before, before_shm = _children(), set(leftover_segments())
-    if when == "janitor":
-        real = tc._cleanup.start_janitor
-
-        def start_janitor(job):
-            out = real(job)
-            _interrupt_self()
-            return out
-        monkeypatch.setattr(tc._cleanup, "start_janitor", start_janitor)
-    else:
-        ctx = tc.mp.get_context("fork")
-
-        class Process(ctx.Process):
-            def start(self):
-                super().start()
-                if self.name.endswith("rank1"):
-                    _interrupt_self()
-        monkeypatch.setattr(tc.mp, "get_context", lambda method: types.SimpleNamespace(Pipe=ctx.Pipe, Process=Process))
-    with pytest.raises(KeyboardInterrupt):
-        tpcore.Cluster(3, deadline=DEADLINE)
-    assert _children() <= before
-    assert set(leftover_segments()) <= before_shm
-
-
-def _print_10mb(comm):
-    sys.stdout.write("".join(f"{i:049d}\n" for i in range(200_000)))  # 10 MB in one write
-    return comm.rank
-
-
-def test_a_rank_printing_10mb_at_once_is_relayed_quickly(capsys):
-    # the parent's relay searched the rest of the text for a "\r" at every line: quadratic, ~20 s here
-    with tpcore.Cluster(1, deadline=DEADLINE) as cluster:
-        t0 = time.monotonic()
-        assert cluster.run(_print_10mb) == [0]
-        took = time.monotonic() - t0
-        out = capsys.readouterr().out  # all of it arrived before run() returned
-    assert out == "".join(f"[rank0] {i:049d}\n" for i in range(200_000))
-    assert took < 8, took
-
-
-class _LoadsBadly:
-    """Pickles on the rank, fails to unpickle in the parent."""
-
-    def __reduce__(self):
-        return (int, ("not a number",))
-
-
-def test_a_result_that_cannot_be_unpickled_names_its_rank():
-    # the parent's unpickling error came out bare (ValueError: invalid literal for int())
-    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
-        with pytest.raises(TypeError, match=r"Cluster.run: the return value of rank 1 cannot be unpickled here: "
-                                            r"ValueError: invalid literal") as ei:
-            cluster.run(lambda comm: _LoadsBadly() if comm.rank == 1 else comm.rank)
-        assert isinstance(ei.value.__cause__, ValueError)
-        assert cluster.run(lambda comm: comm.rank) == [0, 1]  # still usable
-
-
-def test_close_from_another_thread_during_run():
-    # the running call said "rank 0 ... was killed by signal SIGTERM" (a dead rank) instead
-    cluster = tpcore.Cluster(2, deadline=DEADLINE)
-    pids = cluster.pids
-    got = []
-
-    def target():
-        try:
-            got.append(cluster.run(_sleep_long))
-        except BaseException as e:  # noqa: BLE001 - the exception is handed back for the test to check
-            got.append(e)
-    t = threading.Thread(target=target)
-    t.start()
-    t_end = time.monotonic() + 20
-    while not cluster._busy.locked() and time.monotonic() < t_end:
-        time.sleep(0.01)
-    cluster.close()
-    t.join(30)
-    assert len(got) == 1 and isinstance(got[0], RuntimeError), got
-    assert re.search(r"Cluster.run: the cluster was closed while this call ran \(close\(\) was called\)", str(got[0]))
-    assert not any(_alive(p) for p in pids)
-
-
-def test_fd_relay_sync_waits_for_its_own_marker_after_one_timed_out():
-    # sync() used a semaphore: the late marker of a sync that timed out released it, so the next
-    # sync returned before its output was sent (the output then came after run() returned)
-    from tpcore.launch.cluster_rank import _FdRelay
-    fd = os.dup(2)  # a descriptor of our own for the relay to take over
-    gate = threading.Event()
-    got = []
-
-    def send(msg):
-        gate.wait()
-        time.sleep(0.2)  # a slow parent
-        got.append(msg[3])
-    relay = _FdRelay(fd, "stdout", 0, send)
-    try:
-        os.write(fd, b"one\n")
-        relay.sync(timeout=0.05)  # times out: send() is held
-        gate.set()
-        t_end = time.monotonic() + 10
-        while not got and time.monotonic() < t_end:
-            time.sleep(0.01)
-        time.sleep(0.1)  # the pump sees the late marker right after sending "one"
-        os.write(fd, b"two\n")
-        relay.sync(timeout=10)
-        assert "".join(got) == "one\ntwo\n"
-    finally:
-        os.close(fd)  # the pump reads its end, then stops
-        for t in threading.enumerate():
-            if t.name == f"tpcore-fd{fd}":
-                t.join(10)
-        os.close(relay.r)
-
-
-def _c_write_holding_the_gil(comm, nbytes):
-    import ctypes
-    libc = ctypes.PyDLL(None)  # PyDLL keeps the GIL during the call, as C extension code does
-    line = f"C line of rank {comm.rank}".ljust(99).encode() + b"\n"
-    data = line * (nbytes // 100)
-    assert libc.write(1, data, len(data)) == len(data)
-    return comm.rank
-
-
-def test_c_code_writing_much_while_holding_the_gil_does_not_hang(capfd):
-    # the relay's pipe held 64 KiB: a C write of more, the GIL held, waited for the relay thread,
-    # which waited for the GIL: the rank hung
-    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
-        assert cluster.run(_c_write_holding_the_gil, 512 * 1024) == [0, 1]
-        out = capfd.readouterr().out
-    for r in range(2):
-        assert out.count(f"[rank{r}] C line of rank {r}") == 512 * 1024 // 100, out[-500:]
-
-
-def _raise_then_die(comm):
-    if comm.rank == 1:
-        threading.Timer(0.2, os._exit, (7,)).start()
-        raise ValueError("then dies")
-    comm.barrier()
-
-
-def _die_while_others_compute(comm):
-    if comm.rank == 1:
-        os._exit(5)
-    time.sleep(60)  # not in a collective: nothing tells this rank that rank 1 died
-
-
-@pytest.mark.parametrize("fn,said", [(_raise_then_die, "exited with code 7"), (_die_while_others_compute,
-                                                                               "exited with code 5")])
-def test_a_rank_that_dies_does_not_keep_run_waiting(fn, said):
-    # a rank that raised and then died broke the rebuild's send (a bare BrokenPipeError, the cluster
-    # left open, the next run hung); a dead rank made run() wait for the others to finish
-    before = _children()
-    cluster = tpcore.Cluster(3, timeout=60, deadline=DEADLINE)
-    pids = cluster.pids
-    t0 = time.monotonic()
-    with pytest.raises(tpcore.RankExitedError, match=f"rank 1 .*{said}") as ei:
-        cluster.run(fn)
-    assert time.monotonic() - t0 < 20
-    assert ei.value.rank == 1 and cluster.closed
-    assert not any(_alive(p) for p in pids)
-    assert _children() <= before
-
-
-GLOBALS = '''
-lr = 0.1
-counter = 0
-
-def bump(comm, by=1):
-    global counter
-    counter += by
-    return counter, lr
-
-def boom(comm, k):
-    raise ValueError(k)
-'''
-
-
-def test_a_partial_of_a_notebook_function_sees_the_ranks_globals():
-    # a functools.partial kept the parent's globals: the rank's counter was 0 again, its own value lost
-    import functools
-    ns = _as_main(GLOBALS)
-    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
-        assert cluster.run(ns["bump"]) == [(1, 0.1)] * 2
-        assert cluster.run(functools.partial(ns["bump"], by=10)) == [(11, 0.1)] * 2
-        assert cluster.run(ns["bump"]) == [(12, 0.1)] * 2
-        with pytest.raises(ValueError) as ei:  # its traceback names the cell, as for the function itself
-            cluster.run(functools.partial(ns["boom"], k="x"))
-        assert 'File "<cell>", line 11, in boom' in str(ei.value), str(ei.value)
-
-
-def test_a_function_that_uses_the_cluster_itself_is_refused_clearly():
-    # it said "cannot pickle '_thread.lock' object"
-    ns = _as_main("def f(comm):\n    return cluster.size\n")
-    with tpcore.Cluster(1, deadline=DEADLINE) as cluster:
-        ns["cluster"] = cluster
-        with pytest.raises(TypeError, match=r"Cluster.run: fn and its arguments must be picklable .*"
-                                            r"a tpcore.Cluster cannot be pickled, so it cannot be sent to its ranks"):
-            cluster.run(ns["f"])
-        assert cluster.run(lambda comm: comm.size) == [1]
-
-
-def _uses_fileno(comm):
-    import faulthandler
-    faulthandler.enable()  # needs sys.stderr.fileno()
-    subprocess.run(["sh", "-c", f"echo echo of rank {comm.rank}"], stdout=sys.stdout, check=True)
-    return sys.stdout.fileno(), sys.stderr.fileno()
-
-
-def test_fileno_of_a_ranks_streams(capfd):
-    # sys.stdout.fileno() raised io.UnsupportedOperation: faulthandler.enable() failed on the ranks
-    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
-        assert cluster.run(_uses_fileno) == [(1, 2)] * 2
-        out = capfd.readouterr().out
-    for r in range(2):
-        assert f"[rank{r}] echo of rank {r}\n" in out, out
-
-
-class _BrokenStream(io.StringIO):
-    def write(self, s):
-        raise OSError("stream broken")
-
-
-def test_an_error_while_reading_answers_does_not_shift_later_results(monkeypatch):
-    # an exception inside run()'s wait (here a broken sys.stdout) left the ranks' answers in the
-    # pipes: every later run() returned the previous run's results
-    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
-        monkeypatch.setattr(sys, "stdout", _BrokenStream())
-        assert cluster.run(lambda comm, k: (print("hello"), k)[1], "first") == ["first"] * 2  # output dropped
-        monkeypatch.undo()
-        assert cluster.run(lambda comm, k: k, "second") == ["second"] * 2
-        # any other failure there closes the cluster rather than leave it out of step
-        import tpcore.launch.cluster as tc
-
-        def broken_rebuild(*a):
-            raise MemoryError("no memory for the exception")
-        monkeypatch.setattr(tc, "_rebuild", broken_rebuild)
-        with pytest.raises(MemoryError):
-            cluster.run(lambda comm: 1 / 0)
-        monkeypatch.undo()
-        assert cluster.closed
-        with pytest.raises(RuntimeError, match=r"this cluster is closed \(a Cluster.run failed reading the ranks"):
-            cluster.run(lambda comm, k: k, "third")
-
-
-BAD_STR = '''
-class BadStr(Exception):
-    def __str__(self):
-        raise RuntimeError("str() fails")
-
-def raise_bad_str(comm):
-    raise BadStr("x")
-'''
-
-
-def test_an_exception_whose_str_fails_keeps_the_cluster():
-    # str(e) failed inside the rank's error report: the rank died and the cluster was closed
-    ns = _as_main(BAD_STR)
-    with tpcore.Cluster(2, deadline=DEADLINE) as cluster:
-        with pytest.raises(ns["BadStr"]) as ei:  # the notebook class, its rank and traceback as a note
-            cluster.run(ns["raise_bad_str"])
-        assert ei.value.rank in (0, 1)
-        notes = "\n".join(getattr(ei.value, "__notes__", []))
-        assert "raised BadStr: <str() of the BadStr failed>" in notes and "in raise_bad_str" in notes, notes
-        assert not cluster.closed
-        assert cluster.run(lambda comm: comm.rank) == [0, 1]

@@ -165,7 +165,7 @@ def test_estimate_bad_arguments():
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_estimate_huge_layer_count_is_arithmetic(name):
     """A config of 2**63 layers (valid: Config bounds only from below) is counted, not
-    looped over (it used to hang): every key is linear in the layer count, so its value at
+    looped over (a loop would hang): every key is linear in the layer count, so its value at
     2**63 layers follows from those at 1 and 2, training and inference."""
     for training in (False, True):
         est = {L: estimate_memory(tpcore.Config(**{**CFGS[name], "layers": L}), 3, batch=2, max_len=8,
@@ -180,7 +180,7 @@ def test_estimate_huge_layer_count_is_arithmetic(name):
 
 def test_estimate_prefill_checked_when_training():
     """prefill is ignored by a training estimate (a step's workspaces follow max_len), but a
-    bad one is still an error naming it, as for inference (it used to pass silently)."""
+    bad one is still an error naming it, as for inference (never passed silently)."""
     cfg = tpcore.Config(**GPT2)
     for training in (False, True):
         for bad, exc in (("abc", TypeError), (-5, ValueError), (0, ValueError), (2.0, TypeError), (9, ValueError)):

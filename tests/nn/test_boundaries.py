@@ -107,10 +107,10 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
-# ------------------------------------------------------------------ regressions
+# ------------------------------------------------------------------ sizes, positions and seeds at the C boundary
 
 
-def _regressions(comm):
+def _boundary_cases(comm):
     """Each case: (call, exception type, words its message must hold)."""
     cfg = tpcore.Config(vocab_size=16, hidden=8, layers=1, heads=2 * comm.size, head_dim=2, ffn_hidden=12,
                         positions="rope", max_positions=32)
@@ -125,14 +125,14 @@ def _regressions(comm):
         return blk(x, pos0=[pos0], use_cache=True, need_backward=False)
 
     cases = [
-        # 1: batch * max_len wrapped to 0 and the next cached forward wrote past an empty cache
+        # batch * max_len must not wrap to 0 (a cached forward would write past an empty cache)
         (lambda: blk.cache(2**58, 64), ValueError, ["batch", "288230376151711744"]),
         (lambda: blk.cache(2**40, 2**40), ValueError, ["batch", "1099511627776"]),
         (lambda: blk.cache(1, 2**40), ValueError, ["max_len", "1099511627776"]),
         (lambda: blk.cache(INT_MAX, INT_MAX), ValueError, ["too large", "2147483647"]),
         (lambda: model.cache(2**58, 64), ValueError, ["batch"]),
         (lambda: blk(x1, pos0=[0], use_cache=True, need_backward=False), ValueError, ["cache"]),
-        # 2: pos0 + T overflowed past the bounds check
+        # pos0 + T must not overflow past the bounds check
         (lambda: blk.cache(1, 8), None, []),
         (lambda: cached(I64, T=2), ValueError, ["pos0", str(I64)]),
         (lambda: cached(I64 - 1, T=2, via_c=True), ValueError, ["pos0", str(I64 - 1)]),
@@ -140,23 +140,23 @@ def _regressions(comm):
         (lambda: model.cache(1, 8), None, []),
         (lambda: model.forward([[1, 2]], pos0=[I64 - 1], use_cache=True), ValueError, ["pos0"]),
         (lambda: model.forward([[1, 2]], pos0=[2**64]), ValueError, ["pos0"]),
-        # 11: a negative pos0 names pos0, not a position past the cache
+        # a negative pos0 names pos0, not a position past the cache
         (lambda: cached(-5), ValueError, ["pos0 must be >= 0", "-5"]),
         (lambda: cached(-5, via_c=True), ValueError, ["pos0 must be >= 0", "-5"]),
         (lambda: model.forward([[1]], pos0=[-3], use_cache=True), ValueError, ["pos0 must be >= 0", "-3"]),
         (lambda: cached(1.5), TypeError, ["pos0", "integers"]),
-        # 3: the "shard too large" message was read from the freed layer (ASan: use after free)
+        # the "shard too large" message outlives the freed layer (ASan: no use after free)
         (lambda: tpcore.ColumnParallelLinear(2**30, 2**30, comm), ValueError,
          ["too large", f"{2**30 // comm.size} x {2**30}"]),
         (lambda: tpcore.RowParallelLinear(2**30, 2**30, comm), ValueError, ["too large"]),
-        # 11: a width past the 32-bit GEMM dimensions names the argument, the range and the value
+        # a width past the 32-bit GEMM dimensions names the argument, the range and the value
         (lambda: tpcore.ColumnParallelLinear(2**63, 4, comm), ValueError,
          ["in_features", "2147483647", "9223372036854775808"]),
         (lambda: tpcore.RowParallelLinear(4, 2**63, comm), ValueError, ["out_features", "9223372036854775808"]),
         (lambda: tpcore.ParallelMLP(8, 2**64, comm), ValueError, ["ffn_hidden", "18446744073709551616"]),
         (lambda: tpcore.VocabParallelEmbedding(2**63, 4, comm), ValueError, ["num_embeddings"]),
         (lambda: tpcore.ColumnParallelLinear(4.0, 4, comm), TypeError, ["in_features", "float"]),
-        # 11: seeds are integers in [0, 2**64) everywhere
+        # seeds are integers in [0, 2**64) everywhere
         (lambda: tpcore.ColumnParallelLinear(4, 4, comm, seed=-1), ValueError, ["seed", "[0, 2**64)", "-1"]),
         (lambda: tpcore.RowParallelLinear(4, 4, comm, seed=2**64), ValueError, ["seed", str(2**64)]),
         (lambda: tpcore.ParallelMLP(4, 4, comm, seed=-1), ValueError, ["seed", "-1"]),
@@ -186,7 +186,7 @@ def _regressions(comm):
                 problems.append(f"case {i}: {type(e).__name__}: {e}")
             elif any(w not in str(e) for w in words):
                 problems.append(f"case {i}: {type(e).__name__}({e}) lacks {[w for w in words if w not in str(e)]}")
-    # 4: empty batches (UBSan: NULL to memcpy / memset): empty in, empty out, forward and backward
+    # empty batches (UBSan: no NULL to memcpy / memset): empty in, empty out, forward and backward
     blk.cache(2, 8)
     for B, T in ((0, 3), (2, 0), (0, 0)):
         y = blk(np.zeros((B, T, 8), np.float32), need_backward=True)
@@ -216,8 +216,8 @@ def _regressions(comm):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_issue8_regressions(world):
-    for r, problems in enumerate(run(_regressions, world, timeout=60)):
+def test_sizes_positions_and_seeds_at_the_c_boundary(world):
+    for r, problems in enumerate(run(_boundary_cases, world, timeout=60)):
         assert not problems, f"rank {r}: " + "; ".join(problems)
 
 
