@@ -1,5 +1,6 @@
 """Build C test binaries of the core with make (plain, or under ASan + UBSan) and run them
-without Python in the loop: the one helper of test_c_core, test_kernels and test_api_hostile.
+without Python in the loop: the one helper of test_c_core, test_kernels, test_api_hostile and
+test_nccl; and the CPU-only extension that test_cuda_build and test_sanitized share.
 
 The builds of a test session share one build directory per configuration (the c_builds
 fixture of conftest): the core is compiled once per configuration, and each test makes only
@@ -42,3 +43,28 @@ def run(path, timeout=900):
     r = subprocess.run([str(path)], capture_output=True, text=True, timeout=timeout, env=env)
     assert "ERROR: AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr
     return r
+
+
+def cpu_only_extension(builds):
+    """The extension tpcore._C built once per session by setup.py with TPCORE_CUDA=0 and no
+    sanitizer (what a machine without nvcc builds), in builds/ext-plain: its lib/ holds the
+    package (the pure-Python files copied beside the built extension), tmp/ the objects, and
+    log.txt setup.py's stderr.  test_cuda_build checks this build, and test_sanitized builds
+    under ASan + UBSan on top of a copy of it (a sanitized build must reuse nothing of it)."""
+    import sys
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    out = builds / "ext-plain"
+    lib, tmp, log = out / "lib", out / "tmp", out / "log.txt"
+    with FileLock(str(out) + ".lock", timeout=900):
+        if not log.exists():
+            env = dict(os.environ, TPCORE_CUDA="0", TPCORE_SANITIZE="")
+            env.pop("TPCORE_CUDA_PLUGIN", None)
+            r = subprocess.run([sys.executable, "setup.py", "build_ext", "-j", str(min(2, os.cpu_count() or 1)),
+                                "--build-lib", str(lib), "--build-temp", str(tmp)],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+            assert r.returncode == 0, f"build failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+            shutil.copytree(ROOT / "python" / "tpcore", lib / "tpcore", dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("_C*.so", ".libs", "__pycache__"))
+            log.write_text(r.stderr)
+    return {"lib": lib, "tmp": tmp, "log": log.read_text()}

@@ -1,9 +1,9 @@
 """The extension under AddressSanitizer + UndefinedBehaviorSanitizer.
 
-One test builds tpcore._C twice into the same build directories, first plain
-and then with TPCORE_SANITIZE=address,undefined, and checks that the second is
-sanitized (a build of one configuration must never reuse another's objects or
-extension).  The next runs the tests that reach C with bad sizes, positions
+One test builds tpcore._C with TPCORE_SANITIZE=address,undefined into a copy of
+the session's plain CPU-only build directories (c_binaries.cpu_only_extension) and
+checks that the result is sanitized (a build of one configuration must never reuse
+another's objects or extension).  The next runs the tests that reach C with bad sizes, positions
 and files against that build, in a child pytest with the sanitizer runtimes
 preloaded; any report fails it (UBSan aborts on the first finding).
 
@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import paths
+from c_binaries import cpu_only_extension
 
 ROOT = str(paths.ROOT)
 # The tests that reach C with hostile sizes, positions and arguments.
@@ -54,7 +55,7 @@ def _build_info(lib, env):
 
 
 @pytest.fixture(scope="module")
-def sanitized(tmp_path_factory):
+def sanitized(tmp_path_factory, c_builds):
     if shutil.which("gcc") is None:
         pytest.skip("gcc is missing")
     asan, ubsan = _runtime("libasan.so"), _runtime("libubsan.so")
@@ -62,10 +63,14 @@ def sanitized(tmp_path_factory):
         pytest.skip("gcc's libasan/libubsan runtimes are missing")
     base = tmp_path_factory.mktemp("sanbuild")
     lib, tmp = str(base / "lib"), str(base / "tmp")
-    # the plain build before: the C extension only (a sanitized build has no CUDA plugin to compare)
-    _build({"TPCORE_SANITIZE": "", "TPCORE_CUDA": "0"}, lib, tmp)
+    # the plain build before (the session's CPU-only one, copied with its times): the sanitized
+    # build in the same directories must rebuild every object and the extension
+    plain = cpu_only_extension(c_builds)
+    shutil.copytree(plain["lib"], lib, symlinks=True)
+    shutil.copytree(plain["tmp"], tmp, symlinks=True)
     plain_so = [f for f in os.listdir(os.path.join(lib, "tpcore")) if f.startswith("_C")]
     # a CUDA plugin of a plain build (not compiled here): the sanitized build, which has none, removes it
+    os.makedirs(os.path.join(lib, "tpcore", ".libs"), exist_ok=True)
     stale = os.path.join(lib, "tpcore", ".libs", "libtpcore_cuda.so")
     with open(stale, "wb") as f:
         f.write(b"a plain build's plugin")

@@ -18,6 +18,7 @@ import tpcore
 from tpcore import _C
 
 import paths
+from c_binaries import cpu_only_extension
 ROOT = str(paths.ROOT)
 
 # Where the tpcore under test lives (the source tree after build_ext --inplace, or
@@ -238,37 +239,23 @@ def test_cuda_plan_without_nvcc_or_with_cuda_off(monkeypatch):
         s["cuda_archs"]()
 
 
-def _copy_tree(dst):
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for f in files:
-        if f.startswith(("tests/", "benchmarks/", "docs/")) or not os.path.isfile(os.path.join(ROOT, f)):
-            continue
-        os.makedirs(os.path.join(dst, os.path.dirname(f)), exist_ok=True)
-        shutil.copy2(os.path.join(ROOT, f), os.path.join(dst, f))
-
-
-@pytest.mark.slow  # a whole build; its TPCORE_CUDA=0 plan: test_cuda_plan_without_nvcc_or_with_cuda_off
-def test_cpu_only_build_in_a_temp_copy(tmp_path):
+def test_cpu_only_build(c_builds, tmp_path):
     """TPCORE_CUDA=0: the build says so, places no plugin, and build_info / cuda_available
-    report why (the same as a machine without nvcc)."""
-    src = tmp_path / "src"
-    _copy_tree(str(src))
-    env = dict(os.environ, TPCORE_CUDA="0")
-    env.pop("TPCORE_CUDA_PLUGIN", None)
-    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-j", "2"], cwd=src, env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "cuda: CPU-only build, no CUDA plugin: TPCORE_CUDA=0 at build time" in r.stderr
+    report why (the same as a machine without nvcc).  The build is the session's CPU-only one
+    (c_binaries.cpu_only_extension), which test_sanitized builds on top of."""
+    built = cpu_only_extension(c_builds)
+    log, lib = built["log"], built["lib"]
+    assert "cuda: CPU-only build, no CUDA plugin: TPCORE_CUDA=0 at build time" in log
     # what a user sees under `pip install -v .`: each step as it starts and ends, no deprecation
     # the MPI plugin follows when mpicc is there; the CUDA plugin must not (TPCORE_CUDA=0)
-    steps = re.search(r"^\[tpcore build\] to build: (the extension tpcore\._C[^\n]*)$", r.stderr, re.M)
-    assert steps and "CUDA" not in steps.group(1), r.stderr[-3000:]
-    assert re.search(r"\[tpcore build\] extension tpcore._C: built in \d+ s", r.stderr), r.stderr[-3000:]
-    assert "SetuptoolsDeprecationWarning" not in r.stderr and "project.license" not in r.stderr
-    assert "nvcc " not in r.stderr.replace("nvcc was", "")  # nothing was compiled by nvcc
-    assert not os.path.exists(src / "python" / "tpcore" / ".libs" / "libtpcore_cuda.so")
-    env["PYTHONPATH"] = str(src / "python")
+    steps = re.search(r"^\[tpcore build\] to build: (the extension tpcore\._C[^\n]*)$", log, re.M)
+    assert steps and "CUDA" not in steps.group(1), log[-3000:]
+    assert re.search(r"\[tpcore build\] extension tpcore._C: built in \d+ s", log), log[-3000:]
+    assert "SetuptoolsDeprecationWarning" not in log and "project.license" not in log
+    assert "nvcc " not in log.replace("nvcc was", "")  # nothing was compiled by nvcc
+    assert not os.path.exists(lib / "tpcore" / ".libs" / "libtpcore_cuda.so")
+    env = dict(os.environ, PYTHONPATH=str(lib))
+    env.pop("TPCORE_CUDA_PLUGIN", None)
     code = ("import json, tpcore\n"
             "print(json.dumps({'available': tpcore.cuda_available(), 'cuda': tpcore.build_info()['cuda'],\n"
             "                  'file': tpcore._C.__file__}))\n")
@@ -276,7 +263,7 @@ def test_cpu_only_build_in_a_temp_copy(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["file"].startswith(str(src))
+    assert out["file"].startswith(str(lib))
     assert out["available"] is False
     assert out["cuda"] == {"built": False, "why_not_built": "TPCORE_CUDA=0 at build time",
                            "status": "not built: TPCORE_CUDA=0 at build time"}

@@ -139,9 +139,9 @@ def test_unknown_backend_is_a_value_error():
         tpcore.init(backend="gloo")
 
 
-def test_c_error_paths(tmp_path):
+def test_c_error_paths(c_builds):
     """csrc/tests/test_nccl.c: the same paths through the C API (probe and tp_comm_init_rank)."""
-    b = build(tmp_path, False, "test_nccl", "fake_nccl/old/libnccl.so.2", "fake_nccl/nosym/libnccl.so.2",
+    b = build(c_builds, False, "test_nccl", "fake_nccl/old/libnccl.so.2", "fake_nccl/nosym/libnccl.so.2",
               "fake_nccl/good/libnccl.so.2", "fake_nccl/home/lib64/libnccl.so.2")
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env["TPCORE_TEST_FAKE_NCCL"] = str(b / "fake_nccl")

@@ -1,4 +1,12 @@
 // The emulator's runtime (cuda_emu.h): fibers, the barrier scheduler, launches.
+//
+// A fiber starts with setcontext on its own stack; after that the fibers and the scheduler switch
+// with _setjmp / _longjmp, which save no signal mask: swapcontext makes a sigprocmask system call
+// at every switch, half the emulator's time.  Under ASan, which follows stack switches only through
+// swapcontext, every switch is a swapcontext.  (_FORTIFY_SOURCE's longjmp check refuses jumps
+// between stacks, so it is off in this file.)
+#undef _FORTIFY_SOURCE
+#include <setjmp.h>
 #include "cuda_emu.h"
 uint3_ threadIdx, blockIdx;
 dim3 gridDim, blockDim;
@@ -8,20 +16,37 @@ float *emu_smem;
 float emu_xbuf[32][32];
 namespace {
 enum { RUN, WAIT0, WAIT1, DONE };
-struct Fiber { ucontext_t ctx; std::vector<char> stack; int state; };
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool fast_switch = false;
+#else
+constexpr bool fast_switch = true;
+#endif
+struct Fiber { ucontext_t ctx; jmp_buf jb; std::vector<char> stack; int state; bool started; };
 std::vector<Fiber> fibers;
 ucontext_t sched;
+jmp_buf sched_jb;
 int cur;
 std::function<void()> *body;
+void to_scheduler() {  // from the running fiber
+  if (!fast_switch) swapcontext(&fibers[cur].ctx, &sched);
+  else if (!_setjmp(fibers[cur].jb)) _longjmp(sched_jb, 1);
+}
+void to_fiber(int t) {  // from the scheduler, until the fiber waits or ends
+  if (!fast_switch) { swapcontext(&sched, &fibers[t].ctx); return; }
+  if (_setjmp(sched_jb)) return;
+  if (!fibers[t].started) { fibers[t].started = true; setcontext(&fibers[t].ctx); }
+  _longjmp(fibers[t].jb, 1);
+}
 void entry() {
   (*body)();
   fibers[cur].state = DONE;
-  swapcontext(&fibers[cur].ctx, &sched);
+  if (!fast_switch) swapcontext(&fibers[cur].ctx, &sched);
+  _longjmp(sched_jb, 1);  // never returns here: the fiber is not resumed
 }
 }
 void emu_wait(int kind) {
   fibers[cur].state = kind ? WAIT1 : WAIT0;
-  swapcontext(&fibers[cur].ctx, &sched);
+  to_scheduler();
 }
 void emu_launch(dim3 g, dim3 b, size_t smem, std::function<void()> f) {
   if (b.x * b.y * b.z % 32 || b.x * b.y * b.z > 1024 || b.z > 64) { emu_err = 1; return; }
@@ -44,6 +69,7 @@ void emu_launch(dim3 g, dim3 b, size_t smem, std::function<void()> f) {
       fibers[t].ctx.uc_link = nullptr;
       makecontext(&fibers[t].ctx, entry, 0);
       fibers[t].state = RUN;
+      fibers[t].started = false;
     }
     for (;;) {
       bool any = false;
@@ -52,7 +78,7 @@ void emu_launch(dim3 g, dim3 b, size_t smem, std::function<void()> f) {
         int t = rev ? n - 1 - t0 : t0;
         if (fibers[t].state == RUN) {
           cur = t, threadIdx = {t % b.x, t / b.x % b.y, t / (b.x * b.y)};
-          swapcontext(&sched, &fibers[t].ctx);
+          to_fiber(t);
           any = true;
         }
       }
