@@ -233,3 +233,9 @@ def test_the_test_extra_brings_every_module_the_tests_skip_without():
     if os.environ.get("CI"):  # CI installs the extra: every one of them must import there
         absent = [m for m in _OPTIONAL_TEST_MODULES if importlib.util.find_spec(m) is None]
         assert not absent, f"installed by '.[test]' but not importable: {absent}"
+
+
+def test_the_files_run_first_exist():
+    from conftest import RUN_FIRST
+    missing = [f for f in RUN_FIRST if not (paths.ROOT / "tests" / f).is_file()]
+    assert not missing, f"conftest.RUN_FIRST names files that are not there: {missing}"
