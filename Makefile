@@ -193,7 +193,7 @@ check: all
 	ruff check python tests benchmarks examples scripts docs
 	clang-format --dry-run --Werror $(LINT_C)
 	$(MAKE) test
-	$(if $(wildcard python/tpcore/_C*.so),PYTHONPATH=$(CURDIR)/python) $(PYTHON) -m pytest -q -m "not slow" tests
+	$(if $(wildcard python/tpcore/_C*.so),PYTHONPATH=$(CURDIR)/python) $(PYTHON) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 clean:
 	rm -rf build build-san build-debug

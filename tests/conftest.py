@@ -23,7 +23,10 @@ import tpcore
 # this session's jobs: "tpcore_<JOB_PREFIX>..." in /dev/shm (an outer harness's prefix is replaced)
 JOB_PREFIX = os.environ["TPCORE_JOB_PREFIX"] = f"pt{secrets.token_hex(4)}-"
 
-WORLDS = [1, 2, 3, 4]
+WORLD_SIZES = [1, 2, 3, 4]
+# the world sizes of a parametrized test: 3 and 4 are `slow` (the quick subset, -m "not slow", runs
+# 1 and 2; the test command runs all four)
+WORLDS = [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)]
 DEADLINE = float(os.environ.get("TPCORE_TEST_DEADLINE", "120"))
 
 

@@ -89,6 +89,7 @@ def test_decode_benchmark_quantized_dtypes(tmp_path):
     assert "# q8_0 vs float32 weights at 1 ranks: decode" in r.stdout
 
 
+@pytest.mark.slow  # the real GGUF file; test_decode_benchmark_quick covers the command
 def test_decode_benchmark_gguf_checkpoint(tmp_path):
     """--checkpoint FILE.gguf: the file's formats kept, each rank's weights about file/N; with
     llama-cpp-python installed, llama.cpp on the same file is the peer (skipped by name otherwise)."""
@@ -152,6 +153,7 @@ def test_serve_measure_function():
         assert m["peak_running"] == 4 and m["comm_bytes"] > 0
 
 
+@pytest.mark.slow  # the main job end to end; its parts have their own tests
 def test_demo_main_job(tmp_path):
     """The main job (README's first command): collectives then the transformer, checked against 1 rank."""
     r = subprocess.run([sys.executable, "-m", "tpcore.launch", "-n", "3", "-m", "tpcore.demo", "--iters", "2"],

@@ -29,6 +29,7 @@ def check_output(r):
     assert m and int(m.group(1)) >= 2000, out
 
 
+@pytest.mark.slow  # builds the C core; test_bad_arguments and test_boundaries reach the same checks
 def test_api_hostile(c_builds):
     check_output(build_and_run(c_builds, sanitize=False))
 

@@ -31,6 +31,7 @@ def check_counts(out):
     assert counts[0][0] >= 32 and counts[1][0] >= 21 and counts[2][0] >= 5, counts
 
 
+@pytest.mark.slow  # builds the C core; the layers' Python tests run the same C code
 def test_c_core(c_builds):
     check_counts(build_and_run(c_builds, sanitize=False))
 

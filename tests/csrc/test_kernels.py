@@ -45,6 +45,7 @@ def check_output(r):
     assert re.search(r"^\d+ passed, 0 failed$", out, re.M)
 
 
+@pytest.mark.slow  # builds the C core; the Python kernel tests below cover the bindings
 def test_kernel_parity(c_builds):
     check_output(build_and_run(c_builds, sanitize=False))
 

@@ -171,6 +171,7 @@ def smollm2_gguf():
     return smollm2_path()
 
 
+@pytest.mark.slow  # the real GGUF file; the synthetic blocks cover every format
 def test_real_file_tensors_equal_gguf():
     """Tensors of a downloaded model (Q4_1 layers, the Q8_0 embedding), memory-mapped by gguf's
     reader (read-only), decoded bit for bit as gguf-py does."""

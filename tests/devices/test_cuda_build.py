@@ -239,6 +239,7 @@ def test_cuda_plan_without_nvcc_or_with_cuda_off(monkeypatch):
         s["cuda_archs"]()
 
 
+@pytest.mark.slow  # a whole build; its TPCORE_CUDA=0 plan: test_cuda_plan_without_nvcc_or_with_cuda_off
 def test_cpu_only_build(c_builds, tmp_path):
     """TPCORE_CUDA=0: the build says so, places no plugin, and build_info / cuda_available
     report why (the same as a machine without nvcc).  The build is the session's CPU-only one

@@ -11,6 +11,7 @@ import pytest
 from c_binaries import ROOT
 
 
+@pytest.mark.slow  # runs gpu_check.sh; test_gpu_check_summary_reads_the_reports checks its summary
 def test_gpu_check_script_prints_its_summary_without_a_gpu(tmp_path):
     """bash -n, then one fast run (only the env step): every row of the summary is there and the
     rows that did not run say why; this is what a machine without a GPU sees."""

@@ -139,6 +139,7 @@ def test_unknown_backend_is_a_value_error():
         tpcore.init(backend="gloo")
 
 
+@pytest.mark.slow  # builds the C core and test_nccl.c; the tests above cover the same paths from Python
 def test_c_error_paths(c_builds):
     """csrc/tests/test_nccl.c: the same paths through the C API (probe and tp_comm_init_rank)."""
     b = build(c_builds, False, "test_nccl", "fake_nccl/old/libnccl.so.2", "fake_nccl/nosym/libnccl.so.2",

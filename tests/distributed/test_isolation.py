@@ -134,6 +134,7 @@ def test_a_rank_of_a_second_job_stops_both_jobs(intruder, says):
             os.unlink(hold)
 
 
+@pytest.mark.slow  # two jobs of 4 ranks at once; test_close_and_init_again_with_the_same_id keeps jobs apart too
 def test_two_jobs_started_together_never_mix():
     """Two torchrun-style jobs on one address and port, all four ranks started at
     once: each rank computes its own job's sum or fails naming the collision,
@@ -334,6 +335,7 @@ def _nobody_cannot_attack():
     return f"uid {NOBODY} cannot run {sys.executable} with the modules the attacker imports, or use /dev/shm: {last}"
 
 
+@pytest.mark.slow  # a second user's process watching for seconds
 @needs_root
 def test_another_user_watching_dev_shm_cannot_take_registered_memory_names(tmp_path):
     """Another user lists /dev/shm while a job allocates registered memory and
@@ -389,6 +391,7 @@ def _ours_new(before):
     return sorted(ours - before)
 
 
+@pytest.mark.slow  # 8 kills at random moments; test_killed_torchrun_style_job_is_swept_by_cleanup_and_next_start: one
 def test_launcher_group_killed_leaves_nothing(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(ALLOC_LOOP)

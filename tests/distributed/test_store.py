@@ -423,7 +423,7 @@ def test_close_leaks_no_fds_or_threads():
 
 # ------------------------------------------------------------------ the C API, under sanitizers
 
-@pytest.mark.parametrize("sanitize", [False, True])
+@pytest.mark.parametrize("sanitize", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.sanitized])])
 def test_c_store_program(tmp_path, sanitize):
     """csrc/tests/test_store.c against csrc/comm/store/*.c alone (no Python), plain and under
     ASan + UBSan (leaks included): compiled directly, so it takes seconds."""

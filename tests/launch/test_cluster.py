@@ -389,6 +389,7 @@ with tpcore.Cluster(2) as c3:
 """
 
 
+@pytest.mark.slow  # a Jupyter kernel; test_spawn_in_a_notebook is the quick one
 def test_example_notebook_runs_headless():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -15,6 +15,7 @@ import pytest
 import tpcore
 from tpcore import _C
 import paths
+from conftest import WORLDS
 
 HERE = str(paths.TESTS)  # the worker scripts
 PKG_PARENT = os.path.dirname(os.path.dirname(tpcore.__file__))
@@ -91,7 +92,7 @@ def worker_alive():
     return found
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", WORLDS)
 def test_every_collective_under_mpirun(n, tmp_path):
     rc, out, err = mpirun(n, "collectives", tmp_path, MPI_TEST_SEED=100 + n, MPI_TEST_LAYERS=int(n in (1, 3)),
                           MPI_TEST_MISMATCH=int(n == 3))
@@ -112,6 +113,7 @@ def test_every_collective_under_mpirun(n, tmp_path):
     assert not worker_alive()
 
 
+@pytest.mark.slow  # the launcher under mpirun; test_every_collective_under_mpirun covers the backend
 def test_launch_backend_mpi(tmp_path):
     rc, out, err = job([sys.executable, "-m", "tpcore.launch", "--backend", "mpi", "-n", "3", WORKER, "collectives"],
                        str(tmp_path), MPI_TEST_SEED=5, MPI_TEST_BACKEND="auto", MPI_TEST_DTYPES="float32,bfloat16,int8")

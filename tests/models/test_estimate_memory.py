@@ -129,6 +129,7 @@ def test_estimate_from_checkpoint_dir(tmp_path):
         assert estimate_memory(cfg, world)[0]["params"] == est[0]["params"]
 
 
+@pytest.mark.slow  # the real GGUF file; the synthetic-config estimates cover the arithmetic
 def test_estimate_gguf():
     from smollm2 import smollm2_path
     path = smollm2_path()

@@ -51,6 +51,7 @@ def test_every_example_is_listed():
                                f"{sorted(set(ARGS) - found)}"
 
 
+@pytest.mark.slow  # whole example scripts; their parts have their own tests
 @pytest.mark.parametrize("name", sorted(ARGS))
 def test_example_runs_and_its_check_passes(name):
     for mod in REQUIRES.get(name, []):

@@ -532,6 +532,7 @@ def _fixture_run(comm, path, prompt, generated, dtype):
 LLAMACPP_TOL = 1.0    # measured: 0.71 at most on the fixture's steps (0.91 over ten prompts' 24 steps)
 
 
+@pytest.mark.slow  # the real 135M-parameter model; the tiny synthetic GGUF tests cover the loader
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["float32", None], ids=["float32", "file-formats"])
 def test_smollm2_matches_llamacpp_fixture(world, dtype):

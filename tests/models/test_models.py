@@ -12,7 +12,7 @@ import pytest
 
 import tpcore
 import reference_transformer as ref
-from conftest import WORLDS, rng_for, run
+from conftest import WORLD_SIZES, rng_for, run
 from tpcore.io.formats import write_safetensors
 
 GPT2 = dict(vocab_size=97, hidden=24, layers=2, heads=6, ffn_hidden=40, norm="layernorm", activation="gelu_tanh",
@@ -241,7 +241,7 @@ def _hf_source(comm, path, name):
 def test_hugging_face_named_checkpoint_loads_at_every_world_size(tmp_path, name):
     path = str(tmp_path / name)
     want = run(_hf_source, 1, path, name)[0]
-    for world in WORLDS:
+    for world in WORLD_SIZES:
         for r, got in enumerate(run(_load, world, path, name)):
             assert np.allclose(got, want, rtol=1e-5, atol=1e-6), f"world {world} rank {r}"
 

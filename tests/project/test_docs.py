@@ -37,6 +37,7 @@ def _rel(p):
 
 # ------------------------------------------------------------------ the Sphinx build
 
+@pytest.mark.slow  # Sphinx builds every page; the file-map and link checks here are quick
 def test_docs_build_with_warnings_as_errors(tmp_path):
     for mod in ("sphinx", "numpydoc", "myst_parser"):
         pytest.importorskip(mod, reason=f"{mod} is in the test extra (pip install '.[test]' or '.[docs]')")

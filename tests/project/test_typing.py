@@ -200,6 +200,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow  # mypy
 def test_mypy_strict_on_a_user_script(tmp_path):
     script = tmp_path / "user_script.py"
     script.write_text(textwrap.dedent(USER_SCRIPT))
@@ -214,6 +215,7 @@ def test_mypy_strict_on_a_user_script(tmp_path):
     assert r.stdout.strip() == "", r.stdout
 
 
+@pytest.mark.slow  # mypy
 def test_mypy_sees_tpcore_and_catches_misuse(tmp_path):
     """The check can fail: tpcore must be found (not silently Any), and a wrong use of its
     annotated API is reported."""
@@ -241,6 +243,7 @@ def test_mypy_sees_tpcore_and_catches_misuse(tmp_path):
         assert f"misuse.py:{line}: error" in out, (line, out)
 
 
+@pytest.mark.slow  # mypy's stubtest
 def test_extension_stubs_match_the_extension(tmp_path):
     """_C.pyi against the built extension (mypy's stubtest): every runtime name has a stub and
     every stub a runtime name, with the same signatures where the C code gives them.  Only

@@ -347,6 +347,7 @@ def test_bfloat16_parameters():
     assert run(_bf16_params_case, 2) == [True, True]
 
 
+@pytest.mark.slow  # the docs' script in a subprocess; test_training_matches_plain_torch_step_for_step: the same
 def test_docs_training_loop_runs(tmp_path):
     """The tpcore.torch page's example (docs/torch.md), run as it is (fewer steps, the checkpoint in tmp_path)."""
     import os
