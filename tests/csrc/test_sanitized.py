@@ -103,7 +103,9 @@ def test_suite_under_asan_ubsan(sanitized):
         missing = [f for f in files if not os.path.exists(os.path.join(ROOT, f))]
         assert not missing, f"test files to run under the sanitizers are missing: {missing}"
     env = dict(sanitized["env"], PYTHONPATH=sanitized["lib"])
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],
+    # the whole suite on two workers as the test command runs it; a subset in one process
+    workers = ["-n", "2", "--dist", "loadfile"] if which == "all" else []
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *workers, *files],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
     tail = (r.stdout[-6000:] + "\n" + r.stderr[-6000:])
     assert r.returncode == 0, f"under ASan+UBSan ({' '.join(files)}):\n{tail}"
