@@ -18,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHES = {
@@ -67,12 +68,17 @@ def build(rev, where):
         subprocess.run(["git", "worktree", "add", "-f", "--detach", where, rev], cwd=ROOT, check=True,
                        capture_output=True)
     env = dict(os.environ, TPCORE_CUDA="0")
+    t0 = time.monotonic()
     r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-j", "2"], cwd=where, env=env,
                        capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"building {rev} in {where} failed:\n{r.stderr[-3000:]}")
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True,
-                          text=True).stdout.strip()
+    took = time.monotonic() - t0
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True,
+                         text=True).stdout.strip()
+    print(f"# built {rev} ({sha}) in {took:.0f} s (setup.py build_ext --inplace -j 2, CPU-only; from scratch "
+          f"in a new worktree)", file=sys.stderr, flush=True)
+    return sha
 
 
 def run_bench(where, name, out_json, timeout):
