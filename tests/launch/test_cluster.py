@@ -3,10 +3,10 @@
 Results at world 1..4 against float64 NumPy references, state kept between runs (the
 `state` namespace and module-level globals of functions sent by value), output streamed
 while a function runs, a rank's exception raised with its traceback and the cluster
-reused after it (with and without an abort of the communicator), a dead rank, close /
-with / garbage collection / exit / interrupt leaving no process and no /dev/shm name,
-bad arguments; spawn's clear error for a function a spawned process cannot import; and
-examples/cluster.ipynb executed in a real kernel (nbclient)."""
+reused after it (with and without an abort of the communicator), a dead rank, bad
+arguments; spawn's clear error for a function a spawned process cannot import; and
+examples/cluster.ipynb executed in a real kernel (nbclient).  Closing, interrupts and dying
+ranks: test_cluster_lifecycle.py."""
 import os
 import re
 import signal
