@@ -27,7 +27,7 @@ BENCHES = {
     "layers": ["layers", "--hidden", "1024,4096", "--tokens", "8,512", "--worlds", "1,2", "--peers", "none"],
     "decode": ["decode", "--worlds", "1,2", "--peers", "none"],
 }
-TIME_KEYS = ("time_us", "ms", "_s")  # key endings of times (ms, seconds, microseconds)
+TIME_KEYS = ("_us", "_ms", "_s")  # key endings of times (microseconds, milliseconds, seconds)
 RATE_KEYS = ("busbw", "algbw", "tok_s", "gflops", "gbs", "_per_s")
 
 
@@ -35,7 +35,7 @@ def kind(key):
     k = key.lower()
     if any(k.endswith(r) or r in k for r in RATE_KEYS):
         return "rate"
-    if any(k.endswith(t) for t in TIME_KEYS):
+    if any(k.endswith(t) for t in TIME_KEYS) or k in ("us", "ms", "s"):
         return "time"
     return None
 
@@ -56,7 +56,8 @@ def flatten(doc, path=""):
         for i, v in enumerate(doc):
             tag = str(i)
             if isinstance(v, dict):
-                ids = [f"{f}={v[f]}" for f in ("op", "impl", "mode", "size", "n", "world", "hidden", "tokens", "dtype")
+                ids = [f"{f}={v[f]}" for f in ("op", "impl", "mode", "bytes", "size", "n", "world", "hidden", "tokens",
+                                               "dtype")
                        if f in v and not isinstance(v[f], (dict, list))]
                 tag = ",".join(ids) or tag
             out.update(flatten(v, f"{path}[{tag}]"))
@@ -81,7 +82,10 @@ def build(rev, where):
     return sha
 
 
-def run_bench(where, name, out_json, timeout):
+def run_bench(where, name, out_json, timeout, reuse=False):
+    if reuse:  # --reuse: the JSON an earlier run of this script wrote
+        with open(out_json) as f:
+            return flatten(json.load(f))
     env = dict(os.environ, PYTHONPATH=os.path.join(where, "python"))
     cmd = [sys.executable, "-m", "tpcore.bench", *BENCHES[name], "--json", out_json]
     r = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True, timeout=timeout)
@@ -99,18 +103,25 @@ def main():
     p.add_argument("--out", default="/tmp/tpcore-compare")
     p.add_argument("--benches", default=",".join(BENCHES), help="comma list of " + ", ".join(BENCHES))
     p.add_argument("--timeout", type=float, default=900, help="seconds one benchmark run may take")
+    p.add_argument("--reuse", action="store_true", help="no build and no run: pair the JSON files an earlier run left "
+                   "in --out again")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     revs = {"before": a.before, "after": a.after}
     trees = {k: os.path.join(a.out, k) for k in revs}
-    shas = {k: build(revs[k], trees[k]) for k in revs}
+    if a.reuse:
+        shas = {k: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=trees[k], capture_output=True,
+                                  text=True).stdout.strip() for k in revs}
+    else:
+        shas = {k: build(revs[k], trees[k]) for k in revs}
     names = [b for b in a.benches.split(",") if b]
     vals = {k: {} for k in revs}  # side -> path -> [value per round]
     for rnd in range(a.rounds):
         for name in names:
             order = ("before", "after") if rnd % 2 == 0 else ("after", "before")
             for side in order:
-                got = run_bench(trees[side], name, os.path.join(a.out, f"{name}-{side}-{rnd}.json"), a.timeout)
+                got = run_bench(trees[side], name, os.path.join(a.out, f"{name}-{side}-{rnd}.json"), a.timeout,
+                                a.reuse)
                 for k, v in got.items():
                     vals[side].setdefault(f"{name}{k}", []).append(v)
             print(f"# round {rnd + 1}/{a.rounds}: {name} done", file=sys.stderr, flush=True)
@@ -119,13 +130,14 @@ def main():
     rows = []
     print(f"# before {revs['before']} ({shas['before']}), after {revs['after']} ({shas['after']}), "
           f"{a.rounds} interleaved rounds; medians")
-    print(f"{'metric':<90} {'before':>12} {'after':>12} {'after/before':>12}")
+    width = max([len(k) for k in both] + [6])
+    print(f"{'metric':<{width}} {'before':>12} {'after':>12} {'after/before':>12}")
     for k in both:
         b, f = statistics.median(vals["before"][k]), statistics.median(vals["after"][k])
         ratio = f / b if b else float("nan")
         rows.append({"metric": k, "kind": kind(k.rsplit("/", 1)[-1]), "before": vals["before"][k],
                      "after": vals["after"][k], "ratio_of_medians": ratio})
-        print(f"{k[-90:]:<90} {b:>12.4g} {f:>12.4g} {ratio:>12.3f}")
+        print(f"{k:<{width}} {b:>12.4g} {f:>12.4g} {ratio:>12.3f}")
     if only:
         print(f"# {len(only)} metrics in one revision only (not compared), e.g. {only[:3]}")
     with open(os.path.join(a.out, "compare.json"), "w") as fh:

@@ -12,8 +12,8 @@ _spec.loader.exec_module(cr)
 
 def test_kind_tells_times_from_rates_and_skips_the_rest():
     assert [cr.kind(k) for k in ("time_us", "ttft_ms", "decode_s", "busbw", "decode_tok_s", "gflops", "iters",
-                                 "size", "threads")] == ["time", "time", "time", "rate", "rate", "rate", None, None,
-                                                         None]
+                                 "size", "threads", "params", "items")] == ["time", "time", "time", "rate", "rate",
+                                                                            "rate", None, None, None, None, None]
 
 
 def test_flatten_names_rows_by_their_fields_and_skips_the_environment():
