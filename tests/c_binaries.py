@@ -68,3 +68,24 @@ def cpu_only_extension(builds):
                             ignore=shutil.ignore_patterns("_C*.so", ".libs", "__pycache__"))
             log.write_text(r.stderr)
     return {"lib": lib, "tmp": tmp, "log": log.read_text()}
+
+
+_SETUP = {}
+
+
+def setup_py_functions():
+    """setup.py's module namespace (its functions: cuda_plan, read_flags, read_mk, ...), read once with
+    setuptools.setup replaced, so that nothing is built."""
+    if not _SETUP:
+        import runpy
+
+        import setuptools
+        real, cwd = setuptools.setup, os.getcwd()
+        setuptools.setup = lambda **kw: None
+        try:
+            os.chdir(ROOT)
+            _SETUP.update(runpy.run_path(str(ROOT / "setup.py"), run_name="not_main"))
+        finally:
+            setuptools.setup = real
+            os.chdir(cwd)
+    return _SETUP

@@ -66,12 +66,22 @@ static double dyv(int m, int j) { return cos(0.5 * m - 0.3 * j); }
 static double gelu(double v) { return 0.5 * v * (1 + erf(v / sqrt(2))); }
 static double dgelu(double v) { return 0.5 * (1 + erf(v / sqrt(2))) + v * exp(-0.5 * v * v) / sqrt(2 * M_PI); }
 
-static int run_rank(int n, int r, const char *job) {
+/* Rank r of n's communicator of the job (a 30 s timeout); NULL, with the reason printed, if it fails. */
+static tp_comm_t open_comm(int n, int r, const char *job) {
   tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
   cc.job_id = job;
   cc.timeout_s = 30;
-  tp_comm_t comm;
-  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  tp_comm_t comm = NULL;
+  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) {
+    fprintf(stderr, "init: %s\n", tp_last_error());
+    return NULL;
+  }
+  return comm;
+}
+
+static int run_rank(int n, int r, const char *job) {
+  tp_comm_t comm = open_comm(n, r, job);
+  if (!comm) return 1;
   enter_mode(comm);
   tp_mlp_config_t cfg = TP_MLP_CONFIG_INITIALIZER;
   cfg.hidden = H;
@@ -169,11 +179,8 @@ static const int64_t targets[T] = {3, 12, IGNORE, 0, 6, 11};
 
 /* Embedding forward/backward and cross-entropy value/gradient on rank r of n. */
 static int run_vocab(int n, int r, const char *job) {
-  tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
-  cc.job_id = job;
-  cc.timeout_s = 30;
-  tp_comm_t comm;
-  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  tp_comm_t comm = open_comm(n, r, job);
+  if (!comm) return 1;
   enter_mode(comm);
   int64_t part[3] = {0, 0, 0}, lo = 0;
   for (int p = 0; p < n; p++) part[p] = p == n - 1 ? VOC - (n - 1) * 3 : 3; /* 13 = 3 + 3 + 7 at world 3 */
@@ -291,11 +298,8 @@ static int quant_block_grads(tp_comm_t comm) {
 }
 
 static int run_block(int n, int r, const char *job) {
-  tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
-  cc.job_id = job;
-  cc.timeout_s = 30;
-  tp_comm_t comm;
-  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  tp_comm_t comm = open_comm(n, r, job);
+  if (!comm) return 1;
   enter_mode(comm);
   tp_block_config_t cfg = TP_BLOCK_CONFIG_INITIALIZER;
   cfg.hidden = BC, cfg.heads = BH, cfg.kv_heads = BKV, cfg.head_dim = BD, cfg.ffn_hidden = BF;
@@ -491,11 +495,8 @@ static int sizes_block(tp_comm_t comm, int n, int r) {
 }
 
 static int run_sizes(int n, int r, const char *job) {
-  tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
-  cc.job_id = job;
-  cc.timeout_s = 30;
-  tp_comm_t comm;
-  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  tp_comm_t comm = open_comm(n, r, job);
+  if (!comm) return 1;
   int bad = 0;
   const int64_t big = INT64_MAX;
   /* linear: a shard too large is refused with its sizes (the message was read from the freed layer) */
@@ -670,11 +671,8 @@ static void make_qrow(tp_dtype_t fmt, int row, uint8_t *out, double *v) {
 }
 
 static int run_quant(int n, int r, const char *job) {
-  tp_comm_config_t cc = TP_COMM_CONFIG_INITIALIZER;
-  cc.job_id = job;
-  cc.timeout_s = 30;
-  tp_comm_t comm;
-  if (tp_comm_init_rank(&comm, n, r, &cc) != TP_SUCCESS) return fprintf(stderr, "init: %s\n", tp_last_error()), 1;
+  tp_comm_t comm = open_comm(n, r, job);
+  if (!comm) return 1;
   int bad = 0;
   tp_dtype_t fmts[2] = {TP_Q8_0, TP_Q4_1};
   for (int fi = 0; fi < 2; fi++) {

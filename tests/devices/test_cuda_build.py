@@ -7,7 +7,6 @@ import ctypes
 import json
 import os
 import re
-import runpy
 import shutil
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import tpcore
 from tpcore import _C
 
 import paths
-from c_binaries import cpu_only_extension
+from c_binaries import cpu_only_extension, setup_py_functions
 ROOT = str(paths.ROOT)
 
 # Where the tpcore under test lives (the source tree after build_ext --inplace, or
@@ -31,26 +30,8 @@ ENTRY = "tp_cuda_plugin_init_v1"
 
 
 def _nvcc():
-    plan = _setup_module()["cuda_plan"]("")
+    plan = setup_py_functions()["cuda_plan"]("")
     return plan.get("nvcc")
-
-
-_SETUP = {}
-
-
-def _setup_module():
-    """setup.py's functions, with setuptools.setup replaced (nothing is built)."""
-    if not _SETUP:
-        import setuptools
-        real, cwd = setuptools.setup, os.getcwd()
-        setuptools.setup = lambda **kw: None
-        try:
-            os.chdir(ROOT)
-            _SETUP.update(runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="not_main"))
-        finally:
-            setuptools.setup = real
-            os.chdir(cwd)
-    return _SETUP
 
 
 def _driver_present():
@@ -225,7 +206,7 @@ def test_device_stream_entries_on_the_cpu():
 
 
 def test_cuda_plan_without_nvcc_or_with_cuda_off(monkeypatch):
-    s = _setup_module()
+    s = setup_py_functions()
     monkeypatch.setenv("TPCORE_CUDA", "0")
     assert s["cuda_plan"]("") == {"why_not": "TPCORE_CUDA=0 at build time"}
     monkeypatch.delenv("TPCORE_CUDA")
@@ -347,7 +328,7 @@ def test_cuda_plugin_step_reports_its_progress(tmp_path, monkeypatch, capsys):
     """build_cuda_plugin with stand-ins for nvcc and the C compiler (each writes its -o file): the
     step says when it starts (archs, how to skip it), each file as it ends, when it is done,
     and that a second build has nothing to do."""
-    s = _setup_module()
+    s = setup_py_functions()
     monkeypatch.chdir(ROOT)
     fake = tmp_path / "fake-tool"
     fake.write_text('#!/bin/sh\nwhile [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')

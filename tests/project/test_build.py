@@ -3,7 +3,6 @@ the C header and the package must agree; the build checks its tools first."""
 import json
 import os
 import re
-import runpy
 import shlex
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 import tpcore
 
 import paths
+from c_binaries import setup_py_functions
 ROOT = str(paths.ROOT)
 
 # setup.py run with setuptools.setup replaced: what it would pass to setuptools
@@ -34,24 +34,6 @@ def _setup_py():
     out = subprocess.run([sys.executable, "-c", _CAPTURE, ROOT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-_SETUP = {}
-
-
-def _setup_module():
-    """setup.py's functions, with setuptools.setup replaced (nothing is built)."""
-    if not _SETUP:
-        import setuptools
-        real, cwd = setuptools.setup, os.getcwd()
-        setuptools.setup = lambda **kw: None
-        try:
-            os.chdir(ROOT)
-            _SETUP.update(runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="not_main"))
-        finally:
-            setuptools.setup = real
-            os.chdir(cwd)
-    return _SETUP
 
 
 def _header_version():
@@ -87,7 +69,7 @@ def test_setup_py_and_makefile_compile_the_same_core():
     # every C file of csrc/ outside the tests is built by one of them
     every = {os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(os.path.join(ROOT, "csrc"))
              for f in fs if f.endswith(".c") and "/tests" not in d}
-    mk = _setup_module()["read_source_dirs"](os.path.join(ROOT, "csrc", "sources.mk"))
+    mk = setup_py_functions()["read_source_dirs"](os.path.join(ROOT, "csrc", "sources.mk"))
     plugins = set(mk["TP_CUDA_DIRS"]) | set(mk["TP_MPI_DIRS"])  # the plugins' own directories
     assert {"csrc/cuda/plugin", "csrc/comm/mpi/plugin"} <= plugins
     every = {f for f in every if os.path.dirname(f) not in plugins}
@@ -106,10 +88,10 @@ def test_source_list_is_read_by_both():
 def test_flags_are_read_by_both():
     with open(os.path.join(ROOT, "Makefile")) as f:
         assert re.search(r"^include csrc/flags\.mk$", f.read(), re.M)
-    fl = _setup_module()["read_flags"]()
+    fl = setup_py_functions()["read_flags"]()
     assert "-std=c11" in fl["TP_CFLAGS"] and fl["TP_PLUGIN_CFLAGS"][:len(fl["TP_CFLAGS"])] == fl["TP_CFLAGS"]
     assert "-fsanitize=address,undefined" in fl["TP_OPT_SANITIZE"]
-    assert "-fsanitize=address" in _setup_module()["read_flags"]("address")["TP_OPT_SANITIZE"]
+    assert "-fsanitize=address" in setup_py_functions()["read_flags"]("address")["TP_OPT_SANITIZE"]
 
 
 def _make_commands(target, *make_vars):
@@ -125,7 +107,7 @@ def _make_commands(target, *make_vars):
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_and_setup_py_build_the_plugins_with_the_same_commands(tmp_path, monkeypatch):
     """No nvcc or mpicc needed: both are asked for their commands with the same stand-ins."""
-    s = _setup_module()
+    s = setup_py_functions()
     monkeypatch.chdir(ROOT)
     build = str(tmp_path / "b")
     steps, link, lib = s["cuda_plugin_commands"]({"nvcc": "NVCC", "root": "/CUDA", "archs": [80, 90]},
@@ -145,7 +127,7 @@ def test_make_and_setup_py_build_the_plugins_with_the_same_commands(tmp_path, mo
 
 
 def test_extension_takes_the_core_flags():
-    s = _setup_module()
+    s = setup_py_functions()
     fl = s["read_flags"]()
     cflags, ldflags = s["extension_flags"]({"sanitize": "", "debug": False})
     assert cflags == fl["TP_CFLAGS"] + fl["TP_OPT_RELEASE"] and ldflags == fl["TP_LIBS"]
@@ -154,7 +136,7 @@ def test_extension_takes_the_core_flags():
 
 
 def test_make_fragments_are_read_as_make_reads_them(tmp_path):
-    read_mk = _setup_module()["read_mk"]
+    read_mk = setup_py_functions()["read_mk"]
     mk = tmp_path / "x.mk"
     mk.write_text("# a comment\nA := -x -y  # trailing\nB := $(A) -z\n\nC = plain\n")
     assert read_mk(str(mk)) == {"A": ["-x", "-y"], "B": ["-x", "-y", "-z"], "C": ["plain"]}
@@ -168,7 +150,7 @@ def test_make_fragments_are_read_as_make_reads_them(tmp_path):
 
 
 def test_toolchain_problems_say_what_to_install(tmp_path):
-    problem = _setup_module()["toolchain_problem"]
+    problem = setup_py_functions()["toolchain_problem"]
     import sysconfig
     msg = problem(["tpcore-no-such-cc", "-O2"])
     assert "tpcore needs a C compiler to build, and 'tpcore-no-such-cc'" in msg
