@@ -112,13 +112,11 @@ def _model(comm, args, dtype="float32"):
 
 def _gguf_vocab(path):
     """The vocabulary size of a GGUF file (its metadata, else its token list)."""
-    import gguf
-    r = gguf.GGUFReader(path)
-    arch = r.fields["general.architecture"].contents()
-    f = r.fields.get(f"{arch}.vocab_size")
-    if f is not None:
-        return int(f.contents())
-    return len(r.fields["tokenizer.ggml.tokens"].data)
+    from tpcore.io.gguf import GGUFFile
+    fields = GGUFFile(path).fields
+    arch = fields["general.architecture"].contents()
+    f = fields.get(f"{arch}.vocab_size")
+    return int(f.contents()) if f is not None else fields["tokenizer.ggml.tokens"].count
 
 
 TEXT = ("Tensor parallelism splits each layer of a model across several devices: the attention heads and the "

@@ -5,9 +5,11 @@ tensors under tpcore's names, the tokenizer.
     model = tpcore.models.from_gguf("model.gguf", comm)      # or from_pretrained(path)
     tk = tpcore.models.gguf.tokenizer("model.gguf")                  # a `tokenizers.Tokenizer`
 
-Parsing is the `gguf` package's (llama.cpp's own reader and reference dequantizers; an
-optional dependency: ``pip install gguf``; used for the metadata and the tensors' offsets
-and types).  The tensor data is read with pread, never through the map: a
+The header, metadata and tensor infos are read by `tpcore.io.gguf.GGUFFile` (tpcore's own
+reader: every count and length checked against the file before anything is sized by it,
+the tensors' offsets, alignment and spans as llama.cpp's loader checks them); the block
+formats are dequantized by `tpcore.quant` (bit for bit as llama.cpp's own dequantizers;
+no optional package is needed to load).  The tensor data is read with pread: a
 tensor is handed out as a lazy view whose indexing reads and dequantizes only the
 selected rows (and, for a column slice, only the quantization blocks that cover it),
 so a rank loading its shard touches only its part of the file.
@@ -20,8 +22,9 @@ back (`unpermute_rows`).  A row permutation moves whole rows; quantization block
 along a row, so it applies to quantized rows unchanged.
 
 A file that is not GGUF, is truncated, lacks a key or a tensor, or whose tensors
-disagree with its metadata raises tpcore.CheckpointError (a ValueError) naming the file
-and the key or tensor.
+disagree with its metadata or with each other (offsets, alignment, type x shape against
+the span, a type the tensor cannot have) raises tpcore.CheckpointError (a ValueError)
+naming the file and the key or tensor, before anything is sized by the file's counts.
 """
 from __future__ import annotations
 
@@ -46,35 +49,19 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 _QUANT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
 
-def _gguf_module(who: str):
-    try:
-        import gguf
-        import gguf.quants
-    except ImportError as e:
-        raise ImportError(f"{who}: reading GGUF files needs the `gguf` package (llama.cpp's reader): "
-                          f"pip install gguf  (or pip install 'tpcore[gguf]')") from e
-    return gguf
-
-
-_READER = None
-
-
-def _reader_class(gguf):
-    """gguf.GGUFReader keeping its memory map as a plain ndarray over the map: the reader
-    slices it once per metadata item (~250,000 for a 49k-token vocabulary), and slices of
-    a np.memmap cost several times more.  Pages are still read only when touched."""
-    global _READER
-    if _READER is None:
-        class _Reader(gguf.GGUFReader):
-            @property
-            def data(self):
-                return self._tp_data
-
-            @data.setter
-            def data(self, v):
-                self._tp_data = np.asarray(v)
-        _READER = _Reader
-    return _READER
+def _dequantize(raw: np.ndarray, type_name: str, cols: int) -> np.ndarray:
+    """Rows of raw bytes (uint8, (rows, row_bytes)) of a GGUF type as float32 (rows, cols):
+    the float types converted, the block formats by tpcore.quant (bit for bit as llama.cpp's
+    dequantizers)."""
+    raw = np.ascontiguousarray(raw)
+    if type_name == "F32":
+        return raw.view("<f4").astype(np.float32, copy=False)
+    if type_name == "F16":
+        return raw.view("<f2").astype(np.float32)
+    if type_name == "BF16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    from tpcore.nn.quant import dequantize
+    return dequantize(raw, _QUANT_TYPES[type_name], cols)
 
 
 def is_gguf(path) -> bool:
@@ -123,21 +110,19 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
 
 class _Part:
     """One GGUF tensor's rows as raw bytes, shape (rows, row_bytes) (a 1-D tensor: one row),
-    read from the file with pread on demand (never through the reader's memory map, so a
-    load keeps no file pages resident); perm (optional): the tensor's row i is the file's
+    read from the file with pread on demand (never through a memory map, so a load keeps
+    no file pages resident); perm (optional): the tensor's row i is the file's
     row perm[i]."""
 
-    def __init__(self, gguf, path: str, t, perm: Optional[np.ndarray] = None):
-        self.gguf, self.path, self.name = gguf, path, t.name
-        self.qtype = t.tensor_type
-        self.type_name = t.tensor_type.name
-        self.block, self.type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-        shape = tuple(int(d) for d in reversed(t.shape))     # GGUF lists dims innermost first
-        self.shape = shape
+    def __init__(self, path: str, t, perm: Optional[np.ndarray] = None):
+        self.path, self.name = path, t.name
+        self.type_name = t.type
+        self.block, self.type_size = t.block, t.type_size
+        self.shape = shape = t.shape                          # outermost first: (rows, cols)
         self.n = shape[0] if len(shape) == 2 else 1
         self.cols = shape[-1]
-        self.offset = int(t.data_offset)
-        self.row_bytes = int(t.n_bytes) // self.n
+        self.offset = t.offset
+        self.row_bytes = t.nbytes // self.n
         self.perm = perm
 
     def _bytes(self, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -155,12 +140,11 @@ class _Part:
         if self.perm is not None:
             rows = self.perm[rows]
         if cols is None:
-            raw = self._bytes(rows, 0, self.row_bytes)
-            return self.gguf.quants.dequantize(raw, self.qtype).astype(np.float32, copy=False)
+            return _dequantize(self._bytes(rows, 0, self.row_bytes), self.type_name, self.cols)
         lo, hi, _ = cols.indices(self.cols)
         b0, b1 = lo // self.block, -(-hi // self.block) if hi > lo else lo // self.block
         raw = self._bytes(rows, b0 * self.type_size, b1 * self.type_size)
-        out = self.gguf.quants.dequantize(raw, self.qtype).astype(np.float32, copy=False)
+        out = _dequantize(raw, self.type_name, (b1 - b0) * self.block)
         return out[:, lo - b0 * self.block:hi - b0 * self.block]
 
     def raw_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -302,11 +286,11 @@ _ARCHS = ("llama", "mistral", "gpt2")
 
 
 class _Meta:
-    """Typed access to a GGUFReader's key/value fields; a missing or mistyped key is a
-    CheckpointError naming the file and the key."""
+    """Typed access to a GGUF file's key/value fields (`tpcore.io.gguf.Field`); a missing or
+    mistyped key is a CheckpointError naming the file and the key."""
 
-    def __init__(self, path: str, reader):
-        self.path, self.fields = path, reader.fields
+    def __init__(self, path: str, fields):
+        self.path, self.fields = path, fields
 
     def _field(self, key, default):
         f = self.fields.get(key)
@@ -317,7 +301,7 @@ class _Meta:
         return f
 
     def _kind(self, f):
-        return [t.name for t in f.types]
+        return list(f.kinds)
 
     def int(self, key, default=_MISSING, lo: int = 1):
         f = self._field(key, default)
@@ -478,81 +462,85 @@ def _layout(cfg: Config, arch: str, untied: bool):
     return src, shapes
 
 
+def _check_tensors(path: str, arch: str, cfg: Config, by_name: Dict[str, Any],
+                   shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, _Part]:
+    """The file's tensors against the layout the metadata implies: none missing, none
+    extra, each of the implied shape and of a type that tensor may have (1-D: F32, as
+    llama.cpp's converter and quantizer write norms and biases; 2-D: a float type or a
+    block format tpcore keeps).  {GGUF name: _Part}."""
+    for name in by_name:
+        if name not in shapes:
+            mm = re.match(r"blk\.(\d+)\.", name)
+            where = (f"a tensor of layer {mm.group(1)} but {arch}.block_count={cfg.layers}"
+                     if mm and int(mm.group(1)) >= cfg.layers else
+                     "a tensor tpcore has no place for (rope_freqs: rope scaling; biases, experts...: "
+                     "a feature this architecture does not have here)")
+            raise bad(path, f"tensor {name!r}", f"only the tensors of a {arch} model", where)
+    parts: Dict[str, _Part] = {}
+    for name, want in shapes.items():
+        t = by_name.get(name)
+        if t is None:
+            raise bad(path, f"tensor {name!r}", f"a tensor of shape {want} (as the metadata says)",
+                      "no such tensor in the file")
+        if t.shape != want:
+            raise bad(path, f"tensor {name!r}", f"shape {want} (as the metadata says)", f"shape {t.shape}")
+        if len(want) == 1 and t.type != "F32":
+            raise bad(path, f"tensor {name!r} type", "F32 for a 1-D tensor (norm weights and biases)", t.type)
+        if t.type not in _FLOAT_TYPES and t.type not in _QUANT_TYPES:
+            raise bad(path, f"tensor {name!r} type", f"one of {', '.join(_FLOAT_TYPES + tuple(_QUANT_TYPES))}",
+                      t.type)
+        parts[name] = _Part(path, t)
+    return parts
+
+
 class GGUFModel:
-    """A GGUF file opened (its metadata parsed by gguf.GGUFReader; the tensor data read with
-    pread when a tensor is indexed) and checked against its own metadata.
+    """A GGUF file opened (its header, metadata and tensor infos read and checked by
+    `tpcore.io.gguf.GGUFFile`; the tensor data read with pread when a tensor is indexed) and
+    checked against its own metadata.
 
     Attributes: path, arch (general.architecture), config (a tpcore Config), names (the
-    tpcore tensor names), tokenizer_info (a dict, see `read_gguf`), reader (the
-    gguf.GGUFReader).  `tensor(name)` hands a tensor out; `state_dict()` all of them.
+    tpcore tensor names), tokenizer_info (a dict, see `read_gguf`), file (the
+    `tpcore.io.gguf.GGUFFile`).  `tensor(name)` hands a tensor out; `state_dict()` all of them.
     """
 
     def __init__(self, path, who: str = "read_gguf"):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"{who}: path must be a GGUF file (str or os.PathLike), got {type(path).__name__}")
         path = os.fspath(path)
-        gguf = _gguf_module(who)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{who}: {path!r} is not a file")
-        with open(path, "rb") as f:
-            head = f.read(4)
-        if head != _MAGIC:
-            raise bad(path, "magic", "a GGUF file (it starts with b'GGUF')", f"a file that starts with {head!r}")
-        try:
-            reader = _reader_class(gguf)(path, "r")
-        except (ValueError, OverflowError, IndexError, KeyError, TypeError, UnicodeDecodeError, MemoryError) as e:
-            raise bad(path, "file", "a complete GGUF file (header, metadata, tensor data)",
-                      f"one the gguf reader cannot read, truncated or corrupt ({type(e).__name__}: {e})") from e
-        self.path, self.reader, self._gguf = path, reader, gguf
-        size = os.path.getsize(path)
-        by_name: Dict[str, Any] = {}
-        for t in reader.tensors:
-            if t.name in by_name:
-                raise bad(path, f"tensor {t.name!r}", "one tensor per name", "two tensors of that name")
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size or t.data.nbytes != int(t.n_bytes):
-                raise bad(path, f"tensor {t.name!r}", f"its {int(t.n_bytes)} bytes of data inside the file",
-                          f"a file of {size} bytes that ends before them (truncated?)")
-            by_name[t.name] = t
-        m = _Meta(path, reader)
+        from tpcore.io.gguf import GGUFFile
+        self.path, self.file = path, GGUFFile(path)
+        by_name = {t.name: t for t in self.file.tensors}
+        m = _Meta(path, self.file.fields)
         arch = m.str("general.architecture")
         if arch not in _ARCHS:
             raise bad(path, "metadata key 'general.architecture'", f"one of {', '.join(_ARCHS)}", arch)
-        tokens = m.strings("tokenizer.ggml.tokens", None)
-        kw = _config(m, arch, None if tokens is None else len(tokens))
+        tf = m.fields.get("tokenizer.ggml.tokens")
+        if tf is not None and tf.kinds != ("ARRAY", "STRING"):
+            raise bad(path, "metadata key 'tokenizer.ggml.tokens'", "an array of strings", "/".join(tf.kinds))
+        n_tokens = None if tf is None else tf.count        # the strings are decoded only by tokenizer()
+        kw = _config(m, arch, n_tokens)
+        # every count the layout is sized by, against what the file holds: a forged block_count
+        # must not size a loop (or a dict) of 2**31 layers before the first missing tensor
+        if kw["layers"] > len(by_name):
+            raise bad(path, f"metadata key '{arch}.block_count'",
+                      f"at most the number of tensors in the file ({len(by_name)}): each layer has its own",
+                      kw["layers"])
         untied = "output.weight" in by_name
         try:
             cfg = Config(tie_embeddings=not untied, **kw)
         except (TypeError, ValueError) as e:
             raise bad(path, "metadata", "a consistent model configuration", str(e)) from e
-        if tokens is not None and len(tokens) != cfg.vocab_size:
+        if n_tokens is not None and n_tokens != cfg.vocab_size:
             raise bad(path, "metadata key 'tokenizer.ggml.tokens'", f"{cfg.vocab_size} tokens ({arch}.vocab_size)",
-                      f"{len(tokens)} tokens")
+                      f"{n_tokens} tokens")
+        tt = m.fields.get("tokenizer.ggml.token_type")
+        if tt is not None and n_tokens is not None and tt.count != n_tokens:
+            raise bad(path, "metadata key 'tokenizer.ggml.token_type'", f"{n_tokens} entries (one per token)",
+                      f"{tt.count} entries")
         src, shapes = _layout(cfg, arch, untied)
-        for name in by_name:
-            if name not in shapes:
-                mm = re.match(r"blk\.(\d+)\.", name)
-                where = (f"a tensor of layer {mm.group(1)} but {arch}.block_count={cfg.layers}"
-                         if mm and int(mm.group(1)) >= cfg.layers else
-                         "a tensor tpcore has no place for (rope_freqs: rope scaling; biases, experts...: "
-                         "a feature this architecture does not have here)")
-                raise bad(path, f"tensor {name!r}", f"only the tensors of a {arch} model", where)
-        parts: Dict[str, _Part] = {}
-        for name, want in shapes.items():
-            t = by_name.get(name)
-            if t is None:
-                raise bad(path, f"tensor {name!r}", f"a tensor of shape {want} (as the metadata says)",
-                          "no such tensor in the file")
-            got = tuple(int(d) for d in reversed(t.shape))
-            if got != want:
-                raise bad(path, f"tensor {name!r}", f"shape {want} (as the metadata says)", f"shape {got}")
-            tn = t.tensor_type.name
-            if tn not in _FLOAT_TYPES and tn not in _QUANT_TYPES:
-                raise bad(path, f"tensor {name!r} type",
-                          f"one of {', '.join(_FLOAT_TYPES + tuple(_QUANT_TYPES))}", tn)
-            if len(want) == 1 and tn not in _FLOAT_TYPES:
-                raise bad(path, f"tensor {name!r} type", "a float type for a 1-D tensor", tn)
-            parts[name] = _Part(gguf, path, t)
+        parts = _check_tensors(path, arch, cfg, by_name, shapes)
         perms: Dict[Tuple[str, int], _Part] = {}
         self._rows: Dict[str, _Rows] = {}
         for ours, items in src.items():
@@ -562,14 +550,14 @@ class GGUFModel:
                 if heads and arch in ("llama", "mistral"):   # llama.cpp's Q/K row order -> Hugging Face's
                     key = (theirs, heads)
                     if key not in perms:
-                        perms[key] = _Part(gguf, path, by_name[theirs], unpermute_rows(p.shape[0], heads))
+                        perms[key] = _Part(path, by_name[theirs], unpermute_rows(p.shape[0], heads))
                     p = perms[key]
                 ps.append((p, first, n))
             rows = sum(n for _, _, n in ps)
             shape = (rows,) + ps[0][0].shape[1:] if len(ps[0][0].shape) == 2 else (rows,)
             self._rows[ours] = _Rows(ps, shape)
         self.arch, self.config, self.names = arch, cfg, list(self._rows)
-        self.tokenizer_info = _tokenizer_info(m, tokens)
+        self.tokenizer_info = _tokenizer_info(m, n_tokens)
 
     def _tensor(self, name: str, quantized: bool = False):
         """The one place that decides how a tensor is handed out: a float32 LazyTensor, or
@@ -629,16 +617,16 @@ class GGUFModel:
         return out
 
 
-def _tokenizer_info(m: _Meta, tokens) -> Dict[str, Any]:
+def _tokenizer_info(m: _Meta, n_tokens: Optional[int]) -> Dict[str, Any]:
     info: Dict[str, Any] = {"model": m.str("tokenizer.ggml.model", None), "pre": m.str("tokenizer.ggml.pre", None),
-                            "n_tokens": None if tokens is None else len(tokens),
+                            "n_tokens": n_tokens,
                             "chat_template": m.str("tokenizer.chat_template", None),
                             "add_bos_token": m.bool("tokenizer.ggml.add_bos_token", None),
                             "add_eos_token": m.bool("tokenizer.ggml.add_eos_token", None)}
     for k in ("bos", "eos", "unknown", "padding"):
         v = m.int(f"tokenizer.ggml.{k}_token_id", None, lo=0)
-        if v is not None and tokens is not None and v >= len(tokens):
-            raise bad(m.path, f"metadata key 'tokenizer.ggml.{k}_token_id'", f"a token id < {len(tokens)}", v)
+        if v is not None and n_tokens is not None and v >= n_tokens:
+            raise bad(m.path, f"metadata key 'tokenizer.ggml.{k}_token_id'", f"a token id < {n_tokens}", v)
         info[f"{k}_token_id"] = v
     return info
 
@@ -663,8 +651,6 @@ def read_gguf(path) -> Tuple[Config, Dict[str, LazyTensor], Dict[str, Any]]:
 
     Raises
     ------
-    ImportError
-        The `gguf` package is missing.
     FileNotFoundError
         path is not a file.
     CheckpointError
@@ -692,7 +678,7 @@ def tokenizer(path):
     Raises
     ------
     ImportError
-        `tokenizers` or `gguf` is missing.
+        `tokenizers` is missing.
     CheckpointError
         A file without a byte-level BPE vocabulary, or with another pre-tokenizer.
     """
@@ -701,7 +687,7 @@ def tokenizer(path):
     except ImportError as e:
         raise ImportError("tpcore.models.gguf.tokenizer needs the `tokenizers` package: pip install tokenizers") from e
     g = path if isinstance(path, GGUFModel) else GGUFModel(path, "tokenizer")
-    m = _Meta(g.path, g.reader)
+    m = _Meta(g.path, g.file.fields)
     kind = m.str("tokenizer.ggml.model")
     if kind != "gpt2":
         raise bad(g.path, "metadata key 'tokenizer.ggml.model'", "'gpt2' (byte-level BPE; others are not supported)",

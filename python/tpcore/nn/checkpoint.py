@@ -108,7 +108,9 @@ def collective(fn: _F) -> _F:
         try:
             out = fn(*args, **kw)
         except Exception as e:
-            if many and not isinstance(e, CommError) and not comm.closed:
+            # every_rank: every rank raises this same error in step (a file refused by rank 0, see
+            # models.loader.first_rank_reads): the communicator stays usable
+            if many and not isinstance(e, CommError) and not comm.closed and not getattr(e, "every_rank", False):
                 comm.abort(f"{fn.__name__}({path!r}) failed on rank {comm.rank}: {type(e).__name__}: {e}")
             raise
         if many:

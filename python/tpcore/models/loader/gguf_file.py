@@ -1,16 +1,14 @@
 """GGUF files (llama.cpp's format): the config from the metadata, quantized weights kept.
 
-models.gguf reads the file (the `gguf` package for the metadata, pread for the tensor
-data); this loader makes the model and loads each rank's rows, the raw blocks copied where
+models.gguf reads the file (tpcore.io.gguf for the header and metadata, pread for the
+tensor data); this loader makes the model and loads each rank's rows, the raw blocks copied where
 the model keeps the file's formats.
 """
 from __future__ import annotations
 
-import gc
-
 from tpcore.io import stream as _stream
 from tpcore.models.gguf import GGUFModel
-from tpcore.models.loader.base import ModelLoader
+from tpcore.models.loader.base import ModelLoader, first_rank_reads
 from tpcore.models.memory import MODEL_PARTS
 from tpcore.utils.dtypes import is_quantized, weight_formats
 
@@ -23,11 +21,7 @@ class GGUFLoader(ModelLoader):
     name = "GGUF"
 
     def load(self, path, comm, partition=None, progress=True, device=None, dtype=None, staging=None):
-        g = GGUFModel(path, "from_gguf")
-        # the reader's metadata (its Python objects for every token, the pages it touched of the
-        # map) goes before the model is allocated: the tensors are read from the file with pread
-        g.reader = None
-        gc.collect()
+        g = first_rank_reads(comm, lambda: GGUFModel(path, "from_gguf"))
         if dtype is None or (isinstance(dtype, str) and dtype == "gguf"):
             dtype = g.model_dtypes()
         elif dtype is not None:

@@ -114,7 +114,9 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
     RoPE order).  The tensor data is read with pread (never memory-mapped), chunk by chunk
     through one staging buffer, and each rank dequantizes only its rows (and,
     for the row-parallel output and fc2 projections, only the blocks of its columns) into
-    the model's float32 weights.  Needs the `gguf` package (``pip install gguf``);
+    the model's float32 weights.  The file is refused (CheckpointError on every rank) before
+    anything is allocated when its header, metadata or tensor layout is inconsistent: rank 0
+    reads it first, the others only once rank 0 accepted it.
     `tpcore.models.gguf.tokenizer(path)` gives the file's tokenizer.
 
     Parameters
@@ -149,13 +151,13 @@ def from_gguf(path: Union[str, "os.PathLike[str]"], comm: Comm, partition: Any =
     ------
     TypeError
         path not a str or os.PathLike.
-    ImportError
-        The `gguf` package is missing.
     FileNotFoundError
         path is not a file.
     CheckpointError
-        Not a GGUF file, truncated or corrupt, a missing or mistyped metadata key, a
-        tensor missing, of the wrong shape or of an unsupported type (a ValueError).
+        Not a GGUF file, truncated or corrupt, a missing or mistyped metadata key, a count
+        the file cannot hold, a tensor missing, of the wrong shape or of an unsupported type,
+        misaligned, overlapping or of a span its type x shape does not fill (a ValueError);
+        raised on every rank alike, the communicator left usable.
     CommError
         Another rank failed.
 
