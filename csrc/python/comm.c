@@ -179,8 +179,7 @@ static PyObject *comm_abort(PyObject *o, PyObject *args) {
  * communicator is aborted with one sentence naming the call, this rank and why, so that their
  * calls fail with it instead of a timeout or "rank R closed the communicator" (at world 1
  * nobody waits: it stays usable).  Returns the error for this rank: exc's type, the sentence. */
-static PyObject *output_error(CommObject *self, const char *name, const char *what, const char *nbytes,
-                              PyObject *exc) {
+static PyObject *output_error(CommObject *self, const char *name, const char *what, const char *nbytes, PyObject *exc) {
   int size = 1, rank = 0;
   uint64_t seq = 0;
   tp_comm_size(self->comm, &size);

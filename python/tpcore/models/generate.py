@@ -8,8 +8,9 @@ same, `generate_tokens` runs the batched prefill and the decode steps through th
 KV cache, `sample` picks the next tokens from full-vocabulary logits (greedy or top-k
 sampling), refusing logits no token can be drawn from (`bad_logits`, `logits_error`: NaN,
 +inf, or every logit -inf; NumPy's argmax would pick the first NaN, the softmax would give
-NaN probabilities, and either would return tokens silently).  `tpcore.PipelineLM` (its stages) and `tpcore.Engine` (its requests) reuse the
-argument checks, the agreement and the sampling.
+NaN probabilities, and either would return tokens silently).  `tpcore.PipelineLM` (its
+stages) and `tpcore.Engine` (its requests) reuse the argument checks, the agreement and the
+sampling.
 
 `TransformerLM` takes its `generate` method from `_GenerationMixin`.  The decode loop
 drives the model through its methods (`_forward` with the KV cache, which leaves the hidden

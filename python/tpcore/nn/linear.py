@@ -31,7 +31,8 @@ from tpcore.utils.args import bool_arg, int_arg, seed_arg
 from tpcore.utils.arrays import DeviceArray, asarray, check_on_device, device_string, from_dlpack, resolve_device
 from tpcore.utils.dtypes import block_size, is_quantized, weight_format
 from tpcore.distributed.comm import Comm
-from tpcore.nn.common import _back, as_float32, check_grad, dev_back, dev_f32, host_tensor, kept_output, layer_memory, zero
+from tpcore.nn.common import (_back, as_float32, check_grad, dev_back, dev_f32, host_tensor, kept_output,
+                              layer_memory, zero)
 from tpcore.nn.partition import _even_blocks, _plan_sizes, check_partition, partition_sizes
 from tpcore.nn.quant import QuantTensor
 from tpcore.nn.weights import _host, _load_bias, _shard_float, _shard_host, is_lazy, load_weight
