@@ -172,10 +172,9 @@ static PyObject *comm_abort(PyObject *o, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* This rank could not make an array (`what`, "output", of nbytes, a decimal text or "more than
- * 2**64") for the
- * collective `name` it is about to call (exc: the MemoryError, or the ValueError of a size no
- * array can have).  The peers are in that call or will be, waiting for this rank: the
+/* This rank could not make an array (`what`: "output"; nbytes: a decimal text, or "more than
+ * 2**64") for the collective `name` it is about to call (exc: the MemoryError, or the ValueError
+ * of a size no array can have).  The peers are in that call or will be, waiting for this rank: the
  * communicator is aborted with one sentence naming the call, this rank and why, so that their
  * calls fail with it instead of a timeout or "rank R closed the communicator" (at world 1
  * nobody waits: it stays usable).  Returns the error for this rank: exc's type, the sentence. */

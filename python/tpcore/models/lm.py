@@ -745,7 +745,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
                                         None, self._head_fmt())
                 if comm.size > 1:
                     comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
-            else:  # the C layer's backward, as logits_shard ran its forward (the Python face's check has no shape)
+            else:  # the C layer's backward: logits_shard ran the C layer's forward, not the Python face's
                 dh = self.lm_head._c.backward(np.ascontiguousarray(dshard, np.float32))
         return dh.reshape(ctx["B"], ctx["T"], self.config.hidden)
 

@@ -116,8 +116,8 @@ def kept_output(layer: Any, shape: Optional[Tuple[int, ...]]) -> None:
 
 def check_grad(layer: Any, shape: Tuple[int, ...], name: str = "dy") -> None:
     """A backward's gradient, of shape (converted to what the C layer takes: its dtype and layout
-    checked), must have the exact shape of the last forward's output (`kept_output`); a ValueError naming
-    both otherwise.  The C layers see rows only: a gradient of another shape with as many rows
+    checked), must have the exact shape of the last forward's output (`kept_output`); a
+    ValueError naming both otherwise.  The C layers see rows only: a gradient of another shape with as many rows
     (batch and sequence swapped, (T, B, C) for (B, T, C)) would be read as the forward's rows
     and give a wrong gradient silently.  No forward kept: left to the C layer, which says so."""
     want = getattr(layer, "_out_shape", None)
