@@ -186,6 +186,7 @@ GETTER(tp_comm_size, int, c->size)
 GETTER(tp_comm_backend, const char *, c->ops->name)
 GETTER(tp_comm_timeout, double, c->timeout_s)
 GETTER(tp_comm_devices, unsigned, c->ops->devices)
+GETTER(tp_comm_seq, uint64_t, c->coll_seq)
 
 tp_status_t tp_comm_get_stats(tp_comm_t c, tp_comm_stats_t *v) {
   if (!c || !v) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "tp_comm_get_stats: NULL argument");

@@ -172,6 +172,64 @@ static PyObject *comm_abort(PyObject *o, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* This rank could not make an array (`what`: "output"; nbytes: a decimal text, or "more than
+ * 2**64") for the collective `name` it is about to call (exc: the MemoryError, or the ValueError
+ * of a size no array can have).  The peers are in that call or will be, waiting for this rank: the
+ * communicator is aborted with one sentence naming the call, this rank and why, so that their
+ * calls fail with it instead of a timeout or "rank R closed the communicator" (at world 1
+ * nobody waits: it stays usable).  Returns the error for this rank: exc's type, the sentence. */
+static PyObject *output_error(CommObject *self, const char *name, const char *what, const char *nbytes, PyObject *exc) {
+  int size = 1, rank = 0;
+  uint64_t seq = 0;
+  tp_comm_size(self->comm, &size);
+  tp_comm_rank(self->comm, &rank);
+  tp_comm_seq(self->comm, &seq);
+  PyObject *es = PyObject_Str(exc);
+  const char *why = es ? PyUnicode_AsUTF8(es) : NULL;
+  if (!why) PyErr_Clear();
+  char reason[768];
+  snprintf(reason, sizeof reason, "%s #%llu: rank %d could not allocate its %s of %s bytes (%s: %s)", name,
+           (unsigned long long)seq + 1, rank, what, nbytes, Py_TYPE(exc)->tp_name, why ? why : "?");
+  Py_XDECREF(es);
+  if (size > 1) tp_comm_abort(self->comm, reason); /* the peers' CommError: "rank R aborted ...: <reason>" */
+  PyObject *type = PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_MemoryError) ? PyExc_MemoryError : PyExc_ValueError;
+  return PyObject_CallFunction(type, "s", reason);
+}
+
+/* output_failed(op, what, nbytes, exc) -> the exception to raise (Comm._made's failure path) */
+static PyObject *comm_output_failed(PyObject *o, PyObject *args) {
+  CommObject *self = (CommObject *)o;
+  const char *name, *what, *nbytes;
+  PyObject *exc;
+  if (!PyArg_ParseTuple(args, "sssO:output_failed", &name, &what, &nbytes, &exc)) return NULL;
+  if (!live(self, name)) return NULL;
+  return output_error(self, name, what, nbytes, exc);
+}
+
+/* The new output of a collective (out=None), times x dims of d, could not be made (the error is
+ * set): output_error's error, raised instead.  The bytes are counted without overflow. */
+static PyObject *raise_output_error(CommObject *self, const char *name, int nd, const npy_intp *dims,
+                                    unsigned long long times, PyArray_Descr *d) {
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+  PyErr_NormalizeException(&et, &ev, &tb);
+  Py_XDECREF(tb);
+  unsigned long long n = (unsigned long long)PyDataType_ELSIZE(d);
+  int over = __builtin_mul_overflow(n, times, &n);
+  for (int i = 0; i < nd; i++) over |= __builtin_mul_overflow(n, (unsigned long long)dims[i], &n);
+  char nbytes[32];
+  if (over) snprintf(nbytes, sizeof nbytes, "more than 2**64");
+  else snprintf(nbytes, sizeof nbytes, "%llu", n);
+  PyObject *err = ev ? output_error(self, name, "output", nbytes, ev) : NULL;
+  Py_XDECREF(et);
+  Py_XDECREF(ev);
+  if (err) {
+    PyErr_SetObject((PyObject *)Py_TYPE(err), err);
+    Py_DECREF(err);
+  }
+  return NULL;
+}
+
 /* all_reduce(x, out, op) */
 static PyObject *comm_all_reduce(PyObject *o, PyObject *const *args, Py_ssize_t n) {
   CommObject *self = (CommObject *)o;
@@ -262,12 +320,12 @@ static PyObject *gather_scatter(PyObject *o, PyObject *args, int scatter) {
     } else if (__builtin_mul_overflow(dims[0], (npy_intp)size, &dims[0])) {
       PyErr_Format(PyExc_ValueError, "all_gather: x has length %zd along axis 0; %d ranks of it overflow a size",
                    (Py_ssize_t)PyArray_DIM(xa, 0), size);
-      return NULL;
+      return raise_output_error(self, name, nd, PyArray_DIMS(xa), (unsigned long long)size, PyArray_DESCR(xa));
     }
     PyArray_Descr *d = PyArray_DESCR(xa);
     Py_INCREF(d);
     made = PyArray_NewFromDescr(&PyArray_Type, d, nd, dims, NULL, NULL, 0, NULL);
-    if (!made) return NULL;
+    if (!made) return raise_output_error(self, name, nd, dims, 1, PyArray_DESCR(xa));
     out = made;
   }
   buf_t bx, bo;
@@ -653,6 +711,9 @@ static PyMethodDef comm_methods[] = {
     {"split", comm_split, METH_VARARGS, "split(color, key) -> Comm or None"},
     {"alloc", comm_alloc, METH_VARARGS, "alloc(nbytes) -> SharedBuffer (collective)"},
     {"abort", comm_abort, METH_VARARGS, "abort(reason=''): fail the communicator on every rank"},
+    {"output_failed", comm_output_failed, METH_VARARGS,
+     "output_failed(op, what, nbytes, exc) -> the error to raise: this rank could not make an array for the "
+     "collective op it is about to call (the communicator is aborted naming it when size > 1)"},
     {"close", comm_close, METH_NOARGS, "close(): release this rank's resources"},
     {"stats", comm_stats, METH_NOARGS, "stats() -> dict (with 'regions': {name: {calls, bytes, seconds}})"},
     {"history", comm_history, METH_NOARGS, "history() -> the last calls (TPCORE_HISTORY), oldest first, as dicts"},

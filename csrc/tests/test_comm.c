@@ -336,6 +336,11 @@ static void test_history(tp_comm_t c, int n, int r) {
   EXPECT(k == 3, "max 0: holds %d", k);
   OK(tp_comm_history(c, h, 1, &k)); /* the newest only */
   EXPECT(k == 1 && h[0].seq == 3, "max 1: %d entries, seq %llu", k, (unsigned long long)h[0].seq);
+  uint64_t seq = 0;
+  OK(tp_comm_seq(c, &seq)); /* the last collective's number (the next one's is seq + 1) */
+  EXPECT(seq == 3, "tp_comm_seq %llu", (unsigned long long)seq);
+  EXPECT(tp_comm_seq(c, NULL) == TP_ERR_INVALID_ARGUMENT && tp_comm_seq(NULL, &seq) == TP_ERR_INVALID_ARGUMENT,
+         "tp_comm_seq: NULL argument");
   tp_comm_region_stats_t rs[4];
   OK(tp_comm_region_stats(c, rs, 4, &k));
   EXPECT(k == 2 && strcmp(rs[0].name, "other") == 0 && rs[0].calls == 2 && rs[0].bytes == 8 * sizeof(float) &&

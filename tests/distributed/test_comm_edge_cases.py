@@ -274,3 +274,59 @@ def test_block_out_of_memory_message_does_not_read_the_freed_block():
         return "no error"
     [msg] = run(job, 1)
     assert "out of memory" in msg and "2048 x 536870911" in msg, msg
+
+
+HUGE = 2 ** 61 - 1  # float32 elements: a view NumPy can make (zero strides), an output it cannot
+
+
+def _unallocatable(comm, seed, case):
+    """One rank (at random, after a random number of collectives) calls a collective whose new
+    output it cannot allocate: a size past what an array can hold, or a MemoryError.  Its error
+    and every peer's CommError name the call's number, that rank and why; at world 1 the
+    communicator stays usable.  Returns the message, the call's number, the seconds it took."""
+    g = np.random.default_rng(seed)
+    bad, before = int(g.integers(comm.size)), int(g.integers(0, 4))
+    for _ in range(before):
+        comm.all_reduce(g.standard_normal(int(g.integers(1, 9))).astype(np.float32))
+    seq = max([h["seq"] or 0 for h in comm.history()] + [0]) + 1  # the number the next collective gets
+    me, other = comm.rank == bad, (bad + 1) % comm.size
+    sizes = [2 ** int(g.choice([58, 62])) if r == other and me else 1 for r in range(comm.size)]
+    view = np.broadcast_to(np.float32(1), (HUGE // comm.size * comm.size,))
+    calls = {  # the C fast path (its own allocation), then the Python path (axis, sizes)
+        "all_gather": lambda: comm.all_gather(view if me else np.ones(2, np.float32)),
+        "reduce_scatter": lambda: comm.reduce_scatter(view if me else np.ones(comm.size, np.float32)),
+        "all_gather_sizes": lambda: comm.all_gather(np.ones((2, 1), np.float32), axis=1, sizes=sizes),
+    }
+    t0 = time.monotonic()
+    try:
+        calls[case]()
+        return "no error", seq, 0.0
+    except (MemoryError, ValueError, tpcore.CommError) as e:
+        msg, secs = f"{type(e).__name__}: {e}", time.monotonic() - t0
+    if comm.size == 1:
+        x = np.ones(3, np.float32)
+        comm.all_reduce(x)  # still usable: nobody waited
+        msg += f" | after: {x.tolist()}"
+    return msg, seq, secs
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("case", ["all_gather", "reduce_scatter", "all_gather_sizes"])
+def test_an_output_one_rank_cannot_allocate_fails_every_rank(world, case):
+    if case == "all_gather_sizes" and world == 1:
+        pytest.skip("at world 1 the sizes are x's own")
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    res = run(_unallocatable, world, seed, case, deadline=120)
+    bad = int(np.random.default_rng(seed).integers(world))
+    op = "reduce_scatter" if case == "reduce_scatter" else "all_gather"
+    assert len({s for _, s, _ in res}) == 1, (seed, res)
+    sentence = f"{op} #{res[0][1]}: rank {bad} could not allocate its output of "
+    for r, (msg, _, secs) in enumerate(res):
+        if r == bad:
+            assert msg.split(":")[0] in ("MemoryError", "ValueError") and sentence in msg, (seed, msg)
+        else:  # in the call or entering it: the abort's sentence, promptly (not at the timeout)
+            assert msg.startswith("CommError: ") and f"rank {bad} aborted the communicator: {sentence}" in msg, \
+                (seed, r, msg)
+            assert secs < 60, (seed, r, secs, msg)
+    if world == 1:
+        assert res[0][0].endswith("| after: [1.0, 1.0, 1.0]"), (seed, res)

@@ -398,7 +398,7 @@ def _bad_backward(comm):
 
 def test_block_backward_checks_rows():
     for msg in run(_bad_backward, 2):
-        assert "rows" in msg and "10" in msg, msg
+        assert "(1, 1, 24)" in msg and "(2, 5, 24)" in msg, msg
 
 
 def test_sliding_window_and_explicit_default_rope():
@@ -420,3 +420,92 @@ def test_sliding_window_and_explicit_default_rope():
     assert "sliding-window" in run(case, 1)[0]
     with pytest.raises(ValueError, match="scaling"):
         tpcore.Config.from_hf_dict(dict(base, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+
+
+BAD_LOGITS = {"nan": (np.nan, "hold NaN"), "+inf": (np.inf, "hold +inf"), "-inf": (-np.inf, "are all -inf")}
+
+
+def _spoil(logits, row, kind, g):
+    """logits (n, V) with row spoiled: a NaN or +inf at random places among finite values, or every
+    logit -inf; the other rows keep some -inf (masked tokens: still fine)."""
+    out = np.array(logits, np.float32)
+    V = out.shape[1]
+    for r in range(len(out)):
+        if r != row:
+            out[r, g.choice(V, V // 3, replace=False)] = -np.inf
+    value, _ = BAD_LOGITS[kind]
+    if kind == "-inf":
+        out[row] = -np.inf
+    else:
+        out[row, g.choice(V, int(g.integers(1, 4)), replace=False)] = value
+    return out
+
+
+@pytest.mark.parametrize("kind", list(BAD_LOGITS))
+def test_sample_refuses_logits_no_token_can_be_drawn_from(kind):
+    """Greedy, sampling and top-k alike: a row holding NaN or +inf, or all -inf, is a ValueError
+    naming the row and the step instead of a token (NumPy's argmax picks the first NaN, the
+    softmax gives NaN probabilities); rows with some -inf are fine and never pick those."""
+    from tpcore.models.generate import sample
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    g = np.random.default_rng(seed)
+    n, V = int(g.integers(2, 6)), int(g.integers(5, 60))
+    row, step = int(g.integers(n)), int(g.integers(0, 50))
+    bad = _spoil(g.standard_normal((n, V)) * 5, row, kind, g)
+    for temperature, top_k in ((0.0, 0), (1.0, 0), (0.7, 3)):
+        with pytest.raises(ValueError) as e:
+            sample(bad, temperature, top_k, np.random.default_rng(seed), "generate", step)
+        want = f"generate: the logits of sequence {row} at step {step} {BAD_LOGITS[kind][1]}"
+        assert want in str(e.value) and "NaN/Inf" in str(e.value), (seed, str(e.value))
+        good = np.delete(bad, row, axis=0)
+        tok = sample(good, temperature, top_k, np.random.default_rng(seed), "generate", step)
+        assert np.isfinite(good[np.arange(len(good)), tok]).all(), (seed, temperature, tok)
+
+
+def _nan_generate(comm, seed, kind):
+    """generate with NaN weights (every sequence, step 0), then with one sequence's logits spoiled
+    at a later step (the gathered logits, as a model gone bad mid-way gives them): a ValueError
+    naming the sequence and the step on every rank, greedy and sampling alike."""
+    cfg = tpcore.Config(**LLAMA)
+    model = tpcore.models.TransformerLM(cfg, comm, seed=seed % 1000)
+    g = rng_for(seed, 0)
+    prompts = [g.integers(0, cfg.vocab_size, int(n)).tolist() for n in g.integers(1, 6, 3)]
+    out = []
+    row, step = int(g.integers(3)), int(g.integers(1, 5))
+    real = model.gather_logits
+    calls = []
+
+    def spoiled(shard):
+        logits = real(shard)
+        calls.append(1)
+        return _spoil(logits, row, kind, rng_for(seed, len(calls))) if len(calls) == step + 1 else logits
+
+    for temperature in (0.0, 1.0):
+        calls.clear()
+        model.gather_logits = spoiled
+        try:
+            model.generate(prompts, max_new_tokens=6, temperature=temperature, seed=seed)
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+        model.gather_logits = real
+    w = model.blocks[0].named_parameters()["norm1.weight"][0]
+    w[int(g.integers(w.size))] = np.nan  # (replicated: the same on every rank)
+    for temperature in (0.0, 1.0):
+        try:
+            model.generate(prompts, max_new_tokens=6, temperature=temperature, seed=seed)
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    return out, row, step
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("kind", list(BAD_LOGITS))
+def test_generate_refuses_nan_logits_on_every_rank(world, kind):
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    for r, (msgs, row, step) in enumerate(run(_nan_generate, world, seed, kind)):
+        for m in msgs[:2]:
+            assert f"generate: the logits of sequence {row} at step {step} {BAD_LOGITS[kind][1]}" in m, (r, seed, m)
+        for m in msgs[2:]:
+            assert "generate: the logits of sequence 0 at step 0 hold NaN" in m, (r, seed, m)

@@ -173,11 +173,12 @@ def _bad_inputs(comm):
         except Exception as e:  # noqa: BLE001 - the error's type and text are what the test checks
             errs.append(f"{type(e).__name__} instead of {etype.__name__}: {e}")
     col(np.ones((2, 8), np.float32))
+    cols = 6 if comm.size == 1 else col.local
     try:
-        col.backward(np.ones((3, 6 if comm.size == 1 else col.local), np.float32))
+        col.backward(np.ones((3, cols), np.float32))
         errs.append("backward with other rows: no error")
     except ValueError as e:
-        if "rows" not in str(e):
+        if f"(3, {cols})" not in str(e) or f"(2, {cols})" not in str(e):
             errs.append(str(e))
     return errs
 
@@ -307,3 +308,62 @@ def _dlpack_case(comm):
 def test_layers_take_any_dlpack_tensor(world):
     for r, (same, dxs, same_mlp, err) in enumerate(run(_dlpack_case, world)):
         assert same and same_mlp and dxs == (4, 8) and "__dlpack__" in err, (r, same, dxs, same_mlp, err)
+
+
+def wrong_grad_shapes(shape):
+    """Gradient shapes with as many elements as shape's, and its last dimension, that are not
+    shape: the leading two swapped (batch and sequence, (T, B, C) for (B, T, C)), the rows
+    flattened, an extra leading 1."""
+    *lead, c = shape
+    return [tuple(lead[1::-1]) + tuple(lead[2:]) + (c,), (int(np.prod(lead)), c), (1,) + tuple(shape)]
+
+
+def refused_grads(layer, y, x_shape, g, name="dy"):
+    """Errors of layer's backward after a forward that gave y (x of x_shape): every gradient of
+    another shape (`wrong_grad_shapes`, fresh random values) is a ValueError naming both shapes
+    and accumulates nothing; then the right one goes through."""
+    errs, who = [], type(layer).__name__
+    layer.zero_grad()
+    for bad in wrong_grad_shapes(tuple(y.shape)):
+        try:
+            layer.backward(g.standard_normal(bad).astype(np.float32))
+            errs.append(f"{who}: a {name} of shape {bad} after a forward of output {tuple(y.shape)}: no error")
+        except ValueError as e:
+            if str(bad) not in str(e) or str(tuple(y.shape)) not in str(e) or name not in str(e):
+                errs.append(f"{who}: the error does not name {bad} and {tuple(y.shape)}: {e}")
+    if any(np.any(gr != 0) for _, gr in layer.parameters()):
+        errs.append(f"{who}: a refused backward accumulated gradients")
+    dx = layer.backward(g.standard_normal(y.shape).astype(np.float32))
+    if (dx is not None and dx.shape != x_shape) or not any(np.any(gr != 0) for _, gr in layer.parameters()):
+        errs.append(f"{who}: the right {name} gave dx {None if dx is None else dx.shape} for x {x_shape}")
+    return errs
+
+
+def _grad_shape_case(comm, seed):
+    g = rng_for(seed, 0)  # the same inputs and gradients on every rank
+    B, T = (int(v) for v in g.choice(np.arange(2, 7), 2, replace=False))  # B != T
+    n_in, n_out, ffn = (int(v) for v in g.integers(3, 17, 3))
+    vocab = int(g.integers(2, B * T + 1))  # every id among the tokens: every rank's rows get a gradient
+    x = g.standard_normal((B, T, n_in)).astype(np.float32)
+    errs = []
+    for layer in (tpcore.ColumnParallelLinear(n_in, n_out, comm, seed=seed),
+                  tpcore.ColumnParallelLinear(n_in, n_out, comm, gather_output=True, seed=seed),
+                  tpcore.RowParallelLinear(n_in, n_out, comm, input_is_parallel=False, seed=seed),
+                  tpcore.ParallelMLP(n_in, ffn, comm)):
+        errs += refused_grads(layer, layer(x), x.shape, g)
+    row = tpcore.RowParallelLinear(n_in, n_out, comm, seed=seed)  # x: this rank's columns
+    xr = np.ascontiguousarray(x[..., :row.local])
+    errs += refused_grads(row, row(xr), xr.shape, g)
+    emb = tpcore.VocabParallelEmbedding(vocab, n_in, comm, seed=seed)
+    errs += refused_grads(emb, emb(g.permutation(np.arange(B * T) % vocab).reshape(B, T)), None, g, "dout")
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_backward_refuses_a_gradient_of_another_shape(world):
+    """A gradient with the forward output's element count and last dimension but another shape
+    ((T, B, C) for (B, T, C), the rows flattened) is a ValueError naming both shapes on every
+    rank, in every layer, instead of a wrong gradient."""
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    for r, errs in enumerate(run(_grad_shape_case, world, seed)):
+        assert not errs, f"rank {r}, seed {seed}: {errs}"

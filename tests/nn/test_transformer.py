@@ -10,6 +10,7 @@ import pytest
 import tpcore
 import reference_transformer as ref
 from conftest import WORLDS, rng_for, run
+from test_layers import refused_grads
 
 CONFIGS = {
     "gpt2": dict(hidden=24, heads=6, ffn_hidden=40, norm="layernorm", activation="gelu_tanh", positions="none",
@@ -218,3 +219,32 @@ def test_ranks_without_heads_are_warned_once_per_model(world, partition, idle, c
 
 def test_every_rank_with_heads_is_not_warned():
     assert run(_headless_case, 3, None) == [[], [], []]
+
+
+def _grad_shape_case(comm, seed):
+    g = rng_for(seed, 0)  # the same inputs and gradients on every rank
+    B, T = (int(v) for v in g.choice(np.arange(2, 7), 2, replace=False))  # B != T
+    errs = []
+    for name, cls in (("gpt2", tpcore.TransformerBlock), ("llama_gqa", tpcore.TransformerBlock),
+                      ("bert", tpcore.ParallelAttention)):
+        cfg = tpcore.Config(vocab_size=10, **CONFIGS[name])
+        blk = cls(cfg, comm, seed=seed)
+        x = g.standard_normal((B, T, cfg.hidden)).astype(np.float32)
+        errs += [f"{name}: {e}" for e in refused_grads(blk, blk(x), x.shape, g)]
+        blk(x, need_backward=False)  # nothing kept: refused whatever dy's shape
+        try:
+            blk.backward(np.zeros(x.shape, np.float32))
+            errs.append(f"{name}: a backward after an inference forward: no error")
+        except RuntimeError as e:
+            if "need_backward" not in str(e):
+                errs.append(f"{name}: {e}")
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_block_backward_refuses_a_gradient_of_another_shape(world):
+    """dy of (T, B, hidden) after a forward of (B, T, hidden) (the same rows), or flattened: a
+    ValueError naming both shapes on every rank, no gradient accumulated."""
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    for r, errs in enumerate(run(_grad_shape_case, world, seed)):
+        assert not errs, f"rank {r}, seed {seed}: {errs}"

@@ -322,3 +322,41 @@ def test_16bit_weights_through_the_stages(dtype):
     for tokens, loss in run(_lowp, 2, 2, dtype):
         assert tokens == want_tokens
         assert np.isclose(loss, want_loss, rtol=1e-5)
+
+
+def _bad_logits(comm, seed):
+    """The last stage's logits of one sequence spoiled (NaN, +inf or all -inf) at one step: every
+    stage raises the ValueError naming the sequence and the step (the last stage broadcasts what
+    it found instead of tokens), then the pipeline still generates."""
+    grid = tpcore.ProcessGrid(comm, pp=comm.size)
+    m = tpcore.PipelineLM(tpcore.Config(**LLAMA), grid, seed=11)
+    g = rng_for(seed, 0)
+    prompts = [g.integers(0, LLAMA["vocab_size"], int(n)).tolist() for n in g.integers(1, 6, 3)]
+    row, step, kind = int(g.integers(3)), int(g.integers(0, 4)), int(g.integers(3))
+    if m.last:
+        real, calls = m.stage.gather_logits, []
+
+        def spoiled(shard):
+            logits = np.array(real(shard))
+            calls.append(1)
+            if len(calls) == step + 1:
+                logits[row] = -np.inf if kind == 2 else logits[row]
+                logits[row, int(g.integers(logits.shape[1]))] = (np.nan, np.inf, -np.inf)[kind]
+            return logits
+        m.stage.gather_logits = spoiled
+    try:
+        m.generate(prompts, max_new_tokens=5)
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    if m.last:
+        m.stage.gather_logits = real
+    out = m.generate(prompts, max_new_tokens=2)
+    return msg, row, step, ("hold NaN", "hold +inf", "are all -inf")[kind], len(out)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_nan_logits_are_refused_on_every_stage(world):
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    for r, (msg, row, step, what, n) in enumerate(run(_bad_logits, world, seed)):
+        assert f"the logits of sequence {row} at step {step} {what}" in msg and n == 3, (r, seed, msg)

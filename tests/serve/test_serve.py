@@ -427,3 +427,67 @@ def _failed_step_case(comm):
 def test_a_step_that_fails_part_way_breaks_the_engine_clearly():
     for r, errs in enumerate(run(_failed_step_case, 2)):
         assert not errs, (r, errs)
+
+
+def _nan_case(comm, seed):
+    """One token's embedding row NaN (an untied head: only the sequences that read it go bad):
+    a request with it in its prompt fails at step 0, one that generates it fails at the next
+    step, each with finish_reason "error" and a ValueError naming it and the step; the other
+    requests go on (in the failed ones' slots too, over their NaN cache rows) with the tokens
+    generate() gives them alone."""
+    cfg = tpcore.Config(**LLAMA)
+    model = tpcore.models.TransformerLM(cfg, comm, seed=seed % 1000)
+    reqs = [(p, n + 4) for p, n in _requests(cfg, 8, seed, 30)]
+    clean = [model.generate([p], n, eos_token_id=-1)[0][p.size:] for p, n in reqs]
+    poison = None
+    for p, c in zip(reqs, clean):  # a token some request generates before its last step, not in its prompt
+        for j, t in enumerate(c[:-1].tolist()):
+            if t not in p[0] and t not in c[:j]:
+                poison = t
+                break
+        if poison is not None:
+            break
+    if poison is None:
+        return [f"seed {seed}: no request generates a token outside its prompt"]
+    g = rng_for(seed, 1)
+    p = g.integers(0, cfg.vocab_size, 6)
+    p[int(g.integers(6))] = poison
+    at = int(g.integers(len(reqs) + 1))
+    reqs.insert(at, (p, 5))
+    clean.insert(at, model.generate([p], 5, eos_token_id=-1)[0][p.size:])
+    want = []  # (finish reason, tokens, failing step)
+    for (q, _), c in zip(reqs, clean):
+        if poison in q:
+            want.append(("error", [], 0))
+        elif poison in c[:-1].tolist():
+            j = c.tolist().index(poison)
+            want.append(("error", c[:j + 1].tolist(), j + 1))
+        else:
+            want.append(("length", c.tolist(), None))
+    lo, n = model.vocab_partition[comm.rank]
+    if lo <= poison < lo + n:
+        model.wte.weight[poison - lo] = np.nan
+    eng = tpcore.Engine(model, max_batch=3, max_len=40, eos_token_id=-1)
+    handles = [eng.submit(q, n) for q, n in reqs]
+    done = list(eng.run())
+    errs = []
+    for h, (reason, toks, step) in zip(handles, want):
+        if h.finish_reason != reason or h.tokens.tolist() != toks or not h.done or h.slot is not None:
+            errs.append(f"request {h.id}: {h.finish_reason} {h.tokens.tolist()}, want {reason} {toks}")
+        text = f"Engine: the logits of request {h.id} at step {step} hold NaN"
+        if (reason == "error") != isinstance(h.error, ValueError) or (step is not None and text not in str(h.error)):
+            errs.append(f"request {h.id}: error {h.error!r}, want {text!r}")
+    failed = sum(w[0] == "error" for w in want)
+    st = eng.stats()
+    if sorted(r.id for r in done) != list(range(len(reqs))) or st["failed"] != failed or st["free_slots"] != 3:
+        errs.append(f"finished {[r.id for r in done]}, stats {st}")
+    if failed < 2 or failed == len(reqs):
+        errs.append(f"seed {seed}: {failed} of {len(reqs)} requests failed (the test wants some of both)")
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_request_with_nan_logits_fails_alone(world):
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    for r, errs in enumerate(run(_nan_case, world, seed)):
+        assert not errs, (r, seed, errs)

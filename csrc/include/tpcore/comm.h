@@ -90,6 +90,10 @@ TP_API tp_status_t tp_comm_set_timeout(tp_comm_t comm, double seconds);
  * each tp_device_t t (shm: 1u << TP_DEVICE_CPU).  Collectives reject a buffer
  * on any other device with TP_ERR_INVALID_ARGUMENT. */
 TP_API tp_status_t tp_comm_devices(tp_comm_t comm, unsigned *mask);
+/* The number of the last collective this rank began on comm (0 before any; point-to-point
+ * calls have none): the next one's is *seq + 1, the same on every rank that made the same
+ * calls (the "#N" of the errors and of tp_comm_history). */
+TP_API tp_status_t tp_comm_seq(tp_comm_t comm, uint64_t *seq);
 
 /* Collectives. */
 TP_API tp_status_t tp_all_reduce(const void *send, void *recv, size_t count, tp_dtype_t dtype, tp_redop_t op,

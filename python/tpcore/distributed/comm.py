@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence, TypeVar, Union, overload
 
@@ -26,6 +27,7 @@ from tpcore import _C
 from tpcore.utils.args import is_int, real_arg, shown
 from tpcore.utils.arrays import as_array  # noqa: F401  (also tpcore.distributed.comm.as_array, as before)
 from tpcore.utils.arrays import DeviceArray, comm_array, is_device_result
+from tpcore.utils.dtypes import TENSOR_DTYPES
 
 CommError = _C.CommError
 CommTimeout = _C.CommTimeout
@@ -309,11 +311,12 @@ class Comm:
         ax = _norm_axis(axis, a.ndim, "all_gather")
         sizes = self._sizes(sizes, _shape(a)[ax], "all_gather", "x")
         total = sum(sizes)
-        moved = _to_axis0(a, ax)
+        moved = self._made("all_gather", "copy of x with axis 0 first", _shape(a), a, lambda: _to_axis0(a, ax))
         inner = math.prod(_shape(moved)[1:])
         gshape = (total,) + _shape(moved)[1:]
         o = None if out is None else _out_array(out, a, _unmoved(gshape, ax), "all_gather")
-        res = o if ax == 0 and o is not None else _empty(gshape, a, dres)
+        res = o if ax == 0 and o is not None else self._made("all_gather", "output", gshape, a,
+                                                             lambda: _empty(gshape, a, dres))
         counts = [s * inner for s in sizes]
         self._c.all_gather(moved, res, counts)
         if ax == 0:
@@ -389,11 +392,12 @@ class Comm:
             if sum(sizes) != n:
                 raise ValueError(f"reduce_scatter: sizes add up to {sum(sizes)} but x has length {n} "
                                  f"along axis {ax}")
-        moved = _to_axis0(a, ax)
+        moved = self._made("reduce_scatter", "copy of x with axis 0 first", _shape(a), a, lambda: _to_axis0(a, ax))
         inner = math.prod(_shape(moved)[1:])
         oshape = (sizes[self.rank],) + _shape(moved)[1:]
         o = None if out is None else _out_array(out, a, _unmoved(oshape, ax), "reduce_scatter")
-        res = o if ax == 0 and o is not None else _empty(oshape, a, dres)
+        res = o if ax == 0 and o is not None else self._made("reduce_scatter", "output", oshape, a,
+                                                             lambda: _empty(oshape, a, dres))
         self._c.reduce_scatter(moved, res, op, [s * inner for s in sizes])
         if ax == 0:
             return out if out is not None else res
@@ -732,6 +736,21 @@ class Comm:
         self.close()
 
     # -- helpers ------------------------------------------------------------
+    def _made(self, op, what, shape, a, make):
+        """make(): an array of shape and a's dtype that this rank needs for the collective op it
+        is about to call.  Its bytes are counted exactly (Python ints) before; one that cannot
+        be made (more than an array can hold, or a MemoryError) is an error on every rank: the
+        communicator is aborted naming op's number, this rank, the bytes and why (the peers
+        that wait in the call, or will, get that CommError rather than a timeout or "rank R
+        closed the communicator"), and raised here as a MemoryError or ValueError."""
+        nbytes = math.prod(shape) * (a.itemsize if isinstance(a, np.ndarray) else TENSOR_DTYPES[a.dtype])
+        try:
+            if nbytes > sys.maxsize:
+                raise ValueError(f"more than the {sys.maxsize} bytes an array can hold")
+            return make()
+        except (MemoryError, ValueError, OverflowError) as e:
+            raise self._c.output_failed(op, what, str(nbytes), e) from e
+
     def _check_rank(self, r, op, what):
         if not is_int(r):
             raise TypeError(f"{op}: {what} must be an int, got {shown(r)}")

@@ -6,8 +6,11 @@
 its checkpoint's generation_config), `agree_generate` checks that every rank passed the
 same, `generate_tokens` runs the batched prefill and the decode steps through the model's
 KV cache, `sample` picks the next tokens from full-vocabulary logits (greedy or top-k
-sampling).  `tpcore.PipelineLM` (its stages) and `tpcore.Engine` (its requests) reuse the
-argument checks, the agreement and the sampling.
+sampling), refusing logits no token can be drawn from (`bad_logits`, `logits_error`: NaN,
++inf, or every logit -inf; NumPy's argmax would pick the first NaN, the softmax would give
+NaN probabilities, and either would return tokens silently).  `tpcore.PipelineLM` (its
+stages) and `tpcore.Engine` (its requests) reuse the argument checks, the agreement and the
+sampling.
 
 `TransformerLM` takes its `generate` method from `_GenerationMixin`.  The decode loop
 drives the model through its methods (`_forward` with the KV cache, which leaves the hidden
@@ -28,7 +31,7 @@ from tpcore.utils.args import int_arg, is_int, minmax, real_arg, seed_arg, shown
 from tpcore.utils.arrays import int_array
 
 __all__ = ["generate_args", "generate_tokens", "sample", "agree_generate", "eos_ids_arg", "generate_result",
-           "check_vocab"]
+           "check_vocab", "bad_logits", "logits_error"]
 
 
 class _GenerationMixin:
@@ -68,6 +71,9 @@ class _GenerationMixin:
         TypeError, ValueError
             A bad argument, an encoder model, a sequence past max_positions, or ranks that
             passed different arguments (ValueError on every rank).
+        ValueError
+            Logits no token can be drawn from (NaN, +inf, or all -inf: the model's weights
+            or activations went bad), naming the sequence and the step; on every rank.
 
         Notes
         -----
@@ -152,7 +158,7 @@ def generate_tokens(model, seqs, max_new_tokens, temperature, top_k, seed, eos_i
     for step in range(max_new_tokens):
         logits = model.gather_logits(model.logits_shard(last if model._kdev is not None
                                                         else np.ascontiguousarray(last)))  # (B, V), every rank
-        nxt = sample(logits, temperature, top_k, rng)
+        nxt = sample(logits, temperature, top_k, rng, "generate", step)
         if eos_ids:
             nxt = np.where(done, pad_token_id, nxt)
             done |= np.isin(nxt, eos_ids)
@@ -168,9 +174,36 @@ def generate_tokens(model, seqs, max_new_tokens, temperature, top_k, seed, eos_i
     return generate_result(out)
 
 
-def sample(logits, temperature, top_k, rng):
+_BAD_LOGITS = {-1: "hold NaN", -2: "hold +inf", -3: "are all -inf (no token can be drawn)"}
+
+
+def bad_logits(logits) -> np.ndarray:
+    """Per row of logits (n, vocab): 0 when a token can be picked from it, else -1 (it holds a
+    NaN), -2 (+inf; no NaN) or -3 (every logit is -inf).  One max per row (NaN propagates
+    through it); only the rows whose max is not finite are looked at again."""
+    hi = np.max(logits, axis=-1)
+    codes = np.zeros(hi.shape, np.int64)
+    for i in np.flatnonzero(~np.isfinite(hi)).tolist():
+        codes[i] = -1 if np.isnan(hi[i]) else (-2 if hi[i] > 0 else -3)
+    return codes
+
+
+def logits_error(who: str, what: str, step: int, code: int) -> ValueError:
+    """The error for logits that `bad_logits` gave code (< 0), naming whose ("sequence 0",
+    "request 5") and the step (the index of the token being picked, 0 for the first)."""
+    return ValueError(f"{who}: the logits of {what} at step {step} {_BAD_LOGITS[int(code)]} (the model's weights or "
+                      f"inputs hold NaN/Inf?)")
+
+
+def sample(logits, temperature, top_k, rng, who: str = "sample", step: int = 0):
     """The next token of each row of logits (n, vocab): the argmax at temperature 0, else drawn
-    from the softmax of logits / temperature (of the top_k largest when top_k) with rng."""
+    from the softmax of logits / temperature (of the top_k largest when top_k) with rng.  A row
+    holding NaN or +inf, or all -inf, is a ValueError naming who, the row ("sequence i") and
+    step (`logits_error`), greedy or not: no token is returned for it."""
+    codes = bad_logits(logits)
+    if codes.any():
+        i = int(np.flatnonzero(codes)[0])
+        raise logits_error(who, f"sequence {i}", step, codes[i])
     if temperature <= 0:
         return logits.argmax(-1).astype(np.int64)
     z = logits.astype(np.float64) / temperature

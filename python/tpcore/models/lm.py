@@ -623,7 +623,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
             tt = np.zeros(B * T, np.int64) if ctx["token_type_ids"] is None else \
                 np.asarray(ctx["token_type_ids"], np.int64).reshape(-1)
             _C.embedding_backward(self.tte_grad, on_device(np.ascontiguousarray(tt), self._kdev), dh2)
-        self.wte.backward(dh2 if self._on_gpu() else dh2.to_numpy())
+        self.wte.backward((dh2 if self._on_gpu() else dh2.to_numpy()).reshape((B, T, C)))  # its forward's shape
 
     # ------------------------------------------------------------- stage interface
     # The steps a pipeline schedule (tpcore.parallel.pipeline) drives a stage through: embed
@@ -745,8 +745,8 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
                                         None, self._head_fmt())
                 if comm.size > 1:
                     comm.all_reduce(dh)       # column-parallel head: the input gradient sums over ranks
-            else:
-                dh = self.lm_head.backward(dshard)
+            else:  # the C layer's backward: logits_shard ran the C layer's forward, not the Python face's
+                dh = self.lm_head._c.backward(np.ascontiguousarray(dshard, np.float32))
         return dh.reshape(ctx["B"], ctx["T"], self.config.hidden)
 
     def blocks_backward(self, dh: np.ndarray) -> np.ndarray:
@@ -786,7 +786,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
             tt = np.zeros(B * T, np.int64) if token_type_ids is None else \
                 np.asarray(token_type_ids, np.int64).reshape(-1)
             np.add.at(self.tte_grad, tt, dh2)
-        self.wte.backward(np.ascontiguousarray(dh2))
+        self.wte.backward(np.ascontiguousarray(dh2).reshape(B, T, self.config.hidden))  # its forward's shape
 
     def drop_backward(self) -> None:
         """Forget what the last need_backward forward and head_loss kept (an aborted step)."""

@@ -1,10 +1,11 @@
 """What the layers' Python faces share around the C layers: their inputs as the float32
 rows the C layers take (host arrays, foreign tensors through DLPack, GPU tensors converted
 on their device) and their outputs back in the input's dtype, zeroing a buffer where it
-lives, and the ``memory()`` dict of a layer (`MEMORY_KEYS`, `layer_memory`)."""
+lives, the ``memory()`` dict of a layer (`MEMORY_KEYS`, `layer_memory`), and the one check of
+a backward's gradient against the last forward's output (`kept_output`, `check_grad`)."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -105,3 +106,22 @@ def layer_memory(c: Dict[str, Any], **extra: int) -> Dict[str, Any]:
         out[k] += int(v)
     out["total"] = sum(out[k] for k in MEMORY_KEYS if k != "kv_cache_used")  # used is part of kv_cache
     return out
+
+
+def kept_output(layer: Any, shape: Optional[Tuple[int, ...]]) -> None:
+    """Records the shape of the output of layer's last forward that a backward may follow (None:
+    nothing kept, e.g. an inference forward), for `check_grad`."""
+    layer._out_shape = None if shape is None else tuple(int(n) for n in shape)
+
+
+def check_grad(layer: Any, shape: Tuple[int, ...], name: str = "dy") -> None:
+    """A backward's gradient, of shape (converted to what the C layer takes: its dtype and layout
+    checked), must have the exact shape of the last forward's output (`kept_output`); a
+    ValueError naming both otherwise.  The C layers see rows only: a gradient of another shape with as many rows
+    (batch and sequence swapped, (T, B, C) for (B, T, C)) would be read as the forward's rows
+    and give a wrong gradient silently.  No forward kept: left to the C layer, which says so."""
+    want = getattr(layer, "_out_shape", None)
+    got = tuple(int(n) for n in shape)
+    if want is not None and got != want:
+        raise ValueError(f"{type(layer).__name__}.backward: {name} has shape {got} but the last forward's output "
+                         f"has shape {want}; {name} must be the gradient of that output, of its shape")

@@ -31,7 +31,8 @@ from tpcore.utils.args import bool_arg, int_arg, seed_arg
 from tpcore.utils.arrays import DeviceArray, asarray, check_on_device, device_string, from_dlpack, resolve_device
 from tpcore.utils.dtypes import block_size, is_quantized, weight_format
 from tpcore.distributed.comm import Comm
-from tpcore.nn.common import _back, as_float32, dev_back, dev_f32, host_tensor, layer_memory, zero
+from tpcore.nn.common import (_back, as_float32, check_grad, dev_back, dev_f32, host_tensor, kept_output,
+                              layer_memory, zero)
 from tpcore.nn.partition import _even_blocks, _plan_sizes, check_partition, partition_sizes
 from tpcore.nn.quant import QuantTensor
 from tpcore.nn.weights import _host, _load_bias, _shard_float, _shard_host, is_lazy, load_weight
@@ -217,9 +218,15 @@ class _ParallelLinear:
         if self.device[0] != "cpu":  # 16-bit activations: converted on the GPU, the result back in theirs
             x2, lead = self._device_rows(x, "x", self._x_cols)
             x2, dt = dev_f32(x2)
-            return dev_back(self._c.forward(x2), dt).reshape(lead + (self._y_cols,))
+            kept_output(self, None)
+            y = self._c.forward(x2)
+            kept_output(self, lead + (self._y_cols,))
+            return dev_back(y, dt).reshape(lead + (self._y_cols,))
         x2, lead, dt = self._rows(x, "x", self._x_cols)
-        return _back(self._c.forward(x2).reshape(lead + (self._y_cols,)), dt)
+        kept_output(self, None)  # (a forward that fails in C keeps nothing: the C layer names it)
+        y = self._c.forward(x2)
+        kept_output(self, lead + (self._y_cols,))
+        return _back(y.reshape(lead + (self._y_cols,)), dt)
 
     __call__ = forward
 
@@ -233,7 +240,7 @@ class _ParallelLinear:
         Parameters
         ----------
         dy : array_like, shape (..., y_cols)
-            The gradient of forward's output (its shape and a float dtype).
+            The gradient of forward's output: exactly its shape, a float dtype.
 
         Returns
         -------
@@ -243,7 +250,8 @@ class _ParallelLinear:
         Raises
         ------
         TypeError, ValueError
-            As for `forward` (dy's dtype and shape).
+            As for `forward` (dy's dtype and layout); a ValueError naming both shapes when
+            dy's shape is not the last forward's output's.
         RuntimeError
             No forward ran before.
         CommError, CommTimeout
@@ -257,9 +265,11 @@ class _ParallelLinear:
         """
         if self.device[0] != "cpu":
             dy2, lead = self._device_rows(dy, "dy", self._y_cols)
+            check_grad(self, lead + (self._y_cols,))
             dy2, dt = dev_f32(dy2)
             return dev_back(self._c.backward(dy2), dt).reshape(lead + (self._x_cols,))
         dy2, lead, dt = self._rows(dy, "dy", self._y_cols)
+        check_grad(self, lead + (self._y_cols,))
         return _back(self._c.backward(dy2).reshape(lead + (self._x_cols,)), dt)
 
     def memory(self) -> Dict[str, Any]:

@@ -11,7 +11,7 @@ from tpcore.utils.args import bool_arg, int_arg, seed_arg, shown
 from tpcore.utils.arrays import device_string, resolve_device
 from tpcore.utils.dtypes import weight_format
 from tpcore.distributed.comm import Comm
-from tpcore.nn.common import _back, dev_back, dev_f32, layer_memory
+from tpcore.nn.common import _back, check_grad, dev_back, dev_f32, kept_output, layer_memory
 from tpcore.nn.config import ACTIVATIONS
 from tpcore.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tpcore.nn.partition import _plan_sizes, partition_sizes
@@ -151,9 +151,15 @@ class ParallelMLP:
         if self.device[0] != "cpu":
             x2, lead = self.fc1._device_rows(x, "x", self.hidden, "ParallelMLP")
             x2, dt = dev_f32(x2)
-            return dev_back(self._c.forward(x2), dt).reshape(lead + (self.hidden,))
+            kept_output(self, None)
+            y = self._c.forward(x2)
+            kept_output(self, lead + (self.hidden,))
+            return dev_back(y, dt).reshape(lead + (self.hidden,))
         x2, lead, dt = self.fc1._rows(x, "x", self.hidden)
-        return _back(self._c.forward(x2).reshape(lead + (self.hidden,)), dt)
+        kept_output(self, None)
+        y = self._c.forward(x2)
+        kept_output(self, lead + (self.hidden,))
+        return _back(y.reshape(lead + (self.hidden,)), dt)
 
     __call__ = forward
 
@@ -167,12 +173,20 @@ class ParallelMLP:
         Parameters
         ----------
         dy : array_like, shape (..., hidden)
-            The gradient of forward's output (the same on every rank).
+            The gradient of forward's output: exactly its shape (the same on every rank).
 
         Returns
         -------
         numpy.ndarray or DeviceArray, shape (..., hidden)
             The gradient of x, the same on every rank.
+
+        Raises
+        ------
+        TypeError, ValueError
+            dy of a wrong dtype or layout; a ValueError naming both shapes when dy's shape
+            is not the last forward's output's.
+        RuntimeError
+            No forward ran before.
 
         Notes
         -----
@@ -180,7 +194,9 @@ class ParallelMLP:
         """
         if self.device[0] != "cpu":
             dy2, lead = self.fc2._device_rows(dy, "dy", self.hidden, "ParallelMLP")
+            check_grad(self, lead + (self.hidden,))
             dy2, dt = dev_f32(dy2)
             return dev_back(self._c.backward(dy2), dt).reshape(lead + (self.hidden,))
         dy2, lead, dt = self.fc2._rows(dy, "dy", self.hidden)
+        check_grad(self, lead + (self.hidden,))
         return _back(self._c.backward(dy2).reshape(lead + (self.hidden,)), dt)

@@ -40,7 +40,7 @@ from tpcore.utils.args import bool_arg, int_arg, minmax, seed_arg
 from tpcore.utils.dtypes import FLOAT_FORMATS, is_quantized, weight_formats
 from tpcore.distributed.comm import Comm
 from tpcore.io.formats import to_float32
-from tpcore.nn.common import as_float32, dev_back, dev_f32, layer_memory, zero
+from tpcore.nn.common import as_float32, check_grad, dev_back, dev_f32, kept_output, layer_memory, zero
 from tpcore.nn.config import Config
 from tpcore.nn.partition import check_partition, partition_sizes
 from tpcore.nn.quant import QuantTensor, as_format, dequantize
@@ -512,8 +512,10 @@ class TransformerBlock:
             if self.device[0] != "cpu":
                 x, dt = self._device_x(x, "x", type(self).__name__)
             B, T, C = x.shape
+            kept_output(self, None)
             y = self._c.forward(x.reshape((B * T, C)), B, T, pos0=pos0, key_mask=None if key_mask is None else
                                 key_mask.reshape(-1), use_cache=use_cache, need_backward=need_backward, slots=slots)
+            kept_output(self, (B, T, C) if need_backward else None)
             if use_cache:
                 self._filled[slice(None, B) if slots is None else slots] = T if pos0 is None else pos0 + T
             return dev_back(y, dt).reshape((B, T, C))
@@ -544,8 +546,10 @@ class TransformerBlock:
                                           ("pos0 differs", (v[1],)), ("key_mask differs", (v[2],)),
                                           ("slots differ", (v[3],)), ("use_cache differs", (bool(use_cache),))])
         B, T, C = x32.shape
+        kept_output(self, None)  # (a forward that fails in C keeps nothing: its backward is refused, naming why)
         y = self._c.forward(x32.reshape((B * T, C)), B, T, pos0=p, key_mask=m, use_cache=use_cache,
                             need_backward=need_backward, slots=sl)
+        kept_output(self, (B, T, C) if need_backward else None)
         if use_cache:
             self._filled[slice(None, B) if sl is None else sl] = T if p is None else p + T
         return dev_back(y, io_dt[0]).reshape((B, T, C))
@@ -599,7 +603,7 @@ class TransformerBlock:
         Parameters
         ----------
         dy : array_like, shape (B, T, hidden)
-            The gradient of forward's output (the same on every rank).
+            The gradient of forward's output: exactly its shape (the same on every rank).
 
         Returns
         -------
@@ -609,7 +613,8 @@ class TransformerBlock:
         Raises
         ------
         TypeError, ValueError
-            dy of a wrong dtype or shape.
+            dy of a wrong dtype or layout; a ValueError naming both shapes when dy's shape
+            is not the last forward's output's (B, T, hidden): (T, B, hidden) is refused.
         RuntimeError
             No forward with need_backward ran before.
 
@@ -623,11 +628,13 @@ class TransformerBlock:
             d, dt = self._device_x(dy, "dy", type(self).__name__)
             if d.ndim < 1 or d.shape[-1] != C:
                 raise ValueError(f"{type(self).__name__}: dy must have shape (B, T, {C}), got {tuple(d.shape)}")
+            check_grad(self, d.shape)
             shape = tuple(d.shape)
             return dev_back(self._c.backward(d.reshape((d.size // C, C))), dt).reshape(shape)
-        d = as_float32(dy, "dy", "TransformerBlock")
+        d = as_float32(dy, "dy", type(self).__name__)
         if d.ndim < 1 or d.shape[-1] != C:
-            raise ValueError(f"TransformerBlock: dy must have shape (B, T, {C}), got {d.shape}")
+            raise ValueError(f"{type(self).__name__}: dy must have shape (B, T, {C}), got {d.shape}")
+        check_grad(self, d.shape)
         shape = d.shape
         return self._c.backward(d.reshape(-1, C)).reshape(shape)
 

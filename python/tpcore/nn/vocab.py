@@ -32,7 +32,7 @@ from tpcore.utils.arrays import (DeviceArray, asarray, int_array, check_host, ch
                                  device_string, from_dlpack, resolve_device)
 from tpcore.distributed.comm import Comm
 from tpcore.utils.dtypes import is_quantized, weight_format
-from tpcore.nn.common import as_float32, layer_memory, zero
+from tpcore.nn.common import as_float32, check_grad, kept_output, layer_memory, zero
 from tpcore.nn.partition import _plan_sizes, check_partition, partition_sizes
 from tpcore.nn.quant import QuantTensor
 from tpcore.nn.weights import _shard_float, _shard_host, is_lazy, load_weight
@@ -197,9 +197,15 @@ class VocabParallelEmbedding:
         """
         if self.device[0] != "cpu":
             t = _device_tensor(tokens, "tokens", "VocabParallelEmbedding", self.device, "int64")
-            return self._c.forward(t.reshape((t.size,))).reshape(tuple(t.shape) + (self.embedding_dim,))
+            kept_output(self, None)
+            y = self._c.forward(t.reshape((t.size,)))
+            kept_output(self, tuple(t.shape) + (self.embedding_dim,))
+            return y.reshape(tuple(t.shape) + (self.embedding_dim,))
         t = _tokens(tokens)
-        return self._c.forward(t.reshape(-1)).reshape(t.shape + (self.embedding_dim,))
+        kept_output(self, None)
+        y = self._c.forward(t.reshape(-1))
+        kept_output(self, t.shape + (self.embedding_dim,))
+        return y.reshape(t.shape + (self.embedding_dim,))
 
     __call__ = forward
 
@@ -209,12 +215,13 @@ class VocabParallelEmbedding:
         Parameters
         ----------
         dout : array_like, shape (..., embedding_dim)
-            The gradient of forward's output (replicated), a float dtype.
+            The gradient of forward's output (replicated): exactly its shape, a float dtype.
 
         Raises
         ------
         TypeError, ValueError
-            dout of a wrong dtype or shape.
+            dout of a wrong dtype or shape (a ValueError naming both shapes when it is not
+            the last forward's output's).
         RuntimeError
             No forward ran before.
 
@@ -227,11 +234,13 @@ class VocabParallelEmbedding:
             if d.ndim < 1 or d.shape[-1] != self.embedding_dim:
                 raise ValueError(f"VocabParallelEmbedding: dout must have shape (..., {self.embedding_dim}), got "
                                  f"{d.shape}")
+            check_grad(self, d.shape, "dout")
             self._c.backward(d.reshape((d.size // self.embedding_dim, self.embedding_dim)))
             return
         d = as_float32(dout, "dout", "VocabParallelEmbedding")
         if d.ndim < 1 or d.shape[-1] != self.embedding_dim:
             raise ValueError(f"VocabParallelEmbedding: dout must have shape (..., {self.embedding_dim}), got {d.shape}")
+        check_grad(self, d.shape, "dout")
         self._c.backward(d.reshape(-1, self.embedding_dim))
 
     def load_full(self, table: Any) -> None:

@@ -44,7 +44,7 @@ from tpcore.distributed.agree import agree
 from tpcore.utils.args import int_arg, shown
 from tpcore.utils.arrays import int_array
 from tpcore.distributed.grid import ProcessGrid
-from tpcore.models.generate import agree_generate, generate_args, generate_result, sample
+from tpcore.models.generate import agree_generate, bad_logits, generate_args, generate_result, logits_error, sample
 from tpcore.models.lm import TransformerLM
 from tpcore.nn.quant import is_quantized
 from tpcore.nn.config import Config
@@ -553,6 +553,13 @@ class PipelineLM:
         numpy.ndarray or list
             As `TransformerLM.generate`.
 
+        Raises
+        ------
+        TypeError, ValueError
+            As `TransformerLM.generate`: logits no token can be drawn from are a ValueError
+            naming the sequence and the step on every stage (the last stage broadcasts what
+            it found instead of tokens).
+
         Notes
         -----
         Collective over the grid (sends between stages, broadcasts of the next tokens).
@@ -597,9 +604,14 @@ class PipelineLM:
             nxt = np.zeros(B, np.int64)
             if self.last:
                 last = np.ascontiguousarray(h[rows])
-                nxt = sample(st.gather_logits(st.logits_shard(last)), temperature, top_k, rng)
+                logits = st.gather_logits(st.logits_shard(last))
+                codes = bad_logits(logits)  # (< 0: no token; broadcast instead, so every stage says why)
+                nxt = codes if codes.any() else sample(logits, temperature, top_k, rng, "generate", i)
             if P > 1:
                 self.pp.broadcast(nxt, root=P - 1)
+            if nxt.min() < 0:
+                b = int(np.argmax(nxt < 0))
+                raise logits_error("PipelineLM.generate", f"sequence {b}", i, int(nxt[b]))
             if eos_ids:
                 nxt = np.where(done, pad_token_id, nxt)
                 done |= np.isin(nxt, eos_ids)

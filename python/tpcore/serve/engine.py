@@ -14,7 +14,11 @@ request together, one forward of one token per request (each at its own position
 slot).  A request that reaches ``max_new_tokens`` or emits an end-of-sequence id is finished
 in that step and its slot is free for the next waiting request at the next step.  Every
 request gets the tokens ``model.generate([prompt], max_new_tokens)`` gives it alone (greedy;
-sampling with the request's seed draws as generate does with that seed).
+sampling with the request's seed draws as generate does with that seed).  A request whose
+logits no token can be picked from (NaN, +inf, or all -inf: the model's weights or activations
+went bad) fails alone: it finishes with ``finish_reason == "error"`` and ``error`` the
+ValueError generate() would raise for it (naming the request and the step), its slot is freed,
+and the other requests go on.
 
 SPMD: every rank of the model's communicator runs the same engine, submitting the same
 requests in the same order and calling step() together (the logits are gathered on every
@@ -39,7 +43,7 @@ from tpcore import _C
 from tpcore.distributed.agree import agree, fingerprint
 from tpcore.utils.args import int_arg, is_int, real_arg, seed_arg, shown
 from tpcore.utils.arrays import int_array
-from tpcore.models.generate import eos_ids_arg, sample
+from tpcore.models.generate import bad_logits, eos_ids_arg, logits_error, sample
 
 __all__ = ["Engine", "Request"]
 
@@ -57,8 +61,11 @@ class Request:
         The prompt's ids (int64).
     done : bool
         Whether it finished.
-    finish_reason : {"length", "eos"} or None
+    finish_reason : {"length", "eos", "error"} or None
         Why it finished (None while running).
+    error : ValueError or None
+        Why it failed (finish_reason "error"): its logits held NaN or +inf, or were all
+        -inf, at the step named; the tokens before that step stay in tokens.
     submitted, first_token, finished : float or None
         time.perf_counter() times.
     token_times : list of float
@@ -68,7 +75,7 @@ class Request:
     """
 
     __slots__ = ("id", "prompt", "max_new_tokens", "eos", "temperature", "top_k", "seed", "_rng", "_out",
-                 "done", "finish_reason", "submitted", "first_token", "token_times", "finished", "slot")
+                 "done", "finish_reason", "error", "submitted", "first_token", "token_times", "finished", "slot")
 
     def __init__(self, rid, prompt, max_new_tokens, eos, temperature, top_k, seed):
         self.id, self.prompt, self.max_new_tokens, self.eos = rid, prompt, max_new_tokens, eos
@@ -76,6 +83,7 @@ class Request:
         self._rng = np.random.default_rng(seed) if temperature > 0 else None
         self._out: List[int] = []
         self.done, self.finish_reason = False, None
+        self.error: Optional[ValueError] = None
         self.submitted, self.first_token, self.finished = time.perf_counter(), None, None
         self.token_times: List[float] = []
         self.slot: Optional[int] = None  # the KV-cache slot while it runs
@@ -180,7 +188,7 @@ class Engine:
         self._broken: Optional[str] = None
         self._broken_type: type = ValueError  # what a step raises once the engine is broken
         self._st = dict(steps=0, prefills=0, decodes=0, prefill_tokens=0, prefill_padded_max=0, generated_tokens=0,
-                        finished=0, peak_running=0, prefill_s=0.0, decode_s=0.0, agree_s=0.0)
+                        finished=0, failed=0, peak_running=0, prefill_s=0.0, decode_s=0.0, agree_s=0.0)
 
     # ------------------------------------------------------------------ requests
     def _eos(self, eos_token_id, who) -> List[int]:
@@ -287,22 +295,33 @@ class Engine:
             self._cache_ref = m.blocks[0]._filled
 
     def _next_tokens(self, reqs: List[Request], last) -> np.ndarray:
-        """The next id of each request from the hidden states `last` (B, hidden) of its last row."""
+        """The next id of each request from the hidden states `last` (B, hidden) of its last row;
+        `bad_logits`'s code (< 0) for a request whose logits no token can be picked from (the
+        logits are the same on every rank: every rank fails the same requests)."""
         m = self.model
         logits = m.gather_logits(m.logits_shard(last if m._kdev is not None else np.ascontiguousarray(last)))
+        codes = bad_logits(logits)
         if all(r.temperature <= 0 for r in reqs):
-            return logits.argmax(-1).astype(np.int64)
-        out = np.empty(len(reqs), np.int64)
-        for i, r in enumerate(reqs):
-            out[i] = sample(logits[i:i + 1], r.temperature, r.top_k, r._rng)[0] if r.temperature > 0 \
-                else int(logits[i].argmax())
-        return out
+            out = logits.argmax(-1).astype(np.int64)
+        else:
+            out = np.zeros(len(reqs), np.int64)
+            for i, r in enumerate(reqs):
+                if not codes[i]:
+                    out[i] = sample(logits[i:i + 1], r.temperature, r.top_k, r._rng)[0] if r.temperature > 0 \
+                        else int(logits[i].argmax())
+        return np.where(codes < 0, codes, out)
 
     def _emit(self, reqs: List[Request], nxt: np.ndarray, now: float) -> List[Request]:
-        """Append each request's new id; the ones that finish leave the running set and free
-        their slots.  Returns those."""
+        """Append each request's new id; the ones that finish (or fail: no id, `_next_tokens`)
+        leave the running set and free their slots.  Returns those."""
         done = []
         for r, t in zip(reqs, nxt.tolist()):
+            if t < 0:  # this request alone fails; its slot is prefilled afresh by the next one
+                r.error = logits_error("Engine", f"request {r.id}", len(r._out), t)
+                r.done, r.finish_reason, r.finished = True, "error", now
+                done.append(r)
+                continue
+            self._st["generated_tokens"] += 1
             r._out.append(t)
             r.token_times.append(now)
             if r.first_token is None:
@@ -310,7 +329,6 @@ class Engine:
             if t in r.eos or len(r._out) >= r.max_new_tokens:
                 r.done, r.finish_reason, r.finished = True, ("eos" if t in r.eos else "length"), now
                 done.append(r)
-        self._st["generated_tokens"] += len(reqs)
         if done:
             for r in done:
                 self._free.append(r.slot)
@@ -318,6 +336,7 @@ class Engine:
             self._free.sort()
             self._running = [r for r in self._running if not r.done]
             self._st["finished"] += len(done)
+            self._st["failed"] += sum(r.error is not None for r in done)
         return done
 
     def step(self) -> List[Request]:
@@ -326,7 +345,8 @@ class Engine:
         Returns
         -------
         list of Request
-            The requests that finished in it (in the order they were admitted).
+            The requests that finished in it (in the order they were admitted), those that
+            failed included (finish_reason "error", `Request.error` says why).
 
         Raises
         ------
@@ -432,7 +452,8 @@ class Engine:
         dict
             steps, prefill and decode forwards, prompt tokens prefilled (and the largest
             padded prefill, B x T), tokens generated, requests submitted / waiting /
-            running / finished, the most requests running at once, seconds in prefill,
+            running / finished (failed: those of them finished by an error), the most
+            requests running at once, seconds in prefill,
             decode and the per-step agreement, and the pool's shape.
         """
         s = dict(self._st)
