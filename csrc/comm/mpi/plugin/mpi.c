@@ -5,7 +5,8 @@
  *
  * Every operation is a non-blocking MPI call (MPI_Iallreduce, MPI_Isend, ...) polled with
  * MPI_Test under the communicator's timeout, so no call can hang for ever: a peer that
- * never arrives is a TP_ERR_TIMEOUT naming the operation and the peer; a rank that aborts
+ * never arrives is a TP_ERR_TIMEOUT naming the operation and the peer (for a collective, the
+ * ranks whose description did not come, with their last call: mpi_ops.c); a rank that aborts
  * (tp_comm_abort, Python's excepthook) tells the others through a control communicator,
  * and they fail with TP_ERR_REMOTE naming it.  Before each collective the ranks exchange
  * a small description of the call (sequence number, op, dtype, counts, root) and compare
