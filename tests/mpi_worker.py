@@ -8,9 +8,10 @@
                                        aborts a sub-communicator, then hangs: the others name it,
                                        then time out
     python mpi_worker.py kill          rank 1 kills itself with SIGKILL inside a collective loop
-    python mpi_worker.py stop          the calls of MPI_TEST_CALLS, then rank MPI_TEST_STOP stops
-                                       itself (SIGSTOP) before an all_reduce: the others' timeouts
-                                       name it and its last call (the test kills it)
+    python mpi_worker.py stop          the calls of MPI_TEST_CALLS, then the ranks of MPI_TEST_STOP
+                                       ("2", "1,3") stop themselves (SIGSTOP) before an all_reduce:
+                                       the others' timeouts name them and their last call (the
+                                       test kills them)
 
 Data comes from one seed, so every rank computes every rank's data and the float64 NumPy
 reference locally.  A rank prints "PASS rank r checks n" at the end; a failed check raises.
@@ -219,10 +220,10 @@ def one_call(comm, kind, x):
 
 def stop(comm, seed):
     x = data(seed, comm.rank, (16,), "float32")
-    for kind in os.environ["MPI_TEST_CALLS"].split(","):
+    for kind in filter(None, os.environ["MPI_TEST_CALLS"].split(",")):
         one_call(comm, kind, x)
     report(comm, f"READY rank {comm.rank} pid {os.getpid()}")
-    if comm.rank == int(os.environ["MPI_TEST_STOP"]):
+    if str(comm.rank) in os.environ["MPI_TEST_STOP"].split(","):
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(600)  # continued: the test kills it
         return

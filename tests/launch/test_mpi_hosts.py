@@ -115,19 +115,20 @@ def test_tp_and_pp_model_across_two_hosts_equals_world_1(tmp_path):
         assert np.isclose(float(r["pp_loss"]), want_loss, rtol=1e-5)
 
 
-def test_a_stopped_rank_is_named_across_hosts(tmp_path):
-    """A rank SIGSTOPped on one simulated host, its peers waiting on both: every waiting rank's
-    timeout names it and its last call, over tcp (tests/launch/test_mpi.py has the one-host case)."""
+def test_stopped_ranks_are_named_across_hosts(tmp_path):
+    """One or two ranks SIGSTOPped, their peers waiting on both simulated hosts: every waiting
+    rank's timeout names them and their last call, over tcp (tests/launch/test_mpi.py has the
+    one-host case)."""
     g = random.Random()
-    stop = g.randrange(4)
+    stop = sorted(g.sample(range(4), g.randint(1, 2)))
     out = tmp_path / "out"
     out.mkdir()
     with netns.hosts_or_skip(2) as hosts:
         try:
             rc, text = _mpirun_across(hosts, tmp_path, [os.path.join(HERE, "mpi_worker.py"), "stop"],
-                                      MPI_TEST_OUT=out, MPI_TEST_TIMEOUT=5, MPI_TEST_STOP=stop,
+                                      MPI_TEST_OUT=out, MPI_TEST_TIMEOUT=5, MPI_TEST_STOP=",".join(map(str, stop)),
                                       MPI_TEST_CALLS="barrier,all_reduce", MPI_TEST_SEED=g.randrange(10**6))
-        finally:  # the stopped rank, should the job have left it
+        finally:  # the stopped ranks, should the job have left one
             for f in out.iterdir():
                 for pid in re.findall(r"READY rank \d+ pid (\d+)", f.read_text()):
                     try:
@@ -136,6 +137,8 @@ def test_a_stopped_rank_is_named_across_hosts(tmp_path):
                         pass
     lines = "".join(f.read_text() for f in sorted(out.iterdir()))
     assert rc != 0 and lines.count("READY rank") == 4, (stop, lines + text[-4000:])
-    for r in set(range(4)) - {stop}:
+    who = f"rank {stop[0]} did not arrive (its" if len(stop) == 1 else \
+        f"ranks {stop[0]}, {stop[1]} did not arrive (their"
+    for r in set(range(4)) - set(stop):
         assert (f"ERROR rank {r} after" in lines and f"all_reduce #3 on rank {r} of 4: timed out after 5.0 s: "
-                f"rank {stop} did not arrive (its last call: all_reduce #2 at mpi_worker.py:") in lines, (stop, lines)
+                f"{who} last call: all_reduce #2 at mpi_worker.py:") in lines, (stop, lines)
