@@ -3,7 +3,8 @@ pair (tests/netns.py), Open MPI started inside the first one with an rsh agent t
 other (`ip netns exec`), tcp as the only transport between ranks, on the namespaces' own addresses.
 Four ranks, two per host, one TransformerLM split over all four on the mpi backend: its logits and
 greedy tokens equal world 1's; then the same model as two pipeline stages, one per host, each 2-way
-tensor parallel: its training loss and greedy tokens equal world 1's.  (shm cannot span hosts;
+tensor parallel: its training loss and greedy tokens equal world 1's.  And one or two ranks
+SIGSTOPped: every other rank's timeout names them and their last call, over tcp.  (shm cannot span hosts;
 the whole job runs on mpi: no hierarchical shm-within-a-host collectives in this version.)
 Skips with the reason where namespaces cannot be made (no root, no iproute2) or the mpi
 backend is not built."""
