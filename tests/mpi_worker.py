@@ -8,6 +8,10 @@
                                        aborts a sub-communicator, then hangs: the others name it,
                                        then time out
     python mpi_worker.py kill          rank 1 kills itself with SIGKILL inside a collective loop
+    python mpi_worker.py stop          the calls of MPI_TEST_CALLS, then the ranks of MPI_TEST_STOP
+                                       ("2", "1,3") stop themselves (SIGSTOP) before an all_reduce:
+                                       the others' timeouts name them and their last call (the
+                                       test kills them)
 
 Data comes from one seed, so every rank computes every rank's data and the float64 NumPy
 reference locally.  A rank prints "PASS rank r checks n" at the end; a failed check raises.
@@ -202,6 +206,36 @@ def mismatches():
         report(comm, f"P2P NO ERROR rank {comm.rank}")
 
 
+def one_call(comm, kind, x):
+    """One collective of kind on x, each kind on its own line (the test reads the call sites)."""
+    if kind == "all_reduce":
+        comm.all_reduce(x)  # stop: all_reduce
+    elif kind == "broadcast":
+        comm.broadcast(x, root=comm.size - 1)  # stop: broadcast
+    elif kind == "all_gather":
+        comm.all_gather(x)  # stop: all_gather
+    else:
+        comm.barrier()  # stop: barrier
+
+
+def stop(comm, seed):
+    x = data(seed, comm.rank, (16,), "float32")
+    for kind in filter(None, os.environ["MPI_TEST_CALLS"].split(",")):
+        one_call(comm, kind, x)
+    report(comm, f"READY rank {comm.rank} pid {os.getpid()}")
+    if str(comm.rank) in os.environ["MPI_TEST_STOP"].split(","):
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(600)  # continued: the test kills it
+        return
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x)
+    except tpcore.CommError as e:
+        report(comm, f"ERROR rank {comm.rank} after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}")
+        sys.exit(2)
+    report(comm, f"NO ERROR rank {comm.rank}")
+
+
 def main():
     mode = sys.argv[1]
     seed = int(os.environ.get("MPI_TEST_SEED", "7"))
@@ -246,6 +280,8 @@ def main():
             except tpcore.CommError as e:
                 report(comm, f"ERROR rank {comm.rank} after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}")
                 sys.exit(2)
+    elif mode == "stop":
+        stop(comm, seed)
     elif mode == "kill":
         comm.barrier()
         report(comm, f"READY rank {comm.rank} pid {os.getpid()}")

@@ -5,13 +5,15 @@
  * the Makefile into $TPCORE_TEST_FAKE_NCCL/{old,nosym,good}/libnccl.so.2.
  *
  * The binding keeps a library that loaded and passed its checks for the life of the
- * process: the good fake comes last.
+ * process: the good fake comes last.  Also: what a timeout says of the ranks, from slots
+ * filled here (the descriptor segment a real communicator shares).
  */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../comm/nccl/nccl_impl.h" /* tp_nccl_laggards and the slots it reads */
 #include "tpcore/comm.h"
 #include "tpcore/device.h"
 
@@ -103,9 +105,57 @@ static void bootstrap_choice(void) {
   unsetenv("TPCORE_NCCL_BOOTSTRAP");
 }
 
+/* A timed-out wait for collective #62 names the ranks behind it and their last calls. */
+static void laggards(void) {
+  enum { N = 5 };
+  struct tp_comm comm;
+  memset(&comm, 0, sizeof comm);
+  comm.rank = 1, comm.size = N;
+  nccl_slot_t *slots = calloc(N, sizeof *slots);
+  nccl_ctx x;
+  memset(&x, 0, sizeof x);
+  x.comm = &comm, x.slots = slots, x.seq = 62;
+  /* rank 0 and 3 were last in all_reduce #61, rank 2 has posted #62, rank 4 is in #60 (its #61 not posted) */
+  uint32_t last[N] = {61, 62, 62, 61, 60},
+           kinds[N] = {TP_COLL_ALL_REDUCE, TP_COLL_BARRIER, TP_COLL_BARRIER, TP_COLL_ALL_REDUCE, TP_COLL_BROADCAST};
+  for (int p = 0; p < N; p++) {
+    atomic_store(&slots[p].state, NCCL_STATE_READY);
+    atomic_store(&slots[p].last_seq, last[p]);
+    slots[p].ring[last[p] % NCCL_RING].kind = kinds[p];
+    atomic_store(&slots[p].ring[last[p] % NCCL_RING].seq, last[p]);
+  }
+  char buf[512];
+  struct {
+    const char *want;
+  } cases[3] = {{": ranks 0, 3 did not arrive (their last call: all_reduce #61); rank 4 did not arrive (its last call: "
+                 "broadcast #60)"},
+                {": ranks 0, 3 did not arrive (their last call: all_reduce #61); rank 4 has not finished init"},
+                {" (the ranks span hosts: which of them did not arrive is not known here)"}};
+  for (int c = 0; c < 3; c++) {
+    if (c == 1) atomic_store(&slots[4].state, NCCL_STATE_INIT);
+    if (c == 2) x.slots = NULL;
+    tp_nccl_laggards(&x, buf, sizeof buf);
+    if (strcmp(buf, cases[c].want)) {
+      failures++;
+      fprintf(stderr, "FAIL laggards case %d: '%s', want '%s'\n", c, buf, cases[c].want);
+    }
+  }
+  x.slots = slots; /* every peer has posted #62: nothing to name */
+  for (int p = 0; p < N; p++) atomic_store(&slots[p].last_seq, 62);
+  atomic_store(&slots[4].state, NCCL_STATE_READY);
+  tp_nccl_laggards(&x, buf, sizeof buf);
+  if (buf[0]) {
+    failures++;
+    fprintf(stderr, "FAIL laggards with every peer there: '%s'\n", buf);
+  }
+  tp_nccl_laggards(&x, buf, 8); /* a short buffer: truncated, terminated */
+  free(slots);
+}
+
 int main(void) {
   dispatcher();
   bootstrap_choice();
+  laggards();
   const char *dir = getenv("TPCORE_TEST_FAKE_NCCL");
   if (!dir) {
     fprintf(stderr, "TPCORE_TEST_FAKE_NCCL is not set (make test sets it)\n");

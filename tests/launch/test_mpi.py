@@ -4,6 +4,8 @@ Each job runs tests/mpi_worker.py on every rank; one job checks many things (mpi
 starts in about a second).  The worker computes a float64 NumPy reference of every
 rank's data locally (one seed) and raises on any difference."""
 import os
+import random
+import re
 import shutil
 import signal
 import subprocess
@@ -132,6 +134,46 @@ def test_an_aborting_rank_is_named_and_a_hung_rank_times_out(tmp_path):
     assert out.count("rank 1 failed: it aborted the communicator: boom from the test") == 2, out + err
     assert "P2P ERROR rank 0: recv (from rank 2) on rank 0 of 3: MPI failed:" in out and "truncat" in out, out + err
     assert out.count("CommTimeout: all_reduce #4 on rank") == 2 and "timed out after 2.0 s" in out, out + err
+    # rank 1 sleeps after its abort of the sub-communicator: the world's timeout names it
+    assert out.count("rank 1 did not arrive (its last call: split #3 at mpi_worker.py:") == 2, out + err
+    assert not worker_alive()
+
+
+def stopped_pids(out):
+    """The READY lines' pids whose process still runs this test's worker."""
+    return [int(pid) for pid in re.findall(r"READY rank \d+ pid (\d+)", out) if int(pid) in worker_alive()]
+
+
+def test_a_stopped_rank_is_named_with_its_last_call(tmp_path):
+    """One rank SIGSTOPs itself before an all_reduce: every other rank's timeout names it and its
+    last call (the exchange of call descriptions tells who arrived, without the stopped rank).
+    A random rank stops after a random run of collectives (none: it has made no call)."""
+    rng = random.Random()
+    stop, calls = rng.randrange(3), [rng.choice(["all_reduce", "broadcast", "all_gather", "barrier"])
+                                     for _ in range(rng.randint(0, 4))]
+    src = open(WORKER).read().splitlines()
+    t0 = time.monotonic()
+    try:
+        rc, out, err = mpirun(3, "stop", tmp_path, deadline=90, MPI_TEST_TIMEOUT=4, MPI_TEST_STOP=stop,
+                              MPI_TEST_CALLS=",".join(calls), MPI_TEST_SEED=rng.randrange(10**6))
+    finally:  # nothing left stopped: mpirun ends the job, and the group is killed; a straggler here
+        for pid in stopped_pids(results(str(tmp_path))):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+    assert rc != 0 and time.monotonic() - t0 < 90, (rc, out, err)
+    if calls:
+        site = 1 + next(i for i, s in enumerate(src) if s.endswith(f"# stop: {calls[-1]}"))
+        last = f"its last call: {calls[-1]} #{len(calls)} at mpi_worker.py:{site}"
+    else:
+        last = "it has made no call on this communicator yet"
+    for r in set(range(3)) - {stop}:
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"ERROR rank {r} ")), "")
+        assert (f"CommTimeout: all_reduce #{len(calls) + 1} on rank {r} of 3: timed out after 4.0 s: rank {stop} "
+                f"did not arrive ({last})") in line, (calls, stop, out, err)
+    assert f"ERROR rank {stop} " not in out, out
     assert not worker_alive()
 
 

@@ -327,33 +327,69 @@ static tp_status_t poll_failures(nccl_ctx *x, const char *what) {
   return TP_SUCCESS;
 }
 
-/* The ranks a wait for collective #seq is stuck on, for the timeout's sentence. */
-static void laggards(nccl_ctx *x, char *buf, size_t n) {
-  size_t len = 0;
+/* Rank p's latest collective, "all_reduce #61" ("" before its first). */
+static void last_call(nccl_ctx *x, int p, char *buf, size_t n) {
+  uint32_t last = atomic_load(&x->slots[p].last_seq);
+  nccl_desc_t d;
+  if (!last) buf[0] = '\0';
+  else if (read_desc(x, p, last, &d)) snprintf(buf, n, "%s #%u", tp_coll_name((tp_coll_kind_t)d.kind), (unsigned)last);
+  else snprintf(buf, n, "#%u", (unsigned)last);
+}
+
+void tp_nccl_laggards(nccl_ctx *x, char *buf, size_t cap) {
+  enum { T = 64 };
+  int n = x->comm->size;
   buf[0] = '\0';
-  for (int p = 0; x->slots && p < x->comm->size && len < n; p++) {
-    if (p == x->comm->rank) continue;
-    int state = atomic_load(&x->slots[p].state);
-    uint32_t last = atomic_load(&x->slots[p].last_seq);
-    if (state == NCCL_STATE_INIT)
-      len += (size_t)snprintf(buf + len, n - len, "%srank %d has not finished init", len ? "; " : "", p);
-    else if (last < x->seq)
-      len += (size_t)snprintf(buf + len, n - len, "%srank %d is at collective #%u", len ? "; " : "", p, (unsigned)last);
+  if (!x->slots) { /* across hosts: no descriptor segment */
+    snprintf(buf, cap, " (the ranks span hosts: which of them did not arrive is not known here)");
+    return;
   }
+  char (*late)[T] = calloc((size_t)n, T); /* a late rank's last call ("-": none, "+": in init) */
+  if (!late) return;
+  for (int p = 0; p < n; p++) {
+    if (p == x->comm->rank) continue;
+    if (atomic_load(&x->slots[p].state) == NCCL_STATE_INIT) late[p][0] = '+';
+    else if (atomic_load(&x->slots[p].last_seq) < x->seq) last_call(x, p, late[p], T);
+    else continue;
+    if (!late[p][0]) late[p][0] = '-';
+  }
+  size_t len = 0; /* the late ranks, grouped by their last call */
+  for (int p = 0; p < n && len + 1 < cap; p++) {
+    if (!late[p][0]) continue;
+    char call[T];
+    memcpy(call, late[p], T);
+    int count = 0;
+    for (int q = p; q < n; q++) count += !strcmp(late[q], call);
+    len += (size_t)snprintf(buf + len, cap - len, "%s rank%s", len ? ";" : ":", count > 1 ? "s" : "");
+    for (int q = p, first = 1; q < n && len + 1 < cap; q++)
+      if (!strcmp(late[q], call)) {
+        len += (size_t)snprintf(buf + len, cap - len, "%s%d", first ? " " : ", ", q);
+        late[q][0] = '\0';
+        first = 0;
+      }
+    if (len + 1 >= cap) break;
+    if (call[0] == '+')
+      len += (size_t)snprintf(buf + len, cap - len, " %s not finished init", count > 1 ? "have" : "has");
+    else if (call[0] == '-')
+      len += (size_t)snprintf(buf + len, cap - len, " did not arrive (%s made no collective call yet)",
+                              count > 1 ? "they have" : "it has");
+    else
+      len += (size_t)snprintf(buf + len, cap - len, " did not arrive (%s last call: %s)", count > 1 ? "their" : "its",
+                              call);
+  }
+  free(late);
 }
 
 static tp_status_t timeout_error(nccl_ctx *x, const char *what) {
-  char who[512];
-  laggards(x, who, sizeof who);
+  char who[512], at[48] = "";
+  tp_nccl_laggards(x, who, sizeof who);
   tp_status_t st = check_peers(x); /* a different call for the same seq names both sides */
-  if (st != TP_SUCCESS) {
-    abort_nc(x);
-    return st;
-  }
   abort_nc(x);
-  return tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d of %d: timed out after %g s waiting for collective #%u%s%s", what,
-                      x->comm->rank, x->comm->size, x->comm->timeout_s, (unsigned)x->seq,
-                      who[0] ? ": " : " (every peer has called it: a GPU hang or a mismatch NCCL cannot see)", who);
+  if (st != TP_SUCCESS) return st;
+  if (x->seq) snprintf(at, sizeof at, " waiting for collective #%u", (unsigned)x->seq);
+  return tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d of %d: timed out after %g s%s%s", what, x->comm->rank,
+                      x->comm->size, x->comm->timeout_s, at,
+                      who[0] ? who : " (every peer has called it: a GPU hang or a mismatch NCCL cannot see)");
 }
 
 static void pause_briefly(int *spins) {

@@ -83,6 +83,10 @@ tp_status_t tp_nccl_error(nccl_ctx *x, const char *call, ncclResult_t r);
 tp_status_t tp_nccl_settle(nccl_ctx *x, const char *call, ncclResult_t r);
 /* Posts this rank's descriptor of the next collective and checks the peers' for the same seq. */
 tp_status_t tp_nccl_post(nccl_ctx *x, const tp_coll_args_t *a);
+/* What a timed-out wait knows of the ranks, after "timed out after N s ...": ": rank 2 did not
+ * arrive (its last call: all_reduce #61)", ": rank 3 has not finished init"; "" when every peer
+ * has posted the collective in progress; across hosts (no descriptor segment), that it cannot tell. */
+void tp_nccl_laggards(nccl_ctx *x, char *buf, size_t n);
 /* Waits for the work queued on stream under the timeout (NCCL errors, abort, mismatch). */
 tp_status_t tp_nccl_wait(nccl_ctx *x, tp_stream_t stream, const char *what);
 void tp_nccl_note_stream(nccl_ctx *x, tp_stream_t stream);

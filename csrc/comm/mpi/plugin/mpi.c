@@ -5,7 +5,8 @@
  *
  * Every operation is a non-blocking MPI call (MPI_Iallreduce, MPI_Isend, ...) polled with
  * MPI_Test under the communicator's timeout, so no call can hang for ever: a peer that
- * never arrives is a TP_ERR_TIMEOUT naming the operation and the peer; a rank that aborts
+ * never arrives is a TP_ERR_TIMEOUT naming the operation and the peer (for a collective, the
+ * ranks whose description did not come, with their last call: mpi_ops.c); a rank that aborts
  * (tp_comm_abort, Python's excepthook) tells the others through a control communicator,
  * and they fail with TP_ERR_REMOTE naming it.  Before each collective the ranks exchange
  * a small description of the call (sequence number, op, dtype, counts, root) and compare
@@ -97,9 +98,9 @@ static tp_status_t check_ctrl(struct tp_comm *comm, mpi_ctx *x, const char *what
                       s.MPI_SOURCE, x->ctrl_note);
 }
 
-/* Waits for n (1 or 2) requests; peer (>= 0) is named on a timeout. */
-tp_status_t tp_mpi_wait_all(struct tp_comm *comm, mpi_ctx *x, MPI_Request *reqs, int n, MPI_Status *stats,
-                            const char *what, int peer) {
+/* Waits for n requests; on a timeout why says why (after "timed out after N s"). */
+tp_status_t tp_mpi_wait_why(struct tp_comm *comm, mpi_ctx *x, MPI_Request *reqs, int n, MPI_Status *stats,
+                            const char *what, tp_mpi_why_fn why, const void *arg) {
   double t0 = tp_mpi_host->now(), next_ctrl = 0;
   long spins = 0;
   MPI_Status own[2]; /* n <= 2: the statuses say which error MPI_ERR_IN_STATUS stands for */
@@ -136,16 +137,37 @@ tp_status_t tp_mpi_wait_all(struct tp_comm *comm, mpi_ctx *x, MPI_Request *reqs,
     if (now - t0 > comm->timeout_s) {
       x->pending = 1;
       atomic_store(&tp_mpi_any_failed, 1);
-      if (peer >= 0)
-        return tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d of %d: timed out after %.1f s waiting for rank %d", what,
-                            comm->rank, comm->size, comm->timeout_s, peer);
-      return tp_set_error(TP_ERR_TIMEOUT,
-                          "%s on rank %d of %d: timed out after %.1f s (not every rank of the "
-                          "communicator reached it: one may have died, hung or called another operation)",
-                          what, comm->rank, comm->size, comm->timeout_s);
+      char text[1024];
+      why(comm, x, arg, text, sizeof text);
+      return tp_set_error(TP_ERR_TIMEOUT, "%s on rank %d of %d: timed out after %.1f s%s", what, comm->rank, comm->size,
+                          comm->timeout_s, text);
     }
     pause_briefly(&spins, now - t0);
   }
+}
+
+/* A wait for one peer names it; one for every rank says what is known. */
+static void why_peer(struct tp_comm *comm, mpi_ctx *x, const void *arg, char *buf, size_t n) {
+  int peer = *(const int *)arg;
+  if (peer >= 0) snprintf(buf, n, " waiting for rank %d", peer);
+  else if (!tp_mpi_check_calls)
+    snprintf(buf, n,
+             " (not every rank of the communicator reached it: one may have died, hung or called another "
+             "operation; with TPCORE_MPI_CHECK=0 the ranks exchange no description of their calls, so which "
+             "one is not known)");
+  else if (x->arrived == x->seq)
+    snprintf(buf, n, " (every rank arrived at it, but it did not complete: one may have died or hung inside it)");
+  else
+    snprintf(buf, n,
+             " (not every rank of the communicator reached it: one may have died, hung or called another "
+             "operation)");
+  (void)comm;
+}
+
+/* Waits for n (1 or 2) requests; peer (>= 0) is named on a timeout. */
+tp_status_t tp_mpi_wait_all(struct tp_comm *comm, mpi_ctx *x, MPI_Request *reqs, int n, MPI_Status *stats,
+                            const char *what, int peer) {
+  return tp_mpi_wait_why(comm, x, reqs, n, stats, what, why_peer, &peer);
 }
 
 tp_status_t tp_mpi_wait_one(struct tp_comm *comm, mpi_ctx *x, MPI_Request *req, const char *what, int peer) {
@@ -251,13 +273,12 @@ static tp_status_t adopt(struct tp_comm *comm, MPI_Comm mc) {
     rc = MPI_Irecv(x->ctrl_note, NOTE_MAX, MPI_CHAR, MPI_ANY_SOURCE, TAG_ABORT, x->ctrl, &x->ctrl_req);
   comm->impl = x;
   comm->ops = &mpi_ops;
-  if (rc != MPI_SUCCESS) {
-    tp_status_t st = tp_mpi_error(comm, rc, "init");
+  tp_status_t st = rc == MPI_SUCCESS ? tp_mpi_calls_setup(comm, x) : tp_mpi_error(comm, rc, "init");
+  if (st != TP_SUCCESS) {
     mpi_destroy(comm);
     comm->ops = NULL;
-    return st;
   }
-  return TP_SUCCESS;
+  return st;
 }
 
 static tp_status_t mpi_comm_init(struct tp_comm *comm, const char *comm_id, int world_comm) {
@@ -374,6 +395,7 @@ static void mpi_destroy(struct tp_comm *comm) {
       free(x->abort_note);
     } /* else MPI may still read them: left to the process's end */
   }
+  if (fin || !x->pending) tp_mpi_calls_free(x); /* else a request may still use them */
   free(x);
   comm->impl = NULL;
 }

@@ -31,6 +31,7 @@ extern const tp_mpi_host_api *tp_mpi_host;
 
 #define TAG_P2P 11
 #define TAG_ABORT 12
+#define TAG_CALL 13 /* the call descriptions, rank to rank (mpi_ops.c) */
 #define NOTE_MAX 512
 
 /* An operation was left in flight, or a peer failed: skip MPI_Finalize (it waits for every rank).
@@ -51,6 +52,13 @@ typedef struct {
   atomic_int notes_sent;    /* the notes went (or are going) out: one thread sends them, once */
   int pending;              /* an operation timed out with its request still active */
   uint64_t seq;             /* collectives called so far (the description's sequence number) */
+  /* The call descriptions (mpi_ops.c; NULL with TPCORE_MPI_CHECK=0): this rank's and the ones
+   * received for the call in progress, and each rank's latest one that reached this rank (what
+   * a timeout names for a rank that did not arrive); requests and statuses of one exchange. */
+  int64_t *calls, *last_calls;
+  MPI_Request *call_reqs;
+  MPI_Status *call_stats;
+  uint64_t arrived; /* the latest call whose description came from every rank */
 } mpi_ctx;
 
 /* ---- mpi.c -------------------------------------------------------------------------- */
@@ -62,6 +70,11 @@ tp_status_t tp_mpi_error(struct tp_comm *comm, int rc, const char *what);
     if (rc_ != MPI_SUCCESS) return tp_mpi_error(comm, rc_, what); \
   } while (0)
 
+/* Writes what a timed-out wait tells about the ranks into buf (after "timed out after N s"). */
+typedef void (*tp_mpi_why_fn)(struct tp_comm *comm, mpi_ctx *x, const void *arg, char *buf, size_t n);
+/* Waits for n requests (stats: n of them, or NULL when n <= 2); on a timeout why says why. */
+tp_status_t tp_mpi_wait_why(struct tp_comm *comm, mpi_ctx *x, MPI_Request *reqs, int n, MPI_Status *stats,
+                            const char *what, tp_mpi_why_fn why, const void *arg);
 /* Waits for n (1 or 2) requests; peer (>= 0) is named on a timeout. */
 tp_status_t tp_mpi_wait_all(struct tp_comm *comm, mpi_ctx *x, MPI_Request *reqs, int n, MPI_Status *stats,
                             const char *what, int peer);
@@ -71,6 +84,10 @@ tp_status_t tp_mpi_wait_one(struct tp_comm *comm, mpi_ctx *x, MPI_Request *req, 
 
 /* The 16-bit and 128-bit datatypes and the user-defined reductions, once per process. */
 tp_status_t tp_mpi_setup_types(void);
+/* The buffers of the description exchange (adopt), and their release (destroy: kept when a
+ * request may still use them). */
+tp_status_t tp_mpi_calls_setup(struct tp_comm *comm, mpi_ctx *x);
+void tp_mpi_calls_free(mpi_ctx *x);
 /* All ranks exchange the description; any difference is TP_ERR_MISMATCH naming both. */
 tp_status_t tp_mpi_check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_args_t *a, const char *what);
 tp_status_t tp_mpi_refuse_if_failed(struct tp_comm *comm, mpi_ctx *x, const char *what);

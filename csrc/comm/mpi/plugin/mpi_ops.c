@@ -124,8 +124,87 @@ static void site_of(const int64_t *d, char *site) {
   site[TP_COMM_SITE_MAX - 1] = '\0';
 }
 
-/* All ranks exchange the description; any difference is TP_ERR_MISMATCH naming both, and
- * where each called it. */
+tp_status_t tp_mpi_calls_setup(struct tp_comm *comm, mpi_ctx *x) {
+  if (!tp_mpi_check_calls) return TP_SUCCESS;
+  size_t n = (size_t)comm->size;
+  x->calls = calloc(D_W * (n + 1), sizeof(int64_t)); /* this rank's, then every rank's */
+  x->last_calls = calloc(D_W * n, sizeof(int64_t));  /* D_SEQ 0: no call yet */
+  x->call_reqs = malloc(2 * n * sizeof(MPI_Request));
+  x->call_stats = malloc(2 * n * sizeof(MPI_Status));
+  if (!x->calls || !x->last_calls || !x->call_reqs || !x->call_stats)
+    return tp_set_error(TP_ERR_NOMEM, "out of memory allocating the mpi communicator's call descriptions");
+  return TP_SUCCESS;
+}
+
+void tp_mpi_calls_free(mpi_ctx *x) {
+  free(x->calls);
+  free(x->last_calls);
+  free(x->call_reqs);
+  free(x->call_stats);
+  x->calls = x->last_calls = NULL;
+  x->call_reqs = NULL;
+  x->call_stats = NULL;
+}
+
+/* "all_reduce #61 at model.py:91": a description's call and site. */
+static void call_and_site(const int64_t *d, char *buf, size_t n) {
+  char site[TP_COMM_SITE_MAX];
+  site_of(d, site);
+  snprintf(buf, n, "%s #%lld at %s", tp_mpi_host->coll_name((tp_coll_kind_t)d[D_KIND]), (long long)d[D_SEQ],
+           site[0] ? site : "C");
+}
+
+/* A timed-out exchange: the ranks whose description has not come, grouped by their last call
+ * ("rank 2 did not arrive (its last call: all_reduce #61 at x.py:9)"; "ranks 1, 3 did not
+ * arrive (their last call: ...)").  Receive i - 1 of the exchange is from rank (rank + i) % n. */
+static void why_missing(struct tp_comm *comm, mpi_ctx *x, const void *arg, char *buf, size_t cap) {
+  enum { T = 160 };
+  (void)arg;
+  int n = comm->size, me = comm->rank, nmiss = 0;
+  char (*last)[T] = calloc((size_t)n, T); /* a missing rank's last call ("-": none); "" for the others */
+  if (!last) {
+    snprintf(buf, cap, " (not every rank of the communicator reached it)");
+    return;
+  }
+  for (int i = 1; i < n; i++) {
+    int p = (me + i) % n, arrived = 1;
+    MPI_Request r = x->call_reqs[i - 1];
+    if (r != MPI_REQUEST_NULL && MPI_Request_get_status(r, &arrived, MPI_STATUS_IGNORE) != MPI_SUCCESS) arrived = 1;
+    if (arrived) continue;
+    nmiss++;
+    const int64_t *d = x->last_calls + D_W * p;
+    if (d[D_SEQ]) call_and_site(d, last[p], T);
+    else snprintf(last[p], T, "-");
+  }
+  size_t len = 0;
+  if (!nmiss) snprintf(buf, cap, " (every rank arrived at it; this rank's description of it did not reach them all)");
+  for (int p = 0; p < n && nmiss && len + 1 < cap; p++) {
+    if (!last[p][0]) continue;
+    char call[T];
+    memcpy(call, last[p], T);
+    int count = 0;
+    for (int q = p; q < n; q++) count += !strcmp(last[q], call);
+    len += (size_t)snprintf(buf + len, cap - len, "%s rank%s", len ? ";" : ":", count > 1 ? "s" : "");
+    for (int q = p, first = 1; q < n && len + 1 < cap; q++)
+      if (!strcmp(last[q], call)) {
+        len += (size_t)snprintf(buf + len, cap - len, "%s%d", first ? " " : ", ", q);
+        last[q][0] = '\0';
+        first = 0;
+      }
+    if (len + 1 >= cap) break;
+    if (strcmp(call, "-"))
+      len += (size_t)snprintf(buf + len, cap - len, " did not arrive (%s last call: %s)", count > 1 ? "their" : "its",
+                              call);
+    else
+      len += (size_t)snprintf(buf + len, cap - len, " did not arrive (%s made no call on this communicator yet)",
+                              count > 1 ? "they have" : "it has");
+  }
+  free(last);
+}
+
+/* All ranks exchange the description, every rank sending its own to each (so a rank whose
+ * description has not come by the timeout is named, with its previous one); any difference is
+ * TP_ERR_MISMATCH naming both, and where each called it. */
 tp_status_t tp_mpi_check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_args_t *a, const char *what) {
   int64_t mine[D_N] = {(int64_t)x->seq, a->kind, a->dtype, a->op, a->root, 0, 0};
   int v = a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_REDUCE_SCATTER;
@@ -135,17 +214,28 @@ tp_status_t tp_mpi_check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
   if (a->kind == TP_COLL_ALL_REDUCE || a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_REDUCE_SCATTER)
     mine[D_ROOT] = 0;
   if (a->kind != TP_COLL_ALL_REDUCE && a->kind != TP_COLL_REDUCE && a->kind != TP_COLL_REDUCE_SCATTER) mine[D_OP] = 0;
-  if (!tp_mpi_check_calls) return TP_SUCCESS;
-  /* mine and every rank's, on the heap: a request left in flight by a timeout may still use them */
-  int64_t *buf = malloc(sizeof(int64_t) * D_W * ((size_t)comm->size + 1));
-  if (!buf) return tp_set_error(TP_ERR_NOMEM, "%s on rank %d: out of memory", what, comm->rank);
-  int64_t *all = buf + D_W;
+  if (!tp_mpi_check_calls || !x->calls) return TP_SUCCESS;
+  int n = comm->size, me = comm->rank, k = 0, rc = MPI_SUCCESS;
+  /* this rank's and every rank's (x->calls: a request a timeout leaves in flight may still use it) */
+  int64_t *buf = x->calls, *all = x->calls + D_W;
   memcpy(buf, mine, sizeof mine);
   memcpy(buf + D_SITE, comm->site, TP_COMM_SITE_MAX);
-  MPI_Request req;
-  int rc = MPI_Iallgather(buf, D_W, MPI_INT64_T, all, D_W, MPI_INT64_T, x->mc, &req);
-  tp_status_t st = rc == MPI_SUCCESS ? tp_mpi_wait_one(comm, x, &req, what, -1) : tp_mpi_error(comm, rc, what);
-  for (int p = 0; st == TP_SUCCESS && p < comm->size; p++) {
+  memcpy(all + D_W * me, buf, sizeof(int64_t) * D_W);
+  /* requests 0..n-2 receive, from rank (me + i) % n; n-1..2n-3 send, to rank (me - i) % n */
+  for (; k < 2 * (n - 1); k++) {
+    int i = k % (n - 1) + 1, from = (me + i) % n, to = (me + n - i) % n;
+    if (k < n - 1) rc = MPI_Irecv(all + D_W * from, D_W, MPI_INT64_T, from, TAG_CALL, x->mc, &x->call_reqs[k]);
+    else rc = MPI_Isend(buf, D_W, MPI_INT64_T, to, TAG_CALL, x->mc, &x->call_reqs[k]);
+    if (rc != MPI_SUCCESS) {
+      x->pending |= k > 0; /* the ones posted are left in flight */
+      return tp_mpi_error(comm, rc, what);
+    }
+  }
+  tp_status_t st = tp_mpi_wait_why(comm, x, x->call_reqs, k, x->call_stats, what, why_missing, NULL);
+  if (st != TP_SUCCESS) return st;
+  memcpy(x->last_calls, all, sizeof(int64_t) * D_W * (size_t)n);
+  x->arrived = x->seq;
+  for (int p = 0; p < n; p++) {
     if (!memcmp(all + D_W * p, mine, sizeof mine)) continue;
     char theirs[160], ours[160], tsite[TP_COMM_SITE_MAX], osite[TP_COMM_SITE_MAX];
     describe(all + D_W * p, theirs, sizeof theirs);
@@ -153,11 +243,10 @@ tp_status_t tp_mpi_check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
     site_of(all + D_W * p, tsite);
     site_of(buf, osite);
     if (!strcmp(theirs, ours)) snprintf(theirs + strlen(theirs), sizeof theirs - strlen(theirs), " with other counts");
-    st = tp_set_error(TP_ERR_MISMATCH, "%s on rank %d of %d: rank %d called %s at %s but this rank called %s at %s",
-                      what, comm->rank, comm->size, p, theirs, tsite, ours, osite);
+    return tp_set_error(TP_ERR_MISMATCH, "%s on rank %d of %d: rank %d called %s at %s but this rank called %s at %s",
+                        what, comm->rank, comm->size, p, theirs, tsite, ours, osite);
   }
-  if (!x->pending) free(buf); /* else left to the process's end */
-  return st;
+  return TP_SUCCESS;
 }
 
 /* ---- collectives -------------------------------------------------------------------- */
