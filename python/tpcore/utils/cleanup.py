@@ -26,15 +26,16 @@ PREFIX = "tpcore_"
 
 
 def shm_segments(job_id: str = "") -> list:
-    """This user's names in /dev/shm of the job (all tpcore jobs when job_id is empty)."""
-    prefix = PREFIX + (f"{job_id}_" if job_id else "")
+    """This user's names in /dev/shm of the job (all tpcore jobs when job_id is empty): the
+    shm backend's (tpcore_<job>_...) and the nccl backend's descriptors (tpcore_nccl_<job>_...)."""
+    prefixes = (f"{PREFIX}{job_id}_", f"{PREFIX}nccl_{job_id}_") if job_id else (PREFIX,)
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return []
     out = []
     for name in sorted(names):
-        if not name.startswith(prefix):
+        if not name.startswith(prefixes):
             continue
         path = os.path.join(SHM_DIR, name)
         try:
