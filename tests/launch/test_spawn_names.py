@@ -77,7 +77,8 @@ def _wait_dead(pids, deadline):
     return [q for q in pids if alive(q)]
 
 
-@pytest.mark.parametrize("victim, method", [("parent", "fork"), ("parent", "spawn"), ("rank", "fork")])
+@pytest.mark.parametrize("victim, method", [("parent", "fork"), ("parent", "spawn"), ("parent", "forkserver"),
+                                            ("rank", "fork")])
 def test_a_killed_spawn_leaves_no_name_and_no_rank(victim, method, tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)

@@ -86,6 +86,7 @@ def _rank_setup(rank, world, job, parent_pid, relay, send):
     """What a rank process does first (tpcore.spawn's ranks and tpcore.Cluster's): die with
     the parent, relay sys.stdout / sys.stderr to it (send), and the job's environment."""
     _cleanup.die_with_parent()
+    _cleanup.die_with(parent_pid)  # start method "forkserver": the fork server is the parent
     try:  # the parent may have died before PR_SET_PDEATHSIG took effect
         os.kill(parent_pid, 0)
     except ProcessLookupError:
@@ -400,7 +401,9 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
     outputs = _Outputs()
     t0 = time.monotonic()
     try:
-        for r in range(world_size):
+        # Rank 0 last: the shm backend's rank 0 creates the job's /dev/shm name, which exists
+        # only until every rank has mapped it; started last it finds the others waiting.
+        for r in reversed(range(world_size)):
             rd, wr = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, name=f"tpcore-rank{r}",
                             args=(fn, r, world_size, job, backend, timeout, tuple(args), kwargs, wr,
@@ -409,6 +412,8 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
             wr.close()
             procs.append(p)
             conns.append(rd)
+        procs.reverse()
+        conns.reverse()
         open_conns = {c: r for r, c in enumerate(conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(procs)}
         exited: dict = {}  # rank -> monotonic time its process ended

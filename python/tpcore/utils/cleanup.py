@@ -164,5 +164,44 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def die_with(pid: int) -> None:
+    """SIGKILL this process when process `pid` ends, where `pid` is not its parent (which
+    die_with_parent covers): a rank that multiprocessing's fork server started (start method
+    "forkserver") has the server as its parent, and the server lives on after the process
+    that asked for the rank is killed, for as long as the processes it started do.  A daemon
+    thread waits on a pidfd of `pid` (Linux 5.3+), else looks twice a second.  Nothing when
+    `pid` is gone already (the caller checks that)."""
+    if pid == os.getppid():
+        return
+    import select
+    import threading
+    import time
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd here
+        fd = None
+
+    def watch():
+        if fd is not None:
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            while not p.poll():  # readable once the process has ended
+                pass
+        else:
+            while True:
+                time.sleep(0.5)
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                except OSError:  # alive (another user's pid now: not ours to judge)
+                    pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="tpcore-die-with", daemon=True).start()
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--janitor":
     _janitor(sys.argv[2])
