@@ -122,6 +122,7 @@ tp_status_t tp_comm_init_rank(tp_comm_t *out, int world, int rank, const tp_comm
   TP_CHECK(tp_comm_alloc_common(&c, world, rank, job, cfg->timeout_s, cfg->spin_us));
   c->registered_memory = regmem != 0;
   c->device_id = cfg->size >= offsetof(tp_comm_config_t, device_id) + sizeof(int) ? cfg->device_id : -1;
+  c->job_id_unique = cfg->size >= offsetof(tp_comm_config_t, job_id_unique) + sizeof(int) ? cfg->job_id_unique != 0 : 0;
   tp_status_t st = be->init(c, "w", 1);
   if (st != TP_SUCCESS) {
     char msg[1024];

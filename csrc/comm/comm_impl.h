@@ -82,8 +82,9 @@ typedef struct {
 } tp_backend_ops;
 
 /* One line of the registry (backends.c).  init fills comm->ops and comm->impl.
- * world_comm: a job's world communicator (its name is the job's claim on its id,
- * kept while the job lives); else a split's, named by comm_id. */
+ * world_comm: a job's world communicator (unless comm->job_id_unique, its name is
+ * the job's claim on its id, kept while the job lives); else a split's, named by
+ * comm_id. */
 typedef struct {
   const char *name;
   tp_status_t (*init)(struct tp_comm *comm, const char *comm_id, int world_comm);
@@ -112,6 +113,7 @@ struct tp_comm {
   tp_device_t stage_device;
   int stage_device_id;
   char job_id[TP_JOB_ID_MAX + 1];
+  int job_id_unique; /* config.job_id_unique: the world's name goes once every rank has joined */
   atomic_int busy;   /* a call is in progress (one thread at a time) */
   atomic_int failed; /* 1 once a fatal error was seen                */
   tp_status_t fail_status;

@@ -105,12 +105,13 @@ PyType_Spec sb_spec = {
 /* -------------------------------------------------------------------- Comm */
 
 static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"world_size", "rank", "job_id", "timeout", "backend", "spin_us", "device_id", NULL};
-  int world, rank, spin_us = -1, device_id = -1;
+  static char *kwlist[] = {"world_size", "rank",      "job_id",        "timeout", "backend",
+                           "spin_us",    "device_id", "job_id_unique", NULL};
+  int world, rank, spin_us = -1, device_id = -1, unique = 0;
   const char *job, *backend = "shm";
   double timeout = -1;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iis|dsii:Comm", kwlist, &world, &rank, &job, &timeout, &backend, &spin_us,
-                                   &device_id))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iis|dsiip:Comm", kwlist, &world, &rank, &job, &timeout, &backend,
+                                   &spin_us, &device_id, &unique))
     return NULL;
   module_state *st = state_of_type(type);
   if (!st) return NULL;
@@ -122,6 +123,7 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   cfg.backend = backend;
   cfg.spin_us = spin_us;
   cfg.device_id = device_id;
+  cfg.job_id_unique = unique;
   tp_status_t s;
   CALL_NOGIL(s, tp_comm_init_rank(&self->comm, world, rank, &cfg));
   if (s != TP_SUCCESS) {

@@ -8,6 +8,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <dirent.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -455,6 +456,50 @@ static void test_wait_modes(int n, int r, const char *job) {
   }
 }
 
+/* How many names of `job` /dev/shm holds (the shm backend's: tpcore_<job>_...). */
+static int job_names(const char *job) {
+  char prefix[128];
+  snprintf(prefix, sizeof prefix, "tpcore_%s_", job);
+  DIR *d = opendir("/dev/shm");
+  if (!d) return -1;
+  int k = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;) k += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
+  closedir(d);
+  return k;
+}
+
+/* A job id no other job can have (config job_id_unique): once init, a split and an
+ * alloc have returned, no name of the job is left in /dev/shm, so ranks that end
+ * without closing (as under SIGKILL; main checks after they exit) leave nothing.
+ * The default keeps the world communicator's name while the job lives (its claim). */
+static void test_names(int n, int r, const char *job) {
+  char claim[96];
+  snprintf(claim, sizeof claim, "%s_claim", job);
+  tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
+  cfg.job_id = claim;
+  cfg.timeout_s = 30;
+  tp_comm_t c, sub = NULL;
+  OK(tp_comm_init_rank(&c, n, r, &cfg));
+  EXPECT(job_names(claim) == (n > 1), "claimed id, world %d: %d names", n, job_names(claim));
+  OK(tp_barrier(c, NULL));
+  tp_comm_destroy(c);
+  cfg.job_id = job;
+  cfg.job_id_unique = 1;
+  OK(tp_comm_init_rank(&c, n, r, &cfg));
+  EXPECT(job_names(job) == 0, "after init: %d names", job_names(job));
+  OK(tp_comm_split(c, r % 2, r, &sub));
+  void *p = NULL;
+  tp_mem_t h = NULL;
+  OK(tp_comm_mem_alloc(sub, 4096, &p, &h));
+  OK(tp_barrier(c, NULL)); /* the other color's split and alloc are done too */
+  EXPECT(job_names(job) == 0, "after split and alloc: %d names", job_names(job));
+  float x = 1;
+  OK(tp_all_reduce(&x, &x, 1, TP_FLOAT32, TP_SUM, c, NULL));
+  EXPECT(x == n, "all_reduce %g", x);
+  OK(tp_barrier(c, NULL));
+  _exit(g_fail ? 1 : 0); /* no destroy: what SIGKILL leaves */
+}
+
 static void run_rank(int n, int r, int which) {
   tp_comm_config_t cfg = TP_COMM_CONFIG_INITIALIZER;
   char job[80];
@@ -465,6 +510,10 @@ static void run_rank(int n, int r, int which) {
   }
   if (which == 7) {
     test_wait_modes(n, r, job);
+    return;
+  }
+  if (which == 9) {
+    test_names(n, r, job);
     return;
   }
   cfg.job_id = job;
@@ -507,13 +556,13 @@ static void run_rank(int n, int r, int which) {
 }
 
 static const char *case_names[] = {
-    "all_reduce",   "gather_scatter_bcast_reduce", "p2p_split_registered", "errors", "dead_rank",
-    "missing_rank", "registered_memory_off",       "wait_modes",           "history"};
+    "all_reduce",   "gather_scatter_bcast_reduce", "p2p_split_registered", "errors",  "dead_rank",
+    "missing_rank", "registered_memory_off",       "wait_modes",           "history", "names_gone_once_all_joined"};
 
 int main(void) {
   snprintf(g_job, sizeof g_job, "ctest%d", (int)getpid());
   int passed = 0, failed = 0;
-  for (int which = 0; which < 9; which++) {
+  for (int which = 0; which < 10; which++) {
     for (int n = 1; n <= 4; n++) {
       pid_t pids[4];
       for (int r = 0; r < n; r++) {
@@ -529,6 +578,14 @@ int main(void) {
         int status;
         waitpid(pids[r], &status, 0);
         if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ok = 0;
+      }
+      if (which == 9) { /* the ranks ended without closing: nothing of the unique id is left */
+        char job[80];
+        snprintf(job, sizeof job, "%s_%d_%d", g_job, n, which);
+        if (job_names(job) != 0) {
+          fprintf(stderr, "  %d names of job %s left after its ranks ended\n", job_names(job), job);
+          ok = 0;
+        }
       }
       printf("%-30s world %d: %s\n", case_names[which], n, ok ? "ok" : "FAILED");
       fflush(stdout);

@@ -17,7 +17,7 @@ class SharedBuffer:
 
 class Comm:
     def __new__(cls, world_size: int, rank: int, job_id: str, timeout: float = ..., backend: str = ...,
-                 spin_us: int = ..., device_id: int = ...) -> Comm: ...
+                 spin_us: int = ..., device_id: int = ..., job_id_unique: bool = ...) -> Comm: ...
     @staticmethod
     def probe(backend: str, /) -> Optional[str]:
         """None when this process could use the backend, else why not."""

@@ -412,6 +412,28 @@ def test_launcher_group_killed_leaves_nothing(tmp_path):
     assert not left, f"segments left after SIGKILL of the launcher's group: {left}"
 
 
+def test_cleanup_of_a_job_takes_its_nccl_names_and_no_other_jobs():
+    """remove_shm(job) (spawn's, the janitor's, python -m tpcore.cleanup --job): the job's shm
+    and nccl names that no process locks; a locked one and another job's are kept."""
+    import fcntl
+    job = f"{JOB_PREFIX}iso{os.getpid()}c{random.randrange(1 << 30)}"
+    tag = f"{random.getrandbits(64):016x}"
+    dead = [f"/dev/shm/tpcore_{job}_{tag}", f"/dev/shm/tpcore_nccl_{job}_{tag}"]
+    kept = [f"/dev/shm/tpcore_nccl_{job}_{tag}_locked", f"/dev/shm/tpcore_nccl_{job}x_{tag}",
+            f"/dev/shm/tpcore_{job}x_{tag}"]
+    fds = [os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600) for p in dead + kept]
+    try:
+        fcntl.flock(fds[2], fcntl.LOCK_SH)  # a live job's
+        assert sorted(_cleanup.remove_shm(job)) == sorted(dead)
+        assert not any(os.path.exists(p) for p in dead) and all(os.path.exists(p) for p in kept)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for p in dead + kept:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
 def test_killed_torchrun_style_job_is_swept_by_cleanup_and_next_start():
     job = f"{JOB_PREFIX}iso{os.getpid()}k{random.randrange(1 << 30)}"
     hold = f"/tmp/tpcore-hold-{os.getpid()}-{_port()}"

@@ -497,6 +497,16 @@ static tp_status_t seg_open(nccl_ctx *x) {
   return TP_SUCCESS;
 }
 
+/* Once the NCCL communicator is up every rank has mapped the descriptor segment (each
+ * opens it before ncclCommInitRank / ncclCommSplit, which complete only when all ranks
+ * joined): its name goes now, so that a job killed later leaves nothing in /dev/shm. */
+static void seg_forget_name(nccl_ctx *x) {
+  if (x->seg_fd < 0) return;
+  if (tp_seg_same(x->seg_name, x->seg_fd)) shm_unlink(x->seg_name);
+  tp_seg_close(x->seg_fd);
+  x->seg_fd = -1;
+}
+
 /* Picks and checks the device: config.device_id, else $LOCAL_RANK, else 0. */
 static tp_status_t pick_device(struct tp_comm *c, int *out) {
   int id = c->device_id;
@@ -609,7 +619,7 @@ tp_status_t tp_nccl_comm_init(struct tp_comm *c, const char *comm_id, int world_
   } else if (st == TP_SUCCESS && !x->store_mode) {
     tp_comm_config_t hc = TP_COMM_CONFIG_INITIALIZER;
     hc.backend = "shm", hc.job_id = c->job_id, hc.timeout_s = c->timeout_s, hc.spin_us = c->spin_us;
-    hc.registered_memory = 0;
+    hc.registered_memory = 0, hc.job_id_unique = c->job_id_unique;
     st = tp_comm_init_rank(&x->host, c->size, c->rank, &hc);
   }
   /* The unique id: made on rank 0, broadcast over the host communicator. */
@@ -656,6 +666,7 @@ tp_status_t tp_nccl_comm_init(struct tp_comm *c, const char *comm_id, int world_
   if (st == TP_SUCCESS && c->rank != 0 && !x->store_mode) st = seg_open(x);
   if (st == TP_SUCCESS) st = tp_device_alloc(TP_DEVICE_CUDA, x->device_id, 16, &x->scratch);
   if (st == TP_SUCCESS) st = init_nccl(x, &msg.id);
+  if (st == TP_SUCCESS) seg_forget_name(x);
   if (st != TP_SUCCESS) {
     char m[1024];
     snprintf(m, sizeof m, "%s", tp_last_error());
@@ -723,6 +734,7 @@ tp_status_t tp_nccl_split(struct tp_comm *c, int color, int key, struct tp_comm 
                              : TP_SUCCESS;
   if (st == TP_SUCCESS) st = sst;
   if (st == TP_SUCCESS) st = finish_init(y, "ncclCommSplit", r);
+  if (st == TP_SUCCESS) seg_forget_name(y);
   if (st != TP_SUCCESS) {
     char m[1024];
     snprintf(m, sizeof m, "%s", tp_last_error());

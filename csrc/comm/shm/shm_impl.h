@@ -145,7 +145,7 @@ typedef struct shm_ctx {
   struct tp_comm *comm;
   char name[256];
   char comm_id[128];
-  int keep_name; /* a world communicator: the name stays (locked) while the job lives */
+  int keep_name; /* a world communicator of a job id that may be shared: the name stays (locked) */
   int lock_fd;   /* holds this rank's lock on the segment (-1: none) */
   char *base;
   size_t size;

@@ -5,14 +5,19 @@
  * Lifetime.  Rank 0 creates the segment (0600, O_EXCL, space reserved with
  * posix_fallocate so a full /dev/shm is an error rather than a SIGBUS) and the
  * others attach (shm_seg.c: only this user's 0600 segments, liveness by flock).
- * A world communicator's name stays, locked by every rank, while the job lives:
+ * A name is needed only until every rank has mapped its segment (the mappings
+ * keep the memory): the first rank to see them all in removes it, so a job
+ * killed later, however, leaves nothing.  One exception: the world
+ * communicator of a job whose id may be shared (set by hand: config
+ * job_id_unique 0) keeps its name, locked by every rank, while the job lives:
  * it is the job's claim on its id, and each rank claims its place once, so a
  * second job with the same id stops both instead of mixing with them.  The last
- * rank to close removes it; a dead job's name is removed by the next start's
- * sweep.  A split's or a registered buffer's name is random and goes as soon as
- * every rank has mapped it.  Rank 0's settings (chunk sizes, data-path
- * thresholds) are written in the segment and adopted by every rank: they choose
- * data paths, which must agree.
+ * rank to close removes it.  A name left by processes killed before every rank
+ * was in (or, for a claim, at any time) is locked by nobody: the next world
+ * communicator's sweep removes it.  Split and registered-buffer names carry a
+ * fresh random number.  Rank 0's settings (chunk sizes, data-path thresholds)
+ * are written in the segment and adopted by every rank: they choose data paths,
+ * which must agree.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -279,8 +284,9 @@ static shm_ctx *ctx_new(struct tp_comm *comm, const char *comm_id, int world_com
     return NULL;
   }
   c->comm = comm;
-  /* A world of one rank has no one to mix with: its name goes at once like a split's. */
-  c->keep_name = world_comm && world > 1;
+  /* Only a world communicator whose job id may be shared keeps its name (the claim); a
+   * world of one rank has no one to mix with: its name goes at once like a split's. */
+  c->keep_name = world_comm && world > 1 && !comm->job_id_unique;
   c->lock_fd = -1;
   pthread_mutex_init(&c->regions_lock, NULL);
   snprintf(c->comm_id, sizeof c->comm_id, "%s", comm_id);
@@ -455,8 +461,12 @@ tp_status_t tp_shm_comm_init(struct tp_comm *comm, const char *comm_id, int worl
   comm->ops = &shm_ops;
   st = wait_attached(c, world, rank, deadline); /* then the name can go */
   if (st != TP_SUCCESS) goto fail;
-  if (!c->keep_name) { /* a split's name: nobody else can know it, and everyone is in */
-    if (rank == 0 && tp_seg_same(c->name, c->lock_fd)) shm_unlink(c->name);
+  if (!c->keep_name) {
+    /* Everyone has mapped it: the first rank here removes the name (the last to attach
+     * sees everyone at once).  No other segment can take the name before every rank
+     * has passed here: nobody else knows it, and a next communicator of this id needs
+     * every rank past setup_cma's round below. */
+    if (tp_seg_same(c->name, c->lock_fd)) shm_unlink(c->name);
     tp_seg_close(c->lock_fd);
     c->lock_fd = -1;
   }

@@ -5,10 +5,10 @@
  * - Only segments owned by this user (euid) with mode 0600 are ever mapped; a
  *   foreign or loosened one is an error naming its owner, never joined.
  * - A segment is "in use" while some process holds a flock on it: its creator
- *   from creation until the name goes, and for a world communicator every rank
- *   for the communicator's lifetime.  Locks vanish with their processes (even
- *   under SIGKILL), so a name nobody locks belongs to a dead job and
- *   tp_seg_sweep removes it.
+ *   and every rank that attached, until the name goes (once every rank has
+ *   mapped it; a world communicator claiming a shared job id keeps it for its
+ *   lifetime).  Locks vanish with their processes (even under SIGKILL), so a
+ *   name nobody locks belongs to a dead job and tp_seg_sweep removes it.
  * - After taking its lock a process checks that the name still refers to the
  *   file it locked (a sweep may have removed it in between) and retries if not.
  */

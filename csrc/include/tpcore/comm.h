@@ -56,9 +56,16 @@ typedef struct {
   int registered_memory;
   /* nccl: this rank's GPU; < 0: $LOCAL_RANK, else 0.  Ignored by host backends. */
   int device_id;
+  /* 1: no other job can have this job_id (a random one, as python -m tpcore.launch and
+   * tpcore.spawn draw, or one a launcher's agent holds): the world communicator's
+   * shared-memory name is removed as soon as every rank has joined, so that nothing of
+   * the job stays in /dev/shm however its processes end.  0 (default): the name stays
+   * while the job lives, as its claim on the id (a second job with the same id stops
+   * both), and a job killed outright leaves it until a sweep (shm backend). */
+  int job_id_unique;
 } tp_comm_config_t;
 
-#define TP_COMM_CONFIG_INITIALIZER {sizeof(tp_comm_config_t), TP_VERSION, NULL, NULL, -1.0, -1, -1, -1}
+#define TP_COMM_CONFIG_INITIALIZER {sizeof(tp_comm_config_t), TP_VERSION, NULL, NULL, -1.0, -1, -1, -1, 0}
 
 /* Collective over the `world` ranks that name the same job_id: each calls it
  * with its own rank.  Returns when all have joined, or TP_ERR_TIMEOUT naming

@@ -161,8 +161,10 @@ def init(backend: str = "auto", timeout: float | None = None, spin_us: int | Non
                         f"shares memory): use backend=\"mpi\" or \"nccl\" (mpi under mpirun; nccl across hosts "
                         f"takes its unique id from the job's store, which python -m tpcore.launch --nnodes provides)")
     settle = _settle_seconds(info)
+    # A job id no other job can have (the launcher's and spawn's random ones, torchrun's agent's)
+    # needs no claim: the C core removes its /dev/shm names once every rank has joined.
     c = _C.Comm(info.world_size, info.rank, info.job_id, -1.0 if timeout is None else float(timeout), chosen,
-                -1 if spin_us is None else int(spin_us))
+                -1 if spin_us is None else int(spin_us), job_id_unique=bool(info.unique))
     comm = Comm(c, info.local_rank, info.local_world_size)
     if settle > 0:
         try:

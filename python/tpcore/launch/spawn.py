@@ -86,6 +86,7 @@ def _rank_setup(rank, world, job, parent_pid, relay, send):
     """What a rank process does first (tpcore.spawn's ranks and tpcore.Cluster's): die with
     the parent, relay sys.stdout / sys.stderr to it (send), and the job's environment."""
     _cleanup.die_with_parent()
+    _cleanup.die_with(parent_pid)  # start method "forkserver": the fork server is the parent
     try:  # the parent may have died before PR_SET_PDEATHSIG took effect
         os.kill(parent_pid, 0)
     except ProcessLookupError:
@@ -316,6 +317,24 @@ def _check_importable(fn, method, args=(), kwargs=None):
                         f"functions by value")
 
 
+def _start_ranks(ctx, procs, conns, job_args):
+    """Start the rank processes, appending each (and the read end of its pipe) to procs and
+    conns as it starts, in rank order once all have.  Rank 0 last: the shm backend's rank 0
+    creates the job's /dev/shm name, which lives only until every rank has mapped it;
+    started last, it finds the others waiting."""
+    fn, world_size, job, backend, timeout, args, kwargs, relay_output = job_args
+    for r in reversed(range(world_size)):
+        rd, wr = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, name=f"tpcore-rank{r}",
+                        args=(fn, r, world_size, job, backend, timeout, args, kwargs, wr, os.getpid(), relay_output))
+        p.start()
+        wr.close()
+        procs.append(p)
+        conns.append(rd)
+    procs.reverse()
+    conns.reverse()
+
+
 def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
           backend: str = "shm", timeout: Optional[float] = None, deadline: Optional[float] = None,
           start_method: Optional[str] = None, relay_output: bool = True, grace: float = 3.0) -> List[_T]:
@@ -400,15 +419,7 @@ def spawn(fn: Callable[..., _T], world_size: int, args: Sequence[Any] = (), kwar
     outputs = _Outputs()
     t0 = time.monotonic()
     try:
-        for r in range(world_size):
-            rd, wr = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, name=f"tpcore-rank{r}",
-                            args=(fn, r, world_size, job, backend, timeout, tuple(args), kwargs, wr,
-                                  os.getpid(), relay_output))
-            p.start()
-            wr.close()
-            procs.append(p)
-            conns.append(rd)
+        _start_ranks(ctx, procs, conns, (fn, world_size, job, backend, timeout, tuple(args), kwargs, relay_output))
         open_conns = {c: r for r, c in enumerate(conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(procs)}
         exited: dict = {}  # rank -> monotonic time its process ended

@@ -26,15 +26,16 @@ PREFIX = "tpcore_"
 
 
 def shm_segments(job_id: str = "") -> list:
-    """This user's names in /dev/shm of the job (all tpcore jobs when job_id is empty)."""
-    prefix = PREFIX + (f"{job_id}_" if job_id else "")
+    """This user's names in /dev/shm of the job (all tpcore jobs when job_id is empty): the
+    shm backend's (tpcore_<job>_...) and the nccl backend's descriptors (tpcore_nccl_<job>_...)."""
+    prefixes = (f"{PREFIX}{job_id}_", f"{PREFIX}nccl_{job_id}_") if job_id else (PREFIX,)
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return []
     out = []
     for name in sorted(names):
-        if not name.startswith(prefix):
+        if not name.startswith(prefixes):
             continue
         path = os.path.join(SHM_DIR, name)
         try:
@@ -161,6 +162,45 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: nothing to do
         pass
+
+
+def die_with(pid: int) -> None:
+    """SIGKILL this process when process `pid` ends, where `pid` is not its parent (which
+    die_with_parent covers): a rank that multiprocessing's fork server started (start method
+    "forkserver") has the server as its parent, and the server lives on after the process
+    that asked for the rank is killed, for as long as the processes it started do.  A daemon
+    thread waits on a pidfd of `pid` (Linux 5.3+), else looks twice a second.  Nothing when
+    `pid` is gone already (the caller checks that)."""
+    if pid == os.getppid():
+        return
+    import select
+    import threading
+    import time
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd here
+        fd = None
+
+    def watch():
+        if fd is not None:
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            while not p.poll():  # readable once the process has ended
+                pass
+        else:
+            while True:
+                time.sleep(0.5)
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                except OSError:  # alive (another user's pid now: not ours to judge)
+                    pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="tpcore-die-with", daemon=True).start()
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--janitor":
