@@ -594,4 +594,4 @@ def test_c_store_program(tmp_path, sanitize):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     r = run(exe, timeout=120)
-    assert r.returncode == 0 and "7 passed, 0 failed" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "8 passed, 0 failed" in r.stdout, r.stdout + r.stderr
