@@ -5,6 +5,7 @@ while the store keeps serving the well-behaved ones; no fds or threads left by c
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import socket
 import struct
@@ -464,7 +465,7 @@ def test_flood_of_unauthenticated_connections(capfd):
                 fl.kill()
                 fl.wait()
         assert not failures, f"{len(failures)} of {len(failures) + len(done)} clients failed: {failures[:3]}"
-        assert len(done) >= 20 and opened > 1000, (len(done), opened)  # clients ran, and it was a flood
+        assert len(done) >= 20 and opened > 600, (len(done), opened)  # clients ran, and it was a flood
         assert responsive(s.port, "after") < 5
     lines = capfd.readouterr().err.splitlines()
     dropped = [ln for ln in lines if "dropped before it authenticated" in ln]
@@ -474,7 +475,10 @@ def test_flood_of_unauthenticated_connections(capfd):
 
 
 def test_log_is_rate_limited_and_summarised(capfd):
+    """Clients refused in a quick row: a line a second, the others counted in a summary
+    (every 10 s, and when the store closes)."""
     n = 40 + secrets.randbelow(20)
+    t0 = time.monotonic()
     with server(quiet=False) as s:
         port = s.port
         for _ in range(n):
@@ -483,26 +487,32 @@ def test_log_is_rate_limited_and_summarised(capfd):
                 sock.sendall(struct.pack("<Q", 1 << 40))
                 until_closed(sock, 4.0)
         assert responsive(s.port, "after") < 1
+    took = time.monotonic() - t0
     lines = [ln for ln in capfd.readouterr().err.splitlines() if f"127.0.0.1:{port}:" in ln]
     one_by_one = [ln for ln in lines if "sent a message length of 1099511627776" in ln]
-    summary = [ln for ln in lines if f"disconnected {n} clients that sent malformed or oversized messages" in ln]
-    assert 1 <= len(one_by_one) <= 8 and len(summary) == 1, lines  # at most one a second, then the sum
-    assert f"{n - len(one_by_one)} of them not logged one by one" in summary[0]
+    summaries = [re.search(r"disconnected (\d+) clients that sent malformed or oversized messages in the last "
+                           r"[\d.]+ s; (\d+) of them not logged one by one", ln) for ln in lines]
+    counted = [(int(m[1]), int(m[2])) for m in summaries if m]
+    assert 1 <= len(one_by_one) <= took + 2 and len(one_by_one) < n, lines  # at most a line a second
+    assert counted and all(total >= quiet for total, quiet in counted), lines
+    assert len(one_by_one) + sum(quiet for _, quiet in counted) == n, lines  # each one logged or counted
 
 
-@pytest.mark.parametrize("server_does", ["close", "greet-then-close"])
+@pytest.mark.parametrize("server_does", ["close", "greet-then-close", "close-then-exit"])
 def test_client_says_the_store_kept_closing(server_does):
     """A store that keeps closing connections before authentication: the client tries again
-    until its timeout and then says so (how many tries), not that the process exited."""
+    until its timeout and then says so (how many tries), not that the process exited; one
+    that then goes away (connections refused) is said to have gone."""
     accepted = []
     with socket.socket() as lst:
         lst.bind(("127.0.0.1", 0))
         lst.listen(64)
-        lst.settimeout(0.2)
+        lst.settimeout(0.05)
         stop = threading.Event()
+        end = time.monotonic() + (0.5 if server_does == "close-then-exit" else 60)
 
         def serve():
-            while not stop.is_set():
+            while not stop.is_set() and time.monotonic() < end:
                 try:
                     conn, _ = lst.accept()
                 except socket.timeout:
@@ -512,6 +522,7 @@ def test_client_says_the_store_kept_closing(server_does):
                     conn.sendall(b"TPCS\1\0\0\0" + os.urandom(32))
                     conn.recv(100)
                 conn.close()
+            lst.close()
 
         t = threading.Thread(target=serve)
         t.start()
@@ -524,9 +535,15 @@ def test_client_says_the_store_kept_closing(server_does):
             stop.set()
             t.join(10)
     msg = str(ei.value)
-    assert "kept closing the connection before authentication" in msg and "flooded" in msg, msg
-    tries = int(msg.split(" of ")[1].split(" tries")[0])
-    assert 3 <= tries == len(accepted) and 1.4 < took < 6, (msg, took)
+    m = re.search(r"kept closing the connection before authentication \((\d+) of (\d+) tries in", msg)
+    assert m and "flooded" in msg and "(its host process exited" not in msg and 1.4 < took < 6, (msg, took)
+    closed, tries = int(m[1]), int(m[2])
+    assert closed >= 3 and abs(closed - len(accepted)) <= 1, (msg, len(accepted))  # each reached the server
+    if server_does == "close-then-exit":
+        assert tries > closed and "then it refused connections: its process has exited?" in msg, msg
+        assert "Connection refused" in msg, msg
+    else:  # every try but perhaps the last (cut by the deadline) was closed
+        assert tries <= closed + 1 and "then it refused" not in msg, msg
 
 
 def test_unauthenticated_connections_leave_slots_for_clients():

@@ -28,8 +28,9 @@ struct tp_store {
   pthread_mutex_t fd_lock; /* fd's changes against tp_store_interrupt from another thread */
   atomic_int interrupted;
   int fd;
-  int peer_closed; /* the last io_all failed because the server closed the connection */
-  char where[300]; /* "store at host:port" */
+  int peer_closed;   /* the last io_all failed because the server closed the connection */
+  int connect_errno; /* the last connect's error, 0 when it connected */
+  char where[300];   /* "store at host:port" */
   struct sockaddr_storage addr;
   socklen_t addrlen;
   uint8_t secret[TP_STORE_MAX_SECRET];
@@ -123,6 +124,13 @@ static tp_status_t read_reply(tp_store_t s, double deadline, const char *what, i
 /* How one try to connect and authenticate failed: worth another try or not. */
 enum { TRY_FATAL, TRY_REFUSED, TRY_CLOSED };
 
+/* A try the server closed (its error says where in the handshake), or the error as it is. */
+static tp_status_t try_failed(tp_store_t s, tp_status_t st, int *kind, const char *when) {
+  if (!s->peer_closed) return st;
+  *kind = TRY_CLOSED;
+  return tp_set_error(TP_ERR_REMOTE, "%s: the store closed the connection %s", s->where, when);
+}
+
 static tp_status_t connect_once(tp_store_t s, double deadline, int *kind) {
   *kind = TRY_FATAL;
   s->peer_closed = 0;
@@ -133,17 +141,21 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *kind) {
   int e = 0;
   if (connect(fd, (struct sockaddr *)&s->addr, s->addrlen) != 0) {
     e = errno;
-    if (e == EINPROGRESS) {
-      double left = deadline - tp_now();
+    if (e == EINPROGRESS) { /* polled at least once, so an answer already there is seen */
       struct pollfd pf = {.fd = fd, .events = POLLOUT};
-      int r = 0;
-      while (left > 0 && !atomic_load(&s->interrupted) && (r = poll(&pf, 1, poll_ms(left))) == 0)
+      int r;
+      for (double left;;) {
         left = deadline - tp_now();
+        r = poll(&pf, 1, poll_ms(left));
+        if (r < 0 && errno == EINTR) continue;
+        if (r != 0 || left <= 0 || atomic_load(&s->interrupted)) break;
+      }
       socklen_t el = sizeof e;
       if (r > 0) getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &el);
       else e = ETIMEDOUT;
     }
   }
+  s->connect_errno = e;
   if (e != 0) {
     close(fd);
     *kind = TRY_REFUSED;
@@ -161,10 +173,7 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *kind) {
   }
   uint8_t g[GREETING];
   tp_status_t st = io_all(s, 0, g, GREETING, deadline, "waiting for the server's greeting");
-  if (st != TP_SUCCESS) {
-    if (s->peer_closed) *kind = TRY_CLOSED;
-    return st;
-  }
+  if (st != TP_SUCCESS) return try_failed(s, st, kind, "before its greeting");
   if (memcmp(g, "TPCS", 4) != 0 || g[4] != STORE_VERSION) {
     drop_conn(s);
     return tp_set_error(TP_ERR_REMOTE, "%s: the server there is not a tpcore store of protocol version %u", s->where,
@@ -183,10 +192,7 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *kind) {
   size_t n = 0;
   st = io_all(s, 1, hello, sizeof hello, deadline, "authenticating");
   if (st == TP_SUCCESS) st = read_reply(s, deadline, "authenticating", &status, &p, &n);
-  if (st != TP_SUCCESS) {
-    if (s->peer_closed) *kind = TRY_CLOSED;
-    return st;
-  }
+  if (st != TP_SUCCESS) return try_failed(s, st, kind, "after the greeting, before authentication");
   uint8_t want[MAC];
   tp_store_hmac3(s->secret, s->secret_len, "tpcore-store-v1 server", hello + 9, g + 8, want);
   if (status == ST_ERR) st = tp_set_error(TP_ERR_INVALID_USAGE, "%s refused this client: %s", s->where, (char *)p);
@@ -214,6 +220,12 @@ static void backoff_sleep(tp_store_t s, double pause) {
  * before authentication; the last try's error (st, tp_last_error) when none was closed. */
 static tp_status_t gave_up(tp_store_t s, tp_status_t st, int tries, int closed, int last_refused, double took) {
   if (closed == 0) return st;
+  char then[160] = "";
+  if (last_refused && s->connect_errno == ECONNREFUSED)
+    snprintf(then, sizeof then, "; then it refused connections: its process has exited?");
+  else if (last_refused)
+    snprintf(then, sizeof then, "; then connecting failed (%s): its host is down or unreachable?",
+             strerror(s->connect_errno));
   char last[768];
   const char *m = tp_last_error();
   size_t w = strlen(s->where);
@@ -221,10 +233,9 @@ static tp_status_t gave_up(tp_store_t s, tp_status_t st, int tries, int closed, 
   return tp_set_error(TP_ERR_TIMEOUT,
                       "%s kept closing the connection before authentication (%d of %d tries in %.1f s closed, "
                       "timeout %g s): it drops connections that have not authenticated when too many are open at "
-                      "once, so it is flooded by connections that do not authenticate (its log counts them)%s "
+                      "once, so it is likely flooded by connections that do not authenticate (its log counts them)%s "
                       "(the last try: %s)",
-                      s->where, closed, tries, took, s->timeout,
-                      last_refused ? "; then it refused connections: its process has exited?" : "", last);
+                      s->where, closed, tries, took, s->timeout, then, last);
 }
 
 /* Connects (again) when needed.  A refused connection (the server is not up yet) and one the
@@ -244,7 +255,7 @@ static tp_status_t ensure_conn(tp_store_t s, double deadline) {
     if (st == TP_SUCCESS || (kind == TRY_FATAL && st != TP_ERR_TIMEOUT)) return st; /* done, or refused for good */
     double left = deadline - tp_now();
     if (kind == TRY_FATAL || left <= 0.001) return gave_up(s, st, tries, closed, kind == TRY_REFUSED, tp_now() - t0);
-    backoff_sleep(s, pause < left ? pause : left);
+    backoff_sleep(s, pause < left / 2 ? pause : left / 2); /* time left for one more try */
     pause = pause * 2 < 0.5 ? pause * 2 : 0.5;
   }
 }
