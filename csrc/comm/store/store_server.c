@@ -493,10 +493,10 @@ static void make_room(server_t *sv, double now, int force, const char *why) {
       continue;
     }
     if (!force && n < sv->unauth_hard && now - c->opened < UNAUTH_GRACE_S) return;
-    slog(
-        sv, STORE_EV_EVICTED,
-        "client %s: dropped before it authenticated, %.3f s after it connected (%d connections were authenticating at once%s)",
-        c->peer, now - c->opened, n, why);
+    slog(sv, STORE_EV_EVICTED,
+         "client %s: dropped before it authenticated, %.3f s after it connected (%d connections were "
+         "authenticating at once%s)",
+         c->peer, now - c->opened, n, why);
     conn_drop(sv, v);
     return;
   }

@@ -71,7 +71,8 @@ class Store:
     max_value_bytes : int, default 0
         The largest value (0: 1 MiB; at most 64 MiB).
     max_clients : int, default 0
-        The server's open connections at once (0: 1024).
+        The server's open connections at once (0: 1024); at most half of them (and at most
+        512) may be connections that have not authenticated yet.
     quiet : bool, default False
         The server does not log dropped clients on stderr (the log is rate-limited either
         way: one line a second of each kind, summed up every 10 s).
