@@ -2,8 +2,9 @@
  * The rendezvous store from C (tpcore/store.h), no Python: operations, 4 client threads
  * (set/get/add/wait/barrier), a get that times out naming its key, a wrong secret, raw
  * hostile sockets (garbage, lengths 2^31 / 2^63 / 0, half a message then silence) while
- * the store keeps serving, a second server on the same port, no fd left after close, and
- * the collectives over the store that nccl uses across hosts (store_coll.c).
+ * the store keeps serving, a flood of connections that never authenticate while clients come
+ * and go, a second server on the same port, no fd left after close, and the collectives over
+ * the store that nccl uses across hosts (store_coll.c).
  * Built by `make` (build/test_store) and by tests/distributed/test_store.py under ASan + UBSan.
  */
 #include <arpa/inet.h>
@@ -11,6 +12,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -250,6 +252,70 @@ static int test_hostile(void) {
   return 0;
 }
 
+/* ---- a flood: threads open connections as fast as they can and never authenticate */
+
+typedef struct {
+  int port;
+  double until;
+  _Atomic int opened, clients, failures;
+} flood_t;
+
+static void *flooder(void *arg) {
+  flood_t *f = arg;
+  enum { HOLD = 100 }; /* more than the server's slots for unauthenticated connections (32 here) */
+  int held[HOLD], next = 0;
+  for (int i = 0; i < HOLD; i++) held[i] = -1;
+  while (now() < f->until) {
+    int fd = raw_connect(f->port);
+    if (fd < 0) continue;
+    f->opened++;
+    if (held[next] >= 0) close(held[next]);
+    held[next] = fd, next = (next + 1) % HOLD;
+  }
+  for (int i = 0; i < HOLD; i++)
+    if (held[i] >= 0) close(held[i]);
+  return NULL;
+}
+
+static void *flood_client(void *arg) {
+  flood_t *f = arg;
+  char key[64];
+  while (now() < f->until) {
+    snprintf(key, sizeof key, "flood/%d", atomic_fetch_add(&f->clients, 1));
+    tp_store_config_t c = config(f->port, 0, 30);
+    tp_store_t s;
+    void *v = NULL;
+    size_t n = 0;
+    int ok = tp_store_open(&s, &c) == TP_SUCCESS;
+    if (ok) {
+      ok = tp_store_set(s, key, key, strlen(key)) == TP_SUCCESS && tp_store_get(s, key, &v, &n) == TP_SUCCESS &&
+           n == strlen(key) && memcmp(v, key, n) == 0;
+      tp_store_free(v);
+      tp_store_close(s);
+    }
+    if (!ok) fprintf(stderr, "flood: a client failed: %s\n", tp_last_error());
+    f->failures += !ok;
+  }
+  return NULL;
+}
+
+static int test_flood(void) {
+  tp_store_config_t c = config(0, 1, 30);
+  c.max_clients = 64; /* 32 slots for connections that have not authenticated */
+  c.quiet = 0;        /* the rate-limited log: a few lines */
+  tp_store_t s;
+  CHECK(tp_store_open(&s, &c) == TP_SUCCESS);
+  flood_t f = {.port = tp_store_port(s), .until = now() + 1.5};
+  pthread_t th[5];
+  for (int i = 0; i < 5; i++) CHECK(pthread_create(&th[i], NULL, i < 2 ? flooder : flood_client, &f) == 0);
+  for (int i = 0; i < 5; i++) pthread_join(th[i], NULL);
+  printf("flood: %d connections that never authenticated, %d clients, %d failed\n", f.opened, f.clients, f.failures);
+  CHECK(f.failures == 0 && f.clients > 0 && f.opened > 64);
+  CHECK(round_trip(f.port, "after"));
+  tp_store_close(s);
+  return 0;
+}
+
 static void *blocked_get(void *arg) {
   tp_store_t s = arg;
   void *v = NULL;
@@ -374,10 +440,14 @@ int main(void) {
   struct {
     const char *name;
     int (*fn)(void);
-  } tests[] = {
-      {"operations", test_operations}, {"threads", test_threads},       {"timeout_and_secret", test_timeout_and_secret},
-      {"hostile", test_hostile},       {"no_fd_leak", test_no_fd_leak}, {"store_collectives", test_store_collectives},
-      {"interrupt", test_interrupt}};
+  } tests[] = {{"operations", test_operations},
+               {"threads", test_threads},
+               {"timeout_and_secret", test_timeout_and_secret},
+               {"hostile", test_hostile},
+               {"no_fd_leak", test_no_fd_leak},
+               {"store_collectives", test_store_collectives},
+               {"interrupt", test_interrupt},
+               {"flood", test_flood}};
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
     int bad = tests[i].fn();
     printf("%s %s\n", bad ? "FAIL" : "ok  ", tests[i].name);

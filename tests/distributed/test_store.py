@@ -5,6 +5,7 @@ while the store keeps serving the well-behaved ones; no fds or threads left by c
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import socket
 import struct
@@ -392,6 +393,174 @@ def test_client_that_never_reads_its_reply():
             assert len(data) < (1 << 20) + 9
 
 
+# ------------------------------------------------------------------ floods of unauthenticated connections
+
+FLOOD = r"""
+import collections, socket, sys, threading, time
+port, seconds, hold = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+opened = [0, 0]
+started = threading.Event()
+
+def flood(i):  # connect as fast as it can, never authenticate; keep the last `hold` open
+    held = collections.deque()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        except OSError:
+            continue
+        opened[i] += 1
+        if opened[i] == 200:
+            started.set()
+        if len(held) > hold:
+            held.popleft().close()
+    for c in held:
+        c.close()
+
+threads = [threading.Thread(target=flood, args=(i,)) for i in range(2)]
+for t in threads:
+    t.start()
+started.wait(seconds)
+print("flooding", flush=True)
+for t in threads:
+    t.join()
+print(sum(opened), flush=True)
+"""
+
+
+def test_flood_of_unauthenticated_connections(capfd):
+    """Two threads (another process) open connections as fast as they can and never
+    authenticate, more than the server has slots for, while real clients come and go: every
+    client gets through (the server drops the oldest unauthenticated connection only after a
+    grace or when the slots are full, and the client tries again when it was dropped), and
+    the server's log stays a few lines a second."""
+    with server(timeout=60, quiet=False) as s:
+        fl = subprocess.Popen([sys.executable, "-c", FLOOD, str(s.port), "6", "1500"], stdout=subprocess.PIPE,
+                              text=True)
+        try:
+            assert fl.stdout.readline().strip() == "flooding"
+            t0 = time.monotonic()
+            done, failures = [], []
+
+            def clients(i):
+                while fl.poll() is None:
+                    key, value = f"c/{i}/{len(done)}/{secrets.token_hex(4)}", os.urandom(64)
+                    try:
+                        with client(s.port, timeout=60) as c:
+                            c.set(key, value)
+                            assert c.get(key) == value
+                        done.append(key)
+                    except Exception as e:  # noqa: BLE001 - every failure is reported below
+                        failures.append(repr(e))
+
+            threads = [threading.Thread(target=clients, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            opened = int(fl.communicate(timeout=60)[0].split()[-1])
+            took = time.monotonic() - t0
+        finally:
+            if fl.poll() is None:
+                fl.kill()
+                fl.wait()
+        assert not failures, f"{len(failures)} of {len(failures) + len(done)} clients failed: {failures[:3]}"
+        assert len(done) >= 20 and opened > 600, (len(done), opened)  # clients ran, and it was a flood
+        assert responsive(s.port, "after") < 5
+    lines = capfd.readouterr().err.splitlines()
+    dropped = [ln for ln in lines if "dropped before it authenticated" in ln]
+    assert dropped, "the flood did not fill the slots: the test tested nothing"
+    assert any("unauthenticated connections in the last" in ln and "not logged one by one" in ln for ln in lines)
+    assert len(lines) <= 2 * took + 20, f"{len(lines)} log lines in {took:.1f} s: {lines[:5]}"
+
+
+def test_log_is_rate_limited_and_summarised(capfd):
+    """Clients refused in a quick row: a line a second, the others counted in a summary
+    (every 10 s, and when the store closes)."""
+    n = 40 + secrets.randbelow(20)
+    t0 = time.monotonic()
+    with server(quiet=False) as s:
+        port = s.port
+        for _ in range(n):
+            sock, _ = raw(s.port)
+            with sock:
+                sock.sendall(struct.pack("<Q", 1 << 40))
+                until_closed(sock, 4.0)
+        assert responsive(s.port, "after") < 1
+    took = time.monotonic() - t0
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if f"127.0.0.1:{port}:" in ln]
+    one_by_one = [ln for ln in lines if "sent a message length of 1099511627776" in ln]
+    summaries = [re.search(r"disconnected (\d+) clients that sent malformed or oversized messages in the last "
+                           r"[\d.]+ s; (\d+) of them not logged one by one", ln) for ln in lines]
+    counted = [(int(m[1]), int(m[2])) for m in summaries if m]
+    assert 1 <= len(one_by_one) <= took + 2 and len(one_by_one) < n, lines  # at most a line a second
+    assert counted and all(total >= quiet for total, quiet in counted), lines
+    assert len(one_by_one) + sum(quiet for _, quiet in counted) == n, lines  # each one logged or counted
+
+
+@pytest.mark.parametrize("server_does", ["close", "greet-then-close", "close-then-exit"])
+def test_client_says_the_store_kept_closing(server_does):
+    """A store that keeps closing connections before authentication: the client tries again
+    until its timeout and then says so (how many tries), not that the process exited; one
+    that then goes away (connections refused) is said to have gone."""
+    accepted = []
+    with socket.socket() as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(64)
+        lst.settimeout(0.05)
+        stop = threading.Event()
+        end = time.monotonic() + (0.5 if server_does == "close-then-exit" else 60)
+
+        def serve():
+            while not stop.is_set() and time.monotonic() < end:
+                try:
+                    conn, _ = lst.accept()
+                except socket.timeout:
+                    continue
+                accepted.append(1)
+                if server_does == "greet-then-close":
+                    conn.sendall(b"TPCS\1\0\0\0" + os.urandom(32))
+                    conn.recv(100)
+                conn.close()
+            lst.close()
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(tpcore.CommTimeout) as ei:
+                client(lst.getsockname()[1], timeout=1.5)
+            took = time.monotonic() - t0
+        finally:
+            stop.set()
+            t.join(10)
+    msg = str(ei.value)
+    m = re.search(r"kept closing the connection before authentication \((\d+) of (\d+) tries in", msg)
+    assert m and "flooded" in msg and "(its host process exited" not in msg and 1.4 < took < 6, (msg, took)
+    closed, tries = int(m[1]), int(m[2])
+    assert closed >= 3 and abs(closed - len(accepted)) <= 1, (msg, len(accepted))  # each reached the server
+    if server_does == "close-then-exit":
+        assert tries > closed and "then it refused connections: its process has exited?" in msg, msg
+        assert "Connection refused" in msg, msg
+    else:  # every try but perhaps the last (cut by the deadline) was closed
+        assert tries <= closed + 1 and "then it refused" not in msg, msg
+
+
+def test_unauthenticated_connections_leave_slots_for_clients():
+    """max_clients silent connections do not lock the clients out: at most half the slots
+    are for connections that have not authenticated."""
+    with server(max_clients=8, io_timeout=30) as s:
+        silent = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(8 + secrets.randbelow(8))]
+        try:
+            assert responsive(s.port, "through") < 3
+            with client(s.port) as a, client(s.port) as b:
+                a.set("a", b"1")
+                assert b.get("a") == b"1"
+        finally:
+            for sock in silent:
+                sock.close()
+
+
 # ------------------------------------------------------------------ no leaks
 
 def fds():
@@ -442,4 +611,4 @@ def test_c_store_program(tmp_path, sanitize):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     r = run(exe, timeout=120)
-    assert r.returncode == 0 and "7 passed, 0 failed" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "8 passed, 0 failed" in r.stdout, r.stdout + r.stderr

@@ -28,7 +28,9 @@ struct tp_store {
   pthread_mutex_t fd_lock; /* fd's changes against tp_store_interrupt from another thread */
   atomic_int interrupted;
   int fd;
-  char where[300]; /* "store at host:port" */
+  int peer_closed;   /* the last io_all failed because the server closed the connection */
+  int connect_errno; /* the last connect's error, 0 when it connected */
+  char where[300];   /* "store at host:port" */
   struct sockaddr_storage addr;
   socklen_t addrlen;
   uint8_t secret[TP_STORE_MAX_SECRET];
@@ -77,6 +79,7 @@ static tp_status_t io_all(tp_store_t s, int writing, void *buf, size_t n, double
     int e = k == 0 ? 0 : errno;
     drop_conn(s);
     if (atomic_load(&s->interrupted)) return interrupted_error(s);
+    s->peer_closed = 1;
     return tp_set_error(TP_ERR_REMOTE,
                         "%s: %s: the store closed the connection%s%s (its host process exited, or "
                         "it refused this client: see its log)",
@@ -118,8 +121,19 @@ static tp_status_t read_reply(tp_store_t s, double deadline, const char *what, i
   return TP_SUCCESS;
 }
 
-static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
-  *refused = 0;
+/* How one try to connect and authenticate failed: worth another try or not. */
+enum { TRY_FATAL, TRY_REFUSED, TRY_CLOSED };
+
+/* A try the server closed (its error says where in the handshake), or the error as it is. */
+static tp_status_t try_failed(tp_store_t s, tp_status_t st, int *kind, const char *when) {
+  if (!s->peer_closed) return st;
+  *kind = TRY_CLOSED;
+  return tp_set_error(TP_ERR_REMOTE, "%s: the store closed the connection %s", s->where, when);
+}
+
+static tp_status_t connect_once(tp_store_t s, double deadline, int *kind) {
+  *kind = TRY_FATAL;
+  s->peer_closed = 0;
   int fd = socket(s->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return tp_set_error(TP_ERR_SYSTEM, "%s: socket: %s", s->where, strerror(errno));
   int one = 1;
@@ -127,20 +141,24 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
   int e = 0;
   if (connect(fd, (struct sockaddr *)&s->addr, s->addrlen) != 0) {
     e = errno;
-    if (e == EINPROGRESS) {
-      double left = deadline - tp_now();
+    if (e == EINPROGRESS) { /* polled at least once, so an answer already there is seen */
       struct pollfd pf = {.fd = fd, .events = POLLOUT};
-      int r = 0;
-      while (left > 0 && !atomic_load(&s->interrupted) && (r = poll(&pf, 1, poll_ms(left))) == 0)
+      int r;
+      for (double left;;) {
         left = deadline - tp_now();
+        r = poll(&pf, 1, poll_ms(left));
+        if (r < 0 && errno == EINTR) continue;
+        if (r != 0 || left <= 0 || atomic_load(&s->interrupted)) break;
+      }
       socklen_t el = sizeof e;
       if (r > 0) getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &el);
       else e = ETIMEDOUT;
     }
   }
+  s->connect_errno = e;
   if (e != 0) {
     close(fd);
-    *refused = 1;
+    *kind = TRY_REFUSED;
     return tp_set_error(TP_ERR_TIMEOUT,
                         "%s: cannot connect within %g s: %s (is the store's host up and "
                         "MASTER_ADDR / MASTER_PORT right?)",
@@ -154,7 +172,8 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
     return interrupted_error(s);
   }
   uint8_t g[GREETING];
-  TP_CHECK(io_all(s, 0, g, GREETING, deadline, "waiting for the server's greeting"));
+  tp_status_t st = io_all(s, 0, g, GREETING, deadline, "waiting for the server's greeting");
+  if (st != TP_SUCCESS) return try_failed(s, st, kind, "before its greeting");
   if (memcmp(g, "TPCS", 4) != 0 || g[4] != STORE_VERSION) {
     drop_conn(s);
     return tp_set_error(TP_ERR_REMOTE, "%s: the server there is not a tpcore store of protocol version %u", s->where,
@@ -168,14 +187,14 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
     return tp_set_error(TP_ERR_SYSTEM, "%s: getrandom: %s", s->where, strerror(errno));
   }
   tp_store_hmac3(s->secret, s->secret_len, "tpcore-store-v1 client", g + 8, hello + 9, hello + 9 + NONCE);
-  TP_CHECK(io_all(s, 1, hello, sizeof hello, deadline, "authenticating"));
-  int status;
-  uint8_t *p;
-  size_t n;
-  TP_CHECK(read_reply(s, deadline, "authenticating", &status, &p, &n));
+  int status = ST_ERR;
+  uint8_t *p = NULL;
+  size_t n = 0;
+  st = io_all(s, 1, hello, sizeof hello, deadline, "authenticating");
+  if (st == TP_SUCCESS) st = read_reply(s, deadline, "authenticating", &status, &p, &n);
+  if (st != TP_SUCCESS) return try_failed(s, st, kind, "after the greeting, before authentication");
   uint8_t want[MAC];
   tp_store_hmac3(s->secret, s->secret_len, "tpcore-store-v1 server", hello + 9, g + 8, want);
-  tp_status_t st = TP_SUCCESS;
   if (status == ST_ERR) st = tp_set_error(TP_ERR_INVALID_USAGE, "%s refused this client: %s", s->where, (char *)p);
   else if (status != ST_OK || n != MAC || !tp_store_same_mac(want, p))
     st = tp_set_error(TP_ERR_INVALID_USAGE,
@@ -187,15 +206,57 @@ static tp_status_t connect_once(tp_store_t s, double deadline, int *refused) {
   return st;
 }
 
-/* Connects (again) when needed: a refused connection is retried until the deadline. */
+/* Sleeps about `pause` seconds (half of it plus a random part of the other half: clients that
+ * failed together do not come back together), waking for tp_store_interrupt. */
+static void backoff_sleep(tp_store_t s, double pause) {
+  uint16_t r = 0;
+  if (!tp_store_random_bytes((uint8_t *)&r, sizeof r)) r = 32768;
+  double until = tp_now() + pause * (0.5 + 0.5 * r / 65536.0);
+  for (double left; !atomic_load(&s->interrupted) && (left = until - tp_now()) > 0;)
+    usleep(left > 0.01 ? 10000 : (useconds_t)(left * 1e6) + 1);
+}
+
+/* The error of a connection given up on after `tries`, `closed` of which the server closed
+ * before authentication; the last try's error (st, tp_last_error) when none was closed. */
+static tp_status_t gave_up(tp_store_t s, tp_status_t st, int tries, int closed, int last_refused, double took) {
+  if (closed == 0) return st;
+  char then[160] = "";
+  if (last_refused && s->connect_errno == ECONNREFUSED)
+    snprintf(then, sizeof then, "; then it refused connections: its process has exited?");
+  else if (last_refused)
+    snprintf(then, sizeof then, "; then connecting failed (%s): its host is down or unreachable?",
+             strerror(s->connect_errno));
+  char last[768];
+  const char *m = tp_last_error();
+  size_t w = strlen(s->where);
+  snprintf(last, sizeof last, "%s", strncmp(m, s->where, w) == 0 && m[w] == ':' ? m + w + 2 : m);
+  return tp_set_error(TP_ERR_TIMEOUT,
+                      "%s kept closing the connection before authentication (%d of %d tries in %.1f s closed, "
+                      "timeout %g s): it drops connections that have not authenticated when too many are open at "
+                      "once, so it is likely flooded by connections that do not authenticate (its log counts them)%s "
+                      "(the last try: %s)",
+                      s->where, closed, tries, took, s->timeout, then, last);
+}
+
+/* Connects (again) when needed.  A refused connection (the server is not up yet) and one the
+ * server closes before authentication (it drops unauthenticated connections when too many
+ * are open at once) are tried again until the deadline, after pauses that double from 10 ms
+ * to 0.5 s, with jitter; a wrong secret or a timeout is not. */
 static tp_status_t ensure_conn(tp_store_t s, double deadline) {
   if (s->fd >= 0) return TP_SUCCESS;
+  double t0 = tp_now(), pause = 0.01;
+  int tries = 0, closed = 0;
   for (;;) {
     if (atomic_load(&s->interrupted)) return interrupted_error(s);
-    int refused;
-    tp_status_t st = connect_once(s, deadline, &refused);
-    if (st == TP_SUCCESS || !refused || tp_now() + 0.05 >= deadline) return st;
-    usleep(50000);
+    int kind;
+    tp_status_t st = connect_once(s, deadline, &kind);
+    tries++;
+    closed += kind == TRY_CLOSED;
+    if (st == TP_SUCCESS || (kind == TRY_FATAL && st != TP_ERR_TIMEOUT)) return st; /* done, or refused for good */
+    double left = deadline - tp_now();
+    if (kind == TRY_FATAL || left <= 0.001) return gave_up(s, st, tries, closed, kind == TRY_REFUSED, tp_now() - t0);
+    backoff_sleep(s, pause < left / 2 ? pause : left / 2); /* time left for one more try */
+    pause = pause * 2 < 0.5 ? pause * 2 : 0.5;
   }
 }
 

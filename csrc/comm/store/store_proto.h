@@ -1,6 +1,7 @@
 /*
  * Private: the rendezvous store's wire protocol and the declarations its three files share:
  *   store_hmac.c    SHA-256, HMAC, constant-time compare, random bytes
+ *   store_log.c     the server's rate-limited log
  *   store_server.c  the server (a thread of the process that opens the store with is_server)
  *   store.c         the client and the public tp_store_* API (tpcore/store.h)
  *
@@ -25,6 +26,7 @@
 #define TPCORE_STORE_PROTO_H
 
 #include <netdb.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -69,6 +71,37 @@ void tp_store_hmac3(const uint8_t *key, size_t klen, const char *label, const ui
 int tp_store_same_mac(const uint8_t *a, const uint8_t *b);
 /* n bytes from getrandom(); 0 on failure (errno set). */
 int tp_store_random_bytes(uint8_t *p, size_t n);
+
+/* ------------------------------------------------------------ store_log.c */
+
+/* The kinds of event the server logs, each rate-limited on its own. */
+typedef enum {
+  STORE_EV_EVICTED,  /* an unauthenticated connection dropped for a new one (slots full) */
+  STORE_EV_FULL,     /* a connection refused: max_clients open */
+  STORE_EV_AUTH,     /* a wrong secret */
+  STORE_EV_PROTOCOL, /* a malformed, oversized or unknown message */
+  STORE_EV_STALLED,  /* io_timeout passed inside a message, before the HELLO or a reply read */
+  STORE_EV_CLOSED,   /* the client closed inside a message */
+  STORE_EV_SYSTEM,   /* the server's own failures: memory, fds, getrandom */
+  STORE_EV_KINDS
+} store_event_t;
+
+#define STORE_LOG_SUMMARY_S 10.0 /* the period of the summaries of what was not logged line by line */
+
+typedef struct {
+  int quiet; /* count, log nothing */
+  double window_start;
+  double last_line[STORE_EV_KINDS];
+  int logged[STORE_EV_KINDS];
+  unsigned long count[STORE_EV_KINDS];      /* events of the summary window */
+  unsigned long suppressed[STORE_EV_KINDS]; /* of those, not logged line by line */
+} store_log_t;
+
+/* One event: logged as "tpcore store <where>: <fmt...>" when no line of its kind was logged
+ * in the last second, else counted for the summary. */
+void tp_store_vlog(store_log_t *lg, const char *where, store_event_t kind, double now, const char *fmt, va_list ap);
+/* The summaries, when STORE_LOG_SUMMARY_S has passed since the last ones (final: now). */
+void tp_store_log_flush(store_log_t *lg, const char *where, double now, int final);
 
 /* ------------------------------------------------------------ store_server.c */
 

@@ -17,13 +17,24 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "store_proto.h"
 
-#define MAX_UNAUTHED 64 /* connections not yet authenticated, at once: the oldest is dropped */
+/* Connections that have not authenticated yet: above UNAUTH_SOFT of them, a new one replaces
+ * the oldest that has been waiting for UNAUTH_GRACE_S; above the hard cap (UNAUTH_HARD, at
+ * most half of max_clients and a quarter of the fd limit: the rest stay for authenticated
+ * clients), the oldest at once.  A client answers the greeting with its whole HELLO in one
+ * write, so the oldest is the one that had the longest to do so; under a flood each keeps its
+ * slot for the time the hard cap's worth of new connections take to arrive. */
+#define UNAUTH_SOFT 64
+#define UNAUTH_HARD 512
+#define UNAUTH_GRACE_S 0.5
+#define ACCEPTS_PER_ROUND 16
+#define LISTEN_BACKLOG 4096 /* the kernel caps it at net.core.somaxconn */
 #define NBUCKETS 1024
 
 static void addr_text(const struct sockaddr *sa, socklen_t len, char *buf, size_t n) {
@@ -75,22 +86,23 @@ struct tp_store_server {
   size_t secret_len;
   double io_timeout;
   size_t max_value, max_total, total;
-  int max_clients, quiet;
+  int max_clients;
+  int unauth_soft, unauth_hard;
+  double accept_paused_until; /* out of fds: the listening socket rests until then */
+  store_log_t log;
   conn_t *conns;
   int nconns;
   entry_t *buckets[NBUCKETS];
   size_t nentries;
 };
 
-static void slog(server_t *sv, const char *fmt, ...) TP_PRINTF(2, 3);
-static void slog(server_t *sv, const char *fmt, ...) {
-  if (sv->quiet) return;
-  char msg[1024];
+/* One event in the server's log (rate-limited per kind, store_log.c). */
+static void slog(server_t *sv, store_event_t kind, const char *fmt, ...) TP_PRINTF(3, 4);
+static void slog(server_t *sv, store_event_t kind, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
+  tp_store_vlog(&sv->log, sv->where, kind, tp_now(), fmt, ap);
   va_end(ap);
-  fprintf(stderr, "tpcore store %s: %s\n", sv->where, msg);
 }
 
 static uint64_t hash_key(const uint8_t *k, size_t n) {
@@ -190,14 +202,14 @@ static int reply_err(conn_t *c, const char *fmt, ...) {
 }
 
 /* A refused client: the sentence logged and sent (when it can still read it), then closed. */
-static void refuse(server_t *sv, conn_t *c, const char *fmt, ...) TP_PRINTF(3, 4);
-static void refuse(server_t *sv, conn_t *c, const char *fmt, ...) {
+static void refuse(server_t *sv, conn_t *c, store_event_t kind, const char *fmt, ...) TP_PRINTF(4, 5);
+static void refuse(server_t *sv, conn_t *c, store_event_t kind, const char *fmt, ...) {
   char msg[MAX_ERR_TEXT - 64];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  slog(sv, "client %s: %s; disconnected", c->peer, msg);
+  slog(sv, kind, "client %s: %s; disconnected", c->peer, msg);
   free(c->body), c->body = NULL;
   free(c->parked), c->parked = NULL;
   c->hdr_have = 0;
@@ -258,26 +270,27 @@ static void wake_waiters(server_t *sv) {
     int r = try_answer(sv, c, c->parked, c->parked_len);
     if (r == 0) continue;
     free(c->parked), c->parked = NULL;
-    if (r == 2) refuse(sv, c, "out of memory for a reply");
+    if (r == 2) refuse(sv, c, STORE_EV_SYSTEM, "out of memory for a reply");
   }
 }
 
 static void handle_hello(server_t *sv, conn_t *c, const uint8_t *b, size_t n) {
   if (n != HELLO_BODY || b[0] != OP_HELLO) {
-    refuse(sv, c, "the first message is not a HELLO (not a tpcore store client, or a different version)");
+    refuse(sv, c, STORE_EV_PROTOCOL,
+           "the first message is not a HELLO (not a tpcore store client, or a different version)");
     return;
   }
   uint8_t want[MAC], back[MAC];
   tp_store_hmac3(sv->secret, sv->secret_len, "tpcore-store-v1 client", c->nonce, b + 1, want);
   if (!tp_store_same_mac(want, b + 1 + NONCE)) {
-    refuse(sv, c,
+    refuse(sv, c, STORE_EV_AUTH,
            "authentication failed: the client does not know this job's secret (TPCORE_STORE_SECRET "
            "must be the same on every node)");
     return;
   }
   tp_store_hmac3(sv->secret, sv->secret_len, "tpcore-store-v1 server", b + 1, c->nonce, back);
   if (!reply(c, ST_OK, back, MAC)) {
-    refuse(sv, c, "out of memory for a reply");
+    refuse(sv, c, STORE_EV_SYSTEM, "out of memory for a reply");
     return;
   }
   c->authed = 1;
@@ -289,7 +302,7 @@ static void handle(server_t *sv, conn_t *c, uint8_t *b, size_t n) {
     return;
   }
   if (c->parked) {
-    refuse(sv, c, "sent a request while its previous one was still waiting");
+    refuse(sv, c, STORE_EV_PROTOCOL, "sent a request while its previous one was still waiting");
     return;
   }
   const uint8_t *key;
@@ -300,12 +313,12 @@ static void handle(server_t *sv, conn_t *c, uint8_t *b, size_t n) {
     case OP_SET:
       if (!take_key(b, n, &off, &key, &klen)) break;
       if (n - off > sv->max_value) {
-        refuse(sv, c, "sent a value of %zu bytes (the most is %zu)", n - off, sv->max_value);
+        refuse(sv, c, STORE_EV_PROTOCOL, "sent a value of %zu bytes (the most is %zu)", n - off, sv->max_value);
         return;
       }
       if (!put(sv, key, klen, b + off, n - off, &why)) ok = reply_err(c, "set of key '%.*s': %s", (int)klen, key, why);
       else ok = reply(c, ST_OK, NULL, 0), wake_waiters(sv);
-      if (!ok) refuse(sv, c, "out of memory for a reply");
+      if (!ok) refuse(sv, c, STORE_EV_SYSTEM, "out of memory for a reply");
       return;
     case OP_GET: {
       if (n < 2) break;
@@ -320,7 +333,7 @@ static void handle(server_t *sv, conn_t *c, uint8_t *b, size_t n) {
         c->body = NULL;
         return;
       }
-      if (!ok) refuse(sv, c, "out of memory for a reply");
+      if (!ok) refuse(sv, c, STORE_EV_SYSTEM, "out of memory for a reply");
       return;
     }
     case OP_ADD: {
@@ -340,7 +353,7 @@ static void handle(server_t *sv, conn_t *c, uint8_t *b, size_t n) {
           ok = reply_err(c, "add to key '%.*s': %s", (int)klen, key, why);
         else ok = reply(c, ST_OK, v, 8), wake_waiters(sv);
       }
-      if (!ok) refuse(sv, c, "out of memory for a reply");
+      if (!ok) refuse(sv, c, STORE_EV_SYSTEM, "out of memory for a reply");
       return;
     }
     case OP_WAIT: {
@@ -354,7 +367,7 @@ static void handle(server_t *sv, conn_t *c, uint8_t *b, size_t n) {
       c->body = NULL;
       int r = try_answer(sv, c, b, n);
       if (r != 0) free(c->parked), c->parked = NULL;
-      if (r == 2) refuse(sv, c, "out of memory for a reply");
+      if (r == 2) refuse(sv, c, STORE_EV_SYSTEM, "out of memory for a reply");
       return;
     }
     case OP_DELETE: {
@@ -369,12 +382,13 @@ static void handle(server_t *sv, conn_t *c, uint8_t *b, size_t n) {
         free(e->val);
         free(e);
       }
-      if (!reply(c, ST_OK, &existed, 1)) refuse(sv, c, "out of memory for a reply");
+      if (!reply(c, ST_OK, &existed, 1)) refuse(sv, c, STORE_EV_SYSTEM, "out of memory for a reply");
       return;
     }
-    default: refuse(sv, c, "sent an unknown request (op %u)", (unsigned)b[0]); return;
+    default: refuse(sv, c, STORE_EV_PROTOCOL, "sent an unknown request (op %u)", (unsigned)b[0]); return;
   }
-  refuse(sv, c, "sent a malformed request (op %u, %zu bytes: bad key length or layout)", (unsigned)b[0], n);
+  refuse(sv, c, STORE_EV_PROTOCOL, "sent a malformed request (op %u, %zu bytes: bad key length or layout)",
+         (unsigned)b[0], n);
 }
 
 /* One read from a readable client; its message handled when complete. */
@@ -382,7 +396,7 @@ static void on_readable(server_t *sv, conn_t *c, double now) {
   if (c->hdr_have < 8) {
     ssize_t r = recv(c->fd, c->hdr + c->hdr_have, 8 - c->hdr_have, 0);
     if (r == 0) {
-      if (c->hdr_have) slog(sv, "client %s: closed the connection inside a message", c->peer);
+      if (c->hdr_have) slog(sv, STORE_EV_CLOSED, "client %s: closed the connection inside a message", c->peer);
       c->closing = 2;
       return;
     }
@@ -397,20 +411,21 @@ static void on_readable(server_t *sv, conn_t *c, double now) {
     size_t cap = HELLO_BODY;
     if (c->authed && !max_request(sv->max_value, &cap)) cap = SIZE_MAX;
     if (len == 0 || len > cap) {
-      refuse(sv, c, "sent a message length of %" PRIu64 " bytes (as int64: %" PRId64 "; it must be 1..%zu%s)", len,
+      refuse(sv, c, STORE_EV_PROTOCOL,
+             "sent a message length of %" PRIu64 " bytes (as int64: %" PRId64 "; it must be 1..%zu%s)", len,
              (int64_t)len, cap, c->authed ? "" : " before authentication");
       return;
     }
     c->body = malloc((size_t)len);
     if (!c->body) {
-      refuse(sv, c, "out of memory for a message of %" PRIu64 " bytes", len);
+      refuse(sv, c, STORE_EV_SYSTEM, "out of memory for a message of %" PRIu64 " bytes", len);
       return;
     }
     c->body_len = (size_t)len, c->body_have = 0;
   }
   ssize_t r = recv(c->fd, c->body + c->body_have, c->body_len - c->body_have, 0);
   if (r == 0) {
-    slog(sv, "client %s: closed the connection inside a message", c->peer);
+    slog(sv, STORE_EV_CLOSED, "client %s: closed the connection inside a message", c->peer);
     c->closing = 2;
     return;
   }
@@ -444,28 +459,70 @@ static void on_writable(server_t *sv, conn_t *c, double now) {
   (void)sv, (void)now;
 }
 
-static void on_accept(server_t *sv, double now) {
+/* The oldest connection that has not authenticated (nor been refused); *count: how many. */
+static int oldest_unauthed(server_t *sv, int *count) {
+  int n = 0, oldest = -1;
+  for (int i = 0; i < sv->nconns; i++) {
+    conn_t *c = &sv->conns[i];
+    if (c->authed || c->closing) continue;
+    n++;
+    if (oldest < 0 || c->opened < sv->conns[oldest].opened) oldest = i;
+  }
+  *count = n;
+  return oldest;
+}
+
+/* Room for one more unauthenticated connection (UNAUTH_* above): the oldest one is dropped
+ * when there are UNAUTH_SOFT and it has had UNAUTH_GRACE_S, or there are unauth_hard, or
+ * `force` (the server is out of fds).  Its HELLO may have come in since the last poll: then it
+ * is read instead, and one that has closed is let go without a word. */
+static void make_room(server_t *sv, double now, int force, const char *why) {
+  for (int tries = 0; tries < 4; tries++) {
+    int n, v = oldest_unauthed(sv, &n);
+    if (v < 0 || (!force && n < sv->unauth_soft)) return;
+    conn_t *c = &sv->conns[v];
+    char b;
+    ssize_t r = c->out_len || tries == 3 ? -1 : recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (r == 0) {
+      conn_drop(sv, v);
+      if (force) return;
+      continue;
+    }
+    if (r > 0) {
+      on_readable(sv, c, now);
+      continue;
+    }
+    if (!force && n < sv->unauth_hard && now - c->opened < UNAUTH_GRACE_S) return;
+    slog(sv, STORE_EV_EVICTED,
+         "client %s: dropped before it authenticated, %.3f s after it connected (%d connections were "
+         "authenticating at once%s)",
+         c->peer, now - c->opened, n, why);
+    conn_drop(sv, v);
+    return;
+  }
+}
+
+/* Accepts one connection; 0 when there was none to accept. */
+static int on_accept(server_t *sv, double now) {
   struct sockaddr_storage sa;
   socklen_t sl = sizeof sa;
   int fd = accept4(sv->lfd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
-  if (fd < 0) return;
+  if (fd < 0) {
+    int e = errno, n;
+    if (e != EMFILE && e != ENFILE && e != ENOBUFS && e != ENOMEM) return e == EINTR || e == ECONNABORTED;
+    slog(sv, STORE_EV_SYSTEM, "cannot accept a connection: %s (%d connections are open)", strerror(e), sv->nconns);
+    /* The pending connection keeps the listening socket readable: free an fd, or rest. */
+    if (oldest_unauthed(sv, &n) >= 0) make_room(sv, now, 1, "; the server is out of file descriptors");
+    else sv->accept_paused_until = now + 0.1;
+    return 0;
+  }
   char peer[96];
   addr_text((struct sockaddr *)&sa, sl, peer, sizeof peer);
+  make_room(sv, now, 0, "");
   if (sv->nconns >= sv->max_clients) {
-    slog(sv, "client %s: refused, %d connections are open already (max_clients)", peer, sv->nconns);
+    slog(sv, STORE_EV_FULL, "client %s: refused, %d connections are open already (max_clients)", peer, sv->nconns);
     close(fd);
-    return;
-  }
-  int unauth = 0, oldest = -1;
-  for (int i = 0; i < sv->nconns; i++)
-    if (!sv->conns[i].authed && !sv->conns[i].closing) {
-      unauth++;
-      if (oldest < 0 || sv->conns[i].opened < sv->conns[oldest].opened) oldest = i;
-    }
-  if (unauth >= MAX_UNAUTHED && oldest >= 0) {
-    slog(sv, "client %s: dropped unauthenticated (%d clients were authenticating at once)", sv->conns[oldest].peer,
-         unauth);
-    conn_drop(sv, oldest);
+    return 1;
   }
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -477,26 +534,29 @@ static void on_accept(server_t *sv, double now) {
   memcpy(g, "TPCS", 4);
   g[4] = STORE_VERSION & 0xff, g[5] = g[6] = g[7] = 0;
   if (!tp_store_random_bytes(c->nonce, NONCE)) {
-    slog(sv, "client %s: getrandom failed: %s", peer, strerror(errno));
+    slog(sv, STORE_EV_SYSTEM, "client %s: getrandom failed: %s", peer, strerror(errno));
     close(fd);
-    return;
+    return 1;
   }
   memcpy(g + 8, c->nonce, NONCE);
   c->out = malloc(GREETING);
   if (!c->out) {
+    slog(sv, STORE_EV_SYSTEM, "client %s: out of memory for the greeting", peer);
     close(fd);
-    return;
+    return 1;
   }
   memcpy(c->out, g, GREETING);
   c->out_len = GREETING;
   sv->nconns++;
+  on_writable(sv, c, now); /* the greeting goes out now: the client's clock starts at once */
+  return 1;
 }
 
 static void *serve(void *arg) {
   server_t *sv = arg;
   struct pollfd *pf = malloc(sizeof *pf * (size_t)(sv->max_clients + 2));
   if (!pf) {
-    slog(sv, "out of memory: the store does not serve");
+    slog(sv, STORE_EV_SYSTEM, "out of memory: the store does not serve");
     return NULL;
   }
   for (;;) {
@@ -510,15 +570,18 @@ static void *serve(void *arg) {
         continue;
       }
       if (c->deadline > 0 && now >= c->deadline && !c->closing) {
-        if (!c->authed) slog(sv, "client %s: did not authenticate within %g s; disconnected", c->peer, sv->io_timeout);
-        else
-          slog(sv, "client %s: sent part of a message and then nothing for %g s; disconnected", c->peer,
+        if (!c->authed)
+          slog(sv, STORE_EV_STALLED, "client %s: did not authenticate within %g s; disconnected", c->peer,
                sv->io_timeout);
+        else
+          slog(sv, STORE_EV_STALLED, "client %s: sent part of a message and then nothing for %g s; disconnected",
+               c->peer, sv->io_timeout);
         conn_drop(sv, i);
         continue;
       }
       if (c->out_len && now >= c->out_deadline) {
-        slog(sv, "client %s: did not read its reply within %g s; disconnected", c->peer, sv->io_timeout);
+        slog(sv, STORE_EV_STALLED, "client %s: did not read its reply within %g s; disconnected", c->peer,
+             sv->io_timeout);
         conn_drop(sv, i);
         continue;
       }
@@ -526,7 +589,10 @@ static void *serve(void *arg) {
       if (c->out_len && c->out_deadline < next) next = c->out_deadline;
     }
     pf[0] = (struct pollfd){.fd = sv->wake[0], .events = POLLIN};
-    pf[1] = (struct pollfd){.fd = sv->lfd, .events = POLLIN};
+    tp_store_log_flush(&sv->log, sv->where, now, 0);
+    int resting = now < sv->accept_paused_until;
+    if (resting && sv->accept_paused_until < next) next = sv->accept_paused_until;
+    pf[1] = (struct pollfd){.fd = sv->lfd, .events = resting ? 0 : POLLIN};
     for (int i = 0; i < sv->nconns; i++) {
       conn_t *c = &sv->conns[i];
       short ev = c->out_len ? POLLOUT : (c->closing ? 0 : POLLIN);
@@ -538,7 +604,7 @@ static void *serve(void *arg) {
     int r = poll(pf, (nfds_t)(2 + nconns), ms);
     if (r < 0) {
       if (errno == EINTR) continue;
-      slog(sv, "poll failed: %s; the store stops serving", strerror(errno));
+      slog(sv, STORE_EV_SYSTEM, "poll failed: %s; the store stops serving", strerror(errno));
       break;
     }
     if (pf[0].revents) { /* close: the replies already due go out (one try, never blocking) */
@@ -555,8 +621,12 @@ static void *serve(void *arg) {
       else if (re & POLLIN) on_readable(sv, c, now);
       else if (re & (POLLHUP | POLLERR | POLLNVAL)) c->closing = 2;
     }
-    if (pf[1].revents & POLLIN) on_accept(sv, now);
+    /* A few at a time: a flood waits in the kernel's queue, not the clients behind it. */
+    if (pf[1].revents & POLLIN)
+      for (int k = 0; k < ACCEPTS_PER_ROUND && on_accept(sv, now); k++) {
+      }
   }
+  tp_store_log_flush(&sv->log, sv->where, tp_now(), 1);
   free(pf);
   return NULL;
 }
@@ -602,7 +672,15 @@ tp_status_t tp_store_server_start(const tp_store_config_t *cfg, const char *host
   sv->max_value = max_value;
   sv->max_total = cfg->max_total_bytes ? cfg->max_total_bytes : ((size_t)256 << 20);
   sv->max_clients = cfg->max_clients > 0 ? cfg->max_clients : 1024;
-  sv->quiet = cfg->quiet;
+  sv->log.quiet = cfg->quiet;
+  sv->log.window_start = tp_now();
+  /* Half the connections, and three quarters of the fds, stay for authenticated clients. */
+  int hard = sv->max_clients / 2 < UNAUTH_HARD ? sv->max_clients / 2 : UNAUTH_HARD;
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && (rlim_t)hard > rl.rlim_cur / 4)
+    hard = (int)(rl.rlim_cur / 4);
+  sv->unauth_hard = hard > 1 ? hard : 1;
+  sv->unauth_soft = sv->unauth_hard < UNAUTH_SOFT ? sv->unauth_hard : UNAUTH_SOFT;
   snprintf(sv->where, sizeof sv->where, "%s:%d", host, cfg->port);
   sv->conns = calloc((size_t)sv->max_clients, sizeof(conn_t));
   if (!sv->conns || pipe2(sv->wake, O_CLOEXEC | O_NONBLOCK) != 0) {
@@ -631,7 +709,7 @@ tp_status_t tp_store_server_start(const tp_store_config_t *cfg, const char *host
                           host, cfg->port, host);
     return tp_set_error(TP_ERR_SYSTEM, "store: cannot listen on %s:%d: %s", host, cfg->port, strerror(e));
   }
-  if (listen(sv->lfd, 128) != 0) {
+  if (listen(sv->lfd, LISTEN_BACKLOG) != 0) {
     int e = errno;
     server_free(sv);
     return tp_set_error(TP_ERR_SYSTEM, "store: listen on %s:%d failed: %s", host, cfg->port, strerror(e));

@@ -15,6 +15,10 @@
  * for io_timeout_s (slowloris), disconnects that client with a logged sentence naming
  * its address; the server serves every connection from one poll() loop and never
  * blocks on any of them.  Every client read and write is bounded by the timeout.
+ * Connections that have not authenticated hold at most half the slots (the oldest is
+ * dropped for a new one), and a client dropped before it authenticated tries again, backing
+ * off, until its timeout.  The server's log is rate-limited (a line a second of each kind,
+ * the rest summed up every 10 s).
  *
  * Handles are thread-safe (one call at a time per handle).
  */

@@ -17,7 +17,11 @@ Limits: a key is a str of 1..512 UTF-8 bytes; a value at most max_value_bytes (1
 default, 64 MiB at most).  Every call is bounded by `timeout` seconds (CommTimeout names
 the key); the server drops a client that sends a malformed or oversized message, fails to
 authenticate, or stalls inside a message for io_timeout seconds (default: timeout), and
-logs why on stderr, naming the client's address.
+logs why on stderr, naming the client's address (at most one line a second of each kind,
+the rest summed up every 10 s).  A flood of connections that never authenticate does not
+lock clients out: the server keeps slots for authenticated clients and drops the oldest
+unauthenticated connections, and a client dropped before it authenticated tries again
+(backing off) until its timeout (docs/backends.md).
 """
 from __future__ import annotations
 
@@ -67,9 +71,11 @@ class Store:
     max_value_bytes : int, default 0
         The largest value (0: 1 MiB; at most 64 MiB).
     max_clients : int, default 0
-        The server's open connections at once (0: 1024).
+        The server's open connections at once (0: 1024); at most half of them (and at most
+        512) may be connections that have not authenticated yet.
     quiet : bool, default False
-        The server does not log dropped clients on stderr.
+        The server does not log dropped clients on stderr (the log is rate-limited either
+        way: one line a second of each kind, summed up every 10 s).
 
     Raises
     ------
