@@ -4,9 +4,12 @@
 // kernel body for one thread of a block, parks as DONE, and is resumed for the next block or
 // launch, so a launch makes no context and no system call.  A fiber starts with setcontext;
 // after that the fibers and the scheduler switch with _setjmp / _longjmp, which save no signal
-// mask: swapcontext makes a sigprocmask system call at every switch.  Under ASan, which follows
-// stack switches only through swapcontext, every switch is a swapcontext.  (_FORTIFY_SOURCE's
-// longjmp check refuses jumps between stacks, so it is off in this file.)
+// mask (swapcontext makes a sigprocmask system call at every switch, and under ASan clears the
+// shadow of the whole target stack).  Under ASan each switch is announced to it
+// (__sanitizer_start_switch_fiber / finish_switch_fiber), so it knows which stack runs, and
+// goes through libc's own _longjmp: ASan's interceptor would unpoison the stack left (a system
+// call and a shadow memset per switch) for frames that are not abandoned, only parked.
+// (_FORTIFY_SOURCE's longjmp check refuses jumps between stacks, so it is off in this file.)
 //
 // EMU_REVERSE=1 runs the threads of a block, and the blocks of a grid, in the reverse order.
 #undef _FORTIFY_SOURCE
@@ -16,6 +19,10 @@
 #include <unordered_map>
 
 #include "cuda_emu.h"
+#if defined(__SANITIZE_ADDRESS__)
+#include <dlfcn.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 uint3_ threadIdx, blockIdx;
 dim3 gridDim, blockDim;
 int emu_err;
@@ -25,11 +32,6 @@ uint64_t emu_xbuf[32][32];
 int emu_pred_acc, emu_pred_sum;
 namespace {
 enum { RUN, WAIT0, WAIT1, DONE };
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool fast_switch = false;
-#else
-constexpr bool fast_switch = true;
-#endif
 constexpr size_t kStack = 256 * 1024;
 struct Fiber {
   ucontext_t ctx;  // never moved: glibc's ucontext_t points into itself
@@ -39,31 +41,61 @@ struct Fiber {
   bool started;
 };
 std::vector<std::unique_ptr<Fiber>> fibers;  // grows to the largest block, never shrinks
-ucontext_t sched;
 jmp_buf sched_jb;
 int cur;
 std::function<void()> *body;
 uint64_t block_serial;                        // one per block run, for emu_poison
 std::unordered_map<void *, uint64_t> poisoned;  // a static __shared__ array -> the block it was poisoned for
-void to_scheduler() {  // from the running fiber
-  if (!fast_switch) swapcontext(&fibers[cur]->ctx, &sched);
-  else if (!_setjmp(fibers[cur]->jb)) _longjmp(sched_jb, 1);
+#if defined(__SANITIZE_ADDRESS__)
+const void *sched_bottom;  // the scheduler's stack (the thread's), learnt at the first switch
+size_t sched_size;
+void leaving(const void *bottom, size_t size) { __sanitizer_start_switch_fiber(nullptr, bottom, size); }
+// libc's _longjmp, found once before any switch.  Every switch calls it straight from the
+// function that called _setjmp: a frame left by a jump is never resumed, so it must not be an
+// instrumented one (ASan would find its redzones later, stale, under another frame).
+typedef void (*longjmp_fn)(jmp_buf, int);
+longjmp_fn real_longjmp() {
+  void *libc = dlopen("libc.so.6", RTLD_LAZY | RTLD_NOLOAD);
+  void *f = libc ? dlsym(libc, "_longjmp") : nullptr;
+  if (!f) {
+    fprintf(stderr, "emu: libc's _longjmp not found (%s)\n", dlerror());
+    abort();
+  }
+  return (longjmp_fn)f;
+}
+const longjmp_fn jump = real_longjmp();
+void arrived_in_fiber() { __sanitizer_finish_switch_fiber(nullptr, &sched_bottom, &sched_size); }
+void arrived_in_scheduler() { __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr); }
+#else
+void leaving(const void *, size_t) {}
+#define jump _longjmp
+void arrived_in_fiber() {}
+void arrived_in_scheduler() {}
+const void *sched_bottom;
+size_t sched_size;
+#endif
+void to_scheduler() {  // from the running fiber; returns when the scheduler resumes it
+  if (!_setjmp(fibers[cur]->jb)) {
+    leaving(sched_bottom, sched_size);
+    jump(sched_jb, 1);
+  }
+  arrived_in_fiber();
 }
 void to_fiber(int t) {  // from the scheduler, until the fiber waits or ends
   Fiber &f = *fibers[t];
-  if (!fast_switch) {
-    f.started = true;
-    swapcontext(&sched, &f.ctx);
+  if (_setjmp(sched_jb)) {
+    arrived_in_scheduler();
     return;
   }
-  if (_setjmp(sched_jb)) return;
+  leaving(f.stack.data(), f.stack.size());
   if (!f.started) {
     f.started = true;
     setcontext(&f.ctx);
   }
-  _longjmp(f.jb, 1);
+  jump(f.jb, 1);
 }
 void entry() {  // a fiber's whole life: one thread of a block per turn
+  arrived_in_fiber();
   for (;;) {
     (*body)();
     fibers[cur]->state = DONE;
@@ -88,8 +120,9 @@ void grow(int n) {
   fprintf(stderr, "emu: %s (block %u,%u,%u)\n", what, x, y, z);
   abort();
 }
-// Runs the n threads of the current block until all are done, releasing barriers.
-void run_block(int n, bool rev) {
+// Runs the n threads of the current block until all are done, releasing barriers.  (The
+// scheduler is not what the sanitizers are for: uninstrumented, it costs a third as much.)
+__attribute__((no_sanitize("address", "undefined"))) void run_block(int n, bool rev) {
   const unsigned bx = blockIdx.x, by = blockIdx.y, bz = blockIdx.z;
   const unsigned dx = blockDim.x, dy = blockDim.y;
   emu_pred_acc = 0;

@@ -67,7 +67,7 @@ for f in "$E/driver.cc" "$E/emu_runtime.cc" "$E/cublas_emu.cc"; do
 done
 spawn gcc $CFL -c "$KD/table.c" -o "$OUT/table.o"
 for f in "$ROOT"/csrc/tests/test_kernels*.c; do
-  spawn gcc $CFL -Dtp_kernels_of=emu_kernels_of -c "$f" -o "$OUT/$(basename "$f" .c).o"
+  spawn gcc $CFL -Dtp_kernels_of=emu_kernels_of -Dtp_device_alloc=emu_device_alloc -Dtp_device_free=emu_device_free -c "$f" -o "$OUT/$(basename "$f" .c).o"
 done
 drain
 [ "$failed" = 0 ] || { echo "emu: a compile failed"; exit 1; }
