@@ -17,14 +17,20 @@
 # Usage: csrc/tests/cuda_emu/run.sh [entry...]   (default: every entry of the table)
 #   after `make` (BUILD=dir: the make build directory whose libtpcore.a to link, default build/);
 #   SANITIZE=1: every object under ASan + UBSan (link the core of `make SANITIZE=1`, build-san/),
-#   a finding fails the entry; EMU_JOBS=N: N compilers / runs at a time (default: the cores).
+#   a finding fails the entry; EMU_JOBS=N: N compilers / runs at a time (default: the cores);
+#   EMU_OUT=dir: build and log there, and keep them (default: a temporary folder, removed).
 # Prints one line per entry and order, then "emu: N entries x 2 orders ok" or what failed.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 E=$ROOT/csrc/tests/cuda_emu
 KD=$ROOT/csrc/cuda/kernels
-OUT=$(mktemp -d /tmp/tpcore_cuda_emu.XXXXXX)
-trap 'rm -rf "$OUT"' EXIT
+if [ -n "${EMU_OUT:-}" ]; then # keep the build and the logs there
+  OUT=$EMU_OUT
+  mkdir -p "$OUT"
+else
+  OUT=$(mktemp -d /tmp/tpcore_cuda_emu.XXXXXX)
+  trap 'rm -rf "$OUT"' EXIT
+fi
 SAN=""
 [ "${SANITIZE:-0}" = 1 ] && SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
 BLAS=$(make -s -C "$ROOT" -f Makefile --eval 'print-libs: ; @echo $(LIBS)' print-libs 2>/dev/null || echo "-lopenblas -lpthread -lrt -lm")
@@ -59,8 +65,8 @@ done
 for b in "${CU[@]}"; do python3 "$E/transform.py" "$KD/$b.cu" "$OUT/$b.emu.cc"; done
 for f in "$KD"/*.cuh; do python3 "$E/transform.py" "$f" "$OUT/$(basename "$f" .cuh).emu.h"; done
 python3 "$E/transform.py" "$KD/cublas_api.h" "$OUT/cublas_api.emu.h"
-FL="-std=c++20 -O1 -g $SAN -I$OUT -I$ROOT/csrc/include -I$ROOT/csrc -I$KD -w"
-CFL="-std=c11 -O1 -g $SAN -D_GNU_SOURCE -I$ROOT/csrc/include -I$ROOT/csrc"
+FL="-std=c++20 -O1 -g1 $SAN -I$OUT -I$ROOT/csrc/include -I$ROOT/csrc -I$KD -w"
+CFL="-std=c11 -O1 -g1 $SAN -D_GNU_SOURCE -I$ROOT/csrc/include -I$ROOT/csrc"
 for b in "${CU[@]}"; do spawn g++ $FL -c "$OUT/$b.emu.cc" -o "$OUT/$b.o"; done
 for f in "$E/driver.cc" "$E/emu_runtime.cc" "$E/cublas_emu.cc"; do
   spawn g++ $FL -c "$f" -o "$OUT/$(basename "$f" .cc).o"
