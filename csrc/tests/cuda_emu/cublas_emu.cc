@@ -23,9 +23,9 @@ cublasContext *const fake_handle = reinterpret_cast<cublasContext *>(&handle_sto
 
 double widen(const void *p, int type, int64_t i) {
   switch (type) {
-  case TP_CUDA_R_32F: return ((const float *)p)[i];
-  case TP_CUDA_R_16BF: return tp_bf16_to_float(((const uint16_t *)p)[i]);
-  default: return tp_half_to_float(((const uint16_t *)p)[i]);
+    case TP_CUDA_R_32F: return ((const float *)p)[i];
+    case TP_CUDA_R_16BF: return tp_bf16_to_float(((const uint16_t *)p)[i]);
+    default: return tp_half_to_float(((const uint16_t *)p)[i]);
   }
 }
 
@@ -37,7 +37,8 @@ bool known_op(cublasOperation_t o) { return o == TP_CUBLAS_OP_N || o == TP_CUBLA
 std::vector<double> take(const void *X, int type, cublasOperation_t op, int rows, int cols, int ld) {
   std::vector<double> r((size_t)rows * cols);
   for (int i = 0; i < rows; i++)
-    for (int l = 0; l < cols; l++) r[(size_t)i * cols + l] = widen(X, type, op ? l + (int64_t)i * ld : i + (int64_t)l * ld);
+    for (int l = 0; l < cols; l++)
+      r[(size_t)i * cols + l] = widen(X, type, op ? l + (int64_t)i * ld : i + (int64_t)l * ld);
   return r;
 }
 
@@ -77,7 +78,8 @@ cublasStatus_t sgemv(cublasHandle_t h, cublasOperation_t t, int m, int n, const 
   if (!known_op(t) || m < 0 || n < 0 || lda < std::max(1, m) || incx == 0 || incy == 0 || !alpha || !beta)
     return INVALID_VALUE;
   int ny = t ? n : m, nx = t ? m : n; /* op(A) is ny x nx */
-  if (ny == 0) return 0; /* BLAS: a negative stride walks the vector from its end */
+  if (ny == 0) return 0;
+  /* BLAS: a negative stride walks the vector from its end */
   for (int i = 0; i < ny; i++) {
     double s = 0;
     for (int l = 0; l < nx; l++) {
@@ -116,10 +118,9 @@ tp_cublas_api emu_api() {
   a.GemmEx = gemm_ex;
   return a;
 }
-}  // namespace
+} // namespace
 
-extern "C" tp_status_t tp_cublas_get(const char *op, tp_stream_t s, const tp_cublas_api **api,
-                                     cublasHandle_t *handle) {
+extern "C" tp_status_t tp_cublas_get(const char *op, tp_stream_t s, const tp_cublas_api **api, cublasHandle_t *handle) {
   static const tp_cublas_api a = emu_api();
   (void)op, (void)s;
   *api = &a;

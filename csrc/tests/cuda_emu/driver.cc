@@ -40,4 +40,4 @@ struct say_order {
     fflush(stdout);
   }
 } say_order_;
-}  // namespace
+} // namespace

@@ -34,20 +34,20 @@ namespace {
 enum { RUN, WAIT0, WAIT1, DONE };
 constexpr size_t kStack = 256 * 1024;
 struct Fiber {
-  ucontext_t ctx;  // never moved: glibc's ucontext_t points into itself
+  ucontext_t ctx; // never moved: glibc's ucontext_t points into itself
   jmp_buf jb;
   std::vector<char> stack;
   int state;
   bool started;
 };
-std::vector<std::unique_ptr<Fiber>> fibers;  // grows to the largest block, never shrinks
+std::vector<std::unique_ptr<Fiber>> fibers; // grows to the largest block, never shrinks
 jmp_buf sched_jb;
 int cur;
 std::function<void()> *body;
-uint64_t block_serial;                        // one per block run, for emu_poison
-std::unordered_map<void *, uint64_t> poisoned;  // a static __shared__ array -> the block it was poisoned for
+uint64_t block_serial;                         // one per block run, for emu_poison
+std::unordered_map<void *, uint64_t> poisoned; // a static __shared__ array -> the block it was poisoned for
 #if defined(__SANITIZE_ADDRESS__)
-const void *sched_bottom;  // the scheduler's stack (the thread's), learnt at the first switch
+const void *sched_bottom; // the scheduler's stack (the thread's), learnt at the first switch
 size_t sched_size;
 void leaving(const void *bottom, size_t size) { __sanitizer_start_switch_fiber(nullptr, bottom, size); }
 // libc's _longjmp, found once before any switch.  Every switch calls it straight from the
@@ -74,14 +74,14 @@ void arrived_in_scheduler() {}
 const void *sched_bottom;
 size_t sched_size;
 #endif
-void to_scheduler() {  // from the running fiber; returns when the scheduler resumes it
+void to_scheduler() { // from the running fiber; returns when the scheduler resumes it
   if (!_setjmp(fibers[cur]->jb)) {
     leaving(sched_bottom, sched_size);
     jump(sched_jb, 1);
   }
   arrived_in_fiber();
 }
-void to_fiber(int t) {  // from the scheduler, until the fiber waits or ends
+void to_fiber(int t) { // from the scheduler, until the fiber waits or ends
   Fiber &f = *fibers[t];
   if (_setjmp(sched_jb)) {
     arrived_in_scheduler();
@@ -94,12 +94,12 @@ void to_fiber(int t) {  // from the scheduler, until the fiber waits or ends
   }
   jump(f.jb, 1);
 }
-void entry() {  // a fiber's whole life: one thread of a block per turn
+void entry() { // a fiber's whole life: one thread of a block per turn
   arrived_in_fiber();
   for (;;) {
     (*body)();
     fibers[cur]->state = DONE;
-    to_scheduler();  // resumed for a thread of a later block
+    to_scheduler(); // resumed for a thread of a later block
   }
 }
 void grow(int n) {
@@ -167,7 +167,7 @@ __attribute__((no_sanitize("address", "undefined"))) void run_block(int n, bool 
     die("deadlock", bx, by, bz);
   }
 }
-}  // namespace
+} // namespace
 void emu_wait(int kind) {
   fibers[cur]->state = kind ? WAIT1 : WAIT0;
   to_scheduler();
@@ -185,8 +185,16 @@ void emu_launch(dim3 g, dim3 b, size_t smem, std::function<void()> f) {
     emu_err = 1;
     return;
   }
-  if (smem > 48 * 1024 && smem > emu_smem_limit) { fprintf(stderr, "emu: smem %zu over the limit\n", smem); emu_err = 1; return; }
-  if (smem > 227 * 1024) { fprintf(stderr, "emu: smem %zu over 227 KB\n", smem); emu_err = 1; return; }
+  if (smem > 48 * 1024 && smem > emu_smem_limit) {
+    fprintf(stderr, "emu: smem %zu over the limit\n", smem);
+    emu_err = 1;
+    return;
+  }
+  if (smem > 227 * 1024) {
+    fprintf(stderr, "emu: smem %zu over 227 KB\n", smem);
+    emu_err = 1;
+    return;
+  }
   static const bool rev = getenv("EMU_REVERSE") != nullptr && *getenv("EMU_REVERSE");
   gridDim = g, blockDim = b;
   std::vector<float> buf(smem / 4 + 1);
