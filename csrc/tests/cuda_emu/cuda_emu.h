@@ -77,14 +77,22 @@ inline int __syncthreads_or(int p) { return __syncthreads_count(p) != 0; }
 inline int __syncthreads_and(int p) { return __syncthreads_count(p) == (int)(blockDim.x * blockDim.y * blockDim.z); }
 inline unsigned emu_tid() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
 // One exchange slot per lane: each lane stores its value, the warp waits, each reads its source
-// lane's, the warp waits again (so no slot is overwritten before every lane has read).
+// lane's, the warp waits again (so no slot is overwritten before every lane has read).  The
+// scheduler releases a warp's shuffle when every lane of its mask has arrived, and stops the run
+// when a lane of the mask has exited or waits at __syncthreads instead (undefined on a GPU).
 extern uint64_t emu_xbuf[32][32];
+extern unsigned emu_xmask[32];
+[[noreturn]] void emu_bad_shuffle(const char *what);
 template <class T>
-inline T emu_shfl(T x, int src) {
+inline T emu_shfl(unsigned mask, T x, int src) {
   static_assert(sizeof(T) <= 8, "a shuffle moves 4 or 8 bytes");
   unsigned w = emu_tid() / 32, l = emu_tid() % 32;
+  if (!(mask >> l & 1)) emu_bad_shuffle("a lane outside its own mask shuffles");
+  if (!(mask >> (src & 31) & 1)) emu_bad_shuffle("a shuffle reads a lane outside the mask");
   std::memcpy(&emu_xbuf[w][l], &x, sizeof x);
+  emu_xmask[w] = mask;
   emu_wait(1);
+  if (emu_xmask[w] != mask) emu_bad_shuffle("the lanes of a shuffle give different masks");
   T y;
   std::memcpy(&y, &emu_xbuf[w][src & 31], sizeof y);
   emu_wait(1);
@@ -98,16 +106,16 @@ inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dsub_rn(double a, double b) { return a - b; }
 template <class T>
-inline T __shfl_xor_sync(unsigned, T x, int o) {
-  return emu_shfl(x, (int)(emu_tid() % 32) ^ o);
+inline T __shfl_xor_sync(unsigned mask, T x, int o) {
+  return emu_shfl(mask, x, (int)(emu_tid() % 32) ^ o);
 }
 template <class T>
-inline T __shfl_sync(unsigned, T x, int c) {
-  return emu_shfl(x, c);
+inline T __shfl_sync(unsigned mask, T x, int c) {
+  return emu_shfl(mask, x, c);
 }
 template <class T>
-inline T __shfl_down_sync(unsigned, T x, unsigned d) {
+inline T __shfl_down_sync(unsigned mask, T x, unsigned d) {
   unsigned l = emu_tid() % 32;
-  return emu_shfl(x, (int)(l + d < 32 ? l + d : l));
+  return emu_shfl(mask, x, (int)(l + d < 32 ? l + d : l));
 }
 void emu_launch(dim3 g, dim3 b, size_t smem, std::function<void()> f);

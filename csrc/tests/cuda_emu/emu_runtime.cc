@@ -29,6 +29,7 @@ int emu_err;
 size_t emu_smem_limit;
 float *emu_smem;
 uint64_t emu_xbuf[32][32];
+unsigned emu_xmask[32];
 int emu_pred_acc, emu_pred_sum;
 namespace {
 enum { RUN, WAIT0, WAIT1, DONE };
@@ -143,18 +144,20 @@ __attribute__((no_sanitize("address", "undefined"))) void run_block(int n, bool 
     for (int t = 0; t < n; t++) done += fibers[t]->state == DONE, w0 += fibers[t]->state == WAIT0;
     if (done == n) return;
     bool released = false;
-    for (int w = 0; w < n / 32; w++) { /* a warp whose live lanes all wait at a shuffle */
-      int live = 0, w1 = 0, at0 = 0;
+    for (int w = 0; w < n / 32; w++) { /* a warp whose lanes of the mask all wait at a shuffle */
+      unsigned at1 = 0, gone = 0, at0 = 0;
       for (int l = 0; l < 32; l++) {
         int s = fibers[w * 32 + l]->state;
-        live += s != DONE, w1 += s == WAIT1, at0 += s == WAIT0;
+        at1 |= (unsigned)(s == WAIT1) << l, gone |= (unsigned)(s == DONE) << l, at0 |= (unsigned)(s == WAIT0) << l;
       }
-      if (live && w1 == live) {
+      if (!at1) continue;
+      unsigned mask = emu_xmask[w];
+      if (mask & gone) die("a shuffle's mask names lanes that have exited", bx, by, bz);
+      if (mask & at0) die("divergent shuffle/syncthreads in a warp", bx, by, bz);
+      if ((at1 & mask) == mask) {
         for (int l = 0; l < 32; l++)
-          if (fibers[w * 32 + l]->state == WAIT1) fibers[w * 32 + l]->state = RUN;
+          if (at1 >> l & 1) fibers[w * 32 + l]->state = RUN;
         released = true;
-      } else if (w1 && at0) {
-        die("divergent shuffle/syncthreads", bx, by, bz);
       }
     }
     if (released) continue;
@@ -168,6 +171,11 @@ __attribute__((no_sanitize("address", "undefined"))) void run_block(int n, bool 
   }
 }
 } // namespace
+void emu_bad_shuffle(const char *what) {
+  fprintf(stderr, "emu: %s (block %u,%u,%u, thread %u,%u,%u)\n", what, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x,
+          threadIdx.y, threadIdx.z);
+  abort();
+}
 void emu_wait(int kind) {
   fibers[cur]->state = kind ? WAIT1 : WAIT0;
   to_scheduler();
