@@ -136,7 +136,10 @@ def test_every_cuda_entry_under_the_host_emulator_asan(c_builds):
                        env=dict(os.environ, SANITIZE="1", BUILD=str(lib), EMU_JOBS=str(min(2, os.cpu_count() or 1))))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    assert len(emulated) + len(NOT_EMULATED) == len(table_entries())
+    n = len(table_entries())
+    assert len(emulated) + len(NOT_EMULATED) == n
+    # the functions that ran are the CUDA table's, none a CPU stand-in
+    assert f"emu table: {n} entries, {n} of the CUDA table, 0 of the CPU table" in out, out
     for order in ("forward", "reverse"):  # each entry in both orders (the order a run took is its own report)
         for e in emulated:
             assert len(re.findall(rf"^\[{order}\] cudaemu {e}: ok ", out, re.M)) == 1, f"{e} ({order}):\n{out}"

@@ -19,6 +19,11 @@ extern "C" const tp_kernel_ops *emu_kernels_of(tp_device_t d) {
     t.device = TP_DEVICE_CPU; /* device memory is host memory here */
     t.name = "cudaemu";
     init = 1;
+    int n = 0, cuda = 0, cpu = 0; /* whose function each entry is (the test counts them) */
+#define EMU_COUNT_(e) n++, cuda += t.e == tp_cuda_##e, cpu += t.e == tp_cpu_kernel_ops.e;
+    TP_KERNEL_ENTRIES(EMU_COUNT_)
+#undef EMU_COUNT_
+    printf("emu table: %d entries, %d of the CUDA table, %d of the CPU table\n", n, cuda, cpu);
   }
   return &t;
 }

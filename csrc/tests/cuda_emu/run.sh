@@ -19,7 +19,8 @@
 #   SANITIZE=1: every object under ASan + UBSan (link the core of `make SANITIZE=1`, build-san/),
 #   a finding fails the entry; EMU_JOBS=N: N compilers / runs at a time (default: the cores);
 #   EMU_OUT=dir: build and log there, and keep them (default: a temporary folder, removed).
-# Prints one line per entry and order, then "emu: N entries x 2 orders ok" or what failed.
+# Prints whose functions fill the emulated table ("emu table: N entries, N of the CUDA table, 0 of
+# the CPU table"), one line per entry and order, then "emu: N entries x 2 orders ok" or what failed.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 E=$ROOT/csrc/tests/cuda_emu
@@ -82,10 +83,17 @@ drain
 g++ $SAN -o "$OUT/emu_test" "$OUT"/*.o "${BUILD:-$ROOT/build}/libtpcore.a" $BLAS
 
 export ASAN_OPTIONS=detect_stack_use_after_return=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
-entries=("$@")
-if [ ${#entries[@]} -eq 0 ]; then # the table's entries, as the harness lists them
-  read -r -a entries <<<"$("$OUT/emu_test" no_such_entry | sed -n 's/^entries: //p')"
+# the table's entries as the harness lists them, and whose functions fill the emulated table
+"$OUT/emu_test" no_such_entry >"$OUT/list" 2>&1 || true
+table=$(sed -n 's/^emu table: //p' "$OUT/list")
+echo "emu table: $table"
+if ! [[ "$table" =~ ^([0-9]+)\ entries,\ ([0-9]+)\ of\ the\ CUDA\ table,\ 0\ of ]] ||
+  [ "${BASH_REMATCH[1]}" != "${BASH_REMATCH[2]}" ]; then
+  echo "emu: FAIL: the emulated table is not the CUDA table: $(head -c 2000 "$OUT/list")"
+  exit 1
 fi
+entries=("$@")
+[ ${#entries[@]} -gt 0 ] || read -r -a entries <<<"$(sed -n 's/^entries: //p' "$OUT/list")"
 # each (entry, order) is its own process, $jobs at a time; then the report, in order
 one() { # entry order(0|1)
   local s=$SECONDS rc=0
@@ -101,7 +109,8 @@ for e in "${entries[@]}"; do
   for rev in 0 1; do
     f=$OUT/out.$e.$rev
     order=$(sed -n 's/^emu order: \([a-z]*\).*/\1/p' "$f")
-    grep -v '^entries\|^covered\|^device\|^cuda plugin\|^emu order\|^[0-9]* passed' "$f" | head -20 | sed "s/^/[$order] /"
+    grep -v '^entries\|^covered\|^device\|^cuda plugin\|^emu order\|^emu table\|^[0-9]* passed' "$f" | head -20 |
+      sed "s/^/[$order] /"
     if ! grep -q "^cudaemu $e: ok" "$f" || grep -q ": FAIL\|runtime error\|Sanitizer\|^emu: " "$f" ||
       ! grep -q '^rc 0,' "$f" || [ "$order" != "$([ $rev = 1 ] && echo reverse || echo forward)" ]; then
       bad+=("$e ($order)")
