@@ -24,6 +24,10 @@
 #   bench   python -m tpcore.bench gpu: GEMM TFLOP/s vs torch.matmul, decode tok/s and TTFT vs
 #           Hugging Face generate, per-rank GPU memory
 #
+# Without a GPU the tests run the same parity cases of every CUDA entry on a host emulator
+# (csrc/tests/cuda_emu, under ASan+UBSan): the kernels' logic.  This script is the one that runs them
+# on the hardware: nvcc's code, cuBLAS, NCCL, the device memory paths, timing.
+#
 # It fails soft: a step that cannot run (no GPU, no library, out of time) becomes a "not run: <why>"
 # row and the summary is still printed.  Exit status: 0 every row ran and passed; 1 something failed
 # or timed out; 3 nothing failed but some row did not run (e.g. no GPU).

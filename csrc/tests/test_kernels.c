@@ -339,8 +339,8 @@ static void case_kv_cache_write(void) {
 /* ------------------------------------------------------------- checks that read data */
 
 static void case_check_range(void) {
-  const int64_t ns[] = {0, 1, 9, 1000};
-  for (size_t c = 0; c < 4; c++)
+  const int64_t ns[] = {0, 1, 9, 1000, 2500}; /* past one block of threads (CUDA: 1024) */
+  for (size_t c = 0; c < 5; c++)
     for (int plant = 0; plant < 3; plant++) { /* none, a value below, a value at hi */
       int64_t n = ns[c], *x = hmem((size_t)n * 8 + 8), res[1], want = -1;
       for (int64_t i = 0; i < n; i++) x[i] = rnd_int(-5, 10);
@@ -358,8 +358,8 @@ static void case_check_range(void) {
 }
 
 static void case_xent_targets(void) {
-  const int64_t ns[] = {0, 1, 9, 301};
-  for (size_t c = 0; c < 4; c++)
+  const int64_t ns[] = {0, 1, 9, 301, 2500}; /* past one block of threads (CUDA: 1024) */
+  for (size_t c = 0; c < 5; c++)
     for (int plant = 0; plant < 2; plant++) {
       int64_t n = ns[c], vocab = 37, ign = -100, *t = hmem((size_t)n * 8 + 8), *out = hmem((size_t)n * 8 + 8);
       int64_t *ro = hmem((size_t)n * 8 + 8), want[2] = {-1, 0}, res[2];
@@ -427,8 +427,9 @@ static void case_embedding_forward(void) {
 }
 
 static void case_embedding_backward(void) {
-  const int64_t sz[][2] = {{0, 5}, {1, 1}, {9, 5}, {40, 33}};
-  for (size_t c = 0; c < 4; c++) {
+  /* 600 rows: CUDA's scans of the tokens take 256 at a time (first occurrence, then the repeats) */
+  const int64_t sz[][2] = {{0, 5}, {1, 1}, {9, 5}, {40, 33}, {600, 3}};
+  for (size_t c = 0; c < 5; c++) {
     int64_t M = sz[c][0], C = sz[c][1], V = 7, lo = 10, *tok = hmem((size_t)M * 8 + 8);
     for (int64_t m = 0; m < M; m++) tok[m] = rnd_int(5, 20); /* repeats: rows add up */
     float *dt = rnd(V * C, -1, 1), *dout = rnd(M * C, -1, 1);

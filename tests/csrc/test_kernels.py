@@ -62,32 +62,91 @@ def test_entries_list_matches_the_table_struct():
     text = (ROOT / "csrc/kernels/kernels_impl.h").read_text()
     struct = text[text.index("typedef struct tp_kernel_ops"):text.index("} tp_kernel_ops;")]
     fields = re.findall(r"\(\*(\w+)\)\(", struct)
-    listed = re.findall(r"X\((\w+)\)", text[text.index("#define TP_KERNEL_ENTRIES"):])
-    assert fields == listed
+    assert fields == table_entries()
 
 
-@pytest.mark.slow  # ~2 min of emulated threads; the parity harness itself runs in test_kernel_parity
-def test_cuda_entries_under_the_host_emulator(c_builds):
-    """The CUDA attention and low-precision entries (csrc/cuda/kernels/attention*.cu, lowp.cu,
-    quant.cu, with a host stand-in for cublasGemmEx that checks its arguments) through the same
-    parity cases on the host: csrc/tests/cuda_emu runs each CUDA thread as a fiber with cooperative
-    barriers and shuffles, shared memory poisoned with NaN, fibers in both orders.  Checks the
-    kernels' index math, masks, tiles, online softmax, split-K and backward sums, and the
-    quantized weight formats' cases (quant_<entry>: dequantization bit for bit, the decode GEMV,
-    the panel GEMMs) where no GPU is; the GPU machine runs the real thing (test_kernel_parity)."""
+def table_entries():
+    """TP_KERNEL_ENTRIES of csrc/kernels/kernels_impl.h, in order."""
+    text = (ROOT / "csrc/kernels/kernels_impl.h").read_text()
+    return re.findall(r"X\((\w+)\)", text[text.index("#define TP_KERNEL_ENTRIES"):text.index("TP_KERNEL_COUNT_ONE_")])
+
+
+# Entries of the CUDA table the host emulator cannot run, each with the reason (none: every entry
+# runs; cublas_emu.cc emulates the cuBLAS calls).  An entry added to the table runs there too, or
+# fails the test below, unless it is listed here.
+NOT_EMULATED = {}
+# The entries with extra cases for the quantized weight formats (int8, q8_0, q4_0, q4_1, q4_k,
+# q5_k, q6_k: the decode GEMV, the panel GEMM, dx, the embedding), test_kernels_qlp.c.
+QUANT_ENTRIES = ("linear_lp_workspace", "linear_forward_lp", "linear_backward_lp", "embedding_forward_lp")
+EMU = ROOT / "csrc/tests/cuda_emu"
+KERNELS = ROOT / "csrc/cuda/kernels"
+
+
+def test_emulator_takes_every_cuda_file(tmp_path):
+    """The cheap half of the emulator test below: transform.py rewrites every .cu / .cuh file of
+    the CUDA table for the host (no launch or __shared__ left over; a launch or declaration it does
+    not know is an error), every cuBLAS function the kernels call has a host stand-in in
+    cublas_emu.cc, and every entry of the table is emulated or listed in NOT_EMULATED."""
+    import subprocess
+    import sys
+    files = sorted(KERNELS.glob("*.cu")) + sorted(KERNELS.glob("*.cuh"))
+    assert len(files) >= 15
+    launches = 0
+    for f in files:
+        out = tmp_path / (f.name + ".cc")
+        r = subprocess.run([sys.executable, str(EMU / "transform.py"), str(f), str(out)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        text = out.read_text()
+        assert "<<<" not in text and "__shared__" not in text, f
+        launches += text.count("emu_launch(")
+        if "__shared__" in f.read_text().replace("extern __shared__", ""):
+            assert "emu_poison(" in text, f  # the static shared arrays are poisoned per block
+    assert launches >= 30
+    called = set()
+    for f in files:
+        called |= set(re.findall(r"api->(\w+)\(", f.read_text()))
+    assert {"Sgemm", "Sgemv", "GemmEx"} <= called
+    provided = set(re.findall(r"a\.(\w+) = ", (EMU / "cublas_emu.cc").read_text()))
+    assert called - provided == set(), "cuBLAS calls the emulator lacks"
+    entries = table_entries()
+    assert len(entries) == len(set(entries)) >= 40
+    assert set(NOT_EMULATED) <= set(entries)
+
+
+@pytest.mark.sanitized
+@pytest.mark.slow  # builds the CUDA table for the host under ASan; test_emulator_takes_every_cuda_file: quick part
+def test_every_cuda_entry_under_the_host_emulator_asan(c_builds):
+    """Every entry of the CUDA kernel table (csrc/cuda/kernels/table.c: all of TP_KERNEL_ENTRIES)
+    and the quantized-weight cases (quant_<entry>) through the parity harness on the host, under
+    ASan + UBSan: csrc/tests/cuda_emu/run.sh runs each CUDA thread as a fiber with cooperative
+    barriers and shuffles, shared memory poisoned per block, device memory exact-sized and
+    never zeroed, cuBLAS as a host GEMM that checks its arguments; each entry in the forward and
+    the reverse order of threads and blocks.  Checks the kernels' index math, masks, tiles,
+    reductions, the online softmax, split-K, the GEMM arguments and workspace layouts, and the
+    quantized formats' dequantization bit for bit, where no GPU is; scripts/gpu_check.sh runs
+    the same harness on a GPU (test_kernel_parity there)."""
     import shutil
     import subprocess
     if not shutil.which("g++") or not shutil.which("make"):
         pytest.skip("needs g++ (C++20) and make")
-    lib = build(c_builds, False, "libtpcore.a")  # the core of test_kernel_parity's build, not a build of its own
-    r = subprocess.run([str(ROOT / "csrc/tests/cuda_emu/run.sh")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=1200, env=dict(os.environ, BUILD=str(lib)))
-    assert r.returncode == 0, r.stdout + r.stderr
-    for e in ("positions", "kv_cache_write", "attention_workspace", "attention_forward", "attention_backward",
-              "convert", "linear_lp_workspace", "linear_forward_lp", "linear_backward_lp", "embedding_forward_lp"):
-        assert len(re.findall(rf"^(\(reverse order\) )?cudaemu {e}: ok ", r.stdout, re.M)) == 2, r.stdout
-    for e in ("linear_lp_workspace", "linear_forward_lp", "linear_backward_lp", "embedding_forward_lp"):
-        assert len(re.findall(rf"^cudaemu quant_{e}: ok ", r.stdout, re.M)) == 2, r.stdout
+    lib = build(c_builds, True, "libtpcore.a")  # test_kernel_parity_under_asan_ubsan's core, not a build of its own
+    emulated = [e for e in table_entries() if e not in NOT_EMULATED]
+    r = subprocess.run([str(EMU / "run.sh"), *emulated], cwd=ROOT, capture_output=True, text=True, timeout=1500,
+                       env=dict(os.environ, SANITIZE="1", BUILD=str(lib), EMU_JOBS=str(min(2, os.cpu_count() or 1))))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    n = len(table_entries())
+    assert len(emulated) + len(NOT_EMULATED) == n
+    # the functions that ran are the CUDA table's, none a CPU stand-in
+    assert f"emu table: {n} entries, {n} of the CUDA table, 0 of the CPU table" in out, out
+    for order in ("forward", "reverse"):  # each entry in both orders (the order a run took is its own report)
+        for e in emulated:
+            assert len(re.findall(rf"^\[{order}\] cudaemu {e}: ok ", out, re.M)) == 1, f"{e} ({order}):\n{out}"
+        for e in QUANT_ENTRIES:
+            assert len(re.findall(rf"^\[{order}\] cudaemu quant_{e}: ok ", out, re.M)) == 1, f"quant_{e}:\n{out}"
+    assert f"emu: {len(emulated)} entries x 2 orders ok (ASan + UBSan)" in out
+    assert "FAIL" not in out and "Sanitizer" not in out and "runtime error" not in out, out
 
 
 # ---------------------------------------------------------------- 16-bit weights
