@@ -12,6 +12,11 @@ import pytest
 from conftest import run_fresh
 import gguf_mutations
 
+# under ASan+UBSan (tests/csrc/test_sanitized.py) the bounds are the sanitizers': ASan's shadow
+# memory and quarantine add ~150 MB of resident memory and its checks slow Python several times
+SANITIZED = os.environ.get("TPCORE_UNDER_SANITIZER") == "1"
+SECONDS, RSS = (10.0, None) if SANITIZED else (2.0, 200 << 20)
+
 
 def _smollm2():
     try:
@@ -50,11 +55,11 @@ def test_every_mutation_is_refused_quickly_and_small(tmp_path, world):
             if cls != "CheckpointError" or not msg.startswith(work + ": ") or \
                     any(w not in msg for w in words[name]):
                 wrong.append((rank, name, cls, msg.replace(work, "<file>"), words[name]))
-            if seconds >= 2.0:
+            if seconds >= SECONDS:
                 wrong.append((rank, name, f"{seconds:.2f} s"))
             if rank > 0 and parsed:
                 wrong.append((rank, name, "parsed a file rank 0 had refused"))
-        assert r["maxrss"] < 200 << 20, (rank, r["maxrss"] >> 20, "MiB")
+        assert RSS is None or r["maxrss"] < RSS, (rank, r["maxrss"] >> 20, "MiB")
     assert not wrong, "\n".join(map(repr, wrong))
     assert os.path.getsize(work) == os.path.getsize(src)
     with open(work, "rb") as a, open(src, "rb") as b:     # every edit undone
@@ -77,5 +82,6 @@ def test_estimate_memory_refuses_a_forged_block_count(tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(tpcore.CheckpointError, match=r"forged\.gguf: metadata key 'llama\.block_count'.*2147483647"):
         tpcore.models.estimate_memory(work, 2)
-    assert time.perf_counter() - t0 < 2.0
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10   # KiB: < 100 MiB more
+    assert time.perf_counter() - t0 < SECONDS
+    if RSS is not None:
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10   # KiB: < 100 MiB more
