@@ -6,7 +6,7 @@
 #   TP_CUDA_DIRS     the CUDA plugin libtpcore_cuda.so: every *.cu (nvcc) and *.c (cc) of these,
 #                    plus csrc/core/dtype.c, dynlib_sym.c (setup.py's build_ext; `make CUDA=1`)
 #   TP_MPI_DIRS      the MPI plugin libtpcore_mpi.so: every *.c of these (mpicc's flags), plus
-#                    csrc/core/dtype.c
+#                    csrc/core/dtype.c and csrc/comm/late.c
 # Every C file of csrc/ outside csrc/tests is in exactly one of them (tests/project/test_build.py).
 TP_CORE_DIRS := csrc/core csrc/devices csrc/kernels csrc/kernels/cpu csrc/comm csrc/comm/shm csrc/comm/nccl csrc/comm/store csrc/comm/mpi csrc/cuda csrc/layers
 TP_PYTHON_DIRS := csrc/python
@@ -17,5 +17,5 @@ TP_CUDA_DIRS := csrc/cuda/plugin csrc/cuda/kernels
 TP_CUDA_EXTRA := csrc/core/dtype.c csrc/core/dynlib_sym.c
 TP_CUDA_MAP := csrc/cuda/plugin/plugin.map
 TP_MPI_DIRS := csrc/comm/mpi/plugin
-TP_MPI_EXTRA := csrc/core/dtype.c
+TP_MPI_EXTRA := csrc/core/dtype.c csrc/comm/late.c
 TP_MPI_MAP := csrc/comm/mpi/plugin/plugin.map

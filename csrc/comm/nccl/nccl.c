@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "../../core/dynlib.h"
+#include "../late.h"
 #include "nccl_impl.h"
 #include "../shm/shm_impl.h" /* tp_shm_proc_starttime */
 #include "../shm/shm_seg.h"
@@ -353,30 +354,7 @@ void tp_nccl_laggards(nccl_ctx *x, char *buf, size_t cap) {
     else continue;
     if (!late[p][0]) late[p][0] = '-';
   }
-  size_t len = 0; /* the late ranks, grouped by their last call */
-  for (int p = 0; p < n && len + 1 < cap; p++) {
-    if (!late[p][0]) continue;
-    char call[T];
-    memcpy(call, late[p], T);
-    int count = 0;
-    for (int q = p; q < n; q++) count += !strcmp(late[q], call);
-    len += (size_t)snprintf(buf + len, cap - len, "%s rank%s", len ? ";" : ":", count > 1 ? "s" : "");
-    for (int q = p, first = 1; q < n && len + 1 < cap; q++)
-      if (!strcmp(late[q], call)) {
-        len += (size_t)snprintf(buf + len, cap - len, "%s%d", first ? " " : ", ", q);
-        late[q][0] = '\0';
-        first = 0;
-      }
-    if (len + 1 >= cap) break;
-    if (call[0] == '+')
-      len += (size_t)snprintf(buf + len, cap - len, " %s not finished init", count > 1 ? "have" : "has");
-    else if (call[0] == '-')
-      len += (size_t)snprintf(buf + len, cap - len, " did not arrive (%s made no collective call yet)",
-                              count > 1 ? "they have" : "it has");
-    else
-      len += (size_t)snprintf(buf + len, cap - len, " did not arrive (%s last call: %s)", count > 1 ? "their" : "its",
-                              call);
-  }
+  tp_late_ranks(&late[0][0], n, T, "no collective call", buf, cap);
   free(late);
 }
 

@@ -4,6 +4,7 @@
  * collectives (avg included) and point to point.
  */
 #include "mpi_impl.h"
+#include "../../late.h"
 
 static MPI_Datatype dt_f16 = MPI_DATATYPE_NULL, dt_bf16 = MPI_DATATYPE_NULL, dt_i128 = MPI_DATATYPE_NULL;
 static MPI_Op user_ops[4] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL}; /* sum prod min max */
@@ -176,29 +177,8 @@ static void why_missing(struct tp_comm *comm, mpi_ctx *x, const void *arg, char 
     if (d[D_SEQ]) call_and_site(d, last[p], T);
     else snprintf(last[p], T, "-");
   }
-  size_t len = 0;
   if (!nmiss) snprintf(buf, cap, " (every rank arrived at it; this rank's description of it did not reach them all)");
-  for (int p = 0; p < n && nmiss && len + 1 < cap; p++) {
-    if (!last[p][0]) continue;
-    char call[T];
-    memcpy(call, last[p], T);
-    int count = 0;
-    for (int q = p; q < n; q++) count += !strcmp(last[q], call);
-    len += (size_t)snprintf(buf + len, cap - len, "%s rank%s", len ? ";" : ":", count > 1 ? "s" : "");
-    for (int q = p, first = 1; q < n && len + 1 < cap; q++)
-      if (!strcmp(last[q], call)) {
-        len += (size_t)snprintf(buf + len, cap - len, "%s%d", first ? " " : ", ", q);
-        last[q][0] = '\0';
-        first = 0;
-      }
-    if (len + 1 >= cap) break;
-    if (strcmp(call, "-"))
-      len += (size_t)snprintf(buf + len, cap - len, " did not arrive (%s last call: %s)", count > 1 ? "their" : "its",
-                              call);
-    else
-      len += (size_t)snprintf(buf + len, cap - len, " did not arrive (%s made no call on this communicator yet)",
-                              count > 1 ? "they have" : "it has");
-  }
+  else tp_late_ranks(&last[0][0], n, T, "no call on this communicator", buf, cap);
   free(last);
 }
 
