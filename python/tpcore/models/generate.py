@@ -195,13 +195,14 @@ def logits_error(who: str, what: str, step: int, code: int) -> ValueError:
                       f"inputs hold NaN/Inf?)")
 
 
-def sample(logits, temperature, top_k, rng, who: str = "sample", step: int = 0):
+def sample(logits, temperature, top_k, rng, who: str = "sample", step: int = 0, checked: bool = False):
     """The next token of each row of logits (n, vocab): the argmax at temperature 0, else drawn
     from the softmax of logits / temperature (of the top_k largest when top_k) with rng.  A row
     holding NaN or +inf, or all -inf, is a ValueError naming who, the row ("sequence i") and
-    step (`logits_error`), greedy or not: no token is returned for it."""
-    codes = bad_logits(logits)
-    if codes.any():
+    step (`logits_error`), greedy or not: no token is returned for it.  checked: the caller
+    has already looked at the rows with `bad_logits` (the Engine, PipelineLM): not again."""
+    codes = None if checked else bad_logits(logits)
+    if codes is not None and codes.any():
         i = int(np.flatnonzero(codes)[0])
         raise logits_error(who, f"sequence {i}", step, codes[i])
     if temperature <= 0:

@@ -606,7 +606,7 @@ class PipelineLM:
                 last = np.ascontiguousarray(h[rows])
                 logits = st.gather_logits(st.logits_shard(last))
                 codes = bad_logits(logits)  # (< 0: no token; broadcast instead, so every stage says why)
-                nxt = codes if codes.any() else sample(logits, temperature, top_k, rng, "generate", i)
+                nxt = codes if codes.any() else sample(logits, temperature, top_k, rng, "generate", i, checked=True)
             if P > 1:
                 self.pp.broadcast(nxt, root=P - 1)
             if nxt.min() < 0:

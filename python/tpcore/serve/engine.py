@@ -307,8 +307,8 @@ class Engine:
             out = np.zeros(len(reqs), np.int64)
             for i, r in enumerate(reqs):
                 if not codes[i]:
-                    out[i] = sample(logits[i:i + 1], r.temperature, r.top_k, r._rng)[0] if r.temperature > 0 \
-                        else int(logits[i].argmax())
+                    out[i] = (sample(logits[i:i + 1], r.temperature, r.top_k, r._rng, checked=True)[0]
+                              if r.temperature > 0 else int(logits[i].argmax()))
         return np.where(codes < 0, codes, out)
 
     def _emit(self, reqs: List[Request], nxt: np.ndarray, now: float) -> List[Request]:
