@@ -154,4 +154,12 @@ void tp_hist_end(struct tp_comm *comm, tp_status_t st, double dt, size_t bytes);
 /* "all_reduce(sum, 4096 float32)", "broadcast(16 int8, root 1)", "barrier", "send(8 float32 to 1)". */
 void tp_coll_describe(char *buf, size_t n, int kind, int dtype, int redop, uint64_t count, int root, int src);
 
+/* Appends to buf (cap bytes, NUL-terminated) the ranks that did not arrive at a timed-out call,
+ * grouped by their last call: ": ranks 0, 3 did not arrive (their last call: all_reduce #61); rank 4
+ * has not finished init" (late.c, one wording for the mpi and nccl backends).  last holds n rows of
+ * w bytes: "" for a rank that arrived, "-" for one that has made no call yet (no_call says what
+ * kind: "no collective call"), "+" for one still in init, else its last call.  The rows are
+ * consumed (cleared).  Returns the length written. */
+size_t tp_late_ranks(char *last, int n, size_t w, const char *no_call, char *buf, size_t cap);
+
 #endif

@@ -1,9 +1,9 @@
 /* The late ranks of a timed-out call, grouped by their last call: one wording for the mpi
  * and nccl backends (the mpi plugin compiles this file in: TP_MPI_EXTRA). */
-#include "late.h"
-
 #include <stdio.h>
 #include <string.h>
+
+#include "comm_impl.h"
 
 size_t tp_late_ranks(char *last, int n, size_t w, const char *no_call, char *buf, size_t cap) {
   size_t len = 0;

@@ -16,7 +16,6 @@
 #include <unistd.h>
 
 #include "../../core/dynlib.h"
-#include "../late.h"
 #include "nccl_impl.h"
 #include "../shm/shm_impl.h" /* tp_shm_proc_starttime */
 #include "../shm/shm_seg.h"

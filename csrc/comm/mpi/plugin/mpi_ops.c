@@ -4,7 +4,6 @@
  * collectives (avg included) and point to point.
  */
 #include "mpi_impl.h"
-#include "../../late.h"
 
 static MPI_Datatype dt_f16 = MPI_DATATYPE_NULL, dt_bf16 = MPI_DATATYPE_NULL, dt_i128 = MPI_DATATYPE_NULL;
 static MPI_Op user_ops[4] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL}; /* sum prod min max */
