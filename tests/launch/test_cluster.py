@@ -535,7 +535,8 @@ def test_a_communicator_that_cannot_be_set_up_raises_and_leaves_nothing():
     if tpcore._C.Comm.probe("nccl") is None:
         pytest.skip("NCCL is usable here")
     before = children()
-    with pytest.raises(tpcore.CommError, match="rank 0 raised CommError: init: backend nccl"):
+    # both ranks fail the same way; whichever answers first is reported
+    with pytest.raises(tpcore.CommError, match=r"rank [01] raised CommError: init: backend nccl"):
         tpcore.Cluster(2, backend="nccl")
     assert children() <= before
 
