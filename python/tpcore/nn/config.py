@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from tpcore.utils.args import bool_arg, int_arg, real_arg, shown
 from tpcore.io.formats import MISSING, CheckpointError, ConfigFields, bad, read_json_object
@@ -13,7 +13,10 @@ from tpcore.nn.partition import partition
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
-ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "swiglu", "geglu")
+GATED = ("swiglu", "geglu")   # fc1 holds [gate; up] (2 * ffn_hidden rows)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
 @dataclasses.dataclass
@@ -43,7 +46,8 @@ class Config:
     norm : {"layernorm", "rmsnorm"}, default "layernorm"
     eps : float, default 1e-5
         The norms' epsilon, >= 0.
-    activation : {"gelu", "gelu_tanh", "silu", "relu", "swiglu"}, default "gelu_tanh"
+    activation : {"gelu", "gelu_tanh", "silu", "relu", "swiglu", "geglu"}, default "gelu_tanh"
+        swiglu: silu(gate) * up (Llama); geglu: gelu_tanh(gate) * up (Gemma).
     positions : {"learned", "rope", "none"}, default "learned"
         Learned position embeddings (GPT-2, BERT), rotary (Llama; head_dim even), or none.
     max_positions : int, default 1024
@@ -65,9 +69,49 @@ class Config:
     embedding_norm : bool, default False
         A norm after the embeddings (BERT).
     sliding_window : int, optional
-        Mistral's window: longer sequences are refused (not implemented).  Default None.
+        A query sees only the keys of its last `sliding_window` positions (itself
+        included) on the layers `layer_types` makes sliding (Mistral: all of them); their
+        KV cache holds only the window.  Default None: no window.
     model_type : str, default "gpt2"
         The Hugging Face model_type it came from.
+    qkv_bias, out_bias, mlp_bias : bool, optional
+        Biases on the Q/K/V projections, the attention output projection and the MLP's
+        (Qwen2: only qkv_bias).  Default None: `bias`.
+    qk_norm : bool, default False
+        A per-head norm (`norm`, weight head_dim) on Q and K before the rotary embedding
+        (Qwen3, Gemma 3).
+    post_norms : bool, default False
+        Norms on the attention and MLP outputs before their residual adds (Gemma 2/3:
+        ``attn_post_norm``, ``mlp_post_norm``; ``norm2`` is then the pre-MLP norm).
+    norm_unit_offset : bool, default False
+        The checkpoint stores an RMSNorm weight w that scales by (1 + w) (Gemma); tpcore
+        holds 1 + w (loading adds 1, saving subtracts it).
+    attn_scale : float, optional
+        The scale of the attention scores.  Default None: head_dim ** -0.5 (Gemma:
+        query_pre_attn_scalar ** -0.5).
+    attn_softcap, final_softcap : float, optional
+        > 0: attention scores (before the mask), resp. the logits, become
+        cap * tanh(x / cap) (Gemma 2).  Default None: none.
+    embed_scale : float, optional
+        The token embedding's rows are multiplied by it (Gemma: sqrt(hidden)).
+    layer_types : tuple of str, optional
+        Per layer "full_attention" or "sliding_attention" (Gemma 2/3).  Default None:
+        every layer sliding when sliding_window is set, else full.
+    rope_scaling : dict, optional
+        Hugging Face's rope scaling (``rope_type`` in ROPE_TYPES and its fields:
+        linear, dynamic, yarn, longrope, llama3); tpcore.nn.rope turns it into the rotary
+        frequencies.  Default None: plain RoPE with rope_theta.
+    rope_local_theta : float, optional
+        The sliding layers' rotary base, without rope_scaling (Gemma 3).  Default None:
+        rope_theta and rope_scaling on every layer.
+    experts, experts_per_token : int, default 0
+        A sparse MoE MLP (Mixtral, Qwen3-MoE): experts of ffn_hidden columns each, each
+        token routed to its top experts_per_token.  0: a dense MLP.
+    norm_topk_prob : bool, default True
+        The top-k routing weights renormalized to sum to 1 (Mixtral).
+    router_aux_loss_coef : float, default 0.0
+        The weight of the router's load-balancing loss in `loss` (transformers'
+        output_router_logits training).
 
     Raises
     ------
@@ -97,8 +141,25 @@ class Config:
     type_vocab_size: int = 0                # BERT token types (0: none)
     final_norm: bool = True                 # a norm after the last block (pre-norm models)
     embedding_norm: bool = False            # a norm after the embeddings (BERT)
-    sliding_window: Optional[int] = None    # Mistral: longer sequences are refused (not implemented)
+    sliding_window: Optional[int] = None    # keys of the last sliding_window positions only (sliding layers)
     model_type: str = "gpt2"
+    qkv_bias: Optional[bool] = None         # None: bias
+    out_bias: Optional[bool] = None         # None: bias
+    mlp_bias: Optional[bool] = None         # None: bias
+    qk_norm: bool = False                   # per-head norm of Q and K before rotary (Qwen3, Gemma 3)
+    post_norms: bool = False                # norms after attention and MLP, before the residuals (Gemma 2/3)
+    norm_unit_offset: bool = False          # the checkpoint's norms scale by (1 + w) (Gemma): tpcore holds 1 + w
+    attn_scale: Optional[float] = None      # None: head_dim ** -0.5
+    attn_softcap: Optional[float] = None    # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: Optional[float] = None   # logits -> cap * tanh(logits / cap) (Gemma 2)
+    embed_scale: Optional[float] = None     # token embeddings times it (Gemma: sqrt(hidden))
+    layer_types: Optional[Tuple[str, ...]] = None  # per layer: "full_attention" | "sliding_attention"
+    rope_scaling: Optional[Dict[str, Any]] = None  # Hugging Face's rope scaling dict (rope_type in ROPE_TYPES)
+    rope_local_theta: Optional[float] = None       # the sliding layers' rotary base, unscaled (Gemma 3)
+    experts: int = 0                        # MoE: experts per layer (0: dense MLP)
+    experts_per_token: int = 0              # MoE: top-k
+    norm_topk_prob: bool = True             # MoE: renormalize the top-k weights
+    router_aux_loss_coef: float = 0.0       # MoE: the load-balancing loss's weight in loss()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden", "layers", "heads"):
@@ -139,6 +200,51 @@ class Config:
             setattr(self, name, bool_arg(getattr(self, name), "Config", name))
         if not isinstance(self.model_type, str):
             raise TypeError(f"Config: model_type must be a string, got {shown(self.model_type)}")
+        self._check_families()
+
+    def _check_families(self) -> None:
+        """The fields of the model families beyond GPT-2 / Llama / BERT."""
+        for name in ("qkv_bias", "out_bias", "mlp_bias"):
+            v = getattr(self, name)
+            setattr(self, name, self.bias if v is None else bool_arg(v, "Config", name))
+        for name in ("qk_norm", "post_norms", "norm_unit_offset", "norm_topk_prob"):
+            setattr(self, name, bool_arg(getattr(self, name), "Config", name))
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "embed_scale", "rope_local_theta"):
+            if getattr(self, name) is not None:
+                setattr(self, name, real_arg(getattr(self, name), "Config", name, lo=0, lo_open=True))
+        if self.layer_types is not None:
+            if isinstance(self.layer_types, (str, bytes)) or not isinstance(self.layer_types, Sequence):
+                raise TypeError(f"Config: layer_types must be a sequence of {LAYER_TYPES}, got "
+                                f"{shown(self.layer_types)}")
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.layers:
+                raise ValueError(f"Config: layer_types has {len(self.layer_types)} entries for {self.layers} layers")
+            for i, t in enumerate(self.layer_types):
+                if t not in LAYER_TYPES:
+                    raise ValueError(f"Config: layer_types[{i}] must be one of {LAYER_TYPES}, got {t!r}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("Config: layer_types has sliding layers but sliding_window is None")
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict):
+                raise TypeError(f"Config: rope_scaling must be a dict, got {shown(self.rope_scaling)}")
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ROPE_TYPES:
+                raise ValueError(f"Config: rope_scaling's rope_type {kind!r} is not supported (supported: "
+                                 f"{', '.join(ROPE_TYPES)})")
+            if self.positions != "rope":
+                raise ValueError("Config: rope_scaling needs positions='rope'")
+        self.experts = int_arg(self.experts, "Config", "experts", lo=0)
+        self.experts_per_token = int_arg(self.experts_per_token, "Config", "experts_per_token", lo=0,
+                                         hi=max(self.experts, 0))
+        if self.experts and not self.experts_per_token:
+            raise ValueError("Config: a MoE (experts > 0) needs experts_per_token >= 1")
+        self.router_aux_loss_coef = real_arg(self.router_aux_loss_coef, "Config", "router_aux_loss_coef", lo=0)
+
+    def sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
 
     def validate(self) -> "Config":
         """Check the fields again (a Config is mutable: cfg.eps = -1 after construction).
