@@ -130,9 +130,12 @@ typedef struct tp_kernel_ops {
   tp_status_t (*rmsnorm_backward)(tp_stream_t s, float *dx, float *dw, const float *dy, const float *x, const float *w,
                                   const float *rstd, int64_t M, int64_t C);
   /* In place on `heads` heads of D (even) values at the start of each of `rows` rows of
-   * stride ld; row m at position pos[m]; inverse turns back (backward). */
+   * stride ld; row m at position pos[m]; the pair (i, i + D/2) turns by pos * inv_freq[i]
+   * (inv_freq: D/2 floats of the device, or NULL: theta^(-2i/D)), cos and sin times factor
+   * (> 0; 1: a plain rotation); inverse applies the transpose (the backward: the angle
+   * negated, the factor kept). */
   tp_status_t (*rope)(tp_stream_t s, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D, const int64_t *pos,
-                      float theta, int inverse);
+                      const float *inv_freq, float theta, float factor, int inverse);
 
   /* ---- attention (tp_attention_args in tpcore/kernels.h has the layouts) ---------- */
   /* Bytes of workspace for forward (backward = 0; 0 when probs are kept) or backward;

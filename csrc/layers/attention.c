@@ -56,7 +56,7 @@ tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in,
   int64_t M = k->B * k->T, D = k->D;
   TP_CHECK(lk_linear_forward(&k->lk, k->qkv, in, &k->Wqkv, k->bqkv, M, k->C, k->W, stream));
   if (k->cfg.rope_theta > 0 && k->nq) /* Q and K heads are adjacent */
-    TP_CHECK(lk_rope(&k->lk, k->qkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 0, stream));
+    TP_CHECK(lk_rope(&k->lk, k->qkv, M, k->W, k->nq + k->nk, D, k->pos, NULL, k->cfg.rope_theta, 1.0f, 0, stream));
   if (use_cache && k->nk)
     TP_CHECK(lk_kv_cache_write(&k->lk, k->kc, k->vc, k->qkv + k->nq * D, k->qkv + (k->nq + k->nk) * D, k->W, k->pos0,
                                k->have_slots ? k->slot : NULL, k->B, k->T, k->clen, k->nk * D, stream));
@@ -225,7 +225,7 @@ tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *d
       return st;
     }
     if (k->cfg.rope_theta > 0)
-      TP_CHECK(lk_rope(&k->lk, k->dqkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 1, stream));
+      TP_CHECK(lk_rope(&k->lk, k->dqkv, M, k->W, k->nq + k->nk, D, k->pos, NULL, k->cfg.rope_theta, 1.0f, 1, stream));
   }
   if (k->kv_replicated) TP_CHECK(kv_snapshot(k, stream));
   float *r = k->red.ptr;

@@ -34,7 +34,7 @@ static tp_status_t check_config(const tp_block_config_t *cfg) {
   if (cfg->rope_theta > 0 && D % 2)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: rotary positions need an even head_dim, got %lld",
                         (long long)D);
-  if ((unsigned)cfg->norm > TP_NORM_RMS || (unsigned)cfg->activation > TP_ACT_SWIGLU)
+  if ((unsigned)cfg->norm > TP_NORM_RMS || (unsigned)cfg->activation > TP_ACT_LAST)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: unknown norm or activation");
   /* GEMM dimensions go to BLAS as 32-bit ints: hidden and the QKV width (heads + 2 kv_heads) x head_dim */
   int64_t qkv_w;

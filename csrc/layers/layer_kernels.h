@@ -305,9 +305,10 @@ static inline tp_status_t lk_rmsnorm_backward(const tp_lk *c, float *dx, float *
   LK_THROTTLED(c, s, c->k->rmsnorm_backward(s, dx, dw, dy, x, w, rstd, M, C));
 }
 static inline tp_status_t lk_rope(const tp_lk *c, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D,
-                                  const int64_t *pos, float theta, int inverse, tp_stream_t s) {
+                                  const int64_t *pos, const float *inv_freq, float theta, float factor, int inverse,
+                                  tp_stream_t s) {
   if (rows <= 0) return TP_SUCCESS;
-  LK_THROTTLED(c, s, c->k->rope(s, x, rows, ld, heads, D, pos, theta, inverse));
+  LK_THROTTLED(c, s, c->k->rope(s, x, rows, ld, heads, D, pos, inv_freq, theta, factor, inverse));
 }
 /* pos[b * T + t] = pos0[b] + t, klen[b] = pos0[b] + T */
 static inline tp_status_t lk_positions(const tp_lk *c, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B,

@@ -2,7 +2,7 @@
  * kernels.c: the core's tensor kernels as module functions, one binding each, for the
  * tests and for the Python model code outside the C layers: linear_forward/backward
  * (tpcore's BLAS; 16-bit and quantized weights), norm_forward/backward (layernorm,
- * rmsnorm), act_forward/backward, add, fill, embedding_forward/backward, the optimizer
+ * rmsnorm), act_forward/backward, rope_apply, add, fill, embedding_forward/backward, the optimizer
  * steps adamw_step and sgd_step (in place) and convert (float32, bfloat16, float16).
  *
  * Every tensor argument is a NumPy array, a tpcore.DeviceArray or any DLPack tensor, all
@@ -336,9 +336,9 @@ static PyObject *act_call(PyObject *mod, PyObject *args, int backward) {
   KCALL(backward ? "act_backward" : "act_forward", mod);
   tp_tensor h, dout, y;
   if (kc_in(&c, ho, "h", 0, 0, &h, NULL) < 0 || f32_matrix(&c, &h, "h") < 0) return kc_fail(&c);
-  int64_t M = h.shape[0], C = h.shape[1], F = act == TP_ACT_SWIGLU ? C / 2 : C;
-  if (act == TP_ACT_SWIGLU && C % 2) {
-    PyErr_Format(PyExc_ValueError, "%s: swiglu needs an even number of columns [gate | up], got %lld", c.op,
+  int64_t M = h.shape[0], C = h.shape[1], F = tp_act_gated(act) ? C / 2 : C;
+  if (tp_act_gated(act) && C % 2) {
+    PyErr_Format(PyExc_ValueError, "%s: %s needs an even number of columns [gate | up], got %lld", c.op, name,
                  (long long)C);
     return kc_fail(&c);
   }
@@ -357,6 +357,30 @@ static PyObject *act_call(PyObject *mod, PyObject *args, int backward) {
 
 static PyObject *act_forward(PyObject *m, PyObject *args) { return act_call(m, args, 0); }
 static PyObject *act_backward(PyObject *m, PyObject *args) { return act_call(m, args, 1); }
+
+/* ---- rotary positions ------------------------------------------------------------------ */
+
+/* rope_apply(x[rows, >= heads * D], pos[rows] int64, heads, D, inv_freq=None, theta=10000.0,
+ * factor=1.0, inverse=False) -> None: x turned in place (tp_rope_apply has the form). */
+static PyObject *rope_apply(PyObject *mod, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"x", "pos", "heads", "D", "inv_freq", "theta", "factor", "inverse", NULL};
+  PyObject *xo, *po, *fo = Py_None;
+  long long heads, D;
+  float theta = 10000.0f, factor = 1.0f;
+  int inverse = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOLL|Offp:rope_apply", kwlist, &xo, &po, &heads, &D, &fo, &theta,
+                                   &factor, &inverse))
+    return NULL;
+  KCALL("rope_apply", mod);
+  tp_tensor x, pos, f;
+  const tp_tensor *fp = NULL;
+  if (kc_in(&c, xo, "x", 1, 0, &x, NULL) < 0 || kc_in(&c, po, "pos", 0, 0, &pos, NULL) < 0 ||
+      kc_in(&c, fo, "inv_freq", 0, 1, &f, &fp) < 0)
+    return kc_fail(&c);
+  tp_status_t s;
+  KRUN(s, tp_rope_apply(NULL, &x, &pos, heads, D, fp, theta, factor, inverse));
+  return kc_done(&c, s, s == TP_SUCCESS ? Py_NewRef(Py_None) : NULL);
+}
 
 /* ---- elementwise ------------------------------------------------------------------------ */
 
@@ -607,6 +631,8 @@ PyMethodDef kernel_methods[] = {
      "norm_backward(kind, dy, x, w, mean, rstd, dw, db) -> dx; dw and db accumulate"},
     {"act_forward", act_forward, METH_VARARGS, "act_forward(name, h, out=None) -> act(h)"},
     {"act_backward", act_backward, METH_VARARGS, "act_backward(name, h, dout, out=None) -> dh"},
+    {"rope_apply", (PyCFunction)(void (*)(void))rope_apply, METH_VARARGS | METH_KEYWORDS,
+     "rope_apply(x, pos, heads, D, inv_freq=None, theta=10000.0, factor=1.0, inverse=False): x turned in place"},
     {"add", add, METH_VARARGS, "add(y, a, b): y = a + b"},
     {"fill", fill, METH_VARARGS, "fill(y, value)"},
     {"embedding_forward", embedding_forward, METH_VARARGS, "embedding_forward(tokens, table, lo=0) -> rows"},

@@ -29,7 +29,7 @@ import numpy as np
 from tpcore.io.formats import CheckpointError, bad, open_tensors, to_float32
 from tpcore.io.formats import base_row_index, row_runs, split_row_index
 from tpcore.io.stream import read_into
-from tpcore.nn.config import Config
+from tpcore.nn.config import GATED, Config
 
 _open = open_tensors  # every tensor of a checkpoint folder, read on indexing (the tests' old name)
 
@@ -380,7 +380,7 @@ def expected_shapes(cfg: Config, kind: str):
                         p + "output.dense.weight": (C, F), p + "output.dense.bias": (C,)})
     else:   # tpcore's own names (TransformerLM.state_dict_full)
         ln = cfg.norm == "layernorm"
-        g = 2 if cfg.activation == "swiglu" else 1
+        g = 2 if cfg.activation in GATED else 1
 
         def norm(name):
             req[name + ".weight"] = (C,)

@@ -28,7 +28,7 @@ from tpcore.io import formats
 from tpcore.utils.args import int_arg, shown
 from tpcore.utils.dtypes import block_size, is_quantized, row_bytes, weight_formats
 from tpcore.nn.common import MEMORY_KEYS
-from tpcore.nn.config import ACTIVATIONS, NORMS, POSITIONS, Config
+from tpcore.nn.config import ACTIVATIONS, GATED, NORMS, POSITIONS, Config
 from tpcore.nn.partition import partition as partition_dim
 from tpcore.nn.partition import partition_sizes
 from tpcore.models.norm import _array_device
@@ -254,7 +254,7 @@ def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu
     """One rank's bytes by MEMORY_KEYS: its heads (q0, nq, k0, nk), f FFN columns and Vr vocabulary
     rows, B sequences, P tokens per inference forward, T tokens of cache."""
     C, D, L = cfg.hidden, cfg.head_dim, cfg.layers
-    g = 2 if cfg.activation == "swiglu" else 1
+    g = 2 if cfg.activation in GATED else 1
     ln = cfg.norm == "layernorm"
     M = B * P
     _, nq, _, nk = head

@@ -130,7 +130,7 @@ class Config:
     head_dim: Optional[int] = None          # None: hidden // heads
     norm: str = "layernorm"                 # "layernorm" | "rmsnorm"
     eps: float = 1e-5
-    activation: str = "gelu_tanh"           # gelu, gelu_tanh, silu, relu, swiglu
+    activation: str = "gelu_tanh"           # gelu, gelu_tanh, silu, relu, swiglu, geglu
     positions: str = "learned"              # "learned" (GPT-2, BERT) | "rope" (Llama) | "none"
     max_positions: int = 1024
     rope_theta: float = 10000.0

@@ -41,7 +41,7 @@ from tpcore.utils.dtypes import FLOAT_FORMATS, is_quantized, weight_formats
 from tpcore.distributed.comm import Comm
 from tpcore.io.formats import to_float32
 from tpcore.nn.common import as_float32, check_grad, dev_back, dev_f32, kept_output, layer_memory, zero
-from tpcore.nn.config import Config
+from tpcore.nn.config import GATED, Config
 from tpcore.nn.partition import check_partition, partition_sizes
 from tpcore.nn.quant import QuantTensor, as_format, dequantize
 from tpcore.nn.weights import _host, load_weight
@@ -180,7 +180,7 @@ class TransformerBlock:
         warn_headless_ranks(self.head_partition, cfg.heads, comm, type(self).__name__)
         self._p = self._c.params()  # (param, grad) views; grad None until _alloc_grads or a backward
         self._grads = False
-        g = 2 if cfg.activation == "swiglu" else 1
+        g = 2 if cfg.activation in GATED else 1
         self.ffn_local = self._p["mlp.fc1.weight"][0].shape[0] // g if "mlp.fc1.weight" in self._p else 0
         offs = comm.all_gather(np.array([self.ffn_local], np.int64))
         self.ffn_offset = int(offs[:comm.rank].sum())
@@ -228,7 +228,7 @@ class TransformerBlock:
         nq, nk = self.nq * D, self.nk * D
         lo, n = self.ffn_offset, self.ffn_local
         F = cfg.ffn_hidden
-        fc1_rows = (np.r_[lo:lo + n, F + lo:F + lo + n] if cfg.activation == "swiglu" else np.arange(lo, lo + n))
+        fc1_rows = (np.r_[lo:lo + n, F + lo:F + lo + n] if cfg.activation in GATED else np.arange(lo, lo + n))
         out = {
             "norm1.weight": ("norm1.weight", slice(None), slice(None)),
             "norm1.bias": ("norm1.bias", slice(None), slice(None)),
@@ -262,7 +262,7 @@ class TransformerBlock:
         """The shape of every full tensor of the block, by its full name (module doc)."""
         cfg, D = self.config, self.config.head_dim
         C, H, Hk, F = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
-        g = 2 if cfg.activation == "swiglu" else 1
+        g = 2 if cfg.activation in GATED else 1
         shapes = {"norm1.weight": (C,), "norm1.bias": (C,), "norm2.weight": (C,), "norm2.bias": (C,),
                   "attn.q.weight": (H * D, C), "attn.k.weight": (Hk * D, C), "attn.v.weight": (Hk * D, C),
                   "attn.q.bias": (H * D,), "attn.k.bias": (Hk * D,), "attn.v.bias": (Hk * D,),
@@ -395,7 +395,7 @@ class TransformerBlock:
                 out[name] = comm.all_gather(mine, axis=1, sizes=[s for _, s in self.ffn_partition])
                 continue
             if name.startswith("mlp.fc1"):
-                g = 2 if cfg.activation == "swiglu" else 1
+                g = 2 if cfg.activation in GATED else 1
                 blocks = comm.all_gather(mine, sizes=[g * s for _, s in self.ffn_partition])
                 if g == 2:
                     o, gates, ups = 0, [], []
