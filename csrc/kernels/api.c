@@ -417,8 +417,7 @@ static tp_status_t check_inv_freq(tp_kcall *c, const tp_tensor *t, int64_t n, tp
   if (n > 0 && c->dev != TP_DEVICE_CPU) {
     size_t nb;
     if (!tp_mul_size((size_t)n, sizeof(float), &nb) || !(host = malloc(nb)))
-      return tp_set_error(TP_ERR_NOMEM, "%s: no host memory to check inv_freq (%lld floats)", c->op,
-                          (long long)n);
+      return tp_set_error(TP_ERR_NOMEM, "%s: no host memory to check inv_freq (%lld floats)", c->op, (long long)n);
     tp_status_t st = tp_device_copy(TP_DEVICE_CPU, host, c->dev, t->data, nb, s);
     if (st == TP_SUCCESS) st = tp_device_sync(c->dev, c->id, s);
     if (st != TP_SUCCESS) {

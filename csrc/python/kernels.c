@@ -368,8 +368,8 @@ static PyObject *rope_apply(PyObject *mod, PyObject *args, PyObject *kw) {
   long long heads, D;
   float theta = 10000.0f, factor = 1.0f;
   int inverse = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOLL|Offp:rope_apply", kwlist, &xo, &po, &heads, &D, &fo, &theta,
-                                   &factor, &inverse))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOLL|Offp:rope_apply", kwlist, &xo, &po, &heads, &D, &fo, &theta, &factor,
+                                   &inverse))
     return NULL;
   KCALL("rope_apply", mod);
   tp_tensor x, pos, f;

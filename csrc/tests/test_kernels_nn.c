@@ -303,7 +303,8 @@ void case_rope(void) {
     for (int mode = 0; mode < 4; mode++) { /* inverse = mode & 1; mode >= 2: a table and a factor */
       int inv = mode & 1, tab = mode >= 2;
       int64_t R = cfg[c][0], H = cfg[c][1], D = cfg[c][2], ld = H * D + cfg[c][3], half = D / 2;
-      float theta = 10000.0f, factor = tab ? 1.25f : 1.0f, *x = rnd(R * ld, -1, 1), *got = hmem((size_t)(R * ld) * 4 + 4);
+      float theta = 10000.0f, factor = tab ? 1.25f : 1.0f, *x = rnd(R * ld, -1, 1),
+            *got = hmem((size_t)(R * ld) * 4 + 4);
       float *table = rnd(half + 1, 1e-4f, 1.0f); /* Llama 3 / YaRN tables: any positive frequencies */
       int64_t *pos = hmem((size_t)R * 8 + 8);
       double *ref = dz(R * ld + 1), *mag = dz(R * ld + 1);
@@ -322,7 +323,8 @@ void case_rope(void) {
         }
       }
       float *dx = DPUTF(x, R * ld);
-      ok("rope", K->rope(NULL, dx, R, ld, H, D, DPUTI(pos, R), tab ? DPUTF(table, half + 1) : NULL, theta, factor, inv));
+      ok("rope",
+         K->rope(NULL, dx, R, ld, H, D, DPUTI(pos, R), tab ? DPUTF(table, half + 1) : NULL, theta, factor, inv));
       GETF(got, dx, R * ld);
       expect("x", got, ref, R * ld, 5 * U, 0, mag); /* cos/sin rounded, times factor, two products and a sum */
     }

@@ -8,7 +8,6 @@ default (table-less) path against the old theta formula in float32 bit for bit; 
 kernel and ParallelMLP at world 1 and 2) against torch's gelu(approximate="tanh") * up and
 autograd in float64."""
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest

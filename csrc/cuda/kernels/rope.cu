@@ -31,8 +31,7 @@ __global__ void tpk_rope(float *x, int64_t rows, int64_t ld, int64_t heads, int6
 }
 
 extern "C" tp_status_t tp_cuda_rope(tp_stream_t s, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D,
-                                    const int64_t *pos, const float *inv_freq, float theta, float factor,
-                                    int inverse) {
+                                    const int64_t *pos, const float *inv_freq, float theta, float factor, int inverse) {
   int64_t half = D / 2;
   if (rows == 0 || half == 0 || heads == 0) return TP_SUCCESS;
   tpk_rope<<<tpk_grid(rows * half, TPK_THREADS), TPK_THREADS, 0, tpk_stream(s)>>>(x, rows, ld, heads, D, pos, inv_freq,

@@ -53,8 +53,7 @@ TP_VECTOR_CLONES static void swiglu_bwd(float *restrict dg, float *restrict du, 
 }
 
 /* GeGLU on one row: gelu_tanh as gelu_tanh_fwd / gelu_tanh_bwd compute it. */
-TP_VECTOR_CLONES static void geglu_fwd(float *restrict o, const float *restrict g, const float *restrict u,
-                                       int64_t F) {
+TP_VECTOR_CLONES static void geglu_fwd(float *restrict o, const float *restrict g, const float *restrict u, int64_t F) {
   for (int64_t j = 0; j < F; j++) {
     float x = g[j];
     o[j] = 0.5f * x * (1.0f + ftanh(SQRT_2_OVER_PI * (x + 0.044715f * x * x * x))) * u[j];
