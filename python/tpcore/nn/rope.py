@@ -41,11 +41,12 @@ dynamic rope keeps the longest table it has grown to until a forward falls back 
 ``max_position_embeddings``; here the table is always that of the forward's own seq_len
 (transformers' at a fresh start).
 
-The powers ``theta^e`` are correctly rounded to float32 (float64 ``pow`` rounded once);
-transformers' CPU ``pow`` on float32 vectors (SLEEF, within 1 ulp) rounds a few of them the
-other way, so an element may differ by one unit in the last place where, and only where, the
-two powers do (tests/nn/test_rope_scaling.py checks both: bit for bit with torch's powers,
-and at most 1 ulp with these).
+Every step but one is transformers' own, bit for bit: the powers ``theta^e`` are correctly
+rounded to float32 here (float64 ``pow`` rounded once), while torch's CPU ``pow`` on float32
+vectors (SLEEF, within 1 ulp; its scalar tail is glibc's, correctly rounded) rounds about
+one in 60 of them the other way; those elements (and only those) differ by 1 ulp, 2 after
+the steps that follow (tests/nn/test_rope_scaling.py checks both: bit for bit with torch's
+powers substituted, and at most 2 ulp, equal wherever the two powers agree).
 """
 from __future__ import annotations
 
