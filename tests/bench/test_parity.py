@@ -4,11 +4,11 @@ The references are transformers' own: the test computes the perplexity from tran
 of the same checkpoint (its own windows, its own float64 log-softmax), never from tpcore's.  A
 checkpoint with one weight changed, loaded at world 2 only, shows that the KL columns see a
 difference when there is one."""
+import contextlib
+import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -52,12 +52,13 @@ def ckpt(tmp_path_factory):
 def cli_run(ckpt):
     pytest.importorskip("transformers")
     out = os.path.join(os.path.dirname(ckpt["dir"]), "parity.json")
-    r = subprocess.run([sys.executable, "-m", "tpcore.bench", "parity", "--checkpoint", ckpt["dir"], "--worlds",
-                        "1,2,3", "--text", ckpt["text"], "--new", "10", "--json", out, "--no-progress"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # `python -m tpcore.bench parity ...` in this process
+        code = main(["parity", "--checkpoint", ckpt["dir"], "--worlds", "1,2,3", "--text", ckpt["text"], "--new",
+                     "10", "--json", out, "--no-progress"])
+    assert code == 0, printed.getvalue()[-3000:]
     with open(out) as f:
-        return r.stdout, json.load(f)
+        return printed.getvalue(), json.load(f)
 
 
 def _hf_nll(path, ids, window):
@@ -180,3 +181,19 @@ def test_bad_arguments_exit_2_with_one_line(args, words, tmp_path, capsys):
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("parity: ") and words in err, err
     assert "Traceback" not in err
+
+
+def test_gpt2_tied_head_and_learned_positions_equal_transformers():
+    """The GPT-2 fixture (tied embeddings, learned positions, context 64) at worlds 1 and 2, in
+    this process: transformers compared by run() itself, and by the test's own perplexity."""
+    pytest.importorskip("transformers")
+    path = os.path.join(str(paths.FIXTURES), "gpt2")
+    ids = np.frombuffer(TEXT.encode("utf-8"), np.uint8).astype(np.int64) % 128
+    data = parity.run(path, [2], ids, 50, prompt=5, new=9)
+    assert [r["world"] for r in data["worlds"]] == [1, 2] and data["windows"] == -(-ids.size // 50)
+    hf_ppl = float(np.exp(_hf_nll(path, ids, 50).mean()))
+    for r in data["worlds"]:
+        assert r["ppl"] == pytest.approx(hf_ppl, rel=1e-4)
+        assert r["kl_max_world1"] < 1e-6 and r["kl_max_transformers"] < 1e-6
+        assert r["agree_world1"] == r["agree_transformers"] == 1.0
+        assert r["diverges_at_transformers"] is None and len(r["greedy"]) == 9

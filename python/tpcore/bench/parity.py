@@ -33,13 +33,14 @@ bad argument (a one-line message).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -233,12 +234,14 @@ def transformers_logits(checkpoint: str, ids: np.ndarray, window: int, path: str
         secs = time.perf_counter() - t0
         greedy: List[int] = []
         if new > 0:  # plain argmax with the KV cache (as tpcore's greedy: no logits processors, EOS ignored)
+            # transformers 5.25 calls the cache `cache` (past_key_values deprecated); earlier, past_key_values
+            key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
             o = model(torch.from_numpy(ids[None, :prompt]), use_cache=True)
             while True:
                 greedy.append(int(o.logits[0, -1].argmax()))
                 if len(greedy) == new:
                     break
-                o = model(torch.tensor([[greedy[-1]]]), past_key_values=o.past_key_values, use_cache=True)
+                o = model(torch.tensor([[greedy[-1]]]), use_cache=True, **{key: o.get(key)})
     out.flush()
     return {"seconds": secs, "greedy": greedy, "version": transformers.__version__, "vocab": V}
 
