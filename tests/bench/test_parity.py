@@ -197,3 +197,30 @@ def test_gpt2_tied_head_and_learned_positions_equal_transformers():
         assert r["kl_max_world1"] < 1e-6 and r["kl_max_transformers"] < 1e-6
         assert r["agree_world1"] == r["agree_transformers"] == 1.0
         assert r["diverges_at_transformers"] is None and len(r["greedy"]) == 9
+
+
+def test_a_gguf_file_without_merges_falls_back_to_bytes_and_equals_float64(tmp_path):
+    """A small Llama GGUF written by the gguf package (tests/models/test_gguf.py's writer; its
+    vocabulary has no merges, so no tokenizer: the bytes fallback, labelled), at worlds 1 and 2;
+    the perplexity equals a float64 NumPy model's of the same weights (reference_transformer)."""
+    import importlib.util
+    from tpcore.models import gguf as tg
+    spec = importlib.util.spec_from_file_location("_parity_gguf_writers",
+                                                  os.path.join(str(paths.TESTS), "models", "test_gguf.py"))
+    writers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writers)
+    path = str(tmp_path / "tiny.gguf")
+    sd = writers.write_llama(path, seed=3)
+    cfg = tg.read_gguf(path)[0]
+    ids, label = parity.text_tokens(path, cfg.vocab_size, TEXT)
+    assert "UTF-8 bytes modulo" in label and "tokenizer.ggml.merges" in label
+    ids = ids[:80]
+    W = cfg.max_positions
+    assert ids.size > 2 * W
+    data = parity.run(path, [1, 2], ids, W, prompt=6, new=8, with_transformers=False)
+    ref = np.concatenate([writers.reference_logits(cfg, sd, ids[None, s:s + W])[0] for s in range(0, ids.size, W)])
+    lse = np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1)) + ref.max(-1)
+    ref_ppl = float(np.exp((lse[:-1] - ref[np.arange(ids.size - 1), ids[1:]]).mean()))
+    for r in data["worlds"]:
+        assert r["ppl"] == pytest.approx(ref_ppl, rel=1e-4)
+        assert r["kl_max_world1"] < 1e-6 and r["agree_world1"] == 1.0 and r["diverges_at_world1"] is None
