@@ -164,6 +164,7 @@ def test_perplexity_and_kl_from_known_logits():
     (["--tokens", "5"], "the text has 1 token(s); at least 2 are needed"),
     (["--tokens", "1,2", "--text", "EMPTY"], "give --text or --tokens, not both"),
     (["--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
+    (["--checkpoint", os.path.join(str(paths.FIXTURES), "bert")], "a bert encoder (bidirectional) has no next-token"),
     (["--window", "65"], "--window must be in [1, 64] (the model's context), got 65"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, words, tmp_path, capsys):

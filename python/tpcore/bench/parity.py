@@ -515,6 +515,9 @@ def _prepare(args) -> Tuple[List[int], np.ndarray, str, int, int, int]:
         raise
     except Exception as e:  # noqa: BLE001 - an unreadable or unsupported checkpoint, shown in one line
         raise ArgError(f"--checkpoint {args.checkpoint!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    if not cfg.causal:
+        raise ArgError(f"--checkpoint {args.checkpoint!r}: a {cfg.model_type} encoder (bidirectional) has no "
+                       f"next-token distribution; parity needs a decoder")
     text = None
     if args.text is not None:
         try:
