@@ -319,7 +319,9 @@ static inline tp_status_t lk_positions(const tp_lk *c, int64_t *pos, int64_t *kl
  * floats each. */
 static inline tp_status_t lk_kv_cache_write(const tp_lk *c, float *kc, float *vc, const float *k, const float *v,
                                             int64_t ld, const int64_t *pos0, const int64_t *slots, int64_t B, int64_t T,
-                                            int64_t max_len, int64_t width, tp_stream_t s) {
+                                            int64_t max_len, int64_t width, int64_t ring, tp_stream_t s) {
+  if (ring) /* INTEGRATION: the ring write (branch i28-attn) */
+    return tp_set_error(TP_ERR_INVALID_USAGE, "kv_cache_write: rings are not wired yet");
   return B > 0 && T > 0 && width > 0 ? c->k->kv_cache_write(s, kc, vc, k, v, ld, pos0, slots, B, T, max_len, width)
                                      : TP_SUCCESS;
 }

@@ -128,8 +128,8 @@ def test_local_layers_and_length_dependence():
     for scaling, dep in ((None, False), (lin, False), ({"rope_type": "dynamic", "factor": 2.0}, True),
                          (LONG, True), (dict(L3, factor=8.0), False), (dict(YARN, factor=4.0), False)):
         c = cfg_of(scaling, 1e4, 256)
-        assert rope.rope_depends_on_length(c) is dep
-        assert rope.rope_depends_on_length(cfg_of(scaling, 1e4, 256, local_theta=1e4), local=True) is False
+        assert rope.depends_on_length(c) is dep
+        assert rope.depends_on_length(cfg_of(scaling, 1e4, 256, local_theta=1e4), local=True) is False
     dyn = cfg_of({"rope_type": "dynamic", "factor": 2.0}, 1e4, 256)
     assert np.array_equal(rope.rope_frequencies(dyn, 256)[0], rope.rope_frequencies(dyn)[0])
     assert not np.array_equal(rope.rope_frequencies(dyn, 257)[0], rope.rope_frequencies(dyn)[0])

@@ -12,7 +12,7 @@
 - `config`: `Config` (from a Hugging Face config.json too), `NORMS`, `POSITIONS`,
   `ACTIVATIONS`, `head_partition`.
 - `rope`: `rope_frequencies` (Hugging Face's rope scalings as the rope kernel's frequency table
-  and factor), `rope_depends_on_length`, `rope_type`, `ROPE_TYPES`.
+  and factor), `depends_on_length`, `rope_type`, `ROPE_TYPES`.
 - `transformer`: `TransformerBlock`, `ParallelAttention`.
 - `plan`: `Plan`, per-rank shard sizes from measured speeds and memory (`plan_from_measurements`).
 - `quant`: quantized weight formats (`QuantTensor`, `quantize`, `dequantize`).

@@ -36,7 +36,7 @@ a per-layer-type (nested) dict or a ``partial_rotary_factor`` other than 1 is a 
 naming the field and what is supported.
 
 ``seq_len`` is the largest position of the forward + 1; the tables of ``dynamic`` and
-``longrope`` depend on it (`rope_depends_on_length`), the others do not.  transformers'
+``longrope`` depend on it (`depends_on_length`), the others do not.  transformers'
 dynamic rope keeps the longest table it has grown to until a forward falls back below
 ``max_position_embeddings``; here the table is always that of the forward's own seq_len
 (transformers' at a fresh start).
@@ -275,7 +275,7 @@ def rope_type(cfg: Any, local: bool = False) -> str:
     return _params(cfg, bool(local))[0]
 
 
-def rope_depends_on_length(cfg: Any, local: bool = False) -> bool:
+def depends_on_length(cfg: Any, local: bool = False) -> bool:
     """Whether `rope_frequencies` of cfg changes with seq_len (dynamic and longrope): the model
     then recomputes the table for each forward's largest position."""
     return rope_type(cfg, local) in LENGTH_DEPENDENT
