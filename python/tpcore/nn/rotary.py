@@ -25,6 +25,8 @@ class RopeState:
         self.scaled = not local and cfg.rope_scaling is not None and _kind(cfg.rope_scaling) != "default"
         self.dynamic = False
         self._key: Optional[Tuple[bytes, float]] = None
+        self._ntk = self.scaled and _kind(cfg.rope_scaling) == "dynamic"
+        self._cached = cfg.max_positions   # dynamic NTK: the longest length its table has grown to
         if self.scaled:
             from tpcore.nn.rope import depends_on_length
             self.dynamic = bool(depends_on_length(cfg))
@@ -47,7 +49,18 @@ class RopeState:
         block already has them."""
         if not self.dynamic:
             return None
-        freq, factor = self._table(seq_len)
+        if self._ntk:  # transformers' dynamic_frequency_update: grow past the longest seen, reset below the original
+            grown, orig = self._cached, self.cfg.max_positions
+            length = None
+            if seq_len > grown:
+                length = self._cached = seq_len
+            if seq_len < orig and grown > orig:
+                length, self._cached = None, orig
+            elif seq_len <= grown:
+                return None   # the table it has
+            freq, factor = self._table(length)
+        else:
+            freq, factor = self._table(seq_len)
         key = (repr(freq).encode(), factor)
         if key == self._key:
             return None
