@@ -22,6 +22,7 @@ import pytest
 import tpcore
 from tpcore.io import formats
 from tpcore.models import hf
+from conftest import WORLDS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -282,6 +283,35 @@ def test_phi3_fused_rows_each_rank_reads_only_its_own(tmp_path_factory):
     assert [list(s) for s in seen] == [[Q + KV, Q + KV + 3]]
 
 
+def test_gemma3_multimodal_checkpoint_reads_its_language_model(tmp_path):
+    """A Gemma 3 image-text checkpoint: its text_config and language_model.model.* tensors
+    (as transformers writes them); the vision tower's and projector's tensors unused, named."""
+    T = transformers
+    tc = T.Gemma3TextConfig(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+                            sliding_window=5, pad_token_id=0)
+    vc = T.SiglipVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    mm = T.Gemma3ForConditionalGeneration(T.Gemma3Config(text_config=tc, vision_config=vc, mm_tokens_per_image=4,
+                                                         image_token_index=96, boi_token_index=94,
+                                                         eoi_token_index=95)).eval()
+    _init(mm, True)
+    path = str(tmp_path / "mm")
+    mm.save_pretrained(path)
+    cfg = tpcore.Config.from_hf(path)
+    assert (cfg.model_type, cfg.layers, cfg.vocab_size, cfg.qk_norm) == ("gemma3_text", 2, V, True)
+    headers = formats.read_headers(path)
+    with pytest.warns(UserWarning, match="multi_modal_projector"):
+        hf.check_against_config(path, cfg, cfg.model_type, "config.json", headers)
+    sd = hf.from_hf(formats.open_tensors(path, headers), cfg)
+    lm = type("LM", (), {"model": mm.model.language_model})()
+    want = _expected_full(lm, cfg)
+    assert sorted(sd) == sorted(want)
+    for k, w in want.items():
+        assert np.array_equal(np.asarray(sd[k][...]), w), k
+
+
 def _gemma3_old_form():
     return {"model_type": "gemma3_text", "vocab_size": V, "hidden_size": 40, "intermediate_size": 37,
             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
@@ -368,18 +398,26 @@ def test_to_hf_refuses_a_config_its_family_cannot_express():
 
 # -- end to end: tpcore.models.from_pretrained against transformers at worlds 1-4 ------------------
 SEQ = 11    # longer than the windows (5)
-_E2E = pytest.mark.xfail(reason="needs the block features (integration)", strict=False)
+# the families whose features are still being merged (rope scalings: tpcore.nn.rope; GeGLU; the attention
+# kernel's window; MoE layers): expected to fail until then, the mark removed as each lands
+_PENDING = {"llama3": "rope scaling", "phi3": "rope scaling", "gemma2": "GeGLU, soft-caps, window",
+            "gemma3": "GeGLU, window, per-layer rope", "mistral": "the attention window",
+            "qwen2-window": "the attention window", "mixtral": "MoE layers", "qwen3_moe": "MoE layers"}
+_REFS = {}
 
 
-def _reference(model, cfg, ids):
+def _reference(name, tmp_path_factory, ids):
     """transformers' logits, greedy tokens (recomputed each step) and one training step's
-    gradients (cross-entropy on the next tokens, plus the router's auxiliary loss for MoE),
-    as tpcore's full tensors."""
+    loss and gradients (cross-entropy on the next tokens, plus the router's auxiliary loss
+    for MoE), the gradients as tpcore's full tensors."""
+    if name in _REFS:
+        return _REFS[name]
+    path, model = _built(name, tmp_path_factory)
+    cfg = tpcore.Config.from_hf(path)
     x = torch.tensor(ids)
     with torch.no_grad():
         logits = _np(model(x).logits)
-    seq = ids[:, :4].copy()
-    with torch.no_grad():
+        seq = ids[:, :4].copy()
         for _ in range(6):
             nxt = model(torch.tensor(seq)).logits[:, -1].argmax(-1).numpy()
             seq = np.concatenate([seq, nxt[:, None]], 1)
@@ -392,7 +430,8 @@ def _reference(model, cfg, ids):
     loss.backward()
     grads = _expected_full(model, cfg, grad=True)
     model.zero_grad()
-    return logits, seq, loss.item(), grads
+    _REFS[name] = (path, logits, seq, loss.item(), grads)
+    return _REFS[name]
 
 
 def _tpcore_side(comm, path, ids):
@@ -414,19 +453,30 @@ def _close(got, want, what):
     assert err <= 1e-4 * max(1e-6, float(np.abs(want).max())), f"{what}: off by {err} (max |x| {np.abs(want).max()})"
 
 
-@_E2E
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_from_pretrained_matches_transformers(world, tmp_path_factory):
+    """Every family at world sizes 1-4 (one Cluster per world): logits within 1e-4 relative,
+    the same greedy tokens, one training step's loss and every block's gradients within 1e-4
+    relative of torch autograd's, on every rank.  A family of _PENDING that fails makes the
+    test an expected failure (naming them); any other family's failure fails it."""
     ids = np.random.default_rng(3).integers(0, V, (2, SEQ))
-    refs = {n: (_built(n, tmp_path_factory)[0], _reference(_built(n, tmp_path_factory)[1],
-                                                           tpcore.Config.from_hf(_built(n, tmp_path_factory)[0]), ids))
-            for n in FAMILIES}
+    failed = {}
     with tpcore.Cluster(world) as cluster:
-        for name, (path, (logits, seq, loss, grads)) in refs.items():
-            for r, (lg, gen, ls, gr) in enumerate(cluster.run(_tpcore_side, path, ids)):
-                _close(lg, logits, f"{name} world {world} rank {r}: logits")
-                assert np.array_equal(gen, seq), f"{name} world {world} rank {r}: greedy tokens differ"
-                _close(ls, np.float64(loss), f"{name} world {world} rank {r}: loss")
-                for k, g in gr.items():
-                    _close(g, grads[k], f"{name} world {world} rank {r}: gradient of {k}")
-                assert {k for k in grads if k.startswith("blocks.")} == set(gr), f"{name}: the blocks' gradients"
+        for name in FAMILIES:
+            path, logits, seq, loss, grads = _reference(name, tmp_path_factory, ids)
+            try:
+                for r, (lg, gen, ls, gr) in enumerate(cluster.run(_tpcore_side, path, ids)):
+                    what = f"{name} rank {r}"
+                    _close(lg, logits, f"{what}: logits")
+                    assert np.array_equal(gen, seq), f"{what}: greedy tokens differ"
+                    _close(ls, np.float64(loss), f"{what}: loss")
+                    assert {k for k in grads if k.startswith("blocks.")} == set(gr), f"{what}: the blocks' gradients"
+                    for k, g in gr.items():
+                        _close(g, grads[k], f"{what}: gradient of {k}")
+            except Exception as e:     # (a rank's exception leaves the cluster usable)
+                failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    hard = {k: v for k, v in failed.items() if k not in _PENDING}
+    assert not hard, hard
+    if failed:
+        pytest.xfail("needs the block features (integration): " + "; ".join(f"{k} ({_PENDING[k]}): {v}"
+                                                                           for k, v in failed.items()))
