@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Optional, Tuple
 
-from tpcore.io.checks import MISSING, ConfigFields, _short, type_name
+from tpcore.io.checks import MISSING, ConfigFields, type_name
 
 DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3", "mixtral", "qwen3_moe")
 SUPPORTED = ("gpt2", "bert") + DECODERS
@@ -52,6 +52,11 @@ _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": 
          "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
          "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+
+
+def _short(v, n: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n - 3] + "..."
 
 
 def _absent(f: ConfigFields, key: str) -> bool:
