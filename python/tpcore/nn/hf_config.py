@@ -102,7 +102,8 @@ def decoder_fields(c: Dict[str, Any], source: str) -> Dict[str, Any]:
     L = f.int("num_hidden_layers")
     max_pos = f.int("max_position_embeddings", dflt["max_position_embeddings"])
     kw = dict(vocab_size=f.int("vocab_size"), hidden=C, layers=L, heads=H, kv_heads=kv, head_dim=head_dim,
-              ffn_hidden=f.int("intermediate_size"), norm="rmsnorm", eps=f.num("rms_norm_eps", dflt["rms_norm_eps"]),
+              ffn_hidden=None if mt == "qwen3_moe" else f.int("intermediate_size"),   # (MoE: _moe's)
+              norm="rmsnorm", eps=f.num("rms_norm_eps", dflt["rms_norm_eps"]),
               activation=activation, positions="rope", max_positions=max_pos, causal=True, pre_norm=True,
               bias=False, tie_embeddings=f.bool("tie_word_embeddings", dflt["tie_word_embeddings"]), model_type=mt)
     kw.update(_biases(f, mt))
@@ -248,7 +249,8 @@ def _check_scaling(sf: ConfigFields, kind: str, head_dim: int) -> None:
 
 def _moe(f: ConfigFields, mt: str) -> Dict[str, Any]:
     dflt = _DEFAULTS[mt]
-    key = "num_local_experts" if mt == "mixtral" or "num_local_experts" in f.d else "num_experts"
+    # transformers maps num_experts onto num_local_experts (attribute_map) for both families
+    key = "num_experts" if "num_experts" in f.d and "num_local_experts" not in f.d else "num_local_experts"
     E = f.int(key, dflt["num_local_experts"])
     k = f.int("num_experts_per_tok", dflt["num_experts_per_tok"], hi=E)
     kw = dict(experts=E, experts_per_token=k,
@@ -277,6 +279,9 @@ def hf_config_dict(cfg) -> Tuple[Dict[str, Any], str]:
     architecture's family; transformers 5's rope_parameters and the older rope_theta /
     rope_scaling fields are both written."""
     mt = cfg.model_type
+    if mt not in _ARCH:
+        raise ValueError(f"to_hf: model_type {mt!r} has no Hugging Face config here (one of {', '.join(_ARCH)}, "
+                         f"gpt2, bert)")
     d: Dict[str, Any] = {
         "model_type": mt, "architectures": [_ARCH[mt]], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden,
         "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
@@ -318,11 +323,11 @@ def hf_config_dict(cfg) -> Tuple[Dict[str, Any], str]:
     if mt == "phi3" and cfg.rope_scaling and "original_max_position_embeddings" in cfg.rope_scaling:
         d["original_max_position_embeddings"] = cfg.rope_scaling["original_max_position_embeddings"]
     if cfg.experts:
-        d["num_local_experts"] = cfg.experts
+        d["num_experts" if mt == "qwen3_moe" else "num_local_experts"] = cfg.experts
         d["num_experts_per_tok"] = cfg.experts_per_token
         d["router_aux_loss_coef"] = cfg.router_aux_loss_coef
         if mt == "qwen3_moe":
-            d.update(num_experts=cfg.experts, moe_intermediate_size=cfg.ffn_hidden, norm_topk_prob=cfg.norm_topk_prob,
+            d.update(moe_intermediate_size=cfg.ffn_hidden, norm_topk_prob=cfg.norm_topk_prob,
                      decoder_sparse_step=1, mlp_only_layers=[])
     return d, mt
 
