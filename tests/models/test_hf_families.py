@@ -256,6 +256,28 @@ def test_written_back_transformers_loads_the_same_model(name, tmp_path_factory, 
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tpcore_config_json_reads_back(name, tmp_path_factory, tmp_path):
+    """save_pretrained's own tpcore_config.json holds the families' fields and reads back."""
+    from tpcore.nn.config import ACTIVATIONS, NORMS, POSITIONS
+    cfg = tpcore.Config.from_hf(_built(name, tmp_path_factory)[0])
+    formats.write_own_config(str(tmp_path), cfg)
+    back = formats.read_own_config(str(tmp_path / formats.OWN_CONFIG), tpcore.Config,
+                                   {"norm": NORMS, "activation": ACTIVATIONS, "positions": POSITIONS})
+    assert back == cfg
+
+
+def test_a_bias_the_config_does_not_declare_is_refused(tmp_path_factory, tmp_path):
+    """Mistral has no Q bias: a checkpoint that holds one is refused, naming the tensor."""
+    path, _ = _built("mistral", tmp_path_factory)
+    cfg = tpcore.Config.from_hf(path)
+    headers = dict(formats.read_headers(path))
+    fn, info = headers["model.layers.0.self_attn.q_proj.weight"]
+    headers["model.layers.0.self_attn.q_proj.bias"] = (fn, info)
+    with pytest.raises(tpcore.CheckpointError, match=r"q_proj\.bias.*no place"):
+        hf.check_against_config(path, cfg, cfg.model_type, "config.json", headers)
+
+
 def test_phi3_fused_rows_each_rank_reads_only_its_own(tmp_path_factory):
     """Phi-3's qkv_proj cut into q, k, v: a rank's rows of k read only those rows of the file."""
     path, _ = _built("phi3", tmp_path_factory)
