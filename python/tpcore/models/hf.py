@@ -1,14 +1,17 @@
-"""Hugging Face checkpoints (GPT-2, Llama family, BERT): what their tensors and config
-are in tpcore's terms, both ways.
+"""Hugging Face checkpoints (GPT-2, BERT, and the decoder families of tpcore.nn.hf_config:
+Llama 2/3, Mistral, Qwen 2/3, Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE): what their tensors
+and config are in tpcore's terms, both ways.
 
 One name map per architecture (name_map: a list of Entry) says which Hugging Face
 tensors hold which tpcore tensors; from_hf reads it one way (a checkpoint's tensors
 -> tpcore's full tensors, as lazy views: GPT-2's Conv1D weights are stored (in, out)
-and its c_attn fuses [q | k | v] along out, Llama's gate_proj and up_proj stack into
-tpcore's fc1) and to_hf the other (save_pretrained(hf=True)).  Loading reads only a
-rank's slices of the files (with pread, streamed through one staging buffer:
-tpcore.io.stream): its rows of the vocabulary, its heads' rows
-of Q/K/V, its columns of the output and fc2 projections, its rows of fc1.
+and its c_attn fuses [q | k | v] along out, Phi-3's qkv_proj fuses them along rows,
+Llama's gate_proj and up_proj (Mixtral's experts' w1 and w3) stack into tpcore's fc1,
+Gemma's norm weights w are read as 1 + w) and to_hf the other (save_pretrained(hf=True)).
+Loading reads only a rank's slices of the files (with pread, streamed through one
+staging buffer: tpcore.io.stream): its rows of the vocabulary, its heads' rows of
+Q/K/V (of Phi-3's fused tensor too), its columns of the output and fc2 projections,
+its rows of fc1.
 
 Before anything is allocated, the config is checked against the files' headers
 (expected_shapes, check_against_config): a config whose sizes the files do not hold
