@@ -360,6 +360,15 @@ def test_old_and_new_config_forms_agree(tmp_path_factory):
     # a Gemma 3 multimodal config: its text_config
     mm = {"model_type": "gemma3", "text_config": _gemma3_old_form(), "vision_config": {"model_type": "siglip"}}
     assert tpcore.Config.from_hf_dict(mm) == new
+    # a published Gemma 3 text_config gives only a few fields: transformers' defaults fill in the rest
+    sparse = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 37, "num_hidden_layers": 3,
+              "sliding_window": 5, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    sp = tpcore.Config.from_hf_dict({"model_type": "gemma3", "text_config": sparse})
+    ts = transformers.Gemma3TextConfig(**{k: v for k, v in sparse.items() if k != "model_type"})
+    assert (sp.vocab_size, sp.heads, sp.kv_heads, sp.head_dim, sp.rope_theta, sp.rope_local_theta, sp.layer_types) == \
+        (ts.vocab_size, ts.num_attention_heads, ts.num_key_value_heads, ts.head_dim,
+         ts.rope_parameters["full_attention"]["rope_theta"], ts.rope_parameters["sliding_attention"]["rope_theta"],
+         tuple(ts.layer_types))
     # class defaults of absent fields, as transformers applies them
     bare = {"model_type": "mistral", "vocab_size": V, "hidden_size": 64, "intermediate_size": 37,
             "num_hidden_layers": 2, "num_attention_heads": 16}

@@ -48,6 +48,10 @@ _DEFAULTS: Dict[str, Dict[str, Any]] = {
                       tie_word_embeddings=False, rope_theta=10000.0, sliding_window=4096, num_local_experts=128,
                       num_experts_per_tok=8, router_aux_loss_coef=0.001, moe_intermediate_size=768),
 }
+# the sizes a config.json must give, except where transformers fills them in and published files rely on
+# it (Gemma 3's text_config often gives only a few fields)
+_SIZES = {"gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                              num_attention_heads=8)}
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
          "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -92,17 +96,21 @@ def decoder_fields(c: Dict[str, Any], source: str) -> Dict[str, Any]:
     else:
         f.str("hidden_act", "silu", ("silu", "swish"), f" ({mt} with another activation is not supported)")
         activation = "swiglu"
-    C, H = f.int("hidden_size"), f.int("num_attention_heads")
+    size = _SIZES.get(mt, {})
+
+    def sized(key):
+        return f.int(key, size.get(key, MISSING))
+    C, H = sized("hidden_size"), sized("num_attention_heads")
     head_dim = f.int("head_dim", dflt["head_dim"], null=True) if mt != "phi3" or not _absent(f, "head_dim") else None
     if head_dim is None and C % H:
         raise f.fail("num_attention_heads", f"a divisor of hidden_size ({C}) (or a head_dim)", H)
     kv = f.int("num_key_value_heads", dflt["num_key_value_heads"], null=True) or H
     if H % kv:
         raise f.fail("num_key_value_heads", f"a divisor of num_attention_heads ({H})", kv)
-    L = f.int("num_hidden_layers")
+    L = sized("num_hidden_layers")
     max_pos = f.int("max_position_embeddings", dflt["max_position_embeddings"])
-    kw = dict(vocab_size=f.int("vocab_size"), hidden=C, layers=L, heads=H, kv_heads=kv, head_dim=head_dim,
-              ffn_hidden=None if mt == "qwen3_moe" else f.int("intermediate_size"),   # (MoE: _moe's)
+    kw = dict(vocab_size=sized("vocab_size"), hidden=C, layers=L, heads=H, kv_heads=kv, head_dim=head_dim,
+              ffn_hidden=None if mt == "qwen3_moe" else sized("intermediate_size"),   # (MoE: _moe's)
               norm="rmsnorm", eps=f.num("rms_norm_eps", dflt["rms_norm_eps"]),
               activation=activation, positions="rope", max_positions=max_pos, causal=True, pre_norm=True,
               bias=False, tie_embeddings=f.bool("tie_word_embeddings", dflt["tie_word_embeddings"]), model_type=mt)
