@@ -365,7 +365,8 @@ def test_old_and_new_config_forms_agree(tmp_path_factory):
               "sliding_window": 5, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
     sp = tpcore.Config.from_hf_dict({"model_type": "gemma3", "text_config": sparse})
     ts = transformers.Gemma3TextConfig(**{k: v for k, v in sparse.items() if k != "model_type"})
-    assert (sp.vocab_size, sp.heads, sp.kv_heads, sp.head_dim, sp.rope_theta, sp.rope_local_theta, sp.layer_types) == \
+    sp_types = tuple("sliding_attention" if sp.sliding(i) else "full_attention" for i in range(sp.layers))
+    assert (sp.vocab_size, sp.heads, sp.kv_heads, sp.head_dim, sp.rope_theta, sp.rope_local_theta, sp_types) == \
         (ts.vocab_size, ts.num_attention_heads, ts.num_key_value_heads, ts.head_dim,
          ts.rope_parameters["full_attention"]["rope_theta"], ts.rope_parameters["sliding_attention"]["rope_theta"],
          tuple(ts.layer_types))
@@ -425,6 +426,13 @@ def test_to_hf_refuses_a_config_its_family_cannot_express():
     sd = {k: np.zeros([v for v, _ in dims], np.float32) for k, dims in hf.expected_shapes(bad, "tpcore")[0].items()}
     with pytest.raises(ValueError, match="qkv_bias"):
         hf.to_hf(bad, sd)
+    # every layer sliding (layer_types None) is expressible: Qwen2's use_sliding_window with layer_types
+    ok = tpcore.Config(**{**cfg.__dict__, "sliding_window": 5})
+    sd = {k: np.zeros([v for v, _ in dims], np.float32) for k, dims in hf.expected_shapes(ok, "tpcore")[0].items()}
+    conf = hf.to_hf(ok, sd)[1]
+    assert conf["use_sliding_window"] and tpcore.Config.from_hf_dict(conf) == ok
+    tc = transformers.Qwen2Config(**{k: v for k, v in conf.items() if k != "model_type"})
+    assert tc.layer_types == ["sliding_attention"] * ok.layers and tc.sliding_window == 5
 
 
 # -- end to end: tpcore.models.from_pretrained against transformers at worlds 1-4 ------------------

@@ -170,6 +170,8 @@ def _windows(f: ConfigFields, mt: str, L: int) -> Dict[str, Any]:
         return dict(sliding_window=w)
     if "sliding_attention" not in types:
         return dict(sliding_window=None)
+    if "full_attention" not in types:     # every layer sliding: Config's layer_types None says it
+        return dict(sliding_window=w)
     return dict(sliding_window=w, layer_types=tuple(types))
 
 
