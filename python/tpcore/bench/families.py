@@ -41,7 +41,7 @@ def family_config(name: str, size: Dict, window: int):
     from tpcore.nn.config import Config
     base = dict(size, norm="rmsnorm", eps=1e-6, activation="swiglu", positions="rope", max_positions=8192,
                 rope_theta=10000.0, bias=False, tie_embeddings=False, model_type="llama")
-    L = size["layers"]
+    L, half = size["layers"], size["hidden"] // size["heads"] // 2
     extra = {
         "llama": {},
         "llama3": dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
@@ -60,8 +60,7 @@ def family_config(name: str, size: Dict, window: int):
                        rope_local_theta=10000.0, tie_embeddings=True,
                        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                          for i in range(L))),
-        "phi3": dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * (size["hidden"] // size["heads"] // 2),
-                                   "long_factor": [4.0] * (size["hidden"] // size["heads"] // 2),
+        "phi3": dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [4.0] * half,
                                    "original_max_position_embeddings": 4096}),
     }
     if name not in extra:
@@ -129,7 +128,7 @@ def _args_checked(args):
     try:
         worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
     except ValueError:
-        raise SystemExit(f"families: --worlds must be a comma list of positive integers, got {args.worlds!r}")
+        raise SystemExit(f"families: --worlds must be a comma list of positive integers, got {args.worlds!r}") from None
     if not worlds or min(worlds) < 1:
         raise SystemExit(f"families: --worlds must be a comma list of positive integers, got {args.worlds!r}")
     q = args.quick
