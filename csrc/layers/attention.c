@@ -59,7 +59,7 @@ tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in,
     TP_CHECK(lk_rope(&k->lk, k->qkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 0, stream));
   if (use_cache && k->nk)
     TP_CHECK(lk_kv_cache_write(&k->lk, k->kc, k->vc, k->qkv + k->nq * D, k->qkv + (k->nq + k->nk) * D, k->W, k->pos0,
-                               k->have_slots ? k->slot : NULL, k->B, k->T, k->clen, k->nk * D, stream));
+                               k->have_slots ? k->slot : NULL, k->B, k->T, k->clen, k->nk * D, 0, stream));
   if (k->nq) {
     tp_attention_args a = attn_args(k, k->B, k->T, use_cache);
     if (keep) set_kept(k, &a, k->probs);
