@@ -235,38 +235,42 @@ tp_status_t tp_cpu_attention_forward(tp_stream_t s, const tp_attention_args *a, 
   return run_items(&job, 0, workspace, workspace_bytes, forward_items);
 }
 
-/* dS of a row from dP (in place) and P: P (dP - rowsum(dP P)) scale, times 1 - tanh^2 of
- * raw / cap (raw: the scaled scores before the cap) with softcap. */
-TP_VECTOR_CLONES static void softmax_grad_row(float *dp, const float *p, const float *raw, int64_t n, float scale,
-                                              float cap) {
+/* dS of a row from dP (in place) and P: P (dP - rowsum(dP P)) scale, times slope[j] (the
+ * cap's 1 - tanh^2; NULL: no cap). */
+TP_VECTOR_CLONES static void softmax_grad_row(float *dp, const float *p, const float *slope, int64_t n, float scale) {
   double dot = 0.0;
   for (int64_t j = 0; j < n; j++) dot += (double)dp[j] * p[j];
   float d = (float)dot;
-  if (cap > 0.0f) {
-    float inv = 1.0f / cap;
-    for (int64_t j = 0; j < n; j++) {
-      float t = ftanh(raw[j] * inv);
-      dp[j] = p[j] * (dp[j] - d) * scale * (1.0f - t * t);
-    }
-  } else {
+  if (slope)
+    for (int64_t j = 0; j < n; j++) dp[j] = p[j] * (dp[j] - d) * scale * slope[j];
+  else
     for (int64_t j = 0; j < n; j++) dp[j] = p[j] * (dp[j] - d) * scale;
-  }
 }
 
-/* A row of P over w columns from its raw scaled scores (raw may be p: in place) and the
- * row's lse: columns [lo, hi) visible unless masked (capped first with softcap), the rest
- * zero (the block GEMMs read w columns). */
-TP_VECTOR_CLONES static void recompute_row(float *p, const float *raw, int64_t lo, int64_t hi, int64_t w,
-                                           const uint8_t *keep, float lse, float cap) {
+/* The cap of a row of raw scaled scores r[0, n): r becomes the slope 1 - tanh^2(r / cap), and
+ * capped (when not NULL) the capped scores cap tanh(r / cap). */
+TP_VECTOR_CLONES static void cap_slope_row(float *r, float *capped, int64_t n, float cap) {
+  float inv = 1.0f / cap;
+  if (capped)
+    for (int64_t j = 0; j < n; j++) {
+      float t = ftanh(r[j] * inv);
+      capped[j] = cap * t, r[j] = 1.0f - t * t;
+    }
+  else
+    for (int64_t j = 0; j < n; j++) {
+      float t = ftanh(r[j] * inv);
+      r[j] = 1.0f - t * t;
+    }
+}
+
+/* A row of P over w columns from its scores s (in place) and the row's lse: columns [lo, hi)
+ * visible unless masked, the rest zero (the block GEMMs read w columns). */
+TP_VECTOR_CLONES static void recompute_row(float *s, int64_t lo, int64_t hi, int64_t w, const uint8_t *keep,
+                                           float lse) {
   if (lse == -INFINITY) lo = hi = 0; /* the row saw no key */
-  if (cap > 0.0f) {
-    float inv = 1.0f / cap;
-    for (int64_t j = lo; j < hi; j++) p[j] = (!keep || keep[j]) ? fexp(cap * ftanh(raw[j] * inv) - lse) : 0.0f;
-  } else {
-    for (int64_t j = lo; j < hi; j++) p[j] = (!keep || keep[j]) ? fexp(raw[j] - lse) : 0.0f;
-  }
-  for (int64_t j = 0; j < lo; j++) p[j] = 0.0f;
-  for (int64_t j = hi; j < w; j++) p[j] = 0.0f;
+  for (int64_t j = lo; j < hi; j++) s[j] = (!keep || keep[j]) ? fexp(s[j] - lse) : 0.0f;
+  for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
+  for (int64_t j = hi; j < w; j++) s[j] = 0.0f;
 }
 
 /* Backward of one block of n query rows from i0 of query head h (pointers at the head's
@@ -287,16 +291,20 @@ static void backward_block(const attn_job *job, int64_t b, int64_t i0, int64_t n
   const float *Kb = K + kmin * a->kv_ld, *Vb = V + kmin * a->kv_ld, *Qb = Q + i0 * a->q_ld, *dOb = dO + i0 * a->o_ld;
   float *dKb = dK + kmin * a->kv_ld, *dVb = dV + kmin * a->kv_ld;
   const float *Pb = P ? P + i0 * Tk + kmin : Pw;
-  float *raw = cap > 0.0f ? Rw : Pw; /* the raw scaled scores scale Q K^T: for the cap's slope, or P in place */
+  /* the raw scaled scores scale Q K^T: into Rw for the cap (then its slope there, the capped
+   * scores into Pw in the lse mode), else into Pw for the lse mode's P in place */
+  float *raw = cap > 0.0f ? Rw : Pw;
   if (cap > 0.0f || !P) gemm(0, 1, n, w, D, a->scale, Qb, a->q_ld, Kb, a->kv_ld, 0.0f, raw, Tk);
+  for (int64_t i = 0; cap > 0.0f && i < n; i++) cap_slope_row(Rw + i * Tk, P ? NULL : Pw + i * Tk, w, cap);
   if (!P) /* the lse mode: P = exp(S - lse) on the visible keys, 0 elsewhere */
     for (int64_t i = 0; i < n; i++) {
       key_range(a, b, i0 + i, &lo, &hi);
-      recompute_row(Pw + i * Tk, raw + i * Tk, lo - kmin, hi - kmin, w, keep ? keep + kmin : NULL, L[i0 + i], cap);
+      recompute_row(Pw + i * Tk, lo - kmin, hi - kmin, w, keep ? keep + kmin : NULL, L[i0 + i]);
     }
   gemm(0, 1, n, w, D, 1.0f, dOb, a->o_ld, Vb, a->kv_ld, 0.0f, dP, Tk);  /* dP = dO V^T  */
   gemm(1, 0, w, D, n, 1.0f, Pb, Tk, dOb, a->o_ld, 1.0f, dVb, a->kv_ld); /* dV += P^T dO */
-  for (int64_t i = 0; i < n; i++) softmax_grad_row(dP + i * Tk, Pb + i * Tk, raw + i * Tk, w, a->scale, cap);
+  for (int64_t i = 0; i < n; i++)
+    softmax_grad_row(dP + i * Tk, Pb + i * Tk, cap > 0.0f ? Rw + i * Tk : NULL, w, a->scale);
   gemm(0, 0, n, D, w, 1.0f, dP, Tk, Kb, a->kv_ld, 0.0f, dQ + i0 * a->q_ld, a->q_ld); /* dQ = dS K    */
   gemm(1, 0, w, D, n, 1.0f, dP, Tk, Qb, a->q_ld, 1.0f, dKb, a->kv_ld);               /* dK += dS^T Q */
 }
