@@ -70,10 +70,12 @@ __device__ __forceinline__ int64_t key_limit(const tp_attention_args &a, int64_t
   return n < 0 ? 0 : n;
 }
 
-/* The first key position query i of sequence b may see: its window's start (0 without). */
+/* The first key position query i of sequence b may see: its window's start (0 without); in a
+ * ring, never a position this step's writes overwrote (the checks rule that out). */
 __device__ __forceinline__ int64_t key_first(const tp_attention_args &a, int64_t b, int64_t i) {
-  if (a.window <= 0) return 0;
-  const int64_t f = (a.q_pos ? a.q_pos[b] : 0) + i - a.window + 1;
+  const int64_t p0 = a.q_pos ? a.q_pos[b] : 0;
+  int64_t f = a.window > 0 ? p0 + i - a.window + 1 : 0;
+  if (a.kv_ring > 0 && f < p0 + a.Tq - a.kv_ring) f = p0 + a.Tq - a.kv_ring;
   return f > 0 ? f : 0;
 }
 

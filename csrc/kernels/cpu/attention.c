@@ -48,6 +48,8 @@ static void key_range(const tp_attention_args *a, int64_t b, int64_t i, int64_t 
   if (a->kv_ring && n > p - i + a->Tq) n = p - i + a->Tq;
   if (a->causal && p + 1 < n) n = p + 1;
   int64_t first = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+  if (a->kv_ring && first < p - i + a->Tq - a->kv_ring) /* overwritten by this step (the checks rule it out) */
+    first = p - i + a->Tq - a->kv_ring;
   *lo = first, *hi = n > first ? n : first;
 }
 
