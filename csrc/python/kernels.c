@@ -15,25 +15,9 @@
  */
 #include "ext.h"
 
-#define KC_MAX_ARGS 12
+#include "kcall.h"
 
-typedef struct {
-  module_state *st;
-  const char *op;
-  tp_device_t dev;
-  int id, have, numpy; /* numpy: the first tensor was a NumPy array (outputs are NumPy) */
-  PyObject *keep[KC_MAX_ARGS];
-  int nkeep;
-} kcall;
-
-#define KCALL(name, mod) kcall c = {(module_state *)PyModule_GetState(mod), name, TP_DEVICE_CPU, 0, 0, 0, {0}, 0}
-#define KRUN(s, expr)                  \
-  do {                                 \
-    Py_BEGIN_ALLOW_THREADS s = (expr); \
-    Py_END_ALLOW_THREADS               \
-  } while (0)
-
-static void kc_release(kcall *c) {
+void kc_release(kcall *c) {
   for (int i = 0; i < c->nkeep; i++) Py_DECREF(c->keep[i]);
   c->nkeep = 0;
 }
@@ -41,8 +25,7 @@ static void kc_release(kcall *c) {
 /* o as a tensor on the call's device (the first tensor fixes it); optional: None gives
  * *tp = NULL.  A NumPy array is checked in place (get_host_buf); anything else goes
  * through DLPack.  0 / -1. */
-static int kc_in(kcall *c, PyObject *o, const char *name, int writable, int optional, tp_tensor *t,
-                 const tp_tensor **tp) {
+int kc_in(kcall *c, PyObject *o, const char *name, int writable, int optional, tp_tensor *t, const tp_tensor **tp) {
   if (optional && o == Py_None) {
     if (tp) *tp = NULL;
     return 0;
@@ -85,7 +68,7 @@ static int kc_in(kcall *c, PyObject *o, const char *name, int writable, int opti
 
 /* A new output of the call's kind (NumPy when the first tensor was NumPy, else a DeviceArray
  * on its device): *t its tensor; the array is returned (new ref). */
-static PyObject *kc_new(kcall *c, tp_dtype_t dt, int ndim, const int64_t *shape, tp_tensor *t) {
+PyObject *kc_new(kcall *c, tp_dtype_t dt, int ndim, const int64_t *shape, tp_tensor *t) {
   if (!c->numpy) {
     PyObject *a = devarray_empty(c->st, c->dev, c->id, dt, ndim, shape);
     if (a) *t = *devarray_tensor(c->st, a);
@@ -107,14 +90,14 @@ static PyObject *kc_out(kcall *c, PyObject *out, tp_dtype_t dt, int ndim, const 
   return Py_NewRef(out);
 }
 
-static PyObject *kc_done(kcall *c, tp_status_t s, PyObject *result) {
+PyObject *kc_done(kcall *c, tp_status_t s, PyObject *result) {
   kc_release(c);
   if (s == TP_SUCCESS) return result;
   Py_XDECREF(result);
   return raise_status(c->st, s, c->op);
 }
 
-static PyObject *kc_fail(kcall *c) { return kc_done(c, TP_SUCCESS, NULL); }
+PyObject *kc_fail(kcall *c) { return kc_done(c, TP_SUCCESS, NULL); }
 
 static int64_t numel(const tp_tensor *t) { return tp_tensor_numel(t); }
 

@@ -388,6 +388,31 @@ static void hostile_attention(void) {
     ATT(group, -1, "group");
     ATT(q_head0, INT64_MIN, "q_head0");
     ATT(device, (tp_device_t)5, "device");
+    ATT(softcap, NAN, "softcap"); /* the model families' fields: soft-cap, window, ring */
+    ATT(softcap, -1.0f, "softcap");
+    ATT(softcap, INFINITY, "softcap");
+    ATT(window, -1, "window");
+    ATT(kv_ring, -1, "kv_ring");
+    ATT(kv_ring, 3, "kv_ring"); /* no k_len (forward), backward (any ring) */
+    {                           /* a ring over a cache: window + Tq - 1 <= kv_ring <= Tk, no probs, no key mask */
+      static const int64_t klen[2] = {3, 7}, qpos[2] = {0, 4};
+      static const uint8_t km[6] = {1, 1, 1, 1, 1, 1};
+      b2 = a;
+      b2.probs = NULL, b2.k_len = klen, b2.q_pos = qpos, b2.kv_ring = 3, b2.window = 1;
+      OK(tp_attention_forward(NULL, &b2, &W)); /* 1 + 3 - 1 = 3 rows: fits */
+      b2.window = 0;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "window");
+      b2.window = 2;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "window + Tq - 1 <= kv_ring");
+      b2.window = INT64_MAX;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "window + Tq - 1 <= kv_ring");
+      b2.window = 1, b2.kv_ring = 4, b2.Tq = 1;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "Tk");
+      b2.kv_ring = 3, b2.Tq = 3, b2.probs = pr;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "probs");
+      b2.probs = NULL, b2.key_mask = km;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "key_mask");
+    }
     b2 = a;
     b2.B = INT_MAX, b2.Tq = INT_MAX, b2.Tk = INT_MAX;
     ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", NULL);

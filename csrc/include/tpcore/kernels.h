@@ -88,9 +88,19 @@ typedef struct {
    * Forward only: backward refuses it. */
   const int64_t *kv_slot;
   int64_t kv_batch; /* sequences k/v hold when kv_slot is set (>= 1)          */
-  float softcap;    /* > 0: scores -> softcap * tanh(score / softcap) before the mask */
-  int64_t window;   /* > 0: the query at position p sees keys p - window < j <= p */
-  int64_t kv_ring;  /* > 0 (cache, forward): the key of position j at row j % kv_ring */
+  /* Attention logit soft-capping (Gemma 2; 0: off): softcap > 0 turns each scaled score s
+   * into softcap * tanh(s / softcap) before the mask and the softmax (lse and probs are of
+   * the capped scores; backward applies d/ds = 1 - tanh^2).  Finite, >= 0. */
+  float softcap;
+  /* Sliding window (Mistral, Gemma; 0: off): window > 0 lets the query at position p see
+   * only keys j with p - window < j (with the other masks: causal, k_len, key_mask).  >= 0. */
+  int64_t window;
+  /* Ring-buffer KV cache (0: off; forward over a cache only: q_pos and k_len set): the key
+   * and value of position j live at row j % kv_ring of their sequence (a sliding layer's
+   * cache of kv_ring rows; keys past the step's last query, q_pos + Tq - 1, are not read).
+   * Needs k_len, window > 0, window + Tq - 1 <= kv_ring (every key a query of the step sees
+   * still in the ring), kv_ring <= Tk (the rows k/v hold), and neither probs nor key_mask. */
+  int64_t kv_ring;
 } tp_attention_args;
 
 /* ------------------------------------------------------------------ linear */

@@ -357,7 +357,8 @@ def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, thr
         Hk = nk if nk else 1
         t = _plan(B * Hk, T * Tk * D * (nq // Hk + 1), threads)
         fwd = 0 if need_bw else QBLOCK * Tk       # forward without kept probabilities: a block of scores
-        bwd = QBLOCK * Tk if need_bw else 0       # backward with the probabilities kept: dP
+        # backward with the probabilities kept: dP (and the raw scores with a soft-cap)
+        bwd = QBLOCK * Tk * (1 + bool(cfg.attn_softcap)) if need_bw else 0
         abytes = t * max(fwd, bwd) * 4
     fixed = _a(8 * M) + 3 * _a(8 * B) + _a(M) + _a(abytes)
     qh = nq + nk if cfg.qk_norm else 0
