@@ -53,6 +53,7 @@ def mistral():
     m, cfg = _mistral()
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, V, (2, 19))              # 19 > 3 windows
+    m.generation_config.eos_token_id = None   # greedy to the end, as tpcore's generate without eos_token_id
     with torch.no_grad():
         logits = m(torch.tensor(tokens)).logits.numpy()
         gen = m.generate(torch.tensor(tokens[:, :13]), max_new_tokens=9, do_sample=False,
