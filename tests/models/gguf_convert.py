@@ -99,7 +99,7 @@ def llama3_rope_factors(cfg):
     return np.array(out, np.float32)
 
 
-def _keys(w, family, cfg):
+def _keys(w, family, cfg, tokenizer=None):
     a = ARCH[family]
     H, Hk, D = _dims(cfg)
     u, f = w.add_uint32, w.add_float32
@@ -128,22 +128,26 @@ def _keys(w, family, cfg):
     if family == "gemma2":
         f(f"{a}.attn_logit_softcapping", cfg.attn_logit_softcapping)
         f(f"{a}.final_logit_softcapping", cfg.final_logit_softcapping)
+    if tokenizer is not None:            # tokenizer(w): the tokenizer's keys
+        tokenizer(w)
+        return
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg.vocab_size)])
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     w.add_uint32("tokenizer.ggml.padding_token_id", 0)
 
 
-def write_gguf(path, family, model, cfg, qtype=None):
+def write_gguf(path, family, model, cfg, qtype=None, tokenizer=None):
     """The model as llama.cpp's converter writes it (F32; qtype: the 2-D/3-D matrices
-    quantized with gguf's reference quantizer, e.g. Q8_0).  Returns {GGUF name: the
+    quantized with gguf's reference quantizer, e.g. Q8_0; tokenizer(writer): writes the
+    tokenizer's keys instead of a placeholder vocabulary).  Returns {GGUF name: the
     float64 values stored} (dequantized where quantized)."""
     import gguf.quants
     a = ARCH[family]
     H, Hk, D = _dims(cfg)
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
     w = gguf.GGUFWriter(path, a)
-    _keys(w, family, cfg)
+    _keys(w, family, cfg, tokenizer)
     gemma = family.startswith("gemma")
     stored = {}
 
