@@ -278,6 +278,31 @@ def test_gemma_layer_patterns_and_scale(files, tmp_path):
     assert cfg.layer_types == tuple("sliding_attention" if f else "full_attention" for f in flags)
 
 
+def test_phi3_longrope(files, tmp_path):
+    """Phi-3's longrope as llama.cpp writes it (rope_factors_long / rope_factors_short, the
+    original context and the attention factor as keys) is Hugging Face's longrope dict."""
+    ph = files["phi3"][0]
+    D = 8
+    long_f, short_f = np.linspace(1, 4, D // 2).astype(np.float32), np.linspace(1, 1.5, D // 2).astype(np.float32)
+    cfg = tg.GGUFModel(_rewrite(ph, str(tmp_path / "lr.gguf"),
+                                keys={"phi3.rope.scaling.original_context_length": ("uint32", 16),
+                                      "phi3.rope.scaling.attn_factor": ("float32", 1.25)},
+                                tensors={"rope_factors_long.weight": long_f,
+                                         "rope_factors_short.weight": short_f})).config
+    rs = cfg.rope_scaling
+    assert rs["rope_type"] == "longrope" and rs["original_max_position_embeddings"] == 16
+    assert rs["factor"] == 64 / 16 and rs["attention_factor"] == 1.25
+    np.testing.assert_array_equal(rs["long_factor"], long_f)
+    np.testing.assert_array_equal(rs["short_factor"], short_f)
+    _refused(_rewrite(ph, str(tmp_path / "lr1.gguf"), tensors={"rope_factors_long.weight": long_f,
+                                                                "rope_factors_short.weight": short_f}),
+             "'phi3.rope.scaling.original_context_length'", "no such key")
+    orig = {"phi3.rope.scaling.original_context_length": ("uint32", 16)}
+    short = {"rope_factors_long.weight": long_f[:2], "rope_factors_short.weight": short_f}
+    _refused(_rewrite(ph, str(tmp_path / "lr2.gguf"), keys=orig, tensors=short),
+             "'rope_factors_long.weight'", "shape (4,)")
+
+
 # ----------------------------------------------------------------- end to end (integration)
 def _logits(comm, path, tokens):
     import tpcore
