@@ -78,6 +78,7 @@ def test_config_and_tensors(files, fam):
     path, model, hc = files[fam]
     g = tg.GGUFModel(path)
     cfg = g.config
+    assert cfg.model_type == hc.model_type
     for k, v in _expected_config(fam, hc).items():
         got = getattr(cfg, k)
         assert got == pytest.approx(v) if isinstance(v, float) else got == v, (k, got, v)

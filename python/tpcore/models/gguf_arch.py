@@ -355,6 +355,8 @@ def config_kwargs(m: Meta, a: str, n_tokens: Optional[int], by_name: Dict[str, A
     window = m.int(f"{a}.attention.sliding_window", 0, lo=0) or None
     if a in ("llama", "mistral", "phi3"):
         kw["sliding_window"] = window
+    if a in ("llama", "mistral") and (kw.get("experts") or window):
+        kw["model_type"] = "mixtral" if kw.get("experts") else "mistral"   # Hugging Face's model_type
     if a == "qwen2":
         kw["qkv_bias"] = True
     if a in ("qwen3", "qwen3moe", "gemma3"):
