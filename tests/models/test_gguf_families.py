@@ -238,8 +238,6 @@ def test_refused_by_name(files, tmp_path):
              "llama, mistral, qwen3moe")
     _refused(_rewrite(ph, p("partial"), keys={"phi3.rope.dimension_count": ("uint32", 4)}),
              "'phi3.rope.dimension_count'", "partial rotary")
-    _refused(_rewrite(g3, p("nowindow"), drop=("gemma3.attention.sliding_window",)),
-             "'gemma3.attention.sliding_window'", "no such key")
     _refused(_rewrite(g3, p("pattern"), keys={"gemma3.attention.sliding_window_pattern": ("array", [True] * 4)}),
              "'gemma3.attention.sliding_window_pattern'", "6 entries")
     _refused(_rewrite(mx, p("experts"), keys={"llama.expert_count": ("uint32", 1 << 30)}), "'llama.expert_count'",
@@ -267,7 +265,8 @@ def test_refused_by_name(files, tmp_path):
 
 def test_gemma_layer_patterns_and_scale(files, tmp_path):
     """Gemma 3's sliding_window_pattern (an integer or one boolean per layer) and the
-    attention scale key; without the pattern key, llama.cpp's 6."""
+    attention scale key; without the pattern key, llama.cpp's 6 (test_config_and_tensors);
+    without the window, no sliding layer."""
     g3 = files["gemma3"][0]
     d = str(tmp_path / "p2.gguf")
     cfg = tg.GGUFModel(_rewrite(g3, d, keys={"gemma3.attention.sliding_window_pattern": ("uint32", 2),
@@ -277,6 +276,10 @@ def test_gemma_layer_patterns_and_scale(files, tmp_path):
     cfg = tg.GGUFModel(_rewrite(g3, str(tmp_path / "pa.gguf"),
                                 keys={"gemma3.attention.sliding_window_pattern": ("array", flags)})).config
     assert cfg.layer_types == tuple("sliding_attention" if f else "full_attention" for f in flags)
+    # no window (llama.cpp: no sliding layers, every layer global with the global rotary base)
+    cfg = tg.GGUFModel(_rewrite(g3, str(tmp_path / "nw.gguf"), drop=("gemma3.attention.sliding_window",))).config
+    assert cfg.sliding_window is None and cfg.layer_types is None and cfg.rope_local_theta is None
+    assert not any(cfg.sliding(i) for i in range(cfg.layers))
 
 
 def test_phi3_longrope(files, tmp_path):

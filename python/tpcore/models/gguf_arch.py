@@ -21,9 +21,10 @@ convert_hf_to_gguf.py writes them:
   post_ffw_norm (post_norms), GeGLU, embeddings scaled by sqrt(hidden); gemma2's soft-caps
   (`{arch}.attn_logit_softcapping`, `final_logit_softcapping`) and alternating sliding
   layers; gemma3's 5 sliding : 1 global layers (`attention.sliding_window_pattern`, 6
-  when absent, as llama.cpp), local rotary base `rope.freq_base_swa` (10000 when absent)
-  and QK-norm.  The attention scale: `attention.scale`, else llama.cpp's (head_dim ** -0.5;
-  the 27B models, 46 resp. 62 layers: (hidden / heads) ** -0.5).
+  when absent, as llama.cpp; no `attention.sliding_window`, or 0: every layer global),
+  local rotary base `rope.freq_base_swa` (10000 when absent) and QK-norm.  The attention
+  scale: `attention.scale`, else llama.cpp's (head_dim ** -0.5; the 27B models, 46 resp.
+  62 layers: (hidden / heads) ** -0.5).
 - phi3: the fused attn_qkv (q, k, v rows in that order) cut into attn.q/k/v, and the fused
   ffn_up ([gate; up], 2F rows) taken as mlp.fc1 whole; longrope's rope_factors_long /
   rope_factors_short tensors as HF's longrope dict.
@@ -362,18 +363,17 @@ def config_kwargs(m: Meta, a: str, n_tokens: Optional[int], by_name: Dict[str, A
     if a in ("qwen3", "qwen3moe", "gemma3"):
         kw["qk_norm"] = True
     if a in ("gemma2", "gemma3"):
-        if window is None and a == "gemma3":
-            m.int(f"{a}.attention.sliding_window")    # required: the missing key's message
         scale = m.num(f"{a}.attention.scale", None)
         if scale is None and kw["layers"] == _GEMMA_27B_LAYERS[a]:
             scale = (C / H) ** -0.5
         kw.update(activation="geglu", post_norms=True, norm_unit_offset=True, embed_scale=math.sqrt(C),
-                  sliding_window=window or 4096, layer_types=_layer_types(m, a, kw["layers"]),
                   attn_scale=scale if scale is not None and not math.isclose(scale, D ** -0.5) else None,
                   attn_softcap=m.num(f"{a}.attn_logit_softcapping", None),
                   final_softcap=m.num(f"{a}.final_logit_softcapping", None))
-        if a == "gemma3":
-            kw["rope_local_theta"] = m.num(f"{a}.rope.freq_base_swa", 10000.0)
+        if a == "gemma2" or window:   # gemma3 without a window (or 0): every layer global, as llama.cpp
+            kw.update(sliding_window=window or 4096, layer_types=_layer_types(m, a, kw["layers"]))
+            if a == "gemma3":
+                kw["rope_local_theta"] = m.num(f"{a}.rope.freq_base_swa", 10000.0)
     return kw, consumed
 
 
