@@ -296,8 +296,10 @@ def _experts(m: Meta, a: str, by_name) -> Dict[str, Any]:
         raise bad(m.path, f"metadata key '{a}.expert_used_count'", f"at most expert_count ({E})", k)
     norm = m.bool(f"{a}.expert_weights_norm", True)
     out = dict(experts=E, experts_per_token=k, norm_topk_prob=norm)
-    if a == "qwen3moe" or m.has(f"{a}.expert_feed_forward_length"):
+    if m.has(f"{a}.expert_feed_forward_length"):
         out["ffn_hidden"] = m.int(f"{a}.expert_feed_forward_length")
+    elif a == "qwen3moe":     # llama.cpp's fallback: feed_forward_length / expert_used_count
+        out["ffn_hidden"] = max(1, m.int(f"{a}.feed_forward_length") // k)
     return out
 
 
