@@ -71,7 +71,7 @@ def _reference(blocks, x, g, mask=None, coef=0.0):
     loss.backward()
     grads = [_tensors_grad(b) for b in blocks]
     return (h.detach().numpy(), [lg.detach().numpy() for lg in logits], xt.grad.numpy(), grads,
-            None if aux is None else float(aux))
+            None if aux is None else float(aux.detach()))
 
 
 def _tensors_grad(b):
