@@ -1,5 +1,5 @@
 """A tiny Mixtral as a tpcore.models.TransformerLM with MoE decoder layers (config.experts > 0,
-tpcore.nn.moe_block) against transformers' MixtralForCausalLM built from its config with random
+tpcore.models.moe_block) against transformers' MixtralForCausalLM built from its config with random
 non-zero weights (loaded from its state_dict with a small name map of this test's own): logits at
 world 1-4 (experts split over the ranks, 8 on 3 as 3, 3, 2), greedy generation with the KV cache,
 the training loss with the router's load-balancing loss (padding masked) and every block's
@@ -11,7 +11,7 @@ import pytest
 import tpcore
 from conftest import run
 from tpcore.nn.moe import load_balancing_loss
-from tpcore.nn.moe_block import MoEBlock
+from tpcore.models.moe_block import MoEBlock
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -88,7 +88,7 @@ def _reference():
     out.loss.backward()
     grads = {}
     for i in range(L):
-        p, q = f"model.layers.{i}.", f"blocks.{i}."
+        q = f"blocks.{i}."
         lay = m.model.layers[i]
         grads[q + "moe.router.weight"] = lay.mlp.gate.weight.grad.numpy()
         grads[q + "norm2.weight"] = lay.post_attention_layernorm.weight.grad.numpy()

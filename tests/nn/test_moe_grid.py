@@ -1,4 +1,4 @@
-"""A Mixtral decoder layer (tpcore.nn.moe_block.MoEBlock) on ProcessGrid(tp=, ep=, dp=) grids:
+"""A Mixtral decoder layer (tpcore.models.moe_block.MoEBlock) on ProcessGrid(tp=, ep=, dp=) grids:
 attention heads over grid.tp, whole experts over grid.ep, each EP lane and DP replica with its
 own rows of the batch; after grid.average_gradients (dense tensors over ep x dp, experts over dp
 and / ep) the gradients are those of transformers' MixtralDecoderLayer over the whole batch by
@@ -8,7 +8,7 @@ import pytest
 
 import tpcore
 from conftest import run
-from tpcore.nn.moe_block import MoEBlock
+from tpcore.models.moe_block import MoEBlock
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -61,8 +61,8 @@ def _reference():
 
 def _cfg():
     return tpcore.Config(vocab_size=16, hidden=C, layers=1, heads=H, kv_heads=HK, head_dim=D, ffn_hidden=F,
-                         norm="rmsnorm", eps=1e-5, activation="swiglu", positions="rope", rope_theta=10000.0, bias=False,
-                         max_positions=64, model_type="llama", experts=E, experts_per_token=K)
+                         norm="rmsnorm", eps=1e-5, activation="swiglu", positions="rope", rope_theta=10000.0,
+                         bias=False, max_positions=64, model_type="llama", experts=E, experts_per_token=K)
 
 
 def _grid_step(comm, tp, ep, dp, sd, x, g):
@@ -85,7 +85,7 @@ def test_tp_x_ep_x_dp_grid_matches_transformers(tp, ep, dp):
     sd, x, g, y, grads = _reference()
     replicas = ep * dp
     res = run(_grid_step, tp * ep * dp, tp, ep, dp, sd, x, g)
-    for rows, out, got, experts in res:
+    for rows, out, got, _ in res:
         want = y[rows]
         assert np.abs(out - want).max() <= 1e-4 * np.abs(want).max()
         for name, w in grads.items():  # the averaged gradient is the mean over the replicas

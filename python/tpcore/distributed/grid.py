@@ -209,8 +209,8 @@ class ProcessGrid:
         s = self.sizes
         ep = f", ep={s['ep']}" if s["ep"] > 1 else ""
         at = f", ep {self.ep_rank}" if s["ep"] > 1 else ""
-        return (f"ProcessGrid(tp={s['tp']}, pp={s['pp']}, dp={s['dp']}{ep}; rank {self.comm.rank} at tp {self.tp_rank}, "
-                f"pp {self.pp_rank}, dp {self.dp_rank}{at})")
+        return (f"ProcessGrid(tp={s['tp']}, pp={s['pp']}, dp={s['dp']}{ep}; rank {self.comm.rank} at tp "
+                f"{self.tp_rank}, pp {self.pp_rank}, dp {self.dp_rank}{at})")
 
 
 def _member(c: Optional[Comm]) -> Comm:

@@ -23,13 +23,14 @@ from tpcore.distributed.agree import agreed
 from tpcore.distributed.comm import Comm
 from tpcore.models.generate import _GenerationMixin, check_vocab
 from tpcore.models.memory import MODEL_PARTS, _aligned_heads, model_memory
+from tpcore.models.moe_block import build_blocks
 from tpcore.models.norm import _Norm, _normal, on_device
 from tpcore.models.state import _CheckpointMixin
 from tpcore.nn.common import zero
 from tpcore.nn.config import Config, head_partition
 from tpcore.nn.linear import ColumnParallelLinear
 from tpcore.nn.partition import partition as partition_dim, partition_sizes
-from tpcore.nn.transformer import TransformerBlock, build_blocks, mask_array, positions
+from tpcore.nn.transformer import TransformerBlock, mask_array, positions
 from tpcore.nn.weights import put_weight
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from tpcore.utils.args import bool_arg, int_arg, minmax, seed_arg, shown

@@ -139,8 +139,8 @@ class MoE:
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, experts: int, top_k: int, comm: Comm, mode: str = "ep",
-                 norm_topk_prob: bool = True, replicated: bool = False, expert_partition: Optional[Sequence[int]] = None,
-                 seed: int = 0) -> None:
+                 norm_topk_prob: bool = True, replicated: bool = False,
+                 expert_partition: Optional[Sequence[int]] = None, seed: int = 0) -> None:
         who = "MoE"
         if not isinstance(comm, Comm):
             raise TypeError(f"{who}: comm must be a tpcore.Comm, got {shown(comm)}")

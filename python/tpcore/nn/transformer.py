@@ -741,11 +741,7 @@ class ParallelAttention(TransformerBlock):
 def build_blocks(cfg: Config, comm: Comm, seeds: Sequence[int], head_partition: Any, ffn_partition: Any,
                  device: Any, dtype: Any, who: str) -> List["TransformerBlock"]:
     """One TransformerBlock per seed, all on one head and FFN split; a split that leaves some
-    rank without heads warns once for them all (`HeadSplitWarning`), not once per block.
-    A MoE config (experts > 0): MoE decoder layers (tpcore.nn.moe_block)."""
-    if cfg.experts:
-        from tpcore.nn.moe_block import build_moe_blocks
-        return build_moe_blocks(cfg, comm, seeds, head_partition, ffn_partition, device, dtype, who)  # type: ignore
+    rank without heads warns once for them all (`HeadSplitWarning`), not once per block."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HeadSplitWarning)
         blocks = [TransformerBlock(cfg, comm, seed=s, head_partition=head_partition, ffn_partition=ffn_partition,

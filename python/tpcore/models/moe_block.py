@@ -4,7 +4,8 @@ MoE MLP -> residual, forward and backward, with attention's KV cache for generat
 The attention is `TransformerBlock`'s C attention alone (heads split over the block's comm,
 its KV cache, pos0 / key_mask / slots as TransformerBlock's); the two norms are replicated
 (the C norm kernels); the MLP is a `tpcore.nn.moe.MoE`.  `TransformerLM` makes these blocks
-when config.experts > 0 (`build_moe_blocks`, called by transformer.build_blocks).
+when config.experts > 0 (`build_blocks` here: MoE blocks for a MoE config, else
+tpcore.nn.transformer.build_blocks's).
 
 Full-tensor names: TransformerBlock's norm1.*, attn.*, norm2.* and, for the MoE,
 ``moe.router.weight`` (experts, hidden), ``moe.experts.{e}.fc1.weight`` (2F, hidden)
@@ -22,10 +23,12 @@ from tpcore.models.norm import _Norm
 from tpcore.nn.common import as_float32, layer_memory
 from tpcore.nn.config import Config
 from tpcore.nn.moe import MoE
-from tpcore.nn.transformer import HeadSplitWarning, TransformerBlock, _block_dtypes, warn_headless_ranks
+from tpcore.nn.transformer import HeadSplitWarning, TransformerBlock, warn_headless_ranks
+from tpcore.nn.transformer import build_blocks as _dense_blocks
 from tpcore.utils.args import shown
+from tpcore.utils.dtypes import weight_formats
 
-__all__ = ["MoEBlock", "build_moe_blocks"]
+__all__ = ["MoEBlock", "build_blocks"]
 
 
 class MoEBlock(TransformerBlock):
@@ -92,15 +95,15 @@ class MoEBlock(TransformerBlock):
             raise ValueError(f"{who}: ffn_partition is for a dense MLP; the experts split by expert_partition")
         if device is not None and not str(device).startswith("cpu"):
             raise ValueError(f"{who}: device must be 'cpu' (the MoE layer runs on the host), got {shown(device)}")
-        dts = _block_dtypes(dtype, who)
-        for k in ("mlp.fc1.weight", "mlp.fc2.weight"):
+        dts = weight_formats(dtype, who, ("qkv", "out", "fc1", "fc2"))
+        for k in ("fc1", "fc2"):
             if dts[k] != "float32":
-                raise ValueError(f"{who}: the experts are float32; got {dts[k]!r} for {k.split('.')[1]}")
+                raise ValueError(f"{who}: the experts are float32; got {dts[k]!r} for {k}")
         if ep is not None and not isinstance(ep, Comm):
             raise TypeError(f"{who}: ep must be a tpcore.Comm (grid.ep) or None, got {shown(ep)}")
         if ep is not None and expert_mode not in (None, "ep"):
             raise ValueError(f"{who}: with ep the experts split by expert (expert_mode 'ep'), got {expert_mode!r}")
-        attn_dt = {"qkv": dts["attn.qkv.weight"], "out": dts["attn.out.weight"], "fc1": "float32", "fc2": "float32"}
+        attn_dt = {"qkv": dts["qkv"], "out": dts["out"], "fc1": "float32", "fc2": "float32"}
         super().__init__(cfg, comm, seed=seed, head_partition=head_partition, device=None, dtype=attn_dt, plan=plan)
         C = cfg.hidden
         self.norm1 = _Norm(cfg.norm, C, cfg.eps)
@@ -232,14 +235,18 @@ class MoEBlock(TransformerBlock):
                 f"{self.moe.experts_local} ({self.moe.mode}) on rank {self.comm.rank})")
 
 
-def build_moe_blocks(cfg: Config, comm: Comm, seeds: Sequence[int], head_partition: Any, ffn_partition: Any,
-                     device: Any, dtype: Any, who: str) -> List[MoEBlock]:
-    """build_blocks for a MoE config: one MoEBlock per seed (the MoE over comm, replicated
-    tokens; warns once for a head split that leaves ranks without heads)."""
+def build_blocks(cfg: Config, comm: Comm, seeds: Sequence[int], head_partition: Any, ffn_partition: Any,
+                 device: Any, dtype: Any, who: str) -> List[TransformerBlock]:
+    """TransformerLM's blocks: for a MoE config (experts > 0) one MoEBlock per seed (the MoE
+    over comm, replicated tokens; warns once for a head split that leaves ranks without
+    heads), else tpcore.nn.transformer.build_blocks's TransformerBlocks."""
+    if not cfg.experts:
+        return _dense_blocks(cfg, comm, seeds, head_partition, ffn_partition, device, dtype, who)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HeadSplitWarning)
-        blocks = [MoEBlock(cfg, comm, seed=s, head_partition=head_partition, ffn_partition=ffn_partition,
-                           device=device, dtype=dtype) for s in seeds]
+        blocks: List[TransformerBlock] = [MoEBlock(cfg, comm, seed=s, head_partition=head_partition,
+                                                   ffn_partition=ffn_partition, device=device, dtype=dtype)
+                                          for s in seeds]
     if blocks:
         warn_headless_ranks(blocks[0].head_partition, cfg.heads, comm, who, len(blocks))
     return blocks
