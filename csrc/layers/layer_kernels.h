@@ -305,8 +305,11 @@ static inline tp_status_t lk_rmsnorm_backward(const tp_lk *c, float *dx, float *
   LK_THROTTLED(c, s, c->k->rmsnorm_backward(s, dx, dw, dy, x, w, rstd, M, C));
 }
 static inline tp_status_t lk_rope(const tp_lk *c, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D,
-                                  const int64_t *pos, float theta, int inverse, tp_stream_t s) {
+                                  const int64_t *pos, const float *inv_freq, float theta, float factor, int inverse,
+                                  tp_stream_t s) {
   if (rows <= 0) return TP_SUCCESS;
+  if (inv_freq || factor != 1.0f) /* INTEGRATION: replaced by the rope kernel with a table (branch i28-rope) */
+    return tp_set_error(TP_ERR_INVALID_USAGE, "rope: frequency tables are not wired yet");
   LK_THROTTLED(c, s, c->k->rope(s, x, rows, ld, heads, D, pos, theta, inverse));
 }
 /* pos[b * T + t] = pos0[b] + t, klen[b] = pos0[b] + T */
@@ -318,7 +321,9 @@ static inline tp_status_t lk_positions(const tp_lk *c, int64_t *pos, int64_t *kl
  * floats each. */
 static inline tp_status_t lk_kv_cache_write(const tp_lk *c, float *kc, float *vc, const float *k, const float *v,
                                             int64_t ld, const int64_t *pos0, const int64_t *slots, int64_t B, int64_t T,
-                                            int64_t max_len, int64_t width, tp_stream_t s) {
+                                            int64_t max_len, int64_t width, int64_t ring, tp_stream_t s) {
+  if (ring) /* INTEGRATION: the ring write (branch i28-attn) */
+    return tp_set_error(TP_ERR_INVALID_USAGE, "kv_cache_write: rings are not wired yet");
   return B > 0 && T > 0 && width > 0 ? c->k->kv_cache_write(s, kc, vc, k, v, ld, pos0, slots, B, T, max_len, width)
                                      : TP_SUCCESS;
 }

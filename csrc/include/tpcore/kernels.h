@@ -81,6 +81,9 @@ typedef struct {
    * Forward only: backward refuses it. */
   const int64_t *kv_slot;
   int64_t kv_batch; /* sequences k/v hold when kv_slot is set (>= 1)          */
+  float softcap;    /* > 0: scores -> softcap * tanh(score / softcap) before the mask */
+  int64_t window;   /* > 0: the query at position p sees keys p - window < j <= p */
+  int64_t kv_ring;  /* > 0 (cache, forward): the key of position j at row j % kv_ring */
 } tp_attention_args;
 
 /* ------------------------------------------------------------------ linear */

@@ -3,6 +3,7 @@
     python -m tpcore.bench collectives [options]    collectives vs memcpy, gloo and MPI
     python -m tpcore.bench layers [options]         ParallelMLP vs NumPy GEMMs and torch/gloo
     python -m tpcore.bench decode [options]         a transformer's prefill/decode at 1, 2, 4 ranks vs torch
+    python -m tpcore.bench families [options]       each model family's decode speed vs a Llama of its size
     python -m tpcore.bench gpu [options]            GEMMs vs torch.matmul, decode vs HF generate (GPU)
     python -m tpcore.bench parallelism [options]    one model trained as data, tensor and pipeline parallel
     python -m tpcore.bench hetero [options]         one rank throttled: equal vs speed-planned shards
@@ -21,6 +22,7 @@ SUBCOMMANDS = {
     "collectives": "collectives",
     "layers": "layers",
     "decode": "decode",
+    "families": "families",
     "gpu": "gpu",
     "parallelism": "parallelism",
     "hetero": "hetero",

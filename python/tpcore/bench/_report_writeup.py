@@ -48,7 +48,7 @@ def _prefill_flops(data: dict) -> float:
     c, B, T = data["config"], data["batch"], data["prompt"]
     C, L, F, H, Hk, D, V = (c["hidden"], c["layers"], c["ffn_hidden"], c["heads"], c["kv_heads"], c["head_dim"],
                             c["vocab_size"])
-    mlp = C * F * (3 if c["activation"] == "swiglu" else 2)
+    mlp = C * F * (3 if c["activation"] in ("swiglu", "geglu") else 2)
     per_tok = L * (C * (H + 2 * Hk) * D + H * D * C + mlp)
     attn = L * 2 * H * D * T * (T + 1) / 2 * 2  # causal QK^T and PV
     return 2.0 * per_tok * B * T + B * attn + 2.0 * C * V * B  # + the head on the last rows
