@@ -56,6 +56,8 @@ class MoEBlock(TransformerBlock):
         The attention projections' storage ("qkv", "out"); the experts are float32.
     plan : optional
         As TransformerBlock's (heads only).
+    layer : int, optional
+        The model's layer it is (its sliding window and rotary base), as TransformerBlock's.
     ep : Comm, optional
         The expert-parallel group of a `ProcessGrid` (grid.ep): the MoE's experts spread over
         it in mode "ep", each of its ranks with its own tokens.
@@ -80,8 +82,8 @@ class MoEBlock(TransformerBlock):
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, head_partition: Optional[Sequence[Any]] = None,
                  ffn_partition: Optional[Sequence[Any]] = None, device: Optional[str] = None, dtype: Any = "float32",
-                 plan: Any = None, ep: Optional[Comm] = None, expert_mode: Optional[str] = None,
-                 expert_partition: Optional[Sequence[int]] = None) -> None:
+                 plan: Any = None, layer: Optional[int] = None, ep: Optional[Comm] = None,
+                 expert_mode: Optional[str] = None, expert_partition: Optional[Sequence[int]] = None) -> None:
         who = "MoEBlock"
         if not isinstance(config, Config):
             raise TypeError(f"{who}: config must be a tpcore.Config, got {type(config).__name__}")
@@ -104,7 +106,8 @@ class MoEBlock(TransformerBlock):
         if ep is not None and expert_mode not in (None, "ep"):
             raise ValueError(f"{who}: with ep the experts split by expert (expert_mode 'ep'), got {expert_mode!r}")
         attn_dt = {"qkv": dts["qkv"], "out": dts["out"], "fc1": "float32", "fc2": "float32"}
-        super().__init__(cfg, comm, seed=seed, head_partition=head_partition, device=None, dtype=attn_dt, plan=plan)
+        super().__init__(cfg, comm, seed=seed, head_partition=head_partition, device=None, dtype=attn_dt, plan=plan,
+                         layer=layer)
         C = cfg.hidden
         self.norm1 = _Norm(cfg.norm, C, cfg.eps)
         self.norm2 = _Norm(cfg.norm, C, cfg.eps)
@@ -236,17 +239,19 @@ class MoEBlock(TransformerBlock):
 
 
 def build_blocks(cfg: Config, comm: Comm, seeds: Sequence[int], head_partition: Any, ffn_partition: Any,
-                 device: Any, dtype: Any, who: str) -> List[TransformerBlock]:
-    """TransformerLM's blocks: for a MoE config (experts > 0) one MoEBlock per seed (the MoE
+                 device: Any, dtype: Any, who: str, layers: Optional[Sequence[int]] = None) -> List[TransformerBlock]:
+    """TransformerLM's blocks: for a MoE config (experts > 0) one MoEBlock per seed (of the
+    model's layers `layers`; the MoE
     over comm, replicated tokens; warns once for a head split that leaves ranks without
     heads), else tpcore.nn.transformer.build_blocks's TransformerBlocks."""
     if not cfg.experts:
-        return _dense_blocks(cfg, comm, seeds, head_partition, ffn_partition, device, dtype, who)
+        return _dense_blocks(cfg, comm, seeds, head_partition, ffn_partition, device, dtype, who, layers=layers)
+    layers = [None] * len(seeds) if layers is None else list(layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HeadSplitWarning)
         blocks: List[TransformerBlock] = [MoEBlock(cfg, comm, seed=s, head_partition=head_partition,
-                                                   ffn_partition=ffn_partition, device=device, dtype=dtype)
-                                          for s in seeds]
+                                                   ffn_partition=ffn_partition, device=device, dtype=dtype,
+                                                   layer=i) for s, i in zip(seeds, layers)]
     if blocks:
         warn_headless_ranks(blocks[0].head_partition, cfg.heads, comm, who, len(blocks))
     return blocks
