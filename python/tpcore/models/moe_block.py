@@ -28,7 +28,7 @@ from tpcore.nn.transformer import build_blocks as _dense_blocks
 from tpcore.utils.args import shown
 from tpcore.utils.dtypes import weight_formats
 
-__all__ = ["MoEBlock", "build_blocks"]
+__all__ = ["MoEBlock", "build_blocks", "expert_bytes"]
 
 
 class MoEBlock(TransformerBlock):
@@ -256,3 +256,14 @@ def build_blocks(cfg: Config, comm: Comm, seeds: Sequence[int], head_partition: 
         warn_headless_ranks(blocks[0].head_partition, cfg.heads, comm, who, len(blocks))
     return blocks
 
+
+
+def expert_bytes(model: Any) -> Dict[str, int]:
+    """This rank's expert weight bytes of a model's MoE blocks (or a list of blocks): "read",
+    those its last forward read (only the experts that had tokens run their GEMMs: a decode
+    step reads at most top-k experts per layer, for the report's bytes per token), and
+    "held", all it holds.  0 and 0 for a dense model."""
+    blocks = getattr(model, "blocks", model)
+    moes = [b.moe for b in blocks if isinstance(b, MoEBlock)]
+    held = sum(sum(w.nbytes for w in m.fc1.values()) + sum(w.nbytes for w in m.fc2.values()) for m in moes)
+    return {"read": int(sum(m.bytes_read["experts"] for m in moes)), "held": int(held)}
