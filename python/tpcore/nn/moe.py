@@ -54,9 +54,12 @@ def _all_to_all(comm: Comm, x: np.ndarray, send_sizes: Sequence[int],
                 recv_sizes: Optional[Sequence[int]] = None, axis: int = 0) -> np.ndarray:
     """TEMPORARY stand-in for ``comm.all_to_all(x, send_sizes, recv_sizes, axis)`` (branch
     i28-a2a): x's rows split into blocks of send_sizes rows, block r sent to rank r; the
-    rows received, concatenated in rank order.  recv_sizes None: exchanged first.  Made of
-    an all-gather of the sizes and one of the data (every rank receives every block: right,
-    not fast).  The integrator replaces the body with ``return comm.all_to_all(...)``."""
+    rows received, concatenated in rank order.  recv_sizes None: exchanged first.  Where the
+    Comm has all_to_all it is called; otherwise an all-gather of the sizes and one of the
+    data (every rank receives every block: right, not fast).  The integrator replaces the
+    body with ``return comm.all_to_all(x, send_sizes, recv_sizes, axis)``."""
+    if hasattr(comm, "all_to_all"):
+        return comm.all_to_all(x, send_sizes, recv_sizes, axis)
     if axis != 0:
         raise ValueError(f"_all_to_all: only axis 0 is supported, got {axis}")
     P, me = comm.size, comm.rank
