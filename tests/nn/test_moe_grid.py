@@ -92,3 +92,30 @@ def test_tp_x_ep_x_dp_grid_matches_transformers(tp, ep, dp):
             err = np.abs(got[name] * replicas - w).max() / np.abs(w).max()
             assert err < 1e-4, (name, err)
     assert sorted(e for r in res[:tp * ep:tp] for e in r[3]) == list(range(E))
+
+
+def _bad_block(comm, case):
+    kw = {}
+    if case == "dense":
+        cfg = tpcore.Config(**dict(_cfg().__dict__, experts=0, experts_per_token=0))
+    elif case == "geglu":
+        cfg = tpcore.Config(**dict(_cfg().__dict__, activation="geglu"))
+    elif case == "bias":
+        cfg = tpcore.Config(**dict(_cfg().__dict__, mlp_bias=True))
+    else:
+        cfg = _cfg()
+        kw = {"device": "cuda"} if case == "device" else {"dtype": {"fc1": "bfloat16"}} if case == "dtype" else \
+            {"ffn_partition": [F]}
+    try:
+        MoEBlock(cfg, comm, **kw)
+        return "no error"
+    except (TypeError, ValueError) as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("case,words", [("dense", "experts is 0"), ("geglu", "'geglu'"), ("bias", "no biases"),
+                                        ("device", "device must be 'cpu'"), ("dtype", "'bfloat16' for fc1"),
+                                        ("ffn", "ffn_partition")])
+def test_configs_a_moe_block_cannot_run_are_refused_by_name(case, words):
+    msg = run(_bad_block, 1, case)[0]
+    assert words in msg, msg

@@ -75,7 +75,7 @@ class MoEBlock(TransformerBlock):
     ------
     TypeError, ValueError
         As TransformerBlock's; a dense config (experts 0), another activation than swiglu,
-        a post-norm config, a quantized expert dtype, a GPU device.
+        a post-norm config or post norms, MLP biases, a quantized expert dtype, a GPU device.
     """
 
     _attention_only = True
@@ -90,9 +90,12 @@ class MoEBlock(TransformerBlock):
         cfg = config.validate()
         if not cfg.experts:
             raise ValueError(f"{who}: config.experts is 0 (a dense MLP): use TransformerBlock")
-        if cfg.activation != "swiglu" or not cfg.pre_norm:
-            raise ValueError(f"{who}: experts are SwiGLU MLPs in a pre-norm block (Mixtral); got activation "
-                             f"{cfg.activation!r}, pre_norm={cfg.pre_norm}")
+        if cfg.activation != "swiglu" or not cfg.pre_norm or cfg.post_norms:
+            raise ValueError(f"{who}: experts are SwiGLU MLPs in a pre-norm block without post norms (Mixtral); got "
+                             f"activation {cfg.activation!r}, pre_norm={cfg.pre_norm}, post_norms={cfg.post_norms}")
+        if cfg.bias if cfg.mlp_bias is None else cfg.mlp_bias:
+            raise ValueError(f"{who}: the experts have no biases; got a config with MLP biases (bias={cfg.bias}, "
+                             f"mlp_bias={cfg.mlp_bias})")
         if ffn_partition is not None:
             raise ValueError(f"{who}: ffn_partition is for a dense MLP; the experts split by expert_partition")
         if device is not None and not str(device).startswith("cpu"):
