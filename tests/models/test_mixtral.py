@@ -20,14 +20,14 @@ V, C, L, H, HK, D, F, E, K = 61, 32, 2, 4, 2, 8, 24, 8, 2
 COEF = 0.05
 
 
-def _config():
+def _config(E=E):
     return tpcore.Config(vocab_size=V, hidden=C, layers=L, heads=H, kv_heads=HK, head_dim=D, ffn_hidden=F,
                          norm="rmsnorm", eps=1e-5, activation="swiglu", positions="rope", rope_theta=10000.0,
                          bias=False, max_positions=64, model_type="llama", experts=E, experts_per_token=K,
                          norm_topk_prob=True, router_aux_loss_coef=COEF, tie_embeddings=False)
 
 
-def _hf_model():
+def _hf_model(E=E):
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=V, hidden_size=C, intermediate_size=F, num_hidden_layers=L,
                                      num_attention_heads=H, num_key_value_heads=HK, head_dim=D, num_local_experts=E,
@@ -48,7 +48,7 @@ def _hf_model():
     return m
 
 
-def _ours(sd):
+def _ours(sd, E=E):
     """transformers' Mixtral tensors -> tpcore's full names (float32)."""
     out = {"wte.weight": sd["model.embed_tokens.weight"], "final_norm.weight": sd["model.norm.weight"],
            "lm_head.weight": sd["lm_head.weight"]}
@@ -74,8 +74,8 @@ def _data():
     return tokens, mask
 
 
-def _reference():
-    m = _hf_model()
+def _reference(E=E):
+    m = _hf_model(E)
     tokens, mask = _data()
     tt = torch.tensor(tokens)
     with torch.no_grad():
@@ -96,18 +96,19 @@ def _reference():
         for e in range(E):
             grads[q + f"moe.experts.{e}.fc1.weight"] = lay.mlp.experts.gate_up_proj.grad[e].numpy()
             grads[q + f"moe.experts.{e}.fc2.weight"] = lay.mlp.experts.down_proj.grad[e].numpy()
-    return _ours(m.state_dict()), logits, gen, float(out.loss.detach()), float(out.aux_loss.detach()), grads
+    return _ours(m.state_dict(), E), logits, gen, float(out.loss.detach()), float(out.aux_loss.detach()), grads
 
 
-def _ranks(comm, sd):
+def _ranks(comm, sd, E=E):
     tokens, mask = _data()
-    model = tpcore.models.TransformerLM(_config(), comm)
+    model = tpcore.models.TransformerLM(_config(E), comm)
     assert all(isinstance(b, MoEBlock) for b in model.blocks)
     model.load_state_dict_full(sd)
     logits = model.logits(tokens)
     gen = model.generate(tokens[:1, :5], max_new_tokens=6)
     read = model.blocks[0].expert_bytes_read()  # the last decode step's
-    assert expert_bytes(model)["held"] == len(model.blocks[0].moe.experts_local) * 3 * F * C * 4 * L
+    moe = model.blocks[0].moe  # "ep": whole experts; "tp": every expert's ffn_local columns
+    assert expert_bytes(model)["held"] == len(moe.experts_local) * 3 * moe.ffn_local * C * 4 * L
     assert expert_bytes(model)["read"] <= K * 3 * F * C * 4 * L
     targets = np.where(mask == 1, tokens, -100)
     targets = np.concatenate([targets[:, 1:], np.full((2, 1), -100)], 1)
@@ -118,12 +119,18 @@ def _ranks(comm, sd):
     grads = {}
     for i, b in enumerate(model.blocks):
         grads.update({f"blocks.{i}.{k}": v for k, v in b.gather_full(grads=True).items()})
-    return logits, np.asarray(gen), read, total, aux, grads, [b.moe.experts_local for b in model.blocks]
+    return logits, np.asarray(gen), read, total, aux, grads, [b.moe.experts_local for b in model.blocks], \
+        model.blocks[0].moe.mode
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return _reference()
+_REFS = {}
+
+
+def reference(E):
+    """transformers' results for a Mixtral of E experts (made once per module)."""
+    if E not in _REFS:
+        _REFS[E] = _reference(E)
+    return _REFS[E]
 
 
 def _close(a, b, tol=1e-4):
@@ -133,16 +140,21 @@ def _close(a, b, tol=1e-4):
     assert err < tol, err
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_mixtral_logits_generation_loss_and_gradients_match_transformers(reference, world):
-    sd, logits, gen, loss, aux, grads = reference
-    for r, (lg, g, read, ce, a, gr, local) in enumerate(run(_ranks, world, sd)):
+@pytest.mark.parametrize("world,E", [(1, E), (2, E), (3, E), (4, E), (3, 2)])
+def test_mixtral_logits_generation_loss_and_gradients_match_transformers(world, E):
+    """8 experts: expert parallelism (whole experts per rank); 2 experts on 3 ranks: tensor
+    parallelism inside the experts (every rank a slice of each)."""
+    sd, logits, gen, loss, aux, grads = reference(E)
+    for r, (lg, g, read, ce, a, gr, local, mode) in enumerate(run(_ranks, world, sd, E)):
         _close(lg, logits)
         assert np.array_equal(np.asarray(g).reshape(-1)[-6:], gen.reshape(-1)), (g, gen)
         assert abs(a - aux) <= 1e-5 * abs(aux), (a, aux)
         assert abs(ce - loss) <= 1e-5 * abs(loss), (ce, loss)
         for name, want in grads.items():
             _close(gr[name], want)
-        assert local[0] == list(range(sum((E // world + (q < E % world)) for q in range(r)),
-                                      sum((E // world + (q < E % world)) for q in range(r + 1))))
+        if E >= world:
+            assert mode == "ep" and local[0] == list(range(sum((E // world + (q < E % world)) for q in range(r)),
+                                                           sum((E // world + (q < E % world)) for q in range(r + 1))))
+        else:
+            assert mode == "tp" and local[0] == list(range(E))
         assert read <= K * 3 * F * C * 4  # a decode step reads at most top-k experts' weights
