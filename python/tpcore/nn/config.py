@@ -241,7 +241,19 @@ class Config:
         self.router_aux_loss_coef = real_arg(self.router_aux_loss_coef, "Config", "router_aux_loss_coef", lo=0)
 
     def sliding(self, layer: int) -> bool:
-        """Whether layer `layer` attends through the sliding window."""
+        """Whether a layer attends through the sliding window.
+
+        Parameters
+        ----------
+        layer : int
+            The layer's index, in [0, layers).
+
+        Returns
+        -------
+        bool
+            True when sliding_window is set and layer_types makes it a sliding layer (or
+            layer_types is None).
+        """
         if self.sliding_window is None:
             return False
         return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
