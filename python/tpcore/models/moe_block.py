@@ -116,7 +116,7 @@ class MoEBlock(TransformerBlock):
         self.norm2 = _Norm(cfg.norm, C, cfg.eps)
         group = comm if ep is None else ep
         mode = expert_mode or ("ep" if ep is not None or cfg.experts >= comm.size else "tp")
-        self.moe = MoE(C, cfg.ffn_hidden, cfg.experts, cfg.experts_per_token, group, mode=mode,
+        self.moe = MoE(C, cfg.ffn_hidden or 0, cfg.experts, cfg.experts_per_token, group, mode=mode,
                        norm_topk_prob=cfg.norm_topk_prob, replicated=ep is None, expert_partition=expert_partition,
                        seed=(int(seed) + 17) % 2 ** 64)
         self._merge()
@@ -225,9 +225,10 @@ class MoEBlock(TransformerBlock):
         d = as_float32(dy, "dy", "MoEBlock.backward")
         if d.ndim != 3 or d.shape[-1] != C:
             raise ValueError(f"MoEBlock: dy must have shape (B, T, {C}), got {tuple(d.shape)}")
-        if getattr(self, "_out_shape", None) is not None and tuple(d.shape) != self._out_shape:
+        want = getattr(self, "_out_shape", None)
+        if want is not None and tuple(d.shape) != want:
             raise ValueError(f"MoEBlock.backward: dy has shape {tuple(d.shape)} but the last forward's output has "
-                             f"shape {self._out_shape}; dy must be the gradient of that output, of its shape")
+                             f"shape {want}; dy must be the gradient of that output, of its shape")
         self._alloc_grads()
         B, T, _ = d.shape
         d2 = d.reshape(B * T, C)
@@ -249,12 +250,12 @@ def build_blocks(cfg: Config, comm: Comm, seeds: Sequence[int], head_partition: 
     heads), else tpcore.nn.transformer.build_blocks's TransformerBlocks."""
     if not cfg.experts:
         return _dense_blocks(cfg, comm, seeds, head_partition, ffn_partition, device, dtype, who, layers=layers)
-    layers = [None] * len(seeds) if layers is None else list(layers)
+    at: List[Optional[int]] = [None] * len(seeds) if layers is None else list(layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HeadSplitWarning)
         blocks: List[TransformerBlock] = [MoEBlock(cfg, comm, seed=s, head_partition=head_partition,
                                                    ffn_partition=ffn_partition, device=device, dtype=dtype,
-                                                   layer=i) for s, i in zip(seeds, layers)]
+                                                   layer=i) for s, i in zip(seeds, at)]
     if blocks:
         warn_headless_ranks(blocks[0].head_partition, cfg.heads, comm, who, len(blocks))
     return blocks

@@ -377,9 +377,9 @@ class MoE:
         recv = [int(v) for v in mine.sum(1)]
         starts = np.concatenate([[0], np.cumsum(recv)[:-1]]).astype(np.int64)
         within = np.concatenate([np.zeros((P, 1), np.int64), np.cumsum(mine, 1)[:, :-1]], 1)
-        perm = [np.arange(starts[s] + within[s, j], starts[s] + within[s, j] + mine[s, j])
+        runs = [np.arange(starts[s] + within[s, j], starts[s] + within[s, j] + mine[s, j])
                 for j in range(mine.shape[1]) for s in range(P)]
-        perm = np.concatenate(perm).astype(np.int64) if perm else np.zeros(0, np.int64)
+        perm = np.concatenate(runs).astype(np.int64) if runs else np.zeros(0, np.int64)
         return order, send, recv, perm, mine.sum(0)
 
     def forward(self, x: Any, need_backward: bool = True) -> np.ndarray:
@@ -598,12 +598,13 @@ def load_balancing_loss(layers: Any, attention_mask: Any = None, coef: float = 1
     tokens' (as each data-parallel replica computes it in transformers).
     """
     moes = _moe_layers(layers)
-    if not moes or any(m.router_logits is None for m in moes):
+    logits = [m.router_logits for m in moes]
+    if not moes or any(lg is None for lg in logits):
         raise RuntimeError("load_balancing_loss: run a forward of the MoE layers first")
     E, k = moes[0].experts, moes[0].top_k
-    N = moes[0].router_logits.shape[0]
-    for m in moes:
-        if (m.experts, m.top_k, m.router_logits.shape[0]) != (E, k, N):
+    N = logits[0].shape[0]  # type: ignore[union-attr]
+    for m, lg in zip(moes, logits):
+        if (m.experts, m.top_k, lg.shape[0]) != (E, k, N):  # type: ignore[union-attr]
             raise ValueError("load_balancing_loss: the layers differ in experts, top_k or tokens")
     if attention_mask is None:
         mask = np.ones(N, np.float64)
@@ -615,8 +616,8 @@ def load_balancing_loss(layers: Any, attention_mask: Any = None, coef: float = 1
     counts = np.zeros(E)
     psum = np.zeros(E)
     probs = []
-    for m in moes:
-        p = _softmax(m.router_logits.astype(np.float64))
+    for lg in logits:
+        p = _softmax(np.asarray(lg, np.float64))
         top = np.argsort(-p, axis=1, kind="stable")[:, :k]
         counts += np.bincount(top.reshape(-1), weights=np.repeat(mask, k), minlength=E)
         psum += (p * mask[:, None]).sum(0)
