@@ -24,13 +24,15 @@ from tpcore.distributed.comm import Comm
 from tpcore.models.families import _FamilyMixin
 from tpcore.models.generate import _GenerationMixin, check_vocab
 from tpcore.models.memory import MODEL_PARTS, _aligned_heads, model_memory
+from tpcore.models.moe_block import build_blocks
 from tpcore.models.norm import _Norm, _normal, on_device
 from tpcore.models.state import _CheckpointMixin
 from tpcore.nn.common import zero
 from tpcore.nn.config import Config, head_partition
 from tpcore.nn.linear import ColumnParallelLinear
+from tpcore.nn.moe import load_balancing_loss
 from tpcore.nn.partition import partition as partition_dim, partition_sizes
-from tpcore.nn.transformer import TransformerBlock, build_blocks, mask_array, positions
+from tpcore.nn.transformer import TransformerBlock, mask_array, positions
 from tpcore.nn.weights import put_weight
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from tpcore.utils.args import bool_arg, int_arg, minmax, seed_arg, shown
@@ -523,7 +525,9 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
         Returns
         -------
         float
-            The mean over the counted targets, the same on every rank.
+            The mean over the counted targets, the same on every rank; a MoE model with
+            config.router_aux_loss_coef > 0 adds coef x its routers' load-balancing loss
+            (`tpcore.nn.moe.load_balancing_loss`, transformers'), whose gradient `backward` adds.
 
         Raises
         ------
@@ -536,7 +540,11 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
         """
         targets = int_array(targets, "TransformerLM.loss", "targets")
         h = self._forward(tokens, attention_mask=attention_mask, need_backward=True)
-        return self.head_loss(h, targets, ignore_index)
+        value = self.head_loss(h, targets, ignore_index)
+        coef = self.config.router_aux_loss_coef
+        if self.config.experts and coef:  # MoE: the routers' load-balancing loss (tpcore.nn.moe)
+            value += coef * load_balancing_loss(self, attention_mask, coef)
+        return value
 
     def backward(self, dloss: float = 1.0) -> None:
         """Gradients of the last `loss` into every parameter (accumulated).
