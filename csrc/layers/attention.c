@@ -95,19 +95,24 @@ static tp_status_t head_norm_bwd(tp_block_t k, float *dx, const float *in, const
  * (every rank takes part, with heads or not). */
 static tp_status_t qk_norm_backward(tp_block_t k, tp_stream_t s) {
   int64_t M = k->B * k->T, D = k->D, nq = k->nq, world = k->world;
-  /* dqnw and dknw are adjacent in the gradient arena */
-  if (world > 1) TP_CHECK(lk_copy(&k->lk, k->qknsnap, k->dqnw, (size_t)(2 * D) * sizeof(float), s));
+  size_t db = (size_t)D * sizeof(float);
+  if (world > 1) { /* the weights' gradients before this step (two arena slices: not adjacent) */
+    TP_CHECK(lk_copy(&k->lk, k->qknsnap, k->dqnw, db, s));
+    TP_CHECK(lk_copy(&k->lk, k->qknsnap + D, k->dknw, db, s));
+  }
   if (k->nq) { /* scratch: qkout (forward's, no longer needed) and dao (attention backward has read it) */
     TP_CHECK(head_norm_bwd(k, k->dqkv, k->qkin, k->qkrstd, k->qnw, k->dqnw, k->qkout, k->dao, nq, s));
     TP_CHECK(head_norm_bwd(k, k->dqkv + nq * D, k->qkin + M * nq * D, k->qkrstd + M * nq, k->knw, k->dknw, k->qkout,
                            k->dao, k->nk, s));
   }
   if (world == 1) return TP_SUCCESS;
-  TP_CHECK(tp_reg_ensure(k->comm, &k->qkred, (size_t)(2 * D) * sizeof(float), k->dev, k->dev_id));
+  TP_CHECK(tp_reg_ensure(k->comm, &k->qkred, 2 * db, k->dev, k->dev_id));
   float *g = k->qkred.ptr;
-  TP_CHECK(lk_sub(&k->lk, g, k->dqnw, k->qknsnap, 2 * D, s));
+  TP_CHECK(lk_sub(&k->lk, g, k->dqnw, k->qknsnap, D, s));
+  TP_CHECK(lk_sub(&k->lk, g + D, k->dknw, k->qknsnap + D, D, s));
   TP_CHECK(tp_layer_all_reduce(g, (size_t)(2 * D), TP_SUM, k->comm, "attention", s));
-  return lk_add(&k->lk, k->dqnw, k->qknsnap, g, 2 * D, s);
+  TP_CHECK(lk_add(&k->lk, k->dqnw, k->qknsnap, g, D, s));
+  return lk_add(&k->lk, k->dknw, k->qknsnap + D, g + D, D, s);
 }
 
 tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in, int use_cache, int keep,

@@ -439,9 +439,7 @@ def test_to_hf_refuses_a_config_its_family_cannot_express():
 SEQ = 11    # longer than the windows (5)
 # the families whose features are still being merged (rope scalings: tpcore.nn.rope; GeGLU; the attention
 # kernel's window; MoE layers): expected to fail until then, the mark removed as each lands
-_PENDING = {"llama3": "rope scaling", "phi3": "rope scaling", "gemma2": "GeGLU, soft-caps, window",
-            "gemma3": "GeGLU, window, per-layer rope", "mistral": "the attention window",
-            "qwen2-window": "the attention window", "mixtral": "MoE layers", "qwen3_moe": "MoE layers"}
+_PENDING = {}   # families whose run-time features are not built yet (name: what they need)
 _REFS = {}
 
 
