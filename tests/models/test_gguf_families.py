@@ -9,9 +9,7 @@ those files back to the original weights (test_transformers_reads_the_same_files
 writer follows llama.cpp's conventions as transformers understands them), and tpcore's
 tensors must equal transformers' weights after the documented transforms, its Config
 transformers' config.  transformers' llama3 rope code is the reference for the rope_freqs
-recovery.  The logits against transformers' models at world 1 and 2 need the blocks'
-new features (QK-norm, soft-caps, windows, experts...: the integration), and are marked
-xfail until then.
+recovery.  The logits against transformers' models at world 1 and 2: every family.
 """
 import math
 
@@ -314,7 +312,6 @@ def _logits(comm, path, tokens):
     return np.asarray(model.logits(tokens))
 
 
-@pytest.mark.xfail(reason="needs the block features (integration)", strict=False)
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_logits_against_transformers(files, fam):
     """tpcore's logits from the GGUF file at world 1 and 2 within 1e-4 relative of

@@ -8,9 +8,10 @@ documented transform (fc1 = [gate; up], Phi-3's fused rows cut, Gemma's norms + 
 (c) written back by to_hf into the same files and a config.json from which transformers
 builds a model of identical logits; (d) what tpcore does not implement is refused by name.
 
-The end-to-end tests (tpcore.models.from_pretrained at worlds 1-4 against transformers'
-logits, greedy tokens and one training step's gradients) need the Transformer block's new
-features; until they are merged they are expected to fail (xfail, not strict)."""
+The end-to-end tests run tpcore.models.from_pretrained at worlds 1-4 against transformers'
+logits, greedy tokens (past the windows) and one training step's loss and gradients, for
+every family; _PENDING can name a family whose run-time features are missing (an expected
+failure naming it), and is empty."""
 import json
 import math
 import os
