@@ -243,14 +243,14 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     out = []
     for r in range(world):
         p = _rank_memory(cfg, dts, heads[r], ffn[r], vocab[r], batch, P, T, kvrep, training, optimizer, gpu,
-                         threads, world)
+                         threads, world, r)
         p["device"] = devname
         p["by_device"] = {devname: p["total"]}   # a GPU model keeps its own arrays there too
         out.append(p)
     return out
 
 
-def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu, threads, world):
+def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu, threads, world, rank=0):
     """One rank's bytes by MEMORY_KEYS: its heads (q0, nq, k0, nk), f FFN columns and Vr vocabulary
     rows, B sequences, P tokens per inference forward, T tokens of cache."""
     C, D, L = cfg.hidden, cfg.head_dim, cfg.layers
@@ -259,6 +259,7 @@ def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu
     # sliding layers whose cache is a ring (max_len > 2 window): 2 window rows, prefill in window + 1 pieces
     ring = not training and cfg.causal and cfg.sliding_window is not None and T > 2 * cfg.sliding_window
     Ls = sum(cfg.sliding(i) for i in range(L)) if cfg.sliding_window is not None else 0
+    M_embed = B * P   # the embedding runs on the whole prompt; the blocks on pieces of it with a ring
     if ring:
         P = min(P, cfg.sliding_window + 1)
     M = B * P
@@ -291,19 +292,35 @@ def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu
     weight(dts["qkv"], W, C, L)
     if cfg.qkv_bias:
         f32(W, k=L)
+    moe = cfg.experts > 0
     for _ in range((2 + 2 * cfg.post_norms) * (2 if ln else 1)):  # norm1, norm2, the post norms (w, b)
-        f32(C, k=L)
+        if moe:   # a MoE block's C attention keeps its (unused) norms: bytes and gradients, no optimizer state
+            p["params"] += L * _a(4 * C)
+            trainable.append((C, "float32", True, -L))
+        else:
+            f32(C, k=L)
     for _ in range(2 * cfg.qk_norm):                  # q_norm, k_norm
         f32(D, k=L)
     weight(dts["out"], C, A, L)
     if cfg.out_bias:
         f32(C, k=L)
-    weight(dts["fc1"], g * f, C, L)
-    if cfg.mlp_bias:
-        f32(g * f, k=L)
-    weight(dts["fc2"], C, f, L)
-    if cfg.mlp_bias:
-        f32(C, k=L)
+    if moe:   # models/moe_block.py: the norms and the MoE (router, this rank's experts) as NumPy arrays
+        E, F = cfg.experts, cfg.ffn_hidden
+        tp_mode = E < world   # fewer experts than ranks: every expert split by columns
+        n_local = E if tp_mode else E // world + (rank < E % world)
+        fl = F // world + (rank < F % world) if tp_mode else F
+        for _ in range(2 * (2 if ln else 1)):
+            f32(C, False, k=L)
+        f32(E * C, False, k=L)
+        f32(n_local * 3 * fl * C, False, k=L)
+        f = 0
+    else:
+        weight(dts["fc1"], g * f, C, L)
+        if cfg.mlp_bias:
+            f32(g * f, k=L)
+        weight(dts["fc2"], C, f, L)
+        if cfg.mlp_bias:
+            f32(C, k=L)
     rows = 2 * cfg.sliding_window if ring else T      # a sliding layer's cache rows
     kinds = [(L - Ls, T), (Ls, rows)] if ring else [(L, T)]
     sh = (0, 0)
@@ -320,12 +337,13 @@ def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu
         p["kv_cache"] = sum(n * _a(B * tk * nk * D * 4) * 2 for n, tk in kinds)
         p["kv_cache_used"] = sum(n * 2 * B * min(T, tk) * nk * D * 4 for n, tk in kinds)
     # the embedding's forward
-    p["workspace"] += _a(M * 8) + _a(2 * 8)
+    p["workspace"] += _a(M_embed * 8) + _a(2 * 8)
     if world > 1:
-        p["comm"] += _reg(M * C * 4)
+        p["comm"] += _reg(M_embed * C * 4)
     if training:
         # float32 gradients (a C layer's each in its aligned slice); the optimizer's NumPy state
-        p["grads"] = sum(k * (_a(4 * n) if c else 4 * n) for n, _, c, k in trainable)
+        p["grads"] = sum(abs(k) * (_a(4 * n) if c else 4 * n) for n, _, c, k in trainable)
+        trainable = [t for t in trainable if t[3] > 0]   # (k < 0: gradients the optimizer never sees)
         if optimizer == "adamw":
             p["optimizer"] = sum(k * (8 * n + (4 * n if fmt != "float32" else 0)) for n, fmt, _, k in trainable)
         elif optimizer == "sgd_momentum":
@@ -370,7 +388,7 @@ def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, thr
     if not need_bw:   # xs s1 h1 s2 n1 n2 mo, qkv, ao, 4 statistics, the MLP's h and a; the rest empty
         floats = [M * C] * 7 + [M * W, M * A] + [M] * 4 + [M * f1, M * f] + [0] * 7 + fam
         shared = sum(_a(4 * n) for n in floats) + fixed
-        ws = 3 * 2 * _a(0)                        # fc1, fc2, the output projection: borrowed inputs
+        ws = (1 if cfg.experts else 3) * 2 * _a(0)  # fc1, fc2 (a MoE block has none), the output projection
         # the out projection's and fc2's sums: the shared workspace's one buffer
         return ws, 0, (shared, _reg(M * C * 4))
     kept = B * nq * T if gpu else B * nq * T * T
@@ -383,6 +401,8 @@ def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, thr
     if cfg.qk_norm and world > 1:
         comm += _reg(2 * D * 4)                   # the Q/K norm weights' gradient sums
     ws += 2 * _a(0)                               # the output projection borrows its input
+    if cfg.experts:                               # a MoE block's C attention has no MLP
+        return ws, comm, (0, 0)
     bws = _plan(M, f, threads) * f1 * 4 if cfg.mlp_bias else 0
     ws += 2 * _a(M * f1 * 4) + 2 * _a(M * f * 4) + _a(bws)   # h, dh, a, da, the bias backward's scratch
     ws += _a(M * C * 4) + _a(0)                   # fc1 keeps its input
