@@ -42,6 +42,9 @@ static void describe_hdr(const coll_hdr_t *h, char *buf, size_t n) {
       snprintf(buf, n, "%s(%s) of %llu %s (receiving %llu)", kind, tp_redop_name((tp_redop_t)h->op),
                (unsigned long long)h->total, dt, cnt);
       break;
+    case TP_COLL_ALL_TO_ALL:
+      snprintf(buf, n, "%s of %llu %s (receiving %llu)", kind, cnt, dt, (unsigned long long)h->total);
+      break;
     case TP_COLL_ALLOC: snprintf(buf, n, "alloc of %llu bytes", cnt); break;
     default: snprintf(buf, n, "%s", kind);
   }
@@ -58,6 +61,7 @@ static int hdr_matches(const coll_hdr_t *a, const coll_hdr_t *b, const tp_coll_a
       return a->dtype == b->dtype && a->op == b->op && a->total == b->total && b->count == args->counts[peer] &&
              a->counts_hash == b->counts_hash;
     case TP_COLL_ALLOC: return a->count == b->count;
+    case TP_COLL_ALL_TO_ALL: return a->dtype == b->dtype; /* the counts: tp_shm_all_to_all's tables */
     default: return 1;
   }
 }
@@ -563,6 +567,7 @@ tp_status_t tp_shm_collective(struct tp_comm *comm, const tp_coll_args_t *a) {
     case TP_COLL_ALL_GATHER: st = all_gather(c, a, what); break;
     case TP_COLL_REDUCE_SCATTER: st = reduce_scatter(c, a, what); break;
     case TP_COLL_BROADCAST: st = broadcast(c, a, what); break;
+    case TP_COLL_ALL_TO_ALL: st = tp_shm_all_to_all(c, a, what); break;
     case TP_COLL_BARRIER:
       tp_shm_post_hdr(c, a, 0, 0, -1, 0, -1, 0);
       st = shm_sync_all(c, what);

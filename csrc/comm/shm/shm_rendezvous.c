@@ -531,7 +531,7 @@ static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp
   c->seq++;
   snprintf(what, sizeof what, "split #%u", c->seq);
   shm_set_activity(c, TP_COLL_SPLIT, c->seq, -1);
-  tp_coll_args_t a = {TP_COLL_SPLIT, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0, NULL};
+  tp_coll_args_t a = {TP_COLL_SPLIT, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0, NULL, NULL};
   tp_shm_post_hdr(c, &a, color, key, -1, 0, -1, 0);
   if (r == 0) c->slots[0].hdr[c->seq & 1].nonce = tp_shm_random_token();
   tp_status_t st = shm_sync_all(c, what);
