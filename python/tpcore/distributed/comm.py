@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional, Sequence, TypeVar, Union, overload
 import numpy as np
 
 from tpcore import _C
+from tpcore.distributed.alltoall import all_to_all as _all_to_all
 from tpcore.utils.args import is_int, real_arg, shown
 from tpcore.utils.arrays import as_array  # noqa: F401  (also tpcore.distributed.comm.as_array, as before)
 from tpcore.utils.arrays import DeviceArray, comm_array, is_device_result
@@ -402,6 +403,8 @@ class Comm:
         if ax == 0:
             return out if out is not None else res
         return _from_axis0(res, ax, o, out, dres)
+
+    all_to_all = _all_to_all  # (x, send_sizes, recv_sizes=None, axis=0, out=None): alltoall.py
 
     def broadcast(self, x: _A, root: int = 0, out: Optional[_A] = None) -> _A:
         """Root's x to every rank.
