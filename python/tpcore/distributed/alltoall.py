@@ -1,7 +1,7 @@
 """Comm.all_to_all: rows dispatched to the ranks and combined back (MoE expert parallelism).
 
 Kept beside comm.py (which binds it as `Comm.all_to_all`) so that each file stays readable;
-it uses comm.py's array helpers and the C binding `_C.Comm.all_to_all` (csrc/python/comm_a2a.c,
+it uses the axis helpers of _axes.py (as comm.py does) and the C binding `_C.Comm.all_to_all` (csrc/python/comm_a2a.c,
 over `tp_all_to_all`).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from tpcore.distributed._axes import _empty, _from_axis0, _norm_axis, _out_array, _shape, _to_axis0, _unmoved
 from tpcore.utils.args import is_int, shown
 from tpcore.utils.arrays import comm_array, is_device_result
 
@@ -88,7 +89,6 @@ def all_to_all(self: Any, x: Any, send_sizes: Sequence[int], recv_sizes: Optiona
     >>> # rank r holds 2 rows for every rank
     >>> got = comm.all_to_all(x, [2] * comm.size)  # rows 2r, 2r+1 of every rank's x
     """
-    from tpcore.distributed.comm import _empty, _from_axis0, _norm_axis, _out_array, _shape, _to_axis0, _unmoved
     a = comm_array(x, "x", "all_to_all")
     dres = is_device_result(x)
     if a.ndim == 0:
