@@ -14,6 +14,13 @@
  * so all of them fail with the same sentence naming the first pair that
  * disagrees, and none waits for data that will not come.  The tables also give
  * every rank the largest block anyone sends, so all run the same rounds.
+ *
+ * Single copy.  When every rank can read every other with process_vm_readv (CMA), a
+ * rank that sends at least cma_bytes[ALL_TO_ALL] in all stages nothing: its peers
+ * pull their blocks straight out of its send buffer (at the displacement its table
+ * gives), and a last sync keeps its buffer unchanged until they have.  Whether a
+ * rank stages is known to all of them from its table, so every rank runs the same
+ * rounds whatever mix of ranks stage.
  */
 #include <stdio.h>
 #include <string.h>
@@ -30,12 +37,24 @@ static void displacements(const size_t *counts, int n, size_t *displ) {
   for (int p = 0; p < n; p++) displ[p + 1] = displ[p] + counts[p];
 }
 
-/* Every rank's tables of round buffer b agree pairwise; *gmax: the largest block sent to a peer. */
-static tp_status_t check_tables(shm_ctx *c, unsigned b, size_t *gmax) {
-  int n = c->comm->size;
+/* Rank p sends by CMA (stages nothing): every rank can read every other and p sends enough. */
+static int pulled(const shm_ctx *c, uint64_t sent, size_t es) {
+  return c->use_cma && sent * es >= c->cma_bytes[TP_COLL_ALL_TO_ALL];
+}
+
+/* Every rank's tables of round buffer b agree pairwise.  *gmax: the largest block a rank that
+ * stages sends a peer; pull[p]: rank p sends by CMA, then at[p]: where in p's send buffer its
+ * block for this rank starts (elements). */
+static tp_status_t check_tables(shm_ctx *c, unsigned b, size_t es, size_t *gmax, unsigned char *pull, size_t *at) {
+  int n = c->comm->size, r = c->comm->rank;
   uint64_t m = 0;
   for (int p = 0; p < n; p++) {
     const uint64_t *sp = (const uint64_t *)stage_buf(c, p, b);
+    uint64_t sent = 0;
+    for (int q = 0; q < n; q++) sent += sp[q]; /* each count < 2^60 / es: no overflow in n <= 1024 */
+    pull[p] = (unsigned char)pulled(c, sent, es);
+    at[p] = 0;
+    for (int q = 0; q < r; q++) at[p] += (size_t)sp[q];
     for (int q = 0; q < n; q++) {
       uint64_t want = ((const uint64_t *)stage_buf(c, q, b))[n + p];
       if (sp[q] != want)
@@ -44,7 +63,7 @@ static tp_status_t check_tables(shm_ctx *c, unsigned b, size_t *gmax) {
                             "rank %d (send_counts[%d] on rank %d) but rank %d expects %llu from rank %d "
                             "(recv_counts[%d] on rank %d); they must be equal",
                             c->seq, p, (unsigned long long)sp[q], q, q, p, q, (unsigned long long)want, p, p, q);
-      if (p != q && sp[q] > m) m = sp[q];
+      if (p != q && !pull[p] && sp[q] > m) m = sp[q];
     }
   }
   *gmax = (size_t)m;
@@ -72,6 +91,8 @@ tp_status_t tp_shm_all_to_all(shm_ctx *c, const tp_coll_args_t *a, const char *w
   displacements(rc, n, rd);
   const char *send = (const char *)a->send;
   char *recv = (char *)a->recv;
+  unsigned char pull[1024];
+  size_t at[1024];
   tp_shm_post_hdr(c, a, 0, 0, -1, 0, -1, 0);
   /* Elements per peer per round: the rest of the buffer after the tables, cache-line multiples
    * when it allows (stage_bytes >= 64 KiB and world <= 1024 leave at least 3 elements). */
@@ -84,25 +105,35 @@ tp_status_t tp_shm_all_to_all(shm_ctx *c, const tp_coll_args_t *a, const char *w
     table[p] = sc[p];
     table[n + p] = rc[p];
   }
-  stage(c, b, send, sc, sd, 0, cp, es, nt);
+  int mine_pulled = pulled(c, a->count, es);
+  if (!mine_pulled) stage(c, b, send, sc, sd, 0, cp, es, nt);
   if (sc[r]) memcpy(recv + rd[r] * es, send + sd[r] * es, sc[r] * es);
   TP_CHECK(shm_sync_all(c, what));
   TP_CHECK(tp_shm_check_hdrs(c, a));
   size_t gmax = 0;
-  TP_CHECK(check_tables(c, b, &gmax));
+  TP_CHECK(check_tables(c, b, es, &gmax, pull, at));
+  int any_pulled = 0;
+  for (int i = 1; i < n; i++) {
+    int p = (r + i) % n;
+    any_pulled |= pull[p];
+    if (pull[p] && rc[p])
+      TP_CHECK(tp_shm_cma_read(c, p, recv + rd[p] * es, peer_hdr(c, p)->send_addr + at[p] * es, rc[p] * es));
+  }
+  any_pulled |= mine_pulled;
   size_t tbl = table_bytes(n);
   for (size_t off = 0; off < gmax; off += cp) {
     if (off > 0) {
       b = c->round++;
-      stage(c, b, send, sc, sd, off, cp, es, nt);
+      if (!mine_pulled) stage(c, b, send, sc, sd, off, cp, es, nt);
       TP_CHECK(shm_sync_all(c, what));
     }
     for (int i = 1; i < n; i++) {
       int p = (r + i) % n;
-      if (off >= rc[p]) continue;
+      if (pull[p] || off >= rc[p]) continue;
       size_t m = rc[p] - off < cp ? rc[p] - off : cp;
       memcpy(recv + (rd[p] + off) * es, stage_buf(c, p, b) + tbl + (size_t)r * cp * es, m * es);
     }
   }
-  return TP_SUCCESS;
+  /* A rank read by CMA must not change its send buffer before its peers have read it. */
+  return any_pulled ? shm_sync_all(c, what) : TP_SUCCESS;
 }

@@ -100,7 +100,7 @@ void tp_shm_post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key, in
 
 /* Copy nbytes from peer p's address space (at raddr) into dst, with the
  * kernel's process_vm_readv: one copy instead of two through staging. */
-static tp_status_t cma_read(shm_ctx *c, int p, void *dst, uint64_t raddr, size_t nbytes) {
+tp_status_t tp_shm_cma_read(shm_ctx *c, int p, void *dst, uint64_t raddr, size_t nbytes) {
   char *d = dst;
   while (nbytes) {
     struct iovec l = {d, nbytes}, r = {(void *)(uintptr_t)raddr, nbytes};
@@ -142,7 +142,7 @@ static tp_status_t cma_reduce_range(shm_ctx *c, const char *send, int own_send, 
         continue;
       }
       char *tmp = c->scratch + (size_t)slot++ * c->scratch_blk;
-      TP_CHECK(cma_read(c, p, tmp, peer_hdr(c, p)->send_addr + (peer_off_elems + o) * es, k * es));
+      TP_CHECK(tp_shm_cma_read(c, p, tmp, peer_hdr(c, p)->send_addr + (peer_off_elems + o) * es, k * es));
       srcs[p] = tmp;
     }
     tp_reduce_n(out + o * es, NULL, srcs, n, k, dt, op);
@@ -285,7 +285,7 @@ static tp_status_t all_reduce_like(shm_ctx *c, const tp_coll_args_t *a, const ch
     for (int i = 1; i < n; i++) {
       int p = (r + i) % n;
       size_t plo = part_lo(cnt, n, p, es), phi = part_lo(cnt, n, p + 1, es);
-      TP_CHECK(cma_read(c, p, recv + plo * es, peer_hdr(c, p)->recv_addr + plo * es, (phi - plo) * es));
+      TP_CHECK(tp_shm_cma_read(c, p, recv + plo * es, peer_hdr(c, p)->recv_addr + plo * es, (phi - plo) * es));
     }
     return shm_sync_all(c, what); /* peers may not touch their output before we have read it */
   }
@@ -392,7 +392,7 @@ static tp_status_t all_gather(shm_ctx *c, const tp_coll_args_t *a, const char *w
   if (cma) {
     for (int i = 1; i < n; i++) {
       int p = (r + i) % n;
-      TP_CHECK(cma_read(c, p, recv + displ[p] * es, peer_hdr(c, p)->send_addr, counts[p] * es));
+      TP_CHECK(tp_shm_cma_read(c, p, recv + displ[p] * es, peer_hdr(c, p)->send_addr, counts[p] * es));
     }
     return shm_sync_all(c, what);
   }
@@ -522,7 +522,7 @@ static tp_status_t broadcast(shm_ctx *c, const tp_coll_args_t *a, const char *wh
     return shm_sync_all(c, what);
   }
   if (cma) {
-    if (r != root) TP_CHECK(cma_read(c, root, recv, rh->send_addr, nbytes));
+    if (r != root) TP_CHECK(tp_shm_cma_read(c, root, recv, rh->send_addr, nbytes));
     return shm_sync_all(c, what);
   }
   if (rh->send_region >= 0) {

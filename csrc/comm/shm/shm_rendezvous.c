@@ -305,6 +305,7 @@ static shm_ctx *ctx_new(struct tp_comm *comm, const char *comm_id, int world_com
    * lines dirty in the peer's cache at ~10 GB/s, so the two pull phases of all_reduce
    * and reduce_scatter beat staging only from a few MiB; one-copy gathers win from 64 KiB. */
   c->cma_bytes[TP_COLL_ALL_GATHER] = c->cma_bytes[TP_COLL_BROADCAST] = (size_t)64 << 10;
+  c->cma_bytes[TP_COLL_ALL_TO_ALL] = (size_t)64 << 10; /* a rank's whole send buffer */
   c->cma_bytes[TP_COLL_ALL_REDUCE] = (size_t)2 << 20;
   c->cma_bytes[TP_COLL_REDUCE_SCATTER] = (size_t)2 << 20;
   if (getenv("TPCORE_SHM_CMA_BYTES"))
