@@ -15,6 +15,7 @@ import numpy as np
 from tpcore.distributed._axes import _empty, _from_axis0, _norm_axis, _out_array, _shape, _to_axis0, _unmoved
 from tpcore.utils.args import is_int, shown
 from tpcore.utils.arrays import comm_array, is_device_result
+from tpcore.utils.dtypes import TENSOR_DTYPES
 
 
 def _counts(comm: Any, sizes: Any, arg: str) -> list:
@@ -31,6 +32,54 @@ def _counts(comm: Any, sizes: Any, arg: str) -> list:
     if bad:
         raise ValueError(f"all_to_all: {arg} must be >= 0, got {sizes}")
     return sizes
+
+
+class _General(Exception):
+    """The fast path declines: the general path checks (and names) everything."""
+
+
+_TAKEN: set = set()  # the NumPy dtypes of TENSOR_DTYPES (filled on first use)
+
+
+def _taken(dt: np.dtype) -> bool:
+    if not _TAKEN:
+        for name in TENSOR_DTYPES:
+            try:
+                _TAKEN.add(np.dtype(name))
+            except TypeError:  # bfloat16 without ml_dtypes
+                pass
+    return dt in _TAKEN
+
+
+def _fast(comm: Any, x: np.ndarray, send: list, recv: Optional[list], out: Optional[np.ndarray]) -> np.ndarray:
+    """The common case (NumPy x and out, axis 0, lists of ints).  Anything unusual raises _General
+    before a collective runs; with recv given the C binding's own TypeError / ValueError (nothing
+    has moved yet) does too, so that the general path names the problem in rows."""
+    n, rows, exchanged = comm._size, x.shape[0], False
+    if len(send) != n or not all(type(s) is int and s >= 0 for s in send) or sum(send) != rows:
+        raise _General
+    if recv is None:
+        if out is not None or not x.flags.c_contiguous or not _taken(x.dtype):
+            raise _General
+        got = np.zeros(n, dtype=np.int64)
+        ones = [1] * n
+        comm._c.all_to_all(np.array(send, dtype=np.int64), got, ones, ones)
+        recv, exchanged = got.tolist(), True
+    elif len(recv) != n or not all(type(s) is int and s >= 0 for s in recv):
+        raise _General
+    shape = (sum(recv),) + x.shape[1:]
+    if out is None:  # (after the exchange, an allocation that fails aborts the peers' call too)
+        out = comm._made("all_to_all", "output", shape, x, lambda: np.empty(shape, dtype=x.dtype))
+    elif out.shape != shape:
+        raise _General
+    inner = x.size // rows if rows else math.prod(x.shape[1:])
+    sc, rc = (send, recv) if inner == 1 else ([s * inner for s in send], [r * inner for r in recv])
+    try:
+        return comm._c.all_to_all(x, out, sc, rc)
+    except (TypeError, ValueError):
+        if exchanged:  # the peers are past the exchange too: the call's error as it is
+            raise
+        raise _General from None
 
 
 def all_to_all(self: Any, x: Any, send_sizes: Sequence[int], recv_sizes: Optional[Sequence[int]] = None,
@@ -89,6 +138,12 @@ def all_to_all(self: Any, x: Any, send_sizes: Sequence[int], recv_sizes: Optiona
     >>> # rank r holds 2 rows for every rank
     >>> got = comm.all_to_all(x, [2] * comm.size)  # rows 2r, 2r+1 of every rank's x
     """
+    if type(x) is np.ndarray and type(axis) is int and axis == 0 and x.ndim and type(send_sizes) is list and \
+            (recv_sizes is None or type(recv_sizes) is list) and (out is None or type(out) is np.ndarray):
+        try:
+            return _fast(self, x, send_sizes, recv_sizes, out)
+        except _General:
+            pass  # the general path says what is wrong
     a = comm_array(x, "x", "all_to_all")
     dres = is_device_result(x)
     if a.ndim == 0:
