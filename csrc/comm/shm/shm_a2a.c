@@ -51,7 +51,7 @@ static tp_status_t check_tables(shm_ctx *c, unsigned b, size_t es, size_t *gmax,
   for (int p = 0; p < n; p++) {
     const uint64_t *sp = (const uint64_t *)stage_buf(c, p, b);
     uint64_t sent = 0;
-    for (int q = 0; q < n; q++) sent += sp[q]; /* each count < 2^60 / es: no overflow in n <= 1024 */
+    for (int q = 0; q < n; q++) sent += sp[q]; /* <= 2^60 / es: the dispatcher checked p's total */
     pull[p] = (unsigned char)pulled(c, sent, es);
     at[p] = 0;
     for (int q = 0; q < r; q++) at[p] += (size_t)sp[q];
