@@ -19,6 +19,9 @@ def act(name, h):
         return np.maximum(h, 0)
     F = h.shape[-1] // 2
     g, u = h[..., :F], h[..., F:]
+    if name == "geglu":
+        return act("gelu_tanh", g) * u
+    assert name == "swiglu", name
     return g / (1 + np.exp(-g)) * u
 
 

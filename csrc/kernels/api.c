@@ -1,7 +1,10 @@
 /* The public tensor API of tpcore/kernels.h: check the views, then run the entry of
- * the kernel table of their device (one pointer call; no copies, no allocation). */
+ * the kernel table of their device (one pointer call; no copies, no allocation, but for
+ * rope_apply's check of a device's inv_freq: D/2 floats read back). */
 #include <limits.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "tpcore/device.h"
 #include "../core/throttle_impl.h"
@@ -22,7 +25,7 @@ static tp_status_t check_lo(tp_kcall *c, int64_t lo, int64_t V) {
 }
 
 static tp_status_t check_act(tp_kcall *c, tp_activation_t act) {
-  if ((unsigned)act > TP_ACT_SWIGLU)
+  if ((unsigned)act > TP_ACT_LAST)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: act is %d, not a tp_activation_t", c->op, (int)act);
   return TP_SUCCESS;
 }
@@ -187,19 +190,19 @@ tp_status_t tp_convert(tp_stream_t s, const tp_tensor *y, const tp_tensor *x) {
 
 /* ------------------------------------------------------------- activations */
 
-/* h[M, hw] (hw = F, or 2F even for SwiGLU): M and F. */
+/* h[M, hw] (hw = F, or 2F even for the gated SwiGLU and GeGLU): M and F. */
 static tp_status_t act_input(tp_kcall *c, const char *name, const tp_tensor *h, tp_activation_t act, int64_t *M,
                              int64_t *F) {
   TP_CHECK(check_act(c, act));
   TP_CHECK(tp_karg(c, name, h, 0, F32, 2, SHAPE(TP_ANY, TP_ANY)));
   *M = h->shape[0];
   *F = h->shape[1];
-  if (act == TP_ACT_SWIGLU) {
+  if (tp_act_gated(act)) {
     if (*F % 2)
       return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                          "%s: %s must have an even number of columns for swiglu ([gate | "
+                          "%s: %s must have an even number of columns for %s ([gate | "
                           "up]), got %lld",
-                          c->op, name, (long long)*F);
+                          c->op, name, act == TP_ACT_SWIGLU ? "swiglu" : "geglu", (long long)*F);
     *F /= 2;
   }
   return TP_SUCCESS;
@@ -406,20 +409,53 @@ tp_status_t tp_rmsnorm_backward(tp_stream_t s, const tp_tensor *dx, const tp_ten
   return k->rmsnorm_backward(s, dx->data, dw->data, dy->data, x->data, w->data, rstd->data, M, C);
 }
 
+/* The rotary table inv_freq[n] of the call's device: every value finite (read on the host;
+ * a device table is copied there first, the stream waited for). */
+static tp_status_t check_inv_freq(tp_kcall *c, const tp_tensor *t, int64_t n, tp_stream_t s) {
+  const float *v = t->data;
+  float *host = NULL;
+  if (n > 0 && c->dev != TP_DEVICE_CPU) {
+    size_t nb;
+    if (!tp_mul_size((size_t)n, sizeof(float), &nb) || !(host = malloc(nb)))
+      return tp_set_error(TP_ERR_NOMEM, "%s: no host memory to check inv_freq (%lld floats)", c->op, (long long)n);
+    tp_status_t st = tp_device_copy(TP_DEVICE_CPU, host, c->dev, t->data, nb, s);
+    if (st == TP_SUCCESS) st = tp_device_sync(c->dev, c->id, s);
+    if (st != TP_SUCCESS) {
+      free(host);
+      return st;
+    }
+    v = host;
+  }
+  int64_t bad = -1;
+  for (int64_t i = 0; i < n && bad < 0; i++)
+    if (!isfinite(v[i])) bad = i;
+  float found = bad >= 0 ? v[bad] : 0.0f;
+  free(host);
+  if (bad >= 0)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: inv_freq must hold finite values, got %g at index %lld", c->op,
+                        (double)found, (long long)bad);
+  return TP_SUCCESS;
+}
+
 tp_status_t tp_rope_apply(tp_stream_t s, const tp_tensor *x, const tp_tensor *pos, int64_t heads, int64_t D,
-                          float theta, int inverse) {
+                          const tp_tensor *inv_freq, float theta, float factor, int inverse) {
   tp_kcall c = {"rope_apply", TP_DEVICE_CPU, 0, 0};
   int64_t width;
   if (heads < 0 || D < 0 || D % 2 || !tp_mul_count(heads, D, &width))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: heads (%lld) must be >= 0 and D (%lld) even and >= 0", c.op,
                         (long long)heads, (long long)D);
-  if (!(theta > 0.0f))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: theta must be > 0, got %g", c.op, (double)theta);
+  if (!inv_freq && !(theta > 0.0f && isfinite(theta)))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: theta must be finite and > 0 (without inv_freq), got %g", c.op,
+                        (double)theta);
+  if (!(factor > 0.0f && isfinite(factor)))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: factor must be finite and > 0, got %g", c.op, (double)factor);
   TP_CHECK(tp_karg_rows(&c, "x", x, F32, TP_ANY, width));
   int64_t rows = x->shape[0];
   TP_CHECK(tp_karg(&c, "pos", pos, 0, I64, 1, SHAPE(rows)));
+  TP_CHECK(tp_karg(&c, "inv_freq", inv_freq, 1, F32, 1, SHAPE(D / 2)));
   const tp_kernel_ops *k;
   TP_CHECK(tp_kops(&c, s, &k));
+  if (inv_freq) TP_CHECK(check_inv_freq(&c, inv_freq, D / 2, s));
   int64_t ld = rows > 1 ? x->strides[0] : width;
-  return k->rope(s, x->data, rows, ld, heads, D, pos->data, theta, inverse);
+  return k->rope(s, x->data, rows, ld, heads, D, pos->data, inv_freq ? inv_freq->data : NULL, theta, factor, inverse);
 }

@@ -1,6 +1,7 @@
 /* The public attention and optimizer kernels (tpcore/kernels.h): checks, then the
  * entry of the device's kernel table. */
 #include <limits.h>
+#include <math.h>
 
 #include "api_impl.h"
 
@@ -8,6 +9,39 @@ static tp_status_t dim_ok(tp_kcall *c, const char *what, int64_t v, int64_t lo) 
   if (v < lo || v > INT_MAX)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->%s = %lld must be in [%lld, %d]", c->op, what, (long long)v,
                         (long long)lo, INT_MAX);
+  return TP_SUCCESS;
+}
+
+/* softcap, window and kv_ring (0 everywhere: off). */
+static tp_status_t check_families(tp_kcall *c, const tp_attention_args *a, int backward) {
+  if (!(a->softcap >= 0.0f) || isinf(a->softcap)) /* NaN fails the first test */
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->softcap = %g must be finite and >= 0 (0: off)", c->op,
+                        (double)a->softcap);
+  if (a->window < 0)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->window = %lld must be >= 0 (0: off)", c->op,
+                        (long long)a->window);
+  if (a->kv_ring < 0)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_ring = %lld must be >= 0 (0: off)", c->op,
+                        (long long)a->kv_ring);
+  if (!a->kv_ring) return TP_SUCCESS;
+  if (backward)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_ring is for forward over a KV cache only", c->op);
+  if (!a->k_len)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: args->kv_ring = %lld needs args->k_len (a ring is read over a KV cache: q_pos and k_len)",
+                        c->op, (long long)a->kv_ring);
+  if (a->probs || a->key_mask)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: args->kv_ring takes neither probs nor key_mask (both are indexed by key position < Tk)",
+                        c->op);
+  if (!a->window || a->window > INT64_MAX - a->Tq || a->window + a->Tq - 1 > a->kv_ring)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: args->kv_ring = %lld needs a window with window + Tq - 1 <= kv_ring (the keys a step "
+                        "sees must all be in the ring), got window = %lld, Tq = %lld",
+                        c->op, (long long)a->kv_ring, (long long)a->window, (long long)a->Tq);
+  if (a->kv_ring > a->Tk)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_ring = %lld is above the Tk = %lld rows k and v hold",
+                        c->op, (long long)a->kv_ring, (long long)a->Tk);
   return TP_SUCCESS;
 }
 
@@ -66,6 +100,7 @@ static tp_status_t check_args(tp_kcall *c, const tp_attention_args *a, int backw
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->q or args->o is NULL", c->op);
   if (a->B && a->Tk && kw && (!a->k || !a->v))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->k or args->v is NULL", c->op);
+  TP_CHECK(check_families(c, a, backward));
   if (backward && !a->probs && !a->lse)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                         "%s: args->probs and args->lse are NULL (forward must keep the "

@@ -130,9 +130,12 @@ typedef struct tp_kernel_ops {
   tp_status_t (*rmsnorm_backward)(tp_stream_t s, float *dx, float *dw, const float *dy, const float *x, const float *w,
                                   const float *rstd, int64_t M, int64_t C);
   /* In place on `heads` heads of D (even) values at the start of each of `rows` rows of
-   * stride ld; row m at position pos[m]; inverse turns back (backward). */
+   * stride ld; row m at position pos[m]; the pair (i, i + D/2) turns by pos * inv_freq[i]
+   * (inv_freq: D/2 floats of the device, or NULL: theta^(-2i/D)), cos and sin times factor
+   * (> 0; 1: a plain rotation); inverse applies the transpose (the backward: the angle
+   * negated, the factor kept). */
   tp_status_t (*rope)(tp_stream_t s, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D, const int64_t *pos,
-                      float theta, int inverse);
+                      const float *inv_freq, float theta, float factor, int inverse);
 
   /* ---- attention (tp_attention_args in tpcore/kernels.h has the layouts) ---------- */
   /* Bytes of workspace for forward (backward = 0; 0 when probs are kept) or backward;
@@ -153,12 +156,14 @@ typedef struct tp_kernel_ops {
                                     const float *dout, void *workspace, size_t workspace_bytes);
   /* The KV-cache write of a decode/prefill step: for b < B, t < T, with s_b = slots[b] (slots
    * NULL: s_b = b; device memory like pos0),
-   *   kcache[(s_b * max_len + pos0[b] + t) * width + c] = k[(b * T + t) * ld + c], same for v,
-   * c < width (pos0[b] + T <= max_len and s_b inside the cache, distinct, checked by the caller
-   * on the host: pos0 and slots are host metadata of tp_block_batch_t). */
+   *   kcache[(s_b * max_len + r) * width + c] = k[(b * T + t) * ld + c], same for v, c < width,
+   * at row r = pos0[b] + t (ring 0; pos0[b] + T <= max_len), or r = (pos0[b] + t) % ring for
+   * ring > 0 (a ring buffer of ring <= max_len rows: only the last min(T, ring) rows of the
+   * step are written, each ring row once); s_b inside the cache, distinct, checked by the
+   * caller on the host: pos0 and slots are host metadata of tp_block_batch_t. */
   tp_status_t (*kv_cache_write)(tp_stream_t s, float *kcache, float *vcache, const float *k, const float *v, int64_t ld,
                                 const int64_t *pos0, const int64_t *slots, int64_t B, int64_t T, int64_t max_len,
-                                int64_t width);
+                                int64_t width, int64_t ring);
   /* pos[b * T + t] = pos0[b] + t and klen[b] = pos0[b] + T (overwritten; klen may be NULL). */
   tp_status_t (*positions)(tp_stream_t s, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B, int64_t T);
 

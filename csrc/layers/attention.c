@@ -15,10 +15,13 @@ static tp_attention_args attn_args(tp_block_t k, int64_t B, int64_t T, int use_c
   a.q = k->qkv, a.q_ld = k->W;
   a.o = k->ao, a.o_ld = k->A;
   a.causal = k->cfg.causal;
-  a.scale = 1.0f / sqrtf((float)k->D);
+  a.scale = k->cfg.attn_scale > 0 ? k->cfg.attn_scale : 1.0f / sqrtf((float)k->D);
+  a.softcap = k->cfg.attn_softcap;
+  a.window = k->cfg.sliding_window;
   a.group = k->group, a.q_head0 = k->q0, a.k_head0 = k->k0; /* a rank's heads may start mid-group */
   if (use_cache) {
-    a.k = k->kc, a.v = k->vc, a.kv_ld = k->nk * k->D, a.kv_bstride = k->clen * k->nk * k->D, a.Tk = k->clen;
+    a.k = k->kc, a.v = k->vc, a.kv_ld = k->nk * k->D, a.kv_bstride = k->crows * k->nk * k->D, a.Tk = k->crows;
+    if (k->crows < k->clen) a.kv_ring = k->crows; /* a sliding window's ring: position j at row j % crows */
     a.q_pos = k->pos0, a.k_len = k->klen;
     if (k->have_slots) a.kv_slot = k->slot, a.kv_batch = k->cb; /* row b reads cache sequence slot[b] */
   } else {
@@ -51,15 +54,72 @@ size_t tp_block_attention_workspace(tp_block_t k, int64_t B, int64_t T, int use_
   return f > b ? f : b;
 }
 
+/* The rotary embedding (its transpose when inverse) on the Q and K heads of x (qkv or dqkv: they
+ * are adjacent), with the block's frequency table and cos/sin factor when it has them. */
+static tp_status_t block_rope(tp_block_t k, float *x, int inverse, tp_stream_t s) {
+  return lk_rope(&k->lk, x, k->B * k->T, k->W, k->nq + k->nk, k->D, k->pos, k->rope_freq, k->cfg.rope_theta,
+                 k->rope_factor, inverse, s);
+}
+
+/* qk_norm: the n heads of D values at x[m * W + h * D] (rows m < M) through an RMS norm of weight w:
+ * copied out to in [M n, D] (kept for backward), normalized into out, copied back. */
+static tp_status_t head_norm_fwd(tp_block_t k, float *x, float *in, float *out, float *rstd, const float *w, int64_t n,
+                                 tp_stream_t s) {
+  int64_t M = k->B * k->T, D = k->D;
+  if (!n || !M) return TP_SUCCESS;
+  TP_CHECK(lk_copy_rows(&k->lk, in, n * D, x, k->W, M, n * D, s));
+  TP_CHECK(lk_rmsnorm_forward(&k->lk, out, rstd, in, w, M * n, D, k->cfg.eps, s));
+  return lk_copy_rows(&k->lk, x, k->W, out, n * D, M, n * D, s);
+}
+
+static tp_status_t qk_norm_forward(tp_block_t k, tp_stream_t s) {
+  int64_t M = k->B * k->T, D = k->D, nq = k->nq;
+  TP_CHECK(head_norm_fwd(k, k->qkv, k->qkin, k->qkout, k->qkrstd, k->qnw, nq, s));
+  return head_norm_fwd(k, k->qkv + nq * D, k->qkin + M * nq * D, k->qkout + M * nq * D, k->qkrstd + M * nq, k->knw,
+                       k->nk, s);
+}
+
+/* The gradient at the norms' outputs (in dx's rows, W apart) -> at their inputs, in place; the
+ * weights' gradient accumulated into dw.  dy, dxs: scratch of M n D floats. */
+static tp_status_t head_norm_bwd(tp_block_t k, float *dx, const float *in, const float *rstd, const float *w, float *dw,
+                                 float *dy, float *dxs, int64_t n, tp_stream_t s) {
+  int64_t M = k->B * k->T, D = k->D;
+  if (!n || !M) return TP_SUCCESS;
+  TP_CHECK(lk_copy_rows(&k->lk, dy, n * D, dx, k->W, M, n * D, s));
+  TP_CHECK(lk_rmsnorm_backward(&k->lk, dxs, dw, dy, in, w, rstd, M * n, D, s));
+  return lk_copy_rows(&k->lk, dx, k->W, dxs, n * D, M, n * D, s);
+}
+
+/* The Q/K norms' backward on dqkv (after the rotary transpose).  Their weights are replicated and
+ * each rank's heads add their part of the gradient: this step's deltas are summed over the ranks
+ * (every rank takes part, with heads or not). */
+static tp_status_t qk_norm_backward(tp_block_t k, tp_stream_t s) {
+  int64_t M = k->B * k->T, D = k->D, nq = k->nq, world = k->world;
+  /* dqnw and dknw are adjacent in the gradient arena */
+  if (world > 1) TP_CHECK(lk_copy(&k->lk, k->qknsnap, k->dqnw, (size_t)(2 * D) * sizeof(float), s));
+  if (k->nq) { /* scratch: qkout (forward's, no longer needed) and dao (attention backward has read it) */
+    TP_CHECK(head_norm_bwd(k, k->dqkv, k->qkin, k->qkrstd, k->qnw, k->dqnw, k->qkout, k->dao, nq, s));
+    TP_CHECK(head_norm_bwd(k, k->dqkv + nq * D, k->qkin + M * nq * D, k->qkrstd + M * nq, k->knw, k->dknw, k->qkout,
+                           k->dao, k->nk, s));
+  }
+  if (world == 1) return TP_SUCCESS;
+  TP_CHECK(tp_reg_ensure(k->comm, &k->qkred, (size_t)(2 * D) * sizeof(float), k->dev, k->dev_id));
+  float *g = k->qkred.ptr;
+  TP_CHECK(lk_sub(&k->lk, g, k->dqnw, k->qknsnap, 2 * D, s));
+  TP_CHECK(tp_layer_all_reduce(g, (size_t)(2 * D), TP_SUM, k->comm, "attention", s));
+  return lk_add(&k->lk, k->dqnw, k->qknsnap, g, 2 * D, s);
+}
+
 tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in, int use_cache, int keep,
                                        tp_stream_t stream) {
   int64_t M = k->B * k->T, D = k->D;
   TP_CHECK(lk_linear_forward(&k->lk, k->qkv, in, &k->Wqkv, k->bqkv, M, k->C, k->W, stream));
-  if (k->cfg.rope_theta > 0 && k->nq) /* Q and K heads are adjacent */
-    TP_CHECK(lk_rope(&k->lk, k->qkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 0, stream));
+  if (k->cfg.qk_norm) TP_CHECK(qk_norm_forward(k, stream));
+  if (k->cfg.rope_theta > 0 && k->nq) TP_CHECK(block_rope(k, k->qkv, 0, stream));
   if (use_cache && k->nk)
     TP_CHECK(lk_kv_cache_write(&k->lk, k->kc, k->vc, k->qkv + k->nq * D, k->qkv + (k->nq + k->nk) * D, k->W, k->pos0,
-                               k->have_slots ? k->slot : NULL, k->B, k->T, k->clen, k->nk * D, stream));
+                               k->have_slots ? k->slot : NULL, k->B, k->T, k->crows, k->nk * D,
+                               k->crows < k->clen ? k->crows : 0, stream));
   if (k->nq) {
     tp_attention_args a = attn_args(k, k->B, k->T, use_cache);
     if (keep) set_kept(k, &a, k->probs);
@@ -155,6 +215,12 @@ tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt) {
                           "block forward: T = %lld tokens reach past the KV cache's "
                           "max_len %lld",
                           (long long)bt->T, (long long)k->clen);
+    int64_t W = k->cfg.sliding_window;
+    if (k->crows < k->clen && bt->B && bt->T > k->crows - W + 1)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "block forward: T = %lld tokens at once exceed what the sliding window's KV ring of %lld "
+                          "rows takes (window %lld: at most %lld per forward; feed a longer prompt in chunks)",
+                          (long long)bt->T, (long long)k->crows, (long long)W, (long long)(k->crows - W + 1));
     for (int64_t b = 0; b < (bt->pos0 ? bt->B : bt->B > 0); b++) { /* without pos0: every sequence at 0 */
       int64_t p = bt->pos0 ? bt->pos0[b] : 0;                      /* >= 0, checked above */
       if (p > k->clen - bt->T)
@@ -224,9 +290,9 @@ tp_status_t tp_block_attention_backward(tp_block_t k, float *din, const float *d
       tp_comm_abort(k->comm, tp_last_error());
       return st;
     }
-    if (k->cfg.rope_theta > 0)
-      TP_CHECK(lk_rope(&k->lk, k->dqkv, M, k->W, k->nq + k->nk, D, k->pos, k->cfg.rope_theta, 1, stream));
+    if (k->cfg.rope_theta > 0) TP_CHECK(block_rope(k, k->dqkv, 1, stream));
   }
+  if (k->cfg.qk_norm) TP_CHECK(qk_norm_backward(k, stream));
   if (k->kv_replicated) TP_CHECK(kv_snapshot(k, stream));
   float *r = k->red.ptr;
   TP_CHECK(lk_linear_backward(&k->lk, r, k->dwqkv, k->dbqkv, k->dqkv, in, &k->Wqkv, M, C, k->W, stream));

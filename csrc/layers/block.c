@@ -12,14 +12,50 @@ void tp_block_destroy(tp_block_t k) {
   tp_parallel_linear_destroy(k->out);
   tp_reg_release(&k->red);
   tp_reg_release(&k->kvred);
+  tp_reg_release(&k->qkred);
   tp_arena_release(&k->params);
   tp_arena_release(&k->grads);
   tp_arena_release(&k->ws);
   tp_arena_release(&k->cache);
   tp_arena_release(&k->lpws);
+  tp_arena_release(&k->ropet);
   tp_workspace_destroy(k->shared);
   if (k->kv_end) tp_host_free(k->kv_end);
   tp_host_free(k);
+}
+
+static int finite_nonneg(float v) { return isfinite(v) && v >= 0.0f; }
+
+/* The families' options: each in range and consistent with the rest of the config. */
+static tp_status_t check_families(const tp_block_config_t *cfg) {
+  if (cfg->bias_parts &&
+      (cfg->bias_parts & ~(TP_BIAS_QKV | TP_BIAS_OUT | TP_BIAS_MLP | TP_BIAS_SET) || !(cfg->bias_parts & TP_BIAS_SET)))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block: bias_parts must be 0 or TP_BIAS_SET with TP_BIAS_QKV/OUT/MLP bits, got %d",
+                        cfg->bias_parts);
+  if (cfg->qk_norm && cfg->norm != TP_NORM_RMS)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: qk_norm needs the RMS norm (norm = TP_NORM_RMS)");
+  if (cfg->post_norms && (!cfg->pre_norm || cfg->attention_only))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: post_norms need a pre-norm block with its MLP");
+  if (!finite_nonneg(cfg->attn_scale) || !finite_nonneg(cfg->attn_softcap) || !finite_nonneg(cfg->rope_factor) ||
+      !isfinite(cfg->rope_theta))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block: attn_scale (%g), attn_softcap (%g) and rope_factor (%g) must be finite and >= 0 "
+                        "(0: off), rope_theta (%g) finite",
+                        (double)cfg->attn_scale, (double)cfg->attn_softcap, (double)cfg->rope_factor,
+                        (double)cfg->rope_theta);
+  if (cfg->sliding_window < 0 || (cfg->sliding_window > 0 && !cfg->causal))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block: sliding_window must be >= 0 (0: none) and needs causal attention, got %lld",
+                        (long long)cfg->sliding_window);
+  if ((cfg->rope_inv_freq || cfg->rope_factor > 0) && !(cfg->rope_theta > 0))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "block: rope_inv_freq and rope_factor need rotary positions (rope_theta > 0)");
+  for (int64_t i = 0; cfg->rope_inv_freq && i < cfg->head_dim / 2; i++)
+    if (!finite_nonneg(cfg->rope_inv_freq[i]))
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: rope_inv_freq[%lld] = %g is not finite and >= 0",
+                          (long long)i, (double)cfg->rope_inv_freq[i]);
+  return TP_SUCCESS;
 }
 
 static tp_status_t check_config(const tp_block_config_t *cfg) {
@@ -34,8 +70,9 @@ static tp_status_t check_config(const tp_block_config_t *cfg) {
   if (cfg->rope_theta > 0 && D % 2)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: rotary positions need an even head_dim, got %lld",
                         (long long)D);
-  if ((unsigned)cfg->norm > TP_NORM_RMS || (unsigned)cfg->activation > TP_ACT_SWIGLU)
+  if ((unsigned)cfg->norm > TP_NORM_RMS || (unsigned)cfg->activation > TP_ACT_LAST)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: unknown norm or activation");
+  TP_CHECK(check_families(cfg));
   /* GEMM dimensions go to BLAS as 32-bit ints: hidden and the QKV width (heads + 2 kv_heads) x head_dim */
   int64_t qkv_w;
   if (C > INT_MAX / 4 || H > INT_MAX / 4 || Hk > INT_MAX / 4 || D > INT_MAX / 4 ||
@@ -53,29 +90,44 @@ static tp_status_t check_config(const tp_block_config_t *cfg) {
   return tp_layer_device("block", cfg->device, cfg->device_id);
 }
 
-/* The sizes of the block's own parameters (w: with gradients), in their arena order:
- * [QKV weight (bytes) | QKV bias | norm1 w | norm1 b | norm2 w | norm2 b], and of their
- * gradients: [dQKV weight (none when quantized: frozen) | dQKV bias | the norms'].  A
- * missing bias has 0 elements; has[i]: whether gradient i exists (a shard of 0 heads has an
- * empty one). */
-static void param_sizes(tp_block_t k, size_t wbytes, int64_t n[6], int64_t g[6], int has[6]) {
-  int64_t C = k->C, W = k->W, b = k->cfg.bias, nb = k->cfg.norm == TP_NORM_LAYER;
-  int64_t v[6] = {(int64_t)wbytes, b ? W : 0, C, nb ? C : 0, C, nb ? C : 0};
-  int h[6] = {!tp_weight_is_quantized(k->Wqkv.dt), (int)b, 1, nb, 1, nb};
-  for (int i = 0; i < 6; i++) n[i] = g[i] = v[i], has[i] = h[i];
+/* The block's own parameters, in their arena order: [QKV weight (bytes) | QKV bias | norm1 w |
+ * norm1 b | norm2 w | norm2 b | q_norm w | k_norm w | attn_post_norm w, b | mlp_post_norm w, b]. */
+enum { NP = 12 };
+
+/* Their sizes, and those of their gradients: [dQKV weight (none when quantized: frozen) | the
+ * rest's].  A missing tensor has 0 elements; has[i]: whether tensor i exists (a shard of 0
+ * heads has an empty QKV). */
+static void param_sizes(tp_block_t k, size_t wbytes, int64_t n[NP], int64_t g[NP], int has[NP]) {
+  int64_t C = k->C, D = k->D, W = k->W, b = k->qkv_bias, nb = k->cfg.norm == TP_NORM_LAYER;
+  int64_t qk = k->cfg.qk_norm != 0, pn = k->cfg.post_norms != 0;
+  int64_t v[NP] = {(int64_t)wbytes, b ? W : 0, C,      nb ? C : 0,  C,      nb ? C : 0,
+                   qk * D,          qk * D,    pn * C, pn * nb * C, pn * C, pn * nb * C};
+  int h[NP] = {!tp_weight_is_quantized(k->Wqkv.dt),
+               (int)b,
+               1,
+               (int)nb,
+               1,
+               (int)nb,
+               (int)qk,
+               (int)qk,
+               (int)pn,
+               (int)(pn * nb),
+               (int)pn,
+               (int)(pn * nb)};
+  for (int i = 0; i < NP; i++) n[i] = g[i] = v[i], has[i] = h[i];
   g[0] = h[0] ? W * C : 0;
 }
 
 /* The QKV shard, the norms: one allocation; seeded nn.Linear-style init from (seed, tensor,
  * index of the full tensor): the same logical block at every world size and head partition. */
 static tp_status_t make_params(tp_block_t k) {
-  int64_t C = k->C, D = k->D, H = k->H, Hk = k->Hk, W = k->W, b = k->cfg.bias;
+  int64_t C = k->C, D = k->D, H = k->H, Hk = k->Hk, W = k->W, b = k->qkv_bias;
   size_t total = 0, wbytes = 0;
-  int64_t n[6], g[6];
-  int has[6];
+  int64_t n[NP], g[NP];
+  int has[NP];
   TP_CHECK(tp_lk_wbytes("block", "the QKV weight", k->Wqkv.dt, W, C, &wbytes));
   param_sizes(k, wbytes, n, g, has);
-  for (int i = 0; i < 6; i++) tp_arena_add_n(&total, n[i], i == 0 ? 1 : sizeof(float)); /* bounded by check_config */
+  for (int i = 0; i < NP; i++) tp_arena_add_n(&total, n[i], i == 0 ? 1 : sizeof(float)); /* bounded by check_config */
   tp_status_t st = tp_arena_reserve(&k->params, total, "parameters");
   if (st == TP_ERR_NOMEM) /* block_create prefixes "block" */
     return tp_set_error(st,
@@ -84,8 +136,9 @@ static tp_status_t make_params(tp_block_t k) {
                         (long long)W, (long long)C, tp_dtype_name(k->Wqkv.dt), total, tp_device_name(k->params.device));
   TP_CHECK(st);
   float *wq = NULL;
-  float **p[6] = {&wq, &k->bqkv, &k->n1w, &k->n1b, &k->n2w, &k->n2b};
-  for (int i = 0; i < 6; i++) {
+  float **p[NP] = {&wq,     &k->bqkv, &k->n1w, &k->n1b, &k->n2w, &k->n2b,
+                   &k->qnw, &k->knw,  &k->n3w, &k->n3b, &k->n4w, &k->n4b};
+  for (int i = 0; i < NP; i++) {
     float *s = tp_arena_take_n(&k->params, n[i], i == 0 ? 1 : sizeof(float));
     *p[i] = has[i] || i == 0 ? s : NULL; /* biases only when the config has them */
   }
@@ -104,6 +157,8 @@ static tp_status_t make_params(tp_block_t k) {
   }
   TP_CHECK(lk_fill(&k->lk, k->n1w, 1.0f, C, NULL));
   TP_CHECK(lk_fill(&k->lk, k->n2w, 1.0f, C, NULL));
+  for (int i = 6; i < NP; i++) /* the families' norm weights: 1 (their biases 0) */
+    if (has[i] && (i < 8 || i % 2 == 0)) TP_CHECK(lk_fill(&k->lk, *p[i], 1.0f, n[i], NULL));
   TP_CHECK(tp_device_sync(k->dev, k->dev_id, NULL));
   tp_arena_release(&k->lpws); /* the init scratch of a 16-bit QKV weight */
   return TP_SUCCESS;
@@ -146,6 +201,16 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   }
   int64_t C = cfg->hidden, H = cfg->heads, Hk = cfg->kv_heads ? cfg->kv_heads : cfg->heads, D = cfg->head_dim;
   k->C = C, k->D = D, k->H = H, k->Hk = Hk, k->group = H / Hk;
+  int parts = cfg->bias_parts ? cfg->bias_parts : (cfg->bias ? TP_BIAS_QKV | TP_BIAS_OUT | TP_BIAS_MLP : 0);
+  k->qkv_bias = (parts & TP_BIAS_QKV) != 0, k->out_bias = (parts & TP_BIAS_OUT) != 0;
+  k->mlp_bias = (parts & TP_BIAS_MLP) != 0;
+  k->cfg.rope_inv_freq = NULL; /* the caller's array: copied below */
+  tp_arena_init(&k->ropet, k->dev, k->dev_id);
+  st = tp_block_set_rope(k, cfg->rope_inv_freq, cfg->rope_factor > 0 ? cfg->rope_factor : 1.0f);
+  if (st != TP_SUCCESS) {
+    tp_block_destroy(k);
+    return st;
+  }
   /* whole query heads per rank; the KV heads their groups use */
   st = tp_partition_sizes(H, world, cfg->head_partition, k->out_part, hoff, "block: head_partition", "heads");
   if (st != TP_SUCCESS) {
@@ -173,7 +238,7 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   oc.kind = TP_ROW_PARALLEL;
   oc.in_features = H * D;
   oc.out_features = C;
-  oc.bias = cfg->bias;
+  oc.bias = k->out_bias;
   oc.input_is_parallel = 1;
   oc.partition = k->out_part;
   oc.seed = cfg->seed;
@@ -187,7 +252,7 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
     mc.hidden = C;
     mc.ffn_hidden = cfg->ffn_hidden;
     mc.activation = cfg->activation;
-    mc.bias = cfg->bias;
+    mc.bias = k->mlp_bias;
     mc.partition = cfg->ffn_partition;
     mc.seed = cfg->seed + 100;
     mc.device = cfg->device;
@@ -206,15 +271,38 @@ tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_conf
   return TP_SUCCESS;
 }
 
+tp_status_t tp_block_set_rope(tp_block_t k, const float *inv_freq, float factor) {
+  TP_NONNULL("block set_rope", k, "block");
+  if (!(k->cfg.rope_theta > 0) && (inv_freq || factor != 1.0f))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block set_rope: the block has no rotary positions");
+  if (!isfinite(factor) || !(factor > 0))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block set_rope: factor must be finite and > 0, got %g",
+                        (double)factor);
+  int64_t half = k->D / 2;
+  for (int64_t i = 0; inv_freq && i < half; i++)
+    if (!finite_nonneg(inv_freq[i]))
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block set_rope: inv_freq[%lld] = %g is not finite and >= 0",
+                          (long long)i, (double)inv_freq[i]);
+  k->rope_factor = factor;
+  if (!inv_freq) {
+    k->rope_freq = NULL;
+    return TP_SUCCESS;
+  }
+  if (!k->ropet.base) TP_CHECK(tp_arena_reserve(&k->ropet, (size_t)half * sizeof(float), "block rope frequencies"));
+  k->rope_freq = (float *)k->ropet.base;
+  TP_CHECK(tp_device_copy(k->dev, k->rope_freq, TP_DEVICE_CPU, inv_freq, (size_t)half * sizeof(float), NULL));
+  return tp_device_sync(k->dev, k->dev_id, NULL);
+}
+
 /* The block's own gradients (QKV, norms), zeroed: one allocation, on demand. */
 static tp_status_t ensure_grads(tp_block_t k) {
   if (k->grads.base) return TP_SUCCESS;
   size_t total = 0, wbytes = 0;
-  int64_t n[6], g[6];
-  int has[6];
+  int64_t n[NP], g[NP];
+  int has[NP];
   TP_CHECK(tp_lk_wbytes("block", "the QKV weight", k->Wqkv.dt, k->W, k->C, &wbytes)); /* checked at create */
   param_sizes(k, wbytes, n, g, has);
-  for (int i = 0; i < 6; i++)
+  for (int i = 0; i < NP; i++)
     if (!tp_arena_add_n(&total, g[i], sizeof(float)))
       return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                           "the gradients of a QKV shard of %lld x %lld overflow a "
@@ -231,8 +319,9 @@ static tp_status_t ensure_grads(tp_block_t k) {
                         "norms (%zu bytes of %s memory)",
                         (long long)k->W, (long long)k->C, total, tp_device_name(k->dev));
   }
-  float **p[6] = {&k->dwqkv, &k->dbqkv, &k->dn1w, &k->dn1b, &k->dn2w, &k->dn2b};
-  for (int i = 0; i < 6; i++) {
+  float **p[NP] = {&k->dwqkv, &k->dbqkv, &k->dn1w, &k->dn1b, &k->dn2w, &k->dn2b,
+                   &k->dqnw,  &k->dknw,  &k->dn3w, &k->dn3b, &k->dn4w, &k->dn4b};
+  for (int i = 0; i < NP; i++) {
     float *s = tp_arena_take_n(&k->grads, g[i], sizeof(float));
     *p[i] = has[i] ? s : NULL; /* a quantized QKV weight (frozen) and missing biases have none */
   }
@@ -276,6 +365,12 @@ int tp_block_params(tp_block_t k, tp_param_t *out, int max) {
       {"attn.out.bias", o.bias, o.grad_bias, 1, o.bias_len, 0, TP_FLOAT32},
       {"norm2.weight", k->n2w, k->dn2w, 1, k->C, 0, TP_FLOAT32},
       {"norm2.bias", k->n2b, k->dn2b, 1, k->C, 0, TP_FLOAT32},
+      {"attn.q_norm.weight", k->qnw, k->dqnw, 1, k->D, 0, TP_FLOAT32},
+      {"attn.k_norm.weight", k->knw, k->dknw, 1, k->D, 0, TP_FLOAT32},
+      {"attn_post_norm.weight", k->n3w, k->dn3w, 1, k->C, 0, TP_FLOAT32},
+      {"attn_post_norm.bias", k->n3b, k->dn3b, 1, k->C, 0, TP_FLOAT32},
+      {"mlp_post_norm.weight", k->n4w, k->dn4w, 1, k->C, 0, TP_FLOAT32},
+      {"mlp_post_norm.bias", k->n4b, k->dn4b, 1, k->C, 0, TP_FLOAT32},
       {"mlp.fc1.weight", f1.weight, f1.grad_weight, 2, f1.weight_rows, f1.weight_cols, f1.weight_dtype},
       {"mlp.fc1.bias", f1.bias, f1.grad_bias, 1, f1.bias_len, 0, TP_FLOAT32},
       {"mlp.fc2.weight", f2.weight, f2.grad_weight, 2, f2.weight_rows, f2.weight_cols, f2.weight_dtype},
@@ -298,12 +393,14 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
                         "block cache: batch and max_len must be in [1, %d], got batch %lld "
                         "and max_len %lld",
                         INT_MAX, (long long)batch, (long long)max_len);
-  int64_t n;
-  if (!tp_numel3(batch, max_len, k->nk * k->D, &n))
+  /* a sliding window keeps a ring of min(max_len, 2 window) rows: a forward of T <= rows - window + 1
+   * tokens finds the window of each of its queries intact after writing its own keys */
+  int64_t n, W = k->cfg.sliding_window, rows = W > 0 && max_len > 2 * W ? 2 * W : max_len;
+  if (!tp_numel3(batch, rows, k->nk * k->D, &n))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "block cache: batch %lld x max_len %lld x %lld K/V values per "
+                        "block cache: batch %lld x %lld rows (max_len %lld) x %lld K/V values per "
                         "token is too large: at most 2^40 elements",
-                        (long long)batch, (long long)max_len, (long long)(k->nk * k->D));
+                        (long long)batch, (long long)rows, (long long)max_len, (long long)(k->nk * k->D));
   /* a new allocation of exactly the new size (the old one goes first), zeroed */
   size_t total = 0;
   tp_arena_add_n(&total, n, sizeof(float));
@@ -311,20 +408,20 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
   tp_arena_release(&k->cache);
   if (k->kv_end) tp_host_free(k->kv_end);
   k->kv_end = NULL;
-  k->kc = k->vc = NULL, k->cb = k->clen = 0;
+  k->kc = k->vc = NULL, k->cb = k->clen = k->crows = 0;
   tp_status_t st = tp_arena_reserve(&k->cache, total, "block cache");
   if (st == TP_SUCCESS) st = lk_zero(&k->lk, k->cache.base, total, NULL);
   if (st == TP_SUCCESS) st = tp_host_zalloc((size_t)batch * sizeof(int64_t), (void **)&k->kv_end, "block cache");
   if (st != TP_SUCCESS) {
     tp_arena_release(&k->cache);
     return tp_set_error(TP_ERR_NOMEM,
-                        "block cache: out of memory for batch %lld x max_len %lld tokens (2 x %lld "
+                        "block cache: out of memory for batch %lld x %lld rows (max_len %lld; 2 x %lld "
                         "floats)",
-                        (long long)batch, (long long)max_len, (long long)n);
+                        (long long)batch, (long long)rows, (long long)max_len, (long long)n);
   }
   k->kc = tp_arena_take_n(&k->cache, n, sizeof(float));
   k->vc = tp_arena_take_n(&k->cache, n, sizeof(float));
-  k->cb = batch, k->clen = max_len;
+  k->cb = batch, k->clen = max_len, k->crows = rows;
   return TP_SUCCESS;
 }
 
@@ -335,10 +432,12 @@ tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
  * carves the shared workspace when the block has one (tp_block_set_workspace). */
 static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int use_cache, int need_backward) {
   int64_t C = k->C, W = k->W, A = k->A, bw = need_backward != 0, f1 = 0, f = 0;
+  int64_t qh = k->cfg.qk_norm ? k->nq + k->nk : 0, pn = k->cfg.post_norms != 0;
   if (k->mlp && !bw) tp_parallel_mlp_widths(k->mlp, &f1, &f);
-  float **fp[] = {&k->xs,    &k->s1,    &k->h1,    &k->s2,     &k->n1, &k->n2,  &k->mo,    &k->dn,
-                  &k->dh,    &k->dt,    &k->qkv,   &k->dqkv,   &k->ao, &k->dao, &k->mean1, &k->rstd1,
-                  &k->mean2, &k->rstd2, &k->probs, &k->kvsnap, &k->mh, &k->ma};
+  float **fp[] = {&k->xs,    &k->s1,     &k->h1,    &k->s2,    &k->n1,    &k->n2,    &k->mo,     &k->dn,      &k->dh,
+                  &k->dt,    &k->qkv,    &k->dqkv,  &k->ao,    &k->dao,   &k->mean1, &k->rstd1,  &k->mean2,   &k->rstd2,
+                  &k->probs, &k->kvsnap, &k->mh,    &k->ma,    &k->qkin,  &k->qkout, &k->qkrstd, &k->qknsnap, &k->ra,
+                  &k->pa,    &k->pm,     &k->mean3, &k->rstd3, &k->mean4, &k->rstd4};
   int64_t nf[] = {M * C,
                   M * C,
                   M * C,
@@ -360,7 +459,18 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
                   bw ? tp_block_attention_kept(k, B, T) : 0, /* probs or lse */
                   bw && k->kv_replicated ? 2 * k->nk * k->D * (C + 1) : 0,
                   M * f1,
-                  M * f};
+                  M * f,
+                  M * qh * k->D,
+                  M * qh * k->D,
+                  M * qh,
+                  bw * (qh ? 2 * k->D : 0),
+                  bw * pn * M * C,
+                  pn * M * C,
+                  pn * M * C,
+                  pn * M,
+                  pn * M,
+                  pn * M,
+                  pn * M};
   enum { NF = sizeof nf / sizeof nf[0] };
   size_t abytes = tp_block_attention_workspace(k, B, T, use_cache, need_backward), total = 0;
   for (int i = 0; i < NF; i++)
@@ -494,6 +604,19 @@ static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp
   if (k->cfg.attention_only) {
     TP_CHECK(tp_block_attention_forward(k, &r, k->xs, bt->use_cache, bt->need_backward, s));
     TP_CHECK(lk_copy(&k->lk, y, r, nb, s));
+  } else if (k->cfg.pre_norm && k->cfg.post_norms) { /* Gemma: norms on both branches' outputs too */
+    TP_CHECK(norm_fwd(k, k->n1, k->mean1, k->rstd1, k->xs, k->n1w, k->n1b, M, s));
+    TP_CHECK(tp_block_attention_forward(k, &r, k->n1, bt->use_cache, bt->need_backward, s));
+    if (bt->need_backward) { /* r lives in the projection's collective buffer: kept for the norm's backward */
+      TP_CHECK(lk_copy(&k->lk, k->ra, r, nb, s));
+      r = k->ra;
+    }
+    TP_CHECK(norm_fwd(k, k->pa, k->mean3, k->rstd3, r, k->n3w, k->n3b, M, s));
+    TP_CHECK(lk_add(&k->lk, k->h1, k->xs, k->pa, M * C, s));
+    TP_CHECK(norm_fwd(k, k->n2, k->mean2, k->rstd2, k->h1, k->n2w, k->n2b, M, s));
+    TP_CHECK(mlp_forward(k, k->n2, bt->need_backward, M, s));
+    TP_CHECK(norm_fwd(k, k->pm, k->mean4, k->rstd4, k->mo, k->n4w, k->n4b, M, s));
+    TP_CHECK(lk_add(&k->lk, y, k->h1, k->pm, M * C, s));
   } else if (k->cfg.pre_norm) {
     TP_CHECK(norm_fwd(k, k->n1, k->mean1, k->rstd1, k->xs, k->n1w, k->n1b, M, s));
     TP_CHECK(tp_block_attention_forward(k, &r, k->n1, bt->use_cache, bt->need_backward, s));
@@ -542,6 +665,16 @@ static tp_status_t backward_impl(tp_block_t k, float *dx, const float *dy, tp_st
     TP_CHECK(lk_copy(&k->lk, k->dt, dy, (size_t)(M * C) * sizeof(float), s));
     return tp_block_attention_backward(k, dx, k->dt, k->xs, s);
   }
+  if (k->cfg.pre_norm && k->cfg.post_norms) {
+    TP_CHECK(norm_bwd(k, k->dt, k->dn4w, k->dn4b, dy, k->mo, k->n4w, k->mean4, k->rstd4, M, s)); /* d mlp out */
+    TP_CHECK(tp_parallel_mlp_backward_raw(k->mlp, k->dn, k->dt, M, s));                          /* d norm2 out */
+    TP_CHECK(norm_bwd(k, k->dt, k->dn2w, k->dn2b, k->dn, k->h1, k->n2w, k->mean2, k->rstd2, M, s));
+    TP_CHECK(lk_add(&k->lk, k->dh, dy, k->dt, M * C, s));                                           /* d h1 */
+    TP_CHECK(norm_bwd(k, k->dt, k->dn3w, k->dn3b, k->dh, k->ra, k->n3w, k->mean3, k->rstd3, M, s)); /* d attn */
+    TP_CHECK(tp_block_attention_backward(k, k->dn, k->dt, k->n1, s));                               /* d norm1 out */
+    TP_CHECK(norm_bwd(k, k->dt, k->dn1w, k->dn1b, k->dn, k->xs, k->n1w, k->mean1, k->rstd1, M, s));
+    return lk_add(&k->lk, dx, k->dh, k->dt, M * C, s);
+  }
   if (k->cfg.pre_norm) {
     TP_CHECK(tp_parallel_mlp_backward_raw(k->mlp, k->dn, dy, M, s)); /* d norm2 out */
     TP_CHECK(norm_bwd(k, k->dt, k->dn2w, k->dn2b, k->dn, k->h1, k->n2w, k->mean2, k->rstd2, M, s));
@@ -589,17 +722,23 @@ tp_status_t tp_block_memory(tp_block_t k, tp_layer_memory_t *mem) {
   TP_CHECK(tp_memory_begin("block memory", mem, k->dev, k->dev_id));
   size_t wbytes = 0, c4 = (size_t)k->C * sizeof(float), w4 = (size_t)k->W * sizeof(float);
   tp_lk_wbytes("block memory", "the QKV weight", k->Wqkv.dt, k->W, k->C, &wbytes); /* checked at create */
+  size_t d4 = (size_t)k->D * sizeof(float);
   mem->params = tp_mem_tensor(k->Wqkv.p, wbytes) + tp_mem_tensor(k->bqkv, w4) + tp_mem_tensor(k->n1w, c4) +
-                tp_mem_tensor(k->n1b, c4) + tp_mem_tensor(k->n2w, c4) + tp_mem_tensor(k->n2b, c4);
+                tp_mem_tensor(k->n1b, c4) + tp_mem_tensor(k->n2w, c4) + tp_mem_tensor(k->n2b, c4) +
+                tp_mem_tensor(k->qnw, d4) + tp_mem_tensor(k->knw, d4) + tp_mem_tensor(k->n3w, c4) +
+                tp_mem_tensor(k->n3b, c4) + tp_mem_tensor(k->n4w, c4) + tp_mem_tensor(k->n4b, c4) +
+                tp_mem_tensor(k->rope_freq, d4 / 2);
   mem->grads = tp_mem_tensor(k->dwqkv, (size_t)(k->W * k->C) * sizeof(float)) + tp_mem_tensor(k->dbqkv, w4) +
                tp_mem_tensor(k->dn1w, c4) + tp_mem_tensor(k->dn1b, c4) + tp_mem_tensor(k->dn2w, c4) +
-               tp_mem_tensor(k->dn2b, c4);
+               tp_mem_tensor(k->dn2b, c4) + tp_mem_tensor(k->dqnw, d4) + tp_mem_tensor(k->dknw, d4) +
+               tp_mem_tensor(k->dn3w, c4) + tp_mem_tensor(k->dn3b, c4) + tp_mem_tensor(k->dn4w, c4) +
+               tp_mem_tensor(k->dn4b, c4);
   mem->workspace = k->ws.cap + k->lpws.cap;
   mem->cache = k->cache.cap;
   int64_t used = 0;
-  for (int64_t s = 0; k->kv_end && s < k->cb; s++) used += k->kv_end[s];
+  for (int64_t s = 0; k->kv_end && s < k->cb; s++) used += k->kv_end[s] < k->crows ? k->kv_end[s] : k->crows;
   mem->cache_used = (size_t)used * 2 * (size_t)(k->nk * k->D) * sizeof(float); /* K and V */
-  mem->comm = k->red.cap + k->kvred.cap;
+  mem->comm = k->red.cap + k->kvred.cap + k->qkred.cap;
   tp_layer_memory_t sub;
   sub.size = sizeof sub;
   TP_CHECK(tp_parallel_linear_memory(k->out, &sub));

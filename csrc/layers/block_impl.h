@@ -23,6 +23,15 @@ struct tp_block {
   tp_arena_t lpws; /* the low-precision GEMMs' workspace (and init scratch) */
   float *bqkv, *dwqkv, *dbqkv;
   float *n1w, *n1b, *dn1w, *dn1b, *n2w, *n2b, *dn2w, *dn2b;
+  /* the families' parameters (NULL when off): per-head Q/K norms [D], post norms [C] */
+  float *qnw, *knw, *dqnw, *dknw, *n3w, *n3b, *dn3w, *dn3b, *n4w, *n4b, *dn4w, *dn4b;
+  int qkv_bias, out_bias, mlp_bias; /* the projections that have a bias */
+  float *rope_freq;                 /* device [D / 2] (in ropet), or NULL: rope_theta's */
+  float rope_factor;
+  tp_arena_t ropet;
+  float *qkin, *qkout, *qkrstd, *qknsnap;              /* qk_norm: Q|K heads before the norm [M (nq+nk) D], the norm's
+                                             output, its rstd [M (nq+nk)], the weights' gradient snapshot */
+  float *ra, *pa, *pm, *mean3, *rstd3, *mean4, *rstd4; /* post norms: attention output, the norms' outputs */
   tp_parallel_linear_t out; /* attention output projection: row parallel, input_is_parallel */
   tp_parallel_mlp_t mlp;
   /* workspaces of the last forward, carved from one arena: its own, or (a forward without
@@ -39,15 +48,16 @@ struct tp_block {
   int64_t *pos, *pos0, *klen; /* device: positions of the rows, first position and keys per sequence */
   int64_t *slot;              /* device: the cache sequence of each batch row (have_slots) */
   uint8_t *mask;              /* device: the key mask of the last forward */
-  reg_buf red, kvred;
+  reg_buf red, kvred, qkred;
   /* the last forward: rows, shape, whether backward may follow */
   int64_t B, T;
   int have_mask, have_slots, ready;
   /* KV cache [cb, clen, nk * D] each, one allocation */
   tp_arena_t cache;
   float *kc, *vc;
-  int64_t cb, clen;
-  int64_t *kv_end; /* host [cb]: per cache sequence, the highest position written + 1 */
+  int64_t cb, clen; /* sequences and the logical max_len */
+  int64_t crows;    /* K/V rows per sequence: clen, or the ring of a sliding window (position p at row p % crows) */
+  int64_t *kv_end;  /* host [cb]: per cache sequence, the highest position written + 1 */
 };
 
 struct tp_workspace {

@@ -305,22 +305,24 @@ static inline tp_status_t lk_rmsnorm_backward(const tp_lk *c, float *dx, float *
   LK_THROTTLED(c, s, c->k->rmsnorm_backward(s, dx, dw, dy, x, w, rstd, M, C));
 }
 static inline tp_status_t lk_rope(const tp_lk *c, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D,
-                                  const int64_t *pos, float theta, int inverse, tp_stream_t s) {
+                                  const int64_t *pos, const float *inv_freq, float theta, float factor, int inverse,
+                                  tp_stream_t s) {
   if (rows <= 0) return TP_SUCCESS;
-  LK_THROTTLED(c, s, c->k->rope(s, x, rows, ld, heads, D, pos, theta, inverse));
+  LK_THROTTLED(c, s, c->k->rope(s, x, rows, ld, heads, D, pos, inv_freq, theta, factor, inverse));
 }
 /* pos[b * T + t] = pos0[b] + t, klen[b] = pos0[b] + T */
 static inline tp_status_t lk_positions(const tp_lk *c, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B,
                                        int64_t T, tp_stream_t s) {
   return B > 0 ? c->k->positions(s, pos, klen, pos0, B, T) : TP_SUCCESS;
 }
-/* K/V rows of a step into the cache at pos0[b] + t of cache sequence slots[b] (NULL: b), width
- * floats each. */
+/* K/V rows of a step into the cache at row pos0[b] + t (ring > 0: (pos0[b] + t) % ring, a
+ * sliding layer's ring of ring rows) of cache sequence slots[b] (NULL: b), width floats each. */
 static inline tp_status_t lk_kv_cache_write(const tp_lk *c, float *kc, float *vc, const float *k, const float *v,
                                             int64_t ld, const int64_t *pos0, const int64_t *slots, int64_t B, int64_t T,
-                                            int64_t max_len, int64_t width, tp_stream_t s) {
-  return B > 0 && T > 0 && width > 0 ? c->k->kv_cache_write(s, kc, vc, k, v, ld, pos0, slots, B, T, max_len, width)
-                                     : TP_SUCCESS;
+                                            int64_t max_len, int64_t width, int64_t ring, tp_stream_t s) {
+  return B > 0 && T > 0 && width > 0
+             ? c->k->kv_cache_write(s, kc, vc, k, v, ld, pos0, slots, B, T, max_len, width, ring)
+             : TP_SUCCESS;
 }
 static inline size_t lk_attention_workspace(const tp_lk *c, const tp_attention_args *a, int backward) {
   return c->k->attention_workspace(a, backward);

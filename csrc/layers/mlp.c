@@ -39,7 +39,7 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   tp_dtype_t d2 = cfg->weight_dtypes_set ? cfg->weight_dtypes[1] : cfg->weight_dtype;
   TP_CHECK(tp_lk_check_wdtype("mlp", d1));
   TP_CHECK(tp_lk_check_wdtype("mlp", d2));
-  if ((unsigned)cfg->activation > TP_ACT_SWIGLU)
+  if ((unsigned)cfg->activation > TP_ACT_LAST)
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "mlp: unknown activation %d", (int)cfg->activation);
   TP_CHECK(tp_layer_device("mlp", cfg->device, cfg->device_id));
   tp_parallel_mlp_t m;
@@ -73,7 +73,7 @@ tp_status_t tp_parallel_mlp_create(tp_parallel_mlp_t *out, tp_comm_t comm, const
   c1.bias = cfg->bias;
   c1.partition = part;
   c1.seed = cfg->seed;
-  c1.gated = cfg->activation == TP_ACT_SWIGLU;
+  c1.gated = tp_act_gated(cfg->activation);
   c1.device = cfg->device;
   c1.device_id = cfg->device_id;
   c1.weight_dtype = d1;

@@ -8,27 +8,72 @@
 typedef struct {
   PyObject_HEAD tp_block_t K;
   CommObject *comm;
-  int64_t C;
+  int64_t C, D;
   tp_device_t device; /* where its parameters, KV cache and tensors live */
   int device_id;
 } BlockObject;
 
+/* o: None (*out = NULL) or a sequence of n finite floats, copied into *out (PyMem_Malloc). */
+static int float_vector(PyObject *o, const char *who, const char *name, int64_t n, float **out) {
+  *out = NULL;
+  if (o == Py_None) return 0;
+  PyObject *seq = PySequence_Fast(o, "");
+  if (!seq) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be None or a sequence of %lld floats, got %s", who, name, (long long)n,
+                 Py_TYPE(o)->tp_name);
+    return -1;
+  }
+  if (PySequence_Fast_GET_SIZE(seq) != n) {
+    PyErr_Format(PyExc_ValueError, "%s: %s must hold head_dim / 2 = %lld values, got %zd", who, name, (long long)n,
+                 PySequence_Fast_GET_SIZE(seq));
+    Py_DECREF(seq);
+    return -1;
+  }
+  float *v = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+  if (!v) {
+    Py_DECREF(seq);
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (int64_t i = 0; i < n; i++) {
+    double d = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+    if (d == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_TypeError, "%s: %s[%lld] is not a number", who, name, (long long)i);
+      PyMem_Free(v);
+      Py_DECREF(seq);
+      return -1;
+    }
+    v[i] = (float)d;
+  }
+  Py_DECREF(seq);
+  *out = v;
+  return 0;
+}
+
 static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"comm",       "hidden",         "heads",      "kv_heads",       "head_dim",
-                           "ffn_hidden", "norm",           "eps",        "activation",     "pre_norm",
-                           "bias",       "causal",         "rope_theta", "head_partition", "ffn_partition",
-                           "seed",       "attention_only", "device",     "weight_dtype",   NULL};
+  static char *kwlist[] = {"comm",          "hidden",         "heads",      "kv_heads",       "head_dim",
+                           "ffn_hidden",    "norm",           "eps",        "activation",     "pre_norm",
+                           "bias",          "causal",         "rope_theta", "head_partition", "ffn_partition",
+                           "seed",          "attention_only", "device",     "weight_dtype",   "bias_parts",
+                           "qk_norm",       "post_norms",     "attn_scale", "attn_softcap",   "sliding_window",
+                           "rope_inv_freq", "rope_factor",    NULL};
   PyObject *commo, *hpart = Py_None, *fpart = Py_None, *dim_o[5], *seed_o = NULL, *dev_o = Py_None, *wdt_o = Py_None;
   long long dims[5]; /* hidden, heads, kv_heads (0: = heads), head_dim, ffn_hidden */
   static const char *dim_names[5] = {"hidden", "heads", "kv_heads", "head_dim", "ffn_hidden"};
   const char *norm = "layernorm", *act = "gelu";
   float eps = 1e-5f, theta = 0.0f;
-  int pre = 1, bias = 1, causal = 1, attn_only = 0;
+  int pre = 1, bias = 1, causal = 1, attn_only = 0, bias_parts = 0, qk_norm = 0, post_norms = 0;
+  float attn_scale = 0.0f, softcap = 0.0f, rope_factor = 0.0f;
+  PyObject *window_o = NULL, *freq_o = Py_None;
   uint64_t seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|sfspppfOOOpOO:TransformerBlock", kwlist, &commo, &dim_o[0],
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|sfspppfOOOpOOippffOOf:TransformerBlock", kwlist, &commo, &dim_o[0],
                                    &dim_o[1], &dim_o[2], &dim_o[3], &dim_o[4], &norm, &eps, &act, &pre, &bias, &causal,
-                                   &theta, &hpart, &fpart, &seed_o, &attn_only, &dev_o, &wdt_o))
+                                   &theta, &hpart, &fpart, &seed_o, &attn_only, &dev_o, &wdt_o, &bias_parts, &qk_norm,
+                                   &post_norms, &attn_scale, &softcap, &window_o, &freq_o, &rope_factor))
     return NULL;
+  long long window = 0;
+  if (window_o && int_arg(window_o, "TransformerBlock", "sliding_window", 0, LLONG_MAX, &window) < 0) return NULL;
   for (int i = 0; i < 5; i++)
     if (int_arg(dim_o[i], "TransformerBlock", dim_names[i], i == 2 || (i == 4 && attn_only) ? 0 : 1, DIM_MAX,
                 &dims[i]) < 0)
@@ -49,40 +94,65 @@ static PyObject *blk_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   if (parse_act(act, &cfg.activation) < 0) return NULL;
   cfg.eps = eps, cfg.pre_norm = pre, cfg.bias = bias, cfg.causal = causal, cfg.rope_theta = theta, cfg.seed = seed;
   cfg.attention_only = attn_only;
-  if (parse_device(dev_o, attn_only ? "ParallelAttention" : "TransformerBlock", &cfg.device, &cfg.device_id) < 0)
+  cfg.bias_parts = bias_parts, cfg.qk_norm = qk_norm, cfg.post_norms = post_norms, cfg.attn_scale = attn_scale;
+  cfg.attn_softcap = softcap, cfg.sliding_window = window, cfg.rope_factor = rope_factor;
+  float *freq = NULL;
+  if (float_vector(freq_o, "TransformerBlock", "rope_inv_freq", D / 2, &freq) < 0) return NULL;
+  cfg.rope_inv_freq = freq;
+  if (parse_device(dev_o, attn_only ? "ParallelAttention" : "TransformerBlock", &cfg.device, &cfg.device_id) < 0) {
+    PyMem_Free(freq);
     return NULL;
+  }
   const char *bname = attn_only ? "ParallelAttention" : "TransformerBlock";
   if (wdt_o && PyTuple_Check(wdt_o)) { /* (qkv, out, fc1, fc2): a GGUF file's mix of formats */
     if (PyTuple_GET_SIZE(wdt_o) != 4) {
       PyErr_Format(PyExc_ValueError, "%s: weight_dtype as a tuple must name 4 dtypes (qkv, out, fc1, fc2), got %zd",
                    bname, PyTuple_GET_SIZE(wdt_o));
-      return NULL;
+      {
+        PyMem_Free(freq);
+        return NULL;
+      }
     }
     cfg.weight_dtypes_set = 1;
     for (int i = 0; i < 4; i++)
-      if (parse_weight_dtype(PyTuple_GET_ITEM(wdt_o, i), bname, &cfg.weight_dtypes[i]) < 0) return NULL;
+      if (parse_weight_dtype(PyTuple_GET_ITEM(wdt_o, i), bname, &cfg.weight_dtypes[i]) < 0) {
+        PyMem_Free(freq);
+        return NULL;
+      }
     cfg.weight_dtype = cfg.weight_dtypes[0];
   } else if (parse_weight_dtype(wdt_o, bname, &cfg.weight_dtype) < 0) {
-    return NULL;
+    {
+      PyMem_Free(freq);
+      return NULL;
+    }
   }
   int size;
   tp_comm_size(co->comm, &size);
   int64_t *hs = NULL, *fs = NULL;
   if (parse_partition(hpart, size, &hs) < 0 || parse_partition(fpart, size, &fs) < 0) {
     PyMem_Free(hs);
-    return NULL;
+    {
+      PyMem_Free(freq);
+      return NULL;
+    }
   }
   cfg.head_partition = hs, cfg.ffn_partition = fs;
   BlockObject *self = (BlockObject *)type->tp_alloc(type, 0);
   if (!self) {
     PyMem_Free(hs), PyMem_Free(fs);
-    return NULL;
+    {
+      PyMem_Free(freq);
+      return NULL;
+    }
   }
   tp_status_t s;
   COMM_CALL(co, s, tp_block_create(&self->K, c_, &cfg));
-  PyMem_Free(hs), PyMem_Free(fs);
-  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "TransformerBlock")) return NULL;
-  self->C = C;
+  PyMem_Free(hs), PyMem_Free(fs), PyMem_Free(freq);
+  if (!layer_made((PyObject *)self, &self->comm, co, s, st, "TransformerBlock")) {
+    PyMem_Free(freq);
+    return NULL;
+  }
+  self->C = C, self->D = D;
   self->device = cfg.device;
   self->device_id = cfg.device_id;
   return (PyObject *)self;
@@ -228,6 +298,19 @@ static PyObject *blk_cache(PyObject *o, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* set_rope(inv_freq: None or head_dim / 2 floats, factor: float) */
+static PyObject *blk_set_rope(PyObject *o, PyObject *args) {
+  BlockObject *self = (BlockObject *)o;
+  PyObject *freq_o;
+  float factor = 1.0f, *freq = NULL;
+  if (!PyArg_ParseTuple(args, "Of:set_rope", &freq_o, &factor)) return NULL;
+  if (float_vector(freq_o, "TransformerBlock.set_rope", "inv_freq", self->D / 2, &freq) < 0) return NULL;
+  tp_status_t s = tp_block_set_rope(self->K, freq, factor);
+  PyMem_Free(freq);
+  if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "set_rope");
+  Py_RETURN_NONE;
+}
+
 /* {name: (param view, grad view)} of this rank's shard */
 static PyObject *blk_params(PyObject *o, PyObject *unused) {
   BlockObject *self = (BlockObject *)o;
@@ -343,6 +426,8 @@ static PyMethodDef blk_methods[] = {
      "forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) -> y"},
     {"backward", blk_backward, METH_VARARGS, "backward(dy[B*T, C], out=None) -> dx; accumulates the gradients"},
     {"cache", blk_cache, METH_VARARGS, "cache(batch, max_len): (re)allocate the KV cache"},
+    {"set_rope", blk_set_rope, METH_VARARGS,
+     "set_rope(inv_freq, factor): the rotary frequencies (None: rope_theta's) and cos/sin factor from now on"},
     {"params", blk_params, METH_NOARGS,
      "{name: (param, grad)} views of this rank's shard (grad None until "
      "alloc_grads / backward, and for a quantized weight)"},

@@ -229,6 +229,7 @@ PyObject *linear_borrowed(module_state *st, tp_parallel_linear_t L, CommObject *
 /* ----------------------------------------------------------------- kernels.c */
 
 extern PyMethodDef kernel_methods[];    /* added to the module by module.c */
+extern PyMethodDef attention_methods[]; /* likewise (kernels_attn.c: the attention kernel) */
 extern PyMethodDef quant_methods[];     /* likewise (quant.c: the quantized weight rows) */
 extern PyMethodDef partition_methods[]; /* likewise (partition.c) */
 extern PyMethodDef cuda_methods[];      /* likewise (cuda.c: the CUDA plugin and library finder) */

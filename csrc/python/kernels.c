@@ -2,7 +2,7 @@
  * kernels.c: the core's tensor kernels as module functions, one binding each, for the
  * tests and for the Python model code outside the C layers: linear_forward/backward
  * (tpcore's BLAS; 16-bit and quantized weights), norm_forward/backward (layernorm,
- * rmsnorm), act_forward/backward, add, fill, embedding_forward/backward, the optimizer
+ * rmsnorm), act_forward/backward, rope_apply, add, fill, embedding_forward/backward, the optimizer
  * steps adamw_step and sgd_step (in place) and convert (float32, bfloat16, float16).
  *
  * Every tensor argument is a NumPy array, a tpcore.DeviceArray or any DLPack tensor, all
@@ -15,25 +15,9 @@
  */
 #include "ext.h"
 
-#define KC_MAX_ARGS 12
+#include "kcall.h"
 
-typedef struct {
-  module_state *st;
-  const char *op;
-  tp_device_t dev;
-  int id, have, numpy; /* numpy: the first tensor was a NumPy array (outputs are NumPy) */
-  PyObject *keep[KC_MAX_ARGS];
-  int nkeep;
-} kcall;
-
-#define KCALL(name, mod) kcall c = {(module_state *)PyModule_GetState(mod), name, TP_DEVICE_CPU, 0, 0, 0, {0}, 0}
-#define KRUN(s, expr)                  \
-  do {                                 \
-    Py_BEGIN_ALLOW_THREADS s = (expr); \
-    Py_END_ALLOW_THREADS               \
-  } while (0)
-
-static void kc_release(kcall *c) {
+void kc_release(kcall *c) {
   for (int i = 0; i < c->nkeep; i++) Py_DECREF(c->keep[i]);
   c->nkeep = 0;
 }
@@ -41,8 +25,7 @@ static void kc_release(kcall *c) {
 /* o as a tensor on the call's device (the first tensor fixes it); optional: None gives
  * *tp = NULL.  A NumPy array is checked in place (get_host_buf); anything else goes
  * through DLPack.  0 / -1. */
-static int kc_in(kcall *c, PyObject *o, const char *name, int writable, int optional, tp_tensor *t,
-                 const tp_tensor **tp) {
+int kc_in(kcall *c, PyObject *o, const char *name, int writable, int optional, tp_tensor *t, const tp_tensor **tp) {
   if (optional && o == Py_None) {
     if (tp) *tp = NULL;
     return 0;
@@ -85,7 +68,7 @@ static int kc_in(kcall *c, PyObject *o, const char *name, int writable, int opti
 
 /* A new output of the call's kind (NumPy when the first tensor was NumPy, else a DeviceArray
  * on its device): *t its tensor; the array is returned (new ref). */
-static PyObject *kc_new(kcall *c, tp_dtype_t dt, int ndim, const int64_t *shape, tp_tensor *t) {
+PyObject *kc_new(kcall *c, tp_dtype_t dt, int ndim, const int64_t *shape, tp_tensor *t) {
   if (!c->numpy) {
     PyObject *a = devarray_empty(c->st, c->dev, c->id, dt, ndim, shape);
     if (a) *t = *devarray_tensor(c->st, a);
@@ -107,14 +90,14 @@ static PyObject *kc_out(kcall *c, PyObject *out, tp_dtype_t dt, int ndim, const 
   return Py_NewRef(out);
 }
 
-static PyObject *kc_done(kcall *c, tp_status_t s, PyObject *result) {
+PyObject *kc_done(kcall *c, tp_status_t s, PyObject *result) {
   kc_release(c);
   if (s == TP_SUCCESS) return result;
   Py_XDECREF(result);
   return raise_status(c->st, s, c->op);
 }
 
-static PyObject *kc_fail(kcall *c) { return kc_done(c, TP_SUCCESS, NULL); }
+PyObject *kc_fail(kcall *c) { return kc_done(c, TP_SUCCESS, NULL); }
 
 static int64_t numel(const tp_tensor *t) { return tp_tensor_numel(t); }
 
@@ -336,9 +319,9 @@ static PyObject *act_call(PyObject *mod, PyObject *args, int backward) {
   KCALL(backward ? "act_backward" : "act_forward", mod);
   tp_tensor h, dout, y;
   if (kc_in(&c, ho, "h", 0, 0, &h, NULL) < 0 || f32_matrix(&c, &h, "h") < 0) return kc_fail(&c);
-  int64_t M = h.shape[0], C = h.shape[1], F = act == TP_ACT_SWIGLU ? C / 2 : C;
-  if (act == TP_ACT_SWIGLU && C % 2) {
-    PyErr_Format(PyExc_ValueError, "%s: swiglu needs an even number of columns [gate | up], got %lld", c.op,
+  int64_t M = h.shape[0], C = h.shape[1], F = tp_act_gated(act) ? C / 2 : C;
+  if (tp_act_gated(act) && C % 2) {
+    PyErr_Format(PyExc_ValueError, "%s: %s needs an even number of columns [gate | up], got %lld", c.op, name,
                  (long long)C);
     return kc_fail(&c);
   }
@@ -357,6 +340,30 @@ static PyObject *act_call(PyObject *mod, PyObject *args, int backward) {
 
 static PyObject *act_forward(PyObject *m, PyObject *args) { return act_call(m, args, 0); }
 static PyObject *act_backward(PyObject *m, PyObject *args) { return act_call(m, args, 1); }
+
+/* ---- rotary positions ------------------------------------------------------------------ */
+
+/* rope_apply(x[rows, >= heads * D], pos[rows] int64, heads, D, inv_freq=None, theta=10000.0,
+ * factor=1.0, inverse=False) -> None: x turned in place (tp_rope_apply has the form). */
+static PyObject *rope_apply(PyObject *mod, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"x", "pos", "heads", "D", "inv_freq", "theta", "factor", "inverse", NULL};
+  PyObject *xo, *po, *fo = Py_None;
+  long long heads, D;
+  float theta = 10000.0f, factor = 1.0f;
+  int inverse = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOLL|Offp:rope_apply", kwlist, &xo, &po, &heads, &D, &fo, &theta, &factor,
+                                   &inverse))
+    return NULL;
+  KCALL("rope_apply", mod);
+  tp_tensor x, pos, f;
+  const tp_tensor *fp = NULL;
+  if (kc_in(&c, xo, "x", 1, 0, &x, NULL) < 0 || kc_in(&c, po, "pos", 0, 0, &pos, NULL) < 0 ||
+      kc_in(&c, fo, "inv_freq", 0, 1, &f, &fp) < 0)
+    return kc_fail(&c);
+  tp_status_t s;
+  KRUN(s, tp_rope_apply(NULL, &x, &pos, heads, D, fp, theta, factor, inverse));
+  return kc_done(&c, s, s == TP_SUCCESS ? Py_NewRef(Py_None) : NULL);
+}
 
 /* ---- elementwise ------------------------------------------------------------------------ */
 
@@ -607,6 +614,8 @@ PyMethodDef kernel_methods[] = {
      "norm_backward(kind, dy, x, w, mean, rstd, dw, db) -> dx; dw and db accumulate"},
     {"act_forward", act_forward, METH_VARARGS, "act_forward(name, h, out=None) -> act(h)"},
     {"act_backward", act_backward, METH_VARARGS, "act_backward(name, h, dout, out=None) -> dh"},
+    {"rope_apply", (PyCFunction)(void (*)(void))rope_apply, METH_VARARGS | METH_KEYWORDS,
+     "rope_apply(x, pos, heads, D, inv_freq=None, theta=10000.0, factor=1.0, inverse=False): x turned in place"},
     {"add", add, METH_VARARGS, "add(y, a, b): y = a + b"},
     {"fill", fill, METH_VARARGS, "fill(y, value)"},
     {"embedding_forward", embedding_forward, METH_VARARGS, "embedding_forward(tokens, table, lo=0) -> rows"},

@@ -150,14 +150,14 @@ PyObject *layer_error(CommObject *co, tp_status_t s, const char *op, int backwar
 
 /* An activation name -> tp_activation_t. */
 int parse_act(const char *name, tp_activation_t *act) {
-  static const char *names[] = {"gelu", "gelu_tanh", "silu", "relu", "swiglu"};
-  for (int i = 0; i < 5; i++)
+  static const char *names[] = {"gelu", "gelu_tanh", "silu", "relu", "swiglu", "geglu"};
+  for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
     if (strcmp(name, names[i]) == 0) {
       *act = (tp_activation_t)i;
       return 0;
     }
-  PyErr_Format(PyExc_ValueError, "activation must be one of 'gelu', 'gelu_tanh', 'silu', 'relu', 'swiglu', got '%s'",
-               name);
+  PyErr_Format(PyExc_ValueError,
+               "activation must be one of 'gelu', 'gelu_tanh', 'silu', 'relu', 'swiglu', 'geglu', got '%s'", name);
   return -1;
 }
 

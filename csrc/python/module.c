@@ -116,7 +116,8 @@ static int module_exec(PyObject *m) {
   if (!st->StoreType) return -1;
   if (PyModule_AddFunctions(m, devarray_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, kernel_methods) < 0) return -1;
-  if (PyModule_AddFunctions(m, quant_methods) < 0) return -1; /* quant.c */
+  if (PyModule_AddFunctions(m, attention_methods) < 0) return -1; /* kernels_attn.c */
+  if (PyModule_AddFunctions(m, quant_methods) < 0) return -1;     /* quant.c */
   if (PyModule_AddFunctions(m, partition_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, cuda_methods) < 0) return -1;
   if (PyModule_AddObjectRef(m, "CommError", st->CommError) < 0 ||

@@ -1,4 +1,6 @@
 /* Hostile arguments to every public kernel (tpcore/kernels.h); see test_api_hostile.c. */
+#include <math.h>
+
 #include "test_api_hostile.h"
 
 /* ------------------------------------------------------------------ kernels */
@@ -27,7 +29,7 @@ static tp_status_t run_kernel(const kctx *c, const tp_tensor *const *a, tp_strea
     case 12: return tp_layernorm_backward(s, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
     case 13: return tp_rmsnorm_forward(s, a[0], a[1], a[2], a[3], 1e-5f);
     case 14: return tp_rmsnorm_backward(s, a[0], a[1], a[2], a[3], a[4], a[5]);
-    case 15: return tp_rope_apply(s, a[0], a[1], 1, 4, 10000.0f, 0);
+    case 15: return tp_rope_apply(s, a[0], a[1], 1, 4, a[2], 10000.0f, 1.5f, 0);
     case 16: return tp_adamw_step(s, a[0], a[1], a[2], a[3], 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1);
     case 17: return tp_sgd_step(s, a[0], a[1], a[2], 0.1f, 0.9f, 0.0f, 1);
     case 18: return tp_convert(s, a[0], a[1]);
@@ -262,18 +264,26 @@ static void hostile_norms_rope_optimizers(void) {
   /* rope: x [rows, heads * D] with 1 head of D = 4 */
   {
     static int64_t pos[M] = {0, 1, 2};
-    tp_tensor RX = T2(xa, M, 4), RP = I1(pos, M);
-    const char *nm[] = {"x", "pos"};
-    const tp_tensor *g[] = {&RX, &RP};
-    int opt[] = {0, 0};
-    kernel_case("rope_apply", 15, 2, nm, g, opt, __LINE__);
-    ARG(tp_rope_apply(NULL, &RX, &RP, -1, 4, 1e4f, 0), "rope_apply", "heads");
-    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 3, 1e4f, 0), "rope_apply", "D");
-    ARG(tp_rope_apply(NULL, &RX, &RP, 1, -4, 1e4f, 0), "rope_apply", "D");
-    ARG(tp_rope_apply(NULL, &RX, &RP, INT64_MAX, 4, 1e4f, 0), "rope_apply", NULL);
-    ARG(tp_rope_apply(NULL, &RX, &RP, (int64_t)1 << 62, (int64_t)1 << 62, 1e4f, 0), "rope_apply", NULL);
-    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, 0.0f, 0), "rope_apply", "theta");
-    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, -1.0f, 0), "rope_apply", "theta");
+    static float freq[2] = {1.0f, 0.01f}, badf[2] = {0.5f, NAN};
+    tp_tensor RX = T2(xa, M, 4), RP = I1(pos, M), RF = T1(freq, 2), RB = T1(badf, 2);
+    const char *nm[] = {"x", "pos", "inv_freq"};
+    const tp_tensor *g[] = {&RX, &RP, &RF};
+    int opt[] = {0, 0, 1};
+    kernel_case("rope_apply", 15, 3, nm, g, opt, __LINE__);
+    ARG(tp_rope_apply(NULL, &RX, &RP, -1, 4, NULL, 1e4f, 1.0f, 0), "rope_apply", "heads");
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 3, NULL, 1e4f, 1.0f, 0), "rope_apply", "D");
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, -4, NULL, 1e4f, 1.0f, 0), "rope_apply", "D");
+    ARG(tp_rope_apply(NULL, &RX, &RP, INT64_MAX, 4, NULL, 1e4f, 1.0f, 0), "rope_apply", NULL);
+    ARG(tp_rope_apply(NULL, &RX, &RP, (int64_t)1 << 62, (int64_t)1 << 62, NULL, 1e4f, 1.0f, 0), "rope_apply", NULL);
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, NULL, 0.0f, 1.0f, 0), "rope_apply", "theta");
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, NULL, -1.0f, 1.0f, 0), "rope_apply", "theta");
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, NULL, INFINITY, 1.0f, 0), "rope_apply", "theta");
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, &RF, 1e4f, 0.0f, 0), "rope_apply", "factor");
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, &RF, 1e4f, -2.0f, 0), "rope_apply", "factor");
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, &RF, 1e4f, NAN, 1), "rope_apply", "factor");
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, &RF, 1e4f, INFINITY, 0), "rope_apply", "factor");
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, &RB, 1e4f, 1.0f, 0), "rope_apply", "inv_freq");
+    ARG(tp_rope_apply(NULL, &RX, &RP, 1, 4, P(T1(freq, 1)), 1e4f, 1.0f, 0), "rope_apply", "inv_freq");
   }
   /* optimizers */
   {
@@ -311,7 +321,8 @@ static void hostile_zero_and_huge_sizes(void) {
     OK(tp_xent_row_sums(NULL, P(T1(NULL, 0)), P(T2(NULL, 0, K)), P(T1(NULL, 0)), P(I1(NULL, 0)), 0));
     OK(tp_layernorm_forward(NULL, P(T2(NULL, 0, K)), NULL, NULL, P(T2(NULL, 0, K)), &NW, NULL, 1e-5f));
     OK(tp_rmsnorm_forward(NULL, P(T2(NULL, 0, K)), NULL, P(T2(NULL, 0, K)), &NW, 1e-5f));
-    OK(tp_rope_apply(NULL, P(T2(NULL, 0, 4)), P(I1(NULL, 0)), 1, 4, 1e4f, 0));
+    OK(tp_rope_apply(NULL, P(T2(NULL, 0, 4)), P(I1(NULL, 0)), 1, 4, NULL, 1e4f, 1.0f, 0));
+    OK(tp_rope_apply(NULL, P(T2(NULL, 0, 4)), P(I1(NULL, 0)), 1, 4, P(T1(ba, 2)), 0.0f, 2.0f, 1)); /* theta unused */
     OK(tp_adamw_step(NULL, P(T1(NULL, 0)), P(T1(NULL, 0)), P(T1(NULL, 0)), P(T1(NULL, 0)), 1e-3f, 0.9f, 0.999f, 1e-8f,
                      0.0f, 1));
     OK(tp_sgd_step(NULL, P(T1(NULL, 0)), P(T1(NULL, 0)), NULL, 0.1f, 0.0f, 0.0f, 1));
@@ -377,6 +388,31 @@ static void hostile_attention(void) {
     ATT(group, -1, "group");
     ATT(q_head0, INT64_MIN, "q_head0");
     ATT(device, (tp_device_t)5, "device");
+    ATT(softcap, NAN, "softcap"); /* the model families' fields: soft-cap, window, ring */
+    ATT(softcap, -1.0f, "softcap");
+    ATT(softcap, INFINITY, "softcap");
+    ATT(window, -1, "window");
+    ATT(kv_ring, -1, "kv_ring");
+    ATT(kv_ring, 3, "kv_ring"); /* no k_len (forward), backward (any ring) */
+    {                           /* a ring over a cache: window + Tq - 1 <= kv_ring <= Tk, no probs, no key mask */
+      static const int64_t klen[2] = {3, 7}, qpos[2] = {0, 4};
+      static const uint8_t km[6] = {1, 1, 1, 1, 1, 1};
+      b2 = a;
+      b2.probs = NULL, b2.k_len = klen, b2.q_pos = qpos, b2.kv_ring = 3, b2.window = 1;
+      OK(tp_attention_forward(NULL, &b2, &W)); /* 1 + 3 - 1 = 3 rows: fits */
+      b2.window = 0;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "window");
+      b2.window = 2;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "window + Tq - 1 <= kv_ring");
+      b2.window = INT64_MAX;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "window + Tq - 1 <= kv_ring");
+      b2.window = 1, b2.kv_ring = 4, b2.Tq = 1;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "Tk");
+      b2.kv_ring = 3, b2.Tq = 3, b2.probs = pr;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "probs");
+      b2.probs = NULL, b2.key_mask = km;
+      ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", "key_mask");
+    }
     b2 = a;
     b2.B = INT_MAX, b2.Tq = INT_MAX, b2.Tk = INT_MAX;
     ARG(tp_attention_forward(NULL, &b2, &W), "attention_forward", NULL);

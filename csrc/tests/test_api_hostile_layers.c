@@ -1,4 +1,6 @@
 /* Hostile arguments to every public layer call (tpcore/layers.h); see test_api_hostile.c. */
+#include <math.h>
+
 #include "test_api_hostile.h"
 
 /* ------------------------------------------------------------------- layers */
@@ -527,8 +529,65 @@ static void block_bad_cache(tp_block_t b) {
   TRUE(info.cache_batch == 4 && info.cache_len == 32);
 }
 
+/* The families' options: out of range, inconsistent with the rest, or NaN. */
+static void block_bad_family_configs(tp_comm_t comm) {
+  tp_block_config_t cfg = block_config(), c2;
+  tp_block_t b = NULL;
+  float nan = NAN, freq[64];
+  for (int i = 0; i < 64; i++) freq[i] = 1.0f / (float)(i + 1);
+  c2 = cfg, c2.bias_parts = TP_BIAS_QKV; /* without TP_BIAS_SET */
+  ARG(tp_block_create(&b, comm, &c2), "block", "bias_parts");
+  c2 = cfg, c2.bias_parts = 64 | TP_BIAS_SET;
+  ARG(tp_block_create(&b, comm, &c2), "block", "bias_parts");
+  c2 = cfg, c2.qk_norm = 1, c2.norm = TP_NORM_LAYER;
+  ARG(tp_block_create(&b, comm, &c2), "block", "qk_norm");
+  c2 = cfg, c2.post_norms = 1, c2.pre_norm = 0;
+  ARG(tp_block_create(&b, comm, &c2), "block", "post_norms");
+  c2 = cfg, c2.post_norms = 1, c2.attention_only = 1;
+  ARG(tp_block_create(&b, comm, &c2), "block", "post_norms");
+  c2 = cfg, c2.attn_softcap = nan;
+  ARG(tp_block_create(&b, comm, &c2), "block", "attn_softcap");
+  c2 = cfg, c2.attn_scale = -1.0f;
+  ARG(tp_block_create(&b, comm, &c2), "block", "attn_scale");
+  c2 = cfg, c2.attn_softcap = INFINITY;
+  ARG(tp_block_create(&b, comm, &c2), "block", "attn_softcap");
+  c2 = cfg, c2.sliding_window = -1;
+  ARG(tp_block_create(&b, comm, &c2), "block", "sliding_window");
+  c2 = cfg, c2.sliding_window = 4, c2.causal = 0;
+  ARG(tp_block_create(&b, comm, &c2), "block", "causal");
+  c2 = cfg, c2.rope_theta = 0.0f, c2.rope_inv_freq = freq;
+  ARG(tp_block_create(&b, comm, &c2), "block", "rotary");
+  c2 = cfg, c2.rope_theta = 1e4f, c2.rope_factor = nan;
+  ARG(tp_block_create(&b, comm, &c2), "block", "rope_factor");
+  freq[1] = nan;
+  c2 = cfg, c2.rope_theta = 1e4f, c2.rope_inv_freq = freq;
+  ARG(tp_block_create(&b, comm, &c2), "block", "rope_inv_freq[1]");
+  freq[1] = -1.0f;
+  ARG(tp_block_create(&b, comm, &c2), "block", "rope_inv_freq[1]");
+  freq[1] = 0.5f;
+  c2 = cfg, c2.rope_theta = 1e4f, c2.rope_inv_freq = freq, c2.rope_factor = 1.5f;
+  OK(tp_block_create(&b, comm, &c2));
+  if (b) {
+    ARG(tp_block_set_rope(b, freq, 0.0f), "set_rope", "factor");
+    ARG(tp_block_set_rope(b, freq, nan), "set_rope", "factor");
+    freq[0] = INFINITY;
+    ARG(tp_block_set_rope(b, freq, 1.0f), "set_rope", "inv_freq[0]");
+    OK(tp_block_set_rope(b, NULL, 1.0f));
+    tp_block_destroy(b);
+    b = NULL;
+  }
+  c2 = cfg, c2.rope_theta = 0.0f;
+  OK(tp_block_create(&b, comm, &c2));
+  if (b) {
+    ARG(tp_block_set_rope(b, NULL, 2.0f), "set_rope", "rotary");
+    tp_block_destroy(b);
+  }
+  ARG(tp_block_set_rope(NULL, NULL, 1.0f), "set_rope", "block");
+}
+
 void test_block(tp_comm_t comm) {
   block_bad_configs(comm);
+  block_bad_family_configs(comm);
   tp_block_config_t cfg = block_config();
   tp_block_t b = NULL;
   cfg.rope_theta = 1e4f;

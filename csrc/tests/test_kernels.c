@@ -302,11 +302,15 @@ static void case_positions(void) {
 }
 
 static void case_kv_cache_write(void) {
-  /* B, T, max_len, width, ld, cache sequences (0: B, no slots; else slots: a permutation's first B) */
-  const int64_t cfg[][6] = {{3, 2, 7, 5, 13, 0}, {1, 1, 1, 1, 1, 0},  {2, 3, 9, 0, 4, 0}, {0, 2, 4, 3, 3, 0},
-                            {2, 0, 4, 3, 3, 0},  {3, 2, 7, 5, 13, 5}, {1, 4, 4, 3, 3, 3}, {4, 1, 6, 7, 9, 4}};
+  /* B, T, max_len, width, ld, cache sequences (0: B, no slots; else slots: a permutation's first B),
+   * ring (0: none; else positions anywhere in [0, 60), row p % ring; T > ring: the last ring rows) */
+  const int64_t cfg[][7] = {{3, 2, 7, 5, 13, 0, 0}, {1, 1, 1, 1, 1, 0, 0}, {2, 3, 9, 0, 4, 0, 0},
+                            {0, 2, 4, 3, 3, 0, 0},  {2, 0, 4, 3, 3, 0, 0}, {3, 2, 7, 5, 13, 5, 0},
+                            {1, 4, 4, 3, 3, 3, 0},  {4, 1, 6, 7, 9, 4, 0}, {3, 2, 7, 5, 13, 0, 4},
+                            {2, 5, 6, 3, 4, 3, 3},  {2, 3, 5, 4, 4, 0, 5}, {1, 1, 1, 2, 2, 0, 1}};
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
     int64_t B = cfg[c][0], T = cfg[c][1], L = cfg[c][2], W = cfg[c][3], ld = cfg[c][4], S = cfg[c][5];
+    int64_t ring = cfg[c][6];
     int64_t nseq = S ? S : (B ? B : 1), nc = nseq * L * W, nr = B * T * ld;
     float *kc = rnd(nc, -1, 1), *vc = rnd(nc, -1, 1), *k = rnd(nr + W, -1, 1), *v = rnd(nr + W, -1, 1);
     int64_t *pos0 = hmem((size_t)B * 8 + 8), *slots = S ? hmem((size_t)S * 8) : NULL;
@@ -319,16 +323,17 @@ static void case_kv_cache_write(void) {
     for (int64_t i = 0; i < nc; i++) rk[i] = kc[i], rv[i] = vc[i];
     for (int64_t b = 0; b < B; b++) {
       int64_t sb = slots ? slots[b] : b;
-      pos0[b] = rnd_int(0, L - T + 1);
-      for (int64_t t = 0; t < T; t++)
+      pos0[b] = ring ? rnd_int(0, 60) : rnd_int(0, L - T + 1);
+      for (int64_t t = 0; t < T; t++) /* in order: a ring row written twice keeps the later position */
         for (int64_t j = 0; j < W; j++) {
-          rk[(sb * L + pos0[b] + t) * W + j] = k[(b * T + t) * ld + j];
-          rv[(sb * L + pos0[b] + t) * W + j] = v[(b * T + t) * ld + j];
+          int64_t r = ring ? (pos0[b] + t) % ring : pos0[b] + t;
+          rk[(sb * L + r) * W + j] = k[(b * T + t) * ld + j];
+          rv[(sb * L + r) * W + j] = v[(b * T + t) * ld + j];
         }
     }
     float *dkc = DPUTF(kc, nc), *dvc = DPUTF(vc, nc);
     ok("kv_cache_write", K->kv_cache_write(NULL, dkc, dvc, DPUTF(k, nr + W), DPUTF(v, nr + W), ld, DPUTI(pos0, B),
-                                           slots ? DPUTI(slots, B) : NULL, B, T, L, W));
+                                           slots ? DPUTI(slots, B) : NULL, B, T, L, W, ring));
     GETF(kc, dkc, nc);
     GETF(vc, dvc, nc);
     expect("kcache", kc, rk, nc, 0, 0, NULL); /* exact copies, the rest untouched */

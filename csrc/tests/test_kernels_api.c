@@ -172,16 +172,27 @@ static void api_vocab_norm_rope(void) {
   int64_t pos[M] = {0, 3, 9};
   tp_tensor tq = tp_tensor_2d(q, TP_FLOAT32, M, 4), tp = tp_tensor_1d(pos, TP_INT64, M);
   tq.strides[0] = 7;
-  check("rope_apply on strided rows runs", tp_rope_apply(NULL, &tq, &tp, 2, 2, 10000.0f, 0) == TP_SUCCESS);
-  tp_cpu_kernel_ops.rope(NULL, q2, M, 7, 2, 2, pos, 10000.0f, 0);
+  check("rope_apply on strided rows runs", tp_rope_apply(NULL, &tq, &tp, 2, 2, NULL, 10000.0f, 1.0f, 0) == TP_SUCCESS);
+  tp_cpu_kernel_ops.rope(NULL, q2, M, 7, 2, 2, pos, NULL, 10000.0f, 1.0f, 0);
   check("rope_apply = the table's entry", !memcmp(q, q2, sizeof q2));
+  float freq[1] = {0.37f};
+  tp_tensor tf = tp_tensor_1d(freq, TP_FLOAT32, 1);
+  check("rope_apply with a table runs", tp_rope_apply(NULL, &tq, &tp, 2, 2, &tf, 0.0f, 0.75f, 1) == TP_SUCCESS);
+  tp_cpu_kernel_ops.rope(NULL, q2, M, 7, 2, 2, pos, freq, 0.0f, 0.75f, 1);
+  check("rope_apply with a table = the table's entry", !memcmp(q, q2, sizeof q2));
+  err("rope factor", tp_rope_apply(NULL, &tq, &tp, 2, 2, &tf, 1e4f, 0.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply",
+      "factor", NULL);
+  freq[0] = INFINITY;
+  err("rope table", tp_rope_apply(NULL, &tq, &tp, 2, 2, &tf, 1e4f, 1.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply",
+      "inv_freq", NULL);
   tq.strides[1] = 2;
-  err("rope columns", tp_rope_apply(NULL, &tq, &tp, 2, 2, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply: x",
-      "contiguous rows", NULL);
-  err("rope D", tp_rope_apply(NULL, &tq, &tp, 1, 3, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply", "even", NULL);
+  err("rope columns", tp_rope_apply(NULL, &tq, &tp, 2, 2, NULL, 10000.0f, 1.0f, 0), TP_ERR_INVALID_ARGUMENT,
+      "rope_apply: x", "contiguous rows", NULL);
+  err("rope D", tp_rope_apply(NULL, &tq, &tp, 1, 3, NULL, 10000.0f, 1.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply",
+      "even", NULL);
   tq.strides[1] = 1, tq.strides[0] = (int64_t)1 << 62; /* 3 rows reach 2^63 elements: refused, not written */
-  err("rope row stride", tp_rope_apply(NULL, &tq, &tp, 2, 2, 10000.0f, 0), TP_ERR_INVALID_ARGUMENT, "rope_apply: x",
-      "reach past 2^63", NULL);
+  err("rope row stride", tp_rope_apply(NULL, &tq, &tp, 2, 2, NULL, 10000.0f, 1.0f, 0), TP_ERR_INVALID_ARGUMENT,
+      "rope_apply: x", "reach past 2^63", NULL);
 }
 
 static void api_attention_optim(void) {

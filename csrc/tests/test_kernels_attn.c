@@ -1,7 +1,9 @@
 /* Parity cases of the attention entries: training layouts (fused QKV rows, padded
  * leading dimensions, key masks, causal, grouped-query heads, a rank's heads starting
- * mid-group) and decoding over a KV cache (q_pos, k_len; kv_slot: rows mapped to cache
- * sequences), against a double reference. */
+ * mid-group), decoding over a KV cache (q_pos, k_len; kv_slot: rows mapped to cache
+ * sequences), logit soft-capping, sliding windows, and a ring cache (kv_ring: read after
+ * wrap-around, against the reference over the same keys in a linear cache), against a
+ * double reference. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -11,29 +13,48 @@ typedef struct {
   int64_t B, Tq, Tk, Hq, Hk, D, group, q_head0, k_head0;
   int causal, mask, decode; /* decode: q_pos/k_len of a cache; mask: a random key mask */
   int64_t slots;            /* decode: a cache of this many sequences, read through kv_slot (0: B, none) */
+  float cap;                /* softcap (0: off) */
+  int64_t window, ring;     /* sliding window; decode: a ring of this many rows holds the Tk positions */
 } acfg;
 
 static const acfg AC[] = {
-    {2, 67, 67, 4, 2, 6, 0, 0, 0, 1, 1, 0, 0},   /* causal training over two query blocks, masked keys, GQA */
-    {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0},     /* the smallest */
-    {3, 5, 5, 3, 3, 5, 0, 0, 0, 0, 0, 0, 0},     /* non-causal, MHA */
-    {2, 9, 9, 4, 2, 4, 3, 2, 0, 1, 1, 0, 0},     /* heads 2..5 of 6 in groups of 3: starts mid-group */
-    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0},    /* decode: 2 new tokens per sequence over a cache of 13 */
-    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1, 0},   /* a prefill continuing at position 10 */
-    {0, 4, 4, 2, 2, 2, 0, 0, 0, 1, 0, 0, 0},     /* no sequences */
-    {2, 0, 0, 2, 1, 2, 0, 0, 0, 1, 0, 0, 0},     /* no tokens */
-    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0},   /* decode over a long cache (CUDA: split-K), k_len 600 and 103 */
-    {1, 20, 20, 2, 2, 100, 0, 0, 0, 1, 1, 0, 0}, /* a head size between the fused kernels' templates */
-    {1, 18, 18, 3, 1, 200, 0, 0, 0, 0, 0, 0, 0}, /* a large head size, MQA */
-    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 5},    /* decode through kv_slot: 3 rows over 5 cache sequences */
-    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1, 3},   /* the same over a long cache (CUDA: split-K) */
-    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1, 2},   /* a prefill into one of two cache sequences */
+    {2, 67, 67, 4, 2, 6, 0, 0, 0, 1, 1, 0, 0, 0.0f, 0, 0}, /* causal training over two query blocks, masked keys, GQA */
+    {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0.0f, 0, 0},   /* the smallest */
+    {3, 5, 5, 3, 3, 5, 0, 0, 0, 0, 0, 0, 0, 0.0f, 0, 0},   /* non-causal, MHA */
+    {2, 9, 9, 4, 2, 4, 3, 2, 0, 1, 1, 0, 0, 0.0f, 0, 0},   /* heads 2..5 of 6 in groups of 3: starts mid-group */
+    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0, 0.0f, 0, 0},  /* decode: 2 new tokens per sequence over a cache of 13 */
+    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1, 0, 0.0f, 0, 0}, /* a prefill continuing at position 10 */
+    {0, 4, 4, 2, 2, 2, 0, 0, 0, 1, 0, 0, 0, 0.0f, 0, 0},   /* no sequences */
+    {2, 0, 0, 2, 1, 2, 0, 0, 0, 1, 0, 0, 0, 0.0f, 0, 0},   /* no tokens */
+    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0, 0.0f, 0,
+     0}, /* decode over a long cache (CUDA: split-K), k_len 600 and 103 */
+    {1, 20, 20, 2, 2, 100, 0, 0, 0, 1, 1, 0, 0, 0.0f, 0, 0}, /* a head size between the fused kernels' templates */
+    {1, 18, 18, 3, 1, 200, 0, 0, 0, 0, 0, 0, 0, 0.0f, 0, 0}, /* a large head size, MQA */
+    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 5, 0.0f, 0, 0},    /* decode through kv_slot: 3 rows over 5 cache sequences */
+    {2, 3, 600, 4, 2, 8, 0, 0, 0, 1, 0, 1, 3, 0.0f, 0, 0},   /* the same over a long cache (CUDA: split-K) */
+    {1, 70, 80, 2, 1, 3, 0, 0, 0, 1, 0, 1, 2, 0.0f, 0, 0},   /* a prefill into one of two cache sequences */
+    /* soft-capping and sliding windows: causal over two query blocks with masked keys and
+     * GQA, a window over T, window 1, non-causal, mid-group heads, decode over a cache */
+    {2, 67, 67, 4, 2, 6, 0, 0, 0, 1, 1, 0, 0, 3.0f, 9, 0},
+    {1, 20, 20, 2, 1, 5, 0, 0, 0, 1, 0, 0, 0, 2.5f, 100, 0},
+    {2, 9, 9, 2, 2, 4, 0, 0, 0, 1, 0, 0, 0, 0.0f, 1, 0},
+    {2, 11, 11, 2, 1, 4, 0, 0, 0, 0, 1, 0, 0, 4.0f, 3, 0},
+    {2, 9, 9, 4, 2, 4, 3, 2, 0, 1, 1, 0, 0, 1.5f, 4, 0},
+    {1, 130, 130, 2, 1, 3, 0, 0, 0, 1, 0, 0, 0, 0.0f, 70, 0},
+    {3, 2, 13, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0, 2.0f, 4, 0},
+    /* a ring cache: positions 0..39 through a ring of 9 rows (window 7 + Tq 3 - 1), per
+     * sequence after wrap-around or not; through kv_slot; decode over a ring of 520 keys
+     * (CUDA: split-K) */
+    {3, 3, 40, 4, 2, 8, 0, 0, 0, 1, 0, 1, 0, 3.0f, 7, 9},
+    {2, 3, 40, 2, 1, 5, 0, 0, 0, 1, 0, 1, 3, 0.0f, 6, 10},
+    {2, 1, 1500, 2, 1, 8, 0, 0, 0, 1, 0, 1, 0, 0.0f, 512, 520},
 };
 #define NAC (sizeof AC / sizeof AC[0])
 
-typedef struct { /* host copies of one case's inputs and the args that point at them */
-  tp_attention_args a;
-  float *qkv, *kc, *vc, *o;
+typedef struct {       /* host copies of one case's inputs and the args that point at them */
+  tp_attention_args a; /* a ring case: a.Tk positions of a linear cache (the reference's) */
+  int64_t ring;        /* the ring the device reads (rkc, rvc: [cache sequences, ring, Hk D]) */
+  float *qkv, *kc, *vc, *o, *rkc, *rvc;
   int64_t *qpos, *klen, *slot;
   uint8_t *mask;
   int64_t W, nqkv, nkv, no;
@@ -47,7 +68,9 @@ static int visible(const tp_attention_args *a, int64_t b, int64_t i, int64_t j) 
   int64_t n = a->k_len ? a->k_len[b] : a->Tk;
   if (j >= n || j >= a->Tk) return 0;
   if (a->key_mask && !a->key_mask[b * a->Tk + j]) return 0;
-  return !a->causal || j <= (a->q_pos ? a->q_pos[b] : 0) + i;
+  int64_t p = (a->q_pos ? a->q_pos[b] : 0) + i;
+  if (a->window && j <= p - a->window) return 0;
+  return !a->causal || j <= p;
 }
 
 static void make(const acfg *c, ainst *x) {
@@ -55,6 +78,7 @@ static void make(const acfg *c, ainst *x) {
   tp_attention_args *a = &x->a;
   a->B = c->B, a->Tq = c->Tq, a->Tk = c->Tk, a->Hq = c->Hq, a->Hk = c->Hk, a->D = c->D;
   a->group = c->group, a->q_head0 = c->q_head0, a->k_head0 = c->k_head0, a->causal = c->causal;
+  a->softcap = c->cap, a->window = c->window, x->ring = c->ring;
   a->scale = (float)(1.0 / sqrt((double)c->D));
   a->device = DEV;
   x->W = (c->Hq + 2 * c->Hk) * c->D + 1; /* a fused QKV row, padded */
@@ -80,8 +104,21 @@ static void make(const acfg *c, ainst *x) {
     for (int64_t b = 0; b < c->B; b++) {
       x->qpos[b] = c->Tk == 13    ? (int64_t[]){0, 5, 11}[b % 3]
                    : c->Tk == 600 ? (int64_t[]){597, 100}[b % 2]
+                   : c->ring      ? (int64_t[]){c->Tk - c->Tq, 2, 20}[b % 3] /* wrapped, not yet, wrapped */
                                   : c->Tk - c->Tq;
       x->klen[b] = x->qpos[b] + c->Tq;
+    }
+    if (c->ring) { /* the ring after writing positions 0 .. k_len[b] - 1 in order: row p % ring holds the last */
+      int64_t nseq = c->slots ? c->slots : c->B, nr = nseq * c->ring * a->kv_ld + 1;
+      x->rkc = rnd(nr, -1, 1), x->rvc = rnd(nr, -1, 1);
+      for (int64_t b = 0; b < c->B; b++) {
+        int64_t sq = x->slot ? x->slot[b] : b;
+        for (int64_t p = 0; p < x->klen[b]; p++)
+          for (int64_t e = 0; e < a->kv_ld; e++) {
+            x->rkc[(sq * c->ring + p % c->ring) * a->kv_ld + e] = x->kc[sq * a->kv_bstride + p * a->kv_ld + e];
+            x->rvc[(sq * c->ring + p % c->ring) * a->kv_ld + e] = x->vc[sq * a->kv_bstride + p * a->kv_ld + e];
+          }
+      }
     }
   } else {
     a->kv_ld = x->W, a->kv_bstride = c->Tq * x->W;
@@ -99,7 +136,14 @@ static void to_device(const ainst *x, tp_attention_args *d, float **dqkv, float 
   *dqkv = DPUTF(x->qkv, x->nqkv);
   d->q = *dqkv;
   d->o = DPUTF(x->o, x->no);
-  if (x->kc) {
+  if (x->ring) { /* the ring, not the linear cache */
+    int64_t nr = (x->slot ? x->a.kv_batch : x->a.B) * x->ring * x->a.kv_ld + 1;
+    *dkc = DPUTF(x->rkc, nr), *dvc = DPUTF(x->rvc, nr);
+    d->k = *dkc, d->v = *dvc;
+    d->Tk = x->ring, d->kv_ring = x->ring, d->kv_bstride = x->ring * x->a.kv_ld;
+    d->q_pos = DPUTI(x->qpos, x->a.B), d->k_len = DPUTI(x->klen, x->a.B);
+    if (x->slot) d->kv_slot = DPUTI(x->slot, x->a.B);
+  } else if (x->kc) {
     *dkc = DPUTF(x->kc, x->nkv), *dvc = DPUTF(x->vc, x->nkv);
     d->k = *dkc, d->v = *dvc;
     d->q_pos = DPUTI(x->qpos, x->a.B), d->k_len = DPUTI(x->klen, x->a.B);
@@ -140,7 +184,9 @@ static void reference_forward(const tp_attention_args *a, const float *o0, int64
           if (!visible(a, b, i, j)) continue;
           double s = 0;
           for (int64_t d = 0; d < a->D; d++) s += (double)QAT(a, b, i, h)[d] * KAT(a, a->k, b, j, g)[d];
-          p[j] = s * a->scale, mx = fmax(mx, p[j]);
+          p[j] = s * a->scale;
+          if (a->softcap > 0) p[j] = a->softcap * tanh(p[j] / a->softcap);
+          mx = fmax(mx, p[j]);
         }
         for (int64_t j = 0; j < a->Tk; j++) sum += p[j] == -INFINITY ? 0 : exp(p[j] - mx);
         L[(b * a->Hq + h) * a->Tq + i] = mx == -INFINITY ? -INFINITY : mx + log(sum);
@@ -177,6 +223,7 @@ void case_attention_forward(void) {
       int64_t np = x.a.B * x.a.Hq * x.a.Tq * x.a.Tk, nl = x.a.B * x.a.Hq * x.a.Tq;
       double *P = dz(np + 1), *O = dz(x.no), *mo = dz(x.no), *L = dz(nl + 1);
       reference_forward(&ha, x.o, x.no, P, O, mo, L);
+      if (x.ring && (mode == 0 || mode == 4)) continue; /* a ring takes no probs */
       float *dqkv, *dkc, *dvc, *dp = mode == 0 || mode == 4 ? dmem((size_t)np * 4) : NULL;
       float *dl = mode >= 3 ? dmem((size_t)nl * 4) : NULL;
       to_device(&x, &d, &dqkv, &dkc, &dvc);
@@ -260,14 +307,16 @@ void case_attention_backward(void) {
       for (int64_t b = 0; b < a->B; b++) /* dK, dV of the keys are overwritten: zero them first */
         for (int64_t j = 0; j < a->Tk; j++)
           for (int64_t e = 0; e < 2 * a->Hk * D; e++) R[(b * a->Tk + j) * x.W + a->Hq * D + e] = 0;
+      double *dp = dz(a->Tk + 1); /* a row of dP */
       for (int64_t b = 0; b < a->B; b++)
         for (int64_t h = 0; h < a->Hq; h++) {
           int64_t g = kv_head(a, h), qo = h * D, ko = a->Hq * D + g * D, vo = (a->Hq + a->Hk) * D + g * D;
           for (int64_t i = 0; i < a->Tq; i++) {
             const double *p = P + ((b * a->Hq + h) * a->Tq + i) * a->Tk;
             const float *dO = dout + (b * a->Tq + i) * a->o_ld + h * D;
-            double *dp = dz(a->Tk + 1), dot = 0, adot = 0;
+            double dot = 0, adot = 0;
             for (int64_t j = 0; j < a->Tk; j++) {
+              dp[j] = 0;
               for (int64_t d2 = 0; d2 < D; d2++) dp[j] += (double)dO[d2] * KAT(a, a->v, b, j, g)[d2];
               dot += dp[j] * p[j], adot += fabs(dp[j]) * p[j];
             }
@@ -276,6 +325,12 @@ void case_attention_backward(void) {
               for (int64_t d2 = 0; d2 < D; d2++) R[qi + qo + d2] = 0;
             for (int64_t j = 0; j < a->Tk; j++) {
               double ds = p[j] * (dp[j] - dot) * a->scale, ms = p[j] * (fabs(dp[j]) + adot) * a->scale;
+              if (a->softcap > 0 && p[j] != 0) { /* the cap's slope 1 - tanh^2 of the raw scaled score */
+                double raw = 0;
+                for (int64_t d2 = 0; d2 < D; d2++) raw += (double)QAT(a, b, i, h)[d2] * KAT(a, a->k, b, j, g)[d2];
+                double t = tanh(raw * a->scale / a->softcap);
+                ds *= 1 - t * t, ms *= 1 - t * t;
+              }
               int64_t kj = (b * a->Tk + j) * x.W;
               for (int64_t d2 = 0; d2 < D; d2++) {
                 if (j == 0) R[qi + qo + d2] = 0;
@@ -297,8 +352,8 @@ void case_attention_backward(void) {
       }
       float *dg = DPUTF(g0, x.nqkv);
       size_t need = K->attention_workspace(&d, 1);
-      if (mode % 2 && need && !strcmp(K->name, "cpu")) /* the CPU's one block (two in the lse mode) */
-        need = (size_t)((mode == 3 ? 2 : 1) * 64 * (d.Tk ? d.Tk : 1)) * sizeof(float);
+      if (mode % 2 && need && !strcmp(K->name, "cpu")) /* the CPU's one block (+1 in the lse mode, +1 with a cap) */
+        need = (size_t)((mode == 3 ? 2 : 1) + (d.softcap > 0)) * (size_t)(64 * (d.Tk ? d.Tk : 1)) * sizeof(float);
       void *ws = need ? dmem(need) : NULL;
       ok("attention_backward",
          K->attention_backward(NULL, &d, dg, dg + a->Hq * D, dg + (a->Hq + a->Hk) * D, DPUTF(dout, x.no), ws, need));

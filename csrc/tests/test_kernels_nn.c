@@ -77,12 +77,13 @@ static const int64_t AS[][2] = {{0, 3}, {1, 1}, {3, 17}, {5, 33}, {515, 1031}}; 
 static double phi(double x) { return exp(-0.5 * x * x) / sqrt(2 * M_PI); }
 static double sigm(double x) { return 1 / (1 + exp(-x)); }
 
-/* act(x) and act'(x) for the element-wise activations */
+/* act(x) and act'(x) for the element-wise activations (of the gate for SwiGLU and GeGLU) */
 static void act_ref(tp_activation_t a, double x, double *f, double *df) {
   const double c = sqrt(2 / M_PI);
   switch (a) {
     case TP_ACT_GELU: *f = 0.5 * x * (1 + erf(x / sqrt(2))), *df = 0.5 * (1 + erf(x / sqrt(2))) + x * phi(x); break;
-    case TP_ACT_GELU_TANH: {
+    case TP_ACT_GELU_TANH:
+    case TP_ACT_GEGLU: {
       double t = tanh(c * (x + 0.044715 * x * x * x));
       *f = 0.5 * x * (1 + t), *df = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x);
       break;
@@ -98,11 +99,11 @@ static void act_ref(tp_activation_t a, double x, double *f, double *df) {
  * factors around them, |x| <= 5 and |dout| <= 1 -> 2e-6 (1 + |x|) per unit of |dout|. */
 static void act_refs(tp_activation_t a, const float *h, const float *b, const float *dout, int64_t M, int64_t F,
                      double *out, double *mo, double *dh, double *mdh) {
-  int64_t hw = a == TP_ACT_SWIGLU ? 2 * F : F;
+  int64_t hw = tp_act_gated((tp_activation_t)a) ? 2 * F : F;
   for (int64_t m = 0; m < M; m++)
     for (int64_t j = 0; j < F; j++) {
       double d = dout ? dout[m * F + j] : 0, f, df;
-      if (a == TP_ACT_SWIGLU) {
+      if (tp_act_gated(a)) {
         double g = (double)h[m * hw + j] + (b ? b[j] : 0), u = (double)h[m * hw + F + j] + (b ? b[F + j] : 0);
         if (b) g = (float)g, u = (float)u; /* the kernel adds the bias in float */
         act_ref(a, g, &f, &df);
@@ -120,10 +121,10 @@ static void act_refs(tp_activation_t a, const float *h, const float *b, const fl
 }
 
 static void act_case(int backward, int fused) {
-  for (int a = TP_ACT_GELU; a <= TP_ACT_SWIGLU; a++)
+  for (int a = TP_ACT_GELU; a <= TP_ACT_LAST; a++)
     for (size_t c = 0; c < NAS; c++)
       for (int bias = 0; bias < 1 + fused; bias++) {
-        int64_t M = AS[c][0], F = AS[c][1], hw = a == TP_ACT_SWIGLU ? 2 * F : F;
+        int64_t M = AS[c][0], F = AS[c][1], hw = tp_act_gated((tp_activation_t)a) ? 2 * F : F;
         float *h = rnd(M * hw, -5, 5), *b = bias ? rnd(hw, -0.5, 0.5) : NULL, *dout = rnd(M * F, -1, 1);
         double *ro = dz(M * F + 1), *mo = dz(M * F + 1), *rdh = dz(M * hw + 1), *mdh = dz(M * hw + 1);
         act_refs((tp_activation_t)a, h, b, dout, M, F, ro, mo, rdh, mdh);
@@ -153,9 +154,9 @@ void case_act_backward(void) { act_case(1, 0); }
 void case_bias_act_forward(void) { act_case(0, 1); }
 
 void case_bias_act_backward_workspace(void) {
-  for (int a = TP_ACT_GELU; a <= TP_ACT_SWIGLU; a++)
+  for (int a = TP_ACT_GELU; a <= TP_ACT_LAST; a++)
     for (size_t c = 0; c < NAS; c++) {
-      int64_t M = AS[c][0], F = AS[c][1], hw = a == TP_ACT_SWIGLU ? 2 * F : F;
+      int64_t M = AS[c][0], F = AS[c][1], hw = tp_act_gated((tp_activation_t)a) ? 2 * F : F;
       size_t n = K->bias_act_backward_workspace(M, F, (tp_activation_t)a);
       if (M == 0 && n != 0) fail("M = 0 needs no workspace, got %zu bytes", n);
       if (M > 0 && (n < (size_t)hw * sizeof(float) || n % ((size_t)hw * sizeof(float))))
@@ -164,10 +165,10 @@ void case_bias_act_backward_workspace(void) {
 }
 
 void case_bias_act_backward(void) {
-  for (int a = TP_ACT_GELU; a <= TP_ACT_SWIGLU; a++)
+  for (int a = TP_ACT_GELU; a <= TP_ACT_LAST; a++)
     for (size_t c = 0; c < NAS; c++)
       for (int mode = 0; mode < 3; mode++) { /* no db; db with the asked workspace; db with one row */
-        int64_t M = AS[c][0], F = AS[c][1], hw = a == TP_ACT_SWIGLU ? 2 * F : F;
+        int64_t M = AS[c][0], F = AS[c][1], hw = tp_act_gated((tp_activation_t)a) ? 2 * F : F;
         float *h = rnd(M * hw, -5, 5), *dout = rnd(M * F, -1, 1), *db = rnd(hw, -1, 1);
         double *ro = dz(M * F + 1), *mo = dz(M * F + 1), *rdh = dz(M * hw + 1), *mdh = dz(M * hw + 1);
         double *rdb = dz(hw + 1), *mdb = dz(hw + 1);
@@ -299,28 +300,32 @@ void case_rope(void) {
   const int64_t cfg[][4] = {
       {0, 1, 2, 0}, {1, 1, 2, 0}, {5, 3, 6, 5}, {9, 2, 8, 1}, {3, 4, 14, 3}}; /* rows heads D pad */
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++)
-    for (int inv = 0; inv < 2; inv++) {
+    for (int mode = 0; mode < 4; mode++) { /* inverse = mode & 1; mode >= 2: a table and a factor */
+      int inv = mode & 1, tab = mode >= 2;
       int64_t R = cfg[c][0], H = cfg[c][1], D = cfg[c][2], ld = H * D + cfg[c][3], half = D / 2;
-      float theta = 10000.0f, *x = rnd(R * ld, -1, 1), *got = hmem((size_t)(R * ld) * 4 + 4);
+      float theta = 10000.0f, factor = tab ? 1.25f : 1.0f, *x = rnd(R * ld, -1, 1),
+            *got = hmem((size_t)(R * ld) * 4 + 4);
+      float *table = rnd(half + 1, 1e-4f, 1.0f); /* Llama 3 / YaRN tables: any positive frequencies */
       int64_t *pos = hmem((size_t)R * 8 + 8);
       double *ref = dz(R * ld + 1), *mag = dz(R * ld + 1);
       for (int64_t r = 0; r < R; r++) {
         pos[r] = rnd_int(0, 5000); /* far positions: the float32 angle of Hugging Face's rotary embedding */
         for (int64_t j = 0; j < ld; j++) ref[r * ld + j] = x[r * ld + j], mag[r * ld + j] = fabs(x[r * ld + j]);
         for (int64_t i = 0; i < half; i++) {
-          float inv_freq = (float)(1.0 / pow((double)theta, (double)(2 * i) / (double)D));
+          float inv_freq = tab ? table[i] : (float)(1.0 / pow((double)theta, (double)(2 * i) / (double)D));
           float ang = (float)pos[r] * inv_freq; /* the angle is formed in float32 by definition */
-          double cs = cos((double)ang), sn = inv ? -sin((double)ang) : sin((double)ang);
+          double cs = factor * cos((double)ang), sn = factor * (inv ? -sin((double)ang) : sin((double)ang));
           for (int64_t h = 0; h < H; h++) {
             double a = x[r * ld + h * D + i], b = x[r * ld + h * D + i + half];
             ref[r * ld + h * D + i] = a * cs - b * sn, ref[r * ld + h * D + i + half] = b * cs + a * sn;
-            mag[r * ld + h * D + i] = mag[r * ld + h * D + i + half] = fabs(a) + fabs(b);
+            mag[r * ld + h * D + i] = mag[r * ld + h * D + i + half] = factor * (fabs(a) + fabs(b));
           }
         }
       }
       float *dx = DPUTF(x, R * ld);
-      ok("rope", K->rope(NULL, dx, R, ld, H, D, DPUTI(pos, R), theta, inv));
+      ok("rope",
+         K->rope(NULL, dx, R, ld, H, D, DPUTI(pos, R), tab ? DPUTF(table, half + 1) : NULL, theta, factor, inv));
       GETF(got, dx, R * ld);
-      expect("x", got, ref, R * ld, 4 * U, 0, mag); /* cos/sin rounded to float, two products and a sum */
+      expect("x", got, ref, R * ld, 5 * U, 0, mag); /* cos/sin rounded, times factor, two products and a sum */
     }
 }

@@ -279,7 +279,8 @@ static size_t block_ws(int64_t B, int64_t T, int64_t Tk, int64_t C, const tp_blo
   s += aln(nb ? B * nq * T * T : 0, 4);                            /* kept probabilities */
   s += aln(nb && bi->kv_replicated ? 2 * nk * D * (C + 1) : 0, 4); /* replicated KV heads' snapshot */
   s += aln(M, 8) + 3 * aln(B, 8) + aln(M, 1) + al(attn_scratch(B, T, Tk, bi, D, group, nb));
-  s += 2 * al(0); /* an inference forward's MLP activations: empty slices in a training forward */
+  s += 2 * al(0);  /* an inference forward's MLP activations: empty slices in a training forward */
+  s += 11 * al(0); /* the families' buffers (Q/K norms, post norms): off here, empty slices */
   return s;
 }
 

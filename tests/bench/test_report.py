@@ -92,13 +92,19 @@ def test_report_quick_end_to_end(tmp_path):
                         "--out", str(out), "--json"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     md = (out / "report.md").read_text()
-    for section in ("## The host's own limits", "## Speed at each world size", "## Memory per rank",
+    for section in ("## The host's own limits", "## Speed at each world size", "## Same results at every world size",
+                    "## Memory per rank",
                     "## Time in collectives, per layer kind", "## Advice from these measurements"):
         assert section in md
     data = json.loads((out / "report.json").read_text())
     one, two = data["worlds"]
     assert (one["n"], two["n"]) == (1, 2)
     assert one["same_tokens"] and two["same_tokens"]
+    # parity (tpcore.bench parity's numbers): world 2's next-token distributions are world 1's
+    assert data["parity"]["tokens"] == 64 and one["parity"]["kl_max"] == 0.0
+    assert 0.0 <= two["parity"]["kl_mean"] <= two["parity"]["kl_max"] < 1e-6 and two["parity"]["agree"] == 1.0
+    assert two["parity"]["ppl"] == pytest.approx(one["parity"]["ppl"], rel=1e-5) and two["parity"]["ppl"] > 1
+    assert two["parity"]["diverges_at"] is None
     for row in (one, two):
         assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0 and 0 < row["p50_s"] <= row["p99_s"]
         assert len(row["steps_s"]) == data["new"] - 1

@@ -178,3 +178,54 @@ def _zero_bad(comm):
 def test_sharded_adamw_refuses_different_shapes_on_every_rank():
     for msg in run(_zero_bad, 2):
         assert "the parameters' shapes differ" in msg, msg
+
+
+def _layout_ep(comm, tp, ep, pp, dp):
+    g = tpcore.ProcessGrid(comm, tp=tp, pp=pp, dp=dp, ep=ep)
+    members = {name: [int(v) for v in getattr(g, name).all_gather(np.array([comm.rank], np.int64))]
+               for name in ("tp", "ep", "pp", "dp", "ep_dp")}
+    c = g.coordinates(comm.rank)
+    out = (c, (g.tp_rank, g.ep_rank, g.pp_rank, g.dp_rank), g.coords(comm.rank), members,
+           [g.rank_of(**g.coordinates(r)) for r in range(comm.size)])
+    g.close()
+    return out
+
+
+@pytest.mark.parametrize("tp,ep,pp,dp", [(1, 2, 1, 1), (1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 1, 2), (1, 3, 1, 1),
+                                         (1, 2, 2, 1)])
+def test_expert_parallel_layout_is_tp_then_ep_then_dp_then_pp(tp, ep, pp, dp):
+    """Megatron-Core's tp-ep-dp-pp order: rank = t + tp (e + ep (d + dp p)); ep_dp (the dense
+    layers' replicas) holds the ep x dp ranks of a (tp, pp) pair."""
+    n = tp * ep * pp * dp
+    for r, (c, mine, coords, members, inverse) in enumerate(run(_layout_ep, n, tp, ep, pp, dp)):
+        t, e, d, p = r % tp, (r // tp) % ep, (r // (tp * ep)) % dp, r // (tp * ep * dp)
+        assert c == {"tp": t, "ep": e, "dp": d, "pp": p} and mine == (t, e, p, d) and coords == (t, p, d)
+
+        def at(t, e, d, p):
+            return t + tp * (e + ep * (d + dp * p))
+        assert members["tp"] == [at(x, e, d, p) for x in range(tp)]
+        assert members["ep"] == [at(t, x, d, p) for x in range(ep)]
+        assert members["dp"] == [at(t, e, x, p) for x in range(dp)]
+        assert members["pp"] == [at(t, e, d, x) for x in range(pp)]
+        assert members["ep_dp"] == [at(t, x % ep, x // ep, p) for x in range(ep * dp)]
+        assert inverse == list(range(n))
+
+
+def _bad_ep(comm, case):
+    try:
+        if case == "product":
+            tpcore.ProcessGrid(comm, tp=2, ep=2, dp=2)
+        elif case == "divides":
+            tpcore.ProcessGrid(comm, ep=3)
+        elif case == "ep":
+            tpcore.ProcessGrid(comm, ep=0)
+        return "no error"
+    except (ValueError, TypeError) as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("case,words", [("product", "2 x 1 x 2 x 2 = 8"), ("divides", "tp x pp x ep = 1 x 1 x 3"),
+                                        ("ep", "ep")])
+def test_bad_expert_grids_are_refused(case, words):
+    for msg in run(_bad_ep, 4, case):
+        assert words in msg, msg

@@ -438,7 +438,9 @@ def test_bad_files(tmp_path):
     case("shape2", "'token_embd.weight'", "(75, 96)", shapes={"token_embd.weight": (74, 96)})
     case("missing", "'blk.0.ffn_up.weight'", "no such tensor", drop_tensor="blk.0.ffn_up.weight")
     case("layers", "'blk.2.attn_q.weight'", "layer 2", extra=[("blk.2.attn_q.weight", (96, 96))])
-    case("alien", "'rope_freqs.weight'", "no place", extra=[("rope_freqs.weight", (8,))])
+    case("alien", "'blk.0.attn_q.bias'", "no place", extra=[("blk.0.attn_q.bias", (96,))])
+    # random rope_freqs (Llama 3's rope scaling factors): no llama3 scaling gives them
+    case("rope_freqs", "'rope_freqs.weight'", "llama3", extra=[("rope_freqs.weight", (8,))])
     case("q5", "'blk.0.attn_v.weight' type", "Q5_0", types={"blk.0.attn_v.weight": Q.Q5_0})
     # an unknown type number in a tensor's header: the reader refuses, tpcore names the file
     raw = bytearray(data)

@@ -125,8 +125,9 @@ def test_no_second_hand_written_inverse():
             isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
     consts = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
               and id(n) not in docs]
-    for piece in ("attn.c_attn.weight", "mlp.c_fc.bias", "ln_f.weight", "mlp.gate_proj.weight",
-                  "post_attention_layernorm.weight", "self_attn.o_proj.weight", "word_embeddings.weight",
-                  "token_type_embeddings.weight"):
+    for piece in ("attn.c_attn.weight", "mlp.c_fc.bias", "ln_f.weight", "gate_proj.weight",
+                  "post_attention_layernorm.weight", "o_proj.weight", "word_embeddings.weight",
+                  "token_type_embeddings.weight", "qkv_proj.weight", "gate_up_proj.weight", "w1.weight",
+                  "pre_feedforward_layernorm.weight", "q_norm.weight"):
         n = sum(piece in c for c in consts)
         assert 1 <= n <= 2, (piece, n)

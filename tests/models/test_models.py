@@ -402,24 +402,22 @@ def test_block_backward_checks_rows():
 
 
 def test_sliding_window_and_explicit_default_rope():
+    """A Mistral config with an explicit default rope loads; its window is kept (the attention
+    itself is checked against transformers in test_sliding_window.py); an unknown rope type is
+    refused by name."""
     base = {"model_type": "mistral", "vocab_size": 50, "hidden_size": 16, "num_hidden_layers": 1,
             "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 24, "sliding_window": 6,
             "rope_scaling": {"rope_type": "default"}}
     cfg = tpcore.Config.from_hf_dict(base)
-    assert cfg.sliding_window == 6 and cfg.positions == "rope"
+    assert cfg.sliding_window == 6 and cfg.positions == "rope" and cfg.rope_scaling in (None, {})
 
     def case(comm):
         model = tpcore.models.TransformerLM(cfg, comm)
-        model.logits(np.zeros((1, 6), np.int64))  # within the window: exact
-        try:
-            model.logits(np.zeros((1, 7), np.int64))
-        except ValueError as e:
-            return str(e)
-        return "no error"
+        return [b.sliding_window for b in model.blocks], model.logits(np.arange(9).reshape(1, 9)).shape
 
-    assert "sliding-window" in run(case, 1)[0]
-    with pytest.raises(ValueError, match="scaling"):
-        tpcore.Config.from_hf_dict(dict(base, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+    assert run(case, 1)[0] == ([6], (1, 9, 50))
+    with pytest.raises(ValueError, match="mrope"):
+        tpcore.Config.from_hf_dict(dict(base, rope_scaling={"rope_type": "mrope", "factor": 8.0}))
 
 
 BAD_LOGITS = {"nan": (np.nan, "hold NaN"), "+inf": (np.inf, "hold +inf"), "-inf": (-np.inf, "are all -inf")}

@@ -17,6 +17,8 @@ CONFIGS = {
                  causal=True, pre_norm=True, bias=True),
     "llama_gqa": dict(hidden=24, heads=6, kv_heads=2, head_dim=6, ffn_hidden=36, norm="rmsnorm", activation="swiglu",
                       positions="rope", rope_theta=500.0, causal=True, pre_norm=True, bias=False, eps=1e-6),
+    "geglu": dict(hidden=24, heads=6, kv_heads=2, head_dim=6, ffn_hidden=35, norm="rmsnorm", activation="geglu",
+                  positions="rope", rope_theta=500.0, causal=True, pre_norm=True, bias=True, eps=1e-6),
     "bert": dict(hidden=20, heads=5, ffn_hidden=33, norm="layernorm", activation="gelu", positions="none",
                  causal=False, pre_norm=False, bias=True, eps=1e-12),
 }
@@ -75,7 +77,7 @@ def _block_case(comm, name, uneven, masked, attention_only=False):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name,uneven,masked", [("gpt2", False, False), ("gpt2", True, True),
                                                 ("llama_gqa", False, False), ("llama_gqa", True, False),
-                                                ("bert", False, True), ("bert", True, True)])
+                                                ("geglu", True, False), ("bert", False, True), ("bert", True, True)])
 def test_block_forward_backward(world, name, uneven, masked):
     res = run(_block_case, world, name, uneven, masked)
     for r, (errs, heads) in enumerate(res):

@@ -1,6 +1,6 @@
 /* Activations on CUDA, forward / backward, float32 (cpu/activations.c has the
- * formulas; here with the device's erff / tanhf / expf).  SwiGLU reads h[M, 2F] =
- * [gate | up] per row.
+ * formulas; here with the device's erff / tanhf / expf).  SwiGLU and GeGLU read
+ * h[M, 2F] = [gate | up] per row: silu(gate) * up, gelu_tanh(gate) * up.
  *
  * Launch shapes: act_forward / bias_act_forward one thread per output element (1-D
  * grid-stride over M x F, 256 threads); act_backward / bias_act_backward without db
@@ -19,7 +19,7 @@
 
 __device__ __forceinline__ float tpk_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-/* act(x) for the element-wise activations (not SwiGLU). */
+/* act(x) for the element-wise activations (not the gated ones). */
 __device__ __forceinline__ float tpk_act(float x, tp_activation_t act) {
   switch (act) {
     case TP_ACT_GELU: return 0.5f * x * (1.0f + erff(x * TPK_INV_SQRT_2));
@@ -47,13 +47,18 @@ __device__ __forceinline__ float tpk_act_grad(float x, float d, tp_activation_t 
   }
 }
 
-/* Element (m, c) of dh, c < hw (hw = 2F for SwiGLU: c < F the gate's gradient, else the up's). */
+__device__ __forceinline__ bool tpk_gated(tp_activation_t act) { return act == TP_ACT_SWIGLU || act == TP_ACT_GEGLU; }
+
+/* Element (m, c) of dh, c < hw (hw = 2F for SwiGLU / GeGLU: c < F the gate's gradient, else the up's). */
 __device__ __forceinline__ float tpk_dh(const float *h, const float *dout, int64_t m, int64_t c, int64_t F,
                                         tp_activation_t act) {
-  if (act != TP_ACT_SWIGLU) return tpk_act_grad(h[m * F + c], dout[m * F + c], act);
+  if (!tpk_gated(act)) return tpk_act_grad(h[m * F + c], dout[m * F + c], act);
   int64_t j = c < F ? c : c - F;
   const float *hr = h + m * 2 * F;
-  float g = hr[j], u = hr[F + j], d = dout[m * F + j], s = tpk_sigmoid(g);
+  float g = hr[j], u = hr[F + j], d = dout[m * F + j];
+  if (act == TP_ACT_GEGLU) /* gelu_tanh(g) * u */
+    return c < F ? tpk_act_grad(g, d * u, TP_ACT_GELU_TANH) : d * tpk_act(g, TP_ACT_GELU_TANH);
+  float s = tpk_sigmoid(g);
   return c < F ? d * u * s * (1.0f + g * (1.0f - s)) : d * g * s;
 }
 
@@ -61,7 +66,7 @@ __device__ __forceinline__ float tpk_dh(const float *h, const float *dout, int64
 __global__ void tpk_act_fwd(float *out, float *h_rw, const float *h, const float *b, int64_t M, int64_t F,
                             tp_activation_t act) {
   TPK_GRID_STRIDE(i, M * F) {
-    if (act == TP_ACT_SWIGLU) {
+    if (tpk_gated(act)) {
       int64_t m = i / F, j = i % F;
       int64_t gi = m * 2 * F + j, ui = gi + F;
       float g = h[gi], u = h[ui];
@@ -71,7 +76,7 @@ __global__ void tpk_act_fwd(float *out, float *h_rw, const float *h, const float
         h_rw[gi] = g;
         h_rw[ui] = u;
       }
-      out[i] = g / (1.0f + expf(-g)) * u;
+      out[i] = (act == TP_ACT_SWIGLU ? g / (1.0f + expf(-g)) : tpk_act(g, TP_ACT_GELU_TANH)) * u;
     } else {
       float x = h[i];
       if (b) {
@@ -144,14 +149,14 @@ extern "C" tp_status_t tp_cuda_bias_act_forward(tp_stream_t s, float *out, float
 
 extern "C" tp_status_t tp_cuda_act_backward(tp_stream_t s, float *dh, const float *h, const float *dout, int64_t M,
                                             int64_t F, tp_activation_t act) {
-  int64_t hw = act == TP_ACT_SWIGLU ? 2 * F : F;
+  int64_t hw = tp_act_gated(act) ? 2 * F : F;
   if (M == 0 || hw == 0) return TP_SUCCESS;
   tpk_act_bwd<<<tpk_grid(M * hw, TPK_THREADS), TPK_THREADS, 0, tpk_stream(s)>>>(dh, h, dout, M, F, hw, act);
   return tpk_launched("act_backward");
 }
 
 extern "C" size_t tp_cuda_bias_act_backward_workspace(int64_t M, int64_t F, tp_activation_t act) {
-  int64_t hw = act == TP_ACT_SWIGLU ? 2 * F : F;
+  int64_t hw = tp_act_gated(act) ? 2 * F : F;
   if (M <= 0) return 0;
   size_t n;
   if (!tp_mul_size((size_t)chunks_for(M), (size_t)(hw ? hw : 1) * sizeof(float), &n)) return SIZE_MAX;
@@ -161,7 +166,7 @@ extern "C" size_t tp_cuda_bias_act_backward_workspace(int64_t M, int64_t F, tp_a
 extern "C" tp_status_t tp_cuda_bias_act_backward(tp_stream_t s, float *dh, float *db, const float *h, const float *dout,
                                                  int64_t M, int64_t F, tp_activation_t act, void *workspace,
                                                  size_t workspace_bytes) {
-  int64_t hw = act == TP_ACT_SWIGLU ? 2 * F : F;
+  int64_t hw = tp_act_gated(act) ? 2 * F : F;
   if (!db || M == 0) return tp_cuda_act_backward(s, dh, h, dout, M, F, act);
   size_t row = (size_t)(hw ? hw : 1) * sizeof(float), fit = workspace ? workspace_bytes / row : 0;
   if (fit < 1)

@@ -4,7 +4,8 @@
  *
  * Forward (fwd_kernel<DMAX>, DMAX = 32/64/128/256 >= D): a block of 128 threads (4 warps)
  * takes kBQ = 16 query rows of one (sequence, query head), 4 rows per warp, and walks the
- * keys the block can see (causal: up to its last row's limit; decode: up to k_len) in
+ * keys the block can see (causal: up to its last row's limit; decode: up to k_len; a
+ * window: from its first row's window start; a ring cache: key j at row j % kv_ring) in
  * tiles of 32 keys staged in shared memory (K and V tiles, 32 x smem_ld(D) floats each,
  * plus the 16 query rows: (2 x 32 + 16) x smem_ld(D) x 4 bytes, 82 KB at D = 256, 9 KB
  * at D = 64).  Lane c scores key c of the tile for each of its warp's rows; the running
@@ -14,7 +15,7 @@
  * asks for them (probs_kernel, recomputed from lse: the CPU-compatible path the tests use).
  *
  * Split-K (decode: few query blocks over a long cache): blockIdx.y picks one of nsplit
- * contiguous key ranges of `chunk` keys; each writes its unnormalised accumulators and
+ * contiguous key ranges of `chunk` keys from the block's first key; each writes its unnormalised accumulators and
  * (m, l) to the workspace, and combine_kernel (one warp per query row) merges them:
  * M = max m_s, L = sum l_s exp(m_s - M), o = sum acc_s exp(m_s - M) / L, lse = M + log L.
  * The split count depends on the arguments only (so attention_workspace can size it). */
@@ -86,7 +87,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(tp_attention_args a, int6
   const int64_t nrows = Tq - i0 < kBQ ? Tq - i0 : kBQ;
   const int64_t kseq = kv_seq(a, b); /* the KV sequence (slot) of sequence b; -1: none, no keys */
   const int64_t kmax = kseq < 0 ? 0 : key_limit(a, b, i0 + nrows - 1); /* the last row sees the most keys */
-  const int64_t kbeg = (int64_t)split * chunk;
+  const int64_t kmin = key_first(a, b, i0);                            /* the first row's window starts first */
+  const int64_t kbeg = kmin + (int64_t)split * chunk;                  /* the splits cut [kmin, kmax): <= Tk keys */
   const int64_t kend = kbeg + chunk < kmax ? kbeg + chunk : kmax;
 
   for (int e = threadIdx.x; e < kBQ * D; e += kThreads) {
@@ -94,11 +96,12 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(tp_attention_args a, int6
     Qs[r * ld + d] = i0 + r < Tq ? a.q[(b * Tq + i0 + r) * a.q_ld + h * a.D + d] : 0.0f;
   }
   float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][NV];
-  int64_t lim[kRowsPerWarp];
+  int64_t lim[kRowsPerWarp], lo[kRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; r++) {
     int64_t i = i0 + warp * kRowsPerWarp + r;
     lim[r] = i < Tq && kseq >= 0 ? key_limit(a, b, i) : 0;
+    lo[r] = key_first(a, b, i);
     m[r] = -INFINITY, l[r] = 0.0f;
 #pragma unroll
     for (int n = 0; n < NV; n++) acc[r][n] = 0.0f;
@@ -111,8 +114,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(tp_attention_args a, int6
       int jj = e / D, d = e % D;
       int64_t j = j0 + jj;
       bool in = j < kend;
-      Ks[jj * ld + d] = in ? Kb[j * a.kv_ld + d] : 0.0f;
-      Vs[jj * ld + d] = in ? Vb[j * a.kv_ld + d] : 0.0f;
+      Ks[jj * ld + d] = in ? Kb[key_row(a, j) * a.kv_ld + d] : 0.0f;
+      Vs[jj * ld + d] = in ? Vb[key_row(a, j) * a.kv_ld + d] : 0.0f;
     }
     __syncthreads();
     const int64_t j = j0 + lane;
@@ -122,11 +125,11 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(tp_attention_args a, int6
     for (int r = 0; r < kRowsPerWarp; r++) {
       const float *qr = Qs + (warp * kRowsPerWarp + r) * ld;
       float s = -INFINITY;
-      if (on && j < lim[r]) {
+      if (on && j < lim[r] && j >= lo[r]) {
         const float *kr = Ks + lane * ld;
         float dot = 0.0f;
         for (int d = 0; d < D; d++) dot = fmaf(qr[d], kr[d], dot);
-        s = dot * a.scale;
+        s = cap_score(a, dot * a.scale);
       }
       const float mnew = fmaxf(m[r], warp_max(s));
       if (mnew == -INFINITY) continue; /* warp-uniform: nothing visible to this row yet */
@@ -207,7 +210,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 /* The probabilities [B, Hq, Tq, Tk] for a caller that keeps them: one block per query row,
- * P = exp(scale q.k - lse) on the visible keys, 0 elsewhere (the whole row of Tk). */
+ * P = exp(s - lse) (s: the scaled, capped score) on the visible keys, 0 elsewhere (the whole
+ * row of Tk). */
 __global__ void __launch_bounds__(kThreads) probs_kernel(tp_attention_args a, const float *lse) {
   __shared__ float qs[kMaxD];
   const int64_t row = blockIdx.x, i = row % a.Tq, bh = row / a.Tq, b = bh / a.Hq, h = bh % a.Hq;
@@ -217,16 +221,16 @@ __global__ void __launch_bounds__(kThreads) probs_kernel(tp_attention_args a, co
   __syncthreads();
   const float L = lse[row];
   const int64_t kseq = kv_seq(a, b);
-  const int64_t lim = kseq < 0 ? 0 : key_limit(a, b, i);
-  const float *Kb = a.k + (kseq < 0 ? 0 : kseq) * a.kv_bstride + g * a.D;
+  const int64_t lim = kseq < 0 ? 0 : key_limit(a, b, i), lo = key_first(a, b, i);
+  const float *Kb = a.k + (kseq < 0 ? 0 : kseq) * a.kv_bstride + g * a.D; /* no ring: probs refuse one */
   float *prow = a.probs + row * a.Tk;
   for (int64_t j = threadIdx.x; j < a.Tk; j += kThreads) {
     float p = 0.0f;
-    if (L != -INFINITY && j < lim && key_on(a, b, j)) {
+    if (L != -INFINITY && j < lim && j >= lo && key_on(a, b, j)) {
       const float *kr = Kb + j * a.kv_ld;
       float dot = 0.0f;
       for (int64_t d = 0; d < a.D; d++) dot = fmaf(qs[d], kr[d], dot);
-      p = expf(dot * a.scale - L);
+      p = expf(cap_score(a, dot * a.scale) - L);
     }
     prow[j] = p;
   }
@@ -297,12 +301,15 @@ extern "C" tp_status_t tp_cuda_attention_forward(tp_stream_t s, const tp_attenti
 
 namespace {
 
+/* Rows t0 .. T - 1 of each sequence (a ring: t0 = T - ring when T > ring, each ring row once). */
 __global__ void kv_write_kernel(float *kc, float *vc, const float *k, const float *v, int64_t ld, const int64_t *pos0,
-                                const int64_t *slots, int64_t B, int64_t T, int64_t max_len, int64_t width) {
-  const int64_t n = B * T * width;
+                                const int64_t *slots, int64_t B, int64_t T, int64_t t0, int64_t max_len, int64_t width,
+                                int64_t ring) {
+  const int64_t nt = T - t0, n = B * nt * width;
   for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t c = e % width, bt = e / width, t = bt % T, b = bt / T, sb = slots ? slots[b] : b;
-    const int64_t dst = (sb * max_len + pos0[b] + t) * width + c, src = (b * T + t) * ld + c;
+    const int64_t c = e % width, bt = e / width, t = t0 + bt % nt, b = bt / nt, sb = slots ? slots[b] : b;
+    const int64_t p = pos0[b] + t, r = ring > 0 ? p % ring : p;
+    const int64_t dst = (sb * max_len + r) * width + c, src = (b * T + t) * ld + c;
     kc[dst] = k[src];
     vc[dst] = v[src];
   }
@@ -324,13 +331,14 @@ __global__ void positions_kernel(int64_t *pos, int64_t *klen, const int64_t *pos
 
 extern "C" tp_status_t tp_cuda_kv_cache_write(tp_stream_t s, float *kcache, float *vcache, const float *k,
                                               const float *v, int64_t ld, const int64_t *pos0, const int64_t *slots,
-                                              int64_t B, int64_t T, int64_t max_len, int64_t width) {
+                                              int64_t B, int64_t T, int64_t max_len, int64_t width, int64_t ring) {
   if (B <= 0 || T <= 0 || width <= 0) return TP_SUCCESS;
+  const int64_t t0 = ring > 0 && T > ring ? T - ring : 0;
   int64_t n;
-  if (!tp_mul_count(B, T, &n) || !tp_mul_count(n, width, &n))
+  if (!tp_mul_count(B, T - t0, &n) || !tp_mul_count(n, width, &n))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda kv_cache_write: B x T x width overflows");
-  kv_write_kernel<<<grid_for(n, 256), 256, 0, (cudaStream_t)s>>>(kcache, vcache, k, v, ld, pos0, slots, B, T, max_len,
-                                                                 width);
+  kv_write_kernel<<<grid_for(n, 256), 256, 0, (cudaStream_t)s>>>(kcache, vcache, k, v, ld, pos0, slots, B, T, t0,
+                                                                 max_len, width, ring);
   return launch_check("kv_cache_write", "kv_write_kernel launch");
 }
 

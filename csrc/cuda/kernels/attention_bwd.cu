@@ -7,11 +7,14 @@
  *      (sum_j P_ij (dout_i . v_j): the CPU entry's definition, which does not read o).
  *   2. dkdv_kernel<DMAX, BK>: one block per (sequence, KV head, tile of BK keys) walks the
  *      query heads of that KV head and the query tiles (16 rows) that can see the keys
- *      (causal: from the tile of row j0 - q_pos on); per tile it forms P (kept, or
- *      exp(scale q.k - lse)) and dS = P (dP - Dv) scale in shared memory, and each thread
+ *      (causal: from the tile of row j0 - q_pos on; a window: up to the row whose window
+ *      still reaches the tile); per tile it forms P (kept, or exp(s - lse), s the scaled and
+ *      capped score) and dS = P (dP - Dv) scale (times 1 - tanh^2 of the raw score / softcap
+ *      with the cap) in shared memory, and each thread
  *      adds its own (key, dim) elements of dV += P^T dO and dK += dS^T Q in registers.
  *   3. dq_kernel<DMAX, BK>: one block per (sequence, query head, tile of 16 rows) walks the
- *      key tiles its last row can see: dQ += dS K, one (row, dim) element per register.
+ *      key tiles its rows can see (from the first row's window start to the last row's
+ *      limit): dQ += dS K, one (row, dim) element per register.
  * Shared memory of 2 and 3: K, V tiles (BK x smem_ld(D)), Q, dO tiles (16 x smem_ld(D)),
  * P and dS tiles (16 x (BK + 1)) and 16-row vectors: BK = 32 for D <= 128 (51 KB at
  * D = 128), BK = 16 at D = 256 (68 KB).  Accumulators: BK x DMAX / 128 (dK and dV each)
@@ -44,8 +47,8 @@ __global__ void __launch_bounds__(kThreads) dvec_kernel(tp_attention_args a, con
     for (int64_t d = lane; d < a.D; d += 32) sum = fmaf(dO[d], O[d], sum);
   } else if (g >= 0 && g < a.Hk) {
     const float *P = a.probs + row * a.Tk, *Vb = a.v + b * a.kv_bstride + g * a.D;
-    const int64_t lim = key_limit(a, b, i);
-    for (int64_t j = lane; j < lim; j += 32) {
+    const int64_t lim = key_limit(a, b, i), lo = key_first(a, b, i);
+    for (int64_t j = lo + lane; j < lim; j += 32) {
       if (!key_on(a, b, j) || P[j] == 0.0f) continue;
       const float *vr = Vb + j * a.kv_ld;
       float dot = 0.0f;
@@ -60,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) dvec_kernel(tp_attention_args a, con
 /* Shared-memory layout of dkdv_kernel and dq_kernel. */
 struct Smem {
   float *Ks, *Vs, *Qs, *dOs, *Ps, *dSs, *Ls, *Dvs;
-  int64_t *Lim; /* per query row: keys [0, Lim) (0 for rows past Tq) */
+  int64_t *Lim, *Lo; /* per query row: keys [Lo, Lim) (Lim 0 for rows past Tq) */
 };
 
 template <int BK>
@@ -88,6 +91,7 @@ __device__ inline void load_queries(const tp_attention_args &a, const Smem &s, i
     s.Ls[r] = in && a.lse && !a.probs ? a.lse[row] : 0.0f;
     s.Dvs[r] = in ? dv[row] : 0.0f;
     s.Lim[r] = in ? key_limit(a, b, i) : 0;
+    s.Lo[r] = key_first(a, b, i);
   }
 }
 
@@ -105,7 +109,8 @@ __device__ inline void load_keys(const tp_attention_args &a, const Smem &s, int 
   }
 }
 
-/* P and dS = P (dP - Dv) scale of the 16 x BK tile (zero where the key is not visible). */
+/* P and dS = P (dP - Dv) scale (times the cap's slope 1 - tanh^2 with softcap) of the 16 x BK
+ * tile (zero where the key is not visible). */
 template <int BK>
 __device__ inline void tile_scores(const tp_attention_args &a, const Smem &s, int ld, int64_t b, int64_t h, int64_t i0,
                                    int64_t j0) {
@@ -114,20 +119,21 @@ __device__ inline void tile_scores(const tp_attention_args &a, const Smem &s, in
     const int r = e / BK, c = e % BK;
     const int64_t i = i0 + r, j = j0 + c;
     float P = 0.0f, dS = 0.0f;
-    if (j < s.Lim[r] && key_on(a, b, j)) { /* Lim[r] = 0 past Tq; Lim <= Tk */
-      if (a.probs) {
-        P = a.probs[((b * a.Hq + h) * a.Tq + i) * a.Tk + j];
-      } else if (s.Ls[r] != -INFINITY) {
+    if (j < s.Lim[r] && j >= s.Lo[r] && key_on(a, b, j)) { /* Lim[r] = 0 past Tq; Lim <= Tk */
+      float raw = 0.0f;                                    /* the scaled score before the cap */
+      if (!a.probs || a.softcap > 0.0f) {
         const float *qr = s.Qs + r * ld, *kr = s.Ks + c * ld;
         float dot = 0.0f;
         for (int d = 0; d < D; d++) dot = fmaf(qr[d], kr[d], dot);
-        P = expf(dot * a.scale - s.Ls[r]);
+        raw = dot * a.scale;
       }
+      if (a.probs) P = a.probs[((b * a.Hq + h) * a.Tq + i) * a.Tk + j];
+      else if (s.Ls[r] != -INFINITY) P = expf(cap_score(a, raw) - s.Ls[r]);
       if (P != 0.0f) {
         const float *gr = s.dOs + r * ld, *vr = s.Vs + c * ld;
         float dp = 0.0f;
         for (int d = 0; d < D; d++) dp = fmaf(gr[d], vr[d], dp);
-        dS = P * (dp - s.Dvs[r]) * a.scale;
+        dS = P * (dp - s.Dvs[r]) * a.scale * cap_slope(a, raw);
       }
     }
     s.Ps[r * (BK + 1) + c] = P;
@@ -140,10 +146,10 @@ __global__ void __launch_bounds__(kThreads)
     dkdv_kernel(tp_attention_args a, const float *dout, const float *dv, float *dK, float *dV, int64_t ktiles) {
   constexpr int BK = Tiles<DMAX>::BK, NA = BK * DMAX / kThreads;
   extern __shared__ float sm[];
-  __shared__ int64_t lim[kBQ];
+  __shared__ int64_t lim[kBQ], lo[kBQ];
   const int ld = smem_ld(a.D), D = (int)a.D;
   Smem s = carve<BK>(sm, ld);
-  s.Lim = lim;
+  s.Lim = lim, s.Lo = lo;
   const int64_t kt = blockIdx.x % ktiles, bg = blockIdx.x / ktiles, b = bg / a.Hk, g = bg % a.Hk;
   if (b >= a.B) return;
   const int64_t j0 = kt * BK;
@@ -153,14 +159,15 @@ __global__ void __launch_bounds__(kThreads)
   load_keys<BK>(a, s, ld, b, g, j0);
   int64_t klim = a.k_len ? a.k_len[b] : a.Tk; /* no query sees a key past k_len */
   if (klim > a.Tk) klim = a.Tk;
-  int64_t ifirst = 0; /* causal: query i sees key j0 only if i >= j0 - q_pos */
-  if (a.causal) {
-    const int64_t qp = a.q_pos ? a.q_pos[b] : 0;
+  int64_t ifirst = 0, iend = a.Tq; /* the query rows [ifirst, iend) that can see keys j0 .. j0 + BK - 1 */
+  const int64_t qp = a.q_pos ? a.q_pos[b] : 0;
+  if (a.causal) /* query i sees key j0 only if i >= j0 - q_pos */
     ifirst = j0 - qp > 0 ? (j0 - qp) / kBQ * kBQ : 0;
-  }
+  if (a.window > 0 && j0 + BK - 1 + a.window - qp < iend) /* a window: only if q_pos + i < j + window */
+    iend = j0 + BK - 1 + a.window - qp;
   for (int64_t h = 0; h < a.Hq && j0 < klim; h++) {
     if (kv_head(a, h) != g) continue; /* block-uniform */
-    for (int64_t i0 = ifirst; i0 < a.Tq; i0 += kBQ) {
+    for (int64_t i0 = ifirst; i0 < iend; i0 += kBQ) {
       __syncthreads(); /* the previous tile is consumed */
       load_queries(a, s, ld, b, h, i0, dout, dv);
       __syncthreads();
@@ -196,10 +203,10 @@ __global__ void __launch_bounds__(kThreads)
     dq_kernel(tp_attention_args a, const float *dout, const float *dv, float *dQ, int64_t qtiles) {
   constexpr int BK = Tiles<DMAX>::BK, NA = kBQ * DMAX / kThreads;
   extern __shared__ float sm[];
-  __shared__ int64_t lim[kBQ];
+  __shared__ int64_t lim[kBQ], lo[kBQ];
   const int ld = smem_ld(a.D), D = (int)a.D;
   Smem s = carve<BK>(sm, ld);
-  s.Lim = lim;
+  s.Lim = lim, s.Lo = lo;
   const int64_t qt = blockIdx.x % qtiles, bh = blockIdx.x / qtiles, b = bh / a.Hq, h = bh % a.Hq;
   const int64_t g = kv_head(a, h);
   if (b >= a.B || g < 0 || g >= a.Hk) return; /* the CPU entry writes nothing for such a head */
@@ -210,7 +217,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int n = 0; n < NA; n++) aq[n] = 0.0f;
   load_queries(a, s, ld, b, h, i0, dout, dv);
-  for (int64_t j0 = 0; j0 < kmax; j0 += BK) {
+  for (int64_t j0 = key_first(a, b, i0); j0 < kmax; j0 += BK) { /* from the first row's window start */
     __syncthreads(); /* the previous tile is consumed (the first time: the queries are loaded) */
     load_keys<BK>(a, s, ld, b, g, j0);
     __syncthreads();

@@ -4,9 +4,12 @@
  *   query row i of sequence b, head h:  q + (b Tq + i) q_ld + h D      (o, dq alike)
  *   key j of sequence b, KV head g:     k + b kv_bstride + j kv_ld + g D (v, dk, dv alike);
  *                                       forward with kv_slot: k + kv_slot[b] kv_bstride + ...
- *   key j visible to query i:  j < min(k_len[b], Tk), key_mask[b Tk + j] != 0, and with
- *                              causal j <= q_pos[b] + i
- *   lse[(b Hq + h) Tq + i] = max + log(sum exp(s - max)) over the visible scaled scores,
+ *   key j visible to query i (at position p = q_pos[b] + i):  j < min(k_len[b], Tk),
+ *                              key_mask[b Tk + j] != 0, with causal j <= p, with a window
+ *                              j > p - window; a ring (kv_ring, forward): j < q_pos[b] + Tq
+ *                              instead of j < Tk, key j at row j % kv_ring
+ *   scores: s = scale q.k, softcap > 0: s = softcap tanh(s / softcap)
+ *   lse[(b Hq + h) Tq + i] = max + log(sum exp(s - max)) over the visible scores,
  *                            -inf for a row that sees no key.
  * Every index is int64; every launch is checked (cuda_check) into tp_set_error. */
 #ifndef TPCORE_CUDA_ATTENTION_COMMON_CUH
@@ -57,15 +60,40 @@ __device__ __forceinline__ int64_t kv_seq(const tp_attention_args &a, int64_t b)
   return s >= 0 && s < a.kv_batch ? s : -1;
 }
 
-/* Keys [0, limit) query i of sequence b may see (before the key mask). */
+/* Key positions [0, limit) query i of sequence b may see (before the key mask and the window). */
 __device__ __forceinline__ int64_t key_limit(const tp_attention_args &a, int64_t b, int64_t i) {
   int64_t n = a.k_len ? a.k_len[b] : a.Tk;
-  if (n > a.Tk) n = a.Tk;
-  if (a.causal) {
-    int64_t last = (a.q_pos ? a.q_pos[b] : 0) + i + 1;
-    if (last < n) n = last;
-  }
+  const int64_t p = (a.q_pos ? a.q_pos[b] : 0) + i;
+  if (!a.kv_ring && n > a.Tk) n = a.Tk;
+  if (a.kv_ring && n > p - i + a.Tq) n = p - i + a.Tq; /* a ring holds nothing past the step */
+  if (a.causal && p + 1 < n) n = p + 1;
   return n < 0 ? 0 : n;
+}
+
+/* The first key position query i of sequence b may see: its window's start (0 without); in a
+ * ring, never a position this step's writes overwrote (the checks rule that out). */
+__device__ __forceinline__ int64_t key_first(const tp_attention_args &a, int64_t b, int64_t i) {
+  const int64_t p0 = a.q_pos ? a.q_pos[b] : 0;
+  int64_t f = a.window > 0 ? p0 + i - a.window + 1 : 0;
+  if (a.kv_ring > 0 && f < p0 + a.Tq - a.kv_ring) f = p0 + a.Tq - a.kv_ring;
+  return f > 0 ? f : 0;
+}
+
+/* The row of k/v that holds key position j (a ring: j % kv_ring). */
+__device__ __forceinline__ int64_t key_row(const tp_attention_args &a, int64_t j) {
+  return a.kv_ring > 0 ? j % a.kv_ring : j;
+}
+
+/* A scaled score soft-capped (softcap > 0: softcap tanh(s / softcap)). */
+__device__ __forceinline__ float cap_score(const tp_attention_args &a, float s) {
+  return a.softcap > 0.0f ? a.softcap * tanhf(s / a.softcap) : s;
+}
+
+/* d(capped)/d(s) at the scaled score s: 1 - tanh^2(s / softcap), 1 without a cap. */
+__device__ __forceinline__ float cap_slope(const tp_attention_args &a, float s) {
+  if (a.softcap <= 0.0f) return 1.0f;
+  const float t = tanhf(s / a.softcap);
+  return 1.0f - t * t;
 }
 
 __device__ __forceinline__ bool key_on(const tp_attention_args &a, int64_t b, int64_t j) {

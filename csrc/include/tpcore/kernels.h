@@ -37,8 +37,15 @@ typedef enum {
   TP_ACT_GELU_TANH = 1, /* the tanh approximation (GPT-2) */
   TP_ACT_SILU = 2,
   TP_ACT_RELU = 3,
-  TP_ACT_SWIGLU = 4 /* gated: h[M, 2F] = [gate | up] per row -> out[M, F] */
+  TP_ACT_SWIGLU = 4, /* gated: h[M, 2F] = [gate | up] per row -> out[M, F] = silu(gate) * up */
+  TP_ACT_GEGLU = 5   /* gated as SwiGLU: out = gelu_tanh(gate) * up (Gemma) */
 } tp_activation_t;
+
+/* The last tp_activation_t (the range checks' bound). */
+#define TP_ACT_LAST TP_ACT_GEGLU
+
+/* 1 for the gated activations, whose input h has 2F columns per row ([gate | up]). */
+static inline int tp_act_gated(tp_activation_t act) { return act == TP_ACT_SWIGLU || act == TP_ACT_GEGLU; }
 
 /* Attention on a rank's heads (cpu/attention.c has the formulas).  Rows of q and o are
  * b * Tq + i; keys/values of sequence b start at k/v + b * kv_bstride, one row per key
@@ -81,6 +88,19 @@ typedef struct {
    * Forward only: backward refuses it. */
   const int64_t *kv_slot;
   int64_t kv_batch; /* sequences k/v hold when kv_slot is set (>= 1)          */
+  /* Attention logit soft-capping (Gemma 2; 0: off): softcap > 0 turns each scaled score s
+   * into softcap * tanh(s / softcap) before the mask and the softmax (lse and probs are of
+   * the capped scores; backward applies d/ds = 1 - tanh^2).  Finite, >= 0. */
+  float softcap;
+  /* Sliding window (Mistral, Gemma; 0: off): window > 0 lets the query at position p see
+   * only keys j with p - window < j (with the other masks: causal, k_len, key_mask).  >= 0. */
+  int64_t window;
+  /* Ring-buffer KV cache (0: off; forward over a cache only: q_pos and k_len set): the key
+   * and value of position j live at row j % kv_ring of their sequence (a sliding layer's
+   * cache of kv_ring rows; keys past the step's last query, q_pos + Tq - 1, are not read).
+   * Needs k_len, window > 0, window + Tq - 1 <= kv_ring (every key a query of the step sees
+   * still in the ring), kv_ring <= Tk (the rows k/v hold), and neither probs nor key_mask. */
+  int64_t kv_ring;
 } tp_attention_args;
 
 /* ------------------------------------------------------------------ linear */
@@ -165,9 +185,14 @@ TP_API tp_status_t tp_rmsnorm_backward(tp_stream_t stream, const tp_tensor *dx, 
                                        const tp_tensor *rstd);
 /* Rotary embedding in place on x [rows, heads * D] (row stride >= heads * D allowed, the
  * last dimension contiguous: the Q and K heads at the start of a fused QKV row), row m
- * at position pos[m] (int64 [rows]); D even; inverse turns back (backward). */
+ * at position pos[m] (int64 [rows]); D even.  The pair (i, i + D/2) of each head turns
+ * by the float32 angle float32(pos) * inv_freq[i], with inv_freq a float32 [D/2] tensor
+ * of finite values (the scaled rotary frequencies: tpcore.nn.rope) or NULL for
+ * theta^(-2i/D) (theta > 0, used only then); cos and sin are multiplied by factor
+ * (finite, > 0; 1 for a plain rotation; YaRN's and LongRoPE's attention factor).
+ * inverse applies the transpose (the angle negated, the factor kept: the backward). */
 TP_API tp_status_t tp_rope_apply(tp_stream_t stream, const tp_tensor *x, const tp_tensor *pos, int64_t heads, int64_t D,
-                                 float theta, int inverse);
+                                 const tp_tensor *inv_freq, float theta, float factor, int inverse);
 
 /* --------------------------------------------------------------- attention */
 /* Bytes of workspace forward (backward = 0) or backward needs for these arguments. */

@@ -246,15 +246,56 @@ typedef struct {
   int weight_dtypes_set;   /* 1: the QKV, output, fc1 and fc2 weights take
                                       weight_dtypes[0..3] instead (a GGUF file's mix) */
   tp_dtype_t weight_dtypes[4];
+  /* The model families' options (0 / NULL: off, as before) ------------------------------ */
+  int bias_parts;             /* 0: `bias` for every projection; else TP_BIAS_SET | the TP_BIAS_* parts that have one
+                     (Qwen2: TP_BIAS_SET | TP_BIAS_QKV) and `bias` is ignored */
+  int qk_norm;                /* an RMS norm over each head's head_dim values of Q and of K before the rotary
+                     embedding (Qwen3, Gemma 3): weights "attn.q_norm.weight", "attn.k_norm.weight"
+                     [head_dim], replicated; norm must be TP_NORM_RMS */
+  int post_norms;             /* pre_norm only: x + norm3(attn(norm1(x))) = h, then h + norm4(mlp(norm2(h))) (Gemma
+                     2/3): "attn_post_norm.*", "mlp_post_norm.*" [hidden] */
+  float attn_scale;           /* > 0: the attention scores' scale (Gemma: query_pre_attn_scalar^-1/2); 0: 1/sqrt(D) */
+  float attn_softcap;         /* > 0: scores -> cap * tanh(scores / cap) before the mask (Gemma 2) */
+  int64_t sliding_window;     /* > 0: a query at position p sees the keys at p - window < j <= p; the KV cache
+                             then holds a ring of min(max_len, 2 window) rows per sequence */
+  const float *rope_inv_freq; /* host [head_dim / 2]: the rotary frequencies (rope scaling; copied at create,
+                                 tp_block_set_rope changes them); NULL: rope_theta's 1 / theta^(2i / D) */
+  float rope_factor;          /* > 0: cos and sin scaled by it (YaRN, LongRoPE); 0: 1 */
 } tp_block_config_t;
 
-#define TP_BLOCK_CONFIG_INITIALIZER                                                                               \
-  {                                                                                                               \
-    sizeof(tp_block_config_t), 0, 0, 0, 0, 0, TP_NORM_LAYER, 1e-5f, TP_ACT_GELU, 1, 1, 1, 0.0f, NULL, NULL, 0, 0, \
-        TP_DEVICE_CPU, 0, TP_FLOAT32, 0, {                                                                        \
-      TP_FLOAT32, TP_FLOAT32, TP_FLOAT32, TP_FLOAT32                                                              \
-    }                                                                                                             \
-  }
+enum { TP_BIAS_QKV = 1, TP_BIAS_OUT = 2, TP_BIAS_MLP = 4, TP_BIAS_SET = 8 };
+
+#define TP_BLOCK_CONFIG_INITIALIZER                  \
+  {sizeof(tp_block_config_t),                        \
+   0,                                                \
+   0,                                                \
+   0,                                                \
+   0,                                                \
+   0,                                                \
+   TP_NORM_LAYER,                                    \
+   1e-5f,                                            \
+   TP_ACT_GELU,                                      \
+   1,                                                \
+   1,                                                \
+   1,                                                \
+   0.0f,                                             \
+   NULL,                                             \
+   NULL,                                             \
+   0,                                                \
+   0,                                                \
+   TP_DEVICE_CPU,                                    \
+   0,                                                \
+   TP_FLOAT32,                                       \
+   0,                                                \
+   {TP_FLOAT32, TP_FLOAT32, TP_FLOAT32, TP_FLOAT32}, \
+   0,                                                \
+   0,                                                \
+   0,                                                \
+   0.0f,                                             \
+   0.0f,                                             \
+   0,                                                \
+   NULL,                                             \
+   0.0f}
 
 /* Metadata of a forward, in host memory (the block copies what it needs). */
 typedef struct {
@@ -295,6 +336,10 @@ TP_API tp_status_t tp_block_info(tp_block_t blk, tp_block_info_t *info);
 TP_API int tp_block_params(tp_block_t blk, tp_param_t *out, int max);
 /* (Re)allocate the KV cache for batch sequences of up to max_len tokens (contents reset). */
 TP_API tp_status_t tp_block_cache(tp_block_t blk, int64_t batch, int64_t max_len);
+/* The rotary frequencies from now on (host [head_dim / 2], finite and >= 0; NULL: rope_theta's) and
+ * the cos/sin scale (> 0): a rope scaling that depends on the sequence length (dynamic NTK,
+ * LongRoPE) changes them between forwards.  The block must have rotary positions. */
+TP_API tp_status_t tp_block_set_rope(tp_block_t blk, const float *inv_freq, float factor);
 /* y[B*T, hidden] from x[B*T, hidden].  Collective. */
 TP_API tp_status_t tp_block_forward(tp_block_t blk, const tp_tensor *y, const tp_tensor *x,
                                     const tp_block_batch_t *batch, tp_stream_t stream);

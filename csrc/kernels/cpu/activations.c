@@ -1,7 +1,8 @@
 /* Activation kernels, forward/backward pairs, float32.  Backward takes the
  * forward's input h and the output gradient and writes dh.
- * SwiGLU works on a fused [M, 2F] input whose first F columns of each row are
- * the gate and the next F the up projection: out = silu(gate) * up. */
+ * SwiGLU and GeGLU work on a fused [M, 2F] input whose first F columns of each row
+ * are the gate and the next F the up projection: out = silu(gate) * up, or
+ * gelu_tanh(gate) * up (GeGLU, with the steps of TP_ACT_GELU_TANH). */
 #include <string.h>
 
 #include "parallel.h"
@@ -51,6 +52,25 @@ TP_VECTOR_CLONES static void swiglu_bwd(float *restrict dg, float *restrict du, 
   }
 }
 
+/* GeGLU on one row: gelu_tanh as gelu_tanh_fwd / gelu_tanh_bwd compute it. */
+TP_VECTOR_CLONES static void geglu_fwd(float *restrict o, const float *restrict g, const float *restrict u, int64_t F) {
+  for (int64_t j = 0; j < F; j++) {
+    float x = g[j];
+    o[j] = 0.5f * x * (1.0f + ftanh(SQRT_2_OVER_PI * (x + 0.044715f * x * x * x))) * u[j];
+  }
+}
+
+TP_VECTOR_CLONES static void geglu_bwd(float *restrict dg, float *restrict du, const float *restrict g,
+                                       const float *restrict u, const float *restrict d, int64_t F) {
+  for (int64_t j = 0; j < F; j++) {
+    float x = g[j];
+    float t = ftanh(SQRT_2_OVER_PI * (x + 0.044715f * x * x * x));
+    float dt = SQRT_2_OVER_PI * (1.0f + 3.0f * 0.044715f * x * x);
+    du[j] = d[j] * (0.5f * x * (1.0f + t));
+    dg[j] = d[j] * u[j] * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dt);
+  }
+}
+
 static void act_forward_rows(float *out, const float *h, int64_t M, int64_t F, tp_activation_t act) {
   size_t n = (size_t)(M * F);
   switch (act) {
@@ -60,6 +80,9 @@ static void act_forward_rows(float *out, const float *h, int64_t M, int64_t F, t
     case TP_ACT_RELU: relu_fwd(out, h, NULL, n); break;
     case TP_ACT_SWIGLU:
       for (int64_t m = 0; m < M; m++) swiglu_fwd(out + m * F, h + m * 2 * F, h + m * 2 * F + F, F);
+      break;
+    case TP_ACT_GEGLU:
+      for (int64_t m = 0; m < M; m++) geglu_fwd(out + m * F, h + m * 2 * F, h + m * 2 * F + F, F);
       break;
   }
 }
@@ -76,6 +99,13 @@ static void act_backward_rows(float *dh, const float *h, const float *dout, int6
         const float *g = h + m * 2 * F;
         float *dg = dh + m * 2 * F;
         swiglu_bwd(dg, dg + F, g, g + F, dout + m * F, F);
+      }
+      break;
+    case TP_ACT_GEGLU:
+      for (int64_t m = 0; m < M; m++) {
+        const float *g = h + m * 2 * F;
+        float *dg = dh + m * 2 * F;
+        geglu_bwd(dg, dg + F, g, g + F, dout + m * F, F);
       }
       break;
   }
@@ -123,7 +153,7 @@ static void act_backward_chunk(void *ctx, int64_t lo, int64_t hi, int chunk) {
 
 tp_status_t tp_cpu_act_forward(tp_stream_t s, float *out, const float *h, int64_t M, int64_t F, tp_activation_t act) {
   (void)s;
-  act_args a = {out, NULL, NULL, NULL, h, NULL, NULL, F, act == TP_ACT_SWIGLU ? 2 * F : F, act};
+  act_args a = {out, NULL, NULL, NULL, h, NULL, NULL, F, tp_act_gated(act) ? 2 * F : F, act};
   tp_parallel_rows(M, F, act_forward_chunk, &a);
   return TP_SUCCESS;
 }
@@ -131,7 +161,7 @@ tp_status_t tp_cpu_act_forward(tp_stream_t s, float *out, const float *h, int64_
 tp_status_t tp_cpu_act_backward(tp_stream_t s, float *dh, const float *h, const float *dout, int64_t M, int64_t F,
                                 tp_activation_t act) {
   (void)s;
-  act_args a = {dh, NULL, NULL, NULL, h, dout, NULL, F, act == TP_ACT_SWIGLU ? 2 * F : F, act};
+  act_args a = {dh, NULL, NULL, NULL, h, dout, NULL, F, tp_act_gated(act) ? 2 * F : F, act};
   tp_parallel_rows(M, F, act_backward_chunk, &a);
   return TP_SUCCESS;
 }
@@ -139,7 +169,7 @@ tp_status_t tp_cpu_act_backward(tp_stream_t s, float *dh, const float *h, const 
 tp_status_t tp_cpu_bias_act_forward(tp_stream_t s, float *out, float *h, const float *b, int64_t M, int64_t F,
                                     tp_activation_t act) {
   (void)s;
-  act_args a = {out, h, NULL, NULL, h, NULL, b, F, act == TP_ACT_SWIGLU ? 2 * F : F, act};
+  act_args a = {out, h, NULL, NULL, h, NULL, b, F, tp_act_gated(act) ? 2 * F : F, act};
   tp_parallel_rows(M, F, act_forward_chunk, &a);
   return TP_SUCCESS;
 }
@@ -147,7 +177,7 @@ tp_status_t tp_cpu_bias_act_forward(tp_stream_t s, float *out, float *h, const f
 /* One row of partial column sums per chunk (thread), as many chunks as the rank's
  * threads would use now: the caller asks once and reuses the workspace. */
 size_t tp_cpu_bias_act_backward_workspace(int64_t M, int64_t F, tp_activation_t act) {
-  int64_t hw = act == TP_ACT_SWIGLU ? 2 * F : F;
+  int64_t hw = tp_act_gated(act) ? 2 * F : F;
   if (M <= 0) return 0;
   size_t n;
   if (!tp_mul_size((size_t)tp_parallel_plan(M, F), (size_t)(hw ? hw : 1) * sizeof(float), &n)) return SIZE_MAX;
@@ -157,7 +187,7 @@ size_t tp_cpu_bias_act_backward_workspace(int64_t M, int64_t F, tp_activation_t 
 tp_status_t tp_cpu_bias_act_backward(tp_stream_t s, float *dh, float *db, const float *h, const float *dout, int64_t M,
                                      int64_t F, tp_activation_t act, void *workspace, size_t workspace_bytes) {
   (void)s;
-  int64_t hw = act == TP_ACT_SWIGLU ? 2 * F : F;
+  int64_t hw = tp_act_gated(act) ? 2 * F : F;
   int t = tp_parallel_plan(M, F);
   float *partial = NULL;
   if (db && M > 0) {

@@ -3,20 +3,26 @@
  *
  * For each sequence b and query head h (KV head g = h / (Hq / Hk), grouped-query):
  *   S = scale * Q_bh K_bg^T   (Tq x Tk', GEMM)
+ *   softcap c > 0: S = c tanh(S / c)  (Gemma 2's logit soft-capping)
  *   mask: key j exists if j < k_len[b] and key_mask[b][j]; with causal, query i
- *         (at position q_pos[b] + i) sees keys j <= q_pos[b] + i
+ *         (at position p = q_pos[b] + i) sees keys j <= p; with a window w, keys j > p - w
  *   P = softmax(S) over the visible keys (a row with none is all zero)
  *   O_bh = P V_bg             (GEMM)
- * Tk' = the keys any query of b can see, so a decode step over a long cache and a
- * causal prefill touch only what they need.  Backward (P saved by forward):
- *   dP = dO V^T;  dS = P * (dP - rowsum(dP * P)) * scale;
+ * The GEMMs of a block of queries cover only the keys [kmin, kmax) its rows can see
+ * (kmax: its last row's limit; kmin: its first row's window start), so a decode step over
+ * a long cache, a causal prefill and a sliding window (O(T x window)) touch only what they
+ * need.  A ring cache (kv_ring, forward) holds the key of position j at row j % kv_ring: a
+ * block's keys are then at most two runs of rows, one GEMM each.  Backward (P saved by
+ * forward):
+ *   dP = dO V^T;  dS = P * (dP - rowsum(dP * P)) * scale  (softcap: times 1 - tanh^2 of the
+ *   raw scaled score, recomputed here with a GEMM);
  *   dQ = dS K;  dK += dS^T Q;  dV += P^T dO   (summed over the heads of a group)
  * The lse mode (probs NULL, lse kept by forward: lse = max + log(sum exp(S - max)) per
  * query row, -inf for a row that sees no key) recomputes a block of P = exp(S - lse)
  * from Q and K in backward, then runs the same block GEMMs.
- * Scratch (a block of scores without probs, a block of dP in backward, and a block of
- * recomputed P in the lse mode) comes from the caller's workspace, one slice per
- * thread: tp_cpu_attention_workspace says how much. */
+ * Scratch (a block of scores without probs, a block of dP in backward, a block of
+ * recomputed P in the lse mode, a block of raw scores with softcap) comes from the
+ * caller's workspace, one slice per thread: tp_cpu_attention_workspace says how much. */
 #include <math.h>
 #include <string.h>
 
@@ -33,35 +39,47 @@ static void gemm(int transa, int transb, int64_t M, int64_t N, int64_t K, float 
                        C, (tp_blasint)ldc);
 }
 
-/* Keys that query i of sequence b may see: [0, limit). */
-static int64_t key_limit(const tp_attention_args *a, int64_t b, int64_t i) {
-  int64_t n = a->k_len ? a->k_len[b] : a->Tk;
-  if (n > a->Tk) n = a->Tk;
-  if (a->causal) {
-    int64_t last = (a->q_pos ? a->q_pos[b] : 0) + i + 1;
-    if (last < n) n = last;
-  }
-  return n < 0 ? 0 : n;
+/* Key positions [*lo, *hi) that query i of sequence b may see (before the key mask);
+ * *lo >= *hi: none. */
+static void key_range(const tp_attention_args *a, int64_t b, int64_t i, int64_t *lo, int64_t *hi) {
+  int64_t n = a->k_len ? a->k_len[b] : a->Tk, p = (a->q_pos ? a->q_pos[b] : 0) + i;
+  if (!a->kv_ring && n > a->Tk) n = a->Tk;
+  /* a ring's positions run past its Tk rows; keys past the step's last query are not in it */
+  if (a->kv_ring && n > p - i + a->Tq) n = p - i + a->Tq;
+  if (a->causal && p + 1 < n) n = p + 1;
+  int64_t first = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+  if (a->kv_ring && first < p - i + a->Tq - a->kv_ring) /* overwritten by this step (the checks rule it out) */
+    first = p - i + a->Tq - a->kv_ring;
+  *lo = first, *hi = n > first ? n : first;
 }
 
-/* Returns the row's log-sum-exp (-inf when no key is visible). */
-TP_VECTOR_CLONES static float softmax_row(float *s, int64_t n, int64_t width, const uint8_t *keep) {
+/* Soft-capping of a row of scaled scores in place: s = c tanh(s / c). */
+TP_VECTOR_CLONES static void cap_row(float *s, int64_t n, float c) {
+  float inv = 1.0f / c;
+  for (int64_t j = 0; j < n; j++) s[j] = c * ftanh(s[j] * inv);
+}
+
+/* Softmax of the scores s[lo, hi) (keep: the key mask at the same columns, or NULL), zeros
+ * in [c0, lo) and [hi, c1); returns the row's log-sum-exp (-inf when no key is visible). */
+TP_VECTOR_CLONES static float softmax_row(float *s, int64_t lo, int64_t hi, int64_t c0, int64_t c1,
+                                          const uint8_t *keep) {
   float mx = -INFINITY;
-  for (int64_t j = 0; j < n; j++)
+  for (int64_t j = lo; j < hi; j++)
     if (!keep || keep[j]) mx = s[j] > mx ? s[j] : mx;
   if (mx == -INFINITY) { /* no visible key */
-    memset(s, 0, (size_t)width * sizeof(float));
+    if (c1 > c0) memset(s + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     return -INFINITY;
   }
   double sum = 0.0;
-  for (int64_t j = 0; j < n; j++) {
+  for (int64_t j = lo; j < hi; j++) {
     float e = (!keep || keep[j]) ? fexp(s[j] - mx) : 0.0f;
     s[j] = e;
     sum += e;
   }
   float inv = (float)(1.0 / sum);
-  for (int64_t j = 0; j < n; j++) s[j] *= inv;
-  if (width > n) memset(s + n, 0, (size_t)(width - n) * sizeof(float));
+  for (int64_t j = lo; j < hi; j++) s[j] *= inv;
+  if (lo > c0) memset(s + c0, 0, (size_t)(lo - c0) * sizeof(float));
+  if (c1 > hi) memset(s + hi, 0, (size_t)(c1 - hi) * sizeof(float));
   return mx + (float)log(sum);
 }
 
@@ -87,6 +105,51 @@ typedef struct {
   int64_t slice; /* floats per chunk (0: none needed) */
 } attn_job;
 
+/* The rows of key positions [k0, k1) in k/v, as runs r < the count returned: positions
+ * k0 + off[r] .. + len[r] at rows row[r] on.  One run, or two where a ring wraps (the span
+ * is at most kv_ring, checked by the caller: window + Tq - 1 <= kv_ring). */
+static int key_runs(const tp_attention_args *a, int64_t k0, int64_t k1, int64_t off[2], int64_t row[2],
+                    int64_t len[2]) {
+  off[0] = 0, row[0] = a->kv_ring ? k0 % a->kv_ring : k0, len[0] = k1 - k0;
+  if (!a->kv_ring || row[0] + len[0] <= a->kv_ring) return 1;
+  len[0] = a->kv_ring - row[0];
+  off[1] = len[0], row[1] = 0, len[1] = k1 - k0 - len[0];
+  return 2;
+}
+
+/* One block of n query rows from i0 of query head h (Q, O, L at its rows; S: its Tk-wide
+ * rows of scores, the kept probs or scratch), over the keys of K, V. */
+static void forward_block(const tp_attention_args *a, int64_t b, int64_t i0, int64_t n, const float *Q, const float *K,
+                          const float *V, float *O, float *L, float *S, const uint8_t *keep) {
+  int64_t Tk = a->Tk, D = a->D, kmin, kmax, lo, hi, off[2], row[2], len[2];
+  key_range(a, b, i0, &kmin, &hi);
+  key_range(a, b, i0 + n - 1, &lo, &kmax);
+  if (kmax <= kmin) { /* no row of the block sees a key */
+    if (a->probs && Tk) memset(S, 0, (size_t)(n * Tk) * sizeof(float));
+    for (int64_t i = 0; i < n; i++) memset(O + (i0 + i) * a->o_ld, 0, (size_t)D * sizeof(float));
+    for (int64_t i = 0; L && i < n; i++) L[i0 + i] = -INFINITY;
+    return;
+  }
+  /* the column of key position kmin: its own position (kept probs: [B, Hq, Tq, Tk]), or 0
+   * in a ring, whose positions run past Tk (the span kmax - kmin <= kv_ring <= Tk) */
+  int64_t col0 = a->kv_ring ? 0 : kmin, w = kmax - kmin;
+  int runs = key_runs(a, kmin, kmax, off, row, len);
+  for (int r = 0; r < runs; r++)
+    gemm(0, 1, n, len[r], D, a->scale, Q + i0 * a->q_ld, a->q_ld, K + row[r] * a->kv_ld, a->kv_ld, 0.0f,
+         S + col0 + off[r], Tk);
+  for (int64_t i = 0; i < n; i++) {
+    float *si = S + i * Tk + col0;
+    if (a->softcap > 0.0f) cap_row(si, w, a->softcap);
+    key_range(a, b, i0 + i, &lo, &hi);
+    float l = softmax_row(si, lo - kmin, hi - kmin, a->probs ? -col0 : 0, a->probs ? Tk - col0 : w,
+                          keep ? keep + kmin : NULL);
+    if (L) L[i0 + i] = l;
+  }
+  for (int r = 0; r < runs; r++)
+    gemm(0, 0, n, D, len[r], 1.0f, S + col0 + off[r], Tk, V + row[r] * a->kv_ld, a->kv_ld, r ? 1.0f : 0.0f,
+         O + i0 * a->o_ld, a->o_ld);
+}
+
 /* Forward of the pairs (b, g) = items [lo, hi). */
 static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
   attn_job *job = ctx;
@@ -106,20 +169,8 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
       float *O = a->o + b * Tq * a->o_ld + h * D;
       float *L = a->lse ? a->lse + (b * a->Hq + h) * Tq : NULL;
       for (int64_t i0 = 0; i0 < Tq; i0 += QBLOCK) {
-        int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK, kmax = key_limit(a, b, i0 + n - 1);
-        float *Sb = S ? S + i0 * Tk : scratch;
-        if (kmax == 0) {
-          if (Sb && Tk) memset(Sb, 0, (size_t)(n * Tk) * sizeof(float));
-          for (int64_t i = 0; i < n; i++) memset(O + (i0 + i) * a->o_ld, 0, (size_t)D * sizeof(float));
-          for (int64_t i = 0; L && i < n; i++) L[i0 + i] = -INFINITY;
-          continue;
-        }
-        gemm(0, 1, n, kmax, D, a->scale, Q + i0 * a->q_ld, a->q_ld, K, a->kv_ld, 0.0f, Sb, Tk);
-        for (int64_t i = 0; i < n; i++) {
-          float l = softmax_row(Sb + i * Tk, key_limit(a, b, i0 + i), Tk, keep);
-          if (L) L[i0 + i] = l;
-        }
-        gemm(0, 0, n, D, kmax, 1.0f, Sb, Tk, V, a->kv_ld, 0.0f, O + i0 * a->o_ld, a->o_ld);
+        int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK;
+        forward_block(a, b, i0, n, Q, K, V, O, L, S ? S + i0 * Tk : scratch, keep);
       }
     }
   }
@@ -139,9 +190,11 @@ static int plan_items(const tp_attention_args *a) {
 }
 
 /* Floats of scratch one chunk needs: a block of QBLOCK rows of scores (forward without
- * probs) or of dP (backward; and of recomputed P in the lse mode). */
+ * probs) or of dP (backward; and of recomputed P in the lse mode, and of raw scores with
+ * softcap). */
 static int64_t slice_of(const tp_attention_args *a, int backward) {
-  if (backward) return (a->probs ? 1 : 2) * (int64_t)QBLOCK * (a->Tk > 0 ? a->Tk : 1);
+  if (backward) /* dP; P in the lse mode; the raw scores with softcap */
+    return (1 + !a->probs + (a->softcap > 0.0f)) * (int64_t)QBLOCK * (a->Tk > 0 ? a->Tk : 1);
   return !a->probs && a->Tq * a->Tk > 0 ? (int64_t)QBLOCK * a->Tk : 0;
 }
 
@@ -184,33 +237,91 @@ tp_status_t tp_cpu_attention_forward(tp_stream_t s, const tp_attention_args *a, 
   return run_items(&job, 0, workspace, workspace_bytes, forward_items);
 }
 
-TP_VECTOR_CLONES static void softmax_grad_row(float *dp, const float *p, int64_t n, float scale) {
+/* dS of a row from dP (in place) and P: P (dP - rowsum(dP P)) scale, times slope[j] (the
+ * cap's 1 - tanh^2; NULL: no cap). */
+TP_VECTOR_CLONES static void softmax_grad_row(float *dp, const float *p, const float *slope, int64_t n, float scale) {
   double dot = 0.0;
   for (int64_t j = 0; j < n; j++) dot += (double)dp[j] * p[j];
   float d = (float)dot;
-  for (int64_t j = 0; j < n; j++) dp[j] = p[j] * (dp[j] - d) * scale;
+  if (slope)
+    for (int64_t j = 0; j < n; j++) dp[j] = p[j] * (dp[j] - d) * scale * slope[j];
+  else
+    for (int64_t j = 0; j < n; j++) dp[j] = p[j] * (dp[j] - d) * scale;
 }
 
-/* A row of P from its scores s[0, kmax) and the row's lse: keys [0, n) visible unless
- * masked; the rest of [0, kmax) zero (the block GEMMs read kmax columns). */
-TP_VECTOR_CLONES static void recompute_row(float *s, int64_t n, int64_t kmax, const uint8_t *keep, float lse) {
-  if (lse == -INFINITY) n = 0; /* the row saw no key */
-  for (int64_t j = 0; j < n; j++) s[j] = (!keep || keep[j]) ? fexp(s[j] - lse) : 0.0f;
-  for (int64_t j = n; j < kmax; j++) s[j] = 0.0f;
+/* The cap of a row of raw scaled scores r[0, n): r becomes the slope 1 - tanh^2(r / cap), and
+ * capped (when not NULL) the capped scores cap tanh(r / cap). */
+TP_VECTOR_CLONES static void cap_slope_row(float *r, float *capped, int64_t n, float cap) {
+  float inv = 1.0f / cap;
+  if (capped)
+    for (int64_t j = 0; j < n; j++) {
+      float t = ftanh(r[j] * inv);
+      capped[j] = cap * t, r[j] = 1.0f - t * t;
+    }
+  else
+    for (int64_t j = 0; j < n; j++) {
+      float t = ftanh(r[j] * inv);
+      r[j] = 1.0f - t * t;
+    }
+}
+
+/* A row of P over w columns from its scores s (in place) and the row's lse: columns [lo, hi)
+ * visible unless masked, the rest zero (the block GEMMs read w columns). */
+TP_VECTOR_CLONES static void recompute_row(float *s, int64_t lo, int64_t hi, int64_t w, const uint8_t *keep,
+                                           float lse) {
+  if (lse == -INFINITY) lo = hi = 0; /* the row saw no key */
+  for (int64_t j = lo; j < hi; j++) s[j] = (!keep || keep[j]) ? fexp(s[j] - lse) : 0.0f;
+  for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
+  for (int64_t j = hi; j < w; j++) s[j] = 0.0f;
+}
+
+/* Backward of one block of n query rows from i0 of query head h (pointers at the head's
+ * first row / key; P: its kept probs or NULL; L: its lse), over scratch dP, Pw and Rw. */
+static void backward_block(const attn_job *job, int64_t b, int64_t i0, int64_t n, const float *Q, const float *K,
+                           const float *V, float *dQ, float *dK, float *dV, const float *dO, const float *P,
+                           const float *L, const uint8_t *keep, float *dP, float *Pw, float *Rw) {
+  const tp_attention_args *a = job->a;
+  int64_t Tk = a->Tk, D = a->D, kmin, kmax, lo, hi;
+  key_range(a, b, i0, &kmin, &hi);
+  key_range(a, b, i0 + n - 1, &lo, &kmax);
+  if (kmax <= kmin) {
+    for (int64_t i = 0; i < n; i++) memset(dQ + (i0 + i) * a->q_ld, 0, (size_t)D * sizeof(float));
+    return;
+  }
+  const int64_t w = kmax - kmin;
+  const float cap = a->softcap;
+  const float *Kb = K + kmin * a->kv_ld, *Vb = V + kmin * a->kv_ld, *Qb = Q + i0 * a->q_ld, *dOb = dO + i0 * a->o_ld;
+  float *dKb = dK + kmin * a->kv_ld, *dVb = dV + kmin * a->kv_ld;
+  const float *Pb = P ? P + i0 * Tk + kmin : Pw;
+  /* the raw scaled scores scale Q K^T: into Rw for the cap (then its slope there, the capped
+   * scores into Pw in the lse mode), else into Pw for the lse mode's P in place */
+  float *raw = cap > 0.0f ? Rw : Pw;
+  if (cap > 0.0f || !P) gemm(0, 1, n, w, D, a->scale, Qb, a->q_ld, Kb, a->kv_ld, 0.0f, raw, Tk);
+  for (int64_t i = 0; cap > 0.0f && i < n; i++) cap_slope_row(Rw + i * Tk, P ? NULL : Pw + i * Tk, w, cap);
+  if (!P) /* the lse mode: P = exp(S - lse) on the visible keys, 0 elsewhere */
+    for (int64_t i = 0; i < n; i++) {
+      key_range(a, b, i0 + i, &lo, &hi);
+      recompute_row(Pw + i * Tk, lo - kmin, hi - kmin, w, keep ? keep + kmin : NULL, L[i0 + i]);
+    }
+  gemm(0, 1, n, w, D, 1.0f, dOb, a->o_ld, Vb, a->kv_ld, 0.0f, dP, Tk);  /* dP = dO V^T  */
+  gemm(1, 0, w, D, n, 1.0f, Pb, Tk, dOb, a->o_ld, 1.0f, dVb, a->kv_ld); /* dV += P^T dO */
+  for (int64_t i = 0; i < n; i++)
+    softmax_grad_row(dP + i * Tk, Pb + i * Tk, cap > 0.0f ? Rw + i * Tk : NULL, w, a->scale);
+  gemm(0, 0, n, D, w, 1.0f, dP, Tk, Kb, a->kv_ld, 0.0f, dQ + i0 * a->q_ld, a->q_ld); /* dQ = dS K    */
+  gemm(1, 0, w, D, n, 1.0f, dP, Tk, Qb, a->q_ld, 1.0f, dKb, a->kv_ld);               /* dK += dS^T Q */
 }
 
 static void backward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
   attn_job *job = ctx;
   const tp_attention_args *a = job->a;
-  int64_t Tq = a->Tq, Tk = a->Tk, D = a->D;
-  float *dP = job->ws + (int64_t)chunk * job->slice, *Pw = dP + (int64_t)QBLOCK * (Tk > 0 ? Tk : 1);
-  const uint8_t *keep;
+  int64_t Tq = a->Tq, Tk = a->Tk, D = a->D, blk = (int64_t)QBLOCK * (Tk > 0 ? Tk : 1);
+  float *dP = job->ws + (int64_t)chunk * job->slice, *Pw = dP + blk, *Rw = dP + (a->probs ? 1 : 2) * blk;
   for (int64_t it = lo; it < hi; it++) {
     int64_t b = it / a->Hk, g = it % a->Hk, h0, h1;
     heads_of(a, g, &h0, &h1);
     const float *K = a->k + b * a->kv_bstride + g * D, *V = a->v + b * a->kv_bstride + g * D;
     float *dK = job->dk + b * a->kv_bstride + g * D, *dV = job->dv + b * a->kv_bstride + g * D;
-    keep = a->key_mask ? a->key_mask + b * Tk : NULL;
+    const uint8_t *keep = a->key_mask ? a->key_mask + b * Tk : NULL;
     for (int64_t j = 0; j < Tk; j++) { /* dK, dV of this KV head are sums over its query heads */
       memset(dK + j * a->kv_ld, 0, (size_t)D * sizeof(float));
       memset(dV + j * a->kv_ld, 0, (size_t)D * sizeof(float));
@@ -222,21 +333,8 @@ static void backward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
       const float *dO = job->dout + b * Tq * a->o_ld + h * D;
       float *dQ = job->dq + b * Tq * a->q_ld + h * D;
       for (int64_t i0 = 0; i0 < Tq; i0 += QBLOCK) {
-        int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK, kmax = key_limit(a, b, i0 + n - 1);
-        if (kmax == 0) {
-          for (int64_t i = 0; i < n; i++) memset(dQ + (i0 + i) * a->q_ld, 0, (size_t)D * sizeof(float));
-          continue;
-        }
-        const float *Pb = P ? P + i0 * Tk : Pw;
-        if (!P) { /* the lse mode: P = exp(scale Q K^T - lse) on the visible keys, 0 elsewhere */
-          gemm(0, 1, n, kmax, D, a->scale, Q + i0 * a->q_ld, a->q_ld, K, a->kv_ld, 0.0f, Pw, Tk);
-          for (int64_t i = 0; i < n; i++) recompute_row(Pw + i * Tk, key_limit(a, b, i0 + i), kmax, keep, L[i0 + i]);
-        }
-        gemm(0, 1, n, kmax, D, 1.0f, dO + i0 * a->o_ld, a->o_ld, V, a->kv_ld, 0.0f, dP, Tk);  /* dP = dO V^T  */
-        gemm(1, 0, kmax, D, n, 1.0f, Pb, Tk, dO + i0 * a->o_ld, a->o_ld, 1.0f, dV, a->kv_ld); /* dV += P^T dO */
-        for (int64_t i = 0; i < n; i++) softmax_grad_row(dP + i * Tk, Pb + i * Tk, kmax, a->scale);
-        gemm(0, 0, n, D, kmax, 1.0f, dP, Tk, K, a->kv_ld, 0.0f, dQ + i0 * a->q_ld, a->q_ld); /* dQ = dS K    */
-        gemm(1, 0, kmax, D, n, 1.0f, dP, Tk, Q + i0 * a->q_ld, a->q_ld, 1.0f, dK, a->kv_ld); /* dK += dS^T Q */
+        int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK;
+        backward_block(job, b, i0, n, Q, K, V, dQ, dK, dV, dO, P, L, keep, dP, Pw, Rw);
       }
     }
   }

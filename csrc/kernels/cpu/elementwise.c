@@ -87,13 +87,14 @@ tp_status_t tp_cpu_positions(tp_stream_t s, int64_t *pos, int64_t *klen, const i
 
 tp_status_t tp_cpu_kv_cache_write(tp_stream_t s, float *kcache, float *vcache, const float *k, const float *v,
                                   int64_t ld, const int64_t *pos0, const int64_t *slots, int64_t B, int64_t T,
-                                  int64_t max_len, int64_t width) {
+                                  int64_t max_len, int64_t width, int64_t ring) {
   (void)s;
   size_t nbytes = (size_t)width * sizeof(float);
   if (!nbytes) return TP_SUCCESS;
   for (int64_t b = 0; b < B; b++)
-    for (int64_t t = 0; t < T; t++) {
-      int64_t row = (b * T + t) * ld, at = ((slots ? slots[b] : b) * max_len + pos0[b] + t) * width;
+    for (int64_t t = ring > 0 && T > ring ? T - ring : 0; t < T; t++) { /* a ring: each row once, the last wins */
+      int64_t p = pos0[b] + t, r = ring > 0 ? p % ring : p;
+      int64_t row = (b * T + t) * ld, at = ((slots ? slots[b] : b) * max_len + r) * width;
       memcpy(kcache + at, k + row, nbytes);
       memcpy(vcache + at, v + row, nbytes);
     }

@@ -97,17 +97,19 @@ tp_status_t tp_cpu_rmsnorm_backward(tp_stream_t s, float *dx, float *dw, const f
 }
 
 tp_status_t tp_cpu_rope(tp_stream_t s, float *x, int64_t rows, int64_t ld, int64_t heads, int64_t D, const int64_t *pos,
-                        float theta, int inverse) {
+                        const float *inv_freq, float theta, float factor, int inverse) {
   (void)s;
   int64_t half = D / 2;
   for (int64_t m = 0; m < rows; m++) {
     float p = (float)pos[m];
     float *row = x + m * ld;
     for (int64_t i = 0; i < half; i++) {
-      /* Hugging Face: inv_freq = 1 / theta^(2i / D) in float32; angle = pos * inv_freq in float32 */
-      float inv_freq = (float)(1.0 / pow((double)theta, (double)(2 * i) / (double)D));
-      float ang = p * inv_freq;
-      float c = (float)cos((double)ang), s = (float)sin((double)ang);
+      /* Hugging Face: inv_freq = 1 / theta^(2i / D) in float32 (or the scaled table); angle =
+       * float32(pos) * inv_freq in float32; cos and sin in float32, then times the attention
+       * factor in float32 (x 1 changes nothing) */
+      float f = inv_freq ? inv_freq[i] : (float)(1.0 / pow((double)theta, (double)(2 * i) / (double)D));
+      float ang = p * f;
+      float c = (float)cos((double)ang) * factor, s = (float)sin((double)ang) * factor;
       if (inverse) s = -s;
       for (int64_t h = 0; h < heads; h++) {
         float *v = row + h * D;

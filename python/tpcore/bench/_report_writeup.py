@@ -48,7 +48,7 @@ def _prefill_flops(data: dict) -> float:
     c, B, T = data["config"], data["batch"], data["prompt"]
     C, L, F, H, Hk, D, V = (c["hidden"], c["layers"], c["ffn_hidden"], c["heads"], c["kv_heads"], c["head_dim"],
                             c["vocab_size"])
-    mlp = C * F * (3 if c["activation"] == "swiglu" else 2)
+    mlp = C * F * (3 if c["activation"] in ("swiglu", "geglu") else 2)
     per_tok = L * (C * (H + 2 * Hk) * D + H * D * C + mlp)
     attn = L * 2 * H * D * T * (T + 1) / 2 * 2  # causal QK^T and PV
     return 2.0 * per_tok * B * T + B * attn + 2.0 * C * V * B  # + the head on the last rows
@@ -262,6 +262,26 @@ def _md_speed(data: dict) -> List[str]:
     return w
 
 
+def _md_parity(data: dict) -> List[str]:
+    """Same results at every world size: the parity numbers of tpcore.bench parity, this run's model."""
+    par, rows = data.get("parity"), data["worlds"]
+    if not par or "parity" not in rows[0]:
+        return []
+    w = ["\n## Same results at every world size\n\n",
+         f"Teacher forcing over {par['tokens']} tokens ({par['source']}) in windows of {par['window']}; "
+         "KL(world 1 || world n) of the next-token distributions in nats (float64 log-softmax); agreement: the "
+         "fraction of positions whose most likely next token is world 1's; diverges at: the first generated token "
+         "(of the generate measurement above) that differs from world 1's. `python -m tpcore.bench parity` adds "
+         "transformers' numbers.\n\n"]
+    body = [[r["n"], f"{r['parity']['ppl']:.6g}", f"{r['parity']['kl_mean']:.2e}", f"{r['parity']['kl_max']:.2e}",
+             f"{r['parity']['agree']:.4f}",
+             "-" if r["parity"]["diverges_at"] is None else r["parity"]["diverges_at"],
+             f"{r['parity']['ms_per_token']:.3f}"] for r in rows]
+    w.append(_table(["ranks", "perplexity", "KL mean vs 1 rank", "KL max vs 1 rank", "greedy agreement",
+                     "greedy diverges at", "ms/token (teacher forcing)"], body))
+    return w
+
+
 def _md_memory(data: dict) -> List[str]:
     """Memory per rank: parameters, KV cache, resident memory, the load's peak."""
     rows = data["worlds"]
@@ -379,7 +399,7 @@ def _md_link(data: dict) -> List[str]:
 def markdown(data: dict, plots: List[str]) -> str:
     """The report as Markdown: data as run() gathered it, plots the PNG files' names."""
     rows = data["worlds"]
-    w = _md_intro(data) + _md_limits(data["limits"]) + _md_speed(data) + _md_memory(data)
+    w = _md_intro(data) + _md_limits(data["limits"]) + _md_speed(data) + _md_parity(data) + _md_memory(data)
     w += _md_collectives(rows) + _md_link(data)
     if any(r.get("serve") for r in rows):
         w.append("\n## Concurrent requests (continuous batching)\n\n")

@@ -216,9 +216,9 @@ def _torch_peer(cfg_dict, sd, prompts, new, threads):
         return F.layer_norm(x, (x.shape[-1],), w, b, c.eps)
 
     def act(h):
-        if c.activation == "swiglu":
+        if c.activation in ("swiglu", "geglu"):
             g, u = h.chunk(2, -1)
-            return F.silu(g) * u
+            return (F.silu(g) if c.activation == "swiglu" else F.gelu(g, approximate="tanh")) * u
         return {"gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "silu": F.silu,
                 "relu": F.relu}[c.activation](h)
 

@@ -20,6 +20,8 @@ every rank of one tpcore.spawn:
                and the same collectives in the collectives benchmark at the same message sizes
                (registered memory, as the layers use): the link bandwidth the model achieved
                against what the link gives
+  parity       the perplexity of a text (teacher forcing), KL(world 1 || world n) of its next-token
+               distributions, mean and max, and the greedy agreement (tpcore.bench parity's numbers)
   memory       per rank: parameter bytes, KV-cache bytes, peak resident memory (VmHWM)
   serving      tpcore.serve.Engine (continuous batching) at each --concurrency: throughput over
                all requests, TTFT and per-token latency p50/p99
@@ -42,6 +44,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 from typing import Dict, List, Optional
@@ -275,6 +279,11 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
     t_end = time.perf_counter()
     s_end = comm.stats()
     model._on_token = None
+    par = spec.get("parity")
+    if par:  # the same text's teacher-forced logits at every world size (tpcore.bench parity)
+        from tpcore.bench.parity import world_logits
+        path = os.path.join(par["dir"], f"world{n}.npy") if comm.rank == 0 else None
+        parity_s = world_logits(model, par["ids"], par["window"], path)
     prefill_s, ttft_s = clock[0] - t0, clock[1] - t0
     steps = np.diff(clock[1:]).tolist()  # one decode step per new token after the first
     result = {"rank": comm.rank, "n": n, "prefill_s": prefill_s, "ttft_s": ttft_s, "steps_s": steps,
@@ -285,6 +294,8 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
               "memory": memory_and_estimate(model, B, T + new, T),
               "tokens": np.asarray(out)[:, T:].tolist(), "threads": tpcore.get_num_threads(),
               "config": dict(vars(cfg))}
+    if par:
+        result["parity_s"] = parity_s
     # the same collectives in the collectives benchmark, at the model's message sizes
     if n > 1:
         C, V = cfg.hidden, cfg.vocab_size
@@ -342,6 +353,8 @@ def _world_row(res: List[dict], B: int, T: int, new: int) -> dict:
            "load_staging_bytes": res[0].get("load_staging_bytes", 0),
            "checkpoint_bytes": res[0].get("checkpoint_bytes", 0),
            "same_tokens_across_ranks": all(r["tokens"] == res[0]["tokens"] for r in res)}
+    if "parity_s" in res[0]:
+        row["parity_s"] = max(r["parity_s"] for r in res)
     row["prefill_tok_s"] = B * T / row["prefill_s"]
     row["decode_tok_s"] = B * (new - 1) / dec if new > 1 and dec > 0 else float("nan")
     # collectives per layer kind: the slowest rank's seconds (waiting included), rank 0's bytes
@@ -425,17 +438,25 @@ def run(args) -> int:
     prompts = np.random.default_rng(0).integers(0, vocab, (B, T)).astype(np.int64)
     max_len = cfg.max_positions if cfg is not None else 1024
     serve_reqs = _serve_requests(vocab, conc, args.requests, quick, max_len) if args.serve else {}
+    from tpcore.bench import parity
+    pids, pwin, psource = parity.report_tokens(args.checkpoint, cfg or parity.checkpoint_config(args.checkpoint),
+                                               quick)
+    pdir = tempfile.mkdtemp(prefix="tpcore-report-parity-")
     spec = {"config": cfgd, "checkpoint": args.checkpoint, "device": args.device, "new": new, "quick": quick,
-            "progress": args.progress}
+            "progress": args.progress, "parity": {"ids": pids, "window": pwin, "dir": pdir}}
     backend = "nccl" if args.device == "cuda" else "shm"
     rows = []
     t_all = time.perf_counter()
-    for i, n in enumerate(worlds):
-        progress.status(f"[report] world {n} ({i + 1}/{len(worlds)})", important=True)
-        res = tpcore.spawn(_rank, n, args=(spec, prompts, serve_reqs), backend=backend, deadline=args.timeout)
-        rows.append(_world_row(res, B, T, new))
-        if cfg is None:
-            cfg = tpcore.Config(**{k: v for k, v in res[0]["config"].items()})
+    try:
+        for i, n in enumerate(worlds):
+            progress.status(f"[report] world {n} ({i + 1}/{len(worlds)})", important=True)
+            res = tpcore.spawn(_rank, n, args=(spec, prompts, serve_reqs), backend=backend, deadline=args.timeout)
+            rows.append(_world_row(res, B, T, new))
+            if cfg is None:
+                cfg = tpcore.Config(**{k: v for k, v in res[0]["config"].items()})
+        parity.report_rows(rows, pids, pdir)
+    finally:
+        shutil.rmtree(pdir, ignore_errors=True)
     het = None
     if hetero:
         progress.status("[report] mismatched devices (tpcore.bench hetero)", important=True)
@@ -461,6 +482,7 @@ def run(args) -> int:
     data = {"tpcore": tpcore.__version__, "env": env, "model": model_name, "config": dict(vars(cfg)),
             "batch": B, "prompt": T, "new": new, "device": args.device, "limits": limits, "worlds": rows,
             "concurrency": conc, "hetero": het, "llama_cpp": llama,
+            "parity": {"tokens": int(pids.size), "window": pwin, "source": psource},
             "openblas": {k: os.environ.get(k, "unset") for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}}
     data["advice"] = advice(data)
     plots = _plots(args.out, data) if args.plots else []

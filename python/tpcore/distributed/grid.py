@@ -1,19 +1,30 @@
-"""Process grids: tensor x pipeline x data parallel groups over one communicator.
+"""Process grids: tensor x expert x data x pipeline parallel groups over one communicator.
 
     grid = tpcore.ProcessGrid(comm, tp=2, pp=1, dp=2)
     model = tpcore.models.TransformerLM(cfg, grid.tp)          # split over the TP group
     ...; model.backward(); grid.average_gradients(model)        # DP: mean over the replicas
     opt.step()
 
-Rank layout (Megatron's default order, tp-dp-pp): TP innermost, then DP, then PP:
+Rank layout (Megatron-Core's default order tp-ep-dp-pp, with ep carved out of the data
+parallelism of the dense layers): TP innermost, then EP, then DP, then PP:
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (ep_rank + ep * (dp_rank + dp * pp_rank))
 
 so the ranks of a TP group are consecutive (the ones that talk every layer share a host
-when the launcher fills hosts in rank order), the replicas of a DP group are tp apart,
-and the stages of a PP group tp x dp apart.  grid.tp, grid.pp and grid.dp are the
-sub-communicators (tpcore.Comm, each made by one split); grid.coords(r) gives a rank's
-(tp, pp, dp) coordinates, grid.rank_of(tp=, pp=, dp=) the inverse.
+when the launcher fills hosts in rank order), the ranks of an EP group tp apart, the
+replicas of a DP group tp x ep apart and the stages of a PP group tp x ep x dp apart.
+With ep = 1 (the default) this is the tp-dp-pp layout of before.
+
+The expert-parallel ranks hold different experts and process different tokens: for the
+dense layers (attention, embeddings, norms, routers) they are data-parallel replicas too,
+so the dense parameters' data-parallel group is ep x dp (`grid.ep_dp`, Megatron's dp),
+while an expert's replicas are the dp ranks of the same ep rank (`grid.dp`, Megatron's
+expert-data-parallel group).  `average_gradients` averages each over its group.
+
+grid.tp, grid.ep, grid.pp and grid.dp are the sub-communicators (tpcore.Comm, each made by
+one split; grid.ep_dp too when ep > 1, else it is grid.dp); grid.coords(r) gives a rank's
+(tp, pp, dp) coordinates, grid.coordinates(r) all four, grid.rank_of(tp=, pp=, dp=, ep=)
+the inverse.
 """
 from __future__ import annotations
 
@@ -29,27 +40,33 @@ __all__ = ["ProcessGrid", "average_gradients"]
 
 
 class ProcessGrid:
-    """TP x PP x DP groups over comm (Megatron's layout: tp fastest, then dp, then pp).
+    """TP x EP x DP x PP groups over comm (Megatron's layout: tp fastest, then ep, dp, pp).
 
     Parameters
     ----------
     comm : Comm
-        The ranks to arrange; comm.size must be tp * pp * dp.
+        The ranks to arrange; comm.size must be tp * ep * pp * dp.
     tp : int, default 1
         Tensor-parallel group size.
     pp : int, default 1
         Pipeline stages.
     dp : int, optional
-        Data-parallel replicas.  Default None: comm.size // (tp * pp).
+        Data-parallel replicas (of the experts; the dense layers have ep x dp).  Default
+        None: comm.size // (tp * ep * pp).
+    ep : int, default 1
+        Expert-parallel group size (`tpcore.nn.MoE` over grid.ep).
 
     Attributes
     ----------
-    tp, pp, dp : Comm
-        This rank's tensor-, pipeline- and data-parallel communicators.
-    tp_rank, pp_rank, dp_rank : int
+    tp, ep, pp, dp : Comm
+        This rank's tensor-, expert-, pipeline- and data-parallel communicators.
+    ep_dp : Comm
+        The dense layers' data-parallel group: the ep x dp ranks of this rank's (tp, pp)
+        (grid.dp itself when ep = 1).
+    tp_rank, ep_rank, pp_rank, dp_rank : int
         This rank's coordinates.
     sizes : dict
-        {"tp": tp, "pp": pp, "dp": dp}.
+        {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.
 
     Raises
     ------
@@ -62,36 +79,42 @@ class ProcessGrid:
     Notes
     -----
     Collective: every rank of comm makes it with the same sizes (an all-gather checks
-    them), then three splits.
+    them), then four splits (five when ep > 1).
     """
 
-    def __init__(self, comm: Comm, tp: int = 1, pp: int = 1, dp: Optional[int] = None) -> None:
+    def __init__(self, comm: Comm, tp: int = 1, pp: int = 1, dp: Optional[int] = None, ep: int = 1) -> None:
         if not isinstance(comm, Comm):
             raise TypeError(f"ProcessGrid: comm must be a tpcore.Comm, got {shown(comm)}")
         tp = int_arg(tp, "ProcessGrid", "tp", lo=1)
         pp = int_arg(pp, "ProcessGrid", "pp", lo=1)
+        ep = int_arg(ep, "ProcessGrid", "ep", lo=1)
         if dp is None:
-            if comm.size % (tp * pp):
-                raise ValueError(f"ProcessGrid: tp x pp = {tp} x {pp} does not divide the world size {comm.size}")
-            dp = comm.size // (tp * pp)
+            if comm.size % (tp * pp * ep):
+                what = f"tp x pp = {tp} x {pp}" if ep == 1 else f"tp x pp x ep = {tp} x {pp} x {ep}"
+                raise ValueError(f"ProcessGrid: {what} does not divide the world size {comm.size}")
+            dp = comm.size // (tp * pp * ep)
         dp = int_arg(dp, "ProcessGrid", "dp", lo=1)
-        if tp * pp * dp != comm.size:
-            raise ValueError(f"ProcessGrid: tp x pp x dp = {tp} x {pp} x {dp} = {tp * pp * dp}, but the communicator "
-                             f"has {comm.size} ranks")
+        if tp * pp * dp * ep != comm.size:
+            what = f"tp x pp x dp = {tp} x {pp} x {dp}" if ep == 1 else \
+                f"tp x pp x dp x ep = {tp} x {pp} x {dp} x {ep}"
+            raise ValueError(f"ProcessGrid: {what} = {tp * pp * dp * ep}, but the communicator has {comm.size} ranks")
         # every rank must have asked for the same grid: a mismatch would pair the wrong ranks
-        mine = np.array([tp, pp, dp], np.int64)
-        every = comm.all_gather(mine.reshape(1, 3))
+        mine = np.array([tp, pp, dp, ep], np.int64)
+        every = comm.all_gather(mine.reshape(1, 4))
         if not (every == mine).all():
-            raise ValueError(f"ProcessGrid: the ranks asked for different grids (tp, pp, dp per rank: "
+            raise ValueError(f"ProcessGrid: the ranks asked for different grids (tp, pp, dp, ep per rank: "
                              f"{every.tolist()}); pass the same sizes everywhere")
         self.comm = comm
-        self.sizes: Dict[str, int] = {"tp": tp, "pp": pp, "dp": dp}
-        t, p, d = self.coords(comm.rank)
-        self.tp_rank, self.pp_rank, self.dp_rank = t, p, d
-        # one split per group: the color names the group (the other two coordinates), the key orders it
-        self.tp: Comm = _member(comm.split(p * dp + d, t))
-        self.dp: Comm = _member(comm.split(p * tp + t, d))
-        self.pp: Comm = _member(comm.split(d * tp + t, p))
+        self.sizes: Dict[str, int] = {"tp": tp, "pp": pp, "dp": dp, "ep": ep}
+        c = self.coordinates(comm.rank)
+        t, p, d, e = c["tp"], c["pp"], c["dp"], c["ep"]
+        self.tp_rank, self.pp_rank, self.dp_rank, self.ep_rank = t, p, d, e
+        # one split per group: the color names the group (its lowest rank), the key orders it
+        self.tp: Comm = _member(comm.split(self.rank_of(0, p, d, e), t))
+        self.dp: Comm = _member(comm.split(self.rank_of(t, p, 0, e), d))
+        self.pp: Comm = _member(comm.split(self.rank_of(t, 0, d, e), p))
+        self.ep: Comm = _member(comm.split(self.rank_of(t, p, d, 0), e))
+        self.ep_dp: Comm = self.dp if ep == 1 else _member(comm.split(self.rank_of(t, p, 0, 0), d * ep + e))
 
     def coords(self, rank: int) -> Tuple[int, int, int]:
         """(tp, pp, dp) coordinates of a rank of the grid's communicator.
@@ -105,16 +128,31 @@ class ProcessGrid:
         -------
         (int, int, int)
         """
-        rank = int_arg(rank, "ProcessGrid.coords", "rank", lo=0, hi=self.comm.size - 1)
-        tp, dp = self.sizes["tp"], self.sizes["dp"]
-        return rank % tp, rank // (tp * dp), (rank // tp) % dp
+        c = self.coordinates(rank)
+        return c["tp"], c["pp"], c["dp"]
 
-    def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
-        """The rank of the grid's communicator at (tp, pp, dp).
+    def coordinates(self, rank: int) -> Dict[str, int]:
+        """{"tp", "ep", "dp", "pp"} coordinates of a rank of the grid's communicator.
 
         Parameters
         ----------
-        tp, pp, dp : int, default 0
+        rank : int
+            0 <= rank < comm.size.
+
+        Returns
+        -------
+        dict of str to int
+        """
+        rank = int_arg(rank, "ProcessGrid.coords", "rank", lo=0, hi=self.comm.size - 1)
+        tp, ep, dp = self.sizes["tp"], self.sizes["ep"], self.sizes["dp"]
+        return {"tp": rank % tp, "ep": (rank // tp) % ep, "dp": (rank // (tp * ep)) % dp, "pp": rank // (tp * ep * dp)}
+
+    def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, ep: int = 0) -> int:
+        """The rank of the grid's communicator at (tp, pp, dp, ep).
+
+        Parameters
+        ----------
+        tp, pp, dp, ep : int, default 0
             Coordinates within the sizes.
 
         Returns
@@ -124,10 +162,16 @@ class ProcessGrid:
         t = int_arg(tp, "ProcessGrid.rank_of", "tp", lo=0, hi=self.sizes["tp"] - 1)
         p = int_arg(pp, "ProcessGrid.rank_of", "pp", lo=0, hi=self.sizes["pp"] - 1)
         d = int_arg(dp, "ProcessGrid.rank_of", "dp", lo=0, hi=self.sizes["dp"] - 1)
-        return t + self.sizes["tp"] * (d + self.sizes["dp"] * p)
+        e = int_arg(ep, "ProcessGrid.rank_of", "ep", lo=0, hi=self.sizes["ep"] - 1)
+        return t + self.sizes["tp"] * (e + self.sizes["ep"] * (d + self.sizes["dp"] * p))
 
     def average_gradients(self, params: Any, bucket_bytes: int = 1 << 22) -> int:
         """Every gradient of params averaged over the DP group (`tpcore.average_gradients`).
+
+        With ep > 1 the expert-parallel ranks ran different tokens: the dense gradients are
+        averaged over grid.ep_dp, and each expert's (the pairs of ``expert_parameters()`` of
+        the modules, their ``blocks`` and their blocks' ``moe``) over grid.dp and divided by
+        ep (an expert's gradient already sums the tokens of its whole EP group).
 
         Parameters
         ----------
@@ -142,25 +186,64 @@ class ProcessGrid:
 
         Notes
         -----
-        Collective over the DP group.
+        Collective over the DP group (ep > 1: over ep_dp, then over dp).
         """
-        return average_gradients(params, self.dp, bucket_bytes)
+        ep = self.sizes["ep"]
+        if ep == 1:
+            return average_gradients(params, self.dp, bucket_bytes)
+        experts = {id(g) for _, g in _expert_pairs(params)}
+        pairs = [(p, g) for p, g in _pairs(params)]
+        calls = average_gradients([pg for pg in pairs if id(pg[1]) not in experts], self.ep_dp, bucket_bytes)
+        mine = [pg for pg in pairs if id(pg[1]) in experts]
+        calls += average_gradients(mine, self.dp, bucket_bytes)
+        for _, g in mine:
+            g *= 1.0 / ep
+        return calls
 
     def close(self) -> None:
         """Release the sub-communicators (the grid's comm stays open)."""
-        for c in (self.tp, self.pp, self.dp):
+        for c in (self.tp, self.pp, self.dp, self.ep) + ((self.ep_dp,) if self.ep_dp is not self.dp else ()):
             c.close()
 
     def __repr__(self) -> str:
         s = self.sizes
-        return (f"ProcessGrid(tp={s['tp']}, pp={s['pp']}, dp={s['dp']}; rank {self.comm.rank} at tp {self.tp_rank}, "
-                f"pp {self.pp_rank}, dp {self.dp_rank})")
+        ep = f", ep={s['ep']}" if s["ep"] > 1 else ""
+        at = f", ep {self.ep_rank}" if s["ep"] > 1 else ""
+        return (f"ProcessGrid(tp={s['tp']}, pp={s['pp']}, dp={s['dp']}{ep}; rank {self.comm.rank} at tp "
+                f"{self.tp_rank}, pp {self.pp_rank}, dp {self.dp_rank}{at})")
 
 
 def _member(c: Optional[Comm]) -> Comm:
     """A split's communicator (every rank passes a color, so there always is one)."""
     assert c is not None
     return c
+
+
+def _pairs(params):
+    """The (param, grad) pairs of a module, a list of modules or pairs, in order."""
+    if hasattr(params, "parameters"):
+        params = [params]
+    out = []
+    for p in params:
+        if hasattr(p, "parameters"):
+            out.extend(_pairs(p.parameters()))
+        elif isinstance(p, (tuple, list)) and len(p) == 2:
+            out.append((p[0], p[1]))
+        else:
+            raise TypeError(f"average_gradients: params must be modules or (param, grad) pairs, got {shown(p)}")
+    return out
+
+
+def _expert_pairs(params):
+    """The pairs of the experts of a module (expert_parameters()), of its blocks and their .moe."""
+    mods = [params] if hasattr(params, "parameters") else [p for p in params if hasattr(p, "parameters")]
+    out = []
+    for m in mods:
+        for sub in [m] + list(getattr(m, "blocks", [])):
+            sub = sub if hasattr(sub, "expert_parameters") else getattr(sub, "moe", None)
+            if sub is not None and hasattr(sub, "expert_parameters"):
+                out.extend(sub.expert_parameters())
+    return out
 
 
 def _grads(params):

@@ -240,6 +240,21 @@ def read_own_config(p: str, cls, choices: Dict[str, tuple]):
             kw[k] = f.str(k, choices=choices[k])
         elif k == "model_type":
             kw[k] = f.str(k)
+        elif k in ("experts", "experts_per_token"):
+            kw[k] = f.int(k, lo=0)
+        elif k == "router_aux_loss_coef":
+            kw[k] = f.num(k, positive=False)
+        elif k in ("attn_scale", "attn_softcap", "final_softcap", "embed_scale", "rope_local_theta"):
+            kw[k] = None if d[k] is None else f.num(k)
+        elif k in ("qkv_bias", "out_bias", "mlp_bias"):
+            kw[k] = None if d[k] is None else f.bool(k)
+        elif k == "rope_scaling":
+            kw[k] = f.obj(k) or None
+        elif k == "layer_types":
+            v = d[k]
+            if v is not None and not (isinstance(v, list) and all(isinstance(t, str) for t in v)):
+                raise f.fail(k, "a list of layer types or null", type_name(v))
+            kw[k] = None if v is None else tuple(v)
         else:
             kw[k] = f.bool(k)
     try:

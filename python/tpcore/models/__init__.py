@@ -3,6 +3,8 @@
 - `lm`: `TransformerLM` (GPT-2, Llama, BERT shapes over `tpcore.nn` blocks): construction,
   forward / backward, parameters, memory, and the stage interface a pipeline schedule
   drives (`tpcore.parallel.pipeline`).
+- `moe_block`: `MoEBlock`, the Mixtral decoder layer (attention, norms, `tpcore.nn.moe.MoE`);
+  its `build_blocks` makes TransformerLM's blocks (MoE ones when config.experts > 0).
 - `norm`: the replicated norms outside the blocks and where the model's own arrays live.
 - `generate`: generation (`TransformerLM.generate`; prompt and eos checks, sampling, the
   KV-cache decode loop).
@@ -16,7 +18,7 @@
 - `gguf`: GGUF metadata and tensors to a `Config`, quantized weights kept; the tokenizer.
 - `memory`: `estimate_memory`, per-rank bytes before anything is allocated.
 
-Inside, one way: loader and convert import lm; lm imports generate, state, memory, norm;
+Inside, one way: loader and convert import lm; lm imports generate, state, memory, norm, moe_block;
 those import norm, hf, gguf at most; nothing imports back up.
 
 Imports: tpcore.utils, tpcore.distributed, tpcore.io, tpcore.nn.

@@ -14,7 +14,9 @@ tensor is handed out as a lazy view whose indexing reads and dequantizes only th
 selected rows (and, for a column slice, only the quantization blocks that cover it),
 so a rank loading its shard touches only its part of the file.
 
-Architectures: Llama (and Mistral converted as Llama; SmolLM2, TinyLlama...) and GPT-2.
+Architectures: llama (Llama 1-3, Mistral, Mixtral, SmolLM2, TinyLlama...), qwen2, qwen3,
+qwen3moe, gemma2, gemma3, phi3 and gpt2: `tpcore.models.gguf_arch` reads each one's
+metadata and names its tensors.
 llama.cpp's converter reorders the rows of attn_q / attn_k within every head (Hugging
 Face's rotate-half RoPE pairs dimension i with i + D/2; llama.cpp's rotates adjacent
 pairs 2i, 2i+1), and tpcore computes RoPE as Hugging Face does, so those rows are put
@@ -37,12 +39,12 @@ import numpy as np
 from tpcore.io.formats import HF_CONFIG, OWN_CONFIG, CheckpointError, bad
 from tpcore.io.formats import split_row_index
 from tpcore.nn.config import Config
+from tpcore.models.gguf_arch import ARCHS, PERMUTED, Meta as _Meta, config_kwargs, layout
 
 __all__ = ["read_gguf", "GGUFModel", "LazyTensor", "QuantRows", "tokenizer", "unpermute_rows", "part_of", "is_gguf",
            "CheckpointError"]
 
 _MAGIC = b"GGUF"
-_MISSING = object()
 # GGUF tensor types this module hands out.  The quantized ones are those tpcore.quant
 # stores as they are (QuantTensor formats); the float ones are converted to float32.
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -112,17 +114,21 @@ class _Part:
     """One GGUF tensor's rows as raw bytes, shape (rows, row_bytes) (a 1-D tensor: one row),
     read from the file with pread on demand (never through a memory map, so a load keeps
     no file pages resident); perm (optional): the tensor's row i is the file's
-    row perm[i]."""
+    row perm[i]; expert (optional): the matrix `expert` of a 3-D tensor (E, rows, cols)."""
 
-    def __init__(self, path: str, t, perm: Optional[np.ndarray] = None):
+    def __init__(self, path: str, t, perm: Optional[np.ndarray] = None, expert: Optional[int] = None):
         self.path, self.name = path, t.name
         self.type_name = t.type
         self.block, self.type_size = t.block, t.type_size
-        self.shape = shape = t.shape                          # outermost first: (rows, cols)
+        shape, self.offset, nbytes = t.shape, t.offset, t.nbytes   # outermost first: (rows, cols)
+        if expert is not None:           # one matrix of a 3-D tensor (the experts stacked, (E, rows, cols))
+            nbytes //= shape[0]
+            self.offset += expert * nbytes
+            shape = shape[1:]
+        self.shape = shape
         self.n = shape[0] if len(shape) == 2 else 1
         self.cols = shape[-1]
-        self.offset = t.offset
-        self.row_bytes = t.nbytes // self.n
+        self.row_bytes = nbytes // self.n if len(shape) <= 2 else nbytes
         self.perm = perm
 
     def _bytes(self, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -262,7 +268,7 @@ class QuantRows:
 
 # tpcore's model parts (TransformerLM's dtype keys) by tensor
 _PART = {"attn.q": "qkv", "attn.k": "qkv", "attn.v": "qkv", "attn.out": "out", "mlp.fc1": "fc1", "mlp.fc2": "fc2"}
-_PART_RE = re.compile(r"blocks\.\d+\.(attn\.[qkv]|attn\.out|mlp\.fc[12])\.weight$")
+_PART_RE = re.compile(r"blocks\.\d+\.(attn\.[qkv]|attn\.out|mlp\.fc[12]|moe\.experts\.\d+\.fc[12])\.weight$")
 # the storage that holds a part whose tensors come in several formats (a "K_M" mix): the
 # most bits per weight among them
 _WIDTH = ("q4_0", "q4_k", "q4_1", "q5_k", "q6_k", "q8_0", "bfloat16", "float16", "float32")
@@ -277,191 +283,10 @@ def part_of(name: str) -> Optional[str]:
     if name == "lm_head.weight":
         return "head"
     m = _PART_RE.match(name)
-    return _PART[m.group(1)] if m else None
+    return _PART[re.sub(r"moe\.experts\.\d+", "mlp", m.group(1))] if m else None
 
 
-# The metadata --------------------------------------------------------------------------
-_INTS = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64")
-_ARCHS = ("llama", "mistral", "gpt2")
-
-
-class _Meta:
-    """Typed access to a GGUF file's key/value fields (`tpcore.io.gguf.Field`); a missing or
-    mistyped key is a CheckpointError naming the file and the key."""
-
-    def __init__(self, path: str, fields):
-        self.path, self.fields = path, fields
-
-    def _field(self, key, default):
-        f = self.fields.get(key)
-        if f is None:
-            if default is _MISSING:
-                raise bad(self.path, f"metadata key {key!r}", "the key (GGUF metadata)", "no such key in the file")
-            return None
-        return f
-
-    def _kind(self, f):
-        return list(f.kinds)
-
-    def int(self, key, default=_MISSING, lo: int = 1):
-        f = self._field(key, default)
-        if f is None:
-            return default
-        kinds = self._kind(f)
-        if len(kinds) != 1 or kinds[0] not in _INTS:
-            raise bad(self.path, f"metadata key {key!r}", "an integer", f"a value of type {'/'.join(kinds)}")
-        v = int(f.contents())
-        if v < lo or v > 2 ** 31 - 1:
-            raise bad(self.path, f"metadata key {key!r}", f"an integer in [{lo}, 2**31)", v)
-        return v
-
-    def num(self, key, default=_MISSING, positive: bool = True):
-        f = self._field(key, default)
-        if f is None:
-            return default
-        kinds = self._kind(f)
-        if len(kinds) != 1 or kinds[0] not in _INTS + ("FLOAT32", "FLOAT64"):
-            raise bad(self.path, f"metadata key {key!r}", "a number", f"a value of type {'/'.join(kinds)}")
-        v = float(f.contents())
-        if not np.isfinite(v) or v < 0 or (positive and v == 0):
-            raise bad(self.path, f"metadata key {key!r}", "a finite number > 0" if positive else "a finite number >= 0",
-                      v)
-        return v
-
-    def str(self, key, default=_MISSING):
-        f = self._field(key, default)
-        if f is None:
-            return default
-        if self._kind(f) != ["STRING"]:
-            raise bad(self.path, f"metadata key {key!r}", "a string", f"a value of type {'/'.join(self._kind(f))}")
-        try:
-            return f.contents()
-        except UnicodeDecodeError as e:
-            raise bad(self.path, f"metadata key {key!r}", "a UTF-8 string", "invalid UTF-8") from e
-
-    def bool(self, key, default=_MISSING):
-        f = self._field(key, default)
-        if f is None:
-            return default
-        if self._kind(f) != ["BOOL"]:
-            raise bad(self.path, f"metadata key {key!r}", "a boolean", f"a value of type {'/'.join(self._kind(f))}")
-        return bool(f.contents())
-
-    def strings(self, key, default=_MISSING):
-        f = self._field(key, default)
-        if f is None:
-            return default
-        if self._kind(f) != ["ARRAY", "STRING"]:
-            raise bad(self.path, f"metadata key {key!r}", "an array of strings",
-                      f"a value of type {'/'.join(self._kind(f))}")
-        try:
-            return f.contents()
-        except UnicodeDecodeError as e:
-            raise bad(self.path, f"metadata key {key!r}", "UTF-8 strings", "invalid UTF-8") from e
-
-    def ints(self, key, default=_MISSING):
-        f = self._field(key, default)
-        if f is None:
-            return default
-        kinds = self._kind(f)
-        if len(kinds) != 2 or kinds[0] != "ARRAY" or kinds[1] not in _INTS:
-            raise bad(self.path, f"metadata key {key!r}", "an array of integers", f"a value of type {'/'.join(kinds)}")
-        return [int(x) for x in f.contents()]
-
-
-def _config(m: _Meta, arch: str, n_tokens: Optional[int]) -> Dict[str, Any]:
-    """The Config fields the metadata describes (tie_embeddings aside: the tensors say)."""
-    a = arch
-    if m.int(f"{a}.expert_count", 0, lo=0):
-        raise bad(m.path, f"metadata key '{a}.expert_count'", "0 (mixture-of-experts models are not supported)",
-                  m.int(f"{a}.expert_count", 0, lo=0))
-    C = m.int(f"{a}.embedding_length")
-    H = m.int(f"{a}.attention.head_count")
-    kw: Dict[str, Any] = {}
-    vocab = m.int(f"{a}.vocab_size", None)
-    if vocab is None:
-        if n_tokens is None:
-            raise bad(m.path, f"metadata key '{a}.vocab_size'", "the vocabulary size (or tokenizer.ggml.tokens)",
-                      "neither key in the file")
-        vocab = n_tokens
-    if a == "gpt2":
-        if C % H:
-            raise bad(m.path, f"metadata key '{a}.attention.head_count'", f"a divisor of {a}.embedding_length ({C})", H)
-        kw = dict(norm="layernorm", eps=m.num(f"{a}.attention.layer_norm_epsilon", 1e-5), activation="gelu_tanh",
-                  positions="learned", bias=True, kv_heads=H, model_type="gpt2")
-    else:
-        kv = m.int(f"{a}.attention.head_count_kv", H)
-        if H % kv:
-            raise bad(m.path, f"metadata key '{a}.attention.head_count_kv'", f"a divisor of head_count ({H})", kv)
-        D = m.int(f"{a}.attention.key_length", None)
-        if D is None:
-            if C % H:
-                raise bad(m.path, f"metadata key '{a}.attention.head_count'", f"a divisor of embedding_length ({C})", H)
-            D = C // H
-        if m.int(f"{a}.attention.value_length", D) != D:
-            raise bad(m.path, f"metadata key '{a}.attention.value_length'", f"key_length ({D})",
-                      m.int(f"{a}.attention.value_length"))
-        rot = m.int(f"{a}.rope.dimension_count", D)
-        if rot != D:
-            raise bad(m.path, f"metadata key '{a}.rope.dimension_count'",
-                      f"the head width {D} (partial rotary embeddings are not supported)", rot)
-        scaling = m.str(f"{a}.rope.scaling.type", "none")
-        if scaling not in ("none", "") or m.num(f"{a}.rope.scale_linear", 1.0) != 1.0:
-            raise bad(m.path, f"metadata key '{a}.rope.scaling.type'", "none (rope scaling is not supported)",
-                      scaling)
-        kw = dict(kv_heads=kv, head_dim=D if D * H != C else None, norm="rmsnorm",
-                  eps=m.num(f"{a}.attention.layer_norm_rms_epsilon", positive=False), activation="swiglu",
-                  positions="rope", rope_theta=m.num(f"{a}.rope.freq_base", 10000.0), bias=False, model_type="llama")
-    return dict(vocab_size=vocab, hidden=C, layers=m.int(f"{a}.block_count"), heads=H,
-                ffn_hidden=m.int(f"{a}.feed_forward_length"),
-                max_positions=m.int(f"{a}.context_length", 2048), **kw)
-
-
-def _layout(cfg: Config, arch: str, untied: bool):
-    """{tpcore name: [(GGUF tensor, first row, rows, permute heads or 0)]} and {GGUF name:
-    the shape the config implies, as (rows, cols) or (n,)}: everything tpcore reads."""
-    C, V, F, L = cfg.hidden, cfg.vocab_size, cfg.ffn_hidden, cfg.layers
-    H, Hk, D = cfg.heads, cfg.kv_heads, cfg.head_dim
-    src: Dict[str, list] = {}
-    shapes: Dict[str, Tuple[int, ...]] = {}
-
-    def one(ours, theirs, shape, heads=0, first=0, rows=None):
-        shapes[theirs] = shape
-        src.setdefault(ours, []).append((theirs, first, shape[0] if rows is None else rows, heads))
-    one("wte.weight", "token_embd.weight", (V, C))
-    if untied:
-        one("lm_head.weight", "output.weight", (V, C))
-    if arch == "gpt2":
-        one("wpe.weight", "position_embd.weight", (cfg.max_positions, C))
-        for w in ("weight", "bias"):
-            one(f"final_norm.{w}", f"output_norm.{w}", (C,))
-        for i in range(L):
-            q, p = f"blocks.{i}.", f"blk.{i}."
-            for w in ("weight", "bias"):
-                one(q + f"norm1.{w}", p + f"attn_norm.{w}", (C,))
-                one(q + f"norm2.{w}", p + f"ffn_norm.{w}", (C,))
-                for j, n in enumerate("qkv"):
-                    one(q + f"attn.{n}.{w}", p + f"attn_qkv.{w}", (3 * C, C) if w == "weight" else (3 * C,),
-                        first=j * C, rows=C)
-                one(q + f"attn.out.{w}", p + f"attn_output.{w}", (C, C) if w == "weight" else (C,))
-                one(q + f"mlp.fc1.{w}", p + f"ffn_up.{w}", (F, C) if w == "weight" else (F,))
-                one(q + f"mlp.fc2.{w}", p + f"ffn_down.{w}", (C, F) if w == "weight" else (C,))
-        return src, shapes
-    one("final_norm.weight", "output_norm.weight", (C,))
-    for i in range(L):
-        q, p = f"blocks.{i}.", f"blk.{i}."
-        one(q + "norm1.weight", p + "attn_norm.weight", (C,))
-        one(q + "norm2.weight", p + "ffn_norm.weight", (C,))
-        one(q + "attn.q.weight", p + "attn_q.weight", (H * D, C), heads=H)
-        one(q + "attn.k.weight", p + "attn_k.weight", (Hk * D, C), heads=Hk)
-        one(q + "attn.v.weight", p + "attn_v.weight", (Hk * D, C))
-        one(q + "attn.out.weight", p + "attn_output.weight", (C, H * D))
-        one(q + "mlp.fc1.weight", p + "ffn_gate.weight", (F, C))
-        one(q + "mlp.fc1.weight", p + "ffn_up.weight", (F, C))
-        one(q + "mlp.fc2.weight", p + "ffn_down.weight", (C, F))
-    return src, shapes
-
-
+# The tensors against the metadata -------------------------------------------------
 def _check_tensors(path: str, arch: str, cfg: Config, by_name: Dict[str, Any],
                    shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, _Part]:
     """The file's tensors against the layout the metadata implies: none missing, none
@@ -473,8 +298,8 @@ def _check_tensors(path: str, arch: str, cfg: Config, by_name: Dict[str, Any],
             mm = re.match(r"blk\.(\d+)\.", name)
             where = (f"a tensor of layer {mm.group(1)} but {arch}.block_count={cfg.layers}"
                      if mm and int(mm.group(1)) >= cfg.layers else
-                     "a tensor tpcore has no place for (rope_freqs: rope scaling; biases, experts...: "
-                     "a feature this architecture does not have here)")
+                     "a tensor tpcore has no place for (biases, norms, experts...: a feature this "
+                     "architecture does not have here)")
             raise bad(path, f"tensor {name!r}", f"only the tensors of a {arch} model", where)
     parts: Dict[str, _Part] = {}
     for name, want in shapes.items():
@@ -514,19 +339,26 @@ class GGUFModel:
         by_name = {t.name: t for t in self.file.tensors}
         m = _Meta(path, self.file.fields)
         arch = m.str("general.architecture")
-        if arch not in _ARCHS:
-            raise bad(path, "metadata key 'general.architecture'", f"one of {', '.join(_ARCHS)}", arch)
+        if arch not in ARCHS:
+            raise bad(path, "metadata key 'general.architecture'", f"one of {', '.join(ARCHS)}", arch)
         tf = m.fields.get("tokenizer.ggml.tokens")
         if tf is not None and tf.kinds != ("ARRAY", "STRING"):
             raise bad(path, "metadata key 'tokenizer.ggml.tokens'", "an array of strings", "/".join(tf.kinds))
         n_tokens = None if tf is None else tf.count        # the strings are decoded only by tokenizer()
-        kw = _config(m, arch, n_tokens)
         # every count the layout is sized by, against what the file holds: a forged block_count
         # must not size a loop (or a dict) of 2**31 layers before the first missing tensor
-        if kw["layers"] > len(by_name):
+        if m.int(f"{arch}.block_count") > len(by_name):
             raise bad(path, f"metadata key '{arch}.block_count'",
                       f"at most the number of tensors in the file ({len(by_name)}): each layer has its own",
-                      kw["layers"])
+                      m.int(f"{arch}.block_count"))
+
+        def vector(name, want):   # a 1-D F32 tensor the config is made of (rope factors), checked, read
+            t = by_name.get(name)
+            if t is None or t.shape != want or t.type != "F32":
+                raise bad(path, f"tensor {name!r}", f"an F32 tensor of shape {want}",
+                          "no such tensor" if t is None else f"{t.type} of shape {t.shape}")
+            return _Part(path, t).read(np.zeros(1, np.int64), None)[0].astype(np.float64)
+        kw, consumed = config_kwargs(m, arch, n_tokens, by_name, vector)
         untied = "output.weight" in by_name
         try:
             cfg = Config(tie_embeddings=not untied, **kw)
@@ -539,19 +371,21 @@ class GGUFModel:
         if tt is not None and n_tokens is not None and tt.count != n_tokens:
             raise bad(path, "metadata key 'tokenizer.ggml.token_type'", f"{n_tokens} entries (one per token)",
                       f"{tt.count} entries")
-        src, shapes = _layout(cfg, arch, untied)
-        parts = _check_tensors(path, arch, cfg, by_name, shapes)
+        src, shapes = layout(cfg, arch, untied)
+        parts = _check_tensors(path, arch, cfg, by_name, dict(shapes, **consumed))
         perms: Dict[Tuple[str, int], _Part] = {}
         self._rows: Dict[str, _Rows] = {}
         for ours, items in src.items():
             ps = []
-            for theirs, first, n, heads in items:
+            for theirs, first, n, heads, expert in items:
                 p = parts[theirs]
-                if heads and arch in ("llama", "mistral"):   # llama.cpp's Q/K row order -> Hugging Face's
+                if heads and arch in PERMUTED:   # llama.cpp's Q/K row order -> Hugging Face's
                     key = (theirs, heads)
                     if key not in perms:
                         perms[key] = _Part(path, by_name[theirs], unpermute_rows(p.shape[0], heads))
                     p = perms[key]
+                if expert is not None:           # expert e's matrix of a stacked (E, rows, cols) tensor
+                    p = _Part(path, by_name[theirs], expert=expert)
                 ps.append((p, first, n))
             rows = sum(n for _, _, n in ps)
             shape = (rows,) + ps[0][0].shape[1:] if len(ps[0][0].shape) == 2 else (rows,)
@@ -642,7 +476,7 @@ def read_gguf(path) -> Tuple[Config, Dict[str, LazyTensor], Dict[str, Any]]:
     Returns
     -------
     (Config, dict of str to LazyTensor, dict)
-        The tpcore Config from the metadata (Llama family or GPT-2; tied when the file
+        The tpcore Config from the metadata (see gguf_arch for the architectures; tied when the file
         has no output.weight); the full tensors under tpcore's names as lazy float32 views
         of the file (indexing dequantizes only the selected rows; Q/K rows
         already in Hugging Face's order), for `TransformerLM.load_state_dict_full`; the
@@ -662,57 +496,30 @@ def read_gguf(path) -> Tuple[Config, Dict[str, LazyTensor], Dict[str, Any]]:
 
 
 # The tokenizer -------------------------------------------------------------------------
-# tokenizer.ggml.pre -> how text is split before BPE (as llama.cpp's pre-tokenizer types):
-# GPT-2's byte-level regex, SmolLM's (digits one by one, then GPT-2's)
-_PRE = ("default", "gpt2", "smollm")
+def tokenizer(path, add_bos: Optional[bool] = False):
+    """A `tokenizers.Tokenizer` built from a GGUF file's embedded vocabulary
+    (`tpcore.models.gguf_tokenizer` says how each kind is built).
 
+    Byte-level BPE files (tokenizer.ggml.model "gpt2") with the pre-tokenizers
+    tokenizer.ggml.pre "default"/"gpt2", "smollm", "llama-bpe" (Llama 3) and "qwen2";
+    SentencePiece BPE files (tokenizer.ggml.model "llama": Llama 2, Mistral, Phi-3, Gemma)
+    with their merges rebuilt from the vocabulary and byte fallback.  The control tokens
+    (token type 3, e.g. <|im_start|>) are special tokens, parsed in text.
 
-def tokenizer(path):
-    """A `tokenizers.Tokenizer` built from a GGUF file's vocabulary and merges.
-
-    Byte-level BPE files (tokenizer.ggml.model "gpt2") with the GPT-2 or SmolLM
-    pre-tokenizer; the control tokens (token type 3, e.g. <|im_start|>) are special
-    tokens, parsed in text.  No BOS is added (as tokenizer.ggml.add_bos_token says;
-    add it yourself where the file asks for one).
+    Parameters
+    ----------
+    path : str, os.PathLike or GGUFModel
+    add_bos : bool or None, default False
+        Put the BOS token first (True), not (False: the ids of the text alone), or as
+        tokenizer.ggml.add_bos_token says (None).
 
     Raises
     ------
     ImportError
         `tokenizers` is missing.
     CheckpointError
-        A file without a byte-level BPE vocabulary, or with another pre-tokenizer.
+        Another kind of vocabulary or pre-tokenizer (named, with the supported ones).
     """
-    try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    except ImportError as e:
-        raise ImportError("tpcore.models.gguf.tokenizer needs the `tokenizers` package: pip install tokenizers") from e
+    from tpcore.models.gguf_tokenizer import build
     g = path if isinstance(path, GGUFModel) else GGUFModel(path, "tokenizer")
-    m = _Meta(g.path, g.file.fields)
-    kind = m.str("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise bad(g.path, "metadata key 'tokenizer.ggml.model'", "'gpt2' (byte-level BPE; others are not supported)",
-                  kind)
-    pre = m.str("tokenizer.ggml.pre", "default")
-    if pre not in _PRE:
-        raise bad(g.path, "metadata key 'tokenizer.ggml.pre'", f"one of {', '.join(_PRE)}", pre)
-    tokens = m.strings("tokenizer.ggml.tokens")
-    merges = m.strings("tokenizer.ggml.merges")
-    types = m.ints("tokenizer.ggml.token_type", [1] * len(tokens))
-    if len(types) != len(tokens):
-        raise bad(g.path, "metadata key 'tokenizer.ggml.token_type'", f"{len(tokens)} entries", len(types))
-    pairs = []
-    for i, mg in enumerate(merges):
-        a, sep, b = mg.partition(" ")
-        if not sep or not a or not b:
-            raise bad(g.path, f"metadata key 'tokenizer.ggml.merges' entry {i}", "two tokens separated by a space", mg)
-        pairs.append((a, b))
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    byte = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte]) \
-        if pre == "smollm" else byte
-    tk.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3]
-    if special:
-        tk.add_special_tokens(special)
-    return tk
+    return build(g, _Meta(g.path, g.file.fields), add_bos)

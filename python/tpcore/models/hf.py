@@ -1,14 +1,17 @@
-"""Hugging Face checkpoints (GPT-2, Llama family, BERT): what their tensors and config
-are in tpcore's terms, both ways.
+"""Hugging Face checkpoints (GPT-2, BERT, and the decoder families of tpcore.nn.hf_config:
+Llama 2/3, Mistral, Qwen 2/3, Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE): what their tensors
+and config are in tpcore's terms, both ways.
 
 One name map per architecture (name_map: a list of Entry) says which Hugging Face
 tensors hold which tpcore tensors; from_hf reads it one way (a checkpoint's tensors
 -> tpcore's full tensors, as lazy views: GPT-2's Conv1D weights are stored (in, out)
-and its c_attn fuses [q | k | v] along out, Llama's gate_proj and up_proj stack into
-tpcore's fc1) and to_hf the other (save_pretrained(hf=True)).  Loading reads only a
-rank's slices of the files (with pread, streamed through one staging buffer:
-tpcore.io.stream): its rows of the vocabulary, its heads' rows
-of Q/K/V, its columns of the output and fc2 projections, its rows of fc1.
+and its c_attn fuses [q | k | v] along out, Phi-3's qkv_proj fuses them along rows,
+Llama's gate_proj and up_proj (Mixtral's experts' w1 and w3) stack into tpcore's fc1,
+Gemma's norm weights w are read as 1 + w) and to_hf the other (save_pretrained(hf=True)).
+Loading reads only a rank's slices of the files (with pread, streamed through one
+staging buffer: tpcore.io.stream): its rows of the vocabulary, its heads' rows of
+Q/K/V (of Phi-3's fused tensor too), its columns of the output and fc2 projections,
+its rows of fc1.
 
 Before anything is allocated, the config is checked against the files' headers
 (expected_shapes, check_against_config): a config whose sizes the files do not hold
@@ -29,7 +32,8 @@ import numpy as np
 from tpcore.io.formats import CheckpointError, bad, open_tensors, to_float32
 from tpcore.io.formats import base_row_index, row_runs, split_row_index
 from tpcore.io.stream import read_into
-from tpcore.nn.config import Config
+from tpcore.nn.config import GATED, Config
+from tpcore.nn.hf_config import DECODERS, hf_config_dict
 
 _open = open_tensors  # every tensor of a checkpoint folder, read on indexing (the tests' old name)
 
@@ -119,6 +123,27 @@ class _Stack:
                 read_into(self.b, np.arange(b0, b0 + k - ka), cols, out[pos + ka:pos + k], stage)
 
 
+class _Offset:
+    """base + 1, read lazily (a Gemma norm weight w, which scales by 1 + w: tpcore holds 1 + w)."""
+
+    def __init__(self, base):
+        self.base = base
+        self.shape = tuple(base.shape)
+        self.ndim = len(self.shape)
+        self.dtype = np.dtype(np.float32)
+
+    def __getitem__(self, key) -> np.ndarray:
+        return to_float32(self.base[key]) + np.float32(1)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[...]
+        return out if dtype is None else out.astype(dtype)
+
+    @property
+    def raw_dtype(self):
+        return getattr(self.base, "raw_dtype", np.dtype(np.float32))
+
+
 # The name maps: one per architecture, read both ways -----------------------------------
 @dataclasses.dataclass(frozen=True)
 class Entry:
@@ -128,16 +153,18 @@ class Entry:
     `transpose` (GPT-2's Conv1D weights are stored (in, out)).  Several of ours: one of
     theirs cut (GPT-2's c_attn into q, k, v); several of theirs: stacked into one of ours
     (Llama's gate_proj and up_proj into fc1).  fallback: the Hugging Face tensor to load
-    from when theirs is absent (an untied Llama without lm_head.weight: the embedding)."""
+    from when theirs is absent (an untied Llama without lm_head.weight: the embedding).
+    offset: ours = theirs + 1 (Gemma's norms, which scale by 1 + w)."""
     ours: Tuple[str, ...]
     theirs: Tuple[str, ...]
     transpose: bool = False
     fallback: Optional[str] = None
+    offset: bool = False
 
 
-def _e(ours: Union[str, tuple], theirs: Union[str, tuple], transpose=False, fallback=None) -> Entry:
+def _e(ours: Union[str, tuple], theirs: Union[str, tuple], transpose=False, fallback=None, offset=False) -> Entry:
     return Entry((ours,) if isinstance(ours, str) else tuple(ours),
-                 (theirs,) if isinstance(theirs, str) else tuple(theirs), transpose, fallback)
+                 (theirs,) if isinstance(theirs, str) else tuple(theirs), transpose, fallback, offset)
 
 
 def _gpt2_map(cfg: Config) -> List[Entry]:
@@ -160,18 +187,64 @@ def _gpt2_map(cfg: Config) -> List[Entry]:
     return m
 
 
-def _llama_map(cfg: Config) -> List[Entry]:
-    m = [_e("wte.weight", "embed_tokens.weight"), _e("final_norm.weight", "norm.weight")]
+def _decoder_map(cfg: Config) -> List[Entry]:
+    """The Llama layout and its families (Mistral, Qwen 2/3, Gemma 2/3, Phi-3, Mixtral,
+    Qwen3-MoE): biases per part, QK-norms, Gemma's four norms (+1), Phi-3's fused
+    qkv_proj (cut into q, k, v: each rank reads only its heads' rows) and gate_up_proj
+    (already [gate; up]), and the experts of a MoE layer."""
+    off = cfg.norm_unit_offset
+    m = [_e("wte.weight", "embed_tokens.weight"), _e("final_norm.weight", "norm.weight", offset=off)]
     for i in range(cfg.layers):
         p, q = f"layers.{i}.", f"blocks.{i}."
-        m += [_e(q + "norm1.weight", p + "input_layernorm.weight"),
-              _e(q + "norm2.weight", p + "post_attention_layernorm.weight")]
-        m += [_e(q + f"attn.{n}.weight", p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-        m += [_e(q + "attn.out.weight", p + "self_attn.o_proj.weight"),
-              _e(q + "mlp.fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-              _e(q + "mlp.fc2.weight", p + "mlp.down_proj.weight")]
+        m.append(_e(q + "norm1.weight", p + "input_layernorm.weight", offset=off))
+        if cfg.post_norms:
+            m += [_e(q + "attn_post_norm.weight", p + "post_attention_layernorm.weight", offset=off),
+                  _e(q + "norm2.weight", p + "pre_feedforward_layernorm.weight", offset=off),
+                  _e(q + "mlp_post_norm.weight", p + "post_feedforward_layernorm.weight", offset=off)]
+        else:
+            m.append(_e(q + "norm2.weight", p + "post_attention_layernorm.weight", offset=off))
+        a = p + "self_attn."
+        if cfg.model_type == "phi3":
+            m.append(_e([q + f"attn.{n}.weight" for n in "qkv"], a + "qkv_proj.weight"))
+        else:
+            m += [_e(q + f"attn.{n}.weight", a + f"{n}_proj.weight") for n in "qkv"]
+        if cfg.qkv_bias:
+            m += [_e(q + f"attn.{n}.bias", a + f"{n}_proj.bias") for n in "qkv"]
+        m.append(_e(q + "attn.out.weight", a + "o_proj.weight"))
+        if cfg.out_bias:
+            m.append(_e(q + "attn.out.bias", a + "o_proj.bias"))
+        if cfg.qk_norm:
+            m += [_e(q + f"attn.{n}_norm.weight", a + f"{n}_norm.weight", offset=off) for n in "qk"]
+        m += _mlp_entries(cfg, p, q)
     if not cfg.tie_embeddings:
         m.append(_e("lm_head.weight", "lm_head.weight", fallback="embed_tokens.weight"))
+    return m
+
+
+def _mlp_entries(cfg: Config, p: str, q: str) -> List[Entry]:
+    if cfg.experts and cfg.model_type == "mixtral":
+        b = p + "block_sparse_moe."
+        m = [_e(q + "moe.router.weight", b + "gate.weight")]
+        for e in range(cfg.experts):
+            x, y = f"{b}experts.{e}.", f"{q}moe.experts.{e}."
+            m += [_e(y + "fc1.weight", (x + "w1.weight", x + "w3.weight")), _e(y + "fc2.weight", x + "w2.weight")]
+        return m
+    if cfg.experts:   # Qwen3-MoE's names (and any other family with experts)
+        b = p + "mlp."
+        m = [_e(q + "moe.router.weight", b + "gate.weight")]
+        for e in range(cfg.experts):
+            x, y = f"{b}experts.{e}.", f"{q}moe.experts.{e}."
+            m += [_e(y + "fc1.weight", (x + "gate_proj.weight", x + "up_proj.weight")),
+                  _e(y + "fc2.weight", x + "down_proj.weight")]
+        return m
+    b = p + "mlp."
+    if cfg.model_type == "phi3":
+        return [_e(q + "mlp.fc1.weight", b + "gate_up_proj.weight"), _e(q + "mlp.fc2.weight", b + "down_proj.weight")]
+    m = [_e(q + "mlp.fc1.weight", (b + "gate_proj.weight", b + "up_proj.weight")),
+         _e(q + "mlp.fc2.weight", b + "down_proj.weight")]
+    if cfg.mlp_bias:
+        m += [_e(q + "mlp.fc1.bias", (b + "gate_proj.bias", b + "up_proj.bias")),
+              _e(q + "mlp.fc2.bias", b + "down_proj.bias")]
     return m
 
 
@@ -193,16 +266,26 @@ def _bert_map(cfg: Config) -> List[Entry]:
     return m
 
 
-NAME_MAPS = {"gpt2": _gpt2_map, "llama": _llama_map, "bert": _bert_map}
+NAME_MAPS = {"gpt2": _gpt2_map, "bert": _bert_map, **{k: _decoder_map for k in DECODERS}}
 # the prefix a checkpoint's names may carry (stripped when loading) and the one save_pretrained(hf=True)
-# writes (as transformers' GPT2LMHeadModel, LlamaForCausalLM and BertModel do; lm_head.* has none)
-_PREFIXES = {"gpt2": ("transformer.",), "llama": ("model.",), "bert": ("bert.",), "tpcore": ()}
+# writes (as transformers' GPT2LMHeadModel, LlamaForCausalLM and BertModel do; lm_head.* has none);
+# a Gemma 3 multimodal checkpoint's language model is under model.language_model. (transformers 5)
+# or language_model.model. (the published files), its vision tower's tensors unused
+_PREFIXES = {"gpt2": ("transformer.",), "bert": ("bert.",), "tpcore": (),
+             "llama": ("model.language_model.", "language_model.model.", "language_model.", "model.")}
 _SAVE_PREFIX = {"gpt2": "transformer.", "llama": "model.", "bert": ""}
 
 
+def layout(kind: str) -> str:
+    """The layout of a model_type's names: "gpt2", "bert", "tpcore", or "llama" (every
+    decoder family of tpcore.nn.hf_config shares Llama's names and prefixes)."""
+    return "llama" if kind in DECODERS else kind
+
+
 def name_map(cfg: Config, kind: Optional[str] = None) -> List[Entry]:
-    """The entries of cfg's architecture (kind: "gpt2", "llama" or "bert"; default
-    cfg.model_type) for cfg's number of layers and tied or untied head."""
+    """The entries of cfg's architecture (kind: "gpt2", "bert" or a decoder family, e.g.
+    "llama", "qwen2", "gemma2", "phi3", "mixtral"; default cfg.model_type) for cfg's
+    number of layers, features and tied or untied head."""
     kind = cfg.model_type if kind is None else kind
     if kind not in NAME_MAPS:
         raise ValueError(f"model_type {kind!r} has no Hugging Face layout here")
@@ -212,6 +295,7 @@ def name_map(cfg: Config, kind: Optional[str] = None) -> List[Entry]:
 def map_name(name: str, kind: str) -> str:
     """A checkpoint's tensor name as the name maps write it: its prefix ("transformer.",
     "model.", "bert.") taken off, and BERT's old LayerNorm.gamma/beta read as weight/bias."""
+    kind = layout(kind)
     for p in _PREFIXES[kind]:
         if name.startswith(p):
             name = name[len(p):]
@@ -222,7 +306,7 @@ def map_name(name: str, kind: str) -> str:
 
 
 def _hf_name(name: str, kind: str) -> str:
-    return name if name.startswith("lm_head.") else _SAVE_PREFIX[kind] + name
+    return name if name.startswith("lm_head.") else _SAVE_PREFIX[layout(kind)] + name
 
 
 def _rows_of(shapes, name: str, transpose: bool) -> int:
@@ -248,6 +332,8 @@ def from_hf(t: Dict[str, object], cfg: Config, kind: Optional[str] = None) -> Di
             continue
         parts = [View(a, transpose=True) for a in src] if e.transpose else src
         sd[e.ours[0]] = parts[0] if len(parts) == 1 else _Stack(*parts)
+        if e.offset:
+            sd[e.ours[0]] = _Offset(sd[e.ours[0]])
     return sd
 
 
@@ -266,15 +352,20 @@ def bert_names(t: Dict[str, object], cfg: Config) -> Dict[str, object]:
 def to_hf(cfg: Config, sd: Dict[str, np.ndarray]):
     """tpcore's full tensors -> (Hugging Face tensors, config.json dict) for cfg.model_type:
     the name map read the other way (GPT-2's Conv1D weights transposed back and c_attn
-    fused again; Llama's fc1 split into gate_proj and up_proj)."""
+    fused again; fc1 split into gate_proj and up_proj, Phi-3's q, k, v and fc1 fused
+    again; Gemma's norms less 1).  A Config its family's config.json cannot express
+    (e.g. a model_type "qwen2" without its Q/K/V biases) is a ValueError naming the fields."""
     kind = cfg.model_type
     if kind not in NAME_MAPS:
         raise ValueError(f"to_hf: model_type {kind!r} has no Hugging Face layout here")
+    conf = _hf_config(cfg)
     req, opt = expected_shapes(cfg, kind)
     theirs_shapes = {k: tuple(v for v, _ in dims) for k, dims in {**opt, **req}.items()}
     out = {}
     for e in name_map(cfg, kind):
-        full = np.concatenate([sd[o] for o in e.ours]) if len(e.ours) > 1 else sd[e.ours[0]]
+        full = np.concatenate([sd[o] for o in e.ours]) if len(e.ours) > 1 else np.asarray(sd[e.ours[0]])
+        if e.offset:
+            full = np.asarray(full, np.float32) - np.float32(1)
         if len(e.theirs) > 1:
             cuts = np.cumsum([_rows_of(theirs_shapes, n, e.transpose) for n in e.theirs])[:-1]
             parts = np.split(full, cuts)
@@ -282,28 +373,35 @@ def to_hf(cfg: Config, sd: Dict[str, np.ndarray]):
             parts = [full]
         for n, a in zip(e.theirs, parts):
             out[_hf_name(n, kind)] = a.T if e.transpose else a
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, conf
+
+
+def _hf_config(cfg: Config) -> dict:
+    """config.json of cfg; a decoder family's is read back and must give cfg again."""
     L = cfg.layers
-    if kind == "gpt2":
-        conf = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
+    if cfg.model_type == "gpt2":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
                 "n_embd": cfg.hidden, "n_layer": L, "n_head": cfg.heads, "n_positions": cfg.max_positions,
                 "n_inner": cfg.ffn_hidden, "layer_norm_epsilon": cfg.eps, "tie_word_embeddings": cfg.tie_embeddings,
                 "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
                                         "silu": "silu"}[cfg.activation]}
-    elif kind == "llama":
-        F = cfg.ffn_hidden
-        conf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
-                "hidden_size": cfg.hidden, "num_hidden_layers": L, "num_attention_heads": cfg.heads,
-                "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "intermediate_size": F,
-                "rms_norm_eps": cfg.eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_positions,
-                "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
-                "mlp_bias": False}
-    else:
-        conf = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": cfg.vocab_size,
+    if cfg.model_type == "bert":
+        return {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.hidden, "num_hidden_layers": L, "num_attention_heads": cfg.heads,
                 "intermediate_size": cfg.ffn_hidden, "max_position_embeddings": cfg.max_positions,
                 "type_vocab_size": cfg.type_vocab_size, "layer_norm_eps": cfg.eps,
                 "hidden_act": {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[cfg.activation]}
-    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, conf
+    conf, _ = hf_config_dict(cfg)
+    try:
+        back = Config.from_hf_dict(conf, source=f"the config.json of a {cfg.model_type} model")
+    except ValueError as e:
+        raise ValueError(f"to_hf: this Config cannot be written as a {cfg.model_type} config.json: {e}") from None
+    diff = [f.name for f in dataclasses.fields(Config) if getattr(back, f.name) != getattr(cfg, f.name)]
+    if diff:
+        raise ValueError(f"to_hf: a {cfg.model_type} config.json cannot express this Config's "
+                         + ", ".join(f"{k}={getattr(cfg, k)!r} (it would read back as {getattr(back, k)!r})"
+                                     for k in diff))
+    return conf
 
 
 # Checking a checkpoint against its config before anything is allocated ---------------
@@ -319,7 +417,8 @@ _LABELS = {"gpt2": dict(vocab_size="vocab_size", hidden="n_embd", layers="n_laye
                         head_dim="(n_embd/n_head)", ffn_hidden="n_inner", max_positions="n_positions"),
            "llama": dict(vocab_size="vocab_size", hidden="hidden_size", layers="num_hidden_layers",
                          heads="num_attention_heads", kv_heads="num_key_value_heads", head_dim="head_dim",
-                         ffn_hidden="intermediate_size", max_positions="max_position_embeddings"),
+                         ffn_hidden="intermediate_size", max_positions="max_position_embeddings",
+                         experts="num_local_experts"),
            "bert": dict(vocab_size="vocab_size", hidden="hidden_size", layers="num_hidden_layers",
                         heads="num_attention_heads", kv_heads="num_attention_heads",
                         head_dim="(hidden_size/num_attention_heads)", ffn_hidden="intermediate_size",
@@ -332,6 +431,7 @@ def expected_shapes(cfg: Config, kind: str):
     each dim a (size, "config_field") pair; names without the checkpoint's prefix
     ("transformer.", "model.", "bert."); kind: "gpt2", "llama", "bert" (Hugging Face
     names) or "tpcore" (tpcore's names, as save_pretrained writes them)."""
+    kind = layout(kind)
     lab = _LABELS[kind]
 
     def d(attr, k=1):
@@ -355,15 +455,9 @@ def expected_shapes(cfg: Config, kind: str):
                         p + "mlp.c_proj.weight": (F, C), p + "mlp.c_proj.bias": (C,)})
         (opt if cfg.tie_embeddings else req)["lm_head.weight"] = (V, C)
     elif kind == "llama":
-        req.update({"embed_tokens.weight": (V, C), "norm.weight": (C,)})
-        for i in range(L):
-            p = f"layers.{i}."
-            req.update({p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
-                        p + "self_attn.q_proj.weight": (Q, C), p + "self_attn.k_proj.weight": (KV, C),
-                        p + "self_attn.v_proj.weight": (KV, C), p + "self_attn.o_proj.weight": (C, Q),
-                        p + "mlp.gate_proj.weight": (F, C), p + "mlp.up_proj.weight": (F, C),
-                        p + "mlp.down_proj.weight": (C, F)})
-        opt["lm_head.weight"] = (V, C)   # untied without it: the embedding (as before)
+        ours = {}
+        _tpcore_shapes(cfg, ours, V, C, F, P, Q, KV, d)
+        _derived_shapes(cfg, cfg.model_type if cfg.model_type in DECODERS else kind, ours, req, opt)
     elif kind == "bert":
         e = "embeddings."
         req.update({e + "word_embeddings.weight": (V, C), e + "position_embeddings.weight": (P, C),
@@ -379,36 +473,69 @@ def expected_shapes(cfg: Config, kind: str):
                         p + "intermediate.dense.weight": (F, C), p + "intermediate.dense.bias": (F,),
                         p + "output.dense.weight": (C, F), p + "output.dense.bias": (C,)})
     else:   # tpcore's own names (TransformerLM.state_dict_full)
-        ln = cfg.norm == "layernorm"
-        g = 2 if cfg.activation == "swiglu" else 1
-
-        def norm(name):
-            req[name + ".weight"] = (C,)
-            if ln:
-                req[name + ".bias"] = (C,)
-        req["wte.weight"] = (V, C)
-        if cfg.positions == "learned":
-            req["wpe.weight"] = (P, C)
-        if cfg.type_vocab_size:
-            req["tte.weight"] = (d("type_vocab_size"), C)
-        if cfg.embedding_norm:
-            norm("emb_norm")
-        for i in range(L):
-            p = f"blocks.{i}."
-            norm(p + "norm1")
-            norm(p + "norm2")
-            req.update({p + "attn.q.weight": (Q, C), p + "attn.k.weight": (KV, C), p + "attn.v.weight": (KV, C),
-                        p + "attn.out.weight": (C, Q), p + "mlp.fc1.weight": (d("ffn_hidden", g), C),
-                        p + "mlp.fc2.weight": (C, F)})
-            if cfg.bias:
-                req.update({p + "attn.q.bias": (Q,), p + "attn.k.bias": (KV,), p + "attn.v.bias": (KV,),
-                            p + "attn.out.bias": (C,), p + "mlp.fc1.bias": (d("ffn_hidden", g),),
-                            p + "mlp.fc2.bias": (C,)})
-        if cfg.final_norm and cfg.pre_norm:
-            norm("final_norm")
-        if not cfg.tie_embeddings:
-            req["lm_head.weight"] = (V, C)
+        _tpcore_shapes(cfg, req, V, C, F, P, Q, KV, d)
     return req, opt
+
+
+def _derived_shapes(cfg: Config, kind: str, ours: dict, req: dict, opt: dict) -> None:
+    """A checkpoint's shapes read off the name map from tpcore's (`ours`, labelled with the
+    config file's fields): cut tensors' rows summed, stacked halves halved, transposed ones
+    flipped; a tensor with a fallback (an untied head) optional."""
+    for e in name_map(cfg, kind):
+        dims = [ours[o] for o in e.ours]
+        full = dims[0] if len(dims) == 1 else \
+            ((sum(x[0][0] for x in dims), "+".join(x[0][1] for x in dims)),) + tuple(dims[0][1:])
+        n = len(e.theirs)
+        if n > 1:
+            v, lab = full[0]
+            full = ((v // n, lab[len(f"{n}*"):] if lab.startswith(f"{n}*") else f"{lab}/{n}"),) + tuple(full[1:])
+        for t in e.theirs:
+            (opt if e.fallback else req)[t] = tuple(reversed(full)) if e.transpose else full
+    if cfg.tie_embeddings:
+        opt["lm_head.weight"] = ours["wte.weight"]   # a tied checkpoint may carry the head too
+
+
+def _tpcore_shapes(cfg: Config, req: dict, V, C, F, P, Q, KV, d) -> None:
+    """expected_shapes in tpcore's names (TransformerLM.state_dict_full)."""
+    ln = cfg.norm == "layernorm"
+    g = 2 if cfg.activation in GATED else 1
+
+    def norm(name, dims=(C,)):
+        req[name + ".weight"] = dims
+        if ln:
+            req[name + ".bias"] = dims
+    req["wte.weight"] = (V, C)
+    if cfg.positions == "learned":
+        req["wpe.weight"] = (P, C)
+    if cfg.type_vocab_size:
+        req["tte.weight"] = (d("type_vocab_size"), C)
+    if cfg.embedding_norm:
+        norm("emb_norm")
+    for i in range(cfg.layers):
+        p = f"blocks.{i}."
+        for n in ("norm1", "norm2") + (("attn_post_norm", "mlp_post_norm") if cfg.post_norms else ()):
+            norm(p + n)
+        req.update({p + "attn.q.weight": (Q, C), p + "attn.k.weight": (KV, C), p + "attn.v.weight": (KV, C),
+                    p + "attn.out.weight": (C, Q)})
+        if cfg.qkv_bias:
+            req.update({p + "attn.q.bias": (Q,), p + "attn.k.bias": (KV,), p + "attn.v.bias": (KV,)})
+        if cfg.out_bias:
+            req[p + "attn.out.bias"] = (C,)
+        if cfg.qk_norm:
+            req[p + "attn.q_norm.weight"] = req[p + "attn.k_norm.weight"] = (d("head_dim"),)
+        if cfg.experts:
+            req[p + "moe.router.weight"] = (d("experts"), C)
+            for e in range(cfg.experts):
+                x = f"{p}moe.experts.{e}."
+                req.update({x + "fc1.weight": (d("ffn_hidden", g), C), x + "fc2.weight": (C, F)})
+            continue
+        req.update({p + "mlp.fc1.weight": (d("ffn_hidden", g), C), p + "mlp.fc2.weight": (C, F)})
+        if cfg.mlp_bias:
+            req.update({p + "mlp.fc1.bias": (d("ffn_hidden", g),), p + "mlp.fc2.bias": (C,)})
+    if cfg.final_norm and cfg.pre_norm:
+        norm("final_norm")
+    if not cfg.tie_embeddings:
+        req["lm_head.weight"] = (V, C)
 
 
 def _dims(dims) -> str:
@@ -423,6 +550,7 @@ def check_against_config(path: str, cfg: Config, kind: str, source: str, headers
     CheckpointError; anything else (BERT's pooler and pre-training heads, classifier
     heads) is unused, with a warning, as transformers does.  headers: {name: (file,
     TensorInfo)}."""
+    kind = layout(kind)
     layers = _LABELS[kind].get("layers", "layers")
     found = {}
     for name, (fn, info) in headers.items():

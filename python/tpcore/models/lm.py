@@ -21,15 +21,18 @@ import numpy as np
 from tpcore import _C
 from tpcore.distributed.agree import agreed
 from tpcore.distributed.comm import Comm
+from tpcore.models.families import _FamilyMixin
 from tpcore.models.generate import _GenerationMixin, check_vocab
 from tpcore.models.memory import MODEL_PARTS, _aligned_heads, model_memory
+from tpcore.models.moe_block import build_blocks
 from tpcore.models.norm import _Norm, _normal, on_device
 from tpcore.models.state import _CheckpointMixin
 from tpcore.nn.common import zero
 from tpcore.nn.config import Config, head_partition
 from tpcore.nn.linear import ColumnParallelLinear
+from tpcore.nn.moe import load_balancing_loss
 from tpcore.nn.partition import partition as partition_dim, partition_sizes
-from tpcore.nn.transformer import TransformerBlock, build_blocks, mask_array, positions
+from tpcore.nn.transformer import TransformerBlock, mask_array, positions
 from tpcore.nn.weights import put_weight
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from tpcore.utils.args import bool_arg, int_arg, minmax, seed_arg, shown
@@ -49,7 +52,7 @@ def _stage_arg(stage, layers: int) -> Tuple[int, int, bool, bool]:
             bool_arg(stage[3], who, "stage's last"))
 
 
-class TransformerLM(_GenerationMixin, _CheckpointMixin):
+class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
     """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm.
 
     The token embedding is vocabulary-parallel, the blocks are `TransformerBlock` s (heads
@@ -174,7 +177,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         self.emb_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.embedding_norm and first else None
         bd = {k: self.dtypes[k] for k in ("qkv", "out", "fc1", "fc2")}
         self.blocks = build_blocks(cfg, comm, [(seed + 1000 * (i + 1)) % 2 ** 64 for i in range(lo, hi)], partition,
-                                   ffn_partition, dev, bd, "TransformerLM")
+                                   ffn_partition, dev, bd, "TransformerLM", layers=range(lo, hi))
         for blk in self.blocks:  # one workspace for every block's inference forwards (they run in turn)
             blk._c.share_workspace(self.blocks[0]._c)
         self.final_norm = _Norm(cfg.norm, C, cfg.eps, self._kdev) if cfg.final_norm and cfg.pre_norm and last \
@@ -319,31 +322,6 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         device path on the CPU holds DeviceArrays of the CPU between the layers)."""
         return x.to_numpy() if isinstance(x, DeviceArray) and not self._on_gpu() else x
 
-    def _embed(self, tokens, pos, token_type_ids):
-        B, T = tokens.shape
-        if self._kdev is not None:  # every addition and the norm on the model's device
-            C = self.config.hidden
-            h = self._dev(self.wte(asarray_device(tokens, device=device_string(self.device)) if self._on_gpu()
-                                   else tokens), (B * T, C))
-            if self.wpe is not None:
-                _C.add(h, h, _C.embedding_forward(on_device(np.ascontiguousarray(pos.reshape(-1)), self._kdev),
-                                                  self.wpe))
-            if self.tte is not None:
-                tt = np.zeros(B * T, np.int64) if token_type_ids is None else token_type_ids.reshape(-1)
-                _C.add(h, h, _C.embedding_forward(on_device(np.ascontiguousarray(tt), self._kdev), self.tte))
-            if self.emb_norm is not None:
-                h = self.emb_norm.forward(h)
-            return h.reshape((B, T, C))
-        h = self.wte(tokens)                              # (B, T, C), all-reduced
-        if self.wpe is not None:
-            h += self.wpe[pos]
-        if self.tte is not None:
-            tt = np.zeros((B, T), np.int64) if token_type_ids is None else token_type_ids
-            h += self.tte[tt]
-        if self.emb_norm is not None:
-            h = self.emb_norm.forward(h.reshape(B * T, h.shape[-1])).reshape(h.shape)
-        return h
-
     def _inputs_slots(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who, slots=None):
         """The forward's arguments checked and converted: tokens (B, T) int64 in the vocabulary,
         pos0 (B,) or None, positions (B, T), the mask (B, T) uint8 or None, token types or None,
@@ -361,10 +339,6 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         last = (0 if p0 is None or not B else minmax(p0)[1]) + T - 1 if B and T else -1  # -1: no positions
         if cfg.positions == "learned" and last >= cfg.max_positions:
             raise ValueError(f"{who}: position {last} is past max_positions ({cfg.max_positions})")
-        sw = cfg.sliding_window
-        if sw and last >= sw:
-            raise ValueError(f"{who}: position {last} needs sliding-window attention (window {sw}), which tpcore "
-                             f"does not implement: sequences up to {sw} tokens are exact")
         mask = None if attention_mask is None else mask_array(attention_mask, B, T, who, "attention_mask")
         tt = None
         if token_type_ids is not None:
@@ -477,7 +451,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
             Write into a buffer this model keeps (a CPU model), overwritten by the next call.
         """
         with self.comm._region("head"):  # the head's collectives (if any) in comm.stats()["regions"]
-            return self._logits_shard_(h2, reuse)
+            return self._softcapped(self._logits_shard_(h2, reuse))
 
     def _logits_shard_(self, h2, reuse):
         # tpcore's BLAS in C (GIL released): NumPy's own BLAS threads would spin after each call
@@ -551,7 +525,9 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         Returns
         -------
         float
-            The mean over the counted targets, the same on every rank.
+            The mean over the counted targets, the same on every rank; a MoE model with
+            config.router_aux_loss_coef > 0 adds coef x its routers' load-balancing loss
+            (`tpcore.nn.moe.load_balancing_loss`, transformers'), whose gradient `backward` adds.
 
         Raises
         ------
@@ -564,7 +540,11 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         """
         targets = int_array(targets, "TransformerLM.loss", "targets")
         h = self._forward(tokens, attention_mask=attention_mask, need_backward=True)
-        return self.head_loss(h, targets, ignore_index)
+        value = self.head_loss(h, targets, ignore_index)
+        coef = self.config.router_aux_loss_coef
+        if self.config.experts and coef:  # MoE: the routers' load-balancing loss (tpcore.nn.moe)
+            value += coef * load_balancing_loss(self, attention_mask, coef)
+        return value
 
     def backward(self, dloss: float = 1.0) -> None:
         """Gradients of the last `loss` into every parameter (accumulated).
@@ -599,6 +579,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         comm, B, T, C = self.comm, ctx["B"], ctx["T"], self.config.hidden
         self._alloc_grads()
         dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
+        dshard = self._uncap(dshard, ctx)
         h2 = ctx["h2"]
         with comm._region("head"):
             if self.lm_head is None:  # tied: dW into the embedding's gradient, dh summed over the vocab shards
@@ -623,6 +604,8 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
             tt = np.zeros(B * T, np.int64) if ctx["token_type_ids"] is None else \
                 np.asarray(ctx["token_type_ids"], np.int64).reshape(-1)
             _C.embedding_backward(self.tte_grad, on_device(np.ascontiguousarray(tt), self._kdev), dh2)
+        if self.config.embed_scale is not None:
+            dh2 = self._dev(dh2.to_numpy() * np.float32(self.config.embed_scale))
         self.wte.backward((dh2 if self._on_gpu() else dh2.to_numpy()).reshape((B, T, C)))  # its forward's shape
 
     # ------------------------------------------------------------- stage interface
@@ -675,6 +658,9 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
         """
         B, T = h.shape[:2]
         bp0 = pos0 if pos0 is not None else (np.zeros(B, np.int64) if use_cache else None)
+        chunk = self._cache_chunk() if use_cache else None
+        if chunk is not None and T > chunk:  # a sliding window's ring takes at most chunk new tokens at once
+            return self._run_chunks(h, bp0, chunk, slots)
         for blk in self.blocks:
             h = blk.forward(h, pos0=bp0, key_mask=attention_mask, use_cache=use_cache, need_backward=need_backward,
                             _agreed=True, slots=slots)
@@ -714,13 +700,13 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
                 shard = shard.to_numpy() if isinstance(shard, DeviceArray) else shard
                 xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
                 value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
-            ctx.update(xent=xent, h2=h2, xent_logits=shard)
+            ctx.update(xent=xent, h2=h2, xent_logits=shard, capped=self._capped(shard))
             return value
         h2 = np.ascontiguousarray(h.reshape(B * T, C))
         shard = self.logits_shard(h2, reuse=True)
         xent = VocabParallelCrossEntropy(self.comm, ignore_index=ignore_index)
         value = xent(shard, targets.reshape(B * T), vocab_offset=lo)
-        ctx.update(xent=xent, h2=h2, xent_logits=shard)
+        ctx.update(xent=xent, h2=h2, xent_logits=shard, capped=self._capped(shard))
         return value
 
     def head_backward(self, dloss: float = 1.0) -> np.ndarray:
@@ -738,6 +724,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
             raise RuntimeError("TransformerLM.head_backward: call head_loss() first")
         dshard = ctx["xent"].backward(dloss, out=ctx["xent_logits"])  # dlogits over the logits, in place
         self._ctx = None  # (after the cross-entropy's argument checks: a bad dloss keeps the loss)
+        dshard = self._uncap(dshard, ctx)
         h2 = ctx["h2"]
         with comm._region("head"):
             if self.lm_head is None:
@@ -786,6 +773,8 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin):
             tt = np.zeros(B * T, np.int64) if token_type_ids is None else \
                 np.asarray(token_type_ids, np.int64).reshape(-1)
             np.add.at(self.tte_grad, tt, dh2)
+        if self.config.embed_scale is not None:
+            dh2 = dh2 * np.float32(self.config.embed_scale)
         self.wte.backward(np.ascontiguousarray(dh2).reshape(B, T, self.config.hidden))  # its forward's shape
 
     def drop_backward(self) -> None:

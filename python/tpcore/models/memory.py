@@ -28,7 +28,7 @@ from tpcore.io import formats
 from tpcore.utils.args import int_arg, shown
 from tpcore.utils.dtypes import block_size, is_quantized, row_bytes, weight_formats
 from tpcore.nn.common import MEMORY_KEYS
-from tpcore.nn.config import ACTIVATIONS, NORMS, POSITIONS, Config
+from tpcore.nn.config import ACTIVATIONS, GATED, NORMS, POSITIONS, Config
 from tpcore.nn.partition import partition as partition_dim
 from tpcore.nn.partition import partition_sizes
 from tpcore.models.norm import _array_device
@@ -254,8 +254,13 @@ def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu
     """One rank's bytes by MEMORY_KEYS: its heads (q0, nq, k0, nk), f FFN columns and Vr vocabulary
     rows, B sequences, P tokens per inference forward, T tokens of cache."""
     C, D, L = cfg.hidden, cfg.head_dim, cfg.layers
-    g = 2 if cfg.activation == "swiglu" else 1
+    g = 2 if cfg.activation in GATED else 1
     ln = cfg.norm == "layernorm"
+    # sliding layers whose cache is a ring (max_len > 2 window): 2 window rows, prefill in window + 1 pieces
+    ring = not training and cfg.causal and cfg.sliding_window is not None and T > 2 * cfg.sliding_window
+    Ls = sum(cfg.sliding(i) for i in range(L)) if cfg.sliding_window is not None else 0
+    if ring:
+        P = min(P, cfg.sliding_window + 1)
     M = B * P
     _, nq, _, nk = head
     W, A = (nq + 2 * nk) * D, nq * D
@@ -284,26 +289,36 @@ def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu
         weight(dts["head"], Vr, C)
     # the blocks: L of the same sizes (counted once, times L: no loop over a config's layers)
     weight(dts["qkv"], W, C, L)
-    if cfg.bias:
+    if cfg.qkv_bias:
         f32(W, k=L)
-    for _ in range(2 * (2 if ln else 1)):             # norm1, norm2 (weights, biases)
+    for _ in range((2 + 2 * cfg.post_norms) * (2 if ln else 1)):  # norm1, norm2, the post norms (w, b)
         f32(C, k=L)
+    for _ in range(2 * cfg.qk_norm):                  # q_norm, k_norm
+        f32(D, k=L)
     weight(dts["out"], C, A, L)
-    if cfg.bias:
+    if cfg.out_bias:
         f32(C, k=L)
     weight(dts["fc1"], g * f, C, L)
-    if cfg.bias:
+    if cfg.mlp_bias:
         f32(g * f, k=L)
     weight(dts["fc2"], C, f, L)
-    if cfg.bias:
+    if cfg.mlp_bias:
         f32(C, k=L)
-    ws_block, comm_block, shared = _block_workspace(cfg, B, P, T if cfg.causal else P, nq, nk, W, A, f, g,
-                                                    kvrep, training, gpu, threads, world)
-    p["workspace"] += L * ws_block + (shared[0] if L else 0)
-    p["comm"] += L * comm_block + (shared[1] if L else 0)
+    rows = 2 * cfg.sliding_window if ring else T      # a sliding layer's cache rows
+    kinds = [(L - Ls, T), (Ls, rows)] if ring else [(L, T)]
+    sh = (0, 0)
+    for n, tk in kinds:
+        ws_block, comm_block, shared = _block_workspace(cfg, B, P, tk if cfg.causal else P, nq, nk, W, A, f, g,
+                                                        kvrep, training, gpu, threads, world)
+        p["workspace"] += n * ws_block
+        p["comm"] += n * comm_block
+        if n:
+            sh = (max(sh[0], shared[0]), max(sh[1], shared[1]))
+    p["workspace"] += sh[0]
+    p["comm"] += sh[1]
     if not training and cfg.causal:   # inference: a cache, no backward
-        p["kv_cache"] = L * _a(B * T * nk * D * 4) * 2
-        p["kv_cache_used"] = L * 2 * B * T * nk * D * 4
+        p["kv_cache"] = sum(n * _a(B * tk * nk * D * 4) * 2 for n, tk in kinds)
+        p["kv_cache_used"] = sum(n * 2 * B * min(T, tk) * nk * D * 4 for n, tk in kinds)
     # the embedding's forward
     p["workspace"] += _a(M * 8) + _a(2 * 8)
     if world > 1:
@@ -342,24 +357,33 @@ def _block_workspace(cfg, B, T, Tk, nq, nk, W, A, f, g, kvrep, need_bw, gpu, thr
         Hk = nk if nk else 1
         t = _plan(B * Hk, T * Tk * D * (nq // Hk + 1), threads)
         fwd = 0 if need_bw else QBLOCK * Tk       # forward without kept probabilities: a block of scores
-        bwd = QBLOCK * Tk if need_bw else 0       # backward with the probabilities kept: dP
+        # backward with the probabilities kept: dP (and the raw scores with a soft-cap)
+        bwd = QBLOCK * Tk * (1 + bool(cfg.attn_softcap)) if need_bw else 0
         abytes = t * max(fwd, bwd) * 4
     fixed = _a(8 * M) + 3 * _a(8 * B) + _a(M) + _a(abytes)
+    qh = nq + nk if cfg.qk_norm else 0
+    pn = int(cfg.post_norms)
+    # the families' buffers: Q/K before and after their norms, the norms' rstd, the weights' snapshot;
+    # the post norms' input (kept for backward), outputs and statistics
+    fam = [M * qh * D, M * qh * D, M * qh, 2 * D if qh and need_bw else 0, pn * M * C if need_bw else 0,
+           pn * M * C, pn * M * C] + [pn * M] * 4
     if not need_bw:   # xs s1 h1 s2 n1 n2 mo, qkv, ao, 4 statistics, the MLP's h and a; the rest empty
-        floats = [M * C] * 7 + [M * W, M * A] + [M] * 4 + [M * f1, M * f] + [0] * 7
+        floats = [M * C] * 7 + [M * W, M * A] + [M] * 4 + [M * f1, M * f] + [0] * 7 + fam
         shared = sum(_a(4 * n) for n in floats) + fixed
         ws = 3 * 2 * _a(0)                        # fc1, fc2, the output projection: borrowed inputs
         # the out projection's and fc2's sums: the shared workspace's one buffer
         return ws, 0, (shared, _reg(M * C * 4))
     kept = B * nq * T if gpu else B * nq * T * T
     floats = [M * C] * 10 + [M * W] * 2 + [M * A] * 2 + [M] * 4 + [kept] + \
-        [2 * nk * D * (C + 1) if kvrep else 0] + [0, 0]
+        [2 * nk * D * (C + 1) if kvrep else 0] + [0, 0] + fam
     ws = sum(_a(4 * n) for n in floats) + fixed
     comm = _reg(M * C * 4) + _reg(M * C * 4)      # the QKV input gradient's and the out projection's sums
     if kvrep:
         comm += _reg(2 * cfg.kv_heads * D * (C + 1) * 4)
+    if cfg.qk_norm and world > 1:
+        comm += _reg(2 * D * 4)                   # the Q/K norm weights' gradient sums
     ws += 2 * _a(0)                               # the output projection borrows its input
-    bws = _plan(M, f, threads) * f1 * 4 if cfg.bias else 0
+    bws = _plan(M, f, threads) * f1 * 4 if cfg.mlp_bias else 0
     ws += 2 * _a(M * f1 * 4) + 2 * _a(M * f * 4) + _a(bws)   # h, dh, a, da, the bias backward's scratch
     ws += _a(M * C * 4) + _a(0)                   # fc1 keeps its input
     ws += 2 * _a(0)                               # fc2 borrows its input

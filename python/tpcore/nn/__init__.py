@@ -11,7 +11,11 @@
 - `vocab`: `VocabParallelEmbedding`, `VocabParallelCrossEntropy`.
 - `config`: `Config` (from a Hugging Face config.json too), `NORMS`, `POSITIONS`,
   `ACTIVATIONS`, `head_partition`.
+- `rope`: `rope_frequencies` (Hugging Face's rope scalings as the rope kernel's frequency table
+  and factor), `depends_on_length`, `rope_type`, `ROPE_TYPES`.
 - `transformer`: `TransformerBlock`, `ParallelAttention`.
+- `moe`: `MoE` (Mixtral's sparse MoE MLP: expert parallelism with all_to_all dispatch, or
+  tensor parallelism inside the experts) and `load_balancing_loss` (transformers').
 - `plan`: `Plan`, per-rank shard sizes from measured speeds and memory (`plan_from_measurements`).
 - `quant`: quantized weight formats (`QuantTensor`, `quantize`, `dequantize`).
 - `optim`: `AdamW`, `SGD`, `ShardedAdamW` over the layers' parameters.

@@ -125,3 +125,13 @@ def check_grad(layer: Any, shape: Tuple[int, ...], name: str = "dy") -> None:
     if want is not None and got != want:
         raise ValueError(f"{type(layer).__name__}.backward: {name} has shape {got} but the last forward's output "
                          f"has shape {want}; {name} must be the gradient of that output, of its shape")
+
+
+def softcap(x: np.ndarray, cap: float, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """cap * tanh(x / cap) in float32, as transformers computes Gemma 2's soft-capping (into out
+    when given, which may be x)."""
+    c = np.float32(cap)
+    y = np.divide(x, c, out=out, dtype=np.float32)
+    np.tanh(y, out=y)
+    y *= c
+    return y

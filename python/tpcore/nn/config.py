@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from tpcore.utils.args import bool_arg, int_arg, real_arg, shown
 from tpcore.io.formats import MISSING, CheckpointError, ConfigFields, bad, read_json_object
+from tpcore.nn.hf_config import DECODERS, SUPPORTED, SUPPORTED_ROPE, decoder_fields
 from tpcore.nn.partition import partition
 
 NORMS = ("layernorm", "rmsnorm")
@@ -16,7 +17,7 @@ POSITIONS = ("learned", "rope", "none")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "swiglu", "geglu")
 GATED = ("swiglu", "geglu")   # fc1 holds [gate; up] (2 * ffn_hidden rows)
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+ROPE_TYPES = SUPPORTED_ROPE
 
 
 @dataclasses.dataclass
@@ -130,7 +131,7 @@ class Config:
     head_dim: Optional[int] = None          # None: hidden // heads
     norm: str = "layernorm"                 # "layernorm" | "rmsnorm"
     eps: float = 1e-5
-    activation: str = "gelu_tanh"           # gelu, gelu_tanh, silu, relu, swiglu
+    activation: str = "gelu_tanh"           # gelu, gelu_tanh, silu, relu, swiglu, geglu
     positions: str = "learned"              # "learned" (GPT-2, BERT) | "rope" (Llama) | "none"
     max_positions: int = 1024
     rope_theta: float = 10000.0
@@ -241,7 +242,19 @@ class Config:
         self.router_aux_loss_coef = real_arg(self.router_aux_loss_coef, "Config", "router_aux_loss_coef", lo=0)
 
     def sliding(self, layer: int) -> bool:
-        """Whether layer `layer` attends through the sliding window."""
+        """Whether a layer attends through the sliding window.
+
+        Parameters
+        ----------
+        layer : int
+            The layer's index, in [0, layers).
+
+        Returns
+        -------
+        bool
+            True when sliding_window is set and layer_types makes it a sliding layer (or
+            layer_types is None).
+        """
         if self.sliding_window is None:
             return False
         return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
@@ -264,7 +277,8 @@ class Config:
 
     @classmethod
     def from_hf(cls, path: str) -> "Config":
-        """The Config of a Hugging Face GPT-2, Llama (or Mistral) or BERT checkpoint.
+        """The Config of a Hugging Face checkpoint (GPT-2, BERT, or a decoder family of
+        tpcore.nn.hf_config: Llama, Mistral, Qwen 2/3, Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE).
 
         Parameters
         ----------
@@ -292,7 +306,9 @@ class Config:
         Parameters
         ----------
         c : dict
-            The parsed config.json (model_type "gpt2", "llama", "mistral" or "bert").
+            The parsed config.json: model_type "gpt2", "bert", or one of the decoder
+            families tpcore.nn.hf_config reads (llama, mistral, qwen2, qwen3, gemma2,
+            gemma3_text, gemma3 (its text_config), phi3, mixtral, qwen3_moe).
         source : str, default "config.json"
             Where it came from, for the messages.
 
@@ -307,8 +323,7 @@ class Config:
             what was expected and what was found.
         """
         f = ConfigFields(c, source)
-        mt = f.str("model_type", MISSING, ("gpt2", "llama", "mistral", "bert"),
-                   " (other model types are not supported)")
+        mt = f.str("model_type", MISSING, SUPPORTED, " (other model types are not supported)")
 
         def heads_divide(hidden_key, heads_key):
             C, H = f.int(hidden_key), f.int(heads_key)
@@ -328,32 +343,8 @@ class Config:
                       activation=_hf_act(f.str("activation_function", "gelu_new", tuple(_HF_ACTS))),
                       positions="learned", max_positions=f.int("n_positions", 1024), causal=True, pre_norm=True,
                       bias=True, tie_embeddings=f.bool("tie_word_embeddings", True), model_type="gpt2")
-        elif mt in ("llama", "mistral"):
-            rp = f.obj("rope_parameters")
-            scaling = f.obj("rope_scaling") or rp
-            if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-                scaling = {}  # plain RoPE written out explicitly
-            if scaling:
-                raise f.fail("rope_scaling" if f.obj("rope_scaling") else "rope_parameters",
-                             "plain RoPE (rope scaling is not supported)", scaling)
-            theta = f.num("rope_theta", None) if f.get("rope_theta", None) is not None else \
-                ConfigFields(rp, f"{source} rope_parameters").num("rope_theta", 10000.0)
-            f.str("hidden_act", "silu", ("silu",), " (Llama with another activation is not supported)")
-            for key in ("attention_bias", "mlp_bias"):
-                if f.bool(key, False):
-                    raise f.fail(key, "false (Llama with biases is not supported)", True)
-            head_dim = f.int("head_dim", None, null=True)
-            C, H = (f.int("hidden_size"), f.int("num_attention_heads")) if head_dim else \
-                heads_divide("hidden_size", "num_attention_heads")
-            kv = f.int("num_key_value_heads", None, null=True) or H
-            if H % kv:
-                raise f.fail("num_key_value_heads", f"a divisor of num_attention_heads ({H})", kv)
-            kw = dict(vocab_size=f.int("vocab_size"), hidden=C, layers=f.int("num_hidden_layers"), heads=H,
-                      kv_heads=kv, ffn_hidden=f.int("intermediate_size"), head_dim=head_dim, norm="rmsnorm",
-                      eps=f.num("rms_norm_eps", 1e-6), activation="swiglu", positions="rope",
-                      max_positions=f.int("max_position_embeddings", 2048), rope_theta=theta,
-                      causal=True, pre_norm=True, bias=False, tie_embeddings=f.bool("tie_word_embeddings", False),
-                      sliding_window=f.int("sliding_window", None, lo=0, null=True) or None, model_type="llama")
+        elif mt in DECODERS:
+            kw = decoder_fields(c, source)
         else:  # bert
             C, H = heads_divide("hidden_size", "num_attention_heads")
             f.str("position_embedding_type", "absolute", ("absolute",), " (relative positions are not supported)")

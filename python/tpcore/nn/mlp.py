@@ -12,7 +12,7 @@ from tpcore.utils.arrays import device_string, resolve_device
 from tpcore.utils.dtypes import weight_format
 from tpcore.distributed.comm import Comm
 from tpcore.nn.common import _back, check_grad, dev_back, dev_f32, kept_output, layer_memory
-from tpcore.nn.config import ACTIVATIONS
+from tpcore.nn.config import ACTIVATIONS, GATED
 from tpcore.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tpcore.nn.partition import _plan_sizes, partition_sizes
 
@@ -21,9 +21,9 @@ class ParallelMLP:
     """Transformer MLP y = fc2(act(fc1(x))) split over ranks (Megatron).
 
     fc1 is column-parallel (without gather), the activation runs on this rank's columns,
-    fc2 is row-parallel with input_is_parallel.  activation="swiglu" makes fc1 gated:
-    [gate; up] of shape (2 ffn_hidden, hidden), both projections of a rank in one GEMM,
-    and y = fc2(silu(gate) * up).  The whole step is one C call each way
+    fc2 is row-parallel with input_is_parallel.  activation="swiglu" (or "geglu") makes fc1
+    gated: [gate; up] of shape (2 ffn_hidden, hidden), both projections of a rank in one
+    GEMM, and y = fc2(silu(gate) * up) (geglu: gelu_tanh(gate) * up, Gemma).  The whole step is one C call each way
     (csrc/layers/mlp.c), with its workspaces reused across steps; `fc1` and `fc2` are
     views of its layers (weights, grads, load_full, gather_full).
 
@@ -35,8 +35,9 @@ class ParallelMLP:
         The inner width, split over the ranks, >= 1.
     comm : Comm
         The ranks that share the MLP.
-    activation : {"gelu", "gelu_tanh", "silu", "relu", "swiglu"}, default "gelu"
-        "gelu" is the exact (erf) GELU, "gelu_tanh" its tanh approximation (GPT-2).
+    activation : {"gelu", "gelu_tanh", "silu", "relu", "swiglu", "geglu"}, default "gelu"
+        "gelu" is the exact (erf) GELU, "gelu_tanh" its tanh approximation (GPT-2);
+        "swiglu" and "geglu" are gated (silu / gelu_tanh of the gate, times up).
     bias : bool, default True
         Biases on fc1 and fc2.
     partition : list of int or list of (int, int), optional
@@ -55,7 +56,7 @@ class ParallelMLP:
     Attributes
     ----------
     fc1 : ColumnParallelLinear
-        (hidden -> ffn_hidden; gated for swiglu).
+        (hidden -> ffn_hidden; gated for swiglu and geglu).
     fc2 : RowParallelLinear
         (ffn_hidden -> hidden, input_is_parallel).
 
@@ -93,7 +94,7 @@ class ParallelMLP:
         self._c = _C.ParallelMLP(comm._c, int(hidden), int(ffn_hidden), activation, bool(bias), sizes, seed,
                                  weight_dtype=self.dtype, **kw)
         self.fc1: ColumnParallelLinear = ColumnParallelLinear._adopt(self._c.fc1, comm, int(hidden), int(ffn_hidden),
-                                                                     activation == "swiglu", self.device)
+                                                                     activation in GATED, self.device)
         self.fc2: RowParallelLinear = RowParallelLinear._adopt(self._c.fc2, comm, int(ffn_hidden), int(hidden), False,
                                                                self.device)
 

@@ -72,7 +72,7 @@ def dims_of(spec, who: str = "plan_partition") -> Dims:
         c = spec.validate()
         rows = (c.max_positions if c.positions == "learned" else 0) + c.type_vocab_size
         return Dims(hidden=c.hidden, ffn=c.ffn_hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                    vocab=c.vocab_size, layers=c.layers, gated=c.activation == "swiglu", bias=c.bias,
+                    vocab=c.vocab_size, layers=c.layers, gated=c.activation in ("swiglu", "geglu"), bias=c.bias,
                     tie=c.tie_embeddings, layernorm=c.norm == "layernorm", replicated_rows=rows)
     if isinstance(spec, dict):
         return _dims_from_dict(spec, who)

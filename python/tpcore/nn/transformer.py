@@ -41,7 +41,8 @@ from tpcore.utils.dtypes import FLOAT_FORMATS, is_quantized, weight_formats
 from tpcore.distributed.comm import Comm
 from tpcore.io.formats import to_float32
 from tpcore.nn.common import as_float32, check_grad, dev_back, dev_f32, kept_output, layer_memory, zero
-from tpcore.nn.config import Config
+from tpcore.nn.config import GATED, Config
+from tpcore.nn.rotary import RopeState
 from tpcore.nn.partition import check_partition, partition_sizes
 from tpcore.nn.quant import QuantTensor, as_format, dequantize
 from tpcore.nn.weights import _host, load_weight
@@ -147,7 +148,7 @@ class TransformerBlock:
 
     def __init__(self, config: Config, comm: Comm, seed: int = 0, head_partition: Optional[Sequence[Any]] = None,
                  ffn_partition: Optional[Sequence[Any]] = None, device: Optional[str] = None, dtype: Any = "float32",
-                 plan: Any = None) -> None:
+                 plan: Any = None, layer: Optional[int] = None) -> None:
         self.device = resolve_device(device, type(self).__name__)
         self.dtypes = _block_dtypes(dtype, type(self).__name__)
         self.dtype = self.dtypes["attn.qkv.weight"]
@@ -165,10 +166,19 @@ class TransformerBlock:
         hp = partition_sizes(head_partition, cfg.heads, comm.size, "heads", f"{type(self).__name__}: head_partition")
         fp = partition_sizes(ffn_partition, cfg.ffn_hidden, comm.size, "ffn_hidden",
                              f"{type(self).__name__}: ffn_partition")
+        self.layer = None if layer is None else int_arg(layer, type(self).__name__, "layer", lo=0, hi=cfg.layers - 1)
+        self.sliding_window = _window(cfg, self.layer, type(self).__name__)
+        self._rope = RopeState(cfg, self.layer) if cfg.positions == "rope" else None
+        freq, factor = self._rope.initial() if self._rope is not None else (None, 0.0)
         self._c = _C.TransformerBlock(comm._c, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden,
                                       norm=cfg.norm, eps=float(cfg.eps), activation=cfg.activation,
                                       pre_norm=cfg.pre_norm, bias=cfg.bias, causal=cfg.causal,
-                                      rope_theta=float(cfg.rope_theta) if cfg.positions == "rope" else 0.0,
+                                      rope_theta=self._rope.theta if self._rope is not None else 0.0,
+                                      bias_parts=8 | cfg.qkv_bias | cfg.out_bias << 1 | cfg.mlp_bias << 2,
+                                      qk_norm=cfg.qk_norm, post_norms=cfg.post_norms,
+                                      attn_scale=float(cfg.attn_scale or 0.0),
+                                      attn_softcap=float(cfg.attn_softcap or 0.0),
+                                      sliding_window=self.sliding_window or 0, rope_inv_freq=freq, rope_factor=factor,
                                       head_partition=hp, ffn_partition=fp, seed=seed_arg(seed, "TransformerBlock"),
                                       attention_only=self._attention_only,
                                       weight_dtype=tuple(self.dtypes[k] for k in _PROJ),
@@ -180,7 +190,7 @@ class TransformerBlock:
         warn_headless_ranks(self.head_partition, cfg.heads, comm, type(self).__name__)
         self._p = self._c.params()  # (param, grad) views; grad None until _alloc_grads or a backward
         self._grads = False
-        g = 2 if cfg.activation == "swiglu" else 1
+        g = 2 if cfg.activation in GATED else 1
         self.ffn_local = self._p["mlp.fc1.weight"][0].shape[0] // g if "mlp.fc1.weight" in self._p else 0
         offs = comm.all_gather(np.array([self.ffn_local], np.int64))
         self.ffn_offset = int(offs[:comm.rank].sum())
@@ -228,7 +238,7 @@ class TransformerBlock:
         nq, nk = self.nq * D, self.nk * D
         lo, n = self.ffn_offset, self.ffn_local
         F = cfg.ffn_hidden
-        fc1_rows = (np.r_[lo:lo + n, F + lo:F + lo + n] if cfg.activation == "swiglu" else np.arange(lo, lo + n))
+        fc1_rows = (np.r_[lo:lo + n, F + lo:F + lo + n] if cfg.activation in GATED else np.arange(lo, lo + n))
         out = {
             "norm1.weight": ("norm1.weight", slice(None), slice(None)),
             "norm1.bias": ("norm1.bias", slice(None), slice(None)),
@@ -246,6 +256,12 @@ class TransformerBlock:
             "mlp.fc1.bias": ("mlp.fc1.bias", slice(None), fc1_rows),
             "mlp.fc2.weight": ("mlp.fc2.weight", slice(None), (slice(None), slice(lo, lo + n))),
             "mlp.fc2.bias": ("mlp.fc2.bias", slice(None), slice(None)),
+            "attn.q_norm.weight": ("attn.q_norm.weight", slice(None), slice(None)),
+            "attn.k_norm.weight": ("attn.k_norm.weight", slice(None), slice(None)),
+            "attn_post_norm.weight": ("attn_post_norm.weight", slice(None), slice(None)),
+            "attn_post_norm.bias": ("attn_post_norm.bias", slice(None), slice(None)),
+            "mlp_post_norm.weight": ("mlp_post_norm.weight", slice(None), slice(None)),
+            "mlp_post_norm.bias": ("mlp_post_norm.bias", slice(None), slice(None)),
         }
         return {k: v for k, v in out.items() if v[0] in self._p}
 
@@ -262,12 +278,14 @@ class TransformerBlock:
         """The shape of every full tensor of the block, by its full name (module doc)."""
         cfg, D = self.config, self.config.head_dim
         C, H, Hk, F = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
-        g = 2 if cfg.activation == "swiglu" else 1
+        g = 2 if cfg.activation in GATED else 1
         shapes = {"norm1.weight": (C,), "norm1.bias": (C,), "norm2.weight": (C,), "norm2.bias": (C,),
                   "attn.q.weight": (H * D, C), "attn.k.weight": (Hk * D, C), "attn.v.weight": (Hk * D, C),
                   "attn.q.bias": (H * D,), "attn.k.bias": (Hk * D,), "attn.v.bias": (Hk * D,),
                   "attn.out.weight": (C, H * D), "attn.out.bias": (C,), "mlp.fc1.weight": (g * F, C),
-                  "mlp.fc1.bias": (g * F,), "mlp.fc2.weight": (C, F), "mlp.fc2.bias": (C,)}
+                  "mlp.fc1.bias": (g * F,), "mlp.fc2.weight": (C, F), "mlp.fc2.bias": (C,),
+                  "attn.q_norm.weight": (D,), "attn.k_norm.weight": (D,), "attn_post_norm.weight": (C,),
+                  "attn_post_norm.bias": (C,), "mlp_post_norm.weight": (C,), "mlp_post_norm.bias": (C,)}
         return {k: shapes[k] for k in self._slices()}
 
     def load_full(self, tensors: Dict[str, Any], strict: bool = True) -> None:
@@ -385,7 +403,8 @@ class TransformerBlock:
                 mine = dequantize(mine, self.dtypes[local], self._local_cols(local)) if mine.shape[0] else \
                     np.zeros((0, self._local_cols(local)), np.float32)
             shape = shapes[name]
-            if name.startswith(("norm", "attn.out.bias", "mlp.fc2.bias")):
+            if name.startswith(("norm", "attn.out.bias", "mlp.fc2.bias", "attn.q_norm", "attn.k_norm",
+                                "attn_post_norm", "mlp_post_norm")):
                 out[name] = mine.copy()
                 continue
             if name == "attn.out.weight":
@@ -395,7 +414,7 @@ class TransformerBlock:
                 out[name] = comm.all_gather(mine, axis=1, sizes=[s for _, s in self.ffn_partition])
                 continue
             if name.startswith("mlp.fc1"):
-                g = 2 if cfg.activation == "swiglu" else 1
+                g = 2 if cfg.activation in GATED else 1
                 blocks = comm.all_gather(mine, sizes=[g * s for _, s in self.ffn_partition])
                 if g == 2:
                     o, gates, ups = 0, [], []
@@ -513,6 +532,7 @@ class TransformerBlock:
                 x, dt = self._device_x(x, "x", type(self).__name__)
             B, T, C = x.shape
             kept_output(self, None)
+            self._update_rope(pos0, T)
             y = self._c.forward(x.reshape((B * T, C)), B, T, pos0=pos0, key_mask=None if key_mask is None else
                                 key_mask.reshape(-1), use_cache=use_cache, need_backward=need_backward, slots=slots)
             kept_output(self, (B, T, C) if need_backward else None)
@@ -547,12 +567,23 @@ class TransformerBlock:
                                           ("slots differ", (v[3],)), ("use_cache differs", (bool(use_cache),))])
         B, T, C = x32.shape
         kept_output(self, None)  # (a forward that fails in C keeps nothing: its backward is refused, naming why)
+        self._update_rope(p, T)
         y = self._c.forward(x32.reshape((B * T, C)), B, T, pos0=p, key_mask=m, use_cache=use_cache,
                             need_backward=need_backward, slots=sl)
         kept_output(self, (B, T, C) if need_backward else None)
         if use_cache:
             self._filled[slice(None, B) if sl is None else sl] = T if p is None else p + T
         return dev_back(y, io_dt[0]).reshape((B, T, C))
+
+    def _update_rope(self, pos0: Optional[np.ndarray], T: int) -> None:
+        """The rotary frequencies of a scaling that depends on the length (dynamic NTK, LongRoPE)
+        for this forward's longest position, as transformers picks them."""
+        if self._rope is None or not self._rope.dynamic:
+            return
+        seq = (int(np.max(pos0)) if pos0 is not None and len(pos0) else 0) + T
+        new = self._rope.for_length(seq)
+        if new is not None:
+            self._c.set_rope(*new)
 
     def _slots(self, slots, B, use_cache, who):
         """slots as B distinct int64 cache sequences in [0, cache batch) (a ValueError naming the
@@ -738,14 +769,28 @@ class ParallelAttention(TransformerBlock):
                 f"{self.k0}:{self.k0 + self.nk} on rank {self.comm.rank})")
 
 
+def _window(cfg: Config, layer: Optional[int], who: str) -> Optional[int]:
+    """The sliding window of layer `layer` of cfg (None: a standalone block: every layer's when
+    they all slide), or None."""
+    if cfg.sliding_window is None:
+        return None
+    if layer is None:
+        if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1:
+            raise ValueError(f"{who}: config.layer_types mixes sliding and full layers: give layer=")
+        return cfg.sliding_window if cfg.layer_types is None or cfg.layer_types[0] == "sliding_attention" else None
+    return cfg.sliding_window if cfg.sliding(layer) else None
+
+
 def build_blocks(cfg: Config, comm: Comm, seeds: Sequence[int], head_partition: Any, ffn_partition: Any,
-                 device: Any, dtype: Any, who: str) -> List["TransformerBlock"]:
-    """One TransformerBlock per seed, all on one head and FFN split; a split that leaves some
-    rank without heads warns once for them all (`HeadSplitWarning`), not once per block."""
+                 device: Any, dtype: Any, who: str, layers: Optional[Sequence[int]] = None) -> List["TransformerBlock"]:
+    """One TransformerBlock per seed (of the model's layers `layers`: their windows and rotary
+    bases), all on one head and FFN split; a split that leaves some rank without heads warns
+    once for them all (`HeadSplitWarning`), not once per block."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HeadSplitWarning)
+        layers = [None] * len(seeds) if layers is None else list(layers)
         blocks = [TransformerBlock(cfg, comm, seed=s, head_partition=head_partition, ffn_partition=ffn_partition,
-                                   device=device, dtype=dtype) for s in seeds]
+                                   device=device, dtype=dtype, layer=i) for s, i in zip(seeds, layers)]
     if blocks:
         warn_headless_ranks(blocks[0].head_partition, cfg.heads, comm, who, len(blocks))
     return blocks

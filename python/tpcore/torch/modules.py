@@ -147,8 +147,8 @@ class ParallelMLP(_TPModule):
     ----------
     hidden, ffn_hidden : int
     comm : tpcore.Comm
-    activation : {"gelu", "gelu_tanh", "silu", "relu", "swiglu"}, default "gelu"
-        "swiglu": fc1.weight is [gate; up] of shape (2 ffn_hidden, hidden) in the full form.
+    activation : {"gelu", "gelu_tanh", "silu", "relu", "swiglu", "geglu"}, default "gelu"
+        "swiglu", "geglu": fc1.weight is [gate; up] of shape (2 ffn_hidden, hidden) in the full form.
     bias, partition, dtype, seed, device, plan
         As tpcore.ParallelMLP.
 
@@ -200,7 +200,7 @@ class ParallelMLP(_TPModule):
 
     def _tp_full_shapes(self) -> Dict[str, Tuple[int, ...]]:
         H, F = self.layer.hidden, self.layer.fc1.out_features
-        g = 2 if self.layer.activation == "swiglu" else 1
+        g = 2 if self.layer.activation in _config.GATED else 1
         s: Dict[str, Tuple[int, ...]] = {"fc1.weight": (g * F, H), "fc2.weight": (H, F)}
         if self.layer.fc1.bias is not None:
             s.update({"fc1.bias": (g * F,), "fc2.bias": (H,)})

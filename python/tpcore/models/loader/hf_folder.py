@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint folders: config.json and *.safetensors (GPT-2, Llama, BERT).
+"""Hugging Face checkpoint folders: config.json and *.safetensors (GPT-2, BERT, the decoder families).
 
 Each rank reads only its slices of the tensors, mapped from Hugging Face's names to
 tpcore's by models.hf, through one bounded staging buffer.
