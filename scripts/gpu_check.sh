@@ -19,7 +19,8 @@
 #           and the prefill panel GEMM, against a host dequantizer equal to gguf's and a float64
 #           GEMM) make the "quant" row
 #   tests   pytest tests/devices/test_gpu.py: layers and blocks on device="cuda" at world 1 and 2
-#           (host-staged shm and NCCL), NCCL collectives at world 1 and 2 on the one GPU,
+#           (host-staged shm and NCCL), NCCL collectives at world 1 and 2 on the one GPU
+#           (all_to_all with uneven counts among them: grouped ncclSend / ncclRecv),
 #           DLPack round trips with torch and CuPy, error cases
 #   bench   python -m tpcore.bench gpu: GEMM TFLOP/s vs torch.matmul, decode tok/s and TTFT vs
 #           Hugging Face generate, per-rank GPU memory

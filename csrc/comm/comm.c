@@ -30,9 +30,9 @@ const char *tp_redop_name(tp_redop_t op) {
 }
 
 const char *tp_coll_name(tp_coll_kind_t kind) {
-  static const char *names[TP_COLL_NUM] = {"none",      "all_reduce", "all_gather", "reduce_scatter",
-                                           "broadcast", "reduce",     "barrier",    "split",
-                                           "alloc",     "send",       "recv",       "sendrecv"};
+  static const char *names[TP_COLL_NUM] = {"none",   "all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                           "reduce", "barrier",    "split",      "alloc",          "send",
+                                           "recv",   "sendrecv",   "all_to_all"};
   return ((unsigned)kind < TP_COLL_NUM) ? names[kind] : "unknown";
 }
 
@@ -305,6 +305,7 @@ static tp_status_t check_device(tp_comm_t c, const char *op, const char *arg, co
 static tp_status_t guarded_coll(tp_comm_t c, tp_coll_args_t *a) {
   const char *op = tp_coll_name(a->kind);
   size_t n = a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_REDUCE_SCATTER ? a->total : a->count;
+  if (a->kind == TP_COLL_ALL_TO_ALL) n = a->count > a->total ? a->count : a->total;
   TP_CHECK(enter(c, op));
   double t0 = tp_now();
   int reduction = a->kind == TP_COLL_ALL_REDUCE || a->kind == TP_COLL_REDUCE || a->kind == TP_COLL_REDUCE_SCATTER;
@@ -326,7 +327,7 @@ static tp_status_t run_coll(tp_comm_t c, tp_coll_args_t *a, size_t bytes, tp_str
   if (cs == 1 || cr == 1) {
     size_t es = tp_dtype_size(a->dtype);
     size_t sn = a->kind == TP_COLL_REDUCE_SCATTER ? a->total : a->count;
-    size_t rn = a->kind == TP_COLL_ALL_GATHER ? a->total : a->count;
+    size_t rn = a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_ALL_TO_ALL ? a->total : a->count;
     a->stream = c->ops->streams ? stream : NULL;
     return tp_comm_staged(c, a, sn * es, rn * es, used_send, used_recv, stream, guarded_coll);
   }
@@ -342,7 +343,7 @@ tp_status_t tp_all_reduce(const void *send, void *recv, size_t count, tp_dtype_t
   TP_CHECK(check_op("all_reduce", op));
   size_t nb = count * tp_dtype_size(dtype);
   TP_CHECK(check_overlap("all_reduce", send, nb, recv, nb, recv));
-  tp_coll_args_t a = {TP_COLL_ALL_REDUCE, send, recv, count, NULL, count, dtype, op, 0, NULL};
+  tp_coll_args_t a = {TP_COLL_ALL_REDUCE, send, recv, count, NULL, count, dtype, op, 0, NULL, NULL};
   return run_coll(c, &a, count * tp_dtype_size(dtype), stream, count > 0, count > 0);
 }
 
@@ -380,7 +381,7 @@ static tp_status_t gather_scatter_v(tp_coll_kind_t kind, const void *send, void 
     if (mine && !recv)
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s on rank %d: recv buffer is NULL", name, c->rank);
   }
-  tp_coll_args_t a = {kind, send, recv, mine, counts, total, dtype, op, 0, NULL};
+  tp_coll_args_t a = {kind, send, recv, mine, counts, total, dtype, op, 0, NULL, NULL};
   int gather = kind == TP_COLL_ALL_GATHER;
   return run_coll(c, &a, total * tp_dtype_size(dtype), stream, (gather ? mine : total) > 0,
                   (gather ? total : mine) > 0);
@@ -415,6 +416,50 @@ tp_status_t tp_reduce_scatter_v(const void *send, void *recv, const size_t *coun
   return gather_scatter_v(TP_COLL_REDUCE_SCATTER, send, recv, counts, dtype, op, c, stream);
 }
 
+/* The sum of n counts (one per rank) into *total, in elements of at most `limit` in all. */
+static tp_status_t sum_counts(const char *op, const char *arg, const size_t *counts, int n, size_t limit,
+                              size_t *total) {
+  size_t t = 0;
+  for (int p = 0; p < n; p++) {
+    if (counts[p] > limit - t)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: %s add up past %zu elements (%s[%d] = %zu)", op, arg, limit,
+                          arg, p, counts[p]);
+    t += counts[p];
+  }
+  *total = t;
+  return TP_SUCCESS;
+}
+
+tp_status_t tp_all_to_all(const void *send, const size_t *send_counts, void *recv, const size_t *recv_counts,
+                          tp_dtype_t dtype, tp_comm_t c, tp_stream_t stream) {
+  const char *op = "all_to_all";
+  if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", op);
+  if (!send_counts) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: send_counts is NULL", op);
+  if (!recv_counts) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: recv_counts is NULL", op);
+  if ((unsigned)dtype >= TP_NUM_DTYPES)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: invalid dtype %d", op, (int)dtype);
+  size_t es = tp_dtype_size(dtype), limit = ((size_t)1 << 60) / es, sent = 0, got = 0;
+  TP_CHECK(sum_counts(op, "send_counts", send_counts, c->size, limit, &sent));
+  TP_CHECK(sum_counts(op, "recv_counts", recv_counts, c->size, limit, &got));
+  if (send_counts[c->rank] != recv_counts[c->rank])
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s on rank %d: send_counts[%d] is %zu but recv_counts[%d] is %zu (this rank's block to "
+                        "itself: they must be equal)",
+                        op, c->rank, c->rank, send_counts[c->rank], c->rank, recv_counts[c->rank]);
+  TP_CHECK(check_common(c, op, send, recv, sent, dtype, 1, 0));
+  TP_CHECK(check_common(c, op, send, recv, got, dtype, 0, 1));
+  if (send && recv && sent && got) {
+    const char *s = send, *r = recv;
+    if (s < r + got * es && r < s + sent * es)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                          "%s: x and out overlap (x at %p, %zu bytes; out at %p, %zu bytes); all_to_all has no "
+                          "in-place form: use separate buffers",
+                          op, send, sent * es, recv, got * es);
+  }
+  tp_coll_args_t a = {TP_COLL_ALL_TO_ALL, send, recv, sent, send_counts, got, dtype, TP_SUM, 0, NULL, recv_counts};
+  return run_coll(c, &a, (sent > got ? sent : got) * es, stream, sent > 0, got > 0);
+}
+
 tp_status_t tp_broadcast(const void *send, void *recv, size_t count, tp_dtype_t dtype, int root, tp_comm_t c,
                          tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "broadcast: communicator is NULL");
@@ -422,7 +467,7 @@ tp_status_t tp_broadcast(const void *send, void *recv, size_t count, tp_dtype_t 
   TP_CHECK(check_common(c, "broadcast", send, recv, count, dtype, c->rank == root, 1));
   if (c->rank == root)
     TP_CHECK(check_overlap("broadcast", send, count * tp_dtype_size(dtype), recv, count * tp_dtype_size(dtype), recv));
-  tp_coll_args_t a = {TP_COLL_BROADCAST, send, recv, count, NULL, count, dtype, TP_SUM, root, NULL};
+  tp_coll_args_t a = {TP_COLL_BROADCAST, send, recv, count, NULL, count, dtype, TP_SUM, root, NULL, NULL};
   return run_coll(c, &a, count * tp_dtype_size(dtype), stream, count && c->rank == root, count > 0);
 }
 
@@ -434,13 +479,13 @@ tp_status_t tp_reduce(const void *send, void *recv, size_t count, tp_dtype_t dty
   TP_CHECK(check_common(c, "reduce", send, recv, count, dtype, 1, c->rank == root));
   if (c->rank == root)
     TP_CHECK(check_overlap("reduce", send, count * tp_dtype_size(dtype), recv, count * tp_dtype_size(dtype), recv));
-  tp_coll_args_t a = {TP_COLL_REDUCE, send, recv, count, NULL, count, dtype, op, root, NULL};
+  tp_coll_args_t a = {TP_COLL_REDUCE, send, recv, count, NULL, count, dtype, op, root, NULL, NULL};
   return run_coll(c, &a, count * tp_dtype_size(dtype), stream, count > 0, count && c->rank == root);
 }
 
 tp_status_t tp_barrier(tp_comm_t c, tp_stream_t stream) {
   if (!c) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "barrier: communicator is NULL");
-  tp_coll_args_t a = {TP_COLL_BARRIER, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0, NULL};
+  tp_coll_args_t a = {TP_COLL_BARRIER, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0, NULL, NULL};
   return run_coll(c, &a, 0, stream, 0, 0);
 }
 

@@ -27,14 +27,18 @@ typedef enum {
   TP_COLL_SEND = 9,
   TP_COLL_RECV = 10,
   TP_COLL_SENDRECV = 11,
-  TP_COLL_NUM = 12
+  TP_COLL_ALL_TO_ALL = 12,
+  TP_COLL_NUM = 13
 } tp_coll_kind_t;
 
 const char *tp_coll_name(tp_coll_kind_t kind);
 
 /* One collective call, validated.  For ALL_GATHER / REDUCE_SCATTER `counts`
  * has one entry per rank (the equal-count calls fill it in); `count` is this
- * rank's own count for those, the element count otherwise. */
+ * rank's own count for those, the element count otherwise.  ALL_TO_ALL: `counts`
+ * are the send counts (one per peer), `recv_counts` the receive counts, `count`
+ * the elements this rank sends in all and `total` those it receives; both sides'
+ * blocks lie rank after rank (displacements: the prefix sums). */
 typedef struct {
   tp_coll_kind_t kind;
   const void *send;
@@ -45,7 +49,8 @@ typedef struct {
   tp_dtype_t dtype;
   tp_redop_t op;
   int root;
-  tp_stream_t stream; /* NULL unless the backend has streams (ops->streams) */
+  tp_stream_t stream;        /* NULL unless the backend has streams (ops->streams) */
+  const size_t *recv_counts; /* ALL_TO_ALL only; NULL otherwise */
 } tp_coll_args_t;
 
 struct tp_comm;

@@ -162,6 +162,7 @@ void tp_coll_describe(char *buf, size_t n, int kind, int dtype, int redop, uint6
     case TP_COLL_REDUCE: snprintf(buf, n, "%s(%s, %llu %s, root %d)", name, op, cnt, dt, root); break;
     case TP_COLL_BROADCAST: snprintf(buf, n, "%s(%llu %s, root %d)", name, cnt, dt, root); break;
     case TP_COLL_ALL_GATHER: snprintf(buf, n, "%s(%llu %s)", name, cnt, dt); break;
+    case TP_COLL_ALL_TO_ALL: snprintf(buf, n, "%s(%llu %s sent)", name, cnt, dt); break;
     case TP_COLL_ALLOC: snprintf(buf, n, "alloc(%llu bytes)", cnt); break;
     case TP_COLL_SEND: snprintf(buf, n, "send(%llu %s to %d)", cnt, dt, root); break;
     case TP_COLL_RECV: snprintf(buf, n, "recv(%llu %s from %d)", cnt, dt, root); break;

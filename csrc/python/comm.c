@@ -262,7 +262,7 @@ static PyObject *comm_all_reduce(PyObject *o, PyObject *const *args, Py_ssize_t 
 }
 
 /* Reads an optional per-rank count sequence into counts (size entries). */
-static int parse_counts(PyObject *obj, int size, size_t *counts, const char *op) {
+int parse_counts(PyObject *obj, int size, size_t *counts, const char *op) {
   PyObject *seq = PySequence_Fast(obj, "counts must be a sequence of ints");
   if (!seq) return -1;
   if (PySequence_Fast_GET_SIZE(seq) != size) {
@@ -704,6 +704,9 @@ static PyMethodDef comm_methods[] = {
      "all_gather(x, out, counts=None): out=None allocates (size * len(x), ...)"},
     {"reduce_scatter", comm_reduce_scatter, METH_VARARGS,
      "reduce_scatter(x, out, op, counts=None): out=None allocates (len(x) / size, ...)"},
+    {"all_to_all", comm_all_to_all, METH_VARARGS,
+     "all_to_all(x, out, send_counts, recv_counts): x's block p (send_counts[p] elements) to rank p; "
+     "rank p's block for this rank into out's block p (recv_counts[p] elements)"},
     {"broadcast", comm_broadcast, METH_VARARGS, "broadcast(x, out, root)"},
     {"reduce", comm_reduce, METH_VARARGS, "reduce(x, out, op, root)"},
     {"send", comm_send, METH_VARARGS, "send(x, peer)"},

@@ -162,6 +162,12 @@ static inline void comm_leave(CommObject *self) {
   }
 }
 
+/* A sequence of `size` non-negative ints (elements per rank) into counts; -1 with a
+ * ValueError / TypeError naming op otherwise. */
+int parse_counts(PyObject *obj, int size, size_t *counts, const char *op);
+/* comm_a2a.c: Comm.all_to_all(x, out, send_counts, recv_counts). */
+PyObject *comm_all_to_all(PyObject *o, PyObject *args);
+
 /* site.c: the package's folder (at module exec), and the call site ("file.py:LINE" of the
  * first frame outside tpcore) handed to the core for its history; reset with NULL after. */
 void site_init(PyObject *module);

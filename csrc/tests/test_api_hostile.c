@@ -291,6 +291,7 @@ static void test_collectives(tp_comm_t comm) {
   ARG(tp_reduce_scatter_v(s, r, counts, TP_FLOAT32, TP_SUM, comm, fs), "reduce_scatter", "stream");
   ARG(tp_broadcast(s, r, 4, TP_FLOAT32, 0, comm, fs), "broadcast", "stream");
   ARG(tp_reduce(s, r, 4, TP_FLOAT32, TP_SUM, 0, comm, fs), "reduce", "stream");
+  ARG(tp_all_to_all(s, counts, r, counts, TP_FLOAT32, comm, fs), "all_to_all", "stream");
   ARG(tp_barrier(comm, fs), "barrier", "stream");
   ARG(tp_send(s, 4, TP_FLOAT32, 0, comm, fs), "send", NULL); /* world 1: peer 0 is this rank (refused first) */
   ARG(tp_recv(r, 4, TP_FLOAT32, 0, comm, fs), "recv", NULL);
@@ -314,6 +315,21 @@ static void test_collectives(tp_comm_t comm) {
   ARG(tp_all_gather_v(s, r, bigc, TP_FLOAT32, comm, NULL), "all_gather", "count");
   ARG(tp_reduce_scatter_v(s, r, bigc, TP_FLOAT32, TP_SUM, comm, NULL), "reduce_scatter", "count");
   ARG(tp_reduce_scatter(s, r, SIZE_MAX, TP_FLOAT32, TP_SUM, comm, NULL), "reduce_scatter", "count");
+  /* all_to_all (world 1): NULL counts, totals past the address space, this rank's block to itself
+   * of two sizes, NULL buffers, overlapping buffers; then a good call and an empty one */
+  size_t c3[1] = {3}, c0[1] = {0};
+  ARG(tp_all_to_all(s, NULL, r, counts, TP_FLOAT32, comm, NULL), "all_to_all", "send_counts");
+  ARG(tp_all_to_all(s, counts, r, NULL, TP_FLOAT32, comm, NULL), "all_to_all", "recv_counts");
+  ARG(tp_all_to_all(s, bigc, r, bigc, TP_FLOAT32, comm, NULL), "all_to_all", "send_counts");
+  ARG(tp_all_to_all(s, counts, r, c3, TP_FLOAT32, comm, NULL), "all_to_all", "recv_counts[0] is 3");
+  ARG(tp_all_to_all(s, counts, r, counts, (tp_dtype_t)99, comm, NULL), "all_to_all", "dtype");
+  ARG(tp_all_to_all(NULL, counts, r, counts, TP_FLOAT32, comm, NULL), "all_to_all", "send");
+  ARG(tp_all_to_all(s, counts, NULL, counts, TP_FLOAT32, comm, NULL), "all_to_all", "recv");
+  ARG(tp_all_to_all(s, counts, s + 2, counts, TP_FLOAT32, comm, NULL), "all_to_all", "overlap");
+  BAD(tp_all_to_all(s, counts, r, counts, TP_FLOAT32, NULL, NULL), ANY_ERR, "all_to_all", "comm");
+  OK(tp_all_to_all(s + 4, counts, r, counts, TP_FLOAT32, comm, NULL));
+  TRUE(r[0] == 5 && r[3] == 8);
+  OK(tp_all_to_all(NULL, c0, NULL, c0, TP_FLOAT32, comm, NULL));
   ARG(tp_broadcast(s, r, 4, TP_FLOAT32, 1, comm, NULL), "broadcast", "root");
   ARG(tp_broadcast(s, r, 4, TP_FLOAT32, -1, comm, NULL), "broadcast", "root");
   ARG(tp_reduce(s, r, 4, TP_FLOAT32, TP_SUM, INT_MAX, comm, NULL), "reduce", "root");

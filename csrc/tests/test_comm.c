@@ -197,6 +197,50 @@ static void test_gather_scatter(tp_comm_t c, int n, int r) {
   OK(tp_barrier(c, NULL));
 }
 
+/* Elements rank `from` sends rank `to` in all_to_all case `base`: uneven, some zero. */
+static size_t a2a_count(size_t base, int from, int to) {
+  if ((from + 2 * to) % 5 == 3) return 0;
+  return base + (size_t)((from * 7 + to * 3) % 11) * (base / 8 + 1);
+}
+
+static void test_all_to_all(tp_comm_t c, int n, int r) {
+  const size_t bases[] = {0, 1, 7, 1021, 300007};
+  for (size_t bi = 0; bi < sizeof bases / sizeof *bases; bi++) {
+    size_t base = bases[bi], sc[4], rc[4], sd[5] = {0}, rd[5] = {0};
+    for (int p = 0; p < n; p++) {
+      sc[p] = a2a_count(base, r, p);
+      rc[p] = a2a_count(base, p, r);
+      sd[p + 1] = sd[p] + sc[p];
+      rd[p + 1] = rd[p] + rc[p];
+    }
+    double *x = malloc(sd[n] * 8 + 8), *y = malloc(rd[n] * 8 + 8);
+    for (int p = 0; p < n; p++) /* element i of the block to p: val(30 + p, r, i) */
+      for (size_t i = 0; i < sc[p]; i++) x[sd[p] + i] = val(30 + p, r, i);
+    OK(tp_all_to_all(x, sc, y, rc, TP_FLOAT64, c, NULL));
+    size_t bad = 0;
+    for (int p = 0; p < n; p++)
+      for (size_t i = 0; i < rc[p]; i++) bad += y[rd[p] + i] != val(30 + r, p, i);
+    EXPECT(bad == 0, "all_to_all base %zu: %zu wrong", base, bad);
+    free(x);
+    free(y);
+  }
+  size_t sc[4] = {0}, rc[4] = {0};
+  double x[4] = {0}, y[8] = {0};
+  for (int p = 0; p < n; p++) sc[p] = rc[p] = 1;
+  rc[r] = 2; /* this rank to itself: refused here, before any rank waits */
+  tp_status_t st = tp_all_to_all(x, sc, y, rc, TP_FLOAT64, c, NULL);
+  EXPECT(st == TP_ERR_INVALID_ARGUMENT && strstr(tp_last_error(), "recv_counts"), "self block: %s", tp_last_error());
+  rc[r] = 1;
+  st = tp_all_to_all(x, sc, x, rc, TP_FLOAT64, c, NULL); /* no in-place form */
+  EXPECT(st == TP_ERR_INVALID_ARGUMENT && strstr(tp_last_error(), "overlap"), "in place: %s", tp_last_error());
+  if (n < 2) return;
+  if (r == 0) rc[1] = 2; /* rank 0 expects 2 from rank 1, which sends 1: every rank names both */
+  st = tp_all_to_all(x, sc, y, rc, TP_FLOAT64, c, NULL);
+  EXPECT(st == TP_ERR_MISMATCH && strstr(tp_last_error(), "rank 1 sends 1 elements to rank 0") &&
+             strstr(tp_last_error(), "rank 0 expects 2 from rank 1"),
+         "mismatched counts gave %s: %s", tp_status_name(st), tp_last_error());
+}
+
 static void test_p2p_split_registered(tp_comm_t c, int n, int r) {
   /* Ring with sendrecv, message larger than the eager size. */
   size_t cnt = 200003;
@@ -526,6 +570,7 @@ static void run_rank(int n, int r, int which) {
     case 2: test_p2p_split_registered(c, n, r); break;
     case 3: test_errors(c, n, r); break;
     case 8: test_history(c, n, r); break;
+    case 10: test_all_to_all(c, n, r); break;
     case 4: { /* a rank that dies: the others fail fast, naming it */
       if (n < 2) break;
       if (r == n - 1) _exit(0); /* dies without closing */
@@ -557,12 +602,13 @@ static void run_rank(int n, int r, int which) {
 
 static const char *case_names[] = {
     "all_reduce",   "gather_scatter_bcast_reduce", "p2p_split_registered", "errors",  "dead_rank",
-    "missing_rank", "registered_memory_off",       "wait_modes",           "history", "names_gone_once_all_joined"};
+    "missing_rank", "registered_memory_off",       "wait_modes",           "history", "names_gone_once_all_joined",
+    "all_to_all"};
 
 int main(void) {
   snprintf(g_job, sizeof g_job, "ctest%d", (int)getpid());
   int passed = 0, failed = 0;
-  for (int which = 0; which < 10; which++) {
+  for (int which = 0; which < 11; which++) {
     for (int n = 1; n <= 4; n++) {
       pid_t pids[4];
       for (int r = 0; r < n; r++) {

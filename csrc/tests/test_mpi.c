@@ -111,6 +111,15 @@ static void test_gather_scatter(tp_comm_t c, int n, int r) {
     OK(tp_reduce(y, out, 4, TP_INT32, TP_MAX, root, c, NULL));
     if (r == root) EXPECT(out[0] == n && out[1] == 0 && out[2] == 7 && out[3] == (n - 1) * (n - 1), "reduce max");
   }
+  /* all_to_all: rank a sends rank b (a + 2b) % 4 elements (zeros included), val(70 + b, a, i) */
+  size_t sc[4], rc[4], so = 0, ro = 0;
+  double sx[16], ry[16];
+  for (int p = 0; p < n; p++) sc[p] = (size_t)(r + 2 * p) % 4, rc[p] = (size_t)(p + 2 * r) % 4;
+  for (int p = 0; p < n; p++)
+    for (size_t i = 0; i < sc[p]; i++) sx[so++] = val(70 + p, r, i);
+  OK(tp_all_to_all(sx, sc, ry, rc, TP_FLOAT64, c, NULL));
+  for (int p = 0; p < n; p++)
+    for (size_t i = 0; i < rc[p]; i++, ro++) EXPECT(ry[ro] == val(70 + r, p, i), "all_to_all from %d [%zu]", p, i);
   OK(tp_barrier(c, NULL));
 }
 

@@ -128,6 +128,32 @@ static void test_gather_scatter(tp_comm_t c, size_t base, int uneven) {
   free(h), free(want);
 }
 
+/* all_to_all: rank a sends rank b (base + a + 2b) % (base + 3) elements (0 among them when
+ * base is 0), element i of the block being val(10 * a + b, i). */
+static void test_all_to_all(tp_comm_t c, size_t base) {
+  size_t sc[64], rc[64], st_ = 0, rt = 0;
+  for (int p = 0; p < world_; p++) {
+    sc[p] = (base + (size_t)rank_ + 2 * (size_t)p) % (base + 3);
+    rc[p] = (base + (size_t)p + 2 * (size_t)rank_) % (base + 3);
+    st_ += sc[p], rt += rc[p];
+  }
+  float *h = malloc((st_ + rt + 1) * sizeof(float)), *ds = dev_alloc(st_), *dr = dev_alloc(rt);
+  double *want = malloc((rt + 1) * sizeof(double));
+  size_t off = 0;
+  for (int p = 0; p < world_; p++)
+    for (size_t i = 0; i < sc[p]; i++) h[off++] = val(10 * rank_ + p, i);
+  upload(ds, h, st_);
+  off = 0;
+  for (int p = 0; p < world_; p++)
+    for (size_t i = 0; i < rc[p]; i++) want[off++] = val(10 * p + rank_, i);
+  CHECK(tp_all_to_all(ds, sc, dr, rc, TP_FLOAT32, c, NULL) == TP_SUCCESS, "all_to_all base %zu", base);
+  download(h, dr, rt, c);
+  CHECK(close_to(h, want, rt), "all_to_all base %zu values", base);
+  tp_device_free(TP_DEVICE_CUDA, dev_, ds);
+  tp_device_free(TP_DEVICE_CUDA, dev_, dr);
+  free(h), free(want);
+}
+
 static void test_rooted(tp_comm_t c, size_t n) {
   float *h = malloc((n + 1) * sizeof(float)), *ds = dev_alloc(n), *dr = dev_alloc(n);
   double *want = malloc((n + 1) * sizeof(double));
@@ -243,6 +269,8 @@ static int run_rank(int rank) {
   test_gather_scatter(c, 1000, 0);
   test_gather_scatter(c, 333, 1);
   test_gather_scatter(c, 0, 1);
+  test_all_to_all(c, 0);
+  test_all_to_all(c, 70001);
   test_rooted(c, 4099);
   test_p2p(c, 70001);
   test_split_and_memory(c);

@@ -24,7 +24,7 @@ def test_collectives_benchmark_quick(tmp_path):
         assert col in r.stdout
     data = json.loads(out.read_text())
     rows = [row for row in data["rows"] if row["impl"] == "tpcore"]
-    assert {row["op"] for row in rows} >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    assert {row["op"] for row in rows} >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
     assert {row["mode"] for row in rows} == {"private", "registered"}
     assert all(row["wrong"] == 0 for row in rows)
     assert all(row["time_us"] > 0 for row in rows)
@@ -44,7 +44,7 @@ def test_collectives_benchmark_shm_vs_mpi(tmp_path):
     data = json.loads(out.read_text())
     assert data["peers"]["tpcore-mpi"]["measured"] and data["peers"]["tpcore-mpi"]["info"]["backend"] == "mpi"
     rows = [row for row in data["rows"] if row["impl"] == "tpcore-mpi"]
-    assert {row["op"] for row in rows} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    assert {row["op"] for row in rows} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
     assert all(row["wrong"] == 0 and row["time_us"] > 0 for row in rows)
 
 

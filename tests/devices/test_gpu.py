@@ -391,6 +391,11 @@ def _rank_data(rank, n, seed=10):
     return np.random.default_rng(seed + rank).standard_normal(n).astype(np.float32)
 
 
+def _a2a_sizes(n):
+    """Elements rank p sends rank q in the all_to_all case: [p][q]."""
+    return [[(p + 2 * q + 1) % 4 * 5 for q in range(n)] for p in range(n)]
+
+
 def _rank_collectives(comm, lib):
     """Run by every rank: each collective on device buffers; host results back to the test."""
     r, n = comm.rank, comm.size
@@ -421,6 +426,9 @@ def _rank_collectives(comm, lib):
     o = _to_device(np.zeros(sizes[r], np.float32), lib)
     comm.reduce_scatter(x, sizes=sizes, out=o)
     out["reduce_scatter_uneven"] = _to_host(o)
+    a2a = _a2a_sizes(n)  # all_to_all: uneven, zeros among them; a new DeviceArray back
+    x = _to_device(np.concatenate([_rank_data(100 * r + q, a2a[r][q]) for q in range(n)]), lib)
+    out["all_to_all"] = _to_host(comm.all_to_all(x, a2a[r]))
     x = _to_device(_rank_data(r, 513), lib)
     comm.broadcast(x, root=n - 1)
     out["broadcast"] = _to_host(x)
@@ -459,7 +467,8 @@ def _check_collectives(results, n):
                 "all_gather_uneven": np.concatenate([_rank_data(q, sizes[q]) for q in range(n)]),
                 "reduce_scatter_even": sum(data(64 * n))[64 * r:64 * (r + 1)],
                 "reduce_scatter_uneven": sum(data(sum(sizes)))[offs[r]:offs[r + 1]],
-                "broadcast": data(513)[n - 1], "split_all_reduce": sum(data(31))}
+                "broadcast": data(513)[n - 1], "split_all_reduce": sum(data(31)),
+                "all_to_all": np.concatenate([_rank_data(100 * q + r, _a2a_sizes(n)[q][r]) for q in range(n)])}
         if r == 0:
             want["reduce"] = sum(data(129))
         if n > 1:

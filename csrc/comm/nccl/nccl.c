@@ -172,6 +172,7 @@ static void describe(const nccl_desc_t *d, char *buf, size_t n) {
     case TP_COLL_BROADCAST: snprintf(buf, n, "%s(root %d) of %llu %s", kind, d->root, cnt, dt); break;
     case TP_COLL_ALL_GATHER: snprintf(buf, n, "%s of %llu %s (%llu in all)", kind, cnt, dt, tot); break;
     case TP_COLL_REDUCE_SCATTER: snprintf(buf, n, "%s(%s) of %llu %s (receiving %llu)", kind, op, tot, dt, cnt); break;
+    case TP_COLL_ALL_TO_ALL: snprintf(buf, n, "%s of %llu %s (receiving %llu)", kind, cnt, dt, tot); break;
     case TP_COLL_ALLOC: snprintf(buf, n, "alloc of %llu bytes", cnt); break;
     default: snprintf(buf, n, "%s", kind);
   }

@@ -6,7 +6,8 @@
  *
  * Uneven all_gather_v / reduce_scatter_v: one group of ncclBroadcast (rank p's
  * block from root p) / ncclReduce (block p to root p) per rank; the even forms
- * use ncclAllGather / ncclReduceScatter.  barrier: an all_reduce of one int on a
+ * use ncclAllGather / ncclReduceScatter.  all_to_all: one group of ncclSend / ncclRecv
+ * per peer (the counts cannot be compared across ranks here: a mismatch is NCCL's).  barrier: an all_reduce of one int on a
  * scratch buffer, then a wait (a barrier returns when every rank has joined).
  */
 #include <stdlib.h>
@@ -69,6 +70,28 @@ static tp_status_t grouped_v(nccl_ctx *x, const tp_coll_args_t *a, ncclDataType_
   return tp_nccl_settle(x, "ncclGroupEnd", e);
 }
 
+/* all_to_all: one group of ncclSend / ncclRecv per peer with a non-zero block (NCCL pairs a
+ * rank's send to q with q's receive from it; a zero count on both sides is skipped on both). */
+static tp_status_t all_to_all(nccl_ctx *x, const tp_coll_args_t *a, ncclDataType_t dt, tp_nccl_stream_t s) {
+  const tp_nccl_api_t *api = x->api;
+  int n = x->comm->size;
+  size_t es = tp_dtype_size(a->dtype), soff = 0, roff = 0;
+  ncclResult_t r = api->GroupStart();
+  if (r != ncclSuccess) return tp_nccl_error(x, "ncclGroupStart", r);
+  const char *failed = NULL;
+  for (int p = 0; p < n && !failed; p++) {
+    size_t sc = a->counts[p], rc = a->recv_counts[p];
+    if (sc) r = api->Send((const char *)a->send + soff * es, sc, dt, p, x->nc, s);
+    if (r != ncclSuccess && r != ncclInProgress) failed = "ncclSend";
+    else if (rc) r = api->Recv((char *)a->recv + roff * es, rc, dt, p, x->nc, s);
+    if (!failed && r != ncclSuccess && r != ncclInProgress) failed = "ncclRecv";
+    soff += sc, roff += rc;
+  }
+  ncclResult_t e = api->GroupEnd();
+  if (failed) return tp_nccl_error(x, failed, r);
+  return tp_nccl_settle(x, "ncclGroupEnd", e);
+}
+
 static tp_status_t nccl_collective(struct tp_comm *c, const tp_coll_args_t *a) {
   nccl_ctx *x = c->impl;
   const tp_nccl_api_t *api = x->api;
@@ -100,6 +123,7 @@ static tp_status_t nccl_collective(struct tp_comm *c, const tp_coll_args_t *a) {
       if (!equal_counts(a, c->size)) return grouped_v(x, a, dt, op, s);
       CALL(x, "ncclReduceScatter", api->ReduceScatter(a->send, a->recv, a->count, dt, op, x->nc, s));
       return TP_SUCCESS;
+    case TP_COLL_ALL_TO_ALL: return all_to_all(x, a, dt, s);
     case TP_COLL_BARRIER:
       CALL(x, "ncclAllReduce", api->AllReduce(x->scratch, x->scratch, 1, ncclInt32, ncclSum, x->nc, s));
       return tp_nccl_wait(x, a->stream, "barrier");
@@ -180,7 +204,7 @@ void tp_nccl_forget_mems(nccl_ctx *x) {
 
 static tp_status_t nccl_mem_alloc(struct tp_comm *c, size_t nbytes, void **ptr, tp_mem_t *handle) {
   nccl_ctx *x = c->impl;
-  tp_coll_args_t a = {TP_COLL_ALLOC, NULL, NULL, nbytes, NULL, nbytes, TP_UINT8, TP_SUM, 0, NULL};
+  tp_coll_args_t a = {TP_COLL_ALLOC, NULL, NULL, nbytes, NULL, nbytes, TP_UINT8, TP_SUM, 0, NULL, NULL};
   TP_CHECK(tp_nccl_post(x, &a));
   TP_CHECK(tp_device_set_current(TP_DEVICE_CUDA, x->device_id)); /* ncclMemAlloc uses the current device */
   nccl_mem *h = calloc(1, sizeof *h);

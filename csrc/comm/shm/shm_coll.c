@@ -42,6 +42,9 @@ static void describe_hdr(const coll_hdr_t *h, char *buf, size_t n) {
       snprintf(buf, n, "%s(%s) of %llu %s (receiving %llu)", kind, tp_redop_name((tp_redop_t)h->op),
                (unsigned long long)h->total, dt, cnt);
       break;
+    case TP_COLL_ALL_TO_ALL:
+      snprintf(buf, n, "%s of %llu %s (receiving %llu)", kind, cnt, dt, (unsigned long long)h->total);
+      break;
     case TP_COLL_ALLOC: snprintf(buf, n, "alloc of %llu bytes", cnt); break;
     default: snprintf(buf, n, "%s", kind);
   }
@@ -58,6 +61,7 @@ static int hdr_matches(const coll_hdr_t *a, const coll_hdr_t *b, const tp_coll_a
       return a->dtype == b->dtype && a->op == b->op && a->total == b->total && b->count == args->counts[peer] &&
              a->counts_hash == b->counts_hash;
     case TP_COLL_ALLOC: return a->count == b->count;
+    case TP_COLL_ALL_TO_ALL: return a->dtype == b->dtype; /* the counts: tp_shm_all_to_all's tables */
     default: return 1;
   }
 }
@@ -96,7 +100,7 @@ void tp_shm_post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key, in
 
 /* Copy nbytes from peer p's address space (at raddr) into dst, with the
  * kernel's process_vm_readv: one copy instead of two through staging. */
-static tp_status_t cma_read(shm_ctx *c, int p, void *dst, uint64_t raddr, size_t nbytes) {
+tp_status_t tp_shm_cma_read(shm_ctx *c, int p, void *dst, uint64_t raddr, size_t nbytes) {
   char *d = dst;
   while (nbytes) {
     struct iovec l = {d, nbytes}, r = {(void *)(uintptr_t)raddr, nbytes};
@@ -138,7 +142,7 @@ static tp_status_t cma_reduce_range(shm_ctx *c, const char *send, int own_send, 
         continue;
       }
       char *tmp = c->scratch + (size_t)slot++ * c->scratch_blk;
-      TP_CHECK(cma_read(c, p, tmp, peer_hdr(c, p)->send_addr + (peer_off_elems + o) * es, k * es));
+      TP_CHECK(tp_shm_cma_read(c, p, tmp, peer_hdr(c, p)->send_addr + (peer_off_elems + o) * es, k * es));
       srcs[p] = tmp;
     }
     tp_reduce_n(out + o * es, NULL, srcs, n, k, dt, op);
@@ -281,7 +285,7 @@ static tp_status_t all_reduce_like(shm_ctx *c, const tp_coll_args_t *a, const ch
     for (int i = 1; i < n; i++) {
       int p = (r + i) % n;
       size_t plo = part_lo(cnt, n, p, es), phi = part_lo(cnt, n, p + 1, es);
-      TP_CHECK(cma_read(c, p, recv + plo * es, peer_hdr(c, p)->recv_addr + plo * es, (phi - plo) * es));
+      TP_CHECK(tp_shm_cma_read(c, p, recv + plo * es, peer_hdr(c, p)->recv_addr + plo * es, (phi - plo) * es));
     }
     return shm_sync_all(c, what); /* peers may not touch their output before we have read it */
   }
@@ -388,7 +392,7 @@ static tp_status_t all_gather(shm_ctx *c, const tp_coll_args_t *a, const char *w
   if (cma) {
     for (int i = 1; i < n; i++) {
       int p = (r + i) % n;
-      TP_CHECK(cma_read(c, p, recv + displ[p] * es, peer_hdr(c, p)->send_addr, counts[p] * es));
+      TP_CHECK(tp_shm_cma_read(c, p, recv + displ[p] * es, peer_hdr(c, p)->send_addr, counts[p] * es));
     }
     return shm_sync_all(c, what);
   }
@@ -518,7 +522,7 @@ static tp_status_t broadcast(shm_ctx *c, const tp_coll_args_t *a, const char *wh
     return shm_sync_all(c, what);
   }
   if (cma) {
-    if (r != root) TP_CHECK(cma_read(c, root, recv, rh->send_addr, nbytes));
+    if (r != root) TP_CHECK(tp_shm_cma_read(c, root, recv, rh->send_addr, nbytes));
     return shm_sync_all(c, what);
   }
   if (rh->send_region >= 0) {
@@ -563,6 +567,7 @@ tp_status_t tp_shm_collective(struct tp_comm *comm, const tp_coll_args_t *a) {
     case TP_COLL_ALL_GATHER: st = all_gather(c, a, what); break;
     case TP_COLL_REDUCE_SCATTER: st = reduce_scatter(c, a, what); break;
     case TP_COLL_BROADCAST: st = broadcast(c, a, what); break;
+    case TP_COLL_ALL_TO_ALL: st = tp_shm_all_to_all(c, a, what); break;
     case TP_COLL_BARRIER:
       tp_shm_post_hdr(c, a, 0, 0, -1, 0, -1, 0);
       st = shm_sync_all(c, what);

@@ -26,7 +26,7 @@ static void describe(const coll_hdr_t *h, int with_seq, char *buf, size_t n) {
   coll_hdr_t v = *h; /* a copy: a peer may be writing its slot */
   v.site[sizeof v.site - 1] = '\0';
   int reduction = v.kind == TP_COLL_ALL_REDUCE || v.kind == TP_COLL_REDUCE || v.kind == TP_COLL_REDUCE_SCATTER;
-  int typed = v.kind >= TP_COLL_ALL_REDUCE && v.kind <= TP_COLL_REDUCE;
+  int typed = (v.kind >= TP_COLL_ALL_REDUCE && v.kind <= TP_COLL_REDUCE) || v.kind == TP_COLL_ALL_TO_ALL;
   char what[128], seq[24] = "";
   tp_coll_describe(what, sizeof what, v.kind, typed ? v.dtype : -1, reduction ? v.op : -1, v.count, v.root, -1);
   if (with_seq) snprintf(seq, sizeof seq, "#%u ", v.seq);

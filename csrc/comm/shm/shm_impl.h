@@ -4,6 +4,7 @@
  *                     the backend's table
  *   shm_wait.c        the waits (adaptive spin / yield / sleep), liveness, abort
  *   shm_coll.c        collective headers and mismatch checks, the collectives
+ *   shm_a2a.c         all_to_all (uneven counts, checked pairwise across ranks)
  *   shm_p2p.c         point-to-point channels
  *   shm_mem.c         registered memory
  * Here: the segment's layout (types shared by all of them), the per-rank
@@ -42,7 +43,7 @@
 
 #define CL 64
 #define SHM_MAGIC 0x3153484d52435054ULL /* "TPCRMSH1" */
-#define SHM_VERSION 3
+#define SHM_VERSION 4
 #define P2P_NBUF 2
 #define ALIGN_UP(x, a) (((x) + (a) - 1) / (a) * (a))
 
@@ -289,6 +290,10 @@ void tp_shm_post_hdr(shm_ctx *c, const tp_coll_args_t *a, int color, int key, in
 /* After the first wait of a collective: every peer's header must match. */
 tp_status_t tp_shm_check_hdrs(shm_ctx *c, const tp_coll_args_t *a);
 tp_status_t tp_shm_collective(struct tp_comm *comm, const tp_coll_args_t *a);
+/* Copies nbytes from rank p's address space (at raddr) into dst with process_vm_readv (CMA). */
+tp_status_t tp_shm_cma_read(shm_ctx *c, int p, void *dst, uint64_t raddr, size_t nbytes);
+/* shm_a2a.c: all_to_all (world >= 2; the header is posted there). */
+tp_status_t tp_shm_all_to_all(shm_ctx *c, const tp_coll_args_t *a, const char *what);
 
 tp_status_t tp_shm_send(struct tp_comm *comm, const void *buf, size_t count, tp_dtype_t dt, int peer,
                         tp_stream_t stream);

@@ -96,7 +96,7 @@ tp_status_t tp_shm_mem_alloc(struct tp_comm *comm, size_t nbytes, void **ptr, tp
   c->seq++;
   snprintf(what, sizeof what, "alloc #%u", c->seq);
   shm_set_activity(c, TP_COLL_ALLOC, c->seq, -1);
-  tp_coll_args_t a = {TP_COLL_ALLOC, NULL, NULL, nbytes, NULL, nbytes, TP_UINT8, TP_SUM, 0, NULL};
+  tp_coll_args_t a = {TP_COLL_ALLOC, NULL, NULL, nbytes, NULL, nbytes, TP_UINT8, TP_SUM, 0, NULL, NULL};
   tp_shm_post_hdr(c, &a, 0, 0, -1, 0, -1, 0);
   if (r == 0) c->slots[0].hdr[c->seq & 1].nonce = tp_shm_random_token();
   tp_status_t st = shm_sync_all(c, what);

@@ -305,6 +305,7 @@ static shm_ctx *ctx_new(struct tp_comm *comm, const char *comm_id, int world_com
    * lines dirty in the peer's cache at ~10 GB/s, so the two pull phases of all_reduce
    * and reduce_scatter beat staging only from a few MiB; one-copy gathers win from 64 KiB. */
   c->cma_bytes[TP_COLL_ALL_GATHER] = c->cma_bytes[TP_COLL_BROADCAST] = (size_t)64 << 10;
+  c->cma_bytes[TP_COLL_ALL_TO_ALL] = (size_t)64 << 10; /* a rank's whole send buffer */
   c->cma_bytes[TP_COLL_ALL_REDUCE] = (size_t)2 << 20;
   c->cma_bytes[TP_COLL_REDUCE_SCATTER] = (size_t)2 << 20;
   if (getenv("TPCORE_SHM_CMA_BYTES"))
@@ -531,7 +532,7 @@ static tp_status_t shm_split(struct tp_comm *comm, int color, int key, struct tp
   c->seq++;
   snprintf(what, sizeof what, "split #%u", c->seq);
   shm_set_activity(c, TP_COLL_SPLIT, c->seq, -1);
-  tp_coll_args_t a = {TP_COLL_SPLIT, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0, NULL};
+  tp_coll_args_t a = {TP_COLL_SPLIT, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0, NULL, NULL};
   tp_shm_post_hdr(c, &a, color, key, -1, 0, -1, 0);
   if (r == 0) c->slots[0].hdr[c->seq & 1].nonce = tp_shm_random_token();
   tp_status_t st = shm_sync_all(c, what);

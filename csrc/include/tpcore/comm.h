@@ -117,6 +117,14 @@ TP_API tp_status_t tp_reduce_scatter(const void *send, void *recv, size_t recvco
                                      tp_comm_t comm, tp_stream_t stream);
 TP_API tp_status_t tp_reduce_scatter_v(const void *send, void *recv, const size_t *counts, tp_dtype_t dtype,
                                        tp_redop_t op, tp_comm_t comm, tp_stream_t stream);
+/* Each rank sends block p of send (send_counts[p] elements) to rank p and receives rank p's
+ * block for it into block p of recv (recv_counts[p] elements): MPI_Alltoallv with the
+ * displacements the prefix sums of the counts.  send_counts[q] on rank p must equal
+ * recv_counts[p] on rank q (the shm and mpi backends check it on every rank: TP_ERR_MISMATCH
+ * naming both ranks; nccl cannot: a mismatch there fails, or hangs until the timeout).  Both
+ * arrays have `size` entries; counts may be 0; send and recv must not overlap. */
+TP_API tp_status_t tp_all_to_all(const void *send, const size_t *send_counts, void *recv, const size_t *recv_counts,
+                                 tp_dtype_t dtype, tp_comm_t comm, tp_stream_t stream);
 /* send is read on root only; recv is written on every rank. */
 TP_API tp_status_t tp_broadcast(const void *send, void *recv, size_t count, tp_dtype_t dtype, int root, tp_comm_t comm,
                                 tp_stream_t stream);
@@ -172,13 +180,13 @@ TP_API tp_status_t tp_comm_get_stats(tp_comm_t comm, tp_comm_stats_t *stats);
 #define TP_COMM_REGIONS_MAX 16
 
 typedef struct {
-  uint64_t seq;                /* the collective's number on this communicator (1, 2, ...); 0: point to point */
-  const char *op;              /* "all_reduce", "barrier", "send", ... (static)                            */
-  int redop;                   /* tp_redop_t of a reduction, -1 otherwise                                  */
-  int dtype;                   /* tp_dtype_t, -1 when the call moves no typed data (barrier, split, alloc) */
-  uint64_t count;              /* elements (this rank's part of all_gather / reduce_scatter); alloc: bytes */
-  int root;                    /* broadcast / reduce root, send / recv peer, sendrecv destination; else -1 */
-  int src;                     /* sendrecv source; else -1                                                 */
+  uint64_t seq;   /* the collective's number on this communicator (1, 2, ...); 0: point to point */
+  const char *op; /* "all_reduce", "barrier", "send", ... (static)                            */
+  int redop;      /* tp_redop_t of a reduction, -1 otherwise                                  */
+  int dtype;      /* tp_dtype_t, -1 when the call moves no typed data (barrier, split, alloc) */
+  uint64_t count; /* elements (this rank's part of all_gather / reduce_scatter; all_to_all: sent); alloc: bytes */
+  int root;       /* broadcast / reduce root, send / recv peer, sendrecv destination; else -1 */
+  int src;        /* sendrecv source; else -1                                                 */
   char site[TP_COMM_SITE_MAX]; /* "file.py:LINE" of the caller, or "C"                              */
   const char *region;          /* "attention", "mlp", "embedding", "head", "other", ... (lives with comm) */
   double start;                /* tp_now() when the call began                                            */

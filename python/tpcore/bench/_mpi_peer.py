@@ -47,6 +47,9 @@ class MpiImpl(Impl):
             return Case(buf, buf, lambda: comm.Allreduce(IN_PLACE, buf))
         if op == "broadcast":
             return Case(buf, buf, lambda: comm.Bcast(buf, root=0))
+        if op == "all_to_all":  # out of place, as tpcore's
+            out = np.zeros(count, dtype=dtype)
+            return Case(buf, out, lambda: comm.Alltoall(buf, out))
         c = count // n
         if op == "all_gather":  # in place: the input is the rank's block of the output
             return Case(buf[r * c:(r + 1) * c], buf, lambda: comm.Allgather(IN_PLACE, buf))

@@ -88,7 +88,8 @@ _HEAD = (f"#{'size':>11} {'count':>11} {'type':>9} {'time(us)':>10} {'algbw(GB/s
 
 _WHAT = {"all_reduce": "size = buffer", "broadcast": "size = buffer, root 0",
          "all_gather": "size = output; each rank sends size/n",
-         "reduce_scatter": "size = input; each rank receives size/n"}
+         "reduce_scatter": "size = input; each rank receives size/n",
+         "all_to_all": "size = each rank's input and output; size/n to each rank"}
 
 
 def print_tables(rows: List[dict], memcpy: List[dict], plan, n: int, peers) -> None:

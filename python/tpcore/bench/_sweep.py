@@ -31,7 +31,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 MODES = ("private", "registered")
 
 
@@ -39,7 +39,7 @@ def busbw_factor(op: str, n: int) -> float:
     """nccl-tests' bus-bandwidth factors: busbw = algbw * factor."""
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     if op == "broadcast":
         return 1.0
@@ -49,10 +49,11 @@ def busbw_factor(op: str, n: int) -> float:
 def element_count(op: str, nbytes: int, n: int, itemsize: int) -> int:
     """Elements of the op's "size" buffer for a nominal size in bytes (as
     nccl-tests: the output of all_gather, the input of reduce_scatter, the
-    buffer of all_reduce and broadcast), rounded down to a multiple of the rank
-    count where the buffer is split over ranks, and at least one per rank."""
+    buffer of all_reduce and broadcast, each rank's input (= its output) of
+    all_to_all), rounded down to a multiple of the rank count where the buffer
+    is split over ranks, and at least one per rank."""
     count = max(1, nbytes // itemsize)
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         count = max(n, count // n * n)
     return count
 
@@ -123,6 +124,9 @@ class Pattern:
         if op == "all_gather":
             c = count // n
             return np.concatenate([self.values(p, 0, c) for p in range(n)])
+        if op == "all_to_all":  # block `rank` of every rank's input, in rank order
+            c = count // n
+            return np.concatenate([self.values(p, rank * c, c) for p in range(n)])
         if op == "all_reduce":
             start, c = 0, count
         elif op == "reduce_scatter":

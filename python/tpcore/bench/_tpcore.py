@@ -13,6 +13,8 @@ class TpcoreImpl(Impl):
     all_reduce, broadcast   one buffer
     all_gather              the rank's input is its block of the output
     reduce_scatter          the rank's output is its block of the input
+    all_to_all              out of place (it has no in-place form): an output
+                            beside the input, count // n elements to each rank
 
     mode "private": ordinary NumPy arrays (allocated per size);
     mode "registered": views at offset 0 of one `comm.alloc` array, so every
@@ -26,7 +28,8 @@ class TpcoreImpl(Impl):
         dtype = numpy_dtype(plan.dtype)
         self._registered = None
         if "registered" in plan.modes:
-            top = max(element_count(op, s, self.size, dtype.itemsize) for op in plan.ops for s in plan.sizes)
+            top = max(element_count(op, s, self.size, dtype.itemsize) * (2 if op == "all_to_all" else 1)
+                      for op in plan.ops for s in plan.sizes)
             self._registered = comm.alloc(top, dtype)  # collective: every rank asks for the same
 
     def barrier(self) -> None:
@@ -46,6 +49,10 @@ class TpcoreImpl(Impl):
             buf = self._registered[:count]
         else:
             buf = np.zeros(count, dtype=dtype)
+        if op == "all_to_all":
+            out = self._registered[count:2 * count] if mode == "registered" else np.zeros(count, dtype=dtype)
+            sizes = [count // n] * n
+            return Case(buf, out, lambda: comm.all_to_all(buf, sizes, sizes, out=out))
         if op == "all_reduce":
             return Case(buf, buf, lambda: comm.all_reduce(buf))
         if op == "broadcast":

@@ -8,15 +8,16 @@ For each op and size the table shows, as nccl-tests does:
 
   size     bytes: the buffer of all_reduce and broadcast, the OUTPUT of
            all_gather (each rank contributes size/n), the INPUT of
-           reduce_scatter (each rank receives size/n)
+           reduce_scatter (each rank receives size/n), each rank's input
+           (and output) of all_to_all (size/n to each rank)
   count    elements of that buffer
   type     the dtype
   time     mean microseconds per call (per rank the mean over the timed
            iterations; reported: the max over ranks, since a collective is
            done when its slowest rank is)
   algbw    size / time, GB/s (10^9 bytes per second)
-  busbw    algbw * 2(n-1)/n for all_reduce, * (n-1)/n for all_gather and
-           reduce_scatter, * 1 for broadcast: the bandwidth per link that
+  busbw    algbw * 2(n-1)/n for all_reduce, * (n-1)/n for all_gather,
+           reduce_scatter and all_to_all, * 1 for broadcast: the bandwidth per link that
            an optimal algorithm needs, comparable across ops and rank counts
            (0 for n = 1)
   #wrong   elements that differ from a NumPy reference in a check after
@@ -28,7 +29,8 @@ For each op and size the table shows, as nccl-tests does:
            the same run: the reference for what one core can move
 
 Method.  Every op runs in place (NCCL's in-place mode; root 0 for broadcast,
-sum for the reductions).  Before EACH timed call every rank rewrites its input
+sum for the reductions) except all_to_all, which has no in-place form (an output
+beside the input, even splits as nccl-tests').  Before EACH timed call every rank rewrites its input
 from a prepared source (np.copyto) and the ranks pass a barrier; neither is
 timed: only the call itself, with time.perf_counter_ns.  Warm-up calls come
 first; rank 0 times one whole iteration and picks the iteration count so a

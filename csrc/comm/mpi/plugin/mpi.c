@@ -308,7 +308,7 @@ static tp_status_t mpi_split(struct tp_comm *comm, int color, int key, struct tp
   TP_CHECK(tp_mpi_refuse_if_failed(comm, x, what));
   x->seq++;
   /* Every rank is there (under the timeout) before the blocking MPI_Comm_split. */
-  tp_coll_args_t a = {TP_COLL_SPLIT, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0, NULL};
+  tp_coll_args_t a = {TP_COLL_SPLIT, NULL, NULL, 0, NULL, 0, TP_UINT8, TP_SUM, 0, NULL, NULL};
   if (tp_mpi_check_calls) {
     TP_CHECK(tp_mpi_check_call(comm, x, &a, what));
   } else {

@@ -105,7 +105,8 @@ static void describe(const int64_t *d, char *buf, size_t n) {
     len += snprintf(buf + len, n - (size_t)len, " %s", tp_mpi_host->redop_name((tp_redop_t)d[D_OP]));
   if ((size_t)len < n && (k == TP_COLL_BROADCAST || k == TP_COLL_REDUCE))
     len += snprintf(buf + len, n - (size_t)len, ", root %lld", (long long)d[D_ROOT]);
-  if ((size_t)len < n)
+  if ((size_t)len < n && k == TP_COLL_ALL_TO_ALL) snprintf(buf + len, n - (size_t)len, ")");
+  else if ((size_t)len < n)
     snprintf(buf + len, n - (size_t)len, ", %s %lld elements)",
              k == TP_COLL_ALL_GATHER || k == TP_COLL_REDUCE_SCATTER ? "total" : "count", (long long)d[D_COUNT]);
 }
@@ -190,6 +191,7 @@ tp_status_t tp_mpi_check_call(struct tp_comm *comm, mpi_ctx *x, const tp_coll_ar
   mine[D_COUNT] = (int64_t)(v ? a->total : a->count);
   mine[D_HASH] = v ? (int64_t)hash_counts(a->counts, comm->size) : 0;
   if (a->kind == TP_COLL_BARRIER || a->kind == TP_COLL_SPLIT) mine[D_DTYPE] = mine[D_OP] = mine[D_COUNT] = 0;
+  if (a->kind == TP_COLL_ALL_TO_ALL) mine[D_COUNT] = 0; /* per pair: check_a2a_counts */
   if (a->kind == TP_COLL_ALL_REDUCE || a->kind == TP_COLL_ALL_GATHER || a->kind == TP_COLL_REDUCE_SCATTER)
     mine[D_ROOT] = 0;
   if (a->kind != TP_COLL_ALL_REDUCE && a->kind != TP_COLL_REDUCE && a->kind != TP_COLL_REDUCE_SCATTER) mine[D_OP] = 0;
@@ -353,6 +355,56 @@ static tp_status_t avg_collective(struct tp_comm *comm, mpi_ctx *x, const tp_col
   return st;
 }
 
+/* all_to_all's counts, pair by pair: every rank sends rank q its send_counts[q] (MPI_Alltoall) and
+ * compares it with its recv_counts; the first bad pair (the smallest sender * n + receiver, an
+ * MPI_MIN) and its two counts (an MPI_MAX from the rank that saw it) reach every rank, so all of
+ * them raise the same TP_ERR_MISMATCH and none enters MPI_Alltoallv with counts that disagree. */
+static tp_status_t check_a2a_counts(struct tp_comm *comm, mpi_ctx *x, const tp_coll_args_t *a, const char *what,
+                                    tp_status_t local) {
+  if (!tp_mpi_check_calls || !x->calls) return local;
+  int n = comm->size, me = comm->rank;
+  char mine[512] = "";
+  if (local != TP_SUCCESS) snprintf(mine, sizeof mine, "%s", tp_mpi_host->last_error());
+  int64_t *buf = malloc(2 * (size_t)n * sizeof(int64_t)), *sent = buf, *got = buf ? buf + n : NULL;
+  if (!buf) return tp_set_error(TP_ERR_NOMEM, "%s on rank %d: out of memory", what, me);
+  int64_t bad = INT64_MAX, first = INT64_MAX, pair[2] = {-1, -1}, seen[2] = {-1, -1};
+  for (int p = 0; p < n; p++) sent[p] = (int64_t)a->counts[p];
+  MPI_Request req = MPI_REQUEST_NULL;
+  int rc = MPI_Ialltoall(sent, 1, MPI_INT64_T, got, 1, MPI_INT64_T, x->mc, &req);
+  tp_status_t st = rc == MPI_SUCCESS ? tp_mpi_wait_one(comm, x, &req, what, -1) : tp_mpi_error(comm, rc, what);
+  if (local != TP_SUCCESS) bad = -(int64_t)(n - me); /* this rank's counts do not fit MPI's ints */
+  for (int p = 0; st == TP_SUCCESS && p < n && bad == INT64_MAX; p++)
+    if (got[p] != (int64_t)a->recv_counts[p]) {
+      bad = (int64_t)p * n + me;
+      pair[0] = got[p], pair[1] = (int64_t)a->recv_counts[p];
+    }
+  if (st == TP_SUCCESS) {
+    rc = MPI_Iallreduce(&bad, &first, 1, MPI_INT64_T, MPI_MIN, x->mc, &req);
+    st = rc == MPI_SUCCESS ? tp_mpi_wait_one(comm, x, &req, what, -1) : tp_mpi_error(comm, rc, what);
+  }
+  if (st == TP_SUCCESS && first < 0) {
+    int p = n + (int)first;
+    st = p == me ? tp_set_error(local, "%s", mine)
+                 : tp_set_error(TP_ERR_UNSUPPORTED,
+                                "%s on rank %d of %d: rank %d's all_to_all counts do not fit the mpi backend's "
+                                "int counts and displacements (at most %d elements a call)",
+                                what, me, n, p, INT_MAX);
+  } else if (st == TP_SUCCESS && first != INT64_MAX) {
+    if (bad != first) pair[0] = pair[1] = -1;
+    rc = MPI_Iallreduce(pair, seen, 2, MPI_INT64_T, MPI_MAX, x->mc, &req);
+    st = rc == MPI_SUCCESS ? tp_mpi_wait_one(comm, x, &req, what, -1) : tp_mpi_error(comm, rc, what);
+    int p = (int)(first / n), q = (int)(first % n);
+    if (st == TP_SUCCESS)
+      st = tp_set_error(TP_ERR_MISMATCH,
+                        "%s on rank %d of %d: all_to_all counts disagree: rank %d sends %lld elements to rank %d "
+                        "(send_counts[%d] on rank %d) but rank %d expects %lld from rank %d (recv_counts[%d] on "
+                        "rank %d); they must be equal",
+                        what, me, n, p, (long long)seen[0], q, q, p, q, (long long)seen[1], p, p, q);
+  }
+  if (!x->pending) free(buf); /* a request still running may use it */
+  return st;
+}
+
 static tp_status_t run_collective(struct tp_comm *comm, mpi_ctx *x, const tp_coll_args_t *a, const char *what) {
   if (a->op == TP_AVG &&
       (a->kind == TP_COLL_ALL_REDUCE || a->kind == TP_COLL_REDUCE || a->kind == TP_COLL_REDUCE_SCATTER))
@@ -411,6 +463,22 @@ static tp_status_t run_collective(struct tp_comm *comm, mpi_ctx *x, const tp_col
         free(dsp);
       }
       return rc == MPI_SUCCESS ? st : tp_mpi_error(comm, rc, what);
+    }
+    case TP_COLL_ALL_TO_ALL: {
+      int *rcnt = NULL, *rdsp = NULL;
+      st = v_arrays(comm, a->counts, what, &cnt, &dsp);
+      if (st == TP_SUCCESS) st = v_arrays(comm, a->recv_counts, what, &rcnt, &rdsp);
+      st = check_a2a_counts(comm, x, a, what, st);
+      if (st == TP_SUCCESS) rc = MPI_Ialltoallv(a->send, cnt, dsp, t, a->recv, rcnt, rdsp, t, x->mc, &req);
+      if (st == TP_SUCCESS)
+        st = rc == MPI_SUCCESS ? tp_mpi_wait_one(comm, x, &req, what, -1) : tp_mpi_error(comm, rc, what);
+      if (!x->pending) { /* a request still running may read them */
+        free(cnt);
+        free(dsp);
+        free(rcnt);
+        free(rdsp);
+      }
+      return st;
     }
     case TP_COLL_BARRIER: rc = MPI_Ibarrier(x->mc, &req); break;
     default: return tp_set_error(TP_ERR_INTERNAL, "mpi: unknown collective %d", (int)a->kind);
