@@ -204,7 +204,7 @@ def _a2a(comm, sizes):
     return _all_to_all(comm, x, send), _all_to_all(comm, x, send, [sizes[s][comm.rank] for s in range(comm.size)])
 
 
-def test_the_temporary_all_to_all_with_uneven_and_empty_blocks(cluster):
+def test_the_dispatch_all_to_all_with_uneven_and_empty_blocks(cluster):
     sizes = [[0, 2, 1, 0], [3, 0, 0, 1], [0, 0, 0, 0], [1, 1, 2, 0]]
     for r, (a, b) in enumerate(cluster.run(_a2a, sizes)):
         want = np.concatenate([np.full((sizes[s][r], 2), 10 * s + r) for s in range(4)])

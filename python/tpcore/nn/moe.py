@@ -52,33 +52,9 @@ MODES = ("ep", "tp")
 
 def _all_to_all(comm: Comm, x: np.ndarray, send_sizes: Sequence[int],
                 recv_sizes: Optional[Sequence[int]] = None, axis: int = 0) -> np.ndarray:
-    """TEMPORARY stand-in for ``comm.all_to_all(x, send_sizes, recv_sizes, axis)`` (branch
-    i28-a2a): x's rows split into blocks of send_sizes rows, block r sent to rank r; the
-    rows received, concatenated in rank order.  recv_sizes None: exchanged first.  Where the
-    Comm has all_to_all it is called; otherwise an all-gather of the sizes and one of the
-    data (every rank receives every block: right, not fast).  The integrator replaces the
-    body with ``return comm.all_to_all(x, send_sizes, recv_sizes, axis)``."""
-    if hasattr(comm, "all_to_all"):
-        return comm.all_to_all(x, send_sizes, recv_sizes, axis)
-    if axis != 0:
-        raise ValueError(f"_all_to_all: only axis 0 is supported, got {axis}")
-    P, me = comm.size, comm.rank
-    send = np.asarray(send_sizes, np.int64).reshape(P)
-    if int(send.sum()) != x.shape[0]:
-        raise ValueError(f"_all_to_all: send_sizes add up to {int(send.sum())}, x has {x.shape[0]} rows")
-    if P == 1:
-        return x.copy()
-    table = comm.all_gather(send.reshape(1, P)).reshape(P, P)  # table[s, r]: rows s sends to r
-    if recv_sizes is not None and list(np.asarray(recv_sizes).reshape(-1)) != list(table[:, me]):
-        raise ValueError(f"_all_to_all: recv_sizes {list(recv_sizes)} differ from what the ranks send "
-                         f"{table[:, me].tolist()}")
-    totals = table.sum(1)
-    if not totals.any():
-        return x[:0].copy()
-    data = comm.all_gather(np.ascontiguousarray(x), sizes=[int(t) for t in totals])
-    starts = np.concatenate([[0], np.cumsum(totals)[:-1]])
-    parts = [data[starts[s] + table[s, :me].sum():starts[s] + table[s, :me + 1].sum()] for s in range(P)]
-    return np.ascontiguousarray(np.concatenate(parts))
+    """x's rows split into blocks of send_sizes rows, block r sent to rank r; the rows received,
+    concatenated in rank order (`Comm.all_to_all`; recv_sizes None: exchanged first)."""
+    return comm.all_to_all(x, send_sizes, recv_sizes, axis)
 
 
 def _even(n: int, parts: int) -> List[int]:
