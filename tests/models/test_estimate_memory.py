@@ -27,8 +27,8 @@ BERT = dict(vocab_size=1003, hidden=80, layers=3, heads=5, ffn_hidden=150, norm=
 # the families' options: Gemma-like (GeGLU, QK-norm, post norms, soft-caps, a window whose ring the
 # cache of max_len T = 24 > 2 x 5 makes), Qwen2-like (Q/K/V biases only), Mixtral-like (experts)
 GEMMA = dict(LLAMA, activation="geglu", qk_norm=True, post_norms=True, attn_softcap=50.0, final_softcap=30.0,
-             embed_scale=9.8, sliding_window=5, layer_types=("sliding_attention", "full_attention", "sliding_attention"),
-             tie_embeddings=True, model_type="gemma2")
+             embed_scale=9.8, sliding_window=5, tie_embeddings=True, model_type="gemma2",
+             layer_types=("sliding_attention", "full_attention", "sliding_attention"))
 QWEN2 = dict(LLAMA, qkv_bias=True, model_type="qwen2")
 MIXTRAL = dict(LLAMA, experts=5, experts_per_token=2, ffn_hidden=40, model_type="mixtral")
 CFGS = {"gpt2": GPT2, "llama": LLAMA, "bert": BERT, "gemma": GEMMA, "qwen2": QWEN2, "mixtral": MIXTRAL}
