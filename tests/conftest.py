@@ -229,3 +229,27 @@ def pytest_collection_modifyitems(config, items):
         rel = os.path.relpath(str(item.path), here).replace(os.sep, "/")
         return RUN_FIRST.index(rel) if rel in RUN_FIRST else len(RUN_FIRST)
     items.sort(key=rank)  # stable: each file's tests keep their order
+
+
+def _torch_one_thread():
+    import sys
+    t = sys.modules.get("torch")
+    if t is not None and t.get_num_threads() != 1:
+        t.set_num_threads(1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """(after a test that imported torch here: see pytest_runtest_setup)"""
+    _torch_one_thread()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """torch in this process on one thread.  Ranks are forked from here (tpcore.spawn's default):
+    a child forked after torch ran a parallel region on its OpenMP pool deadlocks the first
+    time it runs torch on several threads (the pool's threads do not survive the fork), which
+    the tests that compute transformers' reference in this process would otherwise set up for
+    whichever test file the same worker runs next (one thread: torch runs inline, never on the
+    pool)."""
+    _torch_one_thread()

@@ -70,7 +70,7 @@ def advice(data: dict) -> List[str]:
         step = r["p50_s"]
         if not step or step != step:
             continue
-        wb = sum(r["param_bytes"])
+        wb = sum(r.get("read_bytes", r["param_bytes"]))   # a MoE model: only the experts a token used
         rate = wb / step / 1e9
         # the probe with as many reader threads as the ranks' BLAS threads (the nearest measured count)
         k = min(r["n"] * r["threads"], cores)

@@ -291,6 +291,7 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
               "comm_prefill": _delta(s0, snaps[0]), "comm_head0": _delta(snaps[0], snaps[1]),
               "comm_decode": _delta(snaps[1], s_end),
               "param_bytes": model.param_bytes(), "kv_bytes": _kv_bytes(model, B, T + new),
+              "read_bytes": _weights_read(model),
               "memory": memory_and_estimate(model, B, T + new, T),
               "tokens": np.asarray(out)[:, T:].tolist(), "threads": tpcore.get_num_threads(),
               "config": dict(vars(cfg))}
@@ -332,6 +333,14 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
     return result
 
 
+def _weights_read(model) -> int:
+    """The weight bytes the last decode step read on this rank: every parameter, except that a MoE
+    model's experts count only as those that had tokens (top-k per layer, not all)."""
+    from tpcore.models.moe_block import expert_bytes
+    e = expert_bytes(model)
+    return int(model.param_bytes() - e["held"] + e["read"])
+
+
 # ---------------------------------------------------------------- the driver
 def _pct(xs, q) -> float:
     return float(np.percentile(np.asarray(xs, np.float64), q)) if len(xs) else float("nan")
@@ -346,6 +355,7 @@ def _world_row(res: List[dict], B: int, T: int, new: int) -> dict:
            "ttft_s": max(r["ttft_s"] for r in res), "decode_s": dec,
            "p50_s": _pct(steps, 50), "p99_s": _pct(steps, 99), "steps_s": steps.tolist(),
            "param_bytes": [r["param_bytes"] for r in res], "kv_bytes": [r["kv_bytes"] for r in res],
+           "read_bytes": [r.get("read_bytes", r["param_bytes"]) for r in res],
            "rss_peak_bytes": [r["rss_peak_bytes"] for r in res], "rss_load_bytes": [r["rss_load_bytes"] for r in res],
            "rss_load_peak_bytes": [r["rss_load_peak_bytes"] for r in res], "tokens": res[0]["tokens"],
            "rss_before_load_bytes": [r.get("rss_before_load_bytes") or 0 for r in res],
