@@ -32,6 +32,17 @@ def _busy_children(parent_pid):
     return found
 
 
+def _busy_within(parent_pid, n, seconds=10.0):
+    """The busy children once n of them show (a child just forked shows its parent's argv until it
+    has exec'd: on a loaded machine that takes a moment)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = _busy_children(parent_pid)
+        if len(found) >= n or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
+
+
 def _gone_within(parent_pid, seconds=10.0):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -45,14 +56,14 @@ def test_background_load_starts_and_stops():
     with BackgroundLoad(2) as load:
         assert len(load.pids) == 2
         assert all(p.poll() is None for p in load.procs)
-        assert sorted(_busy_children(os.getpid())) == sorted(load.pids)
+        assert sorted(_busy_within(os.getpid(), 2)) == sorted(load.pids)
     assert _gone_within(os.getpid())
 
 
 def test_background_load_stops_on_error():
     with pytest.raises(RuntimeError, match="boom"):
         with BackgroundLoad(2) as load:
-            assert len(_busy_children(os.getpid())) == 2
+            assert len(_busy_within(os.getpid(), 2)) == 2
             raise RuntimeError("boom")
     assert load.procs == []
     assert _gone_within(os.getpid())

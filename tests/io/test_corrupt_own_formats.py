@@ -46,7 +46,7 @@ def _set_own(d, **kw):
     ({"colour": 1}, ["colour", "unknown field"]), ({"heads": 5}, ["config", "multiple"]),
     ({"vocab_size": 4_000_000}, ["wte.weight", "vocab_size=4000000"]),
     ({"max_positions": 5_000_000, "positions": "learned"}, ["wpe.weight", "max_positions=5000000"]),
-    ({"bias": True}, ["attn.q.bias", "no such tensor"]), ({"layers": 1}, ["blocks.1.", "layers 0 to 0"]),
+    ({"qkv_bias": True}, ["attn.q.bias", "no such tensor"]), ({"layers": 1}, ["blocks.1.", "layers 0 to 0"]),
     ({"tie_embeddings": True}, ["lm_head.weight", "no place"])])
 def test_own_format_full(tmp_path, comm, change, words):
     d = _own(tmp_path, comm)

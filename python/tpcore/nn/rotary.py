@@ -3,7 +3,8 @@ the C kernel computes 1 / theta^(2i / D) itself), a table from ``Config.rope_sca
 (`tpcore.nn.rope.rope_frequencies`: linear, llama3, yarn, longrope, dynamic), or Gemma 3's
 local base on its sliding layers.  The scalings whose frequencies depend on the sequence
 length (dynamic NTK, LongRoPE) are recomputed for each forward's longest position, as
-transformers does, and handed to the C block only when they change."""
+transformers does, and handed to the C block only when they change.  `layer_window`: a layer's
+sliding window."""
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -66,3 +67,15 @@ class RopeState:
             return None
         self._key = key
         return freq, factor
+
+
+def layer_window(cfg: Config, layer: Optional[int], who: str) -> Optional[int]:
+    """The sliding window of layer `layer` of cfg (None: a standalone block: every layer's when
+    they all slide), or None."""
+    if cfg.sliding_window is None:
+        return None
+    if layer is None:
+        if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1:
+            raise ValueError(f"{who}: config.layer_types mixes sliding and full layers: give layer=")
+        return cfg.sliding_window if cfg.layer_types is None or cfg.layer_types[0] == "sliding_attention" else None
+    return cfg.sliding_window if cfg.sliding(layer) else None

@@ -42,7 +42,7 @@ from tpcore.distributed.comm import Comm
 from tpcore.io.formats import to_float32
 from tpcore.nn.common import as_float32, check_grad, dev_back, dev_f32, kept_output, layer_memory, zero
 from tpcore.nn.config import GATED, Config
-from tpcore.nn.rotary import RopeState
+from tpcore.nn.rotary import RopeState, layer_window
 from tpcore.nn.partition import check_partition, partition_sizes
 from tpcore.nn.quant import QuantTensor, as_format, dequantize
 from tpcore.nn.weights import _host, load_weight
@@ -121,6 +121,10 @@ class TransformerBlock:
         "float16"; norm weights, biases, activations and gradients stay float32.
     plan : Plan, optional
         A `tpcore.plan_partition` plan giving head_partition and ffn_partition.
+    layer : int, optional
+        The model's layer this block is, in [0, config.layers): its sliding window
+        (config.sliding(layer)) and rotary base (Gemma 3's local layers).  Default None: a
+        standalone block (every layer's window, refused when config.layer_types mixes them).
 
     Attributes
     ----------
@@ -167,7 +171,7 @@ class TransformerBlock:
         fp = partition_sizes(ffn_partition, cfg.ffn_hidden, comm.size, "ffn_hidden",
                              f"{type(self).__name__}: ffn_partition")
         self.layer = None if layer is None else int_arg(layer, type(self).__name__, "layer", lo=0, hi=cfg.layers - 1)
-        self.sliding_window = _window(cfg, self.layer, type(self).__name__)
+        self.sliding_window = layer_window(cfg, self.layer, type(self).__name__)
         self._rope = RopeState(cfg, self.layer) if cfg.positions == "rope" else None
         freq, factor = self._rope.initial() if self._rope is not None else (None, 0.0)
         self._c = _C.TransformerBlock(comm._c, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden,
@@ -751,6 +755,10 @@ class ParallelAttention(TransformerBlock):
         The projections' weight storage.
     plan : Plan, optional
         A `tpcore.plan_partition` plan giving head_partition.
+    layer : int, optional
+        The model's layer this block is, in [0, config.layers): its sliding window
+        (config.sliding(layer)) and rotary base (Gemma 3's local layers).  Default None: a
+        standalone block (every layer's window, refused when config.layer_types mixes them).
 
     Raises
     ------
@@ -767,18 +775,6 @@ class ParallelAttention(TransformerBlock):
     def __repr__(self) -> str:
         return (f"ParallelAttention(hidden={self.config.hidden}, heads {self.q0}:{self.q0 + self.nq} and kv heads "
                 f"{self.k0}:{self.k0 + self.nk} on rank {self.comm.rank})")
-
-
-def _window(cfg: Config, layer: Optional[int], who: str) -> Optional[int]:
-    """The sliding window of layer `layer` of cfg (None: a standalone block: every layer's when
-    they all slide), or None."""
-    if cfg.sliding_window is None:
-        return None
-    if layer is None:
-        if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1:
-            raise ValueError(f"{who}: config.layer_types mixes sliding and full layers: give layer=")
-        return cfg.sliding_window if cfg.layer_types is None or cfg.layer_types[0] == "sliding_attention" else None
-    return cfg.sliding_window if cfg.sliding(layer) else None
 
 
 def build_blocks(cfg: Config, comm: Comm, seeds: Sequence[int], head_partition: Any, ffn_partition: Any,
