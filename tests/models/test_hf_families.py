@@ -23,7 +23,7 @@ import pytest
 import tpcore
 from tpcore.io import formats
 from tpcore.models import hf
-from conftest import WORLDS
+from conftest import WORLDS, run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -552,3 +552,26 @@ def test_save_pretrained_both_ways_at_two_ranks(tmp_path_factory, tmp_path):
     assert not hard, hard
     if failed:
         pytest.xfail("needs the block features (integration): " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+
+
+def _phi3_long(comm, path, ids):
+    model = tpcore.models.from_pretrained(path, comm, progress=False)
+    logits = model.logits(ids)                                      # 20 > 16 positions: the long table
+    gen = model.generate(ids[:, :12], max_new_tokens=8, temperature=0.0)   # crosses 16 while decoding
+    return logits, np.asarray(gen)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_phi3_longrope_past_the_original_length(tmp_path_factory, world):
+    """LongRoPE switches to its long factors once a forward reaches past
+    original_max_position_embeddings (16 here), in a whole-sequence forward and in the middle of
+    a generation whose cached keys kept the short ones: transformers' logits and greedy tokens."""
+    path, model = _built("phi3", tmp_path_factory)
+    ids = np.random.default_rng(5).integers(0, V, (2, 20))
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids)).logits.double().numpy()
+        full = model.generate(torch.from_numpy(ids[:, :12]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0).numpy()
+    logits, gen = run(_phi3_long, world, path, ids)[0]
+    assert np.abs(logits - want).max() <= 1e-4 * np.abs(want).max()
+    assert np.array_equal(gen[:, -8:], full[:, 12:])

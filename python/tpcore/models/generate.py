@@ -136,23 +136,14 @@ def generate_tokens(model, seqs, max_new_tokens, temperature, top_k, seed, eos_i
     B, lens = len(seqs), np.array([s.size for s in seqs], np.int64)
     total = int(lens.max()) + max_new_tokens
     model.cache(B, total)
-    padded = np.zeros((B, int(lens.max())), np.int64)
-    for b, s in enumerate(seqs):
-        padded[b, :s.size] = s
     rng = np.random.default_rng(seed)
     out = [list(s) for s in seqs]
     if max_new_tokens == 0:
         return generate_result(out)
-    h = model._forward(padded, pos0=np.zeros(B, np.int64), use_cache=True, _agreed=True)  # right padding: causal
+    h, last = _prefill(model, seqs, lens)
     hook = model._on_token  # the benchmarks' clock: -1 after the prefill, then each step's index
     if hook is not None:
         hook(-1)
-    if model._kdev is not None:  # each sequence's last row, gathered where h lives (an embedding lookup)
-        Tp, C = padded.shape[1], model.config.hidden
-        rows = on_device(np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64), model._kdev)
-        last = _C.embedding_forward(rows, model._dev(h, (B * Tp, C)))
-    else:
-        last = h[np.arange(B), lens - 1]                                                  # (B, C)
     cur = lens.copy()
     done = np.zeros(B, bool)
     for step in range(max_new_tokens):
@@ -168,10 +159,39 @@ def generate_tokens(model, seqs, max_new_tokens, temperature, top_k, seed, eos_i
             hook(step)
         if step == max_new_tokens - 1 or (eos_ids and done.all()):
             break
-        h = model._forward(nxt.reshape(B, 1), pos0=cur, use_cache=True, _agreed=True)
-        last = model._dev(h, (B, model.config.hidden)) if model._kdev is not None else h[:, 0]
+        if _longrope_switch(model, cur):  # transformers' Phi-3: past the original length, every key again
+            h, last = _prefill(model, [np.asarray(o, np.int64) for o in out], cur + 1)
+        else:
+            h = model._forward(nxt.reshape(B, 1), pos0=cur, use_cache=True, _agreed=True)
+            last = model._dev(h, (B, model.config.hidden)) if model._kdev is not None else h[:, 0]
         cur = cur + 1
     return generate_result(out)
+
+
+def _prefill(model, seqs, lens):
+    """Every sequence from position 0 through the cache (right padding: causal), and each one's
+    last row: (h, last)."""
+    B = len(seqs)
+    padded = np.zeros((B, int(lens.max())), np.int64)
+    for b, s in enumerate(seqs):
+        padded[b, :s.size] = s
+    h = model._forward(padded, pos0=np.zeros(B, np.int64), use_cache=True, _agreed=True)
+    if model._kdev is not None:  # each sequence's last row, gathered where h lives (an embedding lookup)
+        Tp, C = padded.shape[1], model.config.hidden
+        rows = on_device(np.ascontiguousarray(np.arange(B) * Tp + lens - 1, dtype=np.int64), model._kdev)
+        return h, _C.embedding_forward(rows, model._dev(h, (B * Tp, C)))
+    return h, h[np.arange(B), lens - 1]                                                   # (B, C)
+
+
+def _longrope_switch(model, cur) -> bool:
+    """Whether the next decode step is the first past a LongRoPE model's original length: the
+    cached keys hold the short factors, so transformers' Phi-3 drops its cache there and runs the
+    whole sequence again with the long ones (prepare_inputs_for_generation); so does tpcore."""
+    s = model.config.rope_scaling
+    if not s or s.get("rope_type", s.get("type")) != "longrope":
+        return False
+    orig = s.get("original_max_position_embeddings") or model.config.max_positions
+    return int(cur.max()) == int(orig)
 
 
 _BAD_LOGITS = {-1: "hold NaN", -2: "hold +inf", -3: "are all -inf (no token can be drawn)"}

@@ -28,6 +28,8 @@ class RopeState:
         self._key: Optional[Tuple[bytes, float]] = None
         self._ntk = self.scaled and _kind(cfg.rope_scaling) == "dynamic"
         self._cached = cfg.max_positions   # dynamic NTK: the longest length its table has grown to
+        self._long = False                 # LongRoPE: whether the block holds the long table
+        self._memo: dict = {}
         if self.scaled:
             from tpcore.nn.rope import depends_on_length
             self.dynamic = bool(depends_on_length(cfg))
@@ -60,8 +62,15 @@ class RopeState:
             elif seq_len <= grown:
                 return None   # the table it has
             freq, factor = self._table(length)
-        else:
-            freq, factor = self._table(seq_len)
+        else:  # LongRoPE: the short table up to the original length, the long one past it (each made once)
+            s = self.cfg.rope_scaling
+            long = seq_len > (s.get("original_max_position_embeddings") or self.cfg.max_positions)
+            if long == self._long:
+                return None
+            self._long = long
+            if long not in self._memo:
+                self._memo[long] = self._table(seq_len)
+            freq, factor = self._memo[long]
         key = (repr(freq).encode(), factor)
         if key == self._key:
             return None
