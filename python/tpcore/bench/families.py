@@ -142,8 +142,13 @@ def _args_checked(args):
 
 
 def run(args) -> int:
+    import sys
     import tpcore
-    names, worlds, prompt, new, window = _args_checked(args)
+    try:
+        names, worlds, prompt, new, window = _args_checked(args)
+    except SystemExit as e:   # a bad argument: one line, exit status 2 (as argparse's)
+        print(e, file=sys.stderr)
+        return 2
     size = SIZES["quick" if args.quick else "default"]
     rows = []
     for w in worlds:
