@@ -248,17 +248,7 @@ def _expert_pairs(params):
 
 def _grads(params):
     """The gradients of a module, a list of modules or (param, grad) pairs, in order."""
-    if hasattr(params, "parameters"):
-        params = [params]
-    out = []
-    for p in params:
-        if hasattr(p, "parameters"):
-            out.extend(_grads(p.parameters()))
-        elif isinstance(p, (tuple, list)) and len(p) == 2:
-            out.append(p[1])
-        else:
-            raise TypeError(f"average_gradients: params must be modules or (param, grad) pairs, got {shown(p)}")
-    return out
+    return [g for _, g in _pairs(params)]
 
 
 def average_gradients(params: Any, comm: Comm, bucket_bytes: int = 1 << 22) -> int:
