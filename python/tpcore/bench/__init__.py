@@ -9,6 +9,7 @@
     python -m tpcore.bench hetero [options]         one rank throttled: equal vs speed-planned shards
     python -m tpcore.bench report [options]         the 1-vs-N report: speed, memory, collectives, serving
     python -m tpcore.bench serve [options]          continuous batching at concurrency 1, 4, 16 per world size
+    python -m tpcore.bench sched [options]          chunked prefill, prefix caching, preemption, measured
     python -m tpcore.bench parity --checkpoint X    perplexity, KL vs 1 rank (and transformers), greedy agreement
 
 `python -m tpcore.bench --help` lists the subcommands; each has its own
@@ -29,5 +30,6 @@ SUBCOMMANDS = {
     "hetero": "hetero",
     "report": "report",
     "serve": "serve",
+    "sched": "sched",
     "parity": "parity",
 }
