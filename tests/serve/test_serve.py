@@ -213,21 +213,21 @@ def _engine_case(comm, name):
     for i, (h, w) in enumerate(zip(handles, want)):
         if not np.array_equal(h.tokens, w):
             errs.append(f"request {i}: {h.tokens.tolist()} != generate's {w.tolist()}")
-        if not h.done or h.slot is not None:
+        if not h.done or h.running:
             errs.append(f"request {i}: not finished")
         if len(h.token_times) != h.tokens.size or h.latencies.size != h.tokens.size - 1 or not h.ttft > 0 \
                 or not h.submitted <= h.first_token <= h.finished or np.any(h.latencies < 0):
             errs.append(f"request {i}: times {h.submitted}, {h.first_token}, {h.token_times}, {h.finished}")
     reasons = [h.finish_reason for h in handles]
     for i in (2, 5, 9):
-        if reasons[i] != "eos" or handles[i].tokens[-1] != extra[i]["eos_token_id"] or handles[i].tokens.size >= 10:
+        if reasons[i] != "stop" or handles[i].tokens[-1] != extra[i]["eos_token_id"] or handles[i].tokens.size >= 10:
             errs.append(f"request {i}: finished by {reasons[i]} after {handles[i].tokens.size} tokens")
     if reasons.count("length") < 6:
         errs.append(f"finish reasons {reasons}")
     st = eng.stats()
     if sorted(order) != list(range(len(reqs))) or st["finished"] != len(reqs) or st["running"] or st["waiting"]:
         errs.append(f"finished {order}, stats {st}")
-    if st["peak_running"] != 4 or st["free_slots"] != 4 or st["decodes"] >= st["generated_tokens"] / 2:
+    if st["peak_running"] != 4 or st["used_blocks"] != 0 or st["decodes"] >= st["generated_tokens"] / 2:
         errs.append(f"not batched: {st}")
     if st["generated_tokens"] != sum(h.tokens.size for h in handles):
         errs.append(f"generated {st['generated_tokens']}")
@@ -278,8 +278,8 @@ def test_engine_on_the_device_code_path(name):
 
 
 def _budget_case(comm):
-    """max_prefill_tokens: admissions split over steps (a prompt longer than the budget alone),
-    the same tokens."""
+    """max_prefill_tokens: prompts split in chunks over steps (no step computes more prompt
+    tokens than the budget), the same tokens."""
     cfg = tpcore.Config(**LLAMA)
     model = tpcore.models.TransformerLM(cfg, comm, seed=6)
     reqs = _requests(cfg, 10, 13, 30)
@@ -291,7 +291,7 @@ def _budget_case(comm):
     st = eng.stats()
     errs = [f"request {i}: {h.tokens.tolist()} != {w}" for i, (h, w) in enumerate(zip(hs, want))
             if h.tokens.tolist() != w]
-    if st["prefill_padded_max"] != longest or st["prefills"] < 4:  # the longest prompt went alone
+    if st["prefill_step_max"] != longest - 1 or st["prefills"] < 4:  # the longest prompt went in two pieces
         errs.append(f"{st}")
     return errs
 
@@ -321,12 +321,23 @@ def _bad_inputs_case(comm):
         (lambda: eng.submit([1, 2], True), TypeError, "max_new_tokens"),
         (lambda: eng.submit([1, 2], 3, eos_token_id="x"), TypeError, "eos_token_id"),
         (lambda: eng.submit([1, 2], 3, temperature=-1), ValueError, "temperature"),
-        (lambda: eng.submit([1, 2], 3, top_k=1000), ValueError, "top_k"),
+        (lambda: eng.submit([1, 2], 3, top_k=-2), ValueError, "top_k"),
+        (lambda: eng.submit([1, 2], 3, temperature=float("nan")), ValueError, "temperature"),
+        (lambda: eng.submit([1, 2], 3, top_p=0.0), ValueError, "top_p"),
+        (lambda: eng.submit([1, 2], 3, top_p=0.5, sampling=tpcore.models.sampling.SamplingParams()), TypeError,
+         "not both"),
+        (lambda: eng.submit([1, 2], 3, stop=["x"]), ValueError, "tokenizer"),
+        (lambda: eng.submit([1, 2], 3, stop_token_ids=[97]), ValueError, "stop_token_ids"),
+        (lambda: eng.cancel(5), ValueError, "no request 5"),
+        (lambda: eng.cancel("a"), TypeError, "Request"),
         (lambda: tpcore.Engine("model"), TypeError, "TransformerLM"),
         (lambda: tpcore.Engine(model, max_batch=0), ValueError, "max_batch"),
         (lambda: tpcore.Engine(model, max_len=33), ValueError, "max_positions (32)"),
         (lambda: tpcore.Engine(model, max_batch=1.5), TypeError, "max_batch"),
         (lambda: tpcore.Engine(model, max_prefill_tokens=0), ValueError, "max_prefill_tokens"),
+        (lambda: tpcore.Engine(model, max_len=20, block_size=0), ValueError, "block_size"),
+        (lambda: tpcore.Engine(model, max_len=20, block_size=4, num_blocks=4), ValueError, "num_blocks"),
+        (lambda: tpcore.Engine(model, prefix_caching="yes"), TypeError, "prefix_caching"),
         (lambda: tpcore.Engine(tpcore.models.TransformerLM(tpcore.Config(
             vocab_size=11, hidden=8, layers=1, heads=2, ffn_hidden=8, causal=False, max_positions=8), comm)),
          ValueError, "causal"),
@@ -382,7 +393,8 @@ def _mismatch_case(comm, how):
 @pytest.mark.parametrize("how", ["prompt", "count"])
 def test_ranks_that_submit_different_requests_get_a_value_error(how):
     msgs = run(_mismatch_case, 3, how)
-    want = "the submitted requests differ" if how == "prompt" else "the number of submitted requests differs"
+    want = ("the submitted or cancelled requests differ" if how == "prompt" else
+            "the number of submitted requests differs")
     for r, m in enumerate(msgs):
         assert "Engine.step" in m and want in m and "same requests in the same order" in m, (r, m)
 
@@ -472,14 +484,14 @@ def _nan_case(comm, seed):
     done = list(eng.run())
     errs = []
     for h, (reason, toks, step) in zip(handles, want):
-        if h.finish_reason != reason or h.tokens.tolist() != toks or not h.done or h.slot is not None:
+        if h.finish_reason != reason or h.tokens.tolist() != toks or not h.done or h.running:
             errs.append(f"request {h.id}: {h.finish_reason} {h.tokens.tolist()}, want {reason} {toks}")
         text = f"Engine: the logits of request {h.id} at step {step} hold NaN"
         if (reason == "error") != isinstance(h.error, ValueError) or (step is not None and text not in str(h.error)):
             errs.append(f"request {h.id}: error {h.error!r}, want {text!r}")
     failed = sum(w[0] == "error" for w in want)
     st = eng.stats()
-    if sorted(r.id for r in done) != list(range(len(reqs))) or st["failed"] != failed or st["free_slots"] != 3:
+    if sorted(r.id for r in done) != list(range(len(reqs))) or st["failed"] != failed or st["used_blocks"] != 0:
         errs.append(f"finished {[r.id for r in done]}, stats {st}")
     if failed < 2 or failed == len(reqs):
         errs.append(f"seed {seed}: {failed} of {len(reqs)} requests failed (the test wants some of both)")

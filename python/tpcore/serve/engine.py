@@ -159,7 +159,8 @@ class Engine:
         self._fp = 0          # running fingerprint of every submission and cancellation, in order
         self._broken: Optional[str] = None
         self._broken_type: type = ValueError  # what a step raises once the engine is broken
-        self._st = dict(steps=0, prefills=0, decodes=0, prefill_tokens=0, prefill_padded_max=0, generated_tokens=0,
+        self._st = dict(steps=0, prefills=0, decodes=0, prefill_tokens=0, prefill_padded_max=0, prefill_step_max=0,
+                        generated_tokens=0,
                         finished=0, failed=0, cancelled=0, preempted=0, peak_running=0, prefill_s=0.0, decode_s=0.0,
                         agree_s=0.0)
 
@@ -551,6 +552,7 @@ class Engine:
             st["prefills"] += 1
             st["prefill_tokens"] += int(lens.sum())
             st["prefill_padded_max"] = max(st["prefill_padded_max"], B * T)
+            st["prefill_step_max"] = max(st["prefill_step_max"], int(lens.sum()))
             st["prefill_s"] += time.perf_counter() - t0
         decodes = [r for r in decodes if r.running]
         if decodes:  # one token of every decoding request, each at its own position
