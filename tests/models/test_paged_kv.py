@@ -105,7 +105,7 @@ def test_paged_prefill_in_chunks_and_decode_match_transformers(world, tmp_path_f
     built = [_built(n, tmp_path_factory) for n in names]
     got = run(_ranks, world, [(path, seq[:, :P]) for path, seq, _ in built])
     for r, per_rank in enumerate(got):
-        for name, (path, seq, logits), per_size in zip(names, built, per_rank):
+        for name, (_, seq, logits), per_size in zip(names, built, per_rank):
             for bs, (toks, lg) in zip(SIZES, per_size):
                 what = f"{name}, world {world}, rank {r}, block size {bs}"
                 assert np.array_equal(toks, seq), f"{what}: greedy tokens differ"
@@ -120,14 +120,16 @@ def _memory(comm, path):
     before = model.memory()
     model._forward(np.zeros((1, 4), np.int64), pos0=np.zeros(1, np.int64), use_cache=True,
                    block_table=np.array([[5, 2, -1]]))
-    return before, model.memory(), [b._c.info["cache_block_size"] for b in model.blocks]
+    est = tpcore.models.estimate_memory(model.config, 1, kv_blocks=(7, 3), max_len=4)[0]
+    return before, model.memory(), [b._c.info["cache_block_size"] for b in model.blocks], est
 
 
 def test_paged_memory_counts_the_pool(tmp_path_factory):
     path = _built("llama", tmp_path_factory)[0]
-    before, after, sizes = run(_memory, 1, path)[0]
+    before, after, sizes, est = run(_memory, 1, path)[0]
     per_row = 2 * 2 * 2 * 8 * 4                      # K and V, 2 layers, 2 KV heads of 8, float32
     assert before["kv_cache"] == 7 * 3 * per_row and before["kv_cache_used"] == 0
+    assert est["kv_cache"] == before["kv_cache"] and est["kv_cache_used"] == 4 * per_row
     assert after["kv_cache_used"] == 4 * per_row     # 4 positions written: rows 0-2 of block 5, row 0 of block 2
     assert sizes == [3, 3]
 

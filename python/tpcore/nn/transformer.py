@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, overload
 import numpy as np
 
 from tpcore import _C
-from tpcore.utils.arrays import asarray, check_on_device, device_string, from_dlpack, int_array, resolve_device
+from tpcore.utils.arrays import asarray, check_on_device, device_string, from_dlpack, resolve_device
 from tpcore.distributed.agree import agreed
 from tpcore.utils.args import bool_arg, int_arg, minmax, seed_arg
 from tpcore.utils.dtypes import FLOAT_FORMATS, is_quantized, weight_formats
