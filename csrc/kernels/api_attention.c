@@ -81,11 +81,12 @@ static tp_status_t check_paged(tp_kcall *c, const tp_attention_args *a, int back
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: B x kv_block_cols overflows", c->op);
   for (int64_t e = 0; a->Tq && e < n; e++)
     if (a->kv_block_table[e] >= a->kv_batch)
-      return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                          "%s: args->kv_block_table[%lld][%lld] = %lld is outside the pool's blocks [0, kv_batch = %lld) "
-                          "(< 0: no block)",
-                          c->op, (long long)(e / a->kv_block_cols), (long long)(e % a->kv_block_cols),
-                          (long long)a->kv_block_table[e], (long long)a->kv_batch);
+      return tp_set_error(
+          TP_ERR_INVALID_ARGUMENT,
+          "%s: args->kv_block_table[%lld][%lld] = %lld is outside the pool's blocks [0, kv_batch = %lld) "
+          "(< 0: no block)",
+          c->op, (long long)(e / a->kv_block_cols), (long long)(e % a->kv_block_cols), (long long)a->kv_block_table[e],
+          (long long)a->kv_batch);
   return TP_SUCCESS;
 }
 

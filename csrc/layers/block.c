@@ -441,7 +441,7 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
   tp_arena_add_n(&total, B, sizeof(int64_t));
   tp_arena_add_n(&total, B, sizeof(int64_t));
   tp_arena_add_n(&total, M, 1);
-  tp_arena_add_n(&total, B * k->bcols, sizeof(int64_t)); /* the block table: B x cols <= 2^40, checked */
+  if (k->bcols) tp_arena_add_n(&total, B * k->bcols, sizeof(int64_t)); /* the block table: B x cols <= 2^40 */
   if (!tp_arena_add(&total, abytes))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: the attention workspace overflows a size");
   tp_arena_t *ws = !bw && k->shared ? &k->shared->arena : &k->ws;
@@ -452,7 +452,7 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
   k->klen = tp_arena_take_n(ws, B, sizeof(int64_t));
   k->slot = tp_arena_take_n(ws, B, sizeof(int64_t));
   k->mask = tp_arena_take_n(ws, M, 1);
-  k->btab = tp_arena_take_n(ws, B * k->bcols, sizeof(int64_t));
+  k->btab = k->bcols ? tp_arena_take_n(ws, B * k->bcols, sizeof(int64_t)) : NULL;
   k->attn_ws = tp_arena_take(ws, abytes);
   k->attn_ws_bytes = abytes;
   return TP_SUCCESS;
@@ -540,8 +540,8 @@ static tp_status_t batch_metadata(tp_block_t k, const tp_block_batch_t *bt, int6
     TP_CHECK(tp_device_copy(k->dev, k->slot, TP_DEVICE_CPU, bt->slots, (size_t)B * sizeof(int64_t), s));
   k->have_table = bt->block_table != NULL && B > 0; /* checked: exactly with a paged cache and use_cache */
   if (k->have_table)
-    TP_CHECK(tp_device_copy(k->dev, k->btab, TP_DEVICE_CPU, bt->block_table, (size_t)(B * k->bcols) * sizeof(int64_t),
-                            s));
+    TP_CHECK(
+        tp_device_copy(k->dev, k->btab, TP_DEVICE_CPU, bt->block_table, (size_t)(B * k->bcols) * sizeof(int64_t), s));
   return TP_SUCCESS;
 }
 

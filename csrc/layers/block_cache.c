@@ -32,8 +32,8 @@ static tp_status_t cache_alloc(tp_block_t k, int64_t seqs, int64_t rows, const c
   if (st == TP_SUCCESS) st = tp_host_zalloc((size_t)seqs * sizeof(int64_t), (void **)&k->kv_end, what);
   if (st != TP_SUCCESS) {
     tp_block_cache_release(k);
-    return tp_set_error(TP_ERR_NOMEM, "%s: out of memory for %lld x %lld rows (2 x %lld floats)", what,
-                        (long long)seqs, (long long)rows, (long long)n);
+    return tp_set_error(TP_ERR_NOMEM, "%s: out of memory for %lld x %lld rows (2 x %lld floats)", what, (long long)seqs,
+                        (long long)rows, (long long)n);
   }
   k->kc = tp_arena_take_n(&k->cache, n, sizeof(float));
   k->vc = tp_arena_take_n(&k->cache, n, sizeof(float));

@@ -345,7 +345,7 @@ static void case_kv_cache_write_paged(void) {
   /* B, T, block size, width, ld, cols (the table's; positions past cols x bs are a padding
    * row's: skipped), blocks in the pool */
   const int64_t cfg[][7] = {{3, 2, 4, 5, 13, 4, 14}, {1, 1, 1, 1, 1, 1, 1}, {2, 7, 3, 3, 4, 5, 11},
-                            {0, 2, 4, 3, 3, 2, 3},   {2, 0, 4, 3, 3, 2, 3},   {2, 3, 5, 0, 4, 1, 2},
+                            {0, 2, 4, 3, 3, 2, 3},   {2, 0, 4, 3, 3, 2, 3}, {2, 3, 5, 0, 4, 1, 2},
                             {4, 1, 16, 7, 9, 2, 9},  {2, 5, 1, 2, 2, 9, 19}};
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
     int64_t B = cfg[c][0], T = cfg[c][1], bs = cfg[c][2], W = cfg[c][3], ld = cfg[c][4], cols = cfg[c][5];
@@ -372,9 +372,8 @@ static void case_kv_cache_write_paged(void) {
       }
     }
     float *dkc = DPUTF(kc, nc), *dvc = DPUTF(vc, nc);
-    ok("kv_cache_write_paged",
-       K->kv_cache_write_paged(NULL, dkc, dvc, DPUTF(k, nr + W), DPUTF(v, nr + W), ld, DPUTI(pos0, B),
-                               DPUTI(tab, B * cols), cols, bs, B, T, W));
+    ok("kv_cache_write_paged", K->kv_cache_write_paged(NULL, dkc, dvc, DPUTF(k, nr + W), DPUTF(v, nr + W), ld,
+                                                       DPUTI(pos0, B), DPUTI(tab, B * cols), cols, bs, B, T, W));
     GETF(kc, dkc, nc);
     GETF(vc, dvc, nc);
     expect("kcache", kc, rk, nc, 0, 0, NULL); /* exact copies, the rest untouched */

@@ -367,8 +367,8 @@ extern "C" tp_status_t tp_cuda_kv_cache_write_paged(tp_stream_t s, float *kcache
   int64_t n;
   if (!tp_mul_count(B, T, &n) || !tp_mul_count(n, width, &n))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda kv_cache_write_paged: B x T x width overflows");
-  kv_write_paged_kernel<<<grid_for(n, 256), 256, 0, (cudaStream_t)s>>>(kcache, vcache, k, v, ld, pos0, table, cols,
-                                                                       bs, B, T, width);
+  kv_write_paged_kernel<<<grid_for(n, 256), 256, 0, (cudaStream_t)s>>>(kcache, vcache, k, v, ld, pos0, table, cols, bs,
+                                                                       B, T, width);
   return launch_check("kv_cache_write_paged", "kv_write_paged_kernel launch");
 }
 

@@ -110,8 +110,7 @@ typedef struct {
  * (tab: the sequence's row of the block table); returns 0 for a run of positions in no
  * block (an entry < 0: keys never read).  A ring wraps at kv_ring; a paged cache's run ends
  * at its block, or goes on through the next when that one follows it in memory. */
-static int key_run(const tp_attention_args *a, const int64_t *tab, int64_t j, int64_t end, int64_t *off,
-                   int64_t *len) {
+static int key_run(const tp_attention_args *a, const int64_t *tab, int64_t j, int64_t end, int64_t *off, int64_t *len) {
   if (a->kv_ring) {
     int64_t r = j % a->kv_ring;
     *off = r * a->kv_ld, *len = end - j < a->kv_ring - r ? end - j : a->kv_ring - r;
@@ -166,7 +165,9 @@ static void forward_block(const tp_attention_args *a, int64_t b, int64_t i0, int
     if (a->softcap > 0.0f) cap_row(si, w, a->softcap);
     key_range(a, b, i0 + i, &lo, &hi);
     float l = softmax_row(si, lo - kmin, hi - kmin, a->probs ? -col0 : 0, a->probs ? Tk - col0 : w,
-                          holes ? hole : keep ? keep + kmin : NULL);
+                          holes  ? hole
+                          : keep ? keep + kmin
+                                 : NULL);
     if (L) L[i0 + i] = l;
   }
   int first = 1;
