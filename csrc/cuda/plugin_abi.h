@@ -39,7 +39,7 @@
 extern "C" {
 #endif
 
-#define TP_CUDA_PLUGIN_ABI 2
+#define TP_CUDA_PLUGIN_ABI 3
 #define TP_CUDA_PLUGIN_ENTRY "tp_cuda_plugin_init_v1"
 #define TP_CUDA_PLUGIN_SONAME "libtpcore_cuda.so"
 

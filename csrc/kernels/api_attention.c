@@ -45,6 +45,51 @@ static tp_status_t check_families(tp_kcall *c, const tp_attention_args *a, int b
   return TP_SUCCESS;
 }
 
+/* The paged KV cache (kv_block_size > 0): the pool, the table, and on the CPU every entry
+ * of the B rows of the table (host memory) either < 0 (no block) or a block of the pool. */
+static tp_status_t check_paged(tp_kcall *c, const tp_attention_args *a, int backward) {
+  if (a->kv_block_size < 0 || a->kv_block_size > INT_MAX)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_block_size = %lld must be in [0, %d] (0: off)", c->op,
+                        (long long)a->kv_block_size, INT_MAX);
+  if (!a->kv_block_size) {
+    if (a->kv_block_table)
+      return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_block_table is set but args->kv_block_size is 0",
+                          c->op);
+    return TP_SUCCESS;
+  }
+  const char *excl = backward ? "backward" : a->kv_slot ? "kv_slot" : a->kv_ring ? "kv_ring" : NULL;
+  if (excl)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: a paged KV cache (args->kv_block_size > 0) excludes %s", c->op,
+                        excl);
+  if (!a->k_len)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: a paged KV cache needs args->k_len (it is read over a KV cache: q_pos and k_len)", c->op);
+  if (a->kv_batch < 1 || a->kv_batch > INT_MAX)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: args->kv_batch = %lld (the blocks of the paged pool) must be in [1, %d]", c->op,
+                        (long long)a->kv_batch, INT_MAX);
+  int64_t span;
+  if (a->kv_block_cols < 1 || !tp_mul_count(a->kv_block_cols, a->kv_block_size, &span) || span < a->Tk)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
+                        "%s: args->kv_block_cols = %lld x kv_block_size = %lld must cover the Tk = %lld key positions",
+                        c->op, (long long)a->kv_block_cols, (long long)a->kv_block_size, (long long)a->Tk);
+  if (a->B && a->Tq && !a->kv_block_table)
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_block_table is NULL", c->op);
+  if (a->device != TP_DEVICE_CPU) return TP_SUCCESS; /* device memory: CUDA treats a bad entry as no block */
+  int64_t n;
+  if (!tp_mul_count(a->B, a->kv_block_cols, &n))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: B x kv_block_cols overflows", c->op);
+  for (int64_t e = 0; a->Tq && e < n; e++)
+    if (a->kv_block_table[e] >= a->kv_batch)
+      return tp_set_error(
+          TP_ERR_INVALID_ARGUMENT,
+          "%s: args->kv_block_table[%lld][%lld] = %lld is outside the pool's blocks [0, kv_batch = %lld) "
+          "(< 0: no block)",
+          c->op, (long long)(e / a->kv_block_cols), (long long)(e % a->kv_block_cols), (long long)a->kv_block_table[e],
+          (long long)a->kv_batch);
+  return TP_SUCCESS;
+}
+
 /* The sizes, layouts and pointers of args (attention.c reads nothing outside them). */
 static tp_status_t check_args(tp_kcall *c, const tp_attention_args *a, int backward) {
   if (!a) return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args is NULL", c->op);
@@ -78,10 +123,12 @@ static tp_status_t check_args(tp_kcall *c, const tp_attention_args *a, int backw
                         "%s: args->kv_batch = %lld (the KV sequences kv_slot indexes) must "
                         "be in [1, %d]",
                         c->op, (long long)a->kv_batch, INT_MAX);
-  int64_t nkv = a->kv_slot ? a->kv_batch : a->B;
-  if (nkv > 1 && (a->kv_bstride < 0 || a->kv_bstride / (a->Tk ? a->Tk : 1) < a->kv_ld))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_bstride (%lld) must be at least Tk x kv_ld", c->op,
-                        (long long)a->kv_bstride);
+  TP_CHECK(check_paged(c, a, backward));
+  const int paged = a->kv_block_size > 0;
+  int64_t nkv = a->kv_slot || paged ? a->kv_batch : a->B, krows = paged ? a->kv_block_size : a->Tk;
+  if (nkv > 1 && (a->kv_bstride < 0 || a->kv_bstride / (krows ? krows : 1) < a->kv_ld))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->kv_bstride (%lld) must be at least %s x kv_ld", c->op,
+                        (long long)a->kv_bstride, paged ? "kv_block_size" : "Tk");
   if (a->kv_slot && a->device == TP_DEVICE_CPU) /* host memory: every slot checked here (CUDA: in the kernel) */
     for (int64_t b = 0; b < a->B; b++)
       if (a->kv_slot[b] < 0 || a->kv_slot[b] >= a->kv_batch)
@@ -89,12 +136,12 @@ static tp_status_t check_args(tp_kcall *c, const tp_attention_args *a, int backw
                             c->op, (long long)b, (long long)a->kv_slot[b], (long long)a->kv_batch);
   int64_t qreach, oreach, kreach, kv_rows; /* the elements the kernel's indexing reaches, in int64 */
   if (!tp_mul_count(rows, a->q_ld, &qreach) || !tp_mul_count(rows, a->o_ld, &oreach) ||
-      !tp_mul_count(a->Tk, a->kv_ld, &kv_rows) ||
+      !tp_mul_count(krows, a->kv_ld, &kv_rows) ||
       !tp_mul_count(nkv > 1 ? nkv - 1 : 0, nkv > 1 ? a->kv_bstride : 0, &kreach) ||
       !tp_add_count(kreach, kv_rows, &kreach))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT,
                         "%s: args' leading dimensions reach past 2^63 elements (B x Tq x "
-                        "q_ld, B x Tq x o_ld, or (B or kv_batch - 1) x kv_bstride + Tk x kv_ld)",
+                        "q_ld, B x Tq x o_ld, or (B or kv_batch - 1) x kv_bstride + rows x kv_ld)",
                         c->op);
   if (rows && qw && (!a->q || !a->o))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "%s: args->q or args->o is NULL", c->op);

@@ -164,6 +164,17 @@ typedef struct tp_kernel_ops {
   tp_status_t (*kv_cache_write)(tp_stream_t s, float *kcache, float *vcache, const float *k, const float *v, int64_t ld,
                                 const int64_t *pos0, const int64_t *slots, int64_t B, int64_t T, int64_t max_len,
                                 int64_t width, int64_t ring);
+  /* The KV-cache write into a paged pool of blocks of bs rows (tpcore/kernels.h's
+   * kv_block_table): for b < B, t < T, position p = pos0[b] + t goes to block
+   * e = table[b * cols + p / bs] at row p % bs,
+   *   kcache[(e * bs + p % bs) * width + c] = k[(b * T + t) * ld + c], same for v, c < width;
+   * an entry e < 0 (no block: a padding row, a padding token), or a position past the table
+   * (p / bs >= cols: a padding row's), skips the token.  pos0 and table are device memory; e <
+   * the pool's blocks is checked by the caller on the host (tp_block_batch_t's metadata), as
+   * is that no two tokens of a call write one row of the pool. */
+  tp_status_t (*kv_cache_write_paged)(tp_stream_t s, float *kcache, float *vcache, const float *k, const float *v,
+                                      int64_t ld, const int64_t *pos0, const int64_t *table, int64_t cols, int64_t bs,
+                                      int64_t B, int64_t T, int64_t width);
   /* pos[b * T + t] = pos0[b] + t and klen[b] = pos0[b] + T (overwritten; klen may be NULL). */
   tp_status_t (*positions)(tp_stream_t s, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B, int64_t T);
 
@@ -273,8 +284,8 @@ typedef struct tp_kernel_ops {
   X(gemm) X(linear_forward) X(linear_backward) X(add_bias) X(bias_grad) X(act_forward) X(act_backward)             \
   X(bias_act_forward) X(bias_act_backward_workspace) X(bias_act_backward) X(layernorm_forward)                     \
   X(layernorm_backward) X(rmsnorm_forward) X(rmsnorm_backward) X(rope) X(attention_workspace)                      \
-  X(attention_forward) X(attention_backward) X(kv_cache_write) X(positions) X(embedding_forward)                   \
-  X(embedding_backward) X(xent_row_max) X(xent_row_sums) X(xent_loss) X(xent_row_scale) X(xent_backward)           \
+  X(attention_forward) X(attention_backward) X(kv_cache_write) X(kv_cache_write_paged) X(positions)              \
+  X(embedding_forward) X(embedding_backward) X(xent_row_max) X(xent_row_sums) X(xent_loss) X(xent_row_scale) X(xent_backward)           \
   X(xent_targets) X(xent_targets_hash) X(check_range) X(add) X(sub) X(scale) X(fill) X(init_uniform)              \
   X(init_normal) X(adamw_step) X(sgd_step) X(convert) X(linear_lp_workspace) X(linear_forward_lp)          \
   X(linear_backward_lp) X(embedding_forward_lp)

@@ -24,6 +24,10 @@ static tp_attention_args attn_args(tp_block_t k, int64_t B, int64_t T, int use_c
     if (k->crows < k->clen) a.kv_ring = k->crows; /* a sliding window's ring: position j at row j % crows */
     a.q_pos = k->pos0, a.k_len = k->klen;
     if (k->have_slots) a.kv_slot = k->slot, a.kv_batch = k->cb; /* row b reads cache sequence slot[b] */
+    if (k->paged) { /* row b's position j in block btab[b][j / crows]: the pool of cb blocks of crows rows */
+      a.Tk = k->bcols * k->crows, a.kv_batch = k->cb;
+      a.kv_block_table = k->btab, a.kv_block_cols = k->bcols, a.kv_block_size = k->crows;
+    }
   } else {
     a.k = k->qkv ? k->qkv + k->nq * k->D : NULL, a.v = k->qkv ? k->qkv + (k->nq + k->nk) * k->D : NULL;
     a.kv_ld = k->W, a.kv_bstride = T * k->W, a.Tk = T;
@@ -121,7 +125,10 @@ tp_status_t tp_block_attention_forward(tp_block_t k, float **r, const float *in,
   TP_CHECK(lk_linear_forward(&k->lk, k->qkv, in, &k->Wqkv, k->bqkv, M, k->C, k->W, stream));
   if (k->cfg.qk_norm) TP_CHECK(qk_norm_forward(k, stream));
   if (k->cfg.rope_theta > 0 && k->nq) TP_CHECK(block_rope(k, k->qkv, 0, stream));
-  if (use_cache && k->nk)
+  if (use_cache && k->nk && k->paged)
+    TP_CHECK(lk_kv_cache_write_paged(&k->lk, k->kc, k->vc, k->qkv + k->nq * D, k->qkv + (k->nq + k->nk) * D, k->W,
+                                     k->pos0, k->btab, k->bcols, k->crows, k->B, k->T, k->nk * D, stream));
+  else if (use_cache && k->nk)
     TP_CHECK(lk_kv_cache_write(&k->lk, k->kc, k->vc, k->qkv + k->nq * D, k->qkv + (k->nq + k->nk) * D, k->W, k->pos0,
                                k->have_slots ? k->slot : NULL, k->B, k->T, k->crows, k->nk * D,
                                k->crows < k->clen ? k->crows : 0, stream));
@@ -207,11 +214,13 @@ tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt) {
                           "positions (at most 2^63 - 1 - T)",
                           (long long)b, (long long)p, (long long)bt->T);
   }
+  TP_CHECK(tp_block_check_paged(k, bt));
   if (bt->use_cache) {
     if (!k->cfg.causal) return tp_set_error(TP_ERR_INVALID_USAGE, "block forward: a KV cache needs causal attention");
     if (bt->need_backward) return tp_set_error(TP_ERR_INVALID_USAGE, "block forward: no backward through the KV cache");
     if (bt->key_mask)
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: key_mask is not used with the cache");
+    if (k->paged) return TP_SUCCESS; /* the block table places every position (tp_block_check_paged) */
     if (bt->B > k->cb)
       return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block forward: batch %lld exceeds the cache's %lld sequences",
                           (long long)bt->B, (long long)k->cb);

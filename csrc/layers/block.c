@@ -16,11 +16,10 @@ void tp_block_destroy(tp_block_t k) {
   tp_arena_release(&k->params);
   tp_arena_release(&k->grads);
   tp_arena_release(&k->ws);
-  tp_arena_release(&k->cache);
+  tp_block_cache_release(k);
   tp_arena_release(&k->lpws);
   tp_arena_release(&k->ropet);
   tp_workspace_destroy(k->shared);
-  if (k->kv_end) tp_host_free(k->kv_end);
   tp_host_free(k);
 }
 
@@ -343,6 +342,7 @@ tp_status_t tp_block_info(tp_block_t k, tp_block_info_t *info) {
   info->q0 = k->q0, info->nq = k->nq, info->k0 = k->k0, info->nk = k->nk;
   info->cache_batch = k->cb, info->cache_len = k->clen;
   info->kv_replicated = k->kv_replicated;
+  info->cache_block_size = k->paged ? k->crows : 0;
   return TP_SUCCESS;
 }
 
@@ -383,46 +383,6 @@ int tp_block_params(tp_block_t k, tp_param_t *out, int max) {
     n++;
   }
   return n;
-}
-
-tp_status_t tp_block_cache(tp_block_t k, int64_t batch, int64_t max_len) {
-  TP_NONNULL("block cache", k, "block");
-  /* max_len is the leading dimension of the attention's score GEMMs: a 32-bit int */
-  if (batch < 1 || batch > INT_MAX || max_len < 1 || max_len > INT_MAX)
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "block cache: batch and max_len must be in [1, %d], got batch %lld "
-                        "and max_len %lld",
-                        INT_MAX, (long long)batch, (long long)max_len);
-  /* a sliding window keeps a ring of min(max_len, 2 window) rows: a forward of T <= rows - window + 1
-   * tokens finds the window of each of its queries intact after writing its own keys */
-  int64_t n, W = k->cfg.sliding_window, rows = W > 0 && max_len > 2 * W ? 2 * W : max_len;
-  if (!tp_numel3(batch, rows, k->nk * k->D, &n))
-    return tp_set_error(TP_ERR_INVALID_ARGUMENT,
-                        "block cache: batch %lld x %lld rows (max_len %lld) x %lld K/V values per "
-                        "token is too large: at most 2^40 elements",
-                        (long long)batch, (long long)rows, (long long)max_len, (long long)(k->nk * k->D));
-  /* a new allocation of exactly the new size (the old one goes first), zeroed */
-  size_t total = 0;
-  tp_arena_add_n(&total, n, sizeof(float));
-  tp_arena_add_n(&total, n, sizeof(float));
-  tp_arena_release(&k->cache);
-  if (k->kv_end) tp_host_free(k->kv_end);
-  k->kv_end = NULL;
-  k->kc = k->vc = NULL, k->cb = k->clen = k->crows = 0;
-  tp_status_t st = tp_arena_reserve(&k->cache, total, "block cache");
-  if (st == TP_SUCCESS) st = lk_zero(&k->lk, k->cache.base, total, NULL);
-  if (st == TP_SUCCESS) st = tp_host_zalloc((size_t)batch * sizeof(int64_t), (void **)&k->kv_end, "block cache");
-  if (st != TP_SUCCESS) {
-    tp_arena_release(&k->cache);
-    return tp_set_error(TP_ERR_NOMEM,
-                        "block cache: out of memory for batch %lld x %lld rows (max_len %lld; 2 x %lld "
-                        "floats)",
-                        (long long)batch, (long long)rows, (long long)max_len, (long long)n);
-  }
-  k->kc = tp_arena_take_n(&k->cache, n, sizeof(float));
-  k->vc = tp_arena_take_n(&k->cache, n, sizeof(float));
-  k->cb = batch, k->clen = max_len, k->crows = rows;
-  return TP_SUCCESS;
 }
 
 /* This forward's workspaces, one arena: activations for M rows, the positions of B
@@ -481,6 +441,7 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
   tp_arena_add_n(&total, B, sizeof(int64_t));
   tp_arena_add_n(&total, B, sizeof(int64_t));
   tp_arena_add_n(&total, M, 1);
+  if (k->bcols) tp_arena_add_n(&total, B * k->bcols, sizeof(int64_t)); /* the block table: B x cols <= 2^40 */
   if (!tp_arena_add(&total, abytes))
     return tp_set_error(TP_ERR_INVALID_ARGUMENT, "block: the attention workspace overflows a size");
   tp_arena_t *ws = !bw && k->shared ? &k->shared->arena : &k->ws;
@@ -491,6 +452,7 @@ static tp_status_t workspaces(tp_block_t k, int64_t M, int64_t B, int64_t T, int
   k->klen = tp_arena_take_n(ws, B, sizeof(int64_t));
   k->slot = tp_arena_take_n(ws, B, sizeof(int64_t));
   k->mask = tp_arena_take_n(ws, M, 1);
+  k->btab = k->bcols ? tp_arena_take_n(ws, B * k->bcols, sizeof(int64_t)) : NULL;
   k->attn_ws = tp_arena_take(ws, abytes);
   k->attn_ws_bytes = abytes;
   return TP_SUCCESS;
@@ -576,6 +538,10 @@ static tp_status_t batch_metadata(tp_block_t k, const tp_block_batch_t *bt, int6
   k->have_slots = bt->slots != NULL && B > 0; /* checked: only with use_cache */
   if (k->have_slots)
     TP_CHECK(tp_device_copy(k->dev, k->slot, TP_DEVICE_CPU, bt->slots, (size_t)B * sizeof(int64_t), s));
+  k->have_table = bt->block_table != NULL && B > 0; /* checked: exactly with a paged cache and use_cache */
+  if (k->have_table)
+    TP_CHECK(
+        tp_device_copy(k->dev, k->btab, TP_DEVICE_CPU, bt->block_table, (size_t)(B * k->bcols) * sizeof(int64_t), s));
   return TP_SUCCESS;
 }
 
@@ -590,6 +556,7 @@ static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp
   size_t nb = (size_t)(M * C) * sizeof(float);
   if (M == 0) B = T = 0; /* an empty batch (2^40 sequences of 0 tokens ...) needs no per-sequence workspace */
   k->ready = 0;
+  k->bcols = bt->block_table && B > 0 ? bt->block_cols : 0; /* the attention's Tk: bcols x block size */
   tp_status_t st = workspaces(k, M, B, T, bt->use_cache, bt->need_backward);
   if (st != TP_SUCCESS) {
     tp_comm_abort(k->comm, tp_last_error()); /* the peers would wait in the all-reduce */
@@ -633,7 +600,8 @@ static tp_status_t forward_impl(tp_block_t k, float *y, const float *x, const tp
     TP_CHECK(norm_fwd(k, y, k->mean2, k->rstd2, k->s2, k->n2w, k->n2b, M, s));
   }
   k->ready = bt->need_backward;
-  if (bt->use_cache && T > 0) /* the cache's high-water marks (tp_block_memory's cache_used) */
+  if (bt->use_cache && T > 0 && k->paged) tp_block_paged_written(k, bt);
+  else if (bt->use_cache && T > 0) /* the cache's high-water marks (tp_block_memory's cache_used) */
     for (int64_t b = 0; b < B; b++) {
       int64_t seq = bt->slots ? bt->slots[b] : b, end = (bt->pos0 ? bt->pos0[b] : 0) + T;
       if (end > k->kv_end[seq]) k->kv_end[seq] = end;

@@ -57,7 +57,11 @@ struct tp_block {
   float *kc, *vc;
   int64_t cb, clen; /* sequences and the logical max_len */
   int64_t crows;    /* K/V rows per sequence: clen, or the ring of a sliding window (position p at row p % crows) */
-  int64_t *kv_end;  /* host [cb]: per cache sequence, the highest position written + 1 */
+  int64_t *kv_end;  /* host [cb]: per cache sequence (paged: per block), the highest row written + 1 */
+  /* a paged cache (tp_block_cache_paged): cb blocks of crows = clen rows; the last forward's
+   * block table [B, bcols] on the device (have_table) */
+  int paged, have_table;
+  int64_t *btab, bcols;
 };
 
 struct tp_workspace {
@@ -66,6 +70,13 @@ struct tp_workspace {
   tp_comm_t comm; /* the communicator of the first block that used `out` (NULL: none yet) */
   int refs;       /* atomic */
 };
+
+/* block_paged.c: a forward's block table against the paged cache (use_cache; bt->block_table
+ * iff the cache is paged), and the blocks' high-water marks after it. */
+tp_status_t tp_block_check_paged(tp_block_t k, const tp_block_batch_t *bt);
+void tp_block_paged_written(tp_block_t k, const tp_block_batch_t *bt);
+/* block.c: drop the KV cache (both kinds) */
+void tp_block_cache_release(tp_block_t k);
 
 /* attention.c */
 tp_status_t tp_block_check_batch(tp_block_t k, const tp_block_batch_t *bt);

@@ -324,6 +324,15 @@ static inline tp_status_t lk_kv_cache_write(const tp_lk *c, float *kc, float *vc
              ? c->k->kv_cache_write(s, kc, vc, k, v, ld, pos0, slots, B, T, max_len, width, ring)
              : TP_SUCCESS;
 }
+/* K/V rows of a step into a paged pool: position pos0[b] + t in block table[b * cols + p / bs]
+ * at row p % bs (no block: skipped). */
+static inline tp_status_t lk_kv_cache_write_paged(const tp_lk *c, float *kc, float *vc, const float *k, const float *v,
+                                                  int64_t ld, const int64_t *pos0, const int64_t *table, int64_t cols,
+                                                  int64_t bs, int64_t B, int64_t T, int64_t width, tp_stream_t s) {
+  return B > 0 && T > 0 && width > 0
+             ? c->k->kv_cache_write_paged(s, kc, vc, k, v, ld, pos0, table, cols, bs, B, T, width)
+             : TP_SUCCESS;
+}
 static inline size_t lk_attention_workspace(const tp_lk *c, const tp_attention_args *a, int backward) {
   return c->k->attention_workspace(a, backward);
 }

@@ -164,16 +164,35 @@ static void blk_dealloc(PyObject *o) {
   layer_free(o, self->comm);
 }
 
+/* block_table: a C-contiguous int64 array of shape (B, cols), cols >= 1, into bt. */
+static int block_table_arg(PyObject *t, long long B, tp_block_batch_t *bt) {
+  buf_t b;
+  if (get_host_buf(t, "block forward", "block_table", 0, &b) < 0) return -1;
+  if (b.dtype != TP_INT64 || PyArray_NDIM((PyArrayObject *)t) != 2) {
+    PyErr_Format(PyExc_TypeError, "block forward: block_table must be a 2-D int64 array of shape (B, cols)");
+    return -1;
+  }
+  npy_intp *d = PyArray_DIMS((PyArrayObject *)t);
+  if ((long long)d[0] != B || d[1] < 1) {
+    PyErr_Format(PyExc_ValueError, "block forward: block_table must have shape (B = %lld, cols >= 1), got (%lld, %lld)",
+                 B, (long long)d[0], (long long)d[1]);
+    return -1;
+  }
+  bt->block_table = b.data, bt->block_cols = (int64_t)d[1];
+  return 0;
+}
+
 /* forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None,
- *         slots=None) */
+ *         slots=None, block_table=None) */
 static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"x", "B", "T", "pos0", "key_mask", "use_cache", "need_backward", "out", "slots", NULL};
+  static char *kwlist[] = {"x",   "B",     "T",           "pos0", "key_mask", "use_cache", "need_backward",
+                           "out", "slots", "block_table", NULL};
   BlockObject *self = (BlockObject *)o;
-  PyObject *x, *po = Py_None, *mo = Py_None, *out = Py_None, *so = Py_None, *B_o, *T_o;
+  PyObject *x, *po = Py_None, *mo = Py_None, *out = Py_None, *so = Py_None, *to = Py_None, *B_o, *T_o;
   long long B, T, BT;
   int use_cache = 0, need_backward = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOppOO:forward", kwlist, &x, &B_o, &T_o, &po, &mo, &use_cache,
-                                   &need_backward, &out, &so))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOppOOO:forward", kwlist, &x, &B_o, &T_o, &po, &mo, &use_cache,
+                                   &need_backward, &out, &so, &to))
     return NULL;
   if (int_arg(B_o, "block forward", "B", 0, LLONG_MAX, &B) < 0 ||
       int_arg(T_o, "block forward", "T", 0, LLONG_MAX, &T) < 0)
@@ -201,7 +220,8 @@ static PyObject *blk_forward(PyObject *o, PyObject *args, PyObject *kw) {
                  (long long)B, (long long)T);
     BLK_FAIL;
   }
-  tp_block_batch_t bt = {B, T, NULL, NULL, use_cache, need_backward, NULL};
+  tp_block_batch_t bt = {B, T, NULL, NULL, use_cache, need_backward, NULL, NULL, 0};
+  if (to != Py_None && block_table_arg(to, B, &bt) < 0) BLK_FAIL;
   if (po != Py_None) {
     int64_t n;
     if (tokens_arg(po, "block forward", "pos0", &n) < 0) BLK_FAIL;
@@ -299,6 +319,19 @@ static PyObject *blk_cache(PyObject *o, PyObject *args) {
 }
 
 /* set_rope(inv_freq: None or head_dim / 2 floats, factor: float) */
+static PyObject *blk_cache_paged(PyObject *o, PyObject *args) {
+  BlockObject *self = (BlockObject *)o;
+  PyObject *n_o, *bs_o;
+  long long n, bs;
+  if (!PyArg_ParseTuple(args, "OO:cache_paged", &n_o, &bs_o)) return NULL;
+  if (int_arg(n_o, "TransformerBlock.cache_paged", "num_blocks", 1, DIM_MAX, &n) < 0 ||
+      int_arg(bs_o, "TransformerBlock.cache_paged", "block_size", 1, DIM_MAX, &bs) < 0)
+    return NULL;
+  tp_status_t s = tp_block_cache_paged(self->K, n, bs);
+  if (s != TP_SUCCESS) return raise_status(cstate((PyObject *)self->comm), s, "cache_paged");
+  Py_RETURN_NONE;
+}
+
 static PyObject *blk_set_rope(PyObject *o, PyObject *args) {
   BlockObject *self = (BlockObject *)o;
   PyObject *freq_o;
@@ -345,9 +378,10 @@ static PyObject *blk_params(PyObject *o, PyObject *unused) {
 static PyObject *blk_info(PyObject *o, void *unused) {
   tp_block_info_t i;
   tp_block_info(((BlockObject *)o)->K, &i);
-  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:O}", "q0", (long long)i.q0, "nq", (long long)i.nq, "k0",
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:O,s:L}", "q0", (long long)i.q0, "nq", (long long)i.nq, "k0",
                        (long long)i.k0, "nk", (long long)i.nk, "cache_batch", (long long)i.cache_batch, "cache_len",
-                       (long long)i.cache_len, "kv_replicated", i.kv_replicated ? Py_True : Py_False);
+                       (long long)i.cache_len, "kv_replicated", i.kv_replicated ? Py_True : Py_False,
+                       "cache_block_size", (long long)i.cache_block_size);
 }
 
 static PyObject *blk_device(PyObject *o, void *unused) {
@@ -423,9 +457,13 @@ static PyMethodDef blk_methods[] = {
     {"memory", blk_memory, METH_NOARGS,
      "memory() -> {device, params, grads, workspace, cache, cache_used, comm}: bytes this rank's layer holds"},
     {"forward", (PyCFunction)(void (*)(void))blk_forward, METH_VARARGS | METH_KEYWORDS,
-     "forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None) -> y"},
+     "forward(x[B*T, C], B, T, pos0=None, key_mask=None, use_cache=False, need_backward=False, out=None, slots=None, "
+     "block_table=None) -> y"},
     {"backward", blk_backward, METH_VARARGS, "backward(dy[B*T, C], out=None) -> dx; accumulates the gradients"},
     {"cache", blk_cache, METH_VARARGS, "cache(batch, max_len): (re)allocate the KV cache"},
+    {"cache_paged", blk_cache_paged, METH_VARARGS,
+     "cache_paged(num_blocks, block_size): (re)allocate the KV cache as a pool of blocks (forwards with use_cache "
+     "then take block_table)"},
     {"set_rope", blk_set_rope, METH_VARARGS,
      "set_rope(inv_freq, factor): the rotary frequencies (None: rope_theta's) and cos/sin factor from now on"},
     {"params", blk_params, METH_NOARGS,

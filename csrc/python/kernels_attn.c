@@ -3,8 +3,10 @@
  * tpcore/kernels.h) as module functions, for the tests and for model code outside the C
  * layers:
  *   attention_forward(q, k, v, *, causal=False, scale=None, q_pos=None, k_len=None,
- *                     key_mask=None, softcap=0.0, window=0, kv_ring=0, keep=None)
- *       -> o, or (o, kept) with keep="probs" ([B, Hq, Tq, Tk]) or keep="lse" ([B, Hq, Tq])
+ *                     key_mask=None, softcap=0.0, window=0, kv_ring=0, keep=None, block_table=None)
+ *       -> o, or (o, kept) with keep="probs" ([B, Hq, Tq, Tk]) or keep="lse" ([B, Hq, Tq]);
+ *       with block_table (int64 [B, cols], a paged KV cache): k, v are the pool [blocks,
+ *       block_size, Hk, D] and Tk = cols x block_size (kv_block_table of tp_attention_args)
  *   attention_backward(q, k, v, o, dout, kept, *, the same keywords but keep)
  *       -> (dq, dk, dv); kept: forward's probs (4-D) or lse (3-D; o must be forward's output)
  * q, o, dout [B, Tq, Hq, D] and k, v [B, Tk, Hk, D]: float32, C-contiguous (k, v: a cache of
@@ -23,6 +25,7 @@ typedef struct {
   PyObject *scale, *q_pos, *k_len, *key_mask;
   float softcap;
   long long window, kv_ring;
+  PyObject *block_table; /* forward only: a paged KV cache */
 } attn_opts;
 
 /* t float32, 4-D, C-contiguous (shape: its shape must be that, when not NULL). */
@@ -73,7 +76,8 @@ static int attn_args(kcall *c, PyObject *qo, PyObject *ko, PyObject *vo, const a
   if (kc_in(c, qo, "q", 0, 0, q, NULL) < 0 || f32_4d(c, q, "q", NULL) < 0 || kc_in(c, ko, "k", 0, 0, k, NULL) < 0 ||
       f32_4d(c, k, "k", NULL) < 0 || kc_in(c, vo, "v", 0, 0, &v, NULL) < 0 || f32_4d(c, &v, "v", k->shape) < 0)
     return -1;
-  if (k->shape[0] != q->shape[0] || k->shape[3] != q->shape[3]) {
+  const int paged = op->block_table != Py_None;
+  if ((!paged && k->shape[0] != q->shape[0]) || k->shape[3] != q->shape[3]) {
     PyErr_Format(PyExc_ValueError,
                  "%s: q is (B, Tq, Hq, D) = (%lld, %lld, %lld, %lld) but k is (%lld, %lld, %lld, %lld): "
                  "B and D must agree",
@@ -85,6 +89,20 @@ static int attn_args(kcall *c, PyObject *qo, PyObject *ko, PyObject *vo, const a
   a->Tk = k->shape[1], a->Hk = k->shape[2];
   a->q = q->data, a->k = k->data, a->v = v.data;
   a->q_ld = a->o_ld = a->Hq * a->D, a->kv_ld = a->Hk * a->D, a->kv_bstride = a->Tk * a->kv_ld;
+  if (paged) { /* k, v: the pool (blocks, block_size, Hk, D); the table (B, cols) places key j */
+    tp_tensor t;
+    const tp_tensor *tp;
+    if (kc_in(c, op->block_table, "block_table", 0, 0, &t, &tp) < 0) return -1;
+    if (t.dtype != TP_INT64 || t.ndim != 2 || t.shape[0] != a->B || t.shape[1] < 1 || !tp_tensor_is_contiguous(&t)) {
+      PyErr_Format(PyExc_ValueError,
+                   "%s: block_table must be a C-contiguous int64 array of shape (B = %lld, cols >= 1), got %d-D %s",
+                   c->op, (long long)a->B, t.ndim, tp_dtype_name(t.dtype));
+      return -1;
+    }
+    if (__builtin_mul_overflow(t.shape[1], k->shape[1], &a->Tk)) a->Tk = -1; /* refused by the core */
+    a->kv_block_table = t.data, a->kv_block_cols = t.shape[1], a->kv_block_size = k->shape[1];
+    a->kv_batch = k->shape[0];
+  }
   a->causal = op->causal;
   double scale = op->scale == Py_None ? 1.0 / sqrt(a->D > 0 ? (double)a->D : 1.0) : PyFloat_AsDouble(op->scale);
   if (scale == -1.0 && PyErr_Occurred()) return -1;
@@ -123,14 +141,14 @@ static int workspace(kcall *c, const tp_attention_args *a, int backward, PyObjec
 #define ATTN_KWLIST "causal", "scale", "q_pos", "k_len", "key_mask", "softcap", "window", "kv_ring"
 #define ATTN_KWARGS(o) \
   &(o).causal, &(o).scale, &(o).q_pos, &(o).k_len, &(o).key_mask, &(o).softcap, &(o).window, &(o).kv_ring
-#define ATTN_DEFAULTS {0, Py_None, Py_None, Py_None, Py_None, 0.0f, 0, 0}
+#define ATTN_DEFAULTS {0, Py_None, Py_None, Py_None, Py_None, 0.0f, 0, 0, Py_None}
 
 static PyObject *attention_forward(PyObject *mod, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"q", "k", "v", ATTN_KWLIST, "keep", NULL};
+  static char *kwlist[] = {"q", "k", "v", ATTN_KWLIST, "keep", "block_table", NULL};
   PyObject *qo, *ko, *vo, *keepo = Py_None;
   attn_opts op = ATTN_DEFAULTS;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$pOOOOfLLO:attention_forward", kwlist, &qo, &ko, &vo, ATTN_KWARGS(op),
-                                   &keepo))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$pOOOOfLLOO:attention_forward", kwlist, &qo, &ko, &vo,
+                                   ATTN_KWARGS(op), &keepo, &op.block_table))
     return NULL;
   KCALL("attention_forward", mod);
   tp_attention_args a;
@@ -223,7 +241,7 @@ static PyObject *attention_backward(PyObject *mod, PyObject *args, PyObject *kw)
 PyMethodDef attention_methods[] = {
     {"attention_forward", (PyCFunction)(void (*)(void))attention_forward, METH_VARARGS | METH_KEYWORDS,
      "attention_forward(q, k, v, *, causal=False, scale=None, q_pos=None, k_len=None, key_mask=None, softcap=0.0, "
-     "window=0, kv_ring=0, keep=None) -> o, or (o, probs | lse)"},
+     "window=0, kv_ring=0, keep=None, block_table=None) -> o, or (o, probs | lse)"},
     {"attention_backward", (PyCFunction)(void (*)(void))attention_backward, METH_VARARGS | METH_KEYWORDS,
      "attention_backward(q, k, v, o, dout, kept, *, causal=False, scale=None, q_pos=None, k_len=None, "
      "key_mask=None, softcap=0.0, window=0, kv_ring=0) -> (dq, dk, dv)"},

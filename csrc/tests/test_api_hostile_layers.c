@@ -397,7 +397,7 @@ static void block_bad_calls(tp_block_t b) {
   TRUE(tp_block_params(b, NULL, 0) == np);
   TRUE(tp_block_params(b, prm, -1) == np);
   TRUE(tp_block_params(NULL, prm, 32) <= 0);
-  tp_block_batch_t bt = {1, M, NULL, NULL, 0, 1, NULL};
+  tp_block_batch_t bt = {1, M, NULL, NULL, 0, 1, NULL, NULL, 0};
   tp_tensor x = T2(xa, M, BLK_C), y = T2(ya, M, BLK_C), dx = T2(ga, M, BLK_C), dy = T2(ya + 1024, M, BLK_C);
   for (int i = 0; i < 64 * 64; i++) xa[i] = (float)((i % 9) - 4) * 0.1f, ya[i] = (float)((i % 5) - 2) * 0.1f;
   BAD(tp_block_backward(b, &dx, &dy, NULL), ANY_ERR, "block backward", "forward");
@@ -447,20 +447,20 @@ static void block_bad_calls(tp_block_t b) {
   }
   BAD(tp_block_backward(b, &dx, &dy, NULL), ANY_ERR, "block backward", "forward");
   /* zero rows */
-  tp_block_batch_t bz = {0, 0, NULL, NULL, 0, 1, NULL};
+  tp_block_batch_t bz = {0, 0, NULL, NULL, 0, 1, NULL, NULL, 0};
   OK(tp_block_forward(b, P(T2(NULL, 0, BLK_C)), P(T2(NULL, 0, BLK_C)), &bz, NULL));
   OK(tp_block_backward(b, P(T2(NULL, 0, BLK_C)), P(T2(NULL, 0, BLK_C)), NULL));
   /* growing and shrinking M */
   static const int64_t Ts[] = {1, 9, 2, 16, 3};
   for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; i++) {
-    tp_block_batch_t bb = {2, Ts[i], NULL, NULL, 0, 1, NULL};
+    tp_block_batch_t bb = {2, Ts[i], NULL, NULL, 0, 1, NULL, NULL, 0};
     int64_t m = 2 * Ts[i];
     OK(tp_block_forward(b, P(T2(ya + 2048, m, BLK_C)), P(T2(xa, m, BLK_C)), &bb, NULL));
     OK(tp_block_backward(b, P(T2(ga, m, BLK_C)), P(T2(ya, m, BLK_C)), NULL));
     ARG(tp_block_backward(b, P(T2(ga, m + 2, BLK_C)), P(T2(ya, m + 2, BLK_C)), NULL), "block backward", NULL);
   }
   /* forward without need_backward: backward refused */
-  tp_block_batch_t nb = {1, M, NULL, NULL, 0, 0, NULL};
+  tp_block_batch_t nb = {1, M, NULL, NULL, 0, 0, NULL, NULL, 0};
   OK(tp_block_forward(b, &y, &x, &nb, NULL));
   BAD(tp_block_backward(b, &dx, &dy, NULL), ANY_ERR, "block backward", NULL);
   OK(tp_block_forward(b, &y, &x, &bt, NULL));
@@ -496,7 +496,7 @@ static void block_bad_cache(tp_block_t b) {
   ARG(tp_block_cache(b, INT_MAX, INT_MAX), "block", NULL); /* 2^62 x nk x BLK_D floats */
   ARG(tp_block_cache(NULL, 1, 8), "block", NULL);
   OK(tp_block_cache(b, 2, 8));
-  tp_block_batch_t cb = {2, 3, NULL, NULL, 1, 0, NULL};
+  tp_block_batch_t cb = {2, 3, NULL, NULL, 1, 0, NULL, NULL, 0};
   int64_t p0[2] = {0, 0};
   cb.pos0 = p0;
   OK(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cb, NULL));
@@ -507,7 +507,7 @@ static void block_bad_cache(tp_block_t b) {
   p0[0] = INT64_MAX;
   ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cb, NULL), "block forward", "pos0");
   p0[0] = 3;
-  tp_block_batch_t cb3 = {3, 2, NULL, NULL, 1, 0, NULL}; /* more sequences than the cache holds */
+  tp_block_batch_t cb3 = {3, 2, NULL, NULL, 1, 0, NULL, NULL, 0}; /* more sequences than the cache holds */
   int64_t p3[3] = {0, 0, 0};
   cb3.pos0 = p3;
   ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cb3, NULL), "block forward", NULL);
@@ -526,7 +526,36 @@ static void block_bad_cache(tp_block_t b) {
   TRUE(info.cache_batch == 1 && info.cache_len == 2);
   OK(tp_block_cache(b, 4, 32));
   OK(tp_block_info(b, &info));
-  TRUE(info.cache_batch == 4 && info.cache_len == 32);
+  TRUE(info.cache_batch == 4 && info.cache_len == 32 && info.cache_block_size == 0);
+  /* a block table without a paged cache, then the paged cache's own refusals */
+  int64_t tab[4] = {0, 1, 2, 3};
+  tp_block_batch_t pb = cb;
+  p0[0] = 0, p0[1] = 0;
+  pb.block_table = tab, pb.block_cols = 2;
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &pb, NULL), "block forward", "block_table");
+  ARG(tp_block_cache_paged(b, 0, 4), "block cache_paged", "num_blocks");
+  ARG(tp_block_cache_paged(b, 4, 0), "block cache_paged", "block_size");
+  ARG(tp_block_cache_paged(b, INT_MAX, INT_MAX), "block cache_paged", NULL);
+  ARG(tp_block_cache_paged(NULL, 4, 4), "block cache_paged", NULL);
+  OK(tp_block_cache_paged(b, 4, 2));
+  OK(tp_block_info(b, &info));
+  TRUE(info.cache_batch == 4 && info.cache_len == 2 && info.cache_block_size == 2);
+  OK(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &pb, NULL)); /* rows 0-1 of blocks 0, 1 and 2, 3 */
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &cb, NULL), "block forward", "block_table");
+  tab[3] = 4; /* outside the pool */
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &pb, NULL), "block forward", "block_table");
+  tab[3] = 0; /* block 0 row 0 written twice */
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &pb, NULL), "block forward", "row 0 of KV block 0");
+  tab[3] = 3, p0[1] = 2; /* 2 + 3 positions past 2 x 2 */
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &pb, NULL), "block forward", "block_table");
+  tab[2] = tab[3] = -1; /* a padding row: nothing to cover */
+  OK(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &pb, NULL));
+  pb.block_cols = 0;
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &pb, NULL), "block forward", "block_cols");
+  int64_t sl[2] = {0, 1};
+  pb.block_cols = 2, pb.slots = sl;
+  ARG(tp_block_forward(b, P(T2(ya, 6, BLK_C)), P(T2(xa, 6, BLK_C)), &pb, NULL), "block forward", "slots");
+  OK(tp_block_cache(b, 4, 32)); /* back to a cache of sequences */
 }
 
 /* The families' options: out of range, inconsistent with the rest, or NaN. */

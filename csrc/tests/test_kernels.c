@@ -341,6 +341,46 @@ static void case_kv_cache_write(void) {
   }
 }
 
+static void case_kv_cache_write_paged(void) {
+  /* B, T, block size, width, ld, cols (the table's; positions past cols x bs are a padding
+   * row's: skipped), blocks in the pool */
+  const int64_t cfg[][7] = {{3, 2, 4, 5, 13, 4, 14}, {1, 1, 1, 1, 1, 1, 1}, {2, 7, 3, 3, 4, 5, 11},
+                            {0, 2, 4, 3, 3, 2, 3},   {2, 0, 4, 3, 3, 2, 3}, {2, 3, 5, 0, 4, 1, 2},
+                            {4, 1, 16, 7, 9, 2, 9},  {2, 5, 1, 2, 2, 9, 19}};
+  for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+    int64_t B = cfg[c][0], T = cfg[c][1], bs = cfg[c][2], W = cfg[c][3], ld = cfg[c][4], cols = cfg[c][5];
+    int64_t nb = cfg[c][6], nc = nb * bs * W, nr = B * T * ld;
+    float *kc = rnd(nc, -1, 1), *vc = rnd(nc, -1, 1), *k = rnd(nr + W, -1, 1), *v = rnd(nr + W, -1, 1);
+    int64_t *pos0 = hmem((size_t)B * 8 + 8), *tab = hmem((size_t)(B * cols) * 8 + 8), *perm = hmem((size_t)nb * 8);
+    for (int64_t i = 0; i < nb; i++) perm[i] = i;
+    for (int64_t i = nb - 1; i > 0; i--) { /* shuffled blocks: each row's its own */
+      int64_t j = rnd_int(0, (int)i + 1), t = perm[i];
+      perm[i] = perm[j], perm[j] = t;
+    }
+    for (int64_t i = 0; i < B * cols; i++) /* every third entry no block (-1); distinct blocks otherwise */
+      tab[i] = i % 3 == 2 || i >= nb ? -1 : perm[i];
+    double *rk = dz(nc), *rv = dz(nc);
+    for (int64_t i = 0; i < nc; i++) rk[i] = kc[i], rv[i] = vc[i];
+    for (int64_t b = 0; b < B; b++) {
+      pos0[b] = rnd_int(0, cols * bs + 2); /* past the table at times: skipped */
+      for (int64_t t = 0; t < T; t++) {
+        int64_t p = pos0[b] + t, e = p / bs < cols ? tab[b * cols + p / bs] : -1;
+        for (int64_t j = 0; e >= 0 && j < W; j++) {
+          rk[(e * bs + p % bs) * W + j] = k[(b * T + t) * ld + j];
+          rv[(e * bs + p % bs) * W + j] = v[(b * T + t) * ld + j];
+        }
+      }
+    }
+    float *dkc = DPUTF(kc, nc), *dvc = DPUTF(vc, nc);
+    ok("kv_cache_write_paged", K->kv_cache_write_paged(NULL, dkc, dvc, DPUTF(k, nr + W), DPUTF(v, nr + W), ld,
+                                                       DPUTI(pos0, B), DPUTI(tab, B * cols), cols, bs, B, T, W));
+    GETF(kc, dkc, nc);
+    GETF(vc, dvc, nc);
+    expect("kcache", kc, rk, nc, 0, 0, NULL); /* exact copies, the rest untouched */
+    expect("vcache", vc, rv, nc, 0, 0, NULL);
+  }
+}
+
 /* ------------------------------------------------------------- checks that read data */
 
 static void case_check_range(void) {
@@ -656,6 +696,7 @@ static const parity_case cases[] = {
     {"attention_forward", case_attention_forward},
     {"attention_backward", case_attention_backward},
     {"kv_cache_write", case_kv_cache_write},
+    {"kv_cache_write_paged", case_kv_cache_write_paged},
     {"positions", case_positions},
     {"embedding_forward", case_embedding_forward},
     {"embedding_backward", case_embedding_backward},

@@ -1,9 +1,9 @@
 /* Parity cases of the attention entries: training layouts (fused QKV rows, padded
  * leading dimensions, key masks, causal, grouped-query heads, a rank's heads starting
  * mid-group), decoding over a KV cache (q_pos, k_len; kv_slot: rows mapped to cache
- * sequences), logit soft-capping, sliding windows, and a ring cache (kv_ring: read after
- * wrap-around, against the reference over the same keys in a linear cache), against a
- * double reference. */
+ * sequences), logit soft-capping, sliding windows, a ring cache (kv_ring: read after
+ * wrap-around, against the reference over the same keys in a linear cache) and a paged cache
+ * (kv_block_table: shuffled blocks, holes), against a double reference. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -213,6 +213,8 @@ void case_attention_workspace(void) {
   }
 }
 
+static void paged_forward(void);
+
 void case_attention_forward(void) {
   for (size_t c = 0; c < NAC; c++)
     for (int mode = 0; mode < 5; mode++) { /* probs kept; no probs (scratch); no probs, a one-block
@@ -245,6 +247,73 @@ void case_attention_forward(void) {
       if (dl) { /* scores within (D + 2) u sqrt(D) <= 1e-6; log of a sum of fexp within ~1e-6 */
         GETF(got, dl, nl);
         expect("lse", got, L, nl, 1e-5, 1e-6, NULL);
+      }
+    }
+  paged_forward();
+}
+
+/* A paged KV cache (kv_block_table): each decode case's cache (no ring) copied into a pool of
+ * blocks of bs rows in a shuffled order, some blocks no block (-1: past k_len, and one hole
+ * inside a row's keys, which the reference sees as masked keys), read against the reference
+ * over the linear cache; probs kept or not, lse. */
+static void paged_forward(void) {
+  const int64_t sizes[3] = {1, 5, 16};
+  for (size_t c = 0; c < NAC; c++)
+    for (int si = 0; si < 3; si++) {
+      if (!AC[c].decode || AC[c].ring) continue;
+      ainst x;
+      make(&AC[c], &x);
+      tp_attention_args ha = host_args(&x), d;
+      const int64_t B = x.a.B, Tk = x.a.Tk, ld = x.a.kv_ld, bs = sizes[si], cols = (Tk + bs - 1) / bs + 1;
+      const int64_t nb = B * cols + 2;
+      int64_t *tab = hmem((size_t)(B * cols) * 8 + 8), *perm = hmem((size_t)nb * 8);
+      for (int64_t i = 0; i < nb; i++) perm[i] = i;
+      for (int64_t i = nb - 1; i > 0; i--) {
+        int64_t j = rnd_int(0, i + 1), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+      }
+      uint8_t *mask = hmem((size_t)(B * Tk) + 1); /* the reference's view: the case's mask and the holes */
+      for (int64_t i = 0; i < B * Tk; i++) mask[i] = x.mask ? x.mask[i] : 1;
+      float *pk = rnd(nb * bs * ld, -1, 1), *pv = rnd(nb * bs * ld, -1, 1);
+      for (int64_t b = 0; b < B; b++) {
+        int64_t sq = x.slot ? x.slot[b] : b, hole = x.klen[b] > 2 * bs ? 1 : -1; /* block 1: a hole */
+        for (int64_t col = 0; col < cols; col++) {
+          int64_t e = col * bs < x.klen[b] && col != hole ? perm[b * cols + col] : -1;
+          tab[b * cols + col] = e;
+          for (int64_t r = 0; r < bs && col * bs + r < Tk; r++) {
+            int64_t j = col * bs + r;
+            if (e < 0) mask[b * Tk + j] = 0;
+            else
+              for (int64_t q = 0; q < ld; q++) {
+                pk[(e * bs + r) * ld + q] = x.kc[sq * x.a.kv_bstride + j * ld + q];
+                pv[(e * bs + r) * ld + q] = x.vc[sq * x.a.kv_bstride + j * ld + q];
+              }
+          }
+        }
+      }
+      ha.key_mask = mask;
+      int64_t np = B * x.a.Hq * x.a.Tq * Tk, nl = B * x.a.Hq * x.a.Tq;
+      double *P = dz(np + 1), *O = dz(x.no), *mo = dz(x.no), *L = dz(nl + 1);
+      reference_forward(&ha, x.o, x.no, P, O, mo, L);
+      for (int mode = 0; mode < 3; mode++) { /* probs kept; scratch; lse kept */
+        float *dqkv, *dkc, *dvc;
+        to_device(&x, &d, &dqkv, &dkc, &dvc);
+        d.k = DPUTF(pk, nb * bs * ld), d.v = DPUTF(pv, nb * bs * ld), d.kv_slot = NULL, d.kv_batch = nb;
+        d.kv_bstride = bs * ld, d.kv_block_table = DPUTI(tab, B * cols), d.kv_block_cols = cols, d.kv_block_size = bs;
+        d.probs = mode == 0 ? dmem((size_t)np * 4) : NULL, d.lse = mode == 2 ? dmem((size_t)nl * 4) : NULL;
+        size_t need = K->attention_workspace(&d, 0);
+        ok("attention_forward (paged)", K->attention_forward(NULL, &d, need ? dmem(need) : NULL, need));
+        float *got = hmem((size_t)(x.no > np ? (x.no > nl ? x.no : nl) : (np > nl ? np : nl)) * 4 + 4);
+        GETF(got, d.o, x.no);
+        expect("o (paged)", got, O, x.no, 2e-5, 0, mo);
+        if (d.probs) {
+          GETF(got, d.probs, np);
+          expect("probs (paged)", got, P, np, 1e-5, 0, NULL);
+        }
+        if (d.lse) {
+          GETF(got, d.lse, nl);
+          expect("lse (paged)", got, L, nl, 1e-5, 1e-6, NULL);
+        }
       }
     }
 }

@@ -288,7 +288,7 @@ static int quant_block_grads(tp_comm_t comm) {
   bad += frozen != 4;
   float x[2 * 32] = {0}, y[2 * 32], dx[2 * 32];
   for (int i = 0; i < 64; i++) x[i] = (float)sin(0.3 * i);
-  tp_block_batch_t bt = {1, 2, NULL, NULL, 0, 1, NULL};
+  tp_block_batch_t bt = {1, 2, NULL, NULL, 0, 1, NULL, NULL, 0};
   bad += tp_block_forward(blk, F2(y, 2, 32), F2(x, 2, 32), &bt, NULL) != TP_SUCCESS ||
          tp_block_backward(blk, F2(dx, 2, 32), F2(y, 2, 32), NULL) != TP_SUCCESS;
   bad += block_grads(prm, tp_block_params(blk, prm, 16), 1, "(q8_0) after backward");
@@ -309,7 +309,7 @@ static int run_block(int n, int r, const char *job) {
   enum { NX = BB * BT * BC };
   float x[NX], y[NX], dy[NX], dx[NX], xs[BB * BC], ys[BB * BC];
   for (int i = 0; i < NX; i++) x[i] = (float)sin(0.37 * i), dy[i] = (float)cos(0.11 * i);
-  tp_block_batch_t bt = {BB, BT, NULL, NULL, 0, 1, NULL};
+  tp_block_batch_t bt = {BB, BT, NULL, NULL, 0, 1, NULL, NULL, 0};
   tp_param_t prm[16];
   int np = tp_block_params(blk, prm, 16), bad = np != 6; /* RMS norms and no biases: 6 weights */
   int bad_grads = block_grads(prm, np, 0, "after create");
@@ -332,7 +332,7 @@ static int run_block(int n, int r, const char *job) {
         else xs[b * BC + c] = v;
       }
   float yp[BB * (BT - 1) * BC];
-  tp_block_batch_t pre = {BB, BT - 1, NULL, NULL, 1, 0, NULL}, dec = {BB, 1, pos, NULL, 1, 0, NULL};
+  tp_block_batch_t pre = {BB, BT - 1, NULL, NULL, 1, 0, NULL, NULL, 0}, dec = {BB, 1, pos, NULL, 1, 0, NULL, NULL, 0};
   bad += tp_block_cache(blk, BB, BT + 2) != TP_SUCCESS ||
          tp_block_forward(blk, F2(yp, BB * (BT - 1), BC), F2(xp, BB * (BT - 1), BC), &pre, NULL) != TP_SUCCESS ||
          tp_block_forward(blk, F2(ys, BB, BC), F2(xs, BB, BC), &dec, NULL) != TP_SUCCESS;
@@ -344,7 +344,7 @@ static int run_block(int n, int r, const char *job) {
   float xsr[BB * BC], ysr[BB * BC];
   for (int b = 0; b < BB; b++)
     for (int c = 0; c < BC; c++) xsr[b * BC + c] = xs[(BB - 1 - b) * BC + c];
-  tp_block_batch_t pres = {BB, BT - 1, NULL, NULL, 1, 0, sl}, decs = {BB, 1, pos, NULL, 1, 0, slr};
+  tp_block_batch_t pres = {BB, BT - 1, NULL, NULL, 1, 0, sl, NULL, 0}, decs = {BB, 1, pos, NULL, 1, 0, slr, NULL, 0};
   bad += tp_block_cache(blk, BB + 2, BT + 2) != TP_SUCCESS ||
          tp_block_forward(blk, F2(yp, BB * (BT - 1), BC), F2(xp, BB * (BT - 1), BC), &pre, NULL) != TP_SUCCESS ||
          tp_block_forward(blk, F2(yp, BB * (BT - 1), BC), F2(xp, BB * (BT - 1), BC), &pres, NULL) != TP_SUCCESS ||
@@ -441,7 +441,7 @@ static int sizes_block(tp_comm_t comm, int n, int r) {
   float x[2 * 3 * 8], y[2 * 3 * 8];
   for (int i = 0; i < 2 * 3 * 8; i++) x[i] = (float)sin(0.3 * i);
   int64_t pos[2] = {big - 1, 0};
-  tp_block_batch_t bt = {2, 2, pos, NULL, 1, 0, NULL};
+  tp_block_batch_t bt = {2, 2, pos, NULL, 1, 0, NULL, NULL, 0};
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "pos0");
   pos[0] = -3;
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, ">= 0");
@@ -463,13 +463,13 @@ static int sizes_block(tp_comm_t comm, int n, int r) {
   bt.use_cache = 0;
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "need use_cache");
   bt.use_cache = 1, bt.slots = NULL;
-  tp_block_batch_t nc = {1, 3, pos, NULL, 0, 0, NULL};
+  tp_block_batch_t nc = {1, 3, pos, NULL, 0, 0, NULL, NULL, 0};
   pos[0] = big - 2;
   EXPECT(tp_block_forward(blk, F2(y, 3, 8), F2(x, 3, 8), &nc, NULL), TP_ERR_INVALID_ARGUMENT, "pos0");
-  tp_block_batch_t many = {1, 1 << 20, NULL, NULL, 0, 1, NULL}; /* probabilities of 2^20 x 2^20 x 2 heads */
+  tp_block_batch_t many = {1, 1 << 20, NULL, NULL, 0, 1, NULL, NULL, 0}; /* probabilities of 2^20 x 2^20 x 2 heads */
   EXPECT(tp_block_forward(blk, F2(y, 1 << 20, 8), F2(x, 1 << 20, 8), &many, NULL), TP_ERR_INVALID_ARGUMENT,
          "B x heads x T x T");
-  tp_block_batch_t rows = {(int64_t)1 << 32, (int64_t)1 << 32, NULL, NULL, 0, 0, NULL};
+  tp_block_batch_t rows = {(int64_t)1 << 32, (int64_t)1 << 32, NULL, NULL, 0, 0, NULL, NULL, 0};
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), F2(x, 4, 8), &rows, NULL), TP_ERR_INVALID_ARGUMENT, "out of range");
   /* the tensors: rows, columns, dtype, device and layout are checked, naming the argument */
   bt.pos0 = NULL, bt.use_cache = 0;
@@ -483,8 +483,8 @@ static int sizes_block(tp_comm_t comm, int n, int r) {
   EXPECT(tp_block_forward(blk, F2(y, 4, 8), &xt, &bt, NULL), TP_ERR_INVALID_ARGUMENT, "contiguous");
   EXPECT(tp_block_forward(blk, NULL, F2(x, 4, 8), &bt, NULL), TP_ERR_INVALID_ARGUMENT, "NULL argument");
   /* empty batches: empty in, empty out, NULL data included (the collectives still run) */
-  tp_block_batch_t e1 = {0, 3, NULL, NULL, 0, 1, NULL}, e2 = {2, 0, NULL, NULL, 0, 1, NULL};
-  tp_block_batch_t e3 = {0, 0, NULL, NULL, 1, 0, NULL};
+  tp_block_batch_t e1 = {0, 3, NULL, NULL, 0, 1, NULL, NULL, 0}, e2 = {2, 0, NULL, NULL, 0, 1, NULL, NULL, 0};
+  tp_block_batch_t e3 = {0, 0, NULL, NULL, 1, 0, NULL, NULL, 0};
   EXPECT(tp_block_forward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), &e1, NULL), TP_SUCCESS, "");
   EXPECT(tp_block_backward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), NULL), TP_SUCCESS, "");
   EXPECT(tp_block_forward(blk, F2(NULL, 0, 8), F2(NULL, 0, 8), &e2, NULL), TP_SUCCESS, "");

@@ -163,14 +163,14 @@ def test_plugin_of_another_abi_is_refused(tmp_path):
                                  "  return 9; }\n")
     status = _plugin_env_case(lib)
     assert f"the CUDA plugin {lib} has plugin ABI 99 (tpcore 9.9.9), but this tpcore {tpcore.__version__} " \
-           "needs ABI 2" in status
+           "needs ABI 3" in status
     assert "rebuild" in status
 
 
 @pytest.mark.skipif(CC is None, reason="no C compiler")
 def test_plugin_of_another_version_is_refused(tmp_path):
     lib = _fake_plugin(tmp_path, f"int {ENTRY}(const void *host, plugin_t *out) {{\n"
-                                 "  out->abi_version = 2; out->size = sizeof *out; out->tpcore_version = \"9.9.9\";\n"
+                                 "  out->abi_version = 3; out->size = sizeof *out; out->tpcore_version = \"9.9.9\";\n"
                                  "  return 0; }\n")
     status = _plugin_env_case(lib)
     assert f"was built from tpcore 9.9.9, but this is tpcore {tpcore.__version__}" in status
@@ -186,11 +186,11 @@ def test_library_without_the_entry_is_refused(tmp_path):
 @pytest.mark.skipif(CC is None, reason="no C compiler")
 def test_plugin_that_fails_to_start_or_gives_no_table(tmp_path):
     failing = _fake_plugin(tmp_path, f"int {ENTRY}(const void *host, plugin_t *out) {{\n"
-                                     "  out->abi_version = 2; out->size = sizeof *out; return 10; }\n", "libfail.so")
+                                     "  out->abi_version = 3; out->size = sizeof *out; return 10; }\n", "libfail.so")
     assert f"the CUDA plugin {failing} failed to start" in _plugin_env_case(failing)
     version = tpcore.__version__
     empty = _fake_plugin(tmp_path, f"int {ENTRY}(const void *host, plugin_t *out) {{\n"
-                                   "  out->abi_version = 2; out->size = sizeof *out;\n"
+                                   "  out->abi_version = 3; out->size = sizeof *out;\n"
                                    f"  out->tpcore_version = \"{version}\"; return 0; }}\n", "libempty.so")
     assert f"the CUDA plugin {empty} gave no CUDA device table" in _plugin_env_case(empty)
 
@@ -275,13 +275,13 @@ def test_plugin_with_incomplete_tables_is_refused(tmp_path):
     tables = ("static struct { int type; const char *name; void *entries[13]; } dev = {1, \"cuda\", {0}};\n"
               "static void *kernels[64];\n")
     no_kernel = _fake_plugin(tmp_path, tables + f"int {ENTRY}(const void *host, plugin_t *out) {{\n"
-                             "  out->abi_version = 2; out->size = sizeof *out;\n"
+                             "  out->abi_version = 3; out->size = sizeof *out;\n"
                              f"  out->tpcore_version = \"{version}\"; out->device = &dev; out->kernels = kernels;\n"
                              "  out->status = (const char *(*)(void))0x1; return 0; }\n", "libnokernels.so")
     status = _plugin_env_case(no_kernel)
     assert f"the CUDA plugin {no_kernel}: kernels_register: the cuda kernel table lacks gemm" in status
     no_alloc = _fake_plugin(tmp_path, tables + f"int {ENTRY}(const void *host, plugin_t *out) {{\n"
-                            "  out->abi_version = 2; out->size = sizeof *out;\n"
+                            "  out->abi_version = 3; out->size = sizeof *out;\n"
                             f"  out->tpcore_version = \"{version}\"; out->device = &dev;\n"
                             "  out->status = (const char *(*)(void))0x1; return 0; }\n", "libnoalloc.so")
     assert f"the CUDA plugin {no_alloc}: device_register: cuda table lacks a required entry" in \

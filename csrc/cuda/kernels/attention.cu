@@ -5,7 +5,8 @@
  * Forward (fwd_kernel<DMAX>, DMAX = 32/64/128/256 >= D): a block of 128 threads (4 warps)
  * takes kBQ = 16 query rows of one (sequence, query head), 4 rows per warp, and walks the
  * keys the block can see (causal: up to its last row's limit; decode: up to k_len; a
- * window: from its first row's window start; a ring cache: key j at row j % kv_ring) in
+ * window: from its first row's window start; a ring cache: key j at row j % kv_ring; a paged
+ * cache: key j in its block of the pool, keys in no block not visible) in
  * tiles of 32 keys staged in shared memory (K and V tiles, 32 x smem_ld(D) floats each,
  * plus the 16 query rows: (2 x 32 + 16) x smem_ld(D) x 4 bytes, 82 KB at D = 256, 9 KB
  * at D = 64).  Lane c scores key c of the tile for each of its warp's rows; the running
@@ -106,20 +107,19 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(tp_attention_args a, int6
 #pragma unroll
     for (int n = 0; n < NV; n++) acc[r][n] = 0.0f;
   }
-  const int64_t kb = kseq < 0 ? 0 : kseq;
+  const int64_t kb = kseq < 0 || a.kv_block_size > 0 ? 0 : kseq; /* paged: key_off places each key in the pool */
   const float *Kb = a.k + kb * a.kv_bstride + g * a.D, *Vb = a.v + kb * a.kv_bstride + g * a.D;
   for (int64_t j0 = kbeg; j0 < kend; j0 += kBK) {
     __syncthreads(); /* the previous tile is consumed (the first time: Qs is written) */
     for (int e = threadIdx.x; e < kBK * D; e += kThreads) {
       int jj = e / D, d = e % D;
-      int64_t j = j0 + jj;
-      bool in = j < kend;
-      Ks[jj * ld + d] = in ? Kb[key_row(a, j) * a.kv_ld + d] : 0.0f;
-      Vs[jj * ld + d] = in ? Vb[key_row(a, j) * a.kv_ld + d] : 0.0f;
+      int64_t j = j0 + jj, off = j < kend ? key_off(a, b, j) : -1;
+      Ks[jj * ld + d] = off >= 0 ? Kb[off + d] : 0.0f;
+      Vs[jj * ld + d] = off >= 0 ? Vb[off + d] : 0.0f;
     }
     __syncthreads();
     const int64_t j = j0 + lane;
-    const bool on = j < kend && key_on(a, b, j);
+    const bool on = j < kend && key_on(a, b, j) && key_off(a, b, j) >= 0;
     const int ntile = kend - j0 < kBK ? (int)(kend - j0) : kBK;
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; r++) {
@@ -222,12 +222,14 @@ __global__ void __launch_bounds__(kThreads) probs_kernel(tp_attention_args a, co
   const float L = lse[row];
   const int64_t kseq = kv_seq(a, b);
   const int64_t lim = kseq < 0 ? 0 : key_limit(a, b, i), lo = key_first(a, b, i);
-  const float *Kb = a.k + (kseq < 0 ? 0 : kseq) * a.kv_bstride + g * a.D; /* no ring: probs refuse one */
+  /* no ring: probs refuse one; paged: key_off places each key in the pool */
+  const float *Kb = a.k + (kseq < 0 || a.kv_block_size > 0 ? 0 : kseq) * a.kv_bstride + g * a.D;
   float *prow = a.probs + row * a.Tk;
   for (int64_t j = threadIdx.x; j < a.Tk; j += kThreads) {
     float p = 0.0f;
-    if (L != -INFINITY && j < lim && j >= lo && key_on(a, b, j)) {
-      const float *kr = Kb + j * a.kv_ld;
+    const int64_t off = L != -INFINITY && j < lim && j >= lo && key_on(a, b, j) ? key_off(a, b, j) : -1;
+    if (off >= 0) {
+      const float *kr = Kb + off;
       float dot = 0.0f;
       for (int64_t d = 0; d < a.D; d++) dot = fmaf(qs[d], kr[d], dot);
       p = expf(cap_score(a, dot * a.scale) - L);
@@ -315,6 +317,21 @@ __global__ void kv_write_kernel(float *kc, float *vc, const float *k, const floa
   }
 }
 
+/* Every (b, t) of a paged write: position pos0[b] + t into its block's row (no block: skipped). */
+__global__ void kv_write_paged_kernel(float *kc, float *vc, const float *k, const float *v, int64_t ld,
+                                      const int64_t *pos0, const int64_t *table, int64_t cols, int64_t bs, int64_t B,
+                                      int64_t T, int64_t width) {
+  const int64_t n = B * T * width;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t c = e % width, bt = e / width, t = bt % T, b = bt / T, p = pos0[b] + t;
+    const int64_t blk = p / bs < cols ? table[b * cols + p / bs] : -1;
+    if (blk < 0) continue;
+    const int64_t dst = (blk * bs + p % bs) * width + c, src = (b * T + t) * ld + c;
+    kc[dst] = k[src];
+    vc[dst] = v[src];
+  }
+}
+
 __global__ void positions_kernel(int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B, int64_t T) {
   const int64_t n = B * T;
   for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
@@ -340,6 +357,19 @@ extern "C" tp_status_t tp_cuda_kv_cache_write(tp_stream_t s, float *kcache, floa
   kv_write_kernel<<<grid_for(n, 256), 256, 0, (cudaStream_t)s>>>(kcache, vcache, k, v, ld, pos0, slots, B, T, t0,
                                                                  max_len, width, ring);
   return launch_check("kv_cache_write", "kv_write_kernel launch");
+}
+
+extern "C" tp_status_t tp_cuda_kv_cache_write_paged(tp_stream_t s, float *kcache, float *vcache, const float *k,
+                                                    const float *v, int64_t ld, const int64_t *pos0,
+                                                    const int64_t *table, int64_t cols, int64_t bs, int64_t B,
+                                                    int64_t T, int64_t width) {
+  if (B <= 0 || T <= 0 || width <= 0) return TP_SUCCESS;
+  int64_t n;
+  if (!tp_mul_count(B, T, &n) || !tp_mul_count(n, width, &n))
+    return tp_set_error(TP_ERR_INVALID_ARGUMENT, "cuda kv_cache_write_paged: B x T x width overflows");
+  kv_write_paged_kernel<<<grid_for(n, 256), 256, 0, (cudaStream_t)s>>>(kcache, vcache, k, v, ld, pos0, table, cols, bs,
+                                                                       B, T, width);
+  return launch_check("kv_cache_write_paged", "kv_write_paged_kernel launch");
 }
 
 extern "C" tp_status_t tp_cuda_positions(tp_stream_t s, int64_t *pos, int64_t *klen, const int64_t *pos0, int64_t B,

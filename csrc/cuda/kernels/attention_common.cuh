@@ -7,7 +7,9 @@
  *   key j visible to query i (at position p = q_pos[b] + i):  j < min(k_len[b], Tk),
  *                              key_mask[b Tk + j] != 0, with causal j <= p, with a window
  *                              j > p - window; a ring (kv_ring, forward): j < q_pos[b] + Tq
- *                              instead of j < Tk, key j at row j % kv_ring
+ *                              instead of j < Tk, key j at row j % kv_ring; a paged cache
+ *                              (kv_block_size > 0): key j in block table[b cols + j / bs], row
+ *                              j % bs, not visible when the entry is no block (key_off)
  *   scores: s = scale q.k, softcap > 0: s = softcap tanh(s / softcap)
  *   lse[(b Hq + h) Tq + i] = max + log(sum exp(s - max)) over the visible scores,
  *                            -inf for a row that sees no key.
@@ -82,6 +84,16 @@ __device__ __forceinline__ int64_t key_first(const tp_attention_args &a, int64_t
 /* The row of k/v that holds key position j (a ring: j % kv_ring). */
 __device__ __forceinline__ int64_t key_row(const tp_attention_args &a, int64_t j) {
   return a.kv_ring > 0 ? j % a.kv_ring : j;
+}
+
+/* The element offset of key position j of query sequence b from the KV sequence's base: row
+ * key_row(j); in a paged cache (kv_block_size > 0: the base is the pool's start) block
+ * kv_block_table[b cols + j / bs], row j % bs; -1 for a key in no block (an entry < 0, or one
+ * outside the pool's kv_batch blocks: never read). */
+__device__ __forceinline__ int64_t key_off(const tp_attention_args &a, int64_t b, int64_t j) {
+  if (a.kv_block_size <= 0) return key_row(a, j) * a.kv_ld;
+  const int64_t e = a.kv_block_table[b * a.kv_block_cols + j / a.kv_block_size];
+  return e >= 0 && e < a.kv_batch ? e * a.kv_bstride + (j % a.kv_block_size) * a.kv_ld : -1;
 }
 
 /* A scaled score soft-capped (softcap > 0: softcap tanh(s / softcap)). */

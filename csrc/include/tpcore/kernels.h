@@ -101,6 +101,19 @@ typedef struct {
    * Needs k_len, window > 0, window + Tq - 1 <= kv_ring (every key a query of the step sees
    * still in the ring), kv_ring <= Tk (the rows k/v hold), and neither probs nor key_mask. */
   int64_t kv_ring;
+  /* Paged KV cache (kv_block_size 0: off; forward over a cache only, q_pos and k_len set):
+   * k/v hold a pool of kv_batch blocks of kv_block_size rows each, kv_bstride apart (at least
+   * kv_block_size x kv_ld); key j of query sequence b lives in block
+   * kv_block_table[b * kv_block_cols + j / kv_block_size] at row j % kv_block_size, i.e. at
+   * k + table[...] * kv_bstride + (j % kv_block_size) * kv_ld + g * D.  The table is memory of
+   * `device` (like q_pos), kv_block_cols x kv_block_size >= Tk (every key position < Tk has
+   * an entry).  An entry < 0 is no block: the keys there are not visible (a padding row, the
+   * blocks of a sliding window's past, keys at or past k_len); an entry >= kv_batch is refused
+   * on the host for the CPU (a CUDA kernel treats it as no block).  Excludes kv_slot and
+   * kv_ring; works with window, softcap, GQA, probs and key_mask. */
+  const int64_t *kv_block_table;
+  int64_t kv_block_cols;
+  int64_t kv_block_size;
 } tp_attention_args;
 
 /* ------------------------------------------------------------------ linear */

@@ -309,10 +309,18 @@ typedef struct {
    * [0, cache batch), none twice in one forward (continuous batching: a fixed pool of cache
    * sequences shared by the requests that come and go, python/tpcore/serve.py) */
   const int64_t *slots;
+  /* [B, block_cols] with a paged cache (tp_block_cache_paged; required then, NULL otherwise;
+   * slots must be NULL): row b's position p lives in block block_table[b * block_cols + p /
+   * block_size] at row p % block_size.  An entry < 0 is no block: the K/V of positions there
+   * are not written and keys there never read (a padding row is all < 0); every other entry
+   * a block of the pool, [0, num_blocks).  A row with a block needs block_cols x block_size
+   * >= pos0[b] + T; no two tokens of a forward may write one row of the pool. */
+  const int64_t *block_table;
+  int64_t block_cols;
 } tp_block_batch_t;
 
-/* {B, T, pos0, key_mask, use_cache, need_backward, slots} */
-#define TP_BLOCK_BATCH_INITIALIZER {0, 0, NULL, NULL, 0, 0, NULL}
+/* {B, T, pos0, key_mask, use_cache, need_backward, slots, block_table, block_cols} */
+#define TP_BLOCK_BATCH_INITIALIZER {0, 0, NULL, NULL, 0, 0, NULL, NULL, 0}
 
 typedef struct {
   const char *name; /* "norm1.weight", "attn.qkv.weight", "mlp.fc1.bias", ...  */
@@ -327,6 +335,8 @@ typedef struct {
   int64_t q0, nq, k0, nk;         /* this rank's query heads and KV heads */
   int64_t cache_batch, cache_len; /* KV cache capacity (0 before tp_block_cache) */
   int kv_replicated;              /* some KV head lives on more than one rank */
+  int64_t cache_block_size;       /* > 0: the cache is paged, cache_batch blocks of this many rows
+                                     (= cache_len); 0: cache_batch sequences of cache_len */
 } tp_block_info_t;
 
 TP_API tp_status_t tp_block_create(tp_block_t *out, tp_comm_t comm, const tp_block_config_t *cfg);
@@ -336,6 +346,10 @@ TP_API tp_status_t tp_block_info(tp_block_t blk, tp_block_info_t *info);
 TP_API int tp_block_params(tp_block_t blk, tp_param_t *out, int max);
 /* (Re)allocate the KV cache for batch sequences of up to max_len tokens (contents reset). */
 TP_API tp_status_t tp_block_cache(tp_block_t blk, int64_t batch, int64_t max_len);
+/* (Re)allocate the KV cache as a paged pool (contents reset): num_blocks blocks of block_size
+ * rows of this rank's K and V heads each (no ring: a sliding-window layer masks the keys
+ * outside its window); forwards with use_cache then take a block table (tp_block_batch_t). */
+TP_API tp_status_t tp_block_cache_paged(tp_block_t blk, int64_t num_blocks, int64_t block_size);
 /* The rotary frequencies from now on (host [head_dim / 2], finite and >= 0; NULL: rope_theta's) and
  * the cos/sin scale (> 0): a rope scaling that depends on the sequence length (dynamic NTK,
  * LongRoPE) changes them between forwards.  The block must have rotary positions. */

@@ -105,23 +105,37 @@ typedef struct {
   int64_t slice; /* floats per chunk (0: none needed) */
 } attn_job;
 
-/* The rows of key positions [k0, k1) in k/v, as runs r < the count returned: positions
- * k0 + off[r] .. + len[r] at rows row[r] on.  One run, or two where a ring wraps (the span
- * is at most kv_ring, checked by the caller: window + Tq - 1 <= kv_ring). */
-static int key_runs(const tp_attention_args *a, int64_t k0, int64_t k1, int64_t off[2], int64_t row[2],
-                    int64_t len[2]) {
-  off[0] = 0, row[0] = a->kv_ring ? k0 % a->kv_ring : k0, len[0] = k1 - k0;
-  if (!a->kv_ring || row[0] + len[0] <= a->kv_ring) return 1;
-  len[0] = a->kv_ring - row[0];
-  off[1] = len[0], row[1] = 0, len[1] = k1 - k0 - len[0];
-  return 2;
+/* The run of key positions [j, j + *len) (j < end) that is contiguous in k/v, at element
+ * offset *off from the sequence's base (returned 0) -- or, in a paged cache, from k itself
+ * (tab: the sequence's row of the block table); returns 0 for a run of positions in no
+ * block (an entry < 0: keys never read).  A ring wraps at kv_ring; a paged cache's run ends
+ * at its block, or goes on through the next when that one follows it in memory. */
+static int key_run(const tp_attention_args *a, const int64_t *tab, int64_t j, int64_t end, int64_t *off, int64_t *len) {
+  if (a->kv_ring) {
+    int64_t r = j % a->kv_ring;
+    *off = r * a->kv_ld, *len = end - j < a->kv_ring - r ? end - j : a->kv_ring - r;
+    return 1;
+  }
+  if (!tab) {
+    *off = j * a->kv_ld, *len = end - j;
+    return 1;
+  }
+  const int64_t bs = a->kv_block_size, blk = tab[j / bs];
+  int64_t n = bs - j % bs;
+  if (blk >= 0 && a->kv_bstride == bs * a->kv_ld) /* blocks back to back: merge the ones that follow */
+    for (int64_t c = j / bs + 1, want = blk + 1; j + n < end && tab[c] == want; c++, want++) n += bs;
+  *off = blk * a->kv_bstride + (j % bs) * a->kv_ld, *len = end - j < n ? end - j : n;
+  return blk >= 0;
 }
 
 /* One block of n query rows from i0 of query head h (Q, O, L at its rows; S: its Tk-wide
- * rows of scores, the kept probs or scratch), over the keys of K, V. */
+ * rows of scores, the kept probs or scratch), over the keys of K, V (tab: the sequence's
+ * block table row of a paged cache, K and V then at the pool's start; hole: scratch of Tk
+ * bytes for the key mask of a paged cache with holes). */
 static void forward_block(const tp_attention_args *a, int64_t b, int64_t i0, int64_t n, const float *Q, const float *K,
-                          const float *V, float *O, float *L, float *S, const uint8_t *keep) {
-  int64_t Tk = a->Tk, D = a->D, kmin, kmax, lo, hi, off[2], row[2], len[2];
+                          const float *V, float *O, float *L, float *S, const uint8_t *keep, const int64_t *tab,
+                          uint8_t *hole) {
+  int64_t Tk = a->Tk, D = a->D, kmin, kmax, lo, hi, off, len;
   key_range(a, b, i0, &kmin, &hi);
   key_range(a, b, i0 + n - 1, &lo, &kmax);
   if (kmax <= kmin) { /* no row of the block sees a key */
@@ -133,21 +147,38 @@ static void forward_block(const tp_attention_args *a, int64_t b, int64_t i0, int
   /* the column of key position kmin: its own position (kept probs: [B, Hq, Tq, Tk]), or 0
    * in a ring, whose positions run past Tk (the span kmax - kmin <= kv_ring <= Tk) */
   int64_t col0 = a->kv_ring ? 0 : kmin, w = kmax - kmin;
-  int runs = key_runs(a, kmin, kmax, off, row, len);
-  for (int r = 0; r < runs; r++)
-    gemm(0, 1, n, len[r], D, a->scale, Q + i0 * a->q_ld, a->q_ld, K + row[r] * a->kv_ld, a->kv_ld, 0.0f,
-         S + col0 + off[r], Tk);
+  int holes = 0;
+  for (int64_t j = kmin; j < kmax; j += len) {
+    if (key_run(a, tab, j, kmax, &off, &len)) {
+      gemm(0, 1, n, len, D, a->scale, Q + i0 * a->q_ld, a->q_ld, K + off, a->kv_ld, 0.0f, S + col0 + (j - kmin), Tk);
+      continue;
+    }
+    if (!holes) { /* the first run in no block: the key mask of [kmin, kmax) with the holes in it */
+      for (int64_t c = 0; c < w; c++) hole[c] = !keep || keep[kmin + c];
+      holes = 1;
+    }
+    memset(hole + (j - kmin), 0, (size_t)len);
+    for (int64_t i = 0; i < n; i++) memset(S + i * Tk + col0 + (j - kmin), 0, (size_t)len * sizeof(float));
+  }
   for (int64_t i = 0; i < n; i++) {
     float *si = S + i * Tk + col0;
     if (a->softcap > 0.0f) cap_row(si, w, a->softcap);
     key_range(a, b, i0 + i, &lo, &hi);
     float l = softmax_row(si, lo - kmin, hi - kmin, a->probs ? -col0 : 0, a->probs ? Tk - col0 : w,
-                          keep ? keep + kmin : NULL);
+                          holes  ? hole
+                          : keep ? keep + kmin
+                                 : NULL);
     if (L) L[i0 + i] = l;
   }
-  for (int r = 0; r < runs; r++)
-    gemm(0, 0, n, D, len[r], 1.0f, S + col0 + off[r], Tk, V + row[r] * a->kv_ld, a->kv_ld, r ? 1.0f : 0.0f,
-         O + i0 * a->o_ld, a->o_ld);
+  int first = 1;
+  for (int64_t j = kmin; j < kmax; j += len)
+    if (key_run(a, tab, j, kmax, &off, &len)) {
+      gemm(0, 0, n, D, len, 1.0f, S + col0 + (j - kmin), Tk, V + off, a->kv_ld, first ? 0.0f : 1.0f, O + i0 * a->o_ld,
+           a->o_ld);
+      first = 0;
+    }
+  if (first) /* every key of the block in no block */
+    for (int64_t i = 0; i < n; i++) memset(O + (i0 + i) * a->o_ld, 0, (size_t)D * sizeof(float));
 }
 
 /* Forward of the pairs (b, g) = items [lo, hi). */
@@ -157,11 +188,15 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
   int64_t Tq = a->Tq, Tk = a->Tk, D = a->D;
   /* without probs to keep: one block of scores at a time */
   float *scratch = job->slice ? job->ws + (int64_t)chunk * job->slice : NULL;
+  /* a paged cache's key mask with holes: after the block of scores (when there is one) */
+  uint8_t *hole = a->kv_block_size ? (uint8_t *)(scratch + (a->probs ? 0 : (int64_t)QBLOCK * Tk)) : NULL;
   for (int64_t it = lo; it < hi; it++) {
     int64_t b = it / a->Hk, g = it % a->Hk, h0, h1;
     heads_of(a, g, &h0, &h1);
     const uint8_t *keep = a->key_mask ? a->key_mask + b * Tk : NULL;
-    const int64_t kb = a->kv_slot ? a->kv_slot[b] : b; /* the KV sequence (slot) of sequence b */
+    const int64_t *tab = a->kv_block_size ? a->kv_block_table + b * a->kv_block_cols : NULL;
+    /* the KV sequence (slot) of sequence b; a paged cache: the pool (the table places each key) */
+    const int64_t kb = tab ? 0 : a->kv_slot ? a->kv_slot[b] : b;
     const float *K = a->k + kb * a->kv_bstride + g * D, *V = a->v + kb * a->kv_bstride + g * D;
     for (int64_t h = h0; h < h1; h++) {
       float *S = a->probs ? a->probs + (b * a->Hq + h) * Tq * Tk : NULL;
@@ -170,7 +205,7 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
       float *L = a->lse ? a->lse + (b * a->Hq + h) * Tq : NULL;
       for (int64_t i0 = 0; i0 < Tq; i0 += QBLOCK) {
         int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK;
-        forward_block(a, b, i0, n, Q, K, V, O, L, S ? S + i0 * Tk : scratch, keep);
+        forward_block(a, b, i0, n, Q, K, V, O, L, S ? S + i0 * Tk : scratch, keep, tab, hole);
       }
     }
   }
@@ -195,7 +230,9 @@ static int plan_items(const tp_attention_args *a) {
 static int64_t slice_of(const tp_attention_args *a, int backward) {
   if (backward) /* dP; P in the lse mode; the raw scores with softcap */
     return (1 + !a->probs + (a->softcap > 0.0f)) * (int64_t)QBLOCK * (a->Tk > 0 ? a->Tk : 1);
-  return !a->probs && a->Tq * a->Tk > 0 ? (int64_t)QBLOCK * a->Tk : 0;
+  if (a->Tq * a->Tk == 0) return 0;
+  /* a block of scores without probs; a paged cache's key mask of Tk bytes (in floats) */
+  return (!a->probs ? (int64_t)QBLOCK * a->Tk : 0) + (a->kv_block_size ? (a->Tk + 3) / 4 : 0);
 }
 
 size_t tp_cpu_attention_workspace(const tp_attention_args *a, int backward) {

@@ -101,6 +101,23 @@ tp_status_t tp_cpu_kv_cache_write(tp_stream_t s, float *kcache, float *vcache, c
   return TP_SUCCESS;
 }
 
+tp_status_t tp_cpu_kv_cache_write_paged(tp_stream_t s, float *kcache, float *vcache, const float *k, const float *v,
+                                        int64_t ld, const int64_t *pos0, const int64_t *table, int64_t cols, int64_t bs,
+                                        int64_t B, int64_t T, int64_t width) {
+  (void)s;
+  size_t nbytes = (size_t)width * sizeof(float);
+  if (!nbytes) return TP_SUCCESS;
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t t = 0; t < T; t++) {
+      int64_t p = pos0[b] + t, e = p / bs < cols ? table[b * cols + p / bs] : -1;
+      if (e < 0) continue; /* no block: a padding row or token */
+      int64_t row = (b * T + t) * ld, at = (e * bs + p % bs) * width;
+      memcpy(kcache + at, k + row, nbytes);
+      memcpy(vcache + at, v + row, nbytes);
+    }
+  return TP_SUCCESS;
+}
+
 tp_status_t tp_cpu_check_range(tp_stream_t s, int64_t *result, const int64_t *x, int64_t n, int64_t lo, int64_t hi) {
   (void)s;
   result[0] = -1;

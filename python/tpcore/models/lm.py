@@ -21,6 +21,7 @@ import numpy as np
 from tpcore import _C
 from tpcore.distributed.agree import agreed
 from tpcore.distributed.comm import Comm
+from tpcore.models.cache import _CacheMixin
 from tpcore.models.families import _FamilyMixin
 from tpcore.models.generate import _GenerationMixin, check_vocab
 from tpcore.models.memory import MODEL_PARTS, _aligned_heads, model_memory
@@ -32,6 +33,7 @@ from tpcore.nn.config import Config, head_partition
 from tpcore.nn.linear import ColumnParallelLinear
 from tpcore.nn.moe import load_balancing_loss
 from tpcore.nn.partition import partition as partition_dim, partition_sizes
+from tpcore.nn.kvcache import block_table_array
 from tpcore.nn.transformer import TransformerBlock, mask_array, positions
 from tpcore.nn.weights import put_weight
 from tpcore.nn.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
@@ -52,7 +54,7 @@ def _stage_arg(stage, layers: int) -> Tuple[int, int, bool, bool]:
             bool_arg(stage[3], who, "stage's last"))
 
 
-class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
+class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin, _CacheMixin):
     """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm.
 
     The token embedding is vocabulary-parallel, the blocks are `TransformerBlock` s (heads
@@ -289,26 +291,6 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
         """The tied head's weight format for the kernels (None unless quantized)."""
         return self.wte.dtype if is_quantized(self.wte.dtype) else None
 
-    def cache(self, batch: int, max_len: int) -> None:
-        """(Re)allocate every block's KV cache (for use_cache forwards; generate makes its own).
-
-        Parameters
-        ----------
-        batch : int
-            Sequences, >= 1.
-        max_len : int
-            Tokens per sequence, >= 1.
-
-        Raises
-        ------
-        TypeError, ValueError
-            Not an int in range.
-        """
-        batch = int_arg(batch, "TransformerLM.cache", "batch", lo=1, hi=2 ** 31 - 1)
-        max_len = int_arg(max_len, "TransformerLM.cache", "max_len", lo=1, hi=2 ** 31 - 1)
-        for b in self.blocks:
-            b.cache(batch, max_len)
-
     # ---------------------------------------------------------------- compute
     def _dev(self, x, shape=None):
         """x (a DeviceArray, a layer's NumPy output on the CPU device path) as a DeviceArray where
@@ -322,10 +304,12 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
         device path on the CPU holds DeviceArrays of the CPU between the layers)."""
         return x.to_numpy() if isinstance(x, DeviceArray) and not self._on_gpu() else x
 
-    def _inputs_slots(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who, slots=None):
+    def _inputs_slots(self, tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who, slots=None,
+                      block_table=None):
         """The forward's arguments checked and converted: tokens (B, T) int64 in the vocabulary,
         pos0 (B,) or None, positions (B, T), the mask (B, T) uint8 or None, token types or None,
-        and the KV-cache slots (B,) or None, checked against the cache."""
+        the KV-cache slots (B,) or None and a paged cache's block table or None, checked against
+        the cache."""
         cfg = self.config
         tokens = int_array(tokens, who, "tokens")
         if tokens.ndim != 2:
@@ -349,17 +333,15 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
             if tt.shape != (B, T):
                 raise ValueError(f"{who}: token_type_ids must have shape (B, T) = {(B, T)}, got {tt.shape}")
             check_vocab(tt, cfg.type_vocab_size, who, "token_type_ids", "type_vocab_size")
-        sl = None
-        if slots is not None:
-            blk0 = self.blocks[0]
-            sl = blk0._slots(slots, B, use_cache, who)
-        if use_cache:
+        sl = None if slots is None else self.blocks[0]._slots(slots, B, use_cache, who)
+        bt = block_table_array(block_table, B, T, p0, getattr(self.blocks[0], "_paged", None), use_cache, sl, who)
+        if use_cache and bt is None:
             self.blocks[0]._check_cache(np.zeros(B, np.int64) if p0 is None else p0, B, T, who, sl)
-        return tokens, p0, pos, mask, tt, sl
+        return tokens, p0, pos, mask, tt, sl, bt
 
     def forward(self, tokens: Any, pos0: Any = None, attention_mask: Any = None, token_type_ids: Any = None,
                 use_cache: bool = False, need_backward: bool = False, _agreed: bool = False,
-                slots: Any = None) -> np.ndarray:
+                slots: Any = None, block_table: Any = None) -> np.ndarray:
         """Hidden states after the last block (and the final norm).
 
         Parameters
@@ -380,6 +362,10 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
             With use_cache: the KV-cache sequence of each batch row, distinct, in [0, cache
             batch) (`tpcore.Engine`'s continuous batching).  Default None: row b uses
             sequence b.
+        block_table : array_like of int, shape (B, cols), optional
+            With use_cache over a paged cache (`cache_paged`; required there): row b's
+            position p in block ``block_table[b, p // block_size]``; entries < 0: no block
+            (padding); a row with a block covers pos0[b] + T.
 
         Returns
         -------
@@ -400,23 +386,25 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
         Collectives: the embedding's all-reduce and two all-reduces per block; one small
         all-gather with pos0, slots or use_cache.
         """
-        h = self._forward(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, _agreed, slots)
+        h = self._forward(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, _agreed, slots,
+                          block_table)
         return h.to_numpy() if isinstance(h, DeviceArray) else h
 
     def _forward(self, tokens, pos0=None, attention_mask=None, token_type_ids=None, use_cache: bool = False,
-                 need_backward: bool = False, _agreed: bool = False, slots=None):
+                 need_backward: bool = False, _agreed: bool = False, slots=None, block_table=None):
         """forward, the hidden states left where they are (a DeviceArray on a GPU model)."""
         who = "TransformerLM"
         cached = bool(use_cache) if isinstance(use_cache, (bool, np.bool_)) else True  # (a bad value: refused)
-        tokens, p0, pos, mask, tt, sl = agreed(
+        tokens, p0, pos, mask, tt, sl, bt = agreed(
             self.comm, f"{who}.forward", (pos0 is not None or slots is not None or cached) and not _agreed,
             lambda: self._inputs_slots(tokens, pos0, attention_mask, token_type_ids, use_cache, need_backward, who,
-                                       slots),
+                                       slots, block_table),
             lambda v: [("the batch shape (B, T) differs", v[0].shape), ("pos0 differs", (v[1],)),
                        ("the tokens differ", (v[0],)), ("attention_mask differs", (v[3],)),
-                       ("slots differ", (v[5],)), ("use_cache differs", (bool(use_cache),))])
+                       ("slots differ", (v[5],)), ("block_table differs", (v[6],)),
+                       ("use_cache differs", (bool(use_cache),))])
         h = self.embed(tokens, pos, tt) if self._first else tokens
-        h = self.run_blocks(h, p0, mask, use_cache, need_backward, sl)
+        h = self.run_blocks(h, p0, mask, use_cache, need_backward, sl, bt)
         self._ctx = dict(pos=pos, token_type_ids=tt) if need_backward else None
         return h
 
@@ -625,7 +613,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
         who : str, default "TransformerLM"
             The caller, named in the errors.
         """
-        tokens, _, pos, mask, _, _ = self._inputs_slots(tokens, None, attention_mask, None, False, False, who)
+        tokens, _, pos, mask, _, _, _ = self._inputs_slots(tokens, None, attention_mask, None, False, False, who)
         return tokens, pos, mask
 
     def embed(self, tokens: np.ndarray, pos: np.ndarray, token_type_ids: Optional[np.ndarray] = None) -> Any:
@@ -644,7 +632,8 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
         return self._layer_in(self._embed(tokens, pos, token_type_ids))
 
     def run_blocks(self, h: Any, pos0: Optional[np.ndarray] = None, attention_mask: Optional[np.ndarray] = None,
-                   use_cache: bool = False, need_backward: bool = False, slots: Optional[np.ndarray] = None) -> Any:
+                   use_cache: bool = False, need_backward: bool = False, slots: Optional[np.ndarray] = None,
+                   block_table: Optional[np.ndarray] = None) -> Any:
         """This model's blocks over h (B, T, hidden), then the final norm when it holds it
         (two all-reduces per block): the hidden states (B, T, hidden).
 
@@ -652,7 +641,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
         ----------
         h : array, shape (B, T, hidden), float32
             `embed`'s result, or the previous stage's.
-        pos0, attention_mask, use_cache, need_backward, slots
+        pos0, attention_mask, use_cache, need_backward, slots, block_table
             As `forward`'s, checked (`check_inputs`); need_backward keeps what
             `blocks_backward` needs.
         """
@@ -663,7 +652,7 @@ class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
             return self._run_chunks(h, bp0, chunk, slots)
         for blk in self.blocks:
             h = blk.forward(h, pos0=bp0, key_mask=attention_mask, use_cache=use_cache, need_backward=need_backward,
-                            _agreed=True, slots=slots)
+                            _agreed=True, slots=slots, block_table=block_table)
         C = self.config.hidden
         if self.final_norm is not None:
             h2 = self._dev(h, (B * T, C)) if self._kdev is not None else h.reshape(B * T, C)

@@ -156,7 +156,7 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
                     training: bool = False, optimizer: Optional[str] = "adamw", prefill: Optional[int] = None,
                     partition: Any = None,
                     ffn_partition: Any = None, vocab_partition: Any = None, device: str = "cpu",
-                    threads: Optional[int] = None) -> List[Dict[str, Any]]:
+                    threads: Optional[int] = None, kv_blocks: Any = None) -> List[Dict[str, Any]]:
     """The bytes each rank will hold, before anything is loaded.
 
     Parameters
@@ -191,6 +191,10 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     threads : int, optional
         Each rank's CPU kernel threads (their per-thread scratch); default what a rank of
         `world` ranks on this host gets (`TPCORE_NUM_THREADS`, else the cores / world).
+    kv_blocks : tuple of (int, int), optional
+        (num_blocks, block_size): a paged KV cache (`TransformerLM.cache_paged`) instead of
+        batch x max_len rows per layer (no sliding-window ring); "kv_cache_used" then
+        counts batch x max_len positions, at most the pool.  Default None: not paged.
 
     Returns
     -------
@@ -232,6 +236,11 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
         from tpcore.utils.runtime import default_threads as _default_threads
         threads = _default_threads(world)
     threads = int_arg(threads, who, "threads", lo=1, hi=1 << 16)
+    if kv_blocks is not None:
+        if not isinstance(kv_blocks, (tuple, list)) or len(kv_blocks) != 2:
+            raise TypeError(f"{who}: kv_blocks must be (num_blocks, block_size), got {shown(kv_blocks)}")
+        kv_blocks = (int_arg(kv_blocks[0], who, "kv_blocks' num_blocks", lo=1, hi=2 ** 31 - 1),
+                     int_arg(kv_blocks[1], who, "kv_blocks' block_size", lo=1, hi=2 ** 31 - 1))
 
     V, F = cfg.vocab_size, cfg.ffn_hidden
     heads = _heads(cfg, world, partition, dts["out"], who)
@@ -243,21 +252,24 @@ def estimate_memory(config_or_dir: Any, world: int, dtype: Any = None, batch: in
     out = []
     for r in range(world):
         p = _rank_memory(cfg, dts, heads[r], ffn[r], vocab[r], batch, P, T, kvrep, training, optimizer, gpu,
-                         threads, world, r)
+                         threads, world, r, kv_blocks)
         p["device"] = devname
         p["by_device"] = {devname: p["total"]}   # a GPU model keeps its own arrays there too
         out.append(p)
     return out
 
 
-def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu, threads, world, rank=0):
+def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu, threads, world, rank=0,
+                 kv_blocks=None):
     """One rank's bytes by MEMORY_KEYS: its heads (q0, nq, k0, nk), f FFN columns and Vr vocabulary
-    rows, B sequences, P tokens per inference forward, T tokens of cache."""
+    rows, B sequences, P tokens per inference forward, T tokens of cache (kv_blocks: a paged
+    pool of (num_blocks, block_size) instead)."""
     C, D, L = cfg.hidden, cfg.head_dim, cfg.layers
     g = 2 if cfg.activation in GATED else 1
     ln = cfg.norm == "layernorm"
     # sliding layers whose cache is a ring (max_len > 2 window): 2 window rows, prefill in window + 1 pieces
-    ring = not training and cfg.causal and cfg.sliding_window is not None and T > 2 * cfg.sliding_window
+    ring = not training and cfg.causal and cfg.sliding_window is not None and T > 2 * cfg.sliding_window \
+        and kv_blocks is None
     Ls = sum(cfg.sliding(i) for i in range(L)) if cfg.sliding_window is not None else 0
     M_embed = B * P   # the embedding runs on the whole prompt; the blocks on pieces of it with a ring
     if ring:
@@ -336,6 +348,10 @@ def _rank_memory(cfg, dts, head, f, Vr, B, P, T, kvrep, training, optimizer, gpu
     if not training and cfg.causal:   # inference: a cache, no backward
         p["kv_cache"] = sum(n * _a(B * tk * nk * D * 4) * 2 for n, tk in kinds)
         p["kv_cache_used"] = sum(n * 2 * B * min(T, tk) * nk * D * 4 for n, tk in kinds)
+        if kv_blocks is not None:   # a pool of num_blocks x block_size rows per layer
+            rows = kv_blocks[0] * kv_blocks[1]
+            p["kv_cache"] = L * 2 * _a(rows * nk * D * 4)
+            p["kv_cache_used"] = L * 2 * min(B * T, rows) * nk * D * 4
     # the embedding's forward
     p["workspace"] += _a(M_embed * 8) + _a(2 * 8)
     if world > 1:

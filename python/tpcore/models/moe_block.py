@@ -190,7 +190,8 @@ class MoEBlock(TransformerBlock):
 
     # ---------------------------------------------------------------- compute
     def forward(self, x: Any, pos0: Any = None, key_mask: Any = None, use_cache: bool = False,
-                need_backward: bool = True, _agreed: bool = False, slots: Any = None) -> Any:
+                need_backward: bool = True, _agreed: bool = False, slots: Any = None,
+                block_table: Any = None) -> Any:
         """The layer's output for x (B, T, hidden); the arguments as TransformerBlock.forward's.
 
         Notes
@@ -205,7 +206,7 @@ class MoEBlock(TransformerBlock):
         x2 = x.reshape(B * T, C)
         h = self.norm1.forward(np.ascontiguousarray(x2))
         a = super().forward(h.reshape(B, T, C), pos0=pos0, key_mask=key_mask, use_cache=use_cache,
-                            need_backward=need_backward, _agreed=_agreed, slots=slots)
+                            need_backward=need_backward, _agreed=_agreed, slots=slots, block_table=block_table)
         x1 = x2 + np.asarray(a).reshape(B * T, C)
         h2 = self.norm2.forward(np.ascontiguousarray(x1, np.float32))
         y = x1 + self.moe.forward(h2, need_backward=need_backward)

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, overload
 import numpy as np
 
 from tpcore import _C
-from tpcore.utils.arrays import asarray, check_on_device, device_string, from_dlpack, int_array, resolve_device
+from tpcore.utils.arrays import asarray, check_on_device, device_string, from_dlpack, resolve_device
 from tpcore.distributed.agree import agreed
 from tpcore.utils.args import bool_arg, int_arg, minmax, seed_arg
 from tpcore.utils.dtypes import FLOAT_FORMATS, is_quantized, weight_formats
@@ -42,6 +42,7 @@ from tpcore.distributed.comm import Comm
 from tpcore.io.formats import to_float32
 from tpcore.nn.common import as_float32, check_grad, dev_back, dev_f32, kept_output, layer_memory, zero
 from tpcore.nn.config import GATED, Config
+from tpcore.nn.kvcache import block_table_array, positions, slot_array
 from tpcore.nn.rotary import RopeState, layer_window
 from tpcore.nn.partition import check_partition, partition_sizes
 from tpcore.nn.quant import QuantTensor, as_format, dequantize
@@ -479,16 +480,39 @@ class TransformerBlock:
         max_len = int_arg(max_len, f"{type(self).__name__}.cache", "max_len", lo=1, hi=2 ** 31 - 1)
         self._c.cache(batch, max_len)
         self._filled = np.zeros(batch, np.int64)  # tokens cached per sequence (a forward may not skip past them)
-        self._cache_len = max_len
+        self._cache_len, self._paged = max_len, None
+
+    def cache_paged(self, num_blocks: int, block_size: int) -> None:
+        """(Re)allocate the KV cache as a pool of blocks (contents reset): forwards with use_cache
+        then take a ``block_table`` (B, cols), row b's position p in block ``block_table[b, p //
+        block_size]`` at row ``p % block_size`` (a sliding-window layer masks the keys outside
+        its window: no ring).  Memory: 2 x num_blocks x block_size x this rank's KV heads x
+        head_dim x 4 bytes ("kv_cache" of `memory`).
+
+        Parameters
+        ----------
+        num_blocks : int
+            Blocks in the pool, >= 1.
+        block_size : int
+            Positions per block, >= 1.
+        """
+        who = f"{type(self).__name__}.cache_paged"
+        num_blocks = int_arg(num_blocks, who, "num_blocks", lo=1, hi=2 ** 31 - 1)
+        block_size = int_arg(block_size, who, "block_size", lo=1, hi=2 ** 31 - 1)
+        self._c.cache_paged(num_blocks, block_size)
+        self._filled, self._cache_len, self._paged = None, 0, (num_blocks, block_size)
 
     @overload
     def forward(self, x: np.ndarray, pos0: Any = None, key_mask: Any = None, use_cache: bool = False,
-                need_backward: bool = True, _agreed: bool = False, slots: Any = None) -> np.ndarray: ...
+                need_backward: bool = True, _agreed: bool = False, slots: Any = None,
+                block_table: Any = None) -> np.ndarray: ...
     @overload
     def forward(self, x: Any, pos0: Any = None, key_mask: Any = None, use_cache: bool = False,
-                need_backward: bool = True, _agreed: bool = False, slots: Any = None) -> Any: ...
+                need_backward: bool = True, _agreed: bool = False, slots: Any = None,
+                block_table: Any = None) -> Any: ...
     def forward(self, x: Any, pos0: Any = None, key_mask: Any = None, use_cache: bool = False,
-                need_backward: bool = True, _agreed: bool = False, slots: Any = None) -> Any:
+                need_backward: bool = True, _agreed: bool = False, slots: Any = None,
+                block_table: Any = None) -> Any:
         """The block's output for x (also ``block(x)``).
 
         Parameters
@@ -509,6 +533,9 @@ class TransformerBlock:
             With use_cache: the KV-cache sequence of each batch row, each in [0, cache
             batch) and none twice (continuous batching, `tpcore.Engine`).  Default None:
             row b uses sequence b.
+        block_table : array_like of int, shape (B, cols), optional
+            With use_cache over a paged cache (`cache_paged`; required there): the blocks
+            of each row, entries < 0 for none (`tpcore.nn.kvcache.block_table_array`).
 
         Returns
         -------
@@ -538,9 +565,10 @@ class TransformerBlock:
             kept_output(self, None)
             self._update_rope(pos0, T)
             y = self._c.forward(x.reshape((B * T, C)), B, T, pos0=pos0, key_mask=None if key_mask is None else
-                                key_mask.reshape(-1), use_cache=use_cache, need_backward=need_backward, slots=slots)
+                                key_mask.reshape(-1), use_cache=use_cache, need_backward=need_backward, slots=slots,
+                                block_table=block_table)
             kept_output(self, (B, T, C) if need_backward else None)
-            if use_cache:
+            if use_cache and self._filled is not None:
                 self._filled[slice(None, B) if slots is None else slots] = T if pos0 is None else pos0 + T
             return dev_back(y, dt).reshape((B, T, C))
         who = type(self).__name__
@@ -561,21 +589,23 @@ class TransformerBlock:
             p = None if pos0 is None else positions(pos0, B, who)
             m = None if key_mask is None else mask_array(key_mask, B, T, who, "key_mask").reshape(-1)
             sl = None if slots is None else self._slots(slots, B, use_cache, who)
-            if use_cache:
+            bt = block_table_array(block_table, B, T, p, getattr(self, "_paged", None), use_cache, sl, who)
+            if use_cache and bt is None:
                 self._check_cache(p, B, T, who, sl)
-            return x32, p, m, sl
+            return x32, p, m, sl, bt
 
-        x32, p, m, sl = agreed(self.comm, f"{who}.forward", pos0 is not None or slots is not None or cached, inputs,
-                               lambda v: [("the batch shape (B, T) differs", v[0].shape[:2]),
-                                          ("pos0 differs", (v[1],)), ("key_mask differs", (v[2],)),
-                                          ("slots differ", (v[3],)), ("use_cache differs", (bool(use_cache),))])
+        x32, p, m, sl, bt = agreed(self.comm, f"{who}.forward", pos0 is not None or slots is not None or cached,
+                                   inputs, lambda v: [("the batch shape (B, T) differs", v[0].shape[:2]),
+                                                      ("pos0 differs", (v[1],)), ("key_mask differs", (v[2],)),
+                                                      ("slots differ", (v[3],)), ("block_table differs", (v[4],)),
+                                                      ("use_cache differs", (bool(use_cache),))])
         B, T, C = x32.shape
         kept_output(self, None)  # (a forward that fails in C keeps nothing: its backward is refused, naming why)
         self._update_rope(p, T)
         y = self._c.forward(x32.reshape((B * T, C)), B, T, pos0=p, key_mask=m, use_cache=use_cache,
-                            need_backward=need_backward, slots=sl)
+                            need_backward=need_backward, slots=sl, block_table=bt)
         kept_output(self, (B, T, C) if need_backward else None)
-        if use_cache:
+        if use_cache and self._filled is not None:
             self._filled[slice(None, B) if sl is None else sl] = T if p is None else p + T
         return dev_back(y, io_dt[0]).reshape((B, T, C))
 
@@ -676,46 +706,6 @@ class TransformerBlock:
     def __repr__(self) -> str:
         return (f"TransformerBlock(hidden={self.config.hidden}, heads {self.q0}:{self.q0 + self.nq} and kv heads "
                 f"{self.k0}:{self.k0 + self.nk} on rank {self.comm.rank})")
-
-
-def positions(pos0, B: int, who: str) -> np.ndarray:
-    """pos0 as B non-negative int64 positions (an integer applies to every sequence)."""
-    p = int_array(pos0, who, "pos0")
-    if p.ndim == 0:
-        p = np.full(B, int(p), np.int64)
-    if p.shape != (B,):
-        raise ValueError(f"{who}: pos0 must have one position per sequence, shape ({B},), got shape {p.shape}")
-    if B and minmax(p)[0] < 0:
-        raise ValueError(f"{who}: pos0 must be >= 0, got {int(p.min())} (sequence {int(np.argmin(p))})")
-    return p
-
-
-def slot_array(slots, B: int, cache_batch: Optional[int], use_cache, who: str) -> np.ndarray:
-    """slots as B distinct int64 KV-cache sequences in [0, cache_batch) (None: no cache yet), for a
-    forward with use_cache; a ValueError / TypeError naming the first bad entry otherwise."""
-    if use_cache is not True and not (isinstance(use_cache, np.bool_) and use_cache):
-        raise ValueError(f"{who}: slots map batch rows to KV-cache sequences: they need use_cache=True")
-    if cache_batch is None:
-        raise ValueError(f"{who}: slots need a KV cache: call cache(batch, max_len) first")
-    s = int_array(slots, who, "slots")
-    if s.shape != (B,):
-        raise ValueError(f"{who}: slots must have one cache sequence per batch row, shape ({B},), got shape "
-                         f"{s.shape}")
-    if not B:
-        return s
-    lo, hi = minmax(s)
-    if lo < 0 or hi >= cache_batch:
-        b = int(np.argmax((s < 0) | (s >= cache_batch)))
-        raise ValueError(f"{who}: slots[{b}] = {int(s[b])} is outside the KV cache's {cache_batch} sequences "
-                         f"[0, {cache_batch})")
-    if len(set(s.tolist())) != B:
-        first = {}
-        for b, v in enumerate(s.tolist()):
-            if v in first:
-                raise ValueError(f"{who}: slots[{first[v]}] and slots[{b}] are both {v}: two batch rows would "
-                                 f"write one KV-cache sequence")
-            first[v] = b
-    return s
 
 
 def mask_array(mask, B: int, T: int, who: str, name: str) -> np.ndarray:
