@@ -38,13 +38,16 @@ class _GenerationMixin:
     """`TransformerLM.generate`: the arguments checked and agreed, then `generate_tokens`."""
 
     def generate(self, prompts: Any, max_new_tokens: int = 16, temperature: float = 0.0, top_k: Optional[int] = None,
-                 seed: int = 0, eos_token_id: Any = None, pad_token_id: Optional[int] = None) -> Any:
+                 seed: int = 0, eos_token_id: Any = None, pad_token_id: Optional[int] = None, stream: bool = False,
+                 stop: Any = None) -> Any:
         """Batched prefill, then KV-cache decoding (causal models).
 
         Parameters
         ----------
-        prompts : array_like of int, shape (B, T), or list of 1-D sequences
-            Prompts of one length, or of their own lengths.
+        prompts : array_like of int, shape (B, T), or list of 1-D sequences, or str
+            Prompts of one length, or of their own lengths; or one text (the model's
+            tokenizer encodes it, and the generated text is returned:
+            `tpcore.models.text_generate.generate_text`).
         max_new_tokens : int, default 16
             Tokens to generate per prompt, >= 1.
         temperature : float, default 0.0
@@ -59,12 +62,17 @@ class _GenerationMixin:
         pad_token_id : int, optional
             Fills a finished sequence's rest (default None: generation_config's, else the
             first eos id, else 0).
+        stream : bool, default False
+            With a text prompt: an iterator of the generated text's pieces, as they come.
+        stop : str or list of str, optional
+            With a text prompt: the text ends before the first of these strings.
 
         Returns
         -------
-        numpy.ndarray or list of numpy.ndarray
+        numpy.ndarray or list of numpy.ndarray or str or iterator of str
             (B, T + max_new_tokens) int64 when the prompts have one length, else a list of
-            1-D arrays (prompt + generated).
+            1-D arrays (prompt + generated); for a text prompt the generated text (not the
+            prompt), or its pieces with stream=True.
 
         Raises
         ------
@@ -80,6 +88,10 @@ class _GenerationMixin:
         Collective: one small all-gather at entry checks the arguments agree; per step,
         `forward`'s collectives and an all-gather of the logits.
         """
+        if isinstance(prompts, str) or stream is not False or stop is not None:
+            from tpcore.models.text_generate import generate_text
+            return generate_text(self, prompts, max_new_tokens, stream, stop, temperature=temperature, top_k=top_k,
+                                 seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         err = None
         try:
             args = generate_args(self, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
