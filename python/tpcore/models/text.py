@@ -194,7 +194,7 @@ class _LazyTokenizer(Tokenizer):
     """A Tokenizer read from its files at its first use (load_tokenizer(lazy=True)); a failure
     is raised again at every use."""
 
-    def __init__(self, source: str, load: Callable[[], Tokenizer]) -> None:  # noqa: D107 (no super: lazy)
+    def __init__(self, source: str, load: Callable[[], Tokenizer]) -> None:  # no super(): read at first use
         object.__setattr__(self, "_lazy", (source, load, None))
 
     def _fill(self) -> None:
@@ -358,7 +358,7 @@ def _folder_loader(folder: str) -> Callable[[], Tokenizer]:
         parse_json(raw, tj)    # a JSON error named with its line, before the Rust parser's message
         try:
             backend = Backend.from_str(raw.decode("utf-8"))
-        except Exception as e:  # noqa: BLE001 (tokenizers raises its own Exception)
+        except Exception as e:
             raise CheckpointError(f"{tj}: not a tokenizers file: {e}", path=tj) from e
         tc = os.path.join(folder, "tokenizer_config.json")
         cfg = read_json_object(tc) if os.path.isfile(tc) else {}
@@ -368,6 +368,7 @@ def _folder_loader(folder: str) -> Callable[[], Tokenizer]:
                    if t is not None and t not in added and backend.token_to_id(t) is None]
         if missing:     # transformers adds the special tokens the file lacks
             backend.add_special_tokens(missing)
+        _llama_class(backend, cfg, tc)
         _post_processor(backend, cfg, names, tc)
         from tpcore.io.formats import read_generation_config
         eos = read_generation_config(folder).get("eos_token_id")
@@ -376,6 +377,32 @@ def _folder_loader(folder: str) -> Callable[[], Tokenizer]:
         return Tokenizer(backend, **names, chat_template=_chat_template(folder, cfg, tc),
                          eos_token_ids=[i for i in eos if i < n], source=folder)
     return load
+
+
+def _llama_class(backend, cfg: dict, p: str) -> None:
+    """transformers 5's LlamaTokenizer (tokenizer_class "LlamaTokenizer[Fast]": Llama 2, Mistral,
+    Phi-3) keeps tokenizer.json's vocabulary and merges but makes its own pipeline: no normalizer,
+    a Metaspace pre-tokenizer putting "▁" before the first piece only (legacy false, the class's
+    default; before every piece with legacy true; none with add_prefix_space false), the decoder
+    to match.  tokenizer.json's own (a Prepend normalizer) put a "▁" after every special token
+    too.  A byte-level tokenizer.json under that class name is kept as it is (so does transformers)."""
+    from tokenizers import decoders, pre_tokenizers
+    cls = cfg.get("tokenizer_class")
+    if not isinstance(cls, str) or cls.removesuffix("Fast") != "LlamaTokenizer" or \
+            "ByteLevel" in repr(backend.pre_tokenizer) + repr(backend.decoder):
+        return
+    flags = {}
+    for k, default in (("legacy", False), ("add_prefix_space", True)):
+        v = cfg.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise bad(p, k, "true, false or null", type_name(v))
+        flags[k] = default if v is None else v
+    prefix = flags["add_prefix_space"]
+    scheme = ("always" if flags["legacy"] else "first") if prefix else "never"
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + ([decoders.Strip(" ", 1, 0)] if prefix else []))
 
 
 def _post_processor(backend, cfg: dict, names: dict, p: str) -> None:
@@ -417,7 +444,8 @@ class IncrementalDetokenizer:
     Notes
     -----
     The pushed pieces, joined, with `flush`'s, equal ``tokenizer.decode(new ids)`` (without
-    prompt) or the text the new ids add to the prompt's decode.
+    prompt) or the text the new ids add to the prompt's decode (a character the prompt's last
+    tokens begin comes out whole in the first piece).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Optional[Sequence[int]] = None,
@@ -426,13 +454,21 @@ class IncrementalDetokenizer:
             raise TypeError(f"IncrementalDetokenizer: tokenizer must be a tpcore Tokenizer, got {shown(tokenizer)}")
         prompt = [] if prompt_ids is None else _ids_arg(prompt_ids, tokenizer.vocab_size, "IncrementalDetokenizer")
         self.tokenizer, self.skip = tokenizer, bool(skip_special_tokens)
-        self.ids: List[int] = prompt[-6:]           # the context: a few tokens are enough to decode a word
+        self.ids: List[int] = prompt[-16:]          # the context: a few tokens are enough to decode a word
         self.read = len(self.ids)
-        self.prefix = max(self.read - 5, 0)
-        self._start = self.read
+        self.prefix = self._clean(max(self.read - 5, 0), 0)
+        self._fresh = bool(self.ids)    # nothing emitted after the prompt yet
 
     def _decode(self, ids: List[int]) -> str:
         return self.tokenizer.backend.decode(ids, skip_special_tokens=self.skip)
+
+    def _clean(self, start: int, lo: int) -> int:
+        """The window's new start: start, or before it while the window's text would begin inside
+        a character (U+FFFD first: in a run of byte tokens the ByteFallback decoder makes every
+        byte of the run U+FFFD when one is, so a window must not cut a character), down to lo."""
+        while start > lo and self._decode(self.ids[start:]).startswith("\ufffd"):
+            start -= 1
+        return start
 
     def push(self, token_id: int) -> str:
         """The text token_id adds ("" while a UTF-8 character is incomplete).
@@ -447,10 +483,12 @@ class IncrementalDetokenizer:
                              f"{self.tokenizer.vocab_size}), got {shown(token_id)}")
         self.ids.append(int(token_id))
         before = self._decode(self.ids[self.prefix:self.read])
+        if self._fresh:     # a prompt that ends inside a character: the character comes out whole
+            before = before.rstrip("\ufffd")
         text = self._decode(self.ids[self.prefix:])
         if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        self.prefix, self.read = self.read, len(self.ids)
+        self.prefix, self.read, self._fresh = self._clean(self.read, self.prefix), len(self.ids), False
         if self.prefix > 64:    # keep the window's list short
             drop = self.prefix - 8
             del self.ids[:drop]
@@ -461,8 +499,11 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """What is held back at the end (an incomplete character, as U+FFFD)."""
         before = self._decode(self.ids[self.prefix:self.read])
+        if self._fresh:
+            before = before.rstrip("\ufffd")
         text = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
+        self._fresh = False
         return text[len(before):] if len(text) > len(before) else ""
 
 
