@@ -21,7 +21,8 @@ from tpcore import CheckpointError
 from tpcore.models.text import IncrementalDetokenizer, StopMatcher, Tokenizer, load_tokenizer
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
-TEXTS = ["Hello, world!", "  leading and   multiple   spaces", "naïve café résumé — déjà vu", "한국어 텍스트입니다. 안녕하세요",
+TEXTS = ["Hello, world!", "  leading and   multiple   spaces", "naïve café résumé — déjà vu",
+         "한국어 텍스트입니다. 안녕하세요",
          "emoji 🎉🚀 time 👩‍👩‍👧 flags 🇫🇷", "digits 1234567 and 3.14159", "def f(x):\n    return x**2  # code\n",
          "tabs\tand\nnewlines\n\n", "mixed 日本語 and English", "it's we're they'll", "trailing space ", "x",
          "<|im_start|>user\nHi<|im_end|>\n", "unseen: ж Ψ 🐍 ☃ \u0301"]
