@@ -1,14 +1,16 @@
 """An interactive chat with a model in the terminal, on N local ranks (as ``llama-cli -cnv`` and
 ``ollama run``).
 
-    python -m tpcore.chat MODEL [-n N] [--system TEXT] [--temperature T] [--top-k K] [--seed S]
-                                [--max-tokens M] [--chat-template FILE]
+    python -m tpcore.chat MODEL [-n N] [--system TEXT] [--max-tokens M] [--chat-template FILE]
+                                [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--seed S]
+                                [--repetition-penalty R] [--presence-penalty R] [--frequency-penalty R]
 
 MODEL is a .gguf file or a Hugging Face safetensors folder with its tokenizer.  Each line read
 is a user turn; the reply streams as it is generated, through the model's chat template (or
 FILE) and the conversation so far.  ``/exit`` or end of input (Ctrl-D) ends the chat; Ctrl-C
-stops the reply being written (at the prompt: ends the chat).  Sampling: greedy unless told
-(the checkpoint's generation_config eos ids end a reply).
+stops the reply being written (at the prompt: ends the chat).  Sampling: the flags given, the
+others from the checkpoint's generation_config.json (greedy without one); its eos ids and the
+tokenizer's end a reply.
 
 Ranks: with ``-n N`` (default 1) the chat starts N ranks itself (`tpcore.spawn`), rank 0
 reading the terminal; started by a launcher (``python -m tpcore.launch``, mpirun, torchrun)
@@ -38,8 +40,14 @@ def _parse(argv):
     p.add_argument("-n", type=int, default=None, help="ranks to start (default 1; not with a launcher)")
     p.add_argument("--system", default=None, help="a system prompt (default: the template's own, if any)")
     p.add_argument("--max-tokens", type=int, default=512, help="at most this many tokens per reply (default 512)")
-    p.add_argument("--temperature", type=float, default=None, help="0: greedy (default); > 0: sampling")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy; > 0: sampling (default: the checkpoint's generation_config, else greedy)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the most likely one's")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 0 (1: off)")
+    p.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]")
     p.add_argument("--seed", type=int, default=None, help="the sampling stream (default 0)")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file")
     a = p.parse_args(argv)
@@ -56,9 +64,13 @@ def _parse(argv):
     return a
 
 
+_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+          "seed")
+
+
 def _sampling(a) -> Dict[str, Any]:
-    return {k: v for k, v in (("temperature", a.temperature), ("top_k", a.top_k), ("seed", a.seed))
-            if v is not None}
+    """The sampling flags given (the others: the checkpoint's generation_config, else off)."""
+    return {k: getattr(a, k) for k in _FLAGS if getattr(a, k) is not None}
 
 
 def _send_line(comm, line: Optional[str]) -> Optional[str]:
@@ -118,7 +130,7 @@ def chat_loop(comm, model_path: str, system: Optional[str] = None, max_tokens: i
     chat_template : str, optional
         A template instead of the checkpoint's.
     sampling : dict, optional
-        temperature, top_k, seed.
+        The sampling settings (`TransformerLM.chat`'s keywords).
     stdin_fd : int, optional
         The file descriptor rank 0 reads (default: standard input).
     out : file, optional
@@ -215,6 +227,12 @@ def main(argv=None) -> int:
     """
     a = _parse(argv)
     import tpcore
+    from tpcore.models.sampling import SamplingParams
+    try:
+        SamplingParams.make("tpcore.chat", None, **_sampling(a))     # a bad flag: refused before any load
+    except (TypeError, ValueError) as e:
+        print(f"tpcore.chat: {e}", file=sys.stderr)
+        return 2
     try:
         if "TPCORE_JOB_ID" in os.environ or "RANK" in os.environ:
             if a.n is not None:

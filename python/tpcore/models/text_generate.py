@@ -5,7 +5,7 @@ with stop strings.
     for piece in model.chat(messages, stream=True): print(piece, end="", flush=True)
     text = model.generate("Once upon a time", max_new_tokens=32, stop=["\\n\\n"])
 
-On top of the token loop of `tpcore.models.generate` (one prompt, token by token): the
+On top of `TransformerLM.iter_generate` (one prompt, token by token): the
 prompt encoded by the model's tokenizer (`tpcore.models.text`), or a conversation rendered
 by its chat template first; each token's text from an `IncrementalDetokenizer` (no half
 characters), passed through a `StopMatcher` (a stop string split over tokens is never sent;
@@ -20,13 +20,13 @@ from typing import Any, Iterator, List, Optional, Union
 import numpy as np
 
 from tpcore.distributed.agree import agree
-from tpcore.models.generate import _prefill, agree_generate, generate_args, sample
 from tpcore.models.text import IncrementalDetokenizer, StopMatcher, Tokenizer
 from tpcore.utils.args import shown
 
 __all__ = ["generate_text", "chat", "SAMPLING_ARGS"]
 
-SAMPLING_ARGS = ("temperature", "top_k", "seed", "eos_token_id", "pad_token_id")
+SAMPLING_ARGS = ("temperature", "top_k", "seed", "eos_token_id", "pad_token_id", "top_p", "min_p",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "sampling")
 CHAT_MAX_NEW_TOKENS = 512
 
 
@@ -53,8 +53,10 @@ class _TextMixin:
         chat_template : str, optional
             A Jinja chat template instead of the checkpoint's.
         **sampling
-            temperature, top_k, seed, eos_token_id, pad_token_id as `generate` takes them
-            (default: greedy; the reply ends at the tokenizer's and generation_config's eos ids).
+            temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+            frequency_penalty, seed, eos_token_id, pad_token_id or sampling (a SamplingParams)
+            as `generate` takes them (default: the checkpoint's generation_config, else greedy);
+            the reply ends at the tokenizer's and generation_config's eos ids.
 
         Returns
         -------
@@ -94,50 +96,30 @@ def _stops(stop, who: str) -> List[str]:
 
 
 def _start(model, ids: List[int], max_new_tokens, who: str, stops: List[str], eos_default, sampling: dict):
-    """The token loop's arguments checked (generate_args) and agreed across ranks, stop strings
-    included: (seq, max_new, temperature, top_k, seed, eos_ids)."""
+    """The token stream (`TransformerLM.iter_generate`: the arguments checked and agreed across
+    ranks there), then the stop strings agreed too."""
     unknown = sorted(set(sampling) - set(SAMPLING_ARGS))
     if unknown:
         raise TypeError(f"{who}: unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (the "
                         f"sampling arguments are {', '.join(SAMPLING_ARGS)})")
-    kw = {"temperature": 0.0, "top_k": None, "seed": 0, "eos_token_id": eos_default, "pad_token_id": None,
-          **sampling}
-    err, args = None, None
-    try:
-        args = generate_args(model, [np.asarray(ids, np.int64)], max_new_tokens, kw["temperature"], kw["top_k"],
-                             kw["seed"], kw["eos_token_id"], kw["pad_token_id"])
-    except (TypeError, ValueError) as e:
-        err = e
-    agree_generate(model.comm, args, err)
+    kw = {"eos_token_id": eos_default, **sampling}
+    stream = model.iter_generate([np.asarray(ids, np.int64)], max_new_tokens, **kw)
     if model.comm.size > 1:
         blob = np.frombuffer("\0".join(stops).encode("utf-8"), np.uint8)
         agree(model.comm, who, [("the stop strings differ", (np.array(len(stops)), blob), None)])
-    seqs, max_new, temp, top_k, seed, eos_ids, _ = args
-    return seqs[0], max_new, temp, top_k, seed, eos_ids
+    return stream
 
 
-def _tokens(model, seq: np.ndarray, max_new: int, temperature: float, top_k: int, seed: int,
-            eos_ids: List[int]) -> Iterator[int]:
-    """The generated ids one by one (greedy or sampled as `generate`, the same tokens), ending
-    before an eos id or after max_new."""
-    n = int(seq.size)
-    if max_new == 0:
-        return
-    model.cache(1, n + max_new)
-    rng = np.random.default_rng(seed)
-    _, last = _prefill(model, [seq], np.array([n], np.int64))
-    for step in range(max_new):
-        logits = model.gather_logits(model.logits_shard(last if model._kdev is not None
-                                                        else np.ascontiguousarray(last)))
-        t = int(sample(logits, temperature, top_k, rng, "generate", step)[0])
-        if t in eos_ids:
-            return
-        yield t
-        if step == max_new - 1:
-            return
-        h = model._forward(np.array([[t]], np.int64), pos0=np.array([n + step], np.int64), use_cache=True,
-                           _agreed=True)
-        last = model._dev(h, (1, model.config.hidden)) if model._kdev is not None else h[:, 0]
+def _tokens(stream) -> Iterator[int]:
+    """The generated ids one by one, ending before an eos id (the stream closed at the end)."""
+    try:
+        for ids in stream:
+            t = int(ids[0])
+            if stream.done[0] and t in stream.eos_ids:
+                return
+            yield t
+    finally:
+        stream.close()
 
 
 def _pieces(tok: Tokenizer, prompt_ids: List[int], tokens: Iterator[int], stops: List[str]) -> Iterator[str]:
@@ -163,8 +145,7 @@ def _run(model, tok, ids, max_new_tokens, stream, stop, who, eos_default, sampli
     if not isinstance(stream, bool):
         raise TypeError(f"{who}: stream must be True or False, got {shown(stream)}")
     stops = _stops(stop, who)
-    seq, max_new, temp, top_k, seed, eos_ids = _start(model, ids, max_new_tokens, who, stops, eos_default, sampling)
-    pieces = _pieces(tok, ids, _tokens(model, seq, max_new, temp, top_k, seed, eos_ids), stops)
+    pieces = _pieces(tok, ids, _tokens(_start(model, ids, max_new_tokens, who, stops, eos_default, sampling)), stops)
     return pieces if stream else "".join(pieces)
 
 
@@ -186,7 +167,7 @@ def generate_text(model, prompt: str, max_new_tokens: int = 16, stream: bool = F
     stop : str or list of str, optional
         Generation ends before the first of these strings (not included).
     **sampling
-        temperature, top_k, seed, eos_token_id, pad_token_id as `generate` takes them.
+        The sampling settings as `generate` takes them (temperature, top_k, top_p, ...).
 
     Returns
     -------
