@@ -59,8 +59,8 @@ import numpy as np
 
 from tpcore import _C
 from tpcore.distributed.agree import agree, fingerprint
-from tpcore.models.generate import bad_logits, eos_ids_arg, logits_error
-from tpcore.models.sampling import Sampler, SamplingParams, sample_batch
+from tpcore.models.generate import eos_ids_arg
+from tpcore.models.sampling import Sampler, SamplingParams, bad_logits, logits_error, sample_batch
 from tpcore.serve.kv_pool import BlockPool
 from tpcore.serve.request import Request
 from tpcore.utils.args import int_arg, is_int, shown
@@ -218,7 +218,8 @@ class Engine:
         eos_token_id : int or list of int, optional
             Stop at it (default None: the engine's; -1: never).
         temperature, top_k, seed : optional
-            Shorthands of the sampling settings (as generate() takes them).
+            Shorthands of the sampling settings (as generate() takes them); a setting not
+            given comes from the model's generation_config, as in generate().
         sampling : tpcore.models.sampling.SamplingParams, optional
             Every sampling setting at once (not with the shorthands or sampling_kw).
         stop : str or list of str, optional
@@ -264,7 +265,7 @@ class Engine:
                                 f"({', '.join(sorted(short))}), not both")
             params = sampling
         else:
-            params = SamplingParams.make(who, **short)
+            params = SamplingParams.make(who, defaults=getattr(self.model, "generation_config", None), **short)
         stops = self._stops(stop, who)
         stop_ids = [] if stop_token_ids is None else self._eos(stop_token_ids, who + " stop_token_ids")
         tk = getattr(self.model, "tokenizer", None)
