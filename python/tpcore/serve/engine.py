@@ -204,6 +204,22 @@ class Engine:
                              f"stop_token_ids instead)")
         return list(stop)
 
+    def _stop_ids(self, ids, who) -> List[int]:
+        if ids is None:
+            return []
+        if is_int(ids):
+            ids = [ids]
+        if not isinstance(ids, (list, tuple, np.ndarray)) or not all(is_int(i) for i in np.asarray(ids).reshape(-1)) \
+                or np.asarray(ids).ndim > 1:
+            raise TypeError(f"{who}: stop_token_ids must be a list of token ids, got {shown(ids)}")
+        out = [int(i) for i in np.asarray(ids, np.int64).reshape(-1)]
+        V = self.model.config.vocab_size
+        bad = [i for i in out if not 0 <= i < V]
+        if bad or len(out) > 1024:
+            raise ValueError(f"{who}: stop_token_ids must hold at most 1024 ids in [0, vocab_size={V}), got "
+                             f"{len(out)} ids{f', {bad[0]} among them' if bad else ''}")
+        return out
+
     def submit(self, prompt: Any, max_new_tokens: int, eos_token_id: Any = None, temperature: Optional[float] = None,
                top_k: Optional[int] = None, seed: Optional[int] = None, *, sampling: Optional[SamplingParams] = None,
                stop: Any = None, stop_token_ids: Any = None, **sampling_kw: Any) -> Request:
@@ -267,7 +283,7 @@ class Engine:
         else:
             params = SamplingParams.make(who, defaults=getattr(self.model, "generation_config", None), **short)
         stops = self._stops(stop, who)
-        stop_ids = [] if stop_token_ids is None else self._eos(stop_token_ids, who + " stop_token_ids")
+        stop_ids = self._stop_ids(stop_token_ids, who)
         tk = getattr(self.model, "tokenizer", None)
         detok = stopper = None
         if tk is not None:
@@ -420,9 +436,11 @@ class Engine:
                 budget -= n
         return decodes, chunks
 
-    def _table(self, reqs: List[Request]) -> np.ndarray:
+    def _table(self, reqs: List[Request], reach: int = 0) -> np.ndarray:
+        """The requests' block tables (B, cols), -1 past each one's blocks; cols cover `reach`
+        positions at least (a padded row's positions past its own blocks write nowhere)."""
         tabs = [self.pool.tables[r.id] for r in reqs]
-        out = np.full((len(reqs), max(len(t) for t in tabs)), -1, np.int64)
+        out = np.full((len(reqs), max(max(len(t) for t in tabs), self.pool.blocks_for(reach))), -1, np.int64)
         for b, t in enumerate(tabs):
             out[b, :len(t)] = t
         return out
@@ -535,7 +553,7 @@ class Engine:
             for b, (r, n) in enumerate(chunks):
                 toks[b, :n] = r._all[r.computed:r.computed + n]
             pos0 = np.array([r.computed for r in reqs], np.int64)
-            table = self._table(reqs)
+            table = self._table(reqs, int(pos0.max()) + T)
             for b, (r, n) in enumerate(chunks):   # padding rows write nowhere past the row's own blocks
                 table[b, self.pool.blocks_for(r.computed + n):] = -1
             h = m._forward(toks, pos0=pos0, use_cache=True, _agreed=True, block_table=table)
