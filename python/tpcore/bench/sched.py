@@ -80,9 +80,12 @@ def _chunked(model, args, budget):
         eng.step()
     t_arrive = time.perf_counter()
     big = eng.submit(g.integers(0, V, args.long), 2)
+    steps = 0
     while big.first_token is None:
         eng.step()
-    t_first = big.first_token
+        steps += 1
+    t_first = time.perf_counter()   # the end of the step that gave the newcomer its first token
+    ttft = big.first_token - t_arrive
     list(eng.run())
     during, before = [], []
     for h in hs:
@@ -91,8 +94,8 @@ def _chunked(model, args, budget):
         ends = t[1:]
         during += gaps[(ends > t_arrive) & (ends <= t_first)].tolist()
         before += gaps[ends <= t_arrive].tolist()
-    return {"budget": eng.max_prefill_tokens, "gaps_during": during, "gaps_before": before,
-            "newcomer_ttft_s": t_first - t_arrive, "prefills": eng.stats()["prefills"]}
+    return {"budget": eng.max_prefill_tokens or f"auto, {args.long / steps:.0f} tokens per step",
+            "gaps_during": during, "gaps_before": before, "newcomer_ttft_s": ttft, "newcomer_steps": steps}
 
 
 def _prefix(model, args, caching):

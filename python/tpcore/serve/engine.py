@@ -70,6 +70,40 @@ __all__ = ["Engine", "Request"]
 
 _MAX_LEN_CAP = 2048   # the default context per request when the model allows longer (rotary positions)
 _MAX_STOPS, _MAX_STOP_CHARS = 64, 4096
+MAX_AUTO_PREFILL_TOKENS = 2048   # the adaptive budget when nothing decodes (activations of one forward)
+MIN_AUTO_PREFILL_TOKENS = 16     # ... and its floor while requests decode (a prompt always advances)
+
+
+class _StepTimes:
+    """Recent forward times, for the adaptive prefill budget: decode steps (seconds, by batch)
+    and prefill forwards fitted as t = a + b x tokens (least squares over the last 32)."""
+
+    def __init__(self) -> None:
+        self.dec: Deque[tuple] = collections.deque(maxlen=32)
+        self.pre: Deque[tuple] = collections.deque(maxlen=32)
+
+    def decode(self, batch: int, seconds: float) -> None:
+        self.dec.append((batch, seconds))
+
+    def prefill(self, tokens: int, seconds: float) -> None:
+        self.pre.append((tokens, seconds))
+
+    def chunk(self, decoding: int) -> int:
+        """Prompt tokens whose forward takes about one decode step of `decoding` requests."""
+        if not self.dec or not self.pre:
+            return MIN_AUTO_PREFILL_TOKENS * 4
+        near = [t for b, t in self.dec if b >= decoding] or [t for _, t in self.dec]
+        t_dec = float(np.median(near))
+        n, t = np.array([p[0] for p in self.pre], np.float64), np.array([p[1] for p in self.pre], np.float64)
+        if np.ptp(n) > 0:
+            b, a = np.polyfit(n, t, 1)
+            a = max(float(a), 0.0)
+        else:
+            a, b = 0.0, float(t.mean() / n.mean())
+        if b <= 0:
+            return MAX_AUTO_PREFILL_TOKENS
+        want = int((t_dec - a) / b) if t_dec > a else MIN_AUTO_PREFILL_TOKENS
+        return int(min(max(want, MIN_AUTO_PREFILL_TOKENS), MAX_AUTO_PREFILL_TOKENS))
 
 
 class Engine:
@@ -93,7 +127,10 @@ class Engine:
         Right-pads the shorter prompt chunks of a step (never attended to).  Default None: 0.
     max_prefill_tokens : int, optional
         Prompt tokens computed per step at most (the chunked-prefill budget, >= 1).  Default
-        None: 256.
+        None: adaptive (`auto_budget`): while requests decode, the chunk whose forward is
+        predicted to take about as long as a decode step (so a newcomer at most doubles the
+        others' time between tokens), from a line fitted to the step times measured so far;
+        `max_auto_prefill_tokens` when nothing decodes.
     block_size : int, default 16
         Positions per KV block, >= 1.
     num_blocks : int, optional
@@ -139,8 +176,9 @@ class Engine:
                              (getattr(model, "generation_config", {}) or {}).get("eos_token_id"), who)
         self.pad = 0 if pad_token_id is None else int_arg(pad_token_id, who, "pad_token_id", lo=0,
                                                           hi=cfg.vocab_size - 1)
-        self.max_prefill_tokens = 256 if max_prefill_tokens is None else \
+        self.max_prefill_tokens = None if max_prefill_tokens is None else \
             int_arg(max_prefill_tokens, who, "max_prefill_tokens", lo=1, hi=2 ** 31 - 1)
+        self._timing = _StepTimes()
         self.block_size = int_arg(block_size, who, "block_size", lo=1, hi=2 ** 20)
         per_req = -(-self.max_len // self.block_size)
         if num_blocks is None:
@@ -401,7 +439,7 @@ class Engine:
         pool = self.pool
         decodes: List[Request] = []
         chunks: List[tuple] = []
-        budget = self.max_prefill_tokens
+        budget = self._budget()
         i = 0
         while i < len(self._running):
             r = self._running[i]
@@ -435,6 +473,20 @@ class Engine:
                 chunks.append((r, n))
                 budget -= n
         return decodes, chunks
+
+    def _budget(self) -> int:
+        """This step's prompt-token budget: the fixed one, or the adaptive one, agreed across the
+        ranks (the smallest: each rank measured its own times) when it is not the maximum."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        decoding = sum(len(r._all) - r.computed == 1 for r in self._running)
+        prefilling = len(self._waiting) + len(self._running) - decoding
+        if not decoding or not prefilling:
+            return MAX_AUTO_PREFILL_TOKENS
+        n = self._timing.chunk(decoding)
+        if self.comm.size > 1:
+            n = int(self.comm.all_reduce(np.array([n], np.int64), op="min")[0])
+        return n
 
     def _table(self, reqs: List[Request], reach: int = 0) -> np.ndarray:
         """The requests' block tables (B, cols), -1 past each one's blocks; cols cover `reach`
@@ -573,6 +625,7 @@ class Engine:
             st["prefill_padded_max"] = max(st["prefill_padded_max"], B * T)
             st["prefill_step_max"] = max(st["prefill_step_max"], int(lens.sum()))
             st["prefill_s"] += time.perf_counter() - t0
+            self._timing.prefill(B * T, time.perf_counter() - t0)
         decodes = [r for r in decodes if r.running]
         if decodes:  # one token of every decoding request, each at its own position
             t0 = time.perf_counter()
@@ -588,6 +641,7 @@ class Engine:
             self._emit(decodes, ids, lps, time.perf_counter(), finished)
             st["decodes"] += 1
             st["decode_s"] += time.perf_counter() - t0
+            self._timing.decode(B, time.perf_counter() - t0)
         finished.sort(key=lambda r: r.id)
         return finished
 
@@ -624,7 +678,8 @@ class Engine:
         """
         s: Dict[str, object] = dict(self._st)
         s.update(submitted=self._next_id, waiting=len(self._waiting), running=len(self._running),
-                 max_batch=self.max_batch, max_len=self.max_len, max_prefill_tokens=self.max_prefill_tokens)
+                 max_batch=self.max_batch, max_len=self.max_len,
+                 max_prefill_tokens=self.max_prefill_tokens or "auto")
         s.update(self.pool.stats())
         return s
 
