@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     try:
         SamplingParams.make("tpcore.chat", None, **_sampling(a))     # a bad flag: refused before any load
     except (TypeError, ValueError) as e:
-        print(f"tpcore.chat: {e}", file=sys.stderr)
+        print(e, file=sys.stderr)
         return 2
     try:
         if "TPCORE_JOB_ID" in os.environ or "RANK" in os.environ:
