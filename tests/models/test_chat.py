@@ -186,5 +186,5 @@ def _interrupted(n):
 def test_terminal_chat_ctrl_c(n):
     rc, reply, after, err = _interrupted(n)
     assert rc == 0, err[-3000:]
-    assert 8 <= len(reply) < 400 and reply.endswith("\n") and after == "\n", (reply, after)   # ^C at the prompt: a newline
+    assert 8 <= len(reply) < 400 and reply.endswith("\n") and after == "\n", (reply, after)   # ^C at the prompt: "\n"
     assert "Traceback" not in err, err[-3000:]
