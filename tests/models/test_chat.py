@@ -56,6 +56,11 @@ def _one_rank(comm, path):
         except (TypeError, ValueError) as e:
             errs.append(f"{type(e).__name__}: {e}")
     out["errors"] = errs
+    model.tokenizer.chat_template = None
+    try:
+        model.chat(ASK)
+    except ValueError as e:
+        out["no_template"] = str(e)
     model.tokenizer = None
     try:
         model.chat(ASK)
@@ -76,7 +81,7 @@ def test_chat_generate_stream_stop_one_rank():
     assert "stream must be True or False" in e[2] and "unknown argument top_q" in e[3]
     assert "temperature" in e[4] and "messages must be a list" in e[5]
     assert "stream and stop need a string prompt" in e[6] and "no tools here" in e[7]
-    assert "has none" in out["no_tokenizer"]
+    assert "has none" in out["no_tokenizer"] and "--chat-template" in out["no_template"]
 
 
 def _sampled(comm, path):
