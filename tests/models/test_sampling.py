@@ -115,6 +115,9 @@ def test_filters_and_penalties_against_transformers(case):
         row = (g.standard_normal(V) * float(g.choice([0.5, 3, 20]))).astype(np.float32)
         row[g.random(V) < 0.1] = -np.inf
         row[int(g.integers(V))] = 1.0 + (abs(row[np.isfinite(row)]).max() if np.isfinite(row).any() else 0.0)
+        finite = row[np.isfinite(row)]
+        if np.unique(finite).size < finite.size:  # a float32 tie: the order of tied tokens is transformers' own
+            continue
         prompt = g.integers(0, V, int(g.integers(0, 8))).tolist()
         out = g.integers(0, V, int(g.integers(0, 12))).tolist()
         got = _sampler(params, V, prompt, out).probs(row)
