@@ -263,3 +263,36 @@ def test_stop_matcher_holds_back_and_tokens(gguf_tok):
         StopMatcher([""])
     with pytest.raises(TypeError, match="stops must be a list of strings"):
         StopMatcher([1])
+
+
+# ------------------------------------------------------------------------- model.tokenizer
+def _loaded_tokenizers(comm, folders):
+    import tpcore
+    out = []
+    for f in folders:
+        tok = tpcore.models.from_pretrained(f, comm, progress=False).tokenizer
+        try:
+            out.append((type(tok).__name__, None if tok is None else tok.encode("Hello world")))
+        except CheckpointError as e:
+            out.append((type(tok).__name__, str(e)))
+    return out
+
+
+def test_loaders_set_model_tokenizer(tmp_path, bpe_folder):
+    """from_pretrained sets model.tokenizer: None without tokenizer.json; read at first use, so a
+    broken tokenizer file leaves the model loadable and its use names the file."""
+    import shutil
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from conftest import run
+    from paths import FIXTURES
+    plain, good, broken = (tmp_path / n for n in ("plain", "good", "broken"))
+    for d in (plain, good, broken):
+        shutil.copytree(os.path.join(FIXTURES, "llama"), d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(bpe_folder, f), good / f)
+    (broken / "tokenizer.json").write_text("{not json")
+    (plain_r, good_r, broken_r) = run(_loaded_tokenizers, 1, [str(plain), str(good), str(broken)])[0]
+    assert plain_r == ("NoneType", None)
+    assert good_r == ("_LazyTokenizer", load_tokenizer(bpe_folder).encode("Hello world"))
+    assert broken_r[0] == "_LazyTokenizer" and f"{broken}/tokenizer.json" in broken_r[1]
