@@ -133,7 +133,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-                raise AssertionError(f"the server did not stop on SIGTERM: {self.output()}")
+                raise AssertionError(f"the server did not stop on SIGTERM: {self.output()}") from None
         end = time.monotonic() + 10
         while True:  # the ranks (the launcher's children) are gone too
             try:
