@@ -55,6 +55,9 @@ def test_tokens_are_generates(tiny):
         got = "".join(ch.choices[0].text for ch in c.completions.create(
             model=NAME, prompt=TEXTS[i], max_tokens=NEW, temperature=0, stream=True))
         assert got == want
+    # without max_tokens: the rest of the context (64 tokens)
+    r = c.completions.create(model=NAME, prompt="y" * 61, temperature=0, extra_body={"ignore_eos": True})
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].finish_reason) == (61, 3, "length")
     # a prompt of token ids is taken as it is
     r = c.completions.create(model=NAME, prompt=tiny["text_ids"][0], max_tokens=NEW, temperature=0)
     assert r.choices[0].text == tiny["ref_text"][0][0]

@@ -188,7 +188,8 @@ def _payload(spec: Spec, ids: List[int], state: ServerState) -> Dict[str, Any]:
         raise APIError(400, f"'stop_token_ids' holds {bad[0]}, past the vocabulary ({state.vocab_size} ids)",
                        param="stop_token_ids")
     seed = 0 if spec.seed is None else spec.seed % 2 ** 64
-    return {"p": ids, "n": new, "eos": state.eos + spec.stop_token_ids or -1, "t": spec.temperature,
+    eos = ([] if spec.ignore_eos else state.eos) + spec.stop_token_ids
+    return {"p": ids, "n": new, "eos": eos or -1, "t": spec.temperature,
             "k": min(spec.top_k, state.vocab_size), "s": seed, "lp": spec.logprobs}
 
 

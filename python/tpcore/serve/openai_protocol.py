@@ -73,6 +73,7 @@ class Spec:
     stop_token_ids: List[int] = field(default_factory=list)
     logprobs: Optional[int] = None         # None: none; k: the chosen token's and the top k
     echo: bool = False
+    ignore_eos: bool = False               # vLLM's: generate past the end-of-sequence ids
     given: frozenset = frozenset()         # the sampling fields the body set
 
 
@@ -161,7 +162,8 @@ _NOOPS = {
 }
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed")
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs"} | set(_SAMPLING)
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs",
+           "ignore_eos"} | set(_SAMPLING)
 _CHAT = _COMMON | {"messages", "top_logprobs", "max_completion_tokens"} | set(_NOOPS) - {"best_of", "suffix"}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix", "user", "logit_bias", "n", "metadata", "store",
                          "service_tier"}
@@ -203,6 +205,7 @@ def _common(body: Dict[str, Any], kind: str, allowed: set) -> Spec:
     s.max_tokens = _int(body, "max_tokens", 1, 2 ** 62)
     s.stop = _stops(body)
     s.stop_token_ids = _stop_ids(body)
+    s.ignore_eos = _bool(body, "ignore_eos")
     s.given = frozenset(k for k in _SAMPLING if body.get(k) is not None)
     return s
 
