@@ -6,13 +6,15 @@ server for a model on N ranks.
          -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
 
 MODEL is a safetensors folder (config.json, tokenizer.json) or a .gguf file.  Without a
-launcher's environment, -n N (default 1) starts N local ranks through ``tpcore.launch``; under
+launcher's environment, -n N (default 1) starts N local ranks through ``tpcore.launch`` (this
+process becomes ``python -m tpcore.launch -n N -m tpcore.serve ...``); under
 ``python -m tpcore.launch``, mpirun or torchrun the ranks are there already.  Rank 0 listens
 (127.0.0.1 unless --host says otherwise) and runs the engine loop of `tpcore.serve.driver`; the
 others follow it.  A port in use is a one-line error and exit status 1 on every rank, before the
 model is loaded.
 
-Imports: tpcore.distributed, tpcore.models, tpcore.serve; uvicorn, starlette, jinja2 (the serve
+Imports: tpcore.distributed, tpcore.models, tpcore.serve (tpcore.launch runs as a program, not
+imported); uvicorn, starlette, jinja2 (the serve
 extra).
 """
 from __future__ import annotations
@@ -102,9 +104,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     _check(p, a)
     if a.api_key is not None:
         os.environ[_KEY_VAR] = a.api_key
-    if not _launched() and (a.n or 1) > 1:
-        from tpcore.launch.launcher import run
-        sys.exit(run(["-n", str(a.n), "-m", "tpcore.serve"] + _relaunch_argv(a)))
+    if not _launched() and (a.n or 1) > 1:  # this process becomes the launcher of N ranks
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "tpcore.launch", "-n", str(a.n), "-m", "tpcore.serve"]
+                 + _relaunch_argv(a))
     sys.exit(serve(a))
 
 
@@ -251,14 +254,14 @@ def serve(a: argparse.Namespace) -> int:
         The exit status: 0 after a signal stopped it, 1 when it could not start or the
         engine failed.
     """
-    import tpcore
+    from tpcore.distributed.init import init
     from tpcore.models.loader import from_pretrained
     from tpcore.serve.driver import Driver
     from tpcore.serve.engine import Engine
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:  # many idle connections must not exhaust the descriptors
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    comm = tpcore.init()
+    comm = init()
     sock, text, err = None, None, ""
     try:
         if comm.rank == 0:
