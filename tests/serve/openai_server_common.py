@@ -80,14 +80,14 @@ def reference(path, prompts, new, world=1):
 class Server:
     """python -m tpcore.serve MODEL --port P [args] [-n N], until close()."""
 
-    def __init__(self, model, *args, n=1, timeout=180):
+    def __init__(self, model, *args, n=1, timeout=180, env=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "tpcore.serve", model, "--port", str(self.port), *args]
         if n > 1:
             cmd += ["-n", str(n)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **(env or {}))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         end = time.monotonic() + timeout

@@ -235,6 +235,18 @@ def test_no_leak_after_10000_requests(srv):
     _leak_check(srv, 10_000, 32 << 20)
 
 
+def test_idle_ranks_outlive_the_comm_timeout(tmp_path):
+    """Two ranks idle for 3x the communicator's timeout: the heartbeat keeps them, and a request then
+    gets served; SIGTERM stops both (Server.close checks nothing is left)."""
+    s = Server(tiny_model(str(tmp_path)), "--served-model-name", "tiny", n=2, env={"TPCORE_TIMEOUT": "1.5"})
+    try:
+        time.sleep(4.5)
+        r = _post(s, "/v1/completions", C, headers={})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        s.close()
+
+
 def test_help_is_silent():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     r = subprocess.run([sys.executable, "-W", "error", "-m", "tpcore.serve", "--help"], capture_output=True,
