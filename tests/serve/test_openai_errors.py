@@ -133,6 +133,25 @@ def test_key_model_and_paths(srv):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_chat_page(srv):
+    import tpcore.serve
+    page = os.path.join(os.path.dirname(tpcore.serve.__file__), "static", "index.html")
+    r = httpx.get(srv.url + "/")
+    if os.path.isfile(page):
+        with open(page, "rb") as f:
+            assert (r.status_code, r.content) == (200, f.read()) and r.headers["content-type"].startswith("text/html")
+    else:
+        assert "index.html" in _err(r, 404)["message"]
+
+
+def test_content_parts_are_joined(srv):
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    a = _post(srv, "/v1/chat/completions", dict(CH, messages=[{"role": "user", "content": parts}], temperature=0))
+    b = _post(srv, "/v1/chat/completions", dict(CH, messages=[{"role": "user", "content": "Hi\nthere"}], temperature=0))
+    assert a.status_code == 200 and a.json()["choices"] == b.json()["choices"]
+    assert a.json()["usage"] == b.json()["usage"]
+
+
 def test_queue_full_is_503_and_closing_cancels(srv):
     e0 = srv.wait_idle()["engine"]
     clients, streams, lines = [], [], []  # the line iterators too: one dropped closes its stream

@@ -149,8 +149,9 @@ def _prompt_ids(spec: Spec, state: ServerState) -> List[int]:
         try:
             text = state.template.render(messages=spec.messages, add_generation_prompt=True,
                                          bos_token=state.bos_token, eos_token=state.eos_token)
-        except TemplateError as e:
-            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError) as e:  # the template's own checks
+            raise APIError(400, f"the chat template refused the messages: {type(e).__name__}: {e}",
+                           param="messages") from None
         return state.tok.encode(text, add_special_tokens=False).ids
     if isinstance(spec.prompt, str):
         return state.tok.encode(spec.prompt).ids
@@ -354,4 +355,9 @@ def make_app(state: ServerState):
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/", index, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    async def server_error(request, exc):
+        import traceback
+        traceback.print_exception(exc)
+        return _error(APIError(500, f"the server failed on this request: {type(exc).__name__}: {exc}"))
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})

@@ -226,8 +226,8 @@ def _content(m: Dict[str, Any], i: int) -> Any:
         if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str) or \
                 set(p) - {"type", "text"}:
             raise _bad(f"{where}[{j}]", "a text part {'type': 'text', 'text': str} (only text is supported)", p)
-        parts.append({"type": "text", "text": p["text"]})
-    return parts
+        parts.append(p["text"])
+    return "\n".join(parts)  # as vLLM gives a template that expects a string
 
 
 def parse_chat(body: Any) -> Spec:
