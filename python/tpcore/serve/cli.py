@@ -20,7 +20,6 @@ extra).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import signal
@@ -112,42 +111,15 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 # ---------------------------------------------------------------------------- the model's text side
-def _read_json(path):
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _token_str(v) -> str:
-    return v.get("content", "") if isinstance(v, dict) else (v or "")
-
-
 def _text_side(a):
-    """(tokenizer, chat template or None, bos token, eos token) of MODEL (rank 0)."""
-    if os.path.isfile(a.model):
-        from tpcore.models.gguf import GGUFModel, tokenizer
-        g = GGUFModel(a.model, "tpcore.serve")
-        tok = tokenizer(g, add_bos=None)
-        info = g.tokenizer_info
-        template = info.get("chat_template")
-        bos = tok.id_to_token(info["bos_token_id"]) if info.get("bos_token_id") is not None else ""
-        eos = tok.id_to_token(info["eos_token_id"]) if info.get("eos_token_id") is not None else ""
-    else:
-        path = os.path.join(a.model, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{a.model} has no tokenizer.json: the server needs the model's tokenizer")
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(path)
-        cfg = _read_json(os.path.join(a.model, "tokenizer_config.json"))
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
+    """(tokenizer, the --chat-template file's text or None) of MODEL (rank 0)."""
+    from tpcore.models.text import load_tokenizer
+    tok = load_tokenizer(a.model)
+    template = None
     if a.chat_template is not None:
         with open(a.chat_template, encoding="utf-8") as f:
             template = f.read()
-    return tok, template, bos or "", eos or ""
+    return tok, template
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -213,10 +185,10 @@ def _run_http(a, comm, driver, engine, model, text, sock) -> int:
     import uvicorn
 
     from tpcore.serve.openai_api import ServerState, make_app
-    tok, template, bos, eos = text
+    tok, template = text
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model)).removesuffix(".gguf")
-    state = ServerState(driver, name, tok, template, engine.max_len, model.config.vocab_size, engine.eos,
-                        bos_token=bos, eos_token=eos, api_key=os.environ.get(_KEY_VAR) or None,
+    state = ServerState(driver, name, tok, engine.max_len, model.config.vocab_size, engine.eos, chat_template=template,
+                        defaults=getattr(model, "generation_config", None), api_key=os.environ.get(_KEY_VAR) or None,
                         max_body=a.max_body, world_size=comm.size)
     config = uvicorn.Config(make_app(state), lifespan="off", log_level=a.log_level, access_log=False,
                             http=_protocol(a.header_timeout), timeout_keep_alive=5,
@@ -271,7 +243,7 @@ def serve(a: argparse.Namespace) -> int:
             except OSError as e:
                 err = (f"cannot listen on {a.host}:{a.port}: {e.strerror or e}" if sock is None else
                        f"cannot read the model's tokenizer: {e}")
-            except ValueError as e:
+            except (ValueError, ImportError) as e:
                 err = f"cannot read the model's tokenizer or chat template: {e}"
         err = _agree_error(comm, err)
         if err:
