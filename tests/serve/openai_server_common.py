@@ -58,23 +58,23 @@ def render(template, messages, bos="", eos=""):
                                             eos_token=eos)
 
 
-def _generate(comm, path, prompts, new):
+def _generate(comm, path, prompts, new, sampling=None):
     m = tpcore.models.from_pretrained(path, comm, progress=False)
     eos = m.generation_config.get("eos_token_id")
     eos = set([eos] if isinstance(eos, int) else eos or [])
     out = []
     for p in prompts:
-        g = m.generate([np.array(p, np.int64)], max_new_tokens=new)
+        g = m.generate([np.array(p, np.int64)], max_new_tokens=new, **(sampling or {"temperature": 0.0}))
         g = (g[0] if isinstance(g, list) else g[0])[len(p):].tolist()
         cut = next((i + 1 for i, t in enumerate(g) if t in eos), len(g))
         out.append((g[:cut], "length" if cut == new and g[cut - 1] not in eos else "stop"))
     return out
 
 
-def reference(path, prompts, new, world=1):
-    """generate() of each prompt alone (greedy) on `world` ranks: [(tokens up to and with the EOS,
-    finish_reason)]."""
-    return tpcore.spawn(_generate, world, args=(path, prompts, new), deadline=300)[0]
+def reference(path, prompts, new, world=1, sampling=None):
+    """generate() of each prompt alone on `world` ranks (greedy, or with the sampling settings):
+    [(tokens up to and with the EOS, finish_reason)]."""
+    return tpcore.spawn(_generate, world, args=(path, prompts, new, sampling), deadline=300)[0]
 
 
 class Server:

@@ -2,7 +2,9 @@
 world 1, 2 and 3: the `openai` client gets generate()'s tokens (chat and completions, streamed
 and not); 32 concurrent streaming clients each get their own right text; stop strings end the
 text where they start (never sent, matched across tokens and chunks); logprobs (chat and
-completions forms) equal the float64 log-softmax of the model's own logits of the sequence."""
+completions forms) equal the float64 log-softmax of the model's own logits of the sequence;
+every sampling setting reaches the engine: a seeded sampled request gets generate()'s tokens
+with the same settings (the same at every world size)."""
 import threading
 
 import numpy as np
@@ -107,6 +109,29 @@ def test_stop_strings(tiny):
     got = "".join(ch.choices[0].text for ch in c.completions.create(
         model=NAME, prompt=TEXTS[i], max_tokens=NEW, temperature=0, stop=stop, stream=True))
     assert got == cut
+    tiny["server"].wait_idle()
+
+
+SAMPLED = dict(temperature=0.9, top_p=0.9, top_k=40, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.5,
+               frequency_penalty=0.3, seed=1234)
+
+
+def test_sampling_settings_are_generates(tiny):
+    c = _client(tiny["server"])
+    ref = reference(tiny["path"], tiny["text_ids"][:2], NEW, 1, SAMPLED)  # at world 1: the same at every size
+    for i in range(2):
+        want = tiny["tok"].decode(ref[i][0])
+        extra = {k: SAMPLED[k] for k in ("top_k", "min_p", "repetition_penalty")}
+        kw = {k: v for k, v in SAMPLED.items() if k not in extra}
+        r = c.completions.create(model=NAME, prompt=TEXTS[i], max_tokens=NEW, extra_body=extra, **kw)
+        assert r.choices[0].text == want, i
+        got = "".join(ch.choices[0].text for ch in c.completions.create(
+            model=NAME, prompt=TEXTS[i], max_tokens=NEW, extra_body=extra, stream=True, **kw))
+        assert got == want
+    # another seed, other tokens (the seed reaches the sampler)
+    r = c.completions.create(model=NAME, prompt=TEXTS[0], max_tokens=NEW, temperature=1.5, seed=99)
+    r2 = c.completions.create(model=NAME, prompt=TEXTS[0], max_tokens=NEW, temperature=1.5, seed=98)
+    assert r.choices[0].text != r2.choices[0].text
     tiny["server"].wait_idle()
 
 
