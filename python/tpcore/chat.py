@@ -13,8 +13,9 @@ others from the checkpoint's generation_config.json (greedy without one); its eo
 tokenizer's end a reply.
 
 Ranks: with ``-n N`` (default 1) the chat starts N ranks itself (`tpcore.spawn`), rank 0
-reading the terminal; started by a launcher (``python -m tpcore.launch``, mpirun, torchrun)
-it runs as that rank, rank 0 reading its standard input.  Rank 0 sends each line to the
+reading the terminal; started by a launcher (mpirun, torchrun) it runs as that rank, rank 0
+reading its standard input (``python -m tpcore.launch`` gives its ranks none: the chat ends at
+once there; use ``-n N``).  Rank 0 sends each line to the
 others (one broadcast), every rank generates the same reply (SPMD), and while a reply is
 written rank 0 tells the others per piece whether to go on (Ctrl-C).
 """

@@ -56,6 +56,11 @@ def _one_rank(comm, path):
         except (TypeError, ValueError) as e:
             errs.append(f"{type(e).__name__}: {e}")
     out["errors"] = errs
+    model.tokenizer.chat_template = None
+    try:
+        model.chat(ASK)
+    except ValueError as e:
+        out["no_template"] = str(e)
     model.tokenizer = None
     try:
         model.chat(ASK)
@@ -76,7 +81,7 @@ def test_chat_generate_stream_stop_one_rank():
     assert "stream must be True or False" in e[2] and "unknown argument top_q" in e[3]
     assert "temperature" in e[4] and "messages must be a list" in e[5]
     assert "stream and stop need a string prompt" in e[6] and "no tools here" in e[7]
-    assert "has none" in out["no_tokenizer"]
+    assert "has none" in out["no_tokenizer"] and "--chat-template" in out["no_template"]
 
 
 def _sampled(comm, path):
@@ -158,3 +163,33 @@ def test_terminal_chat_two_ranks_two_turns():
              "\n".join(turns) + "\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout == "".join(w + "\n" for w in want)
+
+
+def _interrupted(n):
+    """The terminal chat with a long reply under way: SIGINT (a terminal's Ctrl-C, to the whole
+    process group) stops the reply, the chat goes on; a second one at the prompt ends it."""
+    import signal
+    import time
+    env = dict(os.environ)
+    for k in ("TPCORE_JOB_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    p = subprocess.Popen([sys.executable, "-m", "tpcore.chat", smollm2(), "-n", str(n), "--max-tokens", "400",
+                          "--temperature", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    p.stdin.write("Write a very long story about a dragon.\n")
+    p.stdin.flush()
+    first = p.stdout.read(8)                  # the reply is being written
+    os.killpg(p.pid, signal.SIGINT)
+    rest = p.stdout.readline()                # the reply ends: its newline
+    time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGINT)           # at the prompt: the chat ends
+    out, err = p.communicate(timeout=120)
+    return p.returncode, first + rest, out, err
+
+
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_terminal_chat_ctrl_c(n):
+    rc, reply, after, err = _interrupted(n)
+    assert rc == 0, err[-3000:]
+    assert 8 <= len(reply) < 400 and reply.endswith("\n") and after == "\n", (reply, after)   # ^C at the prompt: "\n"
+    assert "Traceback" not in err, err[-3000:]

@@ -40,7 +40,7 @@ import numpy as np
 from tpcore.utils.args import bool_arg, int_arg, is_int, real_arg, seed_arg, shown
 
 __all__ = ["SamplingParams", "Sampler", "TokenLogprob", "sample_batch", "bad_logits", "logits_error", "draw",
-           "MAX_LOGPROBS"]
+           "filtered_probs", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's top_logprobs limit)
 PENALTY_LIMIT = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI, vLLM)
@@ -258,21 +258,29 @@ def logits_error(who: str, what: str, step: int, code: int) -> ValueError:
 
 def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
     """p (probabilities summing to 1) with the tokens outside the nucleus zeroed: a token stays
-    when the tokens more probable than it (descending, ties by id) hold less than top_p."""
+    when the tokens more probable than it (descending, ties by id) hold less than top_p.  Sorts
+    only the m most probable (m = 64, 512, ... until they hold top_p), not the vocabulary: the
+    tokens past them are dropped whatever their order."""
     idx = np.flatnonzero(p)
     ps = p[idx]
-    order = np.argsort(-ps, kind="stable")
-    before = np.cumsum(ps[order]) - ps[order]           # the mass of the tokens ahead of each one
-    n = max(int(np.count_nonzero(before < top_p)), 1)
+    m = 64
+    while True:
+        cand = np.argpartition(-ps, m - 1)[:m] if m < ps.size else np.arange(ps.size)
+        order = cand[np.lexsort((cand, -ps[cand]))]  # (positions in idx follow the ids)
+        mass = np.cumsum(ps[order])
+        if mass[-1] >= top_p or m >= ps.size:
+            break
+        m *= 8
+    n = max(int(np.count_nonzero(mass - ps[order] < top_p)), 1)  # the mass ahead of each token < top_p
     out = np.zeros_like(p)
     keep = idx[order[:n]]
     out[keep] = p[keep]
     return out
 
 
-def draw(z: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float, rng) -> int:
-    """One id drawn from penalised logits z (1-D, float32 or float64), filtered as the module
-    says.
+def filtered_probs(z: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The distribution a token is drawn from: softmax(z / temperature) restricted by top_k,
+    top_p and min_p in turn (each renormalised), float64.
 
     Parameters
     ----------
@@ -281,11 +289,9 @@ def draw(z: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: flo
     temperature : float
         > 0.
     top_k : int
-        0: off; else kept the top_k largest (ties with the k-th kept).
+        0: off; else the top_k largest are kept (ties with the k-th too).
     top_p, min_p : float
         As SamplingParams (1.0, 0.0: off).
-    rng : numpy.random.Generator
-        One uniform number is drawn from it.
     """
     V = z.shape[-1]
     z = z.astype(np.float64) / temperature
@@ -301,11 +307,28 @@ def draw(z: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: flo
         if min_p > 0:
             p = np.where(p >= min_p * p.max(), p, 0.0)
         p /= p.sum()
+    return p
+
+
+def draw(z: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float, rng) -> int:
+    """One id drawn from penalised logits z through `filtered_probs`: one uniform number u from
+    rng, the first id whose cumulative probability (in vocabulary order) reaches u.
+
+    Parameters
+    ----------
+    z : numpy.ndarray
+        The logits (after the penalties), 1-D; at least one finite, none NaN or +inf.
+    temperature, top_k, top_p, min_p
+        As `filtered_probs`.
+    rng : numpy.random.Generator
+        One number is drawn from it (``rng.random()``).
+    """
+    p = filtered_probs(z, temperature, top_k, top_p, min_p)
     cdf = np.cumsum(p)
     i = int(np.searchsorted(cdf, rng.random(), side="left"))  # the first token whose cdf reaches u
-    if i >= V or p[i] == 0:  # u past cdf[-1] by rounding, or u == 0: the nearest token that can be drawn
+    if i >= p.size or p[i] == 0:  # u past cdf[-1] by rounding, or u == 0: the nearest token that can be drawn
         nz = np.flatnonzero(p)
-        i = int(nz[-1] if i >= V else nz[np.searchsorted(nz, i)])
+        i = int(nz[-1] if i >= p.size else nz[np.searchsorted(nz, i)])
     return i
 
 
@@ -434,6 +457,23 @@ class Sampler:
         if p.greedy:
             return int(np.argmax(z))
         return draw(z, p.temperature, self.top_k, p.top_p, p.min_p, self.rng)
+
+    def probs(self, row: np.ndarray) -> np.ndarray:
+        """The distribution the next id is drawn from (float64, vocab_size): the penalties, then
+        `filtered_probs`; greedy: 1 at the argmax of the penalised logits.
+
+        Parameters
+        ----------
+        row : numpy.ndarray
+            The raw logits, 1-D, vocab_size wide, no bad logits (`bad_logits` 0).
+        """
+        z = self.penalize(row)
+        p = self.params
+        if p.greedy:
+            out = np.zeros(z.shape, np.float64)
+            out[int(np.argmax(z))] = 1.0
+            return out
+        return filtered_probs(z, p.temperature, self.top_k, p.top_p, p.min_p)
 
     def pick(self, logits_row) -> Tuple[int, Optional[TokenLogprob]]:
         """The next id of this request from its logits row, and its logprobs when asked.
