@@ -241,6 +241,7 @@ def _leak_check(srv, n, rss_bound):
     assert e["finished"] - e0["finished"] == n
     assert (e["running"], e["waiting"], e["tracked"], e["free_slots"]) == (0, 0, 0, 4)
     assert threads == threads0, (threads0, threads)
+    print(f"{n} requests: resident memory {rss0 / 2 ** 20:.1f} -> {rss / 2 ** 20:.1f} MiB, threads {threads}")
     assert rss - rss0 < rss_bound, f"resident memory grew {(rss - rss0) / 2 ** 20:.1f} MiB over {n} requests"
     return rss - rss0
 
