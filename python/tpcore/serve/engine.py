@@ -320,7 +320,8 @@ class Engine:
 
     def _finish_cancelled(self, now: float) -> List[Request]:
         """The cancelled requests leave the queue and the running set (their slots freed)."""
-        out = [r for r in self._waiting if r.cancelled] + [r for r in self._running if r.cancelled]
+        out = sorted([r for r in self._waiting if r.cancelled] + [r for r in self._running if r.cancelled],
+                     key=lambda r: r.id)
         if not out:
             return out
         self._waiting = collections.deque(r for r in self._waiting if not r.cancelled)
