@@ -12,7 +12,10 @@
  * (kmax: its last row's limit; kmin: its first row's window start), so a decode step over
  * a long cache, a causal prefill and a sliding window (O(T x window)) touch only what they
  * need.  A ring cache (kv_ring, forward) holds the key of position j at row j % kv_ring: a
- * block's keys are then at most two runs of rows, one GEMM each.  Backward (P saved by
+ * block's keys are then at most two runs of rows, one GEMM each.  A paged cache (kv_block_table,
+ * forward) holds them in blocks of a pool: one GEMM per run of blocks that follow each other in
+ * memory (a shuffled table: one per block); keys in no block (an entry < 0) are masked.  A
+ * decode step (Tq = 1) takes the query heads of a KV group as the rows of one block.  Backward (P saved by
  * forward):
  *   dP = dO V^T;  dS = P * (dP - rowsum(dP * P)) * scale  (softcap: times 1 - tanh^2 of the
  *   raw scaled score, recomputed here with a GEMM);
