@@ -6,7 +6,8 @@
  *   activations.cu  act_forward act_backward bias_act_forward bias_act_backward(_workspace)
  *   norm.cu         layernorm_forward/backward rmsnorm_forward/backward
  *   rope.cu         rope
- *   attention*.cu   attention_workspace attention_forward attention_backward kv_cache_write positions
+ *   attention*.cu   attention_workspace attention_forward attention_backward kv_cache_write
+ *                   kv_cache_write_paged positions
  *   embedding.cu    embedding_forward embedding_backward
  *   xent.cu         xent_row_max xent_row_sums xent_loss xent_row_scale xent_backward
  *                   xent_targets xent_targets_hash

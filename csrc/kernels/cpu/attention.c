@@ -12,7 +12,10 @@
  * (kmax: its last row's limit; kmin: its first row's window start), so a decode step over
  * a long cache, a causal prefill and a sliding window (O(T x window)) touch only what they
  * need.  A ring cache (kv_ring, forward) holds the key of position j at row j % kv_ring: a
- * block's keys are then at most two runs of rows, one GEMM each.  Backward (P saved by
+ * block's keys are then at most two runs of rows, one GEMM each.  A paged cache (kv_block_table,
+ * forward) holds them in blocks of a pool: one GEMM per run of blocks that follow each other in
+ * memory (a shuffled table: one per block); keys in no block (an entry < 0) are masked.  A
+ * decode step (Tq = 1) takes the query heads of a KV group as the rows of one block.  Backward (P saved by
  * forward):
  *   dP = dO V^T;  dS = P * (dP - rowsum(dP * P)) * scale  (softcap: times 1 - tanh^2 of the
  *   raw scaled score, recomputed here with a GEMM);
@@ -128,20 +131,29 @@ static int key_run(const tp_attention_args *a, const int64_t *tab, int64_t j, in
   return blk >= 0;
 }
 
-/* One block of n query rows from i0 of query head h (Q, O, L at its rows; S: its Tk-wide
- * rows of scores, the kept probs or scratch), over the keys of K, V (tab: the sequence's
- * block table row of a paged cache, K and V then at the pool's start; hole: scratch of Tk
- * bytes for the key mask of a paged cache with holes). */
-static void forward_block(const tp_attention_args *a, int64_t b, int64_t i0, int64_t n, const float *Q, const float *K,
-                          const float *V, float *O, float *L, float *S, const uint8_t *keep, const int64_t *tab,
-                          uint8_t *hole) {
-  int64_t Tk = a->Tk, D = a->D, kmin, kmax, lo, hi, off, len;
-  key_range(a, b, i0, &kmin, &hi);
-  key_range(a, b, i0 + n - 1, &lo, &kmax);
+/* A block of n query rows: Q, O (qld, old apart) and L at its first row; S its Tk-wide rows of
+ * scores (the kept probs or scratch); row r is query i0 + r of one head, or (heads: a decode
+ * step, Tq = 1) query i0 of the r-th head of a group, whose rows lie D apart in q and o. */
+typedef struct {
+  const float *Q;
+  float *O, *L, *S;
+  int64_t qld, old, i0, n;
+  int heads;
+} qblock;
+
+/* One block of query rows of sequence b over the keys of K, V (tab: the sequence's block table
+ * row of a paged cache, K and V then at the pool's start; hole: scratch of Tk bytes for the key
+ * mask of a paged cache with holes). */
+static void forward_block(const tp_attention_args *a, int64_t b, const qblock *r, const float *K, const float *V,
+                          const uint8_t *keep, const int64_t *tab, uint8_t *hole) {
+  int64_t Tk = a->Tk, D = a->D, n = r->n, last = r->heads ? r->i0 : r->i0 + n - 1, kmin, kmax, lo, hi, off, len;
+  float *S = r->S, *O = r->O;
+  key_range(a, b, r->i0, &kmin, &hi);
+  key_range(a, b, last, &lo, &kmax);
   if (kmax <= kmin) { /* no row of the block sees a key */
     if (a->probs && Tk) memset(S, 0, (size_t)(n * Tk) * sizeof(float));
-    for (int64_t i = 0; i < n; i++) memset(O + (i0 + i) * a->o_ld, 0, (size_t)D * sizeof(float));
-    for (int64_t i = 0; L && i < n; i++) L[i0 + i] = -INFINITY;
+    for (int64_t i = 0; i < n; i++) memset(O + i * r->old, 0, (size_t)D * sizeof(float));
+    for (int64_t i = 0; r->L && i < n; i++) r->L[i] = -INFINITY;
     return;
   }
   /* the column of key position kmin: its own position (kept probs: [B, Hq, Tq, Tk]), or 0
@@ -150,7 +162,7 @@ static void forward_block(const tp_attention_args *a, int64_t b, int64_t i0, int
   int holes = 0;
   for (int64_t j = kmin; j < kmax; j += len) {
     if (key_run(a, tab, j, kmax, &off, &len)) {
-      gemm(0, 1, n, len, D, a->scale, Q + i0 * a->q_ld, a->q_ld, K + off, a->kv_ld, 0.0f, S + col0 + (j - kmin), Tk);
+      gemm(0, 1, n, len, D, a->scale, r->Q, r->qld, K + off, a->kv_ld, 0.0f, S + col0 + (j - kmin), Tk);
       continue;
     }
     if (!holes) { /* the first run in no block: the key mask of [kmin, kmax) with the holes in it */
@@ -163,22 +175,21 @@ static void forward_block(const tp_attention_args *a, int64_t b, int64_t i0, int
   for (int64_t i = 0; i < n; i++) {
     float *si = S + i * Tk + col0;
     if (a->softcap > 0.0f) cap_row(si, w, a->softcap);
-    key_range(a, b, i0 + i, &lo, &hi);
+    key_range(a, b, r->heads ? r->i0 : r->i0 + i, &lo, &hi);
     float l = softmax_row(si, lo - kmin, hi - kmin, a->probs ? -col0 : 0, a->probs ? Tk - col0 : w,
                           holes  ? hole
                           : keep ? keep + kmin
                                  : NULL);
-    if (L) L[i0 + i] = l;
+    if (r->L) r->L[i] = l;
   }
   int first = 1;
   for (int64_t j = kmin; j < kmax; j += len)
     if (key_run(a, tab, j, kmax, &off, &len)) {
-      gemm(0, 0, n, D, len, 1.0f, S + col0 + (j - kmin), Tk, V + off, a->kv_ld, first ? 0.0f : 1.0f, O + i0 * a->o_ld,
-           a->o_ld);
+      gemm(0, 0, n, D, len, 1.0f, S + col0 + (j - kmin), Tk, V + off, a->kv_ld, first ? 0.0f : 1.0f, O, r->old);
       first = 0;
     }
   if (first) /* every key of the block in no block */
-    for (int64_t i = 0; i < n; i++) memset(O + (i0 + i) * a->o_ld, 0, (size_t)D * sizeof(float));
+    for (int64_t i = 0; i < n; i++) memset(O + i * r->old, 0, (size_t)D * sizeof(float));
 }
 
 /* Forward of the pairs (b, g) = items [lo, hi). */
@@ -198,14 +209,37 @@ static void forward_items(void *ctx, int64_t lo, int64_t hi, int chunk) {
     /* the KV sequence (slot) of sequence b; a paged cache: the pool (the table places each key) */
     const int64_t kb = tab ? 0 : a->kv_slot ? a->kv_slot[b] : b;
     const float *K = a->k + kb * a->kv_bstride + g * D, *V = a->v + kb * a->kv_bstride + g * D;
+    if (Tq == 1) { /* a decode step: the group's heads are the rows of one block (K, V read once) */
+      for (int64_t h = h0; h < h1; h += QBLOCK) {
+        qblock r = {a->q + b * a->q_ld + h * D,
+                    a->o + b * a->o_ld + h * D,
+                    a->lse ? a->lse + b * a->Hq + h : NULL,
+                    a->probs ? a->probs + (b * a->Hq + h) * Tk : scratch,
+                    D,
+                    D,
+                    0,
+                    h1 - h < QBLOCK ? h1 - h : QBLOCK,
+                    1};
+        forward_block(a, b, &r, K, V, keep, tab, hole);
+      }
+      continue;
+    }
     for (int64_t h = h0; h < h1; h++) {
       float *S = a->probs ? a->probs + (b * a->Hq + h) * Tq * Tk : NULL;
       const float *Q = a->q + b * Tq * a->q_ld + h * D;
       float *O = a->o + b * Tq * a->o_ld + h * D;
       float *L = a->lse ? a->lse + (b * a->Hq + h) * Tq : NULL;
       for (int64_t i0 = 0; i0 < Tq; i0 += QBLOCK) {
-        int64_t n = Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK;
-        forward_block(a, b, i0, n, Q, K, V, O, L, S ? S + i0 * Tk : scratch, keep, tab, hole);
+        qblock r = {Q + i0 * a->q_ld,
+                    O + i0 * a->o_ld,
+                    L ? L + i0 : NULL,
+                    S ? S + i0 * Tk : scratch,
+                    a->q_ld,
+                    a->o_ld,
+                    i0,
+                    Tq - i0 < QBLOCK ? Tq - i0 : QBLOCK,
+                    0};
+        forward_block(a, b, &r, K, V, keep, tab, hole);
       }
     }
   }
