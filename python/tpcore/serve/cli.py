@@ -76,7 +76,7 @@ def _check(p, a) -> None:
 
 
 def _launched() -> bool:
-    return any(v in os.environ for v in ("TPCORE_JOB_ID", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+    return any(v in os.environ for v in ("TPCORE_JOB_ID", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"))
 
 
 def _relaunch_argv(a) -> List[str]:
