@@ -77,3 +77,23 @@ def _sampling_case(comm):
 
 def test_sampling_same_at_world_1_and_2():
     assert run(_sampling_case, 1)[0] == run(_sampling_case, 2)[0]
+
+
+def _exchange_case(comm):
+    from tpcore.serve.driver import HEADER, Driver
+    model = tpcore.models.TransformerLM(tpcore.Config(**LLAMA), comm, seed=5)
+    d = Driver(comm, tpcore.Engine(model, max_batch=1, max_len=16))
+    got = []
+    for n in (0, 1, HEADER - 16, HEADER - 15, 100_000):
+        body = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+        kind, out = d._exchange(7 if comm.rank == 0 else 0, body if comm.rank == 0 else b"")
+        got.append((kind, out == body, len(out)))
+    return got
+
+
+def test_the_step_message_reaches_every_rank_whole():
+    """One header broadcast carries a short message; a longer one goes in a second (every size around
+    the edge, and 100 kB)."""
+    from tpcore.serve.driver import HEADER
+    want = [(7, True, n) for n in (0, 1, HEADER - 16, HEADER - 15, 100_000)]
+    assert run(_exchange_case, 2) == [want, want]

@@ -6,6 +6,7 @@ nothing do not stop the others being served and are closed after --header-timeou
 (resident memory, threads, the engine's slots) after many requests; --help exits 0 silently."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -263,6 +264,27 @@ def test_idle_ranks_outlive_the_comm_timeout(tmp_path):
         time.sleep(4.5)
         r = _post(s, "/v1/completions", C, headers={})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        s.close()
+
+
+def test_sigterm_with_requests_in_flight(tmp_path):
+    """SIGTERM while two ranks stream: the server stops within its graceful timeout with the
+    launcher's status for a signal (128 + 15), nothing left (Server.close), the client's stream ends."""
+    s = Server(tiny_model(str(tmp_path)), "--served-model-name", "tiny", "--max-len", "8192", n=2)
+    try:
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", s.url + "/v1/completions", json=dict(C, max_tokens=8000, stream=True,
+                                                                        ignore_eos=True)) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                os.killpg(s.proc.pid, signal.SIGTERM)
+                t0 = time.monotonic()
+                with pytest.raises(httpx.HTTPError):
+                    for _ in lines:  # the stream is cut when the server stops (after its grace time)
+                        pass
+                    raise httpx.ReadError("the stream ended")
+        assert s.proc.wait(30) == 128 + signal.SIGTERM and time.monotonic() - t0 < 20, s.output()
     finally:
         s.close()
 

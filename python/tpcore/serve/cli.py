@@ -76,7 +76,7 @@ def _check(p, a) -> None:
 
 
 def _launched() -> bool:
-    return any(v in os.environ for v in ("TPCORE_JOB_ID", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+    return any(v in os.environ for v in ("TPCORE_JOB_ID", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"))
 
 
 def _relaunch_argv(a) -> List[str]:
@@ -193,7 +193,7 @@ def _run_http(a, comm, driver, engine, model, text, sock) -> int:
     config = uvicorn.Config(make_app(state), lifespan="off", log_level=a.log_level, access_log=False,
                             http=_protocol(a.header_timeout), timeout_keep_alive=5,
                             limit_concurrency=a.max_connections, h11_max_incomplete_event_size=64 << 10,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=3)  # within the launcher's 5 s grace
     server = uvicorn.Server(config)
     signals: List[int] = []
     for s in (signal.SIGINT, signal.SIGTERM):

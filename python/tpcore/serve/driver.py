@@ -70,8 +70,12 @@ class Handle:
         self.matcher = StopMatcher(stops)
 
     def post(self, events) -> None:
-        """Put events on the queue from any thread."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, events)
+        """Put events on the queue from any thread (dropped once the HTTP loop has closed: the
+        server is shutting down and no one waits for them)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, events)
+        except RuntimeError:  # the event loop is closed
+            self.closed = True
 
 
 class Driver:
