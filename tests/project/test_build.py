@@ -193,7 +193,7 @@ def test_license_is_an_spdx_string_and_setuptools_new_enough():
 _OPTIONAL_TEST_MODULES = {"gguf": "gguf", "hypothesis": "hypothesis", "ipykernel": "ipykernel", "jax": "jax",
                           "ml_dtypes": "ml_dtypes", "mypy": "mypy", "nbclient": "nbclient", "nbformat": "nbformat",
                           "safetensors": "safetensors", "torch": "torch", "transformers": "transformers",
-                          "tokenizers": "tokenizers", "accelerate": "accelerate"}
+                          "tokenizers": "tokenizers", "accelerate": "accelerate", "selenium": "selenium"}
 
 
 def test_the_test_extra_brings_every_module_the_tests_skip_without():

@@ -98,7 +98,7 @@ async def _one(client, url: str, body: Dict[str, Any], headers: Dict[str, str], 
     t0 = time.perf_counter()
     res: Dict[str, Any] = {"start": t0, "first": None, "end": None, "chunk_times": [], "chunks": 0,
                            "completion_tokens": None, "prompt_tokens": None, "finish_reason": None, "error": None,
-                           "text": ""}
+                           "text": "", "max_tokens": body.get("max_tokens")}
     pieces = []
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, headers=headers,
@@ -191,7 +191,8 @@ def summarize(results: Sequence[Dict[str, Any]], wall: float) -> Dict[str, Any]:
     -------
     dict
         requests, completed, errors, first_error, wall_s, req_s, output_tokens, tok_s, prompt_tokens,
-        TTFT and ITL p50/p99 (ms), tokens_from ("usage" or "chunks"), finish_reasons.
+        TTFT and ITL p50/p99 (ms), tokens_from ("usage" or "chunks"), finish_reasons (counts); per
+        completed request: completion_tokens, max_tokens, finish.
     """
     ok = [r for r in results if not r["error"]]
     bad = [r for r in results if r["error"]]
@@ -210,7 +211,8 @@ def summarize(results: Sequence[Dict[str, Any]], wall: float) -> Dict[str, Any]:
             "ttft_p50_ms": _pct(ttft, 50) * 1e3, "ttft_p99_ms": _pct(ttft, 99) * 1e3,
             "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3,
             "tokens_from": "usage" if from_usage else "chunks", "finish_reasons": reasons,
-            "completion_tokens": toks}
+            "completion_tokens": toks, "max_tokens": [r["max_tokens"] for r in ok],
+            "finish": [r["finish_reason"] for r in ok]}
 
 
 def probe(url: str, model: str, extra: Dict[str, Any], api_key: Optional[str], timeout: float,
@@ -619,6 +621,14 @@ def run_http(args) -> int:
         0 when every request of every run completed, else 1.
     """
     words, new = _check_args(args)
+    try:
+        return _run(args, words, new)
+    except RuntimeError as e:   # a server that did not start or refused the first request: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args, words, new) -> int:
     n_req = args.requests or max(16, 4 * max(args.concurrency if not args.rate else [4]))
     prompts = make_prompts(n_req, words, new, args.seed)
     cores = os.cpu_count() or 1
@@ -648,6 +658,9 @@ def run_http(args) -> int:
             finally:
                 srv.stop()
             if args.rate or args.no_engine:
+                if world == args.worlds[0]:
+                    notes.append("engine baseline: skipped (" + ("--no-engine" if args.no_engine else
+                                 "it runs at a fixed --concurrency, not a --rate sweep") + ")")
                 continue
             enc = enc or encoder(args.checkpoint)
             for r in mine:
