@@ -110,6 +110,7 @@ async def _one(client, url: str, body: Dict[str, Any], headers: Dict[str, str], 
                 except (ValueError, KeyError, TypeError):
                     msg = raw[:200]
                 res["error"] = f"HTTP {resp.status_code}: {msg}"
+                res["end"] = time.perf_counter()
                 return res
             done = False
             async for line in resp.aiter_lines():
@@ -212,6 +213,7 @@ def summarize(results: Sequence[Dict[str, Any]], wall: float) -> Dict[str, Any]:
             "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3,
             "tokens_from": "usage" if from_usage else "chunks", "finish_reasons": reasons,
             "completion_tokens": toks, "max_tokens": [r["max_tokens"] for r in ok],
+            "prompt_tokens_each": [r["prompt_tokens"] for r in ok],
             "finish": [r["finish_reason"] for r in ok]}
 
 
@@ -269,9 +271,16 @@ def models(url: str, api_key: Optional[str], timeout: float = 30.0) -> List[str]
     """
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(url + "/v1/models", headers=headers, timeout=timeout)
-    r.raise_for_status()
-    return [m["id"] for m in r.json()["data"]]
+    try:
+        r = httpx.get(url + "/v1/models", headers=headers, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"{url}: GET /v1/models failed: {type(e).__name__}: {e}") from e
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: GET /v1/models: HTTP {r.status_code}: {r.text[:300]}")
+    ids = [m["id"] for m in r.json().get("data") or []]
+    if not ids:
+        raise RuntimeError(f"{url}: GET /v1/models lists no model")
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------- servers
@@ -585,6 +594,30 @@ def _serve_runs(url, model, server, world, args, prompts, extra, rows, log):
     return mine
 
 
+def _baselines(args, targets, prompts, rows, notes, log):
+    """The Engine-directly row beside each HTTP row at a fixed concurrency, and the ratio."""
+    enc = encoder(args.checkpoint)
+    ids = [enc(p) for p, _ in prompts]
+    for world, mine in targets:
+        for r in mine:
+            if r["tokens_from"] != "usage" or r["errors"]:
+                notes.append(f"engine baseline at {world} ranks, {r['load']}: skipped (the HTTP run has errors "
+                             f"or no usage counts)")
+                continue
+            got = [int(v) for v in r["prompt_tokens_each"]]
+            if got != [len(i) for i in ids]:
+                notes.append(f"engine baseline, {r['load']}: the server counted other prompt lengths than this "
+                             f"tokenizer ({sum(got)} vs {sum(len(i) for i in ids)} tokens)")
+            reqs = [(i, max(1, int(k))) for i, k in zip(ids, r["completion_tokens"])]
+            e = engine_baseline(args.checkpoint, world, r["concurrency"], reqs, args.threads, args.timeout)
+            e.update(server="engine", world=world, load=r["load"], concurrency=r["concurrency"], rate=None)
+            log(_line(e))
+            rows.append(e)
+            r["engine_ratio"] = ratio = r["tok_s"] / e["tok_s"]
+            notes.append(f"{world} rank{'s' if world > 1 else ''}, {r['load']}: {r['server']} over HTTP / Engine "
+                         f"directly: throughput {ratio:.3f} ({100 * (ratio - 1):+.1f}%)")
+
+
 def _check_args(args) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     words = tuple(args.prompt or (8, 96))
     new = tuple(args.new or (16, 64))
@@ -642,48 +675,34 @@ def _run(args, words, new) -> int:
     rows: List[Dict[str, Any]] = []
     notes: List[str] = []
     log(HEADER)
+    targets = []   # (world, the HTTP rows) to compare with the Engine directly
     if args.url:
         name = models(args.url, args.api_key)[0]
         extra = probe(args.url, name, want, args.api_key, args.request_timeout, log)
-        _serve_runs(args.url, name, "http", None, args, prompts, extra, rows, log)
+        mine = _serve_runs(args.url, name, "http", None, args, prompts, extra, rows, log)
+        if args.checkpoint:
+            targets.append((args.worlds[0], mine))
     else:
-        enc = None
         for world in args.worlds:
             srv = start_tpcore(args.checkpoint, world, max(args.concurrency) if not args.rate else 64, args.threads,
                                log=args.server_log, api_key=args.api_key)
             try:
                 name = models(srv.url, args.api_key)[0]
                 extra = probe(srv.url, name, want, args.api_key, args.request_timeout, log)
-                mine = _serve_runs(srv.url, name, "tpcore", world, args, prompts, extra, rows, log)
+                targets.append((world, _serve_runs(srv.url, name, "tpcore", world, args, prompts, extra, rows, log)))
             finally:
                 srv.stop()
-            if args.rate or args.no_engine:
-                if world == args.worlds[0]:
-                    notes.append("engine baseline: skipped (" + ("--no-engine" if args.no_engine else
-                                 "it runs at a fixed --concurrency, not a --rate sweep") + ")")
-                continue
-            enc = enc or encoder(args.checkpoint)
-            for r in mine:
-                toks = r["completion_tokens"] if r["tokens_from"] == "usage" and not r["errors"] else None
-                if toks is None:
-                    notes.append(f"engine baseline at {world} ranks, {r['load']}: skipped (the HTTP run has errors "
-                                 f"or no usage counts)")
-                    continue
-                reqs = [(enc(p), max(1, int(k))) for (p, _), k in zip(prompts, toks)]
-                e = engine_baseline(args.checkpoint, world, r["concurrency"], reqs, args.threads, args.timeout)
-                e.update(server="engine", world=world, load=r["load"], concurrency=r["concurrency"], rate=None)
-                log(_line(e))
-                rows.append(e)
-                ratio = r["tok_s"] / e["tok_s"]
-                r["engine_ratio"] = ratio
-                notes.append(f"{world} rank{'s' if world > 1 else ''}, {r['load']}: HTTP throughput / Engine "
-                             f"directly = {ratio:.3f} ({100 * (ratio - 1):+.1f}%)")
+    if args.rate or args.no_engine:
+        notes.append("engine baseline: skipped (" + ("--no-engine" if args.no_engine else
+                     "it runs at a fixed --concurrency, not a --rate sweep") + ")")
+    elif args.checkpoint:
+        _baselines(args, targets, prompts, rows, notes, log)
+    if args.checkpoint:
         why = llama_cpp_available(args.checkpoint) if not args.no_llama_cpp else "--no-llama-cpp"
         if why:
             notes.append(f"llama.cpp server: skipped: {why}")
         else:
-            threads = args.threads or cores
-            srv = start_llama_cpp(args.checkpoint, threads, log=args.server_log)
+            srv = start_llama_cpp(args.checkpoint, args.threads or cores, log=args.server_log)
             try:
                 name = models(srv.url, None)[0]
                 extra = probe(srv.url, name, want, None, args.request_timeout, log)
