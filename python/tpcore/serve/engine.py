@@ -45,9 +45,30 @@ from tpcore.utils.args import int_arg, is_int, real_arg, seed_arg, shown
 from tpcore.utils.arrays import int_array
 from tpcore.models.generate import bad_logits, eos_ids_arg, logits_error, sample
 
-__all__ = ["Engine", "Request"]
+__all__ = ["Engine", "Request", "TokenLogprob"]
 
 _MAX_LEN_CAP = 2048  # the default cache length when the model allows longer (rotary positions)
+
+
+class TokenLogprob(collections.namedtuple("TokenLogprob", ["token", "logprob", "top"])):
+    """One generated token's log-probability (the log-softmax of the raw logits, as vLLM's
+    default): ``token`` (int), ``logprob`` (float), ``top`` (list of (id, logprob), the k
+    most likely, most likely first; empty for k = 0)."""
+
+    __slots__ = ()
+
+
+def _logprob(row: np.ndarray, token: int, k: int) -> TokenLogprob:
+    """token's log-softmax in the logits `row` (float64) and the k largest (ties: lower id first)."""
+    x = row.astype(np.float64)
+    m = float(x.max())
+    lse = m + float(np.log(np.exp(x - m).sum()))
+    top = []
+    if k:
+        idx = np.argpartition(-x, min(k, x.size) - 1)[:k]
+        idx = idx[np.lexsort((idx, -x[idx]))]
+        top = [(int(i), float(x[i] - lse)) for i in idx]
+    return TokenLogprob(token, float(x[token] - lse), top)
 
 
 class Request:
@@ -61,7 +82,7 @@ class Request:
         The prompt's ids (int64).
     done : bool
         Whether it finished.
-    finish_reason : {"length", "eos", "error"} or None
+    finish_reason : {"length", "eos", "error", "cancelled"} or None
         Why it finished (None while running).
     error : ValueError or None
         Why it failed (finish_reason "error"): its logits held NaN or +inf, or were all
@@ -70,14 +91,17 @@ class Request:
         time.perf_counter() times.
     token_times : list of float
         One time per generated token.
+    logprobs : list of TokenLogprob or None
+        One per generated token when submitted with logprobs (else None).
     tokens, ttft, latencies
         See the properties.
     """
 
     __slots__ = ("id", "prompt", "max_new_tokens", "eos", "temperature", "top_k", "seed", "_rng", "_out",
-                 "done", "finish_reason", "error", "submitted", "first_token", "token_times", "finished", "slot")
+                 "done", "finish_reason", "error", "submitted", "first_token", "token_times", "finished", "slot",
+                 "top_logprobs", "logprobs", "cancelled")
 
-    def __init__(self, rid, prompt, max_new_tokens, eos, temperature, top_k, seed):
+    def __init__(self, rid, prompt, max_new_tokens, eos, temperature, top_k, seed, logprobs=None):
         self.id, self.prompt, self.max_new_tokens, self.eos = rid, prompt, max_new_tokens, eos
         self.temperature, self.top_k, self.seed = temperature, top_k, seed
         self._rng = np.random.default_rng(seed) if temperature > 0 else None
@@ -87,6 +111,9 @@ class Request:
         self.submitted, self.first_token, self.finished = time.perf_counter(), None, None
         self.token_times: List[float] = []
         self.slot: Optional[int] = None  # the KV-cache slot while it runs
+        self.top_logprobs = logprobs     # None: no logprobs; k >= 0: the chosen token's and the top k
+        self.logprobs: Optional[List[TokenLogprob]] = None if logprobs is None else []
+        self.cancelled = False           # engine.cancel asked for it: it finishes at the next step
 
     @property
     def tokens(self) -> np.ndarray:
@@ -184,18 +211,19 @@ class Engine:
         self._waiting: Deque[Request] = collections.deque()
         self._running: List[Request] = []
         self._next_id = 0
+        self._by_id: Dict[int, Request] = {}  # the requests waiting or running, by id (for cancel)
         self._fp = 0          # running fingerprint of every submitted request, in order
         self._broken: Optional[str] = None
         self._broken_type: type = ValueError  # what a step raises once the engine is broken
         self._st = dict(steps=0, prefills=0, decodes=0, prefill_tokens=0, prefill_padded_max=0, generated_tokens=0,
-                        finished=0, failed=0, peak_running=0, prefill_s=0.0, decode_s=0.0, agree_s=0.0)
+                        finished=0, failed=0, cancelled=0, peak_running=0, prefill_s=0.0, decode_s=0.0, agree_s=0.0)
 
     # ------------------------------------------------------------------ requests
     def _eos(self, eos_token_id, who) -> List[int]:
         return eos_ids_arg(eos_token_id, self.model.config.vocab_size, who)
 
     def submit(self, prompt: Any, max_new_tokens: int, eos_token_id: Any = None, temperature: float = 0.0,
-               top_k: Optional[int] = None, seed: int = 0) -> Request:
+               top_k: Optional[int] = None, seed: int = 0, *, logprobs: Optional[int] = None) -> Request:
         """Queue a request (served by the next steps).
 
         Parameters
@@ -212,6 +240,10 @@ class Engine:
             Sample from the k largest logits only.
         seed : int, default 0
             The request's sampling stream.
+        logprobs : int, optional
+            None (default): no log-probabilities; k in 0..20: each generated token's
+            log-probability (log-softmax of the raw logits) and the k most likely tokens'
+            (`Request.logprobs`).
 
         Returns
         -------
@@ -251,12 +283,68 @@ class Engine:
         temp = real_arg(temperature, who, "temperature", lo=0)
         k = 0 if top_k is None else int_arg(top_k, who, "top_k", lo=0, hi=cfg.vocab_size)
         seed = seed_arg(seed, who)
-        r = Request(self._next_id, p.copy(), n, eos, temp, k, seed)
+        lp = None if logprobs is None else int_arg(logprobs, who, "logprobs", lo=0, hi=20)
+        r = Request(self._next_id, p.copy(), n, eos, temp, k, seed, lp)
         self._next_id += 1
         signed = seed - 2 ** 64 if seed >= 2 ** 63 else seed
-        self._fp = fingerprint(self._fp, p, n, np.array(eos, np.int64), temp, k, signed)
+        self._fp = fingerprint(self._fp, p, n, np.array(eos, np.int64), temp, k, signed, -1 if lp is None else lp)
+        self._by_id[r.id] = r
         self._waiting.append(r)
         return r
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a request: it finishes with finish_reason "cancelled" at the next `step`
+        (returned by it), its slot freed there.
+
+        Parameters
+        ----------
+        request_id : int
+            `Request.id` of a request of this engine.
+
+        Returns
+        -------
+        bool
+            True when it was waiting or running (it will finish cancelled); False when it had
+            finished already (nothing to do).
+
+        Raises
+        ------
+        TypeError
+            request_id not an int.
+        ValueError
+            No request of this engine has that id.
+
+        Notes
+        -----
+        No collective: every rank must cancel the same requests in the same order, between
+        the same steps (checked at the next `step`).
+        """
+        rid = int_arg(request_id, "Engine.cancel", "request_id", lo=0, hi=2 ** 62)
+        if rid >= self._next_id:
+            raise ValueError(f"Engine.cancel: no request has id {rid} (ids so far: 0 to {self._next_id - 1})")
+        r = self._by_id.get(rid)
+        if r is None or r.done or r.cancelled:
+            return False
+        r.cancelled = True
+        self._fp = fingerprint(self._fp, -1 - rid)
+        return True
+
+    def _finish_cancelled(self, now: float) -> List[Request]:
+        """The cancelled requests leave the queue and the running set (their slots freed)."""
+        out = [r for r in self._waiting if r.cancelled] + [r for r in self._running if r.cancelled]
+        if not out:
+            return out
+        self._waiting = collections.deque(r for r in self._waiting if not r.cancelled)
+        self._running = [r for r in self._running if not r.cancelled]
+        for r in out:
+            r.done, r.finish_reason, r.finished = True, "cancelled", now
+            if r.slot is not None:
+                self._free.append(r.slot)
+                r.slot = None
+            self._by_id.pop(r.id, None)
+        self._free.sort()
+        self._st["cancelled"] += len(out)
+        return out
 
     # ------------------------------------------------------------------ stepping
     @property
@@ -309,6 +397,9 @@ class Engine:
                 if not codes[i]:
                     out[i] = (sample(logits[i:i + 1], r.temperature, r.top_k, r._rng, checked=True)[0]
                               if r.temperature > 0 else int(logits[i].argmax()))
+        for i, r in enumerate(reqs):
+            if r.top_logprobs is not None and not codes[i]:
+                r.logprobs.append(_logprob(logits[i], int(out[i]), r.top_logprobs))
         return np.where(codes < 0, codes, out)
 
     def _emit(self, reqs: List[Request], nxt: np.ndarray, now: float) -> List[Request]:
@@ -333,6 +424,7 @@ class Engine:
             for r in done:
                 self._free.append(r.slot)
                 r.slot = None
+                self._by_id.pop(r.id, None)
             self._free.sort()
             self._running = [r for r in self._running if not r.done]
             self._st["finished"] += len(done)
@@ -365,7 +457,7 @@ class Engine:
         """
         self._agree()
         try:
-            return self._step()
+            return self._finish_cancelled(time.perf_counter()) + self._step()
         except BaseException as e:
             self._broken = (f"Engine.step: an earlier step failed part-way ({type(e).__name__}: {e}); its requests' "
                             f"KV-cache rows are incomplete, so this engine cannot go on: make a new one")
@@ -458,7 +550,7 @@ class Engine:
         """
         s = dict(self._st)
         s.update(submitted=self._next_id, waiting=len(self._waiting), running=len(self._running),
-                 max_batch=self.max_batch, max_len=self.max_len, free_slots=len(self._free))
+                 tracked=len(self._by_id), max_batch=self.max_batch, max_len=self.max_len, free_slots=len(self._free))
         return s
 
     def __repr__(self):
