@@ -110,7 +110,7 @@ def _reference(server, messages, max_tokens):
                    json={"model": _model_id(server), "messages": messages, "temperature": 0,
                          "max_tokens": max_tokens})
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["message"]["content"]
+    return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["completion_tokens"]
 
 
 def _model_id(server):
@@ -141,10 +141,12 @@ def test_chat_page_streams_the_greedy_answer(server, browser, tmp_path):
     user, bot = _send(d, QUESTION)
     assert user[0] == "msg user" and user[1] == QUESTION
     assert bot[0] == "msg assistant", _messages(d)
-    want = _reference(server, [{"role": "user", "content": QUESTION}], MAX_TOKENS)
+    want, n = _reference(server, [{"role": "user", "content": QUESTION}], MAX_TOKENS)
     assert want.strip(), want
     assert bot[1] == want
     assert bot[2] in ("stop", "length")
+    meta = d.execute_script("return document.querySelector('.msg.assistant .meta').textContent")
+    assert f"finish: {bot[2]} \u00b7 {n} tokens in " in meta, meta   # the stream's usage chunk
     shot = tmp_path / "chat_page.png"
     assert d.save_screenshot(str(shot)) and shot.stat().st_size > 10000
     if os.environ.get("TPCORE_DOCS_SCREENSHOT") == "1":
@@ -160,7 +162,7 @@ def test_chat_page_streams_the_greedy_answer(server, browser, tmp_path):
     # the second turn carries the first (the history): the same answer as the server gives it
     _set(d, "max_tokens", 8)
     out = _send(d, "And of Italy?")
-    want2 = _reference(server, [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": want},
+    want2, _ = _reference(server, [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": want},
                                 {"role": "user", "content": "And of Italy?"}], 8)
     assert out[-1][0] == "msg assistant" and out[-1][1] == want2, (out, want2)
 
