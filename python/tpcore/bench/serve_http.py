@@ -491,8 +491,10 @@ def encoder(checkpoint: str):
 
 
 def _engine_rank(comm, checkpoint, concurrency, reqs, threads):
-    """Every rank: the requests through an in-process Engine (max_batch = concurrency), all
-    submitted at t = 0 after a warm-up; EOS off (each request makes exactly its tokens)."""
+    """Every rank: the requests through an in-process Engine (max_batch = concurrency) as the
+    HTTP clients send them: `concurrency` at t = 0 (after a warm-up), the next one each time
+    one finishes (between steps: every rank the same); EOS off (each request makes exactly
+    its tokens).  TTFT counts from each request's submission, as the client's from its send."""
     import tpcore
     from tpcore.serve.engine import Engine
     if threads:
@@ -506,9 +508,11 @@ def _engine_rank(comm, checkpoint, concurrency, reqs, threads):
         pass
     comm.barrier()
     t0 = time.perf_counter()
-    hs = [eng.submit(p, n, eos_token_id=-1) for p, n in reqs]
-    for _ in eng.run():
-        pass
+    hs = [eng.submit(p, n, eos_token_id=-1) for p, n in reqs[:concurrency]]
+    while len(hs) < len(reqs) or eng.waiting or eng.running:
+        for _ in eng.step():
+            if len(hs) < len(reqs):
+                hs.append(eng.submit(*reqs[len(hs)], eos_token_id=-1))
     ends = [h.token_times[-1] for h in hs if len(h.token_times)]
     wall = max(ends) - t0
     itl = [float(d) for h in hs for d in np.diff(np.asarray(h.token_times, np.float64))]
@@ -734,6 +738,7 @@ def _plot(path, rows, title, by_rate):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("# --plot needs matplotlib (pip install 'tpcore[bench]')")
         return
@@ -754,6 +759,9 @@ def _plot(path, rows, title, by_rate):
         a.set_xlabel("request rate (1/s)" if by_rate else "concurrency")
         if not by_rate:
             a.set_xscale("log", base=2)
+            a.set_xticks(sorted({r["concurrency"] for r in rows}))
+            a.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            a.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         a.set_ylabel(y)
         a.legend(fontsize=7)
     fig.suptitle(f"{title}: streamed completions over HTTP")
