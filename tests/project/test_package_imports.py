@@ -97,6 +97,7 @@ ALLOWED = {
     "cleanup": {"utils"},
     "bench": {"tpcore", "utils", "distributed", "io", "nn", "models", "parallel", "serve", "launch", "torch"},
     "demo": {"tpcore", "utils", "distributed", "io", "nn", "models", "parallel", "serve", "launch", "bench"},
+    "chat": {"tpcore", "utils", "distributed", "models", "launch"},   # python -m tpcore.chat, a tool on top
 }
 
 

@@ -1,6 +1,6 @@
 """Every name users have keeps working: the face tpcore.*, tpcore.models.*, tpcore.quant,
 tpcore.optim, tpcore.torch, tpcore.bench, tpcore.serve, and the programs (python -m
-tpcore.launch / tpcore.cleanup / tpcore.demo / tpcore.bench, the tpcore-launch script).
+tpcore.launch / tpcore.cleanup / tpcore.demo / tpcore.chat / tpcore.bench, the tpcore-launch script).
 
 The lists are written out here, not read from the package, so that a name dropped or moved
 without an alias fails this test."""
@@ -24,7 +24,8 @@ FACE = ["CheckpointError", "Cluster", "ColumnParallelLinear", "Comm", "CommError
 
 MODULES = {
     "tpcore.models": ["Config", "TransformerLM", "from_pretrained", "from_gguf", "head_partition", "quantize",
-                      "estimate_memory"],
+                      "estimate_memory", "Tokenizer", "load_tokenizer", "IncrementalDetokenizer", "StopMatcher",
+                      "render_chat"],
     "tpcore.quant": ["QUANT_FORMATS", "QuantTensor", "block_size", "row_bytes", "quantize", "dequantize"],
     "tpcore.optim": ["AdamW", "SGD", "ShardedAdamW"],
     "tpcore.serve": ["Engine", "Request"],
@@ -73,6 +74,7 @@ def test_torch_names():
     (["-m", "tpcore.launch", "--help"], "usage"),
     (["-m", "tpcore.cleanup", "--help"], "usage"),
     (["-m", "tpcore.demo", "--help"], "usage"),
+    (["-m", "tpcore.chat", "--help"], "--chat-template"),
     (["-m", "tpcore.bench", "--help"], "collectives"),
 ])
 def test_programs(argv, says):

@@ -62,8 +62,12 @@ def _local_cases(comm):
          ["attention_mask", "(1, 4)", "(1, 3)"]),
         (lambda: blk(np.ones((1, 4, 16), np.float32), key_mask=np.ones(5)), ValueError, ["key_mask", "(1, 4)", "(5,)"]),
         (lambda: model.generate(tok, max_new_tokens=-1), ValueError, ["max_new_tokens", "[0, 2147483647]", "-1"]),
-        (lambda: model.generate(tok, max_new_tokens=2, temperature=1.0, top_k=1000), ValueError,
-         ["top_k", "[1, vocab_size=50]", "1000"]),
+        (lambda: model.generate(tok, max_new_tokens=2, temperature=1.0, top_k=-2), ValueError,
+         ["top_k", "an integer >= 1 (0, -1 or None: no top-k filtering", "-2"]),
+        (lambda: model.generate(tok, max_new_tokens=2, temperature=1.0, top_p=1.5), ValueError,
+         ["top_p", "> 0 and <= 1", "1.5"]),
+        (lambda: model.generate(tok, max_new_tokens=2, repetition_penalty=0.0), ValueError,
+         ["repetition_penalty", "> 0", "0.0"]),
         (lambda: model.cache(-1, 4), ValueError, ["TransformerLM.cache", "batch", "[1, 2147483647]", "-1"]),
         (lambda: model.cache(0, 4), ValueError, ["TransformerLM.cache", "batch", "[1, 2147483647]", "0"]),
         (lambda: model.cache(1, -4), ValueError, ["TransformerLM.cache", "max_len", "[1, 2147483647]", "-4"]),
@@ -118,7 +122,7 @@ def _local_cases(comm):
         (lambda: model.generate(tok, max_new_tokens=True), TypeError, ["max_new_tokens", "bool"]),
         (lambda: model.generate(tok, temperature=float("nan")), ValueError, ["temperature", "nan"]),
         (lambda: model.generate(tok, temperature=-1.0), ValueError, ["temperature", ">= 0"]),
-        (lambda: model.generate(tok, temperature=1.0, seed=None), TypeError, ["seed", "None"]),
+        (lambda: model.generate(tok, temperature=1.0, seed="1"), TypeError, ["seed", "'1'"]),
         (lambda: model.generate(tok, top_k=True), TypeError, ["top_k", "bool"]),
         (lambda: model.generate(tok, eos_token_id=1.5), TypeError, ["eos_token_id", "1.5"]),
         (lambda: model.generate(tok, eos_token_id=3, pad_token_id=-5), ValueError, ["pad_token_id", "-5"]),
@@ -189,6 +193,7 @@ def _differing(comm):
     attempt("temperature", lambda: model.generate(tok, max_new_tokens=2, temperature=0.7 if last else 0.8))
     attempt("seed", lambda: model.generate(tok, max_new_tokens=2, temperature=1.0, seed=2 if last else 1))
     attempt("top_k", lambda: model.generate(tok, max_new_tokens=2, temperature=1.0, top_k=1000 if last else 5))
+    attempt("top_p", lambda: model.generate(tok, max_new_tokens=2, temperature=1.0, top_p=1.5 if last else 0.9))
     model.cache(2, 8)
     model.forward(tok, use_cache=True)
     attempt("pos0", lambda: model.forward(tok[:, :1], pos0=[4, 3] if last else [4, 4], use_cache=True))
@@ -214,7 +219,8 @@ def test_arguments_that_differ_across_ranks_fail_every_rank(world):
         "max_new_tokens": ["max_new_tokens differs across ranks", f"rank 0 passed 2, rank {last} passed 3"],
         "temperature": ["temperature differs across ranks"],
         "seed": ["seed differs across ranks", f"rank 0 passed 1, rank {last} passed 2"],
-        "top_k": [],  # the last rank: its own error; the others: that it refused its arguments
+        "top_k": ["top_k differs across ranks", f"rank 0 passed 5, rank {last} passed 1000"],  # (clamped later)
+        "top_p": [],  # the last rank: its own error; the others: that it refused its arguments
         "pos0": ["pos0 differs across ranks", f"rank 0 and rank {last}"],
         "decode tokens": ["the tokens differ across ranks"],
         "block pos0": ["pos0 differs across ranks"],
@@ -224,8 +230,8 @@ def test_arguments_that_differ_across_ranks_fail_every_rank(world):
         for key, words in expect.items():
             assert out[key + " usable"], f"rank {r}: communicator unusable after {key}"
             msg = out[key]
-            if key == "top_k":
-                words = ["top_k", "1000"] if r == last else [f"rank {last} refused its arguments"]
+            if key == "top_p":
+                words = ["top_p", "1.5"] if r == last else [f"rank {last} refused its arguments"]
             for w in words:
                 assert w in msg, f"rank {r}, {key}: {w!r} not in {msg!r}"
         assert out["after"] == out["fresh"], f"rank {r}: generation after the errors differs"

@@ -204,7 +204,9 @@ def _rank(comm, spec: dict) -> dict:
     greedy = []
     if spec["new"] > 0:
         prompt = ids[None, :spec["prompt"]]
-        greedy = np.asarray(model.generate(prompt, max_new_tokens=spec["new"], eos_token_id=-1))[0, prompt.shape[1]:]
+        # greedy whatever the checkpoint's generation_config says
+        greedy = np.asarray(model.generate(prompt, max_new_tokens=spec["new"], eos_token_id=-1,
+                                           temperature=0.0))[0, prompt.shape[1]:]
     prog.done()
     return {"rank": comm.rank, "seconds": secs, "greedy": [int(t) for t in greedy]}
 

@@ -321,7 +321,8 @@ def _rank(comm, spec: dict, prompts: np.ndarray, serve_reqs: Dict[int, list]) ->
             # else the first three: each check is a generate of its own
             check = list(zip(reqs, m["tokens"]))[:None if spec["quick"] else 3]
             m["same_as_generate"] = all(
-                np.asarray(model.generate([p], max_new_tokens=k)[0])[p.size:p.size + len(toks)].tolist() == toks
+                np.asarray(model.generate([p], max_new_tokens=k, temperature=0.0)[0])[p.size:p.size + len(toks)]
+                .tolist() == toks
                 for (p, k), toks in check)
             m["checked_against_generate"] = len(check)
             for key in ("ttft_s", "latency_s", "tokens"):  # per-request lists: the percentiles stay

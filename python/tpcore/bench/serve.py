@@ -156,8 +156,8 @@ def _rank(comm, args, runs):
     for c, reqs in runs:
         m = measure(model, c, reqs, max_prefill_tokens=args.max_prefill_tokens)
         idx = np.linspace(0, len(reqs) - 1, min(args.check, len(reqs))).round().astype(int).tolist()
-        same = all(model.generate([reqs[i][0]], reqs[i][1])[0][reqs[i][0].size:].tolist() == m["tokens"][i]
-                   for i in sorted(set(idx)))
+        same = all(model.generate([reqs[i][0]], reqs[i][1], temperature=0.0)[0][reqs[i][0].size:].tolist()
+                   == m["tokens"][i] for i in sorted(set(idx)))
         m["checked"], m["same"], m["threads"] = len(set(idx)), bool(same), tpcore.get_num_threads()
         out.append(m)
     return out

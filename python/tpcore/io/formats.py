@@ -293,7 +293,8 @@ def count_own_shards(folder: str, world: int) -> int:
 
 
 def read_generation_config(folder: str) -> dict:
-    """eos_token_id and pad_token_id of generation_config.json, checked ({} without the file)."""
+    """eos_token_id, pad_token_id and the sampling defaults (temperature, top_p, top_k, min_p,
+    repetition_penalty, do_sample) of generation_config.json, checked ({} without the file)."""
     p = os.path.join(folder, GENERATION_CONFIG)
     if not os.path.exists(p):
         return {}
@@ -308,4 +309,12 @@ def read_generation_config(folder: str) -> dict:
             raise f.fail(k, "a non-negative integer" + (" or a list of them" if k == "eos_token_id" else ""),
                          type_name(v))
         out[k] = v
+    # the sampling defaults (their ranges are checked where they are used: SamplingParams.make)
+    for k in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if f.get(k, None) is not None:
+            out[k] = f.num(k, positive=False)
+    if f.get("top_k", None) is not None:
+        out["top_k"] = f.int("top_k", lo=-1)
+    if f.get("do_sample", None) is not None:
+        out["do_sample"] = f.bool("do_sample")
     return out

@@ -27,6 +27,7 @@ from tpcore.models.memory import MODEL_PARTS, _aligned_heads, model_memory
 from tpcore.models.moe_block import build_blocks
 from tpcore.models.norm import _Norm, _normal, on_device
 from tpcore.models.state import _CheckpointMixin
+from tpcore.models.text_generate import _TextMixin
 from tpcore.nn.common import zero
 from tpcore.nn.config import Config, head_partition
 from tpcore.nn.linear import ColumnParallelLinear
@@ -52,7 +53,7 @@ def _stage_arg(stage, layers: int) -> Tuple[int, int, bool, bool]:
             bool_arg(stage[3], who, "stage's last"))
 
 
-class TransformerLM(_GenerationMixin, _CheckpointMixin, _FamilyMixin):
+class TransformerLM(_GenerationMixin, _TextMixin, _CheckpointMixin, _FamilyMixin):
     """A GPT-2 / Llama-style decoder or a BERT-style encoder split over the ranks of comm.
 
     The token embedding is vocabulary-parallel, the blocks are `TransformerBlock` s (heads

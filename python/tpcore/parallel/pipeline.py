@@ -44,7 +44,8 @@ from tpcore.distributed.agree import agree
 from tpcore.utils.args import int_arg, shown
 from tpcore.utils.arrays import int_array
 from tpcore.distributed.grid import ProcessGrid
-from tpcore.models.generate import agree_generate, bad_logits, generate_args, generate_result, logits_error, sample
+from tpcore.models.generate import agree_generate, batch_samplers, generate_args, generate_result, logits_error
+from tpcore.models.sampling import sample_batch
 from tpcore.models.lm import TransformerLM
 from tpcore.nn.quant import is_quantized
 from tpcore.nn.config import Config
@@ -567,13 +568,14 @@ class PipelineLM:
         st = self.stage
         err, args = None, None
         try:
-            args = generate_args(st, prompts, max_new_tokens, temperature, top_k, seed, eos_token_id, pad_token_id)
+            args = generate_args(st, prompts, max_new_tokens, dict(temperature=temperature, top_k=top_k, seed=seed),
+                                 eos_token_id, pad_token_id)
         except (TypeError, ValueError) as e:
             err = e
         agree_generate(self.mp, args, err)
         return self._generate(*args)
 
-    def _generate(self, seqs, max_new_tokens, temperature, top_k, seed, eos_ids, pad_token_id):
+    def _generate(self, seqs, max_new_tokens, params, eos_ids, pad_token_id):
         st, s, P = self.stage, self.stage_index, self.num_stages
         C = self.config.hidden
         B, lens = len(seqs), np.array([q.size for q in seqs], np.int64)
@@ -585,7 +587,7 @@ class PipelineLM:
         padded = np.zeros((B, Tp), np.int64)
         for b, q in enumerate(seqs):
             padded[b, :q.size] = q
-        rng = np.random.default_rng(seed)
+        samplers = batch_samplers(params, self.config.vocab_size, seqs) if self.last else None
         stats = dict(wait_s=0.0, sent_bytes=0)
         zeros = np.zeros(B, np.int64)
 
@@ -605,8 +607,7 @@ class PipelineLM:
             if self.last:
                 last = np.ascontiguousarray(h[rows])
                 logits = st.gather_logits(st.logits_shard(last))
-                codes = bad_logits(logits)  # (< 0: no token; broadcast instead, so every stage says why)
-                nxt = codes if codes.any() else sample(logits, temperature, top_k, rng, "generate", i, checked=True)
+                nxt, _ = sample_batch(logits, samplers)  # (< 0: no token; broadcast, so every stage says why)
             if P > 1:
                 self.pp.broadcast(nxt, root=P - 1)
             if nxt.min() < 0:
@@ -614,9 +615,12 @@ class PipelineLM:
                 raise logits_error("PipelineLM.generate", f"sequence {b}", i, int(nxt[b]))
             if eos_ids:
                 nxt = np.where(done, pad_token_id, nxt)
-                done |= np.isin(nxt, eos_ids)
             for b in range(B):
                 out[b].append(int(nxt[b]))
+                if samplers is not None and not done[b]:
+                    samplers[b].accept(int(nxt[b]))  # (the penalties count it)
+            if eos_ids:
+                done |= np.isin(nxt, eos_ids)
             if i == max_new_tokens - 1 or (eos_ids and done.all()):
                 break
             h = step(nxt.reshape(B, 1), cur, 1)

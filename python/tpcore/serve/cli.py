@@ -6,19 +6,20 @@ server for a model on N ranks.
          -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
 
 MODEL is a safetensors folder (config.json, tokenizer.json) or a .gguf file.  Without a
-launcher's environment, -n N (default 1) starts N local ranks through ``tpcore.launch``; under
+launcher's environment, -n N (default 1) starts N local ranks through ``tpcore.launch`` (this
+process becomes ``python -m tpcore.launch -n N -m tpcore.serve ...``); under
 ``python -m tpcore.launch``, mpirun or torchrun the ranks are there already.  Rank 0 listens
 (127.0.0.1 unless --host says otherwise) and runs the engine loop of `tpcore.serve.driver`; the
 others follow it.  A port in use is a one-line error and exit status 1 on every rank, before the
 model is loaded.
 
-Imports: tpcore.distributed, tpcore.models, tpcore.serve; uvicorn, starlette, jinja2 (the serve
+Imports: tpcore.distributed, tpcore.models, tpcore.serve (tpcore.launch runs as a program, not
+imported); uvicorn, starlette, jinja2 (the serve
 extra).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import signal
@@ -102,49 +103,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     _check(p, a)
     if a.api_key is not None:
         os.environ[_KEY_VAR] = a.api_key
-    if not _launched() and (a.n or 1) > 1:
-        from tpcore.launch.launcher import run
-        sys.exit(run(["-n", str(a.n), "-m", "tpcore.serve"] + _relaunch_argv(a)))
+    if not _launched() and (a.n or 1) > 1:  # this process becomes the launcher of N ranks
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "tpcore.launch", "-n", str(a.n), "-m", "tpcore.serve"]
+                 + _relaunch_argv(a))
     sys.exit(serve(a))
 
 
 # ---------------------------------------------------------------------------- the model's text side
-def _read_json(path):
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _token_str(v) -> str:
-    return v.get("content", "") if isinstance(v, dict) else (v or "")
-
-
 def _text_side(a):
-    """(tokenizer, chat template or None, bos token, eos token) of MODEL (rank 0)."""
-    if os.path.isfile(a.model):
-        from tpcore.models.gguf import GGUFModel, tokenizer
-        g = GGUFModel(a.model, "tpcore.serve")
-        tok = tokenizer(g, add_bos=None)
-        info = g.tokenizer_info
-        template = info.get("chat_template")
-        bos = tok.id_to_token(info["bos_token_id"]) if info.get("bos_token_id") is not None else ""
-        eos = tok.id_to_token(info["eos_token_id"]) if info.get("eos_token_id") is not None else ""
-    else:
-        path = os.path.join(a.model, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{a.model} has no tokenizer.json: the server needs the model's tokenizer")
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(path)
-        cfg = _read_json(os.path.join(a.model, "tokenizer_config.json"))
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
+    """(tokenizer, the --chat-template file's text or None) of MODEL (rank 0)."""
+    from tpcore.models.text import load_tokenizer
+    tok = load_tokenizer(a.model)
+    template = None
     if a.chat_template is not None:
         with open(a.chat_template, encoding="utf-8") as f:
             template = f.read()
-    return tok, template, bos or "", eos or ""
+    return tok, template
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -210,10 +185,10 @@ def _run_http(a, comm, driver, engine, model, text, sock) -> int:
     import uvicorn
 
     from tpcore.serve.openai_api import ServerState, make_app
-    tok, template, bos, eos = text
+    tok, template = text
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model)).removesuffix(".gguf")
-    state = ServerState(driver, name, tok, template, engine.max_len, model.config.vocab_size, engine.eos,
-                        bos_token=bos, eos_token=eos, api_key=os.environ.get(_KEY_VAR) or None,
+    state = ServerState(driver, name, tok, engine.max_len, model.config.vocab_size, engine.eos, chat_template=template,
+                        defaults=getattr(model, "generation_config", None), api_key=os.environ.get(_KEY_VAR) or None,
                         max_body=a.max_body, world_size=comm.size)
     config = uvicorn.Config(make_app(state), lifespan="off", log_level=a.log_level, access_log=False,
                             http=_protocol(a.header_timeout), timeout_keep_alive=5,
@@ -251,14 +226,14 @@ def serve(a: argparse.Namespace) -> int:
         The exit status: 0 after a signal stopped it, 1 when it could not start or the
         engine failed.
     """
-    import tpcore
+    from tpcore.distributed.init import init
     from tpcore.models.loader import from_pretrained
     from tpcore.serve.driver import Driver
     from tpcore.serve.engine import Engine
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:  # many idle connections must not exhaust the descriptors
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    comm = tpcore.init()
+    comm = init()
     sock, text, err = None, None, ""
     try:
         if comm.rank == 0:
@@ -268,7 +243,7 @@ def serve(a: argparse.Namespace) -> int:
             except OSError as e:
                 err = (f"cannot listen on {a.host}:{a.port}: {e.strerror or e}" if sock is None else
                        f"cannot read the model's tokenizer: {e}")
-            except ValueError as e:
+            except (ValueError, ImportError) as e:
                 err = f"cannot read the model's tokenizer or chat template: {e}"
         err = _agree_error(comm, err)
         if err:

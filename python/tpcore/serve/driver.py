@@ -17,7 +17,7 @@ boundaries (held back while they may still start one; never sent), and the text 
 request's asyncio queue with ``loop.call_soon_threadsafe``.  A stop string ends the request at
 once for its client; the engine's request is cancelled at the next step.
 
-Imports: tpcore.serve.engine.
+Imports: tpcore.models (SamplingParams; the text layer: IncrementalDetokenizer, StopMatcher).
 """
 from __future__ import annotations
 
@@ -31,66 +31,14 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from tpcore.models.sampling import SamplingParams
+from tpcore.models.text import IncrementalDetokenizer, StopMatcher
+
 __all__ = ["Driver", "Handle", "HEADER"]
 
 HEADER = 4096                     # bytes of the per-step broadcast (16 of them: kind and length)
 _STEP, _STOP, _FAIL = 1, 2, 3     # message kinds
-_CONTEXT = 5                      # prompt tokens the detokenizer decodes before the first new one
-
-
-class _Detok:
-    """Incremental detokenization (vLLM's prefix / read offsets): the new text of each token,
-    none while the tokens so far end inside a UTF-8 character."""
-
-    def __init__(self, tok, prompt_ids) -> None:
-        self.tok = tok
-        self.ids = [int(t) for t in prompt_ids[-_CONTEXT:]]
-        self.prefix, self.read = 0, len(self.ids)
-
-    def push(self, t: int) -> str:
-        self.ids.append(int(t))
-        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
-        if len(text) > len(before) and not text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return text[len(before):]
-        return ""
-
-    def flush(self) -> str:
-        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
-        self.prefix = self.read = len(self.ids)
-        return text[len(before):]
-
-
-class _Stops:
-    """Stop strings matched across pushes: text is held back while its end may start one."""
-
-    def __init__(self, stops: List[str]) -> None:
-        self.stops, self.buf = stops, ""
-
-    def push(self, text: str):
-        """(text to emit, stopped)."""
-        if not self.stops:
-            return text, False
-        self.buf += text
-        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.buf = self.buf[:min(hits)], ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.buf)), hold, -1):
-                if self.buf.endswith(s[:k]):
-                    hold = k
-                    break
-        out = self.buf[:len(self.buf) - hold]
-        self.buf = self.buf[len(self.buf) - hold:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
+_CONTEXT = 16                     # prompt tokens the detokenizer reads as its first window's context
 
 
 class Handle:
@@ -118,8 +66,8 @@ class Handle:
         self.req = None           # the engine's Request (rank 0's engine)
         self.sent = 0             # tokens taken from req.tokens
         self.closed = False       # done / error sent
-        self.detok: Optional[_Detok] = None
-        self.matcher = _Stops(stops)
+        self.detok: Optional[IncrementalDetokenizer] = None
+        self.matcher = StopMatcher(stops)
 
     def post(self, events) -> None:
         """Put events on the queue from any thread."""
@@ -135,7 +83,7 @@ class Driver:
         The model's communicator (the same on every rank).
     engine : Engine
         This rank's engine.
-    tokenizer : tokenizers.Tokenizer or None
+    tokenizer : tpcore.models.Tokenizer or None
         Rank 0's tokenizer (decodes the tokens for the clients).
     max_queue : int, default 256
         Requests in the server at once (waiting and running); more get 503.
@@ -165,7 +113,8 @@ class Driver:
         Parameters
         ----------
         payload : dict
-            Engine.submit's settings: p (prompt ids), n (max new tokens), eos (list), t, k, s, lp.
+            Engine.submit's settings: p (prompt ids), n (max new tokens), eos (list or -1), sp (the
+            SamplingParams' fields).
         loop, queue
             The handler's event loop and asyncio.Queue.
         stops : list of str
@@ -189,7 +138,7 @@ class Driver:
                 raise OverflowError(f"the server holds {len(self._handles)} requests (--max-queue "
                                     f"{self.max_queue}); try again later")
             uid = next(self._uids)
-            h = Handle(uid, loop, queue, payload["p"], stops, payload.get("lp"))
+            h = Handle(uid, loop, queue, payload["p"], stops, payload["sp"].get("logprobs"))
             self._handles[uid] = h
             self._subs.append(dict(payload, u=uid))
             self._cond.notify()
@@ -258,8 +207,7 @@ class Driver:
         for s in msg.get("s", ()):
             uid = s["u"]
             try:
-                r = self.engine.submit(s["p"], s["n"], eos_token_id=s["eos"], temperature=s["t"], top_k=s["k"],
-                                       seed=s["s"], logprobs=s["lp"])
+                r = self.engine.submit(s["p"], s["n"], eos_token_id=s["eos"], sampling=SamplingParams(**s["sp"]))
             except (TypeError, ValueError) as e:  # the same on every rank: the request alone fails
                 self._refused(uid, str(e))
                 continue
@@ -267,7 +215,8 @@ class Driver:
             if self.comm.rank == 0:
                 h = self._handles.get(uid)
                 if h is not None:
-                    h.req, h.detok = r, _Detok(self.tok, h.prompt_tail) if self.tok is not None else None
+                    h.req = r
+                    h.detok = IncrementalDetokenizer(self.tok, h.prompt_tail) if self.tok is not None else None
 
     def _refused(self, uid, message):
         if self.comm.rank == 0:

@@ -43,32 +43,12 @@ from tpcore import _C
 from tpcore.distributed.agree import agree, fingerprint
 from tpcore.utils.args import int_arg, is_int, real_arg, seed_arg, shown
 from tpcore.utils.arrays import int_array
-from tpcore.models.generate import bad_logits, eos_ids_arg, logits_error, sample
+from tpcore.models.generate import eos_ids_arg, logits_error
+from tpcore.models.sampling import Sampler, SamplingParams, TokenLogprob, sample_batch
 
-__all__ = ["Engine", "Request", "TokenLogprob"]
+__all__ = ["Engine", "Request"]
 
 _MAX_LEN_CAP = 2048  # the default cache length when the model allows longer (rotary positions)
-
-
-class TokenLogprob(collections.namedtuple("TokenLogprob", ["token", "logprob", "top"])):
-    """One generated token's log-probability (the log-softmax of the raw logits, as vLLM's
-    default): ``token`` (int), ``logprob`` (float), ``top`` (list of (id, logprob), the k
-    most likely, most likely first; empty for k = 0)."""
-
-    __slots__ = ()
-
-
-def _logprob(row: np.ndarray, token: int, k: int) -> TokenLogprob:
-    """token's log-softmax in the logits `row` (float64) and the k largest (ties: lower id first)."""
-    x = row.astype(np.float64)
-    m = float(x.max())
-    lse = m + float(np.log(np.exp(x - m).sum()))
-    top = []
-    if k:
-        idx = np.argpartition(-x, min(k, x.size) - 1)[:k]
-        idx = idx[np.lexsort((idx, -x[idx]))]
-        top = [(int(i), float(x[i] - lse)) for i in idx]
-    return TokenLogprob(token, float(x[token] - lse), top)
 
 
 class Request:
@@ -91,28 +71,29 @@ class Request:
         time.perf_counter() times.
     token_times : list of float
         One time per generated token.
+    sampling : SamplingParams
+        How it picks its tokens.
     logprobs : list of TokenLogprob or None
-        One per generated token when submitted with logprobs (else None).
+        One per generated token when its sampling asked for logprobs (else None).
     tokens, ttft, latencies
         See the properties.
     """
 
-    __slots__ = ("id", "prompt", "max_new_tokens", "eos", "temperature", "top_k", "seed", "_rng", "_out",
+    __slots__ = ("id", "prompt", "max_new_tokens", "eos", "sampling", "sampler", "_out",
                  "done", "finish_reason", "error", "submitted", "first_token", "token_times", "finished", "slot",
-                 "top_logprobs", "logprobs", "cancelled")
+                 "logprobs", "cancelled")
 
-    def __init__(self, rid, prompt, max_new_tokens, eos, temperature, top_k, seed, logprobs=None):
+    def __init__(self, rid, prompt, max_new_tokens, eos, sampling, vocab_size):
         self.id, self.prompt, self.max_new_tokens, self.eos = rid, prompt, max_new_tokens, eos
-        self.temperature, self.top_k, self.seed = temperature, top_k, seed
-        self._rng = np.random.default_rng(seed) if temperature > 0 else None
+        self.sampling = sampling
+        self.sampler = Sampler(sampling, vocab_size, prompt)
         self._out: List[int] = []
         self.done, self.finish_reason = False, None
         self.error: Optional[ValueError] = None
         self.submitted, self.first_token, self.finished = time.perf_counter(), None, None
         self.token_times: List[float] = []
         self.slot: Optional[int] = None  # the KV-cache slot while it runs
-        self.top_logprobs = logprobs     # None: no logprobs; k >= 0: the chosen token's and the top k
-        self.logprobs: Optional[List[TokenLogprob]] = None if logprobs is None else []
+        self.logprobs: Optional[List[TokenLogprob]] = None if sampling.logprobs is None else []
         self.cancelled = False           # engine.cancel asked for it: it finishes at the next step
 
     @property
@@ -223,7 +204,7 @@ class Engine:
         return eos_ids_arg(eos_token_id, self.model.config.vocab_size, who)
 
     def submit(self, prompt: Any, max_new_tokens: int, eos_token_id: Any = None, temperature: float = 0.0,
-               top_k: Optional[int] = None, seed: int = 0, *, logprobs: Optional[int] = None) -> Request:
+               top_k: Optional[int] = None, seed: int = 0, *, sampling: Optional[SamplingParams] = None) -> Request:
         """Queue a request (served by the next steps).
 
         Parameters
@@ -240,10 +221,10 @@ class Engine:
             Sample from the k largest logits only.
         seed : int, default 0
             The request's sampling stream.
-        logprobs : int, optional
-            None (default): no log-probabilities; k in 0..20: each generated token's
-            log-probability (log-softmax of the raw logits) and the k most likely tokens'
-            (`Request.logprobs`).
+        sampling : SamplingParams, optional
+            Every sampling setting (temperature, top_p, top_k, min_p, the penalties, seed,
+            logprobs: `Request.logprobs`); given, temperature, top_k and seed must be left
+            at their defaults.
 
         Returns
         -------
@@ -280,14 +261,22 @@ class Engine:
                              f"max_len={self.max_len} tokens per slot (prompts up to max_len - max_new_tokens = "
                              f"{self.max_len - n} tokens)")
         eos = self.eos if eos_token_id is None else self._eos(eos_token_id, who)
-        temp = real_arg(temperature, who, "temperature", lo=0)
-        k = 0 if top_k is None else int_arg(top_k, who, "top_k", lo=0, hi=cfg.vocab_size)
-        seed = seed_arg(seed, who)
-        lp = None if logprobs is None else int_arg(logprobs, who, "logprobs", lo=0, hi=20)
-        r = Request(self._next_id, p.copy(), n, eos, temp, k, seed, lp)
+        if sampling is None:
+            temp = real_arg(temperature, who, "temperature", lo=0)
+            k = 0 if top_k is None else int_arg(top_k, who, "top_k", lo=0, hi=cfg.vocab_size)
+            sampling = SamplingParams(temperature=temp, top_k=k, seed=seed_arg(seed, who))
+        elif not isinstance(sampling, SamplingParams):
+            raise TypeError(f"{who}: sampling must be a SamplingParams or None, got {shown(sampling)}")
+        elif (temperature, top_k, seed) != (0.0, None, 0):
+            raise ValueError(f"{who}: give temperature, top_k and seed in sampling, not beside it (got temperature="
+                             f"{temperature!r}, top_k={top_k!r}, seed={seed!r})")
+        r = Request(self._next_id, p.copy(), n, eos, sampling, cfg.vocab_size)
         self._next_id += 1
-        signed = seed - 2 ** 64 if seed >= 2 ** 63 else seed
-        self._fp = fingerprint(self._fp, p, n, np.array(eos, np.int64), temp, k, signed, -1 if lp is None else lp)
+        sp = sampling
+        sd = 0 if sp.seed is None else sp.seed
+        self._fp = fingerprint(self._fp, p, n, np.array(eos, np.int64), sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                               sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty,
+                               sd - 2 ** 64 if sd >= 2 ** 63 else sd, -1 if sp.logprobs is None else sp.logprobs)
         self._by_id[r.id] = r
         self._waiting.append(r)
         return r
@@ -388,19 +377,11 @@ class Engine:
         logits are the same on every rank: every rank fails the same requests)."""
         m = self.model
         logits = m.gather_logits(m.logits_shard(last if m._kdev is not None else np.ascontiguousarray(last)))
-        codes = bad_logits(logits)
-        if all(r.temperature <= 0 for r in reqs):
-            out = logits.argmax(-1).astype(np.int64)
-        else:
-            out = np.zeros(len(reqs), np.int64)
-            for i, r in enumerate(reqs):
-                if not codes[i]:
-                    out[i] = (sample(logits[i:i + 1], r.temperature, r.top_k, r._rng, checked=True)[0]
-                              if r.temperature > 0 else int(logits[i].argmax()))
-        for i, r in enumerate(reqs):
-            if r.top_logprobs is not None and not codes[i]:
-                r.logprobs.append(_logprob(logits[i], int(out[i]), r.top_logprobs))
-        return np.where(codes < 0, codes, out)
+        ids, lps = sample_batch(logits, [r.sampler for r in reqs])
+        for r, lp in zip(reqs, lps):
+            if lp is not None:
+                r.logprobs.append(lp)
+        return ids
 
     def _emit(self, reqs: List[Request], nxt: np.ndarray, now: float) -> List[Request]:
         """Append each request's new id; the ones that finish (or fail: no id, `_next_tokens`)
@@ -414,6 +395,7 @@ class Engine:
                 continue
             self._st["generated_tokens"] += 1
             r._out.append(t)
+            r.sampler.accept(t)
             r.token_times.append(now)
             if r.first_token is None:
                 r.first_token = now

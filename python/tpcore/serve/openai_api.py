@@ -14,16 +14,19 @@ server has one, 404 an unknown model or path, 413 a body over the bound, 400 a p
 the context (both numbers said), 503 when the server holds --max-queue requests.  A client that
 goes away mid-request has its request cancelled at the next engine step.
 
-Imports: tpcore.serve (driver, openai_protocol); starlette and jinja2 (the serve extra).
+Imports: tpcore.models (SamplingParams; the Tokenizer's chat template), tpcore.serve (driver,
+openai_protocol); starlette (the serve extra).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import os
 from typing import Any, Dict, List, Optional
 
+from tpcore.models.sampling import SamplingParams
 from tpcore.serve import openai_protocol as proto
 from tpcore.serve.openai_protocol import APIError, Spec
 
@@ -41,17 +44,17 @@ class ServerState:
         The loop that feeds the engine.
     model_name : str
         The name clients give as ``model``.
-    tokenizer : tokenizers.Tokenizer
-        The model's tokenizer.
-    chat_template : str or None
-        The Jinja chat template (None: chat completions are refused, naming --chat-template).
+    tokenizer : tpcore.models.Tokenizer
+        The model's tokenizer (its chat template, special tokens).
     max_len : int
         Tokens per request: prompt + completion.
     vocab_size : int
     eos : list of int
         The engine's end-of-sequence ids.
-    bos_token, eos_token : str
-        Given to the chat template.
+    chat_template : str, optional
+        A Jinja chat template in place of the tokenizer's (--chat-template).
+    defaults : dict, optional
+        The model's generation_config: the sampling settings a request leaves out.
     api_key : str, optional
         Clients must send ``Authorization: Bearer <api_key>``.
     max_body : int, default 8 MiB
@@ -59,21 +62,15 @@ class ServerState:
     world_size : int, default 1
     """
 
-    def __init__(self, driver, model_name: str, tokenizer, chat_template: Optional[str], max_len: int,
-                 vocab_size: int, eos: List[int], bos_token: str = "", eos_token: str = "",
+    def __init__(self, driver, model_name: str, tokenizer, max_len: int, vocab_size: int, eos: List[int],
+                 chat_template: Optional[str] = None, defaults: Optional[Dict[str, Any]] = None,
                  api_key: Optional[str] = None, max_body: int = 8 << 20, world_size: int = 1) -> None:
         self.driver, self.model_name, self.tok = driver, model_name, tokenizer
         self.max_len, self.vocab_size, self.eos = max_len, vocab_size, list(eos)
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.chat_template = chat_template
+        self.defaults = dict(defaults or {})
         self.api_key, self.max_body, self.world_size = api_key, max_body, world_size
         self.created = proto.now()
-        self.template = None
-        if chat_template is not None:
-            from jinja2 import TemplateError
-            try:
-                self.template = _environment().from_string(chat_template)
-            except TemplateError as e:
-                raise ValueError(f"the chat template does not compile: {e}") from None
         self._ids = 0
 
     def next_id(self, kind: str) -> str:
@@ -86,23 +83,6 @@ class ServerState:
         """
         self._ids += 1
         return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{os.getpid():x}{self._ids:08x}"
-
-
-def _environment():
-    """Jinja as transformers renders chat templates: a sandbox, raise_exception, strftime_now."""
-    import datetime
-
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env
 
 
 # ---------------------------------------------------------------------------- requests in
@@ -141,27 +121,21 @@ def _check_auth(request, state: ServerState) -> None:
 
 
 def _prompt_ids(spec: Spec, state: ServerState) -> List[int]:
-    from jinja2 import TemplateError
     if spec.kind == "chat":
-        if state.template is None:
+        if (state.chat_template or state.tok.chat_template) is None:
             raise APIError(400, "this model has no chat template: start the server with --chat-template FILE (a "
                                 "Jinja template) or use /v1/completions", param="messages", code="no_chat_template")
         try:
-            text = state.template.render(messages=spec.messages, add_generation_prompt=True,
-                                         bos_token=state.bos_token, eos_token=state.eos_token)
-        except TemplateError as e:
+            text = state.tok.apply_chat_template(spec.messages, chat_template=state.chat_template)
+        except (TypeError, ValueError) as e:  # the template's raise_exception, or it failed on these messages
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
-        return state.tok.encode(text, add_special_tokens=False).ids
+        return state.tok.encode(text, add_special_tokens=False)
     if isinstance(spec.prompt, str):
-        return state.tok.encode(spec.prompt).ids
+        return state.tok.encode(spec.prompt)
     if max(spec.prompt) >= state.vocab_size:
         raise APIError(400, f"'prompt' holds the token id {max(spec.prompt)}, past the vocabulary "
                             f"({state.vocab_size} ids)", param="prompt")
     return list(spec.prompt)
-
-
-_UNSUPPORTED = {"top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                "repetition_penalty": 1.0}
 
 
 def _payload(spec: Spec, ids: List[int], state: ServerState) -> Dict[str, Any]:
@@ -179,17 +153,18 @@ def _payload(spec: Spec, ids: List[int], state: ServerState) -> Dict[str, Any]:
                             f"requested {n + new} tokens ({n} in the {where}, {new} in the completion). Please "
                             f"reduce the length of the {where} or of max_tokens", param="max_tokens",
                        code="context_length_exceeded")
-    for name, default in _UNSUPPORTED.items():
-        if getattr(spec, name) != default:
-            raise APIError(400, f"'{name}' = {getattr(spec, name)} is not supported by this server's engine yet "
-                                f"(only the default {default}); temperature, top_k and seed are", param=name)
     bad = [t for t in spec.stop_token_ids if t >= state.vocab_size]
     if bad:
         raise APIError(400, f"'stop_token_ids' holds {bad[0]}, past the vocabulary ({state.vocab_size} ids)",
                        param="stop_token_ids")
-    seed = 0 if spec.seed is None else spec.seed % 2 ** 64
-    return {"p": ids, "n": new, "eos": state.eos + spec.stop_token_ids or -1, "t": spec.temperature,
-            "k": min(spec.top_k, state.vocab_size), "s": seed, "lp": spec.logprobs}
+    kw = {k: getattr(spec, k) for k in proto.SAMPLING}
+    kw["seed"] = None if spec.seed is None else spec.seed % 2 ** 64
+    try:
+        sp = SamplingParams.make("request", state.defaults, logprobs=spec.logprobs, **kw)
+    except (TypeError, ValueError) as e:  # a setting the protocol let through, or a bad generation_config
+        raise APIError(400, str(e)) from None
+    eos = ([] if spec.ignore_eos else state.eos) + spec.stop_token_ids
+    return {"p": ids, "n": new, "eos": eos or -1, "sp": dataclasses.asdict(sp)}
 
 
 # ---------------------------------------------------------------------------- responses out
@@ -353,4 +328,9 @@ def make_app(state: ServerState):
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/", index, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    async def server_error(request, exc):
+        import traceback
+        traceback.print_exception(exc)
+        return _error(APIError(500, f"the server failed on this request: {type(exc).__name__}: {exc}"))
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-__all__ = ["APIError", "Spec", "parse_chat", "parse_completion", "MAX_STOPS", "MAX_STOP_CHARS", "MAX_LOGPROBS"]
+__all__ = ["APIError", "Spec", "parse_chat", "parse_completion", "MAX_STOPS", "MAX_STOP_CHARS", "MAX_LOGPROBS",
+           "SAMPLING"]
 
 MAX_STOPS = 16          # stop strings per request (OpenAI: 4)
 MAX_STOP_CHARS = 1024   # characters per stop string
@@ -61,19 +62,19 @@ class Spec:
     stream: bool = False
     include_usage: bool = False
     max_tokens: Optional[int] = None       # None: the rest of the context
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: Optional[float] = None    # the sampling settings: None when the body did not set them
+    top_p: Optional[float] = None          # (the model's generation_config then gives them)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
     stop_token_ids: List[int] = field(default_factory=list)
     logprobs: Optional[int] = None         # None: none; k: the chosen token's and the top k
     echo: bool = False
-    given: frozenset = frozenset()         # the sampling fields the body set
+    ignore_eos: bool = False               # vLLM's: generate past the end-of-sequence ids
 
 
 def _bad(name: str, want: str, got: Any) -> APIError:
@@ -159,9 +160,10 @@ _NOOPS = {
     "response_format": (({"type": "text"}, None), "{'type': 'text'} (structured output is not supported)"),
     "suffix": ((None, ""), "null (suffix is not supported)"),
 }
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed")
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs"} | set(_SAMPLING)
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs",
+           "ignore_eos"} | set(SAMPLING)
 _CHAT = _COMMON | {"messages", "top_logprobs", "max_completion_tokens"} | set(_NOOPS) - {"best_of", "suffix"}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix", "user", "logit_bias", "n", "metadata", "store",
                          "service_tier"}
@@ -187,23 +189,23 @@ def _common(body: Dict[str, Any], kind: str, allowed: set) -> Spec:
         if not s.stream:
             raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
         s.include_usage = _bool(so, "include_usage")
-    s.temperature = _num(body, "temperature", 0.0, 2.0, 1.0)
-    s.top_p = _num(body, "top_p", 0.0, 1.0, 1.0)
+    s.temperature = _num(body, "temperature", 0.0, 2.0, None)
+    s.top_p = _num(body, "top_p", 0.0, 1.0, None)
     if s.top_p == 0.0:
         raise _bad("top_p", "a number in (0, 1]", body["top_p"])
-    s.top_k = _int(body, "top_k", -1, 2 ** 31 - 1, 0)
+    s.top_k = _int(body, "top_k", -1, 2 ** 31 - 1, None)
     s.top_k = 0 if s.top_k == -1 else s.top_k
-    s.min_p = _num(body, "min_p", 0.0, 1.0, 0.0)
-    s.presence_penalty = _num(body, "presence_penalty", -2.0, 2.0, 0.0)
-    s.frequency_penalty = _num(body, "frequency_penalty", -2.0, 2.0, 0.0)
-    s.repetition_penalty = _num(body, "repetition_penalty", 0.0, 1e6, 1.0)
+    s.min_p = _num(body, "min_p", 0.0, 1.0, None)
+    s.presence_penalty = _num(body, "presence_penalty", -2.0, 2.0, None)
+    s.frequency_penalty = _num(body, "frequency_penalty", -2.0, 2.0, None)
+    s.repetition_penalty = _num(body, "repetition_penalty", 0.0, 1e6, None)
     if s.repetition_penalty == 0.0:
         raise _bad("repetition_penalty", "a number > 0", 0.0)
     s.seed = _int(body, "seed", -2 ** 63, 2 ** 64 - 1)
     s.max_tokens = _int(body, "max_tokens", 1, 2 ** 62)
     s.stop = _stops(body)
     s.stop_token_ids = _stop_ids(body)
-    s.given = frozenset(k for k in _SAMPLING if body.get(k) is not None)
+    s.ignore_eos = _bool(body, "ignore_eos")
     return s
 
 
@@ -223,8 +225,8 @@ def _content(m: Dict[str, Any], i: int) -> Any:
         if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str) or \
                 set(p) - {"type", "text"}:
             raise _bad(f"{where}[{j}]", "a text part {'type': 'text', 'text': str} (only text is supported)", p)
-        parts.append({"type": "text", "text": p["text"]})
-    return parts
+        parts.append(p["text"])
+    return "\n".join(parts)  # as vLLM gives a template that expects a string
 
 
 def parse_chat(body: Any) -> Spec:

@@ -10,6 +10,7 @@ from tpcore.io import stream as _stream
 from tpcore.models.gguf import GGUFModel
 from tpcore.models.loader.base import ModelLoader, first_rank_reads
 from tpcore.models.memory import MODEL_PARTS
+from tpcore.models.text import load_tokenizer
 from tpcore.utils.dtypes import is_quantized, weight_formats
 
 __all__ = ["GGUFLoader"]
@@ -37,6 +38,7 @@ class GGUFLoader(ModelLoader):
                                                             ("pad_token_id", "padding_token_id"))
                                    if info[f] is not None}
         model.gguf_tokenizer_info = info
+        model.tokenizer = load_tokenizer(path, lazy=True) if info.get("model") is not None else None
         del g
         return model
 

@@ -9,6 +9,7 @@ from tpcore.io import formats
 from tpcore.io import stream as _stream
 from tpcore.models import hf as _hf
 from tpcore.models.loader.base import ModelLoader
+from tpcore.models.text import has_tokenizer, load_tokenizer
 from tpcore.nn.config import Config
 from tpcore.utils.arrays import resolve_device
 
@@ -35,6 +36,7 @@ class HFLoader(ModelLoader):
             model.load_state_dict_full(sd, progress=progress)
         del t, sd
         model.generation_config = gen
+        model.tokenizer = load_tokenizer(path, lazy=True) if has_tokenizer(path) else None
         return model
 
 

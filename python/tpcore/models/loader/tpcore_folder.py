@@ -15,6 +15,7 @@ from tpcore.io import stream as _stream
 from tpcore.models import hf as _hf
 from tpcore.models.loader.base import ModelLoader
 from tpcore.models.memory import MODEL_PARTS
+from tpcore.models.text import has_tokenizer, load_tokenizer
 from tpcore.nn.config import ACTIVATIONS, NORMS, POSITIONS, Config
 from tpcore.nn.weights import load_weight
 from tpcore.utils.dtypes import is_quantized, weight_formats
@@ -29,8 +30,10 @@ class TpcoreFolderLoader(ModelLoader):
 
     def load(self, path, comm, partition=None, progress=True, device=None, dtype=None, staging=None):
         with _stream.loading(staging):
-            return _load_own(self, path, os.path.join(path, formats.OWN_CONFIG), comm, partition, progress, device,
-                             dtype)
+            model = _load_own(self, path, os.path.join(path, formats.OWN_CONFIG), comm, partition, progress, device,
+                              dtype)
+        model.tokenizer = load_tokenizer(path, lazy=True) if has_tokenizer(path) else None
+        return model
 
 
 def _load_own(loader: ModelLoader, path: str, own: str, comm, partition, progress: bool, device=None,
