@@ -714,10 +714,10 @@ def _run(args, words, new) -> int:
             finally:
                 srv.stop()
     log("#")
-    for r in rows:
-        if r["server"] != "engine" and not r.get("ignore_eos"):
-            notes.append(f"{r['server']} {r['load']}: ignore_eos refused: requests may end early at EOS "
-                         f"(tokens counted from {r['tokens_from']})")
+    for srv_name in dict.fromkeys(r["server"] for r in rows if r["server"] != "engine" and not r.get("ignore_eos")):
+        src = sorted({r["tokens_from"] for r in rows if r["server"] == srv_name})
+        notes.append(f"{srv_name}: ignore_eos refused: requests may end early at EOS (tokens counted from "
+                     f"{' and '.join(src)})")
     for n in notes:
         log(f"# {n}")
     ok = all(r["errors"] == 0 for r in rows)
