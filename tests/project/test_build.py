@@ -194,7 +194,7 @@ _OPTIONAL_TEST_MODULES = {"gguf": "gguf", "hypothesis": "hypothesis", "ipykernel
                           "ml_dtypes": "ml_dtypes", "mypy": "mypy", "nbclient": "nbclient", "nbformat": "nbformat",
                           "safetensors": "safetensors", "torch": "torch", "transformers": "transformers",
                           "tokenizers": "tokenizers", "accelerate": "accelerate", "openai": "openai", "httpx": "httpx",
-                          "uvicorn": "uvicorn", "starlette": "starlette", "jinja2": "jinja2"}
+                          "uvicorn": "uvicorn", "starlette": "starlette", "jinja2": "jinja2", "selenium": "selenium"}
 
 
 def test_the_test_extra_brings_every_module_the_tests_skip_without():

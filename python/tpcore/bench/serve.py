@@ -4,6 +4,7 @@
     python -m tpcore.bench serve --quick                    # a tiny model, short requests (CI smoke test)
     python -m tpcore.bench serve --worlds 1,2 --concurrency 1,4,16 --requests 32 --json s.json --plot s.png
     python benchmarks/serve.py --checkpoint DIR
+    python -m tpcore.bench serve --http --checkpoint FILE.gguf  # over HTTP: see tpcore.bench.serve_http
 
 For each world size and concurrency c (the engine's max_batch: how many independent
 contexts share the split model at once), N requests (default max(8, 2 c)) with prompt and
@@ -38,6 +39,10 @@ def _ints(text):
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+def _floats(text):
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worlds", type=_ints, default=[1, 2], help="world sizes (default 1,2)")
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="max_batch values (default 1,4,16)")
@@ -55,6 +60,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="BLAS threads per rank (default: tpcore's, the "
                                                               "cores split over the ranks)")
     p.add_argument("--timeout", type=float, default=1800.0)
+    h = p.add_argument_group("over HTTP (--http; see tpcore.bench.serve_http)")
+    h.add_argument("--http", action="store_true", help="load an OpenAI-compatible server over HTTP (--url, or tpcore's "
+                                                       "server started on --checkpoint per world size)")
+    h.add_argument("--url", default=None, help="a running server's base URL (default: start tpcore's)")
+    h.add_argument("--rate", type=_floats, default=None, help="request rates to sweep, requests/s (Poisson arrivals; "
+                                                              "default: the fixed --concurrency)")
+    h.add_argument("--api-key", default=None, help="sent as a Bearer token (and given to the started server)")
+    h.add_argument("--no-engine", action="store_true", help="skip the in-process Engine baseline rows")
+    h.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp's server")
+    h.add_argument("--server-log", default=None, metavar="FILE", help="the started servers' output (default: none)")
+    h.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
 
 
 def make_requests(n: int, vocab: int, prompt=(8, 64), new=(8, 32), seed: int = 0) -> List[Tuple[np.ndarray, int]]:
@@ -166,6 +182,9 @@ def _combine(res):
 
 def run(args) -> int:
     import tpcore
+    if getattr(args, "http", False):
+        from tpcore.bench.serve_http import run_http
+        return run_http(args)
     prompt = tuple(args.prompt or ((4, 16) if args.quick else (8, 64)))
     new = tuple(args.new or ((4, 12) if args.quick else (8, 32)))
     if len(prompt) != 2 or len(new) != 2 or not 1 <= prompt[0] <= prompt[1] or not 1 <= new[0] <= new[1]:
