@@ -117,7 +117,7 @@ def test_32_concurrent_streams_all_complete_and_right(smol):
     assert not errors, errors[:3]
     assert [got.get(i) for _, i in jobs] == [smol["ref_text"][k][0] for k, _ in jobs]
     h = s.wait_idle()
-    assert h["engine"]["peak_running"] == 8 and h["engine"]["free_slots"] == 8
+    assert h["engine"]["peak_running"] == 8 and h["engine"]["used_blocks"] == 0
 
 
 def test_a_client_that_goes_away_is_cancelled(smol):
@@ -136,7 +136,7 @@ def test_a_client_that_goes_away_is_cancelled(smol):
     e = s.wait_idle()["engine"]
     assert e["cancelled"] == e0["cancelled"] + 1
     assert e["generated_tokens"] - e0["generated_tokens"] < 400  # stopped well before its max_tokens
-    assert e["free_slots"] == e["max_batch"]
+    assert e["used_blocks"] == 0
 
 
 def test_port_in_use_fails_on_every_rank():

@@ -326,7 +326,7 @@ class Driver:
                 pieces.append(out)
                 if stopped:
                     break
-            if r.done and not stopped and r.finish_reason in ("eos", "length"):
+            if r.done and not stopped and r.finish_reason in ("stop", "length"):
                 tail = h.detok.flush() if h.detok is not None else ""
                 out, stopped = h.matcher.push(tail)
                 pieces.append(out)
@@ -340,7 +340,7 @@ class Driver:
                 if r.finish_reason == "error" and not stopped:
                     events.append(("error", 500, str(r.error)))
                 else:
-                    events.append(("done", "stop" if stopped or r.finish_reason == "eos" else "length", h.sent))
+                    events.append(("done", "stop" if stopped or r.finish_reason == "stop" else "length", h.sent))
                 h.closed = True
                 with self._cond:
                     if r.done:

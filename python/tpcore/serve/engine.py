@@ -348,7 +348,8 @@ class Engine:
         Returns
         -------
         bool
-            False when it had finished already (nothing to do).
+            False when it had finished already or was cancelled since the last step (nothing
+            to do).
 
         Raises
         ------
@@ -368,7 +369,7 @@ class Engine:
             raise ValueError(f"Engine.cancel: no request {rid} was submitted to this engine")
         self._fp = fingerprint(self._fp, -1, rid)
         r = self._by_id.get(rid)
-        if r is None or r.done:
+        if r is None or r.done or rid in self._cancels:
             return False
         self._cancels.append(rid)
         return True
@@ -673,12 +674,13 @@ class Engine:
             steps, prefill and decode forwards, prompt tokens computed (and the largest padded
             prefill, B x T), tokens generated, requests submitted / waiting / running /
             finished (failed and cancelled: those of them finished by an error or a cancel),
+            tracked (submitted and not finished),
             preemptions, the most requests running at once, seconds in prefill, decode and the
             per-step agreement, and the KV pool's blocks and prefix-cache counters.
         """
         s: Dict[str, object] = dict(self._st)
         s.update(submitted=self._next_id, waiting=len(self._waiting), running=len(self._running),
-                 max_batch=self.max_batch, max_len=self.max_len,
+                 tracked=len(self._by_id), max_batch=self.max_batch, max_len=self.max_len,
                  max_prefill_tokens=self.max_prefill_tokens or "auto")
         s.update(self.pool.stats())
         return s
