@@ -226,8 +226,9 @@ def _stop_run(stops, pieces):
 
 
 def _stop_ref(stops, text):
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[:min(hits)], True) if hits else (text, False)
+    # the stop string that completes first as the text streams in (of two ending together, the longer)
+    hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
+    return (text[:min(hits)[1]], True) if hits else (text, False)
 
 
 @settings(max_examples=200, deadline=None)

@@ -335,7 +335,8 @@ class TransformerLM(_GenerationMixin, _TextMixin, _CheckpointMixin, _FamilyMixin
                 raise ValueError(f"{who}: token_type_ids must have shape (B, T) = {(B, T)}, got {tt.shape}")
             check_vocab(tt, cfg.type_vocab_size, who, "token_type_ids", "type_vocab_size")
         sl = None if slots is None else self.blocks[0]._slots(slots, B, use_cache, who)
-        bt = block_table_array(block_table, B, T, p0, getattr(self.blocks[0], "_paged", None), use_cache, sl, who)
+        paged = getattr(self.blocks[0], "_paged", None) if self.blocks else None  # a pipeline stage may hold none
+        bt = block_table_array(block_table, B, T, p0, paged, use_cache, sl, who)
         if use_cache and bt is None:
             self.blocks[0]._check_cache(np.zeros(B, np.int64) if p0 is None else p0, B, T, who, sl)
         return tokens, p0, pos, mask, tt, sl, bt

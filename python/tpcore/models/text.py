@@ -454,7 +454,11 @@ class IncrementalDetokenizer:
             raise TypeError(f"IncrementalDetokenizer: tokenizer must be a tpcore Tokenizer, got {shown(tokenizer)}")
         prompt = [] if prompt_ids is None else _ids_arg(prompt_ids, tokenizer.vocab_size, "IncrementalDetokenizer")
         self.tokenizer, self.skip = tokenizer, bool(skip_special_tokens)
-        self.ids: List[int] = prompt[-16:]          # the context: a few tokens are enough to decode a word
+        k = min(16, len(prompt))    # the context: a few tokens are enough to decode a word, if it does not
+        while k < min(len(prompt), 256) and \
+                tokenizer.backend.decode(prompt[-k:], skip_special_tokens=self.skip).startswith("\ufffd"):
+            k += 1                  # begin inside a character (a run of byte tokens would decode as U+FFFD)
+        self.ids: List[int] = prompt[len(prompt) - k:]
         self.read = len(self.ids)
         self.prefix = self._clean(max(self.read - 5, 0), 0)
         self._fresh = bool(self.ids)    # nothing emitted after the prompt yet
@@ -513,8 +517,8 @@ class StopMatcher:
     Parameters
     ----------
     stops : list of str
-        The stop strings (non-empty); the text ends before the first one found, which is
-        not emitted.
+        The stop strings (non-empty); the text ends before the first one completed in the
+        stream (of two ending at the same character, the longer), which is not emitted.
 
     Notes
     -----
@@ -558,11 +562,11 @@ class StopMatcher:
         if not self.stops:
             self.held = ""
             return buf, False
-        at, which = -1, None
-        for s in self.stops:
-            i = buf.find(s)
-            if i >= 0 and (at < 0 or i < at):
-                at, which = i, s
+        at, which, end = -1, None, -1
+        for s in self.stops:  # the match that completes first in the stream (then the longest): a
+            i = buf.find(s)   # result that does not depend on how the text was cut into pieces
+            if i >= 0 and (at < 0 or (i + len(s), i) < (end, at)):
+                at, which, end = i, s, i + len(s)
         if at >= 0:
             self.held, self.stopped, self.stop = "", True, which
             return buf[:at], True

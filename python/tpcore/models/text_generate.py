@@ -177,6 +177,9 @@ def generate_text(model, prompt: str, max_new_tokens: int = 16, stream: bool = F
     if not isinstance(prompt, str):
         raise TypeError(f"{who}: stream and stop need a string prompt (text out), got {shown(prompt)}; pass the "
                         f"prompt as text, or leave stream / stop out for token ids")
+    if getattr(model, "tokenizer", None) is None:   # a string where this model takes only token ids
+        raise TypeError(f"{who}: prompts must be token ids for this model (it has no tokenizer to read text), got "
+                        f"{shown(prompt)}; load a checkpoint that carries one or set model.tokenizer")
     tok = _tokenizer(model, who)
     return _run(model, tok, tok.encode(prompt), max_new_tokens, stream, stop, who, None, sampling)
 

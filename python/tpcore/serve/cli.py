@@ -45,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16)")
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per request, prompt + completion (default: the model's, at most 2048)")
+    p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV-cache blocks in the pool (default: max_batch x max_len worth)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="prompt tokens computed per step (default: adaptive, about one decode step's time)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt whole (no shared blocks)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests in the server at once, running and waiting; more get 503 (default 256)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
@@ -61,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(p, a) -> None:
-    for name, lo in (("n", 1), ("max_batch", 1), ("max_queue", 1), ("max_body", 1024), ("max_connections", 1)):
+    for name, lo in (("n", 1), ("max_batch", 1), ("max_queue", 1), ("max_body", 1024), ("max_connections", 1),
+                     ("block_size", 1), ("num_blocks", 1), ("max_prefill_tokens", 1)):
         v = getattr(a, name)
         if v is not None and v < lo:
             p.error(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
@@ -82,8 +89,11 @@ def _launched() -> bool:
 def _relaunch_argv(a) -> List[str]:
     out = [a.model, "--host", a.host, "--port", str(a.port), "--max-batch", str(a.max_batch),
            "--max-queue", str(a.max_queue), "--max-body", str(a.max_body), "--header-timeout", str(a.header_timeout),
-           "--max-connections", str(a.max_connections), "--log-level", a.log_level]
-    for flag, v in (("--max-len", a.max_len), ("--chat-template", a.chat_template),
+           "--max-connections", str(a.max_connections), "--log-level", a.log_level, "--block-size", str(a.block_size)]
+    if a.no_prefix_caching:
+        out.append("--no-prefix-caching")
+    for flag, v in (("--max-len", a.max_len), ("--chat-template", a.chat_template), ("--num-blocks", a.num_blocks),
+                    ("--max-prefill-tokens", a.max_prefill_tokens),
                     ("--served-model-name", a.served_model_name)):
         if v is not None:
             out += [flag, str(v)]
@@ -202,8 +212,8 @@ def _run_http(a, comm, driver, engine, model, text, sock) -> int:
     loop = threading.Thread(target=driver.run, name="tpcore-serve-engine", daemon=True)
     loop.start()
     host, port = sock.getsockname()[:2]
-    print(f"tpcore.serve: {name} on {comm.size} rank(s), max_batch {engine.max_batch}, max_len {engine.max_len}; "
-          f"listening on http://{host}:{port}", flush=True)
+    print(f"tpcore.serve: {name} on {comm.size} rank(s), max_batch {engine.max_batch}, max_len {engine.max_len}, "
+          f"{engine.num_blocks} KV blocks of {engine.block_size}; listening on http://{host}:{port}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:
@@ -255,7 +265,9 @@ def serve(a: argparse.Namespace) -> int:
                 signal.signal(s, signal.SIG_IGN)
         try:
             model = from_pretrained(a.model, comm, progress=False)
-            engine = Engine(model, max_batch=a.max_batch, max_len=a.max_len)
+            engine = Engine(model, max_batch=a.max_batch, max_len=a.max_len, block_size=a.block_size,
+                            num_blocks=a.num_blocks, max_prefill_tokens=a.max_prefill_tokens,
+                            prefix_caching=not a.no_prefix_caching)
         except (FileNotFoundError, ValueError, TypeError) as e:
             print(f"tpcore.serve: {e}", file=sys.stderr, flush=True)
             return 1

@@ -316,8 +316,7 @@ class Driver:
                     with self._cond:
                         self._handles.pop(uid, None)
                 continue
-            toks = r.tokens
-            new = toks[h.sent:].tolist()
+            new = r.tokens_since(h.sent)
             events, pieces, stopped, lo = [], [], False, h.sent
             for t in new:
                 h.sent += 1

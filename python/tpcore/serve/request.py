@@ -72,6 +72,16 @@ class Request:
         """The generated ids (int64), the end-of-sequence / stop id included when it stopped on one."""
         return np.array(self._out, np.int64)
 
+    def tokens_since(self, start: int) -> List[int]:
+        """The generated ids from index start on, as a list (a streaming front end's new ids).
+
+        Parameters
+        ----------
+        start : int
+            Ids already taken.
+        """
+        return self._out[start:]
+
     @property
     def text(self) -> Optional[str]:
         """The generated text so far (None when the model has no tokenizer): stop strings and
