@@ -102,10 +102,10 @@ def test_curl_gets_what_generate_gives(smol):
 def test_32_concurrent_streams_all_complete_and_right(smol):
     s, got, errors = smol["server"], {}, []
     jobs = [(i % len(smol["texts"]), i) for i in range(32)]
+    c = _client(s)   # one client, 32 threads (its connection pool holds them)
 
     def one(k, i):
         try:
-            c = _client(s)
             got[i] = "".join(ch.choices[0].text for ch in c.completions.create(
                 model=NAME, prompt=smol["texts"][k], max_tokens=NEW, temperature=0, stream=True))
         except Exception as e:  # noqa: BLE001 (reported below)
