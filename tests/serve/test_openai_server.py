@@ -82,17 +82,22 @@ def test_openai_client_gets_what_generate_gives(smol):
     smol["server"].wait_idle()
 
 
+# curl as the user runs it: not under the sanitizers the suite may be preloaded with (curl with
+# libasan preloaded hangs, even on a refused connection)
+_CURL_ENV = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
 def test_curl_gets_what_generate_gives(smol):
     s = smol["server"]
     body = json.dumps({"model": NAME, "messages": smol["chats"][0], "max_tokens": NEW, "temperature": 0})
     out = subprocess.run(["curl", "-sS", "-H", "Content-Type: application/json", "-d", body,
-                          s.url + "/v1/chat/completions"], capture_output=True, text=True, timeout=120)
+                          s.url + "/v1/chat/completions"], capture_output=True, text=True, timeout=120, env=_CURL_ENV)
     assert json.loads(out.stdout)["choices"][0]["message"]["content"] == smol["ref_chat"][0][0]
     body = json.dumps({"model": NAME, "prompt": smol["texts"][1], "max_tokens": NEW, "temperature": 0,
                        "stream": True})
     out = subprocess.run(["curl", "-sSN", "-H", "Content-Type: application/json", "-d", body,
-                          s.url + "/v1/completions"], capture_output=True, text=True, timeout=120)
+                          s.url + "/v1/completions"], capture_output=True, text=True, timeout=120, env=_CURL_ENV)
     events = [ln[len("data: "):] for ln in out.stdout.splitlines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == smol["ref_text"][1][0]
