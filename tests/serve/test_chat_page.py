@@ -64,7 +64,10 @@ def browser():
     opts.binary_location = exe
     for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,800"):
         opts.add_argument(a)
-    d = webdriver.Chrome(service=Service(driver), options=opts)
+    # the browser as users run it: not under the sanitizers the suite may be preloaded with (chromedriver
+    # aborts with libasan preloaded)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
+    d = webdriver.Chrome(service=Service(driver, env=env), options=opts)
     yield d
     d.quit()
 
