@@ -94,7 +94,7 @@ def _chunked(model, args, budget):
         ends = t[1:]
         during += gaps[(ends > t_arrive) & (ends <= t_first)].tolist()
         before += gaps[ends <= t_arrive].tolist()
-    return {"budget": eng.max_prefill_tokens or f"auto, {args.long / steps:.0f} tokens per step",
+    return {"budget": eng.max_prefill_tokens or f"auto; the newcomer's prompt took {steps} steps",
             "gaps_during": during, "gaps_before": before, "newcomer_ttft_s": ttft, "newcomer_steps": steps}
 
 

@@ -71,7 +71,7 @@ __all__ = ["Engine", "Request"]
 _MAX_LEN_CAP = 2048   # the default context per request when the model allows longer (rotary positions)
 _MAX_STOPS, _MAX_STOP_CHARS = 64, 4096
 MAX_AUTO_PREFILL_TOKENS = 2048   # the adaptive budget when nothing decodes (activations of one forward)
-MIN_AUTO_PREFILL_TOKENS = 16     # ... and its floor while requests decode (a prompt always advances)
+MIN_AUTO_PREFILL_TOKENS = 8      # ... and its floor while requests decode: the decode kernels' rows (GEMV)
 
 
 class _StepTimes:
@@ -89,21 +89,32 @@ class _StepTimes:
         self.pre.append((tokens, seconds))
 
     def chunk(self, decoding: int) -> int:
-        """Prompt tokens whose forward takes about one decode step of `decoding` requests."""
-        if not self.dec or not self.pre:
-            return MIN_AUTO_PREFILL_TOKENS * 4
+        """Prompt tokens whose forward takes about one decode step of `decoding` requests.
+
+        Two regimes: up to MIN_AUTO_PREFILL_TOKENS rows a forward runs the decode kernels (GEMV:
+        quantized and 16-bit weights read in place, as a decode step reads them), past it the
+        GEMM kernels, whose fixed cost (quantized weights dequantized into panels) can exceed a
+        whole decode step.  Until a GEMM-regime forward was seen to take no longer than a decode
+        step, chunks are decode-sized; then the line t = a + b x tokens fitted to those forwards
+        gives the chunk, growing at most a quarter past the largest seen to fit.
+        """
+        if not self.dec:
+            return MIN_AUTO_PREFILL_TOKENS
         near = [t for b, t in self.dec if b >= decoding] or [t for _, t in self.dec]
         t_dec = float(np.median(near))
-        n, t = np.array([p[0] for p in self.pre], np.float64), np.array([p[1] for p in self.pre], np.float64)
+        big = [(n, t) for n, t in self.pre if n > MIN_AUTO_PREFILL_TOKENS]
+        fits = [n for n, t in big if t <= t_dec]
+        if not fits:   # no GEMM-regime forward seen within a decode step: decode-sized chunks
+            return MIN_AUTO_PREFILL_TOKENS
+        n, t = np.array([p[0] for p in big], np.float64), np.array([p[1] for p in big], np.float64)
+        a, b = 0.0, float(np.median(t / n))   # no fixed cost: the per-token cost it implies is an upper bound
         if np.ptp(n) > 0:
-            b, a = np.polyfit(n, t, 1)
-            a = max(float(a), 0.0)
-        else:
-            a, b = 0.0, float(t.mean() / n.mean())
-        if b <= 0:
-            return MAX_AUTO_PREFILL_TOKENS
-        want = int((t_dec - a) / b) if t_dec > a else MIN_AUTO_PREFILL_TOKENS
-        return int(min(max(want, MIN_AUTO_PREFILL_TOKENS), MAX_AUTO_PREFILL_TOKENS))
+            slope, icpt = np.polyfit(n, t, 1)
+            if slope > 0 and icpt >= 0:   # a line that holds (noise can tilt it): use it, else the bound
+                a, b = float(icpt), float(slope)
+        want = int((t_dec - a) / b) if b > 0 and t_dec > a else 0
+        grow = int(max(fits) * 1.25) + 1      # past what was seen to fit, a quarter at a time
+        return int(min(max(min(want, grow), max(fits)), MAX_AUTO_PREFILL_TOKENS))
 
 
 class Engine:
