@@ -162,6 +162,24 @@ def _llamacpp_peer(path, prompts, new, threads):
             "llama_cpp": llama_cpp.__version__}
 
 
+def llamacpp_peer_in_child(path, prompts, new, threads):
+    """`_llamacpp_peer` in a spawned child process: (result, None), or (None, why) when llama.cpp
+    failed or crashed there (a llama-cpp-python built with -march=native and AMX segfaults on some
+    AVX-512 machines at its first evaluation; the benchmark goes on without the peer).  A child
+    also keeps llama.cpp's OpenMP threads out of this process, whose forked children use OpenMP."""
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        try:
+            return ex.submit(_llamacpp_peer, path, prompts, new, threads).result(), None
+        except concurrent.futures.process.BrokenProcessPool:
+            return None, ("llama.cpp's process died (a crash: llama-cpp-python built with AMX segfaults on some "
+                          "machines; build it with CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON "
+                          "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF\")")
+        except Exception as e:  # noqa: BLE001 - any failure of the peer is reported, the benchmark goes on
+            return None, f"llama.cpp failed: {type(e).__name__}: {e}"
+
+
 def _rank(comm, args, prompts, dtype="float32"):
     """Run on every rank by tpcore.spawn."""
     model = _model(comm, args, dtype)
@@ -368,7 +386,10 @@ def run(args) -> int:
         if importlib.util.find_spec("llama_cpp") is None:
             print("# llama.cpp peer: skipped (pip install llama-cpp-python)")
         else:
-            lpeer = _llamacpp_peer(gpath, prompts, new, cores)
+            lpeer, why = llamacpp_peer_in_child(gpath, prompts, new, cores)
+        if lpeer is None and importlib.util.find_spec("llama_cpp") is not None:
+            print(f"# llama.cpp peer: skipped: {why}")
+        elif lpeer is not None:
             same = lpeer["tokens"] == first[dtypes[0]]
             print(f"{'llama':>5} {'file':>8} {lpeer['threads']:>3} {'':>13} {lpeer['ttft_s'] * 1e3:>8.1f} "
                   f"{B * (new - 1) / lpeer['decode_s']:>12.2f} {_pct(lpeer['steps_s'], 50):>7.1f} "

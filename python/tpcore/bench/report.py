@@ -475,17 +475,20 @@ def run(args) -> int:
         het = hetero_bench.run(quick=quick, progress=args.progress)
     llama = None
     gpath = gguf_path(args.checkpoint) if args.checkpoint else None
-    # the same file in llama.cpp, the same cores (tpcore.bench decode's peer); last, in this process:
-    # its OpenMP threads would hang forked children that use OpenMP
+    # the same file in llama.cpp, the same cores (tpcore.bench decode's peer), in a spawned child: its
+    # OpenMP threads would hang forked children that use OpenMP, and a llama.cpp built with AMX can crash
     if gpath and args.device == "cpu":
         import importlib.util
         if importlib.util.find_spec("llama_cpp") is not None:
-            from tpcore.bench.decode import _llamacpp_peer
+            from tpcore.bench.decode import llamacpp_peer_in_child
             progress.status("[report] llama.cpp on the same file", important=True)
-            llama = _llamacpp_peer(gpath, prompts, new, limits["cores"])
-            llama["same_tokens"] = llama.pop("tokens") == rows[0]["tokens"]
-            llama["decode_tok_s"] = B * (new - 1) / llama["decode_s"]
-            llama["file_bytes"] = os.path.getsize(gpath)
+            llama, why = llamacpp_peer_in_child(gpath, prompts, new, limits["cores"])
+            if llama is None:
+                progress.status(f"[report] llama.cpp peer skipped: {why}", important=True)
+            else:
+                llama["same_tokens"] = llama.pop("tokens") == rows[0]["tokens"]
+                llama["decode_tok_s"] = B * (new - 1) / llama["decode_s"]
+                llama["file_bytes"] = os.path.getsize(gpath)
     progress.done(f"[report] measured in {time.perf_counter() - t_all:.0f} s")
     ref = rows[0]["tokens"]
     for r in rows:
