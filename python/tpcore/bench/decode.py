@@ -180,6 +180,28 @@ def llamacpp_peer_in_child(path, prompts, new, threads):
             return None, f"llama.cpp failed: {type(e).__name__}: {e}"
 
 
+def _llamacpp_row(gpath, prompts, new, cores, want):
+    """The llama.cpp peer's row (printed) and its numbers, or None (a line says why)."""
+    import importlib.util
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("# llama.cpp peer: skipped (pip install llama-cpp-python)")
+        return None
+    lpeer, why = llamacpp_peer_in_child(gpath, prompts, new, cores)
+    if lpeer is None:
+        print(f"# llama.cpp peer: skipped: {why}")
+        return None
+    B = prompts.shape[0]
+    same = lpeer["tokens"] == want
+    print(f"{'llama':>5} {'file':>8} {lpeer['threads']:>3} {'':>13} {lpeer['ttft_s'] * 1e3:>8.1f} "
+          f"{B * (new - 1) / lpeer['decode_s']:>12.2f} {_pct(lpeer['steps_s'], 50):>7.1f} "
+          f"{_pct(lpeer['steps_s'], 99):>7.1f} {'':>6} {'':>7} {'':>9} {'':>7} {'yes' if same else 'NO':>4}")
+    lpeer["same_tokens"] = same
+    lpeer["decode_tok_s"] = B * (new - 1) / lpeer["decode_s"]
+    lpeer["tokens_equal_per_step"] = float(np.mean(np.array(lpeer["tokens"]) == np.array(want)))
+    del lpeer["tokens"]
+    return lpeer
+
+
 def _rank(comm, args, prompts, dtype="float32"):
     """Run on every rank by tpcore.spawn."""
     model = _model(comm, args, dtype)
@@ -382,22 +404,7 @@ def run(args) -> int:
               f"{mem['total'] / 1e6:>8.1f} {mem['estimate'] / 1e6:>8.1f} {row['rss_mb']:>11.0f}")
     peer = lpeer = None
     if args.peers == "auto" and gpath:
-        import importlib.util
-        if importlib.util.find_spec("llama_cpp") is None:
-            print("# llama.cpp peer: skipped (pip install llama-cpp-python)")
-        else:
-            lpeer, why = llamacpp_peer_in_child(gpath, prompts, new, cores)
-        if lpeer is None and importlib.util.find_spec("llama_cpp") is not None:
-            print(f"# llama.cpp peer: skipped: {why}")
-        elif lpeer is not None:
-            same = lpeer["tokens"] == first[dtypes[0]]
-            print(f"{'llama':>5} {'file':>8} {lpeer['threads']:>3} {'':>13} {lpeer['ttft_s'] * 1e3:>8.1f} "
-                  f"{B * (new - 1) / lpeer['decode_s']:>12.2f} {_pct(lpeer['steps_s'], 50):>7.1f} "
-                  f"{_pct(lpeer['steps_s'], 99):>7.1f} {'':>6} {'':>7} {'':>9} {'':>7} {'yes' if same else 'NO':>4}")
-            lpeer["same_tokens"] = same
-            lpeer["decode_tok_s"] = B * (new - 1) / lpeer["decode_s"]
-            lpeer["tokens_equal_per_step"] = float(np.mean(np.array(lpeer["tokens"]) == np.array(first[dtypes[0]])))
-            del lpeer["tokens"]
+        lpeer = _llamacpp_row(gpath, prompts, new, cores, first[dtypes[0]])
     if args.peers == "auto" and not gpath:
         import importlib.util
         have_torch = importlib.util.find_spec("torch") is not None
