@@ -193,3 +193,25 @@ def _text_case(comm, path):
 def test_text_stop_strings_and_logprobs_on_a_real_model():
     for r, errs in enumerate(run(_text_case, 1, _smollm2())):
         assert not errs, (r, errs)
+
+
+def test_the_adaptive_prefill_budget_from_measured_step_times():
+    """_StepTimes.chunk on made-up times (seconds) against the rule written out here: decode-sized
+    chunks until a GEMM-regime forward (> 8 rows) was seen within a decode step; then the chunk the
+    line fitted to those forwards allows, at most a quarter past the largest seen to fit."""
+    from tpcore.serve.engine import MIN_AUTO_PREFILL_TOKENS as MIN, _StepTimes
+    st = _StepTimes()
+    assert st.chunk(8) == MIN                      # nothing measured
+    st.decode(8, 0.030)
+    assert st.chunk(8) == MIN                      # no GEMM-regime forward seen yet: decode-sized
+    st.prefill(128, 0.150)                         # slower than a decode step: stay decode-sized
+    st.prefill(4, 0.020)                           # (GEMV-regime forwards do not count)
+    assert st.chunk(8) == MIN
+    st = _StepTimes()
+    st.decode(8, 0.030)
+    st.prefill(32, 0.020)
+    st.prefill(64, 0.035)                          # the line: t = 0.005 + 0.00046875 n
+    want = int((0.030 - 0.005) / 0.00046875)       # 53 tokens would fit ...
+    assert st.chunk(8) == min(want, int(32 * 1.25) + 1) == 41   # ... but it grows from 32 by a quarter
+    st.prefill(41, 0.024)
+    assert st.chunk(8) == 52                       # 41 fitted: up to 52 now (the line's own 53 is past it)
